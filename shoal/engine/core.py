@@ -1,0 +1,93 @@
+"""EngineCore: the scheduler and the model runner in one busy loop, token ids only.
+
+`step()` is the whole engine: schedule, run, update. The offline LLM calls it in-process;
+the server runs it in its own process behind a ZMQ socket (engine/core_proc.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from shoal.config import EngineConfig
+from shoal.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from shoal.engine.request import Request
+from shoal.engine.scheduler import Scheduler
+from shoal.loader import LoadedModel
+from shoal.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        t0 = time.perf_counter()
+        self.config = config
+        self.runner = ModelRunner(config, loaded)
+        config.cache_config.num_blocks = self.runner.initialize_kv_cache()
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        self.vocab_size = self.runner.vocab_size
+        eos = getattr(loaded.hf_config, "eos_token_id", None)
+        if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
+            eos = loaded.tokenizer.eos_token_id if eos is None else eos
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        logger.info("engine core ready in %.2f s", time.perf_counter() - t0)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def validate(self, req: EngineCoreRequest) -> int:
+        """Checks a request against the model and the pool; returns its resolved max_tokens."""
+        ids = req.prompt_token_ids
+        max_len = self.config.scheduler_config.max_model_len
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        if len(ids) >= max_len:
+            raise ValueError(
+                f"prompt is {len(ids)} tokens; it must be shorter than max_model_len ({max_len})"
+            )
+        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt_token_ids must be in [0, {self.vocab_size}) (got {bad[0]!r})"
+            )
+        sp = req.sampling_params
+        sp.validate_against_vocab(self.vocab_size)
+        room = max_len - len(ids)
+        max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
+        cc = self.config.cache_config
+        need = -(-(len(ids) + max_tokens) // cc.block_size)
+        if need > cc.num_blocks:
+            raise ValueError(
+                f"the request needs up to {need} KV blocks but the pool has {cc.num_blocks}; "
+                "lower max_tokens or give the KV cache more memory"
+            )
+        return max_tokens
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        max_tokens = self.validate(req)
+        self.scheduler.add_request(Request(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            sampling_params=req.sampling_params,
+            eos_token_ids=self.eos_token_ids,
+            max_tokens=max_tokens,
+            arrival_time=req.arrival_time,
+            priority=req.priority,
+            cache_salt=req.cache_salt,
+        ))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop body ----------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            # Still tell the runner about finished requests so it drops their state.
+            self.runner.execute(sched)
+            outputs: list[EngineCoreOutput] = self.scheduler.take_pending_outputs()
+        else:
+            result = self.runner.execute(sched)
+            outputs = self.scheduler.update(sched, result)
+        return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.stats())

@@ -1,0 +1,138 @@
+"""Incremental detokenization with stop strings, for streaming one request's output.
+
+Each step decodes only a small window of ids (prefix/read offsets) instead of the whole
+output, so cost per token stays constant. Text that ends in U+FFFD is an incomplete UTF-8
+character (byte-level BPE splits characters across tokens), so it is held back until a later
+token completes it; only when the request finishes is it flushed as is, which is then exactly
+what `tokenizer.decode` of all output ids gives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from transformers import PreTrainedTokenizerBase
+
+from shoal.engine.stop_checker import find_stop, holdback_len
+
+REPLACEMENT_CHAR = "\ufffd"
+# Prompt ids used as left context: enough for tokenizers whose decoders depend on the previous
+# token (e.g. sentencepiece leading-space stripping) to decode the first output token right.
+PROMPT_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns a request's output token ids into text, incrementally, and applies stop strings."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        prompt_token_ids: Sequence[int],
+        *,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.stop: tuple[str, ...] = tuple(s for s in stop if s)
+        self.include_stop_str_in_output = include_stop_str_in_output
+        self.token_ids: list[int] = []
+        self.stop_reason: str | None = None  # the stop string that ended the output, if any
+
+        context = [int(t) for t in prompt_token_ids[-PROMPT_CONTEXT_TOKENS:]]
+        context_text = self._decode(context)
+        if context_text.endswith(REPLACEMENT_CHAR):
+            # Prompt ends mid-character: its bytes would merge with the output's, so decode the
+            # output on its own, as tokenizer.decode(output_ids) would.
+            context, context_text = [], ""
+        # Decode window: _window[:_read] decodes to _prefix_text and ends on a character
+        # boundary (it is context only); _window[_read:] decodes to _pending or gets confirmed.
+        self._window: list[int] = context
+        self._read = len(context)
+        self._prefix_text = context_text
+        self._confirmed = ""  # decoded text of output ids up to _read
+        self._pending = ""
+        self._checked = 0  # chars of stable text already searched for stop strings
+        self._sent = 0  # chars already returned by get_delta
+
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
+        """Appends tokens; returns the stop string matched (text is then truncated at it), else None.
+
+        Tokens arriving after a stop are ignored (they can come from an in-flight step).
+        """
+        if self.stop_reason is not None or not new_token_ids:
+            return None
+        ids = [int(t) for t in new_token_ids]  # accept numpy/torch ints too
+        self.token_ids.extend(ids)
+        self._window.extend(ids)
+
+        text = self._decode(self._window)
+        new_text = text[len(self._prefix_text) :]
+        if new_text.endswith(REPLACEMENT_CHAR):
+            self._pending = new_text  # wait for the rest of the character
+            return self._check_stop()
+        self._confirmed += new_text
+        self._pending = ""
+        if new_text:
+            # Slide the window: what was just read (ending on a char boundary) becomes the prefix.
+            del self._window[: self._read]
+            self._prefix_text = self._decode(self._window)
+        else:
+            # Only invisible tokens (e.g. skipped specials): keep the old prefix as context.
+            self._prefix_text = text
+        self._read = len(self._window)
+        return self._check_stop()
+
+    @property
+    def output_text(self) -> str:
+        """Full text so far (truncated at a matched stop string), including any incomplete tail."""
+        return self._confirmed + self._pending
+
+    @property
+    def finished(self) -> bool:
+        return self.stop_reason is not None
+
+    def get_delta(self, finished: bool) -> str:
+        """Text not returned by earlier calls.
+
+        While not finished, holds back incomplete characters and any tail that could still turn
+        into a stop string; when finished (or stopped), flushes everything.
+        """
+        if finished or self.stop_reason is not None:
+            text = self.output_text
+        else:
+            text = self._stable_text()
+            text = text[: len(text) - holdback_len(text, self.stop)]
+        if len(text) <= self._sent:
+            return ""
+        delta, self._sent = text[self._sent :], len(text)
+        return delta
+
+    def _stable_text(self) -> str:
+        # Trailing U+FFFD in _pending may still change; everything before it is final.
+        return self._confirmed + self._pending.rstrip(REPLACEMENT_CHAR)
+
+    def _check_stop(self) -> str | None:
+        if not self.stop:
+            return None
+        text = self._stable_text()
+        match = find_stop(text, self.stop, self._checked)
+        self._checked = len(text)
+        if match is None:
+            return None
+        self._confirmed = text[: match.end if self.include_stop_str_in_output else match.start]
+        self._pending = ""
+        self.stop_reason = match.stop
+        return match.stop
+
+    def _decode(self, ids: list[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(
+            ids,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )

@@ -1,0 +1,78 @@
+"""The synchronous engine behind the offline LLM: frontend processing and an in-process core."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from shoal.engine.core import EngineCore
+from shoal.engine.core_types import EngineCoreRequest, SchedulerStats
+from shoal.engine.engine_args import EngineArgs
+from shoal.engine.input_processor import InputProcessor, ProcessedPrompt
+from shoal.engine.output_processor import OutputKind, OutputProcessor
+from shoal.loader import load_model
+from shoal.outputs import RequestOutput
+from shoal.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        t0 = time.perf_counter()
+        torch.manual_seed(args.seed)
+        loaded = load_model(args.model, tokenizer=args.tokenizer, load_format=args.load_format)
+        self.config = args.create_engine_config(loaded.hf_config)
+        self.tokenizer = loaded.tokenizer
+        self.core = EngineCore(self.config, loaded)
+        mc = self.config.model_config
+        self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.last_stats: SchedulerStats | None = None
+        logger.info("engine ready in %.2f s", time.perf_counter() - t0)
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(self, request_id: str, prompt: str | Mapping[str, Any] | Sequence[int] | ProcessedPrompt,
+                    params: SamplingParams, *, priority: int = 0, cache_salt: str | None = None,
+                    kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
+        """Validates everything before anything reaches the core, so a bad request leaves no
+        trace."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError("sampling_params must be a SamplingParams")
+        p = prompt if isinstance(prompt, ProcessedPrompt) else self.inputs.process(prompt)
+        children = self.outputs.add_request(request_id, p.prompt, p.prompt_token_ids, params, kind)
+        arrival = time.monotonic()
+        reqs = [EngineCoreRequest(cid, p.prompt_token_ids, cp, arrival, priority, cache_salt)
+                for cid, cp in children]
+        try:
+            for r in reqs:
+                self.core.validate(r)
+        except ValueError:
+            self.outputs.abort(request_id)
+            raise
+        for r in reqs:
+            self.core.add_request(r)
+
+    def abort_request(self, request_id: str) -> None:
+        ids = self.outputs.child_ids(request_id)
+        self.outputs.abort(request_id)
+        self.core.abort_requests(ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests() or self.outputs.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        result = self.core.step()
+        self.last_stats = result.stats
+        outs, to_abort = self.outputs.process_outputs(result.outputs)
+        if to_abort:
+            self.core.abort_requests(to_abort)
+        return outs

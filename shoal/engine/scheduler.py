@@ -1,0 +1,279 @@
+"""Continuous batching with one token budget per step.
+
+There are no prefill and decode phases: every step, running requests get their next tokens
+(one for a decode, a chunk for an unfinished prefill), then waiting requests are admitted
+while budget, sequence slots and KV blocks last. When blocks run out, the lowest-priority
+running request is preempted: its blocks are freed and it is recomputed later from its
+prompt plus the tokens it already produced, so its output does not change."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+
+from shoal.config import CacheConfig, SchedulerConfig
+from shoal.engine.core_types import EngineCoreOutput, SchedulerStats
+from shoal.engine.request import Request, RequestStatus
+from shoal.engine.scheduler_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from shoal.kv_cache.manager import KVCacheManager
+
+
+class WaitingQueue:
+    """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
+
+    def __init__(self, policy: str):
+        self.policy = policy
+        self._fifo: deque[Request] = deque()
+        self._heap: list[tuple[int, float, int, Request]] = []
+        self._seq = itertools.count()
+
+    def push(self, req: Request) -> None:
+        if self.policy == "priority":
+            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
+        else:
+            self._fifo.append(req)
+
+    def push_front(self, req: Request) -> None:
+        if self.policy == "priority":
+            self.push(req)
+        else:
+            self._fifo.appendleft(req)
+
+    def peek(self) -> Request:
+        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
+
+    def pop(self) -> Request:
+        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
+
+    def remove(self, req: Request) -> None:
+        if self.policy == "priority":
+            self._heap = [e for e in self._heap if e[3] is not req]
+            heapq.heapify(self._heap)
+        else:
+            self._fifo.remove(req)
+
+    def __len__(self) -> int:
+        return len(self._heap) if self.policy == "priority" else len(self._fifo)
+
+
+class Scheduler:
+    def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig):
+        self.config = sched_config
+        self.block_size = cache_config.block_size
+        self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+                                 cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = WaitingQueue(sched_config.policy)
+        self.running: list[Request] = []
+        self._finished_ids: set[str] = set()  # to tell the runner to drop state
+        self._pending_outputs: list[EngineCoreOutput] = []  # aborts etc. not tied to a step
+        self.num_preemptions = 0
+        self._step_prompt_tokens = 0
+        self._step_generation_tokens = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.requests[req.request_id] = req
+        self.waiting.push(req)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self._pending_outputs.append(EngineCoreOutput(
+                request_id=rid, new_token_ids=[], finish_reason="abort",
+                num_cached_tokens=max(req.num_cached_tokens, 0)))
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.kv.free(req)
+        self.requests.pop(req.request_id, None)
+        self._finished_ids.add(req.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests) or bool(self._pending_outputs)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ---- scheduling ----------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, tuple[Request, int]] = {}
+        new_reqs: list[NewRequestData] = []
+
+        # 1. Running requests, oldest first; preempt from the back when blocks run out.
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            allocated = False
+            while not allocated:
+                if self.kv.allocate_slots(req, n) is not None:
+                    allocated = True
+                    break
+                victim = self._pick_victim()
+                if victim.request_id in scheduled:  # un-schedule an earlier one
+                    budget += scheduled.pop(victim.request_id)[1]
+                    i -= 1
+                self._preempt(victim)
+                preempted = True
+                if victim is req:
+                    break
+            if allocated:
+                scheduled[req.request_id] = (req, n)
+                budget -= n
+                i += 1
+
+        # 2. Waiting requests, while there is budget, a free sequence slot and blocks. None
+        # are admitted in a step that had to preempt: memory is short.
+        while (not preempted and len(self.waiting) and budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            req = self.waiting.peek()
+            hits, n_hit = [], 0
+            if req.sampling_params.prompt_logprobs is None:
+                hits, n_hit = self.kv.get_computed_blocks(req)
+            n = req.num_tokens - n_hit
+            if n > budget:
+                if not self.config.enable_chunked_prefill:
+                    break
+                n = budget
+            req.num_computed_tokens = n_hit
+            if self.kv.allocate_slots(req, n, hits) is None:
+                req.num_computed_tokens = 0
+                break
+            self.waiting.pop()
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = n_hit
+                req.first_scheduled_time = time.monotonic()
+            if req.status == RequestStatus.WAITING:
+                new_reqs.append(NewRequestData(req.request_id, req.prompt_token_ids,
+                                               req.sampling_params, req.eos_token_ids))
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            scheduled[req.request_id] = (req, n)
+            budget -= n
+
+        out = SchedulerOutput(new_requests=new_reqs, finished_request_ids=self._finished_ids)
+        self._finished_ids = set()
+        decodes, prefills = [], []
+        for req, n in scheduled.values():
+            start = req.num_computed_tokens
+            item = ScheduledRequest(
+                request_id=req.request_id,
+                input_token_ids=req.all_token_ids[start:start + n],
+                context_len=start,
+                block_ids=self.kv.block_ids(req.request_id),
+                sample=start + n == req.num_tokens,
+                num_output_tokens=req.num_output_tokens,
+            )
+            (decodes if n == 1 and item.sample else prefills).append(item)
+        out.scheduled = decodes + prefills
+        out.num_decodes = len(decodes)
+        return out
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.push_front(req)
+
+    # ---- results -------------------------------------------------------------------------
+    def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        outputs = self._pending_outputs
+        self._pending_outputs = []
+        for item in sched.scheduled:
+            req = self.requests.get(item.request_id)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue  # aborted while the step ran
+            req.num_computed_tokens += item.num_new_tokens
+            if req.num_computed_tokens <= req.num_prompt_tokens:
+                self._step_prompt_tokens += item.num_new_tokens
+            prompt_lp = result.prompt_logprobs.get(req.request_id)
+            if req.request_id in result.failed_request_ids:
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_ERROR)
+                outputs.append(EngineCoreOutput(
+                    request_id=req.request_id, new_token_ids=[], finish_reason="error",
+                    error="the model produced non-finite logits"))
+                continue
+            if not item.sample:
+                if prompt_lp:
+                    outputs.append(EngineCoreOutput(req.request_id, [], prompt_logprobs=prompt_lp,
+                                                    num_cached_tokens=req.num_cached_tokens))
+                continue
+            token = result.sampled_token_ids[req.request_id]
+            req.append_output_token(token)
+            self._step_generation_tokens += 1
+            status = self._check_stop(req, token)
+            lp = result.logprobs.get(req.request_id)
+            out = EngineCoreOutput(
+                request_id=req.request_id,
+                new_token_ids=[token],
+                new_logprobs=[lp] if lp is not None else None,
+                prompt_logprobs=prompt_lp,
+                num_cached_tokens=req.num_cached_tokens,
+            )
+            if status is not None:
+                self.running.remove(req)
+                out.finish_reason = "stop" if status == RequestStatus.FINISHED_STOPPED else "length"
+                out.stop_reason = req.stop_reason
+                self._finish(req, status)
+            outputs.append(out)
+        return outputs
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        sp = req.sampling_params
+        n_out = req.num_output_tokens
+        if n_out >= sp.min_tokens:
+            if not sp.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in sp.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        out, self._pending_outputs = self._pending_outputs, []
+        return out
+
+    def stats(self) -> SchedulerStats:
+        s = SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=self.kv.usage(),
+            prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits,
+            num_preemptions=self.num_preemptions,
+            num_prompt_tokens=self._step_prompt_tokens,
+            num_generation_tokens=self._step_generation_tokens,
+        )
+        self._step_prompt_tokens = self._step_generation_tokens = 0
+        return s

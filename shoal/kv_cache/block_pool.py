@@ -1,0 +1,135 @@
+"""A fixed pool of KV blocks: ref counts, an O(1) free queue in eviction order, and the
+prefix-cache map from content hash to block.
+
+A freed block keeps its hash and stays findable until it is handed out again, so a later
+request with the same prefix can take it back from the free queue (prefix-cache hit)."""
+
+from __future__ import annotations
+
+from shoal.kv_cache.hashing import BlockHash
+
+
+class KVBlock:
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        self.prev: KVBlock | None = None
+        self.next: KVBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """Doubly linked list of free blocks: pop from the head (least recently freed), append at
+    the tail, remove from the middle in O(1) when a cached block is reused."""
+
+    def __init__(self, blocks: list[KVBlock]):
+        self._head = KVBlock(-1)
+        self._tail = KVBlock(-2)
+        self._head.next, self._tail.prev = self._tail, self._head
+        self.num_free = 0
+        for b in blocks:
+            self.append(b)
+
+    def append(self, block: KVBlock) -> None:
+        last = self._tail.prev
+        assert last is not None
+        block.prev, block.next = last, self._tail
+        last.next = block
+        self._tail.prev = block
+        self.num_free += 1
+
+    def popleft(self) -> KVBlock:
+        block = self._head.next
+        if block is None or block is self._tail:
+            raise ValueError("no free KV blocks")
+        self.remove(block)
+        return block
+
+    def remove(self, block: KVBlock) -> None:
+        if block.prev is None or block.next is None:
+            raise RuntimeError(f"{block} is not in the free queue")
+        block.prev.next, block.next.prev = block.next, block.prev
+        block.prev = block.next = None
+        self.num_free -= 1
+
+    def __iter__(self):
+        b = self._head.next
+        while b is not None and b is not self._tail:
+            yield b
+            b = b.next
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 (got {num_blocks})")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+        self.cached: dict[BlockHash, KVBlock] = {}
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    def usage(self) -> float:
+        """Fraction of blocks held by requests; cached blocks nobody holds count as free."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
+        return self.cached.get(block_hash) if self.enable_caching else None
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            block = self.free_queue.popleft()
+            if block.block_hash is not None:  # evict its cached content
+                if self.cached.get(block.block_hash) is block:
+                    del self.cached[block.block_hash]
+                block.block_hash = None
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Takes a reference on cache-hit blocks, pulling free ones out of the free queue."""
+        for b in blocks:
+            if b.ref_cnt == 0:
+                self.free_queue.remove(b)
+            b.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drops a reference; blocks reaching zero go to the tail of the free queue in the
+        given order (callers pass a request's blocks last-first, so a prefix's tail is evicted
+        before its head)."""
+        for b in blocks:
+            if b.ref_cnt <= 0:
+                raise RuntimeError(f"double free of {b}")
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                self.free_queue.append(b)
+
+    def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        # First writer wins; a duplicate computed concurrently simply stays uncached.
+        self.cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> bool:
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for b in self.blocks:
+            b.block_hash = None
+        self.cached.clear()
+        return True

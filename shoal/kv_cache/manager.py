@@ -1,0 +1,90 @@
+"""Per-request block tables on top of the block pool, with prefix-cache lookups."""
+
+from __future__ import annotations
+
+from shoal.engine.request import Request
+from shoal.kv_cache.block_pool import BlockPool, KVBlock
+from shoal.kv_cache.hashing import hash_full_blocks
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        # Prefix-cache counters (queries and hits in tokens), read by metrics.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    def _update_hashes(self, request: Request) -> None:
+        if self.enable_caching:
+            request.block_hashes = hash_full_blocks(
+                request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt
+            )
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest run of cached full blocks at the start of the request. At least one token is
+        always left to compute, since the last position's logits are needed."""
+        if not self.enable_caching:
+            return [], 0
+        self._update_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for h in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_queries += request.num_tokens
+        self.prefix_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def blocks_needed(self, request: Request, num_new_tokens: int,
+                      new_computed: list[KVBlock] | None = None) -> int:
+        have = len(self.req_blocks.get(request.request_id, ())) + len(new_computed or ())
+        total = request.num_computed_tokens + len(new_computed or ()) * self.block_size
+        need = -(-(total + num_new_tokens) // self.block_size)
+        return max(0, need - have)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed: list[KVBlock] | None = None) -> list[KVBlock] | None:
+        """Reserves room for `num_new_tokens` more tokens. Returns None (and changes nothing)
+        when the pool cannot provide the blocks."""
+        new_computed = new_computed or []
+        n_new = self.blocks_needed(request, num_new_tokens, new_computed)
+        # Cache hits sitting in the free queue are taken out of it, so they count against it.
+        evictable_hits = sum(1 for b in new_computed if b.ref_cnt == 0)
+        if n_new + evictable_hits > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(new_computed)
+        blocks = self.req_blocks.setdefault(request.request_id, [])
+        blocks.extend(new_computed)
+        new_blocks = self.pool.allocate(n_new)
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            # Publish blocks that will be full once this step has run; attention writes a
+            # layer's keys before reading, so requests in the same step can share them.
+            num_after = request.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
+            self._update_hashes(request)
+            n_full = min(num_after // self.block_size, len(request.block_hashes))
+            for i in range(n_full):
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
+        return new_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_blocks.pop(request.request_id, [])
+        self.pool.free(list(reversed(blocks)))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,136 @@
+"""Tensor-parallel linear layers. Each parameter carries a `weight_loader` that takes the full
+checkpoint tensor and copies this rank's shard into place, so model code never slices weights."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.distributed.parallel_state import (
+    get_tp_rank,
+    get_tp_world_size,
+    tp_all_gather_last_dim,
+    tp_all_reduce,
+)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} ({n}) is not divisible by tensor_parallel_size ({d})")
+    return n // d
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)}, checkpoint {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T with W split by rows (output features) across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 gather_output: bool = False, params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
+        self.input_size = input_size
+        self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
+        self.gather_output = gather_output
+        self.weight = nn.Parameter(
+            torch.empty(self.output_size_per_partition, input_size, dtype=params_dtype),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(
+                torch.empty(self.output_size_per_partition, dtype=params_dtype), requires_grad=False
+            )
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[0]
+        default_weight_loader(param, loaded.narrow(0, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return tp_all_gather_last_dim(y) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one matmul (gate_up)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
+                 params_dtype: torch.dtype | None = None):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias=bias, params_dtype=params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        shard = self.output_sizes[shard_id] // self.tp_size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        src = loaded.narrow(0, self.tp_rank * shard, shard)
+        default_weight_loader(param.data.narrow(0, offset, shard), src)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads split across ranks (kv heads replicated when fewer
+    than ranks)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int,
+                 bias: bool = False, params_dtype: torch.dtype | None = None):
+        tp = get_tp_world_size()
+        self.head_dim = head_dim
+        self.num_heads = _divide(num_heads, tp, "num_attention_heads")
+        if num_kv_heads >= tp:
+            self.num_kv_heads = _divide(num_kv_heads, tp, "num_key_value_heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = _divide(tp, num_kv_heads, "tensor_parallel_size over kv heads")
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp
+        super().__init__(hidden_size, out, bias=bias, params_dtype=params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str = "q") -> None:
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if shard_id == "q":
+            offset, size, rank = 0, q, self.tp_rank
+        else:
+            offset = q if shard_id == "k" else q + kv
+            size, rank = kv, self.tp_rank // self.kv_replicas
+        src = loaded.narrow(0, rank * size, size)
+        default_weight_loader(param.data.narrow(0, offset, size), src)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T with W split by columns (input features); partial sums are all-reduced."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 reduce_results: bool = True, params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
+        self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
+        self.reduce_results = reduce_results
+        self.weight = nn.Parameter(
+            torch.empty(output_size, self.input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False)
+            self.bias.weight_loader = default_weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        shard = param.shape[1]
+        default_weight_loader(param, loaded.narrow(1, self.tp_rank * shard, shard))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = tp_all_reduce(y)
+        if self.bias is not None:
+            y = y + self.bias
+        return y

@@ -1,0 +1,71 @@
+"""Rotary position embedding (neox layout: the two halves of each head are rotated as pairs)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from either the transformers 4 (`rope_theta`, `rope_scaling`) or the
+    transformers 5 (`rope_parameters`) spelling of a config."""
+    params = getattr(hf_config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_theta" in params:
+        theta = float(params["rope_theta"])
+        kind = params.get("rope_type", "default")
+        return theta, (None if kind == "default" else dict(params))
+    theta = float(getattr(hf_config, "rope_theta", 10000.0))
+    scaling = getattr(hf_config, "rope_scaling", None)
+    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
+        scaling = None
+    return theta, scaling
+
+
+def _inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    inv = 1.0 / (theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim))
+    if not scaling:
+        return inv
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_len / low, old_len / high
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        mid = (wavelen <= low_wl) & (wavelen >= high_wl)
+        return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, head_dim: int, max_position: int, theta: float,
+                 scaling: dict[str, Any] | None = None, rot_dim: int | None = None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rot_dim = rot_dim or head_dim
+        inv = _inv_freq(self.rot_dim, theta, scaling)
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv)
+        # [max_position, rot_dim]: cos then sin, computed in float64 once for accuracy.
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rot, rest = x[..., : self.rot_dim], x[..., self.rot_dim:]
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+        return out if rest.numel() == 0 else torch.cat([out, rest], dim=-1)

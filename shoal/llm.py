@@ -1,0 +1,115 @@
+"""The offline API, shaped like vLLM's `LLM`: generate and chat over a batch of prompts."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from shoal.engine.engine_args import EngineArgs
+from shoal.engine.llm_engine import LLMEngine
+from shoal.outputs import RequestOutput
+from shoal.sampling_params import SamplingParams
+
+Prompt = str | Mapping[str, Any]
+Message = Mapping[str, Any]
+
+
+class LLM:
+    """`LLM(model=None)` runs the embedded SmolLM2-135M-Instruct."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.llm_engine = LLMEngine(self.engine_args)
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority needs one value per prompt ({len(prompts)}), got {len(priority)}")
+        eng = self.llm_engine
+        processed = [eng.inputs.process(p) for p in prompts]  # validate all before any runs
+        ids = []
+        for i, (p, sp) in enumerate(zip(processed, params)):
+            rid = eng.next_request_id()
+            eng.add_request(rid, p, sp, priority=priority[i] if priority else 0)
+            ids.append(rid)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        if not messages:
+            raise ValueError("messages must not be empty")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        eng = self.llm_engine
+        prompts = [
+            {"prompt_token_ids": p.prompt_token_ids, "prompt": p.prompt}
+            for p in (
+                eng.inputs.process_chat(list(c), add_generation_prompt=add_generation_prompt,
+                                        chat_template=chat_template,
+                                        chat_template_kwargs=chat_template_kwargs)
+                for c in conversations
+            )
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    @staticmethod
+    def _params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams()] * n
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise ValueError(f"sampling_params needs one entry per prompt ({n}), got {len(sp)}")
+        return sp
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        eng = self.llm_engine
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
+        in_toks = out_toks = 0
+        start = time.perf_counter()
+        try:
+            while len(done) < len(ids) and eng.has_unfinished_requests():
+                for out in eng.step():
+                    if out.finished:
+                        done[out.request_id] = out
+                        if bar is not None:
+                            in_toks += len(out.prompt_token_ids)
+                            out_toks += sum(len(o.token_ids) for o in out.outputs)
+                            dt = time.perf_counter() - start
+                            bar.set_postfix_str(f"est. speed input: {in_toks / dt:.2f} toks/s, "
+                                                f"output: {out_toks / dt:.2f} toks/s")
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                if rid not in done:
+                    eng.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in ids]

@@ -1,0 +1,76 @@
+"""Open a GGUF file and read its metadata, turning every failure into an error that names the file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gguf import GGUFReader
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class GGUFFile:
+    """A memory-mapped GGUF file: metadata is decoded on demand, tensor data stays on disk."""
+
+    path: Path
+    reader: GGUFReader
+
+    @property
+    def architecture(self) -> str:
+        return str(self.require("general.architecture"))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        try:
+            value = field.contents()
+        except Exception as exc:  # a field whose bytes don't decode means the file is damaged
+            raise ValueError(f"damaged GGUF file {self.path}: cannot decode {key!r}: {exc}") from exc
+        return value
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise ValueError(f"GGUF file {self.path} lacks the required metadata key {key!r}")
+        return value
+
+    def tensor_names(self) -> list[str]:
+        return [tensor.name for tensor in self.reader.tensors]
+
+
+def open_gguf(path: str | Path) -> GGUFFile:
+    """Parse the header of a GGUF file (tensor data is only mapped, not read)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        magic = handle.read(4)
+    if magic != GGUF_MAGIC:
+        raise ValueError(
+            f"{path} is not a GGUF file: it starts with {magic!r} instead of the magic {GGUF_MAGIC!r}"
+        )
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as exc:  # the reader raises assorted numpy/struct errors on bad bytes
+        raise ValueError(
+            f"damaged or truncated GGUF file {path} ({size} bytes): {type(exc).__name__}: {exc}"
+        ) from exc
+    _check_tensor_extents(path, reader, size)
+    return GGUFFile(path=path, reader=reader)
+
+
+def _check_tensor_extents(path: Path, reader: GGUFReader, size: int) -> None:
+    # The reader slices the memmap without bounds checks, so a short file can still parse when
+    # the cut lands exactly on a tensor boundary; check every tensor's byte range explicitly.
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > size or tensor.data.nbytes != int(tensor.n_bytes):
+            raise ValueError(
+                f"truncated GGUF file {path}: tensor {tensor.name!r} needs bytes up to {end} "
+                f"but the file has {size}"
+            )

@@ -1,0 +1,77 @@
+"""load_model: resolve a model argument, then read config, tokenizer and (lazy) weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from shoal.loader.gguf_file import open_gguf
+from shoal.loader.gguf_loader import load_gguf
+from shoal.loader.gguf_tokenizer import build_gguf_tokenizer
+from shoal.loader.loaded_model import LoadedModel, no_weights
+from shoal.loader.resolve import ModelSource, resolve_model
+from shoal.loader.safetensors_loader import (
+    folder_weights,
+    has_tokenizer_files,
+    load_folder_config,
+    load_folder_tokenizer,
+)
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+
+def load_model(
+    model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto"
+) -> LoadedModel:
+    """Load `model` (None = embedded SmolLM2-135M-Instruct, a known name, or a local path).
+
+    `tokenizer` names another tokenizer source (known name, .gguf file or folder).
+    load_format "dummy" resolves config and tokenizer but yields no weights.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
+    source = resolve_model(model)
+    _check_format(source, load_format)
+    dummy = load_format == "dummy"
+    if source.kind == "gguf":
+        loaded = load_gguf(source.path, with_weights=not dummy)
+        config, weights = loaded.config, loaded.weights
+        tok = None if tokenizer is not None else build_gguf_tokenizer(loaded.file)
+        used_format = "dummy" if dummy else "gguf"
+    else:
+        config = load_folder_config(source.path)
+        weights = no_weights if dummy else folder_weights(source.path, config)
+        tok = None if tokenizer is not None else load_folder_tokenizer(source.path)
+        used_format = "dummy" if dummy else "safetensors"
+    if tokenizer is not None:
+        tok = load_tokenizer(tokenizer)
+    return LoadedModel(
+        hf_config=config,
+        tokenizer=tok,
+        source=str(source.path),
+        weights=weights,
+        load_format=used_format,
+    )
+
+
+def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """A tokenizer from a known name, a .gguf file or a folder with tokenizer files."""
+    source = resolve_model(name)
+    if source.kind == "gguf":
+        return build_gguf_tokenizer(open_gguf(source.path))
+    if not has_tokenizer_files(source.path):
+        raise FileNotFoundError(f"tokenizer folder {source.path} has no tokenizer files")
+    tok = load_folder_tokenizer(source.path)
+    assert tok is not None  # has_tokenizer_files was checked above
+    return tok
+
+
+def _check_format(source: ModelSource, load_format: str) -> None:
+    path: Path = source.path
+    if load_format == "gguf" and source.kind != "gguf":
+        raise ValueError(f"load_format='gguf' needs a .gguf file, but {path} is a folder")
+    if load_format == "safetensors" and source.kind != "folder":
+        raise ValueError(
+            f"load_format='safetensors' needs a folder with *.safetensors, but {path} is a GGUF file"
+        )

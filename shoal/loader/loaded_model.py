@@ -1,0 +1,27 @@
+"""What the loader hands to the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+
+
+def no_weights() -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights of a dummy load: none; the engine initializes its own."""
+    return iter(())
+
+
+@dataclass
+class LoadedModel:
+    hf_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase | None  # chat_template set when the source has one
+    source: str  # human-readable path for logs and errors
+    # Each call starts a fresh lazy pass over (HF parameter name, float32 tensor); a tied lm_head
+    # is left out.
+    weights: WeightsFn
+    load_format: str = "auto"  # the format actually used: "gguf", "safetensors" or "dummy"

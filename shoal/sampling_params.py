@@ -1,0 +1,240 @@
+"""Per-request sampling parameters (vLLM's field names), normalized and validated on creation.
+
+Everything a request can get wrong is rejected here with a ValueError naming the field, so the
+sampler and the engine can trust the values without re-checking them in the hot path.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+MAX_LOGPROBS = 20
+# Below this temperature a request is treated as greedy: dividing logits by ~0 overflows.
+SAMPLING_EPS = 1e-5
+# torch.Generator.manual_seed accepts exactly this range (negatives are reinterpreted as u64).
+_SEED_MIN = -(2**63)
+_SEED_MAX = 2**64 - 1
+_LOGIT_BIAS_MAX = 100.0
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+def _is_int(value: Any) -> bool:
+    # bool is a subclass of int, but top_k=True is a client bug, not a number.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{name} must be a number (got {value!r})")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite (got {value})")
+    return value
+
+
+def _check_int(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer (got {value!r})")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool (got {value!r})")
+    return value
+
+
+def _token_id(name: str, value: Any) -> int:
+    """A token id as given by a JSON client: an int or a string of digits (JSON object keys)."""
+    if isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            raise ValueError(f"{name} token ids must be integers (got {value!r})") from None
+    if not _is_int(value):
+        raise ValueError(f"{name} token ids must be integers (got {value!r})")
+    if value < 0:
+        raise ValueError(f"{name} token ids must be >= 0 (got {value})")
+    return value
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1 on input) = disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None = up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    detokenize: bool = True
+
+    def __post_init__(self) -> None:
+        self._validate_counts()
+        self._validate_floats()
+        self._validate_lists()
+        self._validate_flags()
+
+    # -- validation, split by kind so each piece stays readable ---------------------------------
+
+    def _validate_counts(self) -> None:
+        if _check_int("n", self.n) < 1:
+            raise ValueError(f"n must be >= 1 (got {self.n})")
+        _check_int("top_k", self.top_k)
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be 0 or -1 (disabled) or >= 1 (got {self.top_k})")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not _SEED_MIN <= self.seed <= _SEED_MAX:
+                raise ValueError(f"seed must be in [-2**63, 2**64 - 1] (got {self.seed})")
+        if self.max_tokens is not None and _check_int("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1 or None (got {self.max_tokens})")
+        if _check_int("min_tokens", self.min_tokens) < 0:
+            raise ValueError(f"min_tokens must be >= 0 (got {self.min_tokens})")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens (got min_tokens={self.min_tokens}, "
+                f"max_tokens={self.max_tokens})"
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not 0 <= _check_int(name, value) <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (got {value})")
+
+    def _validate_floats(self) -> None:
+        self.temperature = _as_float("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        self.top_p = _as_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        self.min_p = _as_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (got {self.min_p})")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _as_float(name, getattr(self, name))
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (got {value})")
+            setattr(self, name, value)
+        self.repetition_penalty = _as_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0 (got {self.repetition_penalty})")
+
+    def _validate_lists(self) -> None:
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif not isinstance(stop, list | tuple):
+            raise ValueError(f"stop must be a string or a list of strings (got {stop!r})")
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must contain only strings (got {s!r})")
+            if not s:
+                raise ValueError("stop strings must be non-empty (got '')")
+        self.stop = list(stop)
+
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = []
+        elif not isinstance(ids, list | tuple):
+            raise ValueError(f"stop_token_ids must be a list of token ids (got {ids!r})")
+        self.stop_token_ids = [_token_id("stop_token_ids", t) for t in ids]
+
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias (got {bias!r})")
+        normalized: dict[int, float] = {}
+        for key, value in bias.items():
+            token = _token_id("logit_bias", key)
+            value = _as_float("logit_bias", value)
+            if not -_LOGIT_BIAS_MAX <= value <= _LOGIT_BIAS_MAX:
+                raise ValueError(
+                    f"logit_bias values must be in [-100, 100] (got {value} for token {token})"
+                )
+            normalized[token] = value
+        self.logit_bias = normalized
+
+    def _validate_flags(self) -> None:
+        for name in (
+            "ignore_eos",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+            "include_stop_str_in_output",
+            "detokenize",
+        ):
+            _check_bool(name, getattr(self, name))
+
+    # -- derived views ---------------------------------------------------------------------------
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.sampling_type == SamplingType.GREEDY
+
+    def clone(self) -> SamplingParams:
+        return copy.deepcopy(self)
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """Params for the index-th of the n samples of a request, run as its own sequence.
+
+        Seeds are offset by index so the n samples differ from each other yet the whole
+        request stays reproducible for a given seed.
+        """
+        if not _is_int(index) or not 0 <= index < self.n:
+            raise ValueError(f"index must be in [0, n={self.n}) (got {index!r})")
+        seed = self.seed
+        if seed is not None:
+            seed += index
+            if seed > _SEED_MAX:  # wrap like the generator's own u64 arithmetic
+                seed -= 2**64
+        child = self.clone()
+        return dataclasses.replace(child, n=1, seed=seed)
+
+    def validate_against_vocab(self, vocab_size: int) -> None:
+        """Reject token ids the model cannot produce (they would index past the logits row)."""
+        for token in self.logit_bias or {}:
+            if token >= vocab_size:
+                raise ValueError(f"logit_bias token id {token} is out of range [0, {vocab_size})")
+        for token in self.stop_token_ids or []:
+            if token >= vocab_size:
+                raise ValueError(
+                    f"stop_token_ids token id {token} is out of range [0, {vocab_size})"
+                )

@@ -1,0 +1,50 @@
+"""How many KV blocks the pool gets, from the memory settings and the model's shape."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from shoal.config import CacheConfig
+
+logger = logging.getLogger(__name__)
+
+# On the CPU the pool is carved from host RAM: 4 GiB (vLLM CPU's default KV space), but never
+# more than a quarter of the memory the machine has.
+CPU_DEFAULT_KV_BYTES = 4 << 30
+
+
+def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                    dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 << 30
+
+
+def decide_num_blocks(cfg: CacheConfig, per_block: int, device: torch.device,
+                      non_kv_peak_bytes: int = 0) -> int:
+    if cfg.num_gpu_blocks_override is not None:
+        return cfg.num_gpu_blocks_override
+    if cfg.kv_cache_memory_bytes is not None:
+        budget = cfg.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free
+        budget = int(total * cfg.gpu_memory_utilization) - used_by_others - non_kv_peak_bytes
+    else:
+        budget = min(CPU_DEFAULT_KV_BYTES, _host_memory_bytes() // 4)
+    num = budget // per_block
+    if num < 2:
+        raise ValueError(
+            f"not enough memory for the KV cache: {budget} bytes give {num} blocks of {per_block} "
+            "bytes; raise gpu_memory_utilization or kv_cache_memory_bytes"
+        )
+    return int(num)

@@ -1,0 +1,193 @@
+"""Turns a SchedulerOutput into tensors, runs the model and samples.
+
+Owns the model, the KV cache tensors and the per-request sampling state (generators, the
+tokens produced so far for penalties). Makes no scheduling decisions."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal.attention.metadata import build_attention_metadata
+from shoal.config import EngineConfig
+from shoal.engine.core_types import Logprobs
+from shoal.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from shoal.loader import LoadedModel
+from shoal.loader.dummy import initialize_dummy_weights
+from shoal.models.registry import resolve_model_class
+from shoal.sampling_params import SamplingParams
+from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
+from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
+from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator | None
+    output_token_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        self.config = config
+        self.device = config.device
+        self.dtype = config.model_config.dtype
+        hf = loaded.hf_config
+        self.hf_config = hf
+        self.vocab_size = hf.vocab_size
+        t0 = time.perf_counter()
+        cls = resolve_model_class(hf)
+        with torch.device(self.device):
+            self.model = cls(hf, self.dtype)
+        if config.model_config.load_format == "dummy":
+            initialize_dummy_weights(self.model, seed=config.model_config.seed)
+        else:
+            loaded_names = self.model.load_weights(loaded.weights())
+            missing = {n for n, _ in self.model.named_parameters()} - loaded_names
+            if self.model.tie_word_embeddings:
+                missing.discard("lm_head.weight")
+            if missing:
+                raise ValueError(f"{loaded.source}: checkpoint lacks {sorted(missing)[:5]}...")
+        self.model.eval()
+        logger.info("model %s loaded in %.2f s", type(self.model).__name__, time.perf_counter() - t0)
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        attn = self.model.attention_layers()[0]
+        self.sliding_window = attn.sliding_window
+        self.block_size = config.cache_config.block_size
+
+    # ---- KV cache ---------------------------------------------------------------------------
+    def initialize_kv_cache(self) -> int:
+        layers = self.model.attention_layers()
+        a = layers[0]
+        per_block = bytes_per_block(len(layers), a.num_kv_heads, a.head_dim, self.block_size,
+                                    self.dtype)
+        num_blocks = decide_num_blocks(self.config.cache_config, per_block, self.device)
+        slots = num_blocks * self.block_size
+        # Zeroed, so padded reads of never-written slots see zeros, not NaN garbage.
+        cache = torch.zeros(len(layers), 2, slots, a.num_kv_heads, a.head_dim,
+                            dtype=self.dtype, device=self.device)
+        self.kv_caches = list(cache.unbind(0))
+        for layer, kv in zip(layers, self.kv_caches):
+            layer.kv_cache = kv
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                    num_blocks * per_block / 2**20)
+        return num_blocks
+
+    # ---- per-request state ------------------------------------------------------------------
+    def _add_request(self, new: NewRequestData) -> None:
+        sp = new.sampling_params
+        gen = make_generator(sp.seed, self.device) if sp.seed is not None else None
+        self.requests[new.request_id] = RequestState(new.prompt_token_ids, sp, new.eos_token_ids, gen)
+
+    # ---- one step ---------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        for rid in sched.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in sched.new_requests:
+            self._add_request(new)
+        out = ModelRunnerOutput()
+        if sched.is_empty:
+            return out
+        items = sched.scheduled
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_index: list[int] = []  # flat token index of the last token of sampling rows
+        sample_rows: list[str] = []
+        prompt_lp_spans: list[tuple[str, int, int, int]] = []  # rid, flat start, ctx, n
+        for it in items:
+            start = len(input_ids)
+            input_ids.extend(it.input_token_ids)
+            positions.extend(range(it.context_len, it.context_len + it.num_new_tokens))
+            if it.sample:
+                logits_index.append(len(input_ids) - 1)
+                sample_rows.append(it.request_id)
+            st = self.requests[it.request_id]
+            if st.sampling_params.prompt_logprobs is not None and it.context_len < len(st.prompt_token_ids):
+                prompt_lp_spans.append((it.request_id, start, it.context_len, it.num_new_tokens))
+
+        md = build_attention_metadata(
+            query_lens=[it.num_new_tokens for it in items],
+            context_lens=[it.context_len for it in items],
+            block_tables=[it.block_ids for it in items],
+            block_size=self.block_size,
+            num_decodes=sched.num_decodes,
+            sliding_window=self.sliding_window,
+            device=self.device,
+        )
+        ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        hidden = self.model(ids_t, pos_t, md)
+
+        if prompt_lp_spans:
+            out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_spans)
+        if not sample_rows:
+            return out
+        logits = self.model.compute_logits(hidden[torch.tensor(logits_index, device=self.device)])
+        states = [self.requests[r] for r in sample_rows]
+        smd = SamplingMetadata.build(
+            [s.sampling_params for s in states],
+            [s.output_token_ids for s in states],
+            [s.prompt_token_ids for s in states],
+            {i: s.generator for i, s in enumerate(states) if s.generator is not None},
+            [s.eos_token_ids for s in states],
+            self.vocab_size,
+            self.device,
+        )
+        finite = torch.isfinite(logits).all(dim=-1)
+        result = self.sampler(logits, smd)
+        sampled = result.sampled_token_ids.tolist()
+        finite_l = finite.tolist()
+        lp_rows = _logprobs_rows(result.logprobs, [s.sampling_params.logprobs for s in states])
+        for i, (rid, st) in enumerate(zip(sample_rows, states)):
+            if not finite_l[i]:
+                out.failed_request_ids.add(rid)
+                continue
+            st.output_token_ids.append(sampled[i])
+            out.sampled_token_ids[rid] = sampled[i]
+            if lp_rows[i] is not None:
+                out.logprobs[rid] = lp_rows[i]
+        return out
+
+    def _prompt_logprobs(self, hidden: torch.Tensor,
+                         spans: list[tuple[str, int, int, int]]) -> dict[str, list[tuple[int, Logprobs]]]:
+        """Logprob of prompt token p+1 given tokens up to p, for the prompt positions in this
+        step's chunk of each request that asked for prompt_logprobs."""
+        result: dict[str, list[tuple[int, Logprobs]]] = {}
+        for rid, start, ctx, n in spans:
+            st = self.requests[rid]
+            prompt = st.prompt_token_ids
+            last = min(ctx + n, len(prompt) - 1)  # positions [ctx, last) predict a prompt token
+            entries: list[tuple[int, Logprobs]] = []
+            if last > ctx:
+                h = hidden[start:start + (last - ctx)]
+                targets = torch.tensor(prompt[ctx + 1:last + 1], device=self.device)
+                lt = compute_logprobs_tensors(self.model.compute_logits(h), targets,
+                                              st.sampling_params.prompt_logprobs)
+                rows = _logprobs_rows(lt, [st.sampling_params.prompt_logprobs] * (last - ctx))
+                entries = [(ctx + 1 + j, row) for j, row in enumerate(rows) if row is not None]
+            result[rid] = entries
+        return result
+
+
+def _logprobs_rows(lt: LogprobsTensors | None, wanted: list[int | None]) -> list[Logprobs | None]:
+    if lt is None:
+        return [None] * len(wanted)
+    ids, lps, ranks = lt.token_ids.tolist(), lt.logprobs.tolist(), lt.ranks.tolist()
+    rows: list[Logprobs | None] = []
+    for i, k in enumerate(wanted):
+        if k is None:
+            rows.append(None)
+        else:
+            rows.append(Logprobs(token_ids=ids[i][: k + 1], logprobs=lps[i][: k + 1], rank=ranks[i]))
+    return rows

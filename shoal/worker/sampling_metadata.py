@@ -1,0 +1,157 @@
+"""What the sampler needs to know about the rows of one step, packed as tensors.
+
+Built once per step by the model runner. Every optional feature is None when no row of the
+batch uses it, so the common batch (greedy or plain temperature, no penalties) costs the
+sampler nothing beyond an argmax or a softmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from shoal.sampling_params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A per-request generator on the device the sampler draws its noise on."""
+    gen = torch.Generator(device=torch.device(device))
+    gen.manual_seed(seed)
+    return gen
+
+
+@dataclass
+class SamplingMetadata:
+    temperature: torch.Tensor  # [B] float32, 0.0 for greedy rows
+    top_k: torch.Tensor | None  # [B] int64, vocab_size where disabled
+    top_p: torch.Tensor | None  # [B] float32, 1.0 where disabled
+    min_p: torch.Tensor | None  # [B] float32, 0.0 where disabled
+    all_greedy: bool
+    all_random: bool
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    presence_penalties: torch.Tensor | None  # [B] float32
+    frequency_penalties: torch.Tensor | None  # [B] float32
+    repetition_penalties: torch.Tensor | None  # [B] float32
+    # [B, max_prompt_len] int64 padded with vocab_size; only set with repetition penalties,
+    # the one penalty that also looks at the prompt.
+    prompt_token_ids: torch.Tensor | None
+    output_token_ids: list[list[int]]
+    logit_bias: list[dict[int, float] | None]
+    min_tokens_mask: dict[int, list[int]]  # row -> token ids forbidden until min_tokens
+    max_num_logprobs: int | None
+
+    @property
+    def no_penalties(self) -> bool:
+        return (
+            self.presence_penalties is None
+            and self.frequency_penalties is None
+            and self.repetition_penalties is None
+        )
+
+    @classmethod
+    def build(
+        cls,
+        params_list: Sequence[SamplingParams],
+        output_token_ids: list[list[int]],
+        prompt_token_ids: Sequence[Sequence[int]],
+        generators: dict[int, torch.Generator],
+        eos_token_ids: Collection[int] | Sequence[Collection[int]],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingMetadata:
+        """Pack one step's rows. eos_token_ids is one set shared by all rows, or one per row."""
+        n = len(params_list)
+        if len(output_token_ids) != n or len(prompt_token_ids) != n:
+            raise ValueError(
+                f"need one output and one prompt token list per row (rows={n}, "
+                f"outputs={len(output_token_ids)}, prompts={len(prompt_token_ids)})"
+            )
+        device = torch.device(device)
+        greedy = [p.is_greedy for p in params_list]
+        all_greedy = all(greedy)  # an empty batch counts as greedy: nothing to draw
+        all_random = not all_greedy and not any(greedy)
+
+        def floats(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        temperature = floats([0.0 if g else p.temperature for p, g in zip(params_list, greedy)])
+
+        # Filters only matter for rows that sample; greedy rows get the no-op value so a
+        # mixed batch never builds a filter tensor because of a greedy row.
+        top_k = top_p = min_p = None
+        if not all_greedy:
+            ks = [
+                vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size)
+                for p, g in zip(params_list, greedy)
+            ]
+            if any(k < vocab_size for k in ks):
+                top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+            ps = [1.0 if g else p.top_p for p, g in zip(params_list, greedy)]
+            if any(v < 1.0 for v in ps):
+                top_p = floats(ps)
+            mps = [0.0 if g else p.min_p for p, g in zip(params_list, greedy)]
+            if any(v > 0.0 for v in mps):
+                min_p = floats(mps)
+
+        presence = [p.presence_penalty for p in params_list]
+        frequency = [p.frequency_penalty for p in params_list]
+        repetition = [p.repetition_penalty for p in params_list]
+        presence_t = floats(presence) if any(v != 0.0 for v in presence) else None
+        frequency_t = floats(frequency) if any(v != 0.0 for v in frequency) else None
+        repetition_t = prompt_t = None
+        if any(v != 1.0 for v in repetition):
+            repetition_t = floats(repetition)
+            prompt_t = pad_token_ids(prompt_token_ids, vocab_size, device)
+
+        min_tokens_mask: dict[int, list[int]] = {}
+        for i, p in enumerate(params_list):
+            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+                banned = set(p.stop_token_ids or ())
+                if not p.ignore_eos:
+                    banned.update(_row_eos(eos_token_ids, i, n))
+                if banned:
+                    min_tokens_mask[i] = sorted(banned)
+
+        wanted = [p.logprobs for p in params_list if p.logprobs is not None]
+        return cls(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            generators=generators,
+            presence_penalties=presence_t,
+            frequency_penalties=frequency_t,
+            repetition_penalties=repetition_t,
+            prompt_token_ids=prompt_t,
+            output_token_ids=output_token_ids,
+            logit_bias=[p.logit_bias or None for p in params_list],
+            min_tokens_mask=min_tokens_mask,
+            max_num_logprobs=max(wanted) if wanted else None,
+        )
+
+
+def pad_token_ids(
+    rows: Sequence[Sequence[int]], pad_id: int, device: torch.device | str
+) -> torch.Tensor:
+    """[len(rows), longest] int64, short rows right-padded with pad_id (at least one column)."""
+    width = max((len(r) for r in rows), default=0) or 1
+    padded = [list(r) + [pad_id] * (width - len(r)) for r in rows]
+    return torch.tensor(padded, dtype=torch.int64, device=device).view(len(rows), width)
+
+
+def _row_eos(
+    eos_token_ids: Collection[int] | Sequence[Collection[int]], row: int, num_rows: int
+) -> Collection[int]:
+    # A list whose items are themselves collections is per-row; anything else is shared.
+    if (
+        isinstance(eos_token_ids, Sequence)
+        and len(eos_token_ids) == num_rows
+        and num_rows > 0
+        and not isinstance(eos_token_ids[0], int)
+    ):
+        return eos_token_ids[row] or ()  # type: ignore[return-value]
+    return eos_token_ids or ()  # type: ignore[return-value]
