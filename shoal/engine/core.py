@@ -84,10 +84,10 @@ class EngineCore:
     def step(self) -> EngineCoreOutputs:
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            # Still tell the runner about finished requests so it drops their state.
-            self.runner.execute(sched)
             outputs: list[EngineCoreOutput] = self.scheduler.take_pending_outputs()
         else:
             result = self.runner.execute(sched)
             outputs = self.scheduler.update(sched, result)
+        # Requests that ended (finished or aborted) release their sampling state now.
+        self.runner.remove_requests(self.scheduler.take_finished_ids())
         return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.stats())

@@ -5,6 +5,14 @@ output, so cost per token stays constant. Text that ends in U+FFFD is an incompl
 character (byte-level BPE splits characters across tokens), so it is held back until a later
 token completes it; only when the request finishes is it flushed as is, which is then exactly
 what `tokenizer.decode` of all output ids gives.
+
+The first output tokens are decoded with the last few prompt tokens as left context, i.e. as
+a continuation of the prompt. For byte-level BPE this equals `tokenizer.decode(output_ids)`;
+for sentencepiece-style decoders it keeps the leading space that decoding the output alone
+would strip.
+
+Cost: two small decodes per update. The window only grows while the text keeps ending in an
+incomplete character (or only invisible tokens arrive), which valid output never sustains.
 """
 
 from __future__ import annotations
@@ -31,12 +39,14 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
-        stop: Sequence[str] = (),
+        stop: str | Sequence[str] = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.spaces_between_special_tokens = spaces_between_special_tokens
+        if isinstance(stop, str):  # a lone string is one stop string, not a list of chars
+            stop = [stop]
         self.stop: tuple[str, ...] = tuple(s for s in stop if s)
         self.include_stop_str_in_output = include_stop_str_in_output
         self.token_ids: list[int] = []
@@ -61,9 +71,10 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Sequence[int]) -> str | None:
         """Appends tokens; returns the stop string matched (text is then truncated at it), else None.
 
-        Tokens arriving after a stop are ignored (they can come from an in-flight step).
+        Tokens arriving after a stop are ignored (they can come from an in-flight step). Tokens
+        in the same update after the stop string are kept in `token_ids`; only text is truncated.
         """
-        if self.stop_reason is not None or not new_token_ids:
+        if self.stop_reason is not None or len(new_token_ids) == 0:
             return None
         ids = [int(t) for t in new_token_ids]  # accept numpy/torch ints too
         self.token_ids.extend(ids)
@@ -92,7 +103,7 @@ class IncrementalDetokenizer:
         return self._confirmed + self._pending
 
     @property
-    def finished(self) -> bool:
+    def stopped(self) -> bool:
         return self.stop_reason is not None
 
     def get_delta(self, finished: bool) -> str:

@@ -171,8 +171,7 @@ class Scheduler:
             scheduled[req.request_id] = (req, n)
             budget -= n
 
-        out = SchedulerOutput(new_requests=new_reqs, finished_request_ids=self._finished_ids)
-        self._finished_ids = set()
+        out = SchedulerOutput(new_requests=new_reqs)
         decodes, prefills = [], []
         for req, n in scheduled.values():
             start = req.num_computed_tokens
@@ -259,6 +258,10 @@ class Scheduler:
         if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def take_finished_ids(self) -> set[str]:
+        ids, self._finished_ids = self._finished_ids, set()
+        return ids
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
         out, self._pending_outputs = self._pending_outputs, []

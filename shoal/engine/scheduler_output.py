@@ -37,7 +37,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first
     num_decodes: int = 0
     new_requests: list[NewRequestData] = field(default_factory=list)
-    finished_request_ids: set[str] = field(default_factory=set)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -49,17 +49,18 @@ MINILM = EmbeddedModel(
 
 DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
-# Lower-cased so that "SmolLM2" and "smollm2" both work.
 KNOWN_MODELS: dict[str, EmbeddedModel] = {
-    "huggingfacetb/smollm2-135m-instruct": SMOLLM2,
+    DEFAULT_MODEL_NAME: SMOLLM2,
     "smollm2": SMOLLM2,
-    "sentence-transformers/all-minilm-l6-v2": MINILM,
-    "all-minilm-l6-v2": MINILM,
+    "sentence-transformers/all-MiniLM-L6-v2": MINILM,
+    "all-MiniLM-L6-v2": MINILM,
 }
+# Matched case-insensitively so that "SmolLM2" and "smollm2" both work.
+_BY_LOWER_NAME = {name.lower(): model for name, model in KNOWN_MODELS.items()}
 
 
 def known_model_names() -> list[str]:
-    return sorted(KNOWN_MODELS)
+    return list(KNOWN_MODELS)
 
 
 def locate_embedded(model: EmbeddedModel) -> Path:
@@ -88,7 +89,7 @@ def locate_embedded(model: EmbeddedModel) -> Path:
 def resolve_model(model: str | None) -> ModelSource:
     """Where the weights/config for `model` live. None means the embedded SmolLM2 default."""
     name = DEFAULT_MODEL_NAME if model is None else model
-    embedded = KNOWN_MODELS.get(name.strip().lower())
+    embedded = _BY_LOWER_NAME.get(name.strip().lower())
     if embedded is not None:
         return ModelSource(kind=embedded.kind, path=locate_embedded(embedded))
     return _resolve_path(name)

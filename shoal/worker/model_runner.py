@@ -89,11 +89,13 @@ class ModelRunner:
         gen = make_generator(sp.seed, self.device) if sp.seed is not None else None
         self.requests[new.request_id] = RequestState(new.prompt_token_ids, sp, new.eos_token_ids, gen)
 
+    def remove_requests(self, request_ids: set[str]) -> None:
+        for rid in request_ids:
+            self.requests.pop(rid, None)
+
     # ---- one step ---------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        for rid in sched.finished_request_ids:
-            self.requests.pop(rid, None)
         for new in sched.new_requests:
             self._add_request(new)
         out = ModelRunnerOutput()

@@ -156,11 +156,18 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
     return probs.div_(q).argmax(dim=-1)
 
 
+def _modifies_logits(md: SamplingMetadata) -> bool:
+    return bool(md.min_tokens_mask) or not md.no_penalties or any(md.logit_bias)
+
+
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = None
         if md.max_num_logprobs is not None:
             raw_logprobs = compute_logprobs(logits)
+        elif md.all_greedy and not _modifies_logits(md):
+            # Common decode batch: upcasting is exact, so argmax needs no float32 copy.
+            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
         # Own float32 copy: the in-place steps below must not touch the caller's tensor.
         logits = logits.to(torch.float32, copy=True)
         logits = self._process(logits, md)

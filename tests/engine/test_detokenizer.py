@@ -7,6 +7,7 @@ import json
 import random
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -236,6 +237,7 @@ def test_stop_spanning_tokens(
     assert _tokens_spanned(tok, text, "END OF") >= 2
     stop, deltas, det = _stop_run(tok, text, ["END OF"], split, include_stop_str_in_output=include)
     assert stop == "END OF" == det.stop_reason
+    assert det.stopped
     expected = "Hello world, the answer is 42. " + ("END OF" if include else "")
     assert det.output_text == "".join(deltas) == expected
     assert det.update(_encode(tok, " more")) is None  # late tokens are ignored
@@ -376,3 +378,17 @@ def test_context_kept_across_skipped_special_tokens(sp_tok: PreTrainedTokenizerB
     det = IncrementalDetokenizer(sp_tok, prompt)
     _, deltas = _stream(det, _chunks(ids, 1))
     assert det.output_text == "".join(deltas) == " the fox"
+
+
+def test_accepts_numpy_ids(bpe_tok: PreTrainedTokenizerBase) -> None:
+    ids = _encode(bpe_tok, "Hello world")
+    det = IncrementalDetokenizer(bpe_tok, np.array(ids[:2]))
+    det.update(np.array([], dtype=np.int64))
+    det.update(np.array(ids, dtype=np.int64))
+    assert det.output_text == "Hello world" and det.token_ids == ids
+
+
+def test_single_stop_string(bpe_tok: PreTrainedTokenizerBase) -> None:
+    det = IncrementalDetokenizer(bpe_tok, [], stop="lo w")
+    assert det.update(_encode(bpe_tok, "Hello world")) == "lo w"
+    assert det.output_text == "Hel"

@@ -71,7 +71,7 @@ def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
     control = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     alphabet = [bytes_to_unicode()[b] for b in range(256)]
-    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "Ġ Ġ", "o r", "Ġ w", "Ġw or", "l d"]
+    merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "Ġ Ġ", "o r", "Ġ w", "Ġw or", "l d", "1 2"]
     merged = [m.replace(" ", "") for m in merges]
     tokens = control + alphabet + merged + ["<think>"]
     types = [3] * len(control) + [1] * (len(alphabet) + len(merged)) + [4]

@@ -1,0 +1,234 @@
+"""The frontend's handle on the engine-core process: start it, talk to it, notice its death.
+
+Sockets are `ipc://` files in a private temp dir. Sends go through one writer task, so callers
+(abort in a `finally:` above all) never have to await; a reader task routes outputs to a queue
+and utility results to their futures. The process sentinel is watched by the event loop: when
+the engine dies, every waiter gets EngineDeadError at once instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from shoal.engine.core_proc import (
+    AbortRequests,
+    AddRequest,
+    CoreOutputs,
+    OutputMessage,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    UtilityCall,
+    UtilityResult,
+    run_engine_core,
+)
+from shoal.engine.core_types import EngineCoreRequest
+from shoal.engine.engine_args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine process is gone; nothing in flight will finish."""
+
+
+class EngineStartupError(RuntimeError):
+    """The engine process failed to start; the message is its exception text."""
+
+
+class EngineCoreClient:
+    def __init__(self, proc: Any, death_writer: Any, ipc_dir: str, ctx: zmq.asyncio.Context,
+                 in_sock: zmq.asyncio.Socket, out_sock: zmq.asyncio.Socket):
+        self.proc = proc
+        self._death_writer = death_writer  # closing it (or dying) tells the engine to exit
+        self._ipc_dir = ipc_dir
+        self._ctx = ctx
+        self._to_engine = in_sock
+        self._from_engine = out_sock
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(OutputMessage)
+        self._send_queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self._outputs: asyncio.Queue[CoreOutputs | BaseException] = asyncio.Queue()
+        self._calls: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
+        self._ready: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
+        self._dead_callbacks: list[Callable[[], None]] = []
+        self.dead = False
+        self.closing = False
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---- start-up -------------------------------------------------------------------------
+    @classmethod
+    async def start(cls, engine_args: EngineArgs, log_level: int = logging.INFO) -> EngineCoreClient:
+        """Spawns the engine process; `wait_ready()` then waits for its READY message."""
+        ipc_dir = tempfile.mkdtemp(prefix="shoal-ipc-")
+        input_addr, output_addr = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
+        ctx = zmq.asyncio.Context()
+        to_engine = ctx.socket(zmq.PUSH)
+        to_engine.bind(input_addr)
+        from_engine = ctx.socket(zmq.PULL)
+        from_engine.bind(output_addr)
+        mp = multiprocessing.get_context("spawn")
+        death_reader, death_writer = mp.Pipe(duplex=False)
+        proc = mp.Process(
+            target=run_engine_core, name="shoal-engine-core", daemon=True,
+            args=(engine_args, input_addr, output_addr, death_reader, os.getpid(), log_level),
+        )
+        proc.start()
+        death_reader.close()
+        client = cls(proc, death_writer, ipc_dir, ctx, to_engine, from_engine)
+        client._watch()
+        return client
+
+    def _watch(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(self.proc.sentinel, self._on_process_exit)
+        self._tasks = [loop.create_task(self._reader(), name="engine-reader"),
+                       loop.create_task(self._writer(), name="engine-writer")]
+
+    async def wait_ready(self, timeout: float | None = None) -> Ready:
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._ready), timeout)
+        except TimeoutError:
+            raise EngineStartupError(f"the engine did not start within {timeout} s") from None
+
+    # ---- traffic --------------------------------------------------------------------------
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self._enqueue(AddRequest(req))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        if request_ids and not self.dead:
+            self._enqueue(AbortRequests(request_ids))
+
+    async def call_utility(self, method: str, timeout: float = 10.0) -> Any:
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._calls[call_id] = fut
+        self._enqueue(UtilityCall(call_id, method))
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self._calls.pop(call_id, None)
+
+    async def get_outputs(self) -> CoreOutputs:
+        item = await self._outputs.get()
+        if isinstance(item, BaseException):
+            self._outputs.put_nowait(item)  # every later caller sees it too
+            raise item
+        return item
+
+    def on_dead(self, callback: Callable[[], None]) -> None:
+        self._dead_callbacks.append(callback)
+
+    @property
+    def is_alive(self) -> bool:
+        return not self.dead and self.proc.is_alive()
+
+    def _enqueue(self, msg: Any) -> None:
+        if self.dead:
+            raise EngineDeadError("the engine process is not running")
+        self._send_queue.put_nowait(self._encoder.encode(msg))
+
+    async def _writer(self) -> None:
+        while True:
+            data = await self._send_queue.get()
+            try:
+                await self._to_engine.send(data, copy=False)
+            finally:
+                self._send_queue.task_done()
+
+    async def _reader(self) -> None:
+        while True:
+            frame = await self._from_engine.recv(copy=False)
+            try:
+                msg = self._decoder.decode(frame.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                logger.error("dropping a malformed message from the engine: %s", e)
+                continue
+            if isinstance(msg, CoreOutputs):
+                self._outputs.put_nowait(msg)
+            elif isinstance(msg, UtilityResult):
+                self._resolve(msg)
+            elif isinstance(msg, Ready):
+                if not self._ready.done():
+                    self._ready.set_result(msg)
+            elif isinstance(msg, StartupFailed) and not self._ready.done():
+                self._ready.set_exception(EngineStartupError(msg.message))
+
+    def _resolve(self, msg: UtilityResult) -> None:
+        fut = self._calls.get(msg.call_id)
+        if fut is None or fut.done():
+            return
+        if msg.error is not None:
+            fut.set_exception(RuntimeError(msg.error))
+        else:
+            fut.set_result(msg.result)
+
+    # ---- death and shutdown ---------------------------------------------------------------
+    def _on_process_exit(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.proc.sentinel)
+        # Let the reader pick up what the engine sent before it died (its startup error
+        # above all) before declaring everything dead.
+        loop.call_later(0.2, self._mark_dead)
+
+    def _mark_dead(self) -> None:
+        if self.dead:
+            return
+        self.dead = True
+        self.proc.join(0)
+        code = self.proc.exitcode
+        if not self.closing:
+            logger.error("the engine core process died (exit code %s)", code)
+        err = EngineDeadError(f"the engine process died (exit code {code})")
+        if not self._ready.done():
+            self._ready.set_exception(EngineStartupError(
+                f"the engine process exited during start-up (exit code {code})"))
+        for fut in self._calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self._outputs.put_nowait(err)
+        if self.closing:
+            return  # an exit we asked for
+        for cb in self._dead_callbacks:
+            try:
+                cb()
+            except Exception:
+                logger.exception("engine-death callback failed")
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Asks the engine to stop, then escalates; safe to call more than once."""
+        self.closing = True
+        if self.proc.is_alive() and not self.dead:
+            with contextlib.suppress(Exception):
+                self._enqueue(Shutdown())
+                await asyncio.wait_for(self._send_queue.join(), 1.0)
+            await asyncio.to_thread(self.proc.join, timeout)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            await asyncio.to_thread(self.proc.join, 2.0)
+        if self.proc.is_alive():
+            self.proc.kill()
+            await asyncio.to_thread(self.proc.join, 2.0)
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        for t in self._tasks:
+            t.cancel()
+        self._death_writer.close()
+        self._to_engine.close(linger=0)
+        self._from_engine.close(linger=0)
+        self._ctx.term()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)

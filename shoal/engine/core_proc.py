@@ -1,0 +1,288 @@
+"""The engine-core process: EngineCore behind two ZMQ sockets, msgpack messages, no pickle.
+
+    frontend --PUSH--> input socket  --PULL--> engine   add / abort / utility / shutdown
+    frontend <--PULL-- output socket <--PUSH-- engine   ready / startup error / outputs / results
+
+The loop drains every input message, steps while there is work and otherwise blocks on the
+socket (and the death pipe), so an idle engine burns no CPU. A request the core rejects
+produces a `rejected` entry for that request only; the loop never dies of bad input.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import msgspec
+import zmq
+
+from shoal.engine.core_types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from shoal.engine.engine_args import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+# While idle, wake up this often to check that the parent is still there (belt and braces next
+# to the death pipe, which covers the normal case at once).
+IDLE_POLL_MS = 2000
+
+
+# ---- messages: frontend -> engine ----------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
+    call_id: int
+    method: str  # one of EngineCoreProc.UTILITIES
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+InputMessage = AddRequest | AbortRequests | UtilityCall | Shutdown
+
+
+# ---- messages: engine -> frontend ----------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready"):
+    """What the frontend needs to validate requests exactly as the core will."""
+
+    vocab_size: int
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: list[int]
+    pid: int
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed"):
+    message: str
+
+
+class CoreOutputs(msgspec.Struct, tag="outputs"):
+    outputs: EngineCoreOutputs
+    # request id -> seconds from arrival to first scheduling, sent once per request
+    queue_times: dict[str, float] = msgspec.field(default_factory=dict)
+    # request id -> why the core refused it (the request never ran)
+    rejected: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class UtilityResult(msgspec.Struct, tag="utility_result"):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+OutputMessage = Ready | StartupFailed | CoreOutputs | UtilityResult
+
+
+class EngineCoreProc:
+    """The busy loop around one EngineCore (anything with its methods, for tests)."""
+
+    UTILITIES = ("ping", "get_stats", "reset_stats")
+
+    def __init__(self, core: Any, input_socket: zmq.Socket, output_socket: zmq.Socket,
+                 death_fd: int | None = None, parent_pid: int | None = None):
+        self.core = core
+        self.input = input_socket
+        self.output = output_socket
+        self.death_fd = death_fd
+        self.parent_pid = parent_pid
+        self.decoder = msgspec.msgpack.Decoder(InputMessage)
+        self.encoder = msgspec.msgpack.Encoder()
+        self._stop = False
+        # Request objects still waiting for their first scheduling (for queue times).
+        self._unscheduled: dict[str, Any] = {}
+        self._rejected: dict[str, str] = {}
+        self._last_stats = SchedulerStats()
+        self._baseline = SchedulerStats()  # cumulative counters at the last reset_stats
+
+    # ---- loop -----------------------------------------------------------------------------
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.input, zmq.POLLIN)
+        if self.death_fd is not None:
+            poller.register(self.death_fd, zmq.POLLIN)
+        while not self._stop:
+            busy = self.core.has_unfinished_requests()
+            events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            if self._parent_gone(events):
+                logger.warning("the frontend process is gone; the engine core exits")
+                return
+            if self.input in events:
+                self._drain_input()
+            if self._rejected and not self.core.has_unfinished_requests():
+                self._send(CoreOutputs(EngineCoreOutputs(), rejected=self._take_rejected()))
+            if not self._stop and self.core.has_unfinished_requests():
+                self._step()
+
+    def _parent_gone(self, events: dict[Any, int]) -> bool:
+        if self.death_fd is not None and self.death_fd in events:
+            return True  # the write end closed: the parent exited
+        return self.parent_pid is not None and os.getppid() != self.parent_pid
+
+    def _drain_input(self) -> None:
+        while True:
+            try:
+                frame = self.input.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = self.decoder.decode(frame.buffer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                # Nothing to answer: without a valid message there is no request id.
+                logger.error("dropping a malformed input message: %s", e)
+                continue
+            self._handle(msg)
+            if self._stop:
+                return
+
+    def _handle(self, msg: Any) -> None:
+        if isinstance(msg, AddRequest):
+            self._add(msg.request)
+        elif isinstance(msg, AbortRequests):
+            self.core.abort_requests(msg.request_ids)
+            for rid in msg.request_ids:
+                self._unscheduled.pop(rid, None)
+        elif isinstance(msg, UtilityCall):
+            self._send(self._utility(msg))
+        elif isinstance(msg, Shutdown):
+            self._stop = True
+
+    def _add(self, req: EngineCoreRequest) -> None:
+        try:
+            self.core.add_request(req)
+        except Exception as e:  # a bad request that slipped past the frontend: reject only it
+            logger.warning("rejected request %s: %s", req.request_id, e)
+            self._rejected[req.request_id] = str(e) or type(e).__name__
+            return
+        scheduler = getattr(self.core, "scheduler", None)
+        request = getattr(scheduler, "requests", {}).get(req.request_id)
+        if request is not None:
+            self._unscheduled[req.request_id] = request
+
+    def _step(self) -> None:
+        result = self.core.step()
+        if result.stats is not None:
+            self._last_stats = result.stats
+            result.stats = self._rebased(result.stats)
+        self._send(CoreOutputs(result, queue_times=self._queue_times(result),
+                               rejected=self._take_rejected()))
+
+    def _queue_times(self, result: EngineCoreOutputs) -> dict[str, float]:
+        times = {}
+        for out in result.outputs:
+            req = self._unscheduled.get(out.request_id)
+            if req is None:
+                continue
+            scheduled = getattr(req, "first_scheduled_time", None)
+            if scheduled is not None:
+                times[out.request_id] = max(0.0, scheduled - req.arrival_time)
+                del self._unscheduled[out.request_id]
+            elif out.finish_reason is not None:
+                del self._unscheduled[out.request_id]
+        return times
+
+    def _take_rejected(self) -> dict[str, str]:
+        rejected, self._rejected = self._rejected, {}
+        return rejected
+
+    # ---- utilities ------------------------------------------------------------------------
+    def _utility(self, call: UtilityCall) -> UtilityResult:
+        handlers: dict[str, Callable[[], Any]] = {
+            "ping": lambda: "pong",
+            "get_stats": lambda: msgspec.to_builtins(self._rebased(self._last_stats)),
+            "reset_stats": self._reset_stats,
+        }
+        handler = handlers.get(call.method)
+        if handler is None:
+            return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
+        try:
+            return UtilityResult(call.call_id, handler())
+        except Exception as e:
+            return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
+
+    def _reset_stats(self) -> bool:
+        s = self._last_stats
+        self._baseline = SchedulerStats(prefix_cache_queries=s.prefix_cache_queries,
+                                        prefix_cache_hits=s.prefix_cache_hits,
+                                        num_preemptions=s.num_preemptions)
+        return True
+
+    def _rebased(self, s: SchedulerStats) -> SchedulerStats:
+        """Cumulative counters relative to the last reset_stats."""
+        b = self._baseline
+        return msgspec.structs.replace(
+            s, prefix_cache_queries=s.prefix_cache_queries - b.prefix_cache_queries,
+            prefix_cache_hits=s.prefix_cache_hits - b.prefix_cache_hits,
+            num_preemptions=s.num_preemptions - b.num_preemptions)
+
+    def _send(self, msg: Any) -> None:
+        self.output.send(self.encoder.encode(msg), copy=False)
+
+
+def _build_core(engine_args: EngineArgs) -> Any:
+    import torch
+
+    from shoal.engine.core import EngineCore
+    from shoal.loader import load_model
+
+    torch.manual_seed(engine_args.seed)
+    loaded = load_model(engine_args.model, tokenizer=engine_args.tokenizer,
+                        load_format=engine_args.load_format)
+    config = engine_args.create_engine_config(loaded.hf_config)
+    return EngineCore(config, loaded)
+
+
+def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
+                    death_pipe: Connection | None = None, parent_pid: int | None = None,
+                    log_level: int = logging.INFO,
+                    build_core: Callable[[EngineArgs], Any] = _build_core) -> None:
+    """Entry point of the engine process (a `multiprocessing` spawn target)."""
+    logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s [engine] %(message)s")
+    # Ctrl-C reaches the whole process group; the frontend decides when the engine stops (it
+    # drains requests first), so the engine ignores SIGINT and exits on Shutdown or SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = zmq.Context()
+    out_sock = ctx.socket(zmq.PUSH)
+    out_sock.connect(output_addr)
+    in_sock = ctx.socket(zmq.PULL)
+    in_sock.connect(input_addr)
+    encoder = msgspec.msgpack.Encoder()
+    code = 0
+    try:
+        t0 = time.perf_counter()
+        try:
+            core = build_core(engine_args)
+        except Exception as e:
+            logger.exception("engine core failed to start")
+            out_sock.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}")))
+            code = 1
+            return
+        cfg = core.config
+        out_sock.send(encoder.encode(Ready(
+            vocab_size=core.vocab_size, max_model_len=cfg.scheduler_config.max_model_len,
+            num_kv_blocks=cfg.cache_config.num_blocks, block_size=cfg.cache_config.block_size,
+            eos_token_ids=sorted(core.eos_token_ids), pid=os.getpid())))
+        logger.info("engine core process %d ready in %.1f s (%d KV blocks)", os.getpid(),
+                    time.perf_counter() - t0, cfg.cache_config.num_blocks)
+        death_fd = death_pipe.fileno() if death_pipe is not None else None
+        EngineCoreProc(core, in_sock, out_sock, death_fd, parent_pid).run()
+    finally:
+        # Linger so a last message (the startup error above all) still reaches the frontend.
+        out_sock.close(linger=2000)
+        in_sock.close(linger=0)
+        ctx.term()
+    if code:
+        sys.exit(code)

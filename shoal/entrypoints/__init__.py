@@ -1,0 +1,1 @@
+"""Entry points: the `shoal` command line and the OpenAI-compatible server."""

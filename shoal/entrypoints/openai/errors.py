@@ -1,0 +1,108 @@
+"""OpenAI error bodies and the exception -> status mapping: user input never yields a 500."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shoal.engine.async_llm import EngineRequestError, QueueFullError
+from shoal.engine.core_client import EngineDeadError
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+# "temperature must be ...", "prompt is 3000 tokens ...": the field a ValueError names.
+_PARAM_RE = re.compile(r"^([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)? (?:must|is|token|values|needs)\b")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 headers: Mapping[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.headers = dict(headers or {})
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"),
+                      "param": param, "code": status}}
+
+
+def error_response(status: int, message: str, param: str | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
+
+
+def error_from_exception(exc: BaseException) -> OpenAIError:
+    """The OpenAI error for an exception raised while serving a request."""
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, QueueFullError):
+        return OpenAIError(503, str(exc), headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, EngineDeadError):
+        return OpenAIError(503, f"the engine is not running: {exc}")
+    if isinstance(exc, EngineRequestError):
+        return OpenAIError(500, f"the engine failed this request: {exc}")
+    if isinstance(exc, ValueError):
+        message = str(exc) or "invalid request"
+        m = _PARAM_RE.match(message)
+        return OpenAIError(400, message, m.group(1) if m else None)
+    logger.error("internal error", exc_info=exc)
+    return OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"malformed JSON in the request body: {detail}".rstrip(": "), None
+    if first.get("type") in ("missing", "model_attributes_type") and not loc:
+        return "the request body must be a JSON object", None
+    param = ".".join(loc) if loc else None
+    got = first.get("input")
+    text = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if first.get("type") != "missing":
+        try:
+            text += f" (got {json.dumps(got)[:100]})"
+        except (TypeError, ValueError):
+            pass
+    if len(errors) > 1:
+        text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return text, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(400, message, param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _any(_: Request, exc: Exception) -> JSONResponse:
+        err = error_from_exception(exc)
+        return error_response(err.status, err.message, err.param, err.headers)

@@ -1,0 +1,95 @@
+"""Server-Sent Events and client-disconnect handling.
+
+A client that hangs up must free its KV blocks at once. For streams, Starlette cancels the
+response task on `http.disconnect` (ASGI spec < 2.4, which uvicorn speaks), which raises
+CancelledError inside our generator, whose `finally:` aborts the request. For plain requests
+nothing cancels the handler, so `cancel_on_disconnect` watches `receive()` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel
+
+T = TypeVar("T")
+
+DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else _dumps(payload)
+    return f"data: {data}\n\n"
+
+
+def _dumps(payload: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(payload, separators=(",", ":"))
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    # The body was read already, so the next message is http.disconnect (uvicorn sends it
+    # when the peer closes, or once our response is complete).
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        raise ClientDisconnected()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's index."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue[tuple[int, Any, BaseException | None, bool]] = asyncio.Queue()
+
+    async def pump(i: int, it: AsyncIterator[T]) -> None:
+        try:
+            async for item in it:
+                queue.put_nowait((i, item, None, False))
+        except Exception as e:
+            queue.put_nowait((i, None, e, False))
+        finally:
+            queue.put_nowait((i, None, None, True))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item, err, end = await queue.get()
+            if err is not None:
+                raise err
+            if end:
+                remaining -= 1
+                continue
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()

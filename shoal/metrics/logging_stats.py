@@ -1,0 +1,53 @@
+"""The periodic log line: throughput since the last line, queue sizes and KV usage."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from shoal.engine.core_types import SchedulerStats
+from shoal.metrics.stats import IterationStats
+
+logger = logging.getLogger("shoal.metrics")
+
+
+class LoggingStatLogger:
+    def __init__(self) -> None:
+        self._last_time = time.monotonic()
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._stats = SchedulerStats()
+        self._was_busy = False
+
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
+        if scheduler_stats is not None:
+            self._stats = scheduler_stats
+            self._prompt_tokens += scheduler_stats.num_prompt_tokens
+            self._generation_tokens += scheduler_stats.num_generation_tokens
+
+    def format_line(self, now: float | None = None) -> str | None:
+        """The line to log, or None when nothing happened since the last one."""
+        now = time.monotonic() if now is None else now
+        s = self._stats
+        busy = s.num_running > 0 or s.num_waiting > 0
+        active = busy or self._prompt_tokens > 0 or self._generation_tokens > 0
+        # One more line after the engine goes idle, so the last figures show up as zero.
+        if not active and not self._was_busy:
+            self._last_time = now
+            return None
+        self._was_busy = active
+        dt = max(now - self._last_time, 1e-9)
+        hit_rate = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        line = (f"Avg prompt throughput: {self._prompt_tokens / dt:.1f} tokens/s, "
+                f"Avg generation throughput: {self._generation_tokens / dt:.1f} tokens/s, "
+                f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
+                f"KV cache usage: {s.kv_cache_usage * 100:.1f}%, "
+                f"Prefix cache hit rate: {hit_rate * 100:.1f}%")
+        self._last_time = now
+        self._prompt_tokens = self._generation_tokens = 0
+        return line
+
+    def log(self) -> None:
+        line = self.format_line()
+        if line is not None:
+            logger.info(line)
