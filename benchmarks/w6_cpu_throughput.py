@@ -75,7 +75,7 @@ def make_requests(num_requests: int, seed: int, input_len: tuple[int, int],
 class Runner:
     """generate(list of (prompt ids, max_tokens)) -> list of output token id lists."""
 
-    def __init__(self, engine: str, dtype: str, hf_folder: str) -> None:
+    def __init__(self, engine: str, dtype: str, hf_folder: str | Path) -> None:
         self.engine = engine
         if engine == "shoal":
             from shoal import LLM, SamplingParams
@@ -84,7 +84,7 @@ class Runner:
         else:
             from vllm import LLM, SamplingParams
 
-            self.llm = LLM(model=hf_folder, dtype=dtype, max_model_len=MAX_MODEL_LEN,
+            self.llm = LLM(model=str(hf_folder), dtype=dtype, max_model_len=MAX_MODEL_LEN,
                            gpu_memory_utilization=0.5)
         self.sampling_params = SamplingParams
 
@@ -140,7 +140,8 @@ def worker(args: argparse.Namespace) -> int:
     ready_s = time.time() - args.t0  # t0: the parent's wall clock just before it spawned us
     import torch
 
-    res: dict[str, Any] = {"ready_s": ready_s, "torch_threads": torch.get_num_threads()}
+    res: dict[str, Any] = {"ready_s": ready_s,
+                           "main_process_torch_threads": torch.get_num_threads()}
     w = req["warmup"]
     _, res["warmup_s"] = timed(runner.generate, [(w["prompt_token_ids"], w["max_tokens"])])
     res.update(run_batch1(runner, req))
@@ -203,6 +204,13 @@ def ensure_hf_folder(folder: Path) -> None:
                     "--out", str(folder)], check=True)
 
 
+def vllm_compile_cache_warm() -> bool:
+    """Whether vLLM's torch.compile cache already has entries (a warm cache shortens ready_s)."""
+    root = Path(os.environ.get("VLLM_CACHE_ROOT", Path.home() / ".cache" / "vllm"))
+    cache = root / "torch_compile_cache"
+    return cache.is_dir() and any(cache.iterdir())
+
+
 def first_mismatch(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -236,6 +244,7 @@ def run_one(engine: str, dtype: str, args: argparse.Namespace, req_path: Path,
            "--dtype", dtype, "--requests", str(req_path), "--result", str(result_path),
            "--hf-folder", str(args.hf_folder)]
     print(f"[w6] {engine} {dtype}: {shlex.join(cmd)}", flush=True)
+    cache_warm = vllm_compile_cache_warm() if engine == "vllm" else None
     t0 = time.time()
     try:
         proc = subprocess.run(cmd + ["--t0", repr(t0)], cwd=REPO, timeout=args.timeout)
@@ -248,6 +257,8 @@ def run_one(engine: str, dtype: str, args: argparse.Namespace, req_path: Path,
     data = json.loads(result_path.read_text())
     data["result"]["worker_command"] = shlex.join(cmd)
     data["result"]["process_s"] = time.time() - t0
+    if cache_warm is not None:
+        data["result"]["vllm_compile_cache_warm"] = cache_warm
     return data
 
 

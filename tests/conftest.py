@@ -8,33 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from oracle import write_tiny_checkpoint
 
 # Two cores: one intra-op thread per process keeps test processes from fighting.
 torch.set_num_threads(int(os.environ.get("SHOAL_TEST_THREADS", "1")))
-
-TINY_COMMON = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-    rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
-)
-
-
-def write_tiny_checkpoint(path: Path, model_type: str, seed: int = 0, **overrides) -> Path:
-    """A Hugging Face folder (config.json + model.safetensors) with random weights."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    kwargs = {**TINY_COMMON, **overrides}
-    if model_type == "qwen3":
-        kwargs.setdefault("head_dim", 16)
-    cfg = AutoConfig.for_model(model_type, **kwargs)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():  # larger than the default init so outputs are not flat
-            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-    model.save_pretrained(path, safe_serialization=True)
-    return path
-
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
@@ -64,20 +41,3 @@ def hf_smollm(smollm_gguf):
     folder, name = smollm_gguf
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     return model.eval()
-
-
-def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    """Plain greedy decoding with transformers (no eos handling): tokens and each step's logits."""
-    ids = torch.tensor([prompt_ids])
-    out, logits = [], []
-    past = None
-    with torch.no_grad():
-        for _ in range(n):
-            res = model(ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            last = res.logits[0, -1].float()
-            logits.append(last)
-            tok = int(last.argmax())
-            out.append(tok)
-            ids = torch.tensor([[tok]])
-    return out, logits

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy
+from oracle import hf_greedy
 
 from shoal import SamplingParams
 

@@ -35,9 +35,12 @@ def build_attention_metadata(
     num_decodes: int,
     sliding_window: int | None,
     device: torch.device,
+    null_slot: int,
 ) -> AttentionMetadata:
     """query_lens[i] new tokens of request i follow its context_lens[i] cached tokens.
-    Requests [0, num_decodes) have query_len 1."""
+    Requests [0, num_decodes) have query_len 1. Padding positions read `null_slot`, a slot no
+    request ever writes (it stays zero): a masked key still enters the product as 0 * value,
+    and a stale NaN left in a free block would poison the whole row."""
     num_tokens = sum(query_lens)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     bt = _block_table_tensor(block_tables)
@@ -59,7 +62,7 @@ def build_attention_metadata(
         if sliding_window is not None:
             allowed &= k_pos > (dlens - 1 - sliding_window)
         decode_mask = allowed[:, None, None, :]
-        decode_slots = torch.where(allowed, decode_slots, 0)
+        decode_slots = torch.where(allowed, decode_slots, null_slot)
 
     num_prefills = len(query_lens) - num_decodes
     p_index = p_valid = p_slots = p_mask = None
@@ -76,13 +79,13 @@ def build_attention_metadata(
         p_slots = pbt.gather(1, (k_pos // bs).clamp(max=pbt.shape[1] - 1).expand(num_prefills, -1)) * bs + k_pos % bs
         # Query i of request r sits at absolute position pc[r] + i and sees keys <= it.
         abs_q = torch.tensor(pc).unsqueeze(1) + qi  # [P, Lq]
-        allowed = k_pos[None, None, :] <= abs_q[:, :, None]
+        allowed = (k_pos[None, None, :] <= abs_q[:, :, None]) & p_valid[:, :, None]
         if sliding_window is not None:
             allowed &= k_pos[None, None, :] > abs_q[:, :, None] - sliding_window
         # Padded query rows attend to key 0 only, so softmax stays finite; they are dropped.
         allowed |= (~p_valid[:, :, None]) & (k_pos[None, None, :] == 0)
         p_mask = allowed[:, None]
-        p_slots = torch.where(k_pos < torch.tensor(seq_lens[num_decodes:]).unsqueeze(1), p_slots, 0)
+        p_slots = torch.where(k_pos < torch.tensor(seq_lens[num_decodes:]).unsqueeze(1), p_slots, null_slot)
 
     def dev(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.to(device, non_blocking=True)

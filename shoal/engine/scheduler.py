@@ -155,10 +155,9 @@ class Scheduler:
                 if not self.config.enable_chunked_prefill:
                     break
                 n = budget
-            req.num_computed_tokens = n_hit
             if self.kv.allocate_slots(req, n, hits) is None:
-                req.num_computed_tokens = 0
                 break
+            req.num_computed_tokens = n_hit
             self.waiting.pop()
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = n_hit

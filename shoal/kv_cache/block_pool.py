@@ -93,9 +93,7 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:  # evict its cached content
-                if self.cached.get(block.block_hash) is block:
-                    del self.cached[block.block_hash]
-                block.block_hash = None
+                self.uncache_block(block)
                 self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block)
@@ -125,6 +123,11 @@ class BlockPool:
         block.block_hash = block_hash
         # First writer wins; a duplicate computed concurrently simply stays uncached.
         self.cached.setdefault(block_hash, block)
+
+    def uncache_block(self, block: KVBlock) -> None:
+        if block.block_hash is not None and self.cached.get(block.block_hash) is block:
+            del self.cached[block.block_hash]
+        block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
         if self.num_free_blocks != self.num_blocks:

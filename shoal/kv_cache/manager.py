@@ -84,6 +84,11 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self.req_blocks.pop(request.request_id, [])
+        # Blocks published for a step that never ran (a victim un-scheduled by preemption)
+        # hold no keys: withdraw them from the prefix cache unless another request holds them.
+        for b in blocks[request.num_computed_tokens // self.block_size:]:
+            if b.block_hash is not None and b.ref_cnt == 1:
+                self.pool.uncache_block(b)
         self.pool.free(list(reversed(blocks)))
 
     def reset_prefix_cache(self) -> bool:

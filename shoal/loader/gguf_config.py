@@ -100,9 +100,15 @@ def _rope_parameters(gguf: GGUFFile, arch_name: str) -> dict[str, Any]:
         if "rope_freqs.weight" in gguf.tensor_names():
             # llama3-style scaling is stored as a per-frequency tensor whose original parameters
             # cannot be recovered exactly; plain rope is close for prompts within the original window
-            logger.warning("%s: ignoring rope_freqs (llama3 rope scaling is not supported)", gguf.path)
+            logger.warning(
+                "%s: ignoring rope_freqs (llama3 rope scaling is not supported)", gguf.path
+            )
         return {"rope_type": "default", "rope_theta": theta}
-    params: dict[str, Any] = {"rope_type": str(scaling), "rope_theta": theta, "factor": float(factor)}
+    params: dict[str, Any] = {
+        "rope_type": str(scaling),
+        "rope_theta": theta,
+        "factor": float(factor),
+    }
     original = gguf.get(f"{arch_name}.rope.scaling.original_context_length")
     if original is not None:
         params["original_max_position_embeddings"] = int(original)

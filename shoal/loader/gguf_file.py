@@ -46,7 +46,9 @@ class GGUFFile:
         try:
             value = field.contents()
         except Exception as exc:  # a field whose bytes don't decode means the file is damaged
-            raise ValueError(f"damaged GGUF file {self.path}: cannot decode {key!r}: {exc}") from exc
+            raise ValueError(
+                f"damaged GGUF file {self.path}: cannot decode {key!r}: {exc}"
+            ) from exc
         return value
 
     def require(self, key: str) -> Any:

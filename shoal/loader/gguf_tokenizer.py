@@ -33,7 +33,8 @@ def build_gguf_tokenizer(gguf: GGUFFile) -> PreTrainedTokenizerFast:
         )
     _add_special_tokens(backend, tokens, gguf.get("tokenizer.ggml.token_type") or [])
 
-    add_bos_default = kind == "llama"  # llama.cpp adds BOS to SentencePiece vocabs unless told not to
+    # llama.cpp adds BOS to SentencePiece vocabularies unless the file says otherwise
+    add_bos_default = kind == "llama"
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         bos_token=_token(gguf, tokens, "bos_token_id"),

@@ -88,6 +88,8 @@ def locate_embedded(model: EmbeddedModel) -> Path:
 
 def resolve_model(model: str | None) -> ModelSource:
     """Where the weights/config for `model` live. None means the embedded SmolLM2 default."""
+    if model is not None and not model.strip():
+        raise ValueError("empty model name; pass None for the default model")
     name = DEFAULT_MODEL_NAME if model is None else model
     embedded = _BY_LOWER_NAME.get(name.strip().lower())
     if embedded is not None:
@@ -100,7 +102,7 @@ def _resolve_path(name: str) -> ModelSource:
     if path.is_dir():
         return ModelSource(kind="folder", path=path)
     if path.is_file():
-        if path.suffix.lower() != ".gguf":
+        if path.suffix.lower() != ".gguf" and not _starts_like_gguf(path):
             raise ValueError(
                 f"{path} is a file but not a .gguf file; pass a .gguf file or a folder "
                 f"holding config.json and *.safetensors"
@@ -113,3 +115,9 @@ def _resolve_path(name: str) -> ModelSource:
         f"existing path. shoal never downloads from a model hub: pass a local .gguf file or a "
         f"folder with config.json"
     )
+
+
+def _starts_like_gguf(path: Path) -> bool:
+    # a GGUF saved under another extension is still recognised by its magic bytes
+    with path.open("rb") as handle:
+        return handle.read(4) == b"GGUF"

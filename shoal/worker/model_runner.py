@@ -72,8 +72,10 @@ class ModelRunner:
         per_block = bytes_per_block(len(layers), a.num_kv_heads, a.head_dim, self.block_size,
                                     self.dtype)
         num_blocks = decide_num_blocks(self.config.cache_config, per_block, self.device)
-        slots = num_blocks * self.block_size
-        # Zeroed, so padded reads of never-written slots see zeros, not NaN garbage.
+        # One extra block at the end is the null block: never allocated, never written, so it
+        # stays zero and padding positions can safely read it.
+        self.null_slot = num_blocks * self.block_size
+        slots = (num_blocks + 1) * self.block_size
         cache = torch.zeros(len(layers), 2, slots, a.num_kv_heads, a.head_dim,
                             dtype=self.dtype, device=self.device)
         self.kv_caches = list(cache.unbind(0))
@@ -126,6 +128,7 @@ class ModelRunner:
             num_decodes=sched.num_decodes,
             sliding_window=self.sliding_window,
             device=self.device,
+            null_slot=self.null_slot,
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)

@@ -65,7 +65,9 @@ def bytes_to_unicode() -> dict[int, str]:
 def llama_cpp_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's convert script does to q/k rows (written from its description)."""
     half = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(num_heads, 2, half, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
@@ -120,8 +122,20 @@ def write_tiny_gguf(path: Path, spec: TinySpec | None = None, seed: int = 0) -> 
         blk, hf = f"blk.{i}", f"model.layers.{i}"
         mt = spec.matrix_type
         add(f"{blk}.attn_norm.weight", f"{hf}.input_layernorm.weight", (spec.hidden,))
-        add(f"{blk}.attn_q.weight", f"{hf}.self_attn.q_proj.weight", (q_rows, spec.hidden), mt, spec.heads)
-        add(f"{blk}.attn_k.weight", f"{hf}.self_attn.k_proj.weight", (kv_rows, spec.hidden), mt, spec.kv_heads)
+        add(
+            f"{blk}.attn_q.weight",
+            f"{hf}.self_attn.q_proj.weight",
+            (q_rows, spec.hidden),
+            mt,
+            spec.heads,
+        )
+        add(
+            f"{blk}.attn_k.weight",
+            f"{hf}.self_attn.k_proj.weight",
+            (kv_rows, spec.hidden),
+            mt,
+            spec.kv_heads,
+        )
         add(f"{blk}.attn_v.weight", f"{hf}.self_attn.v_proj.weight", (kv_rows, spec.hidden), F16)
         add(f"{blk}.attn_output.weight", f"{hf}.self_attn.o_proj.weight", (spec.hidden, q_rows), mt)
         if spec.arch == "qwen2":
@@ -132,9 +146,21 @@ def write_tiny_gguf(path: Path, spec: TinySpec | None = None, seed: int = 0) -> 
             add(f"{blk}.attn_q_norm.weight", f"{hf}.self_attn.q_norm.weight", (spec.head_dim,))
             add(f"{blk}.attn_k_norm.weight", f"{hf}.self_attn.k_norm.weight", (spec.head_dim,))
         add(f"{blk}.ffn_norm.weight", f"{hf}.post_attention_layernorm.weight", (spec.hidden,))
-        add(f"{blk}.ffn_gate.weight", f"{hf}.mlp.gate_proj.weight", (spec.intermediate, spec.hidden), mt)
-        add(f"{blk}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (spec.intermediate, spec.hidden), mt)
-        add(f"{blk}.ffn_down.weight", f"{hf}.mlp.down_proj.weight", (spec.hidden, spec.intermediate), F32)
+        add(
+            f"{blk}.ffn_gate.weight",
+            f"{hf}.mlp.gate_proj.weight",
+            (spec.intermediate, spec.hidden),
+            mt,
+        )
+        add(
+            f"{blk}.ffn_up.weight", f"{hf}.mlp.up_proj.weight", (spec.intermediate, spec.hidden), mt
+        )
+        add(
+            f"{blk}.ffn_down.weight",
+            f"{hf}.mlp.down_proj.weight",
+            (spec.hidden, spec.intermediate),
+            F32,
+        )
     add("output_norm.weight", "model.norm.weight", (spec.hidden,))
     if not spec.tied:
         add("output.weight", "lm_head.weight", (len(vocab), spec.hidden), Q8_0)

@@ -33,10 +33,14 @@ def _write_folder(folder: Path, *, weights: bool = True) -> dict[str, torch.Tens
     }
     if weights:
         # two shards, as large checkpoints come
-        save_file({"model.embed_tokens.weight": tensors["model.embed_tokens.weight"]},
-                  str(folder / "model-00001-of-00002.safetensors"))
-        save_file({k: v for k, v in tensors.items() if k != "model.embed_tokens.weight"},
-                  str(folder / "model-00002-of-00002.safetensors"))
+        save_file(
+            {"model.embed_tokens.weight": tensors["model.embed_tokens.weight"]},
+            str(folder / "model-00001-of-00002.safetensors"),
+        )
+        save_file(
+            {k: v for k, v in tensors.items() if k != "model.embed_tokens.weight"},
+            str(folder / "model-00002-of-00002.safetensors"),
+        )
     return tensors
 
 

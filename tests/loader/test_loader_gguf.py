@@ -84,7 +84,9 @@ def test_untied_model_yields_lm_head(make_gguf):
     loaded = load_model(str(tiny.path))
     assert loaded.hf_config.tie_word_embeddings is False
     weights = dict(loaded.weights())
-    np.testing.assert_array_equal(weights["lm_head.weight"].numpy(), tiny.expected["lm_head.weight"])
+    np.testing.assert_array_equal(
+        weights["lm_head.weight"].numpy(), tiny.expected["lm_head.weight"]
+    )
 
 
 def test_weights_can_be_iterated_twice_and_lazily(tiny_llama):
@@ -96,7 +98,8 @@ def test_weights_can_be_iterated_twice_and_lazily(tiny_llama):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
 def test_qwen_architectures(make_gguf, arch):
-    tiny = make_gguf(arch=arch, head_dim=32)  # head_dim != hidden / heads: must come from key_length
+    # head_dim != hidden / heads, so it must come from key_length
+    tiny = make_gguf(arch=arch, head_dim=32)
     loaded = load_model(str(tiny.path))
     assert loaded.hf_config.model_type == arch
     assert loaded.hf_config.head_dim == 32

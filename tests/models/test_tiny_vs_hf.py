@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from conftest import hf_greedy, write_tiny_checkpoint
+from oracle import hf_greedy, write_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 from shoal import LLM, SamplingParams

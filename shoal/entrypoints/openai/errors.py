@@ -68,27 +68,37 @@ def error_from_exception(exc: BaseException) -> OpenAIError:
     return OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}")
 
 
+# pydantic names the union member that failed in the location ("temperature", "float").
+_UNION_TAG = re.compile(r"^(float|int|str|bool|list|dict|none)$|[\[\]-]")
+
+
+def _loc(error: Mapping[str, Any]) -> list[str]:
+    return [str(x) for x in error.get("loc", ())
+            if x != "body" and not (isinstance(x, str) and _UNION_TAG.search(x))]
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     errors = exc.errors()
     if not errors:
         return "invalid request body", None
     first = errors[0]
-    loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+    loc = _loc(first)
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", "")
         return f"malformed JSON in the request body: {detail}".rstrip(": "), None
     if first.get("type") in ("missing", "model_attributes_type") and not loc:
         return "the request body must be a JSON object", None
-    param = ".".join(loc) if loc else None
-    got = first.get("input")
-    text = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    param = loc[0] if loc else None
+    path = ".".join(loc)
+    text = f"{path}: {first.get('msg')}" if path else str(first.get("msg"))
     if first.get("type") != "missing":
         try:
-            text += f" (got {json.dumps(got)[:100]})"
+            text += f" (got {json.dumps(first.get('input'))[:100]})"
         except (TypeError, ValueError):
             pass
-    if len(errors) > 1:
-        text += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    others = {".".join(_loc(e)) for e in errors[1:]} - {path}
+    if others:
+        text += f"; also invalid: {', '.join(sorted(others))}"
     return text, param
 
 
@@ -102,7 +112,12 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail), headers=exc.headers)
 
-    @app.exception_handler(Exception)
-    async def _any(_: Request, exc: Exception) -> JSONResponse:
+    async def _known(_: Request, exc: Exception) -> JSONResponse:
         err = error_from_exception(exc)
         return error_response(err.status, err.message, err.param, err.headers)
+
+    # Expected errors go through Starlette's ExceptionMiddleware (no traceback in the log);
+    # anything else reaches the Exception handler, which logs it as the bug it is.
+    for cls in (OpenAIError, ValueError, QueueFullError, EngineDeadError, EngineRequestError):
+        app.add_exception_handler(cls, _known)
+    app.add_exception_handler(Exception, _known)

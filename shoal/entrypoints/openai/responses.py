@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 
 def random_id(prefix: str) -> str:
@@ -103,8 +103,15 @@ class ChatCompletionResponse(BaseModel):
 
 
 class DeltaMessage(BaseModel):
+    """Only the fields set are sent, as OpenAI does: {"role": ...} first, then {"content": ...}."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer
+    def _only_set(self) -> dict[str, Any]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content))
+                if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

@@ -1,0 +1,1 @@
+"""Benchmark clients (see BENCHMARKS.md for the workloads)."""

@@ -1,0 +1,69 @@
+"""Engine logprobs -> the two OpenAI formats (legacy completions and chat)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from shoal.entrypoints.openai.responses import CompletionLogprobs, TokenLogprob, TopLogprob
+from shoal.outputs import Logprob, PositionLogprobs
+
+# JSON has no -Infinity; a token the model rules out gets this instead (as vLLM does).
+MIN_LOGPROB = -9999.0
+
+
+def clamp(value: float) -> float:
+    return value if math.isfinite(value) else MIN_LOGPROB
+
+
+def _text(lp: Logprob | None, token_id: int, decode: Callable[[int], str]) -> str:
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    return decode(token_id)
+
+
+def _top(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
+    """The top-k entries by rank (the chosen token carries its true rank, maybe > k)."""
+    ranked = [(tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= k]
+    ranked.sort(key=lambda e: e[1].rank)
+    return ranked
+
+
+def completion_logprobs(token_ids: Sequence[int],
+                        positions: Sequence[PositionLogprobs | None],
+                        k: int, decode: Callable[[int], str],
+                        initial_offset: int = 0) -> CompletionLogprobs:
+    """`tokens/token_logprobs/top_logprobs/text_offset`; a None position (the first prompt
+    token) has no logprob. Offsets index into the choice's text."""
+    out = CompletionLogprobs()
+    offset = initial_offset
+    for tid, pos in zip(token_ids, positions):
+        chosen = pos.get(tid) if pos is not None else None
+        text = _text(chosen, tid, decode)
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+        if pos is None or chosen is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(clamp(chosen.logprob))
+        top = {_text(lp, t, decode): clamp(lp.logprob) for t, lp in _top(pos, k)}
+        top.setdefault(text, clamp(chosen.logprob))  # the sampled token is always listed
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs],
+                  k: int, decode: Callable[[int], str]) -> list[TokenLogprob]:
+    content = []
+    for tid, pos in zip(token_ids, positions):
+        chosen = pos.get(tid)
+        text = _text(chosen, tid, decode)
+        top = [TopLogprob(token=(s := _text(lp, t, decode)), logprob=clamp(lp.logprob),
+                          bytes=list(s.encode("utf-8")))
+               for t, lp in _top(pos, k)]
+        content.append(TokenLogprob(
+            token=text, logprob=clamp(chosen.logprob) if chosen else MIN_LOGPROB,
+            bytes=list(text.encode("utf-8")), top_logprobs=top))
+    return content

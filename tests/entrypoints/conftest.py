@@ -1,0 +1,118 @@
+"""A real `shoal serve` subprocess for the server tests (one per module: start-up is slow)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+BASE_ARGS = ["--kv-cache-memory-bytes", "268435456", "--max-model-len", "2048",
+             "--disable-uvicorn-access-log"]
+STARTUP_TIMEOUT = 300.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RemoteServer:
+    def __init__(self, *args: str, api_key: str | None = None):
+        self.port = free_port()
+        self.api_key = api_key
+        cmd = [sys.executable, "-m", "shoal.entrypoints.cli", "serve", "--port", str(self.port),
+               *BASE_ARGS, *args]
+        if api_key:
+            cmd += ["--api-key", api_key]
+        self.log_path = Path(tempfile.mkstemp(prefix="shoal-server-", suffix=".log")[1])
+        self._log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self._wait_healthy()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:]
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n"
+                                   f"{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not become healthy:\n{self.log_tail()}")
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.base_url + path, headers=self.headers, timeout=60, **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        kw.setdefault("timeout", 120)
+        kw["headers"] = {**self.headers, **kw.get("headers", {})}
+        return httpx.post(self.base_url + path, **kw)
+
+    def openai(self):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "none",
+                             max_retries=0, timeout=120)
+
+    def metric(self, name: str) -> float:
+        """The value of a `shoal:` series (summed over labels), from /metrics."""
+        total, found = 0.0, False
+        for line in self.get("/metrics").text.splitlines():
+            if line.startswith(f"shoal:{name}{{") or line.startswith(f"shoal:{name} "):
+                total += float(line.rsplit(" ", 1)[1])
+                found = True
+        assert found, f"no metric shoal:{name}"
+        return total
+
+    def wait_metric(self, name: str, predicate, timeout: float = 30.0) -> float:
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.metric(name)
+            if predicate(value) or time.monotonic() > deadline:
+                return value
+            time.sleep(0.25)
+
+    def engine_process(self) -> psutil.Process:
+        for child in psutil.Process(self.proc.pid).children():
+            cmdline = " ".join(child.cmdline())
+            if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
+                return child
+        raise RuntimeError("no engine process found")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()

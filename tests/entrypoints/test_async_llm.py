@@ -1,0 +1,187 @@
+"""AsyncLLM's routing, aborts, queue limit and engine-death handling, over a fake client."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import pytest
+
+from shoal.engine.async_llm import AsyncLLM, QueueFullError
+from shoal.engine.core_client import EngineDeadError
+from shoal.engine.core_proc import CoreOutputs, Ready
+from shoal.engine.core_types import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from shoal.engine.engine_args import EngineArgs
+from shoal.engine.output_processor import OutputKind
+from shoal.metrics.stats import IterationStats
+from shoal.sampling_params import SamplingParams
+
+VOCAB = 100
+pytestmark = pytest.mark.anyio  # anyio's pytest plugin runs the async tests
+
+
+@pytest.fixture
+def anyio_backend():
+    return "asyncio"
+
+
+class FakeClient:
+    def __init__(self):
+        self.added: list = []
+        self.aborted: list[str] = []
+        self.outputs: asyncio.Queue = asyncio.Queue()
+        self.dead = False
+        self.is_alive = True
+        self._on_dead = []
+
+    def on_dead(self, cb):
+        self._on_dead.append(cb)
+
+    def add_request(self, req):
+        self.added.append(req)
+
+    def abort_requests(self, ids):
+        self.aborted.extend(ids)
+
+    async def get_outputs(self):
+        item = await self.outputs.get()
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def shutdown(self):
+        pass
+
+    def push(self, *outs: EngineCoreOutput, stats=None, **kw):
+        self.outputs.put_nowait(CoreOutputs(EngineCoreOutputs(list(outs), stats), **kw))
+
+    def die(self):
+        self.dead, self.is_alive = True, False
+        for cb in self._on_dead:
+            cb()
+
+
+class Recorder:
+    def __init__(self):
+        self.iterations: list[IterationStats] = []
+
+    def record(self, stats, it):
+        self.iterations.append(it)
+
+    def log(self):
+        pass
+
+
+async def make_engine(**args) -> tuple[AsyncLLM, FakeClient, Recorder]:
+    client = FakeClient()
+    loaded = SimpleNamespace(tokenizer=None, hf_config=SimpleNamespace(
+        vocab_size=VOCAB, max_position_embeddings=64))
+    ready = Ready(vocab_size=VOCAB, max_model_len=64, num_kv_blocks=16, block_size=16,
+                  eos_token_ids=[2], pid=0)
+    engine = AsyncLLM(EngineArgs(device="cpu", **args), client, ready, loaded)
+    rec = Recorder()
+    engine.stat_loggers.append(rec)
+    return engine, client, rec
+
+
+def sp(**kw) -> SamplingParams:
+    return SamplingParams(detokenize=False, **kw)
+
+
+async def test_outputs_are_routed_and_timed():
+    engine, client, rec = await make_engine()
+    got = []
+
+    async def consume():
+        async for out in engine.generate([5, 6], sp(max_tokens=2), "r1",
+                                         output_kind=OutputKind.DELTA):
+            got.append(out)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0)
+    assert [r.request_id for r in client.added] == ["r1"]
+    client.push(EngineCoreOutput("r1", [10]), queue_times={"r1": 0.25})
+    client.push(EngineCoreOutput("r1", [11], finish_reason="length"),
+                stats=SchedulerStats(num_running=0))
+    await asyncio.wait_for(task, 5)
+    assert [o.outputs[0].token_ids for o in got] == [[10], [11]]
+    assert got[-1].finished and got[-1].outputs[0].finish_reason == "length"
+    assert engine.num_unfinished_requests == 0 and client.aborted == []
+    its = rec.iterations
+    assert len(its[0].time_to_first_tokens) == 1 and its[0].queue_times == [0.25]
+    assert len(its[1].inter_token_latencies) == 1
+    (fin,) = its[1].finished
+    assert (fin.finish_reason, fin.num_prompt_tokens, fin.num_generation_tokens) == \
+        ("length", 2, 2)
+    await engine.shutdown()
+
+
+async def test_cancelled_consumer_aborts_every_child():
+    engine, client, rec = await make_engine()
+
+    async def consume():
+        async for _ in engine.generate([5], sp(n=2, max_tokens=50), "r"):
+            pass
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0)
+    assert [r.request_id for r in client.added] == ["0_r", "1_r"]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert sorted(client.aborted) == ["0_r", "1_r"]
+    assert engine.num_unfinished_requests == 0
+    assert rec.iterations[-1].finished[0].finish_reason == "abort"
+    await engine.shutdown()
+
+
+async def test_validation_happens_before_the_core():
+    engine, client, _ = await make_engine()
+    for prompt, params in (([VOCAB + 1], sp()), ([], sp()), ([1] * 64, sp()),
+                           ([1], sp(logit_bias={VOCAB: 1.0}))):
+        with pytest.raises(ValueError):
+            engine.add_request("x", prompt, params)
+    assert client.added == [] and engine.num_unfinished_requests == 0
+    await engine.shutdown()
+
+
+async def test_waiting_queue_limit():
+    engine, client, _ = await make_engine(max_num_seqs=1, max_waiting_requests=1)
+    engine.add_request("a", [1], sp())
+    engine.add_request("b", [1], sp())  # waits
+    with pytest.raises(QueueFullError) as err:
+        engine.add_request("c", [1], sp())
+    assert err.value.retry_after >= 1
+    engine.abort("a")
+    engine.add_request("c", [1], sp())  # room again
+    await engine.shutdown()
+
+
+async def test_core_rejection_fails_only_that_request():
+    engine, client, _ = await make_engine()
+    bad = engine.add_request("bad", [1], sp(n=2))
+    good = engine.add_request("good", [1], sp(max_tokens=1))
+    client.push(EngineCoreOutput("good", [3], finish_reason="length"),
+                rejected={"1_bad": "no room"})
+    with pytest.raises(ValueError, match="no room"):
+        async for _ in bad:
+            pass
+    assert "0_bad" in client.aborted
+    outs = [o async for o in good]
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == [3]
+    await engine.shutdown()
+
+
+async def test_engine_death_fails_in_flight_and_new_requests():
+    engine, client, _ = await make_engine()
+    dead_seen = []
+    engine.on_dead(lambda: dead_seen.append(True))
+    stream = engine.add_request("a", [1], sp())
+    client.die()
+    with pytest.raises(EngineDeadError):
+        async for _ in stream:
+            pass
+    assert dead_seen == [True] and not engine.is_healthy
+    with pytest.raises(EngineDeadError):
+        engine.add_request("b", [1], sp())
+    await engine.shutdown()

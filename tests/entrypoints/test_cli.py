@@ -1,0 +1,87 @@
+"""The command line: flags map to EngineArgs/ServerSettings; the chat loop (fake engine)."""
+
+from __future__ import annotations
+
+import io
+
+from shoal.engine.engine_args import EngineArgs
+from shoal.entrypoints.chat_cli import chat_loop
+from shoal.entrypoints.cli import build_parser, sampling_params_from
+from shoal.entrypoints.cli_args import engine_args_from, server_settings_from
+from shoal.outputs import CompletionOutput, RequestOutput
+
+
+def test_serve_defaults():
+    ns = build_parser().parse_args(["serve"])
+    s = server_settings_from(ns)
+    assert (s.host, s.port, s.api_key, s.shutdown_timeout) == ("127.0.0.1", 8000, None, 30.0)
+    assert s.served_model_names == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert engine_args_from(ns) == EngineArgs()
+
+
+def test_serve_flags_use_vllm_names():
+    ns = build_parser().parse_args([
+        "serve", "m.gguf", "--port", "9", "--api-key", "k", "--served-model-name", "a", "b",
+        "--max-model-len", "512", "--max-num-seqs", "3", "--max-num-batched-tokens", "64",
+        "--gpu-memory-utilization", "0.5", "--block-size", "32", "--no-enable-prefix-caching",
+        "--dtype", "bfloat16", "--tensor-parallel-size", "1", "--seed", "7",
+        "--load-format", "dummy", "--tokenizer", "t", "--kv-cache-memory-bytes", "1024",
+        "--max-waiting-requests", "5", "--shutdown-timeout", "2.5"])
+    a = engine_args_from(ns)
+    assert (a.model, a.max_model_len, a.max_num_seqs, a.max_num_batched_tokens) == \
+        ("m.gguf", 512, 3, 64)
+    assert (a.gpu_memory_utilization, a.block_size, a.enable_prefix_caching, a.dtype) == \
+        (0.5, 32, False, "bfloat16")
+    assert (a.seed, a.load_format, a.tokenizer, a.kv_cache_memory_bytes) == \
+        (7, "dummy", "t", 1024)
+    assert a.max_waiting_requests == 5
+    s = server_settings_from(ns)
+    assert (s.port, s.api_key, s.served_model_names, s.shutdown_timeout) == \
+        (9, "k", ["a", "b"], 2.5)
+
+
+def test_generate_flags():
+    ns = build_parser().parse_args(["generate", "--prompt", "a", "--prompt", "b",
+                                    "--max-tokens", "3", "--temperature", "0.5"])
+    assert ns.prompt == ["a", "b"]
+    p = sampling_params_from(ns)
+    assert (p.max_tokens, p.temperature) == (3, 0.5)
+
+
+class FakeEngine:
+    """Replies 'ok' in two deltas to every turn; records the conversations it saw."""
+
+    def __init__(self):
+        self.seen: list[list[dict]] = []
+        self.inputs = self
+        self._pending: list[RequestOutput] = []
+
+    def process_chat(self, messages):
+        self.seen.append([dict(m) for m in messages])
+        return "prompt"
+
+    def add_request(self, rid, prompt, params, kind):
+        def out(text, done):
+            c = CompletionOutput(0, text, [1], None, None, "stop" if done else None)
+            return RequestOutput(rid, None, [1], None, [c], done)
+
+        self._pending = [out("o", False), out("k", True)]
+
+    def has_unfinished_requests(self):
+        return bool(self._pending)
+
+    def step(self):
+        return [self._pending.pop(0)]
+
+
+def test_chat_keeps_the_conversation_and_streams():
+    engine = FakeEngine()
+    out = io.StringIO()
+    code = chat_loop(engine, sampling_params_from(build_parser().parse_args(["chat"])),
+                     [{"role": "system", "content": "be brief"}],
+                     io.StringIO("hi\n\nagain\n"), out)
+    assert code == 0
+    assert out.getvalue() == "ok\nok\n"
+    assert engine.seen[-1] == [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]

@@ -1,0 +1,188 @@
+"""The engine-core busy loop over real ZMQ sockets, with a fake core (no model)."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+
+import msgspec
+import pytest
+import zmq
+
+from shoal.engine.core_proc import (
+    AbortRequests,
+    AddRequest,
+    CoreOutputs,
+    EngineCoreProc,
+    OutputMessage,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
+from shoal.engine.core_types import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+)
+from shoal.sampling_params import SamplingParams
+
+
+class FakeRequest:
+    def __init__(self, arrival: float):
+        self.arrival_time = arrival
+        self.first_scheduled_time: float | None = None
+
+
+class FakeCore:
+    """Each request yields one token per step and finishes after `max_tokens`."""
+
+    def __init__(self):
+        self.scheduler = type("S", (), {"requests": {}})()
+        self.left: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.prefix_queries = 0
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        if req.prompt_token_ids[0] < 0:
+            raise ValueError("prompt_token_ids must be >= 0")
+        self.left[req.request_id] = req.sampling_params.max_tokens
+        self.scheduler.requests[req.request_id] = FakeRequest(req.arrival_time)
+
+    def abort_requests(self, ids: list[str]) -> None:
+        for rid in ids:
+            if self.left.pop(rid, None) is not None:
+                self.aborted.append(rid)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.left)
+
+    def step(self) -> EngineCoreOutputs:
+        outs = []
+        for rid in list(self.left):
+            self.scheduler.requests[rid].first_scheduled_time = \
+                self.scheduler.requests[rid].arrival_time + 0.5
+            self.left[rid] -= 1
+            done = self.left[rid] == 0
+            if done:
+                del self.left[rid]
+            outs.append(EngineCoreOutput(rid, [7], finish_reason="length" if done else None))
+        self.prefix_queries += 10
+        return EngineCoreOutputs(outs, SchedulerStats(num_running=len(self.left),
+                                                      prefix_cache_queries=self.prefix_queries))
+
+
+@pytest.fixture
+def loop():
+    """(send, recv, core, death_writer, thread) around a running EngineCoreProc."""
+    ctx = zmq.Context()
+    to_engine, engine_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    engine_out, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    engine_in.bind("inproc://in")
+    to_engine.connect("inproc://in")
+    from_engine.bind("inproc://out")
+    engine_out.connect("inproc://out")
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    core = FakeCore()
+    proc = EngineCoreProc(core, engine_in, engine_out, death_fd=reader.fileno())
+    thread = threading.Thread(target=proc.run, daemon=True)
+    thread.start()
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(OutputMessage)
+    from_engine.setsockopt(zmq.RCVTIMEO, 5000)
+
+    def send(msg):
+        to_engine.send(enc.encode(msg))
+
+    def recv():
+        return dec.decode(from_engine.recv())
+
+    yield send, recv, core, writer, thread
+    if thread.is_alive():
+        send(Shutdown())
+        thread.join(5)
+    for s in (to_engine, engine_in, engine_out, from_engine):
+        s.close(linger=0)
+    ctx.term()
+
+
+def _req(rid: str, first_token: int = 1, max_tokens: int = 2) -> AddRequest:
+    return AddRequest(EngineCoreRequest(rid, [first_token, 2], SamplingParams(max_tokens=max_tokens),
+                                        arrival_time=100.0))
+
+
+def _collect_until_finished(recv, rid: str) -> list[CoreOutputs]:
+    msgs = []
+    while True:
+        msg = recv()
+        assert isinstance(msg, CoreOutputs)
+        msgs.append(msg)
+        if any(o.request_id == rid and o.finish_reason for o in msg.outputs.outputs):
+            return msgs
+
+
+def test_steps_until_done_with_queue_time_once(loop):
+    send, recv, *_ = loop
+    send(_req("a", max_tokens=3))
+    msgs = _collect_until_finished(recv, "a")
+    tokens = [t for m in msgs for o in m.outputs.outputs for t in o.new_token_ids]
+    assert tokens == [7, 7, 7]
+    queue_times = [m.queue_times for m in msgs if m.queue_times]
+    assert queue_times == [{"a": 0.5}]
+    assert msgs[-1].outputs.stats.prefix_cache_queries > 0
+
+
+def test_bad_request_is_rejected_alone(loop):
+    send, recv, core, *_ = loop
+    send(_req("bad", first_token=-5))
+    send(_req("good"))
+    rejected, finished = {}, False
+    while not finished:
+        msg = recv()
+        rejected.update(msg.rejected)
+        finished = any(o.request_id == "good" and o.finish_reason for o in msg.outputs.outputs)
+    assert rejected == {"bad": "prompt_token_ids must be >= 0"}
+    # The loop is still alive and serving.
+    send(UtilityCall(1, "ping"))
+    assert recv() == UtilityResult(1, "pong")
+
+
+def test_abort_and_utilities(loop):
+    send, recv, core, *_ = loop
+    send(_req("long", max_tokens=10_000))
+    assert isinstance(recv(), CoreOutputs)
+    send(AbortRequests(["long"]))
+    send(UtilityCall(2, "no_such_thing"))
+    while True:
+        msg = recv()
+        if isinstance(msg, UtilityResult):
+            break
+    assert msg.call_id == 2 and "unknown utility" in msg.error
+    assert core.aborted == ["long"]
+    send(UtilityCall(3, "get_stats"))
+    stats = recv().result
+    assert stats["prefix_cache_queries"] > 0
+    send(UtilityCall(4, "reset_stats"))
+    assert recv().result is True
+    send(UtilityCall(5, "get_stats"))
+    assert recv().result.get("prefix_cache_queries", 0) == 0
+
+
+def test_malformed_message_is_dropped(loop):
+    send, recv, *_ = loop
+    send({"not": "a message"})
+    send(UtilityCall(9, "ping"))
+    assert recv() == UtilityResult(9, "pong")
+
+
+def test_parent_death_pipe_ends_the_loop(loop):
+    *_, writer, thread = loop
+    writer.close()  # what the kernel does when the frontend dies
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_shutdown_message_ends_the_loop(loop):
+    send, *_, thread = loop
+    send(Shutdown())
+    thread.join(10)
+    assert not thread.is_alive()

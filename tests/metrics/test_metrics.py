@@ -1,0 +1,88 @@
+"""Prometheus collectors per registry, counter deltas from cumulative totals, the log line."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, generate_latest
+
+from shoal.engine.core_types import SchedulerStats
+from shoal.metrics import (
+    FinishedRequestStats,
+    IterationStats,
+    LoggingStatLogger,
+    PrometheusStatLogger,
+)
+from shoal.metrics.stats import CumulativeDelta
+
+M = "m"
+
+
+def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    v = registry.get_sample_value(name, {"model_name": M, **labels})
+    assert v is not None, name
+    return v
+
+
+def test_two_loggers_in_one_process_do_not_clash():
+    a, b = PrometheusStatLogger(M), PrometheusStatLogger(M)
+    assert a.registry is not b.registry
+    text = generate_latest(a.registry).decode()
+    assert 'shoal:kv_cache_usage_perc{model_name="m"} 0.0' in text
+    assert 'shoal:request_success_total{finished_reason="stop",model_name="m"} 0.0' in text
+
+
+def test_scheduler_stats_gauges_and_counters():
+    p = PrometheusStatLogger(M)
+    r = p.registry
+    p.record(SchedulerStats(num_running=2, num_waiting=1, kv_cache_usage=0.5,
+                            prefix_cache_queries=100, prefix_cache_hits=40, num_preemptions=1,
+                            num_prompt_tokens=30, num_generation_tokens=2), IterationStats())
+    p.record(SchedulerStats(num_running=1, kv_cache_usage=0.25, prefix_cache_queries=150,
+                            prefix_cache_hits=40, num_preemptions=1, num_generation_tokens=1),
+             IterationStats())
+    assert _value(r, "shoal:num_requests_running") == 1
+    assert _value(r, "shoal:num_requests_waiting") == 0
+    assert _value(r, "shoal:kv_cache_usage_perc") == 0.25
+    assert _value(r, "shoal:prefix_cache_queries_total") == 150  # cumulative, not summed
+    assert _value(r, "shoal:prefix_cache_hits_total") == 40
+    assert _value(r, "shoal:num_preemptions_total") == 1
+    assert _value(r, "shoal:prompt_tokens_total") == 30  # per-step deltas, summed
+    assert _value(r, "shoal:generation_tokens_total") == 3
+
+
+def test_latency_histograms_and_finished_requests():
+    p = PrometheusStatLogger(M)
+    it = IterationStats(time_to_first_tokens=[0.1, 0.2], inter_token_latencies=[0.05],
+                        queue_times=[0.01],
+                        finished=[FinishedRequestStats("length", 1.5, 10, 4),
+                                  FinishedRequestStats("abort", 0.5, 3, 1)])
+    p.record(None, it)
+    r = p.registry
+    assert _value(r, "shoal:time_to_first_token_seconds_count") == 2
+    assert abs(_value(r, "shoal:time_to_first_token_seconds_sum") - 0.3) < 1e-9
+    assert _value(r, "shoal:inter_token_latency_seconds_count") == 1
+    assert _value(r, "shoal:request_queue_time_seconds_count") == 1
+    assert _value(r, "shoal:e2e_request_latency_seconds_count") == 2
+    assert _value(r, "shoal:request_success_total", finished_reason="length") == 1
+    assert _value(r, "shoal:request_success_total", finished_reason="abort") == 1
+
+
+def test_cumulative_delta_survives_a_reset():
+    d = CumulativeDelta()
+    assert [d(10), d(15), d(15), d(3), d(5)] == [10, 5, 0, 3, 2]
+
+
+def test_log_line_only_while_active():
+    log = LoggingStatLogger()
+    assert log.format_line(now=log._last_time + 10) is None  # idle: nothing to say
+    log.record(SchedulerStats(num_running=1, kv_cache_usage=0.125, num_prompt_tokens=100,
+                              num_generation_tokens=20, prefix_cache_queries=10,
+                              prefix_cache_hits=5), IterationStats())
+    line = log.format_line(now=log._last_time + 10)
+    assert line is not None
+    assert "prompt throughput: 10.0 tokens/s" in line
+    assert "generation throughput: 2.0 tokens/s" in line
+    assert "Running: 1 reqs" in line and "KV cache usage: 12.5%" in line
+    assert "hit rate: 50.0%" in line
+    log.record(SchedulerStats(), IterationStats())
+    assert log.format_line(now=log._last_time + 10) is not None  # one closing line at zero
+    assert log.format_line(now=log._last_time + 10) is None
