@@ -244,10 +244,13 @@ def run_one(engine: str, dtype: str, args: argparse.Namespace, req_path: Path,
            "--dtype", dtype, "--requests", str(req_path), "--result", str(result_path),
            "--hf-folder", str(args.hf_folder)]
     print(f"[w6] {engine} {dtype}: {shlex.join(cmd)}", flush=True)
+    env = dict(os.environ)
+    if engine == "shoal" and args.shoal_omp_threads:
+        env["OMP_NUM_THREADS"] = str(args.shoal_omp_threads)
     cache_warm = vllm_compile_cache_warm() if engine == "vllm" else None
     t0 = time.time()
     try:
-        proc = subprocess.run(cmd + ["--t0", repr(t0)], cwd=REPO, timeout=args.timeout)
+        proc = subprocess.run(cmd + ["--t0", repr(t0)], cwd=REPO, timeout=args.timeout, env=env)
         rc = proc.returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
@@ -354,6 +357,8 @@ def main() -> int:
     ap.add_argument("--hf-folder", type=Path, default=DEFAULT_HF_FOLDER)
     ap.add_argument("--shoal-python", type=Path, default=PYTHONS["shoal"])
     ap.add_argument("--vllm-python", type=Path, default=PYTHONS["vllm"])
+    ap.add_argument("--shoal-omp-threads", type=int, default=None,
+                    help="OMP_NUM_THREADS for the shoal worker (default: torch's own choice)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine/dtype")
     ap.add_argument("--out", type=Path, default=None,
                     help="results file (default benchmarks/results/<date>-W6-cpu.json for the "

@@ -1,9 +1,12 @@
 """Reference attention over the paged KV cache in plain PyTorch.
 
 Per layer: write the new keys/values into their slots, then gather each request's context
-from the cache and run scaled-dot-product attention, decodes as one batch and prefill chunks
+block by block and run scaled-dot-product attention, decodes as one batch and prefill chunks
 as another. Writing before reading lets a request read blocks that another request in the
-same step is filling (prefix-cache hits on blocks computed in this very step)."""
+same step is filling (prefix-cache hits on blocks computed in this very step).
+
+Grouped-query attention never copies keys per query head: the query heads that share a KV
+head are laid out as extra query rows of that head."""
 
 from __future__ import annotations
 
@@ -24,28 +27,36 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     md: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hk, D]. Returns [T, Hq, D]."""
     write_kv_cache(kv_cache, k, v, md.slot_mapping)
+    t, hq, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
     out = torch.empty_like(q)
     nd = md.num_decodes
     if nd:
-        out[:nd] = _attend(q[:nd].unsqueeze(1), kv_cache, md.decode_slots, md.decode_mask,
-                           scale).squeeze(1)
+        bs = md.decode_mask.shape[-1] // md.decode_block_tables.shape[1]
+        kc = _gather(kv_cache[0], md.decode_block_tables, bs)
+        vc = _gather(kv_cache[1], md.decode_block_tables, bs)
+        qd = q[:nd].view(nd, hk, g, d)  # query head h uses KV head h // g
+        o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=md.decode_mask, scale=scale)
+        out[:nd] = o.reshape(nd, hq, d)
     if md.num_prefills:
+        bs = md.prefill_mask.shape[-1] // md.prefill_block_tables.shape[1]
+        kc = _gather(kv_cache[0], md.prefill_block_tables, bs)
+        vc = _gather(kv_cache[1], md.prefill_block_tables, bs)
         qp = q[md.prefill_token_index]  # [P, Lq, Hq, D]
-        o = _attend(qp, kv_cache, md.prefill_slots, md.prefill_mask, scale)
-        out[md.prefill_token_index[md.prefill_token_valid]] = o[md.prefill_token_valid]
+        p, lq = qp.shape[0], qp.shape[1]
+        qp = qp.view(p, lq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(p, hk, g * lq, d)
+        o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=md.grouped_prefill_mask(g),
+                                           scale=scale)
+        o = o.view(p, hk, g, lq, d).permute(0, 3, 1, 2, 4).reshape(p, lq, hq, d)
+        valid = md.prefill_token_valid
+        out[md.prefill_token_index[valid]] = o[valid]
     return out
 
 
-def _attend(q: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor,
-            scale: float) -> torch.Tensor:
-    """q: [B, Lq, Hq, D]; slots: [B, Lk]; mask: [B, 1, Lq, Lk]. Returns [B, Lq, Hq, D]."""
-    k = kv_cache[0][slots]  # [B, Lk, Hk, D]
-    v = kv_cache[1][slots]
-    hq, hk = q.shape[2], k.shape[2]
-    if hq != hk:
-        k = k.repeat_interleave(hq // hk, dim=2)
-        v = v.repeat_interleave(hq // hk, dim=2)
-    o = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=scale
-    )
-    return o.transpose(1, 2)
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:
+    """cache: [num_slots, Hk, D] -> [B, Hk, N * block_size, D] for block tables [B, N]."""
+    b, n = block_tables.shape
+    hk, d = cache.shape[1], cache.shape[2]
+    blocks = cache.view(-1, block_size * hk * d).index_select(0, block_tables.reshape(-1))
+    return blocks.view(b, n * block_size, hk, d).transpose(1, 2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import platform
 import random
 import statistics
@@ -177,6 +178,7 @@ async def _main(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(ns: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
     result = asyncio.run(_main(ns))
     s = result["summary"]
     for key, value in s.items():

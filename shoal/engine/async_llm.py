@@ -253,9 +253,9 @@ class AsyncLLM:
                 self._process(msg)
         except EngineDeadError as e:
             self._fail_all(e)
-        except Exception as e:  # a bug here would hang every request; fail them instead
+        except Exception as e:  # a bug here would hang every request: fail loudly instead
             logger.exception("the output handler failed")
-            self._fail_all(EngineDeadError(f"the output handler failed: {e}"))
+            self._on_engine_dead(EngineDeadError(f"the output handler failed: {e}"))
 
     def _process(self, msg: CoreOutputs) -> None:
         now = time.monotonic()
@@ -328,8 +328,8 @@ class AsyncLLM:
         self._parents.clear()
         self._children.clear()
 
-    def _on_engine_dead(self) -> None:
-        self._fail_all(EngineDeadError("the engine process died"))
+    def _on_engine_dead(self, err: EngineDeadError | None = None) -> None:
+        self._fail_all(err or EngineDeadError("the engine process died"))
         for cb in self._dead_callbacks:
             try:
                 cb()

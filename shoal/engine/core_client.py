@@ -65,6 +65,9 @@ class EngineCoreClient:
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
         self._ready: asyncio.Future[Ready] = asyncio.get_running_loop().create_future()
+        # Nobody may be waiting when start-up fails (the frontend failed first): mark the
+        # error as seen so asyncio does not log it a second time.
+        self._ready.add_done_callback(lambda f: f.cancelled() or f.exception())
         self._dead_callbacks: list[Callable[[], None]] = []
         self.dead = False
         self.closing = False

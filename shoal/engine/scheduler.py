@@ -101,7 +101,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        self.kv.free(req)
+        self.kv.free(req, failed=status == RequestStatus.FINISHED_ERROR)
         self.requests.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)
 

@@ -82,11 +82,14 @@ class KVCacheManager:
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, failed: bool = False) -> None:
+        """Returns a request's blocks to the pool. Blocks published for a step that never ran
+        (a victim un-scheduled by preemption) hold no keys, and a failed request's keys are
+        not to be trusted: both are withdrawn from the prefix cache unless another request
+        holds them."""
         blocks = self.req_blocks.pop(request.request_id, [])
-        # Blocks published for a step that never ran (a victim un-scheduled by preemption)
-        # hold no keys: withdraw them from the prefix cache unless another request holds them.
-        for b in blocks[request.num_computed_tokens // self.block_size:]:
+        first_unsure = 0 if failed else request.num_computed_tokens // self.block_size
+        for b in blocks[first_unsure:]:
             if b.block_hash is not None and b.ref_cnt == 1:
                 self.pool.uncache_block(b)
         self.pool.free(list(reversed(blocks)))

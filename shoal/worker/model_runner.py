@@ -74,7 +74,7 @@ class ModelRunner:
         num_blocks = decide_num_blocks(self.config.cache_config, per_block, self.device)
         # One extra block at the end is the null block: never allocated, never written, so it
         # stays zero and padding positions can safely read it.
-        self.null_slot = num_blocks * self.block_size
+        self.null_block = num_blocks
         slots = (num_blocks + 1) * self.block_size
         cache = torch.zeros(len(layers), 2, slots, a.num_kv_heads, a.head_dim,
                             dtype=self.dtype, device=self.device)
@@ -128,7 +128,7 @@ class ModelRunner:
             num_decodes=sched.num_decodes,
             sliding_window=self.sliding_window,
             device=self.device,
-            null_slot=self.null_slot,
+            null_block=self.null_block,
         )
         ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
@@ -140,6 +140,7 @@ class ModelRunner:
             return out
         logits = self.model.compute_logits(hidden[torch.tensor(logits_index, device=self.device)])
         states = [self.requests[r] for r in sample_rows]
+        sched_blocks = {it.request_id: it.block_ids for it in items}
         smd = SamplingMetadata.build(
             [s.sampling_params for s in states],
             [s.output_token_ids for s in states],
@@ -157,12 +158,20 @@ class ModelRunner:
         for i, (rid, st) in enumerate(zip(sample_rows, states)):
             if not finite_l[i]:
                 out.failed_request_ids.add(rid)
+                self._zero_blocks(sched_blocks[rid])
                 continue
             st.output_token_ids.append(sampled[i])
             out.sampled_token_ids[rid] = sampled[i]
             if lp_rows[i] is not None:
                 out.logprobs[rid] = lp_rows[i]
         return out
+
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        """A request that produced non-finite values must not leave them in blocks that padding
+        reads of later requests may touch (0 * NaN is NaN)."""
+        idx = torch.tensor(block_ids, device=self.device)
+        for kv in self.kv_caches:
+            kv.view(2, -1, self.block_size, *kv.shape[2:])[:, idx] = 0
 
     def _prompt_logprobs(self, hidden: torch.Tensor,
                          spans: list[tuple[str, int, int, int]]) -> dict[str, list[tuple[int, Logprobs]]]:

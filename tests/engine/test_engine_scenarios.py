@@ -217,3 +217,29 @@ def test_request_larger_than_the_pool_is_rejected(tiny_llama_dir):
     llm = _llm(tiny_llama_dir, num_gpu_blocks_override=4)
     with pytest.raises(ValueError, match="KV blocks"):
         llm.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=50), use_tqdm=False)
+
+
+def test_non_finite_logits_fail_only_that_request_and_publish_nothing(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    eng = llm.llm_engine
+    runner = eng.core.runner
+    real = runner.model.compute_logits
+    poison = {"on": True}
+
+    def compute_logits(hidden):
+        logits = real(hidden)
+        if poison["on"]:
+            logits[0] = float("nan")
+        return logits
+
+    runner.model.compute_logits = compute_logits
+    prompt = _prompts(1, seed=12, lo=30, hi=31)[0]
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert out.outputs[0].finish_reason == "error"
+    assert out.error and "non-finite" in out.error
+    assert _blocks_all_free(llm)
+    # Nothing it computed may be served from the prefix cache, and the engine keeps serving.
+    poison["on"] = False
+    again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].finish_reason == "length"

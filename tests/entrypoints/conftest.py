@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -100,11 +99,14 @@ class RemoteServer:
                 return value
             time.sleep(0.25)
 
-    def engine_process(self) -> psutil.Process:
-        for child in psutil.Process(self.proc.pid).children():
-            cmdline = " ".join(child.cmdline())
-            if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
-                return child
+    def engine_pid(self) -> int:
+        """The spawned engine-core child (not multiprocessing's resource tracker)."""
+        pid = self.proc.pid
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        for child in children:
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+            if b"spawn_main" in cmdline and b"resource_tracker" not in cmdline:
+                return int(child)
         raise RuntimeError("no engine process found")
 
     def stop(self) -> None:

@@ -194,6 +194,7 @@ BAD_COMPLETIONS = [
     ({"prompt": [1, "a"]}, 400),
     ({"prompt": [99999999]}, 400),
     ({"prompt": [1] * 2048}, 400),  # longer than max_model_len
+    ({"prompt": PROMPT, "max_tokens": 2048}, 400),  # prompt + completion too long
     ({"prompt": PROMPT, "suffix": "!"}, 400),
     ({"prompt": PROMPT, "best_of": 3}, 400),
     ({"prompt": PROMPT, "model": "gpt-4"}, 404),
@@ -209,6 +210,7 @@ BAD_CHATS = [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),
     ({"messages": MESSAGES, "top_logprobs": 2}, 400),
     ({"messages": MESSAGES, "max_completion_tokens": -3}, 400),
+    ({"messages": MESSAGES, "max_completion_tokens": 4096}, 400),
 ]
 
 

@@ -10,7 +10,11 @@ from shoal.engine.async_llm import QueueFullError
 from shoal.entrypoints.openai.auth import ApiKeyMiddleware
 from shoal.entrypoints.openai.errors import install_error_handlers
 from shoal.entrypoints.openai.logprobs import MIN_LOGPROB, chat_logprobs, completion_logprobs
-from shoal.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from shoal.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_context_length,
+)
 from shoal.entrypoints.openai.serving_completion import normalize_prompts
 from shoal.outputs import Logprob
 
@@ -95,6 +99,13 @@ def test_normalize_prompts(prompt, expected):
 def test_normalize_prompts_rejects(prompt):
     with pytest.raises(ValueError):
         normalize_prompts(prompt)
+
+
+def test_context_length_check():
+    check_context_length(10, 6, 16)
+    check_context_length(10, None, 16)  # the engine fills the rest
+    with pytest.raises(ValueError, match="max_completion_tokens is too large.*16 tokens"):
+        check_context_length(10, 7, 16, "max_completion_tokens")
 
 
 def test_chat_unsupported_fields():

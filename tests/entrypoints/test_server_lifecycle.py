@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import threading
@@ -47,7 +49,7 @@ def test_engine_death_fails_requests_and_exits_nonzero(server):
                       timeout=60) as stream:
         lines = stream.iter_lines()
         assert next(lines).startswith("data: ")  # both requests are generating now
-        server.engine_process().kill()
+        os.kill(server.engine_pid(), signal.SIGKILL)
         events = [ln for ln in lines if ln.startswith("data: ")]
     t.join(60)
     # The streaming client gets an in-band error and [DONE]; the other one a 503 body.

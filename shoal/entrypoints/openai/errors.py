@@ -27,7 +27,8 @@ ERROR_TYPES = {
     503: "ServiceUnavailableError",
 }
 # "temperature must be ...", "prompt is 3000 tokens ...": the field a ValueError names.
-_PARAM_RE = re.compile(r"^([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)? (?:must|is|token|values|needs)\b")
+_PARAM_RE = re.compile(r"^([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)?(?: strings| token ids)? "
+                       r"(?:must|is|token|values|needs)\b")
 
 
 class OpenAIError(Exception):

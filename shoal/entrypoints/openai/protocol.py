@@ -17,6 +17,17 @@ Number = StrictFloat | StrictInt
 TokenIds = list[StrictInt]
 
 
+def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int,
+                         field: str = "max_tokens") -> None:
+    """An explicit max_tokens must fit beside the prompt (the engine would silently clip
+    it; OpenAI and vLLM answer 400)."""
+    if max_tokens is not None and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
+        raise ValueError(
+            f"{field} is too large: this model's maximum context length is {max_model_len} "
+            f"tokens, but {prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
+            f"{max_tokens} in the completion)")
+
+
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 

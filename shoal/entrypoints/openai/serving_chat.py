@@ -14,7 +14,11 @@ from shoal.engine.input_processor import ProcessedPrompt
 from shoal.engine.output_processor import OutputKind
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from shoal.entrypoints.openai.logprobs import chat_logprobs
-from shoal.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from shoal.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    check_context_length,
+)
 from shoal.entrypoints.openai.responses import (
     ChatChoice,
     ChatCompletionChunk,
@@ -86,6 +90,9 @@ class OpenAIServingChat:
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
+        check_context_length(len(prompt.prompt_token_ids), max_tokens, self.engine.max_model_len,
+                             "max_completion_tokens" if req.max_completion_tokens is not None
+                             else "max_tokens")
         params = req.to_sampling_params(max_tokens, k, req.prompt_logprobs)
         request_id = random_id("chatcmpl")
         stream = self.engine.add_request(
@@ -139,9 +146,9 @@ class OpenAIServingChat:
         prompt_tokens = cached = completion = 0
         try:
             # OpenAI opens every choice with the role and empty content.
-            yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                      content=""))
-                         for i in range(n)])
+            for i in range(n):
+                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
+                                                                          content=""))])
             async for out in stream:
                 prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
                 for c in out.outputs:

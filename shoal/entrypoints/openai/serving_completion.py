@@ -13,7 +13,7 @@ from shoal.engine.async_llm import AsyncLLM, RequestStream
 from shoal.engine.output_processor import OutputKind
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from shoal.entrypoints.openai.logprobs import clamp, completion_logprobs
-from shoal.entrypoints.openai.protocol import CompletionRequest
+from shoal.entrypoints.openai.protocol import CompletionRequest, check_context_length
 from shoal.entrypoints.openai.responses import (
     CompletionChoice,
     CompletionResponse,
@@ -73,7 +73,10 @@ class OpenAIServingCompletion:
         bad = req.unsupported()
         if bad is not None:
             raise OpenAIError(400, bad[1], bad[0])
-        prompts = normalize_prompts(req.prompt)
+        prompts = [self.engine.inputs.process(p) for p in normalize_prompts(req.prompt)]
+        for p in prompts:
+            check_context_length(len(p.prompt_token_ids), req.max_tokens,
+                                 self.engine.max_model_len)
         k = req.logprobs
         prompt_k = req.prompt_logprobs
         if req.echo and k is not None:
