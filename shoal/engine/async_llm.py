@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.config import EngineConfig
-from shoal.engine.core import EngineCore
+from shoal.engine.core import validate_request
 from shoal.engine.core_client import EngineCoreClient, EngineDeadError
 from shoal.engine.core_proc import CoreOutputs, Ready
 from shoal.engine.core_types import EngineCoreRequest, SchedulerStats
@@ -96,18 +96,6 @@ class RequestStream:
             self.engine.abort(self.request_id)
 
 
-class _Validator:
-    """The two attributes EngineCore.validate reads, so the frontend runs the core's own
-    checks (KV-pool size included) before sending anything."""
-
-    def __init__(self, config: EngineConfig, vocab_size: int):
-        self.config = config
-        self.vocab_size = vocab_size
-
-    def __call__(self, req: EngineCoreRequest) -> int:
-        return EngineCore.validate(self, req)  # type: ignore[arg-type]
-
-
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, client: EngineCoreClient, ready: Ready,
                  loaded: Any, *, log_stats_interval: float = 10.0):
@@ -123,7 +111,7 @@ class AsyncLLM:
         self.vocab_size = ready.vocab_size
         self.inputs = InputProcessor(self.tokenizer, ready.vocab_size, ready.max_model_len)
         self.outputs = OutputProcessor(self.tokenizer)
-        self._validate = _Validator(self.config, ready.vocab_size)
+        self._validate = functools.partial(validate_request, self.config, ready.vocab_size)
         self.max_waiting_requests = engine_args.max_waiting_requests
         self.max_num_seqs = self.config.scheduler_config.max_num_seqs
         self.stat_loggers: list[StatLogger] = []
@@ -194,6 +182,9 @@ class AsyncLLM:
         limit = self.max_waiting_requests
         if limit is None:
             return
+        if n > self.max_num_seqs + limit:  # could never be admitted: retrying will not help
+            raise ValueError(f"n ({n}) is larger than this server can ever hold "
+                             f"(max_num_seqs + max_waiting_requests = {self.max_num_seqs + limit})")
         # Sequences beyond the batch-size limit wait; the last stats also count those kept
         # waiting by a full KV pool.
         waiting = max(len(self._children) + n - self.max_num_seqs,

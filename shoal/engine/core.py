@@ -18,6 +18,35 @@ from shoal.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 
+def validate_request(config: EngineConfig, vocab_size: int, req: EngineCoreRequest) -> int:
+    """Checks a request against the model and the pool; returns its resolved max_tokens."""
+    ids = req.prompt_token_ids
+    max_len = config.scheduler_config.max_model_len
+    if not ids:
+        raise ValueError("prompt must not be empty")
+    if len(ids) >= max_len:
+        raise ValueError(
+            f"prompt is {len(ids)} tokens; it must be shorter than max_model_len ({max_len})"
+        )
+    bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= vocab_size]
+    if bad:
+        raise ValueError(
+            f"prompt_token_ids must be in [0, {vocab_size}) (got {bad[0]!r})"
+        )
+    sp = req.sampling_params
+    sp.validate_against_vocab(vocab_size)
+    room = max_len - len(ids)
+    max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
+    cc = config.cache_config
+    need = -(-(len(ids) + max_tokens) // cc.block_size)
+    if need > cc.num_blocks:
+        raise ValueError(
+            f"the request needs up to {need} KV blocks but the pool has {cc.num_blocks}; "
+            "lower max_tokens or give the KV cache more memory"
+        )
+    return max_tokens
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
         t0 = time.perf_counter()
@@ -34,32 +63,7 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, req: EngineCoreRequest) -> int:
-        """Checks a request against the model and the pool; returns its resolved max_tokens."""
-        ids = req.prompt_token_ids
-        max_len = self.config.scheduler_config.max_model_len
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        if len(ids) >= max_len:
-            raise ValueError(
-                f"prompt is {len(ids)} tokens; it must be shorter than max_model_len ({max_len})"
-            )
-        bad = [t for t in ids if not isinstance(t, int) or t < 0 or t >= self.vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt_token_ids must be in [0, {self.vocab_size}) (got {bad[0]!r})"
-            )
-        sp = req.sampling_params
-        sp.validate_against_vocab(self.vocab_size)
-        room = max_len - len(ids)
-        max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
-        cc = self.config.cache_config
-        need = -(-(len(ids) + max_tokens) // cc.block_size)
-        if need > cc.num_blocks:
-            raise ValueError(
-                f"the request needs up to {need} KV blocks but the pool has {cc.num_blocks}; "
-                "lower max_tokens or give the KV cache more memory"
-            )
-        return max_tokens
+        return validate_request(self.config, self.vocab_size, req)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         max_tokens = self.validate(req)

@@ -102,7 +102,6 @@ class EngineCoreProc:
         self.encoder = msgspec.msgpack.Encoder()
         self._stop = False
         # Request objects still waiting for their first scheduling (for queue times).
-        self._unscheduled: dict[str, Any] = {}
         self._rejected: dict[str, str] = {}
         self._last_stats = SchedulerStats()
         self._baseline = SchedulerStats()  # cumulative counters at the last reset_stats
@@ -152,8 +151,6 @@ class EngineCoreProc:
             self._add(msg.request)
         elif isinstance(msg, AbortRequests):
             self.core.abort_requests(msg.request_ids)
-            for rid in msg.request_ids:
-                self._unscheduled.pop(rid, None)
         elif isinstance(msg, UtilityCall):
             self._send(self._utility(msg))
         elif isinstance(msg, Shutdown):
@@ -166,10 +163,6 @@ class EngineCoreProc:
             logger.warning("rejected request %s: %s", req.request_id, e)
             self._rejected[req.request_id] = str(e) or type(e).__name__
             return
-        scheduler = getattr(self.core, "scheduler", None)
-        request = getattr(scheduler, "requests", {}).get(req.request_id)
-        if request is not None:
-            self._unscheduled[req.request_id] = request
 
     def _step(self) -> None:
         result = self.core.step()
@@ -179,19 +172,9 @@ class EngineCoreProc:
         self._send(CoreOutputs(result, queue_times=self._queue_times(result),
                                rejected=self._take_rejected()))
 
-    def _queue_times(self, result: EngineCoreOutputs) -> dict[str, float]:
-        times = {}
-        for out in result.outputs:
-            req = self._unscheduled.get(out.request_id)
-            if req is None:
-                continue
-            scheduled = getattr(req, "first_scheduled_time", None)
-            if scheduled is not None:
-                times[out.request_id] = max(0.0, scheduled - req.arrival_time)
-                del self._unscheduled[out.request_id]
-            elif out.finish_reason is not None:
-                del self._unscheduled[out.request_id]
-        return times
+    @staticmethod
+    def _queue_times(result: EngineCoreOutputs) -> dict[str, float]:
+        return {o.request_id: o.queue_time for o in result.outputs if o.queue_time is not None}
 
     def _take_rejected(self) -> dict[str, str]:
         rejected, self._rejected = self._rejected, {}

@@ -35,6 +35,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    queue_time: float | None = None  # arrival -> first scheduling, on the first sampled output
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):

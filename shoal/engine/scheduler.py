@@ -237,6 +237,8 @@ class Scheduler:
                 prompt_logprobs=prompt_lp,
                 num_cached_tokens=req.num_cached_tokens,
             )
+            if req.num_output_tokens == 1 and req.first_scheduled_time is not None:
+                out.queue_time = max(0.0, req.first_scheduled_time - req.arrival_time)
             if status is not None:
                 self.running.remove(req)
                 out.finish_reason = "stop" if status == RequestStatus.FINISHED_STOPPED else "length"

@@ -59,8 +59,18 @@ KNOWN_MODELS: dict[str, EmbeddedModel] = {
 _BY_LOWER_NAME = {name.lower(): model for name, model in KNOWN_MODELS.items()}
 
 
+# Benchmark shapes: config.json only, for load_format="dummy" (shoal/model_configs/).
+SHIPPED_CONFIGS: dict[str, str] = {
+    "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
+    "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
+    "Qwen/Qwen3-0.6B": "qwen3-0.6b",
+}
+_CONFIGS_BY_LOWER_NAME = {name.lower(): folder for name, folder in SHIPPED_CONFIGS.items()}
+_CONFIGS_DIR = Path(__file__).resolve().parent.parent / "model_configs"
+
+
 def known_model_names() -> list[str]:
-    return list(KNOWN_MODELS)
+    return list(KNOWN_MODELS) + list(SHIPPED_CONFIGS)
 
 
 def locate_embedded(model: EmbeddedModel) -> Path:
@@ -94,6 +104,9 @@ def resolve_model(model: str | None) -> ModelSource:
     embedded = _BY_LOWER_NAME.get(name.strip().lower())
     if embedded is not None:
         return ModelSource(kind=embedded.kind, path=locate_embedded(embedded))
+    shipped = _CONFIGS_BY_LOWER_NAME.get(name.strip().lower())
+    if shipped is not None and not Path(name).expanduser().exists():
+        return ModelSource(kind="folder", path=_CONFIGS_DIR / shipped)
     return _resolve_path(name)
 
 

@@ -11,8 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.attention.metadata import AttentionMetadata
-from shoal.attention.torch_backend import paged_attention
+from shoal.attention.backend import AttentionBackend, TorchAttentionBackend
 from shoal.distributed.parallel_state import get_tp_world_size
 from shoal.layers.activation import SiluAndMul
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -36,12 +35,12 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None  # [2, num_slots, Hk, D]
+        self.backend: AttentionBackend = TorchAttentionBackend()
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Any) -> torch.Tensor:
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not bound to the attention layer")
-        return paged_attention(q, k, v, self.kv_cache, md, self.scale)
+        return self.backend.forward(q, k, v, self.kv_cache, md, self.scale)
 
 
 class LlamaAttention(nn.Module):
@@ -72,7 +71,7 @@ class LlamaAttention(nn.Module):
         del tp
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
+                md: Any) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         t = hidden.shape[0]
@@ -111,7 +110,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None,
-                md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+                md: Any) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = hidden
             hidden = self.input_layernorm(hidden)
@@ -132,7 +131,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
+                md: Any) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         residual = None
         for layer in self.layers:
@@ -162,7 +161,7 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: AttentionMetadata) -> torch.Tensor:
+                md: Any) -> torch.Tensor:
         return self.model(input_ids, positions, md)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -64,8 +64,9 @@ class RemoteServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        tail = self.log_tail()
         self.stop()
-        raise RuntimeError(f"server did not become healthy:\n{self.log_tail()}")
+        raise RuntimeError(f"server did not become healthy:\n{tail}")
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.base_url + path, headers=self.headers, timeout=60, **kw)
@@ -118,3 +119,4 @@ class RemoteServer:
                 self.proc.kill()
                 self.proc.wait()
         self._log.close()
+        self.log_path.unlink(missing_ok=True)

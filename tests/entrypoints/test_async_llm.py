@@ -154,6 +154,8 @@ async def test_waiting_queue_limit():
     assert err.value.retry_after >= 1
     engine.abort("a")
     engine.add_request("c", [1], sp())  # room again
+    with pytest.raises(ValueError, match="can ever hold"):
+        engine.add_request("d", [1], sp(n=3))
     await engine.shutdown()
 
 

@@ -28,18 +28,12 @@ from shoal.engine.core_types import (
 from shoal.sampling_params import SamplingParams
 
 
-class FakeRequest:
-    def __init__(self, arrival: float):
-        self.arrival_time = arrival
-        self.first_scheduled_time: float | None = None
-
-
 class FakeCore:
     """Each request yields one token per step and finishes after `max_tokens`."""
 
     def __init__(self):
-        self.scheduler = type("S", (), {"requests": {}})()
         self.left: dict[str, int] = {}
+        self.sent_first: set[str] = set()
         self.aborted: list[str] = []
         self.prefix_queries = 0
 
@@ -47,7 +41,6 @@ class FakeCore:
         if req.prompt_token_ids[0] < 0:
             raise ValueError("prompt_token_ids must be >= 0")
         self.left[req.request_id] = req.sampling_params.max_tokens
-        self.scheduler.requests[req.request_id] = FakeRequest(req.arrival_time)
 
     def abort_requests(self, ids: list[str]) -> None:
         for rid in ids:
@@ -60,13 +53,15 @@ class FakeCore:
     def step(self) -> EngineCoreOutputs:
         outs = []
         for rid in list(self.left):
-            self.scheduler.requests[rid].first_scheduled_time = \
-                self.scheduler.requests[rid].arrival_time + 0.5
             self.left[rid] -= 1
             done = self.left[rid] == 0
             if done:
                 del self.left[rid]
-            outs.append(EngineCoreOutput(rid, [7], finish_reason="length" if done else None))
+            # Like the scheduler: the queue time rides on the first sampled output only.
+            queue_time = None if rid in self.sent_first else 0.5
+            self.sent_first.add(rid)
+            outs.append(EngineCoreOutput(rid, [7], finish_reason="length" if done else None,
+                                         queue_time=queue_time))
         self.prefix_queries += 10
         return EngineCoreOutputs(outs, SchedulerStats(num_running=len(self.left),
                                                       prefix_cache_queries=self.prefix_queries))

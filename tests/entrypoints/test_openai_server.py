@@ -317,20 +317,17 @@ def test_queue_full_gives_503(server, model):
 
 # ---- shutdown (last: it stops the module's server) --------------------------------------------
 def test_sigterm_drains_in_flight_request(server, model):
-    result: dict = {}
-
-    def post():
-        result["resp"] = server.post("/v1/completions", json={
-            "model": model, "prompt": PROMPT, "max_tokens": 4, "ignore_eos": True})
-
-    t = threading.Thread(target=post)
-    t.start()
-    assert server.wait_metric("num_requests_running", lambda v: v > 0, 30) > 0
-    server.proc.send_signal(signal.SIGTERM)
-    t.join(120)
-    resp = result["resp"]
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["usage"]["completion_tokens"] == 4
+    body = {"model": model, "prompt": PROMPT, "max_tokens": 10, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.base_url + "/v1/completions", json=body,
+                      headers=server.headers, timeout=120) as resp:
+        lines = resp.iter_lines()
+        assert next(lines).startswith("data: ")  # in flight
+        server.proc.send_signal(signal.SIGTERM)
+        rest = [ln for ln in lines if ln.startswith("data: ")]
+    # The request finished normally after the signal.
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][len("data: "):])["usage"]["completion_tokens"] == 10
     assert server.proc.wait(60) == 0, server.log_tail()
     with pytest.raises(httpx.ConnectError):
         httpx.get(server.base_url + "/health", timeout=5)
