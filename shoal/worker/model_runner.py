@@ -6,12 +6,13 @@ tokens produced so far for penalties). Makes no scheduling decisions."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from shoal.attention.metadata import build_attention_metadata
+from shoal.attention.backend import get_attention_backend
 from shoal.config import EngineConfig
 from shoal.engine.core_types import Logprobs
 from shoal.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -19,6 +20,8 @@ from shoal.loader import LoadedModel
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.models.registry import resolve_model_class
 from shoal.sampling_params import SamplingParams
+from shoal.worker import warmup as startup
+from shoal.worker.cuda_graphs import DecodeGraphs
 from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
 from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
 from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
@@ -64,14 +67,45 @@ class ModelRunner:
         attn = self.model.attention_layers()[0]
         self.sliding_window = attn.sliding_window
         self.block_size = config.cache_config.block_size
+        self.backend = get_attention_backend(self.device, os.environ.get("SHOAL_ATTENTION_BACKEND"))
+        for layer in self.model.attention_layers():
+            layer.backend = self.backend
+        self.graphs: DecodeGraphs | None = None
+        self.null_block = 0
+        self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
 
     # ---- KV cache ---------------------------------------------------------------------------
     def initialize_kv_cache(self) -> int:
+        """Sizes the pool (after a profile run on a GPU), allocates and binds it, then warms up
+        kernels and captures decode CUDA graphs."""
         layers = self.model.attention_layers()
         a = layers[0]
         per_block = bytes_per_block(len(layers), a.num_kv_heads, a.head_dim, self.block_size,
                                     self.dtype)
-        num_blocks = decide_num_blocks(self.config.cache_config, per_block, self.device)
+        cuda = self.device.type == "cuda"
+        activations = 0
+        if cuda:
+            t0 = time.perf_counter()
+            activations = startup.profile_activation_bytes(self)
+            self.startup_times["profile_run"] = time.perf_counter() - t0
+        num_blocks = decide_num_blocks(self.config.cache_config, per_block, self.device,
+                                       non_kv_peak_bytes=activations)
+        self.bind_kv_cache(num_blocks)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
+                    num_blocks * per_block / 2**20)
+        if cuda:
+            self.startup_times["warmup"] = startup.warmup(self)
+            if not self.config.enforce_eager and hasattr(self.backend, "alloc_graph_buffers"):
+                max_blocks = -(-self.config.scheduler_config.max_model_len // self.block_size)
+                self.graphs = DecodeGraphs(self.model, self.backend,
+                                           self.config.scheduler_config.max_num_seqs, max_blocks,
+                                           self.hf_config.hidden_size, self.dtype, self.device)
+                self.startup_times["cuda_graphs"] = self.graphs.capture()
+        return num_blocks
+
+    def bind_kv_cache(self, num_blocks: int) -> None:
+        layers = self.model.attention_layers()
+        a = layers[0]
         # One extra block at the end is the null block: never allocated, never written, so it
         # stays zero and padding positions can safely read it.
         self.null_block = num_blocks
@@ -81,9 +115,11 @@ class ModelRunner:
         self.kv_caches = list(cache.unbind(0))
         for layer, kv in zip(layers, self.kv_caches):
             layer.kv_cache = kv
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    num_blocks * per_block / 2**20)
-        return num_blocks
+
+    def unbind_kv_cache(self) -> None:
+        for layer in self.model.attention_layers():
+            layer.kv_cache = None
+        self.kv_caches = []
 
     # ---- per-request state ------------------------------------------------------------------
     def _add_request(self, new: NewRequestData) -> None:
@@ -120,19 +156,25 @@ class ModelRunner:
             if st.sampling_params.prompt_logprobs is not None and it.context_len < len(st.prompt_token_ids):
                 prompt_lp_spans.append((it.request_id, start, it.context_len, it.num_new_tokens))
 
-        md = build_attention_metadata(
-            query_lens=[it.num_new_tokens for it in items],
-            context_lens=[it.context_len for it in items],
-            block_tables=[it.block_ids for it in items],
-            block_size=self.block_size,
-            num_decodes=sched.num_decodes,
-            sliding_window=self.sliding_window,
-            device=self.device,
-            null_block=self.null_block,
-        )
         ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        hidden = self.model(ids_t, pos_t, md)
+        if self.graphs is not None and self.graphs.can_run(sched.num_decodes, len(input_ids)):
+            bs = self.block_size
+            hidden = self.graphs.run(
+                ids_t, pos_t, [it.context_len for it in items], [it.block_ids for it in items],
+                [it.block_ids[p // bs] * bs + p % bs for it, p in zip(items, positions)])
+        else:
+            md = self.backend.build_metadata(
+                query_lens=[it.num_new_tokens for it in items],
+                context_lens=[it.context_len for it in items],
+                block_tables=[it.block_ids for it in items],
+                block_size=self.block_size,
+                num_decodes=sched.num_decodes,
+                sliding_window=self.sliding_window,
+                device=self.device,
+                null_block=self.null_block,
+            )
+            hidden = self.model(ids_t, pos_t, md)
 
         if prompt_lp_spans:
             out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_spans)

@@ -1,0 +1,177 @@
+"""GPU benchmarks W1, W2, W3 and W7 (../shared/BENCHMARKS.md) for shoal on random weights of
+real shapes, plus transformers' batched figure for W3. One part per invocation, so each can
+run in its own process with its own time limit:
+
+    python benchmarks/gpu_suite.py w2 --out results.json
+    python benchmarks/gpu_suite.py w1 | w3 | w3-hf | w7
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from gpu_common import record, write
+
+LLAMA_8B = "meta-llama/Llama-3.1-8B"
+QWEN3_06B = "Qwen/Qwen3-0.6B"
+# W2 roofline (BENCHMARKS.md): about 15.0 GB of weights per token at 4.25 TB/s.
+W2_BYTES_PER_TOKEN = 15.0e9
+COPY_BANDWIDTH = 4.25e12
+
+
+def _llm(model: str, **kw):
+    from shoal import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", **kw)
+    return llm, time.perf_counter() - t0
+
+
+def _ids(rng: random.Random, n: int, hi: int) -> dict:
+    return {"prompt_token_ids": [rng.randrange(hi) for _ in range(n)]}
+
+
+def w2(args) -> list[dict]:
+    from shoal import SamplingParams
+
+    llm, ready = _llm(LLAMA_8B, max_model_len=4096, max_num_seqs=16)
+    rng = random.Random(0)
+    prompt = _ids(rng, 128, 128000)
+    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    full = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+    llm.generate(_ids(rng, 128, 128000), full, use_tqdm=False)  # warm
+    runs = []
+    for _ in range(3):
+        p = _ids(rng, 128, 128000)
+        t0 = time.perf_counter()
+        llm.generate(p, first, use_tqdm=False)
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = llm.generate(prompt, full, use_tqdm=False)[0]
+        total = time.perf_counter() - t0
+        runs.append((total, ttft, len(out.outputs[0].token_ids)))
+    total, ttft, n = sorted(runs)[1]
+    decode = (n - 1) / (total - ttft)
+    roofline = COPY_BANDWIDTH / W2_BYTES_PER_TOKEN
+    return [record("W2", "shoal", model=LLAMA_8B, dtype="bfloat16", batch=1,
+                   input_len=128, output_len=256, output_tok_s=n / total,
+                   decode_tok_s=decode, ttft_s=ttft, roofline_tok_s=roofline,
+                   fraction_of_roofline=decode / roofline, ready_s=ready)]
+
+
+def w1(args) -> list[dict]:
+    from shoal import SamplingParams
+
+    llm, ready = _llm(QWEN3_06B, max_model_len=4096, max_num_seqs=args.max_num_seqs)
+    rng = random.Random(0)
+    n = args.num_requests
+    ins = [rng.randint(100, 1024) for _ in range(n)]
+    outs = [rng.randint(100, 1024) for _ in range(n)]
+    prompts = [_ids(rng, i, 10000) for i in ins]
+    params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    total = sum(len(r.outputs[0].token_ids) for r in res)
+    return [record("W1", "shoal", model=QWEN3_06B, dtype="bfloat16", num_requests=n,
+                   total_output_tokens=total, elapsed_s=dt, output_tok_s=total / dt,
+                   ready_s=ready, max_num_seqs=args.max_num_seqs)]
+
+
+def w3(args) -> list[dict]:
+    from shoal import SamplingParams
+
+    llm, ready = _llm(LLAMA_8B, max_model_len=2048, max_num_seqs=args.max_num_seqs)
+    rng = random.Random(0)
+    n = args.num_requests
+    prompts = [_ids(rng, 1000, 128000) for _ in range(n)]
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    t0 = time.perf_counter()
+    res = llm.generate(prompts, params, use_tqdm=False)
+    dt = time.perf_counter() - t0
+    total = sum(len(r.outputs[0].token_ids) for r in res)
+    return [record("W3", "shoal", model=LLAMA_8B, dtype="bfloat16", num_requests=n,
+                   input_len=1000, output_len=1000, total_output_tokens=total, elapsed_s=dt,
+                   output_tok_s=total / dt, ready_s=ready, max_num_seqs=args.max_num_seqs)]
+
+
+def w3_hf(args) -> list[dict]:
+    """transformers generate, batched, on the same shape with random weights (its best batch
+    that fits the time limit), as the anchor beside W3."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shoal.loader.resolve import resolve_model
+
+    cfg = AutoConfig.from_pretrained(resolve_model(LLAMA_8B).path)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    out = []
+    for bs in args.hf_batches:
+        ids = torch.randint(0, 128000, (bs, 1000), device="cuda")
+        gen = args.hf_output_len
+        model.generate(ids[:, :16], max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        res = model.generate(ids, max_new_tokens=gen, min_new_tokens=gen, do_sample=False,
+                             pad_token_id=0)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        new = (res.shape[1] - 1000) * bs
+        out.append(record("W3", "transformers", model=LLAMA_8B, dtype="bfloat16", batch=bs,
+                          input_len=1000, output_len=gen, total_output_tokens=new,
+                          elapsed_s=dt, output_tok_s=new / dt,
+                          note="generate, eager, dynamic cache; output length reduced to fit"))
+        print(out[-1], flush=True)
+    return out
+
+
+def w7(args) -> list[dict]:
+    """Seconds from process start to ready, and the first request's TTFT against steady state."""
+    from shoal import SamplingParams
+
+    t_start = args.process_start
+    model = {"llama": LLAMA_8B, "qwen3": QWEN3_06B}[args.w7_model]
+    llm, _ = _llm(model, max_model_len=4096, max_num_seqs=64)
+    ready = time.time() - t_start
+    rng = random.Random(1)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    ttfts = []
+    for _ in range(6):
+        t0 = time.perf_counter()
+        llm.generate(_ids(rng, 128, 10000), one, use_tqdm=False)
+        ttfts.append(time.perf_counter() - t0)
+    steady = sorted(ttfts[1:])[2]
+    times = llm.llm_engine.core.runner.startup_times
+    return [record("W7", "shoal", model=model, dtype="bfloat16", ready_s=ready,
+                   first_ttft_s=ttfts[0], steady_ttft_s=steady,
+                   first_over_steady=ttfts[0] / steady, startup_stages_s=times)]
+
+
+def main() -> None:
+    process_start = time.time()
+    ap = argparse.ArgumentParser()
+    ap.add_argument("part", choices=["w1", "w2", "w3", "w3-hf", "w7"])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--hf-output-len", type=int, default=100)
+    ap.add_argument("--w7-model", default="llama", choices=["llama", "qwen3"])
+    args = ap.parse_args()
+    args.process_start = float(__import__("os").environ.get("SHOAL_PROCESS_START", process_start))
+    defaults = {"w1": 256, "w3": 1024}
+    if args.num_requests is None:
+        args.num_requests = defaults.get(args.part, 1)
+    fn = {"w1": w1, "w2": w2, "w3": w3, "w3-hf": w3_hf, "w7": w7}[args.part]
+    records = fn(args)
+    for r in records:
+        print(r, flush=True)
+    write(records, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""Decode attention (one query token per sequence) over the paged KV cache.
+
+One program handles all query heads of one KV head of one sequence, so each K/V tile is read
+once per group and the group's heads form the rows of a tensor-core product (padded to 16
+rows, the smallest tl.dot tile). Keys are gathered row by row through the block table, which
+makes the tile size independent of the cache block size.
+
+Split-K: a batch-1 decode has only Hk programs, far too few to fill the GPU, so the context
+can be cut into NUM_SPLITS partitions handled by separate programs; each writes its partial
+output and log-sum-exp and a second kernel combines them. The partition length is derived
+from each sequence's own length inside the kernel, so a fixed NUM_SPLITS (as a CUDA graph
+needs) works for any length: short sequences leave their trailing splits empty."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_NEG_BIG = -1.0e30  # finite "-inf" for the running max: avoids inf - inf = nan on empty rows
+_LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 128  # a split shorter than two key tiles costs more than it saves
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    qk_scale, window,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+    num_heads,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    start = 0
+    if USE_WINDOW:  # the query at seq_len - 1 sees keys (seq_len - 1 - window, seq_len - 1]
+        start = tl.maximum(seq_len - window, 0)
+    # Partitions are whole key tiles so only the sequence's last tile is ragged.
+    per_split = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = start + split * per_split
+    hi = tl.minimum(lo + per_split, seq_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, HEAD_DIM)
+    heads = kh * GROUP + offs_g
+    g_mask = offs_g < GROUP
+    q = tl.load(q_ptr + b * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_mask[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + b * stride_bt
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        valid = pos < hi
+        block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        kv_off = ((block * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_cs)[:, None] \
+            + kh * stride_ch + offs_d[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # Empty rows (padded batch rows with seq_len 0, empty splits) have l = 0 and output 0.
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+        # Contiguous scratch: part_lse [B, Hq, S], part_out [B, Hq, S, D].
+        row = (b * num_heads + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=g_mask[:, None])
+        tl.store(part_lse_ptr + row, lse, mask=g_mask)
+
+
+@triton.jit
+def _split_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ot, stride_oh, num_heads,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < NUM_SPLITS
+    row = (b * num_heads + h) * NUM_SPLITS + offs_s
+    lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)  # all -inf: zero weights, no nan
+    o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=s_mask[:, None], other=0.0)
+    res = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
+    tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # H200, for the interpreter
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
+                      num_sms: int = 132) -> int:
+    """Splits per (sequence, KV head) so that about two waves of programs fill the GPU, but no
+    split shorter than MIN_SPLIT_TOKENS of the longest context. For CUDA graphs pass the
+    longest context the graph may replay with (e.g. max_model_len): the count then depends on
+    the padded batch only, and shorter contexts just leave splits empty."""
+    programs = max(batch * num_kv_heads, 1)
+    want = triton.cdiv(2 * num_sms, programs)
+    useful = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
+    return max(1, min(want, useful, MAX_SPLITS))
+
+
+def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, block_size: int, scale: float, *,
+                 sliding_window: int | None = None, num_splits: int | None = None,
+                 max_seq_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [B, Hq, D], the query of the last token of each sequence (position seq_len - 1);
+    kv_cache: [2, num_slots, Hk, D]; block_tables: int32 [B, N]; seq_lens: int32 [B], 0 for
+    padded rows (their output is zero). Returns out [B, Hq, D] in q's dtype.
+
+    num_splits None picks one from max_seq_len (default: the block-table capacity); pass a
+    fixed value under CUDA-graph capture."""
+    bsz, hq, d = q.shape
+    _, _, hk, dc = kv_cache.shape
+    _check(q, kv_cache, block_tables, seq_lens, bsz, hq, hk, d, dc, block_size)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with contiguous head dim")
+    if bsz == 0:
+        return out
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    if num_splits is None:
+        cap = block_tables.shape[1] * block_size
+        num_splits = choose_num_splits(bsz, hk, min(max_seq_len or cap, cap), _num_sms(q.device))
+    if not 1 <= num_splits <= 1024:
+        raise ValueError(f"num_splits {num_splits} out of range")
+
+    group = hq // hk
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    block_n = 64 if d <= 128 else 32  # keeps K, V tiles x stages well inside shared memory
+    if num_splits > 1:
+        part_out = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    _paged_decode_kernel[(bsz, hk, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * _LOG2E, sliding_window or 0,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1), hq,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4, num_stages=3 if d <= 128 else 2,
+    )
+    if num_splits > 1:
+        _split_reduce_kernel[(bsz, hq)](
+            part_out, part_lse, out, out.stride(0), out.stride(1), hq,
+            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
+            num_warps=4,
+        )
+    return out
+
+
+def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, bsz: int, hq: int, hk: int, d: int, dc: int,
+           block_size: int) -> None:
+    if kv_cache.dim() != 4 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} is not [2, slots, Hk, D]")
+    if dc != d or hq % hk:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(kv_cache.shape)}")
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head dim {d} unsupported (powers of two 16..256)")
+    if q.dtype != kv_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q {q.dtype} and cache {kv_cache.dtype} must be one of fp16/bf16/fp32")
+    if q.stride(2) != 1 or kv_cache.stride(3) != 1:
+        raise ValueError("the head dim must be contiguous")
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] < bsz:
+        raise ValueError(f"block_tables must be int32 [>={bsz}, N], got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or seq_lens.shape[0] < bsz:
+        raise ValueError(f"seq_lens must be int32 [>={bsz}], got {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)}")
+    if block_size < 1 or kv_cache.shape[1] % block_size:
+        raise ValueError(f"cache slots {kv_cache.shape[1]} are not whole blocks of {block_size}")

@@ -1,0 +1,183 @@
+"""Prefill / chunked-prefill attention over the paged KV cache (flash-style online softmax).
+
+Queries of several sequences are packed [T, Hq, D] and delimited by query_start_loc. Query i
+of a sequence sits at absolute position context_len + i and sees cached keys up to and
+including itself (its own new keys were written to the cache first).
+
+One program handles BLOCK_Q consecutive query tokens times all query heads of one KV head,
+laid out as BLOCK_M = BLOCK_Q * BLOCK_G rows (token-major), so every K/V tile read serves the
+whole GQA group. Keys before the tile's first query are visible to every row: those whole
+tiles skip the causal and bounds masks; only the tail near the diagonal pays for them."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_NEG_BIG = -1.0e30  # finite "-inf" for the running max: rows masked out of a tile stay nan-free
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, lo, hi,
+            qk_scale, window, stride_cs, offs_d,
+            BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
+            USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update over keys [lo, hi). MASKED: apply bounds and causal masks (else
+    every key in whole tiles of [lo, hi) is visible to every row)."""
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        if MASKED:
+            valid = pos < hi
+            block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        else:
+            block = tl.load(bt_row + pos // BLOCK_SIZE).to(tl.int64)
+        kv_off = ((block * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_cs)[:, None] \
+            + head_off + offs_d[None, :]
+        if MASKED:
+            k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
+        else:
+            k = tl.load(k_cache_ptr + kv_off)
+            v = tl.load(v_cache_ptr + kv_off)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASKED:
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if USE_WINDOW:
+            s = tl.where(pos[None, :] > q_pos[:, None] - window, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
+    qk_scale, window, num_q_tiles,
+    stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # Later query tiles see more keys: launch them first so the tail of the grid is short.
+    tile = num_q_tiles - 1 - tl.program_id(0)
+    seq = tl.program_id(1)
+    kh = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
+    t0 = tile * BLOCK_Q
+    if t0 >= q_len:
+        return
+    ctx = tl.load(seq_lens_ptr + seq) - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = t0 + offs_m // BLOCK_G
+    hg = offs_m % BLOCK_G
+    row_mask = (tok < q_len) & (hg < GROUP)
+    heads = kh * GROUP + hg
+    q = tl.load(q_ptr + (q_start + tok)[:, None] * stride_qt + heads[:, None] * stride_qh
+                + offs_d[None, :], mask=row_mask[:, None], other=0.0)
+    q_pos = ctx + tok
+
+    first = ctx + t0  # position of the tile's first query
+    hi = tl.minimum(first + BLOCK_Q, ctx + q_len)  # one past the tile's last query
+    lo = 0
+    if USE_WINDOW:
+        lo = tl.maximum(first - window + 1, 0)
+    mid = lo + ((first - lo) // BLOCK_N) * BLOCK_N  # whole tiles strictly before `first`
+
+    m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    bt_row = block_tables_ptr + seq * stride_bt
+    head_off = kh * stride_ch
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
+                            head_off, lo, mid, qk_scale, window, stride_cs, offs_d,
+                            BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, DOT_PRECISION)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
+                            head_off, mid, hi, qk_scale, window, stride_cs, offs_d,
+                            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION)
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh
+             + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
+
+
+def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                  seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
+                  block_size: int, scale: float, *, sliding_window: int | None = None,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; kv_cache: [2, num_slots, Hk, D] already holding every key, the new ones
+    included; block_tables: int32 [P, N]; seq_lens: int32 [P] (context + query tokens);
+    query_start_loc: int32 [P + 1], token offsets into q of each sequence's queries (rows of q
+    outside them are left untouched in out); max_query_len: an upper bound on any
+    query_start_loc difference (it sizes the grid). Returns out [T, Hq, D] in q's dtype."""
+    t, hq, d = q.shape
+    _, _, hk, dc = kv_cache.shape
+    _check(q, kv_cache, block_tables, seq_lens, query_start_loc, hq, hk, d, dc, block_size)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with contiguous head dim")
+    num_seqs = query_start_loc.shape[0] - 1
+    if num_seqs == 0 or max_query_len <= 0 or t == 0:
+        return out
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+
+    group = hq // hk
+    block_g = triton.next_power_of_2(group)
+    # 128 rows for long chunks (the usual flash tile); fewer for short ones so a one-token
+    # chunk does not drag 127 empty rows through every product.
+    cap = 128 if d <= 128 else 64
+    block_m = max(16, block_g, min(cap, triton.next_power_of_2(max_query_len * block_g)))
+    block_n = 64 if d <= 128 else 32
+    block_q = block_m // block_g
+    num_q_tiles = triton.cdiv(max_query_len, block_q)
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    _paged_prefill_kernel[(num_q_tiles, num_seqs, hk)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * _LOG2E, sliding_window or 0, num_q_tiles,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=d, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, USE_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_m >= 128 else 4, num_stages=2,
+    )
+    return out
+
+
+def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+           seq_lens: torch.Tensor, query_start_loc: torch.Tensor, hq: int, hk: int, d: int,
+           dc: int, block_size: int) -> None:
+    if kv_cache.dim() != 4 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} is not [2, slots, Hk, D]")
+    if dc != d or hq % hk:
+        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(kv_cache.shape)}")
+    if d not in (16, 32, 64, 128, 256):
+        raise ValueError(f"head dim {d} unsupported (powers of two 16..256)")
+    if q.dtype != kv_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q {q.dtype} and cache {kv_cache.dtype} must be one of fp16/bf16/fp32")
+    if q.stride(2) != 1 or kv_cache.stride(3) != 1:
+        raise ValueError("the head dim must be contiguous")
+    if query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1 \
+            or query_start_loc.shape[0] < 1 or query_start_loc.stride(0) != 1:
+        raise ValueError("query_start_loc must be a contiguous int32 [P + 1]")
+    p = query_start_loc.shape[0] - 1
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] < p:
+        raise ValueError(f"block_tables must be int32 [>={p}, N], got "
+                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or seq_lens.shape[0] < p:
+        raise ValueError(f"seq_lens must be int32 [>={p}], got {seq_lens.dtype} "
+                         f"{tuple(seq_lens.shape)}")
+    if block_size < 1 or kv_cache.shape[1] % block_size:
+        raise ValueError(f"cache slots {kv_cache.shape[1]} are not whole blocks of {block_size}")

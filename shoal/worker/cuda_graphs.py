@@ -1,0 +1,92 @@
+"""CUDA graphs for decode steps: one graph per padded batch size, sharing one memory pool.
+
+A decode step has a fixed shape once its batch is padded to a capture size, so the whole
+forward (every layer's kernels) replays as one graph launch. Inputs live in persistent
+buffers: a step copies its token ids, positions and attention metadata into them, replays
+and reads the hidden states of its real rows. Prefill and mixed steps run eagerly."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 256, then steps of 16, capped at max_num_seqs."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, 1025, 16))
+    out = [s for s in sizes if s <= max_num_seqs]
+    if not out or out[-1] < max_num_seqs:
+        out.append(max_num_seqs)
+    return out
+
+
+class DecodeGraphs:
+    def __init__(self, model: torch.nn.Module, backend: Any, max_num_seqs: int, max_blocks: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.model = model
+        self.backend = backend
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_batch = self.sizes[-1]
+        self.device = device
+        self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        self.buffers = backend.alloc_graph_buffers(self.max_batch, max_blocks, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+        self.hidden_size = hidden_size
+        self.dtype = dtype
+
+    def can_run(self, num_decodes: int, num_tokens: int) -> bool:
+        return num_decodes == num_tokens and 0 < num_decodes <= self.max_batch and bool(self.graphs)
+
+    def padded_size(self, n: int) -> int:
+        for s in self.sizes:
+            if s >= n:
+                return s
+        raise ValueError(f"batch {n} exceeds the largest captured size {self.max_batch}")
+
+    @torch.inference_mode()
+    def capture(self) -> float:
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        # Largest first, so smaller graphs reuse the pool's blocks.
+        for size in reversed(self.sizes):
+            self.backend.fill_graph_buffers(self.buffers, size, [], [], [])
+            md = self.backend.graph_metadata(self.buffers, size)
+            ids, pos = self.input_ids[:size], self.positions[:size]
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm: compile kernels, settle the allocator
+                    self.model(ids, pos, md)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=stream):
+                out = self.model(ids, pos, md)
+            if self.pool is None:
+                self.pool = graph.pool()
+            self.graphs[size] = graph
+            self.outputs[size] = out
+        torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - t0
+        logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes),
+                    self.max_batch, took)
+        return took
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context_lens: list[int],
+            block_tables: list[list[int]], slot_mapping: list[int]) -> torch.Tensor:
+        n = input_ids.shape[0]
+        size = self.padded_size(n)
+        self.input_ids[:n].copy_(input_ids, non_blocking=True)
+        self.positions[:n].copy_(positions, non_blocking=True)
+        if size > n:
+            self.input_ids[n:size].zero_()
+            self.positions[n:size].zero_()
+        self.backend.fill_graph_buffers(self.buffers, size, context_lens, block_tables, slot_mapping)
+        self.graphs[size].replay()
+        return self.outputs[size][:n]

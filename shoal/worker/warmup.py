@@ -1,0 +1,100 @@
+"""Start-up passes on the device: the profile run that sizes the KV pool and the warmup that
+compiles every kernel variant before the engine reports ready, so no request waits on a JIT
+compile (vLLM v0.27's kernel warmup)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from shoal.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def dummy_forward(runner: ModelRunner, query_lens: list[int], num_decodes: int,
+                  sample: bool = True) -> None:
+    """A forward over made-up requests whose blocks are taken from the start of the bound
+    cache (never the null block). Writes garbage into those blocks: only call it before any
+    request has run."""
+    bs = runner.block_size
+    tables, next_block = [], 0
+    context = [0] * len(query_lens)
+    for q in query_lens:
+        n = -(-q // bs)
+        tables.append(list(range(next_block, next_block + n)))
+        next_block += n
+    md = runner.backend.build_metadata(
+        query_lens=query_lens, context_lens=context, block_tables=tables, block_size=bs,
+        num_decodes=num_decodes, sliding_window=runner.sliding_window, device=runner.device,
+        null_block=runner.null_block)
+    total = sum(query_lens)
+    ids = torch.randint(0, runner.vocab_size, (total,), device=runner.device)
+    pos = torch.cat([torch.arange(q, device=runner.device) for q in query_lens])
+    hidden = runner.model(ids, pos, md)
+    if sample:
+        last = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in range(len(query_lens))],
+                            device=runner.device)
+        runner.model.compute_logits(hidden[last]).argmax(-1)
+
+
+def profile_split(max_tokens: int, max_model_len: int, max_seqs: int) -> list[int]:
+    """Requests that fill one step's token budget, as the scheduler could."""
+    per = min(max_tokens, max_model_len - 1)
+    lens = [per] * (max_tokens // per)
+    if max_tokens % per:
+        lens.append(max_tokens % per)
+    return lens[:max_seqs]
+
+
+@torch.inference_mode()
+def profile_activation_bytes(runner: ModelRunner) -> int:
+    """Peak device memory of the largest step beyond what is held before it (weights)."""
+    sc = runner.config.scheduler_config
+    lens = profile_split(sc.max_num_batched_tokens, sc.max_model_len, sc.max_num_seqs)
+    blocks = sum(-(-q // runner.block_size) for q in lens) + 1
+    runner.bind_kv_cache(blocks)
+    torch.cuda.synchronize(runner.device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    before = torch.cuda.memory_allocated(runner.device)
+    t0 = time.perf_counter()
+    dummy_forward(runner, lens, num_decodes=0)
+    torch.cuda.synchronize(runner.device)
+    peak = torch.cuda.max_memory_allocated(runner.device) - before
+    runner.unbind_kv_cache()
+    torch.cuda.empty_cache()
+    logger.info("profile run: %d tokens in %d requests, peak activations %.2f GiB (%.1f s)",
+                sum(lens), len(lens), peak / 2**30, time.perf_counter() - t0)
+    return peak
+
+
+def prefill_buckets(max_tokens: int) -> list[int]:
+    out, n = [], 16
+    while n < max_tokens:
+        out.append(n)
+        n *= 4
+    out.append(max_tokens)
+    return out
+
+
+@torch.inference_mode()
+def warmup(runner: ModelRunner) -> float:
+    """Runs each kind of step once per size bucket so Triton kernels are compiled (and the
+    caching allocator warmed) before the first request."""
+    t0 = time.perf_counter()
+    sc = runner.config.scheduler_config
+    for n in prefill_buckets(min(sc.max_num_batched_tokens, 4096)):
+        dummy_forward(runner, profile_split(n, sc.max_model_len, sc.max_num_seqs), num_decodes=0)
+    for b in (1, min(8, sc.max_num_seqs), sc.max_num_seqs):
+        dummy_forward(runner, [1] * b, num_decodes=b)  # decode-only steps
+    dummy_forward(runner, [1, 1, 17], num_decodes=2)  # a mixed step
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)
+    took = time.perf_counter() - t0
+    logger.info("warmup done in %.1f s", took)
+    return took
