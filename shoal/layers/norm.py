@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shoal.layers.fused_ops import use_triton
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None):
@@ -21,6 +23,12 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_triton(x):
+            from shoal.attention.ops.rms_norm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = x + residual

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.layers.fused_ops import use_triton
+
 
 def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) from either the transformers 4 (`rope_theta`, `rope_scaling`) or the
@@ -59,7 +61,11 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies."""
+        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies (rotated in place on CUDA)."""
+        if use_triton(q):
+            from shoal.attention.ops.rotary import rotary_embedding
+
+            return rotary_embedding(positions, q, k, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)

@@ -88,11 +88,18 @@ def warmup(runner: ModelRunner) -> float:
     caching allocator warmed) before the first request."""
     t0 = time.perf_counter()
     sc = runner.config.scheduler_config
-    for n in prefill_buckets(min(sc.max_num_batched_tokens, 4096)):
-        dummy_forward(runner, profile_split(n, sc.max_model_len, sc.max_num_seqs), num_decodes=0)
-    for b in (1, min(8, sc.max_num_seqs), sc.max_num_seqs):
-        dummy_forward(runner, [1] * b, num_decodes=b)  # decode-only steps
-    dummy_forward(runner, [1, 1, 17], num_decodes=2)  # a mixed step
+    free_blocks = runner.null_block  # blocks [0, null_block) are the pool
+
+    def fits(lens: list[int]) -> bool:
+        return sum(-(-q // runner.block_size) for q in lens) <= free_blocks
+
+    steps = [(profile_split(n, sc.max_model_len, sc.max_num_seqs), 0)
+             for n in prefill_buckets(min(sc.max_num_batched_tokens, 4096))]
+    steps += [([1] * b, b) for b in sorted({1, min(8, sc.max_num_seqs), sc.max_num_seqs})]
+    steps.append(([1, 1, 17], 2))  # a mixed step: decodes and a prefill chunk
+    for lens, num_decodes in steps:
+        if fits(lens):
+            dummy_forward(runner, lens, num_decodes)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     took = time.perf_counter() - t0

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call: install the carried wheels, run the chosen GPU parts, each with its own time
+# limit, logs and JSON under $OUT. Usage (on the GPU machine, repo root):
+#   bash benchmarks/gpu_run.sh kernels correctness w2 w7 w1
+set -u
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD
+export SHOAL_COMMIT=$(cat .commit 2>/dev/null || echo unknown)
+nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
+python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+run() {  # name, limit, command...
+  local name=$1 limit=$2; shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"
+  tail -n 4 "$OUT/$name.log"
+}
+for part in "$@"; do
+  case $part in
+    kernels) run kernels 240 python3 -m pytest -q -x -p no:cacheprovider tests/attention/test_triton_kernels.py ;;
+    correctness) run correctness 300 python3 benchmarks/gpu_correctness.py --out "$OUT/correctness.json" ;;
+    w1) run w1 300 python3 benchmarks/gpu_suite.py w1 --out "$OUT/w1.json" ;;
+    w2) run w2 300 python3 benchmarks/gpu_suite.py w2 --out "$OUT/w2.json" ;;
+    w3) run w3 420 python3 benchmarks/gpu_suite.py w3 --out "$OUT/w3.json" ;;
+    w3-hf) run w3hf 300 python3 benchmarks/gpu_suite.py w3-hf --out "$OUT/w3hf.json" ;;
+    w7) SHOAL_PROCESS_START=$(date +%s.%N) run w7 300 python3 benchmarks/gpu_suite.py w7 --out "$OUT/w7.json" ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
