@@ -105,6 +105,26 @@ class ParallelConfig:
 
 
 @dataclass
+class KVOffloadConfig:
+    """Secondary KV tiers (shoal/kv_offload): a CPU tier of cpu_bytes, then optionally a disk
+    tier of disk_bytes under disk_path; eviction policy "lru", "arc" or "pkg.module:Class"."""
+
+    cpu_bytes: int
+    disk_path: str | None = None
+    disk_bytes: int = 0
+    policy: str = "lru"
+
+    def __post_init__(self) -> None:
+        if self.cpu_bytes <= 0:
+            raise ValueError(f"kv_offloading_size must be > 0 GiB (got {self.cpu_bytes} bytes)")
+        if self.disk_path is not None and self.disk_bytes <= 0:
+            raise ValueError("kv_offloading_disk_path needs kv_offloading_disk_size > 0 (GiB)")
+        from shoal.kv_offload.policy import resolve_policy
+
+        resolve_policy(self.policy)  # a bad name fails here, at start-up
+
+
+@dataclass
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -112,3 +132,4 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     device: torch.device = field(default_factory=default_device)
     enforce_eager: bool = False
+    kv_offload_config: KVOffloadConfig | None = None  # None: no secondary KV tiers

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+from shoal.kv_offload.request_params import validate_kv_transfer_params
+
 MAX_LOGPROBS = 20
 # Below this temperature a request is treated as greedy: dividing logits by ~0 overflows.
 SAMPLING_EPS = 1e-5
@@ -91,12 +93,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
     detokenize: bool = True
+    # KV offloading options, e.g. {"skip_tiers": ["disk"]} (shoal/kv_offload/request_params.py)
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self._validate_counts()
         self._validate_floats()
         self._validate_lists()
         self._validate_flags()
+        self.kv_transfer_params = validate_kv_transfer_params(self.kv_transfer_params)
 
     # -- validation, split by kind so each piece stays readable ---------------------------------
 

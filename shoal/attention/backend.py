@@ -36,14 +36,13 @@ class TorchAttentionBackend:
         return paged_attention(q, k, v, kv_cache, md, scale)
 
 
-def get_attention_backend(device: torch.device, model: Any, block_size: int,
-                          name: str | None = None) -> AttentionBackend:
+def get_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
     """`name` forces a backend ("torch" or "triton"); by default Triton on CUDA."""
     name = name or ("triton" if device.type == "cuda" else "torch")
     if name == "torch":
         return TorchAttentionBackend()
     if name == "triton":
-        from shoal.attention.triton_attention_backend import make_triton_backend
+        from shoal.attention.triton_backend import TritonAttentionBackend
 
-        return make_triton_backend(model, block_size)
+        return TritonAttentionBackend()
     raise ValueError(f"attention backend must be 'torch' or 'triton' (got {name!r})")

@@ -12,6 +12,7 @@ from shoal.config import EngineConfig
 from shoal.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
+from shoal.kv_offload.setup import build_kv_offload
 from shoal.loader import LoadedModel
 from shoal.worker.model_runner import ModelRunner
 
@@ -53,7 +54,10 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config, loaded)
         config.cache_config.num_blocks = self.runner.initialize_kv_cache()
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config)
+        # Secondary KV tiers (CPU, disk); None unless kv_offloading_size is set.
+        self.kv_offload = build_kv_offload(config, self.runner, loaded)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
+                                   kv_store=self.kv_offload)
         self.vocab_size = self.runner.vocab_size
         eos = getattr(loaded.hf_config, "eos_token_id", None)
         if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:

@@ -11,6 +11,7 @@ import torch
 from shoal.config import (
     CacheConfig,
     EngineConfig,
+    KVOffloadConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -43,6 +44,11 @@ class EngineArgs:
     device: str | None = None
     scheduling_policy: str = "fcfs"
     max_waiting_requests: int | None = None
+    # Tiered KV offloading (shoal/kv_offload): sizes in GiB; None = off.
+    kv_offloading_size: float | None = None
+    kv_offloading_disk_path: str | None = None
+    kv_offloading_disk_size: float | None = None
+    kv_offloading_policy: str = "lru"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -89,4 +95,23 @@ class EngineArgs:
             parallel_config=ParallelConfig(self.tensor_parallel_size),
             device=device,
             enforce_eager=self.enforce_eager or os.environ.get("SHOAL_ENFORCE_EAGER") == "1",
+            kv_offload_config=self._kv_offload_config(),
+        )
+
+    def _kv_offload_config(self) -> KVOffloadConfig | None:
+        if self.kv_offloading_size is None:
+            if self.kv_offloading_disk_path is not None or self.kv_offloading_disk_size is not None:
+                raise ValueError("the disk KV tier sits below the CPU tier: set "
+                                 "kv_offloading_size (GiB) too")
+            return None
+        if not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs enable_prefix_caching (blocks are found "
+                             "by their prefix hash)")
+        if self.kv_offloading_disk_size is not None and self.kv_offloading_disk_path is None:
+            raise ValueError("kv_offloading_disk_size needs kv_offloading_disk_path")
+        return KVOffloadConfig(
+            cpu_bytes=int(self.kv_offloading_size * 2**30),
+            disk_path=self.kv_offloading_disk_path,
+            disk_bytes=int((self.kv_offloading_disk_size or 0) * 2**30),
+            policy=self.kv_offloading_policy,
         )

@@ -23,6 +23,8 @@ from shoal.engine.scheduler_output import (
     SchedulerOutput,
 )
 from shoal.kv_cache.manager import KVCacheManager
+from shoal.kv_offload.connector import KVOffloadConnector
+from shoal.kv_offload.store import TieredKVStore
 
 
 class WaitingQueue:
@@ -64,11 +66,15 @@ class WaitingQueue:
 
 
 class Scheduler:
-    def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig):
+    def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
+                 kv_store: TieredKVStore | None = None):
         self.config = sched_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
+        # KV offloading: evicted device blocks go to the tiers, admissions load tier hits.
+        self.offload = (KVOffloadConnector(kv_store, self.kv.pool, self.block_size)
+                        if kv_store is not None else None)
         self.requests: dict[str, Request] = {}
         self.waiting = WaitingQueue(sched_config.policy)
         self.running: list[Request] = []
@@ -116,6 +122,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, tuple[Request, int]] = {}
+        if self.offload is not None:
+            self.offload.begin_step()
         new_reqs: list[NewRequestData] = []
 
         # 1. Running requests, oldest first; preempt from the back when blocks run out.
@@ -148,15 +156,25 @@ class Scheduler:
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
             hits, n_hit = [], 0
+            staged = []  # KV offloading: blocks after the device hits found in the tiers
             if req.sampling_params.prompt_logprobs is None:
                 hits, n_hit = self.kv.get_computed_blocks(req)
-            n = req.num_tokens - n_hit
-            if n > budget:
-                if not self.config.enable_chunked_prefill:
-                    break
-                n = budget
-            if self.kv.allocate_slots(req, n, hits) is None:
+                if self.offload is not None:
+                    staged = self.offload.stage(req, len(hits))
+            n_loaded = len(staged) * self.block_size  # tier hits: loaded, not computed
+            n = req.num_tokens - n_hit - n_loaded
+            if n > budget and not self.config.enable_chunked_prefill:
+                new_blocks = None  # the whole prompt must fit in one step
+            else:
+                n = min(n, budget)
+                new_blocks = self.kv.allocate_slots(req, n_loaded + n, hits)
+            if new_blocks is None:
+                if staged:
+                    self.offload.cancel(staged)
                 break
+            if staged:
+                self.offload.commit(staged, new_blocks)
+            n_hit += n_loaded
             req.num_computed_tokens = n_hit
             self.waiting.pop()
             if req.num_cached_tokens < 0:
@@ -171,6 +189,8 @@ class Scheduler:
             budget -= n
 
         out = SchedulerOutput(new_requests=new_reqs)
+        if self.offload is not None:
+            out.kv_transfers = self.offload.take_plan(have_work=bool(scheduled))
         decodes, prefills = [], []
         for req, n in scheduled.values():
             start = req.num_computed_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shoal.engine.core_types import Logprobs
+from shoal.kv_offload.plan import KVTransferPlan
 from shoal.sampling_params import SamplingParams
 
 
@@ -37,6 +38,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first
     num_decodes: int = 0
     new_requests: list[NewRequestData] = field(default_factory=list)
+    # KV offloading: device <-> CPU-tier copies the runner does before the forward pass
+    kv_transfers: KVTransferPlan | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -6,6 +6,8 @@ request with the same prefix can take it back from the free queue (prefix-cache 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from shoal.kv_cache.hashing import BlockHash
 
 
@@ -74,6 +76,9 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
+        # KV offloading (shoal/kv_offload/connector.py) saves a cached block's content before
+        # `allocate` hands the block to a new owner.
+        self.on_evict: Callable[[KVBlock], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -93,6 +98,8 @@ class BlockPool:
         for _ in range(n):
             block = self.free_queue.popleft()
             if block.block_hash is not None:  # evict its cached content
+                if self.on_evict is not None:
+                    self.on_evict(block)
                 self.uncache_block(block)
                 self.num_evictions += 1
             block.ref_cnt = 1

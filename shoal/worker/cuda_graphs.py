@@ -27,7 +27,7 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, backend: Any, max_num_seqs: int, max_blocks: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device):
+                 device: torch.device, *, block_size: int, sliding_window: int | None):
         self.model = model
         self.backend = backend
         self.sizes = capture_sizes(max_num_seqs)
@@ -35,12 +35,12 @@ class DecodeGraphs:
         self.device = device
         self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
         self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
-        self.buffers = backend.alloc_graph_buffers(self.max_batch, max_blocks, device)
+        self.buffers = backend.alloc_graph_buffers(self.max_batch, max_blocks, device,
+                                                   block_size=block_size,
+                                                   sliding_window=sliding_window)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = None
-        self.hidden_size = hidden_size
-        self.dtype = dtype
 
     def can_run(self, num_decodes: int, num_tokens: int) -> bool:
         return num_decodes == num_tokens and 0 < num_decodes <= self.max_batch and bool(self.graphs)

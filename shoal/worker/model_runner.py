@@ -23,6 +23,7 @@ from shoal.sampling_params import SamplingParams
 from shoal.worker import warmup as startup
 from shoal.worker.cuda_graphs import DecodeGraphs
 from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
+from shoal.worker.kv_transfer import KVTransfer
 from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
 from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
 
@@ -72,6 +73,7 @@ class ModelRunner:
             layer.backend = self.backend
         self.graphs: DecodeGraphs | None = None
         self.null_block = 0
+        self.kv_transfer: KVTransfer | None = None  # set by shoal/kv_offload/setup.py
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -99,7 +101,8 @@ class ModelRunner:
                 max_blocks = -(-self.config.scheduler_config.max_model_len // self.block_size)
                 self.graphs = DecodeGraphs(self.model, self.backend,
                                            self.config.scheduler_config.max_num_seqs, max_blocks,
-                                           self.hf_config.hidden_size, self.dtype, self.device)
+                                           self.device, block_size=self.block_size,
+                                           sliding_window=self.sliding_window)
                 self.startup_times["cuda_graphs"] = self.graphs.capture()
         return num_blocks
 
@@ -136,6 +139,8 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         for new in sched.new_requests:
             self._add_request(new)
+        if sched.kv_transfers and self.kv_transfer is not None:  # KV offloading, before the forward
+            self.kv_transfer.run(sched.kv_transfers)
         out = ModelRunnerOutput()
         if sched.is_empty:
             return out

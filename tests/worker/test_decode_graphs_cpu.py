@@ -65,8 +65,8 @@ def test_triton_backend_and_padded_decode_graphs_match_torch(tiny_llama_dir, mon
 
     llm = _llm(tiny_llama_dir, "triton", monkeypatch)
     runner = llm.llm_engine.core.runner
-    graphs = EagerDecodeGraphs(runner.model, runner.backend, 6, 96 // 4, 64, runner.dtype,
-                               runner.device)
+    graphs = EagerDecodeGraphs(runner.model, runner.backend, 6, 96 // 4, runner.device,
+                               block_size=4, sliding_window=None)
     graphs.capture()
     runner.graphs = graphs
     replays = []

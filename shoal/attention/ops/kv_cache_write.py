@@ -21,7 +21,7 @@ def _kv_cache_write_kernel(
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     # Negative slots are CUDA-graph padding rows: nothing to write.
-    mask = (offs_h < num_heads)[:, None] & (slot >= 0)
+    mask = (offs_h < tl.where(slot >= 0, num_heads, 0))[:, None]
     src_k = k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :]
     src_v = v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :]
     dst = slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]

@@ -6,32 +6,37 @@ rows, the smallest tl.dot tile). Keys are gathered row by row through the block 
 makes the tile size independent of the cache block size.
 
 Split-K: a batch-1 decode has only Hk programs, far too few to fill the GPU, so the context
-can be cut into NUM_SPLITS partitions handled by separate programs; each writes its partial
+can be cut into num_splits partitions handled by separate programs; each writes its partial
 output and log-sum-exp and a second kernel combines them. The partition length is derived
-from each sequence's own length inside the kernel, so a fixed NUM_SPLITS (as a CUDA graph
-needs) works for any length: short sequences leave their trailing splits empty."""
+from each sequence's own length inside the kernel, so a fixed num_splits (as a CUDA graph
+needs) works for any length: short sequences leave their trailing splits empty. num_splits
+is a runtime argument (only split / no split is compiled separately), so eager decode steps
+of varying batch and length do not trigger new JIT compiles."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
-_NEG_BIG = -1.0e30  # finite "-inf" for the running max: avoids inf - inf = nan on empty rows
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: avoids inf - inf = nan on empty rows
 _LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 128  # a split shorter than two key tiles costs more than it saves
 MAX_SPLITS = 64
 
 
-@triton.jit
+# Per-step ints are not specialized (== 1, % 16), so steps do not trigger new compiles.
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, window,
+    qk_scale, window, num_splits,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     num_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -42,7 +47,7 @@ def _paged_decode_kernel(
     if USE_WINDOW:  # the query at seq_len - 1 sees keys (seq_len - 1 - window, seq_len - 1]
         start = tl.maximum(seq_len - window, 0)
     # Partitions are whole key tiles so only the sequence's last tile is ragged.
-    per_split = tl.cdiv(tl.cdiv(seq_len - start, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - start, num_splits), BLOCK_N) * BLOCK_N
     lo = start + split * per_split
     hi = tl.minimum(lo + per_split, seq_len)
 
@@ -76,39 +81,43 @@ def _paged_decode_kernel(
 
     # Empty rows (padded batch rows with seq_len 0, empty splits) have l = 0 and output 0.
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        # Contiguous scratch: part_lse [B, Hq, S], part_out [B, Hq, S, D].
-        row = (b * num_heads + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
-                 mask=g_mask[:, None])
+        # Contiguous scratch: part_lse [B, Hq, S], part_out [B, Hq, S, D]. An empty split
+        # writes only its -inf lse; the reduce then skips its output row.
+        row = (b * num_heads + heads) * num_splits + split
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
+        has_keys = offs_g < tl.where(lo < hi, GROUP, 0)
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
+                 mask=has_keys[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _split_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
-    stride_ot, stride_oh, num_heads,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    stride_ot, stride_oh, num_heads, num_splits,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
-    s_mask = offs_s < NUM_SPLITS
-    row = (b * num_heads + h) * NUM_SPLITS + offs_s
+    s_mask = offs_s < num_splits
+    row = (b * num_heads + h) * num_splits + offs_s
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
     m = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)  # all -inf: zero weights, no nan
+    m = tl.where(m > float("-inf"), m, 0.0)  # all splits empty (seq_len 0): weights 0, no nan
+    w = tl.exp2(lse - m)
     o = tl.load(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=s_mask[:, None], other=0.0)
+                mask=(lse > float("-inf"))[:, None], other=0.0)  # unwritten rows of empty splits
     res = tl.sum(o * w[:, None], 0) / tl.maximum(tl.sum(w, 0), 1e-30)
     tl.store(out_ptr + b * stride_ot + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -117,14 +126,15 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
                       num_sms: int = 132) -> int:
-    """Splits per (sequence, KV head) so that about two waves of programs fill the GPU, but no
-    split shorter than MIN_SPLIT_TOKENS of the longest context. For CUDA graphs pass the
-    longest context the graph may replay with (e.g. max_model_len): the count then depends on
-    the padded batch only, and shorter contexts just leave splits empty."""
+    """Splits per (sequence, KV head), a power of two, so that one to two waves of programs
+    fill the GPU, but no split shorter than MIN_SPLIT_TOKENS of the longest context. For CUDA
+    graphs pass the longest context the graph may replay with (e.g. max_model_len): the count
+    then depends on the padded batch only, and shorter contexts just leave splits empty."""
     programs = max(batch * num_kv_heads, 1)
     want = triton.cdiv(2 * num_sms, programs)
     useful = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
-    return max(1, min(want, useful, MAX_SPLITS))
+    n = max(1, min(want, useful, MAX_SPLITS))
+    return 1 << (n.bit_length() - 1)  # powers of two: few reduce-kernel variants
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -156,7 +166,9 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
 
     group = hq // hk
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    block_n = 64 if d <= 128 else 32  # keeps K, V tiles x stages well inside shared memory
+    # Keys per tile: K, V tiles x stages stay well inside shared memory and registers (fp32
+    # is a correctness path without tensor cores: half the tile, else it spills).
+    block_n = (64 if d <= 128 else 32) // (2 if q.dtype == torch.float32 else 1)
     if num_splits > 1:
         part_out = torch.empty(bsz, hq, num_splits, d, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(bsz, hq, num_splits, dtype=torch.float32, device=q.device)
@@ -164,19 +176,19 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         part_out = part_lse = out  # unused
     _paged_decode_kernel[(bsz, hk, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E, sliding_window or 0,
+        scale * _LOG2E, sliding_window or 0, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), hq,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
-        BLOCK_N=block_n, BLOCK_SIZE=block_size, NUM_SPLITS=num_splits,
+        BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3 if d <= 128 else 2,
     )
     if num_splits > 1:
         _split_reduce_kernel[(bsz, hq)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), hq,
-            NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
+            part_out, part_lse, out, out.stride(0), out.stride(1), hq, num_splits,
+            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
             num_warps=4,
         )
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-_NEG_BIG = -1.0e30  # finite "-inf" for the running max: rows masked out of a tile stay nan-free
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: rows masked out of a tile stay nan-free
 _LOG2E = 1.4426950408889634
 
 
@@ -55,7 +55,8 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
     return acc, l_i, m_i
 
 
-@triton.jit
+# Per-step ints are not specialized (== 1, % 16), so steps do not trigger new compiles.
+@triton.jit(do_not_specialize=["window", "num_q_tiles", "stride_bt"])
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
     qk_scale, window, num_q_tiles,
@@ -135,9 +136,11 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     block_g = triton.next_power_of_2(group)
     # 128 rows for long chunks (the usual flash tile); fewer for short ones so a one-token
     # chunk does not drag 127 empty rows through every product.
-    cap = 128 if d <= 128 else 64
+    # fp32 (no tensor cores, a correctness path) halves both tiles, else it spills.
+    shrink = 2 if q.dtype == torch.float32 else 1
+    cap = (128 if d <= 128 else 64) // shrink
     block_m = max(16, block_g, min(cap, triton.next_power_of_2(max_query_len * block_g)))
-    block_n = 64 if d <= 128 else 32
+    block_n = (64 if d <= 128 else 32) // shrink
     block_q = block_m // block_g
     num_q_tiles = triton.cdiv(max_query_len, block_q)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -149,7 +152,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=d, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_m >= 128 else 4, num_stages=2,
+        num_warps=8 if block_m * shrink >= 128 else 4, num_stages=2,
     )
     return out
 

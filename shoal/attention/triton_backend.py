@@ -1,0 +1,239 @@
+"""Attention over the paged KV cache with the Triton kernels (the GPU fast path).
+
+Same semantics as shoal.attention.torch_backend.paged_attention: write the step's keys and
+values into their slots, then attend the decode rows (tokens [0, num_decode_rows), one query
+each) with the decode kernel and the prefill chunks (the remaining tokens) with the prefill
+kernel. One row per request in every per-request tensor, decodes first.
+
+CUDA graphs: pass pad_decodes_to (rows past num_decodes get seq_len 0, slot -1 and produce
+zeros), block_table_width (fixed table width) and decode_num_splits (fixed split-K grid);
+then every tensor shape and launch parameter depends on the padded sizes only. The backend
+class below does this with persistent buffers for shoal.worker.cuda_graphs.DecodeGraphs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.attention.ops.kv_cache_write import write_kv_cache
+from shoal.attention.ops.paged_decode import paged_decode
+from shoal.attention.ops.paged_prefill import paged_prefill
+
+
+@dataclass
+class TritonAttentionMetadata:
+    num_tokens: int  # T, padded decode rows included
+    slot_mapping: torch.Tensor  # [T] int64; -1 for padded rows (nothing written)
+    block_size: int
+    num_decodes: int  # real decode requests
+    num_decode_rows: int  # decode rows incl. padding: tokens and requests [0, num_decode_rows)
+    num_prefills: int  # prefill requests, rows [num_decode_rows, num_decode_rows + P)
+    block_tables: torch.Tensor  # [R, N] int32; entries past a request's blocks are 0
+    seq_lens: torch.Tensor  # [R] int32, context + query tokens; 0 for padded rows
+    context_lens: torch.Tensor  # [R] int32
+    query_start_loc: torch.Tensor  # [R + 1] int32, token offset of each request's queries
+    max_query_len: int  # longest prefill chunk (0 without prefills)
+    max_decode_seq_len: int
+    max_seq_len: int
+    sliding_window: int | None
+    decode_num_splits: int | None  # None: paged_decode chooses from max_decode_seq_len
+
+
+def build_triton_attention_metadata(
+    *,
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    num_decodes: int,
+    sliding_window: int | None,
+    device: torch.device,
+    pad_decodes_to: int | None = None,
+    block_table_width: int | None = None,
+    decode_num_splits: int | None = None,
+) -> TritonAttentionMetadata:
+    """Inputs as for build_attention_metadata. pad_decodes_to >= num_decodes pads the decode
+    group with dummy rows (their query tokens must sit at flat positions [num_decodes,
+    pad_decodes_to), before any prefill token); block_table_width fixes N."""
+    n_req = len(query_lens)
+    if not (len(context_lens) == len(block_tables) == n_req and 0 <= num_decodes <= n_req):
+        raise ValueError("query_lens, context_lens and block_tables must have one entry per "
+                         "request, and num_decodes <= that count")
+    if any(q != 1 for q in query_lens[:num_decodes]):
+        raise ValueError("decode requests must have exactly one query token")
+    pad = num_decodes if pad_decodes_to is None else pad_decodes_to
+    if pad < num_decodes:
+        raise ValueError(f"pad_decodes_to {pad} < num_decodes {num_decodes}")
+    n_pad = pad - num_decodes
+    seq = [c + q for c, q in zip(context_lens, query_lens)]
+    need = max((-(-s // block_size) for s in seq), default=0)
+    width = need if block_table_width is None else block_table_width
+    if need > width:
+        raise ValueError(f"a request needs {need} blocks, block_table_width is {width}")
+    width = max(width, 1)
+
+    slots: list[int] = []
+    for c, q, bt in zip(context_lens[:num_decodes], query_lens[:num_decodes], block_tables):
+        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+    slots.extend([-1] * n_pad)
+    for c, q, bt in zip(context_lens[num_decodes:], query_lens[num_decodes:],
+                        block_tables[num_decodes:]):
+        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+
+    def rows(vals: list[int], fill: int) -> list[int]:  # padded rows after the decodes
+        return vals[:num_decodes] + [fill] * n_pad + vals[num_decodes:]
+
+    tables = [(t[:width] + [0] * (width - len(t)))[:width] for t in block_tables]
+    tables = tables[:num_decodes] + [[0] * width for _ in range(n_pad)] + tables[num_decodes:]
+    starts = [0]
+    for q in rows(query_lens, 1):
+        starts.append(starts[-1] + q)
+
+    def dev(vals: list, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(vals, dtype=dtype).to(device, non_blocking=True)
+
+    return TritonAttentionMetadata(
+        num_tokens=len(slots),
+        slot_mapping=dev(slots, torch.long),
+        block_size=block_size,
+        num_decodes=num_decodes,
+        num_decode_rows=pad,
+        num_prefills=n_req - num_decodes,
+        block_tables=dev(tables, torch.int32).view(len(tables), width),
+        seq_lens=dev(rows(seq, 0), torch.int32),
+        context_lens=dev(rows(context_lens, 0), torch.int32),
+        query_start_loc=dev(starts, torch.int32),
+        max_query_len=max(query_lens[num_decodes:], default=0),
+        max_decode_seq_len=max(seq[:num_decodes], default=0),
+        max_seq_len=max(seq, default=0),
+        sliding_window=sliding_window,
+        decode_num_splits=decode_num_splits,
+    )
+
+
+def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                           kv_cache: torch.Tensor, md: TritonAttentionMetadata,
+                           scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hk, D]; kv_cache: [2, num_slots, Hk, D]. Returns [T, Hq, D]."""
+    if q.shape[0] != md.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} tokens, metadata {md.num_tokens}")
+    write_kv_cache(kv_cache, k, v, md.slot_mapping)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    nd = md.num_decode_rows
+    if nd:
+        paged_decode(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd], md.block_size,
+                     scale, sliding_window=md.sliding_window, num_splits=md.decode_num_splits,
+                     max_seq_len=md.max_decode_seq_len, out=out[:nd])
+    if md.num_prefills:
+        paged_prefill(q, kv_cache, md.block_tables[nd:], md.seq_lens[nd:],
+                      md.query_start_loc[nd:], md.max_query_len, md.block_size, scale,
+                      sliding_window=md.sliding_window, out=out)
+    return out
+
+
+@dataclass
+class TritonGraphBuffers:
+    """Persistent decode-step inputs of the captured graphs; the batch padded to B uses rows
+    [0, B) of each."""
+
+    block_size: int
+    sliding_window: int | None
+    slot_mapping: torch.Tensor  # [max_batch] int64
+    block_tables: torch.Tensor  # [max_batch, max_blocks] int32
+    lens: torch.Tensor  # [2, max_batch] int32: seq_lens, context_lens
+    query_start_loc: torch.Tensor  # [max_batch + 1] int32: arange, one token per row
+
+
+_UNSET: Any = object()
+
+
+class TritonAttentionBackend:
+    """The shoal.attention.backend.AttentionBackend protocol plus the decode CUDA-graph hooks."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        # Remembered from build_metadata (the runner's warmup runs it before graph capture)
+        # for alloc_graph_buffers callers that do not pass them.
+        self._block_size: int | None = None
+        self._sliding_window: int | None = None
+
+    def build_metadata(self, *, null_block: int | None = None,
+                       **kwargs: Any) -> TritonAttentionMetadata:
+        del null_block  # the kernels never read past a sequence's length
+        self._block_size = kwargs["block_size"]
+        self._sliding_window = kwargs["sliding_window"]
+        return build_triton_attention_metadata(**kwargs)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, md: TritonAttentionMetadata,
+                scale: float) -> torch.Tensor:
+        return paged_attention_triton(q, k, v, kv_cache, md, scale)
+
+    def alloc_graph_buffers(self, max_batch: int, max_blocks: int, device: torch.device, *,
+                            block_size: int | None = None,
+                            sliding_window: int | None = _UNSET) -> TritonGraphBuffers:
+        block_size = block_size or self._block_size
+        if block_size is None:
+            raise ValueError("block_size unknown: pass it or call build_metadata first")
+        if sliding_window is _UNSET:
+            sliding_window = self._sliding_window
+        return TritonGraphBuffers(
+            block_size=block_size,
+            sliding_window=sliding_window,
+            slot_mapping=torch.full((max_batch,), -1, dtype=torch.long, device=device),
+            block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
+            lens=torch.zeros(2, max_batch, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+        )
+
+    def fill_graph_buffers(self, buf: TritonGraphBuffers, size: int, context_lens: list[int],
+                           block_tables: list[list[int]], slot_mapping: list[int]) -> None:
+        """Decode rows [0, n) from the lists (context_lens: tokens before the new one), rows
+        [n, size) padding. Only the block-table columns the batch reads are copied: entries past
+        a row's length are never read, so stale ones are harmless."""
+        n = len(context_lens)
+        if n > size or size > buf.lens.shape[1]:
+            raise ValueError(f"{n} decodes do not fit a graph of {size} rows")
+        bs = buf.block_size
+        need = [-(-(c + 1) // bs) for c in context_lens]
+        width = max(need, default=0)
+        if width > buf.block_tables.shape[1]:
+            raise ValueError(f"a sequence needs {width} blocks, graphs hold "
+                             f"{buf.block_tables.shape[1]}")
+        if n:
+            rows = [t[:w] + [0] * (width - w) for t, w in zip(block_tables, need)]
+            dev = buf.lens.device
+            buf.block_tables[:n, :width].copy_(
+                torch.tensor(rows, dtype=torch.int32).to(dev, non_blocking=True))
+            buf.lens[:, :n].copy_(
+                torch.tensor([[c + 1 for c in context_lens], context_lens],
+                             dtype=torch.int32).to(dev, non_blocking=True))
+            buf.slot_mapping[:n].copy_(
+                torch.tensor(slot_mapping, dtype=torch.long).to(dev, non_blocking=True))
+        buf.lens[:, n:size].zero_()
+        buf.slot_mapping[n:size].fill_(-1)
+
+    def graph_metadata(self, buf: TritonGraphBuffers, size: int) -> TritonAttentionMetadata:
+        """Metadata over views of the buffers for a graph of `size` decode rows. Its host-side
+        values depend on `size` only: the split count comes from the table capacity."""
+        cap = buf.block_tables.shape[1] * buf.block_size
+        return TritonAttentionMetadata(
+            num_tokens=size,
+            slot_mapping=buf.slot_mapping[:size],
+            block_size=buf.block_size,
+            num_decodes=size,
+            num_decode_rows=size,
+            num_prefills=0,
+            block_tables=buf.block_tables[:size],
+            seq_lens=buf.lens[0, :size],
+            context_lens=buf.lens[1, :size],
+            query_start_loc=buf.query_start_loc[:size + 1],
+            max_query_len=0,
+            max_decode_seq_len=cap,
+            max_seq_len=cap,
+            sliding_window=buf.sliding_window,
+            decode_num_splits=None,
+        )

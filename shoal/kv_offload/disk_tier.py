@@ -1,0 +1,193 @@
+"""The disk tier: one file per block in a directory named after the store key, so another
+model, dtype, block size or layout never sees these files.
+
+The index is rebuilt at start-up by listing the directory (files of the wrong size and
+leftover temporary files are deleted; headers and checksums are checked at load), so blocks
+survive a restart. The size limit counts whole files and holds at all times: room is made by
+the policy before a file is written."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from shoal.kv_cache.hashing import BlockHash
+from shoal.kv_offload.disk_format import (
+    HEADER_BYTES,
+    SUFFIX,
+    TMP_MARK,
+    DamagedBlockError,
+    file_name,
+    read_block,
+)
+from shoal.kv_offload.disk_writer import DiskWriter, unlink_quietly
+from shoal.kv_offload.layout import BlockLayout, StoreKey
+from shoal.kv_offload.policy import EvictionPolicy
+from shoal.kv_offload.tier import KVTier
+
+logger = logging.getLogger(__name__)
+
+
+class DiskTier(KVTier):
+    name = "disk"
+
+    def __init__(self, root: str | Path, key: StoreKey, layout: BlockLayout, capacity_bytes: int,
+                 policy: EvictionPolicy, background_writes: bool = True):
+        file_bytes = HEADER_BYTES + layout.nbytes
+        super().__init__(layout, capacity_bytes // file_bytes, file_bytes, policy)
+        self.key = key
+        self.key_digest = key.digest()
+        self.dir = Path(root).expanduser() / key.dirname()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._write_meta()
+        self._index: set[BlockHash] = set()
+        self.writer = DiskWriter(self.stats, background=background_writes)
+        self._scan()
+        if not self.capacity_blocks:
+            logger.warning("kv_offloading_disk_size is smaller than one block (%d bytes): the "
+                           "disk tier stores nothing", file_bytes)
+
+    def _path(self, block_hash: BlockHash) -> Path:
+        return self.dir / file_name(block_hash)
+
+    def _write_meta(self) -> None:
+        """A human-readable note of what the directory holds (never read back: the digest in
+        the directory name and in every header is what is checked)."""
+        meta = self.dir / "key.json"
+        if not meta.exists():
+            tmp = self.dir / f"key.json{TMP_MARK}{os.getpid()}"
+            tmp.write_text(self.key.to_json() + "\n")
+            os.replace(tmp, meta)
+
+    def _scan(self) -> None:
+        found: list[tuple[float, BlockHash]] = []
+        for entry in os.scandir(self.dir):
+            name = entry.name
+            if TMP_MARK in name:  # a write cut short by a crash
+                unlink_quietly(entry.path)
+                continue
+            if not name.endswith(SUFFIX):
+                continue
+            try:
+                block_hash = bytes.fromhex(name[: -len(SUFFIX)])
+                st = entry.stat()
+            except (ValueError, OSError):
+                continue
+            if st.st_size != self.entry_bytes:
+                unlink_quietly(entry.path)
+                self.stats.damaged += 1
+                continue
+            found.append((st.st_mtime, block_hash))
+        # Oldest first, so LRU-like policies evict what was written longest ago first.
+        for _, h in sorted(found):
+            self.policy.prepare(h)
+            self.policy.insert(h)
+            self._index.add(h)
+        if len(self._index) > self.capacity_blocks:  # the size limit was lowered
+            self.evict(len(self._index) - self.capacity_blocks)
+        self._sync_usage()
+        if self._index:
+            logger.info("disk KV tier %s: %d blocks found", self.dir, len(self._index))
+
+    # -- queries ------------------------------------------------------------------------------
+    def contains(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._index
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def keys(self) -> list[BlockHash]:
+        return list(self._index)
+
+    # -- data ---------------------------------------------------------------------------------
+    def load(self, hashes: Sequence[BlockHash], dst: torch.Tensor) -> int:
+        t0 = time.perf_counter()
+        n = 0
+        for i, h in enumerate(hashes):
+            if h not in self._index:
+                break
+            pending = self.writer.pending(self._path(h))
+            try:
+                if pending is not None:  # its file is still being written
+                    dst[i].copy_(pending)
+                else:
+                    read_block(self._path(h), self.key_digest, h, dst[i])
+            except FileNotFoundError:  # deleted behind our back: a plain miss
+                self._forget(h)
+                break
+            except (DamagedBlockError, OSError) as e:
+                logger.warning("disk KV block %s is damaged (%s): deleted, will recompute",
+                               h.hex(), e)
+                self.stats.damaged += 1
+                self.remove(h)
+                break
+            self.policy.touch(h)
+            n += 1
+        self.stats.record_load(n, n * self.layout.nbytes, time.perf_counter() - t0)
+        return n
+
+    def store(self, hashes: Sequence[BlockHash], src: torch.Tensor) -> int:
+        """Queues the writes (see disk_writer.py); time is counted when the writer runs."""
+        n = written = 0
+        for i, h in enumerate(hashes):
+            if h in self._index:
+                self.policy.touch(h)
+                n += 1
+                continue
+            if not self.capacity_blocks:
+                break
+            self.policy.prepare(h)
+            while len(self._index) >= self.capacity_blocks:
+                if not self.evict(1):
+                    break
+            if len(self._index) >= self.capacity_blocks:
+                break
+            self.writer.write(self._path(h), self.key_digest, h, src[i])
+            self._index.add(h)
+            self.policy.insert(h)
+            written += 1
+            n += 1
+        self._sync_usage()
+        self.stats.blocks_stored += written
+        self.stats.bytes_stored += written * self.layout.nbytes
+        return n
+
+    def remove(self, block_hash: BlockHash) -> bool:
+        if block_hash not in self._index:
+            return False
+        self.writer.unlink(self._path(block_hash))
+        self._forget(block_hash)
+        return True
+
+    def _forget(self, block_hash: BlockHash) -> None:
+        self._index.discard(block_hash)
+        self.policy.remove(block_hash)
+        self._sync_usage()
+
+    def evict(self, num_blocks: int) -> int:
+        n = 0
+        while n < num_blocks and self._index:
+            victim = self.policy.evict(lambda _: True)
+            if victim is None:
+                break
+            self._index.discard(victim)
+            self.writer.unlink(self._path(victim))
+            self.stats.evictions += 1
+            n += 1
+        self._sync_usage()
+        return n
+
+    def check(self) -> None:
+        """Invariants, for tests: the index is exactly the files, within the size limit."""
+        self.writer.drain()
+        on_disk = {bytes.fromhex(p.name[: -len(SUFFIX)]) for p in self.dir.glob("*" + SUFFIX)}
+        assert on_disk == self._index, "index and directory disagree"
+        assert len(self.policy) == len(self._index), "policy and tier disagree"
+        size = sum(p.stat().st_size for p in self.dir.glob("*" + SUFFIX))
+        assert size <= self.capacity_bytes, f"{size} bytes on disk > limit {self.capacity_bytes}"
+
