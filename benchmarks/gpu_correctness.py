@@ -39,6 +39,8 @@ def hf_greedy(model, prompt: list[int], n: int, device: str) -> tuple[list[int],
 def check(shape: str, dtype: torch.dtype, layers: int, steps: int) -> dict:
     cfg = AutoConfig.from_pretrained(resolve_model(SHAPES[shape]).path)
     cfg.num_hidden_layers = layers
+    if getattr(cfg, "layer_types", None):
+        cfg.layer_types = cfg.layer_types[:layers]
     torch.manual_seed(0)
     with torch.device("cuda"):
         hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()

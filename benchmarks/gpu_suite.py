@@ -56,10 +56,44 @@ def w2(args) -> list[dict]:
     total, ttft, n = sorted(runs)[1]
     decode = (n - 1) / (total - ttft)
     roofline = COPY_BANDWIDTH / W2_BYTES_PER_TOKEN
+    # Where a step's time goes: the decode graph alone vs the whole step.
+    replay_ms = _time_replay(llm)
+    _profile_host(llm, _ids(rng, 128, 128000))
     return [record("W2", "shoal", model=LLAMA_8B, dtype="bfloat16", batch=1,
                    input_len=128, output_len=256, output_tok_s=n / total,
                    decode_tok_s=decode, ttft_s=ttft, roofline_tok_s=roofline,
-                   fraction_of_roofline=decode / roofline, ready_s=ready)]
+                   fraction_of_roofline=decode / roofline, ready_s=ready,
+                   step_ms=1000 / decode, graph_replay_ms=replay_ms)]
+
+
+def _time_replay(llm) -> float | None:
+    graphs = llm.llm_engine.core.runner.graphs
+    if graphs is None or 1 not in graphs.graphs:
+        return None
+    g = graphs.graphs[1]
+    for _ in range(5):
+        g.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        g.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / 50 * 1000
+
+
+def _profile_host(llm, prompt) -> None:
+    """Prints where host time goes in a batch-1 generate (the GPU waits on it)."""
+    import cProfile
+    import pstats
+
+    from shoal import SamplingParams
+
+    prof = cProfile.Profile()
+    prof.enable()
+    llm.generate(prompt, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True),
+                 use_tqdm=False)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def w1(args) -> list[dict]:

@@ -144,6 +144,10 @@ class TritonGraphBuffers:
     block_tables: torch.Tensor  # [max_batch, max_blocks] int32
     lens: torch.Tensor  # [2, max_batch] int32: seq_lens, context_lens
     query_start_loc: torch.Tensor  # [max_batch + 1] int32: arange, one token per row
+    # Host staging (pinned on CUDA), so each step is one copy per dtype.
+    host_lens: Any = None  # numpy [2, max_batch] int32
+    host_slots: Any = None  # numpy [max_batch] int64
+    host_tables: Any = None  # numpy [max_batch, max_blocks] int32
 
 
 _UNSET: Any = object()
@@ -180,6 +184,11 @@ class TritonAttentionBackend:
             raise ValueError("block_size unknown: pass it or call build_metadata first")
         if sliding_window is _UNSET:
             sliding_window = self._sliding_window
+        pin = device.type == "cuda"
+
+        def host(shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin).numpy()
+
         return TritonGraphBuffers(
             block_size=block_size,
             sliding_window=sliding_window,
@@ -187,34 +196,40 @@ class TritonAttentionBackend:
             block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
             lens=torch.zeros(2, max_batch, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+            host_lens=host((2, max_batch), torch.int32),
+            host_slots=host((max_batch,), torch.long),
+            host_tables=host((max_batch, max_blocks), torch.int32),
         )
 
     def fill_graph_buffers(self, buf: TritonGraphBuffers, size: int, context_lens: list[int],
-                           block_tables: list[list[int]], slot_mapping: list[int]) -> None:
+                           block_tables: list[list[int]] | None,
+                           slot_mapping: list[int]) -> None:
         """Decode rows [0, n) from the lists (context_lens: tokens before the new one), rows
-        [n, size) padding. Only the block-table columns the batch reads are copied: entries past
-        a row's length are never read, so stale ones are harmless."""
+        [n, size) padding. block_tables None keeps the tables of the previous fill (the caller
+        knows they did not change). Host staging buffers are reused: the caller must not refill
+        before the previous step's copies have completed (its sampled tokens were read)."""
         n = len(context_lens)
         if n > size or size > buf.lens.shape[1]:
             raise ValueError(f"{n} decodes do not fit a graph of {size} rows")
-        bs = buf.block_size
-        need = [-(-(c + 1) // bs) for c in context_lens]
-        width = max(need, default=0)
-        if width > buf.block_tables.shape[1]:
-            raise ValueError(f"a sequence needs {width} blocks, graphs hold "
-                             f"{buf.block_tables.shape[1]}")
-        if n:
-            rows = [t[:w] + [0] * (width - w) for t, w in zip(block_tables, need)]
-            dev = buf.lens.device
-            buf.block_tables[:n, :width].copy_(
-                torch.tensor(rows, dtype=torch.int32).to(dev, non_blocking=True))
-            buf.lens[:, :n].copy_(
-                torch.tensor([[c + 1 for c in context_lens], context_lens],
-                             dtype=torch.int32).to(dev, non_blocking=True))
-            buf.slot_mapping[:n].copy_(
-                torch.tensor(slot_mapping, dtype=torch.long).to(dev, non_blocking=True))
-        buf.lens[:, n:size].zero_()
-        buf.slot_mapping[n:size].fill_(-1)
+        lens, slots = buf.host_lens, buf.host_slots
+        lens[1, :n] = context_lens
+        lens[0, :n] = lens[1, :n] + 1
+        lens[:, n:size] = 0
+        slots[:n] = slot_mapping
+        slots[n:size] = -1
+        buf.lens[:, :size].copy_(torch.from_numpy(lens)[:, :size], non_blocking=True)
+        buf.slot_mapping[:size].copy_(torch.from_numpy(slots[:size]), non_blocking=True)
+        if block_tables is not None and n:
+            width = max(len(t) for t in block_tables)
+            if width > buf.block_tables.shape[1]:
+                raise ValueError(f"a sequence needs {width} blocks, graphs hold "
+                                 f"{buf.block_tables.shape[1]}")
+            tables = buf.host_tables
+            for i, t in enumerate(block_tables):
+                tables[i, : len(t)] = t
+            # Entries past a row's length are never read, so stale cells are harmless.
+            buf.block_tables[:n, :width].copy_(torch.from_numpy(tables[:n, :width]),
+                                               non_blocking=True)
 
     def graph_metadata(self, buf: TritonGraphBuffers, size: int) -> TritonAttentionMetadata:
         """Metadata over views of the buffers for a graph of `size` decode rows. Its host-side

@@ -15,5 +15,8 @@ class SiluAndMul(nn.Module):
             from shoal.attention.ops.silu_mul import silu_and_mul
 
             return silu_and_mul(x)
+        return self.forward_native(x)
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

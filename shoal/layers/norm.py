@@ -29,6 +29,12 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        return self.forward_native(x, residual)
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The PyTorch path: the reference the fused kernel is tested against."""
         if residual is None:
             return self._norm(x)
         residual = x + residual

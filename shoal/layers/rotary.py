@@ -66,6 +66,10 @@ class RotaryEmbedding(nn.Module):
             from shoal.attention.ops.rotary import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.cos_sin_cache)
+        return self.forward_native(positions, q, k)
+
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
@@ -75,3 +79,18 @@ class RotaryEmbedding(nn.Module):
         x1, x2 = rot.float().chunk(2, dim=-1)
         out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
         return out if rest.numel() == 0 else torch.cat([out, rest], dim=-1)
+
+
+_SHARED: dict[tuple, RotaryEmbedding] = {}
+
+
+def get_rope(head_dim: int, max_position: int, theta: float,
+             scaling: dict[str, Any] | None = None) -> RotaryEmbedding:
+    """One rotary module (and one cos/sin table) shared by every layer with the same settings;
+    a long-context model's table is tens of MiB, too much to repeat per layer."""
+    device = torch.empty(0).device  # the torch.device context the model is built under
+    key = (head_dim, max_position, theta, repr(sorted((scaling or {}).items())), str(device))
+    rope = _SHARED.get(key)
+    if rope is None:
+        rope = _SHARED[key] = RotaryEmbedding(head_dim, max_position, theta, scaling)
+    return rope

@@ -22,7 +22,7 @@ from shoal.layers.linear import (
     default_weight_loader,
 )
 from shoal.layers.norm import RMSNorm
-from shoal.layers.rotary import RotaryEmbedding, rope_parameters
+from shoal.layers.rotary import get_rope, rope_parameters
 
 
 class Attention(nn.Module):
@@ -61,7 +61,7 @@ class LlamaAttention(nn.Module):
                                         bias=getattr(cfg, "attention_bias", False) and not qkv_bias,
                                         params_dtype=dtype)
         theta, scaling = rope_parameters(cfg)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
+        self.rotary_emb = get_rope(self.head_dim, cfg.max_position_embeddings, theta, scaling)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)

@@ -1,9 +1,9 @@
 """CUDA graphs for decode steps: one graph per padded batch size, sharing one memory pool.
 
 A decode step has a fixed shape once its batch is padded to a capture size, so the whole
-forward (every layer's kernels) replays as one graph launch. Inputs live in persistent
+forward (every layer's kernels and the LM head) replays as one graph launch. Inputs live in persistent
 buffers: a step copies its token ids, positions and attention metadata into them, replays
-and reads the hidden states of its real rows. Prefill and mixed steps run eagerly."""
+and reads the logits of its real rows. Prefill and mixed steps run eagerly."""
 
 from __future__ import annotations
 
@@ -14,6 +14,11 @@ from typing import Any
 import torch
 
 logger = logging.getLogger(__name__)
+
+
+def _pinned_numpy(shape: tuple[int, ...], device: torch.device) -> Any:
+    t = torch.zeros(shape, dtype=torch.long, pin_memory=device.type == "cuda")
+    return t.numpy()
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -33,8 +38,11 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
         self.device = device
-        self.input_ids = torch.zeros(self.max_batch, dtype=torch.long, device=device)
-        self.positions = torch.zeros(self.max_batch, dtype=torch.long, device=device)
+        # Token ids and positions travel in one copy from a pinned host buffer.
+        self.tokens = torch.zeros(2, self.max_batch, dtype=torch.long, device=device)
+        self.input_ids, self.positions = self.tokens[0], self.tokens[1]
+        self.host_tokens = _pinned_numpy((2, self.max_batch), device)
+        self._tables_key: tuple | None = None
         self.buffers = backend.alloc_graph_buffers(self.max_batch, max_blocks, device,
                                                    block_size=block_size,
                                                    sliding_window=sliding_window)
@@ -63,11 +71,11 @@ class DecodeGraphs:
             ids, pos = self.input_ids[:size], self.positions[:size]
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm: compile kernels, settle the allocator
-                    self.model(ids, pos, md)
+                    self._forward(ids, pos, md)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = self.model(ids, pos, md)
+                out = self._forward(ids, pos, md)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
@@ -78,15 +86,30 @@ class DecodeGraphs:
                     self.max_batch, took)
         return took
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, context_lens: list[int],
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, md: Any) -> torch.Tensor:
+        # Every decode row samples, so the LM head joins the graph: logits out.
+        return self.model.compute_logits(self.model(ids, pos, md))
+
+    def invalidate_tables(self) -> None:
+        self._tables_key = None
+
+    def run(self, input_ids: list[int], positions: list[int], request_ids: list[str],
             block_tables: list[list[int]], slot_mapping: list[int]) -> torch.Tensor:
-        n = input_ids.shape[0]
+        """One decode step for len(input_ids) requests; returns their logits."""
+        n = len(input_ids)
         size = self.padded_size(n)
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        if size > n:
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
-        self.backend.fill_graph_buffers(self.buffers, size, context_lens, block_tables, slot_mapping)
+        host = self.host_tokens
+        host[0, :n] = input_ids
+        host[1, :n] = positions
+        host[:, n:size] = 0
+        self.tokens.copy_(torch.from_numpy(host), non_blocking=True)
+        # Block tables change only when a row gains a block or the batch changes: skip the
+        # copy otherwise (every 16 steps of a steady batch need one).
+        key = (size, tuple(request_ids), tuple(len(t) for t in block_tables))
+        # A decode token's position is the number of tokens before it.
+        self.backend.fill_graph_buffers(self.buffers, size, positions,
+                                        block_tables if key != self._tables_key else None,
+                                        slot_mapping)
+        self._tables_key = key
         self.graphs[size].replay()
         return self.outputs[size][:n]

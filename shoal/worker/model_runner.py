@@ -161,14 +161,17 @@ class ModelRunner:
             if st.sampling_params.prompt_logprobs is not None and it.context_len < len(st.prompt_token_ids):
                 prompt_lp_spans.append((it.request_id, start, it.context_len, it.num_new_tokens))
 
-        ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         if self.graphs is not None and self.graphs.can_run(sched.num_decodes, len(input_ids)):
             bs = self.block_size
-            hidden = self.graphs.run(
-                ids_t, pos_t, [it.context_len for it in items], [it.block_ids for it in items],
+            logits = self.graphs.run(
+                input_ids, positions, [it.request_id for it in items],
+                [it.block_ids for it in items],
                 [it.block_ids[p // bs] * bs + p % bs for it, p in zip(items, positions)])
         else:
+            if self.graphs is not None:
+                self.graphs.invalidate_tables()  # a preempted request may come back re-blocked
+            ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
+            pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
             md = self.backend.build_metadata(
                 query_lens=[it.num_new_tokens for it in items],
                 context_lens=[it.context_len for it in items],
@@ -181,11 +184,16 @@ class ModelRunner:
             )
             hidden = self.model(ids_t, pos_t, md)
 
-        if prompt_lp_spans:
-            out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_spans)
-        if not sample_rows:
-            return out
-        logits = self.model.compute_logits(hidden[torch.tensor(logits_index, device=self.device)])
+            if prompt_lp_spans:
+                out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_spans)
+            if not sample_rows:
+                return out
+            if len(logits_index) == hidden.shape[0]:  # every row samples: no gather
+                logits = self.model.compute_logits(hidden)
+            else:
+                logits = self.model.compute_logits(
+                    hidden[torch.tensor(logits_index, device=self.device)])
+
         states = [self.requests[r] for r in sample_rows]
         sched_blocks = {it.request_id: it.block_ids for it in items}
         smd = SamplingMetadata.build(
@@ -199,8 +207,8 @@ class ModelRunner:
         )
         finite = torch.isfinite(logits).all(dim=-1)
         result = self.sampler(logits, smd)
-        sampled = result.sampled_token_ids.tolist()
-        finite_l = finite.tolist()
+        # One device-to-host transfer for both: each sync costs a round trip.
+        sampled, finite_l = torch.stack([result.sampled_token_ids, finite.long()]).tolist()
         lp_rows = _logprobs_rows(result.logprobs, [s.sampling_params.logprobs for s in states])
         for i, (rid, st) in enumerate(zip(sample_rows, states)):
             if not finite_l[i]:
