@@ -63,7 +63,28 @@ class EngineCore:
         if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
             eos = loaded.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        if config.device.type == "cuda":
+            t1 = time.perf_counter()
+            self._warm_request_path()
+            self.runner.startup_times["warm_requests"] = time.perf_counter() - t1
         logger.info("engine core ready in %.2f s", time.perf_counter() - t0)
+
+    def _warm_request_path(self) -> None:
+        """Runs a greedy and a sampled request end to end (scheduler, sampler, logprobs), so
+        the first real request finds every kernel loaded and compiled; then forgets them."""
+        from shoal.sampling_params import SamplingParams
+
+        prompt = [i % self.vocab_size for i in range(1, 40)]
+        for i, sp in enumerate([
+            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+            SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=3, ignore_eos=True,
+                           logprobs=2, seed=0),
+        ]):
+            self.add_request(EngineCoreRequest(f"__warmup_{i}", prompt, sp, time.monotonic()))
+        while self.scheduler.has_unfinished_requests():
+            self.step()
+        self.scheduler.kv.reset_prefix_cache()
+        self.scheduler.reset_counters()
 
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, req: EngineCoreRequest) -> int:

@@ -280,6 +280,12 @@ class Scheduler:
             return RequestStatus.FINISHED_LENGTH
         return None
 
+    def reset_counters(self) -> None:
+        """Zeroes the cumulative statistics (after start-up warm requests)."""
+        self.kv.prefix_queries = self.kv.prefix_hits = 0
+        self.num_preemptions = 0
+        self._step_prompt_tokens = self._step_generation_tokens = 0
+
     def take_finished_ids(self) -> set[str]:
         ids, self._finished_ids = self._finished_ids, set()
         return ids

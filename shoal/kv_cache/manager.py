@@ -13,6 +13,10 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept in step
+        # How many leading blocks of each request are already published in the prefix cache,
+        # so each step publishes only the newly filled ones.
+        self.num_published: dict[str, int] = {}
         # Prefix-cache counters (queries and hits in tokens), read by metrics.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -25,7 +29,8 @@ class KVCacheManager:
         return self.pool.usage()
 
     def _update_hashes(self, request: Request) -> None:
-        if self.enable_caching:
+        if self.enable_caching and len(request.all_token_ids) // self.block_size > len(
+                request.block_hashes):
             request.block_hashes = hash_full_blocks(
                 request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt
             )
@@ -69,18 +74,24 @@ class KVCacheManager:
         blocks.extend(new_computed)
         new_blocks = self.pool.allocate(n_new)
         blocks.extend(new_blocks)
+        ids = self.req_block_ids.setdefault(request.request_id, [])
+        ids.extend(b.block_id for b in new_computed)
+        ids.extend(b.block_id for b in new_blocks)
         if self.enable_caching:
             # Publish blocks that will be full once this step has run; attention writes a
             # layer's keys before reading, so requests in the same step can share them.
             num_after = request.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
             self._update_hashes(request)
             n_full = min(num_after // self.block_size, len(request.block_hashes))
-            for i in range(n_full):
+            rid = request.request_id
+            for i in range(self.num_published.get(rid, 0), n_full):
                 self.pool.cache_block(blocks[i], request.block_hashes[i])
+            self.num_published[rid] = max(n_full, self.num_published.get(rid, 0))
         return new_blocks
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+        """The request's block table (a live list: it grows as the request does)."""
+        return self.req_block_ids.get(request_id, [])
 
     def free(self, request: Request, failed: bool = False) -> None:
         """Returns a request's blocks to the pool. Blocks published for a step that never ran
@@ -88,6 +99,8 @@ class KVCacheManager:
         not to be trusted: both are withdrawn from the prefix cache unless another request
         holds them."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.req_block_ids.pop(request.request_id, None)
+        self.num_published.pop(request.request_id, None)
         first_unsure = 0 if failed else request.num_computed_tokens // self.block_size
         for b in blocks[first_unsure:]:
             if b.block_hash is not None and b.ref_cnt == 1:

@@ -243,3 +243,15 @@ def test_non_finite_logits_fail_only_that_request_and_publish_nothing(tiny_llama
     again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
     assert again.num_cached_tokens == 0
     assert again.outputs[0].finish_reason == "length"
+
+
+def test_start_up_warm_requests_leave_no_trace(tiny_llama_dir):
+    llm = _llm(tiny_llama_dir)
+    core = llm.llm_engine.core
+    core._warm_request_path()  # what a GPU start-up runs before reporting ready
+    assert _blocks_all_free(llm)
+    assert not core.scheduler.kv.pool.cached
+    stats = core.scheduler.stats()
+    assert stats.prefix_cache_queries == 0 and stats.num_generation_tokens == 0
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert out[0].request_id == "0" and out[0].num_cached_tokens == 0
