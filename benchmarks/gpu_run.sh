@@ -21,11 +21,11 @@ for part in "$@"; do
   case $part in
     kernels) run kernels 100 python3 -m pytest -q -x -p no:cacheprovider tests/attention/test_triton_kernels.py ;;
     correctness) run correctness 150 python3 benchmarks/gpu_correctness.py --out "$OUT/correctness.json" ;;
-    w1) run w1 200 python3 benchmarks/gpu_suite.py w1 --out "$OUT/w1.json" ;;
+    w1) run w1 90 python3 benchmarks/gpu_suite.py w1 --out "$OUT/w1.json" ;;
     w2) run w2 120 python3 benchmarks/gpu_suite.py w2 --out "$OUT/w2.json" ;;
-    w3) run w3 420 python3 benchmarks/gpu_suite.py w3 --out "$OUT/w3.json" ;;
-    w3-hf) run w3hf 300 python3 benchmarks/gpu_suite.py w3-hf --out "$OUT/w3hf.json" ;;
-    w7) SHOAL_PROCESS_START=$(date +%s.%N) run w7 120 python3 benchmarks/gpu_suite.py w7 --out "$OUT/w7.json" ;;
+    w3) run w3 300 python3 benchmarks/gpu_suite.py w3 --out "$OUT/w3.json" ;;
+    w3-hf) run w3hf 150 python3 benchmarks/gpu_suite.py w3-hf --out "$OUT/w3hf.json" ;;
+    w7) SHOAL_PROCESS_START=$(date +%s.%N) run w7 60 python3 benchmarks/gpu_suite.py w7 --out "$OUT/w7.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -30,6 +30,13 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--scheduling-policy", "scheduling_policy", str, "fcfs or priority"),
     ("--max-waiting-requests", "max_waiting_requests", int,
      "answer 503 with Retry-After when more sequences than this would wait"),
+    ("--kv-offloading-size", "kv_offloading_size", float,
+     "GiB of CPU memory for offloaded KV blocks (default: off)"),
+    ("--kv-offloading-disk-path", "kv_offloading_disk_path", str,
+     "folder for a disk KV tier below the CPU tier (needs --kv-offloading-size)"),
+    ("--kv-offloading-disk-size", "kv_offloading_disk_size", float, "GiB for the disk KV tier"),
+    ("--kv-offloading-policy", "kv_offloading_policy", str,
+     "eviction policy of the KV tiers: lru, arc or pkg.module:Class"),
 ]
 
 

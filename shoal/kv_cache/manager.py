@@ -63,6 +63,15 @@ class KVCacheManager:
                        new_computed: list[KVBlock] | None = None) -> list[KVBlock] | None:
         """Reserves room for `num_new_tokens` more tokens. Returns None (and changes nothing)
         when the pool cannot provide the blocks."""
+        if not new_computed:
+            # Fast path, most decode steps: the tokens fit in the blocks already held.
+            held = self.req_blocks.get(request.request_id)
+            total = request.num_computed_tokens + num_new_tokens
+            if held is not None and total <= len(held) * self.block_size:
+                if self.enable_caching and total // self.block_size > self.num_published.get(
+                        request.request_id, 0):
+                    self._publish(request, held, total)
+                return []
         new_computed = new_computed or []
         n_new = self.blocks_needed(request, num_new_tokens, new_computed)
         # Cache hits sitting in the free queue are taken out of it, so they count against it.
@@ -78,16 +87,20 @@ class KVCacheManager:
         ids.extend(b.block_id for b in new_computed)
         ids.extend(b.block_id for b in new_blocks)
         if self.enable_caching:
-            # Publish blocks that will be full once this step has run; attention writes a
-            # layer's keys before reading, so requests in the same step can share them.
             num_after = request.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
-            self._update_hashes(request)
-            n_full = min(num_after // self.block_size, len(request.block_hashes))
-            rid = request.request_id
-            for i in range(self.num_published.get(rid, 0), n_full):
-                self.pool.cache_block(blocks[i], request.block_hashes[i])
-            self.num_published[rid] = max(n_full, self.num_published.get(rid, 0))
+            self._publish(request, blocks, num_after)
         return new_blocks
+
+    def _publish(self, request: Request, blocks: list[KVBlock], num_after: int) -> None:
+        """Publishes blocks that will be full once this step has run; attention writes a
+        layer's keys before reading, so requests in the same step can share them."""
+        self._update_hashes(request)
+        n_full = min(num_after // self.block_size, len(request.block_hashes))
+        rid = request.request_id
+        done = self.num_published.get(rid, 0)
+        for i in range(done, n_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self.num_published[rid] = max(n_full, done)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (a live list: it grows as the request does)."""

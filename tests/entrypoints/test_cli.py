@@ -40,6 +40,15 @@ def test_serve_flags_use_vllm_names():
         (9, "k", ["a", "b"], 2.5)
 
 
+def test_serve_kv_offloading_flags():
+    ns = build_parser().parse_args([
+        "serve", "--kv-offloading-size", "1.5", "--kv-offloading-disk-path", "/tmp/kv",
+        "--kv-offloading-disk-size", "4", "--kv-offloading-policy", "arc"])
+    a = engine_args_from(ns)
+    assert (a.kv_offloading_size, a.kv_offloading_disk_path, a.kv_offloading_disk_size,
+            a.kv_offloading_policy) == (1.5, "/tmp/kv", 4.0, "arc")
+
+
 def test_generate_flags():
     ns = build_parser().parse_args(["generate", "--prompt", "a", "--prompt", "b",
                                     "--max-tokens", "3", "--temperature", "0.5"])
