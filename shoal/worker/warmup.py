@@ -74,10 +74,12 @@ def profile_activation_bytes(runner: ModelRunner) -> int:
 
 
 def prefill_buckets(max_tokens: int) -> list[int]:
-    out, n = [], 16
+    """Every power of two up to the budget: cuBLAS picks (and lazily loads) a different kernel
+    for each range of rows, and a first use costs milliseconds."""
+    out, n = [], 1
     while n < max_tokens:
         out.append(n)
-        n *= 4
+        n *= 2
     out.append(max_tokens)
     return out
 
@@ -96,7 +98,7 @@ def warmup(runner: ModelRunner) -> float:
     steps = [(profile_split(n, sc.max_model_len, sc.max_num_seqs), 0)
              for n in prefill_buckets(min(sc.max_num_batched_tokens, 4096))]
     steps += [([1] * b, b) for b in sorted({1, min(8, sc.max_num_seqs), sc.max_num_seqs})]
-    steps += [([n], 0) for n in (2, 6, 12)]  # short chunks take the small prefill tiles
+    steps += [([n], 0) for n in (3, 6, 12)]  # short chunks take the small prefill tiles
     steps.append(([1, 1, 17], 2))  # a mixed step: decodes and a prefill chunk
     for lens, num_decodes in steps:
         if fits(lens):
