@@ -20,8 +20,11 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [Bd, Nd] int64, padded with the null block
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, Nd * block_size] bool, True = attend
-    # prefill group: tokens [num_decodes, T), one row per request, padded to max query len
+    # prefill group: tokens [num_decodes, T). Fresh prompts (no cached context) attend with
+    # per-request causal attention over their own keys; the rest (chunks after the first,
+    # prefix-cache hits) go through the masked, padded path below.
     num_prefills: int
+    fresh_spans: list[tuple[int, int]]  # (flat start, length) of each fresh prefill
     prefill_token_index: torch.Tensor | None  # [P, Lq] int64 index into the flat tokens
     prefill_token_valid: torch.Tensor | None  # [P, Lq] bool
     prefill_block_tables: torch.Tensor | None  # [P, Np] int64
@@ -77,15 +80,27 @@ def build_attention_metadata(
 
     num_prefills = len(query_lens) - num_decodes
     p_index = p_valid = p_bt = p_mask = None
-    if num_prefills:
-        pq = query_lens[num_decodes:]
-        pc = context_lens[num_decodes:]
+    fresh: list[tuple[int, int]] = []
+    rest: list[int] = []  # prefill requests for the masked path
+    start = num_decodes
+    for i in range(num_decodes, len(query_lens)):
+        # A sliding window needs the mask, so only full-causal models take the fast path.
+        if context_lens[i] == 0 and sliding_window is None:
+            fresh.append((start, query_lens[i]))
+        else:
+            rest.append(i)
+        start += query_lens[i]
+    if rest:
+        flat_starts = [num_decodes + sum(query_lens[num_decodes:i]) for i in rest]
+        pq = [query_lens[i] for i in rest]
+        pc = [context_lens[i] for i in rest]
         lq = max(pq)
-        starts = torch.tensor([num_decodes + sum(pq[:i]) for i in range(num_prefills)])
+        starts = torch.tensor(flat_starts)
         qi = torch.arange(lq)
         p_valid = qi < torch.tensor(pq).unsqueeze(1)
         p_index = torch.where(p_valid, starts.unsqueeze(1) + qi, 0)
-        p_bt = _padded_tables(block_tables[num_decodes:], seq_lens[num_decodes:], bs, null_block)
+        p_bt = _padded_tables([block_tables[i] for i in rest], [seq_lens[i] for i in rest], bs,
+                              null_block)
         k_pos = torch.arange(p_bt.shape[1] * bs)
         # Query i of request r sits at absolute position pc[r] + i and sees keys <= it.
         abs_q = torch.tensor(pc).unsqueeze(1) + qi  # [P, Lq]
@@ -106,6 +121,7 @@ def build_attention_metadata(
         decode_block_tables=dev(decode_bt),
         decode_mask=dev(decode_mask),
         num_prefills=num_prefills,
+        fresh_spans=fresh,
         prefill_token_index=dev(p_index),
         prefill_token_valid=dev(p_valid),
         prefill_block_tables=dev(p_bt),

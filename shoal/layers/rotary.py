@@ -70,15 +70,27 @@ class RotaryEmbedding(nn.Module):
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
                        k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+        # q and k rotate together, as out = x * [cos, cos] + [x2, x1] * [-sin, sin]: half the
+        # small ops of rotating each (a batch-1 CPU step is dominated by op count).
+        table = self._native_table()[positions].unsqueeze(1)  # [T, 1, 2, rot]
+        hq = q.shape[1]
+        x = torch.cat([q, k], dim=1)
+        rot = x[..., : self.rot_dim].float()
+        half = self.rot_dim // 2
+        swapped = torch.cat([rot[..., half:], rot[..., :half]], dim=-1)
+        out = (rot * table[:, :, 0] + swapped * table[:, :, 1]).to(x.dtype)
+        if self.rot_dim < x.shape[-1]:
+            out = torch.cat([out, x[..., self.rot_dim:]], dim=-1)
+        return out[:, :hq], out[:, hq:]
 
-    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rot, rest = x[..., : self.rot_dim], x[..., self.rot_dim:]
-        x1, x2 = rot.float().chunk(2, dim=-1)
-        out = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-        return out if rest.numel() == 0 else torch.cat([out, rest], dim=-1)
+    def _native_table(self) -> torch.Tensor:
+        """[max_pos, 2, rot_dim]: cos of both halves, then (-sin, sin); built on first use."""
+        table = getattr(self, "_table", None)
+        if table is None:
+            cos, sin = self.cos_sin_cache.chunk(2, dim=-1)
+            table = torch.stack([torch.cat([cos, cos], -1), torch.cat([-sin, sin], -1)], dim=1)
+            self._table = table
+        return table
 
 
 _SHARED: dict[tuple, RotaryEmbedding] = {}
