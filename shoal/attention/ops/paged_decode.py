@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.attention.ops.checks import check_paged_inputs
+
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: avoids inf - inf = nan on empty rows
 _LOG2E = 1.4426950408889634
 MIN_SPLIT_TOKENS = 128  # a split shorter than two key tiles costs more than it saves
@@ -148,8 +150,8 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     num_splits None picks one from max_seq_len (default: the block-table capacity); pass a
     fixed value under CUDA-graph capture."""
     bsz, hq, d = q.shape
-    _, _, hk, dc = kv_cache.shape
-    _check(q, kv_cache, block_tables, seq_lens, bsz, hq, hk, d, dc, block_size)
+    hk = kv_cache.shape[2]
+    check_paged_inputs(q, kv_cache, block_tables, seq_lens, bsz, block_size)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
@@ -192,28 +194,3 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
             num_warps=4,
         )
     return out
-
-
-def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, bsz: int, hq: int, hk: int, d: int, dc: int,
-           block_size: int) -> None:
-    if kv_cache.dim() != 4 or kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} is not [2, slots, Hk, D]")
-    if dc != d or hq % hk:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(kv_cache.shape)}")
-    if d not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head dim {d} unsupported (powers of two 16..256)")
-    if q.dtype != kv_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q {q.dtype} and cache {kv_cache.dtype} must be one of fp16/bf16/fp32")
-    if q.stride(2) != 1 or kv_cache.stride(3) != 1:
-        raise ValueError("the head dim must be contiguous")
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] < bsz:
-        raise ValueError(f"block_tables must be int32 [>={bsz}, N], got "
-                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
-    if block_tables.stride(1) != 1:
-        raise ValueError("block_tables rows must be contiguous")
-    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or seq_lens.shape[0] < bsz:
-        raise ValueError(f"seq_lens must be int32 [>={bsz}], got {seq_lens.dtype} "
-                         f"{tuple(seq_lens.shape)}")
-    if block_size < 1 or kv_cache.shape[1] % block_size:
-        raise ValueError(f"cache slots {kv_cache.shape[1]} are not whole blocks of {block_size}")

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.attention.ops.checks import check_paged_inputs
+
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: rows masked out of a tile stay nan-free
 _LOG2E = 1.4426950408889634
 
@@ -120,8 +122,12 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     outside them are left untouched in out); max_query_len: an upper bound on any
     query_start_loc difference (it sizes the grid). Returns out [T, Hq, D] in q's dtype."""
     t, hq, d = q.shape
-    _, _, hk, dc = kv_cache.shape
-    _check(q, kv_cache, block_tables, seq_lens, query_start_loc, hq, hk, d, dc, block_size)
+    hk = kv_cache.shape[2]
+    if query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1 \
+            or query_start_loc.shape[0] < 1 or query_start_loc.stride(0) != 1:
+        raise ValueError("query_start_loc must be a contiguous int32 [P + 1]")
+    check_paged_inputs(q, kv_cache, block_tables, seq_lens, query_start_loc.shape[0] - 1,
+                       block_size)
     if out is None:
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
@@ -155,32 +161,3 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         num_warps=8 if block_m * shrink >= 128 else 4, num_stages=2,
     )
     return out
-
-
-def _check(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-           seq_lens: torch.Tensor, query_start_loc: torch.Tensor, hq: int, hk: int, d: int,
-           dc: int, block_size: int) -> None:
-    if kv_cache.dim() != 4 or kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache {tuple(kv_cache.shape)} is not [2, slots, Hk, D]")
-    if dc != d or hq % hk:
-        raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(kv_cache.shape)}")
-    if d not in (16, 32, 64, 128, 256):
-        raise ValueError(f"head dim {d} unsupported (powers of two 16..256)")
-    if q.dtype != kv_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q {q.dtype} and cache {kv_cache.dtype} must be one of fp16/bf16/fp32")
-    if q.stride(2) != 1 or kv_cache.stride(3) != 1:
-        raise ValueError("the head dim must be contiguous")
-    if query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1 \
-            or query_start_loc.shape[0] < 1 or query_start_loc.stride(0) != 1:
-        raise ValueError("query_start_loc must be a contiguous int32 [P + 1]")
-    p = query_start_loc.shape[0] - 1
-    if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] < p:
-        raise ValueError(f"block_tables must be int32 [>={p}, N], got "
-                         f"{block_tables.dtype} {tuple(block_tables.shape)}")
-    if block_tables.stride(1) != 1:
-        raise ValueError("block_tables rows must be contiguous")
-    if seq_lens.dtype != torch.int32 or seq_lens.dim() != 1 or seq_lens.shape[0] < p:
-        raise ValueError(f"seq_lens must be int32 [>={p}], got {seq_lens.dtype} "
-                         f"{tuple(seq_lens.shape)}")
-    if block_size < 1 or kv_cache.shape[1] % block_size:
-        raise ValueError(f"cache slots {kv_cache.shape[1]} are not whole blocks of {block_size}")

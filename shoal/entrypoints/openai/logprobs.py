@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from shoal.entrypoints.openai.responses import CompletionLogprobs, TokenLogprob, TopLogprob
 from shoal.outputs import Logprob, PositionLogprobs
 
 # JSON has no -Infinity; a token the model rules out gets this instead (as vLLM does).
 MIN_LOGPROB = -9999.0
+
+
+def decode_token(tokenizer: Any, token_id: int) -> str:
+    """One token's text, as the logprobs fields show it ("" without a tokenizer)."""
+    return tokenizer.decode([token_id]) if tokenizer is not None else ""
 
 
 def clamp(value: float) -> float:

@@ -13,7 +13,7 @@ from shoal.engine.async_llm import AsyncLLM, RequestStream
 from shoal.engine.input_processor import ProcessedPrompt
 from shoal.engine.output_processor import OutputKind
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
-from shoal.entrypoints.openai.logprobs import chat_logprobs
+from shoal.entrypoints.openai.logprobs import chat_logprobs, decode_token
 from shoal.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -70,8 +70,7 @@ class OpenAIServingChat:
         self.models = models
 
     def _decode(self, token_id: int) -> str:
-        tok = self.engine.tokenizer
-        return tok.decode([token_id]) if tok is not None else ""
+        return decode_token(self.engine.tokenizer, token_id)
 
     def render(self, req: ChatCompletionRequest) -> ProcessedPrompt:
         try:

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from shoal.engine.async_llm import AsyncLLM, RequestStream
 from shoal.engine.output_processor import OutputKind
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
-from shoal.entrypoints.openai.logprobs import clamp, completion_logprobs
+from shoal.entrypoints.openai.logprobs import clamp, completion_logprobs, decode_token
 from shoal.entrypoints.openai.protocol import CompletionRequest, check_context_length
 from shoal.entrypoints.openai.responses import (
     CompletionChoice,
@@ -59,8 +59,7 @@ class OpenAIServingCompletion:
         self.models = models
 
     def _decode(self, token_id: int) -> str:
-        tok = self.engine.tokenizer
-        return tok.decode([token_id]) if tok is not None else ""
+        return decode_token(self.engine.tokenizer, token_id)
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
