@@ -111,9 +111,53 @@ def w1(args) -> list[dict]:
     res = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     total = sum(len(r.outputs[0].token_ids) for r in res)
-    return [record("W1", "shoal", model=QWEN3_06B, dtype="bfloat16", num_requests=n,
+    figures = dict(model=QWEN3_06B, dtype="bfloat16", num_requests=n,
                    total_output_tokens=total, elapsed_s=dt, output_tok_s=total / dt,
-                   ready_s=ready, max_num_seqs=args.max_num_seqs)]
+                   ready_s=ready, max_num_seqs=args.max_num_seqs)
+    if args.split_time:
+        figures["step_split"] = _step_split(llm, prompts, params)
+    return [record("W1", "shoal", **figures)]
+
+
+def _step_split(llm, prompts, params) -> dict:
+    """Reruns W1 timing each step: wall time of the whole engine step against the GPU time of
+    its decode-graph replay (CUDA events), to tell host-bound from device-bound steps."""
+    graphs = llm.llm_engine.core.runner.graphs
+    events: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+    real_run = graphs.run
+
+    def timed_run(input_ids, *a, **kw):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = real_run(input_ids, *a, **kw)
+        end.record()
+        events.append((len(input_ids), start, end))
+        return out
+
+    graphs.run = timed_run
+    eng = llm.llm_engine
+    step_walls: list[float] = []
+    real_step = eng.step
+
+    def timed_step():
+        t = time.perf_counter()
+        out = real_step()
+        step_walls.append(time.perf_counter() - t)
+        return out
+
+    eng.step = timed_step
+    llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    eng.step, graphs.run = real_step, real_run
+    gpu = [(b, s.elapsed_time(e)) for b, s, e in events]
+    big = [ms for b, ms in gpu if b >= 128]
+    return {
+        "steps": len(step_walls), "graph_steps": len(gpu),
+        "step_wall_ms_mean": 1000 * sum(step_walls) / len(step_walls),
+        "graph_gpu_ms_mean": sum(ms for _, ms in gpu) / max(len(gpu), 1),
+        "graph_gpu_ms_mean_batch_ge_128": sum(big) / max(len(big), 1),
+        "graph_steps_batch_ge_128": len(big),
+    }
 
 
 def w3(args) -> list[dict]:
@@ -195,6 +239,8 @@ def main() -> None:
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--hf-output-len", type=int, default=100)
     ap.add_argument("--w7-model", default="llama", choices=["llama", "qwen3"])
+    ap.add_argument("--split-time", action="store_true",
+                    help="W1: rerun timing host and GPU time of every step")
     args = ap.parse_args()
     args.process_start = float(__import__("os").environ.get("SHOAL_PROCESS_START", process_start))
     defaults = {"w1": 256, "w3": 1024}
