@@ -119,4 +119,7 @@ class EngineCore:
             outputs = self.scheduler.update(sched, result)
         # Requests that ended (finished or aborted) release their sampling state now.
         self.runner.remove_requests(self.scheduler.take_finished_ids())
-        return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.stats())
+        stats = self.scheduler.stats()
+        if self.kv_offload is not None:
+            stats.kv_tiers = {t.name: t.as_metrics() for t in self.kv_offload.stats().tiers}
+        return EngineCoreOutputs(outputs=outputs, stats=stats)

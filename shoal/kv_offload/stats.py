@@ -33,6 +33,15 @@ class TierStats:
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
 
+    def as_metrics(self) -> dict[str, float]:
+        """The cumulative figures the metrics layer exports, by name."""
+        return {
+            "usage": self.usage, "queries": self.queries, "hits": self.hits,
+            "bytes_loaded": self.bytes_loaded, "load_seconds": self.load_seconds,
+            "bytes_stored": self.bytes_stored, "store_seconds": self.store_seconds,
+            "evictions": self.evictions, "damaged": self.damaged,
+        }
+
     def record_load(self, num_blocks: int, nbytes: int, seconds: float) -> None:
         self.blocks_loaded += num_blocks
         self.bytes_loaded += nbytes

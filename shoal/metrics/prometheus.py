@@ -21,6 +21,18 @@ REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 
                    240.0, 480.0, 960.0, 1920.0)
 
 
+TIER_COUNTERS = {
+    "queries": "Blocks looked up in a KV tier.",
+    "hits": "Blocks found in a KV tier.",
+    "bytes_loaded": "Bytes loaded from a KV tier.",
+    "load_seconds": "Seconds spent loading from a KV tier.",
+    "bytes_stored": "Bytes stored into a KV tier.",
+    "store_seconds": "Seconds spent storing into a KV tier.",
+    "evictions": "Blocks evicted from a KV tier.",
+    "damaged": "Blocks found damaged in a KV tier, dropped and recomputed.",
+}
+
+
 class PrometheusStatLogger:
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -59,6 +71,15 @@ class PrometheusStatLogger:
         self._queries = CumulativeDelta()
         self._hits = CumulativeDelta()
         self._preempt = CumulativeDelta()
+        # Secondary KV tiers, labelled by tier ("cpu", "disk").
+        self.tier_usage = Gauge(PREFIX + "kv_offload_usage_perc",
+                                "Bytes used over capacity of a KV tier.",
+                                labels + ["tier"], registry=r)
+        self.tier_counters = {
+            field: counter("kv_offload_" + field, doc, ("tier",))
+            for field, doc in TIER_COUNTERS.items()
+        }
+        self._tier_deltas: dict[tuple[str, str], CumulativeDelta] = {}
         # Touch the labelled children so every series shows up (as 0) before any traffic.
         for m in (self.running, self.waiting, self.kv_usage, self.prefix_queries,
                   self.prefix_hits, self.preemptions, self.prompt_tokens,
@@ -79,6 +100,8 @@ class PrometheusStatLogger:
             self.preemptions.labels(name).inc(self._preempt(s.num_preemptions))
             self.prompt_tokens.labels(name).inc(s.num_prompt_tokens)
             self.generation_tokens.labels(name).inc(s.num_generation_tokens)
+            for tier, figures in (s.kv_tiers or {}).items():
+                self._record_tier(tier, figures)
         for v in iteration.time_to_first_tokens:
             self.ttft.labels(name).observe(v)
         for v in iteration.inter_token_latencies:
@@ -88,6 +111,13 @@ class PrometheusStatLogger:
         for f in iteration.finished:
             self.e2e.labels(name).observe(f.e2e_latency)
             self.request_success.labels(name, f.finish_reason).inc()
+
+    def _record_tier(self, tier: str, figures: dict[str, float]) -> None:
+        name = self.model_name
+        self.tier_usage.labels(name, tier).set(figures.get("usage", 0.0))
+        for field, metric in self.tier_counters.items():
+            delta = self._tier_deltas.setdefault((tier, field), CumulativeDelta())
+            metric.labels(name, tier).inc(delta(figures.get(field, 0)))
 
     def log(self) -> None:
         pass  # scraped, not logged

@@ -43,7 +43,7 @@ class CumulativeDelta:
     def __init__(self) -> None:
         self.last = 0
 
-    def __call__(self, total: int) -> int:
+    def __call__(self, total: float) -> float:
         delta = total - self.last if total >= self.last else total
         self.last = total
         return delta

@@ -4,11 +4,13 @@ device blocks, the CPU tier, the disk tier or recompute; restarts; keys; damage;
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 from oracle import write_tiny_checkpoint
 
 from shoal import LLM, SamplingParams
+from shoal.engine.core_types import EngineCoreRequest
 from shoal.kv_cache.hashing import hash_full_blocks
 from shoal.kv_offload.control import offload_device_prefix_cache, persist
 
@@ -249,3 +251,19 @@ def test_offloading_arguments_are_checked(tiny_llama_dir, tmp_path):
     for kw, msg in cases:
         with pytest.raises(ValueError, match=msg):
             LLM(model=str(tiny_llama_dir), dtype="float32", **kw)
+
+
+def test_engine_steps_report_tier_figures(tiny_llama_dir, tmp_path, reference):
+    """The per-tier figures reach SchedulerStats, which the server exports to Prometheus."""
+    llm = _llm(tiny_llama_dir, tmp_path)
+    _run(llm)
+    _push_out_of_device(llm)
+    core = llm.llm_engine.core
+    core.add_request(EngineCoreRequest("tiers", P["prompt_token_ids"], GREEDY, time.monotonic()))
+    tiers = None
+    while core.has_unfinished_requests():
+        tiers = core.step().stats.kv_tiers
+    assert tiers is not None and set(tiers) == {"cpu", "disk"}
+    assert tiers["cpu"]["hits"] >= 12 and tiers["cpu"]["queries"] >= tiers["cpu"]["hits"]
+    assert 0 < tiers["cpu"]["usage"] <= 1 and tiers["cpu"]["bytes_loaded"] >= 12 * BLOCK_BYTES
+    assert _run(llm) == (48, reference)

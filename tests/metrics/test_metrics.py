@@ -86,3 +86,21 @@ def test_log_line_only_while_active():
     log.record(SchedulerStats(), IterationStats())
     assert log.format_line(now=log._last_time + 10) is not None  # one closing line at zero
     assert log.format_line(now=log._last_time + 10) is None
+
+
+def test_kv_offload_tier_metrics_by_tier():
+    p = PrometheusStatLogger(M)
+    r = p.registry
+    tiers = {"cpu": {"usage": 0.5, "queries": 10, "hits": 4, "bytes_loaded": 4096,
+                     "load_seconds": 0.25},
+             "disk": {"usage": 0.1, "queries": 6, "hits": 1, "damaged": 1}}
+    p.record(SchedulerStats(kv_tiers=tiers), IterationStats())
+    tiers["cpu"] = {**tiers["cpu"], "queries": 12, "hits": 5, "usage": 0.75}
+    p.record(SchedulerStats(kv_tiers=tiers), IterationStats())
+    assert _value(r, "shoal:kv_offload_usage_perc", tier="cpu") == 0.75
+    assert _value(r, "shoal:kv_offload_queries_total", tier="cpu") == 12  # cumulative
+    assert _value(r, "shoal:kv_offload_hits_total", tier="cpu") == 5
+    assert _value(r, "shoal:kv_offload_bytes_loaded_total", tier="cpu") == 4096
+    assert _value(r, "shoal:kv_offload_load_seconds_total", tier="cpu") == 0.25
+    assert _value(r, "shoal:kv_offload_damaged_total", tier="disk") == 1
+    assert _value(r, "shoal:kv_offload_usage_perc", tier="disk") == 0.1
