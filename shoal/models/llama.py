@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from shoal.attention.backend import AttentionBackend, TorchAttentionBackend
-from shoal.distributed.parallel_state import get_tp_world_size
 from shoal.layers.activation import SiluAndMul
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.layers.linear import (
@@ -46,7 +45,6 @@ class Attention(nn.Module):
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool, qkv_bias: bool):
         super().__init__()
-        tp = get_tp_world_size()
         self.hidden_size = cfg.hidden_size
         total_heads = cfg.num_attention_heads
         total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
@@ -68,7 +66,6 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
         window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, window)
-        del tp
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 md: Any) -> torch.Tensor:
