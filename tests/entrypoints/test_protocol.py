@@ -68,6 +68,15 @@ def test_value_errors_name_the_field(http):
     assert _err(http.post("/v1/completions", json={"prompt": "a", "suffix": "z"}), 400)
 
 
+def test_kv_transfer_params_pass_through_and_are_checked(http):
+    req = CompletionRequest(prompt="a", kv_transfer_params={"skip_tiers": ["disk"]})
+    sp = req.to_sampling_params(max_tokens=4, logprobs=None, prompt_logprobs=None)
+    assert sp.kv_transfer_params == {"skip_tiers": ["disk"]}
+    e = _err(http.post("/v1/completions",
+                       json={"prompt": "a", "kv_transfer_params": {"skip_tiers": ["tape"]}}), 400)
+    assert "kv_transfer_params" in e["message"] and "tape" in e["message"]
+
+
 def test_queue_full_is_503_with_retry_after(http):
     r = http.post("/v1/completions", json={"prompt": "busy"})
     _err(r, 503)

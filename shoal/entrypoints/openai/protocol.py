@@ -67,6 +67,8 @@ class SamplingRequest(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     priority: StrictInt = 0
     cache_salt: StrictStr | None = None
+    # KV offloading per request, e.g. {"skip_tiers": ["disk"]}; validated by SamplingParams.
+    kv_transfer_params: dict[str, Any] | None = None
     user: StrictStr | None = None
     best_of: StrictInt | None = None
 
@@ -98,6 +100,7 @@ class SamplingRequest(OpenAIBaseModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            kv_transfer_params=self.kv_transfer_params,
         )
 
     def unsupported(self) -> tuple[str, str] | None:
