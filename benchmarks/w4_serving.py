@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_common import record, write
+from host_info import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work"
@@ -55,15 +56,7 @@ LATENCY_KEYS = [f"{s}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2e")
 
 
 def cpu_hardware() -> str:
-    name = platform.processor() or "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{name}, {os.cpu_count()} cores"
+    return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
 def git_dirty() -> bool | None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 from gpu_common import commit, record, write
+from host_info import cpu_model
 
 from shoal import LLM, SamplingParams
 from shoal.kv_cache.hashing import hash_full_blocks
@@ -84,16 +84,6 @@ def hardware_slug() -> str:
         name = torch.cuda.get_device_name(0).lower()
         return next((k for k in ("h200", "h100", "a100", "l40s") if k in name), "gpu")
     return "cpu"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def drop_page_cache(folder: Path) -> None:

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from host_info import cpu_model
+
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work"
 DEFAULT_HF_FOLDER = WORK / "smollm2-hf"
@@ -173,16 +175,6 @@ def worker(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Parent: run each engine/dtype in turn and write the results file
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def git_commit() -> str:

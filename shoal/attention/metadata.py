@@ -42,6 +42,16 @@ class AttentionMetadata:
         return m
 
 
+def token_slots(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
+                block_size: int) -> list[int]:
+    """The flat cache slot of each new token: request i writes positions
+    [context_lens[i], context_lens[i] + query_lens[i]) through its block table."""
+    slots: list[int] = []
+    for c, q, bt in zip(context_lens, query_lens, block_tables):
+        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+    return slots
+
+
 def build_attention_metadata(
     *,
     query_lens: list[int],
@@ -61,11 +71,8 @@ def build_attention_metadata(
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     bs = block_size
 
-    # Slots for the new tokens of every request.
-    slot_list: list[int] = []
-    for c, q, bt in zip(context_lens, query_lens, block_tables):
-        slot_list.extend(bt[p // bs] * bs + p % bs for p in range(c, c + q))
-    slot_mapping = torch.tensor(slot_list, dtype=torch.long)
+    slot_mapping = torch.tensor(token_slots(query_lens, context_lens, block_tables, bs),
+                                dtype=torch.long)
 
     decode_bt = decode_mask = None
     if num_decodes:

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from shoal.attention.metadata import token_slots
 from shoal.attention.ops.kv_cache_write import write_kv_cache
 from shoal.attention.ops.paged_decode import paged_decode
 from shoal.attention.ops.paged_prefill import paged_prefill
@@ -74,13 +75,10 @@ def build_triton_attention_metadata(
         raise ValueError(f"a request needs {need} blocks, block_table_width is {width}")
     width = max(width, 1)
 
-    slots: list[int] = []
-    for c, q, bt in zip(context_lens[:num_decodes], query_lens[:num_decodes], block_tables):
-        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(c, c + q))
-    slots.extend([-1] * n_pad)
-    for c, q, bt in zip(context_lens[num_decodes:], query_lens[num_decodes:],
-                        block_tables[num_decodes:]):
-        slots.extend(bt[p // block_size] * block_size + p % block_size for p in range(c, c + q))
+    nd = num_decodes
+    slots = (token_slots(query_lens[:nd], context_lens[:nd], block_tables[:nd], block_size)
+             + [-1] * n_pad
+             + token_slots(query_lens[nd:], context_lens[nd:], block_tables[nd:], block_size))
 
     def rows(vals: list[int], fill: int) -> list[int]:  # padded rows after the decodes
         return vals[:num_decodes] + [fill] * n_pad + vals[num_decodes:]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.attention.backend import get_attention_backend
+from shoal.attention.metadata import token_slots
 from shoal.config import EngineConfig
 from shoal.engine.core_types import Logprobs
 from shoal.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -166,7 +167,7 @@ class ModelRunner:
             logits = self.graphs.run(
                 input_ids, positions, [it.request_id for it in items],
                 [it.block_ids for it in items],
-                [it.block_ids[p // bs] * bs + p % bs for it, p in zip(items, positions)])
+                token_slots([1] * len(items), positions, [it.block_ids for it in items], bs))
         else:
             if self.graphs is not None:
                 self.graphs.invalidate_tables()  # a preempted request may come back re-blocked
