@@ -22,11 +22,15 @@ W2_BYTES_PER_TOKEN = 15.0e9
 COPY_BANDWIDTH = 4.25e12
 
 
+# Engine arguments every part shares (set from the command line).
+ENGINE_KW: dict = {}
+
+
 def _llm(model: str, **kw):
     from shoal import LLM
 
     t0 = time.perf_counter()
-    llm = LLM(model, load_format="dummy", dtype="bfloat16", **kw)
+    llm = LLM(model, load_format="dummy", dtype="bfloat16", **ENGINE_KW, **kw)
     return llm, time.perf_counter() - t0
 
 
@@ -229,10 +233,52 @@ def w7(args) -> list[dict]:
                    first_over_steady=ttfts[0] / steady, startup_stages_s=times)]
 
 
+def syncs(args) -> list[dict]:
+    """Counts host-device synchronisations inside ModelRunner.launch (torch's sync debug
+    mode) over a mixed batch: with async scheduling there should be none, since any of them
+    makes the host wait for the step in flight."""
+    import collections
+    import warnings
+
+    from shoal import SamplingParams
+
+    llm, _ = _llm(QWEN3_06B, max_model_len=2048, max_num_seqs=64)
+    runner = llm.llm_engine.core.runner
+    real = runner.launch
+    sites: collections.Counter = collections.Counter()
+    launches = 0
+
+    def checked(sched):
+        nonlocal launches
+        launches += 1
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return real(sched)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                for w in caught:
+                    sites[f"{w.filename}:{w.lineno}"] += 1
+
+    runner.launch = checked
+    rng = random.Random(3)
+    prompts = [_ids(rng, rng.randint(20, 300), 10000) for _ in range(48)]
+    params = [SamplingParams(temperature=[0.0, 0.6, 1.0][i % 3], top_p=0.9 if i % 4 == 1 else 1.0,
+                             max_tokens=rng.randint(5, 60), ignore_eos=True,
+                             logprobs=2 if i % 5 == 0 else None,
+                             seed=i if i % 6 == 0 else None) for i in range(48)]
+    llm.generate(prompts, params, use_tqdm=False)
+    runner.launch = real
+    return [record("sync-check", "shoal", model=QWEN3_06B, launches=launches,
+                   sync_sites=dict(sites), output_tok_s=None)]
+
+
 def main() -> None:
     process_start = time.time()
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["w1", "w2", "w3", "w3-hf", "w7"])
+    ap.add_argument("part", choices=["w1", "w2", "w3", "w3-hf", "w7", "syncs"])
+    ap.add_argument("--async-scheduling", choices=["on", "off"], default="on")
     ap.add_argument("--out", required=True)
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -242,13 +288,15 @@ def main() -> None:
     ap.add_argument("--split-time", action="store_true",
                     help="W1: rerun timing host and GPU time of every step")
     args = ap.parse_args()
+    ENGINE_KW["async_scheduling"] = args.async_scheduling == "on"
     args.process_start = float(__import__("os").environ.get("SHOAL_PROCESS_START", process_start))
     defaults = {"w1": 256, "w3": 1024}
     if args.num_requests is None:
         args.num_requests = defaults.get(args.part, 1)
-    fn = {"w1": w1, "w2": w2, "w3": w3, "w3-hf": w3_hf, "w7": w7}[args.part]
+    fn = {"w1": w1, "w2": w2, "w3": w3, "w3-hf": w3_hf, "w7": w7, "syncs": syncs}[args.part]
     records = fn(args)
     for r in records:
+        r.setdefault("async_scheduling", ENGINE_KW["async_scheduling"])
         print(r, flush=True)
     write(records, args.out)
 

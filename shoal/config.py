@@ -133,3 +133,4 @@ class EngineConfig:
     device: torch.device = field(default_factory=default_device)
     enforce_eager: bool = False
     kv_offload_config: KVOffloadConfig | None = None  # None: no secondary KV tiers
+    async_scheduling: bool = False  # overlap scheduling of step N+1 with the GPU's step N

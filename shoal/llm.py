@@ -93,7 +93,9 @@ class LLM:
         in_toks = out_toks = 0
         start = time.perf_counter()
         try:
-            while len(done) < len(ids) and eng.has_unfinished_requests():
+            # Until the engine is idle, not just until these requests are done: with async
+            # scheduling a step whose tokens are dropped may still be in flight.
+            while eng.has_unfinished_requests():
                 for out in eng.step():
                     if out.finished:
                         done[out.request_id] = out

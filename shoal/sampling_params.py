@@ -214,6 +214,13 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.sampling_type == SamplingType.GREEDY
 
+    @property
+    def needs_output_history(self) -> bool:
+        """Sampling reads every token produced so far (penalties, min_tokens), so the next
+        step cannot be prepared before this one's token is known."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)
 

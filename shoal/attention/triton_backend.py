@@ -142,10 +142,12 @@ class TritonGraphBuffers:
     block_tables: torch.Tensor  # [max_batch, max_blocks] int32
     lens: torch.Tensor  # [2, max_batch] int32: seq_lens, context_lens
     query_start_loc: torch.Tensor  # [max_batch + 1] int32: arange, one token per row
-    # Host staging (pinned on CUDA), so each step is one copy per dtype.
-    host_lens: Any = None  # numpy [2, max_batch] int32
-    host_slots: Any = None  # numpy [max_batch] int64
-    host_tables: Any = None  # numpy [max_batch, max_blocks] int32
+    # Host staging (pinned on CUDA), so each step is one copy per dtype. Two sets used in
+    # turn: step N+1 may be filled while step N's copies are still queued.
+    host_lens: Any = None  # 2 x numpy [2, max_batch] int32
+    host_slots: Any = None  # 2 x numpy [max_batch] int64
+    host_tables: Any = None  # 2 x numpy [max_batch, max_blocks] int32
+    turn: int = 0
 
 
 _UNSET: Any = object()
@@ -194,9 +196,9 @@ class TritonAttentionBackend:
             block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
             lens=torch.zeros(2, max_batch, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
-            host_lens=host((2, max_batch), torch.int32),
-            host_slots=host((max_batch,), torch.long),
-            host_tables=host((max_batch, max_blocks), torch.int32),
+            host_lens=[host((2, max_batch), torch.int32) for _ in range(2)],
+            host_slots=[host((max_batch,), torch.long) for _ in range(2)],
+            host_tables=[host((max_batch, max_blocks), torch.int32) for _ in range(2)],
         )
 
     def fill_graph_buffers(self, buf: TritonGraphBuffers, size: int, context_lens: list[int],
@@ -204,12 +206,16 @@ class TritonAttentionBackend:
                            slot_mapping: list[int]) -> None:
         """Decode rows [0, n) from the lists (context_lens: tokens before the new one), rows
         [n, size) padding. block_tables None keeps the tables of the previous fill (the caller
-        knows they did not change). Host staging buffers are reused: the caller must not refill
-        before the previous step's copies have completed (its sampled tokens were read)."""
+        knows they did not change). Host staging buffers alternate between two sets: a fill must
+        not come before the copies of the fill two before it have completed (async scheduling
+        keeps at most one step in flight, so they have)."""
         n = len(context_lens)
         if n > size or size > buf.lens.shape[1]:
             raise ValueError(f"{n} decodes do not fit a graph of {size} rows")
-        lens, slots = buf.host_lens, buf.host_slots
+        # Host staging in turns (see TritonGraphBuffers.turn).
+        turn = buf.turn
+        buf.turn ^= 1
+        lens, slots = buf.host_lens[turn], buf.host_slots[turn]
         lens[1, :n] = context_lens
         lens[0, :n] = lens[1, :n] + 1
         lens[:, n:size] = 0
@@ -222,7 +228,7 @@ class TritonAttentionBackend:
             if width > buf.block_tables.shape[1]:
                 raise ValueError(f"a sequence needs {width} blocks, graphs hold "
                                  f"{buf.block_tables.shape[1]}")
-            tables = buf.host_tables
+            tables = buf.host_tables[turn]
             for i, t in enumerate(block_tables):
                 tables[i, : len(t)] = t
             # Entries past a row's length are never read, so stale cells are harmless.

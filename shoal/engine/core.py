@@ -1,7 +1,14 @@
 """EngineCore: the scheduler and the model runner in one busy loop, token ids only.
 
 `step()` is the whole engine: schedule, run, update. The offline LLM calls it in-process;
-the server runs it in its own process behind a ZMQ socket (engine/core_proc.py)."""
+the server runs it in its own process behind a ZMQ socket (engine/core_proc.py).
+
+With async scheduling one step stays in flight: `step()` schedules and launches step N+1,
+then waits for step N's tokens and applies them, so the host's scheduling, bookkeeping and
+output handling run while the GPU computes. Step N+1 takes the tokens of step N from the
+device (they are not known on the host yet); a request that stops at step N has computed one
+token too many in step N+1, which is dropped. Requests whose sampling reads all tokens so far
+(penalties, min_tokens) switch the loop back to one step at a time while they run."""
 
 from __future__ import annotations
 
@@ -12,9 +19,10 @@ from shoal.config import EngineConfig
 from shoal.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
+from shoal.engine.scheduler_output import SchedulerOutput
 from shoal.kv_offload.setup import build_kv_offload
 from shoal.loader import LoadedModel
-from shoal.worker.model_runner import ModelRunner
+from shoal.worker.model_runner import ModelRunner, StepFuture
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,9 @@ class EngineCore:
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    kv_store=self.kv_offload)
         self.vocab_size = self.runner.vocab_size
+        self.async_scheduling = config.async_scheduling
+        self._inflight: tuple[SchedulerOutput, StepFuture] | None = None
+        self._history_requests: set[str] = set()  # sampling needs every earlier token
         eos = getattr(loaded.hf_config, "eos_token_id", None)
         if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
             eos = loaded.tokenizer.eos_token_id if eos is None else eos
@@ -92,6 +103,8 @@ class EngineCore:
 
     def add_request(self, req: EngineCoreRequest) -> None:
         max_tokens = self.validate(req)
+        if req.sampling_params.needs_output_history:
+            self._history_requests.add(req.request_id)
         self.scheduler.add_request(Request(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
@@ -107,19 +120,36 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     # ---- the loop body ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            outputs: list[EngineCoreOutput] = self.scheduler.take_pending_outputs()
-        else:
-            result = self.runner.execute(sched)
-            outputs = self.scheduler.update(sched, result)
+        pipelined = self.async_scheduling and not self._history_requests
+        sched = None
+        if pipelined or self._inflight is None:
+            sched = self.scheduler.schedule()
+        launched = None
+        if sched is not None and not sched.is_empty:
+            launched = self.runner.launch(sched)
+        # Step N's results, read while step N+1 (just launched) runs.
+        outputs = self._finish_inflight()
+        if launched is not None:
+            self._inflight = (sched, launched)
+            if not pipelined:
+                outputs += self._finish_inflight()
+        outputs = self.scheduler.take_pending_outputs() + outputs
         # Requests that ended (finished or aborted) release their sampling state now.
-        self.runner.remove_requests(self.scheduler.take_finished_ids())
+        finished = self.scheduler.take_finished_ids()
+        self.runner.remove_requests(finished)
+        self._history_requests -= finished
         stats = self.scheduler.stats()
         if self.kv_offload is not None:
             stats.kv_tiers = {t.name: t.as_metrics() for t in self.kv_offload.stats().tiers}
         return EngineCoreOutputs(outputs=outputs, stats=stats)
+
+    def _finish_inflight(self) -> list[EngineCoreOutput]:
+        if self._inflight is None:
+            return []
+        sched, fut = self._inflight
+        self._inflight = None
+        return self.scheduler.update(sched, self.runner.finish(fut))

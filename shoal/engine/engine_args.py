@@ -39,6 +39,9 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     seed: int = 0
     enforce_eager: bool = False
+    # Schedule step N+1 while the GPU runs step N. None: on with CUDA, off on the CPU (where
+    # the host does the model's work too, so there is nothing to overlap).
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
     load_format: str = "auto"
     device: str | None = None
@@ -96,6 +99,8 @@ class EngineArgs:
             device=device,
             enforce_eager=self.enforce_eager or os.environ.get("SHOAL_ENFORCE_EAGER") == "1",
             kv_offload_config=self._kv_offload_config(),
+            async_scheduling=(device.type == "cuda" if self.async_scheduling is None
+                              else bool(self.async_scheduling)),
         )
 
     def _kv_offload_config(self) -> KVOffloadConfig | None:

@@ -44,7 +44,10 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # tokens whose KV is computed or being computed
+    # Tokens sampled by a step still in flight (async scheduling): counted for scheduling,
+    # their ids arrive with that step's results.
+    num_pending_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
     num_preemptions: int = 0
     stop_reason: int | str | None = None
@@ -61,6 +64,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Known tokens plus the ones a step in flight will produce."""
+        return len(self.all_token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -17,6 +17,7 @@ from shoal.config import CacheConfig, SchedulerConfig
 from shoal.engine.core_types import EngineCoreOutput, SchedulerStats
 from shoal.engine.request import Request, RequestStatus
 from shoal.engine.scheduler_output import (
+    PENDING_TOKEN,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
@@ -131,7 +132,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            if n <= 0 or self._ends_with_pending(req):
+                i += 1  # its last token is still in flight; it finishes when that lands
+                continue
             allocated = False
             while not allocated:
                 if self.kv.allocate_slots(req, n) is not None:
@@ -152,15 +156,21 @@ class Scheduler:
 
         # 2. Waiting requests, while there is budget, a free sequence slot and blocks. None
         # are admitted in a step that had to preempt: memory is short.
+        deferred: list[Request] = []  # KV still on its way from a tier: ask again next step
         while (not preempted and len(self.waiting) and budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
+            if req.num_pending_tokens:
+                break  # preempted while a step was in flight: its token is not known yet
             hits, n_hit = [], 0
-            staged = []  # KV offloading: blocks after the device hits found in the tiers
+            staged: list | None = []  # KV offloading: tier hits after the device hits
             if req.sampling_params.prompt_logprobs is None:
                 hits, n_hit = self.kv.get_computed_blocks(req)
                 if self.offload is not None:
                     staged = self.offload.stage(req, len(hits))
+                    if staged is None:
+                        deferred.append(self.waiting.pop())
+                        continue
             n_loaded = len(staged) * self.block_size  # tier hits: loaded, not computed
             n = req.num_tokens - n_hit - n_loaded
             if n > budget and not self.config.enable_chunked_prefill:
@@ -188,24 +198,43 @@ class Scheduler:
             scheduled[req.request_id] = (req, n)
             budget -= n
 
+        for req in reversed(deferred):
+            self.waiting.push_front(req)
+
         out = SchedulerOutput(new_requests=new_reqs)
         if self.offload is not None:
             out.kv_transfers = self.offload.take_plan(have_work=bool(scheduled))
         decodes, prefills = [], []
         for req, n in scheduled.values():
             start = req.num_computed_tokens
+            ids = req.all_token_ids[start:start + n]
+            if len(ids) < n:  # the token a step in flight samples: the runner has it on device
+                ids.extend([PENDING_TOKEN] * (n - len(ids)))
             item = ScheduledRequest(
                 request_id=req.request_id,
-                input_token_ids=req.all_token_ids[start:start + n],
+                input_token_ids=ids,
                 context_len=start,
                 block_ids=self.kv.block_ids(req.request_id),
-                sample=start + n == req.num_tokens,
-                num_output_tokens=req.num_output_tokens,
+                sample=start + n == req.num_tokens_with_pending,
+                num_output_tokens=req.num_output_tokens + req.num_pending_tokens,
             )
+            # The step is as good as run: the next schedule (possibly before its results are
+            # read, with async scheduling) starts after it.
+            req.num_computed_tokens = start + n
+            if start < req.num_prompt_tokens:
+                self._step_prompt_tokens += min(n, req.num_prompt_tokens - start)
+            if item.sample:
+                req.num_pending_tokens += 1
             (decodes if n == 1 and item.sample else prefills).append(item)
         out.scheduled = decodes + prefills
         out.num_decodes = len(decodes)
         return out
+
+    def _ends_with_pending(self, req: Request) -> bool:
+        """The token in flight is the request's last one (length limit): nothing to run."""
+        return req.num_pending_tokens > 0 and (
+            req.num_output_tokens + req.num_pending_tokens >= req.max_tokens
+            or req.num_tokens_with_pending >= self.config.max_model_len)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -223,19 +252,20 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
+        """Applies a step's results. With async scheduling the next step may already be
+        scheduled: a request may meanwhile have been preempted (its token still counts) or
+        have ended (its results are dropped)."""
         outputs = self._pending_outputs
         self._pending_outputs = []
         for item in sched.scheduled:
             req = self.requests.get(item.request_id)
-            if req is None or req.status != RequestStatus.RUNNING:
+            if req is None or req.status.is_finished:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += item.num_new_tokens
-            if req.num_computed_tokens <= req.num_prompt_tokens:
-                self._step_prompt_tokens += item.num_new_tokens
+            if item.sample:
+                req.num_pending_tokens -= 1
             prompt_lp = result.prompt_logprobs.get(req.request_id)
             if req.request_id in result.failed_request_ids:
-                self.running.remove(req)
-                self._finish(req, RequestStatus.FINISHED_ERROR)
+                self._end(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(
                     request_id=req.request_id, new_token_ids=[], finish_reason="error",
                     error="the model produced non-finite logits"))
@@ -260,12 +290,19 @@ class Scheduler:
             if req.num_output_tokens == 1 and req.first_scheduled_time is not None:
                 out.queue_time = max(0.0, req.first_scheduled_time - req.arrival_time)
             if status is not None:
-                self.running.remove(req)
                 out.finish_reason = "stop" if status == RequestStatus.FINISHED_STOPPED else "length"
                 out.stop_reason = req.stop_reason
-                self._finish(req, status)
+                self._end(req, status)
             outputs.append(out)
         return outputs
+
+    def _end(self, req: Request, status: RequestStatus) -> None:
+        """Finishes a running request, or one preempted while its last step was in flight."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        self._finish(req, status)
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
         sp = req.sampling_params

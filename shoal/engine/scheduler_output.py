@@ -8,6 +8,10 @@ from shoal.engine.core_types import Logprobs
 from shoal.kv_offload.plan import KVTransferPlan
 from shoal.sampling_params import SamplingParams
 
+# Input id of a token that a step still in flight samples (async scheduling); the model
+# runner takes it from that step's sampled ids on the device.
+PENDING_TOKEN = -1
+
 
 @dataclass
 class NewRequestData:

@@ -27,6 +27,8 @@ ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
     ("--load-format", "load_format", str, "auto, gguf, safetensors or dummy (random weights)"),
     ("--device", "device", str, "cpu or cuda (default: cuda when available)"),
     ("--enforce-eager", "enforce_eager", bool, "no CUDA graphs"),
+    ("--async-scheduling", "async_scheduling", bool,
+     "schedule the next step while the GPU runs this one (default: on with CUDA)"),
     ("--scheduling-policy", "scheduling_policy", str, "fcfs or priority"),
     ("--max-waiting-requests", "max_waiting_requests", int,
      "answer 503 with Retry-After when more sequences than this would wait"),

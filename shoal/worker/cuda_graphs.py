@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -41,7 +42,10 @@ class DecodeGraphs:
         # Token ids and positions travel in one copy from a pinned host buffer.
         self.tokens = torch.zeros(2, self.max_batch, dtype=torch.long, device=device)
         self.input_ids, self.positions = self.tokens[0], self.tokens[1]
-        self.host_tokens = _pinned_numpy((2, self.max_batch), device)
+        # Two host staging buffers used in turn: with async scheduling, step N+1 is prepared
+        # while step N's copies may still be queued, but step N-1's have completed.
+        self.host_tokens = [_pinned_numpy((2, self.max_batch), device) for _ in range(2)]
+        self._turn = 0
         self._tables_key: tuple | None = None
         self.buffers = backend.alloc_graph_buffers(self.max_batch, max_blocks, device,
                                                    block_size=block_size,
@@ -94,15 +98,20 @@ class DecodeGraphs:
         self._tables_key = None
 
     def run(self, input_ids: list[int], positions: list[int], request_ids: list[str],
-            block_tables: list[list[int]], slot_mapping: list[int]) -> torch.Tensor:
-        """One decode step for len(input_ids) requests; returns their logits."""
+            block_tables: list[list[int]], slot_mapping: list[int],
+            fill_pending: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """One decode step for len(input_ids) requests; returns their logits.
+        fill_pending writes ids sampled by the step in flight into the device input ids."""
         n = len(input_ids)
         size = self.padded_size(n)
-        host = self.host_tokens
+        host = self.host_tokens[self._turn]
+        self._turn ^= 1
         host[0, :n] = input_ids
         host[1, :n] = positions
         host[:, n:size] = 0
-        self.tokens.copy_(torch.from_numpy(host), non_blocking=True)
+        self.tokens[:, :size].copy_(torch.from_numpy(host[:, :size]), non_blocking=True)
+        if fill_pending is not None:
+            fill_pending(self.input_ids)
         # Block tables change only when a row gains a block or the batch changes: skip the
         # copy otherwise (every 16 steps of a steady batch need one).
         key = (size, tuple(request_ids), tuple(len(t) for t in block_tables))

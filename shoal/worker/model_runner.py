@@ -16,7 +16,12 @@ from shoal.attention.backend import get_attention_backend
 from shoal.attention.metadata import token_slots
 from shoal.config import EngineConfig
 from shoal.engine.core_types import Logprobs
-from shoal.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from shoal.engine.scheduler_output import (
+    PENDING_TOKEN,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 from shoal.loader import LoadedModel
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.models.registry import resolve_model_class
@@ -26,7 +31,7 @@ from shoal.worker.cuda_graphs import DecodeGraphs
 from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
 from shoal.worker.kv_transfer import KVTransfer
 from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
-from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
+from shoal.worker.sampling_metadata import SamplingMetadata, make_generator, to_device
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +43,21 @@ class RequestState:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class StepFuture:
+    """A launched step: its sampled tokens are copied to host memory behind the step; `event`
+    says when they have arrived (None on the CPU, where everything is done already)."""
+
+    out: ModelRunnerOutput
+    sample_rows: list[str] = field(default_factory=list)
+    states: list[RequestState] = field(default_factory=list)
+    wanted: list[int | None] = field(default_factory=list)  # logprobs asked per row
+    block_ids: dict[str, list[int]] = field(default_factory=dict)
+    sampled: torch.Tensor | None = None  # [2, rows]: token ids, logits finite
+    logprobs: LogprobsTensors | None = None
+    event: torch.cuda.Event | None = None
 
 
 class ModelRunner:
@@ -75,6 +95,9 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.null_block = 0
         self.kv_transfer: KVTransfer | None = None  # set by shoal/kv_offload/setup.py
+        # The last launched step's sampled ids (device) and each request's row in them.
+        self._prev_sampled: torch.Tensor | None = None
+        self._prev_rows: dict[str, int] = {}
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -135,26 +158,37 @@ class ModelRunner:
         for rid in request_ids:
             self.requests.pop(rid, None)
 
-    # ---- one step ---------------------------------------------------------------------------
-    @torch.inference_mode()
+    # ---- one step ----------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """Runs one step and waits for its results."""
+        return self.finish(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> StepFuture:
+        """Queues one step's work on the device and returns without waiting for it (nothing
+        here reads device memory back), so the caller can prepare the next step meanwhile."""
         for new in sched.new_requests:
             self._add_request(new)
         if sched.kv_transfers and self.kv_transfer is not None:  # KV offloading, before the forward
             self.kv_transfer.run(sched.kv_transfers)
-        out = ModelRunnerOutput()
+        fut = StepFuture(ModelRunnerOutput())
         if sched.is_empty:
-            return out
+            return fut
         items = sched.scheduled
         input_ids: list[int] = []
         positions: list[int] = []
         logits_index: list[int] = []  # flat token index of the last token of sampling rows
         sample_rows: list[str] = []
+        pending_dst: list[int] = []  # flat index of a token sampled by the step in flight
+        pending_src: list[int] = []  # ... and its row in that step's sampled ids
         prompt_lp_spans: list[tuple[str, int, int, int]] = []  # rid, flat start, ctx, n
         for it in items:
             start = len(input_ids)
             input_ids.extend(it.input_token_ids)
             positions.extend(range(it.context_len, it.context_len + it.num_new_tokens))
+            if it.input_token_ids[-1] == PENDING_TOKEN:
+                pending_dst.append(len(input_ids) - 1)
+                pending_src.append(self._prev_rows[it.request_id])
             if it.sample:
                 logits_index.append(len(input_ids) - 1)
                 sample_rows.append(it.request_id)
@@ -162,17 +196,24 @@ class ModelRunner:
             if st.sampling_params.prompt_logprobs is not None and it.context_len < len(st.prompt_token_ids):
                 prompt_lp_spans.append((it.request_id, start, it.context_len, it.num_new_tokens))
 
+        def fill_pending(ids: torch.Tensor) -> None:
+            self._fill_pending(ids, pending_dst, pending_src)
+
+        out = fut.out
         if self.graphs is not None and self.graphs.can_run(sched.num_decodes, len(input_ids)):
             bs = self.block_size
             logits = self.graphs.run(
                 input_ids, positions, [it.request_id for it in items],
                 [it.block_ids for it in items],
-                token_slots([1] * len(items), positions, [it.block_ids for it in items], bs))
+                token_slots([1] * len(items), positions, [it.block_ids for it in items], bs),
+                fill_pending=fill_pending if pending_dst else None)
         else:
             if self.graphs is not None:
                 self.graphs.invalidate_tables()  # a preempted request may come back re-blocked
             ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
             pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+            if pending_dst:
+                fill_pending(ids_t)
             md = self.backend.build_metadata(
                 query_lens=[it.num_new_tokens for it in items],
                 context_lens=[it.context_len for it in items],
@@ -185,18 +226,18 @@ class ModelRunner:
             )
             hidden = self.model(ids_t, pos_t, md)
 
-            if prompt_lp_spans:
+            if prompt_lp_spans:  # reads back at once: such steps do not overlap
                 out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_spans)
             if not sample_rows:
-                return out
+                self._prev_rows = {}
+                return fut
             if len(logits_index) == hidden.shape[0]:  # every row samples: no gather
                 logits = self.model.compute_logits(hidden)
             else:
                 logits = self.model.compute_logits(
-                    hidden[torch.tensor(logits_index, device=self.device)])
+                    hidden[to_device(logits_index, torch.long, self.device)])
 
         states = [self.requests[r] for r in sample_rows]
-        sched_blocks = {it.request_id: it.block_ids for it in items}
         smd = SamplingMetadata.build(
             [s.sampling_params for s in states],
             [s.output_token_ids for s in states],
@@ -208,13 +249,41 @@ class ModelRunner:
         )
         finite = torch.isfinite(logits).all(dim=-1)
         result = self.sampler(logits, smd)
-        # One device-to-host transfer for both: each sync costs a round trip.
-        sampled, finite_l = torch.stack([result.sampled_token_ids, finite.long()]).tolist()
-        lp_rows = _logprobs_rows(result.logprobs, [s.sampling_params.logprobs for s in states])
-        for i, (rid, st) in enumerate(zip(sample_rows, states)):
+        # The next step reads its pending input tokens from here, on the device.
+        self._prev_sampled = result.sampled_token_ids
+        self._prev_rows = {rid: i for i, rid in enumerate(sample_rows)}
+        # One device-to-host transfer for both, queued behind the step.
+        packed = torch.stack([result.sampled_token_ids, finite.long()])
+        fut.sample_rows = sample_rows
+        fut.states = states
+        fut.wanted = [s.sampling_params.logprobs for s in states]
+        fut.block_ids = {it.request_id: it.block_ids for it in items if it.sample}
+        if self.device.type == "cuda":
+            fut.sampled = packed.to("cpu", non_blocking=True)
+            if result.logprobs is not None:
+                lt = result.logprobs
+                fut.logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True)
+                                                 for t in (lt.token_ids, lt.logprobs, lt.ranks)))
+            fut.event = torch.cuda.Event()
+            fut.event.record()
+        else:
+            fut.sampled, fut.logprobs = packed, result.logprobs
+        return fut
+
+    def finish(self, fut: StepFuture) -> ModelRunnerOutput:
+        """Waits for a launched step and turns its sampled tokens into plain data."""
+        out = fut.out
+        if fut.sampled is None:
+            return out
+        if fut.event is not None:
+            fut.event.synchronize()
+        sampled, finite_l = fut.sampled.tolist()
+        lp_rows = _logprobs_rows(fut.logprobs, fut.wanted)
+        for i, (rid, st) in enumerate(zip(fut.sample_rows, fut.states)):
             if not finite_l[i]:
                 out.failed_request_ids.add(rid)
-                self._zero_blocks(sched_blocks[rid])
+                # Queued behind any step launched since, which may write these blocks too.
+                self._zero_blocks(fut.block_ids[rid])
                 continue
             st.output_token_ids.append(sampled[i])
             out.sampled_token_ids[rid] = sampled[i]
@@ -222,10 +291,21 @@ class ModelRunner:
                 out.logprobs[rid] = lp_rows[i]
         return out
 
+    def _fill_pending(self, ids: torch.Tensor, dst: list[int], src: list[int]) -> None:
+        """Writes the tokens the previous step sampled into this step's input ids."""
+        prev = self._prev_sampled
+        assert prev is not None
+        k = len(dst)
+        if dst == src and dst[-1] == k - 1:  # same rows, same order: the steady decode batch
+            ids[:k].copy_(prev[:k])
+        else:
+            ids[to_device(dst, torch.long, self.device)] = prev[to_device(src, torch.long,
+                                                                          self.device)]
+
     def _zero_blocks(self, block_ids: list[int]) -> None:
         """A request that produced non-finite values must not leave them in blocks that padding
         reads of later requests may touch (0 * NaN is NaN)."""
-        idx = torch.tensor(block_ids, device=self.device)
+        idx = to_device(block_ids, torch.long, self.device)
         for kv in self.kv_caches:
             kv.view(2, -1, self.block_size, *kv.shape[2:])[:, idx] = 0
 

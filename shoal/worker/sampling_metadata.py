@@ -16,6 +16,13 @@ import torch
 from shoal.sampling_params import SamplingParams
 
 
+def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype,
+              device: torch.device | str) -> torch.Tensor:
+    """A small host list on the device without waiting for the device: a blocking copy would
+    wait for every queued step and undo async scheduling."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A per-request generator on the device the sampler draws its noise on."""
     gen = torch.Generator(device=torch.device(device))
@@ -88,7 +95,7 @@ class SamplingMetadata:
                 for p, g in zip(params_list, greedy)
             ]
             if any(k < vocab_size for k in ks):
-                top_k = torch.tensor(ks, dtype=torch.int64, device=device)
+                top_k = to_device(ks, torch.int64, device)
             ps = [1.0 if g else p.top_p for p, g in zip(params_list, greedy)]
             if any(v < 1.0 for v in ps):
                 top_p = floats(ps)
@@ -145,7 +152,7 @@ def pad_token_ids(
     padded = np.full((len(rows), width), pad_id, dtype=np.int64)
     for i, row in enumerate(rows):
         padded[i, : len(row)] = row
-    return torch.from_numpy(padded).to(device)
+    return torch.from_numpy(padded).to(device, non_blocking=True)
 
 
 def _row_eos(
