@@ -4,6 +4,8 @@ Same semantics as shoal.attention.torch_backend.paged_attention: write the step'
 values into their slots, then attend the decode rows (tokens [0, num_decode_rows), one query
 each) with the decode kernel and the prefill chunks (the remaining tokens) with the prefill
 kernel. One row per request in every per-request tensor, decodes first.
+paged_attention_triton_fused takes q and k before their per-head RMSNorm and rotary and
+applies both in the cache-write kernel: one launch where the layer made up to four.
 
 CUDA graphs: pass pad_decodes_to (rows past num_decodes get seq_len 0, slot -1 and produce
 zeros), block_table_width (fixed table width) and decode_num_splits (fixed split-K grid);
@@ -12,6 +14,7 @@ class below does this with persistent buffers for shoal.worker.cuda_graphs.Decod
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +24,7 @@ from shoal.attention.metadata import token_slots
 from shoal.attention.ops.kv_cache_write import write_kv_cache
 from shoal.attention.ops.paged_decode import paged_decode
 from shoal.attention.ops.paged_prefill import paged_prefill
+from shoal.attention.ops.rope_kv_write import rope_kv_write
 
 
 @dataclass
@@ -115,9 +119,34 @@ def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            kv_cache: torch.Tensor, md: TritonAttentionMetadata,
                            scale: float) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hk, D]; kv_cache: [2, num_slots, Hk, D]. Returns [T, Hq, D]."""
+    _check_tokens(q, md)
+    write_kv_cache(kv_cache, k, v, md.slot_mapping)
+    return _attend_cached(q, kv_cache, md, scale)
+
+
+def paged_attention_triton_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                                 q_norm_weight: torch.Tensor | None,
+                                 k_norm_weight: torch.Tensor | None, eps: float,
+                                 kv_cache: torch.Tensor, md: TritonAttentionMetadata,
+                                 scale: float) -> torch.Tensor:
+    """paged_attention_triton on q and k before their per-head RMSNorm (weights None: none)
+    and neox rotary, which one kernel applies while writing the cache (see
+    ops/rope_kv_write.py). q is rotated in place; k is left as it was."""
+    _check_tokens(q, md)
+    rope_kv_write(positions, q, k, v, cos_sin_cache, kv_cache, md.slot_mapping,
+                  q_norm_weight, k_norm_weight, eps)
+    return _attend_cached(q, kv_cache, md, scale)
+
+
+def _check_tokens(q: torch.Tensor, md: TritonAttentionMetadata) -> None:
     if q.shape[0] != md.num_tokens:
         raise ValueError(f"q has {q.shape[0]} tokens, metadata {md.num_tokens}")
-    write_kv_cache(kv_cache, k, v, md.slot_mapping)
+
+
+def _attend_cached(q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionMetadata,
+                   scale: float) -> torch.Tensor:
+    """Decode and prefill attention over a cache that already holds the step's keys."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     nd = md.num_decode_rows
     if nd:
@@ -159,6 +188,11 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self) -> None:
+        # Layers with rotary hand q, k, v before norm and rotary to forward_fused, which does
+        # both in the cache-write kernel. Off with SHOAL_DISABLE_TRITON_OPS=1 (those steps then
+        # run in PyTorch as before) or SHOAL_DISABLE_FUSED_ROPE_KV=1 (for A/B timing).
+        self.fuses_rope_and_cache_write = (os.environ.get("SHOAL_DISABLE_TRITON_OPS") != "1"
+                                           and os.environ.get("SHOAL_DISABLE_FUSED_ROPE_KV") != "1")
         # Remembered from build_metadata (the runner's warmup runs it before graph capture)
         # for alloc_graph_buffers callers that do not pass them.
         self._block_size: int | None = None
@@ -175,6 +209,16 @@ class TritonAttentionBackend:
                 kv_cache: torch.Tensor, md: TritonAttentionMetadata,
                 scale: float) -> torch.Tensor:
         return paged_attention_triton(q, k, v, kv_cache, md, scale)
+
+    def forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                      q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                      eps: float, kv_cache: torch.Tensor, md: TritonAttentionMetadata,
+                      scale: float) -> torch.Tensor:
+        """forward on q and k before their optional per-head RMSNorm and rotary (see
+        paged_attention_triton_fused); only while fuses_rope_and_cache_write."""
+        return paged_attention_triton_fused(q, k, v, positions, cos_sin_cache, q_norm_weight,
+                                            k_norm_weight, eps, kv_cache, md, scale)
 
     def alloc_graph_buffers(self, max_batch: int, max_blocks: int, device: torch.device, *,
                             block_size: int | None = None,

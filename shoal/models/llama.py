@@ -21,7 +21,7 @@ from shoal.layers.linear import (
     default_weight_loader,
 )
 from shoal.layers.norm import RMSNorm
-from shoal.layers.rotary import get_rope, rope_parameters
+from shoal.layers.rotary import RotaryEmbedding, get_rope, rope_parameters
 
 
 class Attention(nn.Module):
@@ -40,6 +40,28 @@ class Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not bound to the attention layer")
         return self.backend.forward(q, k, v, self.kv_cache, md, self.scale)
+
+    @property
+    def fuses_rope(self) -> bool:
+        """Whether the backend applies q/k norm and rotary itself (forward_rope)."""
+        return getattr(self.backend, "fuses_rope_and_cache_write", False)
+
+    def forward_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, rope: RotaryEmbedding, q_norm: RMSNorm | None,
+                     k_norm: RMSNorm | None, md: Any) -> torch.Tensor:
+        """forward on q and k before the optional per-head norms and the rotary, which the
+        backend fuses into its cache write (only while fuses_rope). q is modified in place."""
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache is not bound to the attention layer")
+        norms = [n for n in (q_norm, k_norm) if n is not None]
+        if len({n.eps for n in norms}) > 1:
+            raise ValueError("the fused kernel takes one eps for the q and k norms")
+        eps = norms[0].eps if norms else 0.0
+        return self.backend.forward_fused(
+            q, k, v, positions, rope.cos_sin_cache,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            eps, self.kv_cache, md, self.scale)
 
 
 class LlamaAttention(nn.Module):
@@ -75,10 +97,14 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v, md)
+        if self.attn.fuses_rope:  # norms, rotary and cache write in one kernel
+            norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
+            o = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, *norms, md)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
+            o = self.attn(q, k, v, md)
         return self.o_proj(o.reshape(t, self.q_size))
 
 
