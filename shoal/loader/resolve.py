@@ -64,6 +64,7 @@ SHIPPED_CONFIGS: dict[str, str] = {
     "meta-llama/Llama-3.1-8B": "llama-3.1-8b",
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
     "Qwen/Qwen3-0.6B": "qwen3-0.6b",
+    "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
 }
 _CONFIGS_BY_LOWER_NAME = {name.lower(): folder for name, folder in SHIPPED_CONFIGS.items()}
 _CONFIGS_DIR = Path(__file__).resolve().parent.parent / "model_configs"

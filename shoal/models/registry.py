@@ -10,6 +10,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("shoal.models.llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("shoal.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("shoal.models.qwen3", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("shoal.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
 # model_type -> architecture, for configs that do not list `architectures`.
@@ -18,6 +19,7 @@ _BY_MODEL_TYPE = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 

@@ -1,0 +1,72 @@
+"""FusedMoE: the stacked expert weights of one MoE layer, their tensor-parallel loading, and
+the choice between the Triton kernel and the PyTorch path.
+
+Tensor parallelism splits every expert's intermediate dim across ranks, like the dense MLP's
+column-parallel gate_up and row-parallel down projections: each rank computes a partial sum
+of every routed expert's output and the partials are all-reduced (a no-op at world size 1)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
+from shoal.layers.fused_ops import use_triton
+from shoal.layers.linear import _divide, default_weight_loader
+from shoal.layers.moe.torch_experts import experts_dense, experts_torch
+
+# Checkpoint projections: gate (w1) and up (w3) stack into w13, down is w2.
+SHARD_IDS = ("w1", "w3", "w2")
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    if use_triton(x):
+        from shoal.layers.moe.triton_experts import experts_triton
+
+        return experts_triton(x, w13, w2, topk_weights, topk_ids)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return experts_dense(x, w13, w2, topk_weights, topk_ids)
+    return experts_torch(x, w13, w2, topk_weights, topk_ids)
+
+
+class FusedMoE(nn.Module):
+    """w13_weight [E, 2 * I / tp, H]: this rank's gate rows, then its up rows, per expert;
+    w2_weight [E, H, I / tp]: this rank's columns of each down projection."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 reduce_results: bool = True, params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
+        self.num_experts = num_experts
+        self.inter = _divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.reduce_results = reduce_results
+        self.w13_weight = nn.Parameter(
+            torch.empty(num_experts, 2 * self.inter, hidden_size, dtype=params_dtype),
+            requires_grad=False)
+        self.w2_weight = nn.Parameter(
+            torch.empty(num_experts, hidden_size, self.inter, dtype=params_dtype),
+            requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int,
+                      shard_id: str) -> None:
+        """One expert's full checkpoint projection: gate / up [I, H] (w1 / w3), down [H, I]
+        (w2); this rank's slice of the intermediate dim is copied into place."""
+        if shard_id not in SHARD_IDS:
+            raise ValueError(f"shard_id must be one of {SHARD_IDS}, got {shard_id!r}")
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"expert {expert_id} out of range [0, {self.num_experts})")
+        start = self.tp_rank * self.inter
+        if shard_id == "w2":
+            default_weight_loader(param.data[expert_id], loaded.narrow(1, start, self.inter))
+            return
+        offset = 0 if shard_id == "w1" else self.inter
+        default_weight_loader(param.data[expert_id].narrow(0, offset, self.inter),
+                              loaded.narrow(0, start, self.inter))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return tp_all_reduce(out) if self.reduce_results else out

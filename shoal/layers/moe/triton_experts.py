@@ -1,0 +1,134 @@
+"""The routed expert MLPs as two grouped GEMMs on the GPU.
+
+Pairs (token, slot) are grouped by expert and padded to whole blocks of BLOCK_M rows
+(align.py); one program computes a BLOCK_M x BLOCK_N tile of one block, so every row of a
+tile uses the same expert's weights and the product is a plain tl.dot. The first GEMM gathers
+token rows of x and writes gate_up per pair; SiLU-and-mul follows; the second GEMM reads the
+pair rows, scales them by the routing weight and writes per pair; a sum over the k slots gives
+each token's output (no atomics, so results are deterministic).
+
+Graph safety: the grid and every buffer are sized from T * k, E and the tile sizes only (the
+worst-case padding), and unused tail blocks are marked with expert -1 and exit at once, so
+a captured decode step replays correctly with any routing."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shoal.attention.ops.silu_mul import silu_and_mul
+from shoal.layers.moe.align import ExpertGroups, group_by_expert
+
+
+# num_pairs changes every step: not specialized (== 1, % 16) so steps do not recompile.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr,
+    num_pairs, n_out, k_in, a_row_div,
+    stride_am, stride_be, stride_bn, stride_cm,
+    MUL_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """c[pair, n] = a[pair // a_row_div, :] . b[expert, n, :] (* weights[pair]) for the pairs
+    of one block; a: [*, K], b: [E, N, K], c: [num_pairs, N], all contiguous along the last
+    dim."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(n_out, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # padding block past the used ones
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    valid = pairs < num_pairs  # padding rows hold num_pairs
+    rows = (pairs // a_row_div).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    offs_k = tl.arange(0, BLOCK_K)
+    # int64: expert * stride_be passes 2**31 on large expert stacks.
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = (b_ptr + expert.to(tl.int64) * stride_be + offs_n[None, :].to(tl.int64) * stride_bn
+              + offs_k[:, None])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        k_mask = offs_k < k_in - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & k_mask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if MUL_WEIGHTS:
+        w = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
+        acc = acc * w.to(tl.float32)[:, None]
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def choose_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K). BLOCK_M follows the mean pairs per expert: 16 (the smallest
+    tl.dot tile) for decode, where each active expert sees a row or two, up to 64 for long
+    prefills. fp32 (no tensor cores, a correctness path) takes half-size N and K tiles."""
+    mean = -(-num_pairs // num_experts)
+    block_m = min(64, max(16, triton.next_power_of_2(mean)))
+    return (block_m, 32, 32) if dtype == torch.float32 else (block_m, 64, 64)
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    e, two_i, h = w13.shape
+    if two_i % 2 or h != x.shape[1] or tuple(w2.shape) != (e, h, two_i // 2):
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x "
+                         f"{tuple(x.shape)}")
+    if not (x.dtype == w13.dtype == w2.dtype) or x.dtype not in (
+            torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}: need one fp16/bf16/fp32")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] \
+            or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / weights "
+                         f"{tuple(topk_weights.shape)} must both be [{x.shape[0]}, k]")
+    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
+        raise ValueError("topk_ids must be int32/int64 and topk_weights floating point")
+    if x.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
+        raise ValueError("x rows and the expert weights must be contiguous")
+
+
+def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: ExpertGroups,
+          weights: torch.Tensor | None, num_pairs: int, a_row_div: int,
+          tiles: tuple[int, int, int]) -> None:
+    block_m, block_n, block_k = tiles
+    n_out, k_in = b.shape[1], b.shape[2]
+    grid = (groups.block_expert.shape[0] * triton.cdiv(n_out, block_n),)
+    half = a.dtype != torch.float32
+    _grouped_gemm_kernel[grid](
+        a, b, c, groups.sorted_ids, groups.block_expert, weights if weights is not None else c,
+        num_pairs, n_out, k_in, a_row_div,
+        a.stride(0), b.stride(0), b.stride(1), c.stride(0),
+        MUL_WEIGHTS=weights is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION="tf32" if half else "ieee",
+        num_warps=4, num_stages=3 if half else 2,
+    )
+
+
+def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    """Same contract as torch_experts.experts_torch: x [T, H], w13 [E, 2I, H] (gate rows then
+    up rows), w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in x's dtype."""
+    _check(x, w13, w2, topk_weights, topk_ids)
+    t, k = topk_ids.shape
+    e, two_i, h = w13.shape
+    if t == 0:
+        return torch.zeros_like(x)
+    n = t * k
+    tiles = choose_tiles(n, e, x.dtype)
+    groups = group_by_expert(topk_ids, e, tiles[0])
+    gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
+    _gemm(x, w13, gate_up, groups, None, n, k, tiles)
+    act = silu_and_mul(gate_up)
+    down = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    _gemm(act, w2, down, groups, topk_weights.contiguous(), n, 1, tiles)
+    return down.view(t, k, h).sum(dim=1)
