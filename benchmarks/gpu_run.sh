@@ -19,8 +19,8 @@ run() {  # name, limit, command...
 }
 for part in "$@"; do
   case $part in
-    kernels) run kernels 100 python3 -m pytest -q -x -p no:cacheprovider tests/attention/test_triton_kernels.py ;;
-    correctness) run correctness 150 python3 benchmarks/gpu_correctness.py --out "$OUT/correctness.json" ;;
+    kernels) run kernels 150 python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_kernels.py tests/attention/test_rope_kv_write.py tests/layers/test_fused_moe.py ;;
+    correctness) run correctness 280 python3 benchmarks/gpu_correctness.py --out "$OUT/correctness.json" ;;
     w1) run w1 90 python3 benchmarks/gpu_suite.py w1 --out "$OUT/w1.json" ;;
     w2) run w2 120 python3 benchmarks/gpu_suite.py w2 --out "$OUT/w2.json" ;;
     w3) run w3 300 python3 benchmarks/gpu_suite.py w3 --out "$OUT/w3.json" ;;
