@@ -1,5 +1,5 @@
 """W5, shared-prefix reuse: TTFT with the common prefix in device blocks, in the CPU tier, on
-disk, and recomputed, in one run of one engine.
+disk (cold and warm page cache), and recomputed, in one run of one engine.
 
     .venv/bin/python benchmarks/w5_prefix_reuse.py                  # CPU: SmolLM2-135M, 1024
     python benchmarks/w5_prefix_reuse.py --gpu                      # Llama-3.1-8B shape, 4096
@@ -8,14 +8,17 @@ disk, and recomputed, in one run of one engine.
 Each condition first runs the prefix once (it is then in device blocks), then moves it:
   device     left where it is
   cpu        device prefix cache pushed into the CPU tier (shoal.kv_offload.control)
-  disk       ... and the CPU tier flushed to disk
+  disk       ... and the CPU tier flushed to disk, its files dropped from the page cache
+  disk_warm  the same, files left in the page cache (what the disk tier costs without the drive)
   recompute  device prefix cache reset and every tier cleared
 and measures (a) `--single-trials` lone requests (prefix + 64 fresh tokens, 1 output token),
 re-placing the prefix before each, and (b) one batch of `--num-requests` requests (prefix + 64
 unique tokens, `--output-len` outputs) submitted together. TTFT is first token time minus
 arrival time, per request. Unique suffixes are fresh in every measurement, so only the
-prefix can be reused. Results: benchmarks/results/<date>-W5-<hardware>.json (smoke runs go
-to bench-work/results/)."""
+prefix can be reused. Disk measurements also give the effective read bandwidth: bytes the
+disk tier loaded / its load seconds (wall time with at least one background read running,
+checksums included), so cold vs warm shows what the drive, not the engine, limits.
+Results: benchmarks/results/<date>-W5-<hardware>.json (smoke runs go to bench-work/results/)."""
 
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ from shoal.kv_cache.hashing import hash_full_blocks
 from shoal.kv_offload.control import offload_device_prefix_cache
 
 ROOT = Path(__file__).resolve().parent.parent
-CONDITIONS = ("device", "cpu", "disk", "recompute")
+CONDITIONS = ("device", "cpu", "disk", "disk_warm", "recompute")
+DISK_CONDITIONS = ("disk", "disk_warm")
 TOKEN_RANGE = (100, 10000)
 
 
@@ -60,7 +64,7 @@ def parse_args() -> argparse.Namespace:
                    help="disk tier folder (default: a fresh one under bench-work/, removed after)")
     p.add_argument("--policy", default="lru")
     p.add_argument("--warm-page-cache", action="store_true",
-                   help="leave the disk tier's files in the page cache (default: drop them)")
+                   help="ignored: cold (disk) and warm (disk_warm) page cache are both measured")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (1 is steadier on a busy 2-core machine)")
@@ -86,11 +90,12 @@ def hardware_slug() -> str:
     return "cpu"
 
 
-def drop_page_cache(folder: Path) -> None:
+def drop_page_cache(folder: Path) -> bool:
     """Asks the kernel to forget the tier's files, so "disk" reads the device, not memory
-    (fsync first: dirty pages cannot be dropped). No root needed for files we own."""
+    (fsync first: dirty pages cannot be dropped). No root needed for files we own. False
+    where the platform cannot."""
     if not hasattr(os, "posix_fadvise"):
-        return
+        return False
     for path in folder.glob("*.kv"):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -98,6 +103,12 @@ def drop_page_cache(folder: Path) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    return True
+
+
+def read_gbps(nbytes: int, seconds: float) -> float | None:
+    """Decimal GB/s; None when nothing was read."""
+    return nbytes / seconds / 1e9 if nbytes and seconds > 0 else None
 
 
 class Bench:
@@ -118,6 +129,7 @@ class Bench:
         self.store = self.core.kv_offload
         self.block_size = self.core.config.cache_config.block_size
         self.prefix_hashes = hash_full_blocks(self.prefix, self.block_size, [])
+        self.page_cache_dropped: bool | None = None  # set by the first cold placement
 
     def _tokens(self, n: int) -> list[int]:
         return self.rng.integers(*TOKEN_RANGE, size=n).tolist()
@@ -128,12 +140,12 @@ class Bench:
     def place_prefix(self, where: str) -> None:
         self.llm.generate(self._prompt(), SamplingParams(temperature=0, max_tokens=1),
                           use_tqdm=False)  # now in device blocks
-        if where in ("cpu", "disk"):
+        if where in ("cpu", *DISK_CONDITIONS):
             offload_device_prefix_cache(self.core)
-        if where == "disk":
-            self.store.flush()
-            if not self.args.warm_page_cache:
-                drop_page_cache(self.store.disk.dir)
+        if where in DISK_CONDITIONS:
+            self.store.flush()  # waits for the writes: the files are complete (and cached)
+            if where == "disk":
+                self.page_cache_dropped = drop_page_cache(self.store.disk.dir)
         if where == "recompute":
             assert self.core.scheduler.kv.reset_prefix_cache()
             self.store.clear()
@@ -143,17 +155,23 @@ class Bench:
                   ("cpu", self.store.cpu.contains(first)),
                   ("disk", self.store.disk is not None and self.store.disk.contains(first))]
         fastest = next((name for name, held in places if held), "recompute")
-        if fastest != where:
+        if fastest != where.removesuffix("_warm"):
             raise RuntimeError(f"prefix should be in {where}, found in {fastest}")
 
+    def _tier_figures(self) -> dict[str, tuple[int, int, int, float]]:
+        return {t.name: (t.hits, t.blocks_loaded, t.bytes_loaded, t.load_seconds)
+                for t in self.store.stats().tiers}
+
     def measure(self, n: int, max_tokens: int) -> dict[str, Any]:
-        before = {t.name: (t.hits, t.blocks_loaded) for t in self.store.stats().tiers}
+        before = self._tier_figures()
         sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         t0 = time.perf_counter()
         outs = self.llm.generate([self._prompt() for _ in range(n)], sp, use_tqdm=False)
         wall = time.perf_counter() - t0
         ttft = sorted(o.metrics.first_token_time - o.metrics.arrival_time for o in outs)
-        after = {t.name: (t.hits, t.blocks_loaded) for t in self.store.stats().tiers}
+        after = self._tier_figures()
+        disk_bytes = after["disk"][2] - before["disk"][2]
+        disk_seconds = after["disk"][3] - before["disk"][3]
         return {
             "ttft_ms_mean": 1e3 * statistics.fmean(ttft),
             "ttft_ms_median": 1e3 * statistics.median(ttft),
@@ -162,6 +180,9 @@ class Bench:
             "wall_s": wall,
             "num_cached_tokens_mean": statistics.fmean(o.num_cached_tokens for o in outs),
             "tier_blocks_loaded": {k: after[k][1] - before[k][1] for k in after},
+            "disk_bytes_read": disk_bytes,
+            "disk_read_seconds": disk_seconds,
+            "disk_read_gbps": read_gbps(disk_bytes, disk_seconds),
         }
 
     def run(self) -> dict[str, Any]:
@@ -188,11 +209,40 @@ class Bench:
                 "single_tier_blocks_loaded": singles[-1]["tier_blocks_loaded"],
                 "batch": batch,
             }
-            print(f"[w5] {where:9s} single TTFT {results[where]['single_ttft_ms_median']:9.1f} ms"
-                  f" (cached {results[where]['single_cached_tokens']:.0f})  batch TTFT mean "
-                  f"{batch['ttft_ms_mean']:9.1f} ms p99 {batch['ttft_ms_p99']:9.1f} ms",
-                  flush=True)
+            line = (f"[w5] {where:9s} single TTFT {results[where]['single_ttft_ms_median']:9.1f} ms"
+                    f" (cached {results[where]['single_cached_tokens']:.0f})  batch TTFT mean "
+                    f"{batch['ttft_ms_mean']:9.1f} ms p99 {batch['ttft_ms_p99']:9.1f} ms")
+            if where in DISK_CONDITIONS:
+                results[where]["single_disk_read_gbps"] = [s["disk_read_gbps"] for s in singles]
+                line += f"  disk read {_gbps_text(singles + [batch])}"
+            print(line, flush=True)
+        results["disk_read"] = self.disk_read_summary(results)
         return results
+
+    def disk_read_summary(self, results: dict[str, Any]) -> dict[str, Any]:
+        """Effective disk-tier read bandwidth with a cold and a warm page cache, so the report
+        can tell what the drive limits from what the engine does."""
+        out: dict[str, Any] = {"page_cache_dropped": self.page_cache_dropped}
+        for where, label in (("disk", "cold"), ("disk_warm", "warm")):
+            batch = results[where]["batch"]
+            out[label] = {
+                "batch_bytes_read": batch["disk_bytes_read"],
+                "batch_read_seconds": batch["disk_read_seconds"],
+                "batch_read_gbps": batch["disk_read_gbps"],
+                "single_read_gbps_median": _median(results[where]["single_disk_read_gbps"]),
+            }
+        return out
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _gbps_text(measurements: list[dict[str, Any]]) -> str:
+    nbytes = sum(m["disk_bytes_read"] for m in measurements)
+    gbps = read_gbps(nbytes, sum(m["disk_read_seconds"] for m in measurements))
+    return f"{nbytes / 2**20:.0f} MiB at {gbps:.2f} GB/s" if gbps else "nothing read"
 
 
 def main() -> int:
@@ -219,7 +269,8 @@ def main() -> int:
                 "kv_offloading_size_gib": args.kv_offloading_size,
                 "kv_offloading_disk_size_gib": args.kv_offloading_disk_size,
                 "kv_offloading_policy": args.policy, "block_size": bench.block_size,
-                "disk_page_cache_dropped": not args.warm_page_cache}
+                "disk_page_cache_dropped": bench.page_cache_dropped,
+                "disk_read_threads": bench.store.disk.reader.num_threads}
     rec = record("W5", "shoal", workload_params=workload, cpu_model=cpu_model(),
                  torch_threads=torch.get_num_threads(), ready_s=bench.ready_s,
                  figures=results, tier_stats=stats)

@@ -24,6 +24,11 @@ class LLM:
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.llm_engine = LLMEngine(self.engine_args)
 
+    def shutdown(self) -> None:
+        """Persists the CPU KV tier to the disk tier (when both are configured); also runs at
+        interpreter exit."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

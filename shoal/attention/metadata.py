@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shoal.host_to_device import tensor_to_device
+
 
 @dataclass
 class AttentionMetadata:
@@ -119,7 +121,7 @@ def build_attention_metadata(
         p_mask = allowed[:, None]
 
     def dev(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device, non_blocking=True)
+        return None if t is None else tensor_to_device(t, device)
 
     return AttentionMetadata(
         num_tokens=num_tokens,

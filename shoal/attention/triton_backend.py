@@ -25,6 +25,7 @@ from shoal.attention.ops.kv_cache_write import write_kv_cache
 from shoal.attention.ops.paged_decode import paged_decode
 from shoal.attention.ops.paged_prefill import paged_prefill
 from shoal.attention.ops.rope_kv_write import rope_kv_write
+from shoal.host_to_device import to_device
 
 
 @dataclass
@@ -94,7 +95,7 @@ def build_triton_attention_metadata(
         starts.append(starts[-1] + q)
 
     def dev(vals: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(vals, dtype=dtype).to(device, non_blocking=True)
+        return to_device(vals, dtype, device)
 
     return TritonAttentionMetadata(
         num_tokens=len(slots),

@@ -122,6 +122,13 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
+    def shutdown(self) -> None:
+        """Between steps, before the process exits: waits for a step in flight and writes
+        the CPU KV tier down to the disk tier, so a restart finds those blocks."""
+        self._finish_inflight()
+        if self.kv_offload is not None:
+            self.kv_offload.shutdown()
+
     # ---- the loop body ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         pipelined = self.async_scheduling and not self._history_requests

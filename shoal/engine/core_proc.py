@@ -261,7 +261,13 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
         logger.info("engine core process %d ready in %.1f s (%d KV blocks)", os.getpid(),
                     time.perf_counter() - t0, cfg.cache_config.num_blocks)
         death_fd = death_pipe.fileno() if death_pipe is not None else None
-        EngineCoreProc(core, in_sock, out_sock, death_fd, parent_pid).run()
+        try:
+            EngineCoreProc(core, in_sock, out_sock, death_fd, parent_pid).run()
+        finally:  # also on SIGTERM (SystemExit)
+            try:
+                core.shutdown()
+            except Exception:
+                logger.exception("engine core shutdown failed")
     finally:
         # Linger so a last message (the startup error above all) still reaches the frontend.
         out_sock.close(linger=2000)

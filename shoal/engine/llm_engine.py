@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -25,6 +27,7 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     def __init__(self, args: EngineArgs):
         t0 = time.perf_counter()
+        self._shut_down = False
         torch.manual_seed(args.seed)
         loaded = load_model(args.model, tokenizer=args.tokenizer, load_format=args.load_format)
         self.config = args.create_engine_config(loaded.hf_config)
@@ -35,7 +38,16 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: SchedulerStats | None = None
+        # KV tiers persist at interpreter exit if the engine is still alive then.
+        atexit.register(_shutdown_if_alive, weakref.ref(self))
         logger.info("engine ready in %.2f s", time.perf_counter() - t0)
+
+    def shutdown(self) -> None:
+        """Finishes a step in flight and persists the CPU KV tier to disk (if configured).
+        Idempotent; the engine takes no more requests afterwards."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.core.shutdown()
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
@@ -76,3 +88,9 @@ class LLMEngine:
         if to_abort:
             self.core.abort_requests(to_abort)
         return outs
+
+
+def _shutdown_if_alive(ref: weakref.ref) -> None:
+    engine = ref()
+    if engine is not None:
+        engine.shutdown()

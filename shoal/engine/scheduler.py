@@ -108,6 +108,8 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        if self.offload is not None:  # reads or pins it may hold while deferred
+            self.offload.abandon(req.request_id)
         self.kv.free(req, failed=status == RequestStatus.FINISHED_ERROR)
         self.requests.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)

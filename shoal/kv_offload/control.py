@@ -30,7 +30,8 @@ def offload_device_prefix_cache(core: Any) -> int:
 
 
 def persist(core: Any) -> None:
-    """Device and CPU-tier blocks down to disk, e.g. before shutting the engine down."""
+    """Device and CPU-tier blocks down to disk, e.g. before shutting the engine down (the
+    store's shutdown() then has the CPU tier's leftovers to write)."""
     if core.kv_offload is None:
         return
     offload_device_prefix_cache(core)

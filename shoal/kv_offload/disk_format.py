@@ -58,26 +58,50 @@ def write_block(path: Path, key_digest: bytes, block_hash: bytes, payload: torch
 
 
 def read_block(path: Path, key_digest: bytes, block_hash: bytes, dst: torch.Tensor) -> None:
-    """Reads straight into dst; raises FileNotFoundError (a miss) or DamagedBlockError. dst
-    holds garbage after a failure, so the caller must not use it."""
+    """Reads straight into dst (no intermediate buffer: one scatter read fills the header and
+    dst); raises FileNotFoundError (a miss) or DamagedBlockError. dst holds garbage after a
+    failure, so the caller must not use it. Safe on any thread (disk_reader.py runs it on a
+    pool, checksum included)."""
     out = _byte_view(dst)
-    with open(path, "rb") as f:
-        raw = f.read(HEADER_BYTES)
-        if len(raw) != HEADER_BYTES:
+    header = bytearray(HEADER_BYTES)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size < HEADER_BYTES:
             raise DamagedBlockError("truncated header")
-        magic, version, digest, stored_hash, length, checksum = _HEADER.unpack(raw)
-        if magic != MAGIC or version != LAYOUT_VERSION:
-            raise DamagedBlockError("not a shoal KV block of this layout version")
-        if digest != key_digest:
-            raise DamagedBlockError("written for another model or configuration")
-        if stored_hash != block_hash:
-            raise DamagedBlockError("holds another block")
-        if length != out.nbytes:
-            raise DamagedBlockError(f"payload is {length} bytes, expected {out.nbytes}")
-        got = f.readinto(out)
-        if got != out.nbytes:
-            raise DamagedBlockError(f"truncated payload ({got} of {out.nbytes} bytes)")
-        if f.read(1):
-            raise DamagedBlockError("trailing bytes")
+        got = _readv_full(fd, [memoryview(header), out])
+    finally:
+        os.close(fd)
+    magic, version, digest, stored_hash, length, checksum = _HEADER.unpack(header)
+    if magic != MAGIC or version != LAYOUT_VERSION:
+        raise DamagedBlockError("not a shoal KV block of this layout version")
+    if digest != key_digest:
+        raise DamagedBlockError("written for another model or configuration")
+    if stored_hash != block_hash:
+        raise DamagedBlockError("holds another block")
+    if length != out.nbytes:
+        raise DamagedBlockError(f"payload is {length} bytes, expected {out.nbytes}")
+    if got < HEADER_BYTES + out.nbytes:
+        raise DamagedBlockError(f"truncated payload ({got - HEADER_BYTES} of {out.nbytes} bytes)")
+    if size > HEADER_BYTES + out.nbytes:
+        raise DamagedBlockError("trailing bytes")
     if xxhash.xxh3_64_intdigest(out) != checksum:
         raise DamagedBlockError("checksum mismatch")
+
+
+def _readv_full(fd: int, bufs: list[memoryview]) -> int:
+    """Fills bufs from the start of the file, in one preadv unless the kernel returns short
+    (then again from where it stopped); returns the bytes read (less only at end of file)."""
+    views = [b.cast("B") for b in bufs]
+    total = 0
+    while views:
+        n = os.preadv(fd, views, total)
+        if n == 0:
+            break
+        total += n
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+    return total

@@ -4,14 +4,21 @@ model, dtype, block size or layout never sees these files.
 The index is rebuilt at start-up by listing the directory (files of the wrong size and
 leftover temporary files are deleted; headers and checksums are checked at load), so blocks
 survive a restart. The size limit counts whole files and holds at all times: room is made by
-the policy before a file is written."""
+the policy before a file is written.
+
+Reads come in two halves so they can run off the scheduler's thread: `read_into` (file or
+pending write -> memory, verified; touches no state, any thread) and `settle` (index, policy
+and statistics, on the owning thread). `load` does both in a row; `read_async` runs the first
+half on the tier's DiskReader pool."""
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -25,6 +32,7 @@ from shoal.kv_offload.disk_format import (
     file_name,
     read_block,
 )
+from shoal.kv_offload.disk_reader import DEFAULT_READ_THREADS, DiskReader
 from shoal.kv_offload.disk_writer import DiskWriter, unlink_quietly
 from shoal.kv_offload.layout import BlockLayout, StoreKey
 from shoal.kv_offload.policy import EvictionPolicy
@@ -33,11 +41,22 @@ from shoal.kv_offload.tier import KVTier
 logger = logging.getLogger(__name__)
 
 
+class ReadOutcome(enum.Enum):
+    OK = "ok"
+    MISSING = "missing"  # no file (deleted behind our back): a plain miss
+    DAMAGED = "damaged"  # failed a check: the file is deleted
+    FAILED = "failed"  # anything else went wrong: treated as damaged, logged with its cause
+
+
+ReadResult = tuple[ReadOutcome, str]  # (outcome, why)
+
+
 class DiskTier(KVTier):
     name = "disk"
 
     def __init__(self, root: str | Path, key: StoreKey, layout: BlockLayout, capacity_bytes: int,
-                 policy: EvictionPolicy, background_writes: bool = True):
+                 policy: EvictionPolicy, background_writes: bool = True,
+                 read_threads: int = DEFAULT_READ_THREADS):
         file_bytes = HEADER_BYTES + layout.nbytes
         super().__init__(layout, capacity_bytes // file_bytes, file_bytes, policy)
         self.key = key
@@ -47,6 +66,7 @@ class DiskTier(KVTier):
         self._write_meta()
         self._index: set[BlockHash] = set()
         self.writer = DiskWriter(self.stats, background=background_writes)
+        self.reader = DiskReader(read_threads)  # threads start with the first read
         self._scan()
         if not self.capacity_blocks:
             logger.warning("kv_offloading_disk_size is smaller than one block (%d bytes): the "
@@ -105,28 +125,56 @@ class DiskTier(KVTier):
         return list(self._index)
 
     # -- data ---------------------------------------------------------------------------------
+    def read_into(self, block_hash: BlockHash, dst: torch.Tensor) -> ReadResult:
+        """Copies one block into dst ([*block_shape]) and verifies it. Any thread: it touches no
+        state of the tier, `settle` applies the outcome. dst holds garbage unless OK."""
+        path = self._path(block_hash)
+        try:
+            pending = self.writer.pending(path)
+            if pending is not None:  # its file is still being written
+                dst.copy_(pending)
+            else:
+                read_block(path, self.key_digest, block_hash, dst)
+        except FileNotFoundError:
+            return ReadOutcome.MISSING, "no file"
+        except (DamagedBlockError, OSError) as e:
+            return ReadOutcome.DAMAGED, str(e)
+        except Exception as e:  # never let one bad read take the engine down
+            return ReadOutcome.FAILED, f"{type(e).__name__}: {e}"
+        return ReadOutcome.OK, ""
+
+    def read_async(self, block_hash: BlockHash, dst: torch.Tensor) -> Future[ReadResult]:
+        """`read_into` on the reader pool; settle the result on the owning thread."""
+        return self.reader.submit(self.read_into, block_hash, dst)
+
+    def settle(self, block_hash: BlockHash, result: ReadResult) -> bool:
+        """Applies a read's outcome to the index and statistics (not bytes or seconds: the
+        caller counts those); True when the block arrived intact. A block that failed is
+        dropped, never served again: its request recomputes from there."""
+        outcome, why = result
+        if outcome is ReadOutcome.OK:  # (evicted meanwhile: the bytes read are still right)
+            if block_hash in self._index:
+                self.policy.touch(block_hash)
+            return True
+        if outcome is ReadOutcome.MISSING:
+            self._forget(block_hash)
+            return False
+        if outcome is ReadOutcome.DAMAGED:
+            self.stats.damaged += 1
+            logger.warning("disk KV block %s is damaged (%s): deleted, will recompute",
+                           block_hash.hex(), why)
+        else:
+            logger.error("reading disk KV block %s failed (%s): deleted, will recompute",
+                         block_hash.hex(), why)
+        self.remove(block_hash)
+        return False
+
     def load(self, hashes: Sequence[BlockHash], dst: torch.Tensor) -> int:
         t0 = time.perf_counter()
         n = 0
         for i, h in enumerate(hashes):
-            if h not in self._index:
+            if h not in self._index or not self.settle(h, self.read_into(h, dst[i])):
                 break
-            pending = self.writer.pending(self._path(h))
-            try:
-                if pending is not None:  # its file is still being written
-                    dst[i].copy_(pending)
-                else:
-                    read_block(self._path(h), self.key_digest, h, dst[i])
-            except FileNotFoundError:  # deleted behind our back: a plain miss
-                self._forget(h)
-                break
-            except (DamagedBlockError, OSError) as e:
-                logger.warning("disk KV block %s is damaged (%s): deleted, will recompute",
-                               h.hex(), e)
-                self.stats.damaged += 1
-                self.remove(h)
-                break
-            self.policy.touch(h)
             n += 1
         self.stats.record_load(n, n * self.layout.nbytes, time.perf_counter() - t0)
         return n
@@ -181,6 +229,11 @@ class DiskTier(KVTier):
             n += 1
         self._sync_usage()
         return n
+
+    def close(self) -> None:
+        """Joins the reader threads (reads in flight finish), then drains and stops the writer."""
+        self.reader.close()
+        self.writer.close()
 
     def check(self) -> None:
         """Invariants, for tests: the index is exactly the files, within the size limit."""

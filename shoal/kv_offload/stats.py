@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TierStats:
-    """Cumulative since start-up. Queries and hits count blocks looked up and found. For the
-    CPU tier, loads and stores are the device <-> CPU copies; for the disk tier, file reads
-    (into the CPU tier) and file writes."""
+    """Cumulative since start-up. Queries and hits count blocks looked up and found (once per
+    admission attempt of a request, not again while it waits for a disk read). For the CPU
+    tier, loads and stores are the device <-> CPU copies; for the disk tier, file reads (into
+    the CPU tier) and file writes. Disk load seconds are wall time with at least one
+    background read running (not a sum over reader threads)."""
 
     name: str
     capacity_bytes: int

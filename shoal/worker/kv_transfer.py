@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from shoal.host_to_device import to_device
 from shoal.kv_offload.plan import KVTransferPlan
 from shoal.kv_offload.stats import TierStats
 
@@ -97,7 +98,7 @@ class KVTransfer:
         return torch.empty((n, *self.pool.shape[1:]), dtype=self.pool.dtype, device=self.device)
 
     def _store_cuda(self, stores: list[tuple[int, int]]) -> None:
-        dev = torch.tensor([d for d, _ in stores], device=self.device)
+        dev = to_device([d for d, _ in stores], torch.long, self.device)
         staging = self._staging(len(stores))
         for layer, v in enumerate(self.views):
             staging[:, layer] = v[:, dev].transpose(0, 1)
@@ -105,7 +106,7 @@ class KVTransfer:
             self.pool[s:s + n].copy_(staging[i:i + n], non_blocking=True)
 
     def _load_cuda(self, loads: list[tuple[int, int]]) -> None:
-        dev = torch.tensor([d for _, d in loads], device=self.device)
+        dev = to_device([d for _, d in loads], torch.long, self.device)
         staging = self._staging(len(loads))
         for i, s, n in _runs([s for s, _ in loads]):
             staging[i:i + n].copy_(self.pool[s:s + n], non_blocking=True)

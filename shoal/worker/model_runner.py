@@ -22,6 +22,7 @@ from shoal.engine.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from shoal.host_to_device import to_device
 from shoal.loader import LoadedModel
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.models.registry import resolve_model_class
@@ -31,7 +32,7 @@ from shoal.worker.cuda_graphs import DecodeGraphs
 from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
 from shoal.worker.kv_transfer import KVTransfer
 from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
-from shoal.worker.sampling_metadata import SamplingMetadata, make_generator, to_device
+from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
 
 logger = logging.getLogger(__name__)
 
@@ -210,8 +211,8 @@ class ModelRunner:
         else:
             if self.graphs is not None:
                 self.graphs.invalidate_tables()  # a preempted request may come back re-blocked
-            ids_t = torch.tensor(input_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            pos_t = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+            ids_t = to_device(input_ids, torch.long, self.device)
+            pos_t = to_device(positions, torch.long, self.device)
             if pending_dst:
                 fill_pending(ids_t)
             md = self.backend.build_metadata(
@@ -321,7 +322,7 @@ class ModelRunner:
             entries: list[tuple[int, Logprobs]] = []
             if last > ctx:
                 h = hidden[start:start + (last - ctx)]
-                targets = torch.tensor(prompt[ctx + 1:last + 1], device=self.device)
+                targets = to_device(prompt[ctx + 1:last + 1], torch.long, self.device)
                 lt = compute_logprobs_tensors(self.model.compute_logits(h), targets,
                                               st.sampling_params.prompt_logprobs)
                 rows = _logprobs_rows(lt, [st.sampling_params.prompt_logprobs] * (last - ctx))

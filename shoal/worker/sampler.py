@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from shoal.host_to_device import to_device
 from shoal.sampling_params import SAMPLING_EPS
 from shoal.worker.sampling_metadata import SamplingMetadata, pad_token_ids
 
@@ -73,8 +74,8 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float] | N
                 cols.append(token)
                 vals.append(value)
     if rows:
-        index = torch.tensor([rows, cols], dtype=torch.int64, device=logits.device)
-        values = torch.tensor(vals, dtype=logits.dtype, device=logits.device)
+        index = to_device([rows, cols], torch.int64, logits.device)
+        values = to_device(vals, logits.dtype, logits.device)
         logits.index_put_((index[0], index[1]), values, accumulate=True)
 
 
@@ -83,9 +84,8 @@ def apply_min_tokens(logits: torch.Tensor, min_tokens_mask: dict[int, list[int]]
     rows = [i for i, tokens in min_tokens_mask.items() for t in tokens if t < vocab]
     cols = [t for tokens in min_tokens_mask.values() for t in tokens if t < vocab]
     if rows:
-        index = torch.tensor([rows, cols], dtype=torch.int64, device=logits.device)
-        fill = torch.tensor(_NEG_INF, dtype=logits.dtype, device=logits.device)
-        logits.index_put_((index[0], index[1]), fill)
+        index = to_device([rows, cols], torch.int64, logits.device)
+        logits[index[0], index[1]] = _NEG_INF
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:

@@ -13,14 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shoal.host_to_device import tensor_to_device, to_device
 from shoal.sampling_params import SamplingParams
-
-
-def to_device(values: Sequence[int] | Sequence[float], dtype: torch.dtype,
-              device: torch.device | str) -> torch.Tensor:
-    """A small host list on the device without waiting for the device: a blocking copy would
-    wait for every queued step and undo async scheduling."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
@@ -82,7 +76,7 @@ class SamplingMetadata:
         all_random = not all_greedy and not any(greedy)
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+            return to_device(values, torch.float32, device)
 
         temperature = floats([0.0 if g else p.temperature for p, g in zip(params_list, greedy)])
 
@@ -152,7 +146,7 @@ def pad_token_ids(
     padded = np.full((len(rows), width), pad_id, dtype=np.int64)
     for i, row in enumerate(rows):
         padded[i, : len(row)] = row
-    return torch.from_numpy(padded).to(device, non_blocking=True)
+    return tensor_to_device(torch.from_numpy(padded), device)
 
 
 def _row_eos(

@@ -4,6 +4,7 @@ device blocks, the CPU tier, the disk tier or recompute; restarts; keys; damage;
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -69,8 +70,30 @@ def _settled(llm: LLM) -> None:
     assert pool.num_free_blocks == pool.num_blocks and not sched.requests
     assert all(b.ref_cnt == 0 for b in pool.blocks)
     sched.offload.begin_step()  # the last plan has run
+    assert not sched.offload.num_deferred
     assert _store(llm).cpu.num_pinned() == 0 and not sched.offload._plan_pins
     _store(llm).check()
+
+
+def _on_disk_only(llm: LLM) -> None:
+    """Runs P, then moves its blocks out of the device and the CPU tier: disk only."""
+    _run(llm)
+    _push_out_of_device(llm)
+    _store(llm).flush()
+    assert not _store(llm).cpu.contains(_hashes()[0])
+
+
+def _gate_disk_reads(llm: LLM) -> threading.Event:
+    """Holds the disk tier's background reads until the event is set."""
+    disk, gate = _store(llm).disk, threading.Event()
+    read = disk.read_into
+
+    def gated(h, dst):
+        assert gate.wait(30)
+        return read(h, dst)
+
+    disk.read_into = gated
+    return gate
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +290,68 @@ def test_engine_steps_report_tier_figures(tiny_llama_dir, tmp_path, reference):
     assert tiers["cpu"]["hits"] >= 12 and tiers["cpu"]["queries"] >= tiers["cpu"]["hits"]
     assert 0 < tiers["cpu"]["usage"] <= 1 and tiers["cpu"]["bytes_loaded"] >= 12 * BLOCK_BYTES
     assert _run(llm) == (48, reference)
+
+
+def test_disk_reads_do_not_stall_decoding(tiny_llama_dir, tmp_path, reference):
+    llm = _llm(tiny_llama_dir, tmp_path)
+    _on_disk_only(llm)
+    core = llm.llm_engine.core
+    conn = core.scheduler.offload
+    gate = _gate_disk_reads(llm)
+    try:
+        decode = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+        core.add_request(EngineCoreRequest("other", _prompt(500, 8)["prompt_token_ids"], decode,
+                                           time.monotonic()))
+        core.step()
+        core.add_request(EngineCoreRequest("p", P["prompt_token_ids"], GREEDY, time.monotonic()))
+        produced = 0
+        for _ in range(4):  # P's blocks are being read: it waits, "other" goes on decoding
+            outs = core.step().outputs
+            produced += sum(len(o.new_token_ids) for o in outs if o.request_id == "other")
+        assert produced == 4 and conn.num_deferred == 1
+    finally:
+        gate.set()
+    tokens, cached = [], None
+    while core.has_unfinished_requests():
+        for o in core.step().outputs:
+            if o.request_id == "p":
+                tokens += o.new_token_ids
+                cached = o.num_cached_tokens
+    assert (cached, tokens) == (48, reference)
+    assert _hits(llm)["disk"] == 12  # looked up once, not once per step it waited
+    _settled(llm)
+
+
+def test_aborting_a_request_waiting_for_disk_lets_go_of_its_blocks(tiny_llama_dir, tmp_path,
+                                                                    reference):
+    llm = _llm(tiny_llama_dir, tmp_path)
+    _on_disk_only(llm)
+    core = llm.llm_engine.core
+    gate = _gate_disk_reads(llm)
+    try:
+        core.add_request(EngineCoreRequest("p", P["prompt_token_ids"], GREEDY, time.monotonic()))
+        core.step()
+        assert core.scheduler.offload.num_deferred == 1
+        core.abort_requests(["p"])
+    finally:
+        gate.set()
+    while core.has_unfinished_requests():
+        core.step()
+    _store(llm).wait_loads()
+    _settled(llm)  # no pins left behind
+    assert core.scheduler.offload.num_deferred == 0
+    assert _run(llm) == (48, reference)  # the reads landed: CPU-tier hits now
+
+
+def test_shutdown_keeps_the_cpu_tier_for_a_restart(tiny_llama_dir, tmp_path, reference):
+    first = _llm(tiny_llama_dir, tmp_path)
+    _run(first)
+    offload_device_prefix_cache(first.llm_engine.core)  # P in the CPU tier only
+    store = _store(first)
+    assert store.cpu.contains(_hashes()[0]) and len(store.disk) == 0
+    store.shutdown()
+    del first
+    again = _llm(tiny_llama_dir, tmp_path)
+    assert _run(again) == (48, reference)
+    assert _hits(again)["disk"] == 12
+    _settled(again)

@@ -6,8 +6,8 @@ and rotated in place; k is normalized, rotated and written straight into its cac
 together with v. k's own buffer is left as it was: the paged attention kernels read every
 key, the step's new ones included, from the cache.
 
-Grid (T, q head blocks + kv head blocks): a program handles BLOCK_HQ query heads or
-BLOCK_HK key/value heads of one token, so a batch-1 decode still spreads over a few
+Grid (T, q head blocks + kv head blocks): a program handles BLOCK_H query heads or
+BLOCK_H key/value heads of one token, so a batch-1 decode still spreads over a few
 programs. Each head is loaded as its two rotated halves plus the unrotated tail past
 rot_dim, so every feature is read once.
 
@@ -75,7 +75,7 @@ def _rope_kv_write_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
     stride_rope, num_q_heads, num_kv_heads, num_q_blocks, eps,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr,
-    BLOCK_PASS: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
     Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
@@ -88,10 +88,10 @@ def _rope_kv_write_kernel(
                   other=0.0).to(tl.float32)
     cos, sin = cos[None, :], sin[None, :]
     if hb < num_q_blocks:
-        heads = hb * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < num_q_heads
         row = q_ptr + t * stride_qt + heads[:, None] * stride_qh
-        o1, o2, op = _norm_rope(row, hmask, cos, sin, qw_ptr, eps, BLOCK_HQ, HEAD_DIM, HALF,
+        o1, o2, op = _norm_rope(row, hmask, cos, sin, qw_ptr, eps, BLOCK_H, HEAD_DIM, HALF,
                                 BLOCK_HALF, PASS, BLOCK_PASS, Q_NORM)
         if Q_NORM:
             _store_head(row, hmask, o1, o2, op, HALF, BLOCK_HALF, PASS, BLOCK_PASS, PASS > 0)
@@ -100,11 +100,11 @@ def _rope_kv_write_kernel(
     else:
         # int64: slot * stride overflows int32 on caches of a few GiB.
         slot = tl.load(slot_ptr + t).to(tl.int64)
-        heads = (hb - num_q_blocks) * BLOCK_HK + tl.arange(0, BLOCK_HK)
+        heads = (hb - num_q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         # Negative slots are CUDA-graph padding rows: nothing to read or write.
         hmask = heads < tl.where(slot >= 0, num_kv_heads, 0)
         row = k_ptr + t * stride_kt + heads[:, None] * stride_kh
-        o1, o2, op = _norm_rope(row, hmask, cos, sin, kw_ptr, eps, BLOCK_HK, HEAD_DIM, HALF,
+        o1, o2, op = _norm_rope(row, hmask, cos, sin, kw_ptr, eps, BLOCK_H, HEAD_DIM, HALF,
                                 BLOCK_HALF, PASS, BLOCK_PASS, K_NORM)
         dst = slot * stride_cs + heads[:, None] * stride_ch
         _store_head(k_cache_ptr + dst, hmask, o1, o2, op, HALF, BLOCK_HALF, PASS, BLOCK_PASS,
@@ -168,11 +168,12 @@ def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     half = cos_sin_cache.shape[1] // 2
     tail = d - 2 * half
     # About 1K elements per program: one to a few programs per token and kind.
+    # One head-block width for q and k programs: the compiler needs the values both branches
+    # of the kernel's q/k split define to have the same shapes.
     cap = max(1, 1024 // d)
-    block_hq = min(triton.next_power_of_2(hq), cap)
-    block_hk = min(triton.next_power_of_2(hk), cap)
-    num_q_blocks = triton.cdiv(hq, block_hq)
-    grid = (t, num_q_blocks + triton.cdiv(hk, block_hk))
+    block_h = min(triton.next_power_of_2(max(hq, hk)), cap)
+    num_q_blocks = triton.cdiv(hq, block_h)
+    grid = (t, num_q_blocks + triton.cdiv(hk, block_h))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _rope_kv_write_kernel[grid](
         q, k, v, k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
@@ -182,7 +183,7 @@ def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         k_cache.stride(0), k_cache.stride(1), cos_sin_cache.stride(0),
         hq, hk, num_q_blocks, eps,
         HEAD_DIM=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(max(half, 1)), PASS=tail,
-        BLOCK_PASS=triton.next_power_of_2(max(tail, 1)), BLOCK_HQ=block_hq, BLOCK_HK=block_hk,
+        BLOCK_PASS=triton.next_power_of_2(max(tail, 1)), BLOCK_H=block_h,
         Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None, num_warps=4,
     )
 
