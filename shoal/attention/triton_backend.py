@@ -180,6 +180,23 @@ class TritonGraphBuffers:
     turn: int = 0
 
 
+@dataclass
+class PrefillGraphBuffers:
+    """Persistent inputs of the single-prefill graphs: one sequence of up to max_tokens query
+    tokens; a graph of T tokens reads slot_mapping[:T] (-1 past the real ones)."""
+
+    block_size: int
+    sliding_window: int | None
+    slot_mapping: torch.Tensor  # [max_tokens] int64
+    block_table: torch.Tensor  # [1, max_blocks] int32
+    # [4] int32: seq_len, context_len, then query_start_loc = [0, query_len]
+    meta: torch.Tensor
+    host_slots: Any = None  # 2 x numpy [max_tokens] int64 (in turn, as TritonGraphBuffers)
+    host_meta: Any = None  # 2 x numpy [4] int32
+    host_table: Any = None  # 2 x numpy [max_blocks] int32
+    turn: int = 0
+
+
 _UNSET: Any = object()
 
 
@@ -279,6 +296,71 @@ class TritonAttentionBackend:
             # Entries past a row's length are never read, so stale cells are harmless.
             buf.block_tables[:n, :width].copy_(torch.from_numpy(tables[:n, :width]),
                                                non_blocking=True)
+
+    def alloc_prefill_graph_buffers(self, max_tokens: int, max_blocks: int,
+                                    device: torch.device, *, block_size: int,
+                                    sliding_window: int | None) -> PrefillGraphBuffers:
+        pin = device.type == "cuda"
+
+        def host(shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+            return [torch.zeros(shape, dtype=dtype, pin_memory=pin).numpy() for _ in range(2)]
+
+        return PrefillGraphBuffers(
+            block_size=block_size,
+            sliding_window=sliding_window,
+            slot_mapping=torch.full((max_tokens,), -1, dtype=torch.long, device=device),
+            block_table=torch.zeros(1, max_blocks, dtype=torch.int32, device=device),
+            meta=torch.zeros(4, dtype=torch.int32, device=device),
+            host_slots=host((max_tokens,), torch.long),
+            host_meta=host((4,), torch.int32),
+            host_table=host((max_blocks,), torch.int32),
+        )
+
+    def fill_prefill_graph_buffers(self, buf: PrefillGraphBuffers, size: int, context_len: int,
+                                   block_table: list[int], slot_mapping: list[int]) -> None:
+        """One prefill chunk of len(slot_mapping) <= size tokens after context_len cached
+        ones; the rest of the graph's rows are padding (slot -1: nothing written)."""
+        n = len(slot_mapping)
+        if n > size or size > buf.slot_mapping.shape[0]:
+            raise ValueError(f"{n} tokens do not fit a prefill graph of {size}")
+        if len(block_table) > buf.block_table.shape[1]:
+            raise ValueError(f"a sequence needs {len(block_table)} blocks, graphs hold "
+                             f"{buf.block_table.shape[1]}")
+        turn = buf.turn
+        buf.turn ^= 1
+        slots, meta, table = buf.host_slots[turn], buf.host_meta[turn], buf.host_table[turn]
+        slots[:n] = slot_mapping
+        slots[n:size] = -1
+        meta[:] = (context_len + n, context_len, 0, n)
+        table[:len(block_table)] = block_table
+        buf.slot_mapping[:size].copy_(torch.from_numpy(slots[:size]), non_blocking=True)
+        buf.meta.copy_(torch.from_numpy(meta), non_blocking=True)
+        if block_table:
+            buf.block_table[0, :len(block_table)].copy_(
+                torch.from_numpy(table[:len(block_table)]), non_blocking=True)
+
+    def prefill_graph_metadata(self, buf: PrefillGraphBuffers,
+                               size: int) -> TritonAttentionMetadata:
+        """Metadata for a graph of `size` tokens of one prefill sequence; max_query_len = size
+        bounds the real chunk, whose length the kernel reads from query_start_loc."""
+        cap = buf.block_table.shape[1] * buf.block_size
+        return TritonAttentionMetadata(
+            num_tokens=size,
+            slot_mapping=buf.slot_mapping[:size],
+            block_size=buf.block_size,
+            num_decodes=0,
+            num_decode_rows=0,
+            num_prefills=1,
+            block_tables=buf.block_table,
+            seq_lens=buf.meta[0:1],
+            context_lens=buf.meta[1:2],
+            query_start_loc=buf.meta[2:4],
+            max_query_len=size,
+            max_decode_seq_len=0,
+            max_seq_len=cap,
+            sliding_window=buf.sliding_window,
+            decode_num_splits=None,
+        )
 
     def graph_metadata(self, buf: TritonGraphBuffers, size: int) -> TritonAttentionMetadata:
         """Metadata over views of the buffers for a graph of `size` decode rows. Its host-side

@@ -31,6 +31,7 @@ from shoal.worker import warmup as startup
 from shoal.worker.cuda_graphs import DecodeGraphs
 from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
 from shoal.worker.kv_transfer import KVTransfer
+from shoal.worker.prefill_graphs import PrefillGraphs
 from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
 from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
 
@@ -94,6 +95,7 @@ class ModelRunner:
         for layer in self.model.attention_layers():
             layer.backend = self.backend
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         self.null_block = 0
         self.kv_transfer: KVTransfer | None = None  # set by shoal/kv_offload/setup.py
         # The last launched step's sampled ids (device) and each request's row in them.
@@ -129,6 +131,14 @@ class ModelRunner:
                                            self.device, block_size=self.block_size,
                                            sliding_window=self.sliding_window)
                 self.startup_times["cuda_graphs"] = self.graphs.capture()
+                if hasattr(self.backend, "alloc_prefill_graph_buffers"):
+                    self.prefill_graphs = PrefillGraphs(
+                        self.model, self.backend,
+                        self.config.scheduler_config.max_num_batched_tokens, max_blocks,
+                        self.device, block_size=self.block_size,
+                        sliding_window=self.sliding_window)
+                    self.startup_times["prefill_graphs"] = self.prefill_graphs.capture(
+                        self.graphs.pool)
         return num_blocks
 
     def bind_kv_cache(self, num_blocks: int) -> None:
@@ -207,6 +217,15 @@ class ModelRunner:
                 input_ids, positions, [it.request_id for it in items],
                 [it.block_ids for it in items],
                 token_slots([1] * len(items), positions, [it.block_ids for it in items], bs),
+                fill_pending=fill_pending if pending_dst else None)
+        elif (self.prefill_graphs is not None and sched.num_decodes == 0 and len(items) == 1
+              and items[0].sample and not prompt_lp_spans
+              and self.prefill_graphs.can_run(len(input_ids))):
+            it = items[0]
+            logits = self.prefill_graphs.run(
+                input_ids, positions, it.context_len, it.block_ids,
+                token_slots([len(input_ids)], [it.context_len], [it.block_ids],
+                            self.block_size),
                 fill_pending=fill_pending if pending_dst else None)
         else:
             if self.graphs is not None:
