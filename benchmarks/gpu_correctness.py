@@ -39,7 +39,7 @@ def hf_greedy(model, prompt: list[int], n: int, device: str) -> tuple[list[int],
     return out, logits
 
 
-def check(shape: str, dtype: torch.dtype, layers: int, steps: int) -> dict:
+def check(shape: str, dtype: torch.dtype, layers: int, steps: int, one_by_one: bool) -> dict:
     cfg = AutoConfig.from_pretrained(resolve_model(SHAPES[shape]).path)
     layers = LAYERS.get(shape, layers)
     cfg.num_hidden_layers = layers
@@ -56,7 +56,10 @@ def check(shape: str, dtype: torch.dtype, layers: int, steps: int) -> dict:
     rng = random.Random(0)
     prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in (5, 37, 128, 300)]
     params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    if one_by_one:  # each prompt alone: lone prefill chunks take the prefill graphs
+        outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0] for p in prompts]
+    else:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     exact, prefix, max_lp_diff = 0, [], 0.0
     for p, o in zip(prompts, outs):
         ref, ref_lp = hf_greedy(hf, p, steps, "cuda")
@@ -72,6 +75,7 @@ def check(shape: str, dtype: torch.dtype, layers: int, steps: int) -> dict:
     tol = 1e-3 if dtype == torch.float32 else 0.1
     ok = (exact == len(prompts) if dtype == torch.float32 else min(prefix) >= 1) and max_lp_diff < tol
     return record("correctness", "shoal", shape=shape, dtype=name, layers=layers, steps=steps,
+                  one_by_one=one_by_one,
                   exact_matches=exact, prompts=len(prompts), agreeing_prefix=prefix,
                   max_logprob_diff=max_lp_diff, passed=bool(ok))
 
@@ -81,13 +85,15 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--one-by-one", action="store_true",
+                    help="generate each prompt alone (prefill graphs) instead of as a batch")
     ap.add_argument("--shapes", nargs="*", default=list(SHAPES), choices=list(SHAPES))
     args = ap.parse_args()
     records = []
     for shape in args.shapes:
         for dtype in (torch.bfloat16, torch.float32):
             try:
-                r = check(shape, dtype, args.layers, args.steps)
+                r = check(shape, dtype, args.layers, args.steps, args.one_by_one)
             except Exception as e:  # report and go on: one failure must not hide the others
                 r = record("correctness", "shoal", shape=shape, dtype=str(dtype), passed=False,
                            error=f"{type(e).__name__}: {e}")
