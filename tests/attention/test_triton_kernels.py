@@ -299,3 +299,14 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     x = (torch.randn(3, 2 * 1100, generator=gen) * 3).to(DEV, dtype)  # 2 ragged col blocks
     tol = TOL[dtype]
     torch.testing.assert_close(silu_and_mul(x), SiluAndMul().forward_native(x), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("sms", [16, 4096])
+def test_short_chunk_over_long_context_with_shorter_query_tiles(sms: int, monkeypatch) -> None:
+    # The occupancy heuristic (a GPU's SM count) cuts query tiles down to 16 rows when the
+    # grid is small: a GQA group of 4 then holds 4 tokens per tile, and the chunk's tiles
+    # each read the whole 200-token context.
+    from shoal.attention.ops import paged_prefill as pp
+
+    monkeypatch.setattr(pp, "_num_sms", lambda device: sms)
+    run_attention([Seq(200, 37), Seq(64, 5)], 0, 8, 2, 64, 16, seed=11)

@@ -11,6 +11,8 @@ tiles skip the causal and bounds masks; only the tail near the diagonal pays for
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -112,6 +114,14 @@ def _paged_prefill_kernel(
              + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device; 0 elsewhere (no occupancy heuristic)."""
+    if device.type != "cuda":
+        return 0
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                   block_size: int, scale: float, *, sliding_window: int | None = None,
@@ -146,6 +156,12 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     shrink = 2 if q.dtype == torch.float32 else 1
     cap = (128 if d <= 128 else 64) // shrink
     block_m = max(16, block_g, min(cap, triton.next_power_of_2(max_query_len * block_g)))
+    # A short chunk over a long cached context (the tail after a prefix-cache hit) makes too
+    # few programs to fill the GPU: trade K/V reuse across rows for more, shorter query tiles.
+    programs_wanted = _num_sms(q.device)
+    while (block_m > max(16, block_g) and programs_wanted
+           and triton.cdiv(max_query_len, block_m // block_g) * num_seqs * hk < programs_wanted):
+        block_m //= 2
     block_n = (64 if d <= 128 else 32) // shrink
     block_q = block_m // block_g
     num_q_tiles = triton.cdiv(max_query_len, block_q)
