@@ -26,10 +26,21 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: str | 
 def hash_full_blocks(token_ids: Sequence[int], block_size: int, start: list[BlockHash],
                      extra: str | None = None) -> list[BlockHash]:
     """Extends `start` (hashes of the first len(start) blocks) in place to every full block of
-    token_ids, and returns it: called every step for every request, so no copies."""
+    token_ids, and returns it: called every step for every request, so no copies. Same bytes
+    as hash_block per block; a long prompt converts its tokens to int64 once, not per block."""
     hashes = start
     n_full = len(token_ids) // block_size
-    for i in range(len(hashes), n_full):
+    first = len(hashes)
+    if first >= n_full:
+        return hashes
+    raw = np.asarray(token_ids[first * block_size:n_full * block_size], dtype=np.int64).tobytes()
+    width = block_size * 8
+    for j, i in enumerate(range(first, n_full)):
+        h = xxhash.xxh3_128()
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra))
+        h.update(parent if parent is not None else _ROOT)
+        if parent is None and extra:
+            h.update(extra.encode())
+        h.update(raw[j * width:(j + 1) * width])
+        hashes.append(h.digest())
     return hashes
