@@ -35,7 +35,7 @@ def hash_full_blocks(token_ids: Sequence[int], block_size: int, start: list[Bloc
         return hashes
     raw = np.asarray(token_ids[first * block_size:n_full * block_size], dtype=np.int64).tobytes()
     width = block_size * 8
-    for j, i in enumerate(range(first, n_full)):
+    for j in range(n_full - first):
         h = xxhash.xxh3_128()
         parent = hashes[-1] if hashes else None
         h.update(parent if parent is not None else _ROOT)
