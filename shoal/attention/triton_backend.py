@@ -157,8 +157,7 @@ def _attend_cached(q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionM
     if md.num_prefills:
         paged_prefill(q, kv_cache, md.block_tables[nd:], md.seq_lens[nd:],
                       md.query_start_loc[nd:], md.max_query_len, md.block_size, scale,
-                      sliding_window=md.sliding_window, out=out, max_seq_len=md.max_seq_len,
-                      rows_from=nd)
+                      sliding_window=md.sliding_window, out=out)
     return out
 
 

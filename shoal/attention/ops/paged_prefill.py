@@ -60,21 +60,18 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
 
 
 # Per-step ints are not specialized (== 1, % 16), so steps do not trigger new compiles.
-@triton.jit(do_not_specialize=["window", "num_q_tiles", "stride_bt", "num_splits",
-                               "rows_from", "num_rows", "num_heads"])
+@triton.jit(do_not_specialize=["window", "num_q_tiles", "stride_bt"])
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    part_ptr, ml_ptr,
-    qk_scale, window, num_q_tiles, num_splits, rows_from, num_rows, num_heads,
+    qk_scale, window, num_q_tiles,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Later query tiles see more keys: launch them first so the tail of the grid is short.
     tile = num_q_tiles - 1 - tl.program_id(0)
-    seq = tl.program_id(1) // num_splits
-    split = tl.program_id(1) % num_splits
+    seq = tl.program_id(1)
     kh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
@@ -101,87 +98,20 @@ def _paged_prefill_kernel(
         lo = tl.maximum(first - window + 1, 0)
     mid = lo + ((first - lo) // BLOCK_N) * BLOCK_N  # whole tiles strictly before `first`
 
-    if SPLIT:
-        # This program takes one of num_splits runs of whole key tiles of [lo, hi); the
-        # partial results are merged by _combine_kernel. Runs past hi are empty.
-        per = tl.cdiv(tl.cdiv(hi - lo, num_splits), BLOCK_N) * BLOCK_N
-        s_lo = lo + split * per
-        s_hi = tl.minimum(s_lo + per, hi)
-        s_mid = tl.maximum(tl.minimum(mid, s_hi), s_lo)
-    else:
-        s_lo = lo
-        s_hi = hi
-        s_mid = mid
-
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq * stride_bt
     head_off = kh * stride_ch
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
-                            head_off, s_lo, s_mid, qk_scale, window, stride_cs, offs_d,
+                            head_off, lo, mid, qk_scale, window, stride_cs, offs_d,
                             BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, DOT_PRECISION)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
-                            head_off, s_mid, s_hi, qk_scale, window, stride_cs, offs_d,
+                            head_off, mid, hi, qk_scale, window, stride_cs, offs_d,
                             BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION)
-    if SPLIT:
-        # Partials [split, row, head]: the unnormalised sum, and (running max, sum of weights).
-        prow = ((split * num_rows + (q_start + tok - rows_from)) * num_heads + heads).to(tl.int64)
-        tl.store(part_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=row_mask[:, None])
-        tl.store(ml_ptr + prow * 2, m_i, mask=row_mask)
-        tl.store(ml_ptr + prow * 2 + 1, l_i, mask=row_mask)
-    else:
-        o = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh
-                 + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
-
-
-@triton.jit(do_not_specialize=["num_splits", "num_seqs", "rows_from", "num_rows", "num_heads"])
-def _combine_kernel(part_ptr, ml_ptr, out_ptr, query_start_ptr, num_splits, num_seqs,
-                    rows_from, num_rows, num_heads, stride_ot, stride_oh,
-                    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """out[t, h] from the split partials, for the tokens of the prefill sequences only (other
-    rows of out, e.g. decode rows, belong to other kernels)."""
-    t = tl.program_id(0) + rows_from
-    h = tl.program_id(1)
-    first = tl.load(query_start_ptr)
-    last = tl.load(query_start_ptr + num_seqs)
-    if (t < first) | (t >= last):
-        return
-    offs_s = tl.arange(0, BLOCK_S)
-    smask = offs_s < num_splits
-    prow = ((offs_s * num_rows + (t - rows_from)) * num_heads + h).to(tl.int64)
-    m = tl.load(ml_ptr + prow * 2, mask=smask, other=_NEG_BIG)
-    lsum = tl.load(ml_ptr + prow * 2 + 1, mask=smask, other=0.0)
-    m_max = tl.max(m, 0)
-    w = tl.where(smask, tl.exp2(m - m_max), 0.0)
-    total = tl.sum(lsum * w, 0)
-    offs_d = tl.arange(0, HEAD_DIM)
-    acc = tl.load(part_ptr + prow[:, None] * HEAD_DIM + offs_d[None, :], mask=smask[:, None],
-                  other=0.0)
-    o = tl.sum(acc * w[:, None], 0) / tl.maximum(total, 1e-30)
-    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d,
-             o.to(out_ptr.dtype.element_ty))
-
-
-MAX_SPLITS = 16
-SPLIT_BLOCK_M = 64
-
-
-def _num_splits(device: torch.device, max_query_len: int, num_seqs: int, hk: int,
-                block_g: int, shrink: int, block_n: int, max_seq_len: int | None) -> int:
-    """How many key runs each query tile's work is split into: enough programs for about two
-    waves over the SMs, each run at least 4 key tiles long; 1 (no split) on the CPU or when
-    the grid is large already."""
-    sms = _num_sms(device)
-    if not sms:
-        return 1
-    block_q = max(block_g, SPLIT_BLOCK_M // shrink) // block_g
-    grid = triton.cdiv(max_query_len, block_q) * num_seqs * hk
-    longest = max_seq_len if max_seq_len is not None else 1 << 30
-    n = min(MAX_SPLITS, (2 * sms) // grid, longest // (4 * block_n))
-    return n if n >= 2 else 1
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + heads[:, None] * stride_oh
+             + offs_d[None, :], o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
 @functools.cache
@@ -195,16 +125,12 @@ def _num_sms(device: torch.device) -> int:
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                   block_size: int, scale: float, *, sliding_window: int | None = None,
-                  out: torch.Tensor | None = None, max_seq_len: int | None = None,
-                  rows_from: int = 0) -> torch.Tensor:
+                  out: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; kv_cache: [2, num_slots, Hk, D] already holding every key, the new ones
     included; block_tables: int32 [P, N]; seq_lens: int32 [P] (context + query tokens);
     query_start_loc: int32 [P + 1], token offsets into q of each sequence's queries (rows of q
     outside them are left untouched in out); max_query_len: an upper bound on any
-    query_start_loc difference (it sizes the grid). max_seq_len: an upper bound on seq_lens
-    (None: unknown, e.g. in a CUDA graph), used to decide whether to split the keys;
-    rows_from: no query row of a sequence comes before it (the decode rows of a mixed step).
-    Returns out [T, Hq, D] in q's dtype."""
+    query_start_loc difference (it sizes the grid). Returns out [T, Hq, D] in q's dtype."""
     t, hq, d = q.shape
     hk = kv_cache.shape[2]
     if query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1 \
@@ -230,37 +156,24 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     shrink = 2 if q.dtype == torch.float32 else 1
     cap = (128 if d <= 128 else 64) // shrink
     block_m = max(16, block_g, min(cap, triton.next_power_of_2(max_query_len * block_g)))
+    # A short chunk over a long cached context (the tail after a prefix-cache hit) makes too
+    # few programs to fill the GPU: trade K/V reuse across rows for more, shorter query tiles.
+    programs_wanted = _num_sms(q.device)
+    while (block_m > max(16, block_g) and programs_wanted
+           and triton.cdiv(max_query_len, block_m // block_g) * num_seqs * hk < programs_wanted):
+        block_m //= 2
     block_n = (64 if d <= 128 else 32) // shrink
-    # A short chunk over a long cached context (the tail after a prefix-cache hit) makes few
-    # programs, each walking every key tile in turn: latency-bound, most SMs idle. Split the
-    # keys of each query tile into runs on separate programs and merge them after.
-    num_splits = _num_splits(q.device, max_query_len, num_seqs, hk, block_g, shrink, block_n,
-                             max_seq_len)
-    if num_splits > 1:
-        block_m = max(block_g, SPLIT_BLOCK_M // shrink)  # one compiled variant for splits
     block_q = block_m // block_g
     num_q_tiles = triton.cdiv(max_query_len, block_q)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
-    num_rows = t - rows_from
-    if num_splits > 1:
-        part = torch.empty(num_splits, num_rows, hq, d, dtype=torch.float32, device=q.device)
-        ml = torch.empty(num_splits, num_rows, hq, 2, dtype=torch.float32, device=q.device)
-    else:
-        part = ml = out  # unused
-    _paged_prefill_kernel[(num_q_tiles, num_seqs * num_splits, hk)](
-        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out, part, ml,
-        scale * _LOG2E, sliding_window or 0, num_q_tiles, num_splits, rows_from, num_rows, hq,
+    _paged_prefill_kernel[(num_q_tiles, num_seqs, hk)](
+        q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
+        scale * _LOG2E, sliding_window or 0, num_q_tiles,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=d, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, USE_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SPLIT=num_splits > 1,
         num_warps=8 if block_m * shrink >= 128 else 4, num_stages=2,
     )
-    if num_splits > 1:
-        _combine_kernel[(num_rows, hq)](
-            part, ml, out, query_start_loc, num_splits, num_seqs, rows_from, num_rows, hq,
-            out.stride(0), out.stride(1), BLOCK_S=MAX_SPLITS, HEAD_DIM=d, num_warps=4,
-        )
     return out
