@@ -134,3 +134,6 @@ class EngineConfig:
     enforce_eager: bool = False
     kv_offload_config: KVOffloadConfig | None = None  # None: no secondary KV tiers
     async_scheduling: bool = False  # overlap scheduling of step N+1 with the GPU's step N
+    attention_backend: str | None = None  # "torch" | "triton"; None: Triton on CUDA
+    use_triton_ops: bool = True  # Triton norm / SiLU-and-mul / rotary kernels on CUDA
+    fuse_rope_kv_write: bool = True  # q/k norm + rotary inside the KV-cache write kernel

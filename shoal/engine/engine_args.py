@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -39,6 +38,12 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = None
     seed: int = 0
     enforce_eager: bool = False
+    # Kernel choices (were SHOAL_* environment switches): the attention backend ("torch" or
+    # "triton"; None: Triton on CUDA), the Triton norm / SiLU-and-mul / rotary kernels on CUDA
+    # (off: the PyTorch path), and q/k-norm + rotary fused into the KV-cache write.
+    attention_backend: str | None = None
+    use_triton_ops: bool = True
+    fuse_rope_kv_write: bool = True
     # Schedule step N+1 while the GPU runs step N. None: on with CUDA, off on the CPU (where
     # the host does the model's work too, so there is nothing to overlap).
     async_scheduling: bool | None = None
@@ -97,7 +102,10 @@ class EngineArgs:
             ),
             parallel_config=ParallelConfig(self.tensor_parallel_size),
             device=device,
-            enforce_eager=self.enforce_eager or os.environ.get("SHOAL_ENFORCE_EAGER") == "1",
+            enforce_eager=self.enforce_eager,
+            attention_backend=self.attention_backend,
+            use_triton_ops=self.use_triton_ops,
+            fuse_rope_kv_write=self.fuse_rope_kv_write,
             kv_offload_config=self._kv_offload_config(),
             async_scheduling=(device.type == "cuda" if self.async_scheduling is None
                               else bool(self.async_scheduling)),
