@@ -47,13 +47,13 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority needs one value per prompt ({len(prompts)}), got {len(priority)}")
         eng = self.llm_engine
-        processed = [eng.inputs.process(p) for p in prompts]  # validate all before any runs
-        ids = []
-        for i, (p, sp) in enumerate(zip(processed, params)):
-            rid = eng.next_request_id()
-            eng.add_request(rid, p, sp, priority=priority[i] if priority else 0)
-            ids.append(rid)
-        return self._run(ids, use_tqdm)
+        # Validate every request before any of them runs.
+        reqs = [eng.inputs.process_request(eng.next_request_id(), p, sp,
+                                           priority=priority[i] if priority else 0)
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+        for r in reqs:
+            eng.submit(r)
+        return self._run([r.request_id for r in reqs], use_tqdm)
 
     def chat(
         self,

@@ -1,37 +1,33 @@
 """AsyncLLM: the asyncio frontend of an engine core running in its own process.
 
-Tokenizing, validation, detokenizing and stop strings happen here; the core only sees token
-ids. One background task reads engine outputs, feeds them through the OutputProcessor and
-routes the RequestOutputs to per-request queues. Everything that can be wrong with a request
-is found before anything is sent to the core, so a ValueError here never leaves a trace there.
+Tokenizing and validation (InputProcessor), detokenizing and stop strings (OutputProcessor)
+happen here; the core only sees token ids. One background task reads engine outputs and hands
+them to the OutputProcessor, which delivers each request's RequestOutputs to that request's
+stream. Everything that can be wrong with a request is found before anything is sent to the
+core, so a ValueError here never leaves a trace there. The frontend loads the tokenizer only:
+the limits requests are checked against come in the engine's ready message.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
-import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections import deque
+from collections.abc import AsyncIterator
 from typing import Any
 
-from shoal.engine.core import validate_request
 from shoal.engine.core_client import EngineCoreClient, EngineDeadError
 from shoal.engine.core_proc import CoreOutputs, Ready
-from shoal.engine.core_types import EngineCoreRequest, SchedulerStats
+from shoal.engine.core_types import SchedulerStats
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import InputProcessor, ProcessedPrompt
+from shoal.engine.input_processor import InputProcessor, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor
-from shoal.loader import load_model
-from shoal.metrics.stats import FinishedRequestStats, IterationStats, StatLogger
+from shoal.metrics.stats import IterationStats, StatLogger
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-PromptType = str | Mapping[str, Any] | Sequence[int] | ProcessedPrompt
 
 
 class QueueFullError(RuntimeError):
@@ -46,41 +42,50 @@ class EngineRequestError(RuntimeError):
     """The engine failed this request (e.g. the model produced non-finite logits)."""
 
 
-@dataclass
-class _Child:
-    parent_id: str
-    arrival: float  # time.monotonic() in the frontend
-    first_token: float | None = None
-    last_token: float | None = None
-
-
-@dataclass
-class _Parent:
-    arrival: float
-    num_prompt_tokens: int
-    child_ids: list[str]
-    queue: asyncio.Queue[RequestOutput | BaseException]
-    num_generated: int = 0
-    finish_reason: str | None = None
-
-
 class RequestStream:
-    """Async iterator over one request's outputs. `abort()` is safe to call at any time."""
+    """Async iterator over one request's outputs. `abort()` is safe to call at any time.
 
-    def __init__(self, engine: AsyncLLM, request_id: str,
-                 queue: asyncio.Queue[RequestOutput | BaseException]):
+    Outputs wait in a plain deque; the consumer is woken once however many arrive before it
+    runs, and `drain()` takes them all at once (a stream writes them in one go)."""
+
+    def __init__(self, engine: AsyncLLM, request_id: str):
         self.engine = engine
         self.request_id = request_id
-        self._queue = queue
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
         self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self._items.append(item)
+        self._ready.set()
 
     def __aiter__(self) -> RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished:
+        if self.finished and not self._items:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._take(self._items.popleft())
+
+    async def drain(self) -> list[RequestOutput]:
+        """Every output that has arrived (waiting for at least one); [] when finished."""
+        if self.finished and not self._items:
+            return []
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        items, self._items = self._items, deque()
+        out = []
+        for item in items:
+            out.append(self._take(item))
+            if self.finished:
+                break
+        return out
+
+    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -98,27 +103,20 @@ class RequestStream:
 
 class AsyncLLM:
     def __init__(self, engine_args: EngineArgs, client: EngineCoreClient, ready: Ready,
-                 loaded: Any, *, log_stats_interval: float = 10.0):
+                 tokenizer: Any, *, log_stats_interval: float = 10.0):
         self.engine_args = engine_args
         self.client = client
         self.ready = ready
-        self.tokenizer = loaded.tokenizer
-        self.hf_config = loaded.hf_config
-        self.config = engine_args.create_engine_config(loaded.hf_config)
-        self.config.cache_config.num_blocks = ready.num_kv_blocks
-        self.config.scheduler_config.max_model_len = ready.max_model_len
-        self.max_model_len = ready.max_model_len
-        self.vocab_size = ready.vocab_size
-        self.inputs = InputProcessor(self.tokenizer, ready.vocab_size, ready.max_model_len)
-        self.outputs = OutputProcessor(self.tokenizer)
-        self._validate = functools.partial(validate_request, self.config, ready.vocab_size)
+        self.tokenizer = tokenizer
+        self.limits = ready.limits
+        self.max_model_len = ready.limits.max_model_len
+        self.vocab_size = ready.limits.vocab_size
+        self.inputs = InputProcessor(tokenizer, ready.limits)
+        self.outputs = OutputProcessor(tokenizer)
         self.max_waiting_requests = engine_args.max_waiting_requests
-        self.max_num_seqs = self.config.scheduler_config.max_num_seqs
         self.stat_loggers: list[StatLogger] = []
         self.last_stats = SchedulerStats()
         self.errored: BaseException | None = None
-        self._parents: dict[str, _Parent] = {}
-        self._children: dict[str, _Child] = {}
         self._dead_callbacks: list[Any] = []
         self._log_interval = log_stats_interval
         client.on_dead(self._on_engine_dead)
@@ -130,15 +128,16 @@ class AsyncLLM:
     async def from_engine_args(cls, engine_args: EngineArgs, *, log_level: int = logging.INFO,
                                startup_timeout: float | None = None,
                                log_stats_interval: float = 10.0) -> AsyncLLM:
+        from shoal.loader import load_frontend_tokenizer
+
         client = await EngineCoreClient.start(engine_args, log_level=log_level)
         try:
-            # The frontend needs the config and the tokenizer, never the weights; it reads
-            # them while the engine process loads the model.
-            loaded = await asyncio.to_thread(load_model, engine_args.model,
-                                             tokenizer=engine_args.tokenizer,
-                                             load_format="dummy")
+            # Read while the engine process loads the model.
+            tokenizer = await asyncio.to_thread(load_frontend_tokenizer, engine_args.model,
+                                                engine_args.tokenizer)
             ready = await client.wait_ready(startup_timeout)
-            return cls(engine_args, client, ready, loaded, log_stats_interval=log_stats_interval)
+            return cls(engine_args, client, ready, tokenizer,
+                       log_stats_interval=log_stats_interval)
         except BaseException:
             await client.shutdown()
             raise
@@ -151,43 +150,26 @@ class AsyncLLM:
         EngineDeadError before anything reaches the core."""
         if self.errored is not None:
             raise EngineDeadError(str(self.errored))
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer (got {priority!r})")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError("cache_salt must be a non-empty string")
-        p = prompt if isinstance(prompt, ProcessedPrompt) else self.inputs.process(prompt)
-        self._check_queue(params.n)
-        children = self.outputs.add_request(request_id, p.prompt, p.prompt_token_ids, params,
-                                            output_kind)
-        now = time.monotonic()
-        reqs = [EngineCoreRequest(cid, p.prompt_token_ids, cp, now, priority, cache_salt)
-                for cid, cp in children]
-        try:
-            for r in reqs:
-                self._validate(r)
-        except ValueError:
-            self.outputs.abort(request_id)
-            raise
-        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._parents[request_id] = _Parent(now, len(p.prompt_token_ids),
-                                            [r.request_id for r in reqs], queue)
-        for r in reqs:
-            self._children[r.request_id] = _Child(request_id, now)
+        req = self.inputs.process_request(request_id, prompt, params, priority=priority,
+                                          cache_salt=cache_salt)
+        self._check_queue(len(req.core_requests))
+        stream = RequestStream(self, request_id)
+        self.outputs.add_request(req, output_kind, stream.put)
+        for r in req.core_requests:
             self.client.add_request(r)
-        return RequestStream(self, request_id, queue)
+        return stream
 
     def _check_queue(self, n: int) -> None:
         limit = self.max_waiting_requests
         if limit is None:
             return
-        if n > self.max_num_seqs + limit:  # could never be admitted: retrying will not help
+        max_seqs = self.limits.max_num_seqs
+        if n > max_seqs + limit:  # could never be admitted: retrying will not help
             raise ValueError(f"n ({n}) is larger than this server can ever hold "
-                             f"(max_num_seqs + max_waiting_requests = {self.max_num_seqs + limit})")
+                             f"(max_num_seqs + max_waiting_requests = {max_seqs + limit})")
         # Sequences beyond the batch-size limit wait; the last stats also count those kept
         # waiting by a full KV pool.
-        waiting = max(len(self._children) + n - self.max_num_seqs,
+        waiting = max(self.outputs.num_live_samples + n - max_seqs,
                       self.last_stats.num_waiting + n if self.last_stats.num_waiting else 0)
         if waiting > limit:
             raise QueueFullError(
@@ -209,17 +191,15 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         """Stops a request in the engine (its KV blocks are freed at once) and forgets it."""
-        parent = self._parents.get(request_id)
-        live = self.outputs.child_ids(request_id)
-        self.outputs.abort(request_id)
-        if parent is not None:
-            self._finish(request_id, parent, "abort", time.monotonic(), None)
+        it = IterationStats()
+        live = self.outputs.abort(request_id, it)
+        self._ended(it)
         if live and not self.client.dead:
             self.client.abort_requests(live)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return self.outputs.num_unfinished
 
     @property
     def is_healthy(self) -> bool:
@@ -249,75 +229,28 @@ class AsyncLLM:
             self._on_engine_dead(EngineDeadError(f"the output handler failed: {e}"))
 
     def _process(self, msg: CoreOutputs) -> None:
-        now = time.monotonic()
-        it = IterationStats(queue_times=list(msg.queue_times.values()))
+        it = IterationStats()
         for cid, reason in msg.rejected.items():
-            child = self._children.get(cid)
-            if child is not None:
-                self._reject(child.parent_id, reason)
-        for o in msg.outputs.outputs:
-            child = self._children.get(o.request_id)
-            if child is None:
-                continue
-            if o.new_token_ids:
-                if child.first_token is None:
-                    child.first_token = now
-                    it.time_to_first_tokens.append(now - child.arrival)
-                elif child.last_token is not None:
-                    it.inter_token_latencies.append(now - child.last_token)
-                child.last_token = now
-                parent = self._parents.get(child.parent_id)
-                if parent is not None:
-                    parent.num_generated += len(o.new_token_ids)
-        results, to_abort = self.outputs.process_outputs(msg.outputs.outputs)
+            rid = self.outputs.parent_of(cid)
+            if rid is not None:  # the siblings the core did accept are aborted too
+                self.client.abort_requests(self.outputs.fail(rid, ValueError(reason), it))
+        _, to_abort = self.outputs.process_outputs(msg.outputs.outputs, it)
         if to_abort:
             self.client.abort_requests(to_abort)
-        for out in results:
-            parent = self._parents.get(out.request_id)
-            if parent is None:
-                continue
-            for c in out.outputs:
-                if c.finish_reason is not None:
-                    parent.finish_reason = c.finish_reason
-            parent.queue.put_nowait(out)
-            if out.finished:
-                reason = "error" if out.error else (parent.finish_reason or "stop")
-                self._finish(out.request_id, parent, reason, now, it)
         if msg.outputs.stats is not None:
             self.last_stats = msg.outputs.stats
-        for sl in self.stat_loggers:
-            sl.record(msg.outputs.stats, it)
+        self._ended(it, msg.outputs.stats, always=True)
 
-    def _finish(self, request_id: str, parent: _Parent, reason: str, now: float,
-                it: IterationStats | None) -> None:
-        self._parents.pop(request_id, None)
-        for cid in parent.child_ids:
-            self._children.pop(cid, None)
-        stats = FinishedRequestStats(reason, now - parent.arrival, parent.num_prompt_tokens,
-                                     parent.num_generated)
-        if it is not None:
-            it.finished.append(stats)
-        else:
+    def _ended(self, it: IterationStats, stats: SchedulerStats | None = None,
+               always: bool = False) -> None:
+        """Hands the iteration (finished requests, latencies) to the stat loggers."""
+        if always or it.finished:
             for sl in self.stat_loggers:
-                sl.record(None, IterationStats(finished=[stats]))
-
-    def _reject(self, request_id: str, reason: str) -> None:
-        parent = self._parents.get(request_id)
-        if parent is None:
-            return
-        live = self.outputs.child_ids(request_id)
-        self.outputs.abort(request_id)
-        self.client.abort_requests(live)  # siblings the core did accept
-        self._finish(request_id, parent, "error", time.monotonic(), None)
-        parent.queue.put_nowait(ValueError(reason))
+                sl.record(stats, it)
 
     def _fail_all(self, err: BaseException) -> None:
         self.errored = err
-        for rid, parent in list(self._parents.items()):
-            self.outputs.abort(rid)
-            parent.queue.put_nowait(err)
-        self._parents.clear()
-        self._children.clear()
+        self.outputs.fail_all(err)
 
     def _on_engine_dead(self, err: EngineDeadError | None = None) -> None:
         self._fail_all(err or EngineDeadError("the engine process died"))

@@ -17,6 +17,7 @@ import time
 
 from shoal.config import EngineConfig
 from shoal.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from shoal.engine.input_processor import EngineLimits, validate_core_request
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import SchedulerOutput
@@ -25,37 +26,6 @@ from shoal.loader import LoadedModel
 from shoal.worker.model_runner import ModelRunner, StepFuture
 
 logger = logging.getLogger(__name__)
-
-
-def validate_request(config: EngineConfig, vocab_size: int, req: EngineCoreRequest) -> int:
-    """Checks a request against the model and the pool; returns its resolved max_tokens."""
-    ids = req.prompt_token_ids
-    max_len = config.scheduler_config.max_model_len
-    if not ids:
-        raise ValueError("prompt must not be empty")
-    if len(ids) >= max_len:
-        raise ValueError(
-            f"prompt is {len(ids)} tokens; it must be shorter than max_model_len ({max_len})"
-        )
-    # C-speed checks first (a 4k-token prompt is validated on every request's critical path);
-    # the Python scan only runs to name the offending id.
-    if set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab_size:
-        bad = next(t for t in ids if type(t) is not int or t < 0 or t >= vocab_size)
-        raise ValueError(
-            f"prompt_token_ids must be integers in [0, {vocab_size}) (got {bad!r})"
-        )
-    sp = req.sampling_params
-    sp.validate_against_vocab(vocab_size)
-    room = max_len - len(ids)
-    max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
-    cc = config.cache_config
-    need = -(-(len(ids) + max_tokens) // cc.block_size)
-    if need > cc.num_blocks:
-        raise ValueError(
-            f"the request needs up to {need} KV blocks but the pool has {cc.num_blocks}; "
-            "lower max_tokens or give the KV cache more memory"
-        )
-    return max_tokens
 
 
 class EngineCore:
@@ -76,6 +46,12 @@ class EngineCore:
         if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
             eos = loaded.tokenizer.eos_token_id if eos is None else eos
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        sc = config.scheduler_config
+        # What every frontend validates requests against (sent in the ready message).
+        self.limits = EngineLimits(
+            vocab_size=self.vocab_size, max_model_len=sc.max_model_len,
+            num_kv_blocks=config.cache_config.num_blocks, block_size=config.cache_config.block_size,
+            max_num_seqs=sc.max_num_seqs, eos_token_ids=self.eos_token_ids)
         if config.device.type == "cuda":
             t1 = time.perf_counter()
             self._warm_request_path()
@@ -100,11 +76,8 @@ class EngineCore:
         self.scheduler.reset_counters()
 
     # ---- requests ---------------------------------------------------------------------------
-    def validate(self, req: EngineCoreRequest) -> int:
-        return validate_request(self.config, self.vocab_size, req)
-
     def add_request(self, req: EngineCoreRequest) -> None:
-        max_tokens = self.validate(req)
+        max_tokens = validate_core_request(self.limits, req)
         if req.sampling_params.needs_output_history:
             self._history_requests.add(req.request_id)
         self.scheduler.add_request(Request(

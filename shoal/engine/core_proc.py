@@ -24,6 +24,7 @@ import zmq
 
 from shoal.engine.core_types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shoal.engine.engine_args import EngineArgs
+from shoal.engine.input_processor import EngineLimits
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +56,10 @@ InputMessage = AddRequest | AbortRequests | UtilityCall | Shutdown
 
 # ---- messages: engine -> frontend ----------------------------------------------------------
 class Ready(msgspec.Struct, tag="ready"):
-    """What the frontend needs to validate requests exactly as the core will."""
+    """The core is serving: the limits the frontend validates requests against, exactly as
+    the core will."""
 
-    vocab_size: int
-    max_model_len: int
-    num_kv_blocks: int
-    block_size: int
-    eos_token_ids: list[int]
+    limits: EngineLimits
     pid: int
 
 
@@ -71,8 +69,6 @@ class StartupFailed(msgspec.Struct, tag="startup_failed"):
 
 class CoreOutputs(msgspec.Struct, tag="outputs"):
     outputs: EngineCoreOutputs
-    # request id -> seconds from arrival to first scheduling, sent once per request
-    queue_times: dict[str, float] = msgspec.field(default_factory=dict)
     # request id -> why the core refused it (the request never ran)
     rejected: dict[str, str] = msgspec.field(default_factory=dict)
 
@@ -169,12 +165,7 @@ class EngineCoreProc:
         if result.stats is not None:
             self._last_stats = result.stats
             result.stats = self._rebased(result.stats)
-        self._send(CoreOutputs(result, queue_times=self._queue_times(result),
-                               rejected=self._take_rejected()))
-
-    @staticmethod
-    def _queue_times(result: EngineCoreOutputs) -> dict[str, float]:
-        return {o.request_id: o.queue_time for o in result.outputs if o.queue_time is not None}
+        self._send(CoreOutputs(result, rejected=self._take_rejected()))
 
     def _take_rejected(self) -> dict[str, str]:
         rejected, self._rejected = self._rejected, {}
@@ -253,13 +244,9 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
             out_sock.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}")))
             code = 1
             return
-        cfg = core.config
-        out_sock.send(encoder.encode(Ready(
-            vocab_size=core.vocab_size, max_model_len=cfg.scheduler_config.max_model_len,
-            num_kv_blocks=cfg.cache_config.num_blocks, block_size=cfg.cache_config.block_size,
-            eos_token_ids=sorted(core.eos_token_ids), pid=os.getpid())))
+        out_sock.send(encoder.encode(Ready(core.limits, pid=os.getpid())))
         logger.info("engine core process %d ready in %.1f s (%d KV blocks)", os.getpid(),
-                    time.perf_counter() - t0, cfg.cache_config.num_blocks)
+                    time.perf_counter() - t0, core.limits.num_kv_blocks)
         death_fd = death_pipe.fileno() if death_pipe is not None else None
         try:
             EngineCoreProc(core, in_sock, out_sock, death_fd, parent_pid).run()

@@ -7,15 +7,13 @@ import itertools
 import logging
 import time
 import weakref
-from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 
 from shoal.engine.core import EngineCore
-from shoal.engine.core_types import EngineCoreRequest, SchedulerStats
+from shoal.engine.core_types import SchedulerStats
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import InputProcessor, ProcessedPrompt
+from shoal.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor
 from shoal.loader import load_model
 from shoal.outputs import RequestOutput
@@ -33,8 +31,7 @@ class LLMEngine:
         self.config = args.create_engine_config(loaded.hf_config)
         self.tokenizer = loaded.tokenizer
         self.core = EngineCore(self.config, loaded)
-        mc = self.config.model_config
-        self.inputs = InputProcessor(self.tokenizer, mc.vocab_size, mc.max_model_len)
+        self.inputs = InputProcessor(self.tokenizer, self.core.limits)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: SchedulerStats | None = None
@@ -52,31 +49,22 @@ class LLMEngine:
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def add_request(self, request_id: str, prompt: str | Mapping[str, Any] | Sequence[int] | ProcessedPrompt,
-                    params: SamplingParams, *, priority: int = 0, cache_salt: str | None = None,
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                    priority: int = 0, cache_salt: str | None = None,
                     kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
         """Validates everything before anything reaches the core, so a bad request leaves no
         trace."""
-        if not isinstance(params, SamplingParams):
-            raise ValueError("sampling_params must be a SamplingParams")
-        p = prompt if isinstance(prompt, ProcessedPrompt) else self.inputs.process(prompt)
-        children = self.outputs.add_request(request_id, p.prompt, p.prompt_token_ids, params, kind)
-        arrival = time.monotonic()
-        reqs = [EngineCoreRequest(cid, p.prompt_token_ids, cp, arrival, priority, cache_salt)
-                for cid, cp in children]
-        try:
-            for r in reqs:
-                self.core.validate(r)
-        except ValueError:
-            self.outputs.abort(request_id)
-            raise
-        for r in reqs:
+        self.submit(self.inputs.process_request(request_id, prompt, params, priority=priority,
+                                                cache_salt=cache_salt), kind)
+
+    def submit(self, req: ProcessedRequest, kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
+        """Hands a request validated by `inputs.process_request` to the core."""
+        self.outputs.add_request(req, kind)
+        for r in req.core_requests:
             self.core.add_request(r)
 
     def abort_request(self, request_id: str) -> None:
-        ids = self.outputs.child_ids(request_id)
-        self.outputs.abort(request_id)
-        self.core.abort_requests(ids)
+        self.core.abort_requests(self.outputs.abort(request_id))
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or self.outputs.has_unfinished()

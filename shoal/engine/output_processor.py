@@ -1,18 +1,31 @@
-"""Engine-core outputs in, RequestOutputs out: detokenization, stop strings, logprobs, and
-fan-in of the n samples of one prompt (frontend side)."""
+"""Engine-core outputs in, RequestOutputs out (frontend side): detokenization, stop strings,
+logprobs, fan-in of the n samples of one prompt, and the per-request latency statistics.
+
+The OutputProcessor owns every live request's frontend state, including, for the server, the
+queue its RequestOutputs are delivered to. A request without a queue (the offline engine)
+gets its RequestOutputs returned from `process_outputs` instead.
+
+A request that only wants the final text and has no stop strings is detokenized once, when it
+finishes, instead of token by token: the same text (decoding is incremental only to find stop
+strings and to stream), at a fraction of the frontend's cost per token."""
 
 from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from shoal.engine.core_types import EngineCoreOutput, Logprobs
 from shoal.engine.detokenizer import IncrementalDetokenizer
+from shoal.engine.input_processor import ProcessedRequest
+from shoal.metrics.stats import FinishedRequestStats, IterationStats
 from shoal.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
 from shoal.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class OutputKind(enum.Enum):
@@ -21,11 +34,17 @@ class OutputKind(enum.Enum):
     FINAL_ONLY = 2  # one update, when the request finishes
 
 
+# Where a request's RequestOutputs (or the exception that ends it) are delivered.
+Deliver = Callable[[RequestOutput | BaseException], Any]
+
+
 @dataclass
 class _Sample:
     index: int
+    child_id: str
     params: SamplingParams
     detok: IncrementalDetokenizer | None
+    detok_at_end: bool  # decode once when finished (final-only output, no stop strings)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
@@ -34,18 +53,23 @@ class _Sample:
     sent_tokens: int = 0
     sent_logprobs: int = 0
     finish_sent: bool = False
+    first_token: float | None = None  # time.monotonic() of its first / last token
+    last_token: float | None = None
 
 
 @dataclass
-class _Parent:
+class _Request:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     kind: OutputKind
     samples: list[_Sample]
     metrics: RequestMetrics
+    arrival: float  # time.monotonic(), for the latency statistics
+    deliver: Deliver | None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    num_generated: int = 0
     error: str | None = None
 
     @property
@@ -53,111 +77,193 @@ class _Parent:
         return all(s.finish_reason is not None for s in self.samples)
 
 
-def child_request_id(parent_id: str, index: int, n: int) -> str:
-    return parent_id if n == 1 else f"{index}_{parent_id}"
-
-
 class OutputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None):
         self.tokenizer = tokenizer
-        self._parents: dict[str, _Parent] = {}
-        self._child_to_parent: dict[str, tuple[_Parent, _Sample]] = {}
+        self._requests: dict[str, _Request] = {}
+        self._by_child: dict[str, tuple[_Request, _Sample]] = {}
         self._token_text: dict[int, str] = {}
+        self.num_live_samples = 0  # samples not finished yet, over every request
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, kind: OutputKind = OutputKind.FINAL_ONLY,
-                    arrival_time: float | None = None) -> list[tuple[str, SamplingParams]]:
-        """Registers a prompt; returns the (child id, params) pairs to send to the engine core."""
-        if request_id in self._parents:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        samples, children = [], []
-        for i in range(params.n):
-            child_params = params.for_sample(i) if params.n > 1 else params
-            detok = None
-            if self.tokenizer is not None and params.detokenize:
-                detok = IncrementalDetokenizer(
-                    self.tokenizer, prompt_token_ids,
-                    skip_special_tokens=params.skip_special_tokens,
-                    spaces_between_special_tokens=params.spaces_between_special_tokens,
-                    stop=params.stop or [],
-                    include_stop_str_in_output=params.include_stop_str_in_output,
-                )
-            s = _Sample(i, params, detok,
-                        logprobs=[] if params.logprobs is not None else None,
-                        cumulative_logprob=0.0 if params.logprobs is not None else None)
-            samples.append(s)
-            children.append((child_request_id(request_id, i, params.n), child_params))
-        parent = _Parent(request_id, prompt, prompt_token_ids, kind, samples,
-                         RequestMetrics(arrival_time or time.time()),
-                         prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
-        self._parents[request_id] = parent
-        for (cid, _), s in zip(children, samples):
-            self._child_to_parent[cid] = (parent, s)
-        return children
+    # ---- requests in and out ----------------------------------------------------------------
+    def add_request(self, req: ProcessedRequest, kind: OutputKind = OutputKind.FINAL_ONLY,
+                    deliver: Deliver | None = None) -> None:
+        """Registers a validated request; `deliver` receives its outputs (else they are
+        returned by process_outputs)."""
+        if req.request_id in self._requests:
+            raise ValueError(f"request id {req.request_id!r} is already in use")
+        params = req.params
+        samples = [self._new_sample(i, creq.request_id, params, req.prompt_token_ids, kind)
+                   for i, creq in enumerate(req.core_requests)]
+        r = _Request(req.request_id, req.prompt, req.prompt_token_ids, kind, samples,
+                     RequestMetrics(time.time()), req.core_requests[0].arrival_time, deliver,
+                     prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+        self._requests[req.request_id] = r
+        self.num_live_samples += len(samples)
+        for s in samples:
+            self._by_child[s.child_id] = (r, s)
+
+    def _new_sample(self, index: int, child_id: str, params: SamplingParams,
+                    prompt_token_ids: list[int], kind: OutputKind) -> _Sample:
+        detok = None
+        if self.tokenizer is not None and params.detokenize:
+            detok = IncrementalDetokenizer(
+                self.tokenizer, prompt_token_ids,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                stop=params.stop or [],
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        with_lp = params.logprobs is not None
+        return _Sample(index, child_id, params, detok,
+                       detok_at_end=detok is not None and kind == OutputKind.FINAL_ONLY
+                       and not detok.stop,
+                       logprobs=[] if with_lp else None,
+                       cumulative_logprob=0.0 if with_lp else None)
 
     def has_unfinished(self) -> bool:
-        return bool(self._parents)
+        return bool(self._requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
 
     def child_ids(self, request_id: str) -> list[str]:
-        p = self._parents.get(request_id)
-        if p is None:
+        """The core ids of the request's samples that are still running."""
+        r = self._requests.get(request_id)
+        if r is None:
             return []
-        n = len(p.samples)
-        return [child_request_id(request_id, s.index, n) for s in p.samples if s.finish_reason is None]
+        return [s.child_id for s in r.samples if s.finish_reason is None]
 
-    def abort(self, request_id: str) -> None:
-        p = self._parents.pop(request_id, None)
-        if p is not None:
-            for s in p.samples:
-                self._child_to_parent.pop(child_request_id(request_id, s.index, len(p.samples)), None)
+    def parent_of(self, child_id: str) -> str | None:
+        entry = self._by_child.get(child_id)
+        return entry[0].request_id if entry is not None else None
 
-    def process_outputs(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the RequestOutputs to deliver and the child ids the core must abort (they hit
-        a stop string)."""
-        touched: dict[str, _Parent] = {}
+    def abort(self, request_id: str, it: IterationStats | None = None,
+              reason: str = "abort") -> list[str]:
+        """Forgets a request; returns the child ids the core must still abort."""
+        r = self._requests.pop(request_id, None)
+        if r is None:
+            return []
+        live = [s.child_id for s in r.samples if s.finish_reason is None]
+        self.num_live_samples -= len(live)
+        for s in r.samples:
+            self._by_child.pop(s.child_id, None)
+        if it is not None:
+            it.finished.append(self._finished_stats(r, reason, time.monotonic()))
+        return live
+
+    def fail(self, request_id: str, error: BaseException, it: IterationStats | None = None
+             ) -> list[str]:
+        """Ends a request with an exception delivered to its consumer."""
+        r = self._requests.get(request_id)
+        live = self.abort(request_id, it, reason="error")
+        if r is not None and r.deliver is not None:
+            r.deliver(error)
+        return live
+
+    def fail_all(self, error: BaseException) -> None:
+        for rid in list(self._requests):
+            self.fail(rid, error)
+
+    # ---- outputs ----------------------------------------------------------------------------
+    def process_outputs(self, outputs: list[EngineCoreOutput], it: IterationStats | None = None,
+                        now: float | None = None) -> tuple[list[RequestOutput], list[str]]:
+        """Applies one step's outputs. Delivers (or, for requests without a consumer, returns)
+        the RequestOutputs due, and returns the child ids the core must abort (they hit a stop
+        string). Latencies are added to `it` when given."""
+        now = time.monotonic() if now is None else now
+        touched: dict[str, _Request] = {}
         to_abort: list[str] = []
-        now = time.time()
         for o in outputs:
-            entry = self._child_to_parent.get(o.request_id)
+            entry = self._by_child.get(o.request_id)
             if entry is None:
                 continue  # aborted by the frontend already
-            parent, s = entry
+            r, s = entry
             if s.finish_reason is not None:
                 continue
-            touched[parent.request_id] = parent
-            parent.num_cached_tokens = o.num_cached_tokens
-            if o.prompt_logprobs and parent.prompt_logprobs is not None and s.index == 0:
-                for pos, lp in o.prompt_logprobs:
-                    while len(parent.prompt_logprobs) <= pos:
-                        parent.prompt_logprobs.append(None)
-                    parent.prompt_logprobs[pos] = self._position_logprobs(lp)
-            if o.new_token_ids and parent.metrics.first_token_time is None:
-                parent.metrics.first_token_time = now
-            s.token_ids.extend(o.new_token_ids)
-            if o.new_logprobs and s.logprobs is not None:
-                for lp in o.new_logprobs:
-                    s.logprobs.append(self._position_logprobs(lp))
-                    s.cumulative_logprob += lp.logprobs[0]
-            stop_str = s.detok.update(o.new_token_ids) if s.detok is not None else None
-            if stop_str is not None:
-                s.finish_reason, s.stop_reason = "stop", stop_str
+            touched[r.request_id] = r
+            if self._apply(r, s, o, now, it):
                 to_abort.append(o.request_id)
-            elif o.finish_reason is not None:
-                s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
-                if o.error:
-                    parent.error = o.error
             if s.finish_reason is not None:
-                self._child_to_parent.pop(o.request_id, None)
-        results = []
-        for parent in touched.values():
-            done = parent.finished
-            if done:
-                parent.metrics.finished_time = now
-                self._parents.pop(parent.request_id, None)
-            if parent.kind == OutputKind.FINAL_ONLY and not done:
+                self._by_child.pop(o.request_id, None)
+                self.num_live_samples -= 1
+        returned = []
+        for r in touched.values():
+            out = self._due_output(r, now, it)
+            if out is None:
                 continue
-            results.append(self._make_output(parent, done))
-        return results, to_abort
+            if r.deliver is not None:
+                r.deliver(out)
+            else:
+                returned.append(out)
+        return returned, to_abort
+
+    def _apply(self, r: _Request, s: _Sample, o: EngineCoreOutput, now: float,
+               it: IterationStats | None) -> bool:
+        """One sample's output; True when a stop string ended it (the core must abort it)."""
+        r.num_cached_tokens = o.num_cached_tokens
+        if o.prompt_logprobs and r.prompt_logprobs is not None and s.index == 0:
+            for pos, lp in o.prompt_logprobs:
+                while len(r.prompt_logprobs) <= pos:
+                    r.prompt_logprobs.append(None)
+                r.prompt_logprobs[pos] = self._position_logprobs(lp)
+        if o.new_token_ids:
+            self._time_tokens(r, s, now, it, o.queue_time)
+            s.token_ids.extend(o.new_token_ids)
+            r.num_generated += len(o.new_token_ids)
+        if o.new_logprobs and s.logprobs is not None:
+            for lp in o.new_logprobs:
+                s.logprobs.append(self._position_logprobs(lp))
+                s.cumulative_logprob += lp.logprobs[0]
+        stop_str = None
+        if s.detok is not None and not s.detok_at_end:
+            stop_str = s.detok.update(o.new_token_ids)
+        if stop_str is not None:
+            s.finish_reason, s.stop_reason = "stop", stop_str
+            return True
+        if o.finish_reason is not None:
+            s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
+            if o.error:
+                r.error = o.error
+            if s.detok_at_end:
+                s.detok.update(s.token_ids)
+        return False
+
+    @staticmethod
+    def _time_tokens(r: _Request, s: _Sample, now: float, it: IterationStats | None,
+                     queue_time: float | None) -> None:
+        if r.metrics.first_token_time is None:
+            r.metrics.first_token_time = time.time()
+        if it is not None:
+            if s.first_token is None:
+                it.time_to_first_tokens.append(now - r.arrival)
+            elif s.last_token is not None:
+                it.inter_token_latencies.append(now - s.last_token)
+            if queue_time is not None:
+                it.queue_times.append(queue_time)
+        if s.first_token is None:
+            s.first_token = now
+        s.last_token = now
+
+    def _due_output(self, r: _Request, now: float, it: IterationStats | None
+                    ) -> RequestOutput | None:
+        done = r.finished
+        if done:
+            r.metrics.finished_time = time.time()
+            self._requests.pop(r.request_id, None)
+            if it is not None:
+                reason = "error" if r.error else next(
+                    (s.finish_reason for s in reversed(r.samples)), "stop")
+                it.finished.append(self._finished_stats(r, reason, now))
+        if r.kind == OutputKind.FINAL_ONLY and not done:
+            return None
+        return self._make_output(r, done)
+
+    @staticmethod
+    def _finished_stats(r: _Request, reason: str, now: float) -> FinishedRequestStats:
+        return FinishedRequestStats(reason, now - r.arrival, len(r.prompt_token_ids),
+                                    r.num_generated)
 
     def _position_logprobs(self, lp: Logprobs) -> PositionLogprobs:
         out: PositionLogprobs = {}
@@ -177,32 +283,32 @@ class OutputProcessor:
             self._token_text[tid] = text
         return text
 
-    def _make_output(self, parent: _Parent, finished: bool) -> RequestOutput:
-        delta = parent.kind == OutputKind.DELTA
-        outs = []
-        for s in parent.samples:
-            sample_done = s.finish_reason is not None
-            if delta:
-                if s.finish_sent:
-                    continue
-                text = s.detok.get_delta(sample_done) if s.detok else ""
-                ids = s.token_ids[s.sent_tokens:]
-                lps = s.logprobs[s.sent_logprobs:] if s.logprobs is not None else None
-                s.sent_tokens, s.sent_logprobs = len(s.token_ids), len(s.logprobs or [])
-                s.finish_sent = sample_done
-                if not text and not ids and not sample_done:
-                    continue
-            else:
-                text = s.detok.output_text if s.detok else ""
-                ids, lps = list(s.token_ids), s.logprobs
-            outs.append(CompletionOutput(
-                index=s.index, text=text, token_ids=ids,
-                cumulative_logprob=s.cumulative_logprob, logprobs=lps,
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-            ))
+    def _make_output(self, r: _Request, finished: bool) -> RequestOutput:
+        outs = [c for c in (self._completion(s, r.kind == OutputKind.DELTA) for s in r.samples)
+                if c is not None]
         return RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt,
-            prompt_token_ids=parent.prompt_token_ids, prompt_logprobs=parent.prompt_logprobs,
-            outputs=outs, finished=finished, num_cached_tokens=parent.num_cached_tokens,
-            metrics=parent.metrics, error=parent.error,
+            request_id=r.request_id, prompt=r.prompt,
+            prompt_token_ids=r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs,
+            outputs=outs, finished=finished, num_cached_tokens=r.num_cached_tokens,
+            metrics=r.metrics, error=r.error,
         )
+
+    @staticmethod
+    def _completion(s: _Sample, delta: bool) -> CompletionOutput | None:
+        sample_done = s.finish_reason is not None
+        if delta:
+            if s.finish_sent:
+                return None
+            text = s.detok.get_delta(sample_done) if s.detok else ""
+            ids = s.token_ids[s.sent_tokens:]
+            lps = s.logprobs[s.sent_logprobs:] if s.logprobs is not None else None
+            s.sent_tokens, s.sent_logprobs = len(s.token_ids), len(s.logprobs or [])
+            s.finish_sent = sample_done
+            if not text and not ids and not sample_done:
+                return None
+        else:
+            text = s.detok.output_text if s.detok else ""
+            ids, lps = list(s.token_ids), s.logprobs
+        return CompletionOutput(index=s.index, text=text, token_ids=ids,
+                                cumulative_logprob=s.cumulative_logprob, logprobs=lps,
+                                finish_reason=s.finish_reason, stop_reason=s.stop_reason)

@@ -1,7 +1,7 @@
 """Model resolution and loading: GGUF files, transformers folders, and dummy (random) weights."""
 
 from shoal.loader.dummy import initialize_dummy_weights
-from shoal.loader.load import LOAD_FORMATS, load_model, load_tokenizer
+from shoal.loader.load import LOAD_FORMATS, load_frontend_tokenizer, load_model, load_tokenizer
 from shoal.loader.loaded_model import LoadedModel
 from shoal.loader.resolve import (
     DEFAULT_MODEL_NAME,
@@ -19,6 +19,7 @@ __all__ = [
     "ModelSource",
     "initialize_dummy_weights",
     "known_model_names",
+    "load_frontend_tokenizer",
     "load_model",
     "load_tokenizer",
     "resolve_model",

@@ -67,6 +67,19 @@ def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
     return tok
 
 
+def load_frontend_tokenizer(model: str | None,
+                            tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
+    """The tokenizer (with its chat template) that load_model would give, read without the
+    model's config or weights: all a frontend process needs. None for a folder without
+    tokenizer files (requests must then come as token ids)."""
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        return build_gguf_tokenizer(open_gguf(source.path))
+    return load_folder_tokenizer(source.path)
+
+
 def _check_format(source: ModelSource, load_format: str) -> None:
     path: Path = source.path
     if load_format == "gguf" and source.kind != "gguf":

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from types import SimpleNamespace
 
 import pytest
 
@@ -12,6 +11,7 @@ from shoal.engine.core_client import EngineDeadError
 from shoal.engine.core_proc import CoreOutputs, Ready
 from shoal.engine.core_types import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from shoal.engine.engine_args import EngineArgs
+from shoal.engine.input_processor import EngineLimits
 from shoal.engine.output_processor import OutputKind
 from shoal.metrics.stats import IterationStats
 from shoal.sampling_params import SamplingParams
@@ -74,11 +74,10 @@ class Recorder:
 
 async def make_engine(**args) -> tuple[AsyncLLM, FakeClient, Recorder]:
     client = FakeClient()
-    loaded = SimpleNamespace(tokenizer=None, hf_config=SimpleNamespace(
-        vocab_size=VOCAB, max_position_embeddings=64))
-    ready = Ready(vocab_size=VOCAB, max_model_len=64, num_kv_blocks=16, block_size=16,
-                  eos_token_ids=[2], pid=0)
-    engine = AsyncLLM(EngineArgs(device="cpu", **args), client, ready, loaded)
+    limits = EngineLimits(vocab_size=VOCAB, max_model_len=64, num_kv_blocks=16, block_size=16,
+                          max_num_seqs=args.get("max_num_seqs") or 64,
+                          eos_token_ids=frozenset([2]))
+    engine = AsyncLLM(EngineArgs(device="cpu", **args), client, Ready(limits, pid=0), None)
     rec = Recorder()
     engine.stat_loggers.append(rec)
     return engine, client, rec
@@ -100,7 +99,7 @@ async def test_outputs_are_routed_and_timed():
     task = asyncio.create_task(consume())
     await asyncio.sleep(0)
     assert [r.request_id for r in client.added] == ["r1"]
-    client.push(EngineCoreOutput("r1", [10]), queue_times={"r1": 0.25})
+    client.push(EngineCoreOutput("r1", [10], queue_time=0.25))
     client.push(EngineCoreOutput("r1", [11], finish_reason="length"),
                 stats=SchedulerStats(num_running=0))
     await asyncio.wait_for(task, 5)

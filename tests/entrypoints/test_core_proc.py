@@ -121,8 +121,9 @@ def test_steps_until_done_with_queue_time_once(loop):
     msgs = _collect_until_finished(recv, "a")
     tokens = [t for m in msgs for o in m.outputs.outputs for t in o.new_token_ids]
     assert tokens == [7, 7, 7]
-    queue_times = [m.queue_times for m in msgs if m.queue_times]
-    assert queue_times == [{"a": 0.5}]
+    queue_times = [o.queue_time for m in msgs for o in m.outputs.outputs
+                   if o.queue_time is not None]
+    assert queue_times == [0.5]
     assert msgs[-1].outputs.stats.prefix_cache_queries > 0
 
 
