@@ -3,59 +3,46 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import fields
+from dataclasses import Field, fields
 from typing import Any
 
 from shoal.engine.engine_args import EngineArgs
 
-# (flag, EngineArgs field, type, help); booleans get --x/--no-x.
-ENGINE_FLAGS: list[tuple[str, str, Any, str]] = [
-    ("--tokenizer", "tokenizer", str, "tokenizer source (known name, .gguf file or folder)"),
-    ("--dtype", "dtype", str, "auto (bfloat16 on GPU, float32 on CPU), float32, bfloat16, ..."),
-    ("--max-model-len", "max_model_len", int, "context length (default: the model's)"),
-    ("--max-num-seqs", "max_num_seqs", int, "sequences per step (default 256 GPU, 64 CPU)"),
-    ("--max-num-batched-tokens", "max_num_batched_tokens", int, "token budget per step"),
-    ("--gpu-memory-utilization", "gpu_memory_utilization", float,
-     "fraction of device memory for weights and KV cache"),
-    ("--kv-cache-memory-bytes", "kv_cache_memory_bytes", int, "KV-cache size in bytes"),
-    ("--num-gpu-blocks-override", "num_gpu_blocks_override", int, "exact number of KV blocks"),
-    ("--block-size", "block_size", int, "tokens per KV block"),
-    ("--enable-prefix-caching", "enable_prefix_caching", bool, "reuse KV blocks of prefixes"),
-    ("--enable-chunked-prefill", "enable_chunked_prefill", bool, "split long prefills"),
-    ("--tensor-parallel-size", "tensor_parallel_size", int, "GPUs per model (1 for now)"),
-    ("--seed", "seed", int, "random seed"),
-    ("--load-format", "load_format", str, "auto, gguf, safetensors or dummy (random weights)"),
-    ("--device", "device", str, "cpu or cuda (default: cuda when available)"),
-    ("--enforce-eager", "enforce_eager", bool, "no CUDA graphs"),
-    ("--async-scheduling", "async_scheduling", bool,
-     "schedule the next step while the GPU runs this one (default: on with CUDA)"),
-    ("--scheduling-policy", "scheduling_policy", str, "fcfs or priority"),
-    ("--max-waiting-requests", "max_waiting_requests", int,
-     "answer 503 with Retry-After when more sequences than this would wait"),
-    ("--kv-offloading-size", "kv_offloading_size", float,
-     "GiB of CPU memory for offloaded KV blocks (default: off)"),
-    ("--kv-offloading-disk-path", "kv_offloading_disk_path", str,
-     "folder for a disk KV tier below the CPU tier (needs --kv-offloading-size)"),
-    ("--kv-offloading-disk-size", "kv_offloading_disk_size", float, "GiB for the disk KV tier"),
-    ("--kv-offloading-policy", "kv_offloading_policy", str,
-     "eviction policy of the KV tiers: lru, arc or pkg.module:Class"),
-]
+# EngineArgs fields that are not engine flags (the model is positional on `shoal serve`).
+_NOT_FLAGS = {"model"}
+_SCALARS: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool}
+
+
+def _flag_type(annotation: Any) -> Any:
+    """int, float, str or bool from an annotation such as 'int | None' (fields are annotated
+    as strings under `from __future__ import annotations`)."""
+    names = [t.strip() for t in str(annotation).split("|") if t.strip() != "None"]
+    if len(names) != 1 or names[0] not in _SCALARS:
+        raise TypeError(f"no command-line type for an engine argument of type {annotation!r}")
+    return _SCALARS[names[0]]
+
+
+def engine_flag_fields() -> list[Field]:
+    return [f for f in fields(EngineArgs) if f.name not in _NOT_FLAGS]
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    defaults = {f.name: f.default for f in fields(EngineArgs)}
-    for flag, name, typ, help_text in ENGINE_FLAGS:
-        default = defaults[name]
+    """One flag per EngineArgs field (`--max-num-seqs` for max_num_seqs); booleans get
+    --x/--no-x. Names, defaults and help texts all come from EngineArgs."""
+    for f in engine_flag_fields():
+        flag = "--" + f.name.replace("_", "-")
+        typ, help_text = _flag_type(f.type), f.metadata.get("help", "")
         if typ is bool:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
-                                default=default, help=help_text)
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                                default=f.default, help=help_text)
         else:
-            parser.add_argument(flag, dest=name, type=typ, default=default,
-                                help=f"{help_text} (default: {default})")
+            shown = "" if f.default is None else f" (default: {f.default})"
+            parser.add_argument(flag, dest=f.name, type=typ, default=f.default,
+                                help=help_text + shown)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    kwargs = {name: getattr(ns, name) for _, name, _, _ in ENGINE_FLAGS}
+    kwargs = {f.name: getattr(ns, f.name) for f in engine_flag_fields()}
     return EngineArgs(model=getattr(ns, "model", None), **kwargs)
 
 

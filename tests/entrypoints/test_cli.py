@@ -94,3 +94,25 @@ def test_chat_keeps_the_conversation_and_streams():
     assert engine.seen[-1] == [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"},
         {"role": "assistant", "content": "ok"}, {"role": "user", "content": "again"}]
+
+
+def test_every_engine_argument_is_a_serve_flag_with_help():
+    from dataclasses import fields
+
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    by_dest = {a.dest: a for a in serve._actions}
+    for f in fields(EngineArgs):
+        assert f.metadata.get("help"), f"EngineArgs.{f.name} has no help text"
+        action = by_dest[f.name]
+        assert action.default == f.default
+        if f.name != "model":
+            assert "--" + f.name.replace("_", "-") in action.option_strings
+
+
+def test_kernel_switches_are_flags_not_environment():
+    ns = build_parser().parse_args(["serve", "--attention-backend", "torch",
+                                    "--no-use-triton-ops", "--no-fuse-rope-kv-write"])
+    a = engine_args_from(ns)
+    assert (a.attention_backend, a.use_triton_ops, a.fuse_rope_kv_write) == \
+        ("torch", False, False)

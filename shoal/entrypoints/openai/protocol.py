@@ -7,7 +7,7 @@ support yet are refused by `unsupported()` with a message that says so.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -175,17 +175,3 @@ class TokenizeRequest(OpenAIBaseModel):
 class DetokenizeRequest(OpenAIBaseModel):
     model: StrictStr | None = None
     tokens: TokenIds
-
-
-class ErrorInfo(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorInfo
-
-
-FinishReason = Literal["stop", "length", "abort", "error"] | None
