@@ -31,8 +31,7 @@ def _stream_reply(engine: LLMEngine, request_id: str, out_file: TextIO) -> str:
 
 
 def run_chat(ns: argparse.Namespace) -> int:
-    from shoal.entrypoints.cli import sampling_params_from
-    from shoal.entrypoints.cli_args import engine_args_from
+    from shoal.entrypoints.cli_args import engine_args_from, sampling_params_from
 
     engine = LLMEngine(engine_args_from(ns))
     system = [{"role": "system", "content": ns.system}] if ns.system else []

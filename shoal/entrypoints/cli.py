@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
-from shoal.entrypoints.cli_args import add_engine_flags, add_serve_flags
-
-
-def _add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--sampling-seed", type=int, default=None,
-                   help="per-request sampling seed (--seed seeds the engine)")
+from shoal.entrypoints.cli_args import (
+    add_engine_flags,
+    add_sampling_flags,
+    add_serve_flags,
+    sampling_params_from,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="shoal", description="shoal LLM inference engine")
-    parser.add_argument("--log-level", default=os.environ.get("SHOAL_LOG_LEVEL", "INFO"))
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -35,13 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a prompt (repeat for several)")
     gen.add_argument("--n", type=int, default=1, help="completions per prompt")
     gen.add_argument("--chat", action="store_true", help="apply the chat template to the prompt")
-    _add_sampling_flags(gen, max_tokens=64)
+    add_sampling_flags(gen, max_tokens=64)
     add_engine_flags(gen)
 
     chat = sub.add_parser("chat", help="chat interactively in the terminal")
     chat.add_argument("--model", default=None)
     chat.add_argument("--system", default=None, help="a system message")
-    _add_sampling_flags(chat, max_tokens=256)
+    add_sampling_flags(chat, max_tokens=256)
     add_engine_flags(chat)
 
     bench = sub.add_parser("bench", help="benchmark clients")
@@ -50,14 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_serve_flags(bench_sub.add_parser("serve", help="online serving load (W4)"))
     return parser
-
-
-def sampling_params_from(ns: argparse.Namespace, n: int = 1):
-    from shoal.sampling_params import SamplingParams
-
-    return SamplingParams(n=n, max_tokens=ns.max_tokens, temperature=ns.temperature,
-                          top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
-                          repetition_penalty=ns.repetition_penalty, seed=ns.sampling_seed)
 
 
 def run_generate(ns: argparse.Namespace) -> int:
@@ -86,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     try:
         if ns.command == "serve":
+            from shoal.entrypoints.cli_args import engine_args_from, server_settings_from
             from shoal.entrypoints.openai.api_server import run_server
 
-            return run_server(ns)
+            return run_server(engine_args_from(ns), server_settings_from(ns))
         if ns.command == "generate":
             return run_generate(ns)
         if ns.command == "bench":

@@ -7,6 +7,8 @@ from dataclasses import Field, fields
 from typing import Any
 
 from shoal.engine.engine_args import EngineArgs
+from shoal.entrypoints.openai.server_settings import ServerSettings
+from shoal.sampling_params import SamplingParams
 
 # EngineArgs fields that are not engine flags (the model is positional on `shoal serve`).
 _NOT_FLAGS = {"model"}
@@ -14,9 +16,12 @@ _SCALARS: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool
 
 
 def _flag_type(annotation: Any) -> Any:
-    """int, float, str or bool from an annotation such as 'int | None' (fields are annotated
-    as strings under `from __future__ import annotations`)."""
+    """int, float, str or bool from an annotation such as 'int | None' or 'list[str] | None'
+    (fields are annotated as strings under `from __future__ import annotations`; a list is
+    a flag with nargs of its element type)."""
     names = [t.strip() for t in str(annotation).split("|") if t.strip() != "None"]
+    if len(names) == 1 and names[0].startswith("list[") and names[0].endswith("]"):
+        names = [names[0][5:-1]]
     if len(names) != 1 or names[0] not in _SCALARS:
         raise TypeError(f"no command-line type for an engine argument of type {annotation!r}")
     return _SCALARS[names[0]]
@@ -27,18 +32,30 @@ def engine_flag_fields() -> list[Field]:
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineArgs field (`--max-num-seqs` for max_num_seqs); booleans get
-    --x/--no-x. Names, defaults and help texts all come from EngineArgs."""
+    """One flag per EngineArgs field (`--max-num-seqs` for max_num_seqs). Names, defaults and
+    help texts all come from EngineArgs."""
     for f in engine_flag_fields():
-        flag = "--" + f.name.replace("_", "-")
-        typ, help_text = _flag_type(f.type), f.metadata.get("help", "")
-        if typ is bool:
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
-                                default=f.default, help=help_text)
-        else:
-            shown = "" if f.default is None else f" (default: {f.default})"
-            parser.add_argument(flag, dest=f.name, type=typ, default=f.default,
-                                help=help_text + shown)
+        _add_flag(parser, f)
+
+
+def _help(f: Field) -> str:
+    return f.metadata.get("help", "")
+
+
+def _add_flag(parser: argparse.ArgumentParser, f: Field) -> None:
+    """`--field-name` (booleans get --x/--no-x); extra argparse options come from the
+    field's metadata."""
+    flag = "--" + f.name.replace("_", "-")
+    typ = _flag_type(f.type)
+    extra = {k: v for k, v in f.metadata.items() if k != "help"}
+    if typ is bool:
+        parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction,
+                            default=f.default,
+                            help=_help(f), **extra)
+        return
+    shown = "" if f.default is None else f" (default: {f.default})"
+    parser.add_argument(flag, dest=f.name, type=typ, default=f.default,
+                        help=_help(f) + shown, **extra)
 
 
 def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
@@ -48,27 +65,28 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help="model name, .gguf file or folder (default: embedded "
-                             "SmolLM2-135M-Instruct)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
-    parser.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer <key>' on every route but /health")
-    parser.add_argument("--served-model-name", nargs="+", default=None,
-                        help="the model name(s) clients use (the first one is reported)")
-    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
-                        help="seconds to let in-flight requests finish after SIGTERM")
-    parser.add_argument("--uvicorn-log-level", default="info",
-                        choices=["critical", "error", "warning", "info", "debug", "trace"])
-    parser.add_argument("--disable-uvicorn-access-log", action="store_true")
+                        help=_help(next(f for f in fields(EngineArgs) if f.name == "model")))
+    for f in fields(ServerSettings):
+        _add_flag(parser, f)
     add_engine_flags(parser)
 
 
-def server_settings_from(ns: argparse.Namespace) -> Any:
-    from shoal.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, ServerSettings
+def server_settings_from(ns: argparse.Namespace) -> ServerSettings:
+    return ServerSettings(**{f.name: getattr(ns, f.name) for f in fields(ServerSettings)})
 
-    names = ns.served_model_name or [ns.model or DEFAULT_MODEL_NAME]
-    return ServerSettings(host=ns.host, port=ns.port, api_key=ns.api_key,
-                          served_model_names=names, shutdown_timeout=ns.shutdown_timeout,
-                          log_level=ns.uvicorn_log_level,
-                          access_log=not ns.disable_uvicorn_access_log)
+
+def add_sampling_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request sampling seed (--seed seeds the engine)")
+
+
+def sampling_params_from(ns: argparse.Namespace, n: int = 1) -> SamplingParams:
+    return SamplingParams(n=n, max_tokens=ns.max_tokens, temperature=ns.temperature,
+                          top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
+                          repetition_penalty=ns.repetition_penalty, seed=ns.sampling_seed)

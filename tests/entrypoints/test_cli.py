@@ -6,8 +6,8 @@ import io
 
 from shoal.engine.engine_args import EngineArgs
 from shoal.entrypoints.chat_cli import chat_loop
-from shoal.entrypoints.cli import build_parser, sampling_params_from
-from shoal.entrypoints.cli_args import engine_args_from, server_settings_from
+from shoal.entrypoints.cli import build_parser
+from shoal.entrypoints.cli_args import engine_args_from, sampling_params_from, server_settings_from
 from shoal.outputs import CompletionOutput, RequestOutput
 
 
@@ -15,7 +15,7 @@ def test_serve_defaults():
     ns = build_parser().parse_args(["serve"])
     s = server_settings_from(ns)
     assert (s.host, s.port, s.api_key, s.shutdown_timeout) == ("127.0.0.1", 8000, None, 30.0)
-    assert s.served_model_names == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert s.served_model_name is None  # the server reports the model argument
     assert engine_args_from(ns) == EngineArgs()
 
 
@@ -36,7 +36,7 @@ def test_serve_flags_use_vllm_names():
         (7, "dummy", "t", 1024)
     assert a.max_waiting_requests == 5
     s = server_settings_from(ns)
-    assert (s.port, s.api_key, s.served_model_names, s.shutdown_timeout) == \
+    assert (s.port, s.api_key, s.served_model_name, s.shutdown_timeout) == \
         (9, "k", ["a", "b"], 2.5)
 
 

@@ -7,12 +7,10 @@ If the engine process dies, in-flight requests fail, /health turns 503 and the s
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 import sys
-from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -32,27 +30,17 @@ from shoal.entrypoints.openai.protocol import (
     OpenAIBaseModel,
     TokenizeRequest,
 )
+from shoal.entrypoints.openai.server_settings import ServerSettings
 from shoal.entrypoints.openai.serving_chat import OpenAIServingChat
 from shoal.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from shoal.entrypoints.openai.serving_models import ServedModels
 from shoal.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from shoal.loader.resolve import DEFAULT_MODEL_NAME
 from shoal.metrics import LoggingStatLogger, PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEATH_GRACE_S = 2.0
-
-
-@dataclass
-class ServerSettings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_names: list[str] | None = None
-    shutdown_timeout: float = 30.0
-    log_level: str = "info"
-    access_log: bool = True
 
 
 def _warn_unknown(req: OpenAIBaseModel) -> None:
@@ -63,7 +51,7 @@ def _warn_unknown(req: OpenAIBaseModel) -> None:
 
 def build_app(engine: AsyncLLM, settings: ServerSettings,
               registry: CollectorRegistry | None = None) -> FastAPI:
-    names = settings.served_model_names or [engine.engine_args.model or DEFAULT_MODEL_NAME]
+    names = settings.served_model_name or [engine.engine_args.model or DEFAULT_MODEL_NAME]
     models = ServedModels(names, engine.engine_args.model, engine.max_model_len)
     registry = registry if registry is not None else CollectorRegistry()
     engine.stat_loggers.append(PrometheusStatLogger(models.default, registry))
@@ -132,7 +120,8 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
     engine.stat_loggers.append(LoggingStatLogger())
     app = build_app(engine, settings)
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
-                            log_level=settings.log_level, access_log=settings.access_log,
+                            log_level=settings.uvicorn_log_level,
+                            access_log=not settings.disable_uvicorn_access_log,
                             timeout_graceful_shutdown=settings.shutdown_timeout,  # type: ignore[arg-type]
                             lifespan="off")
     server = uvicorn.Server(config)
@@ -162,8 +151,6 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
     return 0
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """`shoal serve`: args from `cli_args.add_serve_flags`; returns the exit code."""
-    from shoal.entrypoints.cli_args import engine_args_from, server_settings_from
-
-    return asyncio.run(serve(engine_args_from(args), server_settings_from(args)))
+def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
+    """`shoal serve`; returns the exit code."""
+    return asyncio.run(serve(engine_args, settings))
