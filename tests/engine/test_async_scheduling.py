@@ -7,34 +7,16 @@ from __future__ import annotations
 
 import random
 
-from shoal import LLM, SamplingParams
+from engine_helpers import blocks_all_free, random_prompts, tiny_llm
+
+from shoal import SamplingParams
 from shoal.engine.scheduler_output import PENDING_TOKEN
-
-
-def _llm(path, **kw) -> LLM:
-    args = dict(dtype="float32", block_size=4, max_model_len=256, num_gpu_blocks_override=512)
-    args.update(kw)
-    return LLM(model=str(path), **args)
-
-
-def _prompts(n: int, seed: int, lo: int = 1, hi: int = 60) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(rng.randrange(lo, hi))]}
-            for _ in range(n)]
 
 
 def _summary(outs) -> list:
     return [[(c.token_ids, c.finish_reason, c.stop_reason,
               [sorted(lp.items()) for lp in c.logprobs] if c.logprobs else None)
              for c in o.outputs] for o in outs]
-
-
-def _blocks_all_free(llm: LLM) -> bool:
-    core = llm.llm_engine.core
-    pool = core.scheduler.kv.pool
-    return (pool.num_free_blocks == pool.num_blocks and not core.scheduler.requests
-            and all(b.ref_cnt == 0 for b in pool.blocks) and not core.runner.requests
-            and core._inflight is None)
 
 
 def _mixed_params(n: int) -> list[SamplingParams]:
@@ -57,21 +39,21 @@ def _mixed_params(n: int) -> list[SamplingParams]:
 
 
 def test_async_matches_sync_on_a_mixed_batch(tiny_llama_dir):
-    prompts = _prompts(16, seed=1, lo=2, hi=50)
+    prompts = random_prompts(16, seed=1, lo=2, hi=50)
     params = _mixed_params(16)
     # A small budget: chunked prefills run beside decodes whose inputs are still in flight.
-    sync = _llm(tiny_llama_dir, async_scheduling=False, max_num_batched_tokens=64).generate(
+    sync = tiny_llm(tiny_llama_dir, async_scheduling=False, max_num_batched_tokens=64).generate(
         prompts, params, use_tqdm=False)
-    async_llm = _llm(tiny_llama_dir, async_scheduling=True, max_num_batched_tokens=64)
+    async_llm = tiny_llm(tiny_llama_dir, async_scheduling=True, max_num_batched_tokens=64)
     got = async_llm.generate(prompts, params, use_tqdm=False)
     assert _summary(got) == _summary(sync)
-    assert _blocks_all_free(async_llm)
+    assert blocks_all_free(async_llm)
 
 
 def test_steps_overlap_while_requests_decode(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, async_scheduling=True)
+    llm = tiny_llm(tiny_llama_dir, async_scheduling=True)
     eng = llm.llm_engine
-    eng.add_request("a", _prompts(1, seed=2, lo=10, hi=11)[0],
+    eng.add_request("a", random_prompts(1, seed=2, lo=10, hi=11)[0],
                     SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     seen_pending = False
     steps = 0
@@ -88,51 +70,51 @@ def test_steps_overlap_while_requests_decode(tiny_llama_dir):
 
 
 def test_stop_token_found_one_step_late_drops_the_extra_token(tiny_llama_dir):
-    prompt = _prompts(1, seed=3, lo=12, hi=13)[0]
-    free = _llm(tiny_llama_dir, async_scheduling=False).generate(
+    prompt = random_prompts(1, seed=3, lo=12, hi=13)[0]
+    free = tiny_llm(tiny_llama_dir, async_scheduling=False).generate(
         prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     tokens = free[0].outputs[0].token_ids
     stop = tokens[5]
     params = SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop])
-    sync = _llm(tiny_llama_dir, async_scheduling=False).generate(prompt, params, use_tqdm=False)
-    llm = _llm(tiny_llama_dir, async_scheduling=True)
+    sync = tiny_llm(tiny_llama_dir, async_scheduling=False).generate(prompt, params, use_tqdm=False)
+    llm = tiny_llm(tiny_llama_dir, async_scheduling=True)
     got = llm.generate(prompt, params, use_tqdm=False)
     assert got[0].outputs[0].token_ids == tokens[:tokens.index(stop) + 1]
     assert _summary(got) == _summary(sync)
-    assert _blocks_all_free(llm)
+    assert blocks_all_free(llm)
 
 
 def test_preemption_with_a_step_in_flight_keeps_the_tokens(tiny_llama_dir):
-    prompts = _prompts(12, seed=3, lo=20, hi=40)
+    prompts = random_prompts(12, seed=3, lo=20, hi=40)
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True) if i % 2 else
               SamplingParams(temperature=1.0, seed=i, max_tokens=35, ignore_eos=True)
               for i in range(12)]
-    big = _llm(tiny_llama_dir, async_scheduling=False).generate(prompts, params, use_tqdm=False)
-    small = _llm(tiny_llama_dir, async_scheduling=True, num_gpu_blocks_override=24,
+    big = tiny_llm(tiny_llama_dir, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    small = tiny_llm(tiny_llama_dir, async_scheduling=True, num_gpu_blocks_override=24,
                  enable_prefix_caching=False)
     got = small.generate(prompts, params, use_tqdm=False)
     assert small.llm_engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in big]
-    assert _blocks_all_free(small)
+    assert blocks_all_free(small)
 
 
 def test_penalties_fall_back_to_one_step_at_a_time(tiny_llama_dir):
-    prompts = _prompts(6, seed=4, lo=5, hi=30)
+    prompts = random_prompts(6, seed=4, lo=5, hi=30)
     params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
                              repetition_penalty=1.3 if i == 2 else 1.0,
                              min_tokens=5 if i == 4 else 0) for i in range(6)]
-    sync = _llm(tiny_llama_dir, async_scheduling=False).generate(prompts, params, use_tqdm=False)
-    llm = _llm(tiny_llama_dir, async_scheduling=True)
+    sync = tiny_llm(tiny_llama_dir, async_scheduling=False).generate(prompts, params, use_tqdm=False)
+    llm = tiny_llm(tiny_llama_dir, async_scheduling=True)
     got = llm.generate(prompts, params, use_tqdm=False)
     assert _summary(got) == _summary(sync)
     assert not llm.llm_engine.core._history_requests
-    assert _blocks_all_free(llm)
+    assert blocks_all_free(llm)
 
 
 def test_abort_with_a_step_in_flight(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, async_scheduling=True)
+    llm = tiny_llm(tiny_llama_dir, async_scheduling=True)
     eng = llm.llm_engine
-    prompts = _prompts(4, seed=5, lo=8, hi=20)
+    prompts = random_prompts(4, seed=5, lo=8, hi=20)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, params)
@@ -148,8 +130,8 @@ def test_abort_with_a_step_in_flight(tiny_llama_dir):
                 finals[out.request_id] = out
     assert {"r0", "r2", "r3"} <= set(finals)
     assert "r1" not in finals or finals["r1"].outputs[0].finish_reason == "abort"
-    ref = _llm(tiny_llama_dir, async_scheduling=False).generate(
+    ref = tiny_llm(tiny_llama_dir, async_scheduling=False).generate(
         [prompts[0], prompts[2], prompts[3]], params, use_tqdm=False)
     assert [finals[r].outputs[0].token_ids for r in ("r0", "r2", "r3")] == [
         o.outputs[0].token_ids for o in ref]
-    assert _blocks_all_free(llm)
+    assert blocks_all_free(llm)

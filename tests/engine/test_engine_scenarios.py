@@ -6,54 +6,36 @@ from __future__ import annotations
 import random
 
 import pytest
+from engine_helpers import blocks_all_free, random_prompts, tiny_llm
 
-from shoal import LLM, SamplingParams
-
-
-def _llm(path, **kw) -> LLM:
-    args = dict(dtype="float32", block_size=4, max_model_len=256, num_gpu_blocks_override=512)
-    args.update(kw)
-    return LLM(model=str(path), **args)
-
-
-def _prompts(n: int, seed: int, lo: int = 1, hi: int = 60) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(rng.randrange(lo, hi))]}
-            for _ in range(n)]
-
-
-def _blocks_all_free(llm: LLM) -> bool:
-    sched = llm.llm_engine.core.scheduler
-    pool = sched.kv.pool
-    return (pool.num_free_blocks == pool.num_blocks and not sched.requests
-            and all(b.ref_cnt == 0 for b in pool.blocks) and not llm.llm_engine.core.runner.requests)
+from shoal import SamplingParams
 
 
 def test_preemption_gives_the_tokens_of_a_large_pool(tiny_llama_dir):
-    prompts = _prompts(12, seed=3, lo=20, hi=40)
+    prompts = random_prompts(12, seed=3, lo=20, hi=40)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    big = _llm(tiny_llama_dir).generate(prompts, params, use_tqdm=False)
-    small_llm = _llm(tiny_llama_dir, num_gpu_blocks_override=24, enable_prefix_caching=False)
+    big = tiny_llm(tiny_llama_dir).generate(prompts, params, use_tqdm=False)
+    small_llm = tiny_llm(tiny_llama_dir, num_gpu_blocks_override=24, enable_prefix_caching=False)
     small = small_llm.generate(prompts, params, use_tqdm=False)
     assert small_llm.llm_engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in small] == [o.outputs[0].token_ids for o in big]
-    assert _blocks_all_free(small_llm)
+    assert blocks_all_free(small_llm)
 
 
 def test_preemption_keeps_seeded_sampling_reproducible(tiny_llama_dir):
-    prompts = _prompts(8, seed=4, lo=20, hi=40)
+    prompts = random_prompts(8, seed=4, lo=20, hi=40)
     params = [SamplingParams(temperature=1.0, top_p=0.9, seed=i, max_tokens=30, ignore_eos=True)
               for i in range(8)]
-    big = _llm(tiny_llama_dir).generate(prompts, params, use_tqdm=False)
-    small_llm = _llm(tiny_llama_dir, num_gpu_blocks_override=20, enable_prefix_caching=False)
+    big = tiny_llm(tiny_llama_dir).generate(prompts, params, use_tqdm=False)
+    small_llm = tiny_llm(tiny_llama_dir, num_gpu_blocks_override=20, enable_prefix_caching=False)
     small = small_llm.generate(prompts, params, use_tqdm=False)
     assert small_llm.llm_engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in small] == [o.outputs[0].token_ids for o in big]
 
 
 def test_parallel_sampling_with_seed_is_reproducible(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
-    prompt = _prompts(1, seed=5, lo=30, hi=31)[0]
+    llm = tiny_llm(tiny_llama_dir)
+    prompt = random_prompts(1, seed=5, lo=30, hi=31)[0]
     params = SamplingParams(n=3, temperature=1.0, seed=1234, max_tokens=16, ignore_eos=True)
     a = llm.generate(prompt, params, use_tqdm=False)[0]
     b = llm.generate(prompt, params, use_tqdm=False)[0]
@@ -66,9 +48,9 @@ def test_parallel_sampling_with_seed_is_reproducible(tiny_llama_dir):
 
 
 def test_samples_share_the_prompt_blocks(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir)
     eng = llm.llm_engine
-    prompt = _prompts(1, seed=6, lo=40, hi=41)[0]
+    prompt = random_prompts(1, seed=6, lo=40, hi=41)[0]
     eng.add_request("x", prompt, SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=8))
     eng.step()  # prefill of all four samples in one step
     kv = eng.core.scheduler.kv
@@ -77,14 +59,14 @@ def test_samples_share_the_prompt_blocks(tiny_llama_dir):
     assert all(set(t[:9]) <= shared for t in tables[1:])
     while eng.has_unfinished_requests():
         eng.step()
-    assert _blocks_all_free(llm)
+    assert blocks_all_free(llm)
 
 
 def test_200_random_requests_all_finish_and_free_every_block(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, num_gpu_blocks_override=160, max_num_batched_tokens=64,
+    llm = tiny_llm(tiny_llama_dir, num_gpu_blocks_override=160, max_num_batched_tokens=64,
                max_num_seqs=32)
     rng = random.Random(7)
-    prompts = _prompts(200, seed=8, lo=1, hi=80)
+    prompts = random_prompts(200, seed=8, lo=1, hi=80)
     # Shared prefixes exercise the prefix cache under eviction.
     base = prompts[0]["prompt_token_ids"]
     for p in prompts[::5]:
@@ -109,26 +91,26 @@ def test_200_random_requests_all_finish_and_free_every_block(tiny_llama_dir):
         for c in o.outputs:
             assert c.finish_reason in ("stop", "length")
             assert 1 <= len(c.token_ids) <= sp.max_tokens
-    assert _blocks_all_free(llm)
+    assert blocks_all_free(llm)
 
 
 def test_prefix_cache_hit_gives_the_same_tokens(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
-    prompt = _prompts(1, seed=9, lo=50, hi=51)[0]
+    llm = tiny_llm(tiny_llama_dir)
+    prompt = random_prompts(1, seed=9, lo=50, hi=51)[0]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     first = llm.generate(prompt, params, use_tqdm=False)[0]
     second = llm.generate(prompt, params, use_tqdm=False)[0]
     assert first.num_cached_tokens == 0
     assert second.num_cached_tokens == 48  # 12 full blocks of 4; the last token is recomputed
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
-    uncached = _llm(tiny_llama_dir, enable_prefix_caching=False).generate(prompt, params, use_tqdm=False)[0]
+    uncached = tiny_llm(tiny_llama_dir, enable_prefix_caching=False).generate(prompt, params, use_tqdm=False)[0]
     assert uncached.outputs[0].token_ids == first.outputs[0].token_ids
 
 
 def test_cache_salt_keeps_tenants_apart(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir)
     eng = llm.llm_engine
-    prompt = _prompts(1, seed=10, lo=30, hi=31)[0]["prompt_token_ids"]
+    prompt = random_prompts(1, seed=10, lo=30, hi=31)[0]["prompt_token_ids"]
     params = SamplingParams(temperature=0, max_tokens=2)
     outs = {}
     for rid, salt in [("a", "tenant-a"), ("b", "tenant-b"), ("c", "tenant-a")]:
@@ -142,7 +124,7 @@ def test_cache_salt_keeps_tenants_apart(tiny_llama_dir):
 
 
 def test_priority_policy_runs_urgent_requests_first(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, max_num_seqs=1, scheduling_policy="priority")
+    llm = tiny_llm(tiny_llama_dir, max_num_seqs=1, scheduling_policy="priority")
     eng = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     for rid, prio in [("low", 5), ("high", -1), ("mid", 0)]:
@@ -154,8 +136,8 @@ def test_priority_policy_runs_urgent_requests_first(tiny_llama_dir):
 
 
 def test_stop_token_ids_and_min_tokens(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
-    prompt = _prompts(1, seed=11, lo=10, hi=11)[0]
+    llm = tiny_llm(tiny_llama_dir)
+    prompt = random_prompts(1, seed=11, lo=10, hi=11)[0]
     free_run = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
                             use_tqdm=False)[0].outputs[0].token_ids
     stop_tok = free_run[5]
@@ -188,7 +170,7 @@ def test_out_of_range_sampling_fields_name_the_field(bad):
 
 
 def test_bad_input_raises_and_engine_keeps_serving(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, max_model_len=64)
+    llm = tiny_llm(tiny_llama_dir, max_model_len=64)
     good = {"prompt_token_ids": [5, 6, 7]}
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     expected = llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids
@@ -209,18 +191,18 @@ def test_bad_input_raises_and_engine_keeps_serving(tiny_llama_dir):
     # A bad prompt in a batch rejects the batch before any of it runs.
     with pytest.raises(ValueError):
         llm.generate([good, {"prompt_token_ids": [-5]}], params, use_tqdm=False)
-    assert _blocks_all_free(llm)
+    assert blocks_all_free(llm)
     assert llm.generate(good, params, use_tqdm=False)[0].outputs[0].token_ids == expected
 
 
 def test_request_larger_than_the_pool_is_rejected(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir, num_gpu_blocks_override=4)
+    llm = tiny_llm(tiny_llama_dir, num_gpu_blocks_override=4)
     with pytest.raises(ValueError, match="KV blocks"):
         llm.generate({"prompt_token_ids": [5] * 10}, SamplingParams(max_tokens=50), use_tqdm=False)
 
 
 def test_non_finite_logits_fail_only_that_request_and_publish_nothing(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir)
     eng = llm.llm_engine
     runner = eng.core.runner
     real = runner.model.compute_logits
@@ -233,11 +215,11 @@ def test_non_finite_logits_fail_only_that_request_and_publish_nothing(tiny_llama
         return logits
 
     runner.model.compute_logits = compute_logits
-    prompt = _prompts(1, seed=12, lo=30, hi=31)[0]
+    prompt = random_prompts(1, seed=12, lo=30, hi=31)[0]
     out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
     assert out.outputs[0].finish_reason == "error"
     assert out.error and "non-finite" in out.error
-    assert _blocks_all_free(llm)
+    assert blocks_all_free(llm)
     # Nothing it computed may be served from the prefix cache, and the engine keeps serving.
     poison["on"] = False
     again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
@@ -246,10 +228,10 @@ def test_non_finite_logits_fail_only_that_request_and_publish_nothing(tiny_llama
 
 
 def test_start_up_warm_requests_leave_no_trace(tiny_llama_dir):
-    llm = _llm(tiny_llama_dir)
+    llm = tiny_llm(tiny_llama_dir)
     core = llm.llm_engine.core
     core._warm_request_path()  # what a GPU start-up runs before reporting ready
-    assert _blocks_all_free(llm)
+    assert blocks_all_free(llm)
     assert not core.scheduler.kv.pool.cached
     stats = core.scheduler.stats()
     assert stats.prefix_cache_queries == 0 and stats.num_generation_tokens == 0

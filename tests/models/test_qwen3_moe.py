@@ -5,21 +5,16 @@ two-rank tensor-parallel split."""
 
 from __future__ import annotations
 
-import os
 import random
-import socket
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_harness import load_tp_model, prompt_logits, run_on_two_ranks
 from oracle import hf_greedy, write_tiny_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from shoal import LLM, SamplingParams
-from shoal.attention.metadata import build_attention_metadata
-from shoal.distributed.parallel_state import init_tensor_parallel, reset_tensor_parallel
 from shoal.layers.moe.layer import FusedMoE
 from shoal.loader import load_model
 from shoal.models.llama import LlamaMLP
@@ -155,56 +150,17 @@ def test_shipped_qwen3_30b_a3b_config():
 
 # ---- tensor parallel ---------------------------------------------------------------------
 
-PROMPT = [5, 17, 300, 42, 7, 99, 256, 3, 11, 400, 23]
+
+def _logits_and_expert_rows(path: str) -> tuple[torch.Tensor, int]:
+    """The prompt's logits on whatever TP group is initialised, and the rows of this rank's
+    stacked gate/up weight of one expert (to show the experts were split)."""
+    model = load_tp_model(path)
+    return prompt_logits(model), model.model.layers[0].mlp.experts.w13_weight.shape[1]
 
 
-def _logits(path: str) -> tuple[torch.Tensor, int]:
-    """Last-position logits of PROMPT on whatever TP group is initialised, and the rows of
-    this rank's stacked gate/up weight of one expert (to show the experts were split)."""
-    loaded = load_model(path)
-    model = resolve_model_class(loaded.hf_config)(loaded.hf_config, torch.float32)
-    model.load_weights(loaded.weights())
-    bs, n = 4, len(PROMPT)
-    blocks = -(-n // bs)
-    for layer in model.attention_layers():
-        layer.kv_cache = torch.zeros(2, (blocks + 1) * bs, layer.num_kv_heads, layer.head_dim)
-    md = build_attention_metadata(query_lens=[n], context_lens=[0],
-                                  block_tables=[list(range(blocks))], block_size=bs,
-                                  num_decodes=0, sliding_window=None, device=torch.device("cpu"),
-                                  null_block=blocks)
-    with torch.inference_mode():
-        hidden = model(torch.tensor(PROMPT), torch.arange(n), md)
-        rows = model.model.layers[0].mlp.experts.w13_weight.shape[1]
-        return model.compute_logits(hidden[-1:])[0], rows
-
-
-def _rank(rank: int, world: int, port: int, path: str, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        init_tensor_parallel()
-        logits, rows = _logits(path)
-        if rank == 0:
-            torch.save({"logits": logits, "rows": torch.tensor(rows)}, out)
-        dist.barrier()  # neither rank tears gloo down while the other still talks to it
-    finally:
-        reset_tensor_parallel()
-        dist.destroy_process_group()
-    os._exit(0)  # skip gloo's C++ teardown, which can abort after the work is saved
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_two_rank_split_matches_one_rank(tiny, tmp_path):
+def test_two_rank_split_matches_one_rank(tiny):
     path, _ = tiny
-    expected, full_rows = _logits(str(path))
-    out = tmp_path / "tp2.pt"
-    mp.spawn(_rank, args=(2, _free_port(), str(path), str(out)), nprocs=2, join=True)
-    saved = torch.load(out, weights_only=True)
-    assert int(saved["rows"]) * 2 == full_rows  # each rank holds half of every expert
-    torch.testing.assert_close(saved["logits"], expected, atol=1e-4, rtol=1e-4)
+    expected, full_rows = _logits_and_expert_rows(str(path))
+    got, rows = run_on_two_ranks(_logits_and_expert_rows, str(path))
+    assert rows * 2 == full_rows  # each rank holds half of every expert
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
