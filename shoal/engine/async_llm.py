@@ -78,11 +78,14 @@ class RequestStream:
             self._ready.clear()
             await self._ready.wait()
         items, self._items = self._items, deque()
-        out = []
-        for item in items:
-            out.append(self._take(item))
-            if self.finished:
-                break
+        out: list[RequestOutput] = []
+        while items and not self.finished:
+            item = items[0]
+            failing = isinstance(item, BaseException) or (item.finished and item.error)
+            if failing and out:  # hand over the outputs first, raise on the next call
+                self._items = items
+                return out
+            out.append(self._take(items.popleft()))
         return out
 
     def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
@@ -127,10 +130,12 @@ class AsyncLLM:
     @classmethod
     async def from_engine_args(cls, engine_args: EngineArgs, *, log_level: int = logging.INFO,
                                startup_timeout: float | None = None,
-                               log_stats_interval: float = 10.0) -> AsyncLLM:
+                               log_stats_interval: float = 10.0,
+                               build_core: Any = None) -> AsyncLLM:
         from shoal.loader import load_frontend_tokenizer
 
-        client = await EngineCoreClient.start(engine_args, log_level=log_level)
+        client = await EngineCoreClient.start(engine_args, log_level=log_level,
+                                              build_core=build_core)
         try:
             # Read while the engine process loads the model.
             tokenizer = await asyncio.to_thread(load_frontend_tokenizer, engine_args.model,

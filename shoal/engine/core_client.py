@@ -75,8 +75,11 @@ class EngineCoreClient:
 
     # ---- start-up -------------------------------------------------------------------------
     @classmethod
-    async def start(cls, engine_args: EngineArgs, log_level: int = logging.INFO) -> EngineCoreClient:
-        """Spawns the engine process; `wait_ready()` then waits for its READY message."""
+    async def start(cls, engine_args: EngineArgs, log_level: int = logging.INFO,
+                    build_core: Callable[[EngineArgs], Any] | None = None) -> EngineCoreClient:
+        """Spawns the engine process; `wait_ready()` then waits for its READY message.
+        `build_core` replaces the model-loading EngineCore (a picklable callable: tests and
+        the model-free serving benchmark)."""
         ipc_dir = tempfile.mkdtemp(prefix="shoal-ipc-")
         input_addr, output_addr = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
         ctx = zmq.asyncio.Context()
@@ -88,7 +91,8 @@ class EngineCoreClient:
         death_reader, death_writer = mp.Pipe(duplex=False)
         proc = mp.Process(
             target=run_engine_core, name="shoal-engine-core", daemon=True,
-            args=(engine_args, input_addr, output_addr, death_reader, os.getpid(), log_level),
+            args=(engine_args, input_addr, output_addr, death_reader, os.getpid(), log_level,
+                  *([build_core] if build_core is not None else [])),
         )
         proc.start()
         death_reader.close()

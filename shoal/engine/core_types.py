@@ -1,5 +1,9 @@
 """Messages between the frontend and the engine core (msgspec structs: they cross a process
-boundary as msgpack, never pickle)."""
+boundary as msgpack, never pickle).
+
+The per-token structs are not tracked by the cyclic garbage collector (gc=False: they hold
+only numbers, strings and lists of them, so they cannot form cycles): hundreds arrive every
+step, and tracking them made the frontend's collector run several times a step."""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
 
 
-class Logprobs(msgspec.Struct, array_like=True):
+class Logprobs(msgspec.Struct, array_like=True, gc=False):
     """Logprobs of one position: token_ids[0] is the chosen token, then the top-k."""
 
     token_ids: list[int]
@@ -25,7 +29,7 @@ class Logprobs(msgspec.Struct, array_like=True):
     rank: int
 
 
-class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
+class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     request_id: str
     new_token_ids: list[int]
     new_logprobs: list[Logprobs] | None = None

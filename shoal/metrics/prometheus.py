@@ -87,6 +87,9 @@ class PrometheusStatLogger:
             m.labels(model_name)
         for reason in ("stop", "length", "abort", "error"):
             self.request_success.labels(model_name, reason)
+        # Observed once per streamed token: look the labelled children up once.
+        self._ttft_child = self.ttft.labels(model_name)
+        self._itl_child = self.itl.labels(model_name)
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
         name = self.model_name
@@ -103,9 +106,9 @@ class PrometheusStatLogger:
             for tier, figures in (s.kv_tiers or {}).items():
                 self._record_tier(tier, figures)
         for v in iteration.time_to_first_tokens:
-            self.ttft.labels(name).observe(v)
+            self._ttft_child.observe(v)
         for v in iteration.inter_token_latencies:
-            self.itl.labels(name).observe(v)
+            self._itl_child.observe(v)
         for v in iteration.queue_times:
             self.queue_time.labels(name).observe(v)
         for f in iteration.finished:

@@ -8,9 +8,11 @@ If the engine process dies, in-flight requests fail, /health turns 503 and the s
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -41,6 +43,15 @@ from shoal.metrics import LoggingStatLogger, PrometheusStatLogger
 logger = logging.getLogger(__name__)
 
 DEATH_GRACE_S = 2.0
+
+
+def freeze_startup_objects() -> None:
+    """Moves everything allocated during start-up (modules, the tokenizer, the app) out of the
+    garbage collector's reach: a full collection would otherwise walk all of it again and
+    again while requests stream (tens of microseconds per token, measured)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
 
 
 def _warn_unknown(req: OpenAIBaseModel) -> None:
@@ -109,16 +120,19 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
     return app
 
 
-async def serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
-    """Runs the server until SIGTERM/SIGINT (exit code 0) or the engine's death (1)."""
+async def serve(engine_args: EngineArgs, settings: ServerSettings,
+                build_core: Any = None) -> int:
+    """Runs the server until SIGTERM/SIGINT (exit code 0) or the engine's death (1).
+    `build_core` replaces the engine core (see AsyncLLM.from_engine_args)."""
     try:
-        engine = await AsyncLLM.from_engine_args(engine_args)
+        engine = await AsyncLLM.from_engine_args(engine_args, build_core=build_core)
     except (EngineStartupError, OSError, ValueError) as e:
         logger.error("the engine failed to start: %s", e)
         print(f"shoal: the engine failed to start: {e}", file=sys.stderr)
         return 1
     engine.stat_loggers.append(LoggingStatLogger())
     app = build_app(engine, settings)
+    freeze_startup_objects()
     config = uvicorn.Config(app, host=settings.host, port=settings.port,
                             log_level=settings.uvicorn_log_level,
                             access_log=not settings.disable_uvicorn_access_log,
@@ -152,5 +166,7 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings) -> int:
 
 
 def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
-    """`shoal serve`; returns the exit code."""
+    """`shoal serve`; returns the exit code. On asyncio's own event loop: uvloop was measured
+    slower here (36 against 30 us of frontend CPU per streamed token, with pyzmq's asyncio
+    sockets), so it is not used even where installed."""
     return asyncio.run(serve(engine_args, settings))

@@ -32,7 +32,13 @@ from shoal.entrypoints.openai.responses import (
     random_id,
 )
 from shoal.entrypoints.openai.serving_models import ServedModels
-from shoal.entrypoints.openai.streaming import DONE, ClientDisconnected, cancel_on_disconnect, sse
+from shoal.entrypoints.openai.streaming import (
+    DONE,
+    ClientDisconnected,
+    cancel_on_disconnect,
+    output_batches,
+    sse,
+)
 from shoal.outputs import CompletionOutput, RequestOutput
 
 
@@ -132,6 +138,16 @@ class OpenAIServingChat:
             id=request_id, created=now_s(), model=model, choices=choices,
             usage=Usage.of(len(out.prompt_token_ids), completion, out.num_cached_tokens))
 
+    def _stream_choice(self, c: CompletionOutput, k: int | None) -> dict[str, Any] | None:
+        """One streamed choice as the pydantic ChatStreamChoice dumps it (built as a dict: this
+        runs once per token)."""
+        lps = self._logprobs(c, k) if c.token_ids else None
+        if not c.text and c.finish_reason is None and lps is None:
+            return None
+        return {"index": c.index, "delta": {"content": c.text},
+                "logprobs": lps.model_dump() if lps is not None else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+
     async def _stream(self, req: ChatCompletionRequest, model: str, request_id: str,
                       stream: RequestStream, k: int | None) -> AsyncIterator[str]:
         created = now_s()
@@ -148,16 +164,20 @@ class OpenAIServingChat:
             for i in range(n):
                 yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
                                                                           content=""))])
-            async for out in stream:
-                prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
-                for c in out.outputs:
-                    completion += len(c.token_ids)
-                    lps = self._logprobs(c, k) if c.token_ids else None
-                    if not c.text and c.finish_reason is None and lps is None:
-                        continue  # e.g. half a UTF-8 character, held back by the detokenizer
-                    yield chunk([ChatStreamChoice(
-                        index=c.index, delta=DeltaMessage(content=c.text), logprobs=lps,
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+            head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
+                    "model": model}
+            async for batch in output_batches([stream]):
+                events = []
+                for _, out in batch:
+                    prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
+                    for c in out.outputs:
+                        completion += len(c.token_ids)
+                        choice = self._stream_choice(c, k)
+                        if choice is not None:  # e.g. half a UTF-8 character, held back
+                            events.append(sse({**head, "choices": [choice],
+                                               "system_fingerprint": None}))
+                if events:
+                    yield "".join(events)
             if req.include_usage:
                 yield chunk([], Usage.of(prompt_tokens, completion, cached))
         except Exception as e:  # headers are gone: report in-band

@@ -27,6 +27,7 @@ from shoal.entrypoints.openai.streaming import (
     ClientDisconnected,
     cancel_on_disconnect,
     merge_streams,
+    output_batches,
     sse,
 )
 from shoal.outputs import RequestOutput
@@ -161,28 +162,22 @@ class OpenAIServingCompletion:
         prompt_tokens = [0] * len(streams)
         cached = [0] * len(streams)
         completion_tokens = 0
+        # One dict per chunk, encoded by msgspec: the same JSON the pydantic model gives
+        # (CompletionResponse without usage), at a fraction of the cost per streamed token.
+        head = {"id": request_id, "object": "text_completion", "created": created,
+                "model": model}
         try:
-            async for pi, out in merge_streams(streams):
-                prompt_tokens[pi] = len(out.prompt_token_ids)
-                cached[pi] = out.num_cached_tokens
-                for c in out.outputs:
-                    index = pi * n + c.index
-                    completion_tokens += len(c.token_ids)
-                    first = index not in offsets
-                    echo = self._prompt_text(out) if req.echo and first else None
-                    text = (echo or "") + c.text
-                    lps = self._choice_logprobs(req, out, list(c.token_ids),
-                                                list(c.logprobs or []), echo)
-                    if lps is not None and lps.text_offset:
-                        base = offsets.get(index, 0)
-                        lps.text_offset = [o + base for o in lps.text_offset]
-                    offsets[index] = offsets.get(index, 0) + len(text)
-                    chunk = CompletionResponse(
-                        id=request_id, created=created, model=model,
-                        choices=[CompletionChoice(index=index, text=text, logprobs=lps,
-                                                  finish_reason=c.finish_reason,
-                                                  stop_reason=c.stop_reason)])
-                    yield sse(chunk.model_dump(exclude={"usage"}))
+            async for batch in output_batches(streams):
+                events = []
+                for pi, out in batch:
+                    prompt_tokens[pi] = len(out.prompt_token_ids)
+                    cached[pi] = out.num_cached_tokens
+                    for c in out.outputs:
+                        completion_tokens += len(c.token_ids)
+                        choice = self._stream_choice(req, out, c, pi * n + c.index, offsets)
+                        events.append(sse({**head, "choices": [choice],
+                                           "system_fingerprint": None}))
+                yield "".join(events)
             if req.include_usage:
                 usage = Usage.of(sum(prompt_tokens), completion_tokens, sum(cached))
                 yield sse(CompletionResponse(id=request_id, created=created, model=model,
@@ -195,3 +190,18 @@ class OpenAIServingCompletion:
                 with contextlib.suppress(Exception):
                     s.abort()
         yield DONE
+
+    def _stream_choice(self, req: CompletionRequest, out: RequestOutput, c: Any, index: int,
+                       offsets: dict[int, int]) -> dict[str, Any]:
+        first = index not in offsets
+        echo = self._prompt_text(out) if req.echo and first else None
+        text = (echo or "") + c.text
+        lps = self._choice_logprobs(req, out, list(c.token_ids), list(c.logprobs or []), echo)
+        if lps is not None and lps.text_offset:
+            base = offsets.get(index, 0)
+            lps.text_offset = [o + base for o in lps.text_offset]
+        offsets[index] = offsets.get(index, 0) + len(text)
+        return {"index": index, "text": text,
+                "logprobs": lps.model_dump() if lps is not None else None,
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "prompt_logprobs": None}
