@@ -186,3 +186,22 @@ async def test_engine_death_fails_in_flight_and_new_requests():
     with pytest.raises(EngineDeadError):
         engine.add_request("b", [1], sp())
     await engine.shutdown()
+
+
+async def test_drain_hands_over_everything_that_arrived_then_the_error():
+    engine, client, _ = await make_engine()
+    stream = engine.add_request("d", [5, 6], sp(max_tokens=5), output_kind=OutputKind.DELTA)
+    for t in (10, 11, 12):
+        client.push(EngineCoreOutput("d", [t]))
+    await asyncio.sleep(0.05)  # the output handler routes all three before anyone reads
+    batch = await stream.drain()
+    assert [o.outputs[0].token_ids for o in batch] == [[10], [11], [12]]
+    client.push(EngineCoreOutput("d", [13]))
+    client.push(EngineCoreOutput("d", [], finish_reason="error", error="non-finite logits"))
+    await asyncio.sleep(0.05)
+    batch = await stream.drain()  # the token that came before the error is not lost
+    assert [o.outputs[0].token_ids for o in batch] == [[13]]
+    with pytest.raises(Exception, match="non-finite"):
+        await stream.drain()
+    assert await stream.drain() == []
+    await engine.shutdown()

@@ -1,0 +1,71 @@
+"""OutputProcessor: final-only requests are detokenized once, others token by token, with the
+same text; every request's outputs reach its consumer."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.engine.core_types import EngineCoreOutput
+from shoal.engine.detokenizer import IncrementalDetokenizer
+from shoal.engine.input_processor import EngineLimits, InputProcessor
+from shoal.engine.output_processor import OutputKind, OutputProcessor
+from shoal.sampling_params import SamplingParams
+
+TOKENS = [[1000 + 37 * i % 5000] for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from shoal.loader import load_frontend_tokenizer
+
+    return load_frontend_tokenizer(None)
+
+
+def _run(tokenizer, kind: OutputKind, stop: list[str] | None = None, monkeypatch=None):
+    limits = EngineLimits(vocab_size=49152, max_model_len=512, num_kv_blocks=64, block_size=16,
+                          max_num_seqs=4)
+    req = InputProcessor(tokenizer, limits).process_request(
+        "r", [1, 2, 3], SamplingParams(max_tokens=len(TOKENS), stop=stop))
+    outs = OutputProcessor(tokenizer)
+    delivered = []
+    outs.add_request(req, kind, delivered.append)
+    for i, t in enumerate(TOKENS):
+        last = i == len(TOKENS) - 1
+        outs.process_outputs([EngineCoreOutput("r", t, finish_reason="length" if last else None)])
+        if delivered and delivered[-1].finished:
+            break
+    return delivered
+
+
+def test_final_only_is_decoded_once_with_the_same_text(tokenizer, monkeypatch):
+    streamed = "".join(o.outputs[0].text for o in _run(tokenizer, OutputKind.DELTA)
+                       if o.outputs)
+    calls = []
+    real = IncrementalDetokenizer.update
+
+    def counting(self, ids):
+        calls.append(len(ids))
+        return real(self, ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "update", counting)
+    (final,) = _run(tokenizer, OutputKind.FINAL_ONLY)
+    assert final.finished and final.outputs[0].text == streamed
+    assert calls == [len(TOKENS)]  # one decode of every token, at the end
+
+
+def test_stop_strings_still_need_token_by_token_decoding(tokenizer, monkeypatch):
+    full = "".join(o.outputs[0].text for o in _run(tokenizer, OutputKind.DELTA) if o.outputs)
+    stop = full[len(full) // 2: len(full) // 2 + 3]
+    calls = []
+    real = IncrementalDetokenizer.update
+
+    def counting(self, ids):
+        calls.append(len(ids))
+        return real(self, ids)
+
+    monkeypatch.setattr(IncrementalDetokenizer, "update", counting)
+    (final,) = _run(tokenizer, OutputKind.FINAL_ONLY, stop=[stop])
+    c = final.outputs[0]
+    assert c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.text == full[:full.index(stop)]
+    assert len(calls) > 1 and set(calls) == {1}
