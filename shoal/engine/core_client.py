@@ -86,6 +86,7 @@ class EngineCoreClient:
         to_engine = ctx.socket(zmq.PUSH)
         to_engine.bind(input_addr)
         from_engine = ctx.socket(zmq.PULL)
+        from_engine.setsockopt(zmq.RCVHWM, 0)  # the engine never waits on this side
         from_engine.bind(output_addr)
         mp = multiprocessing.get_context("spawn")
         death_reader, death_writer = mp.Pipe(duplex=False)

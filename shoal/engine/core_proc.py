@@ -230,6 +230,9 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ctx = zmq.Context()
     out_sock = ctx.socket(zmq.PUSH)
+    # No high-water mark: a frontend that falls behind for a moment must never block the
+    # engine's step loop (outputs are small; the frontend drains them as it catches up).
+    out_sock.setsockopt(zmq.SNDHWM, 0)
     out_sock.connect(output_addr)
     in_sock = ctx.socket(zmq.PULL)
     in_sock.connect(input_addr)
