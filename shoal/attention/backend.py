@@ -1,48 +1,93 @@
 """Attention backends: how the model runner builds per-step metadata and how each attention
-layer runs over the paged cache. The torch reference runs anywhere; the Triton backend is the
-GPU fast path."""
+layer runs over the paged cache. The torch reference (torch_backend.py) runs anywhere; the
+Triton backend (triton_backend.py) is the GPU fast path; selector.py picks one.
+
+The interface declares every call the runner and the layers make. What a backend cannot do
+it says with a capability flag (the caller checks the flag, never probes for a method) and
+leaves the method to the default here, which raises NotImplementedError."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from abc import ABC, abstractmethod
+from typing import Any
 
 import torch
 
 
-class AttentionBackend(Protocol):
+class AttentionBackend(ABC):
     name: str
+    # forward_fused: q/k RMSNorm + rotary + cache write in one kernel.
+    fuses_rope_and_cache_write: bool = False
+    # alloc_graph_buffers / fill_graph_buffers / graph_metadata: decode CUDA graphs.
+    supports_cuda_graphs: bool = False
+    # alloc_prefill_graph_buffers / fill_prefill_graph_buffers / prefill_graph_metadata:
+    # CUDA graphs of one prefill chunk.
+    supports_prefill_graphs: bool = False
 
+    @abstractmethod
     def build_metadata(self, *, query_lens: list[int], context_lens: list[int],
                        block_tables: list[list[int]], block_size: int, num_decodes: int,
                        sliding_window: int | None, device: torch.device,
-                       null_block: int) -> Any: ...
+                       null_block: int) -> Any:
+        """The step's metadata for every layer's forward: requests in order, decodes (one
+        query token each) first; null_block is the zeroed block padding may read."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, md: Any, scale: float) -> torch.Tensor: ...
-
-
-class TorchAttentionBackend:
-    name = "torch"
-
-    def build_metadata(self, **kwargs: Any) -> Any:
-        from shoal.attention.metadata import build_attention_metadata
-
-        return build_attention_metadata(**kwargs)
-
+    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: Any, scale: float) -> torch.Tensor:
-        from shoal.attention.torch_backend import paged_attention
+        """Writes k, v [T, Hk, D] into their slots of kv_cache [2, slots, Hk, D], then
+        attends q [T, Hq, D] over each request's context. Returns [T, Hq, D]."""
 
-        return paged_attention(q, k, v, kv_cache, md, scale)
+    def forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                      q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
+                      eps: float, kv_cache: torch.Tensor, md: Any,
+                      scale: float) -> torch.Tensor:
+        """forward on q and k before their optional per-head RMSNorm (weight None: none) and
+        neox rotary, which the backend applies while writing the cache. Only when
+        fuses_rope_and_cache_write; q may be modified in place."""
+        raise self._unsupported("fused rotary + cache write")
 
+    def warm_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
+                     block_size: int, sliding_window: int | None) -> int:
+        """Compiles, before the first request, every kernel variant a step can pick (for
+        backends whose kernels are compiled on first use); returns how many ran."""
+        return 0
 
-def get_attention_backend(device: torch.device, name: str | None = None) -> AttentionBackend:
-    """`name` forces a backend ("torch" or "triton"); by default Triton on CUDA."""
-    name = name or ("triton" if device.type == "cuda" else "torch")
-    if name == "torch":
-        return TorchAttentionBackend()
-    if name == "triton":
-        from shoal.attention.triton_backend import TritonAttentionBackend
+    # ---- decode CUDA graphs (supports_cuda_graphs) ---------------------------------------
+    def alloc_graph_buffers(self, max_batch: int, max_blocks: int, device: torch.device, *,
+                            block_size: int, sliding_window: int | None) -> Any:
+        """Persistent metadata inputs for decode batches of up to max_batch rows."""
+        raise self._unsupported("decode CUDA graphs")
 
-        return TritonAttentionBackend()
-    raise ValueError(f"attention backend must be 'torch' or 'triton' (got {name!r})")
+    def fill_graph_buffers(self, buf: Any, size: int, context_lens: list[int],
+                           block_tables: list[list[int]] | None,
+                           slot_mapping: list[int]) -> None:
+        """A decode batch of len(context_lens) rows into the buffers, padded to `size` rows;
+        block_tables None keeps the previous fill's tables."""
+        raise self._unsupported("decode CUDA graphs")
+
+    def graph_metadata(self, buf: Any, size: int) -> Any:
+        """Metadata over views of the buffers for a graph of `size` rows; its host-side values
+        depend on `size` only, so the captured graph replays any fill."""
+        raise self._unsupported("decode CUDA graphs")
+
+    # ---- single-prefill CUDA graphs (supports_prefill_graphs) ----------------------------
+    def alloc_prefill_graph_buffers(self, max_tokens: int, max_blocks: int,
+                                    device: torch.device, *, block_size: int,
+                                    sliding_window: int | None) -> Any:
+        """Persistent metadata inputs for one prefill chunk of up to max_tokens tokens."""
+        raise self._unsupported("prefill CUDA graphs")
+
+    def fill_prefill_graph_buffers(self, buf: Any, size: int, context_len: int,
+                                   block_table: list[int], slot_mapping: list[int]) -> None:
+        """One chunk of len(slot_mapping) tokens after context_len cached ones, padded to
+        `size` tokens."""
+        raise self._unsupported("prefill CUDA graphs")
+
+    def prefill_graph_metadata(self, buf: Any, size: int) -> Any:
+        """Metadata over views of the buffers for a prefill graph of `size` tokens."""
+        raise self._unsupported("prefill CUDA graphs")
+
+    def _unsupported(self, what: str) -> NotImplementedError:
+        return NotImplementedError(f"the {self.name} attention backend has no {what}")

@@ -69,26 +69,15 @@ def build_attention_metadata(
     Requests [0, num_decodes) have query_len 1. Block tables are padded with `null_block`, a
     block no request ever writes (it stays zero): masked keys still enter the products as
     0 * value, so what padding reads must be finite."""
-    num_tokens = sum(query_lens)
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    bs = block_size
-
-    slot_mapping = torch.tensor(token_slots(query_lens, context_lens, block_tables, bs),
+    slot_mapping = torch.tensor(token_slots(query_lens, context_lens, block_tables, block_size),
                                 dtype=torch.long)
-
     decode_bt = decode_mask = None
     if num_decodes:
-        lens = seq_lens[:num_decodes]
-        decode_bt = _padded_tables(block_tables[:num_decodes], lens, bs, null_block)
-        k_pos = torch.arange(decode_bt.shape[1] * bs)
-        dlens = torch.tensor(lens).unsqueeze(1)
-        allowed = k_pos < dlens
-        if sliding_window is not None:
-            allowed &= k_pos > (dlens - 1 - sliding_window)
-        decode_mask = allowed[:, None, None, :]
+        decode_bt, decode_mask = _decode_group(block_tables[:num_decodes],
+                                               seq_lens[:num_decodes], block_size,
+                                               sliding_window, null_block)
 
-    num_prefills = len(query_lens) - num_decodes
-    p_index = p_valid = p_bt = p_mask = None
     fresh: list[tuple[int, int]] = []
     rest: list[int] = []  # prefill requests for the masked path
     start = num_decodes
@@ -99,43 +88,65 @@ def build_attention_metadata(
         else:
             rest.append(i)
         start += query_lens[i]
+    p_index = p_valid = p_bt = p_mask = None
     if rest:
         flat_starts = [num_decodes + sum(query_lens[num_decodes:i]) for i in rest]
-        pq = [query_lens[i] for i in rest]
-        pc = [context_lens[i] for i in rest]
-        lq = max(pq)
-        starts = torch.tensor(flat_starts)
-        qi = torch.arange(lq)
-        p_valid = qi < torch.tensor(pq).unsqueeze(1)
-        p_index = torch.where(p_valid, starts.unsqueeze(1) + qi, 0)
-        p_bt = _padded_tables([block_tables[i] for i in rest], [seq_lens[i] for i in rest], bs,
-                              null_block)
-        k_pos = torch.arange(p_bt.shape[1] * bs)
-        # Query i of request r sits at absolute position pc[r] + i and sees keys <= it.
-        abs_q = torch.tensor(pc).unsqueeze(1) + qi  # [P, Lq]
-        allowed = (k_pos[None, None, :] <= abs_q[:, :, None]) & p_valid[:, :, None]
-        if sliding_window is not None:
-            allowed &= k_pos[None, None, :] > abs_q[:, :, None] - sliding_window
-        # Padded query rows attend to key 0 only, so softmax stays finite; they are dropped.
-        allowed |= (~p_valid[:, :, None]) & (k_pos[None, None, :] == 0)
-        p_mask = allowed[:, None]
+        p_index, p_valid, p_bt, p_mask = _masked_prefills(
+            flat_starts, [query_lens[i] for i in rest], [context_lens[i] for i in rest],
+            [block_tables[i] for i in rest], [seq_lens[i] for i in rest], block_size,
+            sliding_window, null_block)
 
     def dev(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else tensor_to_device(t, device)
 
     return AttentionMetadata(
-        num_tokens=num_tokens,
+        num_tokens=sum(query_lens),
         slot_mapping=dev(slot_mapping),
         num_decodes=num_decodes,
         decode_block_tables=dev(decode_bt),
         decode_mask=dev(decode_mask),
-        num_prefills=num_prefills,
+        num_prefills=len(query_lens) - num_decodes,
         fresh_spans=fresh,
         prefill_token_index=dev(p_index),
         prefill_token_valid=dev(p_valid),
         prefill_block_tables=dev(p_bt),
         prefill_mask=dev(p_mask),
     )
+
+
+def _decode_group(tables: list[list[int]], lens: list[int], bs: int,
+                  sliding_window: int | None,
+                  null_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Block tables [Bd, Nd] and key mask [Bd, 1, 1, Nd * bs] of the decode requests."""
+    decode_bt = _padded_tables(tables, lens, bs, null_block)
+    k_pos = torch.arange(decode_bt.shape[1] * bs)
+    dlens = torch.tensor(lens).unsqueeze(1)
+    allowed = k_pos < dlens
+    if sliding_window is not None:
+        allowed &= k_pos > (dlens - 1 - sliding_window)
+    return decode_bt, allowed[:, None, None, :]
+
+
+def _masked_prefills(flat_starts: list[int], pq: list[int], pc: list[int],
+                     tables: list[list[int]], seq_lens: list[int], bs: int,
+                     sliding_window: int | None, null_block: int) -> tuple[torch.Tensor, ...]:
+    """Token index and validity [P, Lq], block tables [P, Np] and mask [P, 1, Lq, Np * bs] of
+    the prefill chunks that attend through the masked, padded path."""
+    lq = max(pq)
+    starts = torch.tensor(flat_starts)
+    qi = torch.arange(lq)
+    p_valid = qi < torch.tensor(pq).unsqueeze(1)
+    p_index = torch.where(p_valid, starts.unsqueeze(1) + qi, 0)
+    p_bt = _padded_tables(tables, seq_lens, bs, null_block)
+    k_pos = torch.arange(p_bt.shape[1] * bs)
+    # Query i of request r sits at absolute position pc[r] + i and sees keys <= it.
+    abs_q = torch.tensor(pc).unsqueeze(1) + qi  # [P, Lq]
+    allowed = (k_pos[None, None, :] <= abs_q[:, :, None]) & p_valid[:, :, None]
+    if sliding_window is not None:
+        allowed &= k_pos[None, None, :] > abs_q[:, :, None] - sliding_window
+    # Padded query rows attend to key 0 only, so softmax stays finite; they are dropped.
+    allowed |= (~p_valid[:, :, None]) & (k_pos[None, None, :] == 0)
+    return p_index, p_valid, p_bt, allowed[:, None]
 
 
 def _padded_tables(tables: list[list[int]], seq_lens: list[int], block_size: int,

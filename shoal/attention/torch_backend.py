@@ -13,7 +13,30 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shoal.attention.metadata import AttentionMetadata
+from shoal.attention.backend import AttentionBackend
+from shoal.attention.metadata import AttentionMetadata, build_attention_metadata
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """The reference backend: no fused rotary, no CUDA graphs (the interface's defaults)."""
+
+    name = "torch"
+    fuses_rope_and_cache_write = False
+    supports_cuda_graphs = False
+    supports_prefill_graphs = False
+
+    def build_metadata(self, *, query_lens: list[int], context_lens: list[int],
+                       block_tables: list[list[int]], block_size: int, num_decodes: int,
+                       sliding_window: int | None, device: torch.device,
+                       null_block: int) -> AttentionMetadata:
+        return build_attention_metadata(
+            query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
+            block_size=block_size, num_decodes=num_decodes, sliding_window=sliding_window,
+            device=device, null_block=null_block)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, md, scale)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -14,17 +14,18 @@ class below does this with persistent buffers for shoal.worker.cuda_graphs.Decod
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from shoal.attention.backend import AttentionBackend
 from shoal.attention.metadata import token_slots
 from shoal.attention.ops.kv_cache_write import write_kv_cache
 from shoal.attention.ops.paged_decode import paged_decode
 from shoal.attention.ops.paged_prefill import paged_prefill
 from shoal.attention.ops.rope_kv_write import rope_kv_write
+from shoal.attention.ops.warm import warm_paged_attention
 from shoal.host_to_device import to_device
 
 
@@ -155,9 +156,10 @@ def _attend_cached(q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionM
                      scale, sliding_window=md.sliding_window, num_splits=md.decode_num_splits,
                      max_seq_len=md.max_decode_seq_len, out=out[:nd])
     if md.num_prefills:
-        paged_prefill(q, kv_cache, md.block_tables[nd:], md.seq_lens[nd:],
-                      md.query_start_loc[nd:], md.max_query_len, md.block_size, scale,
-                      sliding_window=md.sliding_window, out=out)
+        # Whole tensors and first_row, not slices: see paged_prefill's kernel.
+        paged_prefill(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                      md.max_query_len, md.block_size, scale,
+                      sliding_window=md.sliding_window, out=out, first_row=nd)
     return out
 
 
@@ -170,13 +172,17 @@ class TritonGraphBuffers:
     sliding_window: int | None
     slot_mapping: torch.Tensor  # [max_batch] int64
     block_tables: torch.Tensor  # [max_batch, max_blocks] int32
-    lens: torch.Tensor  # [2, max_batch] int32: seq_lens, context_lens
+    # [2 * max_batch] int32: a graph of B rows reads seq_lens from [0, B) and context_lens
+    # from [B, 2B), so a step's lens are one contiguous copy.
+    lens: torch.Tensor
     query_start_loc: torch.Tensor  # [max_batch + 1] int32: arange, one token per row
-    # Host staging (pinned on CUDA), so each step is one copy per dtype. Two sets used in
-    # turn: step N+1 may be filled while step N's copies are still queued.
-    host_lens: Any = None  # 2 x numpy [2, max_batch] int32
+    # Host staging (pinned on CUDA), so each step is one copy per dtype, each from a
+    # contiguous host range (a strided source would be copied through a pageable temporary,
+    # which can make the host wait). Two sets used in turn: step N+1 may be filled while
+    # step N's copies are still queued.
+    host_lens: Any = None  # 2 x numpy [2 * max_batch] int32
     host_slots: Any = None  # 2 x numpy [max_batch] int64
-    host_tables: Any = None  # 2 x numpy [max_batch, max_blocks] int32
+    host_tables: Any = None  # 2 x numpy [max_batch * max_blocks] int32, rows of the step's width
     turn: int = 0
 
 
@@ -197,31 +203,28 @@ class PrefillGraphBuffers:
     turn: int = 0
 
 
-_UNSET: Any = object()
-
-
-class TritonAttentionBackend:
-    """The shoal.attention.backend.AttentionBackend protocol plus the decode CUDA-graph hooks."""
+class TritonAttentionBackend(AttentionBackend):
+    """The AttentionBackend interface in full: fused rotary + cache write, decode and
+    single-prefill CUDA graphs."""
 
     name = "triton"
+    supports_cuda_graphs = True
+    supports_prefill_graphs = True
 
-    def __init__(self) -> None:
+    def __init__(self, fuse_rope_and_cache_write: bool = True) -> None:
         # Layers with rotary hand q, k, v before norm and rotary to forward_fused, which does
-        # both in the cache-write kernel. Off with SHOAL_DISABLE_TRITON_OPS=1 (those steps then
-        # run in PyTorch as before) or SHOAL_DISABLE_FUSED_ROPE_KV=1 (for A/B timing).
-        self.fuses_rope_and_cache_write = (os.environ.get("SHOAL_DISABLE_TRITON_OPS") != "1"
-                                           and os.environ.get("SHOAL_DISABLE_FUSED_ROPE_KV") != "1")
-        # Remembered from build_metadata (the runner's warmup runs it before graph capture)
-        # for alloc_graph_buffers callers that do not pass them.
-        self._block_size: int | None = None
-        self._sliding_window: int | None = None
+        # both in the cache-write kernel; off (the engine's fuse_rope_kv_write) for A/B timing.
+        self.fuses_rope_and_cache_write = fuse_rope_and_cache_write
 
-    def build_metadata(self, *, null_block: int | None = None,
-                       **kwargs: Any) -> TritonAttentionMetadata:
+    def build_metadata(self, *, query_lens: list[int], context_lens: list[int],
+                       block_tables: list[list[int]], block_size: int, num_decodes: int,
+                       sliding_window: int | None, device: torch.device,
+                       null_block: int) -> TritonAttentionMetadata:
         del null_block  # the kernels never read past a sequence's length
-        self._block_size = kwargs["block_size"]
-        self._sliding_window = kwargs["sliding_window"]
-        return build_triton_attention_metadata(**kwargs)
+        return build_triton_attention_metadata(
+            query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
+            block_size=block_size, num_decodes=num_decodes, sliding_window=sliding_window,
+            device=device)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: TritonAttentionMetadata,
@@ -238,14 +241,12 @@ class TritonAttentionBackend:
         return paged_attention_triton_fused(q, k, v, positions, cos_sin_cache, q_norm_weight,
                                             k_norm_weight, eps, kv_cache, md, scale)
 
+    def warm_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
+                     block_size: int, sliding_window: int | None) -> int:
+        return warm_paged_attention(kv_cache, num_heads, scale, block_size, sliding_window)
+
     def alloc_graph_buffers(self, max_batch: int, max_blocks: int, device: torch.device, *,
-                            block_size: int | None = None,
-                            sliding_window: int | None = _UNSET) -> TritonGraphBuffers:
-        block_size = block_size or self._block_size
-        if block_size is None:
-            raise ValueError("block_size unknown: pass it or call build_metadata first")
-        if sliding_window is _UNSET:
-            sliding_window = self._sliding_window
+                            block_size: int, sliding_window: int | None) -> TritonGraphBuffers:
         pin = device.type == "cuda"
 
         def host(shape: tuple[int, ...], dtype: torch.dtype) -> Any:
@@ -256,11 +257,11 @@ class TritonAttentionBackend:
             sliding_window=sliding_window,
             slot_mapping=torch.full((max_batch,), -1, dtype=torch.long, device=device),
             block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
-            lens=torch.zeros(2, max_batch, dtype=torch.int32, device=device),
+            lens=torch.zeros(2 * max_batch, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
-            host_lens=[host((2, max_batch), torch.int32) for _ in range(2)],
+            host_lens=[host((2 * max_batch,), torch.int32) for _ in range(2)],
             host_slots=[host((max_batch,), torch.long) for _ in range(2)],
-            host_tables=[host((max_batch, max_blocks), torch.int32) for _ in range(2)],
+            host_tables=[host((max_batch * max_blocks,), torch.int32) for _ in range(2)],
         )
 
     def fill_graph_buffers(self, buf: TritonGraphBuffers, size: int, context_lens: list[int],
@@ -272,30 +273,36 @@ class TritonAttentionBackend:
         not come before the copies of the fill two before it have completed (async scheduling
         keeps at most one step in flight, so they have)."""
         n = len(context_lens)
-        if n > size or size > buf.lens.shape[1]:
+        if n > size or size > buf.slot_mapping.shape[0]:
             raise ValueError(f"{n} decodes do not fit a graph of {size} rows")
         # Host staging in turns (see TritonGraphBuffers.turn).
         turn = buf.turn
         buf.turn ^= 1
-        lens, slots = buf.host_lens[turn], buf.host_slots[turn]
-        lens[1, :n] = context_lens
-        lens[0, :n] = lens[1, :n] + 1
-        lens[:, n:size] = 0
+        lens, slots = buf.host_lens[turn][:2 * size], buf.host_slots[turn][:size]
+        lens[:] = 0
+        lens[size:size + n] = context_lens  # layout: see TritonGraphBuffers.lens
+        lens[:n] = lens[size:size + n] + 1
         slots[:n] = slot_mapping
-        slots[n:size] = -1
-        buf.lens[:, :size].copy_(torch.from_numpy(lens)[:, :size], non_blocking=True)
-        buf.slot_mapping[:size].copy_(torch.from_numpy(slots[:size]), non_blocking=True)
+        slots[n:] = -1
+        buf.lens[:2 * size].copy_(torch.from_numpy(lens), non_blocking=True)
+        buf.slot_mapping[:size].copy_(torch.from_numpy(slots), non_blocking=True)
         if block_tables is not None and n:
-            width = max(len(t) for t in block_tables)
-            if width > buf.block_tables.shape[1]:
-                raise ValueError(f"a sequence needs {width} blocks, graphs hold "
-                                 f"{buf.block_tables.shape[1]}")
-            tables = buf.host_tables[turn]
-            for i, t in enumerate(block_tables):
-                tables[i, : len(t)] = t
-            # Entries past a row's length are never read, so stale cells are harmless.
-            buf.block_tables[:n, :width].copy_(torch.from_numpy(tables[:n, :width]),
-                                               non_blocking=True)
+            self._fill_tables(buf, turn, block_tables)
+
+    @staticmethod
+    def _fill_tables(buf: TritonGraphBuffers, turn: int,
+                     block_tables: list[list[int]]) -> None:
+        n, width = len(block_tables), max(len(t) for t in block_tables)
+        if width > buf.block_tables.shape[1]:
+            raise ValueError(f"a sequence needs {width} blocks, graphs hold "
+                             f"{buf.block_tables.shape[1]}")
+        # Staged as a contiguous [n, width] host block (whole device rows would copy up to
+        # max_blocks entries per row); the device scatters it into the wider rows. Entries
+        # past a row's length are never read, so stale cells are harmless.
+        tables = buf.host_tables[turn][:n * width].reshape(n, width)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = t
+        buf.block_tables[:n, :width].copy_(torch.from_numpy(tables), non_blocking=True)
 
     def alloc_prefill_graph_buffers(self, max_tokens: int, max_blocks: int,
                                     device: torch.device, *, block_size: int,
@@ -374,8 +381,8 @@ class TritonAttentionBackend:
             num_decode_rows=size,
             num_prefills=0,
             block_tables=buf.block_tables[:size],
-            seq_lens=buf.lens[0, :size],
-            context_lens=buf.lens[1, :size],
+            seq_lens=buf.lens[:size],
+            context_lens=buf.lens[size:2 * size],
             query_start_loc=buf.query_start_loc[:size + 1],
             max_query_len=0,
             max_decode_seq_len=cap,

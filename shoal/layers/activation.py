@@ -6,13 +6,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.layers.fused_ops import use_triton
+from shoal.layers.ops.dispatch import use_triton
 
 
 class SiluAndMul(nn.Module):
+    def __init__(self, use_triton_ops: bool = True):
+        super().__init__()
+        self.use_triton_ops = use_triton_ops  # the Triton kernel for 2-D CUDA tensors
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if use_triton(x) and x.dim() == 2:
-            from shoal.attention.ops.silu_mul import silu_and_mul
+        if use_triton(x, self.use_triton_ops) and x.dim() == 2:
+            from shoal.layers.ops.silu_mul import silu_and_mul
 
             return silu_and_mul(x)
         return self.forward_native(x)

@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shoal.layers.fused_ops import use_triton
+from shoal.layers.ops.dispatch import use_triton
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, params_dtype: torch.dtype | None = None,
+                 use_triton_ops: bool = True):
         super().__init__()
         self.eps = eps
+        self.use_triton_ops = use_triton_ops  # the Triton kernel for CUDA tensors
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=params_dtype), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
@@ -23,8 +25,8 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if use_triton(x):
-            from shoal.attention.ops.rms_norm import fused_add_rms_norm, rms_norm
+        if use_triton(x, self.use_triton_ops):
+            from shoal.layers.ops.rms_norm import fused_add_rms_norm, rms_norm
 
             if residual is None:
                 return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)

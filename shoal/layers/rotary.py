@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.layers.fused_ops import use_triton
+from shoal.layers.ops.dispatch import use_triton
 
 
 def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
@@ -48,9 +48,11 @@ def _inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any] | None) -> tor
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, theta: float,
-                 scaling: dict[str, Any] | None = None, rot_dim: int | None = None):
+                 scaling: dict[str, Any] | None = None, rot_dim: int | None = None,
+                 use_triton_ops: bool = True):
         super().__init__()
         self.head_dim = head_dim
+        self.use_triton_ops = use_triton_ops  # the Triton kernel for CUDA tensors
         self.rot_dim = rot_dim or head_dim
         inv = _inv_freq(self.rot_dim, theta, scaling)
         t = torch.arange(max_position, dtype=torch.float64)
@@ -62,8 +64,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies (rotated in place on CUDA)."""
-        if use_triton(q):
-            from shoal.attention.ops.rotary import rotary_embedding
+        if use_triton(q, self.use_triton_ops):
+            from shoal.layers.ops.rotary import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.cos_sin_cache)
         return self.forward_native(positions, q, k)
@@ -97,12 +99,15 @@ _SHARED: dict[tuple, RotaryEmbedding] = {}
 
 
 def get_rope(head_dim: int, max_position: int, theta: float,
-             scaling: dict[str, Any] | None = None) -> RotaryEmbedding:
+             scaling: dict[str, Any] | None = None,
+             use_triton_ops: bool = True) -> RotaryEmbedding:
     """One rotary module (and one cos/sin table) shared by every layer with the same settings;
     a long-context model's table is tens of MiB, too much to repeat per layer."""
     device = torch.empty(0).device  # the torch.device context the model is built under
-    key = (head_dim, max_position, theta, repr(sorted((scaling or {}).items())), str(device))
+    key = (head_dim, max_position, theta, repr(sorted((scaling or {}).items())), str(device),
+           use_triton_ops)
     rope = _SHARED.get(key)
     if rope is None:
-        rope = _SHARED[key] = RotaryEmbedding(head_dim, max_position, theta, scaling)
+        rope = _SHARED[key] = RotaryEmbedding(head_dim, max_position, theta, scaling,
+                                              use_triton_ops=use_triton_ops)
     return rope

@@ -1,5 +1,6 @@
 """Model resolution and loading: GGUF files, transformers folders, and dummy (random) weights."""
 
+from shoal.loader.build import build_model
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.loader.load import LOAD_FORMATS, load_frontend_tokenizer, load_model, load_tokenizer
 from shoal.loader.loaded_model import LoadedModel
@@ -17,6 +18,7 @@ __all__ = [
     "LoadedModel",
     "ModelNotFoundError",
     "ModelSource",
+    "build_model",
     "initialize_dummy_weights",
     "known_model_names",
     "load_frontend_tokenizer",

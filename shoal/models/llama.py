@@ -1,18 +1,19 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2 with qkv bias, Qwen3 with q/k norm).
 
 Projections are fused (qkv, gate_up) and tensor-parallel; `packed_modules_mapping` tells the
-loader which checkpoint tensors land in which fused parameter and shard."""
+loader which checkpoint tensors land in which fused parameter and shard. The model classes
+follow shoal/models/interface.py; use_triton_ops reaches every layer with a kernel."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from shoal.attention.backend import AttentionBackend, TorchAttentionBackend
 from shoal.layers.activation import SiluAndMul
+from shoal.layers.attention import Attention
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.layers.linear import (
     MergedColumnParallelLinear,
@@ -21,51 +22,12 @@ from shoal.layers.linear import (
     default_weight_loader,
 )
 from shoal.layers.norm import RMSNorm
-from shoal.layers.rotary import RotaryEmbedding, get_rope, rope_parameters
-
-
-class Attention(nn.Module):
-    """Attention over the paged KV cache; `kv_cache` is bound by the model runner."""
-
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None = None):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = head_dim ** -0.5
-        self.sliding_window = sliding_window
-        self.kv_cache: torch.Tensor | None = None  # [2, num_slots, Hk, D]
-        self.backend: AttentionBackend = TorchAttentionBackend()
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Any) -> torch.Tensor:
-        if self.kv_cache is None:
-            raise RuntimeError("KV cache is not bound to the attention layer")
-        return self.backend.forward(q, k, v, self.kv_cache, md, self.scale)
-
-    @property
-    def fuses_rope(self) -> bool:
-        """Whether the backend applies q/k norm and rotary itself (forward_rope)."""
-        return getattr(self.backend, "fuses_rope_and_cache_write", False)
-
-    def forward_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, rope: RotaryEmbedding, q_norm: RMSNorm | None,
-                     k_norm: RMSNorm | None, md: Any) -> torch.Tensor:
-        """forward on q and k before the optional per-head norms and the rotary, which the
-        backend fuses into its cache write (only while fuses_rope). q is modified in place."""
-        if self.kv_cache is None:
-            raise RuntimeError("KV cache is not bound to the attention layer")
-        norms = [n for n in (q_norm, k_norm) if n is not None]
-        if len({n.eps for n in norms}) > 1:
-            raise ValueError("the fused kernel takes one eps for the q and k norms")
-        eps = norms[0].eps if norms else 0.0
-        return self.backend.forward_fused(
-            q, k, v, positions, rope.cos_sin_cache,
-            q_norm.weight if q_norm is not None else None,
-            k_norm.weight if k_norm is not None else None,
-            eps, self.kv_cache, md, self.scale)
+from shoal.layers.rotary import get_rope, rope_parameters
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool, qkv_bias: bool):
+    def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool, qkv_bias: bool,
+                 use_triton_ops: bool = True):
         super().__init__()
         self.hidden_size = cfg.hidden_size
         total_heads = cfg.num_attention_heads
@@ -81,11 +43,12 @@ class LlamaAttention(nn.Module):
                                         bias=getattr(cfg, "attention_bias", False) and not qkv_bias,
                                         params_dtype=dtype)
         theta, scaling = rope_parameters(cfg)
-        self.rotary_emb = get_rope(self.head_dim, cfg.max_position_embeddings, theta, scaling)
+        self.rotary_emb = get_rope(self.head_dim, cfg.max_position_embeddings, theta, scaling,
+                                   use_triton_ops=use_triton_ops)
         self.qk_norm = qk_norm
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, use_triton_ops)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, use_triton_ops)
         window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, window)
 
@@ -109,7 +72,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         super().__init__()
         inter = cfg.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter],
@@ -117,19 +80,21 @@ class LlamaMLP(nn.Module):
                                                        params_dtype=dtype)
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size,
                                            bias=getattr(cfg, "mlp_bias", False), params_dtype=dtype)
-        self.act = SiluAndMul()
+        self.act = SiluAndMul(use_triton_ops=use_triton_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool, qkv_bias: bool):
+    def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool, qkv_bias: bool,
+                 use_triton_ops: bool = True):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype, qk_norm, qkv_bias)
-        self.mlp = LlamaMLP(cfg, dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(cfg, dtype, qk_norm, qkv_bias, use_triton_ops)
+        self.mlp = LlamaMLP(cfg, dtype, use_triton_ops)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, use_triton_ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, use_triton_ops)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None,
@@ -145,13 +110,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool = False, qkv_bias: bool = False):
+    def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool = False,
+                 qkv_bias: bool = False, use_triton_ops: bool = True):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, qk_norm, qkv_bias) for _ in range(cfg.num_hidden_layers)
+            LlamaDecoderLayer(cfg, dtype, qk_norm, qkv_bias, use_triton_ops)
+            for _ in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: Any) -> torch.Tensor:
@@ -166,7 +133,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
     qkv_bias = False
-    packed_modules_mapping = {
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
@@ -174,18 +141,23 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, hf_config: Any, dtype: torch.dtype):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__()
         self.config = hf_config
-        self.model = LlamaModel(hf_config, dtype, self.qk_norm, self.qkv_bias)
+        self.model = self._build_model(hf_config, dtype, use_triton_ops)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def _build_model(self, hf_config: Any, dtype: torch.dtype,
+                     use_triton_ops: bool) -> nn.Module:
+        """The decoder stack under `model.` (the checkpoint's prefix); subclasses swap it."""
+        return LlamaModel(hf_config, dtype, self.qk_norm, self.qkv_bias, use_triton_ops)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: Any) -> torch.Tensor:
-        return self.model(input_ids, positions, md)
+                attn_metadata: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.moe.layer import FusedMoE
 from shoal.layers.moe.router import TopKRouter
 from shoal.layers.norm import RMSNorm
@@ -38,12 +38,12 @@ def is_sparse_layer(cfg: Any, layer_idx: int) -> bool:
 
 
 class Qwen3MoeSparseBlock(nn.Module):
-    def __init__(self, cfg: Any, dtype: torch.dtype):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         super().__init__()
         self.gate = TopKRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
                                bool(getattr(cfg, "norm_topk_prob", False)), dtype)
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
-                                params_dtype=dtype)
+                                params_dtype=dtype, use_triton_ops=use_triton_ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
@@ -53,33 +53,34 @@ class Qwen3MoeSparseBlock(nn.Module):
 class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
     """Llama's forward; only the MLP differs."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, layer_idx: int):
+    def __init__(self, cfg: Any, dtype: torch.dtype, layer_idx: int,
+                 use_triton_ops: bool = True):
         nn.Module.__init__(self)  # not Llama's __init__: it would allocate a dense MLP first
-        self.self_attn = LlamaAttention(cfg, dtype, qk_norm=True, qkv_bias=False)
-        self.mlp = (Qwen3MoeSparseBlock(cfg, dtype) if is_sparse_layer(cfg, layer_idx)
-                    else LlamaMLP(cfg, dtype))
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        ops = use_triton_ops
+        self.self_attn = LlamaAttention(cfg, dtype, qk_norm=True, qkv_bias=False,
+                                        use_triton_ops=ops)
+        self.mlp = (Qwen3MoeSparseBlock(cfg, dtype, ops) if is_sparse_layer(cfg, layer_idx)
+                    else LlamaMLP(cfg, dtype, ops))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
 
 
 class Qwen3MoeModel(LlamaModel):
-    def __init__(self, cfg: Any, dtype: torch.dtype):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         nn.Module.__init__(self)  # Llama's would build dense layers
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(
-            Qwen3MoeDecoderLayer(cfg, dtype, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+            Qwen3MoeDecoderLayer(cfg, dtype, i, use_triton_ops)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    def __init__(self, hf_config: Any, dtype: torch.dtype):
-        nn.Module.__init__(self)
-        self.config = hf_config
-        self.model = Qwen3MoeModel(hf_config, dtype)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    qk_norm = True  # as Qwen3 (the decoder layers above set it themselves)
+
+    def _build_model(self, hf_config: Any, dtype: torch.dtype,
+                     use_triton_ops: bool) -> nn.Module:
+        return Qwen3MoeModel(hf_config, dtype, use_triton_ops)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Expert tensors go into the stacked w13 / w2 parameters; the rest load as in Llama."""

@@ -1,4 +1,7 @@
-"""Model classes by the `architectures` name in a Hugging Face config, imported lazily."""
+"""Model classes by the `architectures` name in a Hugging Face config, imported lazily.
+
+Adding an architecture: a class that follows shoal/models/interface.py, one line here (and
+one in _BY_MODEL_TYPE), and its entry in tests/models/test_interface.py."""
 
 from __future__ import annotations
 

@@ -14,12 +14,10 @@ from typing import Any
 
 import torch
 
+from shoal.attention.backend import AttentionBackend
+from shoal.worker.staged_tokens import StagedTokens
+
 logger = logging.getLogger(__name__)
-
-
-def _pinned_numpy(shape: tuple[int, ...], device: torch.device) -> Any:
-    t = torch.zeros(shape, dtype=torch.long, pin_memory=device.type == "cuda")
-    return t.numpy()
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -32,20 +30,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, backend: Any, max_num_seqs: int, max_blocks: int,
-                 device: torch.device, *, block_size: int, sliding_window: int | None):
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_num_seqs: int,
+                 max_blocks: int, device: torch.device, *, block_size: int,
+                 sliding_window: int | None):
         self.model = model
         self.backend = backend
         self.sizes = capture_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
         self.device = device
-        # Token ids and positions travel in one copy from a pinned host buffer.
-        self.tokens = torch.zeros(2, self.max_batch, dtype=torch.long, device=device)
-        self.input_ids, self.positions = self.tokens[0], self.tokens[1]
-        # Two host staging buffers used in turn: with async scheduling, step N+1 is prepared
-        # while step N's copies may still be queued, but step N-1's have completed.
-        self.host_tokens = [_pinned_numpy((2, self.max_batch), device) for _ in range(2)]
-        self._turn = 0
+        # Token ids and positions: rows 0 and 1, one copy per step.
+        self.tokens = StagedTokens(2, self.max_batch, device)
         self._tables_key: tuple | None = None
         self.buffers = backend.alloc_graph_buffers(self.max_batch, max_blocks, device,
                                                    block_size=block_size,
@@ -72,7 +66,7 @@ class DecodeGraphs:
         for size in reversed(self.sizes):
             self.backend.fill_graph_buffers(self.buffers, size, [], [], [])
             md = self.backend.graph_metadata(self.buffers, size)
-            ids, pos = self.input_ids[:size], self.positions[:size]
+            ids, pos = self.tokens.view(size)
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm: compile kernels, settle the allocator
                     self._forward(ids, pos, md)
@@ -104,14 +98,9 @@ class DecodeGraphs:
         fill_pending writes ids sampled by the step in flight into the device input ids."""
         n = len(input_ids)
         size = self.padded_size(n)
-        host = self.host_tokens[self._turn]
-        self._turn ^= 1
-        host[0, :n] = input_ids
-        host[1, :n] = positions
-        host[:, n:size] = 0
-        self.tokens[:, :size].copy_(torch.from_numpy(host[:, :size]), non_blocking=True)
+        ids, _ = self.tokens.stage(size, (input_ids, positions))
         if fill_pending is not None:
-            fill_pending(self.input_ids)
+            fill_pending(ids)
         # Block tables change only when a row gains a block or the batch changes: skip the
         # copy otherwise (every 16 steps of a steady batch need one).
         key = (size, tuple(request_ids), tuple(len(t) for t in block_tables))

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from shoal.worker.cuda_graphs import _pinned_numpy
+from shoal.attention.backend import AttentionBackend
+from shoal.worker.staged_tokens import StagedTokens
 
 logger = logging.getLogger(__name__)
 
@@ -24,19 +25,16 @@ PREFILL_GRAPH_SIZES = (16, 32, 64, 128, 256, 512)
 
 
 class PrefillGraphs:
-    def __init__(self, model: torch.nn.Module, backend: Any, max_tokens: int, max_blocks: int,
-                 device: torch.device, *, block_size: int, sliding_window: int | None):
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_tokens: int,
+                 max_blocks: int, device: torch.device, *, block_size: int,
+                 sliding_window: int | None):
         self.model = model
         self.backend = backend
         self.sizes = [s for s in PREFILL_GRAPH_SIZES if s <= max_tokens]
         self.max_size = self.sizes[-1] if self.sizes else 0
         self.device = device
-        # Rows: token ids, positions, and [2, 0] the index of the last real token.
-        self.tokens = torch.zeros(3, max(self.max_size, 1), dtype=torch.long, device=device)
-        self.input_ids, self.positions = self.tokens[0], self.tokens[1]
-        self.last_index = self.tokens[2, :1]
-        self.host_tokens = [_pinned_numpy((3, max(self.max_size, 1)), device) for _ in range(2)]
-        self._turn = 0
+        # Rows: token ids, positions, and in [2, 0] the index of the last real token.
+        self.tokens = StagedTokens(3, max(self.max_size, 1), device)
         self.buffers = backend.alloc_prefill_graph_buffers(max(self.max_size, 1), max_blocks,
                                                            device, block_size=block_size,
                                                            sliding_window=sliding_window)
@@ -51,8 +49,9 @@ class PrefillGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         md = self.backend.prefill_graph_metadata(self.buffers, size)
-        hidden = self.model(self.input_ids[:size], self.positions[:size], md)
-        return self.model.compute_logits(hidden.index_select(0, self.last_index))
+        ids, pos, last = self.tokens.view(size)
+        hidden = self.model(ids, pos, md)
+        return self.model.compute_logits(hidden.index_select(0, last[:1]))
 
     @torch.inference_mode()
     def capture(self, pool: Any) -> float:
@@ -84,15 +83,9 @@ class PrefillGraphs:
         """One chunk of len(input_ids) tokens; returns the logits of its last token [1, V]."""
         n = len(input_ids)
         size = self.padded_size(n)
-        host = self.host_tokens[self._turn]
-        self._turn ^= 1
-        host[0, :n] = input_ids
-        host[1, :n] = positions
-        host[:2, n:size] = 0
-        host[2, 0] = n - 1
-        self.tokens[:, :size].copy_(torch.from_numpy(host[:, :size]), non_blocking=True)
+        ids = self.tokens.stage(size, (input_ids, positions, (n - 1,)))[0]
         if fill_pending is not None:
-            fill_pending(self.input_ids)
+            fill_pending(ids)
         self.backend.fill_prefill_graph_buffers(self.buffers, size, context_len, block_table,
                                                 slot_mapping)
         self.graphs[size].replay()

@@ -6,17 +6,36 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
-if TYPE_CHECKING:
-    from shoal.worker.model_runner import ModelRunner
+from shoal.attention.backend import AttentionBackend
+from shoal.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 
-def dummy_forward(runner: ModelRunner, query_lens: list[int], num_decodes: int,
+class Runner(Protocol):
+    """What these passes use of shoal.worker.model_runner.ModelRunner (named here rather
+    than imported: the runner imports this module)."""
+
+    config: EngineConfig
+    model: nn.Module
+    backend: AttentionBackend
+    device: torch.device
+    block_size: int
+    sliding_window: int | None
+    null_block: int
+    vocab_size: int
+
+    def bind_kv_cache(self, num_blocks: int) -> None: ...
+
+    def unbind_kv_cache(self) -> None: ...
+
+
+def dummy_forward(runner: Runner, query_lens: list[int], num_decodes: int,
                   sample: bool = True) -> None:
     """A forward over made-up requests whose blocks are taken from the start of the bound
     cache (never the null block). Writes garbage into those blocks: only call it before any
@@ -52,7 +71,7 @@ def profile_split(max_tokens: int, max_model_len: int, max_seqs: int) -> list[in
 
 
 @torch.inference_mode()
-def profile_activation_bytes(runner: ModelRunner) -> int:
+def profile_activation_bytes(runner: Runner) -> int:
     """Peak device memory of the largest step beyond what is held before it (weights)."""
     sc = runner.config.scheduler_config
     lens = profile_split(sc.max_num_batched_tokens, sc.max_model_len, sc.max_num_seqs)
@@ -85,7 +104,7 @@ def prefill_buckets(max_tokens: int) -> list[int]:
 
 
 @torch.inference_mode()
-def warmup(runner: ModelRunner) -> float:
+def warmup(runner: Runner) -> float:
     """Runs each kind of step once per size bucket so Triton kernels are compiled (and the
     caching allocator warmed) before the first request."""
     t0 = time.perf_counter()
@@ -95,16 +114,23 @@ def warmup(runner: ModelRunner) -> float:
     def fits(lens: list[int]) -> bool:
         return sum(-(-q // runner.block_size) for q in lens) <= free_blocks
 
+    # Up to the whole token budget: the first full-budget step of real traffic must not be
+    # the one that grows the caching allocator or loads cuBLAS's large-M kernels.
     steps = [(profile_split(n, sc.max_model_len, sc.max_num_seqs), 0)
-             for n in prefill_buckets(min(sc.max_num_batched_tokens, 4096))]
+             for n in prefill_buckets(sc.max_num_batched_tokens)]
     steps += [([1] * b, b) for b in sorted({1, min(8, sc.max_num_seqs), sc.max_num_seqs})]
     steps += [([n], 0) for n in (3, 6, 12)]  # short chunks take the small prefill tiles
     steps.append(([1, 1, 17], 2))  # a mixed step: decodes and a prefill chunk
     for lens, num_decodes in steps:
         if fits(lens):
             dummy_forward(runner, lens, num_decodes)
+    # Long contexts pick attention variants (decode splits, prefill tiles) that the short
+    # dummy steps above never reach.
+    layer = runner.model.attention_layers()[0]
+    variants = runner.backend.warm_kernels(layer.kv_cache, layer.num_heads, layer.scale,
+                                           runner.block_size, runner.sliding_window)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     took = time.perf_counter() - t0
-    logger.info("warmup done in %.1f s", took)
+    logger.info("warmup done in %.1f s (%d attention kernel variants)", took, variants)
     return took

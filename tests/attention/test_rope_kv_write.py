@@ -1,20 +1,14 @@
 """The fused q/k-norm + rotary + KV-cache-write kernel against its PyTorch reference, and the
 Triton backend's fused forward against the unfused layers, through the Triton interpreter on
-the CPU (compiled on a GPU when there is one)."""
+the CPU (see conftest.py; compiled on a GPU when there is one)."""
 
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
+import pytest
 import torch
-
-# Set before the kernel modules are imported, as in test_triton_kernels.py (see there).
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-from types import SimpleNamespace  # noqa: E402
-
-import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
@@ -23,6 +17,7 @@ from shoal.attention.ops.rope_kv_write import (  # noqa: E402
     rope_kv_write,
     rope_kv_write_reference,
 )
+from shoal.attention.selector import get_attention_backend  # noqa: E402
 from shoal.attention.torch_backend import write_kv_cache  # noqa: E402
 from shoal.attention.triton_backend import (  # noqa: E402
     TritonAttentionBackend,
@@ -139,9 +134,9 @@ def test_backend_fused_forward_matches_unfused() -> None:
     assert torch.all(out[2] == 0)  # the padding row
 
 
-def test_llama_attention_takes_the_fused_path_only_on_triton(monkeypatch) -> None:
+def test_llama_attention_takes_the_fused_path_only_on_triton() -> None:
     """LlamaAttention with q/k norm: the Triton backend (fused) gives the torch backend's
-    output and cache; the flag turns the fusion off."""
+    output and cache; the engine's fuse_rope_kv_write=False turns the fusion off."""
     torch.manual_seed(3)
     cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=32, max_position_embeddings=32, rms_norm_eps=1e-5,
@@ -166,8 +161,7 @@ def test_llama_attention_takes_the_fused_path_only_on_triton(monkeypatch) -> Non
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(got_cache, want_cache, atol=2e-5, rtol=2e-5)
 
-    monkeypatch.setenv("SHOAL_DISABLE_FUSED_ROPE_KV", "1")
-    attn.attn.backend = backend = TritonAttentionBackend()
+    attn.attn.backend = backend = get_attention_backend(DEV, "triton", fuse_rope_kv_write=False)
     attn.attn.kv_cache = cache.clone()
     assert not attn.attn.fuses_rope
     unfused = attn(positions, hidden, backend.build_metadata(**kw, null_block=3))

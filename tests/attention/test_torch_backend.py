@@ -8,7 +8,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from shoal.attention.backend import AttentionBackend
 from shoal.attention.metadata import build_attention_metadata
+from shoal.attention.selector import get_attention_backend
 from shoal.attention.torch_backend import paged_attention
 
 CPU = torch.device("cpu")
@@ -264,3 +266,18 @@ def test_stale_values_in_unused_slots_do_not_leak() -> None:
         torch.testing.assert_close(out[start:start + s.q].double(), ref, atol=ATOL, rtol=RTOL,
                                    msg=lambda m, i=i: f"request {i}: {m}")
         start += s.q
+
+
+def test_backend_says_what_it_cannot_do_and_the_hooks_raise() -> None:
+    """The reference backend declares no fused rotary and no CUDA graphs; the runner reads the
+    flags, and a hook called anyway fails loudly rather than doing something half-right."""
+    backend = get_attention_backend(CPU)
+    assert isinstance(backend, AttentionBackend) and backend.name == "torch"
+    assert not (backend.fuses_rope_and_cache_write or backend.supports_cuda_graphs
+                or backend.supports_prefill_graphs)
+    with pytest.raises(NotImplementedError, match="torch attention backend"):
+        backend.alloc_graph_buffers(4, 8, CPU, block_size=16, sliding_window=None)
+    with pytest.raises(NotImplementedError):
+        backend.prefill_graph_metadata(None, 16)
+    with pytest.raises(ValueError, match="'torch' or 'triton'"):
+        get_attention_backend(CPU, "flash")

@@ -6,19 +6,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
+import torch.nn.functional as F
 
-# Without a GPU the kernels run in Triton's interpreter on CPU tensors. triton.jit reads this
-# when a kernel is defined, so it must be set before the kernel modules are imported (and no
-# earlier test module may import them). With a GPU they run compiled, on CUDA tensors.
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-
-import pytest  # noqa: E402
-
-pytest.importorskip("triton")
-
-import torch.nn.functional as F  # noqa: E402
+pytest.importorskip("triton")  # the interpreter on the CPU: see conftest.py
 
 from shoal.layers.moe.align import group_by_expert, max_blocks  # noqa: E402
 from shoal.layers.moe.layer import FusedMoE  # noqa: E402

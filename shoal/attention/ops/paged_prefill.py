@@ -59,11 +59,13 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
     return acc, l_i, m_i
 
 
-# Per-step ints are not specialized (== 1, % 16), so steps do not trigger new compiles.
-@triton.jit(do_not_specialize=["window", "num_q_tiles", "stride_bt"])
+# Per-step ints are not specialized (== 1, % 16), so steps do not trigger new compiles; the
+# per-request tensors always come as whole tensors plus first_row (a slice of them would move
+# their pointers off 16-byte alignment, a specialization Triton would compile anew).
+@triton.jit(do_not_specialize=["window", "num_q_tiles", "first_row", "stride_bt"])
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    qk_scale, window, num_q_tiles,
+    qk_scale, window, num_q_tiles, first_row,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
@@ -71,7 +73,7 @@ def _paged_prefill_kernel(
 ):
     # Later query tiles see more keys: launch them first so the tail of the grid is short.
     tile = num_q_tiles - 1 - tl.program_id(0)
-    seq = tl.program_id(1)
+    seq = first_row + tl.program_id(1)
     kh = tl.program_id(2)
     q_start = tl.load(query_start_ptr + seq)
     q_len = tl.load(query_start_ptr + seq + 1) - q_start
@@ -122,15 +124,43 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def prefill_tile_heights(group: int, head_dim: int, dtype: torch.dtype) -> list[int]:
+    """Every query-tile height (rows = query tokens x grouped heads) paged_prefill may pick:
+    the usual flash tile of 128 rows (64 for wide heads) down to 16, halved for fp32."""
+    shrink = 2 if dtype == torch.float32 else 1
+    cap = (128 if head_dim <= 128 else 64) // shrink
+    low = max(16, triton.next_power_of_2(group))
+    return [1 << b for b in range(low.bit_length() - 1, cap.bit_length())] if low <= cap \
+        else [low]
+
+
+def _auto_block_m(heights: list[int], max_query_len: int, num_seqs: int, hk: int,
+                  block_g: int, device: torch.device) -> int:
+    # The full tile for long chunks; fewer rows for short ones so a one-token chunk does not
+    # drag 127 empty rows through every product.
+    block_m = max(heights[0], min(heights[-1],
+                                  triton.next_power_of_2(max_query_len * block_g)))
+    # A short chunk over a long cached context (the tail after a prefix-cache hit) makes too
+    # few programs to fill the GPU: trade K/V reuse across rows for more, shorter query tiles.
+    programs_wanted = _num_sms(device)
+    while (block_m > heights[0] and programs_wanted
+           and triton.cdiv(max_query_len, block_m // block_g) * num_seqs * hk < programs_wanted):
+        block_m //= 2
+    return block_m
+
+
 def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                   block_size: int, scale: float, *, sliding_window: int | None = None,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, first_row: int = 0,
+                  block_m: int | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; kv_cache: [2, num_slots, Hk, D] already holding every key, the new ones
     included; block_tables: int32 [P, N]; seq_lens: int32 [P] (context + query tokens);
     query_start_loc: int32 [P + 1], token offsets into q of each sequence's queries (rows of q
     outside them are left untouched in out); max_query_len: an upper bound on any
-    query_start_loc difference (it sizes the grid). Returns out [T, Hq, D] in q's dtype."""
+    query_start_loc difference (it sizes the grid). Rows before first_row of the per-request
+    tensors belong to others (decodes) and are skipped. block_m forces the query tile height
+    (warmup compiles each one). Returns out [T, Hq, D] in q's dtype."""
     t, hq, d = q.shape
     hk = kv_cache.shape[2]
     if query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1 \
@@ -142,7 +172,10 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         out = torch.empty_like(q)
     elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
         raise ValueError(f"out must be {q.dtype} {tuple(q.shape)} with contiguous head dim")
-    num_seqs = query_start_loc.shape[0] - 1
+    if not 0 <= first_row <= query_start_loc.shape[0] - 1:
+        raise ValueError(f"first_row {first_row} is outside the {query_start_loc.shape[0] - 1} "
+                         "requests")
+    num_seqs = query_start_loc.shape[0] - 1 - first_row
     if num_seqs == 0 or max_query_len <= 0 or t == 0:
         return out
     if sliding_window is not None and sliding_window < 1:
@@ -150,25 +183,20 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
 
     group = hq // hk
     block_g = triton.next_power_of_2(group)
-    # 128 rows for long chunks (the usual flash tile); fewer for short ones so a one-token
-    # chunk does not drag 127 empty rows through every product.
     # fp32 (no tensor cores, a correctness path) halves both tiles, else it spills.
     shrink = 2 if q.dtype == torch.float32 else 1
-    cap = (128 if d <= 128 else 64) // shrink
-    block_m = max(16, block_g, min(cap, triton.next_power_of_2(max_query_len * block_g)))
-    # A short chunk over a long cached context (the tail after a prefix-cache hit) makes too
-    # few programs to fill the GPU: trade K/V reuse across rows for more, shorter query tiles.
-    programs_wanted = _num_sms(q.device)
-    while (block_m > max(16, block_g) and programs_wanted
-           and triton.cdiv(max_query_len, block_m // block_g) * num_seqs * hk < programs_wanted):
-        block_m //= 2
+    heights = prefill_tile_heights(group, d, q.dtype)
+    if block_m is None:
+        block_m = _auto_block_m(heights, max_query_len, num_seqs, hk, block_g, q.device)
+    elif block_m not in heights:
+        raise ValueError(f"block_m {block_m} is not one of {heights}")
     block_n = (64 if d <= 128 else 32) // shrink
     block_q = block_m // block_g
     num_q_tiles = triton.cdiv(max_query_len, block_q)
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _paged_prefill_kernel[(num_q_tiles, num_seqs, hk)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * _LOG2E, sliding_window or 0, num_q_tiles,
+        scale * _LOG2E, sliding_window or 0, num_q_tiles, first_row,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=d, BLOCK_N=block_n,

@@ -11,7 +11,7 @@ BLOCK_H key/value heads of one token, so a batch-1 decode still spreads over a f
 programs. Each head is loaded as its two rotated halves plus the unrotated tail past
 rot_dim, so every feature is read once.
 
-Rounding follows the unfused path (shoal.layers.norm.RMSNorm, then ops/rotary.py): the
+Rounding follows the unfused path (shoal.layers.norm.RMSNorm, then layers/ops/rotary.py): the
 normalized row is rounded to the activation dtype before and after the weight multiply,
 the rotation runs in fp32 and is rounded once."""
 

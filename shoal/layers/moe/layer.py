@@ -11,17 +11,18 @@ import torch
 from torch import nn
 
 from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
-from shoal.layers.fused_ops import use_triton
 from shoal.layers.linear import _divide, default_weight_loader
 from shoal.layers.moe.torch_experts import experts_dense, experts_torch
+from shoal.layers.ops.dispatch import use_triton
 
 # Checkpoint projections: gate (w1) and up (w3) stack into w13, down is w2.
 SHARD_IDS = ("w1", "w3", "w2")
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-    if use_triton(x):
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  use_triton_ops: bool = True) -> torch.Tensor:
+    if use_triton(x, use_triton_ops):
         from shoal.layers.moe.triton_experts import experts_triton
 
         return experts_triton(x, w13, w2, topk_weights, topk_ids)
@@ -35,8 +36,10 @@ class FusedMoE(nn.Module):
     w2_weight [E, H, I / tp]: this rank's columns of each down projection."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
-                 reduce_results: bool = True, params_dtype: torch.dtype | None = None):
+                 reduce_results: bool = True, params_dtype: torch.dtype | None = None,
+                 use_triton_ops: bool = True):
         super().__init__()
+        self.use_triton_ops = use_triton_ops  # the Triton kernel for CUDA tensors
         self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
         self.num_experts = num_experts
         self.inter = _divide(intermediate_size, self.tp_size, "moe_intermediate_size")
@@ -68,5 +71,6 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
-        out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                            self.use_triton_ops)
         return tp_all_reduce(out) if self.reduce_results else out

@@ -43,7 +43,7 @@ def experts_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     """Every expert on every token, scaled by its routing weight (0 when not chosen). Shapes
     never depend on the routing and nothing is read back to the host, so a CUDA graph can
     capture it; E/k times the routed work, so it is only the fallback for capturing on CUDA
-    without the Triton kernel (SHOAL_DISABLE_TRITON_OPS=1)."""
+    without the Triton kernel (use_triton_ops=False)."""
     num_experts = w13.shape[0]
     dense = torch.zeros(x.shape[0], num_experts, dtype=topk_weights.dtype, device=x.device)
     dense.scatter_add_(1, topk_ids, topk_weights)

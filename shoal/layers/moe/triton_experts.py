@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shoal.attention.ops.silu_mul import silu_and_mul
 from shoal.layers.moe.align import ExpertGroups, group_by_expert
+from shoal.layers.ops.silu_mul import silu_and_mul
 
 
 # num_pairs changes every step: not specialized (== 1, % 16) so steps do not recompile.

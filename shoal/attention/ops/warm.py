@@ -1,0 +1,39 @@
+"""Compiles every variant of the paged attention kernels that real traffic can pick.
+
+Triton compiles a kernel on first use of each set of constexprs. The dummy steps of the
+start-up warmup have short contexts, so they only ever see one decode split and few prefill
+tile heights; a long conversation or a mixed step later picks another (split counts up to
+MAX_SPLITS, every query-tile height) and would stall that step for a compile, hundreds of
+milliseconds on a busy host. Each variant here runs once on a one-block request."""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.attention.ops.paged_decode import MAX_SPLITS, paged_decode
+from shoal.attention.ops.paged_prefill import paged_prefill, prefill_tile_heights
+
+
+@torch.inference_mode()
+def warm_paged_attention(kv_cache: torch.Tensor, num_heads: int, scale: float, block_size: int,
+                         sliding_window: int | None) -> int:
+    """kv_cache: a layer's [2, slots, Hk, D] cache (block 0 is read, nothing is written).
+    Returns how many kernel variants ran."""
+    d, dev, dtype = kv_cache.shape[3], kv_cache.device, kv_cache.dtype
+    q = torch.zeros(1, num_heads, d, dtype=dtype, device=dev)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    lens = torch.ones(1, dtype=torch.int32, device=dev)
+    starts = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    runs = 0
+    splits = 1
+    while splits <= MAX_SPLITS:  # the split count paged_decode picks is a power of two
+        paged_decode(q, kv_cache, tables, lens, block_size, scale,
+                     sliding_window=sliding_window, num_splits=splits)
+        splits *= 2
+        runs += 1
+    group = num_heads // kv_cache.shape[2]
+    for block_m in prefill_tile_heights(group, d, dtype):
+        paged_prefill(q, kv_cache, tables, lens, starts, 1, block_size, scale,
+                      sliding_window=sliding_window, block_m=block_m)
+        runs += 1
+    return runs

@@ -1,0 +1,54 @@
+"""The paged attention layer every model uses: it holds one layer's KV cache and hands the
+work to the attention backend. The model runner binds both (`kv_cache` once the pool is
+sized, `backend` once at start-up); a fresh layer uses the torch reference backend."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shoal.attention.backend import AttentionBackend
+from shoal.attention.torch_backend import TorchAttentionBackend
+from shoal.layers.norm import RMSNorm
+from shoal.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_window: int | None = None):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = head_dim ** -0.5
+        self.sliding_window = sliding_window
+        self.kv_cache: torch.Tensor | None = None  # [2, num_slots, Hk, D]
+        self.backend: AttentionBackend = TorchAttentionBackend()
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Any) -> torch.Tensor:
+        return self.backend.forward(q, k, v, self._cache(), md, self.scale)
+
+    @property
+    def fuses_rope(self) -> bool:
+        """Whether the backend applies q/k norm and rotary itself (forward_rope)."""
+        return self.backend.fuses_rope_and_cache_write
+
+    def forward_rope(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, rope: RotaryEmbedding, q_norm: RMSNorm | None,
+                     k_norm: RMSNorm | None, md: Any) -> torch.Tensor:
+        """forward on q and k before the optional per-head norms and the rotary, which the
+        backend fuses into its cache write (only while fuses_rope). q is modified in place."""
+        norms = [n for n in (q_norm, k_norm) if n is not None]
+        if len({n.eps for n in norms}) > 1:
+            raise ValueError("the fused kernel takes one eps for the q and k norms")
+        eps = norms[0].eps if norms else 0.0
+        return self.backend.forward_fused(
+            q, k, v, positions, rope.cos_sin_cache,
+            q_norm.weight if q_norm is not None else None,
+            k_norm.weight if k_norm is not None else None,
+            eps, self._cache(), md, self.scale)
+
+    def _cache(self) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache is not bound to the attention layer")
+        return self.kv_cache

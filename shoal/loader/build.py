@@ -1,0 +1,43 @@
+"""Model construction: the registered class for the checkpoint's architecture, built on the
+engine's device in its dtype, its weights loaded (and checked complete) or set at random for
+load_format="dummy", in eval mode."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import nn
+
+from shoal.config import EngineConfig
+from shoal.loader.dummy import initialize_dummy_weights
+from shoal.loader.loaded_model import LoadedModel
+from shoal.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+
+def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
+    """A model following shoal/models/interface.py, ready for the runner to bind KV caches."""
+    t0 = time.perf_counter()
+    cls = resolve_model_class(loaded.hf_config)
+    with torch.device(config.device):
+        model = cls(loaded.hf_config, config.model_config.dtype,
+                    use_triton_ops=config.use_triton_ops)
+    if config.model_config.load_format == "dummy":
+        initialize_dummy_weights(model, seed=config.model_config.seed)
+    else:
+        check_all_loaded(model, model.load_weights(loaded.weights()), loaded.source)
+    model.eval()
+    logger.info("model %s loaded in %.2f s", cls.__name__, time.perf_counter() - t0)
+    return model
+
+
+def check_all_loaded(model: nn.Module, loaded_names: set[str], source: str) -> None:
+    """Raises when the checkpoint left a parameter unfilled (a tied lm_head needs none)."""
+    missing = {n for n, _ in model.named_parameters()} - loaded_names
+    if model.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    if missing:
+        raise ValueError(f"{source}: checkpoint lacks {sorted(missing)[:5]}...")
