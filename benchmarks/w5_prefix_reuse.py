@@ -145,7 +145,7 @@ class Bench:
         if where in DISK_CONDITIONS:
             self.store.flush()  # waits for the writes: the files are complete (and cached)
             if where == "disk":
-                self.page_cache_dropped = drop_page_cache(self.store.disk.dir)
+                self.page_cache_dropped = drop_page_cache(self.store.tier("disk").dir)
         if where == "recompute":
             assert self.core.scheduler.kv.reset_prefix_cache()
             self.store.clear()
@@ -153,7 +153,7 @@ class Bench:
         first = self.prefix_hashes[0]
         places = [("device", self.core.scheduler.kv.pool.get_cached_block(first) is not None),
                   ("cpu", self.store.cpu.contains(first)),
-                  ("disk", self.store.disk is not None and self.store.disk.contains(first))]
+                  ("disk", any(t.name == "disk" and t.contains(first) for t in self.store.tiers))]
         fastest = next((name for name, held in places if held), "recompute")
         if fastest != where.removesuffix("_warm"):
             raise RuntimeError(f"prefix should be in {where}, found in {fastest}")
@@ -270,7 +270,7 @@ def main() -> int:
                 "kv_offloading_disk_size_gib": args.kv_offloading_disk_size,
                 "kv_offloading_policy": args.policy, "block_size": bench.block_size,
                 "disk_page_cache_dropped": bench.page_cache_dropped,
-                "disk_read_threads": bench.store.disk.reader.num_threads}
+                "disk_read_threads": bench.store.tier("disk").reader.num_threads}
     rec = record("W5", "shoal", workload_params=workload, cpu_model=cpu_model(),
                  torch_threads=torch.get_num_threads(), ready_s=bench.ready_s,
                  figures=results, tier_stats=stats)

@@ -21,7 +21,7 @@ from shoal.engine.input_processor import EngineLimits, validate_core_request
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import SchedulerOutput
-from shoal.kv_offload.setup import build_kv_offload
+from shoal.kv_offload.factory import build_kv_offload
 from shoal.loader import LoadedModel
 from shoal.worker.model_runner import ModelRunner, StepFuture
 
@@ -34,8 +34,13 @@ class EngineCore:
         self.config = config
         self.runner = ModelRunner(config, loaded)
         config.cache_config.num_blocks = self.runner.initialize_kv_cache()
-        # Secondary KV tiers (CPU, disk); None unless kv_offloading_size is set.
-        self.kv_offload = build_kv_offload(config, self.runner, loaded)
+        # Secondary KV tiers (CPU, then disk...) for the scheduler and their device copies for
+        # the runner; None unless kv_offloading_size is set.
+        offload = build_kv_offload(config, self.runner.kv_caches, loaded)
+        self.kv_offload = offload.store if offload is not None else None
+        self.kv_transfer = offload.transfer if offload is not None else None
+        if self.kv_transfer is not None:
+            self.runner.use_kv_transfer(self.kv_transfer)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
                                    kv_store=self.kv_offload)
         self.vocab_size = self.runner.vocab_size
@@ -98,8 +103,9 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def shutdown(self) -> None:
-        """Between steps, before the process exits: waits for a step in flight and writes
-        the CPU KV tier down to the disk tier, so a restart finds those blocks."""
+        """Between steps, before the process exits: finishes the step in flight (its KV copies
+        are then done and reported to the scheduler) and writes the CPU KV tier down to the
+        lower tiers, so a restart finds those blocks."""
         self._finish_inflight()
         if self.kv_offload is not None:
             self.kv_offload.shutdown()

@@ -12,6 +12,7 @@ import heapq
 import itertools
 import time
 from collections import deque
+from dataclasses import dataclass, field
 
 from shoal.config import CacheConfig, SchedulerConfig
 from shoal.engine.core_types import EngineCoreOutput, SchedulerStats
@@ -23,9 +24,34 @@ from shoal.engine.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from shoal.kv_cache.block_pool import KVBlock
 from shoal.kv_cache.manager import KVCacheManager
-from shoal.kv_offload.connector import KVOffloadConnector
+from shoal.kv_offload.connector import KVOffloadConnector, Staged
 from shoal.kv_offload.store import TieredKVStore
+
+
+@dataclass
+class _Step:
+    """The step being scheduled: what runs, the budget left, and what happened."""
+
+    budget: int
+    scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)  # id -> tokens
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted: bool = False
+
+    def add(self, req: Request, n: int) -> None:
+        self.scheduled[req.request_id] = (req, n)
+        self.budget -= n
+
+
+@dataclass
+class _Cached:
+    """A waiting request's prefix hits: device blocks, then tier blocks staged in the CPU
+    tier (to load into fresh device blocks)."""
+
+    device_hits: list[KVBlock] = field(default_factory=list)
+    num_hit_tokens: int = 0  # tokens of the device hits
+    staged: Staged = field(default_factory=list)
 
 
 class WaitingQueue:
@@ -123,114 +149,146 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
-        scheduled: dict[str, tuple[Request, int]] = {}
+        """One step: running requests first, then waiting ones while budget, sequence slots
+        and blocks last; none are admitted in a step that had to preempt (memory is short)."""
         if self.offload is not None:
             self.offload.begin_step()
-        new_reqs: list[NewRequestData] = []
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted:
+            self._schedule_waiting(step)
+        return self._build_output(step)
 
-        # 1. Running requests, oldest first; preempt from the back when blocks run out.
-        preempted = False
+    def _schedule_running(self, step: _Step) -> None:
+        """Running requests, oldest first, each its next tokens; preempts from the back when
+        blocks run out."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens_with_pending - req.num_computed_tokens, budget)
+            n = min(req.num_tokens_with_pending - req.num_computed_tokens, step.budget)
             if n <= 0 or self._ends_with_pending(req):
                 i += 1  # its last token is still in flight; it finishes when that lands
                 continue
-            allocated = False
-            while not allocated:
-                if self.kv.allocate_slots(req, n) is not None:
-                    allocated = True
-                    break
-                victim = self._pick_victim()
-                if victim.request_id in scheduled:  # un-schedule an earlier one
-                    budget += scheduled.pop(victim.request_id)[1]
-                    i -= 1
-                self._preempt(victim)
-                preempted = True
-                if victim is req:
-                    break
+            allocated, unscheduled = self._allocate_running(req, n, step)
+            i -= unscheduled
             if allocated:
-                scheduled[req.request_id] = (req, n)
-                budget -= n
+                step.add(req, n)
                 i += 1
 
-        # 2. Waiting requests, while there is budget, a free sequence slot and blocks. None
-        # are admitted in a step that had to preempt: memory is short.
-        deferred: list[Request] = []  # KV still on its way from a tier: ask again next step
-        while (not preempted and len(self.waiting) and budget > 0
+    def _allocate_running(self, req: Request, n: int, step: _Step) -> tuple[bool, int]:
+        """Blocks for n more tokens of a running request, preempting victims until they fit
+        or the request itself is preempted. Returns whether it got them and how many requests
+        scheduled earlier in this step were un-scheduled as victims."""
+        unscheduled = 0
+        while self.kv.allocate_slots(req, n) is None:
+            victim = self._pick_victim()
+            if victim.request_id in step.scheduled:  # un-schedule an earlier one
+                step.budget += step.scheduled.pop(victim.request_id)[1]
+                unscheduled += 1
+            self._preempt(victim)
+            step.preempted = True
+            if victim is req:
+                return False, unscheduled
+        return True, unscheduled
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        """Waiting requests in queue order, while there is budget, a free sequence slot and
+        blocks. One whose KV is still on its way from a tier is passed over this step."""
+        deferred: list[Request] = []  # ask again next step, in the same order
+        while (len(self.waiting) and step.budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
             if req.num_pending_tokens:
                 break  # preempted while a step was in flight: its token is not known yet
-            hits, n_hit = [], 0
-            staged: list | None = []  # KV offloading: tier hits after the device hits
-            if req.sampling_params.prompt_logprobs is None:
-                hits, n_hit = self.kv.get_computed_blocks(req)
-                if self.offload is not None:
-                    staged = self.offload.stage(req, len(hits))
-                    if staged is None:
-                        deferred.append(self.waiting.pop())
-                        continue
-            n_loaded = len(staged) * self.block_size  # tier hits: loaded, not computed
-            n = req.num_tokens - n_hit - n_loaded
-            if n > budget and not self.config.enable_chunked_prefill:
-                new_blocks = None  # the whole prompt must fit in one step
-            else:
-                n = min(n, budget)
-                new_blocks = self.kv.allocate_slots(req, n_loaded + n, hits)
-            if new_blocks is None:
-                if staged:
-                    self.offload.cancel(staged)
+            cached = self._find_cached(req)
+            if cached is None:
+                deferred.append(self.waiting.pop())
+                continue
+            if not self._admit(req, cached, step):
                 break
-            if staged:
-                self.offload.commit(staged, new_blocks)
-            n_hit += n_loaded
-            req.num_computed_tokens = n_hit
-            self.waiting.pop()
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = n_hit
-                req.first_scheduled_time = time.monotonic()
-            if req.status == RequestStatus.WAITING:
-                new_reqs.append(NewRequestData(req.request_id, req.prompt_token_ids,
-                                               req.sampling_params, req.eos_token_ids))
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled[req.request_id] = (req, n)
-            budget -= n
-
         for req in reversed(deferred):
             self.waiting.push_front(req)
 
-        out = SchedulerOutput(new_requests=new_reqs)
+    def _find_cached(self, req: Request) -> _Cached | None:
+        """The request's prefix hits: device blocks, then tier blocks pinned in the CPU tier
+        (KV offloading); None while some tier blocks are still being read."""
+        if req.sampling_params.prompt_logprobs is not None:
+            return _Cached()  # every prompt position's logits are needed: compute them all
+        # A request asking again after a deferral had its query counted the first time.
+        count = self.offload is None or not self.offload.is_deferred(req.request_id)
+        hits, n_hit = self.kv.get_computed_blocks(req, count=count)
+        staged: Staged = []
         if self.offload is not None:
-            out.kv_transfers = self.offload.take_plan(have_work=bool(scheduled))
+            found = self.offload.stage(req, len(hits))
+            if found is None:
+                return None
+            staged = found
+        return _Cached(hits, n_hit, staged)
+
+    def _admit(self, req: Request, cached: _Cached, step: _Step) -> bool:
+        """Allocates the waiting request's blocks and makes it running; False (nothing
+        changed) when they do not fit."""
+        n_loaded = len(cached.staged) * self.block_size  # tier hits: loaded, not computed
+        n = req.num_tokens - cached.num_hit_tokens - n_loaded
+        if n > step.budget and not self.config.enable_chunked_prefill:
+            new_blocks = None  # the whole prompt must fit in one step
+        else:
+            n = min(n, step.budget)
+            new_blocks = self.kv.allocate_slots(req, n_loaded + n, cached.device_hits)
+        if new_blocks is None:
+            if cached.staged:
+                self.offload.cancel(cached.staged)
+            return False
+        if cached.staged:
+            self.offload.commit(cached.staged, new_blocks)
+        n_hit = cached.num_hit_tokens + n_loaded
+        req.num_computed_tokens = n_hit
+        self.waiting.pop()
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = n_hit
+            req.first_scheduled_time = time.monotonic()
+        if req.status == RequestStatus.WAITING:
+            step.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids,
+                                                    req.sampling_params, req.eos_token_ids))
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.add(req, n)
+        return True
+
+    def _build_output(self, step: _Step) -> SchedulerOutput:
+        out = SchedulerOutput(new_requests=step.new_requests)
+        if self.offload is not None:
+            out.kv_transfers = self.offload.take_plan(have_work=bool(step.scheduled))
         decodes, prefills = [], []
-        for req, n in scheduled.values():
-            start = req.num_computed_tokens
-            ids = req.all_token_ids[start:start + n]
-            if len(ids) < n:  # the token a step in flight samples: the runner has it on device
-                ids.extend([PENDING_TOKEN] * (n - len(ids)))
-            item = ScheduledRequest(
-                request_id=req.request_id,
-                input_token_ids=ids,
-                context_len=start,
-                block_ids=self.kv.block_ids(req.request_id),
-                sample=start + n == req.num_tokens_with_pending,
-                num_output_tokens=req.num_output_tokens + req.num_pending_tokens,
-            )
-            # The step is as good as run: the next schedule (possibly before its results are
-            # read, with async scheduling) starts after it.
-            req.num_computed_tokens = start + n
-            if start < req.num_prompt_tokens:
-                self._step_prompt_tokens += min(n, req.num_prompt_tokens - start)
-            if item.sample:
-                req.num_pending_tokens += 1
+        for req, n in step.scheduled.values():
+            item = self._scheduled_item(req, n)
             (decodes if n == 1 and item.sample else prefills).append(item)
         out.scheduled = decodes + prefills
         out.num_decodes = len(decodes)
         return out
+
+    def _scheduled_item(self, req: Request, n: int) -> ScheduledRequest:
+        """The runner's view of n scheduled tokens of a request; counts them as computed."""
+        start = req.num_computed_tokens
+        ids = req.all_token_ids[start:start + n]
+        if len(ids) < n:  # the token a step in flight samples: the runner has it on device
+            ids.extend([PENDING_TOKEN] * (n - len(ids)))
+        item = ScheduledRequest(
+            request_id=req.request_id,
+            input_token_ids=ids,
+            context_len=start,
+            block_ids=self.kv.block_ids(req.request_id),
+            sample=start + n == req.num_tokens_with_pending,
+            num_output_tokens=req.num_output_tokens + req.num_pending_tokens,
+        )
+        # The step is as good as run: the next schedule (possibly before its results are
+        # read, with async scheduling) starts after it.
+        req.num_computed_tokens = start + n
+        if start < req.num_prompt_tokens:
+            self._step_prompt_tokens += min(n, req.num_prompt_tokens - start)
+        if item.sample:
+            req.num_pending_tokens += 1
+        return item
 
     def _ends_with_pending(self, req: Request) -> bool:
         """The token in flight is the request's last one (length limit): nothing to run."""
@@ -256,7 +314,10 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Applies a step's results. With async scheduling the next step may already be
         scheduled: a request may meanwhile have been preempted (its token still counts) or
-        have ended (its results are dropped)."""
+        have ended (its results are dropped). KV copies the runner reports done release
+        their CPU slots, whatever became of the requests they were for."""
+        if self.offload is not None and result.kv_transfers_done:
+            self.offload.transfers_done(result.kv_transfers_done)
         outputs = self._pending_outputs
         self._pending_outputs = []
         for item in sched.scheduled:

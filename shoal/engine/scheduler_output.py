@@ -42,7 +42,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first
     num_decodes: int = 0
     new_requests: list[NewRequestData] = field(default_factory=list)
-    # KV offloading: device <-> CPU-tier copies the runner does before the forward pass
+    # KV offloading: device <-> CPU-tier copies the runner queues before the forward pass;
+    # ModelRunnerOutput.kv_transfers_done says when they have completed
     kv_transfers: KVTransferPlan | None = None
 
     @property
@@ -62,3 +63,6 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, list[tuple[int, Logprobs]]] = field(default_factory=dict)
     # requests whose logits were not finite: they are finished with an error
     failed_request_ids: set[str] = field(default_factory=set)
+    # KV offloading: ids of the transfer plans whose copies have completed (the step's own
+    # plan once its results are in; the scheduler then lets go of the plan's CPU slots)
+    kv_transfers_done: list[int] = field(default_factory=list)

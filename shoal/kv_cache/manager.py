@@ -35,9 +35,12 @@ class KVCacheManager:
                 request.all_token_ids, self.block_size, request.block_hashes, request.cache_salt
             )
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request,
+                            count: bool = True) -> tuple[list[KVBlock], int]:
         """Longest run of cached full blocks at the start of the request. At least one token is
-        always left to compute, since the last position's logits are needed."""
+        always left to compute, since the last position's logits are needed. `count` adds the
+        query to the prefix-cache counters (not for a request asking again after waiting for
+        its KV from a tier: its query was counted the first time)."""
         if not self.enable_caching:
             return [], 0
         self._update_hashes(request)
@@ -48,8 +51,9 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_queries += request.num_tokens
-        self.prefix_hits += len(hits) * self.block_size
+        if count:
+            self.prefix_queries += request.num_tokens
+            self.prefix_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     def blocks_needed(self, request: Request, num_new_tokens: int,

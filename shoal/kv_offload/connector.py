@@ -8,15 +8,21 @@
   reuses the block.
 - Loads: after a waiting request's device prefix hits, `stage` finds the following blocks in
   the tiers and pins them in the CPU tier; once the scheduler has allocated device blocks,
-  `commit` adds the CPU -> device copies. Disk hits not in the CPU tier yet are read (and
-  verified) on background threads: `stage` returns None ("ask again next step") and the
+  `commit` adds the CPU -> device copies. Lower-tier hits not in the CPU tier yet are read
+  (and verified) in the background: `stage` returns None ("ask again next step") and the
   scheduler goes on with the other requests, so a disk load never stalls their decoding.
   `abandon` lets go of a request that will not come back for its blocks.
-- Pins are dropped at the next step's `begin_step`, when the runner has run the plan. A plan
-  is only handed out with a non-empty schedule (the runner is not called otherwise); until
-  then it stays pending and joins the next one."""
+- Every plan handed out has an id. The CPU slots it reads or writes stay pinned, and the
+  slots it fills count as garbage, until `transfers_done` hears from the model runner (via
+  ModelRunnerOutput and the scheduler's update) that its copies have completed. So nothing
+  here waits for the device, and with async scheduling a plan launched with step N+1 holds
+  its own pins while step N's are released. A plan is only handed out with a non-empty
+  schedule (the runner is not called otherwise); until then it stays pending and joins the
+  next one."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 from shoal.engine.request import Request
 from shoal.kv_cache.block_pool import BlockPool, KVBlock
@@ -34,6 +40,14 @@ Staged = list[tuple[BlockHash, int]]  # (hash, pinned CPU slot)
 IDLE_WAIT_S = 0.002
 
 
+@dataclass
+class _PlanHolds:
+    """What one plan keeps from the tiers until its copies are done."""
+
+    pins: list[BlockHash] = field(default_factory=list)  # CPU slots it reads or writes
+    fills: list[BlockHash] = field(default_factory=list)  # CPU slots its stores fill
+
+
 class KVOffloadConnector:
     def __init__(self, store: TieredKVStore, pool: BlockPool, block_size: int):
         self.store = store
@@ -41,10 +55,10 @@ class KVOffloadConnector:
         self.block_size = block_size
         pool.on_evict = self.on_device_evict
         self._plan = KVTransferPlan()
-        self._plan_pins: list[BlockHash] = []  # pinned for the plan being built
-        self._inflight_pins: list[BlockHash] = []  # pinned for the plan the runner ran
-        self._plan_fills: list[BlockHash] = []  # device -> CPU copies in the plan being built
-        # Requests whose disk hits are being read, by id; each staging holds its own pins.
+        self._holds = _PlanHolds()  # of the plan being built
+        self._next_plan_id = 0
+        self._in_flight: dict[int, _PlanHolds] = {}  # plans handed out, copies not done
+        # Requests whose lower-tier hits are being read, by id; each staging holds its pins.
         self._deferred: dict[str, tuple[Request, Staging]] = {}
         # False: stage() waits for disk reads itself (for callers that cannot come back).
         self.defer_loads = True
@@ -52,18 +66,25 @@ class KVOffloadConnector:
         self.num_stored_blocks = 0
 
     def begin_step(self) -> None:
-        """The previous plan has run: its CPU slots may be read, evicted and reused again.
-        Disk reads that ended are settled (their blocks pinned for the requests waiting).
-        Deferred requests that finished meanwhile are abandoned: a missed abandon() call must
-        not hold CPU slots forever."""
+        """Lower-tier reads that ended are settled (their blocks pinned for the requests
+        waiting). Deferred requests that finished meanwhile are abandoned: a missed abandon()
+        call must not hold CPU slots forever."""
         self.store.collect()
         for rid, (req, _) in list(self._deferred.items()):
             if req.status.is_finished:
                 self.abandon(rid)
-        if self._inflight_pins:
-            self.store.fence()
-            self.store.unpin(self._inflight_pins)
-            self._inflight_pins = []
+
+    def transfers_done(self, plan_ids: list[int]) -> None:
+        """The model runner reports these plans' copies complete: the slots they filled hold
+        their blocks now, and their CPU slots may be read, evicted and reused again."""
+        for plan_id in plan_ids:
+            holds = self._in_flight.pop(plan_id)
+            self.store.filled(holds.fills)
+            self.store.unpin(holds.pins)
+
+    @property
+    def num_plans_in_flight(self) -> int:
+        return len(self._in_flight)
 
     # -- stores -------------------------------------------------------------------------------
     def on_device_evict(self, block: KVBlock) -> None:
@@ -74,17 +95,17 @@ class KVOffloadConnector:
         if slot is None:
             return
         self._plan.stores.append((block.block_id, slot))
-        self._plan_pins.append(h)
-        self._plan_fills.append(h)
+        self._holds.pins.append(h)
+        self._holds.fills.append(h)
         self.num_stored_blocks += 1
 
     # -- loads --------------------------------------------------------------------------------
     def stage(self, req: Request, num_device_hits: int) -> Staged | None:
         """Tier hits for the blocks after the device hits, pinned in the CPU tier, or None while
-        some of them are being read from disk: the request should wait and ask again in a
-        later step (the reads go on meanwhile; other requests can be admitted). Never blocks on
-        the disk. A block that arrives damaged or not at all ends the hits there. At least one
-        token is always left to compute (its logits are needed)."""
+        some of them are being read from a lower tier: the request should wait and ask again
+        in a later step (the reads go on meanwhile; other requests can be admitted). Never
+        blocks on a read. A block that arrives damaged or not at all ends the hits there. At
+        least one token is always left to compute (its logits are needed)."""
         max_blocks = (req.num_tokens - 1) // self.block_size
         hashes = req.block_hashes[num_device_hits:max_blocks]
         _, prev = self._deferred.pop(req.request_id, (None, None))
@@ -116,15 +137,19 @@ class KVOffloadConnector:
 
     @property
     def num_deferred(self) -> int:
-        """Requests waiting for disk reads."""
+        """Requests waiting for lower-tier reads."""
         return len(self._deferred)
+
+    def is_deferred(self, request_id: str) -> bool:
+        """The request asked before and waits for reads (its lookups were counted then)."""
+        return request_id in self._deferred
 
     def commit(self, staged: Staged, blocks: list[KVBlock]) -> None:
         """Loads the staged blocks into `blocks` (freshly allocated, in order)."""
         assert len(blocks) >= len(staged)
         for (h, slot), block in zip(staged, blocks):
             self._plan.loads.append((slot, block.block_id))
-            self._plan_pins.append(h)
+            self._holds.pins.append(h)
         self.num_loaded_blocks += len(staged)
 
     def cancel(self, staged: Staged) -> None:
@@ -133,6 +158,9 @@ class KVOffloadConnector:
 
     # -- hand-off -----------------------------------------------------------------------------
     def take_plan(self, have_work: bool) -> KVTransferPlan | None:
+        """This step's plan, when the step runs anything (the runner reports its id back in
+        ModelRunnerOutput.kv_transfers_done). With nothing to run, a step that has requests
+        waiting on reads waits a little for one instead of spinning."""
         if not have_work:
             if self._deferred:
                 self.store.wait_for_a_load(IDLE_WAIT_S)
@@ -140,8 +168,8 @@ class KVOffloadConnector:
         if not self._plan:
             return None
         plan, self._plan = self._plan, KVTransferPlan()
-        self._inflight_pins.extend(self._plan_pins)
-        self._plan_pins = []
-        self.store.filled(self._plan_fills)
-        self._plan_fills = []
+        plan.plan_id = self._next_plan_id
+        self._next_plan_id += 1
+        self._in_flight[plan.plan_id] = self._holds
+        self._holds = _PlanHolds()
         return plan

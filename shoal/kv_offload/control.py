@@ -1,5 +1,8 @@
 """Whole-cache moves between steps: push the device prefix cache into the tiers (benchmarks,
-tests, and before a shutdown so a restart finds the blocks on disk)."""
+tests, and before a shutdown so a restart finds the blocks on disk).
+
+These run outside the step loop, with no step in flight, so they run their copies through
+the engine core's KV transfer directly and wait for them."""
 
 from __future__ import annotations
 
@@ -10,8 +13,8 @@ def offload_device_prefix_cache(core: Any) -> int:
     """Copies every cached device block that no request holds into the CPU tier and drops it
     from the device prefix cache; returns how many blocks were offered. Runs between steps
     (the engine core's thread), in batches that fit the CPU tier's unpinned room, so earlier
-    batches cascade to disk instead of being lost."""
-    sched, runner = core.scheduler, core.runner
+    batches cascade to the lower tiers instead of being lost."""
+    sched, transfer = core.scheduler, core.kv_transfer
     conn, pool = sched.offload, sched.kv.pool
     if conn is None:
         return 0
@@ -24,14 +27,15 @@ def offload_device_prefix_cache(core: Any) -> int:
             pool.uncache_block(block)
         plan = conn.take_plan(have_work=True)
         if plan:
-            runner.kv_transfer.run(plan)
-    conn.begin_step()  # waits for the copies and unpins
+            transfer.run(plan)
+            transfer.wait(plan.plan_id)
+            conn.transfers_done([plan.plan_id])  # unpinned: the next batch may evict them
     return len(victims)
 
 
 def persist(core: Any) -> None:
-    """Device and CPU-tier blocks down to disk, e.g. before shutting the engine down (the
-    store's shutdown() then has the CPU tier's leftovers to write)."""
+    """Device and CPU-tier blocks down to the lower tiers, e.g. before shutting the engine
+    down (the store's shutdown() then has the CPU tier's leftovers to write)."""
     if core.kv_offload is None:
         return
     offload_device_prefix_cache(core)

@@ -1,9 +1,10 @@
 """The CPU tier: one preallocated pool of block slots in host memory (pinned when CUDA is
-available, so device copies can be asynchronous).
+available, so device copies can be asynchronous). The first tier of every store, and the
+only one the device copies with: blocks of the lower tiers are read into its slots.
 
 Besides the generic load/store, the device side works on slots directly: `reserve` hands out
 a slot for a block the model runner will copy in later, and pins keep a slot from being
-evicted (or cascaded to disk) while a copy into or out of it is in flight."""
+evicted (or cascaded to a lower tier) while a copy into or out of it is in flight."""
 
 from __future__ import annotations
 
@@ -50,9 +51,6 @@ class CPUTier(KVTier):
 
     def slot_of(self, block_hash: BlockHash) -> int:
         return self._slot[block_hash]
-
-    def touch(self, block_hash: BlockHash) -> None:
-        self.policy.touch(block_hash)
 
     # -- pins ---------------------------------------------------------------------------------
     def pin(self, block_hash: BlockHash) -> None:

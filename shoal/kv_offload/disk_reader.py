@@ -23,8 +23,10 @@ DEFAULT_READ_THREADS = 8
 
 
 class DiskReader:
-    def __init__(self, num_threads: int = DEFAULT_READ_THREADS):
+    def __init__(self, num_threads: int = DEFAULT_READ_THREADS,
+                 clock: Callable[[], float] = time.perf_counter):
         self.num_threads = max(1, num_threads)
+        self._clock = clock  # injectable, so tests can check the busy time exactly
         self._pool = ThreadPoolExecutor(self.num_threads, thread_name_prefix="shoal-kv-read")
         self._lock = threading.Lock()
         self._active = 0
@@ -47,7 +49,7 @@ class DiskReader:
     def _timed(self, fn: Callable[..., T], *args: object) -> T:
         with self._lock:
             if not self._active:
-                self._busy_since = time.perf_counter()
+                self._busy_since = self._clock()
             self._active += 1
         try:
             return fn(*args)
@@ -55,4 +57,4 @@ class DiskReader:
             with self._lock:
                 self._active -= 1
                 if not self._active:
-                    self._busy_seconds += time.perf_counter() - self._busy_since
+                    self._busy_seconds += self._clock() - self._busy_since

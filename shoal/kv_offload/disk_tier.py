@@ -6,14 +6,13 @@ leftover temporary files are deleted; headers and checksums are checked at load)
 survive a restart. The size limit counts whole files and holds at all times: room is made by
 the policy before a file is written.
 
-Reads come in two halves so they can run off the scheduler's thread: `read_into` (file or
-pending write -> memory, verified; touches no state, any thread) and `settle` (index, policy
-and statistics, on the owning thread). `load` does both in a row; `read_async` runs the first
-half on the tier's DiskReader pool."""
+Reads come in the two halves of a `LowerTier`: `read_into` (file or pending write -> memory,
+verified; touches no state, any thread) and `settle` (index, policy and statistics, on the
+owning thread). `load` does both in a row; `read_async` runs the first half on the tier's
+DiskReader pool."""
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 import time
@@ -35,23 +34,24 @@ from shoal.kv_offload.disk_format import (
 from shoal.kv_offload.disk_reader import DEFAULT_READ_THREADS, DiskReader
 from shoal.kv_offload.disk_writer import DiskWriter, unlink_quietly
 from shoal.kv_offload.layout import BlockLayout, StoreKey
-from shoal.kv_offload.policy import EvictionPolicy
-from shoal.kv_offload.tier import KVTier
+from shoal.kv_offload.policy import EvictionPolicy, make_policy
+from shoal.kv_offload.tier import LowerTier, ReadOutcome, ReadResult, TierContext
 
 logger = logging.getLogger(__name__)
 
 
-class ReadOutcome(enum.Enum):
-    OK = "ok"
-    MISSING = "missing"  # no file (deleted behind our back): a plain miss
-    DAMAGED = "damaged"  # failed a check: the file is deleted
-    FAILED = "failed"  # anything else went wrong: treated as damaged, logged with its cause
+def build_disk_tier(ctx: TierContext) -> DiskTier | None:
+    """The disk tier of kv_offloading_disk_path / kv_offloading_disk_size, or None without a
+    path (lower_tiers.py lists this builder)."""
+    oc = ctx.config
+    if oc.disk_path is None:
+        return None
+    blocks = oc.disk_bytes // (HEADER_BYTES + ctx.layout.nbytes)
+    return DiskTier(os.fspath(oc.disk_path), ctx.key, ctx.layout, oc.disk_bytes,
+                    make_policy(oc.policy, blocks))
 
 
-ReadResult = tuple[ReadOutcome, str]  # (outcome, why)
-
-
-class DiskTier(KVTier):
+class DiskTier(LowerTier):
     name = "disk"
 
     def __init__(self, root: str | Path, key: StoreKey, layout: BlockLayout, capacity_bytes: int,
@@ -147,27 +147,14 @@ class DiskTier(KVTier):
         """`read_into` on the reader pool; settle the result on the owning thread."""
         return self.reader.submit(self.read_into, block_hash, dst)
 
+    def take_read_seconds(self) -> float:
+        return self.reader.take_busy_seconds()
+
     def settle(self, block_hash: BlockHash, result: ReadResult) -> bool:
-        """Applies a read's outcome to the index and statistics (not bytes or seconds: the
-        caller counts those); True when the block arrived intact. A block that failed is
-        dropped, never served again: its request recomputes from there."""
-        outcome, why = result
-        if outcome is ReadOutcome.OK:  # (evicted meanwhile: the bytes read are still right)
-            if block_hash in self._index:
-                self.policy.touch(block_hash)
-            return True
-        if outcome is ReadOutcome.MISSING:
+        if result[0] is ReadOutcome.MISSING:  # no file to delete
             self._forget(block_hash)
             return False
-        if outcome is ReadOutcome.DAMAGED:
-            self.stats.damaged += 1
-            logger.warning("disk KV block %s is damaged (%s): deleted, will recompute",
-                           block_hash.hex(), why)
-        else:
-            logger.error("reading disk KV block %s failed (%s): deleted, will recompute",
-                         block_hash.hex(), why)
-        self.remove(block_hash)
-        return False
+        return super().settle(block_hash, result)
 
     def load(self, hashes: Sequence[BlockHash], dst: torch.Tensor) -> int:
         t0 = time.perf_counter()
@@ -229,6 +216,9 @@ class DiskTier(KVTier):
             n += 1
         self._sync_usage()
         return n
+
+    def drain(self) -> None:
+        self.writer.drain()
 
     def close(self) -> None:
         """Joins the reader threads (reads in flight finish), then drains and stops the writer."""

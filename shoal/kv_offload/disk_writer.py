@@ -70,7 +70,11 @@ class DiskWriter:
             self._jobs.popleft().result()
         while len(self._jobs) >= self.max_pending:  # back-pressure: the disk is behind
             self._jobs.popleft().result()
-        self._jobs.append(self._pool.submit(fn, *args))
+        try:
+            self._jobs.append(self._pool.submit(fn, *args))
+        except RuntimeError:  # the interpreter is exiting (an atexit shutdown): its thread
+            self.drain()  # pools take no new work, so finish in order on this thread
+            fn(*args)
 
     def _write(self, path: Path, key_digest: bytes, block_hash: bytes,
                payload: torch.Tensor) -> None:

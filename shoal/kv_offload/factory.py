@@ -1,29 +1,43 @@
-"""Builds the tiers from the engine configuration and wires them to the model runner."""
+"""Builds the tiers and the device <-> CPU copier from the engine configuration.
+
+The engine core calls `build_kv_offload` once the KV cache exists, keeps the store for the
+scheduler and hands the transfer to the model runner: nothing here reaches into either."""
 
 from __future__ import annotations
 
+import importlib
 import logging
-import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import xxhash
 
 from shoal.config import EngineConfig
 from shoal.kv_offload.cpu_tier import CPUTier
-from shoal.kv_offload.disk_tier import DiskTier
 from shoal.kv_offload.layout import BlockLayout, StoreKey
+from shoal.kv_offload.lower_tiers import LOWER_TIERS
 from shoal.kv_offload.policy import make_policy
 from shoal.kv_offload.store import TieredKVStore
-from shoal.worker.kv_transfer import KVTransfer
+from shoal.kv_offload.tier import KVTier, LowerTier, TierContext
+from shoal.kv_offload.transfer import KVTransfer
+
+if TYPE_CHECKING:
+    from shoal.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass
+class KVOffload:
+    store: TieredKVStore  # the tiers, for the scheduler
+    transfer: KVTransfer  # the per-step device <-> CPU-tier copies, for the model runner
+
+
 def model_identity(source: str, load_format: str, seed: int) -> str:
-    """The model part of the disk key: the source path plus the size and modification time of
-    its files, so weights rewritten in place are not mistaken for the old ones. Random
+    """The model part of the store key: the source path plus the size and modification time
+    of its files, so weights rewritten in place are not mistaken for the old ones. Random
     (dummy) weights depend on the seed."""
     path = Path(source)
     files = [path] if path.is_file() else sorted(
@@ -49,30 +63,40 @@ def block_layout(kv_caches: list[torch.Tensor], block_size: int) -> BlockLayout:
     return BlockLayout(len(kv_caches), (2, block_size, heads, head_dim), kv_caches[0].dtype)
 
 
-def build_kv_offload(config: EngineConfig, runner: Any, loaded: Any) -> TieredKVStore | None:
-    """None when offloading is off. Gives the runner its KVTransfer (runner.kv_transfer)."""
+def build_lower_tiers(ctx: TierContext) -> list[LowerTier]:
+    """Every tier of lower_tiers.py that its settings turn on, fastest first."""
+    tiers = []
+    for name, path in LOWER_TIERS.items():
+        module_name, _, func = path.partition(":")
+        tier = getattr(importlib.import_module(module_name), func)(ctx)
+        if tier is None:
+            continue
+        if tier.name != name:
+            raise ValueError(f"KV tier builder {path} made a tier named {tier.name!r}, "
+                             f"listed as {name!r}")
+        tiers.append(tier)
+    return tiers
+
+
+def build_kv_offload(config: EngineConfig, kv_caches: list[torch.Tensor],
+                     loaded: LoadedModel) -> KVOffload | None:
+    """None when offloading is off."""
     oc = config.kv_offload_config
     if oc is None:
         return None
-    layout = block_layout(runner.kv_caches, config.cache_config.block_size)
+    layout = block_layout(kv_caches, config.cache_config.block_size)
     cpu_blocks = oc.cpu_bytes // layout.nbytes
     if cpu_blocks < 1:
         raise ValueError(f"kv_offloading_size ({oc.cpu_bytes / 2**30:.6f} GiB) is smaller than one "
                          f"KV block of this model ({layout.nbytes} bytes)")
     cpu = CPUTier(layout, oc.cpu_bytes, make_policy(oc.policy, cpu_blocks),
                   pin_memory=config.device.type == "cuda")
-    disk = None
-    if oc.disk_path is not None:
-        mc = config.model_config
-        key = StoreKey.of(model_identity(loaded.source, loaded.load_format, mc.seed), layout)
-        disk_blocks = oc.disk_bytes // layout.nbytes
-        disk = DiskTier(os.fspath(oc.disk_path), key, layout, oc.disk_bytes,
-                        make_policy(oc.policy, disk_blocks))
-    store = TieredKVStore(cpu, disk)
-    transfer = KVTransfer(runner.kv_caches, cpu.pool, layout.block_size, cpu.stats)
-    runner.kv_transfer = transfer
-    store.fence = transfer.synchronize
-    logger.info("KV offloading: CPU tier %d blocks (%.2f GiB, %s)%s", cpu.capacity_blocks,
-                cpu.capacity_bytes / 2**30, oc.policy,
-                f", disk tier {disk.capacity_blocks} blocks in {disk.dir}" if disk else "")
-    return store
+    key = StoreKey.of(model_identity(loaded.source, loaded.load_format,
+                                     config.model_config.seed), layout)
+    tiers: list[KVTier] = [cpu, *build_lower_tiers(TierContext(oc, layout, key))]
+    store = TieredKVStore(tiers)
+    transfer = KVTransfer(kv_caches, cpu.pool, layout.block_size, cpu.stats)
+    logger.info("KV offloading (%s): %s", oc.policy, ", ".join(
+        f"{t.name} tier {t.capacity_blocks} blocks ({t.capacity_bytes / 2**30:.2f} GiB)"
+        for t in tiers))
+    return KVOffload(store, transfer)

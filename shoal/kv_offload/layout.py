@@ -50,7 +50,7 @@ class StoreKey:
     """Everything that must match for a stored block to be valid: the model's weights, the
     dtype, the block size and the per-layer shape, and the layout version."""
 
-    model_id: str  # source path plus a fingerprint of the weight files (see setup.py)
+    model_id: str  # source path plus a fingerprint of the weight files (see factory.py)
     dtype: str
     block_size: int
     num_layers: int

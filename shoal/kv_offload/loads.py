@@ -1,23 +1,27 @@
-"""Disk blocks on their way into the CPU tier, read in the background.
+"""Blocks of the lower tiers on their way into the CPU tier, read in the background.
 
-A disk hit gets a reserved CPU slot and a read on the disk tier's reader pool. The read holds
-one pin on the slot (never evicted, never cascaded back to disk, never served) until `collect`
-sees it end. A block is read once however many requests want it: later ones join as waiters.
-When the read lands, every waiter gets a pin of its own, so the block cannot be evicted before
-its request comes back for it; when it fails, the slot is given back and the disk tier drops
-the file. A waiter that gives up (`forget`) leaves the read running: its block then lands as
-an ordinary unpinned cached block.
+A lower-tier hit gets a reserved CPU slot and a read (`LowerTier.read_async`: the disk tier's
+reader pool, say). The read holds one pin on the slot (never evicted, never cascaded back
+down, never served) until `collect` sees it end. A block is read once however many requests
+want it: later ones join as waiters. When the read lands, every waiter gets a pin of its
+own, so the block cannot be evicted before its request comes back for it; when it fails, the
+slot is given back and the tier drops the block. A waiter that gives up (`forget`) leaves the
+read running: its block then lands as an ordinary unpinned cached block.
 
 Only `collect` touches tier state, and it runs on the scheduler's thread."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from shoal.kv_cache.hashing import BlockHash
-from shoal.kv_offload.cpu_tier import CPUTier
-from shoal.kv_offload.disk_tier import DiskTier, ReadOutcome, ReadResult
+from shoal.kv_offload.tier import LowerTier, ReadOutcome, ReadResult
+
+if TYPE_CHECKING:
+    from shoal.kv_offload.cpu_tier import CPUTier
 
 
 @dataclass(eq=False)
@@ -36,14 +40,15 @@ class Staging:
 
 @dataclass(eq=False)
 class _Read:
+    tier: LowerTier
     future: Future[ReadResult]
     waiters: list[Staging] = field(default_factory=list)
 
 
-class DiskLoads:
-    def __init__(self, cpu: CPUTier, disk: DiskTier):
+class LowerTierLoads:
+    def __init__(self, cpu: CPUTier, tiers: Sequence[LowerTier]):
         self.cpu = cpu
-        self.disk = disk
+        self.tiers = list(tiers)
         self._reads: dict[BlockHash, _Read] = {}
 
     def __contains__(self, block_hash: BlockHash) -> bool:
@@ -52,11 +57,15 @@ class DiskLoads:
     def __len__(self) -> int:
         return len(self._reads)
 
-    def start(self, block_hash: BlockHash, slot: int, waiter: Staging) -> None:
-        """Reads the block into `slot`, just reserved for it in the CPU tier."""
+    def source(self, block_hash: BlockHash) -> LowerTier:
+        """The tier a block in flight is read from."""
+        return self._reads[block_hash].tier
+
+    def start(self, tier: LowerTier, block_hash: BlockHash, slot: int, waiter: Staging) -> None:
+        """Reads the block from `tier` into `slot`, just reserved for it in the CPU tier."""
         self.cpu.pin(block_hash)  # the read's own pin
-        future = self.disk.read_async(block_hash, self.cpu.pool[slot])
-        self._reads[block_hash] = _Read(future)
+        future = tier.read_async(block_hash, self.cpu.pool[slot])
+        self._reads[block_hash] = _Read(tier, future)
         self.join(block_hash, waiter)
 
     def join(self, block_hash: BlockHash, waiter: Staging) -> None:
@@ -82,15 +91,16 @@ class DiskLoads:
             if wait_all or read.future.done():
                 del self._reads[h]
                 self._settle(h, read)
-        # Seconds are the pool's busy wall time: parallel reads must not count several times.
-        self.disk.stats.load_seconds += self.disk.reader.take_busy_seconds()
+        for tier in self.tiers:
+            tier.stats.load_seconds += tier.take_read_seconds()
 
     def _settle(self, block_hash: BlockHash, read: _Read) -> None:
         try:
             result = read.future.result()
         except Exception as e:  # read_into returns its errors; this is only a safety net
             result = (ReadOutcome.FAILED, f"{type(e).__name__}: {e}")
-        ok = self.disk.settle(block_hash, result)
+        tier = read.tier
+        ok = tier.settle(block_hash, result)
         for waiter in read.waiters:
             waiter.waiting.discard(block_hash)
             if ok:
@@ -98,7 +108,7 @@ class DiskLoads:
                 waiter.pinned.append(block_hash)
         self.cpu.unpin(block_hash)
         if ok:
-            self.disk.stats.blocks_loaded += 1
-            self.disk.stats.bytes_loaded += self.disk.layout.nbytes
+            tier.stats.blocks_loaded += 1
+            tier.stats.bytes_loaded += tier.layout.nbytes
         else:
             self.cpu.remove(block_hash)  # the slot holds garbage: give it back

@@ -13,6 +13,9 @@ class KVTransferPlan:
 
     stores: list[tuple[int, int]] = field(default_factory=list)  # (device block, CPU slot)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (CPU slot, device block)
+    # Set when the connector hands the plan out; the runner reports it back once the copies
+    # have completed (ModelRunnerOutput.kv_transfers_done).
+    plan_id: int = -1
 
     def __bool__(self) -> bool:
         return bool(self.stores or self.loads)

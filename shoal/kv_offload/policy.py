@@ -15,6 +15,7 @@ Key = Hashable
 CanEvict = Callable[[Key], bool]
 
 REQUIRED_METHODS = ("insert", "touch", "remove", "evict")
+BUILTIN_POLICIES = {"arc": "shoal.kv_offload.arc:ARCPolicy"}
 
 
 class EvictionPolicy(ABC):
@@ -90,10 +91,9 @@ def resolve_policy(name: str) -> Callable[[int], EvictionPolicy]:
     name = name.strip()
     if name.lower() == "lru":
         return LRUPolicy
-    if name.lower() == "arc":
-        from shoal.kv_offload.arc import ARCPolicy
-
-        return ARCPolicy
+    # Built-in names of policies in other modules are module paths too, resolved like a
+    # user's: arc.py builds on this module, so this one does not import it.
+    name = BUILTIN_POLICIES.get(name.lower(), name)
     module_name, sep, cls_name = name.partition(":")
     if not sep or not module_name or not cls_name:
         raise ValueError(f"kv_offloading_policy must be 'lru', 'arc' or 'pkg.module:Class' "

@@ -2,15 +2,17 @@
 
     SamplingParams(..., kv_transfer_params={"skip_tiers": ["disk"]})
 
-`skip_tiers` lists tiers whose blocks this request must not use ("cpu", "disk"). Disk blocks
-are staged through the CPU tier, so skipping "cpu" skips every tier. It only filters what the
-request reads: stores happen when blocks are evicted, independent of any one request."""
+`skip_tiers` lists tiers whose blocks this request must not use ("cpu", "disk": the names in
+lower_tiers.py). Blocks of the lower tiers are staged through the CPU tier, so skipping "cpu"
+skips every tier. It only filters what the request reads: stores happen when blocks are
+evicted, independent of any one request."""
 
 from __future__ import annotations
 
 from typing import Any
 
-TIER_NAMES = ("cpu", "disk")
+from shoal.kv_offload.lower_tiers import TIER_NAMES
+
 _KEYS = ("skip_tiers",)
 
 

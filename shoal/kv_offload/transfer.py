@@ -1,19 +1,24 @@
 """Runs the scheduler's KV transfer plan for a step: device <-> CPU-tier block copies.
 
-Called by ModelRunner.execute before the forward pass. Device KV is one [2, slots, Hk, D]
-tensor per layer (slot = block * block_size + offset); a CPU-tier slot holds one block of
-every layer as [num_layers, 2, block_size * Hk * D].
+Built by the engine core (factory.py) over the runner's KV cache and handed to the model
+runner, which runs each step's plan before the forward pass. Device KV is one
+[2, slots, Hk, D] tensor per layer (slot = block * block_size + offset); a CPU-tier slot
+holds one block of every layer as [num_layers, 2, block_size * Hk * D].
 
-On the CPU the copies are plain indexed assignments. On CUDA they run on a side stream:
-stores gather the blocks into a device staging buffer and copy it to pinned host memory,
-loads copy pinned host memory into a staging buffer and scatter it into the blocks; the
-compute stream waits on an event before the forward pass (a reused block must be copied out
-before it is overwritten, a loaded one must have arrived before it is read), and the CPU
-waits for that event (fence) before reading or reusing those host slots."""
+On the CPU the copies are plain indexed assignments, done when `run` returns. On CUDA they
+run on a side stream: stores gather the blocks into a device staging buffer and copy it to
+pinned host memory, loads copy pinned host memory into a staging buffer and scatter it into
+the blocks. The compute stream waits on the plan's event before the forward pass (a reused
+block must be copied out before it is overwritten, a loaded one must have arrived before it
+is read), so `run` never makes the host wait. The host learns that a plan is done from
+`wait(plan_id)`, which the runner calls once the step's results are in (they come after
+the forward pass, so the wait is free by then); until then the scheduler keeps the plan's
+host slots pinned."""
 
 from __future__ import annotations
 
 import time
+from collections import deque
 
 import torch
 
@@ -35,16 +40,26 @@ class KVTransfer:
         self.stats = cpu_stats
         self.device = kv_caches[0].device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._event: torch.cuda.Event | None = None
+        # (plan id, event after its copies) of the plans run on CUDA and not waited for yet,
+        # in the order they ran: the side stream runs them in that order.
+        self._events: deque[tuple[int, torch.cuda.Event]] = deque()
 
-    def synchronize(self) -> None:
-        """Waits for the copies issued so far (the CPU may then read or reuse those slots)."""
-        if self._event is not None:
-            self._event.synchronize()
-            self._event = None
+    def wait(self, plan_id: int) -> None:
+        """Returns once the copies of this plan (and of every plan run before it) are done:
+        the host may then read, evict or reuse its slots. At once on the CPU."""
+        while self._events:
+            done_id, event = self._events.popleft()
+            if done_id == plan_id:
+                event.synchronize()
+                return
+
+    def wait_all(self) -> None:
+        if self._events:
+            self.wait(self._events[-1][0])
 
     @torch.inference_mode()
     def run(self, plan: KVTransferPlan) -> None:
+        """Queues the plan's copies ahead of the next forward pass; never waits (on CUDA)."""
         if not plan:
             return
         t0 = time.perf_counter()
@@ -79,18 +94,19 @@ class KVTransfer:
     # -- CUDA: side stream, pinned host memory, one event -------------------------------------
     def _run_cuda(self, plan: KVTransferPlan) -> None:
         assert self.stream is not None
-        self.synchronize()
         compute = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
-            # Blocks to store were last written by the compute stream.
+            # Blocks to store were last written by the compute stream. Earlier plans ran on
+            # this stream, so a load after a store into the same slot sees its bytes.
             self.stream.wait_stream(compute)
             for i in range(0, len(plan.stores), CUDA_CHUNK_BLOCKS):
                 self._store_cuda(plan.stores[i:i + CUDA_CHUNK_BLOCKS])
             for i in range(0, len(plan.loads), CUDA_CHUNK_BLOCKS):
                 self._load_cuda(plan.loads[i:i + CUDA_CHUNK_BLOCKS])
-            self._event = torch.cuda.Event()
-            self._event.record(self.stream)
-        compute.wait_event(self._event)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        compute.wait_event(event)
+        self._events.append((plan.plan_id, event))
 
     def _staging(self, n: int) -> torch.Tensor:
         # Allocated on the side stream, so the caching allocator only reuses it after the

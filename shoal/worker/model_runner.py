@@ -6,31 +6,30 @@ tokens produced so far for penalties). Makes no scheduling decisions."""
 from __future__ import annotations
 
 import logging
-import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
-from shoal.attention.backend import get_attention_backend
 from shoal.attention.metadata import token_slots
+from shoal.attention.selector import get_attention_backend
 from shoal.config import EngineConfig
 from shoal.engine.core_types import Logprobs
 from shoal.engine.scheduler_output import (
     PENDING_TOKEN,
     ModelRunnerOutput,
     NewRequestData,
+    ScheduledRequest,
     SchedulerOutput,
 )
 from shoal.host_to_device import to_device
-from shoal.loader import LoadedModel
-from shoal.loader.dummy import initialize_dummy_weights
-from shoal.models.registry import resolve_model_class
+from shoal.kv_offload.transfer import KVTransfer
+from shoal.loader import LoadedModel, build_model
 from shoal.sampling_params import SamplingParams
 from shoal.worker import warmup as startup
 from shoal.worker.cuda_graphs import DecodeGraphs
 from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
-from shoal.worker.kv_transfer import KVTransfer
 from shoal.worker.prefill_graphs import PrefillGraphs
 from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
 from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
@@ -60,6 +59,25 @@ class StepFuture:
     sampled: torch.Tensor | None = None  # [2, rows]: token ids, logits finite
     logprobs: LogprobsTensors | None = None
     event: torch.cuda.Event | None = None
+    kv_plan_id: int | None = None  # the KV transfer plan run ahead of the step, if any
+
+
+@dataclass
+class StepInputs:
+    """One step's inputs, flattened on the host in the order the model sees them."""
+
+    items: list[ScheduledRequest]
+    num_decodes: int
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    # Flat index of the last token of each row that samples, and that row's request id.
+    logits_index: list[int] = field(default_factory=list)
+    sample_rows: list[str] = field(default_factory=list)
+    # Flat index of a token sampled by the step in flight, and its row in that step's ids.
+    pending_dst: list[int] = field(default_factory=list)
+    pending_src: list[int] = field(default_factory=list)
+    # (request id, flat start, context length, tokens) of chunks that want prompt logprobs.
+    prompt_lp_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -71,33 +89,23 @@ class ModelRunner:
         self.hf_config = hf
         self.vocab_size = hf.vocab_size
         t0 = time.perf_counter()
-        cls = resolve_model_class(hf)
-        with torch.device(self.device):
-            self.model = cls(hf, self.dtype)
-        if config.model_config.load_format == "dummy":
-            initialize_dummy_weights(self.model, seed=config.model_config.seed)
-        else:
-            loaded_names = self.model.load_weights(loaded.weights())
-            missing = {n for n, _ in self.model.named_parameters()} - loaded_names
-            if self.model.tie_word_embeddings:
-                missing.discard("lm_head.weight")
-            if missing:
-                raise ValueError(f"{loaded.source}: checkpoint lacks {sorted(missing)[:5]}...")
-        self.model.eval()
-        logger.info("model %s loaded in %.2f s", type(self.model).__name__, time.perf_counter() - t0)
+        self.model = build_model(config, loaded)
         self.sampler = Sampler()
         self.requests: dict[str, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         attn = self.model.attention_layers()[0]
         self.sliding_window = attn.sliding_window
         self.block_size = config.cache_config.block_size
-        self.backend = get_attention_backend(self.device, os.environ.get("SHOAL_ATTENTION_BACKEND"))
+        # The fused rotary + cache write is one of the Triton ops: off with them.
+        self.backend = get_attention_backend(
+            self.device, config.attention_backend,
+            fuse_rope_kv_write=config.use_triton_ops and config.fuse_rope_kv_write)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         self.null_block = 0
-        self.kv_transfer: KVTransfer | None = None  # set by shoal/kv_offload/setup.py
+        self.kv_transfer: KVTransfer | None = None  # KV offloading: see use_kv_transfer
         # The last launched step's sampled ids (device) and each request's row in them.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[str, int] = {}
@@ -124,14 +132,14 @@ class ModelRunner:
                     num_blocks * per_block / 2**20)
         if cuda:
             self.startup_times["warmup"] = startup.warmup(self)
-            if not self.config.enforce_eager and hasattr(self.backend, "alloc_graph_buffers"):
+            if not self.config.enforce_eager and self.backend.supports_cuda_graphs:
                 max_blocks = -(-self.config.scheduler_config.max_model_len // self.block_size)
                 self.graphs = DecodeGraphs(self.model, self.backend,
                                            self.config.scheduler_config.max_num_seqs, max_blocks,
                                            self.device, block_size=self.block_size,
                                            sliding_window=self.sliding_window)
                 self.startup_times["cuda_graphs"] = self.graphs.capture()
-                if hasattr(self.backend, "alloc_prefill_graph_buffers"):
+                if self.backend.supports_prefill_graphs:
                     self.prefill_graphs = PrefillGraphs(
                         self.model, self.backend,
                         self.config.scheduler_config.max_num_batched_tokens, max_blocks,
@@ -159,6 +167,11 @@ class ModelRunner:
             layer.kv_cache = None
         self.kv_caches = []
 
+    def use_kv_transfer(self, transfer: KVTransfer) -> None:
+        """KV offloading: the device <-> CPU-tier copier (shoal/kv_offload/transfer.py, built
+        by the engine core over `kv_caches`) that runs each step's kv_transfers plan."""
+        self.kv_transfer = transfer
+
     # ---- per-request state ------------------------------------------------------------------
     def _add_request(self, new: NewRequestData) -> None:
         sp = new.sampling_params
@@ -177,87 +190,105 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput) -> StepFuture:
         """Queues one step's work on the device and returns without waiting for it (nothing
-        here reads device memory back), so the caller can prepare the next step meanwhile."""
+        here reads device memory back), so the caller can prepare the next step meanwhile:
+        the step's KV copies, the forward pass, sampling, and the copy of the sampled tokens
+        to the host."""
         for new in sched.new_requests:
             self._add_request(new)
-        if sched.kv_transfers and self.kv_transfer is not None:  # KV offloading, before the forward
-            self.kv_transfer.run(sched.kv_transfers)
         fut = StepFuture(ModelRunnerOutput())
+        plan = sched.kv_transfers
+        if plan is not None:  # KV offloading: queued ahead of the forward pass
+            assert self.kv_transfer is not None, "a KV transfer plan, but no use_kv_transfer()"
+            self.kv_transfer.run(plan)
+            fut.kv_plan_id = plan.plan_id
         if sched.is_empty:
             return fut
-        items = sched.scheduled
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logits_index: list[int] = []  # flat token index of the last token of sampling rows
-        sample_rows: list[str] = []
-        pending_dst: list[int] = []  # flat index of a token sampled by the step in flight
-        pending_src: list[int] = []  # ... and its row in that step's sampled ids
-        prompt_lp_spans: list[tuple[str, int, int, int]] = []  # rid, flat start, ctx, n
-        for it in items:
-            start = len(input_ids)
-            input_ids.extend(it.input_token_ids)
-            positions.extend(range(it.context_len, it.context_len + it.num_new_tokens))
+        inputs = self._prepare_inputs(sched)
+        logits = self._forward(inputs, fut.out)
+        if logits is None:  # no row samples this step
+            self._prev_rows = {}
+            return fut
+        self._sample(inputs, logits, fut)
+        return fut
+
+    def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
+        inp = StepInputs(sched.scheduled, sched.num_decodes)
+        for it in sched.scheduled:
+            start = len(inp.input_ids)
+            inp.input_ids.extend(it.input_token_ids)
+            inp.positions.extend(range(it.context_len, it.context_len + it.num_new_tokens))
             if it.input_token_ids[-1] == PENDING_TOKEN:
-                pending_dst.append(len(input_ids) - 1)
-                pending_src.append(self._prev_rows[it.request_id])
+                inp.pending_dst.append(len(inp.input_ids) - 1)
+                inp.pending_src.append(self._prev_rows[it.request_id])
             if it.sample:
-                logits_index.append(len(input_ids) - 1)
-                sample_rows.append(it.request_id)
+                inp.logits_index.append(len(inp.input_ids) - 1)
+                inp.sample_rows.append(it.request_id)
             st = self.requests[it.request_id]
-            if st.sampling_params.prompt_logprobs is not None and it.context_len < len(st.prompt_token_ids):
-                prompt_lp_spans.append((it.request_id, start, it.context_len, it.num_new_tokens))
+            if (st.sampling_params.prompt_logprobs is not None
+                    and it.context_len < len(st.prompt_token_ids)):
+                inp.prompt_lp_spans.append((it.request_id, start, it.context_len,
+                                            it.num_new_tokens))
+        return inp
 
-        def fill_pending(ids: torch.Tensor) -> None:
-            self._fill_pending(ids, pending_dst, pending_src)
-
-        out = fut.out
-        if self.graphs is not None and self.graphs.can_run(sched.num_decodes, len(input_ids)):
-            bs = self.block_size
-            logits = self.graphs.run(
-                input_ids, positions, [it.request_id for it in items],
-                [it.block_ids for it in items],
-                token_slots([1] * len(items), positions, [it.block_ids for it in items], bs),
-                fill_pending=fill_pending if pending_dst else None)
-        elif (self.prefill_graphs is not None and sched.num_decodes == 0 and len(items) == 1
-              and items[0].sample and not prompt_lp_spans
-              and self.prefill_graphs.can_run(len(input_ids))):
-            it = items[0]
-            logits = self.prefill_graphs.run(
-                input_ids, positions, it.context_len, it.block_ids,
-                token_slots([len(input_ids)], [it.context_len], [it.block_ids],
+    def _forward(self, inp: StepInputs, out: ModelRunnerOutput) -> torch.Tensor | None:
+        """The logits of the sampling rows, or None when no row samples: a decode CUDA graph,
+        a prefill CUDA graph for a lone chunk, or the model run eagerly."""
+        fill = None
+        if inp.pending_dst:
+            def fill(ids: torch.Tensor) -> None:
+                self._fill_pending(ids, inp.pending_dst, inp.pending_src)
+        if self.graphs is not None and self.graphs.can_run(inp.num_decodes, len(inp.input_ids)):
+            tables = [it.block_ids for it in inp.items]
+            return self.graphs.run(
+                inp.input_ids, inp.positions, [it.request_id for it in inp.items], tables,
+                token_slots([1] * len(inp.items), inp.positions, tables, self.block_size),
+                fill_pending=fill)
+        if self._fits_prefill_graph(inp):
+            assert self.prefill_graphs is not None
+            it = inp.items[0]
+            return self.prefill_graphs.run(
+                inp.input_ids, inp.positions, it.context_len, it.block_ids,
+                token_slots([len(inp.input_ids)], [it.context_len], [it.block_ids],
                             self.block_size),
-                fill_pending=fill_pending if pending_dst else None)
-        else:
-            if self.graphs is not None:
-                self.graphs.invalidate_tables()  # a preempted request may come back re-blocked
-            ids_t = to_device(input_ids, torch.long, self.device)
-            pos_t = to_device(positions, torch.long, self.device)
-            if pending_dst:
-                fill_pending(ids_t)
-            md = self.backend.build_metadata(
-                query_lens=[it.num_new_tokens for it in items],
-                context_lens=[it.context_len for it in items],
-                block_tables=[it.block_ids for it in items],
-                block_size=self.block_size,
-                num_decodes=sched.num_decodes,
-                sliding_window=self.sliding_window,
-                device=self.device,
-                null_block=self.null_block,
-            )
-            hidden = self.model(ids_t, pos_t, md)
+                fill_pending=fill)
+        return self._forward_eager(inp, out, fill)
 
-            if prompt_lp_spans:  # reads back at once: such steps do not overlap
-                out.prompt_logprobs = self._prompt_logprobs(hidden, prompt_lp_spans)
-            if not sample_rows:
-                self._prev_rows = {}
-                return fut
-            if len(logits_index) == hidden.shape[0]:  # every row samples: no gather
-                logits = self.model.compute_logits(hidden)
-            else:
-                logits = self.model.compute_logits(
-                    hidden[to_device(logits_index, torch.long, self.device)])
+    def _fits_prefill_graph(self, inp: StepInputs) -> bool:
+        """One lone chunk that samples and wants no prompt logprobs, within the graph sizes."""
+        return (self.prefill_graphs is not None and inp.num_decodes == 0 and len(inp.items) == 1
+                and inp.items[0].sample and not inp.prompt_lp_spans
+                and self.prefill_graphs.can_run(len(inp.input_ids)))
 
-        states = [self.requests[r] for r in sample_rows]
+    def _forward_eager(self, inp: StepInputs, out: ModelRunnerOutput,
+                       fill: Callable[[torch.Tensor], None] | None) -> torch.Tensor | None:
+        if self.graphs is not None:
+            self.graphs.invalidate_tables()  # a preempted request may come back re-blocked
+        ids_t = to_device(inp.input_ids, torch.long, self.device)
+        pos_t = to_device(inp.positions, torch.long, self.device)
+        if fill is not None:
+            fill(ids_t)
+        md = self.backend.build_metadata(
+            query_lens=[it.num_new_tokens for it in inp.items],
+            context_lens=[it.context_len for it in inp.items],
+            block_tables=[it.block_ids for it in inp.items],
+            block_size=self.block_size,
+            num_decodes=inp.num_decodes,
+            sliding_window=self.sliding_window,
+            device=self.device,
+            null_block=self.null_block,
+        )
+        hidden = self.model(ids_t, pos_t, md)
+        if inp.prompt_lp_spans:  # reads back at once: such steps do not overlap
+            out.prompt_logprobs = self._prompt_logprobs(hidden, inp.prompt_lp_spans)
+        if not inp.sample_rows:
+            return None
+        if len(inp.logits_index) == hidden.shape[0]:  # every row samples: no gather
+            return self.model.compute_logits(hidden)
+        return self.model.compute_logits(
+            hidden[to_device(inp.logits_index, torch.long, self.device)])
+
+    def _sample(self, inp: StepInputs, logits: torch.Tensor, fut: StepFuture) -> None:
+        states = [self.requests[r] for r in inp.sample_rows]
         smd = SamplingMetadata.build(
             [s.sampling_params for s in states],
             [s.output_token_ids for s in states],
@@ -271,30 +302,47 @@ class ModelRunner:
         result = self.sampler(logits, smd)
         # The next step reads its pending input tokens from here, on the device.
         self._prev_sampled = result.sampled_token_ids
-        self._prev_rows = {rid: i for i, rid in enumerate(sample_rows)}
-        # One device-to-host transfer for both, queued behind the step.
-        packed = torch.stack([result.sampled_token_ids, finite.long()])
-        fut.sample_rows = sample_rows
+        self._prev_rows = {rid: i for i, rid in enumerate(inp.sample_rows)}
+        fut.sample_rows = inp.sample_rows
         fut.states = states
         fut.wanted = [s.sampling_params.logprobs for s in states]
-        fut.block_ids = {it.request_id: it.block_ids for it in items if it.sample}
-        if self.device.type == "cuda":
-            fut.sampled = packed.to("cpu", non_blocking=True)
-            if result.logprobs is not None:
-                lt = result.logprobs
-                fut.logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True)
-                                                 for t in (lt.token_ids, lt.logprobs, lt.ranks)))
-            fut.event = torch.cuda.Event()
-            fut.event.record()
-        else:
-            fut.sampled, fut.logprobs = packed, result.logprobs
-        return fut
+        fut.block_ids = {it.request_id: it.block_ids for it in inp.items if it.sample}
+        # One device-to-host transfer for both, queued behind the step.
+        self._queue_to_host(fut, torch.stack([result.sampled_token_ids, finite.long()]),
+                            result.logprobs)
+
+    def _queue_to_host(self, fut: StepFuture, packed: torch.Tensor,
+                       logprobs: LogprobsTensors | None) -> None:
+        """Copies the sampled results to the host behind the step; `fut.event` marks their
+        arrival on CUDA (elsewhere they are on the host already)."""
+        if self.device.type != "cuda":
+            fut.sampled, fut.logprobs = packed, logprobs
+            return
+        fut.sampled = packed.to("cpu", non_blocking=True)
+        if logprobs is not None:
+            fut.logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in
+                                             (logprobs.token_ids, logprobs.logprobs,
+                                              logprobs.ranks)))
+        fut.event = torch.cuda.Event()
+        fut.event.record()
 
     def finish(self, fut: StepFuture) -> ModelRunnerOutput:
-        """Waits for a launched step and turns its sampled tokens into plain data."""
+        """Waits for a launched step and turns its sampled tokens into plain data; reports its
+        KV copies as done."""
         out = fut.out
-        if fut.sampled is None:
-            return out
+        if fut.sampled is not None:
+            self._read_sampled(fut)
+        if fut.kv_plan_id is not None:
+            # The forward pass waited for the copies on the device, so a step whose tokens
+            # have arrived has them done already; one that sampled nothing waits here.
+            assert self.kv_transfer is not None
+            self.kv_transfer.wait(fut.kv_plan_id)
+            out.kv_transfers_done.append(fut.kv_plan_id)
+        return out
+
+    def _read_sampled(self, fut: StepFuture) -> None:
+        out = fut.out
+        assert fut.sampled is not None
         if fut.event is not None:
             fut.event.synchronize()
         sampled, finite_l = fut.sampled.tolist()
@@ -309,7 +357,6 @@ class ModelRunner:
             out.sampled_token_ids[rid] = sampled[i]
             if lp_rows[i] is not None:
                 out.logprobs[rid] = lp_rows[i]
-        return out
 
     def _fill_pending(self, ids: torch.Tensor, dst: list[int], src: list[int]) -> None:
         """Writes the tokens the previous step sampled into this step's input ids."""

@@ -6,60 +6,44 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import pytest
 import torch
-from tier_fixtures import LAYOUT, _h, _payload, _store
+from tier_fixtures import (
+    LAYOUT,
+    _assert_holds,
+    _connector,
+    _disk_of,
+    _h,
+    _payload,
+    _request,
+    _store,
+)
 
-from shoal.engine.request import Request
-from shoal.kv_cache.block_pool import BlockPool
 from shoal.kv_offload import disk_tier
-from shoal.kv_offload.connector import KVOffloadConnector
 from shoal.kv_offload.disk_format import HEADER_BYTES
 from shoal.kv_offload.disk_reader import DiskReader
 from shoal.kv_offload.store import TieredKVStore
-from shoal.sampling_params import SamplingParams
-
-BLOCK = LAYOUT.block_size
-
-
-def _request(rid: str, blocks: range) -> Request:
-    """A waiting request whose prompt covers `blocks` (by hash) plus one token to compute."""
-    req = Request(rid, list(range(len(blocks) * BLOCK + 1)), SamplingParams(max_tokens=1),
-                  frozenset(), max_tokens=1)
-    req.block_hashes = [_h(i) for i in blocks]
-    return req
-
-
-def _connector(store: TieredKVStore) -> KVOffloadConnector:
-    return KVOffloadConnector(store, BlockPool(8), BLOCK)
 
 
 def _on_disk(store: TieredKVStore, blocks: range) -> None:
     for i in blocks:
-        store.disk.store([_h(i)], _payload(i))
+        _disk_of(store).store([_h(i)], _payload(i))
     store.drain()
 
 
 def _gate(store: TieredKVStore) -> tuple[threading.Event, list[bytes]]:
     """Holds every disk read until the event is set; records the hashes read."""
     gate, calls = threading.Event(), []
-    read = store.disk.read_into
+    read = _disk_of(store).read_into
 
     def gated(h, dst):
         calls.append(h)
         assert gate.wait(10)
         return read(h, dst)
 
-    store.disk.read_into = gated
+    _disk_of(store).read_into = gated
     return gate, calls
-
-
-def _assert_holds(store: TieredKVStore, staged, blocks: range) -> None:
-    assert [h for h, _ in staged] == [_h(i) for i in blocks]
-    for (_, slot), i in zip(staged, blocks):
-        assert torch.equal(store.cpu.pool[slot], _payload(i)[0])
 
 
 def test_disk_hits_defer_the_request_until_read(tmp_path):
@@ -164,7 +148,7 @@ def test_abandoned_request_lets_go_and_its_reads_land_unpinned(tmp_path):
 def test_a_block_that_fails_in_the_background_ends_the_hit(tmp_path, monkeypatch, caplog, damage):
     store = _store(tmp_path, cpu_blocks=8, disk_blocks=8)
     _on_disk(store, range(4))
-    path = store.disk.dir / (_h(2).hex() + ".kv")
+    path = _disk_of(store).dir / (_h(2).hex() + ".kv")
     if damage == "flip":
         data = bytearray(path.read_bytes())
         data[HEADER_BYTES + 10] ^= 0xFF
@@ -187,7 +171,7 @@ def test_a_block_that_fails_in_the_background_ends_the_hit(tmp_path, monkeypatch
         store.wait_loads()
         staged = conn.stage(req, 0)
     _assert_holds(store, staged, range(2))  # never served: the request computes the rest
-    assert not store.disk.contains(_h(2)) and not store.cpu.contains(_h(2))
+    assert not _disk_of(store).contains(_h(2)) and not store.cpu.contains(_h(2))
     assert store.stats().tier("disk").damaged == (damage == "flip")
     if damage == "exception":
         assert "RuntimeError: boom" in caplog.text
@@ -229,9 +213,19 @@ def test_shutdown_waits_for_reads_in_flight(tmp_path):
     conn = _connector(store)
     gate, _ = _gate(store)
     assert conn.stage(_request("r", range(3)), 0) is None
-    threading.Timer(0.2, gate.set).start()
+    collect = store.loads.collect
+    in_flight_at_wait = []
+
+    def collect_then_open(wait_all: bool = False) -> None:
+        if wait_all and not gate.is_set():  # shutdown is about to wait: the reads still run
+            in_flight_at_wait.append(len(store.loads))
+            gate.set()
+        collect(wait_all)
+
+    store.loads.collect = collect_then_open
     store.shutdown()  # joins the reader threads once the reads end
-    assert not any(t.is_alive() for t in store.disk.reader._pool._threads)
+    assert in_flight_at_wait == [3]
+    assert not any(t.is_alive() for t in _disk_of(store).reader._pool._threads)
     assert len(store.loads) == 0
     store.shutdown()  # a second call does nothing
 
@@ -243,10 +237,10 @@ def test_shutdown_persists_the_cpu_tier(tmp_path):
     store.cpu.pin(_h(2))  # pinned (a waiting request holds it): persisted all the same
     slot = store.reserve_for_device(_h(9))  # its device copy never ran: must not be kept
     store.cpu.pool[slot].fill_(-1)
-    assert len(store.disk) == 0
+    assert len(_disk_of(store)) == 0
     store.shutdown()
     again = _store(tmp_path, cpu_blocks=4, disk_blocks=8)
-    assert sorted(again.disk.keys()) == [_h(0), _h(1), _h(2)]
+    assert sorted(_disk_of(again).keys()) == [_h(0), _h(1), _h(2)]
     slots = again.stage([_h(i) for i in range(3)])
     for i, s in enumerate(slots):
         assert torch.equal(again.cpu.pool[s], _payload(i)[0])
@@ -255,12 +249,46 @@ def test_shutdown_persists_the_cpu_tier(tmp_path):
     again.close()
 
 
+def test_shutdown_at_interpreter_exit_still_persists(tmp_path):
+    """atexit callbacks run after Python has shut its thread pools: writes go on inline."""
+    store = _store(tmp_path, cpu_blocks=4, disk_blocks=8, background=True)
+    for i in range(3):
+        store.cpu.store([_h(i)], _payload(i))
+    _disk_of(store).writer._pool.shutdown()  # what interpreter exit does to every pool
+    store.shutdown()
+    again = _store(tmp_path, cpu_blocks=4, disk_blocks=8)
+    assert sorted(_disk_of(again).keys()) == [_h(0), _h(1), _h(2)]
+    again.close()
+
+
 def test_reader_time_is_wall_time_not_a_sum_over_threads():
-    reader = DiskReader(4)
-    futures = [reader.submit(time.sleep, 0.1) for _ in range(4)]  # four reads side by side
+    now = [10.0]
+    reader = DiskReader(4, clock=lambda: now[0])
+    all_running, release = threading.Barrier(5), threading.Event()
+
+    def read() -> None:
+        all_running.wait(10)
+        assert release.wait(10)
+
+    futures = [reader.submit(read) for _ in range(4)]  # four reads side by side
+    all_running.wait(10)
+    now[0] += 0.1
+    release.set()
     for f in futures:
         f.result()
-    busy = reader.take_busy_seconds()
-    assert 0.09 < busy < 0.3  # about 0.1 s, not 0.4: bytes / seconds is the bandwidth
+    assert reader.take_busy_seconds() == pytest.approx(0.1)  # not 0.4: bytes / s is bandwidth
     assert reader.take_busy_seconds() == 0.0
+    now[0] += 5.0  # idle: not counted
+    started, release = threading.Event(), threading.Event()
+
+    def lone_read() -> None:
+        started.set()
+        assert release.wait(10)
+
+    future = reader.submit(lone_read)
+    assert started.wait(10)
+    now[0] += 0.25
+    release.set()
+    future.result()
+    assert reader.take_busy_seconds() == pytest.approx(0.25)
     reader.close()

@@ -9,11 +9,13 @@ import time
 
 import pytest
 from oracle import write_tiny_checkpoint
+from tier_fixtures import _disk_of
 
 from shoal import LLM, SamplingParams
 from shoal.engine.core_types import EngineCoreRequest
 from shoal.kv_cache.hashing import hash_full_blocks
 from shoal.kv_offload.control import offload_device_prefix_cache, persist
+from shoal.kv_offload.lower_tiers import LOWER_TIERS
 
 BLOCK = 4
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 16 * 4  # layers * KV * tokens * kv heads * head dim * fp32
@@ -69,9 +71,8 @@ def _settled(llm: LLM) -> None:
     pool = sched.kv.pool
     assert pool.num_free_blocks == pool.num_blocks and not sched.requests
     assert all(b.ref_cnt == 0 for b in pool.blocks)
-    sched.offload.begin_step()  # the last plan has run
-    assert not sched.offload.num_deferred
-    assert _store(llm).cpu.num_pinned() == 0 and not sched.offload._plan_pins
+    assert not sched.offload.num_deferred and not sched.offload.num_plans_in_flight
+    assert _store(llm).cpu.num_pinned() == 0 and not sched.offload._holds.pins
     _store(llm).check()
 
 
@@ -85,7 +86,7 @@ def _on_disk_only(llm: LLM) -> None:
 
 def _gate_disk_reads(llm: LLM) -> threading.Event:
     """Holds the disk tier's background reads until the event is set."""
-    disk, gate = _store(llm).disk, threading.Event()
+    disk, gate = _disk_of(_store(llm)), threading.Event()
     read = disk.read_into
 
     def gated(h, dst):
@@ -156,11 +157,11 @@ def test_restart_reuses_the_disk_tier(tiny_llama_dir, tmp_path, reference):
     first = _llm(tiny_llama_dir, tmp_path, cpu_blocks=4)
     _run(first)
     persist(first.llm_engine.core)  # device blocks -> CPU tier (4 at a time) -> disk
-    assert len(_store(first).disk) >= 12 and len(_store(first).cpu) == 0
+    assert len(_disk_of(_store(first))) >= 12 and len(_store(first).cpu) == 0
     _settled(first)
     del first
     again = _llm(tiny_llama_dir, tmp_path)
-    assert len(_store(again).disk) > 0
+    assert len(_disk_of(_store(again))) > 0
     assert _run(again) == (48, reference)
     assert _hits(again)["disk"] == 12
     _settled(again)
@@ -194,7 +195,7 @@ def test_damaged_disk_block_is_recomputed(tiny_llama_dir, tmp_path, reference, d
     _run(first)
     _push_out_of_device(first)
     _store(first).flush()
-    disk_dir = _store(first).disk.dir
+    disk_dir = _disk_of(_store(first)).dir
     del first
     path = disk_dir / (_hashes()[5].hex() + ".kv")
     data = bytearray(path.read_bytes())
@@ -206,7 +207,7 @@ def test_damaged_disk_block_is_recomputed(tiny_llama_dir, tmp_path, reference, d
     again = _llm(tiny_llama_dir, tmp_path)
     assert _run(again) == (20, reference)  # blocks 0-4 from disk, the rest recomputed
     _settled(again)
-    disk = _store(again).disk
+    disk = _disk_of(_store(again))
     assert disk.stats.damaged == 1 and not path.exists()  # truncation: seen at the scan
 
 
@@ -218,7 +219,7 @@ def test_size_limits_hold_under_load(tiny_llama_dir, tmp_path):
         _push_out_of_device(llm)
         store.check()  # CPU slots <= capacity; disk bytes <= limit, index == files
         assert store.cpu.used_bytes <= 6 * BLOCK_BYTES
-        assert len(store.disk) <= 10
+        assert len(_disk_of(store)) <= 10
     assert store.stats().tier("disk").evictions > 0
     _settled(llm)
 
@@ -348,10 +349,51 @@ def test_shutdown_keeps_the_cpu_tier_for_a_restart(tiny_llama_dir, tmp_path, ref
     _run(first)
     offload_device_prefix_cache(first.llm_engine.core)  # P in the CPU tier only
     store = _store(first)
-    assert store.cpu.contains(_hashes()[0]) and len(store.disk) == 0
+    assert store.cpu.contains(_hashes()[0]) and len(_disk_of(store)) == 0
     store.shutdown()
     del first
     again = _llm(tiny_llama_dir, tmp_path)
     assert _run(again) == (48, reference)
     assert _hits(again)["disk"] == 12
     _settled(again)
+
+
+def test_a_request_waiting_for_disk_counts_its_prefix_query_once(tiny_llama_dir, tmp_path,
+                                                                 reference):
+    llm = _llm(tiny_llama_dir, tmp_path)
+    _on_disk_only(llm)
+    core = llm.llm_engine.core
+    kv = core.scheduler.kv
+    queries, hits = kv.prefix_queries, kv.prefix_hits
+    gate = _gate_disk_reads(llm)
+    try:
+        core.add_request(EngineCoreRequest("p", P["prompt_token_ids"], GREEDY, time.monotonic()))
+        for _ in range(3):  # asked again every step while its blocks are read
+            core.step()
+        assert core.scheduler.offload.num_deferred == 1
+    finally:
+        gate.set()
+    while core.has_unfinished_requests():
+        core.step()
+    assert kv.prefix_queries - queries == len(P["prompt_token_ids"])  # once, not per step
+    assert kv.prefix_hits == hits  # nothing was on the device
+    _settled(llm)
+
+
+def test_a_tier_listed_in_lower_tiers_is_built_and_its_hits_load(tiny_llama_dir, tmp_path,
+                                                                  monkeypatch, reference):
+    """A third tier is one file (memory_tier.py) plus its line in LOWER_TIERS."""
+    monkeypatch.setitem(LOWER_TIERS, "memory", "memory_tier:build_memory_tier")
+    llm = _llm(tiny_llama_dir, tmp_path)
+    store = _store(llm)
+    assert [t.name for t in store.tiers] == ["cpu", "disk", "memory"]
+    _run(llm)
+    _push_out_of_device(llm)
+    store.flush()  # the CPU tier writes P down to both lower tiers
+    store.clear("disk")  # so only the memory tier has it
+    before = _hits(llm)
+    assert _run(llm) == (48, reference)
+    after = _hits(llm)
+    assert after["memory"] - before["memory"] == 12 and after["disk"] == before["disk"]
+    assert store.tier("memory").reads == 12
+    _settled(llm)

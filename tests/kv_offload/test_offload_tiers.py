@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from tier_fixtures import KEY, LAYOUT, _cpu, _disk, _h, _payload, _store
+from tier_fixtures import KEY, LAYOUT, _cpu, _disk, _disk_of, _h, _payload, _store
 
 from shoal.kv_offload.disk_format import HEADER_BYTES
 from shoal.kv_offload.layout import BlockLayout, StoreKey
@@ -55,7 +55,7 @@ def test_cpu_evictions_cascade_to_disk_and_lookups_span_tiers(tmp_path):
     store = _store(tmp_path, cpu_blocks=2, disk_blocks=4)
     for i in range(4):
         _put(store, i)
-    assert len(store.cpu) == 2 and len(store.disk) == 2  # 0, 1 went down
+    assert len(store.cpu) == 2 and len(_disk_of(store)) == 2  # 0, 1 went down
     assert store.lookup([_h(i) for i in range(5)]) == 4  # disk prefix, CPU continuation
     assert store.lookup([_h(0), _h(1)], skip=["disk"]) == 0
     assert store.lookup([_h(2), _h(3)], skip=["cpu"]) == 0  # disk goes through the CPU tier
@@ -65,7 +65,7 @@ def test_cpu_evictions_cascade_to_disk_and_lookups_span_tiers(tmp_path):
         assert torch.equal(store.cpu.pool[slot], _payload(i)[0])
     store.unpin([_h(0), _h(1)])
     assert store.flush() == 2 and len(store.cpu) == 0  # everything ends up on disk
-    assert len(store.disk) == 4
+    assert len(_disk_of(store)) == 4
     store.check()
 
 
@@ -134,8 +134,8 @@ def test_damaged_disk_blocks_are_dropped_not_served(tmp_path, damage):
 
 def test_damaged_disk_block_is_a_miss_when_staged(tmp_path):
     store = _store(tmp_path, cpu_blocks=4, disk_blocks=4)
-    store.disk.store([_h(0), _h(1)], _payload(0, 2))
-    path = store.disk.dir / (_h(1).hex() + ".kv")
+    _disk_of(store).store([_h(0), _h(1)], _payload(0, 2))
+    path = _disk_of(store).dir / (_h(1).hex() + ".kv")
     path.write_bytes(path.read_bytes()[:-1])
     slots = store.stage([_h(0), _h(1)])
     assert len(slots) == 1 and not store.cpu.contains(_h(1))  # the bad slot was given back
