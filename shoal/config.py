@@ -1,4 +1,7 @@
-"""Engine configuration: one frozen-ish dataclass per concern, invariants checked on creation."""
+"""Engine configuration: one frozen dataclass per concern, invariants checked on creation.
+
+Nothing changes a config once it is built; what start-up decides (the KV pool's size) is
+handed on explicitly (EngineCore -> Scheduler, EngineLimits)."""
 
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ def default_device() -> torch.device:
     return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ModelConfig:
     model: str | None
     tokenizer: str | None
@@ -50,14 +53,13 @@ class ModelConfig:
     vocab_size: int = 0  # filled from the HF config
 
 
-@dataclass
+@dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
-    num_blocks: int = 0  # decided at start-up
 
     def __post_init__(self) -> None:
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -74,7 +76,7 @@ class CacheConfig:
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class SchedulerConfig:
     max_num_batched_tokens: int = 16384
     max_num_seqs: int = 256
@@ -99,7 +101,7 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority' (got {self.policy!r})")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
 
@@ -110,7 +112,7 @@ class ParallelConfig:
             )
 
 
-@dataclass
+@dataclass(frozen=True)
 class KVOffloadConfig:
     """Secondary KV tiers (shoal/kv_offload): a CPU tier of cpu_bytes, then optionally a disk
     tier of disk_bytes under disk_path; eviction policy "lru", "arc" or "pkg.module:Class"."""
@@ -130,7 +132,7 @@ class KVOffloadConfig:
         resolve_policy(self.policy)  # a bad name fails here, at start-up
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig

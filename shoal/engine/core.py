@@ -33,7 +33,7 @@ class EngineCore:
         t0 = time.perf_counter()
         self.config = config
         self.runner = ModelRunner(config, loaded)
-        config.cache_config.num_blocks = self.runner.initialize_kv_cache()
+        num_blocks = self.runner.initialize_kv_cache()
         # Secondary KV tiers (CPU, then disk...) for the scheduler and their device copies for
         # the runner; None unless kv_offloading_size is set.
         offload = build_kv_offload(config, self.runner.kv_caches, loaded)
@@ -41,7 +41,7 @@ class EngineCore:
         self.kv_transfer = offload.transfer if offload is not None else None
         if self.kv_transfer is not None:
             self.runner.use_kv_transfer(self.kv_transfer)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config,
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
                                    kv_store=self.kv_offload)
         self.vocab_size = self.runner.vocab_size
         self.async_scheduling = config.async_scheduling
@@ -55,7 +55,7 @@ class EngineCore:
         # What every frontend validates requests against (sent in the ready message).
         self.limits = EngineLimits(
             vocab_size=self.vocab_size, max_model_len=sc.max_model_len,
-            num_kv_blocks=config.cache_config.num_blocks, block_size=config.cache_config.block_size,
+            num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
             max_num_seqs=sc.max_num_seqs, eos_token_ids=self.eos_token_ids)
         if config.device.type == "cuda":
             t1 = time.perf_counter()
@@ -64,21 +64,30 @@ class EngineCore:
         logger.info("engine core ready in %.2f s", time.perf_counter() - t0)
 
     def _warm_request_path(self) -> None:
-        """Runs a greedy and a sampled request end to end (scheduler, sampler, logprobs), so
-        the first real request finds every kernel loaded and compiled; then forgets them."""
+        """Runs requests end to end through the scheduler, the runner and the sampler before
+        the engine reports ready, so real traffic finds every kernel loaded: a greedy one, a
+        sampled one with top-p/top-k and logprobs, then a full batch (max_num_seqs, as far as
+        the pool allows) of sampled ones, as the first busy batch will be. Then forgets them."""
         from shoal.sampling_params import SamplingParams
 
         prompt = [i % self.vocab_size for i in range(1, 40)]
-        for i, sp in enumerate([
-            SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-            SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=3, ignore_eos=True,
-                           logprobs=2, seed=0),
-        ]):
-            self.add_request(EngineCoreRequest(f"__warmup_{i}", prompt, sp, time.monotonic()))
-        while self.scheduler.has_unfinished_requests():
-            self.step()
+        params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                  SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=3,
+                                 ignore_eos=True, logprobs=2, seed=0)]
+        batch = min(self.limits.max_num_seqs, self.limits.num_kv_blocks // 4)
+        params += [SamplingParams(temperature=0.6, max_tokens=3, ignore_eos=True)] * batch
+        for i, sp in enumerate(params):
+            self.add_request(EngineCoreRequest(f"__warmup_{i}", prompt[:8 + i % 31], sp,
+                                               time.monotonic()))
+            if i == 1:  # the two single requests first, alone
+                self._run_until_idle()
+        self._run_until_idle()
         self.scheduler.kv.reset_prefix_cache()
         self.scheduler.reset_counters()
+
+    def _run_until_idle(self) -> None:
+        while self.has_unfinished_requests():
+            self.step()
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:

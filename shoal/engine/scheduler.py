@@ -94,10 +94,11 @@ class WaitingQueue:
 
 class Scheduler:
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
-                 kv_store: TieredKVStore | None = None):
+                 num_blocks: int, kv_store: TieredKVStore | None = None):
+        """num_blocks: the device KV pool, as the model runner sized it at start-up."""
         self.config = sched_config
         self.block_size = cache_config.block_size
-        self.kv = KVCacheManager(cache_config.num_blocks, cache_config.block_size,
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
         # KV offloading: evicted device blocks go to the tiers, admissions load tier hits.
         self.offload = (KVOffloadConnector(kv_store, self.kv.pool, self.block_size)

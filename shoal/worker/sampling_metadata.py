@@ -75,47 +75,13 @@ class SamplingMetadata:
         all_greedy = all(greedy)  # an empty batch counts as greedy: nothing to draw
         all_random = not all_greedy and not any(greedy)
 
-        def floats(values: list[float]) -> torch.Tensor:
-            return to_device(values, torch.float32, device)
-
-        temperature = floats([0.0 if g else p.temperature for p, g in zip(params_list, greedy)])
-
-        # Filters only matter for rows that sample; greedy rows get the no-op value so a
-        # mixed batch never builds a filter tensor because of a greedy row.
-        top_k = top_p = min_p = None
-        if not all_greedy:
-            ks = [
-                vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size)
-                for p, g in zip(params_list, greedy)
-            ]
-            if any(k < vocab_size for k in ks):
-                top_k = to_device(ks, torch.int64, device)
-            ps = [1.0 if g else p.top_p for p, g in zip(params_list, greedy)]
-            if any(v < 1.0 for v in ps):
-                top_p = floats(ps)
-            mps = [0.0 if g else p.min_p for p, g in zip(params_list, greedy)]
-            if any(v > 0.0 for v in mps):
-                min_p = floats(mps)
-
-        presence = [p.presence_penalty for p in params_list]
-        frequency = [p.frequency_penalty for p in params_list]
-        repetition = [p.repetition_penalty for p in params_list]
-        presence_t = floats(presence) if any(v != 0.0 for v in presence) else None
-        frequency_t = floats(frequency) if any(v != 0.0 for v in frequency) else None
-        repetition_t = prompt_t = None
-        if any(v != 1.0 for v in repetition):
-            repetition_t = floats(repetition)
-            prompt_t = pad_token_ids(prompt_token_ids, vocab_size, device)
-
-        min_tokens_mask: dict[int, list[int]] = {}
-        for i, p in enumerate(params_list):
-            if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
-                banned = set(p.stop_token_ids or ())
-                if not p.ignore_eos:
-                    banned.update(_row_eos(eos_token_ids, i, n))
-                if banned:
-                    min_tokens_mask[i] = sorted(banned)
-
+        temperature = _floats([0.0 if g else p.temperature for p, g in zip(params_list, greedy)],
+                              device)
+        top_k, top_p, min_p = (None, None, None) if all_greedy else _filters(
+            params_list, greedy, vocab_size, device)
+        presence_t, frequency_t, repetition_t, prompt_t = _penalties(
+            params_list, prompt_token_ids, vocab_size, device)
+        min_tokens_mask = _min_tokens_mask(params_list, output_token_ids, eos_token_ids)
         wanted = [p.logprobs for p in params_list if p.logprobs is not None]
         return cls(
             temperature=temperature,
@@ -134,6 +100,56 @@ class SamplingMetadata:
             min_tokens_mask=min_tokens_mask,
             max_num_logprobs=max(wanted) if wanted else None,
         )
+
+
+def _floats(values: list[float], device: torch.device) -> torch.Tensor:
+    return to_device(values, torch.float32, device)
+
+
+def _filters(params_list: Sequence[SamplingParams], greedy: list[bool], vocab_size: int,
+             device: torch.device) -> tuple[torch.Tensor | None, ...]:
+    """top_k, top_p and min_p per row, or None where no row filters. Filters only matter for
+    rows that sample; greedy rows get the no-op value so a mixed batch never builds a filter
+    tensor because of a greedy row."""
+    ks = [vocab_size if g or p.top_k == 0 else min(p.top_k, vocab_size)
+          for p, g in zip(params_list, greedy)]
+    ps = [1.0 if g else p.top_p for p, g in zip(params_list, greedy)]
+    mps = [0.0 if g else p.min_p for p, g in zip(params_list, greedy)]
+    return (to_device(ks, torch.int64, device) if any(k < vocab_size for k in ks) else None,
+            _floats(ps, device) if any(v < 1.0 for v in ps) else None,
+            _floats(mps, device) if any(v > 0.0 for v in mps) else None)
+
+
+def _penalties(params_list: Sequence[SamplingParams], prompt_token_ids: Sequence[Sequence[int]],
+               vocab_size: int, device: torch.device) -> tuple[torch.Tensor | None, ...]:
+    """presence, frequency and repetition penalties per row (None where unused by every
+    row), and the padded prompts, which only the repetition penalty reads."""
+    presence = [p.presence_penalty for p in params_list]
+    frequency = [p.frequency_penalty for p in params_list]
+    repetition = [p.repetition_penalty for p in params_list]
+    repetition_t = prompt_t = None
+    if any(v != 1.0 for v in repetition):
+        repetition_t = _floats(repetition, device)
+        prompt_t = pad_token_ids(prompt_token_ids, vocab_size, device)
+    return (_floats(presence, device) if any(v != 0.0 for v in presence) else None,
+            _floats(frequency, device) if any(v != 0.0 for v in frequency) else None,
+            repetition_t, prompt_t)
+
+
+def _min_tokens_mask(params_list: Sequence[SamplingParams], output_token_ids: list[list[int]],
+                     eos_token_ids: Collection[int] | Sequence[Collection[int]]
+                     ) -> dict[int, list[int]]:
+    """Row -> the token ids it may not sample yet (stop tokens and, unless ignored, EOS)."""
+    n = len(params_list)
+    mask: dict[int, list[int]] = {}
+    for i, p in enumerate(params_list):
+        if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
+            banned = set(p.stop_token_ids or ())
+            if not p.ignore_eos:
+                banned.update(_row_eos(eos_token_ids, i, n))
+            if banned:
+                mask[i] = sorted(banned)
+    return mask
 
 
 def pad_token_ids(

@@ -26,11 +26,10 @@ def make_scheduler(num_blocks: int = 64, budget: int = 64, max_seqs: int = 16,
                    max_model_len: int = 256, chunked: bool = True, policy: str = "fcfs",
                    caching: bool = True, block_size: int = BS) -> Scheduler:
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=caching)
-    cc.num_blocks = num_blocks
     sc = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                          max_model_len=max_model_len, enable_chunked_prefill=chunked,
                          policy=policy)
-    return Scheduler(sc, cc)
+    return Scheduler(sc, cc, num_blocks)
 
 
 def make_req(rid: str, prompt: list[int], max_tokens: int = 16, priority: int = 0,

@@ -22,10 +22,9 @@ A = list(range(17))  # 4 full blocks and one token
 
 def _scheduler(tmp_path, num_blocks: int = 5) -> tuple[Scheduler, TieredKVStore]:
     cc = CacheConfig(block_size=BS)
-    cc.num_blocks = num_blocks
     sc = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=64)
     store = _store(tmp_path, cpu_blocks=8, disk_blocks=16)
-    return Scheduler(sc, cc, kv_store=store), store
+    return Scheduler(sc, cc, num_blocks, kv_store=store), store
 
 
 def _add(sched: Scheduler, rid: str, prompt: list[int]) -> None:
