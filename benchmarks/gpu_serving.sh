@@ -12,7 +12,6 @@
 set -u
 M=${1:?model folder: Qwen3-0.6B shape with the SmolLM2 vocabulary and tokenizer}
 export PYTHONUNBUFFERED=1
-shoal() { python3 -m shoal.entrypoints.cli "$@"; }
 wait_healthy() {  # port, seconds
   for _ in $(seq 1 "$2"); do
     python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$1/health', timeout=1)" \
@@ -30,7 +29,7 @@ timeout 200 python3 -m shoal.entrypoints.cli bench throughput --preset W8 --mode
 echo "rc=$?"; grep -E "^run " "$OUT/w8-offline.log"
 
 stage serve
-shoal serve "$M" --load-format dummy --dtype bfloat16 --no-enable-prefix-caching --port 8000 \
+python3 -m shoal.entrypoints.cli serve "$M" --load-format dummy --dtype bfloat16 --no-enable-prefix-caching --port 8000 \
   --disable-uvicorn-access-log > "$OUT/w8-server.log" 2>&1 &
 SERVER=$!
 if wait_healthy 8000 150; then
@@ -45,10 +44,10 @@ if wait_healthy 8000 150; then
 else
   echo "server did not start"; tail -20 "$OUT/w8-server.log"
 fi
-kill -INT $SERVER; wait $SERVER
+kill -TERM $SERVER; wait $SERVER  # the python process itself, not a shell function
 
 stage batch1
-shoal serve meta-llama/Llama-3.1-8B --load-format dummy --dtype bfloat16 --tokenizer "$M" \
+python3 -m shoal.entrypoints.cli serve meta-llama/Llama-3.1-8B --load-format dummy --dtype bfloat16 --tokenizer "$M" \
   --max-model-len 4096 --max-num-seqs 16 --port 8001 --disable-uvicorn-access-log \
   > "$OUT/b1-server.log" 2>&1 &
 SERVER=$!
@@ -63,5 +62,5 @@ if wait_healthy 8001 180; then
 else
   echo "8B server did not start"; tail -20 "$OUT/b1-server.log"
 fi
-kill -INT $SERVER; wait $SERVER
+kill -TERM $SERVER; wait $SERVER  # the python process itself, not a shell function
 stage done
