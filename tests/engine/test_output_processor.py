@@ -21,7 +21,7 @@ def tokenizer():
     return load_frontend_tokenizer(None)
 
 
-def _run(tokenizer, kind: OutputKind, stop: list[str] | None = None, monkeypatch=None):
+def _run(tokenizer, kind: OutputKind, stop: list[str] | None = None):
     limits = EngineLimits(vocab_size=49152, max_model_len=512, num_kv_blocks=64, block_size=16,
                           max_num_seqs=4)
     req = InputProcessor(tokenizer, limits).process_request(
@@ -37,10 +37,15 @@ def _run(tokenizer, kind: OutputKind, stop: list[str] | None = None, monkeypatch
     return delivered
 
 
-def test_final_only_is_decoded_once_with_the_same_text(tokenizer, monkeypatch):
-    streamed = "".join(o.outputs[0].text for o in _run(tokenizer, OutputKind.DELTA)
-                       if o.outputs)
-    calls = []
+def _streamed_text(tokenizer) -> str:
+    return "".join(o.outputs[0].text for o in _run(tokenizer, OutputKind.DELTA) if o.outputs)
+
+
+@pytest.fixture
+def update_calls(monkeypatch) -> list[int]:
+    """The number of token ids of each IncrementalDetokenizer.update call (clear it to start
+    counting afresh)."""
+    calls: list[int] = []
     real = IncrementalDetokenizer.update
 
     def counting(self, ids):
@@ -48,24 +53,23 @@ def test_final_only_is_decoded_once_with_the_same_text(tokenizer, monkeypatch):
         return real(self, ids)
 
     monkeypatch.setattr(IncrementalDetokenizer, "update", counting)
+    return calls
+
+
+def test_final_only_is_decoded_once_with_the_same_text(tokenizer, update_calls):
+    streamed = _streamed_text(tokenizer)
+    update_calls.clear()
     (final,) = _run(tokenizer, OutputKind.FINAL_ONLY)
     assert final.finished and final.outputs[0].text == streamed
-    assert calls == [len(TOKENS)]  # one decode of every token, at the end
+    assert update_calls == [len(TOKENS)]  # one decode of every token, at the end
 
 
-def test_stop_strings_still_need_token_by_token_decoding(tokenizer, monkeypatch):
-    full = "".join(o.outputs[0].text for o in _run(tokenizer, OutputKind.DELTA) if o.outputs)
+def test_stop_strings_still_need_token_by_token_decoding(tokenizer, update_calls):
+    full = _streamed_text(tokenizer)
     stop = full[len(full) // 2: len(full) // 2 + 3]
-    calls = []
-    real = IncrementalDetokenizer.update
-
-    def counting(self, ids):
-        calls.append(len(ids))
-        return real(self, ids)
-
-    monkeypatch.setattr(IncrementalDetokenizer, "update", counting)
+    update_calls.clear()
     (final,) = _run(tokenizer, OutputKind.FINAL_ONLY, stop=[stop])
     c = final.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.text == full[:full.index(stop)]
-    assert len(calls) > 1 and set(calls) == {1}
+    assert len(update_calls) > 1 and set(update_calls) == {1}
