@@ -37,11 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_flags(chat, max_tokens=256)
     add_engine_flags(chat)
 
-    bench = sub.add_parser("bench", help="benchmark clients")
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
-    from shoal.benchmarks.serve import add_flags as add_bench_serve_flags
+    from shoal.benchmarks.commands import add_bench_commands
 
-    add_bench_serve_flags(bench_sub.add_parser("serve", help="online serving load (W4)"))
+    add_bench_commands(sub.add_parser(
+        "bench", help="benchmarks: serve (online load), throughput (offline), latency"))
     return parser
 
 
@@ -78,9 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "generate":
             return run_generate(ns)
         if ns.command == "bench":
-            from shoal.benchmarks.serve import main as bench_serve
+            from shoal.benchmarks.commands import run_bench_command
 
-            return bench_serve(ns)
+            return run_bench_command(ns)
         from shoal.entrypoints.chat_cli import run_chat
 
         return run_chat(ns)

@@ -1,52 +1,51 @@
-"""The serving benchmark client against a fake SSE server (no model)."""
+"""`shoal bench serve` against a real `shoal serve` (the embedded model): exact counts."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 
-import httpx
+import pytest
 
-from shoal.benchmarks.serve import random_prompts, run_benchmark, summarize
+from shoal.benchmarks.datasets import RandomSpec, sample_random
+from shoal.entrypoints.cli import main
 
-
-def _sse_handler(request: httpx.Request) -> httpx.Response:
-    body = json.loads(request.content)
-    assert body["ignore_eos"] and body["stream"] and isinstance(body["prompt"], list)
-    if body["prompt"][0] % 2 == 1 and body["prompt"][0] > 9990:
-        return httpx.Response(503, json={"error": {"message": "busy"}})
-    events = [{"choices": [{"index": 0, "text": "x"}]} for _ in range(body["max_tokens"])]
-    events.append({"choices": [], "usage": {"prompt_tokens": len(body["prompt"]),
-                                            "completion_tokens": body["max_tokens"]}})
-    text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
-    return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+from .conftest import RemoteServer
 
 
-def test_benchmark_counts_tokens_and_latencies():
-    prompts = random_prompts(6, 5, 100, 200, seed=1)
-    assert len(prompts) == 6 and all(len(p) == 5 for p in prompts)
-    assert random_prompts(6, 5, 100, 200, seed=1) == prompts
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(_sse_handler),
-                                     base_url="http://test") as client:
-            return await run_benchmark(client, "m", prompts, 4, max_concurrency=2)
-
-    results, duration = asyncio.run(go())
-    s = summarize(results, duration)
-    assert s["completed"] == 6 and s["failed"] == 0
-    assert s["total_output_tokens"] == 24 and s["total_input_tokens"] == 30
-    assert all(len(r.itls) == 3 for r in results)
-    for key in ("mean_ttft_ms", "median_tpot_ms", "p99_itl_ms", "mean_e2e_ms"):
-        assert s[key] >= 0
+@pytest.fixture(scope="module")
+def server():
+    srv = RemoteServer("--max-num-seqs", "4")
+    yield srv
+    srv.stop()
 
 
-def test_failures_are_counted():
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.MockTransport(_sse_handler),
-                                     base_url="http://test") as client:
-            return await run_benchmark(client, "m", [[9991, 1], [5, 1]], 2, max_concurrency=4)
-
-    results, duration = asyncio.run(go())
-    s = summarize(results, duration)
-    assert (s["completed"], s["failed"]) == (1, 1) and "503" in s["first_errors"][0]
+@pytest.mark.parametrize("stream", [True, False])
+def test_counts_are_exact_with_ignore_eos(server, tmp_path, stream):
+    args = ["bench", "serve", "--base-url", server.base_url, "--dataset-name", "random",
+            "--random-input-len", "12", "--random-output-len", "6", "--random-range-ratio",
+            "0.5", "--num-prompts", "5", "--max-concurrency", "3", "--ignore-eos",
+            "--temperature", "0", "--disable-tqdm", "--save-result", "--save-detailed",
+            "--result-dir", str(tmp_path), "--result-filename", "r.json"]
+    # Non-streaming also sends token ids, with no client tokenizer (exact input lengths).
+    assert main(args + ([] if stream else ["--non-streaming", "--skip-tokenizer-init"])) == 0
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["completed"] == 5 and res["failed"] == 0
+    # Text prompts built with the server's own tokenizer (resolved from /v1/models) come
+    # back with the lengths asked for; ignore_eos makes every output exactly as long.
+    spec = RandomSpec.from_ratio(12, 6, 0.5, token_range=(0, 10000), token_ids=True)
+    wanted = [r.expected_output_len for r in sample_random(spec, 5, seed=0)]  # same draws
+    assert res["output_lens"] == wanted and all(3 <= n <= 9 for n in wanted)
+    assert res["total_output_tokens"] == sum(res["output_lens"])
+    wanted_in = [r.prompt_len for r in sample_random(spec, 5, seed=0)]
+    if stream:
+        assert all(6 <= n <= 18 for n in res["input_lens"])
+    else:
+        assert res["input_lens"] == wanted_in
+    assert res["total_input_tokens"] == sum(res["input_lens"])
+    assert res["model_id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    if stream:
+        assert [len(i) for i in res["itls"]] == [n - 1 for n in res["output_lens"]]
+        assert res["mean_ttft_ms"] < res["mean_e2el_ms"]
+    else:
+        assert res["mean_ttft_ms"] == pytest.approx(res["mean_e2el_ms"])
+    assert server.metric("request_success_total") >= 5
