@@ -16,7 +16,7 @@ import multiprocessing
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -36,9 +36,26 @@ from shoal.engine.core_proc import (
     run_engine_core,
 )
 from shoal.engine.core_types import EngineCoreRequest
+from shoal.engine.cpu_threads import spawn_env
 from shoal.engine.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def spawn_environment(extra: dict[str, str]) -> Iterator[None]:
+    """os.environ plus `extra` while a process is spawned (it copies the environment), then
+    as it was."""
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 class EngineDeadError(RuntimeError):
@@ -95,7 +112,8 @@ class EngineCoreClient:
             args=(engine_args, input_addr, output_addr, death_reader, os.getpid(), log_level,
                   *([build_core] if build_core is not None else [])),
         )
-        proc.start()
+        with spawn_environment(spawn_env()):  # the child's OpenMP reads it at start-up
+            proc.start()
         death_reader.close()
         client = cls(proc, death_writer, ipc_dir, ctx, to_engine, from_engine)
         client._watch()

@@ -209,9 +209,15 @@ def _build_core(engine_args: EngineArgs) -> Any:
     import torch
 
     from shoal.engine.core import EngineCore
+    from shoal.engine.cpu_threads import configure_cpu_threads
     from shoal.loader import load_model
 
     torch.manual_seed(engine_args.seed)
+    device = engine_args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    threads = configure_cpu_threads(torch.device(device).type, engine_args.cpu_threads,
+                                    serving=True)
+    if threads is not None:
+        logger.info("model threads on the CPU: %d", threads)
     loaded = load_model(engine_args.model, tokenizer=engine_args.tokenizer,
                         load_format=engine_args.load_format)
     config = engine_args.create_engine_config(loaded.hf_config)

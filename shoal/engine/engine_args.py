@@ -51,6 +51,8 @@ class EngineArgs:
     num_gpu_blocks_override: int | None = arg(None, "exact number of KV blocks")
     seed: int = arg(0, "random seed (weights of load_format=dummy, unseeded sampling)")
     enforce_eager: bool = arg(False, "no CUDA graphs")
+    cpu_threads: int | None = arg(None, "threads for the model on the CPU (default: every core, "
+                                        "less one for the frontend when serving)")
     attention_backend: str | None = arg(None, "torch or triton (default: triton on CUDA)")
     use_triton_ops: bool = arg(True, "Triton RMSNorm, SiLU-and-mul and rotary kernels on CUDA "
                                      "(off: the PyTorch path, for A/B checks)")

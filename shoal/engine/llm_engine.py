@@ -12,6 +12,7 @@ import torch
 
 from shoal.engine.core import EngineCore
 from shoal.engine.core_types import SchedulerStats
+from shoal.engine.cpu_threads import configure_cpu_threads
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor
@@ -29,6 +30,8 @@ class LLMEngine:
         torch.manual_seed(args.seed)
         loaded = load_model(args.model, tokenizer=args.tokenizer, load_format=args.load_format)
         self.config = args.create_engine_config(loaded.hf_config)
+        if args.cpu_threads is not None:  # offline, torch's own default is every core already
+            configure_cpu_threads(self.config.device.type, args.cpu_threads, serving=False)
         self.tokenizer = loaded.tokenizer
         self.core = EngineCore(self.config, loaded)
         self.inputs = InputProcessor(self.tokenizer, self.core.limits)
