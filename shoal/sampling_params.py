@@ -15,6 +15,7 @@ from typing import Any
 
 from shoal.kv_offload.request_params import validate_kv_transfer_params
 
+# vLLM's default --max-logprobs; the limit itself is an engine argument.
 MAX_LOGPROBS = 20
 # Below this temperature a request is treated as greedy: dividing logits by ~0 overflows.
 SAMPLING_EPS = 1e-5
@@ -126,12 +127,15 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens (got min_tokens={self.min_tokens}, "
                 f"max_tokens={self.max_tokens})"
             )
+        # The upper bound is the engine's max_logprobs (checked where requests enter the
+        # engine, as vLLM does); -1 asks for the whole vocabulary.
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is None:
                 continue
-            if not 0 <= _check_int(name, value) <= MAX_LOGPROBS:
-                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}] (got {value})")
+            if _check_int(name, value) < -1:
+                raise ValueError(f"{name} must be >= 0, or -1 for the whole vocabulary "
+                                 f"(got {value})")
 
     def _validate_floats(self) -> None:
         self.temperature = _as_float("temperature", self.temperature)

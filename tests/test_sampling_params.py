@@ -68,11 +68,9 @@ def test_normalization() -> None:
         ("max_tokens", 3.0),
         ("min_tokens", -1),
         ("min_tokens", 1.0),
-        ("logprobs", -1),
-        ("logprobs", MAX_LOGPROBS + 1),
+        ("logprobs", -2),  # -1 is the whole vocabulary; the engine's max_logprobs caps the rest
         ("logprobs", 1.0),
-        ("prompt_logprobs", -1),
-        ("prompt_logprobs", MAX_LOGPROBS + 1),
+        ("prompt_logprobs", -2),
         ("prompt_logprobs", "3"),
         ("stop", ""),
         ("stop", [""]),

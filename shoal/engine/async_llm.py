@@ -114,7 +114,8 @@ class AsyncLLM:
         self.limits = ready.limits
         self.max_model_len = ready.limits.max_model_len
         self.vocab_size = ready.limits.vocab_size
-        self.inputs = InputProcessor(tokenizer, ready.limits)
+        self.inputs = InputProcessor(tokenizer, ready.limits,
+                                     max_logprobs=engine_args.max_logprobs)
         self.outputs = OutputProcessor(tokenizer)
         self.max_waiting_requests = engine_args.max_waiting_requests
         self.stat_loggers: list[StatLogger] = []
@@ -134,12 +135,15 @@ class AsyncLLM:
                                build_core: Any = None) -> AsyncLLM:
         from shoal.loader import load_frontend_tokenizer
 
+        if engine_args.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit "
+                             f"(got {engine_args.max_logprobs})")
         client = await EngineCoreClient.start(engine_args, log_level=log_level,
                                               build_core=build_core)
         try:
             # Read while the engine process loads the model.
-            tokenizer = await asyncio.to_thread(load_frontend_tokenizer, engine_args.model,
-                                                engine_args.tokenizer)
+            tokenizer = None if engine_args.skip_tokenizer_init else await asyncio.to_thread(
+                load_frontend_tokenizer, engine_args.model, engine_args.tokenizer)
             ready = await client.wait_ready(startup_timeout)
             return cls(engine_args, client, ready, tokenizer,
                        log_stats_interval=log_stats_interval)
@@ -198,6 +202,15 @@ class AsyncLLM:
         """Stops a request in the engine (its KV blocks are freed at once) and forgets it."""
         it = IterationStats()
         live = self.outputs.abort(request_id, it)
+        self._ended(it)
+        if live and not self.client.dead:
+            self.client.abort_requests(live)
+
+    def abort_all(self, error: BaseException) -> None:
+        """Ends every request in flight with `error` (each consumer gets it, so a server
+        answers it properly) and stops them in the engine; the engine keeps running."""
+        it = IterationStats()
+        live = self.outputs.fail_all(error, it)
         self._ended(it)
         if live and not self.client.dead:
             self.client.abort_requests(live)

@@ -51,6 +51,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Of num_waiting, those deferred by a transient constraint (a KV load from a slower tier)
+    # rather than by capacity; 0 until the scheduler reports it.
+    num_waiting_deferred: int = 0
     # Secondary KV tiers (cpu, disk), cumulative since start-up: tier -> field -> value, with
     # the fields of shoal.kv_offload.stats.TierStats plus "usage". None without offloading.
     kv_tiers: dict[str, dict[str, float]] | None = None

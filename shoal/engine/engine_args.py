@@ -64,8 +64,9 @@ class EngineArgs:
     load_format: str = arg("auto", "auto, gguf, safetensors or dummy (random weights)")
     device: str | None = arg(None, "cpu or cuda (default: cuda when available)")
     scheduling_policy: str = arg("fcfs", "fcfs or priority")
-    max_waiting_requests: int | None = arg(None, "answer 503 with Retry-After when more "
-                                                 "sequences than this would wait")
+    max_waiting_requests: int | None = arg(2048, "answer 503 with Retry-After when more "
+                                                 "sequences than this would wait beyond the "
+                                                 "running batch (None: no limit)")
     kv_offloading_size: float | None = arg(None, "GiB of CPU memory for offloaded KV blocks "
                                                  "(default: off)")
     kv_offloading_disk_path: str | None = arg(None, "folder for a disk KV tier below the CPU "
@@ -73,6 +74,22 @@ class EngineArgs:
     kv_offloading_disk_size: float | None = arg(None, "GiB for the disk KV tier")
     kv_offloading_policy: str = arg("lru", "eviction policy of the KV tiers: lru, arc or "
                                            "pkg.module:Class")
+    max_logprobs: int = arg(20, "most logprobs (and prompt_logprobs) a request may ask for; "
+                                "-1: no limit (a request's -1 then means the whole "
+                                "vocabulary)")
+    skip_tokenizer_init: bool = arg(False, "load no tokenizer in the frontend: requests give "
+                                           "token ids and get token ids back (no text, no "
+                                           "chat)")
+    # Request limits (shoal.engine.input_processor.RequestLimits): each broken one is a 400.
+    max_n: int = arg(128, "most samples (n, best_of) one request may ask for")
+    max_prompts_per_request: int = arg(1024, "most prompts in one completion request")
+    max_stop_strings: int = arg(64, "most stop strings per request")
+    max_stop_string_length: int = arg(1024, "most characters in one stop string")
+    request_timeout: float | None = arg(None, "seconds a request may take from its arrival; "
+                                              "one running longer is aborted and answered "
+                                              "with an error (default: no limit)")
+    max_request_body_bytes: int = arg(32 << 20, "largest HTTP request body the server "
+                                                "accepts (413 above it)")
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:

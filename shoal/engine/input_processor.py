@@ -9,6 +9,7 @@ reports once it has sized its KV pool, so a frontend needs the tokenizer and not
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -16,11 +17,35 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from shoal.engine.chat_template import render_chat_template
 from shoal.engine.core_types import EngineCoreRequest
 from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+class RequestLimits(msgspec.Struct, frozen=True):
+    """How much one request may ask for (engine arguments of the same names; the defaults
+    are theirs). Each is answered with a ValueError naming it, so a server answers 400."""
+
+    max_n: int = 128
+    max_prompts_per_request: int = 1024
+    max_stop_strings: int = 64
+    max_stop_string_length: int = 1024
+    request_timeout: float | None = None  # seconds from arrival; enforced by the scheduler
+
+    def __post_init__(self) -> None:
+        for name in ("max_n", "max_prompts_per_request", "max_stop_strings",
+                     "max_stop_string_length"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer (got {getattr(self, name)!r})")
+        if self.request_timeout is not None and not self.request_timeout > 0:
+            raise ValueError(f"request_timeout must be > 0 seconds (got {self.request_timeout})")
+
+    @classmethod
+    def from_engine_args(cls, args: Any) -> RequestLimits:
+        return cls(**{f: getattr(args, f) for f in cls.__struct_fields__})
 
 
 class EngineLimits(msgspec.Struct, frozen=True):
@@ -32,6 +57,7 @@ class EngineLimits(msgspec.Struct, frozen=True):
     block_size: int
     max_num_seqs: int
     eos_token_ids: frozenset[int] = frozenset()
+    request: RequestLimits = msgspec.field(default_factory=RequestLimits)
 
 
 @dataclass
@@ -72,7 +98,8 @@ def check_prompt_token_ids(ids: Any, vocab_size: int, max_model_len: int) -> lis
         raise ValueError(f"prompt_token_ids must be integers (got {bad!r})")
     if min(ids) < 0 or max(ids) >= vocab_size:
         bad = next(t for t in ids if t < 0 or t >= vocab_size)
-        raise ValueError(f"prompt_token_ids must be in [0, {vocab_size}) (got {bad})")
+        raise ValueError(f"prompt_token_ids must be in [0, {vocab_size}): token id {bad} is "
+                         "out of vocabulary")
     if len(ids) >= max_model_len:
         raise ValueError(f"prompt is {len(ids)} tokens; it must be shorter than max_model_len "
                          f"({max_model_len})")
@@ -84,6 +111,10 @@ def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:
     ids = check_prompt_token_ids(req.prompt_token_ids, limits.vocab_size, limits.max_model_len)
     sp = req.sampling_params
     sp.validate_against_vocab(limits.vocab_size)
+    for name in ("logprobs", "prompt_logprobs"):  # -1 is resolved by the frontend
+        k = getattr(sp, name)
+        if k is not None and not 0 <= k <= limits.vocab_size:
+            raise ValueError(f"{name} must be in [0, {limits.vocab_size}] (got {k})")
     room = limits.max_model_len - len(ids)
     max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
     need = -(-(len(ids) + max_tokens) // limits.block_size)
@@ -94,19 +125,92 @@ def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:
     return max_tokens
 
 
+_INT64 = (-(2**63), 2**63 - 1)
+_UINT64_MAX = 2**64 - 1  # seeds: torch takes [-2**63, 2**64 - 1]
+
+
+def _check_wire_ints(params: SamplingParams) -> None:
+    """Every integer must cross to the engine process (msgpack: at most 64 bits)."""
+    for f in dataclasses.fields(params):
+        value = getattr(params, f.name)
+        if isinstance(value, dict):
+            values: Any = [*value.keys(), *value.values()]
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            values = value
+        else:
+            values = [value]
+        hi = _UINT64_MAX if f.name == "seed" else _INT64[1]
+        for v in values:
+            if isinstance(v, int) and not _INT64[0] <= v <= hi:
+                raise ValueError(f"{f.name} must be a 64-bit integer (got {v})")
+
+
+def check_request_limits(limits: RequestLimits, params: SamplingParams) -> None:
+    """The limits of one request's sampling parameters (before any per-sample work)."""
+    _check_wire_ints(params)
+    if params.n > limits.max_n:
+        raise ValueError(f"n must be <= max_n ({limits.max_n}); got {params.n}. The server's "
+                         "--max-n flag raises the limit")
+    stop = params.stop or []
+    if len(stop) > limits.max_stop_strings:
+        raise ValueError(f"stop has {len(stop)} strings; at most max_stop_strings "
+                         f"({limits.max_stop_strings}) are allowed")
+    longest = max(map(len, stop), default=0)
+    if longest > limits.max_stop_string_length:
+        raise ValueError(f"stop strings must be at most max_stop_string_length "
+                         f"({limits.max_stop_string_length}) characters; one has {longest}")
+
+
+def check_text(text: str, what: str = "prompt") -> None:
+    """Text must be valid Unicode: a lone surrogate (which JSON can carry as \\ud800) cannot be
+    encoded, so no tokenizer can read it."""
+    if text.isascii():
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: {text[e.start]!r} at character "
+                         f"{e.start} is a lone surrogate") from None
+
+
 def _check_request_options(params: Any, priority: Any, cache_salt: Any) -> None:
     if not isinstance(params, SamplingParams):
         raise ValueError("sampling_params must be a SamplingParams")
     if not isinstance(priority, int) or isinstance(priority, bool):
         raise ValueError(f"priority must be an integer (got {priority!r})")
+    if not _INT64[0] <= priority <= _INT64[1]:
+        raise ValueError(f"priority must be a 64-bit integer (got {priority})")
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise ValueError("cache_salt must be a non-empty string")
 
 
+def resolve_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int
+                     ) -> SamplingParams:
+    """Checks logprobs and prompt_logprobs against the engine's max_logprobs (vLLM's
+    --max-logprobs: 20 by default, -1 for no limit) and turns -1 (the whole vocabulary) into
+    the vocabulary size. Returns `params` itself when nothing changes."""
+    limit = vocab_size if max_logprobs == -1 else max_logprobs
+    resolved = {}
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is None:
+            continue
+        n = vocab_size if k == -1 else k
+        if n > limit:
+            what = "the whole vocabulary (-1)" if k == -1 else str(k)
+            raise ValueError(f"{name} must be <= max_logprobs ({max_logprobs}); got {what}. "
+                             "The server's --max-logprobs flag raises the limit (-1: none)")
+        if n != k:
+            resolved[name] = n
+    return dataclasses.replace(params, **resolved) if resolved else params
+
+
 class InputProcessor:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, limits: EngineLimits):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase | None, limits: EngineLimits,
+                 max_logprobs: int = 20):
         self.tokenizer = tokenizer
         self.limits = limits
+        self.max_logprobs = max_logprobs
 
     @property
     def max_model_len(self) -> int:
@@ -119,6 +223,8 @@ class InputProcessor:
         """Everything that can be wrong with a request raises ValueError here, before any of
         it reaches a core."""
         _check_request_options(params, priority, cache_salt)
+        check_request_limits(self.limits.request, params)
+        params = resolve_logprobs(params, self.max_logprobs, self.limits.vocab_size)
         p = prompt if isinstance(prompt, ProcessedPrompt) else self.process(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         n = params.n
@@ -130,30 +236,46 @@ class InputProcessor:
             validate_core_request(self.limits, r)
         return ProcessedRequest(request_id, p.prompt, p.prompt_token_ids, params, reqs)
 
+    def check_num_prompts(self, count: int) -> None:
+        """A request carrying `count` prompts (a completion's prompt list): checked before any
+        of them is tokenized."""
+        limit = self.limits.request.max_prompts_per_request
+        if count > limit:
+            raise ValueError(f"the request has {count} prompts; at most max_prompts_per_request "
+                             f"({limit}) are allowed")
+
     # ---- prompts ----------------------------------------------------------------------------
-    def process(self, prompt: str | Mapping[str, Any] | Sequence[int]) -> ProcessedPrompt:
+    def process(self, prompt: str | Mapping[str, Any] | Sequence[int], *,
+                add_special_tokens: bool = True) -> ProcessedPrompt:
         """Accepts a string, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of ids."""
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 return self._from_ids(prompt["prompt_token_ids"], prompt.get("prompt"))
             if "prompt" in prompt:
-                return self._from_text(prompt["prompt"])
+                return self._from_text(prompt["prompt"], add_special_tokens)
             raise ValueError("prompt dict must have 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
-            return self._from_text(prompt)
+            return self._from_text(prompt, add_special_tokens)
         if isinstance(prompt, Sequence):
             return self._from_ids(prompt, None)
         raise ValueError(f"prompt must be a string or token ids (got {type(prompt).__name__})")
 
-    def _from_text(self, text: Any) -> ProcessedPrompt:
+    def _from_text(self, text: Any, add_special_tokens: bool = True) -> ProcessedPrompt:
         if not isinstance(text, str):
             raise ValueError(f"prompt must be a string (got {type(text).__name__})")
         if not text:
             raise ValueError("prompt must not be empty")
+        return self._from_ids(self.encode(text, add_special_tokens), text)
+
+    def encode(self, text: str, add_special_tokens: bool = True, what: str = "prompt"
+               ) -> list[int]:
+        """Text -> token ids, for every caller (/tokenize included): the text must be valid
+        Unicode, which the tokenizer would otherwise reject with a TypeError."""
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt_token_ids")
-        ids = self.tokenizer.encode(text, add_special_tokens=True)
-        return self._from_ids(ids, text)
+            raise ValueError("this server runs without a tokenizer (--skip-tokenizer-init): "
+                             "pass token ids")
+        check_text(text, what)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _from_ids(self, ids: Any, text: str | None) -> ProcessedPrompt:
         lim = self.limits
@@ -163,31 +285,43 @@ class InputProcessor:
     # ---- chat -------------------------------------------------------------------------------
     def apply_chat_template(self, messages: list[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True,
+                            continue_final_message: bool = False,
                             chat_template: str | None = None,
                             chat_template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """Any role the template handles passes (system, user, assistant, developer or a
+        custom one); the template itself decides what it accepts."""
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer, so it has no chat template")
+            raise ValueError("this server runs without a tokenizer (--skip-tokenizer-init), so "
+                             "it has no chat template")
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list")
         for i, m in enumerate(messages):
             if not isinstance(m, Mapping) or "role" not in m:
                 raise ValueError(f"messages[{i}] must be an object with a 'role'")
-            if m["role"] not in ("system", "user", "assistant", "developer"):
-                raise ValueError(
-                    f"messages[{i}].role must be system, user or assistant (got {m['role']!r})"
-                )
+            if not isinstance(m["role"], str) or not m["role"]:
+                raise ValueError(f"messages[{i}].role must be a non-empty string")
             if not isinstance(m.get("content", ""), str):
                 raise ValueError(f"messages[{i}].content must be a string")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt to be false")
         template = chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
+        if isinstance(template, Mapping):  # named templates: the default one
+            template = template.get("default")
+        if not template or not isinstance(template, str):
             raise ValueError("the model has no chat template; pass chat_template")
-        return self.tokenizer.apply_chat_template(
-            [dict(m) for m in messages], tokenize=False, add_generation_prompt=add_generation_prompt,
-            chat_template=template, **dict(chat_template_kwargs or {}),
-        )
+        # Rendered in a sandbox with limits (chat_template.py), as transformers would render
+        # it: the tokenizer's special tokens are variables, the request's kwargs override them.
+        variables = {**getattr(self.tokenizer, "special_tokens_map", {}),
+                     **dict(chat_template_kwargs or {})}
+        return render_chat_template(
+            template, [dict(m) for m in messages], variables=variables,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, max_model_len=self.max_model_len)
 
-    def process_chat(self, messages: list[Mapping[str, Any]], **kwargs: Any) -> ProcessedPrompt:
+    def process_chat(self, messages: list[Mapping[str, Any]], *,
+                     add_special_tokens: bool = False, **kwargs: Any) -> ProcessedPrompt:
         text = self.apply_chat_template(messages, **kwargs)
-        # The template already placed any special tokens.
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        # The template already placed any special tokens (vLLM's add_special_tokens=False).
+        ids = self.encode(text, add_special_tokens,
+                          "the chat (messages rendered by the chat template)")
         return self._from_ids(ids, text)

@@ -34,7 +34,8 @@ class LLMEngine:
             configure_cpu_threads(self.config.device.type, args.cpu_threads, serving=False)
         self.tokenizer = loaded.tokenizer
         self.core = EngineCore(self.config, loaded)
-        self.inputs = InputProcessor(self.tokenizer, self.core.limits)
+        self.inputs = InputProcessor(self.tokenizer, self.core.limits,
+                                     max_logprobs=args.max_logprobs)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: SchedulerStats | None = None

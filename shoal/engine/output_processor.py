@@ -55,6 +55,7 @@ class _Sample:
     finish_sent: bool = False
     first_token: float | None = None  # time.monotonic() of its first / last token
     last_token: float | None = None
+    queue_time: float | None = None  # arrival -> first scheduled, from the engine
 
 
 @dataclass
@@ -162,9 +163,12 @@ class OutputProcessor:
             r.deliver(error)
         return live
 
-    def fail_all(self, error: BaseException) -> None:
+    def fail_all(self, error: BaseException, it: IterationStats | None = None) -> list[str]:
+        """Ends every request with `error`; returns the child ids the core must abort."""
+        live: list[str] = []
         for rid in list(self._requests):
-            self.fail(rid, error)
+            live += self.fail(rid, error, it)
+        return live
 
     # ---- outputs ----------------------------------------------------------------------------
     def process_outputs(self, outputs: list[EngineCoreOutput], it: IterationStats | None = None,
@@ -209,6 +213,11 @@ class OutputProcessor:
                     r.prompt_logprobs.append(None)
                 r.prompt_logprobs[pos] = self._position_logprobs(lp)
         if o.new_token_ids:
+            if it is not None:
+                it.num_generation_tokens += len(o.new_token_ids)
+                if s.first_token is None:  # the sample's prompt is done
+                    it.num_prompt_tokens += len(r.prompt_token_ids)
+                    it.num_cached_prompt_tokens += o.num_cached_tokens
             self._time_tokens(r, s, now, it, o.queue_time)
             s.token_ids.extend(o.new_token_ids)
             r.num_generated += len(o.new_token_ids)
@@ -242,6 +251,8 @@ class OutputProcessor:
                 it.inter_token_latencies.append(now - s.last_token)
             if queue_time is not None:
                 it.queue_times.append(queue_time)
+        if queue_time is not None and s.queue_time is None:
+            s.queue_time = queue_time
         if s.first_token is None:
             s.first_token = now
         s.last_token = now
@@ -262,8 +273,30 @@ class OutputProcessor:
 
     @staticmethod
     def _finished_stats(r: _Request, reason: str, now: float) -> FinishedRequestStats:
-        return FinishedRequestStats(reason, now - r.arrival, len(r.prompt_token_ids),
-                                    r.num_generated)
+        """The request's latencies by phase (vLLM's queued / prefill / decode / inference),
+        over its samples; phases it never reached count 0."""
+        firsts = [s.first_token for s in r.samples if s.first_token is not None]
+        lasts = [s.last_token for s in r.samples if s.last_token is not None]
+        queued = min((s.queue_time for s in r.samples if s.queue_time is not None),
+                     default=None)
+        params = r.samples[0].params
+        f = FinishedRequestStats(reason, now - r.arrival, len(r.prompt_token_ids),
+                                 r.num_generated, n=len(r.samples), max_tokens=params.max_tokens,
+                                 num_cached_tokens=r.num_cached_tokens,
+                                 max_num_generation_tokens=max(len(s.token_ids)
+                                                               for s in r.samples))
+        if queued is not None:
+            f.queued_time = queued
+            scheduled = r.arrival + queued
+            if firsts:
+                first, last = min(firsts), max(lasts)
+                f.prefill_time = max(first - scheduled, 0.0)
+                f.decode_time = last - first
+                f.inference_time = max(last - scheduled, 0.0)
+                if r.num_generated > len(r.samples):
+                    f.mean_time_per_output_token = f.decode_time / (
+                        r.num_generated / len(r.samples) - 1)
+        return f
 
     def _position_logprobs(self, lp: Logprobs) -> PositionLogprobs:
         out: PositionLogprobs = {}

@@ -156,8 +156,8 @@ BAD_PARAMS = [
     dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=1.5),
     dict(n=0), dict(presence_penalty=3.0), dict(frequency_penalty=-2.5),
     dict(repetition_penalty=0.0), dict(max_tokens=0), dict(min_tokens=-1),
-    dict(min_tokens=5, max_tokens=2), dict(logprobs=-1), dict(logprobs=1000),
-    dict(prompt_logprobs=-1), dict(logit_bias={1: 500.0}), dict(stop_token_ids=[-1]),
+    dict(min_tokens=5, max_tokens=2), dict(logprobs=-2),
+    dict(prompt_logprobs=-2), dict(logit_bias={1: 500.0}), dict(stop_token_ids=[-1]),
     dict(seed="x"), dict(temperature="hot"), dict(n=1.5),
 ]
 
@@ -188,6 +188,8 @@ def test_bad_input_raises_and_engine_keeps_serving(tiny_llama_dir):
         assert fragment in str(err.value)
     with pytest.raises(ValueError, match="logit_bias"):
         llm.generate(good, SamplingParams(logit_bias={9999: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="max_logprobs"):  # the engine's cap, offline too
+        llm.generate(good, SamplingParams(logprobs=1000), use_tqdm=False)
     # A bad prompt in a batch rejects the batch before any of it runs.
     with pytest.raises(ValueError):
         llm.generate([good, {"prompt_token_ids": [-5]}], params, use_tqdm=False)

@@ -205,3 +205,53 @@ async def test_drain_hands_over_everything_that_arrived_then_the_error():
         await stream.drain()
     assert await stream.drain() == []
     await engine.shutdown()
+
+
+async def test_phase_times_and_token_counts_reach_the_stat_loggers():
+    engine, client, rec = await make_engine()
+    task = asyncio.create_task(_drain(engine.generate([5, 6, 7], sp(max_tokens=3), "p")))
+    await asyncio.sleep(0)
+    client.push(EngineCoreOutput("p", [10], queue_time=0.0, num_cached_tokens=2))
+    await asyncio.sleep(0.01)
+    client.push(EngineCoreOutput("p", [11], num_cached_tokens=2))
+    client.push(EngineCoreOutput("p", [12], finish_reason="length", num_cached_tokens=2))
+    await asyncio.wait_for(task, 5)
+    its = rec.iterations
+    assert its[0].num_prompt_tokens == 3 and its[0].num_cached_prompt_tokens == 2
+    assert sum(it.num_generation_tokens for it in its) == 3
+    (fin,) = [f for it in its for f in it.finished]
+    assert (fin.n, fin.max_tokens, fin.num_cached_tokens, fin.max_num_generation_tokens) == \
+        (1, 3, 2, 3)
+    assert fin.queued_time == 0.0 and fin.decode_time >= 0.01
+    assert fin.inference_time == pytest.approx(fin.prefill_time + fin.decode_time)
+    await engine.shutdown()
+
+
+async def test_abort_all_fails_requests_but_keeps_the_engine():
+    engine, client, rec = await make_engine()
+    stream = engine.add_request("x", [5], sp(n=2, max_tokens=50))
+    engine.abort_all(RuntimeError("deadline"))
+    with pytest.raises(RuntimeError, match="deadline"):
+        await stream.drain()
+    assert sorted(client.aborted) == ["0_x", "1_x"] and engine.num_unfinished_requests == 0
+    assert engine.is_healthy and rec.iterations[-1].finished[0].finish_reason == "error"
+    await engine.shutdown()
+
+
+async def test_max_logprobs_and_minus_one():
+    engine, _, _ = await make_engine()
+    with pytest.raises(ValueError, match="max_logprobs"):
+        engine.add_request("a", [5], sp(logprobs=21))
+    with pytest.raises(ValueError, match="whole vocabulary"):
+        engine.add_request("b", [5], sp(prompt_logprobs=-1))
+    await engine.shutdown()
+    engine, client, _ = await make_engine(max_logprobs=-1)
+    engine.add_request("c", [5], sp(logprobs=-1, prompt_logprobs=-1))
+    (req,) = client.added
+    assert req.sampling_params.logprobs == VOCAB and req.sampling_params.prompt_logprobs == VOCAB
+    await engine.shutdown()
+
+
+async def _drain(gen) -> None:
+    async for _ in gen:
+        pass

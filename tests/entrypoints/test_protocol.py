@@ -150,3 +150,44 @@ def test_chat_logprobs_format():
     (tok,) = chat_logprobs([7], positions, 2, decode=str)
     assert (tok.token, tok.logprob, tok.bytes) == ("x", -2.0, [120])
     assert [t.token for t in tok.top_logprobs] == ["y", "z"]  # exactly top_logprobs entries
+
+
+def test_not_implemented_fields_are_named_and_defaults_pass():
+    from shoal.entrypoints.openai.protocol import NOT_IMPLEMENTED
+
+    assert CompletionRequest(prompt="a", structured_outputs={"regex": "a"}).unsupported() == \
+        ("structured_outputs", NOT_IMPLEMENTED["structured_outputs"][1])
+    assert CompletionRequest(prompt="a", guided_json={}).unsupported() is None  # empty: unset
+    assert CompletionRequest(prompt="a", use_beam_search=False, length_penalty=1.0,
+                             bad_words=[]).unsupported() is None
+    assert CompletionRequest(prompt="a", include_reasoning=False).unsupported()[0] == \
+        "include_reasoning"
+    assert CompletionRequest(prompt="a", max_tokens=0).unsupported()[0] == "max_tokens"
+    assert CompletionRequest(prompt="a", max_tokens=0, echo=True).unsupported() is None
+    assert CompletionRequest(prompt="a", some_new_field=1).unknown_fields() == ["some_new_field"]
+
+
+def test_truncate_prompt_and_stream_usage():
+    from shoal.entrypoints.openai.protocol import truncate_prompt
+
+    ids = list(range(10))
+    assert truncate_prompt(ids, 3, None, 100) == [7, 8, 9]
+    assert truncate_prompt(ids, 3, "right", 100) == [0, 1, 2]
+    assert truncate_prompt(ids, -1, "left", 4) == [6, 7, 8, 9]
+    assert truncate_prompt(ids, None, None, 4) == ids and truncate_prompt(ids, 20, None, 30) == ids
+    req = CompletionRequest(prompt="a", stream=True,
+                            stream_options={"include_usage": False, "continuous_usage_stats": True})
+    assert req.stream_usage() == (False, False) and req.stream_usage(force=True) == (True, True)
+    assert CompletionRequest(prompt="a").stream_usage(force=True) == (False, False)
+
+
+def test_chat_template_kwargs_carry_tools_documents_and_effort():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], tool_choice="none",
+                                tools=[{"type": "function"}], documents=[{"text": "d"}],
+                                reasoning_effort="low", chat_template_kwargs={"a": 1})
+    assert req.unsupported() is None
+    assert req.template_kwargs() == {"a": 1, "tools": [{"type": "function"}],
+                                     "documents": [{"text": "d"}], "reasoning_effort": "low"}
+    both = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                 continue_final_message=True)
+    assert both.unsupported()[0] == "continue_final_message"

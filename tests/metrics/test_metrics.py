@@ -45,8 +45,23 @@ def test_scheduler_stats_gauges_and_counters():
     assert _value(r, "shoal:prefix_cache_queries_total") == 150  # cumulative, not summed
     assert _value(r, "shoal:prefix_cache_hits_total") == 40
     assert _value(r, "shoal:num_preemptions_total") == 1
-    assert _value(r, "shoal:prompt_tokens_total") == 30  # per-step deltas, summed
-    assert _value(r, "shoal:generation_tokens_total") == 3
+    assert _value(r, "shoal:generation_tokens_total") == 3  # per-step deltas, summed
+    # tokens per engine step: 30 + 2, then 1
+    assert _value(r, "shoal:iteration_tokens_total_count") == 2
+    assert _value(r, "shoal:iteration_tokens_total_sum") == 33
+
+
+def test_prompt_tokens_count_whole_prompts_with_their_cached_part():
+    # vLLM's semantics: a prompt counts whole when its first token comes (cache hits too).
+    p = PrometheusStatLogger(M)
+    r = p.registry
+    p.record(None, IterationStats(num_prompt_tokens=40, num_cached_prompt_tokens=32,
+                                  num_generation_tokens=1))
+    assert _value(r, "shoal:prompt_tokens_total") == 40
+    assert _value(r, "vllm:prompt_tokens_total") == 40
+    assert _value(r, "vllm:prompt_tokens_cached_total") == 32
+    assert _value(r, "vllm:prompt_tokens_by_source_total", source="local_compute") == 8
+    assert _value(r, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 32
 
 
 def test_latency_histograms_and_finished_requests():
@@ -60,7 +75,7 @@ def test_latency_histograms_and_finished_requests():
     assert _value(r, "shoal:time_to_first_token_seconds_count") == 2
     assert abs(_value(r, "shoal:time_to_first_token_seconds_sum") - 0.3) < 1e-9
     assert _value(r, "shoal:inter_token_latency_seconds_count") == 1
-    assert _value(r, "shoal:request_queue_time_seconds_count") == 1
+    assert _value(r, "shoal:request_queue_time_seconds_count") == 2  # one per finished request
     assert _value(r, "shoal:e2e_request_latency_seconds_count") == 2
     assert _value(r, "shoal:request_success_total", finished_reason="length") == 1
     assert _value(r, "shoal:request_success_total", finished_reason="abort") == 1
@@ -104,3 +119,44 @@ def test_kv_offload_tier_metrics_by_tier():
     assert _value(r, "shoal:kv_offload_load_seconds_total", tier="cpu") == 0.25
     assert _value(r, "shoal:kv_offload_damaged_total", tier="disk") == 1
     assert _value(r, "shoal:kv_offload_usage_perc", tier="disk") == 0.1
+
+
+def test_vllm_families_under_both_prefixes_or_one():
+    p = PrometheusStatLogger(M, max_model_len=1024, cache_info={"block_size": "16",
+                                                                "kv_cache_size_tokens": "4096"})
+    p.record(SchedulerStats(num_waiting=3, num_waiting_deferred=1), IterationStats(finished=[
+        FinishedRequestStats("length", 2.0, 10, 5, n=2, max_tokens=5, num_cached_tokens=4,
+                             max_num_generation_tokens=3, queued_time=0.5, prefill_time=0.25,
+                             decode_time=1.0, inference_time=1.25,
+                             mean_time_per_output_token=0.25)]))
+    r = p.registry
+    for prefix in ("vllm", "shoal"):
+        assert _value(r, f"{prefix}:request_queue_time_seconds_sum") == 0.5
+        assert _value(r, f"{prefix}:request_prefill_time_seconds_sum") == 0.25
+        assert _value(r, f"{prefix}:request_decode_time_seconds_sum") == 1.0
+        assert _value(r, f"{prefix}:request_inference_time_seconds_sum") == 1.25
+        assert _value(r, f"{prefix}:request_prompt_tokens_sum") == 10
+        assert _value(r, f"{prefix}:request_generation_tokens_sum") == 5
+        assert _value(r, f"{prefix}:request_params_n_sum") == 2
+        assert _value(r, f"{prefix}:request_params_max_tokens_sum") == 5
+        assert _value(r, f"{prefix}:request_max_num_generation_tokens_sum") == 3
+        assert _value(r, f"{prefix}:request_prefill_kv_computed_tokens_sum") == 6
+        assert _value(r, f"{prefix}:request_time_per_output_token_seconds_sum") == 0.25
+        assert _value(r, f"{prefix}:num_requests_waiting_by_reason", reason="capacity") == 2
+        assert _value(r, f"{prefix}:num_requests_waiting_by_reason", reason="deferred") == 1
+        assert _value(r, f"{prefix}:engine_sleep_state", sleep_state="awake") == 1
+        assert r.get_sample_value(f"{prefix}:cache_config_info",
+                                  {"block_size": "16", "kv_cache_size_tokens": "4096"}) == 1
+    # token-count buckets grow 1-2-5 up to max_model_len, as vLLM's
+    text = generate_latest(r).decode()
+    assert 'vllm:request_prompt_tokens_bucket{le="1000.0",model_name="m"}' in text
+    assert 'le="2000.0",model_name="m"' not in text
+    only = PrometheusStatLogger(M, prefixes=["vllm"])
+    text = generate_latest(only.registry).decode()
+    assert "vllm:num_requests_running" in text and "shoal:" not in text
+
+
+def test_an_unknown_finish_reason_gets_its_own_series():
+    p = PrometheusStatLogger(M)
+    p.record(None, IterationStats(finished=[FinishedRequestStats("timeout", 1.0, 3, 1)]))
+    assert _value(p.registry, "vllm:request_success_total", finished_reason="timeout") == 1

@@ -1,8 +1,10 @@
 """The OpenAI-compatible server: FastAPI app factory and the uvicorn lifecycle.
 
 Lifecycle: the engine process starts (and must report READY) before the port opens. SIGTERM
-stops intake and lets in-flight requests finish, bounded by --shutdown-timeout, then exits 0.
-If the engine process dies, in-flight requests fail, /health turns 503 and the server exits 1.
+closes the listening socket and lets in-flight requests finish until --shutdown-timeout; then
+each request still running ends with an OpenAI error (a JSON 503, or for a stream an "abort"
+finish, an error event and [DONE]) and the server exits 0. If the engine process dies,
+in-flight requests fail, /health turns 503 and the server exits 1.
 """
 
 from __future__ import annotations
@@ -15,22 +17,29 @@ import sys
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 import shoal
 from shoal.engine.async_llm import AsyncLLM
 from shoal.engine.core_client import EngineStartupError
 from shoal.engine.engine_args import EngineArgs
 from shoal.entrypoints.openai.auth import ApiKeyMiddleware
-from shoal.entrypoints.openai.errors import error_response, install_error_handlers
-from shoal.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    OpenAIBaseModel,
-    TokenizeRequest,
+from shoal.entrypoints.openai.errors import (
+    ServerShuttingDown,
+    install_error_handlers,
+)
+from shoal.entrypoints.openai.middleware import (
+    RequestIdMiddleware,
+    RootPathMiddleware,
+    ServerLoad,
+    ServerLoadMiddleware,
+)
+from shoal.entrypoints.openai.responses_api import OpenAIServingResponses
+from shoal.entrypoints.openai.routes import (
+    add_generation_routes,
+    add_model_and_tokenizer_routes,
+    add_probe_routes,
 )
 from shoal.entrypoints.openai.server_settings import ServerSettings
 from shoal.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -43,6 +52,8 @@ from shoal.metrics import LoggingStatLogger, PrometheusStatLogger
 logger = logging.getLogger(__name__)
 
 DEATH_GRACE_S = 2.0
+# After the --shutdown-timeout deadline, how long the handlers get to write their errors.
+ERROR_GRACE_S = 5.0
 
 
 def freeze_startup_objects() -> None:
@@ -54,10 +65,17 @@ def freeze_startup_objects() -> None:
     gc.set_threshold(20_000, 10, 10)
 
 
-def _warn_unknown(req: OpenAIBaseModel) -> None:
-    unknown = req.unknown_fields()
-    if unknown:
-        logger.warning("ignoring unknown request fields: %s", ", ".join(unknown))
+def cache_config_info(engine: AsyncLLM) -> dict[str, str]:
+    """vLLM's cache_config_info labels, from what the engine reported at start-up."""
+    lim, args = engine.limits, engine.engine_args
+    size = lim.num_kv_blocks * lim.block_size
+    return {"block_size": str(lim.block_size), "num_gpu_blocks": str(lim.num_kv_blocks),
+            "enable_prefix_caching": str(args.enable_prefix_caching),
+            "gpu_memory_utilization": str(args.gpu_memory_utilization),
+            "kv_cache_memory_bytes": str(args.kv_cache_memory_bytes),
+            "num_cpu_offload_gib": str(args.kv_offloading_size or 0),
+            "kv_cache_size_tokens": str(size),
+            "kv_cache_max_concurrency": f"{size / lim.max_model_len:.2f}"}
 
 
 def build_app(engine: AsyncLLM, settings: ServerSettings,
@@ -65,59 +83,48 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
     names = settings.served_model_name or [engine.engine_args.model or DEFAULT_MODEL_NAME]
     models = ServedModels(names, engine.engine_args.model, engine.max_model_len)
     registry = registry if registry is not None else CollectorRegistry()
-    engine.stat_loggers.append(PrometheusStatLogger(models.default, registry))
+    engine.stat_loggers.append(PrometheusStatLogger(
+        models.default, registry, prefixes=settings.metrics_prefixes,
+        max_model_len=engine.max_model_len, cache_info=cache_config_info(engine)))
 
     # strict_content_type off: a JSON body is read as JSON even when a client (curl -d)
     # forgets the Content-Type header.
     app = FastAPI(title="shoal", version=shoal.__version__, strict_content_type=False)
     app.state.engine = engine
     app.state.registry = registry
+    app.state.draining = False
     install_error_handlers(app)
-    if settings.api_key:
+    load = ServerLoad()
+    if settings.enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, load=load)
+    if settings.enable_request_id_headers:
+        app.add_middleware(RequestIdMiddleware)
+    if settings.api_key:  # added late: it runs early
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
-    completion = OpenAIServingCompletion(engine, models)
-    chat = OpenAIServingChat(engine, models)
+    if settings.root_path:
+        app.add_middleware(RootPathMiddleware, root_path=settings.root_path)
+    completion = OpenAIServingCompletion(engine, models, settings)
+    chat = OpenAIServingChat(engine, models, settings)
+    responses = OpenAIServingResponses(engine, models, settings)
     tokenization = OpenAIServingTokenization(engine, models)
 
-    @app.get("/health")
-    async def health() -> Response:
-        if not engine.is_healthy:
-            return error_response(503, "the engine process is not running")
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version() -> JSONResponse:
-        return JSONResponse({"version": shoal.__version__})
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/v1/models")
-    async def list_models() -> JSONResponse:
-        return JSONResponse(models.list().model_dump())
-
-    @app.post("/tokenize")
-    async def tokenize(req: TokenizeRequest) -> JSONResponse:
-        _warn_unknown(req)
-        return JSONResponse(tokenization.tokenize(req).model_dump())
-
-    @app.post("/detokenize")
-    async def detokenize(req: DetokenizeRequest) -> JSONResponse:
-        _warn_unknown(req)
-        return JSONResponse(tokenization.detokenize(req).model_dump())
-
-    @app.post("/v1/completions")
-    async def create_completion(req: CompletionRequest, raw: Request) -> Response:
-        _warn_unknown(req)
-        return await completion.create(req, raw)
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
-        _warn_unknown(req)
-        return await chat.create(req, raw)
-
+    add_probe_routes(app, engine, registry, settings, load)
+    add_model_and_tokenizer_routes(app, models, tokenization, settings)
+    add_generation_routes(app, completion, chat, responses)
     return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, with a hook when it starts shutting down (the listening socket is
+    closed by then)."""
+
+    def __init__(self, config: uvicorn.Config, on_shutdown: Any):
+        super().__init__(config)
+        self._on_shutdown = on_shutdown
+
+    async def shutdown(self, sockets: Any = None) -> None:
+        self._on_shutdown()
+        await super().shutdown(sockets)
 
 
 async def serve(engine_args: EngineArgs, settings: ServerSettings,
@@ -133,12 +140,33 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
     engine.stat_loggers.append(LoggingStatLogger())
     app = build_app(engine, settings)
     freeze_startup_objects()
-    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+    where: dict[str, Any] = ({"uds": settings.uds} if settings.uds
+                             else {"host": settings.host, "port": settings.port})
+    # root_path is the app's (FastAPI strips it when present), not uvicorn's (which would
+    # prepend it to every path): with it, routes answer with and without the prefix.
+    config = uvicorn.Config(app, **where,
                             log_level=settings.uvicorn_log_level,
                             access_log=not settings.disable_uvicorn_access_log,
-                            timeout_graceful_shutdown=settings.shutdown_timeout,  # type: ignore[arg-type]
+                            timeout_graceful_shutdown=settings.shutdown_timeout + ERROR_GRACE_S,  # type: ignore[arg-type]
                             lifespan="off")
-    server = uvicorn.Server(config)
+    loop = asyncio.get_running_loop()
+
+    def expire() -> None:
+        if engine.num_unfinished_requests:
+            logger.warning("shutdown timeout: ending %d request(s) still running",
+                           engine.num_unfinished_requests)
+        engine.abort_all(ServerShuttingDown(
+            f"the server is shutting down and the request did not finish within "
+            f"--shutdown-timeout ({settings.shutdown_timeout:g} s)"))
+
+    def start_drain() -> None:
+        app.state.draining = True
+        if settings.shutdown_timeout <= 0:
+            expire()
+        else:
+            loop.call_later(settings.shutdown_timeout, expire)
+
+    server = _Server(config, start_drain)
     died = False
 
     def on_engine_death() -> None:
@@ -147,8 +175,7 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
         logger.error("the engine process died; the server shuts down in %.0f s", DEATH_GRACE_S)
         # In-flight requests have their errors already; /health answers 503 meanwhile, so a
         # load balancer sees why before the port closes.
-        asyncio.get_running_loop().call_later(DEATH_GRACE_S, setattr, server, "should_exit",
-                                              True)
+        loop.call_later(DEATH_GRACE_S, setattr, server, "should_exit", True)
 
     engine.on_dead(on_engine_death)
     # uvicorn re-raises the signal it caught once serve() returns; with a no-op handler in

@@ -1,4 +1,9 @@
-"""API-key check for every route except /health (pure ASGI, so streams pass untouched)."""
+"""API-key check (pure ASGI, so streams pass untouched).
+
+With --api-key, every route that runs the model or the tokenizer needs the key: /v1/*,
+/tokenize, /detokenize, /tokenizer_info, /invocations, and any route added later (the check
+is by exclusion, and unknown paths need the key too, so a probe learns nothing). Only the
+probes and scrape targets a load balancer or Prometheus hits without credentials are open."""
 
 from __future__ import annotations
 
@@ -8,7 +13,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from shoal.entrypoints.openai.errors import error_response
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/version", "/metrics", "/load"})
+
+
+def route_path(scope: Scope) -> str:
+    """The path routes are matched on: without the --root-path prefix, when it has one."""
+    path = scope["path"]
+    root = scope.get("root_path") or ""
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
 
 
 class ApiKeyMiddleware:
@@ -17,7 +31,8 @@ class ApiKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+        if (scope["type"] != "http" or scope["method"] == "OPTIONS"
+                or route_path(scope) in OPEN_PATHS):
             await self.app(scope, receive, send)
             return
         given = b""

@@ -31,6 +31,10 @@ _PARAM_RE = re.compile(r"^([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)?(?: strings| token 
                        r"(?:must|is|token|values|needs)\b")
 
 
+class ServerShuttingDown(RuntimeError):
+    """The --shutdown-timeout deadline passed with the request still running."""
+
+
 class OpenAIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
                  headers: Mapping[str, str] | None = None):
@@ -57,6 +61,8 @@ def error_from_exception(exc: BaseException) -> OpenAIError:
         return exc
     if isinstance(exc, QueueFullError):
         return OpenAIError(503, str(exc), headers={"Retry-After": str(exc.retry_after)})
+    if isinstance(exc, ServerShuttingDown):
+        return OpenAIError(503, str(exc))
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"the engine is not running: {exc}")
     if isinstance(exc, EngineRequestError):
@@ -92,6 +98,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = loc[0] if loc else None
     path = ".".join(loc)
     text = f"{path}: {first.get('msg')}" if path else str(first.get("msg"))
+    if first.get("type") not in (None, "missing"):
+        text += f" [{first.get('type')}]"  # pydantic's error type, as vLLM's messages show it
     if first.get("type") != "missing":
         try:
             text += f" (got {json.dumps(first.get('input'))[:100]})"
@@ -119,6 +127,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     # Expected errors go through Starlette's ExceptionMiddleware (no traceback in the log);
     # anything else reaches the Exception handler, which logs it as the bug it is.
-    for cls in (OpenAIError, ValueError, QueueFullError, EngineDeadError, EngineRequestError):
+    for cls in (OpenAIError, ValueError, QueueFullError, EngineDeadError, EngineRequestError,
+                ServerShuttingDown):
         app.add_exception_handler(cls, _known)
     app.add_exception_handler(Exception, _known)

@@ -22,10 +22,27 @@ def clamp(value: float) -> float:
     return value if math.isfinite(value) else MIN_LOGPROB
 
 
-def _text(lp: Logprob | None, token_id: int, decode: Callable[[int], str]) -> str:
+def _text(lp: Logprob | None, token_id: int, decode: Callable[[int], str] | None) -> str:
+    """A token as the logprobs fields show it; decode None means vLLM's
+    return_tokens_as_token_ids ("token_id:42": exact even for a token that is half a
+    character)."""
+    if decode is None:
+        return f"token_id:{token_id}"
     if lp is not None and lp.decoded_token is not None:
         return lp.decoded_token
     return decode(token_id)
+
+
+def prompt_logprobs_entries(positions: Sequence[PositionLogprobs | None],
+                            decode: Callable[[int], str]) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs`: per prompt position, token id -> {logprob, rank,
+    decoded_token} (None for the first token, which nothing predicts)."""
+    return [None if pos is None else
+            {str(t): {"logprob": clamp(lp.logprob), "rank": lp.rank,
+                      "decoded_token": lp.decoded_token if lp.decoded_token is not None
+                      else decode(t)}
+             for t, lp in pos.items()}
+            for pos in positions]
 
 
 def _top(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
@@ -37,7 +54,7 @@ def _top(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
 
 def completion_logprobs(token_ids: Sequence[int],
                         positions: Sequence[PositionLogprobs | None],
-                        k: int, decode: Callable[[int], str],
+                        k: int, decode: Callable[[int], str] | None,
                         initial_offset: int = 0) -> CompletionLogprobs:
     """`tokens/token_logprobs/top_logprobs/text_offset`; a None position (the first prompt
     token) has no logprob. Offsets index into the choice's text."""
@@ -54,14 +71,16 @@ def completion_logprobs(token_ids: Sequence[int],
             out.top_logprobs.append(None)
             continue
         out.token_logprobs.append(clamp(chosen.logprob))
-        top = {_text(lp, t, decode): clamp(lp.logprob) for t, lp in _top(pos, k)}
-        top.setdefault(text, clamp(chosen.logprob))  # the sampled token is always listed
+        # The chosen token first (as vLLM), then the k most likely ones.
+        top = {text: clamp(chosen.logprob)}
+        for t, lp in _top(pos, k):
+            top.setdefault(_text(lp, t, decode), clamp(lp.logprob))
         out.top_logprobs.append(top)
     return out
 
 
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs],
-                  k: int, decode: Callable[[int], str]) -> list[TokenLogprob]:
+                  k: int, decode: Callable[[int], str] | None) -> list[TokenLogprob]:
     content = []
     for tid, pos in zip(token_ids, positions):
         chosen = pos.get(tid)

@@ -1,13 +1,14 @@
 """OpenAI request bodies (pydantic), with vLLM's extra sampling fields.
 
 Types are strict: a string where a number belongs is a 400, not a silent conversion. Unknown
-fields are kept (`extra="allow"`) and logged; the fields the API defines but shoal does not
-support yet are refused by `unsupported()` with a message that says so.
+fields are kept (`extra="allow"`) and logged, as vLLM does; but a field vLLM or OpenAI defines
+that shoal does not implement (`NOT_IMPLEMENTED`, or a declared field such as `tools`) is
+refused by `unsupported()` with a 400 that names it: never a success that ignored it.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
@@ -15,6 +16,52 @@ from shoal.sampling_params import SamplingParams
 
 Number = StrictFloat | StrictInt
 TokenIds = list[StrictInt]
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# vLLM's range for seeds: a signed 64-bit integer (torch.Generator's own range is wider).
+Seed = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+_STRUCTURED = ("structured outputs are not supported yet (the structured-outputs issue "
+               "builds them)")
+# Field -> (its value that means "not used", why shoal refuses any other value).
+NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
+    "structured_outputs": (None, _STRUCTURED),
+    "guided_json": (None, _STRUCTURED),
+    "guided_regex": (None, _STRUCTURED),
+    "guided_choice": (None, _STRUCTURED),
+    "guided_grammar": (None, _STRUCTURED),
+    "guided_decoding_backend": (None, _STRUCTURED),
+    "guided_whitespace_pattern": (None, _STRUCTURED),
+    "use_beam_search": (False, "beam search is not supported"),
+    "length_penalty": (1.0, "length_penalty only applies to beam search, which is not "
+                            "supported"),
+    "allowed_token_ids": (None, "allowed_token_ids is not supported yet"),
+    "bad_words": (None, "bad_words is not supported yet"),
+    "logprob_token_ids": (None, "logprob_token_ids is not supported yet"),
+    "logits_processors": (None, "logits_processors are not supported"),
+    "prompt_embeds": (None, "prompt_embeds is not supported (token ids or text only)"),
+    "thinking_token_budget": (None, "thinking_token_budget needs a reasoning parser, which "
+                                    "is not supported yet"),
+    "include_reasoning": (True, "include_reasoning needs a reasoning parser, which is not "
+                                "supported yet"),
+    "repetition_detection": (None, "repetition_detection is not supported yet"),
+    "stream_interval": (None, "stream_interval is not supported yet"),
+    "vllm_xargs": (None, "vllm_xargs is not supported"),
+    "ec_transfer_params": (None, "ec_transfer_params (encoder cache transfer) is not "
+                                 "supported"),
+    "routed_experts_prompt_start": (0, "routed experts are not reported"),
+    "return_token_offsets": (False, "return_token_offsets is not supported yet"),
+    "return_prompt_text": (None, "return_prompt_text is not supported yet"),
+    "return_assistant_tokens_mask": (False, "return_assistant_tokens_mask is not supported"),
+    "mm_processor_kwargs": (None, "multimodal inputs are not supported"),
+    "media_io_kwargs": (None, "multimodal inputs are not supported"),
+    "lora_request": (None, "LoRA adapters are not supported yet"),
+}
+
+
+def _unset(value: Any, default: Any) -> bool:
+    if value is None or value == default:
+        return True
+    return isinstance(value, (list, dict, str)) and not value
 
 
 def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int,
@@ -28,11 +75,32 @@ def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len:
             f"{max_tokens} in the completion)")
 
 
+def truncate_prompt(ids: list[int], keep: int | None, side: str | None, max_input: int
+                    ) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep `keep` tokens (-1: as many as fit), dropping from
+    the left (the default: the end of a prompt matters most) or the right."""
+    if keep is None:
+        return ids
+    if keep < 0:
+        keep = max_input
+    if keep >= len(ids):
+        return ids
+    return ids[len(ids) - keep:] if (side or "left") == "left" else ids[:keep]
+
+
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     def unknown_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
+        return sorted(k for k in (self.model_extra or {}) if k not in NOT_IMPLEMENTED)
+
+    def not_implemented(self) -> tuple[str, str] | None:
+        """(param, message) for the first field of NOT_IMPLEMENTED this request sets."""
+        for name, value in (self.model_extra or {}).items():
+            entry = NOT_IMPLEMENTED.get(name)
+            if entry is not None and not _unset(value, entry[0]):
+                return name, entry[1]
+        return None
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -53,7 +121,7 @@ class SamplingRequest(OpenAIBaseModel):
     presence_penalty: Number | None = None
     frequency_penalty: Number | None = None
     repetition_penalty: Number | None = None
-    seed: StrictInt | None = None
+    seed: Seed | None = None
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: TokenIds | None = None
     ignore_eos: StrictBool = False
@@ -71,10 +139,20 @@ class SamplingRequest(OpenAIBaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     user: StrictStr | None = None
     best_of: StrictInt | None = None
+    # vLLM's prompt and output extensions
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=-1)] | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    return_token_ids: StrictBool | None = None
+    return_tokens_as_token_ids: StrictBool | None = None
+    request_id: StrictStr | None = None
+    # A routing hint (related requests share it); one engine core serves them all alike.
+    session_id: StrictStr | None = None
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+    def stream_usage(self, force: bool = False) -> tuple[bool, bool]:
+        """(usage chunk at the end, usage on every chunk) for a stream."""
+        opts = self.stream_options
+        final = bool(self.stream and ((opts is not None and opts.include_usage) or force))
+        return final, bool(final and opts is not None and opts.continuous_usage_stats)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None) -> SamplingParams:
@@ -104,7 +182,10 @@ class SamplingRequest(OpenAIBaseModel):
         )
 
     def unsupported(self) -> tuple[str, str] | None:
-        """(param, message) for a field shoal cannot honour yet, else None."""
+        """(param, message) for a field shoal cannot honour (yet), else None."""
+        bad = self.not_implemented()
+        if bad is not None:
+            return bad
         n = 1 if self.n is None else self.n
         if self.best_of is not None and self.best_of > n:
             return "best_of", "best_of > n is not supported yet"
@@ -120,10 +201,16 @@ class CompletionRequest(SamplingRequest):
     echo: StrictBool = False
     logprobs: StrictInt | None = None
     suffix: StrictStr | None = None
+    add_special_tokens: StrictBool = True
+    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
             return "suffix", "suffix is not supported yet"
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format", _STRUCTURED
+        if self.max_tokens == 0 and not self.echo:
+            return "max_tokens", "max_tokens must be >= 1 (0 only with echo, to score a prompt)"
         return super().unsupported()
 
 
@@ -138,11 +225,17 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
+    echo: StrictBool = False
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    add_special_tokens: StrictBool = False
     chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None
+    reasoning_effort: StrictStr | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
     response_format: dict[str, Any] | None = None
@@ -156,10 +249,40 @@ class ChatCompletionRequest(SamplingRequest):
             return "tools", "tool calling is not supported yet (tools)"
         if self.response_format is not None and self.response_format.get("type") != "text":
             return "response_format", (
-                f"response_format {self.response_format.get('type')!r} is not supported yet; "
-                "only 'text'")
+                f"response_format {self.response_format.get('type')!r} is not supported yet "
+                "(only 'text'): " + _STRUCTURED)
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs to be true"
+        if self.continue_final_message and self.add_generation_prompt:
+            return "continue_final_message", (
+                "continue_final_message and add_generation_prompt cannot both be true")
+        return super().unsupported()
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template gets besides the messages."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.tools:  # tool_choice "none": the model sees the tools but calls none
+            kwargs.setdefault("tools", self.tools)
+        if self.documents:
+            kwargs.setdefault("documents", self.documents)
+        if self.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", self.reasoning_effort)
+        return kwargs
+
+
+class BatchChatCompletionRequest(ChatCompletionRequest):
+    """/v1/chat/completions/batch: `messages` is a list of conversations; one choice each."""
+
+    messages: Annotated[list[Annotated[list[ChatMessage], Field(min_length=1)]],  # type: ignore[assignment]
+                        Field(min_length=1)]
+
+    def unsupported(self) -> tuple[str, str] | None:
+        if self.stream:
+            return "stream", "the batch endpoint does not stream"
+        if (1 if self.n is None else self.n) != 1:
+            return "n", "the batch endpoint takes n = 1 (one choice per conversation)"
+        if self.tools:
+            return "tools", "the batch endpoint does not take tools"
         return super().unsupported()
 
 
@@ -167,9 +290,14 @@ class TokenizeRequest(OpenAIBaseModel):
     model: StrictStr | None = None
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: StrictBool = True
+    add_special_tokens: StrictBool | None = None  # default: True for a prompt, False for chat
     add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    return_token_strs: StrictBool | None = False
+    chat_template: StrictStr | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    documents: list[dict[str, Any]] | None = None
 
 
 class DetokenizeRequest(OpenAIBaseModel):

@@ -28,10 +28,20 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt: int, completion: int, cached: int) -> Usage:
+    def of(cls, prompt: int, completion: int, cached: int | None) -> Usage:
+        """`cached` None leaves prompt_tokens_details out (vLLM sends it only with
+        --enable-prompt-tokens-details)."""
         return cls(prompt_tokens=prompt, completion_tokens=completion,
                    total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                   prompt_tokens_details=None if cached is None
+                   else PromptTokensDetails(cached_tokens=cached))
+
+    @staticmethod
+    def dict_of(prompt: int, completion: int, cached: int | None) -> dict[str, Any]:
+        """The same as Usage.of(...).model_dump(), without pydantic (streamed chunks)."""
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": None if cached is None else {"cached_tokens": cached}}
 
 
 # ---- /v1/completions ---------------------------------------------------------------------
@@ -48,7 +58,10 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[str, float] | None] | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    # vLLM's return_token_ids; the keys are always sent (null unless asked), as vLLM does.
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(BaseModel):
@@ -78,7 +91,7 @@ class ChatLogprobs(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = "assistant"  # the last message's role when continue_final_message continues it
     content: str | None = None
     refusal: str | None = None
     tool_calls: list[dict] = Field(default_factory=list)
@@ -90,6 +103,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -100,6 +114,8 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -141,6 +157,7 @@ class ModelCard(BaseModel):
     root: str | None = None
     parent: str | None = None
     max_model_len: int | None = None
+    permission: list[dict[str, Any]] = Field(default_factory=list)
 
 
 class ModelList(BaseModel):
@@ -152,6 +169,7 @@ class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+    token_strs: list[str] | None = None
 
 
 class DetokenizeResponse(BaseModel):

@@ -1,12 +1,16 @@
 """The server's own settings (everything `shoal serve` takes besides engine arguments).
 
 Like EngineArgs, each field carries its flag's help text: shoal.entrypoints.cli_args turns
-the fields into `shoal serve` flags, so a new setting is one field here."""
+the fields into `shoal serve` flags, so a new setting is one field here. The names are vLLM's,
+so a `vllm serve` command line works unchanged."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
+
+METRIC_PREFIXES = ("vllm", "shoal")
 
 
 def setting(default: Any, help: str, **flag: Any) -> Any:
@@ -19,13 +23,61 @@ def setting(default: Any, help: str, **flag: Any) -> Any:
 class ServerSettings:
     host: str = setting("127.0.0.1", "address to listen on")
     port: int = setting(8000, "port to listen on")
+    uds: str | None = setting(None, "listen on this unix domain socket instead of host:port")
+    root_path: str | None = setting(None, "the path prefix a proxy in front of the server "
+                                          "strips (FastAPI's root_path); routes answer with "
+                                          "and without it")
     api_key: str | None = setting(None, "require 'Authorization: Bearer <key>' on every route "
-                                        "but /health")
+                                        "that runs the model or the tokenizer (default: the "
+                                        "VLLM_API_KEY environment variable, as vLLM)")
     served_model_name: list[str] | None = setting(
         None, "the model name(s) clients use (the first one is reported; default: the model "
               "argument)", nargs="+")
+    api_server_count: int = setting(1, "API server processes (only 1: shoal runs one API "
+                                       "server in front of its engine core)")
     shutdown_timeout: float = setting(30.0, "seconds to let in-flight requests finish after "
-                                            "SIGTERM")
+                                            "SIGTERM; then they end with an error (0: at once)")
     uvicorn_log_level: str = setting("info", "uvicorn's log level", choices=[
         "critical", "error", "warning", "info", "debug", "trace"])
     disable_uvicorn_access_log: bool = setting(False, "no access log line per request")
+    enable_request_id_headers: bool = setting(False, "answer every request with an "
+                                                     "X-Request-Id header (the client's own, "
+                                                     "else a new one)")
+    enable_server_load_tracking: bool = setting(False, "count the requests in flight and "
+                                                       "report them at GET /load")
+    enable_force_include_usage: bool = setting(False, "end every stream with a usage chunk, "
+                                                      "asked for or not")
+    enable_prompt_tokens_details: bool = setting(False, "report usage.prompt_tokens_details "
+                                                        "(cached prompt tokens)")
+    enable_tokenizer_info_endpoint: bool = setting(False, "serve GET /tokenizer_info (the "
+                                                          "tokenizer's configuration and chat "
+                                                          "template)")
+    return_tokens_as_token_ids: bool = setting(False, "show logprob tokens as 'token_id:N' "
+                                                      "unless a request says otherwise")
+    metrics_prefixes: list[str] = setting(
+        METRIC_PREFIXES, "the Prometheus name prefixes exported: vllm (dashboards made "
+                               "for vLLM work unchanged), shoal, or both", nargs="+",
+        choices=list(METRIC_PREFIXES))
+    show_hidden_metrics_for_version: str | None = setting(
+        None, "also export metrics deprecated since this version (vLLM's flag; shoal has "
+              "deprecated none, so every metric is shown either way)")
+    max_stored_responses: int = setting(1000, "Responses API: how many responses are kept in "
+                                              "memory for previous_response_id (oldest dropped)")
+
+    def __post_init__(self) -> None:
+        if self.api_key is None:
+            self.api_key = os.environ.get("VLLM_API_KEY") or None
+        if self.api_server_count != 1:
+            raise ValueError(
+                f"--api-server-count {self.api_server_count} is not supported: shoal runs one "
+                "API server process per engine core (its frontend costs about 30 us of CPU "
+                "per streamed token); run several `shoal serve` behind a load balancer instead")
+        if self.root_path:
+            self.root_path = "/" + self.root_path.strip("/")
+        self.metrics_prefixes = list(self.metrics_prefixes)
+        bad = sorted(set(self.metrics_prefixes) - set(METRIC_PREFIXES))
+        if bad or not self.metrics_prefixes:
+            raise ValueError(f"metrics_prefixes must be some of {', '.join(METRIC_PREFIXES)} "
+                             f"(got {self.metrics_prefixes})")
+        if self.max_stored_responses < 0:
+            raise ValueError("max_stored_responses must be >= 0")

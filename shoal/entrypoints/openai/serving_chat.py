@@ -1,4 +1,4 @@
-"""/v1/chat/completions: chat template -> one engine request with n samples."""
+"""/v1/chat/completions (and its /batch form): chat template -> engine requests."""
 
 from __future__ import annotations
 
@@ -9,33 +9,34 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shoal.engine.async_llm import AsyncLLM, RequestStream
+from shoal.engine.async_llm import RequestStream
 from shoal.engine.input_processor import ProcessedPrompt
 from shoal.engine.output_processor import OutputKind
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
-from shoal.entrypoints.openai.logprobs import chat_logprobs, decode_token
+from shoal.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_entries
 from shoal.entrypoints.openai.protocol import (
+    BatchChatCompletionRequest,
     ChatCompletionRequest,
     ChatMessage,
     check_context_length,
+    truncate_prompt,
 )
 from shoal.entrypoints.openai.responses import (
     ChatChoice,
-    ChatCompletionChunk,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
-    ChatStreamChoice,
-    DeltaMessage,
     Usage,
     now_s,
     random_id,
 )
-from shoal.entrypoints.openai.serving_models import ServedModels
+from shoal.entrypoints.openai.serving_common import ServingBase, response_id
 from shoal.entrypoints.openai.streaming import (
     DONE,
     ClientDisconnected,
+    abort_choices,
     cancel_on_disconnect,
+    merge_streams,
     output_batches,
     sse,
 )
@@ -70,41 +71,58 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-class OpenAIServingChat:
-    def __init__(self, engine: AsyncLLM, models: ServedModels):
-        self.engine = engine
-        self.models = models
-
-    def _decode(self, token_id: int) -> str:
-        return decode_token(self.engine.tokenizer, token_id)
-
-    def render(self, req: ChatCompletionRequest) -> ProcessedPrompt:
+class OpenAIServingChat(ServingBase):
+    def render(self, req: ChatCompletionRequest,
+               messages: list[ChatMessage] | None = None) -> ProcessedPrompt:
         try:
-            return self.engine.inputs.process_chat(
-                messages_to_dicts(req.messages), add_generation_prompt=req.add_generation_prompt,
-                chat_template=req.chat_template, chat_template_kwargs=req.chat_template_kwargs)
+            prompt = self.engine.inputs.process_chat(
+                messages_to_dicts(req.messages if messages is None else messages),
+                add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
+                add_special_tokens=req.add_special_tokens,
+                chat_template=req.chat_template, chat_template_kwargs=req.template_kwargs())
         except (jinja2.TemplateError, TypeError) as e:  # a bad template or kwargs is user input
             raise ValueError(f"the chat template failed: {e}") from e
+        if req.truncate_prompt_tokens is not None:
+            tok = self.engine.tokenizer
+            side = req.truncation_side or getattr(tok, "truncation_side", None)
+            ids = truncate_prompt(prompt.prompt_token_ids, req.truncate_prompt_tokens, side,
+                                  self.engine.max_model_len - 1)
+            prompt = ProcessedPrompt(prompt.prompt if ids == prompt.prompt_token_ids else None,
+                                     ids)
+        return prompt
 
-    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
-        model = self.models.check(req.model)
+    def _prepare(self, req: ChatCompletionRequest) -> tuple[int | None, int | None]:
+        """Checks the request; returns (top logprobs k, max_tokens)."""
         bad = req.unsupported()
         if bad is not None:
             raise OpenAIError(400, bad[1], bad[0])
-        prompt = self.render(req)
+        if req.stream and req.prompt_logprobs is not None:
+            raise OpenAIError(400, "prompt_logprobs are not available when stream is true",
+                              "prompt_logprobs")
         k = (req.top_logprobs or 0) if req.logprobs else None
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
             else req.max_tokens
+        return k, max_tokens
+
+    def _submit(self, req: ChatCompletionRequest, prompt: ProcessedPrompt, k: int | None,
+                max_tokens: int | None, engine_id: str) -> RequestStream:
         check_context_length(len(prompt.prompt_token_ids), max_tokens, self.engine.max_model_len,
                              "max_completion_tokens" if req.max_completion_tokens is not None
                              else "max_tokens")
         params = req.to_sampling_params(max_tokens, k, req.prompt_logprobs)
-        request_id = random_id("chatcmpl")
-        stream = self.engine.add_request(
-            request_id, prompt, params, priority=req.priority, cache_salt=req.cache_salt,
+        return self.engine.add_request(
+            engine_id, prompt, params, priority=req.priority, cache_salt=req.cache_salt,
             output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY)
+
+    async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
+        model = self.models.check(req.model)
+        k, max_tokens = self._prepare(req)
+        prompt = self.render(req)
+        stream = self._submit(req, prompt, k, max_tokens, random_id("chatcmpl"))
+        rid = response_id("chatcmpl", req.request_id, raw)
         if req.stream:
-            return StreamingResponse(self._stream(req, model, request_id, stream, k),
+            return StreamingResponse(self._stream(req, model, rid, stream, k),
                                      media_type="text/event-stream")
         try:
             final = await cancel_on_disconnect(raw, self._last(stream))
@@ -112,7 +130,43 @@ class OpenAIServingChat:
             return Response(status_code=499)
         finally:
             stream.abort()
-        return JSONResponse(self._response(model, request_id, final, k).model_dump())
+        return JSONResponse(self._response(req, model, rid, final, k).model_dump(),
+                            headers=self.load_headers(raw))
+
+    async def create_batch(self, req: BatchChatCompletionRequest, raw: Request) -> Response:
+        """N conversations in one request, one choice each (indexed 0..N-1), as vLLM's
+        /v1/chat/completions/batch."""
+        model = self.models.check(req.model)
+        k, max_tokens = self._prepare(req)
+        prompts = [self.render(req, conversation) for conversation in req.messages]
+        engine_id = random_id("chatcmpl")
+        streams: list[RequestStream] = []
+        try:
+            for i, p in enumerate(prompts):
+                streams.append(self._submit(req, p, k, max_tokens, f"{engine_id}-{i}"))
+            finals: list[RequestOutput | None] = [None] * len(streams)
+
+            async def collect() -> None:
+                async for i, out in merge_streams(streams):
+                    finals[i] = out
+
+            await cancel_on_disconnect(raw, collect())
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            for s in streams:
+                s.abort()
+        rid = response_id("chatcmpl", req.request_id, raw)
+        parts = [self._response(req, model, rid, out, k, conversation)
+                 for out, conversation in zip(finals, req.messages) if out is not None]
+        choices = [c.model_copy(update={"index": i}) for i, p in enumerate(parts)
+                   for c in p.choices]
+        usage = Usage.of(sum(p.usage.prompt_tokens for p in parts),
+                         sum(p.usage.completion_tokens for p in parts),
+                         self.cached(sum(out.num_cached_tokens for out in finals if out)))
+        body = ChatCompletionResponse(id=rid, created=now_s(), model=model, choices=choices,
+                                      usage=usage)
+        return JSONResponse(body.model_dump(), headers=self.load_headers(raw))
 
     @staticmethod
     async def _last(stream: RequestStream) -> RequestOutput:
@@ -122,67 +176,129 @@ class OpenAIServingChat:
         assert last is not None  # a finished stream always ends with an output
         return last
 
-    def _logprobs(self, c: CompletionOutput, k: int | None) -> ChatLogprobs | None:
+    def _logprobs(self, req: ChatCompletionRequest, c: CompletionOutput,
+                  k: int | None) -> ChatLogprobs | None:
         if k is None or c.logprobs is None:
             return None
-        return ChatLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, k, self._decode))
+        if k == -1:
+            k = self.engine.vocab_size
+        decode = self.token_decoder(req.return_tokens_as_token_ids)
+        return ChatLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, k, decode))
 
-    def _response(self, model: str, request_id: str, out: RequestOutput,
-                  k: int | None) -> ChatCompletionResponse:
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                              logprobs=self._logprobs(c, k), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason)
+    @staticmethod
+    def _role_and_echo(req: ChatCompletionRequest,
+                       messages: list[ChatMessage] | None = None) -> tuple[str, str]:
+        """The role of the answer (the last message's when it is continued) and, for `echo`,
+        the text that answer continues."""
+        last = (req.messages if messages is None else messages)[-1]
+        role = "assistant" if req.add_generation_prompt else last.role
+        echo = ""
+        if req.echo and last.role == role:
+            echo = messages_to_dicts([last])[0]["content"]
+        return role, echo
+
+    def _response(self, req: ChatCompletionRequest, model: str, rid: str, out: RequestOutput,
+                  k: int | None, messages: list[ChatMessage] | None = None
+                  ) -> ChatCompletionResponse:
+        role, echo = self._role_and_echo(req, messages)
+        choices = [ChatChoice(index=c.index,
+                              message=ChatResponseMessage(role=role, content=echo + c.text),
+                              logprobs=self._logprobs(req, c, k), finish_reason=c.finish_reason,
+                              stop_reason=c.stop_reason,
+                              token_ids=list(c.token_ids) if req.return_token_ids else None)
                    for c in sorted(out.outputs, key=lambda c: c.index)]
         completion = sum(len(c.token_ids) for c in out.outputs)
+        prompt_lps = None
+        if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs_entries(out.prompt_logprobs, self._decode)
         return ChatCompletionResponse(
-            id=request_id, created=now_s(), model=model, choices=choices,
-            usage=Usage.of(len(out.prompt_token_ids), completion, out.num_cached_tokens))
+            id=rid, created=now_s(), model=model, choices=choices,
+            usage=Usage.of(len(out.prompt_token_ids), completion,
+                           self.cached(out.num_cached_tokens)),
+            prompt_logprobs=prompt_lps,
+            prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
 
-    def _stream_choice(self, c: CompletionOutput, k: int | None) -> dict[str, Any] | None:
+    def _stream_choice(self, req: ChatCompletionRequest, c: CompletionOutput,
+                       k: int | None) -> dict[str, Any] | None:
         """One streamed choice as the pydantic ChatStreamChoice dumps it (built as a dict: this
         runs once per token)."""
-        lps = self._logprobs(c, k) if c.token_ids else None
-        if not c.text and c.finish_reason is None and lps is None:
+        lps = self._logprobs(req, c, k) if c.token_ids else None
+        if not c.text and c.finish_reason is None and lps is None and not req.return_token_ids:
             return None
-        return {"index": c.index, "delta": {"content": c.text},
-                "logprobs": lps.model_dump() if lps is not None else None,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        choice = {"index": c.index, "delta": {"content": c.text},
+                  "logprobs": lps.model_dump() if lps is not None else None,
+                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if req.return_token_ids:
+            choice["token_ids"] = list(c.token_ids)
+        return choice
 
-    async def _stream(self, req: ChatCompletionRequest, model: str, request_id: str,
+    async def _stream(self, req: ChatCompletionRequest, model: str, rid: str,
                       stream: RequestStream, k: int | None) -> AsyncIterator[str]:
         created = now_s()
         n = 1 if req.n is None else req.n
-
-        def chunk(choices: list[ChatStreamChoice], usage: Usage | None = None) -> str:
-            body = ChatCompletionChunk(id=request_id, created=created, model=model,
-                                       choices=choices, usage=usage)
-            return sse(body.model_dump(exclude=None if usage else {"usage"}))
-
+        final_usage, continuous = req.stream_usage(self.settings.enable_force_include_usage)
+        role, echo = self._role_and_echo(req)
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                "model": model}
         prompt_tokens = cached = completion = 0
+        finished: set[int] = set()
+
+        def chunk(choices: list[dict[str, Any]], first: bool = False) -> str:
+            body: dict[str, Any] = {**head, "choices": choices, "system_fingerprint": None}
+            if first and req.return_token_ids:
+                body["prompt_token_ids"] = prompt_ids
+            if continuous:
+                body["usage"] = Usage.dict_of(prompt_tokens, completion, self.cached(cached))
+            return sse(body)
+
+        prompt_ids: list[int] | None = None
         try:
+            batches = output_batches([stream])
+            pending: list[Any] = []
+            if req.return_token_ids or continuous:  # these need the prompt in the first chunk
+                pending = await anext(batches, [])
+                if pending:
+                    out = pending[0][1]
+                    prompt_ids = list(out.prompt_token_ids)
+                    prompt_tokens, cached = len(prompt_ids), out.num_cached_tokens
             # OpenAI opens every choice with the role and empty content.
-            for i in range(n):
-                yield chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                          content=""))])
-            head = {"id": request_id, "object": "chat.completion.chunk", "created": created,
-                    "model": model}
-            async for batch in output_batches([stream]):
+            opening = [chunk([{"index": i, "delta": {"role": role, "content": ""},
+                               "logprobs": None, "finish_reason": None}], first=i == 0)
+                       for i in range(n)]
+            if echo:
+                opening += [chunk([{"index": i, "delta": {"content": echo}, "logprobs": None,
+                                    "finish_reason": None}]) for i in range(n)]
+            yield "".join(opening)
+
+            async def all_batches() -> AsyncIterator[Any]:
+                if pending:
+                    yield pending
+                async for b in batches:
+                    yield b
+
+            async for batch in all_batches():
                 events = []
                 for _, out in batch:
                     prompt_tokens, cached = len(out.prompt_token_ids), out.num_cached_tokens
                     for c in out.outputs:
                         completion += len(c.token_ids)
-                        choice = self._stream_choice(c, k)
+                        if c.finish_reason is not None:
+                            finished.add(c.index)
+                        choice = self._stream_choice(req, c, k)
                         if choice is not None:  # e.g. half a UTF-8 character, held back
-                            events.append(sse({**head, "choices": [choice],
-                                               "system_fingerprint": None}))
+                            events.append(chunk([choice]))
                 if events:
                     yield "".join(events)
-            if req.include_usage:
-                yield chunk([], Usage.of(prompt_tokens, completion, cached))
+            if final_usage:
+                body = {**head, "choices": [], "system_fingerprint": None,
+                        "usage": Usage.dict_of(prompt_tokens, completion, self.cached(cached))}
+                yield sse(body)
         except Exception as e:  # headers are gone: report in-band
             err = error_from_exception(e)
-            yield sse(error_body(err.status, err.message, err.param))
+            ends = abort_choices(range(n), finished, lambda i: {
+                **head, "choices": [{"index": i, "delta": {}, "logprobs": None,
+                                     "finish_reason": "abort"}]})
+            yield "".join(ends) + sse(error_body(err.status, err.message, err.param))
         finally:
             stream.abort()
         yield DONE

@@ -1,4 +1,4 @@
-"""The names the server answers to, and /v1/models."""
+"""The names the server answers to, /v1/models and /v1/models/{id}."""
 
 from __future__ import annotations
 
@@ -26,6 +26,11 @@ class ServedModels:
             raise OpenAIError(404, f"The model `{model}` does not exist.", "model")
         return model
 
+    def card(self, name: str) -> ModelCard:
+        if name not in self.names:
+            raise OpenAIError(404, f"The model `{name}` does not exist.", "model")
+        return ModelCard(id=name, root=self.root or self.default,
+                         max_model_len=self.max_model_len)
+
     def list(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=n, root=self.root, max_model_len=self.max_model_len)
-                               for n in self.names])
+        return ModelList(data=[self.card(n) for n in self.names])

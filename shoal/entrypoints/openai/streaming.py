@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 import msgspec
@@ -35,6 +35,13 @@ def sse(payload: BaseModel | dict[str, Any]) -> str:
 def _dumps(payload: dict[str, Any]) -> str:
     # msgspec: several times faster than json.dumps, and this runs once per streamed token.
     return _JSON.encode(payload).decode()
+
+
+def abort_choices(indices: Iterable[int], finished: set[int],
+                  chunk: Callable[[int], dict[str, Any]]) -> list[str]:
+    """Closing events for the choices a failed stream leaves open (finish_reason "abort"),
+    sent before its error event, so a client sees every choice end."""
+    return [sse(chunk(i)) for i in indices if i not in finished]
 
 
 async def _wait_for_disconnect(request: Request) -> None:

@@ -1,0 +1,272 @@
+"""/v1/responses: OpenAI's Responses API for text in and text out.
+
+The input (a string or a list of messages, after `instructions` and the conversation of
+`previous_response_id`) goes through the chat template like a chat completion. Stored
+responses stay in memory, at most --max-stored-responses of them (the oldest are dropped), so
+`previous_response_id` can continue a conversation and GET /v1/responses/{id} can fetch one.
+Streams send the Responses event sequence (response.created ... response.completed)."""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import jinja2
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import Field, StrictBool, StrictInt, StrictStr
+
+from shoal.engine.async_llm import RequestStream
+from shoal.engine.output_processor import OutputKind
+from shoal.entrypoints.openai.errors import OpenAIError, error_from_exception
+from shoal.entrypoints.openai.protocol import Number, OpenAIBaseModel, check_context_length
+from shoal.entrypoints.openai.responses import now_s, random_id
+from shoal.entrypoints.openai.serving_common import ServingBase
+from shoal.entrypoints.openai.streaming import ClientDisconnected, cancel_on_disconnect, sse
+from shoal.outputs import RequestOutput
+from shoal.sampling_params import SamplingParams
+
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+class ResponsesRequest(OpenAIBaseModel):
+    model: StrictStr | None = None
+    input: StrictStr | list[dict[str, Any]]
+    instructions: StrictStr | None = None
+    previous_response_id: StrictStr | None = None
+    max_output_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    stream: StrictBool = False
+    store: StrictBool = True
+    metadata: dict[str, Any] | None = None
+    user: StrictStr | None = None
+    text: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = "auto"
+    parallel_tool_calls: StrictBool = True
+    reasoning: dict[str, Any] | None = None
+    truncation: StrictStr | None = "disabled"
+    include: list[Any] | None = None
+    background: StrictBool = False
+    top_logprobs: StrictInt | None = None
+
+    def unsupported(self) -> tuple[str, str] | None:
+        bad = self.not_implemented()
+        if bad is not None:
+            return bad
+        fmt = (self.text or {}).get("format") or {}
+        if fmt.get("type", "text") != "text":
+            return "text", "structured outputs (text.format) are not supported yet"
+        checks = [("tools", bool(self.tools), "tools are not supported yet"),
+                  ("reasoning", bool(self.reasoning), "reasoning options are not supported"),
+                  ("truncation", self.truncation not in (None, "disabled"),
+                   "only truncation 'disabled' is supported"),
+                  ("include", bool(self.include), "include is not supported"),
+                  ("background", self.background, "background responses are not supported"),
+                  ("top_logprobs", bool(self.top_logprobs), "top_logprobs is not supported "
+                                                            "yet in the Responses API")]
+        for name, bad_value, message in checks:
+            if bad_value:
+                return name, message
+        return None
+
+
+def input_messages(req: ResponsesRequest) -> list[dict[str, str]]:
+    """The request's input as chat messages (text parts only)."""
+    if isinstance(req.input, str):
+        return [{"role": "user", "content": req.input}]
+    messages = []
+    for i, item in enumerate(req.input):
+        if item.get("type", "message") != "message" or "role" not in item:
+            raise OpenAIError(400, f"input items of type {item.get('type')!r} are not "
+                                   "supported; only messages", f"input[{i}]")
+        content = item.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") not in _TEXT_PARTS:
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise OpenAIError(400, f"content parts of type {kind!r} are not supported; "
+                                           "only text", f"input[{i}].content")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        if not isinstance(content, str):
+            raise OpenAIError(400, "a message's content must be a string or text parts",
+                              f"input[{i}].content")
+        messages.append({"role": str(item["role"]), "content": content})
+    return messages
+
+
+class ResponseStore:
+    """The last `capacity` stored responses and their conversations (oldest dropped)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, str]]]] = \
+            OrderedDict()
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, str]]) -> None:
+        if self.capacity <= 0:
+            return
+        self._items[response["id"]] = (response, conversation)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, response_id: str, param: str | None = None
+            ) -> tuple[dict[str, Any], list[dict[str, str]]]:
+        entry = self._items.get(response_id)
+        if entry is None:
+            raise OpenAIError(404, f"no stored response {response_id!r} (responses are kept in "
+                                   f"memory, the last {self.capacity} of them)", param)
+        return entry
+
+
+class OpenAIServingResponses(ServingBase):
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.store = ResponseStore(self.settings.max_stored_responses)
+
+    def retrieve(self, response_id: str) -> dict[str, Any]:
+        return self.store.get(response_id)[0]
+
+    async def create(self, req: ResponsesRequest, raw: Request) -> Response:
+        model = self.models.check(req.model)
+        bad = req.unsupported()
+        if bad is not None:
+            raise OpenAIError(400, bad[1], bad[0])
+        history = self.store.get(req.previous_response_id, "previous_response_id")[1] \
+            if req.previous_response_id else []
+        turn = input_messages(req)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions else []
+        try:
+            prompt = self.engine.inputs.process_chat(system + history + turn)
+        except (jinja2.TemplateError, TypeError) as e:
+            raise ValueError(f"the chat template failed: {e}") from e
+        check_context_length(len(prompt.prompt_token_ids), req.max_output_tokens,
+                             self.engine.max_model_len, "max_output_tokens")
+        params = SamplingParams(
+            max_tokens=req.max_output_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p)
+        stream = self.engine.add_request(
+            random_id("resp"), prompt, params,
+            output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY)
+        rid, msg_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
+        conversation = history + turn
+        if req.stream:
+            return StreamingResponse(self._stream(req, model, rid, msg_id, stream, conversation),
+                                     media_type="text/event-stream")
+        try:
+            outs = await cancel_on_disconnect(raw, _all(stream))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        finally:
+            stream.abort()
+        final = outs[-1]
+        text = final.outputs[0].text
+        body = self._response(req, model, rid, msg_id, text, final, "completed")
+        self._keep(req, body, conversation, text)
+        return JSONResponse(body, headers=self.load_headers(raw))
+
+    def _keep(self, req: ResponsesRequest, body: dict[str, Any],
+              conversation: list[dict[str, str]], text: str) -> None:
+        if req.store:
+            self.store.put(body, conversation + [{"role": "assistant", "content": text}])
+
+    def _response(self, req: ResponsesRequest, model: str, rid: str, msg_id: str, text: str,
+                  out: RequestOutput | None, status: str) -> dict[str, Any]:
+        """The Response object; `status` "in_progress" while streaming, else decided by how
+        the generation finished."""
+        finish = out.outputs[0].finish_reason if out is not None and out.outputs else None
+        incomplete = None
+        if status != "in_progress":
+            status = "incomplete" if finish == "length" else "completed"
+            if finish == "length":
+                incomplete = {"reason": "max_output_tokens"}
+        output = [] if status == "in_progress" else [_message(msg_id, text, "completed")]
+        usage = None
+        if out is not None and status != "in_progress":
+            n_in = len(out.prompt_token_ids)
+            n_out = sum(len(c.token_ids) for c in out.outputs)
+            usage = {"input_tokens": n_in,
+                     "input_tokens_details": {"cached_tokens": out.num_cached_tokens},
+                     "output_tokens": n_out, "output_tokens_details": {"reasoning_tokens": 0},
+                     "total_tokens": n_in + n_out}
+        return {
+            "id": rid, "object": "response", "created_at": now_s(), "status": status,
+            "model": model, "output": output, "usage": usage, "error": None,
+            "incomplete_details": incomplete, "instructions": req.instructions,
+            "max_output_tokens": req.max_output_tokens,
+            "previous_response_id": req.previous_response_id,
+            "temperature": 1.0 if req.temperature is None else req.temperature,
+            "top_p": 1.0 if req.top_p is None else req.top_p,
+            "parallel_tool_calls": req.parallel_tool_calls, "tool_choice": req.tool_choice,
+            "tools": [], "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "metadata": req.metadata or {}, "store": req.store, "user": req.user,
+            "reasoning": None,
+        }
+
+    async def _stream(self, req: ResponsesRequest, model: str, rid: str, msg_id: str,
+                      stream: RequestStream, conversation: list[dict[str, str]]
+                      ) -> AsyncIterator[str]:
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> str:
+            nonlocal seq
+            seq += 1
+            return f"event: {kind}\n" + sse({"type": kind, "sequence_number": seq - 1,
+                                             **fields})
+
+        at = {"item_id": msg_id, "output_index": 0, "content_index": 0}
+        text_parts: list[str] = []
+        last: RequestOutput | None = None
+        pending = self._response(req, model, rid, msg_id, "", None, "in_progress")
+        yield (event("response.created", response=pending)
+               + event("response.in_progress", response=pending)
+               + event("response.output_item.added", output_index=0,
+                       item=_message(msg_id, "", "in_progress"))
+               + event("response.content_part.added", **at, part=_part("")))
+        try:
+            while True:
+                outs = await stream.drain()
+                if not outs:
+                    break
+                last = outs[-1]
+                deltas = [c.text for o in outs for c in o.outputs if c.text]
+                text_parts += deltas
+                if deltas:
+                    yield "".join(event("response.output_text.delta", **at, delta=d,
+                                        logprobs=[]) for d in deltas)
+        except Exception as e:  # headers are gone: the Responses API reports in-band
+            err = error_from_exception(e)
+            yield event("error", code=str(err.status), message=err.message, param=err.param)
+            failed = {**pending, "status": "failed",
+                      "error": {"code": "server_error", "message": err.message}}
+            yield event("response.failed", response=failed)
+            return
+        finally:
+            stream.abort()
+        text = "".join(text_parts)
+        body = self._response(req, model, rid, msg_id, text, last, "completed")
+        self._keep(req, body, conversation, text)
+        yield (event("response.output_text.done", **at, text=text, logprobs=[])
+               + event("response.content_part.done", **at, part=_part(text))
+               + event("response.output_item.done", output_index=0,
+                       item=_message(msg_id, text, "completed"))
+               + event(f"response.{body['status']}", response=body))
+
+
+async def _all(stream: RequestStream) -> list[RequestOutput]:
+    return [out async for out in stream]
+
+
+def _part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message(msg_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": msg_id, "status": status, "role": "assistant",
+            "content": [_part(text)] if status == "completed" else []}

@@ -1,0 +1,197 @@
+"""`python -m shoal.entrypoints.openai.run_batch -i requests.jsonl -o results.jsonl`: an OpenAI
+batch file, run offline through shoal.LLM.
+
+Each input line is {"custom_id", "method": "POST", "url", "body"} with url /v1/completions or
+/v1/chat/completions; each output line is {"id", "custom_id", "response": {"status_code",
+"request_id", "body"}, "error"}, in input order. The bodies are checked and answered by the
+server's own request and response code, so a line gets what `shoal serve` would answer (a
+400 body for a bad request); every valid request runs in one batch through the engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from shoal.entrypoints.cli_args import add_engine_flags, engine_args_from
+from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
+from shoal.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from shoal.entrypoints.openai.server_settings import ServerSettings
+from shoal.entrypoints.openai.serving_chat import OpenAIServingChat
+from shoal.entrypoints.openai.serving_completion import (
+    DEFAULT_MAX_TOKENS,
+    OpenAIServingCompletion,
+    normalize_prompts,
+)
+from shoal.entrypoints.openai.serving_models import ServedModels
+from shoal.loader.resolve import DEFAULT_MODEL_NAME
+
+URLS = ("/v1/completions", "/v1/chat/completions")
+
+
+class _OfflineEngine:
+    """What the server's request handlers read from an engine, over an offline LLMEngine."""
+
+    def __init__(self, llm: Any):
+        eng = llm.llm_engine
+        self.tokenizer = eng.tokenizer
+        self.inputs = eng.inputs
+        self.limits = eng.core.limits
+        self.max_model_len = self.limits.max_model_len
+        self.vocab_size = self.limits.vocab_size
+
+
+@dataclass
+class _Line:
+    custom_id: Any
+    request: Any = None
+    prompts: list[Any] = field(default_factory=list)  # ProcessedPrompts
+    params: Any = None
+    k: int | None = None
+    outputs: list[Any] = field(default_factory=list)
+    error: dict[str, Any] | None = None
+    status: int = 200
+
+
+def _parse(raw: str, completion: OpenAIServingCompletion, chat: OpenAIServingChat) -> _Line:
+    try:
+        item = json.loads(raw)
+    except json.JSONDecodeError as e:
+        return _Line(None, error=error_body(400, f"malformed JSON line: {e}"), status=400)
+    line = _Line(item.get("custom_id") if isinstance(item, dict) else None)
+    try:
+        if not isinstance(item, dict) or not isinstance(item.get("body"), dict):
+            raise ValueError("each line must be an object with custom_id, method, url, body")
+        if item.get("url") not in URLS:
+            raise ValueError(f"url must be one of {', '.join(URLS)} (got {item.get('url')!r})")
+        if item.get("method", "POST") != "POST":
+            raise ValueError("method must be POST")
+        if item["url"] == "/v1/completions":
+            req = CompletionRequest.model_validate(item["body"])
+            _check(req, completion)
+            scoring = req.echo and req.max_tokens == 0
+            max_tokens = 1 if scoring else (req.max_tokens or DEFAULT_MAX_TOKENS)
+            line.prompts = [completion._process(p, req, max_tokens)
+                            for p in normalize_prompts(req.prompt)]
+            k, pk = req.logprobs, req.prompt_logprobs
+            if req.echo and k is not None:
+                pk = -1 if -1 in (k, pk) else max(k, pk or 0)
+            line.params = req.to_sampling_params(max_tokens, k, pk)
+        else:
+            req = ChatCompletionRequest.model_validate(item["body"])
+            _check(req, chat)
+            line.k, max_tokens = chat._prepare(req)
+            line.prompts = [chat.render(req)]
+            line.params = req.to_sampling_params(max_tokens, line.k, req.prompt_logprobs)
+        line.request = req
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first.get("loc", ()))
+        line.status, line.error = 400, error_body(400, f"{where}: {first.get('msg')}", where)
+    except Exception as e:  # what the server would answer for it
+        err = error_from_exception(e)
+        line.status, line.error = err.status, error_body(err.status, err.message, err.param)
+    return line
+
+
+def _check(req: Any, handler: Any) -> None:
+    handler.models.check(req.model)
+    if req.stream:
+        raise ValueError("stream must be false in a batch file")
+    bad = req.unsupported()
+    if bad is not None:
+        raise OpenAIError(400, bad[1], bad[0])
+
+
+def run(lines: Iterable[str], llm: Any, model_name: str) -> list[dict[str, Any]]:
+    engine = _OfflineEngine(llm)
+    settings = ServerSettings()
+    models = ServedModels([model_name], None, engine.max_model_len)
+    completion = OpenAIServingCompletion(engine, models, settings)  # type: ignore[arg-type]
+    chat = OpenAIServingChat(engine, models, settings)  # type: ignore[arg-type]
+    parsed = [_parse(raw, completion, chat) for raw in lines if raw.strip()]
+    ok = [ln for ln in parsed if ln.error is None]
+    prompts = [{"prompt_token_ids": p.prompt_token_ids, "prompt": p.prompt}
+               for ln in ok for p in ln.prompts]
+    params = [ln.params for ln in ok for _ in ln.prompts]
+    try:
+        outs = iter(llm.generate(prompts, params, use_tqdm=False) if prompts else [])
+    except ValueError as e:  # a line the engine refused: fail it alone, run the rest
+        return _one_by_one(parsed, llm, model_name, e)
+    for ln in ok:
+        ln.outputs = [next(outs) for _ in ln.prompts]
+    return [_result(ln, completion, chat, model_name) for ln in parsed]
+
+
+def _one_by_one(parsed: list[_Line], llm: Any, model_name: str,
+                first_error: Exception) -> list[dict[str, Any]]:
+    engine = _OfflineEngine(llm)
+    models = ServedModels([model_name], None, engine.max_model_len)
+    completion = OpenAIServingCompletion(engine, models, ServerSettings())  # type: ignore[arg-type]
+    chat = OpenAIServingChat(engine, models, ServerSettings())  # type: ignore[arg-type]
+    for ln in parsed:
+        if ln.error is not None:
+            continue
+        try:
+            ln.outputs = llm.generate([{"prompt_token_ids": p.prompt_token_ids,
+                                        "prompt": p.prompt} for p in ln.prompts],
+                                      [ln.params] * len(ln.prompts), use_tqdm=False)
+        except ValueError as e:
+            err = error_from_exception(e)
+            ln.status, ln.error = err.status, error_body(err.status, err.message, err.param)
+    return [_result(ln, completion, chat, model_name) for ln in parsed]
+
+
+def _result(ln: _Line, completion: OpenAIServingCompletion, chat: OpenAIServingChat,
+            model_name: str) -> dict[str, Any]:
+    rid = f"batch_req_{uuid.uuid4().hex}"
+    if ln.error is not None:
+        body = ln.error
+    elif isinstance(ln.request, CompletionRequest):
+        body = completion._response(ln.request, model_name, f"cmpl-{uuid.uuid4().hex}",
+                                    ln.outputs).model_dump()
+    else:
+        body = chat._response(ln.request, model_name, f"chatcmpl-{uuid.uuid4().hex}",
+                              ln.outputs[0], ln.k).model_dump()
+    return {"id": rid, "custom_id": ln.custom_id,
+            "response": {"status_code": ln.status, "request_id": rid, "body": body},
+            "error": None}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m shoal.entrypoints.openai.run_batch",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("-i", "--input-file", required=True, help="the batch file ('-': stdin)")
+    p.add_argument("-o", "--output-file", required=True, help="the results ('-': stdout)")
+    p.add_argument("--model", default=None, help="model (default: the embedded one)")
+    p.add_argument("--served-model-name", default=None, help="the name in the responses")
+    add_engine_flags(p)
+    ns = p.parse_args(argv)
+    from shoal.llm import LLM
+
+    args = engine_args_from(ns)
+    try:
+        with (sys.stdin if ns.input_file == "-" else open(ns.input_file)) as f:
+            lines = f.readlines()
+        llm = LLM(**vars(args))
+        results = run(lines, llm, ns.served_model_name or args.model or DEFAULT_MODEL_NAME)
+    except (OSError, ValueError) as e:
+        print(f"run_batch: error: {e}", file=sys.stderr)
+        return 2
+    text = "".join(json.dumps(r) + "\n" for r in results)
+    if ns.output_file == "-":
+        sys.stdout.write(text)
+    else:
+        with open(ns.output_file, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

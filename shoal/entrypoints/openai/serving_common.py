@@ -1,0 +1,67 @@
+"""What the completion, chat and responses handlers share: response ids, the server's
+request-level defaults, the token decoder of the logprobs fields, ORCA load headers."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+
+from shoal.engine.async_llm import AsyncLLM
+from shoal.entrypoints.openai.logprobs import decode_token
+from shoal.entrypoints.openai.server_settings import ServerSettings
+from shoal.entrypoints.openai.serving_models import ServedModels
+
+ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
+
+
+def response_id(prefix: str, requested: str | None, raw: Request | None) -> str:
+    """The id clients see: the request's request_id, else its X-Request-Id header (as vLLM),
+    else a fresh one. The engine gets its own unique id, since clients may reuse these."""
+    base = requested or (raw.headers.get("x-request-id") if raw is not None else None)
+    return f"{prefix}-{base or uuid.uuid4().hex}"
+
+
+class ServingBase:
+    def __init__(self, engine: AsyncLLM, models: ServedModels, settings: ServerSettings):
+        self.engine = engine
+        self.models = models
+        self.settings = settings
+
+    def _decode(self, token_id: int) -> str:
+        return decode_token(self.engine.tokenizer, token_id)
+
+    def token_decoder(self, as_token_ids: bool | None) -> Callable[[int], str] | None:
+        """The decoder of the logprobs fields; None shows tokens as "token_id:N"."""
+        if as_token_ids is None:
+            as_token_ids = self.settings.return_tokens_as_token_ids
+        if as_token_ids or self.engine.tokenizer is None:
+            return None
+        return self._decode
+
+    def cached(self, num_cached: int) -> int | None:
+        """usage.prompt_tokens_details.cached_tokens, when the server reports it."""
+        return num_cached if self.settings.enable_prompt_tokens_details else None
+
+    def load_headers(self, raw: Request | None) -> dict[str, str] | None:
+        """vLLM's ORCA `endpoint-load-metrics` header, when the request asks for it."""
+        fmt = raw.headers.get(ORCA_FORMAT_HEADER, "") if raw is not None else ""
+        return orca_header(fmt, self.engine)
+
+
+def orca_header(fmt: str, engine: AsyncLLM) -> dict[str, str] | None:
+    """`TEXT named_metrics.kv_cache_usage_perc=0.1, ...` or `JSON {"named_metrics": {...}}`
+    (the ORCA load report), or None for a format other than TEXT and JSON."""
+    kind = fmt.strip().lower()
+    if kind not in ("text", "json"):
+        return None
+    stats = engine.last_stats
+    named: dict[str, Any] = {"kv_cache_usage_perc": float(stats.kv_cache_usage),
+                             "num_requests_waiting": float(stats.num_waiting)}
+    if kind == "text":
+        body = ", ".join(f"named_metrics.{k}={v}" for k, v in named.items())
+        return {"endpoint-load-metrics": f"TEXT {body}"}
+    return {"endpoint-load-metrics": "JSON " + json.dumps({"named_metrics": named})}

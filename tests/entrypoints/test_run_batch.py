@@ -1,0 +1,46 @@
+"""`python -m shoal.entrypoints.openai.run_batch`: an OpenAI batch file through shoal.LLM."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+LINES = [
+    {"custom_id": "cmpl", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}},
+    {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 2,
+              "temperature": 0, "logprobs": True, "top_logprobs": 2}},
+    {"custom_id": "score", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": "Paris is in France", "max_tokens": 0, "echo": True, "logprobs": 0}},
+    {"custom_id": "refused", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "x"}], "use_beam_search": True}},
+    {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+    {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": [1] * 300, "max_tokens": 1}},
+]
+
+
+def test_run_batch_file(tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps(line) + "\n" for line in LINES))
+    proc = subprocess.run([sys.executable, "-m", "shoal.entrypoints.openai.run_batch",
+                           "-i", str(src), "-o", str(dst), "--max-model-len", "256",
+                           "--kv-cache-memory-bytes", str(32 * 2**20)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = [json.loads(line) for line in dst.read_text().splitlines()]
+    assert [o["custom_id"] for o in out] == [line["custom_id"] for line in LINES]
+    by_id = {o["custom_id"]: o["response"] for o in out}
+    cmpl = by_id["cmpl"]["body"]
+    assert by_id["cmpl"]["status_code"] == 200 and cmpl["object"] == "text_completion"
+    assert cmpl["usage"]["completion_tokens"] == 3
+    chat = by_id["chat"]["body"]["choices"][0]
+    assert len(chat["logprobs"]["content"]) == 2
+    score = by_id["score"]["body"]["choices"][0]
+    assert score["text"] == "Paris is in France" and score["logprobs"]["token_logprobs"][0] is None
+    for cid, param in (("refused", "use_beam_search"), ("bad-url", None), ("too-long", None)):
+        assert by_id[cid]["status_code"] == 400, by_id[cid]
+        err = by_id[cid]["body"]["error"]
+        assert err["code"] == 400 and (param is None or err["param"] == param)
