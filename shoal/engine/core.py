@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 
 from shoal.config import EngineConfig
 from shoal.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from shoal.engine.input_processor import EngineLimits, validate_core_request
+from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_core_request
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import SchedulerOutput
@@ -29,8 +30,12 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel,
+                 request_limits: RequestLimits | None = None):
+        """request_limits: what one request may ask for (RequestLimits.from_engine_args);
+        the frontends read them from `limits`."""
         t0 = time.perf_counter()
+        request_limits = request_limits or RequestLimits()
         self.config = config
         self.runner = ModelRunner(config, loaded)
         num_blocks = self.runner.initialize_kv_cache()
@@ -41,12 +46,20 @@ class EngineCore:
         self.kv_transfer = offload.transfer if offload is not None else None
         if self.kv_transfer is not None:
             self.runner.use_kv_transfer(self.kv_transfer)
+        if self.kv_offload is not None:
+            # An engine dropped without shutdown() (or alive at interpreter exit) still writes
+            # its CPU tier down (shutdown() does more first, and this then does nothing).
+            weakref.finalize(self, self.kv_offload.shutdown)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
-                                   kv_store=self.kv_offload)
+                                   kv_store=self.kv_offload,
+                                   request_timeout=request_limits.request_timeout)
         self.vocab_size = self.runner.vocab_size
         self.async_scheduling = config.async_scheduling
         self._inflight: tuple[SchedulerOutput, StepFuture] | None = None
-        self._history_requests: set[str] = set()  # sampling needs every earlier token
+        # Scheduled steps whose results the scheduler has not applied yet: what a step that
+        # raises leaves behind (see scheduler_faults.py).
+        self._unsettled: list[SchedulerOutput] = []
+        self._history_requests: set[int] = set()  # serials: sampling needs every earlier token
         eos = getattr(loaded.hf_config, "eos_token_id", None)
         if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
             eos = loaded.tokenizer.eos_token_id if eos is None else eos
@@ -56,7 +69,8 @@ class EngineCore:
         self.limits = EngineLimits(
             vocab_size=self.vocab_size, max_model_len=sc.max_model_len,
             num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
-            max_num_seqs=sc.max_num_seqs, eos_token_ids=self.eos_token_ids)
+            max_num_seqs=sc.max_num_seqs, eos_token_ids=self.eos_token_ids,
+            request=request_limits)
         if config.device.type == "cuda":
             t1 = time.perf_counter()
             self._warm_request_path()
@@ -92,9 +106,7 @@ class EngineCore:
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
         max_tokens = validate_core_request(self.limits, req)
-        if req.sampling_params.needs_output_history:
-            self._history_requests.add(req.request_id)
-        self.scheduler.add_request(Request(
+        request = Request(
             request_id=req.request_id,
             prompt_token_ids=list(req.prompt_token_ids),
             sampling_params=req.sampling_params,
@@ -103,7 +115,10 @@ class EngineCore:
             arrival_time=req.arrival_time,
             priority=req.priority,
             cache_salt=req.cache_salt,
-        ))
+        )
+        self.scheduler.add_request(request)  # gives it its serial
+        if req.sampling_params.needs_output_history:
+            self._history_requests.add(request.serial)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -121,22 +136,13 @@ class EngineCore:
 
     # ---- the loop body ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
-        pipelined = self.async_scheduling and not self._history_requests
-        sched = None
-        if pipelined or self._inflight is None:
-            sched = self.scheduler.schedule()
-        launched = None
-        if sched is not None and not sched.is_empty:
-            launched = self.runner.launch(sched)
-        # Step N's results, read while step N+1 (just launched) runs.
-        outputs = self._finish_inflight()
-        if launched is not None:
-            self._inflight = (sched, launched)
-            if not pipelined:
-                outputs += self._finish_inflight()
+        try:
+            outputs = self._run_step()
+        except Exception as e:  # one bad request or a bug: never the whole engine
+            outputs = self._recover(e)
         outputs = self.scheduler.take_pending_outputs() + outputs
         # Requests that ended (finished or aborted) release their sampling state now.
-        finished = self.scheduler.take_finished_ids()
+        finished = self.scheduler.take_finished_serials()
         self.runner.remove_requests(finished)
         self._history_requests -= finished
         stats = self.scheduler.stats()
@@ -144,9 +150,39 @@ class EngineCore:
             stats.kv_tiers = {t.name: t.as_metrics() for t in self.kv_offload.stats().tiers}
         return EngineCoreOutputs(outputs=outputs, stats=stats)
 
+    def _run_step(self) -> list[EngineCoreOutput]:
+        pipelined = self.async_scheduling and not self._history_requests
+        sched = None
+        if pipelined or self._inflight is None:
+            sched = self.scheduler.schedule()
+        launched = None
+        if sched is not None and not sched.is_empty:
+            self._unsettled.append(sched)
+            launched = self.runner.launch(sched)
+        # Step N's results, read while step N+1 (just launched) runs.
+        outputs = self._finish_inflight()
+        if launched is not None:
+            self._inflight = (sched, launched)
+            if not pipelined:
+                outputs += self._finish_inflight()
+        return outputs
+
     def _finish_inflight(self) -> list[EngineCoreOutput]:
         if self._inflight is None:
             return []
         sched, fut = self._inflight
         self._inflight = None
-        return self.scheduler.update(sched, self.runner.finish(fut))
+        outputs = self.scheduler.update(sched, self.runner.finish(fut))
+        self._unsettled = [s for s in self._unsettled if s is not sched]
+        return outputs
+
+    def _recover(self, error: Exception) -> list[EngineCoreOutput]:
+        """A step raised: the requests of every step not settled yet are rerun one by one,
+        and the one that raises alone fails (scheduler_faults.py); the rest keep serving."""
+        logger.exception("an engine step failed; its requests are retried one at a time")
+        scheds, self._unsettled = self._unsettled, []
+        self._inflight = None
+        self.runner.reset_after_fault()
+        outputs, serials = self.scheduler.fail_steps(scheds, f"{type(error).__name__}: {error}")
+        self.runner.remove_requests(serials)
+        return outputs

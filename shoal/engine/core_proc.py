@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -88,12 +89,14 @@ class EngineCoreProc:
     UTILITIES = ("ping", "get_stats", "reset_stats")
 
     def __init__(self, core: Any, input_socket: zmq.Socket, output_socket: zmq.Socket,
-                 death_fd: int | None = None, parent_pid: int | None = None):
+                 death_fd: int | None = None, parent_pid: int | None = None,
+                 wakeup_fd: int | None = None):
         self.core = core
         self.input = input_socket
         self.output = output_socket
         self.death_fd = death_fd
         self.parent_pid = parent_pid
+        self.wakeup_fd = wakeup_fd  # readable when a signal arrived (signal.set_wakeup_fd)
         self.decoder = msgspec.msgpack.Decoder(InputMessage)
         self.encoder = msgspec.msgpack.Encoder()
         self._stop = False
@@ -106,14 +109,18 @@ class EngineCoreProc:
     def run(self) -> None:
         poller = zmq.Poller()
         poller.register(self.input, zmq.POLLIN)
-        if self.death_fd is not None:
-            poller.register(self.death_fd, zmq.POLLIN)
+        for fd in (self.death_fd, self.wakeup_fd):
+            if fd is not None:
+                poller.register(fd, zmq.POLLIN)
         while not self._stop:
             busy = self.core.has_unfinished_requests()
             events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
             if self._parent_gone(events):
                 logger.warning("the frontend process is gone; the engine core exits")
                 return
+            if self.wakeup_fd is not None and self.wakeup_fd in events:
+                _drain_fd(self.wakeup_fd)  # the handler has set the flag (request_stop)
+                continue
             if self.input in events:
                 self._drain_input()
             if self._rejected and not self.core.has_unfinished_requests():
@@ -167,6 +174,11 @@ class EngineCoreProc:
             result.stats = self._rebased(result.stats)
         self._send(CoreOutputs(result, rejected=self._take_rejected()))
 
+    def request_stop(self, *_: Any) -> None:
+        """SIGTERM: stop between steps, never inside one (a step cut short could leave KV
+        copies half done that shutdown would then persist)."""
+        self._stop = True
+
     def _take_rejected(self) -> dict[str, str]:
         rejected, self._rejected = self._rejected, {}
         return rejected
@@ -210,8 +222,10 @@ def _build_core(engine_args: EngineArgs) -> Any:
 
     from shoal.engine.core import EngineCore
     from shoal.engine.cpu_threads import configure_cpu_threads
+    from shoal.engine.input_processor import RequestLimits
     from shoal.loader import load_model
 
+    limits = RequestLimits.from_engine_args(engine_args)  # checked before the model loads
     torch.manual_seed(engine_args.seed)
     device = engine_args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     threads = configure_cpu_threads(torch.device(device).type, engine_args.cpu_threads,
@@ -221,7 +235,15 @@ def _build_core(engine_args: EngineArgs) -> Any:
     loaded = load_model(engine_args.model, tokenizer=engine_args.tokenizer,
                         load_format=engine_args.load_format)
     config = engine_args.create_engine_config(loaded.hf_config)
-    return EngineCore(config, loaded)
+    return EngineCore(config, loaded, request_limits=limits)
+
+
+def _drain_fd(fd: int) -> None:
+    try:
+        while os.read(fd, 512):
+            pass
+    except (BlockingIOError, InterruptedError):
+        pass
 
 
 def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
@@ -232,6 +254,7 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s [engine] %(message)s")
     # Ctrl-C reaches the whole process group; the frontend decides when the engine stops (it
     # drains requests first), so the engine ignores SIGINT and exits on Shutdown or SIGTERM.
+    # Before the loop runs there is nothing to protect: SIGTERM exits at once.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ctx = zmq.Context()
@@ -256,14 +279,7 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
         out_sock.send(encoder.encode(Ready(core.limits, pid=os.getpid())))
         logger.info("engine core process %d ready in %.1f s (%d KV blocks)", os.getpid(),
                     time.perf_counter() - t0, core.limits.num_kv_blocks)
-        death_fd = death_pipe.fileno() if death_pipe is not None else None
-        try:
-            EngineCoreProc(core, in_sock, out_sock, death_fd, parent_pid).run()
-        finally:  # also on SIGTERM (SystemExit)
-            try:
-                core.shutdown()
-            except Exception:
-                logger.exception("engine core shutdown failed")
+        _serve(core, in_sock, out_sock, death_pipe, parent_pid)
     finally:
         # Linger so a last message (the startup error above all) still reaches the frontend.
         out_sock.close(linger=2000)
@@ -271,3 +287,27 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
         ctx.term()
     if code:
         sys.exit(code)
+
+
+def _serve(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket,
+           death_pipe: Connection | None, parent_pid: int | None) -> None:
+    """The loop, then the core's shutdown. From here SIGTERM only sets the loop's stop flag:
+    a self-pipe wakes the idle poll at once, and the step running finishes first."""
+    death_fd = death_pipe.fileno() if death_pipe is not None else None
+    wake_r, wake_w = socket.socketpair()
+    wake_r.setblocking(False)
+    wake_w.setblocking(False)
+    proc = EngineCoreProc(core, in_sock, out_sock, death_fd, parent_pid,
+                          wakeup_fd=wake_r.fileno())
+    old_fd = signal.set_wakeup_fd(wake_w.fileno())
+    signal.signal(signal.SIGTERM, proc.request_stop)
+    try:
+        proc.run()
+    finally:
+        try:
+            core.shutdown()
+        except Exception:
+            logger.exception("engine core shutdown failed")
+        signal.set_wakeup_fd(old_fd)
+        wake_r.close()
+        wake_w.close()

@@ -53,6 +53,13 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)
+    # The scheduler's number for this request, unique for the engine's lifetime (results of
+    # steps in flight are matched on it, never on the caller's id, which may be reused).
+    serial: int = 0
+    # Steps that raised while running this request (scheduler_faults.py); a suspect runs
+    # alone until it has produced a token again.
+    num_faults: int = 0
+    suspect: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

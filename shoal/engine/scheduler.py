@@ -8,15 +8,14 @@ prompt plus the tokens it already produced, so its output does not change."""
 
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from shoal.config import CacheConfig, SchedulerConfig
 from shoal.engine.core_types import EngineCoreOutput, SchedulerStats
 from shoal.engine.request import Request, RequestStatus
+from shoal.engine.scheduler_faults import FaultHandling
 from shoal.engine.scheduler_output import (
     PENDING_TOKEN,
     ModelRunnerOutput,
@@ -24,6 +23,7 @@ from shoal.engine.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from shoal.engine.waiting_queue import WaitingQueue
 from shoal.kv_cache.block_pool import KVBlock
 from shoal.kv_cache.manager import KVCacheManager
 from shoal.kv_offload.connector import KVOffloadConnector, Staged
@@ -54,48 +54,12 @@ class _Cached:
     staged: Staged = field(default_factory=list)
 
 
-class WaitingQueue:
-    """FCFS deque, or a heap on (priority, arrival) for the priority policy."""
-
-    def __init__(self, policy: str):
-        self.policy = policy
-        self._fifo: deque[Request] = deque()
-        self._heap: list[tuple[int, float, int, Request]] = []
-        self._seq = itertools.count()
-
-    def push(self, req: Request) -> None:
-        if self.policy == "priority":
-            heapq.heappush(self._heap, (req.priority, req.arrival_time, next(self._seq), req))
-        else:
-            self._fifo.append(req)
-
-    def push_front(self, req: Request) -> None:
-        if self.policy == "priority":
-            self.push(req)
-        else:
-            self._fifo.appendleft(req)
-
-    def peek(self) -> Request:
-        return self._heap[0][3] if self.policy == "priority" else self._fifo[0]
-
-    def pop(self) -> Request:
-        return heapq.heappop(self._heap)[3] if self.policy == "priority" else self._fifo.popleft()
-
-    def remove(self, req: Request) -> None:
-        if self.policy == "priority":
-            self._heap = [e for e in self._heap if e[3] is not req]
-            heapq.heapify(self._heap)
-        else:
-            self._fifo.remove(req)
-
-    def __len__(self) -> int:
-        return len(self._heap) if self.policy == "priority" else len(self._fifo)
-
-
-class Scheduler:
+class Scheduler(FaultHandling):
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, kv_store: TieredKVStore | None = None):
-        """num_blocks: the device KV pool, as the model runner sized it at start-up."""
+                 num_blocks: int, kv_store: TieredKVStore | None = None,
+                 request_timeout: float | None = None):
+        """num_blocks: the device KV pool, as the model runner sized it at start-up.
+        request_timeout: seconds from arrival after which a request is ended with an error."""
         self.config = sched_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
@@ -104,20 +68,32 @@ class Scheduler:
         self.offload = (KVOffloadConnector(kv_store, self.kv.pool, self.block_size)
                         if kv_store is not None else None)
         self.requests: dict[str, Request] = {}
+        # Live requests by serial: results are matched on it (a caller may reuse an id while
+        # a step holding the old request is in flight).
+        self._by_serial: dict[int, Request] = {}
+        self._serials = itertools.count(1)
         self.waiting = WaitingQueue(sched_config.policy)
         self.running: list[Request] = []
-        self._finished_ids: set[str] = set()  # to tell the runner to drop state
+        self._finished_serials: set[int] = set()  # to tell the runner to drop state
         self._pending_outputs: list[EngineCoreOutput] = []  # aborts etc. not tied to a step
         self.num_preemptions = 0
         self._step_prompt_tokens = 0
         self._step_generation_tokens = 0
+        self._init_faults()
+        self.request_timeout = request_timeout
+        self._next_expiry_check = 0.0
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in use")
+        req.serial = next(self._serials)
         self.requests[req.request_id] = req
+        self._by_serial[req.serial] = req
         self.waiting.push(req)
+        if self._pending_outputs:  # the end of an earlier request under this id is old news
+            self._pending_outputs = [o for o in self._pending_outputs
+                                     if o.request_id != req.request_id]
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -133,13 +109,34 @@ class Scheduler:
                 request_id=rid, new_token_ids=[], finish_reason="abort",
                 num_cached_tokens=max(req.num_cached_tokens, 0)))
 
+    def _expire_requests(self) -> None:
+        """Ends requests older than request_timeout (checked a few times a second at most)."""
+        now = time.monotonic()
+        if now < self._next_expiry_check or self.request_timeout is None:
+            return
+        self._next_expiry_check = now + min(0.05, self.request_timeout / 10)
+        limit = self.request_timeout
+        for req in [r for r in self.requests.values() if now - r.arrival_time > limit]:
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self._pending_outputs.append(EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[], finish_reason="error",
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+                error=f"the request timed out: it took longer than request_timeout "
+                      f"({limit:g} s)"))
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         if self.offload is not None:  # reads or pins it may hold while deferred
             self.offload.abandon(req.request_id)
-        self.kv.free(req, failed=status == RequestStatus.FINISHED_ERROR)
+        self._release_blocks(req, failed=status == RequestStatus.FINISHED_ERROR)
         self.requests.pop(req.request_id, None)
-        self._finished_ids.add(req.request_id)
+        self._by_serial.pop(req.serial, None)
+        self._finished_serials.add(req.serial)
+        self._left(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests) or bool(self._pending_outputs)
@@ -154,10 +151,13 @@ class Scheduler:
         and blocks last; none are admitted in a step that had to preempt (memory is short)."""
         if self.offload is not None:
             self.offload.begin_step()
+        if self.request_timeout is not None:
+            self._expire_requests()
         step = _Step(budget=self.config.max_num_batched_tokens)
-        self._schedule_running(step)
-        if not step.preempted:
-            self._schedule_waiting(step)
+        if not self._schedule_isolated(step):  # a suspect of a failed step runs alone
+            self._schedule_running(step)
+            if not step.preempted:
+                self._schedule_waiting(step)
         return self._build_output(step)
 
     def _schedule_running(self, step: _Step) -> None:
@@ -199,8 +199,10 @@ class Scheduler:
         while (len(self.waiting) and step.budget > 0
                and len(self.running) < self.config.max_num_seqs):
             req = self.waiting.peek()
-            if req.num_pending_tokens:
-                break  # preempted while a step was in flight: its token is not known yet
+            if req.num_pending_tokens or req.suspect:
+                # preempted while a step was in flight: its token is not known yet; or a
+                # suspect of a failed step, which is only admitted alone
+                break
             cached = self._find_cached(req)
             if cached is None:
                 deferred.append(self.waiting.pop())
@@ -249,8 +251,9 @@ class Scheduler:
             req.num_cached_tokens = n_hit
             req.first_scheduled_time = time.monotonic()
         if req.status == RequestStatus.WAITING:
-            step.new_requests.append(NewRequestData(req.request_id, req.prompt_token_ids,
-                                                    req.sampling_params, req.eos_token_ids))
+            step.new_requests.append(NewRequestData(
+                req.request_id, req.serial, req.prompt_token_ids, req.sampling_params,
+                req.eos_token_ids, list(req.output_token_ids)))
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         step.add(req, n)
@@ -260,6 +263,8 @@ class Scheduler:
         out = SchedulerOutput(new_requests=step.new_requests)
         if self.offload is not None:
             out.kv_transfers = self.offload.take_plan(have_work=bool(step.scheduled))
+        if step.scheduled:  # the runner runs only steps with work
+            self._take_zero(out)
         decodes, prefills = [], []
         for req, n in step.scheduled.values():
             item = self._scheduled_item(req, n)
@@ -276,6 +281,7 @@ class Scheduler:
             ids.extend([PENDING_TOKEN] * (n - len(ids)))
         item = ScheduledRequest(
             request_id=req.request_id,
+            serial=req.serial,
             input_token_ids=ids,
             context_len=start,
             block_ids=self.kv.block_ids(req.request_id),
@@ -304,7 +310,8 @@ class Scheduler:
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self.kv.free(req)
+        self._release_blocks(req, failed=False)
+        self._left(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -315,50 +322,61 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> list[EngineCoreOutput]:
         """Applies a step's results. With async scheduling the next step may already be
         scheduled: a request may meanwhile have been preempted (its token still counts) or
-        have ended (its results are dropped). KV copies the runner reports done release
-        their CPU slots, whatever became of the requests they were for."""
+        have ended (its results are dropped). Results are matched on serials, so a request
+        that took the id of one that ended meanwhile gets nothing of it. KV copies the runner
+        reports done release their CPU slots, whatever became of the requests they were
+        for."""
         if self.offload is not None and result.kv_transfers_done:
             self.offload.transfers_done(result.kv_transfers_done)
         outputs = self._pending_outputs
         self._pending_outputs = []
         for item in sched.scheduled:
-            req = self.requests.get(item.request_id)
-            if req is None or req.status.is_finished:
-                continue  # aborted while the step ran
+            failed = item.serial in result.failed_serials
+            if item.sample and self._released:
+                self._settle_released(item.serial, failed)
+            req = self._by_serial.get(item.serial)
+            if req is None:
+                continue  # ended while the step ran
             if item.sample:
                 req.num_pending_tokens -= 1
-            prompt_lp = result.prompt_logprobs.get(req.request_id)
-            if req.request_id in result.failed_request_ids:
+            if failed:
                 self._end(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(
                     request_id=req.request_id, new_token_ids=[], finish_reason="error",
                     error="the model produced non-finite logits"))
                 continue
+            prompt_lp = result.prompt_logprobs.get(req.serial)
             if not item.sample:
                 if prompt_lp:
                     outputs.append(EngineCoreOutput(req.request_id, [], prompt_logprobs=prompt_lp,
                                                     num_cached_tokens=req.num_cached_tokens))
                 continue
-            token = result.sampled_token_ids[req.request_id]
-            req.append_output_token(token)
-            self._step_generation_tokens += 1
-            status = self._check_stop(req, token)
-            lp = result.logprobs.get(req.request_id)
-            out = EngineCoreOutput(
-                request_id=req.request_id,
-                new_token_ids=[token],
-                new_logprobs=[lp] if lp is not None else None,
-                prompt_logprobs=prompt_lp,
-                num_cached_tokens=req.num_cached_tokens,
-            )
-            if req.num_output_tokens == 1 and req.first_scheduled_time is not None:
-                out.queue_time = max(0.0, req.first_scheduled_time - req.arrival_time)
-            if status is not None:
-                out.finish_reason = "stop" if status == RequestStatus.FINISHED_STOPPED else "length"
-                out.stop_reason = req.stop_reason
-                self._end(req, status)
-            outputs.append(out)
+            outputs.append(self._apply_token(req, result, prompt_lp))
         return outputs
+
+    def _apply_token(self, req: Request, result: ModelRunnerOutput,
+                     prompt_lp: list | None) -> EngineCoreOutput:
+        token = result.sampled_token_ids[req.serial]
+        req.append_output_token(token)
+        self._step_generation_tokens += 1
+        if req.suspect:
+            self._sampled_fine(req)
+        status = self._check_stop(req, token)
+        lp = result.logprobs.get(req.serial)
+        out = EngineCoreOutput(
+            request_id=req.request_id,
+            new_token_ids=[token],
+            new_logprobs=[lp] if lp is not None else None,
+            prompt_logprobs=prompt_lp,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+        if req.num_output_tokens == 1 and req.first_scheduled_time is not None:
+            out.queue_time = max(0.0, req.first_scheduled_time - req.arrival_time)
+        if status is not None:
+            out.finish_reason = "stop" if status == RequestStatus.FINISHED_STOPPED else "length"
+            out.stop_reason = req.stop_reason
+            self._end(req, status)
+        return out
 
     def _end(self, req: Request, status: RequestStatus) -> None:
         """Finishes a running request, or one preempted while its last step was in flight."""
@@ -387,8 +405,9 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_prompt_tokens = self._step_generation_tokens = 0
 
-    def take_finished_ids(self) -> set[str]:
-        ids, self._finished_ids = self._finished_ids, set()
+    def take_finished_serials(self) -> set[int]:
+        """Serials of the requests that ended since the last call (the runner drops them)."""
+        ids, self._finished_serials = self._finished_serials, set()
         return ids
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:

@@ -15,17 +15,23 @@ PENDING_TOKEN = -1
 
 @dataclass
 class NewRequestData:
-    """Sent the first time a request is scheduled, so the runner can set up its state."""
+    """Sent the first time a request is scheduled (and again after a fault dropped the
+    runner's state of it), so the runner can set up its state."""
 
     request_id: str
+    serial: int  # the scheduler's own number for this request: results are matched on it
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
+    output_token_ids: list[int] = field(default_factory=list)  # produced before a fault
 
 
 @dataclass
 class ScheduledRequest:
     request_id: str
+    # Unique per request for the engine's lifetime, unlike the caller's id: a result of a
+    # step still in flight is matched on it, so an id reused meanwhile never takes it.
+    serial: int
     input_token_ids: list[int]  # tokens to run this step
     context_len: int  # tokens already in the KV cache before them
     block_ids: list[int]  # the whole block table
@@ -45,6 +51,9 @@ class SchedulerOutput:
     # KV offloading: device <-> CPU-tier copies the runner queues before the forward pass;
     # ModelRunnerOutput.kv_transfers_done says when they have completed
     kv_transfers: KVTransferPlan | None = None
+    # (block id, first slot): KV slots the runner zeroes before anything else this step,
+    # left by a request that produced non-finite values (see scheduler_faults.py)
+    kv_zero: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -57,12 +66,14 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, Logprobs] = field(default_factory=dict)
-    # prompt logprobs produced this step: request id -> [(position, logprobs), ...]
-    prompt_logprobs: dict[str, list[tuple[int, Logprobs]]] = field(default_factory=dict)
+    """A step's results, keyed by request serial (ScheduledRequest.serial)."""
+
+    sampled_token_ids: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    # prompt logprobs produced this step: serial -> [(position, logprobs), ...]
+    prompt_logprobs: dict[int, list[tuple[int, Logprobs]]] = field(default_factory=dict)
     # requests whose logits were not finite: they are finished with an error
-    failed_request_ids: set[str] = field(default_factory=set)
+    failed_serials: set[int] = field(default_factory=set)
     # KV offloading: ids of the transfer plans whose copies have completed (the step's own
     # plan once its results are in; the scheduler then lets go of the plan's CPU slots)
     kv_transfers_done: list[int] = field(default_factory=list)

@@ -82,6 +82,19 @@ class KVOffloadConnector:
             self.store.filled(holds.fills)
             self.store.unpin(holds.pins)
 
+    def transfers_failed(self, plan_ids: list[int]) -> None:
+        """These plans' steps raised: whether their copies ran is unknown, so the slots they
+        were to fill are discarded (never served, never written down) and their pins go."""
+        for plan_id in plan_ids:
+            holds = self._in_flight.pop(plan_id, None)
+            if holds is not None:
+                self.store.discard(holds.fills)
+                self.store.unpin(holds.pins)
+
+    def discard(self, hashes: list[BlockHash]) -> None:
+        """Blocks of a request that produced non-finite values: out of every tier."""
+        self.store.discard(hashes)
+
     @property
     def num_plans_in_flight(self) -> int:
         return len(self._in_flight)

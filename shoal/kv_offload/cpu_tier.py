@@ -65,6 +65,9 @@ class CPUTier(KVTier):
         if not self._pins[block_hash]:
             del self._pins[block_hash]
 
+    def is_pinned(self, block_hash: BlockHash) -> bool:
+        return self._pins[block_hash] > 0
+
     def num_pinned(self) -> int:
         return len(self._pins)
 

@@ -3,8 +3,11 @@
 The header carries a magic, the layout version, the store key digest (model, dtype, block
 size, per-layer shape), the block's hash, the payload length and an xxhash of the payload.
 Files are written under a temporary name and renamed, so a reader never sees a half-written
-file under a real name; a file damaged anyway (disk error, crash before the data reached the
-disk: there is no fsync) fails one of the checks at load and is never served."""
+file under a real name (a process killed mid-write leaves only the temporary file, which the
+next start-up deletes; a full disk fails the write, which deletes it at once); a file damaged
+anyway (disk error, power loss before the data reached the disk: there is no fsync) fails one
+of the checks at load and is never served. Files are private to the user (mode 0600): KV
+blocks are a function of the prompts."""
 
 from __future__ import annotations
 
@@ -47,14 +50,29 @@ def write_block(path: Path, key_digest: bytes, block_hash: bytes, payload: torch
                           xxhash.xxh3_64_intdigest(data))
     tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            f.write(header)
-            f.write(data)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            _writev_full(fd, [memoryview(header), data])
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return HEADER_BYTES + data.nbytes
+
+
+def _writev_full(fd: int, bufs: list[memoryview]) -> None:
+    """Writes bufs in order, again from where the kernel stopped after a short write (an
+    error such as ENOSPC raises)."""
+    views = [b.cast("B") for b in bufs]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
 
 
 def read_block(path: Path, key_digest: bytes, block_hash: bytes, dst: torch.Tensor) -> None:

@@ -81,8 +81,12 @@ class DiskTier(LowerTier):
         meta = self.dir / "key.json"
         if not meta.exists():
             tmp = self.dir / f"key.json{TMP_MARK}{os.getpid()}"
-            tmp.write_text(self.key.to_json() + "\n")
-            os.replace(tmp, meta)
+            try:
+                tmp.write_text(self.key.to_json() + "\n")
+                os.replace(tmp, meta)
+            except OSError as e:  # a full disk: the note is optional, the tier still works
+                unlink_quietly(tmp)
+                logger.warning("cannot write %s: %s", meta, e)
 
     def _scan(self) -> None:
         found: list[tuple[float, BlockHash]] = []
@@ -115,13 +119,25 @@ class DiskTier(LowerTier):
             logger.info("disk KV tier %s: %d blocks found", self.dir, len(self._index))
 
     # -- queries ------------------------------------------------------------------------------
+    def _forget_failed_writes(self) -> None:
+        """Blocks whose file could not be written (a full disk) leave the index."""
+        for path in self.writer.take_failed():
+            h = bytes.fromhex(path.name[: -len(SUFFIX)])
+            # (a later write of the same block may have succeeded since, or be queued)
+            if h in self._index and self.writer.pending(path) is None and not path.exists():
+                self._forget(h)
+
     def contains(self, block_hash: BlockHash) -> bool:
+        if self.writer.failed_writes:
+            self._forget_failed_writes()
         return block_hash in self._index
 
     def __len__(self) -> int:
+        self._forget_failed_writes()
         return len(self._index)
 
     def keys(self) -> list[BlockHash]:
+        self._forget_failed_writes()
         return list(self._index)
 
     # -- data ---------------------------------------------------------------------------------
@@ -228,6 +244,7 @@ class DiskTier(LowerTier):
     def check(self) -> None:
         """Invariants, for tests: the index is exactly the files, within the size limit."""
         self.writer.drain()
+        self._forget_failed_writes()
         on_disk = {bytes.fromhex(p.name[: -len(SUFFIX)]) for p in self.dir.glob("*" + SUFFIX)}
         assert on_disk == self._index, "index and directory disagree"
         assert len(self.policy) == len(self._index), "policy and tier disagree"

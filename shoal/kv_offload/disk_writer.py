@@ -35,6 +35,7 @@ class DiskWriter:
         self._lock = threading.Lock()
         self._pending: dict[Path, torch.Tensor] = {}
         self.failed_writes = 0
+        self._failed: list[Path] = []  # files that could not be written, for take_failed()
 
     def write(self, path: Path, key_digest: bytes, block_hash: bytes, payload: torch.Tensor) -> None:
         copy = payload.clone() if self._pool is not None else payload
@@ -46,6 +47,14 @@ class DiskWriter:
         with self._lock:
             self._pending.pop(path, None)
         self._submit(unlink_quietly, path)
+
+    def take_failed(self) -> list[Path]:
+        """Files whose write failed since the last call (their blocks are not on disk)."""
+        if not self._failed:
+            return []
+        with self._lock:
+            failed, self._failed = self._failed, []
+        return failed
 
     def pending(self, path: Path) -> torch.Tensor | None:
         """The payload of a block whose file is not written yet."""
@@ -81,9 +90,13 @@ class DiskWriter:
         t0 = time.perf_counter()
         try:
             write_block(path, key_digest, block_hash, payload)
-        except OSError as e:  # disk full, read-only...: the load finds no file, a plain miss
+        except OSError as e:  # disk full, read-only...: nothing is left under any name
             self.failed_writes += 1
-            logger.warning("cannot write disk KV block %s: %s", block_hash.hex(), e)
+            with self._lock:
+                self._failed.append(path)
+            if self.failed_writes == 1 or self.failed_writes % 1000 == 0:
+                logger.warning("cannot write disk KV block %s (%d failed writes so far): %s",
+                               block_hash.hex(), self.failed_writes, e)
         finally:
             with self._lock:
                 if self._pending.get(path) is payload:

@@ -59,6 +59,8 @@ class TieredKVStore:
         # Slots reserved for device blocks whose copy has not completed: their bytes are
         # garbage until then, so shutdown() must not write them down.
         self._unfilled: set[BlockHash] = set()
+        # Blocks to drop once their pins are gone (discarded while a copy used their slot).
+        self._doomed: set[BlockHash] = set()
         self._closed = False
 
     def tier(self, name: str) -> KVTier:
@@ -211,6 +213,27 @@ class TieredKVStore:
     def unpin(self, hashes: Iterable[BlockHash]) -> None:
         for h in hashes:
             self.cpu.unpin(h)
+            if self._doomed and h in self._doomed and not self.cpu.is_pinned(h):
+                self._doomed.discard(h)
+                self._drop_cpu(h)
+
+    def discard(self, hashes: Iterable[BlockHash]) -> None:
+        """Drops blocks whose content cannot be trusted (a request that produced non-finite
+        values, a copy of a step that raised) from every tier. A CPU slot still pinned by a
+        copy in flight goes once it is unpinned, and is never written down meanwhile."""
+        for h in hashes:
+            if self.cpu.contains(h):
+                if self.cpu.is_pinned(h):
+                    self._doomed.add(h)
+                else:
+                    self._drop_cpu(h)
+            for t in self.lower:
+                if t.contains(h):
+                    t.remove(h)
+
+    def _drop_cpu(self, h: BlockHash) -> None:
+        self.cpu.remove(h)
+        self._unfilled.discard(h)
 
     # -- maintenance --------------------------------------------------------------------------
     def flush(self) -> int:
@@ -238,7 +261,7 @@ class TieredKVStore:
         if self.lower:
             self.cpu.evict(len(self.cpu))  # unpinned blocks cascade down in policy order
             for h in self.cpu.keys():  # still pinned (a waiting request holds it): copy it down
-                if h not in self._unfilled:
+                if h not in self._unfilled and h not in self._doomed:
                     self._demote(h, self.cpu.pool[self.cpu.slot_of(h)])
         self.close()
 

@@ -38,7 +38,39 @@ def gguf_architecture(gguf: GGUFFile) -> GGUFArchitecture:
     return arch
 
 
+# Bounds on the sizes a config may state, far above any real model's: a damaged or hostile
+# file must not make the engine allocate terabytes (dummy loads never look at the tensors).
+_SIZE_LIMITS = {
+    "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_hidden_layers": 1 << 12,
+    "num_attention_heads": 1 << 12, "num_key_value_heads": 1 << 12, "head_dim": 1 << 12,
+    "max_position_embeddings": 1 << 26, "vocab_size": 1 << 24,
+}
+
+
 def build_gguf_config(gguf: GGUFFile) -> PretrainedConfig:
+    """The transformers config the file's metadata describes; ValueError for anything missing,
+    mistyped, out of bounds or inconsistent."""
+    try:
+        values = _config_values(gguf)
+        _check_sizes(gguf, values)
+        config = AutoConfig.for_model(gguf_architecture(gguf).model_type, **values)
+    except ValueError:
+        raise
+    except Exception as exc:  # a mistyped field (TypeError), zero heads, transformers' checks
+        raise ValueError(f"GGUF file {gguf.path} has metadata shoal cannot use: "
+                         f"{type(exc).__name__}: {exc}") from exc
+    config.name_or_path = str(gguf.path)
+    return config
+
+
+def _check_sizes(gguf: GGUFFile, values: dict[str, Any]) -> None:
+    for name, limit in _SIZE_LIMITS.items():
+        v = values[name]
+        if not 0 < v <= limit:
+            raise ValueError(f"GGUF file {gguf.path} states {name} = {v}, outside (0, {limit}]")
+
+
+def _config_values(gguf: GGUFFile) -> dict[str, Any]:
     arch_name = gguf.architecture
     arch = gguf_architecture(gguf)
 
@@ -47,6 +79,8 @@ def build_gguf_config(gguf: GGUFFile) -> PretrainedConfig:
 
     hidden_size = int(gguf.require(key("embedding_length")))
     num_heads = int(gguf.require(key("attention.head_count")))
+    if num_heads <= 0:
+        raise ValueError(f"GGUF file {gguf.path} states {num_heads} attention heads")
     tensor_names = set(gguf.tensor_names())
     values: dict[str, Any] = {
         "architectures": [arch.hf_class],
@@ -74,9 +108,7 @@ def build_gguf_config(gguf: GGUFFile) -> PretrainedConfig:
         token_id = gguf.get(gguf_key)
         if token_id is not None:
             values[config_key] = int(token_id)
-    config = AutoConfig.for_model(arch.model_type, **values)
-    config.name_or_path = str(gguf.path)
-    return config
+    return values
 
 
 def _vocab_size(gguf: GGUFFile, metadata_key: str) -> int:

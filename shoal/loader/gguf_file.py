@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,10 @@ import numpy as np
 from gguf import GGUFReader
 
 GGUF_MAGIC = b"GGUF"
+SUPPORTED_VERSIONS = (2, 3)
+_HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata count
+_MIN_TENSOR_INFO = 8 + 4 + 4 + 8  # name length, dimension count, type, offset
+_MIN_KV = 8 + 4 + 1  # key length, value type, the smallest value
 
 
 class _PlainViewReader(GGUFReader):
@@ -68,11 +73,13 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise FileNotFoundError(f"GGUF file not found: {path}")
     size = path.stat().st_size
     with path.open("rb") as handle:
-        magic = handle.read(4)
+        head = handle.read(_HEADER.size)
+    magic = head[:4]
     if magic != GGUF_MAGIC:
         raise ValueError(
             f"{path} is not a GGUF file: it starts with {magic!r} instead of the magic {GGUF_MAGIC!r}"
         )
+    _check_header_counts(path, head, size)
     try:
         reader = _PlainViewReader(path, "r")
     except Exception as exc:  # the reader raises assorted numpy/struct errors on bad bytes
@@ -81,6 +88,21 @@ def open_gguf(path: str | Path) -> GGUFFile:
         ) from exc
     _check_tensor_extents(path, reader, size)
     return GGUFFile(path=path, reader=reader)
+
+
+def _check_header_counts(path: Path, head: bytes, size: int) -> None:
+    """The header's counts must fit the file before the reader loops over them: each tensor
+    description takes at least 24 bytes, each metadata item at least 13."""
+    if len(head) < _HEADER.size:
+        raise ValueError(f"truncated GGUF file {path}: {size} bytes, no complete header")
+    _, version, n_tensors, n_kv = _HEADER.unpack(head)
+    if version not in SUPPORTED_VERSIONS:
+        raise ValueError(f"GGUF file {path} has version {version}; shoal reads versions "
+                         f"{', '.join(map(str, SUPPORTED_VERSIONS))}")
+    room = size - _HEADER.size
+    if n_tensors * _MIN_TENSOR_INFO + n_kv * _MIN_KV > room:
+        raise ValueError(f"damaged GGUF file {path}: its header announces {n_tensors} tensors "
+                         f"and {n_kv} metadata items, more than {size} bytes can hold")
 
 
 def _check_tensor_extents(path: Path, reader: GGUFReader, size: int) -> None:

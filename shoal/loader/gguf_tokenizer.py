@@ -18,6 +18,17 @@ SUPPORTED_MODELS = ("gpt2", "llama")
 
 
 def build_gguf_tokenizer(gguf: GGUFFile) -> PreTrainedTokenizerFast:
+    """The file's tokenizer; ValueError for missing, unsupported or damaged metadata."""
+    try:
+        return _build(gguf)
+    except ValueError:
+        raise
+    except Exception as exc:  # tokenizers raises plain Exception for a bad vocabulary
+        raise ValueError(f"GGUF file {gguf.path} has tokenizer metadata shoal cannot use: "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
+def _build(gguf: GGUFFile) -> PreTrainedTokenizerFast:
     kind = gguf.get("tokenizer.ggml.model")
     if kind is None:
         raise ValueError(f"GGUF file {gguf.path} has no tokenizer (no tokenizer.ggml.model)")

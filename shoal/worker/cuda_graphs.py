@@ -91,7 +91,7 @@ class DecodeGraphs:
     def invalidate_tables(self) -> None:
         self._tables_key = None
 
-    def run(self, input_ids: list[int], positions: list[int], request_ids: list[str],
+    def run(self, input_ids: list[int], positions: list[int], request_serials: list[int],
             block_tables: list[list[int]], slot_mapping: list[int],
             fill_pending: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """One decode step for len(input_ids) requests; returns their logits.
@@ -103,7 +103,7 @@ class DecodeGraphs:
             fill_pending(ids)
         # Block tables change only when a row gains a block or the batch changes: skip the
         # copy otherwise (every 16 steps of a steady batch need one).
-        key = (size, tuple(request_ids), tuple(len(t) for t in block_tables))
+        key = (size, tuple(request_serials), tuple(len(t) for t in block_tables))
         # A decode token's position is the number of tokens before it.
         self.backend.fill_graph_buffers(self.buffers, size, positions,
                                         block_tables if key != self._tables_key else None,

@@ -52,10 +52,9 @@ class StepFuture:
     says when they have arrived (None on the CPU, where everything is done already)."""
 
     out: ModelRunnerOutput
-    sample_rows: list[str] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)  # request serials
     states: list[RequestState] = field(default_factory=list)
     wanted: list[int | None] = field(default_factory=list)  # logprobs asked per row
-    block_ids: dict[str, list[int]] = field(default_factory=dict)
     sampled: torch.Tensor | None = None  # [2, rows]: token ids, logits finite
     logprobs: LogprobsTensors | None = None
     event: torch.cuda.Event | None = None
@@ -70,14 +69,14 @@ class StepInputs:
     num_decodes: int
     input_ids: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    # Flat index of the last token of each row that samples, and that row's request id.
+    # Flat index of the last token of each row that samples, and that row's request serial.
     logits_index: list[int] = field(default_factory=list)
-    sample_rows: list[str] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
     # Flat index of a token sampled by the step in flight, and its row in that step's ids.
     pending_dst: list[int] = field(default_factory=list)
     pending_src: list[int] = field(default_factory=list)
-    # (request id, flat start, context length, tokens) of chunks that want prompt logprobs.
-    prompt_lp_spans: list[tuple[str, int, int, int]] = field(default_factory=list)
+    # (request serial, flat start, context length, tokens) of chunks that want prompt logprobs.
+    prompt_lp_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -91,7 +90,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         self.model = build_model(config, loaded)
         self.sampler = Sampler()
-        self.requests: dict[str, RequestState] = {}
+        # Per-request state by request serial (ScheduledRequest.serial), never by the caller's
+        # id: an id may be reused while a step holding its old request is in flight.
+        self.requests: dict[int, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
         attn = self.model.attention_layers()[0]
         self.sliding_window = attn.sliding_window
@@ -108,7 +109,7 @@ class ModelRunner:
         self.kv_transfer: KVTransfer | None = None  # KV offloading: see use_kv_transfer
         # The last launched step's sampled ids (device) and each request's row in them.
         self._prev_sampled: torch.Tensor | None = None
-        self._prev_rows: dict[str, int] = {}
+        self._prev_rows: dict[int, int] = {}
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -176,11 +177,19 @@ class ModelRunner:
     def _add_request(self, new: NewRequestData) -> None:
         sp = new.sampling_params
         gen = make_generator(sp.seed, self.device) if sp.seed is not None else None
-        self.requests[new.request_id] = RequestState(new.prompt_token_ids, sp, new.eos_token_ids, gen)
+        self.requests[new.serial] = RequestState(new.prompt_token_ids, sp, new.eos_token_ids,
+                                                 gen, list(new.output_token_ids))
 
-    def remove_requests(self, request_ids: set[str]) -> None:
-        for rid in request_ids:
-            self.requests.pop(rid, None)
+    def remove_requests(self, serials: set[int]) -> None:
+        for serial in serials:
+            self.requests.pop(serial, None)
+
+    def reset_after_fault(self) -> None:
+        """A step raised: nothing may take input tokens from it or trust cached tables."""
+        self._prev_sampled = None
+        self._prev_rows = {}
+        if self.graphs is not None:
+            self.graphs.invalidate_tables()
 
     # ---- one step ----------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -193,6 +202,8 @@ class ModelRunner:
         here reads device memory back), so the caller can prepare the next step meanwhile:
         the step's KV copies, the forward pass, sampling, and the copy of the sampled tokens
         to the host."""
+        if sched.kv_zero:  # before anything of this step writes into those blocks
+            self._zero_slots(sched.kv_zero)
         for new in sched.new_requests:
             self._add_request(new)
         fut = StepFuture(ModelRunnerOutput())
@@ -219,14 +230,14 @@ class ModelRunner:
             inp.positions.extend(range(it.context_len, it.context_len + it.num_new_tokens))
             if it.input_token_ids[-1] == PENDING_TOKEN:
                 inp.pending_dst.append(len(inp.input_ids) - 1)
-                inp.pending_src.append(self._prev_rows[it.request_id])
+                inp.pending_src.append(self._prev_rows[it.serial])
             if it.sample:
                 inp.logits_index.append(len(inp.input_ids) - 1)
-                inp.sample_rows.append(it.request_id)
-            st = self.requests[it.request_id]
+                inp.sample_rows.append(it.serial)
+            st = self.requests[it.serial]
             if (st.sampling_params.prompt_logprobs is not None
                     and it.context_len < len(st.prompt_token_ids)):
-                inp.prompt_lp_spans.append((it.request_id, start, it.context_len,
+                inp.prompt_lp_spans.append((it.serial, start, it.context_len,
                                             it.num_new_tokens))
         return inp
 
@@ -240,7 +251,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(inp.num_decodes, len(inp.input_ids)):
             tables = [it.block_ids for it in inp.items]
             return self.graphs.run(
-                inp.input_ids, inp.positions, [it.request_id for it in inp.items], tables,
+                inp.input_ids, inp.positions, [it.serial for it in inp.items], tables,
                 token_slots([1] * len(inp.items), inp.positions, tables, self.block_size),
                 fill_pending=fill)
         if self._fits_prefill_graph(inp):
@@ -306,7 +317,6 @@ class ModelRunner:
         fut.sample_rows = inp.sample_rows
         fut.states = states
         fut.wanted = [s.sampling_params.logprobs for s in states]
-        fut.block_ids = {it.request_id: it.block_ids for it in inp.items if it.sample}
         # One device-to-host transfer for both, queued behind the step.
         self._queue_to_host(fut, torch.stack([result.sampled_token_ids, finite.long()]),
                             result.logprobs)
@@ -347,16 +357,15 @@ class ModelRunner:
             fut.event.synchronize()
         sampled, finite_l = fut.sampled.tolist()
         lp_rows = _logprobs_rows(fut.logprobs, fut.wanted)
-        for i, (rid, st) in enumerate(zip(fut.sample_rows, fut.states)):
+        for i, (serial, st) in enumerate(zip(fut.sample_rows, fut.states)):
             if not finite_l[i]:
-                out.failed_request_ids.add(rid)
-                # Queued behind any step launched since, which may write these blocks too.
-                self._zero_blocks(fut.block_ids[rid])
+                # The scheduler withdraws and zeroes its blocks: it knows who owns them now.
+                out.failed_serials.add(serial)
                 continue
             st.output_token_ids.append(sampled[i])
-            out.sampled_token_ids[rid] = sampled[i]
+            out.sampled_token_ids[serial] = sampled[i]
             if lp_rows[i] is not None:
-                out.logprobs[rid] = lp_rows[i]
+                out.logprobs[serial] = lp_rows[i]
 
     def _fill_pending(self, ids: torch.Tensor, dst: list[int], src: list[int]) -> None:
         """Writes the tokens the previous step sampled into this step's input ids."""
@@ -369,20 +378,27 @@ class ModelRunner:
             ids[to_device(dst, torch.long, self.device)] = prev[to_device(src, torch.long,
                                                                           self.device)]
 
-    def _zero_blocks(self, block_ids: list[int]) -> None:
-        """A request that produced non-finite values must not leave them in blocks that padding
-        reads of later requests may touch (0 * NaN is NaN)."""
-        idx = to_device(block_ids, torch.long, self.device)
+    def _zero_slots(self, entries: list[tuple[int, int]]) -> None:
+        """(block id, first slot): a request that produced non-finite values must not leave
+        them where padding reads of later requests may touch them (0 * NaN is NaN). The
+        scheduler names whole blocks, or the tail of a block a new owner has started."""
+        whole = [b for b, first in entries if first == 0]
+        idx = to_device(whole, torch.long, self.device) if whole else None
         for kv in self.kv_caches:
-            kv.view(2, -1, self.block_size, *kv.shape[2:])[:, idx] = 0
+            blocks = kv.view(2, -1, self.block_size, *kv.shape[2:])
+            if idx is not None:
+                blocks[:, idx] = 0
+            for b, first in entries:
+                if first:
+                    blocks[:, b, first:] = 0
 
-    def _prompt_logprobs(self, hidden: torch.Tensor,
-                         spans: list[tuple[str, int, int, int]]) -> dict[str, list[tuple[int, Logprobs]]]:
+    def _prompt_logprobs(self, hidden: torch.Tensor, spans: list[tuple[int, int, int, int]]
+                         ) -> dict[int, list[tuple[int, Logprobs]]]:
         """Logprob of prompt token p+1 given tokens up to p, for the prompt positions in this
         step's chunk of each request that asked for prompt_logprobs."""
-        result: dict[str, list[tuple[int, Logprobs]]] = {}
-        for rid, start, ctx, n in spans:
-            st = self.requests[rid]
+        result: dict[int, list[tuple[int, Logprobs]]] = {}
+        for serial, start, ctx, n in spans:
+            st = self.requests[serial]
             prompt = st.prompt_token_ids
             last = min(ctx + n, len(prompt) - 1)  # positions [ctx, last) predict a prompt token
             entries: list[tuple[int, Logprobs]] = []
@@ -393,7 +409,7 @@ class ModelRunner:
                                               st.sampling_params.prompt_logprobs)
                 rows = _logprobs_rows(lt, [st.sampling_params.prompt_logprobs] * (last - ctx))
                 entries = [(ctx + 1 + j, row) for j, row in enumerate(rows) if row is not None]
-            result[rid] = entries
+            result[serial] = entries
         return result
 
 

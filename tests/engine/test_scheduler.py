@@ -53,17 +53,17 @@ class FakeRunner:
         self.sample = sample or (lambda rid, n_out: 1000 + n_out)
         self.steps: list[SchedulerOutput] = []
 
-    def remove_requests(self, request_ids: set[str]) -> None:
-        for rid in request_ids:
-            self.tokens.pop(rid, None)  # aborted before it ever ran: nothing to drop
+    def remove_requests(self, serials: set[int]) -> None:
+        for serial in serials:
+            self.tokens.pop(serial, None)  # aborted before it ever ran: nothing to drop
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for nr in out.new_requests:
-            self.tokens[nr.request_id] = list(nr.prompt_token_ids)
-        sampled: dict[str, int] = {}
+            self.tokens[nr.serial] = list(nr.prompt_token_ids) + list(nr.output_token_ids)
+        sampled: dict[int, int] = {}
         # Write every chunk first (as attention does per layer), then check contexts.
         for item in out.scheduled:
-            toks = self.tokens[item.request_id]
+            toks = self.tokens[item.serial]
             assert item.input_token_ids == toks[item.context_len:item.context_len
                                                 + item.num_new_tokens]
             assert len(item.block_ids) >= -(-(item.context_len + item.num_new_tokens) // self.bs)
@@ -72,7 +72,7 @@ class FakeRunner:
                 slot = item.block_ids[pos // self.bs] * self.bs + pos % self.bs
                 self.cache[slot] = (tuple(toks[:pos]), t)
         for item in out.scheduled:
-            toks = self.tokens[item.request_id]
+            toks = self.tokens[item.serial]
             for pos in range(item.context_len):
                 slot = item.block_ids[pos // self.bs] * self.bs + pos % self.bs
                 got = self.cache.get(slot)
@@ -83,7 +83,7 @@ class FakeRunner:
                 assert item.num_output_tokens == len(toks) - len(
                     self.sched_prompt(item.request_id))
                 tok = self.sample(item.request_id, item.num_output_tokens)
-                sampled[item.request_id] = tok
+                sampled[item.serial] = tok
                 toks.append(tok)
         self.steps.append(out)
         return ModelRunnerOutput(sampled_token_ids=sampled)
@@ -105,7 +105,7 @@ class FakeRunner:
         result = self.execute(out)
         outs = self.sched.update(out, result)
         # As the engine core does: ended requests release their runner state.
-        self.remove_requests(self.sched.take_finished_ids())
+        self.remove_requests(self.sched.take_finished_serials())
         return out, outs
 
     def run_to_completion(self, max_steps: int = 1000) -> dict[str, EngineCoreOutput]:
@@ -419,16 +419,16 @@ def test_stop_on_max_model_len() -> None:
     assert outs[-1].finish_reason == "length"
 
 
-def test_finished_ids_are_taken_once() -> None:
+def test_finished_serials_are_taken_once() -> None:
     sched = make_scheduler()
     sched.add_request(make_req("a", prompt_of(3), max_tokens=1))
     sched.add_request(make_req("b", prompt_of(3, 300), max_tokens=3))
     out = sched.schedule()
-    sched.update(out, ModelRunnerOutput(sampled_token_ids={"a": 5, "b": 6}))  # a finishes
-    assert sched.take_finished_ids() == {"a"}
-    assert sched.take_finished_ids() == set()
+    sched.update(out, ModelRunnerOutput(sampled_token_ids={1: 5, 2: 6}))  # a finishes
+    assert sched.take_finished_serials() == {1}
+    assert sched.take_finished_serials() == set()
     sched.abort_requests(["b"])
-    assert sched.take_finished_ids() == {"b"}
+    assert sched.take_finished_serials() == {2}
 
 
 # ---- aborts ----------------------------------------------------------------------------------
@@ -453,8 +453,8 @@ def test_abort_waiting_and_running_requests() -> None:
     assert sched.num_waiting == 0
     assert [r.request_id for r in sched.running] == ["a"]
     assert sched.kv.usage() == pytest.approx(2 / 64)  # only a's blocks are held
-    assert sched.take_finished_ids() == {"b", "c"}
-    runner.remove_requests({"b"})  # c never reached the runner
+    assert sched.take_finished_serials() == {b.serial, c.serial}
+    runner.remove_requests({b.serial})  # c never reached the runner
     out, outs = runner.step()
     aborts = [o for o in outs if o.finish_reason == "abort"]
     assert sorted(o.request_id for o in aborts) == ["b", "c"]
@@ -472,7 +472,7 @@ def test_abort_while_step_in_flight_drops_the_result() -> None:
     sched.add_request(a)
     out = sched.schedule()
     sched.abort_requests(["a"])
-    outs = sched.update(out, ModelRunnerOutput(sampled_token_ids={"a": 5}))
+    outs = sched.update(out, ModelRunnerOutput(sampled_token_ids={a.serial: 5}))
     assert a.output_token_ids == []
     assert [(o.request_id, o.finish_reason) for o in outs] == [("a", "abort")]
     assert_all_blocks_free(sched)
@@ -650,3 +650,32 @@ def test_randomized_workload_keeps_cache_consistent(seed: int, policy: str) -> N
     # The seeds are chosen so the run exercised preemption and prefix reuse.
     assert sched.num_preemptions > 0
     assert sched.kv.prefix_hits > 0
+
+
+# ---- request timeouts -------------------------------------------------------------------------
+
+
+def test_requests_older_than_the_timeout_end_with_an_error() -> None:
+    import time
+
+    cc = CacheConfig(block_size=BS, enable_prefix_caching=True)
+    sc = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=2, max_model_len=256)
+    sched = Scheduler(sc, cc, 64, request_timeout=30.0)
+    now = time.monotonic()
+    old_running = make_req("old-running", prompt_of(5), arrival=now - 25)
+    fresh = make_req("fresh", prompt_of(5, 600), arrival=now)
+    old_waiting = make_req("old-waiting", prompt_of(6, 300), arrival=now - 25)
+    for r in (old_running, fresh, old_waiting):
+        sched.add_request(r)
+    runner = FakeRunner(sched)
+    runner.step()  # two sequences at most: old-waiting waits
+    assert old_waiting.status == RequestStatus.WAITING
+    old_running.arrival_time = old_waiting.arrival_time = now - 31  # both now past 30 s
+    sched._next_expiry_check = 0.0
+    out, outs = runner.step()
+    errors = {o.request_id: o.error for o in outs if o.finish_reason == "error"}
+    assert set(errors) == {"old-running", "old-waiting"}
+    assert "request_timeout (30 s)" in errors["old-running"]
+    assert [s.request_id for s in out.scheduled] == ["fresh"]
+    runner.run_to_completion()
+    assert_all_blocks_free(sched)

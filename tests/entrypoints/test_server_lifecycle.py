@@ -50,6 +50,8 @@ def test_engine_death_fails_requests_and_exits_nonzero(server):
         lines = stream.iter_lines()
         assert next(lines).startswith("data: ")  # both requests are generating now
         os.kill(server.engine_pid(), signal.SIGKILL)
+        killed = time.monotonic()
+        assert _first_health_503(server.base_url) - killed < 1.0  # 503 within a second
         events = [ln for ln in lines if ln.startswith("data: ")]
     t.join(60)
     # The streaming client gets an in-band error and [DONE]; the other one a 503 body.
@@ -68,3 +70,90 @@ def test_engine_death_fails_requests_and_exits_nonzero(server):
         time.sleep(0.1)
     assert statuses == {503}
     assert server.proc.wait(30) != 0
+
+
+def _first_health_503(base_url: str, timeout_s: float = 10.0) -> float:
+    """When /health first answers 503 (polled every 20 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url + "/health", timeout=2).status_code == 503:
+                return time.monotonic()
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"/health did not answer 503 within {timeout_s} s")
+
+
+def test_api_server_count_above_one_is_refused_by_name():
+    cmd = [sys.executable, "-m", "shoal.entrypoints.cli", "serve", "--api-server-count", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--api-server-count 2" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_shutdown_deadline_ends_requests_with_errors_over_a_unix_socket(tmp_path):
+    """--uds, then SIGTERM with requests in flight and --shutdown-timeout 1: at the deadline
+    the plain request gets a JSON 503 and the stream an "abort" finish, an error event and
+    [DONE]; then the server exits 0 promptly."""
+    sock = str(tmp_path / "shoal.sock")
+    log = tmp_path / "server.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "shoal.entrypoints.cli", "serve",
+                                 *BASE_ARGS, "--uds", sock, "--shutdown-timeout", "1"],
+                                stdout=out, stderr=subprocess.STDOUT)
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://shoal",
+                        timeout=60)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if http.get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "no server on the socket"
+            time.sleep(0.5)
+        assert http.get("/version").json()["version"]
+        body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(r=http.post("/v1/completions",
+                                                                       json=body)))
+        t.start()
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # both are generating now
+            proc.send_signal(signal.SIGTERM)
+            events = [ln[len("data: "):] for ln in lines if ln.startswith("data: ")]
+        t.join(60)
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == 503
+        assert json.loads(events[-3])["choices"][0]["finish_reason"] == "abort"
+        r = result["r"]
+        assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+        assert "shutdown-timeout" in r.json()["error"]["message"]
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_skip_tokenizer_init_serves_token_ids_only():
+    srv = RemoteServer("--skip-tokenizer-init", "--max-num-seqs", "2")
+    try:
+        r = srv.post("/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 3,
+                                              "temperature": 0, "return_token_ids": True,
+                                              "logprobs": 1, "ignore_eos": True})
+        ch = r.json()["choices"][0]
+        assert r.status_code == 200 and len(ch["token_ids"]) == 3 and ch["text"] == ""
+        assert ch["logprobs"]["tokens"] == [f"token_id:{t}" for t in ch["token_ids"]]
+        for path, body in (("/v1/completions", {"prompt": "text"}),
+                           ("/v1/completions", {"prompt": [1, 2], "stop": ["x"]}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                                   "content": "hi"}]}),
+                           ("/tokenize", {"prompt": "hi"})):
+            bad = srv.post(path, json=body)
+            assert bad.status_code == 400 and "tokenizer" in bad.json()["error"]["message"]
+    finally:
+        srv.stop()

@@ -34,7 +34,7 @@ def _add(sched: Scheduler, rid: str, prompt: list[int]) -> None:
 
 def _results(out: SchedulerOutput, copies_done: bool = True) -> ModelRunnerOutput:
     """What the runner reports: a token per sampling row, and the plan done with its step."""
-    res = ModelRunnerOutput(sampled_token_ids={it.request_id: 7 for it in out.scheduled
+    res = ModelRunnerOutput(sampled_token_ids={it.serial: 7 for it in out.scheduled
                                                if it.sample})
     if copies_done and out.kv_transfers is not None:
         res.kv_transfers_done.append(out.kv_transfers.plan_id)

@@ -1,0 +1,120 @@
+"""Faults inside the engine core (issue 18, item 4): an exception while running one request
+fails only that request, and the engine keeps serving; non-finite logits fail the request
+and leave none of its KV blocks in the prefix cache or the KV tiers."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import blocks_all_free, random_prompts, tiny_llm
+
+from shoal import SamplingParams
+from shoal.kv_cache.hashing import hash_full_blocks
+from shoal.worker import model_runner
+from shoal.worker.sampling_metadata import SamplingMetadata
+
+POISON_SEED = 4242  # a request with this seed makes the runner raise (injected below)
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def _poison_sampling(monkeypatch) -> list[int]:
+    """SamplingMetadata.build raises for any step holding a POISON_SEED request; returns a
+    list counting the raises."""
+    real = SamplingMetadata.build
+    raised: list[int] = []
+
+    def build(params_list, *args, **kwargs):
+        if any(p.seed == POISON_SEED for p in params_list):
+            raised.append(len(params_list))
+            raise RuntimeError("injected fault in sampling")
+        return real(params_list, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner.SamplingMetadata, "build", staticmethod(build))
+    return raised
+
+
+def _run(eng, max_steps: int = 1000) -> dict:
+    finals: dict = {}
+    for _ in range(max_steps):
+        if not eng.has_unfinished_requests():
+            return finals
+        for out in eng.step():
+            if out.finished:
+                finals[out.request_id] = out
+    raise AssertionError("did not finish")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_exception_in_one_request_fails_only_that_request(tiny_llama_dir, monkeypatch,
+                                                             async_scheduling):
+    prompts = random_prompts(4, seed=21, lo=6, hi=30)
+    ref = tiny_llm(tiny_llama_dir).generate(prompts[:3], GREEDY, use_tqdm=False)
+    raised = _poison_sampling(monkeypatch)
+    llm = tiny_llm(tiny_llama_dir, async_scheduling=async_scheduling)
+    eng = llm.llm_engine
+    for i in range(3):
+        eng.add_request(f"ok{i}", prompts[i], GREEDY)
+    eng.add_request("bad", prompts[3], SamplingParams(temperature=1.0, seed=POISON_SEED,
+                                                      max_tokens=10, ignore_eos=True))
+    finals = _run(eng)
+    assert len(raised) == 2  # in the batch, then alone
+    assert raised[-1] == 1
+    bad = finals["bad"]
+    assert bad.outputs[0].finish_reason == "error" and "injected fault" in bad.error
+    for i in range(3):  # the others rerun (alone first) and answer as if nothing happened
+        assert finals[f"ok{i}"].outputs[0].token_ids == ref[i].outputs[0].token_ids
+    assert blocks_all_free(llm)
+    again = llm.generate(prompts[0], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert again == ref[0].outputs[0].token_ids  # and the engine keeps serving
+
+
+def test_a_request_alone_in_a_failing_step_fails_at_once(tiny_llama_dir, monkeypatch):
+    raised = _poison_sampling(monkeypatch)
+    llm = tiny_llm(tiny_llama_dir)
+    eng = llm.llm_engine
+    eng.add_request("bad", random_prompts(1, seed=22)[0],
+                    SamplingParams(temperature=1.0, seed=POISON_SEED, max_tokens=5))
+    finals = _run(eng)
+    assert raised == [1] and finals["bad"].outputs[0].finish_reason == "error"
+    assert blocks_all_free(llm)
+
+
+def _nan_logits_for(runner, request_id: str) -> list[int]:
+    """Every sampling row of `request_id` gets NaN logits."""
+    real = runner._sample
+    hits: list[int] = []
+
+    def sample(inp, logits, fut):
+        for i, it in enumerate(it for it in inp.items if it.sample):
+            if it.request_id == request_id:
+                logits[i] = float("nan")
+                hits.append(i)
+        return real(inp, logits, fut)
+
+    runner._sample = sample
+    return hits
+
+
+def test_nan_logits_fail_the_request_and_publish_no_kv_blocks(tiny_llama_dir):
+    bad_prompt, other = random_prompts(2, seed=23, lo=20, hi=30)
+    ref = tiny_llm(tiny_llama_dir).generate([bad_prompt, other], GREEDY, use_tqdm=False)
+    llm = tiny_llm(tiny_llama_dir, kv_offloading_size=64 * 2048 / 2**30)
+    eng = llm.llm_engine
+    hits = _nan_logits_for(eng.core.runner, "bad")
+    eng.add_request("bad", bad_prompt, GREEDY)
+    eng.add_request("other", other, GREEDY)
+    finals = _run(eng)
+    assert hits and finals["bad"].outputs[0].finish_reason == "error"
+    assert "non-finite" in finals["bad"].error
+    assert finals["other"].outputs[0].token_ids == ref[1].outputs[0].token_ids
+    sched = eng.core.scheduler
+    hashes = hash_full_blocks(bad_prompt["prompt_token_ids"], 4, [])
+    assert not any(sched.kv.pool.get_cached_block(h) for h in hashes)
+    store = eng.core.kv_offload
+    from shoal.kv_offload.control import offload_device_prefix_cache
+    offload_device_prefix_cache(eng.core)  # whatever the device cache holds goes to the CPU
+    assert not any(store.cpu.contains(h) for h in hashes)
+    eng.core.runner._sample = type(eng.core.runner)._sample.__get__(eng.core.runner)
+    out = llm.generate(bad_prompt, GREEDY, use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0  # recomputed: nothing of the failed run was kept
+    assert out.outputs[0].token_ids == ref[0].outputs[0].token_ids
+    assert blocks_all_free(llm)
