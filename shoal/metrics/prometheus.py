@@ -16,11 +16,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 from shoal.engine.core_types import SchedulerStats
 from shoal.metrics.stats import CumulativeDelta, IterationStats
 
 PREFIXES = ("vllm", "shoal")
+_SOURCE = "shoal_src:"  # the one copy of each family, exported under every prefix by a view
 LABELS = ["model_name"]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -56,34 +58,23 @@ def buckets_1_2_5(max_value: int) -> list[int]:
         exponent += 1
 
 
-class _Children:
-    """The same labelled series under every exported prefix."""
+class _PrefixedView:
+    """Every family of `source` (named `shoal_src:...`) exported as `<prefix>:...`: a series is
+    observed once however many prefixes export it (some are observed once per token)."""
 
-    __slots__ = ("children",)
+    def __init__(self, source: CollectorRegistry, prefix: str):
+        self.source = source
+        self.prefix = prefix + ":"
 
-    def __init__(self, children: list[Any]):
-        self.children = children
+    def _rename(self, name: str) -> str:
+        return self.prefix + name[len(_SOURCE):]
 
-    def inc(self, value: float = 1.0) -> None:
-        if value:
-            for c in self.children:
-                c.inc(value)
-
-    def set(self, value: float) -> None:
-        for c in self.children:
-            c.set(value)
-
-    def observe(self, value: float) -> None:
-        for c in self.children:
-            c.observe(value)
-
-
-class _Family:
-    def __init__(self, metrics: list[Any]):
-        self.metrics = metrics
-
-    def labels(self, *values: str) -> _Children:
-        return _Children([m.labels(*values) for m in self.metrics])
+    def collect(self) -> Any:
+        for family in self.source.collect():
+            out = Metric(self._rename(family.name), family.documentation, family.type,
+                         family.unit)
+            out.samples = [s._replace(name=self._rename(s.name)) for s in family.samples]
+            yield out
 
 
 class PrometheusStatLogger:
@@ -93,6 +84,9 @@ class PrometheusStatLogger:
         self.registry = registry if registry is not None else CollectorRegistry()
         self.model_name = model_name
         self.prefixes = list(prefixes)
+        self._source = CollectorRegistry(auto_describe=True)
+        for prefix in self.prefixes:
+            self.registry.register(_PrefixedView(self._source, prefix))
         self._engine_families()
         self._request_families(buckets_1_2_5(max_model_len))
         if cache_info:
@@ -110,15 +104,15 @@ class PrometheusStatLogger:
                 field: self._family(Counter, "kv_offload_" + field, doc, ["tier"],
                                     only="shoal")
                 for field, doc in TIER_COUNTERS.items()}
-        self._tier_children: dict[tuple[str, str], tuple[_Children, CumulativeDelta]] = {}
+        self._tier_children: dict[tuple[str, str], tuple[Any, CumulativeDelta]] = {}
 
-    def _gauge(self, metric: str, doc: str) -> _Children:
+    def _gauge(self, metric: str, doc: str) -> Any:
         return self._family(Gauge, metric, doc).labels(self.model_name)
 
-    def _counter(self, metric: str, doc: str) -> _Children:
+    def _counter(self, metric: str, doc: str) -> Any:
         return self._family(Counter, metric, doc).labels(self.model_name)
 
-    def _histogram(self, metric: str, doc: str, buckets: Sequence[float]) -> _Children:
+    def _histogram(self, metric: str, doc: str, buckets: Sequence[float]) -> Any:
         return self._family(Histogram, metric, doc, buckets=buckets).labels(self.model_name)
 
     def _engine_families(self) -> None:
@@ -198,11 +192,13 @@ class PrometheusStatLogger:
                                              "(excluding cached tokens).", tokens)
 
     def _family(self, cls: Any, metric: str, doc: str, extra: Sequence[str] = (), *,
-                model_label: bool = True, only: str | None = None, **kw: Any) -> _Family:
+                model_label: bool = True, only: str | None = None, **kw: Any) -> Any:
+        """One collector for a family: in the source registry (exported under every prefix),
+        or straight in the served registry under `only`'s prefix for shoal's own families."""
         labels = (LABELS if model_label else []) + list(extra)
-        prefixes = [p for p in self.prefixes if only is None or p == only]
-        return _Family([cls(f"{p}:{metric}", doc, labels, registry=self.registry, **kw)
-                        for p in prefixes])
+        if only is not None:
+            return cls(f"{only}:{metric}", doc, labels, registry=self.registry, **kw)
+        return cls(_SOURCE + metric, doc, labels, registry=self._source, **kw)
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
         s = scheduler_stats
