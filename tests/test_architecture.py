@@ -76,7 +76,9 @@ else:
     print(json.dumps({"loaded": sorted(forbidden & set(sys.modules))}))
 '''
 
-TORCH_FREE = ["shoal.engine.scheduler", "shoal.kv_offload.store", "shoal.kv_offload.connector"]
+TORCH_FREE = ["shoal.engine.scheduler", "shoal.kv_offload.store", "shoal.kv_offload.connector",
+              # the server's frontend process: it tokenizes, never runs the model
+              "shoal.entrypoints.openai.api_server", "shoal.loader.tokenizers"]
 LIGHT = ["shoal", "shoal.sampling_params", "shoal.kv_cache.hashing"]
 
 

@@ -18,11 +18,12 @@ incomplete character (or only invisible tokens arrive), which valid output never
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
-
-from transformers import PreTrainedTokenizerBase
+from typing import TYPE_CHECKING, Any
 
 from shoal.engine.stop_checker import find_stop, holdback_len
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt ids used as left context: enough for tokenizers whose decoders depend on the previous

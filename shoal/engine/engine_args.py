@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
-
 from shoal.config import (
     CacheConfig,
     EngineConfig,
@@ -100,6 +98,8 @@ class EngineArgs:
         return cls(**kwargs)
 
     def create_engine_config(self, hf_config: Any) -> EngineConfig:
+        import torch  # here, not at import: the server's frontend reads EngineArgs too
+
         device = torch.device(self.device) if self.device else default_device()
         if self.tensor_parallel_size != 1:
             raise ValueError(

@@ -4,19 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import PreTrainedTokenizerBase
-
-from shoal.loader.gguf_file import open_gguf
 from shoal.loader.gguf_loader import load_gguf
 from shoal.loader.gguf_tokenizer import build_gguf_tokenizer
 from shoal.loader.loaded_model import LoadedModel, no_weights
 from shoal.loader.resolve import ModelSource, resolve_model
-from shoal.loader.safetensors_loader import (
-    folder_weights,
-    has_tokenizer_files,
-    load_folder_config,
-    load_folder_tokenizer,
-)
+from shoal.loader.safetensors_loader import folder_weights, load_folder_config
+from shoal.loader.tokenizers import load_folder_tokenizer, load_tokenizer
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
@@ -53,31 +46,6 @@ def load_model(
         weights=weights,
         load_format=used_format,
     )
-
-
-def load_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    """A tokenizer from a known name, a .gguf file or a folder with tokenizer files."""
-    source = resolve_model(name)
-    if source.kind == "gguf":
-        return build_gguf_tokenizer(open_gguf(source.path))
-    if not has_tokenizer_files(source.path):
-        raise FileNotFoundError(f"tokenizer folder {source.path} has no tokenizer files")
-    tok = load_folder_tokenizer(source.path)
-    assert tok is not None  # has_tokenizer_files was checked above
-    return tok
-
-
-def load_frontend_tokenizer(model: str | None,
-                            tokenizer: str | None = None) -> PreTrainedTokenizerBase | None:
-    """The tokenizer (with its chat template) that load_model would give, read without the
-    model's config or weights: all a frontend process needs. None for a folder without
-    tokenizer files (requests must then come as token ids)."""
-    if tokenizer is not None:
-        return load_tokenizer(tokenizer)
-    source = resolve_model(model)
-    if source.kind == "gguf":
-        return build_gguf_tokenizer(open_gguf(source.path))
-    return load_folder_tokenizer(source.path)
 
 
 def _check_format(source: ModelSource, load_format: str) -> None:

@@ -1,4 +1,5 @@
-"""Load a transformers-style folder: config.json, *.safetensors and tokenizer files."""
+"""Load a transformers-style folder: config.json and *.safetensors (its tokenizer files:
+shoal/loader/tokenizers.py)."""
 
 from __future__ import annotations
 
@@ -8,21 +9,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoConfig, PretrainedConfig
 
 from shoal.loader.loaded_model import WeightsFn
 
 logger = logging.getLogger(__name__)
-
-# Any of these means the folder ships a tokenizer transformers can load.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-)
-
 
 def load_folder_config(folder: Path) -> PretrainedConfig:
     if not (folder / "config.json").is_file():
@@ -59,14 +50,3 @@ def folder_weights(folder: Path, config: PretrainedConfig) -> WeightsFn:
                     yield name, handle.get_tensor(name).to(torch.float32)
 
     return weights
-
-
-def has_tokenizer_files(folder: Path) -> bool:
-    return any((folder / name).is_file() for name in TOKENIZER_FILES)
-
-
-def load_folder_tokenizer(folder: Path) -> PreTrainedTokenizerBase | None:
-    if not has_tokenizer_files(folder):
-        logger.warning("model folder %s has no tokenizer files; no tokenizer loaded", folder)
-        return None
-    return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
