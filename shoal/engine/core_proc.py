@@ -276,10 +276,9 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
             out_sock.send(encoder.encode(StartupFailed(f"{type(e).__name__}: {e}")))
             code = 1
             return
-        out_sock.send(encoder.encode(Ready(core.limits, pid=os.getpid())))
-        logger.info("engine core process %d ready in %.1f s (%d KV blocks)", os.getpid(),
-                    time.perf_counter() - t0, core.limits.num_kv_blocks)
-        _serve(core, in_sock, out_sock, death_pipe, parent_pid)
+        logger.info("engine core built in %.1f s", time.perf_counter() - t0)
+        ready = encoder.encode(Ready(core.limits, pid=os.getpid()))
+        _serve(core, in_sock, out_sock, death_pipe, parent_pid, ready)
     finally:
         # Linger so a last message (the startup error above all) still reaches the frontend.
         out_sock.close(linger=2000)
@@ -290,9 +289,11 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
 
 
 def _serve(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket,
-           death_pipe: Connection | None, parent_pid: int | None) -> None:
-    """The loop, then the core's shutdown. From here SIGTERM only sets the loop's stop flag:
-    a self-pipe wakes the idle poll at once, and the step running finishes first."""
+           death_pipe: Connection | None, parent_pid: int | None, ready: bytes) -> None:
+    """Reports ready, runs the loop, then the core's shutdown. From before the ready message
+    on, SIGTERM only sets the loop's stop flag (a self-pipe wakes the idle poll at once, and
+    the step running finishes first), so a frontend that stops the engine as soon as it is
+    ready still gets the shutdown."""
     death_fd = death_pipe.fileno() if death_pipe is not None else None
     wake_r, wake_w = socket.socketpair()
     wake_r.setblocking(False)
@@ -302,6 +303,9 @@ def _serve(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket,
     old_fd = signal.set_wakeup_fd(wake_w.fileno())
     signal.signal(signal.SIGTERM, proc.request_stop)
     try:
+        out_sock.send(ready)
+        logger.info("engine core process %d ready (%d KV blocks)", os.getpid(),
+                    core.limits.num_kv_blocks)
         proc.run()
     finally:
         try:

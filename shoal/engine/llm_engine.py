@@ -14,7 +14,12 @@ from shoal.engine.core import EngineCore
 from shoal.engine.core_types import SchedulerStats
 from shoal.engine.cpu_threads import configure_cpu_threads
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from shoal.engine.input_processor import (
+    InputProcessor,
+    ProcessedRequest,
+    PromptType,
+    RequestLimits,
+)
 from shoal.engine.output_processor import OutputKind, OutputProcessor
 from shoal.loader import load_model
 from shoal.outputs import RequestOutput
@@ -33,7 +38,8 @@ class LLMEngine:
         if args.cpu_threads is not None:  # offline, torch's own default is every core already
             configure_cpu_threads(self.config.device.type, args.cpu_threads, serving=False)
         self.tokenizer = loaded.tokenizer
-        self.core = EngineCore(self.config, loaded)
+        self.core = EngineCore(self.config, loaded,
+                               request_limits=RequestLimits.from_engine_args(args))
         self.inputs = InputProcessor(self.tokenizer, self.core.limits,
                                      max_logprobs=args.max_logprobs)
         self.outputs = OutputProcessor(self.tokenizer)

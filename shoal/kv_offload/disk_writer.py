@@ -88,19 +88,21 @@ class DiskWriter:
     def _write(self, path: Path, key_digest: bytes, block_hash: bytes,
                payload: torch.Tensor) -> None:
         t0 = time.perf_counter()
+        failed = False
         try:
             write_block(path, key_digest, block_hash, payload)
         except OSError as e:  # disk full, read-only...: nothing is left under any name
+            failed = True
             self.failed_writes += 1
-            with self._lock:
-                self._failed.append(path)
             if self.failed_writes == 1 or self.failed_writes % 1000 == 0:
                 logger.warning("cannot write disk KV block %s (%d failed writes so far): %s",
                                block_hash.hex(), self.failed_writes, e)
         finally:
-            with self._lock:
+            with self._lock:  # no longer pending when take_failed() sees it
                 if self._pending.get(path) is payload:
                     del self._pending[path]
+                if failed:
+                    self._failed.append(path)
             self.stats.store_seconds += time.perf_counter() - t0
 
 

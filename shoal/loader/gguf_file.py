@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import functools
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 
 GGUF_MAGIC = b"GGUF"
+# Items of one metadata array (vocabularies and merge lists: up to ~1M in real files).
+MAX_ARRAY_ITEMS = 1 << 23
+_ARRAY = int(GGUFValueType.ARRAY)  # a plain int: enum attribute lookups are slow here
+_NATIVE_ORDERS = frozenset({"=", "I", "|"})  # byte orders whose view changes nothing
 SUPPORTED_VERSIONS = (2, 3)
 _HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata count
 _MIN_TENSOR_INFO = 8 + 4 + 4 + 8  # name length, dimension count, type, offset
@@ -18,10 +23,15 @@ _MIN_KV = 8 + 4 + 1  # key length, value type, the smallest value
 
 
 class _PlainViewReader(GGUFReader):
-    """GGUFReader over a plain ndarray view of its memmap.
+    """GGUFReader over a plain ndarray view of its memmap, with bounds-checked reads.
 
     Same mapping, no copy; the reader slices its buffer once per metadata item (~250k times for a
     49k-token vocabulary) and np.memmap's per-slice bookkeeping makes parsing twice as slow.
+
+    The reader trusts the file's lengths: a read past the end gives an empty array, so an
+    array claiming 2**63 items of a scalar type loops forever on empty reads. Here every read
+    must lie inside the file, and an array may hold at most MAX_ARRAY_ITEMS items (each item
+    becomes a Python object: far more would exhaust memory).
     """
 
     @property
@@ -31,6 +41,35 @@ class _PlainViewReader(GGUFReader):
     @data.setter
     def data(self, value: np.ndarray) -> None:
         self._buffer = value.view(np.ndarray)
+
+    def _get(self, offset: int, dtype: Any, count: int = 1,
+             override_order: Any = None) -> np.ndarray:
+        """GGUFReader._get with a bounds check (and a cached item size: it is called for
+        every metadata item)."""
+        count = int(count)
+        buf = self._buffer
+        end = offset + _itemsize(dtype) * count
+        if offset < 0 or count < 0 or end > buf.shape[0]:
+            raise ValueError(f"a field at byte {offset} runs past the end of the file "
+                             f"({buf.shape[0]} bytes)")
+        arr = buf[offset:end].view(dtype=dtype)
+        order = self.byte_order if override_order is None else override_order
+        if order in _NATIVE_ORDERS:  # the common case: the view is already right
+            return arr
+        return arr.view(arr.dtype.newbyteorder(order))
+
+    def _get_field_parts(self, orig_offs: int, raw_type: int) -> Any:
+        if raw_type == _ARRAY:
+            count = int(self._get(orig_offs + 4, np.uint64)[0])
+            if count > MAX_ARRAY_ITEMS:
+                raise ValueError(f"an array at byte {orig_offs} claims {count} items (at most "
+                                 f"{MAX_ARRAY_ITEMS} are read)")
+        return super()._get_field_parts(orig_offs, raw_type)
+
+
+@functools.cache
+def _itemsize(dtype: Any) -> int:
+    return np.dtype(dtype).itemsize
 
 
 @dataclass

@@ -185,7 +185,11 @@ class ModelRunner:
             self.requests.pop(serial, None)
 
     def reset_after_fault(self) -> None:
-        """A step raised: nothing may take input tokens from it or trust cached tables."""
+        """A step raised: nothing may take input tokens from it or trust cached tables, and
+        its queued device work (KV copies into CPU slots about to be released) must be over.
+        A device that cannot synchronize raises here: the engine then stops."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         self._prev_sampled = None
         self._prev_rows = {}
         if self.graphs is not None:

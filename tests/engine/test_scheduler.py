@@ -679,3 +679,35 @@ def test_requests_older_than_the_timeout_end_with_an_error() -> None:
     assert [s.request_id for s in out.scheduled] == ["fresh"]
     runner.run_to_completion()
     assert_all_blocks_free(sched)
+
+
+# ---- non-finite values: the scheduler zeroes what the failed request leaves -----------------
+
+
+def test_failed_request_preempted_with_its_step_in_flight_zeroes_only_unowned_slots() -> None:
+    """Async scheduling: "a" is preempted while its step is in flight and "c" takes one of
+    its blocks and schedules a token into its first slot; then a's step turns out to have
+    produced non-finite logits. The block nobody owns is zeroed whole, c's block only past
+    the slot c has written, and a's blocks leave the prefix cache."""
+    sched = make_scheduler(num_blocks=4)
+    c = make_req("c", prompt_of(8), max_tokens=4)
+    a = make_req("a", prompt_of(8, 300), max_tokens=4)
+    sched.add_request(c)
+    sched.add_request(a)
+    step1 = sched.schedule()  # both prefill 8 tokens (2 blocks each) and sample
+    a_blocks = list(sched.kv.block_ids("a"))
+    a_hashes = list(a.block_hashes)
+    assert all(sched.kv.pool.get_cached_block(h) for h in a_hashes)
+    step2 = sched.schedule()  # c needs a third block: a is preempted, its last block reused
+    assert a.status == RequestStatus.PREEMPTED and [s.request_id for s in step2.scheduled] == [
+        "c"]
+    reused = sched.kv.block_ids("c")[2]
+    assert reused == a_blocks[1]
+    outs = sched.update(step1, ModelRunnerOutput(sampled_token_ids={c.serial: 5},
+                                                 failed_serials={a.serial}))
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("c", None), ("a", "error")]
+    assert not any(sched.kv.pool.get_cached_block(h) for h in a_hashes)
+    sched.update(step2, ModelRunnerOutput(sampled_token_ids={c.serial: 6}))
+    step3 = sched.schedule()
+    assert sorted(step3.kv_zero) == sorted([(a_blocks[0], 0), (reused, 1)])
+    assert sched.schedule().kv_zero == []  # handed out once

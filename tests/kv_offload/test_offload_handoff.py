@@ -118,3 +118,42 @@ def test_a_plan_waits_for_a_step_that_runs_something(tmp_path):
     assert plan is not None and len(plan.stores) == 1
     conn.transfers_done([plan.plan_id])
     assert store.cpu.num_pinned() == 0 and not store._unfilled
+
+
+def test_a_plan_of_a_step_that_raised_leaves_nothing_behind(tmp_path):
+    """fail_steps: a plan whose step raised is never reported done; the slots it was to fill
+    are discarded (never served, never written down) and its pins go."""
+    sched, store = _scheduler(tmp_path)
+    _run(sched, "a", A)  # A's blocks are cached on the device
+    _add(sched, "b", list(range(100, 117)))  # evicts them: stores in this step's plan
+    out = sched.schedule()
+    assert out.kv_transfers is not None and out.kv_transfers.stores
+    filled = [h for h in hash_full_blocks(A, BS, []) if store.cpu.contains(h)]
+    assert filled and store.cpu.num_pinned() == len(filled)
+    errors, serials = sched.fail_steps([out], "RuntimeError: boom")
+    assert [e.request_id for e in errors] == ["b"] and "boom" in errors[0].error
+    assert store.cpu.num_pinned() == 0 and not any(store.cpu.contains(h) for h in filled)
+    assert sched.offload.num_plans_in_flight == 0
+    store.shutdown()
+    assert len(_disk(tmp_path, 16)) == 0  # nothing half-copied reached the disk
+
+
+def test_discarded_blocks_leave_every_tier_and_pinned_ones_when_unpinned(tmp_path):
+    import torch
+
+    store = _store(tmp_path, cpu_blocks=4, disk_blocks=8)
+    hs = [bytes([i]) * 16 for i in range(3)]
+    payload = torch.zeros((1, *LAYOUT.block_shape), dtype=LAYOUT.dtype)
+    for h in hs:
+        store.cpu.store([h], payload)
+    store.flush()  # all three on disk only
+    for h in hs[:2]:
+        store.cpu.store([h], payload)  # and two of them in the CPU tier again
+    store.cpu.pin(hs[1])
+    store.discard(hs)
+    assert not store.cpu.contains(hs[0]) and store.cpu.contains(hs[1])  # pinned: later
+    assert not any(t.contains(h) for t in store.lower for h in hs)
+    store.unpin([hs[1]])
+    assert not store.cpu.contains(hs[1])
+    store.check()
+    store.close()

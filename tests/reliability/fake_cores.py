@@ -49,4 +49,8 @@ class SignalledCore:
 
 
 def build_signalled_core(log: str, signal_in_step: bool, _engine_args) -> SignalledCore:
+    import shoal.engine.core_proc as core_proc
+
+    # An idle loop wakes this rarely on its own: only the signal's self-pipe can end it soon.
+    core_proc.IDLE_POLL_MS = 120_000
     return SignalledCore(log, signal_in_step)

@@ -28,6 +28,8 @@ def _request(path: str, body: dict) -> bytes:
 
 def _parse_events(res: StreamResult, lines: list[bytes]) -> None:
     for line in lines:
+        if res.hang_up_after is not None and res.events >= res.hang_up_after:
+            return  # what came after the hang-up is not read
         if not line.startswith(b"data: "):
             continue
         payload = line[6:].strip()

@@ -29,6 +29,7 @@ from shoal.entrypoints.openai.errors import (
     ServerShuttingDown,
     install_error_handlers,
 )
+from shoal.entrypoints.openai.limits import RequestSizeLimitMiddleware
 from shoal.entrypoints.openai.middleware import (
     RequestIdMiddleware,
     RootPathMiddleware,
@@ -103,6 +104,9 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
     if settings.root_path:
         app.add_middleware(RootPathMiddleware, root_path=settings.root_path)
+    # Added last, so it runs first: an oversized body or header never reaches a handler.
+    app.add_middleware(RequestSizeLimitMiddleware,
+                       max_body_bytes=engine.engine_args.max_request_body_bytes)
     completion = OpenAIServingCompletion(engine, models, settings)
     chat = OpenAIServingChat(engine, models, settings)
     responses = OpenAIServingResponses(engine, models, settings)

@@ -107,7 +107,9 @@ class OpenAIServingCompletion(ServingBase):
         scoring = req.echo and req.max_tokens == 0
         max_tokens = 1 if scoring else (DEFAULT_MAX_TOKENS if req.max_tokens is None
                                         else req.max_tokens)
-        prompts = [self._process(p, req, max_tokens) for p in normalize_prompts(req.prompt)]
+        raw_prompts = normalize_prompts(req.prompt)
+        self.engine.inputs.check_num_prompts(len(raw_prompts))
+        prompts = [self._process(p, req, max_tokens) for p in raw_prompts]
         for p in prompts:
             check_context_length(len(p.prompt_token_ids), max_tokens, self.engine.max_model_len)
         k = req.logprobs

@@ -59,10 +59,10 @@ class OpenAIServingTokenization:
                     chat_template=req.chat_template, chat_template_kwargs=kwargs)
             except (jinja2.TemplateError, TypeError) as e:
                 raise ValueError(f"the chat template failed: {e}") from e
-            ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
+            ids = self.engine.inputs.encode(text, bool(req.add_special_tokens), "the chat")
         else:
             special = True if req.add_special_tokens is None else req.add_special_tokens
-            ids = tok.encode(req.prompt, add_special_tokens=special)
+            ids = self.engine.inputs.encode(req.prompt, special)
         return TokenizeResponse(
             count=len(ids), max_model_len=self.engine.max_model_len, tokens=list(ids),
             token_strs=tok.convert_ids_to_tokens(ids) if req.return_token_strs else None)
