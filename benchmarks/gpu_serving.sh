@@ -3,8 +3,9 @@
 #   1. the W1 requests offline through `shoal bench throughput` (two runs in one process: the
 #      first full batch after ready against the second), on MODEL_DIR;
 #   2. the same requests through `shoal serve` on the same folder and engine arguments, from
-#      256 concurrent clients (`shoal bench serve --preset W8`): streaming twice (the first
-#      batch after ready, then steady), then non-streaming;
+#      256 concurrent clients (`shoal bench serve --preset W8`): streaming three times (the
+#      first batch after ready, then steady), then non-streaming, with per-request timings
+#      and the engine core's step trace (SHOAL_STEP_TRACE) to line the two sides up;
 #   3. batch-1 streaming over HTTP on the Llama-3.1-8B shape (W2-style: 128 in / 256 out),
 #      whose inter-token latency compares with gpu_suite.py w2's offline decode step.
 # Usage (repo root or a snapshot of it, wheels installed as gpu_run.sh does):
@@ -29,15 +30,15 @@ timeout 200 python3 -m shoal.entrypoints.cli bench throughput --preset W8 --mode
 echo "rc=$?"; grep -E "^run " "$OUT/w8-offline.log"
 
 stage serve
-python3 -m shoal.entrypoints.cli serve "$M" --load-format dummy --dtype bfloat16 --no-enable-prefix-caching --port 8000 \
+SHOAL_STEP_TRACE="$OUT/w8-step-trace.jsonl" python3 -m shoal.entrypoints.cli serve "$M" --load-format dummy --dtype bfloat16 --no-enable-prefix-caching --port 8000 \
   --disable-uvicorn-access-log > "$OUT/w8-server.log" 2>&1 &
 SERVER=$!
 if wait_healthy 8000 150; then
-  for run in stream-1 stream-2 nonstream; do
+  for run in stream-1 stream-2 stream-3 nonstream; do
     extra=""; [ "$run" = nonstream ] && extra="--non-streaming"
     timeout 120 python3 -m shoal.entrypoints.cli bench serve --port 8000 --preset W8 $extra \
       --tokenizer "$M" \
-      --disable-tqdm --num-client-processes 4 --save-result --result-dir "$OUT" \
+      --disable-tqdm --num-client-processes 4 --save-result --save-detailed --result-dir "$OUT" \
       --result-filename "w8-serve-$run.json" > "$OUT/w8-serve-$run.log" 2>&1
     echo "$run rc=$?"; grep -E "Output token throughput|Mean ITL|Mean TTFT" "$OUT/w8-serve-$run.log"
   done

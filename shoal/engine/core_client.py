@@ -78,6 +78,12 @@ class EngineCoreClient:
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(OutputMessage)
         self._send_queue: asyncio.Queue[bytes] = asyncio.Queue()
+        # The same ZMQ socket, blocking API: a message goes out from _enqueue itself when
+        # nothing is queued before it. Through the writer task alone, a burst of requests
+        # read in one event-loop turn reached the engine only after every one of them had
+        # been parsed (W8's first 256 arrivals: 225 in one lump, 0.29 s after the first).
+        self._direct = zmq.Socket.shadow(in_sock.underlying)
+        self._writer_busy = False
         self._outputs: asyncio.Queue[CoreOutputs | BaseException] = asyncio.Queue()
         self._calls: dict[int, asyncio.Future[Any]] = {}
         self._call_ids = itertools.count()
@@ -166,14 +172,23 @@ class EngineCoreClient:
     def _enqueue(self, msg: Any) -> None:
         if self.dead:
             raise EngineDeadError("the engine process is not running")
-        self._send_queue.put_nowait(self._encoder.encode(msg))
+        data = self._encoder.encode(msg)
+        if not self._writer_busy and self._send_queue.empty():  # keeps messages in order
+            try:
+                self._direct.send(data, zmq.NOBLOCK, copy=False)
+                return
+            except zmq.Again:  # the pipe is full: the writer waits for room
+                pass
+        self._send_queue.put_nowait(data)
 
     async def _writer(self) -> None:
         while True:
             data = await self._send_queue.get()
+            self._writer_busy = True
             try:
                 await self._to_engine.send(data, copy=False)
             finally:
+                self._writer_busy = False
                 self._send_queue.task_done()
 
     async def _reader(self) -> None:

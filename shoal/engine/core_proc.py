@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from shoal.engine import step_trace
 from shoal.engine.core_types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import EngineLimits
@@ -104,6 +105,8 @@ class EngineCoreProc:
         self._rejected: dict[str, str] = {}
         self._last_stats = SchedulerStats()
         self._baseline = SchedulerStats()  # cumulative counters at the last reset_stats
+        self.trace = step_trace.StepTrace.from_env()  # SHOAL_STEP_TRACE: per-step timings
+        self._added = 0  # requests added since the last traced step
 
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -121,12 +124,18 @@ class EngineCoreProc:
             if self.wakeup_fd is not None and self.wakeup_fd in events:
                 _drain_fd(self.wakeup_fd)  # the handler has set the flag (request_stop)
                 continue
+            t0 = step_trace.now() if self.trace is not None else 0.0
             if self.input in events:
                 self._drain_input()
             if self._rejected and not self.core.has_unfinished_requests():
                 self._send(CoreOutputs(EngineCoreOutputs(), rejected=self._take_rejected()))
             if not self._stop and self.core.has_unfinished_requests():
-                self._step()
+                if self.trace is not None:
+                    self._traced_step(t0)
+                else:
+                    self._step()
+        if self.trace is not None:
+            self.trace.close()
 
     def _parent_gone(self, events: dict[Any, int]) -> bool:
         if self.death_fd is not None and self.death_fd in events:
@@ -166,6 +175,7 @@ class EngineCoreProc:
             logger.warning("rejected request %s: %s", req.request_id, e)
             self._rejected[req.request_id] = str(e) or type(e).__name__
             return
+        self._added += 1
 
     def _step(self) -> None:
         result = self.core.step()
@@ -173,6 +183,26 @@ class EngineCoreProc:
             self._last_stats = result.stats
             result.stats = self._rebased(result.stats)
         self._send(CoreOutputs(result, rejected=self._take_rejected()))
+
+    def _traced_step(self, t0: float) -> None:
+        """_step, timed into the step trace (SHOAL_STEP_TRACE)."""
+        assert self.trace is not None
+        t1 = step_trace.now()
+        result = self.core.step()
+        t2 = step_trace.now()
+        stats = result.stats
+        if stats is not None:
+            self._last_stats = stats
+            result.stats = self._rebased(stats)
+        self._send(CoreOutputs(result, rejected=self._take_rejected()))
+        t3 = step_trace.now()
+        self.trace.record(step_trace.StepRecord(
+            t=t0, drain_ms=(t1 - t0) * 1e3, step_ms=(t2 - t1) * 1e3, send_ms=(t3 - t2) * 1e3,
+            added=self._added, tokens=(stats.num_prompt_tokens + stats.num_generation_tokens
+                                       if stats is not None else 0),
+            running=stats.num_running if stats is not None else 0,
+            waiting=stats.num_waiting if stats is not None else 0))
+        self._added = 0
 
     def request_stop(self, *_: Any) -> None:
         """SIGTERM: stop between steps, never inside one (a step cut short could leave KV

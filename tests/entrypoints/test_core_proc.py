@@ -182,3 +182,36 @@ def test_shutdown_message_ends_the_loop(loop):
     send(Shutdown())
     thread.join(10)
     assert not thread.is_alive()
+
+
+def test_step_trace_records_every_step(tmp_path, monkeypatch):
+    """SHOAL_STEP_TRACE: one line per step with its timings, the requests added and tokens."""
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("SHOAL_STEP_TRACE", str(path))
+    ctx = zmq.Context()
+    to_engine, engine_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    engine_out, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    engine_in.bind("inproc://trace-in")
+    to_engine.connect("inproc://trace-in")
+    from_engine.bind("inproc://trace-out")
+    engine_out.connect("inproc://trace-out")
+    proc = EngineCoreProc(FakeCore(), engine_in, engine_out)
+    thread = threading.Thread(target=proc.run, daemon=True)
+    thread.start()
+    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(OutputMessage)
+    from_engine.setsockopt(zmq.RCVTIMEO, 5000)
+    to_engine.send(enc.encode(_req("a", max_tokens=3)))
+    _collect_until_finished(lambda: dec.decode(from_engine.recv()), "a")
+    to_engine.send(enc.encode(Shutdown()))
+    thread.join(5)
+    for s in (to_engine, engine_in, engine_out, from_engine):
+        s.close(linger=0)
+    ctx.term()
+    import json
+
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 3  # one per step, written when the loop ends
+    assert [r["added"] for r in lines] == [1, 0, 0]
+    assert [r["running"] for r in lines] == [1, 1, 0]
+    assert all(r["step_ms"] >= 0 and r["send_ms"] >= 0 for r in lines)
+    assert lines[0]["t"] <= lines[1]["t"] <= lines[2]["t"]
