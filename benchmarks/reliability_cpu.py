@@ -210,17 +210,27 @@ def storm_figures(base_url: str, port: int, clients: int, hang_up_fraction: floa
             "kv_cache_usage_after": idle.get("shoal:kv_cache_usage_perc")}
 
 
-def burst_figures(base_url: str, n: int) -> dict[str, Any]:
-    async def go() -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=base_url, timeout=300,
-                                     limits=httpx.Limits(max_connections=None)) as c:
-            body = {"prompt": "hi", "max_tokens": 20, "ignore_eos": True}
-            return await asyncio.gather(*(c.post("/v1/completions", json=body)
-                                          for _ in range(n)))
-    rs = asyncio.run(go())
-    ok = [r for r in rs if r.status_code == 200]
-    busy = [r for r in rs if r.status_code == 503]
-    return {"requests": n, "200": len(ok), "503": len(busy),
+def burst_figures() -> dict[str, Any]:
+    """The overload burst against a null server of its own, slow enough that no request
+    finishes while the burst arrives (tests/reliability/null_server.py: OVERLOAD_SERVER)."""
+    from null_server import (
+        OVERLOAD_MAX_SEQS,
+        OVERLOAD_MAX_WAITING,
+        OVERLOAD_SERVER,
+        NullServer,
+        burst,
+    )
+
+    n = 2 * (OVERLOAD_MAX_SEQS + OVERLOAD_MAX_WAITING)
+    srv = NullServer(**OVERLOAD_SERVER)
+    try:
+        by_status = burst(srv.base_url, n)
+    finally:
+        srv.stop()
+    ok, busy = by_status.get(200, []), by_status.get(503, [])
+    return {"server": f"null engine, 50 ms steps, max_num_seqs {OVERLOAD_MAX_SEQS}, "
+                      f"max_waiting_requests {OVERLOAD_MAX_WAITING}",
+            "requests": n, "200": len(ok), "503": len(busy),
             "other": n - len(ok) - len(busy),
             "503_with_retry_after": sum("retry-after" in r.headers for r in busy),
             "200_complete": sum(r.json()["usage"]["completion_tokens"] == 20 for r in ok)}
@@ -239,12 +249,11 @@ def null_server_figures(smoke: bool) -> dict[str, Any]:
                   "server_errors": fz.server_errors[:20],
                   "wall_s": round(time.perf_counter() - t0, 1)}
         storm = storm_figures(srv.base_url, srv.port, 100 if smoke else 300, 0.3, 32, 7)
-        burst = burst_figures(srv.base_url, 2 * (NULL_MAX_SEQS + NULL_MAX_WAITING))
     finally:
         srv.stop()
     return {"server": f"null engine, max_num_seqs {NULL_MAX_SEQS}, max_waiting_requests "
                       f"{NULL_MAX_WAITING}", "schemathesis": schema,
-            "disconnect_storm": storm, "overload_burst": burst}
+            "disconnect_storm": storm, "overload_burst": burst_figures()}
 
 
 def fault_figures() -> dict[str, Any]:

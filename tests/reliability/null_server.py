@@ -21,6 +21,11 @@ import httpx
 # The shared test server (conftest.py): small limits so a burst can pass them, a short
 # context so generated max_tokens stay small.
 NULL_MAX_SEQS, NULL_MAX_WAITING, NULL_MAX_MODEL_LEN = 64, 256, 128
+# The overload burst's server: 20-token requests take a second, so none finishes while a
+# burst of 2 x (max_num_seqs + max_waiting_requests) arrives, however fast the client is.
+OVERLOAD_MAX_SEQS, OVERLOAD_MAX_WAITING = 8, 24
+OVERLOAD_SERVER = {"step_ms": 50.0, "max_num_seqs": OVERLOAD_MAX_SEQS,
+                   "max_waiting": OVERLOAD_MAX_WAITING, "max_model_len": NULL_MAX_MODEL_LEN}
 
 
 def main(port: int, step_ms: float, max_num_seqs: int, max_waiting: int,
@@ -75,6 +80,20 @@ class NullServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
+
+
+def burst(base_url: str, n: int, max_tokens: int = 20) -> dict[int, list[httpx.Response]]:
+    """n completions sent at once; the responses by status code."""
+    async def go() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base_url, timeout=120,
+                                     limits=httpx.Limits(max_connections=None)) as client:
+            body = {"prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True}
+            return await asyncio.gather(*(client.post("/v1/completions", json=body)
+                                          for _ in range(n)))
+    by_status: dict[int, list[httpx.Response]] = {}
+    for r in asyncio.run(go()):
+        by_status.setdefault(r.status_code, []).append(r)
+    return by_status
 
 
 if __name__ == "__main__":

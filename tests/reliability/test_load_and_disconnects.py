@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
-from null_server import NULL_MAX_SEQS as MAX_SEQS
-from null_server import NULL_MAX_WAITING as MAX_WAITING
+from null_server import (
+    OVERLOAD_MAX_SEQS,
+    OVERLOAD_MAX_WAITING,
+    OVERLOAD_SERVER,
+    NullServer,
+    burst,
+)
 from server_checks import wait_idle
 from storm import storm
 
@@ -26,21 +30,18 @@ def test_hundreds_of_streams_with_random_hang_ups(null_server):
     assert set(wait_idle(null_server.base_url).values()) == {0.0}
 
 
-def test_a_burst_over_the_waiting_limit_gets_503s_and_the_rest_complete(null_server):
-    async def burst() -> list[httpx.Response]:
-        limits = httpx.Limits(max_connections=None)
-        async with httpx.AsyncClient(base_url=null_server.base_url, timeout=120,
-                                     limits=limits) as client:
-            body = {"prompt": "hi", "max_tokens": 20, "ignore_eos": True}
-            return await asyncio.gather(*(client.post("/v1/completions", json=body)
-                                          for _ in range(2 * (MAX_SEQS + MAX_WAITING))))
-    by_status: dict[int, list[httpx.Response]] = {}
-    for r in asyncio.run(burst()):
-        by_status.setdefault(r.status_code, []).append(r)
-    assert set(by_status) == {200, 503}
-    assert len(by_status[200]) >= MAX_SEQS + MAX_WAITING
-    for r in by_status[503]:
-        assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == 503
-    for r in by_status[200]:
-        assert r.json()["usage"]["completion_tokens"] == 20
-    assert set(wait_idle(null_server.base_url).values()) == {0.0}
+def test_a_burst_over_the_waiting_limit_gets_503s_and_the_rest_complete():
+    # A server of its own, slow enough (20 tokens take a second) that no request can finish
+    # while the burst is still arriving: the limit is then met whatever the client's speed.
+    srv = NullServer(**OVERLOAD_SERVER)
+    try:
+        by_status = burst(srv.base_url, 2 * (OVERLOAD_MAX_SEQS + OVERLOAD_MAX_WAITING))
+        assert set(by_status) == {200, 503}
+        assert len(by_status[200]) >= OVERLOAD_MAX_SEQS + OVERLOAD_MAX_WAITING
+        for r in by_status[503]:
+            assert int(r.headers["retry-after"]) >= 1 and r.json()["error"]["code"] == 503
+        for r in by_status[200]:
+            assert r.json()["usage"]["completion_tokens"] == 20
+        assert set(wait_idle(srv.base_url).values()) == {0.0}
+    finally:
+        srv.stop()
