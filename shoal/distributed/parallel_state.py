@@ -43,3 +43,12 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=-1)
+
+
+def tp_min_int(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value` (ranks agree on one KV pool size)."""
+    if get_tp_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_TP_GROUP)
+    return int(t.item())

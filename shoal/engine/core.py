@@ -24,9 +24,10 @@ from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_c
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import SchedulerOutput
+from shoal.executor import build_model_executor
 from shoal.kv_offload.factory import build_kv_offload
 from shoal.loader import LoadedModel
-from shoal.worker.model_runner import ModelRunner, StepFuture
+from shoal.worker.model_runner import StepFuture
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class EngineCore:
         t0 = time.perf_counter()
         request_limits = request_limits or RequestLimits()
         self.config = config
-        self.runner = ModelRunner(config, loaded)
+        self.runner = build_model_executor(config, loaded)  # a ModelRunner, or N ranks of one
         num_blocks = self.runner.initialize_kv_cache()
         # Secondary KV tiers (CPU, then disk...) for the scheduler and their device copies for
         # the runner; None unless kv_offloading_size is set.
@@ -148,6 +149,9 @@ class EngineCore:
         self._finish_inflight()
         if self.kv_offload is not None:
             self.kv_offload.shutdown()
+        stop_workers = getattr(self.runner, "shutdown", None)  # tensor-parallel ranks
+        if stop_workers is not None:
+            stop_workers()
 
     # ---- the loop body ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:

@@ -114,7 +114,10 @@ class EngineCoreClient:
         mp = multiprocessing.get_context("spawn")
         death_reader, death_writer = mp.Pipe(duplex=False)
         proc = mp.Process(
-            target=run_engine_core, name="shoal-engine-core", daemon=True,
+            # A daemonic process may not start processes: with tensor parallelism the core
+            # starts its worker ranks. It still exits with the frontend (the death pipe).
+            target=run_engine_core, name="shoal-engine-core",
+            daemon=engine_args.tensor_parallel_size == 1,
             args=(engine_args, input_addr, output_addr, death_reader, os.getpid(), log_level,
                   *([build_core] if build_core is not None else [])),
         )

@@ -58,7 +58,8 @@ class EngineArgs:
                                          "kernel (Triton backend)")
     async_scheduling: bool | None = arg(None, "schedule step N+1 while the GPU runs step N "
                                               "(default: on with CUDA, off on the CPU)")
-    tensor_parallel_size: int = arg(1, "GPUs per model (1 for now)")
+    tensor_parallel_size: int = arg(1, "ranks the model is split over (GPUs, or CPU processes "
+                                       "with gloo), each a process of this host")
     load_format: str = arg("auto", "auto, gguf, safetensors or dummy (random weights)")
     device: str | None = arg(None, "cpu or cuda (default: cuda when available)")
     scheduling_policy: str = arg("fcfs", "fcfs or priority")
@@ -101,10 +102,7 @@ class EngineArgs:
         import torch  # here, not at import: the server's frontend reads EngineArgs too
 
         device = torch.device(self.device) if self.device else default_device()
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size must be 1 for now (got {self.tensor_parallel_size})"
-            )
+        tp = self._check_tensor_parallel(device)
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
         max_len = self.max_model_len or model_max
         if max_len < 2:
@@ -140,9 +138,34 @@ class EngineArgs:
             use_triton_ops=self.use_triton_ops,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
             kv_offload_config=self._kv_offload_config(),
-            async_scheduling=(device.type == "cuda" if self.async_scheduling is None
-                              else bool(self.async_scheduling)),
+            async_scheduling=self._async_scheduling(device, tp),
         )
+
+    def _check_tensor_parallel(self, device: Any) -> int:
+        import torch
+
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1 (got {tp!r})")
+        if tp > 1 and device.type == "cuda":
+            first = device.index or 0
+            if first + tp > torch.cuda.device_count():
+                raise ValueError(f"tensor_parallel_size {tp} needs GPUs {first}..{first + tp - 1}"
+                                 f"; this host has {torch.cuda.device_count()}")
+        if tp > 1 and self.kv_offloading_size is not None:
+            raise ValueError("kv_offloading_size does not support tensor_parallel_size > 1 yet")
+        return tp
+
+    def _async_scheduling(self, device: Any, tp: int) -> bool:
+        """Default: on with CUDA. Off with tensor parallelism: every rank then takes its input
+        tokens from the scheduler (shoal/executor/multiproc.py)."""
+        if tp > 1:
+            if self.async_scheduling:
+                raise ValueError("async_scheduling does not support tensor_parallel_size > 1 "
+                                 "yet; leave it unset")
+            return False
+        return device.type == "cuda" if self.async_scheduling is None else bool(
+            self.async_scheduling)
 
     def _kv_offload_config(self) -> KVOffloadConfig | None:
         if self.kv_offloading_size is None:

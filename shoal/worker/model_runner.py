@@ -15,6 +15,7 @@ import torch
 from shoal.attention.metadata import token_slots
 from shoal.attention.selector import get_attention_backend
 from shoal.config import EngineConfig
+from shoal.distributed.parallel_state import tp_min_int
 from shoal.engine.core_types import Logprobs
 from shoal.engine.scheduler_output import (
     PENDING_TOKEN,
@@ -128,6 +129,8 @@ class ModelRunner:
             self.startup_times["profile_run"] = time.perf_counter() - t0
         num_blocks = decide_num_blocks(self.config.cache_config, per_block, self.device,
                                        non_kv_peak_bytes=activations)
+        # Tensor parallel: every rank holds the same blocks, as many as the tightest rank can.
+        num_blocks = tp_min_int(num_blocks, self.device)
         self.bind_kv_cache(num_blocks)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     num_blocks * per_block / 2**20)

@@ -1,0 +1,11 @@
+"""Executors: what runs the model for the engine core, on one device or several.
+
+`build_model_executor` picks one from the parallel config: the plain `ModelRunner` in this
+process for one device, `MultiprocExecutor` (shoal/executor/multiproc.py) for tensor
+parallelism over worker processes on this host. Both answer the runner's interface
+(initialize_kv_cache, launch, finish, remove_requests, reset_after_fault, ...), so EngineCore
+does not know which one it holds."""
+
+from shoal.executor.build import build_model_executor
+
+__all__ = ["build_model_executor"]

@@ -1,0 +1,19 @@
+"""The executor for a parallel config (see shoal/executor/__init__.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.config import EngineConfig
+from shoal.loader import LoadedModel
+
+
+def build_model_executor(config: EngineConfig, loaded: LoadedModel) -> Any:
+    """A ModelRunner for one device; a MultiprocExecutor (same interface) for several."""
+    if config.parallel_config.tensor_parallel_size == 1:
+        from shoal.worker.model_runner import ModelRunner
+
+        return ModelRunner(config, loaded)
+    from shoal.executor.multiproc import MultiprocExecutor
+
+    return MultiprocExecutor(config, loaded)

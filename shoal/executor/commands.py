@@ -1,0 +1,32 @@
+"""What the tensor-parallel driver (rank 0) tells its worker ranks, as msgpack (no pickle on
+the IPC path). Every rank runs each command in the same order: the collectives inside the
+model keep them in lockstep."""
+
+from __future__ import annotations
+
+import msgspec
+
+from shoal.engine.scheduler_output import SchedulerOutput
+
+
+class InitKVCache(msgspec.Struct, tag="init_kv"):
+    pass
+
+
+class RunStep(msgspec.Struct, tag="step"):
+    sched: SchedulerOutput
+
+
+class RemoveRequests(msgspec.Struct, tag="remove"):
+    serials: list[int]
+
+
+class ResetAfterFault(msgspec.Struct, tag="reset"):
+    pass
+
+
+class Stop(msgspec.Struct, tag="stop"):
+    pass
+
+
+Command = InitKVCache | RunStep | RemoveRequests | ResetAfterFault | Stop

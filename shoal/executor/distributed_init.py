@@ -1,0 +1,37 @@
+"""Joining the tensor-parallel process group, the same way on every rank."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+
+import torch
+import torch.distributed as dist
+
+from shoal.distributed.parallel_state import init_tensor_parallel
+
+# A rank that waits longer than this in a collective gives up (a peer died mid-step).
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_tensor_parallel_group(device: torch.device, rank: int, world: int, port: int) -> None:
+    """NCCL between GPUs (each rank on its own device), gloo on the CPU."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    init_tensor_parallel()
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r uses GPU r (the engine's device index is the first one)."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)

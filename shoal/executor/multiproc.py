@@ -1,0 +1,146 @@
+"""Tensor parallelism over processes on this host (vLLM's `mp` executor).
+
+Rank 0 is a ModelRunner in the engine core's own process (the driver); ranks 1..N-1 are
+spawned worker processes (shoal/executor/worker.py), joined with it in one process group
+(NCCL on GPUs, gloo on the CPU). Every step the driver sends the SchedulerOutput to the
+workers over ZMQ (msgpack), then runs it itself; the all-reduces and gathers inside the model
+keep the ranks in lockstep, and only rank 0's sampled tokens are returned. The scheduler runs
+synchronously with more than one rank (EngineArgs turns async scheduling off), so every
+rank's input tokens come from the scheduler, never from a rank's own sampling."""
+
+from __future__ import annotations
+
+import multiprocessing
+import shutil
+import tempfile
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from shoal.config import EngineConfig
+from shoal.distributed.parallel_state import reset_tensor_parallel
+from shoal.engine.scheduler_output import SchedulerOutput
+from shoal.executor.commands import (
+    InitKVCache,
+    RemoveRequests,
+    ResetAfterFault,
+    RunStep,
+    Stop,
+)
+from shoal.executor.distributed_init import free_port, join_tensor_parallel_group
+from shoal.executor.worker import run_worker
+from shoal.loader import LoadedModel
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process is gone: no step can run any more."""
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        from shoal.worker.model_runner import ModelRunner
+
+        world = config.parallel_config.tensor_parallel_size
+        self.world = world
+        threads = None
+        if config.device.type == "cpu":  # the ranks share this process's cores
+            threads = max(1, torch.get_num_threads() // world)
+            torch.set_num_threads(threads)
+        self._ipc_dir = tempfile.mkdtemp(prefix="shoal-tp-")
+        self._ctx = zmq.Context()
+        self._sockets: list[zmq.Socket] = []
+        self._procs: list[Any] = []
+        self._encoder = msgspec.msgpack.Encoder()
+        port = free_port()
+        mp = multiprocessing.get_context("spawn")
+        try:
+            for rank in range(1, world):
+                addr = f"ipc://{self._ipc_dir}/rank{rank}"
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.bind(addr)
+                self._sockets.append(sock)
+                proc = mp.Process(target=run_worker, name=f"shoal-tp-rank{rank}", daemon=True,
+                                  args=(config, rank, world, port, addr, threads))
+                proc.start()
+                self._procs.append(proc)
+            join_tensor_parallel_group(config.device, 0, world, port)
+            self.driver = ModelRunner(config, loaded)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ---- the runner's interface ------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        # Everything not forwarded to the workers is the driver's (vocab_size, kv_caches,
+        # startup_times, ...). Only reached for names this class does not define.
+        if name == "driver":
+            raise AttributeError(name)
+        return getattr(self.driver, name)
+
+    def initialize_kv_cache(self) -> int:
+        self._broadcast(InitKVCache())
+        return self.driver.initialize_kv_cache()
+
+    def launch(self, sched: SchedulerOutput) -> Any:
+        self._broadcast(RunStep(sched))
+        return self.driver.launch(sched)
+
+    def finish(self, fut: Any) -> Any:
+        return self.driver.finish(fut)
+
+    def execute(self, sched: SchedulerOutput) -> Any:
+        return self.finish(self.launch(sched))
+
+    def remove_requests(self, serials: set[int]) -> None:
+        if serials:
+            self._broadcast(RemoveRequests(sorted(serials)))
+        self.driver.remove_requests(serials)
+
+    def reset_after_fault(self) -> None:
+        self._broadcast(ResetAfterFault())
+        self.driver.reset_after_fault()
+
+    def use_kv_transfer(self, transfer: Any) -> None:
+        raise ValueError("KV offloading does not support tensor_parallel_size > 1 yet")
+
+    def shutdown(self) -> None:
+        """Stops the workers and leaves the process group (idempotent)."""
+        for sock, proc in zip(self._sockets, self._procs):
+            if proc.is_alive():
+                try:
+                    sock.send(self._encoder.encode(Stop()), zmq.NOBLOCK)
+                except zmq.ZMQError:
+                    pass
+        for proc in self._procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self._sockets, self._procs = [], []
+        if not self._ctx.closed:
+            self._ctx.term()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        reset_tensor_parallel()
+        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _broadcast(self, cmd: Any) -> None:
+        dead = [p.name for p in self._procs if not p.is_alive()]
+        if dead:
+            raise WorkerDiedError(f"tensor-parallel worker(s) {', '.join(dead)} exited")
+        data = self._encoder.encode(cmd)
+        for sock in self._sockets:
+            sock.send(data, copy=False)
+
+    def __del__(self) -> None:  # an engine dropped without shutdown(): no orphan workers
+        if self.__dict__.get("_procs"):
+            try:
+                self.shutdown()
+            except Exception:
+                pass
+

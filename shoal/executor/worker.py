@@ -1,0 +1,83 @@
+"""A tensor-parallel worker rank: its own ModelRunner over its shard of the weights, running
+every command the driver (rank 0) sends, in order. Its sampled tokens are never read: with
+tensor parallelism the scheduler runs synchronously and sends every input token, so what
+rank 0 sampled is what each rank runs next."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import msgspec
+import torch
+import torch.distributed as dist
+import zmq
+
+from shoal.config import EngineConfig
+from shoal.executor.commands import (
+    Command,
+    InitKVCache,
+    RemoveRequests,
+    ResetAfterFault,
+    RunStep,
+    Stop,
+)
+from shoal.executor.distributed_init import join_tensor_parallel_group, rank_device
+
+logger = logging.getLogger(__name__)
+PARENT_CHECK_MS = 1000  # how often an idle worker checks that the engine core still runs
+
+
+def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_addr: str,
+               cpu_threads: int | None) -> None:
+    """The worker process's main (spawned by MultiprocExecutor)."""
+    from shoal.loader import load_model
+    from shoal.worker.model_runner import ModelRunner
+
+    parent_pid = os.getppid()
+    if cpu_threads is not None:
+        torch.set_num_threads(cpu_threads)
+    config = dataclasses.replace(config, device=rank_device(config.device, rank))
+    ctx = zmq.Context()
+    commands = ctx.socket(zmq.PULL)
+    commands.connect(command_addr)
+    code = 0
+    try:
+        join_tensor_parallel_group(config.device, rank, world, port)
+        torch.manual_seed(config.model_config.seed)
+        mc = config.model_config
+        loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format)
+        runner = ModelRunner(config, loaded)
+        _serve(runner, commands, parent_pid)
+    except Exception:
+        logger.exception("tensor-parallel rank %d failed", rank)
+        code = 1
+    finally:
+        commands.close(linger=0)
+        ctx.term()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    # Skip interpreter teardown: a gloo/NCCL thread winding down at exit can abort the process.
+    os._exit(code)
+
+
+def _serve(runner, commands: zmq.Socket, parent_pid: int) -> None:  # noqa: ANN001
+    decoder = msgspec.msgpack.Decoder(Command)
+    while True:
+        if not commands.poll(PARENT_CHECK_MS):
+            if os.getppid() != parent_pid:  # the engine core died without stopping us
+                logger.warning("the engine core process is gone; worker exits")
+                return
+            continue
+        cmd = decoder.decode(commands.recv())
+        if isinstance(cmd, RunStep):
+            runner.finish(runner.launch(cmd.sched))
+        elif isinstance(cmd, RemoveRequests):
+            runner.remove_requests(set(cmd.serials))
+        elif isinstance(cmd, InitKVCache):
+            runner.initialize_kv_cache()
+        elif isinstance(cmd, ResetAfterFault):
+            runner.reset_after_fault()
+        elif isinstance(cmd, Stop):
+            return
