@@ -101,15 +101,31 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority' (got {self.policy!r})")
 
 
+EXECUTOR_BACKENDS = ("uni", "mp")  # "ray" is vLLM's third; shoal does not have it yet
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    # uni: the model runner in the engine core's process; mp: one process per rank on this
+    # host (shoal/executor/multiproc.py). Default: uni for one rank, mp for several.
+    distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})"
             )
+        backend = self.distributed_executor_backend
+        if backend == "ray":
+            raise ValueError("distributed_executor_backend 'ray' is not supported yet; use "
+                             "'mp' (one process per rank on this host)")
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of "
+                             f"{', '.join(EXECUTOR_BACKENDS)} (got {backend!r})")
+        if backend == "uni" and self.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one rank; "
+                             f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'")
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,9 @@ class EngineArgs:
                                               "(default: on with CUDA, off on the CPU)")
     tensor_parallel_size: int = arg(1, "ranks the model is split over (GPUs, or CPU processes "
                                        "with gloo), each a process of this host")
+    distributed_executor_backend: str | None = arg(
+        None, "uni (the model in the engine process) or mp (a process per rank); default: uni "
+              "for one rank, mp for several")
     load_format: str = arg("auto", "auto, gguf, safetensors or dummy (random weights)")
     device: str | None = arg(None, "cpu or cuda (default: cuda when available)")
     scheduling_policy: str = arg("fcfs", "fcfs or priority")
@@ -131,7 +134,9 @@ class EngineArgs:
                 policy=self.scheduling_policy,
                 max_waiting_requests=self.max_waiting_requests,
             ),
-            parallel_config=ParallelConfig(self.tensor_parallel_size),
+            parallel_config=ParallelConfig(
+                self.tensor_parallel_size,
+                self.distributed_executor_backend or ("uni" if tp == 1 else "mp")),
             device=device,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,

@@ -9,8 +9,8 @@ from shoal.loader import LoadedModel
 
 
 def build_model_executor(config: EngineConfig, loaded: LoadedModel) -> Any:
-    """A ModelRunner for one device; a MultiprocExecutor (same interface) for several."""
-    if config.parallel_config.tensor_parallel_size == 1:
+    """A ModelRunner in this process (uni); a MultiprocExecutor (same interface) for mp."""
+    if config.parallel_config.distributed_executor_backend == "uni":
         from shoal.worker.model_runner import ModelRunner
 
         return ModelRunner(config, loaded)

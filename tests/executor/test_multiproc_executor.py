@@ -13,12 +13,14 @@ from shoal.engine.engine_args import EngineArgs
 PROMPTS = [[5, 17, 300, 42, 7, 99], [256, 3, 11, 400, 23, 8, 1, 2, 3, 4, 5, 6, 7], [9, 9, 9]]
 
 
-def _generate(path: str, tp: int, params: SamplingParams) -> list[list[int]]:
+def _generate(path: str, tp: int, params: SamplingParams,
+              backend: str | None = None) -> list[list[int]]:
     llm = LLM(model=path, tensor_parallel_size=tp, device="cpu", dtype="float32",
-              max_model_len=128, kv_cache_memory_bytes=2**22, enable_prefix_caching=False)
+              max_model_len=128, kv_cache_memory_bytes=2**22, enable_prefix_caching=False,
+              distributed_executor_backend=backend)
     try:
         runner = llm.llm_engine.core.runner
-        if tp > 1:  # really split: the driver holds 1/tp of the attention heads
+        if backend == "mp" or tp > 1:  # really split: rank 0 holds 1/tp of the heads
             assert type(runner).__name__ == "MultiprocExecutor" and runner.world == tp
             assert all(p.is_alive() for p in runner._procs) and len(runner._procs) == tp - 1
             full = runner.driver.hf_config.num_attention_heads
@@ -37,12 +39,18 @@ def test_two_ranks_generate_what_one_rank_does(tiny_llama_dir):
         one = _generate(str(tiny_llama_dir), 1, params)
         two = _generate(str(tiny_llama_dir), 2, params)
         assert two == one
+    # The mp executor at world size 1 (a process group of one, no worker processes).
+    assert _generate(str(tiny_llama_dir), 1, greedy, backend="mp") == _generate(
+        str(tiny_llama_dir), 1, greedy)
 
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
     ({"tensor_parallel_size": 2, "async_scheduling": True}, "async_scheduling does not support"),
     ({"tensor_parallel_size": 2, "kv_offloading_size": 1.0}, "kv_offloading_size does not"),
+    ({"distributed_executor_backend": "ray"}, "'ray' is not supported yet"),
+    ({"distributed_executor_backend": "threads"}, "must be one of uni, mp"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "needs 'mp'"),
 ])
 def test_unsupported_tensor_parallel_settings_are_refused(kwargs, message):
     class Hf:
