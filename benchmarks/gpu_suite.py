@@ -280,6 +280,8 @@ def main() -> None:
     ap.add_argument("part", choices=["w1", "w2", "w3", "w3-hf", "w7", "syncs"])
     ap.add_argument("--async-scheduling", choices=["on", "off"], default="on")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--executor", choices=["uni", "mp"], default="uni",
+                    help="distributed_executor_backend (mp at world size 1: the worker path)")
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--hf-batches", type=int, nargs="*", default=[64, 128])
@@ -289,6 +291,7 @@ def main() -> None:
                     help="W1: rerun timing host and GPU time of every step")
     args = ap.parse_args()
     ENGINE_KW["async_scheduling"] = args.async_scheduling == "on"
+    ENGINE_KW["distributed_executor_backend"] = args.executor
     args.process_start = float(__import__("os").environ.get("SHOAL_PROCESS_START", process_start))
     defaults = {"w1": 256, "w3": 1024}
     if args.num_requests is None:
@@ -297,6 +300,7 @@ def main() -> None:
     records = fn(args)
     for r in records:
         r.setdefault("async_scheduling", ENGINE_KW["async_scheduling"])
+        r.setdefault("executor", args.executor)
         print(r, flush=True)
     write(records, args.out)
 
