@@ -60,6 +60,8 @@ class Request:
     # alone until it has produced a token again.
     num_faults: int = 0
     suspect: bool = False
+    # Speculative decoding: draft tokens proposed after the last step, verified by the next.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

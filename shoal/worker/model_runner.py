@@ -27,6 +27,8 @@ from shoal.host_to_device import to_device
 from shoal.kv_offload.transfer import KVTransfer
 from shoal.loader import LoadedModel, build_model
 from shoal.sampling_params import SamplingParams
+from shoal.spec_decode.proposer import ForcedAcceptance, build_proposer
+from shoal.spec_decode.verify import VerifyRows, verify
 from shoal.worker import warmup as startup
 from shoal.worker.cuda_graphs import DecodeGraphs
 from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
@@ -59,6 +61,7 @@ class StepFuture:
     logprobs: LogprobsTensors | None = None
     event: torch.cuda.Event | None = None
     kv_plan_id: int | None = None  # the KV transfer plan run ahead of the step, if any
+    verify: VerifyRows | None = None  # a step with drafts: its rows per request
 
 
 @dataclass
@@ -77,6 +80,9 @@ class StepInputs:
     pending_src: list[int] = field(default_factory=list)
     # (request serial, flat start, context length, tokens) of chunks that want prompt logprobs.
     prompt_lp_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # Speculative decoding: each sampling row's drafts (their k+1 positions all give logits).
+    drafts: list[list[int]] = field(default_factory=list)
+    has_drafts: bool = False
 
 
 class ModelRunner:
@@ -110,6 +116,8 @@ class ModelRunner:
         # The last launched step's sampled ids (device) and each request's row in them.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[int, int] = {}
+        # Speculative decoding: proposes drafts after each sampled token (None: off).
+        self.proposer = build_proposer(config.speculative_config)
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -236,8 +244,12 @@ class ModelRunner:
                 inp.pending_dst.append(len(inp.input_ids) - 1)
                 inp.pending_src.append(self._prev_rows[it.serial])
             if it.sample:
-                inp.logits_index.append(len(inp.input_ids) - 1)
+                end = len(inp.input_ids)
+                k = it.num_draft_tokens
+                inp.logits_index.extend(range(end - 1 - k, end))
                 inp.sample_rows.append(it.serial)
+                inp.drafts.append(it.input_token_ids[-k:] if k else [])
+                inp.has_drafts = inp.has_drafts or k > 0
             st = self.requests[it.serial]
             if (st.sampling_params.prompt_logprobs is not None
                     and it.context_len < len(st.prompt_token_ids)):
@@ -271,7 +283,7 @@ class ModelRunner:
     def _fits_prefill_graph(self, inp: StepInputs) -> bool:
         """One lone chunk that samples and wants no prompt logprobs, within the graph sizes."""
         return (self.prefill_graphs is not None and inp.num_decodes == 0 and len(inp.items) == 1
-                and inp.items[0].sample and not inp.prompt_lp_spans
+                and inp.items[0].sample and not inp.prompt_lp_spans and not inp.has_drafts
                 and self.prefill_graphs.can_run(len(inp.input_ids)))
 
     def _forward_eager(self, inp: StepInputs, out: ModelRunnerOutput,
@@ -304,6 +316,9 @@ class ModelRunner:
 
     def _sample(self, inp: StepInputs, logits: torch.Tensor, fut: StepFuture) -> None:
         states = [self.requests[r] for r in inp.sample_rows]
+        if inp.has_drafts:
+            self._verify(inp, logits, states, fut)
+            return
         smd = SamplingMetadata.build(
             [s.sampling_params for s in states],
             [s.output_token_ids for s in states],
@@ -324,6 +339,24 @@ class ModelRunner:
         # One device-to-host transfer for both, queued behind the step.
         self._queue_to_host(fut, torch.stack([result.sampled_token_ids, finite.long()]),
                             result.logprobs)
+
+    def _verify(self, inp: StepInputs, logits: torch.Tensor, states: list[RequestState],
+                fut: StepFuture) -> None:
+        """A step with drafts: every request's rows through the rejection sampler. Such
+        steps are not pipelined (nothing reads pending tokens from them)."""
+        forced = (self.proposer.accept_mask([len(d) for d in inp.drafts])
+                  if isinstance(self.proposer, ForcedAcceptance) else None)
+        rows, result, finite = verify(logits, states, inp.drafts, self.vocab_size, self.device,
+                                      forced)
+        self._prev_sampled = None
+        self._prev_rows = {}
+        fut.sample_rows = inp.sample_rows
+        fut.states = states
+        fut.wanted = [s.sampling_params.logprobs for s, d in zip(states, inp.drafts)
+                      for _ in range(len(d) + 1)]  # per row
+        fut.verify = rows
+        self._queue_to_host(fut, torch.stack([result.token_ids, result.accepted.long(),
+                                              finite.long()]), result.logprobs)
 
     def _queue_to_host(self, fut: StepFuture, packed: torch.Tensor,
                        logprobs: LogprobsTensors | None) -> None:
@@ -359,17 +392,26 @@ class ModelRunner:
         assert fut.sampled is not None
         if fut.event is not None:
             fut.event.synchronize()
-        sampled, finite_l = fut.sampled.tolist()
         lp_rows = _logprobs_rows(fut.logprobs, fut.wanted)
-        for i, (serial, st) in enumerate(zip(fut.sample_rows, fut.states)):
-            if not finite_l[i]:
-                # The scheduler withdraws and zeroes its blocks: it knows who owns them now.
-                out.failed_serials.add(serial)
-                continue
-            st.output_token_ids.append(sampled[i])
-            out.sampled_token_ids[serial] = sampled[i]
-            if lp_rows[i] is not None:
-                out.logprobs[serial] = lp_rows[i]
+        if fut.verify is not None:
+            fut.verify.read(fut.sampled.tolist(), lp_rows, fut.sample_rows, fut.states, out)
+        else:
+            sampled, finite_l = fut.sampled.tolist()
+            for i, (serial, st) in enumerate(zip(fut.sample_rows, fut.states)):
+                if not finite_l[i]:
+                    # The scheduler withdraws and zeroes its blocks: it knows who owns them.
+                    out.failed_serials.add(serial)
+                    continue
+                st.output_token_ids.append(sampled[i])
+                out.sampled_token_ids[serial] = sampled[i]
+                if lp_rows[i] is not None:
+                    out.logprobs[serial] = lp_rows[i]
+        if self.proposer is not None:
+            for serial, st in zip(fut.sample_rows, fut.states):
+                if serial in out.sampled_token_ids:
+                    drafts = self.proposer.propose(st.prompt_token_ids, st.output_token_ids)
+                    if drafts:
+                        out.draft_token_ids[serial] = drafts
 
     def _fill_pending(self, ids: torch.Tensor, dst: list[int], src: list[int]) -> None:
         """Writes the tokens the previous step sampled into this step's input ids."""
