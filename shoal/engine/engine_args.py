@@ -94,6 +94,10 @@ class EngineArgs:
               "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
               "\"prompt_lookup_max\": 5} (default: off)")
 
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # its shape, before any model loads
+            SpeculativeConfig.from_user(self.speculative_config)
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         names = {f.name for f in fields(cls)}
