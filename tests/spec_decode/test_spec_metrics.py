@@ -20,7 +20,7 @@ def test_prometheus_counters_under_vllm_names() -> None:
     p.record(_step(1, 4, 4, [1, 1, 1, 1]), IterationStats())
     r = p.registry
     for prefix in ("vllm", "shoal"):
-        def value(name: str, **labels: str) -> float:
+        def value(name: str, prefix: str = prefix, **labels: str) -> float:
             v = r.get_sample_value(f"{prefix}:{name}", {"model_name": "m", **labels})
             assert v is not None, name
             return v
