@@ -91,3 +91,23 @@ def test_ngram_proposer() -> None:
     assert propose_ngram([1, 2, 7, 1, 2, 8, 1, 2], 2, 2, 2) == [8, 1]
     assert propose_ngram([4, 4, 4, 4], 3, 2, 3) == [4]  # a match must leave a token to copy
     assert propose_ngram([3, 1, 2, 3], 2, 2, 3) == []  # min_n: a one-token match is not enough
+
+
+def _reference_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    total = len(tokens)
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        for start in range(total - n - 1, -1, -1):
+            if tokens[start:start + n] == tokens[total - n:]:
+                return tokens[start + n:start + n + k]
+    return []
+
+
+def test_ngram_matches_a_plain_scan() -> None:
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        toks = [rng.randrange(6) for _ in range(rng.randrange(1, 40))]
+        k, lo = rng.randrange(1, 6), rng.randrange(1, 4)
+        hi = lo + rng.randrange(0, 3)
+        assert propose_ngram(toks, k, lo, hi) == _reference_ngram(toks, k, lo, hi), toks
