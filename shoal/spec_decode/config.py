@@ -17,8 +17,11 @@ NOT_YET = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
 FORCED = "test_forced_acceptance"
 
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-         "acceptance_rate", "draft_tensor_parallel_size", "max_model_len", "quantization",
-         "revision", "code_revision", "disable_by_batch_size"}
+         "acceptance_rate"}
+# vLLM's other keys: a clear error rather than a silently ignored setting.
+_NOT_YET_KEYS = {"draft_tensor_parallel_size", "max_model_len", "quantization", "revision",
+                 "code_revision", "disable_by_batch_size", "disable_padded_drafter_batch",
+                 "speculative_token_tree", "parallel_drafting", "enforce_eager"}
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,9 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the "
                              "draft checkpoint)")
+        if self.method != FORCED and self.acceptance_rate:
+            raise ValueError("speculative_config: acceptance_rate is for the test-only method "
+                             f"{FORCED!r}")
         if self.method == FORCED and not 0.0 <= self.acceptance_rate <= 1.0:
             raise ValueError("speculative_config: acceptance_rate must be in [0, 1] (got "
                              f"{self.acceptance_rate!r})")
@@ -66,7 +72,10 @@ class SpeculativeConfig:
         if not isinstance(value, Mapping):
             raise ValueError("speculative_config must be a dict (a JSON object on the command "
                              f"line), got {type(value).__name__}")
-        unknown = sorted(set(value) - _KEYS)
+        not_yet = sorted(k for k in set(value) & _NOT_YET_KEYS if value[k] is not None)
+        if not_yet:
+            raise ValueError(f"speculative_config: {', '.join(not_yet)} not supported yet")
+        unknown = sorted(set(value) - _KEYS - _NOT_YET_KEYS)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}")
         d = dict(value)

@@ -39,6 +39,12 @@ def test_vllm_shapes() -> None:
     ({"method": "mtp", "num_speculative_tokens": 1}, "not supported yet"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 8},
+     "disable_by_batch_size not supported yet"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_rate": 0.5},
+     "acceptance_rate is for the test-only"),
+    ({"method": "test_forced_acceptance", "num_speculative_tokens": 2,
+      "acceptance_rate": 1.5}, "acceptance_rate must be in"),
     ("{not json", "not valid JSON"),
     ([1, 2], "must be a dict"),
 ])
