@@ -36,7 +36,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
             raise ValueError(f"speculative_config: method {self.method!r} is not supported yet "
-                             f"(supported: ngram)")
+                             f"(supported: {', '.join(METHODS)})")
         if self.method not in METHODS + (FORCED,):
             raise ValueError(f"speculative_config: unknown method {self.method!r} (one of "
                              f"{', '.join(METHODS)})")
@@ -106,7 +106,7 @@ class SpeculativeConfig:
     def check_draft_vocab(self, target_vocab_size: int,
                           load_config: Callable[[str], Any]) -> None:
         """A draft model must share the target's vocabulary (its token ids are verified as
-        the target's); then, as shoal does not run draft models yet, a clear error."""
+        the target's)."""
         if self.method != "draft_model":
             return
         assert self.model is not None
@@ -115,5 +115,3 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: the draft model {self.model!r} has another "
                              f"vocabulary ({draft_vocab} tokens) than the target "
                              f"({target_vocab_size}); they must be the same")
-        raise ValueError("speculative_config: method 'draft_model' is not supported yet "
-                         "(supported: ngram)")

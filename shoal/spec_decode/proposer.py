@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from shoal.spec_decode.config import FORCED, SpeculativeConfig
 from shoal.spec_decode.ngram import propose_ngram
+
+if TYPE_CHECKING:
+    from shoal.config import EngineConfig
 
 
 class NgramProposer:
@@ -46,11 +50,17 @@ class ForcedAcceptance:
         return mask
 
 
-def build_proposer(config: SpeculativeConfig | None) -> NgramProposer | ForcedAcceptance | None:
+def build_proposer(engine_config: EngineConfig) -> Any:
+    """The proposer of engine_config.speculative_config (None: no speculation)."""
+    config = engine_config.speculative_config
     if config is None:
         return None
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == FORCED:
         return ForcedAcceptance(config)
+    if config.method == "draft_model":
+        from shoal.spec_decode.draft_model import DraftModelProposer
+
+        return DraftModelProposer(engine_config, config)
     raise ValueError(f"speculative_config: method {config.method!r} is not supported yet")

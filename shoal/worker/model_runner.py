@@ -27,6 +27,7 @@ from shoal.host_to_device import to_device
 from shoal.kv_offload.transfer import KVTransfer
 from shoal.loader import LoadedModel, build_model
 from shoal.sampling_params import SamplingParams
+from shoal.spec_decode.draft_model import DraftModelProposer
 from shoal.spec_decode.proposer import ForcedAcceptance, build_proposer
 from shoal.spec_decode.verify import VerifyRows, verify
 from shoal.worker import warmup as startup
@@ -62,6 +63,7 @@ class StepFuture:
     event: torch.cuda.Event | None = None
     kv_plan_id: int | None = None  # the KV transfer plan run ahead of the step, if any
     verify: VerifyRows | None = None  # a step with drafts: its rows per request
+    block_tables: dict[int, list[int]] = field(default_factory=dict)  # draft model: by serial
 
 
 @dataclass
@@ -117,7 +119,8 @@ class ModelRunner:
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[int, int] = {}
         # Speculative decoding: proposes drafts after each sampled token (None: off).
-        self.proposer = build_proposer(config.speculative_config)
+        self.proposer = build_proposer(config)
+        self.draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -128,6 +131,8 @@ class ModelRunner:
         a = layers[0]
         per_block = bytes_per_block(len(layers), a.num_kv_heads, a.head_dim, self.block_size,
                                     self.dtype)
+        if self.draft is not None:  # its cache shares the block tables and the budget
+            per_block += self.draft.bytes_per_block()
         cuda = self.device.type == "cuda"
         activations = 0
         if cuda:
@@ -137,6 +142,8 @@ class ModelRunner:
         num_blocks = decide_num_blocks(self.config.cache_config, per_block, self.device,
                                        non_kv_peak_bytes=activations)
         self.bind_kv_cache(num_blocks)
+        if self.draft is not None:
+            self.draft.bind(num_blocks, self.backend)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     num_blocks * per_block / 2**20)
         if cuda:
@@ -228,6 +235,10 @@ class ModelRunner:
             return fut
         inputs = self._prepare_inputs(sched)
         logits = self._forward(inputs, fut.out)
+        if self.draft is not None:  # its KV follows the target's, position for position
+            self.draft.mirror(inputs.input_ids, inputs.positions, inputs.items,
+                              inputs.num_decodes)
+            fut.block_tables = {it.serial: it.block_ids for it in inputs.items}
         if logits is None:  # no row samples this step
             self._prev_rows = {}
             return fut
@@ -406,12 +417,28 @@ class ModelRunner:
                 out.sampled_token_ids[serial] = sampled[i]
                 if lp_rows[i] is not None:
                     out.logprobs[serial] = lp_rows[i]
-        if self.proposer is not None:
+        if self.draft is not None:
+            self._propose_with_draft(fut)
+        elif self.proposer is not None:
             for serial, st in zip(fut.sample_rows, fut.states):
                 if serial in out.sampled_token_ids:
                     drafts = self.proposer.propose(st.prompt_token_ids, st.output_token_ids)
                     if drafts:
                         out.draft_token_ids[serial] = drafts
+
+    def _propose_with_draft(self, fut: StepFuture) -> None:
+        assert self.draft is not None
+        out = fut.out
+        rows = [(serial, st) for serial, st in zip(fut.sample_rows, fut.states)
+                if serial in out.sampled_token_ids]
+        if not rows:
+            return
+        drafts = self.draft.propose_batch(
+            [st.prompt_token_ids + st.output_token_ids for _, st in rows],
+            [fut.block_tables[serial] for serial, _ in rows])
+        for (serial, _), d in zip(rows, drafts):
+            if d:
+                out.draft_token_ids[serial] = d
 
     def _fill_pending(self, ids: torch.Tensor, dst: list[int], src: list[int]) -> None:
         """Writes the tokens the previous step sampled into this step's input ids."""
