@@ -38,6 +38,7 @@ from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tens
 from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
 
 logger = logging.getLogger(__name__)
+_NO_DRAFTS: list[int] = []  # shared by the rows without drafts; never changed
 
 
 @dataclass
@@ -257,10 +258,14 @@ class ModelRunner:
             if it.sample:
                 end = len(inp.input_ids)
                 k = it.num_draft_tokens
-                inp.logits_index.extend(range(end - 1 - k, end))
                 inp.sample_rows.append(it.serial)
-                inp.drafts.append(it.input_token_ids[-k:] if k else [])
-                inp.has_drafts = inp.has_drafts or k > 0
+                if k:  # a verify: every one of its k+1 positions gives logits
+                    inp.logits_index.extend(range(end - 1 - k, end))
+                    inp.drafts.append(it.input_token_ids[-k:])
+                    inp.has_drafts = True
+                else:
+                    inp.logits_index.append(end - 1)
+                    inp.drafts.append(_NO_DRAFTS)
             st = self.requests[it.serial]
             if (st.sampling_params.prompt_logprobs is not None
                     and it.context_len < len(st.prompt_token_ids)):
