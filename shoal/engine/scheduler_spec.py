@@ -5,7 +5,11 @@ k drafts, which the runner verifies in the same forward pass. Their KV slots cou
 computed while the step runs; once its results are in, the slots of rejected drafts are
 rolled back (num_computed_tokens goes back and whole blocks past the accepted tokens return
 to the pool). Prefix-cache hashes are made from `all_token_ids`, which only ever holds
-accepted tokens, so no draft reaches the cache."""
+accepted tokens, so no draft reaches the cache.
+
+A request whose drafts keep failing stops paying for them: after MISSES_BEFORE_BACKOFF verify
+steps in a row with nothing accepted, it decodes without drafts for a while (4 steps, doubling
+with each further miss, at most 64), then tries again; one accepted draft resets it."""
 
 from __future__ import annotations
 
@@ -17,6 +21,10 @@ from shoal.engine.scheduler_output import ScheduledRequest
 if TYPE_CHECKING:
     from shoal.config import SchedulerConfig
     from shoal.kv_cache.manager import KVCacheManager
+
+
+MISSES_BEFORE_BACKOFF = 2
+MAX_BACKOFF_STEPS = 64
 
 
 class SpecDecodeScheduling:
@@ -34,6 +42,9 @@ class SpecDecodeScheduling:
         yields up to k+1 tokens), nor past the step's budget left after its own token."""
         if not req.spec_token_ids or req.num_pending_tokens:
             return 0
+        if req.spec_skip > 0:  # backing off after drafts that kept failing
+            req.spec_skip -= 1
+            return 0
         return max(0, min(len(req.spec_token_ids), room,
                           req.max_tokens - req.num_output_tokens - 1,
                           self.config.max_model_len - req.num_tokens - 1))
@@ -48,6 +59,10 @@ class SpecDecodeScheduling:
         self._spec_accepted += accepted
         for pos in range(accepted):
             self._spec_per_pos[pos] += 1
+        req.spec_misses = 0 if accepted else req.spec_misses + 1
+        if req.spec_misses >= MISSES_BEFORE_BACKOFF:
+            req.spec_skip = min(4 << (req.spec_misses - MISSES_BEFORE_BACKOFF),
+                                MAX_BACKOFF_STEPS)
         if req.status == RequestStatus.RUNNING:
             req.num_computed_tokens -= k - accepted
             self.kv.trim(req)

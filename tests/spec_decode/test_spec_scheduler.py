@@ -272,3 +272,28 @@ def test_spec_stats_count_drafts_and_accepted_tokens_by_position() -> None:
     assert totals["accepted"] == sum(per_pos) > 0
     assert per_pos == sorted(per_pos, reverse=True)  # position i needs all before it
     assert totals["tokens"] <= K * totals["drafts"]
+
+
+def test_backoff_after_drafts_that_keep_failing() -> None:
+    """Two verifies in a row with nothing accepted: the request decodes without drafts for
+    4 steps, then tries again; a further miss doubles the pause; an acceptance ends it."""
+    sched = spec_scheduler()
+    sched.add_request(make_req("a", prompt_of(6), max_tokens=200))
+    runner = FakeSpecRunner(sched)
+    runner._drafts = lambda serial: [7, 7, 7]  # never right
+    runner.step()
+    req = sched.requests["a"]
+    drafted = []
+    for _ in range(30):
+        out = sched.schedule()
+        drafted.append(out.scheduled[0].num_draft_tokens > 0)
+        sched.update(out, runner.execute(out))
+    # miss, miss, 4 plain, miss, 8 plain, miss, 16 plain ...
+    assert drafted[:16] == [True, True] + [False] * 4 + [True] + [False] * 8 + [True]
+    assert req.spec_misses == 4 and req.spec_skip > 0
+    req.spec_skip = 0
+    req.spec_token_ids = [runner._true(req.serial, req.num_output_tokens), 7, 7]  # one right
+    out = sched.schedule()
+    assert out.scheduled[0].num_draft_tokens == K
+    sched.update(out, runner.execute(out))
+    assert req.spec_misses == 0 and req.spec_skip == 0
