@@ -12,8 +12,8 @@ from typing import Any
 # What shoal can run now, and what vLLM names that shoal does not run yet.
 METHODS = ("ngram", "draft_model")
 NOT_YET = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
-# Test-only: no proposer, the verifier accepts a set share of the drafts (timing runs on
-# random weights, where real acceptance cannot be had). Never lossless.
+# Test-only: placeholder drafts and a verifier that accepts a set share of them (timing runs
+# on random weights, where real acceptance cannot be had). Never lossless.
 FORCED = "test_forced_acceptance"
 
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
