@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shoal.spec_decode.config import SpeculativeConfig
+
 if TYPE_CHECKING:  # torch is imported where a dtype or device is made, not here: the
     import torch  # scheduler reads these configs and must not load torch
 
@@ -161,3 +163,4 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch" | "triton"; None: Triton on CUDA
     use_triton_ops: bool = True  # Triton norm / SiLU-and-mul / rotary kernels on CUDA
     fuse_rope_kv_write: bool = True  # q/k norm + rotary inside the KV-cache write kernel
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding

@@ -65,11 +65,18 @@ class EngineCore:
             # An engine dropped without shutdown() (or alive at interpreter exit) still writes
             # its CPU tier down (shutdown() does more first, and this then does nothing).
             weakref.finalize(self, self.kv_offload.shutdown)
+        spec = config.speculative_config
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, num_blocks,
                                    kv_store=self.kv_offload,
-                                   request_timeout=request_limits.request_timeout)
+                                   request_timeout=request_limits.request_timeout,
+                                   num_speculative_tokens=spec.num_speculative_tokens
+                                   if spec is not None else 0)
         self.vocab_size = self.runner.vocab_size
-        self.async_scheduling = config.async_scheduling
+        # A verify step's accepted drafts decide the next step's inputs on the host: with
+        # speculative decoding the loop runs one step at a time (for now).
+        self.async_scheduling = config.async_scheduling and spec is None
+        if config.async_scheduling and spec is not None:
+            logger.info("speculative decoding: async scheduling is off (one step at a time)")
         self._inflight: tuple[SchedulerOutput, StepFuture] | None = None
         # Scheduled steps whose results the scheduler has not applied yet: what a step that
         # raises leaves behind (see scheduler_faults.py).

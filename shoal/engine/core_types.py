@@ -57,6 +57,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     # Secondary KV tiers (cpu, disk), cumulative since start-up: tier -> field -> value, with
     # the fields of shoal.kv_offload.stats.TierStats plus "usage". None without offloading.
     kv_tiers: dict[str, dict[str, float]] | None = None
+    # Speculative decoding in this interval (vLLM's spec_decode_* counters): verified drafts,
+    # their tokens, the accepted ones, and the accepted ones by draft position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_num_accepted_tokens_per_pos: list[int] | None = None
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

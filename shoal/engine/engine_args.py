@@ -15,6 +15,7 @@ from shoal.config import (
     default_device,
     resolve_dtype,
 )
+from shoal.spec_decode.config import SpeculativeConfig
 
 # On the CPU fewer sequences run at once: each step's cost grows with the batch.
 CPU_MAX_NUM_SEQS = 64
@@ -92,6 +93,14 @@ class EngineArgs:
                                               "with an error (default: no limit)")
     max_request_body_bytes: int = arg(32 << 20, "largest HTTP request body the server "
                                                 "accepts (413 above it)")
+    speculative_config: dict[str, Any] | None = arg(
+        None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", "
+              "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+              "\"prompt_lookup_max\": 5} (default: off)")
+
+    def __post_init__(self) -> None:
+        if self.speculative_config is not None:  # its shape, before any model loads
+            SpeculativeConfig.from_user(self.speculative_config)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -143,6 +152,7 @@ class EngineArgs:
             use_triton_ops=self.use_triton_ops,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
             kv_offload_config=self._kv_offload_config(),
+            speculative_config=self._speculative_config(hf_config.vocab_size),
             async_scheduling=self._async_scheduling(device, tp),
         )
 
@@ -159,6 +169,8 @@ class EngineArgs:
                                  f"; this host has {torch.cuda.device_count()}")
         if tp > 1 and self.kv_offloading_size is not None:
             raise ValueError("kv_offloading_size does not support tensor_parallel_size > 1 yet")
+        if tp > 1 and self.speculative_config is not None:
+            raise ValueError("speculative_config does not support tensor_parallel_size > 1 yet")
         return tp
 
     def _async_scheduling(self, device: Any, tp: int) -> bool:
@@ -171,6 +183,19 @@ class EngineArgs:
             return False
         return device.type == "cuda" if self.async_scheduling is None else bool(
             self.async_scheduling)
+
+    def _speculative_config(self, vocab_size: int) -> SpeculativeConfig | None:
+        if self.speculative_config is None:
+            return None
+        spec = SpeculativeConfig.from_user(self.speculative_config)
+
+        def draft_config(model: str) -> Any:
+            from shoal.loader import load_model
+
+            return load_model(model, load_format="dummy").hf_config
+
+        spec.check_draft_vocab(vocab_size, draft_config)
+        return spec
 
     def _kv_offload_config(self) -> KVOffloadConfig | None:
         if self.kv_offloading_size is None:

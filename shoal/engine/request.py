@@ -60,6 +60,12 @@ class Request:
     # alone until it has produced a token again.
     num_faults: int = 0
     suspect: bool = False
+    # Speculative decoding: draft tokens proposed after the last step, verified by the next;
+    # verify steps in a row that accepted nothing, and decode steps left to run without drafts
+    # (the backoff that follows: scheduler_spec.py).
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec_misses: int = 0
+    spec_skip: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -23,6 +23,7 @@ from shoal.engine.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from shoal.engine.scheduler_spec import SpecDecodeScheduling
 from shoal.engine.waiting_queue import WaitingQueue
 from shoal.kv_cache.block_pool import KVBlock
 from shoal.kv_cache.manager import KVCacheManager
@@ -54,12 +55,13 @@ class _Cached:
     staged: Staged = field(default_factory=list)
 
 
-class Scheduler(FaultHandling):
+class Scheduler(FaultHandling, SpecDecodeScheduling):
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, kv_store: TieredKVStore | None = None,
-                 request_timeout: float | None = None):
+                 request_timeout: float | None = None, num_speculative_tokens: int = 0):
         """num_blocks: the device KV pool, as the model runner sized it at start-up.
-        request_timeout: seconds from arrival after which a request is ended with an error."""
+        request_timeout: seconds from arrival after which a request is ended with an error.
+        num_speculative_tokens: drafts per step of a speculating request (0: none)."""
         self.config = sched_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
@@ -80,6 +82,7 @@ class Scheduler(FaultHandling):
         self._step_prompt_tokens = 0
         self._step_generation_tokens = 0
         self._init_faults()
+        self._init_spec(num_speculative_tokens)
         self.request_timeout = request_timeout
         self._next_expiry_check = 0.0
 
@@ -170,6 +173,11 @@ class Scheduler(FaultHandling):
             if n <= 0 or self._ends_with_pending(req):
                 i += 1  # its last token is still in flight; it finishes when that lands
                 continue
+            if n == 1 and req.spec_token_ids:
+                # Drafts only where their blocks are free: they never preempt anyone.
+                d = self._num_drafts(req, step.budget - 1)
+                if d and self.kv.allocate_slots(req, 1 + d) is not None:
+                    n += d
             allocated, unscheduled = self._allocate_running(req, n, step)
             i -= unscheduled
             if allocated:
@@ -267,7 +275,7 @@ class Scheduler(FaultHandling):
             self._take_zero(out)
         decodes, prefills = [], []
         for req, n in step.scheduled.values():
-            item = self._scheduled_item(req, n)
+            item = self._scheduled_item(req, n)  # a verify (k+1 tokens) goes with the chunks
             (decodes if n == 1 and item.sample else prefills).append(item)
         out.scheduled = decodes + prefills
         out.num_decodes = len(decodes)
@@ -277,16 +285,21 @@ class Scheduler(FaultHandling):
         """The runner's view of n scheduled tokens of a request; counts them as computed."""
         start = req.num_computed_tokens
         ids = req.all_token_ids[start:start + n]
-        if len(ids) < n:  # the token a step in flight samples: the runner has it on device
+        num_drafts = start + n - req.num_tokens_with_pending  # > 0: a verify step
+        if num_drafts > 0:
+            ids.extend(req.spec_token_ids[:num_drafts])
+        elif len(ids) < n:  # the token a step in flight samples: the runner has it on device
             ids.extend([PENDING_TOKEN] * (n - len(ids)))
+        req.spec_token_ids = []  # used now, or stale once this step has run
         item = ScheduledRequest(
             request_id=req.request_id,
             serial=req.serial,
             input_token_ids=ids,
             context_len=start,
             block_ids=self.kv.block_ids(req.request_id),
-            sample=start + n == req.num_tokens_with_pending,
+            sample=start + n >= req.num_tokens_with_pending,
             num_output_tokens=req.num_output_tokens + req.num_pending_tokens,
+            num_draft_tokens=max(num_drafts, 0),
         )
         # The step is as good as run: the next schedule (possibly before its results are
         # read, with async scheduling) starts after it.
@@ -314,6 +327,7 @@ class Scheduler(FaultHandling):
         self._left(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push_front(req)
@@ -351,22 +365,40 @@ class Scheduler(FaultHandling):
                     outputs.append(EngineCoreOutput(req.request_id, [], prompt_logprobs=prompt_lp,
                                                     num_cached_tokens=req.num_cached_tokens))
                 continue
-            outputs.append(self._apply_token(req, result, prompt_lp))
+            outputs.append(self._apply_tokens(req, item, result, prompt_lp))
         return outputs
 
-    def _apply_token(self, req: Request, result: ModelRunnerOutput,
-                     prompt_lp: list | None) -> EngineCoreOutput:
-        token = result.sampled_token_ids[req.serial]
-        req.append_output_token(token)
-        self._step_generation_tokens += 1
+    def _apply_tokens(self, req: Request, item: ScheduledRequest, result: ModelRunnerOutput,
+                      prompt_lp: list | None) -> EngineCoreOutput:
+        """The step's token for the request, or with speculative decoding its accepted
+        drafts and one more, up to the first that ends it."""
+        serial = req.serial
+        tokens = result.verified_token_ids.get(serial)
+        if tokens is None:
+            tokens = [result.sampled_token_ids[serial]]
+            lp = result.logprobs.get(serial)
+            lps = [lp] if lp is not None else None
+        else:
+            lps = result.verified_logprobs.get(serial)
+        if item.num_draft_tokens:
+            self._settle_verified(req, item, tokens)
+        status = None
+        for n, token in enumerate(tokens, 1):
+            req.append_output_token(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                tokens = tokens[:n]
+                break
+        self._step_generation_tokens += len(tokens)
         if req.suspect:
             self._sampled_fine(req)
-        status = self._check_stop(req, token)
-        lp = result.logprobs.get(req.serial)
+        drafts = result.draft_token_ids.get(serial)
+        if drafts and status is None and req.status == RequestStatus.RUNNING:
+            req.spec_token_ids = drafts
         out = EngineCoreOutput(
             request_id=req.request_id,
-            new_token_ids=[token],
-            new_logprobs=[lp] if lp is not None else None,
+            new_token_ids=tokens,
+            new_logprobs=lps[:len(tokens)] if lps else None,
             prompt_logprobs=prompt_lp,
             num_cached_tokens=req.num_cached_tokens,
         )
@@ -424,6 +456,7 @@ class Scheduler(FaultHandling):
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self._step_prompt_tokens,
             num_generation_tokens=self._step_generation_tokens,
+            **self._take_spec_stats(),
         )
         self._step_prompt_tokens = self._step_generation_tokens = 0
         return s

@@ -37,6 +37,9 @@ class ScheduledRequest:
     block_ids: list[int]  # the whole block table
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     num_output_tokens: int  # outputs already generated (they are part of the context)
+    # Speculative decoding: the last this-many input tokens are drafts to verify (the
+    # runner samples every one of the k+1 positions and keeps the accepted run)
+    num_draft_tokens: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -70,6 +73,12 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[int, int] = field(default_factory=dict)
     logprobs: dict[int, Logprobs] = field(default_factory=dict)
+    # Speculative decoding. A verified request's tokens this step (the accepted drafts, then
+    # one sampled token) and their logprobs; its sampled_token_ids entry is the first of them.
+    verified_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[int, list[Logprobs]] = field(default_factory=dict)
+    # Drafts proposed for each request that sampled, for the next step to verify.
+    draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
     # prompt logprobs produced this step: serial -> [(position, logprobs), ...]
     prompt_logprobs: dict[int, list[tuple[int, Logprobs]]] = field(default_factory=dict)
     # requests whose logits were not finite: they are finished with an error

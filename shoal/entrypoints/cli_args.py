@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import Field, fields
 from typing import Any
 
@@ -15,11 +16,24 @@ _NOT_FLAGS = {"model"}
 _SCALARS: dict[str, Any] = {"int": int, "float": float, "str": str, "bool": bool}
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A dict-valued flag (--speculative-config '{"method": "ngram", ...}')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
+
+
 def _flag_type(annotation: Any) -> Any:
     """int, float, str or bool from an annotation such as 'int | None' or 'list[str] | None'
     (fields are annotated as strings under `from __future__ import annotations`; a list is
-    a flag with nargs of its element type)."""
+    a flag with nargs of its element type; a dict is one JSON object)."""
     names = [t.strip() for t in str(annotation).split("|") if t.strip() != "None"]
+    if len(names) == 1 and names[0].startswith("dict["):
+        return _json_object
     if len(names) == 1 and names[0].startswith("list[") and names[0].endswith("]"):
         names = [names[0][5:-1]]
     if len(names) != 1 or names[0] not in _SCALARS:

@@ -106,6 +106,20 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self.num_published[rid] = max(n_full, done)
 
+    def trim(self, request: Request) -> None:
+        """Speculative decoding: returns the blocks past the request's computed tokens (they
+        held only rejected drafts) to the pool. None of them is in the prefix cache: hashes
+        cover accepted tokens only. The table lists shrink in place (they are live)."""
+        rid = request.request_id
+        blocks = self.req_blocks.get(rid)
+        keep = -(-request.num_computed_tokens // self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        extra = blocks[keep:]
+        del blocks[keep:]
+        del self.req_block_ids[rid][keep:]
+        self.pool.free(list(reversed(extra)))
+
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block table (a live list: it grows as the request does)."""
         return self.req_block_ids.get(request_id, [])

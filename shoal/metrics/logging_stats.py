@@ -18,12 +18,17 @@ class LoggingStatLogger:
         self._generation_tokens = 0
         self._stats = SchedulerStats()
         self._was_busy = False
+        self._spec = [0, 0, 0]  # speculative decoding: drafts, draft tokens, accepted tokens
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
         if scheduler_stats is not None:
             self._stats = scheduler_stats
             self._prompt_tokens += scheduler_stats.num_prompt_tokens
             self._generation_tokens += scheduler_stats.num_generation_tokens
+            s = scheduler_stats
+            for i, v in enumerate((s.spec_num_drafts, s.spec_num_draft_tokens,
+                                   s.spec_num_accepted_tokens)):
+                self._spec[i] += v
 
     def format_line(self, now: float | None = None) -> str | None:
         """The line to log, or None when nothing happened since the last one."""
@@ -43,8 +48,13 @@ class LoggingStatLogger:
                 f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
                 f"KV cache usage: {s.kv_cache_usage * 100:.1f}%, "
                 f"Prefix cache hit rate: {hit_rate * 100:.1f}%")
+        drafts, drafted, accepted = self._spec
+        if drafts:  # vLLM's figures: acceptance over draft tokens, tokens per verify step
+            line += (f", Spec decode draft acceptance rate: {accepted / drafted * 100:.1f}%, "
+                     f"Mean acceptance length: {1 + accepted / drafts:.2f}")
         self._last_time = now
         self._prompt_tokens = self._generation_tokens = 0
+        self._spec = [0, 0, 0]
         return line
 
     def log(self) -> None:

@@ -156,6 +156,15 @@ class PrometheusStatLogger:
         self.success = {r: success.labels(name, r) for r in FINISH_REASONS}
         self.iteration_tokens = self._histogram("iteration_tokens_total", "Histogram of number "
                                                 "of tokens per engine_step.", ITERATION_BUCKETS)
+        self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft "
+                                                                         "tokens.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted "
+                                                                        "tokens.")
+        self._spec_per_pos_family = self._family(
+            Counter, "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
+            "position.", ["position"])
+        self._spec_per_pos: list[Any] = []
 
     def _request_families(self, tokens: list[int]) -> None:
         """Per-request histograms (sizes, parameters, latencies by phase)."""
@@ -216,6 +225,8 @@ class PrometheusStatLogger:
             step_tokens = s.num_prompt_tokens + s.num_generation_tokens
             if step_tokens:
                 self.iteration_tokens.observe(step_tokens)
+            if s.spec_num_drafts:
+                self._record_spec(s)
             if self._tiers:
                 for tier, figures in (s.kv_tiers or {}).items():
                     self._record_tier(tier, figures)
@@ -248,6 +259,17 @@ class PrometheusStatLogger:
             self.req_n.observe(f.n)
             if f.max_tokens:
                 self.req_max_tokens.observe(f.max_tokens)
+
+    def _record_spec(self, s: SchedulerStats) -> None:
+        self.spec_drafts.inc(s.spec_num_drafts)
+        self.spec_draft_tokens.inc(s.spec_num_draft_tokens)
+        self.spec_accepted.inc(s.spec_num_accepted_tokens)
+        per_pos = s.spec_num_accepted_tokens_per_pos or []
+        while len(self._spec_per_pos) < len(per_pos):
+            self._spec_per_pos.append(self._spec_per_pos_family.labels(
+                self.model_name, str(len(self._spec_per_pos))))
+        for child, n in zip(self._spec_per_pos, per_pos):
+            child.inc(n)
 
     def _record_tier(self, tier: str, figures: dict[str, float]) -> None:
         self.tier_usage.labels(self.model_name, tier).set(figures.get("usage", 0.0))

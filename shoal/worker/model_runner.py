@@ -28,6 +28,9 @@ from shoal.host_to_device import to_device
 from shoal.kv_offload.transfer import KVTransfer
 from shoal.loader import LoadedModel, build_model
 from shoal.sampling_params import SamplingParams
+from shoal.spec_decode.draft_model import DraftModelProposer
+from shoal.spec_decode.proposer import ForcedAcceptance, build_proposer
+from shoal.spec_decode.verify import VerifyRows, verify
 from shoal.worker import warmup as startup
 from shoal.worker.cuda_graphs import DecodeGraphs
 from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
@@ -36,6 +39,7 @@ from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tens
 from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
 
 logger = logging.getLogger(__name__)
+_NO_DRAFTS: list[int] = []  # shared by the rows without drafts; never changed
 
 
 @dataclass
@@ -60,6 +64,8 @@ class StepFuture:
     logprobs: LogprobsTensors | None = None
     event: torch.cuda.Event | None = None
     kv_plan_id: int | None = None  # the KV transfer plan run ahead of the step, if any
+    verify: VerifyRows | None = None  # a step with drafts: its rows per request
+    block_tables: dict[int, list[int]] = field(default_factory=dict)  # draft model: by serial
 
 
 @dataclass
@@ -78,6 +84,9 @@ class StepInputs:
     pending_src: list[int] = field(default_factory=list)
     # (request serial, flat start, context length, tokens) of chunks that want prompt logprobs.
     prompt_lp_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # Speculative decoding: each sampling row's drafts (their k+1 positions all give logits).
+    drafts: list[list[int]] = field(default_factory=list)
+    has_drafts: bool = False
 
 
 class ModelRunner:
@@ -111,6 +120,9 @@ class ModelRunner:
         # The last launched step's sampled ids (device) and each request's row in them.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[int, int] = {}
+        # Speculative decoding: proposes drafts after each sampled token (None: off).
+        self.proposer = build_proposer(config)
+        self.draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -121,6 +133,8 @@ class ModelRunner:
         a = layers[0]
         per_block = bytes_per_block(len(layers), a.num_kv_heads, a.head_dim, self.block_size,
                                     self.dtype)
+        if self.draft is not None:  # its cache shares the block tables and the budget
+            per_block += self.draft.bytes_per_block()
         cuda = self.device.type == "cuda"
         activations = 0
         if cuda:
@@ -132,6 +146,8 @@ class ModelRunner:
         # Tensor parallel: every rank holds the same blocks, as many as the tightest rank can.
         num_blocks = tp_min_int(num_blocks, self.device)
         self.bind_kv_cache(num_blocks)
+        if self.draft is not None:
+            self.draft.bind(num_blocks, self.backend)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     num_blocks * per_block / 2**20)
         if cuda:
@@ -223,6 +239,10 @@ class ModelRunner:
             return fut
         inputs = self._prepare_inputs(sched)
         logits = self._forward(inputs, fut.out)
+        if self.draft is not None:  # its KV follows the target's, position for position
+            self.draft.mirror(inputs.input_ids, inputs.positions, inputs.items,
+                              inputs.num_decodes)
+            fut.block_tables = {it.serial: it.block_ids for it in inputs.items}
         if logits is None:  # no row samples this step
             self._prev_rows = {}
             return fut
@@ -239,8 +259,16 @@ class ModelRunner:
                 inp.pending_dst.append(len(inp.input_ids) - 1)
                 inp.pending_src.append(self._prev_rows[it.serial])
             if it.sample:
-                inp.logits_index.append(len(inp.input_ids) - 1)
+                end = len(inp.input_ids)
+                k = it.num_draft_tokens
                 inp.sample_rows.append(it.serial)
+                if k:  # a verify: every one of its k+1 positions gives logits
+                    inp.logits_index.extend(range(end - 1 - k, end))
+                    inp.drafts.append(it.input_token_ids[-k:])
+                    inp.has_drafts = True
+                else:
+                    inp.logits_index.append(end - 1)
+                    inp.drafts.append(_NO_DRAFTS)
             st = self.requests[it.serial]
             if (st.sampling_params.prompt_logprobs is not None
                     and it.context_len < len(st.prompt_token_ids)):
@@ -274,7 +302,7 @@ class ModelRunner:
     def _fits_prefill_graph(self, inp: StepInputs) -> bool:
         """One lone chunk that samples and wants no prompt logprobs, within the graph sizes."""
         return (self.prefill_graphs is not None and inp.num_decodes == 0 and len(inp.items) == 1
-                and inp.items[0].sample and not inp.prompt_lp_spans
+                and inp.items[0].sample and not inp.prompt_lp_spans and not inp.has_drafts
                 and self.prefill_graphs.can_run(len(inp.input_ids)))
 
     def _forward_eager(self, inp: StepInputs, out: ModelRunnerOutput,
@@ -307,6 +335,9 @@ class ModelRunner:
 
     def _sample(self, inp: StepInputs, logits: torch.Tensor, fut: StepFuture) -> None:
         states = [self.requests[r] for r in inp.sample_rows]
+        if inp.has_drafts:
+            self._verify(inp, logits, states, fut)
+            return
         smd = SamplingMetadata.build(
             [s.sampling_params for s in states],
             [s.output_token_ids for s in states],
@@ -327,6 +358,24 @@ class ModelRunner:
         # One device-to-host transfer for both, queued behind the step.
         self._queue_to_host(fut, torch.stack([result.sampled_token_ids, finite.long()]),
                             result.logprobs)
+
+    def _verify(self, inp: StepInputs, logits: torch.Tensor, states: list[RequestState],
+                fut: StepFuture) -> None:
+        """A step with drafts: every request's rows through the rejection sampler. Such
+        steps are not pipelined (nothing reads pending tokens from them)."""
+        forced = (self.proposer.accept_mask([len(d) for d in inp.drafts])
+                  if isinstance(self.proposer, ForcedAcceptance) else None)
+        rows, result, finite = verify(logits, states, inp.drafts, self.vocab_size, self.device,
+                                      forced)
+        self._prev_sampled = None
+        self._prev_rows = {}
+        fut.sample_rows = inp.sample_rows
+        fut.states = states
+        fut.wanted = [s.sampling_params.logprobs for s, d in zip(states, inp.drafts)
+                      for _ in range(len(d) + 1)]  # per row
+        fut.verify = rows
+        self._queue_to_host(fut, torch.stack([result.token_ids, result.accepted.long(),
+                                              finite.long()]), result.logprobs)
 
     def _queue_to_host(self, fut: StepFuture, packed: torch.Tensor,
                        logprobs: LogprobsTensors | None) -> None:
@@ -362,17 +411,42 @@ class ModelRunner:
         assert fut.sampled is not None
         if fut.event is not None:
             fut.event.synchronize()
-        sampled, finite_l = fut.sampled.tolist()
         lp_rows = _logprobs_rows(fut.logprobs, fut.wanted)
-        for i, (serial, st) in enumerate(zip(fut.sample_rows, fut.states)):
-            if not finite_l[i]:
-                # The scheduler withdraws and zeroes its blocks: it knows who owns them now.
-                out.failed_serials.add(serial)
-                continue
-            st.output_token_ids.append(sampled[i])
-            out.sampled_token_ids[serial] = sampled[i]
-            if lp_rows[i] is not None:
-                out.logprobs[serial] = lp_rows[i]
+        if fut.verify is not None:
+            fut.verify.read(fut.sampled.tolist(), lp_rows, fut.sample_rows, fut.states, out)
+        else:
+            sampled, finite_l = fut.sampled.tolist()
+            for i, (serial, st) in enumerate(zip(fut.sample_rows, fut.states)):
+                if not finite_l[i]:
+                    # The scheduler withdraws and zeroes its blocks: it knows who owns them.
+                    out.failed_serials.add(serial)
+                    continue
+                st.output_token_ids.append(sampled[i])
+                out.sampled_token_ids[serial] = sampled[i]
+                if lp_rows[i] is not None:
+                    out.logprobs[serial] = lp_rows[i]
+        if self.draft is not None:
+            self._propose_with_draft(fut)
+        elif self.proposer is not None:
+            for serial, st in zip(fut.sample_rows, fut.states):
+                if serial in out.sampled_token_ids:
+                    drafts = self.proposer.propose(st.prompt_token_ids, st.output_token_ids)
+                    if drafts:
+                        out.draft_token_ids[serial] = drafts
+
+    def _propose_with_draft(self, fut: StepFuture) -> None:
+        assert self.draft is not None
+        out = fut.out
+        rows = [(serial, st) for serial, st in zip(fut.sample_rows, fut.states)
+                if serial in out.sampled_token_ids]
+        if not rows:
+            return
+        drafts = self.draft.propose_batch(
+            [st.prompt_token_ids + st.output_token_ids for _, st in rows],
+            [fut.block_tables[serial] for serial, _ in rows])
+        for (serial, _), d in zip(rows, drafts):
+            if d:
+                out.draft_token_ids[serial] = d
 
     def _fill_pending(self, ids: torch.Tensor, dst: list[int], src: list[int]) -> None:
         """Writes the tokens the previous step sampled into this step's input ids."""

@@ -191,15 +191,22 @@ class Sampler(nn.Module):
         if md.all_greedy:
             return logits.argmax(dim=-1)
         greedy = None if md.all_random else logits.argmax(dim=-1)
+        sampled = random_sample(Sampler.random_probs(logits, md), md.generators)
+        if greedy is None:
+            return sampled
+        return torch.where(md.temperature < SAMPLING_EPS, greedy, sampled)
+
+    @staticmethod
+    def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """What random rows draw from: processed logits (changed in place) through
+        temperature, min_p, top-k and top-p. Greedy rows get their distribution at
+        temperature 1, which callers ignore. The rejection sampler verifies against it."""
         is_greedy = md.temperature < SAMPLING_EPS
-        # Greedy rows divide by 1 (not 0); their random draw is discarded below anyway.
+        # Greedy rows divide by 1 (not 0); their random draw is discarded anyway.
         temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
         logits = logits.div_(temperature.unsqueeze(1))
         if md.min_p is not None:
             logits = apply_min_p(logits, md.min_p)
         if md.top_k is not None or md.top_p is not None:
             logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        sampled = random_sample(logits.softmax(dim=-1), md.generators)
-        if greedy is None:
-            return sampled
-        return torch.where(is_greedy, greedy, sampled)
+        return logits.softmax(dim=-1)

@@ -1,0 +1,117 @@
+"""speculative_config, in vLLM's dict shape, checked once with a clear error per field.
+
+Imports no torch: the scheduler and the server's frontend read it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+# What shoal can run now, and what vLLM names that shoal does not run yet.
+METHODS = ("ngram", "draft_model")
+NOT_YET = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+# Test-only: placeholder drafts and a verifier that accepts a set share of them (timing runs
+# on random weights, where real acceptance cannot be had). Never lossless.
+FORCED = "test_forced_acceptance"
+
+_KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+         "acceptance_rate"}
+# vLLM's other keys: a clear error rather than a silently ignored setting.
+_NOT_YET_KEYS = {"draft_tensor_parallel_size", "max_model_len", "quantization", "revision",
+                 "code_revision", "disable_by_batch_size", "disable_padded_drafter_batch",
+                 "speculative_token_tree", "parallel_drafting", "enforce_eager"}
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched in the context
+    prompt_lookup_max: int = 5  # ngram: longest suffix tried first
+    model: str | None = None  # draft_model: the draft checkpoint
+    acceptance_rate: float = 0.0  # test_forced_acceptance only
+
+    def __post_init__(self) -> None:
+        if self.method in NOT_YET:
+            raise ValueError(f"speculative_config: method {self.method!r} is not supported yet "
+                             f"(supported: {', '.join(METHODS)})")
+        if self.method not in METHODS + (FORCED,):
+            raise ValueError(f"speculative_config: unknown method {self.method!r} (one of "
+                             f"{', '.join(METHODS)})")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer "
+                             f">= 1 (got {k!r})")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            if not (isinstance(lo, int) and isinstance(hi, int)) or lo < 1 or hi < lo:
+                raise ValueError("speculative_config: ngram needs 1 <= prompt_lookup_min <= "
+                                 f"prompt_lookup_max (got {lo!r}, {hi!r})")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("speculative_config: method 'draft_model' needs 'model' (the "
+                             "draft checkpoint)")
+        if self.method != FORCED and self.acceptance_rate:
+            raise ValueError("speculative_config: acceptance_rate is for the test-only method "
+                             f"{FORCED!r}")
+        if self.method == FORCED and not 0.0 <= self.acceptance_rate <= 1.0:
+            raise ValueError("speculative_config: acceptance_rate must be in [0, 1] (got "
+                             f"{self.acceptance_rate!r})")
+
+    @classmethod
+    def from_user(cls, value: Mapping[str, Any] | str) -> SpeculativeConfig:
+        """From `speculative_config` as given to LLM/EngineArgs (a dict) or on the command
+        line (its JSON). vLLM infers the method from the names: "ngram"/"[ngram]" as model
+        means ngram, any other model means draft_model."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError("speculative_config must be a dict (a JSON object on the command "
+                             f"line), got {type(value).__name__}")
+        not_yet = sorted(k for k in set(value) & _NOT_YET_KEYS if value[k] is not None)
+        if not_yet:
+            raise ValueError(f"speculative_config: {', '.join(not_yet)} not supported yet")
+        unknown = sorted(set(value) - _KEYS - _NOT_YET_KEYS)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}")
+        d = dict(value)
+        method, model = d.get("method"), d.get("model")
+        if method is None:
+            if model in ("ngram", "[ngram]"):
+                method = "ngram"
+            elif model:
+                method = "draft_model"
+            else:
+                raise ValueError("speculative_config needs 'method' (e.g. \"ngram\")")
+        if method == "ngram" and model in ("ngram", "[ngram]"):
+            model = None
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+        kwargs: dict[str, Any] = {"method": method,
+                                  "num_speculative_tokens": d["num_speculative_tokens"],
+                                  "model": model}
+        for key in ("prompt_lookup_min", "prompt_lookup_max", "acceptance_rate"):
+            if d.get(key) is not None:
+                kwargs[key] = d[key]
+        # Only one bound given: the other takes its value (as vLLM does).
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if (lo is None) != (hi is None):
+            kwargs["prompt_lookup_min"] = kwargs["prompt_lookup_max"] = lo if hi is None else hi
+        return cls(**kwargs)
+
+    def check_draft_vocab(self, target_vocab_size: int,
+                          load_config: Callable[[str], Any]) -> None:
+        """A draft model must share the target's vocabulary (its token ids are verified as
+        the target's)."""
+        if self.method != "draft_model":
+            return
+        assert self.model is not None
+        draft_vocab = int(load_config(self.model).vocab_size)
+        if draft_vocab != target_vocab_size:
+            raise ValueError(f"speculative_config: the draft model {self.model!r} has another "
+                             f"vocabulary ({draft_vocab} tokens) than the target "
+                             f"({target_vocab_size}); they must be the same")
