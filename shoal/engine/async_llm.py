@@ -138,8 +138,14 @@ class AsyncLLM:
         if engine_args.max_logprobs < -1:
             raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit "
                              f"(got {engine_args.max_logprobs})")
-        client = await EngineCoreClient.start(engine_args, log_level=log_level,
-                                              build_core=build_core)
+        if engine_args.data_parallel_size > 1:  # several replicas behind this frontend
+            from shoal.engine.dp_client import DataParallelCoreClient
+
+            client: Any = await DataParallelCoreClient.start(engine_args, log_level=log_level,
+                                                             build_core=build_core)
+        else:
+            client = await EngineCoreClient.start(engine_args, log_level=log_level,
+                                                  build_core=build_core)
         try:
             # Read while the engine process loads the model.
             tokenizer = None if engine_args.skip_tokenizer_init else await asyncio.to_thread(

@@ -61,6 +61,8 @@ class EngineArgs:
                                               "(default: on with CUDA, off on the CPU)")
     tensor_parallel_size: int = arg(1, "ranks the model is split over (GPUs, or CPU processes "
                                        "with gloo), each a process of this host")
+    data_parallel_size: int = arg(1, "replicas of the model, each its own engine process, "
+                                     "behind one server (shoal serve only)")
     distributed_executor_backend: str | None = arg(
         None, "uni (the model in the engine process) or mp (a process per rank); default: uni "
               "for one rank, mp for several")
@@ -169,6 +171,15 @@ class EngineArgs:
                                  f"; this host has {torch.cuda.device_count()}")
         if tp > 1 and self.kv_offloading_size is not None:
             raise ValueError("kv_offloading_size does not support tensor_parallel_size > 1 yet")
+        dp = self.data_parallel_size
+        if not isinstance(dp, int) or dp < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1 (got {dp!r})")
+        if dp > 1 and device.type == "cuda" and (device.index or 0) + dp * tp > (
+                torch.cuda.device_count()):
+            raise ValueError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs "
+                             f"{dp * tp} GPUs; this host has {torch.cuda.device_count()}")
+        if dp > 1 and self.kv_offloading_size is not None:
+            raise ValueError("kv_offloading_size does not support data_parallel_size > 1 yet")
         if tp > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config does not support tensor_parallel_size > 1 yet")
         return tp

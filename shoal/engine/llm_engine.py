@@ -32,6 +32,10 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         t0 = time.perf_counter()
         self._shut_down = False
+        if args.data_parallel_size != 1:
+            raise ValueError("data_parallel_size > 1 runs replicas behind `shoal serve`; "
+                             "offline, run one LLM per replica (got data_parallel_size="
+                             f"{args.data_parallel_size})")
         torch.manual_seed(args.seed)
         loaded = load_model(args.model, tokenizer=args.tokenizer, load_format=args.load_format)
         self.config = args.create_engine_config(loaded.hf_config)
