@@ -1,29 +1,32 @@
 """Where a CPU decode step of the embedded SmolLM2-135M goes (issue 17, step 1).
 
-    .venv/bin/python benchmarks/w6_cpu_profile.py --dtype bfloat16 --out bench-work/w6/prof.json
-    .venv/bin/python benchmarks/w6_cpu_profile.py --pyspy       # + py-spy of the engine loop
+    PYTHONPATH=. .venv/bin/python benchmarks/w6_cpu_profile.py \
+        --out benchmarks/results/<date>-W6-cpu-profile.json
 
-For each (batch, context) it times the model runner's decode step (`ModelRunner.execute` on
-a made-up SchedulerOutput: inputs, attention metadata, forward, LM head, sampling), splits
-it by torch.profiler into matmuls, attention, small ops and the rest, and times the engine
-around it (scheduler, update) in a real `LLM.generate`. It also measures the memory read
-bandwidth and the floor it sets: weight bytes streamed per step over that bandwidth. The
-machine must be quiet (cpu_quiet.py); other processes' CPU use is recorded per measurement.
+One process holds one engine per dtype (float32, bfloat16). For each (batch, context) it times
+the model runner's decode step (`ModelRunner.execute` on a made-up SchedulerOutput: inputs,
+attention metadata, forward, LM head, sampling) in rounds that alternate the dtypes in a
+shuffled order, so a busy neighbour on this shared machine slows both alike; it reports each
+round's median and the median over rounds, and the CPU other processes took meanwhile. A
+torch.profiler pass splits a step into matmuls, attention, KV gather/write, small ops and
+Python/dispatch (the step's wall time not spent inside any op), and a real `LLM.generate`
+times the engine around the runner (scheduler, update). The memory read bandwidth gives the
+floor: weight bytes streamed per step over that bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from cpu_quiet import measure_quietly
+from cpu_quiet import MachineLoad
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -120,10 +123,11 @@ def decode_schedule(runner: Any, batch: int, context: int, first: bool) -> Any:
     return SchedulerOutput(scheduled=items, num_decodes=batch, new_requests=new)
 
 
-def time_decode_steps(runner: Any, batch: int, context: int, steps: int) -> dict[str, Any]:
+def time_decode_steps(runner: Any, batch: int, context: int, steps: int,
+                      warm: int = 1) -> dict[str, Any]:
     runner.execute(decode_schedule(runner, batch, context, first=True))
     sched = decode_schedule(runner, batch, context, first=False)
-    for _ in range(3):
+    for _ in range(warm):
         runner.execute(sched)
     times = []
     for _ in range(steps):
@@ -172,7 +176,7 @@ def profile_decode_step(runner: Any, batch: int, context: int, steps: int = 5
 
 
 def engine_split(llm: Any, batch: int, prompt_len: int, out_len: int) -> dict[str, Any]:
-    """Per decode step of a real generate: total step time and the runner's part of it."""
+    """Per step of a real generate: the core step and its parts (scheduler, runner, update)."""
     from shoal import SamplingParams
 
     core = llm.llm_engine.core
@@ -195,7 +199,8 @@ def engine_split(llm: Any, batch: int, prompt_len: int, out_len: int) -> dict[st
                  (core.scheduler, "update", wrap(core.scheduler, "update", "update")),
                  (core.runner, "launch", wrap(core.runner, "launch", "runner")),
                  (core, "step", wrap(core, "step", "core_step"))]
-    prompts = [{"prompt_token_ids": [(13 * i + j) % 49000 for j in range(prompt_len)]}
+    seed = int(time.time() * 1e3)  # new prompts each call: no prefix-cache hits
+    prompts = [{"prompt_token_ids": [(seed + 13 * i + 7 * j) % 49000 for j in range(prompt_len)]}
                for i in range(batch)]
     sp = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     t = time.perf_counter()
@@ -203,120 +208,122 @@ def engine_split(llm: Any, batch: int, prompt_len: int, out_len: int) -> dict[st
     total = time.perf_counter() - t
     for obj, name, orig in originals:
         setattr(obj, name, orig)
-    steps = len(acc["core_step"])
-    # Decode steps only: drop the prefill steps at the start (the slowest ones).
-    decode = sorted(acc["core_step"])[: max(1, steps - 2 * (1 + batch * prompt_len // 2048))]
-    return {"batch": batch, "steps": steps, "generate_s": total,
-            "median_step_ms": statistics.median(decode) * 1e3,
-            "ms_per_step": {k: 1e3 * sum(v) / steps for k, v in acc.items()},
-            "outside_core_step_ms": 1e3 * (total - sum(acc["core_step"])) / steps}
+    # Decode steps only: the last out_len - 1 steps (prefill steps come first).
+    decode = slice(-(out_len - 1), None)
+    per = {k: 1e3 * statistics.median(v[decode]) for k, v in acc.items()}
+    return {"batch": batch, "steps": len(acc["core_step"]), "generate_s": round(total, 2),
+            "decode_step_median_ms": {k: round(v, 3) for k, v in per.items()},
+            "outside_runner_ms": round(per["core_step"] - per["runner"], 3)}
 
 
-def pyspy_engine(args: argparse.Namespace, out_dir: Path) -> dict[str, Any]:
-    """py-spy (native frames) over a generate of `--batches[0]` requests; leaf frames are
-    counted by library: Python interpreter, torch dispatch, compute libraries."""
-    raw = out_dir / "pyspy-raw.txt"
-    child = [sys.executable, str(Path(__file__).resolve()), "--child-generate",
-             "--dtype", args.dtype, "--engine-args", args.engine_args,
-             "--batches", str(args.batches[0])]
-    cmd = [str(REPO / ".venv" / "bin" / "py-spy"), "record", "--native", "-r", "200",
-           "--format", "raw", "-o", str(raw), "--", *child]
-    subprocess.run(cmd, check=True, capture_output=True)
-    return summarize_pyspy(raw)
+# ---------------------------------------------------------------------------------------------
+# A/B in one process
 
 
-def summarize_pyspy(raw: Path) -> dict[str, Any]:
-    by_leaf: dict[str, int] = defaultdict(int)
-    in_step = 0
-    total = 0
-    for line in raw.read_text().splitlines():
-        stack, _, n = line.rpartition(" ")
-        if "time_decode_steps" not in stack:
-            continue
-        count = int(n)
-        total += count
-        in_step += count
-        leaf = stack.split(";")[-1]
-        by_leaf[leaf_library(leaf)] += count
-    return {"samples_in_decode_loop": total,
-            "share_by_leaf": {k: round(v / max(total, 1), 3)
-                              for k, v in sorted(by_leaf.items(), key=lambda kv: -kv[1])}}
-
-
-def leaf_library(frame: str) -> str:
-    if "(libpython" in frame or frame.endswith(".py)") or ".py:" in frame:
-        return "python"
-    for lib, name in (("libgomp", "openmp"), ("libiomp", "openmp"), ("libmkl", "mkl"),
-                      ("dnnl", "onednn"), ("libtorch_cpu", "torch_cpu"),
-                      ("libc10", "torch_c10"), ("libtorch_python", "torch_python"),
-                      ("libc.so", "libc"), ("torchinductor", "inductor_kernels")):
-        if lib in frame:
-            return name
-    return "other_native"
-
-
-def child_generate(args: argparse.Namespace) -> int:
-    """The py-spy target: decode steps of the batch through the model runner."""
-    llm = make_llm(args)
-    runner = llm.llm_engine.core.runner
-    time_decode_steps(runner, args.batches[0], args.contexts[0], 60)
-    return 0
-
-
-def make_llm(args: argparse.Namespace) -> Any:
+def make_llm(dtype: str, kv_gib: float, engine_args: dict[str, Any]) -> Any:
     from shoal import LLM
 
-    return LLM(dtype=args.dtype, max_model_len=2048, **json.loads(args.engine_args))
+    return LLM(dtype=dtype, max_model_len=2048, kv_cache_memory_bytes=int(kv_gib * 2**30),
+               **engine_args)
+
+
+def interleaved_steps(runners: dict[str, Any], batch: int, context: int, rounds: int,
+                      steps: int) -> dict[str, Any]:
+    """Rounds of `steps` decode steps per dtype, in a shuffled order each round."""
+    order = random.Random(batch * 7919 + context)
+    for r in runners.values():
+        r.execute(decode_schedule(r, batch, context, first=True))
+    per_round: dict[str, list[float]] = defaultdict(list)
+    others = []
+    for _ in range(rounds):
+        load = MachineLoad()
+        for name in order.sample(sorted(runners), len(runners)):
+            per_round[name].append(time_decode_steps(runners[name], batch, context,
+                                                     steps)["median_ms"])
+        others.append(load.result()["other_cores"])
+    out: dict[str, Any] = {"rounds": rounds, "steps_per_round": steps,
+                           "other_cores_per_round": others}
+    for name, ms in per_round.items():
+        med = statistics.median(ms)
+        out[name] = {"median_ms": round(med, 2), "round_medians_ms": [round(x, 2) for x in ms],
+                     "tok_s": round(batch * 1e3 / med, 1)}
+    names = sorted(runners)
+    if len(names) == 2:
+        a, b = names
+        ratios = [x / y for x, y in zip(per_round[a], per_round[b])]
+        out[f"{a}_over_{b}"] = {"median": round(statistics.median(ratios), 3),
+                                "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
+    return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--engine-args", default="{}", help="JSON of extra LLM(...) arguments")
+    ap.add_argument("--kv-gib", type=float, default=2.0, help="KV cache per engine")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
                     default=[64, 1])
     ap.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")],
                     default=[600, 192], help="context length per batch size, in order")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--pyspy", action="store_true")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=5, help="decode steps per round")
+    ap.add_argument("--no-engine-split", action="store_true")
     ap.add_argument("--out", type=Path, default=REPO / "bench-work" / "w6" / "profile.json")
-    ap.add_argument("--child-generate", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.child_generate:
-        return child_generate(args)
     import torch
-
-    res: dict[str, Any] = {"dtype": args.dtype, "engine_args": json.loads(args.engine_args),
-                           "threads": torch.get_num_threads()}
-    res["bandwidth"], res["bandwidth_quiet"] = measure_quietly(
-        lambda: [read_bandwidth(n) for n in sorted({1, torch.get_num_threads()})])
-    t = time.perf_counter()
-    llm = make_llm(args)
-    res["llm_ready_s"] = time.perf_counter() - t
-    runner = llm.llm_engine.core.runner
-    res["weights"] = streamed_weight_bytes(runner.model)
+    engine_args = json.loads(args.engine_args)
+    res: dict[str, Any] = {"engine_args": engine_args, "threads": torch.get_num_threads(),
+                           "torch": torch.__version__, "cpu": host_cpu()}
+    load = MachineLoad()
+    res["bandwidth"] = [read_bandwidth(n) for n in sorted({1, torch.get_num_threads()})]
+    res["bandwidth_load"] = load.result()
+    llms = {}
+    for dtype in args.dtypes.split(","):
+        t = time.perf_counter()
+        llms[dtype] = make_llm(dtype, args.kv_gib, engine_args)
+        res.setdefault("llm_ready_s", {})[dtype] = round(time.perf_counter() - t, 2)
+    runners = {d: llm.llm_engine.core.runner for d, llm in llms.items()}
     bw = max(b["read_gb_s"] for b in res["bandwidth"])
-    res["floor_ms_per_step"] = {k: v / bw / 1e6 for k, v in res["weights"].items()}
+    res["weights"] = {}
+    for d, r in runners.items():
+        w = streamed_weight_bytes(r.model)
+        res["weights"][d] = {"bytes": w,
+                             "floor_ms_per_step": {k: round(v / bw / 1e6, 3)
+                                                   for k, v in w.items()}}
     res["cases"] = []
     for batch, context in zip(args.batches, args.contexts):
         case: dict[str, Any] = {"batch": batch, "context": context}
-        case["step"], case["step_quiet"] = measure_quietly(
-            lambda: time_decode_steps(runner, batch, context, args.steps))
-        case["profile"], case["profile_quiet"] = measure_quietly(
-            lambda: profile_decode_step(runner, batch, context))
-        case["engine"], case["engine_quiet"] = measure_quietly(
-            lambda: engine_split(llm, batch, 128, 64))
+        case["step_ab"] = interleaved_steps(runners, batch, context, args.rounds, args.steps)
+        case["profile"] = {}
+        for d, r in runners.items():
+            load = MachineLoad()
+            case["profile"][d] = profile_decode_step(r, batch, context)
+            case["profile"][d]["load"] = load.result()
+        if not args.no_engine_split:
+            case["engine"] = {}
+            for d, llm in llms.items():
+                load = MachineLoad()
+                case["engine"][d] = engine_split(llm, batch, 128, 32)
+                case["engine"][d]["load"] = load.result()
         res["cases"].append(case)
         print(json.dumps(case, indent=1), flush=True)
-    llm.shutdown()
-    if args.pyspy:
-        res["pyspy"], res["pyspy_quiet"] = measure_quietly(
-            lambda: pyspy_engine(args, args.out.parent))
+    for llm in llms.values():
+        llm.shutdown()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps({k: v for k, v in res.items() if k != "cases"}, indent=1))
     return 0
+
+
+def host_cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 
 from shoal.attention.backend import AttentionBackend
-from shoal.attention.cpu_decode import DecodeMetadata, compiled_decode_attention, decode_forward
 from shoal.attention.metadata import AttentionMetadata, build_attention_metadata
 
 
@@ -36,12 +35,7 @@ class TorchAttentionBackend(AttentionBackend):
             device=device, null_block=null_block)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, md: AttentionMetadata | DecodeMetadata,
-                scale: float) -> torch.Tensor:
-        if isinstance(md, DecodeMetadata):
-            if torch.compiler.is_compiling():  # traced into a compiled decode step
-                return decode_forward(q, k, v, kv_cache, md, scale)
-            return compiled_decode_attention()(q, k, v, kv_cache, md, scale)
+                kv_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache, md, scale)
 
 

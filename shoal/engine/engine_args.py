@@ -15,9 +15,12 @@ from shoal.config import (
     default_device,
     resolve_dtype,
 )
-
-# On the CPU fewer sequences run at once: each step's cost grows with the batch.
-CPU_MAX_NUM_SEQS = 64
+from shoal.engine.cpu_defaults import (
+    CPU_MAX_NUM_SEQS,
+    CPU_TOKENS_PER_THREAD,
+    GPU_MAX_NUM_BATCHED_TOKENS,
+    default_scheduler_limits,
+)
 
 
 def arg(default: Any, help: str) -> Any:
@@ -38,7 +41,10 @@ class EngineArgs:
     max_model_len: int | None = arg(None, "context length (default: the model's)")
     max_num_seqs: int | None = arg(None, f"sequences per step (default 256 on GPU, "
                                          f"{CPU_MAX_NUM_SEQS} on CPU)")
-    max_num_batched_tokens: int = arg(16384, "token budget per step")
+    max_num_batched_tokens: int | None = arg(
+        None, f"token budget per step (default {GPU_MAX_NUM_BATCHED_TOKENS} on GPU; on CPU "
+              f"{CPU_TOKENS_PER_THREAD} per model thread, so a burst of prompts prefills in "
+              f"short steps)")
     block_size: int = arg(16, "tokens per KV block")
     enable_prefix_caching: bool = arg(True, "reuse the KV blocks of shared prefixes")
     enable_chunked_prefill: bool = arg(True, "split long prefills over several steps")
@@ -114,7 +120,9 @@ class EngineArgs:
                 f"max_model_len ({max_len}) is larger than the model's max_position_embeddings "
                 f"({model_max})"
             )
-        max_seqs = self.max_num_seqs or (256 if device.type == "cuda" else CPU_MAX_NUM_SEQS)
+        limits = default_scheduler_limits(
+            device.type, torch.get_num_threads(), max_len, self.enable_chunked_prefill,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs)
         dtype = resolve_dtype(self.dtype, device)
         if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
             raise ValueError(
@@ -127,8 +135,8 @@ class EngineArgs:
                                      self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                                      self.num_gpu_blocks_override),
             scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_num_seqs=max_seqs, max_model_len=max_len,
+                max_num_batched_tokens=limits.max_num_batched_tokens,
+                max_num_seqs=limits.max_num_seqs, max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 max_waiting_requests=self.max_waiting_requests,
