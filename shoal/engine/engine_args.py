@@ -57,6 +57,10 @@ class EngineArgs:
     enforce_eager: bool = arg(False, "no CUDA graphs")
     cpu_threads: int | None = arg(None, "threads for the model on the CPU (default: every core, "
                                         "less one for the frontend when serving)")
+    cpu_int4_matmul: bool = arg(False, "on the CPU, run the linear layers of a 4-bit GGUF "
+                                       "(Q4_0/Q4_1) with torch's int4 weight-only kernel and "
+                                       "bfloat16 activations instead of dequantized weights "
+                                       "(faster; greedy output may differ slightly)")
     attention_backend: str | None = arg(None, "torch or triton (default: triton on CUDA)")
     use_triton_ops: bool = arg(True, "Triton RMSNorm, SiLU-and-mul and rotary kernels on CUDA "
                                      "(off: the PyTorch path, for A/B checks)")
@@ -147,10 +151,16 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             use_triton_ops=self.use_triton_ops,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
+            cpu_int4_matmul=self._cpu_int4_matmul(device),
             kv_offload_config=self._kv_offload_config(),
             async_scheduling=(device.type == "cuda" if self.async_scheduling is None
                               else bool(self.async_scheduling)),
         )
+
+    def _cpu_int4_matmul(self, device: Any) -> bool:
+        if self.cpu_int4_matmul and device.type != "cpu":
+            raise ValueError(f"cpu_int4_matmul runs on the CPU only (device is {device.type})")
+        return self.cpu_int4_matmul
 
     def _kv_offload_config(self) -> KVOffloadConfig | None:
         if self.kv_offloading_size is None:
