@@ -76,25 +76,24 @@ def read_bandwidth(threads: int, gib: float = 1.0) -> dict[str, float]:
 
 
 def streamed_weight_bytes(model: Any) -> dict[str, int]:
-    """Bytes a decode step streams from memory: every linear weight (in whatever form the
-    layer holds it) and the LM head; the input embedding is gathered, not streamed."""
-    try:
-        from shoal.layers.quant.linear_method import streamed_bytes
-    except ImportError:  # before quantized layers existed: dense weights only
-        from shoal.layers.embedding import VocabParallelEmbedding
+    """Bytes a decode step streams from memory: every linear weight (int4-packed where the
+    layer holds it so) and the LM head; the input embedding is gathered, not streamed."""
+    from shoal.layers.embedding import VocabParallelEmbedding
 
-        out = {"layers": 0, "lm_head": 0}
-        for name, mod in model.named_modules():
-            w = getattr(mod, "weight", None)
-            if w is None or w.dim() != 2:
-                continue
-            if name.endswith("lm_head"):
-                out["lm_head"] = w.numel() * w.element_size()
-            elif not isinstance(mod, VocabParallelEmbedding):
-                out["layers"] += w.numel() * w.element_size()
-        out["total"] = out["layers"] + out["lm_head"]
-        return out
-    return streamed_bytes(model)
+    out = {"layers": 0, "lm_head": 0}
+    for name, mod in model.named_modules():
+        int4 = getattr(mod, "int4", None)
+        w = getattr(mod, "weight", None)
+        if int4 is not None:
+            out["layers"] += int4.nbytes
+        elif w is None or w.dim() != 2:
+            continue
+        elif name.endswith("lm_head"):
+            out["lm_head"] = w.numel() * w.element_size()
+        elif not isinstance(mod, VocabParallelEmbedding):
+            out["layers"] += w.numel() * w.element_size()
+    out["total"] = out["layers"] + out["lm_head"]
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,11 +219,15 @@ def engine_split(llm: Any, batch: int, prompt_len: int, out_len: int) -> dict[st
 # A/B in one process
 
 
-def make_llm(dtype: str, kv_gib: float, engine_args: dict[str, Any]) -> Any:
+def make_llm(variant: str, kv_gib: float, engine_args: dict[str, Any]) -> Any:
+    """variant: a dtype, optionally with "+int4" (cpu_int4_matmul)."""
     from shoal import LLM
 
+    dtype, _, extra = variant.partition("+")
+    if extra not in ("", "int4"):
+        raise SystemExit(f"unknown variant {variant!r}: <dtype> or <dtype>+int4")
     return LLM(dtype=dtype, max_model_len=2048, kv_cache_memory_bytes=int(kv_gib * 2**30),
-               **engine_args)
+               cpu_int4_matmul=extra == "int4", **engine_args)
 
 
 def interleaved_steps(runners: dict[str, Any], batch: int, context: int, rounds: int,
@@ -247,19 +250,21 @@ def interleaved_steps(runners: dict[str, Any], batch: int, context: int, rounds:
         med = statistics.median(ms)
         out[name] = {"median_ms": round(med, 2), "round_medians_ms": [round(x, 2) for x in ms],
                      "tok_s": round(batch * 1e3 / med, 1)}
-    names = sorted(runners)
-    if len(names) == 2:
-        a, b = names
-        ratios = [x / y for x, y in zip(per_round[a], per_round[b])]
-        out[f"{a}_over_{b}"] = {"median": round(statistics.median(ratios), 3),
-                                "min": round(min(ratios), 3), "max": round(max(ratios), 3)}
+    # Paired per round: each variant's step time over the first variant's.
+    names = list(runners)
+    for b in names[1:]:
+        ratios = [x / y for x, y in zip(per_round[b], per_round[names[0]])]
+        out[f"{b}_time_over_{names[0]}"] = {"median": round(statistics.median(ratios), 3),
+                                             "min": round(min(ratios), 3),
+                                             "max": round(max(ratios), 3)}
     return out
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--variants", default="float32,bfloat16",
+                    help="engines compared: a dtype, or dtype+int4 (cpu_int4_matmul)")
     ap.add_argument("--engine-args", default="{}", help="JSON of extra LLM(...) arguments")
     ap.add_argument("--kv-gib", type=float, default=2.0, help="KV cache per engine")
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
@@ -269,6 +274,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5, help="decode steps per round")
     ap.add_argument("--no-engine-split", action="store_true")
+    ap.add_argument("--no-profile", action="store_true", help="step timings only")
     ap.add_argument("--out", type=Path, default=REPO / "bench-work" / "w6" / "profile.json")
     args = ap.parse_args()
     import torch
@@ -279,7 +285,7 @@ def main() -> int:
     res["bandwidth"] = [read_bandwidth(n) for n in sorted({1, torch.get_num_threads()})]
     res["bandwidth_load"] = load.result()
     llms = {}
-    for dtype in args.dtypes.split(","):
+    for dtype in args.variants.split(","):
         t = time.perf_counter()
         llms[dtype] = make_llm(dtype, args.kv_gib, engine_args)
         res.setdefault("llm_ready_s", {})[dtype] = round(time.perf_counter() - t, 2)
@@ -296,7 +302,7 @@ def main() -> int:
         case: dict[str, Any] = {"batch": batch, "context": context}
         case["step_ab"] = interleaved_steps(runners, batch, context, args.rounds, args.steps)
         case["profile"] = {}
-        for d, r in runners.items():
+        for d, r in ([] if args.no_profile else runners.items()):
             load = MachineLoad()
             case["profile"][d] = profile_decode_step(r, batch, context)
             case["profile"][d]["load"] = load.result()

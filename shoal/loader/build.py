@@ -39,12 +39,13 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
 def convert_to_int4(model: nn.Module, source: str) -> None:
     from shoal.layers.int4_cpu import convert_linears
 
+    t0 = time.perf_counter()
     stats = convert_linears(model)
     if not stats["converted"]:
         raise ValueError(f"cpu_int4_matmul: {source} has no 4-bit (Q4_0/Q4_1) linear weights")
     logger.info("int4 CPU matmuls: %d linear layers (%.0f MiB dense -> %.0f MiB), %d left "
-                "dense", stats["converted"], stats["dense_bytes"] / 2**20,
-                stats["int4_bytes"] / 2**20, stats["dense"])
+                "dense, converted in %.2f s", stats["converted"], stats["dense_bytes"] / 2**20,
+                stats["int4_bytes"] / 2**20, stats["dense"], time.perf_counter() - t0)
 
 
 def check_all_loaded(model: nn.Module, loaded_names: set[str], source: str) -> None:
