@@ -42,6 +42,18 @@ def test_groups_recovered_and_product_matches(q4_0):
     assert (y - ref).abs().max() < 0.02 * ref.abs().max()
 
 
+def test_bfloat16_model_weights_are_recovered_too():
+    w, q = q4_weight(64, 128, seed=3)
+    wb = w.bfloat16()
+    rec = int4_cpu.recover_groups(wb)
+    assert rec is not None and torch.equal(rec[0], q.int())
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    y = int4_cpu.int4_linear(x, int4_cpu.pack_int4(wb))
+    ref = F.linear(x.float(), w)
+    assert y.dtype == torch.bfloat16 and (y.float() - ref).abs().max() < 0.03 * ref.abs().max()
+    assert int4_cpu.pack_int4(torch.randn(64, 128).bfloat16()) is None
+
+
 def test_weights_that_were_never_4bit_stay_dense():
     assert int4_cpu.pack_int4(torch.randn(64, 128)) is None  # float weights
     q8 = torch.randint(-127, 128, (64, 128)).float() * 0.01  # 8-bit levels
