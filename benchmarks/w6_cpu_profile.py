@@ -273,7 +273,9 @@ def main() -> int:
                     default=[600, 192], help="context length per batch size, in order")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=5, help="decode steps per round")
-    ap.add_argument("--no-engine-split", action="store_true")
+    ap.add_argument("--engine-split-batches", type=lambda s: [int(x) for x in s.split(",") if x],
+                    default=[64, 1], help="batch sizes to time a real generate for ('' none)")
+    ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true", help="step timings only")
     ap.add_argument("--out", type=Path, default=REPO / "bench-work" / "w6" / "profile.json")
     args = ap.parse_args()
@@ -304,9 +306,9 @@ def main() -> int:
         case["profile"] = {}
         for d, r in ([] if args.no_profile else runners.items()):
             load = MachineLoad()
-            case["profile"][d] = profile_decode_step(r, batch, context)
+            case["profile"][d] = profile_decode_step(r, batch, context, args.profile_steps)
             case["profile"][d]["load"] = load.result()
-        if not args.no_engine_split:
+        if batch in args.engine_split_batches:
             case["engine"] = {}
             for d, llm in llms.items():
                 load = MachineLoad()

@@ -90,7 +90,10 @@ class Runner:
         if engine == "shoal":
             from shoal import LLM, SamplingParams
 
-            self.llm = LLM(dtype=dtype, max_model_len=MAX_MODEL_LEN)
+            # "float32+int4": the GGUF's 4-bit weights through the int4 CPU kernel
+            base, _, extra = dtype.partition("+")
+            self.llm = LLM(dtype=base, max_model_len=MAX_MODEL_LEN,
+                           cpu_int4_matmul=extra == "int4")
         else:
             from vllm import LLM, SamplingParams
 
@@ -411,7 +414,9 @@ def main_parent(args: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--engines", default="shoal,vllm", help="comma list of shoal, vllm")
-    ap.add_argument("--dtypes", default="bfloat16", help="comma list, e.g. bfloat16,float32")
+    ap.add_argument("--dtypes", default="bfloat16",
+                    help="comma list, e.g. bfloat16,float32,float32+int4 (+int4: shoal's "
+                         "cpu_int4_matmul)")
     ap.add_argument("--vllm-dtypes", default="bfloat16",
                     help="the dtypes of --dtypes that vLLM runs too (default bfloat16)")
     ap.add_argument("--num-requests", type=int, default=W6["num_requests"])
