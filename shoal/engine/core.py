@@ -98,7 +98,8 @@ class EngineCore:
             self._warm_request_path()
             self.runner.startup_times["warm_requests"] = time.perf_counter() - t1
         freeze_startup_heap()
-        logger.info("engine core ready in %.2f s", time.perf_counter() - t0)
+        logger.info("engine core ready in %.2f s (max_num_batched_tokens %d, max_num_seqs %d)",
+                    time.perf_counter() - t0, sc.max_num_batched_tokens, sc.max_num_seqs)
 
     def _warm_request_path(self) -> None:
         """Runs requests end to end through the scheduler, the runner and the sampler before

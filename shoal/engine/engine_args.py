@@ -15,10 +15,13 @@ from shoal.config import (
     default_device,
     resolve_dtype,
 )
+from shoal.engine.cpu_defaults import (
+    CPU_MAX_NUM_SEQS,
+    CPU_TOKENS_PER_THREAD,
+    GPU_MAX_NUM_BATCHED_TOKENS,
+    default_scheduler_limits,
+)
 from shoal.spec_decode.config import SpeculativeConfig
-
-# On the CPU fewer sequences run at once: each step's cost grows with the batch.
-CPU_MAX_NUM_SEQS = 64
 
 
 def arg(default: Any, help: str) -> Any:
@@ -39,7 +42,10 @@ class EngineArgs:
     max_model_len: int | None = arg(None, "context length (default: the model's)")
     max_num_seqs: int | None = arg(None, f"sequences per step (default 256 on GPU, "
                                          f"{CPU_MAX_NUM_SEQS} on CPU)")
-    max_num_batched_tokens: int = arg(16384, "token budget per step")
+    max_num_batched_tokens: int | None = arg(
+        None, f"token budget per step (default {GPU_MAX_NUM_BATCHED_TOKENS} on GPU; on CPU "
+              f"{CPU_TOKENS_PER_THREAD} per model thread, so a burst of prompts prefills in "
+              f"short steps)")
     block_size: int = arg(16, "tokens per KV block")
     enable_prefix_caching: bool = arg(True, "reuse the KV blocks of shared prefixes")
     enable_chunked_prefill: bool = arg(True, "split long prefills over several steps")
@@ -52,6 +58,10 @@ class EngineArgs:
     enforce_eager: bool = arg(False, "no CUDA graphs")
     cpu_threads: int | None = arg(None, "threads for the model on the CPU (default: every core, "
                                         "less one for the frontend when serving)")
+    cpu_int4_matmul: bool = arg(False, "on the CPU, run the linear layers of a 4-bit GGUF "
+                                       "(Q4_0/Q4_1) with torch's int4 weight-only kernel and "
+                                       "bfloat16 activations instead of dequantized weights "
+                                       "(faster; greedy output may differ slightly)")
     attention_backend: str | None = arg(None, "torch or triton (default: triton on CUDA)")
     use_triton_ops: bool = arg(True, "Triton RMSNorm, SiLU-and-mul and rotary kernels on CUDA "
                                      "(off: the PyTorch path, for A/B checks)")
@@ -126,7 +136,9 @@ class EngineArgs:
                 f"max_model_len ({max_len}) is larger than the model's max_position_embeddings "
                 f"({model_max})"
             )
-        max_seqs = self.max_num_seqs or (256 if device.type == "cuda" else CPU_MAX_NUM_SEQS)
+        limits = default_scheduler_limits(
+            device.type, torch.get_num_threads(), max_len, self.enable_chunked_prefill,
+            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs)
         dtype = resolve_dtype(self.dtype, device)
         if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
             raise ValueError(
@@ -139,8 +151,8 @@ class EngineArgs:
                                      self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                                      self.num_gpu_blocks_override),
             scheduler_config=SchedulerConfig(
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_num_seqs=max_seqs, max_model_len=max_len,
+                max_num_batched_tokens=limits.max_num_batched_tokens,
+                max_num_seqs=limits.max_num_seqs, max_model_len=max_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 max_waiting_requests=self.max_waiting_requests,
@@ -153,6 +165,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             use_triton_ops=self.use_triton_ops,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
+            cpu_int4_matmul=self._cpu_int4_matmul(device),
             kv_offload_config=self._kv_offload_config(),
             speculative_config=self._speculative_config(hf_config.vocab_size),
             async_scheduling=self._async_scheduling(device, tp),
@@ -207,6 +220,10 @@ class EngineArgs:
 
         spec.check_draft_vocab(vocab_size, draft_config)
         return spec
+    def _cpu_int4_matmul(self, device: Any) -> bool:
+        if self.cpu_int4_matmul and device.type != "cpu":
+            raise ValueError(f"cpu_int4_matmul runs on the CPU only (device is {device.type})")
+        return self.cpu_int4_matmul
 
     def _kv_offload_config(self) -> KVOffloadConfig | None:
         if self.kv_offloading_size is None:

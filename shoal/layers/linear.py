@@ -13,6 +13,7 @@ from shoal.distributed.parallel_state import (
     tp_all_gather_last_dim,
     tp_all_reduce,
 )
+from shoal.layers.int4_cpu import Int4Weight, int4_linear
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -42,6 +43,7 @@ class ColumnParallelLinear(nn.Module):
             requires_grad=False,
         )
         self.weight.weight_loader = self.weight_loader
+        self.int4: Int4Weight | None = None  # set by int4_cpu.convert_linears
         if bias:
             self.bias = nn.Parameter(
                 torch.empty(self.output_size_per_partition, dtype=params_dtype), requires_grad=False
@@ -55,7 +57,11 @@ class ColumnParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        if self.int4 is not None:
+            y = int4_linear(x, self.int4)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(x, self.weight, self.bias)
         return tp_all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -117,6 +123,7 @@ class RowParallelLinear(nn.Module):
             requires_grad=False,
         )
         self.weight.weight_loader = self.weight_loader
+        self.int4: Int4Weight | None = None  # set by int4_cpu.convert_linears
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = default_weight_loader
@@ -128,7 +135,7 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight) if self.int4 is None else int4_linear(x, self.int4)
         if self.reduce_results:
             y = tp_all_reduce(y)
         if self.bias is not None:

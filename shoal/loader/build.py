@@ -29,9 +29,23 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
         initialize_dummy_weights(model, seed=config.model_config.seed)
     else:
         check_all_loaded(model, model.load_weights(loaded.weights()), loaded.source)
+    if config.cpu_int4_matmul:
+        convert_to_int4(model, loaded.source)
     model.eval()
     logger.info("model %s loaded in %.2f s", cls.__name__, time.perf_counter() - t0)
     return model
+
+
+def convert_to_int4(model: nn.Module, source: str) -> None:
+    from shoal.layers.int4_cpu import convert_linears
+
+    t0 = time.perf_counter()
+    stats = convert_linears(model)
+    if not stats["converted"]:
+        raise ValueError(f"cpu_int4_matmul: {source} has no 4-bit (Q4_0/Q4_1) linear weights")
+    logger.info("int4 CPU matmuls: %d linear layers (%.0f MiB dense -> %.0f MiB), %d left "
+                "dense, converted in %.2f s", stats["converted"], stats["dense_bytes"] / 2**20,
+                stats["int4_bytes"] / 2**20, stats["dense"], time.perf_counter() - t0)
 
 
 def check_all_loaded(model: nn.Module, loaded_names: set[str], source: str) -> None:
