@@ -291,3 +291,37 @@ class SamplingParams:
                 if token >= vocab_size:
                     raise ValueError(
                         f"{name} token id {token} is out of range [0, {vocab_size})")
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters (`LLM.beam_search`, `use_beam_search` on the server).
+
+    Beam search runs in the frontend (shoal/beam_search.py): each step is one 1-token request
+    per live beam asking for the top 2 * beam_width logprobs."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    # Picks each step's sampled token only; beams are ranked by the raw logprobs.
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if _check_int("beam_width", self.beam_width) < 1:
+            raise ValueError(f"beam_width must be >= 1 (got {self.beam_width})")
+        if _check_int("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1 (got {self.max_tokens})")
+        self.temperature = _as_float("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+
+    def step_params(self) -> SamplingParams:
+        """What each beam's one-token request asks of the engine."""
+        return SamplingParams(temperature=self.temperature, max_tokens=1,
+                              logprobs=2 * self.beam_width, detokenize=False)
