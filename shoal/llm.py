@@ -8,7 +8,13 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from shoal.beam_search import BeamSearch, BeamSearchOutput, check_beam_search, decoder, step_position
+from shoal.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    check_beam_search,
+    decoder,
+    step_position,
+)
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.llm_engine import LLMEngine
 from shoal.outputs import RequestOutput

@@ -216,12 +216,12 @@ class SamplingParams:
         if ids is None:
             return
         if len(ids) > MAX_LOGPROB_TOKEN_IDS:
-            raise ValueError(f"logprob_token_ids may list at most {MAX_LOGPROB_TOKEN_IDS} "
+            raise ValueError(f"logprob_token_ids must list at most {MAX_LOGPROB_TOKEN_IDS} "
                              f"token ids (got {len(ids)})")
         if self.logprobs is not None and self.logprobs != len(ids):
             raise ValueError(
-                "logprob_token_ids: when logprobs is also set it must equal "
-                f"len(logprob_token_ids) (got logprobs={self.logprobs}, {len(ids)} ids)")
+                "logprob_token_ids must list as many ids as logprobs when both are set "
+                f"(got logprobs={self.logprobs} and {len(ids)} ids)")
 
     def _validate_flags(self) -> None:
         for name in (

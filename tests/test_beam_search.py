@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from engine_helpers import tiny_llm
+
 from shoal.beam_search import BeamSearch, beam_score
 from shoal.outputs import Logprob
 from shoal.sampling_params import BeamSearchParams, SamplingParams

@@ -318,6 +318,8 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
             return "n", "the batch endpoint takes n = 1 (one choice per conversation)"
         if self.tools:
             return "tools", "the batch endpoint does not take tools"
+        if self.use_beam_search:
+            return "use_beam_search", "the batch endpoint does not run beam search"
         return super().unsupported()
 
 
