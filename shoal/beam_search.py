@@ -122,8 +122,13 @@ class BeamSearch:
 
 
 def check_beam_search(params: BeamSearchParams, prompt_len: int, max_model_len: int,
-                      max_logprobs: int, width_field: str = "beam_width") -> None:
-    """What the engine would refuse about the step requests, named as the caller knows it."""
+                      max_logprobs: int, max_width: int, width_field: str = "beam_width"
+                      ) -> None:
+    """What the engine would refuse about the step requests, named as the caller knows it;
+    the width is also held to the engine's max_n (each step runs that many requests)."""
+    if params.beam_width > max_width:
+        raise ValueError(f"{width_field} must be <= {max_width} (the engine's max_n) for beam "
+                         f"search (got {params.beam_width})")
     if max_logprobs != -1 and 2 * params.beam_width > max_logprobs:
         raise ValueError(f"{width_field} must be <= {max_logprobs // 2}: beam search asks for "
                          f"the top 2 * {width_field} logprobs per step, and the server's "

@@ -100,7 +100,7 @@ class LLM:
         processed = [eng.inputs.process(p) for p in prompts]
         for p in processed:
             check_beam_search(params, len(p.prompt_token_ids), eng.inputs.max_model_len,
-                              self.engine_args.max_logprobs)
+                              self.engine_args.max_logprobs, eng.inputs.limits.request.max_n)
         eos = eng.inputs.limits.eos_token_ids
         searches = [BeamSearch(p.prompt_token_ids, params, eos) for p in processed]
         step_params = params.step_params()

@@ -84,6 +84,10 @@ def test_allowed_token_ids_restrict_sampling_and_chat_logprob_token_ids(client, 
     ({"prompt": "Hi", "length_penalty": 0.5}, "length_penalty"),
     ({"prompt": "Hi", "use_beam_search": True, "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "Hi", "use_beam_search": True, "max_tokens": 4000}, "max_tokens"),
+    ({"prompt": "Hi", "use_beam_search": True, "stop": ["x"]}, "stop"),  # beams ignore it
+    ({"prompt": "Hi", "use_beam_search": True, "top_p": 0.5}, "top_p"),
+    ({"prompt": "Hi", "use_beam_search": True, "n": 0}, "n"),
+    ({"prompt": "Hi", "use_beam_search": True, "n": 129}, "n"),  # > max_n (128)
     ({"messages": MESSAGES, "logprob_token_ids": [5]}, "logprob_token_ids"),
     ({"messages": MESSAGES, "use_beam_search": True, "stream": True}, "use_beam_search"),
 ])
@@ -142,3 +146,21 @@ def test_server_still_serves_after_refusals(client):
                                   extra_body={"allowed_token_ids": [VOCAB + 5]})
     c = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert c.choices[0].finish_reason in ("stop", "length")
+
+
+def test_request_to_params_without_a_server():
+    from shoal.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    req = CompletionRequest(prompt="a", logprobs=5, logprob_token_ids=[7, 8],
+                            allowed_token_ids=[3])
+    sp = req.to_sampling_params(4, req.logprobs, None)
+    # The explicit ids replace the top-k, as vLLM's protocol does.
+    assert (sp.logprobs, sp.num_logprobs, sp.logprob_token_ids) == (None, 2, [7, 8])
+    assert sp.allowed_token_ids == [3]
+    bp = CompletionRequest(prompt="a", n=3, use_beam_search=True, length_penalty=0.5,
+                           ignore_eos=True).to_beam_search_params(7)
+    assert (bp.beam_width, bp.max_tokens, bp.length_penalty, bp.ignore_eos,
+            bp.temperature) == (3, 7, 0.5, True, 0.0)
+    assert CompletionRequest(prompt="a", use_beam_search=True, seed=1).unsupported()[0] == "seed"
+    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
+                                 use_beam_search=True).unsupported() is None

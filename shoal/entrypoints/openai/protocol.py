@@ -53,6 +53,16 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
 }
 
 
+# Fields beam search cannot honour, with the values that mean "not used".
+BEAM_SEARCH_IGNORES: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("top_p", (None, 1, 1.0)), ("top_k", (None, 0, -1)), ("min_p", (None, 0, 0.0)),
+    ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
+    ("repetition_penalty", (None, 1, 1.0)), ("seed", (None,)), ("stop", (None, [], "")),
+    ("stop_token_ids", (None, [])), ("min_tokens", (0,)), ("logit_bias", (None, {})),
+    ("allowed_token_ids", (None,)), ("prompt_logprobs", (None,)),
+)
+
+
 def _unset(value: Any, default: Any) -> bool:
     if value is None or value == default:
         return True
@@ -199,9 +209,22 @@ class SamplingRequest(OpenAIBaseModel):
             return "logprob_token_ids", "logprob_token_ids is not supported with beam search"
         if self.use_beam_search and self.stream:
             return "use_beam_search", "streaming is not supported with beam search"
+        if self.use_beam_search:
+            conflict = self._beam_search_conflict()
+            if conflict is not None:
+                return conflict
         if self.length_penalty != 1.0 and not self.use_beam_search:
             return "length_penalty", "length_penalty only applies to beam search " \
                                      "(use_beam_search: true)"
+        return None
+
+    def _beam_search_conflict(self) -> tuple[str, str] | None:
+        if (1 if self.n is None else self.n) < 1:
+            return "n", f"n (the beam width) must be >= 1 (got {self.n})"
+        for name, unused in BEAM_SEARCH_IGNORES:
+            if getattr(self, name) not in unused:
+                return name, (f"{name} is not supported with beam search (beams are ranked "
+                              "by the model's raw logprobs)")
         return None
 
     def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:

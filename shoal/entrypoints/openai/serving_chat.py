@@ -149,7 +149,8 @@ class OpenAIServingChat(ServingBase):
             max_tokens = self.engine.max_model_len - len(prompt.prompt_token_ids)
         params = req.to_beam_search_params(max_tokens)
         check_beam_search(params, len(prompt.prompt_token_ids), self.engine.max_model_len,
-                          self.engine.inputs.max_logprobs, width_field="n")
+                          self.engine.inputs.max_logprobs, self.engine.limits.request.max_n,
+                          width_field="n")
         run = BeamSearchRunner(self.engine, random_id("chatcmpl"), params,
                                priority=req.priority, cache_salt=req.cache_salt)
         try:

@@ -156,7 +156,8 @@ class OpenAIServingCompletion(ServingBase):
         params = req.to_beam_search_params(max_tokens)
         for p in prompts:
             check_beam_search(params, len(p.prompt_token_ids), self.engine.max_model_len,
-                              self.engine.inputs.max_logprobs, width_field="n")
+                              self.engine.inputs.max_logprobs,
+                              self.engine.limits.request.max_n, width_field="n")
         run = BeamSearchRunner(self.engine, random_id("cmpl"), params, priority=req.priority,
                                cache_salt=req.cache_salt)
         try:
