@@ -127,3 +127,19 @@ def test_offline_refusals_name_the_field(llm) -> None:
         llm.beam_search(PROMPTS, BeamSearchParams(beam_width=2, max_tokens=300))
     with pytest.raises(ValueError, match="params"):
         llm.beam_search(PROMPTS, SamplingParams())
+
+
+def test_smollm2_text_prompts(smollm_llm) -> None:
+    prompt = "The capital of France is"
+    greedy = smollm_llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4,
+                                                          ignore_eos=True, logprobs=0),
+                                 use_tqdm=False)[0].outputs[0]
+    (out,) = smollm_llm.beam_search([prompt], BeamSearchParams(beam_width=3, max_tokens=4,
+                                                               ignore_eos=True))
+    tok = smollm_llm.get_tokenizer()
+    n = len(tok.encode(prompt))
+    assert len(out.sequences) == 3
+    for seq in out.sequences:
+        assert seq.text == tok.decode(seq.tokens[n:], skip_special_tokens=True)
+    assert out.sequences[0].cum_logprob >= greedy.cumulative_logprob - 1e-4
+    assert "Paris" in out.sequences[0].text
