@@ -10,11 +10,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
 
 _LAZY = {
     "LLM": "shoal.llm",
     "SamplingParams": "shoal.sampling_params",
+    "BeamSearchParams": "shoal.sampling_params",
     "RequestOutput": "shoal.outputs",
     "CompletionOutput": "shoal.outputs",
 }
@@ -22,7 +23,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from shoal.llm import LLM
     from shoal.outputs import CompletionOutput, RequestOutput
-    from shoal.sampling_params import SamplingParams
+    from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 
 def __getattr__(name: str) -> Any:

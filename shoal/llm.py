@@ -8,10 +8,17 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from shoal.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    check_beam_search,
+    decoder,
+    step_position,
+)
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.llm_engine import LLMEngine
 from shoal.outputs import RequestOutput
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | Mapping[str, Any]
 Message = Mapping[str, Any]
@@ -79,6 +86,44 @@ class LLM:
             )
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: the best `params.beam_width` beams of each prompt, best
+        first; each step runs every live beam of every prompt as one batch of one-token
+        requests."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams (got {type(params).__name__})")
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        eng = self.llm_engine
+        processed = [eng.inputs.process(p) for p in prompts]
+        for p in processed:
+            check_beam_search(params, len(p.prompt_token_ids), eng.inputs.max_model_len,
+                              self.engine_args.max_logprobs, eng.inputs.limits.request.max_n)
+        eos = eng.inputs.limits.eos_token_ids
+        searches = [BeamSearch(p.prompt_token_ids, params, eos) for p in processed]
+        step_params = params.step_params()
+        bar = tqdm(total=params.max_tokens, desc="Beam search", dynamic_ncols=True) \
+            if use_tqdm else None
+        try:
+            while any(not s.done for s in searches):
+                reqs = [[eng.inputs.process_request(eng.next_request_id(),
+                                                    {"prompt_token_ids": seq}, step_params)
+                         for seq in s.pending()] for s in searches]
+                for r in (r for rs in reqs for r in rs):
+                    eng.submit(r)
+                outs = iter(self._run([r.request_id for rs in reqs for r in rs], False))
+                for s, rs in zip(searches, reqs):
+                    if rs:
+                        s.advance([step_position(next(outs)) for _ in rs])
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        decode = decoder(eng.tokenizer)
+        return [BeamSearchOutput(sequences=s.best(decode)) for s in searches]
 
     @staticmethod
     def _params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:

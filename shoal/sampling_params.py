@@ -23,6 +23,8 @@ SAMPLING_EPS = 1e-5
 _SEED_MIN = -(2**63)
 _SEED_MAX = 2**64 - 1
 _LOGIT_BIAS_MAX = 100.0
+# vLLM's cap on logprob_token_ids: each id is one more gathered column per step.
+MAX_LOGPROB_TOKEN_IDS = 128
 
 
 class SamplingType(IntEnum):
@@ -93,6 +95,11 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[int, float] | None = None
+    # Only these ids may be sampled (every other logit is masked to -inf).
+    allowed_token_ids: list[int] | None = None
+    # Report the logprobs of exactly these ids at each position (beside the sampled token's),
+    # instead of the top-k; `num_logprobs` counts them.
+    logprob_token_ids: list[int] | None = None
     detokenize: bool = True
     # KV offloading options, e.g. {"skip_tiers": ["disk"]} (shoal/kv_offload/request_params.py)
     kv_transfer_params: dict[str, Any] | None = None
@@ -101,6 +108,7 @@ class SamplingParams:
         self._validate_counts()
         self._validate_floats()
         self._validate_lists()
+        self._validate_token_id_lists()
         self._validate_flags()
         self.kv_transfer_params = validate_kv_transfer_params(self.kv_transfer_params)
 
@@ -194,6 +202,27 @@ class SamplingParams:
             normalized[token] = value
         self.logit_bias = normalized
 
+    def _validate_token_id_lists(self) -> None:
+        for name in ("allowed_token_ids", "logprob_token_ids"):
+            ids = getattr(self, name)
+            if ids is None:
+                continue
+            if not isinstance(ids, list | tuple):
+                raise ValueError(f"{name} must be a list of token ids (got {ids!r})")
+            if not ids:
+                raise ValueError(f"{name} must not be empty (leave it unset instead)")
+            setattr(self, name, [_token_id(name, t) for t in ids])
+        ids = self.logprob_token_ids
+        if ids is None:
+            return
+        if len(ids) > MAX_LOGPROB_TOKEN_IDS:
+            raise ValueError(f"logprob_token_ids must list at most {MAX_LOGPROB_TOKEN_IDS} "
+                             f"token ids (got {len(ids)})")
+        if self.logprobs is not None and self.logprobs != len(ids):
+            raise ValueError(
+                "logprob_token_ids must list as many ids as logprobs when both are set "
+                f"(got logprobs={self.logprobs} and {len(ids)} ids)")
+
     def _validate_flags(self) -> None:
         for name in (
             "ignore_eos",
@@ -213,6 +242,14 @@ class SamplingParams:
         if self.seed is not None:
             return SamplingType.RANDOM_SEED
         return SamplingType.RANDOM
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Logprob entries per generated position besides the sampled token (None: no
+        logprobs): `logprobs`, or how many ids `logprob_token_ids` lists."""
+        if self.logprobs is not None:
+            return self.logprobs
+        return len(self.logprob_token_ids) if self.logprob_token_ids else None
 
     @property
     def is_greedy(self) -> bool:
@@ -249,8 +286,42 @@ class SamplingParams:
         for token in self.logit_bias or {}:
             if token >= vocab_size:
                 raise ValueError(f"logit_bias token id {token} is out of range [0, {vocab_size})")
-        for token in self.stop_token_ids or []:
-            if token >= vocab_size:
-                raise ValueError(
-                    f"stop_token_ids token id {token} is out of range [0, {vocab_size})"
-                )
+        for name in ("stop_token_ids", "allowed_token_ids", "logprob_token_ids"):
+            for token in getattr(self, name) or []:
+                if token >= vocab_size:
+                    raise ValueError(
+                        f"{name} token id {token} is out of range [0, {vocab_size})")
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters (`LLM.beam_search`, `use_beam_search` on the server).
+
+    Beam search runs in the frontend (shoal/beam_search.py): each step is one 1-token request
+    per live beam asking for the top 2 * beam_width logprobs."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    # Picks each step's sampled token only; beams are ranked by the raw logprobs.
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if _check_int("beam_width", self.beam_width) < 1:
+            raise ValueError(f"beam_width must be >= 1 (got {self.beam_width})")
+        if _check_int("max_tokens", self.max_tokens) < 1:
+            raise ValueError(f"max_tokens must be >= 1 (got {self.max_tokens})")
+        self.temperature = _as_float("temperature", self.temperature)
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature})")
+        self.length_penalty = _as_float("length_penalty", self.length_penalty)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            _check_bool(name, getattr(self, name))
+
+    def step_params(self) -> SamplingParams:
+        """What each beam's one-token request asks of the engine."""
+        return SamplingParams(temperature=self.temperature, max_tokens=1,
+                              logprobs=2 * self.beam_width, detokenize=False)

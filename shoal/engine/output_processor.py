@@ -115,7 +115,7 @@ class OutputProcessor:
                 stop=params.stop or [],
                 include_stop_str_in_output=params.include_stop_str_in_output,
             )
-        with_lp = params.logprobs is not None
+        with_lp = params.num_logprobs is not None
         return _Sample(index, child_id, params, detok,
                        detok_at_end=detok is not None and kind == OutputKind.FINAL_ONLY
                        and not detok.stop,

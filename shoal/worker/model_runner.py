@@ -354,7 +354,7 @@ class ModelRunner:
         self._prev_rows = {rid: i for i, rid in enumerate(inp.sample_rows)}
         fut.sample_rows = inp.sample_rows
         fut.states = states
-        fut.wanted = [s.sampling_params.logprobs for s in states]
+        fut.wanted = [s.sampling_params.num_logprobs for s in states]
         # One device-to-host transfer for both, queued behind the step.
         self._queue_to_host(fut, torch.stack([result.sampled_token_ids, finite.long()]),
                             result.logprobs)

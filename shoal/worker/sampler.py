@@ -59,6 +59,36 @@ def compute_logprobs_tensors(
     return gather_logprobs(compute_logprobs(logits), token_ids, k)
 
 
+def gather_token_id_logprobs(lt: LogprobsTensors, logprobs: torch.Tensor,
+                             token_ids: dict[int, list[int]]) -> LogprobsTensors:
+    """lt with the rows of `token_ids` reporting those ids (after the chosen token in column
+    0) instead of their top-k; other rows keep theirs. Columns past a row's count are filler
+    that the reader slices away."""
+    num_rows, width = lt.token_ids.shape
+    width = max(width, 1 + max(len(ids) for ids in token_ids.values()))
+    ids = lt.token_ids.new_zeros(num_rows, width)
+    ids[:, : lt.token_ids.shape[1]] = lt.token_ids
+    rows = [r for r, tids in token_ids.items() for _ in tids]
+    cols = [j + 1 for tids in token_ids.values() for j in range(len(tids))]
+    vals = [t for tids in token_ids.values() for t in tids]
+    index = to_device([rows, cols, vals], torch.int64, ids.device)
+    ids[index[0], index[1]] = index[2]
+    return LogprobsTensors(token_ids=ids, logprobs=logprobs.gather(-1, ids), ranks=lt.ranks)
+
+
+def apply_allowed_token_ids(logits: torch.Tensor, allowed: dict[int, list[int]]) -> None:
+    """Rows in `allowed` keep only the logits of their ids; other rows are untouched."""
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    rows = list(allowed)
+    index = to_device(rows, torch.int64, logits.device)
+    keep[index] = False
+    flat_rows = [r for r, ids in allowed.items() for _ in ids]
+    flat_ids = [t for ids in allowed.values() for t in ids]
+    pairs = to_device([flat_rows, flat_ids], torch.int64, logits.device)
+    keep[pairs[0], pairs[1]] = True
+    logits.masked_fill_(~keep, _NEG_INF)
+
+
 def apply_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float] | None]) -> None:
     vocab = logits.shape[-1]
     rows: list[int] = []
@@ -157,13 +187,14 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 
 
 def _modifies_logits(md: SamplingMetadata) -> bool:
-    return bool(md.min_tokens_mask) or not md.no_penalties or any(md.logit_bias)
+    return (bool(md.min_tokens_mask) or not md.no_penalties or any(md.logit_bias)
+            or md.allowed_token_ids is not None)
 
 
 class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         raw_logprobs = None
-        if md.max_num_logprobs is not None:
+        if md.max_num_logprobs is not None or md.logprob_token_ids is not None:
             raw_logprobs = compute_logprobs(logits)
         elif md.all_greedy and not _modifies_logits(md):
             # Common decode batch: upcasting is exact, so argmax needs no float32 copy.
@@ -174,11 +205,15 @@ class Sampler(nn.Module):
         sampled = self._sample(logits, md)
         logprobs = None
         if raw_logprobs is not None:
-            logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs)
+            logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs or 0)
+            if md.logprob_token_ids is not None:
+                logprobs = gather_token_id_logprobs(logprobs, raw_logprobs, md.logprob_token_ids)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     @staticmethod
     def _process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        if md.allowed_token_ids is not None:  # first, as vLLM: the rest cannot revive a token
+            apply_allowed_token_ids(logits, md.allowed_token_ids)
         apply_logit_bias(logits, md.logit_bias)
         if md.min_tokens_mask:
             apply_min_tokens(logits, md.min_tokens_mask)

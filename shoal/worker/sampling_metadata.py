@@ -43,6 +43,10 @@ class SamplingMetadata:
     logit_bias: list[dict[int, float] | None]
     min_tokens_mask: dict[int, list[int]]  # row -> token ids forbidden until min_tokens
     max_num_logprobs: int | None
+    # row -> the only token ids it may sample; None when no row restricts them.
+    allowed_token_ids: dict[int, list[int]] | None = None
+    # row -> the ids whose logprobs it reports instead of the top-k; None when no row asks.
+    logprob_token_ids: dict[int, list[int]] | None = None
 
     @property
     def no_penalties(self) -> bool:
@@ -99,7 +103,14 @@ class SamplingMetadata:
             logit_bias=[p.logit_bias or None for p in params_list],
             min_tokens_mask=min_tokens_mask,
             max_num_logprobs=max(wanted) if wanted else None,
+            allowed_token_ids=_rows_with(params_list, "allowed_token_ids"),
+            logprob_token_ids=_rows_with(params_list, "logprob_token_ids"),
         )
+
+
+def _rows_with(params_list: Sequence[SamplingParams], name: str) -> dict[int, list[int]] | None:
+    rows = {i: ids for i, p in enumerate(params_list) if (ids := getattr(p, name))}
+    return rows or None
 
 
 def _floats(values: list[float], device: torch.device) -> torch.Tensor:

@@ -53,9 +53,8 @@ def events(resp: httpx.Response) -> list[dict]:
 
 # ---- refused extensions -----------------------------------------------------------------------
 REFUSED = {"structured_outputs": {"json": {"type": "object"}}, "guided_json": {"type": "object"},
-           "guided_regex": "[a-z]+", "guided_choice": ["a", "b"], "use_beam_search": True,
-           "allowed_token_ids": [1, 2], "bad_words": ["x"], "logprob_token_ids": [5],
-           "prompt_embeds": "AAAA", "length_penalty": 0.5, "include_reasoning": False,
+           "guided_regex": "[a-z]+", "guided_choice": ["a", "b"], "bad_words": ["x"],
+           "prompt_embeds": "AAAA", "include_reasoning": False,
            "thinking_token_budget": 5, "vllm_xargs": {"a": 1}, "stream_interval": 4}
 
 

@@ -215,7 +215,7 @@ BAD_COMPLETIONS = [
 BAD_CHATS = [
     ({"messages": []}, 400),
     ({"messages": [{"role": "", "content": "hi"}]}, 400),  # any role the template takes, not none
-    ({"messages": MESSAGES, "use_beam_search": True}, 400),
+    ({"messages": MESSAGES, "use_beam_search": True, "stream": True}, 400),
     ({"messages": MESSAGES, "structured_outputs": {"regex": "a+"}}, 400),
     ({"messages": MESSAGES, "seed": 2**64}, 400),
     ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),

@@ -45,8 +45,11 @@ def prompt_logprobs_entries(positions: Sequence[PositionLogprobs | None],
             for pos in positions]
 
 
-def _top(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
-    """The top-k entries by rank (the chosen token carries its true rank, maybe > k)."""
+def _top(position: PositionLogprobs, k: int | None) -> list[tuple[int, Logprob]]:
+    """The top-k entries by rank (the chosen token carries its true rank, maybe > k); k None:
+    every entry in order (logprob_token_ids: the sampled token, then the asked ids)."""
+    if k is None:
+        return list(position.items())
     ranked = [(tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= k]
     ranked.sort(key=lambda e: e[1].rank)
     return ranked
@@ -54,7 +57,7 @@ def _top(position: PositionLogprobs, k: int) -> list[tuple[int, Logprob]]:
 
 def completion_logprobs(token_ids: Sequence[int],
                         positions: Sequence[PositionLogprobs | None],
-                        k: int, decode: Callable[[int], str] | None,
+                        k: int | None, decode: Callable[[int], str] | None,
                         initial_offset: int = 0) -> CompletionLogprobs:
     """`tokens/token_logprobs/top_logprobs/text_offset`; a None position (the first prompt
     token) has no logprob. Offsets index into the choice's text."""
@@ -80,7 +83,7 @@ def completion_logprobs(token_ids: Sequence[int],
 
 
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs],
-                  k: int, decode: Callable[[int], str] | None) -> list[TokenLogprob]:
+                  k: int | None, decode: Callable[[int], str] | None) -> list[TokenLogprob]:
     content = []
     for tid, pos in zip(token_ids, positions):
         chosen = pos.get(tid)

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 Number = StrictFloat | StrictInt
 TokenIds = list[StrictInt]
@@ -31,12 +31,7 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
     "guided_grammar": (None, _STRUCTURED),
     "guided_decoding_backend": (None, _STRUCTURED),
     "guided_whitespace_pattern": (None, _STRUCTURED),
-    "use_beam_search": (False, "beam search is not supported"),
-    "length_penalty": (1.0, "length_penalty only applies to beam search, which is not "
-                            "supported"),
-    "allowed_token_ids": (None, "allowed_token_ids is not supported yet"),
     "bad_words": (None, "bad_words is not supported yet"),
-    "logprob_token_ids": (None, "logprob_token_ids is not supported yet"),
     "logits_processors": (None, "logits_processors are not supported"),
     "prompt_embeds": (None, "prompt_embeds is not supported (token ids or text only)"),
     "thinking_token_budget": (None, "thinking_token_budget needs a reasoning parser, which "
@@ -56,6 +51,16 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
     "media_io_kwargs": (None, "multimodal inputs are not supported"),
     "lora_request": (None, "LoRA adapters are not supported yet"),
 }
+
+
+# Fields beam search cannot honour, with the values that mean "not used".
+BEAM_SEARCH_IGNORES: tuple[tuple[str, tuple[Any, ...]], ...] = (
+    ("top_p", (None, 1, 1.0)), ("top_k", (None, 0, -1)), ("min_p", (None, 0, 0.0)),
+    ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
+    ("repetition_penalty", (None, 1, 1.0)), ("seed", (None,)), ("stop", (None, [], "")),
+    ("stop_token_ids", (None, [])), ("min_tokens", (0,)), ("logit_bias", (None, {})),
+    ("allowed_token_ids", (None,)), ("prompt_logprobs", (None,)),
+)
 
 
 def _unset(value: Any, default: Any) -> bool:
@@ -127,6 +132,9 @@ class SamplingRequest(OpenAIBaseModel):
     ignore_eos: StrictBool = False
     min_tokens: StrictInt = 0
     logit_bias: dict[str, Number] | None = None
+    allowed_token_ids: TokenIds | None = None
+    # The logprobs of exactly these ids at each generated position (needs logprobs set).
+    logprob_token_ids: TokenIds | None = None
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
@@ -145,6 +153,9 @@ class SamplingRequest(OpenAIBaseModel):
     return_token_ids: StrictBool | None = None
     return_tokens_as_token_ids: StrictBool | None = None
     request_id: StrictStr | None = None
+    # Beam search (run by the frontend: shoal/entrypoints/beam_search.py); n is the width.
+    use_beam_search: StrictBool = False
+    length_penalty: Number = 1.0
     # A routing hint (related requests share it); one engine core serves them all alike.
     session_id: StrictStr | None = None
 
@@ -172,12 +183,15 @@ class SamplingRequest(OpenAIBaseModel):
             ignore_eos=self.ignore_eos,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
-            logprobs=logprobs,
+            # The explicit ids replace the top-k, as in vLLM.
+            logprobs=None if self.logprob_token_ids else logprobs,
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            logprob_token_ids=self.logprob_token_ids or None,
             kv_transfer_params=self.kv_transfer_params,
         )
 
@@ -191,7 +205,39 @@ class SamplingRequest(OpenAIBaseModel):
             return "best_of", "best_of > n is not supported yet"
         if self.stream_options is not None and not self.stream:
             return "stream_options", "stream_options is only allowed when stream is true"
+        if self.logprob_token_ids and self.use_beam_search:
+            return "logprob_token_ids", "logprob_token_ids is not supported with beam search"
+        if self.use_beam_search and self.stream:
+            return "use_beam_search", "streaming is not supported with beam search"
+        if self.use_beam_search:
+            conflict = self._beam_search_conflict()
+            if conflict is not None:
+                return conflict
+        if self.length_penalty != 1.0 and not self.use_beam_search:
+            return "length_penalty", "length_penalty only applies to beam search " \
+                                     "(use_beam_search: true)"
         return None
+
+    def _beam_search_conflict(self) -> tuple[str, str] | None:
+        if (1 if self.n is None else self.n) < 1:
+            return "n", f"n (the beam width) must be >= 1 (got {self.n})"
+        for name, unused in BEAM_SEARCH_IGNORES:
+            if getattr(self, name) not in unused:
+                return name, (f"{name} is not supported with beam search (beams are ranked "
+                              "by the model's raw logprobs)")
+        return None
+
+    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """n is the beam width; raises ValueError naming the field."""
+        return BeamSearchParams(
+            beam_width=1 if self.n is None else self.n,
+            max_tokens=max_tokens,
+            ignore_eos=self.ignore_eos,
+            temperature=0.0 if self.temperature is None else self.temperature,
+            length_penalty=self.length_penalty,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens,
+        )
 
 
 class CompletionRequest(SamplingRequest):
@@ -211,6 +257,16 @@ class CompletionRequest(SamplingRequest):
             return "response_format", _STRUCTURED
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens must be >= 1 (0 only with echo, to score a prompt)"
+        if self.logprob_token_ids and self.logprobs is None:
+            return "logprob_token_ids", "when using logprob_token_ids, logprobs must be set"
+        if self.logprob_token_ids and self.echo and self.max_tokens == 0:
+            return "logprob_token_ids", ("logprob_token_ids is not supported with echo and "
+                                         "max_tokens 0 (no token is generated)")
+        if self.use_beam_search and self.echo and self.logprobs is not None:
+            return "echo", "echo with logprobs is not supported with beam search (it computes " \
+                           "no prompt logprobs)"
+        if self.use_beam_search and self.max_tokens == 0:
+            return "max_tokens", "beam search needs max_tokens >= 1"
         return super().unsupported()
 
 
@@ -253,6 +309,8 @@ class ChatCompletionRequest(SamplingRequest):
                 "(only 'text'): " + _STRUCTURED)
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs to be true"
+        if self.logprob_token_ids and not self.logprobs:
+            return "logprob_token_ids", "when using logprob_token_ids, logprobs must be true"
         if self.continue_final_message and self.add_generation_prompt:
             return "continue_final_message", (
                 "continue_final_message and add_generation_prompt cannot both be true")
@@ -283,6 +341,8 @@ class BatchChatCompletionRequest(ChatCompletionRequest):
             return "n", "the batch endpoint takes n = 1 (one choice per conversation)"
         if self.tools:
             return "tools", "the batch endpoint does not take tools"
+        if self.use_beam_search:
+            return "use_beam_search", "the batch endpoint does not run beam search"
         return super().unsupported()
 
 

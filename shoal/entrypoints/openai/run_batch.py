@@ -107,6 +107,9 @@ def _check(req: Any, handler: Any) -> None:
     bad = req.unsupported()
     if bad is not None:
         raise OpenAIError(400, bad[1], bad[0])
+    if req.use_beam_search:
+        raise OpenAIError(400, "beam search is not supported in batch files (only by the "
+                               "server and LLM.beam_search)", "use_beam_search")
 
 
 def run(lines: Iterable[str], llm: Any, model_name: str) -> list[dict[str, Any]]:

@@ -9,9 +9,11 @@ import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from shoal.beam_search import check_beam_search
 from shoal.engine.async_llm import RequestStream
 from shoal.engine.input_processor import ProcessedPrompt
 from shoal.engine.output_processor import OutputKind
+from shoal.entrypoints.openai.beam_search_runner import BeamSearchRunner
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from shoal.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_entries
 from shoal.entrypoints.openai.protocol import (
@@ -119,6 +121,8 @@ class OpenAIServingChat(ServingBase):
         model = self.models.check(req.model)
         k, max_tokens = self._prepare(req)
         prompt = self.render(req)
+        if req.use_beam_search:
+            return await self._beam_search(req, raw, model, prompt, k, max_tokens)
         stream = self._submit(req, prompt, k, max_tokens, random_id("chatcmpl"))
         rid = response_id("chatcmpl", req.request_id, raw)
         if req.stream:
@@ -130,6 +134,30 @@ class OpenAIServingChat(ServingBase):
             return Response(status_code=499)
         finally:
             stream.abort()
+        return JSONResponse(self._response(req, model, rid, final, k).model_dump(),
+                            headers=self.load_headers(raw))
+
+    async def _beam_search(self, req: ChatCompletionRequest, raw: Request, model: str,
+                           prompt: ProcessedPrompt, k: int | None, max_tokens: int | None
+                           ) -> Response:
+        """use_beam_search: n is the beam width; one choice per beam, best first."""
+        field = "max_completion_tokens" if req.max_completion_tokens is not None \
+            else "max_tokens"
+        check_context_length(len(prompt.prompt_token_ids), max_tokens, self.engine.max_model_len,
+                             field)
+        if max_tokens is None:  # as a sampled request: up to the context length
+            max_tokens = self.engine.max_model_len - len(prompt.prompt_token_ids)
+        params = req.to_beam_search_params(max_tokens)
+        check_beam_search(params, len(prompt.prompt_token_ids), self.engine.max_model_len,
+                          self.engine.inputs.max_logprobs, self.engine.limits.request.max_n,
+                          width_field="n")
+        run = BeamSearchRunner(self.engine, random_id("chatcmpl"), params,
+                               priority=req.priority, cache_salt=req.cache_salt)
+        try:
+            (final,) = await cancel_on_disconnect(raw, run.run([prompt]))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        rid = response_id("chatcmpl", req.request_id, raw)
         return JSONResponse(self._response(req, model, rid, final, k).model_dump(),
                             headers=self.load_headers(raw))
 
@@ -182,6 +210,8 @@ class OpenAIServingChat(ServingBase):
             return None
         if k == -1:
             k = self.engine.vocab_size
+        if req.logprob_token_ids:
+            k = None  # each position holds the sampled token and the asked ids: all of them
         decode = self.token_decoder(req.return_tokens_as_token_ids)
         return ChatLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, k, decode))
 

@@ -13,9 +13,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from shoal.beam_search import check_beam_search
 from shoal.engine.async_llm import RequestStream
 from shoal.engine.input_processor import ProcessedPrompt
 from shoal.engine.output_processor import OutputKind
+from shoal.entrypoints.openai.beam_search_runner import BeamSearchRunner
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from shoal.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_entries
 from shoal.entrypoints.openai.protocol import (
@@ -119,6 +121,8 @@ class OpenAIServingCompletion(ServingBase):
         prompt_k = req.prompt_logprobs
         if req.echo and k is not None:
             prompt_k = -1 if -1 in (k, prompt_k) else max(k, prompt_k or 0)
+        if req.use_beam_search:
+            return await self._beam_search(req, raw, model, prompts, max_tokens)
         params = req.to_sampling_params(max_tokens, k, prompt_k)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         engine_id = random_id("cmpl")
@@ -146,6 +150,24 @@ class OpenAIServingCompletion(ServingBase):
         return JSONResponse(self._response(req, model, rid, finals).model_dump(),
                             headers=self.load_headers(raw))
 
+    async def _beam_search(self, req: CompletionRequest, raw: Request, model: str,
+                           prompts: list[ProcessedPrompt], max_tokens: int) -> Response:
+        """use_beam_search: n is the beam width; one choice per beam, best first."""
+        params = req.to_beam_search_params(max_tokens)
+        for p in prompts:
+            check_beam_search(params, len(p.prompt_token_ids), self.engine.max_model_len,
+                              self.engine.inputs.max_logprobs,
+                              self.engine.limits.request.max_n, width_field="n")
+        run = BeamSearchRunner(self.engine, random_id("cmpl"), params, priority=req.priority,
+                               cache_salt=req.cache_salt)
+        try:
+            finals = await cancel_on_disconnect(raw, run.run(prompts))
+        except ClientDisconnected:
+            return Response(status_code=499)
+        rid = response_id("cmpl", req.request_id, raw)
+        return JSONResponse(self._response(req, model, rid, finals).model_dump(),
+                            headers=self.load_headers(raw))
+
     @staticmethod
     async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
         finals: list[RequestOutput | None] = [None] * len(streams)
@@ -163,6 +185,8 @@ class OpenAIServingCompletion(ServingBase):
             positions = list(out.prompt_logprobs) + positions
         if k == -1:
             k = self.engine.vocab_size
+        if req.logprob_token_ids:
+            k = None  # generated positions hold the sampled token and the asked ids: all
         return completion_logprobs(ids, positions, k,
                                    self.token_decoder(req.return_tokens_as_token_ids))
 
@@ -170,6 +194,7 @@ class OpenAIServingCompletion(ServingBase):
                   finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
         scoring = req.echo and req.max_tokens == 0
+        n = 1 if req.n is None else req.n
         prompt_tokens = completion_tokens = cached = 0
         for pi, out in enumerate(finals):
             prompt_tokens += len(out.prompt_token_ids)
@@ -179,7 +204,7 @@ class OpenAIServingCompletion(ServingBase):
                 completion_tokens += len(c.token_ids)  # as vLLM, also the scoring step's token
                 ids, lps = ([], []) if scoring else (list(c.token_ids), list(c.logprobs or []))
                 choices.append(CompletionChoice(
-                    index=pi * len(out.outputs) + c.index,
+                    index=pi * n + c.index,
                     text=echo + ("" if scoring else c.text),
                     logprobs=self._choice_logprobs(req, out, ids, lps, req.echo),
                     finish_reason=c.finish_reason, stop_reason=c.stop_reason,
