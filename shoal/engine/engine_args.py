@@ -15,6 +15,7 @@ from shoal.config import (
     default_device,
     resolve_dtype,
 )
+from shoal.pooling.model_info import parse_pooler_config
 
 # On the CPU fewer sequences run at once: each step's cost grows with the batch.
 CPU_MAX_NUM_SEQS = 64
@@ -88,6 +89,12 @@ class EngineArgs:
                                               "with an error (default: no limit)")
     max_request_body_bytes: int = arg(32 << 20, "largest HTTP request body the server "
                                                 "accepts (413 above it)")
+    runner: str = arg("auto", "generate or pooling (embeddings, classification, scores); "
+                              "auto: pooling for an encoder or classifier checkpoint")
+    convert: str = arg("auto", "auto, none or embed (embed: serve a causal LM as an embedding "
+                               "model, last-token pooling)")
+    pooler_config: str | None = arg(None, "JSON overrides of the pooling model's defaults: "
+                                          '{"pooling_type": "MEAN", "normalize": false}')
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
@@ -97,16 +104,40 @@ class EngineArgs:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
-    def create_engine_config(self, hf_config: Any) -> EngineConfig:
+    def resolve_runner(self, hf_config: Any) -> str:
+        """"generate" or "pooling", from runner, convert and the checkpoint's architecture."""
+        from shoal.models.registry import is_pooling_only
+
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling (got {self.runner!r})")
+        if self.convert not in ("auto", "none", "embed"):
+            raise ValueError(f"convert must be auto, none or embed (got {self.convert!r}); "
+                             "classify and reward conversions are not supported: use a "
+                             "...ForSequenceClassification checkpoint")
+        pooling_only = is_pooling_only(hf_config)
+        if self.runner == "generate" and (pooling_only or self.convert == "embed"):
+            raise ValueError("runner='generate' cannot run "
+                             + ("convert='embed'" if not pooling_only else
+                                "this model: it is a pooling model (embeddings, "
+                                "classification, scores)"))
+        if self.runner == "pooling" or pooling_only or self.convert == "embed":
+            return "pooling"
+        return "generate"
+
+    def create_engine_config(self, hf_config: Any, model_path: str | None = None
+                             ) -> EngineConfig:
+        """model_path: the resolved model folder, where a pooling model's
+        sentence-transformers files (its max_seq_length) are read."""
         import torch  # here, not at import: the server's frontend reads EngineArgs too
 
+        runner = self.resolve_runner(hf_config)
         device = torch.device(self.device) if self.device else default_device()
         if self.tensor_parallel_size != 1:
             raise ValueError(
                 f"tensor_parallel_size must be 1 for now (got {self.tensor_parallel_size})"
             )
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
-        max_len = self.max_model_len or model_max
+        max_len = self.max_model_len or _default_max_len(model_max, runner, model_path)
         if max_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (got {max_len})")
         if max_len > model_max:
@@ -114,7 +145,9 @@ class EngineArgs:
                 f"max_model_len ({max_len}) is larger than the model's max_position_embeddings "
                 f"({model_max})"
             )
-        max_seqs = self.max_num_seqs or (256 if device.type == "cuda" else CPU_MAX_NUM_SEQS)
+        # A pooling step holds no KV cache: the CPU batches as many prompts as the GPU.
+        max_seqs = self.max_num_seqs or (256 if device.type == "cuda" or runner == "pooling"
+                                         else CPU_MAX_NUM_SEQS)
         dtype = resolve_dtype(self.dtype, device)
         if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
             raise ValueError(
@@ -122,7 +155,9 @@ class EngineArgs:
             )
         return EngineConfig(
             model_config=ModelConfig(self.model, self.tokenizer, dtype, max_len, self.load_format,
-                                     self.seed, vocab_size=hf_config.vocab_size),
+                                     self.seed, vocab_size=hf_config.vocab_size,
+                                     runner=runner,
+                                     pooler_config=parse_pooler_config(self.pooler_config)),
             cache_config=CacheConfig(self.block_size, self.enable_prefix_caching,
                                      self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                                      self.num_gpu_blocks_override),
@@ -161,3 +196,17 @@ class EngineArgs:
             disk_bytes=int((self.kv_offloading_disk_size or 0) * 2**30),
             policy=self.kv_offloading_policy,
         )
+
+
+def _default_max_len(model_max: int, runner: str, model_path: str | None) -> int:
+    """The model's context; a sentence-transformers model's max_seq_length caps it, as
+    sentence-transformers itself does."""
+    if runner != "pooling" or model_path is None:
+        return model_max
+    from pathlib import Path
+
+    from shoal.pooling.model_info import read_sentence_transformers
+
+    folder = Path(model_path)
+    st_max = read_sentence_transformers(folder if folder.is_dir() else None).get("max_seq_length")
+    return min(model_max, st_max) if st_max else model_max

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
 
@@ -60,6 +61,9 @@ class Request:
     # alone until it has produced a token again.
     num_faults: int = 0
     suspect: bool = False
+    # A pooling request (pooling engines): one forward, then its pooled result.
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
     """A model following shoal/models/interface.py, ready for the runner to bind KV caches."""
     t0 = time.perf_counter()
-    cls = resolve_model_class(loaded.hf_config)
+    cls = resolve_model_class(loaded.hf_config, config.model_config.runner)
     with torch.device(config.device):
         model = cls(loaded.hf_config, config.model_config.dtype,
                     use_triton_ops=config.use_triton_ops)
