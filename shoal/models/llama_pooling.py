@@ -19,6 +19,7 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         nn.Module.__init__(self)
         self.config = hf_config
+        self.hidden_size = hf_config.hidden_size
         self.model = self._build_model(hf_config, dtype, use_triton_ops)
         self.tie_word_embeddings = False
         self.num_labels = int(getattr(hf_config, "num_labels", 2))
