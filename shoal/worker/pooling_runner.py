@@ -67,7 +67,9 @@ class PoolingModelRunner:
             self.requests[new.serial] = _PoolingState(new.pooling_params, new.token_type_ids)
         rows, ids, positions, types = [], [], [], []
         any_types = False
-        for item in sched.scheduled:
+        # Shortest first: sequences of one length sit side by side, and attention runs once
+        # per length (shoal/attention/packed.py).
+        for item in sorted(sched.scheduled, key=lambda it: it.num_new_tokens):
             state = self.requests[item.serial]
             n = item.num_new_tokens
             rows.append(PoolingRow(item.serial, len(ids), n, state.params))
