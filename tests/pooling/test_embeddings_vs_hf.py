@@ -190,3 +190,16 @@ def test_matryoshka_dimensions(tmp_path, minilm_dir):
     np.testing.assert_allclose(cut, np.array(full[:16]) / np.linalg.norm(full[:16]), atol=1e-5)
     with pytest.raises(ValueError, match="matryoshka dimensions"):
         llm.embed("x", pooling_params=PoolingParams(dimensions=12), use_tqdm=False)
+
+
+def test_smollm2_gguf_as_an_embedder(hf_smollm):
+    """The embedded GGUF default under runner="pooling": its last token's final hidden
+    state, normalized, as transformers computes it from the same file."""
+    llm = LLM(runner="pooling", max_model_len=512)
+    ids = [[1, 504, 3458, 282, 4649, 314], [1, 19556, 905]]
+    got = llm.embed([{"prompt_token_ids": i} for i in ids], use_tqdm=False)
+    for i, o in zip(ids, got):
+        with torch.no_grad():
+            h = hf_smollm.model(torch.tensor([i])).last_hidden_state[0, -1]
+        cos = F.cosine_similarity(torch.tensor(o.outputs.embedding), h.float(), dim=0)
+        assert float(cos) > 0.9999

@@ -82,3 +82,27 @@ def test_pooling_scheduler_needs_whole_prompts_to_fit_a_step():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         PoolingScheduler(SchedulerConfig(max_num_batched_tokens=16, max_model_len=32),
                          CacheConfig())
+
+
+@pytest.mark.parametrize("arch", ["BertModel", "BertForSequenceClassification",
+                                  "LlamaForSequenceClassification",
+                                  "Qwen2ForSequenceClassification"])
+def test_pooling_architectures_load_every_parameter_from_transformers_names(arch):
+    from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
+
+    from shoal.loader.build import check_all_loaded
+    from shoal.models.registry import resolve_model_class, supported_pooling_architectures
+
+    assert arch in supported_pooling_architectures()
+    model_type = {"Bert": "bert", "Llam": "llama", "Qwen": "qwen2"}[arch[:4]]
+    cfg = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=32, intermediate_size=64,
+                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                               num_labels=2, architectures=[arch])
+    hf = (AutoModel.from_config(cfg, add_pooling_layer=False) if arch == "BertModel"
+          else AutoModelForSequenceClassification.from_config(cfg))
+    cls = resolve_model_class(cfg, "pooling")
+    assert cls.__name__ == arch
+    model = cls(cfg, torch.float32)
+    check_all_loaded(model, model.load_weights(hf.state_dict().items()), arch)
+    with pytest.raises(ValueError, match="runner='pooling'"):
+        resolve_model_class(cfg, "generate")
