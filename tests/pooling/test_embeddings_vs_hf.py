@@ -192,6 +192,7 @@ def test_matryoshka_dimensions(tmp_path, minilm_dir):
         llm.embed("x", pooling_params=PoolingParams(dimensions=12), use_tqdm=False)
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_as_an_embedder(hf_smollm):
     """The embedded GGUF default under runner="pooling": its last token's final hidden
     state, normalized, as transformers computes it from the same file."""
