@@ -137,6 +137,8 @@ class EngineArgs:
                 f"tensor_parallel_size must be 1 for now (got {self.tensor_parallel_size})"
             )
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+        if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta"):
+            model_max -= int(getattr(hf_config, "pad_token_id", 1) or 0) + 1  # offset positions
         max_len = self.max_model_len or _default_max_len(model_max, runner, model_path)
         if max_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (got {max_len})")

@@ -139,7 +139,10 @@ class BertModel(nn.Module):
         return self.encoder(hidden, attn_metadata)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_bert_weights(self, weights, prefix="", ignored=self._ignored_prefixes)
+        return load_bert_weights(self, weights, prefix="", ignored=self._ignored_prefixes,
+                                 strip=self.checkpoint_prefix)
+
+    checkpoint_prefix = "bert."  # what a task checkpoint puts before the encoder's names
 
 
 class BertForSequenceClassification(nn.Module):
@@ -175,14 +178,15 @@ class BertForSequenceClassification(nn.Module):
 
 
 def load_bert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
-                      prefix: str, ignored: tuple[str, ...]) -> set[str]:
+                      prefix: str, ignored: tuple[str, ...], strip: str = "bert.") -> set[str]:
     """HF-named tensors into `model`; q/k/v land in the fused projection. Checkpoints of the
-    bare encoder sometimes carry a "bert." prefix, and classifier checkpoints always do."""
+    bare encoder sometimes carry the task prefix (`strip`: "bert.", "roberta."), and
+    classifier checkpoints always do."""
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for name, tensor in weights:
-        if not prefix and name.startswith("bert."):
-            name = name[len("bert."):]
+        if not prefix and name.startswith(strip):
+            name = name[len(strip):]
         if name.startswith(ignored):
             continue
         target, shard = name, None

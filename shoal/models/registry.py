@@ -20,6 +20,12 @@ _MODELS: dict[str, tuple[str, str]] = {
 _POOLING_MODELS: dict[str, tuple[str, str]] = {
     "BertModel": ("shoal.models.bert", "BertModel"),
     "BertForSequenceClassification": ("shoal.models.bert", "BertForSequenceClassification"),
+    "RobertaModel": ("shoal.models.roberta", "RobertaModel"),
+    "XLMRobertaModel": ("shoal.models.roberta", "RobertaModel"),
+    "RobertaForSequenceClassification": ("shoal.models.roberta",
+                                         "RobertaForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("shoal.models.roberta",
+                                            "RobertaForSequenceClassification"),
     "LlamaForSequenceClassification": ("shoal.models.llama_pooling",
                                        "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("shoal.models.llama_pooling",
@@ -34,6 +40,8 @@ _BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "bert": "BertModel",
+    "roberta": "RobertaModel",
+    "xlm-roberta": "XLMRobertaModel",
 }
 
 

@@ -48,7 +48,18 @@ def make_tiny(path: Path, minilm: Path, kind: str, **overrides):
         LlamaForSequenceClassification,
     )
 
-    if kind.startswith("bert"):
+    if kind.startswith("xlmr"):
+        from transformers import (
+            XLMRobertaConfig,
+            XLMRobertaForSequenceClassification,
+            XLMRobertaModel,
+        )
+
+        cfg = XLMRobertaConfig(**{**TINY_BERT, "max_position_embeddings": 130,
+                                  "type_vocab_size": 1, "pad_token_id": 1, **overrides})
+        model = XLMRobertaModel(cfg, add_pooling_layer=False) if kind == "xlmr" else \
+            XLMRobertaForSequenceClassification(cfg)
+    elif kind.startswith("bert"):
         cfg = BertConfig(**{**TINY_BERT, **overrides})
         model = BertModel(cfg, add_pooling_layer=False) if kind == "bert" else \
             BertForSequenceClassification(cfg)

@@ -204,3 +204,27 @@ def test_smollm2_gguf_as_an_embedder(hf_smollm):
             h = hf_smollm.model(torch.tensor([i])).last_hidden_state[0, -1]
         cos = F.cosine_similarity(torch.tensor(o.outputs.embedding), h.float(), dim=0)
         assert float(cos) > 0.9999
+
+
+@pytest.mark.parametrize("kind", ["xlmr", "xlmr-cls"])
+def test_xlm_roberta_encoder_and_classifier(tmp_path, minilm_dir, kind):
+    """RoBERTa positions start after the padding index; its head is dense + tanh + proj."""
+    from conftest import make_tiny
+    from transformers import AutoTokenizer
+
+    hf = make_tiny(tmp_path, minilm_dir, kind, num_labels=2)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path))
+    llm = LLM(str(tmp_path), pooler_config={"pooling_type": "MEAN", "normalize": False})
+    assert llm.llm_engine.core.limits.max_model_len == 128  # 130 positions, offset by 2
+    for text in TEXTS[:3]:
+        enc = tok(text, return_tensors="pt")
+        with torch.no_grad():
+            out = hf(**enc)
+        if kind == "xlmr":
+            got = llm.encode(text, pooling_task="embed", use_tqdm=False)[0].outputs.data
+            torch.testing.assert_close(got, out.last_hidden_state[0].mean(0), atol=1e-4,
+                                       rtol=1e-4)
+        else:
+            got = llm.encode(text, PoolingParams(task="classify", use_activation=False),
+                             use_tqdm=False)[0].outputs.data
+            torch.testing.assert_close(got, out.logits[0], atol=1e-4, rtol=1e-4)

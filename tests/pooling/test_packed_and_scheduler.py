@@ -86,7 +86,8 @@ def test_pooling_scheduler_needs_whole_prompts_to_fit_a_step():
 
 @pytest.mark.parametrize("arch", ["BertModel", "BertForSequenceClassification",
                                   "LlamaForSequenceClassification",
-                                  "Qwen2ForSequenceClassification"])
+                                  "Qwen2ForSequenceClassification", "XLMRobertaModel",
+                                  "XLMRobertaForSequenceClassification", "RobertaModel"])
 def test_pooling_architectures_load_every_parameter_from_transformers_names(arch):
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
@@ -94,11 +95,12 @@ def test_pooling_architectures_load_every_parameter_from_transformers_names(arch
     from shoal.models.registry import resolve_model_class, supported_pooling_architectures
 
     assert arch in supported_pooling_architectures()
-    model_type = {"Bert": "bert", "Llam": "llama", "Qwen": "qwen2"}[arch[:4]]
+    model_type = {"Bert": "bert", "Llam": "llama", "Qwen": "qwen2", "XLMR": "xlm-roberta",
+                  "Robe": "roberta"}[arch[:4]]
     cfg = AutoConfig.for_model(model_type, vocab_size=128, hidden_size=32, intermediate_size=64,
                                num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                                num_labels=2, architectures=[arch])
-    hf = (AutoModel.from_config(cfg, add_pooling_layer=False) if arch == "BertModel"
+    hf = (AutoModel.from_config(cfg, add_pooling_layer=False) if arch.endswith("Model")
           else AutoModelForSequenceClassification.from_config(cfg))
     cls = resolve_model_class(cfg, "pooling")
     assert cls.__name__ == arch
