@@ -69,3 +69,11 @@ class RobertaForSequenceClassification(nn.Module):
         return load_bert_weights(self, weights, prefix="roberta.",
                                  ignored=("roberta.embeddings.position_ids", "roberta.pooler.",
                                           "lm_head."))
+
+
+class XLMRobertaModel(RobertaModel):
+    pass
+
+
+class XLMRobertaForSequenceClassification(RobertaForSequenceClassification):
+    pass
