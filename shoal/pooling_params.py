@@ -11,8 +11,9 @@ from dataclasses import dataclass
 import msgspec
 
 # embed: one vector per prompt; token_embed: one per token (ALL pooling); classify: class
-# probabilities; score: one relevance number for a (query, document) pair.
-POOLING_TASKS = ("embed", "token_embed", "classify", "score")
+# probabilities; score: one relevance number for a (query, document) pair; token_classify:
+# one number per token (BGE-M3's sparse lexical weights).
+POOLING_TASKS = ("embed", "token_embed", "classify", "score", "token_classify")
 
 
 class PoolingInfo(msgspec.Struct, frozen=True):

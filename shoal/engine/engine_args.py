@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -93,6 +94,8 @@ class EngineArgs:
                               "auto: pooling for an encoder or classifier checkpoint")
     convert: str = arg("auto", "auto, none or embed (embed: serve a causal LM as an embedding "
                                "model, last-token pooling)")
+    hf_overrides: str | None = arg(None, "JSON fields set on the model's config, e.g. "
+                                         '{"architectures": ["BgeM3EmbeddingModel"]}')
     pooler_config: str | None = arg(None, "JSON overrides of the pooling model's defaults: "
                                           '{"pooling_type": "MEAN", "normalize": false}')
 
@@ -103,6 +106,22 @@ class EngineArgs:
         if unknown:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+    def apply_hf_overrides(self, hf_config: Any) -> None:
+        """--hf-overrides: a JSON object (or a dict) of config fields, set before the model
+        class is chosen."""
+        value = self.hf_overrides
+        if value is None:
+            return
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hf_overrides must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("hf_overrides must be a JSON object")
+        for key, v in value.items():
+            setattr(hf_config, key, v)
 
     def resolve_runner(self, hf_config: Any) -> str:
         """"generate" or "pooling", from runner, convert and the checkpoint's architecture."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,7 +29,10 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
     if config.model_config.load_format == "dummy":
         initialize_dummy_weights(model, seed=config.model_config.seed)
     else:
-        check_all_loaded(model, model.load_weights(loaded.weights()), loaded.source)
+        names = model.load_weights(loaded.weights())
+        if hasattr(model, "load_extra_files"):  # heads stored beside the safetensors
+            names |= model.load_extra_files(Path(loaded.source))
+        check_all_loaded(model, names, loaded.source)
     model.eval()
     logger.info("model %s loaded in %.2f s", cls.__name__, time.perf_counter() - t0)
     return model

@@ -22,6 +22,7 @@ _POOLING_MODELS: dict[str, tuple[str, str]] = {
     "BertForSequenceClassification": ("shoal.models.bert", "BertForSequenceClassification"),
     "RobertaModel": ("shoal.models.roberta", "RobertaModel"),
     "XLMRobertaModel": ("shoal.models.roberta", "XLMRobertaModel"),
+    "BgeM3EmbeddingModel": ("shoal.models.bge_m3", "BgeM3EmbeddingModel"),
     "RobertaForSequenceClassification": ("shoal.models.roberta",
                                          "RobertaForSequenceClassification"),
     "XLMRobertaForSequenceClassification": ("shoal.models.roberta",

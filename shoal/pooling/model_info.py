@@ -83,7 +83,7 @@ def build_pooling_info(model: Any, hf_config: Any, folder: Path | None,
     if hasattr(model, "classify"):
         tasks: tuple[str, ...] = ("classify", "score") if num_labels == 1 else ("classify",)
     else:
-        tasks = ("embed", "token_embed", "score")
+        tasks = ("embed", "token_embed", "score") + tuple(getattr(model, "extra_tasks", ()))
     id2label = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
     return PoolingInfo(
         tasks=tasks, hidden_size=int(model.hidden_size), pooling_type=pooling_type,

@@ -46,7 +46,8 @@ def pooled_results(model: torch.nn.Module, hidden: torch.Tensor, rows: list[Pool
     [num_labels] probabilities (or logits), [1] scores."""
     dev = hidden.device
     out: list[torch.Tensor | None] = [None] * len(rows)
-    per_token = ("token_embed", "embed") if info.pooling_type == "ALL" else ("token_embed",)
+    per_token = ("token_embed", "token_classify") + (("embed",) if info.pooling_type == "ALL"
+                                                    else ())
     seq = [i for i, r in enumerate(rows) if r.params.task not in per_token]
     if seq:
         starts = torch.tensor([rows[i].start for i in seq], device=dev)
@@ -66,7 +67,11 @@ def pooled_results(model: torch.nn.Module, hidden: torch.Tensor, rows: list[Pool
                 out[i] = _activate(logits[j], rows[i].params)
     for i, r in enumerate(rows):
         if r.params.task in per_token:
-            out[i] = _finish_embedding(hidden[r.start:r.start + r.length].float(), r.params, info)
+            states = hidden[r.start:r.start + r.length]
+            if hasattr(model, "token_output"):  # the model's own per-token heads (BGE-M3)
+                out[i] = model.token_output(r.params.task, states)
+            else:
+                out[i] = _finish_embedding(states.float(), r.params, info)
     return _to_host(rows, out)
 
 

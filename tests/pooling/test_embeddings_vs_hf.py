@@ -228,3 +228,34 @@ def test_xlm_roberta_encoder_and_classifier(tmp_path, minilm_dir, kind):
             got = llm.encode(text, PoolingParams(task="classify", use_activation=False),
                              use_tqdm=False)[0].outputs.data
             torch.testing.assert_close(got, out.logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_bge_m3_dense_sparse_and_colbert_outputs(tmp_path, minilm_dir):
+    """BGE-M3's three outputs on a tiny random XLM-RoBERTa with random heads, against the
+    same computation (FlagEmbedding's) on transformers' hidden states."""
+    from conftest import make_tiny
+    from transformers import AutoTokenizer
+
+    hf = make_tiny(tmp_path, minilm_dir, "xlmr")
+    torch.manual_seed(3)
+    colbert, sparse = torch.nn.Linear(32, 32), torch.nn.Linear(32, 1)
+    torch.save(colbert.state_dict(), tmp_path / "colbert_linear.pt")
+    torch.save(sparse.state_dict(), tmp_path / "sparse_linear.pt")
+    llm = LLM(str(tmp_path), hf_overrides={"architectures": ["BgeM3EmbeddingModel"]})
+    assert "token_classify" in llm.llm_engine.core.limits.pooling.tasks
+    text = TEXTS[1]
+    with torch.no_grad():
+        h = hf(**AutoTokenizer.from_pretrained(str(tmp_path))(text, return_tensors="pt")
+               ).last_hidden_state[0]
+        ref_dense = F.normalize(h[0], dim=-1)
+        ref_colbert = F.normalize(colbert(h[1:]), dim=-1)
+        ref_sparse = torch.relu(sparse(h)).squeeze(-1)
+    dense = torch.tensor(llm.embed(text, use_tqdm=False)[0].outputs.embedding)
+    torch.testing.assert_close(dense, ref_dense, atol=1e-4, rtol=1e-4)
+    col = llm.encode(text, pooling_task="token_embed", use_tqdm=False)[0].outputs.data
+    torch.testing.assert_close(col, ref_colbert, atol=1e-4, rtol=1e-4)
+    sp = llm.encode(text, pooling_task="token_classify", use_tqdm=False)[0].outputs.data
+    torch.testing.assert_close(sp, ref_sparse, atol=1e-4, rtol=1e-4)
+    (tmp_path / "sparse_linear.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="sparse_linear.pt"):
+        LLM(str(tmp_path), hf_overrides={"architectures": ["BgeM3EmbeddingModel"]})

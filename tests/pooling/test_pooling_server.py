@@ -151,3 +151,30 @@ def test_pooling_endpoints_on_a_generation_model_are_400(tiny_llama_dir):
             assert "pooling model" in r.json()["error"]["message"]
     finally:
         server.stop()
+
+
+def test_bge_m3_outputs_over_pooling(tmp_path, minilm_dir):
+    """--hf-overrides selects BGE-M3; /pooling answers its dense, ColBERT and sparse outputs
+    as the offline engine does."""
+    import json
+
+    from conftest import make_tiny
+
+    make_tiny(tmp_path, minilm_dir, "xlmr")
+    torch.manual_seed(3)
+    torch.save(torch.nn.Linear(32, 32).state_dict(), tmp_path / "colbert_linear.pt")
+    torch.save(torch.nn.Linear(32, 1).state_dict(), tmp_path / "sparse_linear.pt")
+    overrides = {"architectures": ["BgeM3EmbeddingModel"]}
+    llm = LLM(str(tmp_path), hf_overrides=overrides)
+    offline = {task: llm.encode(TEXTS[1], pooling_task=task, use_tqdm=False)[0].outputs.data
+               for task in ("embed", "token_embed", "token_classify")}
+    llm.llm_engine.shutdown()
+    server = RemoteServer(str(tmp_path), base_args=QUIET + ["--hf-overrides",
+                                                            json.dumps(overrides)])
+    try:
+        for task, ref in offline.items():
+            r = server.post("/pooling", json={"input": TEXTS[1], "task": task})
+            assert r.status_code == 200, r.text
+            np.testing.assert_allclose(r.json()["data"][0]["data"], ref.numpy(), atol=1e-5)
+    finally:
+        server.stop()

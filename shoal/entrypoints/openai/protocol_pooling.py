@@ -45,7 +45,7 @@ class EmbeddingRequest(PoolingBaseRequest):
 
 
 class PoolingRequest(EmbeddingRequest):
-    task: Literal["embed", "token_embed", "classify"] | None = None
+    task: Literal["embed", "token_embed", "classify", "token_classify"] | None = None
 
 
 class ClassificationRequest(PoolingBaseRequest):
