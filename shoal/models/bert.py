@@ -22,6 +22,7 @@ from shoal.layers.linear import (
     RowParallelLinear,
     default_weight_loader,
 )
+from shoal.layers.onednn_linear import fast_linear
 
 
 class BertEmbeddings(nn.Module):
@@ -53,7 +54,7 @@ class _AddNorm(nn.Module):
         self.LayerNorm = nn.LayerNorm(d_out, eps=eps, dtype=dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(x) + residual)
+        return self.LayerNorm(fast_linear(self.dense, x) + residual)
 
 
 class BertAttention(nn.Module):
@@ -69,7 +70,8 @@ class BertAttention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, seqs: PackedSeqs) -> torch.Tensor:
         t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).view(t, 3, self.num_heads, self.head_dim).unbind(1)
+        qkv = fast_linear(self.qkv_proj, hidden)
+        q, k, v = qkv.view(t, 3, self.num_heads, self.head_dim).unbind(1)
         o = packed_attention(q, k, v, seqs, self.scale)
         return self.output(o.reshape(t, -1), hidden)
 
@@ -85,6 +87,8 @@ class BertIntermediate(nn.Module):
                                           params_dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.approximate == "none":  # exact GELU fuses into the oneDNN linear
+            return fast_linear(self.dense, x, gelu=True)
         return F.gelu(self.dense(x), approximate=self.approximate)
 
 
