@@ -178,7 +178,7 @@ def test_pooling_types(tiny_bert, pooling_type):
 
 
 def test_matryoshka_dimensions(tmp_path, minilm_dir):
-    from conftest import make_tiny
+    from pooling_models import make_tiny
 
     make_tiny(tmp_path, minilm_dir, "bert", matryoshka_dimensions=[8, 16, 32])
     llm = LLM(str(tmp_path))
@@ -209,7 +209,7 @@ def test_smollm2_gguf_as_an_embedder(hf_smollm):
 @pytest.mark.parametrize("kind", ["xlmr", "xlmr-cls"])
 def test_xlm_roberta_encoder_and_classifier(tmp_path, minilm_dir, kind):
     """RoBERTa positions start after the padding index; its head is dense + tanh + proj."""
-    from conftest import make_tiny
+    from pooling_models import make_tiny
     from transformers import AutoTokenizer
 
     hf = make_tiny(tmp_path, minilm_dir, kind, num_labels=2)
@@ -233,7 +233,7 @@ def test_xlm_roberta_encoder_and_classifier(tmp_path, minilm_dir, kind):
 def test_bge_m3_dense_sparse_and_colbert_outputs(tmp_path, minilm_dir):
     """BGE-M3's three outputs on a tiny random XLM-RoBERTa with random heads, against the
     same computation (FlagEmbedding's) on transformers' hidden states."""
-    from conftest import make_tiny
+    from pooling_models import make_tiny
     from transformers import AutoTokenizer
 
     hf = make_tiny(tmp_path, minilm_dir, "xlmr")

@@ -158,7 +158,7 @@ def test_bge_m3_outputs_over_pooling(tmp_path, minilm_dir):
     as the offline engine does."""
     import json
 
-    from conftest import make_tiny
+    from pooling_models import make_tiny
 
     make_tiny(tmp_path, minilm_dir, "xlmr")
     torch.manual_seed(3)
