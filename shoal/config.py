@@ -53,6 +53,12 @@ class ModelConfig:
     load_format: str
     seed: int
     vocab_size: int = 0  # filled from the HF config
+    runner: str = "generate"  # "generate" or "pooling" (embeddings, classification, scores)
+    pooler_config: dict = field(default_factory=dict)  # pooling_type / normalize overrides
+
+    def __post_init__(self) -> None:
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling' (got {self.runner!r})")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from shoal.beam_search import (
 )
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.llm_engine import LLMEngine
+from shoal.llm_pooling import PoolingMixin
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import BeamSearchParams, SamplingParams
 
@@ -24,8 +25,9 @@ Prompt = str | Mapping[str, Any]
 Message = Mapping[str, Any]
 
 
-class LLM:
-    """`LLM(model=None)` runs the embedded SmolLM2-135M-Instruct."""
+class LLM(PoolingMixin):
+    """`LLM(model=None)` runs the embedded SmolLM2-135M-Instruct; an encoder model (e.g.
+    `LLM("all-MiniLM-L6-v2")`) runs as a pooling model: embed, classify, score."""
 
     def __init__(self, model: str | None = None, **engine_args: Any):
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
@@ -136,7 +138,7 @@ class LLM:
             raise ValueError(f"sampling_params needs one entry per prompt ({n}), got {len(sp)}")
         return sp
 
-    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:
         eng = self.llm_engine
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True) if use_tqdm else None
@@ -151,7 +153,8 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             in_toks += len(out.prompt_token_ids)
-                            out_toks += sum(len(o.token_ids) for o in out.outputs)
+                            if isinstance(out, RequestOutput):
+                                out_toks += sum(len(o.token_ids) for o in out.outputs)
                             dt = time.perf_counter() - start
                             bar.set_postfix_str(f"est. speed input: {in_toks / dt:.2f} toks/s, "
                                                 f"output: {out_toks / dt:.2f} toks/s")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -48,3 +49,71 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
     error: str | None = None
+
+
+# ---- pooling (embeddings, classification, scores), shaped like vLLM's ---------------------
+
+@dataclass
+class PoolingOutput:
+    """The raw pooled result: a float32 array ([D], [tokens, D] or [num_labels]); a numpy
+    array from the server's engine, a torch tensor from the offline LLM (as vLLM's)."""
+
+    data: Any
+
+
+@dataclass
+class PoolingRequestOutput:
+    request_id: str
+    outputs: PoolingOutput | None  # None when the request failed (see error)
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    error: str | None = None
+    prompt: str | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # softmax over the labels (sigmoid for one label)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool

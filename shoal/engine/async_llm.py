@@ -25,6 +25,7 @@ from shoal.engine.input_processor import InputProcessor, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor
 from shoal.metrics.stats import IterationStats, StatLogger
 from shoal.outputs import RequestOutput
+from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -172,6 +173,21 @@ class AsyncLLM:
         self.outputs.add_request(req, output_kind, stream.put)
         for r in req.core_requests:
             self.client.add_request(r)
+        return stream
+
+    def add_pooling_request(self, request_id: str, prompt: PromptType, params: PoolingParams,
+                            *, priority: int = 0, token_type_ids: list[int] | None = None
+                            ) -> RequestStream:
+        """A pooling request (embed, classify, score); its one output is a
+        PoolingRequestOutput. Raises like add_request."""
+        if self.errored is not None:
+            raise EngineDeadError(str(self.errored))
+        req = self.inputs.process_pooling_request(request_id, prompt, params, priority=priority,
+                                                  token_type_ids=token_type_ids)
+        self._check_queue(1)
+        stream = RequestStream(self, request_id)
+        self.outputs.add_request(req, OutputKind.FINAL_ONLY, stream.put)
+        self.client.add_request(req.core_requests[0])
         return stream
 
     def _check_queue(self, n: int) -> None:

@@ -17,10 +17,12 @@ import gc
 import logging
 import time
 import weakref
+from typing import Any
 
 from shoal.config import EngineConfig
 from shoal.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_core_request
+from shoal.engine.pooling_scheduler import PoolingScheduler
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import SchedulerOutput
@@ -28,6 +30,7 @@ from shoal.executor import build_model_executor
 from shoal.kv_offload.factory import build_kv_offload
 from shoal.loader import LoadedModel
 from shoal.worker.model_runner import StepFuture
+from shoal.worker.pooling_runner import PoolingModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +55,53 @@ class EngineCore:
         t0 = time.perf_counter()
         request_limits = request_limits or RequestLimits()
         self.config = config
+        self.pooling = config.model_config.runner == "pooling"
+        self.kv_offload = self.kv_transfer = None
+        if self.pooling:  # prefill-only requests, no KV cache (see pooling_scheduler.py)
+            self.runner: Any = PoolingModelRunner(config, loaded)
+            num_blocks = 0
+            self.scheduler: Scheduler = PoolingScheduler(
+                config.scheduler_config, config.cache_config,
+                request_timeout=request_limits.request_timeout)
+        else:
+            num_blocks = self._start_generation(loaded, request_limits)
+        self.vocab_size = self.runner.vocab_size
+        spec = config.speculative_config
+        # A verify step's accepted drafts decide the next step's inputs on the host: with
+        # speculative decoding the loop runs one step at a time (for now); pooling requests
+        # take one step each.
+        self.async_scheduling = config.async_scheduling and spec is None and not self.pooling
+        if config.async_scheduling and spec is not None:
+            logger.info("speculative decoding: async scheduling is off (one step at a time)")
+        self._inflight: tuple[SchedulerOutput, StepFuture] | None = None
+        # Scheduled steps whose results the scheduler has not applied yet: what a step that
+        # raises leaves behind (see scheduler_faults.py).
+        self._unsettled: list[SchedulerOutput] = []
+        self._history_requests: set[int] = set()  # serials: sampling needs every earlier token
+        eos = getattr(loaded.hf_config, "eos_token_id", None)
+        if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
+            eos = loaded.tokenizer.eos_token_id if eos is None else eos
+        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        sc = config.scheduler_config
+        # What every frontend validates requests against (sent in the ready message).
+        self.limits = EngineLimits(
+            vocab_size=self.vocab_size, max_model_len=sc.max_model_len,
+            num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
+            max_num_seqs=sc.max_num_seqs, eos_token_ids=self.eos_token_ids,
+            request=request_limits,
+            pooling=self.runner.info if isinstance(self.runner, PoolingModelRunner) else None)
+        if config.device.type == "cuda" and not self.pooling:
+            t1 = time.perf_counter()
+            self._warm_request_path()
+            self.runner.startup_times["warm_requests"] = time.perf_counter() - t1
+        freeze_startup_heap()
+        logger.info("engine core ready in %.2f s (max_num_batched_tokens %d, max_num_seqs %d)",
+                    time.perf_counter() - t0, sc.max_num_batched_tokens, sc.max_num_seqs)
+
+    def _start_generation(self, loaded: LoadedModel, request_limits: RequestLimits) -> int:
+        """The generation runner, its KV pool, the KV tiers and the scheduler; returns the
+        number of device KV blocks."""
+        config = self.config
         self.runner = build_model_executor(config, loaded)  # a ModelRunner, or N ranks of one
         num_blocks = self.runner.initialize_kv_cache()
         # Secondary KV tiers (CPU, then disk...) for the scheduler and their device copies for
@@ -71,35 +121,7 @@ class EngineCore:
                                    request_timeout=request_limits.request_timeout,
                                    num_speculative_tokens=spec.num_speculative_tokens
                                    if spec is not None else 0)
-        self.vocab_size = self.runner.vocab_size
-        # A verify step's accepted drafts decide the next step's inputs on the host: with
-        # speculative decoding the loop runs one step at a time (for now).
-        self.async_scheduling = config.async_scheduling and spec is None
-        if config.async_scheduling and spec is not None:
-            logger.info("speculative decoding: async scheduling is off (one step at a time)")
-        self._inflight: tuple[SchedulerOutput, StepFuture] | None = None
-        # Scheduled steps whose results the scheduler has not applied yet: what a step that
-        # raises leaves behind (see scheduler_faults.py).
-        self._unsettled: list[SchedulerOutput] = []
-        self._history_requests: set[int] = set()  # serials: sampling needs every earlier token
-        eos = getattr(loaded.hf_config, "eos_token_id", None)
-        if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
-            eos = loaded.tokenizer.eos_token_id if eos is None else eos
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
-        sc = config.scheduler_config
-        # What every frontend validates requests against (sent in the ready message).
-        self.limits = EngineLimits(
-            vocab_size=self.vocab_size, max_model_len=sc.max_model_len,
-            num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
-            max_num_seqs=sc.max_num_seqs, eos_token_ids=self.eos_token_ids,
-            request=request_limits)
-        if config.device.type == "cuda":
-            t1 = time.perf_counter()
-            self._warm_request_path()
-            self.runner.startup_times["warm_requests"] = time.perf_counter() - t1
-        freeze_startup_heap()
-        logger.info("engine core ready in %.2f s (max_num_batched_tokens %d, max_num_seqs %d)",
-                    time.perf_counter() - t0, sc.max_num_batched_tokens, sc.max_num_seqs)
+        return num_blocks
 
     def _warm_request_path(self) -> None:
         """Runs requests end to end through the scheduler, the runner and the sampler before
@@ -139,6 +161,8 @@ class EngineCore:
             arrival_time=req.arrival_time,
             priority=req.priority,
             cache_salt=req.cache_salt,
+            pooling_params=req.pooling_params,
+            token_type_ids=req.token_type_ids,
         )
         self.scheduler.add_request(request)  # gives it its serial
         if req.sampling_params.needs_output_history:

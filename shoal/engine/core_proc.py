@@ -264,7 +264,8 @@ def _build_core(engine_args: EngineArgs) -> Any:
         logger.info("model threads on the CPU: %d", threads)
     loaded = load_model(engine_args.model, tokenizer=engine_args.tokenizer,
                         load_format=engine_args.load_format)
-    config = engine_args.create_engine_config(loaded.hf_config)
+    engine_args.apply_hf_overrides(loaded.hf_config)
+    config = engine_args.create_engine_config(loaded.hf_config, loaded.source)
     return EngineCore(config, loaded, request_limits=limits)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
 
@@ -19,6 +20,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float
     priority: int = 0
     cache_salt: str | None = None
+    pooling_params: PoolingParams | None = None  # set: a pooling request (pooling engines)
+    token_type_ids: list[int] | None = None  # BERT segment ids of a cross-encoder pair
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -40,6 +43,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     num_cached_tokens: int = 0
     error: str | None = None
     queue_time: float | None = None  # arrival -> first scheduling, on the first sampled output
+    # A pooling request's result: float32 bytes (little-endian, C order) of this shape.
+    pooled: bytes | None = None
+    pooled_shape: list[int] | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -21,6 +22,7 @@ from shoal.engine.cpu_defaults import (
     GPU_MAX_NUM_BATCHED_TOKENS,
     default_scheduler_limits,
 )
+from shoal.pooling.model_info import parse_pooler_config
 from shoal.spec_decode.config import SpeculativeConfig
 
 
@@ -109,6 +111,14 @@ class EngineArgs:
         None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
               "\"prompt_lookup_max\": 5} (default: off)")
+    runner: str = arg("auto", "generate or pooling (embeddings, classification, scores); "
+                              "auto: pooling for an encoder or classifier checkpoint")
+    convert: str = arg("auto", "auto, none or embed (embed: serve a causal LM as an embedding "
+                               "model, last-token pooling)")
+    hf_overrides: str | None = arg(None, "JSON fields set on the model's config, e.g. "
+                                         '{"architectures": ["BgeM3EmbeddingModel"]}')
+    pooler_config: str | None = arg(None, "JSON overrides of the pooling model's defaults: "
+                                          '{"pooling_type": "MEAN", "normalize": false}')
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None:  # its shape, before any model loads
@@ -122,13 +132,59 @@ class EngineArgs:
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         return cls(**kwargs)
 
-    def create_engine_config(self, hf_config: Any) -> EngineConfig:
+    def apply_hf_overrides(self, hf_config: Any) -> None:
+        """--hf-overrides: a JSON object (or a dict) of config fields, set before the model
+        class is chosen."""
+        value = self.hf_overrides
+        if value is None:
+            return
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"hf_overrides must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("hf_overrides must be a JSON object")
+        for key, v in value.items():
+            setattr(hf_config, key, v)
+
+    def resolve_runner(self, hf_config: Any) -> str:
+        """"generate" or "pooling", from runner, convert and the checkpoint's architecture."""
+        from shoal.models.registry import is_pooling_only
+
+        if self.runner not in ("auto", "generate", "pooling"):
+            raise ValueError(f"runner must be auto, generate or pooling (got {self.runner!r})")
+        if self.convert not in ("auto", "none", "embed"):
+            raise ValueError(f"convert must be auto, none or embed (got {self.convert!r}); "
+                             "classify and reward conversions are not supported: use a "
+                             "...ForSequenceClassification checkpoint")
+        pooling_only = is_pooling_only(hf_config)
+        if self.runner == "generate" and (pooling_only or self.convert == "embed"):
+            raise ValueError("runner='generate' cannot run "
+                             + ("convert='embed'" if not pooling_only else
+                                "this model: it is a pooling model (embeddings, "
+                                "classification, scores)"))
+        if self.runner == "pooling" or pooling_only or self.convert == "embed":
+            return "pooling"
+        return "generate"
+
+    def create_engine_config(self, hf_config: Any, model_path: str | None = None
+                             ) -> EngineConfig:
+        """model_path: the resolved model folder, where a pooling model's
+        sentence-transformers files (its max_seq_length) are read."""
         import torch  # here, not at import: the server's frontend reads EngineArgs too
 
+        runner = self.resolve_runner(hf_config)
         device = torch.device(self.device) if self.device else default_device()
         tp = self._check_tensor_parallel(device)
+        if runner == "pooling" and tp > 1:
+            raise ValueError("the pooling runner does not support tensor_parallel_size > 1 yet")
+        if runner == "pooling" and self.speculative_config is not None:
+            raise ValueError("speculative_config applies to generation, not the pooling runner")
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
-        max_len = self.max_model_len or model_max
+        if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta"):
+            model_max -= int(getattr(hf_config, "pad_token_id", 1) or 0) + 1  # offset positions
+        max_len = self.max_model_len or _default_max_len(model_max, runner, model_path)
         if max_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (got {max_len})")
         if max_len > model_max:
@@ -136,9 +192,12 @@ class EngineArgs:
                 f"max_model_len ({max_len}) is larger than the model's max_position_embeddings "
                 f"({model_max})"
             )
+        # A pooling step holds no KV cache and no decode waits behind it: it batches as the
+        # GPU does, on the CPU too.
         limits = default_scheduler_limits(
-            device.type, torch.get_num_threads(), max_len, self.enable_chunked_prefill,
-            max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs)
+            "cuda" if runner == "pooling" else device.type, torch.get_num_threads(), max_len,
+            self.enable_chunked_prefill, max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs)
         dtype = resolve_dtype(self.dtype, device)
         if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
             raise ValueError(
@@ -146,7 +205,9 @@ class EngineArgs:
             )
         return EngineConfig(
             model_config=ModelConfig(self.model, self.tokenizer, dtype, max_len, self.load_format,
-                                     self.seed, vocab_size=hf_config.vocab_size),
+                                     self.seed, vocab_size=hf_config.vocab_size,
+                                     runner=runner,
+                                     pooler_config=parse_pooler_config(self.pooler_config)),
             cache_config=CacheConfig(self.block_size, self.enable_prefix_caching,
                                      self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                                      self.num_gpu_blocks_override),
@@ -242,3 +303,17 @@ class EngineArgs:
             disk_bytes=int((self.kv_offloading_disk_size or 0) * 2**30),
             policy=self.kv_offloading_policy,
         )
+
+
+def _default_max_len(model_max: int, runner: str, model_path: str | None) -> int:
+    """The model's context; a sentence-transformers model's max_seq_length caps it, as
+    sentence-transformers itself does."""
+    if runner != "pooling" or model_path is None:
+        return model_max
+    from pathlib import Path
+
+    from shoal.pooling.model_info import read_sentence_transformers
+
+    folder = Path(model_path)
+    st_max = read_sentence_transformers(folder if folder.is_dir() else None).get("max_seq_length")
+    return min(model_max, st_max) if st_max else model_max

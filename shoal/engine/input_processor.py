@@ -19,6 +19,7 @@ import msgspec
 
 from shoal.engine.chat_template import render_chat_template
 from shoal.engine.core_types import EngineCoreRequest
+from shoal.pooling_params import PoolingInfo, PoolingParams
 from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class EngineLimits(msgspec.Struct, frozen=True):
     max_num_seqs: int
     eos_token_ids: frozenset[int] = frozenset()
     request: RequestLimits = msgspec.field(default_factory=RequestLimits)
+    pooling: PoolingInfo | None = None  # set: a pooling engine (runner="pooling")
 
 
 @dataclass
@@ -108,6 +110,11 @@ def check_prompt_token_ids(ids: Any, vocab_size: int, max_model_len: int) -> lis
 
 def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:
     """Checks a request against the model and the KV pool; returns its resolved max_tokens."""
+    if (limits.pooling is not None) != (req.pooling_params is not None):
+        raise ValueError(wrong_runner_message(limits.pooling is not None))
+    if req.pooling_params is not None:
+        validate_pooling_request(limits, req)
+        return 1
     ids = check_prompt_token_ids(req.prompt_token_ids, limits.vocab_size, limits.max_model_len)
     sp = req.sampling_params
     sp.validate_against_vocab(limits.vocab_size)
@@ -125,6 +132,32 @@ def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:
     return max_tokens
 
 
+def wrong_runner_message(pooling_model: bool) -> str:
+    if pooling_model:
+        return ("this model runs as a pooling model (embeddings, classification, scores): it "
+                "does not generate text")
+    return ("this model generates text: embeddings, classification and scores need a pooling "
+            "model (runner='pooling', or an encoder model such as all-MiniLM-L6-v2)")
+
+
+def validate_pooling_request(limits: EngineLimits, req: EngineCoreRequest) -> None:
+    assert limits.pooling is not None and req.pooling_params is not None
+    ids = list(req.prompt_token_ids)
+    if not ids:
+        raise ValueError("input must not be empty (no tokens)")
+    if len(ids) > limits.max_model_len:
+        raise ValueError(f"input is {len(ids)} tokens; this model takes at most max_model_len "
+                         f"({limits.max_model_len}) tokens")
+    # (a pooling prompt may fill max_model_len: nothing is generated after it)
+    check_prompt_token_ids(ids, limits.vocab_size, limits.max_model_len + 1)
+    req.pooling_params.check_against(limits.pooling)
+    tt = req.token_type_ids
+    if tt is not None and (len(tt) != len(ids) or not set(tt) <= {0, 1}):
+        raise ValueError("token_type_ids must hold one 0 or 1 per input token")
+
+
+# The sampling parameters a pooling request carries: nothing is sampled or detokenized.
+_NO_SAMPLING = SamplingParams(max_tokens=1, detokenize=False)
 _INT64 = (-(2**63), 2**63 - 1)
 _UINT64_MAX = 2**64 - 1  # seeds: torch takes [-2**63, 2**64 - 1]
 
@@ -235,6 +268,65 @@ class InputProcessor:
         for r in reqs:
             validate_core_request(self.limits, r)
         return ProcessedRequest(request_id, p.prompt, p.prompt_token_ids, params, reqs)
+
+    def process_pooling_request(self, request_id: str, prompt: PromptType,
+                                params: PoolingParams, *, priority: int = 0,
+                                token_type_ids: list[int] | None = None,
+                                arrival_time: float | None = None) -> ProcessedRequest:
+        """A pooling request (embed, classify, score): one core request, no sampling."""
+        if not isinstance(params, PoolingParams):
+            raise ValueError("pooling_params must be a PoolingParams")
+        _check_request_options(_NO_SAMPLING, priority, None)
+        if self.limits.pooling is None:
+            raise ValueError(wrong_runner_message(False))
+        p = prompt if isinstance(prompt, ProcessedPrompt) else self.process_pooling_prompt(prompt)
+        arrival = time.monotonic() if arrival_time is None else arrival_time
+        req = EngineCoreRequest(request_id, p.prompt_token_ids, _NO_SAMPLING, arrival, priority,
+                                pooling_params=params, token_type_ids=token_type_ids)
+        validate_core_request(self.limits, req)
+        return ProcessedRequest(request_id, p.prompt, p.prompt_token_ids, _NO_SAMPLING, [req])
+
+    def process_pooling_prompt(self, prompt: Any) -> ProcessedPrompt:
+        """Text or token ids of a pooling request; length is checked against max_model_len
+        inclusive (nothing is generated after the prompt)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("input must not be empty")
+            ids = self.encode(prompt, what="input")
+            self.check_pooling_length(len(ids))
+            return ProcessedPrompt(prompt, ids)
+        if isinstance(prompt, Mapping) and "prompt" in prompt and "prompt_token_ids" not in prompt:
+            return self.process_pooling_prompt(prompt["prompt"])
+        if isinstance(prompt, Mapping):
+            prompt = prompt.get("prompt_token_ids")
+        if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
+            if not prompt:
+                raise ValueError("input must not be empty")
+            self.check_pooling_length(len(prompt))
+            ids = check_prompt_token_ids(prompt, self.limits.vocab_size,
+                                         self.limits.max_model_len + 1)
+            return ProcessedPrompt(None, ids)
+        raise ValueError(f"input must be a string or token ids (got {type(prompt).__name__})")
+
+    def encode_pair(self, text_1: str, text_2: str) -> tuple[list[int], list[int] | None]:
+        """A (query, document) pair as a cross-encoder reads it: both texts in one sequence
+        ([CLS] q [SEP] d [SEP] for BERT), with segment ids when the tokenizer makes them."""
+        if self.tokenizer is None:
+            raise ValueError("scoring text pairs needs a tokenizer")
+        for t, what in ((text_1, "text_1"), (text_2, "text_2")):
+            if not isinstance(t, str) or not t:
+                raise ValueError(f"{what} must be a non-empty string")
+            check_text(t, what)
+        enc = self.tokenizer(text_1, text_2)
+        ids = list(enc["input_ids"])
+        self.check_pooling_length(len(ids))
+        tt = enc.get("token_type_ids")
+        return ids, (list(tt) if tt is not None and any(tt) else None)
+
+    def check_pooling_length(self, n: int) -> None:
+        if n > self.limits.max_model_len:
+            raise ValueError(f"input is {n} tokens; this model takes at most max_model_len "
+                             f"({self.limits.max_model_len}) tokens")
 
     def check_num_prompts(self, count: int) -> None:
         """A request carrying `count` prompts (a completion's prompt list): checked before any

@@ -38,7 +38,8 @@ class LLMEngine:
                              f"{args.data_parallel_size})")
         torch.manual_seed(args.seed)
         loaded = load_model(args.model, tokenizer=args.tokenizer, load_format=args.load_format)
-        self.config = args.create_engine_config(loaded.hf_config)
+        args.apply_hf_overrides(loaded.hf_config)
+        self.config = args.create_engine_config(loaded.hf_config, loaded.source)
         if args.cpu_threads is not None:  # offline, torch's own default is every core already
             configure_cpu_threads(self.config.device.type, args.cpu_threads, serving=False)
         self.tokenizer = loaded.tokenizer

@@ -17,11 +17,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from shoal.engine.core_types import EngineCoreOutput, Logprobs
 from shoal.engine.detokenizer import IncrementalDetokenizer
 from shoal.engine.input_processor import ProcessedRequest
 from shoal.metrics.stats import FinishedRequestStats, IterationStats
-from shoal.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestMetrics, RequestOutput
+from shoal.outputs import (
+    CompletionOutput,
+    Logprob,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -72,6 +82,8 @@ class _Request:
     num_cached_tokens: int = 0
     num_generated: int = 0
     error: str | None = None
+    is_pooling: bool = False
+    pooled: Any = None  # a pooling request's result (numpy float32 array)
 
     @property
     def finished(self) -> bool:
@@ -98,7 +110,8 @@ class OutputProcessor:
                    for i, creq in enumerate(req.core_requests)]
         r = _Request(req.request_id, req.prompt, req.prompt_token_ids, kind, samples,
                      RequestMetrics(time.time()), req.core_requests[0].arrival_time, deliver,
-                     prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
+                     prompt_logprobs=[None] if params.prompt_logprobs is not None else None,
+                     is_pooling=req.core_requests[0].pooling_params is not None)
         self._requests[req.request_id] = r
         self.num_live_samples += len(samples)
         for s in samples:
@@ -212,6 +225,10 @@ class OutputProcessor:
                 while len(r.prompt_logprobs) <= pos:
                     r.prompt_logprobs.append(None)
                 r.prompt_logprobs[pos] = self._position_logprobs(lp)
+        if o.pooled is not None:
+            r.pooled = np.frombuffer(o.pooled, dtype=np.float32).reshape(o.pooled_shape)
+            if it is not None:
+                it.num_prompt_tokens += len(r.prompt_token_ids)
         if o.new_token_ids:
             if it is not None:
                 it.num_generation_tokens += len(o.new_token_ids)
@@ -316,7 +333,13 @@ class OutputProcessor:
             self._token_text[tid] = text
         return text
 
-    def _make_output(self, r: _Request, finished: bool) -> RequestOutput:
+    def _make_output(self, r: _Request, finished: bool) -> RequestOutput | PoolingRequestOutput:
+        if r.is_pooling:
+            return PoolingRequestOutput(
+                request_id=r.request_id,
+                outputs=PoolingOutput(r.pooled) if r.pooled is not None else None,
+                prompt_token_ids=r.prompt_token_ids, finished=finished,
+                num_cached_tokens=r.num_cached_tokens, error=r.error, prompt=r.prompt)
         outs = [c for c in (self._completion(s, r.kind == OutputKind.DELTA) for s in r.samples)
                 if c is not None]
         return RequestOutput(

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
 
@@ -66,6 +67,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_misses: int = 0
     spec_skip: int = 0
+    # A pooling request (pooling engines): one forward, then its pooled result.
+    pooling_params: PoolingParams | None = None
+    token_type_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.engine.core_types import Logprobs
 from shoal.kv_offload.plan import KVTransferPlan
+from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
 # Input id of a token that a step still in flight samples (async scheduling); the model
@@ -24,6 +26,8 @@ class NewRequestData:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int]
     output_token_ids: list[int] = field(default_factory=list)  # produced before a fault
+    pooling_params: PoolingParams | None = None  # a pooling request (pooling engines only)
+    token_type_ids: list[int] | None = None  # BERT segment ids of a (query, document) pair
 
 
 @dataclass
@@ -86,3 +90,5 @@ class ModelRunnerOutput:
     # KV offloading: ids of the transfer plans whose copies have completed (the step's own
     # plan once its results are in; the scheduler then lets go of the plan's CPU slots)
     kv_transfers_done: list[int] = field(default_factory=list)
+    # pooling engines: each finished request's result (a float32 numpy array)
+    pooled: dict[int, Any] = field(default_factory=dict)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from shoal.attention.backend import AttentionBackend
+from shoal.attention.packed import PackedSeqs, packed_attention
 from shoal.attention.torch_backend import TorchAttentionBackend
 from shoal.layers.norm import RMSNorm
 from shoal.layers.rotary import RotaryEmbedding
@@ -26,6 +27,11 @@ class Attention(nn.Module):
         self.backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Any) -> torch.Tensor:
+        if isinstance(md, PackedSeqs):  # a pooling step: no KV cache, whole prompts
+            if self.sliding_window is not None and max(md.seq_lens) > self.sliding_window:
+                raise ValueError(f"input is longer than the model's sliding window "
+                                 f"({self.sliding_window}), which pooling does not apply yet")
+            return packed_attention(q, k, v, md, self.scale)
         return self.backend.forward(q, k, v, self._cache(), md, self.scale)
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -21,14 +22,17 @@ logger = logging.getLogger(__name__)
 def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
     """A model following shoal/models/interface.py, ready for the runner to bind KV caches."""
     t0 = time.perf_counter()
-    cls = resolve_model_class(loaded.hf_config)
+    cls = resolve_model_class(loaded.hf_config, config.model_config.runner)
     with torch.device(config.device):
         model = cls(loaded.hf_config, config.model_config.dtype,
                     use_triton_ops=config.use_triton_ops)
     if config.model_config.load_format == "dummy":
         initialize_dummy_weights(model, seed=config.model_config.seed)
     else:
-        check_all_loaded(model, model.load_weights(loaded.weights()), loaded.source)
+        names = model.load_weights(loaded.weights())
+        if hasattr(model, "load_extra_files"):  # heads stored beside the safetensors
+            names |= model.load_extra_files(Path(loaded.source))
+        check_all_loaded(model, names, loaded.source)
     if config.cpu_int4_matmul:
         convert_to_int4(model, loaded.source)
     model.eval()

@@ -133,6 +133,9 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     qk_norm = False
     qkv_bias = False
+    # as a pooling model (runner="pooling"): causal attention, the last token's state
+    is_causal = True
+    default_pooling_type = "LAST"
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -144,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__()
         self.config = hf_config
+        self.hidden_size = hf_config.hidden_size
         self.model = self._build_model(hf_config, dtype, use_triton_ops)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)

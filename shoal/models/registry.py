@@ -16,6 +16,23 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3MoeForCausalLM": ("shoal.models.qwen3_moe", "Qwen3MoeForCausalLM"),
 }
 
+# Pooling-only architectures (encoders, classification heads): runner="pooling".
+_POOLING_MODELS: dict[str, tuple[str, str]] = {
+    "BertModel": ("shoal.models.bert", "BertModel"),
+    "BertForSequenceClassification": ("shoal.models.bert", "BertForSequenceClassification"),
+    "RobertaModel": ("shoal.models.roberta", "RobertaModel"),
+    "XLMRobertaModel": ("shoal.models.roberta", "XLMRobertaModel"),
+    "BgeM3EmbeddingModel": ("shoal.models.bge_m3", "BgeM3EmbeddingModel"),
+    "RobertaForSequenceClassification": ("shoal.models.roberta",
+                                         "RobertaForSequenceClassification"),
+    "XLMRobertaForSequenceClassification": ("shoal.models.roberta",
+                                            "XLMRobertaForSequenceClassification"),
+    "LlamaForSequenceClassification": ("shoal.models.llama_pooling",
+                                       "LlamaForSequenceClassification"),
+    "Qwen2ForSequenceClassification": ("shoal.models.llama_pooling",
+                                       "Qwen2ForSequenceClassification"),
+}
+
 # model_type -> architecture, for configs that do not list `architectures`.
 _BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
@@ -23,6 +40,9 @@ _BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "bert": "BertModel",
+    "roberta": "RobertaModel",
+    "xlm-roberta": "XLMRobertaModel",
 }
 
 
@@ -30,15 +50,40 @@ def supported_architectures() -> list[str]:
     return sorted(_MODELS)
 
 
-def resolve_model_class(hf_config: Any) -> type:
+def supported_pooling_architectures() -> list[str]:
+    return sorted(_POOLING_MODELS)
+
+
+def _architectures(hf_config: Any) -> list[str]:
     archs = list(getattr(hf_config, "architectures", None) or [])
     mt = getattr(hf_config, "model_type", None)
     if not archs and mt in _BY_MODEL_TYPE:
         archs = [_BY_MODEL_TYPE[mt]]
-    for arch in archs:
-        if arch in _MODELS:
-            module, name = _MODELS[arch]
-            return getattr(importlib.import_module(module), name)
+    return archs
+
+
+def is_pooling_only(hf_config: Any) -> bool:
+    """An encoder or a classification head: it cannot generate (runner "auto" -> pooling)."""
+    archs = _architectures(hf_config)
+    return any(a in _POOLING_MODELS for a in archs) and not any(a in _MODELS for a in archs)
+
+
+def resolve_model_class(hf_config: Any, runner: str = "generate") -> type:
+    """The class for the config's architecture; runner "pooling" also takes the pooling-only
+    ones (a causal LM serves as an embedder under it as well)."""
+    archs = _architectures(hf_config)
+    tables = [_POOLING_MODELS, _MODELS] if runner == "pooling" else [_MODELS]
+    for table in tables:
+        for arch in archs:
+            if arch in table:
+                module, name = table[arch]
+                return getattr(importlib.import_module(module), name)
+    if runner != "pooling" and any(a in _POOLING_MODELS for a in archs):
+        raise ValueError(f"{archs[0]} is a pooling model (embeddings, classification, "
+                         "scores): it cannot generate text; use runner='pooling'")
+    supported = supported_architectures() + (
+        supported_pooling_architectures() if runner == "pooling" else [])
     raise ValueError(
-        f"unsupported model architecture {archs or mt!r}; supported: {', '.join(supported_architectures())}"
+        f"unsupported model architecture {archs or getattr(hf_config, 'model_type', None)!r}; "
+        f"supported: {', '.join(supported)}"
     )

@@ -28,11 +28,13 @@ def free_port() -> int:
 
 
 class RemoteServer:
-    def __init__(self, *args: str, api_key: str | None = None):
+    def __init__(self, *args: str, api_key: str | None = None,
+                 base_args: list[str] | None = None):
+        """base_args: replaces BASE_ARGS (sized for SmolLM2) for other models."""
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "shoal.entrypoints.cli", "serve", "--port", str(self.port),
-               *BASE_ARGS, *args]
+               *(BASE_ARGS if base_args is None else base_args), *args]
         if api_key:
             cmd += ["--api-key", api_key]
         self.log_path = Path(tempfile.mkstemp(prefix="shoal-server-", suffix=".log")[1])

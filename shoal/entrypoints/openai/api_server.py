@@ -40,12 +40,14 @@ from shoal.entrypoints.openai.responses_api import OpenAIServingResponses
 from shoal.entrypoints.openai.routes import (
     add_generation_routes,
     add_model_and_tokenizer_routes,
+    add_pooling_routes,
     add_probe_routes,
 )
 from shoal.entrypoints.openai.server_settings import ServerSettings
 from shoal.entrypoints.openai.serving_chat import OpenAIServingChat
 from shoal.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from shoal.entrypoints.openai.serving_models import ServedModels
+from shoal.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from shoal.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from shoal.loader.resolve import DEFAULT_MODEL_NAME
 from shoal.metrics import LoggingStatLogger, PrometheusStatLogger
@@ -115,6 +117,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
     add_probe_routes(app, engine, registry, settings, load)
     add_model_and_tokenizer_routes(app, models, tokenization, settings)
     add_generation_routes(app, completion, chat, responses)
+    add_pooling_routes(app, OpenAIServingPooling(engine, models, settings))
     return app
 
 

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 import shoal
 from shoal.engine.async_llm import AsyncLLM
+from shoal.engine.input_processor import wrong_runner_message
 from shoal.entrypoints.openai.errors import OpenAIError, ServerShuttingDown, error_response
 from shoal.entrypoints.openai.middleware import ServerLoad
 from shoal.entrypoints.openai.protocol import (
@@ -25,11 +26,19 @@ from shoal.entrypoints.openai.protocol import (
     OpenAIBaseModel,
     TokenizeRequest,
 )
+from shoal.entrypoints.openai.protocol_pooling import (
+    ClassificationRequest,
+    EmbeddingRequest,
+    PoolingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from shoal.entrypoints.openai.responses_api import OpenAIServingResponses, ResponsesRequest
 from shoal.entrypoints.openai.server_settings import ServerSettings
 from shoal.entrypoints.openai.serving_chat import OpenAIServingChat
 from shoal.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from shoal.entrypoints.openai.serving_models import ServedModels
+from shoal.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from shoal.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
@@ -100,11 +109,15 @@ def add_model_and_tokenizer_routes(app: FastAPI, models: ServedModels,
 
 def add_generation_routes(app: FastAPI, completion: OpenAIServingCompletion,
                           chat: OpenAIServingChat, responses: OpenAIServingResponses) -> None:
-    """The routes that run the model; refused with a 503 once the server is draining."""
+    """The routes that run the model; refused with a 503 once the server is draining, and
+    with a 400 on a pooling model (it does not generate)."""
+    pooling_model = completion.engine.limits.pooling is not None
 
     def check_intake() -> None:
         if app.state.draining:
             raise ServerShuttingDown("the server is shutting down")
+        if pooling_model:
+            raise OpenAIError(400, wrong_runner_message(True))
 
     @app.post("/v1/completions")
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
@@ -164,3 +177,41 @@ async def invoke(raw: Request, completion: OpenAIServingCompletion, chat: OpenAI
             return await handler(req, raw)
     raise OpenAIError(400, "cannot route this request: expected one of ChatCompletionRequest "
                            "(messages), CompletionRequest (prompt) or ResponsesRequest (input)")
+
+
+def add_pooling_routes(app: FastAPI, pooling: OpenAIServingPooling) -> None:
+    """Embeddings, pooling, classification, scores and reranking; on a generation model each
+    answers 400 saying it needs a pooling model."""
+
+    def check_intake(req: OpenAIBaseModel) -> None:
+        if app.state.draining:
+            raise ServerShuttingDown("the server is shutting down")
+        _warn_unknown(req)
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(req: EmbeddingRequest, raw: Request) -> Response:
+        check_intake(req)
+        return await pooling.embeddings(req, raw)
+
+    @app.post("/pooling")
+    async def create_pooling(req: PoolingRequest, raw: Request) -> Response:
+        check_intake(req)
+        return await pooling.embeddings(req, raw, pooling=True)
+
+    @app.post("/classify")
+    async def create_classify(req: ClassificationRequest, raw: Request) -> Response:
+        check_intake(req)
+        return await pooling.classify(req, raw)
+
+    @app.post("/score")
+    @app.post("/v1/score")
+    async def create_score(req: ScoreRequest, raw: Request) -> Response:
+        check_intake(req)
+        return await pooling.score(req, raw)
+
+    @app.post("/rerank")
+    @app.post("/v1/rerank")
+    @app.post("/v2/rerank")
+    async def create_rerank(req: RerankRequest, raw: Request) -> Response:
+        check_intake(req)
+        return await pooling.rerank(req, raw)

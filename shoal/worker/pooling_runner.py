@@ -1,0 +1,104 @@
+"""The model runner of a pooling engine: one forward over whole prompts, then pooling.
+
+No KV cache, no sampling, no CUDA graphs: each scheduled request is a whole prompt (the
+pooling scheduler never splits one), the step's prompts are packed back to back with no
+padding, the model returns their final hidden states, and shoal/pooling/pooler.py turns them
+into one result per request. Same launch/finish contract as ModelRunner, so EngineCore
+drives both the same way."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from shoal.attention.packed import PackedSeqs
+from shoal.config import EngineConfig
+from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.loader import LoadedModel, build_model
+from shoal.pooling.model_info import build_pooling_info
+from shoal.pooling.pooler import PoolingRow, pooled_results
+from shoal.pooling_params import PoolingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _PoolingState:
+    params: PoolingParams
+    token_type_ids: list[int] | None
+
+
+@dataclass
+class PoolingStepFuture:
+    out: ModelRunnerOutput
+
+
+class PoolingModelRunner:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        self.config = config
+        self.device = config.device
+        self.dtype = config.model_config.dtype
+        self.hf_config = loaded.hf_config
+        self.vocab_size = loaded.hf_config.vocab_size
+        t0 = time.perf_counter()
+        self.model = build_model(config, loaded)
+        folder = Path(loaded.source) if Path(loaded.source).is_dir() else None
+        self.info = build_pooling_info(self.model, loaded.hf_config, folder,
+                                       config.model_config.pooler_config)
+        self.requests: dict[int, _PoolingState] = {}
+        self.kv_caches: list[torch.Tensor] = []
+        self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
+        logger.info("pooling model: tasks %s, %s pooling, normalize=%s",
+                    ", ".join(self.info.tasks), self.info.pooling_type, self.info.normalize)
+
+    def initialize_kv_cache(self) -> int:
+        """A pooling model keeps no KV cache: zero blocks."""
+        return 0
+
+    def launch(self, sched: SchedulerOutput) -> PoolingStepFuture:
+        for new in sched.new_requests:
+            if new.pooling_params is None:
+                raise ValueError("a pooling model only takes pooling requests")
+            self.requests[new.serial] = _PoolingState(new.pooling_params, new.token_type_ids)
+        rows, ids, positions, types = [], [], [], []
+        any_types = False
+        # Shortest first: sequences of one length sit side by side, and attention runs once
+        # per length (shoal/attention/packed.py).
+        for item in sorted(sched.scheduled, key=lambda it: it.num_new_tokens):
+            state = self.requests[item.serial]
+            n = item.num_new_tokens
+            rows.append(PoolingRow(item.serial, len(ids), n, state.params))
+            ids.extend(item.input_token_ids)
+            positions.extend(range(n))
+            any_types |= state.token_type_ids is not None
+            types.extend(state.token_type_ids or [0] * n)
+        seqs = PackedSeqs.build([r.length for r in rows], self.model.is_causal, self.device,
+                                types if any_types else None)
+        with torch.inference_mode():
+            input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
+            pos = torch.tensor(positions, dtype=torch.long).to(self.device)
+            hidden = self.model(input_ids, pos, seqs)
+            results = pooled_results(self.model, hidden, rows, self.info)
+        out = ModelRunnerOutput()
+        for serial, arr in results.items():
+            if np.isfinite(arr).all():
+                out.pooled[serial] = arr
+            else:
+                out.failed_serials.add(serial)
+        return PoolingStepFuture(out)
+
+    def finish(self, fut: PoolingStepFuture) -> ModelRunnerOutput:
+        return fut.out
+
+    def remove_requests(self, serials: set[int]) -> None:
+        for s in serials:
+            self.requests.pop(s, None)
+
+    def reset_after_fault(self) -> None:
+        """The scheduler sends the requests it retries as new again."""
+        self.requests.clear()
