@@ -145,3 +145,4 @@ class EngineConfig:
     attention_backend: str | None = None  # "torch" | "triton"; None: Triton on CUDA
     use_triton_ops: bool = True  # Triton norm / SiLU-and-mul / rotary kernels on CUDA
     fuse_rope_kv_write: bool = True  # q/k norm + rotary inside the KV-cache write kernel
+    structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance

@@ -15,6 +15,7 @@ from shoal.config import (
     default_device,
     resolve_dtype,
 )
+from shoal.structured_output.params import check_backend_available, parse_backend_config
 
 # On the CPU fewer sequences run at once: each step's cost grows with the batch.
 CPU_MAX_NUM_SEQS = 64
@@ -86,6 +87,9 @@ class EngineArgs:
     request_timeout: float | None = arg(None, "seconds a request may take from its arrival; "
                                               "one running longer is aborted and answered "
                                               "with an error (default: no limit)")
+    structured_outputs_config: str | None = arg(
+        None, 'structured outputs as JSON, e.g. \'{"backend": "xgrammar"}\' (backends: auto, '
+              'xgrammar, guidance; auto: xgrammar)')
     max_request_body_bytes: int = arg(32 << 20, "largest HTTP request body the server "
                                                 "accepts (413 above it)")
 
@@ -142,6 +146,8 @@ class EngineArgs:
             kv_offload_config=self._kv_offload_config(),
             async_scheduling=(device.type == "cuda" if self.async_scheduling is None
                               else bool(self.async_scheduling)),
+            structured_outputs_backend=check_backend_available(
+                parse_backend_config(self.structured_outputs_config)),
         )
 
     def _kv_offload_config(self) -> KVOffloadConfig | None:

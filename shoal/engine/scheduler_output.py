@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.engine.core_types import Logprobs
 from shoal.kv_offload.plan import KVTransferPlan
@@ -44,6 +45,15 @@ class ScheduledRequest:
 
 
 @dataclass
+class GrammarBitmask:
+    """The tokens the grammars of this step's structured rows allow: row i of `bitmask` (an
+    int32 host tensor, filled by the engine core) is for the request with serials[i]."""
+
+    serials: list[int]
+    bitmask: Any
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first
     num_decodes: int = 0
@@ -54,6 +64,8 @@ class SchedulerOutput:
     # (block id, first slot): KV slots the runner zeroes before anything else this step,
     # left by a request that produced non-finite values (see scheduler_faults.py)
     kv_zero: list[tuple[int, int]] = field(default_factory=list)
+    # Structured outputs: the grammar bitmask of the rows that sample (set by the core)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

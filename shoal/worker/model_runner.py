@@ -18,6 +18,7 @@ from shoal.config import EngineConfig
 from shoal.engine.core_types import Logprobs
 from shoal.engine.scheduler_output import (
     PENDING_TOKEN,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
@@ -27,6 +28,7 @@ from shoal.host_to_device import to_device
 from shoal.kv_offload.transfer import KVTransfer
 from shoal.loader import LoadedModel, build_model
 from shoal.sampling_params import SamplingParams
+from shoal.structured_output.bitmask import apply_token_bitmask
 from shoal.worker import warmup as startup
 from shoal.worker.cuda_graphs import DecodeGraphs
 from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
@@ -77,6 +79,7 @@ class StepInputs:
     pending_src: list[int] = field(default_factory=list)
     # (request serial, flat start, context length, tokens) of chunks that want prompt logprobs.
     prompt_lp_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    grammar: GrammarBitmask | None = None  # structured rows: the tokens they may sample
 
 
 class ModelRunner:
@@ -227,7 +230,7 @@ class ModelRunner:
         return fut
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        inp = StepInputs(sched.scheduled, sched.num_decodes)
+        inp = StepInputs(sched.scheduled, sched.num_decodes, grammar=sched.grammar_bitmask)
         for it in sched.scheduled:
             start = len(inp.input_ids)
             inp.input_ids.extend(it.input_token_ids)
@@ -314,6 +317,10 @@ class ModelRunner:
             self.device,
         )
         finite = torch.isfinite(logits).all(dim=-1)
+        if inp.grammar is not None:  # after the finiteness check: masked logits are -inf
+            row_of = {serial: i for i, serial in enumerate(inp.sample_rows)}
+            apply_token_bitmask(logits, inp.grammar.bitmask,
+                                [row_of[s] for s in inp.grammar.serials])
         result = self.sampler(logits, smd)
         # The next step reads its pending input tokens from here, on the device.
         self._prev_sampled = result.sampled_token_ids
