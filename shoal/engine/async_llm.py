@@ -54,6 +54,7 @@ class RequestStream:
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
         self.finished = False
+        self.constrained = False  # its output follows a grammar (structured outputs)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self._items.append(item)
@@ -176,6 +177,7 @@ class AsyncLLM:
                                           cache_salt=cache_salt)
         self._check_queue(len(req.core_requests))
         stream = RequestStream(self, request_id)
+        stream.constrained = params.structured_outputs is not None
         self.outputs.add_request(req, output_kind, stream.put)
         for r in req.core_requests:
             self.client.add_request(r)

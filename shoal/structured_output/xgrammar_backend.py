@@ -52,8 +52,8 @@ class XgrammarBackend(GrammarBackend):
             if "] " in reason and reason.startswith("["):
                 reason = reason.split("] ", 1)[1]
             reason = reason.split(": ", 1)[1] if reason.startswith("/") else reason
-            raise ValueError(f"structured_outputs.{params.kind} could not be compiled: "
-                             f"{reason}") from None
+            raise ValueError(f"structured_outputs.{params.kind} is invalid (the grammar engine "
+                             f"could not compile it): {reason}") from None
 
     def _compile(self, p: StructuredOutputsParams) -> Any:
         c = self._compiler

@@ -39,6 +39,7 @@ from shoal.entrypoints.openai.streaming import (
     merge_streams,
     output_batches,
     sse,
+    wait_grammar_checked,
 )
 from shoal.outputs import RequestOutput
 
@@ -116,7 +117,7 @@ class OpenAIServingCompletion(ServingBase):
         prompt_k = req.prompt_logprobs
         if req.echo and k is not None:
             prompt_k = -1 if -1 in (k, prompt_k) else max(k, prompt_k or 0)
-        params = req.to_sampling_params(max_tokens, k, prompt_k)
+        params = req.to_sampling_params(max_tokens, k, prompt_k, req.constraint())
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         engine_id = random_id("cmpl")
         streams: list[RequestStream] = []
@@ -131,6 +132,8 @@ class OpenAIServingCompletion(ServingBase):
             raise
         rid = response_id("cmpl", req.request_id, raw)
         if req.stream:
+            if params.structured_outputs is not None:
+                await wait_grammar_checked(streams)
             return StreamingResponse(self._stream(req, model, rid, streams),
                                      media_type="text/event-stream")
         try:
