@@ -216,11 +216,11 @@ BAD_CHATS = [
     ({"messages": []}, 400),
     ({"messages": [{"role": "", "content": "hi"}]}, 400),  # any role the template takes, not none
     ({"messages": MESSAGES, "use_beam_search": True}, 400),
-    ({"messages": MESSAGES, "structured_outputs": {"regex": "a+"}}, 400),
+    ({"messages": MESSAGES, "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400),
     ({"messages": MESSAGES, "seed": 2**64}, 400),
     ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
     ({"messages": MESSAGES, "tool_choice": "auto"}, 400),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400),
+    ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, 400),
     ({"messages": MESSAGES, "functions": [{"name": "f"}]}, 400),
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),

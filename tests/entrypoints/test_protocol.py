@@ -155,8 +155,9 @@ def test_chat_logprobs_format():
 def test_not_implemented_fields_are_named_and_defaults_pass():
     from shoal.entrypoints.openai.protocol import NOT_IMPLEMENTED
 
-    assert CompletionRequest(prompt="a", structured_outputs={"regex": "a"}).unsupported() == \
-        ("structured_outputs", NOT_IMPLEMENTED["structured_outputs"][1])
+    assert CompletionRequest(prompt="a", guided_decoding_backend="x").unsupported() == \
+        ("guided_decoding_backend", NOT_IMPLEMENTED["guided_decoding_backend"][1])
+    assert CompletionRequest(prompt="a", structured_outputs={"regex": "a"}).unsupported() is None
     assert CompletionRequest(prompt="a", guided_json={}).unsupported() is None  # empty: unset
     assert CompletionRequest(prompt="a", use_beam_search=False, length_penalty=1.0,
                              bad_words=[]).unsupported() is None
