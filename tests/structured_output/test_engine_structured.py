@@ -138,3 +138,30 @@ def test_unknown_backend_and_missing_library_are_value_errors():
     with pytest.raises(ValueError, match="backend must be one of"):
         EngineArgs(structured_outputs_config='{"backend": "outlines"}').create_engine_config(
             type("C", (), {"vocab_size": 10, "max_position_embeddings": 64})())
+
+
+def test_guidance_backend_holds_the_same_constraints(llm):
+    pytest.importorskip("llguidance")
+    from shoal.structured_output.manager import StructuredOutputManager
+
+    core = llm.llm_engine.core
+    xgrammar_manager = core.structured
+    core.structured = StructuredOutputManager("guidance", llm.get_tokenizer(),
+                                              core.runner.vocab_size, sorted(core.eos_token_ids))
+    try:
+        outs = llm.generate(["a", "b", "c"], [
+            _params(StructuredOutputsParams(choice=["one", "two words"]), seed=1),
+            _params(StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"), seed=2),
+            _params(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), seed=3),
+        ], use_tqdm=False)
+        assert outs[0].outputs[0].text in ("one", "two words")
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[1].outputs[0].text)
+        c = outs[2].outputs[0]
+        assert c.finish_reason == "length" or jsonschema.validate(json.loads(c.text),
+                                                                  SCHEMA) is None
+        with pytest.raises(ValueError, match="look-around"):
+            llm.generate(["d"], _params(StructuredOutputsParams(regex="(?=a)b")),
+                         use_tqdm=False)
+    finally:
+        core.structured.shutdown()
+        core.structured = xgrammar_manager
