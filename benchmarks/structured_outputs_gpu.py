@@ -12,7 +12,7 @@ W1's requests (nano-vllm's draw: 256 requests, random ids, in/out U[100,1024], t
                so requests run to max_tokens like W1's (ignore_eos)
 Each engine step is timed (EngineCore.step), with its batch size; the figures are the mean
 step time over decode steps at each run's most common batch size, the time spent filling the
-bitmask on the host, and output tokens per second. The dummy model has no tokenizer: SmolLM2's
+bitmask on the host (while the device runs the forward pass), and output tokens per second. The dummy model has no tokenizer: SmolLM2's
 (49,152 tokens) stands in, so the bitmask is as wide as Qwen3's padded 151,936-token logits
 and the ids past the tokenizer are masked, as a padded vocabulary's are."""
 
@@ -51,13 +51,14 @@ def w1_requests(num: int, seed: int, smoke: bool) -> list[tuple[list[int], int]]
 
 
 class StepTimer:
-    """Wraps EngineCore.step and the core's bitmask fill to time them."""
+    """Wraps EngineCore.step and the bitmask fill (StructuredOutputManager) to time them."""
 
     def __init__(self, core: Any):
         self.core = core
+        self.manager = core.structured
         self.steps: list[tuple[int, float]] = []  # (rows that sampled, seconds)
         self.fill_seconds = 0.0
-        self._step, self._fill = core.step, core._grammar_bitmask
+        self._step, self._fill = core.step, core.structured.fill_bitmask
 
         def step() -> Any:
             t0 = time.perf_counter()
@@ -66,16 +67,16 @@ class StepTimer:
                                time.perf_counter() - t0))
             return out
 
-        def fill(sched: Any) -> Any:
+        def fill(grammars: Any) -> Any:
             t0 = time.perf_counter()
-            res = self._fill(sched)
+            res = self._fill(grammars)
             self.fill_seconds += time.perf_counter() - t0
             return res
 
-        core.step, core._grammar_bitmask = step, fill
+        core.step, self.manager.fill_bitmask = step, fill
 
     def restore(self) -> None:
-        self.core.step, self.core._grammar_bitmask = self._step, self._fill
+        self.core.step, self.manager.fill_bitmask = self._step, self._fill
 
 
 def run(llm: Any, requests: list[tuple[list[int], int]], mode: str) -> dict[str, Any]:

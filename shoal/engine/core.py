@@ -204,7 +204,8 @@ class EngineCore:
                     self.scheduler.fail_request(req, error)
 
     def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
-        """The bitmask of the structured rows that sample this step, filled on the host."""
+        """The structured rows that sample this step, and how to fill their bitmask on the
+        host (the runner does it while the device runs the forward pass)."""
         serials, grammars = [], []
         for item in sched.scheduled:
             if item.sample and item.serial in self._structured_serials:
@@ -214,7 +215,7 @@ class EngineCore:
                     grammars.append(req.structured)
         if not grammars:
             return None
-        return GrammarBitmask(serials, self.structured.fill_bitmask(grammars))
+        return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars))
 
     def _finish_inflight(self) -> list[EngineCoreOutput]:
         if self._inflight is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,11 +47,12 @@ class ScheduledRequest:
 
 @dataclass
 class GrammarBitmask:
-    """The tokens the grammars of this step's structured rows allow: row i of `bitmask` (an
-    int32 host tensor, filled by the engine core) is for the request with serials[i]."""
+    """The tokens the grammars of this step's structured rows allow: row i of the bitmask (an
+    int32 host tensor) is for the request with serials[i]. The runner calls `fill` once the
+    forward pass is queued, so the host fills it while the device computes the logits."""
 
     serials: list[int]
-    bitmask: Any
+    fill: Callable[[], Any]
 
 
 @dataclass

@@ -319,7 +319,8 @@ class ModelRunner:
         finite = torch.isfinite(logits).all(dim=-1)
         if inp.grammar is not None:  # after the finiteness check: masked logits are -inf
             row_of = {serial: i for i, serial in enumerate(inp.sample_rows)}
-            apply_token_bitmask(logits, inp.grammar.bitmask,
+            # Filled now, on the host, while the device runs the forward pass queued above.
+            apply_token_bitmask(logits, inp.grammar.fill(),
                                 [row_of[s] for s in inp.grammar.serials])
         result = self.sampler(logits, smd)
         # The next step reads its pending input tokens from here, on the device.
