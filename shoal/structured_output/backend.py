@@ -54,21 +54,3 @@ def choice_grammar(choices: list[str]) -> str:
     import json
 
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
-
-
-def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
-                 ) -> GrammarBackend:
-    """name: xgrammar, guidance or auto (xgrammar). Imports the library here: it loads torch,
-    which only the engine core may."""
-    if tokenizer is None:
-        raise ValueError("structured outputs need a tokenizer in the engine (the model has none)")
-    if name in ("auto", "xgrammar"):
-        from shoal.structured_output.xgrammar_backend import XgrammarBackend
-
-        return XgrammarBackend(tokenizer, vocab_size, eos_token_ids)
-    if name == "guidance":
-        from shoal.structured_output.guidance_backend import GuidanceBackend
-
-        return GuidanceBackend(tokenizer, vocab_size, eos_token_ids)
-    raise ValueError(f"unknown structured outputs backend {name!r} (supported: auto, xgrammar, "
-                     "guidance)")

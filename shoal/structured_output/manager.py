@@ -16,12 +16,30 @@ from typing import Any
 
 import torch
 
-from shoal.structured_output.backend import GrammarBackend, GrammarMatcher, make_backend
+from shoal.structured_output.backend import GrammarBackend, GrammarMatcher
 from shoal.structured_output.params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 _CACHE_SIZE = 1024  # compiled grammars kept (most recently used)
+
+
+def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
+                 ) -> GrammarBackend:
+    """name: xgrammar, guidance or auto (xgrammar). Imports the library here: it loads torch,
+    which only the engine core may."""
+    if tokenizer is None:
+        raise ValueError("structured outputs need a tokenizer in the engine (the model has none)")
+    if name in ("auto", "xgrammar"):
+        from shoal.structured_output.xgrammar_backend import XgrammarBackend
+
+        return XgrammarBackend(tokenizer, vocab_size, eos_token_ids)
+    if name == "guidance":
+        from shoal.structured_output.guidance_backend import GuidanceBackend
+
+        return GuidanceBackend(tokenizer, vocab_size, eos_token_ids)
+    raise ValueError(f"unknown structured outputs backend {name!r} (supported: auto, xgrammar, "
+                     "guidance)")
 
 
 class StructuredRequest:

@@ -39,7 +39,7 @@ def test_logits_wider_than_the_bitmask_mask_the_padding():
 
 def test_padded_vocabulary_never_allows_ids_past_the_tokenizer(smollm_gguf):
     from shoal.loader import load_model
-    from shoal.structured_output.backend import make_backend
+    from shoal.structured_output.manager import make_backend
     from shoal.structured_output.params import StructuredOutputsParams
 
     tok = load_model(None, load_format="dummy").tokenizer
