@@ -181,8 +181,16 @@ def test_shaper_holds_back_an_auto_call_and_sends_the_content():
         == [("f", {"x": 2})]
 
 
-def test_shaper_required_sends_calls_at_the_end():
+def test_shaper_required_sends_each_call_once_its_object_closes():
     plan = ToolPlan("required")
-    deltas, finish = _shape(plan, '[{"name": "f", "parameters": {"a": 1}}]')
-    assert len(deltas) == 1 and finish == "tool_calls"
-    assert deltas[0]["tool_calls"][0]["function"]["arguments"] == '{"a": 1}'
+    text = '[{"name": "f", "parameters": {"a": 1}}, {"name": "g", "parameters": {}}]'
+    shaper = ChoiceShaper(plan, None)
+    sent_after = []
+    for i, ch in enumerate(text):
+        d = shaper.feed(ch, i == len(text) - 1)
+        for call in d.get("tool_calls", []):
+            sent_after.append((i, call["index"], call["function"]["name"],
+                               call["function"]["arguments"]))
+    first_close = text.index("}}") + 1
+    assert sent_after == [(first_close, 0, "f", '{"a": 1}'), (len(text) - 2, 1, "g", "{}")]
+    assert shaper.finish_reason("stop") == "tool_calls"

@@ -2,12 +2,14 @@
 (--reasoning-parser) and tool calls sent as OpenAI sends them (`delta.tool_calls` entries with
 an index; the first of a call carries its id, type and name, later ones argument text).
 
-A named function streams its arguments as they are generated; "required" and "auto" calls
-are sent whole once the answer is complete (the content before an auto call streams as it
-comes; text that may begin a call is held back)."""
+A named function streams its arguments as they are generated; a "required" call is sent
+whole as soon as its object in the constrained array has closed; "auto" calls are sent once
+the answer is complete (the content before them streams as it comes; text that may begin a
+call is held back)."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from shoal.entrypoints.openai.tool_choice import ToolPlan
@@ -41,8 +43,8 @@ class ChoiceShaper:
             self._buffer += text
             if mode == "auto":
                 self._auto(final, delta)
-            elif final:
-                self._send_calls(delta)
+            else:
+                self._required(final, delta)
         return delta
 
     def finish_reason(self, reason: str | None) -> str | None:
@@ -74,6 +76,19 @@ class ChoiceShaper:
             delta["content"] = self._buffer[self._sent:safe]
             self._sent = safe
 
+    def _required(self, final: bool, delta: dict[str, Any]) -> None:
+        """Each call of the constrained JSON array is sent once its object has closed."""
+        done = complete_array_items(self._buffer)
+        calls = [ToolCall(i["name"], json.dumps(i.get("parameters", {}), ensure_ascii=False))
+                 for i in done[self.calls_sent:]
+                 if isinstance(i, dict) and isinstance(i.get("name"), str)]
+        if calls:
+            delta["tool_calls"] = [_call_delta(self.calls_sent + j, c)
+                                   for j, c in enumerate(calls)]
+            self.calls_sent += len(calls)
+        if final and not self.calls_sent and self._buffer:
+            delta["content"] = self._buffer  # cut off before a call was complete
+
     def _send_calls(self, delta: dict[str, Any]) -> None:
         content, calls = self.plan.calls_from_text(self._buffer)
         rest = (content or "")[self._sent:] if calls else self._buffer[self._sent:]
@@ -83,6 +98,25 @@ class ChoiceShaper:
         if calls:
             delta["tool_calls"] = [_call_delta(i, c) for i, c in enumerate(calls)]
             self.calls_sent = len(calls)
+
+
+def complete_array_items(text: str) -> list[Any]:
+    """The items of a JSON array that are complete in a partial text ('[{...}, {..')."""
+    body = text.lstrip()
+    if not body.startswith("["):
+        return []
+    decoder = json.JSONDecoder()
+    items, i = [], 1
+    while True:
+        while i < len(body) and body[i] in " \t\n\r,":
+            i += 1
+        if i >= len(body) or body[i] == "]":
+            return items
+        try:
+            item, i = decoder.raw_decode(body, i)
+        except ValueError:
+            return items
+        items.append(item)
 
 
 def _call_delta(index: int, call: ToolCall) -> dict[str, Any]:
