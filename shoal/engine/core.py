@@ -135,8 +135,7 @@ class EngineCore:
             self._history_requests.add(request.serial)
         if request.structured is not None:
             self._structured_serials.add(request.serial)
-            if not request.structured.is_ready() or request.structured.error():
-                self._compiling[request.serial] = request
+            self._compiling[request.serial] = request  # schedulable once _check_grammars saw it
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -197,9 +196,9 @@ class EngineCore:
     def _check_grammars(self) -> None:
         """Requests whose grammar failed to compile end with a bad-request error."""
         for serial, req in list(self._compiling.items()):
-            if req.structured.is_ready():
+            if req.structured.is_compiled():
                 del self._compiling[serial]
-                error = req.structured.error()
+                error = req.structured.settle()
                 if error is not None:
                     self.scheduler.fail_request(req, error)
 

@@ -49,16 +49,26 @@ class StructuredRequest:
         self.params = params
         self._compiled = compiled
         self._matcher: GrammarMatcher | None = None
+        self._usable = False  # compiled without error, as the engine has seen (settle)
 
     def is_ready(self) -> bool:
+        """The scheduler may run the request: its grammar compiled and the engine core saw
+        that it did (a compilation finishing between the core's check and the schedule must
+        not let a failed grammar run)."""
+        return self._usable
+
+    def is_compiled(self) -> bool:
         return self._compiled.done()
 
-    def error(self) -> str | None:
-        """Why the grammar could not be compiled (once ready), else None."""
+    def settle(self) -> str | None:
+        """Once compiled: makes the request schedulable, or returns why the grammar failed."""
         if not self._compiled.done():
             return None
         exc = self._compiled.exception()
-        return None if exc is None else str(exc)
+        if exc is not None:
+            return str(exc)
+        self._usable = True
+        return None
 
     @property
     def matcher(self) -> GrammarMatcher:
@@ -126,7 +136,7 @@ class StructuredOutputManager:
     @staticmethod
     def wait_any(pending: list[StructuredRequest], timeout: float) -> None:
         """Blocks until one of the compilations finishes (an engine with nothing else to do)."""
-        futures = [r._compiled for r in pending if not r.is_ready()]
+        futures = [r._compiled for r in pending if not r.is_compiled()]
         if futures:
             wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
 
