@@ -45,7 +45,7 @@ class XgrammarBackend(GrammarBackend):
     def compile(self, params: StructuredOutputsParams) -> Any:
         try:
             return self._compile(params)
-        except (RuntimeError, ValueError, TypeError) as e:
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
             # xgrammar reports bad schemas, regexes and grammars as RuntimeError with the C++
             # location first; keep the reason.
             reason = str(e).strip().splitlines()[0]
@@ -71,6 +71,11 @@ class XgrammarBackend(GrammarBackend):
         if p.grammar is not None:
             return c.compile_grammar(p.grammar)
         assert p.structural_tag is not None
+        tag = json.loads(p.structural_tag)
+        if isinstance(tag, dict) and "structures" in tag:  # vLLM's older form
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
+                                           end=s["end"]) for s in tag["structures"]]
+            return c.compile_structural_tag(items, tag.get("triggers", []))
         return c.compile_structural_tag(p.structural_tag)
 
     def matcher(self, compiled: Any) -> GrammarMatcher:

@@ -165,3 +165,22 @@ def test_guidance_backend_holds_the_same_constraints(llm):
     finally:
         core.structured.shutdown()
         core.structured = xgrammar_manager
+
+
+def test_structural_tags_in_both_forms_compile(llm):
+    body = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    legacy = {"type": "structural_tag", "triggers": ["<f>"], "structures": [
+        {"begin": "<f>", "schema": body, "end": "</f>"}]}
+    current = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": body},
+        "end": "</f>"}}
+    manager = llm.llm_engine.core.structured
+    for tag in (legacy, current):
+        manager.validate(StructuredOutputsParams(structural_tag=json.dumps(tag)))
+    with pytest.raises(ValueError, match="structural_tag"):
+        manager.validate(StructuredOutputsParams(structural_tag='{"type": "structural_tag"}'))
+    out = llm.generate(["k"], _params(StructuredOutputsParams(structural_tag=json.dumps(current)),
+                                      max_tokens=60), use_tqdm=False)[0].outputs[0]
+    if out.finish_reason == "stop":  # the tag's content is the JSON object between its marks
+        assert out.text.startswith("<f>") and out.text.endswith("</f>")
+        jsonschema.validate(json.loads(out.text[3:-4]), body)
