@@ -206,3 +206,10 @@ def test_the_server_keeps_serving_after_bad_grammars(client):
     r = client.chat.completions.create(model=MODEL, messages=ask(1), max_tokens=5,
                                        extra_body={"guided_choice": ["ok"]})
     assert r.choices[0].message.content == "ok"
+
+
+def test_responses_api_text_format(client):
+    r = client.responses.create(model=MODEL, input="A person as JSON.", max_output_tokens=200,
+                                temperature=0, text={"format": {
+                                    "type": "json_schema", "name": "person", "schema": PERSON}})
+    jsonschema.validate(json.loads(r.output_text), PERSON)
