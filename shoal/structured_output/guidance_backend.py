@@ -40,8 +40,11 @@ class GuidanceBackend(GrammarBackend):
                                                  eos_token=sorted(eos_token_ids) or None)
 
     def compile(self, params: StructuredOutputsParams) -> Any:
-        grammar = self._grammar(params)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self._tok)
+        try:
+            grammar = self._grammar(params)
+            error = llguidance.LLMatcher.validate_grammar(grammar, self._tok)
+        except (ValueError, TypeError, RecursionError) as e:
+            error = str(e)
         if error:
             reason = " ".join(str(error).split())
             raise ValueError(f"structured_outputs.{params.kind} is invalid (the grammar engine "
@@ -61,8 +64,8 @@ class GuidanceBackend(GrammarBackend):
             return llguidance.grammar_from("choice", json.dumps(p.choice))
         if p.grammar is not None:
             return llguidance.grammar_from("grammar", p.grammar)
-        raise ValueError("structured_outputs.structural_tag is not supported by the guidance "
-                         "backend; use the xgrammar backend")
+        raise ValueError("structural tags are not supported by the guidance backend; use "
+                         "the xgrammar backend")
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return GuidanceMatcher(llguidance.LLMatcher(self._tok, compiled))
