@@ -38,6 +38,11 @@ class StructuredOutputsParams:
         if self.whitespace_pattern is not None and not isinstance(self.whitespace_pattern, str):
             raise ValueError("structured_outputs.whitespace_pattern must be a string")
         self._check_value(set_kinds[0])
+        try:
+            self.key()  # also what crosses to the engine: it must serialize
+        except (RecursionError, TypeError, ValueError) as e:
+            raise ValueError(f"structured_outputs.{set_kinds[0]} cannot be serialized: "
+                             f"{e}") from None
 
     def _check_value(self, kind: str) -> None:
         value = getattr(self, kind)
