@@ -10,8 +10,10 @@ W1's requests (nano-vllm's draw: 256 requests, random ids, in/out U[100,1024], t
   free-sync    unconstrained, one step at a time (what a structured request forces today)
   json         every request constrained by a JSON schema whose string field never has to end,
                so requests run to max_tokens like W1's (ignore_eos)
-Each engine step is timed (EngineCore.step), with its batch size; the figures are the mean
-step time over decode steps at each run's most common batch size, the time spent filling the
+Each engine step is timed (EngineCore.step), with its batch size; the figures are the step
+time at each batch size, the ratio of step times at the batch sizes two runs share (grammar
+answers end at other times than W1's), the mean at each run's most common batch size, the
+time spent filling the
 bitmask on the host (while the device runs the forward pass), and output tokens per second. The dummy model has no tokenizer: SmolLM2's
 (49,152 tokens) stands in, so the bitmask is as wide as Qwen3's padded 151,936-token logits
 and the ids past the tokenizer are masked, as a padded vocabulary's are."""
@@ -103,7 +105,13 @@ def run(llm: Any, requests: list[tuple[list[int], int]], mode: str) -> dict[str,
     sizes = Counter(n for n, _ in timer.steps if n)
     batch, _ = sizes.most_common(1)[0]
     at_batch = [dt for n, dt in timer.steps if n == batch]
+    by_batch: dict[int, list[float]] = {}
+    for n, dt in timer.steps:
+        if n:
+            by_batch.setdefault(n, []).append(dt)
     return {"mode": mode, "requests": len(requests), "output_tokens": tokens,
+            "step_ms_by_batch": {n: round(1e3 * statistics.fmean(v), 3)
+                                 for n, v in sorted(by_batch.items()) if len(v) >= 3},
             "seconds": round(wall, 3), "output_tok_per_s": round(tokens / wall, 1),
             "steps": len(timer.steps), "common_batch": batch,
             "mean_step_ms_at_common_batch": round(1e3 * statistics.fmean(at_batch), 3),
@@ -111,6 +119,16 @@ def run(llm: Any, requests: list[tuple[list[int], int]], mode: str) -> dict[str,
             "bitmask_fill_ms_per_step": round(1e3 * timer.fill_seconds
                                               / max(len(timer.steps), 1), 3),
             "finish_reasons": dict(Counter(o.outputs[0].finish_reason for o in outs))}
+
+
+def matched_ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """Mean over the batch sizes both runs timed (>= 3 steps each) of a's step time over b's,
+    weighted by batch size."""
+    pa, pb = a["step_ms_by_batch"], b["step_ms_by_batch"]
+    common = [n for n in pa if n in pb]
+    if not common:
+        return None
+    return round(sum(n * pa[n] / pb[n] for n in common) / sum(common), 3)
 
 
 def main() -> int:
@@ -139,6 +157,12 @@ def main() -> int:
     json_ms = results["json"]["mean_step_ms_at_common_batch"]
     figures = {
         "runs": results,
+        # Requests under a grammar end at different times than W1's, so the runs' batch sizes
+        # differ: compare step times at the batch sizes both runs have.
+        "json_over_free_sync_at_matched_batches": matched_ratio(results["json"],
+                                                                results["free-sync"]),
+        "json_over_free_async_at_matched_batches": matched_ratio(results["json"],
+                                                                 results["free-async"]),
         "json_step_over_free_sync": round(
             json_ms / results["free-sync"]["mean_step_ms_at_common_batch"], 3),
         "json_step_over_free_async": round(
