@@ -242,8 +242,11 @@ def test_bad_requests(server, path, body, status):
 
 
 def test_unsupported_says_so(server):
-    r = server.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [{}]})
+    r = server.post("/v1/chat/completions", json={"messages": MESSAGES,
+                                                  "functions": [{"name": "f"}]})
     assert "not supported" in r.json()["error"]["message"]
+    r = server.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [{}]})
+    assert r.status_code == 400 and "tools[0]" in r.json()["error"]["message"]
 
 
 def test_still_correct_after_bad_input(client, model, greedy_completion):
