@@ -16,6 +16,7 @@ from .conftest import RemoteServer
 
 jsonschema = pytest.importorskip("jsonschema")
 pytest.importorskip("xgrammar")
+pytestmark = pytest.mark.slow  # the real model over HTTP: about two minutes on 2 cores
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 PERSON = {"type": "object", "properties": {
