@@ -171,3 +171,4 @@ class EngineConfig:
     fuse_rope_kv_write: bool = True  # q/k norm + rotary inside the KV-cache write kernel
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     cpu_int4_matmul: bool = False  # 4-bit GGUF weights through torch's int4 CPU kernel
+    structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance

@@ -57,8 +57,8 @@ class LLM(PoolingMixin):
             raise ValueError(f"priority needs one value per prompt ({len(prompts)}), got {len(priority)}")
         eng = self.llm_engine
         # Validate every request before any of them runs.
-        reqs = [eng.inputs.process_request(eng.next_request_id(), p, sp,
-                                           priority=priority[i] if priority else 0)
+        reqs = [eng.process_request(eng.next_request_id(), p, sp,
+                                    priority=priority[i] if priority else 0)
                 for i, (p, sp) in enumerate(zip(prompts, params))]
         for r in reqs:
             eng.submit(r)

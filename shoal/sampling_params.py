@@ -14,6 +14,7 @@ from enum import IntEnum
 from typing import Any
 
 from shoal.kv_offload.request_params import validate_kv_transfer_params
+from shoal.structured_output.params import StructuredOutputsParams, structured_outputs_from
 
 # vLLM's default --max-logprobs; the limit itself is an engine argument.
 MAX_LOGPROBS = 20
@@ -103,6 +104,8 @@ class SamplingParams:
     detokenize: bool = True
     # KV offloading options, e.g. {"skip_tiers": ["disk"]} (shoal/kv_offload/request_params.py)
     kv_transfer_params: dict[str, Any] | None = None
+    # A grammar the output must follow (JSON schema, regex, choice, EBNF, structural tag)
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -111,6 +114,7 @@ class SamplingParams:
         self._validate_token_id_lists()
         self._validate_flags()
         self.kv_transfer_params = validate_kv_transfer_params(self.kv_transfer_params)
+        self.structured_outputs = structured_outputs_from(self.structured_outputs)
 
     # -- validation, split by kind so each piece stays readable ---------------------------------
 
@@ -257,10 +261,11 @@ class SamplingParams:
 
     @property
     def needs_output_history(self) -> bool:
-        """Sampling reads every token produced so far (penalties, min_tokens), so the next
-        step cannot be prepared before this one's token is known."""
+        """Sampling reads every token produced so far (penalties, min_tokens, a grammar), so
+        the next step cannot be prepared before this one's token is known."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0
+                or self.structured_outputs is not None)
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -19,7 +19,7 @@ from typing import Any
 
 from shoal.engine.core_client import EngineCoreClient, EngineDeadError
 from shoal.engine.core_proc import CoreOutputs, Ready
-from shoal.engine.core_types import SchedulerStats
+from shoal.engine.core_types import BAD_REQUEST_PREFIX, SchedulerStats
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import InputProcessor, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor
@@ -55,6 +55,7 @@ class RequestStream:
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
         self.finished = False
+        self.constrained = False  # its output follows a grammar (structured outputs)
 
     def put(self, item: RequestOutput | BaseException) -> None:
         self._items.append(item)
@@ -96,8 +97,21 @@ class RequestStream:
         if item.finished:
             self.finished = True
             if item.error:
+                if item.error.startswith(BAD_REQUEST_PREFIX):  # e.g. a grammar that fails
+                    raise ValueError(item.error[len(BAD_REQUEST_PREFIX):])
                 raise EngineRequestError(item.error)
         return item
+
+    async def wait_first(self) -> None:
+        """Waits for the first output without taking it; raises if the request failed before
+        producing anything (a stream answers such a request with an error status, not 200)."""
+        while not self._items and not self.finished:
+            self._ready.clear()
+            await self._ready.wait()
+        if self._items:
+            item = self._items[0]
+            if isinstance(item, BaseException) or (item.finished and item.error):
+                self._take(self._items.popleft())
 
     def abort(self) -> None:
         if not self.finished:
@@ -170,6 +184,7 @@ class AsyncLLM:
                                           cache_salt=cache_salt)
         self._check_queue(len(req.core_requests))
         stream = RequestStream(self, request_id)
+        stream.constrained = params.structured_outputs is not None
         self.outputs.add_request(req, output_kind, stream.put)
         for r in req.core_requests:
             self.client.add_request(r)

@@ -25,10 +25,11 @@ from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_c
 from shoal.engine.pooling_scheduler import PoolingScheduler
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
-from shoal.engine.scheduler_output import SchedulerOutput
+from shoal.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from shoal.executor import build_model_executor
 from shoal.kv_offload.factory import build_kv_offload
 from shoal.loader import LoadedModel
+from shoal.structured_output.manager import StructuredOutputManager
 from shoal.worker.model_runner import StepFuture
 from shoal.worker.pooling_runner import PoolingModelRunner
 
@@ -78,10 +79,14 @@ class EngineCore:
         # raises leaves behind (see scheduler_faults.py).
         self._unsettled: list[SchedulerOutput] = []
         self._history_requests: set[int] = set()  # serials: sampling needs every earlier token
-        eos = getattr(loaded.hf_config, "eos_token_id", None)
-        if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
-            eos = loaded.tokenizer.eos_token_id if eos is None else eos
-        self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+        # Structured outputs: grammars compile in the manager's pool; requests whose grammar
+        # is still compiling (to fail them if it does not), and the live structured serials.
+        self.structured = StructuredOutputManager(
+            config.structured_outputs_backend, loaded.tokenizer, self.runner.vocab_size,
+            self._eos_ids(loaded), pin_memory=config.device.type == "cuda")
+        self._compiling: dict[int, Request] = {}
+        self._structured_serials: set[int] = set()
+        self.eos_token_ids = frozenset(self._eos_ids(loaded))
         sc = config.scheduler_config
         # What every frontend validates requests against (sent in the ready message).
         self.limits = EngineLimits(
@@ -122,6 +127,13 @@ class EngineCore:
                                    num_speculative_tokens=spec.num_speculative_tokens
                                    if spec is not None else 0)
         return num_blocks
+
+    @staticmethod
+    def _eos_ids(loaded: LoadedModel) -> list[int]:
+        eos = getattr(loaded.hf_config, "eos_token_id", None)
+        if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
+            eos = loaded.tokenizer.eos_token_id if eos is None else eos
+        return sorted([eos] if isinstance(eos, int) else (eos or []))
 
     def _warm_request_path(self) -> None:
         """Runs requests end to end through the scheduler, the runner and the sampler before
@@ -164,9 +176,14 @@ class EngineCore:
             pooling_params=req.pooling_params,
             token_type_ids=req.token_type_ids,
         )
+        if req.sampling_params.structured_outputs is not None:
+            request.structured = self.structured.request(req.sampling_params.structured_outputs)
         self.scheduler.add_request(request)  # gives it its serial
         if req.sampling_params.needs_output_history:
             self._history_requests.add(request.serial)
+        if request.structured is not None:
+            self._structured_serials.add(request.serial)
+            self._compiling[request.serial] = request  # schedulable once _check_grammars saw it
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
@@ -179,6 +196,7 @@ class EngineCore:
         are then done and reported to the scheduler) and writes the CPU KV tier down to the
         lower tiers, so a restart finds those blocks."""
         self._finish_inflight()
+        self.structured.shutdown()
         if self.kv_offload is not None:
             self.kv_offload.shutdown()
         stop_workers = getattr(self.runner, "shutdown", None)  # tensor-parallel ranks
@@ -196,20 +214,28 @@ class EngineCore:
         finished = self.scheduler.take_finished_serials()
         self.runner.remove_requests(finished)
         self._history_requests -= finished
+        self._structured_serials -= finished
         stats = self.scheduler.stats()
         if self.kv_offload is not None:
             stats.kv_tiers = {t.name: t.as_metrics() for t in self.kv_offload.stats().tiers}
         return EngineCoreOutputs(outputs=outputs, stats=stats)
 
     def _run_step(self) -> list[EngineCoreOutput]:
+        if self._compiling:
+            self._check_grammars()
+        # Structured requests are in _history_requests: their bitmask needs the last token.
         pipelined = self.async_scheduling and not self._history_requests
         sched = None
         if pipelined or self._inflight is None:
             sched = self.scheduler.schedule()
         launched = None
         if sched is not None and not sched.is_empty:
+            if self._structured_serials:
+                sched.grammar_bitmask = self._grammar_bitmask(sched)
             self._unsettled.append(sched)
             launched = self.runner.launch(sched)
+        elif self._compiling and self._inflight is None:  # nothing to run but grammars
+            self.structured.wait_any([r.structured for r in self._compiling.values()], 0.01)
         # Step N's results, read while step N+1 (just launched) runs.
         outputs = self._finish_inflight()
         if launched is not None:
@@ -217,6 +243,29 @@ class EngineCore:
             if not pipelined:
                 outputs += self._finish_inflight()
         return outputs
+
+    def _check_grammars(self) -> None:
+        """Requests whose grammar failed to compile end with a bad-request error."""
+        for serial, req in list(self._compiling.items()):
+            if req.structured.is_compiled():
+                del self._compiling[serial]
+                error = req.structured.settle()
+                if error is not None:
+                    self.scheduler.fail_request(req, error)
+
+    def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
+        """The structured rows that sample this step, and how to fill their bitmask on the
+        host (the runner does it while the device runs the forward pass)."""
+        serials, grammars = [], []
+        for item in sched.scheduled:
+            if item.sample and item.serial in self._structured_serials:
+                req = self.scheduler.request_by_serial(item.serial)
+                if req is not None and req.structured is not None:
+                    serials.append(item.serial)
+                    grammars.append(req.structured)
+        if not grammars:
+            return None
+        return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars))
 
     def _finish_inflight(self) -> list[EngineCoreOutput]:
         if self._inflight is None:

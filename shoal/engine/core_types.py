@@ -12,6 +12,10 @@ import msgspec
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
+# An EngineCoreOutput.error that starts with this is the client's fault (e.g. a grammar that
+# does not compile): the frontends raise it as a ValueError (HTTP 400), without the prefix.
+BAD_REQUEST_PREFIX = "bad request: "
+
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     request_id: str

@@ -24,6 +24,7 @@ from shoal.engine.cpu_defaults import (
 )
 from shoal.pooling.model_info import parse_pooler_config
 from shoal.spec_decode.config import SpeculativeConfig
+from shoal.structured_output.params import check_backend_available, parse_backend_config
 
 
 def arg(default: Any, help: str) -> Any:
@@ -105,6 +106,9 @@ class EngineArgs:
     request_timeout: float | None = arg(None, "seconds a request may take from its arrival; "
                                               "one running longer is aborted and answered "
                                               "with an error (default: no limit)")
+    structured_outputs_config: str | None = arg(
+        None, 'structured outputs as JSON, e.g. \'{"backend": "xgrammar"}\' (backends: auto, '
+              'xgrammar, guidance; auto: xgrammar)')
     max_request_body_bytes: int = arg(32 << 20, "largest HTTP request body the server "
                                                 "accepts (413 above it)")
     speculative_config: dict[str, Any] | None = arg(
@@ -230,6 +234,8 @@ class EngineArgs:
             kv_offload_config=self._kv_offload_config(),
             speculative_config=self._speculative_config(hf_config.vocab_size),
             async_scheduling=self._async_scheduling(device, tp),
+            structured_outputs_backend=check_backend_available(
+                parse_backend_config(self.structured_outputs_config)),
         )
 
     def _check_tensor_parallel(self, device: Any) -> int:

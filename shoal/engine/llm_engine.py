@@ -69,8 +69,18 @@ class LLMEngine:
                     kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
         """Validates everything before anything reaches the core, so a bad request leaves no
         trace."""
-        self.submit(self.inputs.process_request(request_id, prompt, params, priority=priority,
-                                                cache_salt=cache_salt), kind)
+        self.submit(self.process_request(request_id, prompt, params, priority=priority,
+                                         cache_salt=cache_salt), kind)
+
+    def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                        priority: int = 0, cache_salt: str | None = None) -> ProcessedRequest:
+        """inputs.process_request, and a grammar that does not compile is a ValueError here
+        (it stays cached for the request)."""
+        processed = self.inputs.process_request(request_id, prompt, params, priority=priority,
+                                                cache_salt=cache_salt)
+        if params.structured_outputs is not None:
+            self.core.structured.validate(params.structured_outputs)
+        return processed
 
     def submit(self, req: ProcessedRequest, kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
         """Hands a request validated by `inputs.process_request` to the core."""

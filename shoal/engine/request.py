@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
@@ -70,6 +71,9 @@ class Request:
     # A pooling request (pooling engines): one forward, then its pooled result.
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None
+    # The request's grammar (shoal.structured_output.manager.StructuredRequest) when its
+    # output is constrained; the scheduler only asks it whether it is ready and feeds it tokens.
+    structured: Any = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.config import CacheConfig, SchedulerConfig
-from shoal.engine.core_types import EngineCoreOutput, SchedulerStats
+from shoal.engine.core_types import BAD_REQUEST_PREFIX, EngineCoreOutput, SchedulerStats
 from shoal.engine.request import Request, RequestStatus
 from shoal.engine.scheduler_faults import FaultHandling
 from shoal.engine.scheduler_output import (
@@ -111,6 +111,19 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
             self._pending_outputs.append(EngineCoreOutput(
                 request_id=rid, new_token_ids=[], finish_reason="abort",
                 num_cached_tokens=max(req.num_cached_tokens, 0)))
+
+    def request_by_serial(self, serial: int) -> Request | None:
+        return self._by_serial.get(serial)
+
+    def fail_request(self, req: Request, error: str) -> None:
+        """Ends a live request that has not run with an error the client caused (its grammar
+        does not compile): the frontends answer it as a bad request."""
+        if self._by_serial.get(req.serial) is not req:
+            return  # ended meanwhile
+        self._end(req, RequestStatus.FINISHED_ERROR)
+        self._pending_outputs.append(EngineCoreOutput(
+            request_id=req.request_id, new_token_ids=[], finish_reason="error",
+            error=BAD_REQUEST_PREFIX + error))
 
     def _expire_requests(self) -> None:
         """Ends requests older than request_timeout (checked a few times a second at most)."""
@@ -211,6 +224,9 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
                 # preempted while a step was in flight: its token is not known yet; or a
                 # suspect of a failed step, which is only admitted alone
                 break
+            if req.structured is not None and not req.structured.is_ready():
+                deferred.append(self.waiting.pop())  # its grammar is still compiling
+                continue
             cached = self._find_cached(req)
             if cached is None:
                 deferred.append(self.waiting.pop())
@@ -385,7 +401,7 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         status = None
         for n, token in enumerate(tokens, 1):
             req.append_output_token(token)
-            status = self._check_stop(req, token)
+            status = self._check_grammar(req, token) or self._check_stop(req, token)
             if status is not None:
                 tokens = tokens[:n]
                 break
@@ -393,7 +409,10 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         if req.suspect:
             self._sampled_fine(req)
         drafts = result.draft_token_ids.get(serial)
-        if drafts and status is None and req.status == RequestStatus.RUNNING:
+        # A constrained request takes no drafts: the grammar must see each token before the
+        # next is proposed.
+        if (drafts and status is None and req.status == RequestStatus.RUNNING
+                and req.structured is None):
             req.spec_token_ids = drafts
         out = EngineCoreOutput(
             request_id=req.request_id,
@@ -404,11 +423,29 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         )
         if req.num_output_tokens == 1 and req.first_scheduled_time is not None:
             out.queue_time = max(0.0, req.first_scheduled_time - req.arrival_time)
-        if status is not None:
+        if status == RequestStatus.FINISHED_ERROR:
+            out.finish_reason = "error"
+            out.error = "the sampled token does not fit the request's grammar"
+            self._end(req, status)
+        elif status is not None:
             out.finish_reason = "stop" if status == RequestStatus.FINISHED_STOPPED else "length"
             out.stop_reason = req.stop_reason
             self._end(req, status)
         return out
+
+    @staticmethod
+    def _check_grammar(req: Request, token: int) -> RequestStatus | None:
+        """Advances a structured request's grammar: it stops once the grammar is complete
+        (its stop token accepted, which ignore_eos cannot skip)."""
+        if req.structured is None:
+            return None
+        if not req.structured.accept(token):
+            # The bitmask only allows what the grammar accepts; a token outside it means the
+            # row had nothing allowed (e.g. min_tokens banned the only stop token).
+            return RequestStatus.FINISHED_ERROR
+        if req.structured.is_terminated():
+            return RequestStatus.FINISHED_STOPPED
+        return None
 
     def _end(self, req: Request, status: RequestStatus) -> None:
         """Finishes a running request, or one preempted while its last step was in flight."""

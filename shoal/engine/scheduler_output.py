@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +52,16 @@ class ScheduledRequest:
 
 
 @dataclass
+class GrammarBitmask:
+    """The tokens the grammars of this step's structured rows allow: row i of the bitmask (an
+    int32 host tensor) is for the request with serials[i]. The runner calls `fill` once the
+    forward pass is queued, so the host fills it while the device computes the logits."""
+
+    serials: list[int]
+    fill: Callable[[], Any]
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes first
     num_decodes: int = 0
@@ -61,6 +72,8 @@ class SchedulerOutput:
     # (block id, first slot): KV slots the runner zeroes before anything else this step,
     # left by a request that produced non-finite values (see scheduler_faults.py)
     kv_zero: list[tuple[int, int]] = field(default_factory=list)
+    # Structured outputs: the grammar bitmask of the rows that sample (set by the core)
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -10,6 +10,7 @@ rank's input tokens come from the scheduler, never from a rank's own sampling.""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import shutil
 import tempfile
@@ -85,7 +86,9 @@ class MultiprocExecutor:
         return self.driver.initialize_kv_cache()
 
     def launch(self, sched: SchedulerOutput) -> Any:
-        self._broadcast(RunStep(sched))
+        # The grammar bitmask only shapes rank 0's sampling (the workers' tokens are never
+        # read), and its fill callback does not cross processes.
+        self._broadcast(RunStep(dataclasses.replace(sched, grammar_bitmask=None)))
         return self.driver.launch(sched)
 
     def finish(self, fut: Any) -> Any:

@@ -51,12 +51,13 @@ class VerifyRows:
 
 
 def verify(logits: torch.Tensor, states: Sequence[Any], drafts: list[list[int]],
-           vocab_size: int, device: torch.device, forced_accept: list[bool] | None
-           ) -> tuple[VerifyRows, VerifyOutput, torch.Tensor]:
+           vocab_size: int, device: torch.device, forced_accept: list[bool] | None,
+           mask_logits: Any = None) -> tuple[VerifyRows, VerifyOutput, torch.Tensor]:
     """logits: the step's sampling rows (k+1 consecutive ones per request with k drafts).
     states: the requests' RequestState (prompt, outputs, params, generator, eos). Row j of a
     request sees its outputs plus its first j drafts, so penalties and min_tokens count the
-    drafts before it, as they will if those are accepted."""
+    drafts before it, as they will if those are accepted. mask_logits(logits), if given,
+    applies the grammar bitmask of constrained rows (which never carry drafts)."""
     params, outputs, prompts, eos, draft_ids = [], [], [], [], []
     generators: dict[int, torch.Generator] = {}
     for st, d in zip(states, drafts):
@@ -70,5 +71,7 @@ def verify(logits: torch.Tensor, states: Sequence[Any], drafts: list[list[int]],
             draft_ids.append(d[j] if j < len(d) else -1)
     md = SamplingMetadata.build(params, outputs, prompts, generators, eos, vocab_size, device)
     finite = torch.isfinite(logits).all(dim=-1)
+    if mask_logits is not None:  # structured rows' grammar bitmask (-inf, after the check)
+        mask_logits(logits)
     result = rejection_sample(logits, md, draft_ids, forced_accept)
     return VerifyRows([len(d) + 1 for d in drafts]), result, finite

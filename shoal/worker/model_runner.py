@@ -19,6 +19,7 @@ from shoal.distributed.parallel_state import tp_min_int
 from shoal.engine.core_types import Logprobs
 from shoal.engine.scheduler_output import (
     PENDING_TOKEN,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
@@ -31,6 +32,7 @@ from shoal.sampling_params import SamplingParams
 from shoal.spec_decode.draft_model import DraftModelProposer
 from shoal.spec_decode.proposer import ForcedAcceptance, build_proposer
 from shoal.spec_decode.verify import VerifyRows, verify
+from shoal.structured_output.bitmask import apply_token_bitmask
 from shoal.worker import warmup as startup
 from shoal.worker.cuda_graphs import DecodeGraphs
 from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
@@ -87,6 +89,7 @@ class StepInputs:
     # Speculative decoding: each sampling row's drafts (their k+1 positions all give logits).
     drafts: list[list[int]] = field(default_factory=list)
     has_drafts: bool = False
+    grammar: GrammarBitmask | None = None  # structured rows: the tokens they may sample
 
 
 class ModelRunner:
@@ -250,7 +253,7 @@ class ModelRunner:
         return fut
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
-        inp = StepInputs(sched.scheduled, sched.num_decodes)
+        inp = StepInputs(sched.scheduled, sched.num_decodes, grammar=sched.grammar_bitmask)
         for it in sched.scheduled:
             start = len(inp.input_ids)
             inp.input_ids.extend(it.input_token_ids)
@@ -348,6 +351,11 @@ class ModelRunner:
             self.device,
         )
         finite = torch.isfinite(logits).all(dim=-1)
+        if inp.grammar is not None:  # after the finiteness check: masked logits are -inf
+            row_of = {serial: i for i, serial in enumerate(inp.sample_rows)}
+            # Filled now, on the host, while the device runs the forward pass queued above.
+            apply_token_bitmask(logits, inp.grammar.fill(),
+                                [row_of[s] for s in inp.grammar.serials])
         result = self.sampler(logits, smd)
         # The next step reads its pending input tokens from here, on the device.
         self._prev_sampled = result.sampled_token_ids
@@ -365,13 +373,24 @@ class ModelRunner:
         steps are not pipelined (nothing reads pending tokens from them)."""
         forced = (self.proposer.accept_mask([len(d) for d in inp.drafts])
                   if isinstance(self.proposer, ForcedAcceptance) else None)
+        mask = None
+        if inp.grammar is not None:
+            grammar = inp.grammar
+            first_row: dict[int, int] = {}
+            row = 0
+            for serial, d in zip(inp.sample_rows, inp.drafts):
+                first_row[serial] = row
+                row += len(d) + 1
+
+            def mask(lg: torch.Tensor) -> None:
+                apply_token_bitmask(lg, grammar.fill(), [first_row[s] for s in grammar.serials])
         rows, result, finite = verify(logits, states, inp.drafts, self.vocab_size, self.device,
-                                      forced)
+                                      forced, mask)
         self._prev_sampled = None
         self._prev_rows = {}
         fut.sample_rows = inp.sample_rows
         fut.states = states
-        fut.wanted = [s.sampling_params.logprobs for s, d in zip(states, inp.drafts)
+        fut.wanted = [s.sampling_params.num_logprobs for s, d in zip(states, inp.drafts)
                       for _ in range(len(d) + 1)]  # per row
         fut.verify = rows
         self._queue_to_host(fut, torch.stack([result.token_ids, result.accepted.long(),

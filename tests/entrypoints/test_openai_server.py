@@ -216,11 +216,13 @@ BAD_CHATS = [
     ({"messages": []}, 400),
     ({"messages": [{"role": "", "content": "hi"}]}, 400),  # any role the template takes, not none
     ({"messages": MESSAGES, "use_beam_search": True, "stream": True}, 400),
-    ({"messages": MESSAGES, "structured_outputs": {"regex": "a+"}}, 400),
+    ({"messages": MESSAGES, "use_beam_search": True, "response_format": {"type": "json_object"}},
+     400),
+    ({"messages": MESSAGES, "structured_outputs": {"regex": "a+", "choice": ["a"]}}, 400),
     ({"messages": MESSAGES, "seed": 2**64}, 400),
     ({"messages": MESSAGES, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400),
     ({"messages": MESSAGES, "tool_choice": "auto"}, 400),
-    ({"messages": MESSAGES, "response_format": {"type": "json_object"}}, 400),
+    ({"messages": MESSAGES, "response_format": {"type": "yaml"}}, 400),
     ({"messages": MESSAGES, "functions": [{"name": "f"}]}, 400),
     ({"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),
@@ -242,8 +244,11 @@ def test_bad_requests(server, path, body, status):
 
 
 def test_unsupported_says_so(server):
-    r = server.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [{}]})
+    r = server.post("/v1/chat/completions", json={"messages": MESSAGES,
+                                                  "functions": [{"name": "f"}]})
     assert "not supported" in r.json()["error"]["message"]
+    r = server.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": [{}]})
+    assert r.status_code == 400 and "tools[0]" in r.json()["error"]["message"]
 
 
 def test_still_correct_after_bad_input(client, model, greedy_completion):

@@ -19,6 +19,16 @@ LINES = [
     {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
     {"custom_id": "too-long", "method": "POST", "url": "/v1/completions",
      "body": {"prompt": [1] * 300, "max_tokens": 1}},
+    {"custom_id": "choice", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": "Pick one:", "max_tokens": 5, "guided_choice": ["left", "right"]}},
+    {"custom_id": "tool", "method": "POST", "url": "/v1/chat/completions",
+     "body": {"messages": [{"role": "user", "content": "Weather?"}], "max_tokens": 60,
+              "temperature": 0, "tool_choice": "required", "tools": [{
+                  "type": "function", "function": {"name": "w", "parameters": {
+                      "type": "object", "properties": {"c": {"enum": ["a", "b"]}},
+                      "required": ["c"]}}}]}},
+    {"custom_id": "bad-regex", "method": "POST", "url": "/v1/completions",
+     "body": {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "(?=a)b"}}},
 ]
 
 
@@ -40,7 +50,11 @@ def test_run_batch_file(tmp_path):
     assert len(chat["logprobs"]["content"]) == 2
     score = by_id["score"]["body"]["choices"][0]
     assert score["text"] == "Paris is in France" and score["logprobs"]["token_logprobs"][0] is None
-    for cid, param in (("refused", "use_beam_search"), ("bad-url", None), ("too-long", None)):
+    assert by_id["choice"]["body"]["choices"][0]["text"] in ("left", "right")
+    call = by_id["tool"]["body"]["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "w" and json.loads(call["arguments"])["c"] in ("a", "b")
+    for cid, param in (("refused", "use_beam_search"), ("bad-url", None), ("too-long", None),
+                       ("bad-regex", None)):
         assert by_id[cid]["status_code"] == 400, by_id[cid]
         err = by_id[cid]["body"]["error"]
         assert err["code"] == 400 and (param is None or err["param"] == param)

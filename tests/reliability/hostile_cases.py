@@ -116,8 +116,14 @@ def _chat_cases() -> list[Case]:
         chat("chat_template_kwargs is a string", chat_template_kwargs="x"),
         chat("lone surrogate in content", messages=[{"role": "user", "content": "\ud800"}]),
         chat("tools", tools=[{"type": "function", "function": {"name": "f"}}]),
-        chat("json_schema response_format", response_format={
-            "type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        chat("json_schema of an unknown type", response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}),
+        chat("regex the grammar engine cannot compile",
+             structured_outputs={"regex": "(?<=a)b"}),
+        chat("unbalanced EBNF grammar", guided_grammar='root ::= ("a"'),
+        chat("tool_choice naming a missing tool", tools=[
+            {"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}}),
         chat("top_logprobs of 50", logprobs=True, top_logprobs=50),
         chat("n of 100,000", n=100_000), chat("negative max_completion_tokens",
                                               max_completion_tokens=-1),

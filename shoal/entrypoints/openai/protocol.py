@@ -12,7 +12,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
+from shoal.entrypoints.openai.constraints import GUIDED_FIELDS, request_constraint
 from shoal.sampling_params import BeamSearchParams, SamplingParams
+from shoal.structured_output.params import StructuredOutputsParams
 
 Number = StrictFloat | StrictInt
 TokenIds = list[StrictInt]
@@ -20,17 +22,10 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # vLLM's range for seeds: a signed 64-bit integer (torch.Generator's own range is wider).
 Seed = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 
-_STRUCTURED = ("structured outputs are not supported yet (the structured-outputs issue "
-               "builds them)")
 # Field -> (its value that means "not used", why shoal refuses any other value).
 NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
-    "structured_outputs": (None, _STRUCTURED),
-    "guided_json": (None, _STRUCTURED),
-    "guided_regex": (None, _STRUCTURED),
-    "guided_choice": (None, _STRUCTURED),
-    "guided_grammar": (None, _STRUCTURED),
-    "guided_decoding_backend": (None, _STRUCTURED),
-    "guided_whitespace_pattern": (None, _STRUCTURED),
+    "guided_decoding_backend": (None, "a per-request backend is not supported (as in vLLM): "
+                                      "the server's --structured-outputs-config picks it"),
     "bad_words": (None, "bad_words is not supported yet"),
     "logits_processors": (None, "logits_processors are not supported"),
     "prompt_embeds": (None, "prompt_embeds is not supported (token ids or text only)"),
@@ -158,6 +153,20 @@ class SamplingRequest(OpenAIBaseModel):
     length_penalty: Number = 1.0
     # A routing hint (related requests share it); one engine core serves them all alike.
     session_id: StrictStr | None = None
+    # Output constraints (constraints.py): OpenAI's, vLLM's, and vLLM's older names
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
+    guided_whitespace_pattern: StrictStr | None = None
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The request's output constraint; ValueError (400) when it is invalid."""
+        legacy = {name: getattr(self, name) for name in GUIDED_FIELDS}
+        legacy["guided_whitespace_pattern"] = self.guided_whitespace_pattern
+        return request_constraint(self.response_format, self.structured_outputs, legacy)
 
     def stream_usage(self, force: bool = False) -> tuple[bool, bool]:
         """(usage chunk at the end, usage on every chunk) for a stream."""
@@ -166,9 +175,13 @@ class SamplingRequest(OpenAIBaseModel):
         return final, bool(final and opts is not None and opts.continuous_usage_stats)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                           prompt_logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (naming the field) for out-of-range values."""
+                           prompt_logprobs: int | None,
+                           structured_outputs: StructuredOutputsParams | None = None
+                           ) -> SamplingParams:
+        """Raises ValueError (naming the field) for out-of-range values. structured_outputs:
+        the constraint (the request's own, or one its tool_choice implies)."""
         return SamplingParams(
+            structured_outputs=structured_outputs,
             n=1 if self.n is None else self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
@@ -248,13 +261,10 @@ class CompletionRequest(SamplingRequest):
     logprobs: StrictInt | None = None
     suffix: StrictStr | None = None
     add_special_tokens: StrictBool = True
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.suffix:
             return "suffix", "suffix is not supported yet"
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format", _STRUCTURED
         if self.max_tokens == 0 and not self.echo:
             return "max_tokens", "max_tokens must be >= 1 (0 only with echo, to score a prompt)"
         if self.logprob_token_ids and self.logprobs is None:
@@ -294,19 +304,11 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.functions or self.function_call not in (None, "none"):
-            return "functions", "function calling (functions) is not supported yet"
-        if self.tool_choice not in (None, "none"):
-            return "tool_choice", "tool calling is not supported yet (tool_choice must be 'none')"
-        if self.tools and self.tool_choice != "none":
-            return "tools", "tool calling is not supported yet (tools)"
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format", (
-                f"response_format {self.response_format.get('type')!r} is not supported yet "
-                "(only 'text'): " + _STRUCTURED)
+            return "functions", ("the deprecated functions / function_call are not supported: "
+                                 "use tools and tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             return "top_logprobs", "top_logprobs needs logprobs to be true"
         if self.logprob_token_ids and not self.logprobs:

@@ -20,13 +20,20 @@ from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from shoal.engine.async_llm import RequestStream
 from shoal.engine.output_processor import OutputKind
+from shoal.entrypoints.openai.constraints import response_format_params
 from shoal.entrypoints.openai.errors import OpenAIError, error_from_exception
 from shoal.entrypoints.openai.protocol import Number, OpenAIBaseModel, check_context_length
 from shoal.entrypoints.openai.responses import now_s, random_id
 from shoal.entrypoints.openai.serving_common import ServingBase
-from shoal.entrypoints.openai.streaming import ClientDisconnected, cancel_on_disconnect, sse
+from shoal.entrypoints.openai.streaming import (
+    ClientDisconnected,
+    cancel_on_disconnect,
+    sse,
+    wait_grammar_checked,
+)
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
+from shoal.structured_output.params import StructuredOutputsParams
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -53,13 +60,21 @@ class ResponsesRequest(OpenAIBaseModel):
     background: StrictBool = False
     top_logprobs: StrictInt | None = None
 
+    def constraint(self) -> StructuredOutputsParams | None:
+        """text.format as a constraint (the Responses API's spelling of response_format)."""
+        fmt = (self.text or {}).get("format") or {}
+        if fmt.get("type") == "json_schema":
+            return response_format_params({"type": "json_schema", "json_schema": {
+                "schema": fmt.get("schema")}})
+        return response_format_params(fmt) if fmt.get("type") == "json_object" else None
+
     def unsupported(self) -> tuple[str, str] | None:
         bad = self.not_implemented()
         if bad is not None:
             return bad
         fmt = (self.text or {}).get("format") or {}
-        if fmt.get("type", "text") != "text":
-            return "text", "structured outputs (text.format) are not supported yet"
+        if fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
+            return "text", "text.format must be text, json_object or json_schema"
         checks = [("tools", bool(self.tools), "tools are not supported yet"),
                   ("reasoning", bool(self.reasoning), "reasoning options are not supported"),
                   ("truncation", self.truncation not in (None, "disabled"),
@@ -150,13 +165,16 @@ class OpenAIServingResponses(ServingBase):
         params = SamplingParams(
             max_tokens=req.max_output_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p)
+            top_p=1.0 if req.top_p is None else req.top_p,
+            structured_outputs=req.constraint())
         stream = self.engine.add_request(
             random_id("resp"), prompt, params,
             output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY)
         rid, msg_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
         conversation = history + turn
         if req.stream:
+            if stream.constrained:  # a grammar that fails is a 400, not an in-band error
+                await wait_grammar_checked([stream])
             return StreamingResponse(self._stream(req, model, rid, msg_id, stream, conversation),
                                      media_type="text/event-stream")
         try:

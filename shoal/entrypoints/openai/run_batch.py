@@ -54,6 +54,7 @@ class _Line:
     prompts: list[Any] = field(default_factory=list)  # ProcessedPrompts
     params: Any = None
     k: int | None = None
+    plan: Any = None  # a chat line's ToolPlan (tool calls parsed from its answer)
     outputs: list[Any] = field(default_factory=list)
     error: dict[str, Any] | None = None
     status: int = 200
@@ -82,13 +83,15 @@ def _parse(raw: str, completion: OpenAIServingCompletion, chat: OpenAIServingCha
             k, pk = req.logprobs, req.prompt_logprobs
             if req.echo and k is not None:
                 pk = -1 if -1 in (k, pk) else max(k, pk or 0)
-            line.params = req.to_sampling_params(max_tokens, k, pk)
+            line.params = req.to_sampling_params(max_tokens, k, pk, req.constraint())
         else:
             req = ChatCompletionRequest.model_validate(item["body"])
             _check(req, chat)
             line.k, max_tokens = chat._prepare(req)
+            line.plan = chat._plan(req)
             line.prompts = [chat.render(req)]
-            line.params = req.to_sampling_params(max_tokens, line.k, req.prompt_logprobs)
+            line.params = req.to_sampling_params(max_tokens, line.k, req.prompt_logprobs,
+                                                 line.plan.constraint or req.constraint())
         line.request = req
     except ValidationError as e:
         first = e.errors()[0]
@@ -161,7 +164,7 @@ def _result(ln: _Line, completion: OpenAIServingCompletion, chat: OpenAIServingC
                                     ln.outputs).model_dump()
     else:
         body = chat._response(ln.request, model_name, f"chatcmpl-{uuid.uuid4().hex}",
-                              ln.outputs[0], ln.k).model_dump()
+                              ln.outputs[0], ln.k, plan=ln.plan).model_dump()
     return {"id": rid, "custom_id": ln.custom_id,
             "response": {"status_code": ln.status, "request_id": rid, "body": body},
             "error": None}

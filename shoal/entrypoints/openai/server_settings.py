@@ -64,7 +64,24 @@ class ServerSettings:
     max_stored_responses: int = setting(1000, "Responses API: how many responses are kept in "
                                               "memory for previous_response_id (oldest dropped)")
 
+    enable_auto_tool_choice: bool = setting(False, 'let tool_choice "auto" parse tool calls '
+                                                   "from the model's text (needs "
+                                                   "--tool-call-parser)")
+    tool_call_parser: str | None = setting(None, "the model's tool call format: hermes, "
+                                                 "llama3_json, mistral or qwen3_xml")
+    reasoning_parser: str | None = setting(None, "split reasoning_content from content: qwen3 "
+                                                 "or deepseek_r1")
+
     def __post_init__(self) -> None:
+        from shoal.structured_output.reasoning_parsers import get_reasoning_parser
+        from shoal.structured_output.tool_parsers import get_tool_parser
+
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # an unknown name fails at start-up
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)
         if self.api_key is None:
             self.api_key = os.environ.get("VLLM_API_KEY") or None
         if self.api_server_count != 1:

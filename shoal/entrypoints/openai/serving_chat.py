@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,6 +15,7 @@ from shoal.engine.async_llm import RequestStream
 from shoal.engine.input_processor import ProcessedPrompt
 from shoal.engine.output_processor import OutputKind
 from shoal.entrypoints.openai.beam_search_runner import BeamSearchRunner
+from shoal.entrypoints.openai.chat_stream_shaper import ChoiceShaper
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from shoal.entrypoints.openai.logprobs import chat_logprobs, prompt_logprobs_entries
 from shoal.entrypoints.openai.protocol import (
@@ -41,18 +43,41 @@ from shoal.entrypoints.openai.streaming import (
     merge_streams,
     output_batches,
     sse,
+    wait_grammar_checked,
 )
+from shoal.entrypoints.openai.tool_choice import ToolPlan, plan_tools
 from shoal.outputs import CompletionOutput, RequestOutput
+from shoal.structured_output.reasoning_parsers import ReasoningParser, get_reasoning_parser
+
+
+def _tool_calls_for_template(i: int, calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls as chat templates read them: arguments as a mapping
+    (vLLM parses the JSON text the same way)."""
+    if not isinstance(calls, list):
+        raise OpenAIError(400, "tool_calls must be a list", f"messages[{i}].tool_calls")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise OpenAIError(400, "each tool call needs a function with a name",
+                              f"messages[{i}].tool_calls")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                raise OpenAIError(400, "tool call arguments must be JSON text",
+                                  f"messages[{i}].tool_calls") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Plain dicts for the chat template; text parts are joined, other parts refused."""
+    """Plain dicts for the chat template; text parts are joined, other parts refused. Tool
+    results (role "tool") and assistant tool calls pass to the template."""
     out = []
     for i, m in enumerate(messages):
         extra = m.model_extra or {}
-        if extra.get("tool_calls") or m.role in ("tool", "function"):
-            raise OpenAIError(400, "tool calling is not supported yet (tool messages)",
-                              f"messages[{i}]")
         content = m.content
         if isinstance(content, list):
             texts = []
@@ -69,11 +94,20 @@ def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
+        if extra.get("tool_calls"):
+            d["tool_calls"] = _tool_calls_for_template(i, extra["tool_calls"])
+        if isinstance(extra.get("tool_call_id"), str):
+            d["tool_call_id"] = extra["tool_call_id"]
         out.append(d)
     return out
 
 
 class OpenAIServingChat(ServingBase):
+    @property
+    def reasoning(self) -> ReasoningParser | None:
+        name = self.settings.reasoning_parser
+        return get_reasoning_parser(name) if name else None
+
     def render(self, req: ChatCompletionRequest,
                messages: list[ChatMessage] | None = None) -> ProcessedPrompt:
         try:
@@ -107,12 +141,28 @@ class OpenAIServingChat(ServingBase):
             else req.max_tokens
         return k, max_tokens
 
+    def _plan(self, req: ChatCompletionRequest) -> ToolPlan:
+        try:
+            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
+                              self.settings.tool_call_parser,
+                              self.settings.enable_auto_tool_choice)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), "tool_choice" if "tool_choice" in str(e)
+                              else "tools") from None
+        if plan.constraint is not None and req.constraint() is not None:
+            raise OpenAIError(400, f"tool_choice {plan.mode!r} constrains the output already; "
+                                   "it cannot be combined with response_format or "
+                                   "structured_outputs", "tool_choice")
+        return plan
+
     def _submit(self, req: ChatCompletionRequest, prompt: ProcessedPrompt, k: int | None,
-                max_tokens: int | None, engine_id: str) -> RequestStream:
+                max_tokens: int | None, engine_id: str, plan: ToolPlan | None = None
+                ) -> RequestStream:
         check_context_length(len(prompt.prompt_token_ids), max_tokens, self.engine.max_model_len,
                              "max_completion_tokens" if req.max_completion_tokens is not None
                              else "max_tokens")
-        params = req.to_sampling_params(max_tokens, k, req.prompt_logprobs)
+        constraint = plan.constraint if plan is not None and plan.constraint else req.constraint()
+        params = req.to_sampling_params(max_tokens, k, req.prompt_logprobs, constraint)
         return self.engine.add_request(
             engine_id, prompt, params, priority=req.priority, cache_salt=req.cache_salt,
             output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY)
@@ -120,13 +170,20 @@ class OpenAIServingChat(ServingBase):
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.models.check(req.model)
         k, max_tokens = self._prepare(req)
+        plan = self._plan(req)
         prompt = self.render(req)
         if req.use_beam_search:
+            if plan.constraint is not None or req.constraint() is not None:
+                raise OpenAIError(400, "use_beam_search cannot be combined with structured "
+                                       "outputs or a required/named tool_choice",
+                                  "use_beam_search")
             return await self._beam_search(req, raw, model, prompt, k, max_tokens)
-        stream = self._submit(req, prompt, k, max_tokens, random_id("chatcmpl"))
+        stream = self._submit(req, prompt, k, max_tokens, random_id("chatcmpl"), plan)
         rid = response_id("chatcmpl", req.request_id, raw)
         if req.stream:
-            return StreamingResponse(self._stream(req, model, rid, stream, k),
+            if stream.constrained:
+                await wait_grammar_checked([stream])
+            return StreamingResponse(self._stream(req, model, rid, stream, k, plan),
                                      media_type="text/event-stream")
         try:
             final = await cancel_on_disconnect(raw, self._last(stream))
@@ -134,7 +191,7 @@ class OpenAIServingChat(ServingBase):
             return Response(status_code=499)
         finally:
             stream.abort()
-        return JSONResponse(self._response(req, model, rid, final, k).model_dump(),
+        return JSONResponse(self._response(req, model, rid, final, k, plan=plan).model_dump(),
                             headers=self.load_headers(raw))
 
     async def _beam_search(self, req: ChatCompletionRequest, raw: Request, model: str,
@@ -227,16 +284,35 @@ class OpenAIServingChat(ServingBase):
             echo = messages_to_dicts([last])[0]["content"]
         return role, echo
 
+    def _message(self, role: str, text: str, plan: ToolPlan | None, finish: str | None
+                 ) -> tuple[ChatResponseMessage, str | None]:
+        """The answer's message (reasoning split off, tool calls parsed) and finish reason."""
+        reasoning = None
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
+            text = text or ""
+        if plan is None or plan.mode == "none":
+            return ChatResponseMessage(role=role, content=text,
+                                       reasoning_content=reasoning), finish
+        content, calls = plan.calls_from_text(text)
+        if plan.mode in ("named", "required") and calls:
+            content = content or ""
+        if calls and finish == "stop" and plan.mode in ("auto", "required"):
+            finish = "tool_calls"
+        return ChatResponseMessage(role=role, content=content, reasoning_content=reasoning,
+                                   tool_calls=[c.as_dict() for c in calls]), finish
+
     def _response(self, req: ChatCompletionRequest, model: str, rid: str, out: RequestOutput,
-                  k: int | None, messages: list[ChatMessage] | None = None
-                  ) -> ChatCompletionResponse:
+                  k: int | None, messages: list[ChatMessage] | None = None,
+                  plan: ToolPlan | None = None) -> ChatCompletionResponse:
         role, echo = self._role_and_echo(req, messages)
-        choices = [ChatChoice(index=c.index,
-                              message=ChatResponseMessage(role=role, content=echo + c.text),
-                              logprobs=self._logprobs(req, c, k), finish_reason=c.finish_reason,
-                              stop_reason=c.stop_reason,
-                              token_ids=list(c.token_ids) if req.return_token_ids else None)
-                   for c in sorted(out.outputs, key=lambda c: c.index)]
+        choices = []
+        for c in sorted(out.outputs, key=lambda c: c.index):
+            message, finish = self._message(role, echo + c.text, plan, c.finish_reason)
+            choices.append(ChatChoice(
+                index=c.index, message=message, logprobs=self._logprobs(req, c, k),
+                finish_reason=finish, stop_reason=c.stop_reason,
+                token_ids=list(c.token_ids) if req.return_token_ids else None))
         completion = sum(len(c.token_ids) for c in out.outputs)
         prompt_lps = None
         if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
@@ -249,23 +325,37 @@ class OpenAIServingChat(ServingBase):
             prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
 
     def _stream_choice(self, req: ChatCompletionRequest, c: CompletionOutput,
-                       k: int | None) -> dict[str, Any] | None:
+                       k: int | None, shaper: ChoiceShaper | None = None
+                       ) -> dict[str, Any] | None:
         """One streamed choice as the pydantic ChatStreamChoice dumps it (built as a dict: this
-        runs once per token)."""
+        runs once per token). A shaper turns the text into reasoning / tool-call deltas."""
         lps = self._logprobs(req, c, k) if c.token_ids else None
-        if not c.text and c.finish_reason is None and lps is None and not req.return_token_ids:
+        finish = c.finish_reason
+        if shaper is None:
+            delta: dict[str, Any] = {"content": c.text}
+            has_delta = bool(c.text)
+        else:
+            delta = shaper.feed(c.text, finish is not None)
+            finish = shaper.finish_reason(finish)
+            has_delta = bool(delta)
+        if not has_delta and finish is None and lps is None and not req.return_token_ids:
             return None
-        choice = {"index": c.index, "delta": {"content": c.text},
+        choice = {"index": c.index, "delta": delta,
                   "logprobs": lps.model_dump() if lps is not None else None,
-                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                  "finish_reason": finish, "stop_reason": c.stop_reason}
         if req.return_token_ids:
             choice["token_ids"] = list(c.token_ids)
         return choice
 
     async def _stream(self, req: ChatCompletionRequest, model: str, rid: str,
-                      stream: RequestStream, k: int | None) -> AsyncIterator[str]:
+                      stream: RequestStream, k: int | None, plan: ToolPlan | None = None
+                      ) -> AsyncIterator[str]:
         created = now_s()
         n = 1 if req.n is None else req.n
+        shapers: dict[int, ChoiceShaper] = {}
+        if (plan is not None and plan.mode != "none") or self.reasoning is not None:
+            shapers = {i: ChoiceShaper(plan or ToolPlan("none"), self.reasoning)
+                       for i in range(n)}
         final_usage, continuous = req.stream_usage(self.settings.enable_force_include_usage)
         role, echo = self._role_and_echo(req)
         head = {"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -314,7 +404,7 @@ class OpenAIServingChat(ServingBase):
                         completion += len(c.token_ids)
                         if c.finish_reason is not None:
                             finished.add(c.index)
-                        choice = self._stream_choice(req, c, k)
+                        choice = self._stream_choice(req, c, k, shapers.get(c.index))
                         if choice is not None:  # e.g. half a UTF-8 character, held back
                             events.append(chunk([choice]))
                 if events:

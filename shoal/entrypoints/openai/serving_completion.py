@@ -41,6 +41,7 @@ from shoal.entrypoints.openai.streaming import (
     merge_streams,
     output_batches,
     sse,
+    wait_grammar_checked,
 )
 from shoal.outputs import RequestOutput
 
@@ -122,8 +123,12 @@ class OpenAIServingCompletion(ServingBase):
         if req.echo and k is not None:
             prompt_k = -1 if -1 in (k, prompt_k) else max(k, prompt_k or 0)
         if req.use_beam_search:
+            if req.constraint() is not None:
+                raise OpenAIError(400, "use_beam_search cannot be combined with structured "
+                                       "outputs (response_format, structured_outputs, "
+                                       "guided_*)", "use_beam_search")
             return await self._beam_search(req, raw, model, prompts, max_tokens)
-        params = req.to_sampling_params(max_tokens, k, prompt_k)
+        params = req.to_sampling_params(max_tokens, k, prompt_k, req.constraint())
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         engine_id = random_id("cmpl")
         streams: list[RequestStream] = []
@@ -138,6 +143,8 @@ class OpenAIServingCompletion(ServingBase):
             raise
         rid = response_id("cmpl", req.request_id, raw)
         if req.stream:
+            if params.structured_outputs is not None:
+                await wait_grammar_checked(streams)
             return StreamingResponse(self._stream(req, model, rid, streams),
                                      media_type="text/event-stream")
         try:

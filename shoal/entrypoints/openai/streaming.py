@@ -116,3 +116,16 @@ async def merge_streams(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def wait_grammar_checked(streams: list[Any]) -> None:
+    """Before a stream of a constrained request starts (status 200), waits for each of its
+    first outputs: a grammar the engine cannot compile is then a 400, as vLLM answers it. On
+    any error every stream is aborted."""
+    try:
+        for s in streams:
+            await s.wait_first()
+    except BaseException:
+        for s in streams:
+            s.abort()
+        raise

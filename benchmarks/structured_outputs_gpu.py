@@ -1,0 +1,181 @@
+"""Structured outputs on a GPU (issue 15): the engine step time with the grammar bitmask
+against without, on the Qwen3-0.6B shape (load_format="dummy") and W1-like requests.
+
+    python benchmarks/structured_outputs_gpu.py --out benchmarks/results/<date>-so-H200.json
+    python benchmarks/structured_outputs_gpu.py --smoke --device cpu   # a check of the script
+
+W1's requests (nano-vllm's draw: 256 requests, random ids, in/out U[100,1024], temperature
+0.6) run offline three ways, each after a warm-up run:
+  free-async   unconstrained, async scheduling (shoal's default on CUDA)
+  free-sync    unconstrained, one step at a time (what a structured request forces today)
+  json         every request constrained by a JSON schema whose string field never has to end,
+               so requests run to max_tokens like W1's (ignore_eos)
+Each engine step is timed (EngineCore.step), with its batch size; the figures are the step
+time at each batch size, the ratio of step times at the batch sizes two runs share (grammar
+answers end at other times than W1's), the mean at each run's most common batch size, the
+time spent filling the
+bitmask on the host (while the device runs the forward pass), and output tokens per second. The dummy model has no tokenizer: SmolLM2's
+(49,152 tokens) stands in, so the bitmask is as wide as Qwen3's padded 151,936-token logits
+and the ids past the tokenizer are masked, as a padded vocabulary's are."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+SCHEMA = {"type": "object", "properties": {
+    "kind": {"enum": ["note", "task"]},
+    "text": {"type": "string"}},
+    "required": ["kind", "text"]}
+
+
+def w1_requests(num: int, seed: int, smoke: bool) -> list[tuple[list[int], int]]:
+    from shoal.benchmarks.datasets import sample_random
+    from shoal.benchmarks.presets import THROUGHPUT_PRESETS
+
+    spec = THROUGHPUT_PRESETS["W1"].random
+    samples = sample_random(spec, num, seed)
+    out = []
+    for s in samples:
+        ids, n_out = list(s.prompt), s.expected_output_len
+        if smoke:
+            ids, n_out = ids[:32], 8
+        out.append((ids, n_out))
+    return out
+
+
+class StepTimer:
+    """Wraps EngineCore.step and the bitmask fill (StructuredOutputManager) to time them."""
+
+    def __init__(self, core: Any):
+        self.core = core
+        self.manager = core.structured
+        self.steps: list[tuple[int, float]] = []  # (rows that sampled, seconds)
+        self.fill_seconds = 0.0
+        self._step, self._fill = core.step, core.structured.fill_bitmask
+
+        def step() -> Any:
+            t0 = time.perf_counter()
+            out = self._step()
+            self.steps.append((sum(len(o.new_token_ids) for o in out.outputs),
+                               time.perf_counter() - t0))
+            return out
+
+        def fill(grammars: Any) -> Any:
+            t0 = time.perf_counter()
+            res = self._fill(grammars)
+            self.fill_seconds += time.perf_counter() - t0
+            return res
+
+        core.step, self.manager.fill_bitmask = step, fill
+
+    def restore(self) -> None:
+        self.core.step, self.manager.fill_bitmask = self._step, self._fill
+
+
+def run(llm: Any, requests: list[tuple[list[int], int]], mode: str) -> dict[str, Any]:
+    from shoal import SamplingParams
+    from shoal.structured_output.params import StructuredOutputsParams
+
+    core = llm.llm_engine.core
+    async_default = core.async_scheduling
+    core.async_scheduling = async_default and mode == "free-async"
+    so = (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+          if mode == "json" else None)
+    params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True,
+                             structured_outputs=so) for _, n in requests]
+    prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
+    timer = StepTimer(core)
+    t0 = time.perf_counter()
+    try:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        timer.restore()
+        core.async_scheduling = async_default
+    wall = time.perf_counter() - t0
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    sizes = Counter(n for n, _ in timer.steps if n)
+    batch, _ = sizes.most_common(1)[0]
+    at_batch = [dt for n, dt in timer.steps if n == batch]
+    by_batch: dict[int, list[float]] = {}
+    for n, dt in timer.steps:
+        if n:
+            by_batch.setdefault(n, []).append(dt)
+    return {"mode": mode, "requests": len(requests), "output_tokens": tokens,
+            "step_ms_by_batch": {n: round(1e3 * statistics.fmean(v), 3)
+                                 for n, v in sorted(by_batch.items()) if len(v) >= 3},
+            "seconds": round(wall, 3), "output_tok_per_s": round(tokens / wall, 1),
+            "steps": len(timer.steps), "common_batch": batch,
+            "mean_step_ms_at_common_batch": round(1e3 * statistics.fmean(at_batch), 3),
+            "median_step_ms_at_common_batch": round(1e3 * statistics.median(at_batch), 3),
+            "bitmask_fill_ms_per_step": round(1e3 * timer.fill_seconds
+                                              / max(len(timer.steps), 1), 3),
+            "finish_reasons": dict(Counter(o.outputs[0].finish_reason for o in outs))}
+
+
+def matched_ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """Mean over the batch sizes both runs timed (>= 3 steps each) of a's step time over b's,
+    weighted by batch size."""
+    pa, pb = a["step_ms_by_batch"], b["step_ms_by_batch"]
+    common = [n for n in pa if n in pb]
+    if not common:
+        return None
+    return round(sum(n * pa[n] / pb[n] for n in common) / sum(common), 3)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--device", default=None)
+    p.add_argument("--smoke", action="store_true", help="short requests (a script check)")
+    ns = p.parse_args()
+    from gpu_common import record, write
+
+    from shoal import LLM
+
+    num = 8 if ns.smoke else ns.num_prompts
+    llm = LLM(model="Qwen/Qwen3-0.6B", load_format="dummy", tokenizer="smollm2",
+              dtype="bfloat16" if ns.device != "cpu" else "float32", device=ns.device,
+              max_model_len=2048 + 64, enable_prefix_caching=False,
+              **({"kv_cache_memory_bytes": 1 << 30} if ns.device == "cpu" else {}))
+    requests = w1_requests(num, 0, ns.smoke)
+    warm = requests[: max(4, num // 16)]
+    results = {}
+    for mode in ("free-async", "free-sync", "json"):
+        run(llm, warm, mode)  # compiles the grammar, warms kernels for this mode
+        results[mode] = run(llm, requests, mode)
+        print(results[mode], flush=True)
+    json_ms = results["json"]["mean_step_ms_at_common_batch"]
+    figures = {
+        "runs": results,
+        # Requests under a grammar end at different times than W1's, so the runs' batch sizes
+        # differ: compare step times at the batch sizes both runs have.
+        "json_over_free_sync_at_matched_batches": matched_ratio(results["json"],
+                                                                results["free-sync"]),
+        "json_over_free_async_at_matched_batches": matched_ratio(results["json"],
+                                                                 results["free-async"]),
+        "json_step_over_free_sync": round(
+            json_ms / results["free-sync"]["mean_step_ms_at_common_batch"], 3),
+        "json_step_over_free_async": round(
+            json_ms / results["free-async"]["mean_step_ms_at_common_batch"], 3),
+        "json_tok_per_s_over_free_async": round(
+            results["json"]["output_tok_per_s"] / results["free-async"]["output_tok_per_s"], 3),
+        "note": "structured requests run the loop one step at a time (no async overlap); "
+                "free-sync isolates the bitmask's own cost",
+    }
+    write([record("structured-outputs-W1-json", "shoal", smoke=ns.smoke, **figures)], ns.out)
+    llm.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Grammars for the engine core: compiled off the step loop, one matcher per request.
+
+Compilations run in a small thread pool and are cached by (kind, spec), so a schema that
+many requests share compiles once. A request waits in the scheduler until its own grammar is
+ready (`StructuredRequest.is_ready`); the others go on. Each step the core asks for the
+bitmask of the structured rows it samples; the scheduler advances a request's matcher on each
+token it accepts."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import torch
+
+from shoal.structured_output.backend import GrammarBackend, GrammarMatcher
+from shoal.structured_output.params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+_CACHE_SIZE = 1024  # compiled grammars kept (most recently used)
+
+
+def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
+                 ) -> GrammarBackend:
+    """name: xgrammar, guidance or auto (xgrammar). Imports the library here: it loads torch,
+    which only the engine core may."""
+    if tokenizer is None:
+        raise ValueError("structured outputs need a tokenizer in the engine (the model has none)")
+    if name in ("auto", "xgrammar"):
+        from shoal.structured_output.xgrammar_backend import XgrammarBackend
+
+        return XgrammarBackend(tokenizer, vocab_size, eos_token_ids)
+    if name == "guidance":
+        from shoal.structured_output.guidance_backend import GuidanceBackend
+
+        return GuidanceBackend(tokenizer, vocab_size, eos_token_ids)
+    raise ValueError(f"unknown structured outputs backend {name!r} (supported: auto, xgrammar, "
+                     "guidance)")
+
+
+class StructuredRequest:
+    """One request's grammar: a compilation in flight, then a matcher of its own."""
+
+    def __init__(self, params: StructuredOutputsParams, compiled: Future):
+        self.params = params
+        self._compiled = compiled
+        self._matcher: GrammarMatcher | None = None
+        self._usable = False  # compiled without error, as the engine has seen (settle)
+
+    def is_ready(self) -> bool:
+        """The scheduler may run the request: its grammar compiled and the engine core saw
+        that it did (a compilation finishing between the core's check and the schedule must
+        not let a failed grammar run)."""
+        return self._usable
+
+    def is_compiled(self) -> bool:
+        return self._compiled.done()
+
+    def settle(self) -> str | None:
+        """Once compiled: makes the request schedulable, or returns why the grammar failed."""
+        if not self._compiled.done():
+            return None
+        exc = self._compiled.exception()
+        if exc is not None:
+            return str(exc)
+        self._usable = True
+        return None
+
+    @property
+    def matcher(self) -> GrammarMatcher:
+        if self._matcher is None:
+            backend, compiled = self._compiled.result()
+            self._matcher = backend.matcher(compiled)
+        return self._matcher
+
+    def accept(self, token_id: int) -> bool:
+        return self.matcher.accept(token_id)
+
+    def is_terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class StructuredOutputManager:
+    def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
+                 max_workers: int = 2, pin_memory: bool = False):
+        self.backend_name = backend
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._eos = list(eos_token_ids)
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="shoal-grammar")
+        self._backend: GrammarBackend | None = None
+        self._backend_lock = threading.Lock()
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._pin = pin_memory
+        self._buffer: torch.Tensor | None = None
+
+    # ---- compilation ------------------------------------------------------------------------
+    def _get_backend(self) -> GrammarBackend:
+        # Built on the first compilation (importing the library and reading the vocabulary
+        # takes a second or two): in the pool, never in the step loop.
+        with self._backend_lock:
+            if self._backend is None:
+                self._backend = make_backend(self.backend_name, self._tokenizer,
+                                             self.vocab_size, self._eos)
+            return self._backend
+
+    def _compile(self, params: StructuredOutputsParams) -> tuple[GrammarBackend, Any]:
+        backend = self._get_backend()
+        return backend, backend.compile(params)
+
+    def _future(self, params: StructuredOutputsParams) -> Future:
+        key = params.key()
+        fut = self._cache.get(key)
+        if fut is None:
+            fut = self._pool.submit(self._compile, params)
+            self._cache[key] = fut
+            if len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return fut
+
+    def request(self, params: StructuredOutputsParams) -> StructuredRequest:
+        """Starts (or finds) the request's compilation; returns at once."""
+        return StructuredRequest(params, self._future(params))
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Waits for the compilation (offline, where a bad constraint must be a ValueError
+        before the request is queued); the grammar stays cached for the request."""
+        self._future(params).result()
+
+    @staticmethod
+    def wait_any(pending: list[StructuredRequest], timeout: float) -> None:
+        """Blocks until one of the compilations finishes (an engine with nothing else to do)."""
+        futures = [r._compiled for r in pending if not r.is_compiled()]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- bitmasks ---------------------------------------------------------------------------
+    def fill_bitmask(self, requests: list[StructuredRequest]) -> torch.Tensor:
+        """[len(requests), ceil(vocab / 32)] int32 on the host: row i allows the tokens
+        requests[i]'s grammar accepts next."""
+        words = -(-self.vocab_size // 32)
+        n = len(requests)
+        buf = self._buffer
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty(max(n, 16), words, dtype=torch.int32,
+                              pin_memory=self._pin)
+            self._buffer = buf
+        bitmask = buf[:n]
+        bitmask.fill_(-1)
+        backend = self._get_backend()
+        backend.fill_bitmasks([r.matcher for r in requests], bitmask)
+        return bitmask

@@ -1,0 +1,52 @@
+"""The grammar bitmask applied to logits (shoal's torch version against xgrammar's own), and a
+model vocabulary padded past the tokenizer's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.structured_output.bitmask import apply_token_bitmask, unpack_bitmask
+
+xgr = pytest.importorskip("xgrammar")
+
+
+@pytest.mark.parametrize("vocab", [64, 100, 1000])
+def test_matches_xgrammar_on_a_subset_of_rows(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=g)
+    words = torch.randint(-2**31, 2**31 - 1, (3, -(-vocab // 32)), generator=g,
+                          dtype=torch.int64).to(torch.int32)
+    rows = [0, 2, 4]
+    ours = logits.clone()
+    apply_token_bitmask(ours, words, rows)
+    theirs = logits.clone()
+    full = torch.full((5, words.shape[1]), -1, dtype=torch.int32)
+    full[rows] = words
+    xgr.apply_token_bitmask_inplace(theirs, full, indices=rows)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[1], logits[1]) and torch.equal(ours[3], logits[3])
+
+
+def test_logits_wider_than_the_bitmask_mask_the_padding():
+    words = torch.full((1, 2), -1, dtype=torch.int32)  # 64 tokens allowed
+    allowed = unpack_bitmask(words, 70)
+    assert allowed[0, :64].all() and not allowed[0, 64:].any()
+    logits = torch.zeros(1, 70)
+    apply_token_bitmask(logits, words, [0])
+    assert torch.isinf(logits[0, 64:]).all() and torch.isfinite(logits[0, :64]).all()
+
+
+def test_padded_vocabulary_never_allows_ids_past_the_tokenizer(smollm_gguf):
+    from shoal.loader import load_model
+    from shoal.structured_output.manager import make_backend
+    from shoal.structured_output.params import StructuredOutputsParams
+
+    tok = load_model(None, load_format="dummy").tokenizer
+    padded = len(tok) + 100
+    backend = make_backend("xgrammar", tok, padded, [tok.eos_token_id])
+    matcher = backend.matcher(backend.compile(StructuredOutputsParams(regex=".*")))
+    bitmask = torch.full((1, -(-padded // 32)), -1, dtype=torch.int32)
+    matcher.fill_bitmask(bitmask, 0)
+    allowed = unpack_bitmask(bitmask, padded)[0]
+    assert allowed[:len(tok)].any() and not allowed[len(tok):].any()

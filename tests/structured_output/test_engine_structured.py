@@ -1,0 +1,216 @@
+"""Structured outputs through the engine, on SmolLM2's shape and tokenizer with random weights:
+random output is the hard case, since only the grammar keeps it valid."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+
+import pytest
+
+from shoal import LLM, SamplingParams
+from shoal.structured_output.params import StructuredOutputsParams
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {"type": "object", "properties": {
+    "id": {"type": "integer"},
+    "kind": {"enum": ["a", "b", "c"]},
+    "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
+    "inner": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}},
+    "required": ["id", "kind", "tags", "inner"]}
+
+
+@pytest.fixture(scope="module")
+def llm(smollm_gguf):
+    llm = LLM(load_format="dummy", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+              max_num_seqs=16)
+    yield llm
+    llm.shutdown()
+
+
+def _params(so: StructuredOutputsParams, **kw) -> SamplingParams:
+    base = dict(temperature=1.0, seed=0, max_tokens=120)
+    base.update(kw)
+    return SamplingParams(structured_outputs=so, **base)
+
+
+def test_choice_and_regex_hold_under_random_weights(llm):
+    choices = ["alpha", "beta gamma", "δ"]
+    outs = llm.generate(["a"] * 6, [_params(StructuredOutputsParams(choice=choices), seed=i)
+                                    for i in range(6)], use_tqdm=False)
+    for o in outs:
+        assert o.outputs[0].text in choices and o.outputs[0].finish_reason == "stop"
+    pattern = r"[a-z]{2,5}-[0-9]{3}"
+    outs = llm.generate(["b"] * 6, [_params(StructuredOutputsParams(regex=pattern), seed=i)
+                                    for i in range(6)], use_tqdm=False)
+    for o in outs:
+        assert re.fullmatch(pattern, o.outputs[0].text), o.outputs[0].text
+
+
+def test_json_schema_outputs_validate_or_end_by_length(llm):
+    so = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    outs = llm.generate(["c"] * 6, [_params(so, seed=i) for i in range(6)], use_tqdm=False)
+    stopped = 0
+    for o in outs:
+        c = o.outputs[0]
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+            stopped += 1
+        else:
+            assert c.finish_reason == "length"
+    assert stopped >= 3  # the schema is small: most random answers complete
+
+
+def test_a_grammar_that_cannot_finish_ends_by_length(llm):
+    so = StructuredOutputsParams(regex="a{50}")
+    out = llm.generate(["d"], _params(so, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+
+
+def test_the_grammar_stops_even_with_ignore_eos(llm):
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    out = llm.generate(["e"], _params(so, ignore_eos=True, max_tokens=50),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert len(out.token_ids) <= 3  # the answer and its stop token
+
+
+def test_mixed_batch_leaves_free_rows_alone(llm):
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate(["f"], free, use_tqdm=False)[0].outputs[0].token_ids
+    so = _params(StructuredOutputsParams(choice=["x", "y"]))
+    outs = llm.generate(["f", "g", "f"], [free, so, free], use_tqdm=False)
+    assert outs[0].outputs[0].token_ids == alone == outs[2].outputs[0].token_ids
+    assert outs[1].outputs[0].text in ("x", "y")
+
+
+@pytest.mark.parametrize("so,match", [
+    (StructuredOutputsParams(regex="(?=a)b"), "Lookahead"),
+    (StructuredOutputsParams(json={"type": 5}), "structured_outputs.json"),
+    (StructuredOutputsParams(grammar='root ::= "a" |'), "structured_outputs.grammar"),
+])
+def test_bad_constraints_are_value_errors_offline(llm, so, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["h"], _params(so), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_request_waits_only_for_its_own_grammar(llm):
+    """A slow compilation holds back its own request; a free one runs to the end meanwhile."""
+    eng = llm.llm_engine
+    manager = eng.core.structured
+    release = threading.Event()
+    compile_ = manager._compile
+
+    def slow(params):
+        release.wait(30)
+        return compile_(params)
+
+    manager._compile = slow
+    try:
+        # submit: past the offline validation, which would wait for the compilation
+        eng.submit(eng.inputs.process_request(
+            "slow", "i", _params(StructuredOutputsParams(regex="z{1,3}"))))
+        eng.add_request("free", "j", SamplingParams(temperature=0, max_tokens=5,
+                                                    ignore_eos=True))
+        done = {}
+        while "free" not in done:
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+        assert "slow" not in done and eng.core.scheduler.requests["slow"].num_output_tokens == 0
+    finally:
+        release.set()
+        manager._compile = compile_
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert re.fullmatch("z{1,3}", done["slow"].outputs[0].text)
+
+
+def test_unknown_backend_and_missing_library_are_value_errors():
+    from shoal.engine.engine_args import EngineArgs
+
+    with pytest.raises(ValueError, match="backend must be one of"):
+        EngineArgs(structured_outputs_config='{"backend": "outlines"}').create_engine_config(
+            type("C", (), {"vocab_size": 10, "max_position_embeddings": 64})())
+
+
+def test_guidance_backend_holds_the_same_constraints(llm):
+    pytest.importorskip("llguidance")
+    from shoal.structured_output.manager import StructuredOutputManager
+
+    core = llm.llm_engine.core
+    xgrammar_manager = core.structured
+    core.structured = StructuredOutputManager("guidance", llm.get_tokenizer(),
+                                              core.runner.vocab_size, sorted(core.eos_token_ids))
+    try:
+        outs = llm.generate(["a", "b", "c"], [
+            _params(StructuredOutputsParams(choice=["one", "two words"]), seed=1),
+            _params(StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"), seed=2),
+            _params(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True), seed=3),
+        ], use_tqdm=False)
+        assert outs[0].outputs[0].text in ("one", "two words")
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", outs[1].outputs[0].text)
+        c = outs[2].outputs[0]
+        assert c.finish_reason == "length" or jsonschema.validate(json.loads(c.text),
+                                                                  SCHEMA) is None
+        with pytest.raises(ValueError, match="look-around"):
+            llm.generate(["d"], _params(StructuredOutputsParams(regex="(?=a)b")),
+                         use_tqdm=False)
+    finally:
+        core.structured.shutdown()
+        core.structured = xgrammar_manager
+
+
+def test_structural_tags_in_both_forms_compile(llm):
+    body = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    legacy = {"type": "structural_tag", "triggers": ["<f>"], "structures": [
+        {"begin": "<f>", "schema": body, "end": "</f>"}]}
+    current = {"type": "structural_tag", "format": {
+        "type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": body},
+        "end": "</f>"}}
+    manager = llm.llm_engine.core.structured
+    for tag in (legacy, current):
+        manager.validate(StructuredOutputsParams(structural_tag=json.dumps(tag)))
+    with pytest.raises(ValueError, match="structural_tag"):
+        manager.validate(StructuredOutputsParams(structural_tag='{"type": "structural_tag"}'))
+    out = llm.generate(["k"], _params(StructuredOutputsParams(structural_tag=json.dumps(current)),
+                                      max_tokens=60), use_tqdm=False)[0].outputs[0]
+    if out.finish_reason == "stop":  # the tag's content is the JSON object between its marks
+        assert out.text.startswith("<f>") and out.text.endswith("</f>")
+        jsonschema.validate(json.loads(out.text[3:-4]), body)
+
+
+def test_constrained_rows_beside_speculating_rows(smollm_gguf):
+    """Speculative decoding in the same steps as structured requests: the speculating rows
+    verify drafts while the constrained rows (which never take drafts) keep their grammar."""
+    llm = LLM(load_format="dummy", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+              max_num_seqs=16, speculative_config={
+                  "method": "test_forced_acceptance", "num_speculative_tokens": 3,
+                  "acceptance_rate": 0.5})
+    runner = llm.llm_engine.core.runner
+    verify_steps = []
+    plain_verify = runner._verify
+
+    def counted_verify(inp, logits, states, fut):
+        verify_steps.append(inp.grammar is not None)
+        return plain_verify(inp, logits, states, fut)
+
+    runner._verify = counted_verify
+    try:
+        choices = ["alpha", "beta gamma"]
+        params = [_params(StructuredOutputsParams(choice=choices), seed=i) for i in range(4)]
+        params += [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)] * 4
+        outs = llm.generate(["a"] * 8, params, use_tqdm=False)
+        for o in outs[:4]:
+            assert o.outputs[0].text in choices and o.outputs[0].finish_reason == "stop"
+        for o in outs[4:]:
+            assert len(o.outputs[0].token_ids) == 24
+        assert any(verify_steps)  # drafts were verified in steps with constrained rows
+    finally:
+        llm.shutdown()
