@@ -41,6 +41,10 @@ def main() -> int:
                     help="cuda; cpu only to smoke-test this script (embeddings_cpu.py measures "
                          "the CPU)")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="all-MiniLM-L6-v2",
+                    help="the embedded model's name, or a folder of its shape (with --load-format "
+                         "dummy: its files without the weights)")
+    ap.add_argument("--load-format", default="auto")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: this benchmark is for a GPU (see embeddings_cpu.py)")
@@ -50,7 +54,7 @@ def main() -> int:
 
     texts = make_texts(args.num_texts)
     t0 = time.perf_counter()
-    llm = LLM("all-MiniLM-L6-v2", dtype=args.dtype, device=args.device,
+    llm = LLM(args.model, load_format=args.load_format, dtype=args.dtype, device=args.device,
               max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens)
     startup = time.perf_counter() - t0

@@ -137,13 +137,15 @@ def main() -> int:
     p.add_argument("--num-prompts", type=int, default=256)
     p.add_argument("--device", default=None)
     p.add_argument("--smoke", action="store_true", help="short requests (a script check)")
+    p.add_argument("--tokenizer", default="smollm2",
+                   help="SmolLM2's tokenizer: the embedded model's name, or a folder with it")
     ns = p.parse_args()
     from gpu_common import record, write
 
     from shoal import LLM
 
     num = 8 if ns.smoke else ns.num_prompts
-    llm = LLM(model="Qwen/Qwen3-0.6B", load_format="dummy", tokenizer="smollm2",
+    llm = LLM(model="Qwen/Qwen3-0.6B", load_format="dummy", tokenizer=ns.tokenizer,
               dtype="bfloat16" if ns.device != "cpu" else "float32", device=ns.device,
               max_model_len=2048 + 64, enable_prefix_caching=False,
               **({"kv_cache_memory_bytes": 1 << 30} if ns.device == "cpu" else {}))

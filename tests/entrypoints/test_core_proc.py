@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import multiprocessing
 import threading
 
@@ -67,19 +69,18 @@ class FakeCore:
                                                       prefix_cache_queries=self.prefix_queries))
 
 
-@pytest.fixture
-def loop():
-    """(send, recv, core, death_writer, thread) around a running EngineCoreProc."""
+@contextlib.contextmanager
+def _running_proc(name: str, death_fd: int | None = None):
+    """(send, recv, core, thread) around an EngineCoreProc over inproc sockets `name`-in/out."""
     ctx = zmq.Context()
     to_engine, engine_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
     engine_out, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    engine_in.bind("inproc://in")
-    to_engine.connect("inproc://in")
-    from_engine.bind("inproc://out")
-    engine_out.connect("inproc://out")
-    reader, writer = multiprocessing.Pipe(duplex=False)
+    engine_in.bind(f"inproc://{name}-in")
+    to_engine.connect(f"inproc://{name}-in")
+    from_engine.bind(f"inproc://{name}-out")
+    engine_out.connect(f"inproc://{name}-out")
     core = FakeCore()
-    proc = EngineCoreProc(core, engine_in, engine_out, death_fd=reader.fileno())
+    proc = EngineCoreProc(core, engine_in, engine_out, death_fd=death_fd)
     thread = threading.Thread(target=proc.run, daemon=True)
     thread.start()
     enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(OutputMessage)
@@ -91,13 +92,23 @@ def loop():
     def recv():
         return dec.decode(from_engine.recv())
 
-    yield send, recv, core, writer, thread
-    if thread.is_alive():
-        send(Shutdown())
-        thread.join(5)
-    for s in (to_engine, engine_in, engine_out, from_engine):
-        s.close(linger=0)
-    ctx.term()
+    try:
+        yield send, recv, core, thread
+    finally:
+        if thread.is_alive():
+            send(Shutdown())
+            thread.join(5)
+        for s in (to_engine, engine_in, engine_out, from_engine):
+            s.close(linger=0)
+        ctx.term()
+
+
+@pytest.fixture
+def loop():
+    """(send, recv, core, death_writer, thread) around a running EngineCoreProc."""
+    reader, writer = multiprocessing.Pipe(duplex=False)
+    with _running_proc("loop", death_fd=reader.fileno()) as (send, recv, core, thread):
+        yield send, recv, core, writer, thread
 
 
 def _req(rid: str, first_token: int = 1, max_tokens: int = 2) -> AddRequest:
@@ -188,27 +199,11 @@ def test_step_trace_records_every_step(tmp_path, monkeypatch):
     """SHOAL_STEP_TRACE: one line per step with its timings, the requests added and tokens."""
     path = tmp_path / "trace.jsonl"
     monkeypatch.setenv("SHOAL_STEP_TRACE", str(path))
-    ctx = zmq.Context()
-    to_engine, engine_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    engine_out, from_engine = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    engine_in.bind("inproc://trace-in")
-    to_engine.connect("inproc://trace-in")
-    from_engine.bind("inproc://trace-out")
-    engine_out.connect("inproc://trace-out")
-    proc = EngineCoreProc(FakeCore(), engine_in, engine_out)
-    thread = threading.Thread(target=proc.run, daemon=True)
-    thread.start()
-    enc, dec = msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(OutputMessage)
-    from_engine.setsockopt(zmq.RCVTIMEO, 5000)
-    to_engine.send(enc.encode(_req("a", max_tokens=3)))
-    _collect_until_finished(lambda: dec.decode(from_engine.recv()), "a")
-    to_engine.send(enc.encode(Shutdown()))
-    thread.join(5)
-    for s in (to_engine, engine_in, engine_out, from_engine):
-        s.close(linger=0)
-    ctx.term()
-    import json
-
+    with _running_proc("trace") as (send, recv, _core, thread):
+        send(_req("a", max_tokens=3))
+        _collect_until_finished(recv, "a")
+        send(Shutdown())
+        thread.join(5)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     assert len(lines) == 3  # one per step, written when the loop ends
     assert [r["added"] for r in lines] == [1, 0, 0]
