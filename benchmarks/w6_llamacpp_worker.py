@@ -23,7 +23,7 @@ from typing import Any
 def load(gguf: str, n_ctx: int, threads: int) -> Any:
     from llama_cpp import Llama
 
-    return Llama(model_path=gguf, n_ctx=n_ctx, n_batch=min(n_ctx, 2048), n_ubatch=512,
+    return Llama(model_path=str(gguf), n_ctx=n_ctx, n_batch=min(n_ctx, 2048), n_ubatch=512,
                  n_threads=threads, n_threads_batch=threads, verbose=False)
 
 

@@ -265,7 +265,7 @@ def _build_core(engine_args: EngineArgs) -> Any:
     loaded = load_model(engine_args.model, tokenizer=engine_args.tokenizer,
                         load_format=engine_args.load_format)
     engine_args.apply_hf_overrides(loaded.hf_config)
-    config = engine_args.create_engine_config(loaded.hf_config, loaded.source)
+    config = engine_args.create_engine_config(loaded.hf_config, loaded.source, serving=True)
     return EngineCore(config, loaded, request_limits=limits)
 
 

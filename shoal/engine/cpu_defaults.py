@@ -7,7 +7,12 @@ single 40 s forward pass during which no request gets a token (W4's burst of 64 
 hundred tokens per model thread the burst prefills in short chunked steps that also carry
 the running decodes: measured with a 256-token budget, the first token after 0.4 s, mean TTFT
 16.5 s, and the burst at 91.7 output tok/s (one run per budget on a quiet machine,
-benchmarks/results/2026-12-03-cpu-budget-sweep.json; benchmarks/cpu_budget_sweep.py)."""
+benchmarks/results/2026-12-03-cpu-budget-sweep.json; benchmarks/cpu_budget_sweep.py).
+
+That budget is for serving, where a request's first token waits behind each step. Offline,
+nobody waits for a first token and big steps are faster: W6 through `LLM` on this 2-core
+machine (bf16, 64 requests, same process order) ran at 113 output tok/s with a 512-token
+budget, 152 with 4,096 and 173 with 16,384. The offline LLM keeps the large budget."""
 
 from __future__ import annotations
 
@@ -29,14 +34,16 @@ class SchedulerLimits:
 
 
 def default_scheduler_limits(device_type: str, threads: int, max_model_len: int,
-                             enable_chunked_prefill: bool, *,
+                             enable_chunked_prefill: bool, *, serving: bool = True,
                              max_num_batched_tokens: int | None = None,
                              max_num_seqs: int | None = None) -> SchedulerLimits:
-    """The user's values where given; else the GPU's, or the CPU's scaled by the model's
-    threads. Without chunked prefill a step must hold a whole prompt, so the default budget
+    """The user's values where given; else the GPU's, or on the CPU when serving a budget
+    scaled by the model's threads (offline, the GPU's budget). Without chunked prefill a step must hold a whole prompt, so the default budget
     is then at least max_model_len."""
     if device_type == "cuda":
         budget, seqs = GPU_MAX_NUM_BATCHED_TOKENS, GPU_MAX_NUM_SEQS
+    elif not serving:  # offline throughput: large steps (see the module's docstring)
+        budget, seqs = GPU_MAX_NUM_BATCHED_TOKENS, CPU_MAX_NUM_SEQS
     else:
         budget = min(max(CPU_TOKENS_PER_THREAD * max(threads, 1), CPU_MIN_NUM_BATCHED_TOKENS),
                      CPU_MAX_NUM_BATCHED_TOKENS)

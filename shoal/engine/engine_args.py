@@ -46,9 +46,9 @@ class EngineArgs:
     max_num_seqs: int | None = arg(None, f"sequences per step (default 256 on GPU, "
                                          f"{CPU_MAX_NUM_SEQS} on CPU)")
     max_num_batched_tokens: int | None = arg(
-        None, f"token budget per step (default {GPU_MAX_NUM_BATCHED_TOKENS} on GPU; on CPU "
-              f"{CPU_TOKENS_PER_THREAD} per model thread, so a burst of prompts prefills in "
-              f"short steps)")
+        None, f"token budget per step (default {GPU_MAX_NUM_BATCHED_TOKENS}; when serving on "
+              f"the CPU {CPU_TOKENS_PER_THREAD} per model thread, so a burst of prompts "
+              f"prefills in short steps)")
     block_size: int = arg(16, "tokens per KV block")
     enable_prefix_caching: bool = arg(True, "reuse the KV blocks of shared prefixes")
     enable_chunked_prefill: bool = arg(True, "split long prefills over several steps")
@@ -172,10 +172,11 @@ class EngineArgs:
             return "pooling"
         return "generate"
 
-    def create_engine_config(self, hf_config: Any, model_path: str | None = None
-                             ) -> EngineConfig:
+    def create_engine_config(self, hf_config: Any, model_path: str | None = None, *,
+                             serving: bool = False) -> EngineConfig:
         """model_path: the resolved model folder, where a pooling model's
-        sentence-transformers files (its max_seq_length) are read."""
+        sentence-transformers files (its max_seq_length) are read. serving: the engine
+        answers a server's requests (on the CPU: short steps, so first tokens come soon)."""
         import torch  # here, not at import: the server's frontend reads EngineArgs too
 
         runner = self.resolve_runner(hf_config)
@@ -201,7 +202,7 @@ class EngineArgs:
         limits = default_scheduler_limits(
             "cuda" if runner == "pooling" else device.type, torch.get_num_threads(), max_len,
             self.enable_chunked_prefill, max_num_batched_tokens=self.max_num_batched_tokens,
-            max_num_seqs=self.max_num_seqs)
+            max_num_seqs=self.max_num_seqs, serving=serving)
         dtype = resolve_dtype(self.dtype, device)
         if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
             raise ValueError(

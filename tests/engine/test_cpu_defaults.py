@@ -28,6 +28,12 @@ def test_cpu_budget_scales_with_threads_within_bounds():
     assert one.max_num_seqs == CPU_MAX_NUM_SEQS
 
 
+def test_offline_cpu_keeps_large_steps():
+    lim = default_scheduler_limits("cpu", 2, 2048, True, serving=False)
+    assert (lim.max_num_batched_tokens, lim.max_num_seqs) == (GPU_MAX_NUM_BATCHED_TOKENS,
+                                                              CPU_MAX_NUM_SEQS)
+
+
 def test_gpu_keeps_the_large_defaults():
     lim = default_scheduler_limits("cuda", 1, 2048, True)
     assert (lim.max_num_batched_tokens, lim.max_num_seqs) == (GPU_MAX_NUM_BATCHED_TOKENS,
@@ -51,14 +57,17 @@ def test_engine_config_uses_the_model_threads(threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        sc = EngineArgs(device="cpu").create_engine_config(_Cfg()).scheduler_config
+        sc = EngineArgs(device="cpu").create_engine_config(_Cfg(), serving=True).scheduler_config
         expect = default_scheduler_limits("cpu", threads, 4096, True)
         assert sc.max_num_batched_tokens == expect.max_num_batched_tokens
+        # Offline (the LLM) keeps large steps: throughput, no first token waiting.
+        sc = EngineArgs(device="cpu").create_engine_config(_Cfg()).scheduler_config
+        assert sc.max_num_batched_tokens == GPU_MAX_NUM_BATCHED_TOKENS
         sc = EngineArgs(device="cpu", max_num_batched_tokens=77,
                         max_num_seqs=5).create_engine_config(_Cfg()).scheduler_config
         assert (sc.max_num_batched_tokens, sc.max_num_seqs) == (77, 5)
-        sc = EngineArgs(device="cpu", enable_chunked_prefill=False,
-                        max_model_len=3000).create_engine_config(_Cfg()).scheduler_config
+        sc = EngineArgs(device="cpu", enable_chunked_prefill=False, max_model_len=3000
+                        ).create_engine_config(_Cfg(), serving=True).scheduler_config
         assert sc.max_num_batched_tokens == 3000
     finally:
         torch.set_num_threads(before)
