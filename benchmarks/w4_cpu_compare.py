@@ -32,6 +32,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from host_info import cpu_model
+
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work"
 SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -50,16 +52,6 @@ def git(*args: str) -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 # -------------------------------------------------------------------------------------------
@@ -261,7 +253,7 @@ def run_engine(engine: str, dtype: str, ns: argparse.Namespace, run_dir: Path
             levels.append(res)
     finally:
         code = stop(proc)
-    return {"workload": "W4", "hardware": f"{cpu_name()}, {os.cpu_count()} cores",
+    return {"workload": "W4", "hardware": f"{cpu_model()}, {os.cpu_count()} cores",
             "engine": engine, "dtype": dtype, "date": dt.date.today().isoformat(),
             "commit": SNAPSHOT_SHA[0],
             "client_source": f"git archive of {SNAPSHOT_SHA[0]} with the work tree's "

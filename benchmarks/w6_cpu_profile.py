@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from cpu_quiet import MachineLoad
+from host_info import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -282,7 +283,7 @@ def main() -> int:
     import torch
     engine_args = json.loads(args.engine_args)
     res: dict[str, Any] = {"engine_args": engine_args, "threads": torch.get_num_threads(),
-                           "torch": torch.__version__, "cpu": host_cpu()}
+                           "torch": torch.__version__, "cpu": cpu_model()}
     load = MachineLoad()
     res["bandwidth"] = [read_bandwidth(n) for n in sorted({1, torch.get_num_threads()})]
     res["bandwidth_load"] = load.result()
@@ -322,16 +323,6 @@ def main() -> int:
     args.out.write_text(json.dumps(res, indent=1) + "\n")
     print(json.dumps({k: v for k, v in res.items() if k != "cases"}, indent=1))
     return 0
-
-
-def host_cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown"
 
 
 if __name__ == "__main__":

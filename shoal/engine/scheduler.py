@@ -103,11 +103,7 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self._end(req, RequestStatus.FINISHED_ABORTED)
             self._pending_outputs.append(EngineCoreOutput(
                 request_id=rid, new_token_ids=[], finish_reason="abort",
                 num_cached_tokens=max(req.num_cached_tokens, 0)))
@@ -133,11 +129,7 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         self._next_expiry_check = now + min(0.05, self.request_timeout / 10)
         limit = self.request_timeout
         for req in [r for r in self.requests.values() if now - r.arrival_time > limit]:
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self.waiting.remove(req)
-            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self._end(req, RequestStatus.FINISHED_ABORTED)
             self._pending_outputs.append(EngineCoreOutput(
                 request_id=req.request_id, new_token_ids=[], finish_reason="error",
                 num_cached_tokens=max(req.num_cached_tokens, 0),
