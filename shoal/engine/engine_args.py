@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -22,6 +21,7 @@ from shoal.engine.cpu_defaults import (
     GPU_MAX_NUM_BATCHED_TOKENS,
     default_scheduler_limits,
 )
+from shoal.json_arg import json_object
 from shoal.pooling.model_info import parse_pooler_config
 from shoal.spec_decode.config import SpeculativeConfig
 from shoal.structured_output.params import check_backend_available, parse_backend_config
@@ -142,13 +142,7 @@ class EngineArgs:
         value = self.hf_overrides
         if value is None:
             return
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"hf_overrides must be a JSON object: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("hf_overrides must be a JSON object")
+        value = json_object(value, "hf_overrides")
         for key, v in value.items():
             setattr(hf_config, key, v)
 

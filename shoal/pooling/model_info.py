@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from shoal.json_arg import json_object
 from shoal.pooling_params import PoolingInfo
 
 POOLING_TYPES = ("CLS", "MEAN", "LAST", "ALL")
@@ -23,13 +24,7 @@ def parse_pooler_config(value: str | dict | None) -> dict[str, Any]:
     """--pooler-config: a JSON object (or a dict from Python) with pooling_type, normalize."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"pooler_config must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError("pooler_config must be a JSON object")
+    value = json_object(value, "pooler_config")
     unknown = sorted(set(value) - set(_OVERRIDES))
     if unknown:
         raise ValueError(f"pooler_config: unsupported key(s) {', '.join(unknown)}; supported: "

@@ -4,10 +4,11 @@ Imports no torch: the scheduler and the server's frontend read it."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from shoal.json_arg import json_object
 
 # What shoal can run now, and what vLLM names that shoal does not run yet.
 METHODS = ("ngram", "draft_model")
@@ -64,14 +65,7 @@ class SpeculativeConfig:
         """From `speculative_config` as given to LLM/EngineArgs (a dict) or on the command
         line (its JSON). vLLM infers the method from the names: "ngram"/"[ngram]" as model
         means ngram, any other model means draft_model."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError("speculative_config must be a dict (a JSON object on the command "
-                             f"line), got {type(value).__name__}")
+        value = json_object(value, "speculative_config")
         not_yet = sorted(k for k in set(value) & _NOT_YET_KEYS if value[k] is not None)
         if not_yet:
             raise ValueError(f"speculative_config: {', '.join(not_yet)} not supported yet")

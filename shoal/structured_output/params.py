@@ -10,6 +10,8 @@ import json as _json
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.json_arg import json_object
+
 BACKENDS = ("auto", "xgrammar", "guidance")
 _KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
@@ -107,15 +109,7 @@ def parse_backend_config(text: str | dict | None) -> str:
     """--structured-outputs-config '{"backend": ...}' -> the backend name."""
     if text is None:
         return "auto"
-    if isinstance(text, str):
-        try:
-            config = _json.loads(text)
-        except ValueError as e:
-            raise ValueError(f"structured_outputs_config must be JSON: {e}") from None
-    else:
-        config = text
-    if not isinstance(config, dict):
-        raise ValueError("structured_outputs_config must be a JSON object")
+    config = json_object(text, "structured_outputs_config")
     unknown = sorted(set(config) - {"backend"})
     if unknown:
         raise ValueError(f"structured_outputs_config has unsupported field(s): "
