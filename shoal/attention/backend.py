@@ -23,6 +23,8 @@ class AttentionBackend(ABC):
     # alloc_prefill_graph_buffers / fill_prefill_graph_buffers / prefill_graph_metadata:
     # CUDA graphs of one prefill chunk.
     supports_prefill_graphs: bool = False
+    # forward_mla: latent attention (DeepSeek MLA) over a one-plane latent cache.
+    supports_mla: bool = False
 
     @abstractmethod
     def build_metadata(self, *, query_lens: list[int], context_lens: list[int],
@@ -48,10 +50,24 @@ class AttentionBackend(ABC):
         fuses_rope_and_cache_write; q may be modified in place."""
         raise self._unsupported("fused rotary + cache write")
 
+    def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                    md: Any, scale: float, v_dim: int) -> torch.Tensor:
+        """Multi-head latent attention in the weight-absorbed form: writes latent [T, Dk] (each
+        new token's compressed KV row: v_dim latent values, then its rotated key part) into
+        kv_cache [1, slots, 1, Dk], then attends q [T, H, Dk] over each request's cached rows,
+        the whole row as the key and its first v_dim values as the value (one KV head shared
+        by every query head). Returns [T, H, v_dim]. Only when supports_mla."""
+        raise self._unsupported("latent attention (MLA)")
+
     def warm_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
                      block_size: int, sliding_window: int | None) -> int:
         """Compiles, before the first request, every kernel variant a step can pick (for
         backends whose kernels are compiled on first use); returns how many ran."""
+        return 0
+
+    def warm_mla_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
+                         block_size: int, v_dim: int) -> int:
+        """warm_kernels for latent attention layers (kv_cache [1, slots, 1, Dk])."""
         return 0
 
     # ---- decode CUDA graphs (supports_cuda_graphs) ---------------------------------------

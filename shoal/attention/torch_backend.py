@@ -24,6 +24,7 @@ class TorchAttentionBackend(AttentionBackend):
     fuses_rope_and_cache_write = False
     supports_cuda_graphs = False
     supports_prefill_graphs = False
+    supports_mla = True
 
     def build_metadata(self, *, query_lens: list[int], context_lens: list[int],
                        block_tables: list[list[int]], block_size: int, num_decodes: int,
@@ -37,6 +38,10 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache, md, scale)
+
+    def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                    md: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
+        return paged_latent_attention(q, latent, kv_cache, md, scale, v_dim)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -81,6 +86,42 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=md.grouped_prefill_mask(g),
                                            scale=scale)
         o = o.view(p, hk, g, lq, d).permute(0, 3, 1, 2, 4).reshape(p, lq, hq, d)
+        valid = md.prefill_token_valid
+        out[md.prefill_token_index[valid]] = o[valid]
+    return out
+
+
+def paged_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                           md: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
+    """MLA, weight-absorbed (see AttentionBackend.forward_mla): q [T, H, Dk], latent [T, Dk],
+    kv_cache [1, slots, 1, Dk]. Grouped like paged_attention with one KV head: the H query
+    heads are the rows of that head, and a row's value is the first v_dim of its key."""
+    cache = kv_cache[0]  # [slots, 1, Dk]
+    cache.index_copy_(0, md.slot_mapping, latent.unsqueeze(1))
+    t, h, dk = q.shape
+    out = q.new_empty(t, h, v_dim)
+    nd = md.num_decodes
+    if nd:
+        bs = md.decode_mask.shape[-1] // md.decode_block_tables.shape[1]
+        kc = _gather(cache, md.decode_block_tables, bs)  # [Bd, 1, S, Dk]
+        o = F.scaled_dot_product_attention(q[:nd].unsqueeze(1), kc, kc[..., :v_dim],
+                                           attn_mask=md.decode_mask, scale=scale)
+        out[:nd] = o[:, 0]
+    for start, n in md.fresh_spans:
+        k = latent[start:start + n].view(1, 1, n, dk)
+        o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1).unsqueeze(0), k,
+                                           k[..., :v_dim], is_causal=True, scale=scale,
+                                           enable_gqa=True)
+        out[start:start + n] = o[0].transpose(0, 1)
+    if md.prefill_mask is not None:
+        bs = md.prefill_mask.shape[-1] // md.prefill_block_tables.shape[1]
+        kc = _gather(cache, md.prefill_block_tables, bs)
+        qp = q[md.prefill_token_index]  # [P, Lq, H, Dk]
+        p, lq = qp.shape[0], qp.shape[1]
+        qp = qp.permute(0, 2, 1, 3).reshape(p, 1, h * lq, dk)
+        o = F.scaled_dot_product_attention(qp, kc, kc[..., :v_dim],
+                                           attn_mask=md.grouped_prefill_mask(h), scale=scale)
+        o = o.view(p, h, lq, v_dim).permute(0, 2, 1, 3)
         valid = md.prefill_token_valid
         out[md.prefill_token_index[valid]] = o[valid]
     return out

@@ -22,10 +22,13 @@ import torch
 from shoal.attention.backend import AttentionBackend
 from shoal.attention.metadata import token_slots
 from shoal.attention.ops.kv_cache_write import write_kv_cache
+from shoal.attention.ops.mla_cache_write import write_mla_cache
+from shoal.attention.ops.mla_decode import mla_paged_decode
+from shoal.attention.ops.mla_prefill import mla_paged_prefill
 from shoal.attention.ops.paged_decode import paged_decode
 from shoal.attention.ops.paged_prefill import paged_prefill
 from shoal.attention.ops.rope_kv_write import rope_kv_write
-from shoal.attention.ops.warm import warm_paged_attention
+from shoal.attention.ops.warm import warm_latent_attention, warm_paged_attention
 from shoal.host_to_device import to_device
 
 
@@ -163,6 +166,27 @@ def _attend_cached(q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionM
     return out
 
 
+def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                            md: TritonAttentionMetadata, scale: float,
+                            v_dim: int) -> torch.Tensor:
+    """MLA (AttentionBackend.forward_mla) with the Triton kernels: q [T, H, Dk], latent
+    [T, Dk], kv_cache [1, slots, 1, Dk]. Same row layout as paged_attention_triton."""
+    _check_tokens(q, md)
+    cache = kv_cache.view(kv_cache.shape[1], kv_cache.shape[3])
+    write_mla_cache(latent, cache, md.slot_mapping)
+    out = torch.empty(q.shape[0], q.shape[1], v_dim, dtype=q.dtype, device=q.device)
+    nd = md.num_decode_rows
+    if nd:
+        mla_paged_decode(q[:nd], cache, md.block_tables[:nd], md.seq_lens[:nd], md.block_size,
+                         scale, v_dim, num_splits=md.decode_num_splits,
+                         max_seq_len=md.max_decode_seq_len, out=out[:nd])
+    if md.num_prefills:
+        mla_paged_prefill(q, cache, md.block_tables, md.seq_lens, md.query_start_loc,
+                          md.max_query_len, md.block_size, scale, v_dim, out=out,
+                          first_row=nd)
+    return out
+
+
 @dataclass
 class TritonGraphBuffers:
     """Persistent decode-step inputs of the captured graphs; the batch padded to B uses rows
@@ -210,6 +234,7 @@ class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
     supports_prefill_graphs = True
+    supports_mla = True
 
     def __init__(self, fuse_rope_and_cache_write: bool = True) -> None:
         # Layers with rotary hand q, k, v before norm and rotary to forward_fused, which does
@@ -241,9 +266,17 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_attention_triton_fused(q, k, v, positions, cos_sin_cache, q_norm_weight,
                                             k_norm_weight, eps, kv_cache, md, scale)
 
+    def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
+                    md: TritonAttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
+        return latent_attention_triton(q, latent, kv_cache, md, scale, v_dim)
+
     def warm_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
                      block_size: int, sliding_window: int | None) -> int:
         return warm_paged_attention(kv_cache, num_heads, scale, block_size, sliding_window)
+
+    def warm_mla_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
+                         block_size: int, v_dim: int) -> int:
+        return warm_latent_attention(kv_cache, num_heads, scale, block_size, v_dim)
 
     def alloc_graph_buffers(self, max_batch: int, max_blocks: int, device: torch.device, *,
                             block_size: int, sliding_window: int | None) -> TritonGraphBuffers:

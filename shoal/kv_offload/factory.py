@@ -57,10 +57,11 @@ def block_layout(kv_caches: list[torch.Tensor], block_size: int) -> BlockLayout:
     shapes = {tuple(kv.shape) for kv in kv_caches}
     if len(shapes) != 1:
         raise ValueError(f"KV offloading needs one KV shape for every layer (got {shapes})")
-    two, slots, heads, head_dim = next(iter(shapes))
-    if two != 2 or slots % block_size:
+    planes, slots, heads, head_dim = next(iter(shapes))
+    if planes not in (1, 2) or slots % block_size:
         raise ValueError(f"unexpected KV cache shape {kv_caches[0].shape} for offloading")
-    return BlockLayout(len(kv_caches), (2, block_size, heads, head_dim), kv_caches[0].dtype)
+    return BlockLayout(len(kv_caches), (planes, block_size, heads, head_dim),
+                       kv_caches[0].dtype)
 
 
 def build_lower_tiers(ctx: TierContext) -> list[LowerTier]:

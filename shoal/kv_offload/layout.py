@@ -17,12 +17,18 @@ LAYOUT_VERSION = 1
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """Every layer's K and V for `block_size` tokens: a [num_layers, 2, block_size * Hk * D]
-    tensor per block (the device's per-layer [2, block_size, Hk, D] slice, flattened)."""
+    """Every layer's cache planes for `block_size` tokens: a [num_layers, planes,
+    block_size * Hk * D] tensor per block (the device's per-layer [planes, block_size, Hk, D]
+    slice, flattened). planes is 2 (K and V) for ordinary attention, 1 for latent attention
+    (MLA), whose one plane holds each token's compressed latent."""
 
     num_layers: int
-    layer_shape: tuple[int, ...]  # one layer of one block: (2, block_size, Hk, D)
+    layer_shape: tuple[int, ...]  # one layer of one block: (planes, block_size, Hk, D)
     dtype: torch.dtype
+
+    @property
+    def planes(self) -> int:
+        return self.layer_shape[0]
 
     @property
     def block_size(self) -> int:
@@ -37,12 +43,12 @@ class BlockLayout:
 
     @property
     def block_shape(self) -> tuple[int, int, int]:
-        return (self.num_layers, 2, self.elems_per_kv)
+        return (self.num_layers, self.planes, self.elems_per_kv)
 
     @property
     def nbytes(self) -> int:
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return self.num_layers * 2 * self.elems_per_kv * elem
+        return self.num_layers * self.planes * self.elems_per_kv * elem
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 Built by the engine core (factory.py) over the runner's KV cache and handed to the model
 runner, which runs each step's plan before the forward pass. Device KV is one
-[2, slots, Hk, D] tensor per layer (slot = block * block_size + offset); a CPU-tier slot
-holds one block of every layer as [num_layers, 2, block_size * Hk * D].
+[planes, slots, Hk, D] tensor per layer (planes: 2 for K and V, 1 for MLA latents; slot =
+block * block_size + offset); a CPU-tier slot holds one block of every layer as
+[num_layers, planes, block_size * Hk * D].
 
 On the CPU the copies are plain indexed assignments, done when `run` returns. On CUDA they
 run on a side stream: stores gather the blocks into a device staging buffer and copy it to
@@ -34,8 +35,8 @@ class KVTransfer:
     def __init__(self, kv_caches: list[torch.Tensor], cpu_pool: torch.Tensor, block_size: int,
                  cpu_stats: TierStats | None = None):
         self.block_bytes = cpu_pool[0].numel() * cpu_pool.element_size() if len(cpu_pool) else 0
-        # Per layer: [2, num_blocks + 1, block_size * Hk * D], a view of the cache tensor.
-        self.views = [kv.view(2, kv.shape[1] // block_size, -1) for kv in kv_caches]
+        # Per layer: [planes, num_blocks + 1, block_size * Hk * D], a view of the cache tensor.
+        self.views = [kv.view(kv.shape[0], kv.shape[1] // block_size, -1) for kv in kv_caches]
         self.pool = cpu_pool
         self.stats = cpu_stats
         self.device = kv_caches[0].device

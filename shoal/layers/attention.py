@@ -17,6 +17,8 @@ from shoal.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
+    kv_planes = 2  # the cache holds a K and a V plane: [2, num_slots, Hk, D]
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None = None):
         super().__init__()

@@ -141,3 +141,24 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             y = y + self.bias
         return y
+
+
+class ReplicatedLinear(nn.Module):
+    """y = x W^T with the whole W on every rank (small projections whose output every rank
+    needs in full, such as MLA's latent down-projections)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 params_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = default_weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype),
+                                     requires_grad=False)
+            self.bias.weight_loader = default_weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)

@@ -11,19 +11,56 @@ from torch import nn
 from shoal.layers.ops.dispatch import use_triton
 
 
+def _rope_kind(scaling: dict[str, Any]) -> str:
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
 def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) from either the transformers 4 (`rope_theta`, `rope_scaling`) or the
-    transformers 5 (`rope_parameters`) spelling of a config."""
+    transformers 5 (`rope_parameters`) spelling of a config.
+
+    For llama3 and yarn, a missing `original_max_position_embeddings` is filled in as
+    transformers' standardize_rope_params does: the config's own
+    `original_max_position_embeddings` attribute if it has one (it wins over the dict's, as in
+    transformers), else its `max_position_embeddings`."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
         kind = params.get("rope_type", "default")
-        return theta, (None if kind == "default" else dict(params))
-    theta = float(getattr(hf_config, "rope_theta", 10000.0))
-    scaling = getattr(hf_config, "rope_scaling", None)
-    if scaling and scaling.get("rope_type", scaling.get("type", "default")) == "default":
-        scaling = None
+        scaling = None if kind == "default" else dict(params)
+    else:
+        theta = float(getattr(hf_config, "rope_theta", 10000.0))
+        scaling = getattr(hf_config, "rope_scaling", None)
+        if scaling and _rope_kind(scaling) == "default":
+            scaling = None
+    if scaling and _rope_kind(scaling) in ("llama3", "yarn"):
+        original = getattr(hf_config, "original_max_position_embeddings", None)
+        if original is None and "original_max_position_embeddings" not in scaling:
+            original = getattr(hf_config, "max_position_embeddings", None)
+        if original is not None:
+            scaling = {**scaling, "original_max_position_embeddings": original}
     return theta, scaling
+
+
+def _yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_softmax_scale(scaling: dict[str, Any] | None, base_scale: float) -> float:
+    """The attention softmax scale of a DeepSeek model (`base_scale` is usually
+    qk_head_dim ** -0.5): multiplied by get_mscale(factor, mscale_all_dim) squared when the
+    rope scaling sets a nonzero mscale_all_dim, as transformers' yarn_apply_mscale does. The
+    cos/sin table then carries get_mscale(factor, mscale) / get_mscale(factor,
+    mscale_all_dim) (see _yarn), so q.k is scaled by mscale(factor, mscale) ** 2 overall."""
+    if not scaling or _rope_kind(scaling) == "default":
+        return base_scale
+    mscale_all_dim = scaling.get("mscale_all_dim", 0)
+    if not mscale_all_dim:
+        return base_scale
+    if scaling.get("factor") is None:
+        raise ValueError("rope scaling with mscale_all_dim needs a factor")
+    mscale = _yarn_get_mscale(scaling["factor"], mscale_all_dim)
+    return base_scale * mscale * mscale
 
 
 def _inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -43,7 +80,68 @@ def _inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any] | None) -> tor
         scaled = torch.where(wavelen > low_wl, inv / factor, inv)
         mid = (wavelen <= low_wl) & (wavelen >= high_wl)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3)")
+    raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, "
+                     "yarn)")
+
+
+def _yarn(rot_dim: int, theta: float, scaling: dict[str, Any],
+          max_position: int | None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention factor) as transformers' _compute_yarn_parameters computes them,
+    in float32 and in the same order (so the frequencies are its own, bit for bit); the
+    attention factor multiplies cos and sin. With factor None the factor is max_position /
+    original_max_position_embeddings, as transformers takes it from max_position_embeddings."""
+    original = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor")
+    if factor is None:
+        if max_position is None:
+            raise ValueError("yarn scaling without a factor needs max_position")
+        factor = max_position / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention = float(_yarn_get_mscale(factor, mscale)
+                              / _yarn_get_mscale(factor, mscale_all_dim))
+        else:
+            attention = _yarn_get_mscale(factor)
+    beta_fast = scaling.get("beta_fast") or 32
+    beta_slow = scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        # The dimension whose wavelength fits `rotations` times into the original context.
+        return (rot_dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rot_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    cpu = torch.device("cpu")
+    ramp = ((torch.arange(rot_dim // 2, dtype=torch.float32, device=cpu) - low)
+            / (high - low)).clamp(0, 1)
+    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by the factor
+    pos_freqs = theta ** (torch.arange(0, rot_dim, 2, device=cpu).to(torch.float32) / rot_dim)
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv.double(), float(attention)
+
+
+def _rope_freqs(rot_dim: int, theta: float, scaling: dict[str, Any] | None,
+                max_position: int | None = None) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rot_dim / 2] float64, attention factor multiplying cos and sin)."""
+    if scaling and _rope_kind(scaling) == "yarn":
+        return _yarn(rot_dim, theta, scaling, max_position)
+    return _inv_freq(rot_dim, theta, scaling), 1.0
+
+
+def _table_length(max_position: int, scaling: dict[str, Any] | None) -> int:
+    """Positions the table covers: max_position, and for yarn at least
+    original_max_position_embeddings * factor, the context the scaling extends to (DeepSeek
+    configs already give that as max_position_embeddings; others keep the pre-yarn length)."""
+    if scaling and _rope_kind(scaling) == "yarn" and scaling.get("factor") is not None:
+        extended = int(scaling["original_max_position_embeddings"] * scaling["factor"])
+        return max(max_position, extended)
+    return max_position
 
 
 class RotaryEmbedding(nn.Module):
@@ -54,11 +152,16 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.use_triton_ops = use_triton_ops  # the Triton kernel for CUDA tensors
         self.rot_dim = rot_dim or head_dim
-        inv = _inv_freq(self.rot_dim, theta, scaling)
-        t = torch.arange(max_position, dtype=torch.float64)
-        freqs = torch.outer(t, inv)
-        # [max_position, rot_dim]: cos then sin, computed in float64 once for accuracy.
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1).float()
+        inv, self.attention_factor = _rope_freqs(self.rot_dim, theta, scaling, max_position)
+        self.max_position = _table_length(max_position, scaling)
+        t = torch.arange(self.max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv.to(t.device))
+        # [max_position, rot_dim]: cos then sin, computed in float64 once for accuracy; yarn's
+        # attention factor is baked in, so every reader of the table applies it.
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        if self.attention_factor != 1.0:
+            cache = cache * self.attention_factor
+        cache = cache.float()
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
@@ -98,14 +201,23 @@ class RotaryEmbedding(nn.Module):
 _SHARED: dict[tuple, RotaryEmbedding] = {}
 
 
+def _freeze(value: Any) -> Any:
+    """A hashable stand-in for a scaling dict: dicts become key-sorted tuples and lists tuples,
+    at any depth, so equal settings share one module whatever their key order."""
+    if isinstance(value, dict):
+        return ("dict", tuple(sorted((str(k), _freeze(v)) for k, v in value.items())))
+    if isinstance(value, (list, tuple)):
+        return ("seq", tuple(_freeze(v) for v in value))
+    return value
+
+
 def get_rope(head_dim: int, max_position: int, theta: float,
              scaling: dict[str, Any] | None = None,
              use_triton_ops: bool = True) -> RotaryEmbedding:
     """One rotary module (and one cos/sin table) shared by every layer with the same settings;
     a long-context model's table is tens of MiB, too much to repeat per layer."""
     device = torch.empty(0).device  # the torch.device context the model is built under
-    key = (head_dim, max_position, theta, repr(sorted((scaling or {}).items())), str(device),
-           use_triton_ops)
+    key = (head_dim, max_position, theta, _freeze(scaling or {}), str(device), use_triton_ops)
     rope = _SHARED.get(key)
     if rope is None:
         rope = _SHARED[key] = RotaryEmbedding(head_dim, max_position, theta, scaling,

@@ -65,6 +65,11 @@ SHIPPED_CONFIGS: dict[str, str] = {
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
     "Qwen/Qwen3-0.6B": "qwen3-0.6b",
     "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
+    "deepseek-ai/DeepSeek-V2-Lite": "deepseek-v2-lite",
+    "deepseek-ai/DeepSeek-V2-Lite-Chat": "deepseek-v2-lite",
+    # Kimi-K2's shape (DeepSeek-V3 architecture, 384 experts) cut to one dense and one MoE
+    # layer: 17.6B parameters, enough to time every kind of layer on one GPU.
+    "moonshotai/Kimi-K2-2layers": "kimi-k2-2layers",
 }
 _CONFIGS_BY_LOWER_NAME = {name.lower(): folder for name, folder in SHIPPED_CONFIGS.items()}
 _CONFIGS_DIR = Path(__file__).resolve().parent.parent / "model_configs"

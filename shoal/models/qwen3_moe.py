@@ -4,8 +4,7 @@ every `decoder_sparse_step`-th layer not listed in `mlp_only_layers`."""
 
 from __future__ import annotations
 
-import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -15,6 +14,7 @@ from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.moe.layer import FusedMoE
 from shoal.layers.moe.router import TopKRouter
 from shoal.layers.norm import RMSNorm
+from shoal.models.expert_weights import load_expert_tensors
 from shoal.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -22,12 +22,6 @@ from shoal.models.llama import (
     LlamaMLP,
     LlamaModel,
 )
-
-# model.layers.N.mlp.experts.E.gate_proj.weight: one expert's projection, as checkpoints store it.
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
-# model.layers.N.mlp.experts.gate_up_proj: all experts stacked, transformers 5's in-memory layout.
-_STACKED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_SHARD = {"gate": "w1", "up": "w3", "down": "w2"}
 
 
 def is_sparse_layer(cfg: Any, layer_idx: int) -> bool:
@@ -84,32 +78,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Expert tensors go into the stacked w13 / w2 parameters; the rest load as in Llama."""
-        params = dict(self.named_parameters())
         loaded: set[str] = set()
-
-        def load_expert(prefix: str, proj: str, expert: int, tensor: torch.Tensor) -> None:
-            name = f"{prefix}.{'w2' if proj == 'down' else 'w13'}_weight"
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"checkpoint expert tensor for {name!r} has no matching "
-                                 f"parameter in {type(self).__name__}")
-            param.weight_loader(param, tensor.to(param.dtype), expert, _SHARD[proj])
-            loaded.add(name)
-
-        def dense() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                if m := _EXPERT.match(name):
-                    load_expert(m[1], m[3], int(m[2]), tensor)
-                elif m := _STACKED.match(name):
-                    for e, t in enumerate(tensor.unbind(0)):
-                        if m[2] == "down_proj":
-                            load_expert(m[1], "down", e, t)
-                        else:
-                            gate, up = t.chunk(2, dim=0)
-                            load_expert(m[1], "gate", e, gate)
-                            load_expert(m[1], "up", e, up)
-                else:
-                    yield name, tensor
-
-        rest = super().load_weights(dense())  # runs dense(), which fills `loaded` on the way
-        return loaded | rest
+        rest = super().load_weights(load_expert_tensors(
+            weights, dict(self.named_parameters()), loaded, type(self).__name__))
+        return loaded | rest  # super() consumed the generator, which filled `loaded`

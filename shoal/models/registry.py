@@ -14,6 +14,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("shoal.models.llama", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("shoal.models.qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("shoal.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("shoal.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("shoal.models.deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 # Pooling-only architectures (encoders, classification heads): runner="pooling".
@@ -40,6 +42,9 @@ _BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
     "bert": "BertModel",
     "roberta": "RobertaModel",
     "xlm-roberta": "XLMRobertaModel",

@@ -21,7 +21,7 @@ from shoal.config import EngineConfig
 from shoal.host_to_device import to_device
 from shoal.loader import build_model, load_model
 from shoal.spec_decode.config import SpeculativeConfig
-from shoal.worker.kv_cache_sizing import bytes_per_block
+from shoal.worker.kv_cache_sizing import allocate_kv_caches, layers_bytes_per_block
 
 logger = logging.getLogger(__name__)
 
@@ -46,9 +46,8 @@ class DraftModelProposer:
         self._scratch_per_row = -(-self.k // self.block_size) + 1
 
     def bytes_per_block(self) -> int:
-        a = self.model.attention_layers()[0]
-        return bytes_per_block(len(self.model.attention_layers()), a.num_kv_heads, a.head_dim,
-                               self.block_size, self.dtype)
+        return layers_bytes_per_block(self.model.attention_layers(), self.block_size,
+                                      self.dtype)
 
     def bind(self, num_blocks: int, backend) -> None:
         """Its cache: the shared blocks, the null block, then the rows' scratch blocks."""
@@ -56,12 +55,9 @@ class DraftModelProposer:
         self.null_block = num_blocks
         self._scratch_base = num_blocks + 1
         layers = self.model.attention_layers()
-        a = layers[0]
         total = num_blocks + 1 + self.max_rows * self._scratch_per_row
-        cache = torch.zeros(len(layers), 2, total * self.block_size, a.num_kv_heads,
-                            a.head_dim, dtype=self.dtype, device=self.device)
-        for layer, kv in zip(layers, cache.unbind(0)):
-            layer.kv_cache = kv
+        allocate_kv_caches(layers, total * self.block_size, self.dtype, self.device)
+        for layer in layers:
             layer.backend = backend
 
     def _metadata(self, query_lens: list[int], context_lens: list[int],

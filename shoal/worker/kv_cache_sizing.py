@@ -17,9 +17,31 @@ CPU_DEFAULT_KV_BYTES = 4 << 30
 
 
 def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                    dtype: torch.dtype) -> int:
+                    dtype: torch.dtype, planes: int = 2) -> int:
+    """planes: 2 for a K and a V plane per layer, 1 for latent attention (MLA)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+    return planes * num_layers * block_size * num_kv_heads * head_dim * elem
+
+
+def layers_bytes_per_block(layers: list, block_size: int, dtype: torch.dtype) -> int:
+    """One block of every paged attention layer (Attention or LatentAttention: each says its
+    kv_planes, num_kv_heads and head_dim, the width of one cached row)."""
+    a = layers[0]
+    return bytes_per_block(len(layers), a.num_kv_heads, a.head_dim, block_size, dtype,
+                           a.kv_planes)
+
+
+def allocate_kv_caches(layers: list, num_slots: int, dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """One zeroed [planes, num_slots, Hk, D] cache per layer (views of one allocation), bound
+    to the layers."""
+    a = layers[0]
+    cache = torch.zeros(len(layers), a.kv_planes, num_slots, a.num_kv_heads, a.head_dim,
+                        dtype=dtype, device=device)
+    caches = list(cache.unbind(0))
+    for layer, kv in zip(layers, caches):
+        layer.kv_cache = kv
+    return caches
 
 
 def _host_memory_bytes() -> int:

@@ -35,7 +35,11 @@ from shoal.spec_decode.verify import VerifyRows, verify
 from shoal.structured_output.bitmask import apply_token_bitmask
 from shoal.worker import warmup as startup
 from shoal.worker.cuda_graphs import DecodeGraphs
-from shoal.worker.kv_cache_sizing import bytes_per_block, decide_num_blocks
+from shoal.worker.kv_cache_sizing import (
+    allocate_kv_caches,
+    decide_num_blocks,
+    layers_bytes_per_block,
+)
 from shoal.worker.prefill_graphs import PrefillGraphs
 from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
 from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
@@ -132,10 +136,8 @@ class ModelRunner:
     def initialize_kv_cache(self) -> int:
         """Sizes the pool (after a profile run on a GPU), allocates and binds it, then warms up
         kernels and captures decode CUDA graphs."""
-        layers = self.model.attention_layers()
-        a = layers[0]
-        per_block = bytes_per_block(len(layers), a.num_kv_heads, a.head_dim, self.block_size,
-                                    self.dtype)
+        per_block = layers_bytes_per_block(self.model.attention_layers(), self.block_size,
+                                           self.dtype)
         if self.draft is not None:  # its cache shares the block tables and the budget
             per_block += self.draft.bytes_per_block()
         cuda = self.device.type == "cuda"
@@ -173,17 +175,12 @@ class ModelRunner:
         return num_blocks
 
     def bind_kv_cache(self, num_blocks: int) -> None:
-        layers = self.model.attention_layers()
-        a = layers[0]
         # One extra block at the end is the null block: never allocated, never written, so it
         # stays zero and padding positions can safely read it.
         self.null_block = num_blocks
         slots = (num_blocks + 1) * self.block_size
-        cache = torch.zeros(len(layers), 2, slots, a.num_kv_heads, a.head_dim,
-                            dtype=self.dtype, device=self.device)
-        self.kv_caches = list(cache.unbind(0))
-        for layer, kv in zip(layers, self.kv_caches):
-            layer.kv_cache = kv
+        self.kv_caches = allocate_kv_caches(self.model.attention_layers(), slots, self.dtype,
+                                            self.device)
 
     def unbind_kv_cache(self) -> None:
         for layer in self.model.attention_layers():

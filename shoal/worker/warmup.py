@@ -127,8 +127,12 @@ def warmup(runner: Runner) -> float:
     # Long contexts pick attention variants (decode splits, prefill tiles) that the short
     # dummy steps above never reach.
     layer = runner.model.attention_layers()[0]
-    variants = runner.backend.warm_kernels(layer.kv_cache, layer.num_heads, layer.scale,
-                                           runner.block_size, runner.sliding_window)
+    if layer.kv_planes == 1:  # latent attention (MLA)
+        variants = runner.backend.warm_mla_kernels(layer.kv_cache, layer.num_heads,
+                                                   layer.scale, runner.block_size, layer.v_dim)
+    else:
+        variants = runner.backend.warm_kernels(layer.kv_cache, layer.num_heads, layer.scale,
+                                               runner.block_size, runner.sliding_window)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     took = time.perf_counter() - t0

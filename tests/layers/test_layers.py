@@ -184,7 +184,7 @@ def test_linear_scaling_and_unknown_scaling() -> None:
     inv = _inv_freq(32, 10000.0, {"rope_type": "linear", "factor": 4.0})
     torch.testing.assert_close(inv, plain_inv_freq(32, 10000.0) / 4.0, atol=0, rtol=1e-12)
     with pytest.raises(ValueError, match="unsupported rope scaling"):
-        _inv_freq(32, 10000.0, {"rope_type": "yarn", "factor": 4.0})
+        _inv_freq(32, 10000.0, {"rope_type": "longrope", "factor": 4.0})
 
 
 def test_rope_parameters_both_spellings() -> None:

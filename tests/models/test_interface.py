@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from shoal.attention.metadata import build_attention_metadata
 from shoal.layers.attention import Attention
+from shoal.layers.latent_attention import LatentAttention
 from shoal.loader.build import check_all_loaded
 from shoal.models.interface import CausalLM
 from shoal.models.registry import resolve_model_class, supported_architectures
@@ -27,6 +28,19 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", {"head_dim": 16, "num_experts": 4,
                                           "num_experts_per_tok": 2,
                                           "moe_intermediate_size": 32}),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", {"kv_lora_rank": 32, "q_lora_rank": None,
+                                              "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                                              "v_head_dim": 16, "n_routed_experts": 4,
+                                              "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                              "moe_intermediate_size": 32,
+                                              "first_k_dense_replace": 1}),
+    "DeepseekV3ForCausalLM": ("deepseek_v3", {"kv_lora_rank": 32, "q_lora_rank": 24,
+                                              "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                                              "v_head_dim": 16, "n_routed_experts": 4,
+                                              "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                              "n_group": 2, "topk_group": 1,
+                                              "moe_intermediate_size": 32,
+                                              "first_k_dense_replace": 1}),
 }
 
 
@@ -68,10 +82,10 @@ def test_model_follows_the_interface(arch: str) -> None:
 
     layers = model.attention_layers()
     assert len(layers) == cfg.num_hidden_layers
-    assert all(isinstance(a, Attention) for a in layers)
+    assert all(isinstance(a, Attention | LatentAttention) for a in layers)
     n, bs = 5, 4
     for a in layers:
-        a.kv_cache = torch.zeros(2, 3 * bs, a.num_kv_heads, a.head_dim)
+        a.kv_cache = torch.zeros(a.kv_planes, 3 * bs, a.num_kv_heads, a.head_dim)
     md = build_attention_metadata(query_lens=[n], context_lens=[0], block_tables=[[0, 1]],
                                   block_size=bs, num_decodes=0, sliding_window=None,
                                   device=torch.device("cpu"), null_block=2)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from shoal.attention.ops.mla_decode import mla_paged_decode
+from shoal.attention.ops.mla_prefill import mla_paged_prefill
 from shoal.attention.ops.paged_decode import MAX_SPLITS, paged_decode
 from shoal.attention.ops.paged_prefill import paged_prefill, prefill_tile_heights
 
@@ -35,5 +37,31 @@ def warm_paged_attention(kv_cache: torch.Tensor, num_heads: int, scale: float, b
     for block_m in prefill_tile_heights(group, d, dtype):
         paged_prefill(q, kv_cache, tables, lens, starts, 1, block_size, scale,
                       sliding_window=sliding_window, block_m=block_m)
+        runs += 1
+    return runs
+
+
+@torch.inference_mode()
+def warm_latent_attention(kv_cache: torch.Tensor, num_heads: int, scale: float,
+                          block_size: int, v_dim: int) -> int:
+    """The same for latent attention: kv_cache is a layer's [1, slots, 1, Dk] cache. The MLA
+    decode kernel compiles once with and once without split-K (the split count is a runtime
+    argument); the prefill kernel once per query-tile height, which the chunk length picks."""
+    dk, dev, dtype = kv_cache.shape[3], kv_cache.device, kv_cache.dtype
+    cache = kv_cache.view(kv_cache.shape[1], dk)
+    tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    runs = 0
+    for splits in (1, 2):
+        q = torch.zeros(1, num_heads, dk, dtype=dtype, device=dev)
+        lens = torch.ones(1, dtype=torch.int32, device=dev)
+        mla_paged_decode(q, cache, tables, lens, block_size, scale, v_dim, num_splits=splits)
+        runs += 1
+    n = 1
+    while n <= min(block_size, 64):  # the tile height grows with the chunk up to its cap
+        q = torch.zeros(n, num_heads, dk, dtype=dtype, device=dev)
+        lens = torch.tensor([n], dtype=torch.int32, device=dev)
+        starts = torch.tensor([0, n], dtype=torch.int32, device=dev)
+        mla_paged_prefill(q, cache, tables, lens, starts, n, block_size, scale, v_dim)
+        n *= 2
         runs += 1
     return runs

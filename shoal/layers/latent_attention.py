@@ -1,0 +1,46 @@
+"""The paged attention layer of multi-head latent attention (DeepSeek-V2/V3 MLA): it holds one
+layer's latent cache and hands the work to the attention backend's forward_mla.
+
+The cache has one plane, [1, num_slots, 1, Dk]: per token the compressed KV latent
+(kv_lora_rank values) and the rotated shared key part (qk_rope_head_dim), Dk = 576 for
+DeepSeek-V3, once per token rather than per head. The model projects queries into the latent
+space (the weight-absorbed form) before calling it, and projects the output back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shoal.attention.backend import AttentionBackend
+from shoal.attention.packed import PackedSeqs
+from shoal.attention.torch_backend import TorchAttentionBackend
+
+
+class LatentAttention(nn.Module):
+    kv_planes = 1  # one latent row per token, no separate V plane
+    num_kv_heads = 1  # every query head reads the same latent row
+    sliding_window = None
+    fuses_rope = False
+
+    def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
+        super().__init__()
+        self.num_heads = num_heads
+        self.v_dim = kv_lora_rank
+        self.head_dim = kv_lora_rank + rope_dim  # the width of one cached row
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None  # [1, num_slots, 1, head_dim]
+        self.backend: AttentionBackend = TorchAttentionBackend()
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, md: Any) -> torch.Tensor:
+        """q [T, H, Dk] (absorbed queries), latent [T, Dk] (this step's rows to cache).
+        Returns [T, H, kv_lora_rank]."""
+        if isinstance(md, PackedSeqs):
+            raise ValueError("pooling is not supported for models with latent attention (MLA)")
+        if not self.backend.supports_mla:
+            raise NotImplementedError(f"the {self.backend.name} attention backend has no "
+                                      "latent attention (MLA)")
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache is not bound to the attention layer")
+        return self.backend.forward_mla(q, latent, self.kv_cache, md, self.scale, self.v_dim)

@@ -1,0 +1,265 @@
+"""DeepSeek-V2 / V3 (and Kimi-K2, which is the V3 architecture): multi-head latent attention
+over a latent KV cache, and a mixture of experts with shared experts and grouped routing.
+
+Attention (MLA): queries come from q_proj, or from q_a_proj -> RMSNorm -> q_b_proj when the
+config has a q_lora_rank; keys and values are compressed per token into one latent row,
+kv_a_proj_with_mqa -> [kv_lora_rank | qk_rope_head_dim], whose first part is RMS-normed and
+whose second is the rotated key shared by every head. The cache stores that row once per
+token (LatentAttention). Attention runs in the weight-absorbed form for every token: each
+head's non-rotary query is projected into the latent space through its slice of kv_b_proj
+(W_UK), scored against whole latent rows, and the attention-weighted latents are projected to
+the head's value through the other slice (W_UV). Decode reads 576 values per cached token
+(V3) instead of 2 x 128 heads x 128-192.
+
+Rotary: DeepSeek rotates interleaved pairs (x0, x1), (x2, x3), ...; shoal's rotary (and its
+Triton kernels) rotate the two halves of a head. Loading permutes the rotary rows of q_proj /
+q_b_proj and kv_a_proj_with_mqa (evens first, then odds), which turns one into the other;
+q.k, and so every output, is unchanged. YaRN scaling (the configs' rope_scaling) is in the
+shared rotary table; its softmax correction in the scale.
+
+MoE: layers from first_k_dense_replace on (every moe_layer_freq-th) are sparse: the routed
+experts (FusedMoE, DeepseekRouter: V2's softmax greedy / group-limited greedy, V3's sigmoid
+with the score-correction bias and group-limited top-k) plus n_shared_experts always-on
+experts, summed with one tensor-parallel all-reduce. The others are a dense SwiGLU MLP.
+
+Tensor parallelism: heads split (q_b_proj / q_proj and kv_b_proj by output rows, o_proj by
+input columns); the latent down-projections and their norms are replicated (every rank needs
+the whole latent row); experts split as in FusedMoE.
+
+Multi-token-prediction layers (model.layers.{num_hidden_layers}...) are skipped on load."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from shoal.distributed.parallel_state import tp_all_reduce
+from shoal.layers.activation import SiluAndMul
+from shoal.layers.embedding import VocabParallelEmbedding
+from shoal.layers.latent_attention import LatentAttention
+from shoal.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from shoal.layers.moe.deepseek_router import DeepseekRouter
+from shoal.layers.moe.layer import FusedMoE
+from shoal.layers.norm import RMSNorm
+from shoal.layers.rotary import get_rope, rope_parameters, yarn_softmax_scale
+from shoal.models.expert_weights import load_expert_tensors
+from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+logger = logging.getLogger(__name__)
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def rope_is_interleaved(cfg: Any) -> bool:
+    """V2 always rotates interleaved pairs; V3 unless its config says rope_interleave=False."""
+    if getattr(cfg, "model_type", "") == "deepseek_v2":
+        return True
+    return bool(getattr(cfg, "rope_interleave", True))
+
+
+def deinterleave_rows(t: torch.Tensor, start: int, rope_dim: int, period: int) -> torch.Tensor:
+    """A copy of t whose rows [k * period + start, k * period + start + rope_dim) (the rotary
+    rows of each head, or of the one latent row when period == len(t)) are reordered evens
+    first, then odds."""
+    order = torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+    out = t.clone()
+    for base in range(0, t.shape[0], period):
+        rows = base + start
+        out[rows:rows + rope_dim] = t[rows + order]
+    return out
+
+
+class DeepseekMLA(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
+        super().__init__()
+        self.total_heads = cfg.num_attention_heads
+        self.nope = cfg.qk_nope_head_dim
+        self.rope = cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.q_lora_rank = getattr(cfg, "q_lora_rank", None)
+        qk_dim = self.nope + self.rope
+        bias = bool(getattr(cfg, "attention_bias", False))
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(h, self.q_lora_rank, bias=bias, params_dtype=dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, eps, dtype, use_triton_ops)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, self.total_heads * qk_dim,
+                                                 params_dtype=dtype)
+            q_out = self.q_b_proj
+        else:
+            self.q_proj = ColumnParallelLinear(h, self.total_heads * qk_dim, params_dtype=dtype)
+            q_out = self.q_proj
+        self.num_heads = q_out.output_size_per_partition // qk_dim
+        self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, bias=bias,
+                                                   params_dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps, dtype, use_triton_ops)
+        # Never run as a linear layer: its per-head slices are W_UK and W_UV (see w_uk/w_uv).
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
+                                              self.total_heads * (self.nope + self.v_dim),
+                                              params_dtype=dtype)
+        self.o_proj = RowParallelLinear(self.total_heads * self.v_dim, h, bias=bias,
+                                        params_dtype=dtype)
+        theta, scaling = rope_parameters(cfg)
+        self.rotary_emb = get_rope(self.rope, cfg.max_position_embeddings, theta, scaling,
+                                   use_triton_ops=use_triton_ops)
+        scale = yarn_softmax_scale(scaling, qk_dim ** -0.5)
+        self.attn = LatentAttention(self.num_heads, self.kv_lora_rank, self.rope, scale)
+
+    def _kv_b(self) -> torch.Tensor:
+        return self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim,
+                                          self.kv_lora_rank)
+
+    @property
+    def w_uk(self) -> torch.Tensor:
+        """[H, nope, kv_lora_rank]: a head's non-rotary key is W_UK @ latent."""
+        return self._kv_b()[:, :self.nope]
+
+    @property
+    def w_uv(self) -> torch.Tensor:
+        """[H, kv_lora_rank, v_dim]: a head's value is latent @ W_UV."""
+        return self._kv_b()[:, self.nope:].transpose(1, 2)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, md: Any) -> torch.Tensor:
+        t = hidden.shape[0]
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        else:
+            q = self.q_proj(hidden)
+        q_nope, q_pe = q.view(t, self.num_heads, self.nope + self.rope).split(
+            [self.nope, self.rope], dim=-1)
+        c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(),
+                                     k_pe.contiguous().view(t, 1, self.rope))
+        latent = torch.cat([self.kv_a_layernorm(c.contiguous()), k_pe.view(t, self.rope)], -1)
+        # [H, T, nope] @ [H, nope, L]: each head's query in the latent space.
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)
+        q_abs = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, H, L + rope]
+        o = self.attn(q_abs, latent, md)  # [T, H, L]
+        o = torch.bmm(o.transpose(0, 1), self.w_uv)  # [H, T, v]
+        return self.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))
+
+
+class DeepseekMLP(nn.Module):
+    """The dense SwiGLU MLP (first layers) and the shared experts; reduce_results=False leaves
+    the tensor-parallel all-reduce to the caller."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 use_triton_ops: bool = True, reduce_results: bool = True):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], params_dtype=dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size,
+                                           reduce_results=reduce_results, params_dtype=dtype)
+        self.act = SiluAndMul(use_triton_ops=use_triton_ops)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DeepseekMoE(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
+        super().__init__()
+        self.gate = DeepseekRouter(cfg)
+        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                reduce_results=False, params_dtype=dtype,
+                                use_triton_ops=use_triton_ops)
+        shared = getattr(cfg, "n_shared_experts", None) or 0
+        self.shared_experts = (
+            DeepseekMLP(cfg.hidden_size, cfg.moe_intermediate_size * shared, dtype,
+                        use_triton_ops, reduce_results=False) if shared else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        out = self.experts(x, weights.to(x.dtype), ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return tp_all_reduce(out)
+
+
+def is_moe_layer(cfg: Any, layer_idx: int) -> bool:
+    """transformers' rule: sparse from first_k_dense_replace on, every moe_layer_freq-th."""
+    freq = getattr(cfg, "moe_layer_freq", None) or 1
+    return (bool(getattr(cfg, "n_routed_experts", None))
+            and layer_idx >= (getattr(cfg, "first_k_dense_replace", None) or 0)
+            and layer_idx % freq == 0)
+
+
+class DeepseekDecoderLayer(LlamaDecoderLayer):
+    """Llama's forward (pre-norm, fused residual adds); attention and MLP differ."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, layer_idx: int,
+                 use_triton_ops: bool = True):
+        nn.Module.__init__(self)
+        ops = use_triton_ops
+        self.self_attn = DeepseekMLA(cfg, dtype, ops)
+        self.mlp = (DeepseekMoE(cfg, dtype, ops) if is_moe_layer(cfg, layer_idx)
+                    else DeepseekMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops))
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
+
+
+class DeepseekModel(LlamaModel):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
+        nn.Module.__init__(self)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, dtype, i, use_triton_ops)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+
+
+class DeepseekV2ForCausalLM(LlamaForCausalLM):
+    # q_proj is not fused with anything here; only the MLPs' gate/up are.
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def _build_model(self, hf_config: Any, dtype: torch.dtype,
+                     use_triton_ops: bool) -> nn.Module:
+        return DeepseekModel(hf_config, dtype, use_triton_ops)
+
+    def attention_layers(self) -> list[LatentAttention]:  # type: ignore[override]
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded: set[str] = set()
+        rest = super().load_weights(load_expert_tensors(
+            self._prepared(weights), dict(self.named_parameters()), loaded,
+            type(self).__name__))
+        return loaded | rest
+
+    def _prepared(self, weights: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Drops the MTP layers and turns interleaved rotary rows into halves."""
+        cfg = self.config
+        n_layers, skipped = cfg.num_hidden_layers, 0
+        interleaved = rope_is_interleaved(cfg)
+        nope, rope, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        for name, tensor in weights:
+            m = _LAYER.match(name)
+            if m and int(m[1]) >= n_layers:
+                skipped += 1
+                continue
+            if interleaved and re.search(r"\.self_attn\.(q_proj|q_b_proj)\.weight$", name):
+                tensor = deinterleave_rows(tensor, nope, rope, nope + rope)
+            elif interleaved and re.search(r"\.self_attn\.kv_a_proj_with_mqa\.(weight|bias)$",
+                                           name):
+                tensor = deinterleave_rows(tensor, lora, rope, tensor.shape[0])
+            yield name, tensor
+        if skipped:
+            logger.info("skipped %d tensors of multi-token-prediction layers", skipped)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    pass

@@ -1,0 +1,192 @@
+"""DeepSeek-V3 and V2 (multi-head latent attention, DeepSeek MoE) against transformers on tiny
+random checkpoints, through the whole engine: grouped routing with the score-correction bias,
+shared experts, a dense first layer, YaRN with the softmax mscale, interleaved rotary; chunked
+and mixed batches, prefix-cache hits, preemption, the CPU KV tier on latent blocks, two
+tensor-parallel ranks; the shipped DeepSeek-V2-Lite and Kimi-K2 shapes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from gloo_harness import load_tp_model, prompt_logits, run_on_two_ranks
+from oracle import hf_greedy
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shoal import LLM, SamplingParams
+from shoal.layers.latent_attention import LatentAttention
+from shoal.loader import load_model
+from shoal.models.deepseek_v2 import DeepseekMLP, DeepseekMoE, DeepseekV2ForCausalLM
+from shoal.models.registry import resolve_model_class
+from shoal.worker.kv_cache_sizing import layers_bytes_per_block
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1}
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+              max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False, kv_lora_rank=32, qk_rope_head_dim=16,
+              qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=1, n_shared_experts=1,
+              num_experts_per_tok=2, n_routed_experts=8)
+V3 = dict(COMMON, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+          q_lora_rank=32, rope_interleave=True, rope_parameters=dict(YARN, mscale=1.0,
+                                                                     mscale_all_dim=1.0))
+V2 = dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy", n_group=2,
+          topk_group=1, routed_scaling_factor=1.5,
+          rope_parameters=dict(YARN, mscale=0.707, mscale_all_dim=0.707))
+
+
+def _write(path, model_type: str, seed: int, **kw):
+    cfg = AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        for name, b in hf.named_buffers():  # V3's score-correction bias: make it matter
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.5)
+    hf.save_pretrained(path, safe_serialization=True)
+    return path, hf
+
+
+@pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v2"])
+def tiny(request, tmp_path_factory):
+    kw = V3 if request.param == "deepseek_v3" else V2
+    return _write(tmp_path_factory.mktemp(request.param), request.param, seed=1, **kw)
+
+
+def _prompts(n: int, seed: int, lo: int = 1, hi: int = 40) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 512) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
+
+
+def _check(outs, prompts, hf, steps: int) -> None:
+    for p, o in zip(prompts, outs):
+        ref, ref_logits = hf_greedy(hf, p, steps)
+        got = o.outputs[0]
+        assert got.token_ids == ref
+        for i, (tok, lg) in enumerate(zip(got.token_ids, ref_logits)):
+            want = torch.log_softmax(lg, -1)[tok].item()
+            assert got.logprobs[i][tok].logprob == pytest.approx(want, abs=1e-4)
+
+
+def test_greedy_matches_transformers_in_mixed_chunked_batches(tiny):
+    path, hf = tiny
+    # A small token budget: chunked prefill, decodes mixed with prefill chunks.
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=24, block_size=4,
+              num_gpu_blocks_override=256, max_model_len=256)
+    prompts = _prompts(6, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    _check(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
+           prompts, hf, 10)
+    alone = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
+    _check(alone, prompts[:1], hf, 10)
+
+
+def test_prefix_hits_and_preemption(tiny):
+    path, hf = tiny
+    # 20 blocks of 4 for requests of up to 50 + 12 tokens: requests get preempted.
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks_override=20,
+              max_model_len=128, enable_prefix_caching=True)
+    shared = _prompts(1, seed=9, lo=30, hi=31)[0]
+    prompts = [shared + p for p in _prompts(4, seed=3, lo=2, hi=20)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _check(outs, prompts, hf, 12)
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    again = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)
+    assert again[0].num_cached_tokens >= 28  # the shared prefix came from the cache
+    _check(again, prompts[1:2], hf, 12)
+
+
+def test_prompt_logprobs_match_transformers(tiny):
+    path, hf = tiny
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=16, block_size=4,
+              num_gpu_blocks_override=128, max_model_len=256)
+    prompt = _prompts(1, seed=5)[0] + [7, 8, 9] * 10
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)
+    for pos in range(1, len(prompt)):
+        got = out.prompt_logprobs[pos][prompt[pos]].logprob
+        assert got == pytest.approx(ref[pos - 1, prompt[pos]].item(), abs=1e-4)
+
+
+def test_cpu_kv_tier_on_latent_blocks(tiny):
+    """Blocks of one latent plane go to the CPU tier and come back: same tokens as HF."""
+    path, hf = tiny
+    per_block = 3 * 4 * (32 + 16) * 4  # layers * tokens * latent row * fp32
+    llm = LLM(model=str(path), dtype="float32", block_size=4, max_model_len=128,
+              num_gpu_blocks_override=24, kv_offloading_size=64 * per_block / 2**30)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    first = _prompts(1, seed=11, lo=40, hi=41)
+    llm.generate({"prompt_token_ids": first[0]}, params, use_tqdm=False)
+    for other in _prompts(3, seed=12, lo=50, hi=51):  # push it out of the device pool
+        llm.generate({"prompt_token_ids": other}, params, use_tqdm=False)
+    out = llm.generate({"prompt_token_ids": first[0]}, params, use_tqdm=False)
+    hits = {t.name: t.hits for t in llm.llm_engine.core.kv_offload.stats().tiers}
+    assert hits["cpu"] > 0 and out[0].num_cached_tokens >= 36
+    _check(out, first, hf, 6)
+
+
+def test_layers_follow_the_config():
+    cfg = AutoConfig.for_model("deepseek_v3", **dict(V3, num_hidden_layers=4,
+                                                     first_k_dense_replace=2))
+    model = DeepseekV2ForCausalLM(cfg, torch.float32)
+    kinds = [type(layer.mlp) for layer in model.model.layers]
+    assert kinds == [DeepseekMLP, DeepseekMLP, DeepseekMoE, DeepseekMoE]
+    attn = model.attention_layers()
+    assert all(isinstance(a, LatentAttention) for a in attn)
+    assert (attn[0].kv_planes, attn[0].num_kv_heads, attn[0].head_dim) == (1, 1, 48)
+
+
+def test_mtp_tensors_are_skipped_and_unknown_ones_rejected(tiny, tmp_path):
+    path, _ = tiny
+    weights = load_file(str(path / "model.safetensors"))
+    cfg = load_model(str(path)).hf_config
+    n = cfg.num_hidden_layers
+    extra = {f"model.layers.{n}.enorm.weight": torch.ones(64),
+             f"model.layers.{n}.eh_proj.weight": torch.zeros(64, 128)}
+    model = DeepseekV2ForCausalLM(cfg, torch.float32)
+    loaded = model.load_weights(list(weights.items()) + list(extra.items()))
+    assert loaded == {name for name, _ in model.named_parameters()}
+    with pytest.raises(ValueError, match="no matching parameter"):
+        model.load_weights([("model.layers.0.self_attn.bogus.weight", torch.zeros(1))])
+
+
+@pytest.mark.parametrize("name,total,active,layers", [
+    ("deepseek-ai/DeepSeek-V2-Lite", 15.7, 2.66, 27),
+    ("moonshotai/Kimi-K2-2layers", 19.9, 3.35, 2),
+])
+def test_shipped_shapes(name: str, total: float, active: float, layers: int):
+    """DeepSeek's model card: V2-Lite has 15.7B parameters, 2.4B active without the
+    embedding and output matrices (0.42B together)."""
+    cfg = load_model(name, load_format="dummy").hf_config
+    cls = resolve_model_class(cfg)
+    with torch.device("meta"):
+        model = cls(cfg, torch.bfloat16)
+    n_all = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    assert n_all / 1e9 == pytest.approx(total, abs=0.05)
+    assert (n_all - experts * (e - k) // e) / 1e9 == pytest.approx(active, abs=0.05)
+    per_block = layers_bytes_per_block(model.attention_layers(), 16, torch.bfloat16)
+    assert per_block == layers * 576 * 2 * 16  # one 576-value latent row per token per layer
+
+
+def _logits_and_heads(path: str) -> tuple[torch.Tensor, int]:
+    model = load_tp_model(path)
+    return prompt_logits(model), model.attention_layers()[0].num_heads
+
+
+def test_two_rank_split_matches_one_rank(tiny):
+    path, _ = tiny
+    expected, heads = _logits_and_heads(str(path))
+    got, rank_heads = run_on_two_ranks(_logits_and_heads, str(path))
+    assert rank_heads * 2 == heads
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
