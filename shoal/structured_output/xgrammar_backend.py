@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 import xgrammar as xgr
@@ -28,6 +29,16 @@ class XgrammarMatcher(GrammarMatcher):
         self._m.rollback(num_tokens)
 
 
+def fill_threads() -> int:
+    """Threads for batched bitmask fills: half the CPUs this process may run on, at most 8
+    (a fill takes a few microseconds a row; more threads cost more to wake than they save)."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(8, cpus // 2))
+
+
 class XgrammarBackend(GrammarBackend):
     name = "xgrammar"
 
@@ -39,8 +50,10 @@ class XgrammarBackend(GrammarBackend):
         # The manager's pool gives each compilation its own thread; xgrammar's cache is off
         # because the manager caches compiled grammars itself.
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        # Fills the rows of a big batch on several threads (C++, without the GIL).
-        self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
+        # Fills the rows of a big batch on several threads (C++, without the GIL). Not
+        # "auto": that is half of std::thread::hardware_concurrency(), the host's cores, not
+        # this process's share (64 threads in a 16-core container of a 128-core host).
+        self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads())
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         try:
