@@ -19,9 +19,11 @@ from shoal import LLM, SamplingParams
 from shoal.loader.resolve import resolve_model
 
 SHAPES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B", "qwen3-0.6b": "Qwen/Qwen3-0.6B",
-          "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B"}
-# Full-width MoE layers are large (128 experts): fewer of them keep the check fast.
-LAYERS = {"qwen3-30b-a3b": 2}
+          "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
+          "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite"}
+# Full-width MoE layers are large (64-128 experts): fewer of them keep the check fast.
+# DeepSeek-V2-Lite: its dense first layer and one MoE layer.
+LAYERS = {"qwen3-30b-a3b": 2, "deepseek-v2-lite": 2}
 
 
 def hf_greedy(model, prompt: list[int], n: int, device: str) -> tuple[list[int], list[torch.Tensor]]:

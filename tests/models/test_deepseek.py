@@ -10,10 +10,10 @@ import random
 
 import pytest
 import torch
+from deepseek_tiny import V2, V3, check_against_hf, write_deepseek
 from gloo_harness import load_tp_model, prompt_logits, run_on_two_ranks
-from oracle import hf_greedy
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from shoal import LLM, SamplingParams
 from shoal.layers.latent_attention import LatentAttention
@@ -22,55 +22,16 @@ from shoal.models.deepseek_v2 import DeepseekMLP, DeepseekMoE, DeepseekV2ForCaus
 from shoal.models.registry import resolve_model_class
 from shoal.worker.kv_cache_sizing import layers_bytes_per_block
 
-YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-        "original_max_position_embeddings": 128, "beta_fast": 32, "beta_slow": 1}
-COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-              num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-              max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-              tie_word_embeddings=False, kv_lora_rank=32, qk_rope_head_dim=16,
-              qk_nope_head_dim=16, v_head_dim=24, first_k_dense_replace=1, n_shared_experts=1,
-              num_experts_per_tok=2, n_routed_experts=8)
-V3 = dict(COMMON, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-          q_lora_rank=32, rope_interleave=True, rope_parameters=dict(YARN, mscale=1.0,
-                                                                     mscale_all_dim=1.0))
-V2 = dict(COMMON, q_lora_rank=None, topk_method="group_limited_greedy", n_group=2,
-          topk_group=1, routed_scaling_factor=1.5,
-          rope_parameters=dict(YARN, mscale=0.707, mscale_all_dim=0.707))
-
-
-def _write(path, model_type: str, seed: int, **kw):
-    cfg = AutoConfig.for_model(model_type, **kw)
-    torch.manual_seed(seed)
-    hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
-        for name, b in hf.named_buffers():  # V3's score-correction bias: make it matter
-            if name.endswith("e_score_correction_bias"):
-                b.normal_(0, 0.5)
-    hf.save_pretrained(path, safe_serialization=True)
-    return path, hf
-
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v2"])
 def tiny(request, tmp_path_factory):
     kw = V3 if request.param == "deepseek_v3" else V2
-    return _write(tmp_path_factory.mktemp(request.param), request.param, seed=1, **kw)
+    return write_deepseek(tmp_path_factory.mktemp(request.param), request.param, seed=1, **kw)
 
 
 def _prompts(n: int, seed: int, lo: int = 1, hi: int = 40) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(3, 512) for _ in range(rng.randrange(lo, hi))] for _ in range(n)]
-
-
-def _check(outs, prompts, hf, steps: int) -> None:
-    for p, o in zip(prompts, outs):
-        ref, ref_logits = hf_greedy(hf, p, steps)
-        got = o.outputs[0]
-        assert got.token_ids == ref
-        for i, (tok, lg) in enumerate(zip(got.token_ids, ref_logits)):
-            want = torch.log_softmax(lg, -1)[tok].item()
-            assert got.logprobs[i][tok].logprob == pytest.approx(want, abs=1e-4)
 
 
 def test_greedy_matches_transformers_in_mixed_chunked_batches(tiny):
@@ -80,10 +41,10 @@ def test_greedy_matches_transformers_in_mixed_chunked_batches(tiny):
               num_gpu_blocks_override=256, max_model_len=256)
     prompts = _prompts(6, seed=2)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
-    _check(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
+    check_against_hf(llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False),
            prompts, hf, 10)
     alone = llm.generate({"prompt_token_ids": prompts[0]}, params, use_tqdm=False)
-    _check(alone, prompts[:1], hf, 10)
+    check_against_hf(alone, prompts[:1], hf, 10)
 
 
 def test_prefix_hits_and_preemption(tiny):
@@ -95,11 +56,11 @@ def test_prefix_hits_and_preemption(tiny):
     prompts = [shared + p for p in _prompts(4, seed=3, lo=2, hi=20)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    _check(outs, prompts, hf, 12)
+    check_against_hf(outs, prompts, hf, 12)
     assert llm.llm_engine.core.scheduler.num_preemptions > 0
     again = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)
     assert again[0].num_cached_tokens >= 28  # the shared prefix came from the cache
-    _check(again, prompts[1:2], hf, 12)
+    check_against_hf(again, prompts[1:2], hf, 12)
 
 
 def test_prompt_logprobs_match_transformers(tiny):
@@ -130,7 +91,7 @@ def test_cpu_kv_tier_on_latent_blocks(tiny):
     out = llm.generate({"prompt_token_ids": first[0]}, params, use_tqdm=False)
     hits = {t.name: t.hits for t in llm.llm_engine.core.kv_offload.stats().tiers}
     assert hits["cpu"] > 0 and out[0].num_cached_tokens >= 36
-    _check(out, first, hf, 6)
+    check_against_hf(out, first, hf, 6)
 
 
 def test_layers_follow_the_config():
