@@ -23,6 +23,9 @@ class AttentionBackend(ABC):
     # alloc_prefill_graph_buffers / fill_prefill_graph_buffers / prefill_graph_metadata:
     # CUDA graphs of one prefill chunk.
     supports_prefill_graphs: bool = False
+    # alloc_verify_graph_buffers / fill_verify_graph_buffers / verify_graph_metadata: CUDA
+    # graphs of speculative-decoding verify steps (every request k + 1 tokens).
+    supports_verify_graphs: bool = False
     # forward_mla: latent attention (DeepSeek MLA) over a one-plane latent cache.
     supports_mla: bool = False
 
@@ -104,6 +107,24 @@ class AttentionBackend(ABC):
     def prefill_graph_metadata(self, buf: Any, size: int) -> Any:
         """Metadata over views of the buffers for a prefill graph of `size` tokens."""
         raise self._unsupported("prefill CUDA graphs")
+
+    # ---- verify-step CUDA graphs (supports_verify_graphs) -------------------------------
+    def alloc_verify_graph_buffers(self, max_batch: int, q: int, max_blocks: int,
+                                   device: torch.device, *, block_size: int,
+                                   sliding_window: int | None) -> Any:
+        """Persistent metadata inputs for verify steps of up to max_batch requests of q
+        query tokens each."""
+        raise self._unsupported("verify-step CUDA graphs")
+
+    def fill_verify_graph_buffers(self, buf: Any, size: int, context_lens: list[int],
+                                  block_tables: list[list[int]],
+                                  slot_mapping: list[int]) -> None:
+        """len(context_lens) requests of q tokens after their cached ones, padded to `size`."""
+        raise self._unsupported("verify-step CUDA graphs")
+
+    def verify_graph_metadata(self, buf: Any, size: int) -> Any:
+        """Metadata over views of the buffers for a verify graph of `size` requests."""
+        raise self._unsupported("verify-step CUDA graphs")
 
     def _unsupported(self, what: str) -> NotImplementedError:
         return NotImplementedError(f"the {self.name} attention backend has no {what}")

@@ -227,6 +227,25 @@ class PrefillGraphBuffers:
     turn: int = 0
 
 
+@dataclass
+class VerifyGraphBuffers:
+    """Persistent inputs of the verify-step graphs (speculative decoding): up to max_batch
+    requests of exactly q query tokens each (the last token and q - 1 drafts); a graph of B
+    requests reads rows [0, B) and tokens [0, B * q)."""
+
+    block_size: int
+    sliding_window: int | None
+    q: int
+    slot_mapping: torch.Tensor  # [max_batch * q] int64, -1 for padding
+    block_tables: torch.Tensor  # [max_batch, max_blocks] int32
+    lens: torch.Tensor  # [2 * max_batch] int32: seq_lens of B rows in [0, B), context in [B, 2B)
+    query_start_loc: torch.Tensor  # [max_batch + 1] int32: arange * q
+    host_lens: Any = None  # 2 x numpy [2 * max_batch] int32 (in turn, as TritonGraphBuffers)
+    host_slots: Any = None  # 2 x numpy [max_batch * q] int64
+    host_tables: Any = None  # 2 x numpy [max_batch * max_blocks] int32
+    turn: int = 0
+
+
 class TritonAttentionBackend(AttentionBackend):
     """The AttentionBackend interface in full: fused rotary + cache write, decode and
     single-prefill CUDA graphs."""
@@ -235,6 +254,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
     supports_prefill_graphs = True
     supports_mla = True
+    supports_verify_graphs = True
 
     def __init__(self, fuse_rope_and_cache_write: bool = True) -> None:
         # Layers with rotary hand q, k, v before norm and rotary to forward_fused, which does
@@ -396,6 +416,72 @@ class TritonAttentionBackend(AttentionBackend):
             context_lens=buf.meta[1:2],
             query_start_loc=buf.meta[2:4],
             max_query_len=size,
+            max_decode_seq_len=0,
+            max_seq_len=cap,
+            sliding_window=buf.sliding_window,
+            decode_num_splits=None,
+        )
+
+    def alloc_verify_graph_buffers(self, max_batch: int, q: int, max_blocks: int,
+                                   device: torch.device, *, block_size: int,
+                                   sliding_window: int | None) -> VerifyGraphBuffers:
+        pin = device.type == "cuda"
+
+        def host(shape: tuple[int, ...], dtype: torch.dtype) -> Any:
+            return [torch.zeros(shape, dtype=dtype, pin_memory=pin).numpy() for _ in range(2)]
+
+        return VerifyGraphBuffers(
+            block_size=block_size, sliding_window=sliding_window, q=q,
+            slot_mapping=torch.full((max_batch * q,), -1, dtype=torch.long, device=device),
+            block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
+            lens=torch.zeros(2 * max_batch, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(0, (max_batch + 1) * q, q, dtype=torch.int32,
+                                         device=device),
+            host_lens=host((2 * max_batch,), torch.int32),
+            host_slots=host((max_batch * q,), torch.long),
+            host_tables=host((max_batch * max_blocks,), torch.int32),
+        )
+
+    def fill_verify_graph_buffers(self, buf: VerifyGraphBuffers, size: int,
+                                  context_lens: list[int], block_tables: list[list[int]],
+                                  slot_mapping: list[int]) -> None:
+        """len(context_lens) <= size requests of q tokens each after their context_lens[i]
+        cached ones. Padding rows get q tokens at positions [0, q) over block-table row
+        entries left from earlier fills (finite cache values) and write nothing (slot -1):
+        their outputs are never read."""
+        n, q = len(context_lens), buf.q
+        if n > size or len(slot_mapping) != n * q:
+            raise ValueError(f"{n} requests of {q} tokens do not fit a verify graph of {size}")
+        turn = buf.turn
+        buf.turn ^= 1
+        lens, slots = buf.host_lens[turn][:2 * size], buf.host_slots[turn][:size * q]
+        lens[:] = 0
+        lens[size:size + n] = context_lens
+        lens[:size] = lens[size:2 * size] + q
+        slots[:n * q] = slot_mapping
+        slots[n * q:] = -1
+        buf.lens[:2 * size].copy_(torch.from_numpy(lens), non_blocking=True)
+        buf.slot_mapping[:size * q].copy_(torch.from_numpy(slots), non_blocking=True)
+        if n:
+            self._fill_tables(buf, turn, block_tables)  # type: ignore[arg-type]
+
+    def verify_graph_metadata(self, buf: VerifyGraphBuffers,
+                              size: int) -> TritonAttentionMetadata:
+        """Metadata for a verify graph of `size` requests: every request is a q-token chunk
+        (the prefill kernel's path), none a one-token decode."""
+        cap = buf.block_tables.shape[1] * buf.block_size
+        return TritonAttentionMetadata(
+            num_tokens=size * buf.q,
+            slot_mapping=buf.slot_mapping[:size * buf.q],
+            block_size=buf.block_size,
+            num_decodes=0,
+            num_decode_rows=0,
+            num_prefills=size,
+            block_tables=buf.block_tables[:size],
+            seq_lens=buf.lens[:size],
+            context_lens=buf.lens[size:2 * size],
+            query_start_loc=buf.query_start_loc[:size + 1],
+            max_query_len=buf.q,
             max_decode_seq_len=0,
             max_seq_len=cap,
             sliding_window=buf.sliding_window,
