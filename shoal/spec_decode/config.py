@@ -11,8 +11,8 @@ from typing import Any
 from shoal.json_arg import json_object
 
 # What shoal can run now, and what vLLM names that shoal does not run yet.
-METHODS = ("ngram", "draft_model")
-NOT_YET = ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator", "suffix")
+METHODS = ("ngram", "draft_model", "mtp")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
 # Test-only: placeholder drafts and a verifier that accepts a set share of them (timing runs
 # on random weights, where real acceptance cannot be had). Never lossless.
 FORCED = "test_forced_acceptance"
@@ -31,7 +31,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched in the context
     prompt_lookup_max: int = 5  # ngram: longest suffix tried first
-    model: str | None = None  # draft_model: the draft checkpoint
+    model: str | None = None  # draft_model: the draft checkpoint (mtp: none, the target's)
     acceptance_rate: float = 0.0  # test_forced_acceptance only
 
     def __post_init__(self) -> None:
@@ -53,6 +53,9 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the "
                              "draft checkpoint)")
+        if self.method == "mtp" and self.model:
+            raise ValueError("speculative_config: method 'mtp' drafts with the target's own "
+                             "multi-token-prediction layer; it takes no 'model'")
         if self.method != FORCED and self.acceptance_rate:
             raise ValueError("speculative_config: acceptance_rate is for the test-only method "
                              f"{FORCED!r}")

@@ -50,8 +50,9 @@ class ForcedAcceptance:
         return mask
 
 
-def build_proposer(engine_config: EngineConfig) -> Any:
-    """The proposer of engine_config.speculative_config (None: no speculation)."""
+def build_proposer(engine_config: EngineConfig, target: Any = None, loaded: Any = None) -> Any:
+    """The proposer of engine_config.speculative_config (None: no speculation). Method "mtp"
+    needs the target model and its LoadedModel (config and checkpoint)."""
     config = engine_config.speculative_config
     if config is None:
         return None
@@ -63,4 +64,10 @@ def build_proposer(engine_config: EngineConfig) -> Any:
         from shoal.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(engine_config, config)
+    if config.method == "mtp":
+        from shoal.spec_decode.mtp import MtpProposer
+
+        if target is None or loaded is None:
+            raise ValueError("speculative_config: method 'mtp' needs the target model")
+        return MtpProposer(engine_config, config, target, loaded)
     raise ValueError(f"speculative_config: method {config.method!r} is not supported yet")

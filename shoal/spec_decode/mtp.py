@@ -1,0 +1,204 @@
+"""Method "mtp": DeepSeek-V3's multi-token-prediction layer (shoal/models/deepseek_mtp.py)
+drafts k tokens greedily from the target's hidden states.
+
+Alignment (as vLLM's): the MTP row of position p takes the target's final (normed) hidden
+state at p and the token at p + 1, runs at position p and writes its latent KV at p's slot,
+and its logits predict the token at p + 2. Its KV cache is a tensor of its own sharing the
+target's block tables, like the draft model's (shoal/spec_decode/draft_model.py).
+
+Each step is mirrored once its tokens are sampled (the last position's next token is the
+sampled one): every position the target computed whose next token is now known gets its MTP
+row (for a verify step: up to the last accepted position; rejected positions are recomputed
+by later steps, and their slots overwritten). The mirror's last row of a sampling request
+(position L-2 for a sequence of L tokens, next token the one just sampled) gives draft 1;
+drafts 2..k feed the layer's own output state back with the previous draft, at positions
+L-1, L, ...; those positions past the request's blocks go to per-row scratch blocks, and
+everything written past the computed tokens is overwritten by the next mirror before anyone
+reads it."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from shoal.config import EngineConfig
+from shoal.host_to_device import to_device
+from shoal.loader.dummy import initialize_dummy_weights
+from shoal.models.deepseek_mtp import DeepseekMTP, mtp_prefix, num_mtp_layers
+from shoal.spec_decode.config import SpeculativeConfig
+from shoal.worker.kv_cache_sizing import allocate_kv_caches, layers_bytes_per_block
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MtpRequest:
+    """One request of a target step, as the mirror needs it."""
+
+    serial: int
+    start: int  # its first token's row in the step's hidden states
+    context_len: int
+    num_new_tokens: int
+    block_ids: list[int]
+    state: Any  # the runner's RequestState: prompt + outputs, read once the step is sampled
+    sample: bool
+
+
+def check_mtp_target(hf_config: Any) -> None:
+    if num_mtp_layers(hf_config) < 1 or not hasattr(hf_config, "kv_lora_rank"):
+        raise ValueError(
+            "speculative_config: method 'mtp' needs a model with multi-token-prediction "
+            f"layers (a DeepSeek-V3-family config with num_nextn_predict_layers >= 1); "
+            f"{getattr(hf_config, 'model_type', '?')} has "
+            f"num_nextn_predict_layers={getattr(hf_config, 'num_nextn_predict_layers', None)}")
+
+
+def read_mtp_tensors(source: str, hf_config: Any) -> list[tuple[str, torch.Tensor]]:
+    """The first MTP layer's tensors of a safetensors folder (only those are read)."""
+    from safetensors import safe_open
+
+    from shoal.loader.safetensors_loader import safetensors_files
+
+    prefix = mtp_prefix(hf_config)
+    out = []
+    for file in safetensors_files(Path(source)):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name.startswith(prefix):
+                    out.append((name, handle.get_tensor(name).to(torch.float32)))
+    if not out:
+        raise ValueError(
+            f"speculative_config: method 'mtp': {source} has no multi-token-prediction "
+            f"tensors ({prefix}*), although its config has num_nextn_predict_layers="
+            f"{num_mtp_layers(hf_config)}")
+    return out
+
+
+class MtpProposer:
+    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, target: nn.Module,
+                 loaded: Any):
+        hf = loaded.hf_config
+        check_mtp_target(hf)
+        self.k = spec.num_speculative_tokens
+        self.device = config.device
+        self.dtype = config.model_config.dtype
+        self.block_size = config.cache_config.block_size
+        self.max_model_len = config.scheduler_config.max_model_len
+        self.max_rows = config.scheduler_config.max_num_seqs
+        with torch.device(self.device):
+            self.model = DeepseekMTP(hf, self.dtype, use_triton_ops=config.use_triton_ops)
+        if config.model_config.load_format == "dummy":
+            initialize_dummy_weights(self.model, seed=config.model_config.seed + 1)
+            self.model.share_with(target, embed=True, head=True)
+        else:
+            if loaded.load_format != "safetensors":
+                raise ValueError("speculative_config: method 'mtp' loads its layer from a "
+                                 f"safetensors folder, not {loaded.load_format}")
+            self.model.load_weights(read_mtp_tensors(loaded.source, hf), target)
+        self.model.eval()
+        if num_mtp_layers(hf) > 1:
+            logger.info("mtp: the checkpoint has %d MTP layers; drafting with the first",
+                        num_mtp_layers(hf))
+        self.backend = None
+        self.null_block = 0
+        self._scratch_base = 0
+        self._scratch_per_row = -(-self.k // self.block_size) + 1
+
+    def bytes_per_block(self) -> int:
+        return layers_bytes_per_block(self.model.attention_layers(), self.block_size,
+                                      self.dtype)
+
+    def bind(self, num_blocks: int, backend) -> None:
+        """Its cache: the shared blocks, the null block, then the rows' scratch blocks."""
+        self.backend = backend
+        self.null_block = num_blocks
+        self._scratch_base = num_blocks + 1
+        layers = self.model.attention_layers()
+        total = num_blocks + 1 + self.max_rows * self._scratch_per_row
+        allocate_kv_caches(layers, total * self.block_size, self.dtype, self.device)
+        for layer in layers:
+            layer.backend = backend
+
+    def _metadata(self, query_lens: list[int], context_lens: list[int],
+                  tables: list[list[int]], num_decodes: int):
+        return self.backend.build_metadata(
+            query_lens=query_lens, context_lens=context_lens, block_tables=tables,
+            block_size=self.block_size, num_decodes=num_decodes, sliding_window=None,
+            device=self.device, null_block=self.null_block)
+
+    @torch.inference_mode()
+    def mirror_and_propose(self, reqs: list[MtpRequest], hidden: torch.Tensor,
+                           failed: set[int]) -> dict[int, list[int]]:
+        """Mirrors a sampled target step (hidden: its final hidden states, one row per
+        token) into the MTP cache and drafts for its sampling requests (serial -> drafts).
+        `failed`: requests whose step produced non-finite values (neither mirrored nor
+        drafted)."""
+        rows: list[int] = []
+        ids: list[int] = []
+        pos: list[int] = []
+        kept: list[tuple[MtpRequest, int]] = []  # (request, rows mirrored)
+        for r in reqs:
+            if r.serial in failed:
+                continue
+            seq = r.state.prompt_token_ids + r.state.output_token_ids
+            n = min(r.num_new_tokens, len(seq) - 1 - r.context_len)
+            if n < 1:
+                continue
+            rows.extend(range(r.start, r.start + n))
+            pos.extend(range(r.context_len, r.context_len + n))
+            ids.extend(seq[r.context_len + 1:r.context_len + n + 1])
+            kept.append((r, n))
+        if not kept:
+            return {}
+        num_decodes = 0
+        while num_decodes < len(kept) and kept[num_decodes][1] == 1:
+            num_decodes += 1
+        md = self._metadata([n for _, n in kept], [r.context_len for r, _ in kept],
+                            [r.block_ids for r, _ in kept], num_decodes)
+        row_t = to_device(rows, torch.long, self.device)
+        h = hidden[row_t] if len(rows) != hidden.shape[0] else hidden
+        out = self.model(to_device(ids, torch.long, self.device),
+                         to_device(pos, torch.long, self.device), h, md)
+        return self._propose(kept, out)
+
+    def _propose(self, kept: list[tuple[MtpRequest, int]], out: torch.Tensor
+                 ) -> dict[int, list[int]]:
+        """Greedy drafts, up to k, fewer near max_model_len (as the draft model's)."""
+        last, reqs, lens = [], [], []
+        row = 0
+        for r, n in kept:
+            row += n
+            seq_len = len(r.state.prompt_token_ids) + len(r.state.output_token_ids)
+            if r.sample and seq_len < self.max_model_len - 1:
+                last.append(row - 1)
+                reqs.append(r)
+                lens.append(seq_len)
+        if not reqs:
+            return {}
+        k = min(self.k, self.max_model_len - 1 - max(lens))
+        if k < 1:
+            return {}
+        h = out[to_device(last, torch.long, self.device)]
+        ids = self.model.compute_logits(h).argmax(dim=-1)
+        drafts = [ids]
+        if k > 1:
+            start = [n - 1 for n in lens]  # the just-sampled token's position
+            need = [-(-(p + k - 1) // self.block_size) for p in start]
+            tables = []
+            for j, (r, nb) in enumerate(zip(reqs, need)):
+                real = list(r.block_ids[:nb])
+                scratch = self._scratch_base + j * self._scratch_per_row
+                tables.append(real + list(range(scratch, scratch + nb - len(real))))
+            for j in range(k - 1):
+                p = [s + j for s in start]
+                md = self._metadata([1] * len(reqs), p, tables, len(reqs))
+                h = self.model(ids, to_device(p, torch.long, self.device), h, md)
+                ids = self.model.compute_logits(h).argmax(dim=-1)
+                drafts.append(ids)
+        result = torch.stack(drafts, dim=1).tolist()
+        return {r.serial: d for r, d in zip(reqs, result)}
