@@ -46,7 +46,10 @@ class DecodeGraphs:
                                                    sliding_window=sliding_window)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # The model's output rows of each graph (MTP drafting reads them after a replay).
+        self.hidden: dict[int, torch.Tensor] = {}
         self.pool = None
+        self.last_hidden: torch.Tensor | None = None  # of the last run's rows
 
     def can_run(self, num_decodes: int, num_tokens: int) -> bool:
         return num_decodes == num_tokens and 0 < num_decodes <= self.max_batch and bool(self.graphs)
@@ -73,20 +76,22 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
-                out = self._forward(ids, pos, md)
+                out, hidden = self._forward(ids, pos, md)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
-            self.outputs[size] = out
+            self.outputs[size], self.hidden[size] = out, hidden
         torch.cuda.synchronize(self.device)
         took = time.perf_counter() - t0
         logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes),
                     self.max_batch, took)
         return took
 
-    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, md: Any) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor,
+                 md: Any) -> tuple[torch.Tensor, torch.Tensor]:
         # Every decode row samples, so the LM head joins the graph: logits out.
-        return self.model.compute_logits(self.model(ids, pos, md))
+        hidden = self.model(ids, pos, md)
+        return self.model.compute_logits(hidden), hidden
 
     def invalidate_tables(self) -> None:
         self._tables_key = None
@@ -110,4 +115,5 @@ class DecodeGraphs:
                                         slot_mapping)
         self._tables_key = key
         self.graphs[size].replay()
+        self.last_hidden = self.hidden[size][:n]
         return self.outputs[size][:n]

@@ -30,6 +30,7 @@ from shoal.kv_offload.transfer import KVTransfer
 from shoal.loader import LoadedModel, build_model
 from shoal.sampling_params import SamplingParams
 from shoal.spec_decode.draft_model import DraftModelProposer
+from shoal.spec_decode.mtp import MtpProposer, MtpRequest
 from shoal.spec_decode.proposer import ForcedAcceptance, build_proposer
 from shoal.spec_decode.verify import VerifyRows, verify
 from shoal.structured_output.bitmask import apply_token_bitmask
@@ -43,6 +44,7 @@ from shoal.worker.kv_cache_sizing import (
 from shoal.worker.prefill_graphs import PrefillGraphs
 from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
 from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
+from shoal.worker.verify_graphs import VerifyGraphs
 
 logger = logging.getLogger(__name__)
 _NO_DRAFTS: list[int] = []  # shared by the rows without drafts; never changed
@@ -72,6 +74,9 @@ class StepFuture:
     kv_plan_id: int | None = None  # the KV transfer plan run ahead of the step, if any
     verify: VerifyRows | None = None  # a step with drafts: its rows per request
     block_tables: dict[int, list[int]] = field(default_factory=dict)  # draft model: by serial
+    # mtp: the step's requests and the target's final hidden states, mirrored in finish()
+    mtp_requests: list[MtpRequest] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -94,6 +99,7 @@ class StepInputs:
     drafts: list[list[int]] = field(default_factory=list)
     has_drafts: bool = False
     grammar: GrammarBitmask | None = None  # structured rows: the tokens they may sample
+    hidden: torch.Tensor | None = None  # mtp: the model's output, every token of the step
 
 
 class ModelRunner:
@@ -122,14 +128,18 @@ class ModelRunner:
             layer.backend = self.backend
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None
         self.null_block = 0
         self.kv_transfer: KVTransfer | None = None  # KV offloading: see use_kv_transfer
         # The last launched step's sampled ids (device) and each request's row in them.
         self._prev_sampled: torch.Tensor | None = None
         self._prev_rows: dict[int, int] = {}
         # Speculative decoding: proposes drafts after each sampled token (None: off).
-        self.proposer = build_proposer(config)
-        self.draft = self.proposer if isinstance(self.proposer, DraftModelProposer) else None
+        self.proposer = build_proposer(config, self.model, loaded)
+        # A drafter with a KV cache of its own on the target's block tables.
+        self.draft = (self.proposer if isinstance(self.proposer, (DraftModelProposer,
+                                                                  MtpProposer)) else None)
+        self.mtp = self.proposer if isinstance(self.proposer, MtpProposer) else None
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -171,6 +181,14 @@ class ModelRunner:
                         self.device, block_size=self.block_size,
                         sliding_window=self.sliding_window)
                     self.startup_times["prefill_graphs"] = self.prefill_graphs.capture(
+                        self.graphs.pool)
+                spec = self.config.speculative_config
+                if spec is not None and self.backend.supports_verify_graphs:
+                    self.verify_graphs = VerifyGraphs(
+                        self.model, self.backend, spec.num_speculative_tokens,
+                        self.config.scheduler_config.max_num_seqs, max_blocks, self.device,
+                        block_size=self.block_size, sliding_window=self.sliding_window)
+                    self.startup_times["verify_graphs"] = self.verify_graphs.capture(
                         self.graphs.pool)
         return num_blocks
 
@@ -239,7 +257,13 @@ class ModelRunner:
             return fut
         inputs = self._prepare_inputs(sched)
         logits = self._forward(inputs, fut.out)
-        if self.draft is not None:  # its KV follows the target's, position for position
+        if self.mtp is not None:  # mirrored once sampled (finish): it needs the next tokens
+            fut.hidden = inputs.hidden
+            fut.mtp_requests = [
+                MtpRequest(it.serial, start, it.context_len, it.num_new_tokens, it.block_ids,
+                           self.requests[it.serial], it.sample)
+                for it, start in zip(inputs.items, _starts(inputs.items))]
+        elif self.draft is not None:  # its KV follows the target's, position for position
             self.draft.mirror(inputs.input_ids, inputs.positions, inputs.items,
                               inputs.num_decodes)
             fut.block_tables = {it.serial: it.block_ids for it in inputs.items}
@@ -283,21 +307,46 @@ class ModelRunner:
         if inp.pending_dst:
             def fill(ids: torch.Tensor) -> None:
                 self._fill_pending(ids, inp.pending_dst, inp.pending_src)
+        graphs: DecodeGraphs | PrefillGraphs | VerifyGraphs | None = None
         if self.graphs is not None and self.graphs.can_run(inp.num_decodes, len(inp.input_ids)):
+            graphs = self.graphs
             tables = [it.block_ids for it in inp.items]
-            return self.graphs.run(
+            logits = self.graphs.run(
                 inp.input_ids, inp.positions, [it.serial for it in inp.items], tables,
                 token_slots([1] * len(inp.items), inp.positions, tables, self.block_size),
                 fill_pending=fill)
-        if self._fits_prefill_graph(inp):
+        elif self._fits_verify_graph(inp):
+            assert self.verify_graphs is not None
+            graphs = self.verify_graphs
+            tables = [it.block_ids for it in inp.items]
+            contexts = [it.context_len for it in inp.items]
+            logits = self.verify_graphs.run(
+                inp.input_ids, inp.positions, contexts, tables,
+                token_slots([it.num_new_tokens for it in inp.items], contexts, tables,
+                            self.block_size),
+                fill_pending=fill)
+        elif self._fits_prefill_graph(inp):
             assert self.prefill_graphs is not None
+            graphs = self.prefill_graphs
             it = inp.items[0]
-            return self.prefill_graphs.run(
+            logits = self.prefill_graphs.run(
                 inp.input_ids, inp.positions, it.context_len, it.block_ids,
                 token_slots([len(inp.input_ids)], [it.context_len], [it.block_ids],
                             self.block_size),
                 fill_pending=fill)
-        return self._forward_eager(inp, out, fill)
+        else:
+            return self._forward_eager(inp, out, fill)
+        if self.mtp is not None:  # it drafts from every token's hidden state
+            inp.hidden = graphs.last_hidden
+        return logits
+
+    def _fits_verify_graph(self, inp: StepInputs) -> bool:
+        """A step of verifies only, each of exactly k drafts, all sampling, no prompt
+        logprobs, within the graph sizes."""
+        vg = self.verify_graphs
+        return (vg is not None and inp.has_drafts and inp.num_decodes == 0
+                and not inp.prompt_lp_spans and all(it.sample for it in inp.items)
+                and vg.can_run(len(inp.items), [it.num_new_tokens for it in inp.items]))
 
     def _fits_prefill_graph(self, inp: StepInputs) -> bool:
         """One lone chunk that samples and wants no prompt logprobs, within the graph sizes."""
@@ -324,6 +373,8 @@ class ModelRunner:
             null_block=self.null_block,
         )
         hidden = self.model(ids_t, pos_t, md)
+        if self.mtp is not None:
+            inp.hidden = hidden
         if inp.prompt_lp_spans:  # reads back at once: such steps do not overlap
             out.prompt_logprobs = self._prompt_logprobs(hidden, inp.prompt_lp_spans)
         if not inp.sample_rows:
@@ -414,6 +465,8 @@ class ModelRunner:
         out = fut.out
         if fut.sampled is not None:
             self._read_sampled(fut)
+        if self.mtp is not None and fut.mtp_requests:
+            self._propose_with_mtp(fut)
         if fut.kv_plan_id is not None:
             # The forward pass waited for the copies on the device, so a step whose tokens
             # have arrived has them done already; one that sampled nothing waits here.
@@ -441,7 +494,9 @@ class ModelRunner:
                 out.sampled_token_ids[serial] = sampled[i]
                 if lp_rows[i] is not None:
                     out.logprobs[serial] = lp_rows[i]
-        if self.draft is not None:
+        if self.mtp is not None:
+            pass  # finish() mirrors the step and drafts
+        elif self.draft is not None:
             self._propose_with_draft(fut)
         elif self.proposer is not None:
             for serial, st in zip(fut.sample_rows, fut.states):
@@ -463,6 +518,15 @@ class ModelRunner:
         for (serial, _), d in zip(rows, drafts):
             if d:
                 out.draft_token_ids[serial] = d
+
+    def _propose_with_mtp(self, fut: StepFuture) -> None:
+        assert self.mtp is not None and fut.hidden is not None
+        out = fut.out
+        drafts = self.mtp.mirror_and_propose(fut.mtp_requests, fut.hidden, out.failed_serials)
+        for serial, d in drafts.items():
+            if d and serial in out.sampled_token_ids:
+                out.draft_token_ids[serial] = d
+        fut.hidden = None
 
     def _fill_pending(self, ids: torch.Tensor, dst: list[int], src: list[int]) -> None:
         """Writes the tokens the previous step sampled into this step's input ids."""
@@ -508,6 +572,15 @@ class ModelRunner:
                 entries = [(ctx + 1 + j, row) for j, row in enumerate(rows) if row is not None]
             result[serial] = entries
         return result
+
+
+def _starts(items: list[ScheduledRequest]) -> list[int]:
+    """Each request's first row in the step's flattened tokens."""
+    starts, n = [], 0
+    for it in items:
+        starts.append(n)
+        n += it.num_new_tokens
+    return starts
 
 
 def _logprobs_rows(lt: LogprobsTensors | None, wanted: list[int | None]) -> list[Logprobs | None]:

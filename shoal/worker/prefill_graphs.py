@@ -40,6 +40,8 @@ class PrefillGraphs:
                                                            sliding_window=sliding_window)
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # every token's model output (MTP reads it)
+        self.last_hidden: torch.Tensor | None = None  # of the last run's tokens
 
     def can_run(self, num_tokens: int) -> bool:
         return 0 < num_tokens <= self.max_size and bool(self.graphs)
@@ -47,11 +49,11 @@ class PrefillGraphs:
     def padded_size(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         md = self.backend.prefill_graph_metadata(self.buffers, size)
         ids, pos, last = self.tokens.view(size)
         hidden = self.model(ids, pos, md)
-        return self.model.compute_logits(hidden.index_select(0, last[:1]))
+        return self.model.compute_logits(hidden.index_select(0, last[:1])), hidden
 
     @torch.inference_mode()
     def capture(self, pool: Any) -> float:
@@ -67,10 +69,10 @@ class PrefillGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = self._forward(size)
+                out, hidden = self._forward(size)
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = graph
-            self.outputs[size] = out
+            self.outputs[size], self.hidden[size] = out, hidden
         torch.cuda.synchronize(self.device)
         took = time.perf_counter() - t0
         logger.info("captured %d prefill CUDA graphs (%s tokens) in %.1f s", len(self.sizes),
@@ -89,4 +91,5 @@ class PrefillGraphs:
         self.backend.fill_prefill_graph_buffers(self.buffers, size, context_len, block_table,
                                                 slot_mapping)
         self.graphs[size].replay()
+        self.last_hidden = self.hidden[size][:n]
         return self.outputs[size]

@@ -43,6 +43,8 @@ class VerifyGraphs:
             sliding_window=sliding_window)
         self.graphs: dict[int, Any] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # every token's model output (MTP reads it)
+        self.last_hidden: torch.Tensor | None = None  # of the last run's tokens
 
     def can_run(self, num_requests: int, query_lens: list[int]) -> bool:
         """Whether a step of these requests' query lengths replays a graph."""
@@ -52,10 +54,11 @@ class VerifyGraphs:
     def padded_size(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
 
-    def _forward(self, size: int) -> torch.Tensor:
+    def _forward(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         md = self.backend.verify_graph_metadata(self.buffers, size)
         ids, pos = self.tokens.view(size * self.q)
-        return self.model.compute_logits(self.model(ids, pos, md))
+        hidden = self.model(ids, pos, md)
+        return self.model.compute_logits(hidden), hidden
 
     @torch.inference_mode()
     def capture(self, pool: Any) -> float:
@@ -70,10 +73,10 @@ class VerifyGraphs:
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool, stream=stream):
-                out = self._forward(size)
+                out, hidden = self._forward(size)
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = graph
-            self.outputs[size] = out
+            self.outputs[size], self.hidden[size] = out, hidden
         torch.cuda.synchronize(self.device)
         took = time.perf_counter() - t0
         logger.info("captured %d verify CUDA graphs (1..%d requests of %d tokens) in %.1f s",
@@ -93,4 +96,5 @@ class VerifyGraphs:
         self.backend.fill_verify_graph_buffers(self.buffers, size, context_lens, block_tables,
                                                slot_mapping)
         self.graphs[size].replay()
+        self.last_hidden = self.hidden[size][:n * self.q]
         return self.outputs[size][:n * self.q]

@@ -18,10 +18,14 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
+from engine_helpers import random_prompts, tiny_llm  # noqa: E402
+from spec_decode.test_mtp import _record, build_checkpoints  # noqa: E402
+
 from shoal import LLM, SamplingParams  # noqa: E402
 from shoal.worker.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
 from shoal.worker.prefill_graphs import PrefillGraphs  # noqa: E402
 from shoal.worker.staged_tokens import StagedTokens  # noqa: E402
+from shoal.worker.verify_graphs import VerifyGraphs  # noqa: E402
 
 
 class _EagerGraph:
@@ -31,7 +35,8 @@ class _EagerGraph:
         self.fn, self.out = fn, out
 
     def replay(self) -> None:
-        self.out.copy_(self.fn())
+        for dst, src in zip(self.out, self.fn()):  # (logits, hidden states)
+            dst.copy_(src)
 
 
 class EagerDecodeGraphs(DecodeGraphs):
@@ -46,7 +51,7 @@ class EagerDecodeGraphs(DecodeGraphs):
             self.backend.fill_graph_buffers(self.buffers, size, [], [], [])
             out = fn()
             self.graphs[size] = _EagerGraph(fn, out)
-            self.outputs[size] = out
+            self.outputs[size], self.hidden[size] = out
         return 0.0
 
 
@@ -116,7 +121,7 @@ class EagerPrefillGraphs(PrefillGraphs):
             self.backend.fill_prefill_graph_buffers(self.buffers, size, 0, [], [])
             out = fn()
             self.graphs[size] = _EagerGraph(fn, out)
-            self.outputs[size] = out
+            self.outputs[size], self.hidden[size] = out
         return 0.0
 
 
@@ -154,3 +159,86 @@ def test_single_prefill_graphs_match_torch_with_cached_prefixes(tiny_llama_dir):
                 assert abs(a[tok].logprob - b[tok].logprob) < 1e-4
     # The first prompt ran whole; the later ones only past the 12 cached tokens (3 blocks).
     assert chunks == [(14, 0), (6, 12), (12, 12)]
+
+
+class EagerVerifyGraphs(VerifyGraphs):
+    def capture(self, pool=None) -> float:
+        for size in self.sizes:
+            def fn(size=size):
+                return self._forward(size)
+
+            self.backend.fill_verify_graph_buffers(self.buffers, size, [], [], [])
+            out = fn()
+            self.graphs[size] = _EagerGraph(fn, out)
+            self.outputs[size], self.hidden[size] = out
+        return 0.0
+
+
+def test_verify_graphs_match_eager_verify_steps(tiny_llama_dir):
+    """Speculative decoding's verify steps (every request k + 1 tokens) through the padded
+    verify graphs give the tokens of the same steps run eagerly; batches of 3 pad to 4.
+    Forced acceptance proposes k drafts every step (a lossless proposer on a random model
+    rarely has k); each step's bonus token still comes from the verify forward's logits."""
+    spec = {"method": "test_forced_acceptance", "num_speculative_tokens": 2,
+            "acceptance_rate": 0.5}
+    rng = random.Random(4)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(n)]}
+               for n in (5, 9, 14)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in _llm(tiny_llama_dir, "triton",
+                                                 speculative_config=spec).generate(
+        prompts, params, use_tqdm=False)]
+    llm = _llm(tiny_llama_dir, "triton", speculative_config=spec)
+    runner = llm.llm_engine.core.runner
+    graphs = EagerVerifyGraphs(runner.model, runner.backend, 2, 8, 96 // 4, runner.device,
+                               block_size=4, sliding_window=None)
+    graphs.capture()
+    runner.verify_graphs = graphs
+    batches = []
+    real_run = graphs.run
+
+    def counting_run(input_ids, positions, context_lens, *a, **kw):
+        batches.append(len(context_lens))
+        return real_run(input_ids, positions, context_lens, *a, **kw)
+
+    graphs.run = counting_run
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == ref
+    assert 3 in batches  # a verify step of all three requests replayed the graph of 4
+
+
+def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path):
+    """With decode, verify and prefill graphs, MTP reads the target's hidden states from the
+    graphs' outputs: output as without speculation, every draft the MTP formula's."""
+    target, ref = build_checkpoints(tmp_path)["bigram"]
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts(3, seed=8, lo=2, hi=14)
+    want = [o.outputs[0].token_ids for o in tiny_llm(target).generate(prompts, sp,
+                                                                       use_tqdm=False)]
+    llm = tiny_llm(target, attention_backend="triton",
+                   speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    runner = llm.llm_engine.core.runner
+    blocks = 256 // 4
+    runner.graphs = EagerDecodeGraphs(runner.model, runner.backend, 4, blocks, runner.device,
+                                      block_size=4, sliding_window=None)
+    runner.prefill_graphs = EagerPrefillGraphs(runner.model, runner.backend, 16, blocks,
+                                               runner.device, block_size=4,
+                                               sliding_window=None)
+    runner.verify_graphs = EagerVerifyGraphs(runner.model, runner.backend, 2, 4, blocks,
+                                             runner.device, block_size=4, sliding_window=None)
+    replays = []
+    for g in (runner.graphs, runner.prefill_graphs, runner.verify_graphs):
+        g.capture()
+        kind = type(g).__name__
+        for graph in g.graphs.values():
+            real = graph.replay
+            graph.replay = lambda real=real, kind=kind: (replays.append(kind), real())
+    log = _record(llm)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+    alone = llm.generate(prompts[2], sp, use_tqdm=False)[0]  # its prefill: a prefill graph
+    assert alone.outputs[0].token_ids == want[2]
+    assert {"EagerVerifyGraphs", "EagerPrefillGraphs", "EagerDecodeGraphs"} <= set(replays)
+    assert len(log) > 5
+    for seq, drafts in log:
+        assert drafts == ref.drafts(seq, len(drafts)), seq
