@@ -125,7 +125,10 @@ class EngineCore:
                                    kv_store=self.kv_offload,
                                    request_timeout=request_limits.request_timeout,
                                    num_speculative_tokens=spec.num_speculative_tokens
-                                   if spec is not None else 0)
+                                   if spec is not None else 0,
+                                   spec_adaptive=spec is None or spec.adaptive_budget,
+                                   spec_disable_by_batch_size=spec.disable_by_batch_size
+                                   if spec is not None else None)
         return num_blocks
 
     @staticmethod

@@ -68,6 +68,10 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_misses: int = 0
     spec_skip: int = 0
+    # Decayed counts of accepted drafts and of first rejections (the adaptive budget's
+    # estimate, scheduler_spec.py); they start at its prior.
+    spec_hits: float = 3.0
+    spec_fails: float = 0.0
     # A pooling request (pooling engines): one forward, then its pooled result.
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None

@@ -58,10 +58,12 @@ class _Cached:
 class Scheduler(FaultHandling, SpecDecodeScheduling):
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, kv_store: TieredKVStore | None = None,
-                 request_timeout: float | None = None, num_speculative_tokens: int = 0):
+                 request_timeout: float | None = None, num_speculative_tokens: int = 0,
+                 spec_adaptive: bool = True, spec_disable_by_batch_size: int | None = None):
         """num_blocks: the device KV pool, as the model runner sized it at start-up.
         request_timeout: seconds from arrival after which a request is ended with an error.
-        num_speculative_tokens: drafts per step of a speculating request (0: none)."""
+        num_speculative_tokens: drafts per step of a speculating request (0: none);
+        spec_adaptive / spec_disable_by_batch_size: see scheduler_spec.py."""
         self.config = sched_config
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
@@ -82,7 +84,7 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         self._step_prompt_tokens = 0
         self._step_generation_tokens = 0
         self._init_faults()
-        self._init_spec(num_speculative_tokens)
+        self._init_spec(num_speculative_tokens, spec_adaptive, spec_disable_by_batch_size)
         self.request_timeout = request_timeout
         self._next_expiry_check = 0.0
 

@@ -9,7 +9,18 @@ accepted tokens, so no draft reaches the cache.
 
 A request whose drafts keep failing stops paying for them: after MISSES_BEFORE_BACKOFF verify
 steps in a row with nothing accepted, it decodes without drafts for a while (4 steps, doubling
-with each further miss, at most 64), then tries again; one accepted draft resets it."""
+with each further miss, at most 64), then tries again; one accepted draft resets it.
+
+Adaptive budget (on unless speculative_config says adaptive_budget=false): each request keeps
+an estimate p of the chance that its next draft is accepted once the drafts before it were
+(counts of accepted drafts and of first rejections, decayed every step so the estimate follows
+recent text and drifts back to its prior when drafts are not verified). The j-th draft is
+verified while p**j, the chance it is reached and accepted, is at least the step's worth
+threshold, which rises with the batch: at a few requests a decode reads every weight for one
+token and verifying a few more costs little, so a draft right one time in ten pays; towards
+DRAFT_COST_FULL_BATCH requests the device is compute-bound, a verified token costs about what a
+decoded one does, and only drafts that are almost sure are worth it. With disable_by_batch_size
+(vLLM's key) no request drafts while that many or more are running."""
 
 from __future__ import annotations
 
@@ -25,16 +36,46 @@ if TYPE_CHECKING:
 
 MISSES_BEFORE_BACKOFF = 2
 MAX_BACKOFF_STEPS = 64
+# Adaptive budget: the worth threshold is MIN_WORTH up to DRAFT_COST_FREE_BATCH running
+# requests, then rises linearly to MAX_WORTH at DRAFT_COST_FULL_BATCH.
+MIN_WORTH, MAX_WORTH = 0.1, 0.9
+DRAFT_COST_FREE_BATCH, DRAFT_COST_FULL_BATCH = 8, 64
+ACCEPT_DECAY = 0.8  # per step, on the acceptance counts
+PRIOR_HITS, PRIOR_FAILS = 3.0, 0.0  # a new request starts at p = 0.8: it gets its k drafts
+
+
+def worth_threshold(running: int) -> float:
+    """The least p**j for which verifying a j-th draft pays, with `running` requests."""
+    span = DRAFT_COST_FULL_BATCH - DRAFT_COST_FREE_BATCH
+    x = min(max(running - DRAFT_COST_FREE_BATCH, 0) / span, 1.0)
+    return MIN_WORTH + x * (MAX_WORTH - MIN_WORTH)
+
+
+def adaptive_num_drafts(hits: float, fails: float, k: int, threshold: float) -> int:
+    """Drafts worth verifying: the largest j <= k with p**j >= threshold, p estimated from the
+    decayed counts with one success and one failure added (Laplace)."""
+    p = (hits + 1.0) / (hits + fails + 2.0)
+    j, reach = 0, 1.0
+    while j < k and reach * p >= threshold:
+        reach *= p
+        j += 1
+    return j
 
 
 class SpecDecodeScheduling:
     config: SchedulerConfig
     kv: KVCacheManager
 
-    def _init_spec(self, num_speculative_tokens: int) -> None:
+    def _init_spec(self, num_speculative_tokens: int, adaptive: bool = True,
+                   disable_by_batch_size: int | None = None) -> None:
         self.num_speculative_tokens = num_speculative_tokens
+        self.spec_adaptive = adaptive
+        self.spec_disable_by_batch_size = disable_by_batch_size
+        self._reset_spec_stats()
+
+    def _reset_spec_stats(self) -> None:
         self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
-        self._spec_per_pos = [0] * num_speculative_tokens
+        self._spec_per_pos = [0] * self.num_speculative_tokens
 
     def _num_drafts(self, req: Request, room: int) -> int:
         """How many of the request's drafts to verify this step: none unless it decodes with
@@ -42,11 +83,19 @@ class SpecDecodeScheduling:
         yields up to k+1 tokens), nor past the step's budget left after its own token."""
         if not req.spec_token_ids or req.num_pending_tokens:
             return 0
+        req.spec_hits *= ACCEPT_DECAY
+        req.spec_fails *= ACCEPT_DECAY
         if req.spec_skip > 0:  # backing off after drafts that kept failing
             req.spec_skip -= 1
             return 0
-        return max(0, min(len(req.spec_token_ids), room,
-                          req.max_tokens - req.num_output_tokens - 1,
+        running = len(self.running)  # type: ignore[attr-defined]
+        cap = self.spec_disable_by_batch_size
+        if cap is not None and running >= cap:
+            return 0
+        k = len(req.spec_token_ids)
+        if self.spec_adaptive:
+            k = adaptive_num_drafts(req.spec_hits, req.spec_fails, k, worth_threshold(running))
+        return max(0, min(k, room, req.max_tokens - req.num_output_tokens - 1,
                           self.config.max_model_len - req.num_tokens - 1))
 
     def _settle_verified(self, req: Request, item: ScheduledRequest, tokens: list[int]) -> None:
@@ -59,6 +108,8 @@ class SpecDecodeScheduling:
         self._spec_accepted += accepted
         for pos in range(accepted):
             self._spec_per_pos[pos] += 1
+        req.spec_hits += accepted
+        req.spec_fails += accepted < k  # the first rejection; later drafts are unobserved
         req.spec_misses = 0 if accepted else req.spec_misses + 1
         if req.spec_misses >= MISSES_BEFORE_BACKOFF:
             req.spec_skip = min(4 << (req.spec_misses - MISSES_BEFORE_BACKOFF),
@@ -74,5 +125,5 @@ class SpecDecodeScheduling:
                      spec_num_draft_tokens=self._spec_draft_tokens,
                      spec_num_accepted_tokens=self._spec_accepted,
                      spec_num_accepted_tokens_per_pos=self._spec_per_pos)
-        self._init_spec(self.num_speculative_tokens)
+        self._reset_spec_stats()
         return stats

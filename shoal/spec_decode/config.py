@@ -18,10 +18,10 @@ NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
 FORCED = "test_forced_acceptance"
 
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-         "acceptance_rate"}
+         "acceptance_rate", "disable_by_batch_size", "adaptive_budget"}
 # vLLM's other keys: a clear error rather than a silently ignored setting.
 _NOT_YET_KEYS = {"draft_tensor_parallel_size", "max_model_len", "quantization", "revision",
-                 "code_revision", "disable_by_batch_size", "disable_padded_drafter_batch",
+                 "code_revision", "disable_padded_drafter_batch",
                  "speculative_token_tree", "parallel_drafting", "enforce_eager"}
 
 
@@ -33,6 +33,11 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 5  # ngram: longest suffix tried first
     model: str | None = None  # draft_model: the draft checkpoint (mtp: none, the target's)
     acceptance_rate: float = 0.0  # test_forced_acceptance only
+    # No drafts while this many requests or more are running (vLLM's key; None: no limit).
+    disable_by_batch_size: int | None = None
+    # shoal's: per-request draft counts from recent acceptance and the batch size
+    # (shoal/engine/scheduler_spec.py); False always verifies every draft proposed.
+    adaptive_budget: bool = True
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
@@ -56,6 +61,13 @@ class SpeculativeConfig:
         if self.method == "mtp" and self.model:
             raise ValueError("speculative_config: method 'mtp' drafts with the target's own "
                              "multi-token-prediction layer; it takes no 'model'")
+        cap = self.disable_by_batch_size
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError("speculative_config: disable_by_batch_size must be an integer "
+                             f">= 1 (got {cap!r})")
+        if not isinstance(self.adaptive_budget, bool):
+            raise ValueError("speculative_config: adaptive_budget must be true or false (got "
+                             f"{self.adaptive_budget!r})")
         if self.method != FORCED and self.acceptance_rate:
             raise ValueError("speculative_config: acceptance_rate is for the test-only method "
                              f"{FORCED!r}")
@@ -91,7 +103,8 @@ class SpeculativeConfig:
         kwargs: dict[str, Any] = {"method": method,
                                   "num_speculative_tokens": d["num_speculative_tokens"],
                                   "model": model}
-        for key in ("prompt_lookup_min", "prompt_lookup_max", "acceptance_rate"):
+        for key in ("prompt_lookup_min", "prompt_lookup_max", "acceptance_rate",
+                    "disable_by_batch_size", "adaptive_budget"):
             if d.get(key) is not None:
                 kwargs[key] = d[key]
         # Only one bound given: the other takes its value (as vLLM does).

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from engine.test_scheduler import BS, EOS, assert_all_blocks_free, make_req, prompt_of
 
 from shoal.config import CacheConfig, SchedulerConfig
@@ -14,6 +15,12 @@ from shoal.engine.core_types import EngineCoreOutput
 from shoal.engine.request import RequestStatus
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.engine.scheduler_spec import (
+    MAX_WORTH,
+    MIN_WORTH,
+    adaptive_num_drafts,
+    worth_threshold,
+)
 
 K = 3
 
@@ -297,3 +304,55 @@ def test_backoff_after_drafts_that_keep_failing() -> None:
     assert out.scheduled[0].num_draft_tokens == K
     sched.update(out, runner.execute(out))
     assert req.spec_misses == 0 and req.spec_skip == 0
+
+
+def test_adaptive_budget_follows_acceptance_and_batch_size() -> None:
+    """The estimate p: a fresh request verifies all k drafts; one whose drafts have been
+    failing verifies none (p below the small-batch threshold), then fewer than k while right
+    drafts raise p again, then k; at a large batch only near-certain drafts pay."""
+    assert worth_threshold(1) == worth_threshold(8) == MIN_WORTH
+    assert worth_threshold(64) == worth_threshold(500) == MAX_WORTH
+    assert worth_threshold(36) == pytest.approx((MIN_WORTH + MAX_WORTH) / 2)
+    assert adaptive_num_drafts(3.0, 0.0, 4, MIN_WORTH) == 4
+    assert adaptive_num_drafts(0.0, 3.0, 4, MIN_WORTH) == 1  # p = 0.2
+    assert adaptive_num_drafts(0.0, 9.0, 4, MIN_WORTH) == 0  # p = 1/11
+    assert adaptive_num_drafts(3.0, 0.0, 4, MAX_WORTH) == 0  # p = 0.8 at a full batch
+    assert adaptive_num_drafts(20.0, 0.0, 4, MAX_WORTH) == 2  # p = 21/22, p**3 < 0.9
+
+    sched = spec_scheduler()
+    sched.add_request(make_req("a", prompt_of(6), max_tokens=200))
+    runner = FakeSpecRunner(sched)
+
+    def drafts(serial: int) -> list[int]:  # always right
+        n_out = len(runner.tokens[serial]) - len(runner.prompts[serial])
+        return [runner._true(serial, n_out + j) for j in range(K)]
+
+    runner._drafts = drafts
+    runner.step()
+    req = sched.requests["a"]
+    counts = []
+    for step in range(12):
+        if step == 1:  # as after many failed drafts
+            req.spec_hits, req.spec_fails = 0.0, 12.0
+        out = sched.schedule()
+        counts.append(out.scheduled[0].num_draft_tokens)
+        sched.update(out, runner.execute(out))
+    assert counts[0] == K
+    assert counts[1] == 0  # not worth a draft now...
+    assert 0 < counts[2] < K  # ...one step of decay later, a cautious try
+    assert counts[-1] == K  # right drafts bring k back
+
+
+def test_disable_by_batch_size_stops_drafting() -> None:
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=16,
+                                      max_model_len=256),
+                      CacheConfig(block_size=BS, enable_prefix_caching=True), 64,
+                      num_speculative_tokens=K, spec_disable_by_batch_size=2)
+    for name in "ab":
+        sched.add_request(make_req(name, prompt_of(6, start=100 * ord(name)), max_tokens=20))
+    runner = FakeSpecRunner(sched)
+    runner.step()
+    for req in sched.requests.values():
+        req.spec_token_ids = [7] * K
+    out = sched.schedule()
+    assert all(it.num_draft_tokens == 0 for it in out.scheduled)
