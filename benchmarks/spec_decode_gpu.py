@@ -11,8 +11,9 @@ forward over k+1 positions and the real rejection sampler's work, then accepts
 floor(a*k + u) of them (u uniform), keeping the target's own tokens: on average a share a
 of the drafts is accepted, for a in 0.0, 0.5, 0.8, 1.0. Figures per batch size: output
 tok/s and ms per engine step, plain decoding (its own engine: async scheduling and decode
-CUDA graphs as usual) and speculating at each a (this round: one step at a time, verify
-steps eager). At a = 0 the scheduler's backoff (a request whose drafts keep failing decodes
+CUDA graphs as usual) and speculating at each a (one step at a time; verify steps of
+requests with k drafts replay CUDA graphs; the adaptive budget decides how many of the k
+drafts a step verifies, from each request's recent acceptance and the batch). At a = 0 the scheduler's backoff (a request whose drafts keep failing decodes
 without them for a while) turns most drafting off, as it should; so the verify step's cost
 over a plain decode step is taken at a = 0.5 (every step there verifies k+1 positions: the
 forced rule accepts floor(0.5*4 + u) = 2 drafts, never 0).
@@ -181,8 +182,9 @@ def _summarise(args: argparse.Namespace, parts: dict[str, list[dict]]) -> list[d
                    num_speculative_tokens=args.num_speculative_tokens, runs=parts,
                    summary=summary,
                    notes="speculating engine: one step at a time (no async scheduling), "
-                         "verify steps eager (no CUDA graph), backoff after failing drafts "
-                         "(a=0); verify cost taken at a=0.5; plain engine: defaults")]
+                         "verify-step CUDA graphs, adaptive draft budget, backoff after "
+                         "failing drafts (a=0); verify cost taken at a=0.5; plain engine: "
+                         "defaults")]
 
 
 if __name__ == "__main__":
