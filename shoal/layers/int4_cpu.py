@@ -97,6 +97,9 @@ def convert_linears(model: nn.Module) -> dict[str, int]:
     for _, mod in model.named_modules():
         if not hasattr(mod, "int4"):  # the linear layers of shoal/layers/linear.py
             continue
+        if getattr(mod, "weight_only", False):  # read as a tensor, never run as a layer
+            stats["dense"] += 1
+            continue
         w = mod.weight
         packed = pack_int4(w)
         if packed is None:

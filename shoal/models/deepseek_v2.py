@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shoal.distributed.parallel_state import tp_all_reduce
+from shoal.distributed.parallel_state import get_tp_world_size, tp_all_reduce
 from shoal.layers.activation import SiluAndMul
 from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.latent_attention import LatentAttention
@@ -88,6 +88,10 @@ class DeepseekMLA(nn.Module):
         self.v_dim = cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         self.q_lora_rank = getattr(cfg, "q_lora_rank", None)
+        tp = get_tp_world_size()
+        if self.total_heads % tp:
+            raise ValueError(f"num_attention_heads ({self.total_heads}) is not divisible by "
+                             f"tensor_parallel_size ({tp})")
         qk_dim = self.nope + self.rope
         bias = bool(getattr(cfg, "attention_bias", False))
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -104,10 +108,12 @@ class DeepseekMLA(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, bias=bias,
                                                    params_dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps, dtype, use_triton_ops)
-        # Never run as a linear layer: its per-head slices are W_UK and W_UV (see w_uk/w_uv).
+        # Never run as a linear layer: its per-head slices are W_UK and W_UV (see w_uk/w_uv),
+        # so it keeps a dense weight (no CPU int4 conversion).
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
                                               self.total_heads * (self.nope + self.v_dim),
                                               params_dtype=dtype)
+        self.kv_b_proj.weight_only = True
         self.o_proj = RowParallelLinear(self.total_heads * self.v_dim, h, bias=bias,
                                         params_dtype=dtype)
         theta, scaling = rope_parameters(cfg)

@@ -32,8 +32,11 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_num_seqs: int,
                  max_blocks: int, device: torch.device, *, block_size: int,
-                 sliding_window: int | None):
+                 sliding_window: int | None, keep_hidden: bool = False):
         self.model = model
+        # Hold each graph's hidden-state output (for drafting from them, MTP): otherwise it
+        # is an intermediate whose pool memory the smaller graphs reuse.
+        self.keep_hidden = keep_hidden
         self.backend = backend
         self.sizes = capture_sizes(max_num_seqs)
         self.max_batch = self.sizes[-1]
@@ -80,7 +83,9 @@ class DecodeGraphs:
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[size] = graph
-            self.outputs[size], self.hidden[size] = out, hidden
+            self.outputs[size] = out
+            if self.keep_hidden:
+                self.hidden[size] = hidden
         torch.cuda.synchronize(self.device)
         took = time.perf_counter() - t0
         logger.info("captured %d decode CUDA graphs (batch 1..%d) in %.1f s", len(self.sizes),
@@ -115,5 +120,5 @@ class DecodeGraphs:
                                         slot_mapping)
         self._tables_key = key
         self.graphs[size].replay()
-        self.last_hidden = self.hidden[size][:n]
+        self.last_hidden = self.hidden[size][:n] if self.keep_hidden else None
         return self.outputs[size][:n]

@@ -172,14 +172,15 @@ class ModelRunner:
                 self.graphs = DecodeGraphs(self.model, self.backend,
                                            self.config.scheduler_config.max_num_seqs, max_blocks,
                                            self.device, block_size=self.block_size,
-                                           sliding_window=self.sliding_window)
+                                           sliding_window=self.sliding_window,
+                                           keep_hidden=self.mtp is not None)
                 self.startup_times["cuda_graphs"] = self.graphs.capture()
                 if self.backend.supports_prefill_graphs:
                     self.prefill_graphs = PrefillGraphs(
                         self.model, self.backend,
                         self.config.scheduler_config.max_num_batched_tokens, max_blocks,
                         self.device, block_size=self.block_size,
-                        sliding_window=self.sliding_window)
+                        sliding_window=self.sliding_window, keep_hidden=self.mtp is not None)
                     self.startup_times["prefill_graphs"] = self.prefill_graphs.capture(
                         self.graphs.pool)
                 spec = self.config.speculative_config
@@ -187,7 +188,8 @@ class ModelRunner:
                     self.verify_graphs = VerifyGraphs(
                         self.model, self.backend, spec.num_speculative_tokens,
                         self.config.scheduler_config.max_num_seqs, max_blocks, self.device,
-                        block_size=self.block_size, sliding_window=self.sliding_window)
+                        block_size=self.block_size, sliding_window=self.sliding_window,
+                        keep_hidden=self.mtp is not None)
                     self.startup_times["verify_graphs"] = self.verify_graphs.capture(
                         self.graphs.pool)
         return num_blocks
@@ -344,8 +346,11 @@ class ModelRunner:
         """A step of verifies only, each of exactly k drafts, all sampling, no prompt
         logprobs, within the graph sizes."""
         vg = self.verify_graphs
+        # Every item a verify of k drafts: a sampling prompt chunk of k + 1 tokens in the same
+        # step has the same length but one logits row, which the graph would misalign.
         return (vg is not None and inp.has_drafts and inp.num_decodes == 0
-                and not inp.prompt_lp_spans and all(it.sample for it in inp.items)
+                and not inp.prompt_lp_spans
+                and all(it.sample and it.num_draft_tokens == vg.q - 1 for it in inp.items)
                 and vg.can_run(len(inp.items), [it.num_new_tokens for it in inp.items]))
 
     def _fits_prefill_graph(self, inp: StepInputs) -> bool:
@@ -546,7 +551,7 @@ class ModelRunner:
         whole = [b for b, first in entries if first == 0]
         idx = to_device(whole, torch.long, self.device) if whole else None
         for kv in self.kv_caches:
-            blocks = kv.view(2, -1, self.block_size, *kv.shape[2:])
+            blocks = kv.view(kv.shape[0], -1, self.block_size, *kv.shape[2:])  # planes
             if idx is not None:
                 blocks[:, idx] = 0
             for b, first in entries:

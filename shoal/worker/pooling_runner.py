@@ -19,6 +19,7 @@ import torch
 from shoal.attention.packed import PackedSeqs
 from shoal.config import EngineConfig
 from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.layers.latent_attention import LatentAttention
 from shoal.loader import LoadedModel, build_model
 from shoal.pooling.model_info import build_pooling_info
 from shoal.pooling.pooler import PoolingRow, pooled_results
@@ -47,6 +48,9 @@ class PoolingModelRunner:
         self.vocab_size = loaded.hf_config.vocab_size
         t0 = time.perf_counter()
         self.model = build_model(config, loaded)
+        if any(isinstance(m, LatentAttention) for m in self.model.modules()):
+            raise ValueError(f"runner='pooling' is not supported for "
+                             f"{type(self.model).__name__} (latent attention, MLA)")
         folder = Path(loaded.source) if Path(loaded.source).is_dir() else None
         self.info = build_pooling_info(self.model, loaded.hf_config, folder,
                                        config.model_config.pooler_config)

@@ -27,8 +27,9 @@ PREFILL_GRAPH_SIZES = (16, 32, 64, 128, 256, 512)
 class PrefillGraphs:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_tokens: int,
                  max_blocks: int, device: torch.device, *, block_size: int,
-                 sliding_window: int | None):
+                 sliding_window: int | None, keep_hidden: bool = False):
         self.model = model
+        self.keep_hidden = keep_hidden  # as DecodeGraphs
         self.backend = backend
         self.sizes = [s for s in PREFILL_GRAPH_SIZES if s <= max_tokens]
         self.max_size = self.sizes[-1] if self.sizes else 0
@@ -72,7 +73,9 @@ class PrefillGraphs:
                 out, hidden = self._forward(size)
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = graph
-            self.outputs[size], self.hidden[size] = out, hidden
+            self.outputs[size] = out
+            if self.keep_hidden:
+                self.hidden[size] = hidden
         torch.cuda.synchronize(self.device)
         took = time.perf_counter() - t0
         logger.info("captured %d prefill CUDA graphs (%s tokens) in %.1f s", len(self.sizes),
@@ -91,5 +94,5 @@ class PrefillGraphs:
         self.backend.fill_prefill_graph_buffers(self.buffers, size, context_len, block_table,
                                                 slot_mapping)
         self.graphs[size].replay()
-        self.last_hidden = self.hidden[size][:n]
+        self.last_hidden = self.hidden[size][:n] if self.keep_hidden else None
         return self.outputs[size]

@@ -30,8 +30,9 @@ VERIFY_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 class VerifyGraphs:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, k: int,
                  max_num_seqs: int, max_blocks: int, device: torch.device, *,
-                 block_size: int, sliding_window: int | None):
+                 block_size: int, sliding_window: int | None, keep_hidden: bool = False):
         self.model = model
+        self.keep_hidden = keep_hidden  # as DecodeGraphs
         self.backend = backend
         self.q = k + 1
         self.sizes = [s for s in VERIFY_GRAPH_SIZES if s <= max_num_seqs]
@@ -76,7 +77,9 @@ class VerifyGraphs:
                 out, hidden = self._forward(size)
             pool = graph.pool() if pool is None else pool
             self.graphs[size] = graph
-            self.outputs[size], self.hidden[size] = out, hidden
+            self.outputs[size] = out
+            if self.keep_hidden:
+                self.hidden[size] = hidden
         torch.cuda.synchronize(self.device)
         took = time.perf_counter() - t0
         logger.info("captured %d verify CUDA graphs (1..%d requests of %d tokens) in %.1f s",
@@ -96,5 +99,5 @@ class VerifyGraphs:
         self.backend.fill_verify_graph_buffers(self.buffers, size, context_lens, block_tables,
                                                slot_mapping)
         self.graphs[size].replay()
-        self.last_hidden = self.hidden[size][:n * self.q]
+        self.last_hidden = self.hidden[size][:n * self.q] if self.keep_hidden else None
         return self.outputs[size][:n * self.q]

@@ -151,3 +151,36 @@ def test_two_rank_split_matches_one_rank(tiny):
     assert rank_heads * 2 == heads
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
+
+
+def test_fault_zeroing_clears_only_the_named_latent_blocks(tiny):
+    """After non-finite logits the runner zeroes the request's blocks: on a one-plane latent
+    cache exactly those blocks (a K/V-plane view would also hit a block half the pool away)."""
+    path, _ = tiny
+    llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks_override=8,
+              max_model_len=32)
+    runner = llm.llm_engine.core.runner
+    for kv in runner.kv_caches:
+        kv.fill_(1.0)
+    runner._zero_slots([(1, 0), (3, 2)])
+    for kv in runner.kv_caches:
+        blocks = kv.view(kv.shape[0], -1, 4, *kv.shape[2:])
+        zero = [b for b in range(blocks.shape[1]) if not blocks[:, b].any()]
+        assert zero == [1]
+        assert not blocks[:, 3, 2:].any() and blocks[:, 3, :2].all()
+
+
+def test_pooling_runner_refuses_latent_attention(tiny):
+    path, _ = tiny
+    with pytest.raises(ValueError, match="latent attention"):
+        LLM(model=str(path), dtype="float32", runner="pooling")
+
+
+def test_heads_must_split_evenly_over_tensor_parallel_ranks(monkeypatch):
+    import shoal.models.deepseek_v2 as ds
+
+    monkeypatch.setattr(ds, "get_tp_world_size", lambda: 3)
+    cfg = AutoConfig.for_model("deepseek_v3", **V3)
+    with pytest.raises(ValueError, match="num_attention_heads .4. is not divisible by "
+                                         "tensor_parallel_size .3."):
+        ds.DeepseekMLA(cfg, torch.float32)

@@ -219,13 +219,13 @@ def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path):
                    speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     runner = llm.llm_engine.core.runner
     blocks = 256 // 4
+    kw = dict(block_size=4, sliding_window=None, keep_hidden=True)
     runner.graphs = EagerDecodeGraphs(runner.model, runner.backend, 4, blocks, runner.device,
-                                      block_size=4, sliding_window=None)
+                                      **kw)
     runner.prefill_graphs = EagerPrefillGraphs(runner.model, runner.backend, 16, blocks,
-                                               runner.device, block_size=4,
-                                               sliding_window=None)
+                                               runner.device, **kw)
     runner.verify_graphs = EagerVerifyGraphs(runner.model, runner.backend, 2, 4, blocks,
-                                             runner.device, block_size=4, sliding_window=None)
+                                             runner.device, **kw)
     replays = []
     for g in (runner.graphs, runner.prefill_graphs, runner.verify_graphs):
         g.capture()
@@ -242,3 +242,36 @@ def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path):
     assert len(log) > 5
     for seq, drafts in log:
         assert drafts == ref.drafts(seq, len(drafts)), seq
+
+
+def test_a_prompt_chunk_of_k_plus_1_tokens_keeps_a_step_off_the_verify_graph(tiny_llama_dir):
+    """A new prompt's last chunk of k + 1 tokens, scheduled beside verifies, samples one row:
+    the step runs eagerly (replaying the verify graph would misalign every row after it)."""
+    spec = {"method": "test_forced_acceptance", "num_speculative_tokens": 2,
+            "acceptance_rate": 0.5}
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a = {"prompt_token_ids": [5, 9, 44, 71, 3, 8]}
+    b = {"prompt_token_ids": [17, 29, 61]}  # k + 1 tokens
+
+    def run(llm) -> list[list[int]]:
+        engine = llm.llm_engine
+        engine.add_request("a", a, params)
+        for _ in range(3):
+            engine.step()
+        engine.add_request("b", b, params)
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+        return [done["a"], done["b"]]
+
+    want = run(_llm(tiny_llama_dir, "triton", speculative_config=spec))
+    llm = _llm(tiny_llama_dir, "triton", speculative_config=spec)
+    runner = llm.llm_engine.core.runner
+    graphs = EagerVerifyGraphs(runner.model, runner.backend, 2, 8, 96 // 4, runner.device,
+                               block_size=4, sliding_window=None)
+    graphs.capture()
+    runner.verify_graphs = graphs
+    assert run(llm) == want
+    assert llm.llm_engine.core.scheduler.num_failed_steps == 0
