@@ -11,8 +11,8 @@ from typing import Any
 from shoal.json_arg import json_object
 
 # What shoal can run now, and what vLLM names that shoal does not run yet.
-METHODS = ("ngram", "draft_model", "mtp")
-NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "suffix")
+METHODS = ("ngram", "draft_model", "mtp", "eagle")
+NOT_YET = ("eagle3", "medusa", "mlp_speculator", "suffix")
 # Test-only: placeholder drafts and a verifier that accepts a set share of them (timing runs
 # on random weights, where real acceptance cannot be had). Never lossless.
 FORCED = "test_forced_acceptance"
@@ -31,7 +31,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched in the context
     prompt_lookup_max: int = 5  # ngram: longest suffix tried first
-    model: str | None = None  # draft_model: the draft checkpoint (mtp: none, the target's)
+    # draft_model: the draft checkpoint; eagle: the EAGLE head's folder (mtp: none, the
+    # target's own layer)
+    model: str | None = None
     acceptance_rate: float = 0.0  # test_forced_acceptance only
     # No drafts while this many requests or more are running (vLLM's key; None: no limit).
     disable_by_batch_size: int | None = None
@@ -58,6 +60,9 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the "
                              "draft checkpoint)")
+        if self.method == "eagle" and not self.model:
+            raise ValueError("speculative_config: method 'eagle' needs 'model' (the EAGLE "
+                             "head's checkpoint folder)")
         if self.method == "mtp" and self.model:
             raise ValueError("speculative_config: method 'mtp' drafts with the target's own "
                              "multi-token-prediction layer; it takes no 'model'")

@@ -1,27 +1,40 @@
-"""Method "mtp": DeepSeek-V3's multi-token-prediction layer (shoal/models/deepseek_mtp.py)
-drafts k tokens greedily from the target's hidden states.
+"""Drafting from the target's hidden states: methods "mtp" and "eagle".
 
-Alignment (as vLLM's): the MTP row of position p takes the target's final (normed) hidden
-state at p and the token at p + 1, runs at position p and writes its latent KV at p's slot,
-and its logits predict the token at p + 2. Its KV cache is a tensor of its own sharing the
-target's block tables, like the draft model's (shoal/spec_decode/draft_model.py).
+Both draft with a small "head" that reads the target's final (normed) hidden states: "mtp"
+with DeepSeek-V3's multi-token-prediction layer (shoal/models/deepseek_mtp.py), "eagle" with
+an EAGLE-1 head for a Llama-family target (shoal/models/llama_eagle.py). HiddenStateProposer
+runs either; a head is a module with
+
+    head(next_ids, positions, prev_hidden, attn_metadata) -> output state (one row each)
+    head.compute_logits(output state) -> logits over the target's vocabulary
+    head.attention_layers() -> its attention layers (their KV cache is the proposer's)
+
+built and loaded by build_mtp_head / build_eagle_head. The output state is also what a
+further draft step feeds back as prev_hidden. (Logits are a separate call: the mirror needs
+them for no row, drafting only for each request's last.)
+
+Alignment (as vLLM's): the head's row of position p takes the target's final (normed) hidden
+state at p and the token at p + 1, runs at position p and writes its KV at p's slot, and its
+logits predict the token at p + 2. Its KV cache is a tensor of its own sharing the target's
+block tables, like the draft model's (shoal/spec_decode/draft_model.py).
 
 Each step is mirrored once its tokens are sampled (the last position's next token is the
-sampled one): every position the target computed whose next token is now known gets its MTP
-row (for a verify step: up to the last accepted position; rejected positions are recomputed
-by later steps, and their slots overwritten). The mirror's last row of a sampling request
-(position L-2 for a sequence of L tokens, next token the one just sampled) gives draft 1;
-drafts 2..k feed the layer's own output state back with the previous draft, at positions
-L-1, L, ...; those positions past the request's blocks go to per-row scratch blocks, and
-everything written past the computed tokens is overwritten by the next mirror before anyone
-reads it."""
+sampled one): every position the target computed whose next token is now known gets its
+head row (for a verify step: up to the last accepted position; rejected positions are
+recomputed by later steps, and their slots overwritten). The mirror's last row of a sampling
+request (position L-2 for a sequence of L tokens, next token the one just sampled) gives
+draft 1; drafts 2..k feed the head's own output state back with the previous draft, at
+positions L-1, L, ...; those positions past the request's blocks go to per-row scratch
+blocks, and everything written past the computed tokens is overwritten by the next mirror
+before anyone reads it."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -58,52 +71,74 @@ def check_mtp_target(hf_config: Any) -> None:
             f"num_nextn_predict_layers={getattr(hf_config, 'num_nextn_predict_layers', None)}")
 
 
-def read_mtp_tensors(source: str, hf_config: Any) -> list[tuple[str, torch.Tensor]]:
-    """The first MTP layer's tensors of a safetensors folder (only those are read)."""
+def read_mtp_tensors(source: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """The first MTP layer's tensors of a safetensors folder (only those are read), one at a
+    time in the checkpoint's dtype: DeepSeek-V3's layer holds 256 experts."""
     from safetensors import safe_open
 
     from shoal.loader.safetensors_loader import safetensors_files
 
     prefix = mtp_prefix(hf_config)
-    out = []
+    found = 0
     for file in safetensors_files(Path(source)):
         with safe_open(str(file), framework="pt") as handle:
             for name in handle.keys():
                 if name.startswith(prefix):
-                    out.append((name, handle.get_tensor(name).to(torch.float32)))
-    if not out:
+                    found += 1
+                    yield name, handle.get_tensor(name)
+    if not found:
         raise ValueError(
             f"speculative_config: method 'mtp': {source} has no multi-token-prediction "
             f"tensors ({prefix}*), although its config has num_nextn_predict_layers="
             f"{num_mtp_layers(hf_config)}")
-    return out
 
 
-class MtpProposer:
-    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, target: nn.Module,
-                 loaded: Any):
-        hf = loaded.hf_config
-        check_mtp_target(hf)
+class DraftHead(Protocol):
+    """What HiddenStateProposer drafts with (see the module's docstring)."""
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 prev_hidden: torch.Tensor, md: Any) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def attention_layers(self) -> list[Any]: ...
+
+
+def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.Module:
+    """The target's first MTP layer (method "mtp"), loaded from the target's checkpoint."""
+    hf = loaded.hf_config
+    check_mtp_target(hf)
+    dtype = config.model_config.dtype
+    with torch.device(config.device):
+        head = DeepseekMTP(hf, dtype, use_triton_ops=config.use_triton_ops)
+    if config.model_config.load_format == "dummy":
+        initialize_dummy_weights(head, seed=config.model_config.seed + 1)
+        head.share_with(target, embed=True, head=True)
+    else:
+        if loaded.load_format != "safetensors":
+            raise ValueError("speculative_config: method 'mtp' loads its layer from a "
+                             f"safetensors folder, not {loaded.load_format}")
+        head.load_weights(read_mtp_tensors(loaded.source, hf), target)
+    head.eval()
+    if num_mtp_layers(hf) > 1:
+        logger.info("mtp: the checkpoint has %d MTP layers; drafting with the first",
+                    num_mtp_layers(hf))
+    return head
+
+
+class HiddenStateProposer:
+    """Methods "mtp" and "eagle": `head` (a DraftHead) drafts k tokens greedily from the
+    target's hidden states, with a KV cache of its own on the target's block tables."""
+
+    def __init__(self, config: EngineConfig, spec: SpeculativeConfig, head: nn.Module):
         self.k = spec.num_speculative_tokens
         self.device = config.device
         self.dtype = config.model_config.dtype
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.scheduler_config.max_model_len
         self.max_rows = config.scheduler_config.max_num_seqs
-        with torch.device(self.device):
-            self.model = DeepseekMTP(hf, self.dtype, use_triton_ops=config.use_triton_ops)
-        if config.model_config.load_format == "dummy":
-            initialize_dummy_weights(self.model, seed=config.model_config.seed + 1)
-            self.model.share_with(target, embed=True, head=True)
-        else:
-            if loaded.load_format != "safetensors":
-                raise ValueError("speculative_config: method 'mtp' loads its layer from a "
-                                 f"safetensors folder, not {loaded.load_format}")
-            self.model.load_weights(read_mtp_tensors(loaded.source, hf), target)
-        self.model.eval()
-        if num_mtp_layers(hf) > 1:
-            logger.info("mtp: the checkpoint has %d MTP layers; drafting with the first",
-                        num_mtp_layers(hf))
+        self.model = head
+        self.sliding_window = getattr(head.attention_layers()[0], "sliding_window", None)
         self.backend = None
         self.null_block = 0
         self._scratch_base = 0
@@ -128,14 +163,14 @@ class MtpProposer:
                   tables: list[list[int]], num_decodes: int):
         return self.backend.build_metadata(
             query_lens=query_lens, context_lens=context_lens, block_tables=tables,
-            block_size=self.block_size, num_decodes=num_decodes, sliding_window=None,
-            device=self.device, null_block=self.null_block)
+            block_size=self.block_size, num_decodes=num_decodes,
+            sliding_window=self.sliding_window, device=self.device, null_block=self.null_block)
 
     @torch.inference_mode()
     def mirror_and_propose(self, reqs: list[MtpRequest], hidden: torch.Tensor,
                            failed: set[int]) -> dict[int, list[int]]:
         """Mirrors a sampled target step (hidden: its final hidden states, one row per
-        token) into the MTP cache and drafts for its sampling requests (serial -> drafts).
+        token) into the head's cache and drafts for its sampling requests (serial -> drafts).
         `failed`: requests whose step produced non-finite values (neither mirrored nor
         drafted)."""
         rows: list[int] = []
@@ -202,3 +237,7 @@ class MtpProposer:
                 drafts.append(ids)
         result = torch.stack(drafts, dim=1).tolist()
         return {r.serial: d for r, d in zip(reqs, result)}
+
+
+# The model runner's name for it (its `self.mtp` is any hidden-state drafter, mtp or eagle).
+MtpProposer = HiddenStateProposer

@@ -51,8 +51,8 @@ class ForcedAcceptance:
 
 
 def build_proposer(engine_config: EngineConfig, target: Any = None, loaded: Any = None) -> Any:
-    """The proposer of engine_config.speculative_config (None: no speculation). Method "mtp"
-    needs the target model and its LoadedModel (config and checkpoint)."""
+    """The proposer of engine_config.speculative_config (None: no speculation). Methods "mtp"
+    and "eagle" need the target model and its LoadedModel (config and checkpoint)."""
     config = engine_config.speculative_config
     if config is None:
         return None
@@ -64,10 +64,17 @@ def build_proposer(engine_config: EngineConfig, target: Any = None, loaded: Any 
         from shoal.spec_decode.draft_model import DraftModelProposer
 
         return DraftModelProposer(engine_config, config)
-    if config.method == "mtp":
-        from shoal.spec_decode.mtp import MtpProposer
+    if config.method in ("mtp", "eagle"):
+        from shoal.spec_decode.mtp import HiddenStateProposer, build_mtp_head
 
         if target is None or loaded is None:
-            raise ValueError("speculative_config: method 'mtp' needs the target model")
-        return MtpProposer(engine_config, config, target, loaded)
+            raise ValueError(f"speculative_config: method {config.method!r} needs the target "
+                             "model")
+        if config.method == "mtp":
+            head = build_mtp_head(engine_config, target, loaded)
+        else:
+            from shoal.models.llama_eagle import build_eagle_head
+
+            head = build_eagle_head(engine_config, config, target, loaded)
+        return HiddenStateProposer(engine_config, config, head)
     raise ValueError(f"speculative_config: method {config.method!r} is not supported yet")
