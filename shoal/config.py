@@ -109,14 +109,34 @@ class SchedulerConfig:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority' (got {self.policy!r})")
 
 
-EXECUTOR_BACKENDS = ("uni", "mp")  # "ray" is vLLM's third; shoal does not have it yet
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+RAY_INSTALL_HINT = "pip install 'ray==2.60.0' (shoal's 'ray' extra)"
+
+
+def ray_installed() -> bool:
+    """Whether Ray can be imported, without importing it (shoal never imports ray unless the
+    ray executor is chosen)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def require_ray() -> None:
+    if not ray_installed():
+        raise ValueError("distributed_executor_backend 'ray' needs Ray, which is not "
+                         f"installed: {RAY_INSTALL_HINT}")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     # uni: the model runner in the engine core's process; mp: one process per rank on this
-    # host (shoal/executor/multiproc.py). Default: uni for one rank, mp for several.
+    # host (shoal/executor/multiproc.py); ray: Ray actors, on this host or several
+    # (shoal/executor/ray_executor.py). Default (EngineArgs): uni for one rank, mp for
+    # several, ray when they do not fit this host's GPUs and Ray is installed.
     distributed_executor_backend: str = "uni"
 
     def __post_init__(self) -> None:
@@ -125,15 +145,15 @@ class ParallelConfig:
                 f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})"
             )
         backend = self.distributed_executor_backend
-        if backend == "ray":
-            raise ValueError("distributed_executor_backend 'ray' is not supported yet; use "
-                             "'mp' (one process per rank on this host)")
         if backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of "
                              f"{', '.join(EXECUTOR_BACKENDS)} (got {backend!r})")
         if backend == "uni" and self.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend 'uni' runs one rank; "
-                             f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'")
+                             f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'"
+                             " or 'ray'")
+        if backend == "ray":
+            require_ray()
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from shoal.config import (
     ParallelConfig,
     SchedulerConfig,
     default_device,
+    ray_installed,
     resolve_dtype,
 )
 from shoal.engine.cpu_defaults import (
@@ -77,8 +78,9 @@ class EngineArgs:
     data_parallel_size: int = arg(1, "replicas of the model, each its own engine process, "
                                      "behind one server (shoal serve only)")
     distributed_executor_backend: str | None = arg(
-        None, "uni (the model in the engine process) or mp (a process per rank); default: uni "
-              "for one rank, mp for several")
+        None, "uni (the model in the engine process), mp (a process per rank on this host) "
+              "or ray (Ray actors, on this host or several); default: uni for one rank, mp "
+              "for several, ray when they do not fit this host's GPUs and Ray is installed")
     load_format: str = arg("auto", "auto, gguf, safetensors or dummy (random weights)")
     device: str | None = arg(None, "cpu or cuda (default: cuda when available)")
     scheduling_policy: str = arg("fcfs", "fcfs or priority")
@@ -219,7 +221,7 @@ class EngineArgs:
             ),
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size,
-                self.distributed_executor_backend or ("uni" if tp == 1 else "mp")),
+                self._executor_backend(device, tp)),
             device=device,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
@@ -233,13 +235,27 @@ class EngineArgs:
                 parse_backend_config(self.structured_outputs_config)),
         )
 
+    def _executor_backend(self, device: Any, tp: int) -> str:
+        """The user's choice, else vLLM's rule: uni for one rank, mp when the ranks fit this
+        host's GPUs (always on the CPU), ray when they do not and Ray is installed."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        if tp == 1:
+            return "uni"
+        if device.type == "cuda":
+            import torch
+
+            if (device.index or 0) + tp > torch.cuda.device_count() and ray_installed():
+                return "ray"
+        return "mp"
+
     def _check_tensor_parallel(self, device: Any) -> int:
         import torch
 
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1 (got {tp!r})")
-        if tp > 1 and device.type == "cuda":
+        if tp > 1 and device.type == "cuda" and self._executor_backend(device, tp) != "ray":
             first = device.index or 0
             if first + tp > torch.cuda.device_count():
                 raise ValueError(f"tensor_parallel_size {tp} needs GPUs {first}..{first + tp - 1}"

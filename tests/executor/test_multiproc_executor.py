@@ -48,7 +48,6 @@ def test_two_ranks_generate_what_one_rank_does(tiny_llama_dir):
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
     ({"tensor_parallel_size": 2, "async_scheduling": True}, "async_scheduling does not support"),
     ({"tensor_parallel_size": 2, "kv_offloading_size": 1.0}, "kv_offloading_size does not"),
-    ({"distributed_executor_backend": "ray"}, "'ray' is not supported yet"),
     ({"distributed_executor_backend": "threads"}, "must be one of uni, mp"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "uni"}, "needs 'mp'"),
 ])

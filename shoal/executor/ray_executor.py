@@ -1,0 +1,345 @@
+"""Tensor parallelism over Ray actors, on this host or several (vLLM's `ray` executor).
+
+The same shape as MultiprocExecutor (shoal/executor/multiproc.py): rank 0 is a ModelRunner in
+the engine core's own process (the driver); ranks 1..N-1 are Ray actors (RayWorker below),
+placed with a placement group of one bundle per rank ({"CPU": 1} on the CPU, {"GPU": 1} on
+CUDA; bundle 0 is pinned to the driver's node and held for rank 0). All ranks join one
+torch.distributed group (gloo on the CPU, NCCL on GPUs) at the driver's node IP. Every step
+the driver sends the msgpack-encoded command (the same commands as mp) to each actor as an
+actor method call, then runs it itself; the collectives inside the model keep the ranks in
+lockstep and only rank 0's sampled tokens are returned.
+
+Ray is optional: this module imports it only when an executor is built."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import time
+from typing import Any
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from shoal.config import EngineConfig, require_ray
+from shoal.distributed.parallel_state import init_tensor_parallel, reset_tensor_parallel
+from shoal.engine.scheduler_output import SchedulerOutput
+from shoal.executor.commands import (
+    Command,
+    InitKVCache,
+    RemoveRequests,
+    ResetAfterFault,
+    RunStep,
+)
+from shoal.executor.distributed_init import COLLECTIVE_TIMEOUT
+from shoal.executor.multiproc import WorkerDiedError
+from shoal.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+PLACEMENT_TIMEOUT_S = 120  # resources the cluster does not have: fail instead of waiting
+STARTUP_TIMEOUT_S = 600  # the actors' model load
+FAULT_WAIT_S = 5.0  # after a failed step, how long to wait for the actors' calls to settle
+
+
+def _import_ray() -> Any:
+    require_ray()
+    try:
+        import ray
+    except ImportError as e:  # find_spec saw it, but it does not import
+        raise ValueError(f"distributed_executor_backend 'ray' could not import ray: {e}") from e
+    return ray
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _join_group(device: torch.device, rank: int, world: int, host: str, port: int) -> None:
+    """join_tensor_parallel_group, with the driver's node IP instead of loopback."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    init_tensor_parallel()
+
+
+class RayWorker:
+    """One worker rank, as a Ray actor (wrapped with ray.remote by the executor)."""
+
+    def __init__(self) -> None:
+        self.runner: Any = None
+        self.decoder = msgspec.msgpack.Decoder(Command)
+
+    def gpu_ids(self) -> list[int]:
+        import ray
+
+        return [int(i) for i in ray.get_gpu_ids()]
+
+    def setup(self, config: EngineConfig, rank: int, world: int, host: str, port: int,
+              cpu_threads: int | None) -> tuple[int, str]:
+        from shoal.loader import load_model
+        from shoal.worker.model_runner import ModelRunner
+
+        if cpu_threads is not None:
+            torch.set_num_threads(cpu_threads)
+        if config.device.type == "cuda":  # Ray set CUDA_VISIBLE_DEVICES to this bundle's GPU
+            config = dataclasses.replace(config, device=torch.device("cuda", 0))
+        _join_group(config.device, rank, world, host, port)
+        torch.manual_seed(config.model_config.seed)
+        mc = config.model_config
+        loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format)
+        self.runner = ModelRunner(config, loaded)
+        import ray
+
+        return os.getpid(), ray.util.get_node_ip_address()
+
+    def run(self, data: bytes) -> None:
+        cmd = self.decoder.decode(data)
+        runner = self.runner
+        if isinstance(cmd, RunStep):
+            runner.finish(runner.launch(cmd.sched))
+        elif isinstance(cmd, RemoveRequests):
+            runner.remove_requests(set(cmd.serials))
+        elif isinstance(cmd, InitKVCache):
+            runner.initialize_kv_cache()
+        elif isinstance(cmd, ResetAfterFault):
+            runner.reset_after_fault()
+
+
+class _Rank0Holder:
+    """Holds bundle 0 (the driver's GPU) so Ray gives that GPU to no worker rank."""
+
+    def gpu_ids(self) -> list[int]:
+        import ray
+
+        return [int(i) for i in ray.get_gpu_ids()]
+
+
+class RayExecutor:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        from shoal.worker.model_runner import ModelRunner
+
+        ray = _import_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        world = config.parallel_config.tensor_parallel_size
+        self.world = world
+        self._actors: list[Any] = []
+        self._pids: list[int] = []
+        self._pending: dict[Any, int] = {}  # ref of an actor call not yet seen done -> rank
+        self._last: dict[int, Any] = {}  # rank -> ref of its latest call
+        self._pg = None
+        self._holder = None
+        self._encoder = msgspec.msgpack.Encoder()
+        self._owns_ray = False
+        self._ray = ray
+        on_gpu = config.device.type == "cuda"
+        threads = None
+        if not on_gpu:  # one core per bundle; the driver's rank shares this process's cores
+            threads = max(1, torch.get_num_threads() // world)
+            torch.set_num_threads(threads)
+        try:
+            self._init_ray(world, on_gpu)
+            host = ray.util.get_node_ip_address()
+            resource = "GPU" if on_gpu else "CPU"
+            bundles = [{resource: 1.0} for _ in range(world)]
+            bundles[0][f"node:{host}"] = 0.001  # rank 0 runs here, in the driver
+            fits = any(n.get("Alive") and n.get("Resources", {}).get(resource, 0) >= world
+                       for n in ray.nodes())
+            self._pg = placement_group(bundles, strategy="STRICT_PACK" if fits else "PACK",
+                                       name=f"shoal-tp-{os.getpid()}")
+            try:
+                ray.get(self._pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                raise ValueError(
+                    f"Ray could not place {world} ranks ({world} x {{{resource!r}: 1}}) within "
+                    f"{PLACEMENT_TIMEOUT_S} s; cluster resources: "
+                    f"{ray.cluster_resources()}") from None
+
+            def strategy(rank: int) -> Any:
+                return PlacementGroupSchedulingStrategy(
+                    placement_group=self._pg, placement_group_bundle_index=rank)
+
+            if on_gpu:
+                holder_cls = ray.remote(num_cpus=0, num_gpus=1)(_Rank0Holder)
+                self._holder = holder_cls.options(scheduling_strategy=strategy(0)).remote()
+                config = dataclasses.replace(
+                    config, device=_driver_device(ray.get(self._holder.gpu_ids.remote())))
+            worker_cls = ray.remote(RayWorker)
+            opts = {"num_cpus": 0, "num_gpus": 1} if on_gpu else {"num_cpus": 1}
+            port = _free_port()
+            setups = []
+            for rank in range(1, world):
+                actor = worker_cls.options(name=f"shoal-tp-rank{rank}-{os.getpid()}",
+                                           scheduling_strategy=strategy(rank), **opts).remote()
+                self._actors.append(actor)
+                setups.append(actor.setup.remote(config, rank, world, host, port, threads))
+            _join_group(config.device, 0, world, host, port)
+            self.driver = ModelRunner(config, loaded)
+            # Processes on this node, waited for at shutdown (ray.kill does not wait).
+            self._pids = [pid for pid, ip in ray.get(setups, timeout=STARTUP_TIMEOUT_S)
+                          if ip == host]
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _init_ray(self, world: int, on_gpu: bool) -> None:
+        ray = self._ray
+        if ray.is_initialized():
+            return
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address="auto")
+            return
+        try:  # a cluster `ray start` began on this node (the head node)
+            ray.init(address="auto")
+            return
+        except ConnectionError:
+            pass
+        # A local cluster of our own, stopped at shutdown.
+        cpus = None if on_gpu else max(os.cpu_count() or 1, world)
+        ray.init(num_cpus=cpus, include_dashboard=False)
+        self._owns_ray = True
+
+    # ---- the runner's interface ------------------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        if name == "driver":
+            raise AttributeError(name)
+        return getattr(self.driver, name)
+
+    def initialize_kv_cache(self) -> int:
+        self._broadcast(InitKVCache())
+        return self.driver.initialize_kv_cache()
+
+    def launch(self, sched: SchedulerOutput) -> Any:
+        self._broadcast(RunStep(dataclasses.replace(sched, grammar_bitmask=None)))
+        return self.driver.launch(sched)
+
+    def finish(self, fut: Any) -> Any:
+        return self.driver.finish(fut)
+
+    def execute(self, sched: SchedulerOutput) -> Any:
+        return self.finish(self.launch(sched))
+
+    def remove_requests(self, serials: set[int]) -> None:
+        if serials:
+            self._broadcast(RemoveRequests(sorted(serials)))
+        self.driver.remove_requests(serials)
+
+    def reset_after_fault(self) -> None:
+        # A step failed. If it was a worker rank dying (the driver's collective then fails
+        # too), its call fails within moments: that is the error to raise.
+        self._check_actors(wait_s=FAULT_WAIT_S)
+        self._broadcast(ResetAfterFault())
+        self.driver.reset_after_fault()
+
+    def use_kv_transfer(self, transfer: Any) -> None:
+        raise ValueError("KV offloading does not support tensor_parallel_size > 1 yet")
+
+    def shutdown(self) -> None:
+        """Kills the actors, removes the placement group, leaves the process group, and stops
+        the local Ray cluster if this executor started it (idempotent)."""
+        ray = self.__dict__.get("_ray")
+        if ray is None:
+            return
+        for actor in [*self.__dict__.get("_actors", []), self.__dict__.get("_holder")]:
+            if actor is not None:
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:
+                    pass
+        self._actors, self._holder, self._pending, self._last = [], None, {}, {}
+        if self.__dict__.get("_pg") is not None:
+            try:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self._pg)
+            except Exception:
+                pass
+            self._pg = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        reset_tensor_parallel()
+        _wait_exited(self.__dict__.get("_pids", []), 10.0)
+        self._pids = []
+        if self.__dict__.get("_owns_ray") and ray.is_initialized():
+            ray.shutdown()
+        self._owns_ray = False
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _broadcast(self, cmd: Any) -> None:
+        self._check_actors(wait_s=0.0)
+        data = self._encoder.encode(cmd)
+        for rank, actor in enumerate(self._actors, start=1):
+            ref = actor.run.remote(data)
+            self._pending[ref] = rank
+            self._last[rank] = ref
+
+    def _check_actors(self, wait_s: float) -> None:
+        """Raises WorkerDiedError if an actor call failed (the actor died, or its rank raised:
+        the ranks are out of lockstep either way). Waits up to wait_s for each rank's latest
+        call to settle."""
+        ray = self._ray
+        if wait_s > 0 and self._last:
+            deadline = time.monotonic() + wait_s
+            waiting = list(self._last.values())
+            while waiting and time.monotonic() < deadline:
+                ready, waiting = ray.wait(waiting, num_returns=1,
+                                          timeout=max(0.0, deadline - time.monotonic()))
+                if ready:
+                    self._settle(ready)
+        if self._pending:
+            ready, _ = ray.wait(list(self._pending), num_returns=len(self._pending), timeout=0)
+            self._settle(ready)
+
+    def _settle(self, refs: list[Any]) -> None:
+        ray = self._ray
+        for ref in refs:
+            rank = self._pending.pop(ref, None)
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                raise WorkerDiedError(f"tensor-parallel worker (Ray actor) shoal-tp-rank{rank} "
+                                      f"failed: {type(e).__name__}: {e}") from e
+
+    def __del__(self) -> None:  # an engine dropped without shutdown(): no orphan actors
+        if self.__dict__.get("_actors") or self.__dict__.get("_pg") is not None:
+            try:
+                self.shutdown()
+            except Exception:
+                pass
+
+
+def _driver_device(gpu_ids: list[int]) -> torch.device:
+    """The CUDA device of the GPU Ray reserved for rank 0 (Ray's ids are physical; this
+    process's CUDA_VISIBLE_DEVICES, if set, renumbers them)."""
+    gpu = gpu_ids[0]
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",")]
+        if str(gpu) not in ids:
+            raise ValueError(f"Ray reserved GPU {gpu} for rank 0, which this process does not "
+                             f"see (CUDA_VISIBLE_DEVICES={visible})")
+        return torch.device("cuda", ids.index(str(gpu)))
+    return torch.device("cuda", gpu)
+
+
+def _wait_exited(pids: list[int], timeout: float) -> None:
+    """ray.kill is asynchronous: wait for the actors' processes on this node to go."""
+    deadline = time.monotonic() + timeout
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    if any(line.startswith("State:") and "Z" in line for line in f):
+                        break
+            except (FileNotFoundError, ProcessLookupError):
+                break
+            time.sleep(0.05)
