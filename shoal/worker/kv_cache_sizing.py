@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
+import numpy as np
 import torch
 
 from shoal.config import CacheConfig
@@ -31,13 +32,25 @@ def layers_bytes_per_block(layers: list, block_size: int, dtype: torch.dtype) ->
                            a.kv_planes)
 
 
+def zeroed_host_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor in host memory that costs nothing until written: numpy's zeros is calloc,
+    whose large blocks are fresh pages the kernel zeroes on first touch, where torch.zeros
+    writes every byte up front (1 s per 2 GiB on a laptop core, before the first request)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    n = elem
+    for d in shape:
+        n *= d
+    return torch.from_numpy(np.zeros(n, dtype=np.uint8)).view(dtype).view(shape)
+
+
 def allocate_kv_caches(layers: list, num_slots: int, dtype: torch.dtype,
                        device: torch.device) -> list[torch.Tensor]:
     """One zeroed [planes, num_slots, Hk, D] cache per layer (views of one allocation), bound
     to the layers."""
     a = layers[0]
-    cache = torch.zeros(len(layers), a.kv_planes, num_slots, a.num_kv_heads, a.head_dim,
-                        dtype=dtype, device=device)
+    shape = (len(layers), a.kv_planes, num_slots, a.num_kv_heads, a.head_dim)
+    cache = (torch.zeros(shape, dtype=dtype, device=device) if device.type != "cpu"
+             else zeroed_host_tensor(shape, dtype))
     caches = list(cache.unbind(0))
     for layer, kv in zip(layers, caches):
         layer.kv_cache = kv
