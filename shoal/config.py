@@ -138,11 +138,21 @@ class ParallelConfig:
     # (shoal/executor/ray_executor.py). Default (EngineArgs): uni for one rank, mp for
     # several, ray when they do not fit this host's GPUs and Ray is installed.
     distributed_executor_backend: str = "uni"
+    # Stages the decoder layers are split over (world = tp * pp; mp backend only).
+    pipeline_parallel_size: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(
                 f"tensor_parallel_size must be >= 1 (got {self.tensor_parallel_size})"
+            )
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(
+                f"pipeline_parallel_size must be >= 1 (got {self.pipeline_parallel_size})"
             )
         backend = self.distributed_executor_backend
         if backend not in EXECUTOR_BACKENDS:
@@ -152,6 +162,9 @@ class ParallelConfig:
             raise ValueError("distributed_executor_backend 'uni' runs one rank; "
                              f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'"
                              " or 'ray'")
+        if self.pipeline_parallel_size > 1 and backend != "mp":
+            raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} needs "
+                             f"distributed_executor_backend 'mp' (got {backend!r})")
         if backend == "ray":
             require_ray()
 

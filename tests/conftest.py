@@ -10,6 +10,11 @@ import pytest
 import torch
 from oracle import write_tiny_checkpoint
 
+# Without a GPU the Triton kernels run in Triton's interpreter. triton.jit reads the variable
+# when a kernel module is imported, which any test may do first: set it for the whole session.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Two cores: one intra-op thread per process keeps test processes from fighting.
 torch.set_num_threads(int(os.environ.get("SHOAL_TEST_THREADS", "1")))
 

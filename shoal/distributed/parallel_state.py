@@ -1,4 +1,9 @@
-"""Tensor-parallel group state. World size 1 needs no process group at all."""
+"""Tensor- and pipeline-parallel group state. World size 1 needs no process group at all.
+
+Layout (vLLM's): world = tp * pp ranks; rank r is pipeline stage r // tp and tensor-parallel
+rank r % tp, so each stage's TP group is the contiguous ranks [s*tp, (s+1)*tp). Tensor
+collectives run inside the stage's TP group only; stages talk point to point (send/recv on
+the world group) between the ranks of the same TP rank."""
 
 from __future__ import annotations
 
@@ -6,29 +11,105 @@ import torch
 import torch.distributed as dist
 
 _TP_GROUP: dist.ProcessGroup | None = None
+_TP_SIZE = 1  # the stage's TP group size (set with the group)
+_PP_SIZE = 1
+_PP_RANK = 0
 
 
 def init_tensor_parallel(group: dist.ProcessGroup | None = None) -> None:
-    """Use `group` (default: the world group) for tensor parallelism."""
-    global _TP_GROUP
+    """Use `group` (default: the world group) for tensor parallelism; one pipeline stage."""
+    global _TP_GROUP, _TP_SIZE, _PP_SIZE, _PP_RANK
     if not dist.is_initialized():
         raise RuntimeError("torch.distributed must be initialized before tensor parallelism")
     _TP_GROUP = group if group is not None else dist.group.WORLD
+    _TP_SIZE = dist.get_world_size(_TP_GROUP)
+    _PP_SIZE, _PP_RANK = 1, 0
+
+
+def init_model_parallel(tp: int, pp: int) -> None:
+    """tp ranks per stage, pp stages (world = tp * pp). Every rank must call it (new_group is
+    collective over the world, for every group, member or not)."""
+    global _TP_GROUP, _TP_SIZE, _PP_SIZE, _PP_RANK
+    if not dist.is_initialized():
+        raise RuntimeError("torch.distributed must be initialized before model parallelism")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world != tp * pp:
+        raise ValueError(f"world size {world} != tensor_parallel_size {tp} x "
+                         f"pipeline_parallel_size {pp}")
+    if pp == 1:
+        init_tensor_parallel()
+        return
+    stage = rank // tp
+    group = None
+    if tp > 1:
+        for s in range(pp):  # same order on every rank
+            g = dist.new_group(list(range(s * tp, (s + 1) * tp)))
+            if s == stage:
+                group = g
+    _TP_GROUP, _TP_SIZE = group, tp
+    _PP_SIZE, _PP_RANK = pp, stage
 
 
 def reset_tensor_parallel() -> None:
-    global _TP_GROUP
-    _TP_GROUP = None
+    global _TP_GROUP, _TP_SIZE, _PP_SIZE, _PP_RANK
+    _TP_GROUP, _TP_SIZE, _PP_SIZE, _PP_RANK = None, 1, 1, 0
 
 
 def get_tp_world_size() -> int:
-    return 1 if _TP_GROUP is None else dist.get_world_size(_TP_GROUP)
+    return 1 if _TP_GROUP is None else _TP_SIZE
 
 
 def get_tp_rank() -> int:
     return 0 if _TP_GROUP is None else dist.get_rank(_TP_GROUP)
 
 
+# ---- pipeline parallelism ---------------------------------------------------------------------
+def get_pp_world_size() -> int:
+    return _PP_SIZE
+
+
+def get_pp_rank() -> int:
+    return _PP_RANK
+
+
+def pp_is_first() -> bool:
+    return _PP_RANK == 0
+
+
+def pp_is_last() -> bool:
+    return _PP_RANK == _PP_SIZE - 1
+
+
+def pp_stage_rank(stage: int) -> int:
+    """The global rank of `stage`'s rank with this rank's TP rank."""
+    return stage * get_tp_world_size() + get_tp_rank()
+
+
+def pp_prev_rank() -> int:
+    return pp_stage_rank(_PP_RANK - 1)
+
+
+def pp_next_rank() -> int:
+    return pp_stage_rank(_PP_RANK + 1)
+
+
+def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the decoder layers on stage pp_rank: contiguous, as even as possible.
+    As vLLM splits them, the remainder goes one layer each to the stages just before the
+    last one (the last stage also runs the final norm): 5 layers over 2 stages are 3 + 2."""
+    base, rem = divmod(num_layers, pp_size)
+    sizes = [base + (1 if pp_size - 1 - rem <= s < pp_size - 1 else 0)
+             for s in range(pp_size)]
+    start = sum(sizes[:pp_rank])
+    return start, start + sizes[pp_rank]
+
+
+def pp_layer_range(num_layers: int) -> tuple[int, int]:
+    """This rank's decoder layers (all of them without pipeline parallelism)."""
+    return get_pp_indices(num_layers, _PP_RANK, _PP_SIZE)
+
+
+# ---- collectives --------------------------------------------------------------------------------
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if get_tp_world_size() == 1:
         return x
@@ -46,9 +127,19 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
 
 
 def tp_min_int(value: int, device: torch.device) -> int:
-    """The smallest of every rank's `value` (ranks agree on one KV pool size)."""
+    """The smallest of the TP group's `value`s."""
     if get_tp_world_size() == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_TP_GROUP)
+    return int(t.item())
+
+
+def world_min_int(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value`, over all stages and TP ranks (the ranks agree on
+    one KV pool size)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

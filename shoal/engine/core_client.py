@@ -118,6 +118,7 @@ class EngineCoreClient:
             # starts its worker ranks. It still exits with the frontend (the death pipe).
             target=run_engine_core, name="shoal-engine-core",
             daemon=(engine_args.tensor_parallel_size == 1
+                    and engine_args.pipeline_parallel_size == 1
                     and engine_args.distributed_executor_backend in (None, "uni")),
             args=(engine_args, input_addr, output_addr, death_reader, os.getpid(), log_level,
                   *([build_core] if build_core is not None else [])),

@@ -43,7 +43,8 @@ def replica_args(engine_args: EngineArgs, rank: int) -> EngineArgs:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
         first = int(device.split(":")[1]) if ":" in device else 0
-        device = f"cuda:{first + rank * engine_args.tensor_parallel_size}"
+        world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
+        device = f"cuda:{first + rank * world}"
         return dataclasses.replace(engine_args, device=device)
     threads = engine_args.cpu_threads or max(1, (available_cores() - 1) // dp)
     return dataclasses.replace(engine_args, device=device, cpu_threads=threads)

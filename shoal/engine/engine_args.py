@@ -75,6 +75,9 @@ class EngineArgs:
                                               "(default: on with CUDA, off on the CPU)")
     tensor_parallel_size: int = arg(1, "ranks the model is split over (GPUs, or CPU processes "
                                        "with gloo), each a process of this host")
+    pipeline_parallel_size: int = arg(1, "pipeline stages the decoder layers are split over "
+                                         "(mp backend; Llama-family and Qwen3 models; each "
+                                         "stage tensor_parallel_size ranks)")
     data_parallel_size: int = arg(1, "replicas of the model, each its own engine process, "
                                      "behind one server (shoal serve only)")
     distributed_executor_backend: str | None = arg(
@@ -180,6 +183,7 @@ class EngineArgs:
         tp = self._check_tensor_parallel(device)
         if runner == "pooling" and tp > 1:
             raise ValueError("the pooling runner does not support tensor_parallel_size > 1 yet")
+        pp = self._check_pipeline_parallel(device, hf_config, runner)
         if runner == "pooling" and self.speculative_config is not None:
             raise ValueError("speculative_config applies to generation, not the pooling runner")
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
@@ -221,7 +225,8 @@ class EngineArgs:
             ),
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size,
-                self._executor_backend(device, tp)),
+                self._executor_backend(device, tp * pp),
+                pipeline_parallel_size=pp),
             device=device,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
@@ -230,18 +235,21 @@ class EngineArgs:
             cpu_int4_matmul=self._cpu_int4_matmul(device),
             kv_offload_config=self._kv_offload_config(),
             speculative_config=self._speculative_config(hf_config.vocab_size),
-            async_scheduling=self._async_scheduling(device, tp),
+            async_scheduling=self._async_scheduling(device, tp * pp),
             structured_outputs_backend=check_backend_available(
                 parse_backend_config(self.structured_outputs_config)),
         )
 
     def _executor_backend(self, device: Any, tp: int) -> str:
         """The user's choice, else vLLM's rule: uni for one rank, mp when the ranks fit this
-        host's GPUs (always on the CPU), ray when they do not and Ray is installed."""
+        host's GPUs (always on the CPU), ray when they do not and Ray is installed. `tp`: the
+        world size (tensor x pipeline ranks); pipeline parallelism runs on mp only."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         if tp == 1:
             return "uni"
+        if self._pp_size() > 1:
+            return "mp"
         if device.type == "cuda":
             import torch
 
@@ -255,33 +263,83 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1 (got {tp!r})")
-        if tp > 1 and device.type == "cuda" and self._executor_backend(device, tp) != "ray":
+        pp = self._pp_size()
+        world = tp * pp
+        if world > 1 and device.type == "cuda" and self._executor_backend(device, world) != "ray":
             first = device.index or 0
-            if first + tp > torch.cuda.device_count():
-                raise ValueError(f"tensor_parallel_size {tp} needs GPUs {first}..{first + tp - 1}"
+            if first + world > torch.cuda.device_count():
+                what = (f"tensor_parallel_size {tp}" if pp == 1 else
+                        f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}")
+                raise ValueError(f"{what} needs GPUs {first}..{first + world - 1}"
                                  f"; this host has {torch.cuda.device_count()}")
         if tp > 1 and self.kv_offloading_size is not None:
             raise ValueError("kv_offloading_size does not support tensor_parallel_size > 1 yet")
         dp = self.data_parallel_size
         if not isinstance(dp, int) or dp < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1 (got {dp!r})")
-        if dp > 1 and device.type == "cuda" and (device.index or 0) + dp * tp > (
+        if dp > 1 and device.type == "cuda" and (device.index or 0) + dp * world > (
                 torch.cuda.device_count()):
-            raise ValueError(f"data_parallel_size {dp} x tensor_parallel_size {tp} needs "
-                             f"{dp * tp} GPUs; this host has {torch.cuda.device_count()}")
+            raise ValueError(f"data_parallel_size {dp} x {world} ranks (tensor x pipeline "
+                             f"parallel) needs {dp * world} GPUs; this host has "
+                             f"{torch.cuda.device_count()}")
         if dp > 1 and self.kv_offloading_size is not None:
             raise ValueError("kv_offloading_size does not support data_parallel_size > 1 yet")
         if tp > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config does not support tensor_parallel_size > 1 yet")
         return tp
 
+    def _pp_size(self) -> int:
+        pp = self.pipeline_parallel_size
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1 (got {pp!r})")
+        return pp
+
+    def _check_pipeline_parallel(self, device: Any, hf_config: Any, runner: str) -> int:
+        """What pipeline parallelism does not support yet is refused here, clearly."""
+        pp = self._pp_size()
+        if pp == 1:
+            return 1
+        backend = self.distributed_executor_backend
+        if backend not in (None, "mp"):
+            raise ValueError(f"pipeline_parallel_size {pp} needs distributed_executor_backend "
+                             f"'mp' (got {backend!r})")
+        if runner == "pooling":
+            raise ValueError("the pooling runner does not support pipeline_parallel_size > 1 "
+                             "yet")
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config does not support pipeline_parallel_size > 1 "
+                             "yet")
+        if self.kv_offloading_size is not None:
+            raise ValueError("kv_offloading_size does not support pipeline_parallel_size > 1 "
+                             "yet")
+        if self.async_scheduling:
+            raise ValueError("async_scheduling does not support pipeline_parallel_size > 1 "
+                             "yet; leave it unset")
+        if device.type == "cuda" and not self.enforce_eager:
+            raise ValueError("pipeline_parallel_size > 1 does not support CUDA graphs yet: "
+                             "pass enforce_eager=True (--enforce-eager)")
+        from shoal.models.llama import PIPELINE_PARALLEL_ARCHITECTURES
+        from shoal.models.registry import resolve_model_class
+
+        name = resolve_model_class(hf_config, runner).__name__
+        if name not in PIPELINE_PARALLEL_ARCHITECTURES:
+            raise ValueError(f"pipeline_parallel_size > 1 supports "
+                             f"{', '.join(sorted(PIPELINE_PARALLEL_ARCHITECTURES))}; not "
+                             f"{name} yet")
+        layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
+        if layers < pp:
+            raise ValueError(f"pipeline_parallel_size {pp} needs at least as many decoder "
+                             f"layers (the model has {layers})")
+        return pp
+
     def _async_scheduling(self, device: Any, tp: int) -> bool:
-        """Default: on with CUDA. Off with tensor parallelism: every rank then takes its input
-        tokens from the scheduler (shoal/executor/multiproc.py)."""
+        """Default: on with CUDA. Off with tensor or pipeline parallelism (tp: the world
+        size): every rank then takes its input tokens from the scheduler
+        (shoal/executor/multiproc.py)."""
         if tp > 1:
             if self.async_scheduling:
                 raise ValueError("async_scheduling does not support tensor_parallel_size > 1 "
-                                 "yet; leave it unset")
+                                 "(or pipeline parallelism) yet; leave it unset")
             return False
         return device.type == "cuda" if self.async_scheduling is None else bool(
             self.async_scheduling)

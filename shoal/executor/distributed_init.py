@@ -1,4 +1,4 @@
-"""Joining the tensor-parallel process group, the same way on every rank."""
+"""Joining the tensor/pipeline-parallel process group, the same way on every rank."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from shoal.distributed.parallel_state import init_tensor_parallel
+from shoal.distributed.parallel_state import init_model_parallel
 
 # A rank that waits longer than this in a collective gives up (a peer died mid-step).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
@@ -20,14 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_tensor_parallel_group(device: torch.device, rank: int, world: int, port: int) -> None:
-    """NCCL between GPUs (each rank on its own device), gloo on the CPU."""
+def join_tensor_parallel_group(device: torch.device, rank: int, world: int, port: int,
+                               pp: int = 1) -> None:
+    """NCCL between GPUs (each rank on its own device), gloo on the CPU. world = tp * pp:
+    rank r is pipeline stage r // tp (shoal/distributed/parallel_state.py)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    init_tensor_parallel()
+    init_model_parallel(world // pp, pp)
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:

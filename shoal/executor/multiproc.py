@@ -1,4 +1,4 @@
-"""Tensor parallelism over processes on this host (vLLM's `mp` executor).
+"""Tensor and pipeline parallelism over processes on this host (vLLM's `mp` executor).
 
 Rank 0 is a ModelRunner in the engine core's own process (the driver); ranks 1..N-1 are
 spawned worker processes (shoal/executor/worker.py), joined with it in one process group
@@ -6,12 +6,19 @@ spawned worker processes (shoal/executor/worker.py), joined with it in one proce
 workers over ZMQ (msgpack), then runs it itself; the all-reduces and gathers inside the model
 keep the ranks in lockstep, and only rank 0's sampled tokens are returned. The scheduler runs
 synchronously with more than one rank (EngineArgs turns async scheduling off), so every
-rank's input tokens come from the scheduler, never from a rank's own sampling."""
+rank's input tokens come from the scheduler, never from a rank's own sampling.
+
+Pipeline parallelism: world = tp * pp, rank r is stage r // tp. Each stage runs its layers on
+the step's tokens as they arrive from the previous stage (torch.distributed send/recv inside
+ModelRunner._forward_eager); the last stage sends its final hidden states back to stage 0,
+which holds lm_head and samples. One step runs through the stages one after the other: no
+micro-batches overlap the stages yet."""
 
 from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import multiprocessing.connection
 import shutil
 import tempfile
 from typing import Any
@@ -44,7 +51,9 @@ class MultiprocExecutor:
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
         from shoal.worker.model_runner import ModelRunner
 
-        world = config.parallel_config.tensor_parallel_size
+        pc = config.parallel_config
+        pp = pc.pipeline_parallel_size
+        world = pc.tensor_parallel_size * pp
         self.world = world
         threads = None
         if config.device.type == "cpu":  # the ranks share this process's cores
@@ -64,10 +73,10 @@ class MultiprocExecutor:
                 sock.bind(addr)
                 self._sockets.append(sock)
                 proc = mp.Process(target=run_worker, name=f"shoal-tp-rank{rank}", daemon=True,
-                                  args=(config, rank, world, port, addr, threads))
+                                  args=(config, rank, world, port, addr, threads, pp))
                 proc.start()
                 self._procs.append(proc)
-            join_tensor_parallel_group(config.device, 0, world, port)
+            join_tensor_parallel_group(config.device, 0, world, port, pp)
             self.driver = ModelRunner(config, loaded)
         except BaseException:
             self.shutdown()
@@ -89,7 +98,11 @@ class MultiprocExecutor:
         # The grammar bitmask only shapes rank 0's sampling (the workers' tokens are never
         # read), and its fill callback does not cross processes.
         self._broadcast(RunStep(dataclasses.replace(sched, grammar_bitmask=None)))
-        return self.driver.launch(sched)
+        try:
+            return self.driver.launch(sched)
+        except Exception as exc:  # a peer that died mid-step fails rank 0's send/recv
+            self._raise_if_dead(exc)
+            raise
 
     def finish(self, fut: Any) -> Any:
         return self.driver.finish(fut)
@@ -132,10 +145,16 @@ class MultiprocExecutor:
         reset_tensor_parallel()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
-    def _broadcast(self, cmd: Any) -> None:
+    def _raise_if_dead(self, cause: BaseException | None = None) -> None:
         dead = [p.name for p in self._procs if not p.is_alive()]
+        if not dead and cause is not None:  # the collective may fail before the exit shows
+            multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout=1.0)
+            dead = [p.name for p in self._procs if not p.is_alive()]
         if dead:
-            raise WorkerDiedError(f"tensor-parallel worker(s) {', '.join(dead)} exited")
+            raise WorkerDiedError(f"tensor-parallel worker(s) {', '.join(dead)} exited") from cause
+
+    def _broadcast(self, cmd: Any) -> None:
+        self._raise_if_dead()
         data = self._encoder.encode(cmd)
         for sock in self._sockets:
             sock.send(data, copy=False)

@@ -1,5 +1,6 @@
-"""A tensor-parallel worker rank: its own ModelRunner over its shard of the weights, running
-every command the driver (rank 0) sends, in order. Its sampled tokens are never read: with
+"""A tensor/pipeline-parallel worker rank: its own ModelRunner over its shard of the weights
+(its TP slice of its pipeline stage's layers), running every command the driver (rank 0)
+sends, in order. Its sampled tokens are never read: with
 tensor parallelism the scheduler runs synchronously and sends every input token, so what
 rank 0 sampled is what each rank runs next."""
 
@@ -30,7 +31,7 @@ PARENT_CHECK_MS = 1000  # how often an idle worker checks that the engine core s
 
 
 def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_addr: str,
-               cpu_threads: int | None) -> None:
+               cpu_threads: int | None, pp: int = 1) -> None:
     """The worker process's main (spawned by MultiprocExecutor)."""
     from shoal.loader import load_model
     from shoal.worker.model_runner import ModelRunner
@@ -44,7 +45,7 @@ def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_a
     commands.connect(command_addr)
     code = 0
     try:
-        join_tensor_parallel_group(config.device, rank, world, port)
+        join_tensor_parallel_group(config.device, rank, world, port, pp)
         torch.manual_seed(config.model_config.seed)
         mc = config.model_config
         loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format)

@@ -2,7 +2,13 @@
 
 Projections are fused (qkv, gate_up) and tensor-parallel; `packed_modules_mapping` tells the
 loader which checkpoint tensors land in which fused parameter and shard. The model classes
-follow shoal/models/interface.py; use_triton_ops reaches every layer with a kernel."""
+follow shoal/models/interface.py; use_triton_ops reaches every layer with a kernel.
+
+Pipeline parallelism (shoal/distributed/parallel_state.py): a stage builds only its decoder
+layers, the others are PPMissingLayer placeholders so that parameter names and layer indices
+stay the checkpoint's; the first stage holds embed_tokens, the last the final norm, and stage 0
+also lm_head (sampling stays on rank 0, which receives the last stage's final hidden states;
+tied embeddings are then one tensor). load_weights skips the tensors of what this stage lacks."""
 
 from __future__ import annotations
 
@@ -12,6 +18,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from shoal.distributed.parallel_state import (
+    get_pp_world_size,
+    pp_is_first,
+    pp_is_last,
+    pp_layer_range,
+)
 from shoal.layers.activation import SiluAndMul
 from shoal.layers.attention import Attention
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -109,25 +121,70 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class PPMissingLayer(nn.Identity):
+    """A module another pipeline stage holds: no parameters, never run."""
+
+
+# Architectures whose model builds per pipeline stage (LlamaModel's stages, nothing else).
+PIPELINE_PARALLEL_ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+
+
 class LlamaModel(nn.Module):
+    # The whole stack, for subclasses that build their own layers (one stage only).
+    is_first = is_last = True
+    start_layer: int = 0
+    end_layer: int | None = None
+
     def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool = False,
                  qkv_bias: bool = False, use_triton_ops: bool = True):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.hidden_size, self.dtype = cfg.hidden_size, dtype
+        self.is_first, self.is_last = pp_is_first(), pp_is_last()
+        self.start_layer, self.end_layer = pp_layer_range(cfg.num_hidden_layers)
+        self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+                             if self.is_first else PPMissingLayer())
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, dtype, qk_norm, qkv_bias, use_triton_ops)
-            for _ in range(cfg.num_hidden_layers)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(cfg.num_hidden_layers)
         )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+        self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+                     if self.is_last else PPMissingLayer())
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: Any) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: Any,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states on the last stage; (hidden, residual) for the next stage
+        on the others. A later stage takes the previous stage's (hidden, residual) as
+        `intermediate`; without one (warm-up and profile runs) it starts from zeros."""
+        residual: torch.Tensor | None
+        if self.is_first:
+            hidden, residual = self.embed_tokens(input_ids), None
+        elif intermediate is not None:
+            hidden, residual = intermediate
+        else:
+            hidden = torch.zeros(input_ids.shape[0], self.hidden_size, dtype=self.dtype,
+                                 device=input_ids.device)
+            residual = torch.zeros_like(hidden)
+        for layer in self.layers[self.start_layer:self.end_layer]:
             hidden, residual = layer(positions, hidden, residual, md)
+        if not self.is_last:
+            assert residual is not None
+            return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def owns(self, name: str) -> bool:
+        """Whether the checkpoint tensor `name` (under model.) lands on this stage."""
+        if name.startswith("model.layers."):
+            i = int(name.split(".", 3)[2])
+            return self.start_layer <= i < self.end_layer
+        if name.startswith("model.embed_tokens."):
+            return self.is_first
+        if name.startswith("model.norm."):
+            return self.is_last
+        return True
 
 
 class LlamaForCausalLM(nn.Module):
@@ -150,8 +207,10 @@ class LlamaForCausalLM(nn.Module):
         self.hidden_size = hf_config.hidden_size
         self.model = self._build_model(hf_config, dtype, use_triton_ops)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
-        if self.tie_word_embeddings:
+        # Stage 0 samples (see the module docstring): it alone holds lm_head.
+        self.lm_head = (ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
+                        if pp_is_first() else PPMissingLayer())
+        if self.tie_word_embeddings and pp_is_first():
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def _build_model(self, hf_config: Any, dtype: torch.dtype,
@@ -163,11 +222,20 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: Any) -> torch.Tensor:
         return self.model(input_ids, positions, attn_metadata)
 
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      attn_metadata: Any, intermediate: tuple[torch.Tensor, torch.Tensor] | None,
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Pipeline parallelism: this stage's layers, from the previous stage's (hidden,
+        residual) (None on the first stage). Returns the final hidden states on the last
+        stage, (hidden, residual) for the next stage on the others."""
+        return self.model(input_ids, positions, attn_metadata, intermediate)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers
+                if not isinstance(layer, PPMissingLayer)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads HF-named tensors; returns the names of the parameters that were filled."""
@@ -178,6 +246,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            if get_pp_world_size() > 1 and not self._on_this_stage(name):
+                continue  # another pipeline stage's tensor
             target, shard = name, None
             for src, (dst, shard_id) in self.packed_modules_mapping.items():
                 if f".{src}." in name:
@@ -194,6 +264,11 @@ class LlamaForCausalLM(nn.Module):
                 loader(param, tensor, shard)
             loaded.add(target)
         return loaded
+
+    def _on_this_stage(self, name: str) -> bool:
+        if name.startswith("lm_head."):
+            return pp_is_first()
+        return self.model.owns(name)
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -11,11 +11,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from shoal.attention.metadata import token_slots
 from shoal.attention.selector import get_attention_backend
 from shoal.config import EngineConfig
-from shoal.distributed.parallel_state import tp_min_int
+from shoal.distributed.parallel_state import (
+    get_pp_world_size,
+    pp_is_first,
+    pp_is_last,
+    pp_next_rank,
+    pp_prev_rank,
+    pp_stage_rank,
+    world_min_int,
+)
 from shoal.engine.core_types import Logprobs
 from shoal.engine.scheduler_output import (
     PENDING_TOKEN,
@@ -158,8 +167,9 @@ class ModelRunner:
             self.startup_times["profile_run"] = time.perf_counter() - t0
         num_blocks = decide_num_blocks(self.config.cache_config, per_block, self.device,
                                        non_kv_peak_bytes=activations)
-        # Tensor parallel: every rank holds the same blocks, as many as the tightest rank can.
-        num_blocks = tp_min_int(num_blocks, self.device)
+        # Tensor/pipeline parallel: every rank holds the same blocks (of its own layers), as
+        # many as the tightest rank can.
+        num_blocks = world_min_int(num_blocks, self.device)
         self.bind_kv_cache(num_blocks)
         if self.draft is not None:
             self.draft.bind(num_blocks, self.backend)
@@ -377,7 +387,12 @@ class ModelRunner:
             device=self.device,
             null_block=self.null_block,
         )
-        hidden = self.model(ids_t, pos_t, md)
+        if get_pp_world_size() > 1:
+            hidden = self._forward_stage(ids_t, pos_t, md)
+            if hidden is None:  # not stage 0: no logits here
+                return None
+        else:
+            hidden = self.model(ids_t, pos_t, md)
         if self.mtp is not None:
             inp.hidden = hidden
         if inp.prompt_lp_spans:  # reads back at once: such steps do not overlap
@@ -388,6 +403,29 @@ class ModelRunner:
             return self.model.compute_logits(hidden)
         return self.model.compute_logits(
             hidden[to_device(inp.logits_index, torch.long, self.device)])
+
+    def _forward_stage(self, ids: torch.Tensor, pos: torch.Tensor,
+                       md: object) -> torch.Tensor | None:
+        """Pipeline parallelism: this stage's layers on the step's tokens. A later stage
+        receives (hidden, residual) of every token from the previous one; the last stage
+        applies the final norm and sends its hidden states to stage 0 (the same TP rank),
+        which returns them for logits and sampling. Other stages return None."""
+        n, h = ids.shape[0], self.hf_config.hidden_size
+        inter = None
+        if not pp_is_first():
+            buf = torch.empty(2, n, h, dtype=self.dtype, device=self.device)
+            dist.recv(buf, src=pp_prev_rank())
+            inter = (buf[0], buf[1])
+        out = self.model.forward_stage(ids, pos, md, inter)
+        if not pp_is_last():
+            dist.send(torch.stack(out), dst=pp_next_rank())
+        else:
+            dist.send(out.contiguous(), dst=pp_stage_rank(0))
+        if not pp_is_first():
+            return None
+        final = torch.empty(n, h, dtype=self.dtype, device=self.device)
+        dist.recv(final, src=pp_stage_rank(get_pp_world_size() - 1))
+        return final
 
     def _sample(self, inp: StepInputs, logits: torch.Tensor, fut: StepFuture) -> None:
         states = [self.requests[r] for r in inp.sample_rows]

@@ -13,6 +13,7 @@ from torch import nn
 
 from shoal.attention.backend import AttentionBackend
 from shoal.config import EngineConfig
+from shoal.distributed.parallel_state import pp_is_first
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,9 @@ def dummy_forward(runner: Runner, query_lens: list[int], num_decodes: int,
     ids = torch.randint(0, runner.vocab_size, (total,), device=runner.device)
     pos = torch.cat([torch.arange(q, device=runner.device) for q in query_lens])
     hidden = runner.model(ids, pos, md)
-    if sample:
+    if isinstance(hidden, tuple):  # a pipeline stage before the last: (hidden, residual)
+        hidden = hidden[0]
+    if sample and pp_is_first():  # only stage 0 holds lm_head (later stages have none)
         last = torch.tensor([sum(query_lens[: i + 1]) - 1 for i in range(len(query_lens))],
                             device=runner.device)
         runner.model.compute_logits(hidden[last]).argmax(-1)

@@ -1,0 +1,203 @@
+"""Pipeline parallelism on the mp executor (issue 13, item 3), on the CPU with gloo: each
+stage builds and loads only its decoder layers, the stages pass (hidden, residual) to each
+other and the last one sends its final hidden states back to rank 0, which samples. The
+tokens (and logprobs) equal one rank's; what is not supported yet is refused clearly."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from oracle import write_tiny_checkpoint
+
+from shoal import LLM, SamplingParams
+from shoal.config import ParallelConfig
+from shoal.distributed.parallel_state import get_pp_indices
+from shoal.engine.engine_args import EngineArgs
+from shoal.executor.multiproc import WorkerDiedError
+from shoal.models.llama import PPMissingLayer
+from shoal.worker.warmup import dummy_forward
+
+PROMPTS = [[5, 17, 300, 42, 7, 99], [256, 3, 11, 400, 23, 8, 1, 2, 3, 4, 5, 6, 7], [9, 9, 9]]
+
+
+def _tiny_llm(path: str, **kwargs) -> LLM:
+    return LLM(model=path, device="cpu", dtype="float32", max_model_len=128,
+               num_gpu_blocks_override=64, enable_prefix_caching=False, **kwargs)
+
+
+def _run(llm: LLM, prompts: list, params: SamplingParams) -> list:
+    outs = llm.generate(prompts, params)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs, o.prompt_logprobs)
+            for o in outs]
+
+
+def _assert_close(one: list, pp: list, tol: float) -> None:
+    for (ids1, lp1, plp1), (ids2, lp2, plp2) in zip(one, pp, strict=True):
+        assert ids2 == ids1
+        for a, b in zip((lp1 or []) + (plp1 or []), (lp2 or []) + (plp2 or []), strict=True):
+            if a is None:
+                assert b is None
+                continue
+            assert a.keys() == b.keys()
+            for tok in a:
+                assert abs(a[tok].logprob - b[tok].logprob) < tol
+
+
+def test_layer_split_follows_vllm():
+    # contiguous, the remainder on the stages before the last one
+    assert [get_pp_indices(30, r, 2) for r in range(2)] == [(0, 15), (15, 30)]
+    assert [get_pp_indices(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [get_pp_indices(7, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 7)]
+
+
+def test_smollm2_two_stages_match_one_rank(smollm_llm):
+    torch.set_num_threads(1)
+    prompts = ["The capital of France is", "Write a haiku about the sea."]
+    params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, prompt_logprobs=2)
+    one = _run(smollm_llm, prompts, params)
+    llm = LLM(pipeline_parallel_size=2, max_model_len=256, kv_cache_memory_bytes=32 << 20)
+    try:
+        runner = llm.llm_engine.core.runner
+        assert type(runner).__name__ == "MultiprocExecutor" and runner.world == 2
+        model = runner.driver.model
+        # Stage 0 of SmolLM2's 30 layers: the first 15, the embedding (tied: also lm_head).
+        assert (model.model.start_layer, model.model.end_layer) == (0, 15)
+        assert all(isinstance(layer, PPMissingLayer) for layer in model.model.layers[15:])
+        assert isinstance(model.model.norm, PPMissingLayer)
+        assert not any(n.startswith(("model.layers.15.", "model.norm."))
+                       for n, _ in model.named_parameters())
+        assert len(runner.driver.kv_caches) == 15
+        pp = _run(llm, prompts, params)
+    finally:
+        llm.shutdown()
+    _assert_close(one, pp, 1e-4)
+
+
+def test_tiny_models_two_stages_and_tensor_parallel_match_one_rank(tmp_path):
+    """A 2-layer Llama over 2 stages x 2 TP ranks (4 processes), a 3-layer Qwen3 over 2
+    stages (split 2 + 1): greedy and seeded sampling, logprobs, equal to one rank."""
+    torch.set_num_threads(1)
+    llama = str(write_tiny_checkpoint(tmp_path / "llama", "llama"))
+    qwen3 = str(write_tiny_checkpoint(tmp_path / "qwen3", "qwen3", num_hidden_layers=3))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=1)
+    seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
+    for path, kwargs in ((llama, {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}),
+                         (qwen3, {"pipeline_parallel_size": 2})):
+        llm = _tiny_llm(path)
+        try:
+            one = [_run(llm, prompts, p) for p in (greedy, seeded)]
+        finally:
+            llm.shutdown()
+        llm = _tiny_llm(path, **kwargs)
+        try:
+            runner = llm.llm_engine.core.runner
+            world = kwargs.get("tensor_parallel_size", 1) * 2
+            assert runner.world == world and len(runner._procs) == world - 1
+            tp = kwargs.get("tensor_parallel_size", 1)
+            full = runner.driver.hf_config.num_attention_heads
+            assert runner.driver.model.attention_layers()[0].num_heads * tp == full
+            layers = runner.driver.model.model.layers
+            assert len(runner.driver.kv_caches) == len(layers) - len(layers) // 2
+            pp = [_run(llm, prompts, p) for p in (greedy, seeded)]
+        finally:
+            llm.shutdown()
+        for a, b in zip(one, pp):
+            _assert_close(a, b, 1e-4)
+
+
+def test_serve_with_two_stages_answers_like_one(tiny_llama_dir):
+    from entrypoints.conftest import RemoteServer
+
+    llm = _tiny_llm(str(tiny_llama_dir))
+    try:
+        expected = _run(llm, [{"prompt_token_ids": PROMPTS[0]}],
+                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0][0]
+    finally:
+        llm.shutdown()
+    server = RemoteServer(str(tiny_llama_dir), "--pipeline-parallel-size", "2",
+                          "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "4",
+                          "--max-model-len", "128")
+    try:
+        out = server.openai().completions.create(
+            model=str(tiny_llama_dir), prompt=PROMPTS[0], max_tokens=8, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert list(out.choices[0].token_ids) == expected
+    finally:
+        server.stop()
+
+
+def test_a_killed_stage_fails_the_requests_in_flight(tiny_llama_dir):
+    torch.set_num_threads(1)
+    llm = _tiny_llm(str(tiny_llama_dir), pipeline_parallel_size=2)
+    try:
+        engine = llm.llm_engine
+        proc = engine.core.runner._procs[0]
+        # The GPU's warm-up / profile forward on stage 0 (no peer involved): its
+        # (hidden, residual) stands in for the final hidden states.
+        dummy_forward(engine.core.runner.driver, [5, 3], 0)
+        long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+        for i, p in enumerate(PROMPTS):
+            engine.add_request(str(i), {"prompt_token_ids": p}, long)
+        for _ in range(3):
+            engine.step()
+        os.kill(proc.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        with pytest.raises(WorkerDiedError, match="shoal-tp-rank1"):
+            while engine.has_unfinished_requests():
+                engine.step()
+        assert time.monotonic() - killed < 10
+    finally:
+        llm.shutdown()
+
+
+class Hf:
+    architectures = ["LlamaForCausalLM"]
+    model_type = "llama"
+    vocab_size = 512
+    max_position_embeddings = 128
+    num_hidden_layers = 2
+
+
+class HfMoe(Hf):
+    architectures = ["Qwen3MoeForCausalLM"]
+    model_type = "qwen3_moe"
+
+
+class HfOneLayer(Hf):
+    num_hidden_layers = 1
+
+
+@pytest.mark.parametrize("kwargs, hf, message", [
+    ({"pipeline_parallel_size": 0}, Hf, "pipeline_parallel_size must be an integer >= 1"),
+    ({"distributed_executor_backend": "uni"}, Hf, "needs distributed_executor_backend 'mp'"),
+    ({"distributed_executor_backend": "ray"}, Hf, "needs distributed_executor_backend 'mp'"),
+    ({"async_scheduling": True}, Hf, "async_scheduling does not support pipeline"),
+    ({"kv_offloading_size": 1.0}, Hf, "kv_offloading_size does not support pipeline"),
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, Hf,
+     "speculative_config does not support pipeline"),
+    ({"runner": "pooling"}, Hf, "pooling runner does not support pipeline"),
+    ({}, HfMoe, "not Qwen3MoeForCausalLM yet"),
+    ({}, HfOneLayer, "needs at least as many decoder layers"),
+])
+def test_unsupported_pipeline_parallel_settings_are_refused(kwargs, hf, message):
+    args = {"device": "cpu", "pipeline_parallel_size": 2, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        EngineArgs(**args).create_engine_config(hf())
+
+
+def test_cuda_graphs_and_the_uni_executor_are_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="does not support CUDA graphs yet: pass enforce_eager"):
+        EngineArgs(device="cuda", pipeline_parallel_size=2).create_engine_config(Hf())
+    with pytest.raises(ValueError, match="needs distributed_executor_backend 'mp'"):
+        ParallelConfig(pipeline_parallel_size=2)  # the default backend: uni
+    cfg = EngineArgs(device="cpu", pipeline_parallel_size=2).create_engine_config(Hf())
+    pc = cfg.parallel_config
+    assert (pc.distributed_executor_backend, pc.world_size, cfg.async_scheduling) == (
+        "mp", 2, False)
