@@ -140,6 +140,9 @@ class ParallelConfig:
     distributed_executor_backend: str = "uni"
     # Stages the decoder layers are split over (world = tp * pp; mp backend only).
     pipeline_parallel_size: int = 1
+    # MoE layers hold whole experts, E / tp per rank, instead of a slice of every expert
+    # (shoal/layers/moe/layer.py); a no-op for dense models and at one rank.
+    enable_expert_parallel: bool = False
 
     @property
     def world_size(self) -> int:

@@ -7,6 +7,9 @@ the world group) between the ranks of the same TP rank."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 import torch.distributed as dist
 
@@ -14,6 +17,10 @@ _TP_GROUP: dist.ProcessGroup | None = None
 _TP_SIZE = 1  # the stage's TP group size (set with the group)
 _PP_SIZE = 1
 _PP_RANK = 0
+# Expert parallelism (enable_expert_parallel): FusedMoE layers built while it is on hold whole
+# experts, E / ep of them per rank, instead of every expert's slice of the intermediate dim.
+# The EP group is the stage's TP group (EP size = TP size; no data parallelism across it).
+_EXPERT_PARALLEL = False
 
 
 def init_tensor_parallel(group: dist.ProcessGroup | None = None) -> None:
@@ -61,6 +68,32 @@ def get_tp_world_size() -> int:
 
 def get_tp_rank() -> int:
     return 0 if _TP_GROUP is None else dist.get_rank(_TP_GROUP)
+
+
+# ---- expert parallelism ------------------------------------------------------------------------
+@contextmanager
+def expert_parallel(enabled: bool) -> Iterator[None]:
+    """Model construction inside this block shards MoE experts over the TP ranks when
+    `enabled` (FusedMoE reads it once, in its constructor)."""
+    global _EXPERT_PARALLEL
+    prev, _EXPERT_PARALLEL = _EXPERT_PARALLEL, bool(enabled)
+    try:
+        yield
+    finally:
+        _EXPERT_PARALLEL = prev
+
+
+def expert_parallel_enabled() -> bool:
+    return _EXPERT_PARALLEL
+
+
+def get_ep_world_size() -> int:
+    """Ranks the experts are split over: the TP size with expert parallelism on, else 1."""
+    return get_tp_world_size() if _EXPERT_PARALLEL else 1
+
+
+def get_ep_rank() -> int:
+    return get_tp_rank() if _EXPERT_PARALLEL else 0
 
 
 # ---- pipeline parallelism ---------------------------------------------------------------------

@@ -78,6 +78,10 @@ class EngineArgs:
     pipeline_parallel_size: int = arg(1, "pipeline stages the decoder layers are split over "
                                          "(mp backend; Llama-family and Qwen3 models; each "
                                          "stage tensor_parallel_size ranks)")
+    enable_expert_parallel: bool = arg(False, "MoE models: each tensor-parallel rank holds "
+                                              "E / tensor_parallel_size whole experts instead "
+                                              "of a slice of every expert (dense models: "
+                                              "no effect)")
     data_parallel_size: int = arg(1, "replicas of the model, each its own engine process, "
                                      "behind one server (shoal serve only)")
     distributed_executor_backend: str | None = arg(
@@ -226,7 +230,8 @@ class EngineArgs:
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size,
                 self._executor_backend(device, tp * pp),
-                pipeline_parallel_size=pp),
+                pipeline_parallel_size=pp,
+                enable_expert_parallel=self._check_expert_parallel()),
             device=device,
             enforce_eager=self.enforce_eager,
             attention_backend=self.attention_backend,
@@ -287,6 +292,16 @@ class EngineArgs:
         if tp > 1 and self.speculative_config is not None:
             raise ValueError("speculative_config does not support tensor_parallel_size > 1 yet")
         return tp
+
+    def _check_expert_parallel(self) -> bool:
+        ep = self.enable_expert_parallel
+        if not isinstance(ep, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool (got {ep!r})")
+        if ep and self.data_parallel_size > 1:
+            raise ValueError("enable_expert_parallel with data_parallel_size > 1 (experts "
+                             "across replicas) is not supported yet; each replica would only "
+                             "split its experts over its own tensor_parallel_size ranks")
+        return ep
 
     def _pp_size(self) -> int:
         pp = self.pipeline_parallel_size

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from shoal.config import EngineConfig
+from shoal.distributed.parallel_state import expert_parallel
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.loader.loaded_model import LoadedModel
 from shoal.models.registry import resolve_model_class
@@ -23,7 +24,8 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
     """A model following shoal/models/interface.py, ready for the runner to bind KV caches."""
     t0 = time.perf_counter()
     cls = resolve_model_class(loaded.hf_config, config.model_config.runner)
-    with torch.device(config.device):
+    ep = config.parallel_config.enable_expert_parallel  # read by FusedMoE's constructor
+    with torch.device(config.device), expert_parallel(ep):
         model = cls(loaded.hf_config, config.model_config.dtype,
                     use_triton_ops=config.use_triton_ops)
     if config.model_config.load_format == "dummy":

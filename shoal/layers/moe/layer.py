@@ -3,14 +3,27 @@ the choice between the Triton kernel and the PyTorch path.
 
 Tensor parallelism splits every expert's intermediate dim across ranks, like the dense MLP's
 column-parallel gate_up and row-parallel down projections: each rank computes a partial sum
-of every routed expert's output and the partials are all-reduced (a no-op at world size 1)."""
+of every routed expert's output and the partials are all-reduced (a no-op at world size 1).
+
+Expert parallelism (enable_expert_parallel, built inside parallel_state.expert_parallel) splits
+the experts instead: rank r of ep (= tp) ranks holds experts [r * E/ep, (r+1) * E/ep) whole.
+Tokens stay replicated as under TP; each rank runs only the routed (token, expert) pairs of its
+own experts (the others contribute nothing) and the same all-reduce sums the ranks' parts.
+No all-to-all token dispatch yet: every rank still routes every token.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
+from shoal.distributed.parallel_state import (
+    get_ep_rank,
+    get_ep_world_size,
+    get_tp_rank,
+    get_tp_world_size,
+    tp_all_reduce,
+)
 from shoal.layers.linear import _divide, default_weight_loader
 from shoal.layers.moe.torch_experts import experts_dense, experts_torch
 from shoal.layers.ops.dispatch import use_triton
@@ -21,19 +34,36 @@ SHARD_IDS = ("w1", "w3", "w2")
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  use_triton_ops: bool = True) -> torch.Tensor:
+                  use_triton_ops: bool = True, foreign_ids: bool = False) -> torch.Tensor:
+    """foreign_ids: topk_ids may hold E = w13.shape[0] (another rank's expert under expert
+    parallelism), which contributes nothing. The PyTorch path skips those pairs; the Triton
+    and graph-safe dense paths run them on expert 0 with weight 0 (shapes stay routing-free)."""
     if use_triton(x, use_triton_ops):
         from shoal.layers.moe.triton_experts import experts_triton
 
+        if foreign_ids:
+            topk_ids, topk_weights = _mask_foreign(topk_ids, topk_weights, w13.shape[0])
         return experts_triton(x, w13, w2, topk_weights, topk_ids)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        if foreign_ids:
+            topk_ids, topk_weights = _mask_foreign(topk_ids, topk_weights, w13.shape[0])
         return experts_dense(x, w13, w2, topk_weights, topk_ids)
     return experts_torch(x, w13, w2, topk_weights, topk_ids)
 
 
+def _mask_foreign(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
+                  num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairs of ids >= num_experts become expert 0 with routing weight 0."""
+    mine = topk_ids < num_experts
+    return (torch.where(mine, topk_ids, 0),
+            torch.where(mine, topk_weights, torch.zeros_like(topk_weights)))
+
+
 class FusedMoE(nn.Module):
     """w13_weight [E, 2 * I / tp, H]: this rank's gate rows, then its up rows, per expert;
-    w2_weight [E, H, I / tp]: this rank's columns of each down projection."""
+    w2_weight [E, H, I / tp]: this rank's columns of each down projection. With expert
+    parallelism: w13_weight [E / ep, 2 * I, H], w2_weight [E / ep, H, I], this rank's
+    experts whole (local expert i is global expert expert_start + i)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None,
@@ -42,13 +72,27 @@ class FusedMoE(nn.Module):
         self.use_triton_ops = use_triton_ops  # the Triton kernel for CUDA tensors
         self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
         self.num_experts = num_experts
-        self.inter = _divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.ep_size, self.ep_rank = get_ep_world_size(), get_ep_rank()
+        if self.ep_size > 1:
+            if num_experts % self.ep_size:
+                raise ValueError(
+                    f"enable_expert_parallel: the number of experts ({num_experts}) is not "
+                    f"divisible by the expert-parallel size ({self.ep_size}, the "
+                    f"tensor_parallel_size)")
+            self.local_num_experts = num_experts // self.ep_size
+            self.inter, self.inter_rank = intermediate_size, 0  # experts whole
+        else:
+            self.local_num_experts = num_experts
+            self.inter = _divide(intermediate_size, self.tp_size, "moe_intermediate_size")
+            self.inter_rank = self.tp_rank
+        self.expert_start = self.ep_rank * self.local_num_experts
         self.reduce_results = reduce_results
         self.w13_weight = nn.Parameter(
-            torch.empty(num_experts, 2 * self.inter, hidden_size, dtype=params_dtype),
+            torch.empty(self.local_num_experts, 2 * self.inter, hidden_size,
+                        dtype=params_dtype),
             requires_grad=False)
         self.w2_weight = nn.Parameter(
-            torch.empty(num_experts, hidden_size, self.inter, dtype=params_dtype),
+            torch.empty(self.local_num_experts, hidden_size, self.inter, dtype=params_dtype),
             requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
@@ -56,21 +100,30 @@ class FusedMoE(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int,
                       shard_id: str) -> None:
         """One expert's full checkpoint projection: gate / up [I, H] (w1 / w3), down [H, I]
-        (w2); this rank's slice of the intermediate dim is copied into place."""
+        (w2); this rank's slice of the intermediate dim is copied into place. Under expert
+        parallelism another rank's expert is skipped and a local one is copied whole."""
         if shard_id not in SHARD_IDS:
             raise ValueError(f"shard_id must be one of {SHARD_IDS}, got {shard_id!r}")
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert {expert_id} out of range [0, {self.num_experts})")
-        start = self.tp_rank * self.inter
+        local = expert_id - self.expert_start
+        if not 0 <= local < self.local_num_experts:
+            return  # another expert-parallel rank's expert
+        start = self.inter_rank * self.inter
         if shard_id == "w2":
-            default_weight_loader(param.data[expert_id], loaded.narrow(1, start, self.inter))
+            default_weight_loader(param.data[local], loaded.narrow(1, start, self.inter))
             return
         offset = 0 if shard_id == "w1" else self.inter
-        default_weight_loader(param.data[expert_id].narrow(0, offset, self.inter),
+        default_weight_loader(param.data[local].narrow(0, offset, self.inter),
                               loaded.narrow(0, start, self.inter))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
+        foreign = self.ep_size > 1
+        if foreign:  # global ids -> local ones; other ranks' experts -> local_num_experts
+            local = topk_ids - self.expert_start
+            mine = (local >= 0) & (local < self.local_num_experts)
+            topk_ids = torch.where(mine, local, self.local_num_experts)
         out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                            self.use_triton_ops)
+                            self.use_triton_ops, foreign_ids=foreign)
         return tp_all_reduce(out) if self.reduce_results else out

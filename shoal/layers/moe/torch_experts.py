@@ -17,13 +17,14 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights,
     topk_ids: [T, k]. Runs each expert once on the tokens routed to it, in expert order like
-    transformers (so fp32 sums round the same way). Reads the per-expert counts on the host:
-    not for CUDA-graph capture (see experts_dense)."""
+    transformers (so fp32 sums round the same way). Pairs with id E (another rank's expert
+    under expert parallelism; they sort last) are skipped. Reads the per-expert counts on the
+    host: not for CUDA-graph capture (see experts_dense)."""
     t, k = topk_ids.shape
     num_experts = w13.shape[0]
     flat = topk_ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    counts = torch.bincount(flat, minlength=num_experts).tolist()[:num_experts]
     weights = topk_weights.reshape(-1)
     out = torch.zeros_like(x)
     start = 0
