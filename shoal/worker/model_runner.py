@@ -328,15 +328,7 @@ class ModelRunner:
                 token_slots([1] * len(inp.items), inp.positions, tables, self.block_size),
                 fill_pending=fill)
         elif self._fits_verify_graph(inp):
-            assert self.verify_graphs is not None
-            graphs = self.verify_graphs
-            tables = [it.block_ids for it in inp.items]
-            contexts = [it.context_len for it in inp.items]
-            logits = self.verify_graphs.run(
-                inp.input_ids, inp.positions, contexts, tables,
-                token_slots([it.num_new_tokens for it in inp.items], contexts, tables,
-                            self.block_size),
-                fill_pending=fill)
+            return self._verify_graph_forward(inp)
         elif self._fits_prefill_graph(inp):
             assert self.prefill_graphs is not None
             graphs = self.prefill_graphs
@@ -353,15 +345,41 @@ class ModelRunner:
         return logits
 
     def _fits_verify_graph(self, inp: StepInputs) -> bool:
-        """A step of verifies only, each of exactly k drafts, all sampling, no prompt
-        logprobs, within the graph sizes."""
+        """A step with drafts whose requests all sample from at most k + 1 new tokens (verifies
+        of up to k drafts, decodes, short last prompt chunks), no prompt logprobs and no
+        tokens pending from an earlier step, within the graph sizes."""
         vg = self.verify_graphs
-        # Every item a verify of k drafts: a sampling prompt chunk of k + 1 tokens in the same
-        # step has the same length but one logits row, which the graph would misalign.
-        return (vg is not None and inp.has_drafts and inp.num_decodes == 0
-                and not inp.prompt_lp_spans
-                and all(it.sample and it.num_draft_tokens == vg.q - 1 for it in inp.items)
+        return (vg is not None and inp.has_drafts and not inp.prompt_lp_spans
+                and not inp.pending_dst and all(it.sample for it in inp.items)
                 and vg.can_run(len(inp.items), [it.num_new_tokens for it in inp.items]))
+
+    def _verify_graph_forward(self, inp: StepInputs) -> torch.Tensor:
+        """The step through the verify graph: each request's tokens padded to k + 1 (padding
+        writes no KV and repeats the last position); returns the logits of the step's
+        sampling rows (inp.logits_index, in the unpadded layout) and, for MTP / EAGLE, the
+        hidden states of its real tokens."""
+        vg = self.verify_graphs
+        assert vg is not None
+        q, bs = vg.q, self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        padded_row: list[int] = []  # unpadded token index -> row of the graph's output
+        flat = 0
+        for r, it in enumerate(inp.items):
+            n, pad = it.num_new_tokens, q - it.num_new_tokens
+            padded_row.extend(range(r * q, r * q + n))
+            ids += inp.input_ids[flat:flat + n] + [0] * pad
+            pos += inp.positions[flat:flat + n] + [inp.positions[flat + n - 1]] * pad
+            slots += token_slots([n], [it.context_len], [it.block_ids], bs) + [-1] * pad
+            flat += n
+        out = vg.run(ids, pos, [it.context_len for it in inp.items],
+                     [it.block_ids for it in inp.items], slots)
+        rows = to_device([padded_row[i] for i in inp.logits_index], torch.long, self.device)
+        if self.mtp is not None:
+            real = to_device(padded_row, torch.long, self.device)
+            inp.hidden = vg.last_hidden.index_select(0, real)
+        return out.index_select(0, rows)
 
     def _fits_prefill_graph(self, inp: StepInputs) -> bool:
         """One lone chunk that samples and wants no prompt logprobs, within the graph sizes."""

@@ -1,13 +1,14 @@
 """CUDA graphs for the verify steps of speculative decoding.
 
-A verify step runs every request on its last token plus its k drafts: k + 1 query tokens
+A verify step runs every request on its last token plus its drafts: up to k + 1 query tokens
 after its cached context, all of which give logits. Run eagerly its kernels are launched one
 Python call at a time, which on the H200's host took 16 ms a step for Llama-3.1-8B against
 4.6 ms for a decode graph: the drafts' win was eaten by launch overhead. When every request of
-a step verifies exactly k drafts (no prefill chunk, no shorter draft), the batch is padded to a
-captured size (1 .. 64 requests) and replays one graph: token ids and positions staged, the
+a step samples from at most k + 1 new tokens (the adaptive budget gives requests different
+draft counts, and some none), each request is padded to k + 1 tokens and the batch to a
+captured size (1 .. 64 requests), and one graph replays: token ids and positions staged, the
 attention metadata in the backend's verify buffers, the LM head on all B * (k + 1) rows.
-Padding requests write no KV and their logits are dropped. Shares the decode graphs' pool."""
+Padding tokens write no KV; the runner picks the real rows. Shares the decode graphs' pool."""
 
 from __future__ import annotations
 
@@ -48,9 +49,10 @@ class VerifyGraphs:
         self.last_hidden: torch.Tensor | None = None  # of the last run's tokens
 
     def can_run(self, num_requests: int, query_lens: list[int]) -> bool:
-        """Whether a step of these requests' query lengths replays a graph."""
+        """Whether a step of these requests' query lengths (each padded to q) replays a
+        graph."""
         return (bool(self.graphs) and 0 < num_requests <= self.max_batch
-                and all(n == self.q for n in query_lens))
+                and all(0 < n <= self.q for n in query_lens))
 
     def padded_size(self, n: int) -> int:
         return next(s for s in self.sizes if s >= n)
@@ -89,8 +91,9 @@ class VerifyGraphs:
     def run(self, input_ids: list[int], positions: list[int], context_lens: list[int],
             block_tables: list[list[int]], slot_mapping: list[int],
             fill_pending: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
-        """A verify step of len(context_lens) requests, q tokens each, in request order;
-        returns the logits of all their tokens [n * q, V]."""
+        """A verify step of len(context_lens) requests, q tokens each (the caller pads
+        shorter ones: slot -1), in request order; returns the logits of all their tokens
+        [n * q, V]."""
         n = len(context_lens)
         size = self.padded_size(n)
         ids, _ = self.tokens.stage(size * self.q, (input_ids, positions))

@@ -184,7 +184,8 @@ def test_verify_graphs_match_eager_verify_steps(tiny_llama_dir):
     rng = random.Random(4)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(n)]}
                for n in (5, 9, 14)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    # Different lengths: a request near its end verifies fewer than k drafts beside others.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 10, 13)]
     ref = [o.outputs[0].token_ids for o in _llm(tiny_llama_dir, "triton",
                                                  speculative_config=spec).generate(
         prompts, params, use_tqdm=False)]
@@ -197,14 +198,20 @@ def test_verify_graphs_match_eager_verify_steps(tiny_llama_dir):
     batches = []
     real_run = graphs.run
 
-    def counting_run(input_ids, positions, context_lens, *a, **kw):
+    padded_real = []  # real tokens of each replay of all three requests
+
+    def counting_run(input_ids, positions, context_lens, block_tables, slots, *a, **kw):
         batches.append(len(context_lens))
-        return real_run(input_ids, positions, context_lens, *a, **kw)
+        if len(context_lens) == 3:
+            padded_real.append(sum(s >= 0 for s in slots))
+        return real_run(input_ids, positions, context_lens, block_tables, slots, *a, **kw)
 
     graphs.run = counting_run
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == ref
     assert 3 in batches  # a verify step of all three requests replayed the graph of 4
+    # Requests with fewer drafts than k (the adaptive budget's) or none were padded.
+    assert any(n < 3 * 3 for n in padded_real)
 
 
 def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path):
