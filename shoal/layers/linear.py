@@ -162,3 +162,14 @@ class ReplicatedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+def load_tensor(param: nn.Parameter, tensor: torch.Tensor, shard: str | int | None = None) -> None:
+    """One checkpoint tensor into a parameter through its weight_loader (this rank's slice,
+    the shard of a fused projection), in the parameter's dtype."""
+    loader = getattr(param, "weight_loader", default_weight_loader)
+    tensor = tensor.to(param.dtype)
+    if shard is None:
+        loader(param, tensor)
+    else:
+        loader(param, tensor, shard)

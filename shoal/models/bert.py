@@ -20,7 +20,7 @@ from shoal.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    default_weight_loader,
+    load_tensor,
 )
 from shoal.layers.onednn_linear import fast_linear
 
@@ -202,11 +202,6 @@ def load_bert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
                              f"{type(model).__name__}")
-        loader = getattr(param, "weight_loader", default_weight_loader)
-        tensor = tensor.to(param.dtype)
-        if shard is None:
-            loader(param, tensor)
-        else:
-            loader(param, tensor, shard)
+        load_tensor(param, tensor, shard)
         loaded.add(target)
     return loaded

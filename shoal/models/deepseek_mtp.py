@@ -26,7 +26,7 @@ from torch import nn
 
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.layers.latent_attention import LatentAttention
-from shoal.layers.linear import ReplicatedLinear, default_weight_loader
+from shoal.layers.linear import ReplicatedLinear, load_tensor
 from shoal.layers.norm import RMSNorm
 from shoal.models.deepseek_v2 import DeepseekDecoderLayer, deinterleave_rows, rope_is_interleaved
 from shoal.models.expert_weights import load_expert_tensors
@@ -108,12 +108,7 @@ class DeepseekMTP(nn.Module):
             if param is None:
                 raise ValueError(f"MTP checkpoint tensor {name!r} has no matching parameter "
                                  f"in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            tensor = tensor.to(param.dtype)
-            if shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
+            load_tensor(param, tensor, shard)
             loaded.add(name)
         share_embed = "embed_tokens.weight" not in loaded
         share_head = "shared_head.head.weight" not in loaded

@@ -31,7 +31,7 @@ from shoal.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    default_weight_loader,
+    load_tensor,
 )
 from shoal.layers.norm import RMSNorm
 from shoal.layers.rotary import get_rope, rope_parameters
@@ -256,12 +256,7 @@ class LlamaForCausalLM(nn.Module):
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            tensor = tensor.to(param.dtype)
-            if shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
+            load_tensor(param, tensor, shard)
             loaded.add(target)
         return loaded
 

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from shoal.layers.linear import ReplicatedLinear, default_weight_loader
+from shoal.layers.linear import ReplicatedLinear, default_weight_loader, load_tensor
 from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -102,12 +102,7 @@ class EagleLlamaHead(nn.Module):
             if param is None:
                 raise ValueError(f"EAGLE checkpoint tensor {name!r} has no matching parameter "
                                  f"in {type(self).__name__}")
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            tensor = tensor.to(param.dtype)
-            if shard is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard)
+            load_tensor(param, tensor, shard)
             loaded.add(dst)
         mine = {"embed_tokens.weight": target.model.embed_tokens.weight,
                 "lm_head.weight": target.lm_head.weight}
