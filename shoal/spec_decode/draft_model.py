@@ -21,51 +21,18 @@ from shoal.config import EngineConfig
 from shoal.host_to_device import to_device
 from shoal.loader import build_model, load_model
 from shoal.spec_decode.config import SpeculativeConfig
-from shoal.worker.kv_cache_sizing import allocate_kv_caches, layers_bytes_per_block
+from shoal.spec_decode.drafter_cache import DrafterCache
 
 logger = logging.getLogger(__name__)
 
 
-class DraftModelProposer:
+class DraftModelProposer(DrafterCache):
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig):
         assert spec.model is not None
         dummy = config.model_config.load_format == "dummy"
         loaded = load_model(spec.model, load_format="dummy" if dummy else "auto")
         self.model = build_model(config, loaded)
-        self.k = spec.num_speculative_tokens
-        self.device = config.device
-        self.dtype = config.model_config.dtype
-        self.block_size = config.cache_config.block_size
-        self.max_model_len = config.scheduler_config.max_model_len
-        self.max_rows = config.scheduler_config.max_num_seqs
-        layers = self.model.attention_layers()
-        self.sliding_window = layers[0].sliding_window
-        self.backend = None
-        self.null_block = 0
-        self._scratch_base = 0
-        self._scratch_per_row = -(-self.k // self.block_size) + 1
-
-    def bytes_per_block(self) -> int:
-        return layers_bytes_per_block(self.model.attention_layers(), self.block_size,
-                                      self.dtype)
-
-    def bind(self, num_blocks: int, backend) -> None:
-        """Its cache: the shared blocks, the null block, then the rows' scratch blocks."""
-        self.backend = backend
-        self.null_block = num_blocks
-        self._scratch_base = num_blocks + 1
-        layers = self.model.attention_layers()
-        total = num_blocks + 1 + self.max_rows * self._scratch_per_row
-        allocate_kv_caches(layers, total * self.block_size, self.dtype, self.device)
-        for layer in layers:
-            layer.backend = backend
-
-    def _metadata(self, query_lens: list[int], context_lens: list[int],
-                  tables: list[list[int]], num_decodes: int):
-        return self.backend.build_metadata(
-            query_lens=query_lens, context_lens=context_lens, block_tables=tables,
-            block_size=self.block_size, num_decodes=num_decodes,
-            sliding_window=self.sliding_window, device=self.device, null_block=self.null_block)
+        self._init_cache(config, spec.num_speculative_tokens)
 
     @torch.inference_mode()
     def mirror(self, input_ids: list[int], positions: list[int], items: Sequence,
@@ -89,11 +56,7 @@ class DraftModelProposer:
             return [[] for _ in seqs]
         start = [len(seqs[i]) - 1 for i in rows]
         need = [-(-(p + k) // self.block_size) for p in start]
-        row_tables = []
-        for r, (i, n) in enumerate(zip(rows, need)):
-            real = list(tables[i][:n])
-            scratch = self._scratch_base + r * self._scratch_per_row
-            row_tables.append(real + list(range(scratch, scratch + n - len(real))))
+        row_tables = [self._row_table(r, tables[i], n) for r, (i, n) in enumerate(zip(rows, need))]
         ids = to_device([seqs[i][-1] for i in rows], torch.long, self.device)
         out = []
         for j in range(k):

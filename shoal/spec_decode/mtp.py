@@ -44,7 +44,7 @@ from shoal.host_to_device import to_device
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.models.deepseek_mtp import DeepseekMTP, mtp_prefix, num_mtp_layers
 from shoal.spec_decode.config import SpeculativeConfig
-from shoal.worker.kv_cache_sizing import allocate_kv_caches, layers_bytes_per_block
+from shoal.spec_decode.drafter_cache import DrafterCache
 
 logger = logging.getLogger(__name__)
 
@@ -126,45 +126,13 @@ def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.M
     return head
 
 
-class HiddenStateProposer:
+class HiddenStateProposer(DrafterCache):
     """Methods "mtp" and "eagle": `head` (a DraftHead) drafts k tokens greedily from the
     target's hidden states, with a KV cache of its own on the target's block tables."""
 
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig, head: nn.Module):
-        self.k = spec.num_speculative_tokens
-        self.device = config.device
-        self.dtype = config.model_config.dtype
-        self.block_size = config.cache_config.block_size
-        self.max_model_len = config.scheduler_config.max_model_len
-        self.max_rows = config.scheduler_config.max_num_seqs
         self.model = head
-        self.sliding_window = getattr(head.attention_layers()[0], "sliding_window", None)
-        self.backend = None
-        self.null_block = 0
-        self._scratch_base = 0
-        self._scratch_per_row = -(-self.k // self.block_size) + 1
-
-    def bytes_per_block(self) -> int:
-        return layers_bytes_per_block(self.model.attention_layers(), self.block_size,
-                                      self.dtype)
-
-    def bind(self, num_blocks: int, backend) -> None:
-        """Its cache: the shared blocks, the null block, then the rows' scratch blocks."""
-        self.backend = backend
-        self.null_block = num_blocks
-        self._scratch_base = num_blocks + 1
-        layers = self.model.attention_layers()
-        total = num_blocks + 1 + self.max_rows * self._scratch_per_row
-        allocate_kv_caches(layers, total * self.block_size, self.dtype, self.device)
-        for layer in layers:
-            layer.backend = backend
-
-    def _metadata(self, query_lens: list[int], context_lens: list[int],
-                  tables: list[list[int]], num_decodes: int):
-        return self.backend.build_metadata(
-            query_lens=query_lens, context_lens=context_lens, block_tables=tables,
-            block_size=self.block_size, num_decodes=num_decodes,
-            sliding_window=self.sliding_window, device=self.device, null_block=self.null_block)
+        self._init_cache(config, spec.num_speculative_tokens)
 
     @torch.inference_mode()
     def mirror_and_propose(self, reqs: list[MtpRequest], hidden: torch.Tensor,
@@ -224,11 +192,8 @@ class HiddenStateProposer:
         if k > 1:
             start = [n - 1 for n in lens]  # the just-sampled token's position
             need = [-(-(p + k - 1) // self.block_size) for p in start]
-            tables = []
-            for j, (r, nb) in enumerate(zip(reqs, need)):
-                real = list(r.block_ids[:nb])
-                scratch = self._scratch_base + j * self._scratch_per_row
-                tables.append(real + list(range(scratch, scratch + nb - len(real))))
+            tables = [self._row_table(j, r.block_ids, nb)
+                      for j, (r, nb) in enumerate(zip(reqs, need))]
             for j in range(k - 1):
                 p = [s + j for s in start]
                 md = self._metadata([1] * len(reqs), p, tables, len(reqs))
