@@ -16,7 +16,6 @@ micro-batches overlap the stages yet."""
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import multiprocessing.connection
 import shutil
@@ -30,15 +29,11 @@ import zmq
 
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import reset_tensor_parallel
-from shoal.engine.scheduler_output import SchedulerOutput
 from shoal.executor.commands import (
-    InitKVCache,
-    RemoveRequests,
-    ResetAfterFault,
-    RunStep,
     Stop,
 )
 from shoal.executor.distributed_init import free_port, join_tensor_parallel_group
+from shoal.executor.driver import DriverExecutor
 from shoal.executor.worker import run_worker
 from shoal.loader import LoadedModel
 
@@ -47,7 +42,7 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone: no step can run any more."""
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(DriverExecutor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
         from shoal.worker.model_runner import ModelRunner
 
@@ -82,46 +77,7 @@ class MultiprocExecutor:
             self.shutdown()
             raise
 
-    # ---- the runner's interface ------------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        # Everything not forwarded to the workers is the driver's (vocab_size, kv_caches,
-        # startup_times, ...). Only reached for names this class does not define.
-        if name == "driver":
-            raise AttributeError(name)
-        return getattr(self.driver, name)
-
-    def initialize_kv_cache(self) -> int:
-        self._broadcast(InitKVCache())
-        return self.driver.initialize_kv_cache()
-
-    def launch(self, sched: SchedulerOutput) -> Any:
-        # The grammar bitmask only shapes rank 0's sampling (the workers' tokens are never
-        # read), and its fill callback does not cross processes.
-        self._broadcast(RunStep(dataclasses.replace(sched, grammar_bitmask=None)))
-        try:
-            return self.driver.launch(sched)
-        except Exception as exc:  # a peer that died mid-step fails rank 0's send/recv
-            self._raise_if_dead(exc)
-            raise
-
-    def finish(self, fut: Any) -> Any:
-        return self.driver.finish(fut)
-
-    def execute(self, sched: SchedulerOutput) -> Any:
-        return self.finish(self.launch(sched))
-
-    def remove_requests(self, serials: set[int]) -> None:
-        if serials:
-            self._broadcast(RemoveRequests(sorted(serials)))
-        self.driver.remove_requests(serials)
-
-    def reset_after_fault(self) -> None:
-        self._broadcast(ResetAfterFault())
-        self.driver.reset_after_fault()
-
-    def use_kv_transfer(self, transfer: Any) -> None:
-        raise ValueError("KV offloading does not support tensor_parallel_size > 1 yet")
-
+    # ---- life cycle (the runner's interface: shoal/executor/driver.py) -------------------
     def shutdown(self) -> None:
         """Stops the workers and leaves the process group (idempotent)."""
         for sock, proc in zip(self._sockets, self._procs):
@@ -144,6 +100,9 @@ class MultiprocExecutor:
             dist.destroy_process_group()
         reset_tensor_parallel()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
+
+    def _driver_failed(self, exc: BaseException) -> None:
+        self._raise_if_dead(exc)  # a peer that died mid-step fails rank 0's send/recv
 
     def _raise_if_dead(self, cause: BaseException | None = None) -> None:
         dead = [p.name for p in self._procs if not p.is_alive()]

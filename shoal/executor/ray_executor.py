@@ -26,7 +26,6 @@ import torch.distributed as dist
 
 from shoal.config import EngineConfig, require_ray
 from shoal.distributed.parallel_state import init_tensor_parallel, reset_tensor_parallel
-from shoal.engine.scheduler_output import SchedulerOutput
 from shoal.executor.commands import (
     Command,
     InitKVCache,
@@ -35,6 +34,7 @@ from shoal.executor.commands import (
     RunStep,
 )
 from shoal.executor.distributed_init import COLLECTIVE_TIMEOUT
+from shoal.executor.driver import DriverExecutor
 from shoal.executor.multiproc import WorkerDiedError
 from shoal.loader import LoadedModel
 
@@ -122,7 +122,7 @@ class _Rank0Holder:
         return [int(i) for i in ray.get_gpu_ids()]
 
 
-class RayExecutor:
+class RayExecutor(DriverExecutor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
         from shoal.worker.model_runner import ModelRunner
 
@@ -208,41 +208,7 @@ class RayExecutor:
         ray.init(num_cpus=cpus, include_dashboard=False)
         self._owns_ray = True
 
-    # ---- the runner's interface ------------------------------------------------------------
-    def __getattr__(self, name: str) -> Any:
-        if name == "driver":
-            raise AttributeError(name)
-        return getattr(self.driver, name)
-
-    def initialize_kv_cache(self) -> int:
-        self._broadcast(InitKVCache())
-        return self.driver.initialize_kv_cache()
-
-    def launch(self, sched: SchedulerOutput) -> Any:
-        self._broadcast(RunStep(dataclasses.replace(sched, grammar_bitmask=None)))
-        return self.driver.launch(sched)
-
-    def finish(self, fut: Any) -> Any:
-        return self.driver.finish(fut)
-
-    def execute(self, sched: SchedulerOutput) -> Any:
-        return self.finish(self.launch(sched))
-
-    def remove_requests(self, serials: set[int]) -> None:
-        if serials:
-            self._broadcast(RemoveRequests(sorted(serials)))
-        self.driver.remove_requests(serials)
-
-    def reset_after_fault(self) -> None:
-        # A step failed. If it was a worker rank dying (the driver's collective then fails
-        # too), its call fails within moments: that is the error to raise.
-        self._check_actors(wait_s=FAULT_WAIT_S)
-        self._broadcast(ResetAfterFault())
-        self.driver.reset_after_fault()
-
-    def use_kv_transfer(self, transfer: Any) -> None:
-        raise ValueError("KV offloading does not support tensor_parallel_size > 1 yet")
-
+    # ---- life cycle (the runner's interface: shoal/executor/driver.py) -------------------
     def shutdown(self) -> None:
         """Kills the actors, removes the placement group, leaves the process group, and stops
         the local Ray cluster if this executor started it (idempotent)."""
@@ -274,6 +240,11 @@ class RayExecutor:
         self._owns_ray = False
 
     # ---- helpers ----------------------------------------------------------------------------
+    def _before_reset(self) -> None:
+        # A step failed. If it was a worker rank dying (the driver's collective then fails
+        # too), its call fails within moments: that is the error to raise.
+        self._check_actors(wait_s=FAULT_WAIT_S)
+
     def _broadcast(self, cmd: Any) -> None:
         self._check_actors(wait_s=0.0)
         data = self._encoder.encode(cmd)
