@@ -2,6 +2,7 @@
 # One device call: install the carried wheels, run the chosen GPU parts, each with its own time
 # limit, logs and JSON under $OUT. Usage (on the GPU machine, repo root):
 #   bash benchmarks/gpu_run.sh kernels correctness w2 w7 w1
+# (structured and structured-host need bench-work/qwen3-0.6b-smol carried: SmolLM2's tokenizer)
 set -u
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -31,6 +32,9 @@ for part in "$@"; do
     syncs) run syncs 90 python3 benchmarks/gpu_suite.py syncs --out "$OUT/syncs.json" ;;
     w1split) run w1split 150 python3 benchmarks/gpu_suite.py w1 --split-time --out "$OUT/w1split.json" ;;
     w5) run w5 200 python3 benchmarks/w5_prefix_reuse.py --gpu --out "$OUT/w5.json" ;;
+    spec) run spec 240 python3 benchmarks/spec_decode_gpu.py --rates 0.0,0.5,0.8,1.0 --repeats 1 --out "$OUT/spec.json" ;;
+    structured) run structured 110 python3 benchmarks/structured_outputs_gpu.py --tokenizer bench-work/qwen3-0.6b-smol --out "$OUT/structured.json" ;;
+    structured-host) run structured_host 100 python3 benchmarks/structured_host_costs.py --out "$OUT/structured_host.json" ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -11,8 +11,8 @@ forward over k+1 positions and the real rejection sampler's work, then accepts
 floor(a*k + u) of them (u uniform), keeping the target's own tokens: on average a share a
 of the drafts is accepted, for a in 0.0, 0.5, 0.8, 1.0. Figures per batch size: output
 tok/s and ms per engine step, plain decoding (its own engine: async scheduling and decode
-CUDA graphs as usual) and speculating at each a (one step at a time; verify steps of
-requests with k drafts replay CUDA graphs; the adaptive budget decides how many of the k
+CUDA graphs as usual) and speculating at each a (async scheduling: steps that verify
+drafts run one at a time, the others are pipelined; verify steps replay CUDA graphs; the adaptive budget decides how many of the k
 drafts a step verifies, from each request's recent acceptance and the batch). At a = 0 the scheduler's backoff (a request whose drafts keep failing decodes
 without them for a while) turns most drafting off, as it should; so the verify step's cost
 over a plain decode step is taken at a = 0.5 (every step there verifies k+1 positions: the
@@ -181,7 +181,8 @@ def _summarise(args: argparse.Namespace, parts: dict[str, list[dict]]) -> list[d
                    dtype=args.dtype, input_len=args.input_len, output_len=args.output_len,
                    num_speculative_tokens=args.num_speculative_tokens, runs=parts,
                    summary=summary,
-                   notes="speculating engine: one step at a time (no async scheduling), "
+                   notes="speculating engine: verify steps one at a time, steps without drafts "
+                         "pipelined (async scheduling), "
                          "verify-step CUDA graphs, adaptive draft budget, backoff after "
                          "failing drafts (a=0); verify cost taken at a=0.5; plain engine: "
                          "defaults")]

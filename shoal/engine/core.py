@@ -8,7 +8,11 @@ then waits for step N's tokens and applies them, so the host's scheduling, bookk
 output handling run while the GPU computes. Step N+1 takes the tokens of step N from the
 device (they are not known on the host yet); a request that stops at step N has computed one
 token too many in step N+1, which is dropped. Requests whose sampling reads all tokens so far
-(penalties, min_tokens) switch the loop back to one step at a time while they run."""
+(penalties, min_tokens) switch the loop back to one step at a time while they run. With
+speculative decoding, steps that verify drafts run one at a time (their drafts come from the
+results of the step before, and their accepted count decides the next inputs) and steps
+without drafts are pipelined: speculation that does not pay (the adaptive budget and the
+backoff turned it off) costs no more than plain decoding."""
 
 from __future__ import annotations
 
@@ -68,12 +72,18 @@ class EngineCore:
             num_blocks = self._start_generation(loaded, request_limits)
         self.vocab_size = self.runner.vocab_size
         spec = config.speculative_config
-        # A verify step's accepted drafts decide the next step's inputs on the host: with
-        # speculative decoding the loop runs one step at a time (for now); pooling requests
-        # take one step each.
-        self.async_scheduling = config.async_scheduling and spec is None and not self.pooling
-        if config.async_scheduling and spec is not None:
-            logger.info("speculative decoding: async scheduling is off (one step at a time)")
+        # Pooling requests take one step each. With speculative decoding the loop pipelines
+        # the steps that verify no drafts (see _can_pipeline); the draft model mirrors each
+        # step from its host token ids, which a pipelined step does not have yet.
+        self.async_scheduling = (config.async_scheduling and not self.pooling
+                                 and (spec is None or spec.method != "draft_model"))
+        if config.async_scheduling and spec is not None and spec.method == "draft_model":
+            logger.info("speculative decoding with a draft model: async scheduling is off "
+                        "(one step at a time)")
+        self._speculating = spec is not None
+        # ngram drafts only where the context repeats itself: a request without drafts from
+        # its last results wants none (the others always propose k).
+        self._proposals_known = spec is not None and spec.method == "ngram"
         self._inflight: tuple[SchedulerOutput, StepFuture] | None = None
         # Scheduled steps whose results the scheduler has not applied yet: what a step that
         # raises leaves behind (see scheduler_faults.py).
@@ -226,11 +236,10 @@ class EngineCore:
     def _run_step(self) -> list[EngineCoreOutput]:
         if self._compiling:
             self._check_grammars()
-        # Structured requests are in _history_requests: their bitmask needs the last token.
-        pipelined = self.async_scheduling and not self._history_requests
+        pipelined = self._can_pipeline()
         sched = None
         if pipelined or self._inflight is None:
-            sched = self.scheduler.schedule()
+            sched = self.scheduler.schedule(allow_drafts=self._inflight is None)
         launched = None
         if sched is not None and not sched.is_empty:
             if self._structured_serials:
@@ -239,13 +248,28 @@ class EngineCore:
             launched = self.runner.launch(sched)
         elif self._compiling and self._inflight is None:  # nothing to run but grammars
             self.structured.wait_any([r.structured for r in self._compiling.values()], 0.01)
-        # Step N's results, read while step N+1 (just launched) runs.
-        outputs = self._finish_inflight()
+        # Step N's results, read while step N+1 (just launched) runs; drafts proposed from
+        # them would come too late for step N+1, which is scheduled without any.
+        outputs = self._finish_inflight(propose=launched is None)
         if launched is not None:
             self._inflight = (sched, launched)
             if not pipelined:
-                outputs += self._finish_inflight()
+                outputs += self._finish_inflight(propose=True)
         return outputs
+
+    def _can_pipeline(self) -> bool:
+        """Whether the next step may be scheduled while the one in flight runs. Not when a
+        request's sampling reads every earlier token (penalties, min_tokens; structured
+        requests: their bitmask needs the last token), not behind a verify step (its
+        accepted drafts decide where the next inputs start), and not when the next step
+        would verify drafts, which are proposed from the results of the step before it."""
+        if not self.async_scheduling or self._history_requests:
+            return False
+        if self._speculating:
+            if self._inflight is not None and self._inflight[0].has_drafts:
+                return False
+            return not self.scheduler.wants_drafts(self._proposals_known)
+        return True
 
     def _check_grammars(self) -> None:
         """Requests whose grammar failed to compile end with a bad-request error."""
@@ -270,12 +294,14 @@ class EngineCore:
             return None
         return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars))
 
-    def _finish_inflight(self) -> list[EngineCoreOutput]:
+    def _finish_inflight(self, propose: bool = True) -> list[EngineCoreOutput]:
+        """The step in flight's results into the scheduler. propose=False: a step was
+        launched after it, so drafting from it may be skipped (see ModelRunner.finish)."""
         if self._inflight is None:
             return []
         sched, fut = self._inflight
         self._inflight = None
-        outputs = self.scheduler.update(sched, self.runner.finish(fut))
+        outputs = self.scheduler.update(sched, self.runner.finish(fut, propose=propose))
         self._unsettled = [s for s in self._unsettled if s is not sched]
         return outputs
 

@@ -36,6 +36,7 @@ class _Step:
     """The step being scheduled: what runs, the budget left, and what happened."""
 
     budget: int
+    allow_drafts: bool = True  # False while a step is in flight (async scheduling)
     scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)  # id -> tokens
     new_requests: list[NewRequestData] = field(default_factory=list)
     preempted: bool = False
@@ -156,14 +157,15 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         return len(self.waiting)
 
     # ---- scheduling ----------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, allow_drafts: bool = True) -> SchedulerOutput:
         """One step: running requests first, then waiting ones while budget, sequence slots
-        and blocks last; none are admitted in a step that had to preempt (memory is short)."""
+        and blocks last; none are admitted in a step that had to preempt (memory is short).
+        allow_drafts=False: no request verifies drafts (a step is in flight, see core.py)."""
         if self.offload is not None:
             self.offload.begin_step()
         if self.request_timeout is not None:
             self._expire_requests()
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        step = _Step(budget=self.config.max_num_batched_tokens, allow_drafts=allow_drafts)
         if not self._schedule_isolated(step):  # a suspect of a failed step runs alone
             self._schedule_running(step)
             if not step.preempted:
@@ -180,9 +182,9 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
             if n <= 0 or self._ends_with_pending(req):
                 i += 1  # its last token is still in flight; it finishes when that lands
                 continue
-            if n == 1 and req.spec_token_ids:
+            if n == 1 and self.num_speculative_tokens:
                 # Drafts only where their blocks are free: they never preempt anyone.
-                d = self._num_drafts(req, step.budget - 1)
+                d = self._num_drafts(req, step.budget - 1, step.allow_drafts)
                 if d and self.kv.allocate_slots(req, 1 + d) is not None:
                     n += d
             allocated, unscheduled = self._allocate_running(req, n, step)

@@ -83,6 +83,11 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def has_drafts(self) -> bool:
+        """A verify step: the next step's inputs wait for its accepted drafts."""
+        return any(s.num_draft_tokens for s in self.scheduled)
+
 
 @dataclass
 class ModelRunnerOutput:

@@ -8,8 +8,10 @@ to the pool). Prefix-cache hashes are made from `all_token_ids`, which only ever
 accepted tokens, so no draft reaches the cache.
 
 A request whose drafts keep failing stops paying for them: after MISSES_BEFORE_BACKOFF verify
-steps in a row with nothing accepted, it decodes without drafts for a while (4 steps, doubling
-with each further miss, at most 64), then tries again; one accepted draft resets it.
+steps in a row with nothing accepted, it decodes without drafts for a while (4 decode steps,
+doubling with each further miss, at most 64), then tries again; one accepted draft resets it.
+With async scheduling the engine asks `wants_drafts` before each step: while no request would
+verify drafts next, steps are pipelined (see engine/core.py).
 
 Adaptive budget (on unless speculative_config says adaptive_budget=false): each request keeps
 an estimate p of the chance that its next draft is accepted once the drafts before it were
@@ -77,26 +79,48 @@ class SpecDecodeScheduling:
         self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
         self._spec_per_pos = [0] * self.num_speculative_tokens
 
-    def _num_drafts(self, req: Request, room: int) -> int:
-        """How many of the request's drafts to verify this step: none unless it decodes with
-        nothing in flight, and never past its max_tokens or max_model_len (a verified step
-        yields up to k+1 tokens), nor past the step's budget left after its own token."""
-        if not req.spec_token_ids or req.num_pending_tokens:
-            return 0
+    def _num_drafts(self, req: Request, room: int, allowed: bool = True) -> int:
+        """How many of the request's drafts to verify in this decode step: none unless drafts
+        are allowed (no step in flight) and it decodes with nothing in flight, and never past
+        its max_tokens or max_model_len (a verified step yields up to k+1 tokens), nor past
+        the step's budget left after its own token. Every decode step counts down a backoff
+        and ages the acceptance counts, with drafts or without."""
         req.spec_hits *= ACCEPT_DECAY
         req.spec_fails *= ACCEPT_DECAY
         if req.spec_skip > 0:  # backing off after drafts that kept failing
             req.spec_skip -= 1
             return 0
-        running = len(self.running)  # type: ignore[attr-defined]
+        if not allowed or not req.spec_token_ids or req.num_pending_tokens:
+            return 0
+        k = self._draft_budget(req, len(req.spec_token_ids), len(self.running))  # type: ignore[attr-defined]
+        return max(0, min(k, room, req.max_tokens - req.num_output_tokens - 1,
+                          self.config.max_model_len - req.num_tokens - 1))
+
+    def _draft_budget(self, req: Request, k: int, running: int) -> int:
+        """Of k drafts, how many are worth verifying with `running` requests in the batch."""
         cap = self.spec_disable_by_batch_size
         if cap is not None and running >= cap:
             return 0
-        k = len(req.spec_token_ids)
         if self.spec_adaptive:
-            k = adaptive_num_drafts(req.spec_hits, req.spec_fails, k, worth_threshold(running))
-        return max(0, min(k, room, req.max_tokens - req.num_output_tokens - 1,
-                          self.config.max_model_len - req.num_tokens - 1))
+            return adaptive_num_drafts(req.spec_hits, req.spec_fails, k, worth_threshold(running))
+        return k
+
+    def wants_drafts(self, proposals_known: bool) -> bool:
+        """Whether the next step would verify drafts for some running request, were they
+        proposed from the step in flight: the engine then schedules it after that step's
+        results rather than beside it (async scheduling). proposals_known: the proposer
+        drafts only sometimes (ngram), so a request without drafts from its last results is
+        taken to want none; otherwise every request is taken to have k."""
+        running = len(self.running)  # type: ignore[attr-defined]
+        k = self.num_speculative_tokens
+        for req in self.running:  # type: ignore[attr-defined]
+            if req.num_tokens_with_pending - req.num_computed_tokens != 1:
+                continue  # a prompt chunk next (or nothing: its last token is in flight)
+            if req.spec_skip > 0 or (proposals_known and not req.spec_token_ids):
+                continue  # its next decode step still backs off, or it has nothing to verify
+            if req.structured is None and self._draft_budget(req, k, running) > 0:
+                return True
+        return False
 
     def _settle_verified(self, req: Request, item: ScheduledRequest, tokens: list[int]) -> None:
         """Counts a verified step (tokens: the accepted drafts then one more) and rolls back

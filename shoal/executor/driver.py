@@ -47,8 +47,8 @@ class DriverExecutor:
             self._driver_failed(exc)
             raise
 
-    def finish(self, fut: Any) -> Any:
-        return self.driver.finish(fut)
+    def finish(self, fut: Any, propose: bool = True) -> Any:
+        return self.driver.finish(fut, propose=propose)
 
     def execute(self, sched: SchedulerOutput) -> Any:
         return self.finish(self.launch(sched))

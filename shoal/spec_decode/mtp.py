@@ -136,11 +136,12 @@ class HiddenStateProposer(DrafterCache):
 
     @torch.inference_mode()
     def mirror_and_propose(self, reqs: list[MtpRequest], hidden: torch.Tensor,
-                           failed: set[int]) -> dict[int, list[int]]:
+                           failed: set[int], propose: bool = True) -> dict[int, list[int]]:
         """Mirrors a sampled target step (hidden: its final hidden states, one row per
-        token) into the head's cache and drafts for its sampling requests (serial -> drafts).
-        `failed`: requests whose step produced non-finite values (neither mirrored nor
-        drafted)."""
+        token) into the head's cache and drafts for its sampling requests (serial -> drafts;
+        none with propose=False: the mirror is then only queued, nothing waits for the
+        device). `failed`: requests whose step produced non-finite values (neither mirrored
+        nor drafted)."""
         rows: list[int] = []
         ids: list[int] = []
         pos: list[int] = []
@@ -167,7 +168,7 @@ class HiddenStateProposer(DrafterCache):
         h = hidden[row_t] if len(rows) != hidden.shape[0] else hidden
         out = self.model(to_device(ids, torch.long, self.device),
                          to_device(pos, torch.long, self.device), h, md)
-        return self._propose(kept, out)
+        return self._propose(kept, out) if propose else {}
 
     def _propose(self, kept: list[tuple[MtpRequest, int]], out: torch.Tensor
                  ) -> dict[int, list[int]]:

@@ -270,7 +270,10 @@ class ModelRunner:
         inputs = self._prepare_inputs(sched)
         logits = self._forward(inputs, fut.out)
         if self.mtp is not None:  # mirrored once sampled (finish): it needs the next tokens
-            fut.hidden = inputs.hidden
+            # A graph's hidden states are its static output, which the next step (launched
+            # before this one is mirrored, with async scheduling) overwrites.
+            fut.hidden = (inputs.hidden.clone() if self.config.async_scheduling
+                          and inputs.hidden is not None else inputs.hidden)
             fut.mtp_requests = [
                 MtpRequest(it.serial, start, it.context_len, it.num_new_tokens, it.block_ids,
                            self.requests[it.serial], it.sample)
@@ -520,14 +523,17 @@ class ModelRunner:
         fut.event = torch.cuda.Event()
         fut.event.record()
 
-    def finish(self, fut: StepFuture) -> ModelRunnerOutput:
+    def finish(self, fut: StepFuture, propose: bool = True) -> ModelRunnerOutput:
         """Waits for a launched step and turns its sampled tokens into plain data; reports its
-        KV copies as done."""
+        KV copies as done. propose=False: the next step is launched already and verifies no
+        drafts, so a hidden-state drafter only mirrors this step (queued behind the next one,
+        without waiting for it) and drafts nothing; host proposers draft anyway (cheap, and
+        the scheduler reads whether they found any)."""
         out = fut.out
         if fut.sampled is not None:
             self._read_sampled(fut)
         if self.mtp is not None and fut.mtp_requests:
-            self._propose_with_mtp(fut)
+            self._propose_with_mtp(fut, propose)
         if fut.kv_plan_id is not None:
             # The forward pass waited for the copies on the device, so a step whose tokens
             # have arrived has them done already; one that sampled nothing waits here.
@@ -580,10 +586,11 @@ class ModelRunner:
             if d:
                 out.draft_token_ids[serial] = d
 
-    def _propose_with_mtp(self, fut: StepFuture) -> None:
+    def _propose_with_mtp(self, fut: StepFuture, propose: bool) -> None:
         assert self.mtp is not None and fut.hidden is not None
         out = fut.out
-        drafts = self.mtp.mirror_and_propose(fut.mtp_requests, fut.hidden, out.failed_serials)
+        drafts = self.mtp.mirror_and_propose(fut.mtp_requests, fut.hidden, out.failed_serials,
+                                             propose=propose)
         for serial, d in drafts.items():
             if d and serial in out.sampled_token_ids:
                 out.draft_token_ids[serial] = d

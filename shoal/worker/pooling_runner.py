@@ -96,7 +96,7 @@ class PoolingModelRunner:
                 out.failed_serials.add(serial)
         return PoolingStepFuture(out)
 
-    def finish(self, fut: PoolingStepFuture) -> ModelRunnerOutput:
+    def finish(self, fut: PoolingStepFuture, propose: bool = True) -> ModelRunnerOutput:
         return fut.out
 
     def remove_requests(self, serials: set[int]) -> None:

@@ -20,6 +20,7 @@ import torch
 from engine_helpers import blocks_all_free, random_prompts, tiny_llm
 from oracle import TINY_COMMON
 from safetensors.torch import load_file, save_file
+from spec_decode.proposal_log import StepLog, record_proposals
 from spec_decode.test_spec_engine import SpecCounter
 from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -166,44 +167,33 @@ def _ids(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _record(llm) -> list[tuple[list[int], list[int]]]:
-    """Every proposal the engine makes: (the sequence then, its drafts)."""
-    proposer = llm.llm_engine.core.runner.mtp  # the runner's hidden-state drafter
-    log: list[tuple[list[int], list[int]]] = []
-    inner = proposer.mirror_and_propose
-
-    def recording(reqs, hidden, failed):
-        drafts = inner(reqs, hidden, failed)
-        for r in reqs:
-            if r.serial in drafts:
-                log.append((r.state.prompt_token_ids + r.state.output_token_ids,
-                            drafts[r.serial]))
-        return drafts
-    proposer.mirror_and_propose = recording
-    return log
-
-
 def _spec(folder, k=K) -> dict:
     return {"method": "eagle", "model": str(folder), "num_speculative_tokens": k}
 
 
-@pytest.mark.parametrize("name", ["random", "bigram"])
-def test_eagle_is_lossless_and_drafts_the_eagle_prediction(ckpts, name) -> None:
+@pytest.mark.parametrize("name,async_scheduling", [("random", False), ("bigram", False),
+                                                    ("random", True), ("bigram", True)])
+def test_eagle_is_lossless_and_drafts_the_eagle_prediction(ckpts, name, async_scheduling) -> None:
     target, folder, ref = ckpts[name]
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     # Chunked prefills (24 tokens a step) and blocks of 4: the mirror covers chunks that
     # sample nothing, decodes, and verify steps with rejections (and acceptances).
     kw = dict(max_num_batched_tokens=24)
     plain = tiny_llm(target, **kw)
+    kw["async_scheduling"] = async_scheduling  # drafting steps one at a time, others pipelined
     llm = tiny_llm(target, speculative_config=_spec(folder), **kw)
     counter = SpecCounter(llm)
-    log = _record(llm)
+    log = record_proposals(llm)
+    steps = StepLog(llm)
     prompts = random_prompts(4, seed=8, lo=2, hi=40)
     want = _ids(plain.generate(prompts, sp, use_tqdm=False))
     assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == want
     for p, w in zip(prompts[:2], want):  # alone
         assert _ids(llm.generate([p], sp, use_tqdm=False)) == [w]
     assert blocks_all_free(llm)
+    assert not steps.verify_pipelined()
+    if async_scheduling and name == "random":  # rejected drafts back off: mirror-only steps
+        assert steps.pipelined > 0, steps.steps
     assert counter.drafts > 0 and counter.draft_tokens >= counter.drafts
     assert 0 <= counter.accepted <= counter.draft_tokens <= K * counter.drafts
     if name == "bigram":  # verify steps with accepted drafts are exercised

@@ -19,7 +19,8 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 from engine_helpers import random_prompts, tiny_llm  # noqa: E402
-from spec_decode.test_mtp import _record, build_checkpoints  # noqa: E402
+from spec_decode.proposal_log import StepLog, record_proposals  # noqa: E402
+from spec_decode.test_mtp import build_checkpoints  # noqa: E402
 
 from shoal import LLM, SamplingParams  # noqa: E402
 from shoal.worker.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
@@ -214,16 +215,20 @@ def test_verify_graphs_match_eager_verify_steps(tiny_llama_dir):
     assert any(n < 3 * 3 for n in padded_real)
 
 
-def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path):
+@pytest.mark.parametrize("name,async_scheduling", [("bigram", False), ("random", True)])
+def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path, name, async_scheduling):
     """With decode, verify and prefill graphs, MTP reads the target's hidden states from the
-    graphs' outputs: output as without speculation, every draft the MTP formula's."""
-    target, ref = build_checkpoints(tmp_path)["bigram"]
+    graphs' outputs: output as without speculation, every draft the MTP formula's. With async
+    scheduling (random weights: drafts fail, the backoff pipelines steps) the next step's
+    replay overwrites a graph's outputs before the step before is mirrored."""
+    target, ref = build_checkpoints(tmp_path)[name]
     sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     prompts = random_prompts(3, seed=8, lo=2, hi=14)
     want = [o.outputs[0].token_ids for o in tiny_llm(target).generate(prompts, sp,
                                                                        use_tqdm=False)]
-    llm = tiny_llm(target, attention_backend="triton",
+    llm = tiny_llm(target, attention_backend="triton", async_scheduling=async_scheduling,
                    speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    steps = StepLog(llm)
     runner = llm.llm_engine.core.runner
     blocks = 256 // 4
     kw = dict(block_size=4, sliding_window=None, keep_hidden=True)
@@ -240,7 +245,7 @@ def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path):
         for graph in g.graphs.values():
             real = graph.replay
             graph.replay = lambda real=real, kind=kind: (replays.append(kind), real())
-    log = _record(llm)
+    log = record_proposals(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want
     alone = llm.generate(prompts[2], sp, use_tqdm=False)[0]  # its prefill: a prefill graph
@@ -249,6 +254,7 @@ def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path):
     assert len(log) > 5
     for seq, drafts in log:
         assert drafts == ref.drafts(seq, len(drafts)), seq
+    assert (steps.pipelined > 0) == async_scheduling
 
 
 def test_a_prompt_chunk_of_k_plus_1_tokens_keeps_a_step_off_the_verify_graph(tiny_llama_dir):
