@@ -53,7 +53,7 @@ from shoal.worker.kv_cache_sizing import (
 from shoal.worker.prefill_graphs import PrefillGraphs
 from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
 from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
-from shoal.worker.verify_graphs import VerifyGraphs
+from shoal.worker.verify_graphs import VerifyGraphLadder, VerifyGraphs, draft_ladder
 
 logger = logging.getLogger(__name__)
 _NO_DRAFTS: list[int] = []  # shared by the rows without drafts; never changed
@@ -137,7 +137,8 @@ class ModelRunner:
             layer.backend = self.backend
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
-        self.verify_graphs: VerifyGraphs | None = None
+        # VerifyGraphs for one draft count (tests) or a ladder of them
+        self.verify_graphs: VerifyGraphLadder | VerifyGraphs | None = None
         self.null_block = 0
         self.kv_transfer: KVTransfer | None = None  # KV offloading: see use_kv_transfer
         # The last launched step's sampled ids (device) and each request's row in them.
@@ -195,11 +196,12 @@ class ModelRunner:
                         self.graphs.pool)
                 spec = self.config.speculative_config
                 if spec is not None and self.backend.supports_verify_graphs:
-                    self.verify_graphs = VerifyGraphs(
-                        self.model, self.backend, spec.num_speculative_tokens,
+                    self.verify_graphs = VerifyGraphLadder([VerifyGraphs(
+                        self.model, self.backend, d,
                         self.config.scheduler_config.max_num_seqs, max_blocks, self.device,
                         block_size=self.block_size, sliding_window=self.sliding_window,
                         keep_hidden=self.mtp is not None)
+                        for d in draft_ladder(spec.num_speculative_tokens)])
                     self.startup_times["verify_graphs"] = self.verify_graphs.capture(
                         self.graphs.pool)
         return num_blocks
@@ -330,8 +332,8 @@ class ModelRunner:
                 inp.input_ids, inp.positions, [it.serial for it in inp.items], tables,
                 token_slots([1] * len(inp.items), inp.positions, tables, self.block_size),
                 fill_pending=fill)
-        elif self._fits_verify_graph(inp):
-            return self._verify_graph_forward(inp)
+        elif (vg := self._verify_graph_for(inp)) is not None:
+            return self._verify_graph_forward(inp, vg)
         elif self._fits_prefill_graph(inp):
             assert self.prefill_graphs is not None
             graphs = self.prefill_graphs
@@ -347,22 +349,22 @@ class ModelRunner:
             inp.hidden = graphs.last_hidden
         return logits
 
-    def _fits_verify_graph(self, inp: StepInputs) -> bool:
-        """A step with drafts whose requests all sample from at most k + 1 new tokens (verifies
-        of up to k drafts, decodes, short last prompt chunks), no prompt logprobs and no
-        tokens pending from an earlier step, within the graph sizes."""
+    def _verify_graph_for(self, inp: StepInputs) -> VerifyGraphs | None:
+        """For a step with drafts whose requests all sample from at most k + 1 new tokens
+        (verifies of up to k drafts, decodes, short last prompt chunks), no prompt logprobs
+        and no tokens pending from an earlier step: the verify graphs of the fewest tokens a
+        request that hold it, within the graph sizes."""
         vg = self.verify_graphs
-        return (vg is not None and inp.has_drafts and not inp.prompt_lp_spans
-                and not inp.pending_dst and all(it.sample for it in inp.items)
-                and vg.can_run(len(inp.items), [it.num_new_tokens for it in inp.items]))
+        if (vg is None or not inp.has_drafts or inp.prompt_lp_spans or inp.pending_dst
+                or not all(it.sample for it in inp.items)):
+            return None
+        return vg.pick(len(inp.items), [it.num_new_tokens for it in inp.items])
 
-    def _verify_graph_forward(self, inp: StepInputs) -> torch.Tensor:
-        """The step through the verify graph: each request's tokens padded to k + 1 (padding
-        writes no KV and repeats the last position); returns the logits of the step's
-        sampling rows (inp.logits_index, in the unpadded layout) and, for MTP / EAGLE, the
-        hidden states of its real tokens."""
-        vg = self.verify_graphs
-        assert vg is not None
+    def _verify_graph_forward(self, inp: StepInputs, vg: VerifyGraphs) -> torch.Tensor:
+        """The step through a verify graph: each request's tokens padded to the graph's q
+        (padding writes no KV and repeats the last position); returns the logits of the
+        step's sampling rows (inp.logits_index, in the unpadded layout) and, for MTP / EAGLE,
+        the hidden states of its real tokens."""
         q, bs = vg.q, self.block_size
         ids: list[int] = []
         pos: list[int] = []

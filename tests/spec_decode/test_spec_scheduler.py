@@ -282,8 +282,9 @@ def test_spec_stats_count_drafts_and_accepted_tokens_by_position() -> None:
 
 
 def test_backoff_after_drafts_that_keep_failing() -> None:
-    """Two verifies in a row with nothing accepted: the request decodes without drafts for
-    4 steps, then tries again; a further miss doubles the pause; an acceptance ends it."""
+    """Verifies in a row with nothing accepted (two at least, and the acceptance estimate
+    low): the request decodes without drafts for 4 steps, then tries again; a further
+    backoff doubles the pause; an acceptance ends it."""
     sched = spec_scheduler()
     sched.add_request(make_req("a", prompt_of(6), max_tokens=200))
     runner = FakeSpecRunner(sched)
@@ -295,15 +296,18 @@ def test_backoff_after_drafts_that_keep_failing() -> None:
         out = sched.schedule()
         drafted.append(out.scheduled[0].num_draft_tokens > 0)
         sched.update(out, runner.execute(out))
-    # miss, miss, 4 plain, miss, 8 plain, miss, 16 plain ...
-    assert drafted[:16] == [True, True] + [False] * 4 + [True] + [False] * 8 + [True]
-    assert req.spec_misses == 4 and req.spec_skip > 0
-    req.spec_skip = 0
+    # Misses until the estimate falls below BACKOFF_BELOW (six from the optimistic prior),
+    # 4 plain, a miss, 8 plain; the estimate drifted back up meanwhile, so it takes two more
+    # misses to pause again, for 16.
+    assert drafted[:21] == ([True] * 6 + [False] * 4 + [True] + [False] * 8 + [True] * 2)
+    assert drafted[21:] == [False] * 9
+    assert req.spec_backoffs == 3 and req.spec_skip > 0
+    req.spec_skip, req.spec_hits, req.spec_fails = 0, 3.0, 0.0  # the estimate recovered
     req.spec_token_ids = [runner._true(req.serial, req.num_output_tokens), 7, 7]  # one right
     out = sched.schedule()
     assert out.scheduled[0].num_draft_tokens == K
     sched.update(out, runner.execute(out))
-    assert req.spec_misses == 0 and req.spec_skip == 0
+    assert req.spec_misses == req.spec_backoffs == req.spec_skip == 0
 
 
 def test_adaptive_budget_follows_acceptance_and_batch_size() -> None:

@@ -26,7 +26,7 @@ from shoal import LLM, SamplingParams  # noqa: E402
 from shoal.worker.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
 from shoal.worker.prefill_graphs import PrefillGraphs  # noqa: E402
 from shoal.worker.staged_tokens import StagedTokens  # noqa: E402
-from shoal.worker.verify_graphs import VerifyGraphs  # noqa: E402
+from shoal.worker.verify_graphs import VerifyGraphLadder, VerifyGraphs, draft_ladder  # noqa: E402
 
 
 class _EagerGraph:
@@ -215,6 +215,39 @@ def test_verify_graphs_match_eager_verify_steps(tiny_llama_dir):
     assert any(n < 3 * 3 for n in padded_real)
 
 
+def test_verify_graph_ladder_picks_the_fewest_tokens(tiny_llama_dir):
+    """Verify graphs for 1, 2 and 4 drafts (k = 4): a step replays the smallest that holds
+    its longest request; output is the eager steps'."""
+    spec = {"method": "test_forced_acceptance", "num_speculative_tokens": 4,
+            "acceptance_rate": 0.5}
+    assert draft_ladder(4) == [1, 2, 4] and draft_ladder(3) == [1, 2, 3]
+    assert draft_ladder(1) == [1]
+    rng = random.Random(7)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(n)]}
+               for n in (6, 11)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 16)]
+    ref = [o.outputs[0].token_ids for o in _llm(tiny_llama_dir, "triton",
+                                                 speculative_config=spec).generate(
+        prompts, params, use_tqdm=False)]
+    llm = _llm(tiny_llama_dir, "triton", speculative_config=spec)
+    runner = llm.llm_engine.core.runner
+    rungs = [EagerVerifyGraphs(runner.model, runner.backend, d, 8, 96 // 4, runner.device,
+                               block_size=4, sliding_window=None) for d in draft_ladder(4)]
+    used = []
+    for g in rungs:
+        g.capture()
+        real_run = g.run
+
+        def run(*a, g=g, real_run=real_run, **kw):
+            used.append(g.q)
+            return real_run(*a, **kw)
+        g.run = run
+    runner.verify_graphs = VerifyGraphLadder(rungs)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == ref
+    assert 5 in used and len(set(used)) >= 2, used  # full verifies and shorter ones
+
+
 @pytest.mark.parametrize("name,async_scheduling", [("bigram", False), ("random", True)])
 def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path, name, async_scheduling):
     """With decode, verify and prefill graphs, MTP reads the target's hidden states from the
@@ -222,7 +255,8 @@ def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path, name, async_scheduli
     scheduling (random weights: drafts fail, the backoff pipelines steps) the next step's
     replay overwrites a graph's outputs before the step before is mirrored."""
     target, ref = build_checkpoints(tmp_path)[name]
-    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # Long enough for rejected drafts to back off (async: pipelined steps then).
+    sp = SamplingParams(temperature=0, max_tokens=20 if async_scheduling else 8, ignore_eos=True)
     prompts = random_prompts(3, seed=8, lo=2, hi=14)
     want = [o.outputs[0].token_ids for o in tiny_llm(target).generate(prompts, sp,
                                                                        use_tqdm=False)]
