@@ -34,6 +34,8 @@ class GrammarMatcher(ABC):
 
 class GrammarBackend(ABC):
     name: str
+    # Whether a fill writes every bit of its row (else the rows are set to all-allowed first).
+    fills_whole_rows: bool = False
 
     @abstractmethod
     def compile(self, params: StructuredOutputsParams) -> Any:

@@ -40,11 +40,16 @@ def unpack_bitmask(words: torch.Tensor, vocab: int, allowed: bool = True) -> tor
 
 def apply_token_bitmask(logits: torch.Tensor, words: torch.Tensor, rows: list[int]) -> None:
     """Sets the disallowed logits of `rows` (row i of `words` is for logits row rows[i]) to
-    -inf, in place: one masked fill for the whole batch."""
-    banned = unpack_bitmask(words.to(logits.device, non_blocking=True), logits.shape[-1],
-                            allowed=False)
+    -inf, in place: one masked fill for the whole batch; columns past the bitmask (logits
+    padded beyond the grammar's vocabulary) are set to -inf directly."""
+    width = min(words.shape[1] * 32, logits.shape[-1])
+    banned = unpack_bitmask(words.to(logits.device, non_blocking=True), width, allowed=False)
     if rows == list(range(logits.shape[0])):
-        logits.masked_fill_(banned, _NEG_INF)
+        logits[:, :width].masked_fill_(banned, _NEG_INF)
+        logits[:, width:] = _NEG_INF
         return
     index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
-    logits[index] = logits[index].masked_fill(banned, _NEG_INF)
+    sub = logits[index]
+    sub[:, :width].masked_fill_(banned, _NEG_INF)
+    sub[:, width:] = _NEG_INF
+    logits[index] = sub

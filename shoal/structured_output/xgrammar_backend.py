@@ -41,6 +41,7 @@ def fill_threads() -> int:
 
 class XgrammarBackend(GrammarBackend):
     name = "xgrammar"
+    fills_whole_rows = True  # no memset of the whole batch's bitmask first
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]):
         # The model's vocabulary may be padded past the tokenizer's: the padding ids are

@@ -50,3 +50,44 @@ def test_padded_vocabulary_never_allows_ids_past_the_tokenizer(smollm_gguf):
     matcher.fill_bitmask(bitmask, 0)
     allowed = unpack_bitmask(bitmask, padded)[0]
     assert allowed[:len(tok)].any() and not allowed[len(tok):].any()
+
+
+@pytest.mark.parametrize("rows", [[0, 1, 2], [0, 2]])
+def test_a_bitmask_narrower_than_the_logits_bans_the_rest(rows):
+    """Logits padded past the grammar's vocabulary: the padding is -inf in the masked rows,
+    the bitmask decides the rest, other rows are untouched (whole batch or a subset)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 200, generator=g)
+    words = torch.randint(-2**31, 2**31 - 1, (len(rows), 3), generator=g,
+                          dtype=torch.int64).to(torch.int32)  # 96 ids
+    ours = logits.clone()
+    apply_token_bitmask(ours, words, rows)
+    want = logits.clone()
+    want[rows, :96] = want[rows, :96].masked_fill(unpack_bitmask(words, 96, allowed=False),
+                                                  float("-inf"))
+    want[rows, 96:] = float("-inf")
+    assert torch.equal(ours, want)
+
+
+def test_grammar_vocabulary_is_the_tokenizers(smollm_gguf):
+    """The bitmask and the grammar engine cover the tokenizer's ids, not the model's padded
+    logits (each padding id would cost every fill and accept)."""
+    from shoal.loader import load_model
+    from shoal.structured_output.manager import StructuredOutputManager, grammar_vocab_size
+    from shoal.structured_output.params import StructuredOutputsParams
+
+    tok = load_model(None, load_format="dummy").tokenizer
+    n = len(tok)
+    assert grammar_vocab_size(tok, n + 1000) == n
+    assert grammar_vocab_size(tok, n - 10) == n - 10
+    assert grammar_vocab_size(None, 77) == 77
+    manager = StructuredOutputManager("xgrammar", tok, n + 1000, [tok.eos_token_id])
+    req = manager.request(StructuredOutputsParams(choice=["yes", "no"]))
+    manager.validate(req.params)
+    bitmask = manager.fill_bitmask([req]).clone()  # the manager's buffer: copy it
+    assert bitmask.shape == (1, -(-n // 32))
+    allowed = unpack_bitmask(bitmask, n)[0]
+    assert 0 < int(allowed.sum()) < 100  # the first tokens of "yes" / "no" only
+    manager._buffer.fill_(-1)  # a fill writes whole rows: no memset needed before it
+    assert torch.equal(manager.fill_bitmask([req]), bitmask)
+    manager.shutdown()
