@@ -24,12 +24,14 @@ logger = logging.getLogger(__name__)
 _CACHE_SIZE = 1024  # compiled grammars kept (most recently used)
 
 
-def grammar_vocab_size(tokenizer: Any, model_vocab_size: int) -> int:
+def grammar_vocab_size(tokenizer: Any, model_vocab_size: int,
+                       eos_token_ids: list[int] | None = None) -> int:
     """The ids a grammar decides about: the tokenizer's, at most the model's. Logits padded
     past the tokenizer (Qwen3: 151,936 against 151,669 ids) are banned without asking the
     grammar engine, which would treat each padding id as a special token on every fill and
     accept: a Qwen3-shaped model with SmolLM2's 49,152-id tokenizer filled 110-125 us a row
-    instead of 3-4 on the H200 host."""
+    instead of 3-4 on the H200 host. The model's end-of-sequence ids are always inside: a
+    finished grammar allows only them."""
     try:
         size = len(tokenizer)
     except TypeError:  # no tokenizer, or one that does not say its size
@@ -37,6 +39,8 @@ def grammar_vocab_size(tokenizer: Any, model_vocab_size: int) -> int:
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
     if added:  # added ids may sit past len() when the vocabulary has gaps
         size = max(size, max(added) + 1)
+    if eos_token_ids:
+        size = max(size, max(eos_token_ids) + 1)
     return min(size, model_vocab_size)
 
 
@@ -104,7 +108,8 @@ class StructuredOutputManager:
     def __init__(self, backend: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int],
                  max_workers: int = 2, pin_memory: bool = False):
         self.backend_name = backend
-        self.vocab_size = grammar_vocab_size(tokenizer, vocab_size)  # the bitmask's width
+        # the bitmask's width
+        self.vocab_size = grammar_vocab_size(tokenizer, vocab_size, list(eos_token_ids))
         self._tokenizer = tokenizer
         self._eos = list(eos_token_ids)
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="shoal-grammar")

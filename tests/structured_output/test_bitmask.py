@@ -81,6 +81,9 @@ def test_grammar_vocabulary_is_the_tokenizers(smollm_gguf):
     assert grammar_vocab_size(tok, n + 1000) == n
     assert grammar_vocab_size(tok, n - 10) == n - 10
     assert grammar_vocab_size(None, 77) == 77
+    # A model whose end-of-sequence id lies past the tokenizer's (a finished grammar allows
+    # only it): the grammar's vocabulary reaches it.
+    assert grammar_vocab_size(tok, n + 1000, [n + 500]) == n + 501
     manager = StructuredOutputManager("xgrammar", tok, n + 1000, [tok.eos_token_id])
     req = manager.request(StructuredOutputsParams(choice=["yes", "no"]))
     manager.validate(req.params)

@@ -214,3 +214,32 @@ def test_constrained_rows_beside_speculating_rows(smollm_gguf):
         assert any(verify_steps)  # drafts were verified in steps with constrained rows
     finally:
         llm.shutdown()
+
+
+def test_logits_padded_past_the_tokenizer_with_eos_beyond_it(smollm_gguf, tmp_path):
+    """A model whose vocabulary is padded past its tokenizer's and whose end-of-sequence id
+    lies in the padding (the H200 benchmark's Qwen3 shape with SmolLM2's tokenizer): the
+    grammar covers the tokenizer's ids and the eos id, so a finished answer stops."""
+    import json
+
+    from shoal.loader.tokenizers import load_tokenizer
+
+    n = len(load_tokenizer("smollm2"))
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           "vocab_size": n + 96, "hidden_size": 64, "intermediate_size": 128,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "head_dim": 16, "max_position_embeddings": 512, "rms_norm_eps": 1e-5,
+           "bos_token_id": 1, "eos_token_id": n + 40, "tie_word_embeddings": False,
+           "torch_dtype": "float32"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    padded = LLM(model=str(tmp_path), tokenizer="smollm2", load_format="dummy",
+                 max_model_len=256, kv_cache_memory_bytes=16 << 20, max_num_seqs=8)
+    try:
+        assert padded.llm_engine.core.structured.vocab_size == n + 41
+        so = StructuredOutputsParams(choice=["yes", "no"])
+        outs = padded.generate(["a", "b", "c"], _params(so, ignore_eos=True, max_tokens=40),
+                               use_tqdm=False)
+        for o in outs:
+            assert o.outputs[0].text in ("yes", "no") and o.outputs[0].finish_reason == "stop"
+    finally:
+        padded.shutdown()
