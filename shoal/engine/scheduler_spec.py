@@ -96,11 +96,11 @@ class SpecDecodeScheduling:
         its max_tokens or max_model_len (a verified step yields up to k+1 tokens), nor past
         the step's budget left after its own token. Every decode step counts down a backoff
         and ages the acceptance counts, with drafts or without."""
+        if req.spec_skip > 0:  # backing off after drafts that kept failing
+            req.spec_skip -= 1  # (its estimate stays low meanwhile: one more miss pauses it)
+            return 0
         req.spec_hits *= ACCEPT_DECAY
         req.spec_fails *= ACCEPT_DECAY
-        if req.spec_skip > 0:  # backing off after drafts that kept failing
-            req.spec_skip -= 1
-            return 0
         if not allowed or not req.spec_token_ids or req.num_pending_tokens:
             return 0
         k = self._draft_budget(req, len(req.spec_token_ids), len(self.running))  # type: ignore[attr-defined]
