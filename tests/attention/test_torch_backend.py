@@ -1,4 +1,5 @@
-"""paged_attention over a paged KV cache vs a dense float64 causal attention per request."""
+"""paged_attention over a paged KV cache vs a dense float64 causal attention per request,
+with the decode rows on the SDPA reference and on the CPU kernel."""
 
 from __future__ import annotations
 
@@ -10,11 +11,21 @@ import torch
 
 from shoal.attention.backend import AttentionBackend
 from shoal.attention.metadata import build_attention_metadata
+from shoal.attention.ops import cpu_paged_decode
 from shoal.attention.selector import get_attention_backend
 from shoal.attention.torch_backend import paged_attention
 
 CPU = torch.device("cpu")
 ATOL = RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True, params=["sdpa", "cpu-kernel"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every case runs with the decode rows on the SDPA reference and on the C++ kernel."""
+    if request.param == "sdpa":
+        monkeypatch.setattr(cpu_paged_decode, "available", lambda: False)
+    elif not cpu_paged_decode.available():
+        pytest.skip("the CPU decode kernel is not built (make install builds it)")
 
 
 @dataclass
