@@ -10,7 +10,7 @@ benchmarks/structured_outputs_gpu.py, which pads SmolLM2's tokenizer the same wa
 tokenizer's width on the CPU (--vocab-size). At each batch size, requests with 16-token
 prompts decode (a finished one is replaced at once, so every step samples `batch` rows):
   free-async  unconstrained, async scheduling (the CUDA default; on the CPU via --modes)
-  free-sync   unconstrained, one step at a time (what a structured request forces)
+  free-sync   unconstrained, one step at a time (what a structured request forced before they were pipelined)
   json        the JSON schema of structured_outputs_gpu.py on every request
 Per mode and batch size, N steps are timed bare (EngineCore.step: the clean step time), then
 N more with perf_counter wrappers for a breakdown: schedule, the core's list of bitmask rows,

@@ -261,11 +261,11 @@ class SamplingParams:
 
     @property
     def needs_output_history(self) -> bool:
-        """Sampling reads every token produced so far (penalties, min_tokens, a grammar), so
-        the next step cannot be prepared before this one's token is known."""
+        """Sampling reads every token produced so far (penalties, min_tokens), so the next
+        step cannot be prepared before this one's token is known. (A grammar needs only the
+        last token: the engine core advances it while the next step's forward runs.)"""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or self.min_tokens > 0
-                or self.structured_outputs is not None)
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

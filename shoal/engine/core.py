@@ -259,8 +259,8 @@ class EngineCore:
 
     def _can_pipeline(self) -> bool:
         """Whether the next step may be scheduled while the one in flight runs. Not when a
-        request's sampling reads every earlier token (penalties, min_tokens; structured
-        requests: their bitmask needs the last token), not behind a verify step (its
+        request's sampling reads every earlier token (penalties, min_tokens; a grammar needs
+        only the last, see _grammar_bitmask), not behind a verify step (its
         accepted drafts decide where the next inputs start), and not when the next step
         would verify drafts, which are proposed from the results of the step before it."""
         if not self.async_scheduling or self._history_requests:
@@ -292,7 +292,28 @@ class EngineCore:
                     grammars.append(req.structured)
         if not grammars:
             return None
-        return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars))
+        prev = self._inflight  # the step this one is pipelined behind, if any
+        if prev is None:
+            return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars))
+
+        def fill() -> Any:
+            # Called while this step's forward runs: the step before has sampled by now.
+            self._advance_grammars_ahead(*prev)
+            return self.structured.fill_bitmask(grammars)
+        return GrammarBitmask(serials, fill)
+
+    def _advance_grammars_ahead(self, sched: SchedulerOutput, fut: StepFuture) -> None:
+        """Advances the grammars of a step in flight on its sampled tokens, before the
+        scheduler applies them (its accept() takes these results): the step pipelined
+        behind it needs them for its bitmask."""
+        tokens = self.runner.peek_sampled(fut)
+        for item in sched.scheduled:
+            token = tokens.get(item.serial)
+            if token is None or item.serial not in self._structured_serials:
+                continue
+            req = self.scheduler.request_by_serial(item.serial)
+            if req is not None and req.structured is not None:
+                req.structured.accept_ahead(token)
 
     def _finish_inflight(self, propose: bool = True) -> list[EngineCoreOutput]:
         """The step in flight's results into the scheduler. propose=False: a step was
@@ -311,6 +332,10 @@ class EngineCore:
         logger.exception("an engine step failed; its requests are retried one at a time")
         scheds, self._unsettled = self._unsettled, []
         self._inflight = None
+        for serial in self._structured_serials:  # tokens of unsettled steps are recomputed
+            req = self.scheduler.request_by_serial(serial)
+            if req is not None and req.structured is not None:
+                req.structured.undo_ahead()
         self.runner.reset_after_fault()
         outputs, serials = self.scheduler.fail_steps(scheds, f"{type(error).__name__}: {error}")
         self.runner.remove_requests(serials)

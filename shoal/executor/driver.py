@@ -50,6 +50,9 @@ class DriverExecutor:
     def finish(self, fut: Any, propose: bool = True) -> Any:
         return self.driver.finish(fut, propose=propose)
 
+    def peek_sampled(self, fut: Any) -> dict[int, int]:
+        return self.driver.peek_sampled(fut)
+
     def execute(self, sched: SchedulerOutput) -> Any:
         return self.finish(self.launch(sched))
 

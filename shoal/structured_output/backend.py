@@ -45,10 +45,12 @@ class GrammarBackend(ABC):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         ...
 
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: Any) -> None:
-        """Row i of `bitmask` for matchers[i]; a backend may fill the rows in parallel."""
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: Any,
+                      rows: list[int] | None = None) -> None:
+        """Row rows[i] (default i) of `bitmask` for matchers[i]; a backend may fill the rows
+        in parallel."""
         for i, m in enumerate(matchers):
-            m.fill_bitmask(bitmask, i)
+            m.fill_bitmask(bitmask, i if rows is None else rows[i])
 
 
 def choice_grammar(choices: list[str]) -> str:

@@ -98,7 +98,38 @@ class StructuredRequest:
         return self._matcher
 
     def accept(self, token_id: int) -> bool:
+        """Advances the grammar on the request's next token; False if it does not fit. A
+        token accept_ahead saw already is not accepted twice: its result is returned."""
+        ahead = self._ahead
+        if ahead is not None:
+            self._ahead = None
+            if ahead[0] == token_id:
+                return ahead[1]
+            self.undo_ahead_result(ahead)  # not the token the step gave after all
         return self.matcher.accept(token_id)
+
+    # With async scheduling the next step's bitmask is filled before the scheduler applies
+    # the step before it: the engine core advances the grammar on that step's token first
+    # (accept_ahead), and the scheduler's accept() of the same token takes that result.
+    _ahead: tuple[int, bool] | None = None
+    ended_ahead = False  # the token accepted ahead ended the grammar: nothing left to fill
+
+    def accept_ahead(self, token_id: int) -> None:
+        ok = self.matcher.accept(token_id)
+        self._ahead = (token_id, ok)
+        self.ended_ahead = ok and self.matcher.is_terminated()
+
+    def undo_ahead(self) -> None:
+        """Forgets a token accepted ahead that the scheduler will never apply (a failed
+        step: its tokens are recomputed)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self.undo_ahead_result(ahead)
+
+    def undo_ahead_result(self, ahead: tuple[int, bool]) -> None:
+        if ahead[1]:
+            self.matcher.rollback(1)
+        self.ended_ahead = False
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
@@ -178,7 +209,13 @@ class StructuredOutputManager:
             self._buffer = buf
         bitmask = buf[:n]
         backend = self._get_backend()
-        if not backend.fills_whole_rows:
+        rows = [i for i, r in enumerate(requests) if not r.ended_ahead]
+        if not backend.fills_whole_rows or len(rows) < n:
+            # A grammar that ended in the step before (async scheduling) has no next token;
+            # its row's token is dropped: allow everything there.
             bitmask.fill_(-1)
-        backend.fill_bitmasks([r.matcher for r in requests], bitmask)
+        if len(rows) == n:
+            backend.fill_bitmasks([r.matcher for r in requests], bitmask)
+        elif rows:
+            backend.fill_bitmasks([requests[i].matcher for i in rows], bitmask, rows)
         return bitmask

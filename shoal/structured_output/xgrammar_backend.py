@@ -95,9 +95,10 @@ class XgrammarBackend(GrammarBackend):
     def matcher(self, compiled: Any) -> GrammarMatcher:
         return XgrammarMatcher(xgr.GrammarMatcher(compiled))
 
-    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: Any) -> None:
+    def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: Any,
+                      rows: list[int] | None = None) -> None:
         if len(matchers) < 8:  # the thread hand-off costs more than a few rows
-            super().fill_bitmasks(matchers, bitmask)
+            super().fill_bitmasks(matchers, bitmask, rows)
             return
         inner = [m._m for m in matchers if isinstance(m, XgrammarMatcher)]
-        self._batch.batch_fill_next_token_bitmask(inner, bitmask)
+        self._batch.batch_fill_next_token_bitmask(inner, bitmask, indices=rows)

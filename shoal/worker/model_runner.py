@@ -544,6 +544,18 @@ class ModelRunner:
             out.kv_transfers_done.append(fut.kv_plan_id)
         return out
 
+    def peek_sampled(self, fut: StepFuture) -> dict[int, int]:
+        """The tokens a launched step sampled (serial -> token; rows whose logits were not
+        finite left out), waiting for them but leaving their processing to finish(). For
+        the step after it, launched meanwhile: its grammars advance on these tokens."""
+        assert fut.verify is None, "a verify step is never followed by a pipelined one"
+        if fut.sampled is None:
+            return {}
+        if fut.event is not None:
+            fut.event.synchronize()
+        sampled, finite = fut.sampled.tolist()
+        return {serial: tok for serial, tok, ok in zip(fut.sample_rows, sampled, finite) if ok}
+
     def _read_sampled(self, fut: StepFuture) -> None:
         out = fut.out
         assert fut.sampled is not None

@@ -243,3 +243,79 @@ def test_logits_padded_past_the_tokenizer_with_eos_beyond_it(smollm_gguf, tmp_pa
             assert o.outputs[0].text in ("yes", "no") and o.outputs[0].finish_reason == "stop"
     finally:
         padded.shutdown()
+
+
+def test_async_scheduling_pipelines_constrained_steps(llm, smollm_gguf):
+    """With async scheduling constrained requests no longer run the loop one step at a time:
+    each pipelined step's bitmask is filled after the engine core advanced the grammars on the
+    step before's tokens (its scheduler then takes those results). Output is the one-step-
+    at-a-time engine's, seeded sampling included; grammars that end while the others go on
+    leave their rows allowed-all (the token is dropped)."""
+    pipe = LLM(load_format="dummy", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+               max_num_seqs=16, async_scheduling=True)
+    try:
+        core = pipe.llm_engine.core
+        inflight_at_launch = []
+        launch = core.runner.launch
+
+        def counting(sched):
+            if not sched.is_empty:
+                inflight_at_launch.append(core._inflight is not None)
+            return launch(sched)
+        core.runner.launch = counting
+        so_json = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+        so_choice = StructuredOutputsParams(choice=["yes", "no", "maybe so"])
+        so_regex = StructuredOutputsParams(regex=r"[a-z]{2,5}-[0-9]{3}")
+        params = ([_params(so_json, seed=i) for i in range(4)]
+                  + [_params(so_choice, seed=i) for i in range(3)]
+                  + [_params(so_regex, seed=i) for i in range(3)]
+                  + [SamplingParams(temperature=1.0, seed=9, max_tokens=40, ignore_eos=True)])
+        prompts = [f"q{i}" for i in range(len(params))]
+        got = pipe.generate(prompts, params, use_tqdm=False)
+        want = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert [o.outputs[0].finish_reason for o in got] == [
+            o.outputs[0].finish_reason for o in want]
+        for o in got[4:7]:
+            assert o.outputs[0].text in ("yes", "no", "maybe so")
+        assert sum(inflight_at_launch) >= len(inflight_at_launch) // 2, inflight_at_launch
+        assert not core.has_unfinished_requests()
+    finally:
+        pipe.shutdown()
+
+
+def test_accept_ahead_then_accept_and_undo():
+    """The grammar advanced ahead on a token: the scheduler's accept of that token returns the
+    same result without advancing again; undo_ahead rolls it back (a failed step)."""
+    from concurrent.futures import Future
+
+    from shoal.structured_output.manager import StructuredRequest
+
+    class Matcher:
+        def __init__(self):
+            self.tokens = []
+
+        def accept(self, t):
+            if t == 0:
+                return False
+            self.tokens.append(t)
+            return True
+
+        def is_terminated(self):
+            return self.tokens[-1:] == [9]
+
+        def rollback(self, n):
+            del self.tokens[-n:]
+
+    req = StructuredRequest(StructuredOutputsParams(choice=["a"]), Future())
+    req._matcher = Matcher()
+    req.accept_ahead(5)
+    assert req.accept(5) and req._matcher.tokens == [5]
+    req.accept_ahead(0)
+    assert not req.accept(0) and req._matcher.tokens == [5]
+    req.accept_ahead(9)
+    assert req.ended_ahead
+    req.undo_ahead()
+    assert req._matcher.tokens == [5] and not req.ended_ahead
+    req.accept_ahead(7)
+    assert req.accept(8) and req._matcher.tokens == [5, 8]  # another token: 7 taken back

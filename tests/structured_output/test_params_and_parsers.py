@@ -48,7 +48,8 @@ def test_cache_key_is_the_same_for_equal_schemas():
 def test_sampling_params_take_a_dict_and_need_history():
     sp = SamplingParams(structured_outputs={"regex": "[a-z]+"})
     assert isinstance(sp.structured_outputs, StructuredOutputsParams)
-    assert sp.needs_output_history  # the bitmask needs the last token: no pipelining
+    # The bitmask needs only the last token, which the engine core applies ahead: pipelined.
+    assert not sp.needs_output_history
     with pytest.raises(ValueError, match="unknown field"):
         SamplingParams(structured_outputs={"regexp": "a"})
 
