@@ -251,6 +251,10 @@ class EngineCore:
         # Step N's results, read while step N+1 (just launched) runs; drafts proposed from
         # them would come too late for step N+1, which is scheduled without any.
         outputs = self._finish_inflight(propose=launched is None)
+        if sched is not None and sched.grammar_bitmask is not None and launched is not None:
+            # Its structured rows sample now that the grammars have seen step N's tokens;
+            # its forward has been running meanwhile.
+            self.runner.sample_deferred(launched)
         if launched is not None:
             self._inflight = (sched, launched)
             if not pipelined:
@@ -292,28 +296,9 @@ class EngineCore:
                     grammars.append(req.structured)
         if not grammars:
             return None
-        prev = self._inflight  # the step this one is pipelined behind, if any
-        if prev is None:
-            return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars))
-
-        def fill() -> Any:
-            # Called while this step's forward runs: the step before has sampled by now.
-            self._advance_grammars_ahead(*prev)
-            return self.structured.fill_bitmask(grammars)
-        return GrammarBitmask(serials, fill)
-
-    def _advance_grammars_ahead(self, sched: SchedulerOutput, fut: StepFuture) -> None:
-        """Advances the grammars of a step in flight on its sampled tokens, before the
-        scheduler applies them (its accept() takes these results): the step pipelined
-        behind it needs them for its bitmask."""
-        tokens = self.runner.peek_sampled(fut)
-        for item in sched.scheduled:
-            token = tokens.get(item.serial)
-            if token is None or item.serial not in self._structured_serials:
-                continue
-            req = self.scheduler.request_by_serial(item.serial)
-            if req is not None and req.structured is not None:
-                req.structured.accept_ahead(token)
+        # Behind a step in flight, sampling waits until that step's tokens are applied.
+        return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars),
+                              deferred=self._inflight is not None)
 
     def _finish_inflight(self, propose: bool = True) -> list[EngineCoreOutput]:
         """The step in flight's results into the scheduler. propose=False: a step was
@@ -332,10 +317,6 @@ class EngineCore:
         logger.exception("an engine step failed; its requests are retried one at a time")
         scheds, self._unsettled = self._unsettled, []
         self._inflight = None
-        for serial in self._structured_serials:  # tokens of unsettled steps are recomputed
-            req = self.scheduler.request_by_serial(serial)
-            if req is not None and req.structured is not None:
-                req.structured.undo_ahead()
         self.runner.reset_after_fault()
         outputs, serials = self.scheduler.fail_steps(scheds, f"{type(error).__name__}: {error}")
         self.runner.remove_requests(serials)

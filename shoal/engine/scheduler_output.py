@@ -55,10 +55,14 @@ class ScheduledRequest:
 class GrammarBitmask:
     """The tokens the grammars of this step's structured rows allow: row i of the bitmask (an
     int32 host tensor) is for the request with serials[i]. The runner calls `fill` once the
-    forward pass is queued, so the host fills it while the device computes the logits."""
+    forward pass is queued, so the host fills it while the device computes the logits.
+    deferred: the step runs behind a step in flight (async scheduling), whose tokens the
+    grammars have not seen yet: the runner leaves sampling to sample_deferred(), which the
+    engine core calls once it has applied them."""
 
     serials: list[int]
     fill: Callable[[], Any]
+    deferred: bool = False
 
 
 @dataclass

@@ -50,8 +50,8 @@ class DriverExecutor:
     def finish(self, fut: Any, propose: bool = True) -> Any:
         return self.driver.finish(fut, propose=propose)
 
-    def peek_sampled(self, fut: Any) -> dict[int, int]:
-        return self.driver.peek_sampled(fut)
+    def sample_deferred(self, fut: Any) -> None:
+        self.driver.sample_deferred(fut)
 
     def execute(self, sched: SchedulerOutput) -> Any:
         return self.finish(self.launch(sched))

@@ -97,39 +97,16 @@ class StructuredRequest:
             self._matcher = backend.matcher(compiled)
         return self._matcher
 
+    # The grammar refused a token or is complete: the request ends. A step scheduled behind
+    # it (async scheduling) still has its row, whose token is dropped: nothing to fill.
+    ended = False
+
     def accept(self, token_id: int) -> bool:
-        """Advances the grammar on the request's next token; False if it does not fit. A
-        token accept_ahead saw already is not accepted twice: its result is returned."""
-        ahead = self._ahead
-        if ahead is not None:
-            self._ahead = None
-            if ahead[0] == token_id:
-                return ahead[1]
-            self.undo_ahead_result(ahead)  # not the token the step gave after all
-        return self.matcher.accept(token_id)
-
-    # With async scheduling the next step's bitmask is filled before the scheduler applies
-    # the step before it: the engine core advances the grammar on that step's token first
-    # (accept_ahead), and the scheduler's accept() of the same token takes that result.
-    _ahead: tuple[int, bool] | None = None
-    ended_ahead = False  # the token accepted ahead ended the grammar: nothing left to fill
-
-    def accept_ahead(self, token_id: int) -> None:
+        """Advances the grammar on the request's next token; False if it does not fit."""
         ok = self.matcher.accept(token_id)
-        self._ahead = (token_id, ok)
-        self.ended_ahead = ok and self.matcher.is_terminated()
-
-    def undo_ahead(self) -> None:
-        """Forgets a token accepted ahead that the scheduler will never apply (a failed
-        step: its tokens are recomputed)."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None:
-            self.undo_ahead_result(ahead)
-
-    def undo_ahead_result(self, ahead: tuple[int, bool]) -> None:
-        if ahead[1]:
-            self.matcher.rollback(1)
-        self.ended_ahead = False
+        if not ok or self.matcher.is_terminated():
+            self.ended = True
+        return ok
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
@@ -209,7 +186,7 @@ class StructuredOutputManager:
             self._buffer = buf
         bitmask = buf[:n]
         backend = self._get_backend()
-        rows = [i for i, r in enumerate(requests) if not r.ended_ahead]
+        rows = [i for i, r in enumerate(requests) if not r.ended]
         if not backend.fills_whole_rows or len(rows) < n:
             # A grammar that ended in the step before (async scheduling) has no next token;
             # its row's token is dropped: allow everything there.

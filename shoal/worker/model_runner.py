@@ -82,6 +82,8 @@ class StepFuture:
     event: torch.cuda.Event | None = None
     kv_plan_id: int | None = None  # the KV transfer plan run ahead of the step, if any
     verify: VerifyRows | None = None  # a step with drafts: its rows per request
+    # structured rows behind a step in flight: (inputs, logits) until sample_deferred()
+    deferred: tuple[StepInputs, torch.Tensor] | None = None
     block_tables: dict[int, list[int]] = field(default_factory=dict)  # draft model: by serial
     # mtp: the step's requests and the target's final hidden states, mirrored in finish()
     mtp_requests: list[MtpRequest] = field(default_factory=list)
@@ -287,8 +289,20 @@ class ModelRunner:
         if logits is None:  # no row samples this step
             self._prev_rows = {}
             return fut
+        if inputs.grammar is not None and inputs.grammar.deferred and not inputs.has_drafts:
+            fut.deferred = (inputs, logits)  # sampled by sample_deferred() (see core.py)
+            return fut
         self._sample(inputs, logits, fut)
         return fut
+
+    @torch.inference_mode()
+    def sample_deferred(self, fut: StepFuture) -> None:
+        """Samples a launched step whose grammar bitmask waited for the results of the step
+        before it (async scheduling with structured outputs); queued behind its forward."""
+        if fut.deferred is not None:
+            inputs, logits = fut.deferred
+            fut.deferred = None
+            self._sample(inputs, logits, fut)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         inp = StepInputs(sched.scheduled, sched.num_decodes, grammar=sched.grammar_bitmask)
@@ -543,18 +557,6 @@ class ModelRunner:
             self.kv_transfer.wait(fut.kv_plan_id)
             out.kv_transfers_done.append(fut.kv_plan_id)
         return out
-
-    def peek_sampled(self, fut: StepFuture) -> dict[int, int]:
-        """The tokens a launched step sampled (serial -> token; rows whose logits were not
-        finite left out), waiting for them but leaving their processing to finish(). For
-        the step after it, launched meanwhile: its grammars advance on these tokens."""
-        assert fut.verify is None, "a verify step is never followed by a pipelined one"
-        if fut.sampled is None:
-            return {}
-        if fut.event is not None:
-            fut.event.synchronize()
-        sampled, finite = fut.sampled.tolist()
-        return {serial: tok for serial, tok, ok in zip(fut.sample_rows, sampled, finite) if ok}
 
     def _read_sampled(self, fut: StepFuture) -> None:
         out = fut.out

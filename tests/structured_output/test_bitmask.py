@@ -94,3 +94,26 @@ def test_grammar_vocabulary_is_the_tokenizers(smollm_gguf):
     manager._buffer.fill_(-1)  # a fill writes whole rows: no memset needed before it
     assert torch.equal(manager.fill_bitmask([req]), bitmask)
     manager.shutdown()
+
+
+def test_an_ended_grammar_row_is_allowed_all(smollm_gguf):
+    """A step scheduled behind the one that ended a grammar (async scheduling) still has the
+    request's row: it is allowed-all (the token is dropped) instead of asking the finished
+    matcher, which xgrammar refuses; the other rows are filled as usual."""
+    from shoal.loader import load_model
+    from shoal.structured_output.manager import StructuredOutputManager
+    from shoal.structured_output.params import StructuredOutputsParams
+
+    tok = load_model(None, load_format="dummy").tokenizer
+    manager = StructuredOutputManager("xgrammar", tok, len(tok), [tok.eos_token_id])
+    so = StructuredOutputsParams(choice=["yes", "no"])
+    done, live = manager.request(so), manager.request(so)
+    manager.validate(so)
+    for t in tok.encode("yes", add_special_tokens=False) + [tok.eos_token_id]:
+        assert done.accept(t)
+    assert done.ended and done.matcher.is_terminated() and not live.ended
+    bitmask = manager.fill_bitmask([done, live] * 5)  # 10 rows: the batched fill
+    assert (bitmask[0::2] == -1).all()
+    allowed = unpack_bitmask(bitmask[1::2], len(tok))
+    assert (allowed.sum(dim=1) < 100).all() and (allowed.sum(dim=1) > 0).all()
+    manager.shutdown()

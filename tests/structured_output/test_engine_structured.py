@@ -247,10 +247,10 @@ def test_logits_padded_past_the_tokenizer_with_eos_beyond_it(smollm_gguf, tmp_pa
 
 def test_async_scheduling_pipelines_constrained_steps(llm, smollm_gguf):
     """With async scheduling constrained requests no longer run the loop one step at a time:
-    each pipelined step's bitmask is filled after the engine core advanced the grammars on the
-    step before's tokens (its scheduler then takes those results). Output is the one-step-
-    at-a-time engine's, seeded sampling included; grammars that end while the others go on
-    leave their rows allowed-all (the token is dropped)."""
+    a pipelined step's forward runs while the step before's tokens are applied (grammars
+    advanced), then its bitmask is filled and it samples. Output is the one-step-at-a-time
+    engine's, seeded sampling included; grammars that end while the others go on leave
+    their rows allowed-all (the token is dropped)."""
     pipe = LLM(load_format="dummy", max_model_len=512, kv_cache_memory_bytes=64 << 20,
                max_num_seqs=16, async_scheduling=True)
     try:
@@ -263,6 +263,13 @@ def test_async_scheduling_pipelines_constrained_steps(llm, smollm_gguf):
                 inflight_at_launch.append(core._inflight is not None)
             return launch(sched)
         core.runner.launch = counting
+        deferred = []
+        sample_deferred = core.runner.sample_deferred
+
+        def counting_deferred(fut):
+            deferred.append(fut.deferred is not None)
+            sample_deferred(fut)
+        core.runner.sample_deferred = counting_deferred
         so_json = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
         so_choice = StructuredOutputsParams(choice=["yes", "no", "maybe so"])
         so_regex = StructuredOutputsParams(regex=r"[a-z]{2,5}-[0-9]{3}")
@@ -279,43 +286,7 @@ def test_async_scheduling_pipelines_constrained_steps(llm, smollm_gguf):
         for o in got[4:7]:
             assert o.outputs[0].text in ("yes", "no", "maybe so")
         assert sum(inflight_at_launch) >= len(inflight_at_launch) // 2, inflight_at_launch
+        assert sum(deferred) >= len(inflight_at_launch) // 2, deferred
         assert not core.has_unfinished_requests()
     finally:
         pipe.shutdown()
-
-
-def test_accept_ahead_then_accept_and_undo():
-    """The grammar advanced ahead on a token: the scheduler's accept of that token returns the
-    same result without advancing again; undo_ahead rolls it back (a failed step)."""
-    from concurrent.futures import Future
-
-    from shoal.structured_output.manager import StructuredRequest
-
-    class Matcher:
-        def __init__(self):
-            self.tokens = []
-
-        def accept(self, t):
-            if t == 0:
-                return False
-            self.tokens.append(t)
-            return True
-
-        def is_terminated(self):
-            return self.tokens[-1:] == [9]
-
-        def rollback(self, n):
-            del self.tokens[-n:]
-
-    req = StructuredRequest(StructuredOutputsParams(choice=["a"]), Future())
-    req._matcher = Matcher()
-    req.accept_ahead(5)
-    assert req.accept(5) and req._matcher.tokens == [5]
-    req.accept_ahead(0)
-    assert not req.accept(0) and req._matcher.tokens == [5]
-    req.accept_ahead(9)
-    assert req.ended_ahead
-    req.undo_ahead()
-    assert req._matcher.tokens == [5] and not req.ended_ahead
-    req.accept_ahead(7)
-    assert req.accept(8) and req._matcher.tokens == [5, 8]  # another token: 7 taken back
