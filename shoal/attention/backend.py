@@ -28,6 +28,9 @@ class AttentionBackend(ABC):
     supports_verify_graphs: bool = False
     # forward_mla: latent attention (DeepSeek MLA) over a one-plane latent cache.
     supports_mla: bool = False
+    # advance_graph_buffers: decode graph buffers moved one token on by the device, so the
+    # drafting steps of speculative decoding replay back to back (shoal/spec_decode/draft_graphs.py).
+    supports_draft_graphs: bool = False
 
     @abstractmethod
     def build_metadata(self, *, query_lens: list[int], context_lens: list[int],
@@ -90,6 +93,13 @@ class AttentionBackend(ABC):
         """Metadata over views of the buffers for a graph of `size` rows; its host-side values
         depend on `size` only, so the captured graph replays any fill."""
         raise self._unsupported("decode CUDA graphs")
+
+    def advance_graph_buffers(self, buf: Any, size: int) -> None:
+        """Moves each live row of a graph of `size` decode rows one token on, with device
+        ops only (a captured graph calls it): its context and sequence lengths grow by one and
+        its slot becomes the next position's, through its block table. Padding rows stay
+        padding. Only when supports_draft_graphs."""
+        raise self._unsupported("drafting CUDA graphs")
 
     # ---- single-prefill CUDA graphs (supports_prefill_graphs) ----------------------------
     def alloc_prefill_graph_buffers(self, max_tokens: int, max_blocks: int,

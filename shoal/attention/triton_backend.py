@@ -255,6 +255,7 @@ class TritonAttentionBackend(AttentionBackend):
     supports_prefill_graphs = True
     supports_mla = True
     supports_verify_graphs = True
+    supports_draft_graphs = True
 
     def __init__(self, fuse_rope_and_cache_write: bool = True) -> None:
         # Layers with rotary hand q, k, v before norm and rotary to forward_fused, which does
@@ -341,6 +342,20 @@ class TritonAttentionBackend(AttentionBackend):
         buf.slot_mapping[:size].copy_(torch.from_numpy(slots), non_blocking=True)
         if block_tables is not None and n:
             self._fill_tables(buf, turn, block_tables)
+
+    def advance_graph_buffers(self, buf: TritonGraphBuffers, size: int) -> None:
+        """Live rows (seq_len > 0) one token on: lengths + 1, the slot of the new position
+        (= the new context length) from the row's table. The table column is clamped: after
+        a drafter's last step it may point past the row's blocks, a slot no step uses."""
+        bs = buf.block_size
+        seq, ctx = buf.lens[:size], buf.lens[size:2 * size]
+        live = seq > 0
+        step = live.to(torch.int32)
+        seq.add_(step)
+        ctx.add_(step)
+        col = torch.clamp(ctx // bs, max=buf.block_tables.shape[1] - 1).long()
+        block = buf.block_tables[:size].gather(1, col[:, None])[:, 0].long()
+        buf.slot_mapping[:size].copy_(torch.where(live, block * bs + ctx % bs, -1))
 
     @staticmethod
     def _fill_tables(buf: TritonGraphBuffers, turn: int,

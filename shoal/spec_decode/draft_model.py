@@ -6,14 +6,16 @@ a request holds the target's keys in the target's cache and the draft's in the d
 the scheduler's allocation, prefix caching, preemption and rollback serve both. To keep it
 filled, the draft runs over every step's inputs right after the target ("mirror"), and its
 KV holds every position the target computed. After a step samples, the draft decodes k
-tokens from each sampling request's last token; positions past the request's blocks go to
-scratch blocks at the end of the draft's cache (one set per row). What it writes past the
-computed tokens is overwritten by the next mirror before anyone reads it."""
+tokens from each sampling request's last token (replayed as CUDA graphs once captured:
+draft_graphs.py); positions past the request's blocks go to scratch blocks at the end of
+the draft's cache (one set per row). What it writes past the computed tokens is overwritten
+by the next mirror before anyone reads it."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -58,15 +60,13 @@ class DraftModelProposer(DrafterCache):
         need = [-(-(p + k) // self.block_size) for p in start]
         row_tables = [self._row_table(r, tables[i], n) for r, (i, n) in enumerate(zip(rows, need))]
         ids = to_device([seqs[i][-1] for i in rows], torch.long, self.device)
-        out = []
-        for j in range(k):
-            pos = [p + j for p in start]
-            md = self._metadata([1] * len(rows), pos, row_tables, len(rows))
-            hidden = self.model(ids, to_device(pos, torch.long, self.device), md)
-            ids = self.model.compute_logits(hidden).argmax(dim=-1)
-            out.append(ids)
-        drafts = torch.stack(out, dim=1).tolist()
+        drafts = self._greedy_steps(ids, None, start, row_tables, k).tolist()
         result: list[list[int]] = [[] for _ in seqs]
         for r, i in enumerate(rows):
             result[i] = drafts[r]
         return result
+
+    def _draft_step(self, ids: torch.Tensor, positions: torch.Tensor,
+                    hidden: torch.Tensor | None, md: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return self.model.compute_logits(self.model(ids, positions, md)).argmax(dim=-1), None

@@ -1,20 +1,25 @@
 """The paged KV cache of a drafter that runs its own layers (a draft model, an MTP or EAGLE
 head): it shares the target's block tables and pool budget, and adds per-row scratch blocks
 for the draft positions past a request's own blocks (what is written there is never read by
-the target and is rewritten before the drafter reads it again)."""
+the target and is rewritten before the drafter reads it again). Its greedy draft steps run
+eagerly or, once captured, through CUDA graphs (shoal/spec_decode/draft_graphs.py)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from shoal.config import EngineConfig
+from shoal.host_to_device import to_device
+from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.worker.kv_cache_sizing import allocate_kv_caches, layers_bytes_per_block
 
 
 class DrafterCache:
-    """Base of the proposers with layers: `model` has attention_layers(); `k` drafts a step."""
+    """Base of the proposers with layers: `model` has attention_layers(); `k` drafts a step;
+    _draft_step is one greedy step of one token a row."""
 
     model: nn.Module
 
@@ -30,6 +35,7 @@ class DrafterCache:
         self.null_block = 0
         self._scratch_base = 0
         self._scratch_per_row = -(-k // self.block_size) + 1
+        self.graphs: DraftGraphs | None = None  # captured by capture_graphs (CUDA only)
 
     def bytes_per_block(self) -> int:
         return layers_bytes_per_block(self.model.attention_layers(), self.block_size,
@@ -58,3 +64,40 @@ class DrafterCache:
         real = list(blocks[:needed])
         scratch = self._scratch_base + row * self._scratch_per_row
         return real + list(range(scratch, scratch + needed - len(real)))
+
+    def _draft_step(self, ids: torch.Tensor, positions: torch.Tensor,
+                    hidden: torch.Tensor | None, md: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(argmax ids, the state fed back to the next step or None): see DraftStep."""
+        raise NotImplementedError
+
+    def _hidden_spec(self) -> tuple[int, torch.dtype] | None:
+        """(size, dtype) of the state _draft_step feeds back; None: it feeds back none."""
+        return None
+
+    def capture_graphs(self, pool: Any, max_blocks: int,
+                       graphs_type: type[DraftGraphs] = DraftGraphs) -> float:
+        """Captures the greedy draft step per batch size (after bind; graphs_type: a test's
+        stand-in); returns the seconds it took."""
+        self.graphs = graphs_type(self._draft_step, self.backend, self.k, self.max_rows,
+                                  max_blocks, self.device, block_size=self.block_size,
+                                  sliding_window=self.sliding_window,
+                                  hidden=self._hidden_spec())
+        return self.graphs.capture(pool)
+
+    def _greedy_steps(self, ids: torch.Tensor, hidden: torch.Tensor | None, start: list[int],
+                      tables: list[list[int]], steps: int) -> torch.Tensor:
+        """`steps` greedy draft steps, the first feeding ids (and hidden) at positions
+        `start` (tables: the rows' block tables, long enough for every step). Returns the
+        drafts [n, steps] on the device; through the graphs when captured for the batch."""
+        n = len(start)
+        if self.graphs is not None and self.graphs.can_run(n):
+            return self.graphs.run(ids, hidden, start, tables, steps)
+        out = []  # the eager steps: the reference the graphs replay
+        for j in range(steps):
+            pos = [p + j for p in start]
+            md = self._metadata([1] * n, pos, tables, n)
+            ids, hidden = self._draft_step(ids, to_device(pos, torch.long, self.device),
+                                           hidden, md)
+            out.append(ids)
+        return torch.stack(out, dim=1)

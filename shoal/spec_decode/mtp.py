@@ -24,9 +24,9 @@ head row (for a verify step: up to the last accepted position; rejected position
 recomputed by later steps, and their slots overwritten). The mirror's last row of a sampling
 request (position L-2 for a sequence of L tokens, next token the one just sampled) gives
 draft 1; drafts 2..k feed the head's own output state back with the previous draft, at
-positions L-1, L, ...; those positions past the request's blocks go to per-row scratch
-blocks, and everything written past the computed tokens is overwritten by the next mirror
-before anyone reads it."""
+positions L-1, L, ... (replayed as CUDA graphs once captured: draft_graphs.py); those
+positions past the request's blocks go to per-row scratch blocks, and everything written
+past the computed tokens is overwritten by the next mirror before anyone reads it."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ from shoal.host_to_device import to_device
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.models.deepseek_mtp import DeepseekMTP, mtp_prefix, num_mtp_layers
 from shoal.spec_decode.config import SpeculativeConfig
+from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.spec_decode.drafter_cache import DrafterCache
 
 logger = logging.getLogger(__name__)
@@ -189,20 +190,30 @@ class HiddenStateProposer(DrafterCache):
             return {}
         h = out[to_device(last, torch.long, self.device)]
         ids = self.model.compute_logits(h).argmax(dim=-1)
-        drafts = [ids]
-        if k > 1:
+        drafts = ids[:, None]
+        if k > 1:  # drafts 2..k: the head's own steps (CUDA graphs when captured)
             start = [n - 1 for n in lens]  # the just-sampled token's position
             need = [-(-(p + k - 1) // self.block_size) for p in start]
             tables = [self._row_table(j, r.block_ids, nb)
                       for j, (r, nb) in enumerate(zip(reqs, need))]
-            for j in range(k - 1):
-                p = [s + j for s in start]
-                md = self._metadata([1] * len(reqs), p, tables, len(reqs))
-                h = self.model(ids, to_device(p, torch.long, self.device), h, md)
-                ids = self.model.compute_logits(h).argmax(dim=-1)
-                drafts.append(ids)
-        result = torch.stack(drafts, dim=1).tolist()
+            drafts = torch.cat([drafts, self._greedy_steps(ids, h, start, tables, k - 1)],
+                               dim=1)
+        result = drafts.tolist()  # the one wait for the device
         return {r.serial: d for r, d in zip(reqs, result)}
+
+    def _draft_step(self, ids: torch.Tensor, positions: torch.Tensor,
+                    hidden: torch.Tensor | None, md: Any
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        h = self.model(ids, positions, hidden, md)
+        return self.model.compute_logits(h).argmax(dim=-1), h
+
+    def _hidden_spec(self) -> tuple[int, torch.dtype]:
+        return self.model.config.hidden_size, self.dtype
+
+    def capture_graphs(self, pool: Any, max_blocks: int,
+                       graphs_type: type[DraftGraphs] = DraftGraphs) -> float:
+        # Draft 1 comes from the mirror's output: with k = 1 no step is left to replay.
+        return super().capture_graphs(pool, max_blocks, graphs_type) if self.k > 1 else 0.0
 
 
 # The model runner's name for it (its `self.mtp` is any hidden-state drafter, mtp or eagle).

@@ -206,6 +206,10 @@ class ModelRunner:
                         for d in draft_ladder(spec.num_speculative_tokens)])
                     self.startup_times["verify_graphs"] = self.verify_graphs.capture(
                         self.graphs.pool)
+                if self.draft is not None and self.backend.supports_draft_graphs:
+                    # Drafting steps as graph replays: eagerly each one pays the launches.
+                    self.startup_times["draft_graphs"] = self.draft.capture_graphs(
+                        self.graphs.pool, max_blocks)
         return num_blocks
 
     def bind_kv_cache(self, num_blocks: int) -> None:

@@ -135,6 +135,10 @@ class Reference:
 
 @pytest.fixture(scope="module")
 def ckpts(tiny_llama_dir, tmp_path_factory):
+    return build_checkpoints(tiny_llama_dir, tmp_path_factory.mktemp("eagle"))
+
+
+def build_checkpoints(tiny_llama_dir, root):
     """name -> (target folder, EAGLE folder, Reference). "random": random head weights in
     pytorch_model.bin with the target's embedding copied in (as published), few drafts
     accepted. "bigram": the target's layers add nothing to the residual (its next token is
@@ -142,7 +146,6 @@ def ckpts(tiny_llama_dir, tmp_path_factory):
     its input token through, plus a small attention / MLP term and a bias, so its logits
     are mostly the target's next-token choice: most drafts are accepted and the mirror of
     verify steps with accepted drafts is exercised. Safetensors, no embedding copy."""
-    root = tmp_path_factory.mktemp("eagle")
     target_w = load_file(tiny_llama_dir / "model.safetensors")
     w = eagle_weights(seed=5)
     folder = write_eagle(root / "random", {**w, "embed_tokens.weight":

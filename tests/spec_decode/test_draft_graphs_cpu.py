@@ -1,0 +1,166 @@
+"""Drafting through CUDA graphs (shoal/spec_decode/draft_graphs.py) on the CPU: the Triton
+backend under TRITON_INTERPRET=1 (tests/conftest.py), replay emulated eagerly over the graphs'
+static buffers, which are poisoned before every run, so an input the run does not stage (or a
+metadata field the step does not move on) changes the drafts. MTP, EAGLE and a draft model
+draft for batches padded to a captured size; every proposal is still the drafter's formula
+and the output the plain engine's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine_helpers import random_prompts, tiny_llm  # noqa: E402
+from oracle import hf_greedy  # noqa: E402
+from spec_decode.proposal_log import record_proposals  # noqa: E402
+from spec_decode.test_draft_model import _draft  # noqa: E402
+from spec_decode.test_eagle import build_checkpoints as eagle_checkpoints  # noqa: E402
+from spec_decode.test_mtp import build_checkpoints as mtp_checkpoints  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from shoal import SamplingParams  # noqa: E402
+from shoal.attention.metadata import token_slots  # noqa: E402
+from shoal.attention.triton_backend import TritonAttentionBackend  # noqa: E402
+from shoal.spec_decode.draft_graphs import DraftGraphs  # noqa: E402
+
+K = 3
+MAX_BLOCKS = 256 // 4  # tiny_llm: max_model_len 256, blocks of 4
+
+
+class _EagerReplay:
+    """Stands in for torch.cuda.CUDAGraph: replay runs the captured step eagerly."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def replay(self) -> None:
+        self.fn()
+
+
+class EagerDraftGraphs(DraftGraphs):
+    """Capture keeps each size's metadata (as a graph freezes it); every run starts from
+    junk in every static buffer the run must stage and the step must move on."""
+
+    def capture(self, pool=None) -> float:
+        self.runs: list[tuple[int, int, int]] = []  # (rows, padded size, steps)
+        for size in self.sizes:
+            self.backend.fill_graph_buffers(self.buffers, size, [], [], [])
+            md = self.backend.graph_metadata(self.buffers, size)
+            self.graphs[size] = _EagerReplay(lambda size=size, md=md: self._replayed(size, md))
+        return 0.0
+
+    def _poison(self) -> None:
+        gen = torch.Generator().manual_seed(len(self.runs))
+        b = self.buffers
+        self.tokens.buffer.copy_(torch.randint(3, 500, self.tokens.buffer.shape, generator=gen))
+        if self.hidden is not None:
+            self.hidden.copy_(10 * torch.randn(self.hidden.shape, generator=gen))
+        self.drafts.fill_(-1)
+        self.step_index.fill_(self.max_steps - 1)
+        b.lens.copy_(torch.randint(1, 40, b.lens.shape, generator=gen))
+        b.slot_mapping.copy_(torch.randint(0, 32, b.slot_mapping.shape, generator=gen))
+        b.block_tables.copy_(torch.randint(0, 8, b.block_tables.shape, generator=gen))
+
+    def run(self, ids, hidden, positions, tables, steps):
+        self._poison()
+        self.runs.append((len(positions), self.padded_size(len(positions)), steps))
+        return super().run(ids, hidden, positions, tables, steps)
+
+
+def test_advance_moves_live_rows_as_a_fill_of_the_next_positions():
+    be = TritonAttentionBackend()
+    cpu = torch.device("cpu")
+
+    def filled(positions: list[int], tables: list[list[int]]):
+        buf = be.alloc_graph_buffers(4, 6, cpu, block_size=4, sliding_window=None)
+        be.fill_graph_buffers(buf, 4, positions, tables,
+                              token_slots([1] * len(positions), positions, tables, 4))
+        return buf
+
+    tables = [[3, 7, 9], [5, 2], [8]]  # row 0 crosses into a new block, then row 1
+    buf = filled([6, 2, 0], tables)  # three live rows, one padding row
+    for step in (1, 2):
+        be.advance_graph_buffers(buf, 4)
+        want = filled([6 + step, 2 + step, step], tables)
+        assert buf.lens[:8].tolist() == want.lens[:8].tolist()
+        assert buf.slot_mapping[:4].tolist() == want.slot_mapping[:4].tolist()
+    assert buf.slot_mapping[3] == -1 and buf.lens[3] == 0  # padding stays padding
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpts(tmp_path_factory):
+    return mtp_checkpoints(tmp_path_factory.mktemp("mtp"))
+
+
+@pytest.fixture(scope="module")
+def eagle_ckpts(tiny_llama_dir, tmp_path_factory):
+    return eagle_checkpoints(tiny_llama_dir, tmp_path_factory.mktemp("eagle"))
+
+
+def _ids(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.parametrize("method,name,async_scheduling", [
+    ("mtp", "bigram", False), ("mtp", "random", True),
+    ("eagle", "bigram", False), ("eagle", "random", True)])
+def test_hidden_state_drafts_through_padded_graphs(mtp_ckpts, eagle_ckpts, method, name,
+                                                   async_scheduling):
+    """Drafts 2..k of MTP / EAGLE replay the emulated graphs (3 requests padded to 4, one
+    alone at 1): lossless, and every proposal is the head's formula."""
+    if method == "mtp":
+        target, ref = mtp_ckpts[name]
+        spec = {"method": "mtp", "num_speculative_tokens": K}
+    else:
+        target, folder, ref = eagle_ckpts[name]
+        spec = {"method": "eagle", "model": str(folder), "num_speculative_tokens": K}
+    sp = SamplingParams(temperature=0, max_tokens=12 if async_scheduling else 8,
+                        ignore_eos=True)
+    prompts = random_prompts(3, seed=9, lo=2, hi=20)
+    want = _ids(tiny_llm(target).generate(prompts, sp, use_tqdm=False))
+    llm = tiny_llm(target, attention_backend="triton", max_num_seqs=4,
+                   async_scheduling=async_scheduling, speculative_config=spec)
+    drafter = llm.llm_engine.core.runner.mtp
+    drafter.capture_graphs(None, MAX_BLOCKS, EagerDraftGraphs)
+    graphs = drafter.graphs
+    assert graphs.sizes == [1, 2, 4]
+    log = record_proposals(llm)
+    assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == want
+    assert _ids(llm.generate(prompts[1], sp, use_tqdm=False)) == [want[1]]
+    assert (3, 4, K - 1) in graphs.runs and (1, 1, K - 1) in graphs.runs
+    # Every proposal of k drafts went through the graphs.
+    assert sum(n for n, _, _ in graphs.runs) == sum(len(d) == K for _, d in log) > 5
+    for seq, drafts in log:
+        assert drafts == ref.drafts(seq, len(drafts)), seq
+
+
+def test_draft_model_drafts_through_padded_graphs(tiny_llama_dir, tmp_path):
+    """The draft model's k greedy steps replay the emulated graphs: lossless, and every
+    proposal is the draft model's own greedy continuation (transformers)."""
+    draft = _draft(tiny_llama_dir, tmp_path, 0.03)
+    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts(3, seed=2, lo=2, hi=20)
+    want = _ids(tiny_llm(tiny_llama_dir).generate(prompts, sp, use_tqdm=False))
+    llm = tiny_llm(tiny_llama_dir, attention_backend="triton", max_num_seqs=4,
+                   speculative_config={"method": "draft_model", "model": str(draft),
+                                       "num_speculative_tokens": K})
+    drafter = llm.llm_engine.core.runner.draft
+    drafter.capture_graphs(None, MAX_BLOCKS, EagerDraftGraphs)
+    log: list[tuple[list[int], list[int]]] = []
+    inner = drafter.propose_batch
+
+    def recording(seqs, tables):
+        drafts = inner(seqs, tables)
+        log.extend((list(s), d) for s, d in zip(seqs, drafts))
+        return drafts
+    drafter.propose_batch = recording
+    assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == want
+    assert _ids(llm.generate(prompts[0], sp, use_tqdm=False)) == [want[0]]
+    runs = drafter.graphs.runs
+    assert (3, 4, K) in runs and (1, 1, K) in runs
+    assert sum(n for n, _, _ in runs) == len(log) > 5
+    hf = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
+    for seq, drafts in log:
+        assert drafts == hf_greedy(hf, seq, K)[0], seq
