@@ -73,13 +73,8 @@ class EngineCore:
         self.vocab_size = self.runner.vocab_size
         spec = config.speculative_config
         # Pooling requests take one step each. With speculative decoding the loop pipelines
-        # the steps that verify no drafts (see _can_pipeline); the draft model mirrors each
-        # step from its host token ids, which a pipelined step does not have yet.
-        self.async_scheduling = (config.async_scheduling and not self.pooling
-                                 and (spec is None or spec.method != "draft_model"))
-        if config.async_scheduling and spec is not None and spec.method == "draft_model":
-            logger.info("speculative decoding with a draft model: async scheduling is off "
-                        "(one step at a time)")
+        # the steps that verify no drafts (see _can_pipeline).
+        self.async_scheduling = config.async_scheduling and not self.pooling
         self._speculating = spec is not None
         # ngram drafts only where the context repeats itself: a request without drafts from
         # its last results wants none (the others always propose k).

@@ -37,14 +37,14 @@ class DraftModelProposer(DrafterCache):
         self._init_cache(config, spec.num_speculative_tokens)
 
     @torch.inference_mode()
-    def mirror(self, input_ids: list[int], positions: list[int], items: Sequence,
+    def mirror(self, input_ids: torch.Tensor, positions: list[int], items: Sequence,
                num_decodes: int) -> None:
-        """The draft over the step's own inputs: its KV then covers what the target's does."""
+        """The draft over the step's own inputs (input_ids on the device, with the tokens of
+        a step still in flight filled in): its KV then covers what the target's does."""
         md = self._metadata([it.num_new_tokens for it in items],
                             [it.context_len for it in items],
                             [it.block_ids for it in items], num_decodes)
-        self.model(to_device(input_ids, torch.long, self.device),
-                   to_device(positions, torch.long, self.device), md)
+        self.model(input_ids, to_device(positions, torch.long, self.device), md)
 
     @torch.inference_mode()
     def propose_batch(self, seqs: list[list[int]], tables: list[list[int]]) -> list[list[int]]:

@@ -287,8 +287,10 @@ class ModelRunner:
                            self.requests[it.serial], it.sample)
                 for it, start in zip(inputs.items, _starts(inputs.items))]
         elif self.draft is not None:  # its KV follows the target's, position for position
-            self.draft.mirror(inputs.input_ids, inputs.positions, inputs.items,
-                              inputs.num_decodes)
+            ids = to_device(inputs.input_ids, torch.long, self.device)
+            if inputs.pending_dst:  # tokens of the step in flight (async scheduling)
+                self._fill_pending(ids, inputs.pending_dst, inputs.pending_src)
+            self.draft.mirror(ids, inputs.positions, inputs.items, inputs.num_decodes)
             fut.block_tables = {it.serial: it.block_ids for it in inputs.items}
         if logits is None:  # no row samples this step
             self._prev_rows = {}
@@ -551,7 +553,7 @@ class ModelRunner:
         the scheduler reads whether they found any)."""
         out = fut.out
         if fut.sampled is not None:
-            self._read_sampled(fut)
+            self._read_sampled(fut, propose)
         if self.mtp is not None and fut.mtp_requests:
             self._propose_with_mtp(fut, propose)
         if fut.kv_plan_id is not None:
@@ -562,7 +564,7 @@ class ModelRunner:
             out.kv_transfers_done.append(fut.kv_plan_id)
         return out
 
-    def _read_sampled(self, fut: StepFuture) -> None:
+    def _read_sampled(self, fut: StepFuture, propose: bool = True) -> None:
         out = fut.out
         assert fut.sampled is not None
         if fut.event is not None:
@@ -584,7 +586,8 @@ class ModelRunner:
         if self.mtp is not None:
             pass  # finish() mirrors the step and drafts
         elif self.draft is not None:
-            self._propose_with_draft(fut)
+            if propose:  # (its KV mirrors every step at launch, drafted or not)
+                self._propose_with_draft(fut)
         elif self.proposer is not None:
             for serial, st in zip(fut.sample_rows, fut.states):
                 if serial in out.sampled_token_ids:

@@ -99,3 +99,39 @@ def test_sampled_distribution_with_a_draft_model(tiny_llama_dir, plain, near_dra
     for pos in range(4):
         assert chi_square_p([x[pos] for x in a], [x[pos] for x in b]) > 0.01, pos
     assert chi_square_p([tuple(x[1:]) for x in a], [tuple(x[1:]) for x in b]) > 0.01
+
+
+def test_async_scheduling_keeps_the_draft_cache_right(tiny_llama_dir, plain, tmp_path) -> None:
+    """With async scheduling a far draft's failing drafts back off and steps are pipelined:
+    the draft then mirrors input ids whose last token is still on the device. Every proposal
+    after such stretches is still the draft model's own greedy continuation (its KV is
+    right), and the output the target's."""
+    from spec_decode.proposal_log import StepLog
+
+    far = _draft(tiny_llama_dir, tmp_path, 0.3)
+    llm = _spec(tiny_llama_dir, far, async_scheduling=True)
+    assert llm.llm_engine.core.async_scheduling
+    draft_alone = tiny_llm(far)
+    log: list[tuple[list[int], list[int]]] = []
+    proposer = llm.llm_engine.core.runner.draft
+    inner = proposer.propose_batch
+
+    def recording(seqs, tables):
+        drafts = inner(seqs, tables)
+        log.extend((list(s), d) for s, d in zip(seqs, drafts) if d)
+        return drafts
+    proposer.propose_batch = recording
+    steps = StepLog(llm)
+    prompts = random_prompts(3, seed=17, lo=5, hi=20)
+    sp = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == _ids(
+        plain.generate(prompts, sp, use_tqdm=False))
+    assert steps.pipelined > 0 and steps.verifies > 0 and not steps.verify_pipelined()
+    pipelined_at = [i for i, (p, _) in enumerate(steps.steps) if p]
+    assert pipelined_at[0] < len(steps.steps) - 5  # proposals came after pipelined steps
+    assert len(log) > 10
+    for seq, drafts in log:
+        want = _ids(draft_alone.generate([{"prompt_token_ids": seq}], SamplingParams(
+            temperature=0, max_tokens=len(drafts), ignore_eos=True), use_tqdm=False))[0]
+        assert drafts == want, seq
+    assert blocks_all_free(llm)
