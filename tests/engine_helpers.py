@@ -30,4 +30,4 @@ def blocks_all_free(llm: LLM) -> bool:
     pool = core.scheduler.kv.pool
     return (pool.num_free_blocks == pool.num_blocks and not core.scheduler.requests
             and all(b.ref_cnt == 0 for b in pool.blocks) and not core.runner.requests
-            and core._inflight is None)
+            and core._inflight is None and not core.batch_queue)

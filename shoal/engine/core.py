@@ -24,6 +24,7 @@ import weakref
 from typing import Any
 
 from shoal.config import EngineConfig
+from shoal.engine.batch_queue import BatchQueue, MicroBatching
 from shoal.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_core_request
 from shoal.engine.pooling_scheduler import PoolingScheduler
@@ -52,7 +53,7 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-class EngineCore:
+class EngineCore(MicroBatching):
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  request_limits: RequestLimits | None = None):
         """request_limits: what one request may ask for (RequestLimits.from_engine_args);
@@ -133,7 +134,10 @@ class EngineCore:
                                    if spec is not None else 0,
                                    spec_adaptive=spec is None or spec.adaptive_budget,
                                    spec_disable_by_batch_size=spec.disable_by_batch_size
-                                   if spec is not None else None)
+                                   if spec is not None else None,
+                                   micro_batches=config.parallel_config.pipeline_parallel_size)
+        if config.parallel_config.pipeline_parallel_size > 1:  # see engine/batch_queue.py
+            self.batch_queue = BatchQueue(config.parallel_config.pipeline_parallel_size)
         return num_blocks
 
     @staticmethod
@@ -197,13 +201,15 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+        return (self.scheduler.has_unfinished_requests() or self._inflight is not None
+                or bool(self.batch_queue))
 
     def shutdown(self) -> None:
         """Between steps, before the process exits: finishes the step in flight (its KV copies
         are then done and reported to the scheduler) and writes the CPU KV tier down to the
         lower tiers, so a restart finds those blocks."""
         self._finish_inflight()
+        self._drain_batch_queue()
         self.structured.shutdown()
         if self.kv_offload is not None:
             self.kv_offload.shutdown()
@@ -214,7 +220,8 @@ class EngineCore:
     # ---- the loop body ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
         try:
-            outputs = self._run_step()
+            outputs = (self._run_step() if self.batch_queue is None
+                       else self._step_with_batch_queue())
         except Exception as e:  # one bad request or a bug: never the whole engine
             outputs = self._recover(e)
         outputs = self.scheduler.take_pending_outputs() + outputs
@@ -312,6 +319,8 @@ class EngineCore:
         logger.exception("an engine step failed; its requests are retried one at a time")
         scheds, self._unsettled = self._unsettled, []
         self._inflight = None
+        if self.batch_queue is not None:
+            self.batch_queue.clear()
         self.runner.reset_after_fault()
         outputs, serials = self.scheduler.fail_steps(scheds, f"{type(error).__name__}: {error}")
         self.runner.remove_requests(serials)

@@ -329,7 +329,8 @@ class EngineArgs:
                              "yet")
         if self.async_scheduling:
             raise ValueError("async_scheduling does not support pipeline_parallel_size > 1 "
-                             "yet; leave it unset")
+                             "(its steps overlap as micro-batches instead, up to "
+                             "pipeline_parallel_size in flight); leave it unset")
         if device.type == "cuda" and not self.enforce_eager:
             raise ValueError("pipeline_parallel_size > 1 does not support CUDA graphs yet: "
                              "pass enforce_eager=True (--enforce-eager)")

@@ -4,11 +4,17 @@ There are no prefill and decode phases: every step, running requests get their n
 (one for a decode, a chunk for an unfinished prefill), then waiting requests are admitted
 while budget, sequence slots and KV blocks last. When blocks run out, the lowest-priority
 running request is preempted: its blocks are freed and it is recomputed later from its
-prompt plus the tokens it already produced, so its output does not change."""
+prompt plus the tokens it already produced, so its output does not change.
+
+Pipeline parallelism keeps several steps in flight (micro-batches, see engine/batch_queue.py):
+then a request is never in two steps at once (its next input is the token its step in flight
+samples), and each step takes about an even share of the requests, so the steps in flight
+keep every stage busy."""
 
 from __future__ import annotations
 
 import itertools
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -37,6 +43,7 @@ class _Step:
 
     budget: int
     allow_drafts: bool = True  # False while a step is in flight (async scheduling)
+    max_requests: int = sys.maxsize  # micro-batches: this step's share of the requests
     scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)  # id -> tokens
     new_requests: list[NewRequestData] = field(default_factory=list)
     preempted: bool = False
@@ -60,12 +67,16 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, kv_store: TieredKVStore | None = None,
                  request_timeout: float | None = None, num_speculative_tokens: int = 0,
-                 spec_adaptive: bool = True, spec_disable_by_batch_size: int | None = None):
+                 spec_adaptive: bool = True, spec_disable_by_batch_size: int | None = None,
+                 micro_batches: int = 1):
         """num_blocks: the device KV pool, as the model runner sized it at start-up.
         request_timeout: seconds from arrival after which a request is ended with an error.
         num_speculative_tokens: drafts per step of a speculating request (0: none);
-        spec_adaptive / spec_disable_by_batch_size: see scheduler_spec.py."""
+        spec_adaptive / spec_disable_by_batch_size: see scheduler_spec.py.
+        micro_batches: steps in flight at once (pipeline parallelism); above 1 a request
+        waits while a step samples for it, and each step takes 1/micro_batches of them."""
         self.config = sched_config
+        self.micro_batches = micro_batches
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching)
@@ -165,7 +176,8 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
             self.offload.begin_step()
         if self.request_timeout is not None:
             self._expire_requests()
-        step = _Step(budget=self.config.max_num_batched_tokens, allow_drafts=allow_drafts)
+        step = _Step(budget=self.config.max_num_batched_tokens, allow_drafts=allow_drafts,
+                     max_requests=self._micro_batch_size())
         if not self._schedule_isolated(step):  # a suspect of a failed step runs alone
             self._schedule_running(step)
             if not step.preempted:
@@ -176,11 +188,12 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         """Running requests, oldest first, each its next tokens; preempts from the back when
         blocks run out."""
         i = 0
-        while i < len(self.running) and step.budget > 0:
+        while (i < len(self.running) and step.budget > 0
+               and len(step.scheduled) < step.max_requests):
             req = self.running[i]
             n = min(req.num_tokens_with_pending - req.num_computed_tokens, step.budget)
-            if n <= 0 or self._ends_with_pending(req):
-                i += 1  # its last token is still in flight; it finishes when that lands
+            if n <= 0 or self._waits_for_step(req):
+                i += 1  # it runs again when its token in flight lands (or ends then)
                 continue
             if n == 1 and self.num_speculative_tokens:
                 # Drafts only where their blocks are free: they never preempt anyone.
@@ -214,7 +227,8 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         blocks. One whose KV is still on its way from a tier is passed over this step."""
         deferred: list[Request] = []  # ask again next step, in the same order
         while (len(self.waiting) and step.budget > 0
-               and len(self.running) < self.config.max_num_seqs):
+               and len(self.running) < self.config.max_num_seqs
+               and len(step.scheduled) < step.max_requests):
             req = self.waiting.peek()
             if req.num_pending_tokens or req.suspect:
                 # preempted while a step was in flight: its token is not known yet; or a
@@ -321,6 +335,24 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         if item.sample:
             req.num_pending_tokens += 1
         return item
+
+    def _micro_batch_size(self) -> int:
+        """With micro-batches, the requests one step may take: an even share of those that
+        can run at once. One full step would leave the next micro-batch empty (all its
+        requests in flight) and the stages idle in turn."""
+        if self.micro_batches == 1:
+            return sys.maxsize
+        live = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)
+        return max(1, -(-live // self.micro_batches))
+
+    def _waits_for_step(self, req: Request) -> bool:
+        """Nothing to run for the request now: its token in flight is its last one, or with
+        micro-batches any token of it is in flight (the step's input is not known yet).
+        Prompt chunks that sample nothing may run in consecutive micro-batches: every stage
+        runs the steps in order, so a chunk's KV is written before the next chunk reads it."""
+        if self.micro_batches > 1 and req.num_pending_tokens > 0:
+            return True
+        return self._ends_with_pending(req)
 
     def _ends_with_pending(self, req: Request) -> bool:
         """The token in flight is the request's last one (length limit): nothing to run."""
@@ -439,7 +471,7 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
             # The bitmask only allows what the grammar accepts; a token outside it means the
             # row had nothing allowed (e.g. min_tokens banned the only stop token).
             return RequestStatus.FINISHED_ERROR
-        if req.structured.is_terminated():
+        if req.structured.ended:  # accept() asked the matcher once
             return RequestStatus.FINISHED_STOPPED
         return None
 

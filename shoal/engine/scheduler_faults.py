@@ -181,7 +181,7 @@ class FaultHandling:
             self._isolated = head
             return True
         n = min(req.num_tokens_with_pending - req.num_computed_tokens, step.budget)
-        if n > 0 and not self._ends_with_pending(req):
+        if n > 0 and not self._waits_for_step(req):
             allocated, _ = self._allocate_running(req, n, step)
             if allocated:
                 step.add(req, n)

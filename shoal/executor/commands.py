@@ -17,6 +17,12 @@ class RunStep(msgspec.Struct, tag="step"):
     sched: SchedulerOutput
 
 
+class FinishStep(msgspec.Struct, tag="finish"):
+    """Pipeline parallelism: the driver finishes its oldest step in flight. Every rank
+    finishes its own then (stage 0's other TP ranks gather logits and sample in it), so the
+    collectives of launches and finishes interleave alike on every rank."""
+
+
 class RemoveRequests(msgspec.Struct, tag="remove"):
     serials: list[int]
 
@@ -29,4 +35,4 @@ class Stop(msgspec.Struct, tag="stop"):
     pass
 
 
-Command = InitKVCache | RunStep | RemoveRequests | ResetAfterFault | Stop
+Command = InitKVCache | RunStep | FinishStep | RemoveRequests | ResetAfterFault | Stop

@@ -12,7 +12,13 @@ import dataclasses
 from typing import Any
 
 from shoal.engine.scheduler_output import SchedulerOutput
-from shoal.executor.commands import InitKVCache, RemoveRequests, ResetAfterFault, RunStep
+from shoal.executor.commands import (
+    FinishStep,
+    InitKVCache,
+    RemoveRequests,
+    ResetAfterFault,
+    RunStep,
+)
 
 
 class DriverExecutor:
@@ -48,7 +54,16 @@ class DriverExecutor:
             raise
 
     def finish(self, fut: Any, propose: bool = True) -> Any:
-        return self.driver.finish(fut, propose=propose)
+        if self.driver.stage_link is None:
+            return self.driver.finish(fut, propose=propose)
+        # Pipeline parallel: the ranks finish their steps when the driver does (FinishStep);
+        # the driver waits here for the last stage, so a peer that died shows here.
+        self._broadcast(FinishStep())
+        try:
+            return self.driver.finish(fut, propose=propose)
+        except Exception as exc:
+            self._driver_failed(exc)
+            raise
 
     def sample_deferred(self, fut: Any) -> None:
         self.driver.sample_deferred(fut)

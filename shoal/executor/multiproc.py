@@ -5,14 +5,16 @@ spawned worker processes (shoal/executor/worker.py), joined with it in one proce
 (NCCL on GPUs, gloo on the CPU). Every step the driver sends the SchedulerOutput to the
 workers over ZMQ (msgpack), then runs it itself; the all-reduces and gathers inside the model
 keep the ranks in lockstep, and only rank 0's sampled tokens are returned. The scheduler runs
-synchronously with more than one rank (EngineArgs turns async scheduling off), so every
-rank's input tokens come from the scheduler, never from a rank's own sampling.
+synchronously with more than one rank (EngineArgs turns async scheduling off; pipeline
+micro-batches never hold one request twice), so every rank's input tokens come from the
+scheduler, never from a rank's own sampling.
 
 Pipeline parallelism: world = tp * pp, rank r is stage r // tp. Each stage runs its layers on
-the step's tokens as they arrive from the previous stage (torch.distributed send/recv inside
-ModelRunner._forward_eager); the last stage sends its final hidden states back to stage 0,
-which holds lm_head and samples. One step runs through the stages one after the other: no
-micro-batches overlap the stages yet."""
+the step's tokens as they arrive from the previous stage (shoal/worker/stage_link.py); the
+last stage sends its final hidden states back to stage 0, which holds lm_head and samples.
+The engine keeps up to pp steps in flight (engine/batch_queue.py): launch() returns once stage
+0 has sent a step on, finish() (FinishStep to the ranks) waits for the last stage and samples,
+so stage 0 runs micro-batch N+1 while the later stages run N."""
 
 from __future__ import annotations
 

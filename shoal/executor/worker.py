@@ -1,14 +1,20 @@
 """A tensor/pipeline-parallel worker rank: its own ModelRunner over its shard of the weights
 (its TP slice of its pipeline stage's layers), running every command the driver (rank 0)
-sends, in order. Its sampled tokens are never read: with
-tensor parallelism the scheduler runs synchronously and sends every input token, so what
-rank 0 sampled is what each rank runs next."""
+sends, in order. Its sampled tokens are never read: the scheduler sends every input token
+(with tensor parallelism it runs synchronously; with pipeline micro-batches no request is in
+two steps at once), so what rank 0 sampled is what each rank runs next.
+
+With pipeline parallelism a step is finished when the driver says so (FinishStep), not right
+after its launch: the driver launches the next micro-batch first, and stage 0's other TP
+ranks must run their collectives (the logits' gather) in the driver's order."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
+from collections import deque
+from typing import Any
 
 import msgspec
 import torch
@@ -18,6 +24,7 @@ import zmq
 from shoal.config import EngineConfig
 from shoal.executor.commands import (
     Command,
+    FinishStep,
     InitKVCache,
     RemoveRequests,
     ResetAfterFault,
@@ -65,6 +72,7 @@ def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_a
 
 def _serve(runner, commands: zmq.Socket, parent_pid: int) -> None:  # noqa: ANN001
     decoder = msgspec.msgpack.Decoder(Command)
+    launched: deque[Any] = deque()  # pipeline parallel: steps the driver has not finished
     while True:
         if not commands.poll(PARENT_CHECK_MS):
             if os.getppid() != parent_pid:  # the engine core died without stopping us
@@ -73,12 +81,19 @@ def _serve(runner, commands: zmq.Socket, parent_pid: int) -> None:  # noqa: ANN0
             continue
         cmd = decoder.decode(commands.recv())
         if isinstance(cmd, RunStep):
-            runner.finish(runner.launch(cmd.sched))
+            fut = runner.launch(cmd.sched)
+            if runner.stage_link is None:
+                runner.finish(fut)
+            else:
+                launched.append(fut)
+        elif isinstance(cmd, FinishStep):
+            runner.finish(launched.popleft())
         elif isinstance(cmd, RemoveRequests):
             runner.remove_requests(set(cmd.serials))
         elif isinstance(cmd, InitKVCache):
             runner.initialize_kv_cache()
         elif isinstance(cmd, ResetAfterFault):
+            launched.clear()
             runner.reset_after_fault()
         elif isinstance(cmd, Stop):
             return

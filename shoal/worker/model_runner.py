@@ -11,20 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from shoal.attention.metadata import token_slots
 from shoal.attention.selector import get_attention_backend
 from shoal.config import EngineConfig
-from shoal.distributed.parallel_state import (
-    get_pp_world_size,
-    pp_is_first,
-    pp_is_last,
-    pp_next_rank,
-    pp_prev_rank,
-    pp_stage_rank,
-    world_min_int,
-)
+from shoal.distributed.parallel_state import get_pp_world_size, world_min_int
 from shoal.engine.core_types import Logprobs
 from shoal.engine.scheduler_output import (
     PENDING_TOKEN,
@@ -53,6 +44,7 @@ from shoal.worker.kv_cache_sizing import (
 from shoal.worker.prefill_graphs import PrefillGraphs
 from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
 from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
+from shoal.worker.stage_link import PendingHidden, StageLink
 from shoal.worker.verify_graphs import VerifyGraphLadder, VerifyGraphs, draft_ladder
 
 logger = logging.getLogger(__name__)
@@ -88,6 +80,9 @@ class StepFuture:
     # mtp: the step's requests and the target's final hidden states, mirrored in finish()
     mtp_requests: list[MtpRequest] = field(default_factory=list)
     hidden: torch.Tensor | None = None
+    # pipeline parallel, stage 0: the step's inputs, final hidden states (sampled in finish)
+    # and its requests' states (a request may end, its state dropped, before then)
+    pending_stage: tuple[StepInputs, PendingHidden, dict[int, RequestState]] | None = None
 
 
 @dataclass
@@ -152,6 +147,9 @@ class ModelRunner:
         self.draft = (self.proposer if isinstance(self.proposer, (DraftModelProposer,
                                                                   MtpProposer)) else None)
         self.mtp = self.proposer if isinstance(self.proposer, MtpProposer) else None
+        # Pipeline parallelism: this stage's layers and the activations between stages.
+        self.stage_link = (StageLink(hf.hidden_size, self.dtype, self.device)
+                           if get_pp_world_size() > 1 else None)
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
 
     # ---- KV cache ---------------------------------------------------------------------------
@@ -251,6 +249,8 @@ class ModelRunner:
         self._prev_rows = {}
         if self.graphs is not None:
             self.graphs.invalidate_tables()
+        if self.stage_link is not None:
+            self.stage_link.reset()
 
     # ---- one step ----------------------------------------------------------------------------
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -276,6 +276,12 @@ class ModelRunner:
         if sched.is_empty:
             return fut
         inputs = self._prepare_inputs(sched)
+        if self.stage_link is not None:  # pipeline parallel: stage 0 samples in finish()
+            pending = self.stage_link.run(self.model, *self._eager_inputs(inputs, None))
+            if pending is not None:
+                fut.pending_stage = (inputs, pending,
+                                     {it.serial: self.requests[it.serial] for it in inputs.items})
+            return fut
         logits = self._forward(inputs, fut.out)
         if self.mtp is not None:  # mirrored once sampled (finish): it needs the next tokens
             # A graph's hidden states are its static output, which the next step (launched
@@ -414,6 +420,11 @@ class ModelRunner:
 
     def _forward_eager(self, inp: StepInputs, out: ModelRunnerOutput,
                        fill: Callable[[torch.Tensor], None] | None) -> torch.Tensor | None:
+        return self._logits_from_hidden(inp, out, self.model(*self._eager_inputs(inp, fill)))
+
+    def _eager_inputs(self, inp: StepInputs, fill: Callable[[torch.Tensor], None] | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Token ids, positions and attention metadata of an eager forward pass."""
         if self.graphs is not None:
             self.graphs.invalidate_tables()  # a preempted request may come back re-blocked
         ids_t = to_device(inp.input_ids, torch.long, self.device)
@@ -430,12 +441,12 @@ class ModelRunner:
             device=self.device,
             null_block=self.null_block,
         )
-        if get_pp_world_size() > 1:
-            hidden = self._forward_stage(ids_t, pos_t, md)
-            if hidden is None:  # not stage 0: no logits here
-                return None
-        else:
-            hidden = self.model(ids_t, pos_t, md)
+        return ids_t, pos_t, md
+
+    def _logits_from_hidden(self, inp: StepInputs, out: ModelRunnerOutput,
+                            hidden: torch.Tensor) -> torch.Tensor | None:
+        """The sampling rows' logits from the model's final hidden states (and the prompt
+        logprobs of the step's chunks that want them)."""
         if self.mtp is not None:
             inp.hidden = hidden
         if inp.prompt_lp_spans:  # reads back at once: such steps do not overlap
@@ -447,28 +458,24 @@ class ModelRunner:
         return self.model.compute_logits(
             hidden[to_device(inp.logits_index, torch.long, self.device)])
 
-    def _forward_stage(self, ids: torch.Tensor, pos: torch.Tensor,
-                       md: object) -> torch.Tensor | None:
-        """Pipeline parallelism: this stage's layers on the step's tokens. A later stage
-        receives (hidden, residual) of every token from the previous one; the last stage
-        applies the final norm and sends its hidden states to stage 0 (the same TP rank),
-        which returns them for logits and sampling. Other stages return None."""
-        n, h = ids.shape[0], self.hf_config.hidden_size
-        inter = None
-        if not pp_is_first():
-            buf = torch.empty(2, n, h, dtype=self.dtype, device=self.device)
-            dist.recv(buf, src=pp_prev_rank())
-            inter = (buf[0], buf[1])
-        out = self.model.forward_stage(ids, pos, md, inter)
-        if not pp_is_last():
-            dist.send(torch.stack(out), dst=pp_next_rank())
-        else:
-            dist.send(out.contiguous(), dst=pp_stage_rank(0))
-        if not pp_is_first():
-            return None
-        final = torch.empty(n, h, dtype=self.dtype, device=self.device)
-        dist.recv(final, src=pp_stage_rank(get_pp_world_size() - 1))
-        return final
+    @torch.inference_mode()
+    def _sample_stage(self, fut: StepFuture) -> None:
+        """Pipeline parallel, stage 0: waits for the last stage's hidden states of a launched
+        step, then samples it as launch() does without stages."""
+        assert fut.pending_stage is not None
+        inputs, pending, states = fut.pending_stage
+        fut.pending_stage = None
+        # Requests that ended (aborted) since launch: sampled with their state of then (the
+        # scheduler drops their results); serials are never reused.
+        gone = {serial: st for serial, st in states.items() if serial not in self.requests}
+        self.requests.update(gone)
+        try:
+            logits = self._logits_from_hidden(inputs, fut.out, pending.wait())
+            if logits is not None:
+                self._sample(inputs, logits, fut)
+        finally:
+            for serial in gone:
+                del self.requests[serial]
 
     def _sample(self, inp: StepInputs, logits: torch.Tensor, fut: StepFuture) -> None:
         states = [self.requests[r] for r in inp.sample_rows]
@@ -552,6 +559,8 @@ class ModelRunner:
         without waiting for it) and drafts nothing; host proposers draft anyway (cheap, and
         the scheduler reads whether they found any)."""
         out = fut.out
+        if fut.pending_stage is not None:  # pipeline parallel: sampled once stages are done
+            self._sample_stage(fut)
         if fut.sampled is not None:
             self._read_sampled(fut, propose)
         if self.mtp is not None and fut.mtp_requests:

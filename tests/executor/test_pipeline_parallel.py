@@ -1,22 +1,26 @@
 """Pipeline parallelism on the mp executor (issue 13, item 3), on the CPU with gloo: each
 stage builds and loads only its decoder layers, the stages pass (hidden, residual) to each
-other and the last one sends its final hidden states back to rank 0, which samples. The
-tokens (and logprobs) equal one rank's; what is not supported yet is refused clearly."""
+other and the last one sends its final hidden states back to rank 0, which samples. Up to
+pipeline_parallel_size steps are in flight (micro-batches of disjoint requests). The tokens
+(and logprobs) equal one rank's; what is not supported yet is refused clearly."""
 
 from __future__ import annotations
 
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 import torch
+from engine_helpers import blocks_all_free
 from oracle import write_tiny_checkpoint
 
 from shoal import LLM, SamplingParams
 from shoal.config import ParallelConfig
 from shoal.distributed.parallel_state import get_pp_indices
 from shoal.engine.engine_args import EngineArgs
+from shoal.engine.scheduler_output import SchedulerOutput
 from shoal.executor.multiproc import WorkerDiedError
 from shoal.models.llama import PPMissingLayer
 from shoal.worker.warmup import dummy_forward
@@ -25,8 +29,35 @@ PROMPTS = [[5, 17, 300, 42, 7, 99], [256, 3, 11, 400, 23, 8, 1, 2, 3, 4, 5, 6, 7
 
 
 def _tiny_llm(path: str, **kwargs) -> LLM:
+    args = {"num_gpu_blocks_override": 64, **kwargs}
     return LLM(model=path, device="cpu", dtype="float32", max_model_len=128,
-               num_gpu_blocks_override=64, enable_prefix_caching=False, **kwargs)
+               enable_prefix_caching=False, **args)
+
+
+class StepLog:
+    """Records the engine's launches and finishes on its executor, with each step's sampling
+    serials: how many steps were in flight at once, and whether they shared a request."""
+
+    def __init__(self, runner: Any) -> None:
+        self.events: list[str] = []
+        self.in_flight: list[set[int]] = []
+        self.most = 0
+        launch, finish = runner.launch, runner.finish
+
+        def logged_launch(sched: SchedulerOutput) -> Any:
+            serials = {it.serial for it in sched.scheduled if it.sample}
+            assert not any(serials & s for s in self.in_flight), "a request in two steps"
+            self.in_flight.append(serials)
+            self.most = max(self.most, len(self.in_flight))
+            self.events.append("L")
+            return launch(sched)
+
+        def logged_finish(fut: Any, propose: bool = True) -> Any:
+            self.in_flight.pop(0)
+            self.events.append("F")
+            return finish(fut, propose=propose)
+
+        runner.launch, runner.finish = logged_launch, logged_finish
 
 
 def _run(llm: LLM, prompts: list, params: SamplingParams) -> list:
@@ -130,6 +161,91 @@ def test_serve_with_two_stages_answers_like_one(tiny_llama_dir):
         assert list(out.choices[0].token_ids) == expected
     finally:
         server.stop()
+
+
+def test_two_micro_batches_are_in_flight_and_match_one_rank(tiny_llama_dir):
+    """Stage 0 launches micro-batch N+1 before it finishes N; the steps in flight hold
+    disjoint requests; tokens and logprobs equal one rank's."""
+    torch.set_num_threads(1)
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(3 + 2 * i)]}
+               for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    llm = _tiny_llm(str(tiny_llama_dir))
+    try:
+        one = _run(llm, prompts, params)
+    finally:
+        llm.shutdown()
+    llm = _tiny_llm(str(tiny_llama_dir), pipeline_parallel_size=2)
+    try:
+        log = StepLog(llm.llm_engine.core.runner)
+        pp = _run(llm, prompts, params)
+        events = "".join(log.events)
+        assert log.most == 2 and events.startswith("LLF")
+        # Decodes alternate between the two halves: each finish lets the next launch in.
+        assert "LFLFLFLF" in events
+        assert blocks_all_free(llm)
+    finally:
+        llm.shutdown()
+    _assert_close(one, pp, 1e-4)
+
+
+def test_three_stages_and_an_abort_with_its_step_in_flight(tmp_path):
+    """Three stages, three micro-batches: a request aborted while its step is in flight has
+    its runner state dropped before that step is finished; the step still samples it (and
+    the scheduler drops the result), the others' tokens equal one rank's."""
+    torch.set_num_threads(1)
+    path = str(write_tiny_checkpoint(tmp_path / "llama3", "llama", num_hidden_layers=3))
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 500 + 3 for j in range(4 + i)]}
+               for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    llm = _tiny_llm(path)
+    try:
+        one = _run(llm, prompts, params)
+    finally:
+        llm.shutdown()
+    llm = _tiny_llm(path, pipeline_parallel_size=3)
+    try:
+        engine = llm.llm_engine
+        log = StepLog(engine.core.runner)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, params)
+        engine.step()
+        engine.step()  # two micro-batches in flight: "0", "1" then "2", "3"
+        assert len(engine.core.batch_queue) == 2
+        engine.abort_request("2")
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = list(out.outputs[0].token_ids)
+        assert log.most == 3
+        done.pop("2", None)
+        assert done == {str(i): one[i][0] for i in (0, 1, 3, 4, 5)}
+        assert blocks_all_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_preemption_under_a_small_pool_gives_the_same_tokens(tiny_llama_dir):
+    torch.set_num_threads(1)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS + [[4, 8, 15, 16, 23, 42] * 2]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # 8 blocks of 16 tokens for 4 requests of up to 53 tokens (4 blocks each)
+    llm = _tiny_llm(str(tiny_llama_dir), num_gpu_blocks_override=8)
+    try:
+        one = _run(llm, prompts, params)
+    finally:
+        llm.shutdown()
+    llm = _tiny_llm(str(tiny_llama_dir), num_gpu_blocks_override=8, pipeline_parallel_size=2)
+    try:
+        log = StepLog(llm.llm_engine.core.runner)
+        pp = _run(llm, prompts, params)
+        assert llm.llm_engine.core.scheduler.num_preemptions > 0
+        assert log.most == 2
+        assert blocks_all_free(llm)
+    finally:
+        llm.shutdown()
+    assert [ids for ids, _, _ in pp] == [ids for ids, _, _ in one]
 
 
 def test_a_killed_stage_fails_the_requests_in_flight(tiny_llama_dir):

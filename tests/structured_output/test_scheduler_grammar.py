@@ -40,7 +40,8 @@ class FakeGrammar:
         self.left -= 1
         return True
 
-    def is_terminated(self) -> bool:
+    @property
+    def ended(self) -> bool:  # StructuredRequest's: complete (or refused) after accept()
         return self.left <= 0
 
 
