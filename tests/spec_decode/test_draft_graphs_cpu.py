@@ -16,8 +16,6 @@ from engine_helpers import random_prompts, tiny_llm  # noqa: E402
 from oracle import hf_greedy  # noqa: E402
 from spec_decode.proposal_log import record_proposals  # noqa: E402
 from spec_decode.test_draft_model import _draft  # noqa: E402
-from spec_decode.test_eagle import build_checkpoints as eagle_checkpoints  # noqa: E402
-from spec_decode.test_mtp import build_checkpoints as mtp_checkpoints  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from shoal import SamplingParams  # noqa: E402
@@ -87,16 +85,6 @@ def test_advance_moves_live_rows_as_a_fill_of_the_next_positions():
         assert buf.lens[:8].tolist() == want.lens[:8].tolist()
         assert buf.slot_mapping[:4].tolist() == want.slot_mapping[:4].tolist()
     assert buf.slot_mapping[3] == -1 and buf.lens[3] == 0  # padding stays padding
-
-
-@pytest.fixture(scope="module")
-def mtp_ckpts(tmp_path_factory):
-    return mtp_checkpoints(tmp_path_factory.mktemp("mtp"))
-
-
-@pytest.fixture(scope="module")
-def eagle_ckpts(tiny_llama_dir, tmp_path_factory):
-    return eagle_checkpoints(tiny_llama_dir, tmp_path_factory.mktemp("eagle"))
 
 
 def _ids(outs) -> list[list[int]]:

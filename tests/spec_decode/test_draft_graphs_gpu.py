@@ -15,8 +15,6 @@ from engine_helpers import random_prompts, tiny_llm  # noqa: E402
 from oracle import hf_greedy  # noqa: E402
 from spec_decode.proposal_log import record_proposals  # noqa: E402
 from spec_decode.test_draft_model import _draft  # noqa: E402
-from spec_decode.test_eagle import build_checkpoints as eagle_checkpoints  # noqa: E402
-from spec_decode.test_mtp import build_checkpoints as mtp_checkpoints  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from shoal import SamplingParams  # noqa: E402
@@ -51,16 +49,6 @@ def _same_where_both(a: list[tuple[list[int], list[int]]],
     for s, d in common:
         assert first[tuple(s)] == d, s
     return len(common)
-
-
-@pytest.fixture(scope="module")
-def mtp_ckpts(tmp_path_factory):
-    return mtp_checkpoints(tmp_path_factory.mktemp("mtp"))
-
-
-@pytest.fixture(scope="module")
-def eagle_ckpts(tiny_llama_dir, tmp_path_factory):
-    return eagle_checkpoints(tiny_llama_dir, tmp_path_factory.mktemp("eagle"))
 
 
 @pytest.mark.parametrize("method,name", [("mtp", "bigram"), ("mtp", "random"),

@@ -1,0 +1,19 @@
+"""Checkpoints with draft heads, shared by the draft-graph tests (CPU and GPU)."""
+
+from __future__ import annotations
+
+import pytest
+from spec_decode.test_eagle import build_checkpoints as eagle_checkpoints
+from spec_decode.test_mtp import build_checkpoints as mtp_checkpoints
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpts(tmp_path_factory):
+    """Tiny DeepSeek-V3 targets with an MTP layer: "random" and "bigram" (see test_mtp.py)."""
+    return mtp_checkpoints(tmp_path_factory.mktemp("mtp"))
+
+
+@pytest.fixture(scope="module")
+def eagle_ckpts(tiny_llama_dir, tmp_path_factory):
+    """Tiny Llama targets with EAGLE heads: "random" and "bigram" (see test_eagle.py)."""
+    return eagle_checkpoints(tiny_llama_dir, tmp_path_factory.mktemp("eagle"))
