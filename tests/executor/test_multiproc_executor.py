@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from executor.worker_checks import served_tokens
 
 from shoal import LLM, SamplingParams
 from shoal.engine.engine_args import EngineArgs
@@ -63,20 +64,10 @@ def test_unsupported_tensor_parallel_settings_are_refused(kwargs, message):
 def test_serve_with_two_ranks_answers_like_one(tiny_llama_dir):
     """`shoal serve --tensor-parallel-size 2`: the engine core process starts the worker
     rank; the official client's greedy completion equals the single-rank engine's."""
-    from entrypoints.conftest import RemoteServer
-
     expected = _generate(str(tiny_llama_dir), 1,
                          SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    server = RemoteServer(str(tiny_llama_dir), "--tensor-parallel-size", "2",
-                          "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "4",
-                          "--max-model-len", "128")
-    try:
-        out = server.openai().completions.create(
-            model=str(tiny_llama_dir), prompt=PROMPTS[0], max_tokens=8, temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True})
-        assert list(out.choices[0].token_ids) == expected
-    finally:
-        server.stop()
+    assert served_tokens(str(tiny_llama_dir), ["--tensor-parallel-size", "2"],
+                         PROMPTS[0]) == expected
 
 
 _ORPHAN_SCRIPT = """

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from typing import Any
 
 import pytest
 import torch
 from engine_helpers import blocks_all_free
+from executor.worker_checks import assert_kill_fails_step, served_tokens
 from oracle import write_tiny_checkpoint
 
 from shoal import LLM, SamplingParams
@@ -21,7 +21,6 @@ from shoal.config import ParallelConfig
 from shoal.distributed.parallel_state import get_pp_indices
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.scheduler_output import SchedulerOutput
-from shoal.executor.multiproc import WorkerDiedError
 from shoal.models.llama import PPMissingLayer
 from shoal.worker.warmup import dummy_forward
 
@@ -143,24 +142,14 @@ def test_tiny_models_two_stages_and_tensor_parallel_match_one_rank(tmp_path):
 
 
 def test_serve_with_two_stages_answers_like_one(tiny_llama_dir):
-    from entrypoints.conftest import RemoteServer
-
     llm = _tiny_llm(str(tiny_llama_dir))
     try:
         expected = _run(llm, [{"prompt_token_ids": PROMPTS[0]}],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0][0]
     finally:
         llm.shutdown()
-    server = RemoteServer(str(tiny_llama_dir), "--pipeline-parallel-size", "2",
-                          "--device", "cpu", "--dtype", "float32", "--max-num-seqs", "4",
-                          "--max-model-len", "128")
-    try:
-        out = server.openai().completions.create(
-            model=str(tiny_llama_dir), prompt=PROMPTS[0], max_tokens=8, temperature=0,
-            extra_body={"ignore_eos": True, "return_token_ids": True})
-        assert list(out.choices[0].token_ids) == expected
-    finally:
-        server.stop()
+    assert served_tokens(str(tiny_llama_dir), ["--pipeline-parallel-size", "2"],
+                         PROMPTS[0]) == expected
 
 
 def test_two_micro_batches_are_in_flight_and_match_one_rank(tiny_llama_dir):
@@ -257,17 +246,8 @@ def test_a_killed_stage_fails_the_requests_in_flight(tiny_llama_dir):
         # The GPU's warm-up / profile forward on stage 0 (no peer involved): its
         # (hidden, residual) stands in for the final hidden states.
         dummy_forward(engine.core.runner.driver, [5, 3], 0)
-        long = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
-        for i, p in enumerate(PROMPTS):
-            engine.add_request(str(i), {"prompt_token_ids": p}, long)
-        for _ in range(3):
-            engine.step()
-        os.kill(proc.pid, signal.SIGKILL)
-        killed = time.monotonic()
-        with pytest.raises(WorkerDiedError, match="shoal-tp-rank1"):
-            while engine.has_unfinished_requests():
-                engine.step()
-        assert time.monotonic() - killed < 10
+        assert_kill_fails_step(engine, lambda: os.kill(proc.pid, signal.SIGKILL), PROMPTS,
+                               max_tokens=100)
     finally:
         llm.shutdown()
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from executor.worker_checks import assert_kill_fails_step
 
 from shoal import LLM, SamplingParams
 from shoal.engine.engine_args import EngineArgs
@@ -138,25 +139,15 @@ def test_three_ray_ranks_generate_what_one_rank_does(ray_cluster):
 
 
 def test_a_killed_actor_fails_the_requests_in_flight(ray_cluster, tiny_llama_dir):
-    from shoal.executor.multiproc import WorkerDiedError
-
     torch.set_num_threads(1)
     llm = _llm(2, "ray", str(tiny_llama_dir))
     try:
         engine = llm.llm_engine
         runner = engine.core.runner
         pids = list(runner._pids)
-        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-        for i, p in enumerate(PROMPTS):
-            engine.add_request(str(i), {"prompt_token_ids": p}, long)
-        for _ in range(3):
-            engine.step()
-        ray_cluster.kill(runner._actors[0], no_restart=True)
-        killed = time.monotonic()
-        with pytest.raises(WorkerDiedError, match="shoal-tp-rank1"):
-            while engine.has_unfinished_requests():
-                engine.step()
-        assert time.monotonic() - killed < 10
+        assert_kill_fails_step(
+            engine, lambda: ray_cluster.kill(runner._actors[0], no_restart=True), PROMPTS,
+            max_tokens=200)
     finally:
         llm.shutdown()
     deadline = time.monotonic() + 10

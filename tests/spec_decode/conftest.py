@@ -17,3 +17,16 @@ def mtp_ckpts(tmp_path_factory):
 def eagle_ckpts(tiny_llama_dir, tmp_path_factory):
     """Tiny Llama targets with EAGLE heads: "random" and "bigram" (see test_eagle.py)."""
     return eagle_checkpoints(tiny_llama_dir, tmp_path_factory.mktemp("eagle"))
+
+
+@pytest.fixture(scope="module")
+def drafter_checkpoint(mtp_ckpts, eagle_ckpts):
+    """pick(method, name, k) -> (target folder, reference formula, speculative_config) of a
+    hidden-state drafter: method "mtp" or "eagle", checkpoint "random" or "bigram"."""
+    def pick(method: str, name: str, k: int):
+        if method == "mtp":
+            target, ref = mtp_ckpts[name]
+            return target, ref, {"method": "mtp", "num_speculative_tokens": k}
+        target, folder, ref = eagle_ckpts[name]
+        return target, ref, {"method": "eagle", "model": str(folder), "num_speculative_tokens": k}
+    return pick

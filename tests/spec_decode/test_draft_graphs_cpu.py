@@ -94,16 +94,11 @@ def _ids(outs) -> list[list[int]]:
 @pytest.mark.parametrize("method,name,async_scheduling", [
     ("mtp", "bigram", False), ("mtp", "random", True),
     ("eagle", "bigram", False), ("eagle", "random", True)])
-def test_hidden_state_drafts_through_padded_graphs(mtp_ckpts, eagle_ckpts, method, name,
+def test_hidden_state_drafts_through_padded_graphs(drafter_checkpoint, method, name,
                                                    async_scheduling):
     """Drafts 2..k of MTP / EAGLE replay the emulated graphs (3 requests padded to 4, one
     alone at 1): lossless, and every proposal is the head's formula."""
-    if method == "mtp":
-        target, ref = mtp_ckpts[name]
-        spec = {"method": "mtp", "num_speculative_tokens": K}
-    else:
-        target, folder, ref = eagle_ckpts[name]
-        spec = {"method": "eagle", "model": str(folder), "num_speculative_tokens": K}
+    target, ref, spec = drafter_checkpoint(method, name, K)
     sp = SamplingParams(temperature=0, max_tokens=12 if async_scheduling else 8,
                         ignore_eos=True)
     prompts = random_prompts(3, seed=9, lo=2, hi=20)

@@ -53,13 +53,8 @@ def _same_where_both(a: list[tuple[list[int], list[int]]],
 
 @pytest.mark.parametrize("method,name", [("mtp", "bigram"), ("mtp", "random"),
                                          ("eagle", "bigram"), ("eagle", "random")])
-def test_hidden_state_drafts_replay_cuda_graphs(mtp_ckpts, eagle_ckpts, method, name):
-    if method == "mtp":
-        target, ref = mtp_ckpts[name]
-        spec = {"method": "mtp", "num_speculative_tokens": K}
-    else:
-        target, folder, ref = eagle_ckpts[name]
-        spec = {"method": "eagle", "model": str(folder), "num_speculative_tokens": K}
+def test_hidden_state_drafts_replay_cuda_graphs(drafter_checkpoint, method, name):
+    target, ref, spec = drafter_checkpoint(method, name, K)
     sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     prompts = random_prompts(3, seed=9, lo=2, hi=20)
     want = _ids(tiny_llm(target, **ENGINE).generate(prompts, sp, use_tqdm=False))
