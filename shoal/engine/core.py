@@ -253,7 +253,8 @@ class EngineCore(MicroBatching):
         # Step N's results, read while step N+1 (just launched) runs; drafts proposed from
         # them would come too late for step N+1, which is scheduled without any.
         outputs = self._finish_inflight(propose=launched is None)
-        if sched is not None and sched.grammar_bitmask is not None and launched is not None:
+        if launched is not None and sched.grammar_bitmask is not None and (
+                sched.grammar_bitmask.deferred):
             # Its structured rows sample now that the grammars have seen step N's tokens;
             # its forward has been running meanwhile.
             self.runner.sample_deferred(launched)
