@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 BUILT := $(VENV)/.built
-SOURCES := $(shell find shoal -name '*.py' -o -name '*.cpp')
+SOURCES := $(shell find shoal -name '*.py' -o -name '*.cpp' -o -name '*.h')
 
 .PHONY: install serve test lint clean
 
@@ -16,13 +16,13 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 # After the install, and again whenever a source changes: bytecode for every module (imports
-# stay fast where PYTHONDONTWRITEBYTECODE=1 is set), and the CPU decode attention kernel (a
-# torch extension, built here so that no request waits for a compile; where it cannot be
-# built the torch path serves, and its tests say why).
+# stay fast where PYTHONDONTWRITEBYTECODE=1 is set), and the C++ CPU kernels (decode attention
+# and the layers' small ops: one torch extension, built here so that no request waits for a
+# compile; where it cannot be built the torch paths serve, and its tests say why).
 $(BUILT): $(STAMP) $(SOURCES)
 	$(BIN)/python -m compileall -q shoal
-	$(BIN)/python -m shoal.attention.ops.cpu_paged_decode --build \
-		|| echo "warning: CPU decode kernel not built; the torch path serves decodes"
+	$(BIN)/python -m shoal.cpu_kernels --build \
+		|| echo "warning: C++ CPU kernels not built; the torch paths serve"
 	touch $(BUILT)
 
 install: $(BUILT)
@@ -38,4 +38,4 @@ lint: $(BUILT)
 	$(BIN)/ruff check shoal tests benchmarks
 
 clean:
-	rm -rf $(VENV) shoal/attention/csrc/build
+	rm -rf $(VENV) shoal/csrc/build

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.layers.ops import cpu_layer_ops
 from shoal.layers.ops.dispatch import use_triton
 
 
@@ -19,6 +20,8 @@ class SiluAndMul(nn.Module):
             from shoal.layers.ops.silu_mul import silu_and_mul
 
             return silu_and_mul(x)
+        if x.dim() == 2 and x.stride(-1) == 1 and cpu_layer_ops.usable(x):
+            return cpu_layer_ops.silu_and_mul(x)
         return self.forward_native(x)
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:

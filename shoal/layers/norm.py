@@ -1,10 +1,12 @@
-"""RMSNorm with the residual add fused into the same call (one pass on the GPU kernel path)."""
+"""RMSNorm with the residual add fused into the same call (one pass on the GPU's Triton kernel
+and the CPU's C++ one)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from shoal.layers.ops import cpu_layer_ops
 from shoal.layers.ops.dispatch import use_triton
 
 
@@ -31,7 +33,18 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps).view(x.shape)
             return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if self._cpu_kernel_fits(x, residual):
+            if residual is None:
+                return cpu_layer_ops.rms_norm(x, self.weight, self.eps)
+            return cpu_layer_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         return self.forward_native(x, residual)
+
+    def _cpu_kernel_fits(self, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+        return (x.dim() in (2, 3) and x.stride(-1) == 1 and self.weight.dtype == x.dtype
+                and cpu_layer_ops.usable(x)
+                and (residual is None or (residual.shape == x.shape
+                                          and residual.dtype == x.dtype
+                                          and residual.stride(-1) == 1)))
 
     def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.layers.ops import cpu_layer_ops
 from shoal.layers.ops.dispatch import use_triton
 
 
@@ -166,11 +167,18 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, Hq, D], k: [T, Hk, D]; returns rotated copies (rotated in place on CUDA)."""
+        """q: [T, Hq, D], k: [T, Hk, D]; returns them rotated: in place on CUDA and through
+        the CPU's C++ kernel, as rotated copies on the torch path."""
         if use_triton(q, self.use_triton_ops):
             from shoal.layers.ops.rotary import rotary_embedding
 
             return rotary_embedding(positions, q, k, self.cos_sin_cache)
+        if (q.dim() == 3 and k.dim() == 3 and k.dtype == q.dtype and q.stride(-1) == 1
+                and k.stride(-1) == 1 and positions.dtype == torch.int64
+                and cpu_layer_ops.usable(q)):
+            cpu_layer_ops.rotary_embedding(positions.contiguous(), q, k, self.cos_sin_cache,
+                                           self.rot_dim)
+            return q, k
         return self.forward_native(positions, q, k)
 
     def forward_native(self, positions: torch.Tensor, q: torch.Tensor,

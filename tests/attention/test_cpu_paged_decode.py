@@ -10,6 +10,7 @@ import math
 import pytest
 import torch
 
+from shoal import cpu_kernels
 from shoal.attention.metadata import AttentionMetadata, build_attention_metadata
 from shoal.attention.ops import cpu_paged_decode as kernel
 from shoal.attention.torch_backend import paged_attention
@@ -19,10 +20,11 @@ CPU = torch.device("cpu")
 
 @pytest.fixture(scope="module", autouse=True)
 def built() -> None:
-    missing = kernel.missing_toolchain()
+    missing = cpu_kernels.missing_toolchain()
     if missing:
         pytest.skip(f"cannot build the CPU decode kernel here: {missing}")
-    kernel.build()  # a compile error fails the tests: the toolchain is there
+    cpu_kernels.build()  # a compile error fails the tests: the toolchain is there
+    kernel.unavailable_reason.cache_clear()
     assert kernel.available()
 
 
@@ -155,8 +157,10 @@ def test_fits_only_the_contract() -> None:
 def test_missing_build_falls_back_and_says_why_once(tmp_path, monkeypatch, caplog) -> None:
     monkeypatch.setenv("SHOAL_EXTENSIONS_DIR", str(tmp_path))
     kernel.unavailable_reason.cache_clear()
+    cpu_kernels.unavailable_reason.cache_clear()
+    cpu_kernels._fingerprint.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger=kernel.__name__):
+        with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
             q, k, v, cache, md, _, _ = decode_step([20, 3], 9, 3, 64, 16, torch.float32)
             got, ref = both_paths(q, k, v, cache, md, 0.125)
             paged_attention(q, k, v, cache, md, 0.125)
@@ -166,6 +170,7 @@ def test_missing_build_falls_back_and_says_why_once(tmp_path, monkeypatch, caplo
     finally:
         monkeypatch.undo()
         kernel.unavailable_reason.cache_clear()
+        cpu_kernels.unavailable_reason.cache_clear()
     assert kernel.available()
 
 

@@ -14,25 +14,21 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include "cpu_common.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 namespace {
 
+using namespace shoal_cpu;
+
 constexpr int64_t kTile = 16;        // keys per online-softmax update
 constexpr int64_t kMaxGroup = 16;    // query heads per KV head
 constexpr int64_t kMaxDim = 256;     // head dim
 constexpr int kPrefetchTiles = 2;    // how far ahead rows are prefetched (measured: 1 and 4 slower)
 constexpr float kNegBig = -1.0e30f;  // finite "-inf": exp(kNegBig - m) is ~0, never nan
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define SHOAL_CLONES \
-  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define SHOAL_CLONES
-#endif
-#define SHOAL_INLINE inline __attribute__((always_inline))
 
 struct Args {
   const void* q;
@@ -46,54 +42,13 @@ struct Args {
   float scale;
 };
 
-SHOAL_INLINE float bf16_to_f32(uint16_t x) {
-  uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-SHOAL_INLINE uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // nan
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
 // A cache row as fp32: fp32 rows are used in place, bf16 rows converted into buf.
 SHOAL_INLINE const float* row_f32(const float* src, float*, int64_t) { return src; }
 SHOAL_INLINE const float* row_f32(const uint16_t* src, float* buf, int64_t d) {
   for (int64_t i = 0; i < d; ++i) buf[i] = bf16_to_f32(src[i]);
   return buf;
 }
-SHOAL_INLINE float to_f32(float x) { return x; }
-SHOAL_INLINE float to_f32(uint16_t x) { return bf16_to_f32(x); }
-SHOAL_INLINE void store(float* dst, float x) { *dst = x; }
-SHOAL_INLINE void store(uint16_t* dst, float x) { *dst = f32_to_bf16(x); }
-
-// exp for x <= 0 in plain arithmetic, so the loop over a tile vectorises (libm's expf does
-// not without -ffast-math). Cephes' polynomial: about 1 ulp on [-87, 0]; below, ~0.
-SHOAL_INLINE float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float shifter = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  float t = x * 1.44269504f + shifter;
-  float n = t - shifter;
-  float r = x - n * 0.693359375f - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  float y = p * r * r + r + 1.0f;
-  int32_t bits;
-  std::memcpy(&bits, &t, sizeof bits);
-  int32_t scale_bits = (bits - 0x4b400000 + 127) << 23;  // 2^n
-  float two_n;
-  std::memcpy(&two_n, &scale_bits, sizeof two_n);
-  return y * two_n;
-}
+SHOAL_INLINE float exp_nonpos(float x) { return exp_clamped(x); }  // x <= 0 here
 
 // 16 floats as one value: a zmm register in the AVX-512 clone, two ymm or four xmm in the
 // others. Used for dot products, whose horizontal sum auto-vectorisation does lane by lane.
