@@ -13,7 +13,11 @@ prompts decode (a finished one is replaced at once, so every step samples `batch
   free-sync   unconstrained, one step at a time (what a structured request forced before they were pipelined)
   json        the JSON schema of structured_outputs_gpu.py on every request
 Per mode and batch size, N steps are timed bare (EngineCore.step: the clean step time), then
-N more with perf_counter wrappers for a breakdown: schedule, the core's list of bitmask rows,
+N more with perf_counter wrappers for a breakdown; only steady decode steps count (since
+2026-12-04): a json request ends when its JSON closes and is replaced, and the steps that
+prefill the replacement (and, with async scheduling, the step after, which applies its
+results) are left out (prefill_steps_left_out), as the unconstrained runs, whose requests
+never end, have none. The breakdown: schedule, the core's list of bitmask rows,
 the runner's launch (inputs, forward, sampling metadata, the bitmask fill and inside it the
 backend's batch fill, apply_token_bitmask, the sampler), finish (on CUDA: the wait for the
 device), update (inside it _check_grammar: the matchers' accept_token + is_terminated) and
@@ -195,11 +199,16 @@ class Driver:
         self.count = 0
         self.replaced = 0
         self.vocab = core.vocab_size
+        # Calls left until a step without a new request's prefill: the step after a top-up
+        # prefills, and with async scheduling the call after it applies that step's results.
+        self.fresh = 0
+        self.last_steady = False  # the last step() was a steady decode step
 
     def top_up(self) -> None:
         from shoal.engine.core_types import EngineCoreRequest
 
         while len(self.live) < self.batch:
+            self.fresh = 2
             i = self.count
             self.count += 1
             rid = f"{self.mode}-{self.batch}-{i}"
@@ -210,7 +219,10 @@ class Driver:
             self.live.add(rid)
 
     def step(self) -> tuple[int, float]:
-        """One engine step: (rows that sampled, seconds)."""
+        """One engine step: (rows that sampled, seconds); last_steady says whether it was a
+        steady decode step (no prefill of a replacement request in it)."""
+        self.last_steady = self.fresh == 0
+        self.fresh = max(0, self.fresh - 1)
         t0 = time.perf_counter()
         out = self.core.step()
         dt = time.perf_counter() - t0
@@ -244,7 +256,13 @@ def time_mode(core: Any, mode: str, batch: int, steps: int, async_default: bool,
                 break
         for _ in range(max(2, steps // 4)):  # warm-up
             d.step()
-        clean = [d.step() for _ in range(steps)]
+        clean, left_out = [], 0
+        for _ in range(steps):
+            rows, dt = d.step()
+            if d.last_steady:
+                clean.append((rows, dt))
+            else:
+                left_out += 1
         timers = install_timers(core)
         per_step: list[dict[str, float]] = []
         timed = []
@@ -252,14 +270,22 @@ def time_mode(core: Any, mode: str, batch: int, steps: int, async_default: bool,
             for _ in range(steps):
                 timers.acc.clear()
                 rows, dt = d.step()
-                timed.append((rows, dt))
-                per_step.append(dict(timers.acc))
+                if d.last_steady:
+                    timed.append((rows, dt))
+                    per_step.append(dict(timers.acc))
+                else:
+                    left_out += 1
         finally:
             timers.restore()
     finally:
         d.drain()
         core.async_scheduling = async_default
-    return summarize(mode, batch, clean, timed, per_step, d.replaced)
+    if not clean or not timed:  # every step had a prefill
+        raise SystemExit(f"{mode} at batch {batch}: no steady decode step of {steps}; "
+                         "more --steps")
+    r = summarize(mode, batch, clean, timed, per_step, d.replaced)
+    r["prefill_steps_left_out"] = left_out
+    return r
 
 
 def summarize(mode: str, batch: int, clean: list[tuple[int, float]],
@@ -440,7 +466,7 @@ def _pieces_at(n: int, manager: Any, params: Any, batchers: dict[int, Any], rng:
     import torch
     import xgrammar as xgr
 
-    from shoal.structured_output.xgrammar_backend import fill_threads
+    from shoal.structured_output import xgrammar_backend as xb
 
     backend = manager._get_backend()
     vocab = manager.vocab_size
@@ -476,8 +502,10 @@ def _pieces_at(n: int, manager: Any, params: Any, batchers: dict[int, Any], rng:
         lambda: backend.fill_bitmasks([r.matcher for r in reqs], bm), repeats))
     res["shoal_manager_fill_bitmask_us"] = us(_best(lambda: manager.fill_bitmask(reqs),
                                                     repeats))
+    # the engine's: one thread below THREADED_FILL_ROWS rows (absent before 2026-12-04)
+    threads = xb.fill_threads() if n >= getattr(xb, "THREADED_FILL_ROWS", 0) else 1
     res["fill_per_row_us_default_threads"] = round(
-        res[f"batch_fill_{fill_threads()}_threads_us"] / n, 3)
+        res[f"batch_fill_{threads}_threads_us"] / n, 3)
 
     def accept(kind: str) -> tuple[float, float]:
         """Seconds to accept the 8 tokens ahead (per step, all rows), then to roll back."""
@@ -487,11 +515,10 @@ def _pieces_at(n: int, manager: Any, params: Any, batchers: dict[int, Any], rng:
                 for m, tok in zip(ms_, toks):
                     if tok >= 0:
                         m.accept_token(tok)
-            elif kind == "shoal":  # the scheduler's _check_grammar: accept + is_terminated
+            elif kind == "shoal":  # the scheduler's _check_grammar: accept, then ended
                 for r, tok in zip(reqs, toks):
-                    if tok >= 0:
-                        r.accept(tok)
-                        r.is_terminated()
+                    if tok >= 0 and r.accept(tok) and r.ended:
+                        pass
             else:
                 pairs = [(m, tok) for m, tok in zip(ms_, toks) if tok >= 0]
                 xgr.BatchGrammarMatcher.batch_accept_token([m for m, _ in pairs],

@@ -10,11 +10,22 @@ W1's requests (nano-vllm's draw: 256 requests, random ids, in/out U[100,1024], t
   free-sync    unconstrained, one step at a time (what a structured request forced before they were pipelined)
   json         every request constrained by a JSON schema whose string field never has to end,
                so requests run to max_tokens like W1's (ignore_eos)
-Each engine step is timed (EngineCore.step), with its batch size; the figures are the step
-time at each batch size, the ratio of step times at the batch sizes two runs share (grammar
-answers end at other times than W1's), the mean at each run's most common batch size, the
-time spent filling the
-bitmask on the host (while the device runs the forward pass), and output tokens per second. The dummy model has no tokenizer: SmolLM2's
+Each engine step is timed (EngineCore.step), with its batch size (the rows that sampled). The
+step times compared are those of steady decode steps only: every request of the step
+scheduled in the call, and of the one scheduled in the call before (whose results an
+async-scheduled call applies), decodes one token (no prefill chunk), and the step scheduled
+has as many rows as sampled (no request ended in between). The 256 prompts' prefills (the
+first steps, at growing batch sizes) and the steps where a batch shrinks are left out: W1's
+requests and the grammar-constrained ones end at different times (a JSON answer may close
+early), so the runs reach a batch size at different moments, and a mean over all steps of a
+batch size would mix 10 ms prefill steps of one run with decode steps of the other. The
+figures: the step time at each batch size (steady decode steps, at least 3), the ratio of
+step times at the batch sizes two runs share, weighted by batch size (the comparison at
+matched batch sizes), the mean and median at each run's most common batch size (these are
+different sizes for different runs: json_step_over_* compare those, not like with like), the
+time spent filling the bitmask on the host (per step, every step), and output tokens per
+second (wall time of the whole run). Until 2026-12-04 every step counted. The dummy model
+has no tokenizer: SmolLM2's
 (49,152 tokens) stands in, with its end-of-sequence id in the model's config: the grammar and
 its bitmask cover the tokenizer's ids and the rest of Qwen3's 151,936 logits is banned as
 padding (a real Qwen3 tokenizer names 151,669 ids: its bitmask would be 3x wider)."""
@@ -54,20 +65,37 @@ def w1_requests(num: int, seed: int, smoke: bool) -> list[tuple[list[int], int]]
 
 
 class StepTimer:
-    """Wraps EngineCore.step and the bitmask fill (StructuredOutputManager) to time them."""
+    """Wraps EngineCore.step and the bitmask fill (StructuredOutputManager) to time them, and
+    the scheduler's schedule to tell steady decode steps (see the module's docstring)."""
 
     def __init__(self, core: Any):
         self.core = core
         self.manager = core.structured
-        self.steps: list[tuple[int, float]] = []  # (rows that sampled, seconds)
+        # (rows that sampled, seconds, steady decode step)
+        self.steps: list[tuple[int, float, bool]] = []
         self.fill_seconds = 0.0
         self._step, self._fill = core.step, core.structured.fill_bitmask
+        self._schedule = core.scheduler.schedule
+        scheduled: list[tuple[int, bool]] = []  # this call's: (rows, decodes only)
+        before_decodes = [False]  # the call before scheduled decodes only
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            out = self._schedule(*args, **kwargs)
+            scheduled.append((len(out.scheduled), all(
+                s.sample and s.num_new_tokens == 1 for s in out.scheduled)))
+            return out
 
         def step() -> Any:
+            scheduled.clear()
             t0 = time.perf_counter()
             out = self._step()
-            self.steps.append((sum(len(o.new_token_ids) for o in out.outputs),
-                               time.perf_counter() - t0))
+            dt = time.perf_counter() - t0
+            rows = sum(len(o.new_token_ids) for o in out.outputs)
+            decodes = bool(scheduled) and all(d for _, d in scheduled)
+            steady = (decodes and before_decodes[0] and len(scheduled) == 1
+                      and scheduled[0][0] == rows)
+            before_decodes[0] = decodes
+            self.steps.append((rows, dt, steady))
             return out
 
         def fill(grammars: Any) -> Any:
@@ -77,9 +105,11 @@ class StepTimer:
             return res
 
         core.step, self.manager.fill_bitmask = step, fill
+        core.scheduler.schedule = schedule
 
     def restore(self) -> None:
         self.core.step, self.manager.fill_bitmask = self._step, self._fill
+        del self.core.scheduler.schedule  # the class's method again
 
 
 def run(llm: Any, requests: list[tuple[list[int], int]], mode: str) -> dict[str, Any]:
@@ -103,18 +133,21 @@ def run(llm: Any, requests: list[tuple[list[int], int]], mode: str) -> dict[str,
         core.async_scheduling = async_default
     wall = time.perf_counter() - t0
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    sizes = Counter(n for n, _ in timer.steps if n)
+    steady = [(n, dt) for n, dt, ok in timer.steps if ok and n]
+    if not steady:  # a smoke run may have none
+        steady = [(n, dt) for n, dt, _ in timer.steps if n]
+    sizes = Counter(n for n, _ in steady)
     batch, _ = sizes.most_common(1)[0]
-    at_batch = [dt for n, dt in timer.steps if n == batch]
+    at_batch = [dt for n, dt in steady if n == batch]
     by_batch: dict[int, list[float]] = {}
-    for n, dt in timer.steps:
-        if n:
-            by_batch.setdefault(n, []).append(dt)
+    for n, dt in steady:
+        by_batch.setdefault(n, []).append(dt)
     return {"mode": mode, "requests": len(requests), "output_tokens": tokens,
             "step_ms_by_batch": {n: round(1e3 * statistics.fmean(v), 3)
                                  for n, v in sorted(by_batch.items()) if len(v) >= 3},
             "seconds": round(wall, 3), "output_tok_per_s": round(tokens / wall, 1),
-            "steps": len(timer.steps), "common_batch": batch,
+            "steps": len(timer.steps), "steady_decode_steps": len(steady),
+            "common_batch": batch,
             "mean_step_ms_at_common_batch": round(1e3 * statistics.fmean(at_batch), 3),
             "median_step_ms_at_common_batch": round(1e3 * statistics.median(at_batch), 3),
             "bitmask_fill_ms_per_step": round(1e3 * timer.fill_seconds
@@ -180,7 +213,7 @@ def main() -> int:
     figures = {
         "runs": results,
         # Requests under a grammar end at different times than W1's, so the runs' batch sizes
-        # differ: compare step times at the batch sizes both runs have.
+        # differ: compare steady decode step times at the batch sizes both runs have.
         "json_over_free_sync_at_matched_batches": matched_ratio(results["json"],
                                                                 results["free-sync"]),
         "json_over_free_async_at_matched_batches": matched_ratio(results["json"],

@@ -15,6 +15,10 @@ from shoal.structured_output.params import StructuredOutputsParams
 class GrammarMatcher(ABC):
     """One request's position in its grammar."""
 
+    # The tokens whose acceptance may complete the grammar, when only they can (the step
+    # loop then asks is_terminated() after them alone); None: after every token.
+    stop_token_ids: frozenset[int] | None = None
+
     @abstractmethod
     def accept(self, token_id: int) -> bool:
         """Advances on a sampled token; False if the grammar does not allow it."""

@@ -38,15 +38,18 @@ def unpack_bitmask(words: torch.Tensor, vocab: int, allowed: bool = True) -> tor
     return torch.cat([bits, pad], dim=1)
 
 
-def apply_token_bitmask(logits: torch.Tensor, words: torch.Tensor, rows: list[int]) -> None:
-    """Sets the disallowed logits of `rows` (row i of `words` is for logits row rows[i]) to
-    -inf, in place: one masked fill for the whole batch; columns past the bitmask (logits
-    padded beyond the grammar's vocabulary) are set to -inf directly."""
+def apply_token_bitmask(logits: torch.Tensor, words: torch.Tensor,
+                        rows: list[int] | None = None) -> None:
+    """Sets the disallowed logits of `rows` (row i of `words` is for logits row rows[i];
+    None: every row, in order) to -inf, in place: one masked fill for the whole batch; columns
+    past the bitmask (logits padded beyond the grammar's vocabulary) are set to -inf
+    directly."""
     width = min(words.shape[1] * 32, logits.shape[-1])
     banned = unpack_bitmask(words.to(logits.device, non_blocking=True), width, allowed=False)
-    if rows == list(range(logits.shape[0])):
+    if rows is None or (len(rows) == logits.shape[0] and rows == list(range(len(rows)))):
         logits[:, :width].masked_fill_(banned, _NEG_INF)
-        logits[:, width:] = _NEG_INF
+        if width < logits.shape[-1]:
+            logits[:, width:] = _NEG_INF
         return
     index = torch.tensor(rows, dtype=torch.long).to(logits.device, non_blocking=True)
     sub = logits[index]

@@ -102,9 +102,14 @@ class StructuredRequest:
     ended = False
 
     def accept(self, token_id: int) -> bool:
-        """Advances the grammar on the request's next token; False if it does not fit."""
-        ok = self.matcher.accept(token_id)
-        if not ok or self.matcher.is_terminated():
+        """Advances the grammar on the request's next token; False if it does not fit. Once a
+        row a step: is_terminated() is asked only after a token that may complete the
+        grammar (GrammarMatcher.stop_token_ids)."""
+        m = self._matcher if self._matcher is not None else self.matcher
+        ok = m.accept(token_id)
+        if not ok:
+            self.ended = True
+        elif (m.stop_token_ids is None or token_id in m.stop_token_ids) and m.is_terminated():
             self.ended = True
         return ok
 
@@ -185,14 +190,17 @@ class StructuredOutputManager:
                               pin_memory=self._pin)
             self._buffer = buf
         bitmask = buf[:n]
-        backend = self._get_backend()
-        rows = [i for i, r in enumerate(requests) if not r.ended]
-        if not backend.fills_whole_rows or len(rows) < n:
+        backend = self._backend if self._backend is not None else self._get_backend()
+        matchers = [r.matcher for r in requests if not r.ended]
+        if len(matchers) == n:
+            if not backend.fills_whole_rows:
+                bitmask.fill_(-1)
+            backend.fill_bitmasks(matchers, bitmask)
+        else:
             # A grammar that ended in the step before (async scheduling) has no next token;
             # its row's token is dropped: allow everything there.
             bitmask.fill_(-1)
-        if len(rows) == n:
-            backend.fill_bitmasks([r.matcher for r in requests], bitmask)
-        elif rows:
-            backend.fill_bitmasks([requests[i].matcher for i in rows], bitmask, rows)
+            if matchers:
+                backend.fill_bitmasks(matchers, bitmask,
+                                      [i for i, r in enumerate(requests) if not r.ended])
         return bitmask

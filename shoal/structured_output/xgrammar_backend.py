@@ -13,8 +13,14 @@ from shoal.structured_output.params import StructuredOutputsParams
 
 
 class XgrammarMatcher(GrammarMatcher):
-    def __init__(self, matcher: xgr.GrammarMatcher):
+    def __init__(self, matcher: xgr.GrammarMatcher, stop_token_ids: frozenset[int]):
         self._m = matcher
+        # A matcher made without terminate_without_stop_token ends only by accepting one of
+        # these: StructuredRequest.accept asks is_terminated() after them alone.
+        self.stop_token_ids = stop_token_ids
+        # The step loop calls accept once a row per step: xgrammar's method itself, one
+        # Python frame fewer than the method below.
+        self.accept = matcher.accept_token  # type: ignore[method-assign]
 
     def accept(self, token_id: int) -> bool:
         return self._m.accept_token(token_id)
@@ -29,9 +35,16 @@ class XgrammarMatcher(GrammarMatcher):
         self._m.rollback(num_tokens)
 
 
+# Rows below which one thread fills the whole batch. On the H200 host a row takes 3-6 us
+# and waking xgrammar's threads about 60 us: 64 rows took 285 us on one thread, 288-378 us on
+# 2, 4 or 8 (benchmarks/results/2026-12-03-structured-host-costs-H200-5b78dc7.json); only
+# from a few hundred rows do threads pay (256 rows: 1,222 us on one, 753 on 8).
+THREADED_FILL_ROWS = 128
+
+
 def fill_threads() -> int:
-    """Threads for batched bitmask fills: half the CPUs this process may run on, at most 8
-    (a fill takes a few microseconds a row; more threads cost more to wake than they save)."""
+    """Threads for batched bitmask fills of THREADED_FILL_ROWS rows or more: half the CPUs
+    this process may run on, at most 8 (more threads cost more to wake than they save)."""
     try:
         cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
@@ -51,10 +64,16 @@ class XgrammarBackend(GrammarBackend):
         # The manager's pool gives each compilation its own thread; xgrammar's cache is off
         # because the manager caches compiled grammars itself.
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        # Fills the rows of a big batch on several threads (C++, without the GIL). Not
-        # "auto": that is half of std::thread::hardware_concurrency(), the host's cores, not
-        # this process's share (64 threads in a 16-core container of a 128-core host).
-        self._batch = xgr.BatchGrammarMatcher(max_threads=fill_threads())
+        # Batched fills: one C++ call for all rows (no Python frame per row), on one thread
+        # below THREADED_FILL_ROWS rows, else on several. Not "auto": that is half of
+        # std::thread::hardware_concurrency(), the host's cores, not this process's share (64
+        # threads in a 16-core container of a 128-core host). The call holds the GIL (a
+        # Python thread filling beside the step loop would only take turns with it). An
+        # xgrammar without the batch API fills row by row (GrammarBackend.fill_bitmasks).
+        batch_cls = getattr(xgr, "BatchGrammarMatcher", None)
+        self._batch_one = batch_cls(max_threads=1) if batch_cls is not None else None
+        self._batch_many = (batch_cls(max_threads=fill_threads())
+                            if batch_cls is not None and fill_threads() > 1 else self._batch_one)
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         try:
@@ -93,12 +112,14 @@ class XgrammarBackend(GrammarBackend):
         return c.compile_structural_tag(p.structural_tag)
 
     def matcher(self, compiled: Any) -> GrammarMatcher:
-        return XgrammarMatcher(xgr.GrammarMatcher(compiled))
+        m = xgr.GrammarMatcher(compiled)
+        return XgrammarMatcher(m, frozenset(m.stop_token_ids))
 
     def fill_bitmasks(self, matchers: list[GrammarMatcher], bitmask: Any,
                       rows: list[int] | None = None) -> None:
-        if len(matchers) < 8:  # the thread hand-off costs more than a few rows
+        batch = self._batch_many if len(matchers) >= THREADED_FILL_ROWS else self._batch_one
+        if batch is None:
             super().fill_bitmasks(matchers, bitmask, rows)
             return
-        inner = [m._m for m in matchers if isinstance(m, XgrammarMatcher)]
-        self._batch.batch_fill_next_token_bitmask(inner, bitmask, indices=rows)
+        batch.batch_fill_next_token_bitmask([m._m for m in matchers],  # type: ignore[attr-defined]
+                                            bitmask, indices=rows)

@@ -493,10 +493,11 @@ class ModelRunner:
         )
         finite = torch.isfinite(logits).all(dim=-1)
         if inp.grammar is not None:  # after the finiteness check: masked logits are -inf
-            row_of = {serial: i for i, serial in enumerate(inp.sample_rows)}
+            serials = inp.grammar.serials
+            # Every row structured (the usual batch): no per-row index list.
+            rows = None if serials == inp.sample_rows else _rows_of(inp.sample_rows, serials)
             # Filled now, on the host, while the device runs the forward pass queued above.
-            apply_token_bitmask(logits, inp.grammar.fill(),
-                                [row_of[s] for s in inp.grammar.serials])
+            apply_token_bitmask(logits, inp.grammar.fill(), rows)
         result = self.sampler(logits, smd)
         # The next step reads its pending input tokens from here, on the device.
         self._prev_sampled = result.sampled_token_ids
@@ -672,6 +673,12 @@ class ModelRunner:
                 entries = [(ctx + 1 + j, row) for j, row in enumerate(rows) if row is not None]
             result[serial] = entries
         return result
+
+
+def _rows_of(sample_rows: list[int], serials: list[int]) -> list[int]:
+    """The logits row of each of `serials` (request serials among the step's sample rows)."""
+    row_of = {serial: i for i, serial in enumerate(sample_rows)}
+    return [row_of[s] for s in serials]
 
 
 def _starts(items: list[ScheduledRequest]) -> list[int]:
