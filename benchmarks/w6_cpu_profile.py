@@ -221,14 +221,16 @@ def engine_split(llm: Any, batch: int, prompt_len: int, out_len: int) -> dict[st
 
 
 def make_llm(variant: str, kv_gib: float, engine_args: dict[str, Any]) -> Any:
-    """variant: a dtype, optionally with "+int4" (cpu_int4_matmul)."""
+    """variant: a dtype (shoal's default for it), optionally with "+int4" (cpu_int4_matmul
+    on) or "+dense" (off)."""
     from shoal import LLM
 
     dtype, _, extra = variant.partition("+")
-    if extra not in ("", "int4"):
-        raise SystemExit(f"unknown variant {variant!r}: <dtype> or <dtype>+int4")
+    modes = {"": None, "int4": True, "dense": False}
+    if extra not in modes:
+        raise SystemExit(f"unknown variant {variant!r}: <dtype>, <dtype>+int4 or <dtype>+dense")
     return LLM(dtype=dtype, max_model_len=2048, kv_cache_memory_bytes=int(kv_gib * 2**30),
-               cpu_int4_matmul=extra == "int4", **engine_args)
+               cpu_int4_matmul=modes[extra], **engine_args)
 
 
 def interleaved_steps(runners: dict[str, Any], batch: int, context: int, rounds: int,

@@ -90,10 +90,12 @@ class Runner:
         if engine == "shoal":
             from shoal import LLM, SamplingParams
 
-            # "float32+int4": the GGUF's 4-bit weights through the int4 CPU kernel
+            # "<dtype>": shoal's default (bfloat16: the GGUF's 4-bit weights through the int4
+            # CPU kernel for steps of a few tokens); "+int4": packed for every step; "+dense":
+            # dequantized weights only
             base, _, extra = dtype.partition("+")
             self.llm = LLM(dtype=base, max_model_len=MAX_MODEL_LEN,
-                           cpu_int4_matmul=extra == "int4")
+                           cpu_int4_matmul={"": None, "int4": True, "dense": False}[extra])
         else:
             from vllm import LLM, SamplingParams
 
@@ -416,7 +418,7 @@ def main() -> int:
     ap.add_argument("--engines", default="shoal,vllm", help="comma list of shoal, vllm")
     ap.add_argument("--dtypes", default="bfloat16",
                     help="comma list, e.g. bfloat16,float32,float32+int4 (+int4: shoal's "
-                         "cpu_int4_matmul)")
+                         "cpu_int4_matmul on, +dense: off; neither: shoal's default)")
     ap.add_argument("--vllm-dtypes", default="bfloat16",
                     help="the dtypes of --dtypes that vLLM runs too (default bfloat16)")
     ap.add_argument("--num-requests", type=int, default=W6["num_requests"])

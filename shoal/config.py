@@ -206,5 +206,7 @@ class EngineConfig:
     use_triton_ops: bool = True  # Triton norm / SiLU-and-mul / rotary kernels on CUDA
     fuse_rope_kv_write: bool = True  # q/k norm + rotary inside the KV-cache write kernel
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
-    cpu_int4_matmul: bool = False  # 4-bit GGUF weights through torch's int4 CPU kernel
+    # 4-bit GGUF weights through torch's int4 CPU kernel: "off", "small_steps" (packed for
+    # steps of a few tokens, dense beside them for the rest) or "all" (dense weights freed)
+    cpu_int4_matmul: str = "off"
     structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance

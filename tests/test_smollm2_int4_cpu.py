@@ -1,6 +1,7 @@
 """The embedded SmolLM2-135M (a Q4_1 GGUF) with its 4-bit weights run by torch's int4 CPU
-kernel (cpu_int4_matmul): the first 16 greedy tokens of each reference prompt are those of
-transformers on the dequantized file in float32."""
+kernel (cpu_int4_matmul=True, and the bfloat16 default that packs small steps only): the
+first 16 greedy tokens of each reference prompt are those of transformers on the dequantized
+file in float32."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not int4_cpu.supported(), reason="no int4 CPU kernel")]
 
 
-@pytest.fixture(scope="module")
-def int4_llm():
+@pytest.fixture(scope="module", params=["all", "bf16-default"])
+def int4_llm(request):
     from shoal import LLM
 
-    llm = LLM(kv_cache_memory_bytes=256 << 20, max_model_len=2048, cpu_int4_matmul=True)
+    extra = ({"cpu_int4_matmul": True} if request.param == "all"
+             else {"dtype": "bfloat16"})
+    llm = LLM(kv_cache_memory_bytes=256 << 20, max_model_len=2048, **extra)
+    llm.mode = request.param
     yield llm
     llm.shutdown()
 
@@ -28,6 +32,9 @@ def test_linear_layers_run_int4(int4_llm):
     model = int4_llm.llm_engine.core.runner.model
     layers = [m for m in model.modules() if hasattr(m, "int4")]
     assert layers and all(m.int4 is not None for m in layers)
+    small_only = int4_llm.mode == "bf16-default"
+    assert all((m.int4.max_rows is not None) == small_only for m in layers)
+    assert all((m.weight.numel() > 0) == small_only for m in layers)
 
 
 @pytest.mark.parametrize("name", ["prose", "code", "chat"])

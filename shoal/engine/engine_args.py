@@ -62,10 +62,14 @@ class EngineArgs:
     enforce_eager: bool = arg(False, "no CUDA graphs")
     cpu_threads: int | None = arg(None, "threads for the model on the CPU (default: every core, "
                                         "less one for the frontend when serving)")
-    cpu_int4_matmul: bool = arg(False, "on the CPU, run the linear layers of a 4-bit GGUF "
-                                       "(Q4_0/Q4_1) with torch's int4 weight-only kernel and "
-                                       "bfloat16 activations instead of dequantized weights "
-                                       "(faster; greedy output may differ slightly)")
+    cpu_int4_matmul: bool | None = arg(None, "on the CPU, run the linear layers of a 4-bit GGUF "
+                                              "(Q4_0/Q4_1) with torch's int4 weight-only kernel "
+                                              "and bfloat16 activations (greedy output may "
+                                              "differ slightly from the dequantized model's). "
+                                              "Default: for a bfloat16 model, in steps of a "
+                                              "few tokens, where it is faster (dense weights "
+                                              "kept for the rest); on: every step; off: "
+                                              "dequantized weights only")
     attention_backend: str | None = arg(None, "torch or triton (default: triton on CUDA)")
     use_triton_ops: bool = arg(True, "Triton RMSNorm, SiLU-and-mul and rotary kernels on CUDA "
                                      "(off: the PyTorch path, for A/B checks)")
@@ -237,7 +241,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             use_triton_ops=self.use_triton_ops,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
-            cpu_int4_matmul=self._cpu_int4_matmul(device),
+            cpu_int4_matmul=self._cpu_int4_matmul(device, dtype),
             kv_offload_config=self._kv_offload_config(),
             speculative_config=self._speculative_config(hf_config.vocab_size),
             async_scheduling=self._async_scheduling(device, tp * pp),
@@ -372,10 +376,21 @@ class EngineArgs:
 
         spec.check_draft_vocab(vocab_size, draft_config)
         return spec
-    def _cpu_int4_matmul(self, device: Any) -> bool:
-        if self.cpu_int4_matmul and device.type != "cpu":
+    def _cpu_int4_matmul(self, device: Any, dtype: Any) -> str:
+        """The default packs weights for small steps of a bfloat16 model only: its activations
+        are bfloat16 on both paths, so which path a step takes moves its logits no more than
+        bfloat16's own rounding does; a float32 model keeps float32 products."""
+        mode = self.cpu_int4_matmul
+        if mode not in (None, True, False):
+            raise ValueError(f"cpu_int4_matmul must be a bool or None (got {mode!r})")
+        if mode and device.type != "cpu":
             raise ValueError(f"cpu_int4_matmul runs on the CPU only (device is {device.type})")
-        return self.cpu_int4_matmul
+        if mode is None:
+            import torch
+
+            return ("small_steps" if device.type == "cpu" and dtype == torch.bfloat16
+                    else "off")
+        return "all" if mode else "off"
 
     def _kv_offload_config(self) -> KVOffloadConfig | None:
         if self.kv_offloading_size is None:

@@ -12,7 +12,15 @@ torch's kernel computes w = (q - 8) * scale + zero per group with scale and zero
 activations' dtype; it is fast with bfloat16 activations only (float32 ones take a scalar
 path, 3x slower than a dense float32 matmul on this machine), so the layer's input is cast to
 bfloat16 for the product and the result back to the model's dtype. That rounds the inputs
-and the scales: outputs are close to, not identical with, the dequantized model's."""
+and the scales: outputs are close to, not identical with, the dequantized model's.
+
+Where it pays: a step of a few tokens streams every weight once for little arithmetic, so
+reading 4 bits a weight instead of 16 wins (SmolLM2 batch-1 decode 1.6x); with more rows
+the kernel's unpacking costs more than the dense matmul (measured on this project's 2-core
+AMD EPYC, one thread: even at 8 rows, 1.4x slower at 16, 2x at 64). By default
+(cpu_int4_matmul unset) a layer keeps its dense weight beside the packed one and takes the
+packed one for steps of at most SMALL_STEP_ROWS tokens only; cpu_int4_matmul=True frees
+the dense weights and runs every step packed."""
 
 from __future__ import annotations
 
@@ -22,6 +30,7 @@ import torch
 from torch import nn
 
 GROUP = 32
+SMALL_STEP_ROWS = 8  # rows (tokens) up to which the packed weights are faster than dense
 # |dequantized - recovered| allowed per weight: float32 rounding of q * d + m (a thousandth
 # of the step d) plus the rounding of the weight's own dtype (bfloat16 keeps 8 bits), both
 # far below half a step, which is what a weight that was never 4-bit misses by.
@@ -34,6 +43,10 @@ class Int4Weight:
     scales_zeros: torch.Tensor  # [K / GROUP, N, 2] bfloat16
     out_features: int
     in_features: int
+    max_rows: int | None = None  # None: every step; else steps of at most this many tokens
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return self.max_rows is None or x.numel() <= self.max_rows * self.in_features
 
     @property
     def nbytes(self) -> int:
@@ -87,9 +100,11 @@ def supported() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
-def convert_linears(model: nn.Module) -> dict[str, int]:
+def convert_linears(model: nn.Module, small_steps_only: bool = False) -> dict[str, int]:
     """Gives every linear layer whose weight is 4-bit groups an `int4` weight and frees its
-    dense one. Returns counts: converted layers, dense layers left, bytes before / after."""
+    dense one, or with small_steps_only keeps the dense one for steps of more than
+    SMALL_STEP_ROWS tokens. Returns counts: converted layers, dense layers left, bytes of
+    the converted layers' dense and packed weights."""
     if not supported():
         raise ValueError("cpu_int4_matmul needs torch's _weight_int4pack_mm_for_cpu "
                          f"(torch {torch.__version__} lacks it)")
@@ -109,5 +124,8 @@ def convert_linears(model: nn.Module) -> dict[str, int]:
         stats["dense_bytes"] += w.numel() * w.element_size()
         stats["int4_bytes"] += packed.nbytes
         mod.int4 = packed
-        mod.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
+        if small_steps_only:
+            packed.max_rows = SMALL_STEP_ROWS
+        else:
+            mod.weight = nn.Parameter(torch.empty(0, dtype=w.dtype), requires_grad=False)
     return stats

@@ -57,7 +57,7 @@ class ColumnParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None:
+        if self.int4 is not None and self.int4.takes(x):
             y = int4_linear(x, self.int4)
             y = y if self.bias is None else y + self.bias
         else:
@@ -135,7 +135,10 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight) if self.int4 is None else int4_linear(x, self.int4)
+        if self.int4 is not None and self.int4.takes(x):
+            y = int4_linear(x, self.int4)
+        else:
+            y = F.linear(x, self.weight)
         if self.reduce_results:
             y = tp_all_reduce(y)
         if self.bias is not None:

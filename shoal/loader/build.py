@@ -35,23 +35,34 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
         if hasattr(model, "load_extra_files"):  # heads stored beside the safetensors
             names |= model.load_extra_files(Path(loaded.source))
         check_all_loaded(model, names, loaded.source)
-    if config.cpu_int4_matmul:
-        convert_to_int4(model, loaded.source)
+    # By default only a GGUF's weights are looked at (another format has no 4-bit groups to
+    # find, and the search reads every weight); asked for, any model is tried.
+    if config.cpu_int4_matmul == "all" or (config.cpu_int4_matmul == "small_steps"
+                                           and loaded.load_format == "gguf"):
+        convert_to_int4(model, loaded.source, config.cpu_int4_matmul)
     model.eval()
     logger.info("model %s loaded in %.2f s", cls.__name__, time.perf_counter() - t0)
     return model
 
 
-def convert_to_int4(model: nn.Module, source: str) -> None:
-    from shoal.layers.int4_cpu import convert_linears
+def convert_to_int4(model: nn.Module, source: str, mode: str) -> None:
+    """mode "all": every step packed, an error if nothing is 4-bit (the user asked for it);
+    "small_steps" (the CPU default): packed beside dense, nothing to do for other weights."""
+    from shoal.layers.int4_cpu import SMALL_STEP_ROWS, convert_linears
 
     t0 = time.perf_counter()
-    stats = convert_linears(model)
+    stats = convert_linears(model, small_steps_only=mode == "small_steps")
     if not stats["converted"]:
-        raise ValueError(f"cpu_int4_matmul: {source} has no 4-bit (Q4_0/Q4_1) linear weights")
-    logger.info("int4 CPU matmuls: %d linear layers (%.0f MiB dense -> %.0f MiB), %d left "
-                "dense, converted in %.2f s", stats["converted"], stats["dense_bytes"] / 2**20,
-                stats["int4_bytes"] / 2**20, stats["dense"], time.perf_counter() - t0)
+        if mode == "all":
+            raise ValueError(f"cpu_int4_matmul: {source} has no 4-bit (Q4_0/Q4_1) linear "
+                             "weights")
+        return
+    when = (f"steps of <= {SMALL_STEP_ROWS} tokens (dense weights kept for larger ones)"
+            if mode == "small_steps" else "every step (dense weights freed)")
+    logger.info("int4 CPU matmuls for %s: %d linear layers (%.0f MiB dense, %.0f MiB packed), "
+                "%d left dense, converted in %.2f s", when, stats["converted"],
+                stats["dense_bytes"] / 2**20, stats["int4_bytes"] / 2**20, stats["dense"],
+                time.perf_counter() - t0)
 
 
 def check_all_loaded(model: nn.Module, loaded_names: set[str], source: str) -> None:

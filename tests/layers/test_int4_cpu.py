@@ -93,10 +93,41 @@ def test_flag_refused_without_4bit_weights_or_off_the_cpu():
         for p in m.parameters():
             p.normal_()
     with pytest.raises(ValueError, match="no 4-bit"):
-        convert_to_int4(m, "x.safetensors")
+        convert_to_int4(m, "x.safetensors", "all")
+    convert_to_int4(m, "x.safetensors", "small_steps")  # the default: nothing to pack is fine
+    assert m.up.int4 is None
 
     class Cfg:
         vocab_size, max_position_embeddings = 100, 256
 
     with pytest.raises(ValueError, match="cpu_int4_matmul"):
         EngineArgs(device="cuda", cpu_int4_matmul=True).create_engine_config(Cfg())
+
+
+def test_small_steps_only_keeps_dense_weights_for_larger_steps():
+    m = _Tiny()
+    with torch.no_grad():
+        m.up.weight.copy_(q4_weight(64, 128, seed=1)[0])
+        m.down.weight.copy_(q4_weight(128, 64, seed=2)[0])
+        m.dense.weight.copy_(torch.randn(32, 128) * 0.05)
+    small, big = torch.randn(int4_cpu.SMALL_STEP_ROWS, 128), torch.randn(9, 128)
+    ref_small, ref_big = m(small), m(big)
+    stats = int4_cpu.convert_linears(m, small_steps_only=True)
+    assert stats["converted"] == 2 and m.up.weight.numel() == 64 * 128  # dense kept
+    assert m.up.int4.max_rows == int4_cpu.SMALL_STEP_ROWS
+    assert torch.equal(m(big), ref_big)  # more rows: the dense weights, bit for bit
+    got = m(small)
+    assert not torch.equal(got, ref_small)  # the packed kernel (bfloat16 activations)
+    assert (got - ref_small).abs().max() < 0.03 * ref_small.abs().max()
+
+
+@pytest.mark.parametrize(("device", "dtype", "flag", "mode"), [
+    ("cpu", "bfloat16", None, "small_steps"), ("cpu", "float32", None, "off"),
+    ("cpu", "float32", True, "all"), ("cpu", "bfloat16", False, "off"),
+    ("cuda", "bfloat16", None, "off")])
+def test_the_default_packs_small_steps_of_bfloat16_cpu_models(device, dtype, flag, mode):
+    class Cfg:
+        vocab_size, max_position_embeddings = 100, 256
+
+    args = EngineArgs(device=device, dtype=dtype, cpu_int4_matmul=flag)
+    assert args.create_engine_config(Cfg()).cpu_int4_matmul == mode
