@@ -138,11 +138,23 @@ class ParallelConfig:
     # (shoal/executor/ray_executor.py). Default (EngineArgs): uni for one rank, mp for
     # several, ray when they do not fit this host's GPUs and Ray is installed.
     distributed_executor_backend: str = "uni"
-    # Stages the decoder layers are split over (world = tp * pp; mp backend only).
+    # Stages the decoder layers are split over (world = tp * pp; mp or ray backend).
     pipeline_parallel_size: int = 1
     # MoE layers hold whole experts, E / tp per rank, instead of a slice of every expert
     # (shoal/layers/moe/layer.py); a no-op for dense models and at one rank.
     enable_expert_parallel: bool = False
+    # Data parallelism. Only DP+EP (with enable_expert_parallel) reaches the engine core: its
+    # replicas join one process group (world = data_parallel_size, rendezvous on this port of
+    # 127.0.0.1) and step in lockstep (shoal/engine/dp_lockstep.py). Plain data parallelism
+    # never needs it: its replicas share nothing (shoal/engine/dp_client.py).
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
+    data_parallel_master_port: int | None = None
+
+    @property
+    def dp_expert_parallel(self) -> bool:
+        """Experts split over the data-parallel replicas (DP+EP)."""
+        return self.enable_expert_parallel and self.data_parallel_size > 1
 
     @property
     def world_size(self) -> int:
@@ -165,9 +177,9 @@ class ParallelConfig:
             raise ValueError("distributed_executor_backend 'uni' runs one rank; "
                              f"tensor_parallel_size {self.tensor_parallel_size} needs 'mp'"
                              " or 'ray'")
-        if self.pipeline_parallel_size > 1 and backend != "mp":
+        if self.pipeline_parallel_size > 1 and backend == "uni":
             raise ValueError(f"pipeline_parallel_size {self.pipeline_parallel_size} needs "
-                             f"distributed_executor_backend 'mp' (got {backend!r})")
+                             f"distributed_executor_backend 'mp' or 'ray' (got {backend!r})")
         if backend == "ray":
             require_ray()
 

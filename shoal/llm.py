@@ -146,7 +146,9 @@ class LLM(PoolingMixin):
         start = time.perf_counter()
         try:
             # Until the engine is idle, not just until these requests are done: with async
-            # scheduling a step whose tokens are dropped may still be in flight.
+            # scheduling a step whose tokens are dropped may still be in flight. DP+EP: until
+            # every replica is idle (each steps with the others, see engine/dp_lockstep.py).
+            eng.join_replicas()
             while eng.has_unfinished_requests():
                 for out in eng.step():
                     if out.finished:

@@ -19,8 +19,11 @@ _PP_SIZE = 1
 _PP_RANK = 0
 # Expert parallelism (enable_expert_parallel): FusedMoE layers built while it is on hold whole
 # experts, E / ep of them per rank, instead of every expert's slice of the intermediate dim.
-# The EP group is the stage's TP group (EP size = TP size; no data parallelism across it).
+# Without data parallelism the EP group is the stage's TP group (EP size = TP size, tokens
+# replicated). With it (DP+EP, shoal/engine/dp_lockstep.py) the EP group spans the data-parallel
+# replicas, each with tokens of its own: the MoE layers then dispatch tokens all-to-all.
 _EXPERT_PARALLEL = False
+_DP_EP_GROUP: dist.ProcessGroup | None = None
 
 
 def init_tensor_parallel(group: dist.ProcessGroup | None = None) -> None:
@@ -88,12 +91,42 @@ def expert_parallel_enabled() -> bool:
 
 
 def get_ep_world_size() -> int:
-    """Ranks the experts are split over: the TP size with expert parallelism on, else 1."""
-    return get_tp_world_size() if _EXPERT_PARALLEL else 1
+    """Ranks the experts are split over, with expert parallelism on: the data-parallel
+    replicas under DP+EP, else the TP size. 1 with it off."""
+    if not _EXPERT_PARALLEL:
+        return 1
+    if _DP_EP_GROUP is not None:
+        return dist.get_world_size(_DP_EP_GROUP)
+    return get_tp_world_size()
 
 
 def get_ep_rank() -> int:
-    return get_tp_rank() if _EXPERT_PARALLEL else 0
+    if not _EXPERT_PARALLEL:
+        return 0
+    if _DP_EP_GROUP is not None:
+        return dist.get_rank(_DP_EP_GROUP)
+    return get_tp_rank()
+
+
+def init_dp_expert_parallel(group: dist.ProcessGroup) -> None:
+    """DP+EP: `group` (one rank per data-parallel replica) is the expert-parallel group; its
+    ranks hold different tokens, so MoE layers built with expert parallelism on exchange them
+    all-to-all (shoal/layers/moe/all_to_all.py)."""
+    global _DP_EP_GROUP
+    _DP_EP_GROUP = group
+
+
+def reset_dp_expert_parallel() -> None:
+    global _DP_EP_GROUP
+    _DP_EP_GROUP = None
+
+
+def ep_dispatch_group() -> dist.ProcessGroup | None:
+    """The group MoE layers dispatch tokens over (all-to-all), or None when every EP rank
+    holds the same tokens (EP inside TP) or expert parallelism is off."""
+    if not _EXPERT_PARALLEL or _DP_EP_GROUP is None:
+        return None
+    return _DP_EP_GROUP if dist.get_world_size(_DP_EP_GROUP) > 1 else None
 
 
 # ---- pipeline parallelism ---------------------------------------------------------------------
@@ -137,9 +170,39 @@ def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
     return start, start + sizes[pp_rank]
 
 
+PP_LAYER_PARTITION_ENV = "SHOAL_PP_LAYER_PARTITION"
+
+
+def pp_layer_partition(num_layers: int, pp_size: int) -> list[int] | None:
+    """The decoder layers per stage that SHOAL_PP_LAYER_PARTITION sets (vLLM's
+    VLLM_PP_LAYER_PARTITION), e.g. "13,17": stage 0 also embeds, samples and runs the engine,
+    so giving it fewer layers balances the stages. None when unset or with one stage (an even
+    split, get_pp_indices). A bad value is a ValueError naming the variable and the rule."""
+    import os  # here: the rest of this module is about process groups, not the environment
+
+    value = os.environ.get(PP_LAYER_PARTITION_ENV, "").strip()
+    if not value or pp_size == 1:
+        return None
+    try:
+        sizes = [int(part) for part in value.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) != pp_size or min(sizes) < 1 or sum(sizes) != num_layers:
+        raise ValueError(
+            f"{PP_LAYER_PARTITION_ENV}={value!r} is invalid: it must be {pp_size} "
+            f"comma-separated integers, one layer count per pipeline stage, each >= 1, that "
+            f"sum to the model's {num_layers} decoder layers (num_hidden_layers)")
+    return sizes
+
+
 def pp_layer_range(num_layers: int) -> tuple[int, int]:
-    """This rank's decoder layers (all of them without pipeline parallelism)."""
-    return get_pp_indices(num_layers, _PP_RANK, _PP_SIZE)
+    """This rank's decoder layers (all of them without pipeline parallelism): as
+    SHOAL_PP_LAYER_PARTITION splits them if set (pp_layer_partition), else evenly."""
+    sizes = pp_layer_partition(num_layers, _PP_SIZE)
+    if sizes is None:
+        return get_pp_indices(num_layers, _PP_RANK, _PP_SIZE)
+    start = sum(sizes[:_PP_RANK])
+    return start, start + sizes[_PP_RANK]
 
 
 # ---- collectives --------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from typing import Any
 from shoal.config import EngineConfig
 from shoal.engine.batch_queue import BatchQueue, MicroBatching
 from shoal.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from shoal.engine.dp_lockstep import join_dp_lockstep
 from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_core_request
 from shoal.engine.pooling_scheduler import PoolingScheduler
 from shoal.engine.request import Request
@@ -63,6 +64,9 @@ class EngineCore(MicroBatching):
         self.config = config
         self.pooling = config.model_config.runner == "pooling"
         self.kv_offload = self.kv_transfer = None
+        # DP+EP: the replicas' process group and per-step agreement (engine/dp_lockstep.py),
+        # joined before the model is built; None otherwise.
+        self.dp_lockstep = join_dp_lockstep(config)
         if self.pooling:  # prefill-only requests, no KV cache (see pooling_scheduler.py)
             self.runner: Any = PoolingModelRunner(config, loaded)
             num_blocks = 0
@@ -201,6 +205,11 @@ class EngineCore(MicroBatching):
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
+        """Work of this engine's own, or (DP+EP) of another replica at the last round."""
+        return self._has_local_work() or (self.dp_lockstep is not None
+                                          and self.dp_lockstep.group_busy)
+
+    def _has_local_work(self) -> bool:
         return (self.scheduler.has_unfinished_requests() or self._inflight is not None
                 or bool(self.batch_queue))
 
@@ -216,14 +225,23 @@ class EngineCore(MicroBatching):
         stop_workers = getattr(self.runner, "shutdown", None)  # tensor-parallel ranks
         if stop_workers is not None:
             stop_workers()
+        if self.dp_lockstep is not None:
+            self.dp_lockstep.shutdown()
 
     # ---- the loop body ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        lockstep = self.dp_lockstep  # DP+EP: every replica steps, or none (dp_lockstep.py)
+        if lockstep is not None and not lockstep.begin_step(self._has_local_work(), self.runner):
+            return self._idle_round()
         try:
             outputs = (self._run_step() if self.batch_queue is None
                        else self._step_with_batch_queue())
         except Exception as e:  # one bad request or a bug: never the whole engine
+            if lockstep is not None:  # ...except under DP+EP: the replicas' collectives broke
+                raise
             outputs = self._recover(e)
+        if lockstep is not None:
+            lockstep.end_step(self.runner)  # the dummy forward of a replica with nothing run
         outputs = self.scheduler.take_pending_outputs() + outputs
         # Requests that ended (finished or aborted) release their sampling state now.
         finished = self.scheduler.take_finished_serials()
@@ -234,6 +252,17 @@ class EngineCore(MicroBatching):
         if self.kv_offload is not None:
             stats.kv_tiers = {t.name: t.as_metrics() for t in self.kv_offload.stats().tiers}
         return EngineCoreOutputs(outputs=outputs, stats=stats)
+
+    def _idle_round(self) -> EngineCoreOutputs:
+        """DP+EP, every replica idle: no step; outputs of requests ended meanwhile (aborts),
+        and no stats unless there are some (the serving loop then sends nothing)."""
+        outputs = self.scheduler.take_pending_outputs()
+        finished = self.scheduler.take_finished_serials()
+        self.runner.remove_requests(finished)
+        self._history_requests -= finished
+        self._structured_serials -= finished
+        return EngineCoreOutputs(outputs=outputs,
+                                 stats=self.scheduler.stats() if outputs else None)
 
     def _run_step(self) -> list[EngineCoreOutput]:
         if self._compiling:

@@ -115,9 +115,13 @@ class EngineCoreProc:
         for fd in (self.death_fd, self.wakeup_fd):
             if fd is not None:
                 poller.register(fd, zmq.POLLIN)
+        # DP+EP (engine/dp_lockstep.py): every step is a round with the other replicas, and an
+        # idle engine keeps joining them every few milliseconds.
+        lockstep = getattr(self.core, "dp_lockstep", None)
+        idle_ms = IDLE_POLL_MS if lockstep is None else lockstep.idle_poll_ms
         while not self._stop:
             busy = self.core.has_unfinished_requests()
-            events = dict(poller.poll(0 if busy else IDLE_POLL_MS))
+            events = dict(poller.poll(0 if busy else idle_ms))
             if self._parent_gone(events):
                 logger.warning("the frontend process is gone; the engine core exits")
                 return
@@ -129,11 +133,17 @@ class EngineCoreProc:
                 self._drain_input()
             if self._rejected and not self.core.has_unfinished_requests():
                 self._send(CoreOutputs(EngineCoreOutputs(), rejected=self._take_rejected()))
-            if not self._stop and self.core.has_unfinished_requests():
-                if self.trace is not None:
-                    self._traced_step(t0)
-                else:
-                    self._step()
+            if not self._stop and (lockstep is not None
+                                   or self.core.has_unfinished_requests()):
+                try:
+                    if self.trace is not None:
+                        self._traced_step(t0)
+                    else:
+                        self._step()
+                except Exception as e:
+                    if self._stopping_anyway(e):
+                        return
+                    raise
         if self.trace is not None:
             self.trace.close()
 
@@ -177,8 +187,21 @@ class EngineCoreProc:
             return
         self._added += 1
 
+    def _stopping_anyway(self, error: Exception) -> bool:
+        """DP+EP: another replica left the group; when it was told to shut down, so is this
+        one (its Shutdown may be a moment behind): wait a little for it, then exit quietly."""
+        if type(error).__name__ != "DPPeerLostError":
+            return False
+        deadline = time.monotonic() + 1.0
+        while not self._stop and time.monotonic() < deadline:
+            if self.input.poll(100):
+                self._drain_input()
+        return self._stop
+
     def _step(self) -> None:
         result = self.core.step()
+        if not result.outputs and result.stats is None and not self._rejected:
+            return  # an idle DP+EP round: nothing happened
         if result.stats is not None:
             self._last_stats = result.stats
             result.stats = self._rebased(result.stats)
@@ -189,6 +212,8 @@ class EngineCoreProc:
         assert self.trace is not None
         t1 = step_trace.now()
         result = self.core.step()
+        if not result.outputs and result.stats is None and not self._rejected:
+            return  # an idle DP+EP round
         t2 = step_trace.now()
         stats = result.stats
         if stats is not None:
@@ -309,7 +334,11 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
         else:
             logger.info("engine core built in %.1f s", time.perf_counter() - t0)
             ready = encoder.encode(Ready(core.limits, pid=os.getpid()))
-            _serve(core, in_sock, out_sock, death_pipe, parent_pid, ready)
+            try:
+                _serve(core, in_sock, out_sock, death_pipe, parent_pid, ready)
+            except Exception:  # DP+EP: a replica lost (a step error is fatal there)
+                logger.exception("the engine core loop failed; the engine exits")
+                code = 1
     finally:
         # Linger so a last message (the startup error above all) still reaches the frontend.
         out_sock.close(linger=2000)

@@ -7,13 +7,19 @@ many engines it drives. A new request goes to the engine with the fewest request
 their statistics are merged so the frontend's metrics describe the whole server: gauges and
 cumulative counters are summed over each engine's latest report, per-step token counts come
 from the message they arrived with. Replica r runs on GPU r * tensor_parallel_size (on the
-CPU, the cores are shared out between the replicas)."""
+CPU, the cores are shared out between the replicas).
+
+DP+EP (enable_expert_parallel): the replicas also split the MoE experts between them and step
+in lockstep (shoal/engine/dp_lockstep.py); each gets its rank and the port they meet on here.
+Such a server cannot outlive one of its replicas: like any engine death, it fails every
+request in flight and /health answers 503."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -33,9 +39,13 @@ _CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
 _GAUGES = ("num_running", "num_waiting", "num_waiting_deferred")
 
 
-def replica_args(engine_args: EngineArgs, rank: int) -> EngineArgs:
-    """The engine arguments of replica `rank`: its own GPU(s), or its share of the cores."""
+def replica_args(engine_args: EngineArgs, rank: int, port: int | None = None) -> EngineArgs:
+    """The engine arguments of replica `rank`: its own GPU(s), or its share of the cores;
+    DP+EP: its rank in the replicas' process group, which meets on `port`."""
     dp = engine_args.data_parallel_size
+    if engine_args.enable_expert_parallel is True:
+        engine_args = dataclasses.replace(engine_args, data_parallel_rank=rank,
+                                          data_parallel_master_port=port)
     device = engine_args.device
     if device is None:
         import torch
@@ -73,10 +83,12 @@ class DataParallelCoreClient:
                     build_core: Callable[[EngineArgs], Any] | None = None
                     ) -> DataParallelCoreClient:
         clients: list[EngineCoreClient] = []
+        port = _free_port()  # DP+EP: where the replicas' process group meets
         try:
             for rank in range(engine_args.data_parallel_size):
                 clients.append(await EngineCoreClient.start(
-                    replica_args(engine_args, rank), log_level=log_level, build_core=build_core))
+                    replica_args(engine_args, rank, port), log_level=log_level,
+                    build_core=build_core))
         except BaseException:
             for c in clients:
                 await c.shutdown()
@@ -168,3 +180,9 @@ def _sum_stats(latest: list[SchedulerStats], step: SchedulerStats) -> SchedulerS
                               for name in (*_GAUGES, *_CUMULATIVE)}
     fields["kv_cache_usage"] = sum(s.kv_cache_usage for s in latest) / len(latest)
     return msgspec.structs.replace(step, **fields)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

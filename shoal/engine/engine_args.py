@@ -80,14 +80,21 @@ class EngineArgs:
     tensor_parallel_size: int = arg(1, "ranks the model is split over (GPUs, or CPU processes "
                                        "with gloo), each a process of this host")
     pipeline_parallel_size: int = arg(1, "pipeline stages the decoder layers are split over "
-                                         "(mp backend; Llama-family and Qwen3 models; each "
+                                         "(mp or ray backend; Llama-family and Qwen3 models; each "
                                          "stage tensor_parallel_size ranks)")
     enable_expert_parallel: bool = arg(False, "MoE models: each tensor-parallel rank holds "
                                               "E / tensor_parallel_size whole experts instead "
                                               "of a slice of every expert (dense models: "
-                                              "no effect)")
+                                              "no effect); with data_parallel_size > 1 the "
+                                              "experts are split over the replicas (DP+EP)")
     data_parallel_size: int = arg(1, "replicas of the model, each its own engine process, "
-                                     "behind one server (shoal serve only)")
+                                     "behind one server (shoal serve; offline only with "
+                                     "enable_expert_parallel, one LLM per replica)")
+    data_parallel_rank: int | None = arg(None, "offline DP+EP: this process's replica "
+                                               "(shoal serve sets it for each replica)")
+    data_parallel_master_port: int | None = arg(None, "offline DP+EP: the 127.0.0.1 port every "
+                                                      "replica meets on (the same in each; "
+                                                      "shoal serve picks one)")
     distributed_executor_backend: str | None = arg(
         None, "uni (the model in the engine process), mp (a process per rank on this host) "
               "or ray (Ray actors, on this host or several); default: uni for one rank, mp "
@@ -235,9 +242,13 @@ class EngineArgs:
                 self.tensor_parallel_size,
                 self._executor_backend(device, tp * pp),
                 pipeline_parallel_size=pp,
-                enable_expert_parallel=self._check_expert_parallel()),
+                enable_expert_parallel=self._check_expert_parallel(runner),
+                data_parallel_size=self.data_parallel_size,
+                data_parallel_rank=self.data_parallel_rank or 0,
+                data_parallel_master_port=self.data_parallel_master_port),
             device=device,
-            enforce_eager=self.enforce_eager,
+            # DP+EP: the MoE all-to-all reads its split sizes on the host (no graph capture).
+            enforce_eager=self.enforce_eager or self._dp_expert_parallel(),
             attention_backend=self.attention_backend,
             use_triton_ops=self.use_triton_ops,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
@@ -252,13 +263,11 @@ class EngineArgs:
     def _executor_backend(self, device: Any, tp: int) -> str:
         """The user's choice, else vLLM's rule: uni for one rank, mp when the ranks fit this
         host's GPUs (always on the CPU), ray when they do not and Ray is installed. `tp`: the
-        world size (tensor x pipeline ranks); pipeline parallelism runs on mp only."""
+        world size (tensor x pipeline ranks)."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
         if tp == 1:
             return "uni"
-        if self._pp_size() > 1:
-            return "mp"
         if device.type == "cuda":
             import torch
 
@@ -297,15 +306,47 @@ class EngineArgs:
             raise ValueError("speculative_config does not support tensor_parallel_size > 1 yet")
         return tp
 
-    def _check_expert_parallel(self) -> bool:
+    def _dp_expert_parallel(self) -> bool:
+        return self.enable_expert_parallel is True and self.data_parallel_size > 1
+
+    def _check_expert_parallel(self, runner: str = "generate") -> bool:
+        """DP+EP (data_parallel_size > 1 with enable_expert_parallel) runs one rank per
+        replica in the engine core's own process, in lockstep (shoal/engine/dp_lockstep.py):
+        what would add ranks or forward passes of their own is refused."""
         ep = self.enable_expert_parallel
         if not isinstance(ep, bool):
             raise ValueError(f"enable_expert_parallel must be a bool (got {ep!r})")
-        if ep and self.data_parallel_size > 1:
-            raise ValueError("enable_expert_parallel with data_parallel_size > 1 (experts "
-                             "across replicas) is not supported yet; each replica would only "
-                             "split its experts over its own tensor_parallel_size ranks")
-        return ep
+        if not self._dp_expert_parallel():
+            return ep
+        dp = self.data_parallel_size
+        if self.tensor_parallel_size != 1 or self._pp_size() != 1:
+            raise ValueError(
+                f"enable_expert_parallel with data_parallel_size {dp} (DP+EP) needs "
+                f"tensor_parallel_size 1 and pipeline_parallel_size 1 (got "
+                f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}): the experts "
+                f"are split over the replicas, one rank each")
+        if self.distributed_executor_backend not in (None, "uni"):
+            raise ValueError("enable_expert_parallel with data_parallel_size > 1 (DP+EP) runs "
+                             "the model in each replica's engine process: "
+                             "distributed_executor_backend must be unset or 'uni' (got "
+                             f"{self.distributed_executor_backend!r})")
+        if self.speculative_config is not None:
+            raise ValueError("speculative_config does not support enable_expert_parallel with "
+                             "data_parallel_size > 1 (DP+EP) yet")
+        if runner == "pooling":
+            raise ValueError("the pooling runner does not support enable_expert_parallel with "
+                             "data_parallel_size > 1 (DP+EP)")
+        if self.async_scheduling:
+            raise ValueError("async_scheduling does not support enable_expert_parallel with "
+                             "data_parallel_size > 1 (DP+EP); leave it unset")
+        rank, port = self.data_parallel_rank, self.data_parallel_master_port
+        if port is None or not isinstance(rank, int) or not 0 <= rank < dp:
+            raise ValueError(
+                f"enable_expert_parallel with data_parallel_size {dp} (DP+EP): each replica "
+                f"needs data_parallel_rank in [0, {dp}) and the shared "
+                f"data_parallel_master_port (shoal serve sets both; offline, run one LLM per "
+                f"rank with both set; got {rank!r} and {port!r})")
+        return True
 
     def _pp_size(self) -> int:
         pp = self.pipeline_parallel_size
@@ -319,9 +360,9 @@ class EngineArgs:
         if pp == 1:
             return 1
         backend = self.distributed_executor_backend
-        if backend not in (None, "mp"):
+        if backend == "uni":
             raise ValueError(f"pipeline_parallel_size {pp} needs distributed_executor_backend "
-                             f"'mp' (got {backend!r})")
+                             f"'mp' or 'ray' (got {backend!r})")
         if runner == "pooling":
             raise ValueError("the pooling runner does not support pipeline_parallel_size > 1 "
                              "yet")
@@ -350,6 +391,9 @@ class EngineArgs:
         if layers < pp:
             raise ValueError(f"pipeline_parallel_size {pp} needs at least as many decoder "
                              f"layers (the model has {layers})")
+        from shoal.distributed.parallel_state import pp_layer_partition
+
+        pp_layer_partition(layers, pp)  # a bad SHOAL_PP_LAYER_PARTITION fails here, not in a rank
         return pp
 
     def _async_scheduling(self, device: Any, tp: int) -> bool:
@@ -360,6 +404,8 @@ class EngineArgs:
             if self.async_scheduling:
                 raise ValueError("async_scheduling does not support tensor_parallel_size > 1 "
                                  "(or pipeline parallelism) yet; leave it unset")
+            return False
+        if self._dp_expert_parallel():  # one forward per lockstep step (dp_lockstep.py)
             return False
         return device.type == "cuda" if self.async_scheduling is None else bool(
             self.async_scheduling)

@@ -32,7 +32,9 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         t0 = time.perf_counter()
         self._shut_down = False
-        if args.data_parallel_size != 1:
+        # DP+EP runs offline as one LLM per replica, each in a process of its own with its
+        # data_parallel_rank (shoal/engine/dp_lockstep.py); plain replicas share nothing.
+        if args.data_parallel_size != 1 and args.enable_expert_parallel is not True:
             raise ValueError("data_parallel_size > 1 runs replicas behind `shoal serve`; "
                              "offline, run one LLM per replica (got data_parallel_size="
                              f"{args.data_parallel_size})")
@@ -94,9 +96,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or self.outputs.has_unfinished()
 
+    def join_replicas(self) -> None:
+        """DP+EP: step with the other replicas until all of them are idle, even with no
+        request of this one's own (the start of a generate call on every rank)."""
+        lockstep = getattr(self.core, "dp_lockstep", None)
+        if lockstep is not None:
+            lockstep.rejoin()
+
     def step(self) -> list[RequestOutput]:
         result = self.core.step()
-        self.last_stats = result.stats
+        if result.stats is not None:  # None: an idle DP+EP round
+            self.last_stats = result.stats
         outs, to_abort = self.outputs.process_outputs(result.outputs)
         if to_abort:
             self.core.abort_requests(to_abort)

@@ -21,13 +21,14 @@ def free_port() -> int:
 
 
 def join_tensor_parallel_group(device: torch.device, rank: int, world: int, port: int,
-                               pp: int = 1) -> None:
+                               pp: int = 1, host: str = "127.0.0.1") -> None:
     """NCCL between GPUs (each rank on its own device), gloo on the CPU. world = tp * pp:
-    rank r is pipeline stage r // tp (shoal/distributed/parallel_state.py)."""
+    rank r is pipeline stage r // tp (shoal/distributed/parallel_state.py). host: rank 0's
+    address (loopback for mp; the driver's node IP for Ray actors, maybe on other nodes)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=world, timeout=COLLECTIVE_TIMEOUT)
     init_model_parallel(world // pp, pp)
 

@@ -1,13 +1,20 @@
-"""Tensor parallelism over Ray actors, on this host or several (vLLM's `ray` executor).
+"""Tensor and pipeline parallelism over Ray actors, on this host or several (vLLM's `ray`
+executor).
 
 The same shape as MultiprocExecutor (shoal/executor/multiproc.py): rank 0 is a ModelRunner in
-the engine core's own process (the driver); ranks 1..N-1 are Ray actors (RayWorker below),
-placed with a placement group of one bundle per rank ({"CPU": 1} on the CPU, {"GPU": 1} on
-CUDA; bundle 0 is pinned to the driver's node and held for rank 0). All ranks join one
-torch.distributed group (gloo on the CPU, NCCL on GPUs) at the driver's node IP. Every step
-the driver sends the msgpack-encoded command (the same commands as mp) to each actor as an
-actor method call, then runs it itself; the collectives inside the model keep the ranks in
-lockstep and only rank 0's sampled tokens are returned.
+the engine core's own process (the driver); ranks 1..N-1 (N = tp * pp) are Ray actors
+(RayWorker below), placed with a placement group of one bundle per rank ({"CPU": 1} on the
+CPU, {"GPU": 1} on CUDA; bundle 0 is pinned to the driver's node and held for rank 0). All
+ranks join one torch.distributed group (gloo on the CPU, NCCL on GPUs) at the driver's node IP.
+Every step the driver sends the msgpack-encoded command (the same commands as mp) to each
+actor as an actor method call, then runs it itself; an actor runs them with the mp worker's
+own code (RankCommands in shoal/executor/worker.py), in order (Ray runs one caller's calls to
+an actor in the order they were made). The collectives inside the model keep the ranks in
+lockstep and only rank 0's sampled tokens are returned. Pipeline parallelism works as on mp:
+rank r is stage r // tp, and up to pp micro-batches are in flight (FinishStep).
+
+The driver's SHOAL_* environment variables (SHOAL_PP_LAYER_PARTITION, ...) are set in each
+actor before it builds its model: a Ray worker on another node does not inherit them.
 
 Ray is optional: this module imports it only when an executor is built."""
 
@@ -25,17 +32,12 @@ import torch
 import torch.distributed as dist
 
 from shoal.config import EngineConfig, require_ray
-from shoal.distributed.parallel_state import init_tensor_parallel, reset_tensor_parallel
-from shoal.executor.commands import (
-    Command,
-    InitKVCache,
-    RemoveRequests,
-    ResetAfterFault,
-    RunStep,
-)
-from shoal.executor.distributed_init import COLLECTIVE_TIMEOUT
+from shoal.distributed.parallel_state import reset_tensor_parallel
+from shoal.executor.commands import Command
+from shoal.executor.distributed_init import join_tensor_parallel_group
 from shoal.executor.driver import DriverExecutor
 from shoal.executor.multiproc import WorkerDiedError
+from shoal.executor.worker import RankCommands
 from shoal.loader import LoadedModel
 
 logger = logging.getLogger(__name__)
@@ -60,21 +62,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _join_group(device: torch.device, rank: int, world: int, host: str, port: int) -> None:
-    """join_tensor_parallel_group, with the driver's node IP instead of loopback."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
-                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    init_tensor_parallel()
+def _forwarded_env() -> dict[str, str]:
+    """The driver's shoal settings from the environment, for the actors (vLLM forwards its
+    VLLM_* variables the same way)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("SHOAL_")}
 
 
 class RayWorker:
     """One worker rank, as a Ray actor (wrapped with ray.remote by the executor)."""
 
     def __init__(self) -> None:
-        self.runner: Any = None
+        self.commands: RankCommands | None = None
         self.decoder = msgspec.msgpack.Decoder(Command)
 
     def gpu_ids(self) -> list[int]:
@@ -83,34 +81,28 @@ class RayWorker:
         return [int(i) for i in ray.get_gpu_ids()]
 
     def setup(self, config: EngineConfig, rank: int, world: int, host: str, port: int,
-              cpu_threads: int | None) -> tuple[int, str]:
+              cpu_threads: int | None, env: dict[str, str]) -> tuple[int, str]:
         from shoal.loader import load_model
         from shoal.worker.model_runner import ModelRunner
 
+        os.environ.update(env)
         if cpu_threads is not None:
             torch.set_num_threads(cpu_threads)
         if config.device.type == "cuda":  # Ray set CUDA_VISIBLE_DEVICES to this bundle's GPU
             config = dataclasses.replace(config, device=torch.device("cuda", 0))
-        _join_group(config.device, rank, world, host, port)
+        join_tensor_parallel_group(config.device, rank, world, port,
+                                   config.parallel_config.pipeline_parallel_size, host)
         torch.manual_seed(config.model_config.seed)
         mc = config.model_config
         loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format)
-        self.runner = ModelRunner(config, loaded)
+        self.commands = RankCommands(ModelRunner(config, loaded))
         import ray
 
         return os.getpid(), ray.util.get_node_ip_address()
 
     def run(self, data: bytes) -> None:
-        cmd = self.decoder.decode(data)
-        runner = self.runner
-        if isinstance(cmd, RunStep):
-            runner.finish(runner.launch(cmd.sched))
-        elif isinstance(cmd, RemoveRequests):
-            runner.remove_requests(set(cmd.serials))
-        elif isinstance(cmd, InitKVCache):
-            runner.initialize_kv_cache()
-        elif isinstance(cmd, ResetAfterFault):
-            runner.reset_after_fault()
+        assert self.commands is not None
+        self.commands.run(self.decoder.decode(data))
 
 
 class _Rank0Holder:
@@ -130,7 +122,8 @@ class RayExecutor(DriverExecutor):
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        world = config.parallel_config.tensor_parallel_size
+        pc = config.parallel_config
+        world = pc.world_size  # tp * pp: rank r is pipeline stage r // tp
         self.world = world
         self._actors: list[Any] = []
         self._pids: list[int] = []
@@ -176,13 +169,15 @@ class RayExecutor(DriverExecutor):
             worker_cls = ray.remote(RayWorker)
             opts = {"num_cpus": 0, "num_gpus": 1} if on_gpu else {"num_cpus": 1}
             port = _free_port()
+            env = _forwarded_env()
             setups = []
             for rank in range(1, world):
                 actor = worker_cls.options(name=f"shoal-tp-rank{rank}-{os.getpid()}",
                                            scheduling_strategy=strategy(rank), **opts).remote()
                 self._actors.append(actor)
-                setups.append(actor.setup.remote(config, rank, world, host, port, threads))
-            _join_group(config.device, 0, world, host, port)
+                setups.append(actor.setup.remote(config, rank, world, host, port, threads, env))
+            join_tensor_parallel_group(config.device, 0, world, port,
+                                       pc.pipeline_parallel_size, host)
             self.driver = ModelRunner(config, loaded)
             # Processes on this node, waited for at shutdown (ray.kill does not wait).
             self._pids = [pid for pid, ip in ray.get(setups, timeout=STARTUP_TIMEOUT_S)

@@ -6,7 +6,10 @@ two steps at once), so what rank 0 sampled is what each rank runs next.
 
 With pipeline parallelism a step is finished when the driver says so (FinishStep), not right
 after its launch: the driver launches the next micro-batch first, and stage 0's other TP
-ranks must run their collectives (the logits' gather) in the driver's order."""
+ranks must run their collectives (the logits' gather) in the driver's order.
+
+RankCommands is that loop's body, for the mp worker process here and the Ray actor alike
+(shoal/executor/ray_executor.py)."""
 
 from __future__ import annotations
 
@@ -70,30 +73,46 @@ def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_a
     os._exit(code)
 
 
+class RankCommands:
+    """One worker rank's side of the driver's commands, shared by the mp worker process
+    (_serve below) and the Ray actor (shoal/executor/ray_executor.py): it runs them on its
+    runner in the order they come."""
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+        self.launched: deque[Any] = deque()  # pipeline parallel: steps not finished yet
+
+    def run(self, cmd: Command) -> bool:
+        """Runs one command; False once told to stop."""
+        runner = self.runner
+        if isinstance(cmd, RunStep):
+            fut = runner.launch(cmd.sched)
+            if runner.stage_link is None:
+                runner.finish(fut)
+            else:
+                self.launched.append(fut)
+        elif isinstance(cmd, FinishStep):
+            runner.finish(self.launched.popleft())
+        elif isinstance(cmd, RemoveRequests):
+            runner.remove_requests(set(cmd.serials))
+        elif isinstance(cmd, InitKVCache):
+            runner.initialize_kv_cache()
+        elif isinstance(cmd, ResetAfterFault):
+            self.launched.clear()
+            runner.reset_after_fault()
+        elif isinstance(cmd, Stop):
+            return False
+        return True
+
+
 def _serve(runner, commands: zmq.Socket, parent_pid: int) -> None:  # noqa: ANN001
     decoder = msgspec.msgpack.Decoder(Command)
-    launched: deque[Any] = deque()  # pipeline parallel: steps the driver has not finished
+    rank = RankCommands(runner)
     while True:
         if not commands.poll(PARENT_CHECK_MS):
             if os.getppid() != parent_pid:  # the engine core died without stopping us
                 logger.warning("the engine core process is gone; worker exits")
                 return
             continue
-        cmd = decoder.decode(commands.recv())
-        if isinstance(cmd, RunStep):
-            fut = runner.launch(cmd.sched)
-            if runner.stage_link is None:
-                runner.finish(fut)
-            else:
-                launched.append(fut)
-        elif isinstance(cmd, FinishStep):
-            runner.finish(launched.popleft())
-        elif isinstance(cmd, RemoveRequests):
-            runner.remove_requests(set(cmd.serials))
-        elif isinstance(cmd, InitKVCache):
-            runner.initialize_kv_cache()
-        elif isinstance(cmd, ResetAfterFault):
-            launched.clear()
-            runner.reset_after_fault()
-        elif isinstance(cmd, Stop):
+        if not rank.run(decoder.decode(commands.recv())):
             return

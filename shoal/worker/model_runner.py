@@ -151,6 +151,7 @@ class ModelRunner:
         self.stage_link = (StageLink(hf.hidden_size, self.dtype, self.device)
                            if get_pp_world_size() > 1 else None)
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
+        self.num_forwards = 0  # steps launched with a forward pass (DP+EP lockstep counts them)
 
     # ---- KV cache ---------------------------------------------------------------------------
     def initialize_kv_cache(self) -> int:
@@ -275,6 +276,7 @@ class ModelRunner:
             fut.kv_plan_id = plan.plan_id
         if sched.is_empty:
             return fut
+        self.num_forwards += 1
         inputs = self._prepare_inputs(sched)
         if self.stage_link is not None:  # pipeline parallel: stage 0 samples in finish()
             pending = self.stage_link.run(self.model, *self._eager_inputs(inputs, None))
@@ -306,6 +308,20 @@ class ModelRunner:
             return fut
         self._sample(inputs, logits, fut)
         return fut
+
+    @torch.inference_mode()
+    def run_dummy_batch(self) -> None:
+        """DP+EP (shoal/engine/dp_lockstep.py): a forward pass of one made-up token, so that
+        a replica with nothing to run still joins the MoE layers' all-to-alls of a step the
+        other replicas run. Its key and value go to the null block, zeroed again right after
+        (padding reads it); nothing is sampled."""
+        md = self.backend.build_metadata(
+            query_lens=[1], context_lens=[0], block_tables=[[self.null_block]],
+            block_size=self.block_size, num_decodes=0, sliding_window=self.sliding_window,
+            device=self.device, null_block=self.null_block)
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.model(zero, zero, md)
+        self._zero_slots([(self.null_block, 0)])
 
     @torch.inference_mode()
     def sample_deferred(self, fut: StepFuture) -> None:

@@ -8,20 +8,25 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any
 
 import pytest
 import torch
 from engine_helpers import blocks_all_free
-from executor.worker_checks import assert_kill_fails_step, served_tokens
+from executor.worker_checks import (
+    StepLog,
+    assert_close,
+    assert_kill_fails_step,
+    generate_outputs,
+    served_tokens,
+)
 from oracle import write_tiny_checkpoint
 
 from shoal import LLM, SamplingParams
 from shoal.config import ParallelConfig
-from shoal.distributed.parallel_state import get_pp_indices
+from shoal.distributed.parallel_state import get_pp_indices, pp_layer_partition
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.scheduler_output import SchedulerOutput
 from shoal.models.llama import PPMissingLayer
+from shoal.worker.kv_cache_sizing import layers_bytes_per_block
 from shoal.worker.warmup import dummy_forward
 
 PROMPTS = [[5, 17, 300, 42, 7, 99], [256, 3, 11, 400, 23, 8, 1, 2, 3, 4, 5, 6, 7], [9, 9, 9]]
@@ -33,50 +38,6 @@ def _tiny_llm(path: str, **kwargs) -> LLM:
                enable_prefix_caching=False, **args)
 
 
-class StepLog:
-    """Records the engine's launches and finishes on its executor, with each step's sampling
-    serials: how many steps were in flight at once, and whether they shared a request."""
-
-    def __init__(self, runner: Any) -> None:
-        self.events: list[str] = []
-        self.in_flight: list[set[int]] = []
-        self.most = 0
-        launch, finish = runner.launch, runner.finish
-
-        def logged_launch(sched: SchedulerOutput) -> Any:
-            serials = {it.serial for it in sched.scheduled if it.sample}
-            assert not any(serials & s for s in self.in_flight), "a request in two steps"
-            self.in_flight.append(serials)
-            self.most = max(self.most, len(self.in_flight))
-            self.events.append("L")
-            return launch(sched)
-
-        def logged_finish(fut: Any, propose: bool = True) -> Any:
-            self.in_flight.pop(0)
-            self.events.append("F")
-            return finish(fut, propose=propose)
-
-        runner.launch, runner.finish = logged_launch, logged_finish
-
-
-def _run(llm: LLM, prompts: list, params: SamplingParams) -> list:
-    outs = llm.generate(prompts, params)
-    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs, o.prompt_logprobs)
-            for o in outs]
-
-
-def _assert_close(one: list, pp: list, tol: float) -> None:
-    for (ids1, lp1, plp1), (ids2, lp2, plp2) in zip(one, pp, strict=True):
-        assert ids2 == ids1
-        for a, b in zip((lp1 or []) + (plp1 or []), (lp2 or []) + (plp2 or []), strict=True):
-            if a is None:
-                assert b is None
-                continue
-            assert a.keys() == b.keys()
-            for tok in a:
-                assert abs(a[tok].logprob - b[tok].logprob) < tol
-
-
 def test_layer_split_follows_vllm():
     # contiguous, the remainder on the stages before the last one
     assert [get_pp_indices(30, r, 2) for r in range(2)] == [(0, 15), (15, 30)]
@@ -84,11 +45,64 @@ def test_layer_split_follows_vllm():
     assert [get_pp_indices(7, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 7)]
 
 
+def test_an_uneven_layer_split_matches_one_rank(tmp_path, monkeypatch):
+    """SHOAL_PP_LAYER_PARTITION=1,3 on a 4-layer Llama (evenly: 2 + 2): stage 0 builds,
+    loads and caches one layer, stage 1 three; the pool is as many blocks as the 3-layer
+    stage can hold; tokens and logprobs equal one rank's."""
+    torch.set_num_threads(1)
+    path = str(write_tiny_checkpoint(tmp_path / "llama4", "llama", num_hidden_layers=4))
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    llm = _tiny_llm(path)
+    try:
+        one = generate_outputs(llm, prompts, params)
+    finally:
+        llm.shutdown()
+    monkeypatch.setenv("SHOAL_PP_LAYER_PARTITION", "1,3")
+    budget = 1 << 20
+    llm = _tiny_llm(path, pipeline_parallel_size=2, num_gpu_blocks_override=None,
+                    kv_cache_memory_bytes=budget)
+    try:
+        driver = llm.llm_engine.core.runner.driver
+        model = driver.model.model
+        assert (model.start_layer, model.end_layer) == (0, 1)
+        assert all(isinstance(layer, PPMissingLayer) for layer in model.layers[1:])
+        assert not any(n.startswith("model.layers.1.") for n, _ in driver.model.named_parameters())
+        assert len(driver.kv_caches) == 1
+        one_layer = layers_bytes_per_block(driver.model.attention_layers(), driver.block_size,
+                                           driver.dtype)
+        assert driver.null_block == budget // (3 * one_layer)  # the later stage's 3 layers
+        pp = generate_outputs(llm, prompts, params)
+    finally:
+        llm.shutdown()
+    assert_close(one, pp, 1e-4)
+
+
+@pytest.mark.parametrize("value", ["2,1", "1", "1,1,1", "0,2", "1;1", "a,b", "1,1,"])
+def test_a_bad_layer_partition_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv("SHOAL_PP_LAYER_PARTITION", value)
+    with pytest.raises(ValueError, match=r"SHOAL_PP_LAYER_PARTITION='.*' is invalid: it must "
+                                         r"be 2 comma-separated integers, one layer count per "
+                                         r"pipeline stage, each >= 1, that sum to the model's "
+                                         r"2 decoder layers"):
+        EngineArgs(device="cpu", pipeline_parallel_size=2).create_engine_config(Hf())
+
+
+def test_layer_partition_values(monkeypatch):
+    assert pp_layer_partition(30, 2) is None  # unset: the even split
+    monkeypatch.setenv("SHOAL_PP_LAYER_PARTITION", " 13, 17 ")
+    assert pp_layer_partition(30, 2) == [13, 17]
+    assert pp_layer_partition(30, 1) is None  # one stage holds every layer
+    cfg = EngineArgs(device="cpu", pipeline_parallel_size=2)
+    monkeypatch.setenv("SHOAL_PP_LAYER_PARTITION", "1,1")
+    assert cfg.create_engine_config(Hf()).parallel_config.pipeline_parallel_size == 2
+
+
 def test_smollm2_two_stages_match_one_rank(smollm_llm):
     torch.set_num_threads(1)
     prompts = ["The capital of France is", "Write a haiku about the sea."]
     params = SamplingParams(temperature=0, max_tokens=10, logprobs=3, prompt_logprobs=2)
-    one = _run(smollm_llm, prompts, params)
+    one = generate_outputs(smollm_llm, prompts, params)
     llm = LLM(pipeline_parallel_size=2, max_model_len=256, kv_cache_memory_bytes=32 << 20)
     try:
         runner = llm.llm_engine.core.runner
@@ -101,10 +115,10 @@ def test_smollm2_two_stages_match_one_rank(smollm_llm):
         assert not any(n.startswith(("model.layers.15.", "model.norm."))
                        for n, _ in model.named_parameters())
         assert len(runner.driver.kv_caches) == 15
-        pp = _run(llm, prompts, params)
+        pp = generate_outputs(llm, prompts, params)
     finally:
         llm.shutdown()
-    _assert_close(one, pp, 1e-4)
+    assert_close(one, pp, 1e-4)
 
 
 def test_tiny_models_two_stages_and_tensor_parallel_match_one_rank(tmp_path):
@@ -121,7 +135,7 @@ def test_tiny_models_two_stages_and_tensor_parallel_match_one_rank(tmp_path):
                          (qwen3, {"pipeline_parallel_size": 2})):
         llm = _tiny_llm(path)
         try:
-            one = [_run(llm, prompts, p) for p in (greedy, seeded)]
+            one = [generate_outputs(llm, prompts, p) for p in (greedy, seeded)]
         finally:
             llm.shutdown()
         llm = _tiny_llm(path, **kwargs)
@@ -134,17 +148,17 @@ def test_tiny_models_two_stages_and_tensor_parallel_match_one_rank(tmp_path):
             assert runner.driver.model.attention_layers()[0].num_heads * tp == full
             layers = runner.driver.model.model.layers
             assert len(runner.driver.kv_caches) == len(layers) - len(layers) // 2
-            pp = [_run(llm, prompts, p) for p in (greedy, seeded)]
+            pp = [generate_outputs(llm, prompts, p) for p in (greedy, seeded)]
         finally:
             llm.shutdown()
         for a, b in zip(one, pp):
-            _assert_close(a, b, 1e-4)
+            assert_close(a, b, 1e-4)
 
 
 def test_serve_with_two_stages_answers_like_one(tiny_llama_dir):
     llm = _tiny_llm(str(tiny_llama_dir))
     try:
-        expected = _run(llm, [{"prompt_token_ids": PROMPTS[0]}],
+        expected = generate_outputs(llm, [{"prompt_token_ids": PROMPTS[0]}],
                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0][0]
     finally:
         llm.shutdown()
@@ -161,13 +175,13 @@ def test_two_micro_batches_are_in_flight_and_match_one_rank(tiny_llama_dir):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     llm = _tiny_llm(str(tiny_llama_dir))
     try:
-        one = _run(llm, prompts, params)
+        one = generate_outputs(llm, prompts, params)
     finally:
         llm.shutdown()
     llm = _tiny_llm(str(tiny_llama_dir), pipeline_parallel_size=2)
     try:
         log = StepLog(llm.llm_engine.core.runner)
-        pp = _run(llm, prompts, params)
+        pp = generate_outputs(llm, prompts, params)
         events = "".join(log.events)
         assert log.most == 2 and events.startswith("LLF")
         # Decodes alternate between the two halves: each finish lets the next launch in.
@@ -175,7 +189,7 @@ def test_two_micro_batches_are_in_flight_and_match_one_rank(tiny_llama_dir):
         assert blocks_all_free(llm)
     finally:
         llm.shutdown()
-    _assert_close(one, pp, 1e-4)
+    assert_close(one, pp, 1e-4)
 
 
 def test_three_stages_and_an_abort_with_its_step_in_flight(tmp_path):
@@ -189,7 +203,7 @@ def test_three_stages_and_an_abort_with_its_step_in_flight(tmp_path):
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     llm = _tiny_llm(path)
     try:
-        one = _run(llm, prompts, params)
+        one = generate_outputs(llm, prompts, params)
     finally:
         llm.shutdown()
     llm = _tiny_llm(path, pipeline_parallel_size=3)
@@ -222,13 +236,13 @@ def test_preemption_under_a_small_pool_gives_the_same_tokens(tiny_llama_dir):
     # 8 blocks of 16 tokens for 4 requests of up to 53 tokens (4 blocks each)
     llm = _tiny_llm(str(tiny_llama_dir), num_gpu_blocks_override=8)
     try:
-        one = _run(llm, prompts, params)
+        one = generate_outputs(llm, prompts, params)
     finally:
         llm.shutdown()
     llm = _tiny_llm(str(tiny_llama_dir), num_gpu_blocks_override=8, pipeline_parallel_size=2)
     try:
         log = StepLog(llm.llm_engine.core.runner)
-        pp = _run(llm, prompts, params)
+        pp = generate_outputs(llm, prompts, params)
         assert llm.llm_engine.core.scheduler.num_preemptions > 0
         assert log.most == 2
         assert blocks_all_free(llm)
@@ -272,7 +286,6 @@ class HfOneLayer(Hf):
 @pytest.mark.parametrize("kwargs, hf, message", [
     ({"pipeline_parallel_size": 0}, Hf, "pipeline_parallel_size must be an integer >= 1"),
     ({"distributed_executor_backend": "uni"}, Hf, "needs distributed_executor_backend 'mp'"),
-    ({"distributed_executor_backend": "ray"}, Hf, "needs distributed_executor_backend 'mp'"),
     ({"async_scheduling": True}, Hf, "async_scheduling does not support pipeline"),
     ({"kv_offloading_size": 1.0}, Hf, "kv_offloading_size does not support pipeline"),
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, Hf,

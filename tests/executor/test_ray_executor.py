@@ -1,7 +1,9 @@
-"""Tensor parallelism over Ray actors (shoal/executor/ray_executor.py) on the CPU: on a local
-Ray cluster, the embedded SmolLM2 split over three ranks (its 9 heads do not split in two: the
-driver and two actors, joined by gloo) generates what one rank does; a killed actor fails the
-requests in flight within seconds and leaves no process behind; Ray stays optional."""
+"""Tensor and pipeline parallelism over Ray actors (shoal/executor/ray_executor.py) on the
+CPU: on a local Ray cluster, the embedded SmolLM2 split over three ranks (its 9 heads do not
+split in two: the driver and two actors, joined by gloo) generates what one rank does, and so
+do tiny Llamas over two pipeline stages (with micro-batches in flight, an uneven layer split,
+and two TP ranks per stage); a killed actor fails the requests in flight within seconds and
+leaves no process behind; Ray stays optional."""
 
 from __future__ import annotations
 
@@ -12,7 +14,13 @@ import time
 
 import pytest
 import torch
-from executor.worker_checks import assert_kill_fails_step
+from executor.worker_checks import (
+    StepLog,
+    assert_close,
+    assert_kill_fails_step,
+    generate_outputs,
+)
+from oracle import write_tiny_checkpoint
 
 from shoal import LLM, SamplingParams
 from shoal.engine.engine_args import EngineArgs
@@ -88,8 +96,8 @@ def test_serve_starts_its_own_ray_and_leaves_nothing_behind(tiny_llama_dir, monk
 @pytest.fixture(scope="module")
 def ray_cluster():
     ray = pytest.importorskip("ray")
-    # Three logical CPUs (one bundle per rank) on this two-core machine.
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False,
+    # Four logical CPUs (one bundle per rank, 2 x 2 ranks at most) on this two-core machine.
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
              object_store_memory=100 << 20)
     try:
         yield ray
@@ -97,11 +105,12 @@ def ray_cluster():
         ray.shutdown()
 
 
-def _llm(tp: int, backend: str | None, model: str | None = None) -> LLM:
+def _llm(tp: int, backend: str | None, model: str | None = None, **kwargs) -> LLM:
     """The embedded SmolLM2 unless a model is given (float32 for the tiny checkpoints)."""
     kw = {"dtype": "float32", "max_model_len": 128} if model else {"max_model_len": 256}
     return LLM(model=model, tensor_parallel_size=tp, distributed_executor_backend=backend,
-               device="cpu", kv_cache_memory_bytes=16 << 20, enable_prefix_caching=False, **kw)
+               device="cpu", kv_cache_memory_bytes=16 << 20, enable_prefix_caching=False,
+               **kw, **kwargs)
 
 
 def _generate(llm: LLM) -> list[list[int]]:
@@ -157,6 +166,62 @@ def test_a_killed_actor_fails_the_requests_in_flight(ray_cluster, tiny_llama_dir
     assert "CREATED" not in _pg_states(ray_cluster)
 
 
+def test_pipeline_stages_on_ray_match_one_rank(ray_cluster, tmp_path, monkeypatch):
+    """Two stages through Ray (the actors run the mp worker's commands): a 3-layer Llama split
+    unevenly by SHOAL_PP_LAYER_PARTITION (which reaches the actor), with two micro-batches in
+    flight; then 2 stages x 2 TP ranks. Tokens and logprobs equal one rank's."""
+    torch.set_num_threads(1)
+    path = str(write_tiny_checkpoint(tmp_path / "llama3", "llama", num_hidden_layers=3))
+    prompts = [{"prompt_token_ids": [(7 * i + j) % 500 + 3 for j in range(3 + 2 * i)]}
+               for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    one = _llm(1, None, path)
+    try:
+        expected = generate_outputs(one, prompts, params)
+    finally:
+        one.shutdown()
+    monkeypatch.setenv("SHOAL_PP_LAYER_PARTITION", "1,2")  # evenly it would be 2 + 1
+    for tp in (1, 2):
+        llm = _llm(tp, "ray", path, pipeline_parallel_size=2)
+        try:
+            runner = llm.llm_engine.core.runner
+            assert type(runner).__name__ == "RayExecutor" and runner.world == 2 * tp
+            assert len(runner._actors) == 2 * tp - 1
+            model = runner.driver.model
+            assert (model.model.start_layer, model.model.end_layer) == (0, 1)
+            assert len(runner.driver.kv_caches) == 1
+            full = runner.driver.hf_config.num_attention_heads
+            assert model.attention_layers()[0].num_heads * tp == full
+            log = StepLog(runner)
+            got = generate_outputs(llm, prompts, params)
+            assert log.most == 2
+            pids = list(runner._pids)
+        finally:
+            llm.shutdown()
+        assert_close(expected, got, 1e-4)
+        assert all(_exited(p) for p in pids), "an actor outlived shutdown"
+        assert "CREATED" not in _pg_states(ray_cluster)
+
+
+def test_a_killed_stage_actor_fails_the_requests_in_flight(ray_cluster, tiny_llama_dir):
+    torch.set_num_threads(1)
+    llm = _llm(1, "ray", str(tiny_llama_dir), pipeline_parallel_size=2)
+    try:
+        engine = llm.llm_engine
+        runner = engine.core.runner
+        pids = list(runner._pids)
+        assert_kill_fails_step(
+            engine, lambda: ray_cluster.kill(runner._actors[0], no_restart=True), PROMPTS,
+            max_tokens=200)
+    finally:
+        llm.shutdown()
+    deadline = time.monotonic() + 10
+    while not all(_exited(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(_exited(p) for p in pids)
+    assert "CREATED" not in _pg_states(ray_cluster)
+
+
 def test_ray_without_ray_installed_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` fails, find_spec sees none
     with pytest.raises(ValueError, match=r"needs Ray, which is not installed: pip install"):
@@ -185,6 +250,9 @@ def test_default_backend_follows_vllm():
         assert args._executor_backend(cuda, 2) == "mp"
         assert args._executor_backend(cuda, 4) == "ray"  # more ranks than this host's GPUs
         assert args._executor_backend(torch.device("cuda", 1), 2) == "ray"
+        # pipeline stages follow the same rule (world = tp x pp ranks)
+        assert EngineArgs(pipeline_parallel_size=2)._executor_backend(cuda, 2) == "mp"
+        assert EngineArgs(pipeline_parallel_size=2)._executor_backend(cuda, 4) == "ray"
     assert EngineArgs(distributed_executor_backend="mp")._executor_backend(cuda, 8) == "mp"
 
 

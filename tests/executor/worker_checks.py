@@ -1,5 +1,6 @@
-"""Checks the executor tests share: greedy tokens through `shoal serve`, and a worker killed
-mid-generation failing the engine's step in time."""
+"""Checks the executor tests share: greedy tokens through `shoal serve`, a worker killed
+mid-generation failing the engine's step in time, tokens and logprobs compared with one
+rank's, and a log of the pipeline micro-batches in flight."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 import pytest
 
-from shoal import SamplingParams
+from shoal import LLM, SamplingParams
+from shoal.engine.scheduler_output import SchedulerOutput
 from shoal.executor.multiproc import WorkerDiedError
 
 
@@ -44,3 +46,49 @@ def assert_kill_fails_step(engine: Any, kill: Callable[[], None], prompts: list[
         while engine.has_unfinished_requests():
             engine.step()
     assert time.monotonic() - killed < seconds
+
+
+def generate_outputs(llm: LLM, prompts: list, params: SamplingParams) -> list:
+    """(token ids, logprobs, prompt logprobs) of each prompt's first completion."""
+    outs = llm.generate(prompts, params)
+    return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs, o.prompt_logprobs)
+            for o in outs]
+
+
+def assert_close(one: list, other: list, tol: float) -> None:
+    """generate_outputs of two engines: the same tokens, logprobs within tol."""
+    for (ids1, lp1, plp1), (ids2, lp2, plp2) in zip(one, other, strict=True):
+        assert ids2 == ids1
+        for a, b in zip((lp1 or []) + (plp1 or []), (lp2 or []) + (plp2 or []), strict=True):
+            if a is None:
+                assert b is None
+                continue
+            assert a.keys() == b.keys()
+            for tok in a:
+                assert abs(a[tok].logprob - b[tok].logprob) < tol
+
+
+class StepLog:
+    """Records the engine's launches and finishes on its executor, with each step's sampling
+    serials: how many steps were in flight at once, and whether they shared a request."""
+
+    def __init__(self, runner: Any) -> None:
+        self.events: list[str] = []
+        self.in_flight: list[set[int]] = []
+        self.most = 0
+        launch, finish = runner.launch, runner.finish
+
+        def logged_launch(sched: SchedulerOutput) -> Any:
+            serials = {it.serial for it in sched.scheduled if it.sample}
+            assert not any(serials & s for s in self.in_flight), "a request in two steps"
+            self.in_flight.append(serials)
+            self.most = max(self.most, len(self.in_flight))
+            self.events.append("L")
+            return launch(sched)
+
+        def logged_finish(fut: Any, propose: bool = True) -> Any:
+            self.in_flight.pop(0)
+            self.events.append("F")
+            return finish(fut, propose=propose)
+
+        runner.launch, runner.finish = logged_launch, logged_finish

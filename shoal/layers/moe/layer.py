@@ -9,7 +9,12 @@ Expert parallelism (enable_expert_parallel, built inside parallel_state.expert_p
 the experts instead: rank r of ep (= tp) ranks holds experts [r * E/ep, (r+1) * E/ep) whole.
 Tokens stay replicated as under TP; each rank runs only the routed (token, expert) pairs of its
 own experts (the others contribute nothing) and the same all-reduce sums the ranks' parts.
-No all-to-all token dispatch yet: every rank still routes every token.
+
+With data parallelism (DP+EP, data_parallel_size > 1 with enable_expert_parallel) the EP group
+spans the data-parallel replicas, which hold different tokens: each rank routes its own tokens
+and sends each (token, expert) pair to the expert's rank and back (all_to_all.py); the
+replicas step in lockstep so that every rank joins each layer's exchange
+(shoal/engine/dp_lockstep.py).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 
 from shoal.distributed.parallel_state import (
+    ep_dispatch_group,
     get_ep_rank,
     get_ep_world_size,
     get_tp_rank,
@@ -25,6 +31,7 @@ from shoal.distributed.parallel_state import (
     tp_all_reduce,
 )
 from shoal.layers.linear import _divide, default_weight_loader
+from shoal.layers.moe.all_to_all import all_to_all_experts
 from shoal.layers.moe.torch_experts import experts_dense, experts_torch
 from shoal.layers.ops.dispatch import use_triton
 
@@ -77,8 +84,8 @@ class FusedMoE(nn.Module):
             if num_experts % self.ep_size:
                 raise ValueError(
                     f"enable_expert_parallel: the number of experts ({num_experts}) is not "
-                    f"divisible by the expert-parallel size ({self.ep_size}, the "
-                    f"tensor_parallel_size)")
+                    f"divisible by the expert-parallel size ({self.ep_size}: the "
+                    f"tensor_parallel_size, or the data_parallel_size under DP+EP)")
             self.local_num_experts = num_experts // self.ep_size
             self.inter, self.inter_rank = intermediate_size, 0  # experts whole
         else:
@@ -96,6 +103,8 @@ class FusedMoE(nn.Module):
             requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        # DP+EP: the group tokens are dispatched over (all-to-all), None otherwise.
+        self.dispatch_group = ep_dispatch_group() if self.ep_size > 1 else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int,
                       shard_id: str) -> None:
@@ -119,6 +128,9 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
+        if self.dispatch_group is not None:  # DP+EP: this rank's tokens, all experts
+            return all_to_all_experts(x, topk_weights, topk_ids, self.local_num_experts,
+                                      self._run_local_experts, self.dispatch_group)
         foreign = self.ep_size > 1
         if foreign:  # global ids -> local ones; other ranks' experts -> local_num_experts
             local = topk_ids - self.expert_start
@@ -127,3 +139,10 @@ class FusedMoE(nn.Module):
         out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                             self.use_triton_ops, foreign_ids=foreign)
         return tp_all_reduce(out) if self.reduce_results else out
+
+    def _run_local_experts(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Rows dispatched here, one (token, expert) pair each: the expert's unweighted
+        output (all_to_all_experts applies the routing weights at the token's rank)."""
+        ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+        return fused_experts(x, self.w13_weight, self.w2_weight, ones, local_ids[:, None],
+                             self.use_triton_ops)
