@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from shoal.config import CacheConfig
+from shoal.worker.host_pages import populate
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +50,11 @@ def allocate_kv_caches(layers: list, num_slots: int, dtype: torch.dtype,
     to the layers."""
     a = layers[0]
     shape = (len(layers), a.kv_planes, num_slots, a.num_kv_heads, a.head_dim)
-    cache = (torch.zeros(shape, dtype=dtype, device=device) if device.type != "cpu"
-             else zeroed_host_tensor(shape, dtype))
+    if device.type == "cpu":
+        cache = zeroed_host_tensor(shape, dtype)
+        populate(cache, planes=shape[0] * shape[1])  # huge pages (host_pages.py)
+    else:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
     caches = list(cache.unbind(0))
     for layer, kv in zip(layers, caches):
         layer.kv_cache = kv

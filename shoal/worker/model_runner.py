@@ -42,6 +42,7 @@ from shoal.worker.kv_cache_sizing import (
     layers_bytes_per_block,
 )
 from shoal.worker.prefill_graphs import PrefillGraphs
+from shoal.worker.row_reductions import rows_finite
 from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
 from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
 from shoal.worker.stage_link import PendingHidden, StageLink
@@ -507,7 +508,7 @@ class ModelRunner:
             self.vocab_size,
             self.device,
         )
-        finite = torch.isfinite(logits).all(dim=-1)
+        finite = rows_finite(logits)
         if inp.grammar is not None:  # after the finiteness check: masked logits are -inf
             serials = inp.grammar.serials
             # Every row structured (the usual batch): no per-row index list.

@@ -16,6 +16,7 @@ from torch import nn
 
 from shoal.host_to_device import to_device
 from shoal.sampling_params import SAMPLING_EPS
+from shoal.worker.row_reductions import argmax_rows
 from shoal.worker.sampling_metadata import SamplingMetadata, pad_token_ids
 
 _NEG_INF = float("-inf")
@@ -198,7 +199,7 @@ class Sampler(nn.Module):
             raw_logprobs = compute_logprobs(logits)
         elif md.all_greedy and not _modifies_logits(md):
             # Common decode batch: upcasting is exact, so argmax needs no float32 copy.
-            return SamplerOutput(sampled_token_ids=logits.argmax(dim=-1), logprobs=None)
+            return SamplerOutput(sampled_token_ids=argmax_rows(logits), logprobs=None)
         # Own float32 copy: the in-place steps below must not touch the caller's tensor.
         logits = logits.to(torch.float32, copy=True)
         logits = self._process(logits, md)
@@ -224,7 +225,7 @@ class Sampler(nn.Module):
     @staticmethod
     def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         if md.all_greedy:
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits)
         greedy = None if md.all_random else logits.argmax(dim=-1)
         sampled = random_sample(Sampler.random_probs(logits, md), md.generators)
         if greedy is None:
