@@ -27,6 +27,8 @@ for part in "$@"; do
     w3) run w3 300 python3 benchmarks/gpu_suite.py w3 --out "$OUT/w3.json" ;;
     w3-hf) run w3hf 150 python3 benchmarks/gpu_suite.py w3-hf --out "$OUT/w3hf.json" ;;
     w7) SHOAL_PROCESS_START=$(date +%s.%N) run w7 60 python3 benchmarks/gpu_suite.py w7 --out "$OUT/w7.json" ;;
+    w1mp) run w1mp 90 python3 benchmarks/gpu_suite.py w1 --executor mp --out "$OUT/w1mp.json" ;;
+    w2mp) run w2mp 120 python3 benchmarks/gpu_suite.py w2 --executor mp --out "$OUT/w2mp.json" ;;
     w1sync) run w1sync 90 python3 benchmarks/gpu_suite.py w1 --async-scheduling off --out "$OUT/w1sync.json" ;;
     w2sync) run w2sync 120 python3 benchmarks/gpu_suite.py w2 --async-scheduling off --out "$OUT/w2sync.json" ;;
     syncs) run syncs 90 python3 benchmarks/gpu_suite.py syncs --out "$OUT/syncs.json" ;;

@@ -23,7 +23,7 @@ from shoal.engine.core_types import BAD_REQUEST_PREFIX, SchedulerStats
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import InputProcessor, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor
-from shoal.metrics.stats import IterationStats, StatLogger
+from shoal.metrics.stats import IterationStats, StatLogger, merge_engine_stats
 from shoal.outputs import RequestOutput
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
@@ -134,7 +134,8 @@ class AsyncLLM:
         self.outputs = OutputProcessor(tokenizer)
         self.max_waiting_requests = engine_args.max_waiting_requests
         self.stat_loggers: list[StatLogger] = []
-        self.last_stats = SchedulerStats()
+        self.last_stats = SchedulerStats()  # the whole server's (replicas merged)
+        self._engine_stats: dict[int, SchedulerStats] = {}
         self.errored: BaseException | None = None
         self._dead_callbacks: list[Any] = []
         self._log_interval = log_stats_interval
@@ -239,16 +240,19 @@ class AsyncLLM:
         """Stops a request in the engine (its KV blocks are freed at once) and forgets it."""
         it = IterationStats()
         live = self.outputs.abort(request_id, it)
-        self._ended(it)
+        self._ended(it, engine=self.client.engine_of(live[0]) if live else 0)
         if live and not self.client.dead:
             self.client.abort_requests(live)
 
     def abort_all(self, error: BaseException) -> None:
         """Ends every request in flight with `error` (each consumer gets it, so a server
         answers it properly) and stops them in the engine; the engine keeps running."""
-        it = IterationStats()
-        live = self.outputs.fail_all(error, it)
-        self._ended(it)
+        live: list[str] = []
+        for rid in self.outputs.request_ids():
+            it = IterationStats()
+            ids = self.outputs.fail(rid, error, it)
+            self._ended(it, engine=self.client.engine_of(ids[0]) if ids else 0)
+            live += ids
         if live and not self.client.dead:
             self.client.abort_requests(live)
 
@@ -289,19 +293,25 @@ class AsyncLLM:
             rid = self.outputs.parent_of(cid)
             if rid is not None:  # the siblings the core did accept are aborted too
                 self.client.abort_requests(self.outputs.fail(rid, ValueError(reason), it))
+        for cid, reason in msg.lost.items():  # a data-parallel replica died under it
+            rid = self.outputs.parent_of(cid)
+            if rid is not None:
+                self.client.abort_requests(self.outputs.fail(rid, EngineDeadError(reason), it))
         _, to_abort = self.outputs.process_outputs(msg.outputs.outputs, it)
         if to_abort:
             self.client.abort_requests(to_abort)
-        if msg.outputs.stats is not None:
-            self.last_stats = msg.outputs.stats
-        self._ended(it, msg.outputs.stats, always=True)
+        stats = msg.outputs.stats
+        if stats is not None:
+            self._engine_stats[msg.engine_index] = stats
+            self.last_stats = merge_engine_stats(list(self._engine_stats.values()), stats)
+        self._ended(it, stats, msg.engine_index, always=True)
 
-    def _ended(self, it: IterationStats, stats: SchedulerStats | None = None,
+    def _ended(self, it: IterationStats, stats: SchedulerStats | None = None, engine: int = 0,
                always: bool = False) -> None:
         """Hands the iteration (finished requests, latencies) to the stat loggers."""
         if always or it.finished:
             for sl in self.stat_loggers:
-                sl.record(stats, it)
+                sl.record(stats, it, engine)
 
     def _fail_all(self, err: BaseException) -> None:
         self.errored = err

@@ -170,6 +170,10 @@ class EngineCoreClient:
     def on_dead(self, callback: Callable[[], None]) -> None:
         self._dead_callbacks.append(callback)
 
+    def engine_of(self, request_id: str) -> int:
+        """The replica running a request: there is one."""
+        return 0
+
     @property
     def is_alive(self) -> bool:
         return not self.dead and self.proc.is_alive()

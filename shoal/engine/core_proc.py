@@ -73,6 +73,11 @@ class CoreOutputs(msgspec.Struct, tag="outputs"):
     outputs: EngineCoreOutputs
     # request id -> why the core refused it (the request never ran)
     rejected: dict[str, str] = msgspec.field(default_factory=dict)
+    # request id -> why it was lost mid-flight; only the data-parallel client sets it, for the
+    # requests of a replica that died while the others keep serving
+    lost: dict[str, str] = msgspec.field(default_factory=dict)
+    # the replica these came from (data parallelism; set by the frontend's client)
+    engine_index: int = 0
 
 
 class UtilityResult(msgspec.Struct, tag="utility_result"):

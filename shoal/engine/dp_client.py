@@ -3,16 +3,20 @@ one frontend (vLLM's `data_parallel_size` with its internal load balancing).
 
 `DataParallelCoreClient` has EngineCoreClient's interface, so AsyncLLM does not know how
 many engines it drives. A new request goes to the engine with the fewest requests in flight
-(ties: the lowest rank); its aborts follow it there. Outputs of all engines feed one queue;
-their statistics are merged so the frontend's metrics describe the whole server: gauges and
-cumulative counters are summed over each engine's latest report, per-step token counts come
-from the message they arrived with. Replica r runs on GPU r * tensor_parallel_size (on the
-CPU, the cores are shared out between the replicas).
+(ties: the lowest rank); its aborts follow it there. Outputs of all engines feed one queue,
+each message tagged with its replica (`engine_index`): the metrics are labelled per engine, as
+vLLM's, and the frontend merges the replicas' latest statistics for the log line and its
+queue limit. Replica r runs on GPU r * tensor_parallel_size (on the CPU, the cores are shared
+out between the replicas).
+
+A replica that dies takes only its own requests with it: they end with an error, new
+requests go to the replicas still running, and the server (its /health included) is dead only
+when the last replica is.
 
 DP+EP (enable_expert_parallel): the replicas also split the MoE experts between them and step
 in lockstep (shoal/engine/dp_lockstep.py); each gets its rank and the port they meet on here.
-Such a server cannot outlive one of its replicas: like any engine death, it fails every
-request in flight and /health answers 503."""
+Such a server cannot outlive one of its replicas (the survivors' collectives fail): like any
+engine death, it fails every request in flight and /health answers 503."""
 
 from __future__ import annotations
 
@@ -27,17 +31,13 @@ import msgspec
 
 from shoal.engine.core_client import EngineCoreClient, EngineDeadError
 from shoal.engine.core_proc import CoreOutputs, Ready
-from shoal.engine.core_types import EngineCoreRequest, SchedulerStats
+from shoal.engine.core_types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shoal.engine.cpu_threads import available_cores
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import EngineLimits
+from shoal.metrics.stats import CUMULATIVE_FIELDS, merge_engine_stats
 
 logger = logging.getLogger(__name__)
-
-# Cumulative since start-up (summed over each replica's latest report) vs. this step's own.
-_CUMULATIVE = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
-_GAUGES = ("num_running", "num_waiting", "num_waiting_deferred")
-
 
 def replica_args(engine_args: EngineArgs, rank: int, port: int | None = None) -> EngineArgs:
     """The engine arguments of replica `rank`: its own GPU(s), or its share of the cores;
@@ -68,8 +68,11 @@ def merge_limits(limits: list[EngineLimits]) -> EngineLimits:
 
 
 class DataParallelCoreClient:
-    def __init__(self, clients: list[EngineCoreClient]):
+    def __init__(self, clients: list[EngineCoreClient], *, lockstep: bool = False):
         self.clients = clients
+        # DP+EP: the replicas share every MoE layer, so none can serve without the others
+        self.lockstep = lockstep
+        self._dead_callbacks: list[Callable[[], None]] = []
         self._in_flight = [0] * len(clients)
         self._owner: dict[str, int] = {}
         self._latest = [SchedulerStats() for _ in clients]
@@ -93,15 +96,20 @@ class DataParallelCoreClient:
             for c in clients:
                 await c.shutdown()
             raise
-        return cls(clients)
+        return cls(clients, lockstep=engine_args.enable_expert_parallel is True)
 
     async def wait_ready(self, timeout: float | None = None) -> Ready:
         readies = await asyncio.gather(*(c.wait_ready(timeout) for c in self.clients))
+        for rank, r in enumerate(readies):
+            logger.info("engine replica %d of %d: pid %d", rank, len(readies), r.pid)
         return Ready(merge_limits([r.limits for r in readies]), pid=readies[0].pid)
 
     # ---- traffic --------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
-        rank = min(range(len(self.clients)), key=lambda i: (self._in_flight[i], i))
+        live = self._live_ranks()
+        if not live:
+            raise EngineDeadError("every engine replica has died")
+        rank = min(live, key=lambda i: (self._in_flight[i], i))
         self.clients[rank].add_request(req)
         self._owner[req.request_id] = rank
         self._in_flight[rank] += 1
@@ -113,13 +121,18 @@ class DataParallelCoreClient:
             if rank is not None:
                 by_rank.setdefault(rank, []).append(rid)
         for rank, ids in by_rank.items():
-            self.clients[rank].abort_requests(ids)
+            if not self.clients[rank].dead:
+                self.clients[rank].abort_requests(ids)
 
     async def call_utility(self, method: str, timeout: float = 10.0) -> Any:
-        results = await asyncio.gather(*(c.call_utility(method, timeout) for c in self.clients))
+        """On every replica still running (results[0] is the first of them)."""
+        live = [self.clients[i] for i in self._live_ranks()]
+        if not live:
+            raise EngineDeadError("every engine replica has died")
+        results = await asyncio.gather(*(c.call_utility(method, timeout) for c in live))
         if method == "get_stats":
-            return msgspec.to_builtins(_sum_stats(
-                [msgspec.convert(r, SchedulerStats) for r in results], SchedulerStats()))
+            stats = [msgspec.convert(r, SchedulerStats) for r in results]
+            return msgspec.to_builtins(merge_engine_stats(stats, stats[0]))
         return results[0]
 
     async def get_outputs(self) -> CoreOutputs:
@@ -130,16 +143,25 @@ class DataParallelCoreClient:
         return item
 
     def on_dead(self, callback: Callable[[], None]) -> None:
-        for c in self.clients:
-            c.on_dead(callback)
+        """`callback` runs once the server can no longer serve: when any replica dies under
+        DP+EP, otherwise when the last one does."""
+        if not self._dead_callbacks:
+            for c in self.clients:
+                c.on_dead(self._replica_died)
+        self._dead_callbacks.append(callback)
+
+    def engine_of(self, request_id: str) -> int:
+        return self._owner.get(request_id, 0)
 
     @property
     def dead(self) -> bool:
-        return any(c.dead for c in self.clients)
+        deaths = [c.dead for c in self.clients]
+        return any(deaths) if self.lockstep else all(deaths)
 
     @property
     def is_alive(self) -> bool:
-        return all(c.is_alive for c in self.clients)
+        alive = [c.is_alive for c in self.clients]
+        return all(alive) if self.lockstep else any(alive)
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         for t in self._tasks:
@@ -147,6 +169,19 @@ class DataParallelCoreClient:
         await asyncio.gather(*(c.shutdown(timeout) for c in self.clients))
 
     # ---- internals ------------------------------------------------------------------------
+    def _live_ranks(self) -> list[int]:
+        return [i for i, c in enumerate(self.clients) if not c.dead]
+
+    def _replica_died(self) -> None:
+        if not self.dead:
+            return  # the others keep serving; _forward fails the lost replica's requests
+        callbacks, self._dead_callbacks = self._dead_callbacks, []
+        for cb in callbacks:
+            try:
+                cb()
+            except Exception:
+                logger.exception("engine-death callback failed")
+
     def _release(self, request_id: str) -> int | None:
         rank = self._owner.pop(request_id, None)
         if rank is not None:
@@ -160,7 +195,21 @@ class DataParallelCoreClient:
             try:
                 msg = await client.get_outputs()
             except EngineDeadError as e:
-                self._outputs.put_nowait(e)
+                if self.dead:  # nothing left that can serve
+                    self._outputs.put_nowait(e)
+                    return
+                lost = [rid for rid, r in self._owner.items() if r == rank]
+                for rid in lost:
+                    self._release(rid)
+                # its gauges drop to zero; its counters stay (a Prometheus counter never falls)
+                last = SchedulerStats(**{f: getattr(self._latest[rank], f)
+                                         for f in CUMULATIVE_FIELDS},
+                                      kv_tiers=self._latest[rank].kv_tiers)
+                logger.error("engine replica %d died (%s): %d requests lost, %d replicas "
+                             "still serving", rank, e, len(lost), len(self._live_ranks()))
+                self._outputs.put_nowait(CoreOutputs(
+                    EngineCoreOutputs(stats=last), engine_index=rank,
+                    lost={rid: f"engine replica {rank} died: {e}" for rid in lost}))
                 return
             for out in msg.outputs.outputs:
                 if out.finish_reason is not None:
@@ -169,17 +218,8 @@ class DataParallelCoreClient:
                 self._release(rid)
             if msg.outputs.stats is not None:
                 self._latest[rank] = msg.outputs.stats
-                msg.outputs.stats = _sum_stats(self._latest, msg.outputs.stats)
+            msg.engine_index = rank
             self._outputs.put_nowait(msg)
-
-
-def _sum_stats(latest: list[SchedulerStats], step: SchedulerStats) -> SchedulerStats:
-    """Gauges and cumulative counters over every replica's latest report; the step's own
-    token and speculation counts; the KV usage averaged over the replicas."""
-    fields: dict[str, Any] = {name: sum(getattr(s, name) for s in latest)
-                              for name in (*_GAUGES, *_CUMULATIVE)}
-    fields["kv_cache_usage"] = sum(s.kv_cache_usage for s in latest) / len(latest)
-    return msgspec.structs.replace(step, **fields)
 
 
 def _free_port() -> int:

@@ -142,6 +142,9 @@ class OutputProcessor:
     def num_unfinished(self) -> int:
         return len(self._requests)
 
+    def request_ids(self) -> list[str]:
+        return list(self._requests)
+
     def child_ids(self, request_id: str) -> list[str]:
         """The core ids of the request's samples that are still running."""
         r = self._requests.get(request_id)

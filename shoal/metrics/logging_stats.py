@@ -1,4 +1,5 @@
-"""The periodic log line: throughput since the last line, queue sizes and KV usage."""
+"""The periodic log line: throughput since the last line, queue sizes and KV usage (of the
+whole server: the engines' latest reports merged under data parallelism)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import logging
 import time
 
 from shoal.engine.core_types import SchedulerStats
-from shoal.metrics.stats import IterationStats
+from shoal.metrics.stats import IterationStats, merge_engine_stats
 
 logger = logging.getLogger("shoal.metrics")
 
@@ -16,13 +17,16 @@ class LoggingStatLogger:
         self._last_time = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._latest: dict[int, SchedulerStats] = {}
         self._stats = SchedulerStats()
         self._was_busy = False
         self._spec = [0, 0, 0]  # speculative decoding: drafts, draft tokens, accepted tokens
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats,
+               engine: int = 0) -> None:
         if scheduler_stats is not None:
-            self._stats = scheduler_stats
+            self._latest[engine] = scheduler_stats
+            self._stats = merge_engine_stats(list(self._latest.values()), scheduler_stats)
             self._prompt_tokens += scheduler_stats.num_prompt_tokens
             self._generation_tokens += scheduler_stats.num_generation_tokens
             s = scheduler_stats

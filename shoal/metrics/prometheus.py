@@ -23,7 +23,7 @@ from shoal.metrics.stats import CumulativeDelta, IterationStats
 
 PREFIXES = ("vllm", "shoal")
 _SOURCE = "shoal_src:"  # the one copy of each family, exported under every prefix by a view
-LABELS = ["model_name"]
+LABELS = ["model_name", "engine"]
 FINISH_REASONS = ("stop", "length", "abort", "error")
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -77,7 +77,34 @@ class _PrefixedView:
             yield out
 
 
+class _EngineSeries:
+    """One engine's labelled children, looked up once (some are observed once per token), and
+    its counters' last cumulative totals."""
+
+    def __init__(self, logger: PrometheusStatLogger, engine: int):
+        name, label = logger.model_name, str(engine)
+        self.labels = (name, label)
+        for attr, family in logger.families.items():
+            setattr(self, attr, family.labels(name, label))
+        f = logger.extra_families
+        self.waiting_capacity = f["waiting_by_reason"].labels(name, label, "capacity")
+        self.waiting_deferred = f["waiting_by_reason"].labels(name, label, "deferred")
+        for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
+            f["sleep_state"].labels(name, label, state).set(value)
+        self.prompt_computed = f["prompt_by_source"].labels(name, label, "local_compute")
+        self.prompt_cache_hit = f["prompt_by_source"].labels(name, label, "local_cache_hit")
+        f["prompt_by_source"].labels(name, label, "external_kv_transfer")  # none in shoal
+        self.success = {r: f["success"].labels(name, label, r) for r in FINISH_REASONS}
+        self.spec_per_pos: list[Any] = []
+        self.queries, self.hits, self.preempt = CumulativeDelta(), CumulativeDelta(), \
+            CumulativeDelta()
+        self.tiers: dict[tuple[str, str], tuple[Any, CumulativeDelta]] = {}
+
+
 class PrometheusStatLogger:
+    """Every series is labelled with the model and the engine (replica) it comes from, as
+    vLLM's: engine "0" alone without data parallelism."""
+
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None, *,
                  prefixes: Sequence[str] = PREFIXES, max_model_len: int = 2048,
                  cache_info: dict[str, str] | None = None):
@@ -87,15 +114,15 @@ class PrometheusStatLogger:
         self._source = CollectorRegistry(auto_describe=True)
         for prefix in self.prefixes:
             self.registry.register(_PrefixedView(self._source, prefix))
+        # attribute on _EngineSeries -> family labelled (model_name, engine) only
+        self.families: dict[str, Any] = {}
+        self.extra_families: dict[str, Any] = {}  # the families with more labels
         self._engine_families()
         self._request_families(buckets_1_2_5(max_model_len))
         if cache_info:
             info = self._family(Gauge, "cache_config_info", "Information of the LLMEngine "
                                 "CacheConfig", list(cache_info), model_label=False)
             info.labels(*cache_info.values()).set(1)
-        self._queries = CumulativeDelta()
-        self._hits = CumulativeDelta()
-        self._preempt = CumulativeDelta()
         self._tiers = "shoal" in self.prefixes
         if self._tiers:  # shoal's own families: the shoal: prefix only
             self.tier_usage = self._family(Gauge, "kv_offload_usage_perc", "Bytes used over "
@@ -104,101 +131,95 @@ class PrometheusStatLogger:
                 field: self._family(Counter, "kv_offload_" + field, doc, ["tier"],
                                     only="shoal")
                 for field, doc in TIER_COUNTERS.items()}
-        self._tier_children: dict[tuple[str, str], tuple[Any, CumulativeDelta]] = {}
+        self._series: dict[int, _EngineSeries] = {}
+        self.series(0)  # engine 0's series exist (at zero) before its first step
 
-    def _gauge(self, metric: str, doc: str) -> Any:
-        return self._family(Gauge, metric, doc).labels(self.model_name)
+    def series(self, engine: int) -> _EngineSeries:
+        s = self._series.get(engine)
+        if s is None:
+            s = self._series[engine] = _EngineSeries(self, engine)
+        return s
 
-    def _counter(self, metric: str, doc: str) -> Any:
-        return self._family(Counter, metric, doc).labels(self.model_name)
+    def _gauge(self, attr: str, metric: str, doc: str) -> None:
+        self.families[attr] = self._family(Gauge, metric, doc)
 
-    def _histogram(self, metric: str, doc: str, buckets: Sequence[float]) -> Any:
-        return self._family(Histogram, metric, doc, buckets=buckets).labels(self.model_name)
+    def _counter(self, attr: str, metric: str, doc: str) -> None:
+        self.families[attr] = self._family(Counter, metric, doc)
+
+    def _histogram(self, attr: str, metric: str, doc: str, buckets: Sequence[float]) -> None:
+        self.families[attr] = self._family(Histogram, metric, doc, buckets=buckets)
 
     def _engine_families(self) -> None:
         """Scheduler state and token counters."""
-        name, gauge, counter = self.model_name, self._gauge, self._counter
-        self.running = gauge("num_requests_running", "Number of requests in model execution "
-                                                     "batches.")
-        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be "
-                                                     "processed.")
-        by_reason = self._family(Gauge, "num_requests_waiting_by_reason",
-                                 "Number of waiting requests by reason: 'capacity' = waiting "
-                                 "for scheduling capacity; 'deferred' = deferred by transient "
-                                 "constraints (a KV load from a slower tier).", ["reason"])
-        self.waiting_capacity = by_reason.labels(name, "capacity")
-        self.waiting_deferred = by_reason.labels(name, "deferred")
-        sleep = self._family(Gauge, "engine_sleep_state", "Engine sleep state; shoal's engine "
-                             "does not sleep, so awake is always 1.", ["sleep_state"])
-        for state, value in (("awake", 1), ("weights_offloaded", 0), ("discard_all", 0)):
-            sleep.labels(name, state).set(value)
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent "
-                                                     "usage.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms "
-                                                              "of number of queried tokens.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number "
-                                                        "of cached tokens.")
-        self.preemptions = counter("num_preemptions", "Cumulative number of preemption from "
-                                                      "the engine.")
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        by_source = self._family(Counter, "prompt_tokens_by_source",
-                                 "Number of prompt tokens by source.", ["source"])
-        self.prompt_computed = by_source.labels(name, "local_compute")
-        self.prompt_cache_hit = by_source.labels(name, "local_cache_hit")
-        by_source.labels(name, "external_kv_transfer")  # shoal has no external KV source
-        self.prompt_cached = counter("prompt_tokens_cached", "Number of cached prompt tokens "
-                                                             "(local + external).")
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens "
-                                                              "processed.")
-        success = self._family(Counter, "request_success", "Count of successfully processed "
-                                                           "requests.", ["finished_reason"])
-        self._success_family = success
-        self.success = {r: success.labels(name, r) for r in FINISH_REASONS}
-        self.iteration_tokens = self._histogram("iteration_tokens_total", "Histogram of number "
-                                                "of tokens per engine_step.", ITERATION_BUCKETS)
-        self.spec_drafts = counter("spec_decode_num_drafts", "Number of spec decoding drafts.")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Number of draft "
-                                                                         "tokens.")
-        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Number of accepted "
-                                                                        "tokens.")
-        self._spec_per_pos_family = self._family(
+        gauge, counter, extra = self._gauge, self._counter, self.extra_families
+        gauge("running", "num_requests_running", "Number of requests in model execution "
+                                                 "batches.")
+        gauge("waiting", "num_requests_waiting", "Number of requests waiting to be processed.")
+        extra["waiting_by_reason"] = self._family(
+            Gauge, "num_requests_waiting_by_reason", "Number of waiting requests by reason: "
+            "'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient "
+            "constraints (a KV load from a slower tier).", ["reason"])
+        extra["sleep_state"] = self._family(
+            Gauge, "engine_sleep_state", "Engine sleep state; shoal's engine does not sleep, "
+            "so awake is always 1.", ["sleep_state"])
+        gauge("kv_usage", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        counter("prefix_queries", "prefix_cache_queries", "Prefix cache queries, in terms of "
+                                                          "number of queried tokens.")
+        counter("prefix_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of "
+                                                    "cached tokens.")
+        counter("preemptions", "num_preemptions", "Cumulative number of preemption from the "
+                                                  "engine.")
+        counter("prompt_tokens", "prompt_tokens", "Number of prefill tokens processed.")
+        extra["prompt_by_source"] = self._family(
+            Counter, "prompt_tokens_by_source", "Number of prompt tokens by source.", ["source"])
+        counter("prompt_cached", "prompt_tokens_cached", "Number of cached prompt tokens "
+                                                         "(local + external).")
+        counter("generation_tokens", "generation_tokens", "Number of generation tokens "
+                                                          "processed.")
+        extra["success"] = self._family(Counter, "request_success", "Count of successfully "
+                                        "processed requests.", ["finished_reason"])
+        self._histogram("iteration_tokens", "iteration_tokens_total", "Histogram of number of "
+                        "tokens per engine_step.", ITERATION_BUCKETS)
+        counter("spec_drafts", "spec_decode_num_drafts", "Number of spec decoding drafts.")
+        counter("spec_draft_tokens", "spec_decode_num_draft_tokens", "Number of draft tokens.")
+        counter("spec_accepted", "spec_decode_num_accepted_tokens", "Number of accepted "
+                                                                    "tokens.")
+        extra["spec_per_pos"] = self._family(
             Counter, "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
             "position.", ["position"])
-        self._spec_per_pos: list[Any] = []
 
     def _request_families(self, tokens: list[int]) -> None:
         """Per-request histograms (sizes, parameters, latencies by phase)."""
         histogram = self._histogram
-        self.req_prompt_tokens = histogram("request_prompt_tokens", "Number of prefill tokens "
-                                                                    "processed.", tokens)
-        self.req_generation_tokens = histogram("request_generation_tokens", "Number of "
-                                               "generation tokens processed.", tokens)
-        self.req_max_generation = histogram("request_max_num_generation_tokens", "Histogram of "
-                                            "maximum number of requested generation tokens.",
-                                            tokens)
-        self.req_n = histogram("request_params_n", "Histogram of the n request parameter.",
-                               N_BUCKETS)
-        self.req_max_tokens = histogram("request_params_max_tokens", "Histogram of the "
-                                        "max_tokens request parameter.", tokens)
-        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token "
-                                                             "in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency "
-                                                            "in seconds.", ITL_BUCKETS)
-        self.tpot = histogram("request_time_per_output_token_seconds", "Histogram of "
-                              "time_per_output_token_seconds per request.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of e2e request latency "
-                                                            "in seconds.", REQUEST_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds", "Histogram of time spent in "
-                                    "WAITING phase for request.", REQUEST_BUCKETS)
-        self.inference_time = histogram("request_inference_time_seconds", "Histogram of time "
-                                        "spent in RUNNING phase for request.", REQUEST_BUCKETS)
-        self.prefill_time = histogram("request_prefill_time_seconds", "Histogram of time spent "
-                                      "in PREFILL phase for request.", REQUEST_BUCKETS)
-        self.decode_time = histogram("request_decode_time_seconds", "Histogram of time spent "
-                                     "in DECODE phase for request.", REQUEST_BUCKETS)
-        self.prefill_kv_computed = histogram("request_prefill_kv_computed_tokens", "Histogram "
-                                             "of new KV tokens computed during prefill "
-                                             "(excluding cached tokens).", tokens)
+        histogram("req_prompt_tokens", "request_prompt_tokens", "Number of prefill tokens "
+                                                                "processed.", tokens)
+        histogram("req_generation_tokens", "request_generation_tokens", "Number of generation "
+                                                                        "tokens processed.",
+                  tokens)
+        histogram("req_max_generation", "request_max_num_generation_tokens", "Histogram of "
+                  "maximum number of requested generation tokens.", tokens)
+        histogram("req_n", "request_params_n", "Histogram of the n request parameter.",
+                  N_BUCKETS)
+        histogram("req_max_tokens", "request_params_max_tokens", "Histogram of the max_tokens "
+                                                                 "request parameter.", tokens)
+        histogram("ttft", "time_to_first_token_seconds", "Histogram of time to first token in "
+                                                         "seconds.", TTFT_BUCKETS)
+        histogram("itl", "inter_token_latency_seconds", "Histogram of inter-token latency in "
+                                                        "seconds.", ITL_BUCKETS)
+        histogram("tpot", "request_time_per_output_token_seconds", "Histogram of "
+                  "time_per_output_token_seconds per request.", ITL_BUCKETS)
+        histogram("e2e", "e2e_request_latency_seconds", "Histogram of e2e request latency in "
+                                                        "seconds.", REQUEST_BUCKETS)
+        histogram("queue_time", "request_queue_time_seconds", "Histogram of time spent in "
+                  "WAITING phase for request.", REQUEST_BUCKETS)
+        histogram("inference_time", "request_inference_time_seconds", "Histogram of time spent "
+                  "in RUNNING phase for request.", REQUEST_BUCKETS)
+        histogram("prefill_time", "request_prefill_time_seconds", "Histogram of time spent in "
+                  "PREFILL phase for request.", REQUEST_BUCKETS)
+        histogram("decode_time", "request_decode_time_seconds", "Histogram of time spent in "
+                  "DECODE phase for request.", REQUEST_BUCKETS)
+        histogram("prefill_kv_computed", "request_prefill_kv_computed_tokens", "Histogram of "
+                  "new KV tokens computed during prefill (excluding cached tokens).", tokens)
 
     def _family(self, cls: Any, metric: str, doc: str, extra: Sequence[str] = (), *,
                 model_label: bool = True, only: str | None = None, **kw: Any) -> Any:
@@ -209,75 +230,77 @@ class PrometheusStatLogger:
             return cls(f"{only}:{metric}", doc, labels, registry=self.registry, **kw)
         return cls(_SOURCE + metric, doc, labels, registry=self._source, **kw)
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats,
+               engine: int = 0) -> None:
+        e = self.series(engine)
         s = scheduler_stats
         if s is not None:
-            self.running.set(s.num_running)
-            self.waiting.set(s.num_waiting)
+            e.running.set(s.num_running)
+            e.waiting.set(s.num_waiting)
             deferred = min(s.num_waiting_deferred, s.num_waiting)
-            self.waiting_capacity.set(s.num_waiting - deferred)
-            self.waiting_deferred.set(deferred)
-            self.kv_usage.set(s.kv_cache_usage)
-            self.prefix_queries.inc(self._queries(s.prefix_cache_queries))
-            self.prefix_hits.inc(self._hits(s.prefix_cache_hits))
-            self.preemptions.inc(self._preempt(s.num_preemptions))
-            self.generation_tokens.inc(s.num_generation_tokens)
+            e.waiting_capacity.set(s.num_waiting - deferred)
+            e.waiting_deferred.set(deferred)
+            e.kv_usage.set(s.kv_cache_usage)
+            e.prefix_queries.inc(e.queries(s.prefix_cache_queries))
+            e.prefix_hits.inc(e.hits(s.prefix_cache_hits))
+            e.preemptions.inc(e.preempt(s.num_preemptions))
+            e.generation_tokens.inc(s.num_generation_tokens)
             step_tokens = s.num_prompt_tokens + s.num_generation_tokens
             if step_tokens:
-                self.iteration_tokens.observe(step_tokens)
+                e.iteration_tokens.observe(step_tokens)
             if s.spec_num_drafts:
-                self._record_spec(s)
+                self._record_spec(e, s)
             if self._tiers:
                 for tier, figures in (s.kv_tiers or {}).items():
-                    self._record_tier(tier, figures)
+                    self._record_tier(e, tier, figures)
         it = iteration
         if it.num_prompt_tokens:
-            self.prompt_tokens.inc(it.num_prompt_tokens)
-            self.prompt_cached.inc(it.num_cached_prompt_tokens)
-            self.prompt_cache_hit.inc(it.num_cached_prompt_tokens)
-            self.prompt_computed.inc(it.num_prompt_tokens - it.num_cached_prompt_tokens)
+            e.prompt_tokens.inc(it.num_prompt_tokens)
+            e.prompt_cached.inc(it.num_cached_prompt_tokens)
+            e.prompt_cache_hit.inc(it.num_cached_prompt_tokens)
+            e.prompt_computed.inc(it.num_prompt_tokens - it.num_cached_prompt_tokens)
         for v in it.time_to_first_tokens:
-            self.ttft.observe(v)
+            e.ttft.observe(v)
         for v in it.inter_token_latencies:
-            self.itl.observe(v)
+            e.itl.observe(v)
         for f in it.finished:
-            child = self.success.get(f.finish_reason)
+            child = e.success.get(f.finish_reason)
             if child is None:  # a reason beyond vLLM's four: its own series
-                child = self.success[f.finish_reason] = self._success_family.labels(
-                    self.model_name, f.finish_reason)
+                child = e.success[f.finish_reason] = self.extra_families["success"].labels(
+                    *e.labels, f.finish_reason)
             child.inc()
-            self.e2e.observe(f.e2e_latency)
-            self.queue_time.observe(f.queued_time)
-            self.prefill_time.observe(f.prefill_time)
-            self.decode_time.observe(f.decode_time)
-            self.inference_time.observe(f.inference_time)
-            self.tpot.observe(f.mean_time_per_output_token)
-            self.req_prompt_tokens.observe(f.num_prompt_tokens)
-            self.req_generation_tokens.observe(f.num_generation_tokens)
-            self.req_max_generation.observe(f.max_num_generation_tokens)
-            self.prefill_kv_computed.observe(max(f.num_prompt_tokens - f.num_cached_tokens, 0))
-            self.req_n.observe(f.n)
+            e.e2e.observe(f.e2e_latency)
+            e.queue_time.observe(f.queued_time)
+            e.prefill_time.observe(f.prefill_time)
+            e.decode_time.observe(f.decode_time)
+            e.inference_time.observe(f.inference_time)
+            e.tpot.observe(f.mean_time_per_output_token)
+            e.req_prompt_tokens.observe(f.num_prompt_tokens)
+            e.req_generation_tokens.observe(f.num_generation_tokens)
+            e.req_max_generation.observe(f.max_num_generation_tokens)
+            e.prefill_kv_computed.observe(max(f.num_prompt_tokens - f.num_cached_tokens, 0))
+            e.req_n.observe(f.n)
             if f.max_tokens:
-                self.req_max_tokens.observe(f.max_tokens)
+                e.req_max_tokens.observe(f.max_tokens)
 
-    def _record_spec(self, s: SchedulerStats) -> None:
-        self.spec_drafts.inc(s.spec_num_drafts)
-        self.spec_draft_tokens.inc(s.spec_num_draft_tokens)
-        self.spec_accepted.inc(s.spec_num_accepted_tokens)
+    def _record_spec(self, e: _EngineSeries, s: SchedulerStats) -> None:
+        e.spec_drafts.inc(s.spec_num_drafts)
+        e.spec_draft_tokens.inc(s.spec_num_draft_tokens)
+        e.spec_accepted.inc(s.spec_num_accepted_tokens)
         per_pos = s.spec_num_accepted_tokens_per_pos or []
-        while len(self._spec_per_pos) < len(per_pos):
-            self._spec_per_pos.append(self._spec_per_pos_family.labels(
-                self.model_name, str(len(self._spec_per_pos))))
-        for child, n in zip(self._spec_per_pos, per_pos):
+        while len(e.spec_per_pos) < len(per_pos):
+            e.spec_per_pos.append(self.extra_families["spec_per_pos"].labels(
+                *e.labels, str(len(e.spec_per_pos))))
+        for child, n in zip(e.spec_per_pos, per_pos):
             child.inc(n)
 
-    def _record_tier(self, tier: str, figures: dict[str, float]) -> None:
-        self.tier_usage.labels(self.model_name, tier).set(figures.get("usage", 0.0))
+    def _record_tier(self, e: _EngineSeries, tier: str, figures: dict[str, float]) -> None:
+        self.tier_usage.labels(*e.labels, tier).set(figures.get("usage", 0.0))
         for field, family in self.tier_counters.items():
-            entry = self._tier_children.get((tier, field))
+            entry = e.tiers.get((tier, field))
             if entry is None:
-                entry = (family.labels(self.model_name, tier), CumulativeDelta())
-                self._tier_children[(tier, field)] = entry
+                entry = e.tiers[(tier, field)] = (family.labels(*e.labels, tier),
+                                                  CumulativeDelta())
             child, delta = entry
             child.inc(delta(figures.get(field, 0)))
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
+
+import msgspec
 
 from shoal.engine.core_types import SchedulerStats
 
@@ -45,9 +47,27 @@ class IterationStats:
     num_generation_tokens: int = 0
 
 
+# Of SchedulerStats: cumulative since start-up, and the state now (summed over replicas).
+CUMULATIVE_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
+GAUGE_FIELDS = ("num_running", "num_waiting", "num_waiting_deferred")
+
+
+def merge_engine_stats(latest: list[SchedulerStats], step: SchedulerStats) -> SchedulerStats:
+    """The whole server's state from every engine's latest report: gauges and cumulative
+    counters summed, KV usage averaged; the step's own token and speculation counts."""
+    if len(latest) == 1:
+        return step
+    fields: dict[str, Any] = {name: sum(getattr(s, name) for s in latest)
+                              for name in (*GAUGE_FIELDS, *CUMULATIVE_FIELDS)}
+    fields["kv_cache_usage"] = sum(s.kv_cache_usage for s in latest) / len(latest)
+    return msgspec.structs.replace(step, **fields)
+
+
 class StatLogger(Protocol):
-    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
-        """Called for every message of engine outputs."""
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats,
+               engine: int = 0) -> None:
+        """Called for every message of engine outputs; `engine` is the replica it came from
+        (data parallelism), its stats that replica's own."""
 
     def log(self) -> None:
         """Called periodically (every 10 s by default)."""

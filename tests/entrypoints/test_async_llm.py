@@ -43,6 +43,9 @@ class FakeClient:
     def abort_requests(self, ids):
         self.aborted.extend(ids)
 
+    def engine_of(self, request_id):
+        return 0
+
     async def get_outputs(self):
         item = await self.outputs.get()
         if isinstance(item, BaseException):
@@ -65,7 +68,7 @@ class Recorder:
     def __init__(self):
         self.iterations: list[IterationStats] = []
 
-    def record(self, stats, it):
+    def record(self, stats, it, engine=0):
         self.iterations.append(it)
 
     def log(self):

@@ -1,17 +1,23 @@
 """Data parallelism behind one server (shoal/engine/dp_client.py): two engine processes,
-requests spread over both, every answer what one engine gives, metrics for the whole server."""
+requests spread over both, every answer what one engine gives, metrics for the whole server; a
+replica killed under load fails only its own requests while the other keeps serving."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import time
+from pathlib import Path
 
 import httpx
 import pytest
 
 from shoal import LLM, SamplingParams
 from shoal.engine.core_types import SchedulerStats
-from shoal.engine.dp_client import _sum_stats, merge_limits
+from shoal.engine.dp_client import merge_limits
 from shoal.engine.input_processor import EngineLimits
+from shoal.metrics.stats import merge_engine_stats
 
 PROMPTS = [[5, 17, 300, 42, 7, 99], [256, 3, 11, 400, 23, 8], [9, 9, 9], [1, 2, 3, 4]]
 
@@ -37,9 +43,11 @@ def test_two_replicas_serve_what_one_engine_does(tiny_llama_dir):
                                                     "return_token_ids": True})
         assert [list(c.token_ids) for c in sorted(out.choices, key=lambda c: c.index)] == expected
         metrics = httpx.get(server.base_url + "/metrics").text
-        done = re.search(r'^vllm:request_success_total\{[^}]*finished_reason="length"[^}]*\} '
-                         r'(\S+)', metrics, re.M)
-        assert done is not None and float(done.group(1)) == len(PROMPTS)
+        # per engine, as vLLM labels them: both replicas served some of the prompts
+        done = {engine: float(v) for engine, v in re.findall(
+            r'^vllm:request_success_total\{engine="(\d)",finished_reason="length"[^}]*\} (\S+)',
+            metrics, re.M)}
+        assert sum(done.values()) == len(PROMPTS) and done["0"] > 0 and done["1"] > 0, done
         engines = {int(p) for p in re.findall(r"engine core process (\d+) ready",
                                                 server.log_tail(20000))}
         assert len(engines) == 2  # two engine processes really started
@@ -58,7 +66,7 @@ def test_merged_limits_and_stats():
                         num_generation_tokens=3)
     s2 = SchedulerStats(num_running=2, kv_cache_usage=0.1, prefix_cache_hits=5,
                         num_generation_tokens=2)
-    merged = _sum_stats([s1, s2], s2)
+    merged = merge_engine_stats([s1, s2], s2)
     assert (merged.num_running, merged.num_waiting, merged.prefix_cache_hits) == (5, 1, 12)
     assert merged.kv_cache_usage == pytest.approx(0.3)
     assert merged.num_generation_tokens == 2  # the step's own count, never summed again
@@ -67,3 +75,72 @@ def test_merged_limits_and_stats():
 def test_offline_refuses_data_parallel():
     with pytest.raises(ValueError, match="data_parallel_size > 1 runs replicas"):
         LLM(model=None, data_parallel_size=2)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    stat = Path(f"/proc/{pid}/stat")  # a zombie not reaped yet is gone too
+    return not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z"
+
+
+def test_a_killed_replica_leaves_the_other_serving(tiny_llama_dir):
+    """Two long streams, one per replica; replica 1 killed (SIGKILL): its stream ends with an
+    error within seconds, the other finishes, new requests are answered by replica 0 as before
+    and /health stays 200. Killing replica 0 too ends the server (503 or gone), no process left."""
+    import openai
+    from entrypoints.conftest import RemoteServer
+
+    model = str(tiny_llama_dir)
+    server = RemoteServer(model, "--data-parallel-size", "2", "--device", "cpu", "--dtype",
+                          "float32", "--max-model-len", "512", "--max-num-seqs", "4",
+                          base_args=["--kv-cache-memory-bytes", str(2**22),
+                                     "--disable-uvicorn-access-log"])
+    try:
+        pids = {int(r): int(p) for r, p in re.findall(r"engine replica (\d+) of 2: pid (\d+)",
+                                                      server.log_tail(200000))}
+        assert sorted(pids) == [0, 1], server.log_tail()
+        client = server.openai()
+        greedy = dict(model=model, prompt=PROMPTS[0], max_tokens=8, temperature=0,
+                      extra_body={"ignore_eos": True})
+        before = client.completions.create(**greedy).choices[0].text
+
+        long = dict(model=model, max_tokens=480, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True})
+        on_0 = iter(client.completions.create(prompt=PROMPTS[1], **long))
+        next(on_0)  # in flight on replica 0, so the next one goes to replica 1
+        on_1 = iter(client.completions.create(prompt=PROMPTS[2], **long))
+        next(on_1)
+        os.kill(pids[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError, match="replica 1 died"):
+            for _ in on_1:
+                pass
+        assert time.monotonic() - t0 < 10
+        finish = [c.choices[0].finish_reason for c in on_0]
+        assert finish[-1] == "length"  # replica 0's request was not touched
+
+        for _ in range(3):  # every new request goes to the survivor and is answered as before
+            assert client.completions.create(**greedy).choices[0].text == before
+        assert httpx.get(server.base_url + "/health", timeout=5).status_code == 200
+        running = dict(re.findall(r'^vllm:num_requests_running\{engine="(\d)"[^}]*\} (\S+)',
+                                  httpx.get(server.base_url + "/metrics").text, re.M))
+        assert float(running["1"]) == 0  # the dead replica's gauges dropped to zero
+
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        health = 200
+        while time.monotonic() < deadline and health == 200:
+            try:
+                health = httpx.get(server.base_url + "/health", timeout=5).status_code
+            except httpx.HTTPError:
+                health = None  # the server exited after its grace period: as good as a 503
+            time.sleep(0.1)
+        assert health in (None, 503)
+        while time.monotonic() < deadline and not all(_gone(p) for p in pids.values()):
+            time.sleep(0.2)
+        assert all(_gone(p) for p in pids.values()), server.log_tail()
+    finally:
+        server.stop()

@@ -17,7 +17,7 @@ M = "m"
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    v = registry.get_sample_value(name, {"model_name": M, **labels})
+    v = registry.get_sample_value(name, {"model_name": M, "engine": "0", **labels})
     assert v is not None, name
     return v
 
@@ -26,8 +26,9 @@ def test_two_loggers_in_one_process_do_not_clash():
     a, b = PrometheusStatLogger(M), PrometheusStatLogger(M)
     assert a.registry is not b.registry
     text = generate_latest(a.registry).decode()
-    assert 'shoal:kv_cache_usage_perc{model_name="m"} 0.0' in text
-    assert 'shoal:request_success_total{finished_reason="stop",model_name="m"} 0.0' in text
+    assert 'shoal:kv_cache_usage_perc{engine="0",model_name="m"} 0.0' in text
+    assert ('shoal:request_success_total{engine="0",finished_reason="stop",model_name="m"} 0.0'
+            in text)
 
 
 def test_scheduler_stats_gauges_and_counters():
@@ -149,7 +150,7 @@ def test_vllm_families_under_both_prefixes_or_one():
                                   {"block_size": "16", "kv_cache_size_tokens": "4096"}) == 1
     # token-count buckets grow 1-2-5 up to max_model_len, as vLLM's
     text = generate_latest(r).decode()
-    assert 'vllm:request_prompt_tokens_bucket{le="1000.0",model_name="m"}' in text
+    assert 'vllm:request_prompt_tokens_bucket{engine="0",le="1000.0",model_name="m"}' in text
     assert 'le="2000.0",model_name="m"' not in text
     only = PrometheusStatLogger(M, prefixes=["vllm"])
     text = generate_latest(only.registry).decode()
@@ -160,3 +161,25 @@ def test_an_unknown_finish_reason_gets_its_own_series():
     p = PrometheusStatLogger(M)
     p.record(None, IterationStats(finished=[FinishedRequestStats("timeout", 1.0, 3, 1)]))
     assert _value(p.registry, "vllm:request_success_total", finished_reason="timeout") == 1
+
+
+def test_series_per_engine_and_the_log_line_over_all():
+    """Data parallelism: each replica's state under its own engine label (vLLM's), the log
+    line over the whole server."""
+    p, log = PrometheusStatLogger(M), LoggingStatLogger()
+    for logger in (p, log):
+        logger.record(SchedulerStats(num_running=3, kv_cache_usage=0.5, prefix_cache_hits=4,
+                                     num_generation_tokens=3), IterationStats(), 0)
+        logger.record(SchedulerStats(num_running=2, kv_cache_usage=0.25, prefix_cache_hits=6,
+                                     num_generation_tokens=2), IterationStats(
+            finished=[FinishedRequestStats("stop", 1.0, 3, 1)]), 1)
+    r = p.registry
+    assert _value(r, "vllm:num_requests_running") == 3
+    assert _value(r, "vllm:num_requests_running", engine="1") == 2
+    assert _value(r, "vllm:prefix_cache_hits_total", engine="1") == 6
+    assert _value(r, "vllm:request_success_total", engine="1", finished_reason="stop") == 1
+    assert _value(r, "vllm:request_success_total", finished_reason="stop") == 0
+    line = log.format_line(now=log._last_time + 1)
+    assert line is not None
+    assert "Running: 5 reqs" in line and "KV cache usage: 37.5%" in line
+    assert "generation throughput: 5.0 tokens/s" in line

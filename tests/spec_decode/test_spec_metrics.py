@@ -21,7 +21,7 @@ def test_prometheus_counters_under_vllm_names() -> None:
     r = p.registry
     for prefix in ("vllm", "shoal"):
         def value(name: str, prefix: str = prefix, **labels: str) -> float:
-            v = r.get_sample_value(f"{prefix}:{name}", {"model_name": "m", **labels})
+            v = r.get_sample_value(f"{prefix}:{name}", {"model_name": "m", "engine": "0", **labels})
             assert v is not None, name
             return v
         assert value("spec_decode_num_drafts_total") == 3
