@@ -46,7 +46,7 @@ def grammar_vocab_size(tokenizer: Any, model_vocab_size: int,
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
                  ) -> GrammarBackend:
-    """name: xgrammar, guidance or auto (xgrammar). Imports the library here: it loads torch,
+    """name: xgrammar, guidance, auto (xgrammar) or none (neither installed). Imports the library here: it loads torch,
     which only the engine core may."""
     if tokenizer is None:
         raise ValueError("structured outputs need a tokenizer in the engine (the model has none)")
@@ -58,6 +58,9 @@ def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list
         from shoal.structured_output.guidance_backend import GuidanceBackend
 
         return GuidanceBackend(tokenizer, vocab_size, eos_token_ids)
+    if name == "none":  # "auto" found neither library at start-up
+        raise ValueError("structured outputs need the xgrammar or llguidance package, and "
+                         "neither is installed where the engine runs")
     raise ValueError(f"unknown structured outputs backend {name!r} (supported: auto, xgrammar, "
                      "guidance)")
 

@@ -121,12 +121,21 @@ def parse_backend_config(text: str | dict | None) -> str:
     return backend
 
 
-def check_backend_available(backend: str) -> str:
-    """The backend's library must be installed (found without importing it: it loads torch)."""
+def check_backend_available(backend: str, find: Any = None) -> str:
+    """The backend the engine will use. A backend named by the user must be installed (found
+    without importing it: it loads torch). "auto" takes xgrammar, else llguidance, else
+    "none": the engine starts, and a constrained request is refused with a 400 that says
+    what to install (an image without either library still serves plain requests)."""
     import importlib.util
 
-    module = {"auto": "xgrammar", "xgrammar": "xgrammar", "guidance": "llguidance"}[backend]
-    if importlib.util.find_spec(module) is None:
+    find = find or importlib.util.find_spec
+    if backend == "auto":
+        for name, module in (("xgrammar", "xgrammar"), ("guidance", "llguidance")):
+            if find(module) is not None:
+                return name
+        return "none"
+    module = {"xgrammar": "xgrammar", "guidance": "llguidance"}[backend]
+    if find(module) is None:
         raise ValueError(f"the {backend} structured outputs backend needs the {module} package, "
                          "which is not installed")
     return backend

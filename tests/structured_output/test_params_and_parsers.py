@@ -79,6 +79,16 @@ def test_backend_config():
     with pytest.raises(ValueError, match="unsupported field"):
         parse_backend_config('{"backend": "xgrammar", "x": 1}')
     assert check_backend_available("xgrammar") == "xgrammar"
+    assert check_backend_available("auto") == "xgrammar"
+    only_guidance = {"llguidance": object()}.get
+    assert check_backend_available("auto", only_guidance) == "guidance"
+    assert check_backend_available("auto", {}.get) == "none"  # starts; refuses constraints
+    with pytest.raises(ValueError, match="needs the llguidance package"):
+        check_backend_available("guidance", {}.get)
+    from shoal.structured_output.manager import make_backend
+
+    with pytest.raises(ValueError, match="xgrammar or llguidance"):  # a constrained request's 400
+        make_backend("none", object(), 512, [2])
 
 
 def test_tool_plans():
