@@ -26,8 +26,8 @@ def join_tensor_parallel_group(device: torch.device, rank: int, world: int, port
     rank r is pipeline stage r // tp (shoal/distributed/parallel_state.py). host: rank 0's
     address (loopback for mp; the driver's node IP for Ray actors, maybe on other nodes)."""
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # a bare "cuda" is the current device (rank 0 of mp)
+        torch.cuda.set_device(device if device.index is not None else torch.cuda.current_device())
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=world, timeout=COLLECTIVE_TIMEOUT)
     init_model_parallel(world // pp, pp)
