@@ -10,8 +10,21 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define SHOAL_CLONES \
   __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+// A kernel in two versions, chosen with has_avx512(): one for AVX-512 alone, one cloned for
+// AVX2 and the baseline (where 16-float vector types would spill).
+#define SHOAL_WIDE __attribute__((target("arch=x86-64-v4")))
+#define SHOAL_NARROW_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+inline bool has_avx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+         __builtin_cpu_supports("avx512cd");
+}
 #else
 #define SHOAL_CLONES
+#define SHOAL_WIDE
+#define SHOAL_NARROW_CLONES
+inline bool has_avx512() { return false; }
 #endif
 #define SHOAL_INLINE inline __attribute__((always_inline))
 
