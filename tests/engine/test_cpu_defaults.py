@@ -71,3 +71,16 @@ def test_engine_config_uses_the_model_threads(threads):
         assert sc.max_num_batched_tokens == 3000
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_bfloat16_on_a_cpu_without_native_bf16_warns(native, monkeypatch, caplog):
+    """A bf16 matmul without AVX-512 BF16 / AMX is ~100x slower than fp32: the user is told."""
+    import shoal.engine.engine_args as ea
+
+    monkeypatch.setattr(ea, "_cpu_has_bf16_matmul", lambda: native)
+    with caplog.at_level("WARNING", logger="shoal.engine.engine_args"):
+        EngineArgs(device="cpu", dtype="bfloat16").create_engine_config(_Cfg())
+        EngineArgs(device="cpu", dtype="float32").create_engine_config(_Cfg())
+    warned = [r for r in caplog.records if "no native bfloat16 matmul" in r.message]
+    assert len(warned) == (0 if native else 1)
