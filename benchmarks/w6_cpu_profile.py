@@ -32,8 +32,10 @@ from host_info import cpu_model
 REPO = Path(__file__).resolve().parents[1]
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm_for_cpu",
-              "aten::_weight_int8pack_mm", "aten::mkldnn_", "mkldnn::", "onednn::")
-ATTENTION_OPS = ("aten::_scaled_dot_product", "shoal::", "aten::scaled_dot_product")
+              "aten::_weight_int8pack_mm", "aten::mkldnn_", "mkldnn::", "onednn::",
+              "shoal_cpu::small_linear")
+ATTENTION_OPS = ("aten::_scaled_dot_product", "shoal::", "aten::scaled_dot_product",
+                 "shoal_cpu::paged_decode")
 KV_OPS = ("aten::index_select", "aten::index_copy_", "aten::index_put_")
 # Ops whose time is their children's (counted there), or the profiler's own.
 WRAPPER_OPS = ("aten::linear", "aten::matmul", "aten::scaled_dot_product_attention",

@@ -27,7 +27,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "paged_decode_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "sampling_cpu.cpp")
+SOURCES = (CSRC / "paged_decode_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "sampling_cpu.cpp",
+           CSRC / "small_linear_cpu.cpp")
 HEADERS = (CSRC / "cpu_common.h",)
 NAME = "shoal_cpu_kernels"
 # No -march: one build must run on any x86-64; the kernels pick AVX-512/AVX2 at run time.

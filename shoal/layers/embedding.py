@@ -13,6 +13,7 @@ from shoal.distributed.parallel_state import (
     tp_all_reduce,
 )
 from shoal.layers.linear import default_weight_loader
+from shoal.layers.ops import small_linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -50,7 +51,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Projects hidden states to logits over the full vocabulary."""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = small_linear.linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = tp_all_gather_last_dim(logits)
         return logits[..., : self.num_embeddings]

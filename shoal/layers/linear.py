@@ -4,7 +4,6 @@ checkpoint tensor and copies this rank's shard into place, so model code never s
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shoal.distributed.parallel_state import (
@@ -14,6 +13,7 @@ from shoal.distributed.parallel_state import (
     tp_all_reduce,
 )
 from shoal.layers.int4_cpu import Int4Weight, int4_linear
+from shoal.layers.ops import small_linear
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -61,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
             y = int4_linear(x, self.int4)
             y = y if self.bias is None else y + self.bias
         else:
-            y = F.linear(x, self.weight, self.bias)
+            y = small_linear.linear(x, self.weight, self.bias)
         return tp_all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -138,7 +138,7 @@ class RowParallelLinear(nn.Module):
         if self.int4 is not None and self.int4.takes(x):
             y = int4_linear(x, self.int4)
         else:
-            y = F.linear(x, self.weight)
+            y = small_linear.linear(x, self.weight)
         if self.reduce_results:
             y = tp_all_reduce(y)
         if self.bias is not None:
@@ -164,7 +164,7 @@ class ReplicatedLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return small_linear.linear(x, self.weight, self.bias)
 
 
 def load_tensor(param: nn.Parameter, tensor: torch.Tensor, shard: str | int | None = None) -> None:
