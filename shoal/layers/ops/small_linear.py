@@ -1,7 +1,8 @@
 """y = x W^T (+ b) for the few rows of a small decode step on the CPU, through shoal's C++
 kernel (shoal/csrc/small_linear_cpu.cpp): each weight row is read once for all rows of x at
 close to the memory's speed, where torch's CPU matmul reads it at a third of that (float32
-on a Zen 3 host: 20-27 against 7-14 GB/s for one row, 13-17 against 5-6 GB/s for four).
+on a Zen 3 host: 20-27 against 7-14 GB/s for one row, 13-17 against 5-6 for four, 8-11
+against 5-7 for eight).
 
 Any other device, dtype, layout or a larger step takes F.linear. SHOAL_CPU_LAYER_KERNELS=0
 turns it off with the other C++ layer ops."""
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from shoal.layers.ops import cpu_layer_ops
 
-MAX_ROWS = 4  # measured above; the kernel takes up to 8, torch's blocked matmul wins from 16
+MAX_ROWS = 8  # the kernel's limit; still 1.4-2.4x torch's speed at 8 rows (above)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
