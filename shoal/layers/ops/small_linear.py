@@ -19,7 +19,7 @@ MAX_ROWS = 8  # the kernel's limit; still 1.4-2.4x torch's speed at 8 rows (abov
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
            ) -> torch.Tensor:
-    if (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.shape[0] > 0 and weight.dim() == 2
+    if (x.is_cpu and x.dim() == 2 and 0 < x.shape[0] <= MAX_ROWS and weight.dim() == 2
             and weight.dtype == x.dtype and weight.is_contiguous()
             and (bias is None or bias.dtype == x.dtype) and cpu_layer_ops.usable(x)):
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
