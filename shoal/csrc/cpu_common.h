@@ -45,6 +45,28 @@ SHOAL_INLINE uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch
   return static_cast<uint16_t>(u >> 16);
 }
 
+// Fixed-width float vectors (GCC/Clang vector extensions): 8 floats fill an AVX2 register;
+// 16 fill an AVX-512 one and are for AVX-512 code only (elsewhere GCC spills them).
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V8 __attribute__((vector_size(32)));
+typedef float V4 __attribute__((vector_size(16)));
+
+SHOAL_INLINE V16 load16(const float* p) {
+  V16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+SHOAL_INLINE V8 load8(const float* p) {
+  V8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+SHOAL_INLINE V8 load8(const uint16_t* p) {  // 8 bfloat16 values, widened
+  V8 v;
+  for (int i = 0; i < 8; ++i) v[i] = bf16_to_f32(p[i]);
+  return v;
+}
+
 SHOAL_INLINE float to_f32(float x) { return x; }
 SHOAL_INLINE float to_f32(uint16_t x) { return bf16_to_f32(x); }
 SHOAL_INLINE void store(float* dst, float x) { *dst = x; }

@@ -54,28 +54,10 @@ SHOAL_INLINE const float* row_f32(const uint16_t* src, float* buf, int64_t d) {
 }
 SHOAL_INLINE float exp_nonpos(float x) { return exp_clamped(x); }  // x <= 0 here
 
-// 16 floats as one value: a zmm register in the AVX-512 clone, two ymm or four xmm in the
-// others. Used for dot products, whose horizontal sum auto-vectorisation does lane by lane.
-typedef float V16 __attribute__((vector_size(64)));  // AVX-512 only
-typedef float V8 __attribute__((vector_size(32)));
-typedef float V4 __attribute__((vector_size(16)));
-
 template <typename V, typename W>
 SHOAL_INLINE V part(const W& w, int half) {  // the low (0) or high (1) half of w
   V v;
   std::memcpy(&v, reinterpret_cast<const char*>(&w) + half * sizeof(V), sizeof v);
-  return v;
-}
-
-SHOAL_INLINE V16 load16(const float* p) {
-  V16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-SHOAL_INLINE V8 load8(const float* p) {
-  V8 v;
-  std::memcpy(&v, p, sizeof v);
   return v;
 }
 

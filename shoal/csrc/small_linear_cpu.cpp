@@ -24,21 +24,9 @@ namespace {
 
 using namespace shoal_cpu;
 
-typedef float V8 __attribute__((vector_size(32)));
-
 constexpr int64_t kMaxRows = 8;  // rows of x per call (more: a matmul's job)
 constexpr int kChains = 4;       // independent accumulators per row of x (FMA latency)
 
-SHOAL_INLINE V8 load8(const float* p) {
-  V8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-SHOAL_INLINE V8 load8(const uint16_t* p) {
-  V8 v;
-  for (int i = 0; i < 8; ++i) v[i] = bf16_to_f32(p[i]);
-  return v;
-}
 SHOAL_INLINE float hsum(V8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }

@@ -147,9 +147,11 @@ def test_three_ray_ranks_generate_what_one_rank_does(ray_cluster):
     assert "CREATED" not in _pg_states(ray_cluster), "the placement group outlived shutdown"
 
 
-def test_a_killed_actor_fails_the_requests_in_flight(ray_cluster, tiny_llama_dir):
+@pytest.mark.parametrize("pp", [1, 2], ids=["tp2", "pp2"])
+def test_a_killed_actor_fails_the_requests_in_flight(ray_cluster, tiny_llama_dir, pp):
+    """A tensor-parallel rank's actor, or a pipeline stage's, killed mid-request."""
     torch.set_num_threads(1)
-    llm = _llm(2, "ray", str(tiny_llama_dir))
+    llm = _llm(3 - pp, "ray", str(tiny_llama_dir), pipeline_parallel_size=pp)
     try:
         engine = llm.llm_engine
         runner = engine.core.runner
@@ -201,25 +203,6 @@ def test_pipeline_stages_on_ray_match_one_rank(ray_cluster, tmp_path, monkeypatc
         assert_close(expected, got, 1e-4)
         assert all(_exited(p) for p in pids), "an actor outlived shutdown"
         assert "CREATED" not in _pg_states(ray_cluster)
-
-
-def test_a_killed_stage_actor_fails_the_requests_in_flight(ray_cluster, tiny_llama_dir):
-    torch.set_num_threads(1)
-    llm = _llm(1, "ray", str(tiny_llama_dir), pipeline_parallel_size=2)
-    try:
-        engine = llm.llm_engine
-        runner = engine.core.runner
-        pids = list(runner._pids)
-        assert_kill_fails_step(
-            engine, lambda: ray_cluster.kill(runner._actors[0], no_restart=True), PROMPTS,
-            max_tokens=200)
-    finally:
-        llm.shutdown()
-    deadline = time.monotonic() + 10
-    while not all(_exited(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert all(_exited(p) for p in pids)
-    assert "CREATED" not in _pg_states(ray_cluster)
 
 
 def test_ray_without_ray_installed_is_a_clear_error(monkeypatch):
