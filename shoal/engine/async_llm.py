@@ -290,13 +290,9 @@ class AsyncLLM:
     def _process(self, msg: CoreOutputs) -> None:
         it = IterationStats()
         for cid, reason in msg.rejected.items():
-            rid = self.outputs.parent_of(cid)
-            if rid is not None:  # the siblings the core did accept are aborted too
-                self.client.abort_requests(self.outputs.fail(rid, ValueError(reason), it))
+            self._fail_parent(cid, ValueError(reason), it)
         for cid, reason in msg.lost.items():  # a data-parallel replica died under it
-            rid = self.outputs.parent_of(cid)
-            if rid is not None:
-                self.client.abort_requests(self.outputs.fail(rid, EngineDeadError(reason), it))
+            self._fail_parent(cid, EngineDeadError(reason), it)
         _, to_abort = self.outputs.process_outputs(msg.outputs.outputs, it)
         if to_abort:
             self.client.abort_requests(to_abort)
@@ -305,6 +301,12 @@ class AsyncLLM:
             self._engine_stats[msg.engine_index] = stats
             self.last_stats = merge_engine_stats(list(self._engine_stats.values()), stats)
         self._ended(it, stats, msg.engine_index, always=True)
+
+    def _fail_parent(self, child_id: str, error: BaseException, it: IterationStats) -> None:
+        """Ends the request a core request belongs to; its siblings are aborted in the core."""
+        rid = self.outputs.parent_of(child_id)
+        if rid is not None:
+            self.client.abort_requests(self.outputs.fail(rid, error, it))
 
     def _ended(self, it: IterationStats, stats: SchedulerStats | None = None, engine: int = 0,
                always: bool = False) -> None:

@@ -46,8 +46,8 @@ def grammar_vocab_size(tokenizer: Any, model_vocab_size: int,
 
 def make_backend(name: str, tokenizer: Any, vocab_size: int, eos_token_ids: list[int]
                  ) -> GrammarBackend:
-    """name: xgrammar, guidance, auto (xgrammar) or none (neither installed). Imports the library here: it loads torch,
-    which only the engine core may."""
+    """name: xgrammar, guidance, auto (xgrammar) or none (neither installed). Imports the
+    library here: it loads torch, which only the engine core may."""
     if tokenizer is None:
         raise ValueError("structured outputs need a tokenizer in the engine (the model has none)")
     if name in ("auto", "xgrammar"):
