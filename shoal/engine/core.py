@@ -21,6 +21,7 @@ import gc
 import logging
 import time
 import weakref
+from concurrent.futures import Future
 from typing import Any
 
 from shoal.config import EngineConfig
@@ -96,6 +97,9 @@ class EngineCore(MicroBatching):
             self._eos_ids(loaded), pin_memory=config.device.type == "cuda")
         self._compiling: dict[int, Request] = {}
         self._structured_serials: set[int] = set()
+        # The step in flight's tokens being accepted on the grammar worker thread (async
+        # scheduling): the scheduler applies them once this is done.
+        self._advancing: Future | None = None
         self.eos_token_ids = frozenset(self._eos_ids(loaded))
         sc = config.scheduler_config
         # What every frontend validates requests against (sent in the ready message).
@@ -268,6 +272,8 @@ class EngineCore(MicroBatching):
         if self._compiling:
             self._check_grammars()
         pipelined = self._can_pipeline()
+        if pipelined and self._structured_serials and self._inflight is not None:
+            self._advance_grammars(self._inflight)
         sched = None
         if pipelined or self._inflight is None:
             sched = self.scheduler.schedule(allow_drafts=self._inflight is None)
@@ -316,6 +322,26 @@ class EngineCore(MicroBatching):
                 if error is not None:
                     self.scheduler.fail_request(req, error)
 
+    def _advance_grammars(self, inflight: tuple[SchedulerOutput, StepFuture]) -> None:
+        """Async scheduling: the grammar worker thread accepts the step in flight's tokens as
+        soon as they reach the host, while this thread schedules and launches the next step
+        (the scheduler reads the verdicts in update). Not for steps whose tokens only the
+        runner's finish() can tell (drafts, pipeline stages): those accept in update."""
+        sched, fut = inflight
+        grammar = sched.grammar_bitmask
+        if grammar is None:
+            return
+        read = self.runner.sampled_reader(fut)
+        if read is None:
+            return
+        rows = []
+        for serial in grammar.serials:
+            req = self.scheduler.request_by_serial(serial)
+            if req is not None and req.structured is not None:
+                rows.append((serial, req.structured))
+        if rows:
+            self._advancing = self.structured.advance_async(read, rows)
+
     def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
         """The structured rows that sample this step, and how to fill their bitmask on the
         host (the runner does it while the device runs the forward pass)."""
@@ -328,9 +354,19 @@ class EngineCore(MicroBatching):
                     grammars.append(req.structured)
         if not grammars:
             return None
+        if self._advancing is not None:
+            # The worker fills it after accepting the step in flight's tokens, while this
+            # thread launches the step and applies those tokens; sampling waits for both.
+            filled = self.structured.fill_async(grammars)
+            return GrammarBitmask(serials, filled.result, deferred=True)
         # Behind a step in flight, sampling waits until that step's tokens are applied.
         return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars),
                               deferred=self._inflight is not None)
+
+    def _wait_grammar_worker(self) -> None:
+        advancing, self._advancing = self._advancing, None
+        if advancing is not None:
+            advancing.result()
 
     def _finish_inflight(self, propose: bool = True) -> list[EngineCoreOutput]:
         """The step in flight's results into the scheduler. propose=False: a step was
@@ -339,7 +375,9 @@ class EngineCore(MicroBatching):
             return []
         sched, fut = self._inflight
         self._inflight = None
-        outputs = self.scheduler.update(sched, self.runner.finish(fut, propose=propose))
+        result = self.runner.finish(fut, propose=propose)
+        self._wait_grammar_worker()  # the verdicts of its structured rows
+        outputs = self.scheduler.update(sched, result)
         self._unsettled = [s for s in self._unsettled if s is not sched]
         return outputs
 
@@ -349,6 +387,8 @@ class EngineCore(MicroBatching):
         logger.exception("an engine step failed; its requests are retried one at a time")
         scheds, self._unsettled = self._unsettled, []
         self._inflight = None
+        self._advancing = None
+        self.structured.drain()  # nothing touches a matcher behind the failed requests
         if self.batch_queue is not None:
             self.batch_queue.clear()
         self.runner.reset_after_fault()

@@ -4,13 +4,19 @@ Compilations run in a small thread pool and are cached by (kind, spec), so a sch
 many requests share compiles once. A request waits in the scheduler until its own grammar is
 ready (`StructuredRequest.is_ready`); the others go on. Each step the core asks for the
 bitmask of the structured rows it samples; the scheduler advances a request's matcher on each
-token it accepts."""
+token it accepts.
+
+With async scheduling the grammar work of a step runs on one worker thread beside the step
+loop (`advance_async`, `fill_async`): it accepts step N's tokens as soon as they reach the host
+and fills step N+1's bitmask while the loop schedules and launches step N+1 and applies step
+N's results; the scheduler then reads each row's verdict instead of calling the matcher."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -103,18 +109,35 @@ class StructuredRequest:
     # The grammar refused a token or is complete: the request ends. A step scheduled behind
     # it (async scheduling) still has its row, whose token is dropped: nothing to fill.
     ended = False
+    # (token, accepted): the worker thread advanced the matcher on the request's next token
+    # already (StructuredOutputManager.advance_async); accept() only reads the verdict.
+    verdict: tuple[int, bool] | None = None
 
     def accept(self, token_id: int) -> bool:
         """Advances the grammar on the request's next token; False if it does not fit. Once a
         row a step: is_terminated() is asked only after a token that may complete the
         grammar (GrammarMatcher.stop_token_ids)."""
         m = self._matcher if self._matcher is not None else self.matcher
+        verdict = self.verdict
+        if verdict is not None:
+            self.verdict = None
+            if verdict[0] == token_id:
+                return verdict[1]  # ended set with it
+            # Not the token the worker read (never expected): undo it, accept this one.
+            if verdict[1]:
+                m.rollback(1)
+            self.ended = False
         ok = m.accept(token_id)
+        self._settle(ok, token_id)
+        return ok
+
+    def _settle(self, ok: bool, token_id: int) -> None:
+        m = self._matcher
+        assert m is not None
         if not ok:
             self.ended = True
         elif (m.stop_token_ids is None or token_id in m.stop_token_ids) and m.is_terminated():
             self.ended = True
-        return ok
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
@@ -133,7 +156,13 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pin = pin_memory
-        self._buffer: torch.Tensor | None = None
+        # Two host bitmasks, used in turn: a step's fill may start while the step before
+        # still copies its bitmask to the device.
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._next_buffer = 0
+        # The step loop's grammar work beside it (one thread: a step's accepts, then the
+        # next step's fill, in order).
+        self._step_worker = ThreadPoolExecutor(1, thread_name_prefix="shoal-grammar-step")
 
     # ---- compilation ------------------------------------------------------------------------
     def _get_backend(self) -> GrammarBackend:
@@ -179,6 +208,36 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._step_worker.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the step loop's grammar work on the worker thread -----------------------------------
+    def advance_async(self, read_tokens: Callable[[], dict[int, int]],
+                      rows: list[tuple[int, StructuredRequest]]) -> Future:
+        """Accepts a step's tokens on the worker thread: read_tokens() waits for them (serial
+        -> token; a row left out produced none) and each row's matcher advances on its own,
+        leaving the verdict for the scheduler (StructuredRequest.accept)."""
+        return self._step_worker.submit(self._advance, read_tokens, rows)
+
+    def _advance(self, read_tokens: Callable[[], dict[int, int]],
+                 rows: list[tuple[int, StructuredRequest]]) -> None:
+        tokens = read_tokens()
+        todo = [(r, tokens[serial]) for serial, r in rows
+                if serial in tokens and not r.ended and r.verdict is None]
+        if not todo:
+            return
+        backend = self._backend if self._backend is not None else self._get_backend()
+        verdicts = backend.accept_tokens([r.matcher for r, _ in todo], [t for _, t in todo])
+        for (r, token), ok in zip(todo, verdicts):
+            r._settle(ok, token)
+            r.verdict = (token, ok)
+
+    def drain(self) -> None:
+        """Waits for the worker thread's queued work, whatever its outcome."""
+        wait([self._step_worker.submit(lambda: None)])
+
+    def fill_async(self, requests: list[StructuredRequest]) -> Future:
+        """fill_bitmask on the worker thread, after the accepts queued before it."""
+        return self._step_worker.submit(self.fill_bitmask, requests)
 
     # ---- bitmasks ---------------------------------------------------------------------------
     def fill_bitmask(self, requests: list[StructuredRequest]) -> torch.Tensor:
@@ -187,11 +246,16 @@ class StructuredOutputManager:
         banned by apply_token_bitmask)."""
         words = -(-self.vocab_size // 32)
         n = len(requests)
-        buf = self._buffer
+        which = self._next_buffer
+        self._next_buffer = 1 - which
+        buf = self._buffers[which]
         if buf is None or buf.shape[0] < n:
-            buf = torch.empty(max(n, 16), words, dtype=torch.int32,
-                              pin_memory=self._pin)
-            self._buffer = buf
+            # Never an inference tensor (the step loop runs in inference mode, the worker
+            # thread does not): either thread may fill it in place.
+            with torch.inference_mode(False):
+                buf = torch.empty(max(n, 16), words, dtype=torch.int32,
+                                  pin_memory=self._pin)
+            self._buffers[which] = buf
         bitmask = buf[:n]
         backend = self._backend if self._backend is not None else self._get_backend()
         matchers = [r.matcher for r in requests if not r.ended]
