@@ -35,7 +35,7 @@ for part in "$@"; do
     w1split) run w1split 150 python3 benchmarks/gpu_suite.py w1 --split-time --out "$OUT/w1split.json" ;;
     w5) run w5 200 python3 benchmarks/w5_prefix_reuse.py --gpu --out "$OUT/w5.json" ;;
     spec) run spec 240 python3 benchmarks/spec_decode_gpu.py --rates 0.0,0.5,0.8,1.0 --repeats 1 --out "$OUT/spec.json" ;;
-    structured) run structured 110 python3 benchmarks/structured_outputs_gpu.py --tokenizer bench-work/qwen3-0.6b-smol --out "$OUT/structured.json" ;;
+    structured) run structured 220 python3 benchmarks/structured_outputs_gpu.py --tokenizer bench-work/qwen3-0.6b-smol --out "$OUT/structured.json" ;;
     structured-host) run structured_host 100 python3 benchmarks/structured_host_costs.py --tokenizer bench-work/qwen3-0.6b-smol --out "$OUT/structured_host.json" ;;
     draftgraphs) run draftgraphs 200 python3 -m pytest -q -p no:cacheprovider tests/spec_decode/test_draft_graphs_gpu.py tests/attention/test_verify_graph_buffers.py ;;
     *) echo "unknown part $part" ;;

@@ -9,7 +9,14 @@ W1's requests (nano-vllm's draw: 256 requests, random ids, in/out U[100,1024], t
   free-async   unconstrained, async scheduling (shoal's default on CUDA)
   free-sync    unconstrained, one step at a time (what a structured request forced before they were pipelined)
   json         every request constrained by a JSON schema whose string field never has to end,
-               so requests run to max_tokens like W1's (ignore_eos)
+               so requests run to max_tokens like W1's (ignore_eos); one step at a time
+  json-async   the same, async scheduling: a constrained step's forward runs while the step
+               before's tokens are applied, its bitmask filled on the grammar worker thread
+               meanwhile (since 2026-12-04; the runs before compared json, one step at a
+               time, with free-async)
+  json-async-inline  json-async with the bitmask filled after the step before is applied, on
+               the step loop's thread (EngineCore.fill_grammar_ahead = False): what the worker
+               thread saves
 Each engine step is timed (EngineCore.step), with its batch size (the rows that sampled). The
 step times compared are those of steady decode steps only: every request of the step
 scheduled in the call, and of the one scheduled in the call before (whose results an
@@ -112,15 +119,20 @@ class StepTimer:
         del self.core.scheduler.schedule  # the class's method again
 
 
+MODES = ("free-async", "free-sync", "json", "json-async", "json-async-inline")
+ASYNC_MODES = ("free-async", "json-async", "json-async-inline")
+
+
 def run(llm: Any, requests: list[tuple[list[int], int]], mode: str) -> dict[str, Any]:
     from shoal import SamplingParams
     from shoal.structured_output.params import StructuredOutputsParams
 
     core = llm.llm_engine.core
     async_default = core.async_scheduling
-    core.async_scheduling = async_default and mode == "free-async"
+    core.async_scheduling = async_default and mode in ASYNC_MODES
+    core.fill_grammar_ahead = mode != "json-async-inline"
     so = (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
-          if mode == "json" else None)
+          if mode.startswith("json") else None)
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True,
                              structured_outputs=so) for _, n in requests]
     prompts = [{"prompt_token_ids": ids} for ids, _ in requests]
@@ -205,10 +217,10 @@ def main() -> int:
     requests = w1_requests(num, 0, ns.smoke)
     warm = requests[: max(4, num // 16)]
     results = {}
-    for mode in ("free-async", "free-sync", "json"):
+    for mode in MODES:
         run(llm, warm, mode)  # compiles the grammar, warms kernels for this mode
         results[mode] = run(llm, requests, mode)
-        print(results[mode], flush=True)
+        print({k: v for k, v in results[mode].items() if k != "step_ms_by_batch"}, flush=True)
     json_ms = results["json"]["mean_step_ms_at_common_batch"]
     figures = {
         "runs": results,
@@ -224,9 +236,17 @@ def main() -> int:
             json_ms / results["free-async"]["mean_step_ms_at_common_batch"], 3),
         "json_tok_per_s_over_free_async": round(
             results["json"]["output_tok_per_s"] / results["free-async"]["output_tok_per_s"], 3),
-        "note": "json: constrained steps pipelined (async scheduling, grammars advanced ahead); "
-                "free-sync isolates the bitmask's own cost",
+        "note": "json: constrained, one step at a time (against free-sync: the bitmask's own "
+                "cost); json-async: constrained, async scheduling (against free-async: the "
+                "default); json-async-inline: json-async without the worker-thread fill",
     }
+    for mode in ("json-async", "json-async-inline"):
+        key = mode.replace("-", "_")
+        figures[f"{key}_over_free_async_at_matched_batches"] = matched_ratio(
+            results[mode], results["free-async"])
+        figures[f"{key}_tok_per_s_over_free_async"] = round(
+            results[mode]["output_tok_per_s"] / results["free-async"]["output_tok_per_s"], 3)
+    print({k: v for k, v in figures.items() if k != "runs"}, flush=True)
     write([record("structured-outputs-W1-json", "shoal", smoke=ns.smoke, **figures)], ns.out)
     llm.shutdown()
     return 0

@@ -32,7 +32,7 @@ from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_c
 from shoal.engine.pooling_scheduler import PoolingScheduler
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
-from shoal.engine.scheduler_output import GrammarBitmask, SchedulerOutput
+from shoal.engine.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.executor import build_model_executor
 from shoal.kv_offload.factory import build_kv_offload
 from shoal.loader import LoadedModel
@@ -53,6 +53,23 @@ def freeze_startup_heap() -> None:
         # Frozen objects are never freed at exit; nanobind (triton) then reports leaks.
         atexit.register(gc.unfreeze)
     gc.freeze()
+
+
+class AheadFill:
+    """A deferred step's bitmask: filled on the grammar worker thread once started (the
+    grammars have seen the step before's tokens), else on the calling thread when asked."""
+
+    def __init__(self, manager: StructuredOutputManager, grammars: list[Any]):
+        self._manager, self._grammars = manager, grammars
+        self._future: Future | None = None
+
+    def start(self) -> None:
+        self._future = self._manager.fill_async(self._grammars)
+
+    def __call__(self) -> Any:
+        if self._future is not None:
+            return self._future.result()
+        return self._manager.fill_bitmask(self._grammars)
 
 
 class EngineCore(MicroBatching):
@@ -97,9 +114,9 @@ class EngineCore(MicroBatching):
             self._eos_ids(loaded), pin_memory=config.device.type == "cuda")
         self._compiling: dict[int, Request] = {}
         self._structured_serials: set[int] = set()
-        # The step in flight's tokens being accepted on the grammar worker thread (async
-        # scheduling): the scheduler applies them once this is done.
-        self._advancing: Future | None = None
+        # Async scheduling: fill a step's bitmask on the grammar worker thread while the
+        # scheduler applies the step before (False: after it, on this thread; for A/B runs).
+        self.fill_grammar_ahead = True
         self.eos_token_ids = frozenset(self._eos_ids(loaded))
         sc = config.scheduler_config
         # What every frontend validates requests against (sent in the ready message).
@@ -272,8 +289,6 @@ class EngineCore(MicroBatching):
         if self._compiling:
             self._check_grammars()
         pipelined = self._can_pipeline()
-        if pipelined and self._structured_serials and self._inflight is not None:
-            self._advance_grammars(self._inflight)
         sched = None
         if pipelined or self._inflight is None:
             sched = self.scheduler.schedule(allow_drafts=self._inflight is None)
@@ -287,7 +302,10 @@ class EngineCore(MicroBatching):
             self.structured.wait_any([r.structured for r in self._compiling.values()], 0.01)
         # Step N's results, read while step N+1 (just launched) runs; drafts proposed from
         # them would come too late for step N+1, which is scheduled without any.
-        outputs = self._finish_inflight(propose=launched is None)
+        ahead = (sched.grammar_bitmask.fill if launched is not None and self.fill_grammar_ahead
+                 and sched.grammar_bitmask is not None and sched.grammar_bitmask.deferred
+                 else None)
+        outputs = self._finish_inflight(propose=launched is None, next_fill=ahead)
         if launched is not None and sched.grammar_bitmask is not None and (
                 sched.grammar_bitmask.deferred):
             # Its structured rows sample now that the grammars have seen step N's tokens;
@@ -322,26 +340,6 @@ class EngineCore(MicroBatching):
                 if error is not None:
                     self.scheduler.fail_request(req, error)
 
-    def _advance_grammars(self, inflight: tuple[SchedulerOutput, StepFuture]) -> None:
-        """Async scheduling: the grammar worker thread accepts the step in flight's tokens as
-        soon as they reach the host, while this thread schedules and launches the next step
-        (the scheduler reads the verdicts in update). Not for steps whose tokens only the
-        runner's finish() can tell (drafts, pipeline stages): those accept in update."""
-        sched, fut = inflight
-        grammar = sched.grammar_bitmask
-        if grammar is None:
-            return
-        read = self.runner.sampled_reader(fut)
-        if read is None:
-            return
-        rows = []
-        for serial in grammar.serials:
-            req = self.scheduler.request_by_serial(serial)
-            if req is not None and req.structured is not None:
-                rows.append((serial, req.structured))
-        if rows:
-            self._advancing = self.structured.advance_async(read, rows)
-
     def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
         """The structured rows that sample this step, and how to fill their bitmask on the
         host (the runner does it while the device runs the forward pass)."""
@@ -354,29 +352,44 @@ class EngineCore(MicroBatching):
                     grammars.append(req.structured)
         if not grammars:
             return None
-        if self._advancing is not None:
-            # The worker fills it after accepting the step in flight's tokens, while this
-            # thread launches the step and applies those tokens; sampling waits for both.
-            filled = self.structured.fill_async(grammars)
-            return GrammarBitmask(serials, filled.result, deferred=True)
-        # Behind a step in flight, sampling waits until that step's tokens are applied.
-        return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars),
-                              deferred=self._inflight is not None)
+        if self._inflight is None:
+            return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars))
+        # Behind a step in flight, sampling waits until the grammars have seen that step's
+        # tokens; _finish_inflight starts the fill on the worker thread as soon as they have.
+        return GrammarBitmask(serials, AheadFill(self.structured, grammars), deferred=True)
 
-    def _wait_grammar_worker(self) -> None:
-        advancing, self._advancing = self._advancing, None
-        if advancing is not None:
-            advancing.result()
+    def _accept_ahead(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> bool:
+        """Advances the grammars of a finished step's structured rows on their tokens before
+        the scheduler applies the step (it reads the verdicts); False where only the
+        scheduler can (a step with drafts: how many tokens each row keeps is its call)."""
+        grammar = sched.grammar_bitmask
+        if grammar is None:
+            return True
+        if result.verified_token_ids:
+            return False
+        sampled = result.sampled_token_ids
+        rows = []
+        for serial in grammar.serials:
+            req = self.scheduler.request_by_serial(serial)
+            token = sampled.get(serial)  # none: the row failed (non-finite logits)
+            if req is not None and req.structured is not None and token is not None:
+                rows.append((req.structured, token))
+        self.structured.accept_ahead(rows)
+        return True
 
-    def _finish_inflight(self, propose: bool = True) -> list[EngineCoreOutput]:
+    def _finish_inflight(self, propose: bool = True, next_fill: AheadFill | None = None
+                         ) -> list[EngineCoreOutput]:
         """The step in flight's results into the scheduler. propose=False: a step was
-        launched after it, so drafting from it may be skipped (see ModelRunner.finish)."""
+        launched after it, so drafting from it may be skipped (see ModelRunner.finish).
+        next_fill: the bitmask of the step launched after it, filled on the worker thread
+        while the scheduler applies these results."""
         if self._inflight is None:
             return []
         sched, fut = self._inflight
         self._inflight = None
         result = self.runner.finish(fut, propose=propose)
-        self._wait_grammar_worker()  # the verdicts of its structured rows
+        if next_fill is not None and self._accept_ahead(sched, result):
+            next_fill.start()
         outputs = self.scheduler.update(sched, result)
         self._unsettled = [s for s in self._unsettled if s is not sched]
         return outputs
@@ -387,7 +400,6 @@ class EngineCore(MicroBatching):
         logger.exception("an engine step failed; its requests are retried one at a time")
         scheds, self._unsettled = self._unsettled, []
         self._inflight = None
-        self._advancing = None
         self.structured.drain()  # nothing touches a matcher behind the failed requests
         if self.batch_queue is not None:
             self.batch_queue.clear()

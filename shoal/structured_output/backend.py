@@ -56,11 +56,6 @@ class GrammarBackend(ABC):
         for i, m in enumerate(matchers):
             m.fill_bitmask(bitmask, i if rows is None else rows[i])
 
-    def accept_tokens(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
-        """matchers[i].accept(tokens[i]) for every i; a backend may do it in one call that
-        releases the GIL (the engine runs this on a worker thread beside the step loop)."""
-        return [m.accept(t) for m, t in zip(matchers, tokens)]
-
 
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar matching exactly one of the strings (JSON escapes are EBNF escapes)."""

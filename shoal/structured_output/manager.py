@@ -6,17 +6,16 @@ ready (`StructuredRequest.is_ready`); the others go on. Each step the core asks 
 bitmask of the structured rows it samples; the scheduler advances a request's matcher on each
 token it accepts.
 
-With async scheduling the grammar work of a step runs on one worker thread beside the step
-loop (`advance_async`, `fill_async`): it accepts step N's tokens as soon as they reach the host
-and fills step N+1's bitmask while the loop schedules and launches step N+1 and applies step
-N's results; the scheduler then reads each row's verdict instead of calling the matcher."""
+With async scheduling the bitmask of step N+1 is filled on a worker thread (`fill_async`:
+xgrammar's batch fill lets go of the GIL) while the step loop applies step N's results: the
+core first advances the grammars on step N's tokens (`accept_ahead`) and the scheduler then
+reads each row's verdict instead of asking the matcher again."""
 
 from __future__ import annotations
 
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any
 
@@ -109,8 +108,8 @@ class StructuredRequest:
     # The grammar refused a token or is complete: the request ends. A step scheduled behind
     # it (async scheduling) still has its row, whose token is dropped: nothing to fill.
     ended = False
-    # (token, accepted): the worker thread advanced the matcher on the request's next token
-    # already (StructuredOutputManager.advance_async); accept() only reads the verdict.
+    # (token, accepted): the matcher advanced on the request's next token already
+    # (StructuredOutputManager.accept_ahead); accept() only reads the verdict.
     verdict: tuple[int, bool] | None = None
 
     def accept(self, token_id: int) -> bool:
@@ -123,21 +122,16 @@ class StructuredRequest:
             self.verdict = None
             if verdict[0] == token_id:
                 return verdict[1]  # ended set with it
-            # Not the token the worker read (never expected): undo it, accept this one.
+            # Not the token accepted ahead (never expected): undo it, accept this one.
             if verdict[1]:
                 m.rollback(1)
             self.ended = False
         ok = m.accept(token_id)
-        self._settle(ok, token_id)
-        return ok
-
-    def _settle(self, ok: bool, token_id: int) -> None:
-        m = self._matcher
-        assert m is not None
         if not ok:
             self.ended = True
         elif (m.stop_token_ids is None or token_id in m.stop_token_ids) and m.is_terminated():
             self.ended = True
+        return ok
 
     def is_terminated(self) -> bool:
         return self.matcher.is_terminated()
@@ -160,8 +154,7 @@ class StructuredOutputManager:
         # still copies its bitmask to the device.
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._next_buffer = 0
-        # The step loop's grammar work beside it (one thread: a step's accepts, then the
-        # next step's fill, in order).
+        # Async scheduling: the next step's bitmask fill beside the step loop.
         self._step_worker = ThreadPoolExecutor(1, thread_name_prefix="shoal-grammar-step")
 
     # ---- compilation ------------------------------------------------------------------------
@@ -210,33 +203,22 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._step_worker.shutdown(wait=False, cancel_futures=True)
 
-    # ---- the step loop's grammar work on the worker thread -----------------------------------
-    def advance_async(self, read_tokens: Callable[[], dict[int, int]],
-                      rows: list[tuple[int, StructuredRequest]]) -> Future:
-        """Accepts a step's tokens on the worker thread: read_tokens() waits for them (serial
-        -> token; a row left out produced none) and each row's matcher advances on its own,
-        leaving the verdict for the scheduler (StructuredRequest.accept)."""
-        return self._step_worker.submit(self._advance, read_tokens, rows)
-
-    def _advance(self, read_tokens: Callable[[], dict[int, int]],
-                 rows: list[tuple[int, StructuredRequest]]) -> None:
-        tokens = read_tokens()
-        todo = [(r, tokens[serial]) for serial, r in rows
-                if serial in tokens and not r.ended and r.verdict is None]
-        if not todo:
-            return
-        backend = self._backend if self._backend is not None else self._get_backend()
-        verdicts = backend.accept_tokens([r.matcher for r, _ in todo], [t for _, t in todo])
-        for (r, token), ok in zip(todo, verdicts):
-            r._settle(ok, token)
-            r.verdict = (token, ok)
+    # ---- async scheduling: the next step's fill beside the step loop --------------------------
+    @staticmethod
+    def accept_ahead(rows: list[tuple[StructuredRequest, int]]) -> None:
+        """Advances each request's grammar on its token now, leaving the verdict for the
+        scheduler's accept() (so the next step's bitmask can be filled before the scheduler
+        applies the step's results)."""
+        for r, token in rows:
+            if not r.ended and r.verdict is None:
+                r.verdict = (token, r.accept(token))
 
     def drain(self) -> None:
         """Waits for the worker thread's queued work, whatever its outcome."""
         wait([self._step_worker.submit(lambda: None)])
 
     def fill_async(self, requests: list[StructuredRequest]) -> Future:
-        """fill_bitmask on the worker thread, after the accepts queued before it."""
+        """fill_bitmask on the worker thread (the grammars must not advance meanwhile)."""
         return self._step_worker.submit(self.fill_bitmask, requests)
 
     # ---- bitmasks ---------------------------------------------------------------------------

@@ -124,12 +124,3 @@ class XgrammarBackend(GrammarBackend):
             return
         batch.batch_fill_next_token_bitmask([m._m for m in matchers],  # type: ignore[attr-defined]
                                             bitmask, indices=rows)
-
-    def accept_tokens(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
-        # One C++ call that lets go of the GIL for the whole batch: a worker thread
-        # accepting row by row would wait for the GIL between rows while the step loop runs.
-        batch = getattr(xgr, "BatchGrammarMatcher", None)
-        if batch is None:
-            return super().accept_tokens(matchers, tokens)
-        return batch.batch_accept_token([m._m for m in matchers],  # type: ignore[attr-defined]
-                                        tokens)

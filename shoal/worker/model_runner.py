@@ -333,23 +333,6 @@ class ModelRunner:
             fut.deferred = None
             self._sample(inputs, logits, fut)
 
-    def sampled_reader(self, fut: StepFuture) -> Callable[[], dict[int, int]] | None:
-        """For a launched step that samples one token a row: a function, safe to call from
-        another thread, that waits for its tokens to reach the host and returns them by
-        request serial (rows with non-finite logits left out: they fail). None for steps
-        whose tokens only finish() can tell (drafts, pipeline stages, nothing sampled)."""
-        if fut.sampled is None or fut.verify is not None or fut.pending_stage is not None:
-            return None
-        sampled, event, serials = fut.sampled, fut.event, list(fut.sample_rows)
-
-        def read() -> dict[int, int]:
-            if event is not None:
-                event.synchronize()  # lets go of the GIL while it waits
-            tokens, finite = sampled.tolist()
-            return {s: t for s, t, ok in zip(serials, tokens, finite) if ok}
-
-        return read
-
     def _prepare_inputs(self, sched: SchedulerOutput) -> StepInputs:
         inp = StepInputs(sched.scheduled, sched.num_decodes, grammar=sched.grammar_bitmask)
         for it in sched.scheduled:

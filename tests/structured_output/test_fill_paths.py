@@ -153,53 +153,44 @@ def test_every_row_needs_no_index_list():
     assert torch.equal(a, b) and torch.isinf(a[:, 96:]).all()
 
 
-@pytest.mark.parametrize("batch_api", [True, False])
-def test_the_worker_threads_verdicts_are_the_inline_accepts(tok, batch_api):
-    """advance_async accepts a step's tokens on the worker thread and leaves each row's
-    verdict; accept() then answers as accepting inline would (refusal, the grammar's end),
-    rows without a token are left alone, and a token other than the worker's (never expected)
-    undoes the worker's and accepts the new one. fill_async fills after the accepts queued
-    before it. With xgrammar's batch API and the row-by-row fallback."""
+def test_verdicts_accepted_ahead_are_the_inline_accepts(tok):
+    """accept_ahead advances the grammars on a step's tokens and leaves each row's verdict;
+    accept() then answers as accepting inline would (refusal, the grammar's end), rows
+    without a token are left alone, and a token other than the one accepted ahead (never
+    expected) undoes it and accepts the new one. fill_async (the worker thread) fills as
+    fill_bitmask does."""
     from shoal.structured_output.params import StructuredOutputsParams
 
     manager = _manager(tok)
-    if not batch_api:
-        import xgrammar as xgr
-
-        backend = manager._get_backend()
-        backend.accept_tokens = lambda ms, ts: [m.accept(t) for m, t in zip(ms, ts)]
-        assert hasattr(xgr, "BatchGrammarMatcher")  # the default path is the batch one
     so = StructuredOutputsParams(choice=["yes", "no"])
     manager.validate(so)
     yes = tok.encode("yes", add_special_tokens=False)
     bad = tok.encode("maybe", add_special_tokens=False)[0]
     eos = tok.eos_token_id
-    worker = [manager.request(so) for _ in range(5)]
+    ahead = [manager.request(so) for _ in range(5)]
     inline = [manager.request(so) for _ in range(5)]
-    for r in worker + inline:
+    for r in ahead + inline:
         r.settle()
-    # rows: 0 walks "yes" then ends; 1 is refused; 2 gets no token (left out); 3 and 4 walk
-    # "yes" (4 then sees a different token than the worker read)
+    # rows: 0 walks "yes" then ends; 1 is refused; 2 gets no token; 3 and 4 walk "yes" (4
+    # then sees a token other than the one accepted ahead)
     steps = [{0: yes[0], 1: bad, 3: yes[0], 4: yes[0]}]
     for t in yes[1:]:
         steps.append({0: t, 3: t, 4: t})
     steps.append({0: eos})
     for tokens in steps:
-        rows = list(enumerate(worker))
-        manager.advance_async(lambda tokens=tokens: tokens, rows).result()
-        mask = manager.fill_async(worker).result().clone()
+        manager.accept_ahead([(ahead[i], t) for i, t in tokens.items()])
+        mask = manager.fill_async(ahead).result().clone()
         for i, t in tokens.items():
-            assert worker[i].accept(t) == inline[i].accept(t)
-            assert worker[i].ended == inline[i].ended
-        assert worker[2].verdict is None and not worker[2].ended
+            assert ahead[i].accept(t) == inline[i].accept(t)
+            assert ahead[i].ended == inline[i].ended
+        assert ahead[2].verdict is None and not ahead[2].ended
         assert torch.equal(mask, manager.fill_bitmask(inline))
-    assert worker[0].ended and worker[0].matcher.is_terminated()
-    assert worker[1].ended and not worker[3].ended
-    # A token the worker did not read: its verdict is undone.
-    manager.advance_async(lambda: {4: eos}, [(4, worker[4])]).result()
-    assert worker[4].ended  # the worker's eos completed "yes"
+    assert ahead[0].ended and ahead[0].matcher.is_terminated()
+    assert ahead[1].ended and not ahead[3].ended
+    manager.accept_ahead([(ahead[4], eos)])
+    assert ahead[4].ended  # eos completed "yes"
     other = tok.encode("s", add_special_tokens=False)[0]
-    assert worker[4].accept(other) == inline[4].accept(other)
-    assert worker[4].ended == inline[4].ended
-    assert torch.equal(manager.fill_bitmask(worker[3:]), manager.fill_bitmask(inline[3:]))
+    assert ahead[4].accept(other) == inline[4].accept(other)
+    assert ahead[4].ended == inline[4].ended
+    assert torch.equal(manager.fill_bitmask(ahead[3:]), manager.fill_bitmask(inline[3:]))
     manager.shutdown()
