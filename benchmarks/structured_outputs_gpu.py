@@ -10,13 +10,10 @@ W1's requests (nano-vllm's draw: 256 requests, random ids, in/out U[100,1024], t
   free-sync    unconstrained, one step at a time (what a structured request forced before they were pipelined)
   json         every request constrained by a JSON schema whose string field never has to end,
                so requests run to max_tokens like W1's (ignore_eos); one step at a time
-  json-async   the same, async scheduling: a constrained step's forward runs while the step
-               before's tokens are applied, its bitmask filled on the grammar worker thread
-               meanwhile (since 2026-12-04; the runs before compared json, one step at a
-               time, with free-async)
-  json-async-inline  json-async with the bitmask filled after the step before is applied, on
-               the step loop's thread (EngineCore.fill_grammar_ahead = False): what the worker
-               thread saves
+  json-async   the same with async scheduling (the default): a constrained step's forward
+               runs while the step before's tokens are applied, then its bitmask is filled
+               and it samples (since 2026-12-04; the runs before compared json, one step at
+               a time, with free-async)
 Each engine step is timed (EngineCore.step), with its batch size (the rows that sampled). The
 step times compared are those of steady decode steps only: every request of the step
 scheduled in the call, and of the one scheduled in the call before (whose results an
@@ -119,8 +116,8 @@ class StepTimer:
         del self.core.scheduler.schedule  # the class's method again
 
 
-MODES = ("free-async", "free-sync", "json", "json-async", "json-async-inline")
-ASYNC_MODES = ("free-async", "json-async", "json-async-inline")
+MODES = ("free-async", "free-sync", "json", "json-async")
+ASYNC_MODES = ("free-async", "json-async")
 
 
 def run(llm: Any, requests: list[tuple[list[int], int]], mode: str) -> dict[str, Any]:
@@ -130,7 +127,6 @@ def run(llm: Any, requests: list[tuple[list[int], int]], mode: str) -> dict[str,
     core = llm.llm_engine.core
     async_default = core.async_scheduling
     core.async_scheduling = async_default and mode in ASYNC_MODES
-    core.fill_grammar_ahead = mode != "json-async-inline"
     so = (StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
           if mode.startswith("json") else None)
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True,
@@ -238,9 +234,9 @@ def main() -> int:
             results["json"]["output_tok_per_s"] / results["free-async"]["output_tok_per_s"], 3),
         "note": "json: constrained, one step at a time (against free-sync: the bitmask's own "
                 "cost); json-async: constrained, async scheduling (against free-async: the "
-                "default); json-async-inline: json-async without the worker-thread fill",
+                "default)",
     }
-    for mode in ("json-async", "json-async-inline"):
+    for mode in ("json-async",):
         key = mode.replace("-", "_")
         figures[f"{key}_over_free_async_at_matched_batches"] = matched_ratio(
             results[mode], results["free-async"])

@@ -21,7 +21,6 @@ import gc
 import logging
 import time
 import weakref
-from concurrent.futures import Future
 from typing import Any
 
 from shoal.config import EngineConfig
@@ -32,7 +31,7 @@ from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_c
 from shoal.engine.pooling_scheduler import PoolingScheduler
 from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
-from shoal.engine.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from shoal.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from shoal.executor import build_model_executor
 from shoal.kv_offload.factory import build_kv_offload
 from shoal.loader import LoadedModel
@@ -53,23 +52,6 @@ def freeze_startup_heap() -> None:
         # Frozen objects are never freed at exit; nanobind (triton) then reports leaks.
         atexit.register(gc.unfreeze)
     gc.freeze()
-
-
-class AheadFill:
-    """A deferred step's bitmask: filled on the grammar worker thread once started (the
-    grammars have seen the step before's tokens), else on the calling thread when asked."""
-
-    def __init__(self, manager: StructuredOutputManager, grammars: list[Any]):
-        self._manager, self._grammars = manager, grammars
-        self._future: Future | None = None
-
-    def start(self) -> None:
-        self._future = self._manager.fill_async(self._grammars)
-
-    def __call__(self) -> Any:
-        if self._future is not None:
-            return self._future.result()
-        return self._manager.fill_bitmask(self._grammars)
 
 
 class EngineCore(MicroBatching):
@@ -114,9 +96,6 @@ class EngineCore(MicroBatching):
             self._eos_ids(loaded), pin_memory=config.device.type == "cuda")
         self._compiling: dict[int, Request] = {}
         self._structured_serials: set[int] = set()
-        # Async scheduling: fill a step's bitmask on the grammar worker thread while the
-        # scheduler applies the step before (False: after it, on this thread; for A/B runs).
-        self.fill_grammar_ahead = True
         self.eos_token_ids = frozenset(self._eos_ids(loaded))
         sc = config.scheduler_config
         # What every frontend validates requests against (sent in the ready message).
@@ -302,10 +281,7 @@ class EngineCore(MicroBatching):
             self.structured.wait_any([r.structured for r in self._compiling.values()], 0.01)
         # Step N's results, read while step N+1 (just launched) runs; drafts proposed from
         # them would come too late for step N+1, which is scheduled without any.
-        ahead = (sched.grammar_bitmask.fill if launched is not None and self.fill_grammar_ahead
-                 and sched.grammar_bitmask is not None and sched.grammar_bitmask.deferred
-                 else None)
-        outputs = self._finish_inflight(propose=launched is None, next_fill=ahead)
+        outputs = self._finish_inflight(propose=launched is None)
         if launched is not None and sched.grammar_bitmask is not None and (
                 sched.grammar_bitmask.deferred):
             # Its structured rows sample now that the grammars have seen step N's tokens;
@@ -352,45 +328,18 @@ class EngineCore(MicroBatching):
                     grammars.append(req.structured)
         if not grammars:
             return None
-        if self._inflight is None:
-            return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars))
-        # Behind a step in flight, sampling waits until the grammars have seen that step's
-        # tokens; _finish_inflight starts the fill on the worker thread as soon as they have.
-        return GrammarBitmask(serials, AheadFill(self.structured, grammars), deferred=True)
+        # Behind a step in flight, sampling waits until that step's tokens are applied.
+        return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars),
+                              deferred=self._inflight is not None)
 
-    def _accept_ahead(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> bool:
-        """Advances the grammars of a finished step's structured rows on their tokens before
-        the scheduler applies the step (it reads the verdicts); False where only the
-        scheduler can (a step with drafts: how many tokens each row keeps is its call)."""
-        grammar = sched.grammar_bitmask
-        if grammar is None:
-            return True
-        if result.verified_token_ids:
-            return False
-        sampled = result.sampled_token_ids
-        rows = []
-        for serial in grammar.serials:
-            req = self.scheduler.request_by_serial(serial)
-            token = sampled.get(serial)  # none: the row failed (non-finite logits)
-            if req is not None and req.structured is not None and token is not None:
-                rows.append((req.structured, token))
-        self.structured.accept_ahead(rows)
-        return True
-
-    def _finish_inflight(self, propose: bool = True, next_fill: AheadFill | None = None
-                         ) -> list[EngineCoreOutput]:
+    def _finish_inflight(self, propose: bool = True) -> list[EngineCoreOutput]:
         """The step in flight's results into the scheduler. propose=False: a step was
-        launched after it, so drafting from it may be skipped (see ModelRunner.finish).
-        next_fill: the bitmask of the step launched after it, filled on the worker thread
-        while the scheduler applies these results."""
+        launched after it, so drafting from it may be skipped (see ModelRunner.finish)."""
         if self._inflight is None:
             return []
         sched, fut = self._inflight
         self._inflight = None
-        result = self.runner.finish(fut, propose=propose)
-        if next_fill is not None and self._accept_ahead(sched, result):
-            next_fill.start()
-        outputs = self.scheduler.update(sched, result)
+        outputs = self.scheduler.update(sched, self.runner.finish(fut, propose=propose))
         self._unsettled = [s for s in self._unsettled if s is not sched]
         return outputs
 
@@ -400,7 +349,6 @@ class EngineCore(MicroBatching):
         logger.exception("an engine step failed; its requests are retried one at a time")
         scheds, self._unsettled = self._unsettled, []
         self._inflight = None
-        self.structured.drain()  # nothing touches a matcher behind the failed requests
         if self.batch_queue is not None:
             self.batch_queue.clear()
         self.runner.reset_after_fault()

@@ -4,12 +4,7 @@ Compilations run in a small thread pool and are cached by (kind, spec), so a sch
 many requests share compiles once. A request waits in the scheduler until its own grammar is
 ready (`StructuredRequest.is_ready`); the others go on. Each step the core asks for the
 bitmask of the structured rows it samples; the scheduler advances a request's matcher on each
-token it accepts.
-
-With async scheduling the bitmask of step N+1 is filled on a worker thread (`fill_async`:
-xgrammar's batch fill lets go of the GIL) while the step loop applies step N's results: the
-core first advances the grammars on step N's tokens (`accept_ahead`) and the scheduler then
-reads each row's verdict instead of asking the matcher again."""
+token it accepts."""
 
 from __future__ import annotations
 
@@ -108,24 +103,12 @@ class StructuredRequest:
     # The grammar refused a token or is complete: the request ends. A step scheduled behind
     # it (async scheduling) still has its row, whose token is dropped: nothing to fill.
     ended = False
-    # (token, accepted): the matcher advanced on the request's next token already
-    # (StructuredOutputManager.accept_ahead); accept() only reads the verdict.
-    verdict: tuple[int, bool] | None = None
 
     def accept(self, token_id: int) -> bool:
         """Advances the grammar on the request's next token; False if it does not fit. Once a
         row a step: is_terminated() is asked only after a token that may complete the
         grammar (GrammarMatcher.stop_token_ids)."""
         m = self._matcher if self._matcher is not None else self.matcher
-        verdict = self.verdict
-        if verdict is not None:
-            self.verdict = None
-            if verdict[0] == token_id:
-                return verdict[1]  # ended set with it
-            # Not the token accepted ahead (never expected): undo it, accept this one.
-            if verdict[1]:
-                m.rollback(1)
-            self.ended = False
         ok = m.accept(token_id)
         if not ok:
             self.ended = True
@@ -150,12 +133,7 @@ class StructuredOutputManager:
         self._backend_lock = threading.Lock()
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pin = pin_memory
-        # Two host bitmasks, used in turn: a step's fill may start while the step before
-        # still copies its bitmask to the device.
-        self._buffers: list[torch.Tensor | None] = [None, None]
-        self._next_buffer = 0
-        # Async scheduling: the next step's bitmask fill beside the step loop.
-        self._step_worker = ThreadPoolExecutor(1, thread_name_prefix="shoal-grammar-step")
+        self._buffer: torch.Tensor | None = None
 
     # ---- compilation ------------------------------------------------------------------------
     def _get_backend(self) -> GrammarBackend:
@@ -201,25 +179,6 @@ class StructuredOutputManager:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._step_worker.shutdown(wait=False, cancel_futures=True)
-
-    # ---- async scheduling: the next step's fill beside the step loop --------------------------
-    @staticmethod
-    def accept_ahead(rows: list[tuple[StructuredRequest, int]]) -> None:
-        """Advances each request's grammar on its token now, leaving the verdict for the
-        scheduler's accept() (so the next step's bitmask can be filled before the scheduler
-        applies the step's results)."""
-        for r, token in rows:
-            if not r.ended and r.verdict is None:
-                r.verdict = (token, r.accept(token))
-
-    def drain(self) -> None:
-        """Waits for the worker thread's queued work, whatever its outcome."""
-        wait([self._step_worker.submit(lambda: None)])
-
-    def fill_async(self, requests: list[StructuredRequest]) -> Future:
-        """fill_bitmask on the worker thread (the grammars must not advance meanwhile)."""
-        return self._step_worker.submit(self.fill_bitmask, requests)
 
     # ---- bitmasks ---------------------------------------------------------------------------
     def fill_bitmask(self, requests: list[StructuredRequest]) -> torch.Tensor:
@@ -228,16 +187,11 @@ class StructuredOutputManager:
         banned by apply_token_bitmask)."""
         words = -(-self.vocab_size // 32)
         n = len(requests)
-        which = self._next_buffer
-        self._next_buffer = 1 - which
-        buf = self._buffers[which]
+        buf = self._buffer
         if buf is None or buf.shape[0] < n:
-            # Never an inference tensor (the step loop runs in inference mode, the worker
-            # thread does not): either thread may fill it in place.
-            with torch.inference_mode(False):
-                buf = torch.empty(max(n, 16), words, dtype=torch.int32,
-                                  pin_memory=self._pin)
-            self._buffers[which] = buf
+            buf = torch.empty(max(n, 16), words, dtype=torch.int32,
+                              pin_memory=self._pin)
+            self._buffer = buf
         bitmask = buf[:n]
         backend = self._backend if self._backend is not None else self._get_backend()
         matchers = [r.matcher for r in requests if not r.ended]

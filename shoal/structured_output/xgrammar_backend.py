@@ -67,10 +67,12 @@ class XgrammarBackend(GrammarBackend):
         # Batched fills: one C++ call for all rows (no Python frame per row), on one thread
         # below THREADED_FILL_ROWS rows, else on several. Not "auto": that is half of
         # std::thread::hardware_concurrency(), the host's cores, not this process's share (64
-        # threads in a 16-core container of a 128-core host). The call lets go of the GIL
-        # (xgrammar 0.2.9: a pure-Python loop ran on beside a 70 ms fill on another thread),
-        # so the engine fills on a worker thread beside the step loop. An
-        # xgrammar without the batch API fills row by row (GrammarBackend.fill_bitmasks).
+        # threads in a 16-core container of a 128-core host). The call lets go of the GIL,
+        # but filling on a worker thread while the step loop applies the step before gained
+        # nothing on the H200 (W1 json-async over free-async at matched batches: 0.981 with
+        # it, 0.989 without, inside the run's noise; accepting tokens there lost, as
+        # xgrammar's per-row calls hand the GIL back and forth), so the loop fills in line.
+        # An xgrammar without the batch API fills row by row (GrammarBackend.fill_bitmasks).
         batch_cls = getattr(xgr, "BatchGrammarMatcher", None)
         self._batch_one = batch_cls(max_threads=1) if batch_cls is not None else None
         self._batch_many = (batch_cls(max_threads=fill_threads())

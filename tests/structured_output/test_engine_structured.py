@@ -270,20 +270,6 @@ def test_async_scheduling_pipelines_constrained_steps(llm, smollm_gguf):
             deferred.append(fut.deferred is not None)
             sample_deferred(fut)
         core.runner.sample_deferred = counting_deferred
-        # The grammars see a step's tokens before the scheduler applies them, and the next
-        # step's bitmask is filled on the worker thread meanwhile.
-        ahead, filled = [], []
-        accept_ahead, fill_async = core.structured.accept_ahead, core.structured.fill_async
-
-        def counting_ahead(rows):
-            ahead.append(len(rows))
-            return accept_ahead(rows)
-
-        def counting_fill(requests):
-            filled.append(len(requests))
-            return fill_async(requests)
-        core.structured.accept_ahead = counting_ahead
-        core.structured.fill_async = counting_fill
         so_json = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
         so_choice = StructuredOutputsParams(choice=["yes", "no", "maybe so"])
         so_regex = StructuredOutputsParams(regex=r"[a-z]{2,5}-[0-9]{3}")
@@ -301,8 +287,6 @@ def test_async_scheduling_pipelines_constrained_steps(llm, smollm_gguf):
             assert o.outputs[0].text in ("yes", "no", "maybe so")
         assert sum(inflight_at_launch) >= len(inflight_at_launch) // 2, inflight_at_launch
         assert sum(deferred) >= len(inflight_at_launch) // 2, deferred
-        assert len(filled) >= len(inflight_at_launch) // 2, (filled, inflight_at_launch)
-        assert len(ahead) >= len(filled) - 1 and sum(ahead) > 0, (ahead, filled)
         assert not core.has_unfinished_requests()
     finally:
         pipe.shutdown()
