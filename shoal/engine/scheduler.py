@@ -437,10 +437,9 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         if req.suspect:
             self._sampled_fine(req)
         drafts = result.draft_token_ids.get(serial)
-        # A constrained request takes no drafts: the grammar must see each token before the
-        # next is proposed.
-        if (drafts and status is None and req.status == RequestStatus.RUNNING
-                and req.structured is None):
+        # A constrained request's drafts are checked by its grammar at verify time (each
+        # position masked as if the drafts before it were accepted).
+        if drafts and status is None and req.status == RequestStatus.RUNNING:
             req.spec_token_ids = drafts
         out = EngineCoreOutput(
             request_id=req.request_id,

@@ -52,8 +52,8 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, draft_ids: list
                      forced_accept: list[bool] | None = None) -> VerifyOutput:
     """logits: [R, V] target rows; draft_ids: [R] the draft each row verifies, -1 for rows
     that only sample (bonus rows, requests without drafts). forced_accept (test-only timing
-    runs): accept exactly these rows' drafts, whatever the target says, and give each row
-    the target's own sample."""
+    runs): accept these rows' drafts, whatever the target says, unless a grammar bitmask
+    banned the draft (its logit is -inf), and give each row the target's own sample."""
     device = logits.device
     raw_logprobs = compute_logprobs(logits) if md.max_num_logprobs is not None else None
     logits = Sampler._process(logits.to(torch.float32, copy=True), md)
@@ -61,7 +61,8 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, draft_ids: list
     has = draft >= 0
     if forced_accept is not None:
         token = Sampler._sample(logits, md)
-        accepted = to_device(forced_accept, torch.bool, device)
+        allowed = logits.gather(1, draft.clamp_min(0).unsqueeze(1)).squeeze(1).isfinite()
+        accepted = to_device(forced_accept, torch.bool, device) & has & allowed
     elif md.all_greedy:
         token = logits.argmax(dim=-1)
         accepted = has & (draft == token)

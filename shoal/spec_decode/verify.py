@@ -57,7 +57,7 @@ def verify(logits: torch.Tensor, states: Sequence[Any], drafts: list[list[int]],
     states: the requests' RequestState (prompt, outputs, params, generator, eos). Row j of a
     request sees its outputs plus its first j drafts, so penalties and min_tokens count the
     drafts before it, as they will if those are accepted. mask_logits(logits), if given,
-    applies the grammar bitmask of constrained rows (which never carry drafts)."""
+    applies the grammar bitmask of constrained requests (every one of their rows)."""
     params, outputs, prompts, eos, draft_ids = [], [], [], [], []
     generators: dict[int, torch.Generator] = {}
     for st, d in zip(states, drafts):

@@ -181,18 +181,25 @@ class StructuredOutputManager:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- bitmasks ---------------------------------------------------------------------------
-    def fill_bitmask(self, requests: list[StructuredRequest]) -> torch.Tensor:
-        """[len(requests), ceil(grammar vocab / 32)] int32 on the host: row i allows the
-        tokens requests[i]'s grammar accepts next (ids past the grammar's vocabulary are
-        banned by apply_token_bitmask)."""
+    def _rows(self, n: int) -> torch.Tensor:
         words = -(-self.vocab_size // 32)
-        n = len(requests)
         buf = self._buffer
         if buf is None or buf.shape[0] < n:
             buf = torch.empty(max(n, 16), words, dtype=torch.int32,
                               pin_memory=self._pin)
             self._buffer = buf
-        bitmask = buf[:n]
+        return buf[:n]
+
+    def fill_bitmask(self, requests: list[StructuredRequest],
+                     drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """[len(requests), ceil(grammar vocab / 32)] int32 on the host: row i allows the
+        tokens requests[i]'s grammar accepts next (ids past the grammar's vocabulary are
+        banned by apply_token_bitmask). With drafts (speculative decoding), see
+        _fill_with_drafts."""
+        if drafts is not None and any(drafts):
+            return self._fill_with_drafts(requests, drafts)
+        n = len(requests)
+        bitmask = self._rows(n)
         backend = self._backend if self._backend is not None else self._get_backend()
         matchers = [r.matcher for r in requests if not r.ended]
         if len(matchers) == n:
@@ -206,4 +213,38 @@ class StructuredOutputManager:
             if matchers:
                 backend.fill_bitmasks(matchers, bitmask,
                                       [i for i, r in enumerate(requests) if not r.ended])
+        return bitmask
+
+    def _fill_with_drafts(self, requests: list[StructuredRequest],
+                          drafts: list[list[int]]) -> torch.Tensor:
+        """A verify step: len(drafts[i]) + 1 rows per request, in order, row j allowing what
+        the grammar accepts after the request's first j drafts. The matcher walks the drafts
+        and is rolled back, so only the tokens the scheduler keeps advance it. Rows past a
+        draft the grammar refuses (it is rejected there: its masked probability is 0) or
+        past the grammar's end (the request stops there) allow everything, as do a
+        request's rows once its grammar has ended."""
+        bitmask = self._rows(sum(len(d) + 1 for d in drafts))
+        bitmask.fill_(-1)
+        row = 0
+        for r, d in zip(requests, drafts):
+            start, row = row, row + len(d) + 1
+            if r.ended:
+                continue
+            m = r.matcher
+            m.fill_bitmask(bitmask, start)
+            walked = 0
+            for j, token in enumerate(d):
+                # Asked of the row just filled, not of the matcher: a refused token may leave
+                # a matcher in an error state that rollback does not clear (llguidance).
+                if token >= self.vocab_size or not (int(bitmask[start + j, token >> 5])
+                                                    >> (token & 31)) & 1:
+                    break
+                if not m.accept(token):
+                    break
+                walked += 1
+                if m.is_terminated():
+                    break
+                m.fill_bitmask(bitmask, start + j + 1)
+            if walked:
+                m.rollback(walked)
         return bitmask

@@ -535,14 +535,16 @@ class ModelRunner:
         mask = None
         if inp.grammar is not None:
             grammar = inp.grammar
-            first_row: dict[int, int] = {}
+            # A structured request's k+1 rows each have a bitmask row (after 0..k drafts).
+            rows_of: dict[int, range] = {}
             row = 0
             for serial, d in zip(inp.sample_rows, inp.drafts):
-                first_row[serial] = row
+                rows_of[serial] = range(row, row + len(d) + 1)
                 row += len(d) + 1
 
             def mask(lg: torch.Tensor) -> None:
-                apply_token_bitmask(lg, grammar.fill(), [first_row[s] for s in grammar.serials])
+                apply_token_bitmask(lg, grammar.fill(),
+                                    [r for s in grammar.serials for r in rows_of[s]])
         rows, result, finite = verify(logits, states, inp.drafts, self.vocab_size, self.device,
                                       forced, mask)
         self._prev_sampled = None

@@ -187,8 +187,9 @@ def test_structural_tags_in_both_forms_compile(llm):
 
 
 def test_constrained_rows_beside_speculating_rows(smollm_gguf):
-    """Speculative decoding in the same steps as structured requests: the speculating rows
-    verify drafts while the constrained rows (which never take drafts) keep their grammar."""
+    """Speculative decoding in the same steps as structured requests, drafts accepted at a
+    forced rate: the constrained rows' drafts are accepted only where their grammar allows
+    them, so every answer keeps its grammar."""
     llm = LLM(load_format="dummy", max_model_len=512, kv_cache_memory_bytes=64 << 20,
               max_num_seqs=16, speculative_config={
                   "method": "test_forced_acceptance", "num_speculative_tokens": 3,
@@ -290,3 +291,73 @@ def test_async_scheduling_pipelines_constrained_steps(llm, smollm_gguf):
         assert not core.has_unfinished_requests()
     finally:
         pipe.shutdown()
+
+
+class _ReferenceDrafts:
+    """Drafts k tokens of a known continuation per prompt: the first `right` as they are,
+    the rest replaced by arbitrary ids (which the grammar mostly refuses)."""
+
+    def __init__(self, refs: dict[tuple[int, ...], list[int]], k: int = 3):
+        import random
+
+        self.refs, self.k, self.rng = refs, k, random.Random(4)
+        self.proposed = 0
+
+    def propose(self, prompt, output) -> list[int]:
+        ref = self.refs.get(tuple(prompt))
+        if ref is None or len(output) >= len(ref):
+            return []
+        drafts = list(ref[len(output):len(output) + self.k])
+        right = self.rng.randrange(len(drafts) + 1)
+        self.proposed += len(drafts)
+        return [t if j < right else (t * 7 + 11) % 49152 for j, t in enumerate(drafts)]
+
+
+def test_speculative_decoding_drafts_are_checked_by_the_grammar(llm):
+    """Constrained requests take drafts: each verify row is masked as if the drafts before it
+    were accepted, so a draft the grammar refuses is rejected there and greedy output is the
+    plain engine's token for token (JSON, choice and regex), some drafts accepted; sampled
+    output stays valid JSON; the matchers end where the output ends (walking the drafts left
+    them rolled back)."""
+    spec = LLM(load_format="dummy", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+               max_num_seqs=16, speculative_config={"method": "ngram",
+                                                   "num_speculative_tokens": 3})
+    try:
+        so_json = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+        so_choice = StructuredOutputsParams(choice=["alpha", "beta gamma", "yes"])
+        so_regex = StructuredOutputsParams(regex=r"[a-z]{2,5}-[0-9]{3}")
+        greedy = ([_params(so_json, temperature=0)] * 3 + [_params(so_choice, temperature=0)]
+                  + [_params(so_regex, temperature=0)] * 2)
+        prompts = [{"prompt_token_ids": [17 + i, 400 + 3 * i, 9]} for i in range(len(greedy))]
+        want = llm.generate(prompts, greedy, use_tqdm=False)
+        proposer = _ReferenceDrafts({tuple(p["prompt_token_ids"]): list(o.outputs[0].token_ids)
+                                     for p, o in zip(prompts, want)})
+        core = spec.llm_engine.core
+        core.runner.proposer = proposer
+        accepted = [0]
+        stats = core.scheduler.stats
+
+        def counting():
+            s = stats()
+            accepted[0] += s.spec_num_accepted_tokens
+            return s
+        core.scheduler.stats = counting
+        got = spec.generate(prompts, greedy, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        assert [o.outputs[0].finish_reason for o in got] == [
+            o.outputs[0].finish_reason for o in want]
+        assert proposer.proposed > 0 and 0 < accepted[0] < proposer.proposed
+        for o in got[:3]:
+            if o.outputs[0].finish_reason == "stop":
+                jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+        # Sampled: drafts from the greedy answers, mostly wrong for these seeds; every
+        # answer that completes is valid.
+        sampled = spec.generate(prompts[:3], [_params(so_json, seed=i) for i in range(3)],
+                                use_tqdm=False)
+        for o in sampled:
+            assert o.outputs[0].finish_reason in ("stop", "length")
+            if o.outputs[0].finish_reason == "stop":
+                jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+        assert not core.has_unfinished_requests()
+    finally:
+        spec.shutdown()

@@ -151,3 +151,57 @@ def test_every_row_needs_no_index_list():
     apply_token_bitmask(a, words, None)
     apply_token_bitmask(b, words, [0, 1, 2, 3])
     assert torch.equal(a, b) and torch.isinf(a[:, 96:]).all()
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_verify_rows_follow_the_drafts_and_leave_the_grammar_where_it_was(tok, backend):
+    """A verify step's bitmask: row j of a request is what its grammar allows after its
+    first j drafts (rows past a refused draft or the grammar's end allow everything); the
+    matchers are back where they were (the next fill is the one before), and a refused draft
+    leaves a matcher usable (llguidance's would stay in error had it been fed one)."""
+    from shoal.structured_output.manager import StructuredOutputManager
+    from shoal.structured_output.params import StructuredOutputsParams
+
+    if backend == "guidance":
+        pytest.importorskip("llguidance")
+    manager = StructuredOutputManager(backend, tok, len(tok), [tok.eos_token_id])
+    so = StructuredOutputsParams(choice=["yes sir", "no"])
+    manager.validate(so)
+    yes = tok.encode("yes sir", add_special_tokens=False)
+    assert len(yes) >= 2
+    bad = tok.encode("maybe", add_special_tokens=False)[0]
+    eos = tok.eos_token_id
+    reqs = [manager.request(so) for _ in range(3)]
+    for r in reqs:
+        r.settle()
+    before = manager.fill_bitmask(reqs).clone()
+    # 0: two right drafts; 1: a right one then a refused one then a right one; 2: the whole
+    # answer, its end, and one more
+    drafts = [yes[:2], [yes[0], bad, yes[1]], yes + [eos, yes[0]]]
+    mask = manager.fill_bitmask(reqs, drafts).clone()
+    assert mask.shape[0] == sum(len(d) + 1 for d in drafts)
+    ref = manager.request(so)
+    ref.settle()
+
+    def after(tokens):
+        fresh = manager.request(so)
+        fresh.settle()
+        for t in tokens:
+            assert fresh.accept(t)
+        return manager.fill_bitmask([fresh]).clone()[0]
+
+    row = 0
+    for d in drafts:
+        for j in range(len(d) + 1):
+            prefix = d[:j]
+            if bad in prefix or eos in prefix:
+                assert (mask[row + j] == -1).all(), (d, j)
+            else:
+                assert torch.equal(mask[row + j], after(prefix)), (d, j)
+        row += len(d) + 1
+    assert torch.equal(manager.fill_bitmask(reqs), before)
+    for r in reqs:  # every matcher still takes the answer
+        for t in yes + [eos]:
+            assert r.accept(t)
+        assert r.ended
+    manager.shutdown()
