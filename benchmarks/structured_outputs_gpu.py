@@ -102,9 +102,9 @@ class StepTimer:
             self.steps.append((rows, dt, steady))
             return out
 
-        def fill(grammars: Any) -> Any:
+        def fill(grammars: Any, *drafts: Any) -> Any:
             t0 = time.perf_counter()
-            res = self._fill(grammars)
+            res = self._fill(grammars, *drafts)
             self.fill_seconds += time.perf_counter() - t0
             return res
 
