@@ -128,6 +128,9 @@ def export_head() -> Path:
         archive = subprocess.run(["git", "archive", "HEAD"], cwd=REPO, capture_output=True,
                                  check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    # The C++ CPU kernels are built per source tree (git archive has no build folder): without
+    # them the server falls back to the torch paths and W4 measures those.
+    subprocess.run([sys.executable, "-m", "shoal.cpu_kernels", "--build"], cwd=dest, check=True)
     return dest
 
 
