@@ -319,23 +319,23 @@ class EngineCore(MicroBatching):
     def _grammar_bitmask(self, sched: SchedulerOutput) -> GrammarBitmask | None:
         """The structured rows that sample this step, and how to fill their bitmask on the
         host (the runner does it while the device runs the forward pass)."""
-        serials, grammars, drafts = [], [], []
+        serials, grammars = [], []
+        # A verify step: rows for every position of each request (after each of its drafts).
+        drafts: list[list[int]] | None = [] if sched.has_drafts else None
         for item in sched.scheduled:
             if item.sample and item.serial in self._structured_serials:
                 req = self.scheduler.request_by_serial(item.serial)
                 if req is not None and req.structured is not None:
                     serials.append(item.serial)
                     grammars.append(req.structured)
-                    k = item.num_draft_tokens
-                    drafts.append(item.input_token_ids[-k:] if k else [])
+                    if drafts is not None:
+                        k = item.num_draft_tokens
+                        drafts.append(item.input_token_ids[-k:] if k else [])
         if not grammars:
             return None
-        # A verify step: rows for every position of each request (after each of its drafts).
-        with_drafts = drafts if sched.has_drafts else None
         # Behind a step in flight, sampling waits until that step's tokens are applied.
-        return GrammarBitmask(
-            serials, lambda: self.structured.fill_bitmask(grammars, with_drafts),
-            deferred=self._inflight is not None)
+        return GrammarBitmask(serials, lambda: self.structured.fill_bitmask(grammars, drafts),
+                              deferred=self._inflight is not None)
 
     def _finish_inflight(self, propose: bool = True) -> list[EngineCoreOutput]:
         """The step in flight's results into the scheduler. propose=False: a step was
