@@ -23,6 +23,7 @@ from shoal.engine.core_types import BAD_REQUEST_PREFIX, SchedulerStats
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import InputProcessor, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor
+from shoal.engine.start_client import start_engine_client
 from shoal.metrics.stats import IterationStats, StatLogger, merge_engine_stats
 from shoal.outputs import RequestOutput
 from shoal.pooling_params import PoolingParams
@@ -148,20 +149,14 @@ class AsyncLLM:
     async def from_engine_args(cls, engine_args: EngineArgs, *, log_level: int = logging.INFO,
                                startup_timeout: float | None = None,
                                log_stats_interval: float = 10.0,
-                               build_core: Any = None) -> AsyncLLM:
+                               build_core: Any = None, client: Any = None) -> AsyncLLM:
+        """`client`: an engine client started already (start_engine_client), which this
+        engine then owns; by default one is started here."""
         from shoal.loader import load_frontend_tokenizer
 
-        if engine_args.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be >= 0, or -1 for no limit "
-                             f"(got {engine_args.max_logprobs})")
-        if engine_args.data_parallel_size > 1:  # several replicas behind this frontend
-            from shoal.engine.dp_client import DataParallelCoreClient
-
-            client: Any = await DataParallelCoreClient.start(engine_args, log_level=log_level,
-                                                             build_core=build_core)
-        else:
-            client = await EngineCoreClient.start(engine_args, log_level=log_level,
-                                                  build_core=build_core)
+        if client is None:
+            client = await start_engine_client(engine_args, log_level=log_level,
+                                               build_core=build_core)
         try:
             # Read while the engine process loads the model.
             tokenizer = None if engine_args.skip_tokenizer_init else await asyncio.to_thread(

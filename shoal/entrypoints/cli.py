@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.command == "serve":
             from shoal.entrypoints.cli_args import engine_args_from, server_settings_from
-            from shoal.entrypoints.openai.api_server import run_server
+            from shoal.entrypoints.openai.server_launch import run_server
 
             return run_server(engine_args_from(ns), server_settings_from(ns))
         if ns.command == "generate":

@@ -157,3 +157,38 @@ def test_skip_tokenizer_init_serves_token_ids_only():
             assert bad.status_code == 400 and "tokenizer" in bad.json()["error"]["message"]
     finally:
         srv.stop()
+
+
+def test_the_engine_is_spawned_before_the_http_stack_is_imported():
+    # Start-up overlaps the frontend's imports with the engine's: the launcher must spawn the
+    # engine process while FastAPI and uvicorn are still unimported.
+    code = (
+        "import asyncio, sys\n"
+        "import shoal.engine.start_client as sc\n"
+        "from shoal.engine.engine_args import EngineArgs\n"
+        "from shoal.entrypoints.openai import server_launch\n"
+        "from shoal.entrypoints.openai.server_settings import ServerSettings\n"
+        "seen = []\n"
+        "async def fake_start(args, **kw):\n"
+        "    seen.append(sorted(m for m in ('fastapi', 'uvicorn', 'torch') if m in sys.modules))\n"
+        "    raise ValueError('stop here')\n"
+        "server_launch.start_engine_client = fake_start\n"
+        "code = asyncio.run(server_launch.start_then_serve(EngineArgs(), ServerSettings()))\n"
+        "print(code, seen)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["1", "[[]]"], proc.stdout
+    assert "failed to start: stop here" in proc.stderr
+
+
+def test_a_bad_frontend_argument_fails_before_an_engine_process_starts():
+    cmd = [sys.executable, "-m", "shoal.entrypoints.cli", "serve", "--port", str(free_port()),
+           *BASE_ARGS, "--max-logprobs", "-2"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "max_logprobs must be >= 0" in proc.stderr, proc.stderr[-2000:]
+    assert "[engine]" not in proc.stderr  # no engine process logged anything
+    assert time.perf_counter() - t0 < 30

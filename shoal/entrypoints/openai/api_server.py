@@ -135,11 +135,13 @@ class _Server(uvicorn.Server):
 
 
 async def serve(engine_args: EngineArgs, settings: ServerSettings,
-                build_core: Any = None) -> int:
+                build_core: Any = None, client: Any = None) -> int:
     """Runs the server until SIGTERM/SIGINT (exit code 0) or the engine's death (1).
-    `build_core` replaces the engine core (see AsyncLLM.from_engine_args)."""
+    `build_core` replaces the engine core, `client` is an engine started already (see
+    AsyncLLM.from_engine_args)."""
     try:
-        engine = await AsyncLLM.from_engine_args(engine_args, build_core=build_core)
+        engine = await AsyncLLM.from_engine_args(engine_args, build_core=build_core,
+                                                 client=client)
     except (EngineStartupError, OSError, ValueError) as e:
         logger.error("the engine failed to start: %s", e)
         print(f"shoal: the engine failed to start: {e}", file=sys.stderr)
@@ -198,9 +200,3 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
         return 1
     return 0
 
-
-def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
-    """`shoal serve`; returns the exit code. On asyncio's own event loop: uvloop was measured
-    slower here (36 against 30 us of frontend CPU per streamed token, with pyzmq's asyncio
-    sockets), so it is not used even where installed."""
-    return asyncio.run(serve(engine_args, settings))
