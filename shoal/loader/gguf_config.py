@@ -221,12 +221,12 @@ def _vocab_size(gguf: GGUFFile, metadata_key: str) -> int:
     size = gguf.get(metadata_key)
     if size is not None:
         return int(size)
-    for tensor in gguf.reader.tensors:
+    for tensor in gguf.tensors:
         if tensor.name == "token_embd.weight":
             return int(tensor.shape[-1])  # GGUF lists ne0 (hidden) first, rows (vocab) last
-    tokens = gguf.reader.fields.get("tokenizer.ggml.tokens")
+    tokens = gguf.fields.get("tokenizer.ggml.tokens")
     if tokens is not None:
-        return len(tokens.data)
+        return tokens.count
     raise ValueError(f"GGUF file {gguf.path} states no vocabulary size and has no token_embd")
 
 
