@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import ReaderTensor
-from gguf.quants import dequantize
 from transformers import PretrainedConfig
 
 from shoal.loader.gguf_config import build_gguf_config, gguf_architecture
+from shoal.loader.gguf_dequant import dequantize
 from shoal.loader.gguf_file import GGUFFile, open_gguf
 from shoal.loader.gguf_names import (
     EXPERT_PROJECTIONS,
@@ -135,7 +135,8 @@ def _missing_score_biases(config: PretrainedConfig, planned: set[str]) -> list[T
 
 
 def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
-    """Float32 values in transformers layout: (out_features, in_features) for matrices."""
+    """Float32 values in transformers layout: (out_features, in_features) for matrices; a fresh
+    writable array, so torch can take it without a copy."""
     values = dequantize(tensor.data, tensor.tensor_type)
     # GGUF lists dimensions fastest-first (ne0 = in_features), the reverse of torch's order
     shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
@@ -214,7 +215,7 @@ def _dequantize(gguf: GGUFFile, tensor: ReaderTensor, data: np.ndarray | None = 
 
 
 def _to_torch(values: np.ndarray) -> torch.Tensor:
-    # F32 tensors come back as read-only views of the memmap; torch needs its own writable copy
+    # dequantize's arrays are taken as they are; joined or un-permuted ones are copies already
     if values.dtype != np.float32 or not values.flags.writeable or not values.flags.c_contiguous:
         values = np.array(values, dtype=np.float32, order="C")
     return torch.from_numpy(values)
