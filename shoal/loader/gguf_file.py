@@ -38,7 +38,7 @@ class GGUFFile:
         return str(self.require("general.architecture"))
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
+        field = self.fields.get(key)
         if field is None:
             return default
         try:
@@ -56,7 +56,7 @@ class GGUFFile:
         return value
 
     def tensor_names(self) -> list[str]:
-        return [tensor.name for tensor in self.reader.tensors]
+        return [tensor.name for tensor in self.tensors]
 
 
 def open_gguf(path: str | Path) -> GGUFFile:

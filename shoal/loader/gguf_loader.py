@@ -8,12 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import ReaderTensor
 from transformers import PretrainedConfig
 
 from shoal.loader.gguf_config import build_gguf_config, gguf_architecture
 from shoal.loader.gguf_dequant import dequantize
-from shoal.loader.gguf_file import GGUFFile, open_gguf
+from shoal.loader.gguf_file import GGUFFile, GGUFTensor, open_gguf
 from shoal.loader.gguf_names import (
     EXPERT_PROJECTIONS,
     KV_B_PARTS,
@@ -32,12 +31,12 @@ class TensorPlan:
     treats as optional."""
 
     hf_name: str
-    tensor: ReaderTensor | None = None
+    tensor: GGUFTensor | None = None
     unpermute_heads: int | None = None  # head count to undo llama.cpp's rotary row permutation
     # stacked experts [experts, rows, cols]: the projections one expert's rows hold, in order
     expert_projections: tuple[str, ...] = ()
     layer: int = -1  # of the stacked experts
-    v_b: ReaderTensor | None = None  # set when `tensor` is attn_k_b: the two become kv_b_proj
+    v_b: GGUFTensor | None = None  # set when `tensor` is attn_k_b: the two become kv_b_proj
     zeros: int = 0  # the length of a zero vector to yield instead of a tensor
 
 
@@ -71,8 +70,8 @@ def plan_tensors(gguf: GGUFFile, config: PretrainedConfig) -> list[TensorPlan]:
     # Names are checked up front so an unsupported file fails at load time, not mid-iteration.
     arch = gguf_architecture(gguf)
     plans = []
-    kv_b_parts: dict[int, dict[str, ReaderTensor]] = {}
-    for tensor in gguf.reader.tensors:
+    kv_b_parts: dict[int, dict[str, GGUFTensor]] = {}
+    for tensor in gguf.tensors:
         parsed = layer_tensor(tensor.name)
         if parsed is not None and parsed.kind == "weight":
             if parsed.part in EXPERT_PROJECTIONS:
@@ -110,7 +109,7 @@ def plan_tensors(gguf: GGUFFile, config: PretrainedConfig) -> list[TensorPlan]:
     return plans
 
 
-def _expert_plan(gguf: GGUFFile, tensor: ReaderTensor, layer: int, part: str) -> TensorPlan:
+def _expert_plan(gguf: GGUFFile, tensor: GGUFTensor, layer: int, part: str) -> TensorPlan:
     projections = EXPERT_PROJECTIONS[part]
     shape = [int(d) for d in tensor.shape.tolist()]  # cols, rows, experts (fastest first)
     if len(shape) != 3 or shape[1] % len(projections):
@@ -134,7 +133,7 @@ def _missing_score_biases(config: PretrainedConfig, planned: set[str]) -> list[T
     return plans
 
 
-def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
+def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
     """Float32 values in transformers layout: (out_features, in_features) for matrices; a fresh
     writable array, so torch can take it without a copy."""
     values = dequantize(tensor.data, tensor.tensor_type)
@@ -201,7 +200,7 @@ def _split_experts(gguf: GGUFFile, plan: TensorPlan) -> Iterator[tuple[str, torc
             yield expert_tensor_name(plan.layer, expert, projection), _to_torch(part)
 
 
-def _dequantize(gguf: GGUFFile, tensor: ReaderTensor, data: np.ndarray | None = None
+def _dequantize(gguf: GGUFFile, tensor: GGUFTensor, data: np.ndarray | None = None
                 ) -> np.ndarray:
     try:
         if data is not None:
