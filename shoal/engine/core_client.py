@@ -282,4 +282,3 @@ class EngineCoreClient:
         self._from_engine.close(linger=0)
         self._ctx.term()
         shutil.rmtree(self._ipc_dir, ignore_errors=True)
-

@@ -66,11 +66,6 @@ def dequantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     return values.reshape(*raw.shape[:-1], raw.shape[-1] // type_size * block_size)
 
 
-def dequantize_torch(data: np.ndarray, qtype: GGMLQuantizationType) -> torch.Tensor:
-    """dequantize as a tensor (sharing the array's memory)."""
-    return torch.from_numpy(dequantize(data, qtype))
-
-
 def _readonly_tensor(array: np.ndarray) -> torch.Tensor:
     """A tensor over a possibly read-only array (a view of the file's memmap); only read."""
     with warnings.catch_warnings():

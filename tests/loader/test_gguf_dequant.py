@@ -11,7 +11,7 @@ from gguf.quants import dequantize as oracle
 from gguf.quants import quantize
 
 from shoal.loader import gguf_dequant
-from shoal.loader.gguf_dequant import dequantize, dequantize_torch
+from shoal.loader.gguf_dequant import dequantize
 from shoal.loader.gguf_file import open_gguf
 
 Q = GGMLQuantizationType
@@ -95,11 +95,17 @@ def test_non_contiguous_input():
     assert_bitwise_equal(dequantize(data, Q.Q4_1), oracle(np.ascontiguousarray(data), Q.Q4_1))
 
 
-def test_torch_shares_the_array():
-    data = make_rows(Q.Q4_0, (2, 2), blocks_per_row=1)
-    tensor = dequantize_torch(data, Q.Q4_0)
-    assert tuple(tensor.shape) == (2, 2, 32) and tensor.is_contiguous()
-    assert_bitwise_equal(tensor.numpy(), oracle(data, Q.Q4_0))
+@pytest.mark.parametrize("qtype", [Q.Q4_0, Q.F32])
+def test_results_are_fresh_writable_arrays(qtype):
+    # The loader hands them to torch.from_numpy without a copy: a read-only view of the
+    # file's mapping (what gguf.quants returns for F32) would have to be copied first.
+    data = make_rows(qtype, (2, 2), blocks_per_row=1)
+    data.flags.writeable = False  # as the file's mapping is
+    values = dequantize(data, qtype)
+    assert values.dtype == np.float32 and values.flags.writeable and values.flags.c_contiguous
+    assert not np.shares_memory(values, data)
+    assert values.shape[:2] == (2, 2)
+    assert_bitwise_equal(values, oracle(data, qtype))
 
 
 def test_rows_that_are_not_whole_blocks():
