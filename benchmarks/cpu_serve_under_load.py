@@ -39,7 +39,7 @@ def one_request() -> float:
 def main() -> None:
     python = sys.argv[1] if len(sys.argv) > 1 else sys.executable
     t0 = time.time()
-    server = subprocess.Popen([python, "-m", "shoal.entrypoints.cli", "serve", "--port",
+    server = subprocess.Popen([python, "-m", "shoal.cli", "serve", "--port",
                                str(PORT)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_healthy()

@@ -6,7 +6,7 @@
 set -u
 M=${1:?model folder}; shift
 export PYTHONUNBUFFERED=1
-SHOAL_STEP_TRACE="$OUT/step-trace.jsonl" python3 -m shoal.entrypoints.cli serve "$M" \
+SHOAL_STEP_TRACE="$OUT/step-trace.jsonl" python3 -m shoal.cli serve "$M" \
   --load-format dummy --dtype bfloat16 --no-enable-prefix-caching --port 8000 \
   --disable-uvicorn-access-log "$@" > "$OUT/server.log" 2>&1 &
 SERVER=$!
@@ -17,7 +17,7 @@ for _ in $(seq 1 150); do
 done
 for run in 1 2 3; do
   echo "mark run $run $(python3 -c 'import time; print(time.monotonic())')" >> "$OUT/marks.txt"
-  timeout 120 python3 -m shoal.entrypoints.cli bench serve --port 8000 --preset W8 \
+  timeout 120 python3 -m shoal.cli bench serve --port 8000 --preset W8 \
     --tokenizer "$M" --disable-tqdm --num-client-processes 4 --save-result --save-detailed \
     --result-dir "$OUT" --result-filename "stream-$run.json" > "$OUT/stream-$run.log" 2>&1
   echo "run $run rc=$?"; grep -E "Output token throughput|Mean TTFT" "$OUT/stream-$run.log"

@@ -24,19 +24,19 @@ wait_healthy() {  # port, seconds
 stage() { echo "== $1 $(date +%T)"; }
 
 stage offline
-timeout 200 python3 -m shoal.entrypoints.cli bench throughput --preset W8 --model "$M" \
+timeout 200 python3 -m shoal.cli bench throughput --preset W8 --model "$M" \
   --tokenizer "$M" --load-format dummy --num-runs 2 --disable-tqdm \
   --output-json "$OUT/w8-offline.json" > "$OUT/w8-offline.log" 2>&1
 echo "rc=$?"; grep -E "^run " "$OUT/w8-offline.log"
 
 stage serve
-SHOAL_STEP_TRACE="$OUT/w8-step-trace.jsonl" python3 -m shoal.entrypoints.cli serve "$M" --load-format dummy --dtype bfloat16 --no-enable-prefix-caching --port 8000 \
+SHOAL_STEP_TRACE="$OUT/w8-step-trace.jsonl" python3 -m shoal.cli serve "$M" --load-format dummy --dtype bfloat16 --no-enable-prefix-caching --port 8000 \
   --disable-uvicorn-access-log > "$OUT/w8-server.log" 2>&1 &
 SERVER=$!
 if wait_healthy 8000 150; then
   for run in stream-1 stream-2 stream-3 nonstream; do
     extra=""; [ "$run" = nonstream ] && extra="--non-streaming"
-    timeout 120 python3 -m shoal.entrypoints.cli bench serve --port 8000 --preset W8 $extra \
+    timeout 120 python3 -m shoal.cli bench serve --port 8000 --preset W8 $extra \
       --tokenizer "$M" \
       --disable-tqdm --num-client-processes 4 --save-result --save-detailed --result-dir "$OUT" \
       --result-filename "w8-serve-$run.json" > "$OUT/w8-serve-$run.log" 2>&1
@@ -48,12 +48,12 @@ fi
 kill -TERM $SERVER; wait $SERVER  # the python process itself, not a shell function
 
 stage batch1
-python3 -m shoal.entrypoints.cli serve meta-llama/Llama-3.1-8B --load-format dummy --dtype bfloat16 --tokenizer "$M" \
+python3 -m shoal.cli serve meta-llama/Llama-3.1-8B --load-format dummy --dtype bfloat16 --tokenizer "$M" \
   --max-model-len 4096 --max-num-seqs 16 --port 8001 --disable-uvicorn-access-log \
   > "$OUT/b1-server.log" 2>&1 &
 SERVER=$!
 if wait_healthy 8001 180; then
-  timeout 120 python3 -m shoal.entrypoints.cli bench serve --port 8001 --dataset-name random \
+  timeout 120 python3 -m shoal.cli bench serve --port 8001 --dataset-name random \
     --tokenizer "$M" \
     --random-input-len 128 --random-output-len 256 --token-id-prompts --ignore-eos \
     --temperature 0 --num-prompts 6 --num-warmups 1 --max-concurrency 1 --disable-tqdm \

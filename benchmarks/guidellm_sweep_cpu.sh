@@ -35,7 +35,7 @@ PORT=8000
 mkdir -p "$OUT"
 
 export SHOAL_EXTENSIONS_DIR=${SHOAL_EXTENSIONS_DIR:-$REPO/shoal/csrc/build}
-(cd "${SHOAL_SRC:-$REPO}" && exec "$REPO/.venv/bin/python" -m shoal.entrypoints.cli serve) \
+(cd "${SHOAL_SRC:-$REPO}" && exec "$REPO/.venv/bin/python" -m shoal.cli serve) \
     > "$OUT/server.log" 2>&1 &
 SERVER=$!
 trap 'kill "$SERVER" 2>/dev/null; wait "$SERVER" 2>/dev/null || true' EXIT

@@ -128,7 +128,7 @@ class Server:
         self.port = free_port()
         serve = ["serve", "--port", str(self.port), *BASE_ARGS, *args]
         cmd = ([sys.executable, __file__, "--serve-with-shims", *serve] if shims else
-               [sys.executable, "-m", "shoal.entrypoints.cli", *serve])
+               [sys.executable, "-m", "shoal.cli", *serve])
         self.log = Path(tempfile.mkstemp(prefix="shoal-rel-", suffix=".log")[1])
         self.proc = subprocess.Popen(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
                                      cwd=ROOT)

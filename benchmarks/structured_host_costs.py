@@ -205,7 +205,7 @@ class Driver:
         self.last_steady = False  # the last step() was a steady decode step
 
     def top_up(self) -> None:
-        from shoal.engine.core_types import EngineCoreRequest
+        from shoal.core.types import EngineCoreRequest
 
         while len(self.live) < self.batch:
             self.fresh = 2

@@ -153,7 +153,7 @@ def server_command(engine: str, port: int, dtype: str, hf_folder: Path,
               "--served-model-name", SERVED_NAME, "--no-enable-prefix-caching",
               "--disable-uvicorn-access-log"]
     if engine == "shoal":
-        cmd = [str(REPO / ".venv/bin/python"), "-m", "shoal.entrypoints.cli", "serve", *common,
+        cmd = [str(REPO / ".venv/bin/python"), "-m", "shoal.cli", "serve", *common,
                "--kv-cache-memory-bytes", str(KV_GIB << 30)]
         if shoal_src is not None:
             env["PYTHONPATH"] = str(shoal_src)

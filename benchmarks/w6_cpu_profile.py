@@ -104,7 +104,7 @@ def streamed_weight_bytes(model: Any) -> dict[str, int]:
 
 
 def decode_schedule(runner: Any, batch: int, context: int, first: bool) -> Any:
-    from shoal.engine.scheduler_output import (
+    from shoal.core.scheduler_output import (
         NewRequestData,
         ScheduledRequest,
         SchedulerOutput,

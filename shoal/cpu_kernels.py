@@ -114,6 +114,19 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
+LAYER_OPS_SWITCH = "SHOAL_CPU_LAYER_KERNELS"
+
+
+@functools.cache
+def layer_ops_enabled() -> bool:
+    """Whether the layer ops of layer_ops_cpu.cpp serve (norms, SiLU-and-mul, rotary, the KV
+    cache write): built and loaded, and not switched off with SHOAL_CPU_LAYER_KERNELS=0."""
+    if os.environ.get(LAYER_OPS_SWITCH) == "0":
+        logger.info("C++ CPU layer ops off (%s=0): the torch paths serve", LAYER_OPS_SWITCH)
+        return False
+    return available()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", action="store_true", help="compile the kernels (if needed)")

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-from shoal.kv_offload.request_params import validate_kv_transfer_params
 from shoal.structured_output.params import StructuredOutputsParams, structured_outputs_from
 
 # vLLM's default --max-logprobs; the limit itself is an engine argument.
@@ -102,7 +101,8 @@ class SamplingParams:
     # instead of the top-k; `num_logprobs` counts them.
     logprob_token_ids: list[int] | None = None
     detokenize: bool = True
-    # KV offloading options, e.g. {"skip_tiers": ["disk"]} (shoal/kv_offload/request_params.py)
+    # KV offloading options, e.g. {"skip_tiers": ["disk"]}: their shape is checked here, the
+    # tier names by the request validator (shoal/kv_offload/request_params.py)
     kv_transfer_params: dict[str, Any] | None = None
     # A grammar the output must follow (JSON schema, regex, choice, EBNF, structural tag)
     structured_outputs: StructuredOutputsParams | None = None
@@ -113,7 +113,7 @@ class SamplingParams:
         self._validate_lists()
         self._validate_token_id_lists()
         self._validate_flags()
-        self.kv_transfer_params = validate_kv_transfer_params(self.kv_transfer_params)
+        self.kv_transfer_params = _kv_transfer_params(self.kv_transfer_params)
         self.structured_outputs = structured_outputs_from(self.structured_outputs)
 
     # -- validation, split by kind so each piece stays readable ---------------------------------
@@ -330,3 +330,24 @@ class BeamSearchParams:
         """What each beam's one-token request asks of the engine."""
         return SamplingParams(temperature=self.temperature, max_tokens=1,
                               logprobs=2 * self.beam_width, detokenize=False)
+
+
+_KV_TRANSFER_KEYS = ("skip_tiers",)
+
+
+def _kv_transfer_params(params: Any) -> dict[str, Any] | None:
+    """kv_transfer_params checked for shape and normalized (skip_tiers sorted, no repeats)."""
+    if params is None:
+        return None
+    if not isinstance(params, dict):
+        raise ValueError(f"kv_transfer_params must be a dict (got {params!r})")
+    unknown = sorted(set(params) - set(_KV_TRANSFER_KEYS))
+    if unknown:
+        raise ValueError(f"kv_transfer_params: unknown key(s) {', '.join(map(str, unknown))}; "
+                         f"known: {', '.join(_KV_TRANSFER_KEYS)}")
+    skip = params.get("skip_tiers", [])
+    if (isinstance(skip, str) or not isinstance(skip, list | tuple | set | frozenset)
+            or not all(isinstance(t, str) for t in skip)):
+        raise ValueError(f"kv_transfer_params.skip_tiers must be a list of tier names (got "
+                         f"{skip!r})")
+    return {"skip_tiers": sorted(set(skip))}

@@ -3,7 +3,8 @@
 - the scheduler and the KV store modules import no torch;
 - `import shoal`, `shoal.sampling_params` and `shoal.kv_cache.hashing` load neither torch nor
   transformers (the package is lazy);
-- no import cycles between the modules of shoal/;
+- no import cycles between the modules of shoal/, nor between its packages (each
+  subpackage, and each top-level module, is one node; every import counts, deferred ones too);
 - no function or method in shoal/ over 80 lines.
 
 The import probes run in fresh interpreters (this process has torch loaded already). A
@@ -360,10 +361,51 @@ def test_no_import_cycles(deferred):
             + "\n  - ".join(_describe_cycle(graph, c) for c in cycles))
 
 
+def _package_of(module: str) -> str | None:
+    """shoal.engine.core -> shoal.engine; a top-level module is its own node; the package's
+    own __init__ (the lazy facade: LLM, SamplingParams) is above everything and left out."""
+    parts = module.split(".")
+    return None if len(parts) == 1 else ".".join(parts[:2])
+
+
+def _package_graph() -> dict[str, dict[str, tuple[str, int]]]:
+    """package -> {imported package: (first importing module, line)}, every import counted."""
+    graph: dict[str, dict[str, tuple[str, int]]] = {}
+    for module, edges in _import_graph(deferred=True).items():
+        src = _package_of(module)
+        if src is None:
+            continue
+        out = graph.setdefault(src, {})
+        for target, line in edges.items():
+            dst = _package_of(target)
+            if dst is not None and dst != src:
+                out.setdefault(dst, (module, line))
+    return graph
+
+
+@pytest.mark.xfail(strict=True, reason="spec_decode <-> worker until the sampler and verification "
+                   "move to shoal/sample/ and the runner takes its drafter from outside")
+def test_no_cycles_between_packages():
+    """A package imports only packages below it: a cycle between two packages means each
+    needs the other, which is where a shared piece belongs one level lower."""
+    graph = _package_graph()
+    plain = {src: {dst: line for dst, (_, line) in out.items()} for src, out in graph.items()}
+    cycles = _strongly_connected(plain)
+    if cycles:
+        lines = []
+        for comp in cycles:
+            cycle = _shortest_cycle(plain, comp)
+            lines.append(" -> ".join(cycle) + "\n      " + "\n      ".join(
+                f"{_rel(MODULES[graph[a][b][0]])}:{graph[a][b][1]} imports {b}"
+                for a, b in zip(cycle, cycle[1:])))
+        pytest.fail(f"{len(cycles)} cycle(s) between packages of shoal/:\n  - "
+                    + "\n  - ".join(lines))
+
+
 def test_import_graph_sees_the_imports():
     """The graph itself: a guard against a parser change that would find no edges at all."""
     graph = _import_graph()
-    assert "shoal.engine.request" in graph["shoal.engine.scheduler"]
+    assert "shoal.core.request" in graph["shoal.engine.scheduler"]
     assert sum(len(e) for e in graph.values()) > len(graph)
 
 

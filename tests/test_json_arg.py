@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.engine_args import EngineArgs
 from shoal.json_arg import json_object
 from shoal.pooling.model_info import parse_pooler_config
-from shoal.spec_decode.config import SpeculativeConfig
 from shoal.structured_output.params import parse_backend_config
 
 

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from shoal.attention.backend import AttentionBackend
 from shoal.attention.metadata import AttentionMetadata, build_attention_metadata
+from shoal.attention.ops import cpu_kv_cache_write
 from shoal.attention.ops import cpu_paged_decode as cpu_kernel
-from shoal.layers.ops import cpu_layer_ops
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -56,8 +56,8 @@ def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if (k.dim() == 3 and kv_cache.dim() == 4 and k.dtype == kv_cache.dtype and v.dtype == k.dtype
             and slot_mapping.dtype == torch.int64
             and k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.is_contiguous()
-            and cpu_layer_ops.usable(k)):
-        cpu_layer_ops.write_kv_cache(kv_cache, k, v, slot_mapping.contiguous())
+            and cpu_kv_cache_write.usable(k)):
+        cpu_kv_cache_write.write_kv_cache(kv_cache, k, v, slot_mapping.contiguous())
         return
     kv_cache[0].index_copy_(0, slot_mapping, k)
     kv_cache[1].index_copy_(0, slot_mapping, v)

@@ -17,7 +17,7 @@ import functools
 import time
 from dataclasses import dataclass
 
-from shoal.engine.core_types import (
+from shoal.core.types import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,

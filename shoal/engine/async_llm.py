@@ -17,9 +17,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
+from shoal.core.types import BAD_REQUEST_PREFIX, SchedulerStats
 from shoal.engine.core_client import EngineCoreClient, EngineDeadError
 from shoal.engine.core_proc import CoreOutputs, Ready
-from shoal.engine.core_types import BAD_REQUEST_PREFIX, SchedulerStats
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import InputProcessor, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor

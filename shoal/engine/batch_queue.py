@@ -18,11 +18,11 @@ from __future__ import annotations
 from collections import deque
 from typing import TYPE_CHECKING, Any
 
-from shoal.engine.core_types import EngineCoreOutput
-from shoal.engine.scheduler_output import SchedulerOutput
+from shoal.core.scheduler_output import SchedulerOutput
+from shoal.core.types import EngineCoreOutput
 
 if TYPE_CHECKING:
-    from shoal.engine.request import Request
+    from shoal.core.request import Request
     from shoal.engine.scheduler import Scheduler
     from shoal.structured_output.manager import StructuredOutputManager
 

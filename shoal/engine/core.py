@@ -24,14 +24,14 @@ import weakref
 from typing import Any
 
 from shoal.config import EngineConfig
+from shoal.core.request import Request
+from shoal.core.scheduler_output import GrammarBitmask, SchedulerOutput
+from shoal.core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from shoal.engine.batch_queue import BatchQueue, MicroBatching
-from shoal.engine.core_types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from shoal.engine.dp_lockstep import join_dp_lockstep
 from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_core_request
 from shoal.engine.pooling_scheduler import PoolingScheduler
-from shoal.engine.request import Request
 from shoal.engine.scheduler import Scheduler
-from shoal.engine.scheduler_output import GrammarBitmask, SchedulerOutput
 from shoal.executor import build_model_executor
 from shoal.kv_offload.factory import build_kv_offload
 from shoal.loader import LoadedModel

@@ -23,6 +23,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from shoal.core.types import EngineCoreRequest
 from shoal.engine.core_proc import (
     AbortRequests,
     AddRequest,
@@ -35,7 +36,6 @@ from shoal.engine.core_proc import (
     UtilityResult,
     run_engine_core,
 )
-from shoal.engine.core_types import EngineCoreRequest
 from shoal.engine.cpu_threads import spawn_env
 from shoal.engine.engine_args import EngineArgs
 

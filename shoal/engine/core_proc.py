@@ -23,8 +23,8 @@ from typing import Any
 import msgspec
 import zmq
 
+from shoal.core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shoal.engine import step_trace
-from shoal.engine.core_types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import EngineLimits
 

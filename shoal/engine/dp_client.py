@@ -29,9 +29,9 @@ from typing import Any
 
 import msgspec
 
+from shoal.core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shoal.engine.core_client import EngineCoreClient, EngineDeadError
 from shoal.engine.core_proc import CoreOutputs, Ready
-from shoal.engine.core_types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shoal.engine.cpu_threads import available_cores
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import EngineLimits

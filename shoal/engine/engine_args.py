@@ -17,6 +17,7 @@ from shoal.config import (
     ray_installed,
     resolve_dtype,
 )
+from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.cpu_defaults import (
     CPU_MAX_NUM_SEQS,
     CPU_TOKENS_PER_THREAD,
@@ -25,7 +26,6 @@ from shoal.engine.cpu_defaults import (
 )
 from shoal.json_arg import json_object
 from shoal.pooling.model_info import parse_pooler_config
-from shoal.spec_decode.config import SpeculativeConfig
 from shoal.structured_output.params import check_backend_available, parse_backend_config
 
 logger = logging.getLogger(__name__)
@@ -456,6 +456,9 @@ class EngineArgs:
                              "by their prefix hash)")
         if self.kv_offloading_disk_size is not None and self.kv_offloading_disk_path is None:
             raise ValueError("kv_offloading_disk_size needs kv_offloading_disk_path")
+        from shoal.kv_offload.policy import resolve_policy
+
+        resolve_policy(self.kv_offloading_policy)  # a bad name fails here, at start-up
         return KVOffloadConfig(
             cpu_bytes=int(self.kv_offloading_size * 2**30),
             disk_path=self.kv_offloading_disk_path,

@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from shoal.core.types import EngineCoreRequest
 from shoal.engine.chat_template import render_chat_template
-from shoal.engine.core_types import EngineCoreRequest
+from shoal.kv_offload.request_params import check_tier_names
 from shoal.pooling_params import PoolingInfo, PoolingParams
 from shoal.sampling_params import SamplingParams
 
@@ -118,6 +119,7 @@ def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:
     ids = check_prompt_token_ids(req.prompt_token_ids, limits.vocab_size, limits.max_model_len)
     sp = req.sampling_params
     sp.validate_against_vocab(limits.vocab_size)
+    check_tier_names(sp.kv_transfer_params)
     for name in ("logprobs", "prompt_logprobs"):  # -1 is resolved by the frontend
         k = getattr(sp, name)
         if k is not None and not 0 <= k <= limits.vocab_size:

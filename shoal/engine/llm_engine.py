@@ -10,8 +10,8 @@ import weakref
 
 import torch
 
+from shoal.core.types import SchedulerStats
 from shoal.engine.core import EngineCore
-from shoal.engine.core_types import SchedulerStats
 from shoal.engine.cpu_threads import configure_cpu_threads
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import (

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shoal.engine.core_types import EngineCoreOutput, Logprobs
+from shoal.core.types import EngineCoreOutput, Logprobs
 from shoal.engine.detokenizer import IncrementalDetokenizer
 from shoal.engine.input_processor import ProcessedRequest
 from shoal.metrics.stats import FinishedRequestStats, IterationStats

@@ -13,10 +13,10 @@ import dataclasses
 import time
 
 from shoal.config import CacheConfig, SchedulerConfig
-from shoal.engine.core_types import EngineCoreOutput
-from shoal.engine.request import Request, RequestStatus
+from shoal.core.request import Request, RequestStatus
+from shoal.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
+from shoal.core.types import EngineCoreOutput
 from shoal.engine.scheduler import Scheduler, _Cached, _Step
-from shoal.engine.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 # The base scheduler keeps a block pool; a pooling engine never allocates from it.
 _NO_KV_BLOCKS = 1

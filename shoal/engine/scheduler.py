@@ -19,16 +19,16 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.config import CacheConfig, SchedulerConfig
-from shoal.engine.core_types import BAD_REQUEST_PREFIX, EngineCoreOutput, SchedulerStats
-from shoal.engine.request import Request, RequestStatus
-from shoal.engine.scheduler_faults import FaultHandling
-from shoal.engine.scheduler_output import (
+from shoal.core.request import Request, RequestStatus
+from shoal.core.scheduler_output import (
     PENDING_TOKEN,
     ModelRunnerOutput,
     NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
 )
+from shoal.core.types import BAD_REQUEST_PREFIX, EngineCoreOutput, SchedulerStats
+from shoal.engine.scheduler_faults import FaultHandling
 from shoal.engine.scheduler_spec import SpecDecodeScheduling
 from shoal.engine.waiting_queue import WaitingQueue
 from shoal.kv_cache.block_pool import KVBlock

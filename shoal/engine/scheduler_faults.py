@@ -24,13 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from shoal.engine.core_types import EngineCoreOutput
-from shoal.engine.request import Request, RequestStatus
+from shoal.core.request import Request, RequestStatus
+from shoal.core.types import EngineCoreOutput
 from shoal.kv_cache.block_pool import KVBlock
 from shoal.kv_cache.hashing import BlockHash
 
 if TYPE_CHECKING:
-    from shoal.engine.scheduler_output import SchedulerOutput
+    from shoal.core.scheduler_output import SchedulerOutput
 
 # A request in this many failing steps stays isolated until it ends.
 ISOLATE_FOR_GOOD_AFTER = 2

@@ -29,8 +29,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shoal.engine.request import Request, RequestStatus
-from shoal.engine.scheduler_output import ScheduledRequest
+from shoal.core.request import Request, RequestStatus
+from shoal.core.scheduler_output import ScheduledRequest
 
 if TYPE_CHECKING:
     from shoal.config import SchedulerConfig

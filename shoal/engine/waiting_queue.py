@@ -6,7 +6,7 @@ import heapq
 import itertools
 from collections import deque
 
-from shoal.engine.request import Request
+from shoal.core.request import Request
 
 
 class WaitingQueue:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from shoal.engine.scheduler_output import SchedulerOutput
+from shoal.core.scheduler_output import SchedulerOutput
 
 
 class InitKVCache(msgspec.Struct, tag="init_kv"):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shoal.engine.scheduler_output import SchedulerOutput
+from shoal.core.scheduler_output import SchedulerOutput
 from shoal.executor.commands import (
     FinishStep,
     InitKVCache,

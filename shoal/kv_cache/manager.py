@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shoal.engine.request import Request
+from shoal.core.request import Request
 from shoal.kv_cache.block_pool import BlockPool, KVBlock
 from shoal.kv_cache.hashing import hash_full_blocks
 

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shoal.engine.request import Request
+from shoal.core.kv_transfer_plan import KVTransferPlan
+from shoal.core.request import Request
 from shoal.kv_cache.block_pool import BlockPool, KVBlock
 from shoal.kv_cache.hashing import BlockHash
 from shoal.kv_offload.loads import Staging
-from shoal.kv_offload.plan import KVTransferPlan
 from shoal.kv_offload.request_params import skip_tiers
 from shoal.kv_offload.store import TieredKVStore
 

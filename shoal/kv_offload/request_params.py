@@ -1,4 +1,6 @@
-"""Per-request offloading options, carried in SamplingParams.kv_transfer_params (vLLM's name).
+"""Per-request offloading options, carried in SamplingParams.kv_transfer_params (vLLM's name),
+whose shape SamplingParams checks; the tier names are checked here, by the request validator
+(shoal/engine/input_processor.py), since the tiers live at this level.
 
     SamplingParams(..., kv_transfer_params={"skip_tiers": ["disk"]})
 
@@ -13,26 +15,14 @@ from typing import Any
 
 from shoal.kv_offload.lower_tiers import TIER_NAMES
 
-_KEYS = ("skip_tiers",)
 
-
-def validate_kv_transfer_params(params: Any) -> dict[str, Any] | None:
-    if params is None:
-        return None
-    if not isinstance(params, dict):
-        raise ValueError(f"kv_transfer_params must be a dict (got {params!r})")
-    unknown = sorted(set(params) - set(_KEYS))
-    if unknown:
-        raise ValueError(f"kv_transfer_params: unknown key(s) {', '.join(map(str, unknown))}; "
-                         f"known: {', '.join(_KEYS)}")
-    skip = params.get("skip_tiers", [])
-    if isinstance(skip, str) or not isinstance(skip, list | tuple | set | frozenset):
-        raise ValueError(f"kv_transfer_params.skip_tiers must be a list of tier names (got {skip!r})")
-    bad = [t for t in skip if t not in TIER_NAMES]
+def check_tier_names(params: dict[str, Any] | None) -> None:
+    """ValueError for a skip_tiers entry that names no tier (params: as SamplingParams
+    normalized them)."""
+    bad = [t for t in skip_tiers(params) if t not in TIER_NAMES]
     if bad:
         raise ValueError(f"kv_transfer_params.skip_tiers: unknown tier(s) {bad}; "
                          f"tiers are {', '.join(TIER_NAMES)}")
-    return {"skip_tiers": sorted(set(skip))}
 
 
 def skip_tiers(params: dict[str, Any] | None) -> tuple[str, ...]:

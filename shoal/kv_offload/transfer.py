@@ -23,8 +23,8 @@ from collections import deque
 
 import torch
 
+from shoal.core.kv_transfer_plan import KVTransferPlan
 from shoal.host_to_device import to_device
-from shoal.kv_offload.plan import KVTransferPlan
 from shoal.kv_offload.stats import TierStats
 
 # Blocks per staging buffer on CUDA (64 blocks of Llama-3.1-8B at 16 tokens: 128 MiB).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from shoal.engine.core_types import SchedulerStats
+from shoal.core.types import SchedulerStats
 from shoal.metrics.stats import IterationStats, merge_engine_stats
 
 logger = logging.getLogger("shoal.metrics")

@@ -18,7 +18,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import Metric
 
-from shoal.engine.core_types import SchedulerStats
+from shoal.core.types import SchedulerStats
 from shoal.metrics.stats import CumulativeDelta, IterationStats
 
 PREFIXES = ("vllm", "shoal")

@@ -7,7 +7,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from shoal.engine.core_types import SchedulerStats
+from shoal.core.types import SchedulerStats
 
 
 @dataclass

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from shoal.config import EngineConfig
+from shoal.config.speculative import SpeculativeConfig
 from shoal.host_to_device import to_device
 from shoal.loader import build_model, load_model
-from shoal.spec_decode.config import SpeculativeConfig
 from shoal.spec_decode.drafter_cache import DrafterCache
 
 logger = logging.getLogger(__name__)

@@ -40,10 +40,10 @@ import torch
 from torch import nn
 
 from shoal.config import EngineConfig
+from shoal.config.speculative import SpeculativeConfig
 from shoal.host_to_device import to_device
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.models.deepseek_mtp import DeepseekMTP, mtp_prefix, num_mtp_layers
-from shoal.spec_decode.config import SpeculativeConfig
 from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.spec_decode.drafter_cache import DrafterCache
 

@@ -6,7 +6,7 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from shoal.spec_decode.config import FORCED, SpeculativeConfig
+from shoal.config.speculative import FORCED, SpeculativeConfig
 from shoal.spec_decode.ngram import propose_ngram
 
 if TYPE_CHECKING:
@@ -73,7 +73,7 @@ def build_proposer(engine_config: EngineConfig, target: Any = None, loaded: Any 
         if config.method == "mtp":
             head = build_mtp_head(engine_config, target, loaded)
         else:
-            from shoal.models.llama_eagle import build_eagle_head
+            from shoal.spec_decode.eagle_head import build_eagle_head
 
             head = build_eagle_head(engine_config, config, target, loaded)
         return HiddenStateProposer(engine_config, config, head)

@@ -14,8 +14,8 @@ from shoal.spec_decode.rejection_sampler import VerifyOutput, rejection_sample
 from shoal.worker.sampling_metadata import SamplingMetadata
 
 if TYPE_CHECKING:
-    from shoal.engine.core_types import Logprobs
-    from shoal.engine.scheduler_output import ModelRunnerOutput
+    from shoal.core.scheduler_output import ModelRunnerOutput
+    from shoal.core.types import Logprobs
 
 
 @dataclass

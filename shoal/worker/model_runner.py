@@ -15,9 +15,7 @@ import torch
 from shoal.attention.metadata import token_slots
 from shoal.attention.selector import get_attention_backend
 from shoal.config import EngineConfig
-from shoal.distributed.parallel_state import get_pp_world_size, world_min_int
-from shoal.engine.core_types import Logprobs
-from shoal.engine.scheduler_output import (
+from shoal.core.scheduler_output import (
     PENDING_TOKEN,
     GrammarBitmask,
     ModelRunnerOutput,
@@ -25,6 +23,8 @@ from shoal.engine.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
+from shoal.core.types import Logprobs
+from shoal.distributed.parallel_state import get_pp_world_size, world_min_int
 from shoal.host_to_device import to_device
 from shoal.kv_offload.transfer import KVTransfer
 from shoal.loader import LoadedModel, build_model

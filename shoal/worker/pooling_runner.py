@@ -18,7 +18,7 @@ import torch
 
 from shoal.attention.packed import PackedSeqs
 from shoal.config import EngineConfig
-from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.layers.latent_attention import LatentAttention
 from shoal.loader import LoadedModel, build_model
 from shoal.pooling.model_info import build_pooling_info

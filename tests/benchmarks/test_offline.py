@@ -6,7 +6,7 @@ import json
 
 from shoal.benchmarks.offline_common import apply_preset
 from shoal.benchmarks.presets import SERVE_PRESETS, THROUGHPUT_PRESETS, apply_serve_preset
-from shoal.entrypoints.cli import build_parser, main
+from shoal.cli import build_parser, main
 
 SMALL = ["--kv-cache-memory-bytes", "134217728", "--max-model-len", "256", "--disable-tqdm"]
 

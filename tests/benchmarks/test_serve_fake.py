@@ -10,7 +10,7 @@ import pytest
 
 from shoal.benchmarks.load import arrival_times
 from shoal.benchmarks.serve import run
-from shoal.entrypoints.cli import build_parser, main
+from shoal.cli import build_parser, main
 
 
 def _ns(server, *args):

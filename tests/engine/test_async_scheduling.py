@@ -10,7 +10,7 @@ import random
 from engine_helpers import blocks_all_free, random_prompts, tiny_llm
 
 from shoal import SamplingParams
-from shoal.engine.scheduler_output import PENDING_TOKEN
+from shoal.core.scheduler_output import PENDING_TOKEN
 
 
 def _summary(outs) -> list:

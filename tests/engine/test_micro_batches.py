@@ -18,8 +18,8 @@ from engine.test_scheduler import (
     prompt_of,
 )
 
+from shoal.core.scheduler_output import PENDING_TOKEN, SchedulerOutput
 from shoal.engine.scheduler import Scheduler
-from shoal.engine.scheduler_output import PENDING_TOKEN, SchedulerOutput
 
 
 def micro_batched(sched: Scheduler, depth: int) -> Scheduler:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.engine.core_types import EngineCoreOutput
+from shoal.core.types import EngineCoreOutput
 from shoal.engine.detokenizer import IncrementalDetokenizer
 from shoal.engine.input_processor import EngineLimits, InputProcessor
 from shoal.engine.output_processor import OutputKind, OutputProcessor

@@ -12,10 +12,10 @@ from collections.abc import Callable
 import pytest
 
 from shoal.config import CacheConfig, SchedulerConfig
-from shoal.engine.core_types import EngineCoreOutput
-from shoal.engine.request import Request, RequestStatus
+from shoal.core.request import Request, RequestStatus
+from shoal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.core.types import EngineCoreOutput
 from shoal.engine.scheduler import Scheduler
-from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.sampling_params import SamplingParams
 
 EOS = 2

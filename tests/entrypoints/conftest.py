@@ -33,7 +33,7 @@ class RemoteServer:
         """base_args: replaces BASE_ARGS (sized for SmolLM2) for other models."""
         self.port = free_port()
         self.api_key = api_key
-        cmd = [sys.executable, "-m", "shoal.entrypoints.cli", "serve", "--port", str(self.port),
+        cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(self.port),
                *(BASE_ARGS if base_args is None else base_args), *args]
         if api_key:
             cmd += ["--api-key", api_key]

@@ -10,7 +10,7 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from starlette.routing import Route
 
-from shoal.engine.core_types import SchedulerStats
+from shoal.core.types import SchedulerStats
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import EngineLimits
 from shoal.entrypoints.openai.api_server import build_app

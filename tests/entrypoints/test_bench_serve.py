@@ -7,7 +7,7 @@ import json
 import pytest
 
 from shoal.benchmarks.datasets import RandomSpec, sample_random
-from shoal.entrypoints.cli import main
+from shoal.cli import main
 
 from .conftest import RemoteServer
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import io
 
+from shoal.cli import build_parser
 from shoal.engine.engine_args import EngineArgs
 from shoal.entrypoints.chat_cli import chat_loop
-from shoal.entrypoints.cli import build_parser
 from shoal.entrypoints.cli_args import engine_args_from, sampling_params_from, server_settings_from
 from shoal.outputs import CompletionOutput, RequestOutput
 

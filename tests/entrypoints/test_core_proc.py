@@ -11,6 +11,12 @@ import msgspec
 import pytest
 import zmq
 
+from shoal.core.types import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+)
 from shoal.engine.core_proc import (
     AbortRequests,
     AddRequest,
@@ -20,12 +26,6 @@ from shoal.engine.core_proc import (
     Shutdown,
     UtilityCall,
     UtilityResult,
-)
-from shoal.engine.core_types import (
-    EngineCoreOutput,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    SchedulerStats,
 )
 from shoal.sampling_params import SamplingParams
 

@@ -21,7 +21,7 @@ PROMPT = "The capital of France is"
 def test_engine_startup_error_exits_nonzero_with_message():
     # The frontend accepts the flag; the engine process rejects it while building its config
     # and must report the error through the start-up handshake.
-    cmd = [sys.executable, "-m", "shoal.entrypoints.cli", "serve", "--port", str(free_port()),
+    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(free_port()),
            *BASE_ARGS, "--max-model-len", "999999"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode != 0
@@ -86,7 +86,7 @@ def _first_health_503(base_url: str, timeout_s: float = 10.0) -> float:
 
 
 def test_api_server_count_above_one_is_refused_by_name():
-    cmd = [sys.executable, "-m", "shoal.entrypoints.cli", "serve", "--api-server-count", "2"]
+    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--api-server-count", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--api-server-count 2" in proc.stderr, proc.stderr[-2000:]
 
@@ -98,7 +98,7 @@ def test_shutdown_deadline_ends_requests_with_errors_over_a_unix_socket(tmp_path
     sock = str(tmp_path / "shoal.sock")
     log = tmp_path / "server.log"
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "shoal.entrypoints.cli", "serve",
+        proc = subprocess.Popen([sys.executable, "-m", "shoal.cli", "serve",
                                  *BASE_ARGS, "--uds", sock, "--shutdown-timeout", "1"],
                                 stdout=out, stderr=subprocess.STDOUT)
     http = httpx.Client(transport=httpx.HTTPTransport(uds=sock), base_url="http://shoal",
@@ -184,7 +184,7 @@ def test_the_engine_is_spawned_before_the_http_stack_is_imported():
 
 
 def test_a_bad_frontend_argument_fails_before_an_engine_process_starts():
-    cmd = [sys.executable, "-m", "shoal.entrypoints.cli", "serve", "--port", str(free_port()),
+    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(free_port()),
            *BASE_ARGS, "--max-logprobs", "-2"]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)

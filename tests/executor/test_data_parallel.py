@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from shoal import LLM, SamplingParams
-from shoal.engine.core_types import SchedulerStats
+from shoal.core.types import SchedulerStats
 from shoal.engine.dp_client import merge_limits
 from shoal.engine.input_processor import EngineLimits
 from shoal.metrics.stats import merge_engine_stats

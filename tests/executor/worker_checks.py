@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from shoal import LLM, SamplingParams
-from shoal.engine.scheduler_output import SchedulerOutput
+from shoal.core.scheduler_output import SchedulerOutput
 from shoal.executor.multiproc import WorkerDiedError
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from shoal.engine.request import Request
+from shoal.core.request import Request
 from shoal.kv_cache.block_pool import KVBlock
 from shoal.kv_cache.manager import KVCacheManager
 from shoal.sampling_params import SamplingParams

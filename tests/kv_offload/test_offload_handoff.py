@@ -9,9 +9,9 @@ import pytest
 from tier_fixtures import LAYOUT, _disk, _store
 
 from shoal.config import CacheConfig, SchedulerConfig
-from shoal.engine.request import Request
+from shoal.core.request import Request
+from shoal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.scheduler import Scheduler
-from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.kv_cache.hashing import hash_full_blocks
 from shoal.kv_offload.store import TieredKVStore
 from shoal.sampling_params import SamplingParams

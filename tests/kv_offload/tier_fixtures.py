@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal.engine.request import Request
+from shoal.core.request import Request
 from shoal.kv_cache.block_pool import BlockPool
 from shoal.kv_offload.connector import KVOffloadConnector
 from shoal.kv_offload.cpu_tier import CPUTier

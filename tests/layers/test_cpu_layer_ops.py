@@ -24,7 +24,7 @@ def built() -> None:
     if missing:
         pytest.skip(f"cannot build the C++ CPU kernels here: {missing}")
     cpu_kernels.build()  # a compile error fails the tests: the toolchain is there
-    cpu_layer_ops._enabled.cache_clear()
+    cpu_kernels.layer_ops_enabled.cache_clear()
     assert cpu_layer_ops.usable(torch.zeros(1))
 
 
@@ -116,8 +116,8 @@ def test_kv_cache_write_skips_padding_and_checks_slots(dtype: torch.dtype) -> No
 
 def test_other_dtypes_and_the_off_switch_take_the_torch_path(monkeypatch) -> None:
     assert not cpu_layer_ops.usable(torch.zeros(2, dtype=torch.float16))
-    monkeypatch.setenv(cpu_layer_ops.SWITCH_ENV, "0")
-    cpu_layer_ops._enabled.cache_clear()
+    monkeypatch.setenv(cpu_kernels.LAYER_OPS_SWITCH, "0")
+    cpu_kernels.layer_ops_enabled.cache_clear()
     try:
         assert not cpu_layer_ops.usable(torch.zeros(2))
         x, res = torch.randn(3, 16), torch.randn(3, 16)
@@ -125,5 +125,5 @@ def test_other_dtypes_and_the_off_switch_take_the_torch_path(monkeypatch) -> Non
         assert out.data_ptr() != x.data_ptr()  # the torch path returns new tensors
     finally:
         monkeypatch.undo()
-        cpu_layer_ops._enabled.cache_clear()
+        cpu_kernels.layer_ops_enabled.cache_clear()
     assert cpu_layer_ops.usable(torch.zeros(2))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from shoal.engine.core_types import SchedulerStats
+from shoal.core.types import SchedulerStats
 from shoal.metrics import (
     FinishedRequestStats,
     IterationStats,

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from shoal.attention.packed import PackedSeqs, packed_attention
 from shoal.config import CacheConfig, SchedulerConfig
+from shoal.core.request import Request
+from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.engine.pooling_scheduler import PoolingScheduler
-from shoal.engine.request import Request
-from shoal.engine.scheduler_output import ModelRunnerOutput
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 

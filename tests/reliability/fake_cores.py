@@ -7,7 +7,7 @@ import os
 import signal
 from pathlib import Path
 
-from shoal.engine.core_types import EngineCoreOutputs, EngineCoreRequest
+from shoal.core.types import EngineCoreOutputs, EngineCoreRequest
 from shoal.engine.input_processor import EngineLimits
 
 

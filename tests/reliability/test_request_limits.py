@@ -12,8 +12,8 @@ import pytest
 from engine_helpers import blocks_all_free, random_prompts, tiny_llm
 
 from shoal import SamplingParams
+from shoal.core.types import EngineCoreRequest
 from shoal.engine.chat_template import ChatTemplateError, render_chat_template
-from shoal.engine.core_types import EngineCoreRequest
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import EngineLimits, InputProcessor, RequestLimits
 

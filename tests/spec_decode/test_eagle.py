@@ -25,7 +25,7 @@ from spec_decode.test_spec_engine import SpecCounter
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from shoal import SamplingParams
-from shoal.spec_decode.config import SpeculativeConfig
+from shoal.config.speculative import SpeculativeConfig
 
 K = 3
 H, V, FF = TINY_COMMON["hidden_size"], TINY_COMMON["vocab_size"], TINY_COMMON["intermediate_size"]

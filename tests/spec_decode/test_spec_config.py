@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from engine_helpers import tiny_llm
 
-from shoal.entrypoints.cli import build_parser
+from shoal.cli import build_parser
+from shoal.config.speculative import SpeculativeConfig
 from shoal.entrypoints.cli_args import engine_args_from
-from shoal.spec_decode.config import SpeculativeConfig
 from shoal.spec_decode.ngram import propose_ngram
 
 
@@ -86,7 +86,7 @@ def test_serve_flag_takes_json() -> None:
 
 
 def test_serve_answers_a_bad_config_before_loading_anything(capsys) -> None:
-    from shoal.entrypoints.cli import main
+    from shoal.cli import main
 
     assert main(["serve", "--speculative-config",
                  '{"method": "eagle3", "num_speculative_tokens": 2}']) == 2

@@ -13,7 +13,7 @@ from engine_helpers import blocks_all_free, random_prompts, tiny_llm
 from spec_decode.chi_square import chi_square_p
 
 from shoal import SamplingParams
-from shoal.engine.core_types import EngineCoreRequest
+from shoal.core.types import EngineCoreRequest
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
@@ -89,7 +89,7 @@ def test_ngram_drafts_real_engine(plain, spec) -> None:
     """The real ngram proposer, on prompts that repeat: output unchanged."""
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [11, 12] * 9}]
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    from shoal.spec_decode.config import SpeculativeConfig
+    from shoal.config.speculative import SpeculativeConfig
     from shoal.spec_decode.proposer import NgramProposer
 
     spec.llm_engine.core.runner.proposer = NgramProposer(SpeculativeConfig(**NGRAM))

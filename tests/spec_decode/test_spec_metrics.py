@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shoal.engine.core_types import SchedulerStats
+from shoal.core.types import SchedulerStats
 from shoal.metrics import IterationStats, LoggingStatLogger, PrometheusStatLogger
 
 

@@ -11,10 +11,10 @@ import pytest
 from engine.test_scheduler import BS, EOS, assert_all_blocks_free, make_req, prompt_of
 
 from shoal.config import CacheConfig, SchedulerConfig
-from shoal.engine.core_types import EngineCoreOutput
-from shoal.engine.request import RequestStatus
+from shoal.core.request import RequestStatus
+from shoal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.core.types import EngineCoreOutput
 from shoal.engine.scheduler import Scheduler
-from shoal.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.engine.scheduler_spec import (
     MAX_WORTH,
     MIN_WORTH,

@@ -5,9 +5,9 @@ with an error on a token the grammar refuses."""
 from __future__ import annotations
 
 from shoal.config import CacheConfig, SchedulerConfig
-from shoal.engine.request import Request
+from shoal.core.request import Request
+from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.engine.scheduler import Scheduler
-from shoal.engine.scheduler_output import ModelRunnerOutput
 from shoal.sampling_params import SamplingParams
 
 
@@ -90,7 +90,7 @@ def test_a_refused_token_is_an_error_not_a_silent_answer():
 
 
 def test_fail_request_reports_a_bad_request():
-    from shoal.engine.core_types import BAD_REQUEST_PREFIX
+    from shoal.core.types import BAD_REQUEST_PREFIX
 
     sched = make_scheduler()
     req = make_req("r", prompt_of(5))

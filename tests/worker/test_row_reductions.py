@@ -17,7 +17,7 @@ def built() -> None:
     if missing:
         pytest.skip(f"cannot build the C++ CPU kernels here: {missing}")
     cpu_kernels.build()
-    cpu_layer_ops._enabled.cache_clear()
+    cpu_kernels.layer_ops_enabled.cache_clear()
     assert cpu_layer_ops.usable(torch.zeros(1))
 
 

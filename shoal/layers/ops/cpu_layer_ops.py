@@ -1,6 +1,7 @@
 """The decoder layer's small ops on the CPU through shoal's C++ kernels (shoal/csrc/
 layer_ops_cpu.cpp, built and loaded by shoal/cpu_kernels.py): RMSNorm with the residual add
-fused, SiLU(gate) * up, the neox rotary embedding in place, and the KV cache write.
+fused, SiLU(gate) * up and the neox rotary embedding in place (the KV cache write, from the
+same library, is shoal/attention/ops/cpu_kv_cache_write.py).
 
 Each replaces a chain of torch ops that makes a full pass and an allocation per op (a bf16
 RMSNorm is seven of them); a layer uses them for float32 and bfloat16 CPU tensors when the
@@ -8,31 +9,16 @@ extension is built. SHOAL_CPU_LAYER_KERNELS=0 keeps the torch paths (A/B runs)."
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-
 import torch
 
 from shoal import cpu_kernels
 
-logger = logging.getLogger(__name__)
-
-SWITCH_ENV = "SHOAL_CPU_LAYER_KERNELS"
 DTYPES = (torch.float32, torch.bfloat16)
-
-
-@functools.cache
-def _enabled() -> bool:
-    if os.environ.get(SWITCH_ENV) == "0":
-        logger.info("C++ CPU layer ops off (%s=0): the torch paths serve", SWITCH_ENV)
-        return False
-    return cpu_kernels.available()
 
 
 def usable(x: torch.Tensor) -> bool:
     """Whether x's op may run here: a CPU tensor of a supported dtype, kernels loaded."""
-    return x.device.type == "cpu" and x.dtype in DTYPES and _enabled()
+    return x.device.type == "cpu" and x.dtype in DTYPES and cpu_kernels.layer_ops_enabled()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -60,9 +46,3 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                      cos_sin_cache: torch.Tensor, rot_dim: int) -> None:
     """Rotates the first rot_dim dims of q [T, Hq, D] and k [T, Hk, D] in place."""
     torch.ops.shoal_cpu.rotary_embedding(positions, q, k, cos_sin_cache, rot_dim)
-
-
-def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> None:
-    """k, v [T, Hk, D] into their slots of kv_cache [2, slots, Hk, D]."""
-    torch.ops.shoal_cpu.write_kv_cache(kv_cache[0], kv_cache[1], k, v, slot_mapping)

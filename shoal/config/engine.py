@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shoal.spec_decode.config import SpeculativeConfig
+from shoal.config.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:  # torch is imported where a dtype or device is made, not here: the
     import torch  # scheduler reads these configs and must not load torch
@@ -187,7 +187,8 @@ class ParallelConfig:
 @dataclass(frozen=True)
 class KVOffloadConfig:
     """Secondary KV tiers (shoal/kv_offload): a CPU tier of cpu_bytes, then optionally a disk
-    tier of disk_bytes under disk_path; eviction policy "lru", "arc" or "pkg.module:Class"."""
+    tier of disk_bytes under disk_path; eviction policy "lru", "arc" or "pkg.module:Class"
+    (EngineArgs checks the name: the policies live above the configs, in shoal/kv_offload)."""
 
     cpu_bytes: int
     disk_path: str | None = None
@@ -199,9 +200,6 @@ class KVOffloadConfig:
             raise ValueError(f"kv_offloading_size must be > 0 GiB (got {self.cpu_bytes} bytes)")
         if self.disk_path is not None and self.disk_bytes <= 0:
             raise ValueError("kv_offloading_disk_path needs kv_offloading_disk_size > 0 (GiB)")
-        from shoal.kv_offload.policy import resolve_policy
-
-        resolve_policy(self.policy)  # a bad name fails here, at start-up
 
 
 @dataclass(frozen=True)

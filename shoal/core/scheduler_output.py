@@ -6,8 +6,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.engine.core_types import Logprobs
-from shoal.kv_offload.plan import KVTransferPlan
+from shoal.core.kv_transfer_plan import KVTransferPlan
+from shoal.core.types import Logprobs
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 

@@ -1,4 +1,5 @@
-"""`shoal serve | generate | chat | bench serve`: the command line."""
+"""`shoal serve | generate | chat | bench`: the command line (above entrypoints and benchmarks,
+which it dispatches to)."""
 
 from __future__ import annotations
 
