@@ -28,11 +28,14 @@ from shoal.distributed.parallel_state import get_pp_world_size, world_min_int
 from shoal.host_to_device import to_device
 from shoal.kv_offload.transfer import KVTransfer
 from shoal.loader import LoadedModel, build_model
+from shoal.sample.row_reductions import rows_finite
+from shoal.sample.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
+from shoal.sample.sampling_metadata import SamplingMetadata, make_generator
+from shoal.sample.verify import VerifyRows, verify
 from shoal.sampling_params import SamplingParams
 from shoal.spec_decode.draft_model import DraftModelProposer
 from shoal.spec_decode.mtp import MtpProposer, MtpRequest
 from shoal.spec_decode.proposer import ForcedAcceptance, build_proposer
-from shoal.spec_decode.verify import VerifyRows, verify
 from shoal.structured_output.bitmask import apply_token_bitmask
 from shoal.worker import warmup as startup
 from shoal.worker.cuda_graphs import DecodeGraphs
@@ -42,9 +45,6 @@ from shoal.worker.kv_cache_sizing import (
     layers_bytes_per_block,
 )
 from shoal.worker.prefill_graphs import PrefillGraphs
-from shoal.worker.row_reductions import rows_finite
-from shoal.worker.sampler import LogprobsTensors, Sampler, compute_logprobs_tensors
-from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
 from shoal.worker.stage_link import PendingHidden, StageLink
 from shoal.worker.verify_graphs import VerifyGraphLadder, VerifyGraphs, draft_ladder
 

@@ -9,8 +9,8 @@ from engine_helpers import blocks_all_free, random_prompts, tiny_llm
 
 from shoal import SamplingParams
 from shoal.kv_cache.hashing import hash_full_blocks
+from shoal.sample.sampling_metadata import SamplingMetadata
 from shoal.worker import model_runner
-from shoal.worker.sampling_metadata import SamplingMetadata
 
 POISON_SEED = 4242  # a request with this seed makes the runner raise (injected below)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

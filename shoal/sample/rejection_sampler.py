@@ -18,15 +18,17 @@ from dataclasses import dataclass
 import torch
 
 from shoal.host_to_device import to_device
-from shoal.sampling_params import SAMPLING_EPS
-from shoal.worker.sampler import (
+from shoal.sample.sampler import (
     LogprobsTensors,
-    Sampler,
     compute_logprobs,
     gather_logprobs,
+    process_logits,
+    random_probs,
     random_sample,
+    sample_processed,
 )
-from shoal.worker.sampling_metadata import SamplingMetadata
+from shoal.sample.sampling_metadata import SamplingMetadata
+from shoal.sampling_params import SAMPLING_EPS
 
 
 @dataclass
@@ -56,11 +58,11 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, draft_ids: list
     banned the draft (its logit is -inf), and give each row the target's own sample."""
     device = logits.device
     raw_logprobs = compute_logprobs(logits) if md.max_num_logprobs is not None else None
-    logits = Sampler._process(logits.to(torch.float32, copy=True), md)
+    logits = process_logits(logits.to(torch.float32, copy=True), md)
     draft = to_device(draft_ids, torch.long, device)
     has = draft >= 0
     if forced_accept is not None:
-        token = Sampler._sample(logits, md)
+        token = sample_processed(logits, md)
         allowed = logits.gather(1, draft.clamp_min(0).unsqueeze(1)).squeeze(1).isfinite()
         accepted = to_device(forced_accept, torch.bool, device) & has & allowed
     elif md.all_greedy:
@@ -68,7 +70,7 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, draft_ids: list
         accepted = has & (draft == token)
     else:
         greedy = None if md.all_random else logits.argmax(dim=-1)
-        probs = Sampler.random_probs(logits, md)
+        probs = random_probs(logits, md)
         safe = draft.clamp_min(0).unsqueeze(1)
         p_draft = probs.gather(1, safe).squeeze(1)
         has_list = [d >= 0 for d in draft_ids]

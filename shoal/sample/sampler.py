@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 from shoal.host_to_device import to_device
+from shoal.sample.row_reductions import argmax_rows
+from shoal.sample.sampling_metadata import SamplingMetadata, pad_token_ids
 from shoal.sampling_params import SAMPLING_EPS
-from shoal.worker.row_reductions import argmax_rows
-from shoal.worker.sampling_metadata import SamplingMetadata, pad_token_ids
 
 _NEG_INF = float("-inf")
 
@@ -201,9 +201,8 @@ class Sampler(nn.Module):
             # Common decode batch: upcasting is exact, so argmax needs no float32 copy.
             return SamplerOutput(sampled_token_ids=argmax_rows(logits), logprobs=None)
         # Own float32 copy: the in-place steps below must not touch the caller's tensor.
-        logits = logits.to(torch.float32, copy=True)
-        logits = self._process(logits, md)
-        sampled = self._sample(logits, md)
+        logits = process_logits(logits.to(torch.float32, copy=True), md)
+        sampled = sample_processed(logits, md)
         logprobs = None
         if raw_logprobs is not None:
             logprobs = gather_logprobs(raw_logprobs, sampled, md.max_num_logprobs or 0)
@@ -211,38 +210,42 @@ class Sampler(nn.Module):
                 logprobs = gather_token_id_logprobs(logprobs, raw_logprobs, md.logprob_token_ids)
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
-    @staticmethod
-    def _process(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        if md.allowed_token_ids is not None:  # first, as vLLM: the rest cannot revive a token
-            apply_allowed_token_ids(logits, md.allowed_token_ids)
-        apply_logit_bias(logits, md.logit_bias)
-        if md.min_tokens_mask:
-            apply_min_tokens(logits, md.min_tokens_mask)
-        if not md.no_penalties:
-            logits = apply_penalties(logits, md)
-        return logits
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        if md.all_greedy:
-            return argmax_rows(logits)
-        greedy = None if md.all_random else logits.argmax(dim=-1)
-        sampled = random_sample(Sampler.random_probs(logits, md), md.generators)
-        if greedy is None:
-            return sampled
-        return torch.where(md.temperature < SAMPLING_EPS, greedy, sampled)
+def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The request-specific shaping every row goes through, greedy or not: allowed token ids,
+    logit bias, min_tokens and penalties (in place where it can; float32 logits)."""
+    if md.allowed_token_ids is not None:  # first, as vLLM: the rest cannot revive a token
+        apply_allowed_token_ids(logits, md.allowed_token_ids)
+    apply_logit_bias(logits, md.logit_bias)
+    if md.min_tokens_mask:
+        apply_min_tokens(logits, md.min_tokens_mask)
+    if not md.no_penalties:
+        logits = apply_penalties(logits, md)
+    return logits
 
-    @staticmethod
-    def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """What random rows draw from: processed logits (changed in place) through
-        temperature, min_p, top-k and top-p. Greedy rows get their distribution at
-        temperature 1, which callers ignore. The rejection sampler verifies against it."""
-        is_greedy = md.temperature < SAMPLING_EPS
-        # Greedy rows divide by 1 (not 0); their random draw is discarded anyway.
-        temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
-        logits = logits.div_(temperature.unsqueeze(1))
-        if md.min_p is not None:
-            logits = apply_min_p(logits, md.min_p)
-        if md.top_k is not None or md.top_p is not None:
-            logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
-        return logits.softmax(dim=-1)
+
+def sample_processed(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """One token per row from process_logits' output: greedy rows the argmax, random rows a
+    draw from random_probs."""
+    if md.all_greedy:
+        return argmax_rows(logits)
+    greedy = None if md.all_random else logits.argmax(dim=-1)
+    sampled = random_sample(random_probs(logits, md), md.generators)
+    if greedy is None:
+        return sampled
+    return torch.where(md.temperature < SAMPLING_EPS, greedy, sampled)
+
+
+def random_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """What random rows draw from: processed logits (changed in place) through temperature,
+    min_p, top-k and top-p. Greedy rows get their distribution at temperature 1, which
+    callers ignore. The rejection sampler verifies against it."""
+    is_greedy = md.temperature < SAMPLING_EPS
+    # Greedy rows divide by 1 (not 0); their random draw is discarded anyway.
+    temperature = torch.where(is_greedy, torch.ones_like(md.temperature), md.temperature)
+    logits = logits.div_(temperature.unsqueeze(1))
+    if md.min_p is not None:
+        logits = apply_min_p(logits, md.min_p)
+    if md.top_k is not None or md.top_p is not None:
+        logits = apply_top_k_top_p(logits, md.top_k, md.top_p)
+    return logits.softmax(dim=-1)

@@ -8,7 +8,7 @@ import torch
 
 from shoal import cpu_kernels
 from shoal.layers.ops import cpu_layer_ops
-from shoal.worker.row_reductions import argmax_rows, rows_finite
+from shoal.sample.row_reductions import argmax_rows, rows_finite
 
 
 @pytest.fixture(scope="module", autouse=True)

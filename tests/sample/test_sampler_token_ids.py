@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shoal.sample.sampler import Sampler
+from shoal.sample.sampling_metadata import SamplingMetadata, make_generator
 from shoal.sampling_params import SamplingParams
-from shoal.worker.sampler import Sampler
-from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
 
 VOCAB = 64
 

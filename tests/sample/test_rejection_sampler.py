@@ -7,10 +7,10 @@ import pytest
 import torch
 from spec_decode.chi_square import chi_square_gof_p
 
+from shoal.sample.rejection_sampler import rejection_sample
+from shoal.sample.sampler import Sampler
+from shoal.sample.sampling_metadata import SamplingMetadata, make_generator
 from shoal.sampling_params import SamplingParams
-from shoal.spec_decode.rejection_sampler import rejection_sample
-from shoal.worker.sampler import Sampler
-from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
 
 V = 12
 N = 20000  # rows, all the same position: one draw each
@@ -124,7 +124,7 @@ def test_verify_rows_count_earlier_drafts_as_outputs() -> None:
     """Greedy with a repetition penalty: token 5 leads until it has been output once. Two
     drafts of 5: the first is the argmax and accepted; at the second row the first draft
     counts as an output, the penalty makes 6 the argmax, and the draft is rejected."""
-    from shoal.spec_decode.verify import verify
+    from shoal.sample.verify import verify
     from shoal.worker.model_runner import RequestState
 
     logits = torch.full((3, V), -1.0)

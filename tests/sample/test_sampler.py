@@ -8,13 +8,13 @@ from collections import Counter
 import pytest
 import torch
 
-from shoal.sampling_params import SamplingParams
-from shoal.worker.sampler import (
+from shoal.sample.sampler import (
     Sampler,
     apply_penalties,
     compute_logprobs_tensors,
 )
-from shoal.worker.sampling_metadata import SamplingMetadata, make_generator
+from shoal.sample.sampling_metadata import SamplingMetadata, make_generator
+from shoal.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shoal.spec_decode.rejection_sampler import VerifyOutput, rejection_sample
-from shoal.worker.sampling_metadata import SamplingMetadata
+from shoal.sample.rejection_sampler import VerifyOutput, rejection_sample
+from shoal.sample.sampling_metadata import SamplingMetadata
 
 if TYPE_CHECKING:
     from shoal.core.scheduler_output import ModelRunnerOutput
