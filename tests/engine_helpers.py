@@ -28,6 +28,7 @@ def blocks_all_free(llm: LLM) -> bool:
     step in flight."""
     core = llm.llm_engine.core
     pool = core.scheduler.kv.pool
+    runner = getattr(core.runner, "driver", core.runner)  # rank 0 of a parallel executor
     return (pool.num_free_blocks == pool.num_blocks and not core.scheduler.requests
-            and all(b.ref_cnt == 0 for b in pool.blocks) and not core.runner.requests
-            and core._inflight is None and not core.batch_queue)
+            and all(b.ref_cnt == 0 for b in pool.blocks) and not runner.requests
+            and not core.queue)

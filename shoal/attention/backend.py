@@ -18,19 +18,11 @@ class AttentionBackend(ABC):
     name: str
     # forward_fused: q/k RMSNorm + rotary + cache write in one kernel.
     fuses_rope_and_cache_write: bool = False
-    # alloc_graph_buffers / fill_graph_buffers / graph_metadata: decode CUDA graphs.
+    # alloc_graph_buffers / fill_graph_buffers / graph_metadata / advance_graph_buffers: CUDA
+    # graphs of fixed step shapes (worker/graph_table.py).
     supports_cuda_graphs: bool = False
-    # alloc_prefill_graph_buffers / fill_prefill_graph_buffers / prefill_graph_metadata:
-    # CUDA graphs of one prefill chunk.
-    supports_prefill_graphs: bool = False
-    # alloc_verify_graph_buffers / fill_verify_graph_buffers / verify_graph_metadata: CUDA
-    # graphs of speculative-decoding verify steps (every request k + 1 tokens).
-    supports_verify_graphs: bool = False
     # forward_mla: latent attention (DeepSeek MLA) over a one-plane latent cache.
     supports_mla: bool = False
-    # advance_graph_buffers: decode graph buffers moved one token on by the device, so the
-    # drafting steps of speculative decoding replay back to back (shoal/spec_decode/draft_graphs.py).
-    supports_draft_graphs: bool = False
 
     @abstractmethod
     def build_metadata(self, *, query_lens: list[int], context_lens: list[int],
@@ -76,65 +68,36 @@ class AttentionBackend(ABC):
         """warm_kernels for latent attention layers (kv_cache [1, slots, 1, Dk])."""
         return 0
 
-    # ---- decode CUDA graphs (supports_cuda_graphs) ---------------------------------------
-    def alloc_graph_buffers(self, max_batch: int, max_blocks: int, device: torch.device, *,
-                            block_size: int, sliding_window: int | None) -> Any:
-        """Persistent metadata inputs for decode batches of up to max_batch rows."""
-        raise self._unsupported("decode CUDA graphs")
+    # ---- CUDA graphs of fixed step shapes (supports_cuda_graphs) -------------------------
+    # A shape is `rows` requests of `q` query tokens each (padded): q = 1 is a decode batch,
+    # q > 1 a verify step or a lone prefill chunk. One set of buffers serves every shape.
+    def alloc_graph_buffers(self, max_rows: int, max_tokens: int, max_blocks: int,
+                            device: torch.device, *, block_size: int,
+                            sliding_window: int | None) -> Any:
+        """Persistent metadata inputs for shapes of up to max_rows rows and max_tokens tokens
+        (rows * q), block tables max_blocks wide."""
+        raise self._unsupported("CUDA graphs")
 
-    def fill_graph_buffers(self, buf: Any, size: int, context_lens: list[int],
+    def fill_graph_buffers(self, buf: Any, rows: int, q: int, context_lens: list[int],
                            block_tables: list[list[int]] | None,
                            slot_mapping: list[int]) -> None:
-        """A decode batch of len(context_lens) rows into the buffers, padded to `size` rows;
+        """len(context_lens) <= rows real requests of q tokens each after their cached ones
+        (slot_mapping: q slots per real request, -1 for its padding tokens), padded to `rows`;
         block_tables None keeps the previous fill's tables."""
-        raise self._unsupported("decode CUDA graphs")
+        raise self._unsupported("CUDA graphs")
 
-    def graph_metadata(self, buf: Any, size: int) -> Any:
-        """Metadata over views of the buffers for a graph of `size` rows; its host-side values
-        depend on `size` only, so the captured graph replays any fill."""
-        raise self._unsupported("decode CUDA graphs")
+    def graph_metadata(self, buf: Any, rows: int, q: int) -> Any:
+        """Metadata over views of the buffers for a graph of `rows` x `q` tokens; its host-side
+        values depend on the shape only, so the captured graph replays any fill."""
+        raise self._unsupported("CUDA graphs")
 
-    def advance_graph_buffers(self, buf: Any, size: int) -> None:
-        """Moves each live row of a graph of `size` decode rows one token on, with device
-        ops only (a captured graph calls it): its context and sequence lengths grow by one and
-        its slot becomes the next position's, through its block table. Padding rows stay
-        padding. Only when supports_draft_graphs."""
-        raise self._unsupported("drafting CUDA graphs")
-
-    # ---- single-prefill CUDA graphs (supports_prefill_graphs) ----------------------------
-    def alloc_prefill_graph_buffers(self, max_tokens: int, max_blocks: int,
-                                    device: torch.device, *, block_size: int,
-                                    sliding_window: int | None) -> Any:
-        """Persistent metadata inputs for one prefill chunk of up to max_tokens tokens."""
-        raise self._unsupported("prefill CUDA graphs")
-
-    def fill_prefill_graph_buffers(self, buf: Any, size: int, context_len: int,
-                                   block_table: list[int], slot_mapping: list[int]) -> None:
-        """One chunk of len(slot_mapping) tokens after context_len cached ones, padded to
-        `size` tokens."""
-        raise self._unsupported("prefill CUDA graphs")
-
-    def prefill_graph_metadata(self, buf: Any, size: int) -> Any:
-        """Metadata over views of the buffers for a prefill graph of `size` tokens."""
-        raise self._unsupported("prefill CUDA graphs")
-
-    # ---- verify-step CUDA graphs (supports_verify_graphs) -------------------------------
-    def alloc_verify_graph_buffers(self, max_batch: int, q: int, max_blocks: int,
-                                   device: torch.device, *, block_size: int,
-                                   sliding_window: int | None) -> Any:
-        """Persistent metadata inputs for verify steps of up to max_batch requests of q
-        query tokens each."""
-        raise self._unsupported("verify-step CUDA graphs")
-
-    def fill_verify_graph_buffers(self, buf: Any, size: int, context_lens: list[int],
-                                  block_tables: list[list[int]],
-                                  slot_mapping: list[int]) -> None:
-        """len(context_lens) requests of q tokens after their cached ones, padded to `size`."""
-        raise self._unsupported("verify-step CUDA graphs")
-
-    def verify_graph_metadata(self, buf: Any, size: int) -> Any:
-        """Metadata over views of the buffers for a verify graph of `size` requests."""
-        raise self._unsupported("verify-step CUDA graphs")
+    def advance_graph_buffers(self, buf: Any, rows: int) -> None:
+        """Moves each live row of a decode shape (q = 1) one token on, with device ops only
+        (a captured graph calls it): its context and sequence lengths grow by one and its slot
+        becomes the next position's, through its block table. Padding rows stay padding. The
+        drafting steps of speculative decoding replay back to back this way
+        (shoal/spec_decode/draft_graphs.py)."""
+        raise self._unsupported("CUDA graphs")
 
     def _unsupported(self, what: str) -> NotImplementedError:
         return NotImplementedError(f"the {self.name} attention backend has no {what}")

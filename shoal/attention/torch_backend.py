@@ -29,7 +29,6 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     fuses_rope_and_cache_write = False
     supports_cuda_graphs = False
-    supports_prefill_graphs = False
     supports_mla = True
 
     def build_metadata(self, *, query_lens: list[int], context_lens: list[int],

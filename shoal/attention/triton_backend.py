@@ -10,13 +10,14 @@ applies both in the cache-write kernel: one launch where the layer made up to fo
 CUDA graphs: pass pad_decodes_to (rows past num_decodes get seq_len 0, slot -1 and produce
 zeros), block_table_width (fixed table width) and decode_num_splits (fixed split-K grid);
 then every tensor shape and launch parameter depends on the padded sizes only. The backend
-class below does this with persistent buffers for shoal.worker.cuda_graphs.DecodeGraphs."""
+class below does this with persistent buffers for shoal/worker/graph_table.py."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from shoal.attention.backend import AttentionBackend
@@ -189,73 +190,33 @@ def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, kv_cache: tor
 
 @dataclass
 class TritonGraphBuffers:
-    """Persistent decode-step inputs of the captured graphs; the batch padded to B uses rows
-    [0, B) of each."""
+    """Persistent inputs of the captured graphs; a graph of R rows of q tokens uses rows
+    [0, R) of the per-request buffers and tokens [0, R * q) of slot_mapping."""
 
     block_size: int
     sliding_window: int | None
-    slot_mapping: torch.Tensor  # [max_batch] int64
-    block_tables: torch.Tensor  # [max_batch, max_blocks] int32
-    # [2 * max_batch] int32: a graph of B rows reads seq_lens from [0, B) and context_lens
-    # from [B, 2B), so a step's lens are one contiguous copy.
-    lens: torch.Tensor
-    query_start_loc: torch.Tensor  # [max_batch + 1] int32: arange, one token per row
+    slot_mapping: torch.Tensor  # [max_tokens] int64; -1: write nothing
+    block_tables: torch.Tensor  # [max_rows, max_blocks] int32
+    # [3 * max_rows + 1] int32: a graph of R rows reads seq_lens from [0, R), context_lens
+    # from [R, 2R) and query_start_loc from [2R, 3R + 1), so a step's lengths are one copy.
+    meta: torch.Tensor
     # Host staging (pinned on CUDA), so each step is one copy per dtype, each from a
     # contiguous host range (a strided source would be copied through a pageable temporary,
     # which can make the host wait). Two sets used in turn: step N+1 may be filled while
     # step N's copies are still queued.
-    host_lens: Any = None  # 2 x numpy [2 * max_batch] int32
-    host_slots: Any = None  # 2 x numpy [max_batch] int64
-    host_tables: Any = None  # 2 x numpy [max_batch * max_blocks] int32, rows of the step's width
-    turn: int = 0
-
-
-@dataclass
-class PrefillGraphBuffers:
-    """Persistent inputs of the single-prefill graphs: one sequence of up to max_tokens query
-    tokens; a graph of T tokens reads slot_mapping[:T] (-1 past the real ones)."""
-
-    block_size: int
-    sliding_window: int | None
-    slot_mapping: torch.Tensor  # [max_tokens] int64
-    block_table: torch.Tensor  # [1, max_blocks] int32
-    # [4] int32: seq_len, context_len, then query_start_loc = [0, query_len]
-    meta: torch.Tensor
-    host_slots: Any = None  # 2 x numpy [max_tokens] int64 (in turn, as TritonGraphBuffers)
-    host_meta: Any = None  # 2 x numpy [4] int32
-    host_table: Any = None  # 2 x numpy [max_blocks] int32
-    turn: int = 0
-
-
-@dataclass
-class VerifyGraphBuffers:
-    """Persistent inputs of the verify-step graphs (speculative decoding): up to max_batch
-    requests of exactly q query tokens each (the last token and q - 1 drafts); a graph of B
-    requests reads rows [0, B) and tokens [0, B * q)."""
-
-    block_size: int
-    sliding_window: int | None
-    q: int
-    slot_mapping: torch.Tensor  # [max_batch * q] int64, -1 for padding
-    block_tables: torch.Tensor  # [max_batch, max_blocks] int32
-    lens: torch.Tensor  # [2 * max_batch] int32: seq_lens of B rows in [0, B), context in [B, 2B)
-    query_start_loc: torch.Tensor  # [max_batch + 1] int32: arange * q
-    host_lens: Any = None  # 2 x numpy [2 * max_batch] int32 (in turn, as TritonGraphBuffers)
-    host_slots: Any = None  # 2 x numpy [max_batch * q] int64
-    host_tables: Any = None  # 2 x numpy [max_batch * max_blocks] int32
+    host_meta: Any = None  # 2 x numpy [3 * max_rows + 1] int32
+    host_slots: Any = None  # 2 x numpy [max_tokens] int64
+    host_tables: Any = None  # 2 x numpy [max_rows * max_blocks] int32, rows of the step's width
     turn: int = 0
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """The AttentionBackend interface in full: fused rotary + cache write, decode and
-    single-prefill CUDA graphs."""
+    """The AttentionBackend interface in full: fused rotary + cache write, CUDA graphs of
+    every step shape, latent attention."""
 
     name = "triton"
     supports_cuda_graphs = True
-    supports_prefill_graphs = True
     supports_mla = True
-    supports_verify_graphs = True
-    supports_draft_graphs = True
 
     def __init__(self, fuse_rope_and_cache_write: bool = True) -> None:
         # Layers with rotary hand q, k, v before norm and rotary to forward_fused, which does
@@ -299,63 +260,93 @@ class TritonAttentionBackend(AttentionBackend):
                          block_size: int, v_dim: int) -> int:
         return warm_latent_attention(kv_cache, num_heads, scale, block_size, v_dim)
 
-    def alloc_graph_buffers(self, max_batch: int, max_blocks: int, device: torch.device, *,
-                            block_size: int, sliding_window: int | None) -> TritonGraphBuffers:
+    def alloc_graph_buffers(self, max_rows: int, max_tokens: int, max_blocks: int,
+                            device: torch.device, *, block_size: int,
+                            sliding_window: int | None) -> TritonGraphBuffers:
         pin = device.type == "cuda"
 
-        def host(shape: tuple[int, ...], dtype: torch.dtype) -> Any:
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin).numpy()
+        def host(n: int, dtype: torch.dtype) -> Any:
+            return [torch.zeros(n, dtype=dtype, pin_memory=pin).numpy() for _ in range(2)]
 
         return TritonGraphBuffers(
             block_size=block_size,
             sliding_window=sliding_window,
-            slot_mapping=torch.full((max_batch,), -1, dtype=torch.long, device=device),
-            block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
-            lens=torch.zeros(2 * max_batch, dtype=torch.int32, device=device),
-            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
-            host_lens=[host((2 * max_batch,), torch.int32) for _ in range(2)],
-            host_slots=[host((max_batch,), torch.long) for _ in range(2)],
-            host_tables=[host((max_batch * max_blocks,), torch.int32) for _ in range(2)],
+            slot_mapping=torch.full((max_tokens,), -1, dtype=torch.long, device=device),
+            block_tables=torch.zeros(max_rows, max_blocks, dtype=torch.int32, device=device),
+            meta=torch.zeros(3 * max_rows + 1, dtype=torch.int32, device=device),
+            host_meta=host(3 * max_rows + 1, torch.int32),
+            host_slots=host(max_tokens, torch.long),
+            host_tables=host(max_rows * max_blocks, torch.int32),
         )
 
-    def fill_graph_buffers(self, buf: TritonGraphBuffers, size: int, context_lens: list[int],
-                           block_tables: list[list[int]] | None,
+    def fill_graph_buffers(self, buf: TritonGraphBuffers, rows: int, q: int,
+                           context_lens: list[int], block_tables: list[list[int]] | None,
                            slot_mapping: list[int]) -> None:
-        """Decode rows [0, n) from the lists (context_lens: tokens before the new one), rows
-        [n, size) padding. block_tables None keeps the tables of the previous fill (the caller
-        knows they did not change). Host staging buffers alternate between two sets: a fill must
-        not come before the copies of the fill two before it have completed (async scheduling
-        keeps at most one step in flight, so they have)."""
+        """Rows [0, n) from the lists, rows [n, rows) padding. A decode padding row (q = 1)
+        has seq_len 0 and gives zeros; a padding row of q > 1 tokens is q tokens at positions
+        [0, q) over block-table entries left from earlier fills (finite cache values) and
+        writes nothing: its outputs are never read. block_tables None keeps the tables of the
+        previous fill (the caller knows they did not change). Host staging alternates
+        between two sets: a fill must not come before the copies of the fill two before it
+        have completed (one step at most is in flight, so they have)."""
         n = len(context_lens)
-        if n > size or size > buf.slot_mapping.shape[0]:
-            raise ValueError(f"{n} decodes do not fit a graph of {size} rows")
-        # Host staging in turns (see TritonGraphBuffers.turn).
+        if n > rows or rows * q > buf.slot_mapping.shape[0] or len(slot_mapping) != n * q:
+            raise ValueError(f"{n} requests of {q} tokens ({len(slot_mapping)} slots) do not "
+                             f"fit a graph of {rows} rows")
         turn = buf.turn
         buf.turn ^= 1
-        lens, slots = buf.host_lens[turn][:2 * size], buf.host_slots[turn][:size]
-        lens[:] = 0
-        lens[size:size + n] = context_lens  # layout: see TritonGraphBuffers.lens
-        lens[:n] = lens[size:size + n] + 1
-        slots[:n] = slot_mapping
-        slots[n:] = -1
-        buf.lens[:2 * size].copy_(torch.from_numpy(lens), non_blocking=True)
-        buf.slot_mapping[:size].copy_(torch.from_numpy(slots), non_blocking=True)
+        meta, slots = buf.host_meta[turn][:3 * rows + 1], buf.host_slots[turn][:rows * q]
+        meta[rows:rows + n] = context_lens  # layout: see TritonGraphBuffers.meta
+        meta[rows + n:2 * rows] = 0
+        meta[:rows] = meta[rows:2 * rows] + q
+        if q == 1:
+            meta[n:rows] = 0
+        meta[2 * rows:] = np.arange(0, (rows + 1) * q, q, dtype=np.int32)
+        slots[:n * q] = slot_mapping
+        slots[n * q:] = -1
+        buf.meta[:3 * rows + 1].copy_(torch.from_numpy(meta), non_blocking=True)
+        buf.slot_mapping[:rows * q].copy_(torch.from_numpy(slots), non_blocking=True)
         if block_tables is not None and n:
             self._fill_tables(buf, turn, block_tables)
 
-    def advance_graph_buffers(self, buf: TritonGraphBuffers, size: int) -> None:
+    def graph_metadata(self, buf: TritonGraphBuffers, rows: int,
+                       q: int) -> TritonAttentionMetadata:
+        """Metadata over views of the buffers for a graph of rows x q tokens: decode rows
+        (the decode kernel) for q = 1, else q-token chunks (the prefill kernel). Host-side
+        values depend on the shape only: the split count comes from the table capacity."""
+        cap = buf.block_tables.shape[1] * buf.block_size
+        decode = q == 1
+        return TritonAttentionMetadata(
+            num_tokens=rows * q,
+            slot_mapping=buf.slot_mapping[:rows * q],
+            block_size=buf.block_size,
+            num_decodes=rows if decode else 0,
+            num_decode_rows=rows if decode else 0,
+            num_prefills=0 if decode else rows,
+            block_tables=buf.block_tables[:rows],
+            seq_lens=buf.meta[:rows],
+            context_lens=buf.meta[rows:2 * rows],
+            query_start_loc=buf.meta[2 * rows:3 * rows + 1],
+            max_query_len=0 if decode else q,
+            max_decode_seq_len=cap if decode else 0,
+            max_seq_len=cap,
+            sliding_window=buf.sliding_window,
+            decode_num_splits=None,
+        )
+
+    def advance_graph_buffers(self, buf: TritonGraphBuffers, rows: int) -> None:
         """Live rows (seq_len > 0) one token on: lengths + 1, the slot of the new position
         (= the new context length) from the row's table. The table column is clamped: after
         a drafter's last step it may point past the row's blocks, a slot no step uses."""
         bs = buf.block_size
-        seq, ctx = buf.lens[:size], buf.lens[size:2 * size]
+        seq, ctx = buf.meta[:rows], buf.meta[rows:2 * rows]
         live = seq > 0
         step = live.to(torch.int32)
         seq.add_(step)
         ctx.add_(step)
         col = torch.clamp(ctx // bs, max=buf.block_tables.shape[1] - 1).long()
-        block = buf.block_tables[:size].gather(1, col[:, None])[:, 0].long()
-        buf.slot_mapping[:size].copy_(torch.where(live, block * bs + ctx % bs, -1))
+        block = buf.block_tables[:rows].gather(1, col[:, None])[:, 0].long()
+        buf.slot_mapping[:rows].copy_(torch.where(live, block * bs + ctx % bs, -1))
 
     @staticmethod
     def _fill_tables(buf: TritonGraphBuffers, turn: int,
@@ -371,156 +362,3 @@ class TritonAttentionBackend(AttentionBackend):
         for i, t in enumerate(block_tables):
             tables[i, : len(t)] = t
         buf.block_tables[:n, :width].copy_(torch.from_numpy(tables), non_blocking=True)
-
-    def alloc_prefill_graph_buffers(self, max_tokens: int, max_blocks: int,
-                                    device: torch.device, *, block_size: int,
-                                    sliding_window: int | None) -> PrefillGraphBuffers:
-        pin = device.type == "cuda"
-
-        def host(shape: tuple[int, ...], dtype: torch.dtype) -> Any:
-            return [torch.zeros(shape, dtype=dtype, pin_memory=pin).numpy() for _ in range(2)]
-
-        return PrefillGraphBuffers(
-            block_size=block_size,
-            sliding_window=sliding_window,
-            slot_mapping=torch.full((max_tokens,), -1, dtype=torch.long, device=device),
-            block_table=torch.zeros(1, max_blocks, dtype=torch.int32, device=device),
-            meta=torch.zeros(4, dtype=torch.int32, device=device),
-            host_slots=host((max_tokens,), torch.long),
-            host_meta=host((4,), torch.int32),
-            host_table=host((max_blocks,), torch.int32),
-        )
-
-    def fill_prefill_graph_buffers(self, buf: PrefillGraphBuffers, size: int, context_len: int,
-                                   block_table: list[int], slot_mapping: list[int]) -> None:
-        """One prefill chunk of len(slot_mapping) <= size tokens after context_len cached
-        ones; the rest of the graph's rows are padding (slot -1: nothing written)."""
-        n = len(slot_mapping)
-        if n > size or size > buf.slot_mapping.shape[0]:
-            raise ValueError(f"{n} tokens do not fit a prefill graph of {size}")
-        if len(block_table) > buf.block_table.shape[1]:
-            raise ValueError(f"a sequence needs {len(block_table)} blocks, graphs hold "
-                             f"{buf.block_table.shape[1]}")
-        turn = buf.turn
-        buf.turn ^= 1
-        slots, meta, table = buf.host_slots[turn], buf.host_meta[turn], buf.host_table[turn]
-        slots[:n] = slot_mapping
-        slots[n:size] = -1
-        meta[:] = (context_len + n, context_len, 0, n)
-        table[:len(block_table)] = block_table
-        buf.slot_mapping[:size].copy_(torch.from_numpy(slots[:size]), non_blocking=True)
-        buf.meta.copy_(torch.from_numpy(meta), non_blocking=True)
-        if block_table:
-            buf.block_table[0, :len(block_table)].copy_(
-                torch.from_numpy(table[:len(block_table)]), non_blocking=True)
-
-    def prefill_graph_metadata(self, buf: PrefillGraphBuffers,
-                               size: int) -> TritonAttentionMetadata:
-        """Metadata for a graph of `size` tokens of one prefill sequence; max_query_len = size
-        bounds the real chunk, whose length the kernel reads from query_start_loc."""
-        cap = buf.block_table.shape[1] * buf.block_size
-        return TritonAttentionMetadata(
-            num_tokens=size,
-            slot_mapping=buf.slot_mapping[:size],
-            block_size=buf.block_size,
-            num_decodes=0,
-            num_decode_rows=0,
-            num_prefills=1,
-            block_tables=buf.block_table,
-            seq_lens=buf.meta[0:1],
-            context_lens=buf.meta[1:2],
-            query_start_loc=buf.meta[2:4],
-            max_query_len=size,
-            max_decode_seq_len=0,
-            max_seq_len=cap,
-            sliding_window=buf.sliding_window,
-            decode_num_splits=None,
-        )
-
-    def alloc_verify_graph_buffers(self, max_batch: int, q: int, max_blocks: int,
-                                   device: torch.device, *, block_size: int,
-                                   sliding_window: int | None) -> VerifyGraphBuffers:
-        pin = device.type == "cuda"
-
-        def host(shape: tuple[int, ...], dtype: torch.dtype) -> Any:
-            return [torch.zeros(shape, dtype=dtype, pin_memory=pin).numpy() for _ in range(2)]
-
-        return VerifyGraphBuffers(
-            block_size=block_size, sliding_window=sliding_window, q=q,
-            slot_mapping=torch.full((max_batch * q,), -1, dtype=torch.long, device=device),
-            block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
-            lens=torch.zeros(2 * max_batch, dtype=torch.int32, device=device),
-            query_start_loc=torch.arange(0, (max_batch + 1) * q, q, dtype=torch.int32,
-                                         device=device),
-            host_lens=host((2 * max_batch,), torch.int32),
-            host_slots=host((max_batch * q,), torch.long),
-            host_tables=host((max_batch * max_blocks,), torch.int32),
-        )
-
-    def fill_verify_graph_buffers(self, buf: VerifyGraphBuffers, size: int,
-                                  context_lens: list[int], block_tables: list[list[int]],
-                                  slot_mapping: list[int]) -> None:
-        """len(context_lens) <= size requests of q tokens each after their context_lens[i]
-        cached ones. Padding rows get q tokens at positions [0, q) over block-table row
-        entries left from earlier fills (finite cache values) and write nothing (slot -1):
-        their outputs are never read."""
-        n, q = len(context_lens), buf.q
-        if n > size or len(slot_mapping) != n * q:
-            raise ValueError(f"{n} requests of {q} tokens do not fit a verify graph of {size}")
-        turn = buf.turn
-        buf.turn ^= 1
-        lens, slots = buf.host_lens[turn][:2 * size], buf.host_slots[turn][:size * q]
-        lens[:] = 0
-        lens[size:size + n] = context_lens
-        lens[:size] = lens[size:2 * size] + q
-        slots[:n * q] = slot_mapping
-        slots[n * q:] = -1
-        buf.lens[:2 * size].copy_(torch.from_numpy(lens), non_blocking=True)
-        buf.slot_mapping[:size * q].copy_(torch.from_numpy(slots), non_blocking=True)
-        if n:
-            self._fill_tables(buf, turn, block_tables)  # type: ignore[arg-type]
-
-    def verify_graph_metadata(self, buf: VerifyGraphBuffers,
-                              size: int) -> TritonAttentionMetadata:
-        """Metadata for a verify graph of `size` requests: every request is a q-token chunk
-        (the prefill kernel's path), none a one-token decode."""
-        cap = buf.block_tables.shape[1] * buf.block_size
-        return TritonAttentionMetadata(
-            num_tokens=size * buf.q,
-            slot_mapping=buf.slot_mapping[:size * buf.q],
-            block_size=buf.block_size,
-            num_decodes=0,
-            num_decode_rows=0,
-            num_prefills=size,
-            block_tables=buf.block_tables[:size],
-            seq_lens=buf.lens[:size],
-            context_lens=buf.lens[size:2 * size],
-            query_start_loc=buf.query_start_loc[:size + 1],
-            max_query_len=buf.q,
-            max_decode_seq_len=0,
-            max_seq_len=cap,
-            sliding_window=buf.sliding_window,
-            decode_num_splits=None,
-        )
-
-    def graph_metadata(self, buf: TritonGraphBuffers, size: int) -> TritonAttentionMetadata:
-        """Metadata over views of the buffers for a graph of `size` decode rows. Its host-side
-        values depend on `size` only: the split count comes from the table capacity."""
-        cap = buf.block_tables.shape[1] * buf.block_size
-        return TritonAttentionMetadata(
-            num_tokens=size,
-            slot_mapping=buf.slot_mapping[:size],
-            block_size=buf.block_size,
-            num_decodes=size,
-            num_decode_rows=size,
-            num_prefills=0,
-            block_tables=buf.block_tables[:size],
-            seq_lens=buf.lens[:size],
-            context_lens=buf.lens[size:2 * size],
-            query_start_loc=buf.query_start_loc[:size + 1],
-            max_query_len=0,
-            max_decode_seq_len=cap,
-            max_seq_len=cap,
-            sliding_window=buf.sliding_window,
-            decode_num_splits=None,
-        )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,16 +52,14 @@ class ScheduledRequest:
 
 @dataclass
 class GrammarBitmask:
-    """The tokens the grammars of this step's structured rows allow: row i of the bitmask (an
-    int32 host tensor) is for the request with serials[i]. The runner calls `fill` once the
-    forward pass is queued, so the host fills it while the device computes the logits.
-    deferred: the step runs behind a step in flight (async scheduling), whose tokens the
-    grammars have not seen yet: the runner leaves sampling to sample_deferred(), which the
-    engine core calls once it has applied them."""
+    """What the structured rows of a step may sample, filled by the engine core on the host
+    while the device runs the step's forward pass (Executor.sample). Row i of `bitmask` (an
+    int32 host array [rows, ceil(vocab / 32)], bit j of word w allowing token 32 * w + j) is
+    for the request with serials[i]; in a step that verifies drafts a request has one row per
+    position (its drafts + 1), in order."""
 
     serials: list[int]
-    fill: Callable[[], Any]
-    deferred: bool = False
+    bitmask: Any
 
 
 @dataclass
@@ -76,8 +73,6 @@ class SchedulerOutput:
     # (block id, first slot): KV slots the runner zeroes before anything else this step,
     # left by a request that produced non-finite values (see scheduler_faults.py)
     kv_zero: list[tuple[int, int]] = field(default_factory=list)
-    # Structured outputs: the grammar bitmask of the rows that sample (set by the core)
-    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

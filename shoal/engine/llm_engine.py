@@ -81,7 +81,7 @@ class LLMEngine:
         processed = self.inputs.process_request(request_id, prompt, params, priority=priority,
                                                 cache_salt=cache_salt)
         if params.structured_outputs is not None:
-            self.core.structured.validate(params.structured_outputs)
+            self.core.structured.manager.validate(params.structured_outputs)
         return processed
 
     def submit(self, req: ProcessedRequest, kind: OutputKind = OutputKind.FINAL_ONLY) -> None:

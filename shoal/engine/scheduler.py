@@ -6,7 +6,7 @@ while budget, sequence slots and KV blocks last. When blocks run out, the lowest
 running request is preempted: its blocks are freed and it is recomputed later from its
 prompt plus the tokens it already produced, so its output does not change.
 
-Pipeline parallelism keeps several steps in flight (micro-batches, see engine/batch_queue.py):
+Pipeline parallelism keeps several steps in flight (micro-batches, see engine/step_queue.py):
 then a request is never in two steps at once (its next input is the token its step in flight
 samples), and each step takes about an even share of the requests, so the steps in flight
 keep every stage busy."""

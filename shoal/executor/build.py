@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from shoal.config import EngineConfig
+from shoal.core.executor import Executor
 from shoal.loader import LoadedModel
 
 
-def build_model_executor(config: EngineConfig, loaded: LoadedModel) -> Any:
-    """A ModelRunner in this process (uni); a MultiprocExecutor (mp) or RayExecutor (ray),
-    both with the runner's interface."""
+def build_model_executor(config: EngineConfig, loaded: LoadedModel) -> Executor:
+    """A ModelRunner in this process (uni); a MultiprocExecutor (mp) or RayExecutor (ray);
+    the pooling runner for a pooling model. Each implements shoal.core.executor.Executor."""
+    if config.model_config.runner == "pooling":
+        from shoal.worker.pooling_runner import PoolingModelRunner
+
+        return PoolingModelRunner(config, loaded)
     backend = config.parallel_config.distributed_executor_backend
     if backend == "uni":
+        from shoal.spec_decode.factory import build_drafter
         from shoal.worker.model_runner import ModelRunner
 
-        return ModelRunner(config, loaded)
+        return ModelRunner(config, loaded, build_drafter)
     if backend == "ray":  # imports ray only now (an optional dependency)
         from shoal.executor.ray_executor import RayExecutor
 

@@ -31,8 +31,13 @@ class ResetAfterFault(msgspec.Struct, tag="reset"):
     pass
 
 
+class CheckHealth(msgspec.Struct, tag="check_health"):
+    """A step of one made-up token on every rank (the model's collectives need them all)."""
+
+
 class Stop(msgspec.Struct, tag="stop"):
     pass
 
 
-Command = InitKVCache | RunStep | FinishStep | RemoveRequests | ResetAfterFault | Stop
+Command = (InitKVCache | RunStep | FinishStep | RemoveRequests | ResetAfterFault | CheckHealth
+           | Stop)

@@ -1,75 +1,105 @@
-"""The runner's interface for executors whose rank 0 is a ModelRunner in this process (the
-driver) and whose other ranks take the same commands (mp: worker processes; ray: actors).
+"""The Executor interface (shoal/core/executor.py) for executors whose rank 0 is a ModelRunner in
+this process (the driver) and whose other ranks take the same commands (mp: worker
+processes; ray: actors).
 
-Each call is broadcast to the other ranks, then run by the driver; anything else (vocab_size,
-kv_caches, startup_times, ...) is the driver's. Subclasses send commands (`_broadcast`) and may
-turn a driver error into the death of a rank (`_driver_failed`) or look for one before a
-reset (`_before_reset`)."""
+Each step is broadcast to the other ranks, then run by the driver; the collectives inside
+the model keep the ranks in lockstep and only the driver's sampled tokens are read (the
+scheduler sends every rank its input tokens: no async scheduling with several ranks).
+Subclasses send commands (`_broadcast`) and may turn a driver error into the death of a rank
+(`_driver_failed`) or look for one before a reset (`_before_reset`).
+
+Pipeline parallelism: the driver's execute() returns once stage 0 has sent the step on;
+sampling waits for the last stage's hidden states, so it happens in finish(), after the
+core has launched the next micro-batch; every rank finishes its step then (FinishStep), so
+stage 0's other tensor-parallel ranks gather the logits with the driver."""
 
 from __future__ import annotations
 
-import dataclasses
+from dataclasses import dataclass
 from typing import Any
 
-from shoal.core.scheduler_output import SchedulerOutput
+from shoal.core.executor import Executor
+from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.executor.commands import (
+    CheckHealth,
     FinishStep,
     InitKVCache,
     RemoveRequests,
     ResetAfterFault,
     RunStep,
 )
+from shoal.worker.model_runner import ModelRunner
+from shoal.worker.step_handle import StepHandle
 
 
-class DriverExecutor:
-    driver: Any  # the rank-0 ModelRunner
+@dataclass
+class StagedStep:
+    """Pipeline parallelism: a launched step whose sampling waits for finish()."""
+
+    handle: StepHandle
+    grammar: GrammarBitmask | None = None
+
+
+class DriverExecutor(Executor):
+    driver: ModelRunner
 
     def _broadcast(self, cmd: Any) -> None:
         raise NotImplementedError
 
     def _driver_failed(self, exc: BaseException) -> None:
         """Called when the driver's part of a step raised; may raise a better error."""
+        return None
 
     def _before_reset(self) -> None:
         """Called when a step failed, before the ranks reset."""
+        return None
 
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for names the class does not define.
-        if name == "driver":
-            raise AttributeError(name)
-        return getattr(self.driver, name)
+    @property
+    def vocab_size(self) -> int:  # type: ignore[override]
+        return self.driver.vocab_size
+
+    @property
+    def startup_times(self) -> dict[str, float]:  # type: ignore[override]
+        return self.driver.startup_times
+
+    @property
+    def num_forwards(self) -> int:
+        return self.driver.num_forwards
+
+    @property
+    def pipelined(self) -> bool:
+        return self.driver.forwarder.stage_link is not None
 
     def initialize_kv_cache(self) -> int:
         self._broadcast(InitKVCache())
         return self.driver.initialize_kv_cache()
 
-    def launch(self, sched: SchedulerOutput) -> Any:
-        # The grammar bitmask only shapes rank 0's sampling (the other ranks' tokens are
-        # never read), and its fill callback does not cross processes.
-        self._broadcast(RunStep(dataclasses.replace(sched, grammar_bitmask=None)))
-        try:
-            return self.driver.launch(sched)
-        except Exception as exc:
-            self._driver_failed(exc)
-            raise
+    def execute(self, sched: SchedulerOutput) -> StepHandle | StagedStep:
+        self._broadcast(RunStep(sched))
+        handle = self._on_driver(self.driver.execute, sched)
+        return StagedStep(handle) if self.pipelined else handle
 
-    def finish(self, fut: Any, propose: bool = True) -> Any:
-        if self.driver.stage_link is None:
-            return self.driver.finish(fut, propose=propose)
-        # Pipeline parallel: the ranks finish their steps when the driver does (FinishStep);
-        # the driver waits here for the last stage, so a peer that died shows here.
+    def sample(self, handle: StepHandle | StagedStep, grammar: GrammarBitmask | None) -> None:
+        if isinstance(handle, StagedStep):
+            handle.grammar = grammar
+            return
+        self.driver.sample(handle, grammar)
+
+    def finish(self, handle: StepHandle | StagedStep) -> ModelRunnerOutput:
+        if not isinstance(handle, StagedStep):
+            return self.driver.finish(handle)
+        # The ranks finish their oldest step now; the driver waits here for the last stage,
+        # so a peer that died shows here.
         self._broadcast(FinishStep())
+        self._on_driver(self.driver.sample, handle.handle, handle.grammar)
+        return self._on_driver(self.driver.finish, handle.handle)
+
+    def _on_driver(self, fn: Any, *args: Any) -> Any:
         try:
-            return self.driver.finish(fut, propose=propose)
+            return fn(*args)
         except Exception as exc:
             self._driver_failed(exc)
             raise
-
-    def sample_deferred(self, fut: Any) -> None:
-        self.driver.sample_deferred(fut)
-
-    def execute(self, sched: SchedulerOutput) -> Any:
-        return self.finish(self.launch(sched))
 
     def remove_requests(self, serials: set[int]) -> None:
         if serials:
@@ -80,6 +110,13 @@ class DriverExecutor:
         self._before_reset()
         self._broadcast(ResetAfterFault())
         self.driver.reset_after_fault()
+
+    def check_health(self) -> None:
+        self._broadcast(CheckHealth())
+        self._on_driver(self.driver.check_health)
+
+    def kv_cache_tensors(self) -> list[Any]:
+        return self.driver.kv_cache_tensors()
 
     def use_kv_transfer(self, transfer: Any) -> None:
         raise ValueError("KV offloading does not support tensor_parallel_size > 1 yet")

@@ -12,9 +12,9 @@ scheduler, never from a rank's own sampling.
 Pipeline parallelism: world = tp * pp, rank r is stage r // tp. Each stage runs its layers on
 the step's tokens as they arrive from the previous stage (shoal/worker/stage_link.py); the
 last stage sends its final hidden states back to stage 0, which holds lm_head and samples.
-The engine keeps up to pp steps in flight (engine/batch_queue.py): launch() returns once stage
+The engine keeps up to pp steps in flight (engine/step_queue.py): execute() returns once stage
 0 has sent a step on, finish() (FinishStep to the ranks) waits for the last stage and samples,
-so stage 0 runs micro-batch N+1 while the later stages run N."""
+so stage 0 runs micro-batch N+1 while the later stages run N (shoal/executor/driver.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ class WorkerDiedError(RuntimeError):
 
 class MultiprocExecutor(DriverExecutor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        from shoal.spec_decode.factory import build_drafter
         from shoal.worker.model_runner import ModelRunner
 
         pc = config.parallel_config
@@ -74,7 +75,7 @@ class MultiprocExecutor(DriverExecutor):
                 proc.start()
                 self._procs.append(proc)
             join_tensor_parallel_group(config.device, 0, world, port, pp)
-            self.driver = ModelRunner(config, loaded)
+            self.driver = ModelRunner(config, loaded, build_drafter)
         except BaseException:
             self.shutdown()
             raise

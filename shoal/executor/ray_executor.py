@@ -83,6 +83,7 @@ class RayWorker:
     def setup(self, config: EngineConfig, rank: int, world: int, host: str, port: int,
               cpu_threads: int | None, env: dict[str, str]) -> tuple[int, str]:
         from shoal.loader import load_model
+        from shoal.spec_decode.factory import build_drafter
         from shoal.worker.model_runner import ModelRunner
 
         os.environ.update(env)
@@ -95,7 +96,7 @@ class RayWorker:
         torch.manual_seed(config.model_config.seed)
         mc = config.model_config
         loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format)
-        self.commands = RankCommands(ModelRunner(config, loaded))
+        self.commands = RankCommands(ModelRunner(config, loaded, build_drafter))
         import ray
 
         return os.getpid(), ray.util.get_node_ip_address()
@@ -116,6 +117,7 @@ class _Rank0Holder:
 
 class RayExecutor(DriverExecutor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
+        from shoal.spec_decode.factory import build_drafter
         from shoal.worker.model_runner import ModelRunner
 
         ray = _import_ray()
@@ -178,7 +180,7 @@ class RayExecutor(DriverExecutor):
                 setups.append(actor.setup.remote(config, rank, world, host, port, threads, env))
             join_tensor_parallel_group(config.device, 0, world, port,
                                        pc.pipeline_parallel_size, host)
-            self.driver = ModelRunner(config, loaded)
+            self.driver = ModelRunner(config, loaded, build_drafter)
             # Processes on this node, waited for at shutdown (ray.kill does not wait).
             self._pids = [pid for pid, ip in ray.get(setups, timeout=STARTUP_TIMEOUT_S)
                           if ip == host]

@@ -26,6 +26,7 @@ import zmq
 
 from shoal.config import EngineConfig
 from shoal.executor.commands import (
+    CheckHealth,
     Command,
     FinishStep,
     InitKVCache,
@@ -44,6 +45,7 @@ def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_a
                cpu_threads: int | None, pp: int = 1) -> None:
     """The worker process's main (spawned by MultiprocExecutor)."""
     from shoal.loader import load_model
+    from shoal.spec_decode.factory import build_drafter
     from shoal.worker.model_runner import ModelRunner
 
     parent_pid = os.getppid()
@@ -59,7 +61,7 @@ def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_a
         torch.manual_seed(config.model_config.seed)
         mc = config.model_config
         loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format)
-        runner = ModelRunner(config, loaded)
+        runner = ModelRunner(config, loaded, build_drafter)
         _serve(runner, commands, parent_pid)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
@@ -86,23 +88,30 @@ class RankCommands:
         """Runs one command; False once told to stop."""
         runner = self.runner
         if isinstance(cmd, RunStep):
-            fut = runner.launch(cmd.sched)
-            if runner.stage_link is None:
-                runner.finish(fut)
+            handle = runner.execute(cmd.sched)
+            if runner.forwarder.stage_link is None:
+                self._finish(handle)
             else:
-                self.launched.append(fut)
+                self.launched.append(handle)
         elif isinstance(cmd, FinishStep):
-            runner.finish(self.launched.popleft())
+            self._finish(self.launched.popleft())
         elif isinstance(cmd, RemoveRequests):
             runner.remove_requests(set(cmd.serials))
         elif isinstance(cmd, InitKVCache):
             runner.initialize_kv_cache()
+        elif isinstance(cmd, CheckHealth):
+            runner.check_health()
         elif isinstance(cmd, ResetAfterFault):
             self.launched.clear()
             runner.reset_after_fault()
         elif isinstance(cmd, Stop):
             return False
         return True
+
+    def _finish(self, handle: Any) -> None:
+        # No grammar: this rank's tokens are never read (the driver's are).
+        self.runner.sample(handle, None)
+        self.runner.finish(handle)
 
 
 def _serve(runner, commands: zmq.Socket, parent_pid: int) -> None:  # noqa: ANN001

@@ -1,5 +1,5 @@
 """An EAGLE-1 draft head for a Llama-family target (method "eagle"), run by
-shoal/spec_decode/mtp.py's HiddenStateProposer.
+shoal/spec_decode/mtp.py's HiddenStateDrafter.
 
 For the token t at position p + 1 and the target's final (normed) hidden state h at p:
 

@@ -15,8 +15,6 @@ graphs), so no other graph's replay overwrites them."""
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -24,10 +22,8 @@ import torch
 
 from shoal.attention.backend import AttentionBackend
 from shoal.attention.metadata import token_slots
-from shoal.worker.staged_tokens import StagedTokens
-from shoal.worker.verify_graphs import VERIFY_GRAPH_SIZES
-
-logger = logging.getLogger(__name__)
+from shoal.worker.graph_table import GraphTable, StepShape, round_up
+from shoal.worker.model_graphs import VERIFY_GRAPH_SIZES
 
 # step(token ids [B], positions [B], hidden [B, H] or None, attention metadata) ->
 # (argmax ids [B], the state a head feeds back [B, H] or None): one greedy draft step.
@@ -39,8 +35,10 @@ class DraftGraphs:
     def __init__(self, step: DraftStep, backend: AttentionBackend, max_steps: int,
                  max_num_seqs: int, max_blocks: int, device: torch.device, *,
                  block_size: int, sliding_window: int | None,
-                 hidden: tuple[int, torch.dtype] | None = None):
-        """hidden: (size, dtype) of the state a head feeds back (None: a draft model)."""
+                 hidden: tuple[int, torch.dtype] | None = None,
+                 table_type: type[GraphTable] = GraphTable):
+        """hidden: (size, dtype) of the state a head feeds back (None: a draft model);
+        table_type: a test's stand-in for GraphTable."""
         self.step = step
         self.backend = backend
         self.block_size = block_size
@@ -48,27 +46,23 @@ class DraftGraphs:
         self.sizes = [s for s in VERIFY_GRAPH_SIZES if s <= max_num_seqs]
         self.max_batch = self.sizes[-1]
         self.max_steps = max_steps
-        self.tokens = StagedTokens(2, self.max_batch, device)  # token ids, positions
+        # Token ids and positions; decode shapes: one token a row.
+        self.table = table_type(backend, [StepShape(b, 1) for b in self.sizes], max_blocks,
+                                device, block_size=block_size, sliding_window=sliding_window,
+                                token_rows=2)
         self.hidden = (None if hidden is None else
                        torch.zeros(self.max_batch, hidden[0], dtype=hidden[1], device=device))
         self.drafts = torch.zeros(self.max_batch, max_steps, dtype=torch.long, device=device)
         self.step_index = torch.zeros(1, dtype=torch.long, device=device)  # drafts' column
-        self.buffers = backend.alloc_graph_buffers(self.max_batch, max_blocks, device,
-                                                   block_size=block_size,
-                                                   sliding_window=sliding_window)
-        self.graphs: dict[int, Any] = {}
-        self.device = device
 
     def can_run(self, n: int) -> bool:
-        return bool(self.graphs) and 0 < n <= self.max_batch
+        return bool(self.table.graphs) and 0 < n <= self.max_batch
 
-    def padded_size(self, n: int) -> int:
-        return next(s for s in self.sizes if s >= n)
-
-    def _replayed(self, size: int, md: Any) -> None:
-        """One draft step over the static buffers of a graph of `size` rows, which it then
-        moves on to the next step's inputs: what a capture records."""
-        ids, pos = self.tokens.view(size)
+    def _body(self, shape: StepShape, tokens: torch.Tensor, md: Any) -> None:
+        """One draft step over the static buffers of a graph of `shape.rows` rows, which it
+        then moves on to the next step's inputs: what a capture records."""
+        size = shape.rows
+        ids, pos = tokens[0], tokens[1]
         hidden = None if self.hidden is None else self.hidden[:size]
         next_ids, next_hidden = self.step(ids, pos, hidden, md)
         self.drafts[:size].index_copy_(1, self.step_index, next_ids[:, None])
@@ -78,32 +72,12 @@ class DraftGraphs:
             assert next_hidden is not None
             hidden.copy_(next_hidden)
         pos.add_(1)
-        self.backend.advance_graph_buffers(self.buffers, size)
+        self.backend.advance_graph_buffers(self.table.buffers, size)
 
-    @torch.inference_mode()
     def capture(self, pool: Any) -> float:
-        t0 = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        for size in reversed(self.sizes):  # largest first: the smaller ones reuse its blocks
-            # All rows padding: nothing is written to the cache while warming or capturing.
-            self.backend.fill_graph_buffers(self.buffers, size, [], [], [])
-            md = self.backend.graph_metadata(self.buffers, size)
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm: compile kernels, settle the allocator
-                    self.step_index.zero_()  # the drafts' column stays in range
-                    self._replayed(size, md)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool, stream=stream):
-                self._replayed(size, md)
-            pool = graph.pool() if pool is None else pool
-            self.graphs[size] = graph
-        torch.cuda.synchronize(self.device)
-        took = time.perf_counter() - t0
-        logger.info("captured %d drafting CUDA graphs (batch 1..%d) in %.1f s",
-                    len(self.sizes), self.max_batch, took)
-        return took
+        # The drafts' column stays in range while warming up (each run moves it on).
+        return self.table.capture(self._body, pool, "drafting",
+                                  before_each=self.step_index.zero_)
 
     def run(self, ids: torch.Tensor, hidden: torch.Tensor | None, positions: list[int],
             tables: list[list[int]], steps: int) -> torch.Tensor:
@@ -114,18 +88,15 @@ class DraftGraphs:
         n = len(positions)
         if steps > self.max_steps:
             raise ValueError(f"{steps} draft steps, the graphs hold {self.max_steps}")
-        size = self.padded_size(n)
-        staged_ids, _ = self.tokens.stage(size, ([], positions))
-        staged_ids[:n].copy_(ids)
+        shape = StepShape(round_up(n, self.sizes) or self.max_batch, 1)
+        # A decode row's context length is its new token's position.
+        staged = self.table.stage(shape, ([], positions), positions, tables,
+                                  token_slots([1] * n, positions, tables, self.block_size))
+        staged[0, :n].copy_(ids)
         if self.hidden is not None:
             assert hidden is not None
             self.hidden[:n].copy_(hidden)
-        # A decode row's context length is its new token's position.
-        self.backend.fill_graph_buffers(
-            self.buffers, size, positions, tables,
-            token_slots([1] * n, positions, tables, self.block_size))
         self.step_index.zero_()
-        graph = self.graphs[size]
         for _ in range(steps):
-            graph.replay()
+            self.table.replay(shape)
         return self.drafts[:n, :steps]

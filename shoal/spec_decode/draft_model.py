@@ -14,21 +14,22 @@ by the next mirror before anyone reads it."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from shoal.config import EngineConfig
 from shoal.config.speculative import SpeculativeConfig
+from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.host_to_device import to_device
 from shoal.loader import build_model, load_model
 from shoal.spec_decode.drafter_cache import DrafterCache
+from shoal.worker.drafter import TargetStep
 
 logger = logging.getLogger(__name__)
 
 
-class DraftModelProposer(DrafterCache):
+class DraftModelDrafter(DrafterCache):
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig):
         assert spec.model is not None
         dummy = config.model_config.load_format == "dummy"
@@ -37,14 +38,29 @@ class DraftModelProposer(DrafterCache):
         self._init_cache(config, spec.num_speculative_tokens)
 
     @torch.inference_mode()
-    def mirror(self, input_ids: torch.Tensor, positions: list[int], items: Sequence,
-               num_decodes: int) -> None:
-        """The draft over the step's own inputs (input_ids on the device, with the tokens of
-        a step still in flight filled in): its KV then covers what the target's does."""
-        md = self._metadata([it.num_new_tokens for it in items],
-                            [it.context_len for it in items],
-                            [it.block_ids for it in items], num_decodes)
-        self.model(input_ids, to_device(positions, torch.long, self.device), md)
+    def on_launch(self, step: TargetStep) -> Any:
+        """The draft over the target step's own inputs (the tokens of a step still in flight
+        filled in on the device): its KV then covers what the target's does."""
+        inp = step.inputs
+        md = self._metadata(inp.query_lens(), inp.context_lens(), inp.block_tables(),
+                            inp.num_decodes)
+        self.model(step.input_ids(), to_device(inp.positions, torch.long, self.device), md)
+        return None
+
+    def propose(self, step: TargetStep, state: Any, out: ModelRunnerOutput,
+                latest: bool) -> None:
+        if not latest:  # its KV mirrors every step at launch, drafted or not
+            return
+        inp = step.inputs
+        rows = [(it, st) for it, st in zip(inp.items, inp.states)
+                if it.sample and it.serial in out.sampled_token_ids]
+        if not rows:
+            return
+        drafts = self.propose_batch([st.all_token_ids() for _, st in rows],
+                                    [it.block_ids for it, _ in rows])
+        for (it, _), d in zip(rows, drafts):
+            if d:
+                out.draft_token_ids[it.serial] = d
 
     @torch.inference_mode()
     def propose_batch(self, seqs: list[list[int]], tables: list[list[int]]) -> list[list[int]]:

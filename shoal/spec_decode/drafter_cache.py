@@ -14,11 +14,12 @@ from torch import nn
 from shoal.config import EngineConfig
 from shoal.host_to_device import to_device
 from shoal.spec_decode.draft_graphs import DraftGraphs
-from shoal.worker.kv_cache_sizing import allocate_kv_caches, layers_bytes_per_block
+from shoal.worker.drafter import Drafter
+from shoal.worker.kv_cache_sizing import allocate_kv_caches
 
 
-class DrafterCache:
-    """Base of the proposers with layers: `model` has attention_layers(); `k` drafts a step;
+class DrafterCache(Drafter):
+    """Base of the drafters with layers: `model` has attention_layers(); `k` drafts a step;
     _draft_step is one greedy step of one token a row."""
 
     model: nn.Module
@@ -36,10 +37,12 @@ class DrafterCache:
         self._scratch_base = 0
         self._scratch_per_row = -(-k // self.block_size) + 1
         self.graphs: DraftGraphs | None = None  # captured by capture_graphs (CUDA only)
+        # With async scheduling the next target step may replay the graph whose outputs a
+        # step's hidden states are before this step is mirrored: keep a copy then.
+        self.async_scheduling = config.async_scheduling
 
-    def bytes_per_block(self) -> int:
-        return layers_bytes_per_block(self.model.attention_layers(), self.block_size,
-                                      self.dtype)
+    def kv_layers(self) -> list:
+        return self.model.attention_layers()
 
     def bind(self, num_blocks: int, backend: Any) -> None:
         """Its cache: the shared blocks, the null block, then the rows' scratch blocks."""

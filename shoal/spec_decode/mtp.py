@@ -2,12 +2,12 @@
 
 Both draft with a small "head" that reads the target's final (normed) hidden states: "mtp"
 with DeepSeek-V3's multi-token-prediction layer (shoal/models/deepseek_mtp.py), "eagle" with
-an EAGLE-1 head for a Llama-family target (shoal/models/llama_eagle.py). HiddenStateProposer
+an EAGLE-1 head for a Llama-family target (shoal/models/llama_eagle.py). HiddenStateDrafter
 runs either; a head is a module with
 
     head(next_ids, positions, prev_hidden, attn_metadata) -> output state (one row each)
     head.compute_logits(output state) -> logits over the target's vocabulary
-    head.attention_layers() -> its attention layers (their KV cache is the proposer's)
+    head.attention_layers() -> its attention layers (their KV cache is the drafter's)
 
 built and loaded by build_mtp_head / build_eagle_head. The output state is also what a
 further draft step feeds back as prev_hidden. (Logits are a separate call: the mirror needs
@@ -41,11 +41,13 @@ from torch import nn
 
 from shoal.config import EngineConfig
 from shoal.config.speculative import SpeculativeConfig
+from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.host_to_device import to_device
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.models.deepseek_mtp import DeepseekMTP, mtp_prefix, num_mtp_layers
 from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.spec_decode.drafter_cache import DrafterCache
+from shoal.worker.drafter import TargetStep
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ def read_mtp_tensors(source: str, hf_config: Any) -> Iterator[tuple[str, torch.T
 
 
 class DraftHead(Protocol):
-    """What HiddenStateProposer drafts with (see the module's docstring)."""
+    """What HiddenStateDrafter drafts with (see the module's docstring)."""
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  prev_hidden: torch.Tensor, md: Any) -> torch.Tensor: ...
@@ -127,13 +129,34 @@ def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.M
     return head
 
 
-class HiddenStateProposer(DrafterCache):
+class HiddenStateDrafter(DrafterCache):
     """Methods "mtp" and "eagle": `head` (a DraftHead) drafts k tokens greedily from the
     target's hidden states, with a KV cache of its own on the target's block tables."""
+
+    keeps_hidden = True
 
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig, head: nn.Module):
         self.model = head
         self._init_cache(config, spec.num_speculative_tokens)
+
+    def on_launch(self, step: TargetStep) -> torch.Tensor | None:
+        """Mirrored once sampled (propose): it needs the next tokens. A graph's hidden states
+        are its static output, which the next step (launched before this one is mirrored,
+        with async scheduling) overwrites: a copy then."""
+        hidden = step.hidden
+        return hidden.clone() if self.async_scheduling and hidden is not None else hidden
+
+    def propose(self, step: TargetStep, state: torch.Tensor | None, out: ModelRunnerOutput,
+                latest: bool) -> None:
+        inp = step.inputs
+        assert state is not None, "a hidden-state drafter without the target's hidden states"
+        reqs = [MtpRequest(it.serial, start, it.context_len, it.num_new_tokens, it.block_ids,
+                           st, it.sample)
+                for it, st, start in zip(inp.items, inp.states, inp.starts())]
+        drafts = self.mirror_and_propose(reqs, state, out.failed_serials, propose=latest)
+        for serial, d in drafts.items():
+            if d and serial in out.sampled_token_ids:
+                out.draft_token_ids[serial] = d
 
     @torch.inference_mode()
     def mirror_and_propose(self, reqs: list[MtpRequest], hidden: torch.Tensor,
@@ -215,6 +238,3 @@ class HiddenStateProposer(DrafterCache):
         # Draft 1 comes from the mirror's output: with k = 1 no step is left to replay.
         return super().capture_graphs(pool, max_blocks, graphs_type) if self.k > 1 else 0.0
 
-
-# The model runner's name for it (its `self.mtp` is any hidden-state drafter, mtp or eagle).
-MtpProposer = HiddenStateProposer

@@ -8,6 +8,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from shoal.config.speculative import SpeculativeConfig
+from shoal.spec_decode.host_drafter import HostDrafter
+
 
 def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, min_n: int, max_n: int
                   ) -> list[int]:
@@ -23,3 +26,15 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, k: int, min_n: int, max_n:
             follow = int(hits[-1]) + n
             return seq[follow:min(follow + k, total)].tolist()
     return []
+
+
+class NgramDrafter(HostDrafter):
+    """Prompt lookup over the request's prompt and outputs (method "ngram")."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+
+    def draft(self, prompt: Sequence[int], output: Sequence[int]) -> list[int]:
+        return propose_ngram(list(prompt) + list(output), self.k, self.min_n, self.max_n)

@@ -3,7 +3,7 @@
 No KV cache, no sampling, no CUDA graphs: each scheduled request is a whole prompt (the
 pooling scheduler never splits one), the step's prompts are packed back to back with no
 padding, the model returns their final hidden states, and shoal/pooling/pooler.py turns them
-into one result per request. Same launch/finish contract as ModelRunner, so EngineCore
+into one result per request. The same Executor interface as ModelRunner, so EngineCore
 drives both the same way."""
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ import torch
 
 from shoal.attention.packed import PackedSeqs
 from shoal.config import EngineConfig
-from shoal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.core.executor import Executor
+from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.layers.latent_attention import LatentAttention
 from shoal.loader import LoadedModel, build_model
 from shoal.pooling.model_info import build_pooling_info
@@ -35,11 +36,13 @@ class _PoolingState:
 
 
 @dataclass
-class PoolingStepFuture:
+class PoolingStep:
+    """A pooling step: its results are complete when execute() returns."""
+
     out: ModelRunnerOutput
 
 
-class PoolingModelRunner:
+class PoolingModelRunner(Executor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
         self.config = config
         self.device = config.device
@@ -52,19 +55,19 @@ class PoolingModelRunner:
             raise ValueError(f"runner='pooling' is not supported for "
                              f"{type(self.model).__name__} (latent attention, MLA)")
         folder = Path(loaded.source) if Path(loaded.source).is_dir() else None
-        self.info = build_pooling_info(self.model, loaded.hf_config, folder,
-                                       config.model_config.pooler_config)
+        self.pooling_info = build_pooling_info(self.model, loaded.hf_config, folder,
+                                               config.model_config.pooler_config)
         self.requests: dict[int, _PoolingState] = {}
-        self.kv_caches: list[torch.Tensor] = []
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
+        info = self.pooling_info
         logger.info("pooling model: tasks %s, %s pooling, normalize=%s",
-                    ", ".join(self.info.tasks), self.info.pooling_type, self.info.normalize)
+                    ", ".join(info.tasks), info.pooling_type, info.normalize)
 
     def initialize_kv_cache(self) -> int:
         """A pooling model keeps no KV cache: zero blocks."""
         return 0
 
-    def launch(self, sched: SchedulerOutput) -> PoolingStepFuture:
+    def execute(self, sched: SchedulerOutput) -> PoolingStep:
         for new in sched.new_requests:
             if new.pooling_params is None:
                 raise ValueError("a pooling model only takes pooling requests")
@@ -87,17 +90,29 @@ class PoolingModelRunner:
             input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
             pos = torch.tensor(positions, dtype=torch.long).to(self.device)
             hidden = self.model(input_ids, pos, seqs)
-            results = pooled_results(self.model, hidden, rows, self.info)
+            results = pooled_results(self.model, hidden, rows, self.pooling_info)
         out = ModelRunnerOutput()
         for serial, arr in results.items():
             if np.isfinite(arr).all():
                 out.pooled[serial] = arr
             else:
                 out.failed_serials.add(serial)
-        return PoolingStepFuture(out)
+        return PoolingStep(out)
 
-    def finish(self, fut: PoolingStepFuture, propose: bool = True) -> ModelRunnerOutput:
-        return fut.out
+    def sample(self, handle: PoolingStep, grammar: GrammarBitmask | None) -> None:
+        return None  # pooling samples nothing
+
+    def finish(self, handle: PoolingStep) -> ModelRunnerOutput:
+        return handle.out
+
+    @torch.inference_mode()
+    def check_health(self) -> None:
+        """A forward pass over one made-up token, its result read back."""
+        seqs = PackedSeqs.build([1], self.model.is_causal, self.device, None)
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        hidden = self.model(zero, zero, seqs)
+        if not bool(torch.isfinite(hidden).all()):
+            raise RuntimeError("the health check's forward pass gave non-finite values")
 
     def remove_requests(self, serials: set[int]) -> None:
         for s in serials:

@@ -76,10 +76,10 @@ def test_decode_graph_metadata_with_padded_rows() -> None:
     backend = TritonAttentionBackend()
     context_lens = [5, 17, 2]
     tables, cache, q, latent, nb = _step([1, 1, 1], context_lens, 3, heads=4, seed=7)
-    buf = backend.alloc_graph_buffers(8, 8, DEV, block_size=BS, sliding_window=None)
+    buf = backend.alloc_graph_buffers(8, 8, 8, DEV, block_size=BS, sliding_window=None)
     slots = [t[c // BS] * BS + c % BS for t, c in zip(tables, context_lens)]
-    backend.fill_graph_buffers(buf, 4, context_lens, tables, slots)
-    md = backend.graph_metadata(buf, 4)
+    backend.fill_graph_buffers(buf, 4, 1, context_lens, tables, slots)
+    md = backend.graph_metadata(buf, 4, 1)
     scale = 0.2
     kv = cache.clone().to(DEV)
     qp = torch.cat([q, torch.randn(1, 4, V_DIM + ROPE)]).to(DEV)

@@ -284,11 +284,10 @@ def test_backend_says_what_it_cannot_do_and_the_hooks_raise() -> None:
     flags, and a hook called anyway fails loudly rather than doing something half-right."""
     backend = get_attention_backend(CPU)
     assert isinstance(backend, AttentionBackend) and backend.name == "torch"
-    assert not (backend.fuses_rope_and_cache_write or backend.supports_cuda_graphs
-                or backend.supports_prefill_graphs)
+    assert not (backend.fuses_rope_and_cache_write or backend.supports_cuda_graphs)
     with pytest.raises(NotImplementedError, match="torch attention backend"):
-        backend.alloc_graph_buffers(4, 8, CPU, block_size=16, sliding_window=None)
+        backend.alloc_graph_buffers(4, 4, 8, CPU, block_size=16, sliding_window=None)
     with pytest.raises(NotImplementedError):
-        backend.prefill_graph_metadata(None, 16)
+        backend.graph_metadata(None, 1, 16)
     with pytest.raises(ValueError, match="'torch' or 'triton'"):
         get_attention_backend(CPU, "flash")

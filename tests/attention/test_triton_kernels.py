@@ -167,9 +167,9 @@ def test_graph_buffers_replay_steps() -> None:
     gen = torch.Generator().manual_seed(16)
     bs, hq, hk, d, nb = 4, 4, 2, 64, 24
     backend = TritonAttentionBackend()
-    buf = backend.alloc_graph_buffers(4, 8, DEV, block_size=bs, sliding_window=None)
-    md = backend.graph_metadata(buf, 4)
-    backend.fill_graph_buffers(buf, 4, [], [], [])  # as at capture: all rows padding
+    buf = backend.alloc_graph_buffers(4, 4, 8, DEV, block_size=bs, sliding_window=None)
+    md = backend.graph_metadata(buf, 4, 1)
+    backend.fill_graph_buffers(buf, 4, 1, [], [], [])  # as at capture: all rows padding
     cache = torch.randn(2, (nb + 1) * bs, hk, d, generator=gen).to(DEV)
     cache[:, nb * bs:] = 0
     qkv = torch.randn(4, hq + 2 * hk, d, generator=gen).to(DEV)
@@ -178,7 +178,7 @@ def test_graph_buffers_replay_steps() -> None:
     for ctx, tables in (([9, 0, 20], [[3, 7, 1], [5], [0, 2, 4, 6, 8, 10]]), ([2], [[11]])):
         n = len(ctx)
         slots = [t[c // bs] * bs + c % bs for c, t in zip(ctx, tables)]
-        backend.fill_graph_buffers(buf, 4, ctx, tables, slots)
+        backend.fill_graph_buffers(buf, 4, 1, ctx, tables, slots)
         q = torch.randn(4, hq, d, generator=gen).to(DEV)
         k, v = (torch.randn(4, hk, d, generator=gen).to(DEV) for _ in range(2))
         got_cache = cache.clone()

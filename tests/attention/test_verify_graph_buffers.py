@@ -1,6 +1,7 @@
-"""The verify-step graph metadata (speculative decoding's CUDA graphs): requests of k + 1
-tokens padded to a graph size give, for their real tokens, the attention and cache writes of
-the eager metadata, for ordinary and latent (MLA) attention; padding writes nothing."""
+"""The graph metadata of shapes of q > 1 tokens per row (speculative decoding's verify steps, a
+lone prefill chunk): requests padded to a graph's rows (and a chunk padded to its q) give,
+for their real tokens, the attention and cache writes of the eager metadata, for ordinary
+and latent (MLA) attention; padding writes nothing."""
 
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ def test_padded_verify_graph_metadata_matches_eager(latent: bool) -> None:
     slots = [t[p // BS] * BS + p % BS for t, c in zip(tables, context_lens)
              for p in range(c, c + Q)]
     n, size = len(context_lens), 4
-    buf = backend.alloc_verify_graph_buffers(8, Q, 8, DEV, block_size=BS, sliding_window=None)
-    backend.fill_verify_graph_buffers(buf, size, context_lens, tables, slots)
-    graph_md = backend.verify_graph_metadata(buf, size)
+    buf = backend.alloc_graph_buffers(8, 8 * Q, 8, DEV, block_size=BS, sliding_window=None)
+    backend.fill_graph_buffers(buf, size, Q, context_lens, tables, slots)
+    graph_md = backend.graph_metadata(buf, size, Q)
     eager_md = backend.build_metadata(query_lens=[Q] * n, context_lens=context_lens,
                                       block_tables=tables, block_size=BS, num_decodes=0,
                                       sliding_window=None, device=DEV, null_block=nb)
@@ -65,3 +66,29 @@ def test_padded_verify_graph_metadata_matches_eager(latent: bool) -> None:
     torch.testing.assert_close(got[:t_real], want, atol=2e-5, rtol=2e-5)
     assert torch.equal(graph_cache, eager_cache)  # padding requests wrote nothing
     assert torch.isfinite(got).all()
+
+
+@pytest.mark.parametrize("context_len", [0, 9])
+def test_a_padded_prefill_chunk_matches_eager(context_len: int) -> None:
+    """One row of n real tokens padded to q (a lone prefill chunk's graph): the real tokens'
+    outputs and cache writes are the eager step's; the padding tokens write nothing."""
+    gen = torch.Generator().manual_seed(5)
+    backend = TritonAttentionBackend()
+    n, q = 5, 16
+    need = -(-(context_len + q) // BS)
+    nb = need + 3
+    table = torch.randperm(nb, generator=gen).tolist()[:need]
+    real = [table[p // BS] * BS + p % BS for p in range(context_len, context_len + n)]
+    buf = backend.alloc_graph_buffers(2, q, nb, DEV, block_size=BS, sliding_window=None)
+    backend.fill_graph_buffers(buf, 1, q, [context_len], [table], real + [-1] * (q - n))
+    graph_md = backend.graph_metadata(buf, 1, q)
+    eager_md = backend.build_metadata(query_lens=[n], context_lens=[context_len],
+                                      block_tables=[table], block_size=BS, num_decodes=0,
+                                      sliding_window=None, device=DEV, null_block=nb)
+    cache = torch.randn(2, (nb + 1) * BS, 2, 32, generator=gen).to(DEV)
+    qt, k, v = (torch.randn(q, h, 32, generator=gen).to(DEV) for h in (4, 2, 2))
+    eager_cache, graph_cache = cache.clone(), cache.clone()
+    want = paged_attention_triton(qt[:n], k[:n], v[:n], eager_cache, eager_md, 0.3)
+    got = paged_attention_triton(qt, k, v, graph_cache, graph_md, 0.3)
+    torch.testing.assert_close(got[:n], want, atol=2e-5, rtol=2e-5)
+    assert torch.equal(graph_cache, eager_cache)

@@ -61,9 +61,9 @@ def test_steps_overlap_while_requests_decode(tiny_llama_dir):
         eng.step()
         steps += 1
         core = eng.core
-        if core._inflight is not None:
-            sched, _ = core._inflight
-            seen_pending |= any(it.input_token_ids[-1] == PENDING_TOKEN for it in sched.scheduled)
+        for launched in core.queue:
+            seen_pending |= any(it.input_token_ids[-1] == PENDING_TOKEN
+                                for it in launched.sched.scheduled)
     assert seen_pending  # decodes took their input from the step before, on the device
     # 1 prefill + 7 decodes are launched; the last result is read one step later.
     assert steps == 9
@@ -123,7 +123,7 @@ def test_abort_with_a_step_in_flight(tiny_llama_dir):
         if not eng.has_unfinished_requests():
             break
         if step == 4:
-            assert eng.core._inflight is not None
+            assert eng.core.queue  # a step in flight
             eng.abort_request("r1")
         for out in eng.step():
             if out.finished:

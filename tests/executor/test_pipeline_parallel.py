@@ -214,7 +214,7 @@ def test_three_stages_and_an_abort_with_its_step_in_flight(tmp_path):
             engine.add_request(str(i), p, params)
         engine.step()
         engine.step()  # two micro-batches in flight: "0", "1" then "2", "3"
-        assert len(engine.core.batch_queue) == 2
+        assert len(engine.core.queue) == 2
         engine.abort_request("2")
         done = {}
         while engine.has_unfinished_requests():

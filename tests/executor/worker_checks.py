@@ -76,19 +76,19 @@ class StepLog:
         self.events: list[str] = []
         self.in_flight: list[set[int]] = []
         self.most = 0
-        launch, finish = runner.launch, runner.finish
+        execute, finish = runner.execute, runner.finish
 
-        def logged_launch(sched: SchedulerOutput) -> Any:
+        def logged_execute(sched: SchedulerOutput) -> Any:
             serials = {it.serial for it in sched.scheduled if it.sample}
             assert not any(serials & s for s in self.in_flight), "a request in two steps"
             self.in_flight.append(serials)
             self.most = max(self.most, len(self.in_flight))
             self.events.append("L")
-            return launch(sched)
+            return execute(sched)
 
-        def logged_finish(fut: Any, propose: bool = True) -> Any:
+        def logged_finish(handle: Any) -> Any:
             self.in_flight.pop(0)
             self.events.append("F")
-            return finish(fut, propose=propose)
+            return finish(handle)
 
-        runner.launch, runner.finish = logged_launch, logged_finish
+        runner.execute, runner.finish = logged_execute, logged_finish

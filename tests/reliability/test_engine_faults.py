@@ -5,12 +5,12 @@ and leave none of its KV blocks in the prefix cache or the KV tiers."""
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import blocks_all_free, random_prompts, tiny_llm
 
 from shoal import SamplingParams
 from shoal.kv_cache.hashing import hash_full_blocks
 from shoal.sample.sampling_metadata import SamplingMetadata
-from shoal.worker import model_runner
 
 POISON_SEED = 4242  # a request with this seed makes the runner raise (injected below)
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -28,7 +28,7 @@ def _poison_sampling(monkeypatch) -> list[int]:
             raise RuntimeError("injected fault in sampling")
         return real(params_list, *args, **kwargs)
 
-    monkeypatch.setattr(model_runner.SamplingMetadata, "build", staticmethod(build))
+    monkeypatch.setattr(SamplingMetadata, "build", staticmethod(build))
     return raised
 
 
@@ -79,18 +79,21 @@ def test_a_request_alone_in_a_failing_step_fails_at_once(tiny_llama_dir, monkeyp
 
 
 def _nan_logits_for(runner, request_id: str) -> list[int]:
-    """Every sampling row of `request_id` gets NaN logits."""
-    real = runner._sample
+    """Every sampling row of `request_id` gets NaN logits (until `del runner.sample`)."""
+    real = runner.sample
     hits: list[int] = []
 
-    def sample(inp, logits, fut):
-        for i, it in enumerate(it for it in inp.items if it.sample):
-            if it.request_id == request_id:
-                logits[i] = float("nan")
-                hits.append(i)
-        return real(inp, logits, fut)
+    @torch.inference_mode()  # as the runner's own sample (the logits are inference tensors)
+    def sample(handle, grammar):
+        if handle.inputs is not None:
+            logits = handle.forward.wait().logits
+            for i, it in enumerate(it for it in handle.inputs.items if it.sample):
+                if it.request_id == request_id:
+                    logits[i] = float("nan")
+                    hits.append(i)
+        return real(handle, grammar)
 
-    runner._sample = sample
+    runner.sample = sample
     return hits
 
 
@@ -113,7 +116,7 @@ def test_nan_logits_fail_the_request_and_publish_no_kv_blocks(tiny_llama_dir):
     from shoal.kv_offload.control import offload_device_prefix_cache
     offload_device_prefix_cache(eng.core)  # whatever the device cache holds goes to the CPU
     assert not any(store.cpu.contains(h) for h in hashes)
-    eng.core.runner._sample = type(eng.core.runner)._sample.__get__(eng.core.runner)
+    del eng.core.runner.sample  # the class's own again
     out = llm.generate(bad_prompt, GREEDY, use_tqdm=False)[0]
     assert out.num_cached_tokens == 0  # recomputed: nothing of the failed run was kept
     assert out.outputs[0].token_ids == ref[0].outputs[0].token_ids

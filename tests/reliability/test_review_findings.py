@@ -3,6 +3,7 @@ failed before its fix."""
 
 from __future__ import annotations
 
+import torch
 from engine_helpers import blocks_all_free, random_prompts, tiny_llm
 
 from shoal import SamplingParams
@@ -30,7 +31,7 @@ def test_request_id_reused_while_its_old_step_is_in_flight(tiny_llama_dir):
     eng.add_request("x", old_prompt, params)
     for _ in range(3):
         eng.step()
-    assert eng.core._inflight is not None  # a step holding the old "x" is in flight
+    assert eng.core.queue  # a step holding the old "x" is in flight
     eng.abort_request("x")
     eng.add_request("x", new_prompt, params)
     finals: dict = {}
@@ -43,18 +44,21 @@ def test_request_id_reused_while_its_old_step_is_in_flight(tiny_llama_dir):
 def _nan_logits_for(runner, request_id: str, times: int = 1) -> list[int]:
     """Makes the next `times` sampling rows of `request_id` produce NaN logits; returns a
     list that counts the injections."""
-    real = runner._sample
+    real = runner.sample
     hits: list[int] = []
 
-    def sample(inp, logits, fut):
-        rows = [it for it in inp.items if it.sample]
-        for i, it in enumerate(rows):
-            if it.request_id == request_id and len(hits) < times:
-                logits[i] = float("nan")
-                hits.append(i)
-        return real(inp, logits, fut)
+    @torch.inference_mode()  # as the runner's own sample (the logits are inference tensors)
+    def sample(handle, grammar):
+        if handle.inputs is not None:
+            logits = handle.forward.wait().logits
+            rows = [it for it in handle.inputs.items if it.sample]
+            for i, it in enumerate(rows):
+                if it.request_id == request_id and len(hits) < times:
+                    logits[i] = float("nan")
+                    hits.append(i)
+        return real(handle, grammar)
 
-    runner._sample = sample
+    runner.sample = sample
     return hits
 
 

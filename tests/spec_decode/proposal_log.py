@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def record_proposals(llm) -> list[tuple[list[int], list[int]]]:
     """Every proposal the engine makes from now on: (the sequence then, its drafts)."""
-    drafter = llm.llm_engine.core.runner.mtp  # the runner's hidden-state drafter
+    drafter = llm.llm_engine.core.runner.drafter  # a hidden-state drafter
     log: list[tuple[list[int], list[int]]] = []
     inner = drafter.mirror_and_propose
 
@@ -27,13 +27,13 @@ class StepLog:
     def __init__(self, llm):
         core = llm.llm_engine.core
         self.steps: list[tuple[bool, bool]] = []
-        inner = core.runner.launch
+        inner = core.runner.execute
 
-        def launch(sched):
-            if not sched.is_empty:
-                self.steps.append((core._inflight is not None, sched.has_drafts))
+        def execute(sched):
+            if not sched.is_empty:  # (the step itself is in the queue already)
+                self.steps.append((len(core.queue) > 1, sched.has_drafts))
             return inner(sched)
-        core.runner.launch = launch
+        core.runner.execute = execute
 
     @property
     def pipelined(self) -> int:

@@ -17,53 +17,41 @@ from oracle import hf_greedy  # noqa: E402
 from spec_decode.proposal_log import record_proposals  # noqa: E402
 from spec_decode.test_draft_model import _draft  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
+from worker.eager_graphs import EagerGraphTable  # noqa: E402
 
 from shoal import SamplingParams  # noqa: E402
 from shoal.attention.metadata import token_slots  # noqa: E402
 from shoal.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from shoal.spec_decode.draft_graphs import DraftGraphs  # noqa: E402
+from shoal.worker.graph_table import round_up  # noqa: E402
 
 K = 3
 MAX_BLOCKS = 256 // 4  # tiny_llm: max_model_len 256, blocks of 4
 
 
-class _EagerReplay:
-    """Stands in for torch.cuda.CUDAGraph: replay runs the captured step eagerly."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def replay(self) -> None:
-        self.fn()
-
-
 class EagerDraftGraphs(DraftGraphs):
-    """Capture keeps each size's metadata (as a graph freezes it); every run starts from
-    junk in every static buffer the run must stage and the step must move on."""
+    """Replays emulated eagerly (worker/eager_graphs.py); every run starts from junk in every
+    static buffer the run must stage and the step must move on."""
 
-    def capture(self, pool=None) -> float:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, table_type=EagerGraphTable, **kwargs)
         self.runs: list[tuple[int, int, int]] = []  # (rows, padded size, steps)
-        for size in self.sizes:
-            self.backend.fill_graph_buffers(self.buffers, size, [], [], [])
-            md = self.backend.graph_metadata(self.buffers, size)
-            self.graphs[size] = _EagerReplay(lambda size=size, md=md: self._replayed(size, md))
-        return 0.0
 
     def _poison(self) -> None:
         gen = torch.Generator().manual_seed(len(self.runs))
-        b = self.buffers
-        self.tokens.buffer.copy_(torch.randint(3, 500, self.tokens.buffer.shape, generator=gen))
+        tokens, b = self.table.tokens, self.table.buffers
+        tokens.buffer.copy_(torch.randint(3, 500, tokens.buffer.shape, generator=gen))
         if self.hidden is not None:
             self.hidden.copy_(10 * torch.randn(self.hidden.shape, generator=gen))
         self.drafts.fill_(-1)
         self.step_index.fill_(self.max_steps - 1)
-        b.lens.copy_(torch.randint(1, 40, b.lens.shape, generator=gen))
+        b.meta.copy_(torch.randint(1, 40, b.meta.shape, generator=gen))
         b.slot_mapping.copy_(torch.randint(0, 32, b.slot_mapping.shape, generator=gen))
         b.block_tables.copy_(torch.randint(0, 8, b.block_tables.shape, generator=gen))
 
     def run(self, ids, hidden, positions, tables, steps):
         self._poison()
-        self.runs.append((len(positions), self.padded_size(len(positions)), steps))
+        self.runs.append((len(positions), round_up(len(positions), self.sizes), steps))
         return super().run(ids, hidden, positions, tables, steps)
 
 
@@ -72,8 +60,8 @@ def test_advance_moves_live_rows_as_a_fill_of_the_next_positions():
     cpu = torch.device("cpu")
 
     def filled(positions: list[int], tables: list[list[int]]):
-        buf = be.alloc_graph_buffers(4, 6, cpu, block_size=4, sliding_window=None)
-        be.fill_graph_buffers(buf, 4, positions, tables,
+        buf = be.alloc_graph_buffers(4, 4, 6, cpu, block_size=4, sliding_window=None)
+        be.fill_graph_buffers(buf, 4, 1, positions, tables,
                               token_slots([1] * len(positions), positions, tables, 4))
         return buf
 
@@ -82,9 +70,9 @@ def test_advance_moves_live_rows_as_a_fill_of_the_next_positions():
     for step in (1, 2):
         be.advance_graph_buffers(buf, 4)
         want = filled([6 + step, 2 + step, step], tables)
-        assert buf.lens[:8].tolist() == want.lens[:8].tolist()
+        assert buf.meta[:8].tolist() == want.meta[:8].tolist()  # sequence, context lengths
         assert buf.slot_mapping[:4].tolist() == want.slot_mapping[:4].tolist()
-    assert buf.slot_mapping[3] == -1 and buf.lens[3] == 0  # padding stays padding
+    assert buf.slot_mapping[3] == -1 and buf.meta[3] == 0  # padding stays padding
 
 
 def _ids(outs) -> list[list[int]]:
@@ -105,7 +93,7 @@ def test_hidden_state_drafts_through_padded_graphs(drafter_checkpoint, method, n
     want = _ids(tiny_llm(target).generate(prompts, sp, use_tqdm=False))
     llm = tiny_llm(target, attention_backend="triton", max_num_seqs=4,
                    async_scheduling=async_scheduling, speculative_config=spec)
-    drafter = llm.llm_engine.core.runner.mtp
+    drafter = llm.llm_engine.core.runner.drafter
     drafter.capture_graphs(None, MAX_BLOCKS, EagerDraftGraphs)
     graphs = drafter.graphs
     assert graphs.sizes == [1, 2, 4]
@@ -129,7 +117,7 @@ def test_draft_model_drafts_through_padded_graphs(tiny_llama_dir, tmp_path):
     llm = tiny_llm(tiny_llama_dir, attention_backend="triton", max_num_seqs=4,
                    speculative_config={"method": "draft_model", "model": str(draft),
                                        "num_speculative_tokens": K})
-    drafter = llm.llm_engine.core.runner.draft
+    drafter = llm.llm_engine.core.runner.drafter
     drafter.capture_graphs(None, MAX_BLOCKS, EagerDraftGraphs)
     log: list[tuple[list[int], list[int]]] = []
     inner = drafter.propose_batch

@@ -30,7 +30,7 @@ def _ids(outs) -> list[list[int]]:
 def _count_runs(drafter) -> list[int]:
     """The rows of each run through the drafter's graphs."""
     graphs = drafter.graphs
-    assert graphs is not None and graphs.sizes == [1, 2, 4] and graphs.graphs
+    assert graphs is not None and graphs.sizes == [1, 2, 4] and graphs.table.graphs
     runs: list[int] = []
     inner = graphs.run
 
@@ -61,7 +61,7 @@ def test_hidden_state_drafts_replay_cuda_graphs(drafter_checkpoint, method, name
     logs = []
     for eager in (False, True):
         llm = tiny_llm(target, speculative_config=spec, enforce_eager=eager, **ENGINE)
-        drafter = llm.llm_engine.core.runner.mtp
+        drafter = llm.llm_engine.core.runner.drafter
         assert (drafter.graphs is None) == eager
         runs = None if eager else _count_runs(drafter)
         log = record_proposals(llm)
@@ -86,7 +86,7 @@ def test_draft_model_replays_cuda_graphs(tiny_llama_dir, tmp_path):
     logs = []
     for eager in (False, True):
         llm = tiny_llm(tiny_llama_dir, speculative_config=spec, enforce_eager=eager, **ENGINE)
-        drafter = llm.llm_engine.core.runner.draft
+        drafter = llm.llm_engine.core.runner.drafter
         assert (drafter.graphs is None) == eager
         runs = None if eager else _count_runs(drafter)
         log: list[tuple[list[int], list[int]]] = []

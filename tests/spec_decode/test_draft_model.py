@@ -113,7 +113,7 @@ def test_async_scheduling_keeps_the_draft_cache_right(tiny_llama_dir, plain, tmp
     assert llm.llm_engine.core.async_scheduling
     draft_alone = tiny_llm(far)
     log: list[tuple[list[int], list[int]]] = []
-    proposer = llm.llm_engine.core.runner.draft
+    proposer = llm.llm_engine.core.runner.drafter
     inner = proposer.propose_batch
 
     def recording(seqs, tables):

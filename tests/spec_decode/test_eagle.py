@@ -213,7 +213,7 @@ def test_eagle_head_matches_the_formula(ckpts) -> None:
     target, folder, ref = ckpts["bigram"]
     llm = tiny_llm(target, speculative_config=_spec(folder, 1))
     runner = llm.llm_engine.core.runner
-    head = runner.mtp.model
+    head = runner.drafter.model
     assert head.embed_tokens.weight is runner.model.model.embed_tokens.weight
     assert head.lm_head.weight is runner.model.lm_head.weight
     assert head.fc.bias is not None
@@ -221,7 +221,7 @@ def test_eagle_head_matches_the_formula(ckpts) -> None:
     hidden = ref.hidden(seq)
     want_y, want_logits = ref.eagle(seq[1:], hidden[:-1])
     t = len(seq) - 1
-    md = runner.mtp._metadata([t], [0], [list(range(-(-t // 4)))], 0)
+    md = runner.drafter._metadata([t], [0], [list(range(-(-t // 4)))], 0)
     with torch.inference_mode():
         y = head(torch.tensor(seq[1:]), torch.arange(t), hidden[:-1], md)
         logits = head.compute_logits(y)

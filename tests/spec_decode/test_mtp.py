@@ -174,7 +174,7 @@ def test_mtp_layer_matches_the_formula(ckpt) -> None:
     permutation) against the plain evaluation, logits to 1e-4."""
     target, ref = ckpt
     llm = tiny_llm(target, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
-    mtp = llm.llm_engine.core.runner.mtp
+    mtp = llm.llm_engine.core.runner.drafter
     seq = random_prompts(1, seed=3, lo=13, hi=14)[0]["prompt_token_ids"]
     hidden = ref.hidden(seq)
     want_y, want_logits = ref.mtp(seq[1:], hidden[:-1])

@@ -14,18 +14,19 @@ from spec_decode.chi_square import chi_square_p
 
 from shoal import SamplingParams
 from shoal.core.types import EngineCoreRequest
+from shoal.spec_decode.host_drafter import HostDrafter
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
 
 
-class ReferenceProposer:
+class ReferenceProposer(HostDrafter):
     """Drafts the next tokens of a reference continuation of the prompt, the first `right`
     of them as they are and the rest changed (right is random per proposal)."""
 
     def __init__(self, refs: dict[tuple[int, ...], list[int]], k: int = 3, seed: int = 0):
         self.refs, self.k, self.rng = refs, k, random.Random(seed)
 
-    def propose(self, prompt, output) -> list[int]:
+    def draft(self, prompt, output) -> list[int]:
         ref = self.refs.get(tuple(prompt))
         if ref is None:
             return []
@@ -69,7 +70,7 @@ def spec(tiny_llama_dir):
 def _with_references(llm, plain, prompts, max_tokens: int, seed: int = 0) -> SpecCounter:
     refs = _ids(plain.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
                                                        ignore_eos=True), use_tqdm=False))
-    llm.llm_engine.core.runner.proposer = ReferenceProposer(
+    llm.llm_engine.core.runner.drafter = ReferenceProposer(
         {tuple(p["prompt_token_ids"]): r for p, r in zip(prompts, refs)}, seed=seed)
     return SpecCounter(llm)
 
@@ -90,9 +91,9 @@ def test_ngram_drafts_real_engine(plain, spec) -> None:
     prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9] * 6}, {"prompt_token_ids": [11, 12] * 9}]
     sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     from shoal.config.speculative import SpeculativeConfig
-    from shoal.spec_decode.proposer import NgramProposer
+    from shoal.spec_decode.ngram import NgramDrafter
 
-    spec.llm_engine.core.runner.proposer = NgramProposer(SpeculativeConfig(**NGRAM))
+    spec.llm_engine.core.runner.drafter = NgramDrafter(SpeculativeConfig(**NGRAM))
     counter = SpecCounter(spec)
     assert _ids(spec.generate(prompts, sp, use_tqdm=False)) == _ids(
         plain.generate(prompts, sp, use_tqdm=False))
@@ -131,9 +132,10 @@ def test_abort_mid_verify(plain, spec) -> None:
     core.step()  # prefills; drafts proposed
     sched = core.scheduler.schedule()
     assert any(it.num_draft_tokens for it in sched.scheduled)
-    fut = core.runner.launch(sched)
+    handle = core.runner.execute(sched)
+    core.runner.sample(handle, None)
     core.abort_requests(["abort1"])  # while the verify step is in flight
-    outs = core.scheduler.update(sched, core.runner.finish(fut))
+    outs = core.scheduler.update(sched, core.runner.finish(handle))
     assert [o.finish_reason for o in outs if o.request_id == "abort1"] == ["abort"]
     assert any(o.request_id == "abort0" and o.new_token_ids for o in outs)
     core.abort_requests(["abort0", "abort2"])
@@ -141,13 +143,13 @@ def test_abort_mid_verify(plain, spec) -> None:
     assert blocks_all_free(spec)
 
 
-class FixedProposer:
+class FixedProposer(HostDrafter):
     """The same drafts every time (deterministic given the context, as ngram's are)."""
 
     def __init__(self, drafts: list[int]):
-        self.drafts = drafts
+        self.drafts, self.k = drafts, len(drafts)
 
-    def propose(self, prompt, output) -> list[int]:
+    def draft(self, prompt, output) -> list[int]:
         return list(self.drafts)
 
 
@@ -171,7 +173,7 @@ def test_sampled_distribution_matches_plain(plain, spec, base, drafts) -> None:
     a chi-square test of one distribution."""
     n = 1500
     prompts = random_prompts(1, seed=11, lo=12, hi=13) * n
-    spec.llm_engine.core.runner.proposer = FixedProposer(drafts)
+    spec.llm_engine.core.runner.drafter = FixedProposer(drafts)
     # 1,500 requests at once: the adaptive budget would verify no drafts at that batch.
     spec.llm_engine.core.scheduler.spec_adaptive = False
     counter = SpecCounter(spec)

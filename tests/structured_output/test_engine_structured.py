@@ -10,6 +10,7 @@ import threading
 import pytest
 
 from shoal import LLM, SamplingParams
+from shoal.spec_decode.host_drafter import HostDrafter
 from shoal.structured_output.params import StructuredOutputsParams
 
 pytest.importorskip("xgrammar")
@@ -101,7 +102,7 @@ def test_bad_constraints_are_value_errors_offline(llm, so, match):
 def test_a_request_waits_only_for_its_own_grammar(llm):
     """A slow compilation holds back its own request; a free one runs to the end meanwhile."""
     eng = llm.llm_engine
-    manager = eng.core.structured
+    manager = eng.core.structured.manager
     release = threading.Event()
     compile_ = manager._compile
 
@@ -145,9 +146,9 @@ def test_guidance_backend_holds_the_same_constraints(llm):
     from shoal.structured_output.manager import StructuredOutputManager
 
     core = llm.llm_engine.core
-    xgrammar_manager = core.structured
-    core.structured = StructuredOutputManager("guidance", llm.get_tokenizer(),
-                                              core.runner.vocab_size, sorted(core.eos_token_ids))
+    xgrammar_manager = core.structured.manager
+    core.structured.manager = StructuredOutputManager(
+        "guidance", llm.get_tokenizer(), core.runner.vocab_size, sorted(core.eos_token_ids))
     try:
         outs = llm.generate(["a", "b", "c"], [
             _params(StructuredOutputsParams(choice=["one", "two words"]), seed=1),
@@ -164,7 +165,7 @@ def test_guidance_backend_holds_the_same_constraints(llm):
                          use_tqdm=False)
     finally:
         core.structured.shutdown()
-        core.structured = xgrammar_manager
+        core.structured.manager = xgrammar_manager
 
 
 def test_structural_tags_in_both_forms_compile(llm):
@@ -174,7 +175,7 @@ def test_structural_tags_in_both_forms_compile(llm):
     current = {"type": "structural_tag", "format": {
         "type": "tag", "begin": "<f>", "content": {"type": "json_schema", "json_schema": body},
         "end": "</f>"}}
-    manager = llm.llm_engine.core.structured
+    manager = llm.llm_engine.core.structured.manager
     for tag in (legacy, current):
         manager.validate(StructuredOutputsParams(structural_tag=json.dumps(tag)))
     with pytest.raises(ValueError, match="structural_tag"):
@@ -196,13 +197,14 @@ def test_constrained_rows_beside_speculating_rows(smollm_gguf):
                   "acceptance_rate": 0.5})
     runner = llm.llm_engine.core.runner
     verify_steps = []
-    plain_verify = runner._verify
+    plain_sample = runner.sample
 
-    def counted_verify(inp, logits, states, fut):
-        verify_steps.append(inp.grammar is not None)
-        return plain_verify(inp, logits, states, fut)
+    def counted_sample(handle, grammar):
+        if handle.inputs is not None and handle.inputs.has_drafts:
+            verify_steps.append(grammar is not None)
+        return plain_sample(handle, grammar)
 
-    runner._verify = counted_verify
+    runner.sample = counted_sample
     try:
         choices = ["alpha", "beta gamma"]
         params = [_params(StructuredOutputsParams(choice=choices), seed=i) for i in range(4)]
@@ -236,7 +238,7 @@ def test_logits_padded_past_the_tokenizer_with_eos_beyond_it(smollm_gguf, tmp_pa
     padded = LLM(model=str(tmp_path), tokenizer="smollm2", load_format="dummy",
                  max_model_len=256, kv_cache_memory_bytes=16 << 20, max_num_seqs=8)
     try:
-        assert padded.llm_engine.core.structured.vocab_size == n + 41
+        assert padded.llm_engine.core.structured.manager.vocab_size == n + 41
         so = StructuredOutputsParams(choice=["yes", "no"])
         outs = padded.generate(["a", "b", "c"], _params(so, ignore_eos=True, max_tokens=40),
                                use_tqdm=False)
@@ -257,20 +259,28 @@ def test_async_scheduling_pipelines_constrained_steps(llm, smollm_gguf):
     try:
         core = pipe.llm_engine.core
         inflight_at_launch = []
-        launch = core.runner.launch
+        finished_since: dict[int, int] = {}  # executed step -> steps finished since
+        runner = core.runner
+        execute, sample, finish = runner.execute, runner.sample, runner.finish
 
         def counting(sched):
-            if not sched.is_empty:
-                inflight_at_launch.append(core._inflight is not None)
-            return launch(sched)
-        core.runner.launch = counting
-        deferred = []
-        sample_deferred = core.runner.sample_deferred
+            handle = execute(sched)
+            if not sched.is_empty:  # (the step itself is in the queue already)
+                inflight_at_launch.append(len(core.queue) > 1)
+                finished_since[id(handle)] = 0
+            return handle
 
-        def counting_deferred(fut):
-            deferred.append(fut.deferred is not None)
-            sample_deferred(fut)
-        core.runner.sample_deferred = counting_deferred
+        def counting_finish(handle):
+            for h in finished_since:
+                finished_since[h] += 1
+            return finish(handle)
+        deferred = []
+
+        def counting_sample(handle, grammar):
+            # Deferred: sampled after the step ahead of it was finished.
+            deferred.append(finished_since.pop(id(handle), 0) > 0)
+            sample(handle, grammar)
+        runner.execute, runner.sample, runner.finish = counting, counting_sample, counting_finish
         so_json = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
         so_choice = StructuredOutputsParams(choice=["yes", "no", "maybe so"])
         so_regex = StructuredOutputsParams(regex=r"[a-z]{2,5}-[0-9]{3}")
@@ -293,7 +303,7 @@ def test_async_scheduling_pipelines_constrained_steps(llm, smollm_gguf):
         pipe.shutdown()
 
 
-class _ReferenceDrafts:
+class _ReferenceDrafts(HostDrafter):
     """Drafts k tokens of a known continuation per prompt: the first `right` as they are,
     the rest replaced by arbitrary ids (which the grammar mostly refuses)."""
 
@@ -303,7 +313,7 @@ class _ReferenceDrafts:
         self.refs, self.k, self.rng = refs, k, random.Random(4)
         self.proposed = 0
 
-    def propose(self, prompt, output) -> list[int]:
+    def draft(self, prompt, output) -> list[int]:
         ref = self.refs.get(tuple(prompt))
         if ref is None or len(output) >= len(ref):
             return []
@@ -333,7 +343,7 @@ def test_speculative_decoding_drafts_are_checked_by_the_grammar(llm):
         proposer = _ReferenceDrafts({tuple(p["prompt_token_ids"]): list(o.outputs[0].token_ids)
                                      for p, o in zip(prompts, want)})
         core = spec.llm_engine.core
-        core.runner.proposer = proposer
+        core.runner.drafter = proposer
         accepted = [0]
         stats = core.scheduler.stats
 

@@ -1,5 +1,6 @@
-"""The GPU decode path on the CPU: the Triton backend under TRITON_INTERPRET=1 and the decode
-CUDA-graph bookkeeping (padded batches, persistent buffers) with replay emulated eagerly."""
+"""The GPU step path on the CPU: the Triton backend under TRITON_INTERPRET=1 and the CUDA-graph
+table's bookkeeping (padded shapes of decode, verify and prefill steps, persistent buffers)
+with replay emulated eagerly (worker/eager_graphs.py)."""
 
 from __future__ import annotations
 
@@ -21,39 +22,17 @@ pytest.importorskip("triton")
 from engine_helpers import random_prompts, tiny_llm  # noqa: E402
 from spec_decode.proposal_log import StepLog, record_proposals  # noqa: E402
 from spec_decode.test_mtp import build_checkpoints  # noqa: E402
+from worker.eager_graphs import EagerGraphTable  # noqa: E402
 
 from shoal import LLM, SamplingParams  # noqa: E402
-from shoal.worker.cuda_graphs import DecodeGraphs, capture_sizes  # noqa: E402
-from shoal.worker.prefill_graphs import PrefillGraphs  # noqa: E402
+from shoal.worker.graph_table import StepShape  # noqa: E402
+from shoal.worker.model_graphs import (  # noqa: E402
+    ModelGraphs,
+    capture_sizes,
+    draft_ladder,
+    step_shapes,
+)
 from shoal.worker.staged_tokens import StagedTokens  # noqa: E402
-from shoal.worker.verify_graphs import VerifyGraphLadder, VerifyGraphs, draft_ladder  # noqa: E402
-
-
-class _EagerGraph:
-    """Stands in for torch.cuda.CUDAGraph: replay runs the captured call eagerly."""
-
-    def __init__(self, fn, out):
-        self.fn, self.out = fn, out
-
-    def replay(self) -> None:
-        for dst, src in zip(self.out, self.fn()):  # (logits, hidden states)
-            dst.copy_(src)
-
-
-class EagerDecodeGraphs(DecodeGraphs):
-    def capture(self) -> float:
-        for size in self.sizes:
-            md = self.backend.graph_metadata(self.buffers, size)
-            ids, pos = self.tokens.view(size)
-
-            def fn(ids=ids, pos=pos, md=md):
-                return self._forward(ids, pos, md)
-
-            self.backend.fill_graph_buffers(self.buffers, size, [], [], [])
-            out = fn()
-            self.graphs[size] = _EagerGraph(fn, out)
-            self.outputs[size], self.hidden[size] = out
-        return 0.0
 
 
 def test_capture_sizes_follow_vllm():
@@ -85,6 +64,23 @@ def test_staged_tokens_land_in_contiguous_rows_from_alternating_host_buffers():
         staged.stage(2, ([1, 2, 3], [], []))
 
 
+def _graphs(runner, shapes, max_blocks: int, **kw) -> ModelGraphs:
+    """A captured table of `shapes` on the runner (replays emulated eagerly), each run logged
+    in .runs as (shape, real requests)."""
+    graphs = ModelGraphs(runner.model, runner.backend, shapes, max_blocks, runner.device,
+                         block_size=4, sliding_window=None, table_type=EagerGraphTable, **kw)
+    graphs.capture()
+    graphs.runs = []
+    real_run = graphs.run
+
+    def run(shape, inp, fill):
+        graphs.runs.append((shape, len(inp.items)))
+        return real_run(shape, inp, fill)
+    graphs.run = run
+    runner.graphs = graphs
+    return graphs
+
+
 def test_triton_backend_and_padded_decode_graphs_match_torch(tiny_llama_dir):
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(rng.randrange(1, 30))]}
@@ -95,35 +91,11 @@ def test_triton_backend_and_padded_decode_graphs_match_torch(tiny_llama_dir):
 
     llm = _llm(tiny_llama_dir, "triton")
     runner = llm.llm_engine.core.runner
-    graphs = EagerDecodeGraphs(runner.model, runner.backend, 6, 96 // 4, runner.device,
-                               block_size=4, sliding_window=None)
-    graphs.capture()
-    runner.graphs = graphs
-    replays = []
-    real_run = graphs.run
-
-    def counting_run(*args, **kwargs):
-        replays.append(len(args[0]))
-        return real_run(*args, **kwargs)
-
-    graphs.run = counting_run
+    graphs = _graphs(runner, [StepShape(b, 1) for b in capture_sizes(6)], 96 // 4)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == ref
     # Decode-only steps went through the padded graph path, with batches of 3 and 5 padded.
-    assert replays and any(n not in graphs.sizes for n in replays)
-
-
-class EagerPrefillGraphs(PrefillGraphs):
-    def capture(self, pool=None) -> float:
-        for size in self.sizes:
-            def fn(size=size):
-                return self._forward(size)
-
-            self.backend.fill_prefill_graph_buffers(self.buffers, size, 0, [], [])
-            out = fn()
-            self.graphs[size] = _EagerGraph(fn, out)
-            self.outputs[size], self.hidden[size] = out
-        return 0.0
+    assert graphs.runs and any(shape.rows != n for shape, n in graphs.runs)
 
 
 def test_single_prefill_graphs_match_torch_with_cached_prefixes(tiny_llama_dir):
@@ -139,17 +111,15 @@ def test_single_prefill_graphs_match_torch_with_cached_prefixes(tiny_llama_dir):
 
     llm = _llm(tiny_llama_dir, "triton", async_scheduling=True)
     runner = llm.llm_engine.core.runner
-    graphs = EagerPrefillGraphs(runner.model, runner.backend, 32, 96 // 4, runner.device,
-                                block_size=4, sliding_window=None)
-    assert graphs.sizes == [16, 32]
-    graphs.capture()
-    runner.prefill_graphs = graphs
+    shapes = [s for s in step_shapes(6, 32) if s.rows == 1 and s.q > 1]
+    assert [s.q for s in shapes] == [16, 32]
+    graphs = _graphs(runner, shapes, 96 // 4)
     chunks = []
     real_run = graphs.run
 
-    def counting_run(input_ids, positions, context_len, *a, **kw):
-        chunks.append((len(input_ids), context_len))
-        return real_run(input_ids, positions, context_len, *a, **kw)
+    def counting_run(shape, inp, fill):
+        chunks.append((inp.num_tokens, inp.items[0].context_len))
+        return real_run(shape, inp, fill)
 
     graphs.run = counting_run
     got = [llm.generate(p, params, use_tqdm=False)[0].outputs[0] for p in prompts]
@@ -160,19 +130,6 @@ def test_single_prefill_graphs_match_torch_with_cached_prefixes(tiny_llama_dir):
                 assert abs(a[tok].logprob - b[tok].logprob) < 1e-4
     # The first prompt ran whole; the later ones only past the 12 cached tokens (3 blocks).
     assert chunks == [(14, 0), (6, 12), (12, 12)]
-
-
-class EagerVerifyGraphs(VerifyGraphs):
-    def capture(self, pool=None) -> float:
-        for size in self.sizes:
-            def fn(size=size):
-                return self._forward(size)
-
-            self.backend.fill_verify_graph_buffers(self.buffers, size, [], [], [])
-            out = fn()
-            self.graphs[size] = _EagerGraph(fn, out)
-            self.outputs[size], self.hidden[size] = out
-        return 0.0
 
 
 def test_verify_graphs_match_eager_verify_steps(tiny_llama_dir):
@@ -192,25 +149,21 @@ def test_verify_graphs_match_eager_verify_steps(tiny_llama_dir):
         prompts, params, use_tqdm=False)]
     llm = _llm(tiny_llama_dir, "triton", speculative_config=spec)
     runner = llm.llm_engine.core.runner
-    graphs = EagerVerifyGraphs(runner.model, runner.backend, 2, 8, 96 // 4, runner.device,
-                               block_size=4, sliding_window=None)
-    graphs.capture()
-    runner.verify_graphs = graphs
-    batches = []
+    shapes = [StepShape(b, 3, 3) for b in (1, 2, 4, 8)]  # k = 2: the full verify only
+    graphs = _graphs(runner, shapes, 96 // 4)
+    padded_real = []  # real tokens of each replay of all three requests
     real_run = graphs.run
 
-    padded_real = []  # real tokens of each replay of all three requests
-
-    def counting_run(input_ids, positions, context_lens, block_tables, slots, *a, **kw):
-        batches.append(len(context_lens))
-        if len(context_lens) == 3:
-            padded_real.append(sum(s >= 0 for s in slots))
-        return real_run(input_ids, positions, context_lens, block_tables, slots, *a, **kw)
+    def counting_run(shape, inp, fill):
+        if len(inp.items) == 3:
+            padded_real.append(inp.num_tokens)
+        return real_run(shape, inp, fill)
 
     graphs.run = counting_run
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == ref
-    assert 3 in batches  # a verify step of all three requests replayed the graph of 4
+    # A verify step of all three requests replayed the graph of 4.
+    assert (StepShape(4, 3, 3), 3) in graphs.runs
     # Requests with fewer drafts than k (the adaptive budget's) or none were padded.
     assert any(n < 3 * 3 for n in padded_real)
 
@@ -231,20 +184,13 @@ def test_verify_graph_ladder_picks_the_fewest_tokens(tiny_llama_dir):
         prompts, params, use_tqdm=False)]
     llm = _llm(tiny_llama_dir, "triton", speculative_config=spec)
     runner = llm.llm_engine.core.runner
-    rungs = [EagerVerifyGraphs(runner.model, runner.backend, d, 8, 96 // 4, runner.device,
-                               block_size=4, sliding_window=None) for d in draft_ladder(4)]
-    used = []
-    for g in rungs:
-        g.capture()
-        real_run = g.run
-
-        def run(*a, g=g, real_run=real_run, **kw):
-            used.append(g.q)
-            return real_run(*a, **kw)
-        g.run = run
-    runner.verify_graphs = VerifyGraphLadder(rungs)
+    shapes = [s for s in step_shapes(8, 32, prefill=False, num_speculative_tokens=4)
+              if s.q > 1]
+    assert sorted({s.q for s in shapes}) == [2, 3, 5]
+    graphs = _graphs(runner, shapes, 96 // 4)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == ref
+    used = [shape.q for shape, _ in graphs.runs]
     assert 5 in used and len(set(used)) >= 2, used  # full verifies and shorter ones
 
 
@@ -264,36 +210,26 @@ def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path, name, async_scheduli
                    speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     steps = StepLog(llm)
     runner = llm.llm_engine.core.runner
-    blocks = 256 // 4
-    kw = dict(block_size=4, sliding_window=None, keep_hidden=True)
-    runner.graphs = EagerDecodeGraphs(runner.model, runner.backend, 4, blocks, runner.device,
-                                      **kw)
-    runner.prefill_graphs = EagerPrefillGraphs(runner.model, runner.backend, 16, blocks,
-                                               runner.device, **kw)
-    runner.verify_graphs = EagerVerifyGraphs(runner.model, runner.backend, 2, 4, blocks,
-                                             runner.device, **kw)
-    replays = []
-    for g in (runner.graphs, runner.prefill_graphs, runner.verify_graphs):
-        g.capture()
-        kind = type(g).__name__
-        for graph in g.graphs.values():
-            real = graph.replay
-            graph.replay = lambda real=real, kind=kind: (replays.append(kind), real())
+    shapes = step_shapes(4, 16, num_speculative_tokens=2)
+    graphs = _graphs(runner, shapes, 256 // 4, keep_hidden=True)
     log = record_proposals(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want
     alone = llm.generate(prompts[2], sp, use_tqdm=False)[0]  # its prefill: a prefill graph
     assert alone.outputs[0].token_ids == want[2]
-    assert {"EagerVerifyGraphs", "EagerPrefillGraphs", "EagerDecodeGraphs"} <= set(replays)
+    kinds = {"verify" if s.logits_per_row > 1 else "prefill" if s.q > 1 else "decode"
+             for s, _ in graphs.runs}
+    assert kinds == {"verify", "prefill", "decode"}
     assert len(log) > 5
     for seq, drafts in log:
         assert drafts == ref.drafts(seq, len(drafts)), seq
     assert (steps.pipelined > 0) == async_scheduling
 
 
-def test_a_prompt_chunk_of_k_plus_1_tokens_keeps_a_step_off_the_verify_graph(tiny_llama_dir):
+def test_a_prompt_chunk_beside_verifies_samples_its_last_row_only(tiny_llama_dir):
     """A new prompt's last chunk of k + 1 tokens, scheduled beside verifies, samples one row:
-    the step runs eagerly (replaying the verify graph would misalign every row after it)."""
+    through the verify graph, whose logits are every position's, only that row is taken
+    (taking all of them would misalign every row after it)."""
     spec = {"method": "test_forced_acceptance", "num_speculative_tokens": 2,
             "acceptance_rate": 0.5}
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -316,9 +252,7 @@ def test_a_prompt_chunk_of_k_plus_1_tokens_keeps_a_step_off_the_verify_graph(tin
     want = run(_llm(tiny_llama_dir, "triton", speculative_config=spec))
     llm = _llm(tiny_llama_dir, "triton", speculative_config=spec)
     runner = llm.llm_engine.core.runner
-    graphs = EagerVerifyGraphs(runner.model, runner.backend, 2, 8, 96 // 4, runner.device,
-                               block_size=4, sliding_window=None)
-    graphs.capture()
-    runner.verify_graphs = graphs
+    graphs = _graphs(runner, [StepShape(b, 3, 3) for b in (1, 2, 4, 8)], 96 // 4)
     assert run(llm) == want
+    assert graphs.runs
     assert llm.llm_engine.core.scheduler.num_failed_steps == 0

@@ -1,0 +1,72 @@
+"""The interface the model runner drafts through (speculative decoding). Implementations live
+in shoal/spec_decode/ (ngram, a draft model, the hidden-state heads of MTP and EAGLE, the
+test-only forced acceptance) and are built by its factory, which the executor hands the
+runner: the runner never knows which one it holds.
+
+Per target step: on_launch(step) right after the target's forward pass is queued (a drafter
+with a KV cache of its own mirrors the step into it there, or keeps what it needs for
+later); propose(step, state, out, latest) once the step's tokens have been read, which puts
+the drafts of each request that sampled into out.draft_token_ids for the next step to
+verify."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.core.scheduler_output import ModelRunnerOutput
+from shoal.worker.step_inputs import StepInputs
+
+
+@dataclass
+class TargetStep:
+    """What a drafter sees of one target step."""
+
+    inputs: StepInputs
+    hidden: torch.Tensor | None  # every token's final hidden state (keeps_hidden drafters)
+    input_ids: Callable[[], torch.Tensor]  # the step's ids on the device, pending filled in
+
+
+class Drafter(ABC):
+    k: int  # drafts proposed per request and step (at most)
+    # The target's CUDA graphs keep every token's hidden states for this drafter.
+    keeps_hidden: bool = False
+
+    def kv_layers(self) -> list[Any]:
+        """Attention layers whose paged KV cache is the drafter's: on the target's block
+        tables, so the KV pool's size counts them (none: a drafter without layers)."""
+        return []
+
+    def bind(self, num_blocks: int, backend: Any) -> None:
+        """Allocates the drafter's cache over the target's num_blocks blocks."""
+        return None
+
+    def capture_graphs(self, pool: Any, max_blocks: int) -> float:
+        """Captures the drafting steps as CUDA graphs (after bind); returns seconds taken."""
+        return 0.0
+
+    def on_launch(self, step: TargetStep) -> Any:
+        """The target's forward pass is queued: mirror it, or keep what propose() needs;
+        returns that per-step state."""
+        return None
+
+    @abstractmethod
+    def propose(self, step: TargetStep, state: Any, out: ModelRunnerOutput,
+                latest: bool) -> None:
+        """The step's tokens are in out (and in each request's state): drafts for the
+        requests that sampled into out.draft_token_ids. latest=False: a later step has been
+        launched already and verifies no drafts, so a drafter that pays for its proposals
+        may only mirror (the scheduler reads whether host proposers found any)."""
+
+    def accept_mask(self, drafts_per_request: list[int]) -> list[bool] | None:
+        """Test-only forced acceptance: whether each verify row's draft counts as accepted
+        (None: the target's distribution decides, the only lossless choice)."""
+        return None
+
+
+# (engine config, target model, its LoadedModel) -> the drafter of the speculative config
+DrafterFactory = Callable[[Any, torch.nn.Module, Any], Drafter | None]

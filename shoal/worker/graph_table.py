@@ -1,0 +1,142 @@
+"""CUDA graphs keyed by the step's shape, over one set of persistent inputs and one memory pool.
+
+A step of a fixed shape (rows x tokens per row, padded) launches the same kernels with the
+same arguments every time once its inputs sit at fixed addresses, so it replays as one graph
+launch instead of a few hundred Python-issued kernel launches. The shapes (vLLM's
+CudagraphDispatcher keys them the same way; mini-sglang has one graph runner too):
+
+- decode: one token per row, rows padded to a capture size;
+- verify (speculative decoding): k + 1 tokens per row, every token giving logits;
+- a lone prefill chunk: one row of up to 512 tokens, logits of its last real token only.
+
+Inputs live in persistent buffers: token rows (ids, positions, and each row's last real
+token) staged by StagedTokens, and the attention backend's graph buffers (sequence lengths,
+block tables, slots: AttentionBackend.alloc/fill_graph_buffers, graph_metadata). A step stages
+its inputs into them and replays its shape's graph. What a graph computes is its `body`:
+the model's forward and logits (worker/model_graphs.py), or a drafter's greedy step, which
+moves its own inputs on with the backend's advance_graph_buffers (spec_decode/draft_graphs.py)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.attention.backend import AttentionBackend
+from shoal.worker.staged_tokens import StagedTokens
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, order=True)
+class StepShape:
+    rows: int  # requests, padded
+    q: int  # tokens per row, padded: 1 decode, k + 1 verify, a prefill chunk's length
+    # Logits per row: q (verify: every position), or 1 (a decode's token, a chunk's last)
+    logits_per_row: int = 1
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.q
+
+
+# body(shape, token rows [token_rows, shape.tokens] on the device, attention metadata) ->
+# the graph's outputs (tensors, kept as the graph's static outputs).
+GraphBody = Callable[[StepShape, torch.Tensor, Any], Any]
+
+
+class GraphTable:
+    def __init__(self, backend: AttentionBackend, shapes: Sequence[StepShape], max_blocks: int,
+                 device: torch.device, *, block_size: int, sliding_window: int | None,
+                 token_rows: int = 3):
+        if not shapes:
+            raise ValueError("a graph table needs at least one shape")
+        self.backend = backend
+        self.shapes = sorted(set(shapes), key=lambda s: (s.tokens, s.rows), reverse=True)
+        self.device = device
+        max_rows = max(s.rows for s in self.shapes)
+        max_tokens = max(s.tokens for s in self.shapes)
+        self.tokens = StagedTokens(token_rows, max_tokens, device)
+        self.buffers = backend.alloc_graph_buffers(max_rows, max_tokens, max_blocks, device,
+                                                   block_size=block_size,
+                                                   sliding_window=sliding_window)
+        self.graphs: dict[StepShape, Any] = {}
+        self.outputs: dict[StepShape, Any] = {}
+        self.pool: Any = None
+        self._tables_key: tuple | None = None
+
+    def __contains__(self, shape: StepShape) -> bool:
+        return shape in self.graphs
+
+    @torch.inference_mode()
+    def capture(self, body: GraphBody, pool: Any = None, what: str = "step",
+                before_each: Callable[[], Any] | None = None) -> float:
+        """Captures body for every shape, largest first (the smaller ones reuse the pool's
+        blocks); pool: a pool shared with another table (None: a new one); before_each runs
+        before each warm-up run and the capture (outside the graph). Returns seconds."""
+        t0 = time.perf_counter()
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        for shape in self.shapes:
+            # No real row: the kernels run but write and read nothing.
+            self.backend.fill_graph_buffers(self.buffers, shape.rows, shape.q, [], [], [])
+            md = self.backend.graph_metadata(self.buffers, shape.rows, shape.q)
+            tokens = self.tokens.view(shape.tokens)
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm: compile kernels, settle the allocator
+                    if before_each is not None:
+                        before_each()
+                    body(shape, tokens, md)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if before_each is not None:
+                before_each()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.outputs[shape] = body(shape, tokens, md)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[shape] = graph
+        torch.cuda.synchronize(self.device)
+        self.pool = pool
+        took = time.perf_counter() - t0
+        logger.info("captured %d %s CUDA graphs in %.1f s", len(self.shapes), what, took)
+        return took
+
+    def invalidate_tables(self) -> None:
+        """The block tables in the buffers may be stale (a step ran without the table, or a
+        step failed): the next stage copies them whatever its key."""
+        self._tables_key = None
+
+    def stage(self, shape: StepShape, token_rows: Sequence[Sequence[int]],
+              context_lens: list[int], block_tables: list[list[int]], slots: list[int],
+              serials: Sequence[int] = ()) -> torch.Tensor:
+        """Copies a step's inputs into the buffers: token_rows [i] into token row i (each
+        shape.tokens long at most, zero-padded), one row per real request (context length,
+        block table), slots of every padded token (-1: write nothing). A decode shape's block
+        tables are copied only when the rows (serials) or their lengths changed since the last
+        stage: a steady decode batch needs one copy every block_size steps (its tables only
+        grow; other steps, which may follow a rollback of rejected drafts, copy them always).
+        Returns the token rows on the device (fill pending tokens into row 0 first)."""
+        staged = self.tokens.stage(shape.tokens, token_rows)
+        key = ((shape, tuple(serials), tuple(len(t) for t in block_tables))
+               if serials and shape.q == 1 else None)
+        keep = key is not None and key == self._tables_key
+        self.backend.fill_graph_buffers(self.buffers, shape.rows, shape.q, context_lens,
+                                        None if keep else block_tables, slots)
+        self._tables_key = key
+        return staged
+
+    def replay(self, shape: StepShape) -> Any:
+        self.graphs[shape].replay()
+        return self.outputs[shape]
+
+
+def round_up(n: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of sizes (ascending) that holds n, or None."""
+    for s in sizes:
+        if s >= n:
+            return s
+    return None

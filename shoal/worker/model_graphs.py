@@ -1,0 +1,174 @@
+"""The model runner's CUDA graphs: one GraphTable (worker/graph_table.py) of the model's forward
+and logits for every step shape it replays, and how a step's inputs are laid out for a shape.
+
+- decode: batches of one token per request, padded to capture_sizes (1, 2, 4, 8, then steps
+  of 8 to 256, then of 16: vLLM's sizes);
+- verify: requests of up to k + 1 tokens each (speculative decoding), padded to q = d + 1 for
+  d in draft_ladder(k) (a step replays the smallest q that holds its longest request: at batch
+  32 on the H200, padding every request to 5 tokens made a verify step 1.42x a decode step),
+  batches of up to 64 requests (the logits of B * q rows bound it; speculation pays at small
+  batches); every token gives logits;
+- a lone prefill chunk (what a lone request's first token waits for: a new prompt, or the
+  tail after a prefix-cache hit), padded to 16 .. 512 tokens; the LM head runs on its last
+  real token only.
+
+Padding tokens write no KV (slot -1) and repeat their row's last position; padding rows are
+empty. The runner takes the real rows' logits (and, for a hidden-state drafter, every real
+token's final hidden state)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shoal.attention.backend import AttentionBackend
+from shoal.attention.metadata import token_slots
+from shoal.host_to_device import to_device
+from shoal.worker.graph_table import GraphTable, StepShape, round_up
+from shoal.worker.step_inputs import StepInputs
+
+PREFILL_GRAPH_SIZES = (16, 32, 64, 128, 256, 512)
+# Speculation pays at small batches; the logits of B * (k + 1) rows bound the largest.
+VERIFY_GRAPH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 256, then steps of 16, capped at max_num_seqs."""
+    sizes = [1, 2, 4, 8] + list(range(16, 257, 8)) + list(range(272, 1025, 16))
+    out = [s for s in sizes if s <= max_num_seqs]
+    if not out or out[-1] < max_num_seqs:
+        out.append(max_num_seqs)
+    return out
+
+
+def draft_ladder(k: int) -> list[int]:
+    """The draft counts verify graphs are captured for: 1, 2, 4, ... and k."""
+    counts, d = [], 1
+    while d < k:
+        counts.append(d)
+        d *= 2
+    return counts + [k]
+
+
+def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, *, prefill: bool = True,
+                num_speculative_tokens: int = 0) -> list[StepShape]:
+    shapes = [StepShape(b, 1) for b in capture_sizes(max_num_seqs)]
+    if prefill:
+        shapes += [StepShape(1, n) for n in PREFILL_GRAPH_SIZES if n <= max_num_batched_tokens]
+    if num_speculative_tokens:
+        for d in draft_ladder(num_speculative_tokens):
+            shapes += [StepShape(b, d + 1, d + 1) for b in VERIFY_GRAPH_SIZES
+                       if b <= max_num_seqs]
+    return shapes
+
+
+class ModelGraphs:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
+                 shapes: list[StepShape], max_blocks: int, device: torch.device, *,
+                 block_size: int, sliding_window: int | None, keep_hidden: bool = False,
+                 table_type: type[GraphTable] = GraphTable):
+        """table_type: a test's stand-in for GraphTable (replays emulated on the CPU)."""
+        self.model = model
+        # Hold each graph's hidden states (a hidden-state drafter reads them): otherwise they
+        # are an intermediate whose pool memory the smaller graphs reuse.
+        self.keep_hidden = keep_hidden
+        self.block_size = block_size
+        # Padding tokens of a row may attend up to q - 1 positions past its real ones.
+        width = max_blocks + -(-max(s.q for s in shapes) // block_size)
+        self.table = table_type(backend, shapes, width, device, block_size=block_size,
+                                sliding_window=sliding_window)
+        self.decode_sizes = sorted(s.rows for s in shapes if s.q == 1)
+        self.prefill_sizes = sorted(s.q for s in shapes if s.rows == 1 and s.logits_per_row == 1)
+        self.verify_qs = sorted({s.q for s in shapes if s.logits_per_row > 1})
+        self.verify_sizes = sorted({s.rows for s in shapes if s.logits_per_row > 1})
+
+    def capture(self, pool: Any = None) -> float:
+        return self.table.capture(self._body, pool, "model step")
+
+    @property
+    def pool(self) -> Any:
+        return self.table.pool
+
+    def invalidate_tables(self) -> None:
+        self.table.invalidate_tables()
+
+    def _body(self, shape: StepShape, tokens: torch.Tensor, md: Any
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ids, pos, last = tokens[0], tokens[1], tokens[2]
+        hidden = self.model(ids, pos, md)
+        if shape.logits_per_row == shape.q:  # decode, verify: every token's logits
+            logits = self.model.compute_logits(hidden)
+        else:  # a chunk: its last real token's
+            logits = self.model.compute_logits(hidden.index_select(0, last[:shape.rows]))
+        return logits, (hidden if self.keep_hidden else None)
+
+    def pick(self, inp: StepInputs) -> StepShape | None:
+        """The shape whose graph runs this step, or None (the step runs eagerly)."""
+        n = len(inp.items)
+        if inp.prompt_lp_spans or n == 0:
+            return None
+        if inp.num_decodes == n == inp.num_tokens:
+            rows = round_up(n, self.decode_sizes)
+            return None if rows is None else self._known(StepShape(rows, 1))
+        if inp.has_drafts:
+            if inp.pending_dst or not all(it.sample for it in inp.items):
+                return None
+            rows = round_up(n, self.verify_sizes)
+            q = round_up(max(inp.query_lens()), self.verify_qs)
+            return None if rows is None or q is None else self._known(StepShape(rows, q, q))
+        if n == 1 and inp.num_decodes == 0 and inp.items[0].sample:
+            q = round_up(inp.num_tokens, self.prefill_sizes)
+            return None if q is None else self._known(StepShape(1, q))
+        return None
+
+    def _known(self, shape: StepShape) -> StepShape | None:
+        return shape if shape in self.table else None
+
+    def run(self, shape: StepShape, inp: StepInputs,
+            fill_pending: Callable[[torch.Tensor], None] | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Replays the step's graph; returns the logits of its sampling rows (in the order of
+        inp.logits_index) and, when kept, every real token's hidden states."""
+        ids, pos, slots, padded = self._layout(shape, inp)
+        last = [r * shape.q + inp.items[r].num_new_tokens - 1 for r in range(len(inp.items))]
+        staged = self.table.stage(shape, (ids, pos, last), inp.context_lens(),
+                                  inp.block_tables(), slots,
+                                  serials=[it.serial for it in inp.items])
+        if fill_pending is not None:  # decodes and lone chunks: flat index = padded index
+            fill_pending(staged[0])
+        logits, hidden = self.table.replay(shape)
+        if padded is None:  # one token per row, or one row: real tokens come first
+            n = len(inp.logits_index)
+            return logits[:n], (hidden[:inp.num_tokens] if hidden is not None else None)
+        device = logits.device
+        rows = to_device([padded[i] for i in inp.logits_index], torch.long, device)
+        if hidden is not None:
+            hidden = hidden.index_select(0, to_device(padded, torch.long, device))
+        return logits.index_select(0, rows), hidden
+
+    def _layout(self, shape: StepShape, inp: StepInputs
+                ) -> tuple[list[int], list[int], list[int], list[int] | None]:
+        """Token ids, positions and slots of every row padded to shape.q, and the padded
+        index of each real token (None when it is its own index)."""
+        bs = self.block_size
+        if shape.q == 1 or shape.rows == 1:
+            q = shape.q
+            pad = q * len(inp.items) - inp.num_tokens
+            pos = inp.positions + [inp.positions[-1]] * pad
+            slots = token_slots(inp.query_lens(), inp.context_lens(), inp.block_tables(), bs)
+            return inp.input_ids, pos, slots + [-1] * pad, None
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        padded: list[int] = []
+        flat = 0
+        for r, it in enumerate(inp.items):
+            n, pad = it.num_new_tokens, shape.q - it.num_new_tokens
+            padded.extend(range(r * shape.q, r * shape.q + n))
+            ids += inp.input_ids[flat:flat + n] + [0] * pad
+            pos += inp.positions[flat:flat + n] + [inp.positions[flat + n - 1]] * pad
+            slots += token_slots([n], [it.context_len], [it.block_ids], bs) + [-1] * pad
+            flat += n
+        return ids, pos, slots, padded

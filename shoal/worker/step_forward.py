@@ -1,0 +1,131 @@
+"""One step's forward pass: through a CUDA graph when the step's shape has one (worker/
+model_graphs.py), else eagerly with the attention backend's metadata, or, with pipeline
+parallelism, this stage's layers with the final hidden states still on their way from the
+last stage. Gives the logits of the step's sampling rows, the prompt logprobs of chunks that
+asked for them, and every token's final hidden states when a drafter reads them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.attention.backend import AttentionBackend
+from shoal.core.scheduler_output import ModelRunnerOutput
+from shoal.core.types import Logprobs
+from shoal.host_to_device import to_device
+from shoal.sample.host_rows import logprobs_rows
+from shoal.sample.sampler import compute_logprobs_tensors
+from shoal.worker.model_graphs import ModelGraphs
+from shoal.worker.pending_tokens import PendingTokens
+from shoal.worker.stage_link import PendingHidden, StageLink
+from shoal.worker.step_inputs import StepInputs
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None  # the sampling rows' (inp.logits_index order); None: none samples
+    hidden: torch.Tensor | None  # every token's final hidden state, when kept for a drafter
+
+    def wait(self) -> ForwardOutput:
+        return self
+
+
+@dataclass
+class StageOutput:
+    """Pipeline parallelism, stage 0: the last stage's final hidden states are on their way;
+    wait() receives them and computes the logits (other stages: nothing to wait for)."""
+
+    pending: PendingHidden
+    complete: Callable[[torch.Tensor], ForwardOutput]
+
+    def wait(self) -> ForwardOutput:
+        return self.complete(self.pending.wait())
+
+
+class StepForwarder:
+    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
+                 block_size: int, sliding_window: int | None, pending: PendingTokens,
+                 stage_link: StageLink | None = None):
+        self.model, self.backend, self.device = model, backend, device
+        self.block_size, self.sliding_window = block_size, sliding_window
+        self.pending = pending
+        self.stage_link = stage_link
+        self.graphs: ModelGraphs | None = None  # once captured
+        self.keep_hidden = False  # a drafter reads every token's hidden states
+        self.null_block = 0  # the zeroed block padding reads (set when the cache is bound)
+
+    def run(self, inp: StepInputs, out: ModelRunnerOutput) -> ForwardOutput | StageOutput:
+        fill = self.pending.filler(inp.pending_dst, inp.pending_src)
+        if self.stage_link is not None:  # pipeline parallel: stage 0 samples once it is back
+            staged = self.stage_link.run(self.model, *self.eager_inputs(inp, None))
+            if staged is None:
+                return ForwardOutput(None, None)
+            return StageOutput(staged, lambda hidden: self._from_hidden(inp, out, hidden))
+        shape = self.graphs.pick(inp) if self.graphs is not None else None
+        if shape is None:
+            return self._from_hidden(inp, out, self.model(*self.eager_inputs(inp, fill)))
+        logits, hidden = self.graphs.run(shape, inp, fill)
+        return ForwardOutput(logits, hidden)
+
+    def eager_inputs(self, inp: StepInputs, fill: Callable[[torch.Tensor], None] | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """Token ids, positions and attention metadata of an eager forward pass."""
+        if self.graphs is not None:
+            self.graphs.invalidate_tables()  # a preempted request may come back re-blocked
+        ids = to_device(inp.input_ids, torch.long, self.device)
+        pos = to_device(inp.positions, torch.long, self.device)
+        if fill is not None:
+            fill(ids)
+        md = self.backend.build_metadata(
+            query_lens=inp.query_lens(), context_lens=inp.context_lens(),
+            block_tables=inp.block_tables(), block_size=self.block_size,
+            num_decodes=inp.num_decodes, sliding_window=self.sliding_window,
+            device=self.device, null_block=self.null_block)
+        return ids, pos, md
+
+    def device_input_ids(self, inp: StepInputs) -> torch.Tensor:
+        """The step's input ids on the device, pending tokens filled in (a draft model mirrors
+        the target's step over them)."""
+        ids = to_device(inp.input_ids, torch.long, self.device)
+        fill = self.pending.filler(inp.pending_dst, inp.pending_src)
+        if fill is not None:
+            fill(ids)
+        return ids
+
+    def _from_hidden(self, inp: StepInputs, out: ModelRunnerOutput,
+                     hidden: torch.Tensor) -> ForwardOutput:
+        """The sampling rows' logits from the final hidden states (and the prompt logprobs
+        of the step's chunks that want them: read back at once, such steps do not overlap)."""
+        if inp.prompt_lp_spans:
+            out.prompt_logprobs = self._prompt_logprobs(inp, hidden)
+        kept = hidden if self.keep_hidden else None
+        if not inp.sample_rows:
+            return ForwardOutput(None, kept)
+        if len(inp.logits_index) == hidden.shape[0]:  # every row samples: no gather
+            return ForwardOutput(self.model.compute_logits(hidden), kept)
+        rows = to_device(inp.logits_index, torch.long, self.device)
+        return ForwardOutput(self.model.compute_logits(hidden[rows]), kept)
+
+    def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor
+                         ) -> dict[int, list[tuple[int, Logprobs]]]:
+        """Logprob of prompt token p+1 given tokens up to p, for the prompt positions in this
+        step's chunk of each request that asked for prompt_logprobs."""
+        states = {it.serial: st for it, st in zip(inp.items, inp.states)}
+        result: dict[int, list[tuple[int, Logprobs]]] = {}
+        for serial, start, ctx, n in inp.prompt_lp_spans:
+            st = states[serial]
+            prompt = st.prompt_token_ids
+            k = st.sampling_params.prompt_logprobs
+            last = min(ctx + n, len(prompt) - 1)  # positions [ctx, last) predict a prompt token
+            entries: list[tuple[int, Logprobs]] = []
+            if last > ctx:
+                h = hidden[start:start + (last - ctx)]
+                targets = to_device(prompt[ctx + 1:last + 1], torch.long, self.device)
+                lt = compute_logprobs_tensors(self.model.compute_logits(h), targets, k)
+                rows = logprobs_rows(lt, [k] * (last - ctx))
+                entries = [(ctx + 1 + j, row) for j, row in enumerate(rows) if row is not None]
+            result[serial] = entries
+        return result
