@@ -383,8 +383,6 @@ def _package_graph() -> dict[str, dict[str, tuple[str, int]]]:
     return graph
 
 
-@pytest.mark.xfail(strict=True, reason="spec_decode <-> worker until the sampler and verification "
-                   "move to shoal/sample/ and the runner takes its drafter from outside")
 def test_no_cycles_between_packages():
     """A package imports only packages below it: a cycle between two packages means each
     needs the other, which is where a shared piece belongs one level lower."""
