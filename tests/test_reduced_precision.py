@@ -47,6 +47,14 @@ def test_the_message_says_where_and_by_how_much():
     msg = str(err.value)
     assert "token 1: got 2, oracle 5" in msg
     assert "1.0000 below its top 20.000 (top-2 margin 0.1000), bound 0.6250" in msg
+    assert "largest |logit| 20.000" in msg
+
+
+def test_the_bound_scales_with_the_largest_logit_magnitude_not_the_top():
+    # A top of 4 among logits down to -40: the scale is 40, the bound 1.25, so 3 (1.0 below
+    # the top) is a near tie; with the top as the scale (bound 0.125) it would not be.
+    logits = _steps({2: 4.0, 3: 3.0, 0: -40.0})
+    assert assert_greedy_matches_up_to_a_near_tie([3], [2], logits) == 0
 
 
 def test_a_tighter_bound_refuses_the_same_flip():
