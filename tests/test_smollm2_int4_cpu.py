@@ -1,12 +1,14 @@
 """The embedded SmolLM2-135M (a Q4_1 GGUF) with its 4-bit weights run by torch's int4 CPU
 kernel (cpu_int4_matmul=True, and the bfloat16 default that packs small steps only): the
 first 16 greedy tokens of each reference prompt are those of transformers on the dequantized
-file in float32."""
+file in float32, up to a near tie of transformers' logits (bfloat16 activations: which side
+of a near tie a run takes depends on the CPU's kernels, see reduced_precision.py)."""
 
 from __future__ import annotations
 
 import pytest
 from oracle import hf_greedy
+from reduced_precision import assert_greedy_matches_up_to_a_near_tie
 from test_smollm2_vs_hf import CHAT, CODE, PROSE
 
 from shoal import SamplingParams
@@ -45,5 +47,5 @@ def test_first_16_greedy_tokens_match_transformers(int4_llm, hf_smollm, name):
                CHAT, tokenize=False, add_generation_prompt=True), add_special_tokens=False)}[name]()
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     out = int4_llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0].outputs[0]
-    ref, _ = hf_greedy(hf_smollm, ids, 16)
-    assert out.token_ids == ref
+    ref, ref_logits = hf_greedy(hf_smollm, ids, 16)
+    assert_greedy_matches_up_to_a_near_tie(out.token_ids, ref, ref_logits)
