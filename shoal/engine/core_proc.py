@@ -278,25 +278,11 @@ class EngineCoreProc:
 
 
 def _build_core(engine_args: EngineArgs) -> Any:
-    import torch
+    """The model-loading EngineCore of a server (imported here: the frontend imports this
+    module and must not load torch)."""
+    from shoal.engine.startup import start_engine_core
 
-    from shoal.engine.core import EngineCore
-    from shoal.engine.cpu_threads import configure_cpu_threads
-    from shoal.engine.input_processor import RequestLimits
-    from shoal.loader import load_model
-
-    limits = RequestLimits.from_engine_args(engine_args)  # checked before the model loads
-    torch.manual_seed(engine_args.seed)
-    device = engine_args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    threads = configure_cpu_threads(torch.device(device).type, engine_args.cpu_threads,
-                                    serving=True)
-    if threads is not None:
-        logger.info("model threads on the CPU: %d", threads)
-    loaded = load_model(engine_args.model, tokenizer=engine_args.tokenizer,
-                        load_format=engine_args.load_format)
-    engine_args.apply_hf_overrides(loaded.hf_config)
-    config = engine_args.create_engine_config(loaded.hf_config, loaded.source, serving=True)
-    return EngineCore(config, loaded, request_limits=limits)
+    return start_engine_core(engine_args, serving=True).core
 
 
 def _drain_fd(fd: int) -> None:
