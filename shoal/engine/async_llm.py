@@ -19,7 +19,7 @@ from typing import Any
 
 from shoal.core.types import BAD_REQUEST_PREFIX, SchedulerStats
 from shoal.engine.core_client import EngineCoreClient, EngineDeadError
-from shoal.engine.core_proc import CoreOutputs, Ready
+from shoal.engine.core_messages import CoreOutputs, Ready
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import InputProcessor, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor

@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from shoal.core.types import EngineCoreRequest
-from shoal.engine.core_proc import (
+from shoal.engine.core_messages import (
     AbortRequests,
     AddRequest,
     CoreOutputs,
@@ -34,8 +34,8 @@ from shoal.engine.core_proc import (
     StartupFailed,
     UtilityCall,
     UtilityResult,
-    run_engine_core,
 )
+from shoal.engine.core_proc import run_engine_core
 from shoal.engine.cpu_threads import spawn_env
 from shoal.engine.engine_args import EngineArgs
 

@@ -1,4 +1,5 @@
-"""The engine-core process: EngineCore behind two ZMQ sockets, msgpack messages, no pickle.
+"""The engine-core process: EngineCore behind two ZMQ sockets, msgpack messages, no pickle
+(the messages are shoal/engine/core_messages.py).
 
     frontend --PUSH--> input socket  --PULL--> engine   add / abort / utility / shutdown
     frontend <--PULL-- output socket <--PUSH-- engine   ready / startup error / outputs / results
@@ -25,68 +26,24 @@ import zmq
 
 from shoal.core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shoal.engine import step_trace
+from shoal.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    CoreOutputs,
+    InputMessage,
+    Ready,
+    Shutdown,
+    StartupFailed,
+    UtilityCall,
+    UtilityResult,
+)
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import EngineLimits
 
 logger = logging.getLogger(__name__)
 
 # While idle, wake up this often to check that the parent is still there (belt and braces next
 # to the death pipe, which covers the normal case at once).
 IDLE_POLL_MS = 2000
-
-
-# ---- messages: frontend -> engine ----------------------------------------------------------
-class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    request: EngineCoreRequest
-
-
-class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
-    request_ids: list[str]
-
-
-class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
-    call_id: int
-    method: str  # one of EngineCoreProc.UTILITIES
-
-
-class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
-
-
-InputMessage = AddRequest | AbortRequests | UtilityCall | Shutdown
-
-
-# ---- messages: engine -> frontend ----------------------------------------------------------
-class Ready(msgspec.Struct, tag="ready"):
-    """The core is serving: the limits the frontend validates requests against, exactly as
-    the core will."""
-
-    limits: EngineLimits
-    pid: int
-
-
-class StartupFailed(msgspec.Struct, tag="startup_failed"):
-    message: str
-
-
-class CoreOutputs(msgspec.Struct, tag="outputs"):
-    outputs: EngineCoreOutputs
-    # request id -> why the core refused it (the request never ran)
-    rejected: dict[str, str] = msgspec.field(default_factory=dict)
-    # request id -> why it was lost mid-flight; only the data-parallel client sets it, for the
-    # requests of a replica that died while the others keep serving
-    lost: dict[str, str] = msgspec.field(default_factory=dict)
-    # the replica these came from (data parallelism; set by the frontend's client)
-    engine_index: int = 0
-
-
-class UtilityResult(msgspec.Struct, tag="utility_result"):
-    call_id: int
-    result: Any = None
-    error: str | None = None
-
-
-OutputMessage = Ready | StartupFailed | CoreOutputs | UtilityResult
 
 
 class EngineCoreProc:

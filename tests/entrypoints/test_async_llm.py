@@ -9,7 +9,7 @@ import pytest
 from shoal.core.types import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from shoal.engine.async_llm import AsyncLLM, QueueFullError
 from shoal.engine.core_client import EngineDeadError
-from shoal.engine.core_proc import CoreOutputs, Ready
+from shoal.engine.core_messages import CoreOutputs, Ready
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import EngineLimits
 from shoal.engine.output_processor import OutputKind

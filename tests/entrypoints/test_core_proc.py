@@ -17,16 +17,16 @@ from shoal.core.types import (
     EngineCoreRequest,
     SchedulerStats,
 )
-from shoal.engine.core_proc import (
+from shoal.engine.core_messages import (
     AbortRequests,
     AddRequest,
     CoreOutputs,
-    EngineCoreProc,
     OutputMessage,
     Shutdown,
     UtilityCall,
     UtilityResult,
 )
+from shoal.engine.core_proc import EngineCoreProc
 from shoal.sampling_params import SamplingParams
 
 
