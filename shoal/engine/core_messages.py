@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from shoal.core.errors import ErrorCode
 from shoal.core.types import EngineCoreOutputs, EngineCoreRequest
 from shoal.engine.input_processor import EngineLimits
 
@@ -51,12 +52,21 @@ class StartupFailed(msgspec.Struct, tag="startup_failed"):
     message: str
 
 
+class Rejection(msgspec.Struct, array_like=True):
+    """Why the core refused a request (it never ran): a ValueError is the client's fault,
+    anything else the engine's."""
+
+    message: str
+    code: ErrorCode = ErrorCode.BAD_REQUEST
+
+
 class CoreOutputs(msgspec.Struct, tag="outputs"):
     outputs: EngineCoreOutputs
-    # request id -> why the core refused it (the request never ran)
-    rejected: dict[str, str] = msgspec.field(default_factory=dict)
-    # request id -> why it was lost mid-flight; only the data-parallel client sets it, for the
-    # requests of a replica that died while the others keep serving
+    # request id -> why the core refused it
+    rejected: dict[str, Rejection] = msgspec.field(default_factory=dict)
+    # request id -> why it was lost mid-flight (ErrorCode.REPLICA_LOST); only the
+    # data-parallel client sets it, for the requests of a replica that died while the others
+    # keep serving
     lost: dict[str, str] = msgspec.field(default_factory=dict)
     # the replica these came from (data parallelism; set by the frontend's client)
     engine_index: int = 0

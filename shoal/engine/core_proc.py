@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from shoal.core.errors import ErrorCode
 from shoal.core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shoal.engine import step_trace
 from shoal.engine.core_messages import (
@@ -32,6 +33,7 @@ from shoal.engine.core_messages import (
     CoreOutputs,
     InputMessage,
     Ready,
+    Rejection,
     Shutdown,
     StartupFailed,
     UtilityCall,
@@ -63,8 +65,7 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder(InputMessage)
         self.encoder = msgspec.msgpack.Encoder()
         self._stop = False
-        # Request objects still waiting for their first scheduling (for queue times).
-        self._rejected: dict[str, str] = {}
+        self._rejected: dict[str, Rejection] = {}  # sent with the next outputs
         self._last_stats = SchedulerStats()
         self._baseline = SchedulerStats()  # cumulative counters at the last reset_stats
         self.trace = step_trace.StepTrace.from_env()  # SHOAL_STEP_TRACE: per-step timings
@@ -143,9 +144,15 @@ class EngineCoreProc:
     def _add(self, req: EngineCoreRequest) -> None:
         try:
             self.core.add_request(req)
-        except Exception as e:  # a bad request that slipped past the frontend: reject only it
+        except ValueError as e:  # a bad request that slipped past the frontend: reject only it
             logger.warning("rejected request %s: %s", req.request_id, e)
-            self._rejected[req.request_id] = str(e) or type(e).__name__
+            self._rejected[req.request_id] = Rejection(str(e) or type(e).__name__)
+            return
+        except Exception as e:  # the core's own failure: still only this request's
+            logger.exception("adding request %s failed", req.request_id)
+            self._rejected[req.request_id] = Rejection(
+                f"the engine failed to add this request: {type(e).__name__}: {e}",
+                ErrorCode.ENGINE_FAILED)
             return
         self._added += 1
 
@@ -196,7 +203,7 @@ class EngineCoreProc:
         copies half done that shutdown would then persist)."""
         self._stop = True
 
-    def _take_rejected(self) -> dict[str, str]:
+    def _take_rejected(self) -> dict[str, Rejection]:
         rejected, self._rejected = self._rejected, {}
         return rejected
 
