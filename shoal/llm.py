@@ -17,6 +17,7 @@ from shoal.beam_search import (
 )
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.llm_engine import LLMEngine
+from shoal.engine.request_errors import request_error
 from shoal.llm_pooling import PoolingMixin
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import BeamSearchParams, SamplingParams
@@ -27,7 +28,11 @@ Message = Mapping[str, Any]
 
 class LLM(PoolingMixin):
     """`LLM(model=None)` runs the embedded SmolLM2-135M-Instruct; an encoder model (e.g.
-    `LLM("all-MiniLM-L6-v2")`) runs as a pooling model: embed, classify, score."""
+    `LLM("all-MiniLM-L6-v2")`) runs as a pooling model: embed, classify, score.
+
+    A request the engine fails raises once the whole batch has ended (see _raise_if_failed):
+    ValueError for a bad request, TimeoutError (RequestTimeoutError) past request_timeout,
+    RuntimeError (EngineRequestError) when the engine failed it."""
 
     def __init__(self, model: str | None = None, **engine_args: Any):
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
@@ -169,4 +174,19 @@ class LLM(PoolingMixin):
         finally:
             if bar is not None:
                 bar.close()
-        return [done[r] for r in ids]
+        outs = [done[r] for r in ids]
+        _raise_if_failed(outs)
+        return outs
+
+
+def _raise_if_failed(outs: list[Any]) -> None:
+    """A batch in which the engine failed a request raises that request's error (the first
+    in order; every other request has ended, and all the outputs are on the exception's
+    `outputs`): a ValueError for a bad request, a TimeoutError past request_timeout, a
+    RuntimeError for an engine failure (shoal/engine/request_errors.py)."""
+    failed = next((o for o in outs if o.error), None)
+    if failed is None:
+        return
+    exc = request_error(failed.error_code, failed.error)
+    exc.outputs = outs
+    raise exc

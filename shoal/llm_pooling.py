@@ -93,8 +93,8 @@ class PoolingMixin:
             eng.submit(r)
         outs = self._run([r.request_id for r in processed], use_tqdm)
         for o in outs:
-            if o.error or o.outputs is None:
-                raise RuntimeError(f"pooling request {o.request_id} failed: {o.error}")
+            if o.outputs is None:  # not failed (that raised in _run), yet without a result
+                raise RuntimeError(f"pooling request {o.request_id} ended without a result")
             o.outputs.data = torch.from_numpy(o.outputs.data.copy())
         return outs
 

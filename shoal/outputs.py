@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.core.errors import ErrorCode
+
 
 @dataclass
 class Logprob:
@@ -48,7 +50,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
-    error: str | None = None
+    error: str | None = None  # why the engine failed it (finish_reason "error")
+    error_code: ErrorCode | None = None  # the kind of failure, set with error
 
 
 # ---- pooling (embeddings, classification, scores), shaped like vLLM's ---------------------
@@ -70,6 +73,7 @@ class PoolingRequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None
     prompt: str | None = None
+    error_code: ErrorCode | None = None  # the kind of failure, set with error
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 `NullEngineCore` has EngineCore's interface (add_request, abort_requests, step, limits,
 shutdown) but no model: each step gives every running request (up to max_num_seqs) one token
-and takes `step_time_s` of wall time, like a GPU step of that length. Behind `shoal serve`'s
+and takes `step_time_s` of wall time, like a GPU step of that length. Like the engine, it ends
+a request older than `request_timeout` with ErrorCode.TIMED_OUT. Behind `shoal serve`'s
 frontend, it shows how many tokens per second the frontend, the IPC and the HTTP layer can
 carry, and how much CPU they spend per token, on any machine.
 
@@ -17,6 +18,7 @@ import functools
 import time
 from dataclasses import dataclass
 
+from shoal.core.errors import ErrorCode
 from shoal.core.types import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -34,12 +36,15 @@ class _Running:
     request_id: str
     remaining: int
     next_token: int
+    arrival_time: float  # time.monotonic(), from the frontend
 
 
 class NullEngineCore:
-    def __init__(self, limits: EngineLimits, step_time_s: float = 0.01):
+    def __init__(self, limits: EngineLimits, step_time_s: float = 0.01,
+                 request_timeout: float | None = None):
         self.limits = limits
         self.step_time_s = step_time_s
+        self.request_timeout = request_timeout
         self._running: dict[str, _Running] = {}
         self._waiting: list[_Running] = []
         self._pending: list[EngineCoreOutput] = []
@@ -52,7 +57,7 @@ class NullEngineCore:
             raise ValueError(f"request id {req.request_id!r} is already in use")
         lo, hi = TOKEN_RANGE
         self._waiting.append(_Running(req.request_id, max_tokens,
-                                      lo + hash(req.request_id) % (hi - lo)))
+                                      lo + hash(req.request_id) % (hi - lo), req.arrival_time))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         ids = set(request_ids)
@@ -76,6 +81,8 @@ class NullEngineCore:
         if delay > 0:
             time.sleep(delay)
         outputs, self._pending = self._pending, []
+        if self.request_timeout is not None:
+            outputs += self._expire(self.request_timeout)
         lo, hi = TOKEN_RANGE
         for r in list(self._running.values()):
             r.remaining -= 1
@@ -90,6 +97,19 @@ class NullEngineCore:
                                num_generation_tokens=len(outputs))
         return EngineCoreOutputs(outputs=outputs, stats=stats)
 
+    def _expire(self, limit: float) -> list[EngineCoreOutput]:
+        """Ends the requests older than `limit` seconds, as the engine's scheduler does."""
+        now = time.monotonic()
+        late = [r for r in [*self._running.values(), *self._waiting]
+                if now - r.arrival_time > limit]
+        for r in late:
+            if self._running.pop(r.request_id, None) is None:
+                self._waiting.remove(r)
+        return [EngineCoreOutput(r.request_id, [], finish_reason="error",
+                                 error=f"the request timed out: it took longer than "
+                                       f"request_timeout ({limit:g} s)",
+                                 error_code=ErrorCode.TIMED_OUT) for r in late]
+
 
 def build_null_core(engine_args, step_time_s: float, vocab_size: int) -> NullEngineCore:
     """A build_core for shoal.engine.core_proc.run_engine_core (picklable with partial)."""
@@ -97,7 +117,7 @@ def build_null_core(engine_args, step_time_s: float, vocab_size: int) -> NullEng
                           num_kv_blocks=1 << 20, block_size=16,
                           max_num_seqs=engine_args.max_num_seqs or 256,
                           eos_token_ids=frozenset([0]))
-    return NullEngineCore(limits, step_time_s)
+    return NullEngineCore(limits, step_time_s, request_timeout=engine_args.request_timeout)
 
 
 def main(argv: list[str] | None = None) -> int:

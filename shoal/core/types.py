@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import msgspec
 
+from shoal.core.errors import ErrorCode
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
-
-# An EngineCoreOutput.error that starts with this is the client's fault (e.g. a grammar that
-# does not compile): the frontends raise it as a ValueError (HTTP 400), without the prefix.
-BAD_REQUEST_PREFIX = "bad request: "
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -45,11 +42,16 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
-    error: str | None = None
+    error: str | None = None  # set with finish_reason "error": what went wrong, for people
     queue_time: float | None = None  # arrival -> first scheduling, on the first sampled output
     # A pooling request's result: float32 bytes (little-endian, C order) of this shape.
     pooled: bytes | None = None
     pooled_shape: list[int] | None = None
+    # Why the request failed, beside `error` (the frontends answer from the code, never from
+    # the text); an error without a code counts as ErrorCode.ENGINE_FAILED. Without an error
+    # it costs one nil byte: msgspec writes every field of an array-like struct (omit_defaults
+    # drops defaults from map-encoded structs only).
+    error_code: ErrorCode | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):

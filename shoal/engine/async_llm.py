@@ -17,12 +17,14 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from shoal.core.types import BAD_REQUEST_PREFIX, SchedulerStats
-from shoal.engine.core_client import EngineCoreClient, EngineDeadError
-from shoal.engine.core_proc import CoreOutputs, Ready
+from shoal.core.errors import ErrorCode
+from shoal.core.types import SchedulerStats
+from shoal.engine.core_client import EngineCoreClient
+from shoal.engine.core_messages import CoreOutputs, Ready
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import InputProcessor, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor
+from shoal.engine.request_errors import EngineDeadError, request_error
 from shoal.engine.start_client import start_engine_client
 from shoal.metrics.stats import IterationStats, StatLogger, merge_engine_stats
 from shoal.outputs import RequestOutput
@@ -38,10 +40,6 @@ class QueueFullError(RuntimeError):
     def __init__(self, message: str, retry_after: int = 1):
         super().__init__(message)
         self.retry_after = retry_after
-
-
-class EngineRequestError(RuntimeError):
-    """The engine failed this request (e.g. the model produced non-finite logits)."""
 
 
 class RequestStream:
@@ -98,9 +96,7 @@ class RequestStream:
         if item.finished:
             self.finished = True
             if item.error:
-                if item.error.startswith(BAD_REQUEST_PREFIX):  # e.g. a grammar that fails
-                    raise ValueError(item.error[len(BAD_REQUEST_PREFIX):])
-                raise EngineRequestError(item.error)
+                raise request_error(item.error_code, item.error)
         return item
 
     async def wait_first(self) -> None:
@@ -284,10 +280,10 @@ class AsyncLLM:
 
     def _process(self, msg: CoreOutputs) -> None:
         it = IterationStats()
-        for cid, reason in msg.rejected.items():
-            self._fail_parent(cid, ValueError(reason), it)
+        for cid, rejection in msg.rejected.items():
+            self._fail_parent(cid, request_error(rejection.code, rejection.message), it)
         for cid, reason in msg.lost.items():  # a data-parallel replica died under it
-            self._fail_parent(cid, EngineDeadError(reason), it)
+            self._fail_parent(cid, request_error(ErrorCode.REPLICA_LOST, reason), it)
         _, to_abort = self.outputs.process_outputs(msg.outputs.outputs, it)
         if to_abort:
             self.client.abort_requests(to_abort)

@@ -31,6 +31,7 @@ from shoal.core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequ
 from shoal.engine.dp_lockstep import join_dp_lockstep
 from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_core_request
 from shoal.engine.pooling_scheduler import PoolingScheduler
+from shoal.engine.request_errors import EngineDeadError
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.step_queue import LaunchedStep, StepQueue
 from shoal.engine.structured_steps import StructuredSteps
@@ -45,10 +46,6 @@ logger = logging.getLogger(__name__)
 # one made-up token, forward and sampling): requests that fail alone are the usual cause, and
 # the engine serves on; a check that fails too means every request would, and it stops.
 CHECK_AFTER_FAILED_STEPS = 4
-
-
-class EngineDeadError(RuntimeError):
-    """The engine fails steps whatever they run: it cannot serve any request."""
 
 
 def freeze_startup_heap() -> None:

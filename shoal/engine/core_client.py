@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from shoal.core.types import EngineCoreRequest
-from shoal.engine.core_proc import (
+from shoal.engine.core_messages import (
     AbortRequests,
     AddRequest,
     CoreOutputs,
@@ -34,10 +34,11 @@ from shoal.engine.core_proc import (
     StartupFailed,
     UtilityCall,
     UtilityResult,
-    run_engine_core,
 )
+from shoal.engine.core_proc import run_engine_core
 from shoal.engine.cpu_threads import spawn_env
 from shoal.engine.engine_args import EngineArgs
+from shoal.engine.request_errors import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +57,6 @@ def spawn_environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-class EngineDeadError(RuntimeError):
-    """The engine process is gone; nothing in flight will finish."""
 
 
 class EngineStartupError(RuntimeError):

@@ -1,4 +1,5 @@
-"""The engine-core process: EngineCore behind two ZMQ sockets, msgpack messages, no pickle.
+"""The engine-core process: EngineCore behind two ZMQ sockets, msgpack messages, no pickle
+(the messages are shoal/engine/core_messages.py).
 
     frontend --PUSH--> input socket  --PULL--> engine   add / abort / utility / shutdown
     frontend <--PULL-- output socket <--PUSH-- engine   ready / startup error / outputs / results
@@ -23,70 +24,28 @@ from typing import Any
 import msgspec
 import zmq
 
+from shoal.core.errors import ErrorCode
 from shoal.core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shoal.engine import step_trace
+from shoal.engine.core_messages import (
+    AbortRequests,
+    AddRequest,
+    CoreOutputs,
+    InputMessage,
+    Ready,
+    Rejection,
+    Shutdown,
+    StartupFailed,
+    UtilityCall,
+    UtilityResult,
+)
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import EngineLimits
 
 logger = logging.getLogger(__name__)
 
 # While idle, wake up this often to check that the parent is still there (belt and braces next
 # to the death pipe, which covers the normal case at once).
 IDLE_POLL_MS = 2000
-
-
-# ---- messages: frontend -> engine ----------------------------------------------------------
-class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    request: EngineCoreRequest
-
-
-class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
-    request_ids: list[str]
-
-
-class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
-    call_id: int
-    method: str  # one of EngineCoreProc.UTILITIES
-
-
-class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
-    pass
-
-
-InputMessage = AddRequest | AbortRequests | UtilityCall | Shutdown
-
-
-# ---- messages: engine -> frontend ----------------------------------------------------------
-class Ready(msgspec.Struct, tag="ready"):
-    """The core is serving: the limits the frontend validates requests against, exactly as
-    the core will."""
-
-    limits: EngineLimits
-    pid: int
-
-
-class StartupFailed(msgspec.Struct, tag="startup_failed"):
-    message: str
-
-
-class CoreOutputs(msgspec.Struct, tag="outputs"):
-    outputs: EngineCoreOutputs
-    # request id -> why the core refused it (the request never ran)
-    rejected: dict[str, str] = msgspec.field(default_factory=dict)
-    # request id -> why it was lost mid-flight; only the data-parallel client sets it, for the
-    # requests of a replica that died while the others keep serving
-    lost: dict[str, str] = msgspec.field(default_factory=dict)
-    # the replica these came from (data parallelism; set by the frontend's client)
-    engine_index: int = 0
-
-
-class UtilityResult(msgspec.Struct, tag="utility_result"):
-    call_id: int
-    result: Any = None
-    error: str | None = None
-
-
-OutputMessage = Ready | StartupFailed | CoreOutputs | UtilityResult
 
 
 class EngineCoreProc:
@@ -106,8 +65,7 @@ class EngineCoreProc:
         self.decoder = msgspec.msgpack.Decoder(InputMessage)
         self.encoder = msgspec.msgpack.Encoder()
         self._stop = False
-        # Request objects still waiting for their first scheduling (for queue times).
-        self._rejected: dict[str, str] = {}
+        self._rejected: dict[str, Rejection] = {}  # sent with the next outputs
         self._last_stats = SchedulerStats()
         self._baseline = SchedulerStats()  # cumulative counters at the last reset_stats
         self.trace = step_trace.StepTrace.from_env()  # SHOAL_STEP_TRACE: per-step timings
@@ -186,9 +144,15 @@ class EngineCoreProc:
     def _add(self, req: EngineCoreRequest) -> None:
         try:
             self.core.add_request(req)
-        except Exception as e:  # a bad request that slipped past the frontend: reject only it
+        except ValueError as e:  # a bad request that slipped past the frontend: reject only it
             logger.warning("rejected request %s: %s", req.request_id, e)
-            self._rejected[req.request_id] = str(e) or type(e).__name__
+            self._rejected[req.request_id] = Rejection(str(e) or type(e).__name__)
+            return
+        except Exception as e:  # the core's own failure: still only this request's
+            logger.exception("adding request %s failed", req.request_id)
+            self._rejected[req.request_id] = Rejection(
+                f"the engine failed to add this request: {type(e).__name__}: {e}",
+                ErrorCode.ENGINE_FAILED)
             return
         self._added += 1
 
@@ -239,7 +203,7 @@ class EngineCoreProc:
         copies half done that shutdown would then persist)."""
         self._stop = True
 
-    def _take_rejected(self) -> dict[str, str]:
+    def _take_rejected(self) -> dict[str, Rejection]:
         rejected, self._rejected = self._rejected, {}
         return rejected
 
@@ -278,25 +242,11 @@ class EngineCoreProc:
 
 
 def _build_core(engine_args: EngineArgs) -> Any:
-    import torch
+    """The model-loading EngineCore of a server (imported here: the frontend imports this
+    module and must not load torch)."""
+    from shoal.engine.startup import start_engine_core
 
-    from shoal.engine.core import EngineCore
-    from shoal.engine.cpu_threads import configure_cpu_threads
-    from shoal.engine.input_processor import RequestLimits
-    from shoal.loader import load_model
-
-    limits = RequestLimits.from_engine_args(engine_args)  # checked before the model loads
-    torch.manual_seed(engine_args.seed)
-    device = engine_args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    threads = configure_cpu_threads(torch.device(device).type, engine_args.cpu_threads,
-                                    serving=True)
-    if threads is not None:
-        logger.info("model threads on the CPU: %d", threads)
-    loaded = load_model(engine_args.model, tokenizer=engine_args.tokenizer,
-                        load_format=engine_args.load_format)
-    engine_args.apply_hf_overrides(loaded.hf_config)
-    config = engine_args.create_engine_config(loaded.hf_config, loaded.source, serving=True)
-    return EngineCore(config, loaded, request_limits=limits)
+    return start_engine_core(engine_args, serving=True).core
 
 
 def _drain_fd(fd: int) -> None:

@@ -30,11 +30,12 @@ from typing import Any
 import msgspec
 
 from shoal.core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from shoal.engine.core_client import EngineCoreClient, EngineDeadError
-from shoal.engine.core_proc import CoreOutputs, Ready
+from shoal.engine.core_client import EngineCoreClient
+from shoal.engine.core_messages import CoreOutputs, Ready
 from shoal.engine.cpu_threads import available_cores
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import EngineLimits
+from shoal.engine.request_errors import EngineDeadError
 from shoal.metrics.stats import CUMULATIVE_FIELDS, merge_engine_stats
 
 logger = logging.getLogger(__name__)

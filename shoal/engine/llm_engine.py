@@ -8,20 +8,11 @@ import logging
 import time
 import weakref
 
-import torch
-
 from shoal.core.types import SchedulerStats
-from shoal.engine.core import EngineCore
-from shoal.engine.cpu_threads import configure_cpu_threads
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import (
-    InputProcessor,
-    ProcessedRequest,
-    PromptType,
-    RequestLimits,
-)
+from shoal.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor
-from shoal.loader import load_model
+from shoal.engine.startup import start_engine_core
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 
@@ -38,15 +29,10 @@ class LLMEngine:
             raise ValueError("data_parallel_size > 1 runs replicas behind `shoal serve`; "
                              "offline, run one LLM per replica (got data_parallel_size="
                              f"{args.data_parallel_size})")
-        torch.manual_seed(args.seed)
-        loaded = load_model(args.model, tokenizer=args.tokenizer, load_format=args.load_format)
-        args.apply_hf_overrides(loaded.hf_config)
-        self.config = args.create_engine_config(loaded.hf_config, loaded.source)
-        if args.cpu_threads is not None:  # offline, torch's own default is every core already
-            configure_cpu_threads(self.config.device.type, args.cpu_threads, serving=False)
-        self.tokenizer = loaded.tokenizer
-        self.core = EngineCore(self.config, loaded,
-                               request_limits=RequestLimits.from_engine_args(args))
+        started = start_engine_core(args, serving=False)
+        self.config = started.config
+        self.tokenizer = started.tokenizer
+        self.core = started.core
         self.inputs = InputProcessor(self.tokenizer, self.core.limits,
                                      max_logprobs=args.max_logprobs)
         self.outputs = OutputProcessor(self.tokenizer)

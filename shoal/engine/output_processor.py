@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from shoal.core.errors import ErrorCode
 from shoal.core.types import EngineCoreOutput, Logprobs
 from shoal.engine.detokenizer import IncrementalDetokenizer
 from shoal.engine.input_processor import ProcessedRequest
@@ -82,6 +83,7 @@ class _Request:
     num_cached_tokens: int = 0
     num_generated: int = 0
     error: str | None = None
+    error_code: ErrorCode | None = None
     is_pooling: bool = False
     pooled: Any = None  # a pooling request's result (numpy float32 array)
 
@@ -254,7 +256,7 @@ class OutputProcessor:
         if o.finish_reason is not None:
             s.finish_reason, s.stop_reason = o.finish_reason, o.stop_reason
             if o.error:
-                r.error = o.error
+                r.error, r.error_code = o.error, o.error_code
             if s.detok_at_end:
                 s.detok.update(s.token_ids)
         return False
@@ -342,14 +344,15 @@ class OutputProcessor:
                 request_id=r.request_id,
                 outputs=PoolingOutput(r.pooled) if r.pooled is not None else None,
                 prompt_token_ids=r.prompt_token_ids, finished=finished,
-                num_cached_tokens=r.num_cached_tokens, error=r.error, prompt=r.prompt)
+                num_cached_tokens=r.num_cached_tokens, error=r.error, prompt=r.prompt,
+                error_code=r.error_code)
         outs = [c for c in (self._completion(s, r.kind == OutputKind.DELTA) for s in r.samples)
                 if c is not None]
         return RequestOutput(
             request_id=r.request_id, prompt=r.prompt,
             prompt_token_ids=r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs,
             outputs=outs, finished=finished, num_cached_tokens=r.num_cached_tokens,
-            metrics=r.metrics, error=r.error,
+            metrics=r.metrics, error=r.error, error_code=r.error_code,
         )
 
     @staticmethod

@@ -13,6 +13,7 @@ import dataclasses
 import time
 
 from shoal.config import CacheConfig, SchedulerConfig
+from shoal.core.errors import ErrorCode
 from shoal.core.request import Request, RequestStatus
 from shoal.core.scheduler_output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from shoal.core.types import EngineCoreOutput
@@ -70,7 +71,8 @@ class PoolingScheduler(Scheduler):
                 self._end(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(
                     request_id=req.request_id, new_token_ids=[], finish_reason="error",
-                    error="the model produced non-finite values"))
+                    error="the model produced non-finite values",
+                    error_code=ErrorCode.NON_FINITE))
                 continue
             if req.suspect:
                 self._sampled_fine(req)

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.config import CacheConfig, SchedulerConfig
+from shoal.core.errors import ErrorCode
 from shoal.core.request import Request, RequestStatus
 from shoal.core.scheduler_output import (
     PENDING_TOKEN,
@@ -27,7 +28,7 @@ from shoal.core.scheduler_output import (
     ScheduledRequest,
     SchedulerOutput,
 )
-from shoal.core.types import BAD_REQUEST_PREFIX, EngineCoreOutput, SchedulerStats
+from shoal.core.types import EngineCoreOutput, SchedulerStats
 from shoal.engine.scheduler_faults import FaultHandling
 from shoal.engine.scheduler_spec import SpecDecodeScheduling
 from shoal.engine.waiting_queue import WaitingQueue
@@ -133,7 +134,7 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         self._end(req, RequestStatus.FINISHED_ERROR)
         self._pending_outputs.append(EngineCoreOutput(
             request_id=req.request_id, new_token_ids=[], finish_reason="error",
-            error=BAD_REQUEST_PREFIX + error))
+            error=error, error_code=ErrorCode.BAD_REQUEST))
 
     def _expire_requests(self) -> None:
         """Ends requests older than request_timeout (checked a few times a second at most)."""
@@ -148,7 +149,7 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
                 request_id=req.request_id, new_token_ids=[], finish_reason="error",
                 num_cached_tokens=max(req.num_cached_tokens, 0),
                 error=f"the request timed out: it took longer than request_timeout "
-                      f"({limit:g} s)"))
+                      f"({limit:g} s)", error_code=ErrorCode.TIMED_OUT))
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -401,7 +402,8 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
                 self._end(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(EngineCoreOutput(
                     request_id=req.request_id, new_token_ids=[], finish_reason="error",
-                    error="the model produced non-finite logits"))
+                    error="the model produced non-finite logits",
+                    error_code=ErrorCode.NON_FINITE))
                 continue
             prompt_lp = result.prompt_logprobs.get(req.serial)
             if not item.sample:
@@ -453,6 +455,7 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         if status == RequestStatus.FINISHED_ERROR:
             out.finish_reason = "error"
             out.error = "the sampled token does not fit the request's grammar"
+            out.error_code = ErrorCode.OUTSIDE_GRAMMAR
             self._end(req, status)
         elif status is not None:
             out.finish_reason = "stop" if status == RequestStatus.FINISHED_STOPPED else "length"

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shoal.core.errors import ErrorCode
 from shoal.core.request import Request, RequestStatus
 from shoal.core.types import EngineCoreOutput
 from shoal.kv_cache.block_pool import KVBlock
@@ -148,7 +149,8 @@ class FaultHandling:
                 outputs.append(EngineCoreOutput(
                     req.request_id, [], finish_reason="error",
                     num_cached_tokens=max(req.num_cached_tokens, 0),
-                    error=f"the engine failed while running this request: {error}"))
+                    error=f"the engine failed while running this request: {error}",
+                    error_code=ErrorCode.ENGINE_FAILED))
             else:
                 self._requeue_suspect(req)
         return outputs, serials

@@ -9,6 +9,8 @@ import pytest
 from engine_helpers import blocks_all_free, random_prompts, tiny_llm
 
 from shoal import SamplingParams
+from shoal.core.errors import ErrorCode
+from shoal.engine.request_errors import EngineRequestError
 
 
 def test_preemption_gives_the_tokens_of_a_large_pool(tiny_llama_dir):
@@ -218,9 +220,11 @@ def test_non_finite_logits_fail_only_that_request_and_publish_nothing(tiny_llama
 
     runner.model.compute_logits = compute_logits
     prompt = random_prompts(1, seed=12, lo=30, hi=31)[0]
-    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)[0]
-    assert out.outputs[0].finish_reason == "error"
-    assert out.error and "non-finite" in out.error
+    with pytest.raises(EngineRequestError, match="non-finite") as failed:
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=5), use_tqdm=False)
+    assert failed.value.code == ErrorCode.NON_FINITE
+    (out,) = failed.value.outputs  # the batch's outputs ride on the error
+    assert out.outputs[0].finish_reason == "error" and out.error_code == ErrorCode.NON_FINITE
     assert blocks_all_free(llm)
     # Nothing it computed may be served from the prefix cache, and the engine keeps serving.
     poison["on"] = False

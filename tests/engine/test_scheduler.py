@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from shoal.config import CacheConfig, SchedulerConfig
+from shoal.core.errors import ErrorCode
 from shoal.core.request import Request, RequestStatus
 from shoal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.core.types import EngineCoreOutput
@@ -676,6 +677,7 @@ def test_requests_older_than_the_timeout_end_with_an_error() -> None:
     errors = {o.request_id: o.error for o in outs if o.finish_reason == "error"}
     assert set(errors) == {"old-running", "old-waiting"}
     assert "request_timeout (30 s)" in errors["old-running"]
+    assert {o.error_code for o in outs if o.finish_reason == "error"} == {ErrorCode.TIMED_OUT}
     assert [s.request_id for s in out.scheduled] == ["fresh"]
     runner.run_to_completion()
     assert_all_blocks_free(sched)

@@ -6,13 +6,20 @@ import asyncio
 
 import pytest
 
+from shoal.core.errors import ErrorCode
 from shoal.core.types import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from shoal.engine.async_llm import AsyncLLM, QueueFullError
 from shoal.engine.core_client import EngineDeadError
-from shoal.engine.core_proc import CoreOutputs, Ready
+from shoal.engine.core_messages import CoreOutputs, Ready, Rejection
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import EngineLimits
 from shoal.engine.output_processor import OutputKind
+from shoal.engine.request_errors import (
+    BadRequestError,
+    EngineRequestError,
+    ReplicaLostError,
+    RequestTimeoutError,
+)
 from shoal.metrics.stats import IterationStats
 from shoal.sampling_params import SamplingParams
 
@@ -166,13 +173,45 @@ async def test_core_rejection_fails_only_that_request():
     bad = engine.add_request("bad", [1], sp(n=2))
     good = engine.add_request("good", [1], sp(max_tokens=1))
     client.push(EngineCoreOutput("good", [3], finish_reason="length"),
-                rejected={"1_bad": "no room"})
+                rejected={"1_bad": Rejection("no room")})
     with pytest.raises(ValueError, match="no room"):
         async for _ in bad:
             pass
     assert "0_bad" in client.aborted
     outs = [o async for o in good]
     assert outs[-1].finished and outs[-1].outputs[0].token_ids == [3]
+    await engine.shutdown()
+
+
+@pytest.mark.parametrize("code, exc", [
+    (ErrorCode.BAD_REQUEST, BadRequestError), (ErrorCode.TIMED_OUT, RequestTimeoutError),
+    (ErrorCode.NON_FINITE, EngineRequestError), (None, EngineRequestError),
+], ids=["bad-request", "timed-out", "non-finite", "no-code"])
+async def test_an_error_output_raises_the_exception_of_its_code(code, exc):
+    engine, client, _ = await make_engine()
+    stream = engine.add_request("e", [1], sp(max_tokens=5))
+    client.push(EngineCoreOutput("e", [], finish_reason="error", error="it went wrong",
+                                 error_code=code))
+    with pytest.raises(exc, match="it went wrong") as raised:
+        async for _ in stream:
+            pass
+    assert raised.value.code == (code or ErrorCode.ENGINE_FAILED)
+    await engine.shutdown()
+
+
+async def test_rejections_and_lost_requests_raise_by_their_code():
+    engine, client, _ = await make_engine()
+    broken = engine.add_request("broken", [1], sp())
+    lost = engine.add_request("lost", [1], sp())
+    client.push(rejected={"broken": Rejection("KeyError: 3", ErrorCode.ENGINE_FAILED)},
+                lost={"lost": "engine replica 1 died"})
+    with pytest.raises(EngineRequestError, match="KeyError"):
+        async for _ in broken:
+            pass
+    with pytest.raises(ReplicaLostError, match="replica 1 died") as raised:
+        async for _ in lost:
+            pass
+    assert isinstance(raised.value, EngineDeadError) and engine.is_healthy
     await engine.shutdown()
 
 

@@ -11,22 +11,24 @@ import msgspec
 import pytest
 import zmq
 
+from shoal.core.errors import ErrorCode
 from shoal.core.types import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     SchedulerStats,
 )
-from shoal.engine.core_proc import (
+from shoal.engine.core_messages import (
     AbortRequests,
     AddRequest,
     CoreOutputs,
-    EngineCoreProc,
     OutputMessage,
+    Rejection,
     Shutdown,
     UtilityCall,
     UtilityResult,
 )
+from shoal.engine.core_proc import EngineCoreProc
 from shoal.sampling_params import SamplingParams
 
 
@@ -42,6 +44,8 @@ class FakeCore:
     def add_request(self, req: EngineCoreRequest) -> None:
         if req.prompt_token_ids[0] < 0:
             raise ValueError("prompt_token_ids must be >= 0")
+        if req.prompt_token_ids[0] == 0:  # a bug of the core's, not the client's fault
+            raise KeyError("no slot")
         self.left[req.request_id] = req.sampling_params.max_tokens
 
     def abort_requests(self, ids: list[str]) -> None:
@@ -141,13 +145,17 @@ def test_steps_until_done_with_queue_time_once(loop):
 def test_bad_request_is_rejected_alone(loop):
     send, recv, core, *_ = loop
     send(_req("bad", first_token=-5))
+    send(_req("broken", first_token=0))
     send(_req("good"))
     rejected, finished = {}, False
     while not finished:
         msg = recv()
         rejected.update(msg.rejected)
         finished = any(o.request_id == "good" and o.finish_reason for o in msg.outputs.outputs)
-    assert rejected == {"bad": "prompt_token_ids must be >= 0"}
+    assert rejected == {
+        "bad": Rejection("prompt_token_ids must be >= 0", ErrorCode.BAD_REQUEST),
+        "broken": Rejection("the engine failed to add this request: KeyError: 'no slot'",
+                            ErrorCode.ENGINE_FAILED)}
     # The loop is still alive and serving.
     send(UtilityCall(1, "ping"))
     assert recv() == UtilityResult(1, "pong")

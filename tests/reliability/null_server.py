@@ -1,7 +1,8 @@
 """`shoal serve`'s real frontend over the model-free NullEngineCore, for load, overload and
 disconnect tests (and benchmarks/reliability_cpu.py). Run as a script:
 
-    python null_server.py PORT STEP_MS MAX_NUM_SEQS MAX_WAITING_REQUESTS MAX_MODEL_LEN
+    python null_server.py PORT STEP_MS MAX_NUM_SEQS MAX_WAITING_REQUESTS MAX_MODEL_LEN \
+        [REQUEST_TIMEOUT]
 
 or start it from a test with NullServer(...)."""
 
@@ -29,14 +30,15 @@ OVERLOAD_SERVER = {"step_ms": 50.0, "max_num_seqs": OVERLOAD_MAX_SEQS,
 
 
 def main(port: int, step_ms: float, max_num_seqs: int, max_waiting: int,
-         max_model_len: int) -> int:
+         max_model_len: int, request_timeout: float | None = None) -> int:
     from shoal.benchmarks.null_engine import build_null_core
     from shoal.engine.engine_args import EngineArgs
     from shoal.entrypoints.openai.api_server import serve
     from shoal.entrypoints.openai.server_settings import ServerSettings
 
     args = EngineArgs(max_num_seqs=max_num_seqs, max_waiting_requests=max_waiting,
-                      max_model_len=max_model_len, device="cpu")
+                      max_model_len=max_model_len, request_timeout=request_timeout,
+                      device="cpu")
     build = functools.partial(build_null_core, step_time_s=step_ms / 1000, vocab_size=49152)
     settings = ServerSettings(host="127.0.0.1", port=port, disable_uvicorn_access_log=True)
     return asyncio.run(serve(args, settings, build_core=build))
@@ -45,14 +47,15 @@ def main(port: int, step_ms: float, max_num_seqs: int, max_waiting: int,
 class NullServer:
     def __init__(self, step_ms: float = 5.0, max_num_seqs: int = 256,
                  max_waiting: int = 4096, max_model_len: int = 8192,
-                 startup_timeout: float = 120.0):
+                 startup_timeout: float = 120.0, request_timeout: float | None = None):
         from entrypoints.conftest import free_port
 
         self.port = free_port()
         self.log_path = Path(tempfile.mkstemp(prefix="shoal-null-", suffix=".log")[1])
         self._log = self.log_path.open("wb")
         cmd = [sys.executable, str(Path(__file__)), str(self.port), str(step_ms),
-               str(max_num_seqs), str(max_waiting), str(max_model_len)]
+               str(max_num_seqs), str(max_waiting), str(max_model_len),
+               *([str(request_timeout)] if request_timeout is not None else [])]
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + startup_timeout
@@ -98,4 +101,5 @@ def burst(base_url: str, n: int, max_tokens: int = 20) -> dict[int, list[httpx.R
 
 if __name__ == "__main__":
     raise SystemExit(main(int(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3]),
-                          int(sys.argv[4]), int(sys.argv[5])))
+                          int(sys.argv[4]), int(sys.argv[5]),
+                          float(sys.argv[6]) if len(sys.argv) > 6 else None))

@@ -17,7 +17,8 @@ import zmq
 from fake_cores import build_signalled_core
 
 from shoal.core.types import EngineCoreRequest
-from shoal.engine.core_proc import AddRequest, OutputMessage, Ready, run_engine_core
+from shoal.engine.core_messages import AddRequest, OutputMessage, Ready
+from shoal.engine.core_proc import run_engine_core
 from shoal.engine.engine_args import EngineArgs
 from shoal.sampling_params import SamplingParams
 

@@ -12,10 +12,12 @@ import pytest
 from engine_helpers import blocks_all_free, random_prompts, tiny_llm
 
 from shoal import SamplingParams
+from shoal.core.errors import ErrorCode
 from shoal.core.types import EngineCoreRequest
 from shoal.engine.chat_template import ChatTemplateError, render_chat_template
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import EngineLimits, InputProcessor, RequestLimits
+from shoal.engine.request_errors import RequestTimeoutError
 
 LIMITS = EngineLimits(vocab_size=49152, max_model_len=2048, num_kv_blocks=1000, block_size=16,
                       max_num_seqs=64)
@@ -143,5 +145,25 @@ def test_a_request_past_request_timeout_ends_with_an_error(tiny_llama_dir):
             if o.finish_reason is not None:
                 ended[o.request_id] = o
     assert ended["late"].finish_reason == "error" and "timed out" in ended["late"].error
+    assert ended["late"].error_code == ErrorCode.TIMED_OUT
     assert ended["fresh"].finish_reason == "length" and core.scheduler.request_timeout == 60
     assert blocks_all_free(llm)
+
+
+def test_the_offline_llm_raises_a_timeout_error_past_request_timeout(tiny_llama_dir):
+    """A TimeoutError (not a ValueError: the request was fine, the engine too slow for it),
+    raised once the batch has ended, with every output on it; the engine keeps serving."""
+    llm = tiny_llm(tiny_llama_dir, request_timeout=0.001)  # 200 steps never fit in 1 ms
+    prompts = random_prompts(2, seed=32)
+    with pytest.raises(TimeoutError, match=r"request_timeout \(0.001 s\)") as raised:
+        llm.generate(prompts, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+    assert isinstance(raised.value, RequestTimeoutError)
+    assert raised.value.code == ErrorCode.TIMED_OUT
+    outs = raised.value.outputs
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
+    assert all(o.error_code == ErrorCode.TIMED_OUT for o in outs)
+    assert blocks_all_free(llm)
+    llm.llm_engine.core.scheduler.request_timeout = None
+    out = llm.generate(prompts[0], SamplingParams(max_tokens=3, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.error is None and len(out.outputs[0].token_ids) == 3

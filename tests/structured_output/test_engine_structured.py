@@ -10,6 +10,8 @@ import threading
 import pytest
 
 from shoal import LLM, SamplingParams
+from shoal.core.errors import ErrorCode
+from shoal.engine.request_errors import BadRequestError
 from shoal.spec_decode.host_drafter import HostDrafter
 from shoal.structured_output.params import StructuredOutputsParams
 
@@ -97,6 +99,26 @@ def test_bad_constraints_are_value_errors_offline(llm, so, match):
     with pytest.raises(ValueError, match=match):
         llm.generate(["h"], _params(so), use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_grammar_failing_in_the_engine_is_a_bad_request_offline(llm):
+    """Past the offline validation (as a server request is), the engine's compilation fails
+    the request with ErrorCode.BAD_REQUEST, and the batch raises a ValueError for it, with
+    the free request's answer on the error."""
+    eng = llm.llm_engine
+    bad = eng.inputs.process_request("bad", "h", _params(StructuredOutputsParams(
+        regex="(?=a)b")))
+    free = eng.inputs.process_request("free", "h", SamplingParams(max_tokens=3,
+                                                                  ignore_eos=True))
+    for r in (bad, free):
+        eng.submit(r)
+    with pytest.raises(ValueError, match="Lookahead") as raised:
+        llm._run(["bad", "free"], use_tqdm=False)
+    assert isinstance(raised.value, BadRequestError)
+    assert raised.value.code == ErrorCode.BAD_REQUEST
+    failed, answered = raised.value.outputs
+    assert failed.error_code == ErrorCode.BAD_REQUEST and answered.error is None
+    assert len(answered.outputs[0].token_ids) == 3 and not eng.has_unfinished_requests()
 
 
 def test_a_request_waits_only_for_its_own_grammar(llm):

@@ -5,6 +5,7 @@ with an error on a token the grammar refuses."""
 from __future__ import annotations
 
 from shoal.config import CacheConfig, SchedulerConfig
+from shoal.core.errors import ErrorCode
 from shoal.core.request import Request
 from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.engine.scheduler import Scheduler
@@ -87,16 +88,16 @@ def test_a_refused_token_is_an_error_not_a_silent_answer():
     step(sched)
     _, outs = step(sched, token=9)
     assert outs[0].finish_reason == "error" and "grammar" in outs[0].error
+    assert outs[0].error_code == ErrorCode.OUTSIDE_GRAMMAR
 
 
 def test_fail_request_reports_a_bad_request():
-    from shoal.core.types import BAD_REQUEST_PREFIX
-
     sched = make_scheduler()
     req = make_req("r", prompt_of(5))
     req.structured = FakeGrammar(1, ready=False)
     sched.add_request(req)
     sched.fail_request(req, "structured_outputs.regex is invalid")
     (out,) = sched.take_pending_outputs()
-    assert out.error == BAD_REQUEST_PREFIX + "structured_outputs.regex is invalid"
+    assert out.error == "structured_outputs.regex is invalid"
+    assert out.error_code == ErrorCode.BAD_REQUEST
     assert not sched.has_unfinished_requests()

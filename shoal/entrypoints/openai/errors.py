@@ -1,4 +1,7 @@
-"""OpenAI error bodies and the exception -> status mapping: user input never yields a 500."""
+"""OpenAI error bodies and the exception -> status mapping: user input never yields a 500.
+
+A request the engine ended with an error arrives as a RequestError carrying its ErrorCode;
+its status comes from HTTP_STATUS, by code (the message text is never read)."""
 
 from __future__ import annotations
 
@@ -13,8 +16,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shoal.engine.async_llm import EngineRequestError, QueueFullError
-from shoal.engine.core_client import EngineDeadError
+from shoal.core.errors import ErrorCode
+from shoal.engine.async_llm import QueueFullError
+from shoal.engine.request_errors import EngineDeadError, RequestError
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +29,18 @@ ERROR_TYPES = {
     405: "MethodNotAllowedError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+# The status of a request the engine ended with an error, by why.
+HTTP_STATUS: dict[ErrorCode, int] = {
+    ErrorCode.BAD_REQUEST: 400,
+    ErrorCode.TIMED_OUT: 504,  # the server gave up waiting for its own engine
+    ErrorCode.NON_FINITE: 500,
+    ErrorCode.OUTSIDE_GRAMMAR: 500,
+    ErrorCode.ENGINE_FAILED: 500,
+    # As for an engine that died: the service failed, not the request (a retry goes to a
+    # live replica).
+    ErrorCode.REPLICA_LOST: 503,
 }
 # "temperature must be ...", "prompt is 3000 tokens ...": the field a ValueError names.
 _PARAM_RE = re.compile(r"^([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)?(?: strings| token ids)? "
@@ -59,20 +75,35 @@ def error_from_exception(exc: BaseException) -> OpenAIError:
     """The OpenAI error for an exception raised while serving a request."""
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, RequestError):  # before ValueError and EngineDeadError: by its code
+        return _from_request_error(exc)
     if isinstance(exc, QueueFullError):
         return OpenAIError(503, str(exc), headers={"Retry-After": str(exc.retry_after)})
     if isinstance(exc, ServerShuttingDown):
         return OpenAIError(503, str(exc))
     if isinstance(exc, EngineDeadError):
         return OpenAIError(503, f"the engine is not running: {exc}")
-    if isinstance(exc, EngineRequestError):
-        return OpenAIError(500, f"the engine failed this request: {exc}")
     if isinstance(exc, ValueError):
         message = str(exc) or "invalid request"
-        m = _PARAM_RE.match(message)
-        return OpenAIError(400, message, m.group(1) if m else None)
+        return OpenAIError(400, message, _param_of(message))
     logger.error("internal error", exc_info=exc)
     return OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+def _from_request_error(exc: RequestError) -> OpenAIError:
+    status = HTTP_STATUS[exc.code]
+    message = str(exc)
+    if status == 400:
+        return OpenAIError(400, message, _param_of(message))
+    if status == 500:
+        message = f"the engine failed this request: {message}"
+    return OpenAIError(status, message)
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a ValueError of ours names, for the body's `param`."""
+    m = _PARAM_RE.match(message)
+    return m.group(1) if m else None
 
 
 # pydantic names the union member that failed in the location ("temperature", "float").
@@ -127,7 +158,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     # Expected errors go through Starlette's ExceptionMiddleware (no traceback in the log);
     # anything else reaches the Exception handler, which logs it as the bug it is.
-    for cls in (OpenAIError, ValueError, QueueFullError, EngineDeadError, EngineRequestError,
+    for cls in (OpenAIError, ValueError, QueueFullError, EngineDeadError, RequestError,
                 ServerShuttingDown):
         app.add_exception_handler(cls, _known)
     app.add_exception_handler(Exception, _known)

@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from shoal.engine.request_errors import RequestError, request_error
 from shoal.entrypoints.cli_args import add_engine_flags, engine_args_from
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from shoal.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -128,6 +129,8 @@ def run(lines: Iterable[str], llm: Any, model_name: str) -> list[dict[str, Any]]
     params = [ln.params for ln in ok for _ in ln.prompts]
     try:
         outs = iter(llm.generate(prompts, params, use_tqdm=False) if prompts else [])
+    except RequestError as e:  # the batch ran; the engine failed some lines (see _result)
+        outs = iter(e.outputs or [])
     except ValueError as e:  # a line the engine refused: fail it alone, run the rest
         return _one_by_one(parsed, llm, model_name, e)
     for ln in ok:
@@ -148,7 +151,7 @@ def _one_by_one(parsed: list[_Line], llm: Any, model_name: str,
             ln.outputs = llm.generate([{"prompt_token_ids": p.prompt_token_ids,
                                         "prompt": p.prompt} for p in ln.prompts],
                                       [ln.params] * len(ln.prompts), use_tqdm=False)
-        except ValueError as e:
+        except (ValueError, RequestError) as e:
             err = error_from_exception(e)
             ln.status, ln.error = err.status, error_body(err.status, err.message, err.param)
     return [_result(ln, completion, chat, model_name) for ln in parsed]
@@ -157,6 +160,10 @@ def _one_by_one(parsed: list[_Line], llm: Any, model_name: str,
 def _result(ln: _Line, completion: OpenAIServingCompletion, chat: OpenAIServingChat,
             model_name: str) -> dict[str, Any]:
     rid = f"batch_req_{uuid.uuid4().hex}"
+    failed = next((o for o in ln.outputs if o.error), None)
+    if failed is not None and ln.error is None:  # what the server answers for it
+        err = error_from_exception(request_error(failed.error_code, failed.error))
+        ln.status, ln.error = err.status, error_body(err.status, err.message, err.param)
     if ln.error is not None:
         body = ln.error
     elif isinstance(ln.request, CompletionRequest):

@@ -45,7 +45,7 @@ from shoal.entrypoints.openai.streaming import (
     sse,
     wait_grammar_checked,
 )
-from shoal.entrypoints.openai.tool_choice import ToolPlan, plan_tools
+from shoal.entrypoints.openai.tool_choice import ToolPlan, ToolsError, plan_tools
 from shoal.outputs import CompletionOutput, RequestOutput
 from shoal.structured_output.reasoning_parsers import ReasoningParser, get_reasoning_parser
 
@@ -146,9 +146,8 @@ class OpenAIServingChat(ServingBase):
             plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
                               self.settings.tool_call_parser,
                               self.settings.enable_auto_tool_choice)
-        except ValueError as e:
-            raise OpenAIError(400, str(e), "tool_choice" if "tool_choice" in str(e)
-                              else "tools") from None
+        except ToolsError as e:
+            raise OpenAIError(400, str(e), e.param) from None
         if plan.constraint is not None and req.constraint() is not None:
             raise OpenAIError(400, f"tool_choice {plan.mode!r} constrains the output already; "
                                    "it cannot be combined with response_format or "

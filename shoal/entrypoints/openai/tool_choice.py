@@ -21,6 +21,14 @@ from shoal.structured_output.tool_parsers import ToolCall, ToolParser, get_tool_
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
 
 
+class ToolsError(ValueError):
+    """tools or tool_choice is wrong (a 400); `param` names which."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class ToolPlan:
     mode: str  # none | auto | required | named
@@ -51,13 +59,15 @@ def _functions(tools: list[Any]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise ValueError(f"tools[{i}] must be an object of type 'function'")
+            raise ToolsError(f"tools[{i}] must be an object of type 'function'", "tools")
         fn = tool.get("function")
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ValueError(f"tools[{i}].function must be an object with a non-empty 'name'")
+            raise ToolsError(f"tools[{i}].function must be an object with a non-empty 'name'",
+                             "tools")
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
-            raise ValueError(f"tools[{i}].function.parameters must be a JSON schema object")
+            raise ToolsError(f"tools[{i}].function.parameters must be a JSON schema object",
+                             "tools")
         out[fn["name"]] = params or _EMPTY_PARAMS
     return out
 
@@ -84,7 +94,7 @@ def required_schema(functions: dict[str, dict[str, Any]], parallel: bool | None)
 
 def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: bool | None,
                auto_parser: str | None, enable_auto: bool) -> ToolPlan:
-    """What the request's tools ask for; ValueError (400) when they are inconsistent."""
+    """What the request's tools ask for; ToolsError (400) when they are inconsistent."""
     if tool_choice is None:
         tool_choice = "auto" if tools else "none"
     if tool_choice == "none":
@@ -92,12 +102,13 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
             _functions(tools)
         return ToolPlan("none")
     if not tools:
-        raise ValueError("tool_choice needs tools: give the functions the model may call")
+        raise ToolsError("tool_choice needs tools: give the functions the model may call",
+                         "tool_choice")
     functions = _functions(tools)
     if tool_choice == "auto":
         if not enable_auto or auto_parser is None:
-            raise ValueError('tool_choice "auto" requires --enable-auto-tool-choice and '
-                             "--tool-call-parser to be set")
+            raise ToolsError('tool_choice "auto" requires --enable-auto-tool-choice and '
+                             "--tool-call-parser to be set", "tool_choice")
         return ToolPlan("auto", parser=get_tool_parser(auto_parser))
     if tool_choice == "required":
         return ToolPlan("required", StructuredOutputsParams(
@@ -106,11 +117,11 @@ def plan_tools(tools: list[Any] | None, tool_choice: Any, parallel_tool_calls: b
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
-            raise ValueError('tool_choice must be "none", "auto", "required" or '
-                             '{"type": "function", "function": {"name": ...}}')
+            raise ToolsError('tool_choice must be "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": ...}}', "tool_choice")
         if name not in functions:
-            raise ValueError(f"tool_choice names the function {name!r}, which is not in tools "
-                             f"(tools: {', '.join(functions)})")
+            raise ToolsError(f"tool_choice names the function {name!r}, which is not in tools "
+                             f"(tools: {', '.join(functions)})", "tool_choice")
         return ToolPlan("named", StructuredOutputsParams(json=functions[name]), name=name)
-    raise ValueError(f'tool_choice must be "none", "auto", "required" or a named function '
-                     f"(got {tool_choice!r})")
+    raise ToolsError(f'tool_choice must be "none", "auto", "required" or a named function '
+                     f"(got {tool_choice!r})", "tool_choice")

@@ -1,0 +1,57 @@
+"""The engine's start-up sequence, written once for the server's engine process
+(core_proc._build_core) and the offline LLM (llm_engine.LLMEngine): check the request limits,
+seed, give the model its CPU threads, load the model, apply the config overrides, build the
+engine config and the EngineCore.
+
+What differs between the two is one parameter, `serving`:
+- the server's engine leaves a core to the frontend process (its CPU threads are always
+  chosen, see cpu_threads.py) and takes short CPU steps, so first tokens come soon
+  (cpu_defaults.py);
+- the offline engine keeps torch's own thread count (every core) unless `cpu_threads` is
+  given, and takes large steps."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.config import EngineConfig
+from shoal.config.engine import default_device
+from shoal.engine.core import EngineCore
+from shoal.engine.cpu_threads import configure_cpu_threads
+from shoal.engine.engine_args import EngineArgs
+from shoal.engine.input_processor import RequestLimits
+from shoal.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StartedEngine:
+    """What start-up built: the core, its config, and the model's tokenizer (None when the
+    model has none)."""
+
+    core: EngineCore
+    config: EngineConfig
+    tokenizer: Any
+
+
+def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
+    """Builds the EngineCore for `args`; `serving`: for the server's engine process (see the
+    module's docstring)."""
+    limits = RequestLimits.from_engine_args(args)  # checked before the model loads
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device) if args.device else default_device()
+    # Before the engine config: on the CPU a serving step's token budget follows the threads.
+    if serving or args.cpu_threads is not None:
+        threads = configure_cpu_threads(device.type, args.cpu_threads, serving=serving)
+        if threads is not None:
+            logger.info("model threads on the CPU: %d", threads)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, load_format=args.load_format)
+    args.apply_hf_overrides(loaded.hf_config)
+    config = args.create_engine_config(loaded.hf_config, loaded.source, serving=serving)
+    core = EngineCore(config, loaded, request_limits=limits)
+    return StartedEngine(core, config, loaded.tokenizer)
