@@ -29,6 +29,7 @@ class ResolvedArgs:
     device_type: str  # "cpu" or "cuda"
     max_model_len: int
     hf_config: Any
+    serving: bool = False  # an engine process of `shoal serve`; False: the offline LLM
 
     @property
     def tp(self) -> int:
@@ -239,6 +240,12 @@ ROWS: tuple[Incompatibility, ...] = (
         lambda s: s.pp > 1 and s.num_layers < s.pp,
         "pipeline_parallel_size {s.pp} needs at least as many decoder layers (the model has "
         "{s.num_layers})"),
+    # ---- data parallelism -----------------------------------------------------------------
+    Incompatibility(
+        "data_parallel_size > 1", "the offline LLM (without enable_expert_parallel)",
+        lambda s: not s.serving and s.dp > 1 and s.args.enable_expert_parallel is not True,
+        "data_parallel_size > 1 runs replicas behind `shoal serve`; offline, run one LLM per "
+        "replica (got data_parallel_size={s.dp})"),
     # ---- DP+EP: one rank per replica, in the engine process, in lockstep --------------------
     Incompatibility(
         _DP_EP, "tensor_parallel_size or pipeline_parallel_size > 1",

@@ -196,7 +196,8 @@ class EngineArgs:
         device = torch.device(self.device) if self.device else default_device()
         self._check_values()
         max_len = self._max_model_len(hf_config, runner, model_path)
-        check_compatibility(ResolvedArgs(self, runner, device.type, max_len, hf_config))
+        check_compatibility(ResolvedArgs(self, runner, device.type, max_len, hf_config,
+                                         serving))
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         self._check_host_fits(device, world)
         if self.pipeline_parallel_size > 1:  # a bad SHOAL_PP_LAYER_PARTITION fails here

@@ -53,6 +53,8 @@ CASES = [
      "kv_offloading_size does not support pipeline_parallel_size > 1 yet"),
     (dict(kv_offloading_size=1.0, data_parallel_size=2), {}, "generate", "cpu", 64,
      "kv_offloading_size does not support data_parallel_size > 1 yet"),
+    (dict(data_parallel_size=2), {}, "generate", "cpu", 64,
+     "data_parallel_size > 1 runs replicas behind `shoal serve`"),
     (dict(kv_offloading_size=1.0, enable_prefix_caching=False), {}, "generate", "cpu", 64,
      "kv_offloading_size needs enable_prefix_caching"),
     (dict(kv_offloading_disk_path="/tmp/x"), {}, "generate", "cpu", 64,
@@ -112,6 +114,10 @@ def test_plain_configurations_fall_on_no_row(runner, device):
                         kv_offloading_disk_size=1.0), _DP_EP):
         if runner == "generate":
             assert violations(_resolved(kwargs, {}, runner, device, 64)) == [], kwargs
+    # a replica of `shoal serve --data-parallel-size 2`
+    served = ResolvedArgs(EngineArgs(data_parallel_size=2), runner, device, 64, _hf(),
+                          serving=True)
+    assert violations(served) == []
 
 
 def test_create_engine_config_names_every_row_it_falls_on():
