@@ -9,7 +9,8 @@ sources, torch and flags exists (the build folder is named by their hash, so a s
 never loaded); otherwise callers keep their torch paths and one log line says why.
 
 SHOAL_EXTENSIONS_DIR moves the build folder (default: csrc/build beside the sources,
-git-ignored). Each family of kernels has its own off switch for A/B runs (see its module)."""
+git-ignored). Each family of kernels has its own off switch for A/B runs (see its module); the
+variables are listed in shoal/envs.py."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from shoal import envs
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ DEFAULT_ROOT = CSRC / "build"
 
 
 def build_dir() -> Path:
-    root = os.environ.get("SHOAL_EXTENSIONS_DIR")
+    root = envs.SHOAL_EXTENSIONS_DIR.get()
     return (Path(root) if root else DEFAULT_ROOT) / f"{NAME}-{_fingerprint()}"
 
 
@@ -114,15 +117,13 @@ def available() -> bool:
     return unavailable_reason() is None
 
 
-LAYER_OPS_SWITCH = "SHOAL_CPU_LAYER_KERNELS"
-
-
 @functools.cache
 def layer_ops_enabled() -> bool:
     """Whether the layer ops of layer_ops_cpu.cpp serve (norms, SiLU-and-mul, rotary, the KV
     cache write): built and loaded, and not switched off with SHOAL_CPU_LAYER_KERNELS=0."""
-    if os.environ.get(LAYER_OPS_SWITCH) == "0":
-        logger.info("C++ CPU layer ops off (%s=0): the torch paths serve", LAYER_OPS_SWITCH)
+    if not envs.SHOAL_CPU_LAYER_KERNELS.get():
+        logger.info("C++ CPU layer ops off (%s=0): the torch paths serve",
+                    envs.SHOAL_CPU_LAYER_KERNELS.name)
         return False
     return available()
 

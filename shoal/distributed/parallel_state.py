@@ -170,18 +170,16 @@ def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, in
     return start, start + sizes[pp_rank]
 
 
-PP_LAYER_PARTITION_ENV = "SHOAL_PP_LAYER_PARTITION"
-
-
 def pp_layer_partition(num_layers: int, pp_size: int) -> list[int] | None:
     """The decoder layers per stage that SHOAL_PP_LAYER_PARTITION sets (vLLM's
     VLLM_PP_LAYER_PARTITION), e.g. "13,17": stage 0 also embeds, samples and runs the engine,
     so giving it fewer layers balances the stages. None when unset or with one stage (an even
     split, get_pp_indices). A bad value is a ValueError naming the variable and the rule."""
-    import os  # here: the rest of this module is about process groups, not the environment
+    from shoal import envs
 
-    value = os.environ.get(PP_LAYER_PARTITION_ENV, "").strip()
-    if not value or pp_size == 1:
+    var = envs.SHOAL_PP_LAYER_PARTITION
+    value = var.get()
+    if value is None or pp_size == 1:
         return None
     try:
         sizes = [int(part) for part in value.split(",")]
@@ -189,7 +187,7 @@ def pp_layer_partition(num_layers: int, pp_size: int) -> list[int] | None:
         sizes = []
     if len(sizes) != pp_size or min(sizes) < 1 or sum(sizes) != num_layers:
         raise ValueError(
-            f"{PP_LAYER_PARTITION_ENV}={value!r} is invalid: it must be {pp_size} "
+            f"{var.name}={value!r} is invalid: it must be {pp_size} "
             f"comma-separated integers, one layer count per pipeline stage, each >= 1, that "
             f"sum to the model's {num_layers} decoder layers (num_hidden_layers)")
     return sizes

@@ -201,7 +201,7 @@ class AsyncLLM:
         limit = self.max_waiting_requests
         if limit is None:
             return
-        max_seqs = self.limits.max_num_seqs
+        max_seqs = self.client.max_num_seqs  # the live replicas' (data parallelism)
         if n > max_seqs + limit:  # could never be admitted: retrying will not help
             raise ValueError(f"n ({n}) is larger than this server can ever hold "
                              f"(max_num_seqs + max_waiting_requests = {max_seqs + limit})")

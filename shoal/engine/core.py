@@ -74,9 +74,13 @@ class EngineCore:
         # joined before the model is built; None otherwise.
         self.dp_lockstep = join_dp_lockstep(config)
         self.runner: Executor = build_model_executor(config, loaded)
-        num_blocks = self.runner.initialize_kv_cache()
-        self.scheduler = (self._pooling_scheduler(request_limits) if pooling else
-                          self._scheduler(num_blocks, loaded, request_limits))
+        try:
+            num_blocks = self.runner.initialize_kv_cache()
+            self.scheduler = (self._pooling_scheduler(request_limits) if pooling else
+                              self._scheduler(num_blocks, loaded, request_limits))
+        except BaseException:  # worker ranks and process groups do not outlive a failed start
+            self.runner.shutdown()
+            raise
         spec = config.speculative_config
         # Pooling requests take one step each.
         self.async_scheduling = config.async_scheduling and not pooling
@@ -203,14 +207,16 @@ class EngineCore:
         """Between steps, before the process exits: finishes the steps in flight (their KV
         copies are then done and reported to the scheduler) and writes the CPU KV tier down to
         the lower tiers, so a restart finds those blocks."""
-        while self.queue:
-            self._finish_oldest()
-        self.structured.shutdown()
-        if self.kv_offload is not None:
-            self.kv_offload.shutdown()
-        self.runner.shutdown()
-        if self.dp_lockstep is not None:
-            self.dp_lockstep.shutdown()
+        try:
+            while self.queue:
+                self._finish_oldest()
+            self.structured.shutdown()
+            if self.kv_offload is not None:
+                self.kv_offload.shutdown()
+        finally:  # whatever failed above, the ranks stop and leave their process group
+            self.runner.shutdown()
+            if self.dp_lockstep is not None:
+                self.dp_lockstep.shutdown()
 
     # ---- the loop body ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:

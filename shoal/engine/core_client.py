@@ -175,6 +175,16 @@ class EngineCoreClient:
     def is_alive(self) -> bool:
         return not self.dead and self.proc.is_alive()
 
+    @property
+    def max_num_seqs(self) -> int:
+        """The sequences this engine batches (its ready message's max_num_seqs); 0 before it
+        is ready and once it has died. The frontend's queue limit is this plus
+        max_waiting_requests."""
+        ready = self._ready
+        if self.dead or not ready.done() or ready.cancelled() or ready.exception() is not None:
+            return 0
+        return ready.result().limits.max_num_seqs
+
     def _enqueue(self, msg: Any) -> None:
         if self.dead:
             raise EngineDeadError("the engine process is not running")

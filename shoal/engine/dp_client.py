@@ -164,6 +164,13 @@ class DataParallelCoreClient:
         alive = [c.is_alive for c in self.clients]
         return all(alive) if self.lockstep else any(alive)
 
+    @property
+    def max_num_seqs(self) -> int:
+        """The sequences the replicas still running batch together: a dead replica's share
+        leaves the frontend's queue limit (max_num_seqs + max_waiting_requests) with it,
+        while the others keep serving (wait_ready's merged limits count every replica)."""
+        return sum(self.clients[i].max_num_seqs for i in self._live_ranks())
+
     async def shutdown(self, timeout: float = 5.0) -> None:
         for t in self._tasks:
             t.cancel()

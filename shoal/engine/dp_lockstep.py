@@ -19,7 +19,7 @@ returns once every replica is idle.
 The process group: world = data_parallel_size, one rank per engine core, joined over TCP at
 127.0.0.1:data_parallel_master_port (chosen by the parent), on the device's backend (NCCL on
 GPUs, gloo on the CPU): the EP group. The coordination group is gloo with a timeout of
-SYNC_TIMEOUT_S.
+SHOAL_DP_SYNC_TIMEOUT_S (shoal/envs.py).
 
 Faults: a replica that dies breaks every collective. A gloo peer's death fails the others'
 next collective at once (connection closed); a replica that hangs fails them after the
@@ -37,14 +37,13 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
+from shoal import envs
+
 if TYPE_CHECKING:
     from shoal.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
-# Longest a replica waits for the others at the start of a step. Replicas arrive there within
-# the non-collective tail of a step of each other (sampling, output handling): seconds at most.
-SYNC_TIMEOUT_S = float(os.environ.get("SHOAL_DP_SYNC_TIMEOUT_S", "30"))
 IDLE_SYNC_MS = 10  # heartbeat of an idle serving engine core
 
 
@@ -130,8 +129,10 @@ def join_dp_lockstep(config: EngineConfig) -> DPLockstep | None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             init_method=f"tcp://127.0.0.1:{pc.data_parallel_master_port}",
                             rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
-    coordination = dist.new_group(backend="gloo",
-                                  timeout=datetime.timedelta(seconds=SYNC_TIMEOUT_S))
+    # Longest a replica waits for the others at the start of a step. Replicas arrive there
+    # within the non-collective tail of a step of each other (sampling, output handling).
+    sync_timeout = datetime.timedelta(seconds=envs.SHOAL_DP_SYNC_TIMEOUT_S.get())
+    coordination = dist.new_group(backend="gloo", timeout=sync_timeout)
     init_dp_expert_parallel(dist.group.WORLD)
     logger.info("DP+EP: replica %d of %d (pid %d) joined the expert-parallel group", rank,
                 size, os.getpid())

@@ -18,6 +18,7 @@ from shoal.config import (
     resolve_dtype,
 )
 from shoal.config.speculative import SpeculativeConfig
+from shoal.engine.compatibility import ResolvedArgs, check_compatibility
 from shoal.engine.cpu_defaults import (
     CPU_MAX_NUM_SEQS,
     CPU_TOKENS_PER_THREAD,
@@ -170,7 +171,8 @@ class EngineArgs:
             setattr(hf_config, key, v)
 
     def resolve_runner(self, hf_config: Any) -> str:
-        """"generate" or "pooling", from runner, convert and the checkpoint's architecture."""
+        """"generate" or "pooling", from runner, convert and the checkpoint's architecture
+        (runner="generate" with a pooling model is refused by the compatibility table)."""
         from shoal.models.registry import is_pooling_only
 
         if self.runner not in ("auto", "generate", "pooling"):
@@ -179,13 +181,7 @@ class EngineArgs:
             raise ValueError(f"convert must be auto, none or embed (got {self.convert!r}); "
                              "classify and reward conversions are not supported: use a "
                              "...ForSequenceClassification checkpoint")
-        pooling_only = is_pooling_only(hf_config)
-        if self.runner == "generate" and (pooling_only or self.convert == "embed"):
-            raise ValueError("runner='generate' cannot run "
-                             + ("convert='embed'" if not pooling_only else
-                                "this model: it is a pooling model (embeddings, "
-                                "classification, scores)"))
-        if self.runner == "pooling" or pooling_only or self.convert == "embed":
+        if self.runner == "pooling" or is_pooling_only(hf_config) or self.convert == "embed":
             return "pooling"
         return "generate"
 
@@ -198,23 +194,17 @@ class EngineArgs:
 
         runner = self.resolve_runner(hf_config)
         device = torch.device(self.device) if self.device else default_device()
-        tp = self._check_tensor_parallel(device)
-        if runner == "pooling" and tp > 1:
-            raise ValueError("the pooling runner does not support tensor_parallel_size > 1 yet")
-        pp = self._check_pipeline_parallel(device, hf_config, runner)
-        if runner == "pooling" and self.speculative_config is not None:
-            raise ValueError("speculative_config applies to generation, not the pooling runner")
-        model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
-        if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta"):
-            model_max -= int(getattr(hf_config, "pad_token_id", 1) or 0) + 1  # offset positions
-        max_len = self.max_model_len or _default_max_len(model_max, runner, model_path)
-        if max_len < 2:
-            raise ValueError(f"max_model_len must be >= 2 (got {max_len})")
-        if max_len > model_max:
-            raise ValueError(
-                f"max_model_len ({max_len}) is larger than the model's max_position_embeddings "
-                f"({model_max})"
-            )
+        self._check_values()
+        max_len = self._max_model_len(hf_config, runner, model_path)
+        check_compatibility(ResolvedArgs(self, runner, device.type, max_len, hf_config,
+                                         serving))
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        self._check_host_fits(device, world)
+        if self.pipeline_parallel_size > 1:  # a bad SHOAL_PP_LAYER_PARTITION fails here
+            from shoal.distributed.parallel_state import pp_layer_partition
+
+            pp_layer_partition(int(getattr(hf_config, "num_hidden_layers", 0) or 0),
+                               self.pipeline_parallel_size)
         # A pooling step holds no KV cache and no decode waits behind it: it batches as the
         # GPU does, on the CPU too.
         limits = default_scheduler_limits(
@@ -226,10 +216,6 @@ class EngineArgs:
             logger.warning("this CPU has no native bfloat16 matmul (oneDNN reports none): "
                            "bfloat16 linear layers run 100x slower than float32 here (0.3-1.3 "
                            "against 123 GFLOP/s measured on a Zen 3); use --dtype float32")
-        if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
-            raise ValueError(
-                f"load_format must be auto, gguf, safetensors or dummy (got {self.load_format!r})"
-            )
         return EngineConfig(
             model_config=ModelConfig(self.model, self.tokenizer, dtype, max_len, self.load_format,
                                      self.seed, vocab_size=hf_config.vocab_size,
@@ -247,9 +233,9 @@ class EngineArgs:
             ),
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size,
-                self._executor_backend(device, tp * pp),
-                pipeline_parallel_size=pp,
-                enable_expert_parallel=self._check_expert_parallel(runner),
+                self._executor_backend(device, world),
+                pipeline_parallel_size=self.pipeline_parallel_size,
+                enable_expert_parallel=self.enable_expert_parallel,
                 data_parallel_size=self.data_parallel_size,
                 data_parallel_rank=self.data_parallel_rank or 0,
                 data_parallel_master_port=self.data_parallel_master_port),
@@ -262,10 +248,41 @@ class EngineArgs:
             cpu_int4_matmul=self._cpu_int4_matmul(device, dtype),
             kv_offload_config=self._kv_offload_config(),
             speculative_config=self._speculative_config(hf_config.vocab_size),
-            async_scheduling=self._async_scheduling(device, tp * pp),
+            async_scheduling=self._async_scheduling(device, world),
             structured_outputs_backend=check_backend_available(
                 parse_backend_config(self.structured_outputs_config)),
         )
+
+    def _check_values(self) -> None:
+        """Each setting's own value; what settings do together is the compatibility table's."""
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be a bool (got "
+                             f"{self.enable_expert_parallel!r})")
+        if self.cpu_int4_matmul not in (None, True, False):
+            raise ValueError(f"cpu_int4_matmul must be a bool or None (got "
+                             f"{self.cpu_int4_matmul!r})")
+        if self.load_format not in ("auto", "gguf", "safetensors", "dummy"):
+            raise ValueError(
+                f"load_format must be auto, gguf, safetensors or dummy (got {self.load_format!r})"
+            )
+
+    def _max_model_len(self, hf_config: Any, runner: str, model_path: str | None) -> int:
+        model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)
+        if getattr(hf_config, "model_type", None) in ("roberta", "xlm-roberta"):
+            model_max -= int(getattr(hf_config, "pad_token_id", 1) or 0) + 1  # offset positions
+        max_len = self.max_model_len or _default_max_len(model_max, runner, model_path)
+        if max_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (got {max_len})")
+        if max_len > model_max:
+            raise ValueError(
+                f"max_model_len ({max_len}) is larger than the model's max_position_embeddings "
+                f"({model_max})"
+            )
+        return max_len
 
     def _executor_backend(self, device: Any, tp: int) -> str:
         """The user's choice, else vLLM's rule: uni for one rank, mp when the ranks fit this
@@ -282,137 +299,32 @@ class EngineArgs:
                 return "ray"
         return "mp"
 
-    def _check_tensor_parallel(self, device: Any) -> int:
+    def _check_host_fits(self, device: Any, world: int) -> None:
+        """On CUDA, this host has a GPU for every rank of every replica (Ray's ranks may sit
+        on other hosts)."""
+        if device.type != "cuda":
+            return
         import torch
 
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1 (got {tp!r})")
-        pp = self._pp_size()
-        world = tp * pp
-        if world > 1 and device.type == "cuda" and self._executor_backend(device, world) != "ray":
-            first = device.index or 0
-            if first + world > torch.cuda.device_count():
-                what = (f"tensor_parallel_size {tp}" if pp == 1 else
-                        f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}")
-                raise ValueError(f"{what} needs GPUs {first}..{first + world - 1}"
-                                 f"; this host has {torch.cuda.device_count()}")
-        if tp > 1 and self.kv_offloading_size is not None:
-            raise ValueError("kv_offloading_size does not support tensor_parallel_size > 1 yet")
-        dp = self.data_parallel_size
-        if not isinstance(dp, int) or dp < 1:
-            raise ValueError(f"data_parallel_size must be an integer >= 1 (got {dp!r})")
-        if dp > 1 and device.type == "cuda" and (device.index or 0) + dp * world > (
-                torch.cuda.device_count()):
+        first, gpus = device.index or 0, torch.cuda.device_count()
+        tp, pp, dp = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size
+        if world > 1 and self._executor_backend(device, world) != "ray" and first + world > gpus:
+            what = (f"tensor_parallel_size {tp}" if pp == 1 else
+                    f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}")
+            raise ValueError(f"{what} needs GPUs {first}..{first + world - 1}; this host has "
+                             f"{gpus}")
+        if dp > 1 and first + dp * world > gpus:
             raise ValueError(f"data_parallel_size {dp} x {world} ranks (tensor x pipeline "
-                             f"parallel) needs {dp * world} GPUs; this host has "
-                             f"{torch.cuda.device_count()}")
-        if dp > 1 and self.kv_offloading_size is not None:
-            raise ValueError("kv_offloading_size does not support data_parallel_size > 1 yet")
-        if tp > 1 and self.speculative_config is not None:
-            raise ValueError("speculative_config does not support tensor_parallel_size > 1 yet")
-        return tp
+                             f"parallel) needs {dp * world} GPUs; this host has {gpus}")
 
     def _dp_expert_parallel(self) -> bool:
         return self.enable_expert_parallel is True and self.data_parallel_size > 1
 
-    def _check_expert_parallel(self, runner: str = "generate") -> bool:
-        """DP+EP (data_parallel_size > 1 with enable_expert_parallel) runs one rank per
-        replica in the engine core's own process, in lockstep (shoal/engine/dp_lockstep.py):
-        what would add ranks or forward passes of their own is refused."""
-        ep = self.enable_expert_parallel
-        if not isinstance(ep, bool):
-            raise ValueError(f"enable_expert_parallel must be a bool (got {ep!r})")
-        if not self._dp_expert_parallel():
-            return ep
-        dp = self.data_parallel_size
-        if self.tensor_parallel_size != 1 or self._pp_size() != 1:
-            raise ValueError(
-                f"enable_expert_parallel with data_parallel_size {dp} (DP+EP) needs "
-                f"tensor_parallel_size 1 and pipeline_parallel_size 1 (got "
-                f"{self.tensor_parallel_size} and {self.pipeline_parallel_size}): the experts "
-                f"are split over the replicas, one rank each")
-        if self.distributed_executor_backend not in (None, "uni"):
-            raise ValueError("enable_expert_parallel with data_parallel_size > 1 (DP+EP) runs "
-                             "the model in each replica's engine process: "
-                             "distributed_executor_backend must be unset or 'uni' (got "
-                             f"{self.distributed_executor_backend!r})")
-        if self.speculative_config is not None:
-            raise ValueError("speculative_config does not support enable_expert_parallel with "
-                             "data_parallel_size > 1 (DP+EP) yet")
-        if runner == "pooling":
-            raise ValueError("the pooling runner does not support enable_expert_parallel with "
-                             "data_parallel_size > 1 (DP+EP)")
-        if self.async_scheduling:
-            raise ValueError("async_scheduling does not support enable_expert_parallel with "
-                             "data_parallel_size > 1 (DP+EP); leave it unset")
-        rank, port = self.data_parallel_rank, self.data_parallel_master_port
-        if port is None or not isinstance(rank, int) or not 0 <= rank < dp:
-            raise ValueError(
-                f"enable_expert_parallel with data_parallel_size {dp} (DP+EP): each replica "
-                f"needs data_parallel_rank in [0, {dp}) and the shared "
-                f"data_parallel_master_port (shoal serve sets both; offline, run one LLM per "
-                f"rank with both set; got {rank!r} and {port!r})")
-        return True
-
-    def _pp_size(self) -> int:
-        pp = self.pipeline_parallel_size
-        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
-            raise ValueError(f"pipeline_parallel_size must be an integer >= 1 (got {pp!r})")
-        return pp
-
-    def _check_pipeline_parallel(self, device: Any, hf_config: Any, runner: str) -> int:
-        """What pipeline parallelism does not support yet is refused here, clearly."""
-        pp = self._pp_size()
-        if pp == 1:
-            return 1
-        backend = self.distributed_executor_backend
-        if backend == "uni":
-            raise ValueError(f"pipeline_parallel_size {pp} needs distributed_executor_backend "
-                             f"'mp' or 'ray' (got {backend!r})")
-        if runner == "pooling":
-            raise ValueError("the pooling runner does not support pipeline_parallel_size > 1 "
-                             "yet")
-        if self.speculative_config is not None:
-            raise ValueError("speculative_config does not support pipeline_parallel_size > 1 "
-                             "yet")
-        if self.kv_offloading_size is not None:
-            raise ValueError("kv_offloading_size does not support pipeline_parallel_size > 1 "
-                             "yet")
-        if self.async_scheduling:
-            raise ValueError("async_scheduling does not support pipeline_parallel_size > 1 "
-                             "(its steps overlap as micro-batches instead, up to "
-                             "pipeline_parallel_size in flight); leave it unset")
-        if device.type == "cuda" and not self.enforce_eager:
-            raise ValueError("pipeline_parallel_size > 1 does not support CUDA graphs yet: "
-                             "pass enforce_eager=True (--enforce-eager)")
-        from shoal.models.llama import PIPELINE_PARALLEL_ARCHITECTURES
-        from shoal.models.registry import resolve_model_class
-
-        name = resolve_model_class(hf_config, runner).__name__
-        if name not in PIPELINE_PARALLEL_ARCHITECTURES:
-            raise ValueError(f"pipeline_parallel_size > 1 supports "
-                             f"{', '.join(sorted(PIPELINE_PARALLEL_ARCHITECTURES))}; not "
-                             f"{name} yet")
-        layers = int(getattr(hf_config, "num_hidden_layers", 0) or 0)
-        if layers < pp:
-            raise ValueError(f"pipeline_parallel_size {pp} needs at least as many decoder "
-                             f"layers (the model has {layers})")
-        from shoal.distributed.parallel_state import pp_layer_partition
-
-        pp_layer_partition(layers, pp)  # a bad SHOAL_PP_LAYER_PARTITION fails here, not in a rank
-        return pp
-
-    def _async_scheduling(self, device: Any, tp: int) -> bool:
-        """Default: on with CUDA. Off with tensor or pipeline parallelism (tp: the world
-        size): every rank then takes its input tokens from the scheduler
-        (shoal/executor/multiproc.py)."""
-        if tp > 1:
-            if self.async_scheduling:
-                raise ValueError("async_scheduling does not support tensor_parallel_size > 1 "
-                                 "(or pipeline parallelism) yet; leave it unset")
-            return False
-        if self._dp_expert_parallel():  # one forward per lockstep step (dp_lockstep.py)
+    def _async_scheduling(self, device: Any, world: int) -> bool:
+        """Default: on with CUDA. Off with tensor or pipeline parallelism: every rank then
+        takes its input tokens from the scheduler (shoal/executor/multiproc.py); off with
+        DP+EP: one forward per lockstep step (dp_lockstep.py)."""
+        if world > 1 or self._dp_expert_parallel():
             return False
         return device.type == "cuda" if self.async_scheduling is None else bool(
             self.async_scheduling)
@@ -429,15 +341,12 @@ class EngineArgs:
 
         spec.check_draft_vocab(vocab_size, draft_config)
         return spec
+
     def _cpu_int4_matmul(self, device: Any, dtype: Any) -> str:
         """The default packs weights for small steps of a bfloat16 model only: its activations
         are bfloat16 on both paths, so which path a step takes moves its logits no more than
         bfloat16's own rounding does; a float32 model keeps float32 products."""
         mode = self.cpu_int4_matmul
-        if mode not in (None, True, False):
-            raise ValueError(f"cpu_int4_matmul must be a bool or None (got {mode!r})")
-        if mode and device.type != "cpu":
-            raise ValueError(f"cpu_int4_matmul runs on the CPU only (device is {device.type})")
         if mode is None:
             import torch
 
@@ -447,15 +356,7 @@ class EngineArgs:
 
     def _kv_offload_config(self) -> KVOffloadConfig | None:
         if self.kv_offloading_size is None:
-            if self.kv_offloading_disk_path is not None or self.kv_offloading_disk_size is not None:
-                raise ValueError("the disk KV tier sits below the CPU tier: set "
-                                 "kv_offloading_size (GiB) too")
             return None
-        if not self.enable_prefix_caching:
-            raise ValueError("kv_offloading_size needs enable_prefix_caching (blocks are found "
-                             "by their prefix hash)")
-        if self.kv_offloading_disk_size is not None and self.kv_offloading_disk_path is None:
-            raise ValueError("kv_offloading_disk_size needs kv_offloading_disk_path")
         from shoal.kv_offload.policy import resolve_policy
 
         resolve_policy(self.kv_offloading_policy)  # a bad name fails here, at start-up

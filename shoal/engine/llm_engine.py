@@ -23,12 +23,8 @@ class LLMEngine:
     def __init__(self, args: EngineArgs):
         t0 = time.perf_counter()
         self._shut_down = False
-        # DP+EP runs offline as one LLM per replica, each in a process of its own with its
-        # data_parallel_rank (shoal/engine/dp_lockstep.py); plain replicas share nothing.
-        if args.data_parallel_size != 1 and args.enable_expert_parallel is not True:
-            raise ValueError("data_parallel_size > 1 runs replicas behind `shoal serve`; "
-                             "offline, run one LLM per replica (got data_parallel_size="
-                             f"{args.data_parallel_size})")
+        # (Plain data parallelism runs behind `shoal serve`; offline, DP+EP runs one LLM per
+        # replica: shoal/engine/compatibility.py refuses the rest.)
         started = start_engine_core(args, serving=False)
         self.config = started.config
         self.tokenizer = started.tokenizer

@@ -9,10 +9,11 @@ and written in chunks so the trace does not itself slow the loop."""
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from typing import IO
+
+from shoal import envs
 
 
 @dataclass
@@ -36,7 +37,7 @@ class StepTrace:
 
     @classmethod
     def from_env(cls) -> StepTrace | None:
-        path = os.environ.get("SHOAL_STEP_TRACE")
+        path = envs.SHOAL_STEP_TRACE.get()
         return cls(path) if path else None
 
     def record(self, rec: StepRecord) -> None:

@@ -117,6 +117,3 @@ class DriverExecutor(Executor):
 
     def kv_cache_tensors(self) -> list[Any]:
         return self.driver.kv_cache_tensors()
-
-    def use_kv_transfer(self, transfer: Any) -> None:
-        raise ValueError("KV offloading does not support tensor_parallel_size > 1 yet")

@@ -14,7 +14,13 @@ the step's tokens as they arrive from the previous stage (shoal/worker/stage_lin
 last stage sends its final hidden states back to stage 0, which holds lm_head and samples.
 The engine keeps up to pp steps in flight (engine/step_queue.py): execute() returns once stage
 0 has sent a step on, finish() (FinishStep to the ranks) waits for the last stage and samples,
-so stage 0 runs micro-batch N+1 while the later stages run N (shoal/executor/driver.py)."""
+so stage 0 runs micro-batch N+1 while the later stages run N (shoal/executor/driver.py).
+
+Shutdown: rank 0 leaves its process group, then stops the workers, through shutdown() or, for
+an executor never shut down (a failed start, an engine dropped or alive at exit, an engine
+shutdown that raised), through a finalizer that runs at the latest at interpreter exit, while
+torch.distributed still works; release_all() does the same for a process that ends with
+os._exit."""
 
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import multiprocessing
 import multiprocessing.connection
 import shutil
 import tempfile
+import weakref
 from typing import Any
 
 import msgspec
@@ -31,9 +38,7 @@ import zmq
 
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import reset_tensor_parallel
-from shoal.executor.commands import (
-    Stop,
-)
+from shoal.executor.commands import Stop
 from shoal.executor.distributed_init import free_port, join_tensor_parallel_group
 from shoal.executor.driver import DriverExecutor
 from shoal.executor.worker import run_worker
@@ -42,6 +47,70 @@ from shoal.loader import LoadedModel
 
 class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone: no step can run any more."""
+
+
+class _Ranks:
+    """What rank 0 holds of the ranks: the worker processes, their command sockets, the IPC
+    folder and its own membership of the process group. Kept apart from the executor so
+    that its finalizer, which must not hold the executor, can release them."""
+
+    def __init__(self) -> None:
+        self.ipc_dir = tempfile.mkdtemp(prefix="shoal-tp-")
+        self.ctx = zmq.Context()
+        self.sockets: list[zmq.Socket] = []
+        self.procs: list[Any] = []
+        self.joined = False  # this process is joining, or joined, the group
+        _UNRELEASED.add(self)
+
+    def release(self) -> None:
+        """Stops the workers and leaves the process group; idempotent. Rank 0 leaves before
+        it waits for the workers to exit (up to 10 s each): a server's frontend kills an
+        engine process that takes longer than a few seconds to exit, and a group still
+        alive at teardown is destroyed there, where NCCL warns that it was not."""
+        _UNRELEASED.discard(self)
+        try:
+            stop = msgspec.msgpack.Encoder().encode(Stop())
+            for sock, proc in zip(self.sockets, self.procs):
+                if proc.is_alive():
+                    try:
+                        sock.send(stop, zmq.NOBLOCK)
+                    except zmq.ZMQError:
+                        pass
+        finally:
+            self._leave_group()
+            self._stop_workers()
+
+    def _leave_group(self) -> None:
+        if self.joined:
+            self.joined = False
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            reset_tensor_parallel()
+
+    def _stop_workers(self) -> None:
+        for proc in self.procs:
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+        for sock in self.sockets:
+            sock.close(linger=0)
+        self.sockets, self.procs = [], []
+        if not self.ctx.closed:
+            self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+# Ranks not released yet, for release_all (strong references: a _Ranks holds no executor).
+_UNRELEASED: set[_Ranks] = set()
+
+
+def release_all() -> None:
+    """Releases the ranks of every executor of this process not shut down yet. A process that
+    ends with os._exit (the server's engine process, shoal/engine/core_proc.py) runs no
+    finalizer and no atexit callback: it calls this first."""
+    for ranks in list(_UNRELEASED):
+        ranks.release()
 
 
 class MultiprocExecutor(DriverExecutor):
@@ -57,52 +126,39 @@ class MultiprocExecutor(DriverExecutor):
         if config.device.type == "cpu":  # the ranks share this process's cores
             threads = max(1, torch.get_num_threads() // world)
             torch.set_num_threads(threads)
-        self._ipc_dir = tempfile.mkdtemp(prefix="shoal-tp-")
-        self._ctx = zmq.Context()
-        self._sockets: list[zmq.Socket] = []
-        self._procs: list[Any] = []
+        self._ranks = ranks = _Ranks()
+        # At garbage collection or at interpreter exit, whichever comes first (an engine
+        # dropped without shutdown, a failed start, an engine shutdown that raised): before
+        # the interpreter tears down, while torch.distributed still works.
+        self._finalizer = weakref.finalize(self, ranks.release)
         self._encoder = msgspec.msgpack.Encoder()
         port = free_port()
         mp = multiprocessing.get_context("spawn")
         try:
             for rank in range(1, world):
-                addr = f"ipc://{self._ipc_dir}/rank{rank}"
-                sock = self._ctx.socket(zmq.PUSH)
+                addr = f"ipc://{ranks.ipc_dir}/rank{rank}"
+                sock = ranks.ctx.socket(zmq.PUSH)
                 sock.bind(addr)
-                self._sockets.append(sock)
+                ranks.sockets.append(sock)
                 proc = mp.Process(target=run_worker, name=f"shoal-tp-rank{rank}", daemon=True,
                                   args=(config, rank, world, port, addr, threads, pp))
                 proc.start()
-                self._procs.append(proc)
+                ranks.procs.append(proc)
+            ranks.joined = True  # from here on, leaving checks dist.is_initialized()
             join_tensor_parallel_group(config.device, 0, world, port, pp)
             self.driver = ModelRunner(config, loaded, build_drafter)
         except BaseException:
             self.shutdown()
             raise
 
+    @property
+    def _procs(self) -> list[Any]:
+        return self._ranks.procs
+
     # ---- life cycle (the runner's interface: shoal/executor/driver.py) -------------------
     def shutdown(self) -> None:
         """Stops the workers and leaves the process group (idempotent)."""
-        for sock, proc in zip(self._sockets, self._procs):
-            if proc.is_alive():
-                try:
-                    sock.send(self._encoder.encode(Stop()), zmq.NOBLOCK)
-                except zmq.ZMQError:
-                    pass
-        for proc in self._procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        for sock in self._sockets:
-            sock.close(linger=0)
-        self._sockets, self._procs = [], []
-        if not self._ctx.closed:
-            self._ctx.term()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        reset_tensor_parallel()
-        shutil.rmtree(self._ipc_dir, ignore_errors=True)
+        self._finalizer()
 
     def _driver_failed(self, exc: BaseException) -> None:
         self._raise_if_dead(exc)  # a peer that died mid-step fails rank 0's send/recv
@@ -118,13 +174,5 @@ class MultiprocExecutor(DriverExecutor):
     def _broadcast(self, cmd: Any) -> None:
         self._raise_if_dead()
         data = self._encoder.encode(cmd)
-        for sock in self._sockets:
+        for sock in self._ranks.sockets:
             sock.send(data, copy=False)
-
-    def __del__(self) -> None:  # an engine dropped without shutdown(): no orphan workers
-        if self.__dict__.get("_procs"):
-            try:
-                self.shutdown()
-            except Exception:
-                pass
-

@@ -13,8 +13,9 @@ an actor in the order they were made). The collectives inside the model keep the
 lockstep and only rank 0's sampled tokens are returned. Pipeline parallelism works as on mp:
 rank r is stage r // tp, and up to pp micro-batches are in flight (FinishStep).
 
-The driver's SHOAL_* environment variables (SHOAL_PP_LAYER_PARTITION, ...) are set in each
-actor before it builds its model: a Ray worker on another node does not inherit them.
+The driver's shoal environment variables (those of shoal/envs.py: SHOAL_PP_LAYER_PARTITION,
+...) are set in each actor before it builds its model: a Ray worker on another node does not
+inherit them.
 
 Ray is optional: this module imports it only when an executor is built."""
 
@@ -31,6 +32,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from shoal import envs
 from shoal.config import EngineConfig, require_ray
 from shoal.distributed.parallel_state import reset_tensor_parallel
 from shoal.executor.commands import Command
@@ -60,12 +62,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def _forwarded_env() -> dict[str, str]:
-    """The driver's shoal settings from the environment, for the actors (vLLM forwards its
-    VLLM_* variables the same way)."""
-    return {k: v for k, v in os.environ.items() if k.startswith("SHOAL_")}
 
 
 class RayWorker:
@@ -171,7 +167,7 @@ class RayExecutor(DriverExecutor):
             worker_cls = ray.remote(RayWorker)
             opts = {"num_cpus": 0, "num_gpus": 1} if on_gpu else {"num_cpus": 1}
             port = _free_port()
-            env = _forwarded_env()
+            env = envs.set_variables()  # vLLM forwards its VLLM_* variables the same way
             setups = []
             for rank in range(1, world):
                 actor = worker_cls.options(name=f"shoal-tp-rank{rank}-{os.getpid()}",

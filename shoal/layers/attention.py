@@ -29,10 +29,8 @@ class Attention(nn.Module):
         self.backend: AttentionBackend = TorchAttentionBackend()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Any) -> torch.Tensor:
-        if isinstance(md, PackedSeqs):  # a pooling step: no KV cache, whole prompts
-            if self.sliding_window is not None and max(md.seq_lens) > self.sliding_window:
-                raise ValueError(f"input is longer than the model's sliding window "
-                                 f"({self.sliding_window}), which pooling does not apply yet")
+        if isinstance(md, PackedSeqs):  # a pooling step: no KV cache, whole prompts (the
+            # compatibility table keeps them within a sliding window, which this does not apply)
             return packed_attention(q, k, v, md, self.scale)
         return self.backend.forward(q, k, v, self._cache(), md, self.scale)
 

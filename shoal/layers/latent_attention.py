@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from shoal.attention.backend import AttentionBackend
-from shoal.attention.packed import PackedSeqs
 from shoal.attention.torch_backend import TorchAttentionBackend
 
 
@@ -36,8 +35,6 @@ class LatentAttention(nn.Module):
     def forward(self, q: torch.Tensor, latent: torch.Tensor, md: Any) -> torch.Tensor:
         """q [T, H, Dk] (absorbed queries), latent [T, Dk] (this step's rows to cache).
         Returns [T, H, kv_lora_rank]."""
-        if isinstance(md, PackedSeqs):
-            raise ValueError("pooling is not supported for models with latent attention (MLA)")
         if not self.backend.supports_mla:
             raise NotImplementedError(f"the {self.backend.name} attention backend has no "
                                       "latent attention (MLA)")

@@ -15,15 +15,20 @@ from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import expert_parallel
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.loader.loaded_model import LoadedModel
+from shoal.models.interface import as_pooling_model
 from shoal.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
 
 
 def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
-    """A model following shoal/models/interface.py, ready for the runner to bind KV caches."""
+    """A model following shoal/models/interface.py (a CausalLM, or under runner="pooling" a
+    PoolingModel), ready for the runner to bind KV caches."""
     t0 = time.perf_counter()
+    pooling = config.model_config.runner == "pooling"
     cls = resolve_model_class(loaded.hf_config, config.model_config.runner)
+    if pooling:  # a PoolingModel; a causal LM serves as an embedder
+        cls = as_pooling_model(cls)
     ep = config.parallel_config.enable_expert_parallel  # read by FusedMoE's constructor
     with torch.device(config.device), expert_parallel(ep):
         model = cls(loaded.hf_config, config.model_config.dtype,
@@ -32,7 +37,7 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
         initialize_dummy_weights(model, seed=config.model_config.seed)
     else:
         names = model.load_weights(loaded.weights())
-        if hasattr(model, "load_extra_files"):  # heads stored beside the safetensors
+        if pooling:  # heads stored beside the safetensors (BGE-M3)
             names |= model.load_extra_files(Path(loaded.source))
         check_all_loaded(model, names, loaded.source)
     # By default only a GGUF's weights are looked at (another format has no 4-bit groups to

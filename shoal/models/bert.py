@@ -23,6 +23,7 @@ from shoal.layers.linear import (
     load_tensor,
 )
 from shoal.layers.onednn_linear import fast_linear
+from shoal.models.interface import PoolingModelBase, SequenceClassifierBase
 
 
 class BertEmbeddings(nn.Module):
@@ -115,9 +116,10 @@ class BertEncoder(nn.Module):
         return hidden
 
 
-class BertModel(nn.Module):
+class BertModel(nn.Module, PoolingModelBase):
     """The encoder; pooled into embeddings by the pooling runner (CLS unless the
-    sentence-transformers files say otherwise)."""
+    sentence-transformers files say otherwise). A PoolingModel (shoal/models/interface.py):
+    embed, token_embed, score."""
 
     is_causal = False
     default_pooling_type = "CLS"
@@ -149,7 +151,7 @@ class BertModel(nn.Module):
     checkpoint_prefix = "bert."  # what a task checkpoint puts before the encoder's names
 
 
-class BertForSequenceClassification(nn.Module):
+class BertForSequenceClassification(nn.Module, SequenceClassifierBase):
     """BERT, its pooler (dense + tanh over the [CLS] token) and a linear classifier."""
 
     is_causal = False

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.models.interface import EMBED_TASKS
 from shoal.models.roberta import XLMRobertaModel
 
 HEAD_FILES = {"colbert_linear": "colbert_linear.pt", "sparse_linear": "sparse_linear.pt"}
@@ -26,7 +27,8 @@ HEAD_FILES = {"colbert_linear": "colbert_linear.pt", "sparse_linear": "sparse_li
 
 class BgeM3EmbeddingModel(XLMRobertaModel):
     default_pooling_type = "CLS"
-    extra_tasks = ("token_classify",)
+    pooling_tasks = (*EMBED_TASKS, "token_classify")
+    has_token_heads = True  # token_embed: ColBERT vectors; token_classify: sparse weights
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__(hf_config, dtype, use_triton_ops=use_triton_ops)

@@ -3,12 +3,16 @@
 A model class is an `nn.Module` listed in shoal/models/registry.py under the `architectures`
 name of its Hugging Face config. shoal.loader.build.build_model constructs it, fills its
 weights and hands it to the model runner, which calls only what `CausalLM` lists (plus
-nn.Module's own `named_parameters`, `eval` and `__call__`). tests/models/test_interface.py
-checks every registered architecture against it."""
+nn.Module's own `named_parameters`, `eval` and `__call__`). Under runner="pooling" the model
+is a `PoolingModel` instead: the pooling runner, shoal/pooling and the loader read only its
+declarations. tests/models/test_interface.py checks every registered architecture against
+them."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
 
 import torch
@@ -63,3 +67,105 @@ class CausalLM(Protocol):
         the parameters it filled, which the loader checks against named_parameters().
         Raises ValueError for a tensor that has no parameter."""
         ...
+
+
+# What a pooling model may answer: a pooled embedding, every token's embedding, per-token
+# weights, a classification, a relevance score (cosine of two embeddings for an embedder, the
+# one logit of a cross-encoder).
+POOLING_TASKS = ("embed", "token_embed", "token_classify", "classify", "score")
+EMBED_TASKS = ("embed", "token_embed", "score")
+
+
+@runtime_checkable
+class PoolingModel(Protocol):
+    """An encoder, a classifier, or a decoder run for its hidden states (runner="pooling").
+
+    Constructed and loaded as a CausalLM is (same constructor, load_weights,
+    packed_modules_mapping, tie_word_embeddings). `forward` runs the step's prompts packed back
+    to back (attn_metadata: a PackedSeqs, shoal/attention/packed.py) and returns their final
+    hidden states [T, hidden_size]; no KV cache is kept. What it offers is declared, never
+    probed: a class inherits PoolingModelBase (the optional parts, off) and says what it has;
+    a causal LM becomes one through as_pooling_model.
+    """
+
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]]
+    tie_word_embeddings: bool
+    # Attention over the packed prompts: causal (decoders) or bidirectional (encoders).
+    is_causal: bool
+    # CLS, MEAN, LAST or ALL: the embedding's pooling unless the checkpoint's
+    # sentence-transformers files or pooler_config say otherwise.
+    default_pooling_type: str
+    # The tasks of POOLING_TASKS it answers (a request for another is refused up front).
+    pooling_tasks: tuple[str, ...]
+    hidden_size: int
+    # Outputs of the classifier (0: none; 1: a cross-encoder's relevance logit).
+    num_labels: int
+    # The token classify() reads: CLS or LAST (None without a classifier).
+    classifier_pooling_type: str | None
+    # token_output() gives the per-token tasks' results (BGE-M3's heads); otherwise they are
+    # the hidden states themselves, truncated and normalized as embeddings are.
+    has_token_heads: bool
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, *,
+                 use_triton_ops: bool = True) -> None: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: Any) -> torch.Tensor: ...
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] states at classifier_pooling_type -> [N, num_labels] logits."""
+        ...
+
+    def token_output(self, task: str, hidden: torch.Tensor) -> torch.Tensor:
+        """One sequence's [L, hidden] states -> its per-token result for `task` (float32)."""
+        ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
+
+    def load_extra_files(self, folder: Path) -> set[str]:
+        """Weights stored beside the checkpoint's own (BGE-M3's heads); returns the names of
+        the parameters it filled."""
+        ...
+
+
+class PoolingModelBase:
+    """The optional parts of a PoolingModel, off: an embedder over its hidden states with no
+    classifier, per-token head or extra weight files. A pooling model class inherits it
+    beside nn.Module, declares is_causal and default_pooling_type, and overrides what it has."""
+
+    pooling_tasks: tuple[str, ...] = EMBED_TASKS
+    num_labels: int = 0
+    classifier_pooling_type: str | None = None
+    has_token_heads: bool = False
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"{type(self).__name__} has no classifier")
+
+    def token_output(self, task: str, hidden: torch.Tensor) -> torch.Tensor:
+        raise ValueError(f"{type(self).__name__} has no per-token head")
+
+    def load_extra_files(self, folder: Path) -> set[str]:
+        return set()
+
+
+class SequenceClassifierBase(PoolingModelBase):
+    """A classification head over one pooled token: the class defines classify() and
+    classifier_pooling_type, its constructor sets num_labels. It classifies, and with one
+    label it is a cross-encoder that scores pairs too."""
+
+    @property
+    def pooling_tasks(self) -> tuple[str, ...]:
+        return ("classify", "score") if self.num_labels == 1 else ("classify",)
+
+
+@functools.cache
+def as_pooling_model(cls: type) -> type:
+    """`cls` itself when it declares a PoolingModel; a causal LM gets the embedder's
+    declarations (vLLM's as_embedding_model): causal attention, the last token's state,
+    EMBED_TASKS. The class keeps its name (logs and messages name the architecture)."""
+    if issubclass(cls, PoolingModelBase):
+        return cls
+    namespace = {"is_causal": True, "default_pooling_type": "LAST",
+                 "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                 "__doc__": f"{cls.__name__} run as an embedder (runner='pooling')."}
+    return type(cls.__name__, (cls, PoolingModelBase), namespace)

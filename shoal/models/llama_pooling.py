@@ -1,7 +1,8 @@
 """Llama-family decoders as pooling models: `LlamaForSequenceClassification` (a linear
 `score` head over the last token, as transformers has it). A plain `...ForCausalLM` used as
-an embedder (runner="pooling") needs no class of its own: the pooling runner takes its final
-hidden states and never calls its lm_head."""
+an embedder (runner="pooling") needs no class of its own: as_pooling_model
+(shoal/models/interface.py) gives it the embedder's declarations, and the pooling runner takes
+its final hidden states and never calls its lm_head."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.models.interface import SequenceClassifierBase
 from shoal.models.llama import LlamaForCausalLM, Qwen2ForCausalLM
 
 
-class LlamaForSequenceClassification(LlamaForCausalLM):
+class LlamaForSequenceClassification(LlamaForCausalLM, SequenceClassifierBase):
     classifier_pooling_type = "LAST"
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):

@@ -11,6 +11,7 @@ from torch import nn
 
 from shoal.attention.packed import PackedSeqs
 from shoal.models.bert import BertModel, load_bert_weights
+from shoal.models.interface import SequenceClassifierBase
 
 
 def position_offset(hf_config: Any) -> int:
@@ -40,7 +41,7 @@ class RobertaClassificationHead(nn.Module):
         return self.out_proj(torch.tanh(self.dense(x)))
 
 
-class RobertaForSequenceClassification(nn.Module):
+class RobertaForSequenceClassification(nn.Module, SequenceClassifierBase):
     """The encoder and a dense + tanh + projection head over the <s> token."""
 
     is_causal = False

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.json_arg import json_object
 from shoal.pooling_params import PoolingInfo
+
+if TYPE_CHECKING:
+    from shoal.models.interface import PoolingModel
 
 POOLING_TYPES = ("CLS", "MEAN", "LAST", "ALL")
 _ST_MODES = (("pooling_mode_cls_token", "CLS"), ("pooling_mode_mean_tokens", "MEAN"),
@@ -66,19 +69,16 @@ def read_sentence_transformers(folder: Path | None) -> dict[str, Any]:
     return out
 
 
-def build_pooling_info(model: Any, hf_config: Any, folder: Path | None,
+def build_pooling_info(model: PoolingModel, hf_config: Any, folder: Path | None,
                        overrides: dict[str, Any]) -> PoolingInfo:
-    """What the loaded `model` offers as a pooling model."""
+    """What the loaded `model` offers, from its declarations (shoal/models/interface.py)."""
     st = read_sentence_transformers(folder)
     pooling_type = overrides.get("pooling_type") or st.get("pooling_type") or \
         model.default_pooling_type
     normalize = overrides.get("normalize", st.get("normalize", True))
     dims = getattr(hf_config, "matryoshka_dimensions", None)
-    num_labels = int(getattr(model, "num_labels", 0))
-    if hasattr(model, "classify"):
-        tasks: tuple[str, ...] = ("classify", "score") if num_labels == 1 else ("classify",)
-    else:
-        tasks = ("embed", "token_embed", "score") + tuple(getattr(model, "extra_tasks", ()))
+    num_labels = int(model.num_labels)
+    tasks = tuple(model.pooling_tasks)
     id2label = {int(k): str(v) for k, v in (getattr(hf_config, "id2label", None) or {}).items()}
     return PoolingInfo(
         tasks=tasks, hidden_size=int(model.hidden_size), pooling_type=pooling_type,
@@ -86,4 +86,4 @@ def build_pooling_info(model: Any, hf_config: Any, folder: Path | None,
         id2label=id2label if num_labels else {},
         matryoshka_dimensions=tuple(dims) if dims else None,
         is_matryoshka=bool(dims) or bool(getattr(hf_config, "is_matryoshka", False)),
-        is_cross_encoder=hasattr(model, "classify") and num_labels == 1)
+        is_cross_encoder="classify" in tasks and num_labels == 1)

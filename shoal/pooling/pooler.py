@@ -9,12 +9,16 @@ use_activation is off. Everything is computed in float32 and copied to the host 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from shoal.pooling_params import PoolingInfo, PoolingParams
+
+if TYPE_CHECKING:
+    from shoal.models.interface import PoolingModel
 
 
 @dataclass
@@ -40,7 +44,7 @@ def pool(hidden: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor,
     raise ValueError(f"pooling type {pooling_type!r} has no per-sequence result")
 
 
-def pooled_results(model: torch.nn.Module, hidden: torch.Tensor, rows: list[PoolingRow],
+def pooled_results(model: PoolingModel, hidden: torch.Tensor, rows: list[PoolingRow],
                    info: PoolingInfo) -> dict[int, np.ndarray]:
     """One float32 array per request serial: [D] embeddings, [L, D] token embeddings,
     [num_labels] probabilities (or logits), [1] scores."""
@@ -68,7 +72,7 @@ def pooled_results(model: torch.nn.Module, hidden: torch.Tensor, rows: list[Pool
     for i, r in enumerate(rows):
         if r.params.task in per_token:
             states = hidden[r.start:r.start + r.length]
-            if hasattr(model, "token_output"):  # the model's own per-token heads (BGE-M3)
+            if model.has_token_heads:  # the model's own per-token heads (BGE-M3)
                 out[i] = model.token_output(r.params.task, states)
             else:
                 out[i] = _finish_embedding(states.float(), r.params, info)

@@ -22,11 +22,12 @@ import ctypes
 import ctypes.util
 import functools
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
+
+from shoal import envs
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +35,6 @@ MADV_HUGEPAGE = 14
 MADV_POPULATE_WRITE = 23
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 PAGE = 4096
-SWITCH_ENV = "SHOAL_KV_HUGE_PAGES"  # "0": leave the pool as it is (A/B runs)
 POPULATE_BUDGET_S = 0.5  # start-up time populating may take
 POPULATE_ROUND = 64 << 20  # bytes backed per round, over all planes
 HUGE_PAGE = 2 << 20
@@ -69,7 +69,7 @@ def populate(t: torch.Tensor, planes: int = 1, budget_s: float = POPULATE_BUDGET
     `budget_s` is spent. Returns the bytes populated (0, nothing done, where the kernel, libc
     or the huge-page setting does not allow it)."""
     madvise = _madvise()
-    if (os.environ.get(SWITCH_ENV) == "0" or madvise is None or t.device.type != "cpu"
+    if (not envs.SHOAL_KV_HUGE_PAGES.get() or madvise is None or t.device.type != "cpu"
             or not huge_pages_available()):
         return 0
     ptr, total = t.data_ptr(), t.numel() * t.element_size()

@@ -20,7 +20,6 @@ from shoal.attention.packed import PackedSeqs
 from shoal.config import EngineConfig
 from shoal.core.executor import Executor
 from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from shoal.layers.latent_attention import LatentAttention
 from shoal.loader import LoadedModel, build_model
 from shoal.pooling.model_info import build_pooling_info
 from shoal.pooling.pooler import PoolingRow, pooled_results
@@ -51,9 +50,6 @@ class PoolingModelRunner(Executor):
         self.vocab_size = loaded.hf_config.vocab_size
         t0 = time.perf_counter()
         self.model = build_model(config, loaded)
-        if any(isinstance(m, LatentAttention) for m in self.model.modules()):
-            raise ValueError(f"runner='pooling' is not supported for "
-                             f"{type(self.model).__name__} (latent attention, MLA)")
         folder = Path(loaded.source) if Path(loaded.source).is_dir() else None
         self.pooling_info = build_pooling_info(self.model, loaded.hf_config, folder,
                                                config.model_config.pooler_config)

@@ -87,6 +87,7 @@ async def make_engine(**args) -> tuple[AsyncLLM, FakeClient, Recorder]:
     limits = EngineLimits(vocab_size=VOCAB, max_model_len=64, num_kv_blocks=16, block_size=16,
                           max_num_seqs=args.get("max_num_seqs") or 64,
                           eos_token_ids=frozenset([2]))
+    client.max_num_seqs = limits.max_num_seqs  # what the engine(s) still running batch
     engine = AsyncLLM(EngineArgs(device="cpu", **args), client, Ready(limits, pid=0), None)
     rec = Recorder()
     engine.stat_loggers.append(rec)

@@ -144,3 +144,67 @@ def test_a_killed_replica_leaves_the_other_serving(tiny_llama_dir):
         assert all(_gone(p) for p in pids.values()), server.log_tail()
     finally:
         server.stop()
+
+
+def _null_replicas(max_num_seqs: int, **kwargs):
+    """Engine arguments and a build_core for two model-free replicas (NullEngineCore)."""
+    import functools
+
+    from shoal.benchmarks.null_engine import build_null_core
+    from shoal.engine.engine_args import EngineArgs
+
+    args = EngineArgs(device="cpu", data_parallel_size=2, max_num_seqs=max_num_seqs,
+                      max_model_len=64, cpu_threads=1, **kwargs)
+    return args, functools.partial(build_null_core, step_time_s=0.01, vocab_size=100)
+
+
+async def _until_dead(client, timeout: float = 10.0) -> None:
+    import asyncio
+
+    deadline = time.monotonic() + timeout
+    while not client.dead and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert client.dead
+
+
+def test_a_dead_replicas_share_of_max_num_seqs_leaves_the_limit():
+    """The batch the replicas still running can hold: 2 x 4, then 4 once replica 1 died (the
+    frontend's queue limit is this plus max_waiting_requests)."""
+    import asyncio
+
+    from shoal.engine.dp_client import DataParallelCoreClient
+
+    async def run() -> tuple[int, int, int]:
+        args, build = _null_replicas(4)
+        client = await DataParallelCoreClient.start(args, build_core=build)
+        try:
+            ready = await client.wait_ready(60)
+            both = client.max_num_seqs
+            os.kill(client.clients[1].proc.pid, signal.SIGKILL)
+            await _until_dead(client.clients[1])
+            return ready.limits.max_num_seqs, both, client.max_num_seqs
+        finally:
+            await client.shutdown()
+
+    assert asyncio.run(run()) == (8, 8, 4)
+
+
+def test_the_frontend_queue_limit_drops_a_dead_replicas_share():
+    import asyncio
+
+    from shoal.engine.async_llm import AsyncLLM
+
+    async def run() -> None:
+        args, build = _null_replicas(2, max_waiting_requests=0, skip_tokenizer_init=True)
+        engine = await AsyncLLM.from_engine_args(args, build_core=build, startup_timeout=60,
+                                                 log_stats_interval=3600)
+        try:
+            engine._check_queue(4)  # two replicas of 2: four sequences fit
+            os.kill(engine.client.clients[1].proc.pid, signal.SIGKILL)
+            await _until_dead(engine.client.clients[1])
+            with pytest.raises(ValueError, match=r"max_num_seqs \+ max_waiting_requests = 2"):
+                engine._check_queue(4)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(run())

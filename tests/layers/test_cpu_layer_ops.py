@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal import cpu_kernels
+from shoal import cpu_kernels, envs
 from shoal.attention import torch_backend
 from shoal.layers.activation import SiluAndMul
 from shoal.layers.norm import RMSNorm
@@ -116,7 +116,7 @@ def test_kv_cache_write_skips_padding_and_checks_slots(dtype: torch.dtype) -> No
 
 def test_other_dtypes_and_the_off_switch_take_the_torch_path(monkeypatch) -> None:
     assert not cpu_layer_ops.usable(torch.zeros(2, dtype=torch.float16))
-    monkeypatch.setenv(cpu_kernels.LAYER_OPS_SWITCH, "0")
+    monkeypatch.setenv(envs.SHOAL_CPU_LAYER_KERNELS.name, "0")
     cpu_kernels.layer_ops_enabled.cache_clear()
     try:
         assert not cpu_layer_ops.usable(torch.zeros(2))

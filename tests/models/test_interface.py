@@ -1,10 +1,13 @@
 """Every registered architecture follows shoal/models/interface.py: constructor arguments,
 forward / compute_logits / attention_layers, load_weights filling every parameter from the
-checkpoint's own names, and use_triton_ops reaching every layer that has a kernel."""
+checkpoint's own names, and use_triton_ops reaching every layer that has a kernel. Every
+pooling architecture, and every causal LM run as an embedder, is a PoolingModel whose
+declarations (tasks, classifier, per-token heads) agree with what it defines."""
 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,11 +16,25 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shoal.attention.metadata import build_attention_metadata
+from shoal.attention.packed import PackedSeqs
 from shoal.layers.attention import Attention
 from shoal.layers.latent_attention import LatentAttention
 from shoal.loader.build import check_all_loaded
-from shoal.models.interface import CausalLM
-from shoal.models.registry import resolve_model_class, supported_architectures
+from shoal.loader.dummy import initialize_dummy_weights
+from shoal.models.interface import (
+    EMBED_TASKS,
+    POOLING_TASKS,
+    CausalLM,
+    PoolingModel,
+    PoolingModelBase,
+    as_pooling_model,
+)
+from shoal.models.registry import (
+    resolve_model_class,
+    supported_architectures,
+    supported_pooling_architectures,
+)
+from shoal.pooling.model_info import POOLING_TYPES
 
 # architecture -> (transformers model_type, config fields beyond the tiny common ones)
 ARCHITECTURES = {
@@ -94,3 +111,82 @@ def test_model_follows_the_interface(arch: str) -> None:
         logits = model.compute_logits(hidden)
     assert hidden.shape == (n, cfg.hidden_size)
     assert logits.shape == (n, cfg.vocab_size) and torch.isfinite(logits).all()
+
+
+# ---- pooling models (runner="pooling") ---------------------------------------------------------
+
+# architecture -> (transformers model_type, config fields); BERT-sized tiny shapes
+_ENCODER = dict(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=64, max_position_embeddings=64)
+POOLING_ARCHITECTURES = {
+    "BertModel": ("bert", _ENCODER),
+    "BertForSequenceClassification": ("bert", {**_ENCODER, "num_labels": 3}),
+    "RobertaModel": ("roberta", {**_ENCODER, "pad_token_id": 1}),
+    "XLMRobertaModel": ("xlm-roberta", {**_ENCODER, "pad_token_id": 1}),
+    "BgeM3EmbeddingModel": ("xlm-roberta", {**_ENCODER, "pad_token_id": 1}),
+    "RobertaForSequenceClassification": ("roberta", {**_ENCODER, "pad_token_id": 1,
+                                                     "num_labels": 1}),
+    "XLMRobertaForSequenceClassification": ("xlm-roberta", {**_ENCODER, "pad_token_id": 1,
+                                                           "num_labels": 2}),
+    "LlamaForSequenceClassification": ("llama", {**TINY_COMMON, "num_labels": 2}),
+    "Qwen2ForSequenceClassification": ("qwen2", {**TINY_COMMON, "num_labels": 1}),
+}
+# Causal LMs run as embedders (latent attention is refused under pooling: the compatibility
+# table's row, shoal/engine/compatibility.py).
+EMBEDDERS = sorted(a for a, (_, extra) in ARCHITECTURES.items() if "kv_lora_rank" not in extra)
+
+
+def test_every_registered_pooling_architecture_is_checked() -> None:
+    assert sorted(POOLING_ARCHITECTURES) == supported_pooling_architectures()
+
+
+def _pooling_config(arch: str):
+    if arch in POOLING_ARCHITECTURES:
+        model_type, fields = POOLING_ARCHITECTURES[arch]
+        return AutoConfig.for_model(model_type, **fields, architectures=[arch])
+    return _config(arch)
+
+
+def _check_declarations(model: PoolingModel) -> None:
+    tasks = model.pooling_tasks
+    assert tasks and set(tasks) <= set(POOLING_TASKS)
+    assert model.default_pooling_type in POOLING_TYPES and isinstance(model.is_causal, bool)
+    classifier = "classify" in tasks
+    assert classifier == (model.num_labels > 0) == (model.classifier_pooling_type is not None)
+    # a classifier defines its head, a model with per-token heads its token_output
+    assert classifier == (type(model).classify is not PoolingModelBase.classify)
+    assert model.has_token_heads == (type(model).token_output is not PoolingModelBase.token_output)
+    if classifier:
+        assert model.classifier_pooling_type in ("CLS", "LAST")
+        assert ("score" in tasks) == (model.num_labels == 1)  # a cross-encoder
+    else:
+        assert set(EMBED_TASKS) <= set(tasks)
+
+
+@pytest.mark.parametrize("arch", sorted(POOLING_ARCHITECTURES) + EMBEDDERS)
+def test_pooling_model_follows_the_interface(arch: str) -> None:
+    cfg = _pooling_config(arch)
+    cls = as_pooling_model(resolve_model_class(cfg, "pooling"))
+    assert cls.__name__ == arch and issubclass(cls, PoolingModelBase)
+    assert as_pooling_model(cls) is cls
+    torch.manual_seed(0)
+    model = cls(cfg, torch.float32, use_triton_ops=False)
+    initialize_dummy_weights(model, seed=0)
+    assert isinstance(model, PoolingModel)
+    _check_declarations(model)
+    if arch in EMBEDDERS:  # the embedder's declarations over the causal LM
+        assert model.is_causal and model.default_pooling_type == "LAST"
+        assert tuple(model.pooling_tasks) == EMBED_TASKS
+    lens = [3, 2]
+    seqs = PackedSeqs.build(lens, model.is_causal, torch.device("cpu"))
+    with torch.inference_mode():
+        hidden = model(torch.arange(3, 3 + sum(lens)), torch.cat([torch.arange(n) for n in lens]),
+                       seqs)
+        assert hidden.shape == (sum(lens), model.hidden_size) and torch.isfinite(hidden).all()
+        if "classify" in model.pooling_tasks:
+            assert model.classify(hidden[:2]).shape == (2, model.num_labels)
+        for task in ("token_embed", "token_classify"):
+            if model.has_token_heads and task in model.pooling_tasks:
+                assert torch.isfinite(model.token_output(task, hidden[:3])).all()
+    if type(model).load_extra_files is PoolingModelBase.load_extra_files:
+        assert model.load_extra_files(Path("/nonexistent")) == set()  # nothing beside

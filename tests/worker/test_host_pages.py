@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from shoal import envs
 from shoal.worker import host_pages
 from shoal.worker.kv_cache_sizing import zeroed_host_tensor
 
@@ -24,6 +25,6 @@ def test_populate_keeps_zeros_and_reports_bytes() -> None:
 def test_budget_and_switch(monkeypatch) -> None:
     t = zeroed_host_tensor((1 << 22,), torch.uint8)
     assert host_pages.populate(t, budget_s=0.0) == 0  # no time: nothing populated
-    monkeypatch.setenv(host_pages.SWITCH_ENV, "0")
+    monkeypatch.setenv(envs.SHOAL_KV_HUGE_PAGES.name, "0")
     assert host_pages.populate(t, budget_s=5.0) == 0
     assert host_pages.populate(torch.zeros(3, device="meta"), budget_s=5.0) == 0

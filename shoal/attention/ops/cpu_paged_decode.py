@@ -1,32 +1,31 @@
 """The CPU paged decode attention kernel (shoal/csrc/paged_decode_cpu.cpp, built and loaded
 by shoal/cpu_kernels.py): whether a call fits its contract, and the call.
 
-Set SHOAL_CPU_DECODE_KERNEL=0 to force the torch path (A/B runs)."""
+SHOAL_CPU_DECODE_KERNEL=0 (shoal/envs.py) forces the torch path (A/B runs)."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 
 import torch
 
-from shoal import cpu_kernels
+from shoal import cpu_kernels, envs
 
 logger = logging.getLogger(__name__)
 
 MAX_GROUP, MAX_DIM = 16, 256  # the kernel's per-task buffers (kMaxGroup, kMaxDim)
 DTYPES = (torch.float32, torch.bfloat16)
-SWITCH_ENV = "SHOAL_CPU_DECODE_KERNEL"
 
 
 @functools.cache
 def unavailable_reason() -> str | None:
     """Why the kernel cannot serve this process (logged once), or None once it is loaded."""
-    if os.environ.get(SWITCH_ENV) == "0":
+    switch = envs.SHOAL_CPU_DECODE_KERNEL
+    if not switch.get():
         logger.info("CPU paged decode kernel off (%s=0): the torch path serves decodes",
-                    SWITCH_ENV)
-        return f"{SWITCH_ENV}=0"
+                    switch.name)
+        return f"{switch.name}=0"
     return cpu_kernels.unavailable_reason()
 
 

@@ -1,0 +1,292 @@
+"""Which engine settings do not work together (yet): one table, checked once.
+
+Each row names two settings or features (vLLM's names), or a feature and a condition on the
+model, says when a configuration falls on it, and what the user is told. EngineArgs.
+create_engine_config checks the whole table after the runner, the device and max_model_len
+are resolved and before anything is built, and raises one ValueError listing every row the
+configuration falls on. A combination that becomes supported loses its row here, and nothing
+else needs to know it was ever refused.
+
+What stays elsewhere: the check of one setting's own value (`tensor_parallel_size must be an
+integer >= 1`, an unknown speculative method), made where that setting is read, and whether
+this host has the GPUs the ranks need (engine_args.py)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ResolvedArgs:
+    """What the rows read: the user's EngineArgs (each field's own value already checked)
+    and what create_engine_config resolved from them and the model's config."""
+
+    args: Any  # the EngineArgs (not imported: engine_args.py imports this module)
+    runner: str  # "generate" or "pooling" (EngineArgs.resolve_runner)
+    device_type: str  # "cpu" or "cuda"
+    max_model_len: int
+    hf_config: Any
+    serving: bool = False  # an engine process of `shoal serve`; False: the offline LLM
+
+    @property
+    def tp(self) -> int:
+        return self.args.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.args.pipeline_parallel_size
+
+    @property
+    def dp(self) -> int:
+        return self.args.data_parallel_size
+
+    @property
+    def dp_ep(self) -> bool:
+        """DP+EP: the MoE experts split over the data-parallel replicas, one rank each, in
+        lockstep (shoal/engine/dp_lockstep.py)."""
+        return self.args.enable_expert_parallel is True and self.dp > 1
+
+    @property
+    def pooling(self) -> bool:
+        return self.runner == "pooling"
+
+    @property
+    def speculative(self) -> bool:
+        return self.args.speculative_config is not None
+
+    @property
+    def offloading(self) -> bool:
+        return self.args.kv_offloading_size is not None
+
+    @property
+    def num_layers(self) -> int:
+        return int(getattr(self.hf_config, "num_hidden_layers", 0) or 0)
+
+    @property
+    def latent_attention(self) -> bool:
+        """Multi-head latent attention (MLA), read as vLLM reads it: a kv_lora_rank."""
+        return getattr(self.hf_config, "kv_lora_rank", None) is not None
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window the model's attention layers apply (shoal/models/llama.py reads the
+        config the same way: Qwen2 sets one it does not use)."""
+        if not getattr(self.hf_config, "use_sliding_window", True):
+            return None
+        return getattr(self.hf_config, "sliding_window", None)
+
+    @functools.cached_property
+    def model_class(self) -> str:
+        from shoal.models.registry import resolve_model_class
+
+        return resolve_model_class(self.hf_config, self.runner).__name__
+
+    @property
+    def pipeline_architectures(self) -> str:
+        from shoal.models.llama import PIPELINE_PARALLEL_ARCHITECTURES
+
+        return ", ".join(sorted(PIPELINE_PARALLEL_ARCHITECTURES))
+
+    @property
+    def pipeline_capable(self) -> bool:
+        from shoal.models.llama import PIPELINE_PARALLEL_ARCHITECTURES
+
+        return self.model_class in PIPELINE_PARALLEL_ARCHITECTURES
+
+    @property
+    def pooling_only(self) -> bool:
+        from shoal.models.registry import is_pooling_only
+
+        return is_pooling_only(self.hf_config)
+
+
+@dataclass(frozen=True)
+class Incompatibility:
+    """One row: `setting` does not work with `other` (a setting, or a condition on the model
+    or the device); `applies` says whether a configuration falls on the row; `message` is a
+    str.format template over `s`, the ResolvedArgs."""
+
+    setting: str
+    other: str
+    applies: Callable[[ResolvedArgs], bool]
+    message: str
+
+    def describe(self, s: ResolvedArgs) -> str:
+        return self.message.format(s=s)
+
+
+_DP_EP = "enable_expert_parallel with data_parallel_size > 1 (DP+EP)"
+
+ROWS: tuple[Incompatibility, ...] = (
+    # ---- the runner -----------------------------------------------------------------------
+    Incompatibility(
+        "runner='generate'", "a pooling-only architecture",
+        lambda s: s.args.runner == "generate" and s.pooling_only,
+        "runner='generate' cannot run this model: it is a pooling model (embeddings, "
+        "classification, scores)"),
+    Incompatibility(
+        "runner='generate'", "convert='embed'",
+        lambda s: s.args.runner == "generate" and s.args.convert == "embed",
+        "runner='generate' cannot run convert='embed'"),
+    Incompatibility(
+        "runner='pooling'", "tensor_parallel_size > 1",
+        lambda s: s.pooling and s.tp > 1,
+        "the pooling runner does not support tensor_parallel_size > 1 yet"),
+    Incompatibility(
+        "runner='pooling'", "pipeline_parallel_size > 1",
+        lambda s: s.pooling and s.pp > 1,
+        "the pooling runner does not support pipeline_parallel_size > 1 yet"),
+    Incompatibility(
+        "runner='pooling'", _DP_EP,
+        lambda s: s.pooling and s.dp_ep,
+        "the pooling runner does not support " + _DP_EP),
+    Incompatibility(
+        "runner='pooling'", "speculative_config",
+        lambda s: s.pooling and s.speculative,
+        "speculative_config applies to generation, not the pooling runner"),
+    Incompatibility(
+        "runner='pooling'", "latent attention (MLA)",
+        lambda s: s.pooling and s.latent_attention,
+        "runner='pooling' is not supported for {s.model_class} (latent attention, MLA)"),
+    Incompatibility(
+        "runner='pooling'", "a sliding window shorter than max_model_len",
+        lambda s: s.pooling and s.sliding_window is not None
+        and s.max_model_len > s.sliding_window,
+        "max_model_len ({s.max_model_len}) is longer than the model's sliding window "
+        "({s.sliding_window}), which pooling does not apply yet: set max_model_len to "
+        "{s.sliding_window} or less"),
+    # ---- speculative decoding -------------------------------------------------------------
+    Incompatibility(
+        "speculative_config", "tensor_parallel_size > 1",
+        lambda s: s.speculative and s.tp > 1,
+        "speculative_config does not support tensor_parallel_size > 1 yet"),
+    Incompatibility(
+        "speculative_config", "pipeline_parallel_size > 1",
+        lambda s: s.speculative and s.pp > 1,
+        "speculative_config does not support pipeline_parallel_size > 1 yet"),
+    Incompatibility(
+        "speculative_config", _DP_EP,
+        lambda s: s.speculative and s.dp_ep,
+        "speculative_config does not support " + _DP_EP + " yet"),
+    # ---- KV offloading --------------------------------------------------------------------
+    Incompatibility(
+        "kv_offloading_size", "tensor_parallel_size > 1",
+        lambda s: s.offloading and s.tp > 1,
+        "kv_offloading_size does not support tensor_parallel_size > 1 yet"),
+    Incompatibility(
+        "kv_offloading_size", "pipeline_parallel_size > 1",
+        lambda s: s.offloading and s.pp > 1,
+        "kv_offloading_size does not support pipeline_parallel_size > 1 yet"),
+    Incompatibility(
+        "kv_offloading_size", "data_parallel_size > 1",
+        lambda s: s.offloading and s.dp > 1,
+        "kv_offloading_size does not support data_parallel_size > 1 yet"),
+    Incompatibility(
+        "kv_offloading_size", "enable_prefix_caching=False",
+        lambda s: s.offloading and not s.args.enable_prefix_caching,
+        "kv_offloading_size needs enable_prefix_caching (blocks are found by their prefix "
+        "hash)"),
+    Incompatibility(
+        "kv_offloading_disk_path / kv_offloading_disk_size", "no kv_offloading_size",
+        lambda s: not s.offloading and (s.args.kv_offloading_disk_path is not None
+                                        or s.args.kv_offloading_disk_size is not None),
+        "the disk KV tier sits below the CPU tier: set kv_offloading_size (GiB) too"),
+    Incompatibility(
+        "kv_offloading_disk_size", "no kv_offloading_disk_path",
+        lambda s: s.args.kv_offloading_disk_size is not None
+        and s.args.kv_offloading_disk_path is None,
+        "kv_offloading_disk_size needs kv_offloading_disk_path"),
+    # ---- async scheduling -----------------------------------------------------------------
+    Incompatibility(
+        "async_scheduling", "tensor_parallel_size > 1",
+        lambda s: bool(s.args.async_scheduling) and s.tp > 1,
+        "async_scheduling does not support tensor_parallel_size > 1 (or pipeline "
+        "parallelism) yet; leave it unset"),
+    Incompatibility(
+        "async_scheduling", "pipeline_parallel_size > 1",
+        lambda s: bool(s.args.async_scheduling) and s.pp > 1,
+        "async_scheduling does not support pipeline_parallel_size > 1 (its steps overlap as "
+        "micro-batches instead, up to pipeline_parallel_size in flight); leave it unset"),
+    Incompatibility(
+        "async_scheduling", _DP_EP,
+        lambda s: bool(s.args.async_scheduling) and s.dp_ep,
+        "async_scheduling does not support " + _DP_EP + "; leave it unset"),
+    # ---- tensor and pipeline parallelism ----------------------------------------------------
+    Incompatibility(
+        "tensor_parallel_size > 1", "distributed_executor_backend='uni'",
+        lambda s: s.tp > 1 and s.args.distributed_executor_backend == "uni",
+        "distributed_executor_backend 'uni' runs one rank; tensor_parallel_size {s.tp} needs "
+        "'mp' or 'ray'"),
+    Incompatibility(
+        "pipeline_parallel_size > 1", "distributed_executor_backend='uni'",
+        lambda s: s.pp > 1 and s.args.distributed_executor_backend == "uni",
+        "pipeline_parallel_size {s.pp} needs distributed_executor_backend 'mp' or 'ray' "
+        "(got 'uni')"),
+    Incompatibility(
+        "pipeline_parallel_size > 1", "CUDA graphs (enforce_eager=False on CUDA)",
+        lambda s: s.pp > 1 and s.device_type == "cuda" and not s.args.enforce_eager,
+        "pipeline_parallel_size > 1 does not support CUDA graphs yet: pass enforce_eager=True "
+        "(--enforce-eager)"),
+    Incompatibility(
+        "pipeline_parallel_size > 1", "an architecture not built per stage",
+        lambda s: s.pp > 1 and not s.pipeline_capable,
+        "pipeline_parallel_size > 1 supports {s.pipeline_architectures}; not {s.model_class} "
+        "yet"),
+    Incompatibility(
+        "pipeline_parallel_size", "fewer decoder layers than stages",
+        lambda s: s.pp > 1 and s.num_layers < s.pp,
+        "pipeline_parallel_size {s.pp} needs at least as many decoder layers (the model has "
+        "{s.num_layers})"),
+    # ---- data parallelism -----------------------------------------------------------------
+    Incompatibility(
+        "data_parallel_size > 1", "the offline LLM (without enable_expert_parallel)",
+        lambda s: not s.serving and s.dp > 1 and s.args.enable_expert_parallel is not True,
+        "data_parallel_size > 1 runs replicas behind `shoal serve`; offline, run one LLM per "
+        "replica (got data_parallel_size={s.dp})"),
+    # ---- DP+EP: one rank per replica, in the engine process, in lockstep --------------------
+    Incompatibility(
+        _DP_EP, "tensor_parallel_size or pipeline_parallel_size > 1",
+        lambda s: s.dp_ep and (s.tp != 1 or s.pp != 1),
+        "enable_expert_parallel with data_parallel_size {s.dp} (DP+EP) needs "
+        "tensor_parallel_size 1 and pipeline_parallel_size 1 (got {s.tp} and {s.pp}): the "
+        "experts are split over the replicas, one rank each"),
+    Incompatibility(
+        _DP_EP, "distributed_executor_backend 'mp' or 'ray'",
+        lambda s: s.dp_ep and s.args.distributed_executor_backend not in (None, "uni"),
+        _DP_EP + " runs the model in each replica's engine process: "
+        "distributed_executor_backend must be unset or 'uni' (got "
+        "{s.args.distributed_executor_backend!r})"),
+    Incompatibility(
+        _DP_EP, "no data_parallel_rank or data_parallel_master_port",
+        lambda s: s.dp_ep and not (s.args.data_parallel_master_port is not None
+                                   and isinstance(s.args.data_parallel_rank, int)
+                                   and 0 <= s.args.data_parallel_rank < s.dp),
+        "enable_expert_parallel with data_parallel_size {s.dp} (DP+EP): each replica needs "
+        "data_parallel_rank in [0, {s.dp}) and the shared data_parallel_master_port (shoal "
+        "serve sets both; offline, run one LLM per rank with both set; got "
+        "{s.args.data_parallel_rank!r} and {s.args.data_parallel_master_port!r})"),
+    # ---- devices --------------------------------------------------------------------------
+    Incompatibility(
+        "cpu_int4_matmul", "a device other than the CPU",
+        lambda s: bool(s.args.cpu_int4_matmul) and s.device_type != "cpu",
+        "cpu_int4_matmul runs on the CPU only (device is {s.device_type})"),
+)
+
+
+def violations(s: ResolvedArgs,
+               rows: tuple[Incompatibility, ...] = ROWS) -> list[Incompatibility]:
+    """The rows the configuration falls on, in table order."""
+    return [row for row in rows if row.applies(s)]
+
+
+def check_compatibility(s: ResolvedArgs, rows: tuple[Incompatibility, ...] = ROWS) -> None:
+    """Raises one ValueError naming every row the configuration falls on."""
+    found = [row.describe(s) for row in violations(s, rows)]
+    if len(found) == 1:
+        raise ValueError(found[0])
+    if found:
+        raise ValueError("these engine settings do not work together:\n  - "
+                         + "\n  - ".join(found))

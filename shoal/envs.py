@@ -1,0 +1,102 @@
+"""shoal's environment variables, each once: its name, type, default and what it does (vLLM
+keeps its VLLM_* variables the same way, in vllm/envs.py).
+
+A variable is read and parsed each time its `get()` is called, never at import, so a test's
+monkeypatch.setenv (or a Ray actor's copy of the driver's environment) takes effect. No other
+module of shoal/ reads a SHOAL_ variable (tests/test_envs.py checks). These are switches for
+tracing, A/B runs and where files go; what changes what the engine computes is an engine
+argument (EngineArgs) instead. The exception follows vLLM: the pipeline layer partition is a
+variable there too (VLLM_PP_LAYER_PARTITION).
+
+Torch-free: the server's frontend and `python -m shoal.cpu_kernels` import it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class EnvVar(Generic[T]):
+    name: str
+    default: T  # when the variable is unset
+    parse: Callable[[str], T]  # the variable's text -> its value (ValueError if invalid)
+    help: str
+
+    def get(self) -> T:
+        raw = os.environ.get(self.name)
+        if raw is None:
+            return self.default
+        try:
+            return self.parse(raw)
+        except ValueError as e:
+            raise ValueError(f"{self.name}={raw!r} is invalid: {e}") from None
+
+    def is_set(self) -> bool:
+        return self.name in os.environ
+
+
+def _switch(raw: str) -> bool:
+    """On unless "0": the off switches of the C++ CPU kernels and the like, for A/B runs."""
+    return raw.strip() != "0"
+
+
+def _optional_text(raw: str) -> str | None:
+    return raw.strip() or None
+
+
+def _positive_float(raw: str) -> float:
+    value = float(raw)
+    if not value > 0:
+        raise ValueError("it must be a number of seconds > 0")
+    return value
+
+
+SHOAL_STEP_TRACE: EnvVar[str | None] = EnvVar(
+    "SHOAL_STEP_TRACE", None, _optional_text,
+    "a file the engine core process appends one JSON line per busy loop iteration to (its "
+    "timings, requests added, tokens scheduled; shoal/engine/step_trace.py); unset: off")
+
+SHOAL_DP_SYNC_TIMEOUT_S: EnvVar[float] = EnvVar(
+    "SHOAL_DP_SYNC_TIMEOUT_S", 30.0, _positive_float,
+    "DP+EP: seconds a replica waits for the others at the start of a step before it gives "
+    "them up as lost (shoal/engine/dp_lockstep.py)")
+
+SHOAL_EXTENSIONS_DIR: EnvVar[str | None] = EnvVar(
+    "SHOAL_EXTENSIONS_DIR", None, _optional_text,
+    "the folder the C++ CPU kernels are built into and loaded from (shoal/cpu_kernels.py); "
+    "unset: shoal/csrc/build beside the sources")
+
+SHOAL_CPU_DECODE_KERNEL: EnvVar[bool] = EnvVar(
+    "SHOAL_CPU_DECODE_KERNEL", True, _switch,
+    "0: the CPU paged decode attention runs its torch path instead of the C++ kernel "
+    "(shoal/attention/ops/cpu_paged_decode.py)")
+
+SHOAL_CPU_LAYER_KERNELS: EnvVar[bool] = EnvVar(
+    "SHOAL_CPU_LAYER_KERNELS", True, _switch,
+    "0: the decoder layer's small ops on the CPU (norms, SiLU-and-mul, rotary, KV-cache write, "
+    "small linear layers) run their torch paths instead of the C++ kernels "
+    "(shoal/cpu_kernels.py)")
+
+SHOAL_KV_HUGE_PAGES: EnvVar[bool] = EnvVar(
+    "SHOAL_KV_HUGE_PAGES", True, _switch,
+    "0: the CPU KV pool is neither marked for transparent huge pages nor populated at "
+    "start-up (shoal/worker/host_pages.py)")
+
+SHOAL_PP_LAYER_PARTITION: EnvVar[str | None] = EnvVar(
+    "SHOAL_PP_LAYER_PARTITION", None, _optional_text,
+    "decoder layers per pipeline stage, comma-separated (e.g. 13,17), as vLLM's "
+    "VLLM_PP_LAYER_PARTITION; unset: as even as possible "
+    "(shoal/distributed/parallel_state.py checks it against the model)")
+
+ALL: tuple[EnvVar, ...] = tuple(v for v in tuple(globals().values()) if isinstance(v, EnvVar))
+
+
+def set_variables() -> dict[str, str]:
+    """The variables of this list set in this process, as text: what a process started
+    elsewhere needs to behave as this one (the Ray executor's actors)."""
+    return {v.name: os.environ[v.name] for v in ALL if v.is_set()}

@@ -1,0 +1,140 @@
+"""The compatibility table (shoal/engine/compatibility.py): every row has a configuration that
+falls on it and says so in its own words, a plain configuration falls on none, and
+create_engine_config names every row a configuration falls on in one ValueError."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from shoal.engine.compatibility import ROWS, ResolvedArgs, check_compatibility, violations
+from shoal.engine.engine_args import EngineArgs
+
+
+def _hf(**extra):
+    base = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512,
+                max_position_embeddings=128, num_hidden_layers=2)
+    return SimpleNamespace(**{**base, **extra})
+
+
+_SPEC = {"method": "ngram", "num_speculative_tokens": 2}
+_DP_EP = dict(data_parallel_size=2, enable_expert_parallel=True, data_parallel_rank=0,
+              data_parallel_master_port=1234)
+BERT = dict(architectures=["BertModel"], model_type="bert")
+
+# (engine arguments, model config fields, runner, device, max_model_len, a row's message)
+CASES = [
+    (dict(runner="generate"), BERT, "pooling", "cpu", 64, "it is a pooling model"),
+    (dict(runner="generate", convert="embed"), {}, "pooling", "cpu", 64,
+     "runner='generate' cannot run convert='embed'"),
+    (dict(tensor_parallel_size=2), {}, "pooling", "cpu", 64,
+     "pooling runner does not support tensor_parallel_size > 1 yet"),
+    (dict(pipeline_parallel_size=2), {}, "pooling", "cpu", 64,
+     "pooling runner does not support pipeline_parallel_size > 1 yet"),
+    (_DP_EP, {}, "pooling", "cpu", 64, "pooling runner does not support enable_expert_parallel"),
+    (dict(speculative_config=_SPEC), {}, "pooling", "cpu", 64,
+     "speculative_config applies to generation, not the pooling runner"),
+    (dict(), dict(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=32), "pooling", "cpu",
+     64, r"runner=.pooling. is not supported for DeepseekV3ForCausalLM \(latent attention, MLA\)"),
+    (dict(), dict(sliding_window=32), "pooling", "cpu", 64,
+     r"max_model_len \(64\) is longer than the model's sliding window \(32\), which pooling "
+     "does not apply yet"),
+    (dict(speculative_config=_SPEC, tensor_parallel_size=2), {}, "generate", "cpu", 64,
+     "speculative_config does not support tensor_parallel_size > 1 yet"),
+    (dict(speculative_config=_SPEC, pipeline_parallel_size=2), {}, "generate", "cpu", 64,
+     "speculative_config does not support pipeline_parallel_size > 1 yet"),
+    (dict(speculative_config=_SPEC, **_DP_EP), {}, "generate", "cpu", 64,
+     r"speculative_config does not support enable_expert_parallel with data_parallel_size > 1 "
+     r"\(DP\+EP\) yet"),
+    (dict(kv_offloading_size=1.0, tensor_parallel_size=2), {}, "generate", "cpu", 64,
+     "kv_offloading_size does not support tensor_parallel_size > 1 yet"),
+    (dict(kv_offloading_size=1.0, pipeline_parallel_size=2), {}, "generate", "cpu", 64,
+     "kv_offloading_size does not support pipeline_parallel_size > 1 yet"),
+    (dict(kv_offloading_size=1.0, data_parallel_size=2), {}, "generate", "cpu", 64,
+     "kv_offloading_size does not support data_parallel_size > 1 yet"),
+    (dict(data_parallel_size=2), {}, "generate", "cpu", 64,
+     "data_parallel_size > 1 runs replicas behind `shoal serve`"),
+    (dict(kv_offloading_size=1.0, enable_prefix_caching=False), {}, "generate", "cpu", 64,
+     "kv_offloading_size needs enable_prefix_caching"),
+    (dict(kv_offloading_disk_path="/tmp/x"), {}, "generate", "cpu", 64,
+     "the disk KV tier sits below the CPU tier"),
+    (dict(kv_offloading_size=1.0, kv_offloading_disk_size=1.0), {}, "generate", "cpu", 64,
+     "kv_offloading_disk_size needs kv_offloading_disk_path"),
+    (dict(async_scheduling=True, tensor_parallel_size=2), {}, "generate", "cpu", 64,
+     "async_scheduling does not support tensor_parallel_size > 1"),
+    (dict(async_scheduling=True, pipeline_parallel_size=2), {}, "generate", "cpu", 64,
+     "async_scheduling does not support pipeline_parallel_size > 1"),
+    (dict(async_scheduling=True, **_DP_EP), {}, "generate", "cpu", 64,
+     "async_scheduling does not support enable_expert_parallel"),
+    (dict(tensor_parallel_size=2, distributed_executor_backend="uni"), {}, "generate", "cpu",
+     64, "tensor_parallel_size 2 needs 'mp' or 'ray'"),
+    (dict(pipeline_parallel_size=2, distributed_executor_backend="uni"), {}, "generate", "cpu",
+     64, "pipeline_parallel_size 2 needs distributed_executor_backend 'mp' or 'ray'"),
+    (dict(pipeline_parallel_size=2), {}, "generate", "cuda", 64,
+     "does not support CUDA graphs yet: pass enforce_eager"),
+    (dict(pipeline_parallel_size=2), dict(architectures=["Qwen3MoeForCausalLM"]), "generate",
+     "cpu", 64, "not Qwen3MoeForCausalLM yet"),
+    (dict(pipeline_parallel_size=4), {}, "generate", "cpu", 64,
+     r"pipeline_parallel_size 4 needs at least as many decoder layers \(the model has 2\)"),
+    (dict(_DP_EP, tensor_parallel_size=2), {}, "generate", "cpu", 64,
+     "needs tensor_parallel_size 1 and pipeline_parallel_size 1"),
+    (dict(_DP_EP, distributed_executor_backend="mp"), {}, "generate", "cpu", 64,
+     "distributed_executor_backend must be unset or 'uni'"),
+    (dict(_DP_EP, data_parallel_rank=2), {}, "generate", "cpu", 64,
+     r"needs data_parallel_rank in \[0, 2\)"),
+    (dict(cpu_int4_matmul=True), {}, "generate", "cuda", 64,
+     r"cpu_int4_matmul runs on the CPU only \(device is cuda\)"),
+]
+
+
+def _resolved(kwargs, hf_extra, runner, device, max_len) -> ResolvedArgs:
+    return ResolvedArgs(EngineArgs(**kwargs), runner, device, max_len, _hf(**hf_extra))
+
+
+@pytest.mark.parametrize("kwargs, hf_extra, runner, device, max_len, message", CASES)
+def test_each_row_says_what_it_refuses(kwargs, hf_extra, runner, device, max_len, message):
+    with pytest.raises(ValueError, match=message):
+        check_compatibility(_resolved(kwargs, hf_extra, runner, device, max_len))
+
+
+def test_every_row_has_a_case():
+    hit = {id(row) for case in CASES for row in violations(_resolved(*case[:5]))}
+    missing = [f"{row.setting} x {row.other}" for row in ROWS if id(row) not in hit]
+    assert not missing, f"rows no case falls on: {missing}"
+
+
+@pytest.mark.parametrize("runner, device", [("generate", "cpu"), ("generate", "cuda"),
+                                            ("pooling", "cpu")])
+def test_plain_configurations_fall_on_no_row(runner, device):
+    assert violations(_resolved({}, {}, runner, device, 64)) == []
+    # supported combinations stay allowed
+    for kwargs in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2, enforce_eager=True),
+                   dict(kv_offloading_size=1.0, kv_offloading_disk_path="/tmp/x",
+                        kv_offloading_disk_size=1.0), _DP_EP):
+        if runner == "generate":
+            assert violations(_resolved(kwargs, {}, runner, device, 64)) == [], kwargs
+    # a replica of `shoal serve --data-parallel-size 2`
+    served = ResolvedArgs(EngineArgs(data_parallel_size=2), runner, device, 64, _hf(),
+                          serving=True)
+    assert violations(served) == []
+
+
+def test_create_engine_config_names_every_row_it_falls_on():
+    args = EngineArgs(device="cpu", tensor_parallel_size=2, speculative_config=_SPEC,
+                      kv_offloading_size=1.0, async_scheduling=True)
+    with pytest.raises(ValueError) as e:
+        args.create_engine_config(_hf())
+    text = str(e.value)
+    assert text.startswith("these engine settings do not work together:")
+    for part in ("speculative_config does not support tensor_parallel_size",
+                 "kv_offloading_size does not support tensor_parallel_size",
+                 "async_scheduling does not support tensor_parallel_size"):
+        assert part in text
+
+
+def test_value_checks_come_before_the_table():
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
+        EngineArgs(device="cpu", pipeline_parallel_size=0,
+                   kv_offloading_size=1.0).create_engine_config(_hf())
+    assert EngineArgs(device="cpu").create_engine_config(_hf()).parallel_config.world_size == 1

@@ -1,0 +1,63 @@
+"""Rank 0 of the mp executor leaves its process group before the interpreter tears down, on
+every way out of a process: an offline LLM still alive at exit, one whose engine shutdown
+failed, a start that failed after the ranks joined, and a process that leaves with os._exit
+after release_all() (as the server's engine process does). Otherwise torch destroys the group
+object during teardown and NCCL warns "process group has NOT been destroyed" (gloo says
+nothing, so on the CPU the script itself reports whether the group is still initialized once
+every atexit callback and finalizer has run)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = """
+import atexit, sys
+
+def _report():  # registered first, so it runs after every other atexit callback
+    import torch.distributed as dist
+    print(f"GROUP_ALIVE_AT_EXIT={dist.is_initialized()}", file=sys.stderr, flush=True)
+
+atexit.register(_report)
+from shoal import LLM, SamplingParams
+
+mode = sys.argv[2]
+llm = LLM(model=sys.argv[1], tensor_parallel_size=2, device="cpu", dtype="float32",
+          max_model_len=128, kv_cache_memory_bytes=100 if mode == "failed_start" else 2**22)
+llm.generate([{"prompt_token_ids": [5, 17, 300]}], SamplingParams(max_tokens=2),
+             use_tqdm=False)
+if mode == "os_exit":  # how the server's engine process ends (core_proc._exit_at_once)
+    import os
+
+    from shoal.executor.multiproc import release_all
+
+    release_all()
+    assert not llm.llm_engine.core.runner._procs  # the worker rank stopped and joined
+    _report()
+    os._exit(0)
+if mode == "core_shutdown_fails":
+    def _fail():
+        raise RuntimeError("the engine core's shutdown failed")
+
+    llm.llm_engine.core.shutdown = _fail
+print("END_OF_SCRIPT", file=sys.stderr, flush=True)
+"""
+_NCCL_WARNINGS = ("has NOT been destroyed", "destroy_process_group() was not called")
+
+
+@pytest.mark.parametrize("mode", ["alive_at_exit", "core_shutdown_fails", "failed_start",
+                                  "os_exit"])
+def test_rank_0_destroys_its_group_before_teardown(tiny_llama_dir, mode):
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tiny_llama_dir), mode],
+                          capture_output=True, text=True, timeout=300)
+    err = proc.stderr
+    if mode == "os_exit":  # no atexit callback ran: release_all() did it
+        assert proc.returncode == 0 and "END_OF_SCRIPT" not in err
+    elif mode == "failed_start":
+        assert proc.returncode == 1 and "not enough memory for the KV cache" in err, err[-3000:]
+    else:
+        assert "END_OF_SCRIPT" in err, err[-3000:]
+    assert "GROUP_ALIVE_AT_EXIT=False" in err, err[-3000:]
+    assert not any(w in err for w in _NCCL_WARNINGS), err[-3000:]
