@@ -19,7 +19,6 @@ waits for a quiet machine first)."""
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import hashlib
 import json
 import os
@@ -29,7 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import engine_internals
+from bench_args import add_common
 from cpu_quiet import MachineLoad, quiet
+from results_file import provenance, write
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,7 +51,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
 
     pp = 1 if args.worker == "pp1" else 2
     llm = LLM(pipeline_parallel_size=pp, max_model_len=512)
-    core = llm.llm_engine.core
+    core = engine_internals.core(llm, required=True)
     if args.worker == "pp2-serial":  # the engine before micro-batching: one step at a time
         core.batch_queue = None
         core.scheduler.micro_batches = 1
@@ -90,12 +92,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--configs", default="pp2,pp2-serial,pp1")
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--num-requests", type=int, default=32)
+    add_common(ap, rounds=2, num_requests=32, seed=0, out=None)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path)
     ap.add_argument("--quiet-limit", type=float, default=600.0,
                     help="seconds to wait for a quiet machine before each run")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -109,23 +108,20 @@ def main() -> int:
             res = {"round": r, **run_one(config, args)}
             print(json.dumps(res), flush=True)
             runs.append(res)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                            cwd=REPO).stdout.strip()
     summary = {
+        **provenance(),
         "workload": {"model": "SmolLM2-135M-Instruct (embedded GGUF, float32)",
                      "num_requests": args.num_requests, "input_len": args.input_len,
                      "output_len": args.output_len, "temperature": 0, "ignore_eos": True,
                      "max_model_len": 512},
         "hardware": {"cores": os.cpu_count()},
-        "commit": commit, "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join([".venv/bin/python", *sys.argv]),
         "runs": runs,
         "same_tokens": len({r["tokens_sha1"] for r in runs}) == 1,
         "best_output_tok_s": {c: max(r["output_tok_s"] for r in runs if r["config"] == c)
                               for c in args.configs.split(",")},
     }
     if args.out is not None:
-        args.out.write_text(json.dumps(summary, indent=2) + "\n")
+        write(summary, args.out)
     print(json.dumps(summary["best_output_tok_s"]))
     return 0
 

@@ -45,14 +45,17 @@ import statistics
 import sys
 import tempfile
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import engine_internals
+from bench_args import REQUIRED, add_common, comma_ints
+from offline_runs import tiny_llama
+from results_file import cpu_model, hardware, provenance, write
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(1, str(ROOT))
+sys.path.append(str(ROOT))  # shoal, after any PYTHONPATH
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -79,16 +82,6 @@ def us(seconds: float) -> float:
 
 
 # ---- the engine --------------------------------------------------------------------------
-def tiny_config(folder: Path, vocab: int, eos: int) -> None:
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
-           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-           "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-           "bos_token_id": 1, "eos_token_id": eos, "tie_word_embeddings": False,
-           "torch_dtype": "float32"}
-    (folder / "config.json").write_text(json.dumps(cfg))
-
-
 def pick_tokenizer(ns: argparse.Namespace) -> Any:
     """SmolLM2's tokenizer: --tokenizer, else the embedded model's, else the folder the H200
     runs of structured_outputs_gpu.py used (bench-work/qwen3-0.6b-smol). Sets ns.tokenizer."""
@@ -113,7 +106,7 @@ def build_llm(ns: argparse.Namespace, device: str, max_batch: int, folder: Path)
 
     tok = pick_tokenizer(ns)
     vocab = max(ns.vocab_size or 0, len(tok))
-    tiny_config(folder, vocab, tok.eos_token_id if tok.eos_token_id is not None else 2)
+    tiny_llama(folder, vocab, tok.eos_token_id if tok.eos_token_id is not None else 2)
     max_len = 1024
     cuda = device.startswith("cuda")
     return LLM(model=str(folder), tokenizer=ns.tokenizer, load_format="dummy", device=device,
@@ -125,46 +118,10 @@ def build_llm(ns: argparse.Namespace, device: str, max_batch: int, folder: Path)
                **({} if cuda else {"cpu_threads": ns.cpu_threads}))
 
 
-class Timers:
-    """perf_counter wrappers around engine functions; `acc` sums each name over a step."""
-
-    def __init__(self) -> None:
-        self.acc: dict[str, float] = defaultdict(float)
-        self._undo: list[Callable[[], None]] = []
-
-    def wrap(self, obj: Any, attr: str, name: str, static: bool = False) -> None:
-        had_own = attr in vars(obj) if hasattr(obj, "__dict__") else False
-        orig = getattr(obj, attr)
-        old = vars(obj).get(attr) if had_own else None
-        acc = self.acc
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                acc[name] += time.perf_counter() - t0
-
-        setattr(obj, attr, staticmethod(timed) if static else timed)
-
-        def undo() -> None:
-            if had_own:
-                setattr(obj, attr, old)
-            else:
-                delattr(obj, attr)
-
-        self._undo.append(undo)
-
-    def restore(self) -> None:
-        for undo in reversed(self._undo):
-            undo()
-        self._undo.clear()
-
-
-def install_timers(core: Any) -> Timers:
+def install_timers(core: Any) -> engine_internals.MethodTimers:
     import shoal.worker.model_runner as mr
 
-    t = Timers()
+    t = engine_internals.MethodTimers()
     runner, sched = core.runner, core.scheduler
     t.wrap(sched, "schedule", "schedule")
     t.wrap(core, "_grammar_bitmask", "core_grammar_rows")
@@ -268,11 +225,11 @@ def time_mode(core: Any, mode: str, batch: int, steps: int, async_default: bool,
         timed = []
         try:
             for _ in range(steps):
-                timers.acc.clear()
+                timers.clear()
                 rows, dt = d.step()
                 if d.last_steady:
                     timed.append((rows, dt))
-                    per_step.append(dict(timers.acc))
+                    per_step.append(timers.sums())
                 else:
                     left_out += 1
         finally:
@@ -589,8 +546,8 @@ def apply_costs(bm: Any, n: int, vocab: int, device: str, repeats: int) -> dict[
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, help="JSON file for the results")
-    p.add_argument("--batch-sizes", default="1,64,256")
+    add_common(p, out=REQUIRED, device=None)
+    p.add_argument("--batch-sizes", type=comma_ints, default=[1, 64, 256])
     p.add_argument("--steps", type=int, default=0,
                    help="timed steps per mode and batch size, clean and with timers each "
                         "(default: CUDA 40, 30 past batch 64; CPU 30, 10 past batch 64)")
@@ -608,7 +565,6 @@ def main() -> int:
     p.add_argument("--temperature", type=float, default=None,
                    help="sampling temperature (default: 0.6 as W1 on CUDA; 0 on the CPU, "
                         "where drawing from 49k-wide rows costs more than the grammar)")
-    p.add_argument("--device", default=None, help="cuda when available, else cpu")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch threads on the CPU (1: a parallel op on a shared machine "
                         "waits for its slowest thread)")
@@ -618,8 +574,6 @@ def main() -> int:
     ns = p.parse_args()
 
     import torch
-    from gpu_common import commit, hardware
-    from host_info import cpu_model
 
     t_start = time.perf_counter()
     device = ns.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -627,21 +581,20 @@ def main() -> int:
     if ns.vocab_size is None:
         ns.vocab_size = 151936 if cuda else 0
     temperature = ns.temperature if ns.temperature is not None else (0.6 if cuda else 0.0)
-    sizes = [int(s) for s in ns.batch_sizes.split(",") if s]
+    sizes = ns.batch_sizes
     modes = [m for m in (ns.modes or (",".join(MODES) if cuda else "free-sync,json"))
              .split(",") if m]
     with tempfile.TemporaryDirectory(prefix="shoal-so-host-") as tmp:
         t0 = time.perf_counter()
         llm = build_llm(ns, device, max(sizes), Path(tmp))
         build_s = time.perf_counter() - t0
-    core = llm.llm_engine.core
+    core = engine_internals.core(llm, required=True)
     async_default = core.async_scheduling
     tok_vocab = len(core.structured._tokenizer)
     result: dict[str, Any] = {
-        "workload": "structured-outputs-host-costs", "hardware": hardware(),
-        "cpu": cpu_model(), "commit": commit(), "date": time.strftime("%Y-%m-%d"),
-        "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "torch": torch.__version__, "device": device, "async_default": async_default,
+        **provenance(), "workload": "structured-outputs-host-costs", "hardware": hardware(),
+        "cpu": cpu_model(), "torch": torch.__version__, "device": device,
+        "async_default": async_default,
         "vocab": core.vocab_size, "tokenizer_vocab": tok_vocab,
         "tokenizer": ns.tokenizer, "temperature": temperature,
         "torch_threads": torch.get_num_threads(),
@@ -687,9 +640,7 @@ def main() -> int:
                 xgrammar_pieces(core, sizes, max(v, tok_vocab), device, ns.repeats))
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     llm.shutdown()
-    out = Path(ns.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    out = write(result, ns.out)
     print(json.dumps({k: v for k, v in result.items() if k.startswith("json_over")}))
     for b, row in result["summary_ms"].items():
         print("batch", b, json.dumps(row))
