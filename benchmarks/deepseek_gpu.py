@@ -69,42 +69,17 @@ MLA_SCRIPT = Path(__file__).resolve().parent / "mla_decode_gpu.py"
 # The tiny config of --smoke: every structural feature of V2-Lite (no q_lora, a dense first
 # layer, routed + shared experts) at toy sizes.
 SMOKE_CONFIG: dict[str, Any] = {
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "model_type": "deepseek_v2",
-    "attention_bias": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "first_k_dense_replace": 1,
-    "hidden_act": "silu",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "kv_lora_rank": 32,
-    "max_position_embeddings": 512,
-    "moe_intermediate_size": 32,
-    "moe_layer_freq": 1,
-    "n_group": 1,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "norm_topk_prob": False,
-    "num_attention_heads": 4,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 4,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 16,
-    "rms_norm_eps": 1e-6,
-    "rope_scaling": None,
-    "rope_theta": 10000,
-    "routed_scaling_factor": 1.0,
-    "scoring_func": "softmax",
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "topk_method": "greedy",
-    "torch_dtype": "float32",
-    "v_head_dim": 16,
-    "vocab_size": 512,
-}
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 1,
+    "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 128, "kv_lora_rank": 32,
+    "max_position_embeddings": 512, "moe_intermediate_size": 32, "moe_layer_freq": 1,
+    "n_group": 1, "n_routed_experts": 4, "n_shared_experts": 1, "norm_topk_prob": False,
+    "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+    "num_key_value_heads": 4, "q_lora_rank": None, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16, "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 10000,
+    "routed_scaling_factor": 1.0, "scoring_func": "softmax", "tie_word_embeddings": False,
+    "topk_group": 1, "topk_method": "greedy", "torch_dtype": "float32", "v_head_dim": 16,
+    "vocab_size": 512}
 
 # Workload sizes: the real run and --smoke.
 FULL = dict(dtype="bfloat16", max_model_len=4096, b1_in=128, b1_out=256, w1_in=(100, 1024),
@@ -191,7 +166,7 @@ def roofline(bench: Bench, decode: float) -> dict[str, Any]:
     figures without it)."""
     model = getattr(engine_internals.runner(bench.llm), "model", None)
     if model is None:
-        return dict(params=None, roofline_tok_s=None, fraction_of_roofline=None)
+        return dict.fromkeys(ROOFLINE_KEYS)
     counts = count_active(model, int(bench.hf_config.num_experts_per_tok))
     weight_bytes = counts["active_params"] * counts["param_bytes"]
     roof = COPY_BANDWIDTH / weight_bytes
@@ -213,6 +188,13 @@ def roofline(bench: Bench, decode: float) -> dict[str, Any]:
             "exactly num_experts_per_tok routed experts per MoE layer"),
         roofline_rule="weight_bytes_per_token / COPY_BANDWIDTH (offline_runs.py), KV reads not "
                       "included (see kv_bytes_read_per_token_at_mean_context)")
+
+
+ROOFLINE_KEYS = ("weight_bytes_per_token", "copy_bandwidth", "roofline_tok_s",
+                 "fraction_of_roofline", "roofline_tok_s_one_embedding_row",
+                 "fraction_of_roofline_one_embedding_row",
+                 "kv_bytes_read_per_token_at_mean_context", "params", "params_counted_on",
+                 "active_params_rule", "roofline_rule")
 
 
 # ---- parts ---------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -98,14 +99,38 @@ class W8:
             env["SHOAL_STEP_TRACE"] = str(self.work / "step-trace.jsonl")
         clients = ["--num-client-processes", str(self.args.client_processes)]
         detailed = ["--save-detailed"] if self.args.step_trace else []
-        runs = {}
+        runs, self.marks = {}, []  # marks: monotonic time before each run (the trace's clock)
         with self.serve(self.args.model, ["--no-enable-prefix-caching"], env) as server:
             for i in range(self.args.stream_runs):
+                self.marks.append(time.monotonic())
                 runs[f"stream_{ORDINALS[i]}"] = self.bench_serve(
                     server, f"serve-stream-{i + 1}", [*self.requests, *clients, *detailed])
+            self.marks.append(time.monotonic())
             runs["nonstream"] = self.bench_serve(
-                server, "serve-nonstream", [*self.requests, *clients, "--non-streaming"])
+                server, "serve-nonstream", [*self.requests, *clients, *detailed,
+                                            "--non-streaming"])
+        self.marks.append(time.monotonic())
         return runs, server.ready_s
+
+    def step_trace(self, files: list[str]) -> dict[str, dict[str, float]]:
+        """Per run, the engine core's steps between its mark and the next (step_trace.py);
+        the client's first send is its earliest start time (perf_counter: the same clock)."""
+        lines = (self.work / "step-trace.jsonl").read_text().splitlines()
+        steps = [json.loads(line) for line in lines if line.strip()]
+        out = {}
+        for name, t0, t1 in zip(files, self.marks, self.marks[1:]):
+            mine = [s for s in steps if t0 <= s["t"] < t1 and s["tokens"]]
+            sent = min(json.loads((self.work / f"{name}.json").read_text())["start_times"])
+            if mine:
+                out[name.removeprefix("serve-")] = {
+                    "steps": len(mine),
+                    "engine_first_add_to_last_step_s": round(
+                        mine[-1]["t"] + mine[-1]["step_ms"] / 1e3 - mine[0]["t"], 3),
+                    "first_send_to_engine_first_add_ms": round(1e3 * (mine[0]["t"] - sent), 1),
+                    **{f"{k}_ms": round(f(s[f"{k.split('_')[-1]}_ms"] for s in mine), 1)
+                       for k, f in (("max_step", max), ("sum_step", sum), ("sum_send", sum),
+                                    ("sum_drain", sum))}}
+        return out
 
     def batch1_http(self) -> dict[str, Any]:
         with self.serve(self.args.batch1_model, ["--tokenizer", self.args.model,
@@ -168,6 +193,9 @@ def main() -> int:
         "offline_total_output_tokens": offline["total_output_tokens"],
         "serve_ready_s": ready, "serve_runs": served,
         "client_processes": args.client_processes, "work_dir": str(args.work_dir)}
+    if args.step_trace:
+        figures["step_trace"] = w8.step_trace(
+            [f"serve-stream-{i + 1}" for i in range(args.stream_runs)] + ["serve-nonstream"])
     if args.batch1_model:
         figures |= w8.batch1_http()
     figures["commands"] = w8.commands
