@@ -5,7 +5,7 @@ These are shoal internals (`LLM.llm_engine.core.runner`, ...) that the seams ref
 so every accessor returns None where the path is gone instead of failing the run, and always
 under SHOAL_BENCH_PUBLIC_ONLY=1: the before/after sweep (gpu_run.sh --trees) measures both
 trees with the public API alone, the same way. Scripts whose whole measurement is internal
-(structured_host_costs.py, w6_cpu_profile.py, ...) call core(llm, required=True)."""
+(w6_cpu_profile.py, w5_prefix_reuse.py, ...) call core(llm, required=True)."""
 
 from __future__ import annotations
 

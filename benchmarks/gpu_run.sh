@@ -17,7 +17,7 @@
 # checkout's commit (the GPU machine's copy has no .git):
 #   mkdir .before && git archive ffd2572 shoal | tar -x -C .before && echo ffd2572 > .before/.commit
 #   git rev-parse --short HEAD > .commit
-# Carry bench-work/qwen3-0.6b-smol (w8, structured, serving, structured-host: make it with
+# Carry bench-work/qwen3-0.6b-smol (w8, structured, serving: make it with
 # benchmarks/export_hf_folder.py --shape qwen3-0.6b) and, for embeddings, bench-work/minilm-shape.
 #
 # The sweep's parts (public API only; time per tree on an H200 estimated from the results of
@@ -88,7 +88,6 @@ part() {
     w1split) run w1split 150 $py/gpu_suite.py w1 --split-time --out "$DIR/w1split.json" ;;
     w5) run w5 200 $py/w5_prefix_reuse.py --gpu --out "$DIR/w5.json" ;;
     spec) run spec 240 $py/spec_decode_gpu.py --rates "${SPEC_RATES:-0.0,0.5,0.8,1.0}" --repeats 1 --out "$DIR/spec.json" ;;
-    structured-host) run structured_host 100 $py/structured_host_costs.py --tokenizer "$W8_MODEL" --out "$DIR/structured_host.json" ;;
     draftgraphs) run draftgraphs 200 $PYTHON -m pytest -q -p no:cacheprovider tests/spec_decode/test_draft_graphs_gpu.py tests/attention/test_verify_graph_buffers.py ;;
     mla-tests) run mla_tests 90 $PYTHON -m pytest -q -p no:cacheprovider tests/attention/test_mla_kernels.py tests/attention/test_mla_backends.py tests/attention/test_verify_graph_buffers.py tests/attention/test_mla_engine.py ;;
     deepseek) run deepseek 250 $py/deepseek_gpu.py all --out "$DIR/deepseek.json" ;;

@@ -1,5 +1,5 @@
 """The benchmark scripts' shared helpers (benchmarks/): result files, flags, the comparison of
-two result folders, the engine-internals switch, and the W3 preset that replaced a script."""
+two result folders, the engine-internals switch, and the presets that replaced scripts."""
 
 from __future__ import annotations
 
@@ -128,3 +128,15 @@ def test_w3_preset_replaces_the_gpu_suite_part():
     assert (ns.model, ns.load_format, ns.dtype, ns.max_model_len, ns.temperature) == (
         "meta-llama/Llama-3.1-8B", "dummy", "bfloat16", 2048, 0.0)
     assert preset.num_prompts == 1024 and preset.random.input_range == (1000, 1000)
+
+
+def test_pp_cpu_preset_replaces_the_pp_microbatch_script():
+    from shoal.benchmarks.offline_common import apply_preset
+    from shoal.benchmarks.presets import THROUGHPUT_PRESETS
+    from shoal.entrypoints.cli import build_parser
+
+    ns = build_parser().parse_args(["bench", "throughput", "--preset", "pp-cpu",
+                                    "--pipeline-parallel-size", "2"])
+    preset = apply_preset(ns, THROUGHPUT_PRESETS)
+    assert (ns.pipeline_parallel_size, ns.max_model_len, ns.temperature) == (2, 512, 0.0)
+    assert preset.num_prompts == 32 and preset.random.token_range == (0, 49000)
