@@ -17,8 +17,9 @@
 # checkout's commit (the GPU machine's copy has no .git):
 #   mkdir .before && git archive ffd2572 shoal | tar -x -C .before && echo ffd2572 > .before/.commit
 #   git rev-parse --short HEAD > .commit
-# Carry bench-work/qwen3-0.6b-smol (w8, structured, serving: make it with
-# benchmarks/export_hf_folder.py --shape qwen3-0.6b) and, for embeddings, bench-work/minilm-shape.
+# Carry (git-ignored) .whl, .commit, bench-work/qwen3-0.6b-smol (w8, structured, serving: made
+# by benchmarks/export_hf_folder.py --shape qwen3-0.6b, 3.4 MB) and, for embeddings,
+# bench-work/minilm-shape.
 #
 # The sweep's parts (public API only; time per tree on an H200 estimated from the results of
 # 2026-12-02..04 in benchmarks/results: process start ~10 s, Qwen3-0.6B ready ~13 s, an 8B or
@@ -32,7 +33,8 @@
 #               rate), each running both batch sizes                                       ~120 s
 #   structured  W1 requests free vs JSON schema, one engine, async scheduling               ~45 s
 #   w10         DeepSeek-V2-Lite shape batch 1 (median of 3) and the W1 requests            ~75 s
-# So before+after fits in three calls of under 10 minutes each, e.g.
+# So before+after fits in three calls of under 10 minutes each (if every part ran to its time
+# limit the first call would not: parts that finished keep their files under $OUT), e.g.
 #   --trees before=.before,after=. w1 w2 w7        (~5.5 min)
 #   --trees before=.before,after=. w8 structured   (~5 min)
 #   --trees before=.before,after=. w9 w10          (~6.5 min)
