@@ -30,17 +30,17 @@ SHIPPED_CONFIGS = {LLAMA_8B: "llama-3.1-8b", QWEN3_06B: "qwen3-0.6b",
 
 def process_start_time() -> float | None:
     """Wall-clock time this process started: SHOAL_PROCESS_START (set by a shell before it
-    started python), else the kernel's record in /proc (before the interpreter initialised)."""
+    started python), else the kernel's start time in /proc (before the interpreter began),
+    in clock ticks since boot: its age is CLOCK_BOOTTIME now less that (10 ms resolution)."""
     env = os.environ.get("SHOAL_PROCESS_START")
     if env:
         return float(env)
     try:
         stat = Path("/proc/self/stat").read_text()
         ticks = int(stat[stat.rindex(")") + 2:].split()[19])
-        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                    if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, StopIteration, IndexError):
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 
