@@ -107,10 +107,9 @@ class MethodTimers:
         self.calls: dict[str, list[float]] = defaultdict(list)
         self._undo: list[Callable[[], None]] = []
 
-    def wrap(self, obj: Any, attr: str, name: str | None = None, static: bool = False) -> None:
-        own = attr in getattr(obj, "__dict__", {})
-        old, orig, calls = getattr(obj, "__dict__", {}).get(attr), getattr(obj, attr), \
-            self.calls[name or attr]
+    def wrap(self, obj: Any, attr: str, name: str | None = None) -> None:
+        own = vars(obj).get(attr)  # an instance attribute to put back, if there was one
+        orig, calls = getattr(obj, attr), self.calls[name or attr]
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -119,8 +118,9 @@ class MethodTimers:
             finally:
                 calls.append(time.perf_counter() - t0)
 
-        setattr(obj, attr, staticmethod(timed) if static else timed)
-        self._undo.append(lambda: setattr(obj, attr, old) if own else delattr(obj, attr))
+        setattr(obj, attr, timed)
+        self._undo.append(lambda: setattr(obj, attr, own) if own is not None
+                          else delattr(obj, attr))
 
     def sums(self) -> dict[str, float]:
         return {name: sum(v) for name, v in self.calls.items()}
