@@ -21,7 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import engine_internals
+from bench_args import add_common, comma_ints
 from cpu_quiet import MachineLoad
+from results_file import provenance, write
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -30,7 +33,7 @@ def burst(llm: Any, budget: int, prompts: int, prompt_len: int, out_len: int,
           seed: int) -> dict[str, Any]:
     from shoal import SamplingParams
 
-    sched = llm.llm_engine.core.scheduler
+    sched = engine_internals.core(llm, required=True).scheduler
     sched.config = dataclasses.replace(sched.config, max_num_batched_tokens=budget)
     rng = random.Random(seed)
     batch = [{"prompt_token_ids": [rng.randrange(49000) for _ in range(prompt_len)]}
@@ -58,17 +61,15 @@ def burst(llm: Any, budget: int, prompts: int, prompt_len: int, out_len: int,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--budgets", default="256,512,1024,2048,16384")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--budgets", type=comma_ints, default=[256, 512, 1024, 2048, 16384])
+    add_common(ap, rounds=2, dtype="auto", out=REPO / "bench-work" / "cpu_budget_sweep.json")
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--out-len", type=int, default=64)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--out", type=Path, default=REPO / "bench-work" / "cpu_budget_sweep.json")
     args = ap.parse_args()
     from shoal import LLM
 
-    budgets = [int(b) for b in args.budgets.split(",")]
+    budgets = args.budgets
     # The engine is built with the largest budget; each run lowers the scheduler's.
     llm = LLM(dtype=args.dtype, max_model_len=2048, max_num_batched_tokens=max(budgets),
               max_num_seqs=args.prompts)
@@ -87,10 +88,10 @@ def main() -> int:
         summary[b] = {k: statistics.median(x[k] for x in mine)
                       for k in ("output_tok_s", "ttft_mean_s", "ttft_median_s", "ttft_p99_s",
                                 "ttft_first_s", "other_cores")}
-    out = {"workload": f"burst of {args.prompts} x {args.prompt_len} in / {args.out_len} out",
+    out = {**provenance(),
+           "workload": f"burst of {args.prompts} x {args.prompt_len} in / {args.out_len} out",
            "dtype": args.dtype, "runs": runs, "median_by_budget": summary}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
+    write(out, args.out, indent=1)
     print(json.dumps(summary, indent=1))
     return 0
 

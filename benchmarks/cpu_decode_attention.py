@@ -16,11 +16,9 @@ the 2 cores of this machine."""
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import math
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,9 +27,10 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # shoal, after any PYTHONPATH
+from bench_args import add_common  # noqa: E402
 from cpu_quiet import MachineLoad, quiet  # noqa: E402
-from host_info import cpu_model  # noqa: E402
+from results_file import cpu_model, provenance, write  # noqa: E402
 
 from shoal.attention.metadata import build_attention_metadata  # noqa: E402
 from shoal.attention.ops import cpu_paged_decode  # noqa: E402
@@ -43,15 +42,13 @@ CASES = ((64, 600), (1, 192))
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench-work/cpu_decode_attention.json")
+    add_common(p, out="bench-work/cpu_decode_attention.json", rounds=10, threads=None)
     p.add_argument("--dtypes", default="bfloat16,float32")
-    p.add_argument("--rounds", type=int, default=10, help="alternations of the two paths")
     p.add_argument("--reps", type=int, default=0,
                    help="calls per path per round (default: 10 at batch 64, 100 at batch 1)")
     p.add_argument("--layers", type=int, default=8,
                    help="caches the calls rotate over, so each call finds its KV cold as in a "
                         "real step (8 x 15-30 MB at batch 64 is well past a 32 MB L3)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--wait-quiet", type=float, default=0.0, metavar="S",
                    help="before each case, wait up to S seconds for other processes to use "
                         "under 0.1 cores (0: do not wait)")
@@ -107,14 +104,6 @@ def time_case(batch: int, context: int, dtype: torch.dtype, rounds: int, reps: i
     return res
 
 
-def git_head() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -131,16 +120,12 @@ def main(argv: list[str] | None = None) -> int:
                    "waited_for_quiet_s": round(waited, 1)}
             print(json.dumps(rec), flush=True)
             records.append(rec)
-    result = {"benchmark": "CPU decode attention, one layer, SmolLM2-135M shapes "
+    result = {**provenance(),
+              "benchmark": "CPU decode attention, one layer, SmolLM2-135M shapes "
                            f"(Hq {HQ}, Hk {HK}, D {D}, block {BLOCK})",
-              "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "commit": git_head(), "date": dt.datetime.now().isoformat(timespec="seconds"),
               "cpu": cpu_model(), "torch": torch.__version__,
               "torch_threads": torch.get_num_threads(), "records": records}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out}")
+    write(result, args.out, indent=1)
     return 0
 
 

@@ -1,8 +1,8 @@
 """Measuring on a shared CPU machine: wait until it is quiet, then record how quiet it stayed.
 
-The helpers of w4_cpu_compare.py (CPU seconds of every process outside this run, read from
-/proc), wrapped for the W6 scripts: `quiet()` waits for a quiet machine, `Quietness` measures
-what other processes took during a measurement, so a disturbed run can be rerun.
+`OtherLoad` counts the CPU seconds of every process outside this run (read from /proc, this
+process's descendants left out), so a disturbed measurement can be rerun; `wait_quiet()`
+(also `quiet()`) waits for a quiet machine.
 
 `MachineLoad` counts what the per-process table misses (processes that start and end inside
 the window, such as a neighbour's test run): the machine's busy time from /proc/stat less
@@ -13,45 +13,67 @@ from __future__ import annotations
 import os
 import resource
 import time
-from typing import Any
+from pathlib import Path
 
-from w4_cpu_compare import OtherLoad, wait_quiet
-
-
-def quiet(max_cores: float = 0.1, window: float = 5.0, limit: float = 1800.0) -> float:
-    """Waits until other processes use under `max_cores` cores; returns the seconds waited."""
-    return wait_quiet(max_cores=max_cores, window=window, limit=limit)
+TICK = os.sysconf("SC_CLK_TCK")
 
 
-class Quietness:
-    """Other processes' CPU use over a measurement (cores, averaged over its wall time)."""
+def _proc_table() -> dict[int, tuple[int, float]]:
+    """pid -> (parent pid, CPU seconds so far), for every process."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            raw = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2:].split()
+        table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK)
+    return table
+
+
+def _ours(table: dict[int, tuple[int, float]]) -> set[int]:
+    mine, changed = {os.getpid()}, True
+    while changed:
+        changed = False
+        for pid, (ppid, _) in table.items():
+            if ppid in mine and pid not in mine:
+                mine.add(pid)
+                changed = True
+    return mine
+
+
+class OtherLoad:
+    """CPU seconds that processes outside this run (and their children) used meanwhile."""
 
     def __init__(self) -> None:
-        self.load = OtherLoad()
-        self.loadavg_before = os.getloadavg()[0]
+        self.before = _proc_table()
+        self.t0 = time.monotonic()
 
-    def result(self) -> dict[str, Any]:
-        other, wall = self.load.seconds()
-        return {"other_processes_cores": round(other / max(wall, 1e-9), 3),
-                "wall_s": round(wall, 2), "loadavg_1m_before": self.loadavg_before,
-                "loadavg_1m_after": os.getloadavg()[0]}
+    def seconds(self) -> tuple[float, float]:
+        after = _proc_table()
+        ours = _ours(after) | _ours(self.before)
+        other = sum(cpu - (self.before[pid][1] if pid in self.before else 0.0)
+                    for pid, (_, cpu) in after.items() if pid not in ours and pid > 2)
+        return max(other, 0.0), time.monotonic() - self.t0
 
 
-def measure_quietly(fn: Any, *, max_other_cores: float = 0.15, attempts: int = 3
-                    ) -> tuple[Any, dict[str, Any]]:
-    """Runs fn() on a quiet machine; reruns it (up to `attempts` times) while other processes
-    took more than `max_other_cores` during it. Returns fn's result and the quietness."""
-    for attempt in range(1, attempts + 1):
-        waited = quiet()
-        q = Quietness()
-        out = fn()
-        info = {**q.result(), "attempt": attempt, "waited_for_quiet_s": round(waited, 1)}
-        if info["other_processes_cores"] <= max_other_cores:
-            return out, info
-        print(f"   disturbed ({info['other_processes_cores']:.2f} cores elsewhere): rerun",
+def wait_quiet(max_cores: float = 0.1, window: float = 5.0, limit: float = 1800.0) -> float:
+    """Waits until other processes use under `max_cores` cores over `window` seconds (at most
+    `limit` seconds); returns the seconds waited."""
+    start = time.monotonic()
+    while True:
+        load = OtherLoad()
+        time.sleep(window)
+        other, wall = load.seconds()
+        if other / wall < max_cores or time.monotonic() - start > limit:
+            return time.monotonic() - start
+        print(f"   waiting for a quiet machine ({other / wall:.2f} cores busy elsewhere)",
               flush=True)
-        time.sleep(1)
-    return out, {**info, "disturbed": True}
+
+
+quiet = wait_quiet
 
 
 def _machine_busy_s() -> tuple[float, float]:

@@ -3,7 +3,7 @@ floor, W1-style throughput, and the latent KV cache's bytes per token, all on ra
 (load_format="dummy"; the shipped config has no tokenizer, so prompts are token ids).
 
     python benchmarks/deepseek_gpu.py all --out bench-work/deepseek-h200.json
-    python benchmarks/deepseek_gpu.py batch1 | w1 | kv | mla --out FILE [--num-requests N]
+    python benchmarks/deepseek_gpu.py batch1,w1 | kv | mla --out FILE [--num-requests N]
     python benchmarks/deepseek_gpu.py all --smoke --out /tmp/ds.json   # CPU, tiny config
 
 Parts (one JSON record each, written to --out after every part, so a part that dies or a
@@ -35,7 +35,10 @@ embedding row) -> 5.32 GB per decode token -> 799 tok/s at 4.25 TB/s (867 with o
 (1/8.9).
 
 `all` runs mla, then builds ONE engine for kv, batch1 and w1 (in that order); exit status 1
-when any part failed. --smoke writes a tiny DeepseekV2ForCausalLM config (2 layers, hidden 64) to a
+when any part failed. The timings go through the public API (benchmarks/offline_runs.py, the
+same code as gpu_suite.py); the parameter count and KV tensors come from the engine's runner
+(engine_internals.py): under SHOAL_BENCH_PUBLIC_ONLY=1 the roofline figures are None and the
+KV bytes come from the config. --smoke writes a tiny DeepseekV2ForCausalLM config (2 layers, hidden 64) to a
 temp folder and runs every part on the CPU in float32 with small request counts (the MLA
 script under TRITON_INTERPRET=1)."""
 
@@ -44,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -52,67 +54,38 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-import torch
+import engine_internals
+import offline_runs
+from bench_args import REQUIRED, add_common, comma_words
+from offline_runs import COPY_BANDWIDTH, DEEPSEEK_V2_LITE
+from results_file import record, write
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpu_common import record, write  # noqa: E402
-from gpu_suite import COPY_BANDWIDTH  # noqa: E402
-
-MODEL = "deepseek-ai/DeepSeek-V2-Lite"
+MODEL = DEEPSEEK_V2_LITE
 MLA_SCRIPT = Path(__file__).resolve().parent / "mla_decode_gpu.py"
 
 # The tiny config of --smoke: every structural feature of V2-Lite (no q_lora, a dense first
 # layer, routed + shared experts) at toy sizes.
 SMOKE_CONFIG: dict[str, Any] = {
-    "architectures": ["DeepseekV2ForCausalLM"],
-    "model_type": "deepseek_v2",
-    "attention_bias": False,
-    "bos_token_id": 0,
-    "eos_token_id": 1,
-    "first_k_dense_replace": 1,
-    "hidden_act": "silu",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "kv_lora_rank": 32,
-    "max_position_embeddings": 512,
-    "moe_intermediate_size": 32,
-    "moe_layer_freq": 1,
-    "n_group": 1,
-    "n_routed_experts": 4,
-    "n_shared_experts": 1,
-    "norm_topk_prob": False,
-    "num_attention_heads": 4,
-    "num_experts_per_tok": 2,
-    "num_hidden_layers": 2,
-    "num_key_value_heads": 4,
-    "q_lora_rank": None,
-    "qk_nope_head_dim": 16,
-    "qk_rope_head_dim": 16,
-    "rms_norm_eps": 1e-6,
-    "rope_scaling": None,
-    "rope_theta": 10000,
-    "routed_scaling_factor": 1.0,
-    "scoring_func": "softmax",
-    "tie_word_embeddings": False,
-    "topk_group": 1,
-    "topk_method": "greedy",
-    "torch_dtype": "float32",
-    "v_head_dim": 16,
-    "vocab_size": 512,
-}
+    "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+    "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1, "first_k_dense_replace": 1,
+    "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 128, "kv_lora_rank": 32,
+    "max_position_embeddings": 512, "moe_intermediate_size": 32, "moe_layer_freq": 1,
+    "n_group": 1, "n_routed_experts": 4, "n_shared_experts": 1, "norm_topk_prob": False,
+    "num_attention_heads": 4, "num_experts_per_tok": 2, "num_hidden_layers": 2,
+    "num_key_value_heads": 4, "q_lora_rank": None, "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 16, "rms_norm_eps": 1e-6, "rope_scaling": None, "rope_theta": 10000,
+    "routed_scaling_factor": 1.0, "scoring_func": "softmax", "tie_word_embeddings": False,
+    "topk_group": 1, "topk_method": "greedy", "torch_dtype": "float32", "v_head_dim": 16,
+    "vocab_size": 512}
 
 # Workload sizes: the real run and --smoke.
 FULL = dict(dtype="bfloat16", max_model_len=4096, b1_in=128, b1_out=256, w1_in=(100, 1024),
             w1_out=(100, 1024), num_requests=256, kv_cache_memory_bytes=None)
 SMOKE = dict(dtype="float32", max_model_len=512, b1_in=16, b1_out=12, w1_in=(8, 40),
              w1_out=(4, 16), num_requests=6, kv_cache_memory_bytes=32 << 20)
-
-
-def _ids(rng: random.Random, n: int, hi: int) -> dict:
-    return {"prompt_token_ids": [rng.randrange(hi) for _ in range(n)]}
 
 
 def write_smoke_config(folder: Path) -> Path:
@@ -126,82 +99,51 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, sizes: dict[str, Any]):
         self.args, self.sizes = args, sizes
-        self._llm = None
+        self._engine: offline_runs.Engine | None = None
         self._build_error: str | None = None
-        self.ready_s: float | None = None
-        self._hf_config = None
+        folder = offline_runs.shipped_folder(args.model)
+        self.hf_config = SimpleNamespace(**json.loads((folder / "config.json").read_text()))
 
     @property
-    def engine_kw(self) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(load_format="dummy", dtype=self.sizes["dtype"],
-                                  max_model_len=self.sizes["max_model_len"],
-                                  max_num_seqs=self.args.max_num_seqs)
-        if self.sizes["kv_cache_memory_bytes"] is not None:
-            kw["kv_cache_memory_bytes"] = self.sizes["kv_cache_memory_bytes"]
-        return kw
-
-    @property
-    def llm(self):
-        if self._llm is None:
-            from shoal import LLM
-
+    def llm(self) -> Any:
+        if self._engine is None:
             if self._build_error is not None:  # build once: the next part fails fast
                 raise RuntimeError(f"engine did not start: {self._build_error}")
-            t0 = time.perf_counter()
+            kw: dict[str, Any] = dict(load_format="dummy", dtype=self.sizes["dtype"],
+                                      max_model_len=self.sizes["max_model_len"],
+                                      max_num_seqs=self.args.max_num_seqs)
+            if self.sizes["kv_cache_memory_bytes"] is not None:
+                kw |= {"kv_cache_memory_bytes": self.sizes["kv_cache_memory_bytes"],
+                       "device": "cpu"}
             try:
-                self._llm = LLM(self.args.model, **self.engine_kw)
+                self._engine = offline_runs.start_engine(self.args.model, **kw)
             except Exception as e:
                 self._build_error = f"{type(e).__name__}: {e}"
                 raise
-            self.ready_s = time.perf_counter() - t0
-            print(f"engine ready in {self.ready_s:.1f} s", flush=True)
-        return self._llm
-
-    def runner(self, required: bool = True) -> Any | None:
-        """LLM.llm_engine (LLMEngine) .core (EngineCore) .runner: a ModelRunner in this process
-        for the uni executor (world size 1); None if the engine has none (or, with
-        required=False, did not start)."""
-        try:
-            llm = self.llm
-        except Exception:
-            if required:
-                raise
-            traceback.print_exc()
-            return None
-        return getattr(getattr(llm.llm_engine, "core", None), "runner", None)
-
-    @property
-    def hf_config(self) -> Any:
-        if self._hf_config is None:
-            runner = self.runner() if self._llm is not None else None
-            cfg = getattr(runner, "hf_config", None)
-            if cfg is None:
-                from shoal.loader import load_model
-
-                cfg = load_model(self.args.model, load_format="dummy").hf_config
-            self._hf_config = cfg
-        return self._hf_config
+        return self._engine.llm
 
     def vocab(self) -> int:
         return int(self.hf_config.vocab_size)
 
     def common(self) -> dict[str, Any]:
+        eng = self._engine
         return dict(model=self.args.model, dtype=self.sizes["dtype"], smoke=self.args.smoke,
-                    ready_s=self.ready_s, max_num_seqs=self.args.max_num_seqs,
+                    ready_s=eng.ready_s if eng else None,
+                    process_ready_s=eng.process_ready_s if eng else None,
+                    max_num_seqs=self.args.max_num_seqs,
                     max_model_len=self.sizes["max_model_len"])
 
 
 # ---- active parameters -------------------------------------------------------------------
 
-def count_active(model: torch.nn.Module, top_k: int) -> dict[str, Any]:
+def count_active(model: Any, top_k: int) -> dict[str, Any]:
     """Parameters of the model (shared tensors once) split into routed experts and the rest.
-    Active per token = non-routed + top_k x one expert's params, per MoE layer."""
-    from shoal.layers.moe.layer import FusedMoE
-
+    Active per token = non-routed + top_k x one expert's params, per MoE layer. Routed experts
+    are the modules holding stacked w13_weight / w2_weight with num_experts."""
     total = sum(p.numel() for p in model.parameters())
     routed = active_routed = moe_layers = per_expert = num_experts = 0
     for mod in model.modules():
-        if isinstance(mod, FusedMoE):
+        if hasattr(mod, "w13_weight") and hasattr(mod, "num_experts"):
             n = mod.w13_weight.numel() + mod.w2_weight.numel()
             per_expert, num_experts = n // mod.num_experts, mod.num_experts
             routed += n
@@ -219,135 +161,79 @@ def count_active(model: torch.nn.Module, top_k: int) -> dict[str, Any]:
                 active_params_without_embedding=one_row, param_bytes=elem)
 
 
-def _model_for_counting(bench: Bench) -> tuple[torch.nn.Module, str]:
-    runner = bench.runner()
-    model = getattr(runner, "model", None)
-    if isinstance(model, torch.nn.Module):
-        return model, "engine model (llm.llm_engine.core.runner.model)"
-    from shoal.models.registry import resolve_model_class
-
-    cfg = bench.hf_config
-    dtype = getattr(torch, bench.sizes["dtype"])
-    with torch.device("meta"):
-        model = resolve_model_class(cfg)(cfg, dtype, use_triton_ops=False)
-    return model, "model class built on the meta device from the config"
-
-
-# ---- parts ---------------------------------------------------------------------------------
-
-def batch1(bench: Bench) -> dict[str, Any]:
-    from shoal import SamplingParams
-
-    s = bench.sizes
-    llm = bench.llm
-    hi = bench.vocab()
-    rng = random.Random(0)
-    first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
-    full = SamplingParams(temperature=0, max_tokens=s["b1_out"], ignore_eos=True)
-    llm.generate(_ids(rng, s["b1_in"], hi), full, use_tqdm=False)  # warm
-    runs = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        llm.generate(_ids(rng, s["b1_in"], hi), first, use_tqdm=False)
-        ttft = time.perf_counter() - t0
-        # A fresh prompt each run (w2 repeats one): no prefix-cache hit shortens the prefill.
-        t0 = time.perf_counter()
-        out = llm.generate(_ids(rng, s["b1_in"], hi), full, use_tqdm=False)[0]
-        total = time.perf_counter() - t0
-        n = len(out.outputs[0].token_ids)
-        m = out.metrics
-        eng_ttft = eng_decode = None
-        if m is not None and m.first_token_time is not None and m.finished_time is not None:
-            eng_ttft = m.first_token_time - m.arrival_time
-            span = m.finished_time - m.first_token_time
-            eng_decode = (n - 1) / span if span > 0 else None
-        runs.append((total, ttft, n, eng_ttft, eng_decode, out.num_cached_tokens))
-    total, ttft, n, eng_ttft, eng_decode, cached = sorted(runs, key=lambda r: r[0])[1]
-    decode = (n - 1) / (total - ttft)
-
-    model, counted_on = _model_for_counting(bench)
-    top_k = int(bench.hf_config.num_experts_per_tok)
-    counts = count_active(model, top_k)
+def roofline(bench: Bench, decode: float) -> dict[str, Any]:
+    """The weight-read floor of a decode token, from the engine's model (an internal: None
+    figures without it)."""
+    model = getattr(engine_internals.runner(bench.llm), "model", None)
+    if model is None:
+        return dict.fromkeys(ROOFLINE_KEYS)
+    counts = count_active(model, int(bench.hf_config.num_experts_per_tok))
     weight_bytes = counts["active_params"] * counts["param_bytes"]
-    roofline = COPY_BANDWIDTH / weight_bytes
+    roof = COPY_BANDWIDTH / weight_bytes
     tight = COPY_BANDWIDTH / (counts["active_params_without_embedding"] * counts["param_bytes"])
-    cfg = bench.hf_config
+    cfg, s = bench.hf_config, bench.sizes
     latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * counts["param_bytes"]
     mean_ctx = s["b1_in"] + s["b1_out"] / 2
-    return record(
-        "batch1", "shoal", **bench.common(), batch=1, input_len=s["b1_in"],
-        output_len=s["b1_out"], output_tokens=n, runs=len(runs),
-        output_tok_s=n / total, decode_tok_s=decode, ttft_s=ttft, step_ms=1000 / decode,
-        total_s=total, engine_ttft_s=eng_ttft, engine_decode_tok_s=eng_decode,
-        num_cached_tokens=cached, all_runs_total_s=[r[0] for r in runs],
-        all_runs_ttft_s=[r[1] for r in runs],
+    return dict(
         weight_bytes_per_token=weight_bytes, copy_bandwidth=COPY_BANDWIDTH,
-        roofline_tok_s=roofline, fraction_of_roofline=decode / roofline,
+        roofline_tok_s=roof, fraction_of_roofline=decode / roof,
         roofline_tok_s_one_embedding_row=tight,
         fraction_of_roofline_one_embedding_row=decode / tight,
         kv_bytes_read_per_token_at_mean_context=int(cfg.num_hidden_layers * latent * mean_ctx),
-        graph_replay_ms=_time_replay(bench), params=counts, params_counted_on=counted_on,
+        params=counts, params_counted_on="engine model (the runner's model)",
         active_params_rule=(
             "all parameters of the built model (shared tensors once) minus the routed experts' "
             "stacked w13/w2 weights, plus num_experts_per_tok x one routed expert's w13+w2 per "
             "MoE layer; router gates and shared experts count in full; at batch 1 a token runs "
             "exactly num_experts_per_tok routed experts per MoE layer"),
-        roofline_rule="weight_bytes_per_token / COPY_BANDWIDTH (gpu_suite.py), KV reads not "
+        roofline_rule="weight_bytes_per_token / COPY_BANDWIDTH (offline_runs.py), KV reads not "
                       "included (see kv_bytes_read_per_token_at_mean_context)")
 
 
-def _time_replay(bench: Bench) -> float | None:
-    """GPU time of one replay of the batch-1 decode CUDA graph (as gpu_suite._time_replay)."""
-    graphs = getattr(bench.runner(), "graphs", None)
-    if graphs is None or not torch.cuda.is_available() or 1 not in graphs.graphs:
-        return None
-    g = graphs.graphs[1]
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(50):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / 50 * 1000
+ROOFLINE_KEYS = ("weight_bytes_per_token", "copy_bandwidth", "roofline_tok_s",
+                 "fraction_of_roofline", "roofline_tok_s_one_embedding_row",
+                 "fraction_of_roofline_one_embedding_row",
+                 "kv_bytes_read_per_token_at_mean_context", "params", "params_counted_on",
+                 "active_params_rule", "roofline_rule")
+
+
+# ---- parts ---------------------------------------------------------------------------------
+
+def batch1(bench: Bench) -> dict[str, Any]:
+    s = bench.sizes
+    fig = offline_runs.batch1(bench.llm, bench.vocab(), s["b1_in"], s["b1_out"])
+    return record("batch1", "shoal", **bench.common(), batch=1, input_len=s["b1_in"],
+                  output_len=s["b1_out"], **fig, **roofline(bench, fig["decode_tok_s"] or 0),
+                  graph_replay_ms=engine_internals.graph_replay_ms(bench.llm))
 
 
 def w1(bench: Bench) -> dict[str, Any]:
-    from shoal import SamplingParams
-
     s = bench.sizes
-    llm = bench.llm
-    hi = min(10000, bench.vocab())
-    rng = random.Random(0)
     n = bench.args.num_requests or s["num_requests"]
-    ins = [rng.randint(*s["w1_in"]) for _ in range(n)]
-    outs = [rng.randint(*s["w1_out"]) for _ in range(n)]
-    prompts = [_ids(rng, i, hi) for i in ins]
-    params = [SamplingParams(temperature=0.6, max_tokens=o, ignore_eos=True) for o in outs]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm
-    t0 = time.perf_counter()
-    res = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    total = sum(len(r.outputs[0].token_ids) for r in res)
+    prompts, params, ins, outs = offline_runs.w1_requests(
+        n, min(10000, bench.vocab()), in_range=s["w1_in"], out_range=s["w1_out"])
+    fig = offline_runs.throughput(bench.llm, prompts, params)
     return record("w1", "shoal", **bench.common(), num_requests=n,
                   input_len_range=list(s["w1_in"]), output_len_range=list(s["w1_out"]),
-                  total_input_tokens=sum(ins), total_output_tokens=total,
-                  expected_output_tokens=sum(outs), elapsed_s=dt, output_tok_s=total / dt,
+                  total_input_tokens=sum(ins), expected_output_tokens=sum(outs), **fig,
                   temperature=0.6)
 
 
 def kv_bytes(bench: Bench) -> dict[str, Any]:
     # The engine's cache tensors when it starts; the config's figures when it does not.
-    runner = bench.runner(required=False)
+    try:
+        caches = getattr(engine_internals.runner(bench.llm), "kv_caches", None)
+    except Exception:
+        traceback.print_exc()
+        caches = None
     cfg = bench.hf_config
     layers = int(cfg.num_hidden_layers)
     heads = int(cfg.num_attention_heads)
     head_dim = int(cfg.hidden_size) // heads
     latent_dim = int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)
-    elem = torch.empty((), dtype=getattr(torch, bench.sizes["dtype"])).element_size()
+    elem = 2 if bench.sizes["dtype"] == "bfloat16" else 4
     source, shapes, slots = "config", None, None
     per_token = layers * latent_dim * elem
-    caches = getattr(runner, "kv_caches", None)
     if caches:
         # Each cache is [planes, num_slots, kv_heads, row]; bytes per slot summed over layers.
         per_token = sum(kv.numel() // kv.shape[1] * kv.element_size() for kv in caches)
@@ -378,30 +264,24 @@ def kv_bytes(bench: Bench) -> dict[str, Any]:
 def mla_kernel(bench: Bench) -> dict[str, Any]:
     if not MLA_SCRIPT.exists():
         return record("mla_kernel", "shoal", skipped=f"{MLA_SCRIPT.name} not found")
-    tmp = tempfile.TemporaryDirectory(prefix="deepseek-mla-")
-    try:
-        return _mla_kernel(bench, Path(tmp.name) / "mla.json")
-    finally:
-        tmp.cleanup()
-
-
-def _mla_kernel(bench: Bench, out: Path) -> dict[str, Any]:
-    cmd = [sys.executable, str(MLA_SCRIPT), "--out", str(out)]
-    env = dict(os.environ)
-    if bench.args.smoke:
-        cmd.append("--smoke")
-        env["TRITON_INTERPRET"] = "1"  # its Triton kernel on CPU tensors
-    elif bench.args.mla_heads:
-        cmd += ["--heads", bench.args.mla_heads]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                          timeout=bench.args.mla_timeout)
-    wall = time.perf_counter() - t0
-    print(proc.stdout[-4000:], proc.stderr[-4000:] if proc.returncode else "", flush=True)
-    if proc.returncode != 0 or not out.exists():
-        raise RuntimeError(f"{MLA_SCRIPT.name} exited {proc.returncode}: "
-                           f"{proc.stderr.strip().splitlines()[-1:]} ")
-    rows = json.loads(out.read_text())
+    with tempfile.TemporaryDirectory(prefix="deepseek-mla-") as tmp:
+        out = Path(tmp) / "mla.json"
+        cmd = [sys.executable, str(MLA_SCRIPT), "--out", str(out)]
+        env = dict(os.environ)
+        if bench.args.smoke:
+            cmd.append("--smoke")
+            env["TRITON_INTERPRET"] = "1"  # its Triton kernel on CPU tensors
+        elif bench.args.mla_heads:
+            cmd += ["--heads", bench.args.mla_heads]
+        t0 = time.perf_counter()
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                              timeout=bench.args.mla_timeout)
+        wall = time.perf_counter() - t0
+        print(proc.stdout[-4000:], proc.stderr[-4000:] if proc.returncode else "", flush=True)
+        if proc.returncode != 0 or not out.exists():
+            raise RuntimeError(f"{MLA_SCRIPT.name} exited {proc.returncode}: "
+                               f"{proc.stderr.strip().splitlines()[-1:]} ")
+        rows = json.loads(out.read_text())
     keep = ("heads", "batch", "context", "dtype", "absorbed_ms", "kernel_ms", "kernel_tbps",
             "kernel_fraction_of_h200_bw", "expanded_ms", "speedup_absorbed_vs_expanded",
             "max_abs_err", "kv_bytes_per_token_latent", "kv_bytes_per_token_expanded",
@@ -420,19 +300,18 @@ ALL = ["mla", "kv", "batch1", "w1"]
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", choices=[*PARTS, "all"])
-    ap.add_argument("--out", required=True)
+    ap.add_argument("part", type=comma_words, help=f"all, or a comma list of {', '.join(PARTS)}")
+    add_common(ap, out=REQUIRED, num_requests=None, max_num_seqs=256,
+               smoke="CPU, float32, a tiny DeepSeek-V2 config in a temp folder")
     ap.add_argument("--model", default=None,
                     help=f"model name or folder (default {MODEL}; --smoke: a tiny config)")
-    ap.add_argument("--num-requests", type=int, default=None,
-                    help="w1 requests (default 256; --smoke 6)")
-    ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--mla-heads", default="16",
                     help="mla part: --heads for mla_decode_gpu.py ('16,128' adds V3's)")
     ap.add_argument("--mla-timeout", type=float, default=180)
-    ap.add_argument("--smoke", action="store_true",
-                    help="CPU, float32, a tiny DeepSeek-V2 config in a temp folder")
     args = ap.parse_args(argv)
+    parts = ALL if args.part == ["all"] else args.part
+    if unknown := [p for p in parts if p not in PARTS]:
+        ap.error(f"unknown part(s) {unknown}: all, or {', '.join(PARTS)}")
     sizes = dict(SMOKE if args.smoke else FULL)
     tmp = None
     if args.smoke and args.model is None:
@@ -442,7 +321,6 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.smoke:
         args.max_num_seqs = min(args.max_num_seqs, 8)
     bench = Bench(args, sizes)
-    parts = ALL if args.part == "all" else [args.part]
     records: list[dict[str, Any]] = []
     for name in parts:
         t0 = time.perf_counter()
@@ -457,8 +335,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         records.append(rec)
         print(json.dumps(rec, default=str), flush=True)
         write(records, args.out)
-    if bench._llm is not None:
-        bench._llm.shutdown()
+    if bench._engine is not None:
+        bench._engine.llm.shutdown()
     if tmp is not None:
         tmp.cleanup()
     return records

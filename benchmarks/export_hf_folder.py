@@ -4,8 +4,14 @@ Peer engines (vLLM's CPU build, transformers) cannot read the embedded Q4_1 GGUF
 does, so this dequantizes it with shoal's own loader and saves a plain float32 checkpoint:
 
     .venv/bin/python benchmarks/export_hf_folder.py [--out bench-work/smollm2-hf] [--check]
+    .venv/bin/python benchmarks/export_hf_folder.py --shape qwen3-0.6b \
+        --out bench-work/qwen3-0.6b-smol        # W8's model: no weights, ~3.5 MB
 
 --check loads the folder with transformers and compares its greedy tokens with shoal.LLM's.
+--shape writes no weights: a shipped shape's config.json (shoal/model_configs/<shape>) with
+the vocabulary size and bos/eos ids of this model's tokenizer, and the tokenizer files: a
+model for load_format="dummy" whose text tokenizes (W8, structured_outputs_gpu.py; carried
+to the GPU machine with the run).
 """
 
 from __future__ import annotations
@@ -45,6 +51,22 @@ def export(out: Path, model: str | None = None) -> Path:
     meta = {"source": m.source, "load_format": m.load_format, "num_tensors": len(tensors)}
     (out / "shoal_export.json").write_text(json.dumps(meta, indent=2) + "\n")
     print(f"wrote {len(tensors)} tensors to {out} in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def export_shape(out: Path, shape: str, model: str | None = None) -> Path:
+    """`shape`'s config with `model`'s (None = embedded SmolLM2) tokenizer, no weights."""
+    from shoal.loader.tokenizers import load_tokenizer
+
+    tok = load_tokenizer(model or "smollm2")
+    cfg = json.loads((REPO / "shoal" / "model_configs" / shape / "config.json").read_text())
+    cfg |= {"vocab_size": len(tok), "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id}
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    print(f"wrote {shape}'s config (vocab {len(tok)}, eos {tok.eos_token_id}) and the "
+          f"tokenizer to {out}")
     return out
 
 
@@ -89,8 +111,12 @@ def main() -> int:
     ap.add_argument("--model", default=None, help="shoal model argument (default: embedded SmolLM2)")
     ap.add_argument("--check", action="store_true", help="compare greedy output with transformers")
     ap.add_argument("--skip-export", action="store_true", help="only --check an existing folder")
+    ap.add_argument("--shape", default=None,
+                    help="a folder name of shoal/model_configs: its config, this tokenizer")
     args = ap.parse_args()
-    if not args.skip_export:
+    if args.shape:
+        export_shape(args.out, args.shape, args.model)
+    elif not args.skip_export:
         export(args.out, args.model)
     if args.check:
         return 0 if check(args.out) else 1

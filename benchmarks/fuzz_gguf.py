@@ -26,6 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests" / "reliability"), str(ROOT / "tests" / "loader"),
                 str(ROOT / "tests")]
+from bench_args import add_common  # noqa: E402
+from results_file import provenance, write  # noqa: E402
 
 
 def run_mutations(n: int, seed: int) -> dict:
@@ -121,6 +123,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout-s", type=int, default=10)
     p.add_argument("--rss-limit-mb", type=int, default=4096)
+    add_common(p, out=None)
     ns = p.parse_args()
     out = []
     if ns.mutations:
@@ -128,6 +131,8 @@ def main() -> int:
     if ns.atheris_runs:
         out.append(run_atheris(ns.atheris_runs, ns.timeout_s, ns.rss_limit_mb))
     print(json.dumps(out, indent=2))
+    if ns.out:
+        write({**provenance(), "workload": "gguf-fuzz", "runs": out}, ns.out)
     return 0 if all(not r.get("crashed") and not r.get("other_exceptions") for r in out) else 1
 
 

@@ -12,11 +12,12 @@ import random
 import tempfile
 
 import torch
-from gpu_common import record, write
+from bench_args import REQUIRED, add_common
+from offline_runs import shipped_folder
+from results_file import record, write
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shoal import LLM, SamplingParams
-from shoal.loader.resolve import resolve_model
 
 SHAPES = {"llama-3.1-8b": "meta-llama/Llama-3.1-8B", "qwen3-0.6b": "Qwen/Qwen3-0.6B",
           "qwen3-30b-a3b": "Qwen/Qwen3-30B-A3B",
@@ -42,7 +43,7 @@ def hf_greedy(model, prompt: list[int], n: int, device: str) -> tuple[list[int],
 
 
 def check(shape: str, dtype: torch.dtype, layers: int, steps: int, one_by_one: bool) -> dict:
-    cfg = AutoConfig.from_pretrained(resolve_model(SHAPES[shape]).path)
+    cfg = AutoConfig.from_pretrained(shipped_folder(SHAPES[shape]))
     layers = LAYERS.get(shape, layers)
     cfg.num_hidden_layers = layers
     if getattr(cfg, "layer_types", None):
@@ -83,8 +84,8 @@ def check(shape: str, dtype: torch.dtype, layers: int, steps: int, one_by_one: b
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common(ap, out=REQUIRED)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--one-by-one", action="store_true",

@@ -1,43 +1,115 @@
 #!/usr/bin/env bash
-# One device call: install the carried wheels, run the chosen GPU parts, each with its own time
-# limit, logs and JSON under $OUT. Usage (on the GPU machine, repo root):
-#   bash benchmarks/gpu_run.sh kernels correctness w2 w7 w1
-# (structured and structured-host need bench-work/qwen3-0.6b-smol carried: SmolLM2's tokenizer)
+# One device call: install the carried wheels (.whl/), then run the chosen GPU parts, each in
+# its own process with its own time limit (`timeout` kills the part's whole process group: a
+# server it started goes too); logs and JSON under $OUT.
+#
+#   bash benchmarks/gpu_run.sh kernels correctness w2 w7 w1        # this checkout, $OUT/<part>.*
+#   bash benchmarks/gpu_run.sh --trees before=.before,after=. w1 w2 w7   # before/after sweep
+#
+# --trees LABEL=DIR,...: every part runs once per tree, back to back in the order given (so
+# the two figures of a part are taken minutes apart on the same machine), with cd DIR,
+# PYTHONPATH=<wheels>:DIR, SHOAL_COMMIT from DIR/.commit (else git, else "unknown") and
+# SHOAL_BENCH_PUBLIC_ONLY=1: the scripts, always this checkout's benchmarks/, then use shoal's
+# public API alone (shoal.LLM, SamplingParams, `shoal serve`, `shoal bench`), so an older tree
+# and a refactored one are measured the same way; output in $OUT/LABEL/<part>.json and .log.
+# Compare two such folders with benchmarks/compare_results.py.
+# An older commit's tree for it (untracked, so it travels with the working tree), and this
+# checkout's commit (the GPU machine's copy has no .git):
+#   mkdir .before && git archive ffd2572 shoal | tar -x -C .before && echo ffd2572 > .before/.commit
+#   git rev-parse --short HEAD > .commit
+# Carry (git-ignored) .whl, .commit, bench-work/qwen3-0.6b-smol (w8, structured, serving: made
+# by benchmarks/export_hf_folder.py --shape qwen3-0.6b, 3.4 MB) and, for embeddings,
+# bench-work/minilm-shape.
+#
+# The sweep's parts (public API only; time per tree on an H200 estimated from the results of
+# 2026-12-02..04 in benchmarks/results: process start ~10 s, Qwen3-0.6B ready ~13 s, an 8B or
+# DeepSeek-V2-Lite shape ready 21-29 s):
+#   w1          W1, Qwen3-0.6B shape, 256 requests, 2 runs; tok/s, ready_s, process_ready_s  ~40 s
+#   w2          W2, Llama-3.1-8B shape, batch 1, 128/256; tok/s, ready                       ~50 s
+#   w7          W7 ready from process start: Llama-3.1-8B (~45 s) and Qwen3-0.6B (~25 s)     ~70 s
+#   w8          W8 serve/offline: offline 2 runs, serve 2x streaming + 1x non-streaming,
+#               256 connections from 4 client processes                                    ~100 s
+#   w9          W9 forced acceptance a=0, 0.8, k=4, batch 1 and 32: 3 engines (plain, one per
+#               rate), each running both batch sizes                                       ~120 s
+#   structured  W1 requests free vs JSON schema, one engine, async scheduling               ~45 s
+#   w10         DeepSeek-V2-Lite shape batch 1 (median of 3) and the W1 requests            ~75 s
+# So before+after fits in three calls of under 10 minutes each (if every part ran to its time
+# limit the first call would not: parts that finished keep their files under $OUT), e.g.
+#   --trees before=.before,after=. w1 w2 w7        (~5.5 min)
+#   --trees before=.before,after=. w8 structured   (~5 min)
+#   --trees before=.before,after=. w9 w10          (~6.5 min)
+# SMOKE=1 runs the sweep's parts with --smoke (tiny models on the CPU: a check of the driver);
+# PYTHON=... picks the interpreter (default python3).
 set -u
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1 && export PYTHONPATH=/tmp/site:$PWD
-export SHOAL_COMMIT=$(cat .commit 2>/dev/null || echo unknown)
+PYTHON=${PYTHON:-python3}
+BENCH=$(cd "$(dirname "$0")" && pwd)
+REPO=$(dirname "$BENCH")
+W8_MODEL=$REPO/bench-work/qwen3-0.6b-smol
+SITE=""
+$PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site "$REPO"/.whl/*.whl >/dev/null 2>&1 && SITE=/tmp/site
+TREES="" PUBLIC=""
+if [ "${1:-}" = --trees ]; then TREES=$2 PUBLIC=1; shift 2; fi
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
-python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
-run() {  # name, limit, command...
+PYTHONPATH=$SITE $PYTHON -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+
+run() {  # name, limit, command...: in the current tree, output under $DIR
   local name=$1 limit=$2; shift 2
   local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$DIR/$name.log" 2>&1
   local rc=$?
-  echo "== $name rc=$rc $(( $(date +%s) - t0 ))s"
-  tail -n 4 "$OUT/$name.log"
+  echo "== ${LABEL:+$LABEL }$name rc=$rc $(( $(date +%s) - t0 ))s"
+  tail -n 4 "$DIR/$name.log"
 }
-for part in "$@"; do
-  case $part in
-    kernels) run kernels 150 python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_kernels.py tests/attention/test_rope_kv_write.py tests/layers/test_fused_moe.py ;;
-    correctness) run correctness 280 python3 benchmarks/gpu_correctness.py --out "$OUT/correctness.json" ;;
-    w1) run w1 90 python3 benchmarks/gpu_suite.py w1 --out "$OUT/w1.json" ;;
-    w2) run w2 120 python3 benchmarks/gpu_suite.py w2 --out "$OUT/w2.json" ;;
-    w3) run w3 300 python3 benchmarks/gpu_suite.py w3 --out "$OUT/w3.json" ;;
-    w3-hf) run w3hf 150 python3 benchmarks/gpu_suite.py w3-hf --out "$OUT/w3hf.json" ;;
-    w7) SHOAL_PROCESS_START=$(date +%s.%N) run w7 60 python3 benchmarks/gpu_suite.py w7 --out "$OUT/w7.json" ;;
-    w1mp) run w1mp 90 python3 benchmarks/gpu_suite.py w1 --executor mp --out "$OUT/w1mp.json" ;;
-    w2mp) run w2mp 120 python3 benchmarks/gpu_suite.py w2 --executor mp --out "$OUT/w2mp.json" ;;
-    w1sync) run w1sync 90 python3 benchmarks/gpu_suite.py w1 --async-scheduling off --out "$OUT/w1sync.json" ;;
-    w2sync) run w2sync 120 python3 benchmarks/gpu_suite.py w2 --async-scheduling off --out "$OUT/w2sync.json" ;;
-    syncs) run syncs 90 python3 benchmarks/gpu_suite.py syncs --out "$OUT/syncs.json" ;;
-    w1split) run w1split 150 python3 benchmarks/gpu_suite.py w1 --split-time --out "$OUT/w1split.json" ;;
-    w5) run w5 200 python3 benchmarks/w5_prefix_reuse.py --gpu --out "$OUT/w5.json" ;;
-    spec) run spec 240 python3 benchmarks/spec_decode_gpu.py --rates 0.0,0.5,0.8,1.0 --repeats 1 --out "$OUT/spec.json" ;;
-    structured) run structured 220 python3 benchmarks/structured_outputs_gpu.py --tokenizer bench-work/qwen3-0.6b-smol --out "$OUT/structured.json" ;;
-    structured-host) run structured_host 100 python3 benchmarks/structured_host_costs.py --tokenizer bench-work/qwen3-0.6b-smol --out "$OUT/structured_host.json" ;;
-    draftgraphs) run draftgraphs 200 python3 -m pytest -q -p no:cacheprovider tests/spec_decode/test_draft_graphs_gpu.py tests/attention/test_verify_graph_buffers.py ;;
-    *) echo "unknown part $part" ;;
+
+part() {
+  local py="$PYTHON $BENCH" cli="$PYTHON -m shoal.cli" S=${SMOKE:+--smoke}
+  [ -f shoal/cli.py ] || cli="$PYTHON -m shoal.entrypoints.cli"  # trees before the seams refactor
+  case $1 in
+    # the sweep's parts (see above)
+    w1) run w1 120 $py/gpu_suite.py w1 --num-runs 2 $S --out "$DIR/w1.json" ;;
+    w2) run w2 120 $py/gpu_suite.py w2 ${PUBLIC:+--no-profile} $S --out "$DIR/w2.json" ;;
+    w7) run w7-llama 90 $py/gpu_suite.py w7 --w7-model llama $S --out "$DIR/w7-llama.json"
+        run w7-qwen3 90 $py/gpu_suite.py w7 --w7-model qwen3 $S --out "$DIR/w7-qwen3.json" ;;
+    w8) run w8 300 $py/w8_serving.py --model "$W8_MODEL" $S --out "$DIR/w8.json" ;;
+    w9) run w9 330 $py/spec_decode_gpu.py --rates 0.0,0.8 --repeats 1 $S --out "$DIR/w9.json" ;;
+    structured) run structured 220 $py/structured_outputs_gpu.py --tokenizer "$W8_MODEL" $S \
+                  --out "$DIR/structured.json" ;;
+    w10) run w10 200 $py/deepseek_gpu.py batch1,w1 $S --out "$DIR/w10.json" ;;
+    # more parts of this checkout (some reach engine internals: see engine_internals.py)
+    kernels) run kernels 150 $PYTHON -m pytest -q -p no:cacheprovider tests/attention/test_triton_kernels.py tests/attention/test_rope_kv_write.py tests/layers/test_fused_moe.py ;;
+    correctness) run correctness 280 $py/gpu_correctness.py --out "$DIR/correctness.json" ;;
+    ds-correctness) run ds_correctness 150 $py/gpu_correctness.py --shapes deepseek-v2-lite --out "$DIR/ds_correctness.json" ;;
+    w3) run w3 300 $cli bench throughput --preset W3 --disable-tqdm --output-json "$DIR/w3.json" ;;
+    w3-hf) run w3hf 150 $py/gpu_suite.py w3-hf --out "$DIR/w3hf.json" ;;
+    w1mp) run w1mp 90 $py/gpu_suite.py w1 --executor mp --out "$DIR/w1mp.json" ;;
+    w2mp) run w2mp 120 $py/gpu_suite.py w2 --executor mp --out "$DIR/w2mp.json" ;;
+    w1sync) run w1sync 90 $py/gpu_suite.py w1 --async-scheduling off --out "$DIR/w1sync.json" ;;
+    w2sync) run w2sync 120 $py/gpu_suite.py w2 --async-scheduling off --out "$DIR/w2sync.json" ;;
+    syncs) run syncs 90 $py/gpu_suite.py syncs --out "$DIR/syncs.json" ;;
+    w1split) run w1split 150 $py/gpu_suite.py w1 --split-time --out "$DIR/w1split.json" ;;
+    w5) run w5 200 $py/w5_prefix_reuse.py --gpu --out "$DIR/w5.json" ;;
+    spec) run spec 240 $py/spec_decode_gpu.py --rates "${SPEC_RATES:-0.0,0.5,0.8,1.0}" --repeats 1 --out "$DIR/spec.json" ;;
+    draftgraphs) run draftgraphs 200 $PYTHON -m pytest -q -p no:cacheprovider tests/spec_decode/test_draft_graphs_gpu.py tests/attention/test_verify_graph_buffers.py ;;
+    mla-tests) run mla_tests 90 $PYTHON -m pytest -q -p no:cacheprovider tests/attention/test_mla_kernels.py tests/attention/test_mla_backends.py tests/attention/test_verify_graph_buffers.py tests/attention/test_mla_engine.py ;;
+    deepseek) run deepseek 250 $py/deepseek_gpu.py all --out "$DIR/deepseek.json" ;;
+    embeddings) run embeddings 70 $py/embeddings.py --device cuda --model "$REPO/bench-work/minilm-shape" --load-format dummy --out "$DIR/embeddings.json" ;;
+    # W8 in full (issue 20): 3 streaming runs with the step trace, batch-1 over HTTP on the 8B
+    serving) run serving 500 $py/w8_serving.py --model "$W8_MODEL" --stream-runs 3 --step-trace --batch1-model meta-llama/Llama-3.1-8B --out "$DIR/serving.json" ;;
+    *) echo "unknown part $1" ;;
   esac
+}
+
+for p in "$@"; do
+  IFS=, read -ra specs <<< "${TREES:-main=$REPO}"
+  for spec in "${specs[@]}"; do
+    LABEL=${TREES:+${spec%%=*}}
+    TREE=$(cd "${spec#*=}" && pwd) || { echo "no tree ${spec#*=}"; continue; }
+    DIR=$OUT${LABEL:+/$LABEL}
+    mkdir -p "$DIR"
+    COMMIT=$(cat "$TREE/.commit" 2>/dev/null || git -C "$TREE" rev-parse HEAD 2>/dev/null || echo unknown)
+    (cd "$TREE" && export PYTHONPATH=${SITE:+$SITE:}$TREE SHOAL_COMMIT=$COMMIT \
+       SHOAL_BENCH_PUBLIC_ONLY=$PUBLIC && part "$p")
+  done
 done

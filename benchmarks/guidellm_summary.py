@@ -12,6 +12,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from results_file import provenance, write
+
 METRICS = ("requests_per_second", "request_concurrency", "request_latency",
            "time_to_first_token_ms", "time_per_output_token_ms", "inter_token_latency_ms",
            "output_tokens_per_second", "tokens_per_second", "prompt_token_count",
@@ -56,10 +58,10 @@ def main() -> None:
     ns = p.parse_args()
     report = json.loads(ns.report.read_text())
     meta = dict(kv.split("=", 1) for kv in ns.meta)
-    result = {**meta, "guidellm_metadata": report.get("metadata"),
+    result = {**provenance(), **meta, "guidellm_metadata": report.get("metadata"),
               "guidellm_config": report.get("config"),
               "benchmarks": [summarize(b) for b in report.get("benchmarks", [])]}
-    ns.out.write_text(json.dumps(result, indent=1) + "\n")
+    write(result, ns.out, indent=1)
 
 
 if __name__ == "__main__":

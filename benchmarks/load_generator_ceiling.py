@@ -22,36 +22,20 @@ import argparse
 import datetime as dt
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
+
+from results_file import provenance, write
+from server_process import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_fake(port: int, itl_ms: float, workers: int) -> subprocess.Popen:
+def start_fake(port: int, itl_ms: float, workers: int) -> ServerProcess:
     cmd = [sys.executable, "-m", "shoal.benchmarks.fake_server", "--port", str(port),
            "--itl-ms", str(itl_ms), "--num-workers", str(workers)]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1):
-                return proc
-        except OSError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("the fake server did not start")
+    return ServerProcess(cmd, port, cwd=REPO, timeout=60, poll_s=0.2)
 
 
 def bench(port: int, n: int, tokens: int, conc: int, procs: int, out: Path) -> dict:
@@ -102,17 +86,14 @@ def main() -> int:
                       f"completed {r['completed']}", flush=True)
                 runs.append(r)
         finally:
-            server.send_signal(signal.SIGTERM)
-            server.wait(timeout=30)
-    record = {"what": "load generator ceiling against the fake OpenAI server",
+            server.stop(timeout=30)
+    record = {**provenance(), "what": "load generator ceiling against the fake OpenAI server",
               "date": dt.date.today().isoformat(), "hardware": hardware,
               "cpu_count": os.cpu_count(), "concurrency": ns.concurrency,
               "num_prompts": ns.num_prompts, "output_len": ns.output_len, "runs": runs}
     out = ns.out or (REPO / "benchmarks" / "results" /
                      f"{record['date']}-loadgen-ceiling-{hardware}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
-    print(f"-> {out}")
+    write(record, out, indent=1)
     return 0
 
 

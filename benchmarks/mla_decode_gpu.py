@@ -23,7 +23,7 @@ Each figure is the median of --repeats calls, timed with CUDA events around one 
 CUDA graph of the call (--eager: the plain call, launch gaps included), L2 flushed before each
 call (a 32k-token latent context is ~38 MB, inside the H200's 60 MB L2). KV bytes per token of
 each form's cache: 576 * 2 latent vs H * (192 + 128) * 2 for expanded K/V caches. Both forms'
-outputs are compared (max_abs_err). Writes one JSON list of records (gpu_common.py) to --out."""
+outputs are compared (max_abs_err). Writes one JSON list of records (results_file.py) to --out."""
 
 from __future__ import annotations
 
@@ -39,8 +39,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from gpu_common import record, write  # noqa: E402
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # shoal, after any PYTHONPATH
+from bench_args import add_common  # noqa: E402
+from results_file import record, write  # noqa: E402
 
 from shoal.attention.ops.mla_decode import mla_paged_decode  # noqa: E402
 
@@ -53,20 +54,17 @@ SMOKE = dict(kv_lora=32, rope=16, nope=16, v_head=16, heads=(4,), contexts=(40,)
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="bench-work/mla_decode_gpu.json",
-                   help="JSON file for the results")
+    add_common(p, out="bench-work/mla_decode_gpu.json", repeats=20,
+               smoke="tiny dims (latent 32 + rope 16, H 4, 40 tokens, fp32), 1 repeat; runs on "
+                     "the CPU under TRITON_INTERPRET=1")
     p.add_argument("--heads", default=None, help="comma list of query heads (16,128)")
     p.add_argument("--contexts", default=None, help="comma list of context lengths")
     p.add_argument("--batches", default=None, help="comma list of batch sizes (1,8)")
-    p.add_argument("--repeats", type=int, default=20, help="timed calls per figure (median)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--num-splits", type=int, default=None,
                    help="fixed split-K count (default: the kernel's heuristic)")
     p.add_argument("--eager", action="store_true", help="time plain calls, not CUDA graphs")
     p.add_argument("--no-expanded", action="store_true", help="skip the expanded form")
-    p.add_argument("--smoke", action="store_true",
-                   help="tiny dims (latent 32 + rope 16, H 4, 40 tokens, fp32), 1 repeat; "
-                        "runs on the CPU under TRITON_INTERPRET=1")
     return p.parse_args(argv)
 
 

@@ -11,17 +11,12 @@ schema-breaking requests for every operation) and the load tests run against the
 frontend over the model-free null engine (tests/reliability/null_server.py); the real model
 also gets a smaller disconnect storm, after which its KV usage must be 0. Fault cases are the
 tests that kill, poison or interrupt the engine, run by pytest; each passing test is a fault
-survived. Results: benchmarks/results/<date>-reliability-cpu.json.
-
-Until api_server.py installs RequestSizeLimitMiddleware and the serving code calls
-InputProcessor.check_num_prompts / InputProcessor.encode, the server is started through
-`--serve-with-shims`, which applies those lines by monkeypatching; the result says so."""
+survived. Results: benchmarks/results/<date>-reliability-cpu.json."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import json
 import os
 import subprocess
@@ -36,6 +31,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 sys.path[:0] = [str(TESTS / "reliability"), str(TESTS), str(ROOT / "benchmarks")]
+from bench_args import add_common  # noqa: E402
+from results_file import cpu_model, default_path, provenance, write  # noqa: E402
+from server_process import SHOAL_CLI, ServerProcess, free_port  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -69,109 +68,32 @@ FAULT_TESTS = {
 }
 
 
-# ---- the server with the wiring lines applied (until they are in the source) ---------------
-def wiring_present() -> bool:
-    api = (ROOT / "shoal/entrypoints/openai/api_server.py").read_text()
-    cmpl = (ROOT / "shoal/entrypoints/openai/serving_completion.py").read_text()
-    tok = (ROOT / "shoal/entrypoints/openai/serving_tokenize.py").read_text()
-    return ("RequestSizeLimitMiddleware" in api and "check_num_prompts" in cmpl
-            and "inputs.encode" in tok)
+def start_server() -> ServerProcess:
+    """`shoal serve` on the embedded SmolLM2 with the test suite's arguments."""
+    from entrypoints.conftest import BASE_ARGS
 
-
-def serve_with_shims(argv: list[str]) -> int:
-    from shoal.engine.input_processor import check_text
-    from shoal.entrypoints import cli
-    from shoal.entrypoints.openai import api_server, serving_completion, serving_tokenize
-    from shoal.entrypoints.openai.limits import RequestSizeLimitMiddleware
-
-    build_app = api_server.build_app
-
-    def build(engine, settings, registry=None):
-        app = build_app(engine, settings, registry)
-        app.add_middleware(RequestSizeLimitMiddleware,
-                           max_body_bytes=engine.engine_args.max_request_body_bytes)
-        return app
-
-    normalize = serving_completion.normalize_prompts
-
-    def normalize_checked(prompt):
-        prompts = normalize(prompt)
-        if len(prompts) > 1024:
-            raise ValueError(f"the request has {len(prompts)} prompts; at most "
-                             "max_prompts_per_request (1024) are allowed")
-        return prompts
-
-    class CheckedTokenizer:
-        def __init__(self, tok):
-            self._tok = tok
-
-        def encode(self, text, **kw):
-            check_text(text)
-            return self._tok.encode(text, **kw)
-
-        def __getattr__(self, name):
-            return getattr(self._tok, name)
-
-    real_tokenizer = serving_tokenize.OpenAIServingTokenization._tokenizer
-    api_server.build_app = build
-    serving_completion.normalize_prompts = normalize_checked
-    serving_tokenize.OpenAIServingTokenization._tokenizer = (
-        lambda self: CheckedTokenizer(real_tokenizer(self)))
-    sys.argv = ["shoal", *argv]
-    return cli.main()
-
-
-class Server:
-    def __init__(self, args: list[str], shims: bool):
-        from entrypoints.conftest import BASE_ARGS, free_port
-
-        self.port = free_port()
-        serve = ["serve", "--port", str(self.port), *BASE_ARGS, *args]
-        cmd = ([sys.executable, __file__, "--serve-with-shims", *serve] if shims else
-               [sys.executable, "-m", "shoal.cli", *serve])
-        self.log = Path(tempfile.mkstemp(prefix="shoal-rel-", suffix=".log")[1])
-        self.proc = subprocess.Popen(cmd, stdout=self.log.open("wb"), stderr=subprocess.STDOUT,
-                                     cwd=ROOT)
-        deadline = time.monotonic() + 300
-        while not self.healthy():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(self.log.read_text()[-3000:])
-            time.sleep(0.5)
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def healthy(self) -> bool:
-        try:
-            return httpx.get(self.base_url + "/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
+    port = free_port()
+    cmd = [sys.executable, *SHOAL_CLI, "serve", "--port", str(port), *BASE_ARGS]
+    log = Path(tempfile.mkstemp(prefix="shoal-rel-", suffix=".log")[1])
+    return ServerProcess(cmd, port, cwd=ROOT, log=log, poll_s=0.5)
 
 
 # ---- the measurements ------------------------------------------------------------------------
 NORMAL = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 
 
-def hostile(server: Server) -> dict[str, Any]:
+def hostile(server: ServerProcess) -> dict[str, Any]:
     from hostile_cases import hostile_cases
     from test_hostile_requests import is_openai_error, send
 
-    before = httpx.post(server.base_url + "/v1/completions", json=NORMAL, timeout=120).json()
+    before = httpx.post(server.url + "/v1/completions", json=NORMAL, timeout=120).json()
     counts = {"sent": 0, "2xx": 0, "4xx": 0, "5xx": 0, "no_answer": 0,
               "4xx_without_openai_body": 0}
     not_4xx: list[str] = []
     for case in hostile_cases():
         counts["sent"] += 1
         try:
-            resp = send(server.base_url, case)
+            resp = send(server.url, case)
         except httpx.HTTPError as e:
             counts["no_answer"] += 1
             not_4xx.append(f"{case.name}: {type(e).__name__}")
@@ -182,7 +104,7 @@ def hostile(server: Server) -> dict[str, Any]:
             not_4xx.append(f"{case.name}: {resp.status_code} {resp.text[:150]}")
         elif not is_openai_error(resp):
             counts["4xx_without_openai_body"] += 1
-    after = httpx.post(server.base_url + "/v1/completions", json=NORMAL, timeout=120).json()
+    after = httpx.post(server.url + "/v1/completions", json=NORMAL, timeout=120).json()
     same = before["choices"][0]["text"] == after["choices"][0]["text"]
     return {**counts, "not_4xx": not_4xx, "server_alive": server.proc.poll() is None,
             "normal_answer_unchanged": same}
@@ -281,38 +203,24 @@ def gguf_figures(smoke: bool) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    if len(sys.argv) > 1 and sys.argv[1] == "--serve-with-shims":
-        return serve_with_shims(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true")
-    p.add_argument("--out", default=None)
+    add_common(p, out=None, smoke="fewer cases, runs and clients")
     ns = p.parse_args()
-    from gpu_common import commit
-    from host_info import cpu_model
-
-    shims = not wiring_present()
-    result: dict[str, Any] = {"workload": "reliability", "hardware": cpu_model(),
-                              "commit": commit(), "date": str(datetime.date.today()),
-                              "wiring": "monkeypatched (--serve-with-shims)" if shims
-                              else "in the source"}
-    server = Server([], shims)
+    result: dict[str, Any] = {**provenance(), "workload": "reliability",
+                              "hardware": cpu_model(), "wiring": "in the source"}
+    server = start_server()
     try:
         result["hostile_requests"] = hostile(server)
         result["real_model_disconnect_storm"] = storm_figures(
-            server.base_url, server.port, 12 if ns.smoke else 32, 0.5, 12, 3)
+            server.url, server.port, 12 if ns.smoke else 32, 0.5, 12, 3)
         result["real_model_server_alive"] = server.proc.poll() is None
     finally:
         server.stop()
     result["null_engine"] = null_server_figures(ns.smoke)
     result["faults"] = fault_figures()
     result["gguf_fuzz"] = gguf_figures(ns.smoke)
-    out = Path(ns.out) if ns.out else (ROOT / ("bench-work/results" if ns.smoke else
-                                               "benchmarks/results")
-                                       / f"{datetime.date.today()}-reliability-cpu.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
-    print(f"wrote {out}")
+    write(result, ns.out or default_path("reliability", "cpu", smoke=ns.smoke))
     return 0
 
 

@@ -21,15 +21,13 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from gpu_common import record, write
-from host_info import cpu_model
+import engine_internals
+from bench_args import add_common
+from results_file import cpu_model, default_path, record, write
 
 from shoal import LLM, SamplingParams
-
-ROOT = Path(__file__).resolve().parent.parent
 
 SNIPPETS = [
     '''def parse_config(path):
@@ -136,12 +134,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-lookup-max", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=160)
     p.add_argument("--num-prompts", type=int, default=len(SNIPPETS))
-    p.add_argument("--rounds", type=int, default=2)
+    add_common(p, rounds=2, out=None, smoke="2 prompts, 32 tokens, 1 round")
     p.add_argument("--cpu-threads", type=int, default=1,
                    help="torch threads per engine (1: a shared, busy machine does not make "
                         "spinning thread teams of it)")
-    p.add_argument("--smoke", action="store_true", help="2 prompts, 32 tokens, 1 round")
-    p.add_argument("--out", default=None)
     return p.parse_args()
 
 
@@ -150,7 +146,7 @@ class Counters:
     spec_decode counters, both read off the engine core."""
 
     def __init__(self, llm: LLM):
-        core = llm.llm_engine.core
+        core = engine_internals.core(llm, required=True)
         self.rows = self.steps = 0
         self.drafts = self.draft_tokens = self.accepted = 0
         launch, stats = core.runner.launch, core.scheduler.stats
@@ -247,9 +243,7 @@ def main() -> int:
                  num_prompts=len(prompts), prompt_lens=[len(p["prompt_token_ids"])
                                                         for p in prompts],
                  modes=modes)
-    out = args.out or (ROOT / ("bench-work/results" if args.smoke else "benchmarks/results")
-                       / f"{time.strftime('%Y-%m-%d')}-spec-decode-cpu.json")
-    write([rec], out)
+    write([rec], args.out or default_path("spec-decode", "cpu", smoke=args.smoke))
     return 0 if all(m["identical_outputs"] for m in modes.values()) else 1
 
 

