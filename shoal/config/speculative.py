@@ -38,7 +38,7 @@ class SpeculativeConfig:
     # No drafts while this many requests or more are running (vLLM's key; None: no limit).
     disable_by_batch_size: int | None = None
     # shoal's: per-request draft counts from recent acceptance and the batch size
-    # (shoal/engine/scheduler_spec.py); False always verifies every draft proposed.
+    # (shoal/engine/draft_budget.py); False always verifies every draft proposed.
     adaptive_budget: bool = True
 
     def __post_init__(self) -> None:

@@ -64,13 +64,13 @@ class Request:
     suspect: bool = False
     # Speculative decoding: draft tokens proposed after the last step, verified by the next;
     # verify steps in a row that accepted nothing, decode steps left to run without drafts
-    # (the backoff that follows: scheduler_spec.py) and backoffs since the last acceptance.
+    # (the backoff that follows: draft_budget.py) and backoffs since the last acceptance.
     spec_token_ids: list[int] = field(default_factory=list)
     spec_misses: int = 0
     spec_skip: int = 0
     spec_backoffs: int = 0
     # Decayed counts of accepted drafts and of first rejections (the adaptive budget's
-    # estimate, scheduler_spec.py); they start at its prior.
+    # estimate, draft_budget.py); they start at its prior.
     spec_hits: float = 3.0
     spec_fails: float = 0.0
     # A pooling request (pooling engines): one forward, then its pooled result.

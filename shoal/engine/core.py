@@ -76,8 +76,9 @@ class EngineCore:
         self.runner: Executor = build_model_executor(config, loaded)
         try:
             num_blocks = self.runner.initialize_kv_cache()
-            self.scheduler = (self._pooling_scheduler(request_limits) if pooling else
-                              self._scheduler(num_blocks, loaded, request_limits))
+            self.scheduler: Scheduler | PoolingScheduler = (
+                self._pooling_scheduler(request_limits) if pooling else
+                self._scheduler(num_blocks, loaded, request_limits))
         except BaseException:  # worker ranks and process groups do not outlive a failed start
             self.runner.shutdown()
             raise
@@ -115,9 +116,9 @@ class EngineCore:
     def vocab_size(self) -> int:
         return self.runner.vocab_size
 
-    def _pooling_scheduler(self, request_limits: RequestLimits) -> Scheduler:
+    def _pooling_scheduler(self, request_limits: RequestLimits) -> PoolingScheduler:
         """Prefill-only requests, no KV cache (see pooling_scheduler.py)."""
-        return PoolingScheduler(self.config.scheduler_config, self.config.cache_config,
+        return PoolingScheduler(self.config.scheduler_config,
                                 request_timeout=request_limits.request_timeout)
 
     def _scheduler(self, num_blocks: int, loaded: LoadedModel,
@@ -315,7 +316,7 @@ class EngineCore:
 
     def _recover(self, error: Exception) -> list[EngineCoreOutput]:
         """A step raised: the requests of every step not applied yet are rerun one by one,
-        and the one that raises alone fails (scheduler_faults.py); the rest keep serving.
+        and the one that raises alone fails (engine/suspects.py); the rest keep serving.
         When steps keep failing whatever they hold, the engine is broken: it stops."""
         self._failed_in_a_row += 1
         logger.exception("an engine step failed; its requests are retried one at a time")

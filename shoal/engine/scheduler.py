@@ -9,14 +9,17 @@ prompt plus the tokens it already produced, so its output does not change.
 Pipeline parallelism keeps several steps in flight (micro-batches, see engine/step_queue.py):
 then a request is never in two steps at once (its next input is the token its step in flight
 samples), and each step takes about an even share of the requests, so the steps in flight
-keep every stage busy."""
+keep every stage busy.
+
+What the scheduler owns: its live requests (request_table.py), the KV blocks (the KV cache
+manager, and the KV tiers' connector), the admission of waiting requests (admission.py), how
+many drafts a request verifies (draft_budget.py), and what a failure leaves behind:
+non-finite KV values (failed_blocks.py) and the requests of a step that raised
+(suspects.py)."""
 
 from __future__ import annotations
 
-import itertools
 import sys
-import time
-from dataclasses import dataclass, field
 
 from shoal.config import CacheConfig, SchedulerConfig
 from shoal.core.errors import ErrorCode
@@ -24,47 +27,23 @@ from shoal.core.request import Request, RequestStatus
 from shoal.core.scheduler_output import (
     PENDING_TOKEN,
     ModelRunnerOutput,
-    NewRequestData,
     ScheduledRequest,
     SchedulerOutput,
 )
 from shoal.core.types import EngineCoreOutput, SchedulerStats
-from shoal.engine.scheduler_faults import FaultHandling
-from shoal.engine.scheduler_spec import SpecDecodeScheduling
+from shoal.engine.admission import Admission, StepPlan
+from shoal.engine.draft_budget import DraftBudget
+from shoal.engine.failed_blocks import FailedBlocks
+from shoal.engine.request_table import RequestTable
+from shoal.engine.suspects import Suspects
+from shoal.engine.token_results import keep_tokens, produced_tokens, token_output
 from shoal.engine.waiting_queue import WaitingQueue
-from shoal.kv_cache.block_pool import KVBlock
 from shoal.kv_cache.manager import KVCacheManager
-from shoal.kv_offload.connector import KVOffloadConnector, Staged
+from shoal.kv_offload.connector import KVOffloadConnector
 from shoal.kv_offload.store import TieredKVStore
 
 
-@dataclass
-class _Step:
-    """The step being scheduled: what runs, the budget left, and what happened."""
-
-    budget: int
-    allow_drafts: bool = True  # False while a step is in flight (async scheduling)
-    max_requests: int = sys.maxsize  # micro-batches: this step's share of the requests
-    scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)  # id -> tokens
-    new_requests: list[NewRequestData] = field(default_factory=list)
-    preempted: bool = False
-
-    def add(self, req: Request, n: int) -> None:
-        self.scheduled[req.request_id] = (req, n)
-        self.budget -= n
-
-
-@dataclass
-class _Cached:
-    """A waiting request's prefix hits: device blocks, then tier blocks staged in the CPU
-    tier (to load into fresh device blocks)."""
-
-    device_hits: list[KVBlock] = field(default_factory=list)
-    num_hit_tokens: int = 0  # tokens of the device hits
-    staged: Staged = field(default_factory=list)
-
-
-class Scheduler(FaultHandling, SpecDecodeScheduling):
+class Scheduler:
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, kv_store: TieredKVStore | None = None,
                  request_timeout: float | None = None, num_speculative_tokens: int = 0,
@@ -73,7 +52,7 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         """num_blocks: the device KV pool, as the model runner sized it at start-up.
         request_timeout: seconds from arrival after which a request is ended with an error.
         num_speculative_tokens: drafts per step of a speculating request (0: none);
-        spec_adaptive / spec_disable_by_batch_size: see scheduler_spec.py.
+        spec_adaptive / spec_disable_by_batch_size: see draft_budget.py.
         micro_batches: steps in flight at once (pipeline parallelism); above 1 a request
         waits while a step samples for it, and each step takes 1/micro_batches of them."""
         self.config = sched_config
@@ -84,85 +63,68 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         # KV offloading: evicted device blocks go to the tiers, admissions load tier hits.
         self.offload = (KVOffloadConnector(kv_store, self.kv.pool, self.block_size)
                         if kv_store is not None else None)
-        self.requests: dict[str, Request] = {}
-        # Live requests by serial: results are matched on it (a caller may reuse an id while
-        # a step holding the old request is in flight).
-        self._by_serial: dict[int, Request] = {}
-        self._serials = itertools.count(1)
+        self.table = RequestTable(request_timeout)
         self.waiting = WaitingQueue(sched_config.policy)
         self.running: list[Request] = []
-        self._finished_serials: set[int] = set()  # to tell the runner to drop state
-        self._pending_outputs: list[EngineCoreOutput] = []  # aborts etc. not tied to a step
+        self.drafts = DraftBudget(num_speculative_tokens, sched_config.max_model_len,
+                                  spec_adaptive, spec_disable_by_batch_size)
+        self.failed_blocks = FailedBlocks(self.kv, self.offload, self.running)
+        self.suspects = Suspects(self.running, self.waiting, self.failed_blocks)
+        self.admission = Admission(sched_config, self.kv, self.offload, self.waiting,
+                                   self.running)
         self.num_preemptions = 0
         self._step_prompt_tokens = 0
         self._step_generation_tokens = 0
-        self._init_faults()
-        self._init_spec(num_speculative_tokens, spec_adaptive, spec_disable_by_batch_size)
-        self.request_timeout = request_timeout
-        self._next_expiry_check = 0.0
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The live requests by the caller's id."""
+        return self.table.by_id
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
-            raise ValueError(f"request id {req.request_id!r} is already in use")
-        req.serial = next(self._serials)
-        self.requests[req.request_id] = req
-        self._by_serial[req.serial] = req
+        self.table.add(req)  # gives it its serial
         self.waiting.push(req)
-        if self._pending_outputs:  # the end of an earlier request under this id is old news
-            self._pending_outputs = [o for o in self._pending_outputs
-                                     if o.request_id != req.request_id]
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            req = self.requests.get(rid)
-            if req is None:
-                continue
-            self._end(req, RequestStatus.FINISHED_ABORTED)
-            self._pending_outputs.append(EngineCoreOutput(
-                request_id=rid, new_token_ids=[], finish_reason="abort",
-                num_cached_tokens=max(req.num_cached_tokens, 0)))
+            req = self.table.by_id.get(rid)
+            if req is not None:
+                self._end_between_steps(req, RequestStatus.FINISHED_ABORTED, "abort")
 
     def request_by_serial(self, serial: int) -> Request | None:
-        return self._by_serial.get(serial)
+        return self.table.by_serial.get(serial)
 
     def fail_request(self, req: Request, error: str) -> None:
         """Ends a live request that has not run with an error the client caused (its grammar
         does not compile): the frontends answer it as a bad request."""
-        if self._by_serial.get(req.serial) is not req:
-            return  # ended meanwhile
-        self._end(req, RequestStatus.FINISHED_ERROR)
-        self._pending_outputs.append(EngineCoreOutput(
-            request_id=req.request_id, new_token_ids=[], finish_reason="error",
-            error=error, error_code=ErrorCode.BAD_REQUEST))
+        if self.table.is_live(req):  # else ended meanwhile
+            self._end_between_steps(req, RequestStatus.FINISHED_ERROR, "error", error,
+                                    ErrorCode.BAD_REQUEST)
 
-    def _expire_requests(self) -> None:
-        """Ends requests older than request_timeout (checked a few times a second at most)."""
-        now = time.monotonic()
-        if now < self._next_expiry_check or self.request_timeout is None:
-            return
-        self._next_expiry_check = now + min(0.05, self.request_timeout / 10)
-        limit = self.request_timeout
-        for req in [r for r in self.requests.values() if now - r.arrival_time > limit]:
-            self._end(req, RequestStatus.FINISHED_ABORTED)
-            self._pending_outputs.append(EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=[], finish_reason="error",
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-                error=f"the request timed out: it took longer than request_timeout "
-                      f"({limit:g} s)", error_code=ErrorCode.TIMED_OUT))
+    def _end_between_steps(self, req: Request, status: RequestStatus, reason: str,
+                           error: str | None = None, code: ErrorCode | None = None) -> None:
+        self._end(req, status)
+        self.table.emit(EngineCoreOutput(
+            request_id=req.request_id, new_token_ids=[], finish_reason=reason,
+            num_cached_tokens=max(req.num_cached_tokens, 0), error=error, error_code=code))
 
-    def _finish(self, req: Request, status: RequestStatus) -> None:
+    def _end(self, req: Request, status: RequestStatus) -> None:
+        """Finishes a running request, or one waiting (preempted, perhaps while its last step
+        was in flight)."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
         req.status = status
         if self.offload is not None:  # reads or pins it may hold while deferred
             self.offload.abandon(req.request_id)
-        self._release_blocks(req, failed=status == RequestStatus.FINISHED_ERROR)
-        self.requests.pop(req.request_id, None)
-        self._by_serial.pop(req.serial, None)
-        self._finished_serials.add(req.serial)
-        self._left(req)
+        self.failed_blocks.release(req, failed=status == RequestStatus.FINISHED_ERROR)
+        self.table.remove(req)
+        self.suspects.left(req)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.requests) or bool(self._pending_outputs)
+        return bool(self.table.by_id) or self.table.has_pending_outputs
 
     @property
     def num_waiting(self) -> int:
@@ -175,17 +137,36 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         allow_drafts=False: no request verifies drafts (a step is in flight, see core.py)."""
         if self.offload is not None:
             self.offload.begin_step()
-        if self.request_timeout is not None:
-            self._expire_requests()
-        step = _Step(budget=self.config.max_num_batched_tokens, allow_drafts=allow_drafts,
-                     max_requests=self._micro_batch_size())
+        for req in self.table.expired():
+            limit = self.table.request_timeout
+            self._end_between_steps(req, RequestStatus.FINISHED_ABORTED, "error",
+                                    f"the request timed out: it took longer than "
+                                    f"request_timeout ({limit:g} s)", ErrorCode.TIMED_OUT)
+        step = StepPlan(budget=self.config.max_num_batched_tokens, allow_drafts=allow_drafts,
+                        max_requests=self._micro_batch_size())
         if not self._schedule_isolated(step):  # a suspect of a failed step runs alone
             self._schedule_running(step)
             if not step.preempted:
-                self._schedule_waiting(step)
+                self.admission.schedule_waiting(step)
         return self._build_output(step)
 
-    def _schedule_running(self, step: _Step) -> None:
+    def _schedule_isolated(self, step: StepPlan) -> bool:
+        """True when this step belongs to a suspect alone (it may then run nothing at all)."""
+        req = self.suspects.isolated
+        if req is None:
+            head = self.suspects.next_alone()
+            if head is None or not self.admission.admit_head(head, step):
+                return False
+            self.suspects.isolated = head
+            return True
+        n = min(req.num_tokens_with_pending - req.num_computed_tokens, step.budget)
+        if n > 0 and not self._waits_for_step(req):
+            allocated, _ = self._allocate_running(req, n, step)
+            if allocated:
+                step.add(req, n)
+        return True
+
+    def _schedule_running(self, step: StepPlan) -> None:
         """Running requests, oldest first, each its next tokens; preempts from the back when
         blocks run out."""
         i = 0
@@ -196,9 +177,10 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
             if n <= 0 or self._waits_for_step(req):
                 i += 1  # it runs again when its token in flight lands (or ends then)
                 continue
-            if n == 1 and self.num_speculative_tokens:
+            if n == 1 and self.drafts.k:
                 # Drafts only where their blocks are free: they never preempt anyone.
-                d = self._num_drafts(req, step.budget - 1, step.allow_drafts)
+                d = self.drafts.num_drafts(req, step.budget - 1, step.allow_drafts,
+                                           len(self.running))
                 if d and self.kv.allocate_slots(req, 1 + d) is not None:
                     n += d
             allocated, unscheduled = self._allocate_running(req, n, step)
@@ -207,7 +189,7 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
                 step.add(req, n)
                 i += 1
 
-    def _allocate_running(self, req: Request, n: int, step: _Step) -> tuple[bool, int]:
+    def _allocate_running(self, req: Request, n: int, step: StepPlan) -> tuple[bool, int]:
         """Blocks for n more tokens of a running request, preempting victims until they fit
         or the request itself is preempted. Returns whether it got them and how many requests
         scheduled earlier in this step were un-scheduled as victims."""
@@ -223,83 +205,12 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
                 return False, unscheduled
         return True, unscheduled
 
-    def _schedule_waiting(self, step: _Step) -> None:
-        """Waiting requests in queue order, while there is budget, a free sequence slot and
-        blocks. One whose KV is still on its way from a tier is passed over this step."""
-        deferred: list[Request] = []  # ask again next step, in the same order
-        while (len(self.waiting) and step.budget > 0
-               and len(self.running) < self.config.max_num_seqs
-               and len(step.scheduled) < step.max_requests):
-            req = self.waiting.peek()
-            if req.num_pending_tokens or req.suspect:
-                # preempted while a step was in flight: its token is not known yet; or a
-                # suspect of a failed step, which is only admitted alone
-                break
-            if req.structured is not None and not req.structured.is_ready():
-                deferred.append(self.waiting.pop())  # its grammar is still compiling
-                continue
-            cached = self._find_cached(req)
-            if cached is None:
-                deferred.append(self.waiting.pop())
-                continue
-            if not self._admit(req, cached, step):
-                break
-        for req in reversed(deferred):
-            self.waiting.push_front(req)
-
-    def _find_cached(self, req: Request) -> _Cached | None:
-        """The request's prefix hits: device blocks, then tier blocks pinned in the CPU tier
-        (KV offloading); None while some tier blocks are still being read."""
-        if req.sampling_params.prompt_logprobs is not None:
-            return _Cached()  # every prompt position's logits are needed: compute them all
-        # A request asking again after a deferral had its query counted the first time.
-        count = self.offload is None or not self.offload.is_deferred(req.request_id)
-        hits, n_hit = self.kv.get_computed_blocks(req, count=count)
-        staged: Staged = []
-        if self.offload is not None:
-            found = self.offload.stage(req, len(hits))
-            if found is None:
-                return None
-            staged = found
-        return _Cached(hits, n_hit, staged)
-
-    def _admit(self, req: Request, cached: _Cached, step: _Step) -> bool:
-        """Allocates the waiting request's blocks and makes it running; False (nothing
-        changed) when they do not fit."""
-        n_loaded = len(cached.staged) * self.block_size  # tier hits: loaded, not computed
-        n = req.num_tokens - cached.num_hit_tokens - n_loaded
-        if n > step.budget and not self.config.enable_chunked_prefill:
-            new_blocks = None  # the whole prompt must fit in one step
-        else:
-            n = min(n, step.budget)
-            new_blocks = self.kv.allocate_slots(req, n_loaded + n, cached.device_hits)
-        if new_blocks is None:
-            if cached.staged:
-                self.offload.cancel(cached.staged)
-            return False
-        if cached.staged:
-            self.offload.commit(cached.staged, new_blocks)
-        n_hit = cached.num_hit_tokens + n_loaded
-        req.num_computed_tokens = n_hit
-        self.waiting.pop()
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = n_hit
-            req.first_scheduled_time = time.monotonic()
-        if req.status == RequestStatus.WAITING:
-            step.new_requests.append(NewRequestData(
-                req.request_id, req.serial, req.prompt_token_ids, req.sampling_params,
-                req.eos_token_ids, list(req.output_token_ids)))
-        req.status = RequestStatus.RUNNING
-        self.running.append(req)
-        step.add(req, n)
-        return True
-
-    def _build_output(self, step: _Step) -> SchedulerOutput:
+    def _build_output(self, step: StepPlan) -> SchedulerOutput:
         out = SchedulerOutput(new_requests=step.new_requests)
         if self.offload is not None:
             out.kv_transfers = self.offload.take_plan(have_work=bool(step.scheduled))
         if step.scheduled:  # the runner runs only steps with work
-            self._take_zero(out)
+            out.kv_zero = self.failed_blocks.take_zero()
         decodes, prefills = [], []
         for req, n in step.scheduled.values():
             item = self._scheduled_item(req, n)  # a verify (k+1 tokens) goes with the chunks
@@ -319,15 +230,11 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
             ids.extend([PENDING_TOKEN] * (n - len(ids)))
         req.spec_token_ids = []  # used now, or stale once this step has run
         item = ScheduledRequest(
-            request_id=req.request_id,
-            serial=req.serial,
-            input_token_ids=ids,
-            context_len=start,
-            block_ids=self.kv.block_ids(req.request_id),
+            request_id=req.request_id, serial=req.serial, input_token_ids=ids,
+            context_len=start, block_ids=self.kv.block_ids(req.request_id),
             sample=start + n >= req.num_tokens_with_pending,
             num_output_tokens=req.num_output_tokens + req.num_pending_tokens,
-            num_draft_tokens=max(num_drafts, 0),
-        )
+            num_draft_tokens=max(num_drafts, 0))
         # The step is as good as run: the next schedule (possibly before its results are
         # read, with async scheduling) starts after it.
         req.num_computed_tokens = start + n
@@ -347,19 +254,20 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         return max(1, -(-live // self.micro_batches))
 
     def _waits_for_step(self, req: Request) -> bool:
-        """Nothing to run for the request now: its token in flight is its last one, or with
-        micro-batches any token of it is in flight (the step's input is not known yet).
-        Prompt chunks that sample nothing may run in consecutive micro-batches: every stage
-        runs the steps in order, so a chunk's KV is written before the next chunk reads it."""
-        if self.micro_batches > 1 and req.num_pending_tokens > 0:
-            return True
-        return self._ends_with_pending(req)
-
-    def _ends_with_pending(self, req: Request) -> bool:
-        """The token in flight is the request's last one (length limit): nothing to run."""
-        return req.num_pending_tokens > 0 and (
+        """Nothing to run for the request now: its token in flight is its last one (length
+        limit), or with micro-batches any token of it is in flight (the step's input is not
+        known yet). Prompt chunks that sample nothing may run in consecutive micro-batches:
+        every stage runs the steps in order, so a chunk's KV is written before the next
+        chunk reads it."""
+        if req.num_pending_tokens <= 0:
+            return False
+        return self.micro_batches > 1 or (
             req.num_output_tokens + req.num_pending_tokens >= req.max_tokens
             or req.num_tokens_with_pending >= self.config.max_model_len)
+
+    def wants_drafts(self, proposals_known: bool) -> bool:
+        """See DraftBudget.wants_drafts."""
+        return self.drafts.wants_drafts(self.running, proposals_known)
 
     def _pick_victim(self) -> Request:
         if self.config.policy == "priority":
@@ -368,8 +276,8 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
-        self._release_blocks(req, failed=False)
-        self._left(req)
+        self.failed_blocks.release(req, failed=False)
+        self.suspects.left(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -387,13 +295,12 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
         for."""
         if self.offload is not None and result.kv_transfers_done:
             self.offload.transfers_done(result.kv_transfers_done)
-        outputs = self._pending_outputs
-        self._pending_outputs = []
+        outputs = self.table.take_pending_outputs()
         for item in sched.scheduled:
             failed = item.serial in result.failed_serials
-            if item.sample and self._released:
-                self._settle_released(item.serial, failed)
-            req = self._by_serial.get(item.serial)
+            if item.sample and self.failed_blocks.pending:
+                self.failed_blocks.settle(item.serial, failed)
+            req = self.table.by_serial.get(item.serial)
             if req is None:
                 continue  # ended while the step ran
             if item.sample:
@@ -406,98 +313,77 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
                     error_code=ErrorCode.NON_FINITE))
                 continue
             prompt_lp = result.prompt_logprobs.get(req.serial)
-            if not item.sample:
-                if prompt_lp:
-                    outputs.append(EngineCoreOutput(req.request_id, [], prompt_logprobs=prompt_lp,
-                                                    num_cached_tokens=req.num_cached_tokens))
-                continue
-            outputs.append(self._apply_tokens(req, item, result, prompt_lp))
+            if item.sample:
+                outputs.append(self._apply_tokens(req, item, result, prompt_lp))
+            elif prompt_lp:
+                outputs.append(EngineCoreOutput(req.request_id, [], prompt_logprobs=prompt_lp,
+                                                num_cached_tokens=req.num_cached_tokens))
         return outputs
 
     def _apply_tokens(self, req: Request, item: ScheduledRequest, result: ModelRunnerOutput,
                       prompt_lp: list | None) -> EngineCoreOutput:
         """The step's token for the request, or with speculative decoding its accepted
         drafts and one more, up to the first that ends it."""
-        serial = req.serial
-        tokens = result.verified_token_ids.get(serial)
-        if tokens is None:
-            tokens = [result.sampled_token_ids[serial]]
-            lp = result.logprobs.get(serial)
-            lps = [lp] if lp is not None else None
-        else:
-            lps = result.verified_logprobs.get(serial)
+        tokens, lps = produced_tokens(req.serial, result)
         if item.num_draft_tokens:
-            self._settle_verified(req, item, tokens)
-        status = None
-        for n, token in enumerate(tokens, 1):
-            req.append_output_token(token)
-            status = self._check_grammar(req, token) or self._check_stop(req, token)
-            if status is not None:
-                tokens = tokens[:n]
-                break
+            self._settle_verified(req, item.num_draft_tokens, len(tokens) - 1)
+        tokens, status = keep_tokens(req, tokens, self.config.max_model_len)
         self._step_generation_tokens += len(tokens)
-        if req.suspect:
-            self._sampled_fine(req)
-        drafts = result.draft_token_ids.get(serial)
+        self.suspects.sampled_fine(req)
+        drafts = result.draft_token_ids.get(req.serial)
         # A constrained request's drafts are checked by its grammar at verify time (each
         # position masked as if the drafts before it were accepted).
         if drafts and status is None and req.status == RequestStatus.RUNNING:
             req.spec_token_ids = drafts
-        out = EngineCoreOutput(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            new_logprobs=lps[:len(tokens)] if lps else None,
-            prompt_logprobs=prompt_lp,
-            num_cached_tokens=req.num_cached_tokens,
-        )
-        if req.num_output_tokens == 1 and req.first_scheduled_time is not None:
-            out.queue_time = max(0.0, req.first_scheduled_time - req.arrival_time)
-        if status == RequestStatus.FINISHED_ERROR:
-            out.finish_reason = "error"
-            out.error = "the sampled token does not fit the request's grammar"
-            out.error_code = ErrorCode.OUTSIDE_GRAMMAR
-            self._end(req, status)
-        elif status is not None:
-            out.finish_reason = "stop" if status == RequestStatus.FINISHED_STOPPED else "length"
-            out.stop_reason = req.stop_reason
+        out = token_output(req, tokens, lps, prompt_lp, status)
+        if status is not None:
             self._end(req, status)
         return out
 
-    @staticmethod
-    def _check_grammar(req: Request, token: int) -> RequestStatus | None:
-        """Advances a structured request's grammar: it stops once the grammar is complete
-        (its stop token accepted, which ignore_eos cannot skip)."""
-        if req.structured is None:
-            return None
-        if not req.structured.accept(token):
-            # The bitmask only allows what the grammar accepts; a token outside it means the
-            # row had nothing allowed (e.g. min_tokens banned the only stop token).
-            return RequestStatus.FINISHED_ERROR
-        if req.structured.ended:  # accept() asked the matcher once
-            return RequestStatus.FINISHED_STOPPED
-        return None
-
-    def _end(self, req: Request, status: RequestStatus) -> None:
-        """Finishes a running request, or one preempted while its last step was in flight."""
+    def _settle_verified(self, req: Request, num_drafts: int, accepted: int) -> None:
+        """A verified step: counted, and the KV slots of rejected drafts of a request still
+        running rolled back (blocks past its accepted tokens return to the pool)."""
+        self.drafts.settle(req, num_drafts, accepted)
         if req.status == RequestStatus.RUNNING:
-            self.running.remove(req)
-        else:
-            self.waiting.remove(req)
-        self._finish(req, status)
+            req.num_computed_tokens -= num_drafts - accepted
+            self.kv.trim(req)
 
-    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
-        sp = req.sampling_params
-        n_out = req.num_output_tokens
-        if n_out >= sp.min_tokens:
-            if not sp.ignore_eos and token in req.eos_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-            if token in sp.stop_token_ids:
-                req.stop_reason = token
-                return RequestStatus.FINISHED_STOPPED
-        if n_out >= req.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+    def fail_steps(self, scheds: list[SchedulerOutput], error: str
+                   ) -> tuple[list[EngineCoreOutput], set[int]]:
+        """Steps that raised and will never be updated. Their requests go back to wait as
+        suspects (suspects.py), or fail when they were alone. Returns the error outputs and
+        the serials whose runner state must go."""
+        self.suspects.num_failed_steps += 1
+        plan_ids = [s.kv_transfers.plan_id for s in scheds if s.kv_transfers is not None]
+        if self.offload is not None and plan_ids:
+            self.offload.transfers_failed(plan_ids)
+        serials: set[int] = set()
+        for s in scheds:
+            for it in s.scheduled:
+                serials.add(it.serial)
+                req = self.table.by_serial.get(it.serial)
+                if it.sample and req is not None:
+                    req.num_pending_tokens -= 1
+                if it.sample:
+                    self.failed_blocks.settle(it.serial, failed=True)
+        outputs: list[EngineCoreOutput] = []
+        for serial in sorted(serials):
+            req = self.table.by_serial.get(serial)
+            if req is None:
+                continue
+            req.num_faults += 1
+            if len(serials) > 1:
+                self.suspects.requeue(req)
+                continue
+            self._end(req, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineCoreOutput(
+                req.request_id, [], finish_reason="error",
+                num_cached_tokens=max(req.num_cached_tokens, 0),
+                error=f"the engine failed while running this request: {error}",
+                error_code=ErrorCode.ENGINE_FAILED))
+        return outputs, serials
 
+    # ---- counters ----------------------------------------------------------------------------
     def reset_counters(self) -> None:
         """Zeroes the cumulative statistics (after start-up warm requests)."""
         self.kv.prefix_queries = self.kv.prefix_hits = 0
@@ -506,12 +392,10 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
 
     def take_finished_serials(self) -> set[int]:
         """Serials of the requests that ended since the last call (the runner drops them)."""
-        ids, self._finished_serials = self._finished_serials, set()
-        return ids
+        return self.table.take_finished_serials()
 
     def take_pending_outputs(self) -> list[EngineCoreOutput]:
-        out, self._pending_outputs = self._pending_outputs, []
-        return out
+        return self.table.take_pending_outputs()
 
     def stats(self) -> SchedulerStats:
         s = SchedulerStats(
@@ -523,7 +407,7 @@ class Scheduler(FaultHandling, SpecDecodeScheduling):
             num_preemptions=self.num_preemptions,
             num_prompt_tokens=self._step_prompt_tokens,
             num_generation_tokens=self._step_generation_tokens,
-            **self._take_spec_stats(),
+            **self.drafts.take_stats(),
         )
         self._step_prompt_tokens = self._step_generation_tokens = 0
         return s

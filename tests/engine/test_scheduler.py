@@ -672,7 +672,7 @@ def test_requests_older_than_the_timeout_end_with_an_error() -> None:
     runner.step()  # two sequences at most: old-waiting waits
     assert old_waiting.status == RequestStatus.WAITING
     old_running.arrival_time = old_waiting.arrival_time = now - 31  # both now past 30 s
-    sched._next_expiry_check = 0.0
+    sched.table._next_expiry_check = 0.0
     out, outs = runner.step()
     errors = {o.request_id: o.error for o in outs if o.finish_reason == "error"}
     assert set(errors) == {"old-running", "old-waiting"}

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.attention.packed import PackedSeqs, packed_attention
-from shoal.config import CacheConfig, SchedulerConfig
+from shoal.config import SchedulerConfig
 from shoal.core.request import Request
 from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.engine.pooling_scheduler import PoolingScheduler
@@ -45,7 +45,7 @@ def _req(rid: str, n: int) -> Request:
 
 def test_pooling_scheduler_packs_whole_prompts_without_kv_blocks():
     sched = PoolingScheduler(SchedulerConfig(max_num_batched_tokens=20, max_num_seqs=3,
-                                             max_model_len=20), CacheConfig())
+                                             max_model_len=20))
     for i, n in enumerate([8, 8, 8, 2, 2, 2, 2]):
         sched.add_request(_req(str(i), n))
     seen = []
@@ -61,12 +61,11 @@ def test_pooling_scheduler_packs_whole_prompts_without_kv_blocks():
         assert all(o.finish_reason == "stop" and o.pooled_shape == [2] for o in outs)
         seen.append([s.request_id for s in out.scheduled])
     assert seen == [["0", "1"], ["2", "3", "4"], ["5", "6"]]
-    assert sched.kv.usage() == 0
+    assert sched.stats().kv_cache_usage == 0
 
 
 def test_pooling_scheduler_fails_a_non_finite_result_alone():
-    sched = PoolingScheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=32),
-                             CacheConfig())
+    sched = PoolingScheduler(SchedulerConfig(max_num_batched_tokens=64, max_model_len=32))
     sched.add_request(_req("a", 4))
     sched.add_request(_req("b", 4))
     out = sched.schedule()
@@ -80,8 +79,7 @@ def test_pooling_scheduler_fails_a_non_finite_result_alone():
 
 def test_pooling_scheduler_needs_whole_prompts_to_fit_a_step():
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
-        PoolingScheduler(SchedulerConfig(max_num_batched_tokens=16, max_model_len=32),
-                         CacheConfig())
+        PoolingScheduler(SchedulerConfig(max_num_batched_tokens=16, max_model_len=32))
 
 
 @pytest.mark.parametrize("arch", ["BertModel", "BertForSequenceClassification",

@@ -83,7 +83,7 @@ def test_sampled_distribution_with_a_draft_model(tiny_llama_dir, plain, near_dra
     n = 1200
     llm = _spec(tiny_llama_dir, near_draft)
     # 1,200 requests at once: the adaptive budget would verify no drafts at that batch.
-    llm.llm_engine.core.scheduler.spec_adaptive = False
+    llm.llm_engine.core.scheduler.drafts.adaptive = False
     counter = SpecCounter(llm)
     prompts = random_prompts(1, seed=11, lo=12, hi=13) * n
     base = SamplingParams(temperature=0.5, top_k=8, top_p=0.95, max_tokens=4, ignore_eos=True)

@@ -175,7 +175,7 @@ def test_sampled_distribution_matches_plain(plain, spec, base, drafts) -> None:
     prompts = random_prompts(1, seed=11, lo=12, hi=13) * n
     spec.llm_engine.core.runner.drafter = FixedProposer(drafts)
     # 1,500 requests at once: the adaptive budget would verify no drafts at that batch.
-    spec.llm_engine.core.scheduler.spec_adaptive = False
+    spec.llm_engine.core.scheduler.drafts.adaptive = False
     counter = SpecCounter(spec)
 
     def draws(llm, offset: int) -> list[list[int]]:
@@ -191,4 +191,4 @@ def test_sampled_distribution_matches_plain(plain, spec, base, drafts) -> None:
         assert chi_square_p([x[pos] for x in a], [x[pos] for x in b]) > 0.01, pos
     assert chi_square_p([tuple(x[1:3]) for x in a], [tuple(x[1:3]) for x in b]) > 0.01
     assert chi_square_p([tuple(x[1:]) for x in a], [tuple(x[1:]) for x in b]) > 0.01
-    spec.llm_engine.core.scheduler.spec_adaptive = True
+    spec.llm_engine.core.scheduler.drafts.adaptive = True

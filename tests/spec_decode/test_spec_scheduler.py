@@ -14,13 +14,13 @@ from shoal.config import CacheConfig, SchedulerConfig
 from shoal.core.request import RequestStatus
 from shoal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.core.types import EngineCoreOutput
-from shoal.engine.scheduler import Scheduler
-from shoal.engine.scheduler_spec import (
+from shoal.engine.draft_budget import (
     MAX_WORTH,
     MIN_WORTH,
     adaptive_num_drafts,
     worth_threshold,
 )
+from shoal.engine.scheduler import Scheduler
 
 K = 3
 

@@ -255,4 +255,4 @@ def test_a_prompt_chunk_beside_verifies_samples_its_last_row_only(tiny_llama_dir
     graphs = _graphs(runner, [StepShape(b, 3, 3) for b in (1, 2, 4, 8)], 96 // 4)
     assert run(llm) == want
     assert graphs.runs
-    assert llm.llm_engine.core.scheduler.num_failed_steps == 0
+    assert llm.llm_engine.core.scheduler.suspects.num_failed_steps == 0

@@ -1,4 +1,4 @@
-"""The scheduler's side of speculative decoding (a mixin of Scheduler).
+"""The scheduler's side of speculative decoding: how many drafts each request verifies.
 
 A decoding request with drafts is scheduled for 1 + k tokens: its last known token and the
 k drafts, which the runner verifies in the same forward pass. Their KV slots count as
@@ -12,7 +12,8 @@ steps in a row with nothing accepted, while its acceptance estimate is below BAC
 decodes without drafts for a while (4 decode steps,
 doubling with each further miss, at most 64), then tries again; one accepted draft resets it.
 With async scheduling the engine asks `wants_drafts` before each step: while no request would
-verify drafts next, steps are pipelined (see engine/core.py).
+verify drafts next, steps are pipelined (see engine/core.py). The scheduler rolls back the KV
+slots of rejected drafts (settle() says how many were accepted).
 
 Adaptive budget (on unless speculative_config says adaptive_budget=false): each request keeps
 an estimate p of the chance that its next draft is accepted once the drafts before it were
@@ -27,15 +28,7 @@ decoded one does, and only drafts that are almost sure are worth it. With disabl
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from shoal.core.request import Request, RequestStatus
-from shoal.core.scheduler_output import ScheduledRequest
-
-if TYPE_CHECKING:
-    from shoal.config import SchedulerConfig
-    from shoal.kv_cache.manager import KVCacheManager
-
+from shoal.core.request import Request
 
 MISSES_BEFORE_BACKOFF = 2
 # ...and only while the acceptance estimate is this low: a request whose single draft is right
@@ -75,22 +68,21 @@ def adaptive_num_drafts(hits: float, fails: float, k: int, threshold: float) -> 
     return j
 
 
-class SpecDecodeScheduling:
-    config: SchedulerConfig
-    kv: KVCacheManager
+class DraftBudget:
+    def __init__(self, num_speculative_tokens: int, max_model_len: int, adaptive: bool = True,
+                 disable_by_batch_size: int | None = None):
+        """num_speculative_tokens: k, the drafts a request is proposed (0: no speculation)."""
+        self.k = num_speculative_tokens
+        self.max_model_len = max_model_len
+        self.adaptive = adaptive
+        self.disable_by_batch_size = disable_by_batch_size
+        self._reset_stats()
 
-    def _init_spec(self, num_speculative_tokens: int, adaptive: bool = True,
-                   disable_by_batch_size: int | None = None) -> None:
-        self.num_speculative_tokens = num_speculative_tokens
-        self.spec_adaptive = adaptive
-        self.spec_disable_by_batch_size = disable_by_batch_size
-        self._reset_spec_stats()
+    def _reset_stats(self) -> None:
+        self._drafts = self._draft_tokens = self._accepted = 0
+        self._per_pos = [0] * self.k
 
-    def _reset_spec_stats(self) -> None:
-        self._spec_drafts = self._spec_draft_tokens = self._spec_accepted = 0
-        self._spec_per_pos = [0] * self.num_speculative_tokens
-
-    def _num_drafts(self, req: Request, room: int, allowed: bool = True) -> int:
+    def num_drafts(self, req: Request, room: int, allowed: bool, running: int) -> int:
         """How many of the request's drafts to verify in this decode step: none unless drafts
         are allowed (no step in flight) and it decodes with nothing in flight, and never past
         its max_tokens or max_model_len (a verified step yields up to k+1 tokens), nor past
@@ -103,48 +95,44 @@ class SpecDecodeScheduling:
         req.spec_fails *= ACCEPT_DECAY
         if not allowed or not req.spec_token_ids or req.num_pending_tokens:
             return 0
-        k = self._draft_budget(req, len(req.spec_token_ids), len(self.running))  # type: ignore[attr-defined]
+        k = self._budget(req, len(req.spec_token_ids), running)
         return max(0, min(k, room, req.max_tokens - req.num_output_tokens - 1,
-                          self.config.max_model_len - req.num_tokens - 1))
+                          self.max_model_len - req.num_tokens - 1))
 
-    def _draft_budget(self, req: Request, k: int, running: int) -> int:
+    def _budget(self, req: Request, k: int, running: int) -> int:
         """Of k drafts, how many are worth verifying with `running` requests in the batch."""
-        cap = self.spec_disable_by_batch_size
+        cap = self.disable_by_batch_size
         if cap is not None and running >= cap:
             return 0
-        if self.spec_adaptive:
+        if self.adaptive:
             return adaptive_num_drafts(req.spec_hits, req.spec_fails, k, worth_threshold(running))
         return k
 
-    def wants_drafts(self, proposals_known: bool) -> bool:
+    def wants_drafts(self, running: list[Request], proposals_known: bool) -> bool:
         """Whether the next step would verify drafts for some running request, were they
         proposed from the step in flight: the engine then schedules it after that step's
-        results rather than beside it (async scheduling). proposals_known: the proposer
-        drafts only sometimes (ngram), so a request without drafts from its last results is
+        results rather than beside it (async scheduling). proposals_known: the drafter
+        proposes only sometimes (ngram), so a request without drafts from its last results is
         taken to want none; otherwise every request is taken to have k."""
-        running = len(self.running)  # type: ignore[attr-defined]
-        k = self.num_speculative_tokens
-        for req in self.running:  # type: ignore[attr-defined]
+        for req in running:
             if req.num_tokens_with_pending - req.num_computed_tokens != 1:
                 continue  # a prompt chunk next (or nothing: its last token is in flight)
             if req.spec_skip > 0 or (proposals_known and not req.spec_token_ids):
                 continue  # its next decode step still backs off, or it has nothing to verify
-            if req.structured is None and self._draft_budget(req, k, running) > 0:
+            if req.structured is None and self._budget(req, self.k, len(running)) > 0:
                 return True
         return False
 
-    def _settle_verified(self, req: Request, item: ScheduledRequest, tokens: list[int]) -> None:
-        """Counts a verified step (tokens: the accepted drafts then one more) and rolls back
-        the KV slots of the rejected drafts of a request still running."""
-        k = item.num_draft_tokens
-        accepted = len(tokens) - 1
-        self._spec_drafts += 1
-        self._spec_draft_tokens += k
-        self._spec_accepted += accepted
+    def settle(self, req: Request, num_drafts: int, accepted: int) -> None:
+        """Counts a verified step of num_drafts drafts, `accepted` of them accepted, and
+        updates the request's estimate and backoff."""
+        self._drafts += 1
+        self._draft_tokens += num_drafts
+        self._accepted += accepted
         for pos in range(accepted):
-            self._spec_per_pos[pos] += 1
+            self._per_pos[pos] += 1
         req.spec_hits += accepted
-        req.spec_fails += accepted < k  # the first rejection; later drafts are unobserved
+        req.spec_fails += accepted < num_drafts  # the first rejection; later drafts unseen
         if accepted:
             req.spec_misses = req.spec_backoffs = 0
         else:
@@ -153,16 +141,13 @@ class SpecDecodeScheduling:
                 and acceptance_estimate(req.spec_hits, req.spec_fails) < BACKOFF_BELOW):
             req.spec_skip = min(4 << req.spec_backoffs, MAX_BACKOFF_STEPS)
             req.spec_backoffs += 1
-        if req.status == RequestStatus.RUNNING:
-            req.num_computed_tokens -= k - accepted
-            self.kv.trim(req)
 
-    def _take_spec_stats(self) -> dict:
-        if not self._spec_drafts:
+    def take_stats(self) -> dict:
+        """vLLM's spec_decode counters since the last call (none: no verify step)."""
+        if not self._drafts:
             return {}
-        stats = dict(spec_num_drafts=self._spec_drafts,
-                     spec_num_draft_tokens=self._spec_draft_tokens,
-                     spec_num_accepted_tokens=self._spec_accepted,
-                     spec_num_accepted_tokens_per_pos=self._spec_per_pos)
-        self._reset_spec_stats()
+        stats = dict(spec_num_drafts=self._drafts, spec_num_draft_tokens=self._draft_tokens,
+                     spec_num_accepted_tokens=self._accepted,
+                     spec_num_accepted_tokens_per_pos=self._per_pos)
+        self._reset_stats()
         return stats

@@ -1,0 +1,129 @@
+"""Admitting waiting requests (the scheduler's): in queue order while the step has budget, a
+free sequence slot and KV blocks; each one's prefix hits (device blocks, then blocks of the
+KV tiers staged in the CPU tier to load into fresh device blocks) are taken, and the rest of
+its prompt is computed, in chunks when it does not fit one step."""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+from shoal.config import SchedulerConfig
+from shoal.core.request import Request, RequestStatus
+from shoal.core.scheduler_output import NewRequestData
+from shoal.engine.waiting_queue import WaitingQueue
+from shoal.kv_cache.block_pool import KVBlock
+from shoal.kv_cache.manager import KVCacheManager
+from shoal.kv_offload.connector import KVOffloadConnector, Staged
+
+
+@dataclass
+class StepPlan:
+    """The step being scheduled: what runs, the budget left, and what happened."""
+
+    budget: int
+    allow_drafts: bool = True  # False while a step is in flight (async scheduling)
+    max_requests: int = sys.maxsize  # micro-batches: this step's share of the requests
+    scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)  # id -> tokens
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    preempted: bool = False
+
+    def add(self, req: Request, n: int) -> None:
+        self.scheduled[req.request_id] = (req, n)
+        self.budget -= n
+
+
+@dataclass
+class _Cached:
+    """A waiting request's prefix hits: device blocks, then tier blocks staged in the CPU
+    tier (to load into fresh device blocks)."""
+
+    device_hits: list[KVBlock] = field(default_factory=list)
+    num_hit_tokens: int = 0  # tokens of the device hits
+    staged: Staged = field(default_factory=list)
+
+
+class Admission:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
+                 offload: KVOffloadConnector | None, waiting: WaitingQueue,
+                 running: list[Request]):
+        self.config, self.kv, self.offload = config, kv, offload
+        self.waiting, self.running = waiting, running
+        self.block_size = kv.block_size
+
+    def schedule_waiting(self, step: StepPlan) -> None:
+        """Waiting requests in queue order, while there is budget, a free sequence slot and
+        blocks. One whose KV is still on its way from a tier is passed over this step."""
+        deferred: list[Request] = []  # ask again next step, in the same order
+        while (len(self.waiting) and step.budget > 0
+               and len(self.running) < self.config.max_num_seqs
+               and len(step.scheduled) < step.max_requests):
+            req = self.waiting.peek()
+            if req.num_pending_tokens or req.suspect:
+                # preempted while a step was in flight: its token is not known yet; or a
+                # suspect of a failed step, which is only admitted alone
+                break
+            if req.structured is not None and not req.structured.is_ready():
+                deferred.append(self.waiting.pop())  # its grammar is still compiling
+                continue
+            cached = self.find_cached(req)
+            if cached is None:
+                deferred.append(self.waiting.pop())
+                continue
+            if not self.admit(req, cached, step):
+                break
+        for req in reversed(deferred):
+            self.waiting.push_front(req)
+
+    def find_cached(self, req: Request) -> _Cached | None:
+        """The request's prefix hits: device blocks, then tier blocks pinned in the CPU tier
+        (KV offloading); None while some tier blocks are still being read."""
+        if req.sampling_params.prompt_logprobs is not None:
+            return _Cached()  # every prompt position's logits are needed: compute them all
+        # A request asking again after a deferral had its query counted the first time.
+        count = self.offload is None or not self.offload.is_deferred(req.request_id)
+        hits, n_hit = self.kv.get_computed_blocks(req, count=count)
+        staged: Staged = []
+        if self.offload is not None:
+            found = self.offload.stage(req, len(hits))
+            if found is None:
+                return None
+            staged = found
+        return _Cached(hits, n_hit, staged)
+
+    def admit(self, req: Request, cached: _Cached, step: StepPlan) -> bool:
+        """Allocates the waiting request's blocks and makes it running; False (nothing
+        changed) when they do not fit."""
+        n_loaded = len(cached.staged) * self.block_size  # tier hits: loaded, not computed
+        n = req.num_tokens - cached.num_hit_tokens - n_loaded
+        if n > step.budget and not self.config.enable_chunked_prefill:
+            new_blocks = None  # the whole prompt must fit in one step
+        else:
+            n = min(n, step.budget)
+            new_blocks = self.kv.allocate_slots(req, n_loaded + n, cached.device_hits)
+        if new_blocks is None:
+            if cached.staged:
+                self.offload.cancel(cached.staged)
+            return False
+        if cached.staged:
+            self.offload.commit(cached.staged, new_blocks)
+        n_hit = cached.num_hit_tokens + n_loaded
+        req.num_computed_tokens = n_hit
+        self.waiting.pop()
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = n_hit
+            req.first_scheduled_time = time.monotonic()
+        if req.status == RequestStatus.WAITING:
+            step.new_requests.append(NewRequestData(
+                req.request_id, req.serial, req.prompt_token_ids, req.sampling_params,
+                req.eos_token_ids, list(req.output_token_ids)))
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        step.add(req, n)
+        return True
+
+    def admit_head(self, req: Request, step: StepPlan) -> bool:
+        """Admits the request at the head of the queue if its hits are ready and it fits."""
+        cached = self.find_cached(req)
+        return cached is not None and self.admit(req, cached, step)
