@@ -35,8 +35,9 @@ def prompt_logits(model: torch.nn.Module) -> torch.Tensor:
     bs, n = 4, len(PROMPT)
     blocks = -(-n // bs)
     for layer in model.attention_layers():
-        layer.kv_cache = torch.zeros(layer.kv_planes, (blocks + 1) * bs, layer.num_kv_heads,
-                                     layer.head_dim)
+        spec = layer.kv_cache_spec(4)
+        layer.kv_cache = torch.zeros(spec.planes, (blocks + 1) * bs, spec.num_kv_heads,
+                                     spec.head_size)
     md = build_attention_metadata(query_lens=[n], context_lens=[0],
                                   block_tables=[list(range(blocks))], block_size=bs,
                                   num_decodes=0, sliding_window=None, device=torch.device("cpu"),

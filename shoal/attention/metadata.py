@@ -14,6 +14,17 @@ import torch
 from shoal.host_to_device import tensor_to_device
 
 
+@dataclass(frozen=True)
+class GroupedMetadata:
+    """One metadata object per KV cache group (shoal/core/kv_cache_spec.py) of a step: each
+    attention layer reads its own group's (its block tables, slots and window)."""
+
+    groups: tuple
+
+    def of(self, group: int) -> object:
+        return self.groups[group]
+
+
 @dataclass
 class AttentionMetadata:
     num_tokens: int

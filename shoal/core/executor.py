@@ -19,6 +19,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
+from shoal.core.kv_cache_spec import KVCacheLayout
 from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 
 
@@ -30,9 +31,9 @@ class Executor(ABC):
     pooling_info: Any = None
 
     @abstractmethod
-    def initialize_kv_cache(self) -> int:
-        """Sizes and allocates the KV cache (and warms up, captures graphs); returns the number
-        of device KV blocks the scheduler may hand out."""
+    def initialize_kv_cache(self) -> KVCacheLayout:
+        """Sizes and allocates the KV cache (and warms up, captures graphs); returns the
+        device KV blocks the scheduler may hand out and the groups of layers sharing them."""
 
     @abstractmethod
     def execute(self, sched: SchedulerOutput) -> Any:

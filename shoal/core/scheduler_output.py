@@ -38,12 +38,18 @@ class ScheduledRequest:
     serial: int
     input_token_ids: list[int]  # tokens to run this step
     context_len: int  # tokens already in the KV cache before them
-    block_ids: list[int]  # the whole block table
+    block_ids: list[int]  # the whole block table (of the first KV cache group)
     sample: bool  # this chunk reaches the end of the known tokens: sample the next one
     num_output_tokens: int  # outputs already generated (they are part of the context)
     # Speculative decoding: the last this-many input tokens are drafts to verify (the
     # runner samples every one of the k+1 positions and keeps the accepted run)
     num_draft_tokens: int = 0
+    # The tables of the other KV cache groups (shoal/core/kv_cache_spec.py), one per group;
+    # empty for a model whose layers all keep their cache alike
+    group_block_ids: tuple[list[int], ...] = ()
+
+    def block_table(self, group: int) -> list[int]:
+        return self.block_ids if group == 0 else self.group_block_ids[group - 1]
 
     @property
     def num_new_tokens(self) -> int:

@@ -26,6 +26,7 @@ import weakref
 
 from shoal.config import EngineConfig
 from shoal.core.executor import Executor
+from shoal.core.kv_cache_spec import KVCacheLayout
 from shoal.core.request import Request
 from shoal.core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from shoal.engine.dp_lockstep import join_dp_lockstep
@@ -75,10 +76,10 @@ class EngineCore:
         self.dp_lockstep = join_dp_lockstep(config)
         self.runner: Executor = build_model_executor(config, loaded)
         try:
-            num_blocks = self.runner.initialize_kv_cache()
+            layout = self.runner.initialize_kv_cache()
             self.scheduler: Scheduler | PoolingScheduler = (
                 self._pooling_scheduler(request_limits) if pooling else
-                self._scheduler(num_blocks, loaded, request_limits))
+                self._scheduler(layout, loaded, request_limits))
         except BaseException:  # worker ranks and process groups do not outlive a failed start
             self.runner.shutdown()
             raise
@@ -101,7 +102,7 @@ class EngineCore:
         # What every frontend validates requests against (sent in the ready message).
         self.limits = EngineLimits(
             vocab_size=self.runner.vocab_size, max_model_len=sc.max_model_len,
-            num_kv_blocks=num_blocks, block_size=config.cache_config.block_size,
+            num_kv_blocks=layout.num_blocks, block_size=config.cache_config.block_size,
             max_num_seqs=sc.max_num_seqs, eos_token_ids=self.eos_token_ids,
             request=request_limits, pooling=self.runner.pooling_info)
         if config.device.type == "cuda" and not pooling:
@@ -121,12 +122,13 @@ class EngineCore:
         return PoolingScheduler(self.config.scheduler_config,
                                 request_timeout=request_limits.request_timeout)
 
-    def _scheduler(self, num_blocks: int, loaded: LoadedModel,
+    def _scheduler(self, layout: KVCacheLayout, loaded: LoadedModel,
                    request_limits: RequestLimits) -> Scheduler:
         """The generation scheduler over the device KV pool, with the secondary KV tiers
         (CPU, then disk...) when kv_offloading_size is set."""
         config = self.config
-        offload = build_kv_offload(config, self.runner.kv_cache_tensors(), loaded)
+        offload = build_kv_offload(config, self.runner.kv_cache_tensors(), loaded,
+                                   layout.groups)
         if offload is not None:
             self.kv_offload, self.kv_transfer = offload.store, offload.transfer
             self.runner.use_kv_transfer(offload.transfer)
@@ -134,14 +136,15 @@ class EngineCore:
             # its CPU tier down (shutdown() does more first, and this then does nothing).
             weakref.finalize(self, offload.store.shutdown)
         spec = config.speculative_config
-        return Scheduler(config.scheduler_config, config.cache_config, num_blocks,
+        return Scheduler(config.scheduler_config, config.cache_config, layout.num_blocks,
                          kv_store=self.kv_offload,
                          request_timeout=request_limits.request_timeout,
                          num_speculative_tokens=spec.num_speculative_tokens if spec else 0,
                          spec_adaptive=spec is None or spec.adaptive_budget,
                          spec_disable_by_batch_size=spec.disable_by_batch_size
                          if spec is not None else None,
-                         micro_batches=config.parallel_config.pipeline_parallel_size)
+                         micro_batches=config.parallel_config.pipeline_parallel_size,
+                         kv_groups=layout.groups)
 
     def _warm_request_path(self) -> None:
         """Runs requests end to end through the scheduler, the runner and the sampler before

@@ -43,7 +43,7 @@ class FailedBlocks:
     def release(self, req: Request, failed: bool) -> None:
         """Frees a request's blocks; a failed request's are withdrawn and zeroed. Blocks
         released while a step holding the request is in flight are remembered for its result."""
-        blocks = self.kv.req_blocks.get(req.request_id, [])
+        blocks = [b for _, b in self.kv.request_blocks(req.request_id)]
         if req.num_pending_tokens > 0 and blocks:
             self._released[req.serial] = _Released([(b, b.block_hash) for b in blocks],
                                                    req.num_pending_tokens)
@@ -97,7 +97,7 @@ class FailedBlocks:
     def _block_owners(self) -> dict[int, tuple[Request, int]]:
         owners: dict[int, tuple[Request, int]] = {}
         for req in self.running:
-            for i, b in enumerate(self.kv.req_blocks.get(req.request_id, ())):
+            for i, b in self.kv.request_blocks(req.request_id):
                 owners.setdefault(b.block_id, (req, i))
         return owners
 

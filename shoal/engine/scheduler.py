@@ -20,9 +20,11 @@ non-finite KV values (failed_blocks.py) and the requests of a step that raised
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 from shoal.config import CacheConfig, SchedulerConfig
 from shoal.core.errors import ErrorCode
+from shoal.core.kv_cache_spec import KVCacheGroup
 from shoal.core.request import Request, RequestStatus
 from shoal.core.scheduler_output import (
     PENDING_TOKEN,
@@ -38,7 +40,7 @@ from shoal.engine.request_table import RequestTable
 from shoal.engine.suspects import Suspects
 from shoal.engine.token_results import keep_tokens, produced_tokens, token_output
 from shoal.engine.waiting_queue import WaitingQueue
-from shoal.kv_cache.manager import KVCacheManager
+from shoal.kv_cache.manager import FULL_ATTENTION, KVCacheManager
 from shoal.kv_offload.connector import KVOffloadConnector
 from shoal.kv_offload.store import TieredKVStore
 
@@ -48,21 +50,23 @@ class Scheduler:
                  num_blocks: int, kv_store: TieredKVStore | None = None,
                  request_timeout: float | None = None, num_speculative_tokens: int = 0,
                  spec_adaptive: bool = True, spec_disable_by_batch_size: int | None = None,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, kv_groups: Sequence[KVCacheGroup] = FULL_ATTENTION):
         """num_blocks: the device KV pool, as the model runner sized it at start-up.
         request_timeout: seconds from arrival after which a request is ended with an error.
         num_speculative_tokens: drafts per step of a speculating request (0: none);
         spec_adaptive / spec_disable_by_batch_size: see draft_budget.py.
         micro_batches: steps in flight at once (pipeline parallelism); above 1 a request
-        waits while a step samples for it, and each step takes 1/micro_batches of them."""
+        waits while a step samples for it, and each step takes 1/micro_batches of them.
+        kv_groups: the layers sharing block tables (the runner's KVCacheLayout)."""
         self.config = sched_config
         self.micro_batches = micro_batches
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
-                                 cache_config.enable_prefix_caching)
+                                 cache_config.enable_prefix_caching, kv_groups)
         # KV offloading: evicted device blocks go to the tiers, admissions load tier hits.
         self.offload = (KVOffloadConnector(kv_store, self.kv.pool, self.block_size)
                         if kv_store is not None else None)
+        self._groups = len(kv_groups) > 1
         self.table = RequestTable(request_timeout)
         self.waiting = WaitingQueue(sched_config.policy)
         self.running: list[Request] = []
@@ -232,6 +236,7 @@ class Scheduler:
         item = ScheduledRequest(
             request_id=req.request_id, serial=req.serial, input_token_ids=ids,
             context_len=start, block_ids=self.kv.block_ids(req.request_id),
+            group_block_ids=self.kv.group_block_ids(req.request_id) if self._groups else (),
             sample=start + n >= req.num_tokens_with_pending,
             num_output_tokens=req.num_output_tokens + req.num_pending_tokens,
             num_draft_tokens=max(num_drafts, 0))

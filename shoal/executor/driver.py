@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.core.executor import Executor
+from shoal.core.kv_cache_spec import KVCacheLayout
 from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.executor.commands import (
     CheckHealth,
@@ -70,7 +71,7 @@ class DriverExecutor(Executor):
     def pipelined(self) -> bool:
         return self.driver.forwarder.stage_link is not None
 
-    def initialize_kv_cache(self) -> int:
+    def initialize_kv_cache(self) -> KVCacheLayout:
         self._broadcast(InitKVCache())
         return self.driver.initialize_kv_cache()
 

@@ -1,25 +1,42 @@
-"""Per-request block tables on top of the block pool, with prefix-cache lookups."""
+"""Per-request block tables on top of the block pool, with prefix-cache lookups.
+
+One pool of block ids serves every KV cache group (shoal/core/kv_cache_spec.py); each group
+keeps its own table per request (kv_cache/block_tables.py). The first group's tables are the
+request's `block_ids` (what the drafters and the KV tiers follow); the others travel as
+`group_block_ids`. Allocation is all or nothing across the groups."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+
+from shoal.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup
 from shoal.core.request import Request
 from shoal.kv_cache.block_pool import BlockPool, KVBlock
+from shoal.kv_cache.block_tables import BlockTables
 from shoal.kv_cache.hashing import hash_full_blocks
+
+FULL_ATTENTION = (KVCacheGroup(FullAttentionSpec(1, 1, 1), (0,)),)
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 groups: Sequence[KVCacheGroup] = FULL_ATTENTION):
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_blocks: dict[str, list[KVBlock]] = {}
-        self.req_block_ids: dict[str, list[int]] = {}  # the same tables as ids, kept in step
-        # How many leading blocks of each request are already published in the prefix cache,
-        # so each step publishes only the newly filled ones.
-        self.num_published: dict[str, int] = {}
+        self.null_block = num_blocks  # read where a table holds no block (see BlockTables)
+        self.tables = [BlockTables(g, i, self.pool, block_size, self.null_block)
+                       for i, g in enumerate(groups)]
+        self._main = self.tables[0]
+        self._sliding = any(t.sliding for t in self.tables)
         # Prefix-cache counters (queries and hits in tokens), read by metrics.
         self.prefix_queries = 0
         self.prefix_hits = 0
+
+    @property
+    def req_blocks(self) -> dict[str, list[KVBlock | None]]:
+        """The first group's blocks by request id (live lists)."""
+        return self._main.blocks
 
     @property
     def num_free_blocks(self) -> int:
@@ -36,107 +53,138 @@ class KVCacheManager:
             )
 
     def get_computed_blocks(self, request: Request,
-                            count: bool = True) -> tuple[list[KVBlock], int]:
-        """Longest run of cached full blocks at the start of the request. At least one token is
-        always left to compute, since the last position's logits are needed. `count` adds the
-        query to the prefix-cache counters (not for a request asking again after waiting for
-        its KV from a tier: its query was counted the first time)."""
+                            count: bool = True) -> tuple[list[KVBlock | None], int]:
+        """The first group's cached blocks of the longest prefix every group holds (a
+        sliding group: the blocks its window needs), and its length in tokens. At least one
+        token is always left to compute, since the last position's logits are needed. `count`
+        adds the query to the prefix-cache counters (not for a request asking again after
+        waiting for its KV from a tier: its query was counted the first time)."""
         if not self.enable_caching:
             return [], 0
         self._update_hashes(request)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = []
-        for h in request.block_hashes[:max_blocks]:
-            block = self.pool.get_cached_block(h)
-            if block is None:
-                break
-            hits.append(block)
+        hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
+        n = self._longest_hit(hashes)
+        first = self._main.group.first_needed_block(n * self.block_size, self.block_size)
+        hits = self._main.hits(hashes, n, first) or [] if n else []
         if count:
             self.prefix_queries += request.num_tokens
-            self.prefix_hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+            self.prefix_hits += n * self.block_size
+        return hits, n * self.block_size
 
-    def blocks_needed(self, request: Request, num_new_tokens: int,
-                      new_computed: list[KVBlock] | None = None) -> int:
-        have = len(self.req_blocks.get(request.request_id, ())) + len(new_computed or ())
-        total = request.num_computed_tokens + len(new_computed or ()) * self.block_size
-        need = -(-(total + num_new_tokens) // self.block_size)
-        return max(0, need - have)
+    def _longest_hit(self, hashes: list) -> int:
+        """The most leading blocks every group can start from."""
+        if not self._sliding:  # full attention: the leading run of cached blocks
+            n = len(hashes)
+            for t in self.tables:
+                for i in range(n):
+                    if t.cached(hashes[i]) is None:
+                        n = i
+                        break
+            return n
+        # running[g][i]: cached blocks of group g among its first i
+        running = []
+        for t in self.tables:
+            counts = [0]
+            for h in hashes:
+                counts.append(counts[-1] + (t.cached(h) is not None))
+            running.append(counts)
+        for n in range(len(hashes), 0, -1):
+            if all(c[n] - c[first] == n - first for t, c in zip(self.tables, running)
+                   for first in (t.group.first_needed_block(n * self.block_size,
+                                                            self.block_size),)):
+                return n
+        return 0
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed: list[KVBlock] | None = None) -> list[KVBlock] | None:
-        """Reserves room for `num_new_tokens` more tokens. Returns None (and changes nothing)
-        when the pool cannot provide the blocks."""
+                       new_computed: list[KVBlock | None] | None = None
+                       ) -> list[KVBlock] | None:
+        """Reserves room for `num_new_tokens` more tokens after the request's computed ones
+        and its new prefix hits (new_computed, from get_computed_blocks). Returns the first
+        group's new blocks, or None (and changes nothing) when the pool cannot provide them."""
+        rid = request.request_id
+        start = request.num_computed_tokens
         if not new_computed:
             # Fast path, most decode steps: the tokens fit in the blocks already held.
-            held = self.req_blocks.get(request.request_id)
-            total = request.num_computed_tokens + num_new_tokens
-            if held is not None and total <= len(held) * self.block_size:
-                if self.enable_caching and total // self.block_size > self.num_published.get(
-                        request.request_id, 0):
-                    self._publish(request, held, total)
+            held = self._main.held(rid)
+            total = start + num_new_tokens
+            if held and total <= held * self.block_size:
+                if self.enable_caching and total // self.block_size > (
+                        self._main.num_published.get(rid, 0)):
+                    self._publish(request, total)
+                if self._sliding:
+                    for t in self.tables:
+                        t.drop_out_of_window(rid, start)
                 return []
-        new_computed = new_computed or []
-        n_new = self.blocks_needed(request, num_new_tokens, new_computed)
+        n_hits = len(new_computed or ())
+        start += n_hits * self.block_size
+        need = -(-(start + num_new_tokens) // self.block_size)
+        hits = [new_computed or [] if t is self._main else
+                self._group_hits(t, request, n_hits) for t in self.tables]
+        if any(h is None for h in hits):
+            return None  # another group's hit left the cache meanwhile
+        counts = [max(0, need - t.held(rid) - len(h)) for t, h in zip(self.tables, hits)]
         # Cache hits sitting in the free queue are taken out of it, so they count against it.
-        evictable_hits = sum(1 for b in new_computed if b.ref_cnt == 0)
-        if n_new + evictable_hits > self.pool.num_free_blocks:
+        evictable = sum(1 for h in hits for b in h if b is not None and b.ref_cnt == 0)
+        if sum(counts) + evictable > self.pool.num_free_blocks:
             return None
-        self.pool.touch(new_computed)
-        blocks = self.req_blocks.setdefault(request.request_id, [])
-        blocks.extend(new_computed)
-        new_blocks = self.pool.allocate(n_new)
-        blocks.extend(new_blocks)
-        ids = self.req_block_ids.setdefault(request.request_id, [])
-        ids.extend(b.block_id for b in new_computed)
-        ids.extend(b.block_id for b in new_blocks)
+        new_main: list[KVBlock] = []
+        for t, h, n in zip(self.tables, hits, counts):
+            self.pool.touch([b for b in h if b is not None])
+            new_blocks = self.pool.allocate(n)
+            t.extend(rid, h, new_blocks)
+            if t is self._main:
+                new_main = new_blocks
         if self.enable_caching:
-            num_after = request.num_computed_tokens + len(new_computed) * self.block_size + num_new_tokens
-            self._publish(request, blocks, num_after)
-        return new_blocks
+            self._publish(request, start + num_new_tokens)
+        if self._sliding:
+            for t in self.tables:
+                t.drop_out_of_window(rid, start)
+        return new_main
 
-    def _publish(self, request: Request, blocks: list[KVBlock], num_after: int) -> None:
-        """Publishes blocks that will be full once this step has run; attention writes a
-        layer's keys before reading, so requests in the same step can share them."""
+    def _group_hits(self, tables: BlockTables, request: Request,
+                    n: int) -> list[KVBlock | None] | None:
+        if not n:
+            return []
+        first = tables.group.first_needed_block(n * self.block_size, self.block_size)
+        return tables.hits(request.block_hashes, n, first)
+
+    def _publish(self, request: Request, num_tokens: int) -> None:
         self._update_hashes(request)
-        n_full = min(num_after // self.block_size, len(request.block_hashes))
-        rid = request.request_id
-        done = self.num_published.get(rid, 0)
-        for i in range(done, n_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
-        self.num_published[rid] = max(n_full, done)
+        for t in self.tables:
+            t.publish(request, num_tokens)
 
     def trim(self, request: Request) -> None:
         """Speculative decoding: returns the blocks past the request's computed tokens (they
         held only rejected drafts) to the pool. None of them is in the prefix cache: hashes
-        cover accepted tokens only. The table lists shrink in place (they are live)."""
-        rid = request.request_id
-        blocks = self.req_blocks.get(rid)
+        cover accepted tokens only."""
         keep = -(-request.num_computed_tokens // self.block_size)
-        if blocks is None or len(blocks) <= keep:
-            return
-        extra = blocks[keep:]
-        del blocks[keep:]
-        del self.req_block_ids[rid][keep:]
-        self.pool.free(list(reversed(extra)))
+        for t in self.tables:
+            t.trim(request.request_id, keep)
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The request's block table (a live list: it grows as the request does)."""
-        return self.req_block_ids.get(request_id, [])
+        """The request's first-group block table (a live list: it grows as the request
+        does)."""
+        return self._main.ids.get(request_id, [])
+
+    def group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
+        """The tables of the other groups (live lists; empty for a model of one group)."""
+        return tuple(t.ids.get(request_id, []) for t in self.tables[1:])
+
+    def request_blocks(self, request_id: str) -> Iterator[tuple[int, KVBlock]]:
+        """(index in its table, block) of every block the request holds, in every group."""
+        for t in self.tables:
+            for i, b in enumerate(t.blocks.get(request_id, ())):
+                if b is not None:
+                    yield i, b
 
     def free(self, request: Request, failed: bool = False) -> None:
-        """Returns a request's blocks to the pool. Blocks published for a step that never ran
-        (a victim un-scheduled by preemption) hold no keys, and a failed request's keys are
+        """Returns a request's blocks to the pool. Blocks published for a step that never
+        ran (a victim un-scheduled by preemption) hold no keys, and a failed request's keys are
         not to be trusted: both are withdrawn from the prefix cache unless another request
         holds them."""
-        blocks = self.req_blocks.pop(request.request_id, [])
-        self.req_block_ids.pop(request.request_id, None)
-        self.num_published.pop(request.request_id, None)
         first_unsure = 0 if failed else request.num_computed_tokens // self.block_size
-        for b in blocks[first_unsure:]:
-            if b.block_hash is not None and b.ref_cnt == 1:
-                self.pool.uncache_block(b)
-        self.pool.free(list(reversed(blocks)))
+        for t in self.tables:
+            t.free(request.request_id, first_unsure)
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ import torch
 import xxhash
 
 from shoal.config import EngineConfig
+from shoal.core.kv_cache_spec import KVCacheGroup
 from shoal.kv_offload.cpu_tier import CPUTier
 from shoal.kv_offload.layout import BlockLayout, StoreKey
 from shoal.kv_offload.lower_tiers import LOWER_TIERS
@@ -53,15 +55,21 @@ def model_identity(source: str, load_format: str, seed: int) -> str:
     return f"{ident}#seed{seed}" if load_format == "dummy" else ident
 
 
-def block_layout(kv_caches: list[torch.Tensor], block_size: int) -> BlockLayout:
-    shapes = {tuple(kv.shape) for kv in kv_caches}
-    if len(shapes) != 1:
-        raise ValueError(f"KV offloading needs one KV shape for every layer (got {shapes})")
-    planes, slots, heads, head_dim = next(iter(shapes))
-    if planes not in (1, 2) or slots % block_size:
-        raise ValueError(f"unexpected KV cache shape {kv_caches[0].shape} for offloading")
-    return BlockLayout(len(kv_caches), (planes, block_size, heads, head_dim),
-                       kv_caches[0].dtype)
+def block_layout(kv_caches: list[torch.Tensor], groups: Sequence[KVCacheGroup],
+                 block_size: int) -> BlockLayout:
+    """A CPU-tier block: one block of every layer, as the layers' cache spec lays it out."""
+    if len(groups) != 1:
+        raise ValueError("kv_offloading_size does not support models whose layers keep their "
+                         "KV cache in different ways (sliding-window layers beside full "
+                         f"attention: {len(groups)} KV cache groups) yet")
+    spec = groups[0].spec
+    row = (spec.planes, spec.num_kv_heads, spec.head_size)
+    for kv in kv_caches:  # [planes, slots, heads, head size] each, as the spec says
+        if (kv.shape[0], *kv.shape[2:]) != row or kv.shape[1] % block_size:
+            raise ValueError(f"KV offloading needs one KV shape for every layer: a tensor "
+                             f"of {tuple(kv.shape)} beside {spec}")
+    return BlockLayout(len(kv_caches), (spec.planes, block_size, spec.num_kv_heads,
+                                        spec.head_size), kv_caches[0].dtype)
 
 
 def build_lower_tiers(ctx: TierContext) -> list[LowerTier]:
@@ -79,13 +87,13 @@ def build_lower_tiers(ctx: TierContext) -> list[LowerTier]:
     return tiers
 
 
-def build_kv_offload(config: EngineConfig, kv_caches: list[torch.Tensor],
-                     loaded: LoadedModel) -> KVOffload | None:
+def build_kv_offload(config: EngineConfig, kv_caches: list[torch.Tensor], loaded: LoadedModel,
+                     groups: Sequence[KVCacheGroup]) -> KVOffload | None:
     """None when offloading is off."""
     oc = config.kv_offload_config
     if oc is None:
         return None
-    layout = block_layout(kv_caches, config.cache_config.block_size)
+    layout = block_layout(kv_caches, groups, config.cache_config.block_size)
     cpu_blocks = oc.cpu_bytes // layout.nbytes
     if cpu_blocks < 1:
         raise ValueError(f"kv_offloading_size ({oc.cpu_bytes / 2**30:.6f} GiB) is smaller than one "

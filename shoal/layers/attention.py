@@ -10,15 +10,15 @@ import torch
 from torch import nn
 
 from shoal.attention.backend import AttentionBackend
+from shoal.attention.metadata import GroupedMetadata
 from shoal.attention.packed import PackedSeqs, packed_attention
 from shoal.attention.torch_backend import TorchAttentionBackend
+from shoal.core.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 from shoal.layers.norm import RMSNorm
 from shoal.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    kv_planes = 2  # the cache holds a K and a V plane: [2, num_slots, Hk, D]
-
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None = None):
         super().__init__()
@@ -26,9 +26,20 @@ class Attention(nn.Module):
         self.scale = head_dim ** -0.5
         self.sliding_window = sliding_window
         self.kv_cache: torch.Tensor | None = None  # [2, num_slots, Hk, D]
+        self.kv_group = 0  # its KV cache group: which of a step's metadata it reads
         self.backend: AttentionBackend = TorchAttentionBackend()
 
+    def kv_cache_spec(self, dtype_bytes: int) -> KVCacheSpec:
+        """What it keeps per token: a K and a V row of Hk x D, of the whole context or of the
+        last sliding_window tokens."""
+        if self.sliding_window is None:
+            return FullAttentionSpec(self.num_kv_heads, self.head_dim, dtype_bytes)
+        return SlidingWindowSpec(self.num_kv_heads, self.head_dim, dtype_bytes,
+                                 self.sliding_window)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, md: Any) -> torch.Tensor:
+        if isinstance(md, GroupedMetadata):
+            md = md.of(self.kv_group)
         if isinstance(md, PackedSeqs):  # a pooling step: no KV cache, whole prompts (the
             # compatibility table keeps them within a sliding window, which this does not apply)
             return packed_attention(q, k, v, md, self.scale)
@@ -44,6 +55,8 @@ class Attention(nn.Module):
                      k_norm: RMSNorm | None, md: Any) -> torch.Tensor:
         """forward on q and k before the optional per-head norms and the rotary, which the
         backend fuses into its cache write (only while fuses_rope). q is modified in place."""
+        if isinstance(md, GroupedMetadata):
+            md = md.of(self.kv_group)
         norms = [n for n in (q_norm, k_norm) if n is not None]
         if len({n.eps for n in norms}) > 1:
             raise ValueError("the fused kernel takes one eps for the q and k norms")

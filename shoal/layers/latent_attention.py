@@ -15,13 +15,14 @@ from torch import nn
 
 from shoal.attention.backend import AttentionBackend
 from shoal.attention.torch_backend import TorchAttentionBackend
+from shoal.core.kv_cache_spec import LatentAttentionSpec
 
 
 class LatentAttention(nn.Module):
-    kv_planes = 1  # one latent row per token, no separate V plane
     num_kv_heads = 1  # every query head reads the same latent row
     sliding_window = None
     fuses_rope = False
+    kv_group = 0
 
     def __init__(self, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
         super().__init__()
@@ -31,6 +32,10 @@ class LatentAttention(nn.Module):
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None  # [1, num_slots, 1, head_dim]
         self.backend: AttentionBackend = TorchAttentionBackend()
+
+    def kv_cache_spec(self, dtype_bytes: int) -> LatentAttentionSpec:
+        """One latent row per token, no separate V plane."""
+        return LatentAttentionSpec(1, self.head_dim, dtype_bytes)
 
     def forward(self, q: torch.Tensor, latent: torch.Tensor, md: Any) -> torch.Tensor:
         """q [T, H, Dk] (absorbed queries), latent [T, Dk] (this step's rows to cache).

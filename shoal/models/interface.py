@@ -57,8 +57,9 @@ class CausalLM(Protocol):
 
     def attention_layers(self) -> list[Attention]:
         """The paged attention layers in order: the runner sizes the KV pool from them and
-        binds each one's cache and backend. Each says the shape of its cache: kv_planes (2: K
-        and V; 1: LatentAttention's one latent row per token), num_kv_heads and head_dim."""
+        binds each one's cache (and its KV cache group) and backend. Each says what it keeps
+        with kv_cache_spec(dtype_bytes) (shoal/core/kv_cache_spec.py: full attention, a
+        sliding window, MLA's one latent row per token)."""
         ...
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -37,9 +37,22 @@ from shoal.layers.norm import RMSNorm
 from shoal.layers.rotary import get_rope, rope_parameters
 
 
+def layer_sliding_window(cfg: Any, layer: int) -> int | None:
+    """The layer's sliding window: config.layer_types when the config has them
+    ("sliding_attention" layers; Qwen2's from max_window_layers), else every layer's when
+    sliding_window is set and use_sliding_window is not false (Mistral)."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return window if types[layer] == "sliding_attention" else None
+    return window
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool, qkv_bias: bool,
-                 use_triton_ops: bool = True):
+                 use_triton_ops: bool = True, layer: int = 0):
         super().__init__()
         self.hidden_size = cfg.hidden_size
         total_heads = cfg.num_attention_heads
@@ -61,8 +74,8 @@ class LlamaAttention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, use_triton_ops)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, use_triton_ops)
-        window = getattr(cfg, "sliding_window", None) if getattr(cfg, "use_sliding_window", True) else None
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, window)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              layer_sliding_window(cfg, layer))
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 md: Any) -> torch.Tensor:
@@ -100,9 +113,9 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool, qkv_bias: bool,
-                 use_triton_ops: bool = True):
+                 use_triton_ops: bool = True, layer: int = 0):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype, qk_norm, qkv_bias, use_triton_ops)
+        self.self_attn = LlamaAttention(cfg, dtype, qk_norm, qkv_bias, use_triton_ops, layer)
         self.mlp = LlamaMLP(cfg, dtype, use_triton_ops)
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, use_triton_ops)
@@ -145,7 +158,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
                              if self.is_first else PPMissingLayer())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, qk_norm, qkv_bias, use_triton_ops)
+            LlamaDecoderLayer(cfg, dtype, qk_norm, qkv_bias, use_triton_ops, i)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_hidden_layers)
         )

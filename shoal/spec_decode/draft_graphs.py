@@ -48,7 +48,7 @@ class DraftGraphs:
         self.max_steps = max_steps
         # Token ids and positions; decode shapes: one token a row.
         self.table = table_type(backend, [StepShape(b, 1) for b in self.sizes], max_blocks,
-                                device, block_size=block_size, sliding_window=sliding_window,
+                                device, block_size=block_size, windows=(sliding_window,),
                                 token_rows=2)
         self.hidden = (None if hidden is None else
                        torch.zeros(self.max_batch, hidden[0], dtype=hidden[1], device=device))
@@ -72,7 +72,7 @@ class DraftGraphs:
             assert next_hidden is not None
             hidden.copy_(next_hidden)
         pos.add_(1)
-        self.backend.advance_graph_buffers(self.table.buffers, size)
+        self.backend.advance_graph_buffers(self.table.buffers[0], size)
 
     def capture(self, pool: Any) -> float:
         # The drafts' column stays in range while warming up (each run moves it on).
@@ -90,8 +90,8 @@ class DraftGraphs:
             raise ValueError(f"{steps} draft steps, the graphs hold {self.max_steps}")
         shape = StepShape(round_up(n, self.sizes) or self.max_batch, 1)
         # A decode row's context length is its new token's position.
-        staged = self.table.stage(shape, ([], positions), positions, tables,
-                                  token_slots([1] * n, positions, tables, self.block_size))
+        staged = self.table.stage(shape, ([], positions), positions, [tables],
+                                  [token_slots([1] * n, positions, tables, self.block_size)])
         staged[0, :n].copy_(ids)
         if self.hidden is not None:
             assert hidden is not None

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 
 from shoal.config import EngineConfig
+from shoal.core.kv_cache_spec import KVCacheGroup
 from shoal.host_to_device import to_device
 from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.worker.drafter import Drafter
-from shoal.worker.kv_cache_sizing import allocate_kv_caches
+from shoal.worker.kv_cache_tensors import allocate_kv_caches, layer_specs
 
 
 class DrafterCache(Drafter):
@@ -51,7 +52,10 @@ class DrafterCache(Drafter):
         self._scratch_base = num_blocks + 1
         layers = self.model.attention_layers()
         total = num_blocks + 1 + self.max_rows * self._scratch_per_row
-        allocate_kv_caches(layers, total * self.block_size, self.dtype, self.device)
+        # Every layer on the target's first table: one group, whatever its layers' kinds.
+        specs = layer_specs(layers, self.dtype)
+        allocate_kv_caches(layers, specs, (KVCacheGroup(specs[0], tuple(range(len(layers)))),),
+                           total * self.block_size, self.dtype, self.device)
         for layer in layers:
             layer.backend = backend
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from shoal.attention.backend import AttentionBackend
+from shoal.attention.metadata import GroupedMetadata
 from shoal.worker.staged_tokens import StagedTokens
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,10 @@ GraphBody = Callable[[StepShape, torch.Tensor, Any], Any]
 
 class GraphTable:
     def __init__(self, backend: AttentionBackend, shapes: Sequence[StepShape], max_blocks: int,
-                 device: torch.device, *, block_size: int, sliding_window: int | None,
-                 token_rows: int = 3):
+                 device: torch.device, *, block_size: int,
+                 windows: Sequence[int | None] = (None,), token_rows: int = 3):
+        """windows: each KV cache group's sliding window (one set of attention buffers per
+        group: their block tables and slots differ)."""
         if not shapes:
             raise ValueError("a graph table needs at least one shape")
         self.backend = backend
@@ -61,9 +64,12 @@ class GraphTable:
         max_rows = max(s.rows for s in self.shapes)
         max_tokens = max(s.tokens for s in self.shapes)
         self.tokens = StagedTokens(token_rows, max_tokens, device)
-        self.buffers = backend.alloc_graph_buffers(max_rows, max_tokens, max_blocks, device,
-                                                   block_size=block_size,
-                                                   sliding_window=sliding_window)
+        self.buffers = [backend.alloc_graph_buffers(max_rows, max_tokens, max_blocks, device,
+                                                    block_size=block_size, sliding_window=w)
+                        for w in windows]
+        # A sliding group's entries become the null block without its table growing: its
+        # tables are copied every step.
+        self._keep_tables = all(w is None for w in windows)
         self.graphs: dict[StepShape, Any] = {}
         self.outputs: dict[StepShape, Any] = {}
         self.pool: Any = None
@@ -82,9 +88,7 @@ class GraphTable:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         for shape in self.shapes:
-            # No real row: the kernels run but write and read nothing.
-            self.backend.fill_graph_buffers(self.buffers, shape.rows, shape.q, [], [], [])
-            md = self.backend.graph_metadata(self.buffers, shape.rows, shape.q)
+            md = self.empty_metadata(shape)
             tokens = self.tokens.view(shape.tokens)
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm: compile kernels, settle the allocator
@@ -105,27 +109,38 @@ class GraphTable:
         logger.info("captured %d %s CUDA graphs in %.1f s", len(self.shapes), what, took)
         return took
 
+    def empty_metadata(self, shape: StepShape) -> Any:
+        """The shape's metadata over buffers holding no real row (capture: the kernels run
+        but write and read nothing); one per KV cache group, grouped when there are several."""
+        mds = []
+        for buf in self.buffers:
+            self.backend.fill_graph_buffers(buf, shape.rows, shape.q, [], [], [])
+            mds.append(self.backend.graph_metadata(buf, shape.rows, shape.q))
+        return mds[0] if len(mds) == 1 else GroupedMetadata(tuple(mds))
+
     def invalidate_tables(self) -> None:
         """The block tables in the buffers may be stale (a step ran without the table, or a
         step failed): the next stage copies them whatever its key."""
         self._tables_key = None
 
     def stage(self, shape: StepShape, token_rows: Sequence[Sequence[int]],
-              context_lens: list[int], block_tables: list[list[int]], slots: list[int],
-              serials: Sequence[int] = ()) -> torch.Tensor:
+              context_lens: list[int], block_tables: Sequence[list[list[int]]],
+              slots: Sequence[list[int]], serials: Sequence[int] = ()) -> torch.Tensor:
         """Copies a step's inputs into the buffers: token_rows [i] into token row i (each
         shape.tokens long at most, zero-padded), one row per real request (context length,
-        block table), slots of every padded token (-1: write nothing). A decode shape's block
+        and per KV cache group: block_tables[g]), per group the slots of every padded token
+        (slots[g]; -1: write nothing). A decode shape's block
         tables are copied only when the rows (serials) or their lengths changed since the last
         stage: a steady decode batch needs one copy every block_size steps (its tables only
         grow; other steps, which may follow a rollback of rejected drafts, copy them always).
         Returns the token rows on the device (fill pending tokens into row 0 first)."""
         staged = self.tokens.stage(shape.tokens, token_rows)
-        key = ((shape, tuple(serials), tuple(len(t) for t in block_tables))
-               if serials and shape.q == 1 else None)
+        key = ((shape, tuple(serials), tuple(len(t) for t in block_tables[0]))
+               if serials and shape.q == 1 and self._keep_tables else None)
         keep = key is not None and key == self._tables_key
-        self.backend.fill_graph_buffers(self.buffers, shape.rows, shape.q, context_lens,
-                                        None if keep else block_tables, slots)
+        for buf, tables, group_slots in zip(self.buffers, block_tables, slots):
+            self.backend.fill_graph_buffers(buf, shape.rows, shape.q, context_lens,
+                                            None if keep else tables, group_slots)
         self._tables_key = key
         return staged
 

@@ -67,9 +67,10 @@ def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, *, prefill: bool
 class ModelGraphs:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  shapes: list[StepShape], max_blocks: int, device: torch.device, *,
-                 block_size: int, sliding_window: int | None, keep_hidden: bool = False,
-                 table_type: type[GraphTable] = GraphTable):
-        """table_type: a test's stand-in for GraphTable (replays emulated on the CPU)."""
+                 block_size: int, windows: tuple[int | None, ...] = (None,),
+                 keep_hidden: bool = False, table_type: type[GraphTable] = GraphTable):
+        """windows: each KV cache group's sliding window; table_type: a test's stand-in for
+        GraphTable (replays emulated on the CPU)."""
         self.model = model
         # Hold each graph's hidden states (a hidden-state drafter reads them): otherwise they
         # are an intermediate whose pool memory the smaller graphs reuse.
@@ -78,7 +79,8 @@ class ModelGraphs:
         # Padding tokens of a row may attend up to q - 1 positions past its real ones.
         width = max_blocks + -(-max(s.q for s in shapes) // block_size)
         self.table = table_type(backend, shapes, width, device, block_size=block_size,
-                                sliding_window=sliding_window)
+                                windows=windows)
+        self.num_groups = len(windows)
         self.decode_sizes = sorted(s.rows for s in shapes if s.q == 1)
         self.prefill_sizes = sorted(s.q for s in shapes if s.rows == 1 and s.logits_per_row == 1)
         self.verify_qs = sorted({s.q for s in shapes if s.logits_per_row > 1})
@@ -131,10 +133,12 @@ class ModelGraphs:
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replays the step's graph; returns the logits of its sampling rows (in the order of
         inp.logits_index) and, when kept, every real token's hidden states."""
-        ids, pos, slots, padded = self._layout(shape, inp)
+        ids, pos, padded = self._layout(shape, inp)
         last = [r * shape.q + inp.items[r].num_new_tokens - 1 for r in range(len(inp.items))]
+        groups = range(self.num_groups)
         staged = self.table.stage(shape, (ids, pos, last), inp.context_lens(),
-                                  inp.block_tables(), slots,
+                                  [inp.block_tables(g) for g in groups],
+                                  [self._slots(shape, inp, g) for g in groups],
                                   serials=[it.serial for it in inp.items])
         if fill_pending is not None:  # decodes and lone chunks: flat index = padded index
             fill_pending(staged[0])
@@ -149,19 +153,14 @@ class ModelGraphs:
         return logits.index_select(0, rows), hidden
 
     def _layout(self, shape: StepShape, inp: StepInputs
-                ) -> tuple[list[int], list[int], list[int], list[int] | None]:
-        """Token ids, positions and slots of every row padded to shape.q, and the padded
-        index of each real token (None when it is its own index)."""
-        bs = self.block_size
+                ) -> tuple[list[int], list[int], list[int] | None]:
+        """Token ids and positions of every row padded to shape.q, and the padded index of
+        each real token (None when it is its own index)."""
         if shape.q == 1 or shape.rows == 1:
-            q = shape.q
-            pad = q * len(inp.items) - inp.num_tokens
-            pos = inp.positions + [inp.positions[-1]] * pad
-            slots = token_slots(inp.query_lens(), inp.context_lens(), inp.block_tables(), bs)
-            return inp.input_ids, pos, slots + [-1] * pad, None
+            pad = shape.q * len(inp.items) - inp.num_tokens
+            return inp.input_ids, inp.positions + [inp.positions[-1]] * pad, None
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
         padded: list[int] = []
         flat = 0
         for r, it in enumerate(inp.items):
@@ -169,6 +168,17 @@ class ModelGraphs:
             padded.extend(range(r * shape.q, r * shape.q + n))
             ids += inp.input_ids[flat:flat + n] + [0] * pad
             pos += inp.positions[flat:flat + n] + [inp.positions[flat + n - 1]] * pad
-            slots += token_slots([n], [it.context_len], [it.block_ids], bs) + [-1] * pad
             flat += n
-        return ids, pos, slots, padded
+        return ids, pos, padded
+
+    def _slots(self, shape: StepShape, inp: StepInputs, group: int) -> list[int]:
+        """The slot of every padded token through the group's tables (-1 for padding)."""
+        bs, tables = self.block_size, inp.block_tables(group)
+        if shape.q == 1 or shape.rows == 1:
+            pad = shape.q * len(inp.items) - inp.num_tokens
+            return token_slots(inp.query_lens(), inp.context_lens(), tables, bs) + [-1] * pad
+        slots: list[int] = []
+        for it, table in zip(inp.items, tables):
+            n = it.num_new_tokens
+            slots += token_slots([n], [it.context_len], [table], bs) + [-1] * (shape.q - n)
+        return slots

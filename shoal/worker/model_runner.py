@@ -19,19 +19,21 @@ import torch
 from shoal.attention.selector import get_attention_backend
 from shoal.config import EngineConfig
 from shoal.core.executor import Executor
+from shoal.core.kv_cache_spec import KVCacheLayout, group_layers
 from shoal.core.kv_transfer_plan import KVTransferPlan
 from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.distributed.parallel_state import get_pp_world_size, world_min_int
-from shoal.host_to_device import to_device
 from shoal.kv_offload.transfer import KVTransfer
 from shoal.loader import LoadedModel, build_model
 from shoal.sample.sampler import Sampler
 from shoal.worker import warmup as startup
 from shoal.worker.drafter import Drafter, DrafterFactory, TargetStep
-from shoal.worker.kv_cache_sizing import (
+from shoal.worker.kv_cache_sizing import decide_num_blocks
+from shoal.worker.kv_cache_tensors import (
     allocate_kv_caches,
-    decide_num_blocks,
-    layers_bytes_per_block,
+    bytes_per_block,
+    layer_specs,
+    zero_blocks,
 )
 from shoal.worker.model_graphs import ModelGraphs, step_shapes
 from shoal.worker.pending_tokens import PendingTokens
@@ -63,7 +65,9 @@ class ModelRunner(Executor):
         # id: an id may be reused while a step holding its old request is in flight.
         self.requests: dict[int, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
-        self.sliding_window = self.model.attention_layers()[0].sliding_window
+        # What each paged layer keeps, and the layers sharing block tables (KV cache groups).
+        self.kv_specs = layer_specs(self.model.attention_layers(), self.dtype)
+        self.kv_groups = group_layers(self.kv_specs)
         self.block_size = config.cache_config.block_size
         # The fused rotary + cache write is one of the Triton ops: off with them.
         self.backend = get_attention_backend(
@@ -77,12 +81,17 @@ class ModelRunner(Executor):
         # Pipeline parallelism: this stage's layers and the activations between stages.
         stage_link = (StageLink(hf.hidden_size, self.dtype, self.device)
                       if get_pp_world_size() > 1 else None)
+        windows = tuple(g.sliding_window for g in self.kv_groups)
         self.forwarder = StepForwarder(self.model, self.backend, self.device, self.block_size,
-                                       self.sliding_window, self.pending, stage_link)
+                                       windows, self.pending, stage_link)
         self.drafter: Drafter | None = None
         if config.speculative_config is not None and drafter_factory is not None:
             self.drafter = drafter_factory(config, self.model, loaded)
             self.forwarder.keep_hidden = self.drafter.keeps_hidden
+            if self.drafter.kv_layers() and windows[0] is not None:
+                raise ValueError("speculative_config: a drafter with a KV cache of its own "
+                                 "follows the target's block tables, which a sliding-window "
+                                 "model empties behind the window; use method 'ngram'")
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
         self._num_forwards = 0
         self._latest: StepHandle | None = None  # the last step executed
@@ -100,14 +109,14 @@ class ModelRunner(Executor):
         return self._num_forwards
 
     # ---- KV cache ---------------------------------------------------------------------------
-    def initialize_kv_cache(self) -> int:
+    def initialize_kv_cache(self) -> KVCacheLayout:
         """Sizes the pool (after a profile run on a GPU), allocates and binds it, then warms up
         kernels and captures CUDA graphs."""
-        per_block = layers_bytes_per_block(self.model.attention_layers(), self.block_size,
-                                           self.dtype)
+        per_block = bytes_per_block(self.kv_specs, self.kv_groups, self.block_size)
         drafter_layers = self.drafter.kv_layers() if self.drafter is not None else []
         if drafter_layers:  # its cache shares the block tables and the budget
-            per_block += layers_bytes_per_block(drafter_layers, self.block_size, self.dtype)
+            drafter_specs = layer_specs(drafter_layers, self.dtype)
+            per_block += sum(s.page_bytes(self.block_size) for s in drafter_specs)
         cuda = self.device.type == "cuda"
         activations = 0
         if cuda:
@@ -128,7 +137,7 @@ class ModelRunner(Executor):
             self.startup_times["warmup"] = startup.warmup(self)
             if not self.config.enforce_eager and self.backend.supports_cuda_graphs:
                 self._capture_graphs()
-        return num_blocks
+        return KVCacheLayout(num_blocks, self.kv_groups)
 
     def _capture_graphs(self) -> None:
         sc = self.config.scheduler_config
@@ -138,7 +147,7 @@ class ModelRunner(Executor):
                              num_speculative_tokens=spec.num_speculative_tokens
                              if spec is not None else 0)
         self.graphs = ModelGraphs(self.model, self.backend, shapes, max_blocks, self.device,
-                                  block_size=self.block_size, sliding_window=self.sliding_window,
+                                  block_size=self.block_size, windows=self.forwarder.windows,
                                   keep_hidden=self.forwarder.keep_hidden)
         self.startup_times["cuda_graphs"] = self.graphs.capture()
         if self.drafter is not None:
@@ -151,8 +160,8 @@ class ModelRunner(Executor):
         # stays zero and padding positions can safely read it.
         self.null_block = self.forwarder.null_block = num_blocks
         slots = (num_blocks + 1) * self.block_size
-        self.kv_caches = allocate_kv_caches(self.model.attention_layers(), slots, self.dtype,
-                                            self.device)
+        self.kv_caches = allocate_kv_caches(self.model.attention_layers(), self.kv_specs,
+                                            self.kv_groups, slots, self.dtype, self.device)
 
     def unbind_kv_cache(self) -> None:
         for layer in self.model.attention_layers():
@@ -261,10 +270,7 @@ class ModelRunner(Executor):
         a replica with nothing to run still joins the MoE layers' all-to-alls of a step the
         other replicas run. Its key and value go to the null block, zeroed again right after
         (padding reads it); nothing is sampled. Returns its final hidden state."""
-        md = self.backend.build_metadata(
-            query_lens=[1], context_lens=[0], block_tables=[[self.null_block]],
-            block_size=self.block_size, num_decodes=0, sliding_window=self.sliding_window,
-            device=self.device, null_block=self.null_block)
+        md = self.forwarder.metadata([1], [0], [[[self.null_block]]] * len(self.kv_groups), 0)
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         hidden = self.model(zero, zero, md)
         self._zero_slots([(self.null_block, 0)])
@@ -285,12 +291,4 @@ class ModelRunner(Executor):
         """(block id, first slot): a request that produced non-finite values must not leave
         them where padding reads of later requests may touch them (0 * NaN is NaN). The
         scheduler names whole blocks, or the tail of a block a new owner has started."""
-        whole = [b for b, first in entries if first == 0]
-        idx = to_device(whole, torch.long, self.device) if whole else None
-        for kv in self.kv_caches:
-            blocks = kv.view(kv.shape[0], -1, self.block_size, *kv.shape[2:])  # planes
-            if idx is not None:
-                blocks[:, idx] = 0
-            for b, first in entries:
-                if first:
-                    blocks[:, b, first:] = 0
+        zero_blocks(self.kv_caches, entries, self.block_size)

@@ -19,6 +19,7 @@ import torch
 from shoal.attention.packed import PackedSeqs
 from shoal.config import EngineConfig
 from shoal.core.executor import Executor
+from shoal.core.kv_cache_spec import KVCacheLayout
 from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.loader import LoadedModel, build_model
 from shoal.pooling.model_info import build_pooling_info
@@ -59,9 +60,9 @@ class PoolingModelRunner(Executor):
         logger.info("pooling model: tasks %s, %s pooling, normalize=%s",
                     ", ".join(info.tasks), info.pooling_type, info.normalize)
 
-    def initialize_kv_cache(self) -> int:
+    def initialize_kv_cache(self) -> KVCacheLayout:
         """A pooling model keeps no KV cache: zero blocks."""
-        return 0
+        return KVCacheLayout(0, ())
 
     def execute(self, sched: SchedulerOutput) -> PoolingStep:
         for new in sched.new_requests:

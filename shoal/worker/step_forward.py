@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from shoal.attention.backend import AttentionBackend
+from shoal.attention.metadata import GroupedMetadata
 from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.core.types import Logprobs
 from shoal.host_to_device import to_device
@@ -47,10 +48,11 @@ class StageOutput:
 
 class StepForwarder:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
-                 block_size: int, sliding_window: int | None, pending: PendingTokens,
+                 block_size: int, windows: tuple[int | None, ...], pending: PendingTokens,
                  stage_link: StageLink | None = None):
+        """windows: each KV cache group's sliding window (None: full attention)."""
         self.model, self.backend, self.device = model, backend, device
-        self.block_size, self.sliding_window = block_size, sliding_window
+        self.block_size, self.windows = block_size, windows
         self.pending = pending
         self.stage_link = stage_link
         self.graphs: ModelGraphs | None = None  # once captured
@@ -79,12 +81,20 @@ class StepForwarder:
         pos = to_device(inp.positions, torch.long, self.device)
         if fill is not None:
             fill(ids)
-        md = self.backend.build_metadata(
-            query_lens=inp.query_lens(), context_lens=inp.context_lens(),
-            block_tables=inp.block_tables(), block_size=self.block_size,
-            num_decodes=inp.num_decodes, sliding_window=self.sliding_window,
-            device=self.device, null_block=self.null_block)
+        md = self.metadata(inp.query_lens(), inp.context_lens(),
+                           [inp.block_tables(g) for g in range(len(self.windows))],
+                           inp.num_decodes)
         return ids, pos, md
+
+    def metadata(self, query_lens: list[int], context_lens: list[int],
+                 tables: list[list[list[int]]], num_decodes: int) -> Any:
+        """The attention metadata of eager steps: one per KV cache group (tables[g]: its
+        block tables), grouped when there are several."""
+        mds = [self.backend.build_metadata(
+            query_lens=query_lens, context_lens=context_lens, block_tables=t,
+            block_size=self.block_size, num_decodes=num_decodes, sliding_window=w,
+            device=self.device, null_block=self.null_block) for t, w in zip(tables, self.windows)]
+        return mds[0] if len(mds) == 1 else GroupedMetadata(tuple(mds))
 
     def device_input_ids(self, inp: StepInputs) -> torch.Tensor:
         """The step's input ids on the device, pending tokens filled in (a draft model mirrors

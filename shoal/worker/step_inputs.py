@@ -46,8 +46,11 @@ class StepInputs:
             n += it.num_new_tokens
         return starts
 
-    def block_tables(self) -> list[list[int]]:
-        return [it.block_ids for it in self.items]
+    def block_tables(self, group: int = 0) -> list[list[int]]:
+        """Each request's block table of a KV cache group (the first: block_ids)."""
+        if group == 0:
+            return [it.block_ids for it in self.items]
+        return [it.group_block_ids[group - 1] for it in self.items]
 
     def context_lens(self) -> list[int]:
         return [it.context_len for it in self.items]

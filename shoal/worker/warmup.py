@@ -13,7 +13,9 @@ from torch import nn
 
 from shoal.attention.backend import AttentionBackend
 from shoal.config import EngineConfig
+from shoal.core.kv_cache_spec import KVCacheGroup, KVCacheSpec, LatentAttentionSpec
 from shoal.distributed.parallel_state import pp_is_first
+from shoal.worker.step_forward import StepForwarder
 
 logger = logging.getLogger(__name__)
 
@@ -27,9 +29,11 @@ class Runner(Protocol):
     backend: AttentionBackend
     device: torch.device
     block_size: int
-    sliding_window: int | None
     null_block: int
     vocab_size: int
+    kv_specs: list[KVCacheSpec]
+    kv_groups: tuple[KVCacheGroup, ...]
+    forwarder: StepForwarder
 
     def bind_kv_cache(self, num_blocks: int) -> None: ...
 
@@ -48,10 +52,8 @@ def dummy_forward(runner: Runner, query_lens: list[int], num_decodes: int,
         n = -(-q // bs)
         tables.append(list(range(next_block, next_block + n)))
         next_block += n
-    md = runner.backend.build_metadata(
-        query_lens=query_lens, context_lens=context, block_tables=tables, block_size=bs,
-        num_decodes=num_decodes, sliding_window=runner.sliding_window, device=runner.device,
-        null_block=runner.null_block)
+    md = runner.forwarder.metadata(query_lens, context, [tables] * len(runner.kv_groups),
+                                   num_decodes)
     total = sum(query_lens)
     ids = torch.randint(0, runner.vocab_size, (total,), device=runner.device)
     pos = torch.cat([torch.arange(q, device=runner.device) for q in query_lens])
@@ -128,14 +130,18 @@ def warmup(runner: Runner) -> float:
         if fits(lens):
             dummy_forward(runner, lens, num_decodes)
     # Long contexts pick attention variants (decode splits, prefill tiles) that the short
-    # dummy steps above never reach.
-    layer = runner.model.attention_layers()[0]
-    if layer.kv_planes == 1:  # latent attention (MLA)
-        variants = runner.backend.warm_mla_kernels(layer.kv_cache, layer.num_heads,
-                                                   layer.scale, runner.block_size, layer.v_dim)
-    else:
-        variants = runner.backend.warm_kernels(layer.kv_cache, layer.num_heads, layer.scale,
-                                               runner.block_size, runner.sliding_window)
+    # dummy steps above never reach: once per KV cache group (each its own window).
+    layers = runner.model.attention_layers()
+    variants = 0
+    for group in runner.kv_groups:
+        layer = layers[group.layers[0]]
+        if isinstance(group.spec, LatentAttentionSpec):
+            variants += runner.backend.warm_mla_kernels(
+                layer.kv_cache, layer.num_heads, layer.scale, runner.block_size, layer.v_dim)
+        else:
+            variants += runner.backend.warm_kernels(
+                layer.kv_cache, layer.num_heads, layer.scale, runner.block_size,
+                group.sliding_window)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     took = time.perf_counter() - t0

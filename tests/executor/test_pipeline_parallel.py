@@ -26,7 +26,6 @@ from shoal.config import ParallelConfig
 from shoal.distributed.parallel_state import get_pp_indices, pp_layer_partition
 from shoal.engine.engine_args import EngineArgs
 from shoal.models.llama import PPMissingLayer
-from shoal.worker.kv_cache_sizing import layers_bytes_per_block
 from shoal.worker.warmup import dummy_forward
 
 PROMPTS = [[5, 17, 300, 42, 7, 99], [256, 3, 11, 400, 23, 8, 1, 2, 3, 4, 5, 6, 7], [9, 9, 9]]
@@ -69,8 +68,7 @@ def test_an_uneven_layer_split_matches_one_rank(tmp_path, monkeypatch):
         assert all(isinstance(layer, PPMissingLayer) for layer in model.layers[1:])
         assert not any(n.startswith("model.layers.1.") for n, _ in driver.model.named_parameters())
         assert len(driver.kv_caches) == 1
-        one_layer = layers_bytes_per_block(driver.model.attention_layers(), driver.block_size,
-                                           driver.dtype)
+        one_layer = driver.kv_specs[0].page_bytes(driver.block_size)
         assert driver.null_block == budget // (3 * one_layer)  # the later stage's 3 layers
         pp = generate_outputs(llm, prompts, params)
     finally:

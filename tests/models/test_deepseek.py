@@ -16,11 +16,12 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from shoal import LLM, SamplingParams
+from shoal.core.kv_cache_spec import LatentAttentionSpec
 from shoal.layers.latent_attention import LatentAttention
 from shoal.loader import load_model
 from shoal.models.deepseek_v2 import DeepseekMLP, DeepseekMoE, DeepseekV2ForCausalLM
 from shoal.models.registry import resolve_model_class
-from shoal.worker.kv_cache_sizing import layers_bytes_per_block
+from shoal.worker.kv_cache_tensors import layer_specs
 
 
 @pytest.fixture(scope="module", params=["deepseek_v3", "deepseek_v2"])
@@ -102,7 +103,7 @@ def test_layers_follow_the_config():
     assert kinds == [DeepseekMLP, DeepseekMLP, DeepseekMoE, DeepseekMoE]
     attn = model.attention_layers()
     assert all(isinstance(a, LatentAttention) for a in attn)
-    assert (attn[0].kv_planes, attn[0].num_kv_heads, attn[0].head_dim) == (1, 1, 48)
+    assert attn[0].kv_cache_spec(4) == LatentAttentionSpec(1, 48, 4)  # one row per token
 
 
 def test_mtp_tensors_are_skipped_and_unknown_ones_rejected(tiny, tmp_path):
@@ -135,7 +136,8 @@ def test_shipped_shapes(name: str, total: float, active: float, layers: int):
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     assert n_all / 1e9 == pytest.approx(total, abs=0.05)
     assert (n_all - experts * (e - k) // e) / 1e9 == pytest.approx(active, abs=0.05)
-    per_block = layers_bytes_per_block(model.attention_layers(), 16, torch.bfloat16)
+    per_block = sum(s.page_bytes(16) for s in layer_specs(model.attention_layers(),
+                                                          torch.bfloat16))
     assert per_block == layers * 576 * 2 * 16  # one 576-value latent row per token per layer
 
 

@@ -102,7 +102,8 @@ def test_model_follows_the_interface(arch: str) -> None:
     assert all(isinstance(a, Attention | LatentAttention) for a in layers)
     n, bs = 5, 4
     for a in layers:
-        a.kv_cache = torch.zeros(a.kv_planes, 3 * bs, a.num_kv_heads, a.head_dim)
+        spec = a.kv_cache_spec(4)
+        a.kv_cache = torch.zeros(spec.planes, 3 * bs, spec.num_kv_heads, spec.head_size)
     md = build_attention_metadata(query_lens=[n], context_lens=[0], block_tables=[[0, 1]],
                                   block_size=bs, num_decodes=0, sliding_window=None,
                                   device=torch.device("cpu"), null_block=2)

@@ -8,7 +8,7 @@ import torch
 from spec_decode.chi_square import chi_square_gof_p
 
 from shoal.sample.rejection_sampler import rejection_sample
-from shoal.sample.sampler import Sampler
+from shoal.sample.sampler import Sampler, process_logits, random_probs
 from shoal.sample.sampling_metadata import SamplingMetadata, make_generator
 from shoal.sampling_params import SamplingParams
 
@@ -24,8 +24,8 @@ def _md(sp: SamplingParams, n: int, outputs: list[int] | None = None,
 
 def _target_probs(logits: torch.Tensor, sp: SamplingParams) -> list[float]:
     md = _md(sp, 1)
-    processed = Sampler._process(logits[:1].clone(), md)
-    return Sampler.random_probs(processed, md)[0].tolist()
+    processed = process_logits(logits[:1].clone(), md)
+    return random_probs(processed, md)[0].tolist()
 
 
 SETTINGS = [
@@ -72,7 +72,7 @@ def test_penalties_see_the_drafts_before_a_row() -> None:
     logits = (torch.randn(V) * 1.5).repeat(N, 1)
     probs = _target_probs(logits[:1].clone(), sp)
     md = _md(sp, 1, outputs=[5])
-    with_5 = Sampler.random_probs(Sampler._process(logits[:1].clone(), md), md)[0].tolist()
+    with_5 = random_probs(process_logits(logits[:1].clone(), md), md)[0].tolist()
     assert with_5[5] < probs[5]
     out = rejection_sample(logits, _md(sp, N, outputs=[5]), [5] * N)
     assert chi_square_gof_p(out.token_ids.tolist(), with_5) > 0.01
@@ -125,7 +125,7 @@ def test_verify_rows_count_earlier_drafts_as_outputs() -> None:
     drafts of 5: the first is the argmax and accepted; at the second row the first draft
     counts as an output, the penalty makes 6 the argmax, and the draft is rejected."""
     from shoal.sample.verify import verify
-    from shoal.worker.model_runner import RequestState
+    from shoal.worker.request_state import RequestState
 
     logits = torch.full((3, V), -1.0)
     logits[:, 5], logits[:, 6] = 2.0, 1.8

@@ -39,7 +39,7 @@ class EagerDraftGraphs(DraftGraphs):
 
     def _poison(self) -> None:
         gen = torch.Generator().manual_seed(len(self.runs))
-        tokens, b = self.table.tokens, self.table.buffers
+        tokens, b = self.table.tokens, self.table.buffers[0]
         tokens.buffer.copy_(torch.randint(3, 500, tokens.buffer.shape, generator=gen))
         if self.hidden is not None:
             self.hidden.copy_(10 * torch.randn(self.hidden.shape, generator=gen))

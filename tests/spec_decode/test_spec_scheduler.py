@@ -169,7 +169,7 @@ def test_rejected_drafts_blocks_return_to_the_pool() -> None:
     sched.update(out, runner.execute(out))
     assert req.num_computed_tokens == BS + 1 and req.num_output_tokens == 2
     assert sched.kv.num_free_blocks == before - 1  # position 4 (accepted) keeps that block
-    assert len(sched.kv.req_block_ids["a"]) == 2
+    assert len(sched.kv.block_ids("a")) == 2
 
 
 def test_trim_frees_a_block_of_rejects_only() -> None:

@@ -27,8 +27,7 @@ class _EagerGraph:
 class EagerGraphTable(GraphTable):
     def capture(self, body, pool=None, what="step", before_each=None) -> float:
         for shape in self.shapes:
-            self.backend.fill_graph_buffers(self.buffers, shape.rows, shape.q, [], [], [])
-            md = self.backend.graph_metadata(self.buffers, shape.rows, shape.q)
+            md = self.empty_metadata(shape)
             tokens = self.tokens.view(shape.tokens)
             if before_each is not None:
                 before_each()

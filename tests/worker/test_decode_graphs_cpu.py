@@ -68,7 +68,7 @@ def _graphs(runner, shapes, max_blocks: int, **kw) -> ModelGraphs:
     """A captured table of `shapes` on the runner (replays emulated eagerly), each run logged
     in .runs as (shape, real requests)."""
     graphs = ModelGraphs(runner.model, runner.backend, shapes, max_blocks, runner.device,
-                         block_size=4, sliding_window=None, table_type=EagerGraphTable, **kw)
+                         block_size=4, table_type=EagerGraphTable, **kw)
     graphs.capture()
     graphs.runs = []
     real_run = graphs.run
@@ -256,3 +256,27 @@ def test_a_prompt_chunk_beside_verifies_samples_its_last_row_only(tiny_llama_dir
     assert run(llm) == want
     assert graphs.runs
     assert llm.llm_engine.core.scheduler.suspects.num_failed_steps == 0
+
+
+def test_a_hybrid_sliding_model_through_the_graphs_matches_torch(tmp_path):
+    """Qwen2 with a sliding layer beside a full one (two KV cache groups, each its own graph
+    buffers: block tables and slots) through decode and prefill graphs, contexts well past
+    the window: the torch backend's tokens."""
+    from oracle import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "qwen2", "qwen2", seed=6, use_sliding_window=True,
+                                 sliding_window=8, max_window_layers=1)
+    rng = random.Random(9)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(n)]} for n in (9, 20)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    ref = [o.outputs[0].token_ids
+           for o in _llm(path, "torch").generate(prompts, params, use_tqdm=False)]
+    llm = _llm(path, "triton")
+    runner = llm.llm_engine.core.runner
+    assert [g.sliding_window for g in runner.kv_groups] == [None, 8]
+    graphs = _graphs(runner, step_shapes(6, 32), 96 // 4, windows=(None, 8))
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == ref
+    alone = llm.generate(prompts[1], params, use_tqdm=False)[0]  # a lone prefill chunk
+    assert alone.outputs[0].token_ids == ref[1]
+    assert {s.q > 1 for s, _ in graphs.runs} == {True, False}  # prefill and decode graphs

@@ -1,0 +1,89 @@
+"""The device tensors of the paged KV cache, laid out as the layers' cache specs say
+(shoal/core/kv_cache_spec.py), and which layer reads which.
+
+A layer's cache is [planes, num_slots, Hk, D] (slot = block * block_size + offset; planes: K
+and V, or MLA's one latent row). Layers of one shape share one allocation. When a model has
+several KV cache groups whose layers are all of one shape (sliding-window layers beside full
+ones), a block id belongs to one group at a time, so the j-th layer of every group shares one
+tensor (vLLM's layout): a block costs the largest group's layers, not every layer's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from shoal.core.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from shoal.host_to_device import to_device
+from shoal.worker.host_pages import populate
+from shoal.worker.kv_cache_sizing import zeroed_host_tensor
+
+
+def layer_specs(layers: Sequence, dtype: torch.dtype) -> list[KVCacheSpec]:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return [layer.kv_cache_spec(elem) for layer in layers]
+
+
+def _row(spec: KVCacheSpec) -> tuple[int, int, int]:
+    return spec.planes, spec.num_kv_heads, spec.head_size
+
+
+def shares_tensors(specs: list[KVCacheSpec], groups: Sequence[KVCacheGroup]) -> bool:
+    """Several groups whose layers are all of one shape: the groups share tensors."""
+    return len(groups) > 1 and len({_row(s) for s in specs}) == 1
+
+
+def bytes_per_block(specs: list[KVCacheSpec], groups: Sequence[KVCacheGroup],
+                    block_size: int) -> int:
+    """What one block id costs across the layers."""
+    if shares_tensors(specs, groups):
+        return max(len(g.layers) for g in groups) * specs[0].page_bytes(block_size)
+    return sum(s.page_bytes(block_size) for s in specs)
+
+
+def allocate_kv_caches(layers: Sequence, specs: list[KVCacheSpec],
+                       groups: Sequence[KVCacheGroup], num_slots: int, dtype: torch.dtype,
+                       device: torch.device) -> list[torch.Tensor]:
+    """Zeroed caches of num_slots slots, bound to the layers (each told its group); returns
+    the distinct tensors (what fault zeroing and the KV tiers copy)."""
+    if shares_tensors(specs, groups):
+        caches = _allocate(max(len(g.layers) for g in groups), _row(specs[0]), num_slots,
+                           dtype, device)
+        for gi, g in enumerate(groups):
+            for j, i in enumerate(g.layers):
+                layers[i].kv_cache, layers[i].kv_group = caches[j], gi
+        return caches
+    group_of = {i: gi for gi, g in enumerate(groups) for i in g.layers}
+    caches: list[torch.Tensor] = []
+    for row in dict.fromkeys(_row(s) for s in specs):  # layers of one shape: one allocation
+        idx = [i for i, s in enumerate(specs) if _row(s) == row]
+        for i, kv in zip(idx, _allocate(len(idx), row, num_slots, dtype, device)):
+            layers[i].kv_cache, layers[i].kv_group = kv, group_of.get(i, 0)
+            caches.append(kv)
+    return caches
+
+
+def _allocate(n: int, row: tuple[int, int, int], num_slots: int, dtype: torch.dtype,
+              device: torch.device) -> list[torch.Tensor]:
+    planes, heads, head_size = row
+    shape = (n, planes, num_slots, heads, head_size)
+    if device.type == "cpu":
+        cache = zeroed_host_tensor(shape, dtype)
+        populate(cache, planes=n * planes)  # huge pages (host_pages.py)
+    else:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
+    return list(cache.unbind(0))
+
+
+def zero_blocks(caches: list[torch.Tensor], entries: list[tuple[int, int]],
+                block_size: int) -> None:
+    """(block id, first slot): zeroes each block from that slot on, in every tensor."""
+    whole = [b for b, first in entries if first == 0]
+    idx = to_device(whole, torch.long, caches[0].device) if whole else None
+    for kv in caches:
+        blocks = kv.view(kv.shape[0], -1, block_size, *kv.shape[2:])  # planes
+        if idx is not None:
+            blocks[:, idx] = 0
+        for b, first in entries:
+            if first:
+                blocks[:, b, first:] = 0
