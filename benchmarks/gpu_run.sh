@@ -109,7 +109,11 @@ for p in "$@"; do
     DIR=$OUT${LABEL:+/$LABEL}
     mkdir -p "$DIR"
     COMMIT=$(cat "$TREE/.commit" 2>/dev/null || git -C "$TREE" rev-parse HEAD 2>/dev/null || echo unknown)
+    # TRITON_CACHE_BASE=DIR: each tree compiles into DIR/LABEL, so the first part of each
+    # tree (put w7 first) starts from an empty Triton cache, and neither tree reuses the other's.
     (cd "$TREE" && export PYTHONPATH=${SITE:+$SITE:}$TREE SHOAL_COMMIT=$COMMIT \
-       SHOAL_BENCH_PUBLIC_ONLY=$PUBLIC && part "$p")
+       SHOAL_BENCH_PUBLIC_ONLY=$PUBLIC && \
+       { [ -z "${TRITON_CACHE_BASE:-}" ] || export TRITON_CACHE_DIR=$TRITON_CACHE_BASE/${LABEL:-main}; } && \
+       part "$p")
   done
 done

@@ -105,11 +105,14 @@ class EngineCore:
             num_kv_blocks=layout.num_blocks, block_size=config.cache_config.block_size,
             max_num_seqs=sc.max_num_seqs, eos_token_ids=self.eos_token_ids,
             request=request_limits, pooling=self.runner.pooling_info)
+        self.startup_times = self.runner.startup_times  # each start-up phase's seconds
         if config.device.type == "cuda" and not pooling:
             t1 = time.perf_counter()
             self._warm_request_path()
-            self.runner.startup_times["warm_requests"] = time.perf_counter() - t1
+            self.startup_times["warm_requests"] = time.perf_counter() - t1
+        t1 = time.perf_counter()
         freeze_startup_heap()
+        self.startup_times["freeze_heap"] = time.perf_counter() - t1
         logger.info("engine core ready in %.2f s (max_num_batched_tokens %d, max_num_seqs %d)",
                     time.perf_counter() - t0, sc.max_num_batched_tokens, sc.max_num_seqs)
 

@@ -43,6 +43,14 @@ class PoolingScheduler:
     def requests(self) -> dict[str, Request]:
         return self.table.by_id
 
+    @property
+    def request_timeout(self) -> float | None:
+        return self.table.request_timeout
+
+    @request_timeout.setter
+    def request_timeout(self, seconds: float | None) -> None:
+        self.table.request_timeout = seconds
+
     def add_request(self, req: Request) -> None:
         self.table.add(req)
         self.waiting.push(req)

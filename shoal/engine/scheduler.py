@@ -85,6 +85,14 @@ class Scheduler:
         """The live requests by the caller's id."""
         return self.table.by_id
 
+    @property
+    def request_timeout(self) -> float | None:
+        return self.table.request_timeout
+
+    @request_timeout.setter
+    def request_timeout(self, seconds: float | None) -> None:
+        self.table.request_timeout = seconds
+
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         self.table.add(req)  # gives it its serial

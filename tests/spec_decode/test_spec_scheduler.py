@@ -184,7 +184,7 @@ def test_trim_frees_a_block_of_rejects_only() -> None:
     assert sched.kv.num_free_blocks == free - 1
     sched.update(out, runner.execute(out))
     assert req.num_computed_tokens == BS  # the block of rejects is back in the pool
-    assert sched.kv.num_free_blocks == free and len(sched.kv.req_block_ids["a"]) == 1
+    assert sched.kv.num_free_blocks == free and len(sched.kv.block_ids("a")) == 1
 
 
 def test_stop_token_inside_the_accepted_run_ends_there() -> None:
