@@ -27,7 +27,8 @@ def steps(monkeypatch):
                         lambda self, hf, source, serving: done.append(("config", serving))
                         or "config")
     monkeypatch.setattr(startup, "EngineCore", lambda config, model, request_limits: (
-        done.append("core") or SimpleNamespace(limits=request_limits, model=model)))
+        done.append("core") or SimpleNamespace(limits=request_limits, model=model,
+                                               startup_times={})))
     seed = torch.initial_seed()
     yield done
     torch.manual_seed(seed)
