@@ -242,12 +242,11 @@ class Scheduler:
             ids.extend([PENDING_TOKEN] * (n - len(ids)))
         req.spec_token_ids = []  # used now, or stale once this step has run
         item = ScheduledRequest(
-            request_id=req.request_id, serial=req.serial, input_token_ids=ids,
-            context_len=start, block_ids=self.kv.block_ids(req.request_id),
-            group_block_ids=self.kv.group_block_ids(req.request_id) if self._groups else (),
-            sample=start + n >= req.num_tokens_with_pending,
-            num_output_tokens=req.num_output_tokens + req.num_pending_tokens,
-            num_draft_tokens=max(num_drafts, 0))
+            req.request_id, req.serial, ids, start, self.kv.block_ids(req.request_id),
+            start + n >= req.num_tokens_with_pending,
+            req.num_output_tokens + req.num_pending_tokens, max(num_drafts, 0))
+        if self._groups:
+            item.group_block_ids = self.kv.group_block_ids(req.request_id)
         # The step is as good as run: the next schedule (possibly before its results are
         # read, with async scheduling) starts after it.
         req.num_computed_tokens = start + n
@@ -342,7 +341,8 @@ class Scheduler:
             self._settle_verified(req, item.num_draft_tokens, len(tokens) - 1)
         tokens, status = keep_tokens(req, tokens, self.config.max_model_len)
         self._step_generation_tokens += len(tokens)
-        self.suspects.sampled_fine(req)
+        if req.suspect:  # (a call per request and step is a cost at batch 256)
+            self.suspects.sampled_fine(req)
         drafts = result.draft_token_ids.get(req.serial)
         # A constrained request's drafts are checked by its grammar at verify time (each
         # position masked as if the drafts before it were accepted).

@@ -25,6 +25,10 @@ def keep_tokens(req: Request, tokens: list[int], max_model_len: int
                 ) -> tuple[list[int], RequestStatus | None]:
     """Appends the tokens to the request up to the first that ends it; returns those kept and
     how the request ends (None: it goes on)."""
+    if len(tokens) == 1:  # the usual step: no draft was verified
+        req.append_output_token(tokens[0])
+        return tokens, check_grammar(req, tokens[0]) or check_stop(req, tokens[0],
+                                                                    max_model_len)
     for n, token in enumerate(tokens, 1):
         req.append_output_token(token)
         status = check_grammar(req, token) or check_stop(req, token, max_model_len)
@@ -38,6 +42,10 @@ def check_grammar(req: Request, token: int) -> RequestStatus | None:
     stop token accepted, which ignore_eos cannot skip)."""
     if req.structured is None:
         return None
+    return _advance_grammar(req, token)
+
+
+def _advance_grammar(req: Request, token: int) -> RequestStatus | None:
     if not req.structured.accept(token):
         # The bitmask only allows what the grammar accepts; a token outside it means the
         # row had nothing allowed (e.g. min_tokens banned the only stop token).

@@ -105,9 +105,9 @@ class KVCacheManager:
         start = request.num_computed_tokens
         if not new_computed:
             # Fast path, most decode steps: the tokens fit in the blocks already held.
-            held = self._main.held(rid)
+            held = self._main.blocks.get(rid)
             total = start + num_new_tokens
-            if held and total <= held * self.block_size:
+            if held and total <= len(held) * self.block_size:
                 if self.enable_caching and total // self.block_size > (
                         self._main.num_published.get(rid, 0)):
                     self._publish(request, total)

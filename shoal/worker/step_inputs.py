@@ -73,22 +73,24 @@ def prepare_inputs(sched: SchedulerOutput, states: dict[int, RequestState],
             inp.pending_dst.append(len(inp.input_ids) - 1)
             inp.pending_src.append(pending_rows[it.serial])
         if it.sample:
-            _add_sampling_row(inp, it, st)
+            if it.num_draft_tokens:
+                _add_verify_rows(inp, it, st)
+            else:  # the usual row: its last token's logits
+                inp.logits_index.append(len(inp.input_ids) - 1)
+                inp.sample_rows.append(it.serial)
+                inp.sample_states.append(st)
+                inp.drafts.append(_NO_DRAFTS)
         if (st.sampling_params.prompt_logprobs is not None
                 and it.context_len < len(st.prompt_token_ids)):
             inp.prompt_lp_spans.append((it.serial, start, it.context_len, it.num_new_tokens))
     return inp
 
 
-def _add_sampling_row(inp: StepInputs, it: ScheduledRequest, st: RequestState) -> None:
-    end = len(inp.input_ids)
-    k = it.num_draft_tokens
+def _add_verify_rows(inp: StepInputs, it: ScheduledRequest, st: RequestState) -> None:
+    """A request verifying k drafts: every one of its k+1 positions gives logits."""
+    end, k = len(inp.input_ids), it.num_draft_tokens
     inp.sample_rows.append(it.serial)
     inp.sample_states.append(st)
-    if k:  # a verify: every one of its k+1 positions gives logits
-        inp.logits_index.extend(range(end - 1 - k, end))
-        inp.drafts.append(it.input_token_ids[-k:])
-        inp.has_drafts = True
-    else:
-        inp.logits_index.append(end - 1)
-        inp.drafts.append(_NO_DRAFTS)
+    inp.logits_index.extend(range(end - 1 - k, end))
+    inp.drafts.append(it.input_token_ids[-k:])
+    inp.has_drafts = True
