@@ -48,9 +48,6 @@ class ScheduledRequest:
     # empty for a model whose layers all keep their cache alike
     group_block_ids: tuple[list[int], ...] = ()
 
-    def block_table(self, group: int) -> list[int]:
-        return self.block_ids if group == 0 else self.group_block_ids[group - 1]
-
     @property
     def num_new_tokens(self) -> int:
         return len(self.input_token_ids)

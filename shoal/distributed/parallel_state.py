@@ -134,10 +134,6 @@ def get_pp_world_size() -> int:
     return _PP_SIZE
 
 
-def get_pp_rank() -> int:
-    return _PP_RANK
-
-
 def pp_is_first() -> bool:
     return _PP_RANK == 0
 
@@ -218,15 +214,6 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(world)]
     dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=-1)
-
-
-def tp_min_int(value: int, device: torch.device) -> int:
-    """The smallest of the TP group's `value`s."""
-    if get_tp_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_TP_GROUP)
-    return int(t.item())
 
 
 def world_min_int(value: int, device: torch.device) -> int:

@@ -147,13 +147,6 @@ class OutputProcessor:
     def request_ids(self) -> list[str]:
         return list(self._requests)
 
-    def child_ids(self, request_id: str) -> list[str]:
-        """The core ids of the request's samples that are still running."""
-        r = self._requests.get(request_id)
-        if r is None:
-            return []
-        return [s.child_id for s in r.samples if s.finish_reason is None]
-
     def parent_of(self, child_id: str) -> str | None:
         entry = self._by_child.get(child_id)
         return entry[0].request_id if entry is not None else None

@@ -32,7 +32,9 @@ class DrafterCache(Drafter):
         self.block_size = config.cache_config.block_size
         self.max_model_len = config.scheduler_config.max_model_len
         self.max_rows = config.scheduler_config.max_num_seqs
-        self.sliding_window = getattr(self.model.attention_layers()[0], "sliding_window", None)
+        # The drafter's own layers say how much of the context they keep (its spec)
+        first = self.model.attention_layers()[0]
+        self.sliding_window = first.kv_cache_spec(self.dtype.itemsize).sliding_window
         self.backend = None
         self.null_block = 0
         self._scratch_base = 0
