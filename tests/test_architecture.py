@@ -472,3 +472,15 @@ def test_no_function_over_80_lines():
             f"{len(long)} function(s) in shoal/ over {MAX_FUNCTION_LINES} lines (docstring "
             "included); split each into named steps:\n  "
             + "\n  ".join(f"{_rel(f.path)}:{f.line} {f.name} ({f.lines} lines)" for f in long))
+
+
+MAX_FILE_LINES = 450
+
+
+def test_no_file_over_450_lines():
+    """A file past this has grown a second idea: split it where the ideas part."""
+    long = sorted((len(path.read_text().splitlines()), _rel(path)) for path in MODULES.values()
+                  if len(path.read_text().splitlines()) > MAX_FILE_LINES)
+    if long:
+        pytest.fail(f"{len(long)} file(s) in shoal/ over {MAX_FILE_LINES} lines:\n  "
+                    + "\n  ".join(f"{name} ({n} lines)" for n, name in long))
