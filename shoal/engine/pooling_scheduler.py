@@ -22,11 +22,11 @@ from shoal.core.scheduler_output import (
     SchedulerOutput,
 )
 from shoal.core.types import EngineCoreOutput, SchedulerStats
-from shoal.engine.request_table import RequestTable
+from shoal.engine.request_table import RequestTable, RequestTableFront
 from shoal.engine.waiting_queue import WaitingQueue
 
 
-class PoolingScheduler:
+class PoolingScheduler(RequestTableFront):
     def __init__(self, sched_config: SchedulerConfig, request_timeout: float | None = None):
         if sched_config.max_model_len > sched_config.max_num_batched_tokens:
             raise ValueError(
@@ -38,18 +38,6 @@ class PoolingScheduler:
         self.waiting = WaitingQueue(sched_config.policy)
         self.running: list[Request] = []
         self._prompt_tokens = 0
-
-    @property
-    def requests(self) -> dict[str, Request]:
-        return self.table.by_id
-
-    @property
-    def request_timeout(self) -> float | None:
-        return self.table.request_timeout
-
-    @request_timeout.setter
-    def request_timeout(self, seconds: float | None) -> None:
-        self.table.request_timeout = seconds
 
     def add_request(self, req: Request) -> None:
         self.table.add(req)

@@ -74,3 +74,23 @@ class RequestTable:
         """Serials of the requests that ended since the last call."""
         ids, self._finished_serials = self._finished_serials, set()
         return ids
+
+
+class RequestTableFront:
+    """What both schedulers show of their request table: the live requests by id and the
+    timeout the engine may change while it runs."""
+
+    table: RequestTable
+
+    @property
+    def requests(self) -> dict[str, Request]:
+        """The live requests by the caller's id."""
+        return self.table.by_id
+
+    @property
+    def request_timeout(self) -> float | None:
+        return self.table.request_timeout
+
+    @request_timeout.setter
+    def request_timeout(self, seconds: float | None) -> None:
+        self.table.request_timeout = seconds

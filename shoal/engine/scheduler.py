@@ -36,7 +36,7 @@ from shoal.core.types import EngineCoreOutput, SchedulerStats
 from shoal.engine.admission import Admission, StepPlan
 from shoal.engine.draft_budget import DraftBudget
 from shoal.engine.failed_blocks import FailedBlocks
-from shoal.engine.request_table import RequestTable
+from shoal.engine.request_table import RequestTable, RequestTableFront
 from shoal.engine.suspects import Suspects
 from shoal.engine.token_results import keep_tokens, produced_tokens, token_output
 from shoal.engine.waiting_queue import WaitingQueue
@@ -45,7 +45,7 @@ from shoal.kv_offload.connector import KVOffloadConnector
 from shoal.kv_offload.store import TieredKVStore
 
 
-class Scheduler:
+class Scheduler(RequestTableFront):
     def __init__(self, sched_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, kv_store: TieredKVStore | None = None,
                  request_timeout: float | None = None, num_speculative_tokens: int = 0,
@@ -79,19 +79,6 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_prompt_tokens = 0
         self._step_generation_tokens = 0
-
-    @property
-    def requests(self) -> dict[str, Request]:
-        """The live requests by the caller's id."""
-        return self.table.by_id
-
-    @property
-    def request_timeout(self) -> float | None:
-        return self.table.request_timeout
-
-    @request_timeout.setter
-    def request_timeout(self, seconds: float | None) -> None:
-        self.table.request_timeout = seconds
 
     # ---- requests in and out -------------------------------------------------------------
     def add_request(self, req: Request) -> None:
