@@ -80,6 +80,12 @@ class SpeculativeConfig:
             raise ValueError("speculative_config: acceptance_rate must be in [0, 1] (got "
                              f"{self.acceptance_rate!r})")
 
+    @property
+    def proposes_only_on_repeats(self) -> bool:
+        """ngram drafts only where the context repeats itself, so a request that got no drafts
+        from its last results wants none next step; the other methods always propose k."""
+        return self.method == "ngram"
+
     @classmethod
     def from_user(cls, value: Mapping[str, Any] | str) -> SpeculativeConfig:
         """From `speculative_config` as given to LLM/EngineArgs (a dict) or on the command

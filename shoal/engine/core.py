@@ -87,9 +87,7 @@ class EngineCore:
         # Pooling requests take one step each.
         self.async_scheduling = config.async_scheduling and not pooling
         self._speculating = spec is not None
-        # ngram drafts only where the context repeats itself: a request without drafts from
-        # its last results wants none (the others always propose k).
-        self._proposals_known = spec is not None and spec.method == "ngram"
+        self._proposals_known = spec is not None and spec.proposes_only_on_repeats
         self.micro_batches = config.parallel_config.pipeline_parallel_size
         self.queue = StepQueue()
         self._history_requests: set[int] = set()  # serials: sampling needs every earlier token
