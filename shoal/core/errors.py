@@ -15,14 +15,14 @@ class ErrorCode(enum.IntEnum):
     # The client's fault: a constraint the grammar backend cannot compile (the scheduler's
     # fail_request), or a request the core refused with a ValueError (core_proc's rejected).
     BAD_REQUEST = 1
-    # Older than request_timeout (the scheduler's _expire_requests).
+    # Older than request_timeout (RequestTable.expired, ended by the schedulers).
     TIMED_OUT = 2
     # The model produced non-finite logits (scheduler.update) or values (pooling_scheduler).
     NON_FINITE = 3
-    # The sampled token does not fit the request's grammar (scheduler._apply_tokens): the
+    # The sampled token does not fit the request's grammar (engine/token_results.py): the
     # bitmask left nothing allowed, e.g. min_tokens banned the only stop token.
     OUTSIDE_GRAMMAR = 4
-    # A step raised while running the request (scheduler_faults.fail_steps), or the core
+    # A step raised while running the request (the schedulers' fail_steps), or the core
     # refused the request with an unexpected exception (core_proc's rejected).
     ENGINE_FAILED = 5
     # The data-parallel replica running the request died (dp_client's lost).

@@ -332,7 +332,6 @@ class EngineCore:
         self.runner.remove_requests(serials)
         return outputs
 
-
     def _check_health(self, error: Exception) -> None:
         try:
             self.runner.check_health()

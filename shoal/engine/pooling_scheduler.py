@@ -22,7 +22,12 @@ from shoal.core.scheduler_output import (
     SchedulerOutput,
 )
 from shoal.core.types import EngineCoreOutput, SchedulerStats
-from shoal.engine.request_table import RequestTable, RequestTableFront
+from shoal.engine.request_table import (
+    RequestTable,
+    RequestTableFront,
+    engine_failed_message,
+    error_output,
+)
 from shoal.engine.waiting_queue import WaitingQueue
 
 
@@ -50,12 +55,6 @@ class PoolingScheduler(RequestTableFront):
                 self._end(req, RequestStatus.FINISHED_ABORTED)
                 self.table.emit(EngineCoreOutput(rid, [], finish_reason="abort"))
 
-    def request_by_serial(self, serial: int) -> Request | None:
-        return self.table.by_serial.get(serial)
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.table.by_id) or self.table.has_pending_outputs
-
     def _end(self, req: Request, status: RequestStatus) -> None:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
@@ -69,10 +68,8 @@ class PoolingScheduler(RequestTableFront):
         failed step runs alone."""
         for req in self.table.expired():
             self._end(req, RequestStatus.FINISHED_ABORTED)
-            self.table.emit(EngineCoreOutput(
-                req.request_id, [], finish_reason="error", error_code=ErrorCode.TIMED_OUT,
-                error=f"the request timed out: it took longer than request_timeout "
-                      f"({self.table.request_timeout:g} s)"))
+            self.table.emit(error_output(req, self.table.timeout_message(),
+                                         ErrorCode.TIMED_OUT))
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         while len(self.waiting) and len(self.running) < self.config.max_num_seqs:
@@ -115,10 +112,8 @@ class PoolingScheduler(RequestTableFront):
             pooled = result.pooled.get(item.serial)
             if pooled is None:
                 self._end(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(EngineCoreOutput(
-                    request_id=req.request_id, new_token_ids=[], finish_reason="error",
-                    error="the model produced non-finite values",
-                    error_code=ErrorCode.NON_FINITE))
+                outputs.append(error_output(req, "the model produced non-finite values",
+                                            ErrorCode.NON_FINITE))
                 continue
             queue_time = (max(0.0, req.first_scheduled_time - req.arrival_time)
                           if req.first_scheduled_time is not None else None)
@@ -142,10 +137,8 @@ class PoolingScheduler(RequestTableFront):
             req.num_faults += 1
             if len(serials) == 1 or req.suspect:
                 self._end(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(EngineCoreOutput(
-                    req.request_id, [], finish_reason="error",
-                    error=f"the engine failed while running this request: {error}",
-                    error_code=ErrorCode.ENGINE_FAILED))
+                outputs.append(error_output(req, engine_failed_message(error),
+                                            ErrorCode.ENGINE_FAILED))
             elif req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
                 req.status, req.suspect, req.num_pending_tokens = (
@@ -161,12 +154,6 @@ class PoolingScheduler(RequestTableFront):
 
     def reset_counters(self) -> None:
         self._prompt_tokens = 0
-
-    def take_finished_serials(self) -> set[int]:
-        return self.table.take_finished_serials()
-
-    def take_pending_outputs(self) -> list[EngineCoreOutput]:
-        return self.table.take_pending_outputs()
 
     def stats(self) -> SchedulerStats:
         s = SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import time
 
+from shoal.core.errors import ErrorCode
 from shoal.core.request import Request
 from shoal.core.types import EngineCoreOutput
 
@@ -58,6 +59,10 @@ class RequestTable:
         self._next_expiry_check = now + min(0.05, limit / 10)
         return [r for r in self.by_id.values() if now - r.arrival_time > limit]
 
+    def timeout_message(self) -> str:
+        return (f"the request timed out: it took longer than request_timeout "
+                f"({self.request_timeout:g} s)")
+
     def emit(self, output: EngineCoreOutput) -> None:
         """An output to send with the next step's (a request that ended between steps)."""
         self._pending_outputs.append(output)
@@ -77,8 +82,8 @@ class RequestTable:
 
 
 class RequestTableFront:
-    """What both schedulers show of their request table: the live requests by id and the
-    timeout the engine may change while it runs."""
+    """What both schedulers show of their request table: the live requests, the timeout the
+    engine may change while it runs, and what ended outside a step."""
 
     table: RequestTable
 
@@ -94,3 +99,27 @@ class RequestTableFront:
     @request_timeout.setter
     def request_timeout(self, seconds: float | None) -> None:
         self.table.request_timeout = seconds
+
+    def request_by_serial(self, serial: int) -> Request | None:
+        return self.table.by_serial.get(serial)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.table.by_id) or self.table.has_pending_outputs
+
+    def take_finished_serials(self) -> set[int]:
+        """Serials of the requests that ended since the last call (the runner drops them)."""
+        return self.table.take_finished_serials()
+
+    def take_pending_outputs(self) -> list[EngineCoreOutput]:
+        return self.table.take_pending_outputs()
+
+
+def error_output(req: Request, message: str, code: ErrorCode) -> EngineCoreOutput:
+    """The output of a request the engine ended with an error."""
+    return EngineCoreOutput(req.request_id, [], finish_reason="error",
+                            num_cached_tokens=max(req.num_cached_tokens, 0), error=message,
+                            error_code=code)
+
+
+def engine_failed_message(error: str) -> str:
+    return f"the engine failed while running this request: {error}"

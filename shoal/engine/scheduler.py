@@ -36,7 +36,12 @@ from shoal.core.types import EngineCoreOutput, SchedulerStats
 from shoal.engine.admission import Admission, StepPlan
 from shoal.engine.draft_budget import DraftBudget
 from shoal.engine.failed_blocks import FailedBlocks
-from shoal.engine.request_table import RequestTable, RequestTableFront
+from shoal.engine.request_table import (
+    RequestTable,
+    RequestTableFront,
+    engine_failed_message,
+    error_output,
+)
 from shoal.engine.suspects import Suspects
 from shoal.engine.token_results import keep_tokens, produced_tokens, token_output
 from shoal.engine.waiting_queue import WaitingQueue
@@ -91,9 +96,6 @@ class Scheduler(RequestTableFront):
             if req is not None:
                 self._end_between_steps(req, RequestStatus.FINISHED_ABORTED, "abort")
 
-    def request_by_serial(self, serial: int) -> Request | None:
-        return self.table.by_serial.get(serial)
-
     def fail_request(self, req: Request, error: str) -> None:
         """Ends a live request that has not run with an error the client caused (its grammar
         does not compile): the frontends answer it as a bad request."""
@@ -122,9 +124,6 @@ class Scheduler(RequestTableFront):
         self.table.remove(req)
         self.suspects.left(req)
 
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.table.by_id) or self.table.has_pending_outputs
-
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
@@ -137,10 +136,8 @@ class Scheduler(RequestTableFront):
         if self.offload is not None:
             self.offload.begin_step()
         for req in self.table.expired():
-            limit = self.table.request_timeout
             self._end_between_steps(req, RequestStatus.FINISHED_ABORTED, "error",
-                                    f"the request timed out: it took longer than "
-                                    f"request_timeout ({limit:g} s)", ErrorCode.TIMED_OUT)
+                                    self.table.timeout_message(), ErrorCode.TIMED_OUT)
         step = StepPlan(budget=self.config.max_num_batched_tokens, allow_drafts=allow_drafts,
                         max_requests=self._micro_batch_size())
         if not self._schedule_isolated(step):  # a suspect of a failed step runs alone
@@ -306,10 +303,8 @@ class Scheduler(RequestTableFront):
                 req.num_pending_tokens -= 1
             if failed:
                 self._end(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(EngineCoreOutput(
-                    request_id=req.request_id, new_token_ids=[], finish_reason="error",
-                    error="the model produced non-finite logits",
-                    error_code=ErrorCode.NON_FINITE))
+                outputs.append(error_output(req, "the model produced non-finite logits",
+                                            ErrorCode.NON_FINITE))
                 continue
             prompt_lp = result.prompt_logprobs.get(req.serial)
             if item.sample:
@@ -361,10 +356,10 @@ class Scheduler(RequestTableFront):
         for s in scheds:
             for it in s.scheduled:
                 serials.add(it.serial)
-                req = self.table.by_serial.get(it.serial)
-                if it.sample and req is not None:
-                    req.num_pending_tokens -= 1
                 if it.sample:
+                    req = self.table.by_serial.get(it.serial)
+                    if req is not None:
+                        req.num_pending_tokens -= 1
                     self.failed_blocks.settle(it.serial, failed=True)
         outputs: list[EngineCoreOutput] = []
         for serial in sorted(serials):
@@ -376,11 +371,8 @@ class Scheduler(RequestTableFront):
                 self.suspects.requeue(req)
                 continue
             self._end(req, RequestStatus.FINISHED_ERROR)
-            outputs.append(EngineCoreOutput(
-                req.request_id, [], finish_reason="error",
-                num_cached_tokens=max(req.num_cached_tokens, 0),
-                error=f"the engine failed while running this request: {error}",
-                error_code=ErrorCode.ENGINE_FAILED))
+            outputs.append(error_output(req, engine_failed_message(error),
+                                        ErrorCode.ENGINE_FAILED))
         return outputs, serials
 
     # ---- counters ----------------------------------------------------------------------------
@@ -389,13 +381,6 @@ class Scheduler(RequestTableFront):
         self.kv.prefix_queries = self.kv.prefix_hits = 0
         self.num_preemptions = 0
         self._step_prompt_tokens = self._step_generation_tokens = 0
-
-    def take_finished_serials(self) -> set[int]:
-        """Serials of the requests that ended since the last call (the runner drops them)."""
-        return self.table.take_finished_serials()
-
-    def take_pending_outputs(self) -> list[EngineCoreOutput]:
-        return self.table.take_pending_outputs()
 
     def stats(self) -> SchedulerStats:
         s = SchedulerStats(
