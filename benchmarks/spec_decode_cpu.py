@@ -149,13 +149,13 @@ class Counters:
         core = engine_internals.core(llm, required=True)
         self.rows = self.steps = 0
         self.drafts = self.draft_tokens = self.accepted = 0
-        launch, stats = core.runner.launch, core.scheduler.stats
+        execute, stats = core.runner.execute, core.scheduler.stats
 
-        def counted_launch(sched):
+        def counted_execute(sched):
             if not sched.is_empty:
                 self.steps += 1
                 self.rows += sum(1 for it in sched.scheduled if it.sample)
-            return launch(sched)
+            return execute(sched)
 
         def counted_stats():
             s = stats()
@@ -163,7 +163,7 @@ class Counters:
             self.draft_tokens += s.spec_num_draft_tokens
             self.accepted += s.spec_num_accepted_tokens
             return s
-        core.runner.launch = counted_launch
+        core.runner.execute = counted_execute
         core.scheduler.stats = counted_stats
 
     def snapshot(self) -> tuple[int, ...]:

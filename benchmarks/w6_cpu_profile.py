@@ -4,7 +4,7 @@
         --out benchmarks/results/<date>-W6-cpu-profile.json
 
 One process holds one engine per dtype (float32, bfloat16). For each (batch, context) it times
-the model runner's decode step (`ModelRunner.execute` on a made-up SchedulerOutput: inputs,
+the model runner's decode step (`execute`, `sample`, `finish` on a made-up SchedulerOutput: inputs,
 attention metadata, forward, LM head, sampling) in rounds that alternate the dtypes in a
 shuffled order, so a busy neighbour on this shared machine slows both alike; it reports each
 round's median and the median over rounds, and the CPU other processes took meanwhile. A
@@ -127,16 +127,23 @@ def decode_schedule(runner: Any, batch: int, context: int, first: bool) -> Any:
     return SchedulerOutput(scheduled=items, num_decodes=batch, new_requests=new)
 
 
+def run_step(runner: Any, sched: Any) -> Any:
+    """One whole runner step: forward pass, sampling, results on the host."""
+    handle = runner.execute(sched)
+    runner.sample(handle, None)
+    return runner.finish(handle)
+
+
 def time_decode_steps(runner: Any, batch: int, context: int, steps: int,
                       warm: int = 1) -> dict[str, Any]:
-    runner.execute(decode_schedule(runner, batch, context, first=True))
+    run_step(runner, decode_schedule(runner, batch, context, first=True))
     sched = decode_schedule(runner, batch, context, first=False)
     for _ in range(warm):
-        runner.execute(sched)
+        run_step(runner, sched)
     times = []
     for _ in range(steps):
         t = time.perf_counter()
-        runner.execute(sched)
+        run_step(runner, sched)
         times.append(time.perf_counter() - t)
     return {"median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3,
             "tok_s_at_median": batch / statistics.median(times)}
@@ -148,11 +155,11 @@ def profile_decode_step(runner: Any, batch: int, context: int, steps: int = 5
     from torch.profiler import ProfilerActivity, profile
 
     sched = decode_schedule(runner, batch, context, first=False)
-    runner.execute(sched)
+    run_step(runner, sched)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t = time.perf_counter()
         for _ in range(steps):
-            runner.execute(sched)
+            run_step(runner, sched)
         wall = (time.perf_counter() - t) / steps
     cats: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
@@ -187,7 +194,9 @@ def engine_split(llm: Any, batch: int, prompt_len: int, out_len: int) -> dict[st
     timers = engine_internals.MethodTimers()
     for obj, name, key in ((core.scheduler, "schedule", "schedule"),
                            (core.scheduler, "update", "update"),
-                           (core.runner, "launch", "runner"), (core, "step", "core_step")):
+                           (core.runner, "execute", "execute"),
+                           (core.runner, "sample", "sample"),
+                           (core.runner, "finish", "finish"), (core, "step", "core_step")):
         timers.wrap(obj, name, key)
     seed = int(time.time() * 1e3)  # new prompts each call: no prefix-cache hits
     prompts = [{"prompt_token_ids": [(seed + 13 * i + 7 * j) % 49000 for j in range(prompt_len)]}
@@ -203,7 +212,8 @@ def engine_split(llm: Any, batch: int, prompt_len: int, out_len: int) -> dict[st
     per = {k: 1e3 * statistics.median(v[decode]) for k, v in acc.items()}
     return {"batch": batch, "steps": len(acc["core_step"]), "generate_s": round(total, 2),
             "decode_step_median_ms": {k: round(v, 3) for k, v in per.items()},
-            "outside_runner_ms": round(per["core_step"] - per["runner"], 3)}
+            "outside_runner_ms": round(per["core_step"] - per["execute"] - per["sample"]
+                                       - per["finish"], 3)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,7 +238,7 @@ def interleaved_steps(runners: dict[str, Any], batch: int, context: int, rounds:
     """Rounds of `steps` decode steps per dtype, in a shuffled order each round."""
     order = random.Random(batch * 7919 + context)
     for r in runners.values():
-        r.execute(decode_schedule(r, batch, context, first=True))
+        run_step(r, decode_schedule(r, batch, context, first=True))
     per_round: dict[str, list[float]] = defaultdict(list)
     others = []
     for _ in range(rounds):
