@@ -70,13 +70,32 @@ class ResolvedArgs:
         """Multi-head latent attention (MLA), read as vLLM reads it: a kv_lora_rank."""
         return getattr(self.hf_config, "kv_lora_rank", None) is not None
 
+    @functools.cached_property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each decoder layer's sliding window (None: full attention), as the model reads its
+        config (shoal/models/llama.py: Qwen2 sets a window it may not use)."""
+        from shoal.models.llama import layer_sliding_window
+
+        return tuple(layer_sliding_window(self.hf_config, i) for i in range(self.num_layers))
+
     @property
     def sliding_window(self) -> int | None:
-        """The window the model's attention layers apply (shoal/models/llama.py reads the
-        config the same way: Qwen2 sets one it does not use)."""
-        if not getattr(self.hf_config, "use_sliding_window", True):
-            return None
-        return getattr(self.hf_config, "sliding_window", None)
+        """The longest window a layer applies (None: no layer has one)."""
+        return max((w for w in self.layer_windows if w), default=None)
+
+    @property
+    def all_layers_sliding(self) -> bool:
+        return bool(self.layer_windows) and all(self.layer_windows)
+
+    @property
+    def drafter_with_kv(self) -> bool:
+        """A drafter with layers and a KV cache of its own (not ngram's prompt lookup)."""
+        if self.args.speculative_config is None:
+            return False
+        from shoal.config.speculative import SpeculativeConfig
+
+        method = SpeculativeConfig.from_user(self.args.speculative_config).method
+        return method in ("draft_model", "mtp", "eagle")
 
     @functools.cached_property
     def model_class(self) -> str:
@@ -171,6 +190,12 @@ ROWS: tuple[Incompatibility, ...] = (
         "speculative_config", _DP_EP,
         lambda s: s.speculative and s.dp_ep,
         "speculative_config does not support " + _DP_EP + " yet"),
+    Incompatibility(
+        "speculative_config (draft_model, mtp, eagle)", "a model whose layers all slide",
+        lambda s: s.drafter_with_kv and s.all_layers_sliding,
+        "speculative_config: a drafter with a KV cache of its own follows the target's block "
+        "tables, which a model whose every layer has a sliding window ({s.sliding_window}) "
+        "empties behind the window; use method 'ngram'"),
     # ---- KV offloading --------------------------------------------------------------------
     Incompatibility(
         "kv_offloading_size", "tensor_parallel_size > 1",

@@ -52,7 +52,7 @@ def layer_sliding_window(cfg: Any, layer: int) -> int | None:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool, qkv_bias: bool,
-                 use_triton_ops: bool = True, layer: int = 0):
+                 use_triton_ops: bool = True, *, layer: int):
         super().__init__()
         self.hidden_size = cfg.hidden_size
         total_heads = cfg.num_attention_heads
@@ -113,9 +113,10 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool, qkv_bias: bool,
-                 use_triton_ops: bool = True, layer: int = 0):
+                 use_triton_ops: bool = True, *, layer: int):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, dtype, qk_norm, qkv_bias, use_triton_ops, layer)
+        self.self_attn = LlamaAttention(cfg, dtype, qk_norm, qkv_bias, use_triton_ops,
+                                        layer=layer)
         self.mlp = LlamaMLP(cfg, dtype, use_triton_ops)
         eps = cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, use_triton_ops)
@@ -158,7 +159,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
                              if self.is_first else PPMissingLayer())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, qk_norm, qkv_bias, use_triton_ops, i)
+            LlamaDecoderLayer(cfg, dtype, qk_norm, qkv_bias, use_triton_ops, layer=i)
             if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(cfg.num_hidden_layers)
         )

@@ -46,8 +46,8 @@ class EagleLlamaHead(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h, dtype)
         self.fc = ReplicatedLinear(2 * h, h, bias=fc_bias, params_dtype=dtype)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, False, qkv_bias, use_triton_ops)
-            for _ in range(cfg.num_hidden_layers))
+            LlamaDecoderLayer(cfg, dtype, False, qkv_bias, use_triton_ops, layer=i)
+            for i in range(cfg.num_hidden_layers))
         # EAGLE's first layer reads fc's output unnormed (its residual is that output too).
         self.layers[0].input_layernorm = nn.Identity()
         self.lm_head = ParallelLMHead(cfg.vocab_size, h, dtype)

@@ -52,7 +52,7 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)  # not Llama's __init__: it would allocate a dense MLP first
         ops = use_triton_ops
         self.self_attn = LlamaAttention(cfg, dtype, qk_norm=True, qkv_bias=False,
-                                        use_triton_ops=ops)
+                                        use_triton_ops=ops, layer=layer_idx)
         self.mlp = (Qwen3MoeSparseBlock(cfg, dtype, ops) if is_sparse_layer(cfg, layer_idx)
                     else LlamaMLP(cfg, dtype, ops))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)

@@ -75,7 +75,6 @@ class ModelRunner(Executor):
             fuse_rope_kv_write=config.use_triton_ops and config.fuse_rope_kv_write)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
-        self.null_block = 0
         self.kv_transfer: KVTransfer | None = None  # KV offloading: see use_kv_transfer
         self.pending = PendingTokens()
         # Pipeline parallelism: this stage's layers and the activations between stages.
@@ -88,13 +87,16 @@ class ModelRunner(Executor):
         if config.speculative_config is not None and drafter_factory is not None:
             self.drafter = drafter_factory(config, self.model, loaded)
             self.forwarder.keep_hidden = self.drafter.keeps_hidden
-            if self.drafter.kv_layers() and windows[0] is not None:
-                raise ValueError("speculative_config: a drafter with a KV cache of its own "
-                                 "follows the target's block tables, which a sliding-window "
-                                 "model empties behind the window; use method 'ngram'")
+            # (engine/compatibility.py refuses these for models whose layers all slide)
+            assert not (self.drafter.kv_layers() and windows[0] is not None)
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
         self._num_forwards = 0
         self._latest: StepHandle | None = None  # the last step executed
+
+    @property
+    def null_block(self) -> int:
+        """The zeroed block past the pool that padding reads (0 until the cache is bound)."""
+        return self.forwarder.null_block
 
     @property
     def graphs(self) -> ModelGraphs | None:
@@ -158,7 +160,7 @@ class ModelRunner(Executor):
     def bind_kv_cache(self, num_blocks: int) -> None:
         # One extra block at the end is the null block: never allocated, never written, so it
         # stays zero and padding positions can safely read it.
-        self.null_block = self.forwarder.null_block = num_blocks
+        self.forwarder.null_block = num_blocks
         slots = (num_blocks + 1) * self.block_size
         self.kv_caches = allocate_kv_caches(self.model.attention_layers(), self.kv_specs,
                                             self.kv_groups, slots, self.dtype, self.device)

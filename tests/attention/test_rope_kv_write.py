@@ -141,7 +141,7 @@ def test_llama_attention_takes_the_fused_path_only_on_triton() -> None:
     cfg = SimpleNamespace(hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=32, max_position_embeddings=32, rms_norm_eps=1e-5,
                           rope_theta=10000.0)
-    attn = LlamaAttention(cfg, torch.float32, qk_norm=True, qkv_bias=False).to(DEV)
+    attn = LlamaAttention(cfg, torch.float32, qk_norm=True, qkv_bias=False, layer=0).to(DEV)
     for p in attn.parameters():
         p.data = torch.randn_like(p) * 0.2 + (1.0 if p.dim() == 1 else 0.0)
     hidden = torch.randn(5, 64, device=DEV)

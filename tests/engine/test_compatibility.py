@@ -19,6 +19,7 @@ def _hf(**extra):
 
 
 _SPEC = {"method": "ngram", "num_speculative_tokens": 2}
+_DRAFT_MODEL = {"method": "draft_model", "model": "/tmp/draft", "num_speculative_tokens": 2}
 _DP_EP = dict(data_parallel_size=2, enable_expert_parallel=True, data_parallel_rank=0,
               data_parallel_master_port=1234)
 BERT = dict(architectures=["BertModel"], model_type="bert")
@@ -40,6 +41,9 @@ CASES = [
     (dict(), dict(sliding_window=32), "pooling", "cpu", 64,
      r"max_model_len \(64\) is longer than the model's sliding window \(32\), which pooling "
      "does not apply yet"),
+    (dict(speculative_config=_DRAFT_MODEL), dict(sliding_window=32), "generate", "cpu", 64,
+     r"a drafter with a KV cache of its own follows the target's block tables, which a model "
+     r"whose every layer has a sliding window \(32\) empties"),
     (dict(speculative_config=_SPEC, tensor_parallel_size=2), {}, "generate", "cpu", 64,
      "speculative_config does not support tensor_parallel_size > 1 yet"),
     (dict(speculative_config=_SPEC, pipeline_parallel_size=2), {}, "generate", "cpu", 64,
@@ -138,3 +142,16 @@ def test_value_checks_come_before_the_table():
         EngineArgs(device="cpu", pipeline_parallel_size=0,
                    kv_offloading_size=1.0).create_engine_config(_hf())
     assert EngineArgs(device="cpu").create_engine_config(_hf()).parallel_config.world_size == 1
+
+
+def test_sliding_window_rows_read_each_layers_window():
+    """The rows read the windows the model's layers apply (config.layer_types): a config
+    with a window no layer uses is plain, and a hybrid model (full-attention layers beside
+    sliding ones) drafts over its full-attention group's tables."""
+    unused = dict(sliding_window=32, layer_types=["full_attention"] * 2)
+    assert violations(_resolved({}, unused, "pooling", "cpu", 64)) == []
+    hybrid = dict(sliding_window=32, layer_types=["full_attention", "sliding_attention"])
+    assert violations(_resolved(dict(speculative_config=_DRAFT_MODEL), hybrid, "generate",
+                                "cpu", 64)) == []
+    assert [r.other for r in violations(_resolved({}, hybrid, "pooling", "cpu", 64))] == [
+        "a sliding window shorter than max_model_len"]
