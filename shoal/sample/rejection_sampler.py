@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.host_to_device import to_device
+from shoal.sample.row_reductions import argmax_rows
 from shoal.sample.sampler import (
     LogprobsTensors,
     compute_logprobs,
@@ -66,10 +67,10 @@ def rejection_sample(logits: torch.Tensor, md: SamplingMetadata, draft_ids: list
         allowed = logits.gather(1, draft.clamp_min(0).unsqueeze(1)).squeeze(1).isfinite()
         accepted = to_device(forced_accept, torch.bool, device) & has & allowed
     elif md.all_greedy:
-        token = logits.argmax(dim=-1)
+        token = argmax_rows(logits)
         accepted = has & (draft == token)
     else:
-        greedy = None if md.all_random else logits.argmax(dim=-1)
+        greedy = None if md.all_random else argmax_rows(logits)
         probs = random_probs(logits, md)
         safe = draft.clamp_min(0).unsqueeze(1)
         p_draft = probs.gather(1, safe).squeeze(1)

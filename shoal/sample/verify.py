@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shoal.sample.rejection_sampler import VerifyOutput, rejection_sample
+from shoal.sample.row_reductions import rows_finite
 from shoal.sample.sampling_metadata import SamplingMetadata
 
 if TYPE_CHECKING:
@@ -70,7 +71,7 @@ def verify(logits: torch.Tensor, states: Sequence[Any], drafts: list[list[int]],
             eos.append(st.eos_token_ids)
             draft_ids.append(d[j] if j < len(d) else -1)
     md = SamplingMetadata.build(params, outputs, prompts, generators, eos, vocab_size, device)
-    finite = torch.isfinite(logits).all(dim=-1)
+    finite = rows_finite(logits)
     if mask_logits is not None:  # structured rows' grammar bitmask (-inf, after the check)
         mask_logits(logits)
     result = rejection_sample(logits, md, draft_ids, forced_accept)

@@ -173,13 +173,12 @@ class HiddenStateDrafter(DrafterCache):
         for r in reqs:
             if r.serial in failed:
                 continue
-            seq = r.state.prompt_token_ids + r.state.output_token_ids
-            n = min(r.num_new_tokens, len(seq) - 1 - r.context_len)
+            n = min(r.num_new_tokens, r.state.num_tokens - 1 - r.context_len)
             if n < 1:
                 continue
             rows.extend(range(r.start, r.start + n))
             pos.extend(range(r.context_len, r.context_len + n))
-            ids.extend(seq[r.context_len + 1:r.context_len + n + 1])
+            ids.extend(r.state.token_ids(r.context_len + 1, r.context_len + n + 1))
             kept.append((r, n))
         if not kept:
             return {}
@@ -201,7 +200,7 @@ class HiddenStateDrafter(DrafterCache):
         row = 0
         for r, n in kept:
             row += n
-            seq_len = len(r.state.prompt_token_ids) + len(r.state.output_token_ids)
+            seq_len = r.state.num_tokens
             if r.sample and seq_len < self.max_model_len - 1:
                 last.append(row - 1)
                 reqs.append(r)

@@ -37,4 +37,4 @@ class NgramDrafter(HostDrafter):
         self.max_n = config.prompt_lookup_max
 
     def draft(self, prompt: Sequence[int], output: Sequence[int]) -> list[int]:
-        return propose_ngram(list(prompt) + list(output), self.k, self.min_n, self.max_n)
+        return propose_ngram([*prompt, *output], self.k, self.min_n, self.max_n)

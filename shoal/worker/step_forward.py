@@ -60,27 +60,24 @@ class StepForwarder:
         self.null_block = 0  # the zeroed block padding reads (set when the cache is bound)
 
     def run(self, inp: StepInputs, out: ModelRunnerOutput) -> ForwardOutput | StageOutput:
-        fill = self.pending.filler(inp.pending_dst, inp.pending_src)
         if self.stage_link is not None:  # pipeline parallel: stage 0 samples once it is back
-            staged = self.stage_link.run(self.model, *self.eager_inputs(inp, None))
+            staged = self.stage_link.run(self.model, *self.eager_inputs(inp))
             if staged is None:
                 return ForwardOutput(None, None)
             return StageOutput(staged, lambda hidden: self._from_hidden(inp, out, hidden))
         shape = self.graphs.pick(inp) if self.graphs is not None else None
         if shape is None:
-            return self._from_hidden(inp, out, self.model(*self.eager_inputs(inp, fill)))
-        logits, hidden = self.graphs.run(shape, inp, fill)
+            return self._from_hidden(inp, out, self.model(*self.eager_inputs(inp)))
+        logits, hidden = self.graphs.run(
+            shape, inp, self.pending.filler(inp.pending_dst, inp.pending_src))
         return ForwardOutput(logits, hidden)
 
-    def eager_inputs(self, inp: StepInputs, fill: Callable[[torch.Tensor], None] | None
-                     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def eager_inputs(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Token ids, positions and attention metadata of an eager forward pass."""
         if self.graphs is not None:
             self.graphs.invalidate_tables()  # a preempted request may come back re-blocked
-        ids = to_device(inp.input_ids, torch.long, self.device)
+        ids = self.device_input_ids(inp)
         pos = to_device(inp.positions, torch.long, self.device)
-        if fill is not None:
-            fill(ids)
         md = self.metadata(inp.query_lens(), inp.context_lens(),
                            [inp.block_tables(g) for g in range(len(self.windows))],
                            inp.num_decodes)
