@@ -128,6 +128,15 @@ def layer_ops_enabled() -> bool:
     return available()
 
 
+# What the layer ops (and the KV cache write beside them) take
+LAYER_OP_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def layer_ops_usable(x: torch.Tensor) -> bool:
+    """Whether a layer op may run on x: a CPU tensor of a supported dtype, kernels loaded."""
+    return x.device.type == "cpu" and x.dtype in LAYER_OP_DTYPES and layer_ops_enabled()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--build", action="store_true", help="compile the kernels (if needed)")

@@ -24,6 +24,11 @@ class GroupedMetadata:
     def of(self, group: int) -> object:
         return self.groups[group]
 
+    @staticmethod
+    def of_groups(mds: list) -> object:
+        """A step's metadata: the one group's own, or one per group when there are several."""
+        return mds[0] if len(mds) == 1 else GroupedMetadata(tuple(mds))
+
 
 @dataclass
 class AttentionMetadata:

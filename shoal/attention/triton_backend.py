@@ -7,10 +7,11 @@ kernel. One row per request in every per-request tensor, decodes first.
 paged_attention_triton_fused takes q and k before their per-head RMSNorm and rotary and
 applies both in the cache-write kernel: one launch where the layer made up to four.
 
-CUDA graphs: pass pad_decodes_to (rows past num_decodes get seq_len 0, slot -1 and produce
-zeros), block_table_width (fixed table width) and decode_num_splits (fixed split-K grid);
-then every tensor shape and launch parameter depends on the padded sizes only. The backend
-class below does this with persistent buffers for shoal/worker/graph_table.py."""
+CUDA graphs: every tensor shape and launch parameter must depend on the padded sizes only.
+The backend's graph buffers (alloc_graph_buffers / fill_graph_buffers / graph_metadata, for
+shoal/worker/graph_table.py) fix them: rows past the real ones get seq_len 0, slot -1 and
+produce zeros, tables have a fixed width, the split-K grid a fixed size. Eager callers may
+ask for the same with pad_decodes_to, block_table_width and decode_num_splits."""
 
 from __future__ import annotations
 

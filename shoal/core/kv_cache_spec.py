@@ -82,11 +82,7 @@ class LatentAttentionSpec(KVCacheSpec):
 
     @property
     def planes(self) -> int:
-        return 1
-
-    @property
-    def table_kind(self) -> tuple:
-        return ("full",)  # keeps every token: shares a table with full attention
+        return 1  # (keeps every token: shares full attention's table kind)
 
 
 @dataclass(frozen=True)
@@ -123,8 +119,9 @@ class KVCacheLayout:
     groups sharing them."""
 
     num_blocks: int
-    groups: tuple[KVCacheGroup, ...] = (KVCacheGroup(FullAttentionSpec(1, 1, 1), (0,)),)
+    groups: tuple[KVCacheGroup, ...]
 
-    @property
-    def null_block(self) -> int:
-        return self.num_blocks
+
+# The one group of a model whose layers all keep every token (the KV manager's default: the
+# scheduler needs only the table policy, not the shapes).
+FULL_ATTENTION = (KVCacheGroup(FullAttentionSpec(1, 1, 1), (0,)),)

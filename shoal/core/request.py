@@ -58,7 +58,7 @@ class Request:
     # The scheduler's number for this request, unique for the engine's lifetime (results of
     # steps in flight are matched on it, never on the caller's id, which may be reused).
     serial: int = 0
-    # Steps that raised while running this request (scheduler_faults.py); a suspect runs
+    # Steps that raised while running this request (engine/suspects.py); a suspect runs
     # alone until it has produced a token again.
     num_faults: int = 0
     suspect: bool = False

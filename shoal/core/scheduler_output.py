@@ -74,7 +74,7 @@ class SchedulerOutput:
     # ModelRunnerOutput.kv_transfers_done says when they have completed
     kv_transfers: KVTransferPlan | None = None
     # (block id, first slot): KV slots the runner zeroes before anything else this step,
-    # left by a request that produced non-finite values (see scheduler_faults.py)
+    # left by a request that produced non-finite values (see engine/failed_blocks.py)
     kv_zero: list[tuple[int, int]] = field(default_factory=list)
 
     @property

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 from shoal.config import CacheConfig, SchedulerConfig
 from shoal.core.errors import ErrorCode
-from shoal.core.kv_cache_spec import KVCacheGroup
+from shoal.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroup
 from shoal.core.request import Request, RequestStatus
 from shoal.core.scheduler_output import (
     PENDING_TOKEN,
@@ -45,7 +45,7 @@ from shoal.engine.request_table import (
 from shoal.engine.suspects import Suspects
 from shoal.engine.token_results import keep_tokens, produced_tokens, token_output
 from shoal.engine.waiting_queue import WaitingQueue
-from shoal.kv_cache.manager import FULL_ATTENTION, KVCacheManager
+from shoal.kv_cache.manager import KVCacheManager
 from shoal.kv_offload.connector import KVOffloadConnector
 from shoal.kv_offload.store import TieredKVStore
 

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from shoal.core.kv_cache_spec import FullAttentionSpec, KVCacheGroup
+from shoal.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroup
 from shoal.core.request import Request
 from shoal.kv_cache.block_pool import BlockPool, KVBlock
 from shoal.kv_cache.block_tables import BlockTables
 from shoal.kv_cache.hashing import hash_full_blocks
-
-FULL_ATTENTION = (KVCacheGroup(FullAttentionSpec(1, 1, 1), (0,)),)
 
 
 class KVCacheManager:
@@ -28,7 +26,7 @@ class KVCacheManager:
         self.tables = [BlockTables(g, i, self.pool, block_size, self.null_block)
                        for i, g in enumerate(groups)]
         self._main = self.tables[0]
-        self._sliding = any(t.sliding for t in self.tables)
+        self._sliding_tables = [t for t in self.tables if t.sliding]
         # Prefix-cache counters (queries and hits in tokens), read by metrics.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -63,24 +61,30 @@ class KVCacheManager:
             return [], 0
         self._update_hashes(request)
         hashes = request.block_hashes[:(request.num_tokens - 1) // self.block_size]
-        n = self._longest_hit(hashes)
-        first = self._main.group.first_needed_block(n * self.block_size, self.block_size)
-        hits = self._main.hits(hashes, n, first) or [] if n else []
+        hits = (self._window_hits(hashes) if self._sliding_tables
+                else self._full_attention_hits(hashes))
+        n = len(hits)
         if count:
             self.prefix_queries += request.num_tokens
             self.prefix_hits += n * self.block_size
         return hits, n * self.block_size
 
-    def _longest_hit(self, hashes: list) -> int:
-        """The most leading blocks every group can start from."""
-        if not self._sliding:  # full attention: the leading run of cached blocks
-            n = len(hashes)
-            for t in self.tables:
-                for i in range(n):
-                    if t.cached(hashes[i]) is None:
-                        n = i
-                        break
-            return n
+    def _full_attention_hits(self, hashes: list) -> list[KVBlock | None]:
+        """The leading run of blocks every group has cached (one lookup each)."""
+        hits: list[KVBlock | None] = []
+        for h in hashes:
+            block = self._main.cached(h)
+            if block is None:
+                break
+            hits.append(block)
+        n = len(hits)
+        for t in self.tables[1:]:
+            n = next((i for i in range(n) if t.cached(hashes[i]) is None), n)
+        return hits[:n]
+
+    def _window_hits(self, hashes: list) -> list[KVBlock | None]:
+        """With sliding-window groups: the first group's blocks of the longest prefix every
+        group can start from (a sliding group needs only the blocks its window reads)."""
         # running[g][i]: cached blocks of group g among its first i
         running = []
         for t in self.tables:
@@ -92,8 +96,10 @@ class KVCacheManager:
             if all(c[n] - c[first] == n - first for t, c in zip(self.tables, running)
                    for first in (t.group.first_needed_block(n * self.block_size,
                                                             self.block_size),)):
-                return n
-        return 0
+                first = self._main.group.first_needed_block(n * self.block_size,
+                                                            self.block_size)
+                return self._main.hits(hashes, n, first) or []
+        return []
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed: list[KVBlock | None] | None = None
@@ -111,9 +117,8 @@ class KVCacheManager:
                 if self.enable_caching and total // self.block_size > (
                         self._main.num_published.get(rid, 0)):
                     self._publish(request, total)
-                if self._sliding:
-                    for t in self.tables:
-                        t.drop_out_of_window(rid, start)
+                for t in self._sliding_tables:
+                    t.drop_out_of_window(rid, start)
                 return []
         n_hits = len(new_computed or ())
         start += n_hits * self.block_size
@@ -136,9 +141,8 @@ class KVCacheManager:
                 new_main = new_blocks
         if self.enable_caching:
             self._publish(request, start + num_new_tokens)
-        if self._sliding:
-            for t in self.tables:
-                t.drop_out_of_window(rid, start)
+        for t in self._sliding_tables:
+            t.drop_out_of_window(rid, start)
         return new_main
 
     def _group_hits(self, tables: BlockTables, request: Request,

@@ -118,7 +118,7 @@ class GraphTable:
         for buf in self.buffers:
             self.backend.fill_graph_buffers(buf, shape.rows, shape.q, [], [], [])
             mds.append(self.backend.graph_metadata(buf, shape.rows, shape.q))
-        return mds[0] if len(mds) == 1 else GroupedMetadata(tuple(mds))
+        return GroupedMetadata.of_groups(mds)
 
     def invalidate_tables(self) -> None:
         """The block tables in the buffers may be stale (a step ran without the table, or a

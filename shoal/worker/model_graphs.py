@@ -86,8 +86,9 @@ class ModelGraphs:
         self.verify_qs = sorted({s.q for s in shapes if s.logits_per_row > 1})
         self.verify_sizes = sorted({s.rows for s in shapes if s.logits_per_row > 1})
 
-    def capture(self, pool: Any = None) -> float:
-        return self.table.capture(self._body, pool, "model step")
+    def capture(self) -> float:
+        """Captures every shape in its own graph memory pool (the drafter's graphs share it)."""
+        return self.table.capture(self._body, None, "model step")
 
     @property
     def pool(self) -> Any:
@@ -134,11 +135,13 @@ class ModelGraphs:
         """Replays the step's graph; returns the logits of its sampling rows (in the order of
         inp.logits_index) and, when kept, every real token's hidden states."""
         ids, pos, padded = self._layout(shape, inp)
-        last = [r * shape.q + inp.items[r].num_new_tokens - 1 for r in range(len(inp.items))]
-        groups = range(self.num_groups)
-        staged = self.table.stage(shape, (ids, pos, last), inp.context_lens(),
-                                  [inp.block_tables(g) for g in groups],
-                                  [self._slots(shape, inp, g) for g in groups],
+        # Each row's last real token (read only by a chunk's shape: its logits row)
+        last = ([r * shape.q + it.num_new_tokens - 1 for r, it in enumerate(inp.items)]
+                if shape.logits_per_row != shape.q else [])
+        context_lens = inp.context_lens()
+        tables = [inp.block_tables(g) for g in range(self.num_groups)]
+        staged = self.table.stage(shape, (ids, pos, last), context_lens, tables,
+                                  [self._slots(shape, inp, context_lens, t) for t in tables],
                                   serials=[it.serial for it in inp.items])
         if fill_pending is not None:  # decodes and lone chunks: flat index = padded index
             fill_pending(staged[0])
@@ -171,12 +174,13 @@ class ModelGraphs:
             flat += n
         return ids, pos, padded
 
-    def _slots(self, shape: StepShape, inp: StepInputs, group: int) -> list[int]:
-        """The slot of every padded token through the group's tables (-1 for padding)."""
-        bs, tables = self.block_size, inp.block_tables(group)
+    def _slots(self, shape: StepShape, inp: StepInputs, context_lens: list[int],
+               tables: list[list[int]]) -> list[int]:
+        """The slot of every padded token through a group's tables (-1 for padding)."""
+        bs = self.block_size
         if shape.q == 1 or shape.rows == 1:
             pad = shape.q * len(inp.items) - inp.num_tokens
-            return token_slots(inp.query_lens(), inp.context_lens(), tables, bs) + [-1] * pad
+            return token_slots(inp.query_lens(), context_lens, tables, bs) + [-1] * pad
         slots: list[int] = []
         for it, table in zip(inp.items, tables):
             n = it.num_new_tokens

@@ -91,7 +91,7 @@ class StepForwarder:
             query_lens=query_lens, context_lens=context_lens, block_tables=t,
             block_size=self.block_size, num_decodes=num_decodes, sliding_window=w,
             device=self.device, null_block=self.null_block) for t, w in zip(tables, self.windows)]
-        return mds[0] if len(mds) == 1 else GroupedMetadata(tuple(mds))
+        return GroupedMetadata.of_groups(mds)
 
     def device_input_ids(self, inp: StepInputs) -> torch.Tensor:
         """The step's input ids on the device, pending tokens filled in (a draft model mirrors

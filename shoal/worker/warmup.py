@@ -13,7 +13,7 @@ from torch import nn
 
 from shoal.attention.backend import AttentionBackend
 from shoal.config import EngineConfig
-from shoal.core.kv_cache_spec import KVCacheGroup, KVCacheSpec, LatentAttentionSpec
+from shoal.core.kv_cache_spec import KVCacheGroup, LatentAttentionSpec
 from shoal.distributed.parallel_state import pp_is_first
 from shoal.worker.step_forward import StepForwarder
 
@@ -31,7 +31,6 @@ class Runner(Protocol):
     block_size: int
     null_block: int
     vocab_size: int
-    kv_specs: list[KVCacheSpec]
     kv_groups: tuple[KVCacheGroup, ...]
     forwarder: StepForwarder
 

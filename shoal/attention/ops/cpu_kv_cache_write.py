@@ -7,12 +7,8 @@ import torch
 
 from shoal import cpu_kernels
 
-DTYPES = (torch.float32, torch.bfloat16)
-
-
-def usable(k: torch.Tensor) -> bool:
-    """Whether the kernel may write k: a CPU tensor of a supported dtype, kernels loaded."""
-    return k.device.type == "cpu" and k.dtype in DTYPES and cpu_kernels.layer_ops_enabled()
+# Whether the kernel may write k (a CPU tensor of a layer-op dtype, kernels loaded)
+usable = cpu_kernels.layer_ops_usable
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -13,12 +13,7 @@ import torch
 
 from shoal import cpu_kernels
 
-DTYPES = (torch.float32, torch.bfloat16)
-
-
-def usable(x: torch.Tensor) -> bool:
-    """Whether x's op may run here: a CPU tensor of a supported dtype, kernels loaded."""
-    return x.device.type == "cpu" and x.dtype in DTYPES and cpu_kernels.layer_ops_enabled()
+usable = cpu_kernels.layer_ops_usable  # whether x's op may run here
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
