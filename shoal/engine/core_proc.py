@@ -305,7 +305,14 @@ def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,
 def _exit_at_once(code: int) -> None:
     """Ends the process without tearing the interpreter down: unloading torch and the model
     took ~2.7 s of an idle server's exit. What must outlive the process was written by the
-    core's shutdown already; logs and stdio are flushed here."""
+    core's shutdown already; logs and stdio are flushed here, and the ranks of an mp executor
+    never shut down (a failed start or shutdown) leave their process group first."""
+    multiproc = sys.modules.get("shoal.executor.multiproc")  # loaded only where ranks ran
+    if multiproc is not None:
+        try:
+            multiproc.release_all()
+        except Exception:
+            logger.exception("releasing the executor's ranks at exit failed")
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,10 +1,10 @@
 """Rank 0 of the mp executor leaves its process group before the interpreter tears down, on
 every way out of a process: an offline LLM still alive at exit, one whose engine shutdown
 failed, a start that failed after the ranks joined, and a process that leaves with os._exit
-after release_all() (as the server's engine process does). Otherwise torch destroys the group
-object during teardown and NCCL warns "process group has NOT been destroyed" (gloo says
-nothing, so on the CPU the script itself reports whether the group is still initialized once
-every atexit callback and finalizer has run)."""
+after release_all() (as core_proc._exit_at_once ends the server's engine process). Otherwise
+torch destroys the group object during teardown and NCCL warns "process group has NOT been
+destroyed" (gloo says nothing, so on the CPU the script itself reports whether the group is
+still initialized once every atexit callback and finalizer has run)."""
 
 from __future__ import annotations
 
@@ -61,3 +61,26 @@ def test_rank_0_destroys_its_group_before_teardown(tiny_llama_dir, mode):
         assert "END_OF_SCRIPT" in err, err[-3000:]
     assert "GROUP_ALIVE_AT_EXIT=False" in err, err[-3000:]
     assert not any(w in err for w in _NCCL_WARNINGS), err[-3000:]
+
+
+def test_engine_process_exit_releases_the_ranks(monkeypatch):
+    """The server's engine process ends with os._exit (no finalizer runs): core_proc's exit
+    releases the ranks of any mp executor first, and still exits when that fails."""
+    import types
+
+    from shoal.engine import core_proc
+
+    released, exits = [], []
+    fake = types.SimpleNamespace(release_all=lambda: released.append(True))
+    monkeypatch.setitem(sys.modules, "shoal.executor.multiproc", fake)
+    monkeypatch.setattr(core_proc.logging, "shutdown", lambda: None)
+    monkeypatch.setattr(core_proc.os, "_exit", exits.append)
+    core_proc._exit_at_once(3)
+    assert released == [True] and exits == [3]
+
+    def broken():
+        raise RuntimeError("a rank would not stop")
+
+    fake.release_all = broken
+    core_proc._exit_at_once(4)
+    assert exits == [3, 4]
