@@ -17,7 +17,7 @@ from shoal.beam_search import (
 )
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.llm_engine import LLMEngine
-from shoal.engine.request_errors import request_error
+from shoal.engine.request_errors import first_request_error
 from shoal.llm_pooling import PoolingMixin
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import BeamSearchParams, SamplingParams
@@ -184,9 +184,8 @@ def _raise_if_failed(outs: list[Any]) -> None:
     in order; every other request has ended, and all the outputs are on the exception's
     `outputs`): a ValueError for a bad request, a TimeoutError past request_timeout, a
     RuntimeError for an engine failure (shoal/engine/request_errors.py)."""
-    failed = next((o for o in outs if o.error), None)
-    if failed is None:
+    exc = first_request_error(outs)
+    if exc is None:
         return
-    exc = request_error(failed.error_code, failed.error)
     exc.outputs = outs
     raise exc

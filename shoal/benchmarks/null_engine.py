@@ -26,6 +26,7 @@ from shoal.core.types import (
     SchedulerStats,
 )
 from shoal.engine.input_processor import EngineLimits, validate_core_request
+from shoal.engine.request_table import timeout_message
 
 # Ids of ordinary word pieces in SmolLM2's vocabulary, so detokenizing costs what text does.
 TOKEN_RANGE = (1000, 9000)
@@ -106,9 +107,8 @@ class NullEngineCore:
             if self._running.pop(r.request_id, None) is None:
                 self._waiting.remove(r)
         return [EngineCoreOutput(r.request_id, [], finish_reason="error",
-                                 error=f"the request timed out: it took longer than "
-                                       f"request_timeout ({limit:g} s)",
-                                 error_code=ErrorCode.TIMED_OUT) for r in late]
+                                 error=timeout_message(limit), error_code=ErrorCode.TIMED_OUT)
+                for r in late]
 
 
 def build_null_core(engine_args, step_time_s: float, vocab_size: int) -> NullEngineCore:

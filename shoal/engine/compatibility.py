@@ -45,9 +45,7 @@ class ResolvedArgs:
 
     @property
     def dp_ep(self) -> bool:
-        """DP+EP: the MoE experts split over the data-parallel replicas, one rank each, in
-        lockstep (shoal/engine/dp_lockstep.py)."""
-        return self.args.enable_expert_parallel is True and self.dp > 1
+        return self.args.dp_expert_parallel()
 
     @property
     def pooling(self) -> bool:

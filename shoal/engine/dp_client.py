@@ -169,7 +169,7 @@ class DataParallelCoreClient:
         """The sequences the replicas still running batch together: a dead replica's share
         leaves the frontend's queue limit (max_num_seqs + max_waiting_requests) with it,
         while the others keep serving (wait_ready's merged limits count every replica)."""
-        return sum(self.clients[i].max_num_seqs for i in self._live_ranks())
+        return sum(c.max_num_seqs for c in self.clients)  # a dead client's is 0
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         for t in self._tasks:

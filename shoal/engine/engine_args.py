@@ -193,13 +193,14 @@ class EngineArgs:
         import torch  # here, not at import: the server's frontend reads EngineArgs too
 
         runner = self.resolve_runner(hf_config)
-        device = torch.device(self.device) if self.device else default_device()
+        device = self.resolved_device()
         self._check_values()
         max_len = self._max_model_len(hf_config, runner, model_path)
         check_compatibility(ResolvedArgs(self, runner, device.type, max_len, hf_config,
                                          serving))
         world = self.tensor_parallel_size * self.pipeline_parallel_size
-        self._check_host_fits(device, world)
+        backend = self._executor_backend(device, world)
+        self._check_host_fits(device, world, backend)
         if self.pipeline_parallel_size > 1:  # a bad SHOAL_PP_LAYER_PARTITION fails here
             from shoal.distributed.parallel_state import pp_layer_partition
 
@@ -233,7 +234,7 @@ class EngineArgs:
             ),
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size,
-                self._executor_backend(device, world),
+                backend,
                 pipeline_parallel_size=self.pipeline_parallel_size,
                 enable_expert_parallel=self.enable_expert_parallel,
                 data_parallel_size=self.data_parallel_size,
@@ -241,7 +242,7 @@ class EngineArgs:
                 data_parallel_master_port=self.data_parallel_master_port),
             device=device,
             # DP+EP: the MoE all-to-all reads its split sizes on the host (no graph capture).
-            enforce_eager=self.enforce_eager or self._dp_expert_parallel(),
+            enforce_eager=self.enforce_eager or self.dp_expert_parallel(),
             attention_backend=self.attention_backend,
             use_triton_ops=self.use_triton_ops,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
@@ -284,22 +285,22 @@ class EngineArgs:
             )
         return max_len
 
-    def _executor_backend(self, device: Any, tp: int) -> str:
+    def _executor_backend(self, device: Any, world: int) -> str:
         """The user's choice, else vLLM's rule: uni for one rank, mp when the ranks fit this
-        host's GPUs (always on the CPU), ray when they do not and Ray is installed. `tp`: the
-        world size (tensor x pipeline ranks)."""
+        host's GPUs (always on the CPU), ray when they do not and Ray is installed. `world`:
+        tensor x pipeline ranks."""
         if self.distributed_executor_backend is not None:
             return self.distributed_executor_backend
-        if tp == 1:
+        if world == 1:
             return "uni"
         if device.type == "cuda":
             import torch
 
-            if (device.index or 0) + tp > torch.cuda.device_count() and ray_installed():
+            if (device.index or 0) + world > torch.cuda.device_count() and ray_installed():
                 return "ray"
         return "mp"
 
-    def _check_host_fits(self, device: Any, world: int) -> None:
+    def _check_host_fits(self, device: Any, world: int, backend: str) -> None:
         """On CUDA, this host has a GPU for every rank of every replica (Ray's ranks may sit
         on other hosts)."""
         if device.type != "cuda":
@@ -308,7 +309,7 @@ class EngineArgs:
 
         first, gpus = device.index or 0, torch.cuda.device_count()
         tp, pp, dp = self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size
-        if world > 1 and self._executor_backend(device, world) != "ray" and first + world > gpus:
+        if world > 1 and backend != "ray" and first + world > gpus:
             what = (f"tensor_parallel_size {tp}" if pp == 1 else
                     f"tensor_parallel_size {tp} x pipeline_parallel_size {pp}")
             raise ValueError(f"{what} needs GPUs {first}..{first + world - 1}; this host has "
@@ -317,14 +318,22 @@ class EngineArgs:
             raise ValueError(f"data_parallel_size {dp} x {world} ranks (tensor x pipeline "
                              f"parallel) needs {dp * world} GPUs; this host has {gpus}")
 
-    def _dp_expert_parallel(self) -> bool:
+    def resolved_device(self) -> Any:
+        """The torch.device the engine runs on: `device`, else CUDA when there is one."""
+        import torch
+
+        return torch.device(self.device) if self.device else default_device()
+
+    def dp_expert_parallel(self) -> bool:
+        """DP+EP: the MoE experts split over the data-parallel replicas, one rank each, in
+        lockstep (shoal/engine/dp_lockstep.py)."""
         return self.enable_expert_parallel is True and self.data_parallel_size > 1
 
     def _async_scheduling(self, device: Any, world: int) -> bool:
         """Default: on with CUDA. Off with tensor or pipeline parallelism: every rank then
         takes its input tokens from the scheduler (shoal/executor/multiproc.py); off with
         DP+EP: one forward per lockstep step (dp_lockstep.py)."""
-        if world > 1 or self._dp_expert_parallel():
+        if world > 1 or self.dp_expert_parallel():
             return False
         return device.type == "cuda" if self.async_scheduling is None else bool(
             self.async_scheduling)

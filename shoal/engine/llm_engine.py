@@ -26,7 +26,7 @@ class LLMEngine:
         # (Plain data parallelism runs behind `shoal serve`; offline, DP+EP runs one LLM per
         # replica: shoal/engine/compatibility.py refuses the rest.)
         started = start_engine_core(args, serving=False)
-        self.config = started.config
+        self.config = started.core.config
         self.tokenizer = started.tokenizer
         self.core = started.core
         self.inputs = InputProcessor(self.tokenizer, self.core.limits,

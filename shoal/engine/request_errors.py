@@ -59,3 +59,9 @@ def request_error(code: ErrorCode | int | None, message: str) -> RequestError:
     a producer that predates the codes) is an engine failure: a 500, never a 400."""
     code = ErrorCode.ENGINE_FAILED if code is None else ErrorCode(code)
     return _EXCEPTIONS[code](message, code)
+
+
+def first_request_error(outputs: list[Any]) -> RequestError | None:
+    """The exception of the first output (a RequestOutput) the engine ended with an error."""
+    failed = next((o for o in outputs if o.error), None)
+    return None if failed is None else request_error(failed.error_code, failed.error)

@@ -60,8 +60,8 @@ class RequestTable:
         return [r for r in self.by_id.values() if now - r.arrival_time > limit]
 
     def timeout_message(self) -> str:
-        return (f"the request timed out: it took longer than request_timeout "
-                f"({self.request_timeout:g} s)")
+        assert self.request_timeout is not None
+        return timeout_message(self.request_timeout)
 
     def emit(self, output: EngineCoreOutput) -> None:
         """An output to send with the next step's (a request that ended between steps)."""
@@ -123,3 +123,7 @@ def error_output(req: Request, message: str, code: ErrorCode) -> EngineCoreOutpu
 
 def engine_failed_message(error: str) -> str:
     return f"the engine failed while running this request: {error}"
+
+
+def timeout_message(limit: float) -> str:
+    return f"the request timed out: it took longer than request_timeout ({limit:g} s)"

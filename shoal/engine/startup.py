@@ -20,8 +20,6 @@ from typing import Any
 
 import torch
 
-from shoal.config import EngineConfig
-from shoal.config.engine import default_device
 from shoal.engine.core import EngineCore
 from shoal.engine.cpu_threads import configure_cpu_threads
 from shoal.engine.engine_args import EngineArgs
@@ -33,11 +31,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class StartedEngine:
-    """What start-up built: the core, its config, and the model's tokenizer (None when the
-    model has none)."""
+    """What start-up built: the core (its config: core.config) and the model's tokenizer
+    (None when the model has none)."""
 
     core: EngineCore
-    config: EngineConfig
     tokenizer: Any
 
 
@@ -47,7 +44,7 @@ def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
     t0 = time.perf_counter()
     limits = RequestLimits.from_engine_args(args)  # checked before the model loads
     torch.manual_seed(args.seed)
-    device = torch.device(args.device) if args.device else default_device()
+    device = args.resolved_device()
     # The CUDA context starts (a second or so of driver work) while the config and the
     # tokenizer load on this thread; the model's first tensor waits for it, if need be.
     cuda_init = None
@@ -68,7 +65,7 @@ def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
     core = EngineCore(config, loaded, request_limits=limits)
     core.startup_times["load_config"] = t1 - t0
     core.startup_times["engine_core"] = time.perf_counter() - t1
-    return StartedEngine(core, config, loaded.tokenizer)
+    return StartedEngine(core, loaded.tokenizer)
 
 
 def _start_cuda(device: torch.device) -> None:

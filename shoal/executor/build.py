@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from shoal.config import EngineConfig
 from shoal.core.executor import Executor
+from shoal.executor.rank_runner import model_runner
 from shoal.loader import LoadedModel
 
 
@@ -16,10 +17,7 @@ def build_model_executor(config: EngineConfig, loaded: LoadedModel) -> Executor:
         return PoolingModelRunner(config, loaded)
     backend = config.parallel_config.distributed_executor_backend
     if backend == "uni":
-        from shoal.spec_decode.factory import build_drafter
-        from shoal.worker.model_runner import ModelRunner
-
-        return ModelRunner(config, loaded, build_drafter)
+        return model_runner(config, loaded)
     if backend == "ray":  # imports ray only now (an optional dependency)
         from shoal.executor.ray_executor import RayExecutor
 
@@ -27,3 +25,4 @@ def build_model_executor(config: EngineConfig, loaded: LoadedModel) -> Executor:
     from shoal.executor.multiproc import MultiprocExecutor
 
     return MultiprocExecutor(config, loaded)
+

@@ -69,7 +69,7 @@ class DriverExecutor(Executor):
 
     @property
     def pipelined(self) -> bool:
-        return self.driver.forwarder.stage_link is not None
+        return self.driver.pipelined
 
     def initialize_kv_cache(self) -> KVCacheLayout:
         self._broadcast(InitKVCache())

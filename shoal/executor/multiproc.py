@@ -41,6 +41,7 @@ from shoal.distributed.parallel_state import reset_tensor_parallel
 from shoal.executor.commands import Stop
 from shoal.executor.distributed_init import free_port, join_tensor_parallel_group
 from shoal.executor.driver import DriverExecutor
+from shoal.executor.rank_runner import model_runner
 from shoal.executor.worker import run_worker
 from shoal.loader import LoadedModel
 
@@ -115,9 +116,6 @@ def release_all() -> None:
 
 class MultiprocExecutor(DriverExecutor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
-        from shoal.spec_decode.factory import build_drafter
-        from shoal.worker.model_runner import ModelRunner
-
         pc = config.parallel_config
         pp = pc.pipeline_parallel_size
         world = pc.tensor_parallel_size * pp
@@ -146,7 +144,7 @@ class MultiprocExecutor(DriverExecutor):
                 ranks.procs.append(proc)
             ranks.joined = True  # from here on, leaving checks dist.is_initialized()
             join_tensor_parallel_group(config.device, 0, world, port, pp)
-            self.driver = ModelRunner(config, loaded, build_drafter)
+            self.driver = model_runner(config, loaded)
         except BaseException:
             self.shutdown()
             raise

@@ -39,6 +39,7 @@ from shoal.executor.commands import Command
 from shoal.executor.distributed_init import join_tensor_parallel_group
 from shoal.executor.driver import DriverExecutor
 from shoal.executor.multiproc import WorkerDiedError
+from shoal.executor.rank_runner import model_runner
 from shoal.executor.worker import RankCommands
 from shoal.loader import LoadedModel
 
@@ -79,9 +80,6 @@ class RayWorker:
     def setup(self, config: EngineConfig, rank: int, world: int, host: str, port: int,
               cpu_threads: int | None, env: dict[str, str]) -> tuple[int, str]:
         from shoal.loader import load_model
-        from shoal.spec_decode.factory import build_drafter
-        from shoal.worker.model_runner import ModelRunner
-
         os.environ.update(env)
         if cpu_threads is not None:
             torch.set_num_threads(cpu_threads)
@@ -92,7 +90,7 @@ class RayWorker:
         torch.manual_seed(config.model_config.seed)
         mc = config.model_config
         loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format)
-        self.commands = RankCommands(ModelRunner(config, loaded, build_drafter))
+        self.commands = RankCommands(model_runner(config, loaded))
         import ray
 
         return os.getpid(), ray.util.get_node_ip_address()
@@ -113,9 +111,6 @@ class _Rank0Holder:
 
 class RayExecutor(DriverExecutor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
-        from shoal.spec_decode.factory import build_drafter
-        from shoal.worker.model_runner import ModelRunner
-
         ray = _import_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -176,7 +171,7 @@ class RayExecutor(DriverExecutor):
                 setups.append(actor.setup.remote(config, rank, world, host, port, threads, env))
             join_tensor_parallel_group(config.device, 0, world, port,
                                        pc.pipeline_parallel_size, host)
-            self.driver = ModelRunner(config, loaded, build_drafter)
+            self.driver = model_runner(config, loaded)
             # Processes on this node, waited for at shutdown (ray.kill does not wait).
             self._pids = [pid for pid, ip in ray.get(setups, timeout=STARTUP_TIMEOUT_S)
                           if ip == host]

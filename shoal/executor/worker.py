@@ -36,6 +36,7 @@ from shoal.executor.commands import (
     Stop,
 )
 from shoal.executor.distributed_init import join_tensor_parallel_group, rank_device
+from shoal.executor.rank_runner import model_runner
 
 logger = logging.getLogger(__name__)
 PARENT_CHECK_MS = 1000  # how often an idle worker checks that the engine core still runs
@@ -45,8 +46,6 @@ def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_a
                cpu_threads: int | None, pp: int = 1) -> None:
     """The worker process's main (spawned by MultiprocExecutor)."""
     from shoal.loader import load_model
-    from shoal.spec_decode.factory import build_drafter
-    from shoal.worker.model_runner import ModelRunner
 
     parent_pid = os.getppid()
     if cpu_threads is not None:
@@ -61,7 +60,7 @@ def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_a
         torch.manual_seed(config.model_config.seed)
         mc = config.model_config
         loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format)
-        runner = ModelRunner(config, loaded, build_drafter)
+        runner = model_runner(config, loaded)
         _serve(runner, commands, parent_pid)
     except Exception:
         logger.exception("tensor-parallel rank %d failed", rank)
@@ -89,7 +88,7 @@ class RankCommands:
         runner = self.runner
         if isinstance(cmd, RunStep):
             handle = runner.execute(cmd.sched)
-            if runner.forwarder.stage_link is None:
+            if not runner.pipelined:
                 self._finish(handle)
             else:
                 self.launched.append(handle)

@@ -70,10 +70,9 @@ class CausalLM(Protocol):
         ...
 
 
-# What a pooling model may answer: a pooled embedding, every token's embedding, per-token
-# weights, a classification, a relevance score (cosine of two embeddings for an embedder, the
-# one logit of a cross-encoder).
-POOLING_TASKS = ("embed", "token_embed", "token_classify", "classify", "score")
+# What a pooling model may answer (shoal.pooling_params.POOLING_TASKS): a pooled embedding,
+# every token's embedding, per-token weights, a classification, a relevance score (cosine of
+# two embeddings for an embedder, the one logit of a cross-encoder).
 EMBED_TASKS = ("embed", "token_embed", "score")
 
 

@@ -94,6 +94,11 @@ class ModelRunner(Executor):
         self._latest: StepHandle | None = None  # the last step executed
 
     @property
+    def pipelined(self) -> bool:
+        """A stage of pipeline parallelism (its steps finish once the last stage is back)."""
+        return self.forwarder.stage_link is not None
+
+    @property
     def null_block(self) -> int:
         """The zeroed block past the pool that padding reads (0 until the cache is bound)."""
         return self.forwarder.null_block

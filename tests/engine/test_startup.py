@@ -27,8 +27,8 @@ def steps(monkeypatch):
                         lambda self, hf, source, serving: done.append(("config", serving))
                         or "config")
     monkeypatch.setattr(startup, "EngineCore", lambda config, model, request_limits: (
-        done.append("core") or SimpleNamespace(limits=request_limits, model=model,
-                                               startup_times={})))
+        done.append("core") or SimpleNamespace(config=config, limits=request_limits,
+                                               model=model, startup_times={})))
     seed = torch.initial_seed()
     yield done
     torch.manual_seed(seed)
@@ -38,7 +38,7 @@ def test_the_server_always_chooses_its_threads_and_short_steps(steps):
     started = startup.start_engine_core(EngineArgs(device="cpu", seed=7), serving=True)
     assert steps == [("threads", "cpu", None, True), "load", "overrides", ("config", True),
                      "core"]
-    assert (started.config, started.tokenizer) == ("config", "tok")
+    assert (started.core.config, started.tokenizer) == ("config", "tok")
     assert torch.initial_seed() == 7
 
 

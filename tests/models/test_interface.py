@@ -23,7 +23,6 @@ from shoal.loader.build import check_all_loaded
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.models.interface import (
     EMBED_TASKS,
-    POOLING_TASKS,
     CausalLM,
     PoolingModel,
     PoolingModelBase,
@@ -35,6 +34,7 @@ from shoal.models.registry import (
     supported_pooling_architectures,
 )
 from shoal.pooling.model_info import POOLING_TYPES
+from shoal.pooling_params import POOLING_TASKS
 
 # architecture -> (transformers model_type, config fields beyond the tiny common ones)
 ARCHITECTURES = {

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shoal.engine.request_errors import RequestError, request_error
+from shoal.engine.request_errors import RequestError, first_request_error
 from shoal.entrypoints.cli_args import add_engine_flags, engine_args_from
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from shoal.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -160,9 +160,9 @@ def _one_by_one(parsed: list[_Line], llm: Any, model_name: str,
 def _result(ln: _Line, completion: OpenAIServingCompletion, chat: OpenAIServingChat,
             model_name: str) -> dict[str, Any]:
     rid = f"batch_req_{uuid.uuid4().hex}"
-    failed = next((o for o in ln.outputs if o.error), None)
+    failed = first_request_error(ln.outputs)
     if failed is not None and ln.error is None:  # what the server answers for it
-        err = error_from_exception(request_error(failed.error_code, failed.error))
+        err = error_from_exception(failed)
         ln.status, ln.error = err.status, error_body(err.status, err.message, err.param)
     if ln.error is not None:
         body = ln.error
