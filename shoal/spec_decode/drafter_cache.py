@@ -40,9 +40,6 @@ class DrafterCache(Drafter):
         self._scratch_base = 0
         self._scratch_per_row = -(-k // self.block_size) + 1
         self.graphs: DraftGraphs | None = None  # captured by capture_graphs (CUDA only)
-        # With async scheduling the next target step may replay the graph whose outputs a
-        # step's hidden states are before this step is mirrored: keep a copy then.
-        self.async_scheduling = config.async_scheduling
 
     def kv_layers(self) -> list:
         return self.model.attention_layers()

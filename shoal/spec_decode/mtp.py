@@ -138,13 +138,17 @@ class HiddenStateDrafter(DrafterCache):
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig, head: nn.Module):
         self.model = head
         self._init_cache(config, spec.num_speculative_tokens)
+        # With async scheduling the next target step is launched before this one is mirrored
+        self.async_scheduling = config.async_scheduling
 
     def on_launch(self, step: TargetStep) -> torch.Tensor | None:
         """Mirrored once sampled (propose): it needs the next tokens. A graph's hidden states
         are its static output, which the next step (launched before this one is mirrored,
-        with async scheduling) overwrites: a copy then."""
+        with async scheduling) may overwrite: a copy then (an eager step's are its own)."""
         hidden = step.hidden
-        return hidden.clone() if self.async_scheduling and hidden is not None else hidden
+        if hidden is not None and step.hidden_static and self.async_scheduling:
+            return hidden.clone()
+        return hidden
 
     def propose(self, step: TargetStep, state: torch.Tensor | None, out: ModelRunnerOutput,
                 latest: bool) -> None:

@@ -29,6 +29,7 @@ class TargetStep:
     inputs: StepInputs
     hidden: torch.Tensor | None  # every token's final hidden state (keeps_hidden drafters)
     input_ids: Callable[[], torch.Tensor]  # the step's ids on the device, pending filled in
+    hidden_static: bool = False  # hidden is a CUDA graph's output: the next replay overwrites it
 
 
 class Drafter(ABC):

@@ -6,8 +6,9 @@ A step: execute() queues its KV copies, lays out its inputs (worker/step_inputs.
 its forward pass (worker/step_forward.py: a CUDA graph of its shape, or eager); sample()
 queues sampling or the verification of drafts (worker/step_sampling.py) and the copy of the
 results to the host; finish() reads them (and runs the step's finish hooks: KV copies
-reported done, drafts proposed). A drafter (worker/drafter.py) mirrors each step at launch
-and proposes at finish."""
+reported done, drafts proposed). A drafter (worker/drafter.py) sees each step when it is
+queued (on_launch: a draft model mirrors it there) and proposes at finish (where the
+hidden-state drafters mirror it)."""
 
 from __future__ import annotations
 
@@ -240,8 +241,10 @@ class ModelRunner(Executor):
         assert handle.inputs is not None and handle.forward is not None
         inp = handle.inputs
         # (Pipeline parallelism, whose stage 0 gets its hidden states later, never drafts.)
-        hidden = handle.forward.hidden if isinstance(handle.forward, ForwardOutput) else None
-        step = TargetStep(inp, hidden, lambda: self.forwarder.device_input_ids(inp))
+        forward = handle.forward if isinstance(handle.forward, ForwardOutput) else None
+        step = TargetStep(inp, forward.hidden if forward else None,
+                          lambda: self.forwarder.device_input_ids(inp),
+                          hidden_static=forward is not None and forward.hidden_static)
         state = drafter.on_launch(step)
         handle.hooks.append(lambda out, latest: drafter.propose(step, state, out, latest))
 

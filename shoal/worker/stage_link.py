@@ -5,8 +5,9 @@ of its own TP rank), runs its layers and sends the result on: (hidden, residual)
 s + 1, or from the last stage the final hidden states back to stage 0, which holds lm_head and
 samples. Sends are non-blocking, so a stage goes on with the next micro-batch whether or not
 the next stage has taken the last one. Stage 0 posts its receive of the final hidden states
-when it launches a step and waits for them only when the step is finished (ModelRunner.finish),
-after it has launched the next micro-batch (engine/step_queue.py).
+when it launches a step and waits for them only when the step is sampled (ModelRunner.sample,
+which the driver's finish calls), after it has launched the next micro-batch
+(engine/step_queue.py).
 
 Every rank runs the steps in the same order, and point-to-point messages between two ranks
 are matched in the order they were posted (gloo and NCCL alike): step N's activations never

@@ -29,6 +29,8 @@ from shoal.worker.step_inputs import StepInputs
 class ForwardOutput:
     logits: torch.Tensor | None  # the sampling rows' (inp.logits_index order); None: none samples
     hidden: torch.Tensor | None  # every token's final hidden state, when kept for a drafter
+    # hidden is (a view of) a CUDA graph's static output, which the next replay overwrites
+    hidden_static: bool = False
 
     def wait(self) -> ForwardOutput:
         return self
@@ -70,7 +72,7 @@ class StepForwarder:
             return self._from_hidden(inp, out, self.model(*self.eager_inputs(inp)))
         logits, hidden = self.graphs.run(
             shape, inp, self.pending.filler(inp.pending_dst, inp.pending_src))
-        return ForwardOutput(logits, hidden)
+        return ForwardOutput(logits, hidden, hidden_static=True)
 
     def eager_inputs(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Token ids, positions and attention metadata of an eager forward pass."""
