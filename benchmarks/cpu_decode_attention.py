@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent))  # shoal, after any PYTHONPATH
 from bench_args import add_common  # noqa: E402
-from cpu_quiet import MachineLoad, quiet  # noqa: E402
+from cpu_quiet import MachineLoad, wait_quiet  # noqa: E402
 from results_file import cpu_model, provenance, write  # noqa: E402
 
 from shoal.attention.metadata import build_attention_metadata  # noqa: E402
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         for batch, context in CASES:
             reps = args.reps or (10 if batch > 8 else 100)
-            waited = quiet(limit=args.wait_quiet) if args.wait_quiet else 0.0
+            waited = wait_quiet(limit=args.wait_quiet) if args.wait_quiet else 0.0
             rec = {**time_case(batch, context, dtype, args.rounds, reps, args.layers),
                    "waited_for_quiet_s": round(waited, 1)}
             print(json.dumps(rec), flush=True)

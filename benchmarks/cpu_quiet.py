@@ -2,7 +2,7 @@
 
 `OtherLoad` counts the CPU seconds of every process outside this run (read from /proc, this
 process's descendants left out), so a disturbed measurement can be rerun; `wait_quiet()`
-(also `quiet()`) waits for a quiet machine.
+waits for a quiet machine.
 
 `MachineLoad` counts what the per-process table misses (processes that start and end inside
 the window, such as a neighbour's test run): the machine's busy time from /proc/stat less
@@ -73,16 +73,12 @@ def wait_quiet(max_cores: float = 0.1, window: float = 5.0, limit: float = 1800.
               flush=True)
 
 
-quiet = wait_quiet
-
-
 def _machine_busy_s() -> tuple[float, float]:
     """(busy CPU seconds of the whole machine, steal seconds) since boot."""
     with open("/proc/stat") as f:
         vals = [int(x) for x in f.readline().split()[1:]]
-    tick = os.sysconf("SC_CLK_TCK")
     user, nice, system, _idle, _iowait, irq, softirq, steal = (vals + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq) / tick, steal / tick
+    return (user + nice + system + irq + softirq) / TICK, steal / TICK
 
 
 def _own_cpu_s() -> float:

@@ -133,16 +133,14 @@ def main() -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_common(ap, out=None, device="cuda" if torch.cuda.is_available() else "cpu",
-               rounds=None, threads=None, dtype=None, max_num_seqs=None)
+               rounds=None, threads=None, dtype=None, max_num_seqs=None,
+               model="all-MiniLM-L6-v2", load_format="auto")
     ap.add_argument("--num-texts", type=int, default=None, help="1000 on the CPU, 20000 on CUDA")
     ap.add_argument("--st-batch-size", type=int, default=None,
                     help="sentence-transformers' encode batch size (32 on the CPU, 256 on CUDA)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--compare-st", action="store_true",
                     help="CUDA: also time sentence-transformers (always on the CPU)")
-    ap.add_argument("--model", default="all-MiniLM-L6-v2",
-                    help="the embedded model's name, or a folder of its shape")
-    ap.add_argument("--load-format", default="auto")
     args = ap.parse_args()
     cuda = args.device.startswith("cuda")
     for key, value in DEFAULTS["cuda" if cuda else "cpu"].items():

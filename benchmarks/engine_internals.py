@@ -130,10 +130,6 @@ class MethodTimers:
     def sums(self) -> dict[str, float]:
         return {name: sum(v) for name, v in self.calls.items()}
 
-    def clear(self) -> None:
-        for v in self.calls.values():
-            v.clear()
-
     def restore(self) -> None:
         for undo in reversed(self._undo):
             undo()

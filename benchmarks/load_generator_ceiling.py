@@ -19,14 +19,14 @@ Writes benchmarks/results/<date>-loadgen-ceiling-<host kind>.json (`--out` to ch
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from results_file import provenance, write
+from bench_args import comma_floats, comma_ints
+from results_file import default_path, provenance, write
 from server_process import ServerProcess, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,8 +60,9 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=256)
     p.add_argument("--num-prompts", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=200)
-    p.add_argument("--itl-ms", default="0,10,5", help="server pacing per run; 0 = unpaced")
-    p.add_argument("--client-processes", default="1")
+    p.add_argument("--itl-ms", type=comma_floats, default="0,10,5",
+                   help="server pacing per run; 0 = unpaced")
+    p.add_argument("--client-processes", type=comma_ints, default="1")
     p.add_argument("--server-workers", type=int, default=1)
     p.add_argument("--hardware", default=None, help="name for the result file")
     p.add_argument("--out", type=Path, default=None)
@@ -70,11 +71,11 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     hardware = ns.hardware or f"cpu{os.cpu_count()}"
     runs = []
-    for itl in [float(x) for x in ns.itl_ms.split(",")]:
+    for itl in ns.itl_ms:
         port = free_port()
         server = start_fake(port, itl, ns.server_workers)
         try:
-            for procs in [int(x) for x in ns.client_processes.split(",")]:
+            for procs in ns.client_processes:
                 r = bench(port, ns.num_prompts, ns.output_len, ns.concurrency, procs,
                           work / f"itl{itl}-p{procs}.json")
                 r |= {"server_itl_ms": itl, "client_processes": procs,
@@ -88,11 +89,10 @@ def main() -> int:
         finally:
             server.stop(timeout=30)
     record = {**provenance(), "what": "load generator ceiling against the fake OpenAI server",
-              "date": dt.date.today().isoformat(), "hardware": hardware,
+              "hardware": hardware,
               "cpu_count": os.cpu_count(), "concurrency": ns.concurrency,
               "num_prompts": ns.num_prompts, "output_len": ns.output_len, "runs": runs}
-    out = ns.out or (REPO / "benchmarks" / "results" /
-                     f"{record['date']}-loadgen-ceiling-{hardware}.json")
+    out = ns.out or default_path("loadgen-ceiling", hardware)
     write(record, out, indent=1)
     return 0
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from results_file import shoal_source
+
 LLAMA_8B = "meta-llama/Llama-3.1-8B"
 QWEN3_06B = "Qwen/Qwen3-0.6B"
 DEEPSEEK_V2_LITE = "deepseek-ai/DeepSeek-V2-Lite"
@@ -76,13 +78,10 @@ def random_prompt(rng: random.Random, n: int, hi: int, lo: int = 0) -> dict[str,
 def shipped_folder(model: str) -> Path:
     """A model folder as given, or the folder of a shipped shape's config.json in the shoal
     tree that `import shoal` would load (a data file, not an engine API)."""
-    import importlib.util
-
     if Path(model, "config.json").exists() or model not in SHIPPED_CONFIGS:
         return Path(model)
-    spec = importlib.util.find_spec("shoal")
-    roots = list(spec.submodule_search_locations or []) if spec else []
-    return Path(roots[0], "model_configs", SHIPPED_CONFIGS[model]) if roots else Path(model)
+    tree = shoal_source()
+    return Path(tree, "shoal", "model_configs", SHIPPED_CONFIGS[model]) if tree else Path(model)
 
 
 def config_vocab_size(model: str) -> int | None:

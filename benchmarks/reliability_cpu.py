@@ -106,7 +106,7 @@ def hostile(server: ServerProcess) -> dict[str, Any]:
             counts["4xx_without_openai_body"] += 1
     after = httpx.post(server.url + "/v1/completions", json=NORMAL, timeout=120).json()
     same = before["choices"][0]["text"] == after["choices"][0]["text"]
-    return {**counts, "not_4xx": not_4xx, "server_alive": server.proc.poll() is None,
+    return {**counts, "not_4xx": not_4xx, "server_alive": server.alive(),
             "normal_answer_unchanged": same}
 
 
@@ -213,7 +213,7 @@ def main() -> int:
         result["hostile_requests"] = hostile(server)
         result["real_model_disconnect_storm"] = storm_figures(
             server.url, server.port, 12 if ns.smoke else 32, 0.5, 12, 3)
-        result["real_model_server_alive"] = server.proc.poll() is None
+        result["real_model_server_alive"] = server.alive()
     finally:
         server.stop()
     result["null_engine"] = null_server_figures(ns.smoke)

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_args import comma_ints, comma_words
 from cpu_quiet import OtherLoad, wait_quiet
 from results_file import cpu_model, provenance, write
 from server_process import SHOAL_CLI, ServerProcess, free_port
@@ -177,11 +178,10 @@ def run_engine(engine: str, dtype: str, ns: argparse.Namespace, run_dir: Path
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--engines", default="shoal,vllm")
+    p.add_argument("--engines", default="shoal,vllm", type=comma_words)
     p.add_argument("--shoal-dtype", default="bfloat16")
     p.add_argument("--vllm-dtype", default="bfloat16")
-    p.add_argument("--concurrency", default="1,16,64",
-                   type=lambda s: [int(x) for x in s.split(",")])
+    p.add_argument("--concurrency", default="1,16,64", type=comma_ints)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--hf-folder", type=Path, default=WORK / "smollm2-hf")
     p.add_argument("--startup-timeout", type=float, default=900.0)
@@ -194,7 +194,7 @@ def main() -> int:
                         "the work tree")
     p.add_argument("--out-dir", type=Path, default=REPO / "benchmarks" / "results")
     ns = p.parse_args()
-    engines = [e.strip() for e in ns.engines.split(",") if e.strip()]
+    engines = ns.engines
     if "vllm" in engines and not (ns.hf_folder / "config.json").exists():
         subprocess.run([str(REPO / ".venv/bin/python"),
                         str(REPO / "benchmarks/export_hf_folder.py"), "--out",

@@ -1,6 +1,6 @@
 """Helpers for tests that drive the whole engine on the tiny random checkpoint
 (`tiny_llama_dir` in conftest.py): a small-block engine, random prompts, and the check that a
-finished engine holds no blocks."""
+finished engine holds no blocks, and NaN logits injected into one request's sampling rows."""
 
 from __future__ import annotations
 
@@ -32,3 +32,25 @@ def blocks_all_free(llm: LLM) -> bool:
     return (pool.num_free_blocks == pool.num_blocks and not core.scheduler.requests
             and all(b.ref_cnt == 0 for b in pool.blocks) and not runner.requests
             and not core.queue)
+
+
+def nan_logits_for(runner, request_id: str, times: int | None = None) -> list[int]:
+    """Gives `request_id`'s sampling rows NaN logits: every one, or the next `times` (until
+    `del runner.sample`); returns the list of rows hit, one entry per injection."""
+    import torch
+
+    real = runner.sample
+    hits: list[int] = []
+
+    @torch.inference_mode()  # as the runner's own sample (the logits are inference tensors)
+    def sample(handle, grammar):
+        if handle.inputs is not None:
+            logits = handle.forward.wait().logits
+            for i, it in enumerate(it for it in handle.inputs.items if it.sample):
+                if it.request_id == request_id and (times is None or len(hits) < times):
+                    logits[i] = float("nan")
+                    hits.append(i)
+        return real(handle, grammar)
+
+    runner.sample = sample
+    return hits

@@ -20,8 +20,7 @@ from shoal.worker.kv_cache_sizing import zeroed_host_tensor
 
 
 def layer_specs(layers: Sequence, dtype: torch.dtype) -> list[KVCacheSpec]:
-    elem = torch.empty((), dtype=dtype).element_size()
-    return [layer.kv_cache_spec(elem) for layer in layers]
+    return [layer.kv_cache_spec(dtype.itemsize) for layer in layers]
 
 
 def _row(spec: KVCacheSpec) -> tuple[int, int, int]:

@@ -8,10 +8,11 @@ import random
 
 import pytest
 import torch
+from engine_helpers import random_prompts, tiny_llm
 from oracle import hf_greedy, write_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
-from shoal import LLM, SamplingParams
+from shoal import SamplingParams
 from shoal.core.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheGroup,
@@ -112,11 +113,6 @@ def test_a_hybrid_prefix_hit_needs_the_full_prefix_and_the_window():
     assert sliding_ids[:6] == [kv.null_block] * 6 and kv.null_block not in sliding_ids[6:]
 
 
-def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 512) for _ in range(rng.randrange(10, 40))] for _ in range(n)]
-
-
 @pytest.mark.parametrize("arch,extra", [
     ("mistral", {"sliding_window": WINDOW}),
     ("qwen2", {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 1}),
@@ -127,22 +123,21 @@ def test_sliding_window_models_match_transformers(tmp_path, arch, extra):
     their window, and a repeated prompt hits the prefix cache."""
     path = write_tiny_checkpoint(tmp_path / arch, arch, seed=4, **extra)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=24, block_size=BS,
-              num_gpu_blocks_override=256, max_model_len=256)
+    llm = tiny_llm(path, max_num_batched_tokens=24, block_size=BS, num_gpu_blocks_override=256)
     sched = llm.llm_engine.core.scheduler
     assert len(sched.kv.tables) == (1 if arch == "mistral" else 2)
-    prompts = _prompts(4, seed=5)
+    prompts = random_prompts(4, seed=5, lo=10, hi=40)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     for p, o in zip(prompts, outs):
-        assert o.outputs[0].token_ids == hf_greedy(hf, p, 24)[0], arch
+        assert o.outputs[0].token_ids == hf_greedy(hf, p["prompt_token_ids"], 24)[0], arch
     eng = llm.llm_engine
-    eng.add_request("x", {"prompt_token_ids": prompts[0]}, params)
+    eng.add_request("x", prompts[0], params)
     while eng.has_unfinished_requests():
         eng.step()
         held = _held(sched.kv, "x")
         if held and held[-1]:
             assert held[-1] <= WINDOW // BS + 2  # the sliding group's table, once running
-    again = llm.generate({"prompt_token_ids": prompts[1]}, params, use_tqdm=False)[0]
+    again = llm.generate(prompts[1], params, use_tqdm=False)[0]
     assert again.num_cached_tokens > 0
     assert again.outputs[0].token_ids == outs[1].outputs[0].token_ids

@@ -5,8 +5,7 @@ and leave none of its KV blocks in the prefix cache or the KV tiers."""
 from __future__ import annotations
 
 import pytest
-import torch
-from engine_helpers import blocks_all_free, random_prompts, tiny_llm
+from engine_helpers import blocks_all_free, nan_logits_for, random_prompts, tiny_llm
 
 from shoal import SamplingParams
 from shoal.kv_cache.hashing import hash_full_blocks
@@ -78,31 +77,12 @@ def test_a_request_alone_in_a_failing_step_fails_at_once(tiny_llama_dir, monkeyp
     assert blocks_all_free(llm)
 
 
-def _nan_logits_for(runner, request_id: str) -> list[int]:
-    """Every sampling row of `request_id` gets NaN logits (until `del runner.sample`)."""
-    real = runner.sample
-    hits: list[int] = []
-
-    @torch.inference_mode()  # as the runner's own sample (the logits are inference tensors)
-    def sample(handle, grammar):
-        if handle.inputs is not None:
-            logits = handle.forward.wait().logits
-            for i, it in enumerate(it for it in handle.inputs.items if it.sample):
-                if it.request_id == request_id:
-                    logits[i] = float("nan")
-                    hits.append(i)
-        return real(handle, grammar)
-
-    runner.sample = sample
-    return hits
-
-
 def test_nan_logits_fail_the_request_and_publish_no_kv_blocks(tiny_llama_dir):
     bad_prompt, other = random_prompts(2, seed=23, lo=20, hi=30)
     ref = tiny_llm(tiny_llama_dir).generate([bad_prompt, other], GREEDY, use_tqdm=False)
     llm = tiny_llm(tiny_llama_dir, kv_offloading_size=64 * 2048 / 2**30)
     eng = llm.llm_engine
-    hits = _nan_logits_for(eng.core.runner, "bad")
+    hits = nan_logits_for(eng.core.runner, "bad")
     eng.add_request("bad", bad_prompt, GREEDY)
     eng.add_request("other", other, GREEDY)
     finals = _run(eng)

@@ -3,8 +3,7 @@ failed before its fix."""
 
 from __future__ import annotations
 
-import torch
-from engine_helpers import blocks_all_free, random_prompts, tiny_llm
+from engine_helpers import blocks_all_free, nan_logits_for, random_prompts, tiny_llm
 
 from shoal import SamplingParams
 
@@ -41,27 +40,6 @@ def test_request_id_reused_while_its_old_step_is_in_flight(tiny_llama_dir):
     assert blocks_all_free(llm)
 
 
-def _nan_logits_for(runner, request_id: str, times: int = 1) -> list[int]:
-    """Makes the next `times` sampling rows of `request_id` produce NaN logits; returns a
-    list that counts the injections."""
-    real = runner.sample
-    hits: list[int] = []
-
-    @torch.inference_mode()  # as the runner's own sample (the logits are inference tensors)
-    def sample(handle, grammar):
-        if handle.inputs is not None:
-            logits = handle.forward.wait().logits
-            rows = [it for it in handle.inputs.items if it.sample]
-            for i, it in enumerate(rows):
-                if it.request_id == request_id and len(hits) < times:
-                    logits[i] = float("nan")
-                    hits.append(i)
-        return real(handle, grammar)
-
-    runner.sample = sample
-    return hits
-
-
 def test_nan_plus_preemption_never_zeroes_blocks_of_another_request(tiny_llama_dir):
     """Finding 2: "a" produces NaN logits in step 1 and is preempted in step 2 (scheduled
     before step 1's results are read), where "c" takes one of its blocks and writes into
@@ -74,7 +52,7 @@ def test_nan_plus_preemption_never_zeroes_blocks_of_another_request(tiny_llama_d
     llm = tiny_llm(tiny_llama_dir, async_scheduling=True, num_gpu_blocks_override=4,
                    enable_prefix_caching=False)
     eng = llm.llm_engine
-    hits = _nan_logits_for(eng.core.runner, "a")
+    hits = nan_logits_for(eng.core.runner, "a", times=1)
     eng.add_request("c", c_prompt, params)
     eng.add_request("a", a_prompt, params)
     finals: dict = {}
