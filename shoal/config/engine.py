@@ -70,7 +70,8 @@ class CacheConfig:
     num_gpu_blocks_override: int | None = None
 
     def __post_init__(self) -> None:
-        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128):
+        # (a multiple of 64: a hybrid model's pages, sized to hold a linear layer's state)
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128) and self.block_size % 64:
             raise ValueError(f"block_size must be a power of two in [1, 128] (got {self.block_size})")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(

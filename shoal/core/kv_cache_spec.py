@@ -11,9 +11,17 @@ request: a KV cache group. A model of one kind has one group (today's models); a
 tables over the one pool of block ids, and a sliding group's tables give the blocks that fell
 out of the window back to the pool.
 
-Adding a kind of cache (the recurrent state of linear-attention layers, the compressed
-caches of sparse attention) is a spec class here, its table policy (what first_needed_token
-says), the layer that declares it and the attention backend's methods for it."""
+A linear-attention layer (Gated DeltaNet, KDA) keeps no tokens but a fixed-size recurrent
+state per request (LinearStateSpec): its group's table holds, at each block of the request's
+tokens, the state after that block's last token (the live state sits in the block of the
+last computed token, so only that entry is needed: a window of one token). The state of one
+layer fills one page of an attention layer (the block size is raised until it fits: vLLM's
+page-size unification), so both kinds share the pool's tensors and block ids, the KV tiers
+copy states as pages, and a prefix hit restores the state of its last block.
+
+Adding a kind of cache (the compressed caches of sparse attention) is a spec class here, its
+table policy (what first_needed_token says), the layer that declares it and the attention
+backend's methods for it."""
 
 from __future__ import annotations
 
@@ -36,6 +44,11 @@ class KVCacheSpec:
     @property
     def sliding_window(self) -> int | None:
         return None
+
+    @property
+    def drops_blocks(self) -> bool:
+        """Whether entries before first_needed_token leave the table (back to the pool)."""
+        return False
 
     def page_bytes(self, block_size: int) -> int:
         """The bytes of one block of this layer."""
@@ -68,6 +81,10 @@ class SlidingWindowSpec(KVCacheSpec):
         return self.window
 
     @property
+    def drops_blocks(self) -> bool:
+        return True
+
+    @property
     def table_kind(self) -> tuple:
         return ("sliding", self.window)
 
@@ -86,6 +103,52 @@ class LatentAttentionSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class LinearStateSpec(KVCacheSpec):
+    """A linear-attention layer's recurrent state per request, in float32 words: the short
+    convolution's last conv_width inputs of conv_dim channels, and the [state_heads, key_dim,
+    value_dim] delta-rule state. It is stored in the page of an attention layer of the same
+    block id (num_kv_heads, head_size, dtype_bytes, planes: that layer's row), whose bytes must
+    hold it."""
+
+    planes_of_page: int = 2
+    conv_dim: int = 0
+    conv_width: int = 0
+    state_heads: int = 0
+    key_dim: int = 0
+    value_dim: int = 0
+
+    @property
+    def planes(self) -> int:
+        return self.planes_of_page
+
+    @property
+    def state_words(self) -> int:
+        return self.conv_dim * self.conv_width + self.state_heads * self.key_dim * self.value_dim
+
+    @property
+    def state_bytes(self) -> int:
+        return 4 * self.state_words
+
+    @property
+    def drops_blocks(self) -> bool:
+        return True
+
+    @property
+    def table_kind(self) -> tuple:
+        return ("state",)
+
+    def first_needed_token(self, start: int) -> int:
+        return max(0, start - 1)  # the state after the token before `start`
+
+
+def state_block_size(state_bytes: int, page_bytes_per_token: int, multiple: int = 64) -> int:
+    """The smallest block size, a multiple of `multiple` (the delta rule's chunk, so block
+    ends are chunk ends), whose attention page holds a linear layer's state."""
+    tokens = -(-state_bytes // page_bytes_per_token)
+    return max(multiple, -(-tokens // multiple) * multiple)
+
+
+@dataclass(frozen=True)
 class KVCacheGroup:
     """Layers (indices into the model's attention layers) that share one block table per
     request; `spec` is the first one's (its table policy is theirs)."""
@@ -97,18 +160,34 @@ class KVCacheGroup:
     def sliding_window(self) -> int | None:
         return self.spec.sliding_window
 
+    @property
+    def holds_state(self) -> bool:
+        """Linear-attention layers: their tables hold recurrent states, not keys."""
+        return isinstance(self.spec, LinearStateSpec)
+
     def first_needed_block(self, start: int, block_size: int) -> int:
         return self.spec.first_needed_token(start) // block_size
 
 
 def group_layers(specs: list[KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
     """Groups layers by table kind, full-attention tables first (the drafters and the KV
-    tiers follow the first group's table), then in order of their first layer."""
+    tiers follow the first group's table), then sliding ones, then linear states, each in
+    order of its first layer. Linear-state layers form groups no larger than the attention
+    groups (vLLM's hybrid grouping): the j-th layer of every group shares one tensor, so a
+    block id costs the largest group's pages."""
     by_kind: dict[tuple, list[int]] = {}
     for i, spec in enumerate(specs):
         by_kind.setdefault(spec.table_kind, []).append(i)
+    states = by_kind.pop(("state",), [])
     groups = [KVCacheGroup(specs[idx[0]], tuple(idx)) for idx in by_kind.values()]
-    groups.sort(key=lambda g: (g.sliding_window is not None, g.layers[0]))
+    size = max((len(g.layers) for g in groups), default=len(states)) or 1
+    groups += [KVCacheGroup(specs[states[i]], tuple(states[i:i + size]))
+               for i in range(0, len(states), size)]
+
+    def order(g: KVCacheGroup) -> tuple:
+        kind = 2 if isinstance(g.spec, LinearStateSpec) else int(g.sliding_window is not None)
+        return kind, g.layers[0]
+    groups.sort(key=order)
     return tuple(groups)
 
 

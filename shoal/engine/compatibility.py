@@ -64,6 +64,11 @@ class ResolvedArgs:
         return int(getattr(self.hf_config, "num_hidden_layers", 0) or 0)
 
     @property
+    def linear_attention(self) -> bool:
+        """Linear-attention layers (Gated DeltaNet, KDA) beside attention ones."""
+        return "linear_attention" in (getattr(self.hf_config, "layer_types", None) or ())
+
+    @property
     def latent_attention(self) -> bool:
         """Multi-head latent attention (MLA), read as vLLM reads it: a kv_lora_rank."""
         return getattr(self.hf_config, "kv_lora_rank", None) is not None
@@ -175,7 +180,16 @@ ROWS: tuple[Incompatibility, ...] = (
         "max_model_len ({s.max_model_len}) is longer than the model's sliding window "
         "({s.sliding_window}), which pooling does not apply yet: set max_model_len to "
         "{s.sliding_window} or less"),
+    Incompatibility(
+        "runner='pooling'", "linear attention (Qwen3-Next, Qwen3.5, Kimi Linear)",
+        lambda s: s.pooling and s.linear_attention,
+        "runner='pooling' is not supported for {s.model_class} (linear-attention layers)"),
     # ---- speculative decoding -------------------------------------------------------------
+    Incompatibility(
+        "speculative_config", "linear attention (Qwen3-Next, Qwen3.5, Kimi Linear)",
+        lambda s: s.speculative and s.linear_attention,
+        "speculative_config does not support {s.model_class} yet: its linear-attention "
+        "layers would write the states of rejected drafts"),
     Incompatibility(
         "speculative_config", "tensor_parallel_size > 1",
         lambda s: s.speculative and s.tp > 1,

@@ -31,6 +31,13 @@ from shoal.structured_output.params import check_backend_available, parse_backen
 
 logger = logging.getLogger(__name__)
 
+USER_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def is_hybrid_linear(hf_config: Any) -> bool:
+    """A model with linear-attention layers (Qwen3-Next, Qwen3.5, Kimi Linear)."""
+    return "linear_attention" in (getattr(hf_config, "layer_types", None) or ())
+
 
 def arg(default: Any, help: str) -> Any:
     """An engine argument: its default and the help text of its command-line flag (the flag is
@@ -222,7 +229,8 @@ class EngineArgs:
                                      self.seed, vocab_size=hf_config.vocab_size,
                                      runner=runner,
                                      pooler_config=parse_pooler_config(self.pooler_config)),
-            cache_config=CacheConfig(self.block_size, self.enable_prefix_caching,
+            cache_config=CacheConfig(self._block_size(hf_config, runner, dtype),
+                                     self.enable_prefix_caching,
                                      self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                                      self.num_gpu_blocks_override),
             scheduler_config=SchedulerConfig(
@@ -254,12 +262,30 @@ class EngineArgs:
                 parse_backend_config(self.structured_outputs_config)),
         )
 
+    def _block_size(self, hf_config: Any, runner: str, dtype: Any) -> int:
+        """The configured block size, raised for a model with linear-attention layers until
+        an attention page holds one layer's recurrent state (they share the pool's pages)."""
+        if runner != "generate" or not is_hybrid_linear(hf_config):
+            return self.block_size
+        from shoal.models.registry import resolve_model_class
+
+        cls = resolve_model_class(hf_config)
+        need = cls.block_size_for(hf_config, dtype.itemsize, self.tensor_parallel_size)
+        size = max(need, -(-self.block_size // 64) * 64)
+        if size != self.block_size:
+            logger.info("block_size %d -> %d: a page must hold a linear-attention layer's "
+                        "state", self.block_size, size)
+        return size
+
     def _check_values(self) -> None:
         """Each setting's own value; what settings do together is the compatibility table's."""
         for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
+        if self.block_size not in USER_BLOCK_SIZES:
+            raise ValueError(f"block_size must be a power of two in [1, 128] (got "
+                             f"{self.block_size!r})")
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be a bool (got "
                              f"{self.enable_expert_parallel!r})")

@@ -5,7 +5,12 @@ the blocks that fell out of the window (the entry becomes None, its id the null 
 reads as zeros and is masked out anyway) and gives them back to the pool. Full blocks are
 published in the prefix cache under the group's own key: the content hash of the block's
 prefix, tagged with the group for all but the first (two groups' blocks of one prefix hold
-different layers)."""
+different layers).
+
+A linear-state group (LinearStateSpec) drops blocks as a window of one token does; its
+blocks hold the state after their last token, which the step computing that token writes.
+They are published only once computed: a request sharing a block published for a step in
+flight would read its state (attention blocks are safe: a layer writes keys before reading)."""
 
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ class BlockTables:
         self.group, self.pool, self.block_size = group, pool, block_size
         self.null_block = null_block
         self._tag = bytes([index]) if index else b""
-        self.sliding = group.sliding_window is not None
+        self.sliding = group.spec.drops_blocks
+        self.publishes_computed = group.holds_state
         self.blocks: dict[str, list[KVBlock | None]] = {}  # by request id
         self.ids: dict[str, list[int]] = {}  # the same tables as ids, kept in step
         # Leading blocks already published in the prefix cache (each step publishes only the
@@ -65,6 +71,8 @@ class BlockTables:
         """Publishes the blocks that will be full once num_tokens are computed: attention
         writes a layer's keys before reading, so requests in the same step can share them."""
         rid = req.request_id
+        if self.publishes_computed:
+            num_tokens = min(num_tokens, req.num_computed_tokens)
         blocks = self.blocks.get(rid, [])
         n_full = min(num_tokens // self.block_size, len(req.block_hashes), len(blocks))
         done = self.num_published.get(rid, 0)

@@ -27,6 +27,7 @@ class KVCacheManager:
                        for i, g in enumerate(groups)]
         self._main = self.tables[0]
         self._sliding_tables = [t for t in self.tables if t.sliding]
+        self._state_tables = [t for t in self.tables if t.publishes_computed]
         # Prefix-cache counters (queries and hits in tokens), read by metrics.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -114,8 +115,8 @@ class KVCacheManager:
             held = self._main.blocks.get(rid)
             total = start + num_new_tokens
             if held and total <= len(held) * self.block_size:
-                if self.enable_caching and total // self.block_size > (
-                        self._main.num_published.get(rid, 0)):
+                if self.enable_caching and (total // self.block_size > (
+                        self._main.num_published.get(rid, 0)) or self._states_lag(rid, start)):
                     self._publish(request, total)
                 for t in self._sliding_tables:
                     t.drop_out_of_window(rid, start)
@@ -144,6 +145,12 @@ class KVCacheManager:
         for t in self._sliding_tables:
             t.drop_out_of_window(rid, start)
         return new_main
+
+    def _states_lag(self, rid: str, computed: int) -> bool:
+        """A linear-state table has computed blocks not yet published (they publish a step
+        after the attention tables: see BlockTables)."""
+        n = computed // self.block_size
+        return any(t.num_published.get(rid, 0) < n for t in self._state_tables)
 
     def _group_hits(self, tables: BlockTables, request: Request,
                     n: int) -> list[KVBlock | None] | None:

@@ -80,6 +80,40 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         default_weight_loader(param.data.narrow(0, offset, shard), src)
 
 
+def segmented_loader(segments: list[int], shards: dict[str, tuple[int, ...]] | None = None):
+    """A weight loader for a parameter whose rows are several segments, each split across
+    ranks (this rank holds its part of every segment, in order). A checkpoint tensor fills
+    the run of segments its shard id names (all of them without one)."""
+    tp, rank = get_tp_world_size(), get_tp_rank()
+
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: str | None = None) -> None:
+        run = range(len(segments)) if shard_id is None else (shards or {})[shard_id]
+        at = 0
+        for i in run:
+            part = _divide(segments[i], tp, "a projection segment")
+            dst = sum(segments[:i]) // tp
+            src = loaded.narrow(0, at + rank * part, part).reshape(
+                part, *param.shape[1:])
+            default_weight_loader(param.data.narrow(0, dst, part), src)
+            at += segments[i]
+    return load
+
+
+class SegmentedColumnLinear(ColumnParallelLinear):
+    """Column-parallel projection whose output is several segments, each split across ranks
+    (Qwen3.5's q | k | v | z in-projection; one matmul)."""
+
+    def __init__(self, input_size: int, segments: list[int],
+                 shards: dict[str, tuple[int, ...]] | None = None, bias: bool = False,
+                 params_dtype: torch.dtype | None = None):
+        self._load = segmented_loader(segments, shards)
+        super().__init__(input_size, sum(segments), bias=bias, params_dtype=params_dtype)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor,
+                      shard_id: str | None = None) -> None:
+        self._load(param, loaded, shard_id)
+
+
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused; heads split across ranks (kv heads replicated when fewer
     than ranks)."""

@@ -54,3 +54,17 @@ class RMSNorm(nn.Module):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class OffsetRMSNorm(RMSNorm):
+    """RMSNorm whose checkpoint stores weight - 1 (Qwen3-Next, Qwen3.5: x_normed * (1 + w));
+    the loader adds the 1, so the norm runs as a plain RMSNorm (and through its kernels)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6,
+                 params_dtype: torch.dtype | None = None, use_triton_ops: bool = True):
+        super().__init__(hidden_size, eps, params_dtype, use_triton_ops)
+        self.weight.weight_loader = _load_plus_one
+
+
+def _load_plus_one(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    param.data.copy_(loaded.float() + 1.0)

@@ -221,13 +221,15 @@ def _freeze(value: Any) -> Any:
 
 def get_rope(head_dim: int, max_position: int, theta: float,
              scaling: dict[str, Any] | None = None,
-             use_triton_ops: bool = True) -> RotaryEmbedding:
+             use_triton_ops: bool = True, rot_dim: int | None = None) -> RotaryEmbedding:
     """One rotary module (and one cos/sin table) shared by every layer with the same settings;
-    a long-context model's table is tens of MiB, too much to repeat per layer."""
+    a long-context model's table is tens of MiB, too much to repeat per layer. rot_dim: the
+    leading dims of a head that rotate (partial rotary; default all)."""
     device = torch.empty(0).device  # the torch.device context the model is built under
-    key = (head_dim, max_position, theta, _freeze(scaling or {}), str(device), use_triton_ops)
+    key = (head_dim, max_position, theta, _freeze(scaling or {}), str(device), use_triton_ops,
+           rot_dim)
     rope = _SHARED.get(key)
     if rope is None:
         rope = _SHARED[key] = RotaryEmbedding(head_dim, max_position, theta, scaling,
-                                              use_triton_ops=use_triton_ops)
+                                              rot_dim=rot_dim, use_triton_ops=use_triton_ops)
     return rope

@@ -54,7 +54,7 @@ class DrafterCache(Drafter):
         # Every layer on the target's first table: one group, whatever its layers' kinds.
         specs = layer_specs(layers, self.dtype)
         allocate_kv_caches(layers, specs, (KVCacheGroup(specs[0], tuple(range(len(layers)))),),
-                           total * self.block_size, self.dtype, self.device)
+                           total * self.block_size, self.dtype, self.device, self.block_size)
         for layer in layers:
             layer.backend = backend
 

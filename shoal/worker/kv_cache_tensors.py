@@ -5,22 +5,39 @@ A layer's cache is [planes, num_slots, Hk, D] (slot = block * block_size + offse
 and V, or MLA's one latent row). Layers of one shape share one allocation. When a model has
 several KV cache groups whose layers are all of one shape (sliding-window layers beside full
 ones), a block id belongs to one group at a time, so the j-th layer of every group shares one
-tensor (vLLM's layout): a block costs the largest group's layers, not every layer's."""
+tensor (vLLM's layout): a block costs the largest group's layers, not every layer's. A
+linear-attention layer's state fills a page of the attention layers' row (its spec takes
+that row here), so hybrids share tensors the same way."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
-from shoal.core.kv_cache_spec import KVCacheGroup, KVCacheSpec
+from shoal.core.kv_cache_spec import KVCacheGroup, KVCacheSpec, LinearStateSpec
 from shoal.host_to_device import to_device
 from shoal.worker.host_pages import populate
 from shoal.worker.kv_cache_sizing import zeroed_host_tensor
 
 
 def layer_specs(layers: Sequence, dtype: torch.dtype) -> list[KVCacheSpec]:
-    return [layer.kv_cache_spec(dtype.itemsize) for layer in layers]
+    return on_attention_pages([layer.kv_cache_spec(dtype.itemsize) for layer in layers])
+
+
+def on_attention_pages(specs: list[KVCacheSpec]) -> list[KVCacheSpec]:
+    """Linear-state specs with the page row of the (first) attention layers."""
+    if not any(isinstance(s, LinearStateSpec) for s in specs):
+        return specs
+    rows = [s for s in specs if not isinstance(s, LinearStateSpec)]
+    if not rows:
+        raise ValueError("a model of linear-attention layers only has no attention pages to "
+                         "hold their states (not supported yet)")
+    a = rows[0]
+    return [replace(s, num_kv_heads=a.num_kv_heads, head_size=a.head_size,
+                    dtype_bytes=a.dtype_bytes, planes_of_page=a.planes)
+            if isinstance(s, LinearStateSpec) else s for s in specs]
 
 
 def _row(spec: KVCacheSpec) -> tuple[int, int, int]:
@@ -42,7 +59,7 @@ def bytes_per_block(specs: list[KVCacheSpec], groups: Sequence[KVCacheGroup],
 
 def allocate_kv_caches(layers: Sequence, specs: list[KVCacheSpec],
                        groups: Sequence[KVCacheGroup], num_slots: int, dtype: torch.dtype,
-                       device: torch.device) -> list[torch.Tensor]:
+                       device: torch.device, block_size: int) -> list[torch.Tensor]:
     """Zeroed caches of num_slots slots, bound to the layers (each told its group); returns
     the distinct tensors (what fault zeroing and the KV tiers copy)."""
     if shares_tensors(specs, groups):
@@ -50,7 +67,11 @@ def allocate_kv_caches(layers: Sequence, specs: list[KVCacheSpec],
                            dtype, device)
         for gi, g in enumerate(groups):
             for j, i in enumerate(g.layers):
-                layers[i].kv_cache, layers[i].kv_group = caches[j], gi
+                if g.holds_state:
+                    layers[i].bind_pages(caches[j], block_size)
+                else:
+                    layers[i].kv_cache = caches[j]
+                layers[i].kv_group = gi
         return caches
     group_of = {i: gi for gi, g in enumerate(groups) for i in g.layers}
     caches: list[torch.Tensor] = []

@@ -83,7 +83,9 @@ class ModelRunner(Executor):
                       if get_pp_world_size() > 1 else None)
         windows = tuple(g.sliding_window for g in self.kv_groups)
         self.forwarder = StepForwarder(self.model, self.backend, self.device, self.block_size,
-                                       windows, self.pending, stage_link)
+                                       windows, self.pending, stage_link,
+                                       state_groups=tuple(g.holds_state for g in self.kv_groups),
+                                       save_states=config.cache_config.enable_prefix_caching)
         self.drafter: Drafter | None = None
         if config.speculative_config is not None and drafter_factory is not None:
             self.drafter = drafter_factory(config, self.model, loaded)
@@ -148,6 +150,9 @@ class ModelRunner(Executor):
         return KVCacheLayout(num_blocks, self.kv_groups)
 
     def _capture_graphs(self) -> None:
+        if any(g.holds_state for g in self.kv_groups):
+            logger.info("linear-attention layers: steps run eagerly (no CUDA graphs yet)")
+            return
         sc = self.config.scheduler_config
         spec = self.config.speculative_config
         max_blocks = -(-sc.max_model_len // self.block_size)
@@ -169,7 +174,8 @@ class ModelRunner(Executor):
         self.forwarder.null_block = num_blocks
         slots = (num_blocks + 1) * self.block_size
         self.kv_caches = allocate_kv_caches(self.model.attention_layers(), self.kv_specs,
-                                            self.kv_groups, slots, self.dtype, self.device)
+                                            self.kv_groups, slots, self.dtype, self.device,
+                                            self.block_size)
 
     def unbind_kv_cache(self) -> None:
         for layer in self.model.attention_layers():

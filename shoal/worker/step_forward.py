@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from shoal.attention.backend import AttentionBackend
+from shoal.attention.linear_state import build_state_metadata
 from shoal.attention.metadata import GroupedMetadata
 from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.core.types import Logprobs
@@ -51,10 +52,16 @@ class StageOutput:
 class StepForwarder:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, device: torch.device,
                  block_size: int, windows: tuple[int | None, ...], pending: PendingTokens,
-                 stage_link: StageLink | None = None):
-        """windows: each KV cache group's sliding window (None: full attention)."""
+                 stage_link: StageLink | None = None, *,
+                 state_groups: tuple[bool, ...] = (), save_states: bool = False):
+        """windows: each KV cache group's sliding window (None: full attention);
+        state_groups: which groups hold linear-attention states (their metadata says where
+        each request's state is), whose states at block ends are kept when save_states
+        (prefix caching)."""
         self.model, self.backend, self.device = model, backend, device
         self.block_size, self.windows = block_size, windows
+        self.state_groups = state_groups or (False,) * len(windows)
+        self.save_states = save_states
         self.pending = pending
         self.stage_link = stage_link
         self.graphs: ModelGraphs | None = None  # once captured
@@ -89,10 +96,15 @@ class StepForwarder:
                  tables: list[list[list[int]]], num_decodes: int) -> Any:
         """The attention metadata of eager steps: one per KV cache group (tables[g]: its
         block tables), grouped when there are several."""
-        mds = [self.backend.build_metadata(
+        mds = [build_state_metadata(
+            query_lens=query_lens, context_lens=context_lens, block_tables=t,
+            block_size=self.block_size, num_decodes=num_decodes, device=self.device,
+            null_block=self.null_block, save_block_ends=self.save_states) if state else
+            self.backend.build_metadata(
             query_lens=query_lens, context_lens=context_lens, block_tables=t,
             block_size=self.block_size, num_decodes=num_decodes, sliding_window=w,
-            device=self.device, null_block=self.null_block) for t, w in zip(tables, self.windows)]
+            device=self.device, null_block=self.null_block)
+            for t, w, state in zip(tables, self.windows, self.state_groups)]
         return GroupedMetadata.of_groups(mds)
 
     def device_input_ids(self, inp: StepInputs) -> torch.Tensor:

@@ -134,6 +134,8 @@ def warmup(runner: Runner) -> float:
     variants = 0
     for group in runner.kv_groups:
         layer = layers[group.layers[0]]
+        if group.holds_state:
+            continue
         if isinstance(group.spec, LatentAttentionSpec):
             variants += runner.backend.warm_mla_kernels(
                 layer.kv_cache, layer.num_heads, layer.scale, runner.block_size, layer.v_dim)

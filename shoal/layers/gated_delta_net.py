@@ -1,0 +1,107 @@
+"""Gated DeltaNet, the linear-attention layer of Qwen3-Next and Qwen3.5: a short causal
+convolution over q | k | v, L2-normed q and k, a per-head decay g = -exp(A_log) *
+softplus(a + dt_bias) and write strength beta = sigmoid(b), the gated delta rule over them
+(shoal/layers/linear_attention.py), then an RMSNorm gated by silu(z) and the out-projection.
+
+The two checkpoints differ only in their in-projections. Qwen3-Next's `in_proj_qkvz` and
+`in_proj_ba` interleave each key head's q, k, then its value heads' v and z (and b, a): a
+contiguous split across ranks keeps whole key heads, so they load as plain column-parallel
+rows and are un-interleaved here. Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b` and
+`in_proj_a` keep each kind whole: they load into the same two matmuls as segments."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size
+from shoal.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    SegmentedColumnLinear,
+    _divide,
+    segmented_loader,
+)
+from shoal.layers.linear_attention import LinearAttention, Rest, l2_normed
+
+
+def rank_slice_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Rows split across ranks (per value-head vectors: A_log, dt_bias)."""
+    n = param.shape[0]
+    param.data.copy_(loaded.narrow(0, get_tp_rank() * n, n))
+
+
+class GatedDeltaNet(LinearAttention):
+    def __init__(self, cfg: Any, dtype: torch.dtype, *, interleaved: bool):
+        """interleaved: Qwen3-Next's in_proj_qkvz / in_proj_ba; else Qwen3.5's four
+        in-projections."""
+        tp = get_tp_world_size()
+        nk = _divide(cfg.linear_num_key_heads, tp, "linear_num_key_heads")
+        nv = _divide(cfg.linear_num_value_heads, tp, "linear_num_value_heads")
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        super().__init__(conv_dim=2 * nk * dk + nv * dv, conv_kernel=cfg.linear_conv_kernel_dim,
+                         state_heads=nv, key_dim=dk, value_dim=dv)
+        self.nk, self.nv, self.dk, self.dv = nk, nv, dk, dv
+        self.interleaved = interleaved
+        self.eps = cfg.rms_norm_eps
+        hidden = cfg.hidden_size
+        full_k, full_v = cfg.linear_num_key_heads * dk, cfg.linear_num_value_heads * dv
+        heads_v = cfg.linear_num_value_heads
+        if interleaved:
+            self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * full_k + 2 * full_v,
+                                                     params_dtype=dtype)
+            self.in_proj_ba = ColumnParallelLinear(hidden, 2 * heads_v, params_dtype=dtype)
+        else:
+            self.in_proj_qkvz = SegmentedColumnLinear(
+                hidden, [full_k, full_k, full_v, full_v], {"qkv": (0, 1, 2), "z": (3,)},
+                params_dtype=dtype)
+            self.in_proj_ba = SegmentedColumnLinear(hidden, [heads_v, heads_v],
+                                                    {"b": (0,), "a": (1,)}, params_dtype=dtype)
+        k = cfg.linear_conv_kernel_dim
+        self.conv1d = nn.Module()
+        self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, k, dtype=dtype),
+                                          requires_grad=False)
+        self.conv1d.weight.weight_loader = segmented_loader([full_k, full_k, full_v])
+        self.A_log = nn.Parameter(torch.empty(nv, dtype=dtype), requires_grad=False)
+        self.dt_bias = nn.Parameter(torch.empty(nv, dtype=dtype), requires_grad=False)
+        self.A_log.weight_loader = self.dt_bias.weight_loader = rank_slice_loader
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(dv, dtype=dtype), requires_grad=False)
+        self.out_proj = RowParallelLinear(full_v, hidden, params_dtype=dtype)
+
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight
+
+    def conv_input(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Rest]:
+        t = hidden.shape[0]
+        qkvz, ba = self.in_proj_qkvz(hidden), self.in_proj_ba(hidden)
+        if self.interleaved:  # per key head: q, k, its value heads' v, then z (and b, a)
+            r = self.nv // self.nk
+            q, k, v, z = qkvz.view(t, self.nk, -1).split(
+                [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
+            b, a = ba.view(t, self.nk, 2 * r).split([r, r], dim=-1)
+            x = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        else:
+            x, z = qkvz.split([self.conv_dim, self.nv * self.dv], dim=-1)
+            b, a = ba.split([self.nv, self.nv], dim=-1)
+        return x, (z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv))
+
+    def mix(self, x: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
+        n, r = x.shape[0], self.nv // self.nk
+        q, k, v = x.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
+        q = l2_normed(q.reshape(n, self.nk, self.dk)).repeat_interleave(r, dim=1)
+        k = l2_normed(k.reshape(n, self.nk, self.dk)).repeat_interleave(r, dim=1)
+        _, b, a = rest
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return q, k, v.reshape(n, self.nv, self.dv).float(), g, b.float().sigmoid()
+
+    def output(self, o: torch.Tensor, rest: Rest) -> torch.Tensor:
+        z = rest[0]
+        x = o.to(z.dtype).float()  # the rule's output in the model dtype, as transformers
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = (self.norm.weight * x.to(z.dtype)) * F.silu(z.float())
+        return self.out_proj(x.to(z.dtype).reshape(o.shape[0], -1))

@@ -1,0 +1,143 @@
+"""What every linear-attention layer (Gated DeltaNet, Kimi Delta Attention) shares: its
+recurrent state in the paged pool, and the walk of a step over it.
+
+A layer declares a LinearStateSpec (its conv and delta-rule state shapes); the runner binds it
+to the cache tensor it shares with the attention layers (`kv_cache`), whose pages then hold
+its states (shoal/attention/linear_state.py). A step runs its decodes as one batch through
+the recurrent form (one read and one write of each state), then each prefill chunk through
+the chunked form, from the state its metadata names and into the blocks it names.
+
+A subclass says how a token becomes the conv input (`conv_input`), how the convolved
+channels become the delta rule's q, k, v, gate and beta (`mix`, float32, q and k L2-normed,
+k heads repeated to the v heads), and how the output becomes the hidden state (`output`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from shoal.attention.linear_state import StateChunk, StateMetadata, StatePages
+from shoal.attention.metadata import GroupedMetadata
+from shoal.core.kv_cache_spec import LinearStateSpec
+from shoal.layers.ops.gated_delta_rule import (
+    causal_conv1d,
+    causal_conv1d_step,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+)
+
+Rest = tuple[torch.Tensor, ...]  # per-token tensors beside the conv input, [T, ...] each
+
+
+def l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / ||x|| over the last dim (float32), as fla's kernels normalize q and k."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class LinearAttention(nn.Module):
+    def __init__(self, *, conv_dim: int, conv_kernel: int, state_heads: int, key_dim: int,
+                 value_dim: int):
+        """Per rank: conv_dim channels convolved over conv_kernel taps; state_heads delta-rule
+        heads of key_dim x value_dim."""
+        super().__init__()
+        self.conv_dim, self.conv_kernel = conv_dim, conv_kernel
+        self.state_heads, self.key_dim, self.value_dim = state_heads, key_dim, value_dim
+        self.scale = key_dim ** -0.5
+        self.kv_group = 0  # its KV cache group (a linear-state group)
+        self.backend: Any = None  # set by the runner like an attention layer's; unused
+        self._cache: torch.Tensor | None = None
+        self.pages: StatePages | None = None
+        self.block_size = 0
+
+    # ---- the cache ------------------------------------------------------------------------
+    def kv_cache_spec(self, dtype_bytes: int) -> LinearStateSpec:
+        """Its state; the page row (planes, heads, head size, dtype) is the attention
+        layers' it shares pages with, filled in by the runner (kv_cache_tensors.py)."""
+        return LinearStateSpec(0, 0, dtype_bytes, conv_dim=self.conv_dim,
+                               conv_width=self.conv_kernel - 1, state_heads=self.state_heads,
+                               key_dim=self.key_dim, value_dim=self.value_dim)
+
+    def bind_pages(self, cache: torch.Tensor, block_size: int) -> None:
+        self._cache, self.block_size = cache, block_size
+        self.pages = StatePages(cache, block_size, (self.conv_dim, self.conv_kernel - 1),
+                                (self.state_heads, self.key_dim, self.value_dim))
+
+    @property
+    def kv_cache(self) -> torch.Tensor | None:
+        return self._cache
+
+    @kv_cache.setter
+    def kv_cache(self, cache: torch.Tensor | None) -> None:
+        if cache is None:
+            self._cache, self.pages = None, None
+        elif self.block_size:
+            self.bind_pages(cache, self.block_size)
+        else:
+            raise RuntimeError("bind a linear-attention layer with bind_pages(cache, block_size)")
+
+    # ---- what a subclass defines ------------------------------------------------------------
+    def conv_input(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Rest]:
+        raise NotImplementedError
+
+    def mix(self, x: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def output(self, o: torch.Tensor, rest: Rest) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def conv_weight(self) -> torch.Tensor:
+        """[conv_dim, conv_kernel]"""
+        raise NotImplementedError
+
+    conv_bias: torch.Tensor | None = None
+
+    # ---- a step ---------------------------------------------------------------------------
+    def forward(self, hidden: torch.Tensor, md: Any) -> torch.Tensor:
+        if isinstance(md, GroupedMetadata):
+            md = md.of(self.kv_group)
+        if not isinstance(md, StateMetadata):
+            raise TypeError(f"a linear-attention layer needs StateMetadata, got {type(md).__name__}")
+        if self.pages is None:
+            raise RuntimeError("the KV cache is not bound to the linear-attention layer")
+        x, rest = self.conv_input(hidden)
+        o = torch.empty(x.shape[0], self.state_heads, self.value_dim, dtype=torch.float32,
+                        device=x.device)
+        nd = md.num_decodes
+        if nd:
+            o[:nd] = self._decodes(x[:nd], tuple(r[:nd] for r in rest), md)
+        for ch in md.chunks:
+            rows = slice(ch.start, ch.start + ch.length)
+            o[rows] = self._chunk(x[rows], tuple(r[rows] for r in rest), ch, md.block_size)
+        return self.output(o, rest)
+
+    def _decodes(self, x: torch.Tensor, rest: Rest, md: StateMetadata) -> torch.Tensor:
+        assert self.pages is not None and md.decode_read is not None
+        conv, state = self.pages.read(md.decode_read)
+        y, conv = causal_conv1d_step(x, self.conv_weight, self.conv_bias, conv.to(x.dtype))
+        q, k, v, g, beta = self.mix(y, rest)
+        o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state, scale=self.scale)
+        self.pages.write(md.decode_write, conv, state)
+        return o
+
+    def _chunk(self, x: torch.Tensor, rest: Rest, ch: StateChunk,
+               block_size: int) -> torch.Tensor:
+        assert self.pages is not None
+        conv, state = self.pages.read_one(ch.read)
+        conv0 = conv[0].to(x.dtype)
+        y, conv_end = causal_conv1d(x, self.conv_weight, self.conv_bias, conv0)
+        q, k, v, g, beta = self.mix(y, rest)
+        o, state, saved = chunk_gated_delta_rule(
+            q, k, v, g, beta, state[0], scale=self.scale, offset=ch.offset,
+            save_every=block_size if ch.saves else 0)
+        if ch.saves:  # the prefix cache's snapshots at the block ends inside the chunk
+            inputs = torch.cat([conv0.t(), x], dim=0)  # [K-1 + L, C]: each conv window
+            width = self.conv_kernel - 1
+            for j, (block, snap) in enumerate(zip(ch.saves, saved)):
+                end = (j + 1) * block_size - ch.offset % block_size  # tokens of x consumed
+                self.pages.write_one(block, inputs[end:end + width].t(), snap)
+        self.pages.write_one(ch.write, conv_end, state)
+        return o
