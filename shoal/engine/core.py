@@ -102,6 +102,8 @@ class EngineCore:
             vocab_size=self.runner.vocab_size, max_model_len=sc.max_model_len,
             num_kv_blocks=layout.num_blocks, block_size=config.cache_config.block_size,
             max_num_seqs=sc.max_num_seqs, eos_token_ids=self.eos_token_ids,
+            state_groups=sum(g.holds_state for g in layout.groups),
+            max_num_batched_tokens=sc.max_num_batched_tokens,
             request=request_limits, pooling=self.runner.pooling_info)
         self.startup_times = self.runner.startup_times  # each start-up phase's seconds
         if config.device.type == "cuda" and not pooling:

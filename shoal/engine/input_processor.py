@@ -59,6 +59,11 @@ class EngineLimits(msgspec.Struct, frozen=True):
     block_size: int
     max_num_seqs: int
     eos_token_ids: frozenset[int] = frozenset()
+    # KV cache groups of linear-attention states: a request holds, beside its KV table, a
+    # block per group for its state and one per block end a prompt chunk reaches
+    # (kv_cache_spec.LinearStateSpec)
+    state_groups: int = 0
+    max_num_batched_tokens: int = 0  # the longest prompt chunk (0: unknown, a whole prompt)
     request: RequestLimits = msgspec.field(default_factory=RequestLimits)
     pooling: PoolingInfo | None = None  # set: a pooling engine (runner="pooling")
 
@@ -127,6 +132,8 @@ def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:
     room = limits.max_model_len - len(ids)
     max_tokens = room if sp.max_tokens is None else min(sp.max_tokens, room)
     need = -(-(len(ids) + max_tokens) // limits.block_size)
+    chunk = min(len(ids), limits.max_num_batched_tokens or len(ids))
+    need += limits.state_groups * (1 + -(-chunk // limits.block_size))
     if need > limits.num_kv_blocks:
         raise ValueError(
             f"the request needs up to {need} KV blocks but the pool has {limits.num_kv_blocks}; "

@@ -133,9 +133,12 @@ class KVCacheManager:
         evictable = sum(1 for h in hits for b in h if b is not None and b.ref_cnt == 0)
         if sum(counts) + evictable > self.pool.num_free_blocks:
             return None
+        # Every group's hits are taken before any group allocates: a hit still in the free
+        # queue must not be handed out (and evicted) as another group's new block.
+        for h in hits:
+            self.pool.touch([b for b in h if b is not None])
         new_main: list[KVBlock] = []
         for t, h, n in zip(self.tables, hits, counts):
-            self.pool.touch([b for b in h if b is not None])
             new_blocks = self.pool.allocate(n)
             t.extend(rid, h, new_blocks)
             if t is self._main:

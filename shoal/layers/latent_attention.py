@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shoal.attention.backend import AttentionBackend
+from shoal.attention.metadata import GroupedMetadata
 from shoal.attention.torch_backend import TorchAttentionBackend
 from shoal.core.kv_cache_spec import LatentAttentionSpec
 
@@ -40,6 +41,8 @@ class LatentAttention(nn.Module):
     def forward(self, q: torch.Tensor, latent: torch.Tensor, md: Any) -> torch.Tensor:
         """q [T, H, Dk] (absorbed queries), latent [T, Dk] (this step's rows to cache).
         Returns [T, H, kv_lora_rank]."""
+        if isinstance(md, GroupedMetadata):  # a hybrid: its own KV cache group's
+            md = md.of(self.kv_group)
         if not self.backend.supports_mla:
             raise NotImplementedError(f"the {self.backend.name} attention backend has no "
                                       "latent attention (MLA)")

@@ -19,6 +19,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForCausalLM": ("shoal.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("shoal.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("shoal.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "KimiLinearForCausalLM": ("shoal.models.kimi_linear", "KimiLinearForCausalLM"),
 }
 
 # Pooling-only architectures (encoders, classification heads): runner="pooling".
@@ -51,6 +52,7 @@ _BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
+    "kimi_linear": "KimiLinearForCausalLM",
     "bert": "BertModel",
     "roberta": "RobertaModel",
     "xlm-roberta": "XLMRobertaModel",
