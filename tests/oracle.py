@@ -24,8 +24,13 @@ def write_tiny_checkpoint(path: Path, model_type: str, seed: int = 0, **override
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
     with torch.no_grad():
-        for p in model.parameters():  # larger than the default init so outputs are not flat
-            p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):  # linear attention: decay rates ~1 per head and
+                p.normal_(0, 0.3)  # dt_bias ~-3 (softplus ~0.05), a memory of tens of tokens
+            elif name.endswith("dt_bias"):
+                p.uniform_(-4, -2)
+            else:  # larger than the default init so outputs are not flat
+                p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

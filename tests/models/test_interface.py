@@ -7,6 +7,7 @@ declarations (tasks, classifier, per-token heads) agree with what it defines."""
 from __future__ import annotations
 
 import inspect
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -15,10 +16,13 @@ from oracle import TINY_COMMON
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shoal.attention.metadata import build_attention_metadata
+from shoal.attention.linear_state import build_state_metadata
+from shoal.attention.metadata import GroupedMetadata, build_attention_metadata
 from shoal.attention.packed import PackedSeqs
+from shoal.core.kv_cache_spec import group_layers
 from shoal.layers.attention import Attention
 from shoal.layers.latent_attention import LatentAttention
+from shoal.layers.linear_attention import LinearAttention
 from shoal.loader.build import check_all_loaded
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.models.interface import (
@@ -35,6 +39,12 @@ from shoal.models.registry import (
 )
 from shoal.pooling.model_info import POOLING_TYPES
 from shoal.pooling_params import POOLING_TASKS
+from shoal.worker.kv_cache_tensors import allocate_kv_caches, layer_specs
+
+# The tiny Gated DeltaNet hybrids' fields: a linear layer, then a full-attention one.
+HYBRID = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+              layer_types=["linear_attention", "full_attention"])
 
 # architecture -> (transformers model_type, config fields beyond the tiny common ones)
 ARCHITECTURES = {
@@ -58,7 +68,26 @@ ARCHITECTURES = {
                                               "n_group": 2, "topk_group": 1,
                                               "moe_intermediate_size": 32,
                                               "first_k_dense_replace": 1}),
+    **{arch: (model_type, {**HYBRID, **extra}) for arch, (model_type, extra) in {
+        "Qwen3NextForCausalLM": ("qwen3_next", {
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32, "mlp_only_layers": [1]}),
+        "Qwen3_5ForCausalLM": ("qwen3_5_text", {}),
+        "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", {
+            "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32}),
+    }.items()},
+    "KimiLinearForCausalLM": ("kimi_linear", {
+        "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None,
+        "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+        "moe_intermediate_size": 32, "num_local_experts": 4, "num_experts_per_tok": 2,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "pad_token_id": 0,
+        "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "head_dim": 16,
+                               "num_heads": 2, "short_conv_kernel_size": 4}}),
 }
+# Architectures with linear-attention layers beside attention ones.
+LINEAR = {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+          "KimiLinearForCausalLM"}
 
 
 def test_every_registered_architecture_is_checked() -> None:
@@ -67,7 +96,7 @@ def test_every_registered_architecture_is_checked() -> None:
 
 def _config(arch: str):
     model_type, extra = ARCHITECTURES[arch]
-    return AutoConfig.for_model(model_type, **TINY_COMMON, **extra, architectures=[arch])
+    return AutoConfig.for_model(model_type, **{**TINY_COMMON, **extra}, architectures=[arch])
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
@@ -99,14 +128,18 @@ def test_model_follows_the_interface(arch: str) -> None:
 
     layers = model.attention_layers()
     assert len(layers) == cfg.num_hidden_layers
-    assert all(isinstance(a, Attention | LatentAttention) for a in layers)
-    n, bs = 5, 4
-    for a in layers:
-        spec = a.kv_cache_spec(4)
-        a.kv_cache = torch.zeros(spec.planes, 3 * bs, spec.num_kv_heads, spec.head_size)
-    md = build_attention_metadata(query_lens=[n], context_lens=[0], block_tables=[[0, 1]],
-                                  block_size=bs, num_decodes=0, sliding_window=None,
-                                  device=torch.device("cpu"), null_block=2)
+    kinds = (Attention, LatentAttention) + ((LinearAttention,) if arch in LINEAR else ())
+    assert all(isinstance(a, kinds) for a in layers)
+    n = 5
+    bs = type(model).block_size_for(cfg, 4, 1) if arch in LINEAR else 4
+    specs = layer_specs(layers, torch.float32)
+    groups = group_layers(specs)
+    allocate_kv_caches(layers, specs, groups, 3 * bs, torch.float32, torch.device("cpu"), bs)
+    md = GroupedMetadata.of_groups([
+        (build_state_metadata if g.holds_state else partial(build_attention_metadata,
+                                                            sliding_window=None))(
+            query_lens=[n], context_lens=[0], block_tables=[[0, 1]], block_size=bs,
+            num_decodes=0, device=torch.device("cpu"), null_block=2) for g in groups])
     with torch.inference_mode():
         hidden = model(torch.arange(3, 3 + n), torch.arange(n), md)
         logits = model.compute_logits(hidden)
@@ -134,7 +167,8 @@ POOLING_ARCHITECTURES = {
 }
 # Causal LMs run as embedders (latent attention is refused under pooling: the compatibility
 # table's row, shoal/engine/compatibility.py).
-EMBEDDERS = sorted(a for a, (_, extra) in ARCHITECTURES.items() if "kv_lora_rank" not in extra)
+EMBEDDERS = sorted(a for a, (_, extra) in ARCHITECTURES.items()
+                   if "kv_lora_rank" not in extra and a not in LINEAR)
 
 
 def test_every_registered_pooling_architecture_is_checked() -> None:
