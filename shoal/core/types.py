@@ -75,6 +75,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] | None = None
+    # Linear-attention models: blocks of the pool holding recurrent states now (each a
+    # state of every layer of one state group), and a request's state bytes (all layers).
+    num_state_blocks: int = 0
+    state_bytes_per_request: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -394,5 +394,8 @@ class Scheduler(RequestTableFront):
             num_generation_tokens=self._step_generation_tokens,
             **self.drafts.take_stats(),
         )
+        if self.kv.state_bytes_per_request:
+            s.num_state_blocks = self.kv.num_state_blocks()
+            s.state_bytes_per_request = self.kv.state_bytes_per_request
         self._step_prompt_tokens = self._step_generation_tokens = 0
         return s

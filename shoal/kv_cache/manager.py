@@ -44,6 +44,17 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage()
 
+    def num_state_blocks(self) -> int:
+        """Blocks the linear-state tables hold (live states, and a prompt chunk's block-end
+        snapshots until its next step)."""
+        return sum(b is not None for t in self._state_tables for bl in t.blocks.values()
+                   for b in bl)
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        """A request's recurrent state across every linear-attention layer."""
+        return sum(t.group.spec.state_bytes * len(t.group.layers) for t in self._state_tables)
+
     def _update_hashes(self, request: Request) -> None:
         if self.enable_caching and len(request.all_token_ids) // self.block_size > len(
                 request.block_hashes):

@@ -163,6 +163,10 @@ class PrometheusStatLogger:
             Gauge, "engine_sleep_state", "Engine sleep state; shoal's engine does not sleep, "
             "so awake is always 1.", ["sleep_state"])
         gauge("kv_usage", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        gauge("state_blocks", "linear_state_blocks", "KV blocks holding linear-attention "
+              "recurrent states (a block holds one state of each layer of a state group).")
+        gauge("state_bytes", "linear_state_bytes_per_request", "Bytes of a request's "
+              "linear-attention recurrent states, all layers (0: no linear layers).")
         counter("prefix_queries", "prefix_cache_queries", "Prefix cache queries, in terms of "
                                                           "number of queried tokens.")
         counter("prefix_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of "
@@ -241,6 +245,8 @@ class PrometheusStatLogger:
             e.waiting_capacity.set(s.num_waiting - deferred)
             e.waiting_deferred.set(deferred)
             e.kv_usage.set(s.kv_cache_usage)
+            e.state_blocks.set(s.num_state_blocks)
+            e.state_bytes.set(s.state_bytes_per_request)
             e.prefix_queries.inc(e.queries(s.prefix_cache_queries))
             e.prefix_hits.inc(e.hits(s.prefix_cache_hits))
             e.preemptions.inc(e.preempt(s.num_preemptions))

@@ -49,7 +49,7 @@ class IterationStats:
 
 # Of SchedulerStats: cumulative since start-up, and the state now (summed over replicas).
 CUMULATIVE_FIELDS = ("prefix_cache_queries", "prefix_cache_hits", "num_preemptions")
-GAUGE_FIELDS = ("num_running", "num_waiting", "num_waiting_deferred")
+GAUGE_FIELDS = ("num_running", "num_waiting", "num_waiting_deferred", "num_state_blocks")
 
 
 def merge_engine_stats(latest: list[SchedulerStats], step: SchedulerStats) -> SchedulerStats:

@@ -143,6 +143,13 @@ class ModelRunner(Executor):
             self.drafter.bind(num_blocks, self.backend)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
                     num_blocks * per_block / 2**20)
+        states = [g for g in self.kv_groups if g.holds_state]
+        if states:
+            logger.info("linear-attention states: %d layers, %.2f MiB a request (float32); a "
+                        "block holds one state of each of up to %d layers, so the pool holds "
+                        "the states of at most %d requests", sum(len(g.layers) for g in states),
+                        sum(g.spec.state_bytes * len(g.layers) for g in states) / 2**20,
+                        max(len(g.layers) for g in states), num_blocks // len(states))
         if cuda:
             self.startup_times["warmup"] = startup.warmup(self)
             if not self.config.enforce_eager and self.backend.supports_cuda_graphs:

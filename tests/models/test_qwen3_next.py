@@ -60,6 +60,9 @@ def test_greedy_matches_transformers_in_mixed_chunked_batches(tiny):
               num_gpu_blocks_override=64, max_model_len=512)
     assert llm.llm_engine.config.cache_config.block_size == 64  # raised to hold a state
     _check(llm, hf, _prompts(6, seed=2))
+    stats = llm.llm_engine.core.scheduler.stats()
+    # 3 linear layers: conv (2 x 32 + 64 channels x 3) and delta rule (4 x 16 x 16) float32
+    assert stats.state_bytes_per_request == 3 * 4 * (128 * 3 + 4 * 16 * 16)
 
 
 def test_prefix_hits_restore_the_linear_state(tiny):
