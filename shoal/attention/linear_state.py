@@ -6,11 +6,18 @@ state after a request's tokens [0, p] sits in the block of its state table that 
 token p. A step computing tokens [s, e) of a request reads the state of block (s - 1) //
 block_size (the null block, all zeros, for a fresh sequence), writes the state after e - 1
 into block (e - 1) // block_size, and, for the prefix cache, the state after every block end
-inside the chunk into that block."""
+inside the chunk into that block.
+
+Speculative decoding (vLLM's ReplaySSM): a verify step of k + 1 tokens must not leave k
+rejected tokens in the states. It reads the state, computes its outputs and writes nothing of
+its own: it copies the state it read into every block its tokens reach and keeps the tokens'
+delta-rule inputs in the request's replay slot. The next step first folds the accepted run
+(ScheduledRequest.replay tokens) into the state of the block it reads from, which is then the
+state after the accepted tokens, and goes on as usual. A rejection costs no copy of a state."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,27 +34,59 @@ class StateChunk:
     read: int  # block id holding the state before it
     write: int  # block id receiving the state after it
     saves: tuple[int, ...]  # block ids receiving the states at the block ends inside it
+    verify: bool = False  # a verify step: outputs only, inputs kept in replay slot `slot`
+    slot: int = -1
+
+
+@dataclass(frozen=True)
+class StateReplay:
+    """Before the step: fold a request's accepted run (`tokens` of its replay slot) into the
+    state of `block`."""
+
+    block: int
+    tokens: int
+    slot: int
 
 
 @dataclass
 class StateMetadata:
     """A step's state slots for the layers of one linear-state group: the decodes (one token
-    each, rows [0, num_decodes)) as two index vectors, the other chunks one by one."""
+    each, rows [0, num_decodes)) as two index vectors, the other chunks one by one, and the
+    replays that come first."""
 
     num_decodes: int
     decode_read: torch.Tensor | None  # [Bd] int64 block ids
     decode_write: torch.Tensor | None  # [Bd]
     chunks: list[StateChunk]
     block_size: int
+    replays: list[StateReplay] = field(default_factory=list)
+    replay_shape: tuple[int, int] = (0, 0)  # (slots, tokens a slot holds)
+
+
+@dataclass(frozen=True)
+class StateSpecInputs:
+    """Per request of a step: the accepted run to replay, whether it verifies drafts, its
+    replay slot; and the slots' capacity."""
+
+    replay: list[int]
+    verify: list[bool]
+    slots: list[int]
+    shape: tuple[int, int]
 
 
 def build_state_metadata(*, query_lens: list[int], context_lens: list[int],
                          block_tables: list[list[int]], block_size: int, num_decodes: int,
                          device: torch.device, null_block: int,
-                         save_block_ends: bool = True) -> StateMetadata:
+                         save_block_ends: bool = True,
+                         spec: StateSpecInputs | None = None) -> StateMetadata:
     """save_block_ends: write the states at block ends inside chunks (prefix caching)."""
     def read(table: list[int], s: int) -> int:
         return table[(s - 1) // block_size] if s else null_block
+
+    replays: list[StateReplay] = []
+    if spec is not None:
+        replays = [StateReplay(read(t, c), r, slot) for t, c, r, slot in zip(
+            block_tables, context_lens, spec.replay, spec.slots) if r]
 
     dr = [read(t, c) for t, c in zip(block_tables[:num_decodes], context_lens)]
     dw = [t[c // block_size] for t, c in zip(block_tables[:num_decodes], context_lens)]
@@ -55,16 +94,44 @@ def build_state_metadata(*, query_lens: list[int], context_lens: list[int],
     for i in range(num_decodes, len(query_lens)):
         s, n, table = context_lens[i], query_lens[i], block_tables[i]
         e = s + n
-        saves = tuple(table[j] for j in range(s // block_size, (e - 1) // block_size)
-                      ) if save_block_ends else ()
-        chunks.append(StateChunk(start, n, s, read(table, s), table[(e - 1) // block_size],
-                                 saves))
+        if spec is not None and spec.verify[i]:  # the state read, into every block reached
+            reach = tuple(table[j] for j in range(s // block_size, (e - 1) // block_size + 1))
+            chunks.append(StateChunk(start, n, s, read(table, s), -1, reach, True,
+                                     spec.slots[i]))
+        else:
+            saves = tuple(table[j] for j in range(s // block_size, (e - 1) // block_size)
+                          ) if save_block_ends else ()
+            chunks.append(StateChunk(start, n, s, read(table, s),
+                                     table[(e - 1) // block_size], saves))
         start += n
     return StateMetadata(
         num_decodes,
         to_device(dr, torch.long, device) if num_decodes else None,
         to_device(dw, torch.long, device) if num_decodes else None,
-        chunks, block_size)
+        chunks, block_size, replays, spec.shape if spec is not None else (0, 0))
+
+
+class ReplaySlots:
+    """Which replay slot each request verifying drafts holds (by request serial)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._free = list(range(capacity - 1, -1, -1))
+        self._of: dict[int, int] = {}
+
+    def slot(self, serial: int) -> int:
+        got = self._of.get(serial)
+        if got is None:
+            if not self._free:
+                raise RuntimeError(f"all {self.capacity} linear-attention replay slots are held")
+            got = self._of[serial] = self._free.pop()
+        return got
+
+    def release(self, serials: set[int]) -> None:
+        for serial in serials:
+            slot = self._of.pop(serial, None)
+            if slot is not None:
+                self._free.append(slot)
 
 
 class StatePages:

@@ -47,6 +47,9 @@ class ScheduledRequest:
     # The tables of the other KV cache groups (shoal/core/kv_cache_spec.py), one per group;
     # empty for a model whose layers all keep their cache alike
     group_block_ids: tuple[list[int], ...] = ()
+    # Linear-attention layers after a verify step: its first this-many tokens (the accepted
+    # run) are folded into the recurrent states before this step's tokens (ReplaySSM)
+    replay: int = 0
 
     @property
     def num_new_tokens(self) -> int:

@@ -186,10 +186,11 @@ ROWS: tuple[Incompatibility, ...] = (
         "runner='pooling' is not supported for {s.model_class} (linear-attention layers)"),
     # ---- speculative decoding -------------------------------------------------------------
     Incompatibility(
-        "speculative_config", "linear attention (Qwen3-Next, Qwen3.5, Kimi Linear)",
-        lambda s: s.speculative and s.linear_attention,
-        "speculative_config does not support {s.model_class} yet: its linear-attention "
-        "layers would write the states of rejected drafts"),
+        "speculative_config (draft_model, mtp, eagle)",
+        "linear attention (Qwen3-Next, Qwen3.5, Kimi Linear)",
+        lambda s: s.drafter_with_kv and s.linear_attention,
+        "speculative_config: only method 'ngram' drafts for {s.model_class} yet (a drafter "
+        "with layers of its own does not follow linear-attention states)"),
     Incompatibility(
         "speculative_config", "tensor_parallel_size > 1",
         lambda s: s.speculative and s.tp > 1,

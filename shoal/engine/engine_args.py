@@ -230,7 +230,7 @@ class EngineArgs:
                                      runner=runner,
                                      pooler_config=parse_pooler_config(self.pooler_config)),
             cache_config=CacheConfig(self._block_size(hf_config, runner, dtype),
-                                     self.enable_prefix_caching,
+                                     self._prefix_caching(hf_config),
                                      self.gpu_memory_utilization, self.kv_cache_memory_bytes,
                                      self.num_gpu_blocks_override),
             scheduler_config=SchedulerConfig(
@@ -257,10 +257,21 @@ class EngineArgs:
             cpu_int4_matmul=self._cpu_int4_matmul(device, dtype),
             kv_offload_config=self._kv_offload_config(),
             speculative_config=self._speculative_config(hf_config.vocab_size),
-            async_scheduling=self._async_scheduling(device, world),
+            async_scheduling=self._async_scheduling(device, world, hf_config),
             structured_outputs_backend=check_backend_available(
                 parse_backend_config(self.structured_outputs_config)),
         )
+
+    def _prefix_caching(self, hf_config: Any) -> bool:
+        """On as configured, but off for linear-attention layers under speculative decoding:
+        a verify step leaves states that its successor's replay completes (not yet kept as
+        snapshots)."""
+        if (self.enable_prefix_caching and self.speculative_config is not None
+                and is_hybrid_linear(hf_config)):
+            logger.info("prefix caching off: speculative decoding on a model with "
+                        "linear-attention layers")
+            return False
+        return self.enable_prefix_caching
 
     def _block_size(self, hf_config: Any, runner: str, dtype: Any) -> int:
         """The configured block size, raised for a model with linear-attention layers until
@@ -355,12 +366,14 @@ class EngineArgs:
         lockstep (shoal/engine/dp_lockstep.py)."""
         return self.enable_expert_parallel is True and self.data_parallel_size > 1
 
-    def _async_scheduling(self, device: Any, world: int) -> bool:
+    def _async_scheduling(self, device: Any, world: int, hf_config: Any = None) -> bool:
         """Default: on with CUDA. Off with tensor or pipeline parallelism: every rank then
         takes its input tokens from the scheduler (shoal/executor/multiproc.py); off with
         DP+EP: one forward per lockstep step (dp_lockstep.py)."""
         if world > 1 or self.dp_expert_parallel():
             return False
+        if self.speculative_config is not None and is_hybrid_linear(hf_config):
+            return False  # a verify's accepted run is replayed by the step after it
         return device.type == "cuda" if self.async_scheduling is None else bool(
             self.async_scheduling)
 

@@ -231,6 +231,7 @@ class Scheduler(RequestTableFront):
             req.num_output_tokens + req.num_pending_tokens, max(num_drafts, 0))
         if self._groups:
             item.group_block_ids = self.kv.group_block_ids(req.request_id)
+            item.replay, req.state_replay = req.state_replay, 0
         # The step is as good as run: the next schedule (possibly before its results are
         # read, with async scheduling) starts after it.
         req.num_computed_tokens = start + n
@@ -277,6 +278,7 @@ class Scheduler(RequestTableFront):
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
+        req.state_replay = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push_front(req)
@@ -342,6 +344,7 @@ class Scheduler(RequestTableFront):
         if req.status == RequestStatus.RUNNING:
             req.num_computed_tokens -= num_drafts - accepted
             self.kv.trim(req)
+            req.state_replay = accepted + 1  # (read by linear-attention layers only)
 
     def fail_steps(self, scheds: list[SchedulerOutput], error: str
                    ) -> tuple[list[EngineCoreOutput], set[int]]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.attention.linear_state import StateChunk, StateMetadata, StatePages
+from shoal.attention.linear_state import StateChunk, StateMetadata, StatePages, StateReplay
 from shoal.attention.metadata import GroupedMetadata
 from shoal.core.kv_cache_spec import LinearStateSpec
 from shoal.layers.ops.gated_delta_rule import (
@@ -51,6 +51,9 @@ class LinearAttention(nn.Module):
         self._cache: torch.Tensor | None = None
         self.pages: StatePages | None = None
         self.block_size = 0
+        # speculative decoding: each replay slot's verify tokens (conv input, then the delta
+        # rule's q, k, v, g, beta), allocated at the first verify step
+        self._replay_inputs: list[torch.Tensor] = []
 
     # ---- the cache ------------------------------------------------------------------------
     def kv_cache_spec(self, dtype_bytes: int) -> LinearStateSpec:
@@ -104,6 +107,8 @@ class LinearAttention(nn.Module):
         if self.pages is None:
             raise RuntimeError("the KV cache is not bound to the linear-attention layer")
         x, rest = self.conv_input(hidden)
+        for replay in md.replays:
+            self._replay(replay)
         o = torch.empty(x.shape[0], self.state_heads, self.value_dim, dtype=torch.float32,
                         device=x.device)
         nd = md.num_decodes
@@ -111,7 +116,9 @@ class LinearAttention(nn.Module):
             o[:nd] = self._decodes(x[:nd], tuple(r[:nd] for r in rest), md)
         for ch in md.chunks:
             rows = slice(ch.start, ch.start + ch.length)
-            o[rows] = self._chunk(x[rows], tuple(r[rows] for r in rest), ch, md.block_size)
+            x_ch, rest_ch = x[rows], tuple(r[rows] for r in rest)
+            o[rows] = (self._verify(x_ch, rest_ch, ch, md.replay_shape) if ch.verify
+                       else self._chunk(x_ch, rest_ch, ch, md.block_size))
         return self.output(o, rest)
 
     def _decodes(self, x: torch.Tensor, rest: Rest, md: StateMetadata) -> torch.Tensor:
@@ -141,3 +148,32 @@ class LinearAttention(nn.Module):
                 self.pages.write_one(block, inputs[end:end + width].t(), snap)
         self.pages.write_one(ch.write, conv_end, state)
         return o
+
+    # ---- speculative decoding (ReplaySSM, see shoal/attention/linear_state.py) -------------
+    def _verify(self, x: torch.Tensor, rest: Rest, ch: StateChunk,
+                shape: tuple[int, int]) -> torch.Tensor:
+        """Outputs of a verify step's tokens; the state read is copied into every block they
+        reach and their inputs kept for the replay of the accepted run."""
+        assert self.pages is not None
+        conv, state = self.pages.read_one(ch.read)
+        y, _ = causal_conv1d(x, self.conv_weight, self.conv_bias, conv[0].to(x.dtype))
+        mixed = self.mix(y, rest)
+        o, _, _ = chunk_gated_delta_rule(*mixed, state[0], scale=self.scale)
+        for block in ch.saves:
+            self.pages.write_one(block, conv[0], state[0])
+        kept = (x, *mixed)
+        if not self._replay_inputs:
+            slots, tokens = shape
+            self._replay_inputs = [t.new_zeros(slots, tokens, *t.shape[1:]) for t in kept]
+        for buf, t in zip(self._replay_inputs, kept):
+            buf[ch.slot, :t.shape[0]] = t
+        return o
+
+    def _replay(self, replay: StateReplay) -> None:
+        """Folds the accepted run of the last verify into the state of replay.block."""
+        assert self.pages is not None
+        conv, state = self.pages.read_one(replay.block)
+        x, q, k, v, g, beta = (buf[replay.slot, :replay.tokens] for buf in self._replay_inputs)
+        _, state, _ = chunk_gated_delta_rule(q, k, v, g, beta, state[0], scale=self.scale)
+        inputs = torch.cat([conv[0].t(), x.float()], dim=0)  # [K-1 + r, C]
+        self.pages.write_one(replay.block, inputs[-(self.conv_kernel - 1):].t(), state)

@@ -90,6 +90,8 @@ class ModelRunner(Executor):
         if config.speculative_config is not None and drafter_factory is not None:
             self.drafter = drafter_factory(config, self.model, loaded)
             self.forwarder.keep_hidden = self.drafter.keeps_hidden
+            self.forwarder.use_replay_slots(config.scheduler_config.max_num_seqs,
+                                            config.speculative_config.num_speculative_tokens)
             # (engine/compatibility.py refuses these for models whose layers all slide)
             assert not (self.drafter.kv_layers() and windows[0] is not None)
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
@@ -201,6 +203,8 @@ class ModelRunner(Executor):
     def remove_requests(self, serials: set[int]) -> None:
         for serial in serials:
             self.requests.pop(serial, None)
+        if self.forwarder.replay_slots is not None:
+            self.forwarder.replay_slots.release(serials)
 
     def reset_after_fault(self) -> None:
         """A step raised: nothing may take input tokens from it or trust cached tables, and

@@ -13,6 +13,7 @@ from oracle import hf_greedy, write_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 from shoal import LLM, SamplingParams
+from shoal.engine.scheduler import Scheduler
 from shoal.models.qwen3_next import hybrid_block_size
 
 LINEAR = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -115,3 +116,41 @@ def test_block_size_of_the_real_shapes():
     assert hybrid_block_size(cfg, 2, 1) == 1088
     assert hybrid_block_size(cfg, 2, 2) == 1088  # state and KV heads both halve
     assert hybrid_block_size(cfg, 2, 4) == 576  # KV heads replicate past 2 ranks
+
+
+def test_speculative_decoding_replays_the_accepted_run(tiny, monkeypatch):
+    """ngram's verify path with drafts that are transformers' own continuation, one in two
+    steps with a wrong token: the linear layers fold in only the accepted run (ReplaySSM),
+    and the tokens stay transformers' (lossless)."""
+    import shoal.spec_decode.ngram as ngram
+
+    path, hf = tiny
+    prompts = _prompts(4, seed=6)
+    refs = {tuple(p): hf_greedy(hf, p, 3 * STEPS)[0] for p in prompts}
+    rng = random.Random(0)
+
+    def draft(self, prompt, output) -> list[int]:
+        drafts = list(refs[tuple(prompt)][len(output):len(output) + 3])
+        if drafts and rng.random() < 0.5:
+            drafts[rng.randrange(len(drafts))] = 7
+        return drafts
+
+    monkeypatch.setattr(ngram.NgramDrafter, "draft", draft)
+    verified: list[tuple[int, int]] = []  # (drafts, accepted) of each verify
+    settle = Scheduler._settle_verified
+
+    def count(self, req, num_drafts: int, accepted: int) -> None:
+        verified.append((num_drafts, accepted))
+        settle(self, req, num_drafts, accepted)
+
+    monkeypatch.setattr(Scheduler, "_settle_verified", count)
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64,
+              num_gpu_blocks_override=64, max_model_len=512,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "adaptive_budget": False})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=3 * STEPS, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+    drafts, accepted = map(sum, zip(*verified))
+    assert 0 < accepted < drafts
