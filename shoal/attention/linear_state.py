@@ -180,3 +180,42 @@ class StatePages:
 
     def write_one(self, block: int, conv: torch.Tensor, state: torch.Tensor) -> None:
         self.write(torch.tensor([block], device=self.runs[0][0].device), conv[None], state[None])
+
+
+class StateGraphBuffers:
+    """The graph-buffer hooks of AttentionBackend (alloc / fill / graph_metadata) for a
+    linear-state group, so decode steps of hybrid models replay as CUDA graphs: each row's
+    read and write block in one persistent [2, rows] buffer. Padding rows read the null block
+    (zeros) and write `trash_block`, a block no request holds."""
+
+    name = "linear-state"
+
+    def __init__(self, null_block: int, trash_block: int, block_size: int):
+        self.null_block, self.trash_block, self.block_size = null_block, trash_block, block_size
+
+    def alloc_graph_buffers(self, max_rows: int, max_tokens: int, max_blocks: int,
+                            device: torch.device, **_: object) -> dict:
+        return {"rw": torch.zeros(2, max_rows, dtype=torch.long, device=device),
+                "tables": []}
+
+    def fill_graph_buffers(self, buf: dict, rows: int, q: int, context_lens: list[int],
+                           block_tables: list[list[int]] | None,
+                           slot_mapping: list[int]) -> None:
+        if q != 1:
+            raise NotImplementedError("linear-attention layers replay decode graphs only")
+        if block_tables is not None:  # (live lists: kept, they follow their requests)
+            buf["tables"] = block_tables
+        bs, tables = self.block_size, buf["tables"]
+        pad = rows - len(context_lens)
+        read = [t[(c - 1) // bs] if c else self.null_block for t, c in zip(tables, context_lens)]
+        write = [t[c // bs] for t, c in zip(tables, context_lens)]
+        host = torch.tensor([read + [self.null_block] * pad, write + [self.trash_block] * pad],
+                            dtype=torch.long)
+        buf["rw"][:, :rows].copy_(host, non_blocking=True)
+
+    def graph_metadata(self, buf: dict, rows: int, q: int) -> StateMetadata:
+        rw = buf["rw"]
+        return StateMetadata(rows, rw[0, :rows], rw[1, :rows], [], self.block_size)
+
+    def advance_graph_buffers(self, buf: dict, rows: int) -> None:
+        raise NotImplementedError("linear-attention layers do not draft in graphs")

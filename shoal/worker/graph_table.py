@@ -53,9 +53,12 @@ GraphBody = Callable[[StepShape, torch.Tensor, Any], Any]
 class GraphTable:
     def __init__(self, backend: AttentionBackend, shapes: Sequence[StepShape], max_blocks: int,
                  device: torch.device, *, block_size: int,
-                 windows: Sequence[int | None] = (None,), token_rows: int = 3):
+                 windows: Sequence[int | None] = (None,), token_rows: int = 3,
+                 group_backends: Sequence[Any] | None = None):
         """windows: each KV cache group's sliding window (one set of attention buffers per
-        group: their block tables and slots differ)."""
+        group: their block tables and slots differ); group_backends: whose graph-buffer
+        hooks serve each group (default the attention backend; a linear-state group's are
+        shoal/attention/linear_state.StateGraphBuffers)."""
         if not shapes:
             raise ValueError("a graph table needs at least one shape")
         self.backend = backend
@@ -64,9 +67,10 @@ class GraphTable:
         max_rows = max(s.rows for s in self.shapes)
         max_tokens = max(s.tokens for s in self.shapes)
         self.tokens = StagedTokens(token_rows, max_tokens, device)
-        self.buffers = [backend.alloc_graph_buffers(max_rows, max_tokens, max_blocks, device,
-                                                    block_size=block_size, sliding_window=w)
-                        for w in windows]
+        self.group_backends = list(group_backends or [backend] * len(windows))
+        self.buffers = [b.alloc_graph_buffers(max_rows, max_tokens, max_blocks, device,
+                                              block_size=block_size, sliding_window=w)
+                        for b, w in zip(self.group_backends, windows)]
         # A sliding group's entries become the null block without its table growing: its
         # tables are copied every step.
         self._keep_tables = all(w is None for w in windows)
@@ -115,9 +119,9 @@ class GraphTable:
         """The shape's metadata over buffers holding no real row (capture: the kernels run
         but write and read nothing); one per KV cache group, grouped when there are several."""
         mds = []
-        for buf in self.buffers:
-            self.backend.fill_graph_buffers(buf, shape.rows, shape.q, [], [], [])
-            mds.append(self.backend.graph_metadata(buf, shape.rows, shape.q))
+        for b, buf in zip(self.group_backends, self.buffers):
+            b.fill_graph_buffers(buf, shape.rows, shape.q, [], [], [])
+            mds.append(b.graph_metadata(buf, shape.rows, shape.q))
         return GroupedMetadata.of_groups(mds)
 
     def invalidate_tables(self) -> None:
@@ -140,9 +144,10 @@ class GraphTable:
         key = ((shape, tuple(serials), tuple(len(t) for t in block_tables[0]))
                if serials and shape.q == 1 and self._keep_tables else None)
         keep = key is not None and key == self._tables_key
-        for buf, tables, group_slots in zip(self.buffers, block_tables, slots):
-            self.backend.fill_graph_buffers(buf, shape.rows, shape.q, context_lens,
-                                            None if keep else tables, group_slots)
+        for b, buf, tables, group_slots in zip(self.group_backends, self.buffers,
+                                               block_tables, slots):
+            b.fill_graph_buffers(buf, shape.rows, shape.q, context_lens,
+                                 None if keep else tables, group_slots)
         self._tables_key = key
         return staged
 

@@ -68,9 +68,10 @@ class ModelGraphs:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend,
                  shapes: list[StepShape], max_blocks: int, device: torch.device, *,
                  block_size: int, windows: tuple[int | None, ...] = (None,),
-                 keep_hidden: bool = False, table_type: type[GraphTable] = GraphTable):
+                 keep_hidden: bool = False, table_type: type[GraphTable] = GraphTable,
+                 group_backends: list[Any] | None = None):
         """windows: each KV cache group's sliding window; table_type: a test's stand-in for
-        GraphTable (replays emulated on the CPU)."""
+        GraphTable (replays emulated on the CPU); group_backends: GraphTable's."""
         self.model = model
         # Hold each graph's hidden states (a hidden-state drafter reads them): otherwise they
         # are an intermediate whose pool memory the smaller graphs reuse.
@@ -79,7 +80,7 @@ class ModelGraphs:
         # Padding tokens of a row may attend up to q - 1 positions past its real ones.
         width = max_blocks + -(-max(s.q for s in shapes) // block_size)
         self.table = table_type(backend, shapes, width, device, block_size=block_size,
-                                windows=windows)
+                                windows=windows, group_backends=group_backends)
         self.num_groups = len(windows)
         self.decode_sizes = sorted(s.rows for s in shapes if s.q == 1)
         self.prefill_sizes = sorted(s.q for s in shapes if s.rows == 1 and s.logits_per_row == 1)
@@ -110,8 +111,8 @@ class ModelGraphs:
     def pick(self, inp: StepInputs) -> StepShape | None:
         """The shape whose graph runs this step, or None (the step runs eagerly)."""
         n = len(inp.items)
-        if inp.prompt_lp_spans or n == 0:
-            return None
+        if inp.prompt_lp_spans or n == 0 or any(it.replay for it in inp.items):
+            return None  # (a replay: linear layers fold a verify's run in, eagerly)
         if inp.num_decodes == n == inp.num_tokens:
             rows = round_up(n, self.decode_sizes)
             return None if rows is None else self._known(StepShape(rows, 1))

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from shoal.attention.linear_state import StateGraphBuffers
 from shoal.attention.selector import get_attention_backend
 from shoal.config import EngineConfig
 from shoal.core.executor import Executor
@@ -159,29 +160,39 @@ class ModelRunner(Executor):
         return KVCacheLayout(num_blocks, self.kv_groups)
 
     def _capture_graphs(self) -> None:
-        if any(g.holds_state for g in self.kv_groups):
-            logger.info("linear-attention layers: steps run eagerly (no CUDA graphs yet)")
-            return
         sc = self.config.scheduler_config
         spec = self.config.speculative_config
         max_blocks = -(-sc.max_model_len // self.block_size)
         shapes = step_shapes(sc.max_num_seqs, sc.max_num_batched_tokens,
                              num_speculative_tokens=spec.num_speculative_tokens
                              if spec is not None else 0)
+        if self.has_linear_states:  # decode graphs only: chunks and verifies run eagerly
+            shapes = [s for s in shapes if s.q == 1]
         self.graphs = ModelGraphs(self.model, self.backend, shapes, max_blocks, self.device,
                                   block_size=self.block_size, windows=self.forwarder.windows,
-                                  keep_hidden=self.forwarder.keep_hidden)
+                                  keep_hidden=self.forwarder.keep_hidden,
+                                  group_backends=self.graph_group_backends())
         self.startup_times["cuda_graphs"] = self.graphs.capture()
         if self.drafter is not None:
             # Drafting steps as graph replays: eagerly each one pays the launches.
             self.startup_times["draft_graphs"] = self.drafter.capture_graphs(
                 self.graphs.pool, max_blocks)
 
+    @property
+    def has_linear_states(self) -> bool:
+        return any(g.holds_state for g in self.kv_groups)
+
+    def graph_group_backends(self) -> list:
+        """Whose graph-buffer hooks serve each KV cache group in CUDA graphs."""
+        return [StateGraphBuffers(self.null_block, self.null_block + 1, self.block_size)
+                if g.holds_state else self.backend for g in self.kv_groups]
+
     def bind_kv_cache(self, num_blocks: int) -> None:
         # One extra block at the end is the null block: never allocated, never written, so it
-        # stays zero and padding positions can safely read it.
+        # stays zero and padding positions can safely read it. Linear-attention layers get
+        # one more, which the padding rows of their decode graphs write.
         self.forwarder.null_block = num_blocks
-        slots = (num_blocks + 1) * self.block_size
+        slots = (num_blocks + 1 + self.has_linear_states) * self.block_size
         self.kv_caches = allocate_kv_caches(self.model.attention_layers(), self.kv_specs,
                                             self.kv_groups, slots, self.dtype, self.device,
                                             self.block_size)

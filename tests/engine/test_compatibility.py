@@ -23,6 +23,8 @@ _DRAFT_MODEL = {"method": "draft_model", "model": "/tmp/draft", "num_speculative
 _DP_EP = dict(data_parallel_size=2, enable_expert_parallel=True, data_parallel_rank=0,
               data_parallel_master_port=1234)
 BERT = dict(architectures=["BertModel"], model_type="bert")
+_HYBRID = dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
+               layer_types=["linear_attention", "full_attention"])
 
 # (engine arguments, model config fields, runner, device, max_model_len, a row's message)
 CASES = [
@@ -44,6 +46,10 @@ CASES = [
     (dict(speculative_config=_DRAFT_MODEL), dict(sliding_window=32), "generate", "cpu", 64,
      r"a drafter with a KV cache of its own follows the target's block tables, which a model "
      r"whose every layer has a sliding window \(32\) empties"),
+    (dict(), _HYBRID, "pooling", "cpu", 64,
+     r"runner=.pooling. is not supported for Qwen3NextForCausalLM \(linear-attention layers\)"),
+    (dict(speculative_config=_DRAFT_MODEL), _HYBRID, "generate", "cpu", 64,
+     "only method 'ngram' drafts for Qwen3NextForCausalLM yet"),
     (dict(speculative_config=_SPEC, tensor_parallel_size=2), {}, "generate", "cpu", 64,
      "speculative_config does not support tensor_parallel_size > 1 yet"),
     (dict(speculative_config=_SPEC, pipeline_parallel_size=2), {}, "generate", "cpu", 64,

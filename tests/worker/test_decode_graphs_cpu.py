@@ -280,3 +280,45 @@ def test_a_hybrid_sliding_model_through_the_graphs_matches_torch(tmp_path):
     alone = llm.generate(prompts[1], params, use_tqdm=False)[0]  # a lone prefill chunk
     assert alone.outputs[0].token_ids == ref[1]
     assert {s.q > 1 for s, _ in graphs.runs} == {True, False}  # prefill and decode graphs
+
+
+def test_hybrid_decode_graphs_match_eager(tmp_path):
+    """Gated DeltaNet beside attention: decode steps replay through the graph table with the
+    linear-state groups' read/write buffers (padding rows write the trash block), and give
+    the eager steps' tokens."""
+    from models.test_qwen3_next import KINDS
+    from oracle import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "hybrid", "qwen3_next", seed=1,
+                                 **KINDS["qwen3_next"])
+    rng = random.Random(2)
+    prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(rng.randrange(1, 90))]}
+               for _ in range(5)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(dtype="float32", max_num_batched_tokens=64, num_gpu_blocks_override=64,
+              max_model_len=256, max_num_seqs=6)
+    ref = [o.outputs[0].token_ids for o in LLM(model=str(path), attention_backend="torch", **kw)
+           .generate(prompts, params, use_tqdm=False)]
+    llm = LLM(model=str(path), attention_backend="triton", **kw)
+    runner = llm.llm_engine.core.runner
+    graphs = ModelGraphs(runner.model, runner.backend, [StepShape(b, 1) for b in capture_sizes(6)],
+                         256 // 64, runner.device, block_size=64, table_type=EagerGraphTable,
+                         windows=runner.forwarder.windows,
+                         group_backends=runner.graph_group_backends())
+    graphs.capture()
+    runner.graphs = graphs
+    replays = []
+    real_run = graphs.run
+
+    def run(shape, inp, fill):
+        replays.append((shape.rows, len(inp.items)))
+        return real_run(shape, inp, fill)
+    graphs.run = run
+    trash = runner.null_block + 1
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == ref
+    assert any(rows > n for rows, n in replays)  # padded decode batches replayed
+    # padding rows wrote their states into the trash block, never the null block
+    layer = runner.model.attention_layers()[0]
+    conv, state = layer.pages.read(torch.tensor([runner.null_block, trash]))
+    assert not state[0].any() and not conv[0].any()
