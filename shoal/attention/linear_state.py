@@ -150,6 +150,7 @@ class StatePages:
         if total > planes * per_plane:
             raise ValueError(f"a linear-attention state of {4 * total} bytes does not fit a page "
                              f"of {4 * planes * per_plane}: the block size is too small")
+        self.words = words  # [planes, blocks, per_plane] float32
         self.runs: list[tuple[torch.Tensor, int]] = []  # (plane's words [blocks, n], n)
         left = total
         for p in range(planes):

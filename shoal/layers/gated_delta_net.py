@@ -25,7 +25,7 @@ from shoal.layers.linear import (
     _divide,
     segmented_loader,
 )
-from shoal.layers.linear_attention import LinearAttention, Rest, l2_normed
+from shoal.layers.linear_attention import LinearAttention, Rest
 
 
 def rank_slice_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -90,14 +90,13 @@ class GatedDeltaNet(LinearAttention):
             b, a = ba.split([self.nv, self.nv], dim=-1)
         return x, (z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv))
 
-    def mix(self, x: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
-        n, r = x.shape[0], self.nv // self.nk
-        q, k, v = x.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-        q = l2_normed(q.reshape(n, self.nk, self.dk)).repeat_interleave(r, dim=1)
-        k = l2_normed(k.reshape(n, self.nk, self.dk)).repeat_interleave(r, dim=1)
+    def heads(self, y: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
+        n = y.shape[0]
+        q, k, v = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
         _, b, a = rest
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
-        return q, k, v.reshape(n, self.nv, self.dv).float(), g, b.float().sigmoid()
+        return (q.reshape(n, self.nk, self.dk), k.reshape(n, self.nk, self.dk),
+                v.reshape(n, self.nv, self.dv), g, b.float().sigmoid())
 
     def output(self, o: torch.Tensor, rest: Rest) -> torch.Tensor:
         z = rest[0]

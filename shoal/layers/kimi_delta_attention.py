@@ -83,7 +83,7 @@ class KimiDeltaAttention(LinearAttention):
         d = cfg.linear_head_dim
         super().__init__(conv_dim=3 * heads * d, conv_kernel=cfg.linear_conv_kernel_dim,
                          state_heads=heads, key_dim=d, value_dim=d)
-        self.heads, self.d, self.eps = heads, d, cfg.rms_norm_eps
+        self.heads_per_rank, self.d, self.eps = heads, d, cfg.rms_norm_eps
         hidden, full, n = cfg.hidden_size, cfg.linear_num_heads * d, cfg.linear_num_heads
         qkvb = {"q": (0,), "k": (1,), "v": (2,), "b": (3,)}
         self.qkvb_proj = SegmentedColumnLinear(hidden, [full, full, full, n], qkvb,
@@ -114,23 +114,25 @@ class KimiDeltaAttention(LinearAttention):
 
     def conv_input(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Rest]:
         """x = q | k | v; rest = (b [T, H], forget logits [T, H*D], output gate [T, H*D])."""
-        x, b = self.qkvb_proj(hidden).split([self.conv_dim, self.heads], dim=-1)
+        x, b = self.qkvb_proj(hidden).split([self.conv_dim, self.heads_per_rank], dim=-1)
         f, g = self.fg_a_proj(hidden).split([self.d, self.d], dim=-1)
         return x, (b, self.f_b_proj(f.contiguous()), self.g_b_proj(g.contiguous()))
 
-    def mix(self, x: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
-        n, h, d = x.shape[0], self.heads, self.d
-        q, k, v = (t.reshape(n, h, d) for t in x.split(h * d, dim=-1))
+    qk_norm = staticmethod(fla_l2norm)
+
+    def heads(self, y: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
+        n, h, d = y.shape[0], self.heads_per_rank, self.d
+        q, k, v = (t.reshape(n, h, d) for t in y.split(h * d, dim=-1))
         b, f, _ = rest
         g = kimi_softplus(f.float() + self.dt_bias.float()).view(n, h, d)
         g = -self.A_log.float().exp().unsqueeze(-1) * g
         # beta's sigmoid in the model dtype, as transformers takes it
-        return fla_l2norm(q), fla_l2norm(k), v.float(), g, b.sigmoid().float()
+        return q, k, v, g, b.sigmoid().float()
 
     def output(self, o: torch.Tensor, rest: Rest) -> torch.Tensor:
         gate = rest[2]
         t, dtype = o.shape[0], gate.dtype
         x = o.to(dtype).float()  # the rule's output in the model dtype, as transformers
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        x = self.o_norm.weight.float() * x * gate.view(t, self.heads, self.d).float().sigmoid()
+        x = self.o_norm.weight.float() * x * gate.view(t, self.heads_per_rank, self.d).float().sigmoid()
         return self.o_proj(x.to(dtype).reshape(t, -1))

@@ -8,8 +8,10 @@ the recurrent form (one read and one write of each state), then each prefill chu
 the chunked form, from the state its metadata names and into the blocks it names.
 
 A subclass says how a token becomes the conv input (`conv_input`), how the convolved
-channels become the delta rule's q, k, v, gate and beta (`mix`, float32, q and k L2-normed,
-k heads repeated to the v heads), and how the output becomes the hidden state (`output`)."""
+channels become the delta rule's q and k per key head, v per value head, log-decay g and
+beta (`heads`; `mix` then L2-norms q and k and repeats them to the value heads), and how the
+output becomes the hidden state (`output`). On CUDA a decode batch runs two Triton kernels
+that update the states in place in their pages (shoal/layers/ops/linear_state_decode.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from torch import nn
 from shoal.attention.linear_state import StateChunk, StateMetadata, StatePages, StateReplay
 from shoal.attention.metadata import GroupedMetadata
 from shoal.core.kv_cache_spec import LinearStateSpec
+from shoal.layers.ops import linear_state_decode as decode_kernels
 from shoal.layers.ops.gated_delta_rule import (
     causal_conv1d,
     causal_conv1d_step,
@@ -85,8 +88,21 @@ class LinearAttention(nn.Module):
     def conv_input(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Rest]:
         raise NotImplementedError
 
-    def mix(self, x: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
+    def heads(self, y: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
+        """q, k [n, Hk, Dk] (any dtype, not normed), v [n, H, Dv], g [n, H] or [n, H, Dk]
+        and beta [n, H] (float32)."""
         raise NotImplementedError
+
+    # q and k's L2 norm (Kimi's rounds as fla's sqrt-and-divide does)
+    qk_norm = staticmethod(l2_normed)
+
+    def mix(self, y: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
+        q, k, v, g, beta = self.heads(y, rest)
+        q, k = self.qk_norm(q), self.qk_norm(k)
+        r = v.shape[1] // q.shape[1]
+        if r > 1:
+            q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+        return q, k, v.float(), g, beta
 
     def output(self, o: torch.Tensor, rest: Rest) -> torch.Tensor:
         raise NotImplementedError
@@ -123,12 +139,26 @@ class LinearAttention(nn.Module):
 
     def _decodes(self, x: torch.Tensor, rest: Rest, md: StateMetadata) -> torch.Tensor:
         assert self.pages is not None and md.decode_read is not None
+        if x.is_cuda and decode_kernels.kernel_fits(self.key_dim, self.value_dim):
+            return self._decodes_in_place(x, rest, md)
         conv, state = self.pages.read(md.decode_read)
         y, conv = causal_conv1d_step(x, self.conv_weight, self.conv_bias, conv.to(x.dtype))
         q, k, v, g, beta = self.mix(y, rest)
         o, state = recurrent_gated_delta_rule(q, k, v, g, beta, state, scale=self.scale)
         self.pages.write(md.decode_write, conv, state)
         return o
+
+    def _decodes_in_place(self, x: torch.Tensor, rest: Rest,
+                          md: StateMetadata) -> torch.Tensor:
+        assert self.pages is not None
+        words = self.pages.words
+        pages = decode_kernels.PageWords(words, words.shape[2], words.stride(0),
+                                         words.stride(1))
+        y = decode_kernels.conv_step(x, self.conv_weight, self.conv_bias, pages,
+                                     md.decode_read, md.decode_write)
+        q, k, v, g, beta = self.heads(y, rest)
+        return decode_kernels.delta_rule_step(q, k, v, g, beta, pages, self.pages.conv_words,
+                                              md.decode_read, md.decode_write, self.scale)
 
     def _chunk(self, x: torch.Tensor, rest: Rest, ch: StateChunk,
                block_size: int) -> torch.Tensor:
