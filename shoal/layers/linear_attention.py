@@ -23,6 +23,7 @@ from torch import nn
 from shoal.attention.linear_state import StateChunk, StateMetadata, StatePages, StateReplay
 from shoal.attention.metadata import GroupedMetadata
 from shoal.core.kv_cache_spec import LinearStateSpec
+from shoal.layers.ops import fla_chunk
 from shoal.layers.ops import linear_state_decode as decode_kernels
 from shoal.layers.ops.gated_delta_rule import (
     causal_conv1d,
@@ -166,10 +167,13 @@ class LinearAttention(nn.Module):
         conv, state = self.pages.read_one(ch.read)
         conv0 = conv[0].to(x.dtype)
         y, conv_end = causal_conv1d(x, self.conv_weight, self.conv_bias, conv0)
-        q, k, v, g, beta = self.mix(y, rest)
-        o, state, saved = chunk_gated_delta_rule(
-            q, k, v, g, beta, state[0], scale=self.scale, offset=ch.offset,
-            save_every=block_size if ch.saves else 0)
+        if fla_chunk.usable(x):
+            o, state, saved = self._fla_chunk(y, rest, state[0], ch, block_size)
+        else:
+            q, k, v, g, beta = self.mix(y, rest)
+            o, state, saved = chunk_gated_delta_rule(
+                q, k, v, g, beta, state[0], scale=self.scale, offset=ch.offset,
+                save_every=block_size if ch.saves else 0)
         if ch.saves:  # the prefix cache's snapshots at the block ends inside the chunk
             inputs = torch.cat([conv0.t(), x], dim=0)  # [K-1 + L, C]: each conv window
             width = self.conv_kernel - 1
@@ -178,6 +182,21 @@ class LinearAttention(nn.Module):
                 self.pages.write_one(block, inputs[end:end + width].t(), snap)
         self.pages.write_one(ch.write, conv_end, state)
         return o
+
+    def _fla_chunk(self, y: torch.Tensor, rest: Rest, state: torch.Tensor, ch: StateChunk,
+                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        """The chunk through fla-core's kernels, a call per piece between block ends when
+        their states are kept."""
+        q, k, v, g, beta = self.heads(y, rest)
+        pieces = (fla_chunk.block_end_segments(y.shape[0], ch.offset, block_size)
+                  if ch.saves else [(0, y.shape[0])])
+        outs, saved = [], []
+        for a, b in pieces:
+            o, state = fla_chunk.chunk_rule(q[a:b], k[a:b], v[a:b], g[a:b], beta[a:b], state,
+                                            self.scale)
+            outs.append(o)
+            saved.append(state)
+        return torch.cat(outs) if len(outs) > 1 else outs[0], state, saved
 
     # ---- speculative decoding (ReplaySSM, see shoal/attention/linear_state.py) -------------
     def _verify(self, x: torch.Tensor, rest: Rest, ch: StateChunk,
