@@ -1,0 +1,823 @@
+"""Hybrid linear-attention models on one GPU (written for an H200): Qwen3-Next, Qwen3.5 (dense
+and MoE, text only) and Kimi Linear. Greedy agreement with transformers on 4-layer random
+checkpoints of the real width, batch-1 decode against the active-weight read floor, W1-style
+throughput, and long-context decode with the KV + recurrent-state bytes a sequence holds,
+against the same model with every layer full attention. Engine parts run the shipped shapes
+(shoal/model_configs/) on random weights (load_format="dummy"): prompts are token ids.
+
+    python benchmarks/hybrid_gpu.py all --out bench-work/hybrid-h200.json
+    python benchmarks/hybrid_gpu.py correctness,batch1,w1,long_context --out FILE \
+        [--models Qwen/Qwen3.5-27B,...] [--num-requests N] [--contexts 1024,32768]
+    python benchmarks/hybrid_gpu.py all --smoke --out /tmp/hy.json   # CPU, tiny configs
+
+Models (--models, comma list; default all four): Qwen/Qwen3-Next-80B-A3B-Instruct-24layers
+(the 80B cut to 24 of its 48 layers: 80B in bf16 does not fit one H200), Qwen/Qwen3.5-27B,
+Qwen/Qwen3.5-35B-A3B, moonshotai/Kimi-Linear-48B-A3B-Instruct. `all` on all four builds 12
+engines and prefills 128k tokens 8 times: on a machine that limits one command's time, run one
+model (or one part) per command, e.g. `--models Qwen/Qwen3.5-27B` or `long_context --models ...`.
+
+Parts (one JSON record each per model, the file rewritten after every part):
+
+- correctness: transformers' class for the family at the real hidden sizes but 4 layers (3
+  linear + 1 full attention; Kimi: kda_layers [1, 2, 3], full_attn_layers [4]), random
+  weights as tests/oracle.py write_tiny_checkpoint draws them (A_log ~ N(0, 0.3), dt_bias ~
+  U(-4, -2), vectors U(0.5, 1.5)) with matrices N(0, 0.2 * sqrt(64 / fan_in)) for fan_in >
+  64 (the tiny checkpoint's gain per matmul at hidden 64; 0.2 unscaled would blow up at real
+  widths), in the engine dtype on the device; save_pretrained, loaded by shoal; 4 prompts of
+  20-300 random ids, 16 greedy tokens each. Records the share of tokens equal to transformers'
+  greedy, the largest |logprob difference| over each prompt's agreeing prefix (after a
+  divergence the contexts differ), the first divergence step and transformers' own margin
+  there (bf16 near-ties diverge: reported, not failed). A transformers without the family's
+  class gives {"skipped": "transformers X has no class Y"}.
+- batch1: 128 prompt ids, 256 output tokens, greedy, median of 3 (offline_runs.batch1, as
+  deepseek_gpu). Floor: active parameters x 2 bytes / COPY_BANDWIDTH (deepseek_gpu.count_active:
+  total minus the routed experts plus top-k experts per MoE layer; a dense model: all), and the
+  floor with the attention KV at the mean context plus each linear layer's state read and
+  written once per token.
+- w1: deepseek_gpu's w1 (W1 requests, max_num_seqs 256; --num-requests for fewer).
+- long_context: for contexts 1k, 32k, 128k (--contexts; capped by max_model_len), one request
+  prefilled to that length (max_num_batched_tokens 8192: chunked) then ~32 greedy tokens:
+  prefill (TTFT) and decode ms per token from RequestOutput.metrics. Bytes a sequence holds,
+  from the engine's layout (runner kv_groups / kv_specs / kv_caches, engine_internals): exact
+  (attention rows x tokens + every linear layer's state) and at block granularity (attention
+  groups x ceil(tokens / block) blocks + one block per state group, x the bytes of a block id).
+  Against the same width with every layer full attention (layer_types all "full_attention";
+  Kimi: every layer MLA): layers x 2 x kv_heads x head_dim x 2 bytes a token (Kimi: layers x
+  (kv_lora_rank + qk_rope_head_dim) x 2), and, in its own engine (decode CUDA graphs as the
+  hybrid's; --enforce-eager: both eager), the same timings for every context whose KV fits next
+  to its weights; the others are bytes only. A long_context_summary record pairs both.
+
+Stages run in child processes, one per (model, stage): correctness (transformers + a small
+engine), engine (batch1, w1, long_context on one engine, max_model_len the largest context +
+decode + 128) and full (the all-full-attention engine). Each child's GPU memory comes back
+when it exits; engines built in turn in one process may stay alive (the engine freezes its
+start-up heap out of the garbage collector's reach). A child that dies or outlasts
+--stage-timeout leaves an error record with its stderr tail; exit status 1 when any record
+has an error. --no-isolate runs them all in
+this process. --smoke writes tiny configs of the four families (4 layers, hidden 64) to a
+temp folder and runs every part on the CPU in float32 with small sizes."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gc
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import engine_internals
+import offline_runs
+from bench_args import REQUIRED, add_common, comma_ints, comma_words
+from deepseek_gpu import count_active
+from offline_runs import COPY_BANDWIDTH
+from results_file import record, shoal_source, write
+
+# Shipped shapes: name -> shoal/model_configs/<folder>.
+CONFIG_FOLDERS = {
+    "Qwen/Qwen3-Next-80B-A3B-Instruct-24layers": "qwen3-next-80b-a3b-24layers",
+    "Qwen/Qwen3.5-27B": "qwen3.5-27b",
+    "Qwen/Qwen3.5-35B-A3B": "qwen3.5-35b-a3b",
+    "moonshotai/Kimi-Linear-48B-A3B-Instruct": "kimi-linear-48b-a3b",
+}
+MODELS = list(CONFIG_FOLDERS)
+# transformers' class of each family (model_type -> class name).
+HF_CLASSES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
+              "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "kimi_linear": "KimiLinearForCausalLM"}
+PARTS = ("correctness", "batch1", "w1", "long_context")
+# (stage, its parts): each stage is one child process per model.
+STAGES = (("correctness", ("correctness",)), ("engine", ("batch1", "w1", "long_context")),
+          ("full", ("long_context",)))
+WORKLOAD = {"full": "long_context_full_attention"}  # a stage's record names, where not the part's
+
+FULL = dict(dtype="bfloat16", max_model_len=None, b1_in=128, b1_out=256, w1_in=(100, 1024),
+            w1_out=(100, 1024), num_requests=256, kv_cache_memory_bytes=None,
+            contexts=[1024, 32768, 131072], decode_tokens=32, max_num_batched_tokens=8192,
+            corr_prompts=4, corr_len=(20, 300), corr_steps=16, corr_max_model_len=1024,
+            corr_kv_bytes=4 << 30)
+SMOKE = dict(dtype="float32", max_model_len=512, b1_in=16, b1_out=12, w1_in=(8, 40),
+             w1_out=(4, 16), num_requests=6, kv_cache_memory_bytes=32 << 20,
+             contexts=[64, 256, 480], decode_tokens=8, max_num_batched_tokens=128,
+             corr_prompts=4, corr_len=(20, 120), corr_steps=16, corr_max_model_len=512,
+             corr_kv_bytes=32 << 20)
+# GPU memory kept free beside weights and KV when deciding whether a variant fits.
+ACTIVATION_MARGIN = 8 << 30
+
+# ---- tiny configs of --smoke (the structure of each family at toy sizes) -------------------
+_TINY = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+         "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+         "tie_word_embeddings": False, "torch_dtype": "float32"}
+_LINEAR = {"head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+           "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+           "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32, "norm_topk_prob": True, "mlp_only_layers": []}
+SMOKE_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny-qwen3-next": {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+                        **_TINY, **_LINEAR, **_MOE},
+    "tiny-qwen3.5": {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
+                     **_TINY, **_LINEAR},
+    "tiny-qwen3.5-moe": {"architectures": ["Qwen3_5MoeForCausalLM"],
+                         "model_type": "qwen3_5_moe_text", **_TINY, **_LINEAR, **_MOE},
+    "tiny-kimi-linear": {
+        "architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", **_TINY,
+        "num_key_value_heads": 4, "kv_lora_rank": 32, "q_lora_rank": None,
+        "qk_rope_head_dim": 16, "qk_nope_head_dim": 16, "v_head_dim": 16,
+        "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_token": 2,
+        "num_shared_experts": 1, "num_expert_group": 2, "topk_group": 1,
+        "routed_scaling_factor": 2.5, "first_k_dense_replace": 1, "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid", "use_grouped_topk": True,
+        "mla_use_nope": True, "pad_token_id": 0, "rms_norm_eps": 1e-5,
+        "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4],
+                               "head_dim": 16, "num_heads": 2, "short_conv_kernel_size": 4}},
+}
+
+
+def write_smoke_configs(root: Path) -> list[str]:
+    out = []
+    for name, cfg in SMOKE_CONFIGS.items():
+        (root / name).mkdir(parents=True, exist_ok=True)
+        (root / name / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        out.append(str(root / name))
+    return out
+
+
+# ---- configs -------------------------------------------------------------------------------
+
+def config_folder(model: str) -> Path:
+    """A folder as given, else the shipped shape's folder in the shoal tree `import shoal`
+    loads (a data file, not an engine API)."""
+    if Path(model, "config.json").exists() or model not in CONFIG_FOLDERS:
+        return Path(model)
+    tree = shoal_source()
+    return Path(tree or ".", "shoal", "model_configs", CONFIG_FOLDERS[model])
+
+
+def raw_config(model: str) -> dict[str, Any]:
+    return json.loads((config_folder(model) / "config.json").read_text())
+
+
+def hf_config(raw: dict[str, Any]) -> Any:
+    from transformers import AutoConfig
+
+    kw = {k: v for k, v in raw.items() if k not in ("model_type", "architectures")}
+    cfg = AutoConfig.for_model(raw["model_type"], **kw)
+    cfg.architectures = raw.get("architectures")
+    return cfg
+
+
+def four_layers(raw: dict[str, Any]) -> dict[str, Any]:
+    """3 linear-attention layers, then 1 full-attention layer, at the config's width."""
+    raw = {**raw, "num_hidden_layers": 4}
+    if raw["model_type"] == "kimi_linear":
+        raw["linear_attn_config"] = {**raw["linear_attn_config"], "kda_layers": [1, 2, 3],
+                                     "full_attn_layers": [4]}
+        raw.pop("layer_types", None)
+        raw.pop("mlp_layer_types", None)
+    else:
+        raw["layer_types"] = ["linear_attention"] * 3 + ["full_attention"]
+    return raw
+
+
+def all_full_attention(raw: dict[str, Any]) -> dict[str, Any]:
+    n = raw["num_hidden_layers"]
+    raw = dict(raw)
+    if raw["model_type"] == "kimi_linear":
+        raw["linear_attn_config"] = {**raw["linear_attn_config"], "kda_layers": [],
+                                     "full_attn_layers": list(range(1, n + 1))}
+        raw.pop("layer_types", None)
+    else:
+        raw["layer_types"] = ["full_attention"] * n
+    return raw
+
+
+def max_positions(cfg: Any) -> int:
+    return int(getattr(cfg, "max_position_embeddings", 0) or 1 << 20)
+
+
+def config_bytes(cfg: Any, elem: int) -> dict[str, Any]:
+    """From the config alone: attention bytes a token (full-attention layers), state bytes a
+    sequence (linear layers, float32) and the all-full-attention variant's bytes a token."""
+    kinds = list(cfg.layer_types)
+    n_full = kinds.count("full_attention")
+    if cfg.model_type == "kimi_linear":
+        per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem  # one latent row
+        heads, d, k = cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_conv_kernel_dim
+        state = 4 * (3 * heads * d * (k - 1) + heads * d * d)
+        rule = f"layers x (kv_lora_rank + qk_rope_head_dim) x {elem} B (MLA latent row)"
+    else:
+        per_layer = 2 * cfg.num_key_value_heads * cfg.head_dim * elem
+        nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        state = 4 * ((2 * nk * dk + nv * dv) * (cfg.linear_conv_kernel_dim - 1) + nv * dk * dv)
+        rule = f"layers x 2 x kv_heads x head_dim x {elem} B"
+    return dict(attention_layers=n_full, linear_layers=len(kinds) - n_full,
+                attention_bytes_per_token=n_full * per_layer,
+                state_bytes_per_seq=(len(kinds) - n_full) * state,
+                state_bytes_per_linear_layer=state,
+                full_attention_bytes_per_token=len(kinds) * per_layer,
+                full_attention_rule=rule)
+
+
+def engine_layout(llm: Any) -> dict[str, Any] | None:
+    """The pool as the runner laid it out (an internal: None without it)."""
+    run = engine_internals.runner(llm)
+    groups = getattr(run, "kv_groups", None)
+    specs = getattr(run, "kv_specs", None)
+    caches = getattr(run, "kv_caches", None)
+    if not (groups and specs and caches):
+        return None
+    bs = int(run.block_size)
+    per_slot = sum(kv.numel() // kv.shape[1] * kv.element_size() for kv in caches)
+    attn = [g for g in groups if not getattr(g, "holds_state", False)]
+    states = [g for g in groups if getattr(g, "holds_state", False)]
+    attn_layers = [i for g in attn for i in g.layers]
+    state_layers = [i for g in states for i in g.layers]
+    num_blocks = int(caches[0].shape[1]) // bs - 1  # one null block past the pool
+    return dict(block_size=bs, num_blocks=num_blocks, bytes_per_block=per_slot * bs,
+                pool_gib=num_blocks * per_slot * bs / 2**30,
+                group_sizes=[len(g.layers) for g in groups], attention_groups=len(attn),
+                state_groups=len(states), attention_layers=len(attn_layers),
+                linear_layers=len(state_layers),
+                attention_bytes_per_token=sum(specs[i].page_bytes(1) for i in attn_layers),
+                state_bytes_per_seq=sum(specs[i].state_bytes for i in state_layers),
+                source="runner kv_groups / kv_specs / kv_caches")
+
+
+def seq_bytes(tokens: int, lay: dict[str, Any] | None, cb: dict[str, Any]) -> dict[str, Any]:
+    """What one sequence of `tokens` holds: exact, at block granularity, and the all-full
+    variant's exact bytes."""
+    src = lay or cb
+    exact = src["attention_bytes_per_token"] * tokens + src["state_bytes_per_seq"]
+    full = cb["full_attention_bytes_per_token"] * tokens
+    out = dict(kv_state_bytes_exact=exact, kv_bytes_exact=src["attention_bytes_per_token"] * tokens,
+               state_bytes=src["state_bytes_per_seq"], full_attention_kv_bytes=full,
+               hybrid_over_full=exact / full if full else None)
+    if lay:
+        blocks = lay["attention_groups"] * -(-tokens // lay["block_size"]) + lay["state_groups"]
+        out |= dict(pool_blocks=blocks, kv_state_bytes_pool=blocks * lay["bytes_per_block"])
+    return out
+
+
+# ---- engines -------------------------------------------------------------------------------
+
+def engine_kw(args: argparse.Namespace, sizes: dict[str, Any], max_model_len: int,
+              **extra: Any) -> dict[str, Any]:
+    kw: dict[str, Any] = dict(load_format="dummy", dtype=sizes["dtype"],
+                              max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                              max_num_batched_tokens=args.max_num_batched_tokens
+                              or sizes["max_num_batched_tokens"],
+                              enforce_eager=args.enforce_eager, **extra)
+    if sizes["kv_cache_memory_bytes"] is not None:
+        kw |= {"kv_cache_memory_bytes": sizes["kv_cache_memory_bytes"], "device": "cpu"}
+    return kw
+
+
+def free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def contexts_for(args: argparse.Namespace, sizes: dict[str, Any]) -> list[int]:
+    return list(args.contexts or sizes["contexts"])
+
+
+def hybrid_max_model_len(args: argparse.Namespace, sizes: dict[str, Any], cfg: Any) -> int:
+    if args.max_model_len or sizes["max_model_len"]:
+        return int(args.max_model_len or sizes["max_model_len"])
+    want = max(contexts_for(args, sizes)) + sizes["decode_tokens"] + 128
+    return min(want, max_positions(cfg))
+
+
+def timed_request(llm: Any, tokens: int, decode: int, vocab: int, seed: int) -> dict[str, Any]:
+    """One request of `tokens` random ids and decode + 1 greedy tokens: TTFT (the prefill,
+    chunked) and decode ms a token, from the engine's RequestOutput.metrics."""
+    from shoal import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(temperature=0, max_tokens=decode + 1, ignore_eos=True)
+    t0 = time.perf_counter()
+    out = llm.generate(offline_runs.random_prompt(rng, tokens, vocab), params,
+                       use_tqdm=False)[0]
+    wall = time.perf_counter() - t0
+    n, m = len(out.outputs[0].token_ids), out.metrics
+    prefill = decode_ms = None
+    if m is not None and m.first_token_time is not None:
+        prefill = m.first_token_time - m.arrival_time
+        if m.finished_time is not None and n > 1:
+            decode_ms = (m.finished_time - m.first_token_time) / (n - 1) * 1000
+    return dict(prefill_s=prefill, decode_ms_per_token=decode_ms, decode_tokens=n - 1,
+                wall_s=wall, num_cached_tokens=out.num_cached_tokens,
+                prefill_tok_s=tokens / prefill if prefill else None)
+
+
+def measure_contexts(llm: Any, contexts: list[int], limit: int, sizes: dict[str, Any],
+                     cb: dict[str, Any], vocab: int, seed: int) -> tuple[dict | None, list]:
+    """Bytes and timings of each context (a warm-up request first); contexts over `limit`
+    tokens, or whose blocks the pool cannot hold, get bytes only."""
+    lay = engine_layout(llm)
+    decode = sizes["decode_tokens"]
+    timed_request(llm, min(64, limit - decode - 1), 4, vocab, seed)  # warm-up
+    rows = []
+    for i, c in enumerate(contexts):
+        row: dict[str, Any] = dict(context=c, **seq_bytes(c, lay, cb))
+        if c + decode + 1 > limit:
+            row["skipped"] = f"context + {decode + 1} tokens over max_model_len {limit}"
+        elif lay and seq_bytes(c + decode + 1, lay, cb)["pool_blocks"] > lay["num_blocks"]:
+            row["skipped"] = f"needs more than the pool's {lay['num_blocks']} blocks"
+        else:
+            row |= timed_request(llm, c, decode, vocab, seed + 1 + i)
+        print(json.dumps(row, default=str), flush=True)
+        rows.append(row)
+    return lay, rows
+
+
+class EngineStage:
+    """The shipped shape on one engine (built on first use) for batch1, w1, long_context."""
+
+    def __init__(self, args: argparse.Namespace, sizes: dict[str, Any], model: str):
+        self.args, self.sizes, self.model = args, sizes, model
+        self.cfg = hf_config(raw_config(model))
+        self.max_model_len = hybrid_max_model_len(args, sizes, self.cfg)
+        self._engine: offline_runs.Engine | None = None
+        self._build_error: str | None = None
+
+    @property
+    def llm(self) -> Any:
+        if self._engine is None:
+            if self._build_error is not None:
+                raise RuntimeError(f"engine did not start: {self._build_error}")
+            try:
+                self._engine = offline_runs.start_engine(
+                    str(config_folder(self.model)),
+                    **engine_kw(self.args, self.sizes, self.max_model_len))
+            except Exception as e:
+                self._build_error = f"{type(e).__name__}: {e}"
+                raise
+        return self._engine.llm
+
+    def vocab(self) -> int:
+        return int(self.cfg.vocab_size)
+
+    def common(self) -> dict[str, Any]:
+        eng = self._engine
+        return dict(model=self.model, family=self.cfg.model_type, dtype=self.sizes["dtype"],
+                    smoke=self.args.smoke, ready_s=eng.ready_s if eng else None,
+                    process_ready_s=eng.process_ready_s if eng else None,
+                    max_num_seqs=self.args.max_num_seqs, max_model_len=self.max_model_len,
+                    enforce_eager=self.args.enforce_eager,
+                    max_num_batched_tokens=self.args.max_num_batched_tokens
+                    or self.sizes["max_num_batched_tokens"])
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.llm.shutdown()
+            self._engine = None
+            free_memory()
+
+
+def roofline(st: EngineStage, decode: float) -> dict[str, Any]:
+    model = getattr(engine_internals.runner(st.llm), "model", None)
+    if model is None:
+        return dict(roofline_tok_s=None, params=None)
+    counts = count_active(model, int(getattr(st.cfg, "num_experts_per_tok", 0) or 0))
+    weight_bytes = counts["active_params"] * counts["param_bytes"]
+    roof = COPY_BANDWIDTH / weight_bytes
+    tight = COPY_BANDWIDTH / (counts["active_params_without_embedding"] * counts["param_bytes"])
+    lay = engine_layout(st.llm) or config_bytes(st.cfg, counts["param_bytes"])
+    mean_ctx = st.sizes["b1_in"] + st.sizes["b1_out"] / 2
+    kv_state = lay["attention_bytes_per_token"] * mean_ctx + 2 * lay["state_bytes_per_seq"]
+    with_kv = COPY_BANDWIDTH / (weight_bytes + kv_state)
+    return dict(
+        weight_bytes_per_token=weight_bytes, copy_bandwidth=COPY_BANDWIDTH,
+        roofline_tok_s=roof, fraction_of_roofline=decode / roof,
+        roofline_tok_s_one_embedding_row=tight,
+        fraction_of_roofline_one_embedding_row=decode / tight,
+        kv_state_bytes_per_decode_token=kv_state, roofline_tok_s_with_kv_state=with_kv,
+        fraction_of_roofline_with_kv_state=decode / with_kv, params=counts,
+        active_params_rule=(
+            "deepseek_gpu.count_active: all parameters of the engine's model minus the routed "
+            "experts' stacked w13/w2, plus num_experts_per_tok x one expert per MoE layer "
+            "(router, shared expert and every linear/full attention layer in full)"),
+        roofline_rule=("weight_bytes_per_token / COPY_BANDWIDTH; _with_kv_state adds the "
+                       "attention KV at the mean context and every linear layer's float32 "
+                       "state read and written once per token"))
+
+
+def batch1(st: EngineStage) -> dict[str, Any]:
+    s = st.sizes
+    fig = offline_runs.batch1(st.llm, st.vocab(), s["b1_in"], s["b1_out"])
+    return record("batch1", "shoal", **st.common(), batch=1, input_len=s["b1_in"],
+                  output_len=s["b1_out"], **fig, **roofline(st, fig["decode_tok_s"] or 0),
+                  graph_replay_ms=engine_internals.graph_replay_ms(st.llm))
+
+
+def w1(st: EngineStage) -> dict[str, Any]:
+    s = st.sizes
+    n = st.args.num_requests or s["num_requests"]
+    prompts, params, ins, outs = offline_runs.w1_requests(
+        n, min(10000, st.vocab()), in_range=s["w1_in"], out_range=s["w1_out"])
+    fig = offline_runs.throughput(st.llm, prompts, params)
+    return record("w1", "shoal", **st.common(), num_requests=n,
+                  input_len_range=list(s["w1_in"]), output_len_range=list(s["w1_out"]),
+                  total_input_tokens=sum(ins), expected_output_tokens=sum(outs), **fig,
+                  temperature=0.6)
+
+
+def long_context(st: EngineStage) -> dict[str, Any]:
+    elem = 2 if st.sizes["dtype"] == "bfloat16" else 4
+    cb = config_bytes(st.cfg, elem)
+    lay, rows = measure_contexts(st.llm, contexts_for(st.args, st.sizes), st.max_model_len,
+                                 st.sizes, cb, st.vocab(), st.args.seed)
+    return record("long_context", "shoal", **st.common(), layout=lay, from_config=cb,
+                  contexts=rows, bytes_rule=BYTES_RULE)
+
+
+BYTES_RULE = ("kv_state_bytes_exact: attention rows a token x tokens + every linear layer's "
+              "float32 state; kv_state_bytes_pool: (attention groups x ceil(tokens / "
+              "block_size) + state groups) blocks x bytes of a block id (a state group holds "
+              "one live block a request; block-end snapshots of a prompt chunk come on top "
+              "until its next step); full_attention_kv_bytes: from the config (see "
+              "from_config.full_attention_rule)")
+
+
+def full_attention(args: argparse.Namespace, sizes: dict[str, Any], model: str) -> dict:
+    """The same width with every layer full attention, in its own engine where it fits."""
+    import torch
+
+    raw = all_full_attention(raw_config(model))
+    cfg = hf_config(raw)
+    elem = 2 if sizes["dtype"] == "bfloat16" else 4
+    cb = config_bytes(cfg, elem)
+    decode = sizes["decode_tokens"]
+    contexts = contexts_for(args, sizes)
+    weights = variant_params(cfg)
+    fits, budget = list(contexts), None
+    if torch.cuda.is_available() and sizes["kv_cache_memory_bytes"] is None:
+        budget = 0.9 * torch.cuda.get_device_properties(0).total_memory - ACTIVATION_MARGIN
+        budget -= (weights or 0) * elem
+        fits = [c for c in contexts
+                if cb["full_attention_bytes_per_token"] * (c + decode + 1) * 1.05 <= budget]
+    common = dict(model=model, family=cfg.model_type, dtype=sizes["dtype"], smoke=args.smoke,
+                  variant="every layer full attention", variant_params=weights,
+                  kv_budget_bytes=budget, enforce_eager=args.enforce_eager,
+                  from_config=cb)
+    if not fits:
+        rows = [dict(context=c, **seq_bytes(c, None, cb),
+                     skipped="KV does not fit beside the weights: bytes only") for c in contexts]
+        return record(WORKLOAD["full"], "shoal", **common, contexts=rows)
+    tmp = tempfile.mkdtemp(prefix="hybrid-full-")
+    eng = None
+    try:
+        (Path(tmp) / "config.json").write_text(json.dumps(raw, indent=2))
+        limit = min(max(fits) + decode + 128, max_positions(cfg))
+        if sizes["max_model_len"]:
+            limit = sizes["max_model_len"]
+        eng = offline_runs.start_engine(tmp, **engine_kw(args, sizes, limit))
+        lay, rows = measure_contexts(eng.llm, fits, limit, sizes, cb, int(cfg.vocab_size),
+                                     args.seed)
+        rows += [dict(context=c, **seq_bytes(c, lay, cb),
+                      skipped="KV does not fit beside the weights: bytes only")
+                 for c in contexts if c not in fits]
+        rows.sort(key=lambda r: r["context"])
+        return record(WORKLOAD["full"], "shoal", **common, ready_s=eng.ready_s,
+                      max_model_len=limit, layout=lay, contexts=rows, bytes_rule=BYTES_RULE)
+    finally:
+        if eng is not None:
+            eng.llm.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+        free_memory()
+
+
+def variant_params(cfg: Any) -> int | None:
+    """Parameters of shoal's model for cfg, built on the meta device."""
+    import torch
+
+    try:
+        from shoal.models.registry import resolve_model_class
+
+        with torch.device("meta"):
+            model = resolve_model_class(cfg)(cfg, torch.bfloat16)
+        return sum(p.numel() for p in model.parameters())
+    except Exception:
+        traceback.print_exc()
+        return None
+
+
+# ---- correctness ---------------------------------------------------------------------------
+
+def hf_greedy(model: Any, prompt_ids: list[int], n: int, device: str) -> tuple[list, list]:
+    """tests/oracle.py hf_greedy on a device: tokens and each step's log-softmax."""
+    import torch
+
+    ids = torch.tensor([prompt_ids], device=device)
+    out, logps, past = [], [], None
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            last = res.logits[0, -1].float()
+            logps.append(torch.log_softmax(last, -1).cpu())
+            tok = int(last.argmax())
+            out.append(tok)
+            ids = torch.tensor([[tok]], device=device)
+    return out, logps
+
+
+def randomize(model: Any) -> None:
+    """write_tiny_checkpoint's draw, matrices scaled to keep its gain at any width."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.normal_(0, 0.3)
+            elif name.endswith("dt_bias"):
+                p.uniform_(-4, -2)
+            elif p.dim() > 1:
+                p.normal_(0, 0.2 * min(1.0, math.sqrt(64 / p.shape[-1])))
+            else:
+                p.uniform_(0.5, 1.5)
+
+
+def correctness(args: argparse.Namespace, sizes: dict[str, Any], model: str) -> dict:
+    import torch
+    import transformers
+
+    raw = four_layers(raw_config(model))
+    name = HF_CLASSES.get(raw["model_type"], "?")
+    base = dict(model=model, family=raw["model_type"], hf_class=name, dtype=sizes["dtype"],
+                smoke=args.smoke)
+    try:
+        hf_cls = getattr(transformers, name)
+        cfg = hf_config(raw)
+    except Exception as e:
+        return record("correctness", "shoal", **base, skipped=(
+            f"transformers {transformers.__version__} has no class {name} ({type(e).__name__})"))
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    dtype = getattr(torch, sizes["dtype"])
+    torch.manual_seed(args.seed)
+    t0 = time.perf_counter()
+    with torch.device(device):
+        hf = hf_cls._from_config(cfg, dtype=dtype).eval()
+    randomize(hf)
+    tmp = tempfile.mkdtemp(prefix="hybrid-correctness-")
+    llm = None
+    try:
+        hf.save_pretrained(tmp)
+        build_s = time.perf_counter() - t0
+        llm = shoal_llm(tmp, sizes, device)
+        return record("correctness", "shoal", **base, **compare(llm, hf, cfg, sizes, device,
+                                                               args.seed),
+                      layers=4, layer_types=list(cfg.layer_types),
+                      hidden_size=cfg.hidden_size, hf_params=sum(
+                          p.numel() for p in hf.parameters()), hf_build_save_s=build_s,
+                      init_rule=("A_log ~ N(0, 0.3), dt_bias ~ U(-4, -2), vectors U(0.5, 1.5), "
+                                 "matrices N(0, 0.2 * min(1, sqrt(64 / fan_in)))"),
+                      note="bf16 near-ties diverge: reported, not failed")
+    finally:
+        if llm is not None:
+            llm.shutdown()
+        del hf, llm
+        shutil.rmtree(tmp, ignore_errors=True)
+        free_memory()
+
+
+def shoal_llm(folder: str, sizes: dict[str, Any], device: str) -> Any:
+    from shoal import LLM
+
+    kw: dict[str, Any] = dict(dtype=sizes["dtype"], max_model_len=sizes["corr_max_model_len"],
+                              max_num_seqs=8, kv_cache_memory_bytes=sizes["corr_kv_bytes"])
+    if device == "cpu":
+        kw["device"] = "cpu"
+    return LLM(model=folder, **kw)
+
+
+def compare(llm: Any, hf: Any, cfg: Any, sizes: dict[str, Any], device: str,
+            seed: int) -> dict[str, Any]:
+    from shoal import SamplingParams
+
+    rng = random.Random(seed)
+    steps = sizes["corr_steps"]
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(*sizes["corr_len"]))]
+               for _ in range(sizes["corr_prompts"])]
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    shoal_s = time.perf_counter() - t0
+    same = total = 0
+    rows = []
+    for p, o in zip(prompts, outs):
+        ref, ref_lp = hf_greedy(hf, p, steps, device)
+        got = list(o.outputs[0].token_ids)
+        agree = [a == b for a, b in zip(got, ref)]
+        same, total = same + sum(agree), total + steps
+        div = next((i for i, a in enumerate(agree) if not a), None)
+        diffs = [abs(o.outputs[0].logprobs[i][got[i]].logprob - ref_lp[i][got[i]].item())
+                 for i in range(steps if div is None else div)]
+        rows.append(dict(prompt_len=len(p), first_divergence_step=div,
+                         max_logprob_diff=max(diffs, default=None),
+                         hf_margin_at_divergence=None if div is None else
+                         (ref_lp[div][ref[div]] - ref_lp[div][got[div]]).item()))
+    divs = [r["first_divergence_step"] for r in rows if r["first_divergence_step"] is not None]
+    lp = [r["max_logprob_diff"] for r in rows if r["max_logprob_diff"] is not None]
+    return dict(prompts=len(prompts), steps=steps, token_match_fraction=same / total,
+                prompts_identical=sum(r["first_divergence_step"] is None for r in rows),
+                first_divergence_step=min(divs) if divs else None,
+                max_logprob_diff=max(lp) if lp else None, shoal_generate_s=shoal_s,
+                per_prompt=rows, logprob_rule="over each prompt's agreeing prefix")
+
+
+# ---- stages and the child processes --------------------------------------------------------
+
+def append(rec: dict[str, Any], path: Path) -> None:
+    write(read_records(path) + [rec], path)
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return []
+    return data if isinstance(data, list) else []
+
+
+def error_record(workload: str, model: str, e: BaseException) -> dict[str, Any]:
+    traceback.print_exc()
+    return record(workload, "shoal", model=model, error=f"{type(e).__name__}: {e}",
+                  traceback=traceback.format_exc()[-3000:])
+
+
+def run_stage(args: argparse.Namespace, sizes: dict[str, Any], stage: str, model: str,
+              parts: list[str]) -> None:
+    """The stage's parts for one model, each record appended to --out as it comes."""
+    def one(workload: str, fn: Any, *a: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            rec = fn(*a)
+        except Exception as e:  # one part's failure must not hide the others
+            rec = error_record(workload, model, e)
+        rec["part_wall_s"] = time.perf_counter() - t0
+        print(json.dumps(rec, default=str)[:4000], flush=True)
+        append(rec, args.out)
+
+    if stage == "correctness":
+        one("correctness", correctness, args, sizes, model)
+    elif stage == "full":
+        one(WORKLOAD["full"], full_attention, args, sizes, model)
+    else:
+        try:
+            st = EngineStage(args, sizes, model)
+        except Exception as e:
+            for p in parts:
+                append(error_record(p, model, e), args.out)
+            return
+        try:
+            for p in parts:
+                one(p, {"batch1": batch1, "w1": w1, "long_context": long_context}[p], st)
+        finally:
+            st.close()
+
+
+CHILD_FLAGS = (("--num-requests", "num_requests"), ("--max-num-seqs", "max_num_seqs"),
+               ("--max-model-len", "max_model_len"), ("--decode-tokens", "decode_tokens"),
+               ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"))
+
+
+def run_child(args: argparse.Namespace, stage: str, model: str, parts: list[str]) -> None:
+    """run_stage in a child process; a child that dies leaves error records."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), ",".join(parts), "--models", model,
+           "--out", str(args.out), "--stage", stage]
+    for flag, attr in CHILD_FLAGS:
+        if getattr(args, attr) is not None:
+            cmd += [flag, str(getattr(args, attr))]
+    if args.contexts:
+        cmd += ["--contexts", ",".join(map(str, args.contexts))]
+    cmd += ["--smoke"] * args.smoke + ["--enforce-eager"] * args.enforce_eager
+    before = len(read_records(args.out))
+    tail: collections.deque[str] = collections.deque(maxlen=60)
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+
+    def pump() -> None:  # stderr to ours as it comes, its tail kept for the record
+        for line in proc.stderr:  # type: ignore[union-attr]
+            sys.stderr.write(line)
+            tail.append(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        status = f"exited with status {proc.wait(timeout=args.stage_timeout)}"
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        status = f"was killed after --stage-timeout {args.stage_timeout:g} s"
+    reader.join(5)
+    written = {r.get("workload") for r in read_records(args.out)[before:]}
+    for p in parts:
+        workload = WORKLOAD.get(stage, p)
+        if workload not in written:
+            append(record(workload, "shoal", model=model, stage=stage,
+                          error=f"child process {status} without writing this record",
+                          stderr_tail="".join(tail)[-3000:]), args.out)
+
+
+def summary(model: str, path: Path) -> dict[str, Any] | None:
+    """Hybrid against all-full-attention, context by context, from the two records."""
+    recs = {r.get("workload"): r for r in read_records(path) if r.get("model") == model}
+    hyb, full = recs.get("long_context"), recs.get(WORKLOAD["full"])
+    if not hyb or "contexts" not in hyb:
+        return None
+    by_ctx = {r["context"]: r for r in (full or {}).get("contexts", [])}
+    rows = []
+    for h in hyb["contexts"]:
+        f = by_ctx.get(h["context"], {})
+        hd, fd = h.get("decode_ms_per_token"), f.get("decode_ms_per_token")
+        rows.append(dict(context=h["context"], hybrid_decode_ms=hd, full_decode_ms=fd,
+                         full_over_hybrid_decode=fd / hd if hd and fd else None,
+                         hybrid_prefill_s=h.get("prefill_s"), full_prefill_s=f.get("prefill_s"),
+                         hybrid_bytes=h.get("kv_state_bytes_exact"),
+                         hybrid_bytes_pool=h.get("kv_state_bytes_pool"),
+                         full_bytes=h.get("full_attention_kv_bytes"),
+                         full_over_hybrid_bytes=(h["full_attention_kv_bytes"]
+                                                 / h["kv_state_bytes_exact"])
+                         if h.get("kv_state_bytes_exact") else None))
+    return record("long_context_summary", "shoal", model=model, family=hyb.get("family"),
+                  smoke=hyb.get("smoke"), contexts=rows)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("part", type=comma_words, help=f"all, or a comma list of {', '.join(PARTS)}")
+    add_common(ap, out=REQUIRED, num_requests=None, max_num_seqs=256, seed=0,
+               smoke="CPU, float32, tiny configs of the four families in a temp folder")
+    ap.add_argument("--models", type=comma_words, default=None,
+                    help="comma list of names or folders (default: the four shipped hybrids)")
+    ap.add_argument("--contexts", type=comma_ints, default=None,
+                    help="long_context lengths (default 1024,32768,131072)")
+    ap.add_argument("--decode-tokens", type=int, default=None,
+                    help="long_context: tokens decoded after the prefill (default 32)")
+    ap.add_argument("--max-model-len", type=int, default=None,
+                    help="engine max_model_len (default: largest context + decode + 128)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="engine chunk of a step (default 8192)")
+    ap.add_argument("--enforce-eager", action="store_true",
+                    help="engines without CUDA graphs (hybrid and all-full-attention alike)")
+    ap.add_argument("--no-isolate", action="store_true",
+                    help="run every stage in this process (engines are not freed)")
+    ap.add_argument("--stage-timeout", type=float, default=3600,
+                    help="seconds a child process may take")
+    ap.add_argument("--stage", choices=[s for s, _ in STAGES], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers' hub kernels: never fetched
+    parts = list(PARTS) if args.part == ["all"] else args.part
+    if unknown := [p for p in parts if p not in PARTS]:
+        ap.error(f"unknown part(s) {unknown}: all, or {', '.join(PARTS)}")
+    sizes = dict(SMOKE if args.smoke else FULL)
+    if args.decode_tokens:
+        sizes["decode_tokens"] = args.decode_tokens
+    if args.smoke:
+        args.max_num_seqs = min(args.max_num_seqs, 8)
+    if args.stage:  # a child: one model, one stage
+        run_stage(args, sizes, args.stage, args.models[0], parts)
+        return read_records(args.out)
+    tmp = None
+    models = args.models
+    if models is None and args.smoke:
+        tmp = tempfile.TemporaryDirectory(prefix="hybrid-smoke-")
+        models = write_smoke_configs(Path(tmp.name))
+    models = models or MODELS
+    write([], args.out)
+    for model in models:
+        for stage, stage_parts in STAGES:
+            todo = [p for p in stage_parts if p in parts]
+            if not todo:
+                continue
+            if args.no_isolate:
+                run_stage(args, sizes, stage, model, todo)
+            else:
+                run_child(args, stage, model, todo)
+        if "long_context" in parts and (rec := summary(model, args.out)) is not None:
+            print(json.dumps(rec, default=str), flush=True)
+            append(rec, args.out)
+    if tmp is not None:
+        tmp.cleanup()
+    return read_records(args.out)
+
+
+if __name__ == "__main__":
+    # Exit status 1 when a part failed (its record holds the error); the file has them all.
+    sys.exit(1 if any("error" in r for r in main()) else 0)
