@@ -93,12 +93,15 @@ class ResolvedArgs:
     @property
     def drafter_with_kv(self) -> bool:
         """A drafter with layers and a KV cache of its own (not ngram's prompt lookup)."""
+        return self.spec_method in ("draft_model", "mtp", "eagle")
+
+    @property
+    def spec_method(self) -> str | None:
         if self.args.speculative_config is None:
-            return False
+            return None
         from shoal.config.speculative import SpeculativeConfig
 
-        method = SpeculativeConfig.from_user(self.args.speculative_config).method
-        return method in ("draft_model", "mtp", "eagle")
+        return SpeculativeConfig.from_user(self.args.speculative_config).method
 
     @functools.cached_property
     def model_class(self) -> str:
@@ -186,11 +189,11 @@ ROWS: tuple[Incompatibility, ...] = (
         "runner='pooling' is not supported for {s.model_class} (linear-attention layers)"),
     # ---- speculative decoding -------------------------------------------------------------
     Incompatibility(
-        "speculative_config (draft_model, mtp, eagle)",
+        "speculative_config (draft_model, eagle)",
         "linear attention (Qwen3-Next, Qwen3.5, Kimi Linear)",
-        lambda s: s.drafter_with_kv and s.linear_attention,
-        "speculative_config: only method 'ngram' drafts for {s.model_class} yet (a drafter "
-        "with layers of its own does not follow linear-attention states)"),
+        lambda s: s.drafter_with_kv and s.linear_attention and s.spec_method != "mtp",
+        "speculative_config: only methods 'ngram' and 'mtp' draft for {s.model_class} yet (a "
+        "draft model's own linear-attention states would not follow the target's replays)"),
     Incompatibility(
         "speculative_config", "tensor_parallel_size > 1",
         lambda s: s.speculative and s.tp > 1,

@@ -111,9 +111,11 @@ class _Sized:
 
 class HybridDecoderLayer(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, layer: int, *, interleaved: bool,
-                 sparse: bool, use_triton_ops: bool):
+                 sparse: bool, use_triton_ops: bool, kind: str | None = None):
+        """kind: the token mixer, "linear_attention" or "full_attention" (default: the
+        config's layer_types[layer]; the MTP layer past them is full attention)."""
         super().__init__()
-        self.linear = cfg.layer_types[layer] == "linear_attention"
+        self.linear = (kind or cfg.layer_types[layer]) == "linear_attention"
         if self.linear:
             self.linear_attn = GatedDeltaNet(cfg, dtype, interleaved=interleaved)
         else:

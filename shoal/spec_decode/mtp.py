@@ -45,6 +45,9 @@ from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.host_to_device import to_device
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.models.deepseek_mtp import DeepseekMTP, mtp_prefix, num_mtp_layers
+from shoal.models.qwen3_next import Qwen3NextForCausalLM
+from shoal.models.qwen3_next_mtp import PREFIX as QWEN_MTP_PREFIX
+from shoal.models.qwen3_next_mtp import Qwen3NextMTP
 from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.spec_decode.drafter_cache import DrafterCache
 from shoal.worker.drafter import TargetStep
@@ -65,23 +68,31 @@ class MtpRequest:
     sample: bool
 
 
-def check_mtp_target(hf_config: Any) -> None:
-    if num_mtp_layers(hf_config) < 1 or not hasattr(hf_config, "kv_lora_rank"):
+def mtp_layer_count(hf_config: Any) -> int:
+    """MTP layers of a checkpoint: DeepSeek-V3's num_nextn_predict_layers, Qwen3-Next's and
+    Qwen3.5's mtp_num_hidden_layers."""
+    return num_mtp_layers(hf_config) or int(getattr(hf_config, "mtp_num_hidden_layers", 0) or 0)
+
+
+def check_mtp_target(hf_config: Any, qwen: bool = False) -> None:
+    if mtp_layer_count(hf_config) < 1 or not (qwen or hasattr(hf_config, "kv_lora_rank")):
         raise ValueError(
             "speculative_config: method 'mtp' needs a model with multi-token-prediction "
-            f"layers (a DeepSeek-V3-family config with num_nextn_predict_layers >= 1); "
-            f"{getattr(hf_config, 'model_type', '?')} has "
-            f"num_nextn_predict_layers={getattr(hf_config, 'num_nextn_predict_layers', None)}")
+            "layers (a DeepSeek-V3-family config with num_nextn_predict_layers >= 1, or a "
+            f"Qwen3-Next / Qwen3.5 one with mtp_num_hidden_layers >= 1); "
+            f"{getattr(hf_config, 'model_type', '?')} has none")
 
 
-def read_mtp_tensors(source: str, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def read_mtp_tensors(source: str, hf_config: Any,
+                     prefix: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The first MTP layer's tensors of a safetensors folder (only those are read), one at a
-    time in the checkpoint's dtype: DeepSeek-V3's layer holds 256 experts."""
+    time in the checkpoint's dtype: DeepSeek-V3's layer holds 256 experts. prefix: the
+    layer's (DeepSeek's model.layers.{n}. by default)."""
     from safetensors import safe_open
 
     from shoal.loader.safetensors_loader import safetensors_files
 
-    prefix = mtp_prefix(hf_config)
+    prefix = prefix or mtp_prefix(hf_config)
     found = 0
     for file in safetensors_files(Path(source)):
         with safe_open(str(file), framework="pt") as handle:
@@ -92,8 +103,8 @@ def read_mtp_tensors(source: str, hf_config: Any) -> Iterator[tuple[str, torch.T
     if not found:
         raise ValueError(
             f"speculative_config: method 'mtp': {source} has no multi-token-prediction "
-            f"tensors ({prefix}*), although its config has num_nextn_predict_layers="
-            f"{num_mtp_layers(hf_config)}")
+            f"tensors ({prefix}*), although its config has {mtp_layer_count(hf_config)} "
+            "MTP layers")
 
 
 class DraftHead(Protocol):
@@ -110,6 +121,8 @@ class DraftHead(Protocol):
 def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.Module:
     """The target's first MTP layer (method "mtp"), loaded from the target's checkpoint."""
     hf = loaded.hf_config
+    if isinstance(target, Qwen3NextForCausalLM):  # (Qwen3.5's classes too)
+        return _qwen_mtp_head(config, target, loaded)
     check_mtp_target(hf)
     dtype = config.model_config.dtype
     with torch.device(config.device):
@@ -127,6 +140,23 @@ def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.M
         logger.info("mtp: the checkpoint has %d MTP layers; drafting with the first",
                     num_mtp_layers(hf))
     return head
+
+
+def _qwen_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.Module:
+    """Qwen3-Next's / Qwen3.5's MTP layer (mtp.*), on the target's embedding and head."""
+    hf = loaded.hf_config
+    check_mtp_target(hf, qwen=True)
+    with torch.device(config.device):
+        head = Qwen3NextMTP(hf, config.model_config.dtype, target,
+                            use_triton_ops=config.use_triton_ops)
+    if config.model_config.load_format == "dummy":
+        initialize_dummy_weights(head, seed=config.model_config.seed + 1)
+    elif loaded.load_format != "safetensors":
+        raise ValueError("speculative_config: method 'mtp' loads its layer from a "
+                         f"safetensors folder, not {loaded.load_format}")
+    else:
+        head.load_weights(read_mtp_tensors(loaded.source, hf, QWEN_MTP_PREFIX))
+    return head.eval()
 
 
 class HiddenStateDrafter(DrafterCache):

@@ -49,7 +49,7 @@ CASES = [
     (dict(), _HYBRID, "pooling", "cpu", 64,
      r"runner=.pooling. is not supported for Qwen3NextForCausalLM \(linear-attention layers\)"),
     (dict(speculative_config=_DRAFT_MODEL), _HYBRID, "generate", "cpu", 64,
-     "only method 'ngram' drafts for Qwen3NextForCausalLM yet"),
+     "only methods .ngram. and .mtp. draft for Qwen3NextForCausalLM yet"),
     (dict(speculative_config=_SPEC, tensor_parallel_size=2), {}, "generate", "cpu", 64,
      "speculative_config does not support tensor_parallel_size > 1 yet"),
     (dict(speculative_config=_SPEC, pipeline_parallel_size=2), {}, "generate", "cpu", 64,

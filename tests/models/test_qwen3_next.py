@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
-from oracle import hf_greedy, write_tiny_checkpoint
-from transformers import AutoModelForCausalLM
+from oracle import TINY_COMMON, hf_greedy, write_tiny_checkpoint
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from shoal import LLM, SamplingParams
 from shoal.engine.scheduler import Scheduler
@@ -154,3 +154,51 @@ def test_speculative_decoding_replays_the_accepted_run(tiny, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == [refs[tuple(p)] for p in prompts]
     drafts, accepted = map(sum, zip(*verified))
     assert 0 < accepted < drafts
+
+
+def _with_mtp_layer(path, model_type: str, fields: dict) -> None:
+    """Adds an MTP layer (mtp.*, as Qwen's checkpoints store it) to a tiny checkpoint: a
+    full-attention decoder layer drawn by transformers, fc and three offset norms."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    one = {**fields, "num_hidden_layers": 1, "layer_types": ["full_attention"],
+           "mlp_only_layers": []}
+    mtp = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **{
+        **TINY_COMMON, **one}), dtype=torch.float32)
+    torch.manual_seed(7)
+    tensors = load_file(path / "model.safetensors")
+    h = TINY_COMMON["hidden_size"]
+    for name, t in mtp.state_dict().items():
+        if name.startswith("model.layers.0."):
+            tensors["mtp.layers.0." + name[len("model.layers.0."):]] = (
+                torch.randn_like(t) * 0.2 if t.dim() > 1 else torch.rand_like(t) + 0.5)
+    tensors["mtp.fc.weight"] = torch.randn(h, 2 * h) * 0.2
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        tensors[f"mtp.{norm}.weight"] = torch.rand(h) * 0.5
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors",
+              metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "mtp_num_hidden_layers": 1}))
+
+
+def test_mtp_layer_drafts_losslessly(tmp_path):
+    """method="mtp" with the checkpoint's own MTP layer (random weights: its drafts are
+    mostly rejected): every mtp.* tensor loads, and the tokens stay transformers'."""
+    path = write_tiny_checkpoint(tmp_path / "next", "qwen3_next", seed=1, **KINDS["qwen3_next"])
+    _with_mtp_layer(path, "qwen3_next", KINDS["qwen3_next"])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64,
+              num_gpu_blocks_override=64, max_model_len=512,
+              speculative_config={"method": "mtp", "num_speculative_tokens": 2,
+                                  "adaptive_budget": False})
+    prompts = _prompts(3, seed=8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, STEPS)[0]
+                                                      for p in prompts]
+    head = llm.llm_engine.core.runner.drafter.model
+    assert type(head).__name__ == "Qwen3NextMTP"
+    assert head.layers[0].mlp.experts.w13_weight.abs().sum() > 0  # the experts loaded
