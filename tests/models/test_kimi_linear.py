@@ -144,3 +144,30 @@ def test_block_size_holds_a_state():
     state = 4 * (32 * 128 * 128 + 3 * 4096 * 3)
     assert size % 64 == 0 and (size - 64) * 576 * 2 < state <= size * 576 * 2
     assert KimiLinearForCausalLM.block_size_for(cfg, 2, 2) < size
+
+
+def test_speculative_decoding_replays_the_accepted_run(tiny, monkeypatch):
+    """KDA's per-channel decay through the verify-and-replay path: ngram's verify steps with
+    drafts that are transformers' continuation, one in two with a wrong token; lossless."""
+    import shoal.spec_decode.ngram as ngram
+
+    path, hf = tiny
+    prompts = _prompts((30, 90), seed=6)
+    refs = {tuple(p): hf_greedy(hf, p, 24)[0] for p in prompts}
+    rng = random.Random(0)
+
+    def draft(self, prompt, output) -> list[int]:
+        drafts = list(refs[tuple(prompt)][len(output):len(output) + 3])
+        if drafts and rng.random() < 0.5:
+            drafts[rng.randrange(len(drafts))] = 7
+        return drafts
+
+    monkeypatch.setattr(ngram.NgramDrafter, "draft", draft)
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64,
+              num_gpu_blocks_override=64, max_model_len=512,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                  "adaptive_budget": False})
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [refs[tuple(p)] for p in prompts]
