@@ -171,3 +171,13 @@ def test_speculative_decoding_replays_the_accepted_run(tiny, monkeypatch):
                         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+
+
+def test_preemption_recomputes_the_state(tiny):
+    """12 blocks of 64 tokens: four requests of up to 150 tokens cannot all hold their KV
+    tables and KDA states at once."""
+    path, hf = tiny
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=48,
+              num_gpu_blocks_override=12, max_model_len=512, enable_prefix_caching=False)
+    assert _check(llm, hf, _prompts((150, 120, 90, 140), seed=9), n=16) < 1e-4
+    assert llm.llm_engine.core.scheduler.num_preemptions > 0
