@@ -10,10 +10,11 @@ inside the chunk into that block.
 
 Speculative decoding (vLLM's ReplaySSM): a verify step of k + 1 tokens must not leave k
 rejected tokens in the states. It reads the state, computes its outputs and writes nothing of
-its own: it copies the state it read into every block its tokens reach and keeps the tokens'
-delta-rule inputs in the request's replay slot. The next step first folds the accepted run
-(ScheduledRequest.replay tokens) into the state of the block it reads from, which is then the
-state after the accepted tokens, and goes on as usual. A rejection costs no copy of a state."""
+its own: it copies the state it read into every block its tokens reach, and each layer keeps
+the tokens' inputs (its conv input and the rest of its projections, by request serial). The
+next step first folds the accepted run (ScheduledRequest.replay tokens) into the state of the
+block it reads from, which is then the state after the accepted tokens, and goes on as
+usual. A rejection costs no copy of a state."""
 
 from __future__ import annotations
 
@@ -34,18 +35,18 @@ class StateChunk:
     read: int  # block id holding the state before it
     write: int  # block id receiving the state after it
     saves: tuple[int, ...]  # block ids receiving the states at the block ends inside it
-    verify: bool = False  # a verify step: outputs only, inputs kept in replay slot `slot`
-    slot: int = -1
+    verify: bool = False  # a verify step: outputs only, inputs kept by the request's serial
+    serial: int = -1
 
 
 @dataclass(frozen=True)
 class StateReplay:
-    """Before the step: fold a request's accepted run (`tokens` of its replay slot) into the
-    state of `block`."""
+    """Before the step: fold a request's accepted run (the first `tokens` of its last verify,
+    kept by its serial) into the state of `block`."""
 
     block: int
     tokens: int
-    slot: int
+    serial: int
 
 
 @dataclass
@@ -60,18 +61,16 @@ class StateMetadata:
     chunks: list[StateChunk]
     block_size: int
     replays: list[StateReplay] = field(default_factory=list)
-    replay_shape: tuple[int, int] = (0, 0)  # (slots, tokens a slot holds)
 
 
 @dataclass(frozen=True)
 class StateSpecInputs:
     """Per request of a step: the accepted run to replay, whether it verifies drafts, its
-    replay slot; and the slots' capacity."""
+    serial."""
 
     replay: list[int]
     verify: list[bool]
-    slots: list[int]
-    shape: tuple[int, int]
+    serials: list[int]
 
 
 def build_state_metadata(*, query_lens: list[int], context_lens: list[int],
@@ -85,8 +84,8 @@ def build_state_metadata(*, query_lens: list[int], context_lens: list[int],
 
     replays: list[StateReplay] = []
     if spec is not None:
-        replays = [StateReplay(read(t, c), r, slot) for t, c, r, slot in zip(
-            block_tables, context_lens, spec.replay, spec.slots) if r]
+        replays = [StateReplay(read(t, c), r, serial) for t, c, r, serial in zip(
+            block_tables, context_lens, spec.replay, spec.serials) if r]
 
     dr = [read(t, c) for t, c in zip(block_tables[:num_decodes], context_lens)]
     dw = [t[c // block_size] for t, c in zip(block_tables[:num_decodes], context_lens)]
@@ -97,7 +96,7 @@ def build_state_metadata(*, query_lens: list[int], context_lens: list[int],
         if spec is not None and spec.verify[i]:  # the state read, into every block reached
             reach = tuple(table[j] for j in range(s // block_size, (e - 1) // block_size + 1))
             chunks.append(StateChunk(start, n, s, read(table, s), -1, reach, True,
-                                     spec.slots[i]))
+                                     spec.serials[i]))
         else:
             saves = tuple(table[j] for j in range(s // block_size, (e - 1) // block_size)
                           ) if save_block_ends else ()
@@ -108,30 +107,8 @@ def build_state_metadata(*, query_lens: list[int], context_lens: list[int],
         num_decodes,
         to_device(dr, torch.long, device) if num_decodes else None,
         to_device(dw, torch.long, device) if num_decodes else None,
-        chunks, block_size, replays, spec.shape if spec is not None else (0, 0))
+        chunks, block_size, replays)
 
-
-class ReplaySlots:
-    """Which replay slot each request verifying drafts holds (by request serial)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._free = list(range(capacity - 1, -1, -1))
-        self._of: dict[int, int] = {}
-
-    def slot(self, serial: int) -> int:
-        got = self._of.get(serial)
-        if got is None:
-            if not self._free:
-                raise RuntimeError(f"all {self.capacity} linear-attention replay slots are held")
-            got = self._of[serial] = self._free.pop()
-        return got
-
-    def release(self, serials: set[int]) -> None:
-        for serial in serials:
-            slot = self._of.pop(serial, None)
-            if slot is not None:
-                self._free.append(slot)
 
 
 class StatePages:

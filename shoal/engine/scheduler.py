@@ -72,6 +72,7 @@ class Scheduler(RequestTableFront):
         self.offload = (KVOffloadConnector(kv_store, self.kv.pool, self.block_size)
                         if kv_store is not None else None)
         self._groups = len(kv_groups) > 1
+        self._states = any(g.holds_state for g in kv_groups)
         self.table = RequestTable(request_timeout)
         self.waiting = WaitingQueue(sched_config.policy)
         self.running: list[Request] = []
@@ -231,7 +232,8 @@ class Scheduler(RequestTableFront):
             req.num_output_tokens + req.num_pending_tokens, max(num_drafts, 0))
         if self._groups:
             item.group_block_ids = self.kv.group_block_ids(req.request_id)
-            item.replay, req.state_replay = req.state_replay, 0
+            if self._states:
+                item.replay, req.state_replay = req.state_replay, 0
         # The step is as good as run: the next schedule (possibly before its results are
         # read, with async scheduling) starts after it.
         req.num_computed_tokens = start + n
@@ -344,7 +346,8 @@ class Scheduler(RequestTableFront):
         if req.status == RequestStatus.RUNNING:
             req.num_computed_tokens -= num_drafts - accepted
             self.kv.trim(req)
-            req.state_replay = accepted + 1  # (read by linear-attention layers only)
+            if self._states:  # linear-attention layers fold the accepted run in next step
+                req.state_replay = accepted + 1
 
     def fail_steps(self, scheds: list[SchedulerOutput], error: str
                    ) -> tuple[list[EngineCoreOutput], set[int]]:

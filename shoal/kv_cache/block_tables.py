@@ -84,7 +84,7 @@ class BlockTables:
     def drop_out_of_window(self, rid: str, start: int) -> None:
         """A sliding group's step computing from `start` on: blocks wholly before the window
         of its first query leave the table (back to the pool, cached content kept)."""
-        if not self.sliding:
+        if not self.sliding or rid not in self.blocks:
             return
         first = self.group.first_needed_block(start, self.block_size)
         done = self.num_dropped.get(rid, 0)

@@ -47,8 +47,8 @@ class KVCacheManager:
     def num_state_blocks(self) -> int:
         """Blocks the linear-state tables hold (live states, and a prompt chunk's block-end
         snapshots until its next step)."""
-        return sum(b is not None for t in self._state_tables for bl in t.blocks.values()
-                   for b in bl)
+        return sum(len(blocks) - t.num_dropped.get(rid, 0) for t in self._state_tables
+                   for rid, blocks in t.blocks.items())
 
     @property
     def state_bytes_per_request(self) -> int:
@@ -134,6 +134,15 @@ class KVCacheManager:
                 return []
         n_hits = len(new_computed or ())
         start += n_hits * self.block_size
+        # Entries this step no longer reads leave first (a state table's once published):
+        # their blocks may serve this very allocation (a state table then holds at most the
+        # block it reads and those its chunk reaches, what admission counts).
+        if self.enable_caching and self._state_tables:
+            self._update_hashes(request)
+            for t in self._state_tables:
+                t.publish(request, start)
+        for t in self._sliding_tables:
+            t.drop_out_of_window(rid, start)
         need = -(-(start + num_new_tokens) // self.block_size)
         hits = [new_computed or [] if t is self._main else
                 self._group_hits(t, request, n_hits) for t in self.tables]
@@ -208,6 +217,11 @@ class KVCacheManager:
         not to be trusted: both are withdrawn from the prefix cache unless another request
         holds them."""
         first_unsure = 0 if failed else request.num_computed_tokens // self.block_size
+        if not failed and self.enable_caching and self._state_tables:
+            # the states its last step computed (state tables publish a step late)
+            self._update_hashes(request)
+            for t in self._state_tables:
+                t.publish(request, request.num_computed_tokens)
         for t in self.tables:
             t.free(request.request_id, first_unsure)
 

@@ -55,9 +55,9 @@ class LinearAttention(nn.Module):
         self._cache: torch.Tensor | None = None
         self.pages: StatePages | None = None
         self.block_size = 0
-        # speculative decoding: each replay slot's verify tokens (conv input, then the delta
-        # rule's q, k, v, g, beta), allocated at the first verify step
-        self._replay_inputs: list[torch.Tensor] = []
+        # speculative decoding: each verifying request's tokens (conv input and the rest of
+        # its projections), by serial, until the next step replays the accepted run
+        self._replay_inputs: dict[int, tuple[torch.Tensor, Rest]] = {}
 
     # ---- the cache ------------------------------------------------------------------------
     def kv_cache_spec(self, dtype_bytes: int) -> LinearStateSpec:
@@ -134,7 +134,7 @@ class LinearAttention(nn.Module):
         for ch in md.chunks:
             rows = slice(ch.start, ch.start + ch.length)
             x_ch, rest_ch = x[rows], tuple(r[rows] for r in rest)
-            o[rows] = (self._verify(x_ch, rest_ch, ch, md.replay_shape) if ch.verify
+            o[rows] = (self._verify(x_ch, rest_ch, ch) if ch.verify
                        else self._chunk(x_ch, rest_ch, ch, md.block_size))
         return self.output(o, rest)
 
@@ -199,30 +199,28 @@ class LinearAttention(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0], state, saved
 
     # ---- speculative decoding (ReplaySSM, see shoal/attention/linear_state.py) -------------
-    def _verify(self, x: torch.Tensor, rest: Rest, ch: StateChunk,
-                shape: tuple[int, int]) -> torch.Tensor:
+    def _verify(self, x: torch.Tensor, rest: Rest, ch: StateChunk) -> torch.Tensor:
         """Outputs of a verify step's tokens; the state read is copied into every block they
         reach and their inputs kept for the replay of the accepted run."""
         assert self.pages is not None
         conv, state = self.pages.read_one(ch.read)
         y, _ = causal_conv1d(x, self.conv_weight, self.conv_bias, conv[0].to(x.dtype))
-        mixed = self.mix(y, rest)
-        o, _, _ = chunk_gated_delta_rule(*mixed, state[0], scale=self.scale)
+        o, _, _ = chunk_gated_delta_rule(*self.mix(y, rest), state[0], scale=self.scale)
         for block in ch.saves:
             self.pages.write_one(block, conv[0], state[0])
-        kept = (x, *mixed)
-        if not self._replay_inputs:
-            slots, tokens = shape
-            self._replay_inputs = [t.new_zeros(slots, tokens, *t.shape[1:]) for t in kept]
-        for buf, t in zip(self._replay_inputs, kept):
-            buf[ch.slot, :t.shape[0]] = t
+        self._replay_inputs[ch.serial] = (x.clone(), tuple(r.clone() for r in rest))
         return o
 
     def _replay(self, replay: StateReplay) -> None:
         """Folds the accepted run of the last verify into the state of replay.block."""
         assert self.pages is not None
+        x, rest = self._replay_inputs.pop(replay.serial)
+        x, rest = x[:replay.tokens], tuple(r[:replay.tokens] for r in rest)
         conv, state = self.pages.read_one(replay.block)
-        x, q, k, v, g, beta = (buf[replay.slot, :replay.tokens] for buf in self._replay_inputs)
-        _, state, _ = chunk_gated_delta_rule(q, k, v, g, beta, state[0], scale=self.scale)
-        inputs = torch.cat([conv[0].t(), x.float()], dim=0)  # [K-1 + r, C]
-        self.pages.write_one(replay.block, inputs[-(self.conv_kernel - 1):].t(), state)
+        y, conv_end = causal_conv1d(x, self.conv_weight, self.conv_bias, conv[0].to(x.dtype))
+        _, state, _ = chunk_gated_delta_rule(*self.mix(y, rest), state[0], scale=self.scale)
+        self.pages.write_one(replay.block, conv_end, state)
+
+    def forget(self, serials: set[int]) -> None:
+        for serial in serials:
+            self._replay_inputs.pop(serial, None)

@@ -91,8 +91,7 @@ class ModelRunner(Executor):
         if config.speculative_config is not None and drafter_factory is not None:
             self.drafter = drafter_factory(config, self.model, loaded)
             self.forwarder.keep_hidden = self.drafter.keeps_hidden
-            self.forwarder.use_replay_slots(config.scheduler_config.max_num_seqs,
-                                            config.speculative_config.num_speculative_tokens)
+            self.forwarder.state_replays = any(self.forwarder.state_groups)
             # (engine/compatibility.py refuses these for models whose layers all slide)
             assert not (self.drafter.kv_layers() and windows[0] is not None)
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
@@ -214,8 +213,16 @@ class ModelRunner(Executor):
     def remove_requests(self, serials: set[int]) -> None:
         for serial in serials:
             self.requests.pop(serial, None)
-        if self.forwarder.replay_slots is not None:
-            self.forwarder.replay_slots.release(serials)
+        self._forget_replays(serials)
+
+    def _forget_replays(self, serials: set[int]) -> None:
+        """Linear-attention layers drop what the requests' last verify kept for its replay
+        (a request that ended, or came back after preemption: it recomputes its states)."""
+        if self.forwarder.state_replays:
+            layers = self.model.attention_layers()
+            for g in self.kv_groups:
+                for i in g.layers if g.holds_state else ():
+                    layers[i].forget(serials)
 
     def reset_after_fault(self) -> None:
         """A step raised: nothing may take input tokens from it or trust cached tables, and
@@ -238,6 +245,8 @@ class ModelRunner(Executor):
             self._zero_slots(sched.kv_zero)
         for new in sched.new_requests:
             self.requests[new.serial] = RequestState.of(new, self.device)
+        if sched.new_requests:
+            self._forget_replays({new.serial for new in sched.new_requests})
         handle = StepHandle(ModelRunnerOutput())
         if sched.kv_transfers is not None:  # KV offloading: queued ahead of the forward pass
             self._run_kv_transfer(sched.kv_transfers, handle)

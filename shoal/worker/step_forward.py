@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from shoal.attention.backend import AttentionBackend
-from shoal.attention.linear_state import ReplaySlots, StateSpecInputs, build_state_metadata
+from shoal.attention.linear_state import StateSpecInputs, build_state_metadata
 from shoal.attention.metadata import GroupedMetadata
 from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.core.types import Logprobs
@@ -62,20 +62,14 @@ class StepForwarder:
         self.block_size, self.windows = block_size, windows
         self.state_groups = state_groups or (False,) * len(windows)
         self.save_states = save_states
-        # Linear-attention layers under speculative decoding: each verifying request's slot
-        # for its verify tokens (use_replay_slots)
-        self.replay_slots: ReplaySlots | None = None
-        self.replay_tokens = 0
+        # Linear-attention layers under speculative decoding: verify steps and replays
+        self.state_replays = False
         self.pending = pending
         self.stage_link = stage_link
         self.graphs: ModelGraphs | None = None  # once captured
         self.keep_hidden = False  # a drafter reads every token's hidden states
         self.null_block = 0  # the zeroed block padding reads (set when the cache is bound)
 
-    def use_replay_slots(self, max_requests: int, num_speculative_tokens: int) -> None:
-        if any(self.state_groups):
-            self.replay_slots = ReplaySlots(max_requests)
-            self.replay_tokens = num_speculative_tokens + 1
 
     def run(self, inp: StepInputs, out: ModelRunnerOutput) -> ForwardOutput | StageOutput:
         if self.stage_link is not None:  # pipeline parallel: stage 0 samples once it is back
@@ -103,14 +97,12 @@ class StepForwarder:
 
     def _state_spec(self, inp: StepInputs) -> StateSpecInputs | None:
         """The replays and verify rows of a step, for linear-attention layers."""
-        slots = self.replay_slots
-        if slots is None or not (inp.has_drafts or any(it.replay for it in inp.items)):
+        if not self.state_replays or not (inp.has_drafts or any(it.replay for it in inp.items)):
             return None
         items = inp.items
-        return StateSpecInputs(
-            [it.replay for it in items], [it.num_draft_tokens > 0 for it in items],
-            [slots.slot(it.serial) if it.replay or it.num_draft_tokens else -1 for it in items],
-            (slots.capacity, self.replay_tokens))
+        return StateSpecInputs([it.replay for it in items],
+                               [it.num_draft_tokens > 0 for it in items],
+                               [it.serial for it in items])
 
     def metadata(self, query_lens: list[int], context_lens: list[int],
                  tables: list[list[list[int]]], num_decodes: int,

@@ -88,3 +88,28 @@ def test_a_prefix_hit_takes_every_groups_blocks_before_allocating():
     main, state = _ids(kv, "b")
     assert not set(main) & set(state)
     assert kv.pool.blocks[state[0]].ref_cnt == 1
+
+
+def _scheduler(groups) -> Scheduler:
+    from shoal.config import CacheConfig, SchedulerConfig
+    from shoal.engine.scheduler import Scheduler
+
+    sc = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256)
+    return Scheduler(sc, CacheConfig(block_size=BS), 32, num_speculative_tokens=2,
+                     kv_groups=groups)
+
+
+def test_only_linear_states_replay_a_verified_run():
+    """A verified step's accepted run is passed on for linear-attention layers to fold in;
+    a model of sliding and full attention layers (several groups, no states) gets none."""
+    from shoal.core.kv_cache_spec import SlidingWindowSpec
+    from shoal.core.request import RequestStatus
+
+    sliding = (KVCacheGroup(FULL, (0,)), KVCacheGroup(SlidingWindowSpec(2, 16, 4, 8), (1,)))
+    for groups, want in ((GROUPS, 2), (sliding, 0)):
+        sched = _scheduler(groups)
+        req = _req("a", list(range(3, 12)))
+        req.status = RequestStatus.RUNNING
+        req.num_computed_tokens = 12
+        sched._settle_verified(req, 2, 1)
+        assert req.state_replay == want

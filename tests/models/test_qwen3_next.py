@@ -202,3 +202,31 @@ def test_mtp_layer_drafts_losslessly(tmp_path):
     head = llm.llm_engine.core.runner.drafter.model
     assert type(head).__name__ == "Qwen3NextMTP"
     assert head.layers[0].mlp.experts.w13_weight.abs().sum() > 0  # the experts loaded
+
+
+@pytest.mark.timeout(120)
+def test_an_admitted_prompt_runs_in_the_fewest_blocks_admission_counts(tmp_path):
+    """14 blocks of 64: a 256-token prompt in chunks of 128 needs 5 KV blocks and, per state
+    group (3), the block it reads and the 2 its chunk reaches. Blocks a step no longer reads
+    leave before it allocates, so the request runs (it preempted itself forever when the old
+    chunk's blocks were still held)."""
+    path = write_tiny_checkpoint(tmp_path / "q35", "qwen3_5_text", seed=1,
+                                 **KINDS["qwen3_5_text"])
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=128,
+              num_gpu_blocks_override=14, max_model_len=512)
+    out = llm.generate({"prompt_token_ids": _prompts(1, seed=10, longest=2)[0] * 256},
+                       SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 1
+    assert llm.llm_engine.core.scheduler.num_preemptions == 0
+
+
+def test_a_finished_requests_last_states_are_cached(tiny):
+    """A prompt run in one step (max_tokens 1): the states its step wrote are published when
+    it ends, so the same prompt plus a few tokens hits all its full blocks."""
+    path, hf = tiny
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=256,
+              num_gpu_blocks_override=64, max_model_len=512)
+    prompt = _prompts(1, seed=11, longest=2)[0] * 200
+    llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)
+    outs = _check(llm, hf, [prompt + [5, 6, 7]])
+    assert outs[0].num_cached_tokens == 192
