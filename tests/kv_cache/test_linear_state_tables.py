@@ -15,7 +15,9 @@ from shoal.core.kv_cache_spec import (
     group_layers,
     state_block_size,
 )
+from shoal.config import CacheConfig, SchedulerConfig
 from shoal.core.request import Request
+from shoal.engine.scheduler import Scheduler
 from shoal.kv_cache.manager import KVCacheManager
 
 BS = 4
@@ -91,9 +93,6 @@ def test_a_prefix_hit_takes_every_groups_blocks_before_allocating():
 
 
 def _scheduler(groups) -> Scheduler:
-    from shoal.config import CacheConfig, SchedulerConfig
-    from shoal.engine.scheduler import Scheduler
-
     sc = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=256)
     return Scheduler(sc, CacheConfig(block_size=BS), 32, num_speculative_tokens=2,
                      kv_groups=groups)
