@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 from shoal import SamplingParams
+from shoal.config import CacheConfig, SchedulerConfig
 from shoal.core.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheGroup,
@@ -15,7 +16,6 @@ from shoal.core.kv_cache_spec import (
     group_layers,
     state_block_size,
 )
-from shoal.config import CacheConfig, SchedulerConfig
 from shoal.core.request import Request
 from shoal.engine.scheduler import Scheduler
 from shoal.kv_cache.manager import KVCacheManager
