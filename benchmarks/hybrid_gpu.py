@@ -695,7 +695,8 @@ def run_stage(args: argparse.Namespace, sizes: dict[str, Any], stage: str, model
 
 CHILD_FLAGS = (("--num-requests", "num_requests"), ("--max-num-seqs", "max_num_seqs"),
                ("--max-model-len", "max_model_len"), ("--decode-tokens", "decode_tokens"),
-               ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"))
+               ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"),
+               ("--dtype", "dtype"))
 
 
 def run_child(args: argparse.Namespace, stage: str, model: str, parts: list[str]) -> None:
@@ -774,6 +775,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                     help="engine max_model_len (default: largest context + decode + 128)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="engine chunk of a step (default 8192)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="engine and transformers dtype (default bfloat16; float32: the "
+                    "correctness part's tight check, logprobs to ~1e-4)")
     ap.add_argument("--enforce-eager", action="store_true",
                     help="engines without CUDA graphs (hybrid and all-full-attention alike)")
     ap.add_argument("--no-isolate", action="store_true",
@@ -787,6 +791,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if unknown := [p for p in parts if p not in PARTS]:
         ap.error(f"unknown part(s) {unknown}: all, or {', '.join(PARTS)}")
     sizes = dict(SMOKE if args.smoke else FULL)
+    if args.dtype:
+        sizes["dtype"] = args.dtype
     if args.decode_tokens:
         sizes["decode_tokens"] = args.decode_tokens
     if args.smoke:
