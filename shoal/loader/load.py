@@ -9,6 +9,7 @@ from shoal.loader.gguf_tokenizer import build_gguf_tokenizer
 from shoal.loader.loaded_model import LoadedModel, no_weights
 from shoal.loader.resolve import ModelSource, resolve_model
 from shoal.loader.safetensors_loader import folder_weights, load_folder_config
+from shoal.loader.text_only import text_only
 from shoal.loader.tokenizers import load_folder_tokenizer, load_tokenizer
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -33,8 +34,8 @@ def load_model(
         tok = None if tokenizer is not None else build_gguf_tokenizer(loaded.file)
         used_format = "dummy" if dummy else "gguf"
     else:
-        config = load_folder_config(source.path)
-        weights = no_weights if dummy else folder_weights(source.path, config)
+        config, rename = text_only(load_folder_config(source.path))
+        weights = no_weights if dummy else folder_weights(source.path, config, rename)
         tok = None if tokenizer is not None else load_folder_tokenizer(source.path)
         used_format = "dummy" if dummy else "safetensors"
     if tokenizer is not None:

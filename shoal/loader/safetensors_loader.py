@@ -4,7 +4,7 @@ shoal/loader/tokenizers.py)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -36,7 +36,10 @@ def safetensors_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"model folder {folder} has no *.safetensors weights{hint}")
 
 
-def folder_weights(folder: Path, config: PretrainedConfig) -> WeightsFn:
+def folder_weights(folder: Path, config: PretrainedConfig,
+                   rename: Callable[[str], str | None] | None = None) -> WeightsFn:
+    """rename: the name a tensor loads as (None: skipped), e.g. a multimodal checkpoint's
+    language model read on its own (loader/text_only.py)."""
     files = safetensors_files(folder)
     # A tied head is the embedding matrix; some checkpoints store the copy anyway, so drop it.
     skip = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
@@ -44,9 +47,10 @@ def folder_weights(folder: Path, config: PretrainedConfig) -> WeightsFn:
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for file in files:
             with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    if name in skip:
+                for stored in handle.keys():
+                    name = rename(stored) if rename is not None else stored
+                    if name is None or name in skip:
                         continue
-                    yield name, handle.get_tensor(name).to(torch.float32)
+                    yield name, handle.get_tensor(stored).to(torch.float32)
 
     return weights

@@ -230,3 +230,31 @@ def test_a_finished_requests_last_states_are_cached(tiny):
     llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), use_tqdm=False)
     outs = _check(llm, hf, [prompt + [5, 6, 7]])
     assert outs[0].num_cached_tokens == 192
+
+
+def test_a_qwen3_5_multimodal_checkpoint_serves_its_text_model(tmp_path):
+    """Qwen/Qwen3.5-* repos are Qwen3_5ForConditionalGeneration: the text model loads from
+    model.language_model.* (the vision tower is skipped) and gives the tokens transformers'
+    multimodal class gives for text alone."""
+    from transformers import AutoModelForImageTextToText, Qwen3_5Config
+
+    text = {**TINY_COMMON, **KINDS["qwen3_5_text"]}
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                  out_hidden_size=TINY_COMMON["hidden_size"], patch_size=16)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(
+        Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False),
+        dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.normal_(0, 0.3)
+            elif name.endswith("dt_bias"):
+                p.uniform_(-4, -2)
+            else:
+                p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    model.save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", num_gpu_blocks_override=32,
+              max_model_len=256)
+    assert type(llm.llm_engine.core.runner.model).__name__ == "Qwen3_5ForCausalLM"
+    _check(llm, model.eval(), _prompts(3, seed=12))

@@ -1,0 +1,48 @@
+"""Multimodal checkpoints whose text model runs on its own (text-only serving, as vLLM's
+--limit-mm-per-prompt of 0): Qwen3.5's Qwen3_5ForConditionalGeneration and
+Qwen3_5MoeForConditionalGeneration (the Qwen/Qwen3.5-* repos) load as their text_config's
+causal LM, the language model's tensors (model.language_model.*) read as model.*, and the
+vision tower's skipped. Images and video are another issue's."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# multimodal architecture -> the causal LM class of its text_config
+TEXT_MODELS = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+_LANGUAGE = "model.language_model."
+_VISION = ("model.visual.", "visual.")
+
+Rename = Callable[[str], "str | None"]
+
+
+def text_only(config: Any) -> tuple[Any, Rename | None]:
+    """(the config to run, the checkpoint-name mapping: None keeps every name)."""
+    arch = next((a for a in getattr(config, "architectures", None) or [] if a in TEXT_MODELS),
+                None)
+    if arch is None:
+        return config, None
+    text = config.text_config
+    text.architectures = [TEXT_MODELS[arch]]
+    tied = getattr(config, "tie_word_embeddings", None)
+    if tied is not None:  # the checkpoint's head follows the outer config
+        text.tie_word_embeddings = tied
+    logger.info("%s: serving its text model (%s); the vision tower is not loaded", arch,
+                TEXT_MODELS[arch])
+    return text, language_model_name
+
+
+def language_model_name(name: str) -> str | None:
+    """model.language_model.X -> model.X; the vision tower's tensors -> None (skipped)."""
+    if name.startswith(_LANGUAGE):
+        return "model." + name[len(_LANGUAGE):]
+    if name.startswith(_VISION):
+        return None
+    return name
