@@ -189,11 +189,10 @@ ROWS: tuple[Incompatibility, ...] = (
         "runner='pooling' is not supported for {s.model_class} (linear-attention layers)"),
     # ---- speculative decoding -------------------------------------------------------------
     Incompatibility(
-        "speculative_config (draft_model, eagle)",
-        "linear attention (Qwen3-Next, Qwen3.5, Kimi Linear)",
-        lambda s: s.drafter_with_kv and s.linear_attention and s.spec_method != "mtp",
-        "speculative_config: only methods 'ngram' and 'mtp' draft for {s.model_class} yet (a "
-        "draft model's own linear-attention states would not follow the target's replays)"),
+        "speculative_config (eagle)", "linear attention (Qwen3-Next, Qwen3.5, Kimi Linear)",
+        lambda s: s.spec_method == "eagle" and s.linear_attention,
+        "speculative_config: method 'eagle' has no head for {s.model_class}; use 'mtp', "
+        "'draft_model' or 'ngram'"),
     Incompatibility(
         "speculative_config", "tensor_parallel_size > 1",
         lambda s: s.speculative and s.tp > 1,

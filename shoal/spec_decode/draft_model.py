@@ -34,6 +34,10 @@ class DraftModelDrafter(DrafterCache):
         assert spec.model is not None
         dummy = config.model_config.load_format == "dummy"
         loaded = load_model(spec.model, load_format="dummy" if dummy else "auto")
+        if "linear_attention" in (getattr(loaded.hf_config, "layer_types", None) or ()):
+            raise ValueError("speculative_config: a draft model with linear-attention layers "
+                             f"({spec.model}) is not supported yet: its states would not "
+                             "follow the target's verify steps; draft with a dense model")
         self.model = build_model(config, loaded)
         self._init_cache(config, spec.num_speculative_tokens)
 

@@ -258,3 +258,19 @@ def test_a_qwen3_5_multimodal_checkpoint_serves_its_text_model(tmp_path):
               max_model_len=256)
     assert type(llm.llm_engine.core.runner.model).__name__ == "Qwen3_5ForCausalLM"
     _check(llm, model.eval(), _prompts(3, seed=12))
+
+
+def test_a_dense_draft_model_drafts_for_a_hybrid_losslessly(tiny, tiny_llama_dir):
+    """method="draft_model" with a Llama draft: its KV follows the target's full-attention
+    block table, the target's linear layers replay the accepted runs; tokens stay
+    transformers'. A draft with linear-attention layers is refused by name."""
+    path, hf = tiny
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64,
+              num_gpu_blocks_override=64, max_model_len=256,
+              speculative_config={"method": "draft_model", "model": str(tiny_llama_dir),
+                                  "num_speculative_tokens": 2, "adaptive_budget": False})
+    _check(llm, hf, _prompts(3, seed=13))
+    with pytest.raises(ValueError, match="draft model with linear-attention layers"):
+        LLM(model=str(path), dtype="float32", num_gpu_blocks_override=64, max_model_len=256,
+            speculative_config={"method": "draft_model", "model": str(path),
+                                "num_speculative_tokens": 2})
