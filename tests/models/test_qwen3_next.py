@@ -66,10 +66,14 @@ def test_greedy_matches_transformers_in_mixed_chunked_batches(tiny):
     assert stats.state_bytes_per_request == 3 * 4 * (128 * 3 + 4 * 16 * 16)
 
 
-def test_prefix_hits_restore_the_linear_state(tiny):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_prefix_hits_restore_the_linear_state(tiny, async_scheduling: bool):
+    """(With async scheduling a step is scheduled while the one before runs: state blocks are
+    published a step late, so a hit never reads a state still being written.)"""
     path, hf = tiny
     llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=48,
-              num_gpu_blocks_override=64, max_model_len=512)
+              num_gpu_blocks_override=64, max_model_len=512,
+              async_scheduling=async_scheduling)
     rng = random.Random(3)
     base = [rng.randrange(3, 512) for _ in range(200)]
     _check(llm, hf, [base])
