@@ -29,7 +29,7 @@ from shoal.layers.kimi_delta_attention import KimiDeltaAttention
 from shoal.layers.linear import load_tensor
 from shoal.layers.norm import RMSNorm
 from shoal.models.deepseek_v2 import DeepseekMLA, DeepseekMLP, DeepseekMoE
-from shoal.models.qwen3_next import HybridModel, Qwen3NextForCausalLM
+from shoal.models.qwen3_next import HybridLayer, HybridModel, Qwen3NextForCausalLM
 
 _LAYER = re.compile(r"^(model\.layers\.(\d+)\.self_attn\.)(.+)$")
 _EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.weight$")
@@ -69,7 +69,7 @@ class KimiMLA(DeepseekMLA):
         self.rotary_emb = _NoRope()
 
 
-class KimiDecoderLayer(nn.Module):
+class KimiDecoderLayer(HybridLayer):
     def __init__(self, cfg: Any, dtype: torch.dtype, layer: int, use_triton_ops: bool):
         super().__init__()
         self.linear = cfg.layer_types[layer] == "linear_attention"
@@ -84,19 +84,8 @@ class KimiDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, eps, dtype, use_triton_ops)
 
     @property
-    def paged_layer(self) -> nn.Module:
-        return self.self_attn if self.linear else self.self_attn.attn
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None, md: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = (self.self_attn(hidden, md) if self.linear
-                  else self.self_attn(positions, hidden, md))
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def mixer(self) -> nn.Module:  # (KDA and MLA alike under self_attn in the checkpoint)
+        return self.self_attn
 
 
 class KimiModel(HybridModel):

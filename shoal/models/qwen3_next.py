@@ -109,7 +109,33 @@ class _Sized:
         self.hidden_size, self.intermediate_size = cfg.hidden_size, size
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridLayer(nn.Module):
+    """A pre-norm decoder layer whose token mixer is a linear-attention layer (called on the
+    hidden states) or an attention module (on positions too, its paged layer at .attn); the
+    subclass builds them and says which module mixes (`mixer`)."""
+
+    linear: bool
+
+    @property
+    def mixer(self) -> nn.Module:
+        raise NotImplementedError
+
+    @property
+    def paged_layer(self) -> nn.Module:
+        return self.mixer if self.linear else self.mixer.attn
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                residual: torch.Tensor | None, md: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.mixer(hidden, md) if self.linear else self.mixer(positions, hidden, md)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class HybridDecoderLayer(HybridLayer):
     def __init__(self, cfg: Any, dtype: torch.dtype, layer: int, *, interleaved: bool,
                  sparse: bool, use_triton_ops: bool, kind: str | None = None):
         """kind: the token mixer, "linear_attention" or "full_attention" (default: the
@@ -128,19 +154,8 @@ class HybridDecoderLayer(nn.Module):
                                                       use_triton_ops)
 
     @property
-    def paged_layer(self) -> nn.Module:
-        return self.linear_attn if self.linear else self.self_attn.attn
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
-                residual: torch.Tensor | None, md: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = (self.linear_attn(hidden, md) if self.linear
-                  else self.self_attn(positions, hidden, md))
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+    def mixer(self) -> nn.Module:  # (the checkpoint names them linear_attn and self_attn)
+        return self.linear_attn if self.linear else self.self_attn
 
 
 class HybridModel(nn.Module):
