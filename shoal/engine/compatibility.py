@@ -66,7 +66,9 @@ class ResolvedArgs:
     @property
     def linear_attention(self) -> bool:
         """Linear-attention layers (Gated DeltaNet, KDA) beside attention ones."""
-        return "linear_attention" in (getattr(self.hf_config, "layer_types", None) or ())
+        from shoal.models.registry import has_linear_attention
+
+        return has_linear_attention(self.hf_config)
 
     @property
     def latent_attention(self) -> bool:

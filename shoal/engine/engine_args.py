@@ -26,6 +26,7 @@ from shoal.engine.cpu_defaults import (
     default_scheduler_limits,
 )
 from shoal.json_arg import json_object
+from shoal.models.registry import has_linear_attention
 from shoal.pooling.model_info import parse_pooler_config
 from shoal.structured_output.params import check_backend_available, parse_backend_config
 
@@ -33,10 +34,6 @@ logger = logging.getLogger(__name__)
 
 USER_BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
-
-def is_hybrid_linear(hf_config: Any) -> bool:
-    """A model with linear-attention layers (Qwen3-Next, Qwen3.5, Kimi Linear)."""
-    return "linear_attention" in (getattr(hf_config, "layer_types", None) or ())
 
 
 def arg(default: Any, help: str) -> Any:
@@ -267,7 +264,7 @@ class EngineArgs:
         a verify step leaves states that its successor's replay completes (not yet kept as
         snapshots)."""
         if (self.enable_prefix_caching and self.speculative_config is not None
-                and is_hybrid_linear(hf_config)):
+                and has_linear_attention(hf_config)):
             logger.info("prefix caching off: speculative decoding on a model with "
                         "linear-attention layers")
             return False
@@ -276,7 +273,7 @@ class EngineArgs:
     def _block_size(self, hf_config: Any, runner: str, dtype: Any) -> int:
         """The configured block size, raised for a model with linear-attention layers until
         an attention page holds one layer's recurrent state (they share the pool's pages)."""
-        if runner != "generate" or not is_hybrid_linear(hf_config):
+        if runner != "generate" or not has_linear_attention(hf_config):
             return self.block_size
         from shoal.models.registry import resolve_model_class
 
@@ -372,7 +369,7 @@ class EngineArgs:
         DP+EP: one forward per lockstep step (dp_lockstep.py)."""
         if world > 1 or self.dp_expert_parallel():
             return False
-        if self.speculative_config is not None and is_hybrid_linear(hf_config):
+        if self.speculative_config is not None and has_linear_attention(hf_config):
             return False  # a verify's accepted run is replayed by the step after it
         return device.type == "cuda" if self.async_scheduling is None else bool(
             self.async_scheduling)

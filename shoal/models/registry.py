@@ -75,6 +75,12 @@ def _architectures(hf_config: Any) -> list[str]:
     return archs
 
 
+def has_linear_attention(hf_config: Any) -> bool:
+    """Linear-attention layers (Gated DeltaNet, KDA) beside attention ones: Qwen3-Next,
+    Qwen3.5, Kimi Linear."""
+    return "linear_attention" in (getattr(hf_config, "layer_types", None) or ())
+
+
 def is_pooling_only(hf_config: Any) -> bool:
     """An encoder or a classification head: it cannot generate (runner "auto" -> pooling)."""
     archs = _architectures(hf_config)

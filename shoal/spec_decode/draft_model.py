@@ -23,6 +23,7 @@ from shoal.config.speculative import SpeculativeConfig
 from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.host_to_device import to_device
 from shoal.loader import build_model, load_model
+from shoal.models.registry import has_linear_attention
 from shoal.spec_decode.drafter_cache import DrafterCache
 from shoal.worker.drafter import TargetStep
 
@@ -34,7 +35,7 @@ class DraftModelDrafter(DrafterCache):
         assert spec.model is not None
         dummy = config.model_config.load_format == "dummy"
         loaded = load_model(spec.model, load_format="dummy" if dummy else "auto")
-        if "linear_attention" in (getattr(loaded.hf_config, "layer_types", None) or ()):
+        if has_linear_attention(loaded.hf_config):
             raise ValueError("speculative_config: a draft model with linear-attention layers "
                              f"({spec.model}) is not supported yet: its states would not "
                              "follow the target's verify steps; draft with a dense model")
