@@ -23,16 +23,43 @@ def write_tiny_checkpoint(path: Path, model_type: str, seed: int = 0, **override
     cfg = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):  # linear attention: decay rates ~1 per head and
-                p.normal_(0, 0.3)  # dt_bias ~-3 (softplus ~0.05), a memory of tens of tokens
-            elif name.endswith("dt_bias"):
-                p.uniform_(-4, -2)
-            else:  # larger than the default init so outputs are not flat
-                p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    randomize_weights(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+def randomize_weights(model: torch.nn.Module) -> None:
+    """Weights larger than the default init, so outputs are not flat; linear attention's
+    decay rates ~1 per head (A_log) and dt_bias ~-3 (softplus ~0.05): a memory of tens of
+    tokens rather than of one."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.normal_(0, 0.3)
+            elif name.endswith("dt_bias"):
+                p.uniform_(-4, -2)
+            else:
+                p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+
+
+def draft_continuations(monkeypatch, refs: dict[tuple[int, ...], list[int]], k: int = 3,
+                        seed: int = 0) -> None:
+    """ngram's drafter proposes transformers' own continuation (refs: prompt -> greedy
+    tokens), one step in two with a wrong token among its k drafts: verify steps then
+    accept some drafts and reject others."""
+    import random
+
+    import shoal.spec_decode.ngram as ngram
+
+    rng = random.Random(seed)
+
+    def draft(self, prompt, output) -> list[int]:
+        drafts = list(refs[tuple(prompt)][len(output):len(output) + k])
+        if drafts and rng.random() < 0.5:
+            drafts[rng.randrange(len(drafts))] = 7
+        return drafts
+
+    monkeypatch.setattr(ngram.NgramDrafter, "draft", draft)
 
 
 def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import hf_greedy
+from oracle import draft_continuations, hf_greedy, randomize_weights
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shoal import LLM, SamplingParams
@@ -40,14 +40,7 @@ def write_kimi_checkpoint(path: Path, seed: int) -> Path:
     cfg = AutoConfig.for_model("kimi_linear", **KIMI)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.normal_(0, 0.3)
-            elif name.endswith("dt_bias"):
-                p.uniform_(-4, -2)
-            else:
-                p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    randomize_weights(model)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -149,20 +142,10 @@ def test_block_size_holds_a_state():
 def test_speculative_decoding_replays_the_accepted_run(tiny, monkeypatch):
     """KDA's per-channel decay through the verify-and-replay path: ngram's verify steps with
     drafts that are transformers' continuation, one in two with a wrong token; lossless."""
-    import shoal.spec_decode.ngram as ngram
-
     path, hf = tiny
     prompts = _prompts((30, 90), seed=6)
     refs = {tuple(p): hf_greedy(hf, p, 24)[0] for p in prompts}
-    rng = random.Random(0)
-
-    def draft(self, prompt, output) -> list[int]:
-        drafts = list(refs[tuple(prompt)][len(output):len(output) + 3])
-        if drafts and rng.random() < 0.5:
-            drafts[rng.randrange(len(drafts))] = 7
-        return drafts
-
-    monkeypatch.setattr(ngram.NgramDrafter, "draft", draft)
+    draft_continuations(monkeypatch, refs)
     llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64,
               num_gpu_blocks_override=64, max_model_len=512,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3,

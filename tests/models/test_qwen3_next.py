@@ -9,7 +9,13 @@ import random
 
 import pytest
 import torch
-from oracle import TINY_COMMON, hf_greedy, write_tiny_checkpoint
+from oracle import (
+    TINY_COMMON,
+    draft_continuations,
+    hf_greedy,
+    randomize_weights,
+    write_tiny_checkpoint,
+)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shoal import LLM, SamplingParams
@@ -126,20 +132,10 @@ def test_speculative_decoding_replays_the_accepted_run(tiny, monkeypatch):
     """ngram's verify path with drafts that are transformers' own continuation, one in two
     steps with a wrong token: the linear layers fold in only the accepted run (ReplaySSM),
     and the tokens stay transformers' (lossless)."""
-    import shoal.spec_decode.ngram as ngram
-
     path, hf = tiny
     prompts = _prompts(4, seed=6)
     refs = {tuple(p): hf_greedy(hf, p, 3 * STEPS)[0] for p in prompts}
-    rng = random.Random(0)
-
-    def draft(self, prompt, output) -> list[int]:
-        drafts = list(refs[tuple(prompt)][len(output):len(output) + 3])
-        if drafts and rng.random() < 0.5:
-            drafts[rng.randrange(len(drafts))] = 7
-        return drafts
-
-    monkeypatch.setattr(ngram.NgramDrafter, "draft", draft)
+    draft_continuations(monkeypatch, refs)
     verified: list[tuple[int, int]] = []  # (drafts, accepted) of each verify
     settle = Scheduler._settle_verified
 
@@ -249,14 +245,7 @@ def test_a_qwen3_5_multimodal_checkpoint_serves_its_text_model(tmp_path):
     model = AutoModelForImageTextToText.from_config(
         Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=False),
         dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.normal_(0, 0.3)
-            elif name.endswith("dt_bias"):
-                p.uniform_(-4, -2)
-            else:
-                p.normal_(0, 0.2) if p.dim() > 1 else p.uniform_(0.5, 1.5)
+    randomize_weights(model)
     model.save_pretrained(tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", num_gpu_blocks_override=32,
               max_model_len=256)
