@@ -79,7 +79,7 @@ from typing import Any
 import engine_internals
 import offline_runs
 from bench_args import REQUIRED, add_common, comma_ints, comma_words
-from deepseek_gpu import count_active
+from deepseek_gpu import count_active, w1  # w1: the same W1 part on this EngineStage
 from offline_runs import COPY_BANDWIDTH
 from results_file import record, shoal_source, write
 
@@ -426,18 +426,6 @@ def batch1(st: EngineStage) -> dict[str, Any]:
                   graph_replay_ms=engine_internals.graph_replay_ms(st.llm))
 
 
-def w1(st: EngineStage) -> dict[str, Any]:
-    s = st.sizes
-    n = st.args.num_requests or s["num_requests"]
-    prompts, params, ins, outs = offline_runs.w1_requests(
-        n, min(10000, st.vocab()), in_range=s["w1_in"], out_range=s["w1_out"])
-    fig = offline_runs.throughput(st.llm, prompts, params)
-    return record("w1", "shoal", **st.common(), num_requests=n,
-                  input_len_range=list(s["w1_in"]), output_len_range=list(s["w1_out"]),
-                  total_input_tokens=sum(ins), expected_output_tokens=sum(outs), **fig,
-                  temperature=0.6)
-
-
 def long_context(st: EngineStage) -> dict[str, Any]:
     elem = 2 if st.sizes["dtype"] == "bfloat16" else 4
     cb = config_bytes(st.cfg, elem)
@@ -520,24 +508,6 @@ def variant_params(cfg: Any) -> int | None:
 
 # ---- correctness ---------------------------------------------------------------------------
 
-def hf_greedy(model: Any, prompt_ids: list[int], n: int, device: str) -> tuple[list, list]:
-    """tests/oracle.py hf_greedy on a device: tokens and each step's log-softmax."""
-    import torch
-
-    ids = torch.tensor([prompt_ids], device=device)
-    out, logps, past = [], [], None
-    with torch.no_grad():
-        for _ in range(n):
-            res = model(ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            last = res.logits[0, -1].float()
-            logps.append(torch.log_softmax(last, -1).cpu())
-            tok = int(last.argmax())
-            out.append(tok)
-            ids = torch.tensor([[tok]], device=device)
-    return out, logps
-
-
 def randomize(model: Any) -> None:
     """write_tiny_checkpoint's draw, matrices scaled to keep its gain at any width."""
     import torch
@@ -609,6 +579,8 @@ def shoal_llm(folder: str, sizes: dict[str, Any], device: str) -> Any:
 
 def compare(llm: Any, hf: Any, cfg: Any, sizes: dict[str, Any], device: str,
             seed: int) -> dict[str, Any]:
+    from gpu_correctness import hf_greedy  # (imports torch: correctness children only)
+
     from shoal import SamplingParams
 
     rng = random.Random(seed)
