@@ -9,6 +9,8 @@ from typing import Any
 from transformers import AutoConfig, PretrainedConfig
 
 from shoal.loader.gguf_file import GGUFFile
+from shoal.loader.gguf_hybrid import hybrid_config_values
+from shoal.loader.gguf_names import HYBRID_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +30,11 @@ SUPPORTED_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     # ggml's "normal" (interleaved-pair) type, so the converter stores q / kv_a rows as the
     # checkpoints do (no permutation) and shoal's model reorders them itself at load.
     "deepseek2": GGUFArchitecture("deepseek_v2", "DeepseekV2ForCausalLM", permuted_qk=False),
+    # Gated DeltaNet hybrids (their tensors' conversion undone in gguf_hybrid.py)
+    "qwen3next": GGUFArchitecture("qwen3_next", "Qwen3NextForCausalLM", permuted_qk=False),
+    "qwen35": GGUFArchitecture("qwen3_5_text", "Qwen3_5ForCausalLM", permuted_qk=False),
+    "qwen35moe": GGUFArchitecture("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM",
+                                  permuted_qk=False),
 }
 # deepseek2 files whose routing is V3's (sigmoid scores, score-correction bias)
 _DEEPSEEK_V3 = GGUFArchitecture("deepseek_v3", "DeepseekV3ForCausalLM", permuted_qk=False)
@@ -75,6 +82,11 @@ _SIZE_LIMITS = {
     "q_lora_rank": 1 << 16, "kv_lora_rank": 1 << 16, "qk_nope_head_dim": 1 << 12,
     "qk_rope_head_dim": 1 << 12, "v_head_dim": 1 << 12, "n_routed_experts": 1 << 14,
     "num_experts_per_tok": 1 << 14, "n_shared_experts": 1 << 8, "moe_intermediate_size": 1 << 20,
+    # Gated DeltaNet hybrids
+    "linear_conv_kernel_dim": 1 << 8, "linear_key_head_dim": 1 << 12,
+    "linear_value_head_dim": 1 << 12, "linear_num_key_heads": 1 << 12,
+    "linear_num_value_heads": 1 << 12, "num_experts": 1 << 14,
+    "shared_expert_intermediate_size": 1 << 20,
 }
 
 
@@ -118,7 +130,6 @@ def _config_values(gguf: GGUFFile) -> dict[str, Any]:
     values: dict[str, Any] = {
         "architectures": [arch.hf_class],
         "hidden_size": hidden_size,
-        "intermediate_size": int(gguf.require(key("feed_forward_length"))),
         "num_hidden_layers": int(gguf.require(key("block_count"))),
         "num_attention_heads": num_heads,
         "num_key_value_heads": int(gguf.get(key("attention.head_count_kv"), num_heads)),
@@ -131,8 +142,16 @@ def _config_values(gguf: GGUFFile) -> dict[str, Any]:
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "dtype": "float32",
     }
+    # MoE-only hybrids may state no dense width (gguf_hybrid fills it in)
+    ffn = gguf.get(key("feed_forward_length"))
+    if ffn is None and arch_name not in HYBRID_ARCHITECTURES:
+        ffn = gguf.require(key("feed_forward_length"))  # raises, naming the key
+    if ffn is not None:
+        values["intermediate_size"] = int(ffn)
     if arch.model_type == "llama":
         values["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
+    if arch_name in HYBRID_ARCHITECTURES:
+        values.update(hybrid_config_values(gguf, values, tensor_names))
     if arch_name == "deepseek2":
         values.update(_deepseek2_values(gguf, arch, values, tensor_names))
     for config_key, gguf_key in (

@@ -1,4 +1,5 @@
-"""Load config and float32 weights from a GGUF file (llama, qwen2, qwen3, deepseek2)."""
+"""Load config and float32 weights from a GGUF file (llama, qwen2, qwen3, deepseek2, and the
+Gated DeltaNet hybrids qwen3next, qwen35, qwen35moe)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ from transformers import PretrainedConfig
 from shoal.loader.gguf_config import build_gguf_config, gguf_architecture
 from shoal.loader.gguf_dequant import dequantize
 from shoal.loader.gguf_file import GGUFFile, GGUFTensor, open_gguf
+from shoal.loader.gguf_hybrid import join_qkvz, restore_tensor
 from shoal.loader.gguf_names import (
     EXPERT_PROJECTIONS,
+    HYBRID_ARCHITECTURES,
     KV_B_PARTS,
+    QKVZ_PARTS,
+    block_of,
     expert_tensor_name,
     hf_tensor_name,
     layer_tensor,
@@ -26,8 +31,9 @@ from shoal.loader.loaded_model import WeightsFn, no_weights
 @dataclass(frozen=True)
 class TensorPlan:
     """How GGUF tensors become transformers tensors: one tensor renamed (llama's q/k rows
-    un-permuted), a stacked-experts tensor split into one tensor per expert and projection,
-    DeepSeek's attn_k_b + attn_v_b joined into kv_b_proj, or zeros for a tensor llama.cpp
+    un-permuted, a hybrid's conversion undone), a stacked-experts tensor split into one tensor
+    per expert and projection, DeepSeek's attn_k_b + attn_v_b joined into kv_b_proj,
+    Qwen3-Next's attn_qkv + attn_gate into in_proj_qkvz, or zeros for a tensor llama.cpp
     treats as optional."""
 
     hf_name: str
@@ -37,7 +43,9 @@ class TensorPlan:
     expert_projections: tuple[str, ...] = ()
     layer: int = -1  # of the stacked experts
     v_b: GGUFTensor | None = None  # set when `tensor` is attn_k_b: the two become kv_b_proj
+    z: GGUFTensor | None = None  # set when `tensor` is attn_qkv: the two become in_proj_qkvz
     zeros: int = 0  # the length of a zero vector to yield instead of a tensor
+    restore: str = ""  # the hybrid architecture whose conversion to undo (gguf_hybrid.py)
 
 
 @dataclass
@@ -61,7 +69,7 @@ def load_gguf(path: str | Path, *, with_weights: bool = True) -> GGUFModel:
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         for plan in plans:
-            yield from _materialize(gguf, plan)
+            yield from _materialize(gguf, plan, config)
 
     return GGUFModel(file=gguf, config=config, weights=weights)
 
@@ -69,9 +77,13 @@ def load_gguf(path: str | Path, *, with_weights: bool = True) -> GGUFModel:
 def plan_tensors(gguf: GGUFFile, config: PretrainedConfig) -> list[TensorPlan]:
     # Names are checked up front so an unsupported file fails at load time, not mid-iteration.
     arch = gguf_architecture(gguf)
+    hybrid = gguf.architecture if gguf.architecture in HYBRID_ARCHITECTURES else ""
     plans = []
     kv_b_parts: dict[int, dict[str, GGUFTensor]] = {}
+    qkvz_parts: dict[int, dict[str, GGUFTensor]] = {}
     for tensor in gguf.tensors:
+        if hybrid and block_of(tensor.name) >= config.num_hidden_layers:
+            continue  # Qwen3.5's MTP blocks (gguf_hybrid.mtp_blocks)
         parsed = layer_tensor(tensor.name)
         if parsed is not None and parsed.kind == "weight":
             if parsed.part in EXPERT_PROJECTIONS:
@@ -80,8 +92,11 @@ def plan_tensors(gguf: GGUFFile, config: PretrainedConfig) -> list[TensorPlan]:
             if parsed.part in KV_B_PARTS:
                 kv_b_parts.setdefault(parsed.layer, {})[parsed.part] = tensor
                 continue
+            if hybrid == "qwen3next" and parsed.part in QKVZ_PARTS:
+                qkvz_parts.setdefault(parsed.layer, {})[parsed.part] = tensor
+                continue
         try:
-            hf_name = hf_tensor_name(tensor.name)
+            hf_name = hf_tensor_name(tensor.name, gguf.architecture)
         except KeyError:
             raise ValueError(
                 f"GGUF file {gguf.path} has tensor {tensor.name!r}, which shoal cannot map to a "
@@ -94,7 +109,14 @@ def plan_tensors(gguf: GGUFFile, config: PretrainedConfig) -> list[TensorPlan]:
             heads = config.num_attention_heads
         elif arch.permuted_qk and ".self_attn.k_proj." in hf_name:
             heads = config.num_key_value_heads
-        plans.append(TensorPlan(hf_name=hf_name, tensor=tensor, unpermute_heads=heads))
+        plans.append(TensorPlan(hf_name=hf_name, tensor=tensor, unpermute_heads=heads,
+                                restore=hybrid))
+    for layer, parts in sorted(qkvz_parts.items()):
+        if len(parts) != len(QKVZ_PARTS):
+            raise ValueError(f"GGUF file {gguf.path} has {' and '.join(sorted(parts))} but not "
+                             f"its partner in layer {layer}; in_proj_qkvz needs both")
+        plans.append(TensorPlan(hf_name=f"model.layers.{layer}.linear_attn.in_proj_qkvz.weight",
+                                tensor=parts["attn_qkv"], z=parts["attn_gate"]))
     planned = {plan.hf_name for plan in plans}
     for layer, parts in sorted(kv_b_parts.items()):
         hf_name = f"model.layers.{layer}.self_attn.kv_b_proj.weight"
@@ -167,7 +189,8 @@ def join_kv_b(k_b: np.ndarray, v_b: np.ndarray) -> np.ndarray:
     return np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, kv_lora_rank)
 
 
-def _materialize(gguf: GGUFFile, plan: TensorPlan) -> Iterator[tuple[str, torch.Tensor]]:
+def _materialize(gguf: GGUFFile, plan: TensorPlan, config: PretrainedConfig
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
     if plan.zeros:
         yield plan.hf_name, torch.zeros(plan.zeros, dtype=torch.float32)
         return
@@ -182,6 +205,13 @@ def _materialize(gguf: GGUFFile, plan: TensorPlan) -> Iterator[tuple[str, torch.
             values = join_kv_b(values, _dequantize(gguf, plan.v_b))
         except ValueError as exc:
             raise ValueError(f"GGUF file {gguf.path}: {exc}") from None
+    try:
+        if plan.z is not None:
+            values = join_qkvz(values, _dequantize(gguf, plan.z), config)
+        if plan.restore:
+            values = restore_tensor(plan.hf_name, values, config, plan.restore)
+    except ValueError as exc:
+        raise ValueError(f"GGUF file {gguf.path}: {exc}") from None
     if plan.unpermute_heads is not None:
         values = unpermute_qk(values, plan.unpermute_heads)
     yield plan.hf_name, _to_torch(values)

@@ -43,6 +43,33 @@ _PER_LAYER_EXACT = {
     ("exp_probs_b", "bias"): "mlp.gate.e_score_correction_bias",
 }
 
+# The Gated DeltaNet hybrids (llama.cpp's qwen3next, qwen35, qwen35moe): the linear-attention
+# layers' tensors, the norm after attention (post_attention_norm: these files have no
+# ffn_norm) and Qwen's singular shared expert with its sigmoid gate. Qwen3-Next's attn_qkv +
+# attn_gate are one checkpoint tensor (in_proj_qkvz), joined by the loader.
+_HYBRID_PER_LAYER = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",
+    "attn_gate": "linear_attn.in_proj_z",
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_ba": "linear_attn.in_proj_ba",
+    "ssm_conv1d": "linear_attn.conv1d",
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_HYBRID_EXACT = {
+    ("ssm_a", ""): "linear_attn.A_log",  # stored as -exp(A_log), without a suffix
+    ("ssm_dt", "bias"): "linear_attn.dt_bias",  # the converter renames dt_bias dt_proj.bias
+}
+HYBRID_ARCHITECTURES = ("qwen3next", "qwen35", "qwen35moe")
+# Qwen3-Next's attn_qkv and attn_gate, joined into in_proj_qkvz
+QKVZ_PARTS = ("attn_qkv", "attn_gate")
+
 # Routed experts, stacked [experts, rows, columns] in one tensor per projection (llama.cpp's
 # converter merges the checkpoint's per-expert tensors): the transformers projections each
 # expert's slice holds. ffn_gate_up_exps (converted with --fuse-gate-up-exps) stacks gate's
@@ -63,14 +90,16 @@ KV_B_PARTS = ("attn_k_b", "attn_v_b")
 SKIPPED = {"rope_freqs.weight"}
 _SKIPPED_LAYER_PARTS = {"attn_rot_embd"}
 
-_LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)$")
+# the suffix is missing on a few SSM tensors (ssm_a)
+_LAYER_NAME = re.compile(r"^blk\.(\d+)\.([a-z_0-9]+)(?:\.(weight|bias))?$")
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
 _GLOBAL_NAME = re.compile(r"^([a-z_]+)\.(weight|bias)$")
 
 
 class LayerTensor(NamedTuple):
     layer: int
     part: str  # attn_q, ffn_gate_exps, ...
-    kind: str  # weight or bias
+    kind: str  # weight, bias or "" (no suffix)
 
 
 def layer_tensor(gguf_name: str) -> LayerTensor | None:
@@ -78,7 +107,13 @@ def layer_tensor(gguf_name: str) -> LayerTensor | None:
     match = _LAYER_NAME.match(gguf_name)
     if match is None:
         return None
-    return LayerTensor(int(match[1]), match[2], match[3])
+    return LayerTensor(int(match[1]), match[2], match[3] or "")
+
+
+def block_of(gguf_name: str) -> int:
+    """The block index of a blk.N.* tensor (blk.48.nextn.eh_proj.weight too); -1 for others."""
+    match = _BLOCK.match(gguf_name)
+    return int(match[1]) if match else -1
 
 
 def expert_tensor_name(layer: int, expert: int, projection: str) -> str:
@@ -86,20 +121,23 @@ def expert_tensor_name(layer: int, expert: int, projection: str) -> str:
     return f"model.layers.{layer}.mlp.experts.{expert}.{projection}.weight"
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, architecture: str = "") -> str | None:
     """The transformers name, None for tensors to skip; raises KeyError for unknown ones and
     for the tensors that need more than a rename (EXPERT_PROJECTIONS, KV_B_PARTS)."""
     if gguf_name in SKIPPED:
         return None
+    hybrid = architecture in HYBRID_ARCHITECTURES
     parsed = layer_tensor(gguf_name)
     if parsed is not None:
         layer, part, kind = parsed
         if part in _SKIPPED_LAYER_PARTS:
             return None
-        if part in _PER_LAYER:
-            return f"model.layers.{layer}.{_PER_LAYER[part]}.{kind}"
-        if (part, kind) in _PER_LAYER_EXACT:
-            return f"model.layers.{layer}.{_PER_LAYER_EXACT[part, kind]}"
+        per_layer = {**_PER_LAYER, **_HYBRID_PER_LAYER} if hybrid else _PER_LAYER
+        exact = {**_PER_LAYER_EXACT, **_HYBRID_EXACT} if hybrid else _PER_LAYER_EXACT
+        if part in per_layer and kind:
+            return f"model.layers.{layer}.{per_layer[part]}.{kind}"
+        if (part, kind) in exact:
+            return f"model.layers.{layer}.{exact[part, kind]}"
     match = _GLOBAL_NAME.match(gguf_name)
     if match is not None and match.group(1) in _GLOBAL:
         return f"{_GLOBAL[match.group(1)]}.{match.group(2)}"

@@ -26,6 +26,12 @@ QWEN2_SPLIT = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# Qwen3.5 also keeps combining marks (\p{M}) inside words.
+QWEN35_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}"
+    r"| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 
 @dataclass(frozen=True)
 class ByteLevelSplit:
@@ -41,6 +47,7 @@ GPT2 = ByteLevelSplit()
 DIGITS_THEN_GPT2 = ByteLevelSplit(individual_digits=True)
 LLAMA3 = ByteLevelSplit(regex=LLAMA3_SPLIT, ignore_merges=True)
 QWEN2 = ByteLevelSplit(regex=QWEN2_SPLIT, nfc=True)
+QWEN35 = ByteLevelSplit(regex=QWEN35_SPLIT, nfc=True)
 
 SPLITS: dict[str, ByteLevelSplit] = {
     "default": GPT2,
@@ -59,6 +66,7 @@ SPLITS: dict[str, ByteLevelSplit] = {
     "dbrx": LLAMA3,
     "qwen2": QWEN2,
     "deepseek-r1-qwen": QWEN2,
+    "qwen35": QWEN35,
 }
 
 
