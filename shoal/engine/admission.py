@@ -5,6 +5,7 @@ its prompt is computed, in chunks when it does not fit one step."""
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ class _Cached:
 
     device_hits: list[KVBlock] = field(default_factory=list)
     num_hit_tokens: int = 0  # tokens of the device hits
-    staged: Staged = field(default_factory=list)
+    staged: Staged = field(default_factory=Staged)
 
 
 class Admission:
@@ -84,7 +85,7 @@ class Admission:
         # A request asking again after a deferral had its query counted the first time.
         count = self.offload is None or not self.offload.is_deferred(req.request_id)
         hits, n_hit = self.kv.get_computed_blocks(req, count=count)
-        staged: Staged = []
+        staged = Staged()
         if self.offload is not None:
             found = self.offload.stage(req, len(hits))
             if found is None:
@@ -95,19 +96,21 @@ class Admission:
     def admit(self, req: Request, cached: _Cached, step: StepPlan) -> bool:
         """Allocates the waiting request's blocks and makes it running; False (nothing
         changed) when they do not fit."""
-        n_loaded = len(cached.staged) * self.block_size  # tier hits: loaded, not computed
+        n_loaded = cached.staged.num_blocks * self.block_size  # tier hits: loaded, not computed
         n = req.num_tokens - cached.num_hit_tokens - n_loaded
         if n > step.budget and not self.config.enable_chunked_prefill:
             new_blocks = None  # the whole prompt must fit in one step
         else:
             n = min(n, step.budget)
-            new_blocks = self.kv.allocate_slots(req, n_loaded + n, cached.device_hits)
+            new_blocks = self.kv.allocate_slots(req, n_loaded + n, cached.device_hits,
+                                                loaded_blocks=cached.staged.num_blocks)
         if new_blocks is None:
             if cached.staged:
                 self.offload.cancel(cached.staged)
             return False
         if cached.staged:
-            self.offload.commit(cached.staged, new_blocks)
+            self.offload.commit(cached.staged, functools.partial(self.kv.block_at,
+                                                                 req.request_id))
         n_hit = cached.num_hit_tokens + n_loaded
         req.num_computed_tokens = n_hit
         self.waiting.pop()

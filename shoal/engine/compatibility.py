@@ -215,11 +215,6 @@ ROWS: tuple[Incompatibility, ...] = (
         "empties behind the window; use method 'ngram'"),
     # ---- KV offloading --------------------------------------------------------------------
     Incompatibility(
-        "kv_offloading_size", "linear attention (Qwen3-Next, Qwen3.5, Kimi Linear)",
-        lambda s: s.offloading and s.linear_attention,
-        "kv_offloading_size does not support {s.model_class} yet: the CPU and disk tiers hold "
-        "one KV cache group, not linear-attention states beside attention blocks"),
-    Incompatibility(
         "kv_offloading_size", "tensor_parallel_size > 1",
         lambda s: s.offloading and s.tp > 1,
         "kv_offloading_size does not support tensor_parallel_size > 1 yet"),

@@ -69,7 +69,8 @@ class Scheduler(RequestTableFront):
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
                                  cache_config.enable_prefix_caching, kv_groups)
         # KV offloading: evicted device blocks go to the tiers, admissions load tier hits.
-        self.offload = (KVOffloadConnector(kv_store, self.kv.pool, self.block_size)
+        self.offload = (KVOffloadConnector(kv_store, self.kv.pool, self.block_size,
+                                           self.kv.tables)
                         if kv_store is not None else None)
         self._groups = len(kv_groups) > 1
         self._states = any(g.holds_state for g in kv_groups)

@@ -114,11 +114,14 @@ class KVCacheManager:
         return []
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed: list[KVBlock | None] | None = None
-                       ) -> list[KVBlock] | None:
+                       new_computed: list[KVBlock | None] | None = None,
+                       loaded_blocks: int = 0) -> list[KVBlock] | None:
         """Reserves room for `num_new_tokens` more tokens after the request's computed ones
         and its new prefix hits (new_computed, from get_computed_blocks). Returns the first
-        group's new blocks, or None (and changes nothing) when the pool cannot provide them."""
+        group's new blocks, or None (and changes nothing) when the pool cannot provide them.
+        loaded_blocks: the first new tokens are that many whole blocks loaded from the KV
+        tiers: a linear-state table then starts at the last of them (the state loaded there),
+        its entries before left empty as if they had left its one-token window."""
         rid = request.request_id
         start = request.num_computed_tokens
         if not new_computed:
@@ -145,7 +148,8 @@ class KVCacheManager:
             t.drop_out_of_window(rid, start)
         need = -(-(start + num_new_tokens) // self.block_size)
         hits = [new_computed or [] if t is self._main else
-                self._group_hits(t, request, n_hits) for t in self.tables]
+                [None] * (n_hits + loaded_blocks - 1) if loaded_blocks and t.publishes_computed
+                else self._group_hits(t, request, n_hits) for t in self.tables]
         if any(h is None for h in hits):
             return None  # another group's hit left the cache meanwhile
         counts = [max(0, need - t.held(rid) - len(h)) for t, h in zip(self.tables, hits)]
@@ -199,6 +203,10 @@ class KVCacheManager:
         """The request's first-group block table (a live list: it grows as the request
         does)."""
         return self._main.ids.get(request_id, [])
+
+    def block_at(self, request_id: str, group: int, index: int) -> KVBlock | None:
+        """The block at one entry of the request's table of a group."""
+        return self.tables[group].blocks[request_id][index]
 
     def group_block_ids(self, request_id: str) -> tuple[list[int], ...]:
         """The tables of the other groups (live lists; empty for a model of one group)."""

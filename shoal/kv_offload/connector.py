@@ -12,6 +12,12 @@
   (and verified) in the background: `stage` returns None ("ask again next step") and the
   scheduler goes on with the other requests, so a disk load never stalls their decoding.
   `abandon` lets go of a request that will not come back for its blocks.
+- Hybrids (linear-attention layers beside attention: several KV cache groups over the one
+  pool, shoal/kv_cache/manager.py): every group's blocks are stored under their group's key
+  (the prefix hash, tagged), as they leave the device. A tier hit of n blocks needs every
+  attention group's first n blocks and each linear-state group's block n - 1 (the state
+  after the hit's last token, saved at that block's end): the longest such n the tiers hold
+  is staged, states included, and the state groups' earlier entries stay empty.
 - Every plan handed out has an id. The CPU slots it reads or writes stay pinned, and the
   slots it fills count as garbage, until `transfers_done` hears from the model runner (via
   ModelRunnerOutput and the scheduler's update) that its copies have completed. So nothing
@@ -22,17 +28,41 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from shoal.core.kv_transfer_plan import KVTransferPlan
 from shoal.core.request import Request
 from shoal.kv_cache.block_pool import BlockPool, KVBlock
+from shoal.kv_cache.block_tables import BlockTables
 from shoal.kv_cache.hashing import BlockHash
 from shoal.kv_offload.loads import Staging
 from shoal.kv_offload.request_params import skip_tiers
 from shoal.kv_offload.store import TieredKVStore
 
-Staged = list[tuple[BlockHash, int]]  # (hash, pinned CPU slot)
+
+class StagedBlock(NamedTuple):
+    key: BlockHash  # the block's key in the tiers: its prefix hash, tagged with its group
+    slot: int  # its pinned CPU slot
+    group: int  # the KV cache group (index of its table in the KV manager)
+    index: int  # its entry in the request's table of that group
+
+
+@dataclass
+class Staged:
+    """A waiting request's tier hits, pinned in the CPU tier: the prefix blocks they extend
+    the device hits by, and the blocks to load (one per group and block; a linear-state
+    group only the last)."""
+
+    blocks: list[StagedBlock] = field(default_factory=list)
+    num_blocks: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.blocks)
+
+    def __iter__(self):
+        return iter(self.blocks)
 
 # A step with nothing to run while requests wait for disk reads blocks this long at most for
 # one to end: the engine loop would otherwise spin in Python, and the reader threads, which
@@ -49,10 +79,13 @@ class _PlanHolds:
 
 
 class KVOffloadConnector:
-    def __init__(self, store: TieredKVStore, pool: BlockPool, block_size: int):
+    def __init__(self, store: TieredKVStore, pool: BlockPool, block_size: int,
+                 tables: Sequence[BlockTables] = ()):
+        """tables: the KV manager's per-group tables (none or one: a model of one group)."""
         self.store = store
         self.pool = pool
         self.block_size = block_size
+        self.tables = list(tables) if len(tables) > 1 else []
         pool.on_evict = self.on_device_evict
         self._plan = KVTransferPlan()
         self._holds = _PlanHolds()  # of the plan being built
@@ -120,14 +153,15 @@ class KVOffloadConnector:
         blocks on a read. A block that arrives damaged or not at all ends the hits there. At
         least one token is always left to compute (its logits are needed)."""
         max_blocks = (req.num_tokens - 1) // self.block_size
-        hashes = req.block_hashes[num_device_hits:max_blocks]
+        skip = skip_tiers(req.sampling_params.kv_transfer_params)
+        wanted = self._wanted(req, num_device_hits, max_blocks, skip)
+        hashes = [w.key for w in wanted]
         _, prev = self._deferred.pop(req.request_id, (None, None))
         if prev is not None and not prev.ready:
             self.store.collect()  # (begin_step collected too; reads may have ended since)
             if not prev.ready:
                 self._deferred[req.request_id] = (req, prev)
                 return None
-        skip = skip_tiers(req.sampling_params.kv_transfer_params)
         # After a deferral, walk again: the device hits may have moved, and a block that
         # failed to arrive ends the hits. The lookups were counted on the first walk, and
         # the old staging's pins are dropped only now, so nothing it read is evicted before.
@@ -139,7 +173,38 @@ class KVOffloadConnector:
         if not st.ready:
             self._deferred[req.request_id] = (req, st)
             return None
-        return list(zip(st.hits, self.store.slots(st)))
+        slots = self.store.slots(st)
+        if self.tables and len(slots) < len(wanted):  # a block arrived damaged: without it,
+            self.store.release(st)  # the state at the hit's end is missing: nothing loads
+            return Staged()
+        blocks = [w._replace(slot=s) for w, s in zip(wanted, slots)]
+        if not blocks:
+            return Staged()
+        return Staged(blocks, blocks[-1].index + 1 - num_device_hits)
+
+    def _wanted(self, req: Request, num_device_hits: int, max_blocks: int,
+                skip: Sequence[str]) -> list[StagedBlock]:
+        """The blocks to stage, slots unknown yet: with one group, its blocks after the
+        device hits; with several, the longest hit the tiers hold whole (read-only lookups:
+        the walk in begin_stage pins)."""
+        hashes = req.block_hashes
+        if not self.tables:
+            return [StagedBlock(h, -1, 0, num_device_hits + i)
+                    for i, h in enumerate(hashes[num_device_hits:max_blocks])]
+        attention = [(g, t) for g, t in enumerate(self.tables) if not t.publishes_computed]
+        states = [(g, t) for g, t in enumerate(self.tables) if t.publishes_computed]
+        end = num_device_hits
+        while end < max_blocks and all(self.store.holds(t.key(hashes[end]), skip)
+                                       for _, t in attention):
+            end += 1
+        while end > num_device_hits and not all(
+                self.store.holds(t.key(hashes[end - 1]), skip) for _, t in states):
+            end -= 1
+        if end == num_device_hits:
+            return []
+        out = [StagedBlock(t.key(hashes[i]), -1, g, i)
+               for i in range(num_device_hits, end) for g, t in attention]
+        return out + [StagedBlock(t.key(hashes[end - 1]), -1, g, end - 1) for g, t in states]
 
     def abandon(self, request_id: str) -> None:
         """The request was aborted or finished while waiting: drop what is reserved or being
@@ -157,17 +222,19 @@ class KVOffloadConnector:
         """The request asked before and waits for reads (its lookups were counted then)."""
         return request_id in self._deferred
 
-    def commit(self, staged: Staged, blocks: list[KVBlock]) -> None:
-        """Loads the staged blocks into `blocks` (freshly allocated, in order)."""
-        assert len(blocks) >= len(staged)
-        for (h, slot), block in zip(staged, blocks):
-            self._plan.loads.append((slot, block.block_id))
-            self._holds.pins.append(h)
-        self.num_loaded_blocks += len(staged)
+    def commit(self, staged: Staged, block_at: Callable[[int, int], KVBlock | None]) -> None:
+        """Loads the staged blocks into the request's freshly allocated blocks: block_at(group,
+        index) is the block at that entry of its table."""
+        for b in staged:
+            block = block_at(b.group, b.index)
+            assert block is not None, f"no block allocated for {b}"
+            self._plan.loads.append((b.slot, block.block_id))
+            self._holds.pins.append(b.key)
+        self.num_loaded_blocks += len(staged.blocks)
 
     def cancel(self, staged: Staged) -> None:
         """The request could not be admitted: its staged blocks stay cached but unpinned."""
-        self.store.unpin(h for h, _ in staged)
+        self.store.unpin(b.key for b in staged)
 
     # -- hand-off -----------------------------------------------------------------------------
     def take_plan(self, have_work: bool) -> KVTransferPlan | None:

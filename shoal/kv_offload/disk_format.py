@@ -43,10 +43,17 @@ def file_name(block_hash: bytes) -> str:
     return block_hash.hex() + SUFFIX
 
 
+def _header_hash(block_hash: bytes) -> bytes:
+    """The 16 bytes of the header that name the block: its hash, or a digest of a longer key
+    (a hybrid's tagged key, shoal/kv_cache/block_tables.py)."""
+    return block_hash if len(block_hash) == 16 else xxhash.xxh3_128(block_hash).digest()
+
+
 def write_block(path: Path, key_digest: bytes, block_hash: bytes, payload: torch.Tensor) -> int:
     """Writes atomically (temporary name + rename); returns the file size."""
     data = _byte_view(payload)
-    header = _HEADER.pack(MAGIC, LAYOUT_VERSION, key_digest, block_hash, data.nbytes,
+    header = _HEADER.pack(MAGIC, LAYOUT_VERSION, key_digest, _header_hash(block_hash),
+                          data.nbytes,
                           xxhash.xxh3_64_intdigest(data))
     tmp = path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}")
     try:
@@ -95,7 +102,7 @@ def read_block(path: Path, key_digest: bytes, block_hash: bytes, dst: torch.Tens
         raise DamagedBlockError("not a shoal KV block of this layout version")
     if digest != key_digest:
         raise DamagedBlockError("written for another model or configuration")
-    if stored_hash != block_hash:
+    if stored_hash != _header_hash(block_hash):
         raise DamagedBlockError("holds another block")
     if length != out.nbytes:
         raise DamagedBlockError(f"payload is {length} bytes, expected {out.nbytes}")

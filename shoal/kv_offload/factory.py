@@ -57,11 +57,13 @@ def model_identity(source: str, load_format: str, seed: int) -> str:
 
 def block_layout(kv_caches: list[torch.Tensor], groups: Sequence[KVCacheGroup],
                  block_size: int) -> BlockLayout:
-    """A CPU-tier block: one block of every layer, as the layers' cache spec lays it out."""
-    if len(groups) != 1:
-        raise ValueError("kv_offloading_size does not support models whose layers keep their "
-                         "KV cache in different ways (sliding-window layers beside full "
-                         f"attention: {len(groups)} KV cache groups) yet")
+    """A CPU-tier block: one block of every cache tensor, as the layers' cache spec lays it
+    out. A hybrid's groups (full attention and linear states) share the tensors (a block id
+    holds one group's pages, kv_cache_tensors.py), so a block copies the same way whichever
+    group it belongs to; sliding-window groups are not offloaded yet."""
+    if any(g.sliding_window is not None for g in groups):
+        raise ValueError("kv_offloading_size does not support models with sliding-window "
+                         f"layers beside full attention ({len(groups)} KV cache groups) yet")
     spec = groups[0].spec
     row = (spec.planes, spec.num_kv_heads, spec.head_size)
     for kv in kv_caches:  # [planes, slots, heads, head size] each, as the spec says

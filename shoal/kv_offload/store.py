@@ -81,6 +81,10 @@ class TieredKVStore:
             n += 1
         return n
 
+    def holds(self, h: BlockHash, skip: Iterable[str] = ()) -> bool:
+        """Some tier not in `skip` holds the block, or is reading it (no statistics)."""
+        return self._source(h, self._usable(skip)) is not None
+
     def _usable(self, skip: Iterable[str]) -> list[KVTier]:
         skip = set(skip)
         if self.cpu.name in skip:  # lower-tier blocks travel through the CPU tier

@@ -58,8 +58,6 @@ CASES = [
     (dict(speculative_config=_SPEC, **_DP_EP), {}, "generate", "cpu", 64,
      r"speculative_config does not support enable_expert_parallel with data_parallel_size > 1 "
      r"\(DP\+EP\) yet"),
-    (dict(kv_offloading_size=1.0), _HYBRID, "generate", "cpu", 64,
-     "kv_offloading_size does not support Qwen3NextForCausalLM yet"),
     (dict(kv_offloading_size=1.0, tensor_parallel_size=2), {}, "generate", "cpu", 64,
      "kv_offloading_size does not support tensor_parallel_size > 1 yet"),
     (dict(kv_offloading_size=1.0, pipeline_parallel_size=2), {}, "generate", "cpu", 64,

@@ -79,7 +79,7 @@ def test_cpu_hits_alone_are_staged_at_once(tmp_path):
     store.cpu.store([_h(0), _h(1)], _payload(0, 2))
     conn = _connector(store)
     staged = conn.stage(_request("r", range(3)), 0)
-    assert [h for h, _ in staged] == [_h(0), _h(1)]
+    assert [b.key for b in staged] == [_h(0), _h(1)]
     conn.cancel(staged)
     store.check()
     store.close()

@@ -65,6 +65,7 @@ def _connector(store: TieredKVStore) -> KVOffloadConnector:
 
 
 def _assert_holds(store: TieredKVStore, staged, blocks: range) -> None:
-    assert [h for h, _ in staged] == [_h(i) for i in blocks]
-    for (_, slot), i in zip(staged, blocks):
-        assert torch.equal(store.cpu.pool[slot], _payload(i)[0])
+    assert [b.key for b in staged] == [_h(i) for i in blocks]
+    assert staged.num_blocks == len(blocks)
+    for b, i in zip(staged, blocks):
+        assert torch.equal(store.cpu.pool[b.slot], _payload(i)[0])
