@@ -62,6 +62,23 @@ def draft_continuations(monkeypatch, refs: dict[tuple[int, ...], list[int]], k: 
     monkeypatch.setattr(ngram.NgramDrafter, "draft", draft)
 
 
+def record_replay_widths(monkeypatch) -> list[tuple[int, int]]:
+    """(values kept per verified token, the layer's replay_width) of every replay the
+    linear-attention layers run: what the runner reserves memory for must be what they keep."""
+    from shoal.layers.linear_attention import LinearAttention
+
+    seen: list[tuple[int, int]] = []
+    replay = LinearAttention._replay
+
+    def recording(self, r) -> None:
+        x, rest = self._replay_inputs[r.serial]
+        seen.append((x[0].numel() + sum(t[0].numel() for t in rest), self.replay_width))
+        replay(self, r)
+
+    monkeypatch.setattr(LinearAttention, "_replay", recording)
+    return seen
+
+
 def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
     """Plain greedy decoding with transformers (no eos handling): tokens and each step's logits."""
     ids = torch.tensor([prompt_ids])

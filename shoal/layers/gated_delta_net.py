@@ -73,6 +73,10 @@ class GatedDeltaNet(LinearAttention):
         self.out_proj = RowParallelLinear(full_v, hidden, params_dtype=dtype)
 
     @property
+    def replay_width(self) -> int:
+        return self.conv_dim + self.nv * self.dv + 2 * self.nv  # x; z, b, a
+
+    @property
     def conv_weight(self) -> torch.Tensor:
         return self.conv1d.weight
 

@@ -118,6 +118,11 @@ class KimiDeltaAttention(LinearAttention):
         f, g = self.fg_a_proj(hidden).split([self.d, self.d], dim=-1)
         return x, (b, self.f_b_proj(f.contiguous()), self.g_b_proj(g.contiguous()))
 
+    @property
+    def replay_width(self) -> int:
+        # x; b, forget logits, output gate
+        return self.conv_dim + self.heads_per_rank * (1 + 2 * self.d)
+
     qk_norm = staticmethod(fla_l2norm)
 
     def heads(self, y: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:

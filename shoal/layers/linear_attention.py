@@ -89,6 +89,12 @@ class LinearAttention(nn.Module):
     def conv_input(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Rest]:
         raise NotImplementedError
 
+    @property
+    def replay_width(self) -> int:
+        """Values a token's conv input and rest hold (what a verify keeps per token for its
+        replay, in the model dtype)."""
+        raise NotImplementedError
+
     def heads(self, y: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
         """q, k [n, Hk, Dk] (any dtype, not normed), v [n, H, Dv], g [n, H] or [n, H, Dk]
         and beta [n, H] (float32)."""

@@ -26,6 +26,7 @@ from shoal.core.kv_transfer_plan import KVTransferPlan
 from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.distributed.parallel_state import get_pp_world_size, world_min_int
 from shoal.kv_offload.transfer import KVTransfer
+from shoal.layers.linear_attention import LinearAttention
 from shoal.loader import LoadedModel, build_model
 from shoal.sample.sampler import Sampler
 from shoal.worker import warmup as startup
@@ -135,8 +136,14 @@ class ModelRunner(Executor):
             t0 = time.perf_counter()
             activations = startup.profile_activation_bytes(self)
             self.startup_times["profile_run"] = time.perf_counter() - t0
+        replays = self.replay_reserve_bytes()
+        if replays:
+            logger.info("speculative decoding on linear-attention layers: %.1f MiB kept for "
+                        "replaying verified tokens (%d requests x %d tokens), outside the KV "
+                        "cache", replays / 2**20, self.config.scheduler_config.max_num_seqs,
+                        self.config.speculative_config.num_speculative_tokens + 1)
         num_blocks = decide_num_blocks(self.config.cache_config, per_block, self.device,
-                                       non_kv_peak_bytes=activations)
+                                       non_kv_peak_bytes=activations + replays)
         # Tensor/pipeline parallel: every rank holds the same blocks (of its own layers), as
         # many as the tightest rank can.
         num_blocks = world_min_int(num_blocks, self.device)
@@ -157,6 +164,17 @@ class ModelRunner(Executor):
             if not self.config.enforce_eager and self.backend.supports_cuda_graphs:
                 self._capture_graphs()
         return KVCacheLayout(num_blocks, self.kv_groups)
+
+    def replay_reserve_bytes(self) -> int:
+        """Speculative decoding on a hybrid: what the linear layers keep of a verify step for
+        the replay of its accepted tokens (ReplaySSM: each verified token's projections), at
+        the most requests a step holds with every draft token."""
+        if not self.forwarder.state_replays:
+            return 0
+        width = sum(layer.replay_width for layer in self.model.attention_layers()
+                    if isinstance(layer, LinearAttention))
+        tokens = self.config.speculative_config.num_speculative_tokens + 1
+        return self.config.scheduler_config.max_num_seqs * tokens * width * self.dtype.itemsize
 
     def _capture_graphs(self) -> None:
         sc = self.config.scheduler_config

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import draft_continuations, hf_greedy, randomize_weights
+from oracle import draft_continuations, hf_greedy, randomize_weights, record_replay_widths
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shoal import LLM, SamplingParams
@@ -146,6 +146,7 @@ def test_speculative_decoding_replays_the_accepted_run(tiny, monkeypatch):
     prompts = _prompts((30, 90), seed=6)
     refs = {tuple(p): hf_greedy(hf, p, 24)[0] for p in prompts}
     draft_continuations(monkeypatch, refs)
+    widths = record_replay_widths(monkeypatch)
     llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=64,
               num_gpu_blocks_override=64, max_model_len=512,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3,
@@ -154,6 +155,12 @@ def test_speculative_decoding_replays_the_accepted_run(tiny, monkeypatch):
                         SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == [refs[tuple(p)] for p in prompts]
+    assert widths and all(kept == width for kept, width in widths)
+    runner = llm.llm_engine.core.runner
+    layers = [a for a in runner.model.attention_layers() if hasattr(a, "replay_width")]
+    # max_num_seqs requests x (3 drafts + 1) tokens, float32
+    seqs = runner.config.scheduler_config.max_num_seqs
+    assert runner.replay_reserve_bytes() == seqs * 4 * sum(a.replay_width for a in layers) * 4
 
 
 def test_preemption_recomputes_the_state(tiny):

@@ -14,6 +14,7 @@ from oracle import (
     draft_continuations,
     hf_greedy,
     randomize_weights,
+    record_replay_widths,
     write_tiny_checkpoint,
 )
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -136,6 +137,7 @@ def test_speculative_decoding_replays_the_accepted_run(tiny, monkeypatch):
     prompts = _prompts(4, seed=6)
     refs = {tuple(p): hf_greedy(hf, p, 3 * STEPS)[0] for p in prompts}
     draft_continuations(monkeypatch, refs)
+    widths = record_replay_widths(monkeypatch)
     verified: list[tuple[int, int]] = []  # (drafts, accepted) of each verify
     settle = Scheduler._settle_verified
 
@@ -154,6 +156,12 @@ def test_speculative_decoding_replays_the_accepted_run(tiny, monkeypatch):
     assert [o.outputs[0].token_ids for o in outs] == [refs[tuple(p)] for p in prompts]
     drafts, accepted = map(sum, zip(*verified))
     assert 0 < accepted < drafts
+    assert widths and all(kept == width for kept, width in widths)
+    runner = llm.llm_engine.core.runner
+    layers = [a for a in runner.model.attention_layers() if hasattr(a, "replay_width")]
+    # max_num_seqs requests x (3 drafts + 1) tokens, float32
+    seqs = runner.config.scheduler_config.max_num_seqs
+    assert runner.replay_reserve_bytes() == seqs * 4 * sum(a.replay_width for a in layers) * 4
 
 
 def _with_mtp_layer(path, model_type: str, fields: dict) -> None:
