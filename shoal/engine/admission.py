@@ -29,6 +29,8 @@ class StepPlan:
     scheduled: dict[str, tuple[Request, int]] = field(default_factory=dict)  # id -> tokens
     new_requests: list[NewRequestData] = field(default_factory=list)
     preempted: bool = False
+    # The request being handled, for the error when scheduling raises (scheduler.py)
+    current: Request | None = None
 
     def add(self, req: Request, n: int) -> None:
         self.scheduled[req.request_id] = (req, n)
@@ -57,25 +59,28 @@ class Admission:
         """Waiting requests in queue order, while there is budget, a free sequence slot and
         blocks. One whose KV is still on its way from a tier is passed over this step."""
         deferred: list[Request] = []  # ask again next step, in the same order
-        while (len(self.waiting) and step.budget > 0
-               and len(self.running) < self.config.max_num_seqs
-               and len(step.scheduled) < step.max_requests):
-            req = self.waiting.peek()
-            if req.num_pending_tokens or req.suspect:
-                # preempted while a step was in flight: its token is not known yet; or a
-                # suspect of a failed step, which is only admitted alone
-                break
-            if req.structured is not None and not req.structured.is_ready():
-                deferred.append(self.waiting.pop())  # its grammar is still compiling
-                continue
-            cached = self.find_cached(req)
-            if cached is None:
-                deferred.append(self.waiting.pop())
-                continue
-            if not self.admit(req, cached, step):
-                break
-        for req in reversed(deferred):
-            self.waiting.push_front(req)
+        try:
+            while (len(self.waiting) and step.budget > 0
+                   and len(self.running) < self.config.max_num_seqs
+                   and len(step.scheduled) < step.max_requests):
+                req = step.current = self.waiting.peek()
+                if req.num_pending_tokens or req.suspect:
+                    # preempted while a step was in flight: its token is not known yet; or a
+                    # suspect of a failed step, which is only admitted alone
+                    break
+                if req.structured is not None and not req.structured.is_ready():
+                    deferred.append(self.waiting.pop())  # its grammar is still compiling
+                    continue
+                cached = self.find_cached(req)
+                if cached is None:
+                    deferred.append(self.waiting.pop())
+                    continue
+                if not self.admit(req, cached, step):
+                    break
+            step.current = None
+        finally:  # (also when scheduling raises: they must not leave the queue)
+            for req in reversed(deferred):
+                self.waiting.push_front(req)
 
     def find_cached(self, req: Request) -> _Cached | None:
         """The request's prefix hits: device blocks, then tier blocks pinned in the CPU tier
@@ -128,5 +133,8 @@ class Admission:
 
     def admit_head(self, req: Request, step: StepPlan) -> bool:
         """Admits the request at the head of the queue if its hits are ready and it fits."""
+        step.current = req
         cached = self.find_cached(req)
-        return cached is not None and self.admit(req, cached, step)
+        admitted = cached is not None and self.admit(req, cached, step)
+        step.current = None
+        return admitted

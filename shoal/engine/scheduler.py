@@ -19,6 +19,7 @@ non-finite KV values (failed_blocks.py) and the requests of a step that raised
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -48,6 +49,8 @@ from shoal.engine.waiting_queue import WaitingQueue
 from shoal.kv_cache.manager import KVCacheManager
 from shoal.kv_offload.connector import KVOffloadConnector
 from shoal.kv_offload.store import TieredKVStore
+
+logger = logging.getLogger(__name__)
 
 
 class Scheduler(RequestTableFront):
@@ -142,11 +145,49 @@ class Scheduler(RequestTableFront):
                                     self.table.timeout_message(), ErrorCode.TIMED_OUT)
         step = StepPlan(budget=self.config.max_num_batched_tokens, allow_drafts=allow_drafts,
                         max_requests=self._micro_batch_size())
-        if not self._schedule_isolated(step):  # a suspect of a failed step runs alone
-            self._schedule_running(step)
-            if not step.preempted:
-                self.admission.schedule_waiting(step)
-        return self._build_output(step)
+        built: dict[int, ScheduledRequest] = {}
+        try:
+            if not self._schedule_isolated(step):  # a suspect of a failed step runs alone
+                self._schedule_running(step)
+                if not step.preempted:
+                    self.admission.schedule_waiting(step)
+            return self._build_output(step, built)
+        except Exception as e:  # a bug met while handling one request: it alone fails
+            culprit = step.current
+            if culprit is None:
+                raise  # between requests: the engine core's recovery (core.py)
+            logger.exception("scheduling request %s failed; it ends with the error",
+                             culprit.request_id)
+            self._roll_back(step, built)
+            if self.table.is_live(culprit):
+                self._end_between_steps(culprit, RequestStatus.FINISHED_ERROR, "error",
+                                        engine_failed_message(f"{type(e).__name__}: {e}"),
+                                        ErrorCode.ENGINE_FAILED)
+            return SchedulerOutput()
+
+    def _roll_back(self, step: StepPlan, built: dict[int, ScheduledRequest]) -> None:
+        """Undoes a step that raised while being scheduled, so that its requests are
+        scheduled again next time as if it never was: counters the built items moved go
+        back, requests admitted by it return to the front of the queue (the runner never
+        heard of them). Blocks allocated for running requests stay theirs (the next step
+        needs them)."""
+        for req, _ in step.scheduled.values():
+            item = built.get(req.serial)
+            if item is None:
+                continue
+            req.num_computed_tokens = item.context_len
+            if item.sample:
+                req.num_pending_tokens -= 1
+            req.state_replay = item.replay
+        for new in reversed(step.new_requests):
+            req = self.table.by_serial.get(new.serial)
+            if req is None or req.status != RequestStatus.RUNNING:
+                continue
+            self.running.remove(req)
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.push_front(req)
 
     def _schedule_isolated(self, step: StepPlan) -> bool:
         """True when this step belongs to a suspect alone (it may then run nothing at all)."""
@@ -157,11 +198,13 @@ class Scheduler(RequestTableFront):
                 return False
             self.suspects.isolated = head
             return True
+        step.current = req
         n = min(req.num_tokens_with_pending - req.num_computed_tokens, step.budget)
         if n > 0 and not self._waits_for_step(req):
             allocated, _ = self._allocate_running(req, n, step)
             if allocated:
                 step.add(req, n)
+        step.current = None
         return True
 
     def _schedule_running(self, step: StepPlan) -> None:
@@ -170,7 +213,7 @@ class Scheduler(RequestTableFront):
         i = 0
         while (i < len(self.running) and step.budget > 0
                and len(step.scheduled) < step.max_requests):
-            req = self.running[i]
+            req = step.current = self.running[i]
             n = min(req.num_tokens_with_pending - req.num_computed_tokens, step.budget)
             if n <= 0 or self._waits_for_step(req):
                 i += 1  # it runs again when its token in flight lands (or ends then)
@@ -186,6 +229,7 @@ class Scheduler(RequestTableFront):
             if allocated:
                 step.add(req, n)
                 i += 1
+        step.current = None
 
     def _allocate_running(self, req: Request, n: int, step: StepPlan) -> tuple[bool, int]:
         """Blocks for n more tokens of a running request, preempting victims until they fit
@@ -203,7 +247,9 @@ class Scheduler(RequestTableFront):
                 return False, unscheduled
         return True, unscheduled
 
-    def _build_output(self, step: StepPlan) -> SchedulerOutput:
+    def _build_output(self, step: StepPlan, built: dict[int, ScheduledRequest]
+                      ) -> SchedulerOutput:
+        """built: the items made so far, by serial (what a failure must undo)."""
         out = SchedulerOutput(new_requests=step.new_requests)
         if self.offload is not None:
             out.kv_transfers = self.offload.take_plan(have_work=bool(step.scheduled))
@@ -211,8 +257,11 @@ class Scheduler(RequestTableFront):
             out.kv_zero = self.failed_blocks.take_zero()
         decodes, prefills = [], []
         for req, n in step.scheduled.values():
-            item = self._scheduled_item(req, n)  # a verify (k+1 tokens) goes with the chunks
+            step.current = req
+            item = built[req.serial] = self._scheduled_item(req, n)
+            # a verify (k+1 tokens) goes with the chunks
             (decodes if n == 1 and item.sample else prefills).append(item)
+        step.current = None
         out.scheduled = decodes + prefills
         out.num_decodes = len(decodes)
         return out

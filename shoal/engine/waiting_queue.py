@@ -43,5 +43,10 @@ class WaitingQueue:
         else:
             self._fifo.remove(req)
 
+    def __contains__(self, req: Request) -> bool:
+        if self.policy == "priority":
+            return any(e[3] is req for e in self._heap)
+        return any(r is req for r in self._fifo)
+
     def __len__(self) -> int:
         return len(self._heap) if self.policy == "priority" else len(self._fifo)

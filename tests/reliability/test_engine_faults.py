@@ -101,3 +101,75 @@ def test_nan_logits_fail_the_request_and_publish_no_kv_blocks(tiny_llama_dir):
     assert out.num_cached_tokens == 0  # recomputed: nothing of the failed run was kept
     assert out.outputs[0].token_ids == ref[0].outputs[0].token_ids
     assert blocks_all_free(llm)
+
+
+# ---- faults while scheduling ------------------------------------------------------------------
+
+
+def _poison_scheduling(monkeypatch, where: str, bad_id: str, after_tokens: int = 0
+                       ) -> list[str]:
+    """Makes the scheduler raise while handling request `bad_id` (admission: looking up its
+    cached prefix; running: allocating its next blocks once it has after_tokens outputs;
+    build: making its step item). Returns the places it raised."""
+    from shoal.engine.admission import Admission
+    from shoal.engine.scheduler import Scheduler
+    from shoal.kv_cache.manager import KVCacheManager
+
+    raised: list[str] = []
+    if where == "admission":
+        real = Admission.find_cached
+
+        def find_cached(self, req):
+            if req.request_id == bad_id:
+                raised.append(where)
+                raise KeyError("injected fault in admission")
+            return real(self, req)
+
+        monkeypatch.setattr(Admission, "find_cached", find_cached)
+    elif where == "running":
+        real_alloc = KVCacheManager.allocate_slots
+
+        def allocate_slots(self, request, *args, **kwargs):
+            if request.request_id == bad_id and request.num_output_tokens >= after_tokens:
+                raised.append(where)
+                raise IndexError("injected fault in allocation")
+            return real_alloc(self, request, *args, **kwargs)
+
+        monkeypatch.setattr(KVCacheManager, "allocate_slots", allocate_slots)
+    else:
+        real_item = Scheduler._scheduled_item
+
+        def scheduled_item(self, req, n):
+            if req.request_id == bad_id and req.num_output_tokens >= after_tokens:
+                raised.append(where)
+                raise ValueError("injected fault in building the step")
+            return real_item(self, req, n)
+
+        monkeypatch.setattr(Scheduler, "_scheduled_item", scheduled_item)
+    return raised
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("where,after", [("admission", 0), ("running", 3), ("build", 0),
+                                         ("build", 4)])
+def test_a_fault_while_scheduling_one_request_fails_only_it(tiny_llama_dir, monkeypatch,
+                                                            where, after, async_scheduling):
+    """The scheduler raising on one request (a bug) ends that request with the error; the
+    step is rolled back, so the others are scheduled again and answer as without it, and the
+    engine neither stops nor spins on the same fault."""
+    prompts = random_prompts(4, seed=31, lo=6, hi=30)
+    ref = tiny_llm(tiny_llama_dir).generate(prompts[:3], GREEDY, use_tqdm=False)
+    raised = _poison_scheduling(monkeypatch, where, "bad", after)
+    llm = tiny_llm(tiny_llama_dir, async_scheduling=async_scheduling)
+    eng = llm.llm_engine
+    eng.add_request("ok0", prompts[0], GREEDY)
+    eng.add_request("bad", prompts[3], GREEDY)
+    for i in (1, 2):
+        eng.add_request(f"ok{i}", prompts[i], GREEDY)
+    finals = _run(eng)
+    assert raised == [where]
+    bad = finals["bad"]
+    assert bad.outputs[0].finish_reason == "error" and "injected fault" in bad.error
+    for i in range(3):
+        assert finals[f"ok{i}"].outputs[0].token_ids == ref[i].outputs[0].token_ids
+    assert blocks_all_free(llm)
