@@ -55,6 +55,7 @@ class ModelConfig:
     vocab_size: int = 0  # filled from the HF config
     runner: str = "generate"  # "generate" or "pooling" (embeddings, classification, scores)
     pooler_config: dict = field(default_factory=dict)  # pooling_type / normalize overrides
+    quantization: str | None = None  # the user's; None: the checkpoint's (shoal/quantization)
 
     def __post_init__(self) -> None:
         if self.runner not in ("generate", "pooling"):

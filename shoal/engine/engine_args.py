@@ -28,6 +28,7 @@ from shoal.engine.cpu_defaults import (
 from shoal.json_arg import json_object
 from shoal.models.registry import has_linear_attention
 from shoal.pooling.model_info import parse_pooler_config
+from shoal.quantization.config import check_quantization_name
 from shoal.structured_output.params import check_backend_available, parse_backend_config
 
 logger = logging.getLogger(__name__)
@@ -108,6 +109,9 @@ class EngineArgs:
               "or ray (Ray actors, on this host or several); default: uni for one rank, mp "
               "for several, ray when they do not fit this host's GPUs and Ray is installed")
     load_format: str = arg("auto", "auto, gguf, safetensors or dummy (random weights)")
+    quantization: str | None = arg(None, "fp8, compressed-tensors, gptq, awq or gguf (default: "
+                                         "the checkpoint's); dequantized to dtype at load. fp8 "
+                                         "of a dense checkpoint: its linears rounded to FP8")
     device: str | None = arg(None, "cpu or cuda (default: cuda when available)")
     scheduling_policy: str = arg("fcfs", "fcfs or priority")
     max_waiting_requests: int | None = arg(2048, "answer 503 with Retry-After when more "
@@ -225,7 +229,8 @@ class EngineArgs:
             model_config=ModelConfig(self.model, self.tokenizer, dtype, max_len, self.load_format,
                                      self.seed, vocab_size=hf_config.vocab_size,
                                      runner=runner,
-                                     pooler_config=parse_pooler_config(self.pooler_config)),
+                                     pooler_config=parse_pooler_config(self.pooler_config),
+                                     quantization=self.quantization),
             cache_config=CacheConfig(self._block_size(hf_config, runner, dtype),
                                      self._prefix_caching(hf_config),
                                      self.gpu_memory_utilization, self.kv_cache_memory_bytes,
@@ -304,6 +309,7 @@ class EngineArgs:
             raise ValueError(
                 f"load_format must be auto, gguf, safetensors or dummy (got {self.load_format!r})"
             )
+        check_quantization_name(self.quantization)  # against the checkpoint: at its load
 
     def _max_model_len(self, hf_config: Any, runner: str, model_path: str | None) -> int:
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)

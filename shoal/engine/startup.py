@@ -56,7 +56,8 @@ def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
         threads = configure_cpu_threads(device.type, args.cpu_threads, serving=serving)
         if threads is not None:
             logger.info("model threads on the CPU: %d", threads)
-    loaded = load_model(args.model, tokenizer=args.tokenizer, load_format=args.load_format)
+    loaded = load_model(args.model, tokenizer=args.tokenizer, load_format=args.load_format,
+                        quantization=args.quantization)
     args.apply_hf_overrides(loaded.hf_config)
     config = args.create_engine_config(loaded.hf_config, loaded.source, serving=serving)
     if cuda_init is not None:

@@ -89,7 +89,8 @@ class RayWorker:
                                    config.parallel_config.pipeline_parallel_size, host)
         torch.manual_seed(config.model_config.seed)
         mc = config.model_config
-        loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format)
+        loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format,
+                            quantization=mc.quantization)
         self.commands = RankCommands(model_runner(config, loaded))
         import ray
 

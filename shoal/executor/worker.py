@@ -59,7 +59,8 @@ def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_a
         join_tensor_parallel_group(config.device, rank, world, port, pp)
         torch.manual_seed(config.model_config.seed)
         mc = config.model_config
-        loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format)
+        loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format,
+                            quantization=mc.quantization)
         runner = model_runner(config, loaded)
         _serve(runner, commands, parent_pid)
     except Exception:

@@ -37,10 +37,12 @@ class KVOffload:
     transfer: KVTransfer  # the per-step device <-> CPU-tier copies, for the model runner
 
 
-def model_identity(source: str, load_format: str, seed: int) -> str:
+def model_identity(source: str, load_format: str, seed: int,
+                   quantization: str | None = None) -> str:
     """The model part of the store key: the source path plus the size and modification time
     of its files, so weights rewritten in place are not mistaken for the old ones. Random
-    (dummy) weights depend on the seed."""
+    (dummy) weights depend on the seed; a quantization asked for (online FP8 rounds a dense
+    checkpoint's weights) changes them too."""
     path = Path(source)
     files = [path] if path.is_file() else sorted(
         p for p in path.glob("*") if p.suffix in (".safetensors", ".gguf", ".json"))
@@ -52,6 +54,8 @@ def model_identity(source: str, load_format: str, seed: int) -> str:
             continue
         h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns};".encode())
     ident = f"{path.resolve()}#{load_format}#{h.hexdigest()}"
+    if quantization is not None:
+        ident += f"#{quantization}"
     return f"{ident}#seed{seed}" if load_format == "dummy" else ident
 
 
@@ -103,7 +107,8 @@ def build_kv_offload(config: EngineConfig, kv_caches: list[torch.Tensor], loaded
     cpu = CPUTier(layout, oc.cpu_bytes, make_policy(oc.policy, cpu_blocks),
                   pin_memory=config.device.type == "cuda")
     key = StoreKey.of(model_identity(loaded.source, loaded.load_format,
-                                     config.model_config.seed), layout)
+                                     config.model_config.seed,
+                                     config.model_config.quantization), layout)
     tiers: list[KVTier] = [cpu, *build_lower_tiers(TierContext(oc, layout, key))]
     store = TieredKVStore(tiers)
     transfer = KVTransfer(kv_caches, cpu.pool, layout.block_size, cpu.stats)

@@ -11,17 +11,22 @@ from shoal.loader.resolve import ModelSource, resolve_model
 from shoal.loader.safetensors_loader import folder_weights, load_folder_config
 from shoal.loader.text_only import text_only
 from shoal.loader.tokenizers import load_folder_tokenizer, load_tokenizer
+from shoal.quantization.config import detect_quantization, resolve_quantization
+from shoal.quantization.weights import dequantized_weights
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
 
 def load_model(
-    model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto"
+    model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto",
+    quantization: str | None = None,
 ) -> LoadedModel:
     """Load `model` (None = embedded SmolLM2-135M-Instruct, a known name, or a local path).
 
     `tokenizer` names another tokenizer source (known name, .gguf file or folder).
     load_format "dummy" resolves config and tokenizer but yields no weights.
+    `quantization`: None takes the checkpoint's own (a quantized safetensors folder streams
+    dequantized weights: shoal/quantization); see resolve_quantization for the rest.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
@@ -29,13 +34,27 @@ def load_model(
     _check_format(source, load_format)
     dummy = load_format == "dummy"
     if source.kind == "gguf":
+        if quantization not in (None, "gguf"):
+            raise ValueError(f"quantization={quantization!r} does not apply to the GGUF file "
+                             f"{source.path}: its own types are dequantized (use None or 'gguf')")
         loaded = load_gguf(source.path, with_weights=not dummy)
         config, weights = loaded.config, loaded.weights
         tok = None if tokenizer is not None else build_gguf_tokenizer(loaded.file)
         used_format = "dummy" if dummy else "gguf"
     else:
-        config, rename = text_only(load_folder_config(source.path))
-        weights = no_weights if dummy else folder_weights(source.path, config, rename)
+        full_config = load_folder_config(source.path)
+        qconfig = None  # dummy weights need no dequantizing, unless asked for a method
+        if not dummy or quantization is not None:
+            qconfig = resolve_quantization(
+                quantization, detect_quantization(full_config, source.path), str(source.path))
+        config, rename = text_only(full_config)
+        if dummy:
+            weights = no_weights
+        elif qconfig is None:
+            weights = folder_weights(source.path, config, rename)
+        else:  # the tensors as stored, dequantized as they stream
+            weights = dequantized_weights(folder_weights(source.path, config, rename,
+                                                         dtype=None), qconfig)
         tok = None if tokenizer is not None else load_folder_tokenizer(source.path)
         used_format = "dummy" if dummy else "safetensors"
     if tokenizer is not None:

@@ -37,9 +37,11 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def folder_weights(folder: Path, config: PretrainedConfig,
-                   rename: Callable[[str], str | None] | None = None) -> WeightsFn:
+                   rename: Callable[[str], str | None] | None = None,
+                   dtype: torch.dtype | None = torch.float32) -> WeightsFn:
     """rename: the name a tensor loads as (None: skipped), e.g. a multimodal checkpoint's
-    language model read on its own (loader/text_only.py)."""
+    language model read on its own (loader/text_only.py). dtype None: tensors as stored (a
+    quantized checkpoint's, for shoal/quantization to dequantize)."""
     files = safetensors_files(folder)
     # A tied head is the embedding matrix; some checkpoints store the copy anyway, so drop it.
     skip = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
@@ -51,6 +53,7 @@ def folder_weights(folder: Path, config: PretrainedConfig,
                     name = rename(stored) if rename is not None else stored
                     if name is None or name in skip:
                         continue
-                    yield name, handle.get_tensor(stored).to(torch.float32)
+                    tensor = handle.get_tensor(stored)
+                    yield name, tensor if dtype is None else tensor.to(dtype)
 
     return weights

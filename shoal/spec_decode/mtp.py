@@ -86,20 +86,29 @@ def check_mtp_target(hf_config: Any, qwen: bool = False) -> None:
 def read_mtp_tensors(source: str, hf_config: Any,
                      prefix: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The first MTP layer's tensors of a safetensors folder (only those are read), one at a
-    time in the checkpoint's dtype: DeepSeek-V3's layer holds 256 experts. prefix: the
-    layer's (DeepSeek's model.layers.{n}. by default)."""
+    time in the checkpoint's dtype (dequantized, when the checkpoint is quantized: see
+    shoal/quantization): DeepSeek-V3's layer holds 256 experts. prefix: the layer's
+    (DeepSeek's model.layers.{n}. by default)."""
     from safetensors import safe_open
 
     from shoal.loader.safetensors_loader import safetensors_files
+    from shoal.quantization.config import detect_quantization
+    from shoal.quantization.weights import dequantized_weights
 
     prefix = prefix or mtp_prefix(hf_config)
     found = 0
-    for file in safetensors_files(Path(source)):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                if name.startswith(prefix):
-                    found += 1
-                    yield name, handle.get_tensor(name)
+
+    def stored() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal found
+        for file in safetensors_files(Path(source)):
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    if name.startswith(prefix):
+                        found += 1
+                        yield name, handle.get_tensor(name)
+
+    qconfig = detect_quantization(hf_config, Path(source))  # a quantized checkpoint's layer
+    yield from (stored() if qconfig is None else dequantized_weights(stored, qconfig)())
     if not found:
         raise ValueError(
             f"speculative_config: method 'mtp': {source} has no multi-token-prediction "
