@@ -23,6 +23,11 @@ class AttentionBackend(ABC):
     supports_cuda_graphs: bool = False
     # forward_mla: latent attention (DeepSeek MLA) over a one-plane latent cache.
     supports_mla: bool = False
+    # forward / forward_fused take `sinks` (gpt-oss): one learned logit per query head that
+    # joins the softmax's denominator and carries no value.
+    supports_sinks: bool = False
+    # forward_mla takes `select` (DeepSeek-V3.2's indexer: the keys each query reads)
+    supports_sparse_mla: bool = False
 
     @abstractmethod
     def build_metadata(self, *, query_lens: list[int], context_lens: list[int],
@@ -34,27 +39,31 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, md: Any, scale: float) -> torch.Tensor:
+                kv_cache: torch.Tensor, md: Any, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Writes k, v [T, Hk, D] into their slots of kv_cache [2, slots, Hk, D], then
-        attends q [T, Hq, D] over each request's context. Returns [T, Hq, D]."""
+        attends q [T, Hq, D] over each request's context. Returns [T, Hq, D]. sinks [Hq]
+        (only when supports_sinks): query head h's softmax also counts exp(sinks[h])."""
 
     def forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                       q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
                       eps: float, kv_cache: torch.Tensor, md: Any,
-                      scale: float) -> torch.Tensor:
+                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """forward on q and k before their optional per-head RMSNorm (weight None: none) and
         neox rotary, which the backend applies while writing the cache. Only when
         fuses_rope_and_cache_write; q may be modified in place."""
         raise self._unsupported("fused rotary + cache write")
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
-                    md: Any, scale: float, v_dim: int) -> torch.Tensor:
+                    md: Any, scale: float, v_dim: int, select: Any = None) -> torch.Tensor:
         """Multi-head latent attention in the weight-absorbed form: writes latent [T, Dk] (each
         new token's compressed KV row: v_dim latent values, then its rotated key part) into
         kv_cache [1, slots, 1, Dk], then attends q [T, H, Dk] over each request's cached rows,
         the whole row as the key and its first v_dim values as the value (one KV head shared
-        by every query head). Returns [T, H, v_dim]. Only when supports_mla."""
+        by every query head). Returns [T, H, v_dim]. Only when supports_mla. select (only
+        when supports_sparse_mla): a SparseSelection (layers/sparse_indexer.py), the rows
+        each query reads; None: all it may see."""
         raise self._unsupported("latent attention (MLA)")
 
     def warm_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,

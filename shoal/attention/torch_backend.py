@@ -10,9 +10,15 @@ head are laid out as extra query rows of that head.
 
 On the CPU the decode rows go to the C++ kernel of ops/cpu_paged_decode.py when it is built
 it reads the blocks in place, where the gather here copies every context (30 MB per layer
-per step at batch 64 x 600 tokens for SmolLM2). The SDPA path stays as the reference."""
+per step at batch 64 x 600 tokens for SmolLM2). The SDPA path stays as the reference.
+
+Attention sinks (gpt-oss: a learned logit per query head that joins each softmax's
+denominator, with no value) take an explicit softmax instead of SDPA, which has no such
+term; the C++ decode kernel has none either, so their decodes stay here too."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +36,8 @@ class TorchAttentionBackend(AttentionBackend):
     fuses_rope_and_cache_write = False
     supports_cuda_graphs = False
     supports_mla = True
+    supports_sinks = True
+    supports_sparse_mla = True
 
     def build_metadata(self, *, query_lens: list[int], context_lens: list[int],
                        block_tables: list[list[int]], block_size: int, num_decodes: int,
@@ -41,12 +49,14 @@ class TorchAttentionBackend(AttentionBackend):
             device=device, null_block=null_block)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, md: AttentionMetadata, scale: float) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache, md, scale)
+                kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, md, scale, sinks=sinks)
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
-                    md: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
-        return paged_latent_attention(q, latent, kv_cache, md, scale, v_dim)
+                    md: AttentionMetadata, scale: float, v_dim: int,
+                    select: Any = None) -> torch.Tensor:
+        return paged_latent_attention(q, latent, kv_cache, md, scale, v_dim, select)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -63,10 +73,11 @@ def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                    md: AttentionMetadata, scale: float,
-                    decode_kernel: bool = True) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hk, D]. Returns [T, Hq, D]. decode_kernel=False keeps the
-    decode rows on the SDPA reference even where the CPU kernel could take them."""
+                    md: AttentionMetadata, scale: float, decode_kernel: bool = True,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hk, D]; sinks: [Hq] or None. Returns [T, Hq, D].
+    decode_kernel=False keeps the decode rows on the SDPA reference even where the CPU kernel
+    could take them."""
     write_kv_cache(kv_cache, k, v, md.slot_mapping)
     t, hq, d = q.shape
     hk = k.shape[1]
@@ -74,13 +85,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     out = torch.empty_like(q)
     nd = md.num_decodes
     if nd:
-        if decode_kernel and cpu_kernel.fits(q, kv_cache) and cpu_kernel.available():
+        if (sinks is None and decode_kernel and cpu_kernel.fits(q, kv_cache)
+                and cpu_kernel.available()):
             cpu_kernel.cpu_paged_decode(out[:nd], q[:nd], kv_cache, md.decode_block_tables,
                                         md.decode_seq_lens, md.block_size, scale,
                                         md.sliding_window)
         else:
-            out[:nd] = _decode_sdpa(q[:nd], kv_cache, md, scale, hk)
+            out[:nd] = _decode_sdpa(q[:nd], kv_cache, md, scale, hk, sinks)
     for start, n in md.fresh_spans:
+        if sinks is not None:
+            out[start:start + n] = causal_attention_with_sinks(
+                q[start:start + n], k[start:start + n], v[start:start + n], scale, sinks)
+            continue
         # A whole prompt with nothing cached: causal attention over its own keys, which lets
         # the kernel skip the upper triangle (3x faster than a masked, padded batch on CPU).
         o = F.scaled_dot_product_attention(
@@ -95,8 +111,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         qp = q[md.prefill_token_index]  # [P, Lq, Hq, D]
         p, lq = qp.shape[0], qp.shape[1]
         qp = qp.view(p, lq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(p, hk, g * lq, d)
-        o = F.scaled_dot_product_attention(qp, kc, vc, attn_mask=md.grouped_prefill_mask(g),
-                                           scale=scale)
+        o = _sdpa(qp, kc, vc, md.grouped_prefill_mask(g), scale,
+                  None if sinks is None else _sink_rows(sinks, hk, lq))
         o = o.view(p, hk, g, lq, d).permute(0, 3, 1, 2, 4).reshape(p, lq, hq, d)
         valid = md.prefill_token_valid
         out[md.prefill_token_index[valid]] = o[valid]
@@ -104,21 +120,58 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 
 def _decode_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
-                 hk: int) -> torch.Tensor:
+                 hk: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The reference decode: gather each context, then one masked, padded SDPA."""
     nd, hq, d = q.shape
     kc = _gather(kv_cache[0], md.decode_block_tables, md.block_size)
     vc = _gather(kv_cache[1], md.decode_block_tables, md.block_size)
     qd = q.view(nd, hk, hq // hk, d)  # query head h uses KV head h // g
-    o = F.scaled_dot_product_attention(qd, kc, vc, attn_mask=md.decode_mask, scale=scale)
+    o = _sdpa(qd, kc, vc, md.decode_mask, scale,
+              None if sinks is None else _sink_rows(sinks, hk, 1))
     return o.reshape(nd, hq, d)
 
 
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+          sink_rows: torch.Tensor | None) -> torch.Tensor:
+    """q [B, Hk, R, D] (R rows: the group's query heads x queries), k, v [B, Hk, S, D], mask
+    bool broadcastable to [B, Hk, R, S]. sink_rows [Hk, R]: each row's sink logit, which the
+    softmax counts beside the keys (computed explicitly, in float32)."""
+    if sink_rows is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sink_rows.float()[None, :, :, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
+
+
+def _sink_rows(sinks: torch.Tensor, hk: int, queries: int) -> torch.Tensor:
+    """[Hq] -> [Hk, g * queries]: the sink of each row of the head-group-major layout."""
+    g = sinks.shape[0] // hk
+    return sinks.view(hk, g, 1).expand(hk, g, queries).reshape(hk, g * queries)
+
+
+def causal_attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """A whole prompt's causal attention over its own keys, with sinks: q [n, Hq, D], k, v
+    [n, Hk, D] -> [n, Hq, D]."""
+    n, hq, d = q.shape
+    hk = k.shape[1]
+    g = hq // hk
+    qg = q.reshape(n, hk, g, d).permute(1, 2, 0, 3).reshape(1, hk, g * n, d)
+    causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+    o = _sdpa(qg, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+              causal.repeat(g, 1), scale, _sink_rows(sinks, hk, n))
+    return o.view(hk, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+
+
 def paged_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
-                           md: AttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
+                           md: AttentionMetadata, scale: float, v_dim: int,
+                           select: Any = None) -> torch.Tensor:
     """MLA, weight-absorbed (see AttentionBackend.forward_mla): q [T, H, Dk], latent [T, Dk],
     kv_cache [1, slots, 1, Dk]. Grouped like paged_attention with one KV head: the H query
-    heads are the rows of that head, and a row's value is the first v_dim of its key."""
+    heads are the rows of that head, and a row's value is the first v_dim of its key.
+    select: a SparseSelection, ANDed with each kind of row's mask (DeepSeek-V3.2)."""
     cache = kv_cache[0]  # [slots, 1, Dk]
     cache.index_copy_(0, md.slot_mapping, latent.unsqueeze(1))
     t, h, dk = q.shape
@@ -126,22 +179,31 @@ def paged_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_cache: torc
     nd = md.num_decodes
     if nd:
         kc = _gather(cache, md.decode_block_tables, md.block_size)  # [Bd, 1, S, Dk]
+        mask = md.decode_mask
+        if select is not None and select.decode is not None:
+            mask = mask & select.decode
         o = F.scaled_dot_product_attention(q[:nd].unsqueeze(1), kc, kc[..., :v_dim],
-                                           attn_mask=md.decode_mask, scale=scale)
+                                           attn_mask=mask, scale=scale)
         out[:nd] = o[:, 0]
-    for start, n in md.fresh_spans:
+    for i, (start, n) in enumerate(md.fresh_spans):
         k = latent[start:start + n].view(1, 1, n, dk)
+        picked = select.fresh[i] if select is not None else None
+        causal = {"is_causal": True} if picked is None else {"attn_mask": picked}
         o = F.scaled_dot_product_attention(q[start:start + n].transpose(0, 1).unsqueeze(0), k,
-                                           k[..., :v_dim], is_causal=True, scale=scale,
-                                           enable_gqa=True)
+                                           k[..., :v_dim], scale=scale, enable_gqa=True,
+                                           **causal)
         out[start:start + n] = o[0].transpose(0, 1)
     if md.prefill_mask is not None:
         kc = _gather(cache, md.prefill_block_tables, md.block_size)
         qp = q[md.prefill_token_index]  # [P, Lq, H, Dk]
         p, lq = qp.shape[0], qp.shape[1]
         qp = qp.permute(0, 2, 1, 3).reshape(p, 1, h * lq, dk)
-        o = F.scaled_dot_product_attention(qp, kc, kc[..., :v_dim],
-                                           attn_mask=md.grouped_prefill_mask(h), scale=scale)
+        mask = md.grouped_prefill_mask(h)
+        if select is not None and select.prefill is not None:
+            sel = select.prefill  # [P, 1, Lq, S] -> each query head's rows, head-major
+            mask = mask & sel.expand(p, h, lq, sel.shape[-1]).reshape(p, 1, h * lq, -1)
+        o = F.scaled_dot_product_attention(qp, kc, kc[..., :v_dim], attn_mask=mask,
+                                           scale=scale)
         o = o.view(p, h, lq, v_dim).permute(0, 2, 1, 3)
         valid = md.prefill_token_valid
         out[md.prefill_token_index[valid]] = o[valid]

@@ -124,11 +124,12 @@ def build_triton_attention_metadata(
 
 def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            kv_cache: torch.Tensor, md: TritonAttentionMetadata,
-                           scale: float) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hk, D]; kv_cache: [2, num_slots, Hk, D]. Returns [T, Hq, D]."""
+                           scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hk, D]; kv_cache: [2, num_slots, Hk, D]; sinks: [Hq] or None.
+    Returns [T, Hq, D]."""
     _check_tokens(q, md)
     write_kv_cache(kv_cache, k, v, md.slot_mapping)
-    return _attend_cached(q, kv_cache, md, scale)
+    return _attend_cached(q, kv_cache, md, scale, sinks)
 
 
 def paged_attention_triton_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -136,14 +137,15 @@ def paged_attention_triton_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  q_norm_weight: torch.Tensor | None,
                                  k_norm_weight: torch.Tensor | None, eps: float,
                                  kv_cache: torch.Tensor, md: TritonAttentionMetadata,
-                                 scale: float) -> torch.Tensor:
+                                 scale: float, sinks: torch.Tensor | None = None,
+                                 ) -> torch.Tensor:
     """paged_attention_triton on q and k before their per-head RMSNorm (weights None: none)
     and neox rotary, which one kernel applies while writing the cache (see
     ops/rope_kv_write.py). q is rotated in place; k is left as it was."""
     _check_tokens(q, md)
     rope_kv_write(positions, q, k, v, cos_sin_cache, kv_cache, md.slot_mapping,
                   q_norm_weight, k_norm_weight, eps)
-    return _attend_cached(q, kv_cache, md, scale)
+    return _attend_cached(q, kv_cache, md, scale, sinks)
 
 
 def _check_tokens(q: torch.Tensor, md: TritonAttentionMetadata) -> None:
@@ -152,19 +154,19 @@ def _check_tokens(q: torch.Tensor, md: TritonAttentionMetadata) -> None:
 
 
 def _attend_cached(q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionMetadata,
-                   scale: float) -> torch.Tensor:
+                   scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
     """Decode and prefill attention over a cache that already holds the step's keys."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     nd = md.num_decode_rows
     if nd:
         paged_decode(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd], md.block_size,
                      scale, sliding_window=md.sliding_window, num_splits=md.decode_num_splits,
-                     max_seq_len=md.max_decode_seq_len, out=out[:nd])
+                     max_seq_len=md.max_decode_seq_len, out=out[:nd], sinks=sinks)
     if md.num_prefills:
         # Whole tensors and first_row, not slices: see paged_prefill's kernel.
         paged_prefill(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                       md.max_query_len, md.block_size, scale,
-                      sliding_window=md.sliding_window, out=out, first_row=nd)
+                      sliding_window=md.sliding_window, out=out, first_row=nd, sinks=sinks)
     return out
 
 
@@ -213,11 +215,12 @@ class TritonGraphBuffers:
 
 class TritonAttentionBackend(AttentionBackend):
     """The AttentionBackend interface in full: fused rotary + cache write, CUDA graphs of
-    every step shape, latent attention."""
+    every step shape, latent attention, attention sinks."""
 
     name = "triton"
     supports_cuda_graphs = True
     supports_mla = True
+    supports_sinks = True
 
     def __init__(self, fuse_rope_and_cache_write: bool = True) -> None:
         # Layers with rotary hand q, k, v before norm and rotary to forward_fused, which does
@@ -236,18 +239,18 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: TritonAttentionMetadata,
-                scale: float) -> torch.Tensor:
-        return paged_attention_triton(q, k, v, kv_cache, md, scale)
+                scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return paged_attention_triton(q, k, v, kv_cache, md, scale, sinks)
 
     def forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                       q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
                       eps: float, kv_cache: torch.Tensor, md: TritonAttentionMetadata,
-                      scale: float) -> torch.Tensor:
+                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """forward on q and k before their optional per-head RMSNorm and rotary (see
         paged_attention_triton_fused); only while fuses_rope_and_cache_write."""
         return paged_attention_triton_fused(q, k, v, positions, cos_sin_cache, q_norm_weight,
-                                            k_norm_weight, eps, kv_cache, md, scale)
+                                            k_norm_weight, eps, kv_cache, md, scale, sinks)
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
                     md: TritonAttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:

@@ -103,6 +103,13 @@ class LatentAttentionSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class IndexerKeySpec(LatentAttentionSpec):
+    """DeepSeek Sparse Attention's indexer (V3.2): one key row of index_head_dim values per
+    token (num_kv_heads 1), kept for every token beside the layer's latent row, in the same
+    block tables (its own tensor: the rows differ in width)."""
+
+
+@dataclass(frozen=True)
 class LinearStateSpec(KVCacheSpec):
     """A linear-attention layer's recurrent state per request, in float32 words: the short
     convolution's last conv_width inputs of conv_dim channels, and the [state_heads, key_dim,

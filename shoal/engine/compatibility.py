@@ -312,6 +312,15 @@ ROWS: tuple[Incompatibility, ...] = (
         "{s.args.data_parallel_rank!r} and {s.args.data_parallel_master_port!r})"),
     # ---- devices --------------------------------------------------------------------------
     Incompatibility(
+        "DeepSeek-V3.2 sparse attention", "max_model_len > index_topk on CUDA",
+        lambda s: (s.device_type == "cuda" and s.args.attention_backend != "torch"
+                   and getattr(s.hf_config, "index_topk", None) is not None
+                   and s.max_model_len > s.hf_config.index_topk),
+        "{s.model_class}: contexts past index_topk ({s.hf_config.index_topk}) need sparse "
+        "latent attention, which only attention_backend='torch' has yet; set max_model_len "
+        "<= {s.hf_config.index_topk} (exactly dense there) or attention_backend='torch' (got "
+        "max_model_len {s.max_model_len})"),
+    Incompatibility(
         "cpu_int4_matmul", "a device other than the CPU",
         lambda s: bool(s.args.cpu_int4_matmul) and s.device_type != "cpu",
         "cpu_int4_matmul runs on the CPU only (device is {s.device_type})"),

@@ -38,8 +38,10 @@ class LatentAttention(nn.Module):
         """One latent row per token, no separate V plane."""
         return LatentAttentionSpec(1, self.head_dim, dtype_bytes)
 
-    def forward(self, q: torch.Tensor, latent: torch.Tensor, md: Any) -> torch.Tensor:
-        """q [T, H, Dk] (absorbed queries), latent [T, Dk] (this step's rows to cache).
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, md: Any,
+                select: Any = None) -> torch.Tensor:
+        """q [T, H, Dk] (absorbed queries), latent [T, Dk] (this step's rows to cache);
+        select: the rows each query reads (DeepSeek-V3.2's indexer; None: all it may see).
         Returns [T, H, kv_lora_rank]."""
         if isinstance(md, GroupedMetadata):  # a hybrid: its own KV cache group's
             md = md.of(self.kv_group)
@@ -48,4 +50,11 @@ class LatentAttention(nn.Module):
                                       "latent attention (MLA)")
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not bound to the attention layer")
-        return self.backend.forward_mla(q, latent, self.kv_cache, md, self.scale, self.v_dim)
+        if select is None:
+            return self.backend.forward_mla(q, latent, self.kv_cache, md, self.scale, self.v_dim)
+        if not self.backend.supports_sparse_mla:
+            raise NotImplementedError(
+                f"the {self.backend.name} attention backend has no sparse latent attention: "
+                "DeepSeek-V3.2 contexts longer than index_topk need attention_backend='torch'")
+        return self.backend.forward_mla(q, latent, self.kv_cache, md, self.scale, self.v_dim,
+                                        select)

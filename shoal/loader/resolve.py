@@ -70,6 +70,9 @@ SHIPPED_CONFIGS: dict[str, str] = {
     # Kimi-K2's shape (DeepSeek-V3 architecture, 384 experts) cut to one dense and one MoE
     # layer: 17.6B parameters, enough to time every kind of layer on one GPU.
     "moonshotai/Kimi-K2-2layers": "kimi-k2-2layers",
+    # DeepSeek-V3.2-Exp (V3 with the sparse-attention indexer) cut to its 3 dense layers and
+    # one MoE layer: 15.2B parameters.
+    "deepseek-ai/DeepSeek-V3.2-Exp-4layers": "deepseek-v3.2-exp-4layers",
     # Hybrid linear attention. Qwen3-Next-80B-A3B (79.7B in bf16) does not fit one H200: its
     # first 24 of 48 layers (the same 3 linear : 1 full pattern), 40.0B parameters.
     "Qwen/Qwen3-Next-80B-A3B-Instruct-24layers": "qwen3-next-80b-a3b-24layers",
@@ -77,6 +80,8 @@ SHIPPED_CONFIGS: dict[str, str] = {
     "Qwen/Qwen3.5-27B": "qwen3.5-27b",
     "Qwen/Qwen3.5-35B-A3B": "qwen3.5-35b-a3b",
     "moonshotai/Kimi-Linear-48B-A3B-Instruct": "kimi-linear-48b-a3b",
+    # Attention sinks, sliding windows beside full attention, MXFP4 experts when real.
+    "openai/gpt-oss-20b": "gpt-oss-20b",
 }
 _CONFIGS_BY_LOWER_NAME = {name.lower(): folder for name, folder in SHIPPED_CONFIGS.items()}
 _CONFIGS_DIR = Path(__file__).resolve().parent.parent / "model_configs"

@@ -138,8 +138,10 @@ class DeepseekMLA(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, md: Any) -> torch.Tensor:
         t = hidden.shape[0]
+        q_resid = None
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         else:
             q = self.q_proj(hidden)
         q_nope, q_pe = q.view(t, self.num_heads, self.nope + self.rope).split(
@@ -151,9 +153,15 @@ class DeepseekMLA(nn.Module):
         # [H, T, nope] @ [H, nope, L]: each head's query in the latent space.
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)
         q_abs = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, H, L + rope]
-        o = self.attn(q_abs, latent, md)  # [T, H, L]
+        select = self.select(hidden, q_resid, positions, md)
+        o = self.attn(q_abs, latent, md, select)  # [T, H, L]
         o = torch.bmm(o.transpose(0, 1), self.w_uv)  # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))
+
+    def select(self, hidden: torch.Tensor, q_resid: torch.Tensor | None,
+               positions: torch.Tensor, md: Any) -> Any:
+        """The cached rows each query reads: all it may see (DeepSeek-V3.2 overrides)."""
+        return None
 
 
 class DeepseekMLP(nn.Module):
@@ -194,7 +202,11 @@ class DeepseekMoE(nn.Module):
 
 
 def is_moe_layer(cfg: Any, layer_idx: int) -> bool:
-    """transformers' rule: sparse from first_k_dense_replace on, every moe_layer_freq-th."""
+    """transformers' rule: sparse from first_k_dense_replace on, every moe_layer_freq-th
+    (V3.2: as its mlp_layer_types lists)."""
+    kinds = getattr(cfg, "mlp_layer_types", None)
+    if kinds is not None:
+        return kinds[layer_idx] == "sparse"
     freq = getattr(cfg, "moe_layer_freq", None) or 1
     return (bool(getattr(cfg, "n_routed_experts", None))
             and layer_idx >= (getattr(cfg, "first_k_dense_replace", None) or 0)
@@ -204,11 +216,13 @@ def is_moe_layer(cfg: Any, layer_idx: int) -> bool:
 class DeepseekDecoderLayer(LlamaDecoderLayer):
     """Llama's forward (pre-norm, fused residual adds); attention and MLP differ."""
 
+    attention_cls: ClassVar[type[DeepseekMLA]] = DeepseekMLA
+
     def __init__(self, cfg: Any, dtype: torch.dtype, layer_idx: int,
                  use_triton_ops: bool = True):
         nn.Module.__init__(self)
         ops = use_triton_ops
-        self.self_attn = DeepseekMLA(cfg, dtype, ops)
+        self.self_attn = self.attention_cls(cfg, dtype, ops)
         self.mlp = (DeepseekMoE(cfg, dtype, ops) if is_moe_layer(cfg, layer_idx)
                     else DeepseekMLP(cfg.hidden_size, cfg.intermediate_size, dtype, ops))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
@@ -216,10 +230,12 @@ class DeepseekDecoderLayer(LlamaDecoderLayer):
 
 
 class DeepseekModel(LlamaModel):
+    layer_cls: ClassVar[type[DeepseekDecoderLayer]] = DeepseekDecoderLayer
+
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         nn.Module.__init__(self)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, dtype, i, use_triton_ops)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, dtype, i, use_triton_ops)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
 

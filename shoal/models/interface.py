@@ -56,7 +56,8 @@ class CausalLM(Protocol):
         ...
 
     def attention_layers(self) -> list[Attention]:
-        """The paged attention layers in order: the runner sizes the KV pool from them and
+        """The paged layers in order (a decoder layer may have several: DeepSeek-V3.2's latent
+        attention and its indexer's keys): the runner sizes the KV pool from them and
         binds each one's cache (and its KV cache group) and backend. Each says what it keeps
         with kv_cache_spec(dtype_bytes) (shoal/core/kv_cache_spec.py: full attention, a
         sliding window, MLA's one latent row per token)."""

@@ -19,7 +19,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3_5MoeForCausalLM": ("shoal.models.qwen3_5", "Qwen3_5MoeForCausalLM"),
     "DeepseekV2ForCausalLM": ("shoal.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("shoal.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    "DeepseekV32ForCausalLM": ("shoal.models.deepseek_v32", "DeepseekV32ForCausalLM"),
     "KimiLinearForCausalLM": ("shoal.models.kimi_linear", "KimiLinearForCausalLM"),
+    "GptOssForCausalLM": ("shoal.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 # Pooling-only architectures (encoders, classification heads): runner="pooling".
@@ -51,8 +53,10 @@ _BY_MODEL_TYPE = {
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v32": "DeepseekV32ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "bert": "BertModel",
     "roberta": "RobertaModel",
     "xlm-roberta": "XLMRobertaModel",

@@ -96,6 +96,8 @@ CASES = [
      r"needs data_parallel_rank in \[0, 2\)"),
     (dict(cpu_int4_matmul=True), {}, "generate", "cuda", 64,
      r"cpu_int4_matmul runs on the CPU only \(device is cuda\)"),
+    (dict(), dict(architectures=["DeepseekV32ForCausalLM"], kv_lora_rank=32, index_topk=32),
+     "generate", "cuda", 64, r"contexts past index_topk \(32\) need sparse latent attention"),
 ]
 
 

@@ -23,6 +23,7 @@ from shoal.core.kv_cache_spec import group_layers
 from shoal.layers.attention import Attention
 from shoal.layers.latent_attention import LatentAttention
 from shoal.layers.linear_attention import LinearAttention
+from shoal.layers.sparse_indexer import LightningIndexer
 from shoal.loader.build import check_all_loaded
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.models.interface import (
@@ -68,6 +69,14 @@ ARCHITECTURES = {
                                               "n_group": 2, "topk_group": 1,
                                               "moe_intermediate_size": 32,
                                               "first_k_dense_replace": 1}),
+    "DeepseekV32ForCausalLM": ("deepseek_v32", {"kv_lora_rank": 32, "q_lora_rank": 24,
+                                                "qk_rope_head_dim": 16, "qk_nope_head_dim": 16,
+                                                "v_head_dim": 16, "n_routed_experts": 4,
+                                                "num_experts_per_tok": 2, "n_shared_experts": 1,
+                                                "n_group": 2, "topk_group": 1,
+                                                "moe_intermediate_size": 32,
+                                                "first_k_dense_replace": 1, "index_n_heads": 4,
+                                                "index_head_dim": 32, "index_topk": 8}),
     **{arch: (model_type, {**HYBRID, **extra}) for arch, (model_type, extra) in {
         "Qwen3NextForCausalLM": ("qwen3_next", {
             "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
@@ -84,7 +93,13 @@ ARCHITECTURES = {
         "n_shared_experts": 1, "first_k_dense_replace": 1, "pad_token_id": 0,
         "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "head_dim": 16,
                                "num_heads": 2, "short_conv_kernel_size": 4}}),
+    "GptOssForCausalLM": ("gpt_oss", {"head_dim": 16, "num_local_experts": 4,
+                                      "num_experts_per_tok": 2, "intermediate_size": 32,
+                                      "sliding_window": 4}),
 }
+# Architectures with more than one paged layer per decoder layer (V3.2: latent attention and
+# its indexer's keys).
+PAGED_LAYERS_PER_LAYER = {"DeepseekV32ForCausalLM": 2}
 # Architectures with linear-attention layers beside attention ones.
 LINEAR = {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
           "KimiLinearForCausalLM"}
@@ -127,8 +142,10 @@ def test_model_follows_the_interface(arch: str) -> None:
     check_all_loaded(model, model.load_weights(hf.state_dict().items()), arch)
 
     layers = model.attention_layers()
-    assert len(layers) == cfg.num_hidden_layers
-    kinds = (Attention, LatentAttention) + ((LinearAttention,) if arch in LINEAR else ())
+    per_layer = PAGED_LAYERS_PER_LAYER.get(arch, 1)
+    assert len(layers) == per_layer * cfg.num_hidden_layers
+    kinds = ((Attention, LatentAttention, LightningIndexer)
+             + ((LinearAttention,) if arch in LINEAR else ()))
     assert all(isinstance(a, kinds) for a in layers)
     n = 5
     bs = type(model).block_size_for(cfg, 4, 1) if arch in LINEAR else 4

@@ -32,3 +32,13 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
                          f"{tuple(seq_lens.shape)}")
     if block_size < 1 or kv_cache.shape[1] % block_size:
         raise ValueError(f"cache slots {kv_cache.shape[1]} are not whole blocks of {block_size}")
+
+
+def check_sinks(sinks: torch.Tensor | None, num_heads: int, device: torch.device) -> None:
+    """sinks: None, or one contiguous logit per query head on q's device."""
+    if sinks is None:
+        return
+    if sinks.shape != (num_heads,) or sinks.stride(0) != 1 or sinks.device != device \
+            or not sinks.is_floating_point():
+        raise ValueError(f"sinks must be a contiguous float [{num_heads}] on {device}, got "
+                         f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}")

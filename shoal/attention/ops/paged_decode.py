@@ -11,7 +11,11 @@ output and log-sum-exp and a second kernel combines them. The partition length i
 from each sequence's own length inside the kernel, so a fixed num_splits (as a CUDA graph
 needs) works for any length: short sequences leave their trailing splits empty. num_splits
 is a runtime argument (only split / no split is compiled separately), so eager decode steps
-of varying batch and length do not trigger new JIT compiles."""
+of varying batch and length do not trigger new JIT compiles.
+
+Attention sinks (gpt-oss: per query head, a logit in the softmax's denominator with no value)
+start the online softmax of split 0 as if one key of that logit and a zero value had been
+seen: running max = the sink, sum = 1."""
 
 from __future__ import annotations
 
@@ -21,10 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from shoal.attention.ops.checks import check_paged_inputs
+from shoal.attention.ops.checks import check_paged_inputs, check_sinks
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: avoids inf - inf = nan on empty rows
 _LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E)  # sinks are natural-log logits; the kernel works in base 2
 MIN_SPLIT_TOKENS = 128  # a split shorter than two key tiles costs more than it saves
 MAX_SPLITS = 64
 
@@ -32,14 +37,14 @@ MAX_SPLITS = 64
 # Per-step ints are not specialized (== 1, % 16), so steps do not trigger new compiles.
 @triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"])
 def _paged_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, window, num_splits,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     num_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -62,6 +67,10 @@ def _paged_decode_kernel(
 
     m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_SINKS:  # split 0 counts the sink (its value is zero: acc stays 0)
+        sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * _LOG2E_C
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + b * stride_bt
     for n0 in range(lo, hi, BLOCK_N):
@@ -89,10 +98,14 @@ def _paged_decode_kernel(
     else:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
         # Contiguous scratch: part_lse [B, Hq, S], part_out [B, Hq, S, D]. An empty split
-        # writes only its -inf lse; the reduce then skips its output row.
+        # writes only its -inf lse; the reduce then skips its output row. (Split 0 with a
+        # sink is never empty.)
         row = (b * num_heads + heads) * num_splits + split
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
-        has_keys = offs_g < tl.where(lo < hi, GROUP, 0)
+        nonempty = lo < hi
+        if HAS_SINKS:
+            nonempty = nonempty | (split == 0)
+        has_keys = offs_g < tl.where(nonempty, GROUP, 0)
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], o,
                  mask=has_keys[:, None])
 
@@ -142,10 +155,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                  seq_lens: torch.Tensor, block_size: int, scale: float, *,
                  sliding_window: int | None = None, num_splits: int | None = None,
-                 max_seq_len: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                 max_seq_len: int | None = None, out: torch.Tensor | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, Hq, D], the query of the last token of each sequence (position seq_len - 1);
     kv_cache: [2, num_slots, Hk, D]; block_tables: int32 [B, N]; seq_lens: int32 [B], 0 for
-    padded rows (their output is zero). Returns out [B, Hq, D] in q's dtype.
+    padded rows (their output is zero); sinks: [Hq] logits or None. Returns out [B, Hq, D] in
+    q's dtype.
 
     num_splits None picks one from max_seq_len (default: the block-table capacity); pass a
     fixed value under CUDA-graph capture."""
@@ -165,6 +180,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         num_splits = choose_num_splits(bsz, hk, min(max_seq_len or cap, cap), _num_sms(q.device))
     if not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits {num_splits} out of range")
+    check_sinks(sinks, hq, q.device)
 
     group = hq // hk
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -177,13 +193,14 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     else:
         part_out = part_lse = out  # unused
     _paged_decode_kernel[(bsz, hk, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, sinks if sinks is not None else q,
+        out, part_out, part_lse,
         scale * _LOG2E, sliding_window or 0, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), hq,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
-        USE_WINDOW=sliding_window is not None,
+        USE_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4, num_stages=3 if d <= 128 else 2,
     )

@@ -7,7 +7,10 @@ including itself (its own new keys were written to the cache first).
 One program handles BLOCK_Q consecutive query tokens times all query heads of one KV head,
 laid out as BLOCK_M = BLOCK_Q * BLOCK_G rows (token-major), so every K/V tile read serves the
 whole GQA group. Keys before the tile's first query are visible to every row: those whole
-tiles skip the causal and bounds masks; only the tail near the diagonal pays for them."""
+tiles skip the causal and bounds masks; only the tail near the diagonal pays for them.
+
+Attention sinks (gpt-oss) start each row's online softmax as if one key of the row's head's
+sink logit, with a zero value, had been seen: running max = the sink, sum = 1."""
 
 from __future__ import annotations
 
@@ -17,10 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
-from shoal.attention.ops.checks import check_paged_inputs
+from shoal.attention.ops.checks import check_paged_inputs, check_sinks
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: rows masked out of a tile stay nan-free
 _LOG2E = 1.4426950408889634
+_LOG2E_C = tl.constexpr(_LOG2E)  # sinks are natural-log logits; the kernel works in base 2
 
 
 @triton.jit
@@ -65,11 +69,11 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
 @triton.jit(do_not_specialize=["window", "num_q_tiles", "first_row", "stride_bt"])
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    qk_scale, window, num_q_tiles, first_row,
+    sinks_ptr, qk_scale, window, num_q_tiles, first_row,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     # Later query tiles see more keys: launch them first so the tail of the grid is short.
     tile = num_q_tiles - 1 - tl.program_id(0)
@@ -102,6 +106,9 @@ def _paged_prefill_kernel(
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        m_i = tl.load(sinks_ptr + heads, mask=hg < GROUP, other=0.0).to(tl.float32) * _LOG2E_C
+        l_i = tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     bt_row = block_tables_ptr + seq * stride_bt
     head_off = kh * stride_ch
@@ -153,14 +160,15 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
                   seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                   block_size: int, scale: float, *, sliding_window: int | None = None,
                   out: torch.Tensor | None = None, first_row: int = 0,
-                  block_m: int | None = None) -> torch.Tensor:
+                  block_m: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; kv_cache: [2, num_slots, Hk, D] already holding every key, the new ones
     included; block_tables: int32 [P, N]; seq_lens: int32 [P] (context + query tokens);
     query_start_loc: int32 [P + 1], token offsets into q of each sequence's queries (rows of q
     outside them are left untouched in out); max_query_len: an upper bound on any
     query_start_loc difference (it sizes the grid). Rows before first_row of the per-request
     tensors belong to others (decodes) and are skipped. block_m forces the query tile height
-    (warmup compiles each one). Returns out [T, Hq, D] in q's dtype."""
+    (warmup compiles each one). sinks: [Hq] logits or None. Returns out [T, Hq, D] in q's
+    dtype."""
     t, hq, d = q.shape
     hk = kv_cache.shape[2]
     if query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1 \
@@ -180,6 +188,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         return out
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
+    check_sinks(sinks, hq, q.device)
 
     group = hq // hk
     block_g = triton.next_power_of_2(group)
@@ -196,12 +205,13 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _paged_prefill_kernel[(num_q_tiles, num_seqs, hk)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        scale * _LOG2E, sliding_window or 0, num_q_tiles, first_row,
+        sinks if sinks is not None else q, scale * _LOG2E, sliding_window or 0, num_q_tiles,
+        first_row,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=d, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, USE_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=8 if block_m * shrink >= 128 else 4, num_stages=2,
     )
     return out

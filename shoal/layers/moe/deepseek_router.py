@@ -36,6 +36,8 @@ def _infer_version(cfg: Any) -> int:
     model_type = getattr(cfg, "model_type", None)
     if model_type in ("deepseek_v2", "deepseek_v3"):
         return int(model_type[-1])
+    if model_type == "deepseek_v32":  # V3's routing
+        return 3
     raise ValueError(f"cannot tell the DeepSeek routing version of {model_type!r} "
                      f"(topk_method={method!r}): pass version=2 or version=3")
 

@@ -15,6 +15,10 @@ spans the data-parallel replicas, which hold different tokens: each rank routes 
 and sends each (token, expert) pair to the expert's rank and back (all_to_all.py); the
 replicas step in lockstep so that every rank joins each layer's exchange
 (shoal/engine/dp_lockstep.py).
+
+Experts may carry biases (gpt-oss: w13_bias split like the gate/up rows, w2_bias whole) and
+another activation than SiLU-and-mul (activation.py). Under TP the down bias is added by rank
+0 alone, as its partial sum is all-reduced; under EP each expert's owner adds its own.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from shoal.distributed.parallel_state import (
     tp_all_reduce,
 )
 from shoal.layers.linear import _divide, default_weight_loader
+from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.all_to_all import all_to_all_experts
 from shoal.layers.moe.torch_experts import experts_dense, experts_torch
 from shoal.layers.ops.dispatch import use_triton
@@ -41,21 +46,24 @@ SHARD_IDS = ("w1", "w3", "w2")
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  use_triton_ops: bool = True, foreign_ids: bool = False) -> torch.Tensor:
+                  use_triton_ops: bool = True, foreign_ids: bool = False, *,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation: ExpertActivation = SILU) -> torch.Tensor:
     """foreign_ids: topk_ids may hold E = w13.shape[0] (another rank's expert under expert
     parallelism), which contributes nothing. The PyTorch path skips those pairs; the Triton
     and graph-safe dense paths run them on expert 0 with weight 0 (shapes stay routing-free)."""
+    extra = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
     if use_triton(x, use_triton_ops):
         from shoal.layers.moe.triton_experts import experts_triton
 
         if foreign_ids:
             topk_ids, topk_weights = _mask_foreign(topk_ids, topk_weights, w13.shape[0])
-        return experts_triton(x, w13, w2, topk_weights, topk_ids)
+        return experts_triton(x, w13, w2, topk_weights, topk_ids, **extra)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         if foreign_ids:
             topk_ids, topk_weights = _mask_foreign(topk_ids, topk_weights, w13.shape[0])
-        return experts_dense(x, w13, w2, topk_weights, topk_ids)
-    return experts_torch(x, w13, w2, topk_weights, topk_ids)
+        return experts_dense(x, w13, w2, topk_weights, topk_ids, **extra)
+    return experts_torch(x, w13, w2, topk_weights, topk_ids, **extra)
 
 
 def _mask_foreign(topk_ids: torch.Tensor, topk_weights: torch.Tensor,
@@ -70,12 +78,15 @@ class FusedMoE(nn.Module):
     """w13_weight [E, 2 * I / tp, H]: this rank's gate rows, then its up rows, per expert;
     w2_weight [E, H, I / tp]: this rank's columns of each down projection. With expert
     parallelism: w13_weight [E / ep, 2 * I, H], w2_weight [E / ep, H, I], this rank's
-    experts whole (local expert i is global expert expert_start + i)."""
+    experts whole (local expert i is global expert expert_start + i). has_bias adds
+    w13_bias [E, 2 * I / tp] and w2_bias [E, H] (the local experts' under EP)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None,
-                 use_triton_ops: bool = True):
+                 use_triton_ops: bool = True, *, has_bias: bool = False,
+                 activation: ExpertActivation = SILU):
         super().__init__()
+        self.activation = activation
         self.use_triton_ops = use_triton_ops  # the Triton kernel for CUDA tensors
         self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
         self.num_experts = num_experts
@@ -103,14 +114,28 @@ class FusedMoE(nn.Module):
             requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
+        self.w13_bias: nn.Parameter | None = None
+        self.w2_bias: nn.Parameter | None = None
+        if has_bias:
+            self.w13_bias = nn.Parameter(
+                torch.empty(self.local_num_experts, 2 * self.inter, dtype=params_dtype),
+                requires_grad=False)
+            self.w2_bias = nn.Parameter(
+                torch.empty(self.local_num_experts, hidden_size, dtype=params_dtype),
+                requires_grad=False)
+            self.w13_bias.weight_loader = self.weight_loader
+            self.w2_bias.weight_loader = self.weight_loader
+        # TP splits every expert: the ranks' partial outputs are summed, so one adds the bias.
+        self.adds_down_bias = self.ep_size > 1 or self.tp_rank == 0
         # DP+EP: the group tokens are dispatched over (all-to-all), None otherwise.
         self.dispatch_group = ep_dispatch_group() if self.ep_size > 1 else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, expert_id: int,
                       shard_id: str) -> None:
         """One expert's full checkpoint projection: gate / up [I, H] (w1 / w3), down [H, I]
-        (w2); this rank's slice of the intermediate dim is copied into place. Under expert
-        parallelism another rank's expert is skipped and a local one is copied whole."""
+        (w2), or its bias (gate / up [I], down [H]); this rank's slice of the intermediate dim
+        is copied into place. Under expert parallelism another rank's expert is skipped and a
+        local one is copied whole."""
         if shard_id not in SHARD_IDS:
             raise ValueError(f"shard_id must be one of {SHARD_IDS}, got {shard_id!r}")
         if not 0 <= expert_id < self.num_experts:
@@ -120,7 +145,9 @@ class FusedMoE(nn.Module):
             return  # another expert-parallel rank's expert
         start = self.inter_rank * self.inter
         if shard_id == "w2":
-            default_weight_loader(param.data[local], loaded.narrow(1, start, self.inter))
+            whole = loaded.dim() == 1  # the down bias: H, nothing to split
+            default_weight_loader(param.data[local],
+                                  loaded if whole else loaded.narrow(1, start, self.inter))
             return
         offset = 0 if shard_id == "w1" else self.inter
         default_weight_loader(param.data[local].narrow(0, offset, self.inter),
@@ -137,12 +164,18 @@ class FusedMoE(nn.Module):
             mine = (local >= 0) & (local < self.local_num_experts)
             topk_ids = torch.where(mine, local, self.local_num_experts)
         out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                            self.use_triton_ops, foreign_ids=foreign)
+                            self.use_triton_ops, foreign_ids=foreign,
+                            **self._extras(self.adds_down_bias))
         return tp_all_reduce(out) if self.reduce_results else out
+
+    def _extras(self, down_bias: bool) -> dict:
+        """fused_experts' bias and activation arguments."""
+        return dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias if down_bias else None,
+                    activation=self.activation)
 
     def _run_local_experts(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Rows dispatched here, one (token, expert) pair each: the expert's unweighted
         output (all_to_all_experts applies the routing weights at the token's rank)."""
         ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
         return fused_experts(x, self.w13_weight, self.w2_weight, ones, local_ids[:, None],
-                             self.use_triton_ops)
+                             self.use_triton_ops, **self._extras(True))

@@ -1,23 +1,33 @@
 """The routed expert MLPs in plain PyTorch: the CPU path and the reference for the Triton
-kernel. Each expert is SiLU(x W_gate^T) * (x W_up^T) projected by W_down, scaled by the token's
-routing weight; a token's output is the sum over its k experts."""
+kernel. Each expert is SiLU(x W_gate^T) * (x W_up^T) projected by W_down (another activation
+and per-expert biases where the layer has them, activation.py), scaled by the token's routing
+weight; a token's output is the sum over its k experts."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from shoal.layers.moe.activation import SILU, ExpertActivation
 
-def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+
+def _expert_mlp(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, act: ExpertActivation,
+                b13: torch.Tensor | None, b2: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(act(F.linear(x, w13, b13)), w2, b2)
+
+
+def _row(bias: torch.Tensor | None, e: int) -> torch.Tensor | None:
+    return None if bias is None else bias[e]
 
 
 def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation: ExpertActivation = SILU) -> torch.Tensor:
     """x: [T, H]; w13: [E, 2I, H] (gate rows, then up rows); w2: [E, H, I]; topk_weights,
-    topk_ids: [T, k]. Runs each expert once on the tokens routed to it, in expert order like
-    transformers (so fp32 sums round the same way). Pairs with id E (another rank's expert
+    topk_ids: [T, k]; optional biases w13_bias [E, 2I], w2_bias [E, H] (added before the
+    routing weight scales the output). Runs each expert once on the tokens routed to it, in
+    expert order like transformers (so fp32 sums round the same way). Pairs with id E (another rank's expert
     under expert parallelism; they sort last) are skipped. Reads the per-expert counts on the
     host: not for CUDA-graph capture (see experts_dense)."""
     t, k = topk_ids.shape
@@ -34,13 +44,16 @@ def experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         pairs = order[start:start + n]
         start += n
         tokens = pairs // k
-        y = _expert_mlp(x[tokens], w13[e], w2[e]) * weights[pairs, None]
+        y = _expert_mlp(x[tokens], w13[e], w2[e], activation, _row(w13_bias, e),
+                        _row(w2_bias, e)) * weights[pairs, None]
         out.index_add_(0, tokens, y)
     return out
 
 
 def experts_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation: ExpertActivation = SILU) -> torch.Tensor:
     """Every expert on every token, scaled by its routing weight (0 when not chosen). Shapes
     never depend on the routing and nothing is read back to the host, so a CUDA graph can
     capture it; E/k times the routed work, so it is only the fallback for capturing on CUDA
@@ -50,5 +63,6 @@ def experts_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     dense.scatter_add_(1, topk_ids, topk_weights)
     out = torch.zeros_like(x)
     for e in range(num_experts):
-        out += _expert_mlp(x, w13[e], w2[e]) * dense[:, e:e + 1]
+        out += _expert_mlp(x, w13[e], w2[e], activation, _row(w13_bias, e),
+                           _row(w2_bias, e)) * dense[:, e:e + 1]
     return out

@@ -5,7 +5,9 @@ Pairs (token, slot) are grouped by expert and padded to whole blocks of BLOCK_M 
 tile uses the same expert's weights and the product is a plain tl.dot. The first GEMM gathers
 token rows of x and writes gate_up per pair; SiLU-and-mul follows; the second GEMM reads the
 pair rows, scales them by the routing weight and writes per pair; a sum over the k slots gives
-each token's output (no atomics, so results are deterministic).
+each token's output (no atomics, so results are deterministic). Per-expert biases (gpt-oss) are
+added in the GEMMs, before the routing weight; an activation other than SiLU-and-mul
+(activation.py) runs as PyTorch ops on the pair rows.
 
 Graph safety: the grid and every buffer are sized from T * k, E and the tile sizes only (the
 worst-case padding), and unused tail blocks are marked with expert -1 and exit at once, so
@@ -17,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.align import ExpertGroups, group_by_expert
 from shoal.layers.ops.silu_mul import silu_and_mul
 
@@ -24,15 +27,15 @@ from shoal.layers.ops.silu_mul import silu_and_mul
 # num_pairs changes every step: not specialized (== 1, % 16) so steps do not recompile.
 @triton.jit(do_not_specialize=["num_pairs"])
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr,
+    a_ptr, b_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, bias_ptr,
     num_pairs, n_out, k_in, a_row_div,
-    stride_am, stride_be, stride_bn, stride_cm,
-    MUL_WEIGHTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_am, stride_be, stride_bn, stride_cm, stride_bias,
+    MUL_WEIGHTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """c[pair, n] = a[pair // a_row_div, :] . b[expert, n, :] (* weights[pair]) for the pairs
-    of one block; a: [*, K], b: [E, N, K], c: [num_pairs, N], all contiguous along the last
-    dim."""
+    """c[pair, n] = (a[pair // a_row_div, :] . b[expert, n, :] (+ bias[expert, n]))
+    (* weights[pair]) for the pairs of one block; a: [*, K], b: [E, N, K], c: [num_pairs, N],
+    bias: [E, N], all contiguous along the last dim."""
     pid = tl.program_id(0)
     num_n = tl.cdiv(n_out, BLOCK_N)
     pid_m = pid // num_n
@@ -59,6 +62,10 @@ def _grouped_gemm_kernel(
         acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert.to(tl.int64) * stride_bias + offs_n, mask=n_mask,
+                       other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
     if MUL_WEIGHTS:
         w = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
         acc = acc * w.to(tl.float32)[:, None]
@@ -76,7 +83,8 @@ def choose_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> None:
+           topk_ids: torch.Tensor, w13_bias: torch.Tensor | None,
+           w2_bias: torch.Tensor | None) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -95,30 +103,39 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
         raise ValueError("topk_ids must be int32/int64 and topk_weights floating point")
     if x.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
         raise ValueError("x rows and the expert weights must be contiguous")
+    for bias, shape in ((w13_bias, (e, two_i)), (w2_bias, (e, h))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.stride(1) != 1):
+            raise ValueError(f"expert bias {tuple(bias.shape)} must be {shape}, rows contiguous")
 
 
 def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: ExpertGroups,
           weights: torch.Tensor | None, num_pairs: int, a_row_div: int,
-          tiles: tuple[int, int, int]) -> None:
+          tiles: tuple[int, int, int], bias: torch.Tensor | None = None) -> None:
     block_m, block_n, block_k = tiles
     n_out, k_in = b.shape[1], b.shape[2]
     grid = (groups.block_expert.shape[0] * triton.cdiv(n_out, block_n),)
     half = a.dtype != torch.float32
     _grouped_gemm_kernel[grid](
         a, b, c, groups.sorted_ids, groups.block_expert, weights if weights is not None else c,
+        bias if bias is not None else c,
         num_pairs, n_out, k_in, a_row_div,
         a.stride(0), b.stride(0), b.stride(1), c.stride(0),
-        MUL_WEIGHTS=weights is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        bias.stride(0) if bias is not None else 0,
+        MUL_WEIGHTS=weights is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION="tf32" if half else "ieee",
         num_warps=4, num_stages=3 if half else 2,
     )
 
 
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                   topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                   activation: ExpertActivation = SILU) -> torch.Tensor:
     """Same contract as torch_experts.experts_torch: x [T, H], w13 [E, 2I, H] (gate rows then
-    up rows), w2 [E, H, I], topk_weights / topk_ids [T, k] -> [T, H] in x's dtype."""
-    _check(x, w13, w2, topk_weights, topk_ids)
+    up rows), w2 [E, H, I], topk_weights / topk_ids [T, k], optional biases w13_bias [E, 2I]
+    and w2_bias [E, H] -> [T, H] in x's dtype."""
+    _check(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
     t, k = topk_ids.shape
     e, two_i, h = w13.shape
     if t == 0:
@@ -127,8 +144,8 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     tiles = choose_tiles(n, e, x.dtype)
     groups = group_by_expert(topk_ids, e, tiles[0])
     gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, gate_up, groups, None, n, k, tiles)
-    act = silu_and_mul(gate_up)
+    _gemm(x, w13, gate_up, groups, None, n, k, tiles, w13_bias)
+    act = silu_and_mul(gate_up) if activation == SILU else activation(gate_up).contiguous()
     down = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    _gemm(act, w2, down, groups, topk_weights.contiguous(), n, 1, tiles)
+    _gemm(act, w2, down, groups, topk_weights.contiguous(), n, 1, tiles, w2_bias)
     return down.view(t, k, h).sum(dim=1)

@@ -1,0 +1,219 @@
+"""gpt-oss (openai/gpt-oss-20b, -120b): a pre-norm decoder whose attention has biases on q/k/v/o
+and a learned sink per head (a logit in the softmax's denominator with no value), layers
+alternating a 128-token sliding window with full attention (config.layer_types), YaRN rotary,
+and a mixture of experts on every layer: a router with a bias whose top-k logits are
+softmaxed, experts with biases and a clamped SwiGLU (layers/moe/activation.py).
+
+Checkpoints hold the experts stacked, gate and up interleaved along the intermediate dim
+(even columns gate, odd up), either dequantized (gate_up_proj [E, H, 2I], down_proj [E, I, H],
+transformers' layout) or as released, in MXFP4 (`*_blocks` / `*_scales` of the transposed
+projections, shoal/quantization/mxfp4.py), which is unpacked into the model's dtype at load
+time. Both land in FusedMoE's stacked w13 (gate rows, then up rows) and w2, split per
+tensor-parallel rank like any expert."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.distributed.parallel_state import get_tp_rank
+from shoal.layers.attention import Attention
+from shoal.layers.embedding import VocabParallelEmbedding
+from shoal.layers.linear import QKVParallelLinear, RowParallelLinear, default_weight_loader
+from shoal.layers.moe.activation import ExpertActivation
+from shoal.layers.moe.layer import FusedMoE
+from shoal.layers.norm import RMSNorm
+from shoal.layers.rotary import get_rope, rope_parameters
+from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, layer_sliding_window
+from shoal.quantization.mxfp4 import dequantize_mxfp4
+
+# model.layers.N.mlp.experts.gate_up_proj[_bias|_blocks|_scales], and down_proj's
+_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+
+
+class GptOssAttention(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True, *,
+                 layer: int):
+        super().__init__()
+        total_heads, total_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
+        bias = bool(getattr(cfg, "attention_bias", True))
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv,
+                                          bias=bias, params_dtype=dtype)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, bias=bias,
+                                        params_dtype=dtype)
+        # This rank's heads' sinks (the checkpoint holds every head's).
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=dtype), requires_grad=False)
+        self.sinks.weight_loader = self._load_sinks
+        theta, scaling = rope_parameters(cfg)
+        self.rotary_emb = get_rope(self.head_dim, cfg.max_position_embeddings, theta, scaling,
+                                   use_triton_ops=use_triton_ops)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              layer_sliding_window(cfg, layer))
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        default_weight_loader(param, loaded.narrow(0, get_tp_rank() * self.num_heads,
+                                                   self.num_heads))
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, md: Any) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        t = hidden.shape[0]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.attn.fuses_rope:  # rotary and cache write in one kernel
+            o = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, None, None, md,
+                                       sinks=self.sinks)
+        else:
+            q, k = self.rotary_emb(positions, q, k)
+            o = self.attn(q, k, v, md, sinks=self.sinks)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class GptOssRouter(nn.Module):
+    """Linear logits with a bias, the top k of them softmaxed (not a softmax over all experts
+    then top-k). Replicated on every tensor-parallel rank, like TopKRouter."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, dtype: torch.dtype):
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight, self.bias)
+        top, ids = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
+class GptOssMoE(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
+        super().__init__()
+        self.router = GptOssRouter(cfg.hidden_size, cfg.num_local_experts,
+                                   cfg.num_experts_per_tok, dtype)
+        act = ExpertActivation("clamped_swiglu", alpha=getattr(cfg, "swiglu_alpha", 1.702),
+                               limit=getattr(cfg, "swiglu_limit", 7.0))
+        self.experts = FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
+                                params_dtype=dtype, use_triton_ops=use_triton_ops,
+                                has_bias=True, activation=act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.router(x)
+        return self.experts(x, weights, ids)
+
+
+class GptOssDecoderLayer(LlamaDecoderLayer):
+    """Llama's pre-norm residual forward over gpt-oss attention and experts."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, layer_idx: int,
+                 use_triton_ops: bool = True):
+        nn.Module.__init__(self)  # not Llama's __init__: it would allocate a dense MLP first
+        self.self_attn = GptOssAttention(cfg, dtype, use_triton_ops, layer=layer_idx)
+        self.mlp = GptOssMoE(cfg, dtype, use_triton_ops)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, use_triton_ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, use_triton_ops)
+
+
+class GptOssModel(LlamaModel):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
+        nn.Module.__init__(self)  # Llama's would build dense layers
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(GptOssDecoderLayer(cfg, dtype, i, use_triton_ops)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+    }
+
+    def _build_model(self, hf_config: Any, dtype: torch.dtype,
+                     use_triton_ops: bool) -> nn.Module:
+        return GptOssModel(hf_config, dtype, use_triton_ops)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Expert tensors (either layout) go into FusedMoE's stacked parameters; the rest
+        load as in Llama."""
+        loaded: set[str] = set()
+        rest = super().load_weights(self._load_experts(weights, loaded))
+        return loaded | rest  # super() consumed the generator, which filled `loaded`
+
+    def _load_experts(self, weights: Iterable[tuple[str, torch.Tensor]],
+                      loaded: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Loads the expert tensors among `weights` and yields every other one. An MXFP4
+        projection loads once both its blocks and its scales have come by."""
+        halves: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        for name, tensor in weights:
+            m = _EXPERTS.match(name)
+            if m is None:
+                yield name, tensor
+                continue
+            prefix, proj, part = m[1], m[2], m[3] or ""
+            moe = self._experts(prefix, name)
+            if part in ("_blocks", "_scales"):
+                pair = halves.setdefault((prefix, proj), {})
+                pair[part] = tensor
+                if len(pair) == 2:
+                    del halves[(prefix, proj)]
+                    for e in range(pair["_blocks"].shape[0]):
+                        if not moe.expert_start <= e < moe.expert_start + moe.local_num_experts:
+                            continue  # another expert-parallel rank's: not worth unpacking
+                        w = dequantize_mxfp4(pair["_blocks"][e], pair["_scales"][e],
+                                             moe.w13_weight.dtype)
+                        self._load_expert(moe, proj, e, w, bias=False)
+                    loaded.add(_param_name(prefix, proj, bias=False))
+                continue
+            for e, t in enumerate(tensor.unbind(0)):
+                # Biases are [out]; dense projections are stored [in, out] (transposed).
+                self._load_expert(moe, proj, e, t if part else t.t(), bias=bool(part))
+            loaded.add(_param_name(prefix, proj, bias=bool(part)))
+        if halves:
+            raise ValueError(f"MXFP4 expert tensors without their blocks or scales: "
+                             f"{sorted('.'.join(k) for k in halves)}")
+
+    def _experts(self, prefix: str, name: str) -> FusedMoE:
+        try:
+            moe = self.get_submodule(prefix)
+        except AttributeError:
+            moe = None
+        if not isinstance(moe, FusedMoE):
+            raise ValueError(f"checkpoint tensor {name!r} has no matching experts in "
+                             f"{type(self).__name__}")
+        return moe
+
+    def _load_expert(self, moe: FusedMoE, proj: str, e: int, w: torch.Tensor,
+                     bias: bool) -> None:
+        """One expert's projection [out, in] (or bias [out]) in the checkpoint's order: gate_up
+        rows interleaved (even gate, odd up), down whole."""
+        cfg = self.config
+        out, inp = ((2 * cfg.intermediate_size, cfg.hidden_size) if proj == "gate_up_proj"
+                    else (cfg.hidden_size, cfg.intermediate_size))
+        if tuple(w.shape) != ((out,) if bias else (out, inp)):
+            raise ValueError(f"expert {proj}{'_bias' if bias else ''} of shape "
+                             f"{tuple(w.shape)}, expected {(out,) if bias else (out, inp)}")
+        if proj == "gate_up_proj":
+            param = moe.w13_bias if bias else moe.w13_weight
+            w = w.to(param.dtype)
+            moe.weight_loader(param, w[0::2], e, "w1")
+            moe.weight_loader(param, w[1::2], e, "w3")
+        else:
+            param = moe.w2_bias if bias else moe.w2_weight
+            moe.weight_loader(param, w.to(param.dtype), e, "w2")
+
+
+def _param_name(prefix: str, proj: str, bias: bool) -> str:
+    return f"{prefix}.{'w13' if proj == 'gate_up_proj' else 'w2'}_{'bias' if bias else 'weight'}"
