@@ -238,8 +238,9 @@ def render_chat_template(source: str, messages: list[Mapping[str, Any]], *,
     budget = _Budget(max(MIN_OUTPUT_CHARS, CHARS_PER_TOKEN * max_model_len))
     token = _budget.set(budget)
     try:
+        # tools and documents default to None; the request's (in variables) override them
         text = _render(_compile(source), budget, {
-            **variables, "messages": chat, "tools": None, "documents": None,
+            "tools": None, "documents": None, **variables, "messages": chat,
             "add_generation_prompt": add_generation_prompt})
     finally:
         _budget.reset(token)

@@ -167,3 +167,21 @@ def test_the_offline_llm_raises_a_timeout_error_past_request_timeout(tiny_llama_
     out = llm.generate(prompts[0], SamplingParams(max_tokens=3, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.error is None and len(out.outputs[0].token_ids) == 3
+
+
+def test_tools_and_documents_reach_the_template():
+    """The request's tools (chat_template_kwargs / ChatCompletionRequest.tools) are what the
+    template renders, as transformers passes them; absent, the template sees None."""
+    source = ("{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}"
+              "{% else %}NO TOOLS{% endif %}|{% if documents %}{{ documents | length }} docs"
+              "{% endif %}|{{ messages[0].content }}")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    got = render_chat_template(source, MESSAGES[:1], variables={"tools": tools,
+                                                                "documents": [{"t": 1}]},
+                               add_generation_prompt=True, continue_final_message=False,
+                               max_model_len=2048)
+    assert got == f"TOOLS:get_weather;|1 docs|{MESSAGES[0]['content']}"
+    plain = render_chat_template(source, MESSAGES[:1], variables={},
+                                 add_generation_prompt=True, continue_final_message=False,
+                                 max_model_len=2048)
+    assert plain.startswith("NO TOOLS||")
