@@ -16,6 +16,8 @@ START, END = "<think>", "</think>"
 class ReasoningParser:
     name: str
     unterminated_is_reasoning: bool
+    # the format is in special tokens (harmony): the chat server keeps them in the text
+    keeps_special_tokens = False
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole answer."""
@@ -71,8 +73,12 @@ REASONING_PARSERS = {
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
+    if name == "openai_gptoss":  # (harmony.py imports this module)
+        from shoal.structured_output.harmony import HarmonyReasoningParser
+
+        return HarmonyReasoningParser()
     parser = REASONING_PARSERS.get(name)
     if parser is None:
         raise ValueError(f"unknown reasoning parser {name!r} (supported: "
-                         f"{', '.join(sorted(REASONING_PARSERS))})")
+                         f"{', '.join(sorted([*REASONING_PARSERS, 'openai_gptoss']))})")
     return parser

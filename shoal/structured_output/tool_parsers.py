@@ -1,6 +1,7 @@
 """Tool calls parsed from a model's text (tool_choice "auto"), one parser per format family,
 chosen by --tool-call-parser as in vLLM: hermes (Qwen2.5/Qwen3, Hermes), llama3_json
-(Llama 3.x JSON calls), mistral ([TOOL_CALLS]) and qwen3_xml (Qwen3-Coder's XML calls).
+(Llama 3.x JSON calls), mistral ([TOOL_CALLS]), qwen3_xml (Qwen3-Coder's XML calls) and openai
+(gpt-oss's harmony calls: harmony.py).
 
 A parser also says where tool calls may begin in a partial text (`start_index`), so a stream
 sends the content before them as it comes and holds back what may become a call."""
@@ -217,8 +218,12 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 
 def get_tool_parser(name: str) -> ToolParser:
+    if name == "openai":  # gpt-oss's harmony calls (harmony.py imports this module)
+        from shoal.structured_output.harmony import HarmonyToolParser
+
+        return HarmonyToolParser()
     cls = TOOL_PARSERS.get(name)
     if cls is None:
         raise ValueError(f"unknown tool call parser {name!r} (supported: "
-                         f"{', '.join(sorted(TOOL_PARSERS))})")
+                         f"{', '.join(sorted([*TOOL_PARSERS, 'openai']))})")
     return cls()

@@ -68,9 +68,10 @@ class ServerSettings:
                                                    "from the model's text (needs "
                                                    "--tool-call-parser)")
     tool_call_parser: str | None = setting(None, "the model's tool call format: hermes, "
-                                                 "llama3_json, mistral or qwen3_xml")
-    reasoning_parser: str | None = setting(None, "split reasoning_content from content: qwen3 "
-                                                 "or deepseek_r1")
+                                                 "llama3_json, mistral, qwen3_xml or openai "
+                                                 "(gpt-oss)")
+    reasoning_parser: str | None = setting(None, "split reasoning_content from content: qwen3, "
+                                                 "deepseek_r1 or openai_gptoss")
 
     def __post_init__(self) -> None:
         from shoal.structured_output.reasoning_parsers import get_reasoning_parser

@@ -108,6 +108,11 @@ class OpenAIServingChat(ServingBase):
         name = self.settings.reasoning_parser
         return get_reasoning_parser(name) if name else None
 
+    def _format_in_special_tokens(self, plan: ToolPlan | None) -> bool:
+        """The reasoning or tool call parser reads special tokens (gpt-oss's harmony)."""
+        parsers = [self.reasoning, plan.parser if plan is not None else None]
+        return any(getattr(p, "keeps_special_tokens", False) for p in parsers)
+
     def render(self, req: ChatCompletionRequest,
                messages: list[ChatMessage] | None = None) -> ProcessedPrompt:
         try:
@@ -162,6 +167,8 @@ class OpenAIServingChat(ServingBase):
                              else "max_tokens")
         constraint = plan.constraint if plan is not None and plan.constraint else req.constraint()
         params = req.to_sampling_params(max_tokens, k, req.prompt_logprobs, constraint)
+        if self._format_in_special_tokens(plan):
+            params.skip_special_tokens = False  # the parsers read the markers (harmony)
         return self.engine.add_request(
             engine_id, prompt, params, priority=req.priority, cache_salt=req.cache_salt,
             output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY)
