@@ -29,6 +29,7 @@ from shoal.layers.latent_attention import LatentAttention
 from shoal.layers.linear import ReplicatedLinear, load_tensor
 from shoal.layers.norm import RMSNorm
 from shoal.models.deepseek_v2 import DeepseekDecoderLayer, deinterleave_rows, rope_is_interleaved
+from shoal.models.deepseek_v32 import DeepseekV32DecoderLayer, is_sparse
 from shoal.models.expert_weights import load_expert_tensors
 
 # Tensors of the MTP layer itself (the rest belong to its decoder layer).
@@ -63,7 +64,9 @@ class DeepseekMTP(nn.Module):
         self.enorm = RMSNorm(h, eps, dtype, ops)
         self.hnorm = RMSNorm(h, eps, dtype, ops)
         self.eh_proj = ReplicatedLinear(2 * h, h, bias=False, params_dtype=dtype)
-        self.mtp_block = DeepseekDecoderLayer(cfg, dtype, cfg.num_hidden_layers, ops)
+        # V3.2's MTP layer has the indexer too
+        layer_cls = DeepseekV32DecoderLayer if is_sparse(cfg) else DeepseekDecoderLayer
+        self.mtp_block = layer_cls(cfg, dtype, cfg.num_hidden_layers, ops)
         self.shared_head = SharedHead(cfg, dtype, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -81,7 +84,8 @@ class DeepseekMTP(nn.Module):
         return self.shared_head.head.compute_logits(self.shared_head.norm(hidden))
 
     def attention_layers(self) -> list[LatentAttention]:
-        return [self.mtp_block.self_attn.attn]
+        attn = self.mtp_block.self_attn
+        return [attn.attn, attn.indexer] if hasattr(attn, "indexer") else [attn.attn]
 
     def share_with(self, target: nn.Module, embed: bool, head: bool) -> None:
         """Uses the main model's embedding and/or output head (no copy in the checkpoint)."""

@@ -205,7 +205,7 @@ def is_moe_layer(cfg: Any, layer_idx: int) -> bool:
     """transformers' rule: sparse from first_k_dense_replace on, every moe_layer_freq-th
     (V3.2: as its mlp_layer_types lists)."""
     kinds = getattr(cfg, "mlp_layer_types", None)
-    if kinds is not None:
+    if kinds is not None and layer_idx < len(kinds):  # (an MTP layer past them: the rule)
         return kinds[layer_idx] == "sparse"
     freq = getattr(cfg, "moe_layer_freq", None) or 1
     return (bool(getattr(cfg, "n_routed_experts", None))

@@ -26,6 +26,11 @@ from shoal.models.deepseek_v2 import (
 )
 
 
+def is_sparse(cfg: Any) -> bool:
+    """A DeepSeek config with the sparse-attention indexer (V3.2)."""
+    return getattr(cfg, "index_topk", None) is not None
+
+
 class DeepseekV32MLA(DeepseekMLA):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         if not getattr(cfg, "q_lora_rank", None):

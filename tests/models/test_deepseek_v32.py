@@ -103,3 +103,58 @@ def test_a_config_without_query_latent_is_refused():
     cfg = AutoConfig.for_model("deepseek_v32", **dict(V32, q_lora_rank=0))
     with pytest.raises(ValueError, match="q_lora_rank"):
         DeepseekV32ForCausalLM(cfg, torch.float32)
+
+
+def test_mtp_drafts_losslessly(tmp_path):
+    """method="mtp" on a V3.2 checkpoint: its MTP layer (with an indexer of its own, reading
+    the target's block tables) drafts; greedy tokens equal the run without speculation, with
+    contexts past index_topk so the sparse path runs in the drafter too."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    n = V32["num_hidden_layers"]
+    full, _ = write_deepseek(tmp_path / "full", "deepseek_v32", seed=5,
+                             **dict(V32, num_hidden_layers=n + 1))
+    weights = load_file(full / "model.safetensors")
+    h, v = V32["hidden_size"], V32["vocab_size"]
+    gen = torch.Generator().manual_seed(11)
+    p = f"model.layers.{n}."
+    weights.update({p + "enorm.weight": 0.5 + torch.rand(h, generator=gen),
+                    p + "hnorm.weight": 0.5 + torch.rand(h, generator=gen),
+                    p + "eh_proj.weight": 0.2 * torch.randn(h, 2 * h, generator=gen),
+                    p + "shared_head.norm.weight": 0.5 + torch.rand(h, generator=gen),
+                    p + "shared_head.head.weight": 0.2 * torch.randn(v, h, generator=gen)})
+    target = tmp_path / "target"
+    target.mkdir()
+    save_file(weights, target / "model.safetensors")
+    cfg = json.loads((full / "config.json").read_text())
+    cfg.update(num_hidden_layers=n, num_nextn_predict_layers=1,
+               mlp_layer_types=cfg["mlp_layer_types"][:n])
+    if cfg.get("layer_types"):
+        cfg["layer_types"] = cfg["layer_types"][:n]
+    (target / "config.json").write_text(json.dumps(cfg))
+    prompts = _prompts((12, 40, 70), seed=7)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    kw = dict(dtype="float32", block_size=4, max_model_len=256, max_num_batched_tokens=24,
+              num_gpu_blocks_override=256)
+    plain = LLM(model=str(target), **kw)
+    want = [o.outputs[0].token_ids for o in
+            plain.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)]
+    llm = LLM(model=str(target), speculative_config={"method": "mtp",
+                                                     "num_speculative_tokens": 2}, **kw)
+    drafter = llm.llm_engine.core.runner.drafter
+    assert any(isinstance(a, LightningIndexer) for a in drafter.model.attention_layers())
+    sched = llm.llm_engine.core.scheduler
+    verified, stats = [0], sched.stats
+
+    def counting():
+        s = stats()
+        verified[0] += s.spec_num_draft_tokens
+        return s
+
+    sched.stats = counting
+    got = [o.outputs[0].token_ids for o in
+           llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)]
+    assert got == want
+    assert verified[0] > 0  # drafts were proposed and verified
