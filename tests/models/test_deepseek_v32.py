@@ -158,3 +158,20 @@ def test_mtp_drafts_losslessly(tmp_path):
            llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)]
     assert got == want
     assert verified[0] > 0  # drafts were proposed and verified
+
+
+def _logits(path: str) -> torch.Tensor:
+    from gloo_harness import load_tp_model, prompt_logits
+
+    return prompt_logits(load_tp_model(path))
+
+
+def test_two_rank_split_matches_one_rank(tiny):
+    """Heads split over two gloo ranks (the indexer replicated: every rank picks the same
+    tokens); the prompt is longer than index_topk, so the selection is used."""
+    from gloo_harness import PROMPT, run_on_two_ranks
+
+    assert len(PROMPT) > V32["index_topk"]
+    path, _ = tiny
+    torch.testing.assert_close(run_on_two_ranks(_logits, str(path)), _logits(str(path)),
+                               atol=1e-4, rtol=1e-4)
