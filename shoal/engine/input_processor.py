@@ -108,9 +108,10 @@ def check_prompt_token_ids(ids: Any, vocab_size: int, max_model_len: int) -> lis
         bad = next(t for t in ids if t < 0 or t >= vocab_size)
         raise ValueError(f"prompt_token_ids must be in [0, {vocab_size}): token id {bad} is "
                          "out of vocabulary")
-    if len(ids) >= max_model_len:
-        raise ValueError(f"prompt is {len(ids)} tokens; it must be shorter than max_model_len "
-                         f"({max_model_len})")
+    if len(ids) >= max_model_len:  # (vLLM's phrase, which clients match)
+        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. "
+                         f"However, your prompt is {len(ids)} tokens; it must be shorter than "
+                         f"max_model_len ({max_model_len}) to leave room for the output")
     return ids
 
 
@@ -155,8 +156,8 @@ def validate_pooling_request(limits: EngineLimits, req: EngineCoreRequest) -> No
     if not ids:
         raise ValueError("input must not be empty (no tokens)")
     if len(ids) > limits.max_model_len:
-        raise ValueError(f"input is {len(ids)} tokens; this model takes at most max_model_len "
-                         f"({limits.max_model_len}) tokens")
+        raise ValueError(f"This model's maximum context length is {limits.max_model_len} "
+                         f"tokens. However, your input is {len(ids)} tokens (max_model_len)")
     # (a pooling prompt may fill max_model_len: nothing is generated after it)
     check_prompt_token_ids(ids, limits.vocab_size, limits.max_model_len + 1)
     req.pooling_params.check_against(limits.pooling)
@@ -334,8 +335,9 @@ class InputProcessor:
 
     def check_pooling_length(self, n: int) -> None:
         if n > self.limits.max_model_len:
-            raise ValueError(f"input is {n} tokens; this model takes at most max_model_len "
-                             f"({self.limits.max_model_len}) tokens")
+            raise ValueError(f"This model's maximum context length is "
+                             f"{self.limits.max_model_len} tokens. However, your input is {n} "
+                             f"tokens (max_model_len)")
 
     def check_num_prompts(self, count: int) -> None:
         """A request carrying `count` prompts (a completion's prompt list): checked before any

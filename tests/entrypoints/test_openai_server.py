@@ -243,6 +243,18 @@ def test_bad_requests(server, path, body, status):
     assert err["code"] == status and err["message"]
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": [1] * 2048}),
+    ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2048}),
+    ("/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 4096}),
+])
+def test_context_length_errors_use_vllms_phrase(server, path, body):
+    """LiteLLM and many scripts recognise a context-length error by vLLM's phrase."""
+    r = server.post(path, json=body)
+    assert r.status_code == 400
+    assert "This model's maximum context length is 2048 tokens" in r.json()["error"]["message"]
+
+
 def test_unsupported_says_so(server):
     r = server.post("/v1/chat/completions", json={"messages": MESSAGES,
                                                   "functions": [{"name": "f"}]})

@@ -69,10 +69,10 @@ def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len:
     """An explicit max_tokens must fit beside the prompt (the engine would silently clip
     it; OpenAI and vLLM answer 400)."""
     if max_tokens is not None and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
-        raise ValueError(
-            f"{field} is too large: this model's maximum context length is {max_model_len} "
-            f"tokens, but {prompt_len + max_tokens} were requested ({prompt_len} in the prompt, "
-            f"{max_tokens} in the completion)")
+        raise ValueError(  # (vLLM's phrase, which clients match)
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
+            f"{max_tokens} in the completion): {field} is too large")
 
 
 def truncate_prompt(ids: list[int], keep: int | None, side: str | None, max_input: int
