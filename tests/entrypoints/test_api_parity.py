@@ -208,11 +208,24 @@ def test_continuous_usage_and_forced_usage(client):
         stream_options={"include_usage": True, "continuous_usage_stats": True})
     usages = [c.usage.completion_tokens for c in stream]
     assert usages[0] == 0 and usages[-1] == 3 and usages == sorted(usages)
-    # --enable-force-include-usage: a usage chunk ends every stream, asked for or not
+    # --enable-force-include-usage: usage on every chunk and a usage chunk at the end, asked
+    # for or not (vLLM's should_include_usage)
     chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
                                             stream=True))
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 2
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= 0  # --enable-prompt-...
+    assert all(c.usage is not None for c in chunks)
+    assert [c.usage.completion_tokens for c in chunks] == sorted(
+        c.usage.completion_tokens for c in chunks)
+
+
+def test_cached_tokens_only_when_some_were(client):
+    """--enable-prompt-tokens-details: prompt_tokens_details only when tokens were cached
+    (vLLM leaves it out on a miss)."""
+    prompt = "A fresh prompt for the prefix cache: " + "lorem ipsum dolor sit amet " * 8
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details is None
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_batch_chat_completions(server):
@@ -316,6 +329,28 @@ def test_responses_text_previous_id_and_stream(client):
         client.responses.retrieve(r.id)
     with pytest.raises(openai.BadRequestError):
         client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
+
+
+def test_previous_response_id_malformed_is_400_unknown_is_404(server):
+    bad = server.post("/v1/responses", json={"model": MODEL, "input": "x",
+                                             "previous_response_id": "bad"})
+    assert bad.status_code == 400
+    assert "Expected an ID that begins with 'resp'" in bad.json()["error"]["message"]
+    assert bad.json()["error"]["param"] == "previous_response_id"
+    unknown = server.post("/v1/responses", json={"model": MODEL, "input": "x",
+                                                 "previous_response_id": "resp_0123"})
+    assert unknown.status_code == 404
+
+
+def test_chat_responses_carry_service_tier(server):
+    """The openai SDK (2.31, as vLLM's tests pin it) expects the key, null here."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    r = server.post("/v1/chat/completions", json=body)
+    assert "service_tier" in r.json() and r.json()["service_tier"] is None
+    streamed = server.post("/v1/chat/completions", json={**body, "stream": True})
+    lines = [ln for ln in streamed.text.splitlines() if ln.startswith("data: {")]
+    assert lines and all('"service_tier": null' in ln or '"service_tier":null' in ln
+                         for ln in lines)
 
 
 # ---- metrics -----------------------------------------------------------------------------------

@@ -243,6 +243,19 @@ def test_bad_requests(server, path, body, status):
     assert err["code"] == status and err["message"]
 
 
+def test_chat_logprobs_may_come_as_text(server):
+    """"logprobs": "true" (a boolean sent as a string) works as in vLLM; other text is a 400."""
+    body = {"messages": MESSAGES, "max_tokens": 2, "logprobs": "true", "top_logprobs": 1}
+    r = server.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"]["content"]
+    r = server.post("/v1/chat/completions", json={**body, "logprobs": "FALSE",
+                                                  "top_logprobs": None})
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+    assert server.post("/v1/chat/completions",
+                       json={**body, "logprobs": "yes"}).status_code == 400
+
+
 @pytest.mark.parametrize("path,body", [
     ("/v1/completions", {"prompt": [1] * 2048}),
     ("/v1/completions", {"prompt": PROMPT, "max_tokens": 2048}),

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+)
 
 from shoal.entrypoints.openai.constraints import GUIDED_FIELDS, request_constraint
 from shoal.sampling_params import BeamSearchParams, SamplingParams
@@ -21,6 +30,19 @@ TokenIds = list[StrictInt]
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # vLLM's range for seeds: a signed 64-bit integer (torch.Generator's own range is wider).
 Seed = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
+
+
+
+def _bool_text(value: Any) -> Any:
+    """"true" / "false" (any case) as booleans: clients send chat's `logprobs` as text, and
+    vLLM (pydantic's lax mode) takes it; any other string stays an error."""
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value
+
+
+# A boolean that may come as "true" / "false" (only where clients are known to send it so).
+TextBool = Annotated[StrictBool, BeforeValidator(_bool_text)]
 
 # Field -> (its value that means "not used", why shoal refuses any other value).
 NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
@@ -169,10 +191,13 @@ class SamplingRequest(OpenAIBaseModel):
         return request_constraint(self.response_format, self.structured_outputs, legacy)
 
     def stream_usage(self, force: bool = False) -> tuple[bool, bool]:
-        """(usage chunk at the end, usage on every chunk) for a stream."""
+        """(usage chunk at the end, usage on every chunk) for a stream. force
+        (--enable-force-include-usage): both, as vLLM does."""
+        if self.stream and force:
+            return True, True
         opts = self.stream_options
-        final = bool(self.stream and ((opts is not None and opts.include_usage) or force))
-        return final, bool(final and opts is not None and opts.continuous_usage_stats)
+        final = bool(self.stream and opts is not None and opts.include_usage)
+        return final, bool(final and opts.continuous_usage_stats)
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None,
@@ -289,7 +314,7 @@ class ChatMessage(OpenAIBaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: StrictInt | None = None
-    logprobs: StrictBool | None = False
+    logprobs: TextBool | None = False
     top_logprobs: StrictInt | None = None
     echo: StrictBool = False
     add_generation_prompt: StrictBool = True

@@ -115,6 +115,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     system_fingerprint: str | None = None
+    service_tier: str | None = None  # the key OpenAI's SDK expects (always null here)
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     prompt_token_ids: list[int] | None = None
 

@@ -132,6 +132,9 @@ class ResponseStore:
 
     def get(self, response_id: str, param: str | None = None
             ) -> tuple[dict[str, Any], list[dict[str, str]]]:
+        if not response_id.startswith("resp"):  # malformed: 400, as OpenAI and vLLM answer
+            raise OpenAIError(400, f"Invalid '{param or 'response_id'}': {response_id!r}. "
+                                   "Expected an ID that begins with 'resp'.", param)
         entry = self._items.get(response_id)
         if entry is None:
             raise OpenAIError(404, f"no stored response {response_id!r} (responses are kept in "

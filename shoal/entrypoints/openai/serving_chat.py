@@ -370,7 +370,8 @@ class OpenAIServingChat(ServingBase):
         finished: set[int] = set()
 
         def chunk(choices: list[dict[str, Any]], first: bool = False) -> str:
-            body: dict[str, Any] = {**head, "choices": choices, "system_fingerprint": None}
+            body: dict[str, Any] = {**head, "choices": choices, "system_fingerprint": None,
+                                    "service_tier": None}
             if first and req.return_token_ids:
                 body["prompt_token_ids"] = prompt_ids
             if continuous:
@@ -416,7 +417,7 @@ class OpenAIServingChat(ServingBase):
                 if events:
                     yield "".join(events)
             if final_usage:
-                body = {**head, "choices": [], "system_fingerprint": None,
+                body = {**head, "choices": [], "system_fingerprint": None, "service_tier": None,
                         "usage": Usage.dict_of(prompt_tokens, completion, self.cached(cached))}
                 yield sse(body)
         except Exception as e:  # headers are gone: report in-band

@@ -43,8 +43,9 @@ class ServingBase:
         return self._decode
 
     def cached(self, num_cached: int) -> int | None:
-        """usage.prompt_tokens_details.cached_tokens, when the server reports it."""
-        return num_cached if self.settings.enable_prompt_tokens_details else None
+        """usage.prompt_tokens_details.cached_tokens, when the server reports it and some
+        were cached (vLLM leaves the details out otherwise)."""
+        return num_cached if self.settings.enable_prompt_tokens_details and num_cached else None
 
     def load_headers(self, raw: Request | None) -> dict[str, str] | None:
         """vLLM's ORCA `endpoint-load-metrics` header, when the request asks for it."""
