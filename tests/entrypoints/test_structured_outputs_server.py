@@ -195,6 +195,10 @@ def test_tool_results_reach_the_chat_template(client):
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
      "cannot be combined"),
     ({"guided_decoding_backend": "outlines"}, "structured-outputs-config"),
+    ({"tools": [{"type": "function", "function": {"name": n, "parameters": {
+        "type": "object", "properties": {"x": {"$ref": "#/$defs/Item"}},
+        "$defs": {"Item": {"type": t}}}}} for n, t in (("f", "integer"), ("g", "string"))],
+      "tool_choice": "required"}, "$defs 'Item' differently"),
 ])
 def test_bad_constraints_are_400_saying_why(client, extra, needle, stream):
     with pytest.raises(openai.BadRequestError) as e:

@@ -122,6 +122,23 @@ def test_required_schema_accepts_calls_of_any_tool():
         jsonschema.validate([], schema)
 
 
+def test_required_schema_refuses_conflicting_defs():
+    """One $defs serves the whole array: a name two tools define differently is a 400, the
+    same definition twice is fine (vLLM answers the same)."""
+    from shoal.entrypoints.openai.tool_choice import ToolsError
+
+    def tool(defn: dict) -> dict:
+        return {"type": "object", "properties": {"x": {"$ref": "#/$defs/Item"}},
+                "$defs": {"Item": defn}}
+
+    same = required_schema({"f": tool({"type": "integer"}), "g": tool({"type": "integer"})},
+                           None)
+    assert same["$defs"] == {"Item": {"type": "integer"}}
+    with pytest.raises(ToolsError, match="\\$defs 'Item' differently .*'g'") as e:
+        required_schema({"f": tool({"type": "integer"}), "g": tool({"type": "string"})}, None)
+    assert e.value.param == "tools"
+
+
 @pytest.mark.parametrize("parser,text,content,calls", [
     ("hermes", 'Let me look.<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
                '<tool_call>{"name": "g", "arguments": {}}</tool_call>',

@@ -78,7 +78,14 @@ def required_schema(functions: dict[str, dict[str, Any]], parallel: bool | None)
     variants = []
     for name, params in functions.items():
         params = dict(params)
-        defs.update(params.pop("$defs", {}) or {})
+        for key, definition in (params.pop("$defs", {}) or {}).items():
+            # one $defs for the whole array: a name two tools define differently would make
+            # one of them validate against the other's shape (vLLM refuses it too)
+            if key in defs and defs[key] != definition:
+                raise ToolsError(f"tool_choice 'required': tools define $defs {key!r} "
+                                 f"differently (function {name!r} and an earlier one); rename "
+                                 "one of them", "tools")
+            defs[key] = definition
         variants.append({"type": "object",
                          "properties": {"name": {"type": "string", "enum": [name]},
                                         "parameters": params},
