@@ -1,13 +1,14 @@
 """Tool calls parsed from a model's text (tool_choice "auto"), one parser per format family,
 chosen by --tool-call-parser as in vLLM: hermes (Qwen2.5/Qwen3, Hermes), llama3_json
-(Llama 3.x JSON calls), mistral ([TOOL_CALLS]), qwen3_xml (Qwen3-Coder's XML calls) and openai
-(gpt-oss's harmony calls: harmony.py).
+(Llama 3.x JSON calls), mistral ([TOOL_CALLS]), qwen3_xml (Qwen3-Coder's XML calls), pythonic
+([f(a=1), g()]) and openai (gpt-oss's harmony calls: harmony.py).
 
 A parser also says where tool calls may begin in a partial text (`start_index`), so a stream
 sends the content before them as it comes and holds back what may become a call."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import secrets
@@ -212,9 +213,67 @@ class Qwen3XmlToolParser(ToolParser):
         return ExtractedToolCalls(self._content(text[:start]), calls)
 
 
+class PythonicToolParser(ToolParser):
+    """A whole answer that is a Python list of calls with keyword arguments of literal values,
+    `[get_weather(city="Paris"), get_time()]` (Llama 3.2 / 4 and others; Llama 4 may wrap it
+    in <|python_start|> ... <|python_end|>). Read with Python's own parser, never evaluated:
+    an argument that is not a literal (a name, a call) leaves the text as content."""
+
+    name = "pythonic"
+    marker = "["
+    _WRAP = ("<|python_start|>", "<|python_end|>")
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        body = text.strip()
+        if body.startswith(self._WRAP[0]):
+            body = body[len(self._WRAP[0]):].removesuffix(self._WRAP[1]).strip()
+        if not body.startswith("["):
+            return ExtractedToolCalls(text, [])
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except SyntaxError:
+            return ExtractedToolCalls(text, [])
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return ExtractedToolCalls(text, [])
+        calls = []
+        for node in tree.elts:
+            call = self._call(node)
+            if call is None:
+                return ExtractedToolCalls(text, [])
+            calls.append(call)
+        return ExtractedToolCalls(None, calls)
+
+    @staticmethod
+    def _call(node: ast.expr) -> ToolCall | None:
+        if not isinstance(node, ast.Call) or node.args:
+            return None
+        name = ast.unparse(node.func)  # f, or a dotted name such as tools.search
+        if not re.fullmatch(r"[A-Za-z_][\w.]*", name):
+            return None
+        args = {}
+        for kw in node.keywords:
+            if kw.arg is None:  # **kwargs
+                return None
+            try:
+                args[kw.arg] = ast.literal_eval(kw.value)
+            except ValueError:
+                return None
+        try:
+            return ToolCall(name, json.dumps(args, ensure_ascii=False))
+        except TypeError:  # a literal JSON cannot hold (a set, bytes, a complex number)
+            return None
+
+    def start_index(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if not stripped or stripped.startswith(("[", self._WRAP[0])) or \
+                self._WRAP[0].startswith(stripped):
+            return 0  # may still become a list of calls: nothing is content yet
+        return None
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser,
-                        Qwen3XmlToolParser)}
+                        Qwen3XmlToolParser, PythonicToolParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

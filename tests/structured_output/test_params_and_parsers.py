@@ -154,6 +154,14 @@ def test_required_schema_refuses_conflicting_defs():
     ("qwen3_xml", "<tool_call>\n<function=f>\n<parameter=a>\n4\n</parameter>\n"
                   "<parameter=b>\nsome text\n</parameter>\n</function>\n</tool_call>", None,
      [("f", {"a": 4, "b": "some text"})]),
+    ("pythonic", '[get_weather(city="Paris", days=[1, 2]), get_time()]', None,
+     [("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {})]),
+    ("pythonic", '<|python_start|>[search(q="x", opts={"n": 3, "safe": True})]<|python_end|>',
+     None, [("search", {"q": "x", "opts": {"n": 3, "safe": True}})]),
+    ("pythonic", "[f(a=os.system('x'))]", "[f(a=os.system('x'))]", []),  # never evaluated
+    ("pythonic", "[f(1)]", "[f(1)]", []),  # positional arguments have no names
+    ("pythonic", "[1, 2, 3] are numbers", "[1, 2, 3] are numbers", []),
+    ("pythonic", "It is sunny.", "It is sunny.", []),
 ])
 def test_tool_parsers(parser, text, content, calls):
     out = get_tool_parser(parser).extract(text)
@@ -222,3 +230,9 @@ def test_shaper_required_sends_each_call_once_its_object_closes():
     first_close = text.index("}}") + 1
     assert sent_after == [(first_close, 0, "f", '{"a": 1}'), (len(text) - 2, 1, "g", "{}")]
     assert shaper.finish_reason("stop") == "tool_calls"
+
+
+def test_pythonic_holds_back_what_may_become_calls():
+    parser = get_tool_parser("pythonic")
+    assert parser.start_index("  [get_wea") == 0 and parser.start_index("<|pyth") == 0
+    assert parser.start_index("The answer") is None

@@ -68,8 +68,8 @@ class ServerSettings:
                                                    "from the model's text (needs "
                                                    "--tool-call-parser)")
     tool_call_parser: str | None = setting(None, "the model's tool call format: hermes, "
-                                                 "llama3_json, mistral, qwen3_xml or openai "
-                                                 "(gpt-oss)")
+                                                 "llama3_json, mistral, qwen3_xml, pythonic "
+                                                 "or openai (gpt-oss)")
     reasoning_parser: str | None = setting(None, "split reasoning_content from content: qwen3, "
                                                  "deepseek_r1 or openai_gptoss")
 
