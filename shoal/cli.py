@@ -1,4 +1,4 @@
-"""`shoal serve | generate | chat | bench`: the command line (above entrypoints and benchmarks,
+"""`shoal serve | generate | chat | run-batch | bench`: the command line (above entrypoints and benchmarks,
 which it dispatches to)."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import sys
 
 from shoal.entrypoints.cli_args import (
     add_engine_flags,
+    add_run_batch_args,
     add_sampling_flags,
     add_serve_flags,
     sampling_params_from,
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="a system message")
     add_sampling_flags(chat, max_tokens=256)
     add_engine_flags(chat)
+
+    add_run_batch_args(sub.add_parser(
+        "run-batch", help="run an OpenAI batch file (JSONL) offline, as vLLM's run-batch"))
 
     from shoal.benchmarks.commands import add_bench_commands
 
@@ -77,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_server(engine_args_from(ns), server_settings_from(ns))
         if ns.command == "generate":
             return run_generate(ns)
+        if ns.command == "run-batch":
+            from shoal.entrypoints.openai.run_batch import run_from
+
+            return run_from(ns)
         if ns.command == "bench":
             from shoal.benchmarks.commands import run_bench_command
 

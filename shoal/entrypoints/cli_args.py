@@ -104,3 +104,12 @@ def sampling_params_from(ns: argparse.Namespace, n: int = 1) -> SamplingParams:
     return SamplingParams(n=n, max_tokens=ns.max_tokens, temperature=ns.temperature,
                           top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p,
                           repetition_penalty=ns.repetition_penalty, seed=ns.sampling_seed)
+
+
+def add_run_batch_args(p: argparse.ArgumentParser) -> None:
+    """The flags of `python -m shoal.entrypoints.openai.run_batch` and `shoal run-batch`."""
+    p.add_argument("-i", "--input-file", required=True, help="the batch file ('-': stdin)")
+    p.add_argument("-o", "--output-file", required=True, help="the results ('-': stdout)")
+    p.add_argument("--model", default=None, help="model (default: the embedded one)")
+    p.add_argument("--served-model-name", default=None, help="the name in the responses")
+    add_engine_flags(p)

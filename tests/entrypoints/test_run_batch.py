@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 LINES = [
     {"custom_id": "cmpl", "method": "POST", "url": "/v1/completions",
      "body": {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}},
@@ -32,10 +34,14 @@ LINES = [
 ]
 
 
-def test_run_batch_file(tmp_path):
+@pytest.mark.parametrize("command", [["-m", "shoal.entrypoints.openai.run_batch"],
+                                     ["-c", "import sys; from shoal.cli import main; sys.exit(main())",
+                                      "run-batch"]])
+def test_run_batch_file(tmp_path, command):
+    """vLLM's two spellings: the module, and the CLI's run-batch."""
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in LINES))
-    proc = subprocess.run([sys.executable, "-m", "shoal.entrypoints.openai.run_batch",
+    proc = subprocess.run([sys.executable, *command,
                            "-i", str(src), "-o", str(dst), "--max-model-len", "256",
                            "--kv-cache-memory-bytes", str(32 * 2**20)],
                           capture_output=True, text=True, timeout=300)

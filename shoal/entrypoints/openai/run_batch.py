@@ -1,5 +1,6 @@
-"""`python -m shoal.entrypoints.openai.run_batch -i requests.jsonl -o results.jsonl`: an OpenAI
-batch file, run offline through shoal.LLM.
+"""`python -m shoal.entrypoints.openai.run_batch -i requests.jsonl -o results.jsonl` (or
+`shoal run-batch -i ... -o ...`, vLLM's two spellings): an OpenAI batch file, run offline
+through shoal.LLM.
 
 Each input line is {"custom_id", "method": "POST", "url", "body"} with url /v1/completions or
 /v1/chat/completions; each output line is {"id", "custom_id", "response": {"status_code",
@@ -20,7 +21,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from shoal.engine.request_errors import RequestError, first_request_error
-from shoal.entrypoints.cli_args import add_engine_flags, engine_args_from
+from shoal.entrypoints.cli_args import add_run_batch_args, engine_args_from
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
 from shoal.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from shoal.entrypoints.openai.server_settings import ServerSettings
@@ -177,15 +178,7 @@ def _result(ln: _Line, completion: OpenAIServingCompletion, chat: OpenAIServingC
             "error": None}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m shoal.entrypoints.openai.run_batch",
-                                description=__doc__.split("\n\n")[0])
-    p.add_argument("-i", "--input-file", required=True, help="the batch file ('-': stdin)")
-    p.add_argument("-o", "--output-file", required=True, help="the results ('-': stdout)")
-    p.add_argument("--model", default=None, help="model (default: the embedded one)")
-    p.add_argument("--served-model-name", default=None, help="the name in the responses")
-    add_engine_flags(p)
-    ns = p.parse_args(argv)
+def run_from(ns: argparse.Namespace) -> int:
     from shoal.llm import LLM
 
     args = engine_args_from(ns)
@@ -204,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(ns.output_file, "w") as f:
             f.write(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m shoal.entrypoints.openai.run_batch",
+                                description=__doc__.split("\n\n")[0])
+    add_run_batch_args(p)
+    return run_from(p.parse_args(argv))
 
 
 if __name__ == "__main__":
