@@ -43,6 +43,7 @@ from shoal.engine.request_table import (
     engine_failed_message,
     error_output,
 )
+from shoal.engine.step_rollback import roll_back
 from shoal.engine.suspects import Suspects
 from shoal.engine.token_results import keep_tokens, produced_tokens, token_output
 from shoal.engine.waiting_queue import WaitingQueue
@@ -158,36 +159,12 @@ class Scheduler(RequestTableFront):
                 raise  # between requests: the engine core's recovery (core.py)
             logger.exception("scheduling request %s failed; it ends with the error",
                              culprit.request_id)
-            self._roll_back(step, built)
+            roll_back(step, built, self.running, self.waiting, self.kv, self.table.by_serial)
             if self.table.is_live(culprit):
                 self._end_between_steps(culprit, RequestStatus.FINISHED_ERROR, "error",
                                         engine_failed_message(f"{type(e).__name__}: {e}"),
                                         ErrorCode.ENGINE_FAILED)
             return SchedulerOutput()
-
-    def _roll_back(self, step: StepPlan, built: dict[int, ScheduledRequest]) -> None:
-        """Undoes a step that raised while being scheduled, so that its requests are
-        scheduled again next time as if it never was: counters the built items moved go
-        back, requests admitted by it return to the front of the queue (the runner never
-        heard of them). Blocks allocated for running requests stay theirs (the next step
-        needs them)."""
-        for req, _ in step.scheduled.values():
-            item = built.get(req.serial)
-            if item is None:
-                continue
-            req.num_computed_tokens = item.context_len
-            if item.sample:
-                req.num_pending_tokens -= 1
-            req.state_replay = item.replay
-        for new in reversed(step.new_requests):
-            req = self.table.by_serial.get(new.serial)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue
-            self.running.remove(req)
-            self.kv.free(req)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.WAITING
-            self.waiting.push_front(req)
 
     def _schedule_isolated(self, step: StepPlan) -> bool:
         """True when this step belongs to a suspect alone (it may then run nothing at all)."""

@@ -72,13 +72,6 @@ REASONING_PARSERS = {
 }
 
 
-def get_reasoning_parser(name: str) -> ReasoningParser:
-    if name == "openai_gptoss":  # (harmony.py imports this module)
-        from shoal.structured_output.harmony import HarmonyReasoningParser
-
-        return HarmonyReasoningParser()
-    parser = REASONING_PARSERS.get(name)
-    if parser is None:
-        raise ValueError(f"unknown reasoning parser {name!r} (supported: "
-                         f"{', '.join(sorted([*REASONING_PARSERS, 'openai_gptoss']))})")
-    return parser
+def builtin_reasoning_parser(name: str) -> ReasoningParser | None:
+    """The <think>-tag parsers; shoal/structured_output/parsers.py looks up every name."""
+    return REASONING_PARSERS.get(name)

@@ -276,13 +276,8 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
                         Qwen3XmlToolParser, PythonicToolParser)}
 
 
-def get_tool_parser(name: str) -> ToolParser:
-    if name == "openai":  # gpt-oss's harmony calls (harmony.py imports this module)
-        from shoal.structured_output.harmony import HarmonyToolParser
-
-        return HarmonyToolParser()
+def builtin_tool_parser(name: str) -> ToolParser | None:
+    """The text-format parsers here; shoal/structured_output/parsers.py looks up every
+    name."""
     cls = TOOL_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown tool call parser {name!r} (supported: "
-                         f"{', '.join(sorted([*TOOL_PARSERS, 'openai']))})")
-    return cls()
+    return cls() if cls is not None else None

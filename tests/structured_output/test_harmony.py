@@ -11,8 +11,7 @@ import pytest
 from shoal.entrypoints.openai.chat_stream_shaper import ChoiceShaper
 from shoal.entrypoints.openai.tool_choice import ToolPlan
 from shoal.structured_output.harmony import parse_messages, split_harmony
-from shoal.structured_output.reasoning_parsers import get_reasoning_parser
-from shoal.structured_output.tool_parsers import get_tool_parser
+from shoal.structured_output.parsers import get_reasoning_parser, get_tool_parser
 
 ANSWER = ("<|channel|>analysis<|message|>The user greets. Reply briefly.<|end|>"
           "<|start|>assistant<|channel|>final<|message|>Hello! How can I help?<|return|>")

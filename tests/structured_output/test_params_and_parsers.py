@@ -17,8 +17,7 @@ from shoal.structured_output.params import (
     check_backend_available,
     parse_backend_config,
 )
-from shoal.structured_output.reasoning_parsers import get_reasoning_parser
-from shoal.structured_output.tool_parsers import get_tool_parser
+from shoal.structured_output.parsers import get_reasoning_parser, get_tool_parser
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {

@@ -74,8 +74,7 @@ class ServerSettings:
                                                  "deepseek_r1 or openai_gptoss")
 
     def __post_init__(self) -> None:
-        from shoal.structured_output.reasoning_parsers import get_reasoning_parser
-        from shoal.structured_output.tool_parsers import get_tool_parser
+        from shoal.structured_output.parsers import get_reasoning_parser, get_tool_parser
 
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # an unknown name fails at start-up

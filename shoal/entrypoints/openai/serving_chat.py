@@ -47,7 +47,8 @@ from shoal.entrypoints.openai.streaming import (
 )
 from shoal.entrypoints.openai.tool_choice import ToolPlan, ToolsError, plan_tools
 from shoal.outputs import CompletionOutput, RequestOutput
-from shoal.structured_output.reasoning_parsers import ReasoningParser, get_reasoning_parser
+from shoal.structured_output.parsers import get_reasoning_parser
+from shoal.structured_output.reasoning_parsers import ReasoningParser
 
 
 def _tool_calls_for_template(i: int, calls: Any) -> list[dict[str, Any]]:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shoal.structured_output.params import StructuredOutputsParams
-from shoal.structured_output.tool_parsers import ToolCall, ToolParser, get_tool_parser
+from shoal.structured_output.parsers import get_tool_parser
+from shoal.structured_output.tool_parsers import ToolCall, ToolParser
 
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
 
