@@ -1,0 +1,178 @@
+"""DeepSeek-V4's attention block, in plain torch on any device.
+
+Shared-KV multi-query attention: the queries come from a low-rank latent (q_a_proj ->
+RMSNorm -> q_b_proj, then an RMSNorm without weight per head), one KV row per token
+(kv_proj -> RMSNorm) is both key and value, and RoPE rotates the trailing qk_rope_head_dim
+channels of each (interleaved pairs, shoal/layers/interleaved_rope.py). A query reads, in one
+softmax with a learned sink per head (a logit with no value):
+- the last sliding_window tokens (every layer), from a paged sliding-window cache
+  (SlidingSharedKVSpec: one row per token, its tables drop the blocks behind the window);
+- on compressed layers, the entries of the complete groups of tokens it has seen: every one
+  (HCA, m' = compress_rates' heavily_compressed_attention) or the indexer's top-k of them
+  (CSA, m = compressed_sparse_attention; shoal/layers/compressed_indexer.py). They are
+  recomputed at each step from the per-token rows the compressors consume, kept in a paged
+  cache of their own (CompressorInputSpec, every token): simple and exact under prefix hits,
+  chunked prefill and preemption, but neither the memory nor the compute that compression
+  saves (see shoal/layers/token_compressor.py).
+The value's rotation is undone on the output (RoPE at minus the query's position), then a
+grouped output projection: o_groups blocks of heads each projected to o_lora_rank (o_a_proj),
+mixed to hidden_size (o_b_proj).
+
+Attention runs request by request over the spans of the step (shoal/layers/request_spans.py):
+a reference path, not a kernel. Not tensor-parallel yet (the compatibility table refuses
+tensor_parallel_size > 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shoal.layers.compressed_indexer import CompressedIndexer, SparseCompressor
+from shoal.layers.interleaved_rope import InterleavedRope
+from shoal.layers.linear import ReplicatedLinear
+from shoal.layers.norm import RMSNorm
+from shoal.layers.paged_rows import PagedRows
+from shoal.layers.request_spans import RequestSpan, StepSpans
+from shoal.layers.token_compressor import TokenCompressor
+
+SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
+                     "heavily_compressed_attention")
+
+
+class CompressedAttention(nn.Module):
+    def __init__(self, cfg: Any, layer: int, dtype: torch.dtype, use_triton_ops: bool = True):
+        super().__init__()
+        self.kind = cfg.layer_types[layer]
+        if self.kind not in (SLIDING, CSA, HCA):
+            raise ValueError(f"unknown DeepSeek-V4 layer type {self.kind!r}")
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.window, self.eps = cfg.sliding_window, eps
+        self.o_groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        self.scale = self.head_dim ** -0.5
+        self.rope = InterleavedRope(cfg, "main" if self.kind == SLIDING else "compress")
+        self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, params_dtype=dtype)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps, dtype, use_triton_ops)
+        self.q_b_proj = ReplicatedLinear(cfg.q_lora_rank, self.num_heads * self.head_dim,
+                                         params_dtype=dtype)
+        self.kv_proj = ReplicatedLinear(h, self.head_dim, params_dtype=dtype)
+        self.kv_norm = RMSNorm(self.head_dim, eps, dtype, use_triton_ops)
+        heads_dim = self.num_heads * self.head_dim
+        if heads_dim % self.o_groups:
+            raise ValueError(f"o_groups ({self.o_groups}) must divide the heads' "
+                             f"{heads_dim} channels")
+        self.o_a_proj = ReplicatedLinear(heads_dim // self.o_groups, self.o_groups * self.o_rank,
+                                         params_dtype=dtype)
+        self.o_b_proj = ReplicatedLinear(self.o_groups * self.o_rank, h, params_dtype=dtype)
+        # float32, as transformers keeps them
+        self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32),
+                                  requires_grad=False)
+        self.window_rows = PagedRows(self.head_dim, self.window)
+        self.compressor: TokenCompressor | None = None
+        self.indexer: CompressedIndexer | None = None
+        if self.kind == CSA:
+            sparse = SparseCompressor(cfg, cfg.compress_rates[CSA], self.rope, dtype,
+                                      use_triton_ops)
+            self.compressor, self.indexer = sparse, sparse.indexer
+        elif self.kind == HCA:
+            self.compressor = TokenCompressor(h, self.head_dim, cfg.compress_rates[HCA], False,
+                                              eps, self.rope, dtype, use_triton_ops)
+        self.compressed_rows = (PagedRows(self._row_split()[-1]) if self.compressor is not None
+                                else None)
+
+    def paged_layers(self) -> list[PagedRows]:
+        """Its paged caches: the sliding window's rows, then the compressors' inputs."""
+        return [self.window_rows] + ([self.compressed_rows] if self.compressed_rows else [])
+
+    def _row_split(self) -> tuple[int, int]:
+        """(the compressor's row width, the whole compressed row's: + the indexer's)."""
+        assert self.compressor is not None
+        width = self.compressor.row_width
+        return width, width + (self.indexer.row_width if self.indexer is not None else 0)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
+                step: StepSpans) -> torch.Tensor:
+        t = hidden.shape[0]
+        cos, sin = self.rope.cos_sin(positions)
+        q_resid = self.q_a_norm(self.q_a_proj(hidden))
+        q = self.q_b_proj(q_resid).view(t, self.num_heads, self.head_dim)
+        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
+        q = self.rope.rotate(q, cos, sin)
+        kv = self.rope.rotate(self.kv_norm(self.kv_proj(hidden)), cos, sin)
+        self.window_rows.write(kv, step)
+        ctx = _StepInputs(q, kv)
+        if self.compressor is not None:
+            rows = self.compressor.project(hidden)
+            if self.indexer is not None:
+                rows = torch.cat([rows, self.indexer.project(hidden)], dim=-1)
+                ctx.index_q, ctx.index_w = self.indexer.queries(hidden, q_resid, cos, sin)
+            self.compressed_rows.write(rows, step)
+            ctx.rows = rows
+        out = torch.empty_like(q)
+        for span in step.spans:
+            out[span.start:span.start + span.length] = self._attend(ctx, step, span)
+        out = self.rope.rotate(out, cos, sin, inverse=True)
+        return self.o_b_proj(self._grouped_out(out.view(t, self.o_groups, -1)))
+
+    def _grouped_out(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, g, in] -> [T, g * o_lora_rank]: each group of heads through its own block of
+        o_a_proj."""
+        w = self.o_a_proj.weight.view(self.o_groups, self.o_rank, -1)
+        y = torch.bmm(x.transpose(0, 1), w.transpose(1, 2))  # [g, T, o]
+        return y.transpose(0, 1).reshape(x.shape[0], -1)
+
+    def _attend(self, ctx: _StepInputs, step: StepSpans, span: RequestSpan) -> torch.Tensor:
+        """One request's queries [n, H, D] over its window and its compressed entries."""
+        rows = slice(span.start, span.start + span.length)
+        device = ctx.q.device
+        pos = torch.arange(span.context, span.end, device=device)
+        lo = max(0, span.context - self.window + 1)
+        keys = self.window_rows.read(ctx.kv, step, span, lo, span.end)
+        k_pos = torch.arange(lo, span.end, device=device)
+        allowed = (k_pos <= pos[:, None]) & (k_pos > pos[:, None] - self.window)
+        entries = self._entries(ctx, step, span, pos, rows)
+        if entries is not None:
+            keys = torch.cat([keys, entries[0]])
+            allowed = torch.cat([allowed, entries[1]], dim=-1)
+        scores = torch.matmul(ctx.q[rows], keys.t()).float() * self.scale  # [n, H, K]
+        scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
+        sinks = self.sinks.float().view(1, -1, 1).expand(span.length, -1, 1)
+        logits = torch.cat([scores, sinks], dim=-1)
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+        probs = logits.softmax(dim=-1)[..., :-1]
+        return torch.matmul(probs.to(keys.dtype), keys)
+
+    def _entries(self, ctx: _StepInputs, step: StepSpans, span: RequestSpan, pos: torch.Tensor,
+                 rows: slice) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The request's compressed entries [N, D] and which each query reads [n, N] (None:
+        a sliding layer, or no complete group yet)."""
+        if self.compressor is None:
+            return None
+        m = self.compressor.ratio
+        n = span.end // m
+        if not n:
+            return None
+        width, _ = self._row_split()
+        inputs = self.compressed_rows.read(ctx.rows, step, span, 0, n * m)
+        entries = self.compressor.compress(inputs[:, :width])
+        # entry w pools tokens [w m, (w + 1) m): a query sees it once it has them all
+        visible = torch.arange(n, device=pos.device) < ((pos + 1) // m)[:, None]
+        if self.indexer is not None:
+            keys = self.indexer.compress(inputs[:, width:])
+            visible = self.indexer.select(ctx.index_q[rows], ctx.index_w[rows], keys, visible)
+        return entries, visible
+
+
+@dataclass
+class _StepInputs:
+    """What every request of the step reads: queries, KV rows, and on compressed layers the
+    compressors' rows and the indexer's queries and head weights."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    rows: torch.Tensor | None = None
+    index_q: torch.Tensor | None = None
+    index_w: torch.Tensor | None = None

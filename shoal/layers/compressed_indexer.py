@@ -1,0 +1,66 @@
+"""DeepSeek-V4's lightning indexer: which compressed entries of a CSA layer each query reads.
+
+It is a compressor of its own (the CSA layer's groups, at index_head_dim: its keys are
+compressed entries too, recomputed per step like the layer's, shoal/layers/token_compressor.py)
+plus a query head: n_heads queries per token from the attention's query latent (q_b_proj of
+q_a's output, rotated at the token's position with the "compress" table), and per-token head
+weights (weights_proj / sqrt(n_heads)). A query scores entry s as
+sum_h w_h * relu(q_h . k_s) / sqrt(index_head_dim) and reads its index_topk best among the
+entries it may see (every one of them when it sees fewer).
+
+SparseCompressor is the CSA layer's compressor holding its indexer (transformers' layout:
+`self_attn.compressor.indexer`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from shoal.layers.interleaved_rope import InterleavedRope
+from shoal.layers.linear import ReplicatedLinear
+from shoal.layers.token_compressor import TokenCompressor
+
+
+class CompressedIndexer(TokenCompressor):
+    def __init__(self, cfg: Any, ratio: int, rope: InterleavedRope, dtype: torch.dtype,
+                 use_triton_ops: bool = True):
+        super().__init__(cfg.hidden_size, cfg.index_head_dim, ratio, True, cfg.rms_norm_eps,
+                         rope, dtype, use_triton_ops)
+        if cfg.index_topk < 1:
+            raise ValueError(f"index_topk must be >= 1, got {cfg.index_topk}")
+        self.n_heads, self.topk = cfg.index_n_heads, cfg.index_topk
+        self.q_b_proj = ReplicatedLinear(cfg.q_lora_rank, self.n_heads * self.head_dim,
+                                         params_dtype=dtype)
+        self.weights_proj = ReplicatedLinear(cfg.hidden_size, self.n_heads, params_dtype=dtype)
+        self.scale = self.head_dim ** -0.5
+
+    def queries(self, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rotated queries [T, H, D] and head weights [T, H], float32 (cos, sin:
+        the tokens' "compress" angles)."""
+        q = self.q_b_proj(q_resid).view(hidden.shape[0], self.n_heads, self.head_dim)
+        q = self.rope.rotate(q, cos, sin).float()
+        return q, self.weights_proj(hidden).float() * self.n_heads ** -0.5
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """q [n, H, D], weights [n, H], keys [N, D] (this request's compressed keys), visible
+        [n, N] -> bool [n, N]: the entries each query reads."""
+        scores = F.relu(torch.matmul(q, keys.float().t())) * self.scale  # [n, H, N]
+        scores = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
+        k = min(self.topk, scores.shape[-1])
+        picked = torch.zeros_like(visible)
+        picked.scatter_(-1, scores.topk(k, dim=-1).indices, True)
+        return picked & visible
+
+
+class SparseCompressor(TokenCompressor):
+    """A CSA layer's compressor (overlapping groups of `ratio` tokens) with its indexer."""
+
+    def __init__(self, cfg: Any, ratio: int, rope: InterleavedRope, dtype: torch.dtype,
+                 use_triton_ops: bool = True):
+        super().__init__(cfg.hidden_size, cfg.head_dim, ratio, True, cfg.rms_norm_eps, rope,
+                         dtype, use_triton_ops)
+        self.indexer = CompressedIndexer(cfg, ratio, rope, dtype, use_triton_ops)

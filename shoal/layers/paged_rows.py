@@ -1,0 +1,60 @@
+"""A paged cache of one row per token that a layer reads back per request (DeepSeek-V4: the
+sliding window's shared key/value rows, and the compressors' projected inputs). It declares
+its cache spec like any paged layer; the runner binds `kv_cache` [1, num_slots, 1, width] and
+`kv_group`. A step writes its rows before any request reads, so a request may read blocks
+another request of the same step fills (prefix hits on blocks computed in this very step)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shoal.core.kv_cache_spec import CompressorInputSpec, KVCacheSpec, SlidingSharedKVSpec
+from shoal.layers.request_spans import RequestSpan, StepSpans
+
+
+class PagedRows(nn.Module):
+    num_kv_heads = 1
+    fuses_rope = False
+
+    def __init__(self, width: int, sliding_window: int | None = None):
+        """sliding_window: only the last that many tokens are read (their tables drop the
+        blocks behind it); None: every token is kept."""
+        super().__init__()
+        self.width = self.head_dim = width
+        self.sliding_window = sliding_window
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_group = 0
+        self.backend = None  # bound by the runner, never used: rows need no kernel
+
+    def kv_cache_spec(self, dtype_bytes: int) -> KVCacheSpec:
+        if self.sliding_window is None:
+            return CompressorInputSpec(1, self.width, dtype_bytes)
+        return SlidingSharedKVSpec(1, self.width, dtype_bytes, self.sliding_window)
+
+    def _rows(self) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache is not bound to the paged rows")
+        return self.kv_cache[0].view(-1, self.width)
+
+    def write(self, rows: torch.Tensor, step: StepSpans) -> None:
+        """rows [T, width]: the step's rows, each at its token's slot (nothing for a pooling
+        step)."""
+        if step.slots:
+            cache = self._rows()
+            cache.index_copy_(0, step.slots[self.kv_group], rows.to(cache.dtype))
+
+    def read(self, rows: torch.Tensor, step: StepSpans, span: RequestSpan, lo: int,
+             hi: int) -> torch.Tensor:
+        """The request's rows of positions [lo, hi) (hi <= span.end): from this step's own
+        `rows` when they all are new, else through its block table."""
+        if lo >= span.context:
+            first = span.start - span.context
+            return rows[first + lo:first + hi]
+        table = span.tables[self.kv_group]
+        if table is None:
+            raise RuntimeError("a request with cached tokens has no block table")
+        bs = step.block_size
+        b0, b1 = lo // bs, -(-hi // bs)
+        blocks = self._rows().view(-1, bs, self.width)[table[b0:b1]].reshape(-1, self.width)
+        return blocks[lo - b0 * bs:hi - b0 * bs].to(rows.dtype)

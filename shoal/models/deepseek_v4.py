@@ -1,0 +1,177 @@
+"""DeepSeek-V4 (DeepseekV4ForCausalLM: deepseek-ai/DeepSeek-V4-Flash, -Pro), on the CPU path.
+
+Per decoder layer, on hc_mult residual streams (Manifold-Constrained Hyper-Connections,
+shoal/layers/hyper_connection.py): attention (shoal/layers/compressed_attention.py: a sliding
+window on every layer, plus compressed entries on CSA / HCA layers as config.layer_types
+says), then a mixture of experts: routed experts with a clipped SwiGLU (FusedMoE) picked by a
+token-id hash on "hash_moe" layers or by sqrtsoftplus top-k on "moe" layers
+(shoal/layers/moe/deepseek_v4_routing.py; the hash needs the step's input ids, threaded
+through forward), plus one always-on shared expert (clipped as well).
+
+Paged caches (attention_layers(): per decoder layer its sliding window's rows, then on CSA /
+HCA layers the compressors' per-token inputs) fall in two KV cache groups: the compressor
+inputs keep every token, the window rows drop blocks behind the window. The compressed
+entries are recomputed from the inputs at every step: correct under prefix caching, chunked
+prefill and preemption, but it saves none of the memory compression is for.
+
+Not yet: the multi-token-prediction layers (skipped at load, with a log line), tensor
+parallelism, CUDA (the torch path reads host values per request; the compatibility table
+refuses CUDA), quantized (FP8 / FP4) checkpoints."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from shoal.layers.compressed_attention import CompressedAttention
+from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shoal.layers.hyper_connection import HyperConnection, HyperHead
+from shoal.layers.linear import ReplicatedLinear, load_tensor
+from shoal.layers.moe.deepseek_v4_routing import ClippedSwiGLU, DeepseekV4Router
+from shoal.layers.moe.layer import FusedMoE
+from shoal.layers.norm import RMSNorm
+from shoal.layers.paged_rows import PagedRows
+from shoal.layers.request_spans import StepSpans
+from shoal.models.deepseek_v4_weights import shoal_name
+from shoal.models.expert_weights import load_expert_tensors
+
+logger = logging.getLogger(__name__)
+
+
+class ClippedMLP(nn.Module):
+    """The shared expert: SwiGLU with the experts' clipping."""
+
+    def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype):
+        super().__init__()
+        self.gate_proj = ReplicatedLinear(hidden, inter, params_dtype=dtype)
+        self.up_proj = ReplicatedLinear(hidden, inter, params_dtype=dtype)
+        self.down_proj = ReplicatedLinear(inter, hidden, params_dtype=dtype)
+        self.act = ClippedSwiGLU(limit=limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(torch.cat([self.gate_proj(x), self.up_proj(x)], -1)))
+
+
+class DeepseekV4MoE(nn.Module):
+    def __init__(self, cfg: Any, layer: int, dtype: torch.dtype, use_triton_ops: bool = True):
+        super().__init__()
+        kind = cfg.mlp_layer_types[layer]
+        if kind not in ("hash_moe", "moe"):
+            raise ValueError(f"unknown DeepSeek-V4 MLP layer type {kind!r}")
+        self.gate = DeepseekV4Router(cfg, hashed=kind == "hash_moe")
+        inter, limit = cfg.moe_intermediate_size, cfg.swiglu_limit
+        self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, inter,
+                                reduce_results=False, params_dtype=dtype,
+                                use_triton_ops=use_triton_ops,
+                                activation=ClippedSwiGLU(limit=limit))
+        # transformers builds one shared expert of moe_intermediate_size
+        self.shared_experts = ClippedMLP(cfg.hidden_size, inter, limit, dtype)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x, input_ids)
+        return self.experts(x, weights.to(x.dtype), ids) + self.shared_experts(x)
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer: int, dtype: torch.dtype, use_triton_ops: bool = True):
+        super().__init__()
+        eps = cfg.rms_norm_eps
+        self.self_attn = CompressedAttention(cfg, layer, dtype, use_triton_ops)
+        self.mlp = DeepseekV4MoE(cfg, layer, dtype, use_triton_ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, use_triton_ops)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, use_triton_ops)
+        self.attn_hc = HyperConnection(cfg)
+        self.ffn_hc = HyperConnection(cfg)
+
+    def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                step: StepSpans) -> torch.Tensor:
+        """streams [T, hc, D] -> [T, hc, D]."""
+        post, comb, x = self.attn_hc(streams)
+        out = self.self_attn(positions, self.input_layernorm(x), step)
+        streams = HyperConnection.merge(streams, out, post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(x), input_ids)
+        return HyperConnection.merge(streams, out, post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
+        super().__init__()
+        self.hc_mult = cfg.hc_mult
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(DeepseekV4DecoderLayer(cfg, i, dtype, use_triton_ops)
+                                    for i in range(cfg.num_hidden_layers))
+        self.hc_head = HyperHead(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                md: Any) -> torch.Tensor:
+        step = StepSpans.of(md, positions)
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, input_ids, positions, step)
+        return self.norm(self.hc_head(streams))
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    # as a pooling model (runner="pooling"): causal attention, the last token's state
+    is_causal = True
+    default_pooling_type = "LAST"
+    # nothing fused: checkpoint projections load one to one
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {}
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
+        super().__init__()
+        self.config = hf_config
+        self.hidden_size = hf_config.hidden_size
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.model = DeepseekV4Model(hf_config, dtype, use_triton_ops)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: Any) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head.compute_logits(hidden)
+
+    def attention_layers(self) -> list[PagedRows]:  # type: ignore[override]
+        """Per decoder layer: its window's rows, then (CSA / HCA) its compressors' inputs."""
+        return [p for layer in self.model.layers for p in layer.self_attn.paged_layers()]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        skipped = 0
+
+        def renamed() -> Iterable[tuple[str, torch.Tensor]]:
+            nonlocal skipped
+            for name, tensor in weights:
+                if "rotary_emb." in name:
+                    continue
+                target = shoal_name(name, self.config.num_hidden_layers)
+                if target is None:
+                    skipped += 1
+                    continue
+                yield target, tensor
+
+        for name, tensor in load_expert_tensors(renamed(), params, loaded, type(self).__name__):
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            param = params.get(name)
+            if param is None:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                                 f"{type(self).__name__}")
+            load_tensor(param, tensor)
+            loaded.add(name)
+        if skipped:
+            logger.info("skipped %d tensors of the multi-token-prediction layers (not "
+                        "supported yet)", skipped)
+        return loaded
