@@ -218,3 +218,64 @@ def test_responses_api_text_format(client):
                                 temperature=0, text={"format": {
                                     "type": "json_schema", "name": "person", "schema": PERSON}})
     jsonschema.validate(json.loads(r.output_text), PERSON)
+
+
+# ---- function calling in the Responses API ---------------------------------------------------
+RESPONSES_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]  # the flat shape
+
+
+def test_responses_api_function_calls_and_results(client):
+    """tool_choice "required": function_call items whose arguments hold their schema; the
+    call's result goes back as a function_call_output item naming its call_id."""
+    r = client.responses.create(model=MODEL, input="What is the weather in Paris?",
+                                tools=RESPONSES_TOOLS, tool_choice="required",
+                                max_output_tokens=150, temperature=0)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert calls and r.status == "completed"
+    for call in calls:
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+        assert call.call_id and call.id.startswith("fc_")
+    assert {t.name for t in r.tools} == {"get_weather", "get_time"}
+    follow = client.responses.create(
+        model=MODEL, previous_response_id=r.id, max_output_tokens=8, temperature=0,
+        input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                "output": '{"temperature": 21, "sky": "clear"}'}])
+    assert follow.status in ("completed", "incomplete") and follow.output_text is not None
+    assert follow.usage.input_tokens > r.usage.input_tokens  # the call and result came along
+    # the same turn given whole as input items, without previous_response_id
+    again = client.responses.create(
+        model=MODEL, max_output_tokens=4, temperature=0, tools=RESPONSES_TOOLS,
+        tool_choice="none",
+        input=[{"role": "user", "content": "What is the weather in Paris?"},
+               {"type": "function_call", "call_id": "call_1", "name": calls[0].name,
+                "arguments": calls[0].arguments},
+               {"type": "function_call_output", "call_id": "call_1", "output": "sunny"}])
+    assert [item.type for item in again.output] == ["message"]
+
+
+def test_responses_api_named_function_streams_its_call(client):
+    with client.responses.stream(model=MODEL, input="Time in Berlin?", tools=RESPONSES_TOOLS,
+                                 tool_choice={"type": "function", "name": "get_time"},
+                                 max_output_tokens=40, temperature=0) as s:
+        events = list(s)
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.done" in kinds
+    done = [e for e in events if e.type == "response.output_item.done"]
+    assert [e.item.type for e in done] == ["function_call"] and done[0].item.name == "get_time"
+    args = next(e.arguments for e in events if e.type == "response.function_call_arguments.done")
+    jsonschema.validate(json.loads(args), SCHEMAS["get_time"])
+    assert events[-1].response.output[0].arguments == args
+
+
+@pytest.mark.parametrize("extra,needle", [
+    ({"tools": [{"type": "web_search"}]}, "only 'function'"),
+    ({"tools": RESPONSES_TOOLS, "tool_choice": {"type": "function", "name": "nope"}},
+     "not in tools"),
+    ({"tools": RESPONSES_TOOLS, "tool_choice": "required",
+      "text": {"format": {"type": "json_object"}}}, "cannot be combined"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "call_id"),
+])
+def test_responses_api_bad_tools_are_400s(server, extra, needle):
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **extra}
+    r = server.post("/v1/responses", json=body)
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text

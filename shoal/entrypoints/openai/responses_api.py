@@ -1,4 +1,5 @@
-"""/v1/responses: OpenAI's Responses API for text in and text out.
+"""/v1/responses: OpenAI's Responses API for text in and text out, with function calling
+(responses_tools.py).
 
 The input (a string or a list of messages, after `instructions` and the conversation of
 `previous_response_id`) goes through the chat template like a chat completion. Stored
@@ -24,6 +25,13 @@ from shoal.entrypoints.openai.constraints import response_format_params
 from shoal.entrypoints.openai.errors import OpenAIError, error_from_exception
 from shoal.entrypoints.openai.protocol import Number, OpenAIBaseModel, check_context_length
 from shoal.entrypoints.openai.responses import now_s, random_id
+from shoal.entrypoints.openai.responses_tools import (
+    assistant_turn,
+    chat_tool_choice,
+    chat_tools,
+    function_call_item,
+    input_item_messages,
+)
 from shoal.entrypoints.openai.serving_common import ServingBase
 from shoal.entrypoints.openai.streaming import (
     ClientDisconnected,
@@ -31,6 +39,7 @@ from shoal.entrypoints.openai.streaming import (
     sse,
     wait_grammar_checked,
 )
+from shoal.entrypoints.openai.tool_choice import ToolPlan, ToolsError, plan_tools
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 from shoal.structured_output.params import StructuredOutputsParams
@@ -75,8 +84,7 @@ class ResponsesRequest(OpenAIBaseModel):
         fmt = (self.text or {}).get("format") or {}
         if fmt.get("type", "text") not in ("text", "json_object", "json_schema"):
             return "text", "text.format must be text, json_object or json_schema"
-        checks = [("tools", bool(self.tools), "tools are not supported yet"),
-                  ("reasoning", bool(self.reasoning), "reasoning options are not supported"),
+        checks = [("reasoning", bool(self.reasoning), "reasoning options are not supported"),
                   ("truncation", self.truncation not in (None, "disabled"),
                    "only truncation 'disabled' is supported"),
                   ("include", bool(self.include), "include is not supported"),
@@ -89,15 +97,20 @@ class ResponsesRequest(OpenAIBaseModel):
         return None
 
 
-def input_messages(req: ResponsesRequest) -> list[dict[str, str]]:
-    """The request's input as chat messages (text parts only)."""
+def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as chat messages (text parts, function calls and their
+    results)."""
     if isinstance(req.input, str):
         return [{"role": "user", "content": req.input}]
     messages = []
     for i, item in enumerate(req.input):
+        if item.get("type") in ("function_call", "function_call_output"):
+            messages.append(input_item_messages(item, f"input[{i}]"))
+            continue
         if item.get("type", "message") != "message" or "role" not in item:
             raise OpenAIError(400, f"input items of type {item.get('type')!r} are not "
-                                   "supported; only messages", f"input[{i}]")
+                                   "supported; only messages, function_call and "
+                                   "function_call_output", f"input[{i}]")
         content = item.get("content")
         if isinstance(content, list):
             texts = []
@@ -155,12 +168,15 @@ class OpenAIServingResponses(ServingBase):
         bad = req.unsupported()
         if bad is not None:
             raise OpenAIError(400, bad[1], bad[0])
+        tools = chat_tools(req.tools)
+        plan = self._plan(req, tools)
         history = self.store.get(req.previous_response_id, "previous_response_id")[1] \
             if req.previous_response_id else []
         turn = input_messages(req)
         system = [{"role": "system", "content": req.instructions}] if req.instructions else []
         try:
-            prompt = self.engine.inputs.process_chat(system + history + turn)
+            prompt = self.engine.inputs.process_chat(
+                system + history + turn, chat_template_kwargs={"tools": tools} if tools else None)
         except (jinja2.TemplateError, TypeError) as e:
             raise ValueError(f"the chat template failed: {e}") from e
         check_context_length(len(prompt.prompt_token_ids), req.max_output_tokens,
@@ -169,7 +185,7 @@ class OpenAIServingResponses(ServingBase):
             max_tokens=req.max_output_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            structured_outputs=req.constraint())
+            structured_outputs=plan.constraint or req.constraint())
         stream = self.engine.add_request(
             random_id("resp"), prompt, params,
             output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY)
@@ -178,8 +194,9 @@ class OpenAIServingResponses(ServingBase):
         if req.stream:
             if stream.constrained:  # a grammar that fails is a 400, not an in-band error
                 await wait_grammar_checked([stream])
-            return StreamingResponse(self._stream(req, model, rid, msg_id, stream, conversation),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                self._stream(req, model, rid, msg_id, stream, conversation, plan),
+                media_type="text/event-stream")
         try:
             outs = await cancel_on_disconnect(raw, _all(stream))
         except ClientDisconnected:
@@ -187,27 +204,47 @@ class OpenAIServingResponses(ServingBase):
         finally:
             stream.abort()
         final = outs[-1]
-        text = final.outputs[0].text
-        body = self._response(req, model, rid, msg_id, text, final, "completed")
-        self._keep(req, body, conversation, text)
+        content, items = _output(plan, final.outputs[0].text)
+        body = self._response(req, model, rid, msg_id, content, final, "completed", items)
+        self._keep(req, body, conversation, content, items)
         return JSONResponse(body, headers=self.load_headers(raw))
 
+    def _plan(self, req: ResponsesRequest, tools: list[dict[str, Any]]) -> ToolPlan:
+        """The chat path's tool plan for the request (no tools: plain text, whatever
+        tool_choice says, as its default is "auto")."""
+        if not tools:
+            return ToolPlan("none")
+        try:
+            plan = plan_tools(tools, chat_tool_choice(req.tool_choice), req.parallel_tool_calls,
+                              self.settings.tool_call_parser,
+                              self.settings.enable_auto_tool_choice)
+        except ToolsError as e:
+            raise OpenAIError(400, str(e), e.param) from None
+        if plan.constraint is not None and req.constraint() is not None:
+            raise OpenAIError(400, f"tool_choice {plan.mode!r} constrains the output already; "
+                                   "it cannot be combined with text.format", "tool_choice")
+        return plan
+
     def _keep(self, req: ResponsesRequest, body: dict[str, Any],
-              conversation: list[dict[str, str]], text: str) -> None:
+              conversation: list[dict[str, Any]], text: str,
+              items: list[dict[str, Any]] = ()) -> None:
         if req.store:
-            self.store.put(body, conversation + [{"role": "assistant", "content": text}])
+            self.store.put(body, conversation + [assistant_turn(text, list(items))])
 
     def _response(self, req: ResponsesRequest, model: str, rid: str, msg_id: str, text: str,
-                  out: RequestOutput | None, status: str) -> dict[str, Any]:
+                  out: RequestOutput | None, status: str,
+                  calls: list[dict[str, Any]] = ()) -> dict[str, Any]:
         """The Response object; `status` "in_progress" while streaming, else decided by how
-        the generation finished."""
+        the generation finished. `calls`: its function_call items (after the message, which
+        is left out when the answer is only calls)."""
         finish = out.outputs[0].finish_reason if out is not None and out.outputs else None
         incomplete = None
         if status != "in_progress":
             status = "incomplete" if finish == "length" else "completed"
             if finish == "length":
                 incomplete = {"reason": "max_output_tokens"}
-        output = [] if status == "in_progress" else [_message(msg_id, text, "completed")]
+        output = [] if status == "in_progress" else (
+            ([_message(msg_id, text, "completed")] if text or not calls else []) + list(calls))
         usage = None
         if out is not None and status != "in_progress":
             n_in = len(out.prompt_token_ids)
@@ -225,14 +262,17 @@ class OpenAIServingResponses(ServingBase):
             "temperature": 1.0 if req.temperature is None else req.temperature,
             "top_p": 1.0 if req.top_p is None else req.top_p,
             "parallel_tool_calls": req.parallel_tool_calls, "tool_choice": req.tool_choice,
-            "tools": [], "text": {"format": {"type": "text"}}, "truncation": "disabled",
+            "tools": req.tools or [], "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
             "metadata": req.metadata or {}, "store": req.store, "user": req.user,
             "reasoning": None,
         }
 
     async def _stream(self, req: ResponsesRequest, model: str, rid: str, msg_id: str,
-                      stream: RequestStream, conversation: list[dict[str, str]]
-                      ) -> AsyncIterator[str]:
+                      stream: RequestStream, conversation: list[dict[str, Any]],
+                      plan: ToolPlan) -> AsyncIterator[str]:
+        """Plain text streams as it comes; an answer that may hold function calls is sent
+        once complete (its message, then each call's item and argument events)."""
         seq = 0
 
         def event(kind: str, **fields: Any) -> str:
@@ -241,15 +281,25 @@ class OpenAIServingResponses(ServingBase):
             return f"event: {kind}\n" + sse({"type": kind, "sequence_number": seq - 1,
                                              **fields})
 
+        def message_opens() -> str:
+            return (event("response.output_item.added", output_index=0,
+                          item=_message(msg_id, "", "in_progress"))
+                    + event("response.content_part.added", **at, part=_part("")))
+
+        def message_closes(text: str) -> str:
+            return (event("response.output_text.done", **at, text=text, logprobs=[])
+                    + event("response.content_part.done", **at, part=_part(text))
+                    + event("response.output_item.done", output_index=0,
+                            item=_message(msg_id, text, "completed")))
+
+        plain = plan.mode == "none"
         at = {"item_id": msg_id, "output_index": 0, "content_index": 0}
         text_parts: list[str] = []
         last: RequestOutput | None = None
         pending = self._response(req, model, rid, msg_id, "", None, "in_progress")
         yield (event("response.created", response=pending)
                + event("response.in_progress", response=pending)
-               + event("response.output_item.added", output_index=0,
-                       item=_message(msg_id, "", "in_progress"))
-               + event("response.content_part.added", **at, part=_part("")))
+               + (message_opens() if plain else ""))
         try:
             while True:
                 outs = await stream.drain()
@@ -258,7 +308,7 @@ class OpenAIServingResponses(ServingBase):
                 last = outs[-1]
                 deltas = [c.text for o in outs for c in o.outputs if c.text]
                 text_parts += deltas
-                if deltas:
+                if deltas and plain:
                     yield "".join(event("response.output_text.delta", **at, delta=d,
                                         logprobs=[]) for d in deltas)
         except Exception as e:  # headers are gone: the Responses API reports in-band
@@ -270,14 +320,33 @@ class OpenAIServingResponses(ServingBase):
             return
         finally:
             stream.abort()
-        text = "".join(text_parts)
-        body = self._response(req, model, rid, msg_id, text, last, "completed")
-        self._keep(req, body, conversation, text)
-        yield (event("response.output_text.done", **at, text=text, logprobs=[])
-               + event("response.content_part.done", **at, part=_part(text))
-               + event("response.output_item.done", output_index=0,
-                       item=_message(msg_id, text, "completed"))
-               + event(f"response.{body['status']}", response=body))
+        content, items = _output(plan, "".join(text_parts))
+        body = self._response(req, model, rid, msg_id, content, last, "completed", items)
+        self._keep(req, body, conversation, content, items)
+        events = []
+        if plain:
+            events.append(message_closes(content))
+        elif content or not items:
+            events += [message_opens(), event("response.output_text.delta", **at,
+                                              delta=content, logprobs=[]),
+                       message_closes(content)]
+        first = 1 if plain or content or not items else 0  # a message item comes first
+        for j, item in enumerate(items):
+            where = {"item_id": item["id"], "output_index": first + j}
+            events += [event("response.output_item.added", output_index=first + j,
+                             item={**item, "arguments": "", "status": "in_progress"}),
+                       event("response.function_call_arguments.delta", **where,
+                             delta=item["arguments"]),
+                       event("response.function_call_arguments.done", **where,
+                             arguments=item["arguments"]),
+                       event("response.output_item.done", output_index=first + j, item=item)]
+        yield "".join(events) + event(f"response.{body['status']}", response=body)
+
+
+def _output(plan: ToolPlan, text: str) -> tuple[str, list[dict[str, Any]]]:
+    """(the answer's text beside its calls, the calls' function_call items)."""
+    content, calls = plan.calls_from_text(text)
+    return content or "", [function_call_item(c) for c in calls]
 
 
 async def _all(stream: RequestStream) -> list[RequestOutput]:
