@@ -1,0 +1,145 @@
+"""TransformersForCausalLM: any transformers decoder whose modeling code takes custom
+attention functions, run by shoal (shoal/models/interface.py's CausalLM) with shoal's paged
+attention in place of transformers' own (vLLM's Transformers modeling backend).
+
+The transformers model does everything but attention: embeddings, norms, MLPs and MoE,
+rotary, the LM head. Each of its attention modules gets one shoal paged layer (its KV cache
+and backend bound by the runner like any native model's); the attention function of
+attention.py writes the step's keys and values into it and attends through the backend.
+A step's flattened tokens go in as one [1, T] sequence with position_ids = positions;
+transformers builds no causal mask for an attention implementation it does not know, and
+the paged backend applies causality (and sliding windows) per request.
+
+Not here yet: tensor/pipeline parallel plans (the compatibility table refuses them), CUDA
+graphs (start-up forces eager), pooling (runner="pooling")."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from shoal.layers.attention import Attention
+from shoal.models.transformers_backend.attention import (
+    AttentionCall,
+    probe_attention,
+    step_context,
+)
+from shoal.models.transformers_backend.build import build_causal_lm
+from shoal.models.transformers_backend.logits import CausalLMHead
+from shoal.models.transformers_backend.support import check_supported
+from shoal.models.transformers_backend.weights import load_checkpoint
+
+# Tokens of the construction-time probe pass (two, so code paths for single-token steps and
+# for longer ones are not told apart by it).
+_PROBE_TOKENS = 2
+
+
+class TransformersForCausalLM(nn.Module):
+    # transformers' parameters are the checkpoint's own, unfused
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {}
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
+        """use_triton_ops has no effect: the layers are transformers' (attention excepted)."""
+        super().__init__()
+        check_supported(hf_config)
+        hf = build_causal_lm(hf_config, dtype, torch.get_default_device())
+        # Its children become this module's, so parameter names are the checkpoint's
+        # ("model.layers.0...", "lm_head.weight"); the wrapper itself is kept unregistered.
+        self.__dict__["hf_model"] = hf
+        for name, child in hf.named_children():
+            self.add_module(name, child)
+        for name, param in hf._parameters.items():
+            if param is not None:
+                self.register_parameter(name, param)
+        self.config = hf_config
+        self.architecture = type(hf).__name__
+        out, inp = hf.get_output_embeddings(), hf.get_input_embeddings()
+        self.tie_word_embeddings = (out is not None and inp is not None
+                                    and out.weight is inp.weight)
+        self._head = CausalLMHead(hf)
+        device = next(hf.parameters()).device
+        with torch.no_grad():  # (not inference mode: tensors it caches stay usable outside)
+            calls = probe_attention(lambda: self._run(
+                torch.zeros(_PROBE_TOKENS, dtype=torch.long, device=device),
+                torch.arange(_PROBE_TOKENS, device=device)))
+        self.paged_attention = nn.ModuleList(paged_layers(calls, hf_config, self.architecture))
+        self._layer_of = {id(c.module): layer for c, layer in zip(calls, self.paged_attention)}
+
+    def train(self, mode: bool = True) -> TransformersForCausalLM:
+        self.hf_model.train(mode)
+        return super().train(mode)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                attn_metadata: Any) -> torch.Tensor:
+        with step_context(attn_metadata, self._layer_of):
+            return self._run(input_ids, positions)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        base = getattr(self.hf_model, self.hf_model.base_model_prefix)
+        out = base(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                   use_cache=False)
+        return out[0][0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self._head(hidden)
+
+    def attention_layers(self) -> list[Attention]:
+        return list(self.paged_attention)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_checkpoint(self.hf_model, weights)
+
+
+def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str) -> list[Attention]:
+    """One paged layer per attention module the probe saw, in call order; ValueError naming
+    what the backend cannot do."""
+    def refuse(reason: str) -> ValueError:
+        return ValueError(f"the Transformers backend cannot run {arch}: {reason}")
+
+    if not calls:
+        raise refuse("its forward pass never called the attention interface")
+    if len({id(c.module) for c in calls}) != len(calls):
+        raise refuse("an attention module runs more than once per pass (layers sharing "
+                     "attention would share one KV cache)")
+    num_layers = getattr(hf_config, "num_hidden_layers", None)
+    if num_layers is not None and len(calls) < num_layers:
+        raise refuse(f"only {len(calls)} of its {num_layers} decoder layers call attention; "
+                     "the others keep state (recurrent, convolution) the paged K/V cache "
+                     "cannot hold")
+    layers = []
+    for i, c in enumerate(calls):
+        if c.softcap:
+            raise refuse(f"attention logit soft-capping ({c.softcap}), which shoal's "
+                         "attention backends do not apply")
+        if not c.is_causal:
+            raise refuse("bidirectional (non-causal) attention")
+        if c.own_mask:
+            raise refuse("its attention modules build masks of their own (dynamic or "
+                         "prefix masks), which paged attention does not apply")
+        if c.head_dim != c.value_dim:
+            raise refuse(f"keys of {c.head_dim} and values of {c.value_dim} per head (a "
+                         "paged layer keeps both at one head size)")
+        if c.num_heads % c.num_kv_heads:
+            raise refuse(f"{c.num_heads} query heads over {c.num_kv_heads} KV heads")
+        layer = Attention(c.num_heads, c.num_kv_heads, c.head_dim,
+                          sliding_window(c, hf_config, i))
+        if c.scaling is not None:
+            layer.scale = c.scaling
+        layers.append(layer)
+    return layers
+
+
+def sliding_window(call: AttentionCall, hf_config: Any, index: int) -> int | None:
+    """The window the module passes (what transformers' flash-attention path applies), else
+    the config's for a layer its layer_types call sliding (what its masks apply)."""
+    if call.sliding_window:
+        return call.sliding_window
+    types = getattr(hf_config, "layer_types", None)
+    layer = getattr(call.module, "layer_idx", index)
+    window = getattr(hf_config, "sliding_window", None)
+    if types and isinstance(layer, int) and layer < len(types) and window:
+        return window if types[layer] == "sliding_attention" else None
+    return None
