@@ -28,6 +28,10 @@ class AttentionBackend(ABC):
     supports_sinks: bool = False
     # forward_mla takes `select` (DeepSeek-V3.2's indexer: the keys each query reads)
     supports_sparse_mla: bool = False
+    # forward / forward_fused take k_scale, v_scale and forward_mla kv_scale: a float8_e4m3fn
+    # cache (kv_cache_dtype="fp8", attention/kv_quant.py) written as x / scale and read as
+    # stored * scale. The layers pass them only for such a cache.
+    supports_fp8_kv_cache: bool = False
 
     @abstractmethod
     def build_metadata(self, *, query_lens: list[int], context_lens: list[int],
@@ -43,7 +47,8 @@ class AttentionBackend(ABC):
                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Writes k, v [T, Hk, D] into their slots of kv_cache [2, slots, Hk, D], then
         attends q [T, Hq, D] over each request's context. Returns [T, Hq, D]. sinks [Hq]
-        (only when supports_sinks): query head h's softmax also counts exp(sinks[h])."""
+        (only when supports_sinks): query head h's softmax also counts exp(sinks[h]).
+        k_scale=, v_scale= (only when supports_fp8_kv_cache): an FP8 cache's scales."""
 
     def forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -67,13 +72,15 @@ class AttentionBackend(ABC):
         raise self._unsupported("latent attention (MLA)")
 
     def warm_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
-                     block_size: int, sliding_window: int | None) -> int:
+                     block_size: int, sliding_window: int | None,
+                     q_dtype: torch.dtype | None = None) -> int:
         """Compiles, before the first request, every kernel variant a step can pick (for
-        backends whose kernels are compiled on first use); returns how many ran."""
+        backends whose kernels are compiled on first use); returns how many ran. q_dtype:
+        the activations' (None: the cache's; an FP8 cache needs it)."""
         return 0
 
     def warm_mla_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
-                         block_size: int, v_dim: int) -> int:
+                         block_size: int, v_dim: int, q_dtype: torch.dtype | None = None) -> int:
         """warm_kernels for latent attention layers (kv_cache [1, slots, 1, Dk])."""
         return 0
 

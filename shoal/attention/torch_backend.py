@@ -14,7 +14,12 @@ per step at batch 64 x 600 tokens for SmolLM2). The SDPA path stays as the refer
 
 Attention sinks (gpt-oss: a learned logit per query head that joins each softmax's
 denominator, with no value) take an explicit softmax instead of SDPA, which has no such
-term; the C++ decode kernel has none either, so their decodes stay here too."""
+term; the C++ decode kernel has none either, so their decodes stay here too.
+
+An FP8 cache (kv_quant.py) is written quantized and read back dequantized to q's dtype, the
+new keys of a fresh prompt included (they are attended as the cache keeps them, so a prompt
+gives the same result computed at once or read from a prefix hit); the C++ decode kernel
+reads only caches of q's dtype, so FP8 decodes take the SDPA path (its `fits`)."""
 
 from __future__ import annotations
 
@@ -23,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from shoal.attention import kv_quant
 from shoal.attention.backend import AttentionBackend
 from shoal.attention.metadata import AttentionMetadata, build_attention_metadata
 from shoal.attention.ops import cpu_kv_cache_write
@@ -38,6 +44,7 @@ class TorchAttentionBackend(AttentionBackend):
     supports_mla = True
     supports_sinks = True
     supports_sparse_mla = True
+    supports_fp8_kv_cache = True
 
     def build_metadata(self, *, query_lens: list[int], context_lens: list[int],
                        block_tables: list[list[int]], block_size: int, num_decodes: int,
@@ -50,18 +57,25 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        return paged_attention(q, k, v, kv_cache, md, scale, sinks=sinks)
+                sinks: torch.Tensor | None = None, *, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        return paged_attention(q, k, v, kv_cache, md, scale, sinks=sinks, k_scale=k_scale,
+                               v_scale=v_scale)
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
                     md: AttentionMetadata, scale: float, v_dim: int,
-                    select: Any = None) -> torch.Tensor:
-        return paged_latent_attention(q, latent, kv_cache, md, scale, v_dim, select)
+                    select: Any = None, *, kv_scale: float = 1.0) -> torch.Tensor:
+        return paged_latent_attention(q, latent, kv_cache, md, scale, v_dim, select,
+                                      kv_scale=kv_scale)
 
 
 def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    slot_mapping: torch.Tensor) -> None:
-    """kv_cache: [2, num_slots, Hk, D]; k, v: [T, Hk, D]."""
+    """kv_cache: [2, num_slots, Hk, D]; k, v: [T, Hk, D] (already FP8 for an FP8 cache)."""
+    if kv_quant.is_fp8(kv_cache):
+        kv_quant.copy_rows(kv_cache[0], slot_mapping, k)
+        kv_quant.copy_rows(kv_cache[1], slot_mapping, v)
+        return
     if (k.dim() == 3 and kv_cache.dim() == 4 and k.dtype == kv_cache.dtype and v.dtype == k.dtype
             and slot_mapping.dtype == torch.int64
             and k.stride(-1) == 1 and v.stride(-1) == 1 and kv_cache.is_contiguous()
@@ -74,11 +88,19 @@ def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     md: AttentionMetadata, scale: float, decode_kernel: bool = True,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hk, D]; sinks: [Hq] or None. Returns [T, Hq, D].
     decode_kernel=False keeps the decode rows on the SDPA reference even where the CPU kernel
-    could take them."""
-    write_kv_cache(kv_cache, k, v, md.slot_mapping)
+    could take them. k_scale, v_scale: an FP8 cache's scales (unused otherwise)."""
+    scales = (k_scale, v_scale)
+    if kv_quant.is_fp8(kv_cache):
+        kq, vq = kv_quant.quantize(k, k_scale), kv_quant.quantize(v, v_scale)
+        write_kv_cache(kv_cache, kq, vq, md.slot_mapping)
+        k = kv_quant.dequantize(kq, k_scale, q.dtype)
+        v = kv_quant.dequantize(vq, v_scale, q.dtype)
+    else:
+        write_kv_cache(kv_cache, k, v, md.slot_mapping)
     t, hq, d = q.shape
     hk = k.shape[1]
     g = hq // hk
@@ -91,7 +113,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                                         md.decode_seq_lens, md.block_size, scale,
                                         md.sliding_window)
         else:
-            out[:nd] = _decode_sdpa(q[:nd], kv_cache, md, scale, hk, sinks)
+            out[:nd] = _decode_sdpa(q[:nd], kv_cache, md, scale, hk, sinks, scales)
     for start, n in md.fresh_spans:
         if sinks is not None:
             out[start:start + n] = causal_attention_with_sinks(
@@ -106,8 +128,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             is_causal=True, scale=scale, enable_gqa=hq != hk)
         out[start:start + n] = o[0].transpose(0, 1)
     if md.prefill_mask is not None:
-        kc = _gather(kv_cache[0], md.prefill_block_tables, md.block_size)
-        vc = _gather(kv_cache[1], md.prefill_block_tables, md.block_size)
+        kc, vc = _gather_kv(kv_cache, md.prefill_block_tables, md.block_size, scales, q.dtype)
         qp = q[md.prefill_token_index]  # [P, Lq, Hq, D]
         p, lq = qp.shape[0], qp.shape[1]
         qp = qp.view(p, lq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(p, hk, g * lq, d)
@@ -120,11 +141,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 
 def _decode_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
-                 hk: int, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 hk: int, sinks: torch.Tensor | None = None,
+                 scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """The reference decode: gather each context, then one masked, padded SDPA."""
     nd, hq, d = q.shape
-    kc = _gather(kv_cache[0], md.decode_block_tables, md.block_size)
-    vc = _gather(kv_cache[1], md.decode_block_tables, md.block_size)
+    kc, vc = _gather_kv(kv_cache, md.decode_block_tables, md.block_size, scales, q.dtype)
     qd = q.view(nd, hk, hq // hk, d)  # query head h uses KV head h // g
     o = _sdpa(qd, kc, vc, md.decode_mask, scale,
               None if sinks is None else _sink_rows(sinks, hk, 1))
@@ -167,18 +188,24 @@ def causal_attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 
 def paged_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
                            md: AttentionMetadata, scale: float, v_dim: int,
-                           select: Any = None) -> torch.Tensor:
+                           select: Any = None, kv_scale: float = 1.0) -> torch.Tensor:
     """MLA, weight-absorbed (see AttentionBackend.forward_mla): q [T, H, Dk], latent [T, Dk],
     kv_cache [1, slots, 1, Dk]. Grouped like paged_attention with one KV head: the H query
     heads are the rows of that head, and a row's value is the first v_dim of its key.
-    select: a SparseSelection, ANDed with each kind of row's mask (DeepSeek-V3.2)."""
+    select: a SparseSelection, ANDed with each kind of row's mask (DeepSeek-V3.2).
+    kv_scale: an FP8 cache's one scale of the latent row (unused otherwise)."""
     cache = kv_cache[0]  # [slots, 1, Dk]
-    cache.index_copy_(0, md.slot_mapping, latent.unsqueeze(1))
+    if kv_quant.is_fp8(cache):
+        stored = kv_quant.quantize(latent, kv_scale)
+        kv_quant.copy_rows(cache, md.slot_mapping, stored.unsqueeze(1))
+        latent = kv_quant.dequantize(stored, kv_scale, q.dtype)
+    else:
+        cache.index_copy_(0, md.slot_mapping, latent.unsqueeze(1))
     t, h, dk = q.shape
     out = q.new_empty(t, h, v_dim)
     nd = md.num_decodes
     if nd:
-        kc = _gather(cache, md.decode_block_tables, md.block_size)  # [Bd, 1, S, Dk]
+        kc = _read(cache, md.decode_block_tables, md.block_size, kv_scale, q.dtype)
         mask = md.decode_mask
         if select is not None and select.decode is not None:
             mask = mask & select.decode
@@ -194,7 +221,7 @@ def paged_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_cache: torc
                                            **causal)
         out[start:start + n] = o[0].transpose(0, 1)
     if md.prefill_mask is not None:
-        kc = _gather(cache, md.prefill_block_tables, md.block_size)
+        kc = _read(cache, md.prefill_block_tables, md.block_size, kv_scale, q.dtype)
         qp = q[md.prefill_token_index]  # [P, Lq, H, Dk]
         p, lq = qp.shape[0], qp.shape[1]
         qp = qp.permute(0, 2, 1, 3).reshape(p, 1, h * lq, dk)
@@ -208,6 +235,21 @@ def paged_latent_attention(q: torch.Tensor, latent: torch.Tensor, kv_cache: torc
         valid = md.prefill_token_valid
         out[md.prefill_token_index[valid]] = o[valid]
     return out
+
+
+def _gather_kv(kv_cache: torch.Tensor, block_tables: torch.Tensor, block_size: int,
+               scales: tuple[float, float], dtype: torch.dtype,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each request's keys and values [B, Hk, S, D], in dtype."""
+    return (_read(kv_cache[0], block_tables, block_size, scales[0], dtype),
+            _read(kv_cache[1], block_tables, block_size, scales[1], dtype))
+
+
+def _read(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int, scale: float,
+          dtype: torch.dtype) -> torch.Tensor:
+    """_gather, dequantized from an FP8 cache (only the gathered blocks)."""
+    rows = _gather(cache, block_tables, block_size)
+    return kv_quant.dequantize(rows, scale, dtype) if kv_quant.is_fp8(cache) else rows
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, block_size: int) -> torch.Tensor:

@@ -11,7 +11,10 @@ CUDA graphs: every tensor shape and launch parameter must depend on the padded s
 The backend's graph buffers (alloc_graph_buffers / fill_graph_buffers / graph_metadata, for
 shoal/worker/graph_table.py) fix them: rows past the real ones get seq_len 0, slot -1 and
 produce zeros, tables have a fixed width, the split-K grid a fixed size. Eager callers may
-ask for the same with pad_decodes_to, block_table_width and decode_num_splits."""
+ask for the same with pad_decodes_to, block_table_width and decode_num_splits.
+
+An FP8 cache (kv_cache_dtype="fp8") goes through the same kernels, their KV_FP8 variants
+(picked from the cache's dtype): the scales are plain floats, constants of a captured graph."""
 
 from __future__ import annotations
 
@@ -124,12 +127,13 @@ def build_triton_attention_metadata(
 
 def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            kv_cache: torch.Tensor, md: TritonAttentionMetadata,
-                           scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hk, D]; kv_cache: [2, num_slots, Hk, D]; sinks: [Hq] or None.
-    Returns [T, Hq, D]."""
+                           scale: float, sinks: torch.Tensor | None = None,
+                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hk, D]; kv_cache: [2, num_slots, Hk, D]; sinks: [Hq] or None;
+    k_scale, v_scale: an FP8 cache's scales. Returns [T, Hq, D]."""
     _check_tokens(q, md)
-    write_kv_cache(kv_cache, k, v, md.slot_mapping)
-    return _attend_cached(q, kv_cache, md, scale, sinks)
+    write_kv_cache(kv_cache, k, v, md.slot_mapping, k_scale, v_scale)
+    return _attend_cached(q, kv_cache, md, scale, sinks, k_scale, v_scale)
 
 
 def paged_attention_triton_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -138,14 +142,14 @@ def paged_attention_triton_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  k_norm_weight: torch.Tensor | None, eps: float,
                                  kv_cache: torch.Tensor, md: TritonAttentionMetadata,
                                  scale: float, sinks: torch.Tensor | None = None,
-                                 ) -> torch.Tensor:
+                                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """paged_attention_triton on q and k before their per-head RMSNorm (weights None: none)
     and neox rotary, which one kernel applies while writing the cache (see
     ops/rope_kv_write.py). q is rotated in place; k is left as it was."""
     _check_tokens(q, md)
     rope_kv_write(positions, q, k, v, cos_sin_cache, kv_cache, md.slot_mapping,
-                  q_norm_weight, k_norm_weight, eps)
-    return _attend_cached(q, kv_cache, md, scale, sinks)
+                  q_norm_weight, k_norm_weight, eps, k_scale, v_scale)
+    return _attend_cached(q, kv_cache, md, scale, sinks, k_scale, v_scale)
 
 
 def _check_tokens(q: torch.Tensor, md: TritonAttentionMetadata) -> None:
@@ -154,40 +158,44 @@ def _check_tokens(q: torch.Tensor, md: TritonAttentionMetadata) -> None:
 
 
 def _attend_cached(q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionMetadata,
-                   scale: float, sinks: torch.Tensor | None) -> torch.Tensor:
+                   scale: float, sinks: torch.Tensor | None, k_scale: float,
+                   v_scale: float) -> torch.Tensor:
     """Decode and prefill attention over a cache that already holds the step's keys."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     nd = md.num_decode_rows
     if nd:
         paged_decode(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd], md.block_size,
                      scale, sliding_window=md.sliding_window, num_splits=md.decode_num_splits,
-                     max_seq_len=md.max_decode_seq_len, out=out[:nd], sinks=sinks)
+                     max_seq_len=md.max_decode_seq_len, out=out[:nd], sinks=sinks,
+                     k_scale=k_scale, v_scale=v_scale)
     if md.num_prefills:
         # Whole tensors and first_row, not slices: see paged_prefill's kernel.
         paged_prefill(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                       md.max_query_len, md.block_size, scale,
-                      sliding_window=md.sliding_window, out=out, first_row=nd, sinks=sinks)
+                      sliding_window=md.sliding_window, out=out, first_row=nd, sinks=sinks,
+                      k_scale=k_scale, v_scale=v_scale)
     return out
 
 
 def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
                             md: TritonAttentionMetadata, scale: float,
-                            v_dim: int) -> torch.Tensor:
+                            v_dim: int, kv_scale: float = 1.0) -> torch.Tensor:
     """MLA (AttentionBackend.forward_mla) with the Triton kernels: q [T, H, Dk], latent
-    [T, Dk], kv_cache [1, slots, 1, Dk]. Same row layout as paged_attention_triton."""
+    [T, Dk], kv_cache [1, slots, 1, Dk] (kv_scale: an FP8 cache's scale of the row). Same
+    row layout as paged_attention_triton."""
     _check_tokens(q, md)
     cache = kv_cache.view(kv_cache.shape[1], kv_cache.shape[3])
-    write_mla_cache(latent, cache, md.slot_mapping)
+    write_mla_cache(latent, cache, md.slot_mapping, kv_scale)
     out = torch.empty(q.shape[0], q.shape[1], v_dim, dtype=q.dtype, device=q.device)
     nd = md.num_decode_rows
     if nd:
         mla_paged_decode(q[:nd], cache, md.block_tables[:nd], md.seq_lens[:nd], md.block_size,
                          scale, v_dim, num_splits=md.decode_num_splits,
-                         max_seq_len=md.max_decode_seq_len, out=out[:nd])
+                         max_seq_len=md.max_decode_seq_len, out=out[:nd], kv_scale=kv_scale)
     if md.num_prefills:
         mla_paged_prefill(q, cache, md.block_tables, md.seq_lens, md.query_start_loc,
                           md.max_query_len, md.block_size, scale, v_dim, out=out,
-                          first_row=nd)
+                          first_row=nd, kv_scale=kv_scale)
     return out
 
 
@@ -215,12 +223,13 @@ class TritonGraphBuffers:
 
 class TritonAttentionBackend(AttentionBackend):
     """The AttentionBackend interface in full: fused rotary + cache write, CUDA graphs of
-    every step shape, latent attention, attention sinks."""
+    every step shape, latent attention, attention sinks, FP8 caches."""
 
     name = "triton"
     supports_cuda_graphs = True
     supports_mla = True
     supports_sinks = True
+    supports_fp8_kv_cache = True
 
     def __init__(self, fuse_rope_and_cache_write: bool = True) -> None:
         # Layers with rotary hand q, k, v before norm and rotary to forward_fused, which does
@@ -239,30 +248,36 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: TritonAttentionMetadata,
-                scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
-        return paged_attention_triton(q, k, v, kv_cache, md, scale, sinks)
+                scale: float, sinks: torch.Tensor | None = None, *, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        return paged_attention_triton(q, k, v, kv_cache, md, scale, sinks, k_scale, v_scale)
 
     def forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                       q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
                       eps: float, kv_cache: torch.Tensor, md: TritonAttentionMetadata,
-                      scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                      scale: float, sinks: torch.Tensor | None = None, *,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
         """forward on q and k before their optional per-head RMSNorm and rotary (see
         paged_attention_triton_fused); only while fuses_rope_and_cache_write."""
         return paged_attention_triton_fused(q, k, v, positions, cos_sin_cache, q_norm_weight,
-                                            k_norm_weight, eps, kv_cache, md, scale, sinks)
+                                            k_norm_weight, eps, kv_cache, md, scale, sinks,
+                                            k_scale, v_scale)
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
-                    md: TritonAttentionMetadata, scale: float, v_dim: int) -> torch.Tensor:
-        return latent_attention_triton(q, latent, kv_cache, md, scale, v_dim)
+                    md: TritonAttentionMetadata, scale: float, v_dim: int, *,
+                    kv_scale: float = 1.0) -> torch.Tensor:
+        return latent_attention_triton(q, latent, kv_cache, md, scale, v_dim, kv_scale)
 
     def warm_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
-                     block_size: int, sliding_window: int | None) -> int:
-        return warm_paged_attention(kv_cache, num_heads, scale, block_size, sliding_window)
+                     block_size: int, sliding_window: int | None,
+                     q_dtype: torch.dtype | None = None) -> int:
+        return warm_paged_attention(kv_cache, num_heads, scale, block_size, sliding_window,
+                                    q_dtype)
 
     def warm_mla_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
-                         block_size: int, v_dim: int) -> int:
-        return warm_latent_attention(kv_cache, num_heads, scale, block_size, v_dim)
+                         block_size: int, v_dim: int, q_dtype: torch.dtype | None = None) -> int:
+        return warm_latent_attention(kv_cache, num_heads, scale, block_size, v_dim, q_dtype)
 
     def alloc_graph_buffers(self, max_rows: int, max_tokens: int, max_blocks: int,
                             device: torch.device, *, block_size: int,

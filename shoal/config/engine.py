@@ -38,6 +38,26 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return getattr(torch, _DTYPES[dtype])
 
 
+# The KV cache's storage (vLLM's kv_cache_dtype): "auto" is the model dtype; "fp8" and its
+# alias "fp8_e4m3" are float8_e4m3fn with a scale per layer for K and one for V
+# (shoal/attention/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} "
+                         f"(got {name!r})")
+
+
+def resolve_kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype the KV cache tensors are allocated in."""
+    import torch
+
+    check_kv_cache_dtype(name)
+    return model_dtype if name == "auto" else torch.float8_e4m3fn
+
+
 def default_device() -> torch.device:
     import torch
 
@@ -56,10 +76,16 @@ class ModelConfig:
     runner: str = "generate"  # "generate" or "pooling" (embeddings, classification, scores)
     pooler_config: dict = field(default_factory=dict)  # pooling_type / normalize overrides
     quantization: str | None = None  # the user's; None: the checkpoint's (shoal/quantization)
+    # "auto" | "shoal" | "transformers": shoal's class or the Transformers backend
+    # (shoal/models/registry.py resolves it per model, so a draft model picks its own)
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         if self.runner not in ("generate", "pooling"):
             raise ValueError(f"runner must be 'generate' or 'pooling' (got {self.runner!r})")
+        if self.model_impl not in ("auto", "shoal", "transformers"):
+            raise ValueError(f"model_impl must be auto, shoal or transformers (got "
+                             f"{self.model_impl!r})")
 
 
 @dataclass(frozen=True)
@@ -69,8 +95,10 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
 
     def __post_init__(self) -> None:
+        check_kv_cache_dtype(self.kv_cache_dtype)
         # (a multiple of 64: a hybrid model's pages, sized to hold a linear layer's state)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128) and self.block_size % 64:
             raise ValueError(f"block_size must be a power of two in [1, 128] (got {self.block_size})")

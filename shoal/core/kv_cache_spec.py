@@ -21,7 +21,9 @@ copy states as pages, and a prefix hit restores the state of its last block.
 
 Adding a kind of cache (the compressed caches of sparse attention) is a spec class here, its
 table policy (what first_needed_token says), the layer that declares it and the attention
-backend's methods for it."""
+backend's methods for it. DeepSeek-V4's first version keeps rows its own layers read back
+(shoal/layers/paged_rows.py): its window's shared K=V rows (SlidingSharedKVSpec) and the
+compressors' per-token inputs (CompressorInputSpec)."""
 
 from __future__ import annotations
 
@@ -93,6 +95,16 @@ class SlidingWindowSpec(KVCacheSpec):
 
 
 @dataclass(frozen=True)
+class SlidingSharedKVSpec(SlidingWindowSpec):
+    """A sliding window whose key is its value (DeepSeek-V4's shared-KV MQA): one row of
+    head_size values per token (num_kv_heads 1), in the sliding tables of its window."""
+
+    @property
+    def planes(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
 class LatentAttentionSpec(KVCacheSpec):
     """Multi-head latent attention (DeepSeek MLA): one row per token of kv_lora_rank latent
     values and the rotated shared key part, for every query head (num_kv_heads 1)."""
@@ -107,6 +119,15 @@ class IndexerKeySpec(LatentAttentionSpec):
     """DeepSeek Sparse Attention's indexer (V3.2): one key row of index_head_dim values per
     token (num_kv_heads 1), kept for every token beside the layer's latent row, in the same
     block tables (its own tensor: the rows differ in width)."""
+
+
+@dataclass(frozen=True)
+class CompressorInputSpec(LatentAttentionSpec):
+    """DeepSeek-V4's compressed attention (CSA, HCA): per token the projected rows its
+    compressor (and CSA's indexer) pool into one entry per group of tokens, kept for every
+    token (num_kv_heads 1, head_size the row's width). The entries are recomputed from them at
+    each step (shoal/layers/token_compressor.py), so this keeps more than the compressed cache
+    it stands for: prefix hits, chunks and preemption need nothing else."""
 
 
 @dataclass(frozen=True)

@@ -60,6 +60,10 @@ class ResolvedArgs:
         return self.args.kv_offloading_size is not None
 
     @property
+    def fp8_kv_cache(self) -> bool:
+        return getattr(self.args, "kv_cache_dtype", "auto") in ("fp8", "fp8_e4m3")
+
+    @property
     def num_layers(self) -> int:
         return int(getattr(self.hf_config, "num_hidden_layers", 0) or 0)
 
@@ -106,9 +110,18 @@ class ResolvedArgs:
         return SpeculativeConfig.from_user(self.args.speculative_config).method
 
     @functools.cached_property
-    def model_class(self) -> str:
-        from shoal.models.registry import resolve_model_class
+    def transformers_backend(self) -> bool:
+        """The model runs through the Transformers backend (model_impl)."""
+        from shoal.models.registry import uses_transformers_backend
 
+        return uses_transformers_backend(self.hf_config, self.runner, self.args.model_impl)
+
+    @functools.cached_property
+    def model_class(self) -> str:
+        from shoal.models.registry import TRANSFORMERS_BACKEND, resolve_model_class
+
+        if self.transformers_backend:  # (its own checks ran before the table)
+            return TRANSFORMERS_BACKEND[1]
         return resolve_model_class(self.hf_config, self.runner).__name__
 
     @property
@@ -146,6 +159,16 @@ class Incompatibility:
 
 
 _DP_EP = "enable_expert_parallel with data_parallel_size > 1 (DP+EP)"
+_V4 = "DeepSeek-V4 (DeepseekV4ForCausalLM)"
+
+
+def _deepseek_v4(s: ResolvedArgs) -> bool:
+    """DeepSeek-V4, whose layers (shoal/models/deepseek_v4.py) are a plain-torch reference
+    for the CPU yet."""
+    archs = getattr(s.hf_config, "architectures", None) or ()
+    return ("DeepseekV4ForCausalLM" in archs
+            or getattr(s.hf_config, "model_type", None) == "deepseek_v4")
+
 
 ROWS: tuple[Incompatibility, ...] = (
     # ---- the runner -----------------------------------------------------------------------
@@ -310,10 +333,62 @@ ROWS: tuple[Incompatibility, ...] = (
         "data_parallel_rank in [0, {s.dp}) and the shared data_parallel_master_port (shoal "
         "serve sets both; offline, run one LLM per rank with both set; got "
         "{s.args.data_parallel_rank!r} and {s.args.data_parallel_master_port!r})"),
+    # ---- the KV cache dtype -----------------------------------------------------------------
+    # (Linear-attention hybrids take it: their attention pages are FP8, their recurrent states
+    # stay float32 words inside those pages, and the block size grows until a page holds one.)
+    Incompatibility(
+        "kv_cache_dtype='fp8'", "DeepSeek-V3.2 sparse attention (the indexer's key cache)",
+        lambda s: (s.fp8_kv_cache and s.latent_attention
+                   and getattr(s.hf_config, "index_topk", None) is not None),
+        "kv_cache_dtype={s.args.kv_cache_dtype!r} does not cover {s.model_class}'s lightning "
+        "indexer yet (its key cache is written in the model dtype); use kv_cache_dtype='auto'"),
+    # ---- the Transformers backend (transformers' modeling code, shoal's paged attention) ----
+    Incompatibility(
+        "model_impl='transformers' (the Transformers backend)", "tensor_parallel_size > 1",
+        lambda s: s.transformers_backend and s.tp > 1,
+        "the Transformers backend has no tensor-parallel plan yet: tensor_parallel_size must "
+        "be 1 (got {s.tp})"),
+    Incompatibility(
+        "model_impl='transformers' (the Transformers backend)", _DP_EP,
+        lambda s: s.transformers_backend and s.dp_ep,
+        "the Transformers backend runs transformers' own MoE layers, which do not split "
+        "experts over replicas: " + _DP_EP + " is not supported"),
+    Incompatibility(
+        "model_impl='transformers' (the Transformers backend)", "speculative_config (mtp, eagle)",
+        lambda s: s.transformers_backend and s.spec_method in ("mtp", "eagle"),
+        "speculative_config: method {s.spec_method!r} drafts from a shoal model class's layers "
+        "and hidden states; with the Transformers backend use 'ngram' or 'draft_model'"),
+    # ---- DeepSeek-V4: a per-request reference path in plain torch, CPU only yet ----------
+    Incompatibility(
+        _V4, "a CUDA device",
+        lambda s: _deepseek_v4(s) and s.device_type == "cuda",
+        "DeepseekV4ForCausalLM runs on the CPU only yet: its attention is a plain-torch "
+        "reference that loops over the step's requests at every layer with host-side indices "
+        "(no kernels, no CUDA graphs); use device='cpu'"),
+    Incompatibility(
+        _V4, "tensor_parallel_size > 1",
+        lambda s: _deepseek_v4(s) and s.tp > 1,
+        "DeepseekV4ForCausalLM's layers are not tensor-parallel yet: tensor_parallel_size must "
+        "be 1 (got {s.tp})"),
+    Incompatibility(
+        _V4, _DP_EP,
+        lambda s: _deepseek_v4(s) and s.dp_ep,
+        "DeepseekV4ForCausalLM does not support " + _DP_EP + " yet"),
+    Incompatibility(
+        _V4, "speculative_config (mtp, eagle)",
+        lambda s: _deepseek_v4(s) and s.spec_method in ("mtp", "eagle"),
+        "speculative_config: method {s.spec_method!r} has no head for DeepseekV4ForCausalLM "
+        "(its multi-token-prediction layers are not loaded yet); use 'ngram'"),
+    Incompatibility(
+        _V4, "kv_cache_dtype='fp8'",
+        lambda s: _deepseek_v4(s) and getattr(s.args, "kv_cache_dtype", "auto") != "auto",
+        "DeepseekV4ForCausalLM keeps its caches in the model dtype (kv_cache_dtype "
+        "{s.args.kv_cache_dtype!r} is not supported for it yet); use kv_cache_dtype='auto'"),
     # ---- devices --------------------------------------------------------------------------
     Incompatibility(
         "DeepSeek-V3.2 sparse attention", "max_model_len > index_topk on CUDA",
         lambda s: (s.device_type == "cuda" and s.args.attention_backend != "torch"
+                   and s.latent_attention
                    and getattr(s.hf_config, "index_topk", None) is not None
                    and s.max_model_len > s.hf_config.index_topk),
         "{s.model_class}: contexts past index_topk ({s.hf_config.index_topk}) need sparse "

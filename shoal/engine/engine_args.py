@@ -7,17 +7,18 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from shoal.config import (
-    CacheConfig,
     EngineConfig,
     KVOffloadConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    check_kv_cache_dtype,
     default_device,
     ray_installed,
     resolve_dtype,
 )
 from shoal.config.speculative import SpeculativeConfig
+from shoal.engine.cache_args import cache_config
 from shoal.engine.compatibility import ResolvedArgs, check_compatibility
 from shoal.engine.cpu_defaults import (
     CPU_MAX_NUM_SEQS,
@@ -26,7 +27,7 @@ from shoal.engine.cpu_defaults import (
     default_scheduler_limits,
 )
 from shoal.json_arg import json_object
-from shoal.models.registry import has_linear_attention
+from shoal.models.registry import has_linear_attention, takes_transformers_backend
 from shoal.pooling.model_info import parse_pooler_config
 from shoal.quantization.config import check_quantization_name
 from shoal.structured_output.params import check_backend_available, parse_backend_config
@@ -67,6 +68,10 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = arg(None, "KV-cache size in bytes (overrides "
                                                   "gpu_memory_utilization)")
     num_gpu_blocks_override: int | None = arg(None, "exact number of KV blocks")
+    kv_cache_dtype: str = arg("auto", "KV cache storage: auto (the model dtype), or fp8 / "
+                                      "fp8_e4m3 (float8_e4m3fn: twice bfloat16's blocks in "
+                                      "the same memory; k and v scales from the checkpoint, "
+                                      "else 1.0)")
     seed: int = arg(0, "random seed (weights of load_format=dummy, unseeded sampling)")
     enforce_eager: bool = arg(False, "no CUDA graphs")
     cpu_threads: int | None = arg(None, "threads for the model on the CPU (default: every core, "
@@ -149,6 +154,9 @@ class EngineArgs:
               "\"prompt_lookup_max\": 5} (default: off)")
     runner: str = arg("auto", "generate or pooling (embeddings, classification, scores); "
                               "auto: pooling for an encoder or classifier checkpoint")
+    model_impl: str = arg("auto", "shoal (its own model class), transformers (transformers' "
+                                  "modeling code, shoal's paged attention) or auto: shoal's "
+                                  "class when it has the architecture, else transformers")
     convert: str = arg("auto", "auto, none or embed (embed: serve a causal LM as an embedding "
                                "model, last-token pooling)")
     hf_overrides: str | None = arg(None, "JSON fields set on the model's config, e.g. "
@@ -203,6 +211,7 @@ class EngineArgs:
         runner = self.resolve_runner(hf_config)
         device = self.resolved_device()
         self._check_values()
+        backend_model = takes_transformers_backend(hf_config, runner, self.model_impl)
         max_len = self._max_model_len(hf_config, runner, model_path)
         check_compatibility(ResolvedArgs(self, runner, device.type, max_len, hf_config,
                                          serving))
@@ -230,11 +239,9 @@ class EngineArgs:
                                      self.seed, vocab_size=hf_config.vocab_size,
                                      runner=runner,
                                      pooler_config=parse_pooler_config(self.pooler_config),
-                                     quantization=self.quantization),
-            cache_config=CacheConfig(self._block_size(hf_config, runner, dtype),
-                                     self._prefix_caching(hf_config),
-                                     self.gpu_memory_utilization, self.kv_cache_memory_bytes,
-                                     self.num_gpu_blocks_override),
+                                     quantization=self.quantization,
+                                     model_impl=self.model_impl),
+            cache_config=cache_config(self, hf_config, runner, dtype),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=limits.max_num_batched_tokens,
                 max_num_seqs=limits.max_num_seqs, max_model_len=max_len,
@@ -251,8 +258,9 @@ class EngineArgs:
                 data_parallel_rank=self.data_parallel_rank or 0,
                 data_parallel_master_port=self.data_parallel_master_port),
             device=device,
-            # DP+EP: the MoE all-to-all reads its split sizes on the host (no graph capture).
-            enforce_eager=self.enforce_eager or self.dp_expert_parallel(),
+            # No graph capture for DP+EP (the MoE all-to-all reads its split sizes on the host)
+            # nor the Transformers backend (transformers' code is not checked for capture).
+            enforce_eager=self.enforce_eager or self.dp_expert_parallel() or backend_model,
             attention_backend=self.attention_backend,
             use_triton_ops=self.use_triton_ops,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
@@ -263,32 +271,6 @@ class EngineArgs:
             structured_outputs_backend=check_backend_available(
                 parse_backend_config(self.structured_outputs_config)),
         )
-
-    def _prefix_caching(self, hf_config: Any) -> bool:
-        """On as configured, but off for linear-attention layers under speculative decoding:
-        a verify step leaves states that its successor's replay completes (not yet kept as
-        snapshots)."""
-        if (self.enable_prefix_caching and self.speculative_config is not None
-                and has_linear_attention(hf_config)):
-            logger.info("prefix caching off: speculative decoding on a model with "
-                        "linear-attention layers")
-            return False
-        return self.enable_prefix_caching
-
-    def _block_size(self, hf_config: Any, runner: str, dtype: Any) -> int:
-        """The configured block size, raised for a model with linear-attention layers until
-        an attention page holds one layer's recurrent state (they share the pool's pages)."""
-        if runner != "generate" or not has_linear_attention(hf_config):
-            return self.block_size
-        from shoal.models.registry import resolve_model_class
-
-        cls = resolve_model_class(hf_config)
-        need = cls.block_size_for(hf_config, dtype.itemsize, self.tensor_parallel_size)
-        size = max(need, -(-self.block_size // 64) * 64)
-        if size != self.block_size:
-            logger.info("block_size %d -> %d: a page must hold a linear-attention layer's "
-                        "state", self.block_size, size)
-        return size
 
     def _check_values(self) -> None:
         """Each setting's own value; what settings do together is the compatibility table's."""
@@ -310,6 +292,7 @@ class EngineArgs:
                 f"load_format must be auto, gguf, safetensors or dummy (got {self.load_format!r})"
             )
         check_quantization_name(self.quantization)  # against the checkpoint: at its load
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
     def _max_model_len(self, hf_config: Any, runner: str, model_path: str | None) -> int:
         model_max = int(getattr(hf_config, "max_position_embeddings", 2048) or 2048)

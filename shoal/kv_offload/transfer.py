@@ -35,9 +35,11 @@ class KVTransfer:
     def __init__(self, kv_caches: list[torch.Tensor], cpu_pool: torch.Tensor, block_size: int,
                  cpu_stats: TierStats | None = None):
         self.block_bytes = cpu_pool[0].numel() * cpu_pool.element_size() if len(cpu_pool) else 0
-        # Per layer: [planes, num_blocks + 1, block_size * Hk * D], a view of the cache tensor.
-        self.views = [kv.view(kv.shape[0], kv.shape[1] // block_size, -1) for kv in kv_caches]
-        self.pool = cpu_pool
+        # Per layer: [planes, num_blocks + 1, block bytes], a view of the cache tensor. Copies
+        # move bytes: an FP8 cache's float8 has no index kernels on some devices.
+        self.views = [kv.view(torch.uint8).view(kv.shape[0], kv.shape[1] // block_size, -1)
+                      for kv in kv_caches]
+        self.pool = cpu_pool.view(torch.uint8)
         self.stats = cpu_stats
         self.device = kv_caches[0].device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None

@@ -1,6 +1,11 @@
 """The paged attention layer every model uses: it holds one layer's KV cache and hands the
 work to the attention backend. The model runner binds both (`kv_cache` once the pool is
-sized, `backend` once at start-up); a fresh layer uses the torch reference backend."""
+sized, `backend` once at start-up); a fresh layer uses the torch reference backend.
+
+With an FP8 cache (kv_cache_dtype="fp8") the layer hands its per-tensor k and v scales to the
+backend: 1.0 unless the checkpoint has them (set at load by shoal/loader/kv_scales.py, from
+`self_attn.k_scale` / `v_scale` or the projections' `output_scale`). They are plain floats:
+fixed once loaded, read on the host at each launch (a CUDA graph keeps them as constants)."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.attention import kv_quant
 from shoal.attention.backend import AttentionBackend
 from shoal.attention.metadata import GroupedMetadata
 from shoal.attention.packed import PackedSeqs, packed_attention
@@ -28,6 +34,14 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None  # [2, num_slots, Hk, D]
         self.kv_group = 0  # its KV cache group: which of a step's metadata it reads
         self.backend: AttentionBackend = TorchAttentionBackend()
+        self.k_scale, self.v_scale = 1.0, 1.0  # an FP8 cache's scales (kv_quant.py)
+
+    def set_kv_scales(self, k_scale: float | None, v_scale: float | None) -> None:
+        """The checkpoint's scales of an FP8 KV cache (None: keep 1.0)."""
+        if k_scale is not None:
+            self.k_scale = kv_quant.check_scale("k_scale", k_scale)
+        if v_scale is not None:
+            self.v_scale = kv_quant.check_scale("v_scale", v_scale)
 
     def kv_cache_spec(self, dtype_bytes: int) -> KVCacheSpec:
         """What it keeps per token: a K and a V row of Hk x D, of the whole context or of the
@@ -48,10 +62,13 @@ class Attention(nn.Module):
             if sinks is not None:
                 return self._packed_with_sinks(q, k, v, md, sinks)
             return packed_attention(q, k, v, md, self.scale)
-        if sinks is None:  # a backend without supports_sinks need not take the argument
-            return self.backend.forward(q, k, v, self._cache(), md, self.scale)
-        self._check_sinks(sinks)
-        return self.backend.forward(q, k, v, self._cache(), md, self.scale, sinks=sinks)
+        cache = self._cache()
+        # a backend without supports_sinks (or FP8) need not take those arguments
+        kw = self._fp8_scales(cache)
+        if sinks is not None:
+            self._check_sinks(sinks)
+            kw["sinks"] = sinks
+        return self.backend.forward(q, k, v, cache, md, self.scale, **kw)
 
     @property
     def fuses_rope(self) -> bool:
@@ -70,14 +87,24 @@ class Attention(nn.Module):
         if len({n.eps for n in norms}) > 1:
             raise ValueError("the fused kernel takes one eps for the q and k norms")
         eps = norms[0].eps if norms else 0.0
+        cache = self._cache()
         args = (q, k, v, positions, rope.cos_sin_cache,
                 q_norm.weight if q_norm is not None else None,
                 k_norm.weight if k_norm is not None else None,
-                eps, self._cache(), md, self.scale)
-        if sinks is None:
-            return self.backend.forward_fused(*args)
-        self._check_sinks(sinks)
-        return self.backend.forward_fused(*args, sinks=sinks)
+                eps, cache, md, self.scale)
+        kw = self._fp8_scales(cache)
+        if sinks is not None:
+            self._check_sinks(sinks)
+            kw["sinks"] = sinks
+        return self.backend.forward_fused(*args, **kw)
+
+    def _fp8_scales(self, cache: torch.Tensor) -> dict[str, Any]:
+        if not kv_quant.is_fp8(cache):
+            return {}
+        if not self.backend.supports_fp8_kv_cache:
+            raise NotImplementedError(f"the {self.backend.name} attention backend has no FP8 "
+                                      "KV cache; use kv_cache_dtype='auto'")
+        return {"k_scale": self.k_scale, "v_scale": self.v_scale}
 
     def _packed_with_sinks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            md: PackedSeqs, sinks: torch.Tensor) -> torch.Tensor:

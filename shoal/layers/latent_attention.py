@@ -4,7 +4,10 @@ layer's latent cache and hands the work to the attention backend's forward_mla.
 The cache has one plane, [1, num_slots, 1, Dk]: per token the compressed KV latent
 (kv_lora_rank values) and the rotated shared key part (qk_rope_head_dim), Dk = 576 for
 DeepSeek-V3, once per token rather than per head. The model projects queries into the latent
-space (the weight-absorbed form) before calling it, and projects the output back."""
+space (the weight-absorbed form) before calling it, and projects the output back.
+
+An FP8 cache (kv_cache_dtype="fp8") keeps the row with one scale: the checkpoint's k_scale
+of the layer when it has one (shoal/loader/kv_scales.py), else 1.0."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.attention import kv_quant
 from shoal.attention.backend import AttentionBackend
 from shoal.attention.metadata import GroupedMetadata
 from shoal.attention.torch_backend import TorchAttentionBackend
@@ -33,6 +37,13 @@ class LatentAttention(nn.Module):
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None  # [1, num_slots, 1, head_dim]
         self.backend: AttentionBackend = TorchAttentionBackend()
+        self.kv_scale = 1.0  # an FP8 cache's scale of the latent row (kv_quant.py)
+
+    def set_kv_scales(self, k_scale: float | None, v_scale: float | None) -> None:
+        """The checkpoint's scale of an FP8 latent cache: its k_scale (the row is the key;
+        a v_scale, if any, is not used: the value is part of the same row)."""
+        if k_scale is not None:
+            self.kv_scale = kv_quant.check_scale("k_scale", k_scale)
 
     def kv_cache_spec(self, dtype_bytes: int) -> LatentAttentionSpec:
         """One latent row per token, no separate V plane."""
@@ -50,11 +61,18 @@ class LatentAttention(nn.Module):
                                       "latent attention (MLA)")
         if self.kv_cache is None:
             raise RuntimeError("KV cache is not bound to the attention layer")
+        kw: dict[str, Any] = {}
+        if kv_quant.is_fp8(self.kv_cache):
+            if not self.backend.supports_fp8_kv_cache:
+                raise NotImplementedError(f"the {self.backend.name} attention backend has no "
+                                          "FP8 KV cache; use kv_cache_dtype='auto'")
+            kw["kv_scale"] = self.kv_scale
         if select is None:
-            return self.backend.forward_mla(q, latent, self.kv_cache, md, self.scale, self.v_dim)
+            return self.backend.forward_mla(q, latent, self.kv_cache, md, self.scale, self.v_dim,
+                                            **kw)
         if not self.backend.supports_sparse_mla:
             raise NotImplementedError(
                 f"the {self.backend.name} attention backend has no sparse latent attention: "
                 "DeepSeek-V3.2 contexts longer than index_topk need attention_backend='torch'")
         return self.backend.forward_mla(q, latent, self.kv_cache, md, self.scale, self.v_dim,
-                                        select)
+                                        select, **kw)

@@ -14,9 +14,10 @@ from torch import nn
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import expert_parallel
 from shoal.loader.dummy import initialize_dummy_weights
+from shoal.loader.kv_scales import apply_kv_scales
 from shoal.loader.loaded_model import LoadedModel
 from shoal.models.interface import as_pooling_model
-from shoal.models.registry import resolve_model_class
+from shoal.models.registry import model_path, resolve_model_class
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +27,8 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
     PoolingModel), ready for the runner to bind KV caches."""
     t0 = time.perf_counter()
     pooling = config.model_config.runner == "pooling"
-    cls = resolve_model_class(loaded.hf_config, config.model_config.runner)
+    cls = resolve_model_class(loaded.hf_config, config.model_config.runner,
+                              config.model_config.model_impl)
     if pooling:  # a PoolingModel; a causal LM serves as an embedder
         cls = as_pooling_model(cls)
     ep = config.parallel_config.enable_expert_parallel  # read by FusedMoE's constructor
@@ -40,13 +42,15 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
         if pooling:  # heads stored beside the safetensors (BGE-M3)
             names |= model.load_extra_files(Path(loaded.source))
         check_all_loaded(model, names, loaded.source)
+        apply_kv_scales(model, loaded.kv_scales)  # (filled by the pass just made)
     # By default only a GGUF's weights are looked at (another format has no 4-bit groups to
     # find, and the search reads every weight); asked for, any model is tried.
     if config.cpu_int4_matmul == "all" or (config.cpu_int4_matmul == "small_steps"
                                            and loaded.load_format == "gguf"):
         convert_to_int4(model, loaded.source, config.cpu_int4_matmul)
     model.eval()
-    logger.info("model %s loaded in %.2f s", cls.__name__, time.perf_counter() - t0)
+    logger.info("model %s loaded in %.2f s: %s", getattr(model, "architecture", cls.__name__),
+                time.perf_counter() - t0, model_path(cls))
     return model
 
 

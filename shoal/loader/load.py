@@ -6,6 +6,7 @@ from pathlib import Path
 
 from shoal.loader.gguf_loader import load_gguf
 from shoal.loader.gguf_tokenizer import build_gguf_tokenizer
+from shoal.loader.kv_scales import KVScales, without_kv_scales
 from shoal.loader.loaded_model import LoadedModel, no_weights
 from shoal.loader.resolve import ModelSource, resolve_model
 from shoal.loader.safetensors_loader import folder_weights, load_folder_config
@@ -33,6 +34,7 @@ def load_model(
     source = resolve_model(model)
     _check_format(source, load_format)
     dummy = load_format == "dummy"
+    kv_scales = KVScales()
     if source.kind == "gguf":
         if quantization not in (None, "gguf"):
             raise ValueError(f"quantization={quantization!r} does not apply to the GGUF file "
@@ -51,10 +53,10 @@ def load_model(
         if dummy:
             weights = no_weights
         elif qconfig is None:
-            weights = folder_weights(source.path, config, rename)
+            weights = without_kv_scales(folder_weights(source.path, config, rename), kv_scales)
         else:  # the tensors as stored, dequantized as they stream
-            weights = dequantized_weights(folder_weights(source.path, config, rename,
-                                                         dtype=None), qconfig)
+            stored = folder_weights(source.path, config, rename, dtype=None)
+            weights = dequantized_weights(without_kv_scales(stored, kv_scales), qconfig)
         tok = None if tokenizer is not None else load_folder_tokenizer(source.path)
         used_format = "dummy" if dummy else "safetensors"
     if tokenizer is not None:
@@ -65,6 +67,7 @@ def load_model(
         source=str(source.path),
         weights=weights,
         load_format=used_format,
+        kv_scales=kv_scales,
     )
 
 

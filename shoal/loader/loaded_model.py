@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from shoal.loader.kv_scales import KVScales
 
 WeightsFn = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
@@ -25,3 +27,5 @@ class LoadedModel:
     # is left out.
     weights: WeightsFn
     load_format: str = "auto"  # the format actually used: "gguf", "safetensors" or "dummy"
+    # The checkpoint's KV-cache scales, taken out of `weights` as it streams (kv_scales.py)
+    kv_scales: KVScales = field(default_factory=KVScales)

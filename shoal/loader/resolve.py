@@ -73,6 +73,9 @@ SHIPPED_CONFIGS: dict[str, str] = {
     # DeepSeek-V3.2-Exp (V3 with the sparse-attention indexer) cut to its 3 dense layers and
     # one MoE layer: 15.2B parameters.
     "deepseek-ai/DeepSeek-V3.2-Exp-4layers": "deepseek-v3.2-exp-4layers",
+    # DeepSeek-V4-Flash-Base cut to 4 layers: two sliding, one CSA, one HCA; three hash-routed
+    # MoE layers then a top-k routed one (27.4B parameters, 51 GiB in bf16).
+    "deepseek-ai/DeepSeek-V4-Flash-Base-4layers": "deepseek-v4-flash-base-4layers",
     # Hybrid linear attention. Qwen3-Next-80B-A3B (79.7B in bf16) does not fit one H200: its
     # first 24 of 48 layers (the same 3 linear : 1 full pattern), 40.0B parameters.
     "Qwen/Qwen3-Next-80B-A3B-Instruct-24layers": "qwen3-next-80b-a3b-24layers",

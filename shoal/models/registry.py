@@ -1,7 +1,11 @@
 """Model classes by the `architectures` name in a Hugging Face config, imported lazily.
 
 Adding an architecture: a class that follows shoal/models/interface.py, one line here (and
-one in _BY_MODEL_TYPE), and its entry in tests/models/test_interface.py."""
+one in _BY_MODEL_TYPE), and its entry in tests/models/test_interface.py.
+
+An architecture without a class here runs through the Transformers backend
+(shoal/models/transformers_backend: transformers' modeling code, shoal's paged attention)
+when its modeling code allows it; model_impl picks the path (MODEL_IMPLS)."""
 
 from __future__ import annotations
 
@@ -20,9 +24,16 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV2ForCausalLM": ("shoal.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("shoal.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     "DeepseekV32ForCausalLM": ("shoal.models.deepseek_v32", "DeepseekV32ForCausalLM"),
+    "DeepseekV4ForCausalLM": ("shoal.models.deepseek_v4", "DeepseekV4ForCausalLM"),
     "KimiLinearForCausalLM": ("shoal.models.kimi_linear", "KimiLinearForCausalLM"),
     "GptOssForCausalLM": ("shoal.models.gpt_oss", "GptOssForCausalLM"),
 }
+
+# The Transformers modeling backend's class (model_impl="transformers", or "auto" for an
+# architecture none of the tables below has).
+TRANSFORMERS_BACKEND = ("shoal.models.transformers_backend.model", "TransformersForCausalLM")
+# auto: shoal's own class when it has one, else the Transformers backend
+MODEL_IMPLS = ("auto", "shoal", "transformers")
 
 # Pooling-only architectures (encoders, classification heads): runner="pooling".
 _POOLING_MODELS: dict[str, tuple[str, str]] = {
@@ -54,6 +65,7 @@ _BY_MODEL_TYPE = {
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
+    "deepseek_v4": "DeepseekV4ForCausalLM",
     "kimi_k2": "DeepseekV3ForCausalLM",
     "kimi_linear": "KimiLinearForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
@@ -91,9 +103,45 @@ def is_pooling_only(hf_config: Any) -> bool:
     return any(a in _POOLING_MODELS for a in archs) and not any(a in _MODELS for a in archs)
 
 
-def resolve_model_class(hf_config: Any, runner: str = "generate") -> type:
+def uses_transformers_backend(hf_config: Any, runner: str = "generate",
+                              model_impl: str = "auto") -> bool:
+    """Whether the model takes the Transformers backend: always for model_impl
+    "transformers", for "auto" when shoal has no class for the architecture (generation
+    only: the backend has no pooling path), never for "shoal"."""
+    if model_impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)} (got "
+                         f"{model_impl!r})")
+    if model_impl != "auto":
+        return model_impl == "transformers"
+    archs = _architectures(hf_config)
+    if not archs and not getattr(hf_config, "model_type", None):
+        return False  # names no model at all: resolve_model_class's error, when built
+    return runner == "generate" and not any(a in _MODELS or a in _POOLING_MODELS
+                                            for a in archs)
+
+
+def takes_transformers_backend(hf_config: Any, runner: str, model_impl: str) -> bool:
+    """uses_transformers_backend, where the backend's checks on the config must pass: a
+    model it cannot run raises ValueError naming why."""
+    if not uses_transformers_backend(hf_config, runner, model_impl):
+        return False
+    _transformers_backend(hf_config, runner, model_impl)
+    return True
+
+
+def model_path(cls: type) -> str:
+    """How a model class runs, for start-up logs."""
+    if cls.__name__ == TRANSFORMERS_BACKEND[1]:
+        return "the Transformers backend (transformers' modeling code, shoal's paged attention)"
+    return "shoal's own model class"
+
+
+def resolve_model_class(hf_config: Any, runner: str = "generate",
+                        model_impl: str = "auto") -> type:
     """The class for the config's architecture; runner "pooling" also takes the pooling-only
-    ones (a causal LM serves as an embedder under it as well)."""
+    ones (a causal LM serves as an embedder under it as well). model_impl: MODEL_IMPLS."""
+    if uses_transformers_backend(hf_config, runner, model_impl):
+        return _transformers_backend(hf_config, runner, model_impl)
     archs = _architectures(hf_config)
     tables = [_POOLING_MODELS, _MODELS] if runner == "pooling" else [_MODELS]
     for table in tables:
@@ -110,3 +158,22 @@ def resolve_model_class(hf_config: Any, runner: str = "generate") -> type:
         f"unsupported model architecture {archs or getattr(hf_config, 'model_type', None)!r}; "
         f"supported: {', '.join(supported)}"
     )
+
+
+def _transformers_backend(hf_config: Any, runner: str, model_impl: str) -> type:
+    """The backend's class, once its checks on the config pass (ValueError naming why not)."""
+    if runner != "generate":
+        raise ValueError("model_impl='transformers' runs text generation only; the pooling "
+                         "runner needs shoal's own class (model_impl='auto' or 'shoal')")
+    from shoal.models.transformers_backend.support import unsupported_reason
+
+    reason = unsupported_reason(hf_config)
+    if reason is not None:
+        archs = _architectures(hf_config) or [getattr(hf_config, "model_type", None)]
+        if model_impl == "auto":
+            raise ValueError(f"unsupported model architecture {archs[0]!r}: shoal has no class "
+                             f"of its own for it (supported: {', '.join(supported_architectures())})"
+                             f" and the Transformers backend cannot run it: {reason}")
+        raise ValueError(f"the Transformers backend cannot run {archs[0]}: {reason}")
+    module, name = TRANSFORMERS_BACKEND
+    return getattr(importlib.import_module(module), name)

@@ -7,7 +7,12 @@ several KV cache groups whose layers are all of one shape (sliding-window layers
 ones), a block id belongs to one group at a time, so the j-th layer of every group shares one
 tensor (vLLM's layout): a block costs the largest group's layers, not every layer's. A
 linear-attention layer's state fills a page of the attention layers' row (its spec takes
-that row here), so hybrids share tensors the same way."""
+that row here), so hybrids share tensors the same way.
+
+The tensors' dtype is the pool's storage: the model dtype, or float8_e4m3fn for
+kv_cache_dtype="fp8" (one byte a value, so a block costs half of bfloat16's and the pool gets
+twice the blocks; attention/kv_quant.py). A linear state's float32 words fill the bytes of an
+FP8 page all the same."""
 
 from __future__ import annotations
 
@@ -97,11 +102,14 @@ def _allocate(n: int, row: tuple[int, int, int], num_slots: int, dtype: torch.dt
 
 def zero_blocks(caches: list[torch.Tensor], entries: list[tuple[int, int]],
                 block_size: int) -> None:
-    """(block id, first slot): zeroes each block from that slot on, in every tensor."""
+    """(block id, first slot): zeroes each block from that slot on, in every tensor (as
+    bytes: zero bytes are 0.0 in every float dtype, and float8 has no index kernels on some
+    devices)."""
     whole = [b for b, first in entries if first == 0]
     idx = to_device(whole, torch.long, caches[0].device) if whole else None
     for kv in caches:
-        blocks = kv.view(kv.shape[0], -1, block_size, *kv.shape[2:])  # planes
+        row = kv.shape[3] * kv.element_size()
+        blocks = kv.view(torch.uint8).view(kv.shape[0], -1, block_size, kv.shape[2], row)
         if idx is not None:
             blocks[:, idx] = 0
         for b, first in entries:

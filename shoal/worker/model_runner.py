@@ -19,7 +19,7 @@ import torch
 
 from shoal.attention.linear_state import StateGraphBuffers
 from shoal.attention.selector import get_attention_backend
-from shoal.config import EngineConfig
+from shoal.config import EngineConfig, resolve_kv_cache_dtype
 from shoal.core.executor import Executor
 from shoal.core.kv_cache_spec import KVCacheLayout, group_layers
 from shoal.core.kv_transfer_plan import KVTransferPlan
@@ -68,8 +68,11 @@ class ModelRunner(Executor):
         # id: an id may be reused while a step holding its old request is in flight.
         self.requests: dict[int, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        # The pool's storage: the model dtype, or FP8 (kv_cache_dtype; a drafter's own cache
+        # stays in the model dtype).
+        self.kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         # What each paged layer keeps, and the layers sharing block tables (KV cache groups).
-        self.kv_specs = layer_specs(self.model.attention_layers(), self.dtype)
+        self.kv_specs = layer_specs(self.model.attention_layers(), self.kv_dtype)
         self.kv_groups = group_layers(self.kv_specs)
         self.block_size = config.cache_config.block_size
         # The fused rotary + cache write is one of the Triton ops: off with them.
@@ -78,6 +81,9 @@ class ModelRunner(Executor):
             fuse_rope_kv_write=config.use_triton_ops and config.fuse_rope_kv_write)
         for layer in self.model.attention_layers():
             layer.backend = self.backend
+        if self.kv_dtype != self.dtype and not self.backend.supports_fp8_kv_cache:
+            raise ValueError(f"the {self.backend.name} attention backend has no FP8 KV cache; "
+                             "use kv_cache_dtype='auto'")
         self.kv_transfer: KVTransfer | None = None  # KV offloading: see use_kv_transfer
         self.pending = PendingTokens()
         # Pipeline parallelism: this stage's layers and the activations between stages.
@@ -150,8 +156,9 @@ class ModelRunner(Executor):
         self.bind_kv_cache(num_blocks)
         if self.drafter is not None:
             self.drafter.bind(num_blocks, self.backend)
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB)", num_blocks, self.block_size,
-                    num_blocks * per_block / 2**20)
+        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", num_blocks,
+                    self.block_size, num_blocks * per_block / 2**20,
+                    str(self.kv_dtype).removeprefix("torch."))
         states = [g for g in self.kv_groups if g.holds_state]
         if states:
             logger.info("linear-attention states: %d layers, %.2f MiB a request (float32); a "
@@ -211,7 +218,7 @@ class ModelRunner(Executor):
         self.forwarder.null_block = num_blocks
         slots = (num_blocks + 1 + self.has_linear_states) * self.block_size
         self.kv_caches = allocate_kv_caches(self.model.attention_layers(), self.kv_specs,
-                                            self.kv_groups, slots, self.dtype, self.device,
+                                            self.kv_groups, slots, self.kv_dtype, self.device,
                                             self.block_size)
 
     def unbind_kv_cache(self) -> None:

@@ -138,11 +138,12 @@ def warmup(runner: Runner) -> float:
             continue
         if isinstance(group.spec, LatentAttentionSpec):
             variants += runner.backend.warm_mla_kernels(
-                layer.kv_cache, layer.num_heads, layer.scale, runner.block_size, layer.v_dim)
+                layer.kv_cache, layer.num_heads, layer.scale, runner.block_size, layer.v_dim,
+                q_dtype=runner.dtype)
         else:
             variants += runner.backend.warm_kernels(
                 layer.kv_cache, layer.num_heads, layer.scale, runner.block_size,
-                group.sliding_window)
+                group.sliding_window, q_dtype=runner.dtype)
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     took = time.perf_counter() - t0

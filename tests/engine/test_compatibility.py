@@ -24,6 +24,8 @@ _EAGLE = {"method": "eagle", "model": "/tmp/eagle", "num_speculative_tokens": 2}
 _DP_EP = dict(data_parallel_size=2, enable_expert_parallel=True, data_parallel_rank=0,
               data_parallel_master_port=1234)
 BERT = dict(architectures=["BertModel"], model_type="bert")
+_V4 = dict(architectures=["DeepseekV4ForCausalLM"], model_type="deepseek_v4", index_topk=512)
+_MTP = {"method": "mtp", "num_speculative_tokens": 1}
 _HYBRID = dict(architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next",
                layer_types=["linear_attention", "full_attention"])
 
@@ -94,10 +96,31 @@ CASES = [
      "distributed_executor_backend must be unset or 'uni'"),
     (dict(_DP_EP, data_parallel_rank=2), {}, "generate", "cpu", 64,
      r"needs data_parallel_rank in \[0, 2\)"),
+    (dict(model_impl="transformers", tensor_parallel_size=2), {}, "generate", "cpu", 64,
+     "the Transformers backend has no tensor-parallel plan yet"),
+    (dict(_DP_EP, model_impl="transformers"), {}, "generate", "cpu", 64,
+     "the Transformers backend runs transformers' own MoE layers"),
+    (dict(model_impl="transformers", speculative_config=_EAGLE), {}, "generate", "cpu", 64,
+     "method 'eagle' drafts from a shoal model class's layers"),
+    (dict(model_impl="transformers", pipeline_parallel_size=2), {}, "generate", "cpu", 64,
+     "not TransformersForCausalLM yet"),
     (dict(cpu_int4_matmul=True), {}, "generate", "cuda", 64,
      r"cpu_int4_matmul runs on the CPU only \(device is cuda\)"),
     (dict(), dict(architectures=["DeepseekV32ForCausalLM"], kv_lora_rank=32, index_topk=32),
      "generate", "cuda", 64, r"contexts past index_topk \(32\) need sparse latent attention"),
+    (dict(kv_cache_dtype="fp8"),
+     dict(architectures=["DeepseekV32ForCausalLM"], kv_lora_rank=32, index_topk=32), "generate",
+     "cpu", 64, r"kv_cache_dtype='fp8' does not cover DeepseekV32ForCausalLM's lightning "
+     "indexer"),
+    (dict(), _V4, "generate", "cuda", 64, "DeepseekV4ForCausalLM runs on the CPU only yet"),
+    (dict(tensor_parallel_size=2), _V4, "generate", "cpu", 64,
+     "DeepseekV4ForCausalLM's layers are not tensor-parallel yet"),
+    (_DP_EP, _V4, "generate", "cpu", 64,
+     r"DeepseekV4ForCausalLM does not support enable_expert_parallel"),
+    (dict(speculative_config=_MTP), _V4, "generate", "cpu", 64,
+     "method 'mtp' has no head for DeepseekV4ForCausalLM"),
+    (dict(kv_cache_dtype="fp8"), _V4, "generate", "cpu", 64,
+     "DeepseekV4ForCausalLM keeps its caches in the model dtype"),
 ]
 
 

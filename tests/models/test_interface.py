@@ -23,6 +23,7 @@ from shoal.core.kv_cache_spec import group_layers
 from shoal.layers.attention import Attention
 from shoal.layers.latent_attention import LatentAttention
 from shoal.layers.linear_attention import LinearAttention
+from shoal.layers.paged_rows import PagedRows
 from shoal.layers.sparse_indexer import LightningIndexer
 from shoal.loader.build import check_all_loaded
 from shoal.loader.dummy import initialize_dummy_weights
@@ -96,10 +97,18 @@ ARCHITECTURES = {
     "GptOssForCausalLM": ("gpt_oss", {"head_dim": 16, "num_local_experts": 4,
                                       "num_experts_per_tok": 2, "intermediate_size": 32,
                                       "sliding_window": 4}),
+    "DeepseekV4ForCausalLM": ("deepseek_v4", {
+        "num_key_value_heads": 1, "head_dim": 16, "q_lora_rank": 24,
+        "partial_rotary_factor": 0.5, "n_routed_experts": 4, "num_experts_per_tok": 2,
+        "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention"],
+        "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        "mlp_layer_types": ["hash_moe", "moe"], "hc_mult": 2, "sliding_window": 4,
+        "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2, "index_head_dim": 16,
+        "index_topk": 1}),
 }
 # Architectures with more than one paged layer per decoder layer (V3.2: latent attention and
-# its indexer's keys).
-PAGED_LAYERS_PER_LAYER = {"DeepseekV32ForCausalLM": 2}
+# its indexer's keys; V4's CSA / HCA layers: the window's rows and the compressors' inputs).
+PAGED_LAYERS_PER_LAYER = {"DeepseekV32ForCausalLM": 2, "DeepseekV4ForCausalLM": 2}
 # Architectures with linear-attention layers beside attention ones.
 LINEAR = {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
           "KimiLinearForCausalLM"}
@@ -144,7 +153,7 @@ def test_model_follows_the_interface(arch: str) -> None:
     layers = model.attention_layers()
     per_layer = PAGED_LAYERS_PER_LAYER.get(arch, 1)
     assert len(layers) == per_layer * cfg.num_hidden_layers
-    kinds = ((Attention, LatentAttention, LightningIndexer)
+    kinds = ((Attention, LatentAttention, LightningIndexer, PagedRows)
              + ((LinearAttention,) if arch in LINEAR else ()))
     assert all(isinstance(a, kinds) for a in layers)
     n = 5

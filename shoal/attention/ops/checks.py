@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from shoal.attention.ops.fp8 import Q_DTYPES, check_fp8_cache
+
 
 def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
                        seq_lens: torch.Tensor, rows: int, block_size: int) -> None:
-    """q: [*, Hq, D]; kv_cache: [2, slots, Hk, D]; block_tables int32 [>= rows, N];
-    seq_lens int32 [>= rows]."""
+    """q: [*, Hq, D]; kv_cache: [2, slots, Hk, D] of q's dtype or FP8; block_tables int32
+    [>= rows, N]; seq_lens int32 [>= rows]."""
     hq, d = q.shape[-2], q.shape[-1]
     if kv_cache.dim() != 4 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} is not [2, slots, Hk, D]")
@@ -18,8 +20,10 @@ def check_paged_inputs(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: to
         raise ValueError(f"q {tuple(q.shape)} does not fit cache {tuple(kv_cache.shape)}")
     if d not in (16, 32, 64, 128, 256):
         raise ValueError(f"head dim {d} unsupported (powers of two 16..256)")
-    if q.dtype != kv_cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q {q.dtype} and cache {kv_cache.dtype} must be one of fp16/bf16/fp32")
+    if q.dtype not in Q_DTYPES or (q.dtype != kv_cache.dtype
+                                   and not check_fp8_cache(kv_cache, q.dtype)):
+        raise ValueError(f"q {q.dtype} and cache {kv_cache.dtype} must be one of fp16/bf16/fp32 "
+                         "(the cache may be FP8)")
     if q.stride(-1) != 1 or kv_cache.stride(3) != 1:
         raise ValueError("the head dim must be contiguous")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 or block_tables.shape[0] < rows:

@@ -14,7 +14,10 @@ heads of the block. Split-K as in paged_decode.py: the partition length is deriv
 sequence's own length inside the kernel, so a fixed num_splits (as a CUDA graph needs) works
 for any length; each split writes its partial output and log-sum-exp and a second kernel
 combines them. num_splits is a runtime argument (only split / no split is compiled
-separately)."""
+separately).
+
+An FP8 cache (KV_FP8, see ops/fp8.py): tiles are converted to q's dtype as loaded; the row's
+one scale is folded into qk_scale and multiplies the output."""
 
 from __future__ import annotations
 
@@ -23,6 +26,8 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
+from shoal.attention.ops.fp8 import Q_DTYPES, check_fp8_cache
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: no inf - inf = nan
 _LOG2E = 1.4426950408889634
@@ -33,8 +38,9 @@ MAX_SPLITS = 64
 
 def check_mla_inputs(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, rows: int, block_size: int, v_dim: int) -> None:
-    """q: [*, H, Dk]; cache: [num_slots, Dk]; block_tables int32 [>= rows, N]; seq_lens int32
-    [>= rows]. A bad shape, dtype or stride raises here instead of reading out of bounds."""
+    """q: [*, H, Dk]; cache: [num_slots, Dk] (q's dtype or FP8); block_tables int32
+    [>= rows, N]; seq_lens int32 [>= rows]. A bad shape, dtype or stride raises here instead
+    of reading out of bounds."""
     if q.dim() != 3 or cache.dim() != 2:
         raise ValueError(f"q {tuple(q.shape)} must be [*, H, Dk] and cache "
                          f"{tuple(cache.shape)} [num_slots, Dk]")
@@ -45,8 +51,10 @@ def check_mla_inputs(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     for name, n in (("v_dim", v_dim), ("rope_dim", rope_dim)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"{name} {n} (Dk {dk}, v_dim {v_dim}) is not a power of two >= 16")
-    if q.dtype != cache.dtype or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"q {q.dtype} and cache {cache.dtype} must be one of fp16/bf16/fp32")
+    if q.dtype not in Q_DTYPES or (q.dtype != cache.dtype
+                                   and not check_fp8_cache(cache, q.dtype)):
+        raise ValueError(f"q {q.dtype} and cache {cache.dtype} must be one of fp16/bf16/fp32 "
+                         "(the cache may be FP8)")
     if q.stride(2) != 1 or cache.stride(1) != 1:
         raise ValueError("the last dim of q and cache must be contiguous")
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2 \
@@ -69,12 +77,12 @@ def check_mla_inputs(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
 def _mla_decode_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, num_splits,
+    qk_scale, v_scale, num_splits,
     stride_qb, stride_qh, stride_cs, stride_bt, stride_ob, stride_oh,
     num_heads,
     BLOCK_H: tl.constexpr, V_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Head blocks vary fastest in launch order: the programs reading the same latent tiles
     # run side by side and share them through L2.
@@ -106,6 +114,9 @@ def _mla_decode_kernel(
         row = cache_ptr + ((block * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_cs)[:, None]
         kv = tl.load(row + offs_v[None, :], mask=valid[:, None], other=0.0)
         k_pe = tl.load(row + V_DIM + offs_r[None, :], mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            kv = kv.to(q_nope.dtype)
+            k_pe = k_pe.to(q_nope.dtype)
         s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
         s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
@@ -118,6 +129,8 @@ def _mla_decode_kernel(
 
     # Empty rows (padded batch rows with seq_len 0, empty splits) have l = 0 and output 0.
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if KV_FP8:
+        o = o * v_scale
     if not SPLIT:
         tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_v[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
@@ -190,12 +203,13 @@ def decode_config(dtype: torch.dtype, v_dim: int) -> tuple[int, int, int]:
 def mla_paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                      seq_lens: torch.Tensor, block_size: int, scale: float, v_dim: int, *,
                      num_splits: int | None = None, max_seq_len: int | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, kv_scale: float = 1.0) -> torch.Tensor:
     """q: [B, H, Dk] (the absorbed query of each sequence's last token, position
     seq_len - 1; any strides in B and H, Dk contiguous); cache: [num_slots, Dk] latent rows
     (v_dim latent values, then rope_dim rotary key values); block_tables: int32 [B, N];
     seq_lens: int32 [B], 0 for padded rows (their output is zero, nothing is read). Returns
-    out [B, H, v_dim] in q's dtype: softmax(q . latent * scale) @ latent[:, :v_dim].
+    out [B, H, v_dim] in q's dtype: softmax(q . latent * scale) @ latent[:, :v_dim]. An FP8
+    cache is read as stored * kv_scale.
 
     num_splits None picks one from max_seq_len (default: the block-table capacity); pass a
     fixed value under CUDA-graph capture (launch shapes then depend only on B)."""
@@ -213,6 +227,7 @@ def mla_paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
     if not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits {num_splits} out of range")
 
+    fp8 = check_fp8_cache(cache, q.dtype)
     block_n, num_warps, num_stages = decode_config(q.dtype, v_dim)
     if num_splits > 1:
         part_out = torch.empty(bsz, h, num_splits, v_dim, dtype=torch.float32, device=q.device)
@@ -221,12 +236,12 @@ def mla_paged_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.T
         part_out = part_lse = out  # unused
     _mla_decode_kernel[(triton.cdiv(h, BLOCK_H), bsz, num_splits)](
         q, cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E, num_splits,
+        scale * _LOG2E * (kv_scale if fp8 else 1.0), kv_scale, num_splits,
         q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1), h,
         BLOCK_H=BLOCK_H, V_DIM=v_dim, ROPE_DIM=dk - v_dim, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8,
         num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:

@@ -15,7 +15,10 @@ causal and bounds masks; only the tail near the diagonal pays for them.
 The absorbed form costs Dk + v_dim multiply-adds per (query head, key) against
 qk_head_dim + v_head_dim for the expanded one (DeepSeek: 1088 vs 320); a long prompt is
 compute-bound and would run faster up-projected to per-head K/V. This kernel keeps the
-whole step in latent space (no per-step up-projection of the cached context)."""
+whole step in latent space (no per-step up-projection of the cached context).
+
+An FP8 cache (KV_FP8, see ops/fp8.py): tiles are converted to q's dtype as loaded; the row's
+one scale is folded into qk_scale and multiplies the output."""
 
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.attention.ops.fp8 import check_fp8_cache
 from shoal.attention.ops.mla_decode import check_mla_inputs
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: masked rows stay nan-free
@@ -35,7 +39,7 @@ _LOG2E = 1.4426950408889634
 def _attend(acc, l_i, m_i, q_nope, q_pe, q_pos, cache_ptr, bt_row, lo, hi, qk_scale,
             stride_cs, offs_v, offs_r,
             V_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-            MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+            MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
     """Online-softmax update over keys [lo, hi). MASKED: apply bounds and causal masks (else
     every key in whole tiles of [lo, hi) is visible to every row)."""
     for n0 in range(lo, hi, BLOCK_N):
@@ -52,6 +56,9 @@ def _attend(acc, l_i, m_i, q_nope, q_pe, q_pos, cache_ptr, bt_row, lo, hi, qk_sc
         else:
             kv = tl.load(row + offs_v[None, :])
             k_pe = tl.load(row + V_DIM + offs_r[None, :])
+        if KV_FP8:
+            kv = kv.to(q_nope.dtype)
+            k_pe = k_pe.to(q_nope.dtype)
         s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
         s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
         s *= qk_scale
@@ -72,12 +79,12 @@ def _attend(acc, l_i, m_i, q_nope, q_pe, q_pos, cache_ptr, bt_row, lo, hi, qk_sc
 @triton.jit(do_not_specialize=["num_q_tiles", "first_row", "stride_bt"])
 def _mla_prefill_kernel(
     q_ptr, cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    qk_scale, num_q_tiles, first_row,
+    qk_scale, v_scale, num_q_tiles, first_row,
     stride_qt, stride_qh, stride_cs, stride_bt, stride_ot, stride_oh,
     num_heads,
     BLOCK_H: tl.constexpr, BLOCK_M: tl.constexpr, V_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     # Later query tiles see more keys: launch them first so the tail of the grid is short.
     tile = num_q_tiles - 1 - tl.program_id(0)
@@ -113,11 +120,13 @@ def _mla_prefill_kernel(
     bt_row = block_tables_ptr + seq * stride_bt
     acc, l_i, m_i = _attend(acc, l_i, m_i, q_nope, q_pe, q_pos, cache_ptr, bt_row, 0, mid,
                             qk_scale, stride_cs, offs_v, offs_r,
-                            V_DIM, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION)
+                            V_DIM, BLOCK_N, BLOCK_SIZE, False, DOT_PRECISION, KV_FP8)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q_nope, q_pe, q_pos, cache_ptr, bt_row, mid, hi,
                             qk_scale, stride_cs, offs_v, offs_r,
-                            V_DIM, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION)
+                            V_DIM, BLOCK_N, BLOCK_SIZE, True, DOT_PRECISION, KV_FP8)
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if KV_FP8:
+        o = o * v_scale
     tl.store(out_ptr + (q_start + tok).to(tl.int64)[:, None] * stride_ot
              + heads[:, None] * stride_oh + offs_v[None, :],
              o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -157,14 +166,16 @@ def prefill_config(num_heads: int, max_query_len: int, num_seqs: int, dtype: tor
 def mla_paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_query_len: int,
                       block_size: int, scale: float, v_dim: int, *,
-                      out: torch.Tensor | None = None, first_row: int = 0) -> torch.Tensor:
+                      out: torch.Tensor | None = None, first_row: int = 0,
+                      kv_scale: float = 1.0) -> torch.Tensor:
     """q: [T, H, Dk] absorbed queries (last dim contiguous); cache: [num_slots, Dk] already
     holding every latent of the step, the new ones included; block_tables: int32 [P, N];
     seq_lens: int32 [P] (context + query tokens); query_start_loc: int32 [P + 1], token
     offsets into q of each sequence's queries (rows of out outside them are left untouched);
     max_query_len: an upper bound on any query_start_loc difference (it sizes the grid).
     Rows before first_row of the per-request tensors belong to others (decodes) and are
-    skipped. Returns out [T, H, v_dim] in q's dtype."""
+    skipped. Returns out [T, H, v_dim] in q's dtype. An FP8 cache is read as stored *
+    kv_scale."""
     t, h, dk = q.shape
     if query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1 \
             or query_start_loc.shape[0] < 1 or query_start_loc.stride(0) != 1:
@@ -181,16 +192,17 @@ def mla_paged_prefill(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.
     if num_seqs == 0 or max_query_len <= 0 or t == 0 or h == 0:
         return out
 
+    fp8 = check_fp8_cache(cache, q.dtype)
     block_h, block_m, block_n, num_warps, num_stages = prefill_config(
         h, max_query_len, num_seqs, q.dtype, v_dim, _num_sms(q.device))
     num_q_tiles = triton.cdiv(max_query_len, block_m // block_h)
     _mla_prefill_kernel[(num_q_tiles, num_seqs, triton.cdiv(h, block_h))](
         q, cache, block_tables, seq_lens, query_start_loc, out,
-        scale * _LOG2E, num_q_tiles, first_row,
+        scale * _LOG2E * (kv_scale if fp8 else 1.0), kv_scale, num_q_tiles, first_row,
         q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0),
         out.stride(0), out.stride(1), h,
         BLOCK_H=block_h, BLOCK_M=block_m, V_DIM=v_dim, ROPE_DIM=dk - v_dim, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=num_stages,
+        KV_FP8=fp8, num_warps=num_warps, num_stages=num_stages,
     )
     return out

@@ -15,7 +15,10 @@ of varying batch and length do not trigger new JIT compiles.
 
 Attention sinks (gpt-oss: per query head, a logit in the softmax's denominator with no value)
 start the online softmax of split 0 as if one key of that logit and a zero value had been
-seen: running max = the sink, sum = 1."""
+seen: running max = the sink, sum = 1.
+
+An FP8 cache (KV_FP8, see ops/fp8.py): tiles are converted to q's dtype as loaded, k_scale is
+folded into qk_scale and v_scale multiplies each split's output."""
 
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import triton
 import triton.language as tl
 
 from shoal.attention.ops.checks import check_paged_inputs, check_sinks
+from shoal.attention.ops.fp8 import check_fp8_cache
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: avoids inf - inf = nan on empty rows
 _LOG2E = 1.4426950408889634
@@ -39,12 +43,13 @@ MAX_SPLITS = 64
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, window, num_splits,
+    qk_scale, v_scale, window, num_splits,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     num_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -80,6 +85,8 @@ def _paged_decode_kernel(
         kv_off = ((block * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_cs)[:, None] \
             + kh * stride_ch + offs_d[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -87,11 +94,15 @@ def _paged_decode_kernel(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
+        if KV_FP8:
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
     # Empty rows (padded batch rows with seq_len 0, empty splits) have l = 0 and output 0.
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    if KV_FP8:
+        o = o * v_scale
     if not SPLIT:
         tl.store(out_ptr + b * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
@@ -156,11 +167,12 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  seq_lens: torch.Tensor, block_size: int, scale: float, *,
                  sliding_window: int | None = None, num_splits: int | None = None,
                  max_seq_len: int | None = None, out: torch.Tensor | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, k_scale: float = 1.0,
+                 v_scale: float = 1.0) -> torch.Tensor:
     """q: [B, Hq, D], the query of the last token of each sequence (position seq_len - 1);
-    kv_cache: [2, num_slots, Hk, D]; block_tables: int32 [B, N]; seq_lens: int32 [B], 0 for
-    padded rows (their output is zero); sinks: [Hq] logits or None. Returns out [B, Hq, D] in
-    q's dtype.
+    kv_cache: [2, num_slots, Hk, D] (q's dtype, or FP8 read as stored * k_scale / v_scale);
+    block_tables: int32 [B, N]; seq_lens: int32 [B], 0 for padded rows (their output is
+    zero); sinks: [Hq] logits or None. Returns out [B, Hq, D] in q's dtype.
 
     num_splits None picks one from max_seq_len (default: the block-table capacity); pass a
     fixed value under CUDA-graph capture."""
@@ -181,6 +193,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     if not 1 <= num_splits <= 1024:
         raise ValueError(f"num_splits {num_splits} out of range")
     check_sinks(sinks, hq, q.device)
+    fp8 = check_fp8_cache(kv_cache, q.dtype)
 
     group = hq // hk
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -195,13 +208,13 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     _paged_decode_kernel[(bsz, hk, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, sinks if sinks is not None else q,
         out, part_out, part_lse,
-        scale * _LOG2E, sliding_window or 0, num_splits,
+        scale * _LOG2E * (k_scale if fp8 else 1.0), v_scale, sliding_window or 0, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), hq,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         USE_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8,
         num_warps=4, num_stages=3 if d <= 128 else 2,
     )
     if num_splits > 1:

@@ -13,13 +13,18 @@ rot_dim, so every feature is read once.
 
 Rounding follows the unfused path (shoal.layers.norm.RMSNorm, then layers/ops/rotary.py): the
 normalized row is rounded to the activation dtype before and after the weight multiply,
-the rotation runs in fp32 and is rounded once."""
+the rotation runs in fp32 and is rounded once. An FP8 cache (KV_FP8) then takes that key,
+and v, divided by their scales, saturated and rounded (ops/fp8.py), as the unfused write does.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from shoal.attention import kv_quant
+from shoal.attention.ops.fp8 import check_fp8_cache, to_fp8
 
 
 @triton.jit
@@ -73,10 +78,10 @@ def _store_head(row, hmask, o1, o2, op, HALF: tl.constexpr, BLOCK_HALF: tl.const
 def _rope_kv_write_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
-    stride_rope, num_q_heads, num_kv_heads, num_q_blocks, eps,
+    stride_rope, num_q_heads, num_kv_heads, num_q_blocks, eps, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr,
     BLOCK_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
-    Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+    Q_NORM: tl.constexpr, K_NORM: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -107,11 +112,19 @@ def _rope_kv_write_kernel(
         o1, o2, op = _norm_rope(row, hmask, cos, sin, kw_ptr, eps, BLOCK_H, HEAD_DIM, HALF,
                                 BLOCK_HALF, PASS, BLOCK_PASS, K_NORM)
         dst = slot * stride_cs + heads[:, None] * stride_ch
-        _store_head(k_cache_ptr + dst, hmask, o1, o2, op, HALF, BLOCK_HALF, PASS, BLOCK_PASS,
-                    PASS > 0)
+        if KV_FP8:  # the key as rounded to the activation dtype, then quantized
+            kdt = k_cache_ptr.dtype.element_ty
+            _store_head(k_cache_ptr + dst, hmask, to_fp8(o1, k_scale, kdt),
+                        to_fp8(o2, k_scale, kdt), to_fp8(op, k_scale, kdt), HALF, BLOCK_HALF,
+                        PASS, BLOCK_PASS, PASS > 0)
+        else:
+            _store_head(k_cache_ptr + dst, hmask, o1, o2, op, HALF, BLOCK_HALF, PASS,
+                        BLOCK_PASS, PASS > 0)
         offs_d = tl.arange(0, HEAD_DIM)[None, :]
         v = tl.load(v_ptr + t * stride_vt + heads[:, None] * stride_vh + offs_d,
                     mask=hmask[:, None])
+        if KV_FP8:
+            v = to_fp8(v, v_scale, v_cache_ptr.dtype.element_ty)
         tl.store(v_cache_ptr + dst + offs_d, v, mask=hmask[:, None])
 
 
@@ -125,10 +138,11 @@ def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
     hk = k.shape[1]
     if kv_cache.dim() != 4 or kv_cache.shape[0] != 2 or tuple(kv_cache.shape[2:]) != (hk, d):
         raise ValueError(f"kv_cache {tuple(kv_cache.shape)} is not [2, slots, {hk}, {d}]")
-    if not (q.dtype == k.dtype == v.dtype == kv_cache.dtype) or q.dtype not in (
-            torch.float16, torch.bfloat16, torch.float32):
+    fp8 = check_fp8_cache(kv_cache, q.dtype)
+    if not (q.dtype == k.dtype == v.dtype and (fp8 or kv_cache.dtype == q.dtype)) \
+            or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"q {q.dtype}, k {k.dtype}, v {v.dtype}, cache {kv_cache.dtype}: "
-                         "need one of fp16/bf16/fp32 for all")
+                         "need one of fp16/bf16/fp32 for all (the cache may be FP8)")
     if positions.shape != (t,) or positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be int32/int64 [{t}]")
     if slot_mapping.shape != (t,) or slot_mapping.dtype not in (torch.int32, torch.int64):
@@ -153,12 +167,13 @@ def _check(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.T
 def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   cos_sin_cache: torch.Tensor, kv_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
-                  k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6) -> None:
+                  k_norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                  k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """positions, slot_mapping: [T] int (slots < 0 are skipped); q: [T, Hq, D]; k, v:
     [T, Hk, D] (strided views of a fused qkv output are fine); cos_sin_cache: [max_pos,
     rot_dim] as in shoal.layers.rotary; kv_cache: [2, num_slots, Hk, D]; norm weights: [D]
-    or None for no norm. q <- rope(norm(q)) in place; cache <- rope(norm(k)), v. k and v
-    are not modified."""
+    or None for no norm. q <- rope(norm(q)) in place; cache <- rope(norm(k)), v (an FP8
+    cache: divided by k_scale, v_scale). k and v are not modified."""
     _check(positions, q, k, v, cos_sin_cache, kv_cache, slot_mapping,
            (q_norm_weight, k_norm_weight))
     t, hq, d = q.shape
@@ -175,16 +190,18 @@ def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     num_q_blocks = triton.cdiv(hq, block_h)
     grid = (t, num_q_blocks + triton.cdiv(hk, block_h))
     k_cache, v_cache = kv_cache[0], kv_cache[1]
+    fp8 = kv_quant.is_fp8(kv_cache)
     _rope_kv_write_kernel[grid](
         q, k, v, k_cache, v_cache, positions, slot_mapping, cos_sin_cache,
         q_norm_weight if q_norm_weight is not None else q,
         k_norm_weight if k_norm_weight is not None else k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), cos_sin_cache.stride(0),
-        hq, hk, num_q_blocks, eps,
+        hq, hk, num_q_blocks, eps, k_scale, v_scale,
         HEAD_DIM=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(max(half, 1)), PASS=tail,
         BLOCK_PASS=triton.next_power_of_2(max(tail, 1)), BLOCK_H=block_h,
-        Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None, num_warps=4,
+        Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None, KV_FP8=fp8,
+        num_warps=4,
     )
 
 
@@ -193,7 +210,8 @@ def rope_kv_write_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.T
                             kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
                             q_norm_weight: torch.Tensor | None = None,
                             k_norm_weight: torch.Tensor | None = None,
-                            eps: float = 1e-6) -> None:
+                            eps: float = 1e-6, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> None:
     """rope_kv_write in plain PyTorch, same arguments and effects (the test oracle)."""
     rot = cos_sin_cache.shape[1]
     half = rot // 2
@@ -215,6 +233,8 @@ def rope_kv_write_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.T
 
     q.copy_(rope(norm(q, q_norm_weight)))
     keys = rope(norm(k, k_norm_weight))
+    if kv_quant.is_fp8(kv_cache):
+        keys, v = kv_quant.quantize(keys, k_scale), kv_quant.quantize(v, v_scale)
     ok = slot_mapping >= 0
     kv_cache[0, slot_mapping[ok]] = keys[ok]
     kv_cache[1, slot_mapping[ok]] = v[ok]

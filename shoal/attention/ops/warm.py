@@ -18,10 +18,10 @@ from shoal.attention.ops.paged_prefill import paged_prefill, prefill_tile_height
 
 @torch.inference_mode()
 def warm_paged_attention(kv_cache: torch.Tensor, num_heads: int, scale: float, block_size: int,
-                         sliding_window: int | None) -> int:
-    """kv_cache: a layer's [2, slots, Hk, D] cache (block 0 is read, nothing is written).
-    Returns how many kernel variants ran."""
-    d, dev, dtype = kv_cache.shape[3], kv_cache.device, kv_cache.dtype
+                         sliding_window: int | None, q_dtype: torch.dtype | None = None) -> int:
+    """kv_cache: a layer's [2, slots, Hk, D] cache (block 0 is read, nothing is written);
+    q_dtype: the activations' (None: the cache's). Returns how many kernel variants ran."""
+    d, dev, dtype = kv_cache.shape[3], kv_cache.device, q_dtype or kv_cache.dtype
     q = torch.zeros(1, num_heads, d, dtype=dtype, device=dev)
     tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
     lens = torch.ones(1, dtype=torch.int32, device=dev)
@@ -43,11 +43,11 @@ def warm_paged_attention(kv_cache: torch.Tensor, num_heads: int, scale: float, b
 
 @torch.inference_mode()
 def warm_latent_attention(kv_cache: torch.Tensor, num_heads: int, scale: float,
-                          block_size: int, v_dim: int) -> int:
+                          block_size: int, v_dim: int, q_dtype: torch.dtype | None = None) -> int:
     """The same for latent attention: kv_cache is a layer's [1, slots, 1, Dk] cache. The MLA
     decode kernel compiles once with and once without split-K (the split count is a runtime
     argument); the prefill kernel once per query-tile height, which the chunk length picks."""
-    dk, dev, dtype = kv_cache.shape[3], kv_cache.device, kv_cache.dtype
+    dk, dev, dtype = kv_cache.shape[3], kv_cache.device, q_dtype or kv_cache.dtype
     cache = kv_cache.view(kv_cache.shape[1], dk)
     tables = torch.zeros(1, 1, dtype=torch.int32, device=dev)
     runs = 0
