@@ -3,9 +3,8 @@ against them, shared by the model, kernel and speculative-decoding tests."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from oracle import hf_greedy
+from oracle import check_against_hf, hf_greedy  # noqa: F401 (re-exported for the tests)
 from transformers import AutoConfig, AutoModelForCausalLM
 
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
@@ -36,14 +35,3 @@ def write_deepseek(path, model_type: str, seed: int, **kw):
                 b.normal_(0, 0.5)
     hf.save_pretrained(path, safe_serialization=True)
     return path, hf
-
-
-
-def check_against_hf(outs, prompts, hf, steps: int) -> None:
-    for p, o in zip(prompts, outs):
-        ref, ref_logits = hf_greedy(hf, p, steps)
-        got = o.outputs[0]
-        assert got.token_ids == ref
-        for i, (tok, lg) in enumerate(zip(got.token_ids, ref_logits)):
-            want = torch.log_softmax(lg, -1)[tok].item()
-            assert got.logprobs[i][tok].logprob == pytest.approx(want, abs=1e-4)

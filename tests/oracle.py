@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 TINY_COMMON = dict(
@@ -94,3 +95,15 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], list[tor
             out.append(tok)
             ids = torch.tensor([[tok]])
     return out, logits
+
+
+def check_against_hf(outs, prompts, hf, steps: int) -> None:
+    """shoal's greedy outputs (with logprobs=1) against transformers' greedy decoding: the
+    same tokens and each chosen token's logprob within 1e-4."""
+    for p, o in zip(prompts, outs):
+        ref, ref_logits = hf_greedy(hf, p, steps)
+        got = o.outputs[0]
+        assert got.token_ids == ref
+        for i, (tok, lg) in enumerate(zip(got.token_ids, ref_logits)):
+            want = torch.log_softmax(lg, -1)[tok].item()
+            assert got.logprobs[i][tok].logprob == pytest.approx(want, abs=1e-4)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter
 from gguf_factory import byte_level_vocab
-from oracle import hf_greedy, write_tiny_checkpoint
+from oracle import check_against_hf, write_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 from shoal import LLM, SamplingParams
@@ -257,13 +257,7 @@ def test_greedy_matches_transformers(tiny):
     prompts = [[5, 9, 33, 100, 7, 8, 200, 3, 11, 64, 250, 17] * 6, [300, 41], [77] * 20]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outs):
-        ref, ref_logits = hf_greedy(hf, prompt, 8)
-        got = out.outputs[0]
-        assert got.token_ids == ref
-        for step, (tok, logits) in enumerate(zip(got.token_ids, ref_logits)):
-            want = torch.log_softmax(logits, -1)[tok].item()
-            assert got.logprobs[step][tok].logprob == pytest.approx(want, abs=1e-4)
+    check_against_hf(outs, prompts, hf, 8)
 
 
 def test_quantized_matrices_load(tmp_path, tiny):

@@ -39,7 +39,7 @@ from shoal.entrypoints.openai.streaming import (
     sse,
     wait_grammar_checked,
 )
-from shoal.entrypoints.openai.tool_choice import ToolPlan, ToolsError, plan_tools
+from shoal.entrypoints.openai.tool_choice import ToolPlan
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 from shoal.structured_output.params import StructuredOutputsParams
@@ -214,16 +214,8 @@ class OpenAIServingResponses(ServingBase):
         tool_choice says, as its default is "auto")."""
         if not tools:
             return ToolPlan("none")
-        try:
-            plan = plan_tools(tools, chat_tool_choice(req.tool_choice), req.parallel_tool_calls,
-                              self.settings.tool_call_parser,
-                              self.settings.enable_auto_tool_choice)
-        except ToolsError as e:
-            raise OpenAIError(400, str(e), e.param) from None
-        if plan.constraint is not None and req.constraint() is not None:
-            raise OpenAIError(400, f"tool_choice {plan.mode!r} constrains the output already; "
-                                   "it cannot be combined with text.format", "tool_choice")
-        return plan
+        return self.tool_plan(tools, chat_tool_choice(req.tool_choice), req.parallel_tool_calls,
+                              "text.format" if req.constraint() is not None else None)
 
     def _keep(self, req: ResponsesRequest, body: dict[str, Any],
               conversation: list[dict[str, Any]], text: str,

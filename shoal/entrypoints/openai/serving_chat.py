@@ -45,7 +45,7 @@ from shoal.entrypoints.openai.streaming import (
     sse,
     wait_grammar_checked,
 )
-from shoal.entrypoints.openai.tool_choice import ToolPlan, ToolsError, plan_tools
+from shoal.entrypoints.openai.tool_choice import ToolPlan
 from shoal.outputs import CompletionOutput, RequestOutput
 from shoal.structured_output.parsers import get_reasoning_parser
 from shoal.structured_output.reasoning_parsers import ReasoningParser
@@ -148,17 +148,9 @@ class OpenAIServingChat(ServingBase):
         return k, max_tokens
 
     def _plan(self, req: ChatCompletionRequest) -> ToolPlan:
-        try:
-            plan = plan_tools(req.tools, req.tool_choice, req.parallel_tool_calls,
-                              self.settings.tool_call_parser,
-                              self.settings.enable_auto_tool_choice)
-        except ToolsError as e:
-            raise OpenAIError(400, str(e), e.param) from None
-        if plan.constraint is not None and req.constraint() is not None:
-            raise OpenAIError(400, f"tool_choice {plan.mode!r} constrains the output already; "
-                                   "it cannot be combined with response_format or "
-                                   "structured_outputs", "tool_choice")
-        return plan
+        return self.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls,
+                              "response_format or structured_outputs"
+                              if req.constraint() is not None else None)
 
     def _submit(self, req: ChatCompletionRequest, prompt: ProcessedPrompt, k: int | None,
                 max_tokens: int | None, engine_id: str, plan: ToolPlan | None = None

@@ -11,9 +11,11 @@ from typing import Any
 from fastapi import Request
 
 from shoal.engine.async_llm import AsyncLLM
+from shoal.entrypoints.openai.errors import OpenAIError
 from shoal.entrypoints.openai.logprobs import decode_token
 from shoal.entrypoints.openai.server_settings import ServerSettings
 from shoal.entrypoints.openai.serving_models import ServedModels
+from shoal.entrypoints.openai.tool_choice import ToolPlan, ToolsError, plan_tools
 
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
 
@@ -41,6 +43,21 @@ class ServingBase:
         if as_token_ids or self.engine.tokenizer is None:
             return None
         return self._decode
+
+    def tool_plan(self, tools: list[Any] | None, tool_choice: Any, parallel: bool | None,
+                  constrained_by: str | None) -> ToolPlan:
+        """The request's tool plan (400s that say what is wrong); constrained_by: the
+        request's own output constraint's field names, which a constraining plan excludes."""
+        try:
+            plan = plan_tools(tools, tool_choice, parallel, self.settings.tool_call_parser,
+                              self.settings.enable_auto_tool_choice)
+        except ToolsError as e:
+            raise OpenAIError(400, str(e), e.param) from None
+        if plan.constraint is not None and constrained_by is not None:
+            raise OpenAIError(400, f"tool_choice {plan.mode!r} constrains the output already; "
+                                   f"it cannot be combined with {constrained_by}",
+                              "tool_choice")
+        return plan
 
     def cached(self, num_cached: int) -> int | None:
         """usage.prompt_tokens_details.cached_tokens, when the server reports it and some
