@@ -85,7 +85,8 @@ def error_from_exception(exc: BaseException) -> OpenAIError:
         return OpenAIError(503, f"the engine is not running: {exc}")
     if isinstance(exc, ValueError):
         message = str(exc) or "invalid request"
-        return OpenAIError(400, message, _param_of(message))
+        # a ValueError may name its field itself (one whose message starts otherwise)
+        return OpenAIError(400, message, getattr(exc, "param", None) or _param_of(message))
     logger.error("internal error", exc_info=exc)
     return OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}")
 

@@ -86,15 +86,24 @@ def _unset(value: Any, default: Any) -> bool:
     return isinstance(value, (list, dict, str)) and not value
 
 
+class ContextLengthError(ValueError):
+    """Prompt plus completion past max_model_len; `param` names the completion's field (the
+    message starts with vLLM's phrase, not with it)."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int,
                          field: str = "max_tokens") -> None:
     """An explicit max_tokens must fit beside the prompt (the engine would silently clip
     it; OpenAI and vLLM answer 400)."""
     if max_tokens is not None and max_tokens >= 1 and prompt_len + max_tokens > max_model_len:
-        raise ValueError(  # (vLLM's phrase, which clients match)
+        raise ContextLengthError(  # (vLLM's phrase, which clients match)
             f"This model's maximum context length is {max_model_len} tokens. However, you "
             f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the messages, "
-            f"{max_tokens} in the completion): {field} is too large")
+            f"{max_tokens} in the completion): {field} is too large", field)
 
 
 def truncate_prompt(ids: list[int], keep: int | None, side: str | None, max_input: int
