@@ -26,6 +26,8 @@ class AttentionBackend(ABC):
     # forward / forward_fused take `sinks` (gpt-oss): one learned logit per query head that
     # joins the softmax's denominator and carries no value.
     supports_sinks: bool = False
+    # forward takes `softcap` (Gemma 2: scores capped as softcap * tanh(scores / softcap))
+    supports_softcap: bool = False
     # forward_mla takes `select` (DeepSeek-V3.2's indexer: the keys each query reads)
     supports_sparse_mla: bool = False
     # forward / forward_fused take k_scale, v_scale and forward_mla kv_scale: a float8_e4m3fn

@@ -43,6 +43,7 @@ class TorchAttentionBackend(AttentionBackend):
     supports_cuda_graphs = False
     supports_mla = True
     supports_sinks = True
+    supports_softcap = True
     supports_sparse_mla = True
     supports_fp8_kv_cache = True
 
@@ -58,9 +59,9 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
                 sinks: torch.Tensor | None = None, *, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
+                v_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
         return paged_attention(q, k, v, kv_cache, md, scale, sinks=sinks, k_scale=k_scale,
-                               v_scale=v_scale)
+                               v_scale=v_scale, softcap=softcap)
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
                     md: AttentionMetadata, scale: float, v_dim: int,
@@ -89,10 +90,11 @@ def write_kv_cache(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                     md: AttentionMetadata, scale: float, decode_kernel: bool = True,
                     sinks: torch.Tensor | None = None, k_scale: float = 1.0,
-                    v_scale: float = 1.0) -> torch.Tensor:
+                    v_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hk, D]; sinks: [Hq] or None. Returns [T, Hq, D].
     decode_kernel=False keeps the decode rows on the SDPA reference even where the CPU kernel
-    could take them. k_scale, v_scale: an FP8 cache's scales (unused otherwise)."""
+    could take them. k_scale, v_scale: an FP8 cache's scales (unused otherwise). softcap:
+    scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2), or None."""
     scales = (k_scale, v_scale)
     if kv_quant.is_fp8(kv_cache):
         kq, vq = kv_quant.quantize(k, k_scale), kv_quant.quantize(v, v_scale)
@@ -107,17 +109,18 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     out = torch.empty_like(q)
     nd = md.num_decodes
     if nd:
-        if (sinks is None and decode_kernel and cpu_kernel.fits(q, kv_cache)
+        if (sinks is None and not softcap and decode_kernel and cpu_kernel.fits(q, kv_cache)
                 and cpu_kernel.available()):
             cpu_kernel.cpu_paged_decode(out[:nd], q[:nd], kv_cache, md.decode_block_tables,
                                         md.decode_seq_lens, md.block_size, scale,
                                         md.sliding_window)
         else:
-            out[:nd] = _decode_sdpa(q[:nd], kv_cache, md, scale, hk, sinks, scales)
+            out[:nd] = _decode_sdpa(q[:nd], kv_cache, md, scale, hk, sinks, scales, softcap)
     for start, n in md.fresh_spans:
-        if sinks is not None:
+        if sinks is not None or softcap:
             out[start:start + n] = causal_attention_with_sinks(
-                q[start:start + n], k[start:start + n], v[start:start + n], scale, sinks)
+                q[start:start + n], k[start:start + n], v[start:start + n], scale, sinks,
+                softcap)
             continue
         # A whole prompt with nothing cached: causal attention over its own keys, which lets
         # the kernel skip the upper triangle (3x faster than a masked, padded batch on CPU).
@@ -133,7 +136,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         p, lq = qp.shape[0], qp.shape[1]
         qp = qp.view(p, lq, hk, g, d).permute(0, 2, 3, 1, 4).reshape(p, hk, g * lq, d)
         o = _sdpa(qp, kc, vc, md.grouped_prefill_mask(g), scale,
-                  None if sinks is None else _sink_rows(sinks, hk, lq))
+                  None if sinks is None else _sink_rows(sinks, hk, lq), softcap)
         o = o.view(p, hk, g, lq, d).permute(0, 3, 1, 2, 4).reshape(p, lq, hq, d)
         valid = md.prefill_token_valid
         out[md.prefill_token_index[valid]] = o[valid]
@@ -142,25 +145,31 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
 def _decode_sdpa(q: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata, scale: float,
                  hk: int, sinks: torch.Tensor | None = None,
-                 scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                 scales: tuple[float, float] = (1.0, 1.0),
+                 softcap: float | None = None) -> torch.Tensor:
     """The reference decode: gather each context, then one masked, padded SDPA."""
     nd, hq, d = q.shape
     kc, vc = _gather_kv(kv_cache, md.decode_block_tables, md.block_size, scales, q.dtype)
     qd = q.view(nd, hk, hq // hk, d)  # query head h uses KV head h // g
     o = _sdpa(qd, kc, vc, md.decode_mask, scale,
-              None if sinks is None else _sink_rows(sinks, hk, 1))
+              None if sinks is None else _sink_rows(sinks, hk, 1), softcap)
     return o.reshape(nd, hq, d)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-          sink_rows: torch.Tensor | None) -> torch.Tensor:
+          sink_rows: torch.Tensor | None, softcap: float | None = None) -> torch.Tensor:
     """q [B, Hk, R, D] (R rows: the group's query heads x queries), k, v [B, Hk, S, D], mask
     bool broadcastable to [B, Hk, R, S]. sink_rows [Hk, R]: each row's sink logit, which the
-    softmax counts beside the keys (computed explicitly, in float32)."""
-    if sink_rows is None:
+    softmax counts beside the keys; softcap: scores capped as softcap * tanh(s / softcap).
+    Either is computed explicitly, in float32 (SDPA has neither)."""
+    if sink_rows is None and not softcap:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
+    if sink_rows is None:
+        return torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
     sink = sink_rows.float()[None, :, :, None].expand(*scores.shape[:-1], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs.to(v.dtype), v)
@@ -173,16 +182,18 @@ def _sink_rows(sinks: torch.Tensor, hk: int, queries: int) -> torch.Tensor:
 
 
 def causal_attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                scale: float, sinks: torch.Tensor) -> torch.Tensor:
-    """A whole prompt's causal attention over its own keys, with sinks: q [n, Hq, D], k, v
-    [n, Hk, D] -> [n, Hq, D]."""
+                                scale: float, sinks: torch.Tensor | None,
+                                softcap: float | None = None) -> torch.Tensor:
+    """A whole prompt's causal attention over its own keys, with sinks and/or a soft cap
+    (explicit scores): q [n, Hq, D], k, v [n, Hk, D] -> [n, Hq, D]."""
     n, hq, d = q.shape
     hk = k.shape[1]
     g = hq // hk
     qg = q.reshape(n, hk, g, d).permute(1, 2, 0, 3).reshape(1, hk, g * n, d)
     causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
     o = _sdpa(qg, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-              causal.repeat(g, 1), scale, _sink_rows(sinks, hk, n))
+              causal.repeat(g, 1), scale,
+              None if sinks is None else _sink_rows(sinks, hk, n), softcap)
     return o.view(hk, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
 
 

@@ -26,11 +26,13 @@ from shoal.layers.rotary import RotaryEmbedding
 
 class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, softcap: float | None = None):
+        """softcap: attention scores capped as softcap * tanh(score / softcap) (Gemma 2)."""
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim ** -0.5
         self.sliding_window = sliding_window
+        self.softcap = softcap or None
         self.kv_cache: torch.Tensor | None = None  # [2, num_slots, Hk, D]
         self.kv_group = 0  # its KV cache group: which of a step's metadata it reads
         self.backend: AttentionBackend = TorchAttentionBackend()
@@ -59,6 +61,8 @@ class Attention(nn.Module):
             md = md.of(self.kv_group)
         if isinstance(md, PackedSeqs):  # a pooling step: no KV cache, whole prompts (the
             # compatibility table keeps them within a sliding window, which this does not apply)
+            if self.softcap:
+                raise NotImplementedError("attention soft-capping in a pooling step")
             if sinks is not None:
                 return self._packed_with_sinks(q, k, v, md, sinks)
             return packed_attention(q, k, v, md, self.scale)
@@ -68,6 +72,11 @@ class Attention(nn.Module):
         if sinks is not None:
             self._check_sinks(sinks)
             kw["sinks"] = sinks
+        if self.softcap:
+            if not self.backend.supports_softcap:
+                raise NotImplementedError(f"the {self.backend.name} attention backend has no "
+                                          "attention soft-capping; use attention_backend='torch'")
+            kw["softcap"] = self.softcap
         return self.backend.forward(q, k, v, cache, md, self.scale, **kw)
 
     @property

@@ -111,9 +111,9 @@ def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str) -> list[
                      "cannot hold")
     layers = []
     for i, c in enumerate(calls):
-        if c.softcap:
-            raise refuse(f"attention logit soft-capping ({c.softcap}), which shoal's "
-                         "attention backends do not apply")
+        if c.softcap and torch.get_default_device().type != "cpu":
+            raise refuse(f"attention logit soft-capping ({c.softcap}) off the CPU: only "
+                         "the torch attention backend applies it yet")
         if not c.is_causal:
             raise refuse("bidirectional (non-causal) attention")
         if c.own_mask:
@@ -125,7 +125,7 @@ def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str) -> list[
         if c.num_heads % c.num_kv_heads:
             raise refuse(f"{c.num_heads} query heads over {c.num_kv_heads} KV heads")
         layer = Attention(c.num_heads, c.num_kv_heads, c.head_dim,
-                          sliding_window(c, hf_config, i))
+                          sliding_window(c, hf_config, i), softcap=c.softcap)
         if c.scaling is not None:
             layer.scale = c.scaling
         layers.append(layer)
