@@ -97,13 +97,16 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], list[tor
     return out, logits
 
 
-def check_against_hf(outs, prompts, hf, steps: int) -> None:
-    """shoal's greedy outputs (with logprobs=1) against transformers' greedy decoding: the
-    same tokens and each chosen token's logprob within 1e-4."""
+def check_against_hf(outs, prompts, hf, steps: int, *, tol: float = 1e-4,
+                     greedy=None) -> None:
+    """shoal's greedy outputs (with logprobs=1) against transformers' greedy decoding (or
+    `greedy(hf, prompt, steps)`): the same tokens and each chosen token's logprob within
+    tol."""
+    greedy = greedy or hf_greedy
     for p, o in zip(prompts, outs):
-        ref, ref_logits = hf_greedy(hf, p, steps)
+        ref, ref_logits = greedy(hf, p, steps)
         got = o.outputs[0]
         assert got.token_ids == ref
         for i, (tok, lg) in enumerate(zip(got.token_ids, ref_logits)):
             want = torch.log_softmax(lg, -1)[tok].item()
-            assert got.logprobs[i][tok].logprob == pytest.approx(want, abs=1e-4)
+            assert got.logprobs[i][tok].logprob == pytest.approx(want, abs=tol)

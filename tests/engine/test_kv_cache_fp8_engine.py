@@ -19,7 +19,7 @@ import transformers.models.llama.modeling_llama as hf_llama
 from deepseek_tiny import V3, write_deepseek
 from engine_helpers import random_prompts, tiny_llm
 from kv_fp8_helpers import compare_with_auto, greedy_run
-from oracle import hf_greedy
+from oracle import check_against_hf
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -83,13 +83,7 @@ def test_fp8_cache_is_transformers_with_fp8_keys_and_values(scaled_checkpoint, t
     monkeypatch.setattr(hf_llama, "eager_attention_forward", fp8_kv)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32,
                                               attn_implementation="eager").eval()
-    for p, o in zip(prompts, outs):
-        ref, ref_logits = hf_greedy(hf, p, 8)
-        got = o.outputs[0]
-        assert got.token_ids == ref
-        for step, (tok, lg) in enumerate(zip(ref, ref_logits)):
-            want = torch.log_softmax(lg, -1)[tok].item()
-            assert got.logprobs[step][tok].logprob == pytest.approx(want, abs=1e-2)
+    check_against_hf(outs, prompts, hf, 8, tol=1e-2)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -167,10 +161,4 @@ def test_latent_fp8_cache_is_transformers_with_fp8_latents(tmp_path, monkeypatch
         return expand(self, round_trip(kv_nope, s), round_trip(k_rot, s))
 
     monkeypatch.setattr(cls, "expand_kv", fp8_rows)
-    for p, o in zip(prompts, outs):
-        ref, ref_logits = hf_greedy(hf, p, 8)
-        got = o.outputs[0]
-        assert got.token_ids == ref
-        for step, (tok, lg) in enumerate(zip(ref, ref_logits)):
-            want = torch.log_softmax(lg, -1)[tok].item()
-            assert got.logprobs[step][tok].logprob == pytest.approx(want, abs=1e-2)
+    check_against_hf(outs, prompts, hf, 8, tol=1e-2)

@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from oracle import draft_continuations
+from oracle import check_against_hf, draft_continuations
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shoal import LLM, SamplingParams
@@ -76,13 +76,7 @@ def full_forward_greedy(hf, prompt: list[int], n: int) -> tuple[list[int], list[
 
 
 def check(outs, prompts, hf, steps: int = STEPS) -> None:
-    for p, o in zip(prompts, outs):
-        ref, ref_logits = full_forward_greedy(hf, p, steps)
-        got = o.outputs[0]
-        assert got.token_ids == ref
-        for i, (tok, lg) in enumerate(zip(got.token_ids, ref_logits)):
-            want = torch.log_softmax(lg, -1)[tok].item()
-            assert got.logprobs[i][tok].logprob == pytest.approx(want, abs=1e-4)
+    check_against_hf(outs, prompts, hf, steps, greedy=full_forward_greedy)
 
 
 def _prompts(lengths, seed: int) -> list[list[int]]:
