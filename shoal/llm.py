@@ -19,6 +19,7 @@ from shoal.engine.engine_args import EngineArgs
 from shoal.engine.llm_engine import LLMEngine
 from shoal.engine.request_errors import first_request_error
 from shoal.llm_pooling import PoolingMixin
+from shoal.lora_request import LoRARequest
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import BeamSearchParams, SamplingParams
 
@@ -53,17 +54,22 @@ class LLM(PoolingMixin):
         *,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """lora_request: one adapter for every prompt, or one (or None) per prompt
+        (enable_lora)."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._params_list(sampling_params, len(prompts))
+        loras = self._lora_list(lora_request, len(prompts))
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority needs one value per prompt ({len(prompts)}), got {len(priority)}")
         eng = self.llm_engine
         # Validate every request before any of them runs.
         reqs = [eng.process_request(eng.next_request_id(), p, sp,
-                                    priority=priority[i] if priority else 0)
+                                    priority=priority[i] if priority else 0,
+                                    lora_request=loras[i])
                 for i, (p, sp) in enumerate(zip(prompts, params))]
         for r in reqs:
             eng.submit(r)
@@ -78,6 +84,7 @@ class LLM(PoolingMixin):
         add_generation_prompt: bool = True,
         chat_template: str | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if not messages:
             raise ValueError("messages must not be empty")
@@ -92,7 +99,8 @@ class LLM(PoolingMixin):
                 for c in conversations
             )
         ]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
@@ -142,6 +150,19 @@ class LLM(PoolingMixin):
         if len(sp) != n:
             raise ValueError(f"sampling_params needs one entry per prompt ({n}), got {len(sp)}")
         return sp
+
+    @staticmethod
+    def _lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+                   ) -> list[LoRARequest | None]:
+        if lora is None or isinstance(lora, LoRARequest):
+            return [lora] * n
+        if isinstance(lora, (str, bytes)) or not isinstance(lora, Sequence):
+            raise ValueError(f"lora_request must be a LoRARequest or a list of them (got "
+                             f"{type(lora).__name__})")
+        loras = list(lora)
+        if len(loras) != n:
+            raise ValueError(f"lora_request needs one entry per prompt ({n}), got {len(loras)}")
+        return loras
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[Any]:
         eng = self.llm_engine

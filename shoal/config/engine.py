@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shoal.config.lora import LoRAConfig
 from shoal.config.speculative import SpeculativeConfig
 
 if TYPE_CHECKING:  # torch is imported where a dtype or device is made, not here: the
@@ -122,6 +123,8 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     policy: str = "fcfs"  # "fcfs" or "priority"
     max_waiting_requests: int | None = None
+    # LoRA: distinct adapters the running requests may use at once (0: LoRA off)
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -250,3 +253,4 @@ class EngineConfig:
     # steps of a few tokens, dense beside them for the rest) or "all" (dense weights freed)
     cpu_int4_matmul: str = "off"
     structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance
+    lora_config: LoRAConfig | None = None  # None: LoRA off (enable_lora)

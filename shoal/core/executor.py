@@ -29,6 +29,8 @@ class Executor(ABC):
     startup_times: dict[str, float]
     # What a pooling model serves (shoal.pooling.model_info.PoolingInfo); None for generation.
     pooling_info: Any = None
+    # LoRA: the adaptable projections and slots (shoal.lora.adapter.LoRALimits); None: off.
+    lora_limits: Any = None
 
     @abstractmethod
     def initialize_kv_cache(self) -> KVCacheLayout:
@@ -61,6 +63,10 @@ class Executor(ABC):
         """Runs a step of one made-up token (forward pass and sampling, no request's state
         touched); raises if the device or the model cannot. After steps keep failing, this
         tells a broken engine from requests at fault."""
+
+    def remove_lora(self, lora_id: int) -> None:
+        """LoRA: forgets an unloaded adapter on every rank (a later request reads it again)."""
+        return None
 
     def shutdown(self) -> None:
         """Stops worker ranks and leaves process groups (idempotent)."""

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.lora_request import LoRARequest
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
@@ -82,9 +83,18 @@ class Request:
     # The request's grammar (shoal.structured_output.manager.StructuredRequest) when its
     # output is constrained; the scheduler only asks it whether it is ready and feeds it tokens.
     structured: Any = None
+    lora: LoRARequest | None = None  # its LoRA adapter (None: the base model)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def hash_extra(self) -> str | None:
+        """What the prefix-cache hash mixes into its first block: the cache salt and the
+        adapter (a request without an adapter hashes its salt alone, as before adapters)."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00{self.lora.cache_key}"
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,6 +7,7 @@ from typing import Any
 
 from shoal.core.kv_transfer_plan import KVTransferPlan
 from shoal.core.types import Logprobs
+from shoal.lora_request import LoRARequest
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
@@ -28,6 +29,7 @@ class NewRequestData:
     output_token_ids: list[int] = field(default_factory=list)  # produced before a fault
     pooling_params: PoolingParams | None = None  # a pooling request (pooling engines only)
     token_type_ids: list[int] | None = None  # BERT segment ids of a (query, document) pair
+    lora: LoRARequest | None = None  # its LoRA adapter
 
 
 @dataclass

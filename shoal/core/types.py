@@ -10,6 +10,7 @@ from __future__ import annotations
 import msgspec
 
 from shoal.core.errors import ErrorCode
+from shoal.lora_request import LoRARequest
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
@@ -23,6 +24,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     pooling_params: PoolingParams | None = None  # set: a pooling request (pooling engines)
     token_type_ids: list[int] | None = None  # BERT segment ids of a cross-encoder pair
+    lora: LoRARequest | None = None  # the LoRA adapter it runs with
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -79,6 +81,11 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     # state of every layer of one state group), and a request's state bytes (all layers).
     num_state_blocks: int = 0
     state_bytes_per_request: int = 0
+    # LoRA (enable_lora): the adapters of the running and the waiting requests, by name,
+    # and the slots a step has (vLLM's lora_requests_info); None without LoRA.
+    running_loras: list[str] | None = None
+    waiting_loras: list[str] | None = None
+    max_loras: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -59,6 +59,7 @@ class Admission:
         """Waiting requests in queue order, while there is budget, a free sequence slot and
         blocks. One whose KV is still on its way from a tier is passed over this step."""
         deferred: list[Request] = []  # ask again next step, in the same order
+        loras = self._running_loras()
         try:
             while (len(self.waiting) and step.budget > 0
                    and len(self.running) < self.config.max_num_seqs
@@ -71,16 +72,33 @@ class Admission:
                 if req.structured is not None and not req.structured.is_ready():
                     deferred.append(self.waiting.pop())  # its grammar is still compiling
                     continue
+                lora = req.lora.lora_int_id if req.lora is not None else None
+                if lora is not None and lora not in loras and len(loras) >= self.max_loras:
+                    deferred.append(self.waiting.pop())  # every adapter slot is taken
+                    continue
                 cached = self.find_cached(req)
                 if cached is None:
                     deferred.append(self.waiting.pop())
                     continue
                 if not self.admit(req, cached, step):
                     break
+                if lora is not None:
+                    loras.add(lora)
             step.current = None
         finally:  # (also when scheduling raises: they must not leave the queue)
             for req in reversed(deferred):
                 self.waiting.push_front(req)
+
+    @property
+    def max_loras(self) -> int:
+        return self.config.max_loras
+
+    def _running_loras(self) -> set[int]:
+        """The adapters of the running requests: a step runs them all, in at most max_loras
+        device slots, so a request of another adapter waits while they are all taken."""
+        if not self.config.max_loras:
+            return set()
+        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
 
     def find_cached(self, req: Request) -> _Cached | None:
         """The request's prefix hits: device blocks, then tier blocks pinned in the CPU tier
@@ -125,7 +143,7 @@ class Admission:
         if req.status == RequestStatus.WAITING:
             step.new_requests.append(NewRequestData(
                 req.request_id, req.serial, req.prompt_token_ids, req.sampling_params,
-                req.eos_token_ids, list(req.output_token_ids)))
+                req.eos_token_ids, list(req.output_token_ids), lora=req.lora))
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         step.add(req, n)

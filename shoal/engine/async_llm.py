@@ -26,6 +26,7 @@ from shoal.engine.input_processor import InputProcessor, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor
 from shoal.engine.request_errors import EngineDeadError, request_error
 from shoal.engine.start_client import start_engine_client
+from shoal.lora_request import LoRARequest
 from shoal.metrics.stats import IterationStats, StatLogger, merge_engine_stats
 from shoal.outputs import RequestOutput
 from shoal.pooling_params import PoolingParams
@@ -167,13 +168,14 @@ class AsyncLLM:
     # ---- requests -------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     priority: int = 0, cache_salt: str | None = None,
-                    output_kind: OutputKind = OutputKind.FINAL_ONLY) -> RequestStream:
+                    output_kind: OutputKind = OutputKind.FINAL_ONLY,
+                    lora_request: LoRARequest | None = None) -> RequestStream:
         """Validates and submits; raises ValueError (bad input), QueueFullError or
         EngineDeadError before anything reaches the core."""
         if self.errored is not None:
             raise EngineDeadError(str(self.errored))
         req = self.inputs.process_request(request_id, prompt, params, priority=priority,
-                                          cache_salt=cache_salt)
+                                          cache_salt=cache_salt, lora_request=lora_request)
         self._check_queue(len(req.core_requests))
         stream = RequestStream(self, request_id)
         stream.constrained = params.structured_outputs is not None
@@ -217,10 +219,12 @@ class AsyncLLM:
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str, priority: int = 0, *, cache_salt: str | None = None,
                        output_kind: OutputKind = OutputKind.FINAL_ONLY,
+                       lora_request: LoRARequest | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs; stopping early (or cancellation) aborts it."""
         stream = self.add_request(request_id, prompt, sampling_params, priority=priority,
-                                  cache_salt=cache_salt, output_kind=output_kind)
+                                  cache_salt=cache_salt, output_kind=output_kind,
+                                  lora_request=lora_request)
         try:
             async for out in stream:
                 yield out
@@ -260,6 +264,11 @@ class AsyncLLM:
 
     async def reset_stats(self) -> None:
         await self.client.call_utility("reset_stats")
+
+    async def remove_lora(self, lora_id: int) -> None:
+        """An unloaded adapter leaves the engine's host memory and slots (requests already
+        running with it finish first: their steps still find it)."""
+        await self.client.call_utility("remove_lora", args=[lora_id])
 
     async def check_health(self) -> None:
         if not self.is_healthy:

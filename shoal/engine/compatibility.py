@@ -125,6 +125,22 @@ class ResolvedArgs:
         return resolve_model_class(self.hf_config, self.runner).__name__
 
     @property
+    def lora(self) -> bool:
+        return bool(getattr(self.args, "enable_lora", False))
+
+    @property
+    def lora_capable(self) -> bool:
+        from shoal.config.lora import LORA_ARCHITECTURES
+
+        return self.model_class in LORA_ARCHITECTURES
+
+    @property
+    def lora_architectures(self) -> str:
+        from shoal.config.lora import LORA_ARCHITECTURES
+
+        return ", ".join(sorted(LORA_ARCHITECTURES))
+
+    @property
     def pipeline_architectures(self) -> str:
         from shoal.models.llama import PIPELINE_PARALLEL_ARCHITECTURES
 
@@ -212,6 +228,16 @@ ROWS: tuple[Incompatibility, ...] = (
         "runner='pooling'", "linear attention (Qwen3-Next, Qwen3.5, Kimi Linear)",
         lambda s: s.pooling and s.linear_attention,
         "runner='pooling' is not supported for {s.model_class} (linear-attention layers)"),
+    # ---- LoRA ------------------------------------------------------------------------------
+    Incompatibility(
+        "enable_lora", "runner='pooling'",
+        lambda s: s.lora and s.pooling,
+        "enable_lora serves generation; the pooling runner takes no adapters yet"),
+    Incompatibility(
+        "enable_lora", "an architecture without LoRA layers",
+        lambda s: s.lora and not s.pooling and not s.lora_capable,
+        "enable_lora is not supported for {s.model_class} yet (supported: "
+        "{s.lora_architectures})"),
     # ---- speculative decoding -------------------------------------------------------------
     Incompatibility(
         "speculative_config (eagle)", "linear attention (Qwen3-Next, Qwen3.5, Kimi Linear)",

@@ -104,7 +104,8 @@ class EngineCore:
             max_num_seqs=sc.max_num_seqs, eos_token_ids=self.eos_token_ids,
             state_groups=sum(g.holds_state for g in layout.groups),
             max_num_batched_tokens=sc.max_num_batched_tokens,
-            request=request_limits, pooling=self.runner.pooling_info)
+            request=request_limits, pooling=self.runner.pooling_info,
+            lora=self.runner.lora_limits)
         self.startup_times = self.runner.startup_times  # each start-up phase's seconds
         if config.device.type == "cuda" and not pooling:
             t1 = time.perf_counter()
@@ -189,6 +190,7 @@ class EngineCore:
             cache_salt=req.cache_salt,
             pooling_params=req.pooling_params,
             token_type_ids=req.token_type_ids,
+            lora=req.lora,
         )
         params = req.sampling_params.structured_outputs
         if params is not None:
@@ -198,6 +200,15 @@ class EngineCore:
             self._history_requests.add(request.serial)
         if request.structured is not None:
             self.structured.add(request)
+
+    def remove_lora(self, lora_id: int) -> None:
+        """Forgets an unloaded adapter, unless a request still runs or waits with it (its
+        steps would read it again from disk; the next unload after they end drops it)."""
+        s = self.scheduler
+        busy = any(r.lora is not None and r.lora.lora_int_id == lora_id
+                   for r in (*s.running, *s.waiting))
+        if not busy:
+            self.runner.remove_lora(lora_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

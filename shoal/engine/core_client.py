@@ -147,11 +147,12 @@ class EngineCoreClient:
         if request_ids and not self.dead:
             self._enqueue(AbortRequests(request_ids))
 
-    async def call_utility(self, method: str, timeout: float = 10.0) -> Any:
+    async def call_utility(self, method: str, timeout: float = 10.0, args: list[Any] | None = None
+                           ) -> Any:
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._calls[call_id] = fut
-        self._enqueue(UtilityCall(call_id, method))
+        self._enqueue(UtilityCall(call_id, method, list(args or ())))
         try:
             return await asyncio.wait_for(fut, timeout)
         finally:

@@ -30,6 +30,7 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
     call_id: int
     method: str  # one of EngineCoreProc.UTILITIES
+    args: list[Any] = msgspec.field(default_factory=list)
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):

@@ -51,7 +51,7 @@ IDLE_POLL_MS = 2000
 class EngineCoreProc:
     """The busy loop around one EngineCore (anything with its methods, for tests)."""
 
-    UTILITIES = ("ping", "get_stats", "reset_stats")
+    UTILITIES = ("ping", "get_stats", "reset_stats", "remove_lora")
 
     def __init__(self, core: Any, input_socket: zmq.Socket, output_socket: zmq.Socket,
                  death_fd: int | None = None, parent_pid: int | None = None,
@@ -209,16 +209,17 @@ class EngineCoreProc:
 
     # ---- utilities ------------------------------------------------------------------------
     def _utility(self, call: UtilityCall) -> UtilityResult:
-        handlers: dict[str, Callable[[], Any]] = {
+        handlers: dict[str, Callable[..., Any]] = {
             "ping": lambda: "pong",
             "get_stats": lambda: msgspec.to_builtins(self._rebased(self._last_stats)),
             "reset_stats": self._reset_stats,
+            "remove_lora": lambda lora_id: self.core.remove_lora(int(lora_id)),
         }
         handler = handlers.get(call.method)
         if handler is None:
             return UtilityResult(call.call_id, error=f"unknown utility {call.method!r}")
         try:
-            return UtilityResult(call.call_id, handler())
+            return UtilityResult(call.call_id, handler(*call.args))
         except Exception as e:
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
 

@@ -125,12 +125,13 @@ class DataParallelCoreClient:
             if not self.clients[rank].dead:
                 self.clients[rank].abort_requests(ids)
 
-    async def call_utility(self, method: str, timeout: float = 10.0) -> Any:
+    async def call_utility(self, method: str, timeout: float = 10.0, args: list[Any] | None = None
+                           ) -> Any:
         """On every replica still running (results[0] is the first of them)."""
         live = [self.clients[i] for i in self._live_ranks()]
         if not live:
             raise EngineDeadError("every engine replica has died")
-        results = await asyncio.gather(*(c.call_utility(method, timeout) for c in live))
+        results = await asyncio.gather(*(c.call_utility(method, timeout, args) for c in live))
         if method == "get_stats":
             stats = [msgspec.convert(r, SchedulerStats) for r in results]
             return msgspec.to_builtins(merge_engine_stats(stats, stats[0]))

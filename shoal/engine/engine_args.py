@@ -17,6 +17,7 @@ from shoal.config import (
     ray_installed,
     resolve_dtype,
 )
+from shoal.config.lora import LoRAConfig
 from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.cache_args import cache_config
 from shoal.engine.compatibility import ResolvedArgs, check_compatibility
@@ -152,6 +153,14 @@ class EngineArgs:
         None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
               "\"prompt_lookup_max\": 5} (default: off)")
+    enable_lora: bool = arg(False, "serve LoRA adapters (PEFT folders) over the base model: a "
+                                   "request names one (lora_request offline, its model name "
+                                   "when serving)")
+    max_loras: int = arg(1, "LoRA: distinct adapters in one step (device slots)")
+    max_lora_rank: int = arg(16, "LoRA: the largest adapter rank (1, 8, 16, 32, 64, 128, 256, "
+                                 "320 or 512)")
+    max_cpu_loras: int | None = arg(None, "LoRA: adapters kept loaded in host memory "
+                                          "(default: max_loras)")
     runner: str = arg("auto", "generate or pooling (embeddings, classification, scores); "
                               "auto: pooling for an encoder or classifier checkpoint")
     model_impl: str = arg("auto", "shoal (its own model class), transformers (transformers' "
@@ -248,6 +257,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 policy=self.scheduling_policy,
                 max_waiting_requests=self.max_waiting_requests,
+                max_loras=self.max_loras if self.enable_lora else 0,
             ),
             parallel_config=ParallelConfig(
                 self.tensor_parallel_size,
@@ -270,6 +280,7 @@ class EngineArgs:
             async_scheduling=self._async_scheduling(device, world, hf_config),
             structured_outputs_backend=check_backend_available(
                 parse_backend_config(self.structured_outputs_config)),
+            lora_config=self._lora_config(),
         )
 
     def _check_values(self) -> None:
@@ -292,6 +303,9 @@ class EngineArgs:
                 f"load_format must be auto, gguf, safetensors or dummy (got {self.load_format!r})"
             )
         check_quantization_name(self.quantization)  # against the checkpoint: at its load
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be a bool (got {self.enable_lora!r})")
+        LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # their values
         check_kv_cache_dtype(self.kv_cache_dtype)
 
     def _max_model_len(self, hf_config: Any, runner: str, model_path: str | None) -> int:
@@ -387,6 +401,11 @@ class EngineArgs:
             return ("small_steps" if device.type == "cpu" and dtype == torch.bfloat16
                     else "off")
         return "all" if mode else "off"
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _kv_offload_config(self) -> KVOffloadConfig | None:
         if self.kv_offloading_size is None:

@@ -20,6 +20,8 @@ import msgspec
 from shoal.core.types import EngineCoreRequest
 from shoal.engine.chat_template import render_chat_template
 from shoal.kv_offload.request_params import check_tier_names
+from shoal.lora.adapter import LoRALimits, check_adapter
+from shoal.lora_request import LoRARequest
 from shoal.pooling_params import PoolingInfo, PoolingParams
 from shoal.sampling_params import SamplingParams
 
@@ -66,6 +68,7 @@ class EngineLimits(msgspec.Struct, frozen=True):
     max_num_batched_tokens: int = 0  # the longest prompt chunk (0: unknown, a whole prompt)
     request: RequestLimits = msgspec.field(default_factory=RequestLimits)
     pooling: PoolingInfo | None = None  # set: a pooling engine (runner="pooling")
+    lora: LoRALimits | None = None  # set: the engine serves LoRA adapters (enable_lora)
 
 
 @dataclass
@@ -123,6 +126,8 @@ def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:
         validate_pooling_request(limits, req)
         return 1
     ids = check_prompt_token_ids(req.prompt_token_ids, limits.vocab_size, limits.max_model_len)
+    if req.lora is not None:
+        check_adapter(req.lora.lora_path, limits.lora)
     sp = req.sampling_params
     sp.validate_against_vocab(limits.vocab_size)
     check_tier_names(sp.kv_transfer_params)
@@ -262,10 +267,14 @@ class InputProcessor:
     # ---- whole requests ---------------------------------------------------------------------
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                         priority: int = 0, cache_salt: str | None = None,
-                        arrival_time: float | None = None) -> ProcessedRequest:
+                        arrival_time: float | None = None,
+                        lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """Everything that can be wrong with a request raises ValueError here, before any of
         it reaches a core."""
         _check_request_options(params, priority, cache_salt)
+        if lora_request is not None and not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest (got "
+                             f"{type(lora_request).__name__})")
         check_request_limits(self.limits.request, params)
         params = resolve_logprobs(params, self.max_logprobs, self.limits.vocab_size)
         p = prompt if isinstance(prompt, ProcessedPrompt) else self.process(prompt)
@@ -273,7 +282,7 @@ class InputProcessor:
         n = params.n
         reqs = [EngineCoreRequest(child_request_id(request_id, i, n), p.prompt_token_ids,
                                   params.for_sample(i) if n > 1 else params, arrival, priority,
-                                  cache_salt)
+                                  cache_salt, lora=lora_request)
                 for i in range(n)]
         for r in reqs:
             validate_core_request(self.limits, r)

@@ -13,6 +13,7 @@ from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
 from shoal.engine.output_processor import OutputKind, OutputProcessor
 from shoal.engine.startup import start_engine_core
+from shoal.lora_request import LoRARequest
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 
@@ -50,18 +51,20 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     priority: int = 0, cache_salt: str | None = None,
-                    kind: OutputKind = OutputKind.FINAL_ONLY) -> None:
+                    kind: OutputKind = OutputKind.FINAL_ONLY,
+                    lora_request: LoRARequest | None = None) -> None:
         """Validates everything before anything reaches the core, so a bad request leaves no
         trace."""
         self.submit(self.process_request(request_id, prompt, params, priority=priority,
-                                         cache_salt=cache_salt), kind)
+                                         cache_salt=cache_salt, lora_request=lora_request), kind)
 
     def process_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                        priority: int = 0, cache_salt: str | None = None) -> ProcessedRequest:
+                        priority: int = 0, cache_salt: str | None = None,
+                        lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """inputs.process_request, and a grammar that does not compile is a ValueError here
         (it stays cached for the request)."""
         processed = self.inputs.process_request(request_id, prompt, params, priority=priority,
-                                                cache_salt=cache_salt)
+                                                cache_salt=cache_salt, lora_request=lora_request)
         if params.structured_outputs is not None:
             self.core.structured.manager.validate(params.structured_outputs)
         return processed

@@ -427,6 +427,10 @@ class Scheduler(RequestTableFront):
             num_generation_tokens=self._step_generation_tokens,
             **self.drafts.take_stats(),
         )
+        if self.config.max_loras:
+            s.max_loras = self.config.max_loras
+            s.running_loras = sorted({r.lora.lora_name for r in self.running if r.lora})
+            s.waiting_loras = sorted({r.lora.lora_name for r in self.waiting if r.lora})
         if self.kv.state_bytes_per_request:
             s.num_state_blocks = self.kv.num_state_blocks()
             s.state_bytes_per_request = self.kv.state_bytes_per_request

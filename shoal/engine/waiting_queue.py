@@ -5,6 +5,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Iterator
 
 from shoal.core.request import Request
 
@@ -47,6 +48,12 @@ class WaitingQueue:
         if self.policy == "priority":
             return any(e[3] is req for e in self._heap)
         return any(r is req for r in self._fifo)
+
+    def __iter__(self) -> Iterator[Request]:
+        """The waiting requests (in queue order for fcfs; any order for priority)."""
+        if self.policy == "priority":
+            return iter([e[3] for e in self._heap])
+        return iter(self._fifo)
 
     def __len__(self) -> int:
         return len(self._heap) if self.policy == "priority" else len(self._fifo)

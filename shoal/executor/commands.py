@@ -27,6 +27,10 @@ class RemoveRequests(msgspec.Struct, tag="remove"):
     serials: list[int]
 
 
+class RemoveLoRA(msgspec.Struct, tag="remove_lora"):
+    lora_id: int
+
+
 class ResetAfterFault(msgspec.Struct, tag="reset"):
     pass
 
@@ -39,5 +43,5 @@ class Stop(msgspec.Struct, tag="stop"):
     pass
 
 
-Command = (InitKVCache | RunStep | FinishStep | RemoveRequests | ResetAfterFault | CheckHealth
-           | Stop)
+Command = (InitKVCache | RunStep | FinishStep | RemoveRequests | RemoveLoRA | ResetAfterFault
+           | CheckHealth | Stop)

@@ -25,6 +25,7 @@ from shoal.executor.commands import (
     CheckHealth,
     FinishStep,
     InitKVCache,
+    RemoveLoRA,
     RemoveRequests,
     ResetAfterFault,
     RunStep,
@@ -66,6 +67,14 @@ class DriverExecutor(Executor):
     @property
     def num_forwards(self) -> int:
         return self.driver.num_forwards
+
+    @property
+    def lora_limits(self) -> Any:  # type: ignore[override]
+        return self.driver.lora_limits
+
+    def remove_lora(self, lora_id: int) -> None:
+        self._broadcast(RemoveLoRA(lora_id))
+        self._on_driver(self.driver.remove_lora, lora_id)
 
     @property
     def pipelined(self) -> bool:

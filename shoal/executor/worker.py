@@ -30,6 +30,7 @@ from shoal.executor.commands import (
     Command,
     FinishStep,
     InitKVCache,
+    RemoveLoRA,
     RemoveRequests,
     ResetAfterFault,
     RunStep,
@@ -97,6 +98,8 @@ class RankCommands:
             self._finish(self.launched.popleft())
         elif isinstance(cmd, RemoveRequests):
             runner.remove_requests(set(cmd.serials))
+        elif isinstance(cmd, RemoveLoRA):
+            runner.remove_lora(cmd.lora_id)
         elif isinstance(cmd, InitKVCache):
             runner.initialize_kv_cache()
         elif isinstance(cmd, CheckHealth):

@@ -3,6 +3,8 @@ checkpoint tensor and copies this rank's shard into place, so model code never s
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -30,6 +32,8 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
 
 class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by rows (output features) across ranks."""
+
+    lora: Any = None  # a shoal.lora.layers.LoRALayer when the engine serves adapters
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  gather_output: bool = False, params_dtype: torch.dtype | None = None):
@@ -62,6 +66,8 @@ class ColumnParallelLinear(nn.Module):
             y = y if self.bias is None else y + self.bias
         else:
             y = small_linear.linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            self.lora.apply(x, y)
         return tp_all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -146,6 +152,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x W^T with W split by columns (input features); partial sums are all-reduced."""
 
+    lora: Any = None  # a shoal.lora.layers.LoRALayer (its delta joins the partial sums)
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None):
         super().__init__()
@@ -173,6 +181,8 @@ class RowParallelLinear(nn.Module):
             y = int4_linear(x, self.int4)
         else:
             y = small_linear.linear(x, self.weight)
+        if self.lora is not None:
+            self.lora.apply(x, y)
         if self.reduce_results:
             y = tp_all_reduce(y)
         if self.bias is not None:

@@ -119,6 +119,11 @@ class PrometheusStatLogger:
         self.extra_families: dict[str, Any] = {}  # the families with more labels
         self._engine_families()
         self._request_families(buckets_1_2_5(max_model_len))
+        # vLLM's LoRA gauge: labels only (the adapters of running and waiting requests), the
+        # time of the last report as its value; the old label set is dropped at each report
+        self.lora_info = self._family(Gauge, "lora_requests_info", "Running stats on lora "
+                                      "requests.", ["max_lora", "waiting_lora_adapters",
+                                                    "running_lora_adapters"], model_label=False)
         if cache_info:
             info = self._family(Gauge, "cache_config_info", "Information of the LLMEngine "
                                 "CacheConfig", list(cache_info), model_label=False)
@@ -256,6 +261,10 @@ class PrometheusStatLogger:
                 e.iteration_tokens.observe(step_tokens)
             if s.spec_num_drafts:
                 self._record_spec(e, s)
+            if s.running_loras is not None:
+                self.lora_info.clear()
+                self.lora_info.labels(str(s.max_loras), ",".join(s.waiting_loras or ()),
+                                      ",".join(s.running_loras)).set_to_current_time()
             if self._tiers:
                 for tier, figures in (s.kv_tiers or {}).items():
                     self._record_tier(e, tier, figures)

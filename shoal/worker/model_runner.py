@@ -28,6 +28,7 @@ from shoal.distributed.parallel_state import get_pp_world_size, world_min_int
 from shoal.kv_offload.transfer import KVTransfer
 from shoal.layers.linear_attention import LinearAttention
 from shoal.loader import LoadedModel, build_model
+from shoal.lora.slots import LoRASlots
 from shoal.sample.sampler import Sampler
 from shoal.worker import warmup as startup
 from shoal.worker.drafter import Drafter, DrafterFactory, TargetStep
@@ -101,9 +102,24 @@ class ModelRunner(Executor):
             self.forwarder.state_replays = any(self.forwarder.state_groups)
             # (engine/compatibility.py refuses these for models whose layers all slide)
             assert not (self.drafter.kv_layers() and windows[0] is not None)
+        self.lora: LoRASlots | None = None
+        if config.lora_config is not None:
+            self.lora = LoRASlots(self.model, config.lora_config, self._max_step_tokens(),
+                                  self.dtype, self.device)
+            self.lora_limits = self.lora.limits
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
         self._num_forwards = 0
         self._latest: StepHandle | None = None  # the last step executed
+
+    def _max_step_tokens(self) -> int:
+        """The most tokens one forward pass runs (a chunk, or a batch of verifies)."""
+        sc, spec = self.config.scheduler_config, self.config.speculative_config
+        k = spec.num_speculative_tokens if spec is not None else 0
+        return max(sc.max_num_batched_tokens, sc.max_num_seqs * (k + 1))
+
+    def remove_lora(self, lora_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(lora_id)
 
     @property
     def pipelined(self) -> bool:
@@ -280,6 +296,8 @@ class ModelRunner(Executor):
         self._num_forwards += 1
         inp = prepare_inputs(sched, self.requests, self.pending.rows)
         handle.inputs = inp
+        if self.lora is not None:
+            self.lora.set_step([st.lora for st in inp.states], inp.query_lens())
         handle.forward = self.forwarder.run(inp, handle.out)
         if self.drafter is not None:
             self._launch_drafter(self.drafter, handle)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shoal.core.scheduler_output import NewRequestData
+from shoal.lora_request import LoRARequest
 from shoal.sample.sampling_metadata import make_generator
 from shoal.sampling_params import SamplingParams
 
@@ -20,13 +21,14 @@ class RequestState:
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
+    lora: LoRARequest | None = None
 
     @classmethod
     def of(cls, new: NewRequestData, device: torch.device) -> RequestState:
         sp = new.sampling_params
         gen = make_generator(sp.seed, device) if sp.seed is not None else None
         return cls(new.prompt_token_ids, sp, new.eos_token_ids, gen,
-                   list(new.output_token_ids))
+                   list(new.output_token_ids), new.lora)
 
     @property
     def num_tokens(self) -> int:

@@ -29,8 +29,9 @@ def free_port() -> int:
 
 class RemoteServer:
     def __init__(self, *args: str, api_key: str | None = None,
-                 base_args: list[str] | None = None):
-        """base_args: replaces BASE_ARGS (sized for SmolLM2) for other models."""
+                 base_args: list[str] | None = None, env: dict[str, str] | None = None):
+        """base_args: replaces BASE_ARGS (sized for SmolLM2) for other models; env: added to
+        the server's environment."""
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(self.port),
@@ -40,7 +41,7 @@ class RemoteServer:
         self.log_path = Path(tempfile.mkstemp(prefix="shoal-server-", suffix=".log")[1])
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         self._wait_healthy()
 
     @property

@@ -30,6 +30,7 @@ from shoal.entrypoints.openai.errors import (
     install_error_handlers,
 )
 from shoal.entrypoints.openai.limits import RequestSizeLimitMiddleware
+from shoal.entrypoints.openai.lora_routes import add_lora_routes, load_startup_adapters
 from shoal.entrypoints.openai.middleware import (
     RequestIdMiddleware,
     RootPathMiddleware,
@@ -84,7 +85,11 @@ def cache_config_info(engine: AsyncLLM) -> dict[str, str]:
 def build_app(engine: AsyncLLM, settings: ServerSettings,
               registry: CollectorRegistry | None = None) -> FastAPI:
     names = settings.served_model_name or [engine.engine_args.model or DEFAULT_MODEL_NAME]
-    models = ServedModels(names, engine.engine_args.model, engine.max_model_len)
+    models = ServedModels(names, engine.engine_args.model, engine.max_model_len,
+                          engine.limits.lora)
+    if settings.lora_modules and engine.limits.lora is None:
+        raise ValueError("--lora-modules needs --enable-lora")
+    load_startup_adapters(models, settings.lora_modules)
     registry = registry if registry is not None else CollectorRegistry()
     engine.stat_loggers.append(PrometheusStatLogger(
         models.default, registry, prefixes=settings.metrics_prefixes,
@@ -118,6 +123,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
     add_model_and_tokenizer_routes(app, models, tokenization, settings)
     add_generation_routes(app, completion, chat, responses)
     add_pooling_routes(app, OpenAIServingPooling(engine, models, settings))
+    add_lora_routes(app, models, engine)
     return app
 
 
@@ -147,7 +153,12 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
         print(f"shoal: the engine failed to start: {e}", file=sys.stderr)
         return 1
     engine.stat_loggers.append(LoggingStatLogger())
-    app = build_app(engine, settings)
+    try:
+        app = build_app(engine, settings)
+    except ValueError as e:  # a server setting that does not fit the engine (--lora-modules)
+        await engine.shutdown()
+        print(f"shoal: {e}", file=sys.stderr)
+        return 1
     freeze_startup_objects()
     where: dict[str, Any] = ({"uds": settings.uds} if settings.uds
                              else {"host": settings.host, "port": settings.port})

@@ -10,6 +10,7 @@ import contextlib
 from shoal.beam_search import BeamSearch, decoder, step_position
 from shoal.engine.async_llm import AsyncLLM, RequestStream
 from shoal.engine.input_processor import ProcessedPrompt
+from shoal.lora_request import LoRARequest
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import BeamSearchParams
 
@@ -25,12 +26,14 @@ async def _last(stream: RequestStream) -> RequestOutput:
 
 class BeamSearchRunner:
     def __init__(self, engine: AsyncLLM, request_id: str, params: BeamSearchParams, *,
-                 priority: int = 0, cache_salt: str | None = None):
+                 priority: int = 0, cache_salt: str | None = None,
+                 lora_request: LoRARequest | None = None):
         self.engine = engine
         self.request_id = request_id
         self.params = params
         self.priority = priority
         self.cache_salt = cache_salt
+        self.lora_request = lora_request
 
     async def run(self, prompts: list[ProcessedPrompt]) -> list[RequestOutput]:
         """One finished RequestOutput per prompt: its best beams as completions, best first."""
@@ -47,7 +50,8 @@ class BeamSearchRunner:
                     for b, seq in enumerate(pending):
                         streams.append(self.engine.add_request(
                             f"{self.request_id}-{si}-{step}-{b}", {"prompt_token_ids": seq},
-                            step_params, priority=self.priority, cache_salt=self.cache_salt))
+                            step_params, priority=self.priority, cache_salt=self.cache_salt,
+                            lora_request=self.lora_request))
                     counts.append(len(pending))
                 results = iter(await asyncio.gather(*(_last(st) for st in streams)))
             finally:

@@ -188,7 +188,8 @@ class OpenAIServingResponses(ServingBase):
             structured_outputs=plan.constraint or req.constraint())
         stream = self.engine.add_request(
             random_id("resp"), prompt, params,
-            output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY)
+            output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY,
+            lora_request=self.models.lora(req.model))
         rid, msg_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
         conversation = history + turn
         if req.stream:

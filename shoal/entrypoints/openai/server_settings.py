@@ -61,6 +61,10 @@ class ServerSettings:
     show_hidden_metrics_for_version: str | None = setting(
         None, "also export metrics deprecated since this version (vLLM's flag; shoal has "
               "deprecated none, so every metric is shown either way)")
+    lora_modules: list[str] | None = setting(
+        None, "LoRA adapters to serve (needs --enable-lora), each name=path or a JSON object "
+              '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request picks one by '
+              "its model name", nargs="+")
     max_stored_responses: int = setting(1000, "Responses API: how many responses are kept in "
                                               "memory for previous_response_id (oldest dropped)")
 

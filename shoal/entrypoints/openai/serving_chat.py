@@ -164,7 +164,8 @@ class OpenAIServingChat(ServingBase):
             params.skip_special_tokens = False  # the parsers read the markers (harmony)
         return self.engine.add_request(
             engine_id, prompt, params, priority=req.priority, cache_salt=req.cache_salt,
-            output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY)
+            output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY,
+            lora_request=self.models.lora(req.model))
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.models.check(req.model)
@@ -208,7 +209,8 @@ class OpenAIServingChat(ServingBase):
                           self.engine.inputs.max_logprobs, self.engine.limits.request.max_n,
                           width_field="n")
         run = BeamSearchRunner(self.engine, random_id("chatcmpl"), params,
-                               priority=req.priority, cache_salt=req.cache_salt)
+                               priority=req.priority, cache_salt=req.cache_salt,
+                               lora_request=self.models.lora(req.model))
         try:
             (final,) = await cancel_on_disconnect(raw, run.run([prompt]))
         except ClientDisconnected:

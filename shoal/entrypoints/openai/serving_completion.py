@@ -136,7 +136,8 @@ class OpenAIServingCompletion(ServingBase):
             for i, p in enumerate(prompts):
                 streams.append(self.engine.add_request(
                     f"{engine_id}-{i}", p, params, priority=req.priority,
-                    cache_salt=req.cache_salt, output_kind=kind))
+                    cache_salt=req.cache_salt, output_kind=kind,
+                    lora_request=self.models.lora(req.model)))
         except BaseException:
             for s in streams:
                 s.abort()
@@ -166,7 +167,8 @@ class OpenAIServingCompletion(ServingBase):
                               self.engine.inputs.max_logprobs,
                               self.engine.limits.request.max_n, width_field="n")
         run = BeamSearchRunner(self.engine, random_id("cmpl"), params, priority=req.priority,
-                               cache_salt=req.cache_salt)
+                               cache_salt=req.cache_salt,
+                               lora_request=self.models.lora(req.model))
         try:
             finals = await cancel_on_disconnect(raw, run.run(prompts))
         except ClientDisconnected:

@@ -1,0 +1,321 @@
+"""LoRA on one GPU (written for an H200): the batched adapter kernels against the torch path,
+greedy agreement of LoRA against the merged weights, and the Llama-3.1-8B shape's throughput
+with 0, 1, 4 and 16 distinct rank-16 adapters in a W1 batch and batch-1 decode with one
+adapter, each against the same engine without LoRA.
+
+    python benchmarks/lora_gpu.py all --out bench-work/lora-h200.json
+    python benchmarks/lora_gpu.py kernels,correctness,w1,batch1 --num-requests 128 --out F
+    python benchmarks/lora_gpu.py all --smoke --out /tmp/lora.json   # CPU, tiny sizes
+
+Parts (one JSON record each; the file is rewritten after every part):
+
+- kernels: shoal.lora.ops.add_lora, Triton (CUDA) against the torch path on the same inputs
+  at the 8B shape's projections (qkv 4096 -> 6144 in three sub-projections, gate_up 4096 ->
+  28672 in two, down 14336 -> 4096), rank 16, 16 slots, tokens 1 / 64 / 2048 with mixed slots:
+  max |difference| and the time of each, beside the base projection's matmul.
+- correctness: a small random Llama (4 layers, hidden 1024) written to disk with two random
+  rank-16 adapters; the LoRA engine (CUDA graphs) against an engine on each adapter's merged
+  weights (W + scale B A): the share of greedy tokens equal, the first divergence. bf16:
+  near ties may diverge; reported, not failed.
+- w1: the 8B shape (load_format=dummy), enable_lora, max_loras 16, W1 requests spread round
+  robin over 0 (base), 1, 4 and 16 adapters; and an engine without enable_lora (base): output
+  tok/s and each ratio to the base engine.
+- batch1: 128 prompt ids, 256 tokens, greedy: the LoRA engine with one adapter and with none,
+  the base engine; the ratios.
+
+The adapters are random (PEFT layout, written from the engine's LoRA targets)."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import offline_runs
+from results_file import record, write
+
+PARTS = ("kernels", "correctness", "w1", "batch1")
+LEAVES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def write_adapter(path: Path, targets: dict[str, tuple[int, int]], seed: int, rank: int,
+                  scale: float = 0.02, dtype: str = "bfloat16") -> Path:
+    """A random PEFT adapter of every projection in `targets` (name -> (in, out))."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, (n_in, n_out) in targets.items():
+        key = f"base_model.model.{name}"
+        tensors[f"{key}.lora_A.weight"] = (torch.randn(rank, n_in, generator=gen)
+                                           * scale).to(getattr(torch, dtype))
+        tensors[f"{key}.lora_B.weight"] = (torch.randn(n_out, rank, generator=gen)
+                                           * scale).to(getattr(torch, dtype))
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    (path / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "bias": "none",
+        "target_modules": list(LEAVES)}))
+    return path
+
+
+def lora_targets(llm: Any) -> dict[str, tuple[int, int]]:
+    return dict(llm.llm_engine.inputs.limits.lora.targets)
+
+
+def _time(fn: Any, iters: int) -> float:
+    import torch
+
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1000
+
+
+def kernels(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from shoal.lora.ops import add_lora
+
+    cuda = torch.cuda.is_available()
+    device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    hidden, kv, inter = (4096, 1024, 14336) if not args.smoke else (64, 16, 128)
+    shapes = {"qkv": (hidden, (0, hidden, hidden + kv), hidden + 2 * kv),
+              "gate_up": (hidden, (0, inter), 2 * inter), "down": (inter, (0,), hidden)}
+    rank, slots = 16, 16
+    rows = []
+    for tokens in ((1, 64, 2048) if not args.smoke else (1, 8)):
+        for name, (n_in, offsets, n_out) in shapes.items():
+            g = torch.Generator(device=device).manual_seed(0)
+            x = torch.randn(tokens, n_in, device=device, dtype=dtype, generator=g)
+            w = torch.randn(n_out, n_in, device=device, dtype=dtype, generator=g) * 0.02
+            a = torch.randn(slots, len(offsets) * rank, n_in, device=device, dtype=dtype,
+                            generator=g) * 0.02
+            b = torch.randn(slots, n_out, rank, device=device, dtype=dtype, generator=g) * 0.02
+            ids = torch.arange(tokens, device=device, dtype=torch.int32) % (slots + 1) - 1
+            y0 = x @ w.T
+            out = {}
+            for backend in (("triton", "torch") if cuda else ("torch",)):
+                y = y0.clone()
+                add_lora(y, x, a, b, ids, offsets, rank, use_triton=backend == "triton")
+                out[backend] = y.float()
+                run = functools.partial(add_lora, y0.clone(), x, a, b, ids, offsets, rank,
+                                        use_triton=backend == "triton")
+                out[backend + "_ms"] = _time(run, 20 if not args.smoke else 2)
+            base_ms = _time(functools.partial(torch.matmul, x, w.T), 20 if not args.smoke else 2)
+            row = {"projection": name, "tokens": tokens, "in": n_in, "out": n_out,
+                   "base_matmul_ms": base_ms,
+                   **{k: v for k, v in out.items() if k.endswith("_ms")}}
+            if cuda:
+                row["max_abs_diff_triton_vs_torch"] = float(
+                    (out["triton"] - out["torch"]).abs().max())
+                row["max_abs_delta"] = float((out["torch"] - y0.float()).abs().max())
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return record("lora_kernels", "shoal", rank=rank, slots=slots, dtype=str(dtype),
+                  rows=rows)
+
+
+def _small_llama(folder: Path, smoke: bool) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=4096 if not smoke else 512,
+                      hidden_size=1024 if not smoke else 64,
+                      intermediate_size=2816 if not smoke else 128, num_hidden_layers=4,
+                      num_attention_heads=8 if not smoke else 4, num_key_value_heads=4 if not
+                      smoke else 2, max_position_embeddings=2048, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16 if not smoke else torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2 * (64 / p.shape[1]) ** 0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def _merge(base: Path, adapter: Path, out: Path) -> Path:
+    """The base checkpoint with W + (alpha / r) B A in every adapted projection."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((adapter / "adapter_config.json").read_text())
+    scale = cfg["lora_alpha"] / cfg["r"]
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    weights = load_file(str(base / "model.safetensors"))
+    for key in list(weights):
+        name = "base_model.model." + key.removesuffix(".weight")
+        a = lora.get(f"{name}.lora_A.weight")
+        if a is not None:
+            b = lora[f"{name}.lora_B.weight"]
+            w = weights[key]
+            weights[key] = (w.float() + scale * b.float() @ a.float()).to(w.dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in base.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
+def correctness(args: argparse.Namespace) -> dict[str, Any]:
+    import random
+
+    from shoal import LLM, SamplingParams
+    from shoal.lora.request import LoRARequest
+
+    work = Path(tempfile.mkdtemp(prefix="lora-gpu-"))
+    base = _small_llama(work / "base", args.smoke)
+    kw = dict(device=args.device, dtype=args.dtype, max_model_len=1024,
+              gpu_memory_utilization=0.3) if not args.smoke else dict(device="cpu")
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=16, **kw)
+    targets = lora_targets(llm)
+    adapters = [write_adapter(work / f"a{i}", targets, seed=i + 1, rank=16, scale=0.05,
+                              dtype="float32") for i in range(2)]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(4, 4000 if not args.smoke else 500) for _ in range(n)]
+               for n in (20, 75, 150, 300)]
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    loras = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
+    batch = [{"prompt_token_ids": p} for p in prompts] * 3
+    got = llm.generate(batch, sp, lora_request=[None] * 4 + [loras[0]] * 4 + [loras[1]] * 4,
+                       use_tqdm=False)
+    del llm
+    results = []
+    for i, adapter in enumerate([None, *adapters]):
+        folder = base if adapter is None else _merge(base, adapter, work / f"merged{i}")
+        ref = LLM(str(folder), **kw)
+        want = ref.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        del ref
+        for j, w in enumerate(want):
+            g = got[4 * i + j].outputs[0].token_ids
+            w = w.outputs[0].token_ids
+            first = next((k for k, (x, y) in enumerate(zip(g, w)) if x != y), None)
+            results.append({"adapter": i, "prompt_len": len(prompts[j]),
+                            "equal_share": sum(x == y for x, y in zip(g, w)) / len(w),
+                            "first_divergence": first})
+    print(json.dumps(results), flush=True)
+    return record("lora_correctness", "shoal", dtype=args.dtype, rank=16,
+                  reference="the same engine on merged weights W + scale B A, no LoRA",
+                  results=results,
+                  mean_equal_share=sum(r["equal_share"] for r in results) / len(results))
+
+
+def _engines(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
+    """The LoRA engine with its 16 adapters, built once for w1 and batch1, and the base one."""
+    from shoal import LLM
+    from shoal.lora.request import LoRARequest
+
+    if getattr(args, "_engines", None) is not None:
+        return args._engines
+    model = args.model if not args.smoke else offline_runs.tiny_llama(
+        Path(tempfile.mkdtemp()), vocab=512)
+    kw = dict(load_format="dummy", dtype=args.dtype, max_model_len=4096,
+              gpu_memory_utilization=0.45) if not args.smoke else dict(
+        device="cpu", max_model_len=2048, load_format="dummy")
+    lora_llm = LLM(model, enable_lora=True, max_loras=16, max_lora_rank=16,
+                   max_cpu_loras=16, **kw)
+    work = Path(tempfile.mkdtemp(prefix="lora-8b-"))
+    targets = lora_targets(lora_llm)
+    t0 = time.perf_counter()
+    loras = [LoRARequest(f"a{i}", i + 1, str(write_adapter(work / f"a{i}", targets, i + 1,
+                                                          16)))
+             for i in range(16)]
+    print(f"16 adapters written in {time.perf_counter() - t0:.1f} s", flush=True)
+    base_llm = LLM(model, **kw)
+    args._engines = (lora_llm, base_llm, loras)
+    return args._engines
+
+
+def w1(args: argparse.Namespace) -> dict[str, Any]:
+    lora_llm, base_llm, loras = _engines(args)
+    n = args.num_requests if not args.smoke else 8
+    prompts, params, ins, outs = offline_runs.w1_requests(
+        n, 10000 if not args.smoke else 500,
+        **({} if not args.smoke else dict(in_range=(8, 32), out_range=(8, 32))))
+    base = offline_runs.throughput(base_llm, prompts, params)
+    rows = {"base_engine": base}
+    for k in (0, 1, 4, 16):
+        chosen = [None] * n if k == 0 else [loras[i % k] for i in range(n)]
+        orig = lora_llm.generate
+
+        def generate(p, sp, use_tqdm=False, _c=chosen, _g=orig):
+            return _g(p, sp, use_tqdm=use_tqdm,
+                      lora_request=_c if len(p) == n else _c[:len(p)])
+        lora_llm.generate = generate
+        try:
+            fig = offline_runs.throughput(lora_llm, prompts, params)
+        finally:
+            lora_llm.generate = orig
+        fig["vs_base_engine"] = fig["output_tok_s"] / base["output_tok_s"]
+        rows[f"adapters_{k}"] = fig
+        print(k, json.dumps(fig), flush=True)
+    return record("lora_w1", "shoal", model=args.model, num_requests=n, rank=16, max_loras=16,
+                  total_input_tokens=sum(ins), expected_output_tokens=sum(outs), **rows)
+
+
+def batch1(args: argparse.Namespace) -> dict[str, Any]:
+    lora_llm, base_llm, loras = _engines(args)
+    hi = 10000 if not args.smoke else 500
+    inp, out = (128, 256) if not args.smoke else (16, 16)
+    base = offline_runs.batch1(base_llm, hi, inp, out)
+    none = offline_runs.batch1(lora_llm, hi, inp, out)
+    orig = lora_llm.generate
+    lora_llm.generate = lambda p, sp, use_tqdm=False: orig(p, sp, use_tqdm=use_tqdm,
+                                                           lora_request=loras[0])
+    try:
+        one = offline_runs.batch1(lora_llm, hi, inp, out)
+    finally:
+        lora_llm.generate = orig
+
+    def ratio(fig: dict) -> float | None:
+        a, b = fig.get("decode_tok_s"), base.get("decode_tok_s")
+        return a / b if a and b else None
+    return record("lora_batch1", "shoal", model=args.model, input_len=inp, output_len=out,
+                  base_engine=base, lora_engine_no_adapter=none, lora_engine_one_adapter=one,
+                  no_adapter_vs_base=ratio(none), one_adapter_vs_base=ratio(one))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("parts", help=f"all, or a comma list of {', '.join(PARTS)}")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default=offline_runs.LLAMA_8B)
+    ap.add_argument("--num-requests", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        args.dtype = "float32"
+    parts = PARTS if args.parts == "all" else tuple(args.parts.split(","))
+    records, failed = [], False
+    for part in parts:
+        t0 = time.perf_counter()
+        try:
+            rec = globals()[part](args)
+        except Exception:
+            traceback.print_exc()
+            rec, failed = record(f"lora_{part}", "shoal", error=traceback.format_exc()), True
+        rec["part_wall_s"] = time.perf_counter() - t0
+        records.append(rec)
+        write(records, args.out)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

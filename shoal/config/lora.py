@@ -1,0 +1,40 @@
+"""LoRA serving settings (vLLM's --enable-lora family): how many adapters a step may mix
+(device slots), the largest rank, and how many adapters stay loaded in host memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Models whose adaptable projections all run on every token of a step, in order (the step's
+# token -> slot table lines up with their rows): shoal.lora.layers adapts them.
+LORA_ARCHITECTURES = frozenset({
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+
+# vLLM's allowed --max-lora-rank values
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int = 1  # distinct adapters in one step (each a device slot)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept loaded on the host (default: max_loras)
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1 (got {value!r})")
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {', '.join(map(str, LORA_RANKS))} "
+                             f"(got {self.max_lora_rank})")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not isinstance(cpu, int) or isinstance(cpu, bool)
+                                or cpu < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras "
+                             f"({self.max_loras}) (got {cpu!r})")
+
+    @property
+    def cpu_capacity(self) -> int:
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras

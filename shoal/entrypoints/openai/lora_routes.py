@@ -1,0 +1,93 @@
+"""LoRA adapters on the server: --lora-modules at start-up, and vLLM's run-time routes
+POST /v1/load_lora_adapter and /v1/unload_lora_adapter (only with
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM; SHOAL_ALLOW_RUNTIME_LORA_UPDATING too)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse
+
+from shoal.engine.async_llm import AsyncLLM
+from shoal.entrypoints.openai.errors import OpenAIError
+from shoal.entrypoints.openai.serving_models import ServedModels
+
+logger = logging.getLogger(__name__)
+
+RUNTIME_UPDATES_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "SHOAL_ALLOW_RUNTIME_LORA_UPDATING")
+
+
+def parse_lora_modules(items: list[str]) -> list[tuple[str, str, str | None]]:
+    """--lora-modules entries, `name=path` or a JSON object {"name", "path",
+    "base_model_name"?}: (name, path, base model name)."""
+    modules = []
+    for item in items:
+        text = item.strip()
+        if text.startswith("{"):
+            try:
+                obj = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules: {item!r} is not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) \
+                    or not isinstance(obj.get("path"), str):
+                raise ValueError(f"--lora-modules: {item!r} needs string fields name and path")
+            base = obj.get("base_model_name")
+            modules.append((obj["name"], obj["path"], base if isinstance(base, str) else None))
+        else:
+            name, sep, path = text.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {item!r} is neither name=path nor a JSON "
+                                 "object")
+            modules.append((name, path, None))
+    return modules
+
+
+def load_startup_adapters(models: ServedModels, items: list[str] | None) -> None:
+    """--lora-modules: each adapter checked now; a bad one stops the start with its reason."""
+    for name, path, base in parse_lora_modules(items or []):
+        try:
+            models.load_lora(name, path, base)
+        except OpenAIError as e:
+            raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
+        logger.info("serving LoRA adapter %s from %s", name, path)
+
+
+def runtime_updates_allowed() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true") for v in
+               RUNTIME_UPDATES_ENV)
+
+
+async def _body(raw: Request) -> dict[str, Any]:
+    try:
+        body = await raw.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise OpenAIError(400, "the body must be a JSON object") from None
+    if not isinstance(body, dict):
+        raise OpenAIError(400, "the body must be a JSON object")
+    return body
+
+
+def add_lora_routes(app: FastAPI, models: ServedModels, engine: AsyncLLM) -> None:
+    if not runtime_updates_allowed():
+        return
+    logger.warning("run-time LoRA updates are on (VLLM_ALLOW_RUNTIME_LORA_UPDATING): anyone "
+                   "who can reach the API can load adapters from this host's files")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw: Request) -> PlainTextResponse:
+        body = await _body(raw)
+        name = body.get("lora_name")
+        models.load_lora(name, body.get("lora_path"), body.get("base_model_name"))
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw: Request) -> PlainTextResponse:
+        body = await _body(raw)
+        lora = models.unload_lora(body.get("lora_name"))
+        await engine.remove_lora(lora.lora_int_id)
+        return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed "
+                                 "successfully.")

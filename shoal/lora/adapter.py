@@ -1,0 +1,205 @@
+"""A PEFT LoRA folder, read and checked without torch: adapter_config.json and the tensor
+names and shapes of adapter_model.safetensors (its JSON header). The frontend checks an
+adapter before any request uses it, and the engine core checks again, against the
+projections the model can take an adapter on (LoRALimits, from the worker); the worker then
+reads the tensors themselves (shoal/lora/weights.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+# Module names PEFT adapters use for layers shoal cannot take an adapter on, with the reason.
+_REFUSED = {"lm_head": "the LM head", "embed_tokens": "the token embedding"}
+
+
+class LoRALimits(msgspec.Struct, frozen=True):
+    """What an adapter is checked against (EngineLimits.lora)."""
+
+    max_loras: int
+    max_lora_rank: int
+    # checkpoint module name (model.layers.0.self_attn.q_proj) -> (in_features, out_features)
+    targets: dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class ModuleAdapter:
+    """One projection's A [rank, in] and B [out, rank], and the scale of B A."""
+
+    name: str  # the base checkpoint's module name
+    rank: int
+    in_features: int
+    out_features: int
+    scaling: float
+    a_key: str  # tensor names in the safetensors file
+    b_key: str
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    path: str
+    rank: int  # the config's r (modules may differ through rank_pattern)
+    modules: dict[str, ModuleAdapter]
+
+
+def read_adapter(path: str) -> AdapterSpec:
+    """The folder's config and tensor layout; ValueError naming what is wrong."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ValueError(f"LoRA adapter folder {path!r} does not exist")
+    config_file, weights_file = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    if not config_file.is_file():
+        raise ValueError(f"LoRA adapter {path!r} has no {CONFIG_FILE}")
+    if not weights_file.is_file():
+        if (folder / "adapter_model.bin").is_file():
+            raise ValueError(f"LoRA adapter {path!r} has adapter_model.bin only: shoal reads "
+                             f"{WEIGHTS_FILE} (save it with safe_serialization=True)")
+        raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
+    stamp = tuple(f.stat().st_mtime_ns for f in (config_file, weights_file))
+    return _read_cached(str(folder.resolve()), stamp)
+
+
+_CACHE: dict[tuple[str, tuple[int, ...]], AdapterSpec] = {}
+
+
+def _read_cached(path: str, stamp: tuple[int, ...]) -> AdapterSpec:
+    key = (path, stamp)
+    spec = _CACHE.get(key)
+    if spec is None:
+        if len(_CACHE) >= 256:
+            _CACHE.clear()
+        spec = _CACHE[key] = _read(Path(path))
+    return spec
+
+
+def _read(folder: Path) -> AdapterSpec:
+    try:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"LoRA adapter {str(folder)!r}: {CONFIG_FILE} is not valid JSON "
+                         f"({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {str(folder)!r}: {CONFIG_FILE} is not a JSON object")
+    _check_config(config, folder)
+    shapes = safetensors_shapes(folder / WEIGHTS_FILE)
+    return AdapterSpec(str(folder), int(config["r"]), _modules(config, shapes, folder))
+
+
+def _check_config(config: dict[str, Any], folder: Path) -> None:
+    where = f"LoRA adapter {str(folder)!r}"
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise ValueError(f"{where} is a {peft_type} adapter; only LORA is supported")
+    r = config.get("r")
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ValueError(f"{where}: r must be a positive integer (got {r!r})")
+    if config.get("use_dora"):
+        raise ValueError(f"{where} uses DoRA (use_dora), which is not supported")
+    if config.get("bias", "none") != "none" or config.get("lora_bias"):
+        raise ValueError(f"{where} trains biases (bias={config.get('bias')!r}); only "
+                         "bias='none' is supported")
+    if config.get("fan_in_fan_out"):
+        raise ValueError(f"{where} has fan_in_fan_out=true (Conv1D layers), which is not "
+                         "supported")
+    if config.get("modules_to_save"):
+        raise ValueError(f"{where} saves whole modules (modules_to_save="
+                         f"{config['modules_to_save']!r}), which is not supported")
+
+
+def safetensors_shapes(file: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, from the file's JSON header."""
+    try:
+        with open(file, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            if size > 100 << 20:
+                raise ValueError("header larger than 100 MiB")
+            header = json.loads(f.read(size))
+    except (OSError, struct.error, ValueError) as e:
+        raise ValueError(f"LoRA adapter weights {str(file)!r} are not a safetensors file "
+                         f"({e})") from None
+    header.pop("__metadata__", None)
+    return {name: list(meta["shape"]) for name, meta in header.items()}
+
+
+def _modules(config: dict[str, Any], shapes: dict[str, list[int]],
+             folder: Path) -> dict[str, ModuleAdapter]:
+    where = f"LoRA adapter {str(folder)!r}"
+    pairs: dict[str, dict[str, str]] = {}
+    for key in shapes:
+        name = key.removeprefix(_PEFT_PREFIX)
+        m = re.fullmatch(r"(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", name)
+        if m is None:
+            what = ("DoRA magnitudes" if "lora_magnitude" in key else
+                    "embedding adapters" if "lora_embedding" in key else "a tensor")
+            raise ValueError(f"{where} has {what} shoal cannot use: {key!r}")
+        pairs.setdefault(m.group(1), {})[m.group(2)] = key
+    if not pairs:
+        raise ValueError(f"{where} has no LoRA tensors")
+    modules = {}
+    for name, keys in pairs.items():
+        if set(keys) != {"lora_A", "lora_B"}:
+            missing = ({"lora_A", "lora_B"} - set(keys)).pop()
+            raise ValueError(f"{where}: module {name!r} has no {missing} tensor")
+        a, b = shapes[keys["lora_A"]], shapes[keys["lora_B"]]
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+            raise ValueError(f"{where}: module {name!r} has A {a} and B {b}, not [r, in] and "
+                             "[out, r]")
+        rank = a[0]
+        alpha = float(_pattern_value(config.get("alpha_pattern"), name,
+                                     config.get("lora_alpha", 8)))
+        scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+        modules[name] = ModuleAdapter(name, rank, a[1], b[0], scaling,
+                                      keys["lora_A"], keys["lora_B"])
+    return modules
+
+
+def _pattern_value(patterns: Any, name: str, default: Any) -> Any:
+    """PEFT's rank_pattern / alpha_pattern: the first key that matches the end of the
+    module's name (at a dot)."""
+    for pattern, value in (patterns or {}).items():
+        if re.match(rf"(.*\.)?(?:{pattern})$", name):
+            return value
+    return default
+
+
+def check_adapter(path: str, limits: LoRALimits | None) -> AdapterSpec:
+    """The adapter at `path`, checked against what the engine can serve."""
+    if limits is None:
+        raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
+    spec = read_adapter(path)
+    where = f"LoRA adapter {path!r}"
+    for name, mod in spec.modules.items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in _REFUSED:
+            raise ValueError(f"{where} adapts {_REFUSED[leaf]} ({name}); LoRA on it is not "
+                             "supported")
+        shape = limits.targets.get(name)
+        if shape is None:
+            if ".experts." in name:
+                raise ValueError(f"{where} adapts MoE experts ({name}); LoRA on experts is "
+                                 "not supported yet")
+            raise ValueError(f"{where} adapts {name!r}, which this model has no LoRA-capable "
+                             "projection of")
+        if mod.rank > limits.max_lora_rank:
+            raise ValueError(f"{where} has rank {mod.rank} on {name}, more than "
+                             f"max_lora_rank ({limits.max_lora_rank})")
+        if (mod.in_features, mod.out_features) != tuple(shape):
+            raise ValueError(f"{where}: {name} is {mod.in_features} -> {mod.out_features} "
+                             f"in the adapter but {shape[0]} -> {shape[1]} in the model (an "
+                             "adapter of another base model?)")
+    return spec
+
+
+def adapter_exists(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))

@@ -1,0 +1,180 @@
+"""LoRA on the model's projections: each adaptable linear layer gets a LoRALayer holding
+`max_loras` adapter slots as fixed tensors (A stacked over the layer's fused sub-projections,
+B scaled), and adds B A x of each token's slot to the layer's output, before a row-parallel
+layer's all-reduce (the partial products sum to the whole) and before a column-parallel
+layer's gather. The slot of every token of the step is one shared tensor (LoRAStep), so a
+CUDA graph replays with whatever slots the step wrote there.
+
+Which layers: the column- and row-parallel projections under `model.layers.` whose
+checkpoint names end in q/k/v/o_proj or gate/up/down_proj (fused qkv_proj and gate_up_proj
+through the model's packed_modules_mapping), on the architectures of
+shoal.config.lora.LORA_ARCHITECTURES, whose projections see every token of the step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shoal.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    SegmentedColumnLinear,
+)
+from shoal.lora.ops import add_lora
+
+TARGET_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                           "down_proj"})
+
+
+class LoRAStep:
+    """The step's token -> slot table (-1: no adapter), shared by every LoRA layer."""
+
+    def __init__(self, max_tokens: int, device: torch.device, use_triton: bool):
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.num_tokens = 0  # rows written by the last set()
+        self.active = False  # some token of the step has an adapter
+        # CUDA: the kernels always run (a captured graph must hold them whatever the step)
+        self.use_triton = use_triton
+
+    def set(self, slots: list[int]) -> None:
+        n, prev = len(slots), self.num_tokens
+        if n > self.token_slots.shape[0]:
+            raise ValueError(f"a step of {n} tokens; the LoRA slot table holds "
+                             f"{self.token_slots.shape[0]}")
+        self.active = any(s >= 0 for s in slots)
+        if n:
+            src = torch.tensor(slots, dtype=torch.int32)
+            self.token_slots[:n].copy_(src, non_blocking=True)
+        if prev > n:  # graph padding rows read past n: no adapter there
+            self.token_slots[n:prev].fill_(-1)
+        self.num_tokens = n
+
+
+@dataclass(frozen=True)
+class SubProjection:
+    """One checkpoint projection inside a (possibly fused) layer, on this rank."""
+
+    name: str  # the checkpoint module name, e.g. model.layers.0.self_attn.k_proj
+    out_offset: int  # its first output row in the layer (this rank's rows)
+    out_size: int  # its rows on this rank
+    out_start: int  # the first row of the full B this rank takes
+    full_out: int
+    in_start: int  # the first column of the full A this rank takes (row-parallel)
+    in_size: int
+    full_in: int
+
+
+class LoRALayer:
+    """A projection's adapter slots (plain tensors, not module state: no checkpoint name)."""
+
+    def __init__(self, subs: list[SubProjection], out_local: int, step: LoRAStep,
+                 max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+        self.subs, self.step, self.rank = subs, step, max_rank
+        in_local = subs[0].in_size
+        self.a = torch.zeros(max_loras, len(subs) * max_rank, in_local, dtype=dtype,
+                             device=device)
+        self.b = torch.zeros(max_loras, out_local, max_rank, dtype=dtype, device=device)
+        self.sub_offsets = tuple(s.out_offset for s in subs)
+
+    def write_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
+                   ) -> None:
+        """Slot `slot` <- the adapter's (A [r, in], B [out, r] scaled) per checkpoint module
+        name (full, unsharded tensors); zero for the sub-projections it does not adapt."""
+        r = self.rank
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        for i, sub in enumerate(self.subs):
+            pair = weights.get(sub.name)
+            if pair is None:
+                continue
+            a, b = pair
+            rank = a.shape[0]
+            self.a[slot, i * r:i * r + rank].copy_(a[:, sub.in_start:sub.in_start + sub.in_size])
+            self.b[slot, sub.out_offset:sub.out_offset + sub.out_size, :rank].copy_(
+                b[sub.out_start:sub.out_start + sub.out_size])
+
+    def apply(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """y += B[slot] A[slot] x for each token (in place)."""
+        step = self.step
+        if not (step.active or step.use_triton):
+            return
+        x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        add_lora(y2, x2, self.a, self.b, step.token_slots[:x2.shape[0]], self.sub_offsets,
+                 self.rank, use_triton=step.use_triton)
+
+
+def _fused_subs(model: nn.Module) -> dict[str, list[tuple[str, object]]]:
+    """Fused parameter name -> its checkpoint projections and shard ids, in order."""
+    fused: dict[str, list[tuple[str, object]]] = {}
+    for src, (dst, shard) in getattr(model, "packed_modules_mapping", {}).items():
+        fused.setdefault(dst, []).append((src, shard))
+    order = {"q": 0, "k": 1, "v": 2}
+    for subs in fused.values():
+        subs.sort(key=lambda s: order.get(s[1], s[1]) if isinstance(s[1], str) else s[1])
+    return fused
+
+
+def _subs_of(name: str, layer: nn.Module, fused: dict[str, list[tuple[str, object]]]
+             ) -> list[SubProjection] | None:
+    prefix, leaf = name.rsplit(".", 1)
+    if isinstance(layer, RowParallelLinear):
+        if leaf not in TARGET_LEAVES:
+            return None
+        out, in_local = layer.weight.shape
+        return [SubProjection(name, 0, out, 0, out, layer.tp_rank * in_local, in_local,
+                              in_local * layer.tp_size)]
+    if isinstance(layer, SegmentedColumnLinear) or not isinstance(layer, ColumnParallelLinear):
+        return None
+    tp, rank, hidden = layer.tp_size, layer.tp_rank, layer.input_size
+    if isinstance(layer, QKVParallelLinear):
+        names = [src for src, _ in fused.get(leaf, [])]
+        if len(names) != 3:
+            return None
+        q, kv = layer.num_heads * layer.head_dim, layer.num_kv_heads * layer.head_dim
+        kv_rank = rank // layer.kv_replicas
+        full_kv = kv * tp // layer.kv_replicas
+        parts = [(q, rank * q, q * tp), (kv, kv_rank * kv, full_kv), (kv, kv_rank * kv, full_kv)]
+    elif isinstance(layer, MergedColumnParallelLinear):
+        names = [src for src, _ in fused.get(leaf, [])]
+        if len(names) != len(layer.output_sizes):
+            return None
+        parts = [(n // tp, rank * (n // tp), n) for n in layer.output_sizes]
+    else:
+        names = [leaf]
+        out = layer.output_size_per_partition
+        parts = [(out, rank * out, out * tp)]
+    if not all(n in TARGET_LEAVES for n in names):
+        return None
+    subs, offset = [], 0
+    for src, (size, start, full) in zip(names, parts):
+        subs.append(SubProjection(f"{prefix}.{src}", offset, size, start, full, 0, hidden,
+                                  hidden))
+        offset += size
+    return subs
+
+
+def add_lora_layers(model: nn.Module, step: LoRAStep, max_loras: int, max_rank: int,
+                    dtype: torch.dtype, device: torch.device) -> list[LoRALayer]:
+    """Gives every adaptable projection its LoRALayer (layer.lora); returns them."""
+    fused = _fused_subs(model)
+    layers = []
+    for name, module in model.named_modules():
+        if not name.startswith("model.layers.") or getattr(module, "lora", None) is not None:
+            continue
+        subs = _subs_of(name, module, fused)
+        if subs is None:
+            continue
+        out_local = module.weight.shape[0]
+        lora = LoRALayer(subs, out_local, step, max_loras, max_rank, dtype, device)
+        module.lora = lora
+        layers.append(lora)
+    return layers
+
+
+def lora_targets(layers: list[LoRALayer]) -> dict[str, tuple[int, int]]:
+    """Checkpoint module name -> (in_features, out_features) of every adaptable projection."""
+    return {s.name: (s.full_in, s.full_out) for layer in layers for s in layer.subs}

@@ -1,0 +1,105 @@
+"""The worker's adapters: up to max_cpu_loras loaded in host memory (least recently used
+dropped first, read again from disk when asked for) and max_loras in the layers' device
+slots (least recently used slot reused). Each step writes its tokens' slots into the shared
+table (LoRAStep); the scheduler never runs a step with more distinct adapters than slots."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from shoal.config.lora import LoRAConfig
+from shoal.lora.adapter import LoRALimits, check_adapter
+from shoal.lora.layers import LoRALayer, LoRAStep, add_lora_layers, lora_targets
+from shoal.lora.weights import AdapterWeights, load_adapter_weights
+from shoal.lora_request import LoRARequest
+
+logger = logging.getLogger(__name__)
+
+
+class LoRASlots:
+    def __init__(self, model: nn.Module, config: LoRAConfig, max_tokens: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.config, self.dtype, self.device = config, dtype, device
+        self.step = LoRAStep(max_tokens, device, use_triton=device.type == "cuda")
+        self.layers: list[LoRALayer] = add_lora_layers(
+            model, self.step, config.max_loras, config.max_lora_rank, dtype, device)
+        if not self.layers:
+            raise ValueError(f"{type(model).__name__} has no projections LoRA can adapt")
+        self.limits = LoRALimits(config.max_loras, config.max_lora_rank,
+                                 lora_targets(self.layers))
+        self.host: OrderedDict[int, tuple[str, AdapterWeights]] = OrderedDict()
+        self.slot_of: dict[int, int] = {}  # adapter id -> device slot
+        self.in_slot: list[int | None] = [None] * config.max_loras  # slot -> adapter id
+        self.slot_path: list[str | None] = [None] * config.max_loras
+        self.last_used = [0] * config.max_loras
+        self._steps = 0
+        self.loads = 0  # adapters read from disk (tests and logs)
+
+    # ---- host memory --------------------------------------------------------------------------
+    def add(self, lora: LoRARequest) -> AdapterWeights:
+        """The adapter's weights in host memory (read now unless loaded); ValueError when
+        the adapter does not fit this model."""
+        held = self.host.get(lora.lora_int_id)
+        if held is not None and held[0] == lora.lora_path:
+            self.host.move_to_end(lora.lora_int_id)
+            return held[1]
+        spec = check_adapter(lora.lora_path, self.limits)
+        weights = load_adapter_weights(spec, self.dtype, pin=self.device.type == "cuda")
+        self.loads += 1
+        if held is not None:  # the same id, another folder: its slot holds stale weights
+            self.remove(lora.lora_int_id)
+        self.host[lora.lora_int_id] = (lora.lora_path, weights)
+        while len(self.host) > self.config.cpu_capacity:
+            old, _ = self.host.popitem(last=False)
+            logger.debug("LoRA adapter %d dropped from host memory", old)
+        return weights
+
+    def remove(self, lora_id: int) -> None:
+        """Forgets the adapter (host copy and slot); a later request reads it again."""
+        self.host.pop(lora_id, None)
+        slot = self.slot_of.pop(lora_id, None)
+        if slot is not None:
+            self.in_slot[slot] = self.slot_path[slot] = None
+
+    # ---- device slots -------------------------------------------------------------------------
+    def set_step(self, loras: list[LoRARequest | None], num_tokens: list[int]) -> None:
+        """The step's requests' adapters and token counts, in the step's order."""
+        self._steps += 1
+        wanted = {lora.lora_int_id: lora for lora in loras if lora is not None}
+        if len(wanted) > len(self.in_slot):
+            raise RuntimeError(f"a step with {len(wanted)} LoRA adapters; max_loras is "
+                               f"{len(self.in_slot)}")
+        for lora in wanted.values():
+            self._slot(lora, set(wanted))
+        table: list[int] = []
+        for lora, n in zip(loras, num_tokens):
+            slot = -1 if lora is None else self.slot_of[lora.lora_int_id]
+            table.extend([slot] * n)
+        self.step.set(table)
+
+    def _slot(self, lora: LoRARequest, keep: set[int]) -> int:
+        slot = self.slot_of.get(lora.lora_int_id)
+        if slot is not None and self.slot_path[slot] == lora.lora_path:
+            self.last_used[slot] = self._steps
+            return slot
+        weights = self.add(lora)
+        slot = self.slot_of.get(lora.lora_int_id)
+        if slot is None:
+            free = [s for s, held_id in enumerate(self.in_slot) if held_id is None]
+            slot = free[0] if free else min(
+                (s for s, held_id in enumerate(self.in_slot) if held_id not in keep),
+                key=lambda s: self.last_used[s])
+            old = self.in_slot[slot]
+            if old is not None:
+                del self.slot_of[old]
+        for layer in self.layers:
+            layer.write_slot(slot, weights)
+        self.in_slot[slot] = lora.lora_int_id
+        self.slot_path[slot] = lora.lora_path
+        self.slot_of[lora.lora_int_id] = slot
+        self.last_used[slot] = self._steps
+        return slot
