@@ -17,6 +17,7 @@ from shoal.engine.waiting_queue import WaitingQueue
 from shoal.kv_cache.block_pool import KVBlock
 from shoal.kv_cache.manager import KVCacheManager
 from shoal.kv_offload.connector import KVOffloadConnector, Staged
+from shoal.lora_request import LoRARequest
 
 
 @dataclass
@@ -72,8 +73,7 @@ class Admission:
                 if req.structured is not None and not req.structured.is_ready():
                     deferred.append(self.waiting.pop())  # its grammar is still compiling
                     continue
-                lora = req.lora.lora_int_id if req.lora is not None else None
-                if lora is not None and lora not in loras and len(loras) >= self.max_loras:
+                if req.lora is not None and not self._lora_fits(req.lora, loras):
                     deferred.append(self.waiting.pop())  # every adapter slot is taken
                     continue
                 cached = self.find_cached(req)
@@ -82,8 +82,8 @@ class Admission:
                     continue
                 if not self.admit(req, cached, step):
                     break
-                if lora is not None:
-                    loras.add(lora)
+                if req.lora is not None:
+                    loras[req.lora.lora_int_id] = req.lora.lora_path
             step.current = None
         finally:  # (also when scheduling raises: they must not leave the queue)
             for req in reversed(deferred):
@@ -93,12 +93,20 @@ class Admission:
     def max_loras(self) -> int:
         return self.config.max_loras
 
-    def _running_loras(self) -> set[int]:
-        """The adapters of the running requests: a step runs them all, in at most max_loras
-        device slots, so a request of another adapter waits while they are all taken."""
+    def _running_loras(self) -> dict[int, str]:
+        """The adapters of the running requests (id -> folder): a step runs them all, in at
+        most max_loras device slots."""
         if not self.config.max_loras:
-            return set()
-        return {r.lora.lora_int_id for r in self.running if r.lora is not None}
+            return {}
+        return {r.lora.lora_int_id: r.lora.lora_path for r in self.running if r.lora}
+
+    def _lora_fits(self, lora: LoRARequest, running: dict[int, str]) -> bool:
+        """A request of another adapter waits while every slot is taken; one whose id runs
+        with another folder waits for it to end (an id names one adapter in a step)."""
+        held = running.get(lora.lora_int_id)
+        if held is None:
+            return len(running) < self.max_loras
+        return held == lora.lora_path
 
     def find_cached(self, req: Request) -> _Cached | None:
         """The request's prefix hits: device blocks, then tier blocks pinned in the CPU tier

@@ -234,6 +234,10 @@ ROWS: tuple[Incompatibility, ...] = (
         lambda s: s.lora and s.pooling,
         "enable_lora serves generation; the pooling runner takes no adapters yet"),
     Incompatibility(
+        "enable_lora", "pipeline_parallel_size > 1",
+        lambda s: s.lora and s.pp > 1,
+        "enable_lora does not support pipeline_parallel_size > 1 yet"),
+    Incompatibility(
         "enable_lora", "an architecture without LoRA layers",
         lambda s: s.lora and not s.pooling and not s.lora_capable,
         "enable_lora is not supported for {s.model_class} yet (supported: "

@@ -85,6 +85,9 @@ class DriverExecutor(Executor):
         return self.driver.initialize_kv_cache()
 
     def execute(self, sched: SchedulerOutput) -> StepHandle | StagedStep:
+        # An adapter that cannot be read fails the step here, before any rank starts it (the
+        # ranks read the same folders: past this point they find them readable too).
+        self._on_driver(self.driver.load_step_loras, sched)
         self._broadcast(RunStep(sched))
         handle = self._on_driver(self.driver.execute, sched)
         return StagedStep(handle) if self.pipelined else handle

@@ -139,6 +139,10 @@ def _modules(config: dict[str, Any], shapes: dict[str, list[int]],
     for key in shapes:
         name = key.removeprefix(_PEFT_PREFIX)
         m = re.fullmatch(r"(.+)\.(lora_A|lora_B)(?:\.[^.]+)?\.weight", name)
+        refused = [what for leaf, what in _REFUSED.items() if f".{leaf}." in f".{name}"]
+        if m is None and refused:
+            raise ValueError(f"{where} adapts {refused[0]} ({key}); LoRA on it is not "
+                             "supported")
         if m is None:
             what = ("DoRA magnitudes" if "lora_magnitude" in key else
                     "embedding adapters" if "lora_embedding" in key else "a tensor")
@@ -186,7 +190,7 @@ def check_adapter(path: str, limits: LoRALimits | None) -> AdapterSpec:
                              "supported")
         shape = limits.targets.get(name)
         if shape is None:
-            if ".experts." in name:
+            if ".experts." in name or name.endswith(".experts"):
                 raise ValueError(f"{where} adapts MoE experts ({name}); LoRA on experts is "
                                  "not supported yet")
             raise ValueError(f"{where} adapts {name!r}, which this model has no LoRA-capable "

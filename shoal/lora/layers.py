@@ -25,6 +25,12 @@ from shoal.layers.linear import (
     SegmentedColumnLinear,
 )
 from shoal.lora.ops import add_lora
+from shoal.lora.ops.lora_groups import (
+    SlotGroup,
+    add_lora_groups,
+    block_diagonal,
+    group_tokens,
+)
 
 TARGET_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj"})
@@ -37,6 +43,7 @@ class LoRAStep:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.num_tokens = 0  # rows written by the last set()
         self.active = False  # some token of the step has an adapter
+        self.groups: list[SlotGroup] = []  # the CPU path's tokens by adapter
         # CUDA: the kernels always run (a captured graph must hold them whatever the step)
         self.use_triton = use_triton
 
@@ -46,6 +53,8 @@ class LoRAStep:
             raise ValueError(f"a step of {n} tokens; the LoRA slot table holds "
                              f"{self.token_slots.shape[0]}")
         self.active = any(s >= 0 for s in slots)
+        if not self.use_triton:
+            self.groups = group_tokens(slots) if self.active else []
         if n:
             src = torch.tensor(slots, dtype=torch.int32)
             self.token_slots[:n].copy_(src, non_blocking=True)
@@ -79,6 +88,10 @@ class LoRALayer:
                              device=device)
         self.b = torch.zeros(max_loras, out_local, max_rank, dtype=dtype, device=device)
         self.sub_offsets = tuple(s.out_offset for s in subs)
+        # the CPU path's B, block-diagonal over the sub-projections (lora_groups.py)
+        self.b_full = (None if step.use_triton else
+                       torch.zeros(max_loras, out_local, len(subs) * max_rank, dtype=dtype,
+                                   device=device))
 
     def write_slot(self, slot: int, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]
                    ) -> None:
@@ -96,6 +109,8 @@ class LoRALayer:
             self.a[slot, i * r:i * r + rank].copy_(a[:, sub.in_start:sub.in_start + sub.in_size])
             self.b[slot, sub.out_offset:sub.out_offset + sub.out_size, :rank].copy_(
                 b[sub.out_start:sub.out_start + sub.out_size])
+        if self.b_full is not None:
+            self.b_full[slot] = block_diagonal(self.b[slot], self.sub_offsets, r)
 
     def apply(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """y += B[slot] A[slot] x for each token (in place)."""
@@ -103,6 +118,12 @@ class LoRALayer:
         if not (step.active or step.use_triton):
             return
         x2, y2 = x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])
+        if self.b_full is not None:
+            if x2.shape[0] != step.num_tokens:
+                raise RuntimeError(f"a LoRA layer ran on {x2.shape[0]} rows in a step of "
+                                   f"{step.num_tokens} tokens")
+            add_lora_groups(y2, x2, self.a, self.b_full, step.groups)
+            return
         add_lora(y2, x2, self.a, self.b, step.token_slots[:x2.shape[0]], self.sub_offsets,
                  self.rank, use_triton=step.use_triton)
 

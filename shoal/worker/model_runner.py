@@ -117,6 +117,17 @@ class ModelRunner(Executor):
         k = spec.num_speculative_tokens if spec is not None else 0
         return max(sc.max_num_batched_tokens, sc.max_num_seqs * (k + 1))
 
+    def load_step_loras(self, sched: SchedulerOutput) -> None:
+        """LoRA: the step's adapters into host memory (read from disk where not there yet);
+        raises when one cannot be read."""
+        if self.lora is None:
+            return
+        new = {n.serial: n.lora for n in sched.new_requests}
+        for it in sched.scheduled:
+            lora = new[it.serial] if it.serial in new else self.requests[it.serial].lora
+            if lora is not None:
+                self.lora.add(lora)
+
     def remove_lora(self, lora_id: int) -> None:
         if self.lora is not None:
             self.lora.remove(lora_id)
@@ -282,6 +293,7 @@ class ModelRunner(Executor):
     def execute(self, sched: SchedulerOutput) -> StepHandle:
         """Queues the step's KV copies and forward pass and returns without waiting for the
         device (nothing here reads device memory back)."""
+        self.load_step_loras(sched)
         if sched.kv_zero:  # before anything of this step writes into those blocks
             self._zero_slots(sched.kv_zero)
         for new in sched.new_requests:

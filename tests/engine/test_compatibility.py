@@ -43,6 +43,8 @@ CASES = [
      "speculative_config applies to generation, not the pooling runner"),
     (dict(enable_lora=True), {}, "pooling", "cpu", 64,
      "the pooling runner takes no adapters yet"),
+    (dict(enable_lora=True, pipeline_parallel_size=2), {}, "generate", "cpu", 64,
+     "enable_lora does not support pipeline_parallel_size > 1 yet"),
     (dict(enable_lora=True), dict(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=32),
      "generate", "cpu", 64, "enable_lora is not supported for DeepseekV3ForCausalLM yet"),
     (dict(), dict(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=32), "pooling", "cpu",
