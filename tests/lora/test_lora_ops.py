@@ -1,7 +1,8 @@
 """The batched multi-adapter LoRA op (shoal/lora/ops) against a per-token loop: the PyTorch
 path and the Triton kernels (the interpreter on the CPU, see conftest.py; compiled on a GPU),
-for one to three fused sub-projections of uneven sizes, mixed slots with -1, one slot for
-all, no slot at all and no token; rank padding; refused inputs."""
+for one to four fused sub-projections of uneven sizes, mixed slots with -1, one slot for
+all, no slot at all and no token; split-K partials; rank padding; a CUDA graph replay (GPU
+only); refused inputs."""
 
 from __future__ import annotations
 
