@@ -18,6 +18,7 @@ from shoal.beam_search import (
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.llm_engine import LLMEngine
 from shoal.engine.request_errors import first_request_error
+from shoal.llm_lifecycle import LifecycleMixin
 from shoal.llm_pooling import PoolingMixin
 from shoal.lora_request import LoRARequest
 from shoal.outputs import RequestOutput
@@ -27,7 +28,7 @@ Prompt = str | Mapping[str, Any]
 Message = Mapping[str, Any]
 
 
-class LLM(PoolingMixin):
+class LLM(PoolingMixin, LifecycleMixin):
     """`LLM(model=None)` runs the embedded SmolLM2-135M-Instruct; an encoder model (e.g.
     `LLM("all-MiniLM-L6-v2")`) runs as a pooling model: embed, classify, score.
 

@@ -64,6 +64,11 @@ class Executor(ABC):
         touched); raises if the device or the model cannot. After steps keep failing, this
         tells a broken engine from requests at fault."""
 
+    def collective_rpc(self, method: str, args: list[Any]) -> list[Any]:
+        """Runs a named lifecycle method (shoal/worker/lifecycle.py: sleep, wake_up, weight
+        updates, ...) on every rank; returns each rank's result, rank 0 first."""
+        raise NotImplementedError(f"{type(self).__name__} runs no lifecycle methods")
+
     def remove_lora(self, lora_id: int) -> None:
         """LoRA: forgets an unloaded adapter on every rank (a later request reads it again)."""
         return None

@@ -21,8 +21,10 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import os
 import time
 import weakref
+from typing import Any
 
 from shoal.config import EngineConfig
 from shoal.core.executor import Executor
@@ -178,6 +180,8 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
+        if self.sleep_level:
+            raise ValueError("the engine is asleep: wake_up() before sending requests")
         max_tokens = validate_core_request(self.limits, req)
         request = Request(
             request_id=req.request_id,
@@ -200,6 +204,69 @@ class EngineCore:
             self._history_requests.add(request.serial)
         if request.structured is not None:
             self.structured.add(request)
+
+    # ---- the RL lifecycle (shoal/worker/lifecycle.py) ---------------------------------------
+    sleep_level = 0  # 0: awake
+
+    def _require_idle(self, what: str) -> None:
+        if self.has_unfinished_requests():
+            raise ValueError(f"{what} needs an idle engine: requests are still running or "
+                             "waiting (let them finish or abort them first)")
+
+    def sleep(self, level: int = 1) -> dict[str, Any]:
+        """Frees the KV cache and the weights (level 1 keeps them in host memory); the
+        prefix cache is emptied, since the blocks' contents are gone."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2 (got {level!r})")
+        self._require_idle("sleep")
+        if self.sleep_level:
+            raise ValueError("the engine is asleep already")
+        result = self.runner.collective_rpc("sleep", [level])[0]
+        self.scheduler.kv.reset_prefix_cache()
+        self.sleep_level = level
+        return result
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        self.runner.collective_rpc("wake_up", [tags])
+        if not self.runner.collective_rpc("rank_info", [])[0]["sleeping"]:
+            self.sleep_level = 0
+
+    def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
+        """A lifecycle method on every rank. A weight update empties the prefix cache and the
+        KV tiers (their blocks were computed with the old weights)."""
+        if method.startswith("update_weights") or method in ("sleep", "wake_up"):
+            self._require_idle(method)
+        results = self.runner.collective_rpc(method, list(args or ()))
+        if method.startswith("update_weights"):
+            self.reset_prefix_cache()
+        return results
+
+    def update_weights(self, weights: Any) -> int:
+        """Checkpoint-named tensors (a dict or (name, tensor) pairs) into every rank's model:
+        directly on one rank, through a shared-memory safetensors file over several."""
+        self._require_idle("update_weights")
+        pairs = weights.items() if hasattr(weights, "items") else weights
+        if hasattr(self.runner, "update_weights"):  # the model in this process (one rank)
+            count = self.runner.update_weights(pairs)
+            self.reset_prefix_cache()
+            return count
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().contiguous().cpu() for name, t in pairs}
+        where = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        with tempfile.TemporaryDirectory(dir=where, prefix="shoal-weights-") as folder:
+            file = os.path.join(folder, "update.safetensors")
+            save_file(tensors, file)
+            return self.collective_rpc("update_weights_from_file", [file])[0]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drops every cached block (device and KV tiers); False while requests hold blocks."""
+        done = self.scheduler.kv.reset_prefix_cache()
+        if done and self.kv_offload is not None:
+            self.kv_offload.clear()
+        return done
 
     def remove_lora(self, lora_id: int) -> None:
         """Forgets an unloaded adapter, unless a request still runs or waits with it (its

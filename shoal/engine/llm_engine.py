@@ -63,6 +63,8 @@ class LLMEngine:
                         lora_request: LoRARequest | None = None) -> ProcessedRequest:
         """inputs.process_request, and a grammar that does not compile is a ValueError here
         (it stays cached for the request)."""
+        if self.core.sleep_level:
+            raise ValueError("the engine is asleep: wake_up() before sending requests")
         processed = self.inputs.process_request(request_id, prompt, params, priority=priority,
                                                 cache_salt=cache_salt, lora_request=lora_request)
         if params.structured_outputs is not None:

@@ -4,6 +4,8 @@ model keep them in lockstep."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from shoal.core.scheduler_output import SchedulerOutput
@@ -31,6 +33,13 @@ class RemoveLoRA(msgspec.Struct, tag="remove_lora"):
     lora_id: int
 
 
+class CollectiveRPC(msgspec.Struct, tag="rpc"):
+    """A lifecycle method on every rank; the results are gathered over the ranks' group."""
+
+    method: str
+    args: list[Any]
+
+
 class ResetAfterFault(msgspec.Struct, tag="reset"):
     pass
 
@@ -43,5 +52,5 @@ class Stop(msgspec.Struct, tag="stop"):
     pass
 
 
-Command = (InitKVCache | RunStep | FinishStep | RemoveRequests | RemoveLoRA | ResetAfterFault
-           | CheckHealth | Stop)
+Command = (InitKVCache | RunStep | FinishStep | RemoveRequests | RemoveLoRA | CollectiveRPC
+           | ResetAfterFault | CheckHealth | Stop)

@@ -23,6 +23,7 @@ from shoal.core.kv_cache_spec import KVCacheLayout
 from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.executor.commands import (
     CheckHealth,
+    CollectiveRPC,
     FinishStep,
     InitKVCache,
     RemoveLoRA,
@@ -30,6 +31,7 @@ from shoal.executor.commands import (
     ResetAfterFault,
     RunStep,
 )
+from shoal.executor.rpc import check_rpc_method, gather_rpc
 from shoal.worker.model_runner import ModelRunner
 from shoal.worker.step_handle import StepHandle
 
@@ -71,6 +73,11 @@ class DriverExecutor(Executor):
     @property
     def lora_limits(self) -> Any:  # type: ignore[override]
         return self.driver.lora_limits
+
+    def collective_rpc(self, method: str, args: list[Any]) -> list[Any]:
+        check_rpc_method(method)
+        self._broadcast(CollectiveRPC(method, list(args)))
+        return gather_rpc(self.driver, method, list(args), raise_errors=True)
 
     def remove_lora(self, lora_id: int) -> None:
         self._broadcast(RemoveLoRA(lora_id))

@@ -27,6 +27,7 @@ import zmq
 from shoal.config import EngineConfig
 from shoal.executor.commands import (
     CheckHealth,
+    CollectiveRPC,
     Command,
     FinishStep,
     InitKVCache,
@@ -38,6 +39,7 @@ from shoal.executor.commands import (
 )
 from shoal.executor.distributed_init import join_tensor_parallel_group, rank_device
 from shoal.executor.rank_runner import model_runner
+from shoal.executor.rpc import gather_rpc
 
 logger = logging.getLogger(__name__)
 PARENT_CHECK_MS = 1000  # how often an idle worker checks that the engine core still runs
@@ -100,6 +102,8 @@ class RankCommands:
             runner.remove_requests(set(cmd.serials))
         elif isinstance(cmd, RemoveLoRA):
             runner.remove_lora(cmd.lora_id)
+        elif isinstance(cmd, CollectiveRPC):
+            gather_rpc(runner, cmd.method, cmd.args)
         elif isinstance(cmd, InitKVCache):
             runner.initialize_kv_cache()
         elif isinstance(cmd, CheckHealth):

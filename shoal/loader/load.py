@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from shoal.loader.gguf_loader import load_gguf
 from shoal.loader.gguf_tokenizer import build_gguf_tokenizer
@@ -50,13 +51,8 @@ def load_model(
             qconfig = resolve_quantization(
                 quantization, detect_quantization(full_config, source.path), str(source.path))
         config, rename = text_only(full_config)
-        if dummy:
-            weights = no_weights
-        elif qconfig is None:
-            weights = without_kv_scales(folder_weights(source.path, config, rename), kv_scales)
-        else:  # the tensors as stored, dequantized as they stream
-            stored = folder_weights(source.path, config, rename, dtype=None)
-            weights = dequantized_weights(without_kv_scales(stored, kv_scales), qconfig)
+        weights = (no_weights if dummy else
+                   _streamed(source.path, config, rename, qconfig, kv_scales))
         tok = None if tokenizer is not None else load_folder_tokenizer(source.path)
         used_format = "dummy" if dummy else "safetensors"
     if tokenizer is not None:
@@ -69,6 +65,27 @@ def load_model(
         load_format=used_format,
         kv_scales=kv_scales,
     )
+
+
+def checkpoint_weights(model: str, quantization: str | None = None) -> Any:
+    """The weights of a checkpoint (folder or .gguf) as load_model streams them, without
+    its tokenizer: a weight update's source."""
+    source = resolve_model(model)
+    if source.kind == "gguf":
+        return load_gguf(source.path, with_weights=True).weights
+    full_config = load_folder_config(source.path)
+    qconfig = resolve_quantization(quantization, detect_quantization(full_config, source.path),
+                                   str(source.path))
+    config, rename = text_only(full_config)
+    return _streamed(source.path, config, rename, qconfig, KVScales())
+
+
+def _streamed(path: Path, config: Any, rename: Any, qconfig: Any, kv_scales: KVScales) -> Any:
+    """A folder's weights in float32, or as stored and dequantized as they stream."""
+    if qconfig is None:
+        return without_kv_scales(folder_weights(path, config, rename), kv_scales)
+    stored = folder_weights(path, config, rename, dtype=None)
+    return dequantized_weights(without_kv_scales(stored, kv_scales), qconfig)
 
 
 def _check_format(source: ModelSource, load_format: str) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -39,6 +40,7 @@ from shoal.worker.kv_cache_tensors import (
     layer_specs,
     zero_blocks,
 )
+from shoal.worker.lifecycle import RunnerLifecycle
 from shoal.worker.model_graphs import ModelGraphs, step_shapes
 from shoal.worker.pending_tokens import PendingTokens
 from shoal.worker.request_state import RequestState
@@ -51,7 +53,7 @@ from shoal.worker.step_sampling import sample_step
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner(Executor):
+class ModelRunner(RunnerLifecycle, Executor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  drafter_factory: DrafterFactory | None = None):
         """drafter_factory: builds the speculative config's drafter over the target model
@@ -127,6 +129,9 @@ class ModelRunner(Executor):
             lora = new[it.serial] if it.serial in new else self.requests[it.serial].lora
             if lora is not None:
                 self.lora.add(lora)
+
+    def collective_rpc(self, method: str, args: list[Any]) -> list[Any]:
+        return [self.rpc(method, args)]
 
     def remove_lora(self, lora_id: int) -> None:
         if self.lora is not None:
