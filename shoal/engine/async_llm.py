@@ -265,6 +265,30 @@ class AsyncLLM:
     async def reset_stats(self) -> None:
         await self.client.call_utility("reset_stats")
 
+    async def sleep(self, level: int = 1) -> None:
+        """The engine frees its KV cache and weights (shoal/worker/lifecycle.py); requests
+        are refused until wake_up."""
+        await self.client.call_utility("sleep", timeout=120.0, args=[level])
+        self._set_sleep_metric(level)
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        await self.client.call_utility("wake_up", timeout=300.0, args=[tags])
+        self._set_sleep_metric(0 if not await self.is_sleeping() else -1)
+
+    async def is_sleeping(self) -> bool:
+        return bool(await self.client.call_utility("is_sleeping"))
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self.client.call_utility("reset_prefix_cache"))
+
+    def _set_sleep_metric(self, level: int) -> None:
+        if level < 0:  # partly awake: leave the gauge as it was
+            return
+        for logger in self.stat_loggers:
+            setter = getattr(logger, "set_sleep_level", None)
+            if setter is not None:
+                setter(level)
+
     async def remove_lora(self, lora_id: int) -> None:
         """An unloaded adapter leaves the engine's host memory and slots (requests already
         running with it finish first: their steps still find it)."""

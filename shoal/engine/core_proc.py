@@ -51,7 +51,8 @@ IDLE_POLL_MS = 2000
 class EngineCoreProc:
     """The busy loop around one EngineCore (anything with its methods, for tests)."""
 
-    UTILITIES = ("ping", "get_stats", "reset_stats", "remove_lora")
+    UTILITIES = ("ping", "get_stats", "reset_stats", "remove_lora", "sleep", "wake_up",
+                 "is_sleeping", "reset_prefix_cache")
 
     def __init__(self, core: Any, input_socket: zmq.Socket, output_socket: zmq.Socket,
                  death_fd: int | None = None, parent_pid: int | None = None,
@@ -214,6 +215,10 @@ class EngineCoreProc:
             "get_stats": lambda: msgspec.to_builtins(self._rebased(self._last_stats)),
             "reset_stats": self._reset_stats,
             "remove_lora": lambda lora_id: self.core.remove_lora(int(lora_id)),
+            "sleep": lambda level: self.core.sleep(int(level)),
+            "wake_up": lambda tags=None: self.core.wake_up(tags),
+            "is_sleeping": lambda: bool(self.core.sleep_level),
+            "reset_prefix_cache": lambda: self.core.reset_prefix_cache(),
         }
         handler = handlers.get(call.method)
         if handler is None:

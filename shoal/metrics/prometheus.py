@@ -165,8 +165,8 @@ class PrometheusStatLogger:
             "'capacity' = waiting for scheduling capacity; 'deferred' = deferred by transient "
             "constraints (a KV load from a slower tier).", ["reason"])
         extra["sleep_state"] = self._family(
-            Gauge, "engine_sleep_state", "Engine sleep state; shoal's engine does not sleep, "
-            "so awake is always 1.", ["sleep_state"])
+            Gauge, "engine_sleep_state", "Engine sleep state: 1 on the current one of awake, "
+            "weights_offloaded (sleep level 1) and discard_all (level 2).", ["sleep_state"])
         gauge("kv_usage", "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
         gauge("state_blocks", "linear_state_blocks", "KV blocks holding linear-attention "
               "recurrent states (a block holds one state of each layer of a state group).")
@@ -238,6 +238,12 @@ class PrometheusStatLogger:
         if only is not None:
             return cls(f"{only}:{metric}", doc, labels, registry=self.registry, **kw)
         return cls(_SOURCE + metric, doc, labels, registry=self._source, **kw)
+
+    def set_sleep_level(self, level: int, engine: int = 0) -> None:
+        """0 awake, 1 weights offloaded, 2 everything discarded (the server's /sleep)."""
+        e = self.series(engine)
+        for i, state in enumerate(("awake", "weights_offloaded", "discard_all")):
+            self.extra_families["sleep_state"].labels(*e.labels, state).set(int(i == level))
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats,
                engine: int = 0) -> None:

@@ -25,6 +25,7 @@ from shoal.engine.async_llm import AsyncLLM
 from shoal.engine.core_client import EngineStartupError
 from shoal.engine.engine_args import EngineArgs
 from shoal.entrypoints.openai.auth import ApiKeyMiddleware
+from shoal.entrypoints.openai.dev_routes import add_dev_routes
 from shoal.entrypoints.openai.errors import (
     ServerShuttingDown,
     install_error_handlers,
@@ -124,6 +125,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
     add_generation_routes(app, completion, chat, responses)
     add_pooling_routes(app, OpenAIServingPooling(engine, models, settings))
     add_lora_routes(app, models, engine)
+    add_dev_routes(app, engine)
     return app
 
 

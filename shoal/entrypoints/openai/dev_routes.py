@@ -1,0 +1,63 @@
+"""vLLM's development routes for engines inside training loops, on only with
+VLLM_SERVER_DEV_MODE=1 (as vLLM; SHOAL_SERVER_DEV_MODE too): POST /sleep?level=1|2,
+POST /wake_up[?tags=weights&tags=kv_cache], GET /is_sleeping, POST /reset_prefix_cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse, Response
+
+from shoal.engine.async_llm import AsyncLLM
+from shoal.entrypoints.openai.errors import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+DEV_MODE_ENV = ("VLLM_SERVER_DEV_MODE", "SHOAL_SERVER_DEV_MODE")
+
+
+def dev_mode() -> bool:
+    return any(os.environ.get(v, "").strip().lower() in ("1", "true") for v in DEV_MODE_ENV)
+
+
+async def _call(coro: Any) -> Any:
+    """An engine utility; its ValueError (a bad level, requests in flight) is the client's."""
+    try:
+        return await coro
+    except RuntimeError as e:
+        text = str(e)
+        if text.startswith("ValueError: "):
+            raise OpenAIError(400, text.removeprefix("ValueError: ")) from None
+        raise
+
+
+def add_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
+    if not dev_mode():
+        return
+    logger.warning("development routes are on (VLLM_SERVER_DEV_MODE): /sleep, /wake_up, "
+                   "/is_sleeping, /reset_prefix_cache")
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> Response:
+        if level not in (1, 2):
+            raise OpenAIError(400, f"level must be 1 or 2 (got {level})", "level")
+        await _call(engine.sleep(level))
+        return Response(status_code=200)
+
+    @app.post("/wake_up")
+    async def wake_up(tags: list[str] | None = Query(default=None)) -> Response:  # noqa: B008
+        await _call(engine.wake_up(tags))
+        return Response(status_code=200)
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> JSONResponse:
+        return JSONResponse({"is_sleeping": await engine.is_sleeping()})
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        if not await _call(engine.reset_prefix_cache()):
+            raise OpenAIError(409, "requests still hold cached blocks; try again when idle")
+        return Response(status_code=200)
