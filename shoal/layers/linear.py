@@ -80,6 +80,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(input_size, sum(output_sizes), bias=bias, params_dtype=params_dtype)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int = 0) -> None:
+        if loaded.shape[0] != self.output_sizes[shard_id]:  # e.g. the fused tensor itself
+            raise ValueError(f"projection {shard_id} of a fused layer has "
+                             f"{self.output_sizes[shard_id]} rows; the tensor has "
+                             f"{loaded.shape[0]}")
         shard = self.output_sizes[shard_id] // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
         src = loaded.narrow(0, self.tp_rank * shard, shard)
@@ -142,9 +146,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         if shard_id == "q":
             offset, size, rank = 0, q, self.tp_rank
+            full = q * self.tp_size
         else:
             offset = q if shard_id == "k" else q + kv
             size, rank = kv, self.tp_rank // self.kv_replicas
+            full = kv * self.tp_size // self.kv_replicas
+        if loaded.shape[0] != full:  # e.g. the fused qkv tensor itself
+            raise ValueError(f"the {shard_id} projection has {full} rows; the tensor has "
+                             f"{loaded.shape[0]}")
         src = loaded.narrow(0, rank * size, size)
         default_weight_loader(param.data.narrow(0, offset, size), src)
 
