@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 from oracle import check_against_hf, draft_continuations, hf_greedy, write_tiny_checkpoint
@@ -321,18 +322,20 @@ def test_enable_lora_refused_where_it_cannot_run(llama, setting):
         LLM(model=str(llama.base), enable_lora=True, **setting, **ENGINE)
 
 
-def test_adapter_gone_before_its_step_fails_that_request_only(llama, two_slots, tmp_path,
-                                                             step_failures):
-    """An adapter folder deleted after its request was checked: the worker cannot read it, that
-    request ends with finish_reason 'error', the others of its step complete, and the engine
-    serves on."""
+def run_with_deleted_adapter(llm: LLM, adapter: Path, tmp_path: Path, lora_id: int,
+                             step_failures: list[Exception], with_base: bool = False
+                             ) -> dict[str, Any]:
+    """A request whose adapter folder is deleted after the frontend checked it (and, with
+    with_base, a base-model request beside it), stepped to the end: the doomed one ends with
+    finish_reason 'error' through a step failure naming the missing folder. Returns the
+    finished outputs by request id."""
     doomed = tmp_path / "doomed"
-    shutil.copytree(llama.adapters[1], doomed)
-    engine = two_slots.llm_engine
-    params = greedy()
-    engine.add_request("doomed", {"prompt_token_ids": PROMPTS[0]}, params,
-                       lora_request=lora(doomed, 50))
-    engine.add_request("base", {"prompt_token_ids": PROMPTS[1]}, params)
+    shutil.copytree(adapter, doomed)
+    engine = llm.llm_engine
+    engine.add_request("doomed", {"prompt_token_ids": PROMPTS[0]}, greedy(),
+                       lora_request=lora(doomed, lora_id))
+    if with_base:
+        engine.add_request("base", {"prompt_token_ids": PROMPTS[1]}, greedy())
     shutil.rmtree(doomed)
     finished = {}
     while engine.has_unfinished_requests():
@@ -340,6 +343,16 @@ def test_adapter_gone_before_its_step_fails_that_request_only(llama, two_slots, 
     assert finished["doomed"].outputs[0].finish_reason == "error"
     assert step_failures and all("does not exist" in str(e) for e in step_failures)
     step_failures.clear()
+    return finished
+
+
+def test_adapter_gone_before_its_step_fails_that_request_only(llama, two_slots, tmp_path,
+                                                             step_failures):
+    """An adapter folder deleted after its request was checked: the worker cannot read it, that
+    request ends with finish_reason 'error', the others of its step complete, and the engine
+    serves on."""
+    finished = run_with_deleted_adapter(two_slots, llama.adapters[1], tmp_path, 50,
+                                        step_failures, with_base=True)
     check_against_hf([finished["base"]], [PROMPTS[1]], oracle(llama.base, None), STEPS)
     (out,) = two_slots.generate(PROMPTS[:1], greedy(), lora_request=lora(llama.adapters[0], 1),
                                 use_tqdm=False)
@@ -407,18 +420,7 @@ def test_two_tensor_parallel_ranks(model_type, kv_heads, tmp_path, step_failures
         chosen = [family.adapters[0], None, family.adapters[2]]
         requests = [None if p is None else lora(p, i + 1) for i, p in enumerate(chosen)]
         outs = llm.generate(PROMPTS[:3], greedy(), lora_request=requests, use_tqdm=False)
-        doomed = tmp_path / "doomed"
-        shutil.copytree(family.adapters[1], doomed)
-        engine = llm.llm_engine
-        engine.add_request("doomed", {"prompt_token_ids": PROMPTS[0]}, greedy(),
-                           lora_request=lora(doomed, 9))
-        shutil.rmtree(doomed)
-        finished = {}
-        while engine.has_unfinished_requests():
-            finished.update({o.request_id: o for o in engine.step() if o.finished})
-        assert finished["doomed"].outputs[0].finish_reason == "error"
-        assert step_failures and all("does not exist" in str(e) for e in step_failures)
-        step_failures.clear()
+        run_with_deleted_adapter(llm, family.adapters[1], tmp_path, 9, step_failures)
         again = llm.generate(PROMPTS[:1], greedy(), lora_request=requests[:1], use_tqdm=False)
     finally:
         llm.shutdown()

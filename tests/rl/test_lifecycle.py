@@ -78,6 +78,16 @@ def broadcast_from_trainer(port: int, world: int, weights: dict[str, torch.Tenso
     return thread
 
 
+def update_from_trainer(llm: LLM, weights: dict[str, torch.Tensor], world: int) -> None:
+    """The engine's ranks (1 .. world - 1) join the trainer's group and take its broadcast."""
+    port = free_port()
+    trainer = broadcast_from_trainer(port, world, weights)
+    llm.init_weight_update_group("127.0.0.1", port, 1, world)
+    llm.update_weights_from_group(list(weights), [t.dtype for t in weights.values()],
+                                  [t.shape for t in weights.values()])
+    trainer.join(timeout=60)
+
+
 def test_sleep_wake_and_every_update_route(pair: Pair) -> None:
     llm = LLM(model=str(pair.a), **ENGINE)
     try:
@@ -105,13 +115,7 @@ def test_sleep_wake_and_every_update_route(pair: Pair) -> None:
         llm.update_weights_from_path(str(pair.b))
         llm.wake_up(["kv_cache"])
         assert tokens(llm)[0] == pair.want["b"]
-        # the trainer's process group
-        port, weights = free_port(), pair.weights("a")
-        trainer = broadcast_from_trainer(port, 2, weights)
-        llm.init_weight_update_group("127.0.0.1", port, 1, 2)
-        llm.update_weights_from_group(list(weights), [t.dtype for t in weights.values()],
-                                      [t.shape for t in weights.values()])
-        trainer.join(timeout=60)
+        update_from_trainer(llm, pair.weights("a"), world=2)  # the trainer's process group
         assert tokens(llm)[0] == pair.want["a"]
     finally:
         llm.shutdown()
@@ -151,12 +155,7 @@ def test_two_tensor_parallel_ranks(tmp_path) -> None:
         assert tokens(llm)[0] == pair.want["b"]
         llm.update_weights_from_path(str(pair.a))
         assert tokens(llm)[0] == pair.want["a"]
-        port, weights = free_port(), pair.weights("b")
-        trainer = broadcast_from_trainer(port, 3, weights)
-        llm.init_weight_update_group("127.0.0.1", port, 1, 3)
-        llm.update_weights_from_group(list(weights), [t.dtype for t in weights.values()],
-                                      [t.shape for t in weights.values()])
-        trainer.join(timeout=60)
+        update_from_trainer(llm, pair.weights("b"), world=3)
         assert tokens(llm)[0] == pair.want["b"]
         sums = llm.collective_rpc("weights_checksum")
         assert len(sums) == 2 and sums[0] != sums[1]  # each rank its own shard
