@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -106,6 +107,12 @@ class SamplingParams:
     kv_transfer_params: dict[str, Any] | None = None
     # A grammar the output must follow (JSON schema, regex, choice, EBNF, structural tag)
     structured_outputs: StructuredOutputsParams | None = None
+    # Reasoning models: at most this many tokens of thinking (after the start marker, or from
+    # the first output token when the prompt opened it); then the end marker is forced. The
+    # markers' ids come from the tokenizer's <think> / </think> unless given.
+    thinking_token_budget: int | None = None
+    thinking_start_token_id: int | None = None
+    thinking_end_token_id: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -139,6 +146,13 @@ class SamplingParams:
                 f"min_tokens must be <= max_tokens (got min_tokens={self.min_tokens}, "
                 f"max_tokens={self.max_tokens})"
             )
+        if self.thinking_token_budget is not None and _check_int(
+                "thinking_token_budget", self.thinking_token_budget) < 0:
+            raise ValueError(f"thinking_token_budget must be >= 0 (got "
+                             f"{self.thinking_token_budget})")
+        for name in ("thinking_start_token_id", "thinking_end_token_id"):
+            if getattr(self, name) is not None and _check_int(name, getattr(self, name)) < 0:
+                raise ValueError(f"{name} must be >= 0 (got {getattr(self, name)})")
         # The upper bound is the engine's max_logprobs (checked where requests enter the
         # engine, as vLLM does); -1 asks for the whole vocabulary.
         for name in ("logprobs", "prompt_logprobs"):
@@ -265,7 +279,20 @@ class SamplingParams:
         step cannot be prepared before this one's token is known. (A grammar needs only the
         last token: the engine core advances it while the next step's forward runs.)"""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0
+                or self.thinking_token_budget is not None)
+
+    def thinking_forced(self, output_token_ids: Sequence[int]) -> int | None:
+        """The end marker when the thinking budget is spent and thinking has not ended; else
+        None."""
+        budget, end = self.thinking_token_budget, self.thinking_end_token_id
+        if budget is None or end is None or end in output_token_ids:
+            return None
+        start = self.thinking_start_token_id
+        thought = len(output_token_ids)
+        if start is not None and start in output_token_ids:  # tokens after its last one
+            thought = output_token_ids[::-1].index(start)
+        return end if thought >= budget else None
 
     def clone(self) -> SamplingParams:
         return copy.deepcopy(self)

@@ -54,7 +54,7 @@ def events(resp: httpx.Response) -> list[dict]:
 # ---- refused extensions -----------------------------------------------------------------------
 REFUSED = {"guided_decoding_backend": "outlines", "bad_words": ["x"],
            "prompt_embeds": "AAAA", "include_reasoning": False,
-           "thinking_token_budget": 5, "vllm_xargs": {"a": 1}, "stream_interval": 4}
+           "vllm_xargs": {"a": 1}, "stream_interval": 4}
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
@@ -66,6 +66,14 @@ def test_unimplemented_extensions_are_400_naming_the_field(server, path, field):
     r = server.post(path, json={**body, "max_tokens": 1, field: REFUSED[field]})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_thinking_budget_needs_a_reasoning_model(server, path):
+    body = ({"prompt": PROMPT} if "chat" not in path
+            else {"messages": [{"role": "user", "content": "hi"}]})
+    r = server.post(path, json={**body, "max_tokens": 1, "thinking_token_budget": 5})
+    assert r.status_code == 400 and "</think>" in r.json()["error"]["message"], r.text
 
 
 @pytest.mark.parametrize("body,needle", [

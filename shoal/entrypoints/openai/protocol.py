@@ -51,8 +51,6 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
     "bad_words": (None, "bad_words is not supported yet"),
     "logits_processors": (None, "logits_processors are not supported"),
     "prompt_embeds": (None, "prompt_embeds is not supported (token ids or text only)"),
-    "thinking_token_budget": (None, "thinking_token_budget needs a reasoning parser, which "
-                                    "is not supported yet"),
     "include_reasoning": (True, "include_reasoning needs a reasoning parser, which is not "
                                 "supported yet"),
     "repetition_detection": (None, "repetition_detection is not supported yet"),
@@ -66,7 +64,8 @@ NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
     "return_assistant_tokens_mask": (False, "return_assistant_tokens_mask is not supported"),
     "mm_processor_kwargs": (None, "multimodal inputs are not supported"),
     "media_io_kwargs": (None, "multimodal inputs are not supported"),
-    "lora_request": (None, "LoRA adapters are not supported yet"),
+    "lora_request": (None, "lora_request is not a request field here: name the LoRA adapter "
+                           "in `model` (--lora-modules or /v1/load_lora_adapter)"),
 }
 
 
@@ -159,6 +158,8 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: StrictInt = 0
     logit_bias: dict[str, Number] | None = None
     allowed_token_ids: TokenIds | None = None
+    # reasoning models: thinking tokens before </think> is forced
+    thinking_token_budget: StrictInt | None = None
     # The logprobs of exactly these ids at each generated position (needs logprobs set).
     logprob_token_ids: TokenIds | None = None
     skip_special_tokens: StrictBool = True
@@ -240,6 +241,7 @@ class SamplingRequest(OpenAIBaseModel):
             allowed_token_ids=self.allowed_token_ids,
             logprob_token_ids=self.logprob_token_ids or None,
             kv_transfer_params=self.kv_transfer_params,
+            thinking_token_budget=self.thinking_token_budget,
         )
 
     def unsupported(self) -> tuple[str, str] | None:
