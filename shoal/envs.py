@@ -45,6 +45,11 @@ def _switch(raw: str) -> bool:
     return raw.strip() != "0"
 
 
+def _on(raw: str) -> bool:
+    """Off unless "1" or "true" (vLLM's opt-in switches)."""
+    return raw.strip().lower() in ("1", "true")
+
+
 def _optional_text(raw: str) -> str | None:
     return raw.strip() or None
 
@@ -92,6 +97,17 @@ SHOAL_PP_LAYER_PARTITION: EnvVar[str | None] = EnvVar(
     "decoder layers per pipeline stage, comma-separated (e.g. 13,17), as vLLM's "
     "VLLM_PP_LAYER_PARTITION; unset: as even as possible "
     "(shoal/distributed/parallel_state.py checks it against the model)")
+
+SHOAL_SERVER_DEV_MODE: EnvVar[bool] = EnvVar(
+    "SHOAL_SERVER_DEV_MODE", False, _on,
+    "1/true: the server's development routes /sleep, /wake_up, /is_sleeping and "
+    "/reset_prefix_cache, as vLLM's VLLM_SERVER_DEV_MODE (read too) "
+    "(shoal/entrypoints/openai/dev_routes.py)")
+
+SHOAL_ALLOW_RUNTIME_LORA_UPDATING: EnvVar[bool] = EnvVar(
+    "SHOAL_ALLOW_RUNTIME_LORA_UPDATING", False, _on,
+    "1/true: /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM's "
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING (read too) (shoal/entrypoints/openai/lora_routes.py)")
 
 ALL: tuple[EnvVar, ...] = tuple(v for v in tuple(globals().values()) if isinstance(v, EnvVar))
 

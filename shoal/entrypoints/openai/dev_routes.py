@@ -11,16 +11,16 @@ from typing import Any
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, Response
 
+from shoal import envs
 from shoal.engine.async_llm import AsyncLLM
 from shoal.entrypoints.openai.errors import OpenAIError
 
 logger = logging.getLogger(__name__)
 
-DEV_MODE_ENV = ("VLLM_SERVER_DEV_MODE", "SHOAL_SERVER_DEV_MODE")
-
-
 def dev_mode() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true") for v in DEV_MODE_ENV)
+    """VLLM_SERVER_DEV_MODE (vLLM's name) or shoal's own."""
+    vllm = os.environ.get("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true")
+    return vllm or envs.SHOAL_SERVER_DEV_MODE.get()
 
 
 async def _call(coro: Any) -> Any:

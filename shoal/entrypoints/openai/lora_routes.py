@@ -12,13 +12,13 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
 
+from shoal import envs
 from shoal.engine.async_llm import AsyncLLM
 from shoal.entrypoints.openai.errors import OpenAIError
 from shoal.entrypoints.openai.serving_models import ServedModels
 
 logger = logging.getLogger(__name__)
 
-RUNTIME_UPDATES_ENV = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "SHOAL_ALLOW_RUNTIME_LORA_UPDATING")
 
 
 def parse_lora_modules(items: list[str]) -> list[tuple[str, str, str | None]]:
@@ -57,8 +57,10 @@ def load_startup_adapters(models: ServedModels, items: list[str] | None) -> None
 
 
 def runtime_updates_allowed() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true") for v in
-               RUNTIME_UPDATES_ENV)
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING (vLLM's name) or shoal's own."""
+    name = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+    vllm = os.environ.get(name, "").strip().lower() in ("1", "true")
+    return vllm or envs.SHOAL_ALLOW_RUNTIME_LORA_UPDATING.get()
 
 
 async def _body(raw: Request) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 import shoal
 from shoal.engine.async_llm import AsyncLLM
 from shoal.engine.input_processor import wrong_runner_message
+from shoal.entrypoints.openai.cohere_embed import CohereEmbedHandler, CohereEmbedRequest
 from shoal.entrypoints.openai.errors import OpenAIError, ServerShuttingDown, error_response
 from shoal.entrypoints.openai.middleware import ServerLoad
 from shoal.entrypoints.openai.protocol import (
@@ -192,6 +193,13 @@ def add_pooling_routes(app: FastAPI, pooling: OpenAIServingPooling) -> None:
     async def create_embedding(req: EmbeddingRequest, raw: Request) -> Response:
         check_intake(req)
         return await pooling.embeddings(req, raw)
+
+    cohere = CohereEmbedHandler(pooling)
+
+    @app.post("/v2/embed")  # Cohere's embed API
+    async def create_cohere_embed(req: CohereEmbedRequest, raw: Request) -> Response:
+        check_intake(req)
+        return await cohere.embed(req, raw)
 
     @app.post("/pooling")
     async def create_pooling(req: PoolingRequest, raw: Request) -> Response:

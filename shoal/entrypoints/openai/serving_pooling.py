@@ -66,8 +66,9 @@ class OpenAIServingPooling(ServingBase):
                                    f"{', '.join(self.info.tasks)})")
         return model
 
-    def _prompt(self, item: Any, req: PoolingBaseRequest) -> Any:
-        """Text or ids -> what the input processor takes, truncated when asked."""
+    def _prompt(self, item: Any, req: PoolingBaseRequest, side: str | None = None) -> Any:
+        """Text or ids -> what the input processor takes, truncated when asked (side: which
+        end truncation drops, as truncate_prompt's)."""
         inputs = self.engine.inputs
         k = req.truncate_prompt_tokens
         if isinstance(item, str) and (k is not None or not req.add_special_tokens):
@@ -79,7 +80,7 @@ class OpenAIServingPooling(ServingBase):
             if k > max_len:
                 raise ValueError(f"truncate_prompt_tokens ({k}) must not be greater than "
                                  f"max_model_len ({max_len})")
-            item = truncate_prompt(item, k, None, max_len)
+            item = truncate_prompt(item, k, side, max_len)
         return item if isinstance(item, str) else {"prompt_token_ids": item}
 
     async def _run(self, jobs: list[_Job], priority: int, raw: Request
