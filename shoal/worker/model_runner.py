@@ -378,6 +378,8 @@ class ModelRunner(RunnerLifecycle, Executor):
         other replicas run. Its key and value go to the null block, zeroed again right after
         (padding reads it); nothing is sampled. Returns its final hidden state."""
         md = self.forwarder.metadata([1], [0], [[[self.null_block]]] * len(self.kv_groups), 0)
+        if self.lora is not None:  # its one token runs without an adapter
+            self.lora.set_step([None], [1])
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         hidden = self.model(zero, zero, md)
         self._zero_slots([(self.null_block, 0)])

@@ -429,6 +429,17 @@ def test_two_tensor_parallel_ranks(model_type, kv_heads, tmp_path, step_failures
 
 
 # ---- speculative decoding -------------------------------------------------------------------
+def test_health_check_after_an_adapter_step(llama, two_slots):
+    """The engine's health check (a made-up one-token step, run after failed steps) works
+    after a step of several tokens with an adapter: the slot table is reset for it."""
+    two_slots.generate(PROMPTS[:2], greedy(), lora_request=lora(llama.adapters[0], 1),
+                       use_tqdm=False)
+    runner(two_slots).check_health()
+    (out,) = two_slots.generate(PROMPTS[:1], greedy(), lora_request=lora(llama.adapters[0], 1),
+                                use_tqdm=False)
+    check_against_hf([out], PROMPTS[:1], oracle(llama.base, llama.adapters[0]), STEPS)
+
+
 def test_ngram_verify_steps_keep_each_requests_adapter(llama, monkeypatch):
     """Verify steps run several tokens per request: each of them takes its request's adapter.
     The drafts are PEFT's own continuations, one step in two with a wrong token, so some are
