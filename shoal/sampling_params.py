@@ -60,6 +60,19 @@ def _check_bool(name: str, value: Any) -> bool:
     return value
 
 
+def _opens_thought(prompt: Sequence[int], start: int | None, end: int) -> bool:
+    """The prompt's last start marker comes after its last end marker (the template opened
+    the thought for the model)."""
+    if start is None:
+        return False
+    for token in reversed(prompt):
+        if token == end:
+            return False
+        if token == start:
+            return True
+    return False
+
+
 def _token_id(name: str, value: Any) -> int:
     """A token id as given by a JSON client: an int or a string of digits (JSON object keys)."""
     if isinstance(value, str):
@@ -282,16 +295,22 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0 or self.min_tokens > 0
                 or self.thinking_token_budget is not None)
 
-    def thinking_forced(self, output_token_ids: Sequence[int]) -> int | None:
+    def thinking_forced(self, output_token_ids: Sequence[int],
+                        prompt_token_ids: Sequence[int] = ()) -> int | None:
         """The end marker when the thinking budget is spent and thinking has not ended; else
-        None."""
+        None. The thought is what follows the output's last start marker, or the whole
+        output when the prompt opened one (its last <think> after its last </think>); with
+        neither, nothing is thinking."""
         budget, end = self.thinking_token_budget, self.thinking_end_token_id
         if budget is None or end is None or end in output_token_ids:
             return None
         start = self.thinking_start_token_id
-        thought = len(output_token_ids)
-        if start is not None and start in output_token_ids:  # tokens after its last one
-            thought = output_token_ids[::-1].index(start)
+        if start is not None and start in output_token_ids:
+            thought = output_token_ids[::-1].index(start)  # tokens after its last one
+        elif _opens_thought(prompt_token_ids, start, end):
+            thought = len(output_token_ids)
+        else:
+            return None
         return end if thought >= budget else None
 
     def clone(self) -> SamplingParams:

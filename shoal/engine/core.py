@@ -234,9 +234,15 @@ class EngineCore:
     def collective_rpc(self, method: str, args: list[Any] | None = None) -> list[Any]:
         """A lifecycle method on every rank. A weight update empties the prefix cache and the
         KV tiers (their blocks were computed with the old weights)."""
-        if method.startswith("update_weights") or method in ("sleep", "wake_up"):
+        args = list(args or ())
+        if method == "sleep":  # the engine's sleep state follows
+            return [self.sleep(*args)]
+        if method == "wake_up":
+            self.wake_up(*args)
+            return [None]
+        if method.startswith("update_weights"):
             self._require_idle(method)
-        results = self.runner.collective_rpc(method, list(args or ()))
+        results = self.runner.collective_rpc(method, args)
         if method.startswith("update_weights"):
             self.reset_prefix_cache()
         return results

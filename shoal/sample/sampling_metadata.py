@@ -103,19 +103,19 @@ class SamplingMetadata:
             logit_bias=[p.logit_bias or None for p in params_list],
             min_tokens_mask=min_tokens_mask,
             max_num_logprobs=max(wanted) if wanted else None,
-            allowed_token_ids=_allowed(params_list, output_token_ids),
+            allowed_token_ids=_allowed(params_list, output_token_ids, prompt_token_ids),
             logprob_token_ids=_rows_with(params_list, "logprob_token_ids"),
         )
 
 
-def _allowed(params_list: Sequence[SamplingParams], output_token_ids: list[list[int]]
-             ) -> dict[int, list[int]] | None:
+def _allowed(params_list: Sequence[SamplingParams], output_token_ids: list[list[int]],
+             prompt_token_ids: Sequence[Sequence[int]]) -> dict[int, list[int]] | None:
     """allowed_token_ids by row, and the thinking end marker alone where a row's thinking
     budget is spent (SamplingParams.thinking_forced)."""
     rows = _rows_with(params_list, "allowed_token_ids") or {}
     for i, p in enumerate(params_list):
         if p.thinking_token_budget is not None:
-            forced = p.thinking_forced(output_token_ids[i])
+            forced = p.thinking_forced(output_token_ids[i], prompt_token_ids[i])
             if forced is not None:
                 rows[i] = [forced]
     return rows or None

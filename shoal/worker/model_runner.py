@@ -109,6 +109,7 @@ class ModelRunner(RunnerLifecycle, Executor):
             self.lora = LoRASlots(self.model, config.lora_config, self._max_step_tokens(),
                                   self.dtype, self.device)
             self.lora_limits = self.lora.limits
+            self.forwarder.lora_step = self.lora.step
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
         self._num_forwards = 0
         self._latest: StepHandle | None = None  # the last step executed

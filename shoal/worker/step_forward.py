@@ -69,6 +69,9 @@ class StepForwarder:
         self.graphs: ModelGraphs | None = None  # once captured
         self.keep_hidden = False  # a drafter reads every token's hidden states
         self.null_block = 0  # the zeroed block padding reads (set when the cache is bound)
+        # LoRA (shoal/lora/layers.py LoRAStep): its token -> slot table is in the step's flat
+        # order, which a verify graph's padded rows do not follow
+        self.lora_step: Any = None
 
 
     def run(self, inp: StepInputs, out: ModelRunnerOutput) -> ForwardOutput | StageOutput:
@@ -78,6 +81,9 @@ class StepForwarder:
                 return ForwardOutput(None, None)
             return StageOutput(staged, lambda hidden: self._from_hidden(inp, out, hidden))
         shape = self.graphs.pick(inp) if self.graphs is not None else None
+        if shape is not None and shape.q > 1 and self.lora_step is not None \
+                and self.lora_step.active:
+            shape = None  # a verify step with adapters runs eagerly (rows in flat order)
         if shape is None:
             return self._from_hidden(inp, out, self.model(*self.eager_inputs(inp)))
         logits, hidden = self.graphs.run(

@@ -31,7 +31,10 @@ def server(tmp_path_factory):
 def test_budget_ends_reasoning_and_answers(server) -> None:
     srv, tok = server
     r = srv.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": "Think, then answer."}], "max_tokens": 40,
+        # the assistant turn opens its thought, as a thinking model's template does
+        "messages": [{"role": "user", "content": "Think, then answer."},
+                     {"role": "assistant", "content": "<think>"}],
+        "add_generation_prompt": False, "continue_final_message": True, "max_tokens": 40,
         "temperature": 0, "ignore_eos": True, "thinking_token_budget": 16,
         "return_token_ids": True, "skip_special_tokens": False})
     assert r.status_code == 200, r.text

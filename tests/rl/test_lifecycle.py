@@ -137,6 +137,12 @@ def test_lifecycle_calls_need_an_idle_engine(pair: Pair) -> None:
             llm.collective_rpc("__init__")
         with pytest.raises(ValueError, match="no matching parameter"):
             llm.update_weights({"model.layers.0.nonexistent.weight": torch.zeros(2)})
+        llm.collective_rpc("sleep", [1])  # the engine's own sleep state follows the RPC
+        assert llm.is_sleeping()
+        with pytest.raises(ValueError, match="asleep"):
+            llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        llm.collective_rpc("wake_up")
+        assert not llm.is_sleeping()
         assert tokens(llm)[0] == pair.want["a"]  # nothing changed
     finally:
         llm.shutdown()

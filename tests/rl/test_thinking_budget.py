@@ -1,6 +1,7 @@
 """thinking_token_budget: once a request has thought that many tokens (after <think>, or from
 its first token when the prompt opened it), </think> is forced and the answer follows; a
-budget never cuts a thought that ended on its own, and a model without </think> refuses it."""
+budget never cuts a thought that ended on its own, never touches an answer that is not
+thinking, and a model without </think> refuses it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from shoal import LLM, SamplingParams
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=2**22)
 START, END = 500, 501  # token ids standing in for <think> and </think>
-PROMPT = {"prompt_token_ids": [7, 8, 9, 10]}
+PROMPT = {"prompt_token_ids": [7, 8, 9, 10, START]}  # the template opened the thought
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +39,22 @@ def test_budget_forces_the_end_marker_then_answers(llm, budget) -> None:
     assert out.count(END) == 1
 
 
-def test_budget_counts_after_the_start_marker() -> None:
+def test_budget_counts_only_an_open_thought() -> None:
     sp = params(3)
-    assert sp.thinking_forced([1, 2]) is None
-    assert sp.thinking_forced([1, 2, 3]) == END  # the prompt opened the thought
-    assert sp.thinking_forced([4, START, 1, 2]) is None  # only what follows <think> counts
-    assert sp.thinking_forced([4, START, 1, 2, 3]) == END
-    assert sp.thinking_forced([START, 1, 2, 3, END, 9]) is None  # ended: nothing forced
+    opened, closed = [7, START], [7, START, END, 8]
+    assert sp.thinking_forced([1, 2], opened) is None
+    assert sp.thinking_forced([1, 2, 3], opened) == END  # the prompt opened the thought
+    assert sp.thinking_forced([1, 2, 3], closed) is None  # thinking switched off: an answer
+    assert sp.thinking_forced([1, 2, 3], [7, 8]) is None  # nothing opened a thought
+    assert sp.thinking_forced([4, START, 1, 2], [7]) is None  # what follows <think> counts
+    assert sp.thinking_forced([4, START, 1, 2, 3], [7]) == END
+    assert sp.thinking_forced([START, 1, 2, 3, END, 9], [7]) is None  # ended: nothing forced
+
+
+def test_an_answer_without_thinking_is_left_alone(llm) -> None:
+    closed = {"prompt_token_ids": [7, 8, 9, 10, START, END]}
+    free = llm.generate(closed, params(None), use_tqdm=False)[0].outputs[0].token_ids
+    assert llm.generate(closed, params(2), use_tqdm=False)[0].outputs[0].token_ids == free
 
 
 def test_needs_a_reasoning_tokenizer(llm) -> None:
