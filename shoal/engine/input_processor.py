@@ -10,7 +10,6 @@ reports once it has sized its KV pool, so a frontend needs the tokenizer and not
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ import msgspec
 
 from shoal.core.types import EngineCoreRequest
 from shoal.engine.chat_template import render_chat_template
+from shoal.engine.thinking_markers import with_thinking_markers
 from shoal.kv_offload.request_params import check_tier_names
 from shoal.lora.adapter import LoRALimits, check_adapter
 from shoal.lora_request import LoRARequest
@@ -278,7 +278,7 @@ class InputProcessor:
                              f"{type(lora_request).__name__})")
         check_request_limits(self.limits.request, params)
         params = resolve_logprobs(params, self.max_logprobs, self.limits.vocab_size)
-        params = self._thinking_markers(params)
+        params = with_thinking_markers(params, self.tokenizer)
         p = prompt if isinstance(prompt, ProcessedPrompt) else self.process(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         n = params.n
@@ -289,23 +289,6 @@ class InputProcessor:
         for r in reqs:
             validate_core_request(self.limits, r)
         return ProcessedRequest(request_id, p.prompt, p.prompt_token_ids, params, reqs)
-
-    @functools.cached_property
-    def _thinking_ids(self) -> dict[str, int | None]:
-        vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
-        return {"thinking_start_token_id": vocab.get("<think>"),
-                "thinking_end_token_id": vocab.get("</think>")}
-
-    def _thinking_markers(self, params: SamplingParams) -> SamplingParams:
-        """thinking_token_budget: the <think> / </think> ids from the tokenizer, unless the
-        params name them; a model without a one-token </think> cannot take a budget."""
-        if params.thinking_token_budget is None or params.thinking_end_token_id is not None:
-            return params
-        ids = self._thinking_ids
-        if ids["thinking_end_token_id"] is None:
-            raise ValueError("thinking_token_budget needs a reasoning model: this tokenizer "
-                             "has no </think> token")
-        return dataclasses.replace(params, **ids)
 
     def process_pooling_request(self, request_id: str, prompt: PromptType,
                                 params: PoolingParams, *, priority: int = 0,
