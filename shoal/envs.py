@@ -109,6 +109,12 @@ SHOAL_ALLOW_RUNTIME_LORA_UPDATING: EnvVar[bool] = EnvVar(
     "1/true: /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM's "
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING (read too) (shoal/entrypoints/openai/lora_routes.py)")
 
+def switched_on(var: EnvVar[bool], vllm_name: str) -> bool:
+    """A shoal opt-in switch or its vLLM twin (a vLLM deployment's environment works
+    unchanged): on when either is."""
+    return var.get() or _on(os.environ.get(vllm_name, ""))
+
+
 ALL: tuple[EnvVar, ...] = tuple(v for v in tuple(globals().values()) if isinstance(v, EnvVar))
 
 

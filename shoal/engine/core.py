@@ -222,7 +222,7 @@ class EngineCore:
         if self.sleep_level:
             raise ValueError("the engine is asleep already")
         result = self.runner.collective_rpc("sleep", [level])[0]
-        self.scheduler.kv.reset_prefix_cache()
+        self.reset_prefix_cache()
         self.sleep_level = level
         return result
 

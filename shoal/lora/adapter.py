@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import struct
 from dataclasses import dataclass
@@ -203,7 +202,3 @@ def check_adapter(path: str, limits: LoRALimits | None) -> AdapterSpec:
                              f"in the adapter but {shape[0]} -> {shape[1]} in the model (an "
                              "adapter of another base model?)")
     return spec
-
-
-def adapter_exists(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, CONFIG_FILE))

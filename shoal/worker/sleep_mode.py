@@ -53,11 +53,8 @@ def put_to_sleep(modules: list[nn.Module], level: int) -> SleepingWeights:
         storage = t.untyped_storage()
         copy = None
         if level == 1 or not is_param:
-            flat = torch.empty(storage.nbytes(), dtype=torch.uint8, device=t.device)
-            flat.untyped_storage().copy_(storage)
-            copy = flat.to("cpu", copy=True)
-            if t.is_cuda:
-                copy = copy.pin_memory()
+            copy = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=t.is_cuda)
+            copy.untyped_storage().copy_(storage)
         asleep.storages.append((t, storage.nbytes(), copy))
         storage.resize_(0)
     return asleep

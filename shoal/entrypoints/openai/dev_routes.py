@@ -5,7 +5,6 @@ POST /wake_up[?tags=weights&tags=kv_cache], GET /is_sleeping, POST /reset_prefix
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 from fastapi import FastAPI, Query
@@ -18,9 +17,7 @@ from shoal.entrypoints.openai.errors import OpenAIError
 logger = logging.getLogger(__name__)
 
 def dev_mode() -> bool:
-    """VLLM_SERVER_DEV_MODE (vLLM's name) or shoal's own."""
-    vllm = os.environ.get("VLLM_SERVER_DEV_MODE", "").strip().lower() in ("1", "true")
-    return vllm or envs.SHOAL_SERVER_DEV_MODE.get()
+    return envs.switched_on(envs.SHOAL_SERVER_DEV_MODE, "VLLM_SERVER_DEV_MODE")
 
 
 async def _call(coro: Any) -> Any:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -57,10 +56,8 @@ def load_startup_adapters(models: ServedModels, items: list[str] | None) -> None
 
 
 def runtime_updates_allowed() -> bool:
-    """VLLM_ALLOW_RUNTIME_LORA_UPDATING (vLLM's name) or shoal's own."""
-    name = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
-    vllm = os.environ.get(name, "").strip().lower() in ("1", "true")
-    return vllm or envs.SHOAL_ALLOW_RUNTIME_LORA_UPDATING.get()
+    return envs.switched_on(envs.SHOAL_ALLOW_RUNTIME_LORA_UPDATING,
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING")
 
 
 async def _body(raw: Request) -> dict[str, Any]:
