@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.lora_request import LoRARequest
+from shoal.multimodal.inputs import MultiModalFeature
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
@@ -84,6 +85,7 @@ class Request:
     # output is constrained; the scheduler only asks it whether it is ready and feeds it tokens.
     structured: Any = None
     lora: LoRARequest | None = None  # its LoRA adapter (None: the base model)
+    mm_features: list[MultiModalFeature] | None = None  # its images, in prompt order
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)

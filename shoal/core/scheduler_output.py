@@ -8,6 +8,7 @@ from typing import Any
 from shoal.core.kv_transfer_plan import KVTransferPlan
 from shoal.core.types import Logprobs
 from shoal.lora_request import LoRARequest
+from shoal.multimodal.inputs import MultiModalFeature
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class NewRequestData:
     pooling_params: PoolingParams | None = None  # a pooling request (pooling engines only)
     token_type_ids: list[int] | None = None  # BERT segment ids of a (query, document) pair
     lora: LoRARequest | None = None  # its LoRA adapter
+    mm_features: list[MultiModalFeature] | None = None  # its images
 
 
 @dataclass
@@ -81,6 +83,11 @@ class SchedulerOutput:
     # (block id, first slot): KV slots the runner zeroes before anything else this step,
     # left by a request that produced non-finite values (see engine/failed_blocks.py)
     kv_zero: list[tuple[int, int]] = field(default_factory=list)
+    # Images (shoal/engine/encoder_schedule.py): the encoder cache entries the runner drops
+    # first, then the (request serial, feature index) whose encoder outputs it computes and
+    # keeps before this step's forward pass reads them
+    encoder_free: list[str] = field(default_factory=list)
+    encoder_inputs: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

@@ -11,6 +11,7 @@ import msgspec
 
 from shoal.core.errors import ErrorCode
 from shoal.lora_request import LoRARequest
+from shoal.multimodal.inputs import MultiModalFeature
 from shoal.pooling_params import PoolingParams
 from shoal.sampling_params import SamplingParams
 
@@ -25,6 +26,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     pooling_params: PoolingParams | None = None  # set: a pooling request (pooling engines)
     token_type_ids: list[int] | None = None  # BERT segment ids of a cross-encoder pair
     lora: LoRARequest | None = None  # the LoRA adapter it runs with
+    # its images, in prompt order (placeholders already expanded in prompt_token_ids)
+    mm_features: list[MultiModalFeature] | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):
@@ -86,6 +89,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     running_loras: list[str] | None = None
     waiting_loras: list[str] | None = None
     max_loras: int = 0
+    # Images (cumulative since start-up): images encoded, images whose encoder output was
+    # in the cache already (the same image again, or a chunk after the one that encoded it)
+    mm_items_encoded: int = 0
+    mm_cache_hits: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, omit_defaults=True):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from shoal.config import SchedulerConfig
 from shoal.core.request import Request, RequestStatus
 from shoal.core.scheduler_output import NewRequestData
+from shoal.engine.encoder_schedule import EncoderPlan, EncoderSchedule
 from shoal.engine.waiting_queue import WaitingQueue
 from shoal.kv_cache.block_pool import KVBlock
 from shoal.kv_cache.manager import KVCacheManager
@@ -51,8 +52,9 @@ class _Cached:
 class Admission:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  offload: KVOffloadConnector | None, waiting: WaitingQueue,
-                 running: list[Request]):
+                 running: list[Request], encoders: EncoderSchedule | None = None):
         self.config, self.kv, self.offload = config, kv, offload
+        self.encoders = encoders  # images: their encoder outputs (encoder_schedule.py)
         self.waiting, self.running = waiting, running
         self.block_size = kv.block_size
 
@@ -133,7 +135,10 @@ class Admission:
             new_blocks = None  # the whole prompt must fit in one step
         else:
             n = min(n, step.budget)
-            new_blocks = self.kv.allocate_slots(req, n_loaded + n, cached.device_hits,
+            images = None
+            if req.mm_features and self.encoders is not None:
+                n, images = self.encoders.fit(req, n_loaded + cached.num_hit_tokens, n)
+            new_blocks = None if n <= 0 else self.kv.allocate_slots(req, n_loaded + n, cached.device_hits,
                                                 loaded_blocks=cached.staged.num_blocks)
         if new_blocks is None:
             if cached.staged:
@@ -151,11 +156,27 @@ class Admission:
         if req.status == RequestStatus.WAITING:
             step.new_requests.append(NewRequestData(
                 req.request_id, req.serial, req.prompt_token_ids, req.sampling_params,
-                req.eos_token_ids, list(req.output_token_ids), lora=req.lora))
+                req.eos_token_ids, list(req.output_token_ids), lora=req.lora,
+                mm_features=req.mm_features))
         req.status = RequestStatus.RUNNING
         self.running.append(req)
-        step.add(req, n)
+        self.add(step, req, n, images)
         return True
+
+    def fit_images(self, req: Request, n: int) -> tuple[int, EncoderPlan | None]:
+        """A running request's n next tokens, cut before an image the step cannot encode."""
+        if not req.mm_features or self.encoders is None:
+            return n, None
+        return self.encoders.fit(req, req.num_computed_tokens, n)
+
+    def release_images(self, req: Request) -> None:
+        if req.mm_features and self.encoders is not None:
+            self.encoders.release(req)
+
+    def add(self, step: StepPlan, req: Request, n: int, images: EncoderPlan | None) -> None:
+        if images is not None:
+            self.encoders.commit(req, images)
+        step.add(req, n)
 
     def admit_head(self, req: Request, step: StepPlan) -> bool:
         """Admits the request at the head of the queue if its hits are ready and it fits."""

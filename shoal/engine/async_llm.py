@@ -23,6 +23,7 @@ from shoal.engine.core_client import EngineCoreClient
 from shoal.engine.core_messages import CoreOutputs, Ready
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import InputProcessor, PromptType
+from shoal.engine.mm_frontend import MultiModalFrontend
 from shoal.engine.output_processor import OutputKind, OutputProcessor
 from shoal.engine.request_errors import EngineDeadError, request_error
 from shoal.engine.start_client import start_engine_client
@@ -128,7 +129,10 @@ class AsyncLLM:
         self.max_model_len = ready.limits.max_model_len
         self.vocab_size = ready.limits.vocab_size
         self.inputs = InputProcessor(tokenizer, ready.limits,
-                                     max_logprobs=engine_args.max_logprobs)
+                                     max_logprobs=engine_args.max_logprobs,
+                                     mm=MultiModalFrontend.build(
+                                         engine_args.model, tokenizer,
+                                         ready.limits.mm_max_embeds, engine_args))
         self.outputs = OutputProcessor(tokenizer)
         self.max_waiting_requests = engine_args.max_waiting_requests
         self.stat_loggers: list[StatLogger] = []

@@ -32,6 +32,7 @@ from shoal.core.kv_cache_spec import KVCacheLayout
 from shoal.core.request import Request
 from shoal.core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from shoal.engine.dp_lockstep import join_dp_lockstep
+from shoal.engine.encoder_schedule import encoder_cache_size
 from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_core_request
 from shoal.engine.pooling_scheduler import PoolingScheduler
 from shoal.engine.request_errors import EngineDeadError
@@ -107,7 +108,8 @@ class EngineCore:
             state_groups=sum(g.holds_state for g in layout.groups),
             max_num_batched_tokens=sc.max_num_batched_tokens,
             request=request_limits, pooling=self.runner.pooling_info,
-            lora=self.runner.lora_limits)
+            lora=self.runner.lora_limits,
+            mm_max_embeds=encoder_cache_size(config, loaded.hf_config))
         self.startup_times = self.runner.startup_times  # each start-up phase's seconds
         if config.device.type == "cuda" and not pooling:
             t1 = time.perf_counter()
@@ -150,7 +152,8 @@ class EngineCore:
                          spec_disable_by_batch_size=spec.disable_by_batch_size
                          if spec is not None else None,
                          micro_batches=config.parallel_config.pipeline_parallel_size,
-                         kv_groups=layout.groups)
+                         kv_groups=layout.groups,
+                         encoder_cache_size=encoder_cache_size(config, loaded.hf_config))
 
     def _warm_request_path(self) -> None:
         """Runs requests end to end through the scheduler, the runner and the sampler before
@@ -195,6 +198,7 @@ class EngineCore:
             pooling_params=req.pooling_params,
             token_type_ids=req.token_type_ids,
             lora=req.lora,
+            mm_features=req.mm_features,
         )
         params = req.sampling_params.structured_outputs
         if params is not None:

@@ -27,6 +27,7 @@ from shoal.engine.cpu_defaults import (
     GPU_MAX_NUM_BATCHED_TOKENS,
     default_scheduler_limits,
 )
+from shoal.engine.mm_args import MultiModalArgs
 from shoal.json_arg import json_object
 from shoal.models.registry import has_linear_attention, takes_transformers_backend
 from shoal.pooling.model_info import parse_pooler_config
@@ -46,7 +47,7 @@ def arg(default: Any, help: str) -> Any:
 
 
 @dataclass
-class EngineArgs:
+class EngineArgs(MultiModalArgs):
     """Every engine argument, once, with vLLM's names. `LLM(**kwargs)`, `shoal serve` flags and
     the engine process all start from here."""
 
@@ -174,6 +175,7 @@ class EngineArgs:
                                           '{"pooling_type": "MEAN", "normalize": false}')
 
     def __post_init__(self) -> None:
+        self.images_per_prompt()  # a bad limit_mm_per_prompt fails here, named
         if self.speculative_config is not None:  # its shape, before any model loads
             SpeculativeConfig.from_user(self.speculative_config)
 

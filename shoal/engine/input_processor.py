@@ -19,15 +19,19 @@ import msgspec
 
 from shoal.core.types import EngineCoreRequest
 from shoal.engine.chat_template import render_chat_template
+from shoal.engine.prompt_checks import check_prompt_token_ids
 from shoal.engine.thinking_markers import with_thinking_markers
 from shoal.kv_offload.request_params import check_tier_names
 from shoal.lora.adapter import LoRALimits, check_adapter
 from shoal.lora_request import LoRARequest
+from shoal.multimodal.inputs import MultiModalFeature, check_features
 from shoal.pooling_params import PoolingInfo, PoolingParams
 from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from shoal.engine.mm_frontend import MultiModalFrontend
 
 
 class RequestLimits(msgspec.Struct, frozen=True):
@@ -70,12 +74,15 @@ class EngineLimits(msgspec.Struct, frozen=True):
     request: RequestLimits = msgspec.field(default_factory=RequestLimits)
     pooling: PoolingInfo | None = None  # set: a pooling engine (runner="pooling")
     lora: LoRALimits | None = None  # set: the engine serves LoRA adapters (enable_lora)
+    # images: the most encoder outputs one image may have (0: the model reads no images)
+    mm_max_embeds: int = 0
 
 
 @dataclass
 class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
+    mm_features: list[MultiModalFeature] | None = None  # its images (placeholders expanded)
 
 
 @dataclass
@@ -97,28 +104,6 @@ def child_request_id(parent_id: str, index: int, n: int) -> str:
     return parent_id if n == 1 else f"{index}_{parent_id}"
 
 
-def check_prompt_token_ids(ids: Any, vocab_size: int, max_model_len: int) -> list[int]:
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        raise ValueError("prompt_token_ids must be a list of integers")
-    ids = list(ids)
-    if not ids:
-        raise ValueError("prompt must not be empty (prompt_token_ids is empty)")
-    # C-speed checks first (a 4k-token prompt is checked on every request's critical path);
-    # the Python scans only run to name the offending id.
-    if set(map(type, ids)) != {int}:
-        bad = next(t for t in ids if type(t) is not int)
-        raise ValueError(f"prompt_token_ids must be integers (got {bad!r})")
-    if min(ids) < 0 or max(ids) >= vocab_size:
-        bad = next(t for t in ids if t < 0 or t >= vocab_size)
-        raise ValueError(f"prompt_token_ids must be in [0, {vocab_size}): token id {bad} is "
-                         "out of vocabulary")
-    if len(ids) >= max_model_len:  # (vLLM's phrase, which clients match)
-        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. "
-                         f"However, your prompt is {len(ids)} tokens; it must be shorter than "
-                         f"max_model_len ({max_model_len}) to leave room for the output")
-    return ids
-
-
 def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:
     """Checks a request against the model and the KV pool; returns its resolved max_tokens."""
     if (limits.pooling is not None) != (req.pooling_params is not None):
@@ -129,6 +114,8 @@ def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:
     ids = check_prompt_token_ids(req.prompt_token_ids, limits.vocab_size, limits.max_model_len)
     if req.lora is not None:
         check_adapter(req.lora.lora_path, limits.lora)
+    if req.mm_features:
+        check_features(req.mm_features, len(ids), limits.mm_max_embeds)
     sp = req.sampling_params
     sp.validate_against_vocab(limits.vocab_size)
     check_tier_names(sp.kv_transfer_params)
@@ -256,10 +243,11 @@ def resolve_logprobs(params: SamplingParams, max_logprobs: int, vocab_size: int
 
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase | None, limits: EngineLimits,
-                 max_logprobs: int = 20):
+                 max_logprobs: int = 20, mm: MultiModalFrontend | None = None):
         self.tokenizer = tokenizer
         self.limits = limits
         self.max_logprobs = max_logprobs
+        self.mm = mm  # images: a vision-language model's frontend (shoal/multimodal)
 
     @property
     def max_model_len(self) -> int:
@@ -284,7 +272,7 @@ class InputProcessor:
         n = params.n
         reqs = [EngineCoreRequest(child_request_id(request_id, i, n), p.prompt_token_ids,
                                   params.for_sample(i) if n > 1 else params, arrival, priority,
-                                  cache_salt, lora=lora_request)
+                                  cache_salt, lora=lora_request, mm_features=p.mm_features)
                 for i in range(n)]
         for r in reqs:
             validate_core_request(self.limits, r)
@@ -361,7 +349,13 @@ class InputProcessor:
     # ---- prompts ----------------------------------------------------------------------------
     def process(self, prompt: str | Mapping[str, Any] | Sequence[int], *,
                 add_special_tokens: bool = True) -> ProcessedPrompt:
-        """Accepts a string, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of ids."""
+        """Accepts a string, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of ids;
+        a dict may carry images ({"multi_modal_data": {"image": ...}})."""
+        if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
+            return self.with_images(self.process({k: v for k, v in prompt.items()
+                                                  if k != "multi_modal_data"},
+                                                 add_special_tokens=add_special_tokens),
+                                    prompt["multi_modal_data"])
         if isinstance(prompt, Mapping):
             if "prompt_token_ids" in prompt:
                 return self._from_ids(prompt["prompt_token_ids"], prompt.get("prompt"))
@@ -390,6 +384,14 @@ class InputProcessor:
                              "pass token ids")
         check_text(text, what)
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def with_images(self, p: ProcessedPrompt, mm_data: Any) -> ProcessedPrompt:
+        """The prompt with its images' placeholders expanded (and its length checked again)."""
+        if self.mm is None:
+            raise ValueError("this model does not take images (multi_modal_data)")
+        ids, features = self.mm.process(p.prompt_token_ids, mm_data)
+        return ProcessedPrompt(p.prompt, self._from_ids(ids, None).prompt_token_ids,
+                               features or None)
 
     def _from_ids(self, ids: Any, text: str | None) -> ProcessedPrompt:
         lim = self.limits

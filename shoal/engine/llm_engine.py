@@ -11,6 +11,7 @@ import weakref
 from shoal.core.types import SchedulerStats
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import InputProcessor, ProcessedRequest, PromptType
+from shoal.engine.mm_frontend import MultiModalFrontend
 from shoal.engine.output_processor import OutputKind, OutputProcessor
 from shoal.engine.startup import start_engine_core
 from shoal.lora_request import LoRARequest
@@ -31,7 +32,10 @@ class LLMEngine:
         self.tokenizer = started.tokenizer
         self.core = started.core
         self.inputs = InputProcessor(self.tokenizer, self.core.limits,
-                                     max_logprobs=args.max_logprobs)
+                                     max_logprobs=args.max_logprobs,
+                                     mm=MultiModalFrontend.build(
+                                         args.model, self.tokenizer,
+                                         self.core.limits.mm_max_embeds, args))
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: SchedulerStats | None = None

@@ -36,6 +36,7 @@ from shoal.core.scheduler_output import (
 from shoal.core.types import EngineCoreOutput, SchedulerStats
 from shoal.engine.admission import Admission, StepPlan
 from shoal.engine.draft_budget import DraftBudget
+from shoal.engine.encoder_schedule import EncoderSchedule
 from shoal.engine.failed_blocks import FailedBlocks
 from shoal.engine.request_table import (
     RequestTable,
@@ -43,6 +44,7 @@ from shoal.engine.request_table import (
     engine_failed_message,
     error_output,
 )
+from shoal.engine.scheduler_stats import add_feature_stats
 from shoal.engine.step_rollback import roll_back
 from shoal.engine.suspects import Suspects
 from shoal.engine.token_results import keep_tokens, produced_tokens, token_output
@@ -59,14 +61,16 @@ class Scheduler(RequestTableFront):
                  num_blocks: int, kv_store: TieredKVStore | None = None,
                  request_timeout: float | None = None, num_speculative_tokens: int = 0,
                  spec_adaptive: bool = True, spec_disable_by_batch_size: int | None = None,
-                 micro_batches: int = 1, kv_groups: Sequence[KVCacheGroup] = FULL_ATTENTION):
+                 micro_batches: int = 1, kv_groups: Sequence[KVCacheGroup] = FULL_ATTENTION,
+                 encoder_cache_size: int = 0):
         """num_blocks: the device KV pool, as the model runner sized it at start-up.
         request_timeout: seconds from arrival after which a request is ended with an error.
         num_speculative_tokens: drafts per step of a speculating request (0: none);
         spec_adaptive / spec_disable_by_batch_size: see draft_budget.py.
         micro_batches: steps in flight at once (pipeline parallelism); above 1 a request
         waits while a step samples for it, and each step takes 1/micro_batches of them.
-        kv_groups: the layers sharing block tables (the runner's KVCacheLayout)."""
+        kv_groups: the layers sharing block tables (the runner's KVCacheLayout).
+        encoder_cache_size: images' encoder outputs the runner keeps (0: a text model)."""
         self.config = sched_config
         self.micro_batches = micro_batches
         self.block_size = cache_config.block_size
@@ -85,8 +89,10 @@ class Scheduler(RequestTableFront):
                                   spec_adaptive, spec_disable_by_batch_size)
         self.failed_blocks = FailedBlocks(self.kv, self.offload, self.running)
         self.suspects = Suspects(self.running, self.waiting, self.failed_blocks)
+        self.encoders = (EncoderSchedule(encoder_cache_size, encoder_cache_size)
+                         if encoder_cache_size else None)
         self.admission = Admission(sched_config, self.kv, self.offload, self.waiting,
-                                   self.running)
+                                   self.running, self.encoders)
         self.num_preemptions = 0
         self._step_prompt_tokens = 0
         self._step_generation_tokens = 0
@@ -127,6 +133,7 @@ class Scheduler(RequestTableFront):
         if self.offload is not None:  # reads or pins it may hold while deferred
             self.offload.abandon(req.request_id)
         self.failed_blocks.release(req, failed=status == RequestStatus.FINISHED_ERROR)
+        self.admission.release_images(req)
         self.table.remove(req)
         self.suspects.left(req)
 
@@ -146,6 +153,8 @@ class Scheduler(RequestTableFront):
                                     self.table.timeout_message(), ErrorCode.TIMED_OUT)
         step = StepPlan(budget=self.config.max_num_batched_tokens, allow_drafts=allow_drafts,
                         max_requests=self._micro_batch_size())
+        if self.encoders is not None:
+            self.encoders.begin_step()
         built: dict[int, ScheduledRequest] = {}
         try:
             if not self._schedule_isolated(step):  # a suspect of a failed step runs alone
@@ -177,10 +186,11 @@ class Scheduler(RequestTableFront):
             return True
         step.current = req
         n = min(req.num_tokens_with_pending - req.num_computed_tokens, step.budget)
+        n, images = self.admission.fit_images(req, n)
         if n > 0 and not self._waits_for_step(req):
             allocated, _ = self._allocate_running(req, n, step)
             if allocated:
-                step.add(req, n)
+                self.admission.add(step, req, n, images)
         step.current = None
         return True
 
@@ -192,6 +202,7 @@ class Scheduler(RequestTableFront):
                and len(step.scheduled) < step.max_requests):
             req = step.current = self.running[i]
             n = min(req.num_tokens_with_pending - req.num_computed_tokens, step.budget)
+            n, images = self.admission.fit_images(req, n)
             if n <= 0 or self._waits_for_step(req):
                 i += 1  # it runs again when its token in flight lands (or ends then)
                 continue
@@ -204,7 +215,7 @@ class Scheduler(RequestTableFront):
             allocated, unscheduled = self._allocate_running(req, n, step)
             i -= unscheduled
             if allocated:
-                step.add(req, n)
+                self.admission.add(step, req, n, images)
                 i += 1
         step.current = None
 
@@ -228,6 +239,8 @@ class Scheduler(RequestTableFront):
                       ) -> SchedulerOutput:
         """built: the items made so far, by serial (what a failure must undo)."""
         out = SchedulerOutput(new_requests=step.new_requests)
+        if self.encoders is not None:
+            out.encoder_free, out.encoder_inputs = self.encoders.take()
         if self.offload is not None:
             out.kv_transfers = self.offload.take_plan(have_work=bool(step.scheduled))
         if step.scheduled:  # the runner runs only steps with work
@@ -264,6 +277,8 @@ class Scheduler(RequestTableFront):
         # The step is as good as run: the next schedule (possibly before its results are
         # read, with async scheduling) starts after it.
         req.num_computed_tokens = start + n
+        if req.mm_features and self.encoders is not None:
+            self.encoders.release_done(req)
         if start < req.num_prompt_tokens:
             self._step_prompt_tokens += min(n, req.num_prompt_tokens - start)
         if item.sample:
@@ -304,6 +319,7 @@ class Scheduler(RequestTableFront):
         self.running.remove(req)
         self.failed_blocks.release(req, failed=False)
         self.suspects.left(req)
+        self.admission.release_images(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.spec_token_ids = []
@@ -427,12 +443,7 @@ class Scheduler(RequestTableFront):
             num_generation_tokens=self._step_generation_tokens,
             **self.drafts.take_stats(),
         )
-        if self.config.max_loras:
-            s.max_loras = self.config.max_loras
-            s.running_loras = sorted({r.lora.lora_name for r in self.running if r.lora})
-            s.waiting_loras = sorted({r.lora.lora_name for r in self.waiting if r.lora})
-        if self.kv.state_bytes_per_request:
-            s.num_state_blocks = self.kv.num_state_blocks()
-            s.state_bytes_per_request = self.kv.state_bytes_per_request
+        add_feature_stats(s, self.config.max_loras, self.running, list(self.waiting), self.kv,
+                          self.encoders)
         self._step_prompt_tokens = self._step_generation_tokens = 0
         return s

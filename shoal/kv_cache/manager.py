@@ -59,8 +59,8 @@ class KVCacheManager:
         if self.enable_caching and len(request.all_token_ids) // self.block_size > len(
                 request.block_hashes):
             request.block_hashes = hash_full_blocks(
-                request.all_token_ids, self.block_size, request.block_hashes, request.hash_extra
-            )
+                request.all_token_ids, self.block_size, request.block_hashes, request.hash_extra,
+                request.mm_features)
 
     def get_computed_blocks(self, request: Request,
                             count: bool = True) -> tuple[list[KVBlock | None], int]:

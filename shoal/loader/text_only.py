@@ -10,6 +10,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from shoal.loader.multimodal_config import multimodal_text_config
+
 logger = logging.getLogger(__name__)
 
 # multimodal architecture -> the causal LM class of its text_config
@@ -25,6 +27,9 @@ Rename = Callable[[str], "str | None"]
 
 def text_only(config: Any) -> tuple[Any, Rename | None]:
     """(the config to run, the checkpoint-name mapping: None keeps every name)."""
+    flattened = multimodal_text_config(config)
+    if flattened is not None:  # served with its images (shoal/multimodal)
+        return flattened, None
     arch = next((a for a in getattr(config, "architectures", None) or [] if a in TEXT_MODELS),
                 None)
     if arch is None:

@@ -71,6 +71,47 @@ class CausalLM(Protocol):
         ...
 
 
+@runtime_checkable
+class SupportsMultiModal(Protocol):
+    """A CausalLM that reads images (a vision-language model); supports_multimodal = True.
+
+    The runner encodes each scheduled image once (embed_multimodal, its output kept in the
+    encoder cache under the feature's identifier), builds the step's input embeddings
+    (embed_input_ids, then each image's outputs over its placeholder positions) and calls
+    forward with inputs_embeds. Steps without image positions run as any CausalLM's (their
+    CUDA graphs included)."""
+
+    supports_multimodal: ClassVar[bool]
+    # M-RoPE (Qwen-VL): positions are [3, T] (time, height, width) over images; text tokens
+    # have three equal streams, so a step of text alone passes [T] positions shifted by the
+    # request's delta (get_mrope_positions)
+    uses_mrope: ClassVar[bool]
+
+    def embed_multimodal(self, features: list[Any]) -> list[torch.Tensor]:
+        """One [num_embeds, D] tensor per MultiModalFeature (its `arrays()` are the
+        processor's tensors), in the model dtype on the model's device. D is hidden_size, or
+        a multiple of it when the model feeds image features to several layers (Qwen3-VL's
+        deepstack: the main features, then each deepstack layer's, along the last dim)."""
+        ...
+
+    def embed_input_ids(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
+                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
+        """[T] ids -> [T, hidden_size] input embeddings: the token embeddings, with the rows
+        where is_multimodal ([T] bool) replaced by mm_embeds ([n, D], in order; rows of
+        embed_multimodal's outputs). A model that reads D > hidden_size keeps the rest for
+        the forward pass that follows."""
+        ...
+
+    def get_mrope_positions(self, prompt_token_ids: list[int], features: list[Any]
+                            ) -> tuple[torch.Tensor, int]:
+        """M-RoPE only: the prompt's [3, L] positions and the delta that later tokens add to
+        their index (position of token i >= L is i + delta)."""
+        ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
 # What a pooling model may answer (shoal.pooling_params.POOLING_TASKS): a pooled embedding,
 # every token's embedding, per-token weights, a classification, a relevance score (cosine of
 # two embeddings for an embedder, the one logit of a cross-encoder).

@@ -85,7 +85,7 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.attn.fuses_rope:  # norms, rotary and cache write in one kernel
+        if self.attn.fuses_rope and positions.dim() == 1:  # norms, rotary, cache write fused
             norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
             o = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, *norms, md)
         else:
@@ -168,12 +168,16 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: Any,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The final hidden states on the last stage; (hidden, residual) for the next stage
         on the others. A later stage takes the previous stage's (hidden, residual) as
-        `intermediate`; without one (warm-up and profile runs) it starts from zeros."""
+        `intermediate`; without one (warm-up and profile runs) it starts from zeros.
+        inputs_embeds: the first stage's input embeddings, when given (images in)."""
         residual: torch.Tensor | None
-        if self.is_first:
+        if self.is_first and inputs_embeds is not None:
+            hidden, residual = inputs_embeds, None
+        elif self.is_first:
             hidden, residual = self.embed_tokens(input_ids), None
         elif intermediate is not None:
             hidden, residual = intermediate

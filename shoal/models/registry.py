@@ -27,6 +27,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "DeepseekV4ForCausalLM": ("shoal.models.deepseek_v4", "DeepseekV4ForCausalLM"),
     "KimiLinearForCausalLM": ("shoal.models.kimi_linear", "KimiLinearForCausalLM"),
     "GptOssForCausalLM": ("shoal.models.gpt_oss", "GptOssForCausalLM"),
+    # vision-language models (images in: shoal/multimodal)
+    "Qwen2_5_VLForConditionalGeneration": ("shoal.models.qwen2_5_vl",
+                                           "Qwen2_5_VLForConditionalGeneration"),
+    "Idefics3ForConditionalGeneration": ("shoal.models.idefics3",
+                                         "Idefics3ForConditionalGeneration"),
 }
 
 # The Transformers modeling backend's class (model_impl="transformers", or "auto" for an

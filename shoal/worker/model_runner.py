@@ -41,6 +41,7 @@ from shoal.worker.kv_cache_tensors import (
     zero_blocks,
 )
 from shoal.worker.lifecycle import RunnerLifecycle
+from shoal.worker.mm_step import MultiModalRunner
 from shoal.worker.model_graphs import ModelGraphs, step_shapes
 from shoal.worker.pending_tokens import PendingTokens
 from shoal.worker.request_state import RequestState
@@ -110,6 +111,9 @@ class ModelRunner(RunnerLifecycle, Executor):
                                   self.dtype, self.device)
             self.lora_limits = self.lora.limits
             self.forwarder.lora_step = self.lora.step
+        # images: the encoder cache and each step's encoder outputs (worker/mm_step.py)
+        self.mm = (MultiModalRunner(self.model, self.device)
+                   if getattr(self.model, "supports_multimodal", False) else None)
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
         self._num_forwards = 0
         self._latest: StepHandle | None = None  # the last step executed
@@ -272,6 +276,8 @@ class ModelRunner(RunnerLifecycle, Executor):
         for serial in serials:
             self.requests.pop(serial, None)
         self._forget_replays(serials)
+        if self.mm is not None:
+            self.mm.remove(serials)
 
     def _forget_replays(self, serials: set[int]) -> None:
         """Linear-attention layers drop what the requests' last verify kept for its replay
@@ -306,6 +312,8 @@ class ModelRunner(RunnerLifecycle, Executor):
             self.requests[new.serial] = RequestState.of(new, self.device)
         if sched.new_requests:
             self._forget_replays({new.serial for new in sched.new_requests})
+        if self.mm is not None:
+            self.mm.begin_step(sched, self.requests)
         handle = StepHandle(ModelRunnerOutput())
         if sched.kv_transfers is not None:  # KV offloading: queued ahead of the forward pass
             self._run_kv_transfer(sched.kv_transfers, handle)
@@ -314,6 +322,8 @@ class ModelRunner(RunnerLifecycle, Executor):
         self._num_forwards += 1
         inp = prepare_inputs(sched, self.requests, self.pending.rows)
         handle.inputs = inp
+        if self.mm is not None:
+            self.mm.prepare(inp)
         if self.lora is not None:
             self.lora.set_step([st.lora for st in inp.states], inp.query_lens())
         handle.forward = self.forwarder.run(inp, handle.out)

@@ -10,6 +10,7 @@ import torch
 
 from shoal.core.scheduler_output import NewRequestData
 from shoal.lora_request import LoRARequest
+from shoal.multimodal.inputs import MultiModalFeature
 from shoal.sample.sampling_metadata import make_generator
 from shoal.sampling_params import SamplingParams
 
@@ -22,13 +23,14 @@ class RequestState:
     generator: torch.Generator | None
     output_token_ids: list[int] = field(default_factory=list)
     lora: LoRARequest | None = None
+    mm_features: list[MultiModalFeature] | None = None  # its images (the encoder reads them)
 
     @classmethod
     def of(cls, new: NewRequestData, device: torch.device) -> RequestState:
         sp = new.sampling_params
         gen = make_generator(sp.seed, device) if sp.seed is not None else None
         return cls(new.prompt_token_ids, sp, new.eos_token_ids, gen,
-                   list(new.output_token_ids), new.lora)
+                   list(new.output_token_ids), new.lora, new.mm_features)
 
     @property
     def num_tokens(self) -> int:

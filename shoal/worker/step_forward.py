@@ -80,15 +80,25 @@ class StepForwarder:
             if staged is None:
                 return ForwardOutput(None, None)
             return StageOutput(staged, lambda hidden: self._from_hidden(inp, out, hidden))
-        shape = self.graphs.pick(inp) if self.graphs is not None else None
+        shape = self.graphs.pick(inp) if self.graphs is not None and inp.mm is None else None
         if shape is not None and shape.q > 1 and self.lora_step is not None \
                 and self.lora_step.active:
             shape = None  # a verify step with adapters runs eagerly (rows in flat order)
         if shape is None:
-            return self._from_hidden(inp, out, self.model(*self.eager_inputs(inp)))
+            return self._from_hidden(inp, out, self._eager(inp))
         logits, hidden = self.graphs.run(
             shape, inp, self.pending.filler(inp.pending_dst, inp.pending_src))
         return ForwardOutput(logits, hidden, hidden_static=True)
+
+    def _eager(self, inp: StepInputs) -> torch.Tensor:
+        ids, pos, md = self.eager_inputs(inp)
+        mm = inp.mm
+        if mm is None:
+            return self.model(ids, pos, md)
+        embeds = (self.model.embed_input_ids(ids, mm.rows, mm.mask)
+                  if mm.rows is not None else None)
+        return self.model(ids, mm.positions if mm.positions is not None else pos, md,
+                          inputs_embeds=embeds)
 
     def eager_inputs(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """Token ids, positions and attention metadata of an eager forward pass."""

@@ -6,6 +6,7 @@ dropped, before the step is sampled)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.core.scheduler_output import PENDING_TOKEN, ScheduledRequest, SchedulerOutput
 from shoal.worker.request_state import RequestState
@@ -33,6 +34,9 @@ class StepInputs:
     # Speculative decoding: each sampling request's drafts (their k+1 positions give logits).
     drafts: list[list[int]] = field(default_factory=list)
     has_drafts: bool = False
+    # Images (shoal/worker/mm_step.py MultiModalStepInputs): the encoder outputs this step
+    # places and its M-RoPE positions; set, the step runs eagerly over input embeddings
+    mm: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 from functools import partial
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -114,8 +115,29 @@ LINEAR = {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
           "KimiLinearForCausalLM"}
 
 
+# Vision-language models: checked against transformers in tests/multimodal (their configs
+# nest a vision config), and here for the multimodal interface.
+MULTIMODAL = ("Idefics3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration")
+
+
 def test_every_registered_architecture_is_checked() -> None:
-    assert sorted(ARCHITECTURES) == supported_architectures()
+    assert sorted([*ARCHITECTURES, *MULTIMODAL]) == supported_architectures()
+
+
+@pytest.mark.parametrize("arch", MULTIMODAL)
+def test_multimodal_signatures(arch: str) -> None:
+    from shoal.models.interface import SupportsMultiModal
+
+    cls = resolve_model_class(SimpleNamespace(architectures=[arch], model_type=None))
+    assert cls.__name__ == arch and cls.supports_multimodal
+    assert list(inspect.signature(cls.forward).parameters)[1:] == [
+        "input_ids", "positions", "attn_metadata", "inputs_embeds"]
+    assert list(inspect.signature(cls.embed_input_ids).parameters)[1:] == [
+        "input_ids", "mm_embeds", "is_multimodal"]
+    for name in ("embed_multimodal", "get_mrope_positions", "compute_logits",
+                 "attention_layers", "load_weights"):
+        assert callable(getattr(cls, name))
+    assert issubclass(cls, nn.Module) and SupportsMultiModal.__name__
 
 
 def _config(arch: str):

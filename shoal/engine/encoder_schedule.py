@@ -1,0 +1,142 @@
+"""The scheduler's side of images: which encoder outputs the runner computes each step, and
+the books of its encoder cache (the runner keeps exactly the entries named here).
+
+A chunk of a prompt that reaches into an image's span needs that image's encoder output. It
+is either in the cache (encoded for an earlier chunk, or for another request with the same
+image: entries are keyed by content hash), or encoded in this step, within a per-step budget
+of encoder outputs and the cache's capacity. When neither allows, the chunk stops before
+the image and the image waits for a later step. An entry is referenced by the requests that
+still have positions of its span to compute; unreferenced entries stay (a repeated image is
+not encoded again) until their room is needed, least recently used first."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.core.request import Request
+
+
+@dataclass
+class EncoderPlan:
+    """What scheduling n tokens of a request needs: (feature index, identifier, embeds) to
+    encode, and the identifiers it will read."""
+
+    encode: list[tuple[int, str, int]] = field(default_factory=list)
+    reads: list[str] = field(default_factory=list)
+
+
+class EncoderSchedule:
+    def __init__(self, cache_size: int, step_budget: int):
+        """cache_size: encoder outputs (tokens) the runner's cache holds; step_budget:
+        encoder outputs one step may compute. An image larger than either is refused by the
+        frontend (EngineLimits.mm_max_embeds)."""
+        self.cache_size, self.step_budget = cache_size, step_budget
+        self.entries: OrderedDict[str, int] = OrderedDict()  # identifier -> embeds, LRU first
+        self.refs: dict[str, set[int]] = {}  # identifier -> serials of its readers
+        self.used = 0
+        self._step_left = step_budget
+        self._free: list[str] = []
+        self._encode: list[tuple[int, int]] = []
+        # cumulative since start-up: images encoded, images found in the cache
+        self.num_encoded = 0
+        self.num_hits = 0
+
+    def begin_step(self) -> None:
+        self._step_left = self.step_budget
+
+    def fit(self, req: Request, start: int, n: int) -> tuple[int, EncoderPlan]:
+        """How many of the n tokens from `start` can run this step, and what they need."""
+        plan = EncoderPlan()
+        if not req.mm_features:
+            return n, plan
+        left, room = self._step_left, self._evictable_room()
+        for i, f in enumerate(req.mm_features):
+            if f.offset >= start + n:
+                break
+            if f.end <= start:
+                continue
+            if f.identifier in self.entries or any(e[1] == f.identifier for e in plan.encode):
+                plan.reads.append(f.identifier)
+                continue
+            need = f.num_embeds
+            if need > left or need > room:
+                return max(f.offset - start, 0), plan  # stop before the image
+            left -= need
+            room -= need
+            plan.encode.append((i, f.identifier, need))
+            plan.reads.append(f.identifier)
+        return n, plan
+
+    def commit(self, req: Request, plan: EncoderPlan) -> None:
+        """The request was scheduled with the plan's tokens."""
+        for _, ident, need in plan.encode:
+            self._make_room(need)
+            self.entries[ident] = need
+            self.used += need
+            self._step_left -= need
+            self.num_encoded += 1
+        encoded = {ident for _, ident, _ in plan.encode}
+        self._encode.extend((req.serial, i) for i, _, _ in plan.encode)
+        for ident in plan.reads:
+            if ident not in encoded and req.serial not in self.refs.get(ident, ()):
+                self.num_hits += 1
+            self.entries.move_to_end(ident)
+            self.refs.setdefault(ident, set()).add(req.serial)
+
+    def release_done(self, req: Request) -> None:
+        """Drops the request's references to images whose spans it has computed."""
+        for f in req.mm_features or ():
+            if f.end <= req.num_computed_tokens:
+                self._unref(f.identifier, req.serial)
+
+    def release(self, req: Request) -> None:
+        """The request ended or was preempted: none of its images is read for it now."""
+        for f in req.mm_features or ():
+            self._unref(f.identifier, req.serial)
+
+    def take(self) -> tuple[list[str], list[tuple[int, int]]]:
+        """This step's (entries to drop, (serial, feature index) to encode)."""
+        free, encode = self._free, self._encode
+        self._free, self._encode = [], []
+        return free, encode
+
+    def reset(self) -> None:
+        """Every entry forgotten (the runner dropped its cache: a fault, a weight update)."""
+        self._free.extend(self.entries)
+        self.entries.clear()
+        self.refs.clear()
+        self.used = 0
+
+    def _unref(self, ident: str, serial: int) -> None:
+        readers = self.refs.get(ident)
+        if readers is not None:
+            readers.discard(serial)
+            if not readers:
+                del self.refs[ident]
+
+    def _evictable_room(self) -> int:
+        return self.cache_size - self.used + sum(
+            n for ident, n in self.entries.items() if ident not in self.refs)
+
+    def _make_room(self, need: int) -> None:
+        for ident in [i for i in self.entries if i not in self.refs]:
+            if self.cache_size - self.used >= need:
+                return
+            self.used -= self.entries.pop(ident)
+            self._free.append(ident)
+
+
+# The fewest encoder outputs the cache holds (and a step may compute), whatever the token
+# budget: one 1024x768 image is about 1,000 outputs for Qwen2.5-VL, and a CPU engine's token
+# budget may be 256.
+MIN_ENCODER_CACHE = 16384
+
+
+def encoder_cache_size(config: Any, hf_config: Any) -> int:
+    """Encoder outputs the runner keeps for a vision-language model (0 for any other): also
+    the largest image a request may carry (EngineLimits.mm_max_embeds)."""
+    if getattr(hf_config, "multimodal_config", None) is None:
+        return 0
+    return max(config.scheduler_config.max_num_batched_tokens, MIN_ENCODER_CACHE)

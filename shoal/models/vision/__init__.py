@@ -1,0 +1,1 @@
+"""Vision encoders of the vision-language models: plain torch modules, no KV cache."""

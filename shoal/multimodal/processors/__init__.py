@@ -1,0 +1,27 @@
+"""The prompt side of each vision-language family: how many placeholder tokens an image
+becomes and what tensors its encoder reads (base.py says the contract; the table below says
+which module serves which architecture, imported lazily)."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# HF architecture -> (module, class) of its processor
+_PROCESSORS: dict[str, tuple[str, str]] = {
+    "Qwen2_5_VLForConditionalGeneration": ("shoal.multimodal.processors.qwen_vl",
+                                           "QwenVLProcessor"),
+    "Idefics3ForConditionalGeneration": ("shoal.multimodal.processors.idefics3",
+                                         "Idefics3Processor"),
+}
+
+
+def processor_class(architecture: str) -> type | None:
+    entry = _PROCESSORS.get(architecture)
+    if entry is None:
+        return None
+    return getattr(importlib.import_module(entry[0]), entry[1])
+
+
+def is_multimodal(hf_config: Any) -> bool:
+    return any(a in _PROCESSORS for a in getattr(hf_config, "architectures", None) or [])

@@ -1,0 +1,122 @@
+"""The model runner's side of images: the encoder cache (outputs by content hash, exactly
+the entries the scheduler's EncoderSchedule names), the encoder runs a step asks for, and
+each step's input rows of encoder outputs and M-RoPE positions.
+
+A step over image positions runs eagerly: its input embeddings are the token embeddings
+with the encoder outputs placed over the images' positions (a chunk that reaches into an
+image reads the slice of its output that the chunk covers). M-RoPE models (Qwen-VL) give
+image tokens 3-D positions; text tokens have three equal streams shifted by the request's
+delta, which is plain rotary at the shifted position, so decode steps keep their CUDA
+graphs with 1-D positions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shoal.core.scheduler_output import SchedulerOutput
+from shoal.host_to_device import tensor_to_device
+from shoal.worker.request_state import RequestState
+from shoal.worker.step_inputs import StepInputs
+
+
+@dataclass
+class MultiModalStepInputs:
+    rows: torch.Tensor | None  # [n, D]: encoder outputs in the step's flat order
+    mask: torch.Tensor | None  # [T] bool: the flat positions they go to
+    positions: torch.Tensor | None  # [3, T] M-RoPE positions (None: the step's own)
+
+
+@dataclass
+class _MRope:
+    positions: torch.Tensor  # [3, L] of the prompt (host)
+    delta: int  # a token at index i >= L is at position i + delta
+
+
+class MultiModalRunner:
+    def __init__(self, model: Any, device: torch.device):
+        self.model, self.device = model, device
+        self.uses_mrope = bool(getattr(model, "uses_mrope", False))
+        self.cache: dict[str, torch.Tensor] = {}
+        self.mrope: dict[int, _MRope] = {}  # request serial -> its prompt's positions
+        self.num_encoded = 0  # images encoded (tests count them)
+
+    def begin_step(self, sched: SchedulerOutput, states: dict[int, RequestState]) -> None:
+        """New requests' M-RoPE positions; the cache's evictions, then its new entries."""
+        if self.uses_mrope:
+            for new in sched.new_requests:
+                if new.mm_features and new.serial not in self.mrope:
+                    pos, delta = self.model.get_mrope_positions(new.prompt_token_ids,
+                                                                new.mm_features)
+                    self.mrope[new.serial] = _MRope(pos, delta)
+        for ident in sched.encoder_free:
+            self.cache.pop(ident, None)
+        if not sched.encoder_inputs:
+            return
+        todo: dict[str, Any] = {}
+        for serial, index in sched.encoder_inputs:
+            feature = states[serial].mm_features[index]
+            todo.setdefault(feature.identifier, feature)
+        outputs = self.model.embed_multimodal(list(todo.values()))
+        for ident, out in zip(todo, outputs):
+            self.cache[ident] = out
+        self.num_encoded += len(todo)
+
+    def remove(self, serials: set[int]) -> None:
+        for serial in serials:
+            self.mrope.pop(serial, None)
+
+    def reset(self) -> None:
+        self.cache.clear()
+
+    def prepare(self, inp: StepInputs) -> None:
+        """Sets inp.mm for a step that places encoder outputs or needs 3-D positions, and
+        shifts the 1-D positions of M-RoPE requests by their delta."""
+        rows: list[torch.Tensor] = []
+        flat: list[int] = []
+        tables: list[tuple[int, int, int, _MRope]] = []  # (flat start, ctx, n, positions)
+        for it, st, start in zip(inp.items, inp.states, inp.starts()):
+            ctx, n = it.context_len, it.num_new_tokens
+            for f in st.mm_features or ():
+                if f.offset >= ctx + n or f.end <= ctx:
+                    continue
+                lo, hi = max(ctx, f.offset), min(ctx + n, f.end)
+                e0, e1 = f.embeds_before(lo), f.embeds_before(hi)
+                if e1 > e0:
+                    rows.append(self.cache[f.identifier][e0:e1])
+                mask = f.embed_mask
+                flat.extend(start + p - ctx for p in range(lo, hi)
+                            if mask is None or mask[p - f.offset])
+            rope = self.mrope.get(it.serial) if self.uses_mrope else None
+            if rope is not None:
+                if ctx < rope.positions.shape[1]:
+                    tables.append((start, ctx, n, rope))
+                elif rope.delta:
+                    for j in range(start, start + n):
+                        inp.positions[j] += rope.delta
+        if not rows and not tables:
+            return
+        inp.mm = MultiModalStepInputs(
+            torch.cat(rows) if rows else None,
+            self._mask(flat, inp.num_tokens) if rows else None,
+            self._positions(inp, tables) if tables else None)
+
+    def _mask(self, flat: list[int], num_tokens: int) -> torch.Tensor:
+        mask = torch.zeros(num_tokens, dtype=torch.bool)
+        mask[torch.tensor(flat, dtype=torch.long)] = True
+        return tensor_to_device(mask, self.device)
+
+    def _positions(self, inp: StepInputs, tables: list[tuple[int, int, int, _MRope]]
+                   ) -> torch.Tensor:
+        """[3, T]: each stream the step's 1-D positions (already shifted), then the prompt
+        rows of the requests that have 3-D ones."""
+        pos = torch.tensor(inp.positions, dtype=torch.long).expand(3, -1).clone()
+        for start, ctx, n, rope in tables:
+            length = rope.positions.shape[1]
+            end = min(ctx + n, length)
+            pos[:, start:start + end - ctx] = rope.positions[:, ctx:end]
+            if ctx + n > length:  # outputs recomputed after a preemption
+                pos[:, start + end - ctx:start + n] += rope.delta
+        return tensor_to_device(pos, self.device)
