@@ -21,6 +21,7 @@ from shoal.engine.request_errors import first_request_error
 from shoal.llm_lifecycle import LifecycleMixin
 from shoal.llm_pooling import PoolingMixin
 from shoal.lora_request import LoRARequest
+from shoal.multimodal.chat_parts import flatten_messages
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import BeamSearchParams, SamplingParams
 
@@ -91,15 +92,16 @@ class LLM(PoolingMixin, LifecycleMixin):
             raise ValueError("messages must not be empty")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         eng = self.llm_engine
-        prompts = [
-            {"prompt_token_ids": p.prompt_token_ids, "prompt": p.prompt}
-            for p in (
-                eng.inputs.process_chat(list(c), add_generation_prompt=add_generation_prompt,
+        mm = eng.inputs.mm
+        prompts = []
+        for c in conversations:  # image parts: placeholders in the text, images beside
+            flat, sources = flatten_messages(list(c), mm.image_placeholder if mm else None)
+            p = eng.inputs.process_chat(flat, add_generation_prompt=add_generation_prompt,
                                         chat_template=chat_template,
                                         chat_template_kwargs=chat_template_kwargs)
-                for c in conversations
-            )
-        ]
+            if sources:
+                p = eng.inputs.with_images(p, {"image": mm.load(sources)})
+            prompts.append(p)
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
                              lora_request=lora_request)
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from shoal.multimodal.inputs import MultiModalFeature
-from shoal.multimodal.media import MediaSettings, check_image
+from shoal.multimodal.media import MediaSettings, check_image, load_image
 from shoal.multimodal.processors import processor_class
 
 
@@ -56,6 +56,15 @@ class MultiModalFrontend:
                                  f"the encoder cache holds ({self.max_embeds}); send a "
                                  "smaller image")
         return ids, features
+
+    def load(self, sources: list[Any]) -> list[Any]:
+        """Chat image parts' sources (URLs, or image objects offline) -> checked RGB images;
+        the count is checked before anything is fetched or decoded."""
+        if len(sources) > self.max_images:
+            raise ValueError(f"at most {self.max_images} image(s) may be passed in one prompt "
+                             f"(limit_mm_per_prompt); got {len(sources)}")
+        return [load_image(s, self.media) if isinstance(s, str) else check_image(s, self.media)
+                for s in sources]
 
     def images_of(self, mm_data: Any) -> list[Any]:
         if not isinstance(mm_data, Mapping):

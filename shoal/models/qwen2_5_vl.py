@@ -49,8 +49,9 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
             return []
         device = self.model.embed_tokens.weight.device
         arrays = [f.arrays() for f in features]
-        pixels = torch.cat([torch.from_numpy(np.asarray(a["pixel_values"])) for a in arrays])
-        grids = torch.cat([torch.from_numpy(np.asarray(a["image_grid_thw"])).reshape(-1, 3)
+        # (the arrays view msgpack's read-only bytes: copied once into torch)
+        pixels = torch.cat([torch.from_numpy(a["pixel_values"].copy()) for a in arrays])
+        grids = torch.cat([torch.from_numpy(a["image_grid_thw"].copy()).reshape(-1, 3)
                            for a in arrays])
         out = self.visual(pixels.to(device), grids.to(device))
         sizes = [int(g.prod()) // self.merge ** 2 for g in grids]

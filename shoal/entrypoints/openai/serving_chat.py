@@ -46,6 +46,7 @@ from shoal.entrypoints.openai.streaming import (
     wait_grammar_checked,
 )
 from shoal.entrypoints.openai.tool_choice import ToolPlan
+from shoal.multimodal.chat_parts import content_text
 from shoal.outputs import CompletionOutput, RequestOutput
 from shoal.structured_output.parsers import get_reasoning_parser
 from shoal.structured_output.reasoning_parsers import ReasoningParser
@@ -73,25 +74,23 @@ def _tool_calls_for_template(i: int, calls: Any) -> list[dict[str, Any]]:
     return out
 
 
-def messages_to_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Plain dicts for the chat template; text parts are joined, other parts refused. Tool
-    results (role "tool") and assistant tool calls pass to the template."""
+def messages_to_dicts(messages: list[ChatMessage], placeholder: str | None = None,
+                      images: list[Any] | None = None) -> list[dict[str, Any]]:
+    """Plain dicts for the chat template; text parts are joined. Image parts become the
+    model's placeholder text, their URLs appended to `images` (given when the model takes
+    images); other parts are refused. Tool results (role "tool") and assistant tool calls
+    pass to the template."""
     out = []
     for i, m in enumerate(messages):
         extra = m.model_extra or {}
         content = m.content
         if isinstance(content, list):
-            texts = []
-            for part in content:
-                kind = part.get("type")
-                if kind != "text":
-                    raise OpenAIError(400, f"content parts of type {kind!r} are not supported "
-                                           "yet; only 'text'", f"messages[{i}].content")
-                if not isinstance(part.get("text"), str):
-                    raise OpenAIError(400, "a text content part needs a string 'text'",
-                                      f"messages[{i}].content")
-                texts.append(part["text"])
-            content = "\n".join(texts)
+            where = f"messages[{i}].content"
+            try:
+                content = content_text(content, placeholder if images is not None else None,
+                                       images if images is not None else [], where)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), where) from None
         d: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             d["name"] = m.name
@@ -116,9 +115,12 @@ class OpenAIServingChat(ServingBase):
 
     def render(self, req: ChatCompletionRequest,
                messages: list[ChatMessage] | None = None) -> ProcessedPrompt:
+        mm = self.engine.inputs.mm
+        images: list[Any] | None = [] if mm is not None else None
         try:
             prompt = self.engine.inputs.process_chat(
-                messages_to_dicts(req.messages if messages is None else messages),
+                messages_to_dicts(req.messages if messages is None else messages,
+                                  mm.image_placeholder if mm is not None else None, images),
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 add_special_tokens=req.add_special_tokens,
@@ -132,6 +134,8 @@ class OpenAIServingChat(ServingBase):
                                   self.engine.max_model_len - 1)
             prompt = ProcessedPrompt(prompt.prompt if ids == prompt.prompt_token_ids else None,
                                      ids)
+        if images:  # fetched and decoded once the request is known to be good otherwise
+            prompt = self.engine.inputs.with_images(prompt, {"image": mm.load(images)})
         return prompt
 
     def _prepare(self, req: ChatCompletionRequest) -> tuple[int | None, int | None]:
