@@ -426,6 +426,10 @@ ROWS: tuple[Incompatibility, ...] = (
         "<= {s.hf_config.index_topk} (exactly dense there) or attention_backend='torch' (got "
         "max_model_len {s.max_model_len})"),
     Incompatibility(
+        "speculative_config", "a vision-language model",
+        lambda s: s.speculative and getattr(s.hf_config, "multimodal_config", None) is not None,
+        "speculative decoding with {s.model_class} (images in) is not supported yet"),
+    Incompatibility(
         "cpu_int4_matmul", "a device other than the CPU",
         lambda s: bool(s.args.cpu_int4_matmul) and s.device_type != "cpu",
         "cpu_int4_matmul runs on the CPU only (device is {s.device_type})"),
@@ -441,8 +445,6 @@ def violations(s: ResolvedArgs,
 def check_compatibility(s: ResolvedArgs, rows: tuple[Incompatibility, ...] = ROWS) -> None:
     """Raises one ValueError naming every row the configuration falls on."""
     found = [row.describe(s) for row in violations(s, rows)]
-    if len(found) == 1:
-        raise ValueError(found[0])
     if found:
-        raise ValueError("these engine settings do not work together:\n  - "
-                         + "\n  - ".join(found))
+        raise ValueError(found[0] if len(found) == 1 else "these engine settings do not work "
+                         "together:\n  - " + "\n  - ".join(found))

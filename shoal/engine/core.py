@@ -276,6 +276,8 @@ class EngineCore:
         done = self.scheduler.kv.reset_prefix_cache()
         if done and self.kv_offload is not None:
             self.kv_offload.clear()
+        if done and getattr(self.scheduler, "encoders", None) is not None:
+            self.scheduler.encoders.reset()  # images' encoder outputs: the runner's next step
         return done
 
     def remove_lora(self, lora_id: int) -> None:

@@ -137,6 +137,7 @@ MIN_ENCODER_CACHE = 16384
 def encoder_cache_size(config: Any, hf_config: Any) -> int:
     """Encoder outputs the runner keeps for a vision-language model (0 for any other): also
     the largest image a request may carry (EngineLimits.mm_max_embeds)."""
-    if getattr(hf_config, "multimodal_config", None) is None:
+    if (getattr(hf_config, "multimodal_config", None) is None
+            or config.model_config.runner == "pooling"):  # the pooling runner places none
         return 0
     return max(config.scheduler_config.max_num_batched_tokens, MIN_ENCODER_CACHE)

@@ -32,6 +32,8 @@ _MODELS: dict[str, tuple[str, str]] = {
                                            "Qwen2_5_VLForConditionalGeneration"),
     "Idefics3ForConditionalGeneration": ("shoal.models.idefics3",
                                          "Idefics3ForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("shoal.models.qwen3_vl",
+                                        "Qwen3VLForConditionalGeneration"),
 }
 
 # The Transformers modeling backend's class (model_impl="transformers", or "auto" for an

@@ -127,6 +127,10 @@ CASES = [
      "method 'mtp' has no head for DeepseekV4ForCausalLM"),
     (dict(kv_cache_dtype="fp8"), _V4, "generate", "cpu", 64,
      "DeepseekV4ForCausalLM keeps its caches in the model dtype"),
+    (dict(speculative_config=_SPEC),
+     dict(architectures=["Qwen2_5_VLForConditionalGeneration"], multimodal_config=object()),
+     "generate", "cpu", 64, r"speculative decoding with Qwen2_5_VLForConditionalGeneration "
+     r"\(images in\) is not supported yet"),
 ]
 
 

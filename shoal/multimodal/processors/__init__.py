@@ -13,6 +13,8 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
                                            "QwenVLProcessor"),
     "Idefics3ForConditionalGeneration": ("shoal.multimodal.processors.idefics3",
                                          "Idefics3Processor"),
+    "Qwen3VLForConditionalGeneration": ("shoal.multimodal.processors.qwen_vl",
+                                        "QwenVLProcessor"),
 }
 
 

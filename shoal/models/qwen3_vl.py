@@ -1,0 +1,162 @@
+"""Qwen3-VL (Qwen3VLForConditionalGeneration, dense): the Qwen3 decoder with interleaved
+M-RoPE, and its vision tower (shoal/models/vision/qwen3_vl.py), whose merged patch features
+fill the <|image_pad|> positions of the prompt (shoal/multimodal/processors/qwen_vl.py
+expands them).
+
+Deepstack: the tower also yields one feature tensor per `deepstack_visual_indexes` block;
+the k-th is added to the hidden states at the image positions after decoder layer k.
+embed_multimodal returns them beside the main features along the last dim (D = hidden *
+(1 + number of deepstack layers)); embed_input_ids places the main part and keeps the rest
+for the forward that follows, which applies and drops it.
+
+The engine's hf_config is the text config, flattened (shoal/loader/multimodal_config.py);
+`multimodal_config` is the checkpoint's whole config. Tensor names: model.language_model.*,
+model.visual.*, lm_head.*."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from shoal.layers.mrope import get_mrope
+from shoal.models.llama import LlamaModel
+from shoal.models.qwen3 import Qwen3ForCausalLM
+from shoal.models.vision.qwen3_vl import Qwen3VisionTransformer
+
+_LANGUAGE = "model.language_model."
+_VISION = ("model.visual.", "visual.")
+
+
+class _DeepstackModel(LlamaModel):
+    """The decoder stack with deepstack: `pending` (set by the model class) is the per-layer
+    features [k, n, hidden] and the [T] mask of the rows they add to."""
+
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: Any,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+                inputs_embeds: torch.Tensor | None = None,
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return super().forward(input_ids, positions, md, intermediate, inputs_embeds)
+        if not (self.is_first and self.is_last):
+            raise NotImplementedError("Qwen3-VL deepstack under pipeline parallelism")
+        features, mask = pending
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, md)
+            if i < features.shape[0]:
+                # the layer's output is hidden + residual: adding to the residual rows is
+                # adding to transformers' hidden states after layer i
+                assert residual is not None
+                residual = residual.index_put((mask,), features[i].to(residual.dtype),
+                                              accumulate=True)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
+    supports_multimodal: ClassVar[bool] = True
+    uses_mrope: ClassVar[bool] = True
+
+    def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
+        super().__init__(hf_config, dtype, use_triton_ops=use_triton_ops)
+        attn = self.model.layers[self.model.start_layer].self_attn
+        rope = get_mrope(hf_config, attn.head_dim, use_triton_ops)
+        for layer in self.model.layers[self.model.start_layer:self.model.end_layer]:
+            layer.self_attn.rotary_emb = rope
+        vision = hf_config.multimodal_config.vision_config
+        self.visual = Qwen3VisionTransformer(vision, dtype)
+        self.merge = int(vision.spatial_merge_size)
+        self.num_deepstack = len(vision.deepstack_visual_indexes)
+
+    def _build_model(self, hf_config: Any, dtype: torch.dtype,
+                     use_triton_ops: bool) -> _DeepstackModel:
+        # transformers' Qwen3-VL text rotary always interleaves the streams, whatever the
+        # config says; make the config agree so get_mrope builds that layout
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        if rope.get("mrope_section") and not rope.get("mrope_interleaved"):
+            rope["mrope_interleaved"] = True
+            hf_config.rope_parameters = rope
+        return _DeepstackModel(hf_config, dtype, self.qk_norm, self.qkv_bias, use_triton_ops)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids, positions, attn_metadata, inputs_embeds=inputs_embeds)
+
+    # ---- images -----------------------------------------------------------------------------
+    def embed_multimodal(self, features: list[Any]) -> list[torch.Tensor]:
+        """One tower run over all the features' patches (one attention segment per frame);
+        each image's rows are [main | deepstack 0 | deepstack 1 | ...]."""
+        if not features:
+            return []
+        device = self.model.embed_tokens.weight.device
+        arrays = [f.arrays() for f in features]
+        # (the arrays view msgpack's read-only bytes: copied once into torch)
+        pixels = torch.cat([torch.from_numpy(a["pixel_values"].copy()) for a in arrays])
+        grids = torch.cat([torch.from_numpy(a["image_grid_thw"].copy()).reshape(-1, 3)
+                           for a in arrays])
+        main, deepstack = self.visual(pixels.to(device), grids.to(device))
+        out = torch.cat([main, *deepstack], dim=-1)
+        sizes = [int(g.prod()) // self.merge ** 2 for g in grids]
+        return list(out.split(sizes))
+
+    def embed_input_ids(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
+                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
+        embeds = self.model.embed_tokens(input_ids)
+        self.model.pending = None
+        if mm_embeds is None or is_multimodal is None:
+            return embeds
+        hidden = embeds.shape[-1]
+        embeds = embeds.index_put((is_multimodal,), mm_embeds[:, :hidden].to(embeds.dtype))
+        if self.num_deepstack and mm_embeds.shape[0]:
+            rest = mm_embeds[:, hidden:hidden * (1 + self.num_deepstack)]
+            stacked = rest.reshape(-1, self.num_deepstack, hidden).transpose(0, 1)
+            self.model.pending = (stacked, is_multimodal)
+        return embeds
+
+    def get_mrope_positions(self, prompt_token_ids: list[int], features: list[Any]
+                            ) -> tuple[torch.Tensor, int]:
+        """Text runs count up on all three streams; an image's merged patches take (start,
+        start + row, start + column) after the text before it, and the text after it starts
+        at start + max(rows, columns) (transformers' Qwen3-VL get_rope_index, images only:
+        their temporal grid is 1)."""
+        parts: list[np.ndarray] = []
+        cursor, start = 0, 0
+        for f in sorted(features, key=lambda f: f.offset):
+            text = f.offset - cursor
+            parts.append(np.tile(np.arange(text) + start, (3, 1)))
+            start += text
+            t, h, w = (int(x) for x in np.asarray(f.arrays()["image_grid_thw"]).reshape(3))
+            h, w = h // self.merge, w // self.merge
+            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
+            parts.append(np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + start)
+            start += max(h, w)
+            cursor = f.offset + f.length
+        parts.append(np.tile(np.arange(len(prompt_token_ids) - cursor) + start, (3, 1)))
+        positions = np.concatenate(parts, axis=1)
+        delta = int(positions.max()) + 1 - len(prompt_token_ids)
+        return torch.from_numpy(positions.astype(np.int64)), delta
+
+    # ---- weights ----------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        vision: list[tuple[str, torch.Tensor]] = []
+
+        def text() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                prefix = next((p for p in _VISION if name.startswith(p)), None)
+                if prefix is not None:
+                    vision.append((name[len(prefix):], tensor))
+                elif name.startswith(_LANGUAGE):
+                    yield "model." + name[len(_LANGUAGE):], tensor
+                else:
+                    yield name, tensor
+
+        loaded = super().load_weights(text())
+        loaded |= {"visual." + n for n in self.visual.load_weights(vision)}
+        return loaded
