@@ -118,6 +118,9 @@ class Admission:
         # A request asking again after a deferral had its query counted the first time.
         count = self.offload is None or not self.offload.is_deferred(req.request_id)
         hits, n_hit = self.kv.get_computed_blocks(req, count=count)
+        if (req.mm_features and self.encoders is not None and self.encoders.whole_spans
+                and self.encoders.span_start(req, n_hit) != n_hit):
+            return _Cached()  # the hit ends inside an image, which must run whole: recompute
         staged = Staged()
         if self.offload is not None:
             found = self.offload.stage(req, len(hits))
@@ -168,6 +171,10 @@ class Admission:
         if not req.mm_features or self.encoders is None:
             return n, None
         return self.encoders.fit(req, req.num_computed_tokens, n)
+
+    def reset_images(self) -> None:
+        if self.encoders is not None:
+            self.encoders.reset()
 
     def release_images(self, req: Request) -> None:
         if req.mm_features and self.encoders is not None:

@@ -32,7 +32,7 @@ from shoal.core.kv_cache_spec import KVCacheLayout
 from shoal.core.request import Request
 from shoal.core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from shoal.engine.dp_lockstep import join_dp_lockstep
-from shoal.engine.encoder_schedule import encoder_cache_size
+from shoal.engine.encoder_schedule import encoder_cache_size, whole_spans
 from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_core_request
 from shoal.engine.pooling_scheduler import PoolingScheduler
 from shoal.engine.request_errors import EngineDeadError
@@ -109,7 +109,8 @@ class EngineCore:
             max_num_batched_tokens=sc.max_num_batched_tokens,
             request=request_limits, pooling=self.runner.pooling_info,
             lora=self.runner.lora_limits,
-            mm_max_embeds=encoder_cache_size(config, loaded.hf_config))
+            mm_max_embeds=encoder_cache_size(config, loaded.hf_config),
+            mm_whole_spans=whole_spans(loaded.hf_config))
         self.startup_times = self.runner.startup_times  # each start-up phase's seconds
         if config.device.type == "cuda" and not pooling:
             t1 = time.perf_counter()
@@ -153,7 +154,8 @@ class EngineCore:
                          if spec is not None else None,
                          micro_batches=config.parallel_config.pipeline_parallel_size,
                          kv_groups=layout.groups,
-                         encoder_cache_size=encoder_cache_size(config, loaded.hf_config))
+                         encoder_cache_size=encoder_cache_size(config, loaded.hf_config),
+                         whole_spans=whole_spans(loaded.hf_config))
 
     def _warm_request_path(self) -> None:
         """Runs requests end to end through the scheduler, the runner and the sampler before
@@ -417,7 +419,9 @@ class EngineCore:
         self._failed_in_a_row += 1
         logger.exception("an engine step failed; its requests are retried one at a time")
         scheds = self.queue.drain()
-        self.runner.reset_after_fault()
+        self.runner.reset_after_fault()  # (and its encoder cache, which the books follow:)
+        if getattr(self.scheduler, "encoders", None) is not None:
+            self.scheduler.encoders.reset()
         if self._failed_in_a_row >= CHECK_AFTER_FAILED_STEPS:
             self._check_health(error)
         outputs, serials = self.scheduler.fail_steps(scheds, f"{type(error).__name__}: {error}")

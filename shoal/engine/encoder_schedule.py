@@ -28,11 +28,14 @@ class EncoderPlan:
 
 
 class EncoderSchedule:
-    def __init__(self, cache_size: int, step_budget: int):
+    def __init__(self, cache_size: int, step_budget: int, whole_spans: bool = False):
         """cache_size: encoder outputs (tokens) the runner's cache holds; step_budget:
         encoder outputs one step may compute. An image larger than either is refused by the
-        frontend (EngineLimits.mm_max_embeds)."""
+        frontend (EngineLimits.mm_max_embeds). whole_spans: an image's positions are only
+        scheduled all in one step (models whose image tokens attend to each other both
+        ways: Gemma 3)."""
         self.cache_size, self.step_budget = cache_size, step_budget
+        self.whole_spans = whole_spans
         self.entries: OrderedDict[str, int] = OrderedDict()  # identifier -> embeds, LRU first
         self.refs: dict[str, set[int]] = {}  # identifier -> serials of its readers
         self.used = 0
@@ -52,12 +55,19 @@ class EncoderSchedule:
         if not req.mm_features:
             return n, plan
         left, room = self._step_left, self._evictable_room()
+        pinned: set[str] = set()  # unreferenced entries this plan reads: not room after all
         for i, f in enumerate(req.mm_features):
             if f.offset >= start + n:
                 break
             if f.end <= start:
                 continue
+            if self.whole_spans and f.end > start + n:
+                return max(f.offset - start, 0), plan  # the whole span in a later step
             if f.identifier in self.entries or any(e[1] == f.identifier for e in plan.encode):
+                if (f.identifier in self.entries and f.identifier not in self.refs
+                        and f.identifier not in pinned):
+                    pinned.add(f.identifier)
+                    room -= self.entries[f.identifier]
                 plan.reads.append(f.identifier)
                 continue
             need = f.num_embeds
@@ -70,25 +80,40 @@ class EncoderSchedule:
         return n, plan
 
     def commit(self, req: Request, plan: EncoderPlan) -> None:
-        """The request was scheduled with the plan's tokens."""
+        """The request was scheduled with the plan's tokens. Its cached reads are referenced
+        first, so that making room for its encodes never evicts them."""
+        encoded = {ident for _, ident, _ in plan.encode}
+        for ident in plan.reads:
+            if ident in encoded:
+                continue
+            if req.serial not in self.refs.get(ident, ()):
+                self.num_hits += 1
+            self.entries.move_to_end(ident)
+            self.refs.setdefault(ident, set()).add(req.serial)
         for _, ident, need in plan.encode:
             self._make_room(need)
             self.entries[ident] = need
             self.used += need
             self._step_left -= need
             self.num_encoded += 1
-        encoded = {ident for _, ident, _ in plan.encode}
-        self._encode.extend((req.serial, i) for i, _, _ in plan.encode)
-        for ident in plan.reads:
-            if ident not in encoded and req.serial not in self.refs.get(ident, ()):
-                self.num_hits += 1
-            self.entries.move_to_end(ident)
             self.refs.setdefault(ident, set()).add(req.serial)
+        self._encode.extend((req.serial, i) for i, _, _ in plan.encode)
+
+    def span_start(self, req: Request, position: int) -> int:
+        """whole_spans: where a prefix hit of `position` tokens must end instead, so that no
+        image is cut (the start of the image it ends inside, else itself)."""
+        for f in req.mm_features or ():
+            if f.offset < position < f.end:
+                return f.offset
+        return position
 
     def release_done(self, req: Request) -> None:
-        """Drops the request's references to images whose spans it has computed."""
+        """Drops the request's references to images whose spans it has computed (an image
+        it shows again later in the prompt stays referenced)."""
+        done = req.num_computed_tokens
+        needed = {f.identifier for f in req.mm_features or () if f.end > done}
         for f in req.mm_features or ():
-            if f.end <= req.num_computed_tokens:
+            if f.end <= done and f.identifier not in needed:
                 self._unref(f.identifier, req.serial)
 
     def release(self, req: Request) -> None:
@@ -105,6 +130,7 @@ class EncoderSchedule:
     def reset(self) -> None:
         """Every entry forgotten (the runner dropped its cache: a fault, a weight update)."""
         self._free.extend(self.entries)
+        self._encode.clear()
         self.entries.clear()
         self.refs.clear()
         self.used = 0
@@ -132,6 +158,16 @@ class EncoderSchedule:
 # budget: one 1024x768 image is about 1,000 outputs for Qwen2.5-VL, and a CPU engine's token
 # budget may be 256.
 MIN_ENCODER_CACHE = 16384
+
+
+# Models whose image tokens attend to each other both ways within one image (transformers'
+# token_type_ids mask): an image is never split over steps or prefix-cache hits.
+WHOLE_SPAN_ARCHITECTURES = frozenset({"Gemma3ForConditionalGeneration"})
+
+
+def whole_spans(hf_config: Any) -> bool:
+    return any(a in WHOLE_SPAN_ARCHITECTURES for a in getattr(hf_config, "architectures", None)
+               or [])
 
 
 def encoder_cache_size(config: Any, hf_config: Any) -> int:

@@ -76,6 +76,7 @@ class EngineLimits(msgspec.Struct, frozen=True):
     lora: LoRALimits | None = None  # set: the engine serves LoRA adapters (enable_lora)
     # images: the most encoder outputs one image may have (0: the model reads no images)
     mm_max_embeds: int = 0
+    mm_whole_spans: bool = False  # an image runs within one step (at most the token budget)
 
 
 @dataclass
@@ -115,7 +116,8 @@ def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:
     if req.lora is not None:
         check_adapter(req.lora.lora_path, limits.lora)
     if req.mm_features:
-        check_features(req.mm_features, len(ids), limits.mm_max_embeds)
+        check_features(req.mm_features, len(ids), limits.mm_max_embeds,
+                       limits.max_num_batched_tokens if limits.mm_whole_spans else 0)
     sp = req.sampling_params
     sp.validate_against_vocab(limits.vocab_size)
     check_tier_names(sp.kv_transfer_params)

@@ -62,7 +62,7 @@ class Scheduler(RequestTableFront):
                  request_timeout: float | None = None, num_speculative_tokens: int = 0,
                  spec_adaptive: bool = True, spec_disable_by_batch_size: int | None = None,
                  micro_batches: int = 1, kv_groups: Sequence[KVCacheGroup] = FULL_ATTENTION,
-                 encoder_cache_size: int = 0):
+                 encoder_cache_size: int = 0, whole_spans: bool = False):
         """num_blocks: the device KV pool, as the model runner sized it at start-up.
         request_timeout: seconds from arrival after which a request is ended with an error.
         num_speculative_tokens: drafts per step of a speculating request (0: none);
@@ -70,7 +70,8 @@ class Scheduler(RequestTableFront):
         micro_batches: steps in flight at once (pipeline parallelism); above 1 a request
         waits while a step samples for it, and each step takes 1/micro_batches of them.
         kv_groups: the layers sharing block tables (the runner's KVCacheLayout).
-        encoder_cache_size: images' encoder outputs the runner keeps (0: a text model)."""
+        encoder_cache_size: images' encoder outputs the runner keeps (0: a text model);
+        whole_spans: each image runs within one step (encoder_schedule.py)."""
         self.config = sched_config
         self.micro_batches = micro_batches
         self.block_size = cache_config.block_size
@@ -89,7 +90,7 @@ class Scheduler(RequestTableFront):
                                   spec_adaptive, spec_disable_by_batch_size)
         self.failed_blocks = FailedBlocks(self.kv, self.offload, self.running)
         self.suspects = Suspects(self.running, self.waiting, self.failed_blocks)
-        self.encoders = (EncoderSchedule(encoder_cache_size, encoder_cache_size)
+        self.encoders = (EncoderSchedule(encoder_cache_size, encoder_cache_size, whole_spans)
                          if encoder_cache_size else None)
         self.admission = Admission(sched_config, self.kv, self.offload, self.waiting,
                                    self.running, self.encoders)
@@ -169,6 +170,7 @@ class Scheduler(RequestTableFront):
             logger.exception("scheduling request %s failed; it ends with the error",
                              culprit.request_id)
             roll_back(step, built, self.running, self.waiting, self.kv, self.table.by_serial)
+            self.admission.reset_images()  # its encoder plans are undone with the step
             if self.table.is_live(culprit):
                 self._end_between_steps(culprit, RequestStatus.FINISHED_ERROR, "error",
                                         engine_failed_message(f"{type(e).__name__}: {e}"),
@@ -286,9 +288,8 @@ class Scheduler(RequestTableFront):
         return item
 
     def _micro_batch_size(self) -> int:
-        """With micro-batches, the requests one step may take: an even share of those that
-        can run at once. One full step would leave the next micro-batch empty (all its
-        requests in flight) and the stages idle in turn."""
+        """With micro-batches, the requests one step may take: an even share of those that can
+        run at once (one full step would leave the next micro-batch empty, the stages idle)."""
         if self.micro_batches == 1:
             return sys.maxsize
         live = min(len(self.running) + len(self.waiting), self.config.max_num_seqs)

@@ -34,6 +34,7 @@ _MODELS: dict[str, tuple[str, str]] = {
                                          "Idefics3ForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("shoal.models.qwen3_vl",
                                         "Qwen3VLForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("shoal.models.llava", "LlavaForConditionalGeneration"),
 }
 
 # The Transformers modeling backend's class (model_impl="transformers", or "auto" for an

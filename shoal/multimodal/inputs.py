@@ -87,11 +87,11 @@ def make_feature(kind: str, modality: str, offset: int, length: int,
                              {k: TensorData.of(v) for k, v in arrays.items()}, embed_mask)
 
 
-def check_features(features: list[MultiModalFeature], prompt_len: int, max_embeds: int
-                   ) -> None:
+def check_features(features: list[MultiModalFeature], prompt_len: int, max_embeds: int,
+                   max_span: int = 0) -> None:
     """What the engine core checks of a request's images (whoever built them): the model
     takes images, their spans are in the prompt, in order, apart, and each fits the encoder
-    cache."""
+    cache (and max_span, when set: a model that runs each image within one step)."""
     if not max_embeds:
         raise ValueError("this model does not take images (mm_features)")
     end = 0
@@ -105,4 +105,7 @@ def check_features(features: list[MultiModalFeature], prompt_len: int, max_embed
         if not 0 < f.num_embeds <= max_embeds:
             raise ValueError(f"mm_features[{i}]: {f.num_embeds} encoder tokens; an image may "
                              f"have 1 to {max_embeds} (the encoder cache)")
+        if max_span and f.length > max_span:
+            raise ValueError(f"mm_features[{i}]: an image of {f.length} tokens must run in one "
+                             f"step, but max_num_batched_tokens is {max_span}")
         end = f.end

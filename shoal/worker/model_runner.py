@@ -295,6 +295,8 @@ class ModelRunner(RunnerLifecycle, Executor):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.pending.clear()
+        if self.mm is not None:  # an encoder run may have failed: the scheduler re-plans
+            self.mm.reset()
         if self.graphs is not None:
             self.graphs.invalidate_tables()
         if self.forwarder.stage_link is not None:

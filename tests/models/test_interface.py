@@ -117,8 +117,8 @@ LINEAR = {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
 
 # Vision-language models: checked against transformers in tests/multimodal (their configs
 # nest a vision config), and here for the multimodal interface.
-MULTIMODAL = ("Idefics3ForConditionalGeneration", "Qwen2_5_VLForConditionalGeneration",
-              "Qwen3VLForConditionalGeneration")
+MULTIMODAL = ("Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration",
+              "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 
 
 def test_every_registered_architecture_is_checked() -> None:

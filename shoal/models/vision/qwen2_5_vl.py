@@ -197,8 +197,12 @@ class Qwen2_5_VisionTransformer(nn.Module):
         return self.patch_embed.proj.weight.dtype
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.forward_planned(pixel_values, self.plan(grid_thw))
+
+    def forward_planned(self, pixel_values: torch.Tensor, plan: _Plan) -> torch.Tensor:
+        """forward over a plan made before (a CUDA graph replays this part alone: the plan's
+        host work and copies stay outside it)."""
         device = self.patch_embed.proj.weight.device
-        plan = self._plan(grid_thw, device)
         if pixel_values.shape[0] != plan.positions.shape[0]:
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thw "
                              f"describes {plan.positions.shape[0]}")
@@ -213,8 +217,10 @@ class Qwen2_5_VisionTransformer(nn.Module):
             x = block(x, cos, sin, seg)
         return self.merger(x)[plan.reverse]
 
-    def _plan(self, grid_thw: torch.Tensor, device: torch.device) -> _Plan:
-        """The one host sync of a forward: grid_thw to Python, then index tensors to device."""
+    def plan(self, grid_thw: torch.Tensor) -> _Plan:
+        """Everything that depends on the grids: grid_thw (best on the host: read with
+        tolist) to Python, then index tensors to the tower's device."""
+        device = self.patch_embed.proj.weight.device
         grid = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
         if not grid:
             raise ValueError("grid_thw holds no image")

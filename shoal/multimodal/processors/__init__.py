@@ -15,6 +15,7 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
                                          "Idefics3Processor"),
     "Qwen3VLForConditionalGeneration": ("shoal.multimodal.processors.qwen_vl",
                                         "QwenVLProcessor"),
+    "LlavaForConditionalGeneration": ("shoal.multimodal.processors.llava", "LlavaProcessor"),
 }
 
 
