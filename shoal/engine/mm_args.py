@@ -1,4 +1,4 @@
-"""The engine arguments of image input (vLLM's names), kept beside EngineArgs, which
+"""The engine arguments of image and video input (vLLM's names), kept beside EngineArgs, which
 inherits them: what a prompt may carry and where the server may read images from."""
 
 from __future__ import annotations
@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 DEFAULT_IMAGES_PER_PROMPT = 4
+DEFAULT_VIDEOS_PER_PROMPT = 1
+_MODALITIES = {"image": DEFAULT_IMAGES_PER_PROMPT, "video": DEFAULT_VIDEOS_PER_PROMPT}
 
 
 def _arg(default: Any, help: str) -> Any:
@@ -16,24 +18,40 @@ def _arg(default: Any, help: str) -> Any:
 @dataclass
 class MultiModalArgs:
     limit_mm_per_prompt: dict[str, Any] | None = _arg(
-        None, 'items one prompt may carry by modality, as JSON: {"image": 2} (default: '
-              f'{DEFAULT_IMAGES_PER_PROMPT} images; {{"image": 0}} serves text alone)')
+        None, 'items one prompt may carry by modality, as JSON: {"image": 2, "video": 1} '
+              f'(default: {DEFAULT_IMAGES_PER_PROMPT} images, {DEFAULT_VIDEOS_PER_PROMPT} '
+              'video; {"image": 0} serves text alone)')
     allowed_media_domains: list[str] | None = _arg(
         None, "hosts whose http(s) image URLs the server fetches (default: none)")
     allowed_local_media_path: str | None = _arg(
         None, "a folder whose files file:// image URLs may read (default: none)")
+    video_pruning_rate: float = _arg(
+        0.0, "EVS: the share of a video's tokens dropped after the vision tower, the ones "
+             "most like the same place in the frame before (0 <= rate < 1; 0: none)")
 
     def images_per_prompt(self) -> int:
-        """The image limit of one prompt; ValueError naming the field when it is bad."""
+        """The image limit of one prompt; ValueError naming the field when it (or another
+        multimodal argument: EngineArgs checks them all through this) is bad."""
+        rate = self.video_pruning_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+            raise ValueError(f"video_pruning_rate must be a number in [0, 1) (got {rate!r})")
+        self.videos_per_prompt()
+        return self._limit("image")
+
+    def videos_per_prompt(self) -> int:
+        return self._limit("video")
+
+    def _limit(self, modality: str) -> int:
         limits = dict(self.limit_mm_per_prompt or {})
-        unknown = sorted(set(limits) - {"image"})
+        unknown = sorted(set(limits) - set(_MODALITIES))
         if unknown:
             raise ValueError(f"limit_mm_per_prompt: unknown modality {unknown[0]!r}; this "
-                             "build takes 'image'")
-        n = limits.get("image", DEFAULT_IMAGES_PER_PROMPT)
+                             "build takes 'image' and 'video'")
+        default = _MODALITIES[modality]
+        n = limits.get(modality, default)
         if isinstance(n, dict):  # vLLM's {"image": {"count": 2, ...}} form
-            n = n.get("count", DEFAULT_IMAGES_PER_PROMPT)
+            n = n.get("count", default)
         if type(n) is not int or n < 0:
-            raise ValueError(f"limit_mm_per_prompt['image'] must be an integer >= 0 (got "
-                             f"{n!r})")
+            raise ValueError(f"limit_mm_per_prompt[{modality!r}] must be an integer >= 0 "
+                             f"(got {n!r})")
         return n

@@ -1,28 +1,36 @@
-"""The frontend's side of images: checks what a prompt carries (count, kind, size), runs the
-model's processor (placeholders expanded, tensors made) and sizes each image against the
-engine's encoder cache. Runs where the tokenizer runs, never in the engine core."""
+"""The frontend's side of images and videos: checks what a prompt carries (count, kind,
+size), runs the model's processor (placeholders expanded, tensors made) and sizes each item
+against the engine's encoder cache. Runs where the tokenizer runs, never in the engine core."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from shoal.multimodal.chat_parts import Placeholders, VideoSource
 from shoal.multimodal.inputs import MultiModalFeature
 from shoal.multimodal.media import MediaSettings, check_image, load_image
 from shoal.multimodal.processors import processor_class
+from shoal.multimodal.video import Video, load_video, to_video
 
 
 class MultiModalFrontend:
     def __init__(self, processor: Any, max_embeds: int, max_images: int,
-                 media: MediaSettings):
+                 media: MediaSettings, max_videos: int = 0):
         self.processor = processor
         self.max_embeds = max_embeds  # the engine's encoder cache: the largest image
         self.max_images = max_images
+        self.max_videos = max_videos
         self.media = media
 
     @property
     def image_placeholder(self) -> str:
-        return self.processor.image_placeholder
+        """The image placeholder, carrying the video one for chat video parts."""
+        return Placeholders(self.processor.image_placeholder, self.video_placeholder)
+
+    @property
+    def video_placeholder(self) -> str | None:
+        return getattr(self.processor, "video_placeholder", None)
 
     @classmethod
     def build(cls, model: str | None, tokenizer: Any, max_embeds: int, args: Any
@@ -38,48 +46,89 @@ class MultiModalFrontend:
         config = load_folder_config(source.path)
         arch = next(a for a in config.architectures if processor_class(a) is not None)
         processor = processor_class(arch)(source.path, config, tokenizer)
+        processor.video_pruning_rate = float(getattr(args, "video_pruning_rate", 0.0) or 0.0)
         media = MediaSettings(allowed_domains=tuple(args.allowed_media_domains or ()),
                               allowed_local_path=args.allowed_local_media_path)
-        return cls(processor, max_embeds, args.images_per_prompt(), media)
+        return cls(processor, max_embeds, args.images_per_prompt(), media,
+                   args.videos_per_prompt())
 
     def process(self, prompt_token_ids: list[int], mm_data: Any
                 ) -> tuple[list[int], list[MultiModalFeature]]:
-        """multi_modal_data ({"image": an image or a list of them}) -> the expanded prompt
-        and its features; ValueError naming what is wrong."""
-        images = self.images_of(mm_data)
-        if not images:
+        """multi_modal_data ({"image": an image or a list of them, "video": a video or a list
+        of them}) -> the expanded prompt and its features; ValueError naming what is wrong.
+        Videos that load() decoded may come among the images (chat sources): they are sorted
+        out here."""
+        images, videos = self.items_of(mm_data)
+        if not images and not videos:
             return prompt_token_ids, []
-        ids, features = self.processor.process(prompt_token_ids, images)
+        if videos:
+            ids, features = self.processor.process(prompt_token_ids, images, videos)
+        else:
+            ids, features = self.processor.process(prompt_token_ids, images)
         for i, f in enumerate(features):
             if f.num_embeds > self.max_embeds:
-                raise ValueError(f"image {i} takes {f.num_embeds} encoder tokens, more than "
-                                 f"the encoder cache holds ({self.max_embeds}); send a "
-                                 "smaller image")
+                raise ValueError(f"{f.modality} {i} takes {f.num_embeds} encoder tokens, more "
+                                 f"than the encoder cache holds ({self.max_embeds}); send a "
+                                 f"smaller {f.modality}")
         return ids, features
 
     def load(self, sources: list[Any]) -> list[Any]:
-        """Chat image parts' sources (URLs, or image objects offline) -> checked RGB images;
-        the count is checked before anything is fetched or decoded."""
-        if len(sources) > self.max_images:
-            raise ValueError(f"at most {self.max_images} image(s) may be passed in one prompt "
-                             f"(limit_mm_per_prompt); got {len(sources)}")
-        return [load_image(s, self.media) if isinstance(s, str) else check_image(s, self.media)
-                for s in sources]
+        """Chat parts' sources (URLs, or image objects offline; videos as VideoSource) ->
+        checked RGB images and decoded Videos; the counts are checked before anything is
+        fetched or decoded."""
+        num_videos = sum(isinstance(s, VideoSource) for s in sources)
+        self._check_counts(len(sources) - num_videos, num_videos)
+        return [self._load_one(s) for s in sources]
 
-    def images_of(self, mm_data: Any) -> list[Any]:
+    def _load_one(self, source: Any) -> Any:
+        if isinstance(source, VideoSource):
+            value = source.value
+            return (load_video(value, self.media) if isinstance(value, str)
+                    else to_video(value, self.media))
+        return (load_image(source, self.media) if isinstance(source, str)
+                else check_image(source, self.media))
+
+    def _check_counts(self, num_images: int, num_videos: int) -> None:
+        if num_images > self.max_images:
+            raise ValueError(f"at most {self.max_images} image(s) may be passed in one prompt "
+                             f"(limit_mm_per_prompt); got {num_images}")
+        if num_videos and self.video_placeholder is None:
+            raise ValueError("this model does not take videos (multi_modal_data 'video')")
+        if num_videos > self.max_videos:
+            raise ValueError(f"at most {self.max_videos} video(s) may be passed in one prompt "
+                             f"(limit_mm_per_prompt); got {num_videos}")
+
+    def items_of(self, mm_data: Any) -> tuple[list[Any], list[Video]]:
         if not isinstance(mm_data, Mapping):
             raise ValueError("multi_modal_data must be a dict such as {'image': image}")
-        unknown = sorted(set(mm_data) - {"image"})
+        unknown = sorted(set(mm_data) - {"image", "video"})
         if unknown:
             raise ValueError(f"multi_modal_data: unsupported modality {unknown[0]!r} (this "
-                             "model takes 'image')")
-        images = mm_data.get("image")
-        if images is None:
-            return []
-        if not isinstance(images, Sequence) or hasattr(images, "shape"):
-            images = [images]  # one image (a numpy array is an image, not a list)
-        images = list(images)
-        if len(images) > self.max_images:
-            raise ValueError(f"at most {self.max_images} image(s) may be passed in one prompt "
-                             f"(limit_mm_per_prompt); got {len(images)}")
-        return [check_image(im, self.media) for im in images]
+                             "model takes 'image' and 'video')")
+        images = _as_list(mm_data.get("image"), one=lambda v: hasattr(v, "shape"))
+        videos = [v for v in images if isinstance(v, Video)]
+        images = [v for v in images if not isinstance(v, Video)]
+        videos += _as_list(mm_data.get("video"), one=_is_one_video)
+        self._check_counts(len(images), len(videos))
+        return ([check_image(im, self.media) for im in images],
+                [to_video(v, self.media) for v in videos])
+
+    def images_of(self, mm_data: Any) -> list[Any]:
+        return self.items_of(mm_data)[0]
+
+
+def _as_list(value: Any, one: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) or one(value):
+        return [value]  # one item (a numpy array is one image, or one video)
+    return list(value)
+
+
+def _is_one_video(value: Any) -> bool:
+    """A Video, a [T, H, W, 3] array or a list of frames (images) is one video."""
+    if isinstance(value, Video) or hasattr(value, "shape"):
+        return True
+    from PIL import Image
+
+    return bool(value) and isinstance(value[0], Image.Image)

@@ -35,6 +35,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3VLForConditionalGeneration": ("shoal.models.qwen3_vl",
                                         "Qwen3VLForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("shoal.models.llava", "LlavaForConditionalGeneration"),
+    "Gemma3ForCausalLM": ("shoal.models.gemma3", "Gemma3ForCausalLM"),
+    "Gemma3ForConditionalGeneration": ("shoal.models.gemma3_vl",
+                                       "Gemma3ForConditionalGeneration"),
 }
 
 # The Transformers modeling backend's class (model_impl="transformers", or "auto" for an
@@ -67,6 +70,8 @@ _BY_MODEL_TYPE = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "gemma3": "Gemma3ForConditionalGeneration",
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",

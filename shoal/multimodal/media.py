@@ -42,6 +42,10 @@ class MediaSettings:
     max_image_pixels: int = 8192 * 8192  # width*height above this: refused before decoding
     max_bytes: int = 32 * 2**20  # encoded size of one image (data URL payload, fetched body, file)
     fetch_timeout_s: float = 10.0
+    max_video_bytes: int = 256 * 2**20  # encoded size of one video
+    max_video_source_frames: int = 36_000  # frames decoded to sample from (20 min at 30 fps)
+    max_video_frames: int = 768  # frames kept after sampling (Qwen's max_frames)
+    max_video_pixels: int = 768 * 1920 * 1080  # kept frames' pixels, all together
 
 
 class MediaError(ValueError):
@@ -50,22 +54,29 @@ class MediaError(ValueError):
 
 def load_image(url: str, settings: MediaSettings) -> Image.Image:
     """The RGB image a request's image URL names, fully decoded."""
+    return decode_image(url_bytes(url, settings, "image"), settings)
+
+
+def url_bytes(url: str, settings: MediaSettings, kind: str) -> bytes:
+    """The encoded bytes a data / http(s) / file URL names, at most settings.max_bytes."""
     if not isinstance(url, str) or not url:
-        raise MediaError("image URL must be a non-empty string")
+        raise MediaError(f"{kind} URL must be a non-empty string")
     # Only the prefix: urlsplit would copy a many-megabyte data URL to find the scheme.
     head, sep, _ = url[:16].partition(":")
     scheme = head.lower() if sep else ""
     if scheme == "data":
-        data = _data_url_bytes(url, settings)
+        data = _data_url_bytes(url, settings, kind)
     elif scheme in ("http", "https"):
         _check_http_url(url, settings)
         data = _http_get(url, settings)
     elif scheme == "file":
         data = _read_local_file(url, settings)
     else:
-        raise MediaError(f"unsupported image URL scheme {scheme!r}: use a data URL, "
+        raise MediaError(f"unsupported {kind} URL scheme {scheme!r}: use a data URL, "
                          "http(s) (--allowed-media-domains) or file (--allowed-local-media-path)")
-    return decode_image(data, settings)
+    if len(data) > settings.max_bytes:
+        raise MediaError(f"{kind} is {len(data)} bytes, over the limit of {settings.max_bytes}")
+    return data
 
 
 def decode_image(data: bytes, settings: MediaSettings) -> Image.Image:
@@ -137,17 +148,19 @@ def _to_rgb(img: Image.Image) -> Image.Image:
     return img.convert("RGB")
 
 
-def _data_url_bytes(url: str, settings: MediaSettings) -> bytes:
-    """The payload of data:image/<type>;base64,<payload>."""
+def _data_url_bytes(url: str, settings: MediaSettings, kind: str = "image") -> bytes:
+    """The payload of data:<kind>/<type>;base64,<payload>."""
     header, sep, payload = url[len("data:"):].partition(",")
     if not sep:
         raise MediaError("malformed data URL: no ',' before the payload")
     params = [p.strip().lower() for p in header.split(";")]
     mime = params[0]
-    if not mime.startswith("image/"):
-        raise MediaError(f"data URL media type {mime or 'text/plain'!r} is not an image")
+    if not mime.startswith(f"{kind}/"):
+        raise MediaError(f"data URL media type {mime or 'text/plain'!r} is not an {kind}"
+                         if kind == "image" else
+                         f"data URL media type {mime or 'text/plain'!r} is not a {kind}")
     if "base64" not in params[1:]:
-        raise MediaError("data URL images must be base64-encoded (';base64,')")
+        raise MediaError(f"data URL {kind}s must be base64-encoded (';base64,')")
     payload = payload.strip()
     # Refuse by the encoded length, before spending memory on decoding it.
     max_encoded = 4 * -(-settings.max_bytes // 3)

@@ -7,7 +7,12 @@ with the encoder outputs placed over the images' positions (a chunk that reaches
 image reads the slice of its output that the chunk covers). M-RoPE models (Qwen-VL) give
 image tokens 3-D positions; text tokens have three equal streams shifted by the request's
 delta, which is plain rotary at the shifted position, so decode steps keep their CUDA
-graphs with 1-D positions."""
+graphs with 1-D positions.
+
+EVS (video_pruning_rate): a video's prompt holds pads only for the tokens pruning keeps, so
+its positions are known only once the tower has run: the model's prune_video gives the kept
+rows (cached) and their original (t, h, w) positions, which overwrite the placeholder
+positions of every request's span of that video before a step reads them."""
 
 from __future__ import annotations
 
@@ -41,6 +46,9 @@ class MultiModalRunner:
         self.uses_mrope = bool(getattr(model, "uses_mrope", False))
         self.cache: dict[str, torch.Tensor] = {}
         self.mrope: dict[int, _MRope] = {}  # request serial -> its prompt's positions
+        self.prunes = hasattr(model, "prune_video")
+        self.kept_positions: dict[str, torch.Tensor] = {}  # video identifier -> [3, kept]
+        self.pending: dict[int, list[Any]] = {}  # serial -> videos whose positions wait
         self.num_encoded = 0  # images encoded (tests count them)
 
     def begin_step(self, sched: SchedulerOutput, states: dict[int, RequestState]) -> None:
@@ -51,25 +59,54 @@ class MultiModalRunner:
                     pos, delta = self.model.get_mrope_positions(new.prompt_token_ids,
                                                                 new.mm_features)
                     self.mrope[new.serial] = _MRope(pos, delta)
+                    videos = [f for f in new.mm_features if f.modality == "video"]
+                    if videos and self.prunes:
+                        self.pending[new.serial] = videos
         for ident in sched.encoder_free:
             self.cache.pop(ident, None)
-        if not sched.encoder_inputs:
-            return
+            self.kept_positions.pop(ident, None)
+        if sched.encoder_inputs:
+            self._encode(sched, states)
+        if self.pending:
+            self._place_videos()
+
+    def _encode(self, sched: SchedulerOutput, states: dict[int, RequestState]) -> None:
         todo: dict[str, Any] = {}
         for serial, index in sched.encoder_inputs:
             feature = states[serial].mm_features[index]
             todo.setdefault(feature.identifier, feature)
         outputs = self.model.embed_multimodal(list(todo.values()))
-        for ident, out in zip(todo, outputs):
+        for (ident, feature), out in zip(todo.items(), outputs):
+            if feature.modality == "video" and self.prunes:
+                out, self.kept_positions[ident] = self.model.prune_video(feature, out)
             self.cache[ident] = out
         self.num_encoded += len(todo)
+
+    def _place_videos(self) -> None:
+        """Pending video spans whose kept positions are known take them, offset by the
+        span's first position (its first token, always kept, is at (start, start, start))."""
+        for serial in list(self.pending):
+            rope, left = self.mrope.get(serial), []
+            for f in self.pending[serial]:
+                rel = self.kept_positions.get(f.identifier)
+                if rel is None:
+                    left.append(f)
+                elif rope is not None:
+                    span = rope.positions[:, f.offset:f.end]
+                    span.copy_(rel + span[0, 0])
+            if left:
+                self.pending[serial] = left
+            else:
+                del self.pending[serial]
 
     def remove(self, serials: set[int]) -> None:
         for serial in serials:
             self.mrope.pop(serial, None)
+            self.pending.pop(serial, None)
 
     def reset(self) -> None:
         self.cache.clear()
+        self.kept_positions.clear()
 
     def prepare(self, inp: StepInputs) -> None:
         """Sets inp.mm for a step that places encoder outputs or needs 3-D positions, and

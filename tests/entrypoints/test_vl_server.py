@@ -162,3 +162,73 @@ def test_hostile_media_is_a_400(setup, case: str) -> None:
     assert err["type"] == "BadRequestError"
     ok = _chat(srv, [{"type": "text", "text": TEXT}])
     assert ok.status_code == 200, ok.text
+
+
+# ---- videos --------------------------------------------------------------------------------
+
+def mp4_bytes(seed: int, frames: int, fps: int, size: int = 56) -> bytes:
+    """Noise frames encoded as mp4 with PyAV."""
+    import av
+    import numpy as np
+
+    rng = np.random.RandomState(seed)
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=fps)
+        stream.width = stream.height = size
+        stream.pix_fmt = "yuv420p"
+        for _ in range(frames):
+            rgb = (rng.rand(size, size, 3) * 255).astype(np.uint8)
+            out.mux(stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")))
+        out.mux(stream.encode())
+    return buf.getvalue()
+
+
+def test_video_url_chat_matches_offline(setup) -> None:
+    srv, folder, _ = setup
+    parts = [{"type": "video_url", "video_url": {"url": data_url(mp4_bytes(1, 16, 4),
+                                                                 "video/mp4")}},
+             {"type": "text", "text": TEXT}]
+    r = _chat(srv, parts)
+    assert r.status_code == 200, r.text
+    prompt_ids, tokens = r.json()["prompt_token_ids"], r.json()["choices"][0]["token_ids"]
+
+    from shoal import LLM, SamplingParams
+
+    llm = LLM(model=str(folder), dtype="float32", max_model_len=512,
+              kv_cache_memory_bytes=16 << 20)
+    video_pad = llm.get_tokenizer().convert_tokens_to_ids("<|video_pad|>")
+    assert prompt_ids.count(video_pad) == 4 * 2 * 2  # 8 frames at 2 fps of 4x4 patches
+    offline = llm.chat([{"role": "user", "content": parts}],
+                       SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert list(offline.prompt_token_ids) == prompt_ids
+    assert list(offline.outputs[0].token_ids) == tokens
+
+
+def _video_part(url: str) -> dict:
+    return {"type": "video_url", "video_url": {"url": url}}
+
+
+HOSTILE_VIDEOS = {
+    "not a video": ([_video_part(data_url(b"\x00" * 2048, "video/mp4"))], "decode"),
+    "an image": ([_video_part(data_url(png_bytes(image(4, 32, 32)), "video/mp4"))],
+                 "video"),
+    "image mime": ([_video_part(data_url(mp4_bytes(2, 4, 2)))], "not a video"),
+    "truncated": ([_video_part(data_url(mp4_bytes(3, 12, 4)[:3000], "video/mp4"))],
+                  "decode"),
+    "too many": ([_video_part(data_url(mp4_bytes(5, 4, 2), "video/mp4"))] * 2,
+                 "limit_mm_per_prompt"),
+    "file outside": ([_video_part("file:///etc/passwd")], "allowed-local-media-path"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_VIDEOS))
+def test_hostile_videos_are_a_400(setup, case: str) -> None:
+    srv, _, _ = setup
+    parts, needle = HOSTILE_VIDEOS[case]
+    r = _chat(srv, [*parts, {"type": "text", "text": TEXT}])
+    assert r.status_code == 400, (case, r.text)
+    assert needle.lower() in r.json()["error"]["message"].lower(), (case, r.text)
+    ok = _chat(srv, [{"type": "text", "text": TEXT}])
+    assert ok.status_code == 200, ok.text

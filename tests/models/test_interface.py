@@ -95,6 +95,7 @@ ARCHITECTURES = {
         "n_shared_experts": 1, "first_k_dense_replace": 1, "pad_token_id": 0,
         "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "head_dim": 16,
                                "num_heads": 2, "short_conv_kernel_size": 4}}),
+    "Gemma3ForCausalLM": ("gemma3_text", {"head_dim": 16}),
     "GptOssForCausalLM": ("gpt_oss", {"head_dim": 16, "num_local_experts": 4,
                                       "num_experts_per_tok": 2, "intermediate_size": 32,
                                       "sliding_window": 4}),
@@ -117,7 +118,8 @@ LINEAR = {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
 
 # Vision-language models: checked against transformers in tests/multimodal (their configs
 # nest a vision config), and here for the multimodal interface.
-MULTIMODAL = ("Idefics3ForConditionalGeneration", "LlavaForConditionalGeneration",
+MULTIMODAL = ("Gemma3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
+              "LlavaForConditionalGeneration",
               "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
 
 

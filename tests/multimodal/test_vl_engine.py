@@ -325,9 +325,9 @@ def still_serves(llm: LLM, oracle: Oracle) -> None:
      r"1 <\|image_pad\|> placeholders for 2 image"),
     ({"image": 42}, "expected a PIL image or a numpy array, got int"),
     ({"image": np.zeros((8, 8), dtype=np.uint8)}, "uint8 array of shape"),
-    ({"video": [image(15, 64, 64)]}, "unsupported modality 'video'"),
+    ({"audio": [image(15, 64, 64)]}, "unsupported modality 'audio'"),
     ([image(16, 64, 64)], "multi_modal_data must be a dict"),
-], ids=["two-images-one-placeholder", "not-an-image", "bad-array", "video", "not-a-dict"])
+], ids=["two-images-one-placeholder", "not-an-image", "bad-array", "audio", "not-a-dict"])
 def test_bad_image_input_is_refused(llm, oracle, mm_data, message) -> None:
     with pytest.raises(ValueError, match=message):
         generate(llm, {"prompt": f"w1 {PH} w2", "multi_modal_data": mm_data})

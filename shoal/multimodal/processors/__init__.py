@@ -16,6 +16,8 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
     "Qwen3VLForConditionalGeneration": ("shoal.multimodal.processors.qwen_vl",
                                         "QwenVLProcessor"),
     "LlavaForConditionalGeneration": ("shoal.multimodal.processors.llava", "LlavaProcessor"),
+    "Gemma3ForConditionalGeneration": ("shoal.multimodal.processors.gemma3",
+                                       "Gemma3Processor"),
 }
 
 

@@ -1,15 +1,29 @@
-"""Qwen2.5-VL / Qwen3-VL prompts: each image's single <|image_pad|> token becomes one token
-per merged patch group (grid t * h * w / merge^2) of the image processor's output, between
-the <|vision_start|> and <|vision_end|> the prompt (or chat part) already holds."""
+"""Qwen2.5-VL / Qwen3-VL prompts: each image's single <|image_pad|> token (and each video's
+<|video_pad|>) becomes one token per merged patch group (grid t * h * w / merge^2) of the
+processed pixels, between the <|vision_start|> and <|vision_end|> the prompt (or chat part)
+already holds.
+
+Images go through transformers' image processor. Videos are preprocessed here (transformers'
+video processors need torchvision): frames resized by the image processor's smart_resize rule
+(the video config's pixel limits where the checkpoint has one), normalised, grouped by
+temporal_patch_size (the last frame repeated to fill a group) and flattened in the layout of
+transformers' Qwen2-VL video processor. With EVS (video_pruning_rate > 0) a video emits only
+the pads of the tokens it keeps (video.retained_count; the rate is in the arrays, so in
+the content hash that keys the encoder cache)."""
 
 from __future__ import annotations
 
+import json
+import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from PIL import Image
 
 from shoal.multimodal.inputs import MultiModalFeature, make_feature
+from shoal.multimodal.video import Video, retained_count
 
 
 def load_image_processor(folder: Any) -> Any:
@@ -24,9 +38,42 @@ def find_placeholders(ids: list[int], token: int, count: int, name: str) -> list
     """Indices of the prompt's `count` placeholder tokens; ValueError when they differ."""
     where = [i for i, t in enumerate(ids) if t == token]
     if len(where) != count:
+        kind = "video" if "video" in name else "image"
         raise ValueError(f"the prompt has {len(where)} {name} placeholders for {count} "
-                         f"image(s): put one {name} in the prompt per image")
+                         f"{kind}(s): put one {name} in the prompt per {kind}")
     return where
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+                 ) -> tuple[int, int]:
+    """Qwen-VL's resize target: both sides multiples of `factor`, the area within the
+    limits, the aspect ratio kept (transformers' smart_resize)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"a video's aspect ratio must be under 200, got {width}x{height}")
+    h, w = round(height / factor) * factor, round(width / factor) * factor
+    if h * w > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h = max(factor, math.floor(height / beta / factor) * factor)
+        w = max(factor, math.floor(width / beta / factor) * factor)
+    elif h * w < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h, w = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+    return h, w
+
+
+def _pixel_limits(folder: Any, image_processor: Any) -> tuple[int, int]:
+    """(min, max) pixels of a video frame: video_preprocessor_config.json's where the
+    checkpoint has one, else the image processor's."""
+    path = Path(folder) / "video_preprocessor_config.json"
+    if path.is_file():
+        cfg = json.loads(path.read_text())
+        size = cfg.get("size") or {}
+        lo = cfg.get("min_pixels") or size.get("shortest_edge")
+        hi = cfg.get("max_pixels") or size.get("longest_edge")
+        if lo and hi:
+            return int(lo), int(hi)
+    size = image_processor.size
+    return int(size.shortest_edge), int(size.longest_edge)
 
 
 class QwenVLProcessor:
@@ -37,27 +84,79 @@ class QwenVLProcessor:
         self.image_processor = load_image_processor(folder)
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
+        self.video_pruning_rate = 0.0  # the engine's, set by the frontend
+        # Qwen3-VL's videos interleave timestamps with frames: not served yet
+        video_token = getattr(hf_config, "video_token_id", None)
+        self.video_placeholder: str | None = None
+        if video_token is not None and getattr(hf_config, "model_type", "") == "qwen2_5_vl":
+            self.video_placeholder = "<|vision_start|><|video_pad|><|vision_end|>"
+            self.video_token_id = int(video_token)
+            self.video_pixels = _pixel_limits(folder, self.image_processor)
 
-    def process(self, prompt_token_ids: list[int], images: list[Any]
-                ) -> tuple[list[int], list[MultiModalFeature]]:
+    def process(self, prompt_token_ids: list[int], images: list[Any],
+                videos: Sequence[Video] = ()) -> tuple[list[int], list[MultiModalFeature]]:
         where = find_placeholders(prompt_token_ids, self.image_token_id, len(images),
                                   "<|image_pad|>")
-        if not images:
-            return list(prompt_token_ids), []
-        out = self.image_processor(images=images, return_tensors="np")
-        pixels, grids = np.asarray(out["pixel_values"]), np.asarray(out["image_grid_thw"])
+        items: dict[int, tuple[str, dict[str, np.ndarray], int]] = {}
+        if images:
+            out = self.image_processor(images=images, return_tensors="np")
+            pixels, grids = np.asarray(out["pixel_values"]), np.asarray(out["image_grid_thw"])
+            row = 0
+            for at, grid in zip(where, grids):
+                patches = int(grid.prod())
+                arrays = {"pixel_values": pixels[row:row + patches], "image_grid_thw": grid}
+                items[at] = ("image", arrays, patches // self.merge ** 2)
+                row += patches
+        if videos:
+            if self.video_placeholder is None:
+                raise ValueError("this model does not take videos")
+            for at, video in zip(find_placeholders(prompt_token_ids, self.video_token_id,
+                                                   len(videos), "<|video_pad|>"), videos):
+                items[at] = self.video_item(video)
+        return self._expand(prompt_token_ids, items)
+
+    def _expand(self, prompt_token_ids: list[int],
+                items: dict[int, tuple[str, dict[str, np.ndarray], int]]
+                ) -> tuple[list[int], list[MultiModalFeature]]:
+        """Each placeholder at a key of `items` repeated to its token count, in prompt order."""
         ids: list[int] = []
         features: list[MultiModalFeature] = []
-        cursor = row = 0
-        for i, at in enumerate(where):
+        cursor = 0
+        for at in sorted(items):
+            modality, arrays, n = items[at]
             ids.extend(prompt_token_ids[cursor:at])
-            grid = grids[i]
-            patches = int(grid.prod())
-            n = patches // self.merge ** 2
-            arrays = {"pixel_values": pixels[row:row + patches], "image_grid_thw": grid}
-            features.append(make_feature(self.kind, "image", len(ids), n, arrays))
-            ids.extend([self.image_token_id] * n)
-            row += patches
+            features.append(make_feature(self.kind, modality, len(ids), n, arrays))
+            ids.extend([prompt_token_ids[at]] * n)
             cursor = at + 1
         ids.extend(prompt_token_ids[cursor:])
         return ids, features
+
+    def video_item(self, video: Video) -> tuple[str, dict[str, np.ndarray], int]:
+        pixels, grid = self.video_pixels_of(video.frames)
+        tps = int(self.image_processor.temporal_patch_size)
+        rate = float(self.video_pruning_rate)
+        arrays = {"pixel_values_videos": pixels, "video_grid_thw": grid,
+                  "second_per_grid_t": np.asarray([tps / video.fps], dtype=np.float32),
+                  "video_pruning_rate": np.asarray([rate], dtype=np.float32)}
+        per_frame = int(grid[1] * grid[2]) // self.merge ** 2
+        return "video", arrays, retained_count(per_frame, int(grid[0]), rate)
+
+    def video_pixels_of(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[T, H, W, 3] uint8 frames -> (patches [t*h*w, C*tps*p*p] float32, grid (t, h, w))."""
+        ip = self.image_processor
+        patch, tps, merge = int(ip.patch_size), int(ip.temporal_patch_size), self.merge
+        height, width = frames.shape[1:3]
+        h, w = smart_resize(height, width, patch * merge, *self.video_pixels)
+        if (h, w) != (height, width):
+            frames = np.stack([np.asarray(Image.fromarray(f).resize((w, h), int(ip.resample)))
+                               for f in frames])
+        x = frames.astype(np.float32) * np.float32(ip.rescale_factor)
+        mean, std = np.asarray(ip.image_mean, np.float32), np.asarray(ip.image_std, np.float32)
+        x = ((x - mean) / std).transpose(0, 3, 1, 2)  # [T, C, h, w]
+        if pad := -len(x) % tps:  # the last frame repeated to fill the last temporal group
+            x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
+        gt, gh, gw, c = len(x) // tps, h // patch, w // patch, x.shape[1]
+        x = x.reshape(gt, tps, c, gh // merge, merge, patch, gw // merge, merge, patch)
+        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+        pixels = np.ascontiguousarray(x.reshape(gt * gh * gw, c * tps * patch * patch))
+        return pixels, np.asarray([gt, gh, gw], dtype=np.int64)
