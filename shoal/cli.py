@@ -1,4 +1,4 @@
-"""`shoal serve | generate | chat | run-batch | bench`: the command line (above entrypoints and benchmarks,
+"""`shoal serve | generate | chat | run-batch | bench | router`: the command line (above entrypoints and benchmarks,
 which it dispatches to)."""
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_commands(sub.add_parser(
         "bench", help="benchmarks: serve (online load), throughput (offline), latency"))
+    from shoal.router.cli import add_router_flags
+
+    add_router_flags(sub.add_parser(
+        "router", help="a cache-aware proxy: requests to the backend holding their prefix"))
     return parser
 
 
@@ -85,6 +89,10 @@ def main(argv: list[str] | None = None) -> int:
             from shoal.entrypoints.openai.run_batch import run_from
 
             return run_from(ns)
+        if ns.command == "router":
+            from shoal.router.cli import run_router
+
+            return run_router(ns)
         if ns.command == "bench":
             from shoal.benchmarks.commands import run_bench_command
 

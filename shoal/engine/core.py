@@ -213,6 +213,7 @@ class EngineCore:
 
     # ---- the RL lifecycle (shoal/worker/lifecycle.py) ---------------------------------------
     sleep_level = 0  # 0: awake
+    kv_events: Any = None  # engine/kv_events.py: KVEvents, when kv_events_config enables them
 
     def _require_idle(self, what: str) -> None:
         if self.has_unfinished_requests():
@@ -331,6 +332,8 @@ class EngineCore:
         if lockstep is not None:
             lockstep.end_step(self.runner)  # the dummy forward of a replica with nothing run
         outputs = self.scheduler.take_pending_outputs() + outputs
+        if self.kv_events is not None:  # the step's prefix-cache changes (engine/kv_events.py)
+            self.kv_events.publish()
         self._forget_finished()
         stats = self.scheduler.stats()
         if self.kv_offload is not None:

@@ -27,6 +27,8 @@ from shoal.engine.cpu_defaults import (
     GPU_MAX_NUM_BATCHED_TOKENS,
     default_scheduler_limits,
 )
+from shoal.engine.encoder_schedule import image_attention_backend
+from shoal.engine.kv_events_args import KVEventsArgs
 from shoal.engine.mm_args import MultiModalArgs
 from shoal.json_arg import json_object
 from shoal.models.registry import has_linear_attention, takes_transformers_backend
@@ -47,7 +49,7 @@ def arg(default: Any, help: str) -> Any:
 
 
 @dataclass
-class EngineArgs(MultiModalArgs):
+class EngineArgs(MultiModalArgs, KVEventsArgs):
     """Every engine argument, once, with vLLM's names. `LLM(**kwargs)`, `shoal serve` flags and
     the engine process all start from here."""
 
@@ -273,7 +275,7 @@ class EngineArgs(MultiModalArgs):
             # No graph capture for DP+EP (the MoE all-to-all reads its split sizes on the host)
             # nor the Transformers backend (transformers' code is not checked for capture).
             enforce_eager=self.enforce_eager or self.dp_expert_parallel() or backend_model,
-            attention_backend=self.attention_backend,
+            attention_backend=self.attention_backend or image_attention_backend(hf_config),
             use_triton_ops=self.use_triton_ops,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
             cpu_int4_matmul=self._cpu_int4_matmul(device, dtype),

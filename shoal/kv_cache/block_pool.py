@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from shoal.kv_cache.events import EventSink
 from shoal.kv_cache.hashing import BlockHash
 
 
@@ -79,6 +80,7 @@ class BlockPool:
         # KV offloading (shoal/kv_offload/connector.py) saves a cached block's content before
         # `allocate` hands the block to a new owner.
         self.on_evict: Callable[[KVBlock], None] | None = None
+        self.events: EventSink | None = None  # KV events (kv_cache/events.py), when enabled
 
     @property
     def num_free_blocks(self) -> int:
@@ -129,11 +131,14 @@ class BlockPool:
             return
         block.block_hash = block_hash
         # First writer wins; a duplicate computed concurrently simply stays uncached.
-        self.cached.setdefault(block_hash, block)
+        if self.cached.setdefault(block_hash, block) is block and self.events is not None:
+            self.events.stored(block_hash)
 
     def uncache_block(self, block: KVBlock) -> None:
         if block.block_hash is not None and self.cached.get(block.block_hash) is block:
             del self.cached[block.block_hash]
+            if self.events is not None:
+                self.events.removed(block.block_hash)
         block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -142,4 +147,6 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True

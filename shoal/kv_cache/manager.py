@@ -190,6 +190,8 @@ class KVCacheManager:
         self._update_hashes(request)
         for t in self.tables:
             t.publish(request, num_tokens)
+        if self.pool.events is not None:  # the stored blocks' parent and tokens
+            self.pool.events.attribute(request)
 
     def trim(self, request: Request) -> None:
         """Speculative decoding: returns the blocks past the request's computed tokens (they
