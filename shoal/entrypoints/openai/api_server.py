@@ -100,6 +100,7 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
     # forgets the Content-Type header.
     app = FastAPI(title="shoal", version=shoal.__version__, strict_content_type=False)
     app.state.engine = engine
+    app.state.models = models  # the gRPC control plane answers for the same names
     app.state.registry = registry
     app.state.draining = False
     install_error_handlers(app)
@@ -127,6 +128,17 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
     add_lora_routes(app, models, engine)
     add_dev_routes(app, engine)
     return app
+
+
+async def start_grpc(engine: AsyncLLM, app: FastAPI, settings: ServerSettings) -> Any:
+    """The gRPC control plane on --grpc-port, over the same engine (None when off); grpcio
+    is imported only then."""
+    if not settings.grpc_port:
+        return None
+    from shoal.entrypoints.grpc.server import start_grpc_server
+
+    return await start_grpc_server(engine, app.state.models, settings,
+                                   lambda: app.state.draining)
 
 
 class _Server(uvicorn.Server):
@@ -157,7 +169,8 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
     engine.stat_loggers.append(LoggingStatLogger())
     try:
         app = build_app(engine, settings)
-    except ValueError as e:  # a server setting that does not fit the engine (--lora-modules)
+        grpc_server = await start_grpc(engine, app, settings)
+    except (ValueError, OSError) as e:  # a setting that does not fit (--lora-modules), a port
         await engine.shutdown()
         print(f"shoal: {e}", file=sys.stderr)
         return 1
@@ -207,6 +220,8 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
     try:
         await server.serve()
     finally:
+        if grpc_server is not None:  # its streams drain as HTTP's do (expire() ends them)
+            await grpc_server.stop(settings.shutdown_timeout + ERROR_GRACE_S)
         await engine.shutdown()
     if died:
         print("shoal: the engine process died", file=sys.stderr)

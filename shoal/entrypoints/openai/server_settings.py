@@ -65,6 +65,10 @@ class ServerSettings:
         None, "LoRA adapters to serve (needs --enable-lora), each name=path or a JSON object "
               '\'{"name": ..., "path": ..., "base_model_name": ...}\'; a request picks one by '
               "its model name", nargs="+")
+    grpc_port: int | None = setting(None, "also serve the gRPC control plane "
+                                          "(shoal/entrypoints/grpc/shoal_engine.proto) on "
+                                          "--host at this port, over the same engine and "
+                                          "--api-key (0 or unset: off)")
     max_stored_responses: int = setting(1000, "Responses API: how many responses are kept in "
                                               "memory for previous_response_id (oldest dropped)")
 
@@ -100,5 +104,7 @@ class ServerSettings:
         if bad or not self.metrics_prefixes:
             raise ValueError(f"metrics_prefixes must be some of {', '.join(METRIC_PREFIXES)} "
                              f"(got {self.metrics_prefixes})")
+        if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
+            raise ValueError(f"grpc_port must be in 0..65535 (got {self.grpc_port})")
         if self.max_stored_responses < 0:
             raise ValueError("max_stored_responses must be >= 0")
