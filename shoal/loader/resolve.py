@@ -85,6 +85,8 @@ SHIPPED_CONFIGS: dict[str, str] = {
     "moonshotai/Kimi-Linear-48B-A3B-Instruct": "kimi-linear-48b-a3b",
     # Attention sinks, sliding windows beside full attention, MXFP4 experts when real.
     "openai/gpt-oss-20b": "gpt-oss-20b",
+    # Images (W13): the vision tower and M-RoPE decoder, with its preprocessor_config.json.
+    "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2.5-vl-7b",
 }
 _CONFIGS_BY_LOWER_NAME = {name.lower(): folder for name, folder in SHIPPED_CONFIGS.items()}
 _CONFIGS_DIR = Path(__file__).resolve().parent.parent / "model_configs"
