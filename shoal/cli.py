@@ -1,4 +1,4 @@
-"""`shoal serve | generate | chat | run-batch | bench | router`: the command line (above entrypoints and benchmarks,
+"""`shoal serve | generate | chat | run-batch | bench | router | proxy`: the command line (above entrypoints and benchmarks,
 which it dispatches to)."""
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_router_flags(sub.add_parser(
         "router", help="a cache-aware proxy: requests to the backend holding their prefix"))
+    from shoal.router.disagg_cli import add_proxy_flags
+
+    add_proxy_flags(sub.add_parser(
+        "proxy", help="prefill/decode disaggregation: prompts on prefill engines, answers "
+                      "from decode engines"))
     return parser
 
 
@@ -93,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
             from shoal.router.cli import run_router
 
             return run_router(ns)
+        if ns.command == "proxy":
+            from shoal.router.disagg_cli import run_proxy
+
+            return run_proxy(ns)
         if ns.command == "bench":
             from shoal.benchmarks.commands import run_bench_command
 

@@ -52,6 +52,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the engine failed it (finish_reason "error")
     error_code: ErrorCode | None = None  # the kind of failure, set with error
+    # disaggregated prefill: where a decode engine fetches this request's KV (a producer's)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- pooling (embeddings, classification, scores), shaped like vLLM's ---------------------

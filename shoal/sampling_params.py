@@ -378,7 +378,9 @@ class BeamSearchParams:
                               logprobs=2 * self.beam_width, detokenize=False)
 
 
-_KV_TRANSFER_KEYS = ("skip_tiers",)
+# skip_tiers: KV offloading; the rest: prefill/decode disaggregation (shoal/kv_transfer/p2p.py)
+_KV_TRANSFER_KEYS = ("skip_tiers", "do_remote_decode", "do_remote_prefill", "remote_host",
+                     "remote_port", "remote_request_id", "remote_num_tokens", "remote_engine_id")
 
 
 def _kv_transfer_params(params: Any) -> dict[str, Any] | None:
@@ -396,4 +398,15 @@ def _kv_transfer_params(params: Any) -> dict[str, Any] | None:
             or not all(isinstance(t, str) for t in skip)):
         raise ValueError(f"kv_transfer_params.skip_tiers must be a list of tier names (got "
                          f"{skip!r})")
-    return {"skip_tiers": sorted(set(skip))}
+    out = {k: v for k, v in params.items() if k != "skip_tiers"}
+    for flag in ("do_remote_decode", "do_remote_prefill"):
+        if not isinstance(out.get(flag, False), bool):
+            raise ValueError(f"kv_transfer_params.{flag} must be true or false")
+    if out.get("do_remote_prefill") and not (
+            isinstance(out.get("remote_host"), str) and type(out.get("remote_port")) is int
+            and isinstance(out.get("remote_request_id"), str)):
+        raise ValueError("kv_transfer_params: do_remote_prefill needs remote_host (a string), "
+                         "remote_port (an integer) and remote_request_id (a string)")
+    if skip or not out:
+        out["skip_tiers"] = sorted(set(skip))
+    return out

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.core.kv_connector_plan import KVConnectorPlan
 from shoal.core.kv_transfer_plan import KVTransferPlan
 from shoal.core.types import Logprobs
 from shoal.lora_request import LoRARequest
@@ -88,6 +89,9 @@ class SchedulerOutput:
     # keeps before this step's forward pass reads them
     encoder_free: list[str] = field(default_factory=list)
     encoder_inputs: list[tuple[int, int]] = field(default_factory=list)
+    # Prefill/decode disaggregation: another engine's KV to write before the forward pass,
+    # finished prompts' KV to read out after it (shoal/kv_transfer)
+    kv_connector: KVConnectorPlan | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -124,3 +128,5 @@ class ModelRunnerOutput:
     kv_transfers_done: list[int] = field(default_factory=list)
     # pooling engines: each finished request's result (a float32 numpy array)
     pooled: dict[int, Any] = field(default_factory=dict)
+    # the KV rows read out for the step's KVSaves, by their key (a producer's prompts)
+    kv_saved: dict[str, bytes] = field(default_factory=dict)

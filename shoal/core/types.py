@@ -7,6 +7,8 @@ step, and tracking them made the frontend's collector run several times a step."
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from shoal.core.errors import ErrorCode
@@ -57,6 +59,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # it costs one nil byte: msgspec writes every field of an array-like struct (omit_defaults
     # drops defaults from map-encoded structs only).
     error_code: ErrorCode | None = None
+    # Disaggregated prefill: where the request's KV waits for a decode engine (its last output)
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):

@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 from shoal.config import SchedulerConfig
 from shoal.core.request import Request, RequestStatus
-from shoal.core.scheduler_output import NewRequestData
+from shoal.core.scheduler_output import NewRequestData, SchedulerOutput
 from shoal.engine.encoder_schedule import EncoderPlan, EncoderSchedule
 from shoal.engine.waiting_queue import WaitingQueue
 from shoal.kv_cache.block_pool import KVBlock
 from shoal.kv_cache.manager import KVCacheManager
 from shoal.kv_offload.connector import KVOffloadConnector, Staged
+from shoal.kv_transfer.base import KVConnector
 from shoal.lora_request import LoRARequest
 
 
@@ -47,14 +48,17 @@ class _Cached:
     device_hits: list[KVBlock] = field(default_factory=list)
     num_hit_tokens: int = 0  # tokens of the device hits
     staged: Staged = field(default_factory=Staged)
+    external: int = 0  # tokens after the hits that the KV connector supplies
 
 
 class Admission:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  offload: KVOffloadConnector | None, waiting: WaitingQueue,
-                 running: list[Request], encoders: EncoderSchedule | None = None):
+                 running: list[Request], encoders: EncoderSchedule | None = None,
+                 connector: KVConnector | None = None):
         self.config, self.kv, self.offload = config, kv, offload
         self.encoders = encoders  # images: their encoder outputs (encoder_schedule.py)
+        self.connector = connector  # KV from and for other engines (shoal/kv_transfer)
         self.waiting, self.running = waiting, running
         self.block_size = kv.block_size
 
@@ -121,6 +125,12 @@ class Admission:
         if (req.mm_features and self.encoders is not None and self.encoders.whole_spans
                 and self.encoders.span_start(req, n_hit) != n_hit):
             return _Cached()  # the hit ends inside an image, which must run whole: recompute
+        if self.connector is not None:  # another engine's KV (disaggregated prefill)
+            external = self.connector.lookup(req, n_hit)
+            if external is None:
+                return None  # still being fetched
+            if external:
+                return _Cached(hits, n_hit, external=external)
         staged = Staged()
         if self.offload is not None:
             found = self.offload.stage(req, len(hits))
@@ -132,17 +142,18 @@ class Admission:
     def admit(self, req: Request, cached: _Cached, step: StepPlan) -> bool:
         """Allocates the waiting request's blocks and makes it running; False (nothing
         changed) when they do not fit."""
-        n_loaded = cached.staged.num_blocks * self.block_size  # tier hits: loaded, not computed
+        # tier hits and the connector's tokens: loaded, not computed
+        n_loaded = cached.staged.num_blocks * self.block_size + cached.external
         n = req.num_tokens - cached.num_hit_tokens - n_loaded
+        images = None
         if n > step.budget and not self.config.enable_chunked_prefill:
             new_blocks = None  # the whole prompt must fit in one step
         else:
             n = min(n, step.budget)
-            images = None
             if req.mm_features and self.encoders is not None:
                 n, images = self.encoders.fit(req, n_loaded + cached.num_hit_tokens, n)
-            new_blocks = None if n <= 0 else self.kv.allocate_slots(req, n_loaded + n, cached.device_hits,
-                                                loaded_blocks=cached.staged.num_blocks)
+            new_blocks = None if n <= 0 else self.kv.allocate_slots(
+                req, n_loaded + n, cached.device_hits, loaded_blocks=cached.staged.num_blocks)
         if new_blocks is None:
             if cached.staged:
                 self.offload.cancel(cached.staged)
@@ -150,6 +161,9 @@ class Admission:
         if cached.staged:
             self.offload.commit(cached.staged, functools.partial(self.kv.block_at,
                                                                  req.request_id))
+        if cached.external:
+            self.connector.admitted(req, cached.num_hit_tokens, cached.external,
+                                    self.kv.block_ids(req.request_id))
         n_hit = cached.num_hit_tokens + n_loaded
         req.num_computed_tokens = n_hit
         self.waiting.pop()
@@ -180,10 +194,26 @@ class Admission:
         if req.mm_features and self.encoders is not None:
             self.encoders.release(req)
 
+    def on_end(self, req: Request) -> None:
+        """The request ended: its images and anything the KV connector holds for it."""
+        self.release_images(req)
+        if self.connector is not None:
+            self.connector.finished(req)
+
     def add(self, step: StepPlan, req: Request, n: int, images: EncoderPlan | None) -> None:
         if images is not None:
             self.encoders.commit(req, images)
+        if self.connector is not None:  # (a producer saves a prompt once it has run whole)
+            self.connector.scheduled(req, req.num_computed_tokens, n,
+                                     self.kv.block_ids(req.request_id))
         step.add(req, n)
+
+    def fill_output(self, out: SchedulerOutput) -> None:
+        """The step's encoder work for images and its KV connector plan."""
+        if self.encoders is not None:
+            out.encoder_free, out.encoder_inputs = self.encoders.take()
+        if self.connector is not None:
+            out.kv_connector = self.connector.step_plan()
 
     def admit_head(self, req: Request, step: StepPlan) -> bool:
         """Admits the request at the head of the queue if its hits are ready and it fits."""

@@ -39,6 +39,7 @@ from shoal.engine.request_errors import EngineDeadError
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.step_queue import LaunchedStep, StepQueue
 from shoal.engine.structured_steps import StructuredSteps
+from shoal.engine.warm_requests import warm_request_path
 from shoal.executor import build_model_executor
 from shoal.kv_offload.factory import build_kv_offload
 from shoal.loader import LoadedModel
@@ -114,7 +115,7 @@ class EngineCore:
         self.startup_times = self.runner.startup_times  # each start-up phase's seconds
         if config.device.type == "cuda" and not pooling:
             t1 = time.perf_counter()
-            self._warm_request_path()
+            warm_request_path(self)
             self.startup_times["warm_requests"] = time.perf_counter() - t1
         t1 = time.perf_counter()
         freeze_startup_heap()
@@ -157,29 +158,7 @@ class EngineCore:
                          encoder_cache_size=encoder_cache_size(config, loaded.hf_config),
                          whole_spans=whole_spans(loaded.hf_config))
 
-    def _warm_request_path(self) -> None:
-        """Runs requests end to end through the scheduler, the runner and the sampler before
-        the engine reports ready, so real traffic finds every kernel loaded: a greedy one, a
-        sampled one with top-p/top-k and logprobs, then a full batch (max_num_seqs, as far as
-        the pool allows) of sampled ones, as the first busy batch will be. Then forgets them."""
-        from shoal.sampling_params import SamplingParams
-
-        prompt = [i % self.vocab_size for i in range(1, 40)]
-        params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-                  SamplingParams(temperature=0.7, top_p=0.9, top_k=20, max_tokens=3,
-                                 ignore_eos=True, logprobs=2, seed=0)]
-        batch = min(self.limits.max_num_seqs, self.limits.num_kv_blocks // 4)
-        params += [SamplingParams(temperature=0.6, max_tokens=3, ignore_eos=True)] * batch
-        for i, sp in enumerate(params):
-            self.add_request(EngineCoreRequest(f"__warmup_{i}", prompt[:8 + i % 31], sp,
-                                               time.monotonic()))
-            if i == 1:  # the two single requests first, alone
-                self._run_until_idle()
-        self._run_until_idle()
-        self.scheduler.kv.reset_prefix_cache()
-        self.scheduler.reset_counters()
-
-    def _run_until_idle(self) -> None:
+    def run_until_idle(self) -> None:
         while self.has_unfinished_requests():
             self.step()
 
@@ -214,6 +193,7 @@ class EngineCore:
     # ---- the RL lifecycle (shoal/worker/lifecycle.py) ---------------------------------------
     sleep_level = 0  # 0: awake
     kv_events: Any = None  # engine/kv_events.py: KVEvents, when kv_events_config enables them
+    kv_connector: Any = None  # shoal/kv_transfer: KV from and for other engines
 
     def _require_idle(self, what: str) -> None:
         if self.has_unfinished_requests():
@@ -313,6 +293,8 @@ class EngineCore:
             self.structured.shutdown()
             if self.kv_offload is not None:
                 self.kv_offload.shutdown()
+            if self.kv_connector is not None:
+                self.kv_connector.shutdown()
         finally:  # whatever failed above, the ranks stop and leave their process group
             self.runner.shutdown()
             if self.dp_lockstep is not None:

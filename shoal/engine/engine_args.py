@@ -29,6 +29,7 @@ from shoal.engine.cpu_defaults import (
 )
 from shoal.engine.encoder_schedule import image_attention_backend
 from shoal.engine.kv_events_args import KVEventsArgs
+from shoal.engine.kv_transfer_args import KVTransferArgs
 from shoal.engine.mm_args import MultiModalArgs
 from shoal.json_arg import json_object
 from shoal.models.registry import has_linear_attention, takes_transformers_backend
@@ -49,7 +50,7 @@ def arg(default: Any, help: str) -> Any:
 
 
 @dataclass
-class EngineArgs(MultiModalArgs, KVEventsArgs):
+class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs):
     """Every engine argument, once, with vLLM's names. `LLM(**kwargs)`, `shoal serve` flags and
     the engine process all start from here."""
 

@@ -86,6 +86,7 @@ class _Request:
     error_code: ErrorCode | None = None
     is_pooling: bool = False
     pooled: Any = None  # a pooling request's result (numpy float32 array)
+    kv_transfer_params: dict[str, Any] | None = None  # a producer's (disaggregated prefill)
 
     @property
     def finished(self) -> bool:
@@ -218,6 +219,8 @@ class OutputProcessor:
                it: IterationStats | None) -> bool:
         """One sample's output; True when a stop string ended it (the core must abort it)."""
         r.num_cached_tokens = o.num_cached_tokens
+        if o.kv_transfer_params is not None:
+            r.kv_transfer_params = o.kv_transfer_params
         if o.prompt_logprobs and r.prompt_logprobs is not None and s.index == 0:
             for pos, lp in o.prompt_logprobs:
                 while len(r.prompt_logprobs) <= pos:
@@ -346,6 +349,7 @@ class OutputProcessor:
             prompt_token_ids=r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs,
             outputs=outs, finished=finished, num_cached_tokens=r.num_cached_tokens,
             metrics=r.metrics, error=r.error, error_code=r.error_code,
+            kv_transfer_params=r.kv_transfer_params,
         )
 
     @staticmethod

@@ -51,6 +51,7 @@ from shoal.engine.waiting_queue import WaitingQueue
 from shoal.kv_cache.manager import KVCacheManager
 from shoal.kv_offload.connector import KVOffloadConnector
 from shoal.kv_offload.store import TieredKVStore
+from shoal.kv_transfer.base import KVConnector
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ class Scheduler(StepResults, RequestTableFront):
                  request_timeout: float | None = None, num_speculative_tokens: int = 0,
                  spec_adaptive: bool = True, spec_disable_by_batch_size: int | None = None,
                  micro_batches: int = 1, kv_groups: Sequence[KVCacheGroup] = FULL_ATTENTION,
-                 encoder_cache_size: int = 0, whole_spans: bool = False):
+                 encoder_cache_size: int = 0, whole_spans: bool = False,
+                 kv_connector: KVConnector | None = None):
         """num_blocks: the device KV pool, as the model runner sized it at start-up.
         request_timeout: seconds from arrival after which a request is ended with an error.
         num_speculative_tokens: drafts per step of a speculating request (0: none);
@@ -70,7 +72,8 @@ class Scheduler(StepResults, RequestTableFront):
         waits while a step samples for it, and each step takes 1/micro_batches of them.
         kv_groups: the layers sharing block tables (the runner's KVCacheLayout).
         encoder_cache_size: images' encoder outputs the runner keeps (0: a text model);
-        whole_spans: each image runs within one step (encoder_schedule.py)."""
+        whole_spans: each image runs within one step (encoder_schedule.py).
+        kv_connector: KV from and for other engines (shoal/kv_transfer)."""
         self.config = sched_config
         self.micro_batches = micro_batches
         self.block_size = cache_config.block_size
@@ -91,8 +94,9 @@ class Scheduler(StepResults, RequestTableFront):
         self.suspects = Suspects(self.running, self.waiting, self.failed_blocks)
         self.encoders = (EncoderSchedule(encoder_cache_size, encoder_cache_size, whole_spans)
                          if encoder_cache_size else None)
+        self.connector = kv_connector
         self.admission = Admission(sched_config, self.kv, self.offload, self.waiting,
-                                   self.running, self.encoders)
+                                   self.running, self.encoders, kv_connector)
         self.num_preemptions = 0
         self._step_prompt_tokens = 0
         self._step_generation_tokens = 0
@@ -133,7 +137,7 @@ class Scheduler(StepResults, RequestTableFront):
         if self.offload is not None:  # reads or pins it may hold while deferred
             self.offload.abandon(req.request_id)
         self.failed_blocks.release(req, failed=status == RequestStatus.FINISHED_ERROR)
-        self.admission.release_images(req)
+        self.admission.on_end(req)
         self.table.remove(req)
         self.suspects.left(req)
 
@@ -240,8 +244,7 @@ class Scheduler(StepResults, RequestTableFront):
                       ) -> SchedulerOutput:
         """built: the items made so far, by serial (what a failure must undo)."""
         out = SchedulerOutput(new_requests=step.new_requests)
-        if self.encoders is not None:
-            out.encoder_free, out.encoder_inputs = self.encoders.take()
+        self.admission.fill_output(out)  # images' encoder work, the KV connector's plan
         if self.offload is not None:
             out.kv_transfers = self.offload.take_plan(have_work=bool(step.scheduled))
         if step.scheduled:  # the runner runs only steps with work

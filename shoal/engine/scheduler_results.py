@@ -23,6 +23,7 @@ class StepResults:
     failed_blocks: Any
     suspects: Any
     offload: Any
+    connector: Any
     _states: bool
     _step_generation_tokens: int
 
@@ -35,6 +36,8 @@ class StepResults:
         for."""
         if self.offload is not None and result.kv_transfers_done:
             self.offload.transfers_done(result.kv_transfers_done)
+        if result.kv_saved:  # a producer's prompts, kept for the engines that fetch them
+            self.connector.saved(result.kv_saved)
         outputs = self.table.take_pending_outputs()
         for item in sched.scheduled:
             failed = item.serial in result.failed_serials
@@ -75,6 +78,8 @@ class StepResults:
         if drafts and status is None and req.status == RequestStatus.RUNNING:
             req.spec_token_ids = drafts
         out = token_output(req, tokens, lps, prompt_lp, status)
+        if status is not None and self.connector is not None:
+            out.kv_transfer_params = self.connector.transfer_params(req)
         if status is not None:
             self._end(req, status)
         return out

@@ -24,6 +24,7 @@ from shoal.engine.core import EngineCore
 from shoal.engine.cpu_threads import configure_cpu_threads
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import RequestLimits
+from shoal.engine.kv_connector_setup import attach_kv_connector
 from shoal.engine.kv_events import attach_kv_events
 from shoal.loader import load_model
 
@@ -45,6 +46,7 @@ def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
     t0 = time.perf_counter()
     limits = RequestLimits.from_engine_args(args)  # checked before the model loads
     kv_events = args.kv_events_settings()  # likewise (engine/kv_events_args.py)
+    kv_transfer = args.kv_transfer_settings()  # and the KV connector's (kv_transfer_args.py)
     torch.manual_seed(args.seed)
     device = args.resolved_device()
     # The CUDA context starts (a second or so of driver work) while the config and the
@@ -67,6 +69,11 @@ def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
     t1 = time.perf_counter()
     core = EngineCore(config, loaded, request_limits=limits)
     attach_kv_events(core, kv_events)
+    try:
+        attach_kv_connector(core, kv_transfer, loaded.source)
+    except BaseException:
+        core.shutdown()
+        raise
     core.startup_times["load_config"] = t1 - t0
     core.startup_times["engine_core"] = time.perf_counter() - t1
     return StartedEngine(core, loaded.tokenizer)

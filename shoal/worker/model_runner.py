@@ -40,6 +40,7 @@ from shoal.worker.kv_cache_tensors import (
     layer_specs,
     zero_blocks,
 )
+from shoal.worker.kv_connector_step import run_loads, save_hook
 from shoal.worker.lifecycle import RunnerLifecycle
 from shoal.worker.mm_step import MultiModalRunner
 from shoal.worker.model_graphs import ModelGraphs, step_shapes
@@ -319,6 +320,12 @@ class ModelRunner(RunnerLifecycle, Executor):
         handle = StepHandle(ModelRunnerOutput())
         if sched.kv_transfers is not None:  # KV offloading: queued ahead of the forward pass
             self._run_kv_transfer(sched.kv_transfers, handle)
+        plan = sched.kv_connector  # disaggregated prefill: KV from and for other engines
+        if plan is not None:
+            caches = [layer.kv_cache for layer in self.model.attention_layers()]
+            run_loads(plan, caches, self.block_size)
+            if plan.saves:
+                handle.hooks.append(save_hook(plan, caches, self.block_size))
         if sched.is_empty:
             return handle
         self._num_forwards += 1

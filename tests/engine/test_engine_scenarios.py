@@ -234,9 +234,11 @@ def test_non_finite_logits_fail_only_that_request_and_publish_nothing(tiny_llama
 
 
 def test_start_up_warm_requests_leave_no_trace(tiny_llama_dir):
+    from shoal.engine.warm_requests import warm_request_path
+
     llm = tiny_llm(tiny_llama_dir)
     core = llm.llm_engine.core
-    core._warm_request_path()  # what a GPU start-up runs before reporting ready
+    warm_request_path(core)  # what a GPU start-up runs before reporting ready
     assert blocks_all_free(llm)
     assert not core.scheduler.kv.pool.cached
     stats = core.scheduler.stats()

@@ -72,6 +72,8 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
+    # vLLM's: a prefill engine's answer says where a decode engine fetches the KV
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 # ---- /v1/chat/completions ----------------------------------------------------------------
@@ -118,6 +120,7 @@ class ChatCompletionResponse(BaseModel):
     service_tier: str | None = None  # the key OpenAI's SDK expects (always null here)
     prompt_logprobs: list[dict[str, Any] | None] | None = None
     prompt_token_ids: list[int] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # (as CompletionResponse's)
 
 
 class DeltaMessage(BaseModel):

@@ -327,7 +327,8 @@ class OpenAIServingChat(ServingBase):
             usage=Usage.of(len(out.prompt_token_ids), completion,
                            self.cached(out.num_cached_tokens)),
             prompt_logprobs=prompt_lps,
-            prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
+            prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
+            kv_transfer_params=out.kv_transfer_params)
 
     def _stream_choice(self, req: ChatCompletionRequest, c: CompletionOutput,
                        k: int | None, shaper: ChoiceShaper | None = None

@@ -225,7 +225,9 @@ class OpenAIServingCompletion(ServingBase):
         choices.sort(key=lambda c: c.index)
         return CompletionResponse(id=rid, created=now_s(), model=model, choices=choices,
                                   usage=Usage.of(prompt_tokens, completion_tokens,
-                                                 self.cached(cached)))
+                                                 self.cached(cached)),
+                                  kv_transfer_params=finals[0].kv_transfer_params
+                                  if len(finals) == 1 else None)
 
     def _prompt_logprobs(self, req: CompletionRequest,
                          out: RequestOutput) -> list[dict[str, Any] | None] | None:

@@ -1,0 +1,125 @@
+"""Two offline engines in one process, a producer (prefill) and a consumer (decode), joined
+by the P2P connector: the consumer's greedy tokens equal one engine's, also with another
+block size on each side; its prompt's KV is loaded, not computed (the producer ran the
+prompt once); a consumer that cannot fetch the KV (the producer gone, the key served
+already, another prompt) recomputes and still answers right."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import tiny_llm
+
+from shoal import SamplingParams
+
+PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(37 + 5 * i)] for i in range(3)]
+STEPS = 8
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, **kw)
+
+
+def _producer(path, block_size=4):
+    return tiny_llm(path, block_size=block_size, kv_transfer_config={
+        "kv_connector": "P2PConnector", "kv_role": "kv_producer", "kv_port": 0})
+
+
+def _consumer(path, block_size=4):
+    return tiny_llm(path, block_size=block_size, kv_transfer_config={
+        "kv_connector": "P2PConnector", "kv_role": "kv_consumer"})
+
+
+def _prefill(producer, prompt) -> dict:
+    (out,) = producer.generate({"prompt_token_ids": prompt}, SamplingParams(
+        temperature=0, max_tokens=1, kv_transfer_params={"do_remote_decode": True}),
+        use_tqdm=False)
+    params = out.kv_transfer_params
+    assert params and params["do_remote_prefill"] and params["remote_num_tokens"] == len(prompt)
+    return params
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir):
+    llm = tiny_llm(tiny_llama_dir)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(), use_tqdm=False)
+    llm.shutdown()
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.mark.parametrize("sizes", [(4, 4), (4, 16), (16, 8)], ids=["same", "4-16", "16-8"])
+def test_decode_engine_gives_one_engines_tokens(tiny_llama_dir, reference, sizes) -> None:
+    producer, consumer = _producer(tiny_llama_dir, sizes[0]), _consumer(tiny_llama_dir, sizes[1])
+    try:
+        params = [_prefill(producer, p) for p in PROMPTS]
+        outs = consumer.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            [_greedy(kv_transfer_params=kp) for kp in params], use_tqdm=False)
+        connector = consumer.llm_engine.core.kv_connector
+        assert connector.num_loaded == len(PROMPTS) and connector.num_failed == 0
+        for out, want in zip(outs, reference):
+            assert list(out.outputs[0].token_ids) == want
+            assert out.num_cached_tokens == len(out.prompt_token_ids) - 1  # loaded, not run
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_a_missing_or_wrong_kv_is_recomputed(tiny_llama_dir, reference) -> None:
+    producer, consumer = _producer(tiny_llama_dir), _consumer(tiny_llama_dir)
+    try:
+        params = _prefill(producer, PROMPTS[0])
+        first = consumer.generate({"prompt_token_ids": PROMPTS[0]},
+                                  _greedy(kv_transfer_params=params), use_tqdm=False)[0]
+        # the same key again: served already, so recomputed
+        again = consumer.generate({"prompt_token_ids": PROMPTS[0]},
+                                  _greedy(kv_transfer_params=params), use_tqdm=False)[0]
+        # the KV of another prompt: refused by its hash, recomputed
+        other = _prefill(producer, PROMPTS[1])
+        wrong = consumer.generate({"prompt_token_ids": PROMPTS[2]},
+                                  _greedy(kv_transfer_params=other), use_tqdm=False)[0]
+        port = params["remote_port"]
+        producer.shutdown()  # the producer gone
+        gone = consumer.generate({"prompt_token_ids": PROMPTS[1]}, _greedy(
+            kv_transfer_params={**params, "remote_port": port}), use_tqdm=False)[0]
+        connector = consumer.llm_engine.core.kv_connector
+        assert connector.num_loaded == 1 and connector.num_failed == 3
+        assert list(first.outputs[0].token_ids) == reference[0]
+        assert list(again.outputs[0].token_ids) == reference[0]
+        assert list(wrong.outputs[0].token_ids) == reference[2]
+        assert list(gone.outputs[0].token_ids) == reference[1]
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_bad_transfer_settings_are_refused(tiny_llama_dir) -> None:
+    with pytest.raises(ValueError, match="kv_role must be one of"):
+        tiny_llm(tiny_llama_dir, kv_transfer_config={"kv_connector": "P2PConnector",
+                                                     "kv_role": "decoder"})
+    with pytest.raises(ValueError, match="unknown connector"):
+        tiny_llm(tiny_llama_dir, kv_transfer_config={"kv_connector": "Nope"})
+    with pytest.raises(ValueError, match="do_remote_prefill needs remote_host"):
+        SamplingParams(kv_transfer_params={"do_remote_prefill": True})
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_decode_ranks(tiny_llama_dir, reference) -> None:
+    """The producer runs one rank, the consumer two (gloo): each consumer rank writes its
+    own KV heads of the transferred rows. (The prompts are prefilled before the consumer
+    starts: two engines in one process share torch.distributed's world, which the consumer's
+    ranks then hold; the producer only serves its kept KV from then on.)"""
+    producer = _producer(tiny_llama_dir)
+    params = [_prefill(producer, p) for p in PROMPTS]
+    consumer = tiny_llm(tiny_llama_dir, tensor_parallel_size=2, kv_transfer_config={
+        "kv_connector": "P2PConnector", "kv_role": "kv_consumer"})
+    try:
+        outs = consumer.generate(
+            [{"prompt_token_ids": p} for p in PROMPTS],
+            [_greedy(kv_transfer_params=kp) for kp in params], use_tqdm=False)
+        assert consumer.llm_engine.core.kv_connector.num_loaded == len(PROMPTS)
+        for out, want in zip(outs, reference):
+            assert list(out.outputs[0].token_ids) == want
+            assert out.num_cached_tokens == len(out.prompt_token_ids) - 1
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
