@@ -26,6 +26,7 @@ _VISION = ("model.visual.", "visual.")
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
     supports_multimodal: ClassVar[bool] = True
     uses_mrope: ClassVar[bool] = True
+    encoder_graphs: Any = None  # set by the runner on CUDA (worker/encoder_graphs.py)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__(hf_config, dtype, use_triton_ops=use_triton_ops)
@@ -52,9 +53,16 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         device = self.model.embed_tokens.weight.device
         arrays = [_pixels_and_grid(f) for f in features]
         # (the arrays view msgpack's read-only bytes: copied once into torch)
-        pixels = torch.cat([torch.from_numpy(a[0].copy()) for a in arrays])
+        pixels = [torch.from_numpy(a[0].copy()) for a in arrays]
         grids = torch.cat([torch.from_numpy(a[1].copy()).reshape(-1, 3) for a in arrays])
-        out = self.visual(pixels.to(device), grids.to(device))
+        graphs = self.encoder_graphs  # CUDA graphs per image grid (worker/encoder_graphs.py)
+        if graphs is not None and len(features) == 1:
+            out = graphs.run(pixels[0].to(device, non_blocking=True),
+                             tuple(int(x) for x in grids[0]))
+            if out is not None:
+                return [out]
+        # (grids stay on the host: the tower reads them in Python once per forward)
+        out = self.visual(torch.cat(pixels).to(device), grids)
         sizes = [int(g.prod()) // self.merge ** 2 for g in grids]
         return list(out.split(sizes))
 

@@ -33,6 +33,7 @@ from shoal.lora.slots import LoRASlots
 from shoal.sample.sampler import Sampler
 from shoal.worker import warmup as startup
 from shoal.worker.drafter import Drafter, DrafterFactory, TargetStep
+from shoal.worker.encoder_graphs import EncoderGraphs
 from shoal.worker.kv_cache_sizing import decide_num_blocks
 from shoal.worker.kv_cache_tensors import (
     allocate_kv_caches,
@@ -235,6 +236,8 @@ class ModelRunner(RunnerLifecycle, Executor):
                                   keep_hidden=self.forwarder.keep_hidden,
                                   group_backends=self.graph_group_backends())
         self.startup_times["cuda_graphs"] = self.graphs.capture()
+        if hasattr(self.model, "encoder_graphs"):  # the vision tower's, captured per grid
+            self.model.encoder_graphs = EncoderGraphs(self.model.visual, self.device)
         if self.drafter is not None:
             # Drafting steps as graph replays: eagerly each one pays the launches.
             self.startup_times["draft_graphs"] = self.drafter.capture_graphs(

@@ -137,8 +137,10 @@ async def start_grpc(engine: AsyncLLM, app: FastAPI, settings: ServerSettings) -
         return None
     from shoal.entrypoints.grpc.server import start_grpc_server
 
+    events = engine.engine_args.kv_events_settings()  # where the engine publishes its KV events
     return await start_grpc_server(engine, app.state.models, settings,
-                                   lambda: app.state.draining)
+                                   lambda: app.state.draining,
+                                   events.endpoint if events is not None else None)
 
 
 class _Server(uvicorn.Server):

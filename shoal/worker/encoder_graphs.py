@@ -1,0 +1,64 @@
+"""CUDA graphs of a vision tower, one per image grid (the common image sizes of a workload
+repeat: a camera's, a UI's, a benchmark's). The tower's host work for a grid (its plan:
+window order, rotary positions, attention segments) is made once, outside the graph; a
+replay copies the image's patches into the graph's input and runs every block as one
+launch, which an eager forward pays per kernel.
+
+Graphs are captured lazily, the first time a grid is seen, up to `max_graphs`; other grids
+run eagerly. They share one memory pool. CUDA only (the CPU has no graphs)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    input: torch.Tensor  # [patches, patch_dim]: the replay reads the image's patches here
+    output: torch.Tensor  # [tokens, hidden]: a replay overwrites it
+    plan: Any  # the tower's plan for the grid (its tensors must outlive the graph)
+
+
+class EncoderGraphs:
+    def __init__(self, tower: Any, device: torch.device, max_graphs: int = 8):
+        """tower: has dtype, plan(grid_thw) and forward_planned(pixel_values, plan)."""
+        self.tower, self.device, self.max_graphs = tower, device, max_graphs
+        self.graphs: dict[tuple[int, ...], _Graph] = {}
+        self.pool: Any = None
+        self.num_replays = 0
+
+    def run(self, pixel_values: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor | None:
+        """The tower's output for one image (a copy, the graph's own is overwritten by the
+        next replay); None when the grid has no graph and no more may be captured."""
+        g = self.graphs.get(grid)
+        if g is None:
+            if len(self.graphs) >= self.max_graphs:
+                return None
+            g = self.graphs[grid] = self._capture(grid, pixel_values.shape)
+        g.input.copy_(pixel_values, non_blocking=True)
+        g.graph.replay()
+        self.num_replays += 1
+        return g.output.clone()
+
+    def _capture(self, grid: tuple[int, ...], shape: torch.Size) -> _Graph:
+        plan = self.tower.plan(torch.tensor([list(grid)]))
+        inp = torch.zeros(shape, dtype=self.tower.dtype, device=self.device)
+        side = torch.cuda.Stream(self.device)  # warm-up off the capturing stream
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.tower.forward_planned(inp, plan)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self.tower.forward_planned(inp, plan)
+        self.pool = graph.pool()
+        logger.info("vision encoder: CUDA graph captured for grid %s (%d patches)", grid,
+                    shape[0])
+        return _Graph(graph, inp, out, plan)
