@@ -1,7 +1,7 @@
 """The offline LLM's side of engines inside training loops (vLLM's RL lifecycle): sleep and
 wake, weight updates from tensors, a folder or the trainer's process group, prefix-cache
-resets and lifecycle methods on every rank. Each needs an idle engine (between generate
-calls); the engine core checks."""
+resets and lifecycle methods on every rank, generation paused and resumed. Each needs an idle
+engine (between generate calls, or paused); the engine core checks."""
 
 from __future__ import annotations
 
@@ -27,6 +27,24 @@ class LifecycleMixin:
 
     def is_sleeping(self) -> bool:
         return bool(self._core.sleep_level)
+
+    def pause_generation(self, wait_for_inflight_requests: bool = False,
+                         clear_cache: bool = True) -> None:
+        """vLLM's (engine/pause.py). Offline nothing runs between calls unless requests were
+        added to llm_engine directly: they are aborted, or stepped to their end with
+        wait_for_inflight_requests. A generate call while paused raises a ValueError, since
+        nothing could resume it; update_weights and sleep may run."""
+        core = self._core
+        core.pause.offline = True
+        core.pause_generation(wait_for_inflight_requests, clear_cache)
+        while not core.pause.settled(core):
+            self.llm_engine.step()
+
+    def resume_generation(self) -> None:
+        self._core.resume_generation()
+
+    def is_paused(self) -> bool:
+        return bool(self._core.pause.paused)
 
     def reset_prefix_cache(self) -> bool:
         return self._core.reset_prefix_cache()

@@ -9,6 +9,7 @@ import functools
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.config import SchedulerConfig
 from shoal.core.request import Request, RequestStatus
@@ -52,6 +53,8 @@ class _Cached:
 
 
 class Admission:
+    pause: Any = None  # engine/pause.py: GenerationPause, set by the engine core
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager,
                  offload: KVOffloadConnector | None, waiting: WaitingQueue,
                  running: list[Request], encoders: EncoderSchedule | None = None,
@@ -72,6 +75,9 @@ class Admission:
                    and len(self.running) < self.config.max_num_seqs
                    and len(step.scheduled) < step.max_requests):
                 req = step.current = self.waiting.peek()
+                if self.pause is not None and self.pause.holds(req):  # arrived while paused
+                    deferred.append(self.waiting.pop())
+                    continue
                 if req.num_pending_tokens or req.suspect:
                     # preempted while a step was in flight: its token is not known yet; or a
                     # suspect of a failed step, which is only admitted alone

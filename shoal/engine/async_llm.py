@@ -285,6 +285,22 @@ class AsyncLLM:
     async def reset_prefix_cache(self) -> bool:
         return bool(await self.client.call_utility("reset_prefix_cache"))
 
+    async def pause_generation(self, *, wait_for_inflight_requests: bool = False,
+                               clear_cache: bool = True) -> None:
+        """vLLM's: no new request is admitted until resume_generation (they wait queued);
+        the live ones are aborted (finish_reason "abort"), or with wait_for_inflight_requests
+        run to their end, which this waits for; clear_cache then resets the prefix cache."""
+        await self.client.call_utility("pause_generation",
+                                       args=[wait_for_inflight_requests, clear_cache])
+        while not await self.client.call_utility("pause_settled"):
+            await asyncio.sleep(0.01)  # the engine's loop steps the drain meanwhile
+
+    async def resume_generation(self) -> None:
+        await self.client.call_utility("resume_generation")
+
+    async def is_paused(self) -> bool:
+        return bool(await self.client.call_utility("is_paused"))
+
     def _set_sleep_metric(self, level: int) -> None:
         if level < 0:  # partly awake: leave the gauge as it was
             return

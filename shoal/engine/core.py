@@ -34,6 +34,7 @@ from shoal.core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequ
 from shoal.engine.dp_lockstep import join_dp_lockstep
 from shoal.engine.encoder_schedule import encoder_cache_size, whole_spans
 from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_core_request
+from shoal.engine.pause import GenerationPause
 from shoal.engine.pooling_scheduler import PoolingScheduler
 from shoal.engine.request_errors import EngineDeadError
 from shoal.engine.scheduler import Scheduler
@@ -96,6 +97,7 @@ class EngineCore:
         self.queue = StepQueue()
         self._history_requests: set[int] = set()  # serials: sampling needs every earlier token
         self._failed_in_a_row = 0
+        self.pause = GenerationPause.attached(self.scheduler)  # engine/pause.py
         self.eos_token_ids = frozenset(_eos_ids(loaded))
         self.structured = StructuredSteps(StructuredOutputManager(
             config.structured_outputs_backend, loaded.tokenizer, self.runner.vocab_size,
@@ -254,6 +256,14 @@ class EngineCore:
             save_file(tensors, file)
             return self.collective_rpc("update_weights_from_file", [file])[0]
 
+    def pause_generation(self, wait_for_inflight_requests: bool = False,
+                         clear_cache: bool = True) -> None:
+        """Aborts (or lets finish) the live requests and admits no new ones (pause.py)."""
+        self.pause.pause(self, wait_for_inflight_requests, clear_cache)
+
+    def resume_generation(self) -> None:
+        self.pause.resume()
+
     def reset_prefix_cache(self) -> bool:
         """Drops every cached block (device and KV tiers); False while requests hold blocks."""
         done = self.scheduler.kv.reset_prefix_cache()
@@ -280,8 +290,9 @@ class EngineCore:
         return self._has_local_work() or (self.dp_lockstep is not None
                                           and self.dp_lockstep.group_busy)
 
-    def _has_local_work(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self.queue)
+    def _has_local_work(self) -> bool:  # (paused, held requests are no work: pause.py)
+        return bool(self.queue) or (self.scheduler.has_unfinished_requests()
+                                    and not self.pause.idle(self.scheduler))
 
     def shutdown(self) -> None:
         """Between steps, before the process exits: finishes the steps in flight (their KV
@@ -305,6 +316,7 @@ class EngineCore:
         lockstep = self.dp_lockstep  # DP+EP: every replica steps, or none (dp_lockstep.py)
         if lockstep is not None and not lockstep.begin_step(self._has_local_work(), self.runner):
             return self._idle_round()
+        self.pause.check_step(self)
         try:
             outputs = self._run_step()
         except Exception as e:  # one bad request or a bug: never the whole engine
@@ -320,6 +332,7 @@ class EngineCore:
         stats = self.scheduler.stats()
         if self.kv_offload is not None:
             stats.kv_tiers = {t.name: t.as_metrics() for t in self.kv_offload.stats().tiers}
+        self.pause.settle(self)
         return EngineCoreOutputs(outputs=outputs, stats=stats)
 
     def _idle_round(self) -> EngineCoreOutputs:

@@ -52,7 +52,8 @@ class EngineCoreProc:
     """The busy loop around one EngineCore (anything with its methods, for tests)."""
 
     UTILITIES = ("ping", "get_stats", "reset_stats", "remove_lora", "sleep", "wake_up",
-                 "is_sleeping", "reset_prefix_cache")
+                 "is_sleeping", "reset_prefix_cache", "pause_generation", "resume_generation",
+                 "is_paused", "pause_settled")
 
     def __init__(self, core: Any, input_socket: zmq.Socket, output_socket: zmq.Socket,
                  death_fd: int | None = None, parent_pid: int | None = None,
@@ -219,6 +220,12 @@ class EngineCoreProc:
             "wake_up": lambda tags=None: self.core.wake_up(tags),
             "is_sleeping": lambda: bool(self.core.sleep_level),
             "reset_prefix_cache": lambda: self.core.reset_prefix_cache(),
+            # engine/pause.py; the frontend polls pause_settled to wait for the drain
+            "pause_generation": lambda wait=False, clear=True: self.core.pause_generation(
+                bool(wait), bool(clear)),
+            "resume_generation": lambda: self.core.resume_generation(),
+            "is_paused": lambda: self.core.pause.paused,
+            "pause_settled": lambda: self.core.pause.settled(self.core),
         }
         handler = handlers.get(call.method)
         if handler is None:

@@ -1,6 +1,7 @@
 """vLLM's development routes for engines inside training loops, on only with
 VLLM_SERVER_DEV_MODE=1 (as vLLM; SHOAL_SERVER_DEV_MODE too): POST /sleep?level=1|2,
-POST /wake_up[?tags=weights&tags=kv_cache], GET /is_sleeping, POST /reset_prefix_cache."""
+POST /wake_up[?tags=weights&tags=kv_cache], GET /is_sleeping, POST /reset_prefix_cache,
+POST /pause[?wait_for_inflight_requests=&clear_cache=], POST /resume, GET /is_paused."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def add_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
     if not dev_mode():
         return
     logger.warning("development routes are on (VLLM_SERVER_DEV_MODE): /sleep, /wake_up, "
-                   "/is_sleeping, /reset_prefix_cache")
+                   "/is_sleeping, /reset_prefix_cache, /pause, /resume, /is_paused")
 
     @app.post("/sleep")
     async def sleep(level: int = 1) -> Response:
@@ -52,6 +53,23 @@ def add_dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
     @app.get("/is_sleeping")
     async def is_sleeping() -> JSONResponse:
         return JSONResponse({"is_sleeping": await engine.is_sleeping()})
+
+    @app.post("/pause")
+    async def pause(wait_for_inflight_requests: bool = False,
+                    clear_cache: bool = True) -> JSONResponse:
+        """Returns once the live requests are aborted (or, waiting, have finished)."""
+        await _call(engine.pause_generation(wait_for_inflight_requests=wait_for_inflight_requests,
+                                            clear_cache=clear_cache))
+        return JSONResponse({"status": "paused"})
+
+    @app.post("/resume")
+    async def resume() -> JSONResponse:
+        await _call(engine.resume_generation())
+        return JSONResponse({"status": "resumed"})
+
+    @app.get("/is_paused")
+    async def is_paused() -> JSONResponse:
+        return JSONResponse({"is_paused": await engine.is_paused()})
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
