@@ -11,8 +11,8 @@ from typing import Any
 from shoal.json_arg import json_object
 
 # What shoal can run now, and what vLLM names that shoal does not run yet.
-METHODS = ("ngram", "draft_model", "mtp", "eagle")
-NOT_YET = ("eagle3", "medusa", "mlp_speculator", "suffix")
+METHODS = ("ngram", "draft_model", "mtp", "eagle", "eagle3")
+NOT_YET = ("medusa", "mlp_speculator", "suffix")
 # Test-only: placeholder drafts and a verifier that accepts a set share of them (timing runs
 # on random weights, where real acceptance cannot be had). Never lossless.
 FORCED = "test_forced_acceptance"
@@ -60,9 +60,9 @@ class SpeculativeConfig:
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config: method 'draft_model' needs 'model' (the "
                              "draft checkpoint)")
-        if self.method == "eagle" and not self.model:
-            raise ValueError("speculative_config: method 'eagle' needs 'model' (the EAGLE "
-                             "head's checkpoint folder)")
+        if self.method in ("eagle", "eagle3") and not self.model:
+            raise ValueError(f"speculative_config: method {self.method!r} needs 'model' (the "
+                             "EAGLE head's checkpoint folder)")
         if self.method == "mtp" and self.model:
             raise ValueError("speculative_config: method 'mtp' drafts with the target's own "
                              "multi-token-prediction layer; it takes no 'model'")

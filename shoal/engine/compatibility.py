@@ -99,7 +99,7 @@ class ResolvedArgs:
     @property
     def drafter_with_kv(self) -> bool:
         """A drafter with layers and a KV cache of its own (not ngram's prompt lookup)."""
-        return self.spec_method in ("draft_model", "mtp", "eagle")
+        return self.spec_method in ("draft_model", "mtp", "eagle", "eagle3")
 
     @property
     def spec_method(self) -> str | None:
@@ -245,7 +245,7 @@ ROWS: tuple[Incompatibility, ...] = (
     # ---- speculative decoding -------------------------------------------------------------
     Incompatibility(
         "speculative_config (eagle)", "linear attention (Qwen3-Next, Qwen3.5, Kimi Linear)",
-        lambda s: s.spec_method == "eagle" and s.linear_attention,
+        lambda s: s.spec_method in ("eagle", "eagle3") and s.linear_attention,
         "speculative_config: method 'eagle' has no head for {s.model_class}; use 'mtp', "
         "'draft_model' or 'ngram'"),
     Incompatibility(
@@ -385,7 +385,7 @@ ROWS: tuple[Incompatibility, ...] = (
         "experts over replicas: " + _DP_EP + " is not supported"),
     Incompatibility(
         "model_impl='transformers' (the Transformers backend)", "speculative_config (mtp, eagle)",
-        lambda s: s.transformers_backend and s.spec_method in ("mtp", "eagle"),
+        lambda s: s.transformers_backend and s.spec_method in ("mtp", "eagle", "eagle3"),
         "speculative_config: method {s.spec_method!r} drafts from a shoal model class's layers "
         "and hidden states; with the Transformers backend use 'ngram' or 'draft_model'"),
     # ---- DeepSeek-V4: a per-request reference path in plain torch, CPU only yet ----------
@@ -406,7 +406,7 @@ ROWS: tuple[Incompatibility, ...] = (
         "DeepseekV4ForCausalLM does not support " + _DP_EP + " yet"),
     Incompatibility(
         _V4, "speculative_config (mtp, eagle)",
-        lambda s: _deepseek_v4(s) and s.spec_method in ("mtp", "eagle"),
+        lambda s: _deepseek_v4(s) and s.spec_method in ("mtp", "eagle", "eagle3"),
         "speculative_config: method {s.spec_method!r} has no head for DeepseekV4ForCausalLM "
         "(its multi-token-prediction layers are not loaded yet); use 'ngram'"),
     Incompatibility(

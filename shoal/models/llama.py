@@ -149,6 +149,9 @@ class LlamaModel(nn.Module):
     is_first = is_last = True
     start_layer: int = 0
     end_layer: int | None = None
+    # EAGLE-3's auxiliary hidden states (record_aux); none recorded by default
+    aux_layers: tuple[int, ...] = ()
+    aux_buffer: torch.Tensor
 
     def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool = False,
                  qkv_bias: bool = False, use_triton_ops: bool = True):
@@ -185,13 +188,40 @@ class LlamaModel(nn.Module):
             hidden = torch.zeros(input_ids.shape[0], self.hidden_size, dtype=self.dtype,
                                  device=input_ids.device)
             residual = torch.zeros_like(hidden)
-        for layer in self.layers[self.start_layer:self.end_layer]:
-            hidden, residual = layer(positions, hidden, residual, md)
+        if self.aux_layers:
+            hidden, residual = self._layers_recording_aux(positions, hidden, residual, md)
+        else:
+            for layer in self.layers[self.start_layer:self.end_layer]:
+                hidden, residual = layer(positions, hidden, residual, md)
         if not self.is_last:
             assert residual is not None
             return hidden, residual
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    def record_aux(self, layer_ids: tuple[int, ...], max_tokens: int) -> None:
+        """EAGLE-3: every forward pass also writes the residual stream entering each layer
+        of layer_ids (len(layers): the last layer's output) into aux_buffer, concatenated:
+        [tokens, len(layer_ids) * hidden]. A fixed buffer, so CUDA graph replays fill it too."""
+        self.aux_layers = tuple(layer_ids)
+        self.aux_buffer = torch.zeros(max_tokens, len(layer_ids) * self.hidden_size,
+                                      dtype=self.dtype, device=next(self.parameters()).device)
+
+    def _layers_recording_aux(self, positions: torch.Tensor, hidden: torch.Tensor,
+                              residual: torch.Tensor | None, md: Any
+                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        aux: dict[int, torch.Tensor] = {}
+        assert self.end_layer is not None
+        for i in range(self.start_layer, self.end_layer + 1):
+            if i in self.aux_layers:
+                aux[i] = hidden if residual is None else hidden + residual
+            if i < self.end_layer:
+                hidden, residual = self.layers[i](positions, hidden, residual, md)
+        t = hidden.shape[0]
+        if t > self.aux_buffer.shape[0]:  # (eager only: graphs capture within the size)
+            self.aux_buffer = self.aux_buffer.new_zeros(t, self.aux_buffer.shape[1])
+        self.aux_buffer[:t].copy_(torch.cat([aux[i] for i in self.aux_layers], dim=-1))
+        return hidden, residual
 
     def owns(self, name: str) -> bool:
         """Whether the checkpoint tensor `name` (under model.) lands on this stage."""

@@ -54,7 +54,7 @@ def _eagle_config(folder: Path, target_cfg: Any, max_model_len: int) -> Any:
     arch = " ".join(getattr(cfg, "architectures", None) or [])
     if "eagle3" in arch.lower():
         raise ValueError(f"speculative_config: {folder} is an EAGLE-3 head ({arch}); method "
-                         "'eagle' runs EAGLE-1 heads (eagle3 is not supported yet)")
+                         "'eagle' runs EAGLE-1 heads; use method 'eagle3' for this one")
     for key in ("hidden_size", "vocab_size"):
         mine, theirs = getattr(cfg, key, None), getattr(target_cfg, key)
         if mine != theirs:
@@ -90,7 +90,7 @@ def build_eagle_head(config: Any, spec: Any, target: nn.Module, loaded: Any) -> 
     if not dummy:
         if any(n.startswith("midlayer.") or n in ("d2t", "t2d") for n in tensors):
             raise ValueError(f"speculative_config: {folder} holds an EAGLE-3 head; method "
-                             "'eagle' runs EAGLE-1 heads (eagle3 is not supported yet)")
+                             "'eagle' runs EAGLE-1 heads; use method 'eagle3' for this one")
         if "fc.weight" not in tensors:
             raise ValueError(f"speculative_config: {folder} is not an EAGLE-1 head (no "
                              "fc.weight tensor)")

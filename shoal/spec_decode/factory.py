@@ -27,6 +27,10 @@ def build_drafter(engine_config: EngineConfig, target: Any, loaded: Any) -> Draf
         from shoal.spec_decode.draft_model import DraftModelDrafter
 
         return DraftModelDrafter(engine_config, config)
+    if config.method == "eagle3":
+        from shoal.spec_decode.eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter(engine_config, config, target, loaded)
     if config.method in ("mtp", "eagle"):
         from shoal.spec_decode.mtp import HiddenStateDrafter, build_mtp_head
 

@@ -254,7 +254,7 @@ class HiddenStateDrafter(DrafterCache):
         if k < 1:
             return {}
         h = out[to_device(last, torch.long, self.device)]
-        ids = self.model.compute_logits(h).argmax(dim=-1)
+        ids = self._greedy(h)
         drafts = ids[:, None]
         if k > 1:  # drafts 2..k: the head's own steps (CUDA graphs when captured)
             start = [n - 1 for n in lens]  # the just-sampled token's position
@@ -270,7 +270,11 @@ class HiddenStateDrafter(DrafterCache):
                     hidden: torch.Tensor | None, md: Any
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.model(ids, positions, hidden, md)
-        return self.model.compute_logits(h).argmax(dim=-1), h
+        return self._greedy(h), h
+
+    def _greedy(self, h: torch.Tensor) -> torch.Tensor:
+        """The head's greedy next token ids (the target's vocabulary) of output states h."""
+        return self.model.compute_logits(h).argmax(dim=-1)
 
     def _hidden_spec(self) -> tuple[int, torch.dtype]:
         return self.model.config.hidden_size, self.dtype

@@ -258,5 +258,5 @@ def test_eagle_errors(ckpts, tiny_llama_dir, tmp_path) -> None:
     with pytest.raises(ValueError, match="needs a local folder"):
         tiny_llm(tiny_llama_dir, speculative_config=_spec(tmp_path / "absent"))
     eagle3 = write_eagle(tmp_path / "eagle3", w, architectures=["LlamaForCausalLMEagle3"])
-    with pytest.raises(ValueError, match="eagle3 is not supported yet"):
+    with pytest.raises(ValueError, match="use method 'eagle3'"):
         tiny_llm(tiny_llama_dir, speculative_config=_spec(eagle3))

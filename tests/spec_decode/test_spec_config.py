@@ -35,7 +35,8 @@ def test_vllm_shapes() -> None:
       "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0},
      "prompt_lookup_min"),
-    ({"method": "eagle3", "num_speculative_tokens": 2, "model": "x"}, "not supported yet"),
+    ({"method": "eagle3", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "suffix", "num_speculative_tokens": 2}, "not supported yet"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "needs 'model'"),
     ({"method": "medusa", "num_speculative_tokens": 1}, "not supported yet"),
     ({"method": "mtp", "num_speculative_tokens": 1, "model": "x"}, "takes no 'model'"),
@@ -89,8 +90,8 @@ def test_serve_answers_a_bad_config_before_loading_anything(capsys) -> None:
     from shoal.cli import main
 
     assert main(["serve", "--speculative-config",
-                 '{"method": "eagle3", "num_speculative_tokens": 2}']) == 2
-    assert "method 'eagle3' is not supported yet" in capsys.readouterr().err
+                 '{"method": "medusa", "num_speculative_tokens": 2}']) == 2
+    assert "method 'medusa' is not supported yet" in capsys.readouterr().err
 
 
 def test_ngram_proposer() -> None:
