@@ -301,6 +301,24 @@ class AsyncLLM:
     async def is_paused(self) -> bool:
         return bool(await self.client.call_utility("is_paused"))
 
+    async def collective_rpc(self, method: str, args: list[Any] | None = None,
+                             kwargs: dict[str, Any] | None = None,
+                             timeout: float = 600.0) -> list[Any]:
+        """A lifecycle method (shoal/worker/lifecycle.py RPC_METHODS) on every rank: their
+        results. Weight updates need an idle or paused engine and empty the prefix cache."""
+        results = await self.client.call_utility("collective_rpc", timeout=timeout,
+                                                 args=[method, list(args or ()), kwargs or {}])
+        if method == "sleep":  # (the gauge follows, as with sleep and wake_up)
+            self._set_sleep_metric(int([*(args or ()), (kwargs or {}).get("level", 1)][0]))
+        elif method == "wake_up":
+            self._set_sleep_metric(0 if not await self.is_sleeping() else -1)
+        return results
+
+    async def update_weights_from_path(self, path: str, timeout: float = 600.0) -> int:
+        """A checkpoint folder (or .gguf) of this model: the number of tensors loaded."""
+        return (await self.collective_rpc("update_weights_from_path", [str(path)],
+                                          timeout=timeout))[0]
+
     def _set_sleep_metric(self, level: int) -> None:
         if level < 0:  # partly awake: leave the gauge as it was
             return

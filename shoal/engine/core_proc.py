@@ -53,7 +53,7 @@ class EngineCoreProc:
 
     UTILITIES = ("ping", "get_stats", "reset_stats", "remove_lora", "sleep", "wake_up",
                  "is_sleeping", "reset_prefix_cache", "pause_generation", "resume_generation",
-                 "is_paused", "pause_settled")
+                 "is_paused", "pause_settled", "collective_rpc")
 
     def __init__(self, core: Any, input_socket: zmq.Socket, output_socket: zmq.Socket,
                  death_fd: int | None = None, parent_pid: int | None = None,
@@ -226,6 +226,8 @@ class EngineCoreProc:
             "resume_generation": lambda: self.core.resume_generation(),
             "is_paused": lambda: self.core.pause.paused,
             "pause_settled": lambda: self.core.pause.settled(self.core),
+            "collective_rpc": lambda method, args=None, kwargs=None: self.core.collective_rpc(
+                str(method), rpc_arguments(str(method), args, kwargs)),
         }
         handler = handlers.get(call.method)
         if handler is None:
@@ -252,6 +254,26 @@ class EngineCoreProc:
 
     def _send(self, msg: Any) -> None:
         self.output.send(self.encoder.encode(msg), copy=False)
+
+
+def rpc_arguments(method: str, args: list[Any] | None, kwargs: dict[str, Any] | None
+                  ) -> list[Any]:
+    """A lifecycle method's arguments checked against its signature (a bad one is the
+    caller's ValueError, naming the method), keyword ones made positional."""
+    import inspect
+
+    from shoal.worker.lifecycle import RPC_METHODS, RunnerLifecycle
+
+    if method not in RPC_METHODS:
+        raise ValueError(f"collective_rpc: unknown method {method!r} (one of "
+                         f"{', '.join(sorted(RPC_METHODS))})")
+    try:  # (the engine's own sleep and wake_up take the ranks' parameters)
+        bound = inspect.signature(getattr(RunnerLifecycle, method)).bind(
+            None, *(args or ()), **(kwargs or {}))
+    except TypeError as e:
+        raise ValueError(f"collective_rpc: bad arguments for {method!r}: {e}") from None
+    bound.apply_defaults()
+    return list(bound.args[1:])
 
 
 def _build_core(engine_args: EngineArgs) -> Any:
