@@ -18,7 +18,7 @@ NOT_YET = ("medusa", "mlp_speculator", "suffix")
 FORCED = "test_forced_acceptance"
 
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-         "acceptance_rate", "disable_by_batch_size", "adaptive_budget"}
+         "acceptance_rate", "disable_by_batch_size", "adaptive_budget", "confidence_threshold"}
 # vLLM's other keys: a clear error rather than a silently ignored setting.
 _NOT_YET_KEYS = {"draft_tensor_parallel_size", "max_model_len", "quantization", "revision",
                  "code_revision", "disable_padded_drafter_batch",
@@ -40,6 +40,10 @@ class SpeculativeConfig:
     # shoal's: per-request draft counts from recent acceptance and the batch size
     # (shoal/engine/draft_budget.py); False always verifies every draft proposed.
     adaptive_budget: bool = True
+    # shoal's: confidence-scheduled verification (shoal/engine/draft_budget.py): a request
+    # verifies the drafts whose cumulative drafter probability, times its acceptance
+    # estimate, clears this threshold scaled up with the batch; None (default): off.
+    confidence_threshold: float | None = None
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
@@ -73,6 +77,11 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive_budget, bool):
             raise ValueError("speculative_config: adaptive_budget must be true or false (got "
                              f"{self.adaptive_budget!r})")
+        c = self.confidence_threshold
+        if c is not None and (not isinstance(c, (int, float)) or isinstance(c, bool)
+                              or not 0.0 <= c < 1.0):
+            raise ValueError("speculative_config: confidence_threshold must be a number in "
+                             f"[0, 1) or null (got {c!r})")
         if self.method != FORCED and self.acceptance_rate:
             raise ValueError("speculative_config: acceptance_rate is for the test-only method "
                              f"{FORCED!r}")
@@ -115,7 +124,7 @@ class SpeculativeConfig:
                                   "num_speculative_tokens": d["num_speculative_tokens"],
                                   "model": model}
         for key in ("prompt_lookup_min", "prompt_lookup_max", "acceptance_rate",
-                    "disable_by_batch_size", "adaptive_budget"):
+                    "disable_by_batch_size", "adaptive_budget", "confidence_threshold"):
             if d.get(key) is not None:
                 kwargs[key] = d[key]
         # Only one bound given: the other takes its value (as vLLM does).

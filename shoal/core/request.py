@@ -68,6 +68,8 @@ class Request:
     # verify steps in a row that accepted nothing, decode steps left to run without drafts
     # (the backoff that follows: draft_budget.py) and backoffs since the last acceptance.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The drafter's probability of each of them (empty: none known, taken as 1.0).
+    spec_probs: list[float] = field(default_factory=list)
     # The accepted run of its last verify step, not yet in linear-attention states (see
     # ScheduledRequest.replay)
     state_replay: int = 0

@@ -119,6 +119,9 @@ class ModelRunnerOutput:
     verified_logprobs: dict[int, list[Logprobs]] = field(default_factory=dict)
     # Drafts proposed for each request that sampled, for the next step to verify.
     draft_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # ...and the drafter's probability of each (softmax at the drafted token), where the
+    # drafter has them and confidence-scheduled verification is on (draft_budget.py).
+    draft_probs: dict[int, list[float]] = field(default_factory=dict)
     # prompt logprobs produced this step: serial -> [(position, logprobs), ...]
     prompt_logprobs: dict[int, list[tuple[int, Logprobs]]] = field(default_factory=dict)
     # requests whose logits were not finite: they are finished with an error

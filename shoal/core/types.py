@@ -84,6 +84,10 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_num_accepted_tokens_per_pos: list[int] | None = None
+    # ...and by draft position, the drafts that reached a decode step (proposed) and those
+    # scheduled for verification (verified): proposed >= verified >= accepted.
+    spec_num_proposed_tokens_per_pos: list[int] | None = None
+    spec_num_verified_tokens_per_pos: list[int] | None = None
     # Linear-attention models: blocks of the pool holding recurrent states now (each a
     # state of every layer of one state group), and a request's state bytes (all layers).
     num_state_blocks: int = 0

@@ -155,6 +155,7 @@ class EngineCore:
                          spec_adaptive=spec is None or spec.adaptive_budget,
                          spec_disable_by_batch_size=spec.disable_by_batch_size
                          if spec is not None else None,
+                         spec_confidence=spec.confidence_threshold if spec else None,
                          micro_batches=config.parallel_config.pipeline_parallel_size,
                          kv_groups=layout.groups,
                          encoder_cache_size=encoder_cache_size(config, loaded.hf_config),

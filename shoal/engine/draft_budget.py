@@ -24,7 +24,18 @@ threshold, which rises with the batch: at a few requests a decode reads every we
 token and verifying a few more costs little, so a draft right one time in ten pays; towards
 DRAFT_COST_FULL_BATCH requests the device is compute-bound, a verified token costs about what a
 decoded one does, and only drafts that are almost sure are worth it. With disable_by_batch_size
-(vLLM's key) no request drafts while that many or more are running."""
+(vLLM's key) no request drafts while that many or more are running.
+
+Confidence-scheduled verification (speculative_config confidence_threshold c; None, the
+default, turns it off): drafters that know how sure they are (mtp, eagle: the softmax of the
+head's logits at each greedy draft) send each draft's probability p_i with it; of the drafts
+the rules above allow, a request verifies the longest prefix j with
+    a * p_1 * ... * p_j >= confidence_threshold(c, running) = c * min(1, running / 32)
+where a is its acceptance estimate (1 when adaptive_budget is off), at least 0 drafts (0: a
+plain decode step). The threshold rises with the batch (monotone, reaching c at
+CONFIDENCE_FULL_BATCH requests) for the reason the worth threshold does. Drafts without
+probabilities (ngram, draft_model) count as sure (1.0). The stats count, by draft position,
+the drafts that reached a decode step (proposed), those verified and those accepted."""
 
 from __future__ import annotations
 
@@ -43,6 +54,25 @@ MIN_WORTH, MAX_WORTH = 0.1, 0.9
 DRAFT_COST_FREE_BATCH, DRAFT_COST_FULL_BATCH = 8, 64
 ACCEPT_DECAY = 0.8  # per step, on the acceptance counts
 PRIOR_HITS, PRIOR_FAILS = 3.0, 0.0  # a new request starts at p = 0.8: it gets its k drafts
+CONFIDENCE_FULL_BATCH = 32  # the confidence threshold reaches its setting at this batch
+
+
+def confidence_threshold(threshold: float, running: int) -> float:
+    """The least a * p_1 * ... * p_j for which a j-th draft is verified, with `running`
+    requests: the setting scaled by min(1, running / CONFIDENCE_FULL_BATCH)."""
+    return threshold * min(1.0, running / CONFIDENCE_FULL_BATCH)
+
+
+def confident_num_drafts(probs: list[float], k: int, estimate: float, threshold: float) -> int:
+    """Drafts worth verifying by confidence: the largest j <= k with
+    estimate * prod(probs[:j]) >= threshold (a draft past the known probabilities: 1.0)."""
+    j, reach = 0, estimate
+    while j < k:
+        reach *= probs[j] if j < len(probs) else 1.0
+        if reach < threshold:
+            break
+        j += 1
+    return j
 
 
 def worth_threshold(running: int) -> float:
@@ -70,17 +100,21 @@ def adaptive_num_drafts(hits: float, fails: float, k: int, threshold: float) -> 
 
 class DraftBudget:
     def __init__(self, num_speculative_tokens: int, max_model_len: int, adaptive: bool = True,
-                 disable_by_batch_size: int | None = None):
-        """num_speculative_tokens: k, the drafts a request is proposed (0: no speculation)."""
+                 disable_by_batch_size: int | None = None, confidence: float | None = None):
+        """num_speculative_tokens: k, the drafts a request is proposed (0: no speculation);
+        confidence: the confidence threshold's setting (None: off)."""
         self.k = num_speculative_tokens
         self.max_model_len = max_model_len
         self.adaptive = adaptive
         self.disable_by_batch_size = disable_by_batch_size
+        self.confidence = confidence
         self._reset_stats()
 
     def _reset_stats(self) -> None:
         self._drafts = self._draft_tokens = self._accepted = 0
         self._per_pos = [0] * self.k
+        self._proposed_pos = [0] * self.k
+        self._verified_pos = [0] * self.k
 
     def num_drafts(self, req: Request, room: int, allowed: bool, running: int) -> int:
         """How many of the request's drafts to verify in this decode step: none unless drafts
@@ -95,7 +129,9 @@ class DraftBudget:
         req.spec_fails *= ACCEPT_DECAY
         if not allowed or not req.spec_token_ids or req.num_pending_tokens:
             return 0
-        k = self._budget(req, len(req.spec_token_ids), running)
+        for pos in range(min(len(req.spec_token_ids), self.k)):
+            self._proposed_pos[pos] += 1
+        k = self._confident(req, self._budget(req, len(req.spec_token_ids), running), running)
         return max(0, min(k, room, req.max_tokens - req.num_output_tokens - 1,
                           self.max_model_len - req.num_tokens - 1))
 
@@ -107,6 +143,15 @@ class DraftBudget:
         if self.adaptive:
             return adaptive_num_drafts(req.spec_hits, req.spec_fails, k, worth_threshold(running))
         return k
+
+    def _confident(self, req: Request, k: int, running: int) -> int:
+        """Of k drafts, those confidence-scheduled verification keeps (all when it is off)."""
+        if self.confidence is None or k == 0:
+            return k
+        estimate = (acceptance_estimate(req.spec_hits, req.spec_fails) if self.adaptive
+                    else 1.0)
+        return confident_num_drafts(req.spec_probs, k, estimate,
+                                    confidence_threshold(self.confidence, running))
 
     def wants_drafts(self, running: list[Request], proposals_known: bool) -> bool:
         """Whether the next step would verify drafts for some running request, were they
@@ -131,6 +176,8 @@ class DraftBudget:
         self._accepted += accepted
         for pos in range(accepted):
             self._per_pos[pos] += 1
+        for pos in range(min(num_drafts, self.k)):
+            self._verified_pos[pos] += 1
         req.spec_hits += accepted
         req.spec_fails += accepted < num_drafts  # the first rejection; later drafts unseen
         if accepted:
@@ -144,10 +191,12 @@ class DraftBudget:
 
     def take_stats(self) -> dict:
         """vLLM's spec_decode counters since the last call (none: no verify step)."""
-        if not self._drafts:
+        if not self._drafts and not any(self._proposed_pos):
             return {}
         stats = dict(spec_num_drafts=self._drafts, spec_num_draft_tokens=self._draft_tokens,
                      spec_num_accepted_tokens=self._accepted,
-                     spec_num_accepted_tokens_per_pos=self._per_pos)
+                     spec_num_accepted_tokens_per_pos=self._per_pos,
+                     spec_num_proposed_tokens_per_pos=self._proposed_pos,
+                     spec_num_verified_tokens_per_pos=self._verified_pos)
         self._reset_stats()
         return stats

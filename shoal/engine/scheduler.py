@@ -61,13 +61,14 @@ class Scheduler(StepResults, RequestTableFront):
                  num_blocks: int, kv_store: TieredKVStore | None = None,
                  request_timeout: float | None = None, num_speculative_tokens: int = 0,
                  spec_adaptive: bool = True, spec_disable_by_batch_size: int | None = None,
+                 spec_confidence: float | None = None,
                  micro_batches: int = 1, kv_groups: Sequence[KVCacheGroup] = FULL_ATTENTION,
                  encoder_cache_size: int = 0, whole_spans: bool = False,
                  kv_connector: KVConnector | None = None):
         """num_blocks: the device KV pool, as the model runner sized it at start-up.
         request_timeout: seconds from arrival after which a request is ended with an error.
         num_speculative_tokens: drafts per step of a speculating request (0: none);
-        spec_adaptive / spec_disable_by_batch_size: see draft_budget.py.
+        spec_adaptive / spec_disable_by_batch_size / spec_confidence: see draft_budget.py.
         micro_batches: steps in flight at once (pipeline parallelism); above 1 a request
         waits while a step samples for it, and each step takes 1/micro_batches of them.
         kv_groups: the layers sharing block tables (the runner's KVCacheLayout).
@@ -89,7 +90,7 @@ class Scheduler(StepResults, RequestTableFront):
         self.waiting = WaitingQueue(sched_config.policy)
         self.running: list[Request] = []
         self.drafts = DraftBudget(num_speculative_tokens, sched_config.max_model_len,
-                                  spec_adaptive, spec_disable_by_batch_size)
+                                  spec_adaptive, spec_disable_by_batch_size, spec_confidence)
         self.failed_blocks = FailedBlocks(self.kv, self.offload, self.running)
         self.suspects = Suspects(self.running, self.waiting, self.failed_blocks)
         self.encoders = (EncoderSchedule(encoder_cache_size, encoder_cache_size, whole_spans)

@@ -77,6 +77,7 @@ class StepResults:
         # position masked as if the drafts before it were accepted).
         if drafts and status is None and req.status == RequestStatus.RUNNING:
             req.spec_token_ids = drafts
+            req.spec_probs = result.draft_probs.get(req.serial, [])
         out = token_output(req, tokens, lps, prompt_lp, status)
         if status is not None and self.connector is not None:
             out.kv_transfer_params = self.connector.transfer_params(req)

@@ -26,7 +26,13 @@ request (position L-2 for a sequence of L tokens, next token the one just sample
 draft 1; drafts 2..k feed the head's own output state back with the previous draft, at
 positions L-1, L, ... (replayed as CUDA graphs once captured: draft_graphs.py); those
 positions past the request's blocks go to per-row scratch blocks, and everything written
-past the computed tokens is overwritten by the next mirror before anyone reads it."""
+past the computed tokens is overwritten by the next mirror before anyone reads it.
+
+With confidence-scheduled verification on (speculative_config confidence_threshold), each
+draft also carries the head's probability of it, the softmax of its logits at the greedy
+token (exp(max - logsumexp), out of the logits the argmax reads anyway): draft 1's beside the
+mirror, those of drafts 2..k written by each greedy step into a static buffer (the graphs
+replay that write), read with the drafts. They go out in ModelRunnerOutput.draft_probs."""
 
 from __future__ import annotations
 
@@ -179,6 +185,11 @@ class HiddenStateDrafter(DrafterCache):
         self._init_cache(config, spec.num_speculative_tokens)
         # With async scheduling the next target step is launched before this one is mirrored
         self.async_scheduling = config.async_scheduling
+        self.confidence = spec.confidence_threshold is not None
+        self.last_draft_probs: dict[int, list[float]] = {}  # of the last proposal
+        if self.confidence:  # the greedy steps' probabilities, column j - 2 for draft j
+            self._probs = torch.zeros(self.max_rows, self.k, device=self.device)
+            self._prob_col = torch.zeros(1, dtype=torch.long, device=self.device)
 
     def on_launch(self, step: TargetStep) -> torch.Tensor | None:
         """Mirrored once sampled (propose): it needs the next tokens. A graph's hidden states
@@ -200,6 +211,8 @@ class HiddenStateDrafter(DrafterCache):
         for serial, d in drafts.items():
             if d and serial in out.sampled_token_ids:
                 out.draft_token_ids[serial] = d
+                if serial in self.last_draft_probs:
+                    out.draft_probs[serial] = self.last_draft_probs[serial]
 
     @torch.inference_mode()
     def mirror_and_propose(self, reqs: list[MtpRequest], hidden: torch.Tensor,
@@ -240,6 +253,7 @@ class HiddenStateDrafter(DrafterCache):
                  ) -> dict[int, list[int]]:
         """Greedy drafts, up to k, fewer near max_model_len (as the draft model's)."""
         last, reqs, lens = [], [], []
+        self.last_draft_probs = {}
         row = 0
         for r, n in kept:
             row += n
@@ -254,8 +268,10 @@ class HiddenStateDrafter(DrafterCache):
         if k < 1:
             return {}
         h = out[to_device(last, torch.long, self.device)]
-        ids = self._greedy(h)
+        ids, p = self._greedy_p(h) if self.confidence else (self._greedy(h), None)
         drafts = ids[:, None]
+        if p is not None:
+            self._prob_col.zero_()
         if k > 1:  # drafts 2..k: the head's own steps (CUDA graphs when captured)
             start = [n - 1 for n in lens]  # the just-sampled token's position
             need = [-(-(p + k - 1) // self.block_size) for p in start]
@@ -264,17 +280,36 @@ class HiddenStateDrafter(DrafterCache):
             drafts = torch.cat([drafts, self._greedy_steps(ids, h, start, tables, k - 1)],
                                dim=1)
         result = drafts.tolist()  # the one wait for the device
+        if p is not None:
+            probs = torch.cat([p[:, None], self._probs[:len(reqs), :k - 1]], dim=1).tolist()
+            self.last_draft_probs = {r.serial: q for r, q in zip(reqs, probs)}
         return {r.serial: d for r, d in zip(reqs, result)}
 
     def _draft_step(self, ids: torch.Tensor, positions: torch.Tensor,
                     hidden: torch.Tensor | None, md: Any
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         h = self.model(ids, positions, hidden, md)
-        return self._greedy(h), h
+        if not self.confidence:
+            return self._greedy(h), h
+        next_ids, p = self._greedy_p(h)
+        # Column j of the static buffer (modulo: graph warm-ups run the step more times)
+        col = self._prob_col % self._probs.shape[1]
+        self._probs[:p.shape[0]].index_copy_(1, col, p[:, None])
+        self._prob_col.add_(1)
+        return next_ids, h
 
     def _greedy(self, h: torch.Tensor) -> torch.Tensor:
         """The head's greedy next token ids (the target's vocabulary) of output states h."""
         return self.model.compute_logits(h).argmax(dim=-1)
+
+    def _greedy_p(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """_greedy's ids and the head's probability of each (float32), from one logits."""
+        logits = self.model.compute_logits(h)
+        ids = logits.argmax(dim=-1)
+        p = torch.exp(logits.amax(dim=-1).float() - torch.logsumexp(logits.float(), dim=-1))
+        if hasattr(self.model, "to_target"):  # EAGLE-3: a draft vocabulary of its own
+            ids = self.model.to_target(ids)
+        return ids, p
 
     def _hidden_spec(self) -> tuple[int, torch.dtype]:
         return self.model.config.hidden_size, self.dtype
