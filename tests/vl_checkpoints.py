@@ -78,3 +78,74 @@ def hf_greedy(model, input_ids: list[int], max_new_tokens: int, **mm) -> list[in
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                              max_new_tokens=max_new_tokens, do_sample=False, **mm)
     return out[0, len(input_ids):].tolist()
+
+
+# ---- Idefics3 (SmolVLM) ----------------------------------------------------------------------
+IDEFICS3_SPECIAL = (["<unk>", "<image>", "<fake_token_around_image>", "<global-img>"]
+                    + [f"<row_{i}_col_{j}>" for i in range(1, 5) for j in range(1, 5)])
+IDEFICS3_VOCAB = (IDEFICS3_SPECIAL + ["\n", "\n\n"]
+                  + [f"w{i}" for i in range(256 - len(IDEFICS3_SPECIAL) - 2)])
+IDEFICS3_TILE, IDEFICS3_PATCH = 32, 8
+
+
+def tiny_idefics3_config():
+    from transformers import Idefics3Config
+
+    return Idefics3Config(
+        vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                       "intermediate_size": 64, "patch_size": IDEFICS3_PATCH,
+                       "image_size": IDEFICS3_TILE},
+        text_config={"model_type": "llama", "vocab_size": len(IDEFICS3_VOCAB),
+                     "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                     "num_key_value_heads": 2, "intermediate_size": 128,
+                     "max_position_embeddings": 256},
+        scale_factor=2, image_token_id=IDEFICS3_VOCAB.index("<image>"),
+        tie_word_embeddings=False, architectures=["Idefics3ForConditionalGeneration"])
+
+
+def write_tiny_idefics3(path: Path, seed: int = 0):
+    """A tiny random Idefics3 folder (tiles of IDEFICS3_TILE, a vocabulary with newline
+    tokens); returns transformers' model that was saved."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import Idefics3ForConditionalGeneration, PreTrainedTokenizerFast
+    from transformers.models.idefics3.image_processing_pil_idefics3 import (
+        Idefics3ImageProcessorPil,
+    )
+
+    torch.manual_seed(seed)
+    hf = Idefics3ForConditionalGeneration(tiny_idefics3_config()).eval()
+    randomize_weights(hf)
+    hf.save_pretrained(path)
+    vocab = {t: i for i, t in enumerate(IDEFICS3_VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n+|[^\s]+"), "removed", invert=True)
+    tok.add_special_tokens(IDEFICS3_SPECIAL)
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
+    Idefics3ImageProcessorPil(size={"longest_edge": 2 * IDEFICS3_TILE},
+                              max_image_size={"longest_edge": IDEFICS3_TILE}
+                              ).save_pretrained(path)
+    return hf
+
+
+def noise_image(h: int, w: int, seed: int):
+    """An h x w RGB image of seeded uniform noise (numpy's default_rng)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def record_placed(monkeypatch, llm) -> list[int]:
+    """A list that fills, step by step, with the number of encoder rows the engine's
+    runner places (the steps that place any)."""
+    placed: list[int] = []
+    mm = llm.llm_engine.core.runner.mm
+    prepare = mm.prepare
+
+    def recording(inp) -> None:
+        prepare(inp)
+        if inp.mm is not None and inp.mm.rows is not None:
+            placed.append(int(inp.mm.rows.shape[0]))
+
+    monkeypatch.setattr(mm, "prepare", recording)
+    return placed

@@ -27,11 +27,11 @@ from shoal.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
-    load_tensor,
 )
 from shoal.layers.norm import OffsetRMSNorm
 from shoal.layers.rotary import get_rope, rope_parameters
 from shoal.models.llama import LlamaForCausalLM, layer_sliding_window
+from shoal.models.vlm_common import load_packed
 
 _GELU_TANH = ("gelu_pytorch_tanh", "gelu_new")
 
@@ -166,29 +166,6 @@ def final_softcap(cfg: Any, logits: torch.Tensor) -> torch.Tensor:
     """logits capped as cap * tanh(logits / cap) when the config sets final_logit_softcapping."""
     cap = getattr(cfg, "final_logit_softcapping", None)
     return logits if not cap else torch.tanh(logits / cap) * cap
-
-
-def load_packed(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                mapping: dict[str, tuple[str, str | int]], tied: bool) -> set[str]:
-    """HF-named tensors into `model`'s parameters, fused ones through `mapping`; returns the
-    names filled. Raises ValueError for a tensor without a parameter."""
-    params = dict(model.named_parameters())
-    loaded: set[str] = set()
-    for name, tensor in weights:
-        if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and tied):
-            continue
-        target, shard = name, None
-        for src, (dst, shard_id) in mapping.items():
-            if f".{src}." in name:
-                target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
-                break
-        param = params.get(target)
-        if param is None:
-            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
-                             f"{type(model).__name__}")
-        load_tensor(param, tensor, shard)
-        loaded.add(target)
-    return loaded
 
 
 class Gemma3ForCausalLM(nn.Module):

@@ -20,7 +20,6 @@ model.language_model.*); lm_head is tied to the embeddings. One pipeline stage."
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
@@ -29,12 +28,11 @@ from torch import nn
 
 from shoal.attention import kv_quant
 from shoal.attention.metadata import AttentionMetadata, GroupedMetadata
-from shoal.distributed.parallel_state import get_pp_world_size
 from shoal.layers.attention import Attention
-from shoal.layers.embedding import ParallelLMHead
 from shoal.layers.norm import OffsetRMSNorm
-from shoal.models.gemma3 import Gemma3ForCausalLM, Gemma3TextModel, final_softcap, load_packed
+from shoal.models.gemma3 import Gemma3ForCausalLM, Gemma3TextModel, final_softcap
 from shoal.models.vision.siglip import SiglipVisionEmbeddings, SiglipVisionTransformer
+from shoal.models.vlm_common import TowerVLM, place_rows, vlm_configs
 
 _VISION = "model.vision_tower.vision_model."
 # Every spelling of the names to this model's: the Hub's checkpoints (language_model.model.*,
@@ -194,26 +192,21 @@ class Gemma3Model(nn.Module):
         self.language_model = Gemma3TextModel(text, dtype, use_triton_ops)
 
 
-class Gemma3ForConditionalGeneration(nn.Module):
-    supports_multimodal: ClassVar[bool] = True
-    uses_mrope: ClassVar[bool] = False
+class Gemma3ForConditionalGeneration(TowerVLM):
+    label: ClassVar[str] = "Gemma 3"
+    vision_prefix: ClassVar[str] = _VISION
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = (
         Gemma3ForCausalLM.packed_modules_mapping)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__()
-        if get_pp_world_size() > 1:
-            raise NotImplementedError("Gemma 3 runs on one pipeline stage")
-        config = getattr(hf_config, "multimodal_config", None) or hf_config
-        text = hf_config if config is not hf_config else config.text_config
+        config, text = vlm_configs(hf_config, self.label)
         self.config = text
         self.hidden_size = text.hidden_size
         self.image_token_id = int(config.image_token_index)
         self.model = Gemma3Model(config, text, dtype, use_triton_ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
-        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+        self.tied_head(text, dtype)
         # the image spans of the step embed_input_ids last saw, for the forward that follows
         self._spans: ImageSpans | None = None
 
@@ -231,15 +224,9 @@ class Gemma3ForConditionalGeneration(nn.Module):
                         is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
         """The scaled token embeddings, image rows replaced (unscaled, as transformers
         places them); records the step's image spans for forward."""
-        embeds = self.model.language_model.embed(input_ids)
         if mm_embeds is not None and is_multimodal is not None:
-            embeds = embeds.index_put((is_multimodal,), mm_embeds.to(embeds.dtype))
             self._spans = ImageSpans.from_mask(is_multimodal)
-        return embeds
-
-    def get_mrope_positions(self, prompt_token_ids: list[int], features: list[Any]
-                            ) -> tuple[torch.Tensor, int]:
-        raise NotImplementedError("Gemma 3 uses 1-D positions (uses_mrope is False)")
+        return place_rows(self.model.language_model.embed(input_ids), mm_embeds, is_multimodal)
 
     # ---- text -------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
@@ -252,23 +239,16 @@ class Gemma3ForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return final_softcap(self.config, self.lm_head.compute_logits(hidden))
 
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.language_model.layers]
+    def text_model(self) -> nn.Module:
+        return self.model.language_model
 
-    # ---- weights ----------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF-named tensors (any spelling, canonical_name): the tower's through its own loader
-        (fused qkv), the rest through packed_modules_mapping. A SigLIP pooling head is skipped: Gemma 3 reads the tower's
-        last hidden states, never the head."""
-        vision: list[tuple[str, torch.Tensor]] = []
-        rest: list[tuple[str, torch.Tensor]] = []
-        for name, tensor in weights:
-            name = canonical_name(name)
-            if name.startswith(_VISION):
-                if not name.startswith(_VISION + "head."):
-                    vision.append((name[len(_VISION):], tensor))
-            else:
-                rest.append((name, tensor))
-        loaded = load_packed(self, rest, self.packed_modules_mapping, self.tie_word_embeddings)
-        tower = self.model.vision_tower.vision_model
-        return loaded | {_VISION + n for n in tower.load_weights(vision)}
+    def vision_tower(self) -> nn.Module:
+        return self.model.vision_tower.vision_model
+
+    def canonical_name(self, name: str) -> str:
+        return canonical_name(name)
+
+    def keep_vision(self, name: str) -> bool:
+        """A SigLIP pooling head is skipped: Gemma 3 reads the tower's last hidden states,
+        never the head."""
+        return not name.startswith("head.")

@@ -11,18 +11,14 @@ lm_head.*); q/k/v and gate/up load into fused parameters. One pipeline stage onl
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from shoal.distributed.parallel_state import get_pp_world_size
-from shoal.layers.attention import Attention
-from shoal.layers.embedding import ParallelLMHead
-from shoal.layers.linear import load_tensor
-from shoal.models.llama import LlamaForCausalLM, LlamaModel
+from shoal.models.llama import LlamaModel
 from shoal.models.vision.siglip import SiglipVisionTransformer, patch_attention_mask
+from shoal.models.vlm_common import TowerVLM, vlm_configs
 
 _VISION = "model.vision_model."
 
@@ -59,27 +55,26 @@ class Idefics3Model(nn.Module):
         self.text_model = LlamaModel(text_config, dtype, use_triton_ops=use_triton_ops)
 
 
-class Idefics3ForConditionalGeneration(nn.Module):
-    supports_multimodal: ClassVar[bool] = True
-    uses_mrope: ClassVar[bool] = False
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = (
-        LlamaForCausalLM.packed_modules_mapping)
+class Idefics3ForConditionalGeneration(TowerVLM):
+    label: ClassVar[str] = "Idefics3"
+    vision_prefix: ClassVar[str] = _VISION
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__()
-        if get_pp_world_size() > 1:
-            raise NotImplementedError("Idefics3 runs on one pipeline stage")
-        config = getattr(hf_config, "multimodal_config", None) or hf_config
-        text = hf_config if config is not hf_config else config.text_config
+        config, text = vlm_configs(hf_config, self.label)
         self.config = text
         self.hidden_size = text.hidden_size
         self.image_token_id = int(config.image_token_id)
         self.patch_size = int(config.vision_config.patch_size)
         self.model = Idefics3Model(config, text, dtype, use_triton_ops)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.text_model.embed_tokens.weight
+        self.tied_head(text, dtype)
+
+    def text_model(self) -> nn.Module:
+        return self.model.text_model
+
+    def vision_tower(self) -> nn.Module:
+        return self.model.vision_model
 
     # ---- images -----------------------------------------------------------------------------
     def embed_multimodal(self, features: list[Any]) -> list[torch.Tensor]:
@@ -113,55 +108,3 @@ class Idefics3ForConditionalGeneration(nn.Module):
         patch_mask = None if pixel_mask is None else patch_attention_mask(pixel_mask, p)
         feats = self.model.vision_model(pixels, patch_mask)
         return self.model.connector(feats, (pixels.shape[2] // p, pixels.shape[3] // p))
-
-    def embed_input_ids(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
-                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
-        embeds = self.model.text_model.embed_tokens(input_ids)
-        if mm_embeds is not None and is_multimodal is not None:
-            embeds = embeds.index_put((is_multimodal,), mm_embeds.to(embeds.dtype))
-        return embeds
-
-    def get_mrope_positions(self, prompt_token_ids: list[int], features: list[Any]
-                            ) -> tuple[torch.Tensor, int]:
-        raise NotImplementedError("Idefics3 uses 1-D positions (uses_mrope is False)")
-
-    # ---- text -------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.text_model(input_ids, positions, attn_metadata,
-                                     inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.text_model.layers]
-
-    # ---- weights ----------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """HF-named tensors: the vision tower's go to its own loader (its fused qkv), the
-        rest through packed_modules_mapping as Llama's do. Returns the filled names."""
-        params = dict(self.named_parameters())
-        vision: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if name.startswith(_VISION):
-                vision.append((name[len(_VISION):], tensor))
-                continue
-            target, shard = name, None
-            for src, (dst, shard_id) in self.packed_modules_mapping.items():
-                if f".{src}." in name:
-                    target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
-                                 f"{type(self).__name__}")
-            load_tensor(param, tensor, shard)
-            loaded.add(target)
-        loaded |= {_VISION + n for n in self.model.vision_model.load_weights(vision)}
-        return loaded

@@ -14,19 +14,16 @@ language_model.lm_head.*). q/k/v and gate/up load into fused parameters. One pip
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.distributed.parallel_state import get_pp_world_size
-from shoal.layers.attention import Attention
-from shoal.layers.embedding import ParallelLMHead
-from shoal.layers.linear import load_tensor
-from shoal.models.llama import LlamaForCausalLM, LlamaModel
+from shoal.models.llama import LlamaModel
 from shoal.models.vision.clip import build_feature_tower
+from shoal.models.vlm_common import TowerVLM, vlm_configs
 from shoal.multimodal.processors.llava import image_token_id
 
 _VISION = "model.vision_tower."
@@ -89,18 +86,13 @@ class LlavaModel(nn.Module):
                                          use_triton_ops=use_triton_ops)
 
 
-class LlavaForConditionalGeneration(nn.Module):
-    supports_multimodal: ClassVar[bool] = True
-    uses_mrope: ClassVar[bool] = False
-    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = (
-        LlamaForCausalLM.packed_modules_mapping)
+class LlavaForConditionalGeneration(TowerVLM):
+    label: ClassVar[str] = "LLaVA"
+    vision_prefix: ClassVar[str] = _VISION
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__()
-        if get_pp_world_size() > 1:
-            raise NotImplementedError("LLaVA runs on one pipeline stage")
-        config = getattr(hf_config, "multimodal_config", None) or hf_config
-        text = hf_config if config is not hf_config else config.text_config
+        config, text = vlm_configs(hf_config, self.label)
         self.config = text
         self.hidden_size = text.hidden_size
         self.image_token_id = int(image_token_id(config))
@@ -114,9 +106,16 @@ class LlavaForConditionalGeneration(nn.Module):
         tied = getattr(config, "tie_word_embeddings", None)
         self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False)
                                         if tied is None else tied)
-        self.lm_head = ParallelLMHead(text.vocab_size, text.hidden_size, dtype)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.language_model.embed_tokens.weight
+        self.tied_head(text, dtype)
+
+    def text_model(self) -> nn.Module:
+        return self.model.language_model
+
+    def vision_tower(self) -> nn.Module:
+        return self.model.vision_tower
+
+    def canonical_name(self, name: str) -> str:
+        return canonical_name(name)
 
     # ---- images -----------------------------------------------------------------------------
     def embed_multimodal(self, features: list[Any]) -> list[torch.Tensor]:
@@ -144,58 +143,3 @@ class LlavaForConditionalGeneration(nn.Module):
         if self.drop_first:
             feats = feats[:, 1:]
         return self.model.multi_modal_projector(feats)
-
-    def embed_input_ids(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
-                        is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
-        embeds = self.model.language_model.embed_tokens(input_ids)
-        if mm_embeds is not None and is_multimodal is not None:
-            embeds = embeds.index_put((is_multimodal,), mm_embeds.to(embeds.dtype))
-        return embeds
-
-    def get_mrope_positions(self, prompt_token_ids: list[int], features: list[Any]
-                            ) -> tuple[torch.Tensor, int]:
-        raise NotImplementedError("LLaVA uses 1-D positions (uses_mrope is False)")
-
-    # ---- text -------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        return self.model.language_model(input_ids, positions, attn_metadata,
-                                         inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head.compute_logits(hidden)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.language_model.layers]
-
-    # ---- weights ----------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Checkpoint-named tensors (canonical_name): the tower's go to its own loader (its
-        fused qkv, the layers it skips), the rest through packed_modules_mapping as
-        Llama's do. Returns the filled names."""
-        params = dict(self.named_parameters())
-        vision: list[tuple[str, torch.Tensor]] = []
-        loaded: set[str] = set()
-        for raw, tensor in weights:
-            name = canonical_name(raw)
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            if name.startswith(_VISION):
-                vision.append((name[len(_VISION):], tensor))
-                continue
-            target, shard = name, None
-            for src, (dst, shard_id) in self.packed_modules_mapping.items():
-                if f".{src}." in name:
-                    target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {raw!r} has no matching parameter in "
-                                 f"{type(self).__name__}")
-            load_tensor(param, tensor, shard)
-            loaded.add(target)
-        loaded |= {_VISION + n for n in self.model.vision_tower.load_weights(vision)}
-        return loaded
-

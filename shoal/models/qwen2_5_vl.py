@@ -15,12 +15,9 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from shoal.layers.mrope import get_mrope
 from shoal.models.llama import Qwen2ForCausalLM
 from shoal.models.vision.qwen2_5_vl import Qwen2_5_VisionTransformer
-
-_LANGUAGE = "model.language_model."
-_VISION = ("model.visual.", "visual.")
+from shoal.models.vlm_common import install_mrope, load_qwen_vl, mrope_walk, place_rows
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
@@ -30,10 +27,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__(hf_config, dtype, use_triton_ops=use_triton_ops)
-        attn = self.model.layers[self.model.start_layer].self_attn
-        rope = get_mrope(hf_config, attn.head_dim, use_triton_ops)
-        for layer in self.model.layers[self.model.start_layer:self.model.end_layer]:
-            layer.self_attn.rotary_emb = rope
+        install_mrope(self.model, hf_config, use_triton_ops)
         vision = hf_config.multimodal_config.vision_config
         self.visual = Qwen2_5_VisionTransformer(vision, dtype)
         self.merge = int(vision.spatial_merge_size)
@@ -68,10 +62,7 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
 
     def embed_input_ids(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None,
                         is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
-        embeds = self.model.embed_tokens(input_ids)
-        if mm_embeds is not None and is_multimodal is not None:
-            embeds = embeds.index_put((is_multimodal,), mm_embeds.to(embeds.dtype))
-        return embeds
+        return place_rows(self.model.embed_tokens(input_ids), mm_embeds, is_multimodal)
 
     def prune_video(self, feature: Any, embeds: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,37 +100,15 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
         largest row or column instead, which differs for long videos). A pruned video (EVS:
         fewer tokens than patches) takes its first tokens' positions until the runner knows
         which it kept; the text after it counts from the whole grid either way."""
-        parts: list[np.ndarray] = []
-        cursor, start = 0, 0
-        for f in sorted(features, key=lambda f: f.offset):
-            text = f.offset - cursor
-            parts.append(np.tile(np.arange(text) + start, (3, 1)))
-            grid = self.vision_positions(f) + start + text
-            parts.append(grid[:, :f.length])
-            start = int(grid.max()) + 1
-            cursor = f.offset + f.length
-        parts.append(np.tile(np.arange(len(prompt_token_ids) - cursor) + start, (3, 1)))
-        positions = np.concatenate(parts, axis=1)
-        delta = int(positions.max()) + 1 - len(prompt_token_ids)
-        return torch.from_numpy(positions.astype(np.int64)), delta
+        def place(f: Any, start: int) -> tuple[np.ndarray, int]:
+            grid = self.vision_positions(f) + start
+            return grid[:, :f.length], int(grid.max()) + 1
+
+        return mrope_walk(len(prompt_token_ids), features, place)
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        vision: list[tuple[str, torch.Tensor]] = []
-
-        def text() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                prefix = next((p for p in _VISION if name.startswith(p)), None)
-                if prefix is not None:
-                    vision.append((name[len(prefix):], tensor))
-                elif name.startswith(_LANGUAGE):
-                    yield "model." + name[len(_LANGUAGE):], tensor
-                else:
-                    yield name, tensor
-
-        loaded = super().load_weights(text())
-        loaded |= {"visual." + n for n in self.visual.load_weights(vision)}
-        return loaded
+        return load_qwen_vl(self, weights, super().load_weights)
 
 
 def _pixels_and_grid(feature: Any) -> tuple[np.ndarray, np.ndarray]:

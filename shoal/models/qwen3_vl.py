@@ -21,13 +21,10 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from shoal.layers.mrope import get_mrope
 from shoal.models.llama import LlamaModel
 from shoal.models.qwen3 import Qwen3ForCausalLM
 from shoal.models.vision.qwen3_vl import Qwen3VisionTransformer
-
-_LANGUAGE = "model.language_model."
-_VISION = ("model.visual.", "visual.")
+from shoal.models.vlm_common import install_mrope, load_qwen_vl, mrope_walk
 
 
 class _DeepstackModel(LlamaModel):
@@ -66,10 +63,7 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__(hf_config, dtype, use_triton_ops=use_triton_ops)
-        attn = self.model.layers[self.model.start_layer].self_attn
-        rope = get_mrope(hf_config, attn.head_dim, use_triton_ops)
-        for layer in self.model.layers[self.model.start_layer:self.model.end_layer]:
-            layer.self_attn.rotary_emb = rope
+        install_mrope(self.model, hf_config, use_triton_ops)
         vision = hf_config.multimodal_config.vision_config
         self.visual = Qwen3VisionTransformer(vision, dtype)
         self.merge = int(vision.spatial_merge_size)
@@ -126,37 +120,14 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         start + row, start + column) after the text before it, and the text after it starts
         at start + max(rows, columns) (transformers' Qwen3-VL get_rope_index, images only:
         their temporal grid is 1)."""
-        parts: list[np.ndarray] = []
-        cursor, start = 0, 0
-        for f in sorted(features, key=lambda f: f.offset):
-            text = f.offset - cursor
-            parts.append(np.tile(np.arange(text) + start, (3, 1)))
-            start += text
+        def place(f: Any, start: int) -> tuple[np.ndarray, int]:
             t, h, w = (int(x) for x in np.asarray(f.arrays()["image_grid_thw"]).reshape(3))
             h, w = h // self.merge, w // self.merge
             tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
-            parts.append(np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + start)
-            start += max(h, w)
-            cursor = f.offset + f.length
-        parts.append(np.tile(np.arange(len(prompt_token_ids) - cursor) + start, (3, 1)))
-        positions = np.concatenate(parts, axis=1)
-        delta = int(positions.max()) + 1 - len(prompt_token_ids)
-        return torch.from_numpy(positions.astype(np.int64)), delta
+            return np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + start, start + max(h, w)
+
+        return mrope_walk(len(prompt_token_ids), features, place)
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        vision: list[tuple[str, torch.Tensor]] = []
-
-        def text() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                prefix = next((p for p in _VISION if name.startswith(p)), None)
-                if prefix is not None:
-                    vision.append((name[len(prefix):], tensor))
-                elif name.startswith(_LANGUAGE):
-                    yield "model." + name[len(_LANGUAGE):], tensor
-                else:
-                    yield name, tensor
-
-        loaded = super().load_weights(text())
-        loaded |= {"visual." + n for n in self.visual.load_weights(vision)}
-        return loaded
+        return load_qwen_vl(self, weights, super().load_weights)

@@ -27,6 +27,32 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ProxyProcess:
+    """A `shoal <command>` front (proxy, router) on a free port, its /health waited for;
+    stop() ends it."""
+
+    def __init__(self, command: str, *args: str):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "shoal.cli", "--log-level", "WARNING", command,
+             "--host", "127.0.0.1", "--port", str(self.port), *args])
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, f"{command} exited"
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{command} did not start")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
 class RemoteServer:
     def __init__(self, *args: str, api_key: str | None = None,
                  base_args: list[str] | None = None, env: dict[str, str] | None = None):

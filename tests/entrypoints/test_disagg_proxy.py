@@ -8,15 +8,12 @@ gone; a bad request is refused as the prefill engine refuses it."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
 import httpx
 import pytest
 from oracle import write_tiny_checkpoint
 
-from .conftest import RemoteServer, free_port
+from .conftest import ProxyProcess, RemoteServer, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -26,33 +23,15 @@ PROMPT = ("The quick brown fox jumps over the lazy dog while the cat watches fro
           "window and the bird sings a long song about the summer that never ends")
 
 
-class ProxyProc:
+class ProxyProc(ProxyProcess):
     def __init__(self, prefill: str, decode: str):
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal.cli", "--log-level", "WARNING", "proxy", "--host",
-             "127.0.0.1", "--port", str(self.port), "--prefill", prefill, "--decode", decode])
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "proxy exited"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("proxy did not start")
+        super().__init__("proxy", "--prefill", prefill, "--decode", decode)
 
     def post(self, path: str, body: dict) -> httpx.Response:
         return httpx.post(self.url + path, json=body, timeout=120)
 
     def state(self) -> dict:
         return httpx.get(self.url + "/proxy/state", timeout=10).json()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

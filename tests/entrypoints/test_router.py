@@ -6,15 +6,13 @@ over both; streams pass through; a backend's reset clears its blocks from the in
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 from oracle import write_tiny_checkpoint
 
-from .conftest import RemoteServer, free_port
+from .conftest import ProxyProcess, RemoteServer, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -30,23 +28,9 @@ def _prompt(seed: int, n_words: int = 90) -> str:
     return head + " " + " ".join(WORDS[(seed * 5 + 3 * i) % 24] for i in range(n_words))
 
 
-class RouterProc:
+class RouterProc(ProxyProcess):
     def __init__(self, *args: str):
-        self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shoal.cli", "--log-level", "WARNING", "router",
-             "--host", "127.0.0.1", "--port", str(self.port), *args])
-        self.url = f"http://127.0.0.1:{self.port}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "router exited"
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("router did not start")
+        super().__init__("router", *args)
 
     def state(self) -> list[dict]:
         return httpx.get(self.url + "/router/state", timeout=10).json()["backends"]
@@ -54,10 +38,6 @@ class RouterProc:
     def complete(self, prompt: str, **kw) -> httpx.Response:
         body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, **kw}
         return httpx.post(self.url + "/v1/completions", json=body, timeout=120)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -10,18 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from oracle import randomize_weights
-from PIL import Image
 from safetensors.torch import load_file
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, Idefics3Config, PreTrainedTokenizerFast
+from transformers import AutoTokenizer, Idefics3Config
 from transformers import Idefics3ForConditionalGeneration as HFIdefics3
 from transformers.models.idefics3.configuration_idefics3 import Idefics3VisionConfig
-from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
 from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionEmbeddings
+from vl_checkpoints import IDEFICS3_TILE, write_tiny_idefics3
+from vl_checkpoints import noise_image as image
 
 from shoal.attention.metadata import build_attention_metadata
 from shoal.core.kv_cache_spec import group_layers
@@ -31,52 +28,19 @@ from shoal.models.vision.siglip import SiglipVisionEmbeddings
 from shoal.multimodal.processors.idefics3 import Idefics3Processor
 from shoal.worker.kv_cache_tensors import allocate_kv_caches, layer_specs
 
-SPECIAL = (["<unk>", "<image>", "<fake_token_around_image>", "<global-img>"]
-           + [f"<row_{i}_col_{j}>" for i in range(1, 5) for j in range(1, 5)])
-VOCAB = SPECIAL + ["\n", "\n\n"] + [f"w{i}" for i in range(256 - len(SPECIAL) - 2)]
-TILE, PATCH = 32, 8
+TILE = IDEFICS3_TILE
 BLOCK = 4
-
-
-def tiny_config() -> Idefics3Config:
-    return Idefics3Config(
-        vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "intermediate_size": 64, "patch_size": PATCH, "image_size": TILE},
-        text_config={"model_type": "llama", "vocab_size": len(VOCAB), "hidden_size": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "intermediate_size": 128,
-                     "max_position_embeddings": 256},
-        scale_factor=2, image_token_id=VOCAB.index("<image>"), tie_word_embeddings=False,
-        architectures=["Idefics3ForConditionalGeneration"])
-
-
-def write_tokenizer(path: Path) -> None:
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n+|[^\s]+"), "removed", invert=True)
-    tok.add_special_tokens(SPECIAL)
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, HFIdefics3, Idefics3ForConditionalGeneration]:
     """(checkpoint folder, transformers' model, shoal's model loaded from the saved file)."""
     path = tmp_path_factory.mktemp("idefics3")
-    torch.manual_seed(0)
-    hf = HFIdefics3(tiny_config()).eval()
-    randomize_weights(hf)
-    hf.save_pretrained(path)
-    write_tokenizer(path)
-    Idefics3ImageProcessorPil(size={"longest_edge": 2 * TILE},
-                              max_image_size={"longest_edge": TILE}).save_pretrained(path)
+    hf = write_tiny_idefics3(path)
     ours = Idefics3ForConditionalGeneration(hf.config, torch.float32, use_triton_ops=False)
     loaded = ours.load_weights(load_file(str(path / "model.safetensors")).items())
     check_all_loaded(ours, loaded, "Idefics3ForConditionalGeneration")
     return path, hf, ours.eval()
-
-
-def image(h: int, w: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
 def processed(path: Path, config: Idefics3Config, text: str, images: list):

@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from transformers import LlavaConfig
 from transformers import LlavaForConditionalGeneration as HFLlava
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-from vl_checkpoints import image, word_tokenizer
+from vl_checkpoints import image, record_placed, word_tokenizer
 
 import shoal.models.registry
 import shoal.multimodal.processors
@@ -189,16 +189,7 @@ def test_two_images_match_transformers(tiny, llm) -> None:
 def test_chunked_prefill_through_images(tiny, registered, monkeypatch) -> None:
     """Steps of 8 tokens: each image's 16 positions span several steps."""
     small = make_llm(tiny[0], max_num_batched_tokens=8)
-    placed: list[int] = []
-    mm = small.llm_engine.core.runner.mm
-    prepare = mm.prepare
-
-    def recording(inp) -> None:
-        prepare(inp)
-        if inp.mm is not None and inp.mm.rows is not None:
-            placed.append(int(inp.mm.rows.shape[0]))
-
-    monkeypatch.setattr(mm, "prepare", recording)
+    placed = record_placed(monkeypatch, small)
     check(small, *tiny, "w12 <image> w13 w14 <image> w15", [image(4, 50, 40), image(5, 32, 32)])
     assert sum(placed) == 2 * 16 and len(placed) >= 4 and max(placed) <= 8
 

@@ -23,6 +23,7 @@ from transformers import AutoImageProcessor, AutoTokenizer, Gemma3Config, PreTra
 from transformers import Gemma3ForConditionalGeneration as HFGemma3VL
 from transformers import Gemma3Processor as HFProcessor
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+from vl_checkpoints import record_placed
 
 import shoal.models.registry
 import shoal.multimodal.processors
@@ -179,16 +180,7 @@ def test_engine_in_steps_of_eight_tokens(tiny, registered, monkeypatch) -> None:
     path, hf, proc = tiny
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=8,
               block_size=4)
-    placed: list[int] = []
-    mm = llm.llm_engine.core.runner.mm
-    prepare = mm.prepare
-
-    def recording(inp) -> None:
-        prepare(inp)
-        if inp.mm is not None and inp.mm.rows is not None:
-            placed.append(int(inp.mm.rows.shape[0]))
-
-    monkeypatch.setattr(mm, "prepare", recording)
+    placed = record_placed(monkeypatch, llm)
     text = " ".join(f"w{i}" for i in range(10, 18)) + " <start_of_image> <start_of_image> w9"
     check(llm, hf, proc, [(text, [image(8), image(9)])])
     assert placed == [4, 4]  # one whole image a step

@@ -12,46 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from oracle import randomize_weights
-from PIL import Image
-from tokenizers import Regex, Tokenizer, models, pre_tokenizers
-from transformers import AutoTokenizer, Idefics3Config, PreTrainedTokenizerFast
+from transformers import AutoTokenizer
 from transformers import Idefics3ForConditionalGeneration as HFIdefics3
-from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+from vl_checkpoints import IDEFICS3_TILE, record_placed, write_tiny_idefics3
+from vl_checkpoints import noise_image as image
 
 from shoal import LLM, SamplingParams
 from shoal.multimodal.processors.idefics3 import Idefics3Processor
 
-SPECIAL = (["<unk>", "<image>", "<fake_token_around_image>", "<global-img>"]
-           + [f"<row_{i}_col_{j}>" for i in range(1, 5) for j in range(1, 5)])
-VOCAB = SPECIAL + ["\n", "\n\n"] + [f"w{i}" for i in range(256 - len(SPECIAL) - 2)]
-TILE, PATCH = 32, 8
+TILE = IDEFICS3_TILE
 MAX_TOKENS = 8
 BLOCK = 16  # the engine's default block size
-
-
-def tiny_config() -> Idefics3Config:
-    return Idefics3Config(
-        vision_config={"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
-                       "intermediate_size": 64, "patch_size": PATCH, "image_size": TILE},
-        text_config={"model_type": "llama", "vocab_size": len(VOCAB), "hidden_size": 64,
-                     "num_hidden_layers": 2, "num_attention_heads": 4,
-                     "num_key_value_heads": 2, "intermediate_size": 128,
-                     "max_position_embeddings": 256},
-        scale_factor=2, image_token_id=VOCAB.index("<image>"), tie_word_embeddings=False,
-        architectures=["Idefics3ForConditionalGeneration"])
-
-
-def write_tokenizer(path: Path) -> None:
-    tok = Tokenizer(models.WordLevel({t: i for i, t in enumerate(VOCAB)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\n+|[^\s]+"), "removed", invert=True)
-    tok.add_special_tokens(SPECIAL)
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>").save_pretrained(path)
-
-
-def image(h: int, w: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
 
 
 class Oracle:
@@ -88,13 +59,7 @@ class Oracle:
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Oracle]:
     path = tmp_path_factory.mktemp("idefics3")
-    torch.manual_seed(0)
-    hf = HFIdefics3(tiny_config()).eval()
-    randomize_weights(hf)
-    hf.save_pretrained(path)
-    write_tokenizer(path)
-    Idefics3ImageProcessorPil(size={"longest_edge": 2 * TILE},
-                              max_image_size={"longest_edge": TILE}).save_pretrained(path)
+    hf = write_tiny_idefics3(path)
     return path, Oracle(path, hf)
 
 
@@ -146,16 +111,7 @@ def test_chunked_prefill_through_the_tile_layout(tiny, monkeypatch) -> None:
     places, each step placing the encoder rows of the <image> positions it covers."""
     folder, oracle = tiny
     small = make_llm(folder, max_num_batched_tokens=8)
-    placed: list[int] = []
-    mm = small.llm_engine.core.runner.mm
-    prepare = mm.prepare
-
-    def recording(inp) -> None:
-        prepare(inp)
-        if inp.mm is not None and inp.mm.rows is not None:
-            placed.append(int(inp.mm.rows.shape[0]))
-
-    monkeypatch.setattr(mm, "prepare", recording)
+    placed = record_placed(monkeypatch, small)
     text = "w12 <image> w13 w14 <image> w15"
     images = [image(50, 40, seed=4), image(40, 64, seed=5)]
     out = generate(small, text, images)

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from vl_checkpoints import image, write_tiny_qwen2_5_vl
+from vl_checkpoints import image, record_placed, write_tiny_qwen2_5_vl
 
 from shoal import LLM, SamplingParams
 
@@ -147,16 +147,7 @@ def small_steps(folder) -> LLM:
 
 
 def test_chunked_prefill_through_images(small_steps, oracle, monkeypatch) -> None:
-    placed: list[int] = []
-    mm = small_steps.llm_engine.core.runner.mm
-    prepare = mm.prepare
-
-    def recording(inp) -> None:
-        prepare(inp)
-        if inp.mm is not None and inp.mm.rows is not None:
-            placed.append(int(inp.mm.rows.shape[0]))
-
-    monkeypatch.setattr(mm, "prepare", recording)
+    placed = record_placed(monkeypatch, small_steps)
     text, images = f"w8 w9 w10 {PH} w11 {PH} w12", [image(3, 130, 100), image(4, 90, 90)]
     (out,) = generate(small_steps, mm_prompt(text, images))
     _, features = oracle.expand(text, images)

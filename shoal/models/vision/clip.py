@@ -18,10 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.layers.linear import default_weight_loader
-from shoal.models.vision.siglip import SiglipEncoderLayer, SiglipVisionEmbeddings
+from shoal.models.vision.siglip import SiglipEncoderLayer, SiglipVisionEmbeddings, load_qkv_fused
 
-_QKV = {"q_proj": 0, "k_proj": 1, "v_proj": 2}
 # never run for LLaVA: the final norm and SigLIP's attention-pooling head
 _NEVER_RUN = ("post_layernorm.", "head.")
 
@@ -106,26 +104,16 @@ class VisionFeatureTower(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors named as under transformers' vision_tower (q/k/v into the
         fused qkv_proj); returns the names of the parameters filled."""
-        params = dict(self.named_parameters())
         built = len(self.encoder.layers)
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = canonical_tower_name(name)
-            index = layer_index(name)
-            if name.startswith(_NEVER_RUN) or (index is not None and index >= built):
-                continue
-            target, shard = name, None
-            for src, i in _QKV.items():
-                if f".{src}." in name:
-                    target, shard = name.replace(f".{src}.", ".qkv_proj."), i
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
-                                 f"the vision tower ({type(self).__name__})")
-            load_fused(param, tensor, shard)
-            loaded.add(target)
-        return loaded
+
+        def kept() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                name = canonical_tower_name(name)
+                index = layer_index(name)
+                if not (name.startswith(_NEVER_RUN) or (index is not None and index >= built)):
+                    yield name, tensor
+
+        return load_qkv_fused(self, kept(), f"the vision tower ({type(self).__name__})")
 
 
 class CLIPVisionTransformer(VisionFeatureTower):
@@ -174,16 +162,6 @@ class SiglipFeatureTower(VisionFeatureTower):
         x = emb.patch_embedding(pixel_values.to(emb.position_embedding.weight.dtype))
         x = x.flatten(2).transpose(1, 2) + emb.position_embedding.weight[None]
         return hidden_states_at(x, self.encoder.layers, self.feature_layers)
-
-
-def load_fused(param: torch.Tensor, tensor: torch.Tensor, shard: int | None) -> None:
-    """Copies tensor into param, or into rows [shard * D, (shard + 1) * D) of a fused
-    q/k/v parameter of 3 * D rows."""
-    dst = param.data
-    if shard is not None:
-        rows = dst.shape[0] // 3
-        dst = dst.narrow(0, shard * rows, rows)
-    default_weight_loader(dst, tensor.to(param.dtype))
 
 
 def build_feature_tower(cfg: Any, dtype: torch.dtype, feature_layer: int | Sequence[int]

@@ -243,18 +243,7 @@ class Qwen2_5_VisionTransformer(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy tensors named relative to the tower (`blocks.0.norm1.weight`)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"unknown Qwen2.5-VL vision tensor {name!r}")
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        return load_exact(self, weights, "Qwen2.5-VL")
 
 
 def _positions(grid: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
@@ -299,3 +288,22 @@ def _segments(lengths: list[int], device: torch.device) -> _Segments:
     valid = real.flatten().nonzero().squeeze(1)
     return _Segments(count, longest, pad_index.to(device),
                      real.view(count, 1, 1, longest).to(device), valid.to(device))
+
+
+@torch.no_grad()
+def load_exact(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+               label: str) -> set[str]:
+    """Copy tensors named relative to `module` into its same-named, same-shaped
+    parameters; returns the names filled. Raises ValueError naming `label` otherwise."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        param = params.get(name)
+        if param is None:
+            raise ValueError(f"unknown {label} vision tensor {name!r}")
+        if param.shape != tensor.shape:
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        param.copy_(tensor)
+        loaded.add(name)
+    return loaded

@@ -19,10 +19,10 @@ from torch import nn
 from shoal.models.vision.qwen2_5_vl import (
     _ACTIVATIONS,
     _positions,
-    _rotate,
-    _segment_attention,
     _Segments,
     _segments,
+    _VisionAttention,
+    load_exact,
 )
 
 _EPS = 1e-6
@@ -42,22 +42,6 @@ class _PatchEmbed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight
         return F.linear(x.reshape(-1, w[0].numel()), w.view(w.shape[0], -1), self.proj.bias)
-
-
-class _VisionAttention(nn.Module):
-    def __init__(self, hidden: int, num_heads: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_dim = hidden // num_heads
-        self.qkv = nn.Linear(hidden, 3 * hidden, bias=True, dtype=dtype)
-        self.proj = nn.Linear(hidden, hidden, bias=True, dtype=dtype)
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                seg: _Segments) -> torch.Tensor:
-        n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        return self.proj(_segment_attention(q, k, v, seg))
 
 
 class _VisionMLP(nn.Module):
@@ -194,15 +178,4 @@ class Qwen3VisionTransformer(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy tensors named relative to the tower (`blocks.0.norm1.weight`)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            param = params.get(name)
-            if param is None:
-                raise ValueError(f"unknown Qwen3-VL vision tensor {name!r}")
-            if param.shape != tensor.shape:
-                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(param.shape)}")
-            param.copy_(tensor)
-            loaded.add(name)
-        return loaded
+        return load_exact(self, weights, "Qwen3-VL")

@@ -154,22 +154,36 @@ class SiglipVisionTransformer(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors named as under transformers' vision_model (q/k/v into the
         fused qkv_proj); returns the names of the parameters filled."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            target, shard = name, None
-            for src, index in _QKV.items():
-                if f".{src}." in name:
-                    target, shard = name.replace(f".{src}.", ".qkv_proj."), index
-                    break
-            param = params.get(target)
-            if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
-                                 "the SigLIP vision tower")
-            dst = param.data
-            if shard is not None:  # rows [shard * D, (shard + 1) * D) of the fused weight
-                rows = dst.shape[0] // 3
-                dst = dst.narrow(0, shard * rows, rows)
-            default_weight_loader(dst, tensor.to(param.dtype))
-            loaded.add(target)
-        return loaded
+        return load_qkv_fused(self, weights, "the SigLIP vision tower")
+
+
+def load_fused(param: torch.Tensor, tensor: torch.Tensor, shard: int | None) -> None:
+    """Copies tensor into param, or into rows [shard * D, (shard + 1) * D) of a fused
+    q/k/v parameter of 3 * D rows."""
+    dst = param.data
+    if shard is not None:
+        rows = dst.shape[0] // 3
+        dst = dst.narrow(0, shard * rows, rows)
+    default_weight_loader(dst, tensor.to(param.dtype))
+
+
+def load_qkv_fused(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                   where: str) -> set[str]:
+    """Tensors named relative to `module` into its parameters, q/k/v into the fused
+    qkv_proj; returns the names filled. Raises ValueError (naming `where`) for a tensor
+    without a parameter."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        target, shard = name, None
+        for src, index in _QKV.items():
+            if f".{src}." in name:
+                target, shard = name.replace(f".{src}.", ".qkv_proj."), index
+                break
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
+                             f"{where}")
+        load_fused(param, tensor, shard)
+        loaded.add(target)
+    return loaded

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from shoal.multimodal.inputs import MultiModalFeature, make_feature
+from shoal.multimodal.processors.base import expand_placeholders
 
 
 class Gemma3Processor:
@@ -53,18 +54,10 @@ class Gemma3Processor:
 
     def process(self, prompt_token_ids: list[int], images: list[Any]
                 ) -> tuple[list[int], list[MultiModalFeature]]:
-        places = [i for i, t in enumerate(prompt_token_ids) if t == self.boi_id]
-        if len(places) != len(images):
-            raise ValueError(f"the prompt holds {len(places)} {self.image_placeholder} "
-                             f"token(s) for {len(images)} image(s)")
-        ids: list[int] = []
-        features: list[MultiModalFeature] = []
-        prev = 0
-        for place, image in zip(places, images):
-            ids.extend(prompt_token_ids[prev:place])
-            features.append(make_feature("gemma3", "image", len(ids) + self.first,
-                                         self.num_tokens, {"pixel_values": self._pixels(image)}))
-            ids.extend(self.layout)
-            prev = place + 1
-        ids.extend(prompt_token_ids[prev:])
-        return ids, features
+        def expand(image: Any, offset: int) -> tuple[list[int], MultiModalFeature]:
+            return self.layout, make_feature("gemma3", "image", offset + self.first,
+                                             self.num_tokens,
+                                             {"pixel_values": self._pixels(image)})
+
+        return expand_placeholders(prompt_token_ids, self.boi_id, images,
+                                   self.image_placeholder, expand)

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from shoal.multimodal.inputs import MultiModalFeature, make_feature
+from shoal.multimodal.processors.base import expand_placeholders
 
 FAKE_TOKEN = "<fake_token_around_image>"
 GLOBAL_TAG = "<global-img>"
@@ -84,23 +85,14 @@ class Idefics3Processor:
 
     def process(self, prompt_token_ids: list[int], images: list[Any]
                 ) -> tuple[list[int], list[MultiModalFeature]]:
-        places = [i for i, t in enumerate(prompt_token_ids) if t == self.image_token_id]
-        if len(places) != len(images):
-            raise ValueError(f"the prompt holds {len(places)} {self.image_placeholder} "
-                             f"token(s) for {len(images)} image(s)")
-        ids: list[int] = []
-        features: list[MultiModalFeature] = []
-        prev = 0
-        for place, image in zip(places, images):
-            ids.extend(prompt_token_ids[prev:place])
+        def expand(image: Any, offset: int) -> tuple[list[int], MultiModalFeature]:
             arrays, rows, cols = self._process_image(image)
             layout = self.layout_ids(rows, cols)
             first = layout.index(self.image_token_id)
             last = len(layout) - 1 - layout[::-1].index(self.image_token_id)
             mask = bytes(int(t == self.image_token_id) for t in layout[first:last + 1])
-            features.append(make_feature("idefics3", "image", len(ids) + first,
-                                         last - first + 1, arrays, mask))
-            ids.extend(layout)
-            prev = place + 1
-        ids.extend(prompt_token_ids[prev:])
-        return ids, features
+            return layout, make_feature("idefics3", "image", offset + first,
+                                        last - first + 1, arrays, mask)
+
+        return expand_placeholders(prompt_token_ids, self.image_token_id, images,
+                                   self.image_placeholder, expand)
