@@ -54,13 +54,13 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     # A pooling request's result: float32 bytes (little-endian, C order) of this shape.
     pooled: bytes | None = None
     pooled_shape: list[int] | None = None
-    # Why the request failed, beside `error` (the frontends answer from the code, never from
-    # the text); an error without a code counts as ErrorCode.ENGINE_FAILED. Without an error
-    # it costs one nil byte: msgspec writes every field of an array-like struct (omit_defaults
-    # drops defaults from map-encoded structs only).
-    error_code: ErrorCode | None = None
     # Disaggregated prefill: where the request's KV waits for a decode engine (its last output)
     kv_transfer_params: dict[str, Any] | None = None
+    # Why the request failed, beside `error` (the frontends answer from the code, never from
+    # the text); an error without a code counts as ErrorCode.ENGINE_FAILED. Kept last. Unset,
+    # it and kv_transfer_params cost a nil byte each: msgspec writes every field of an
+    # array-like struct (omit_defaults drops defaults from map-encoded structs only).
+    error_code: ErrorCode | None = None
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
