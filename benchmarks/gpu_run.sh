@@ -97,6 +97,20 @@ part() {
     embeddings) run embeddings 70 $py/embeddings.py --device cuda --model "$REPO/bench-work/minilm-shape" --load-format dummy --out "$DIR/embeddings.json" ;;
     # W8 in full (issue 20): 3 streaming runs with the step trace, batch-1 over HTTP on the 8B
     serving) run serving 500 $py/w8_serving.py --model "$W8_MODEL" --stream-runs 3 --step-trace --batch1-model meta-llama/Llama-3.1-8B --out "$DIR/serving.json" ;;
+    # the later issues' sweeps (30 hybrid, 34 images, 35 LoRA, 36 disaggregation, 37 RL)
+    hybrid-correctness)  # transformers 5.25 (Qwen3.5, Kimi Linear classes) from bench-work/tf525
+      TF=/tmp/tf525; $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --upgrade --target $TF "$REPO"/bench-work/tf525/*.whl >/dev/null 2>&1 || TF=""
+      PYTHONPATH=${TF:+$TF:}$PYTHONPATH run hybrid_correctness 190 $py/hybrid_gpu.py correctness \
+        --stage-timeout 110 $S --out "$DIR/hybrid_correctness.json" ;;
+    hybrid-batch1) run hybrid_batch1 230 $py/hybrid_gpu.py batch1 --stage-timeout 115 $S \
+        ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-27B,moonshotai/Kimi-Linear-48B-A3B-Instruct}"} \
+        --out "$DIR/hybrid_batch1.json" ;;
+    rl) run rl 140 $py/rl_gpu.py --cycles 10 $S --out "$DIR/rl.json" ;;
+    lora) run lora 270 $py/lora_gpu.py all --num-requests 128 $S --out "$DIR/lora.json" ;;
+    vl) run vl 320 $py/vl_gpu.py --sections throughput,ttft,encoder,serve --runs 1 \
+        --timeout 150 $S --out "$DIR/vl.json" ;;
+    disagg) run disagg 470 $py/disagg_gpu.py --budget-s 430 $S --out "$DIR/disagg.json" ;;
     *) echo "unknown part $1" ;;
   esac
 }
