@@ -13,10 +13,11 @@ from typing import Any
 
 import zmq.asyncio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from shoal.kv_cache.events import BlockStored, KVEventBatch
 from shoal.router import upstream
+from shoal.router.passthrough import pass_through
 from shoal.router.policy import Router
 from shoal.router.subscriber import EventSubscriber
 
@@ -118,14 +119,7 @@ async def _proxy(router: Router, request: Request, path: str, raw: bytes, target
         backend.in_flight -= 1
         return _error(502, str(e))
 
-    async def body() -> AsyncIterator[bytes]:
-        try:
-            async for part in resp.body():
-                yield part
-        finally:  # done, or the client went away: the backend's load drops either way
-            backend.in_flight -= 1
-            resp.close()
+    def done() -> None:  # the backend's load drops whether the client stayed or left
+        backend.in_flight -= 1
 
-    media = resp.headers.get("content-type", "application/json")
-    return StreamingResponse(body(), status_code=resp.status, media_type=media,
-                             headers={"x-shoal-backend": backend.url})
+    return pass_through(resp, headers={"x-shoal-backend": backend.url}, on_done=done)

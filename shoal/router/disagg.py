@@ -14,13 +14,13 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from shoal.router import upstream
+from shoal.router.passthrough import pass_through
 
 logger = logging.getLogger(__name__)
 
@@ -96,15 +96,7 @@ class DisaggProxy:
         except upstream.UpstreamError as e:
             return _error(502, str(e))
 
-        async def stream() -> AsyncIterator[bytes]:
-            try:
-                async for part in resp.body():
-                    yield part
-            finally:
-                resp.close()
-        return StreamingResponse(stream(), status_code=resp.status,
-                                 media_type=resp.headers.get("content-type",
-                                                             "application/json"))
+        return pass_through(resp)
 
 
 def build_app(proxy: DisaggProxy) -> FastAPI:
