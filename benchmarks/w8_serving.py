@@ -17,6 +17,12 @@ timings (--save-detailed), to line the first served batch up with later ones.
 --batch1-model: batch-1 streaming over HTTP too (128 in / 256 out, 6 requests one at a time),
 whose inter-token latency compares with gpu_suite.py w2's offline decode step.
 --smoke: a 2-layer model with MODEL's tokenizer on the CPU, 8 short requests.
+--api-server-count N: `shoal serve --api-server-count N` (N API processes over one engine).
+--concurrency C: C streaming clients instead of the preset's 256; above 256, C requests on both
+sides (so every client has one) and, unless --max-num-seqs is given, max_num_seqs C on both:
+
+    python benchmarks/w8_serving.py --model bench-work/qwen3-0.6b-smol --api-server-count 4 \
+        --concurrency 1024 --client-processes 8 --out $OUT/w8-1024.json
 Only the CLI (`shoal serve`, `shoal bench`) is used, so any tree runs it; every command's
 output and JSON stays in --work-dir (default: beside --out)."""
 
@@ -39,6 +45,7 @@ from results_file import record, write
 from server_process import SHOAL_CLI, ServerProcess, free_port
 
 ORDINALS = ("first", "second", "third", "fourth", "fifth")
+W8_CONCURRENCY = W8_PROMPTS = 256  # the preset's clients and requests
 SMOKE_REQUESTS = ["--random-input-len", "16", "--random-output-len", "8", "--token-id-prompts",
                   "--num-prompts", "8"]
 RUN_KEYS = ("completed", "failed", "duration", "total_output_tokens", "output_throughput",
@@ -52,6 +59,13 @@ class W8:
         self.work.mkdir(parents=True, exist_ok=True)
         self.engine = ["--load-format", "dummy", "--dtype", "bfloat16"]
         self.requests = ["--preset", "W8"]
+        # (serve's alone: clients at once)
+        self.clients = (["--max-concurrency", str(args.concurrency)]
+                        if args.concurrency != W8_CONCURRENCY else [])
+        if args.concurrency > W8_PROMPTS:
+            self.requests += ["--num-prompts", str(args.concurrency)]
+        if args.max_num_seqs:
+            self.engine += ["--max-num-seqs", str(args.max_num_seqs)]
         if args.smoke:
             self.engine = ["--load-format", "dummy", "--dtype", "float32", "--device", "cpu",
                            "--kv-cache-memory-bytes", str(256 << 20)]
@@ -97,10 +111,11 @@ class W8:
         env = dict(os.environ)
         if self.args.step_trace:
             env["SHOAL_STEP_TRACE"] = str(self.work / "step-trace.jsonl")
-        clients = ["--num-client-processes", str(self.args.client_processes)]
+        clients = ["--num-client-processes", str(self.args.client_processes), *self.clients]
         detailed = ["--save-detailed"] if self.args.step_trace else []
         runs, self.marks = {}, []  # marks: monotonic time before each run (the trace's clock)
-        with self.serve(self.args.model, ["--no-enable-prefix-caching"], env) as server:
+        pool = ["--api-server-count", str(self.args.api_server_count)]
+        with self.serve(self.args.model, ["--no-enable-prefix-caching", *pool], env) as server:
             for i in range(self.args.stream_runs):
                 self.marks.append(time.monotonic())
                 runs[f"stream_{ORDINALS[i]}"] = self.bench_serve(
@@ -168,9 +183,22 @@ def main() -> int:
     p.add_argument("--client-processes", type=int, default=4,
                    help="client processes of `bench serve` (one keeps up to ~40k tok/s)")
     p.add_argument("--step-trace", action="store_true")
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="API server processes of `shoal serve` (one engine core)")
+    p.add_argument("--concurrency", type=int, default=W8_CONCURRENCY,
+                   help="streaming clients at once (1..1024; default: the preset's 256)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="the engine's batch limit, both sides (default: the engine's, or "
+                        "--concurrency above 256)")
     p.add_argument("--batch1-model", default=None)
     p.add_argument("--timeout", type=float, default=240, help="seconds per command")
     args = p.parse_args()
+    if not 1 <= args.concurrency <= 1024:
+        p.error(f"--concurrency must be in 1..1024 (got {args.concurrency})")
+    if not 1 <= args.api_server_count <= 64:
+        p.error(f"--api-server-count must be in 1..64 (got {args.api_server_count})")
+    if args.max_num_seqs is None and args.concurrency > W8_PROMPTS and not args.smoke:
+        args.max_num_seqs = args.concurrency
     args.work_dir = args.work_dir or args.out.with_name(args.out.stem + "-runs")
     args.model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
     if args.smoke:
@@ -192,7 +220,9 @@ def main() -> int:
         "total_output_tokens": [r["total_output_tokens"] for r in served.values()],
         "offline_total_output_tokens": offline["total_output_tokens"],
         "serve_ready_s": ready, "serve_runs": served,
-        "client_processes": args.client_processes, "work_dir": str(args.work_dir)}
+        "client_processes": args.client_processes, "work_dir": str(args.work_dir),
+        "api_server_count": args.api_server_count, "concurrency": args.concurrency,
+        "max_num_seqs": args.max_num_seqs}
     if args.step_trace:
         figures["step_trace"] = w8.step_trace(
             [f"serve-stream-{i + 1}" for i in range(args.stream_runs)] + ["serve-nonstream"])

@@ -59,6 +59,30 @@ def spawn_environment(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
+def spawn_engine_process(engine_args: EngineArgs, target: Callable[..., None],
+                         addresses: tuple[str, ...], log_level: int,
+                         build_core: Callable[[EngineArgs], Any] | None) -> tuple[Any, Any]:
+    """Starts `target(engine_args, *addresses, death_pipe, parent_pid, log_level[,
+    build_core])` in a spawned process: the process and the write end of its death pipe
+    (closing it, or this process dying, tells the engine to exit)."""
+    mp = multiprocessing.get_context("spawn")
+    death_reader, death_writer = mp.Pipe(duplex=False)
+    proc = mp.Process(
+        # A daemonic process may not start processes: with tensor parallelism the core
+        # starts its worker ranks. It still exits with the frontend (the death pipe).
+        target=target, name="shoal-engine-core",
+        daemon=(engine_args.tensor_parallel_size == 1
+                and engine_args.pipeline_parallel_size == 1
+                and engine_args.distributed_executor_backend in (None, "uni")),
+        args=(engine_args, *addresses, death_reader, os.getpid(), log_level,
+              *([build_core] if build_core is not None else [])),
+    )
+    with spawn_environment(spawn_env()):  # the child's OpenMP reads it at start-up
+        proc.start()
+    death_reader.close()
+    return proc, death_writer
+
+
 class EngineStartupError(RuntimeError):
     """The engine process failed to start; the message is its exception text."""
 
@@ -108,21 +132,8 @@ class EngineCoreClient:
         from_engine = ctx.socket(zmq.PULL)
         from_engine.setsockopt(zmq.RCVHWM, 0)  # the engine never waits on this side
         from_engine.bind(output_addr)
-        mp = multiprocessing.get_context("spawn")
-        death_reader, death_writer = mp.Pipe(duplex=False)
-        proc = mp.Process(
-            # A daemonic process may not start processes: with tensor parallelism the core
-            # starts its worker ranks. It still exits with the frontend (the death pipe).
-            target=run_engine_core, name="shoal-engine-core",
-            daemon=(engine_args.tensor_parallel_size == 1
-                    and engine_args.pipeline_parallel_size == 1
-                    and engine_args.distributed_executor_backend in (None, "uni")),
-            args=(engine_args, input_addr, output_addr, death_reader, os.getpid(), log_level,
-                  *([build_core] if build_core is not None else [])),
-        )
-        with spawn_environment(spawn_env()):  # the child's OpenMP reads it at start-up
-            proc.start()
-        death_reader.close()
+        proc, death_writer = spawn_engine_process(
+            engine_args, run_engine_core, (input_addr, output_addr), log_level, build_core)
         client = cls(proc, death_writer, ipc_dir, ctx, to_engine, from_engine)
         client._watch()
         return client

@@ -75,7 +75,7 @@ class EngineCoreProc:
 
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:
-        poller = zmq.Poller()
+        poller = self.poller = zmq.Poller()  # (a subclass registers more fds)
         poller.register(self.input, zmq.POLLIN)
         for fd in (self.death_fd, self.wakeup_fd):
             if fd is not None:
@@ -90,6 +90,7 @@ class EngineCoreProc:
             if self._parent_gone(events):
                 logger.warning("the frontend process is gone; the engine core exits")
                 return
+            self._check_fds(events)
             if self.wakeup_fd is not None and self.wakeup_fd in events:
                 _drain_fd(self.wakeup_fd)  # the handler has set the flag (request_stop)
                 continue
@@ -97,7 +98,7 @@ class EngineCoreProc:
             if self.input in events:
                 self._drain_input()
             if self._rejected and not self.core.has_unfinished_requests():
-                self._send(CoreOutputs(EngineCoreOutputs(), rejected=self._take_rejected()))
+                self._send_outputs(EngineCoreOutputs())
             if not self._stop and (lockstep is not None
                                    or self.core.has_unfinished_requests()):
                 try:
@@ -116,6 +117,9 @@ class EngineCoreProc:
         if self.death_fd is not None and self.death_fd in events:
             return True  # the write end closed: the parent exited
         return self.parent_pid is not None and os.getppid() != self.parent_pid
+
+    def _check_fds(self, events: dict[Any, int]) -> None:
+        """Other fds registered on `self.poller` (the shared engine's client pidfds)."""
 
     def _drain_input(self) -> None:
         while True:
@@ -176,7 +180,7 @@ class EngineCoreProc:
         if result.stats is not None:
             self._last_stats = result.stats
             result.stats = self._rebased(result.stats)
-        self._send(CoreOutputs(result, rejected=self._take_rejected()))
+        self._send_outputs(result)
 
     def _traced_step(self, t0: float) -> None:
         """_step, timed into the step trace (SHOAL_STEP_TRACE)."""
@@ -190,7 +194,7 @@ class EngineCoreProc:
         if stats is not None:
             self._last_stats = stats
             result.stats = self._rebased(stats)
-        self._send(CoreOutputs(result, rejected=self._take_rejected()))
+        self._send_outputs(result)
         t3 = step_trace.now()
         self.trace.record(step_trace.StepRecord(
             t=t0, drain_ms=(t1 - t0) * 1e3, step_ms=(t2 - t1) * 1e3, send_ms=(t3 - t2) * 1e3,
@@ -200,10 +204,20 @@ class EngineCoreProc:
             waiting=stats.num_waiting if stats is not None else 0))
         self._added = 0
 
+    def announce(self, ready: bytes) -> None:
+        """The ready message, to the frontend (the shared engine answers each client's hello
+        with it instead)."""
+        self.output.send(ready)
+
     def request_stop(self, *_: Any) -> None:
         """SIGTERM: stop between steps, never inside one (a step cut short could leave KV
         copies half done that shutdown would then persist)."""
         self._stop = True
+
+    def _send_outputs(self, result: EngineCoreOutputs) -> None:
+        """A step's outputs and the rejections since the last ones (engine/shared_core.py
+        splits them between its clients)."""
+        self._send(CoreOutputs(result, rejected=self._take_rejected()))
 
     def _take_rejected(self) -> dict[str, Rejection]:
         rejected, self._rejected = self._rejected, {}
@@ -355,7 +369,8 @@ def _exit_at_once(code: int) -> None:
 
 
 def _serve(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket,
-           death_pipe: Connection | None, parent_pid: int | None, ready: bytes) -> None:
+           death_pipe: Connection | None, parent_pid: int | None, ready: bytes,
+           proc_class: type[EngineCoreProc] = EngineCoreProc) -> None:
     """Reports ready, runs the loop, then the core's shutdown. From before the ready message
     on, SIGTERM only sets the loop's stop flag (a self-pipe wakes the idle poll at once, and
     the step running finishes first), so a frontend that stops the engine as soon as it is
@@ -364,12 +379,11 @@ def _serve(core: Any, in_sock: zmq.Socket, out_sock: zmq.Socket,
     wake_r, wake_w = socket.socketpair()
     wake_r.setblocking(False)
     wake_w.setblocking(False)
-    proc = EngineCoreProc(core, in_sock, out_sock, death_fd, parent_pid,
-                          wakeup_fd=wake_r.fileno())
+    proc = proc_class(core, in_sock, out_sock, death_fd, parent_pid, wakeup_fd=wake_r.fileno())
     old_fd = signal.set_wakeup_fd(wake_w.fileno())
     signal.signal(signal.SIGTERM, proc.request_stop)
     try:
-        out_sock.send(ready)
+        proc.announce(ready)
         logger.info("engine core process %d ready (%d KV blocks)", os.getpid(),
                     core.limits.num_kv_blocks)
         proc.run()

@@ -98,8 +98,8 @@ def test_optional_routes_and_flags():
 
 
 def test_settings_refuse_what_shoal_cannot_do():
-    with pytest.raises(ValueError, match="--api-server-count 2"):
-        ServerSettings(api_server_count=2)
+    with pytest.raises(ValueError, match="--api-server-count must be in 1..64"):
+        ServerSettings(api_server_count=0)
     with pytest.raises(ValueError, match="metrics_prefixes"):
         ServerSettings(metrics_prefixes=["prom"])
     assert ServerSettings(root_path="llm/").root_path == "/llm"

@@ -85,10 +85,10 @@ def _first_health_503(base_url: str, timeout_s: float = 10.0) -> float:
     raise AssertionError(f"/health did not answer 503 within {timeout_s} s")
 
 
-def test_api_server_count_above_one_is_refused_by_name():
-    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--api-server-count", "2"]
+def test_api_server_count_out_of_range_is_refused_by_name():
+    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--api-server-count", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "--api-server-count 2" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "--api-server-count" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_shutdown_deadline_ends_requests_with_errors_over_a_unix_socket(tmp_path):

@@ -13,6 +13,7 @@ import asyncio
 import gc
 import logging
 import signal
+import socket
 import sys
 from typing import Any
 
@@ -24,6 +25,7 @@ import shoal
 from shoal.engine.async_llm import AsyncLLM
 from shoal.engine.core_client import EngineStartupError
 from shoal.engine.engine_args import EngineArgs
+from shoal.engine.input_processor import EngineLimits
 from shoal.entrypoints.openai.auth import ApiKeyMiddleware
 from shoal.entrypoints.openai.dev_routes import add_dev_routes
 from shoal.entrypoints.openai.errors import (
@@ -37,6 +39,12 @@ from shoal.entrypoints.openai.middleware import (
     RootPathMiddleware,
     ServerLoad,
     ServerLoadMiddleware,
+)
+from shoal.entrypoints.openai.pool_metrics import (
+    ApiServerIdentity,
+    PoolMember,
+    RequestSeriesOnly,
+    merged_registry,
 )
 from shoal.entrypoints.openai.responses_api import OpenAIServingResponses
 from shoal.entrypoints.openai.routes import (
@@ -70,9 +78,8 @@ def freeze_startup_objects() -> None:
     gc.set_threshold(20_000, 10, 10)
 
 
-def cache_config_info(engine: AsyncLLM) -> dict[str, str]:
+def cache_config_info(lim: EngineLimits, args: EngineArgs) -> dict[str, str]:
     """vLLM's cache_config_info labels, from what the engine reported at start-up."""
-    lim, args = engine.limits, engine.engine_args
     size = lim.num_kv_blocks * lim.block_size
     return {"block_size": str(lim.block_size), "num_gpu_blocks": str(lim.num_kv_blocks),
             "enable_prefix_caching": str(args.enable_prefix_caching),
@@ -83,18 +90,29 @@ def cache_config_info(engine: AsyncLLM) -> dict[str, str]:
             "kv_cache_max_concurrency": f"{size / lim.max_model_len:.2f}"}
 
 
+def served_names(engine_args: EngineArgs, settings: ServerSettings) -> list[str]:
+    return settings.served_model_name or [engine_args.model or DEFAULT_MODEL_NAME]
+
+
 def build_app(engine: AsyncLLM, settings: ServerSettings,
-              registry: CollectorRegistry | None = None) -> FastAPI:
-    names = settings.served_model_name or [engine.engine_args.model or DEFAULT_MODEL_NAME]
+              registry: CollectorRegistry | None = None, pool: PoolMember | None = None
+              ) -> FastAPI:
+    """`pool`: this is one of several API processes (--api-server-count): /metrics shows
+    them all, and this one records its requests' series only."""
+    names = served_names(engine.engine_args, settings)
     models = ServedModels(names, engine.engine_args.model, engine.max_model_len,
                           engine.limits.lora)
     if settings.lora_modules and engine.limits.lora is None:
         raise ValueError("--lora-modules needs --enable-lora")
     load_startup_adapters(models, settings.lora_modules)
     registry = registry if registry is not None else CollectorRegistry()
-    engine.stat_loggers.append(PrometheusStatLogger(
+    prometheus = PrometheusStatLogger(
         models.default, registry, prefixes=settings.metrics_prefixes,
-        max_model_len=engine.max_model_len, cache_info=cache_config_info(engine)))
+        max_model_len=engine.max_model_len,
+        cache_info=cache_config_info(engine.limits, engine.engine_args))
+    if pool is not None:
+        registry = merged_registry(pool.metrics_dir, settings.metrics_prefixes)
+    engine.stat_loggers.append(prometheus if pool is None else RequestSeriesOnly(prometheus))
 
     # strict_content_type off: a JSON body is read as JSON even when a client (curl -d)
     # forgets the Content-Type header.
@@ -116,6 +134,8 @@ def build_app(engine: AsyncLLM, settings: ServerSettings,
     # Added last, so it runs first: an oversized body or header never reaches a handler.
     app.add_middleware(RequestSizeLimitMiddleware,
                        max_body_bytes=engine.engine_args.max_request_body_bytes)
+    if pool is not None:
+        app.add_middleware(ApiServerIdentity, index=pool.index)
     completion = OpenAIServingCompletion(engine, models, settings)
     chat = OpenAIServingChat(engine, models, settings)
     responses = OpenAIServingResponses(engine, models, settings)
@@ -157,20 +177,27 @@ class _Server(uvicorn.Server):
 
 
 async def serve(engine_args: EngineArgs, settings: ServerSettings,
-                build_core: Any = None, client: Any = None) -> int:
+                build_core: Any = None, client: Any = None, *,
+                sockets: list[socket.socket] | None = None, pool: PoolMember | None = None
+                ) -> int:
     """Runs the server until SIGTERM/SIGINT (exit code 0) or the engine's death (1).
     `build_core` replaces the engine core, `client` is an engine started already (see
-    AsyncLLM.from_engine_args)."""
+    AsyncLLM.from_engine_args). One API process of several (api_server_pool.py) listens on
+    its `sockets` and is `pool`; the engine's log line is the supervisor's there."""
+    if settings.api_server_count > 1 and pool is None:
+        raise ValueError("serve() is one API process: see server_launch.run_server")
     try:
         engine = await AsyncLLM.from_engine_args(engine_args, build_core=build_core,
                                                  client=client)
     except (EngineStartupError, OSError, ValueError) as e:
         logger.error("the engine failed to start: %s", e)
-        print(f"shoal: the engine failed to start: {e}", file=sys.stderr)
+        if pool is None:  # (else the supervisor says it, once)
+            print(f"shoal: the engine failed to start: {e}", file=sys.stderr)
         return 1
-    engine.stat_loggers.append(LoggingStatLogger())
+    if pool is None:
+        engine.stat_loggers.append(LoggingStatLogger())
     try:
-        app = build_app(engine, settings)
+        app = build_app(engine, settings, pool=pool)
         grpc_server = await start_grpc(engine, app, settings)
     except (ValueError, OSError) as e:  # a setting that does not fit (--lora-modules), a port
         await engine.shutdown()
@@ -220,7 +247,7 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: None)
     try:
-        await server.serve()
+        await server.serve(sockets=sockets)
     finally:
         if grpc_server is not None:  # its streams drain as HTTP's do (expire() ends them)
             await grpc_server.stop(settings.shutdown_timeout + ERROR_GRACE_S)

@@ -38,5 +38,11 @@ async def start_then_serve(engine_args: EngineArgs, settings: ServerSettings) ->
 def run_server(engine_args: EngineArgs, settings: ServerSettings) -> int:
     """`shoal serve`; returns the exit code. On asyncio's own event loop: uvloop was measured
     slower here (36 against 30 us of frontend CPU per streamed token, with pyzmq's asyncio
-    sockets), so it is not used even where installed."""
+    sockets), so it is not used even where installed. --api-server-count N > 1: N API
+    processes over one engine (api_server_pool.py)."""
+    if settings.api_server_count > 1:
+        from shoal.entrypoints.openai.api_server_pool import check_pool_settings, serve_pool
+
+        check_pool_settings(engine_args, settings)  # before anything starts
+        return asyncio.run(serve_pool(engine_args, settings))
     return asyncio.run(start_then_serve(engine_args, settings))

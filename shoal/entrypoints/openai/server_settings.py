@@ -33,8 +33,9 @@ class ServerSettings:
     served_model_name: list[str] | None = setting(
         None, "the model name(s) clients use (the first one is reported; default: the model "
               "argument)", nargs="+")
-    api_server_count: int = setting(1, "API server processes (only 1: shoal runs one API "
-                                       "server in front of its engine core)")
+    api_server_count: int = setting(1, "API server processes over the one engine core, each "
+                                       "with its own event loop, all on --host/--port "
+                                       "(SO_REUSEPORT: the kernel shares connections out)")
     shutdown_timeout: float = setting(30.0, "seconds to let in-flight requests finish after "
                                             "SIGTERM; then they end with an error (0: at once)")
     uvicorn_log_level: str = setting("info", "uvicorn's log level", choices=[
@@ -92,11 +93,9 @@ class ServerSettings:
             get_reasoning_parser(self.reasoning_parser)
         if self.api_key is None:
             self.api_key = os.environ.get("VLLM_API_KEY") or None
-        if self.api_server_count != 1:
-            raise ValueError(
-                f"--api-server-count {self.api_server_count} is not supported: shoal runs one "
-                "API server process per engine core (its frontend costs about 30 us of CPU "
-                "per streamed token); run several `shoal serve` behind a load balancer instead")
+        if not 1 <= self.api_server_count <= 64:
+            raise ValueError(f"--api-server-count must be in 1..64 (got "
+                             f"{self.api_server_count})")
         if self.root_path:
             self.root_path = "/" + self.root_path.strip("/")
         self.metrics_prefixes = list(self.metrics_prefixes)
