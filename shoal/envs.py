@@ -87,6 +87,53 @@ SHOAL_CPU_LAYER_KERNELS: EnvVar[bool] = EnvVar(
     "small linear layers) run their torch paths instead of the C++ kernels "
     "(shoal/cpu_kernels.py)")
 
+SHOAL_CPU_ADAPTIVE_THREADS: EnvVar[bool] = EnvVar(
+    "SHOAL_CPU_ADAPTIVE_THREADS", True, _switch,
+    "0: the CPU engine keeps its model threads even when other processes take CPU from it "
+    "(A/B runs; shoal/engine/cpu_governor.py)")
+
+
+def _cpu_dtype(raw: str) -> str | None:
+    value = raw.strip().lower() or None
+    if value not in (None, "float32", "bfloat16"):
+        raise ValueError("it must be float32 or bfloat16")
+    return value
+
+
+SHOAL_CPU_AUTO_DTYPE: EnvVar[str | None] = EnvVar(
+    "SHOAL_CPU_AUTO_DTYPE", None, _cpu_dtype,
+    "float32 or bfloat16: what dtype=auto means on the CPU; unset: bfloat16 where the CPU has "
+    "native bfloat16 matmul, else float32 (shoal/config/cpu_dtype.py). The test suite pins "
+    "float32 so its results do not depend on the CI host")
+
+def _count(raw: str) -> int:
+    value = int(raw)
+    if value < 1:
+        raise ValueError("it must be an integer >= 1")
+    return value
+
+
+def _optional_count(raw: str) -> int | None:
+    return _count(raw) if raw.strip() else None
+
+
+SHOAL_MEDIA_THREADS: EnvVar[int | None] = EnvVar(
+    "SHOAL_MEDIA_THREADS", None, _optional_count,
+    "threads the server's frontend fetches, decodes and preprocesses images and videos on "
+    "(off its event loop); the engine argument media_io_threads wins; unset: 4, at most the "
+    "usable cores (shoal/engine/mm_frontend.py)")
+
+SHOAL_QUANT_DEQUANT: EnvVar[bool] = EnvVar(
+    "SHOAL_QUANT_DEQUANT", False, _on,
+    "1: quantized checkpoints are dequantized at load on CUDA too (the path before the FP8 "
+    "and W4A16 kernels), for A/B runs (shoal/quantization/fast_path.py)")
+
+SHOAL_W4A16_DENSE_ABOVE_M: EnvVar[int | None] = EnvVar(
+    "SHOAL_W4A16_DENSE_ABOVE_M", None, _optional_count,
+    "INT4 weight-only layers: steps of more than this many tokens dequantize the weight and "
+    "run a dense matmul instead of the W4A16 kernel; unset: always the kernel "
+    "(shoal/layers/quantization/methods.py)")
+
 SHOAL_KV_HUGE_PAGES: EnvVar[bool] = EnvVar(
     "SHOAL_KV_HUGE_PAGES", True, _switch,
     "0: the CPU KV pool is neither marked for transparent huge pages nor populated at "

@@ -15,6 +15,10 @@ from oracle import write_tiny_checkpoint
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# dtype="auto" on the CPU follows the host's flags (bfloat16 with native bf16 matmul); CI
+# runs on AVX2 and on AMX hosts, so the suite pins it (servers it starts inherit this).
+os.environ.setdefault("SHOAL_CPU_AUTO_DTYPE", "float32")
+
 # Two cores: one intra-op thread per process keeps test processes from fighting.
 torch.set_num_threads(int(os.environ.get("SHOAL_TEST_THREADS", "1")))
 
@@ -35,7 +39,7 @@ def smollm_gguf() -> tuple[str, str]:
 def smollm_llm():
     from shoal import LLM
 
-    return LLM(kv_cache_memory_bytes=512 << 20, max_model_len=2048)
+    return LLM(kv_cache_memory_bytes=512 << 20, max_model_len=2048, dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -27,13 +27,18 @@ _DTYPES = {
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
-    """'auto' means bfloat16 on a GPU and float32 on the CPU (the project default)."""
+    """'auto' means bfloat16 on a GPU; on the CPU, bfloat16 where it multiplies bfloat16
+    natively, else float32 (config/cpu_dtype.py)."""
     import torch
 
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        from shoal.config.cpu_dtype import auto_cpu_dtype
+
+        return getattr(torch, auto_cpu_dtype())
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)} (got {dtype!r})")
     return getattr(torch, _DTYPES[dtype])
@@ -97,9 +102,14 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES
+    # cpu_offload_gb in bytes: this rank's decoder-layer weights kept in host memory (as in
+    # vLLM's CacheConfig, the device memory it frees goes to the pool; loader/weight_offload.py)
+    cpu_offload_bytes: int = 0
 
     def __post_init__(self) -> None:
         check_kv_cache_dtype(self.kv_cache_dtype)
+        if self.cpu_offload_bytes < 0:
+            raise ValueError(f"cpu_offload_bytes must be >= 0 (got {self.cpu_offload_bytes})")
         # (a multiple of 64: a hybrid model's pages, sized to hold a linear layer's state)
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128) and self.block_size % 64:
             raise ValueError(f"block_size must be a power of two in [1, 128] (got {self.block_size})")

@@ -18,7 +18,8 @@ def cache_config(args: Any, hf_config: Any, runner: str, dtype: Any) -> CacheCon
     return CacheConfig(block_size(args, hf_config, runner, dtype),
                        prefix_caching(args, hf_config), args.gpu_memory_utilization,
                        args.kv_cache_memory_bytes, args.num_gpu_blocks_override,
-                       args.kv_cache_dtype)
+                       args.kv_cache_dtype,
+                       cpu_offload_bytes=args.weight_offload_bytes(args.resolved_device()))
 
 
 def prefix_caching(args: Any, hf_config: Any) -> bool:

@@ -98,6 +98,7 @@ class EngineCore:
         self._history_requests: set[int] = set()  # serials: sampling needs every earlier token
         self._failed_in_a_row = 0
         self.pause = GenerationPause.attached(self.scheduler)  # engine/pause.py
+        self.thread_governor: Any = None  # CPU: engine/cpu_governor.py (set at start-up)
         self.eos_token_ids = frozenset(_eos_ids(loaded))
         self.structured = StructuredSteps(StructuredOutputManager(
             config.structured_outputs_backend, loaded.tokenizer, self.runner.vocab_size,
@@ -334,6 +335,8 @@ class EngineCore:
         if self.kv_offload is not None:
             stats.kv_tiers = {t.name: t.as_metrics() for t in self.kv_offload.stats().tiers}
         self.pause.settle(self)
+        if self.thread_governor is not None:
+            self.thread_governor.after_step()
         return EngineCoreOutputs(outputs=outputs, stats=stats)
 
     def _idle_round(self) -> EngineCoreOutputs:

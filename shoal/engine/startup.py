@@ -4,11 +4,10 @@ seed, give the model its CPU threads, load the model, apply the config overrides
 engine config and the EngineCore.
 
 What differs between the two is one parameter, `serving`:
-- the server's engine leaves a core to the frontend process (its CPU threads are always
-  chosen, see cpu_threads.py) and takes short CPU steps, so first tokens come soon
-  (cpu_defaults.py);
-- the offline engine keeps torch's own thread count (every core) unless `cpu_threads` is
-  given, and takes large steps."""
+- the server's engine leaves a core to the frontend process (cpu_threads.py) and takes
+  short CPU steps, so first tokens come soon (cpu_defaults.py);
+- the offline engine uses every core it can (at most torch's count) and takes large steps.
+Both adapt their CPU threads to what other processes leave them (cpu_governor.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from shoal.engine.core import EngineCore
+from shoal.engine.cpu_governor import thread_governor
 from shoal.engine.cpu_threads import configure_cpu_threads
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import RequestLimits
@@ -56,10 +56,9 @@ def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
         cuda_init = threading.Thread(target=_start_cuda, args=(device,), daemon=True)
         cuda_init.start()
     # Before the engine config: on the CPU a serving step's token budget follows the threads.
-    if serving or args.cpu_threads is not None:
-        threads = configure_cpu_threads(device.type, args.cpu_threads, serving=serving)
-        if threads is not None:
-            logger.info("model threads on the CPU: %d", threads)
+    threads = configure_cpu_threads(device.type, args.cpu_threads, serving=serving)
+    if threads is not None:
+        logger.info("model threads on the CPU: %d", threads)
     loaded = load_model(args.model, tokenizer=args.tokenizer, load_format=args.load_format,
                         quantization=args.quantization)
     args.apply_hf_overrides(loaded.hf_config)
@@ -68,6 +67,7 @@ def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
         cuda_init.join()
     t1 = time.perf_counter()
     core = EngineCore(config, loaded, request_limits=limits)
+    core.thread_governor = thread_governor(device.type, threads, args.cpu_threads)
     attach_kv_events(core, kv_events)
     try:
         attach_kv_connector(core, kv_transfer, loaded.source)

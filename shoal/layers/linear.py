@@ -48,6 +48,7 @@ class ColumnParallelLinear(nn.Module):
         )
         self.weight.weight_loader = self.weight_loader
         self.int4: Int4Weight | None = None  # set by int4_cpu.convert_linears
+        self.quant: Any = None  # packed FP8/INT4 weights on CUDA (shoal/quantization/fast_path)
         if bias:
             self.bias = nn.Parameter(
                 torch.empty(self.output_size_per_partition, dtype=params_dtype), requires_grad=False
@@ -61,7 +62,10 @@ class ColumnParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(0, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and self.int4.takes(x):
+        if self.quant is not None:
+            y = self.quant(x)
+            y = y if self.bias is None else y + self.bias
+        elif self.int4 is not None and self.int4.takes(x):
             y = int4_linear(x, self.int4)
             y = y if self.bias is None else y + self.bias
         else:
@@ -175,6 +179,7 @@ class RowParallelLinear(nn.Module):
         )
         self.weight.weight_loader = self.weight_loader
         self.int4: Int4Weight | None = None  # set by int4_cpu.convert_linears
+        self.quant: Any = None  # packed FP8/INT4 weights on CUDA (shoal/quantization/fast_path)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype), requires_grad=False)
             self.bias.weight_loader = default_weight_loader
@@ -186,7 +191,9 @@ class RowParallelLinear(nn.Module):
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * shard, shard))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and self.int4.takes(x):
+        if self.quant is not None:
+            y = self.quant(x)
+        elif self.int4 is not None and self.int4.takes(x):
             y = int4_linear(x, self.int4)
         else:
             y = small_linear.linear(x, self.weight)

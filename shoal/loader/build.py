@@ -4,6 +4,7 @@ load_format="dummy", in eval mode."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -16,8 +17,10 @@ from shoal.distributed.parallel_state import expert_parallel
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.loader.kv_scales import apply_kv_scales
 from shoal.loader.loaded_model import LoadedModel
+from shoal.loader.weight_offload import WeightOffloader
 from shoal.models.interface import as_pooling_model
 from shoal.models.registry import model_path, resolve_model_class
+from shoal.quantization.fast_path import FastPath
 
 logger = logging.getLogger(__name__)
 
@@ -32,23 +35,37 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
     if pooling:  # a PoolingModel; a causal LM serves as an embedder
         cls = as_pooling_model(cls)
     ep = config.parallel_config.enable_expert_parallel  # read by FusedMoE's constructor
-    with torch.device(config.device), expert_parallel(ep):
+    # cpu_offload_gb: the first decoder layers move to host memory as they are built
+    offload = config.cache_config.cpu_offload_bytes
+    offloader = WeightOffloader(offload, config.device) if offload else None
+    with torch.device(config.device), expert_parallel(ep), (
+            offloader.building() if offloader else contextlib.nullcontext()):
         model = cls(loaded.hf_config, config.model_config.dtype,
                     use_triton_ops=config.use_triton_ops)
-    if config.model_config.load_format == "dummy":
-        initialize_dummy_weights(model, seed=config.model_config.seed)
+    dummy = config.model_config.load_format == "dummy"
+    # FP8 / INT4 weights kept packed on CUDA (shoal/quantization/fast_path.py)
+    fast = None if offload else FastPath.plan(loaded.quantization, config.model_config.dtype,
+                                              config.device, dummy=dummy)
+    if dummy:  # (drawn on the device, offloaded or not)
+        initialize_dummy_weights(model, seed=config.model_config.seed, device=config.device)
     else:
-        names = model.load_weights(loaded.weights())
+        weights = loaded.weights if fast is None else fast.weights(loaded.weights)
+        with fast.loading(model) if fast else contextlib.nullcontext():
+            names = model.load_weights(weights())
         if pooling:  # heads stored beside the safetensors (BGE-M3)
             names |= model.load_extra_files(Path(loaded.source))
         check_all_loaded(model, names, loaded.source)
         apply_kv_scales(model, loaded.kv_scales)  # (filled by the pass just made)
+    if fast is not None:
+        fast.finish(model)
     # By default only a GGUF's weights are looked at (another format has no 4-bit groups to
     # find, and the search reads every weight); asked for, any model is tried.
     if config.cpu_int4_matmul == "all" or (config.cpu_int4_matmul == "small_steps"
                                            and loaded.load_format == "gguf"):
         convert_to_int4(model, loaded.source, config.cpu_int4_matmul)
     model.eval()
+    if offloader is not None:
+        offloader.activate(model)
     logger.info("model %s loaded in %.2f s: %s", getattr(model, "architecture", cls.__name__),
                 time.perf_counter() - t0, model_path(cls))
     return model

@@ -36,6 +36,7 @@ def load_model(
     _check_format(source, load_format)
     dummy = load_format == "dummy"
     kv_scales = KVScales()
+    qconfig = None
     if source.kind == "gguf":
         if quantization not in (None, "gguf"):
             raise ValueError(f"quantization={quantization!r} does not apply to the GGUF file "
@@ -46,10 +47,9 @@ def load_model(
         used_format = "dummy" if dummy else "gguf"
     else:
         full_config = load_folder_config(source.path)
-        qconfig = None  # dummy weights need no dequantizing, unless asked for a method
-        if not dummy or quantization is not None:
-            qconfig = resolve_quantization(
-                quantization, detect_quantization(full_config, source.path), str(source.path))
+        # (dummy weights: quantized by it on the GPU, kept dense on the CPU)
+        qconfig = resolve_quantization(
+            quantization, detect_quantization(full_config, source.path), str(source.path))
         config, rename = text_only(full_config)
         weights = (no_weights if dummy else
                    _streamed(source.path, config, rename, qconfig, kv_scales))
@@ -64,6 +64,7 @@ def load_model(
         weights=weights,
         load_format=used_format,
         kv_scales=kv_scales,
+        quantization=qconfig,
     )
 
 

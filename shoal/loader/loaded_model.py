@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -29,3 +30,6 @@ class LoadedModel:
     load_format: str = "auto"  # the format actually used: "gguf", "safetensors" or "dummy"
     # The checkpoint's KV-cache scales, taken out of `weights` as it streams (kv_scales.py)
     kv_scales: KVScales = field(default_factory=KVScales)
+    # The checkpoint's quantization (or quantization="fp8" of a dense one); a dummy load's
+    # too, which quantizes its random weights by it on the GPU (shoal/quantization/fast_path.py)
+    quantization: Any = None

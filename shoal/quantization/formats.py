@@ -38,9 +38,14 @@ class LinearFormat(Protocol):
         """The float32 [N, K] weight."""
 
 
-def linear_format(qconfig: QuantizationConfig) -> LinearFormat:
+def linear_format(qconfig: QuantizationConfig, keep_input_scales: bool = False) -> LinearFormat:
+    """keep_input_scales: a static FP8 checkpoint's activation scales are parts of its
+    linears (the GPU fast path runs FP8 activations with them)."""
     if qconfig.quant_method == "fp8":
-        return OnlineFP8() if qconfig.online else FP8(qconfig.weight_block_size)
+        if qconfig.online:
+            return OnlineFP8()
+        static = keep_input_scales and qconfig.activation_scheme == "static"
+        return FP8(qconfig.weight_block_size, static)
     if qconfig.quant_method == "gptq":
         return GPTQ(qconfig)
     if qconfig.quant_method == "awq":
@@ -65,12 +70,14 @@ def _zero_bias(local: str, tensor: torch.Tensor) -> bool:
 
 
 class FP8:
-    def __init__(self, block: tuple[int, int] | None):
+    def __init__(self, block: tuple[int, int] | None, input_scales: bool = False):
         self.block = block
+        self.input_scales = input_scales
 
     def classify(self, name: str, tensor: torch.Tensor) -> Part | str | None:
         module, local = _split(name)
-        if local in ("weight_scale_inv", "weight_scale"):
+        if local in ("weight_scale_inv", "weight_scale") or (
+                local == "input_scale" and self.input_scales):
             return Part(module, local)
         if local in _FP8_DROPPED:
             return DROP
@@ -82,6 +89,8 @@ class FP8:
         need = [] if "weight" in parts else ["weight (float8)"]
         if "weight_scale_inv" not in parts and "weight_scale" not in parts:
             need.append("weight_scale_inv or weight_scale")
+        if self.input_scales and "input_scale" not in parts:
+            need.append("input_scale (activation_scheme static)")
         return need
 
     def dequantize(self, module: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:

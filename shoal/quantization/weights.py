@@ -5,7 +5,10 @@ A quantized linear's tensors may come in any order and from different files: the
 buffer, one entry per linear, until the last arrives; then `<module>.weight` is yielded in
 `dtype` and the entry freed. Everything else passes through, cast to `dtype`. What the
 buffer holds is still the compact stored form: at most the parts of the linears begun and
-not finished, never the dense model."""
+not finished, never the dense model.
+
+On CUDA the fast path (fast_path.py) passes a packer: the linears it can run packed are
+yielded as stand-ins that the models' weight loaders route like dense weights."""
 
 from __future__ import annotations
 
@@ -28,55 +31,82 @@ Weights = Callable[[], Iterator[tuple[str, torch.Tensor]]]
 class StreamStats:
     """One pass's tally, for the start-up log."""
 
-    linears: int = 0  # quantized linears dequantized
+    linears: int = 0  # quantized linears read
+    packed: int = 0  # of which left packed for the GPU fast path
     dropped: int = 0  # activation / KV-cache scales left out
     disk_bytes: int = 0  # every tensor as stored
     out_bytes: int = 0  # every tensor yielded, in the stream's dtype
     seconds: float = 0.0
 
 
+# A quantized linear's stored parts -> the tensor to yield as its weight instead of the
+# dequantized one (the GPU fast path's stand-in: fast_path.py), or None to dequantize.
+Packer = Callable[[LinearFormat, str, dict[str, torch.Tensor]], torch.Tensor | None]
+
+
+@dataclass
+class QuantizedStream:
+    """`stored` (the checkpoint's tensors as stored) turned into dense weights; each call
+    starts a fresh pass, as the wrapped function's does. with_packer: the same stream with
+    linears the packer takes left packed."""
+
+    stored: Weights
+    qconfig: QuantizationConfig
+    dtype: torch.dtype = torch.float32
+    packer: Packer | None = None
+
+    def __call__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return _weights(self.stored, self.qconfig, self.dtype, self.packer)
+
+    def with_packer(self, packer: Packer) -> QuantizedStream:
+        return QuantizedStream(self.stored, self.qconfig, self.dtype, packer)
+
+
 def dequantized_weights(weights_fn: Weights, qconfig: QuantizationConfig,
-                        dtype: torch.dtype = torch.float32) -> Weights:
-    """`weights_fn` (the checkpoint's tensors as stored) turned into dense weights; each call
-    starts a fresh pass, as the wrapped function's does."""
+                        dtype: torch.dtype = torch.float32) -> QuantizedStream:
+    return QuantizedStream(weights_fn, qconfig, dtype)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
-        fmt = linear_format(qconfig)
-        stats = StreamStats()
-        t0 = time.perf_counter()
-        pending: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in weights_fn():
-            stats.disk_bytes += tensor.nbytes
-            kind = fmt.classify(name, tensor)
-            if kind is None:
-                out = tensor.to(dtype)
-                stats.out_bytes += out.nbytes
-                yield name, out
-                continue
-            if kind == DROP:
-                stats.dropped += 1
-                continue
-            assert isinstance(kind, Part)
-            parts = pending.setdefault(kind.module, {})
-            if kind.key in parts:
-                raise ValueError(f"checkpoint tensor {name!r} appears twice")
-            parts[kind.key] = tensor
-            if fmt.missing(kind.module, parts):
-                continue
-            del pending[kind.module]
-            try:
+
+def _weights(weights_fn: Weights, qconfig: QuantizationConfig, dtype: torch.dtype,
+             packer: Packer | None) -> Iterator[tuple[str, torch.Tensor]]:
+    fmt = linear_format(qconfig, keep_input_scales=packer is not None)
+    stats = StreamStats()
+    t0 = time.perf_counter()
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights_fn():
+        stats.disk_bytes += tensor.nbytes
+        kind = fmt.classify(name, tensor)
+        if kind is None:
+            out = tensor.to(dtype)
+            stats.out_bytes += out.nbytes
+            yield name, out
+            continue
+        if kind == DROP:
+            stats.dropped += 1
+            continue
+        assert isinstance(kind, Part)
+        parts = pending.setdefault(kind.module, {})
+        if kind.key in parts:
+            raise ValueError(f"checkpoint tensor {name!r} appears twice")
+        parts[kind.key] = tensor
+        if fmt.missing(kind.module, parts):
+            continue
+        del pending[kind.module]
+        try:
+            weight = None if packer is None else packer(fmt, kind.module, parts)
+            if weight is None:
                 weight = fmt.dequantize(kind.module, parts).to(dtype)
-            except ValueError as e:
-                raise ValueError(f"{kind.module}: {e}") from None
-            stats.linears += 1
-            stats.out_bytes += weight.nbytes
-            yield f"{kind.module}.weight", weight
-        if pending:
-            raise ValueError(incomplete_message(pending, fmt, qconfig))
-        stats.seconds = time.perf_counter() - t0
-        log_stats(qconfig, stats, dtype)
-
-    return weights
+                stats.out_bytes += weight.nbytes
+            else:
+                stats.packed += 1
+        except ValueError as e:
+            raise ValueError(f"{kind.module}: {e}") from None
+        stats.linears += 1
+        yield f"{kind.module}.weight", weight
+    if pending:
+        raise ValueError(incomplete_message(pending, fmt, qconfig))
+    stats.seconds = time.perf_counter() - t0
+    log_stats(qconfig, stats, dtype)
 
 
 def incomplete_message(pending: dict[str, dict[str, torch.Tensor]], fmt: LinearFormat,
@@ -91,9 +121,10 @@ def incomplete_message(pending: dict[str, dict[str, torch.Tensor]], fmt: LinearF
 
 def log_stats(qconfig: QuantizationConfig, stats: StreamStats, dtype: torch.dtype) -> None:
     dropped = f"; {stats.dropped} activation/KV-cache scales unused" if stats.dropped else ""
-    logger.info("quantized weights, %s: %d linear layers dequantized at load in %.2f s; "
+    packed = f" ({stats.packed} left packed for the GPU)" if stats.packed else ""
+    logger.info("quantized weights, %s: %d linear layers%s read at load in %.2f s; "
                 "weights %s on disk, %s dequantized to %s%s", qconfig.describe(),
-                stats.linears, stats.seconds, human_bytes(stats.disk_bytes),
+                stats.linears, packed, stats.seconds, human_bytes(stats.disk_bytes),
                 human_bytes(stats.out_bytes), str(dtype).removeprefix("torch."), dropped)
 
 

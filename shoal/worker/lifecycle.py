@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from shoal.loader.weight_offload import host_weights, offloader_of
 from shoal.worker.sleep_mode import SleepingWeights, put_to_sleep, wake
 
 logger = logging.getLogger(__name__)
@@ -60,7 +61,10 @@ class RunnerLifecycle:
         t0 = time.perf_counter()
         self._had_graphs = self.graphs is not None
         self.graphs = None  # they point at the storages about to go
-        kv_bytes = sum(t.untyped_storage().nbytes() for t in self.kv_caches)
+        # (layers' caches may be views of one storage: each storage counted once)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in self.kv_caches}
+        kv_bytes = sum(storages.values())
         self._kv_asleep = self.null_block  # (the pool's size: the null block is past it)
         self.unbind_kv_cache()
         self._asleep = put_to_sleep([self.model], level)
@@ -102,7 +106,8 @@ class RunnerLifecycle:
     @torch.inference_mode()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Checkpoint-named tensors (full, unsharded) into the model in place: each rank takes
-        its slice, fused projections their part. Returns the number of tensors loaded."""
+        its slice, fused projections their part (offloaded layers': into their host copies,
+        which the next forward copies in). Returns the number of tensors loaded."""
         self._check_updatable()
         count = 0
 
@@ -112,7 +117,8 @@ class RunnerLifecycle:
                 count += 1
                 yield name, tensor
 
-        self.model.load_weights(counted())
+        with host_weights(self.model):
+            self.model.load_weights(counted())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return count
@@ -175,11 +181,17 @@ class RunnerLifecycle:
     @torch.inference_mode()
     def weights_checksum(self) -> float:
         """The sum of every parameter of this rank (float64): tells whether an update landed."""
-        return float(sum(p.double().sum() for p in self.model.parameters()))
+        with host_weights(self.model):
+            return float(sum(p.double().sum() for p in self.model.parameters()))
 
     def rank_info(self) -> dict[str, Any]:
+        offloader = offloader_of(self.model)
+        stats = offloader.stats if offloader is not None else None
         return {"rank": dist.get_rank() if dist.is_initialized() else 0,
-                "device": str(self.device), "sleeping": self.is_sleeping}
+                "device": str(self.device), "sleeping": self.is_sleeping,
+                # cpu_offload_gb: this rank's decoder layers in host memory, and their bytes
+                "offloaded_layers": list(stats.layers) if stats else [],
+                "offloaded_bytes": stats.offloaded_bytes if stats else 0}
 
     def rpc(self, method: str, args: list[Any]) -> Any:
         if method not in RPC_METHODS:

@@ -42,12 +42,23 @@ def test_the_server_always_chooses_its_threads_and_short_steps(steps):
     assert torch.initial_seed() == 7
 
 
-def test_offline_keeps_torch_threads_unless_asked(steps):
+def test_offline_chooses_its_threads_too(steps):
     startup.start_engine_core(EngineArgs(device="cpu"), serving=False)
-    assert steps == ["load", "overrides", ("config", False), "core"]
+    assert steps == [("threads", "cpu", None, False), "load", "overrides", ("config", False),
+                     "core"]
     steps.clear()
     startup.start_engine_core(EngineArgs(device="cpu", cpu_threads=2), serving=False)
     assert steps[0] == ("threads", "cpu", 2, False)
+
+
+def test_the_core_gets_a_thread_governor_unless_the_count_is_pinned(steps, monkeypatch):
+    monkeypatch.setattr(startup, "configure_cpu_threads", lambda device, n, serving: n or 2)
+    monkeypatch.setattr(startup, "thread_governor",
+                        lambda device, threads, requested: ("governor", threads, requested))
+    core = startup.start_engine_core(EngineArgs(device="cpu"), serving=False).core
+    assert core.thread_governor == ("governor", 2, None)
+    core = startup.start_engine_core(EngineArgs(device="cpu", cpu_threads=3), serving=True).core
+    assert core.thread_governor == ("governor", 3, 3)
 
 
 def test_request_limits_are_checked_before_the_model_loads(steps):

@@ -1,4 +1,8 @@
-"""The dense tiny checkpoints every quantized one is made from (written once a session)."""
+"""The dense tiny checkpoints every quantized one is made from (written once a session).
+
+Without a GPU the fast path's Triton kernels run in Triton's interpreter on CPU tensors:
+triton.jit reads TRITON_INTERPRET when a kernel is defined (its module's import), and pytest
+imports this file before the test modules beside it."""
 
 from __future__ import annotations
 
@@ -6,6 +10,10 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

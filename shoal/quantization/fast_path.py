@@ -1,0 +1,184 @@
+"""The GPU fast path of quantized weights: which linear layers keep their FP8 or INT4 weights
+packed on CUDA (and run shoal/layers/quantization's kernels), decided per layer at load.
+
+Used by loader/build.py around a model's load, only on CUDA with a bfloat16 or float16 model
+(the CPU path dequantizes at load, as it always has):
+1. `FastPath.plan` (None: nothing to do, or SHOAL_QUANT_DEQUANT=1, the old dequantize-at-load
+   path, for A/B runs);
+2. `weights(stream)`: the checkpoint's stream with the linears it can pack left packed
+   (handles.py's stand-ins); online FP8 (quantization="fp8" of a dense checkpoint) passes its
+   dense weights through unrounded instead;
+3. `loading(model)`: the `with` block around `model.load_weights`;
+4. `finish(model)`: each layer that received all its rows packed gets `layer.quant`
+   (methods.make_quant_linear picks its kernel; where none fits, the rows are dequantized into
+   its dense weight), its dense weight freed. Online FP8, and dummy weights of a checkpoint
+   config that names a scheme (benchmarks: random weights quantized by that scheme), quantize
+   the dense linears here, on the device."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shoal import envs
+from shoal.quantization.config import QuantizationConfig
+from shoal.quantization.handles import PackedLoading, StandIns
+from shoal.quantization.packed import (
+    PackedLinear,
+    awq_packed,
+    ct_packed,
+    dequantize_packed,
+    fp8_packed,
+    gptq_packed,
+    quantize_fp8,
+    quantize_int4,
+)
+
+logger = logging.getLogger(__name__)
+
+DEQUANT_ENV = envs.SHOAL_QUANT_DEQUANT.name  # "1": every format dequantized at load (the old path)
+# Linear weights online FP8 leaves dense (as formats.OnlineFP8 does on the CPU)
+_KEEP_DENSE = ("embed_tokens.", "embeddings.", "wte.", "lm_head.", "mlp.gate.", "score.")
+
+
+def packed_of(fmt: Any, q: QuantizationConfig, module: str,
+              parts: dict[str, torch.Tensor]) -> PackedLinear | None:
+    """A checkpoint linear's parts in the fast path's layout; None where it has no kernel
+    here (8-bit weights, INT8 W8A8, unusual act-order): those are dequantized at load."""
+    if q.quant_method == "fp8":
+        scale = parts.get("weight_scale_inv", parts.get("weight_scale"))
+        return fp8_packed(parts["weight"], scale, q.weight_block_size, parts.get("input_scale"))
+    if q.quant_method == "gptq":
+        return gptq_packed(parts["qweight"], parts["qzeros"], parts["scales"],
+                           parts.get("g_idx"), q.bits, q.group_size,
+                           q.checkpoint_format == "gptq")
+    if q.quant_method == "awq":
+        return awq_packed(parts["qweight"], parts["qzeros"], parts["scales"], q.group_size)
+    group = fmt.layout.scheme_for(module)
+    return None if group is None or group.dense else ct_packed(group.scheme, group.format,
+                                                               parts)
+
+
+def dense_scheme(q: QuantizationConfig) -> Any:
+    """How online FP8 and dummy weights quantize a dense weight: weight -> PackedLinear, or
+    None (a compressed-tensors or 8-bit config: dummy weights stay dense)."""
+    if q.quant_method == "fp8":
+        block = None if q.online else q.weight_block_size
+        return lambda w: quantize_fp8(w, block)
+    if q.quant_method in ("gptq", "awq") and q.bits == 4:
+        sym = q.sym if q.quant_method == "gptq" else False
+        return lambda w: quantize_int4(w, q.group_size, sym)
+    return None
+
+
+def fast_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The shoal linear layers (a `quant` slot) that run as layers, by name."""
+    return {name: m for name, m in model.named_modules()
+            if hasattr(m, "quant") and not getattr(m, "weight_only", False)
+            and isinstance(getattr(m, "weight", None), nn.Parameter) and m.weight.dim() == 2}
+
+
+@dataclass
+class FastPath:
+    qconfig: QuantizationConfig
+    dtype: torch.dtype
+    device: torch.device
+    dummy: bool = False
+    stand_ins: StandIns = field(init=False)
+    _loading: PackedLoading | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.stand_ins = StandIns(self.dtype)
+
+    @classmethod
+    def plan(cls, qconfig: QuantizationConfig | None, dtype: torch.dtype,
+             device: torch.device | str, dummy: bool = False,
+             allow_cpu: bool = False) -> FastPath | None:
+        """allow_cpu: tests, with the Triton kernels under TRITON_INTERPRET=1."""
+        device = torch.device(device)
+        if qconfig is None or envs.SHOAL_QUANT_DEQUANT.get():
+            return None
+        if device.type != "cuda" and not allow_cpu:
+            return None
+        if device.type == "cuda" and dtype not in (torch.bfloat16, torch.float16):
+            logger.info("quantized weights: a %s model dequantizes them at load (the GPU "
+                        "kernels take bfloat16 or float16 activations)", dtype)
+            return None
+        return cls(qconfig, dtype, device, dummy)
+
+    def weights(self, stream: Any) -> Any:
+        """The stream to load (a dummy load has none)."""
+        with_packer = getattr(stream, "with_packer", None)
+        return stream if with_packer is None else with_packer(self._pack)
+
+    def _pack(self, fmt: Any, module: str, parts: dict[str, torch.Tensor]) -> Any:
+        if self.qconfig.online:  # quantized on the device by finish
+            return parts["weight"].to(self.dtype)
+        packed = packed_of(fmt, self.qconfig, module, parts)
+        return None if packed is None else self.stand_ins.make(module, packed)
+
+    def loading(self, model: nn.Module) -> Any:
+        if self.dummy:
+            return nullcontext()
+        self._loading = PackedLoading(model, self.stand_ins, set(fast_layers(model).values()))
+        return self._loading
+
+    @torch.no_grad()
+    def finish(self, model: nn.Module) -> dict[str, int]:
+        """Layers packed per kernel (and "dense": packed rows a layer could not run)."""
+        untaken = self.stand_ins.untaken()
+        self.stand_ins.release()
+        if untaken:
+            raise ValueError(f"{len(untaken)} quantized linear(s) (e.g. {untaken[0]!r}) never "
+                             f"reached a weight loader; set {DEQUANT_ENV}=1 to dequantize at "
+                             "load")
+        counts: Counter[str] = Counter()
+        bytes_packed = 0
+        received = self._loading.parts if self._loading is not None else {}
+        for layer, lp in received.items():
+            complete = not lp.mixed and bool(lp.present.bool().all())
+            packed = lp.packed()
+            q = make(packed, self.device) if complete else None
+            if q is None:
+                rows = lp.present.bool().view(-1)
+                layer.weight.data[rows] = dequantize_packed(packed)[rows].to(layer.weight.dtype)
+                counts["dense (no kernel for this layer)"] += 1
+                continue
+            bytes_packed += self._install(layer, q)
+            counts[q.name] += 1
+        scheme = dense_scheme(self.qconfig) if (self.qconfig.online or self.dummy) else None
+        if scheme is not None:
+            for name, layer in fast_layers(model).items():
+                if layer in received or any(k in f"{name}." for k in _KEEP_DENSE):
+                    continue
+                q = make(scheme(layer.weight.data), self.device)
+                if q is not None:
+                    bytes_packed += self._install(layer, q)
+                    counts[q.name] += 1
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the dense weights' memory, for the KV cache
+        if counts:
+            logger.info("quantized linears on %s: %s; %.1f MiB of packed weights",
+                        self.device, ", ".join(f"{n} x{c}" for n, c in sorted(counts.items())),
+                        bytes_packed / 2**20)
+        self._loading = None
+        return dict(counts)
+
+    def _install(self, layer: nn.Module, q: Any) -> int:
+        layer.quant = q
+        w = layer.weight
+        layer.weight = nn.Parameter(torch.empty(0, dtype=w.dtype, device=w.device),
+                                    requires_grad=False)
+        return q.nbytes
+
+
+def make(packed: PackedLinear, device: torch.device) -> Any:
+    from shoal.layers.quantization.methods import make_quant_linear
+
+    return make_quant_linear(packed, device)
