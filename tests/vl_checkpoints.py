@@ -17,12 +17,14 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def word_tokenizer(specials: list[str], num_words: int = 200):
-    """A whitespace word-level tokenizer: <unk>, <s>, </s>, the specials, then w0..wN."""
+def word_tokenizer(specials: list[str], num_words: int = 200, extra: tuple[str, ...] = ()):
+    """A whitespace word-level tokenizer: <unk>, <s>, </s>, the specials, then w0..wN, then
+    the `extra` words."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = ["<unk>", "<s>", "</s>", *specials] + [f"w{i}" for i in range(num_words)]
+    words = (["<unk>", "<s>", "</s>", *specials] + [f"w{i}" for i in range(num_words)]
+             + list(extra))
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
                                          unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -68,6 +70,50 @@ def write_tiny_qwen2_5_vl(path: Path, seed: int = 0) -> Path:
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=28 * 28 * 64).save_pretrained(path)
+    return path
+
+
+# Qwen3-VL's video timestamps "<1.5 seconds>" as words: "<1.5" and "seconds>"
+TIMESTAMP_WORDS = tuple(f"<{i / 10:.1f}" for i in range(100)) + ("seconds>",)
+
+
+def write_tiny_qwen3_vl(path: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3-VL folder: patch 16, up to 8x8 patches an image, videos of up to
+    2 x 4096 pixels a frame group, a tokenizer that knows the timestamp words."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    tok, vocab = word_tokenizer(QWEN_SPECIALS, extra=TIMESTAMP_WORDS)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
+    cfg = Qwen3VLConfig(
+        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                         rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3],
+                                              mrope_interleaved=True, rope_theta=10000.0),
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
+                           out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                           temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0, 1]),
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
+    cfg.architectures = ["Qwen3VLForConditionalGeneration"]
+    torch.manual_seed(seed)
+    model = Qwen3VLForConditionalGeneration(cfg).eval()
+    randomize_weights(model)
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    # Qwen3-VL's processor: Qwen2-VL's at patch 16, mean/std 0.5; up to 8x8 patches here
+    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                             min_pixels=64 * 64, max_pixels=128 * 128,
+                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(path)
+    Qwen3VLVideoProcessor(size={"shortest_edge": 32 * 32, "longest_edge": 8 * 64 * 64},
+                          cap_pixels_per_frame=False).save_pretrained(path)
     return path
 
 

@@ -25,6 +25,10 @@ class MultiModalArgs:
         None, "hosts whose http(s) image URLs the server fetches (default: none)")
     allowed_local_media_path: str | None = _arg(
         None, "a folder whose files file:// image URLs may read (default: none)")
+    media_io_threads: int | None = _arg(
+        None, "threads that fetch, decode and process a request's images and videos off the "
+              "server's event loop (default: $SHOAL_MEDIA_THREADS, else 4 or the cores if "
+              "fewer)")
     video_pruning_rate: float = _arg(
         0.0, "EVS: the share of a video's tokens dropped after the vision tower, the ones "
              "most like the same place in the frame before (0 <= rate < 1; 0: none)")
@@ -35,6 +39,9 @@ class MultiModalArgs:
         rate = self.video_pruning_rate
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
             raise ValueError(f"video_pruning_rate must be a number in [0, 1) (got {rate!r})")
+        threads = self.media_io_threads
+        if threads is not None and (type(threads) is not int or threads < 1):
+            raise ValueError(f"media_io_threads must be an integer >= 1 (got {threads!r})")
         self.videos_per_prompt()
         return self._limit("image")
 

@@ -1,27 +1,62 @@
 """The frontend's side of images and videos: checks what a prompt carries (count, kind,
 size), runs the model's processor (placeholders expanded, tensors made) and sizes each item
-against the engine's encoder cache. Runs where the tokenizer runs, never in the engine core."""
+against the engine's encoder cache. Runs where the tokenizer runs, never in the engine core.
+
+Fetching, decoding and processing media take long (an image: tens of ms, a video: seconds),
+so the server runs them on a bounded pool of threads (`offload`), never on its event loop,
+where they would stall every other request's stream. PIL and PyAV are imported on first use,
+so no shoal module loads them for a text model (transformers 5.25's own `import transformers`
+still probes PIL where it is installed)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+import asyncio
+import functools
+import os
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
+from shoal import envs
 from shoal.multimodal.chat_parts import Placeholders, VideoSource
 from shoal.multimodal.inputs import MultiModalFeature
 from shoal.multimodal.media import MediaSettings, check_image, load_image
 from shoal.multimodal.processors import processor_class
 from shoal.multimodal.video import Video, load_video, to_video
 
+T = TypeVar("T")
+
+MEDIA_THREADS_ENV = envs.SHOAL_MEDIA_THREADS.name
+
+
+def default_media_threads() -> int:
+    """$SHOAL_MEDIA_THREADS, else 4 (at most the usable cores): enough to overlap fetches and
+    decodes, few enough that media work cannot starve the frontend's own thread."""
+    value = envs.SHOAL_MEDIA_THREADS.get()
+    if value is not None:
+        return value
+    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                      else os.cpu_count() or 1))
+
 
 class MultiModalFrontend:
     def __init__(self, processor: Any, max_embeds: int, max_images: int,
-                 media: MediaSettings, max_videos: int = 0):
+                 media: MediaSettings, max_videos: int = 0, threads: int | None = None):
         self.processor = processor
         self.max_embeds = max_embeds  # the engine's encoder cache: the largest image
         self.max_images = max_images
         self.max_videos = max_videos
         self.media = media
+        self.threads = threads or default_media_threads()
+        self._pool: ThreadPoolExecutor | None = None
+
+    async def offload(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the media threads (started on first use), awaited without blocking
+        the event loop; its exception (a ValueError for bad media) is raised here."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shoal-media")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
 
     @property
     def image_placeholder(self) -> str:
@@ -46,11 +81,16 @@ class MultiModalFrontend:
         config = load_folder_config(source.path)
         arch = next(a for a in config.architectures if processor_class(a) is not None)
         processor = processor_class(arch)(source.path, config, tokenizer)
-        processor.video_pruning_rate = float(getattr(args, "video_pruning_rate", 0.0) or 0.0)
+        rate = float(getattr(args, "video_pruning_rate", 0.0) or 0.0)
+        if rate and getattr(processor, "video_placeholder", None) and not getattr(
+                processor, "supports_evs", False):
+            raise ValueError(f"video_pruning_rate (EVS) is not supported for {arch}'s videos; "
+                             "leave it at 0")
+        processor.video_pruning_rate = rate
         media = MediaSettings(allowed_domains=tuple(args.allowed_media_domains or ()),
                               allowed_local_path=args.allowed_local_media_path)
         return cls(processor, max_embeds, args.images_per_prompt(), media,
-                   args.videos_per_prompt())
+                   args.videos_per_prompt(), getattr(args, "media_io_threads", None))
 
     def process(self, prompt_token_ids: list[int], mm_data: Any
                 ) -> tuple[list[int], list[MultiModalFeature]]:
@@ -83,8 +123,8 @@ class MultiModalFrontend:
     def _load_one(self, source: Any) -> Any:
         if isinstance(source, VideoSource):
             value = source.value
-            return (load_video(value, self.media) if isinstance(value, str)
-                    else to_video(value, self.media))
+            return (load_video(value, self.media, getattr(self.processor, "sample_frames", None))
+                    if isinstance(value, str) else to_video(value, self.media))
         return (load_image(source, self.media) if isinstance(source, str)
                 else check_image(source, self.media))
 

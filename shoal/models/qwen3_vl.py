@@ -1,7 +1,8 @@
 """Qwen3-VL (Qwen3VLForConditionalGeneration, dense): the Qwen3 decoder with interleaved
 M-RoPE, and its vision tower (shoal/models/vision/qwen3_vl.py), whose merged patch features
-fill the <|image_pad|> positions of the prompt (shoal/multimodal/processors/qwen_vl.py
-expands them).
+fill the <|image_pad|> and <|video_pad|> positions of the prompt
+(shoal/multimodal/processors/qwen3_vl.py expands them; a video's frames are separated by
+timestamp text, which its feature's embed_mask leaves to the token embeddings).
 
 Deepstack: the tower also yields one feature tensor per `deepstack_visual_indexes` block;
 the k-th is added to the hidden states at the image positions after decoder layer k.
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from shoal.models.llama import LlamaModel
+from shoal.models.qwen2_5_vl import _pixels_and_grid
 from shoal.models.qwen3 import Qwen3ForCausalLM
 from shoal.models.vision.qwen3_vl import Qwen3VisionTransformer
 from shoal.models.vlm_common import install_mrope, load_qwen_vl, mrope_walk
@@ -85,16 +87,15 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
 
     # ---- images -----------------------------------------------------------------------------
     def embed_multimodal(self, features: list[Any]) -> list[torch.Tensor]:
-        """One tower run over all the features' patches (one attention segment per frame);
-        each image's rows are [main | deepstack 0 | deepstack 1 | ...]."""
+        """One tower run over all the features' patches (one attention segment per image or
+        video frame group); each item's rows are [main | deepstack 0 | deepstack 1 | ...]."""
         if not features:
             return []
         device = self.model.embed_tokens.weight.device
-        arrays = [f.arrays() for f in features]
+        arrays = [_pixels_and_grid(f) for f in features]
         # (the arrays view msgpack's read-only bytes: copied once into torch)
-        pixels = torch.cat([torch.from_numpy(a["pixel_values"].copy()) for a in arrays])
-        grids = torch.cat([torch.from_numpy(a["image_grid_thw"].copy()).reshape(-1, 3)
-                           for a in arrays])
+        pixels = torch.cat([torch.from_numpy(a[0].copy()) for a in arrays])
+        grids = torch.cat([torch.from_numpy(a[1].copy()).reshape(-1, 3) for a in arrays])
         main, deepstack = self.visual(pixels.to(device), grids.to(device))
         out = torch.cat([main, *deepstack], dim=-1)
         sizes = [int(g.prod()) // self.merge ** 2 for g in grids]
@@ -118,15 +119,33 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
                             ) -> tuple[torch.Tensor, int]:
         """Text runs count up on all three streams; an image's merged patches take (start,
         start + row, start + column) after the text before it, and the text after it starts
-        at start + max(rows, columns) (transformers' Qwen3-VL get_rope_index, images only:
-        their temporal grid is 1)."""
-        def place(f: Any, start: int) -> tuple[np.ndarray, int]:
-            t, h, w = (int(x) for x in np.asarray(f.arrays()["image_grid_thw"]).reshape(3))
-            h, w = h // self.merge, w // self.merge
-            tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h), np.arange(w), indexing="ij")
-            return np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + start, start + max(h, w)
+        at start + max(rows, columns). A video is that per frame group, its timestamp and
+        frame-marker tokens (the span's text, off its embed_mask) counting up between them
+        (transformers' Qwen3-VL get_rope_index, which splits a video's grid into frames)."""
+        return mrope_walk(len(prompt_token_ids), features, self._place)
 
-        return mrope_walk(len(prompt_token_ids), features, place)
+    def _place(self, f: Any, start: int) -> tuple[np.ndarray, int]:
+        _, grid = _pixels_and_grid(f)
+        t, h, w = (int(x) for x in np.asarray(grid).reshape(3))
+        h, w = h // self.merge, w // self.merge
+        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
+        frame = np.stack([np.zeros(h * w, np.int64), hh.ravel(), ww.ravel()])
+        mask = f.embed_mask or bytes([1]) * f.length
+        parts: list[np.ndarray] = []
+        i = frames = 0
+        while i < f.length:
+            if mask[i]:  # a frame group's h*w pads, all together
+                if i + h * w > f.length or not all(mask[i:i + h * w]):
+                    raise ValueError(f"{f.modality} span: a frame of {h * w} tokens is cut")
+                parts.append(frame + start)
+                start, i, frames = start + max(h, w), i + h * w, frames + 1
+            else:
+                parts.append(np.full((3, 1), start))
+                start, i = start + 1, i + 1
+        if frames != t:
+            raise ValueError(f"{f.modality} span of {f.length} tokens does not fit its grid "
+                             f"{t}x{h}x{w}")
+        return np.concatenate(parts, axis=1), start
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

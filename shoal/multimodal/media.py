@@ -2,7 +2,8 @@
 allowed directory (vLLM's rules: --allowed-media-domains, --allowed-local-media-path), each
 bounded in encoded bytes and in pixels before anything is decoded.
 
-This runs in the HTTP frontend: no torch here, only PIL, numpy and the standard library."""
+This runs in the HTTP frontend: no torch here, only PIL, numpy and the standard library; PIL
+is imported on first use, so a text model's server does not load it for shoal."""
 
 from __future__ import annotations
 
@@ -19,10 +20,12 @@ import urllib.request
 import warnings
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from PIL import Image
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 # Formats a client may send. Restricting them keeps PIL's riskier plugins (EPS runs
 # Ghostscript, and a long tail of rarely fuzzed parsers) out of reach of untrusted bytes.
@@ -81,6 +84,8 @@ def url_bytes(url: str, settings: MediaSettings, kind: str) -> bytes:
 
 def decode_image(data: bytes, settings: MediaSettings) -> Image.Image:
     """Encoded image bytes to an RGB image; the size is checked from the header first."""
+    from PIL import Image
+
     if not data:
         raise MediaError("empty image data")
     if len(data) > settings.max_bytes:
@@ -105,6 +110,8 @@ def decode_image(data: bytes, settings: MediaSettings) -> Image.Image:
 
 def check_image(image: Any, settings: MediaSettings) -> Image.Image:
     """An offline image (PIL, or a numpy HxWx3 uint8 array) checked and converted to RGB."""
+    from PIL import Image
+
     if isinstance(image, np.ndarray):
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
             raise MediaError("a numpy image must be a uint8 array of shape (height, width, 3), "
@@ -122,6 +129,8 @@ def check_image(image: Any, settings: MediaSettings) -> Image.Image:
 
 
 def _pixel_limit(settings: MediaSettings) -> int:
+    from PIL import Image
+
     pil_limit = Image.MAX_IMAGE_PIXELS
     return settings.max_image_pixels if pil_limit is None else min(
         settings.max_image_pixels, pil_limit)
@@ -139,6 +148,8 @@ def _check_pixels(size: tuple[int, int], limit: int) -> None:
 def _to_rgb(img: Image.Image) -> Image.Image:
     """RGB, with any transparency composited onto white (as vLLM does) rather than dropped,
     which would leave whatever colour the transparent pixels happen to store."""
+    from PIL import Image
+
     if img.mode == "RGB":
         return img.copy()
     if "A" in img.getbands() or "transparency" in img.info:

@@ -1,15 +1,16 @@
 """Videos as frames: decoding a client's encoded video with PyAV (bounded in frames and pixels
-before frames are kept), sampling it at a target rate (Qwen's 2 frames per second) up to a
-frame count, and accepting offline videos (a numpy [T, H, W, 3] array or a list of images,
-taken as frames already sampled at the target rate).
+before frames are kept), sampling it by the model's rule (by default Qwen2.5-VL's 2 frames per
+second; a processor may pass its own Sampler) up to a frame count, and accepting offline
+videos (a numpy [T, H, W, 3] array or a list of images, taken as frames already sampled at
+the target rate).
 
-No torch here: it runs in the HTTP frontend beside media.py."""
+No torch here: it runs in the HTTP frontend beside media.py (PyAV and PIL imported on use)."""
 
 from __future__ import annotations
 
 import io
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,14 +25,25 @@ DEFAULT_FPS = 2.0  # Qwen-VL's sampling rate (qwen-vl-utils, vLLM)
 VIDEO_FORMATS = ("mov", "mp4", "m4a", "3gp", "3g2", "mj2", "matroska", "webm", "avi")
 
 
+# (total frames, their rate (0: unknown), the most to keep) -> the frame indices to keep
+Sampler = Callable[[int, float, int], list[int]]
+
+
 @dataclass(frozen=True)
 class Video:
     frames: np.ndarray  # [T, H, W, 3] uint8, RGB
     fps: float  # frames per second of `frames` (after sampling)
+    times: tuple[float, ...] | None = None  # each frame's second in the source; None: i / fps
 
     @property
     def num_frames(self) -> int:
         return int(self.frames.shape[0])
+
+    def frame_times(self) -> np.ndarray:
+        """The second of each frame (Qwen3-VL writes them into the prompt)."""
+        if self.times is not None:
+            return np.asarray(self.times, dtype=np.float64)
+        return np.arange(self.num_frames, dtype=np.float64) / self.fps
 
 
 def retained_count(tokens_per_frame: int, num_frames: int, rate: float) -> int:
@@ -46,11 +58,12 @@ def _error(message: str) -> Exception:
     return MediaError(message)
 
 
-def load_video(url: str, settings: MediaSettings) -> Video:
-    """The frames a request's video URL names, sampled at DEFAULT_FPS: media.py's URL rules
-    (data URLs, allow-listed hosts, the allowed folder) with the video byte limit."""
+def load_video(url: str, settings: MediaSettings, sampler: Sampler | None = None) -> Video:
+    """The frames a request's video URL names, sampled by `sampler` (default: DEFAULT_FPS):
+    media.py's URL rules (data URLs, allow-listed hosts, the allowed folder) with the video
+    byte limit."""
     data = url_bytes(url, replace(settings, max_bytes=settings.max_video_bytes), "video")
-    return decode_video(data, settings)
+    return decode_video(data, settings, sampler=sampler)
 
 
 def sample_indices(total: int, source_fps: float, fps: float, max_frames: int) -> list[int]:
@@ -75,9 +88,10 @@ def check_frames(frames: np.ndarray, settings: MediaSettings) -> None:
                      f"{settings.max_video_pixels} pixels in all")
 
 
-def decode_video(data: bytes, settings: MediaSettings, fps: float = DEFAULT_FPS) -> Video:
-    """Encoded video bytes to frames sampled at `fps`; MediaError for anything that is not a
-    whole, bounded video in an allowed container."""
+def decode_video(data: bytes, settings: MediaSettings, fps: float = DEFAULT_FPS,
+                 sampler: Sampler | None = None) -> Video:
+    """Encoded video bytes to frames sampled at `fps` (or by `sampler`); MediaError for
+    anything that is not a whole, bounded video in an allowed container."""
     import av
 
     if not data:
@@ -89,15 +103,16 @@ def decode_video(data: bytes, settings: MediaSettings, fps: float = DEFAULT_FPS)
                              f"(use mp4, webm, mkv, mov or avi)")
             if not container.streams.video:
                 raise _error("the file has no video stream")
-            return _decode_stream(container, container.streams.video[0], settings, fps)
+            return _decode_stream(container, container.streams.video[0], settings, fps,
+                                  sampler)
     except MediaError:
         raise
     except (av.FFmpegError, OSError, ValueError, EOFError, IndexError, MemoryError) as e:
         raise _error(f"could not decode the video: {e}") from None
 
 
-def _decode_stream(container: Any, stream: Any, settings: MediaSettings, fps: float
-                   ) -> Video:
+def _decode_stream(container: Any, stream: Any, settings: MediaSettings, fps: float,
+                   sampler: Sampler | None) -> Video:
     ctx = stream.codec_context
     if ctx.width * ctx.height > settings.max_image_pixels or ctx.width <= 0 or ctx.height <= 0:
         raise _error(f"video frames are {ctx.width}x{ctx.height}, outside 1 to "
@@ -110,7 +125,12 @@ def _decode_stream(container: Any, stream: Any, settings: MediaSettings, fps: fl
         raise _error(f"video has {total} frames, over the limit of "
                      f"{settings.max_video_source_frames}")
     rate = float(stream.average_rate or stream.guessed_rate or 0)
-    keep = sample_indices(total, rate, fps, settings.max_video_frames)
+    if sampler is None:
+        keep = sample_indices(total, rate, fps, settings.max_video_frames)
+    else:
+        keep = sorted(set(sampler(total, rate, settings.max_video_frames)))
+        if not keep or keep[0] < 0 or keep[-1] >= total:
+            raise _error(f"frame sampling chose frames outside 0 to {total - 1}")
     wanted, frames = set(keep), []
     for i, frame in enumerate(container.decode(stream)):
         if i >= settings.max_video_source_frames:
@@ -126,14 +146,16 @@ def _decode_stream(container: Any, stream: Any, settings: MediaSettings, fps: fl
     check_frames(video, settings)
     # the rate of what was kept: Qwen2.5-VL spaces its temporal positions by it
     duration = total / rate if rate > 0 else len(keep) / fps
-    return Video(video, len(keep) / duration)
+    times = tuple(i / rate for i in keep) if rate > 0 else None
+    return Video(video, len(keep) / duration, times)
 
 
 def to_video(value: Any, settings: MediaSettings, fps: float = DEFAULT_FPS) -> Video:
     """An offline video: a Video, a uint8 [T, H, W, 3] array or a list of images (frames
     already sampled at `fps`), checked like a decoded one."""
+    times = None
     if isinstance(value, Video):
-        frames, rate = value.frames, value.fps
+        frames, rate, times = value.frames, value.fps, value.times
     elif isinstance(value, np.ndarray):
         frames, rate = value, fps
     elif isinstance(value, Sequence) and value:
@@ -147,7 +169,10 @@ def to_video(value: Any, settings: MediaSettings, fps: float = DEFAULT_FPS) -> V
     if not (math.isfinite(rate) and rate > 0):
         raise _error(f"a video's fps must be positive, got {rate}")
     check_frames(frames, settings)
-    return Video(np.ascontiguousarray(frames), float(rate))
+    if times is not None and (len(times) != len(frames)
+                              or not all(math.isfinite(t) and t >= 0 for t in times)):
+        raise _error(f"a video's times must be one second >= 0 per frame ({len(frames)})")
+    return Video(np.ascontiguousarray(frames), float(rate), times)
 
 
 def _stack_images(images: Sequence[Any]) -> np.ndarray:

@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from oracle import randomize_weights
-from vl_checkpoints import QWEN_SPECIALS, hf_greedy, image, word_tokenizer
+from vl_checkpoints import hf_greedy, image, write_tiny_qwen3_vl
 
 from shoal.models.qwen3_vl import Qwen3VLForConditionalGeneration
 from shoal.multimodal.inputs import make_feature
@@ -20,47 +19,11 @@ ARCH = "Qwen3VLForConditionalGeneration"
 PROMPT = "w1 w2 <|vision_start|><|image_pad|><|vision_end|> w3"
 
 
-def _write(path: Path) -> Path:
-    from transformers import Qwen3VLConfig
-    from transformers import Qwen3VLForConditionalGeneration as HF
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
-        Qwen2VLImageProcessorPil,
-    )
-
-    tok, vocab = word_tokenizer(QWEN_SPECIALS)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in QWEN_SPECIALS}
-    cfg = Qwen3VLConfig(
-        text_config=dict(vocab_size=vocab, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=16, max_position_embeddings=1024, rms_norm_eps=1e-5,
-                         rope_parameters=dict(rope_type="default", mrope_section=[2, 3, 3],
-                                              mrope_interleaved=True, rope_theta=10000.0),
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0),
-        vision_config=dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2,
-                           out_hidden_size=64, patch_size=16, spatial_merge_size=2,
-                           temporal_patch_size=2, num_position_embeddings=64,
-                           deepstack_visual_indexes=[0, 1]),
-        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"], tie_word_embeddings=False)
-    cfg.architectures = [ARCH]
-    torch.manual_seed(0)
-    model = HF(cfg).eval()
-    randomize_weights(model)
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    # Qwen3-VL's processor: Qwen2-VL's at patch 16, mean/std 0.5; up to 8x8 patches here
-    Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
-                             min_pixels=64 * 64, max_pixels=128 * 128,
-                             image_mean=[0.5] * 3, image_std=[0.5] * 3).save_pretrained(path)
-    return path
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> tuple[Path, Any]:
     from transformers import Qwen3VLForConditionalGeneration as HF
 
-    path = _write(tmp_path_factory.mktemp("qwen3-vl"))
+    path = write_tiny_qwen3_vl(tmp_path_factory.mktemp("qwen3-vl"))
     hf = HF.from_pretrained(path, dtype=torch.float32).eval()
     return path, hf
 

@@ -115,6 +115,25 @@ class OpenAIServingChat(ServingBase):
 
     def render(self, req: ChatCompletionRequest,
                messages: list[ChatMessage] | None = None) -> ProcessedPrompt:
+        prompt, media = self._render_text(req, messages)
+        return self._with_media(prompt, media) if media else prompt
+
+    async def render_async(self, req: ChatCompletionRequest,
+                           messages: list[ChatMessage] | None = None) -> ProcessedPrompt:
+        """render, with the media fetched, decoded and processed on the media threads: never
+        on the event loop, where they would stall every other request's stream."""
+        prompt, media = self._render_text(req, messages)
+        if media:
+            prompt = await self.engine.inputs.mm.offload(self._with_media, prompt, media)
+        return prompt
+
+    def _with_media(self, prompt: ProcessedPrompt, media: list[Any]) -> ProcessedPrompt:
+        return self.engine.inputs.with_images(prompt, {"image": self.engine.inputs.mm.load(media)})
+
+    def _render_text(self, req: ChatCompletionRequest, messages: list[ChatMessage] | None
+                     ) -> tuple[ProcessedPrompt, list[Any] | None]:
+        """The templated prompt and its media sources (fetched and decoded once the request
+        is known to be good otherwise)."""
         mm = self.engine.inputs.mm
         images: list[Any] | None = [] if mm is not None else None
         try:
@@ -134,9 +153,7 @@ class OpenAIServingChat(ServingBase):
                                   self.engine.max_model_len - 1)
             prompt = ProcessedPrompt(prompt.prompt if ids == prompt.prompt_token_ids else None,
                                      ids)
-        if images:  # fetched and decoded once the request is known to be good otherwise
-            prompt = self.engine.inputs.with_images(prompt, {"image": mm.load(images)})
-        return prompt
+        return prompt, images
 
     def _prepare(self, req: ChatCompletionRequest) -> tuple[int | None, int | None]:
         """Checks the request; returns (top logprobs k, max_tokens)."""
@@ -175,7 +192,7 @@ class OpenAIServingChat(ServingBase):
         model = self.models.check(req.model)
         k, max_tokens = self._prepare(req)
         plan = self._plan(req)
-        prompt = self.render(req)
+        prompt = await self.render_async(req)
         if req.use_beam_search:
             if plan.constraint is not None or req.constraint() is not None:
                 raise OpenAIError(400, "use_beam_search cannot be combined with structured "
@@ -228,7 +245,7 @@ class OpenAIServingChat(ServingBase):
         /v1/chat/completions/batch."""
         model = self.models.check(req.model)
         k, max_tokens = self._prepare(req)
-        prompts = [self.render(req, conversation) for conversation in req.messages]
+        prompts = [await self.render_async(req, conversation) for conversation in req.messages]
         engine_id = random_id("chatcmpl")
         streams: list[RequestStream] = []
         try:

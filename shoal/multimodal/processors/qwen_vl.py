@@ -9,21 +9,37 @@ video processors need torchvision): frames resized by the image processor's smar
 temporal_patch_size (the last frame repeated to fill a group) and flattened in the layout of
 transformers' Qwen2-VL video processor. With EVS (video_pruning_rate > 0) a video emits only
 the pads of the tokens it keeps (video.retained_count; the rate is in the arrays, so in
-the content hash that keys the encoder cache)."""
+the content hash that keys the encoder cache). Qwen3-VL's videos (timestamps between
+frames) are qwen3_vl.py's, on this class."""
 
 from __future__ import annotations
 
 import json
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from PIL import Image
 
 from shoal.multimodal.inputs import MultiModalFeature, make_feature
 from shoal.multimodal.video import Video, retained_count
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """What one placeholder becomes: `tokens` replace it (with the <|vision_start|> and
+    <|vision_end|> around it when `wrapped`); the item's feature spans tokens[first:last]
+    (None: to the end), embed_mask marking the positions its encoder outputs fill."""
+
+    modality: str
+    arrays: dict[str, np.ndarray]
+    tokens: list[int]
+    first: int = 0
+    last: int | None = None
+    embed_mask: bytes | None = None
+    wrapped: bool = False
 
 
 def load_image_processor(folder: Any) -> Any:
@@ -77,6 +93,7 @@ def _pixel_limits(folder: Any, image_processor: Any) -> tuple[int, int]:
 
 
 class QwenVLProcessor:
+    supports_evs = True
     image_placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
     kind = "qwen_vl"
 
@@ -85,7 +102,7 @@ class QwenVLProcessor:
         self.image_token_id = int(hf_config.image_token_id)
         self.merge = int(getattr(self.image_processor, "merge_size", 2))
         self.video_pruning_rate = 0.0  # the engine's, set by the frontend
-        # Qwen3-VL's videos interleave timestamps with frames: not served yet
+        # Qwen2.5-VL's videos; Qwen3-VL's (timestamps between frames) are its subclass's
         video_token = getattr(hf_config, "video_token_id", None)
         self.video_placeholder: str | None = None
         if video_token is not None and getattr(hf_config, "model_type", "") == "qwen2_5_vl":
@@ -97,7 +114,7 @@ class QwenVLProcessor:
                 videos: Sequence[Video] = ()) -> tuple[list[int], list[MultiModalFeature]]:
         where = find_placeholders(prompt_token_ids, self.image_token_id, len(images),
                                   "<|image_pad|>")
-        items: dict[int, tuple[str, dict[str, np.ndarray], int]] = {}
+        items: dict[int, Expansion] = {}
         if images:
             out = self.image_processor(images=images, return_tensors="np")
             pixels, grids = np.asarray(out["pixel_values"]), np.asarray(out["image_grid_thw"])
@@ -105,33 +122,37 @@ class QwenVLProcessor:
             for at, grid in zip(where, grids):
                 patches = int(grid.prod())
                 arrays = {"pixel_values": pixels[row:row + patches], "image_grid_thw": grid}
-                items[at] = ("image", arrays, patches // self.merge ** 2)
+                items[at] = Expansion("image", arrays,
+                                      [self.image_token_id] * (patches // self.merge ** 2))
                 row += patches
         if videos:
             if self.video_placeholder is None:
                 raise ValueError("this model does not take videos")
             for at, video in zip(find_placeholders(prompt_token_ids, self.video_token_id,
                                                    len(videos), "<|video_pad|>"), videos):
-                items[at] = self.video_item(video)
+                items[at] = self.video_item(video, prompt_token_ids, at)
         return self._expand(prompt_token_ids, items)
 
-    def _expand(self, prompt_token_ids: list[int],
-                items: dict[int, tuple[str, dict[str, np.ndarray], int]]
+    def _expand(self, prompt_token_ids: list[int], items: dict[int, Expansion]
                 ) -> tuple[list[int], list[MultiModalFeature]]:
-        """Each placeholder at a key of `items` repeated to its token count, in prompt order."""
+        """Each placeholder at a key of `items` replaced by its expansion, in prompt order."""
         ids: list[int] = []
         features: list[MultiModalFeature] = []
         cursor = 0
         for at in sorted(items):
-            modality, arrays, n = items[at]
-            ids.extend(prompt_token_ids[cursor:at])
-            features.append(make_feature(self.kind, modality, len(ids), n, arrays))
-            ids.extend([prompt_token_ids[at]] * n)
-            cursor = at + 1
+            e = items[at]
+            lo, hi = (at - 1, at + 2) if e.wrapped else (at, at + 1)
+            ids.extend(prompt_token_ids[cursor:lo])
+            last = len(e.tokens) if e.last is None else e.last
+            features.append(make_feature(self.kind, e.modality, len(ids) + e.first,
+                                         last - e.first, e.arrays, e.embed_mask))
+            ids.extend(e.tokens)
+            cursor = hi
         ids.extend(prompt_token_ids[cursor:])
         return ids, features
 
-    def video_item(self, video: Video) -> tuple[str, dict[str, np.ndarray], int]:
+    def video_item(self, video: Video, prompt_token_ids: list[int], at: int) -> Expansion:
+        """A video's pads: one per merged patch group (those EVS keeps)."""
         pixels, grid = self.video_pixels_of(video.frames)
         tps = int(self.image_processor.temporal_patch_size)
         rate = float(self.video_pruning_rate)
@@ -139,24 +160,37 @@ class QwenVLProcessor:
                   "second_per_grid_t": np.asarray([tps / video.fps], dtype=np.float32),
                   "video_pruning_rate": np.asarray([rate], dtype=np.float32)}
         per_frame = int(grid[1] * grid[2]) // self.merge ** 2
-        return "video", arrays, retained_count(per_frame, int(grid[0]), rate)
+        n = retained_count(per_frame, int(grid[0]), rate)
+        return Expansion("video", arrays, [self.video_token_id] * n)
 
     def video_pixels_of(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[T, H, W, 3] uint8 frames -> (patches [t*h*w, C*tps*p*p] float32, grid (t, h, w))."""
         ip = self.image_processor
-        patch, tps, merge = int(ip.patch_size), int(ip.temporal_patch_size), self.merge
         height, width = frames.shape[1:3]
-        h, w = smart_resize(height, width, patch * merge, *self.video_pixels)
-        if (h, w) != (height, width):
-            frames = np.stack([np.asarray(Image.fromarray(f).resize((w, h), int(ip.resample)))
-                               for f in frames])
-        x = frames.astype(np.float32) * np.float32(ip.rescale_factor)
-        mean, std = np.asarray(ip.image_mean, np.float32), np.asarray(ip.image_std, np.float32)
-        x = ((x - mean) / std).transpose(0, 3, 1, 2)  # [T, C, h, w]
-        if pad := -len(x) % tps:  # the last frame repeated to fill the last temporal group
-            x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
-        gt, gh, gw, c = len(x) // tps, h // patch, w // patch, x.shape[1]
-        x = x.reshape(gt, tps, c, gh // merge, merge, patch, gw // merge, merge, patch)
-        x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
-        pixels = np.ascontiguousarray(x.reshape(gt * gh * gw, c * tps * patch * patch))
-        return pixels, np.asarray([gt, gh, gw], dtype=np.int64)
+        size = smart_resize(height, width, int(ip.patch_size) * self.merge, *self.video_pixels)
+        return video_patches(frames, size, ip, self.merge)
+
+
+def video_patches(frames: np.ndarray, size: tuple[int, int], ip: Any, merge: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """[T, H, W, 3] uint8 frames resized to size (h, w), rescaled and normalised by `ip`'s
+    settings (patch_size, temporal_patch_size, rescale_factor, image_mean, image_std,
+    resample), the last frame repeated to fill the last temporal group, flattened in
+    transformers' Qwen-VL video layout: (patches [t*h*w, C*tps*p*p] float32, grid (t, h, w))."""
+    patch, tps = int(ip.patch_size), int(ip.temporal_patch_size)
+    h, w = size
+    if (h, w) != tuple(frames.shape[1:3]):
+        from PIL import Image
+
+        frames = np.stack([np.asarray(Image.fromarray(f).resize((w, h), int(ip.resample)))
+                           for f in frames])
+    x = frames.astype(np.float32) * np.float32(ip.rescale_factor)
+    mean, std = np.asarray(ip.image_mean, np.float32), np.asarray(ip.image_std, np.float32)
+    x = ((x - mean) / std).transpose(0, 3, 1, 2)  # [T, C, h, w]
+    if pad := -len(x) % tps:
+        x = np.concatenate([x, np.repeat(x[-1:], pad, axis=0)])
+    gt, gh, gw, c = len(x) // tps, h // patch, w // patch, x.shape[1]
+    x = x.reshape(gt, tps, c, gh // merge, merge, patch, gw // merge, merge, patch)
+    x = x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)
+    pixels = np.ascontiguousarray(x.reshape(gt * gh * gw, c * tps * patch * patch))
+    return pixels, np.asarray([gt, gh, gw], dtype=np.int64)
