@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from shoal.worker.graph_table import capture_stream
+
 logger = logging.getLogger(__name__)
 
 
@@ -50,7 +52,7 @@ class EncoderGraphs:
     def _capture(self, grid: tuple[int, ...], shape: torch.Size) -> _Graph:
         plan = self.tower.plan(torch.tensor([list(grid)]))
         inp = torch.zeros(shape, dtype=self.tower.dtype, device=self.device)
-        side = torch.cuda.Stream(self.device)  # warm-up off the capturing stream
+        side = capture_stream(self.device)  # warm-up off the capturing stream
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             self.tower.forward_planned(inp, plan)

@@ -18,6 +18,7 @@ moves its own inputs on with the backend's advance_graph_buffers (spec_decode/dr
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -89,7 +90,7 @@ class GraphTable:
         blocks); pool: a pool shared with another table (None: a new one); before_each runs
         before each warm-up run and the capture (outside the graph). Returns seconds."""
         t0 = time.perf_counter()
-        stream = torch.cuda.Stream(self.device)
+        stream = capture_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         for i, shape in enumerate(self.shapes):
             md = self.empty_metadata(shape)
@@ -162,3 +163,11 @@ def round_up(n: int, sizes: Sequence[int]) -> int | None:
         if s >= n:
             return s
     return None
+
+
+@functools.cache
+def capture_stream(device: torch.device) -> Any:
+    """The one side stream every graph capture on `device` runs on. torch keeps a cuBLAS
+    workspace per stream (32 MiB on Hopper) for the life of the process, so a new stream per
+    capture (every wake-up recaptures) would grow device memory by a workspace each time."""
+    return torch.cuda.Stream(device)
