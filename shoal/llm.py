@@ -68,6 +68,7 @@ class LLM(PoolingMixin, LifecycleMixin):
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority needs one value per prompt ({len(prompts)}), got {len(priority)}")
         eng = self.llm_engine
+        prompts = _media_first(eng.inputs, prompts)
         # Validate every request before any of them runs.
         reqs = [eng.process_request(eng.next_request_id(), p, sp,
                                     priority=priority[i] if priority else 0,
@@ -213,3 +214,19 @@ def _raise_if_failed(outs: list[Any]) -> None:
         return
     exc.outputs = outs
     raise exc
+
+
+def _media_first(inputs: Any, prompts: list[Any]) -> list[Any]:
+    """The prompts carrying images or videos processed on the media threads, several at once
+    (their text tokenized here first, one at a time); the others as they are."""
+    mm_at = [i for i, p in enumerate(prompts)
+             if isinstance(p, Mapping) and p.get("multi_modal_data") is not None]
+    if inputs.mm is None or len(mm_at) < 2:
+        return prompts
+    texts = [(inputs.process({k: v for k, v in prompts[i].items() if k != "multi_modal_data"}),
+              prompts[i]["multi_modal_data"]) for i in mm_at]
+    done = inputs.mm.map(lambda pair: inputs.with_images(*pair), texts)
+    out = list(prompts)
+    for i, p in zip(mm_at, done):
+        out[i] = p
+    return out

@@ -340,3 +340,25 @@ def test_images_to_a_text_model(tiny_llama_dir) -> None:
         generate(text_llm, prompt)
     (out,) = generate(text_llm, {"prompt_token_ids": [5, 6, 7]})
     assert len(out.outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_a_batch_preprocesses_its_images_on_the_media_threads(folder, monkeypatch) -> None:
+    """LLM.generate hands a batch's images to the media threads (several at once: their
+    preprocessing is the host's largest cost per image request) and keeps the prompts' order."""
+    import threading
+
+    llm = make_llm(folder, enable_prefix_caching=False)
+    mm = llm.llm_engine.inputs.mm
+    seen: list[str] = []
+    process = mm.process
+
+    def recording(ids, data):
+        seen.append(threading.current_thread().name)
+        return process(ids, data)
+
+    monkeypatch.setattr(mm, "process", recording)
+    batch = generate(llm, batch_prompts())
+    assert len(seen) == len(BATCH) and all(n.startswith("shoal-media") for n in seen)
+    monkeypatch.setattr(mm, "process", process)
+    alone = [generate(llm, p)[0] for p in batch_prompts()]
+    assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in alone]
