@@ -102,6 +102,10 @@ class RunnerLifecycle:
         if any(getattr(m, "int4", None) is not None for m in self.model.modules()):
             raise ValueError("weight updates do not reach the packed int4 copies of "
                              "cpu_int4_matmul: start the engine with cpu_int4_matmul=False")
+        if any(getattr(m, "quant", None) is not None for m in self.model.modules()):
+            raise ValueError("weight updates do not reach quantized layers' packed weights "
+                             "(FP8 / INT4 on CUDA): set SHOAL_QUANT_DEQUANT=1 to load them "
+                             "dequantized")
 
     @torch.inference_mode()
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:

@@ -10,6 +10,7 @@ tied embedding and LM head share one)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +36,7 @@ def _storage_owners(modules: list[nn.Module]) -> list[tuple[torch.Tensor, bool]]
     for module in modules:
         tensors = [(p, True) for p in module.parameters()] + [(b, False)
                                                               for b in module.buffers()]
+        tensors += [(t, False) for t in _packed_tensors(module)]
         for t, is_param in tensors:
             storage = t.untyped_storage()
             key = storage.data_ptr()
@@ -43,6 +45,18 @@ def _storage_owners(modules: list[nn.Module]) -> list[tuple[torch.Tensor, bool]]
             seen.add(key)
             owners.append((t, is_param))
     return owners
+
+
+def _packed_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The tensors of quantized linears' packed weights on CUDA (a `quant` object beside the
+    layer's emptied dense weight, shoal/layers/quantization/methods.py): not parameters, and
+    no weight update can refill them, so they are kept like buffers at both levels."""
+    out = []
+    for m in module.modules():
+        quant = getattr(m, "quant", None)
+        if quant is not None and dataclasses.is_dataclass(quant):
+            out += [v for v in vars(quant).values() if isinstance(v, torch.Tensor)]
+    return out
 
 
 def put_to_sleep(modules: list[nn.Module], level: int) -> SleepingWeights:

@@ -193,3 +193,33 @@ def test_engine_generates_with_packed_layers_as_with_the_dense_twin(
     assert "int4 g32 sym, act-order (Triton W4A16) x8" in caplog.text
     monkeypatch.undo()
     assert_tokens_match_up_to_a_near_tie(got, greedy(dense), exact=False)
+
+
+def test_sleep_keeps_packed_weights_and_updates_are_refused(dense_checkpoints, tmp_path,
+                                                            monkeypatch):
+    """Packed layers through the RL lifecycle: sleep frees the packed tensors' storage too and
+    wake brings them back (same greedy tokens); a weight update, which cannot reach them, is a
+    ValueError naming the switch."""
+    from shoal import LLM, SamplingParams
+
+    plan = FastPath.plan.__func__
+    monkeypatch.setattr(FastPath, "plan", classmethod(
+        lambda cls, q, dtype, device, dummy=False, allow_cpu=False:
+        plan(cls, q, dtype, device, dummy, True)))
+    quant, _ = write_pair("llama", CASES["gptq-4bit-act-order"], dense_checkpoints, tmp_path)
+    llm = LLM(model=str(quant), dtype="float32", block_size=16, num_gpu_blocks_override=64,
+              max_model_len=128)
+    runner = llm.llm_engine.core.runner
+    packed = [m.quant for m in runner.model.modules() if getattr(m, "quant", None) is not None]
+    assert packed
+    codes = next(v for v in vars(packed[0]).values() if isinstance(v, torch.Tensor))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": [5, 9, 17, 33, 2, 71]}
+    before = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm.sleep(1)
+    assert codes.untyped_storage().nbytes() == 0
+    llm.wake_up()
+    assert codes.untyped_storage().nbytes() > 0
+    assert llm.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids == before
+    with pytest.raises(ValueError, match="SHOAL_QUANT_DEQUANT"):
+        llm.update_weights([])
