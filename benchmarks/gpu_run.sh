@@ -97,7 +97,11 @@ part() {
     embeddings) run embeddings 70 $py/embeddings.py --device cuda --model "$REPO/bench-work/minilm-shape" --load-format dummy --out "$DIR/embeddings.json" ;;
     # W8 in full (issue 20): 3 streaming runs with the step trace, batch-1 over HTTP on the 8B
     serving) run serving 500 $py/w8_serving.py --model "$W8_MODEL" --stream-runs 3 --step-trace --batch1-model meta-llama/Llama-3.1-8B --out "$DIR/serving.json" ;;
-    # the later issues' sweeps (30 hybrid, 34 images, 35 LoRA, 36 disaggregation, 37 RL)
+    # the later issues' sweeps (30 hybrid, 34 images, 35 LoRA, 36 disaggregation, 37 RL);
+    # on an H100 on 2026-12-05: vl 134 s; rl (--cycles 4) 86 s, 10 cycles passed 140 s;
+    # hybrid-batch1 81 s (Qwen3.5-27B, Qwen3-Next-24layers failing fast: no KV room on
+    # 80 GB); hybrid-correctness did not finish one model in 110 s (give it a call of its
+    # own, --stage-timeout 300); disagg passed 470 s (layout b's slow transfers)
     hybrid-correctness)  # transformers 5.25 (Qwen3.5, Kimi Linear classes) from bench-work/tf525
       TF=/tmp/tf525; $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target $TF "$REPO"/bench-work/tf525/*.whl >/dev/null 2>&1 || TF=""
@@ -106,7 +110,7 @@ part() {
     hybrid-batch1) run hybrid_batch1 230 $py/hybrid_gpu.py batch1 --stage-timeout 115 $S \
         ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-27B,moonshotai/Kimi-Linear-48B-A3B-Instruct}"} \
         --out "$DIR/hybrid_batch1.json" ;;
-    rl) run rl 140 $py/rl_gpu.py --cycles 10 $S --out "$DIR/rl.json" ;;
+    rl) run rl 200 $py/rl_gpu.py --cycles 6 $S --out "$DIR/rl.json" ;;
     lora) run lora 270 $py/lora_gpu.py all --num-requests 128 $S --out "$DIR/lora.json" ;;
     vl) run vl 320 $py/vl_gpu.py --sections throughput,ttft,encoder,serve --runs 1 \
         --timeout 150 $S --out "$DIR/vl.json" ;;
