@@ -216,6 +216,16 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def tp_broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
+    """TP rank 0's x on every rank of the stage's TP group, in place (x on the ranks' device,
+    the same shape on each). Speculation: the driver's sampled and accepted tokens become every
+    rank's, whatever a rank's own sampling gave (a grammar's mask is applied on the driver
+    only; unseeded sampling draws from each process's own generator)."""
+    if get_tp_world_size() > 1:
+        dist.broadcast(x, group=_TP_GROUP, group_src=0)
+    return x
+
+
 def world_min_int(value: int, device: torch.device) -> int:
     """The smallest of every rank's `value`, over all stages and TP ranks (the ranks agree on
     one KV pool size)."""

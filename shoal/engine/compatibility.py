@@ -248,14 +248,11 @@ ROWS: tuple[Incompatibility, ...] = (
         lambda s: s.spec_method in ("eagle", "eagle3") and s.linear_attention,
         "speculative_config: method 'eagle' has no head for {s.model_class}; use 'mtp', "
         "'draft_model' or 'ngram'"),
-    Incompatibility(
-        "speculative_config", "tensor_parallel_size > 1",
-        lambda s: s.speculative and s.tp > 1,
-        "speculative_config does not support tensor_parallel_size > 1 yet"),
-    Incompatibility(
+    Incompatibility(  # (tensor parallelism works: drafters sharded, see worker/drafter.py)
         "speculative_config", "pipeline_parallel_size > 1",
         lambda s: s.speculative and s.pp > 1,
-        "speculative_config does not support pipeline_parallel_size > 1 yet"),
+        "speculative_config does not support pipeline_parallel_size > 1 yet (it does run "
+        "with tensor_parallel_size > 1)"),
     Incompatibility(
         "speculative_config", _DP_EP,
         lambda s: s.speculative and s.dp_ep,

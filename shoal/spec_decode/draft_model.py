@@ -21,6 +21,7 @@ import torch
 from shoal.config import EngineConfig
 from shoal.config.speculative import SpeculativeConfig
 from shoal.core.scheduler_output import ModelRunnerOutput
+from shoal.distributed.parallel_state import get_tp_world_size
 from shoal.host_to_device import to_device
 from shoal.loader import build_model, load_model
 from shoal.models.registry import has_linear_attention
@@ -39,7 +40,14 @@ class DraftModelDrafter(DrafterCache):
             raise ValueError("speculative_config: a draft model with linear-attention layers "
                              f"({spec.model}) is not supported yet: its states would not "
                              "follow the target's verify steps; draft with a dense model")
-        self.model = build_model(config, loaded)
+        try:  # sharded like the target, over its tensor-parallel group
+            self.model = build_model(config, loaded)
+        except ValueError as e:
+            if get_tp_world_size() == 1:
+                raise
+            raise ValueError(f"speculative_config: the draft model {spec.model} cannot be split "
+                             f"over tensor_parallel_size {get_tp_world_size()} as the target "
+                             f"is: {e}") from e
         self._init_cache(config, spec.num_speculative_tokens)
 
     @torch.inference_mode()

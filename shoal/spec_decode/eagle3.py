@@ -34,9 +34,14 @@ from torch import nn
 
 from shoal.config import EngineConfig
 from shoal.config.speculative import SpeculativeConfig
-from shoal.distributed.parallel_state import get_pp_world_size
+from shoal.distributed.parallel_state import get_pp_world_size, get_tp_world_size
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from shoal.layers.linear import QKVParallelLinear, ReplicatedLinear, load_tensor
+from shoal.layers.linear import (
+    QKVParallelLinear,
+    ReplicatedLinear,
+    default_weight_loader,
+    load_tensor,
+)
 from shoal.layers.norm import RMSNorm
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.loader.safetensors_loader import load_folder_config
@@ -131,7 +136,9 @@ class Eagle3LlamaHead(nn.Module):
             if param is None:
                 raise ValueError(f"{_ERR}: checkpoint tensor {name!r} has no matching "
                                  "parameter in the EAGLE-3 head")
-            if shard is None and tuple(param.shape) != tuple(tensor.shape):
+            # (Under tensor parallelism a sharded parameter's loader checks its slice.)
+            if shard is None and tuple(param.shape) != tuple(tensor.shape) and (
+                    get_tp_world_size() == 1 or not _sharded(param)):
                 raise ValueError(f"{_ERR}: checkpoint tensor {name!r} has shape "
                                  f"{list(tensor.shape)}, the head expects {list(param.shape)}")
             load_tensor(param, tensor.to(param.dtype), shard)
@@ -142,6 +149,11 @@ class Eagle3LlamaHead(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(f"{_ERR}: the EAGLE-3 checkpoint lacks {missing[:5]}")
+
+
+def _sharded(param: nn.Parameter) -> bool:
+    """A parameter whose loader takes this rank's slice of the checkpoint tensor."""
+    return getattr(param, "weight_loader", default_weight_loader) is not default_weight_loader
 
 
 def renamed_eagle3(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shoal.core.scheduler_output import ModelRunnerOutput
+from shoal.distributed.parallel_state import get_tp_rank
 from shoal.worker.drafter import Drafter, TargetStep
 
 
@@ -19,6 +20,10 @@ class HostDrafter(Drafter):
     def propose(self, step: TargetStep, state: Any, out: ModelRunnerOutput,
                 latest: bool) -> None:
         # Drafted even behind a later step: cheap, and the scheduler reads whether any came.
+        # Under tensor parallelism only rank 0's drafts reach the scheduler, and drafting
+        # here runs no collective: the other ranks skip it.
+        if get_tp_rank() != 0:
+            return
         inp = step.inputs
         for serial, st in zip(inp.sample_rows, inp.sample_states):
             if serial in out.sampled_token_ids:

@@ -7,7 +7,17 @@ Per target step: on_launch(step) right after the target's forward pass is queued
 with a KV cache of its own mirrors the step into it there, or keeps what it needs for
 later); propose(step, state, out, latest) once the step's tokens have been read, which puts
 the drafts of each request that sampled into out.draft_token_ids for the next step to
-verify."""
+verify.
+
+Tensor parallelism: every rank builds its drafter under the target's TP group, so a draft
+model's and a head's layers are sharded as the target's (each rank's drafter KV cache holds
+its share of the KV heads, sized beside the target's per rank), and the heads share the
+target's vocab-parallel embedding and LM head (replicas would hold a whole LM head each).
+Every rank runs the same drafting passes, kept in lockstep by their all-reduces, over the
+same tokens: the sampled and accepted tokens of rank 0 are every rank's (ModelRunner.sample
+broadcasts them; a grammar's mask is applied on rank 0 only, unseeded sampling differs per
+process). Only rank 0's drafts reach the scheduler, which sends every rank the drafts to
+verify with the step; host drafters (ngram) therefore draft on rank 0 only."""
 
 from __future__ import annotations
 

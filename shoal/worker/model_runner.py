@@ -25,7 +25,12 @@ from shoal.core.executor import Executor
 from shoal.core.kv_cache_spec import KVCacheLayout, group_layers
 from shoal.core.kv_transfer_plan import KVTransferPlan
 from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
-from shoal.distributed.parallel_state import get_pp_world_size, world_min_int
+from shoal.distributed.parallel_state import (
+    get_pp_world_size,
+    get_tp_world_size,
+    tp_broadcast_from_first,
+    world_min_int,
+)
 from shoal.kv_offload.transfer import KVTransfer
 from shoal.layers.linear_attention import LinearAttention
 from shoal.loader import LoadedModel, build_model
@@ -379,8 +384,11 @@ class ModelRunner(RunnerLifecycle, Executor):
             self.pending.clear()
             return
         accept = self.drafter.accept_mask if self.drafter is not None else None
+        # Drafters read each rank's tokens: under tensor parallelism every rank takes rank 0's
+        agree = (tp_broadcast_from_first if self.drafter is not None and get_tp_world_size() > 1
+                 else None)
         handle.sampled, sampled_ids = sample_step(handle.inputs, logits, grammar, self.sampler,
-                                                  self.vocab_size, accept)
+                                                  self.vocab_size, accept, agree)
         # The next step reads its pending input tokens from here, on the device.
         self.pending.set(sampled_ids, handle.inputs.sample_rows)
 

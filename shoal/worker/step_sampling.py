@@ -23,13 +23,16 @@ AcceptMask = Callable[[list[int]], list[bool]]
 
 
 def sample_step(inp: StepInputs, logits: torch.Tensor, grammar: GrammarBitmask | None,
-                sampler: Sampler, vocab_size: int, accept_mask: AcceptMask | None = None
+                sampler: Sampler, vocab_size: int, accept_mask: AcceptMask | None = None,
+                agree: Callable[[torch.Tensor], torch.Tensor] | None = None
                 ) -> tuple[SampledRows | VerifiedRows, torch.Tensor | None]:
     """The rows to read once the step is done, and the sampled ids on the device (what the
     next step's pending tokens are taken from; None for a verify step, which nothing reads
-    pending tokens from)."""
+    pending tokens from). agree: makes the packed results every rank's (speculation under
+    tensor parallelism: the drafters read them), on the device before the host copy."""
+    agree = agree or (lambda packed: packed)
     if inp.has_drafts:
-        return _verify_step(inp, logits, grammar, vocab_size, accept_mask), None
+        return _verify_step(inp, logits, grammar, vocab_size, accept_mask, agree), None
     states = inp.sample_states
     smd = SamplingMetadata.build(
         [s.sampling_params for s in states],
@@ -48,14 +51,15 @@ def sample_step(inp: StepInputs, logits: torch.Tensor, grammar: GrammarBitmask |
         apply_token_bitmask(logits, grammar.bitmask, rows)
     result = sampler(logits, smd)
     # One device-to-host transfer for both, queued behind the step.
-    copy = HostCopy.queue(torch.stack([result.sampled_token_ids, finite.long()]),
+    copy = HostCopy.queue(agree(torch.stack([result.sampled_token_ids, finite.long()])),
                           result.logprobs)
     wanted = [s.sampling_params.num_logprobs for s in states]
     return SampledRows(copy, inp.sample_rows, states, wanted), result.sampled_token_ids
 
 
 def _verify_step(inp: StepInputs, logits: torch.Tensor, grammar: GrammarBitmask | None,
-                 vocab_size: int, accept_mask: AcceptMask | None) -> VerifiedRows:
+                 vocab_size: int, accept_mask: AcceptMask | None,
+                 agree: Callable[[torch.Tensor], torch.Tensor]) -> VerifiedRows:
     """Every request's rows through the rejection sampler."""
     forced = accept_mask([len(d) for d in inp.drafts]) if accept_mask is not None else None
     mask = None
@@ -74,8 +78,8 @@ def _verify_step(inp: StepInputs, logits: torch.Tensor, grammar: GrammarBitmask 
     states = inp.sample_states
     rows_read, result, finite = verify(logits, states, inp.drafts, vocab_size, logits.device,
                                        forced, mask)
-    copy = HostCopy.queue(torch.stack([result.token_ids, result.accepted.long(),
-                                       finite.long()]), result.logprobs)
+    copy = HostCopy.queue(agree(torch.stack([result.token_ids, result.accepted.long(),
+                                             finite.long()])), result.logprobs)
     wanted = [s.sampling_params.num_logprobs for s, d in zip(states, inp.drafts)
               for _ in range(len(d) + 1)]  # per row
     return VerifiedRows(copy, inp.sample_rows, states, wanted, rows_read)

@@ -59,8 +59,6 @@ CASES = [
      r"runner=.pooling. is not supported for Qwen3NextForCausalLM \(linear-attention layers\)"),
     (dict(speculative_config=_EAGLE), _HYBRID, "generate", "cpu", 64,
      "method 'eagle' has no head for Qwen3NextForCausalLM"),
-    (dict(speculative_config=_SPEC, tensor_parallel_size=2), {}, "generate", "cpu", 64,
-     "speculative_config does not support tensor_parallel_size > 1 yet"),
     (dict(speculative_config=_SPEC, pipeline_parallel_size=2), {}, "generate", "cpu", 64,
      "speculative_config does not support pipeline_parallel_size > 1 yet"),
     (dict(speculative_config=_SPEC, **_DP_EP), {}, "generate", "cpu", 64,
@@ -156,6 +154,7 @@ def test_plain_configurations_fall_on_no_row(runner, device):
     assert violations(_resolved({}, {}, runner, device, 64)) == []
     # supported combinations stay allowed
     for kwargs in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2, enforce_eager=True),
+                   dict(tensor_parallel_size=2, speculative_config=_EAGLE),
                    dict(kv_offloading_size=1.0, kv_offloading_disk_path="/tmp/x",
                         kv_offloading_disk_size=1.0), _DP_EP):
         if runner == "generate":
@@ -173,8 +172,7 @@ def test_create_engine_config_names_every_row_it_falls_on():
         args.create_engine_config(_hf())
     text = str(e.value)
     assert text.startswith("these engine settings do not work together:")
-    for part in ("speculative_config does not support tensor_parallel_size",
-                 "kv_offloading_size does not support tensor_parallel_size",
+    for part in ("kv_offloading_size does not support tensor_parallel_size",
                  "async_scheduling does not support tensor_parallel_size"):
         assert part in text
 
