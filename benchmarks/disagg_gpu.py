@@ -18,15 +18,16 @@ Each run is `shoal bench serve` (a child process, its command recorded) against 
 with --num-prompts (default --prompts-per-client x concurrency) after --warmup-prompts untimed
 ones of another seed: TTFT, ITL and TPOT p50/p99, request and output throughput. Layout b
 also records how many requests the proxy sent with the prefill engine's KV (prefilled) or
-without (recomputed), and the decode engine's failed fetches (its log's warnings). The KV
-transfer bandwidth (P2PConnector counts no time yet, so it is timed from outside, on idle
-engines): --kv-fetches times, a --input-len prompt sent to the prefill engine alone with
+without (recomputed), the decode engine's failed fetches and the prefill engine's KV dropped
+unfetched (their logs' warnings). The KV transfer bandwidth is timed from outside, on idle
+engines: --kv-fetches times, a --input-len prompt sent to the prefill engine alone with
 kv_transfer_params {"do_remote_decode": true}, then one shoal.kv_transfer.transport.fetch of
-its key from this script (which uses up the key), payload bytes over seconds (the producer's
-msgpack encoding and the loopback TCP included). summary: layout b over layout a for every
-figure at each concurrency. The file is rewritten after each layout; --budget-s (one device
-call is 600 s) skips the runs that would start after it. --smoke: 64 in / 8 out, concurrency
-2 and 4, a tiny random Llama with SmolLM2's tokenizer on the CPU."""
+its key from this script (which uses up the key), payload bytes over seconds (loopback TCP,
+into a host buffer). summary: layout b over layout a for every figure at each concurrency.
+The file is rewritten after each layout, layout b first (the slower one); --budget-s (one
+device call is 600 s) skips the runs that would start after it. A failed run's whole error
+and the tails of the logs are printed. --smoke: 64 in / 8 out, concurrency 2 and 4, a tiny
+random Llama with SmolLM2's tokenizer on the CPU."""
 
 from __future__ import annotations
 
@@ -159,11 +160,20 @@ def bench(args: argparse.Namespace, url: str, conc: int, num: int, seed: int, na
            str(args.output_len), "--ignore-eos", "--temperature", "0", "--max-concurrency",
            str(conc), "--metric-percentiles", "50,99", "--seed", str(seed), "--save-result",
            "--result-dir", str(out.parent), "--result-filename", out.name]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True,
-                          timeout=max(10.0, args.remaining()))
+    log = args.work_dir / f"{name}.bench.log"
+    limit = max(10.0, args.remaining())
+    try:
+        done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=limit)
+    except subprocess.TimeoutExpired as e:
+        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                       for x in (e.stdout, e.stderr))
+        log.write_text(text)
+        raise RuntimeError(f"bench {name} ran past the {limit:.0f} s left of --budget-s; its "
+                           f"output:\n{text}") from None
+    log.write_text(done.stdout + done.stderr)
     if done.returncode != 0 and not out.exists():
-        raise RuntimeError(f"bench exited {done.returncode}: {done.stdout[-1500:]}"
-                           f"{done.stderr[-1500:]}")
+        raise RuntimeError(f"bench {name} exited {done.returncode}; its output:\n"
+                           f"{done.stdout}{done.stderr}")
     res = json.loads(out.read_text())
     fig = {k: res.get(k) for k in FIGURES}
     if res.get("errors"):
@@ -174,6 +184,7 @@ def bench(args: argparse.Namespace, url: str, conc: int, num: int, seed: int, na
 
 def kv_bandwidth(args: argparse.Namespace, prefill: ServerProcess) -> dict[str, Any]:
     """--kv-fetches prompts prefilled by the producer alone, each key fetched once from here."""
+    from shoal.kv_transfer.payload import host_buffer
     from shoal.kv_transfer.transport import fetch
 
     model = get_json(prefill.url + "/v1/models")["data"][0]["id"]
@@ -188,13 +199,14 @@ def kv_bandwidth(args: argparse.Namespace, prefill: ServerProcess) -> dict[str, 
         prefill_s = time.perf_counter() - t0
         params = ans["kv_transfer_params"]
         t0 = time.perf_counter()
-        reply = fetch(str(params["remote_host"]), int(params["remote_port"]),
-                      {"key": params["remote_request_id"]}, 120.0)
+        header, data = fetch(str(params["remote_host"]), int(params["remote_port"]),
+                             {"key": params["remote_request_id"]}, 120.0, alloc=host_buffer)
         fetch_s = time.perf_counter() - t0
-        if "error" in reply:
-            raise RuntimeError(f"KV fetch: {reply['error']}")
-        nbytes = len(reply["payload"])
-        rows.append({"tokens": int(reply["num_tokens"]), "bytes": nbytes,
+        if data is None:
+            raise RuntimeError(f"KV fetch: {header}")
+        nbytes = len(data)
+        del data  # (back to the pool of host buffers for the next fetch)
+        rows.append({"tokens": int(header["layout"]["num_tokens"]), "bytes": nbytes,
                      "fetch_s": fetch_s, "gb_per_s": nbytes / fetch_s / 1e9,
                      "prefill_request_s": prefill_s})
     gbs = [r["gb_per_s"] for r in rows]
@@ -204,9 +216,13 @@ def kv_bandwidth(args: argparse.Namespace, prefill: ServerProcess) -> dict[str, 
                 [r["fetch_s"] for r in rows])), "prompt_tokens": args.input_len}
 
 
-def failed_fetches(server: ServerProcess) -> int:
+def log_count(server: ServerProcess, what: str) -> int:
     text = server.log.read_text(errors="replace") if server.log else ""
-    return text.count("KV fetch from")
+    return text.count(what)
+
+
+def failed_fetches(server: ServerProcess) -> int:
+    return log_count(server, "KV fetch from")
 
 
 def one_run(args: argparse.Namespace, layout: str, url: str, servers: dict[str, Any],
@@ -214,12 +230,15 @@ def one_run(args: argparse.Namespace, layout: str, url: str, servers: dict[str, 
     num = args.num_prompts or args.prompts_per_client * conc
     before = get_json(url + "/proxy/state") if layout == "b" else None
     fails = failed_fetches(servers["decode"]) if layout == "b" else 0
+    drops = log_count(servers["prefill"], "dropped unfetched") if layout == "b" else 0
     run = bench(args, url, conc, num, args.seed, f"{layout}-c{conc}")
     if before is not None:
         after = get_json(url + "/proxy/state")
         run |= {"proxy_prefilled": after["prefilled"] - before["prefilled"],
                 "proxy_recomputed": after["recomputed"] - before["recomputed"],
-                "decode_failed_fetches": failed_fetches(servers["decode"]) - fails}
+                "decode_failed_fetches": failed_fetches(servers["decode"]) - fails,
+                "prefill_dropped_kv": log_count(servers["prefill"], "dropped unfetched")
+                - drops}
     return run
 
 
@@ -235,7 +254,8 @@ def run_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
             try:
                 out["kv_transfer"] = kv_bandwidth(args, servers["prefill"])
             except Exception:
-                out["kv_transfer"] = {"error": traceback.format_exc()[-2000:]}
+                out["kv_transfer"] = {"error": traceback.format_exc()}
+            print(f"layout {layout} KV transfer: {json.dumps(out['kv_transfer'])}", flush=True)
         for conc in args.concurrency:
             if args.remaining() < args.min_run_s:
                 out["runs"][str(conc)] = {"skipped": f"past --budget-s {args.budget_s}"}
@@ -243,9 +263,13 @@ def run_layout(args: argparse.Namespace, layout: str) -> dict[str, Any]:
             try:
                 out["runs"][str(conc)] = one_run(args, layout, url, servers, conc)
             except Exception:
-                out["runs"][str(conc)] = {"error": traceback.format_exc()[-2000:]}
-            print(f"layout {layout} c{conc}: {json.dumps(out['runs'][str(conc)])[:300]}",
-                  flush=True)
+                out["runs"][str(conc)] = {"error": traceback.format_exc()}
+            run = out["runs"][str(conc)]
+            if "error" in run:  # whole, with the servers' log tails: a failure must be legible
+                print(f"layout {layout} c{conc} FAILED:\n{run['error']}", flush=True)
+                print_logs(args)
+            else:
+                print(f"layout {layout} c{conc}: {json.dumps(run)}", flush=True)
     out["layout_wall_s"] = time.perf_counter() - t0
     return out
 
@@ -279,8 +303,14 @@ def smoke_setup(args: argparse.Namespace) -> None:
                                            vocab_size=49152))
 
 
-def tail(path: Path) -> str:
-    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+def tail(path: Path, n: int = 6000) -> str:
+    return path.read_text(errors="replace")[-n:] if path.exists() else ""
+
+
+def print_logs(args: argparse.Namespace) -> None:
+    """The tails of the servers' and bench runs' logs, to this script's output."""
+    for p in sorted(args.work_dir.glob("*.log")):
+        print(f"---- {p.name} (last 6000 characters) ----\n{tail(p)}", flush=True)
 
 
 def sweep(args: argparse.Namespace) -> int:
@@ -296,7 +326,8 @@ def sweep(args: argparse.Namespace) -> int:
             layouts[layout] = run_layout(args, layout)
         except Exception:
             traceback.print_exc()
-            layouts[layout] = {"error": traceback.format_exc()[-3000:], "logs": {
+            print_logs(args)
+            layouts[layout] = {"error": traceback.format_exc(), "logs": {
                 p.stem: tail(p) for p in sorted(args.work_dir.glob("*.log"))}}
         got = layouts[layout]
         failed = failed or "error" in got or any(
@@ -316,7 +347,8 @@ def parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=None,
                    help="JSON file (default $OUT/disagg_gpu.json, else benchmarks/results/)")
-    p.add_argument("--layouts", default="a,b", help="a (one engine), b (prefill + decode)")
+    p.add_argument("--layouts", default="b,a",
+                   help="b (prefill + decode), a (one engine); b first: it is the slower")
     p.add_argument("--merge", default=None,
                    help="an earlier result file whose other layouts join this one's")
     p.add_argument("--model", default=MODEL)
@@ -332,9 +364,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--concurrency", default="16,64")
     p.add_argument("--num-prompts", type=int, default=None,
                    help="per run (default --prompts-per-client x concurrency)")
-    p.add_argument("--prompts-per-client", type=int, default=4)
-    p.add_argument("--warmup-prompts", type=int, default=8)
-    p.add_argument("--kv-fetches", type=int, default=5)
+    p.add_argument("--prompts-per-client", type=int, default=2)
+    p.add_argument("--warmup-prompts", type=int, default=4)
+    p.add_argument("--kv-fetches", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget-s", type=float, default=570.0,
                    help="no run starts after this many seconds from the script's start")

@@ -131,5 +131,5 @@ class ModelRunnerOutput:
     kv_transfers_done: list[int] = field(default_factory=list)
     # pooling engines: each finished request's result (a float32 numpy array)
     pooled: dict[int, Any] = field(default_factory=dict)
-    # the KV rows read out for the step's KVSaves, by their key (a producer's prompts)
-    kv_saved: dict[str, bytes] = field(default_factory=dict)
+    # the KV rows read out for the step's KVSaves (kv_transfer KVPayload), by their key
+    kv_saved: dict[str, Any] = field(default_factory=dict)

@@ -16,11 +16,14 @@ Who does what (vLLM's split of a connector into a scheduler side and a worker si
   runner writes a plan's loads into the paged cache before the forward pass and reads its
   saves out after it.
 - p2p.py: P2PConnector. The producer keeps each finished prompt's KV (token-major rows of
-  every paged layer, all KV heads) in host memory for a while and serves it over TCP
-  (transport.py); the consumer fetches it in the background while the request waits, then the
-  admitting step writes it into the request's blocks, whatever their block size, each
-  tensor-parallel rank taking its own heads. A consumer that cannot fetch (the producer
-  died, the KV expired) recomputes the prompt instead.
+  every paged layer, all KV heads, read out once into one host buffer: payload.py, rows.py)
+  for a while and serves it over TCP (transport.py: a small msgpack header, then the raw
+  bytes, received straight into a recycled host buffer, pinned on CUDA); the consumer
+  fetches it on background threads while the request waits unadmitted (the others keep
+  stepping), then the admitting step writes it into the request's blocks with one indexed
+  copy per layer, whatever their block size, each tensor-parallel rank taking its own
+  heads. A consumer that cannot fetch (the producer died, the KV expired or was served,
+  another prompt or model) recomputes the prompt instead.
 - factory.py builds a connector by name or `module:Class`; config.py reads kv_transfer_config.
 
 Built on the same hand-off as KV offloading: what the runner must copy travels in the

@@ -15,9 +15,32 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.core.kv_connector_plan import KVConnectorPlan
+from shoal.core.kv_connector_plan import KVConnectorPlan, KVLayout
 from shoal.core.request import Request
 from shoal.kv_transfer.config import KVTransferConfig
+
+
+@dataclass(frozen=True)
+class KVRows:
+    """The engine's paged caches: their dtype and per layer (planes, KV heads of this rank,
+    bytes of one head's row)."""
+
+    dtype: str
+    layers: list[tuple[int, int, int]]
+
+    def check(self, layout: KVLayout, world: int) -> None:
+        """ValueError when a transferred payload cannot go into these caches."""
+        if len(layout.layers) != len(self.layers):
+            raise ValueError(f"the KV has {len(layout.layers)} layers, this model "
+                             f"{len(self.layers)}")
+        if layout.dtype != self.dtype:
+            raise ValueError(f"the KV is {layout.dtype}, this cache {self.dtype}")
+        for (planes, _, total, width), (p, local, w) in zip(layout.layers, self.layers):
+            if (planes, width) != (p, w) or not (
+                    local * world == total or local == total or (local == 1 and total < world)):
+                raise ValueError(f"the KV rows ({planes} planes, {total} heads of {width} "
+                                 f"bytes) do not fit this cache's ({p}, {local} heads a "
+                                 f"rank of {world}, {w} bytes)")
 
 
 @dataclass(frozen=True)
@@ -27,6 +50,11 @@ class EngineInfo:
     block_size: int
     tensor_parallel_size: int
     model: str
+    pipeline_parallel_size: int = 1
+    # receive KV into page-locked host memory (CUDA, one rank: its copies to the device
+    # are then asynchronous)
+    pin_memory: bool = False
+    kv_rows: KVRows | None = None  # (None: not known here, checked by the runner only)
 
 
 class KVConnector(ABC):
@@ -51,8 +79,8 @@ class KVConnector(ABC):
     def step_plan(self) -> KVConnectorPlan | None:
         """The loads and saves of the step being built (None: nothing)."""
 
-    def saved(self, payloads: dict[str, bytes]) -> None:
-        """The runner's saved KV of finished prompts, by KVSave.key."""
+    def saved(self, payloads: dict[str, Any]) -> None:
+        """The runner's saved KV of finished prompts (payload.KVPayload), by KVSave.key."""
         return None
 
     def finished(self, req: Request) -> None:

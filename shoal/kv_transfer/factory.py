@@ -26,6 +26,9 @@ def build_connector(config: KVTransferConfig, engine: EngineInfo) -> KVConnector
                          ) from e
     if not (isinstance(cls, type) and issubclass(cls, KVConnector)):
         raise ValueError(f"kv_transfer_config.kv_connector {name!r} is not a KVConnector")
+    if engine.pipeline_parallel_size > 1:  # (each stage holds only some of the layers)
+        raise ValueError("kv_transfer_config with pipeline_parallel_size > 1 is not "
+                         "supported yet")
     if config.produces and engine.tensor_parallel_size > 1:
         raise ValueError("kv_transfer_config: a producer (kv_producer / kv_both) with "
                          "tensor_parallel_size > 1 is not supported yet (a consumer may be)")

@@ -2,17 +2,19 @@
 
 Producer (kv_producer / kv_both): a request sent with kv_transfer_params
 {"do_remote_decode": true} has its prompt's KV read out once its last prompt chunk has run
-(a KVSave in that step's plan), kept in host memory under a fresh key for `kv_ttl_s`
+(a KVSave in that step's plan: one host buffer, rows.gather_rows), kept for `kv_ttl_s`
 seconds (at most `kv_buffer_bytes` in all, oldest dropped first) and served once to whoever
-asks for the key. The request's final output carries the kv_transfer_params a consumer needs:
+asks for its key. The request's final output carries the kv_transfer_params a consumer needs:
 {"do_remote_prefill": true, "remote_host", "remote_port", "remote_request_id" (the key),
 "remote_num_tokens"}.
 
-Consumer (kv_consumer / kv_both): a waiting request sent with those params fetches the KV in
-the background (it waits meanwhile, the others run); the prompt's token ids are checked
-against a hash the producer sends, and the rows go into the request's blocks in the step that
-admits it. Any failure (the producer gone, the key expired, another prompt) means the
-prompt is recomputed, never an error."""
+Consumer (kv_consumer / kv_both): a waiting request sent with those params is fetched on one
+of `kv_fetch_workers` background threads (it waits unadmitted meanwhile, the others keep
+stepping); at most `kv_fetch_buffer_bytes` of fetched KV waits for admission at once (more
+fetches start as it is admitted). The prompt's token ids are checked against a hash the
+producer sends, and the rows go into the request's blocks in the step that admits it. Any
+failure (the producer gone, the key expired or served already, another prompt, a timeout of
+`kv_fetch_timeout_s` on a receive) means the prompt is recomputed, never an error."""
 
 from __future__ import annotations
 
@@ -23,15 +25,17 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from shoal.core.kv_connector_plan import KVConnectorPlan, KVLoad, KVSave
+from shoal.core.kv_connector_plan import KVConnectorPlan, KVLayout, KVLoad, KVSave
 from shoal.core.request import Request
 from shoal.kv_transfer.base import EngineInfo, KVConnector
 from shoal.kv_transfer.config import KVTransferConfig
-from shoal.kv_transfer.transport import KVServer, fetch
+from shoal.kv_transfer.payload import KVPayload, host_buffer
+from shoal.kv_transfer.transport import KVServer, Reply, fetch
 
 logger = logging.getLogger(__name__)
 
@@ -41,34 +45,56 @@ def prompt_digest(token_ids: list[int]) -> str:
                            digest_size=16).hexdigest()
 
 
+@dataclass
+class _Kept:
+    """A producer's prompt KV awaiting its fetch."""
+
+    expiry: float
+    digest: str
+    payload: KVPayload
+
+
+@dataclass
 class _Fetched:
-    def __init__(self, num_tokens: int, payload: bytes | None):
-        self.num_tokens, self.payload = num_tokens, payload  # payload None: failed or used
+    num_tokens: int
+    payload: KVPayload | None  # None: failed, or used already
+    seconds: float = 0.0
+
+
+def _positive(extra: dict[str, Any], key: str, default: float, kind: type = float) -> Any:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"kv_transfer_config.kv_connector_extra_config.{key} must be a "
+                         f"number > 0 (got {value!r})")
+    return kind(value)
 
 
 class P2PConnector(KVConnector):
     def __init__(self, config: KVTransferConfig, engine: EngineInfo):
         super().__init__(config, engine)
         extra = config.extra
-        self.ttl_s = float(extra.get("kv_ttl_s", 120.0))
-        self.buffer_bytes = int(extra.get("kv_buffer_bytes", 4 << 30))
-        self.timeout_s = float(extra.get("kv_fetch_timeout_s", 30.0))
+        self.ttl_s = _positive(extra, "kv_ttl_s", 120.0)
+        self.buffer_bytes = _positive(extra, "kv_buffer_bytes", 4 << 30, int)
+        self.timeout_s = _positive(extra, "kv_fetch_timeout_s", 30.0)
+        self.fetch_workers = _positive(extra, "kv_fetch_workers", 8, int)
+        self.fetch_buffer_bytes = _positive(extra, "kv_fetch_buffer_bytes", 8 << 30, int)
         self._plan = KVConnectorPlan()
-        # producer: key -> (expiry, prompt digest, num tokens, payload)
-        self._store: OrderedDict[str, tuple[float, str, int, bytes]] = OrderedDict()
+        self._store: OrderedDict[str, _Kept] = OrderedDict()  # producer: key -> kept KV
         self._stored_bytes = 0
         self._lock = threading.Lock()
-        self._pending_saves: dict[str, tuple[str, int]] = {}  # key -> (digest, tokens)
+        self._pending_saves: dict[str, str] = {}  # key -> prompt digest
         self._params: dict[int, dict[str, Any]] = {}  # serial -> params for its client
         self.server: KVServer | None = None
         if config.produces:
             self.server = KVServer(config.kv_ip, config.kv_port, self._serve)
         # consumer: request id -> fetch in flight / done
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="kv-fetch") \
+        self._pool = ThreadPoolExecutor(self.fetch_workers, thread_name_prefix="kv-fetch") \
             if config.consumes else None
         self._fetching: dict[str, Future] = {}
         self._fetched: dict[str, _Fetched] = {}
         self.num_loaded = self.num_failed = 0  # consumer: requests loaded / recomputed
+        self.num_dropped = 0  # producer: kept KV dropped unfetched (TTL, buffer full)
+        self.bytes_fetched, self.fetch_seconds = 0, 0.0  # consumer: successful fetches
 
     # ---- producer ---------------------------------------------------------------------------
     def scheduled(self, req: Request, start: int, num_tokens: int,
@@ -79,8 +105,7 @@ class P2PConnector(KVConnector):
                 or not start < n <= start + num_tokens):
             return
         key = f"{uuid.uuid4().hex}-{req.serial}"
-        digest = prompt_digest(req.prompt_token_ids)
-        self._pending_saves[key] = (digest, n)
+        self._pending_saves[key] = prompt_digest(req.prompt_token_ids)
         self._plan.saves.append(KVSave(req.serial, key, list(block_ids), n))
         assert self.server is not None
         self._params[req.serial] = {
@@ -88,34 +113,40 @@ class P2PConnector(KVConnector):
             "remote_port": self.server.port, "remote_request_id": key,
             "remote_num_tokens": n}
 
-    def saved(self, payloads: dict[str, bytes]) -> None:
+    def saved(self, payloads: dict[str, KVPayload]) -> None:
         now = time.monotonic()
         with self._lock:
             for key, payload in payloads.items():
-                digest, n = self._pending_saves.pop(key, ("", 0))
-                self._store[key] = (now + self.ttl_s, digest, n, payload)
-                self._stored_bytes += len(payload)
+                digest = self._pending_saves.pop(key, "")
+                self._store[key] = _Kept(now + self.ttl_s, digest, payload)
+                self._stored_bytes += payload.nbytes
             self._expire(now)
 
     def _expire(self, now: float) -> None:
         while self._store:
-            key, (expiry, _, _, payload) = next(iter(self._store.items()))
-            if expiry > now and self._stored_bytes <= self.buffer_bytes:
+            key, kept = next(iter(self._store.items()))
+            if kept.expiry > now and self._stored_bytes <= self.buffer_bytes:
                 return
             del self._store[key]
-            self._stored_bytes -= len(payload)
+            kept.payload.wait()  # (its readout may still be landing in the buffer let go)
+            self._stored_bytes -= kept.payload.nbytes
+            self.num_dropped += 1
+            logger.warning("KV of %s dropped unfetched (%s)", key, "its kv_ttl_s passed"
+                           if kept.expiry <= now else "kv_buffer_bytes is full")
 
-    def _serve(self, request: Any) -> Any:
+    def _serve(self, request: Any) -> Reply:
         key = request.get("key") if isinstance(request, dict) else None
         with self._lock:
             self._expire(time.monotonic())
-            entry = self._store.pop(key, None) if isinstance(key, str) else None
-            if entry is not None:
-                self._stored_bytes -= len(entry[3])
-        if entry is None:
-            return {"error": f"no KV kept under {key!r} (expired, served, or never made)"}
-        _, digest, n, payload = entry
-        return {"digest": digest, "num_tokens": n, "payload": payload}
+            kept = self._store.pop(key, None) if isinstance(key, str) else None
+            if kept is not None:
+                self._stored_bytes -= kept.payload.nbytes
+        if kept is None:
+            return Reply({"error": f"no KV kept under {key!r} (expired, served, or never "
+                                   "made)"})
+        payload = kept.payload
+        return Reply({"digest": kept.digest, "layout": payload.layout.to_wire()},
+                     payload.data, payload.wait)
 
     def transfer_params(self, req: Request) -> dict[str, Any] | None:
         return self._params.pop(req.serial, None)
@@ -130,6 +161,8 @@ class P2PConnector(KVConnector):
         if got is None:
             future = self._fetching.get(rid)
             if future is None:
+                if self._held_bytes() >= self.fetch_buffer_bytes:
+                    return None  # fetched KV awaiting admission fills the budget: wait
                 assert self._pool is not None
                 self._fetching[rid] = self._pool.submit(self._fetch, params,
                                                         req.prompt_token_ids)
@@ -140,32 +173,52 @@ class P2PConnector(KVConnector):
             del self._fetching[rid]
             if got.payload is None:
                 self.num_failed += 1
+            else:
+                self.bytes_fetched += got.payload.nbytes
+                self.fetch_seconds += got.seconds
         if got.payload is None:
             return 0
         usable = min(got.num_tokens, req.num_prompt_tokens - 1)
         return max(0, usable - num_computed)
 
+    def _held_bytes(self) -> int:
+        return sum(f.payload.nbytes for f in self._fetched.values() if f.payload is not None)
+
     def _fetch(self, params: dict[str, Any], prompt: list[int]) -> _Fetched:
+        t0 = time.perf_counter()
         try:
-            reply = fetch(str(params["remote_host"]), int(params["remote_port"]),
-                          {"key": params["remote_request_id"]}, self.timeout_s)
-            if "error" in reply:
-                raise ValueError(reply["error"])
-            n = int(reply["num_tokens"])
-            if n > len(prompt) or reply["digest"] != prompt_digest(prompt[:n]):
+            header, data = fetch(str(params["remote_host"]), int(params["remote_port"]),
+                                 {"key": params["remote_request_id"]}, self.timeout_s,
+                                 alloc=self._alloc)
+            if not isinstance(header, dict) or "error" in header or data is None:
+                raise ValueError(header.get("error") if isinstance(header, dict)
+                                 else "a malformed reply")
+            layout = KVLayout.from_wire(header.get("layout"))
+            n = layout.num_tokens
+            if n > len(prompt) or header.get("digest") != prompt_digest(prompt[:n]):
                 raise ValueError("the producer's KV is of another prompt")
-            return _Fetched(n, reply["payload"])
+            if len(data) != layout.nbytes:
+                raise ValueError(f"{len(data)} bytes for a layout of {layout.nbytes}")
+            if self.engine.kv_rows is not None:  # another model's KV: refused here, not
+                self.engine.kv_rows.check(layout, self.engine.tensor_parallel_size)  # in a step
+            return _Fetched(n, KVPayload(layout, data), time.perf_counter() - t0)
         except Exception as e:  # the prompt is recomputed instead
-            logger.warning("KV fetch from %s:%s failed (%s): recomputing the prompt",
-                           params.get("remote_host"), params.get("remote_port"), e)
+            logger.warning("KV fetch from %s:%s failed (%s: %s): recomputing the prompt",
+                           params.get("remote_host"), params.get("remote_port"),
+                           type(e).__name__, e)
             return _Fetched(0, None)
+
+    def _alloc(self, nbytes: int) -> memoryview:
+        # pinned: the device copies are asynchronous (one rank: TP ranks get the bytes by IPC)
+        return host_buffer(nbytes, pinned=self.engine.pin_memory)
 
     def admitted(self, req: Request, start: int, num_tokens: int, block_ids: list[int]) -> None:
         got = self._fetched.get(req.request_id)
         if got is None or got.payload is None or num_tokens <= 0:
             return
+        payload = got.payload
         self._plan.loads.append(KVLoad(req.serial, list(block_ids), start, num_tokens,
-                                       got.payload))
+                                       payload.layout, payload.data))
         got.payload = None  # used: a recompute after preemption computes instead
         self.num_loaded += 1
 
@@ -175,6 +228,14 @@ class P2PConnector(KVConnector):
         if future is not None:
             future.cancel()
         self._params.pop(req.serial, None)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for logs and benchmarks."""
+        return {"loaded": self.num_loaded, "failed": self.num_failed,
+                "dropped": self.num_dropped, "bytes_fetched": self.bytes_fetched,
+                "fetch_seconds": self.fetch_seconds, "kept_bytes": self._stored_bytes,
+                "fetch_gb_per_s": (self.bytes_fetched / self.fetch_seconds / 1e9
+                                   if self.fetch_seconds else None)}
 
     # ---- both -------------------------------------------------------------------------------
     def step_plan(self) -> KVConnectorPlan | None:

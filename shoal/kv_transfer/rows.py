@@ -3,17 +3,21 @@ paged cache (gather) and written into another engine's (scatter), whatever the t
 block sizes, each tensor-parallel rank taking its share of the KV heads.
 
 A layer's cache is [planes, slots, Hk, D] (slot = block * block_size + offset; planes: K and
-V, or MLA's one latent row). The payload (msgpack) holds per layer the rows [planes, N, H, D]
-of tokens [0, N) with all H KV heads (the producer runs one rank), in the cache dtype."""
+V, or MLA's one latent row). A payload (payload.py) holds per layer the rows [planes, N, H, D]
+of tokens [0, N) with all H KV heads (the producer runs one rank), in the cache dtype, as raw
+bytes (float8 has no index kernels on some devices, bytes have). Both directions take one
+indexed copy per layer over the request's slots (never a loop over blocks or tokens); on CUDA
+the host side is pinned and the copies are asynchronous."""
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from collections.abc import Callable
 
-import msgspec
 import torch
 
 from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size
+from shoal.kv_transfer.payload import KVLayout, KVPayload, host_buffer
 
 
 def _slots(block_ids: list[int], block_size: int, start: int, end: int,
@@ -23,16 +27,61 @@ def _slots(block_ids: list[int], block_size: int, start: int, end: int,
     return (table[pos // block_size] * block_size + pos % block_size).to(device)
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def layout_of(caches: list[torch.Tensor], num_tokens: int) -> KVLayout:
+    shapes = [[kv.shape[0], num_tokens, kv.shape[2], kv.shape[3] * kv.element_size()]
+              for kv in caches]
+    return KVLayout(_dtype_name(caches[0].dtype), num_tokens, shapes)
+
+
+def _wide(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both uint8 row tensors viewed as the widest integers their rows divide into: CPU
+    index_copy_ costs per element, so 8-byte elements write several times faster."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        size = dtype.itemsize
+        if dst.shape[-1] % size == 0 and all(
+                t.storage_offset() % size == 0 and all(st % size == 0 for st in t.stride()[:-1])
+                for t in (dst, src)):
+            return dst.view(dtype), src.view(dtype)
+    return dst, src
+
+
+def _host_tensor(data) -> torch.Tensor:
+    """A uint8 tensor over a buffer, no copy (a read-only one, as TP ranks decode it, is only
+    read)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "the buffer is not writable"
+        return torch.frombuffer(data, dtype=torch.uint8)
+
+
 def gather_rows(caches: list[torch.Tensor], block_ids: list[int], block_size: int,
-                num_tokens: int) -> bytes:
-    """Tokens [0, num_tokens) of every layer, as a payload (read back to the host)."""
-    slots = _slots(block_ids, block_size, 0, num_tokens, caches[0].device)
-    layers = []
-    for kv in caches:  # as bytes: float8 has no index kernels on some devices
-        rows = kv.view(torch.uint8).index_select(1, slots).contiguous().cpu()
-        layers.append({"shape": list(rows.shape), "data": rows.numpy().tobytes()})
-    dtype = str(caches[0].dtype).removeprefix("torch.")
-    return msgspec.msgpack.encode({"dtype": dtype, "num_tokens": num_tokens, "layers": layers})
+                num_tokens: int) -> KVPayload:
+    """Tokens [0, num_tokens) of every layer, into one host buffer. On CUDA the copies are
+    queued (pinned memory): the payload's `ready` waits for them, so the step does not."""
+    device = caches[0].device
+    layout = layout_of(caches, num_tokens)
+    cuda = device.type == "cuda"
+    data = host_buffer(layout.nbytes, pinned=cuda)
+    host = _host_tensor(data)
+    slots = _slots(block_ids, block_size, 0, num_tokens, device)
+    offset = 0
+    for i, kv in enumerate(caches):
+        size = layout.layer_nbytes(i)
+        out = host[offset:offset + size].view(layout.layers[i])
+        offset += size
+        if cuda:
+            out.copy_(kv.view(torch.uint8).index_select(1, slots), non_blocking=True)
+        else:
+            torch.index_select(kv.view(torch.uint8), 1, slots, out=out)
+    ready: Callable[[], None] | None = None
+    if cuda:
+        done = torch.cuda.Event()
+        done.record()
+        ready = done.synchronize
+    return KVPayload(layout, data, ready)
 
 
 def _head_slice(total: int, local: int, rank: int, world: int) -> slice:
@@ -47,22 +96,41 @@ def _head_slice(total: int, local: int, rank: int, world: int) -> slice:
     raise ValueError(f"cannot place {total} transferred KV heads on a rank holding {local}")
 
 
-def scatter_rows(caches: list[torch.Tensor], payload: bytes, block_ids: list[int],
-                 block_size: int, start: int, num_tokens: int) -> None:
-    """Writes rows [start, start + num_tokens) of a payload into the request's blocks."""
-    msg: dict[str, Any] = msgspec.msgpack.decode(payload)
-    layers = msg["layers"]
-    if len(layers) != len(caches):
-        raise ValueError(f"the transferred KV has {len(layers)} layers, this model "
+def check_layout(caches: list[torch.Tensor], layout: KVLayout, nbytes: int) -> None:
+    """ValueError when a payload cannot go into these caches."""
+    if len(layout.layers) != len(caches):
+        raise ValueError(f"the transferred KV has {len(layout.layers)} layers, this model "
                          f"{len(caches)}")
-    if msg["dtype"] != str(caches[0].dtype).removeprefix("torch."):
-        raise ValueError(f"the transferred KV is {msg['dtype']}, this cache "
-                         f"{caches[0].dtype}")
-    slots = _slots(block_ids, block_size, start, start + num_tokens, caches[0].device)
+    if layout.dtype != _dtype_name(caches[0].dtype):
+        raise ValueError(f"the transferred KV is {layout.dtype}, this cache {caches[0].dtype}")
+    if nbytes != layout.nbytes:
+        raise ValueError(f"the transferred KV has {nbytes} bytes, its layout says "
+                         f"{layout.nbytes}")
+    for kv, (planes, _, _, width) in zip(caches, layout.layers):
+        if planes != kv.shape[0] or width != kv.shape[3] * kv.element_size():
+            raise ValueError(f"the transferred KV rows are {planes} x {width} bytes a head, "
+                             f"this cache's {kv.shape[0]} x {kv.shape[3] * kv.element_size()}")
+
+
+def scatter_rows(caches: list[torch.Tensor], layout: KVLayout, data, block_ids: list[int],
+                 block_size: int, start: int, num_tokens: int) -> None:
+    """Writes rows [start, start + num_tokens) of a payload into the request's blocks: per
+    layer one copy to the device (asynchronous from pinned memory) and one indexed write.
+    On CUDA the caller keeps `data` alive until the device has read it."""
+    host = _host_tensor(data)
+    check_layout(caches, layout, host.numel())
+    device = caches[0].device
+    slots = _slots(block_ids, block_size, start, start + num_tokens, device)
     rank, world = get_tp_rank(), get_tp_world_size()
-    for kv, layer in zip(caches, layers):
-        planes, n, total, width = layer["shape"]  # width: bytes of a head's row
-        raw = torch.frombuffer(bytearray(layer["data"]), dtype=torch.uint8)
-        rows = raw.view(planes, n, total, width)[:, start:start + num_tokens]
-        heads = _head_slice(total, kv.shape[2], rank, world)
-        kv.view(torch.uint8).index_copy_(1, slots, rows[:, :, heads].to(kv.device))
+    offset = 0
+    for i, kv in enumerate(caches):
+        size = layout.layer_nbytes(i)
+        rows = host[offset:offset + size].view(layout.layers[i])
+        offset += size
+        if device.type != "cpu":  # the whole layer at once: one contiguous copy
+            rows = rows.to(device, non_blocking=True)
+        heads = _head_slice(layout.layers[i][2], kv.shape[2], rank, world)
+        dst, src = kv.view(torch.uint8), rows[:, start:start + num_tokens, heads]
+        if dst.device.type == "cpu":
+            dst, src = _wide(dst, src)
+        dst.index_copy_(1, slots, src)

@@ -1,6 +1,9 @@
-"""How KV bytes move between engines: one request and one reply per TCP connection, each a
-length-prefixed msgpack message. Kept behind two functions (serve, fetch) so that another
-transport (shared memory on one host, NIXL/RDMA) can take their place."""
+"""How KV bytes move between engines: one request and one reply per TCP connection. Each
+message is a length-prefixed msgpack header; a reply whose header names `nbytes` is followed
+by that many raw bytes, sent from the producer's buffer as they are (no encoding, no copy)
+and received straight into a buffer the consumer allocates for them (recv_into). Kept behind
+two functions (KVServer, fetch) so that another transport (shared memory on one host,
+NIXL/RDMA) can take their place."""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import socketserver
 import struct
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -17,44 +21,86 @@ import msgspec
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">Q")
-MAX_MESSAGE = 64 << 30  # a prompt's KV: tens of MiB to a few GiB
+MAX_HEADER = 16 << 20  # headers are small; the bytes come after them
+MAX_BODY = 64 << 30  # a prompt's KV: tens of MiB to a few GiB
+SOCKET_BUFFER = 32 << 20  # asked of the kernel (it caps at net.core.[rw]mem_max)
+_CHUNK = 64 << 20  # at most this many bytes per recv_into (the GIL is let go in each)
 
 
-def _send(sock: socket.socket, obj: Any) -> None:
+@dataclass
+class Reply:
+    """What a server handler answers: a header and, optionally, raw bytes after it (`ready`,
+    when set, is called first: it blocks until the bytes are valid)."""
+
+    header: dict[str, Any]
+    body: Any = None  # a buffer (memoryview, bytes, numpy array) or None
+    ready: Callable[[], None] | None = None
+
+
+def _tune(sock: socket.socket) -> None:
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER)
+        except OSError:
+            pass
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+def _send_header(sock: socket.socket, obj: Any) -> None:
     data = msgspec.msgpack.encode(obj)
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got, n = 0, len(view)
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], min(n - got, _CHUNK))
         if not k:
-            raise ConnectionError("the peer closed the connection mid-message")
+            raise ConnectionError(f"the peer closed the connection after {got} of {n} bytes")
         got += k
-    return bytes(buf)
 
 
-def _recv(sock: socket.socket) -> Any:
-    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
-    if n > MAX_MESSAGE:
-        raise ConnectionError(f"a {n}-byte message is over the limit")
-    return msgspec.msgpack.decode(_recv_exact(sock, n))
+def _recv_header(sock: socket.socket) -> Any:
+    head = bytearray(_LEN.size)
+    _recv_into(sock, memoryview(head))
+    (n,) = _LEN.unpack(head)
+    if n > MAX_HEADER:
+        raise ConnectionError(f"a {n}-byte header is over the limit of {MAX_HEADER}")
+    data = bytearray(n)
+    _recv_into(sock, memoryview(data))
+    return msgspec.msgpack.decode(data)
+
+
+def _byte_view(body: Any) -> memoryview:
+    view = memoryview(body)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class KVServer:
-    """Answers each connection's one request with handler(request) on a thread of its own."""
+    """Answers each connection's one request with handler(request) -> Reply, on a thread of
+    its own (several consumers fetch at once)."""
 
-    def __init__(self, host: str, port: int, handler: Callable[[Any], Any]):
+    def __init__(self, host: str, port: int, handler: Callable[[Any], Reply]):
         outer = self
 
         class _Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
+                sock = self.request
                 try:
-                    _send(self.request, outer.handler(_recv(self.request)))
-                except Exception:  # a broken client must not take the server down
-                    logger.exception("KV server: a request failed")
+                    _tune(sock)
+                    reply = outer.handler(_recv_header(sock))
+                    body = None
+                    if reply.body is not None:
+                        if reply.ready is not None:
+                            reply.ready()
+                        body = _byte_view(reply.body)
+                        reply.header["nbytes"] = len(body)
+                    _send_header(sock, reply.header)
+                    if body is not None:
+                        sock.sendall(body)
+                except Exception as e:  # a broken client must not take the server down
+                    logger.warning("KV server: a request failed (%s: %s)", type(e).__name__, e)
 
         self.handler = handler
         socketserver.ThreadingTCPServer.allow_reuse_address = True
@@ -70,9 +116,25 @@ class KVServer:
         self.server.server_close()
 
 
-def fetch(host: str, port: int, request: Any, timeout: float) -> Any:
-    """One request to a KVServer; raises OSError / ConnectionError when it cannot answer."""
+def fetch(host: str, port: int, request: Any, timeout: float,
+          alloc: Callable[[int], memoryview] | None = None) -> tuple[Any, memoryview | None]:
+    """One request to a KVServer: its reply header and the bytes after it (None when the
+    reply has none), received into alloc(nbytes) (default: a bytearray). Raises OSError /
+    ConnectionError when the server cannot answer whole within `timeout` seconds a
+    receive."""
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.settimeout(timeout)
-        _send(sock, request)
-        return _recv(sock)
+        _tune(sock)
+        _send_header(sock, request)
+        header = _recv_header(sock)
+        nbytes = header.get("nbytes") if isinstance(header, dict) else None
+        if nbytes is None:
+            return header, None
+        if type(nbytes) is not int or not 0 <= nbytes <= MAX_BODY:
+            raise ConnectionError(f"a reply of {nbytes!r} bytes is over the limit")
+        buf = alloc(nbytes) if alloc is not None else memoryview(bytearray(nbytes))
+        view = _byte_view(buf)
+        if len(view) != nbytes:
+            raise ValueError(f"alloc({nbytes}) gave {len(view)} bytes")
+        _recv_into(sock, view)
+        return header, buf

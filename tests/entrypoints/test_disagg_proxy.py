@@ -3,11 +3,13 @@ engine (kv_producer, blocks of 16) and a decode engine (kv_consumer, blocks of 8
 random Llama with SmolLM2's tokenizer on the CPU. Completions and streamed chats give the
 decode engine's own greedy tokens, with the prompt loaded rather than computed there; the KV
 of a dead prefill engine is recomputed, and so is every request once the prefill engine is
-gone; a bad request is refused as the prefill engine refuses it."""
+gone; a bad request is refused as the prefill engine refuses it; many requests at once all
+load their KV."""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -102,6 +104,29 @@ def test_a_bad_request_is_refused_as_the_prefill_engine_refuses_it(cluster) -> N
     resp = proxy.post("/v1/completions", {**_completion(2), "model": _model(decode),
                                           "temperature": -1})
     assert resp.status_code == 400 and "temperature" in resp.text
+
+
+def test_many_requests_at_once_all_load_their_kv(cluster) -> None:
+    """64 completions through the proxy at once (the c64 of the GPU benchmark): each one's prompt is prefilled on the
+    prefill engine and loaded by the decode engine (none recomputed), and each gives the
+    decode engine's own tokens."""
+    proxy, _, decode = cluster
+    n = 64
+    bodies = [{**_completion(100 + i), "model": _model(decode),
+               "prompt": f"Request {i} of many: " + " ".join([PROMPT] * (1 + i % 3))}
+              for i in range(n)]
+    want = [_tokens(decode.post("/v1/completions", json={**b, "cache_salt": "reference"}))
+            for b in bodies]
+    before = proxy.state()
+    with ThreadPoolExecutor(n) as pool:
+        resps = list(pool.map(lambda b: proxy.post("/v1/completions", b), bodies))
+    assert [_tokens(r) for r in resps] == want
+    for r in resps:
+        usage = r.json()["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    after = proxy.state()
+    assert after["prefilled"] - before["prefilled"] == n
+    assert after["recomputed"] == before["recomputed"]
 
 
 def test_without_the_prefill_engine_the_decode_engine_recomputes(cluster) -> None:

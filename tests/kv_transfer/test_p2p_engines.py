@@ -6,6 +6,8 @@ already, another prompt) recomputes and still answers right."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from engine_helpers import tiny_llm
 
@@ -123,3 +125,77 @@ def test_two_tensor_parallel_decode_ranks(tiny_llama_dir, reference) -> None:
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+def _kv_bytes(producer, prompt) -> int:
+    """The payload size of a prompt's KV on this producer (the connector's kept bytes)."""
+    connector = producer.llm_engine.core.kv_connector
+    before = connector.stats()["kept_bytes"]
+    params = _prefill(producer, prompt)
+    return connector.stats()["kept_bytes"] - before, params
+
+
+def test_expired_or_dropped_kv_is_recomputed(tiny_llama_dir, reference) -> None:
+    """The producer's budget (kv_buffer_bytes: oldest dropped) and TTL (kv_ttl_s): a key no
+    longer kept is recomputed by the consumer."""
+    probe = _producer(tiny_llama_dir)
+    size, _ = _kv_bytes(probe, PROMPTS[2])
+    probe.shutdown()
+    producer = tiny_llm(tiny_llama_dir, block_size=4, kv_transfer_config={
+        "kv_connector": "P2PConnector", "kv_role": "kv_producer", "kv_port": 0,
+        "kv_connector_extra_config": {"kv_buffer_bytes": size, "kv_ttl_s": 0.5}})
+    consumer = _consumer(tiny_llama_dir)
+    try:
+        params = [_prefill(producer, p) for p in PROMPTS]  # the last one pushes out the rest
+        assert producer.llm_engine.core.kv_connector.num_dropped == 2
+        outs = consumer.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                 [_greedy(kv_transfer_params=kp) for kp in params],
+                                 use_tqdm=False)
+        connector = consumer.llm_engine.core.kv_connector
+        assert connector.num_loaded == 1 and connector.num_failed == 2
+        assert [list(o.outputs[0].token_ids) for o in outs] == reference
+        late = _prefill(producer, PROMPTS[0])
+        time.sleep(0.7)  # past its kv_ttl_s
+        out = consumer.generate({"prompt_token_ids": PROMPTS[0]},
+                                _greedy(kv_transfer_params=late), use_tqdm=False)[0]
+        assert list(out.outputs[0].token_ids) == reference[0]
+        assert connector.num_failed == 3 and connector.num_loaded == 1
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+def test_many_transfers_with_few_fetch_threads_and_a_small_fetch_budget(tiny_llama_dir
+                                                                       ) -> None:
+    """Twelve requests at once, two fetch threads, room for one fetched KV awaiting
+    admission: every one is loaded, none recomputed, each gives one engine's tokens."""
+    prompts = [[(13 * i + 5 * j) % 500 + 1 for j in range(20 + 7 * i)] for i in range(12)]
+    one = tiny_llm(tiny_llama_dir)
+    want = [list(o.outputs[0].token_ids) for o in one.generate(
+        [{"prompt_token_ids": p} for p in prompts], _greedy(), use_tqdm=False)]
+    one.shutdown()
+    producer = _producer(tiny_llama_dir)
+    consumer = tiny_llm(tiny_llama_dir, block_size=8, kv_transfer_config={
+        "kv_connector": "P2PConnector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"kv_fetch_workers": 2, "kv_fetch_buffer_bytes": 1}})
+    try:
+        params = [_prefill(producer, p) for p in prompts]
+        outs = consumer.generate([{"prompt_token_ids": p} for p in prompts],
+                                 [_greedy(kv_transfer_params=kp) for kp in params],
+                                 use_tqdm=False)
+        connector = consumer.llm_engine.core.kv_connector
+        assert connector.num_loaded == len(prompts) and connector.num_failed == 0
+        assert [list(o.outputs[0].token_ids) for o in outs] == want
+        assert all(o.num_cached_tokens == len(p) - 1 for o, p in zip(outs, prompts))
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
+
+
+@pytest.mark.parametrize("extra", [{"kv_ttl_s": 0}, {"kv_fetch_workers": -1},
+                                   {"kv_buffer_bytes": "big"}])
+def test_bad_connector_settings_are_refused(tiny_llama_dir, extra) -> None:
+    with pytest.raises(ValueError, match=f"kv_connector_extra_config.{next(iter(extra))}"):
+        tiny_llm(tiny_llama_dir, kv_transfer_config={
+            "kv_connector": "P2PConnector", "kv_role": "kv_both", "kv_port": 0,
+            "kv_connector_extra_config": extra})
