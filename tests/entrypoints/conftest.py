@@ -1,4 +1,5 @@
-"""A real `shoal serve` subprocess for the server tests (one per module: start-up is slow)."""
+"""A real `shoal serve` subprocess for the server tests (one per module: start-up is slow), and
+one shared by the modules whose checks hold on vLLM's optional features (smollm2_server)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -19,6 +21,11 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 BASE_ARGS = ["--kv-cache-memory-bytes", "268435456", "--max-model-len", "2048",
              "--disable-uvicorn-access-log"]
 STARTUP_TIMEOUT = 300.0
+# vLLM's optional features on (test_api_parity checks each): the shared server's flags.
+PARITY_ARGS = ["--enable-tokenizer-info-endpoint", "--enable-request-id-headers",
+               "--enable-server-load-tracking", "--enable-prompt-tokens-details",
+               "--enable-force-include-usage", "--max-logprobs", "-1",
+               "--root-path", "/llm", "--max-stored-responses", "2"]
 
 
 def free_port() -> int:
@@ -149,3 +156,13 @@ class RemoteServer:
                 self.proc.wait()
         self._log.close()
         self.log_path.unlink(missing_ok=True)
+
+
+@pytest.fixture(scope="package")
+def smollm2_server():
+    """The embedded SmolLM2 with PARITY_ARGS, one for the package: test_api_parity,
+    test_token_ids_and_beam_search, test_bench_serve and test_api_server_count's one-process
+    side need nothing else (a start of 5-10 s saved per module)."""
+    srv = RemoteServer(*PARITY_ARGS)
+    yield srv
+    srv.stop()

@@ -22,13 +22,8 @@ VOCAB = 49152
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer("--enable-tokenizer-info-endpoint", "--enable-request-id-headers",
-                       "--enable-server-load-tracking", "--enable-prompt-tokens-details",
-                       "--enable-force-include-usage", "--max-logprobs", "-1",
-                       "--root-path", "/llm", "--max-stored-responses", "2")
-    yield srv
-    srv.stop()
+def server(smollm2_server) -> RemoteServer:
+    return smollm2_server  # conftest.PARITY_ARGS: the flags checked here
 
 
 @pytest.fixture(scope="module")
@@ -288,16 +283,17 @@ def test_request_id_and_orca_headers(server):
 
 def test_server_load(server):
     assert server.get("/load").json() == {"server_load": 0}
-    seen = []
+    seen, done = [], threading.Event()
 
-    def poll():
-        for _ in range(100):
+    def poll():  # until the request is answered (not a fixed 100 polls: seconds idle)
+        while not done.is_set():
             seen.append(server.get("/load").json()["server_load"])
             time.sleep(0.05)
 
     t = threading.Thread(target=poll)
     t.start()
-    server.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 8, "ignore_eos": True})
+    server.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 32, "ignore_eos": True})
+    done.set()
     t.join()
     assert max(seen) == 1 and server.get("/load").json() == {"server_load": 0}
 

@@ -1,5 +1,5 @@
 """`shoal serve --api-server-count 2` on SmolLM2: two API processes over one engine core,
-against a one-process server started beside it."""
+against a one-process server (conftest's shared one)."""
 
 from __future__ import annotations
 
@@ -23,15 +23,12 @@ MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model's served name
 
 
 @pytest.fixture(scope="module")
-def servers():
-    """(two API processes, one): started side by side (start-up is most of the time)."""
-    with ThreadPoolExecutor(2) as pool:
-        started = [pool.submit(RemoteServer, *args)
-                   for args in (("--api-server-count", "2"), ())]
-        pair = [f.result() for f in started]
-    yield pair
-    for s in pair:
-        s.stop()
+def servers(smollm2_server):
+    """(two API processes, one): the one-process side is the package's shared server (its
+    optional features change no greedy text and add no x-shoal-api-server header)."""
+    pool = RemoteServer("--api-server-count", "2")
+    yield pool, smollm2_server
+    pool.stop()
 
 
 def _complete(server: RemoteServer, prompt: str) -> tuple[str, str, int]:

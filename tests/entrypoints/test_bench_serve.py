@@ -13,10 +13,8 @@ from .conftest import RemoteServer
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer("--max-num-seqs", "4")
-    yield srv
-    srv.stop()
+def server(smollm2_server) -> RemoteServer:
+    return smollm2_server  # the package's shared server (conftest)
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -270,32 +270,21 @@ def test_server_info(server, api):
     assert info.data_parallel_size == 1
 
 
-def test_engine_death_is_not_serving_and_unavailable(tmp_path, smollm_gguf, client_modules):
-    """Its own server (the engine is killed): Health turns NOT_SERVING with the reason and a
-    stream in flight, like a new request, ends with UNAVAILABLE."""
-    pb, pb_grpc = client_modules
-    base = write_tiny_checkpoint(tmp_path / "model", "llama", seed=0, vocab_size=49152)
-    folder, name = smollm_gguf
-    port = free_port()
-    srv = RemoteServer(str(base), "--tokenizer", f"{folder}/{name}", "--dtype", "float32",
-                       "--grpc-port", str(port),
-                       base_args=["--kv-cache-memory-bytes", str(64 << 20),
-                                  "--max-model-len", "512", "--disable-uvicorn-access-log"])
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = pb_grpc.EngineStub(channel)
-            req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=IDS),
-                                     sampling_params=_greedy(pb, max_tokens=480))
-            call = stub.Generate(req, timeout=60)
-            assert next(call).token_ids
-            os.kill(srv.engine_pid(), signal.SIGKILL)
-            with pytest.raises(grpc.RpcError) as err:
-                list(call)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            h = stub.Health(pb.HealthRequest(), timeout=5)  # the server lingers 2 s
-            assert h.status == pb.HealthResponse.NOT_SERVING
-            assert h.reason.startswith("engine dead"), h.reason
-            err = _error(lambda: stub.Generate(req, timeout=5))
-            assert err.code() == grpc.StatusCode.UNAVAILABLE
-    finally:
-        srv.stop()
+def test_engine_death_is_not_serving_and_unavailable(server, api):
+    """Last in the module, as it kills the module server's engine (a server of its own was
+    another start): Health turns NOT_SERVING with the reason and a stream in flight, like a
+    new request, ends with UNAVAILABLE."""
+    pb, stub = api
+    req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=IDS),
+                             sampling_params=_greedy(pb, max_tokens=480))
+    call = stub.Generate(req, metadata=AUTH, timeout=60)
+    assert next(call).token_ids
+    os.kill(server.engine_pid(), signal.SIGKILL)
+    with pytest.raises(grpc.RpcError) as err:
+        list(call)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    h = stub.Health(pb.HealthRequest(), timeout=5)  # the server lingers 2 s
+    assert h.status == pb.HealthResponse.NOT_SERVING
+    assert h.reason.startswith("engine dead"), h.reason
+    err = _error(lambda: stub.Generate(req, metadata=AUTH, timeout=5))
+    assert err.code() == grpc.StatusCode.UNAVAILABLE

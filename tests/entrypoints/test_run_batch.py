@@ -6,7 +6,9 @@ import json
 import subprocess
 import sys
 
-import pytest
+from shoal.cli import main as cli_main
+from shoal.entrypoints.cli_args import engine_args_from
+from shoal.entrypoints.openai import run_batch
 
 LINES = [
     {"custom_id": "cmpl", "method": "POST", "url": "/v1/completions",
@@ -34,16 +36,15 @@ LINES = [
 ]
 
 
-@pytest.mark.parametrize("command", [["-m", "shoal.entrypoints.openai.run_batch"],
-                                     ["-c", "import sys; from shoal.cli import main; sys.exit(main())",
-                                      "run-batch"]])
-def test_run_batch_file(tmp_path, command):
-    """vLLM's two spellings: the module, and the CLI's run-batch."""
+FLAGS = ["--max-model-len", "256", "--kv-cache-memory-bytes", str(32 * 2**20)]
+
+
+def test_run_batch_file(tmp_path):
+    """The module's spelling, end to end (the CLI's is the same runner: the test below)."""
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text("".join(json.dumps(line) + "\n" for line in LINES))
-    proc = subprocess.run([sys.executable, *command,
-                           "-i", str(src), "-o", str(dst), "--max-model-len", "256",
-                           "--kv-cache-memory-bytes", str(32 * 2**20)],
+    proc = subprocess.run([sys.executable, "-m", "shoal.entrypoints.openai.run_batch",
+                           "-i", str(src), "-o", str(dst), *FLAGS],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = [json.loads(line) for line in dst.read_text().splitlines()]
@@ -64,3 +65,20 @@ def test_run_batch_file(tmp_path, command):
         assert by_id[cid]["status_code"] == 400, by_id[cid]
         err = by_id[cid]["body"]["error"]
         assert err["code"] == 400 and (param is None or err["param"] == param)
+
+
+def test_the_cli_spelling_runs_the_same_batch(tmp_path, monkeypatch, capsys):
+    """`shoal run-batch` (vLLM's other spelling) hands the runner what the module's parser
+    does; and its runner really runs: a missing input file is its error, before any model."""
+    argv = ["-i", "in.jsonl", "-o", "out.jsonl", *FLAGS]
+    seen = []
+    with monkeypatch.context() as m:
+        m.setattr(run_batch, "run_from", lambda ns: seen.append(ns) or 0)
+        assert cli_main(["run-batch", *argv]) == 0 and run_batch.main(argv) == 0
+    cli, module = seen
+    assert (cli.input_file, cli.output_file) == (module.input_file, module.output_file) == (
+        "in.jsonl", "out.jsonl")
+    assert engine_args_from(cli) == engine_args_from(module)
+    missing, dst = tmp_path / "missing.jsonl", tmp_path / "out.jsonl"
+    assert cli_main(["run-batch", "-i", str(missing), "-o", str(dst), *FLAGS]) == 2
+    assert "run_batch: error" in capsys.readouterr().err and not dst.exists()

@@ -85,7 +85,8 @@ def test_json_object_and_completions_json(client):
 
 def test_regex_and_choice_hold_on_every_answer(client):
     pattern = r"[A-Z][a-z]{1,8} [0-9]{2,4}"
-    for i in range(4):
+
+    def one(i: int) -> None:
         r = client.completions.create(model=MODEL, prompt=f"Item {i}:", max_tokens=20,
                                       temperature=1.0, seed=i,
                                       extra_body={"structured_outputs": {"regex": pattern}})
@@ -94,6 +95,9 @@ def test_regex_and_choice_hold_on_every_answer(client):
             model=MODEL, messages=ask(i), max_tokens=10, temperature=1.0, seed=i,
             extra_body={"guided_choice": ["red", "green", "light blue"]})
         assert r.choices[0].message.content in ("red", "green", "light blue")
+
+    with ThreadPoolExecutor(4) as pool:  # the four seeds in one batch
+        list(pool.map(one, range(4)))
 
 
 def _check_calls(calls, names=SCHEMAS):
@@ -105,7 +109,7 @@ def _check_calls(calls, names=SCHEMAS):
 
 
 def test_tool_choice_required_and_named(client):
-    for i in range(3):
+    def one(i: int) -> None:
         r = client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": f"Weather in city {i}?"}],
             max_tokens=150, temperature=0.7, seed=i, tools=TOOLS, tool_choice="required")
@@ -119,6 +123,9 @@ def test_tool_choice_required_and_named(client):
         calls = r.choices[0].message.tool_calls
         assert len(calls) == 1 and calls[0].function.name == "get_time"
         _check_calls(calls)
+
+    with ThreadPoolExecutor(3) as pool:  # the three seeds in one batch
+        list(pool.map(one, range(3)))
 
 
 def _streamed(client, **kw) -> tuple[str, dict[int, dict], str | None]:

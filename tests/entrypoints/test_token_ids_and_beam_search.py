@@ -17,10 +17,8 @@ IDS = {"logprob_token_ids": [5000], "allowed_token_ids": [42], "return_tokens_as
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer("--max-logprobs", "-1", "--enable-prefix-caching")
-    yield srv
-    srv.stop()
+def server(smollm2_server) -> RemoteServer:
+    return smollm2_server  # --max-logprobs -1 among its flags; prefix caching is the default
 
 
 @pytest.fixture(scope="module")

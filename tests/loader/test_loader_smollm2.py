@@ -103,13 +103,11 @@ def test_chat_template(ours, reference_tokenizer):
     assert ids.count(ours.tokenizer.convert_tokens_to_ids("<|im_start|>")) == 5  # incl. system
 
 
-def test_weights_equal_transformers_gguf_loader(ours, reference_dir):
-    from transformers import AutoModelForCausalLM
-
-    folder, name = reference_dir
-    reference = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32
-    ).state_dict()
+def test_weights_equal_transformers_gguf_loader(ours, reference_dir, smollm_gguf, hf_smollm):
+    # The reference: conftest's session-wide transformers load of this very file (the oracle
+    # of the other SmolLM2 tests too: one slow GGUF load for all of them).
+    assert reference_dir == smollm_gguf
+    reference = hf_smollm.state_dict()
     seen = set()
     for hf_name, tensor in ours.weights():
         seen.add(hf_name)

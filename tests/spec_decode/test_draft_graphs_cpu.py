@@ -26,7 +26,10 @@ from shoal.spec_decode.draft_graphs import DraftGraphs  # noqa: E402
 from shoal.worker.graph_table import round_up  # noqa: E402
 
 K = 3
-MAX_BLOCKS = 256 // 4  # tiny_llm: max_model_len 256, blocks of 4
+# tiny_llm's blocks of 4 up to 128 tokens: graphs of one decode split (the split kernels have
+# their own tests), half the interpreted programs of tiny_llm's 256.
+MAX_LEN = 128
+MAX_BLOCKS = MAX_LEN // 4
 
 
 class EagerDraftGraphs(DraftGraphs):
@@ -91,7 +94,7 @@ def test_hidden_state_drafts_through_padded_graphs(drafter_checkpoint, method, n
                         ignore_eos=True)
     prompts = random_prompts(3, seed=9, lo=2, hi=20)
     want = _ids(tiny_llm(target).generate(prompts, sp, use_tqdm=False))
-    llm = tiny_llm(target, attention_backend="triton", max_num_seqs=4,
+    llm = tiny_llm(target, attention_backend="triton", max_num_seqs=4, max_model_len=MAX_LEN,
                    async_scheduling=async_scheduling, speculative_config=spec)
     drafter = llm.llm_engine.core.runner.drafter
     drafter.capture_graphs(None, MAX_BLOCKS, EagerDraftGraphs)
@@ -115,6 +118,7 @@ def test_draft_model_drafts_through_padded_graphs(tiny_llama_dir, tmp_path):
     prompts = random_prompts(3, seed=2, lo=2, hi=20)
     want = _ids(tiny_llm(tiny_llama_dir).generate(prompts, sp, use_tqdm=False))
     llm = tiny_llm(tiny_llama_dir, attention_backend="triton", max_num_seqs=4,
+                   max_model_len=MAX_LEN,
                    speculative_config={"method": "draft_model", "model": str(draft),
                                        "num_speculative_tokens": K})
     drafter = llm.llm_engine.core.runner.drafter

@@ -1,5 +1,5 @@
-"""Structured outputs through the engine, on SmolLM2's shape and tokenizer with random weights:
-random output is the hard case, since only the grammar keeps it valid."""
+"""Structured outputs through the engine, on SmolLM2's shape (4 layers) and tokenizer with random
+weights: random output is the hard case, since only the grammar keeps it valid."""
 
 from __future__ import annotations
 
@@ -24,11 +24,15 @@ SCHEMA = {"type": "object", "properties": {
     "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 2},
     "inner": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}},
     "required": ["id", "kind", "tags", "inner"]}
+# SmolLM2's shape at 4 of its 30 layers (its vocabulary and tokenizer whole): random weights
+# either way, and steps 7x cheaper.
+DUMMY = dict(load_format="dummy", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+             hf_overrides={"num_hidden_layers": 4})
 
 
 @pytest.fixture(scope="module")
 def llm(smollm_gguf):
-    llm = LLM(load_format="dummy", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+    llm = LLM(**DUMMY,
               max_num_seqs=16)
     yield llm
     llm.shutdown()
@@ -213,7 +217,7 @@ def test_constrained_rows_beside_speculating_rows(smollm_gguf):
     """Speculative decoding in the same steps as structured requests, drafts accepted at a
     forced rate: the constrained rows' drafts are accepted only where their grammar allows
     them, so every answer keeps its grammar."""
-    llm = LLM(load_format="dummy", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+    llm = LLM(**DUMMY,
               max_num_seqs=16, speculative_config={
                   "method": "test_forced_acceptance", "num_speculative_tokens": 3,
                   "acceptance_rate": 0.5})
@@ -276,7 +280,7 @@ def test_async_scheduling_pipelines_constrained_steps(llm, smollm_gguf):
     advanced), then its bitmask is filled and it samples. Output is the one-step-at-a-time
     engine's, seeded sampling included; grammars that end while the others go on leave
     their rows allowed-all (the token is dropped)."""
-    pipe = LLM(load_format="dummy", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+    pipe = LLM(**DUMMY,
                max_num_seqs=16, async_scheduling=True)
     try:
         core = pipe.llm_engine.core
@@ -351,7 +355,7 @@ def test_speculative_decoding_drafts_are_checked_by_the_grammar(llm):
     plain engine's token for token (JSON, choice and regex), some drafts accepted; sampled
     output stays valid JSON; the matchers end where the output ends (walking the drafts left
     them rolled back)."""
-    spec = LLM(load_format="dummy", max_model_len=512, kv_cache_memory_bytes=64 << 20,
+    spec = LLM(**DUMMY,
                max_num_seqs=16, speculative_config={"method": "ngram",
                                                    "num_speculative_tokens": 3})
     try:
