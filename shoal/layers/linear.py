@@ -3,6 +3,7 @@ checkpoint tensor and copies this rank's shard into place, so model code never s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -236,3 +237,14 @@ def load_tensor(param: nn.Parameter, tensor: torch.Tensor, shard: str | int | No
         loader(param, tensor)
     else:
         loader(param, tensor, shard)
+
+
+def packed_target(name: str, mapping: Mapping[str, tuple[str, str | int]]
+                  ) -> tuple[str, str | int | None]:
+    """A checkpoint tensor's parameter name and shard under a packed_modules_mapping
+    ({"q_proj": ("qkv_proj", "q"), ...}): "...q_proj.weight" -> ("...qkv_proj.weight", "q");
+    a name no entry matches is its own target, with no shard."""
+    for src, (dst, shard) in mapping.items():
+        if f".{src}." in name:
+            return name.replace(f".{src}.", f".{dst}."), shard
+    return name, None

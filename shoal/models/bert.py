@@ -21,6 +21,7 @@ from shoal.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     load_tensor,
+    packed_target,
 )
 from shoal.layers.onednn_linear import fast_linear
 from shoal.models.interface import PoolingModelBase, SequenceClassifierBase
@@ -195,11 +196,7 @@ def load_bert_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tenso
             name = name[len(strip):]
         if name.startswith(ignored):
             continue
-        target, shard = name, None
-        for src, (dst, shard_id) in BertModel.packed_modules_mapping.items():
-            if f".{src}." in name:
-                target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
-                break
+        target, shard = packed_target(name, BertModel.packed_modules_mapping)
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "

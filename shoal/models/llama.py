@@ -32,6 +32,7 @@ from shoal.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
     load_tensor,
+    packed_target,
 )
 from shoal.layers.norm import RMSNorm
 from shoal.layers.rotary import get_rope, rope_parameters
@@ -296,11 +297,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if get_pp_world_size() > 1 and not self._on_this_stage(name):
                 continue  # another pipeline stage's tensor
-            target, shard = name, None
-            for src, (dst, shard_id) in self.packed_modules_mapping.items():
-                if f".{src}." in name:
-                    target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
-                    break
+            target, shard = packed_target(name, self.packed_modules_mapping)
             param = params.get(target)
             if param is None:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from shoal.layers.linear import ReplicatedLinear, default_weight_loader, load_tensor
+from shoal.layers.linear import ReplicatedLinear, default_weight_loader, load_tensor, packed_target
 from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 
 _PACKED = LlamaForCausalLM.packed_modules_mapping
@@ -88,11 +88,7 @@ class EagleLlamaHead(nn.Module):
             if name in ("embed_tokens.weight", "lm_head.weight"):
                 own[name] = tensor
                 continue
-            dst, shard = name, None
-            for src, (packed, shard_id) in _PACKED.items():
-                if f".{src}." in name:
-                    dst, shard = name.replace(f".{src}.", f".{packed}."), shard_id
-                    break
+            dst, shard = packed_target(name, _PACKED)
             param = params.get(dst)
             if param is None:
                 raise ValueError(f"EAGLE checkpoint tensor {name!r} has no matching parameter "

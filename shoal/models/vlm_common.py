@@ -15,7 +15,7 @@ from torch import nn
 from shoal.distributed.parallel_state import get_pp_world_size
 from shoal.layers.attention import Attention
 from shoal.layers.embedding import ParallelLMHead
-from shoal.layers.linear import load_tensor
+from shoal.layers.linear import load_tensor, packed_target
 from shoal.layers.mrope import get_mrope
 from shoal.models.llama import LlamaForCausalLM
 
@@ -40,11 +40,7 @@ def load_packed(model: nn.Module, weights: Weights,
     for name, tensor in weights:
         if "rotary_emb.inv_freq" in name or (name == "lm_head.weight" and tied):
             continue
-        target, shard = name, None
-        for src, (dst, shard_id) in mapping.items():
-            if f".{src}." in name:
-                target, shard = name.replace(f".{src}.", f".{dst}."), shard_id
-                break
+        target, shard = packed_target(name, mapping)
         param = params.get(target)
         if param is None:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "

@@ -41,6 +41,7 @@ from shoal.layers.linear import (
     ReplicatedLinear,
     default_weight_loader,
     load_tensor,
+    packed_target,
 )
 from shoal.layers.norm import RMSNorm
 from shoal.loader.dummy import initialize_dummy_weights
@@ -127,11 +128,7 @@ class Eagle3LlamaHead(nn.Module):
                 if tensor.shape == theirs.shape and torch.equal(
                         tensor.to(theirs.dtype), theirs.detach().cpu()):
                     continue  # a frozen copy of the target's: shared below
-            dst, shard = name, None
-            for src, (packed, shard_id) in _PACKED.items():
-                if f".{src}." in name:
-                    dst, shard = name.replace(f".{src}.", f".{packed}."), shard_id
-                    break
+            dst, shard = packed_target(name, _PACKED)
             param = params.get(dst)
             if param is None:
                 raise ValueError(f"{_ERR}: checkpoint tensor {name!r} has no matching "
