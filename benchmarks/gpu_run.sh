@@ -105,8 +105,16 @@ part() {
     hybrid-correctness)  # transformers 5.25 (Qwen3.5, Kimi Linear classes) from bench-work/tf525
       TF=/tmp/tf525; $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target $TF "$REPO"/bench-work/tf525/*.whl >/dev/null 2>&1 || TF=""
-      PYTHONPATH=${TF:+$TF:}$PYTHONPATH run hybrid_correctness 190 $py/hybrid_gpu.py correctness \
-        --stage-timeout 110 $S --out "$DIR/hybrid_correctness.json" ;;
+      PYTHONPATH=${TF:+$TF:}$PYTHONPATH run hybrid_correctness ${HC_LIMIT:-190} $py/hybrid_gpu.py \
+        correctness --stage-timeout ${HC_STAGE_TIMEOUT:-110} $S \
+        ${HYBRID_MODELS:+--models $HYBRID_MODELS} \
+        --out "$DIR/hybrid_correctness.json" ;;
+    hybrid-engine) run hybrid_engine ${HE_LIMIT:-560} $py/hybrid_gpu.py batch1,w1,long_context \
+        --stage-timeout ${HE_STAGE_TIMEOUT:-250} $S ${HYBRID_MODELS:+--models $HYBRID_MODELS} \
+        --out "$DIR/hybrid_engine.json" ;;
+    quant) run quant ${QUANT_LIMIT:-330} $py/quant_gpu.py all --timeout 110 $S --out "$DIR/quant.json" ;;
+    w8pool) run w8pool 300 $py/w8_serving.py --model "$W8_MODEL" --api-server-count 2 \
+        --concurrency 1024 --offline-runs 1 --stream-runs 1 $S --out "$DIR/w8pool.json" ;;
     hybrid-batch1) run hybrid_batch1 230 $py/hybrid_gpu.py batch1 --stage-timeout 115 $S \
         ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-27B,moonshotai/Kimi-Linear-48B-A3B-Instruct}"} \
         --out "$DIR/hybrid_batch1.json" ;;

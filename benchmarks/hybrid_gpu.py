@@ -550,7 +550,12 @@ def correctness(args: argparse.Namespace, sizes: dict[str, Any], model: str) -> 
     try:
         hf.save_pretrained(tmp)
         build_s = time.perf_counter() - t0
+        print(f"[correctness] transformers built and saved in {build_s:.1f} s", file=sys.stderr,
+              flush=True)
+        t1 = time.perf_counter()
         llm = shoal_llm(tmp, sizes, device)
+        print(f"[correctness] shoal ready in {time.perf_counter() - t1:.1f} s", file=sys.stderr,
+              flush=True)
         return record("correctness", "shoal", **base, **compare(llm, hf, cfg, sizes, device,
                                                                args.seed),
                       layers=4, layer_types=list(cfg.layer_types),
@@ -591,6 +596,7 @@ def compare(llm: Any, hf: Any, cfg: Any, sizes: dict[str, Any], device: str,
     t0 = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     shoal_s = time.perf_counter() - t0
+    print(f"[correctness] shoal generated in {shoal_s:.1f} s", file=sys.stderr, flush=True)
     same = total = 0
     rows = []
     for p, o in zip(prompts, outs):
@@ -605,6 +611,8 @@ def compare(llm: Any, hf: Any, cfg: Any, sizes: dict[str, Any], device: str,
                          max_logprob_diff=max(diffs, default=None),
                          hf_margin_at_divergence=None if div is None else
                          (ref_lp[div][ref[div]] - ref_lp[div][got[div]]).item()))
+    print(f"[correctness] transformers greedy in {time.perf_counter() - t0 - shoal_s:.1f} s",
+          file=sys.stderr, flush=True)
     divs = [r["first_divergence_step"] for r in rows if r["first_divergence_step"] is not None]
     lp = [r["max_logprob_diff"] for r in rows if r["max_logprob_diff"] is not None]
     return dict(prompts=len(prompts), steps=steps, token_match_fraction=same / total,
