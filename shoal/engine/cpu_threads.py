@@ -31,10 +31,6 @@ SERVING_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 _ours: tuple[int, int] | None = None
 
 
-def available_cores() -> int:
-    return usable_cores()
-
-
 def choose_cpu_threads(requested: int | None, serving: bool, cores: int,
                        torch_threads: int) -> int:
     """`requested` if given; else the usable cores (less one for the frontend when the engine
@@ -73,7 +69,7 @@ def configure_cpu_threads(device_type: str, requested: int | None, serving: bool
     where the host threads only launch kernels and torch's default stands)."""
     if device_type != "cpu":
         return None
-    n = choose_cpu_threads(requested, serving, available_cores(), torch_threads())
+    n = choose_cpu_threads(requested, serving, usable_cores(), torch_threads())
     set_model_threads(n)
     return n
 

@@ -32,7 +32,7 @@ import msgspec
 from shoal.core.types import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from shoal.engine.core_client import EngineCoreClient
 from shoal.engine.core_messages import CoreOutputs, Ready
-from shoal.engine.cpu_threads import available_cores
+from shoal.engine.cpu_quota import usable_cores
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import EngineLimits
 from shoal.engine.request_errors import EngineDeadError
@@ -57,7 +57,7 @@ def replica_args(engine_args: EngineArgs, rank: int, port: int | None = None) ->
         world = engine_args.tensor_parallel_size * engine_args.pipeline_parallel_size
         device = f"cuda:{first + rank * world}"
         return dataclasses.replace(engine_args, device=device)
-    threads = engine_args.cpu_threads or max(1, (available_cores() - 1) // dp)
+    threads = engine_args.cpu_threads or max(1, (usable_cores() - 1) // dp)
     return dataclasses.replace(engine_args, device=device, cpu_threads=threads)
 
 

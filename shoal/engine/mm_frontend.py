@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from shoal import envs
+from shoal.engine.cpu_quota import usable_cores
 from shoal.multimodal.chat_parts import Placeholders, VideoSource
 from shoal.multimodal.inputs import MultiModalFeature
 from shoal.multimodal.media import MediaSettings, check_image, load_image
@@ -35,8 +35,7 @@ def default_media_threads() -> int:
     value = envs.SHOAL_MEDIA_THREADS.get()
     if value is not None:
         return value
-    return max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                      else os.cpu_count() or 1))
+    return min(4, usable_cores())
 
 
 class MultiModalFrontend:
@@ -53,10 +52,8 @@ class MultiModalFrontend:
     async def offload(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the media threads (started on first use), awaited without blocking
         the event loop; its exception (a ValueError for bad media) is raised here."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shoal-media")
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+        return await loop.run_in_executor(self._executor(), functools.partial(fn, *args))
 
     def map(self, fn: Callable[[Any], T], items: list[Any]) -> list[T]:
         """[fn(item) for item in items] on the media threads, in order (offline batches:
@@ -64,9 +61,13 @@ class MultiModalFrontend:
         first exception is raised."""
         if len(items) < 2:
             return [fn(item) for item in items]
+        return list(self._executor().map(fn, items))
+
+    def _executor(self) -> ThreadPoolExecutor:
+        """The media threads, started on first use."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="shoal-media")
-        return list(self._pool.map(fn, items))
+        return self._pool
 
     @property
     def image_placeholder(self) -> str:

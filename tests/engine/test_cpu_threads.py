@@ -69,7 +69,7 @@ def test_usable_cores_is_affinity_capped_by_the_quota(monkeypatch):
 
 
 def test_configure_sets_torch_threads_on_the_cpu_only(monkeypatch):
-    monkeypatch.setattr(cpu_threads, "available_cores", lambda: 2)
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 2)
     before = torch.get_num_threads()
     try:
         assert cpu_threads.configure_cpu_threads("cuda", 3, serving=True) is None
@@ -81,7 +81,7 @@ def test_configure_sets_torch_threads_on_the_cpu_only(monkeypatch):
 
 
 def test_an_engine_starts_from_torch_count_not_an_earlier_engine_adapted_one(monkeypatch):
-    monkeypatch.setattr(cpu_threads, "available_cores", lambda: 4)
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 4)
     monkeypatch.setattr(cpu_threads, "_ours", None)
     before = torch.get_num_threads()
     try:
