@@ -20,10 +20,11 @@ def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
     """(theta, scaling) from either the transformers 4 (`rope_theta`, `rope_scaling`) or the
     transformers 5 (`rope_parameters`) spelling of a config.
 
-    For llama3 and yarn, a missing `original_max_position_embeddings` is filled in as
+    For llama3, yarn and longrope, a missing `original_max_position_embeddings` is filled in as
     transformers' standardize_rope_params does: the config's own
     `original_max_position_embeddings` attribute if it has one (it wins over the dict's, as in
-    transformers), else its `max_position_embeddings`."""
+    transformers), else its `max_position_embeddings`. A longrope without a `factor` gets
+    max_position_embeddings / original_max_position_embeddings, as transformers derives it."""
     params = getattr(hf_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         theta = float(params["rope_theta"])
@@ -34,12 +35,17 @@ def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any] | None]:
         scaling = getattr(hf_config, "rope_scaling", None)
         if scaling and _rope_kind(scaling) == "default":
             scaling = None
-    if scaling and _rope_kind(scaling) in ("llama3", "yarn"):
+    if scaling and _rope_kind(scaling) in ("llama3", "yarn", "longrope"):
         original = getattr(hf_config, "original_max_position_embeddings", None)
         if original is None and "original_max_position_embeddings" not in scaling:
             original = getattr(hf_config, "max_position_embeddings", None)
         if original is not None:
             scaling = {**scaling, "original_max_position_embeddings": original}
+    if scaling and _rope_kind(scaling) == "longrope" and scaling.get("factor") is None:
+        longest = getattr(hf_config, "max_position_embeddings", None)
+        if longest is not None:
+            scaling = {**scaling,
+                       "factor": longest / scaling["original_max_position_embeddings"]}
     return theta, scaling
 
 
@@ -82,7 +88,7 @@ def _inv_freq(rot_dim: int, theta: float, scaling: dict[str, Any] | None) -> tor
         mid = (wavelen <= low_wl) & (wavelen >= high_wl)
         return torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
     raise ValueError(f"unsupported rope scaling type {kind!r} (supported: linear, llama3, "
-                     "yarn)")
+                     "yarn, longrope)")
 
 
 def _yarn(rot_dim: int, theta: float, scaling: dict[str, Any],
@@ -127,11 +133,43 @@ def _yarn(rot_dim: int, theta: float, scaling: dict[str, Any],
     return inv.double(), float(attention)
 
 
+def _longrope(rot_dim: int, theta: float, scaling: dict[str, Any],
+              max_position: int | None) -> tuple[torch.Tensor, float]:
+    """(inv_freq, attention factor) of LongRoPE (Phi-3.5, Phi-4-mini): each frequency divided
+    by its own factor, computed in float32 as transformers' _compute_longrope_parameters does.
+    transformers switches from short_factor to long_factor once a sequence grows past
+    original_max_position_embeddings (recomputing its cache); a paged cache cannot re-rotate
+    the keys it holds, so the set is chosen once for the context the table covers
+    (max_position), as vLLM chooses it from max_model_len: long_factor past the original
+    context, short_factor within it. The attention factor (on cos and sin) is the config's,
+    else sqrt(1 + ln(factor) / ln(original)) for a factor above 1."""
+    original = scaling["original_max_position_embeddings"]
+    use_long = max_position is not None and max_position > original
+    key = "long_factor" if use_long else "short_factor"
+    ext = scaling.get(key)
+    if not isinstance(ext, (list, tuple)) or len(ext) != rot_dim // 2:
+        raise ValueError(f"longrope {key} must be a list of {rot_dim // 2} numbers (half the "
+                         f"rotary dims), got {ext!r}")
+    factor = scaling.get("factor")
+    if factor is None:
+        factor = (max_position or original) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = (1.0 if factor <= 1.0
+                     else math.sqrt(1 + math.log(factor) / math.log(original)))
+    cpu = torch.device("cpu")
+    exponent = torch.arange(0, rot_dim, 2, dtype=torch.int64, device=cpu).float() / rot_dim
+    inv = 1.0 / (torch.tensor(ext, dtype=torch.float32, device=cpu) * theta ** exponent)
+    return inv.double(), float(attention)
+
+
 def _rope_freqs(rot_dim: int, theta: float, scaling: dict[str, Any] | None,
                 max_position: int | None = None) -> tuple[torch.Tensor, float]:
     """(inv_freq [rot_dim / 2] float64, attention factor multiplying cos and sin)."""
     if scaling and _rope_kind(scaling) == "yarn":
         return _yarn(rot_dim, theta, scaling, max_position)
+    if scaling and _rope_kind(scaling) == "longrope":
+        return _longrope(rot_dim, theta, scaling, max_position)
     return _inv_freq(rot_dim, theta, scaling), 1.0
 
 

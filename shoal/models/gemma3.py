@@ -8,7 +8,12 @@ attention, pre- and post-feedforward) and one on each query and key head; the ML
 GELU-tanh gated one; the attention scale is query_pre_attn_scalar ** -0.5; layers are
 `sliding_attention` (a window and the local rope base) or `full_attention` (the global base,
 and its scaling) by config.layer_types. Parameter names are the checkpoint's (q/k/v and
-gate/up into fused parameters); lm_head is tied to the embeddings. One pipeline stage."""
+gate/up into fused parameters); lm_head is tied to the embeddings. One pipeline stage.
+
+Gemma 2 (shoal/models/gemma2.py) is this model without the q/k norms, with one rope base for
+every layer and with attention and final logit soft-capping: it subclasses the classes here
+through their class attributes (attention_cls, layer_cls, model_cls) and Gemma3Attention's
+qk_norm and layer_rope."""
 
 from __future__ import annotations
 
@@ -50,6 +55,9 @@ def layer_rope(cfg: Any, layer: int) -> tuple[float, dict[str, Any] | None]:
 
 
 class Gemma3Attention(nn.Module):
+    # RMSNorm (x * (1 + w)) on each query and key head before the rotary
+    qk_norm: ClassVar[bool] = True
+
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool, *, layer: int):
         super().__init__()
         total_heads, total_kv = cfg.num_attention_heads, cfg.num_key_value_heads
@@ -62,16 +70,24 @@ class Gemma3Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size, bias=bias,
                                         params_dtype=dtype)
-        theta, scaling = layer_rope(cfg, layer)
+        theta, scaling = self.layer_rope(cfg, layer)
         self.rotary_emb = get_rope(self.head_dim, cfg.max_position_embeddings, theta, scaling,
                                    use_triton_ops=use_triton_ops)
-        eps = cfg.rms_norm_eps
-        self.q_norm = OffsetRMSNorm(self.head_dim, eps, dtype, use_triton_ops)
-        self.k_norm = OffsetRMSNorm(self.head_dim, eps, dtype, use_triton_ops)
+        self.q_norm: OffsetRMSNorm | None = None
+        self.k_norm: OffsetRMSNorm | None = None
+        if self.qk_norm:
+            eps = cfg.rms_norm_eps
+            self.q_norm = OffsetRMSNorm(self.head_dim, eps, dtype, use_triton_ops)
+            self.k_norm = OffsetRMSNorm(self.head_dim, eps, dtype, use_triton_ops)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               layer_sliding_window(cfg, layer),
                               softcap=getattr(cfg, "attn_logit_softcapping", None))
         self.attn.scale = float(cfg.query_pre_attn_scalar) ** -0.5  # not head_dim's
+
+    @staticmethod
+    def layer_rope(cfg: Any, layer: int) -> tuple[float, dict[str, Any] | None]:
+        """(theta, scaling) of the layer: Gemma 3's per layer type."""
+        return layer_rope(cfg, layer)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, md: Any,
                 spans: Any = None) -> torch.Tensor:
@@ -82,11 +98,15 @@ class Gemma3Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.attn.fuses_rope and spans is None:  # norms, rotary, cache write fused
+        # norms, rotary, cache write fused (a backend that fuses them has no soft-capping:
+        # Attention.forward refuses that clearly)
+        if self.attn.fuses_rope and spans is None and not self.attn.softcap:
             o = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, self.q_norm,
                                        self.k_norm, md)
         else:
-            q, k = self.rotary_emb(positions, self.q_norm(q), self.k_norm(k))
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
             o = self.attn(q, k, v, md)
             if spans is not None:
                 o = spans.attend(self.attn, q, o, positions, md)
@@ -111,9 +131,11 @@ class Gemma3MLP(nn.Module):
 
 
 class Gemma3DecoderLayer(nn.Module):
+    attention_cls: ClassVar[type[Gemma3Attention]] = Gemma3Attention
+
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool, *, layer: int):
         super().__init__()
-        self.self_attn = Gemma3Attention(cfg, dtype, use_triton_ops, layer=layer)
+        self.self_attn = self.attention_cls(cfg, dtype, use_triton_ops, layer=layer)
         self.mlp = Gemma3MLP(cfg, dtype)
         d, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = OffsetRMSNorm(d, eps, dtype, use_triton_ops)
@@ -136,6 +158,8 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3TextModel(nn.Module):
+    layer_cls: ClassVar[type[Gemma3DecoderLayer]] = Gemma3DecoderLayer
+
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         super().__init__()
         if getattr(cfg, "use_bidirectional_attention", False):  # EmbeddingGemma's encoder
@@ -144,7 +168,7 @@ class Gemma3TextModel(nn.Module):
         # rounded to the model dtype first, as transformers multiplies (bf16: 55.5, not 55.43)
         self.register_buffer("embed_scale", torch.tensor(cfg.hidden_size ** 0.5, dtype=dtype),
                              persistent=False)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(cfg, dtype, use_triton_ops, layer=i)
+        self.layers = nn.ModuleList(self.layer_cls(cfg, dtype, use_triton_ops, layer=i)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
 
@@ -171,14 +195,15 @@ def final_softcap(cfg: Any, logits: torch.Tensor) -> torch.Tensor:
 class Gemma3ForCausalLM(nn.Module):
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = (
         LlamaForCausalLM.packed_modules_mapping)
+    model_cls: ClassVar[type[Gemma3TextModel]] = Gemma3TextModel
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__()
         if get_pp_world_size() > 1:
-            raise NotImplementedError("Gemma 3 runs on one pipeline stage")
+            raise NotImplementedError(f"{type(self).__name__} runs on one pipeline stage")
         self.config = hf_config
         self.hidden_size = hf_config.hidden_size
-        self.model = Gemma3TextModel(hf_config, dtype, use_triton_ops)
+        self.model = self.model_cls(hf_config, dtype, use_triton_ops)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
         if self.tie_word_embeddings:

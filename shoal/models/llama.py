@@ -53,24 +53,30 @@ def layer_sliding_window(cfg: Any, layer: int) -> int | None:
 
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool, qkv_bias: bool,
-                 use_triton_ops: bool = True, *, layer: int):
+                 use_triton_ops: bool = True, *, layer: int, use_rope: bool = True,
+                 rot_dim: int | None = None):
+        """use_rope False: a layer without positions at all (SmolLM3's NoPE layers);
+        rot_dim: the leading dims of each head that rotate (partial rotary; default all)."""
         super().__init__()
         self.hidden_size = cfg.hidden_size
         total_heads = cfg.num_attention_heads
         total_kv = getattr(cfg, "num_key_value_heads", None) or total_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // total_heads
+        # attention_bias (Llama's config): q/k/v and o all biased; qkv_bias (Qwen2): q/k/v only
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, self.head_dim, total_heads, total_kv,
-                                          bias=qkv_bias, params_dtype=dtype)
+                                          bias=qkv_bias or attention_bias, params_dtype=dtype)
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, cfg.hidden_size,
-                                        bias=getattr(cfg, "attention_bias", False) and not qkv_bias,
+                                        bias=attention_bias and not qkv_bias,
                                         params_dtype=dtype)
         theta, scaling = rope_parameters(cfg)
-        self.rotary_emb = get_rope(self.head_dim, cfg.max_position_embeddings, theta, scaling,
-                                   use_triton_ops=use_triton_ops)
+        self.rotary_emb = (get_rope(self.head_dim, cfg.max_position_embeddings, theta, scaling,
+                                    use_triton_ops=use_triton_ops, rot_dim=rot_dim)
+                           if use_rope else None)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype, use_triton_ops)
@@ -86,13 +92,16 @@ class LlamaAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.attn.fuses_rope and positions.dim() == 1:  # norms, rotary, cache write fused
+        rope = self.rotary_emb
+        if rope is not None and self.attn.fuses_rope and positions.dim() == 1:
+            # norms, rotary, cache write fused
             norms = (self.q_norm, self.k_norm) if self.qk_norm else (None, None)
-            o = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, *norms, md)
+            o = self.attn.forward_rope(positions, q, k, v, rope, *norms, md)
         else:
             if self.qk_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary_emb(positions, q, k)
+            if rope is not None:
+                q, k = rope(positions, q, k)
             o = self.attn(q, k, v, md)
         return self.o_proj(o.reshape(t, self.q_size))
 

@@ -15,7 +15,8 @@ from shoal import LLM, SamplingParams
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "mistral"])
 def tiny(request, tmp_path_factory):
-    extra = {"sliding_window": None} if request.param == "mistral" else {}
+    extra = {"mistral": {"sliding_window": None},  # llama: every projection biased
+             "llama": {"attention_bias": True, "mlp_bias": True}}.get(request.param, {})
     path = write_tiny_checkpoint(tmp_path_factory.mktemp(request.param), request.param, seed=1, **extra)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return request.param, path, hf

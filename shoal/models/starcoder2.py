@@ -1,0 +1,104 @@
+"""StarCoder2 (Starcoder2ForCausalLM): the Llama block (shoal/models/llama.py) with GPT-style
+parts: LayerNorms with a bias (norm_epsilon), biases on every projection (use_bias), and a
+plain MLP c_fc -> GELU (tanh approximation by hidden_act) -> c_proj instead of SwiGLU. Every
+layer slides when config.sliding_window is set (StarCoder2-3B/7B/15B: 4096). Embeddings are
+tied by default. One pipeline stage."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shoal.layers.embedding import VocabParallelEmbedding
+from shoal.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shoal.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+
+# hidden_act -> F.gelu's approximate argument
+_GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm (with or without a bias) that takes the residual as RMSNorm does:
+    norm(x, residual) -> (norm(x + residual), x + residual). Computed in float32, as
+    transformers' StarCoder2 and Cohere norms (and nn.LayerNorm on the CPU) do."""
+
+    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, bias: bool = True):
+        super().__init__(hidden_size, eps=eps, bias=bias, dtype=dtype)
+        self.requires_grad_(False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), bias,
+                            self.eps).to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+
+class Starcoder2Attention(LlamaAttention):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True, *,
+                 layer: int):
+        bias = bool(getattr(cfg, "use_bias", True))
+        super().__init__(cfg, dtype, qk_norm=False, qkv_bias=bias,
+                         use_triton_ops=use_triton_ops, layer=layer)
+        if bias:  # Llama's o_proj has no bias beside a qkv bias; StarCoder2's has both
+            self.o_proj = RowParallelLinear(cfg.num_attention_heads * self.head_dim,
+                                            cfg.hidden_size, bias=True, params_dtype=dtype)
+
+
+class Starcoder2MLP(nn.Module):
+    def __init__(self, cfg: Any, dtype: torch.dtype):
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "gelu_pytorch_tanh")
+        if act not in _GELU:
+            raise ValueError(f"StarCoder2: hidden_act must be one of {', '.join(_GELU)} "
+                             f"(got {act!r})")
+        self.approximate = _GELU[act]
+        bias = bool(getattr(cfg, "use_bias", True))
+        self.c_fc = ColumnParallelLinear(cfg.hidden_size, cfg.intermediate_size, bias=bias,
+                                         params_dtype=dtype)
+        self.c_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=bias,
+                                        params_dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate=self.approximate))
+
+
+class Starcoder2DecoderLayer(LlamaDecoderLayer):
+    """Llama's forward (pre-norm, the residual add fused into the norm that follows it)."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True, *,
+                 layer: int):
+        nn.Module.__init__(self)  # not Llama's: it would build RMSNorms and a SwiGLU MLP
+        self.self_attn = Starcoder2Attention(cfg, dtype, use_triton_ops, layer=layer)
+        self.mlp = Starcoder2MLP(cfg, dtype)
+        self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.norm_epsilon, dtype)
+        self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.norm_epsilon, dtype)
+
+
+class Starcoder2Model(LlamaModel):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
+        nn.Module.__init__(self)  # one stage (LlamaModel's class defaults)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
+        self.layers = nn.ModuleList(Starcoder2DecoderLayer(cfg, dtype, use_triton_ops, layer=i)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = LayerNorm(cfg.hidden_size, cfg.norm_epsilon, dtype)
+
+
+class Starcoder2ForCausalLM(LlamaForCausalLM):
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+    }
+
+    def _build_model(self, hf_config: Any, dtype: torch.dtype,
+                     use_triton_ops: bool) -> nn.Module:
+        return Starcoder2Model(hf_config, dtype, use_triton_ops)
