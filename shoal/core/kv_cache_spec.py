@@ -21,9 +21,21 @@ copy states as pages, and a prefix hit restores the state of its last block.
 
 Adding a kind of cache (the compressed caches of sparse attention) is a spec class here, its
 table policy (what first_needed_token says), the layer that declares it and the attention
-backend's methods for it. DeepSeek-V4's first version keeps rows its own layers read back
-(shoal/layers/paged_rows.py): its window's shared K=V rows (SlidingSharedKVSpec) and the
-compressors' per-token inputs (CompressorInputSpec)."""
+backend's methods for it. DeepSeek-V4 keeps rows its own layers read back
+(shoal/layers/paged_rows.py): its window's shared K=V rows (SlidingSharedKVSpec), its
+compressors' per-token inputs of the groups still pooling (CompressorStateSpec: a sliding
+table over the last group or two) and the compressed entries themselves (CompressedEntrySpec:
+one per group of `ratio` tokens for the whole context; a block holds its groups' entries, so
+its page is a fraction of a per-token page: slot_row says how it is laid over the block's
+slots; with groups longer than a block only the blocks closing a group hold one, the other
+entries of its sparse tables stay the null block: holds_block). Its first version kept every
+token's compressor inputs instead (CompressorInputSpec).
+
+Pages of different sizes live in one tensor per layer, each with a page for every block id
+(shoal/worker/kv_cache_tensors.py): a block of any group costs the sum of every layer's pages.
+So what the specs save per token of context (context_bytes_per_token) the pool gains only once
+a group's blocks cost its own pages (per-group pools, or per-group block sizes that make
+every page the same size, as vLLM's hybrid allocator does)."""
 
 from __future__ import annotations
 
@@ -55,6 +67,22 @@ class KVCacheSpec:
     def page_bytes(self, block_size: int) -> int:
         """The bytes of one block of this layer."""
         return self.planes * block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+
+    def slot_row(self, block_size: int) -> tuple[int, int, int]:
+        """(planes, heads, values) of one token slot of the layer's cache tensor: its row."""
+        return self.planes, self.num_kv_heads, self.head_size
+
+    def holds_block(self, index: int, block_size: int) -> bool:
+        """Whether entry `index` of a table of this kind holds a block (else it stays the
+        null block: a sparse table)."""
+        return True
+
+    def holds_every_block(self, block_size: int) -> bool:
+        return True
+
+    def bytes_per_token(self, block_size: int) -> float:
+        """What a token costs while its block is held."""
+        return self.page_bytes(block_size) / block_size
 
     @property
     def table_kind(self) -> tuple:
@@ -126,8 +154,67 @@ class CompressorInputSpec(LatentAttentionSpec):
     """DeepSeek-V4's compressed attention (CSA, HCA): per token the projected rows its
     compressor (and CSA's indexer) pool into one entry per group of tokens, kept for every
     token (num_kv_heads 1, head_size the row's width). The entries are recomputed from them at
-    each step (shoal/layers/token_compressor.py), so this keeps more than the compressed cache
-    it stands for: prefix hits, chunks and preemption need nothing else."""
+    each step, so this keeps more than the compressed cache it stands for. DeepSeek-V4's first
+    version declared it; CompressedEntrySpec and CompressorStateSpec replace it (it stays as
+    the measure they are compared with)."""
+
+
+@dataclass(frozen=True)
+class CompressorStateSpec(SlidingWindowSpec):
+    """DeepSeek-V4's compressor (CSA, HCA): the per-token rows (num_kv_heads 1, head_size the
+    row's width) of the tokens its next entries still pool, in sliding tables: the group in
+    progress (window = ratio), and for CSA's overlapping groups the one before it (window =
+    2 ratio). A step reads these rows only when it closes a group; the entries themselves
+    live in CompressedEntrySpec pages."""
+
+    @property
+    def planes(self) -> int:
+        return 1
+
+
+@dataclass(frozen=True)
+class CompressedEntrySpec(KVCacheSpec):
+    """DeepSeek-V4's compressed entries (CSA, HCA): one row of head_size values (num_kv_heads
+    1) per complete group of `ratio` tokens, kept for the whole context (tables that drop no
+    block, as full attention's). Entry w is written once, by the step computing its group's
+    last token e = (w + 1) ratio - 1, in the block holding e, so a block's page depends only
+    on the tokens up to its end (what prefix caching needs). A block holds ceil(block_size / ratio)
+    entry slots: block_size / ratio when ratio divides it; one when ratio > block_size, and
+    then only the blocks closing a group are held (a sparse table: the KV manager leaves the
+    others null). The page is laid over the block's token slots as rows of slot_row values
+    (rounded up), so the pool allocates, sizes and zeroes it like any other page: a token of
+    context costs head_size / ratio values (when ratio divides block_size or exceeds it).
+    Each ratio has its own tables (table_kind)."""
+
+    ratio: int = 1
+
+    @property
+    def table_kind(self) -> tuple:
+        return ("entries", self.ratio)
+
+    def holds_block(self, index: int, block_size: int) -> bool:
+        # a group's last token falls in this block
+        return (index + 1) * block_size // self.ratio > index * block_size // self.ratio
+
+    def holds_every_block(self, block_size: int) -> bool:
+        return self.ratio <= block_size
+
+    def bytes_per_token(self, block_size: int) -> float:
+        return self.page_bytes(block_size) / max(block_size, self.ratio)
+
+    @property
+    def planes(self) -> int:
+        return 1
+
+    def entries_per_block(self, block_size: int) -> int:
+        return -(-block_size // self.ratio)
+
+    def slot_row(self, block_size: int) -> tuple[int, int, int]:
+        values = self.entries_per_block(block_size) * self.head_size
+        return 1, 1, -(-values // block_size)
+
+    def page_bytes(self, block_size: int) -> int:
+        return block_size * self.slot_row(block_size)[2] * self.dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -214,7 +301,9 @@ def group_layers(specs: list[KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
 
     def order(g: KVCacheGroup) -> tuple:
         kind = 2 if isinstance(g.spec, LinearStateSpec) else int(g.sliding_window is not None)
-        return kind, g.layers[0]
+        ratio = g.spec.ratio if isinstance(g.spec, CompressedEntrySpec) else 1
+        # compressed entries: the densest first (the first group's table must hold every block)
+        return kind, ratio, g.layers[0]
     groups.sort(key=order)
     return tuple(groups)
 
@@ -227,6 +316,12 @@ class KVCacheLayout:
 
     num_blocks: int
     groups: tuple[KVCacheGroup, ...]
+
+
+def context_bytes_per_token(specs: list[KVCacheSpec], block_size: int) -> float:
+    """What a token of context costs across the layers that keep every token (their pages
+    over the block's tokens); the windows' and states' blocks are a bounded cost per request."""
+    return sum(s.bytes_per_token(block_size) for s in specs if not s.drops_blocks)
 
 
 # The one group of a model whose layers all keep every token (the KV manager's default: the

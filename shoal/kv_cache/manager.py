@@ -3,7 +3,9 @@
 One pool of block ids serves every KV cache group (shoal/core/kv_cache_spec.py); each group
 keeps its own table per request (kv_cache/block_tables.py). The first group's tables are the
 request's `block_ids` (what the drafters and the KV tiers follow); the others travel as
-`group_block_ids`. Allocation is all or nothing across the groups."""
+`group_block_ids`. Allocation is all or nothing across the groups. A group whose spec holds
+pages in some blocks only (holds_block: DeepSeek-V4's entries of groups longer than a block)
+gets sparse tables, its other entries left null as dropped ones are."""
 
 from __future__ import annotations
 
@@ -13,7 +15,67 @@ from shoal.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroup
 from shoal.core.request import Request
 from shoal.kv_cache.block_pool import BlockPool, KVBlock
 from shoal.kv_cache.block_tables import BlockTables
-from shoal.kv_cache.hashing import hash_full_blocks
+from shoal.kv_cache.hashing import BlockHash, hash_full_blocks
+
+
+class _Tables(BlockTables):
+    """A group's tables as the manager grows them: every entry holds a block."""
+
+    def covers(self, index: int, block_hash: BlockHash) -> bool:
+        """Whether a prefix hit has what entry `index` needs."""
+        return self.cached(block_hash) is not None
+
+    def missing(self, rid: str, need: int, num_hits: int) -> int:
+        """New blocks the table takes to reach `need` entries after num_hits hits."""
+        return max(0, need - self.held(rid) - num_hits)
+
+    def grow(self, rid: str, hits: list[KVBlock | None], new_blocks: list[KVBlock],
+             need: int) -> None:
+        self.extend(rid, hits, new_blocks)
+
+
+class _SparseTables(_Tables):
+    """Tables whose entries hold a block only where the spec says (holds_block); the others
+    are None (the null block), need nothing from a prefix hit and take nothing new."""
+
+    def _holds(self, index: int) -> bool:
+        return self.group.spec.holds_block(index, self.block_size)
+
+    def covers(self, index: int, block_hash: BlockHash) -> bool:
+        return not self._holds(index) or self.cached(block_hash) is not None
+
+    def hits(self, hashes: list[BlockHash], num_blocks: int,
+             first: int = 0) -> list[KVBlock | None] | None:
+        out: list[KVBlock | None] = [None] * first
+        for i in range(first, num_blocks):
+            block = self.cached(hashes[i]) if self._holds(i) else None
+            if block is None and self._holds(i):
+                return None  # a block it needs is not cached
+            out.append(block)
+        return out
+
+    def missing(self, rid: str, need: int, num_hits: int) -> int:
+        return sum(map(self._holds, range(self.held(rid) + num_hits, need)))
+
+    def grow(self, rid: str, hits: list[KVBlock | None], new_blocks: list[KVBlock],
+             need: int) -> None:
+        blocks = self.blocks.setdefault(rid, [])
+        ids = self.ids.setdefault(rid, [])
+        start, fresh = len(blocks), iter(new_blocks)
+        for i in range(start, need):
+            if i - start < len(hits):
+                b = hits[i - start]
+            else:
+                b = next(fresh) if self._holds(i) else None
+            blocks.append(b)
+            ids.append(self.null_block if b is None else b.block_id)
+
+
+def _tables(group: KVCacheGroup, index: int, pool: BlockPool, block_size: int,
+            null_block: int) -> _Tables:
+    # the first group's tables are every request's block_ids: they stay whole
+    sparse = index > 0 and not group.spec.holds_every_block(block_size)
+    return (_SparseTables if sparse else _Tables)(group, index, pool, block_size, null_block)
 
 
 class KVCacheManager:
@@ -23,7 +85,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.null_block = num_blocks  # read where a table holds no block (see BlockTables)
-        self.tables = [BlockTables(g, i, self.pool, block_size, self.null_block)
+        self.tables = [_tables(g, i, self.pool, block_size, self.null_block)
                        for i, g in enumerate(groups)]
         self._main = self.tables[0]
         self._sliding_tables = [t for t in self.tables if t.sliding]
@@ -91,7 +153,7 @@ class KVCacheManager:
             hits.append(block)
         n = len(hits)
         for t in self.tables[1:]:
-            n = next((i for i in range(n) if t.cached(hashes[i]) is None), n)
+            n = next((i for i in range(n) if not t.covers(i, hashes[i])), n)
         return hits[:n]
 
     def _window_hits(self, hashes: list) -> list[KVBlock | None]:
@@ -101,8 +163,8 @@ class KVCacheManager:
         running = []
         for t in self.tables:
             counts = [0]
-            for h in hashes:
-                counts.append(counts[-1] + (t.cached(h) is not None))
+            for i, h in enumerate(hashes):
+                counts.append(counts[-1] + t.covers(i, h))
             running.append(counts)
         for n in range(len(hashes), 0, -1):
             if all(c[n] - c[first] == n - first for t, c in zip(self.tables, running)
@@ -152,7 +214,7 @@ class KVCacheManager:
                 else self._group_hits(t, request, n_hits) for t in self.tables]
         if any(h is None for h in hits):
             return None  # another group's hit left the cache meanwhile
-        counts = [max(0, need - t.held(rid) - len(h)) for t, h in zip(self.tables, hits)]
+        counts = [t.missing(rid, need, len(h)) for t, h in zip(self.tables, hits)]
         # Cache hits sitting in the free queue are taken out of it, so they count against it.
         evictable = sum(1 for h in hits for b in h if b is not None and b.ref_cnt == 0)
         if sum(counts) + evictable > self.pool.num_free_blocks:
@@ -164,7 +226,7 @@ class KVCacheManager:
         new_main: list[KVBlock] = []
         for t, h, n in zip(self.tables, hits, counts):
             new_blocks = self.pool.allocate(n)
-            t.extend(rid, h, new_blocks)
+            t.grow(rid, h, new_blocks, need)
             if t is self._main:
                 new_main = new_blocks
         if self.enable_caching:

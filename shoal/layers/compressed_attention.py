@@ -9,11 +9,13 @@ softmax with a learned sink per head (a logit with no value):
   (SlidingSharedKVSpec: one row per token, its tables drop the blocks behind the window);
 - on compressed layers, the entries of the complete groups of tokens it has seen: every one
   (HCA, m' = compress_rates' heavily_compressed_attention) or the indexer's top-k of them
-  (CSA, m = compressed_sparse_attention; shoal/layers/compressed_indexer.py). They are
-  recomputed at each step from the per-token rows the compressors consume, kept in a paged
-  cache of their own (CompressorInputSpec, every token): simple and exact under prefix hits,
-  chunked prefill and preemption, but neither the memory nor the compute that compression
-  saves (see shoal/layers/token_compressor.py).
+  (CSA, m = compressed_sparse_attention; shoal/layers/compressed_indexer.py). An entry (and
+  on CSA the indexer's key beside it) is computed once, by the step that closes its group,
+  and kept for the whole context (PagedEntries, CompressedEntrySpec: 1/m of a row a token;
+  HCA's groups, longer than a block, in sparse tables); the compressors' per-token inputs
+  wait only while their group is open (and, for CSA's overlapping groups, the one after), in
+  sliding tables (CompressorStateSpec). Every request's new entries are stored before any
+  request reads, so a prefix hit on blocks computed in the same step reads them.
 The value's rotation is undone on the output (RoPE at minus the query's position), then a
 grouped output projection: o_groups blocks of heads each projected to o_lora_rank (o_a_proj),
 mixed to hidden_size (o_b_proj).
@@ -30,10 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.core.kv_cache_spec import CompressorStateSpec
 from shoal.layers.compressed_indexer import CompressedIndexer, SparseCompressor
 from shoal.layers.interleaved_rope import InterleavedRope
 from shoal.layers.linear import ReplicatedLinear
 from shoal.layers.norm import RMSNorm
+from shoal.layers.paged_entries import PagedEntries
 from shoal.layers.paged_rows import PagedRows
 from shoal.layers.request_spans import RequestSpan, StepSpans
 from shoal.layers.token_compressor import TokenCompressor
@@ -80,12 +84,22 @@ class CompressedAttention(nn.Module):
         elif self.kind == HCA:
             self.compressor = TokenCompressor(h, self.head_dim, cfg.compress_rates[HCA], False,
                                               eps, self.rope, dtype, use_triton_ops)
-        self.compressed_rows = (PagedRows(self._row_split()[-1]) if self.compressor is not None
-                                else None)
+        self.entries: PagedEntries | None = None
+        self.pending_rows: PagedRows | None = None
+        if self.compressor is not None:
+            m = self.compressor.ratio
+            index_dim = self.indexer.head_dim if self.indexer is not None else 0
+            self.entries = PagedEntries(self.head_dim + index_dim, m)
+            self.pending_rows = PagedRows(self._row_split()[-1],
+                                          (1 + self.compressor.groups_before) * m,
+                                          CompressorStateSpec)
 
     def paged_layers(self) -> list[PagedRows]:
-        """Its paged caches: the sliding window's rows, then the compressors' inputs."""
-        return [self.window_rows] + ([self.compressed_rows] if self.compressed_rows else [])
+        """Its paged caches: the sliding window's rows, then (compressed layers) the entries
+        and the compressors' inputs of the open groups."""
+        if self.entries is None or self.pending_rows is None:
+            return [self.window_rows]
+        return [self.window_rows, self.entries, self.pending_rows]
 
     def _row_split(self) -> tuple[int, int]:
         """(the compressor's row width, the whole compressed row's: + the indexer's)."""
@@ -109,11 +123,13 @@ class CompressedAttention(nn.Module):
             if self.indexer is not None:
                 rows = torch.cat([rows, self.indexer.project(hidden)], dim=-1)
                 ctx.index_q, ctx.index_w = self.indexer.queries(hidden, q_resid, cos, sin)
-            self.compressed_rows.write(rows, step)
+            self.pending_rows.write(rows, step)
             ctx.rows = rows
+            # every request's closed groups are stored before any request reads entries
+            ctx.new_entries = [self._close_groups(rows, step, span) for span in step.spans]
         out = torch.empty_like(q)
-        for span in step.spans:
-            out[span.start:span.start + span.length] = self._attend(ctx, step, span)
+        for i, span in enumerate(step.spans):
+            out[span.start:span.start + span.length] = self._attend(ctx, step, span, i)
         out = self.rope.rotate(out, cos, sin, inverse=True)
         return self.o_b_proj(self._grouped_out(out.view(t, self.o_groups, -1)))
 
@@ -124,7 +140,28 @@ class CompressedAttention(nn.Module):
         y = torch.bmm(x.transpose(0, 1), w.transpose(1, 2))  # [g, T, o]
         return y.transpose(0, 1).reshape(x.shape[0], -1)
 
-    def _attend(self, ctx: _StepInputs, step: StepSpans, span: RequestSpan) -> torch.Tensor:
+    def _close_groups(self, rows: torch.Tensor, step: StepSpans,
+                      span: RequestSpan) -> torch.Tensor | None:
+        """The entries [k, D (+ index_head_dim)] of the request's groups that close in this
+        step, stored in its pages (None: none closes)."""
+        assert self.compressor is not None and self.entries is not None
+        m = self.compressor.ratio
+        first, end = span.context // m, span.end // m
+        if end == first:
+            return None
+        lo = max(0, first - self.compressor.groups_before)
+        inputs = self.pending_rows.read(rows, step, span, lo * m, end * m)
+        width, _ = self._row_split()
+        entries = self.compressor.compress(inputs[:, :width], lo)
+        if self.indexer is not None:
+            keys = self.indexer.compress(inputs[:, width:], lo)
+            entries = torch.cat([entries, keys.to(entries.dtype)], dim=-1)
+        entries = entries[first - lo:]
+        self.entries.store(entries, first, step, span)
+        return entries
+
+    def _attend(self, ctx: _StepInputs, step: StepSpans, span: RequestSpan,
+                i: int) -> torch.Tensor:
         """One request's queries [n, H, D] over its window and its compressed entries."""
         rows = slice(span.start, span.start + span.length)
         device = ctx.q.device
@@ -133,7 +170,7 @@ class CompressedAttention(nn.Module):
         keys = self.window_rows.read(ctx.kv, step, span, lo, span.end)
         k_pos = torch.arange(lo, span.end, device=device)
         allowed = (k_pos <= pos[:, None]) & (k_pos > pos[:, None] - self.window)
-        entries = self._entries(ctx, step, span, pos, rows)
+        entries = self._entries(ctx, step, span, i, pos, rows)
         if entries is not None:
             keys = torch.cat([keys, entries[0]])
             allowed = torch.cat([allowed, entries[1]], dim=-1)
@@ -145,34 +182,38 @@ class CompressedAttention(nn.Module):
         probs = logits.softmax(dim=-1)[..., :-1]
         return torch.matmul(probs.to(keys.dtype), keys)
 
-    def _entries(self, ctx: _StepInputs, step: StepSpans, span: RequestSpan, pos: torch.Tensor,
-                 rows: slice) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _entries(self, ctx: _StepInputs, step: StepSpans, span: RequestSpan, i: int,
+                 pos: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The request's compressed entries [N, D] and which each query reads [n, N] (None:
         a sliding layer, or no complete group yet)."""
-        if self.compressor is None:
+        if self.compressor is None or self.entries is None:
             return None
         m = self.compressor.ratio
-        n = span.end // m
+        n, cached = span.end // m, span.context // m
         if not n:
             return None
-        width, _ = self._row_split()
-        inputs = self.compressed_rows.read(ctx.rows, step, span, 0, n * m)
-        entries = self.compressor.compress(inputs[:, :width])
+        parts = [self.entries.load(step, span, cached).to(ctx.q.dtype)] if cached else []
+        if ctx.new_entries[i] is not None:
+            parts.append(ctx.new_entries[i])
+        stored = torch.cat(parts) if len(parts) > 1 else parts[0]
+        entries = stored[:, :self.head_dim]
         # entry w pools tokens [w m, (w + 1) m): a query sees it once it has them all
         visible = torch.arange(n, device=pos.device) < ((pos + 1) // m)[:, None]
         if self.indexer is not None:
-            keys = self.indexer.compress(inputs[:, width:])
-            visible = self.indexer.select(ctx.index_q[rows], ctx.index_w[rows], keys, visible)
+            visible = self.indexer.select(ctx.index_q[rows], ctx.index_w[rows],
+                                          stored[:, self.head_dim:], visible)
         return entries, visible
 
 
 @dataclass
 class _StepInputs:
     """What every request of the step reads: queries, KV rows, and on compressed layers the
-    compressors' rows and the indexer's queries and head weights."""
+    compressors' rows, each request's entries closed in this step, and the indexer's queries
+    and head weights."""
 
     q: torch.Tensor
     kv: torch.Tensor
     rows: torch.Tensor | None = None
+    new_entries: list[torch.Tensor | None] | None = None
     index_q: torch.Tensor | None = None
     index_w: torch.Tensor | None = None

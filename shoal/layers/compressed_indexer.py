@@ -1,10 +1,10 @@
 """DeepSeek-V4's lightning indexer: which compressed entries of a CSA layer each query reads.
 
 It is a compressor of its own (the CSA layer's groups, at index_head_dim: its keys are
-compressed entries too, recomputed per step like the layer's, shoal/layers/token_compressor.py)
-plus a query head: n_heads queries per token from the attention's query latent (q_b_proj of
-q_a's output, rotated at the token's position with the "compress" table), and per-token head
-weights (weights_proj / sqrt(n_heads)). A query scores entry s as
+compressed entries too, computed when a group closes and kept beside the layer's entry,
+shoal/layers/token_compressor.py) plus a query head: n_heads queries per token from the
+attention's query latent (q_b_proj of q_a's output, rotated at the token's position with the
+"compress" table), and per-token head weights (weights_proj / sqrt(n_heads)). A query scores entry s as
 sum_h w_h * relu(q_h . k_s) / sqrt(index_head_dim) and reads its index_topk best among the
 entries it may see (every one of them when it sees fewer).
 

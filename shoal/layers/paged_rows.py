@@ -1,15 +1,16 @@
-"""A paged cache of one row per token that a layer reads back per request (DeepSeek-V4: the
-sliding window's shared key/value rows, and the compressors' projected inputs). It declares
-its cache spec like any paged layer; the runner binds `kv_cache` [1, num_slots, 1, width] and
-`kv_group`. A step writes its rows before any request reads, so a request may read blocks
-another request of the same step fills (prefix hits on blocks computed in this very step)."""
+"""A paged cache of one row per token that a layer reads back per request, in sliding tables
+(DeepSeek-V4: the window's shared key/value rows, SlidingSharedKVSpec, and the compressors'
+inputs of the groups still pooling, CompressorStateSpec). It declares its cache spec like any
+paged layer; the runner binds `kv_cache` [1, num_slots, 1, width] and `kv_group`. A step
+writes its rows before any request reads, so a request may read blocks another request of
+the same step fills (prefix hits on blocks computed in this very step)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from shoal.core.kv_cache_spec import CompressorInputSpec, KVCacheSpec, SlidingSharedKVSpec
+from shoal.core.kv_cache_spec import KVCacheSpec, SlidingSharedKVSpec, SlidingWindowSpec
 from shoal.layers.request_spans import RequestSpan, StepSpans
 
 
@@ -17,20 +18,21 @@ class PagedRows(nn.Module):
     num_kv_heads = 1
     fuses_rope = False
 
-    def __init__(self, width: int, sliding_window: int | None = None):
-        """sliding_window: only the last that many tokens are read (their tables drop the
-        blocks behind it); None: every token is kept."""
+    def __init__(self, width: int, sliding_window: int | None,
+                 spec: type[SlidingWindowSpec] = SlidingSharedKVSpec):
+        """Only the last sliding_window tokens are read (their tables drop the blocks behind
+        it; None: a subclass keeping more declares its own spec); `spec`: the kind of rows."""
         super().__init__()
         self.width = self.head_dim = width
         self.sliding_window = sliding_window
+        self.spec = spec
         self.kv_cache: torch.Tensor | None = None
         self.kv_group = 0
         self.backend = None  # bound by the runner, never used: rows need no kernel
 
     def kv_cache_spec(self, dtype_bytes: int) -> KVCacheSpec:
-        if self.sliding_window is None:
-            return CompressorInputSpec(1, self.width, dtype_bytes)
-        return SlidingSharedKVSpec(1, self.width, dtype_bytes, self.sliding_window)
+        assert self.sliding_window is not None
+        return self.spec(1, self.width, dtype_bytes, self.sliding_window)
 
     def _rows(self) -> torch.Tensor:
         if self.kv_cache is None:

@@ -1,18 +1,17 @@
 """DeepSeek-V4's compressor: one KV entry per complete group of `ratio` tokens (CSA: m = 4,
 HCA: m' = 128), the softmax-gated sum of the group's projected rows.
 
-Each token contributes kv_proj(h) and gate_proj(h) (its "row", what the paged cache keeps:
-shoal/layers/paged_rows.py); entry w pools the rows of tokens [w m, (w + 1) m) with weights
-softmax(gate + position_bias) over the group, then an RMSNorm and RoPE at position w m. CSA
-overlaps its groups: its projections are twice as wide, the first half (Ca) of a group also
-feeds the next group's entry beside that group's second half (Cb), so entry w pools 2m rows
-(entry 0's Ca half is empty).
+Each token contributes kv_proj(h) and gate_proj(h) (its "row"); entry w pools the rows of
+tokens [w m, (w + 1) m) with weights softmax(gate + position_bias) over the group, then an
+RMSNorm and RoPE at position w m. CSA overlaps its groups: its projections are twice as wide,
+the first half (Ca) of a group also feeds the next group's entry beside that group's second
+half (Cb), so entry w pools 2m rows (entry 0's Ca half is empty).
 
-This first version recomputes every entry of a request from its cached rows at each step
-(`compress`), which needs no state beyond the per-token rows, so prefix hits, chunked
-prefill and preemption stay exact; it does not save the memory the compression is for (the
-rows are wider than the entries they pool): a cache of the entries themselves is the GPU
-path's job."""
+An entry is computed once, by the step that closes its group (`compress` over that group's
+rows, and the group before for the overlap), and kept (shoal/layers/paged_entries.py); the
+rows of the groups still open wait in a sliding cache (CompressorStateSpec,
+shoal/layers/paged_rows.py), so a chunk or a prefix hit ending inside a group resumes it from
+the rows of its tokens."""
 
 from __future__ import annotations
 
@@ -43,8 +42,15 @@ class TokenCompressor(nn.Module):
         """[T, hidden] -> each token's row [T, row_width]: kv, then gate."""
         return torch.cat([self.kv_proj(hidden), self.gate_proj(hidden)], dim=-1)
 
-    def compress(self, rows: torch.Tensor) -> torch.Tensor:
-        """The rows of a request's first n * ratio tokens -> its n entries [n, head_dim]."""
+    @property
+    def groups_before(self) -> int:
+        """Earlier groups whose rows an entry pools beside its own (CSA's overlap)."""
+        return int(self.overlap)
+
+    def compress(self, rows: torch.Tensor, first: int = 0) -> torch.Tensor:
+        """The rows of groups [first, first + n) -> their n entries [n, head_dim]. With CSA's
+        overlap the first entry lacks its earlier group's half: right for group 0, else the
+        caller passes one group more than it needs and drops that entry."""
         m = self.ratio
         n = rows.shape[0] // m
         kv, gate = rows[:n * m].view(n, m, self.row_width).chunk(2, dim=-1)
@@ -53,7 +59,7 @@ class TokenCompressor(nn.Module):
             kv, gate = self._overlapped(kv, gate)
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         entries = self.kv_norm((kv * weights).sum(dim=1))
-        positions = torch.arange(n, device=rows.device) * m
+        positions = torch.arange(first, first + n, device=rows.device) * m
         return self.rope.rotate(entries, *self.rope.cos_sin(positions))
 
     def _overlapped(self, kv: torch.Tensor, gate: torch.Tensor

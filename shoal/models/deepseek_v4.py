@@ -9,10 +9,11 @@ token-id hash on "hash_moe" layers or by sqrtsoftplus top-k on "moe" layers
 through forward), plus one always-on shared expert (clipped as well).
 
 Paged caches (attention_layers(): per decoder layer its sliding window's rows, then on CSA /
-HCA layers the compressors' per-token inputs) fall in two KV cache groups: the compressor
-inputs keep every token, the window rows drop blocks behind the window. The compressed
-entries are recomputed from the inputs at every step: correct under prefix caching, chunked
-prefill and preemption, but it saves none of the memory compression is for.
+HCA layers the compressed entries and the compressors' inputs of the open groups;
+shoal/layers/compressed_attention.py) fall in KV cache groups by table policy: the entries
+keep the whole context (the full-attention tables: 1/m of a row a token), the window rows and
+the open groups' inputs drop the blocks behind their windows (one sliding group per window
+length: the attention's, m or 2m for CSA, m' for HCA).
 
 Not yet: the multi-token-prediction layers (skipped at load, with a log line), tensor
 parallelism, CUDA (the torch path reads host values per request; the compatibility table
@@ -143,7 +144,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[PagedRows]:  # type: ignore[override]
-        """Per decoder layer: its window's rows, then (CSA / HCA) its compressors' inputs."""
+        """Per decoder layer: its window's rows, then (CSA / HCA) its compressed entries and
+        its compressors' inputs of the open groups."""
         return [p for layer in self.model.layers for p in layer.self_attn.paged_layers()]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -45,19 +45,20 @@ def on_attention_pages(specs: list[KVCacheSpec]) -> list[KVCacheSpec]:
             if isinstance(s, LinearStateSpec) else s for s in specs]
 
 
-def _row(spec: KVCacheSpec) -> tuple[int, int, int]:
-    return spec.planes, spec.num_kv_heads, spec.head_size
+def _row(spec: KVCacheSpec, block_size: int) -> tuple[int, int, int]:
+    return spec.slot_row(block_size)  # a compressed layer's page is narrower than its entry
 
 
-def shares_tensors(specs: list[KVCacheSpec], groups: Sequence[KVCacheGroup]) -> bool:
+def shares_tensors(specs: list[KVCacheSpec], groups: Sequence[KVCacheGroup],
+                   block_size: int) -> bool:
     """Several groups whose layers are all of one shape: the groups share tensors."""
-    return len(groups) > 1 and len({_row(s) for s in specs}) == 1
+    return len(groups) > 1 and len({_row(s, block_size) for s in specs}) == 1
 
 
 def bytes_per_block(specs: list[KVCacheSpec], groups: Sequence[KVCacheGroup],
                     block_size: int) -> int:
     """What one block id costs across the layers."""
-    if shares_tensors(specs, groups):
+    if shares_tensors(specs, groups, block_size):
         return max(len(g.layers) for g in groups) * specs[0].page_bytes(block_size)
     return sum(s.page_bytes(block_size) for s in specs)
 
@@ -67,9 +68,9 @@ def allocate_kv_caches(layers: Sequence, specs: list[KVCacheSpec],
                        device: torch.device, block_size: int) -> list[torch.Tensor]:
     """Zeroed caches of num_slots slots, bound to the layers (each told its group); returns
     the distinct tensors (what fault zeroing and the KV tiers copy)."""
-    if shares_tensors(specs, groups):
-        caches = _allocate(max(len(g.layers) for g in groups), _row(specs[0]), num_slots,
-                           dtype, device)
+    if shares_tensors(specs, groups, block_size):
+        caches = _allocate(max(len(g.layers) for g in groups), _row(specs[0], block_size),
+                           num_slots, dtype, device)
         for gi, g in enumerate(groups):
             for j, i in enumerate(g.layers):
                 if g.holds_state:
@@ -80,8 +81,9 @@ def allocate_kv_caches(layers: Sequence, specs: list[KVCacheSpec],
         return caches
     group_of = {i: gi for gi, g in enumerate(groups) for i in g.layers}
     caches: list[torch.Tensor] = []
-    for row in dict.fromkeys(_row(s) for s in specs):  # layers of one shape: one allocation
-        idx = [i for i, s in enumerate(specs) if _row(s) == row]
+    rows = [_row(s, block_size) for s in specs]
+    for row in dict.fromkeys(rows):  # layers of one shape: one allocation
+        idx = [i for i, r in enumerate(rows) if r == row]
         for i, kv in zip(idx, _allocate(len(idx), row, num_slots, dtype, device)):
             layers[i].kv_cache, layers[i].kv_group = kv, group_of.get(i, 0)
             caches.append(kv)

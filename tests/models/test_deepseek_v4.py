@@ -1,8 +1,10 @@
 """DeepSeek-V4 against transformers 5.25 on a tiny random checkpoint, fp32: a sliding layer, two
 CSA layers (m = 4, indexer top-4) and an HCA layer (m' = 16), a window of 8, hash-routed then
 top-k-routed MoE layers, 3 hyper-connection streams. Prompts longer than the window, the HCA
-group and top-k x m take every path. Greedy tokens and logprobs within 1e-4, alone, in mixed
-chunked batches, after a prefix hit, through a preemption.
+group, top-k x m and 128 tokens take every path. Greedy tokens and logprobs within 1e-4, alone,
+in mixed chunked batches (chunks ending inside groups), after a prefix hit (from an earlier
+step and from the same step), through a preemption: the compressed entries are computed once
+and kept, the open groups' inputs resume them (CompressedEntrySpec, CompressorStateSpec).
 
 The oracle is transformers' full-sequence forward, re-run for every generated token: its
 cached generation (DeepseekV4 cache layers) drifts from it once the indexer's top-k meets tied
@@ -20,7 +22,13 @@ from oracle import check_against_hf, draft_continuations
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shoal import LLM, SamplingParams
-from shoal.core.kv_cache_spec import CompressorInputSpec, SlidingSharedKVSpec
+from shoal.core.kv_cache_spec import (
+    CompressedEntrySpec,
+    CompressorInputSpec,
+    CompressorStateSpec,
+    SlidingSharedKVSpec,
+    context_bytes_per_token,
+)
 
 LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
           "compressed_sparse_attention"]
@@ -90,17 +98,21 @@ def _generate(llm: LLM, prompts: list[list[int]]):
 
 def test_greedy_matches_transformers_in_mixed_chunked_batches(tiny):
     path, hf = tiny
-    # 5 tokens (inside the window), 13, then past the HCA group and the indexer's top-k;
-    # 16 tokens a step: the long prompts run in chunks beside other requests' decodes
-    prompts = _prompts((5, 13, 30, 61, 97), seed=1)
-    llm = LLM(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=16,
+    # 5 tokens (inside the window), 13, then past the HCA group, the indexer's top-k and 128;
+    # 15 tokens a step: the long prompts run in chunks beside other requests' decodes, their
+    # boundaries inside CSA and HCA groups
+    prompts = _prompts((5, 13, 30, 61, 137), seed=1)
+    llm = LLM(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=15,
               num_gpu_blocks_override=256, max_model_len=256)
     runner = llm.llm_engine.core.runner
-    # per layer the window's rows (4 layers), the compressors' inputs (3 CSA / HCA layers)
+    # per layer the window's rows (4 layers); on the 3 CSA / HCA layers the entries (CSA's
+    # tables, then HCA's sparse ones: groups of 16 > blocks of 4) and the open groups' inputs
+    # (CSA: 2 groups of 4, in the window's tables; HCA: 1 group of 16)
     specs = runner.kv_specs
     assert sum(isinstance(s, SlidingSharedKVSpec) for s in specs) == 4
-    assert sum(isinstance(s, CompressorInputSpec) for s in specs) == 3
-    assert [g.sliding_window for g in runner.kv_groups] == [None, 8]
+    assert sum(isinstance(s, CompressedEntrySpec) for s in specs) == 3
+    assert [g.sliding_window for g in runner.kv_groups] == [None, None, 8, 16]
+    assert [g.spec.ratio for g in runner.kv_groups[:2]] == [4, 16]
     check(_generate(llm, prompts), prompts, hf)
 
 
@@ -121,7 +133,12 @@ def test_prefix_hit_gives_the_tokens_of_a_miss(tiny):
     first = _generate(llm, prompts[:1])
     second = _generate(llm, prompts[1:])
     assert second[0].num_cached_tokens == 44
-    check(first + second, prompts, hf)
+    # in one step: the second reads the entries the first stores in that very step
+    shared = _prompts((34,), seed=6)[0]
+    pair = [shared + [5], shared + [6, 8]]
+    together = _generate(llm, pair)
+    assert together[1].num_cached_tokens == 32
+    check(first + second + together, prompts + pair, hf)
 
 
 def test_preemption_recomputes(tiny):
@@ -185,7 +202,36 @@ def test_shipped_4_layer_config_builds_at_its_shape():
                  if isinstance(m, FusedMoE))
     assert round(total / 1e9, 2) == 27.39  # the README's count
     assert round((total - routed + routed * 6 // 256) / 1e9, 2) == 2.22
-    assert len(model.attention_layers()) == 6  # 4 windows, 2 compressors' inputs
+    # 4 windows; on the CSA and HCA layers their entries and their open groups' inputs
+    assert len(model.attention_layers()) == 8
+
+
+def test_compressed_entries_cost_a_fraction_of_the_inputs_they_pool():
+    """KV bytes per token of context at the shipped shape (bf16, blocks of 16), from the
+    specs: the entries (CSA: 1 per 4 tokens, with the indexer's key; HCA: 1 per 128, in the
+    one block of 8 that closes its group) against every token's compressor inputs that the
+    first version kept."""
+    from shoal.loader import load_model
+    from shoal.models.deepseek_v4 import DeepseekV4ForCausalLM
+    from shoal.worker.kv_cache_tensors import layer_specs
+
+    cfg = load_model("deepseek-ai/DeepSeek-V4-Flash-Base-4layers", load_format="dummy").hf_config
+    with torch.device("meta"):
+        model = DeepseekV4ForCausalLM(cfg, torch.bfloat16)
+    bs, specs = 16, layer_specs(model.attention_layers(), torch.bfloat16)
+    entries = [s for s in specs if isinstance(s, CompressedEntrySpec)]
+    # the open groups' inputs are rows of what the first version kept for every token
+    inputs = [CompressorInputSpec(1, s.head_size, 2) for s in specs
+              if isinstance(s, CompressorStateSpec)]
+    assert [(e.ratio, e.head_size) for e in entries] == [(4, 512 + 128), (128, 512)]
+    assert [i.head_size for i in inputs] == [4 * (512 + 128), 2 * 512]
+    # an entry is (CSA) a quarter or (HCA) half of one token's inputs, for m tokens
+    for e, i in zip(entries, inputs):
+        assert e.bytes_per_token(bs) * e.ratio <= i.bytes_per_token(bs) / 2
+    assert [e.bytes_per_token(bs) for e in entries] == [2 * 640 / 4, 2 * 512 / 128]
+    # the whole model: the windows and the open groups' inputs are bounded per request
+    before = sum(i.bytes_per_token(bs) for i in inputs)
+    assert (before, context_bytes_per_token(specs, bs)) == (7168, 328)
 
 
 def test_release_names_map_to_parameters():
@@ -215,3 +261,36 @@ def test_release_names_map_to_parameters():
         "layers.4.attn.wq_a.weight": None,  # past num_hidden_layers
     }
     assert {name: shoal_name(name, 4) for name in cases} == cases
+
+
+def test_entries_of_groups_longer_than_a_block_hold_only_the_blocks_closing_them():
+    """The KV manager's sparse tables (CompressedEntrySpec.holds_block): with groups of 16
+    tokens over blocks of 4, a request holds one HCA block in 4, a prefix hit shares those
+    and needs no other."""
+    from shoal.core.kv_cache_spec import group_layers
+    from shoal.core.request import Request
+    from shoal.kv_cache.manager import KVCacheManager
+
+    groups = group_layers([CompressedEntrySpec(1, 8, 4, ratio=4),
+                           CompressedEntrySpec(1, 8, 4, ratio=16),
+                           CompressorStateSpec(1, 8, 4, 16)])
+    kv = KVCacheManager(64, 4, groups=groups)
+    tokens = _prompts((40,), seed=7)[0]
+
+    def request(rid: str, ids: list[int]) -> Request:
+        return Request(rid, ids, SamplingParams(max_tokens=8), frozenset(), 8)
+
+    a = request("a", tokens)
+    assert kv.allocate_slots(a, 40) is not None
+    a.num_computed_tokens = 40
+    hca = kv.tables[1].blocks["a"]
+    assert [i for i, b in enumerate(hca) if b is not None] == [3, 7]  # tokens 15 and 31
+    assert kv.group_block_ids("a")[0][:4] == [kv.null_block] * 3 + [hca[3].block_id]
+    b = request("b", tokens + [3, 4])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 40
+    free = kv.num_free_blocks
+    assert kv.allocate_slots(b, 2, hits) is not None
+    assert kv.tables[1].blocks["b"][:8] == hca[:8]
+    # a block each for the entries of 4 (token 41's) and the open group's rows; none for HCA
+    assert free - kv.num_free_blocks == 2

@@ -125,8 +125,9 @@ ARCHITECTURES = {
         "index_topk": 1}),
 }
 # Architectures with more than one paged layer per decoder layer (V3.2: latent attention and
-# its indexer's keys; V4's CSA / HCA layers: the window's rows and the compressors' inputs).
-PAGED_LAYERS_PER_LAYER = {"DeepseekV32ForCausalLM": 2, "DeepseekV4ForCausalLM": 2}
+# its indexer's keys; V4's CSA / HCA layers: the window's rows, the compressed entries and the
+# compressor's partial group).
+PAGED_LAYERS_PER_LAYER = {"DeepseekV32ForCausalLM": 2, "DeepseekV4ForCausalLM": 3}
 # Architectures with linear-attention layers beside attention ones.
 LINEAR = {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
           "KimiLinearForCausalLM"}

@@ -1,0 +1,65 @@
+"""DeepSeek-V4's compressed entries in their paged cache (CompressedEntrySpec): one row of
+`width` values per complete group of `ratio` tokens, in the full-attention tables.
+
+Entry w is stored once, by the step computing its group's last token e = (w + 1) ratio - 1,
+in slot w - floor(k bs / ratio) of block k = e // bs: the block holding e, so a block's page
+depends only on the tokens up to its end and prefix caching shares it as it shares keys. The
+page is the block's token slots of slot_row values each, read as ceil(bs / ratio) entries.
+Like PagedRows (which it extends for the runner's binding), a step stores every request's
+new entries before any request loads, so a prefix hit on blocks computed in the same step
+reads them."""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.core.kv_cache_spec import CompressedEntrySpec
+from shoal.layers.paged_rows import PagedRows
+from shoal.layers.request_spans import RequestSpan, StepSpans
+
+
+class PagedEntries(PagedRows):
+    def __init__(self, width: int, ratio: int):
+        super().__init__(width, None)  # every entry of the context is kept
+        self.ratio = ratio
+
+    def kv_cache_spec(self, dtype_bytes: int) -> CompressedEntrySpec:
+        return CompressedEntrySpec(1, self.width, dtype_bytes, ratio=self.ratio)
+
+    def _pages(self, bs: int) -> torch.Tensor:
+        """[blocks, entries per block, width]: the cache as entry slots."""
+        if self.kv_cache is None:
+            raise RuntimeError("KV cache is not bound to the paged entries")
+        per_block = -(-bs // self.ratio)
+        pages = self.kv_cache[0].view(-1, bs * self.kv_cache.shape[-1])
+        return pages[:, :per_block * self.width].unflatten(1, (per_block, self.width))
+
+    def _slots(self, first: int, n: int, bs: int, device: torch.device
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries [first, first + n): each one's last token, and its slot in that token's
+        block."""
+        w = torch.arange(first, first + n, device=device)
+        last = (w + 1) * self.ratio - 1
+        return last, w - torch.div(last, bs, rounding_mode="floor") * bs // self.ratio
+
+    def store(self, entries: torch.Tensor, first: int, step: StepSpans,
+              span: RequestSpan) -> None:
+        """entries [n, width]: the request's entries [first, first + n), whose groups close
+        in this step (nothing for a pooling step, which caches nothing)."""
+        if not step.slots or not len(entries):
+            return
+        bs, slots = step.block_size, step.slots[self.kv_group]
+        last, slot = self._slots(first, len(entries), bs, slots.device)
+        blocks = torch.div(slots[span.start + last - span.context], bs, rounding_mode="floor")
+        pages = self._pages(bs)
+        pages[blocks, slot] = entries.to(pages.dtype)
+
+    def load(self, step: StepSpans, span: RequestSpan, n: int) -> torch.Tensor:
+        """The request's first n entries [n, width], through its block table."""
+        table = span.tables[self.kv_group]
+        if table is None:
+            raise RuntimeError("a request with cached tokens has no block table")
+        bs = step.block_size
+        last, slot = self._slots(0, n, bs, table.device)
+        blocks = table[torch.div(last, bs, rounding_mode="floor")]
+        return self._pages(bs)[blocks, slot]
