@@ -2,7 +2,8 @@
 names and shapes of adapter_model.safetensors (its JSON header). The frontend checks an
 adapter before any request uses it, and the engine core checks again, against the
 projections the model can take an adapter on (LoRALimits, from the worker); the worker then
-reads the tensors themselves (shoal/lora/weights.py)."""
+reads the tensors themselves (shoal/lora/weights.py). Adapters of MoE experts are named and
+checked by shoal/lora/expert_adapter.py."""
 
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ from typing import Any
 
 import msgspec
 
+from shoal.lora.expert_adapter import check_experts, expert_target, stacked_name
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 # Module names PEFT adapters use for layers shoal cannot take an adapter on, with the reason.
-_REFUSED = {"lm_head": "the LM head", "embed_tokens": "the token embedding"}
+_REFUSED = {"lm_head": "the LM head", "embed_tokens": "the token embedding",
+            "gate": "the MoE router", "shared_expert_gate": "the shared expert's gate"}
 
 
 class LoRALimits(msgspec.Struct, frozen=True):
@@ -30,6 +34,9 @@ class LoRALimits(msgspec.Struct, frozen=True):
     max_lora_rank: int
     # checkpoint module name (model.layers.0.self_attn.q_proj) -> (in_features, out_features)
     targets: dict[str, tuple[int, int]]
+    # MoE experts module name (model.layers.0.mlp.experts) -> (num_experts, hidden,
+    # moe_intermediate_size): the routed experts that take LoRA (expert_adapter.py)
+    experts: dict[str, tuple[int, int, int]] = msgspec.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,9 @@ class ModuleAdapter:
     scaling: float
     a_key: str  # tensor names in the safetensors file
     b_key: str
+    # > 0: a stacked MoE expert parameter, A [experts * rank, in], B [out, experts * rank]
+    # (expert_adapter.py); 0: one projection
+    experts: int = 0
 
 
 @dataclass(frozen=True)
@@ -146,7 +156,9 @@ def _modules(config: dict[str, Any], shapes: dict[str, list[int]],
             what = ("DoRA magnitudes" if "lora_magnitude" in key else
                     "embedding adapters" if "lora_embedding" in key else "a tensor")
             raise ValueError(f"{where} has {what} shoal cannot use: {key!r}")
-        pairs.setdefault(m.group(1), {})[m.group(2)] = key
+        module = stacked_name(m.group(1), config) if config.get("target_parameters") \
+            else m.group(1)
+        pairs.setdefault(module, {})[m.group(2)] = key
     if not pairs:
         raise ValueError(f"{where} has no LoRA tensors")
     modules = {}
@@ -158,12 +170,19 @@ def _modules(config: dict[str, Any], shapes: dict[str, list[int]],
         if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
             raise ValueError(f"{where}: module {name!r} has A {a} and B {b}, not [r, in] and "
                              "[out, r]")
-        rank = a[0]
+        rank, experts = a[0], 0
+        target = expert_target(name)
+        if target is not None and target.expert is None:  # PEFT's stacked experts
+            rank = int(_pattern_value(config.get("rank_pattern"), name, config["r"]))
+            if a[0] % rank:
+                raise ValueError(f"{where}: module {name!r} has A {a}, not [experts * r, in] "
+                                 f"for its r = {rank}")
+            experts = a[0] // rank
         alpha = float(_pattern_value(config.get("alpha_pattern"), name,
                                      config.get("lora_alpha", 8)))
         scaling = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
         modules[name] = ModuleAdapter(name, rank, a[1], b[0], scaling,
-                                      keys["lora_A"], keys["lora_B"])
+                                      keys["lora_A"], keys["lora_B"], experts)
     return modules
 
 
@@ -182,16 +201,20 @@ def check_adapter(path: str, limits: LoRALimits | None) -> AdapterSpec:
         raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
     spec = read_adapter(path)
     where = f"LoRA adapter {path!r}"
+    check_experts(where, spec.modules, limits.experts, limits.max_lora_rank)
     for name, mod in spec.modules.items():
         leaf = name.rsplit(".", 1)[-1]
         if leaf in _REFUSED:
             raise ValueError(f"{where} adapts {_REFUSED[leaf]} ({name}); LoRA on it is not "
                              "supported")
+        if expert_target(name) is not None:
+            continue  # checked above
         shape = limits.targets.get(name)
         if shape is None:
             if ".experts." in name or name.endswith(".experts"):
-                raise ValueError(f"{where} adapts MoE experts ({name}); LoRA on experts is "
-                                 "not supported yet")
+                raise ValueError(f"{where} adapts MoE experts ({name}) in a layout shoal does "
+                                 "not read (PEFT's target_parameters over the stacked "
+                                 "gate_up_proj / down_proj, or per-expert gate/up/down_proj)")
             raise ValueError(f"{where} adapts {name!r}, which this model has no LoRA-capable "
                              "projection of")
         if mod.rank > limits.max_lora_rank:

@@ -8,7 +8,8 @@ CUDA graph replays with whatever slots the step wrote there.
 Which layers: the column- and row-parallel projections under `model.layers.` whose
 checkpoint names end in q/k/v/o_proj or gate/up/down_proj (fused qkv_proj and gate_up_proj
 through the model's packed_modules_mapping), on the architectures of
-shoal.config.lora.LORA_ARCHITECTURES, whose projections see every token of the step."""
+shoal.config.lora.LORA_ARCHITECTURES, whose projections see every token of the step. The
+routed experts of their MoE layers take adapters through shoal/lora/expert_layers.py."""
 
 from __future__ import annotations
 

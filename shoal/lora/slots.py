@@ -13,6 +13,7 @@ from torch import nn
 
 from shoal.config.lora import LoRAConfig
 from shoal.lora.adapter import LoRALimits, check_adapter
+from shoal.lora.expert_layers import ExpertLoRA, add_expert_lora, expert_targets
 from shoal.lora.layers import LoRALayer, LoRAStep, add_lora_layers, lora_targets
 from shoal.lora.weights import AdapterWeights, load_adapter_weights
 from shoal.lora_request import LoRARequest
@@ -27,10 +28,13 @@ class LoRASlots:
         self.step = LoRAStep(max_tokens, device, use_triton=device.type == "cuda")
         self.layers: list[LoRALayer] = add_lora_layers(
             model, self.step, config.max_loras, config.max_lora_rank, dtype, device)
-        if not self.layers:
+        # the routed experts of MoE layers (expert_layers.py)
+        self.expert_layers: list[ExpertLoRA] = add_expert_lora(
+            model, self.step, config.max_loras, config.max_lora_rank, dtype, device)
+        if not self.layers and not self.expert_layers:
             raise ValueError(f"{type(model).__name__} has no projections LoRA can adapt")
         self.limits = LoRALimits(config.max_loras, config.max_lora_rank,
-                                 lora_targets(self.layers))
+                                 lora_targets(self.layers), expert_targets(self.expert_layers))
         self.host: OrderedDict[int, tuple[str, AdapterWeights]] = OrderedDict()
         self.slot_of: dict[int, int] = {}  # adapter id -> device slot
         self.in_slot: list[int | None] = [None] * config.max_loras  # slot -> adapter id
@@ -96,7 +100,7 @@ class LoRASlots:
             old = self.in_slot[slot]
             if old is not None:
                 del self.slot_of[old]
-        for layer in self.layers:
+        for layer in (*self.layers, *self.expert_layers):
             layer.write_slot(slot, weights)
         self.in_slot[slot] = lora.lora_int_id
         self.slot_path[slot] = lora.lora_path

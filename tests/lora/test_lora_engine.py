@@ -2,7 +2,7 @@
 with the base model in one batch (Llama and Qwen3), a merged checkpoint served plainly, more
 adapters than device slots and host slots, the prefix cache kept apart per adapter, bad
 adapters refused while the engine serves on, a Qwen3-MoE base whose attention takes an
-adapter while its experts refuse one, two tensor-parallel ranks, and ngram verify steps."""
+adapter and on its experts, two tensor-parallel ranks, and ngram verify steps."""
 
 from __future__ import annotations
 
@@ -385,20 +385,13 @@ def _peft_experts(base: Path, path: Path) -> Path:
                          target_parameters=["mlp.experts.gate_up_proj"])
 
 
-def _per_expert(base: Path, path: Path) -> Path:
-    """The per-expert names of adapters trained on older transformers
-    (`model.layers.N.mlp.experts.E.gate_proj`)."""
-    hidden, inter = 64, QWEN3_MOE["moe_intermediate_size"]
-    targets = {f"model.layers.0.mlp.experts.{e}.gate_proj": (hidden, inter) for e in range(8)}
-    return write_raw_adapter(path, targets, seed=43, leaves=("gate_proj",))
-
-
-@pytest.mark.parametrize("make", [_peft_experts, _per_expert], ids=["fused", "per-expert"])
-def test_moe_expert_adapter_refused(moe, make, tmp_path):
+def test_moe_expert_adapter_served(moe, tmp_path):
+    """An adapter on the experts (PEFT's stacked layout) gives the PEFT model's tokens; the
+    base is unchanged after it (more layouts: tests/lora/test_lora_moe_experts.py)."""
     base, _, llm = moe
-    with pytest.raises(ValueError, match="MoE experts"):
-        llm.generate(PROMPTS[:1], greedy(), lora_request=lora(make(base, tmp_path / "a"), 2),
-                     use_tqdm=False)
+    path = _peft_experts(base, tmp_path / "a")
+    (out,) = llm.generate(PROMPTS[:1], greedy(), lora_request=lora(path, 2), use_tqdm=False)
+    assert out.outputs[0].token_ids == peft_tokens(base, path, PROMPTS[0])
     (out,) = llm.generate(PROMPTS[:1], greedy(), use_tqdm=False)
     assert out.outputs[0].token_ids == peft_tokens(base, None, PROMPTS[0])
 

@@ -19,9 +19,18 @@ replicas step in lockstep so that every rank joins each layer's exchange
 Experts may carry biases (gpt-oss: w13_bias split like the gate/up rows, w2_bias whole) and
 another activation than SiLU-and-mul (activation.py). Under TP the down bias is added by rank
 0 alone, as its partial sum is all-reduced; under EP each expert's owner adds its own.
+
+LoRA on the experts (shoal/lora/expert_layers.py) sets `lora` to a hook the expert paths call
+after each projection of the routed rows: lora.add(which, y, x, experts, tokens) adds, in
+place, y += the delta of x through projection which ("w13" or "w2") of the rows' local
+experts (an int or one per row) under the adapters of the rows' step tokens (None: row i is
+token i). The Triton path hands it the down projection's input already scaled by the routing
+weight, which its GEMM folds in (the delta is linear in it).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -48,11 +57,11 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                   use_triton_ops: bool = True, foreign_ids: bool = False, *,
                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                  activation: ExpertActivation = SILU) -> torch.Tensor:
+                  activation: ExpertActivation = SILU, lora: Any = None) -> torch.Tensor:
     """foreign_ids: topk_ids may hold E = w13.shape[0] (another rank's expert under expert
     parallelism), which contributes nothing. The PyTorch path skips those pairs; the Triton
     and graph-safe dense paths run them on expert 0 with weight 0 (shapes stay routing-free)."""
-    extra = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
+    extra = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation, lora=lora)
     if use_triton(x, use_triton_ops):
         from shoal.layers.moe.triton_experts import experts_triton
 
@@ -80,6 +89,8 @@ class FusedMoE(nn.Module):
     parallelism: w13_weight [E / ep, 2 * I, H], w2_weight [E / ep, H, I], this rank's
     experts whole (local expert i is global expert expert_start + i). has_bias adds
     w13_bias [E, 2 * I / tp] and w2_bias [E, H] (the local experts' under EP)."""
+
+    lora: Any = None  # a shoal.lora.expert_layers.ExpertLoRA when the engine serves adapters
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None,
@@ -163,8 +174,9 @@ class FusedMoE(nn.Module):
             local = topk_ids - self.expert_start
             mine = (local >= 0) & (local < self.local_num_experts)
             topk_ids = torch.where(mine, local, self.local_num_experts)
+        lora = self.lora if self.lora is not None and self.lora.enabled() else None
         out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                            self.use_triton_ops, foreign_ids=foreign,
+                            self.use_triton_ops, foreign_ids=foreign, lora=lora,
                             **self._extras(self.adds_down_bias))
         return tp_all_reduce(out) if self.reduce_results else out
 

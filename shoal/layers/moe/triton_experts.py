@@ -7,13 +7,16 @@ token rows of x and writes gate_up per pair; SiLU-and-mul follows; the second GE
 pair rows, scales them by the routing weight and writes per pair; a sum over the k slots gives
 each token's output (no atomics, so results are deterministic). Per-expert biases (gpt-oss) are
 added in the GEMMs, before the routing weight; an activation other than SiLU-and-mul
-(activation.py) runs as PyTorch ops on the pair rows.
+(activation.py) runs as PyTorch ops on the pair rows. FusedMoE's LoRA hook (layer.py) adds
+its deltas to the pair rows after each GEMM.
 
 Graph safety: the grid and every buffer are sized from T * k, E and the tile sizes only (the
 worst-case padding), and unused tail blocks are marked with expert -1 and exit at once, so
 a captured decode step replays correctly with any routing."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -131,7 +134,7 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: ExpertGroup
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                   activation: ExpertActivation = SILU) -> torch.Tensor:
+                   activation: ExpertActivation = SILU, lora: Any = None) -> torch.Tensor:
     """Same contract as torch_experts.experts_torch: x [T, H], w13 [E, 2I, H] (gate rows then
     up rows), w2 [E, H, I], topk_weights / topk_ids [T, k], optional biases w13_bias [E, 2I]
     and w2_bias [E, H] -> [T, H] in x's dtype."""
@@ -145,7 +148,13 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     groups = group_by_expert(topk_ids, e, tiles[0])
     gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
     _gemm(x, w13, gate_up, groups, None, n, k, tiles, w13_bias)
+    if lora is not None:
+        tokens = torch.arange(n, device=x.device) // k
+        experts = topk_ids.reshape(-1)
+        lora.add("w13", gate_up, x.index_select(0, tokens), experts, tokens)
     act = silu_and_mul(gate_up) if activation == SILU else activation(gate_up).contiguous()
     down = torch.empty(n, h, dtype=x.dtype, device=x.device)
     _gemm(act, w2, down, groups, topk_weights.contiguous(), n, 1, tiles, w2_bias)
+    if lora is not None:  # the GEMM scaled by the routing weight: scale the delta's input
+        lora.add("w2", down, act * topk_weights.reshape(-1, 1).to(act.dtype), experts, tokens)
     return down.view(t, k, h).sum(dim=1)

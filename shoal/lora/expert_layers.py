@@ -1,0 +1,131 @@
+"""LoRA on the routed experts of a FusedMoE layer: `max_loras` adapter slots of every local
+expert as fixed tensors, and the hook FusedMoE's expert paths call (layer.lora) to add each
+(token, expert) pair's delta: its token's adapter, that adapter's A and B of that expert.
+
+Slots, per layer (this rank's experts and intermediate rows, as FusedMoE holds them):
+a13 [S, E, 2R, H] and b13 [S, E, 2I, 2R] for the gate|up projection (2R: PEFT's stacked
+gate_up_proj adapter has rank 2r when converted from gate_proj + up_proj targets; per-expert
+gate_proj and up_proj adapters take columns 0:R and R:2R of a block-diagonal B), a2 [S, E, R, I]
+and b2 [S, E, H, R] for down_proj; B scaled. A pair of token t and local expert e reads slot
+row s * E + e of the flattened buffers, s = the token's slot: the batched op of
+shoal.lora.ops (torch or Triton) does the rest, the pairs grouped by (adapter, expert)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shoal.layers.moe.layer import FusedMoE
+from shoal.lora.expert_adapter import PER_EXPERT
+from shoal.lora.layers import LoRAStep
+from shoal.lora.ops import add_lora
+
+Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
+class ExpertLoRA:
+    """One FusedMoE's expert adapter slots (plain tensors, not module state)."""
+
+    def __init__(self, name: str, moe: FusedMoE, step: LoRAStep, max_loras: int,
+                 max_rank: int, dtype: torch.dtype, device: torch.device):
+        self.name, self.step, self.rank = name, step, max_rank
+        self.num_experts, self.local = moe.num_experts, moe.local_num_experts
+        self.expert_start = moe.expert_start
+        self.hidden, self.inter = moe.w13_weight.shape[2], moe.inter
+        self.inter_start = moe.inter_rank * moe.inter  # this rank's first intermediate row
+        self.full_inter = moe.inter * (moe.tp_size if moe.ep_size == 1 else 1)
+        s, e, h, i, r = max_loras, self.local, self.hidden, self.inter, max_rank
+
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(*shape, dtype=dtype, device=device)
+
+        self.a13, self.b13 = zeros(s, e, 2 * r, h), zeros(s, e, 2 * i, 2 * r)
+        self.a2, self.b2 = zeros(s, e, r, i), zeros(s, e, h, r)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(num_experts, hidden, moe_intermediate_size) of the full layer."""
+        return self.num_experts, self.hidden, self.full_inter
+
+    def enabled(self) -> bool:
+        """Whether the step needs the hook (on CUDA always: a graph holds its kernels)."""
+        return self.step.active or self.step.use_triton
+
+    # ---- the forward hook ---------------------------------------------------------------------
+    def add(self, which: str, y: torch.Tensor, x: torch.Tensor, experts: int | torch.Tensor,
+            tokens: torch.Tensor | None) -> None:
+        """y [N, out] += each row's delta: x [N, in] the rows' inputs to projection `which`
+        ("w13": gate|up, "w2": down) of local expert `experts` (one for all rows, or one per
+        row), rows of step tokens `tokens` (None: row i is token i)."""
+        slots = self.step.token_slots
+        slots = slots[:y.shape[0]] if tokens is None else slots[tokens]
+        pair = torch.where(slots >= 0, slots.long() * self.local + experts, -1)
+        a, b = (self.a13, self.b13) if which == "w13" else (self.a2, self.b2)
+        add_lora(y, x, a.flatten(0, 1), b.flatten(0, 1), pair, (0,), a.shape[2],
+                 use_triton=self.step.use_triton)
+
+    # ---- slots --------------------------------------------------------------------------------
+    def write_slot(self, slot: int, weights: Weights) -> None:
+        """Slot `slot` <- the adapter's expert tensors of this layer (full, unsharded; B
+        scaled), zero where it adapts none."""
+        for t in (self.a13, self.b13, self.a2, self.b2):
+            t[slot].zero_()
+        experts = slice(self.expert_start, self.expert_start + self.local)
+        rows = slice(self.inter_start, self.inter_start + self.inter)
+        if (pair := weights.get(f"{self.name}.gate_up_proj")) is not None:
+            a, b = _per_expert(*pair, self.num_experts)
+            r, full = a.shape[1], b.shape[1] // 2
+            self.a13[slot, :, :r] = a[experts]
+            up = slice(full + rows.start, full + rows.stop)
+            self.b13[slot, :, :, :r] = torch.cat([b[experts, rows], b[experts, up]], dim=1)
+        if (pair := weights.get(f"{self.name}.down_proj")) is not None:
+            a, b = _per_expert(*pair, self.num_experts)
+            r = a.shape[1]
+            self.a2[slot, :, :r] = a[experts, :, rows]
+            self.b2[slot, :, :, :r] = b[experts]
+        for i in range(self.local):
+            self._write_expert(slot, i, self.expert_start + i, rows, weights)
+
+    def _write_expert(self, slot: int, i: int, e: int, rows: slice, weights: Weights) -> None:
+        """Local expert i (global e) <- its per-expert gate, up and down adapters."""
+        r, n = self.rank, self.inter
+        for leaf, proj in PER_EXPERT.items():
+            pair = weights.get(f"{self.name}.{e}.{leaf}")
+            if pair is None:
+                continue
+            a, b = pair
+            rank = a.shape[0]
+            if proj == "down":
+                self.a2[slot, i, :rank] = a[:, rows]
+                self.b2[slot, i, :, :rank] = b
+                continue
+            col, out = (0, 0) if proj == "gate" else (r, n)
+            self.a13[slot, i, col:col + rank] = a
+            self.b13[slot, i, out:out + n, col:col + rank] = b[rows]
+
+
+def _per_expert(a: torch.Tensor, b: torch.Tensor, num_experts: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's stacked pair, A [E * r, in] and B [out, E * r] -> A [E, r, in], B [E, out, r]."""
+    r = a.shape[0] // num_experts
+    return (a.view(num_experts, r, a.shape[1]),
+            b.view(b.shape[0], r, num_experts).permute(2, 0, 1))
+
+
+def add_expert_lora(model: nn.Module, step: LoRAStep, max_loras: int, max_rank: int,
+                    dtype: torch.dtype, device: torch.device) -> list[ExpertLoRA]:
+    """Gives every FusedMoE of the decoder layers its ExpertLoRA (moe.lora); returns them.
+    Not under DP+EP: the all-to-all moves tokens away from their slots."""
+    layers = []
+    for name, module in model.named_modules():
+        if not (name.startswith("model.layers.") and isinstance(module, FusedMoE)) \
+                or module.dispatch_group is not None:
+            continue
+        module.lora = ExpertLoRA(name, module, step, max_loras, max_rank, dtype, device)
+        layers.append(module.lora)
+    return layers
+
+
+def expert_targets(layers: list[ExpertLoRA]) -> dict[str, tuple[int, int, int]]:
+    """LoRALimits.experts: experts module name -> (num_experts, hidden, intermediate)."""
+    return {layer.name: layer.shape for layer in layers}
