@@ -1,8 +1,12 @@
 """`shoal serve --api-server-count 2` on SmolLM2: two API processes over one engine core,
-against a one-process server (conftest's shared one)."""
+against a one-process server (conftest's shared one); what the processes share (stored
+Responses, /load, run-time LoRA adapters), each reached through a keep-alive connection of its
+own (pinned)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -13,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from lora.peft_adapters import write_raw_adapter  # tests/lora
 
 from tests.entrypoints.conftest import RemoteServer
 
@@ -20,15 +25,72 @@ PROMPTS = ["The capital of France is", "One, two, three,", "def fibonacci(n):",
            "The opposite of hot is", "Water boils at", "My favourite colour is"]
 HEADER = "x-shoal-api-server"
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the default model's served name
+# SmolLM2-135M's attention projections an adapter may target (limits.lora.targets)
+SMOLLM2_QV = {f"model.layers.{i}.self_attn.{p}": (576, out)
+              for i in range(30) for p, out in (("q_proj", 576), ("v_proj", 192))}
+LONG = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "temperature": 0,
+        "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
 def servers(smollm2_server):
     """(two API processes, one): the one-process side is the package's shared server (its
     optional features change no greedy text and add no x-shoal-api-server header)."""
-    pool = RemoteServer("--api-server-count", "2")
+    pool = RemoteServer("--api-server-count", "2", "--enable-server-load-tracking",
+                        "--enable-request-id-headers", "--root-path", "/llm", "--enable-lora",
+                        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"})
     yield pool, smollm2_server
     pool.stop()
+
+
+@pytest.fixture
+def pinned(servers):
+    """{"0": client, "1": client}: each keeps one connection, to the process it names (the
+    kernel keeps a connection with the process it first gave it to)."""
+    pool, _ = servers
+    clients: dict[str, httpx.Client] = {}
+    for _ in range(64):
+        client = httpx.Client(base_url=pool.base_url, timeout=120)
+        who = client.get("/health").headers[HEADER]
+        if who in clients:
+            client.close()
+        else:
+            clients[who] = client
+        if len(clients) == 2:
+            break
+    assert set(clients) == {"0", "1"}
+    yield clients
+    for client in clients.values():
+        client.close()
+
+
+def _on(clients: dict[str, httpx.Client], who: str, method: str, path: str,
+        **kw) -> httpx.Response:
+    r = clients[who].request(method, path, **kw)
+    assert r.headers[HEADER] == who, "the connection moved to another process"
+    return r
+
+
+def _load_everywhere(pool: RemoteServer) -> dict[str, int]:
+    """/load as each process answers it (new connections until both have; with and without
+    --root-path)."""
+    seen: dict[str, int] = {}
+    for i in range(64):
+        r = httpx.get(pool.base_url + ("/llm/load" if i % 2 else "/load"), timeout=30)
+        assert r.status_code == 200 and "x-request-id" in r.headers, r.text
+        seen.setdefault(r.headers[HEADER], r.json()["server_load"])
+        if len(seen) == 2:
+            return seen
+    raise AssertionError(f"only {set(seen)} answered")
+
+
+def _wait_load(pool: RemoteServer, want: int, timeout: float = 20.0) -> dict[str, int]:
+    deadline = time.monotonic() + timeout
+    while True:
+        loads = _load_everywhere(pool)
+        if set(loads.values()) == {want} or time.monotonic() > deadline:
+            return loads
+        time.sleep(0.1)
 
 
 def _complete(server: RemoteServer, prompt: str) -> tuple[str, str, int]:
@@ -89,17 +151,128 @@ def test_a_stream_cut_off_mid_way_leaves_the_others_alone(servers):
     assert pool.get("/health").status_code == 200
 
 
-def test_killing_one_api_process_leaves_the_other_and_the_engine(servers):
+def _text(response: dict) -> str:
+    return response["output"][0]["content"][0]["text"]
+
+
+def _streamed_response(clients: dict[str, httpx.Client], who: str, body: dict) -> dict:
+    """The Response object of a streamed create (its last event's)."""
+    with clients[who].stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers[HEADER] == who
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    last = events[-1]["response"]  # (max_output_tokens reached: "incomplete")
+    assert events[-1]["type"] == f"response.{last['status']}"
+    return last
+
+
+def test_a_stored_response_is_found_and_continued_through_the_other_process(pinned):
+    """Both directions, plain and streamed: GET /v1/responses/{id} and previous_response_id
+    through the process that did not make it; store: false is kept by neither."""
+    for i in range(4):
+        made_by, other = ("0", "1") if i % 2 == 0 else ("1", "0")
+        body = {"model": MODEL, "input": f"Name a colour ({i}).", "max_output_tokens": 3,
+                "temperature": 0}
+        first = _streamed_response(pinned, made_by, body) if i >= 2 else \
+            _on(pinned, made_by, "POST", "/v1/responses", json=body).json()
+        got = _on(pinned, other, "GET", f"/v1/responses/{first['id']}")
+        assert got.status_code == 200, got.text
+        assert got.json() == first
+        cont = _on(pinned, other, "POST", "/v1/responses", json={
+            "model": MODEL, "input": "And another?", "max_output_tokens": 3, "temperature": 0,
+            "previous_response_id": first["id"]}).json()
+        # the earlier turns came along: the prompt is all three through the chat template
+        turns = [{"role": "user", "content": body["input"]},
+                 {"role": "assistant", "content": _text(first)},
+                 {"role": "user", "content": "And another?"}]
+        count = _on(pinned, other, "POST", "/tokenize", json={
+            "model": MODEL, "messages": turns, "add_generation_prompt": True}).json()["count"]
+        assert cont["usage"]["input_tokens"] == count
+        back = _on(pinned, made_by, "GET", f"/v1/responses/{cont['id']}")
+        assert back.status_code == 200 and back.json()["output"] == cont["output"]
+    unstored = _on(pinned, "0", "POST", "/v1/responses", json={**body, "store": False}).json()
+    for who in ("0", "1"):
+        assert _on(pinned, who, "GET", f"/v1/responses/{unstored['id']}").status_code == 404
+
+
+def test_load_counts_the_requests_in_flight_on_every_process(servers, pinned):
+    pool, _ = servers
+    assert _wait_load(pool, 0) == {"0": 0, "1": 0}
+    with pinned["0"].stream("POST", "/v1/completions", json=LONG) as s0:
+        assert s0.headers[HEADER] == "0"
+        lines0 = s0.iter_lines()  # (held: a generator dropped closes the stream)
+        assert next(lines0).startswith("data: ")
+        assert _load_everywhere(pool) == {"0": 1, "1": 1}  # process 1 counts 0's request
+        with pinned["1"].stream("POST", "/v1/completions", json=LONG) as s1:
+            assert s1.headers[HEADER] == "1"
+            lines1 = s1.iter_lines()
+            assert next(lines1).startswith("data: ")
+            assert _load_everywhere(pool) == {"0": 2, "1": 2}
+    assert _wait_load(pool, 0) == {"0": 0, "1": 0}  # cut off: both count down
+
+
+def test_adapters_loaded_through_either_process_are_served_by_both(servers, pinned,
+                                                                   tmp_path):
+    """Two adapters, one loaded through each process: each process numbering its own would
+    give both the same engine id (so one adapter's weights for both names)."""
+    folders = {name: str(write_raw_adapter(tmp_path / name, SMOLLM2_QV, seed=seed,
+                                           scale=0.15))
+               for name, seed in (("qa", 1), ("qb", 2))}
+
+    def complete(who: str, model: str) -> httpx.Response:
+        return _on(pinned, who, "POST", "/v1/completions", json={
+            "model": model, "prompt": "The capital of France is", "max_tokens": 6,
+            "temperature": 0})
+
+    def adapters(who: str) -> dict[str, str]:
+        return {m["id"]: m["root"] for m in _on(pinned, who, "GET", "/v1/models").json()["data"]
+                if m["id"] != MODEL}
+
+    for name, who in (("qa", "0"), ("qb", "1")):
+        r = _on(pinned, who, "POST", "/v1/load_lora_adapter",
+                json={"lora_name": name, "lora_path": folders[name]})
+        assert r.status_code == 200, r.text
+    assert adapters("0") == adapters("1") == folders
+    again = _on(pinned, "1", "POST", "/v1/load_lora_adapter",
+                json={"lora_name": "qa", "lora_path": folders["qa"]})
+    assert again.status_code == 400 and "already been loaded" in again.text
+    base = complete("1", MODEL).json()["choices"][0]["text"]
+    texts = {(name, who): complete(who, name).json()["choices"][0]["text"]
+             for name in folders for who in ("0", "1")}
+    assert texts["qa", "0"] == texts["qa", "1"] != base
+    assert texts["qb", "0"] == texts["qb", "1"] not in (base, texts["qa", "0"])
+    assert _on(pinned, "1", "POST", "/v1/unload_lora_adapter",
+               json={"lora_name": "qa"}).status_code == 200
+    assert adapters("0") == {"qb": folders["qb"]}
+    assert complete("0", "qa").status_code == 404
+    assert _on(pinned, "0", "POST", "/v1/unload_lora_adapter",
+               json={"lora_name": "qa"}).status_code == 404
+    assert complete("0", "qb").json()["choices"][0]["text"] == texts["qb", "0"]
+    assert _on(pinned, "0", "POST", "/v1/unload_lora_adapter",
+               json={"lora_name": "qb"}).status_code == 200
+    assert adapters("1") == {}
+
+
+def test_killing_one_api_process_leaves_the_other_and_the_engine(servers, pinned):
     pool, _ = servers
     api = _api_pids(pool)
     assert len(api) == 2
     engine = [c for c in _children(pool.proc.pid) if c not in api
               and b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(engine) == 1
-    os.kill(api[0], signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{api[0]}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    with contextlib.ExitStack() as streams:
+        lines = []  # (held: a generator dropped closes its stream)
+        for who in ("0", "1"):  # a request in flight on each: the dead one's leaves /load
+            lines.append(streams.enter_context(pinned[who].stream(
+                "POST", "/v1/completions", json=LONG)).iter_lines())
+            assert next(lines[-1]).startswith("data: ")
+        assert pool.get("/load").json()["server_load"] == 2
+        os.kill(api[0], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{api[0]}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        while pool.get("/load").json()["server_load"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pool.get("/load").json()["server_load"] == 1
     served = set()
     for prompt in PROMPTS:  # new connections each: the kernel sends them to the survivor
         r = httpx.post(pool.base_url + "/v1/completions", timeout=60,

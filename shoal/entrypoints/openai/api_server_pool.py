@@ -20,8 +20,17 @@ use fails before anything starts, and port 0 becomes one port for all.
 An API process that dies takes its own requests with it (the engine aborts them); the others
 and the engine go on, and the supervisor exits 1 once no API process is left. If the engine
 dies, every API process fails its requests and exits 1 (as a one-process server does), then
-the supervisor. What stays per process: /load (--enable-server-load-tracking) counts its own
-requests, and a stored Responses API response is found only by the process that made it.
+the supervisor.
+
+One server to its clients, whichever process a request lands on: the engine's state (sleep,
+pause, prefix cache, weights) is the engine's; /metrics merges every process's series
+(pool_metrics.py); and pool_state.py holds what the API processes share besides, created here
+before they start and removed at exit: the Responses API store (stored responses, the
+conversations of previous_response_id, GET /v1/responses/{id}), the /load count of requests in
+flight on the whole server (a dead process's share zeroed here), and the LoRA adapters loaded
+or unloaded at run time (one table, one id per adapter for the engine). What stays per
+process: its x-shoal-api-server header and shoal:api_server_requests_total series, which say
+which process served what. Refused at start: --data-parallel-size, --uds, --grpc-port.
 """
 
 from __future__ import annotations
@@ -43,7 +52,10 @@ from shoal.engine.core_client import EngineStartupError
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.request_errors import EngineDeadError
 from shoal.engine.shared_client import SharedCoreClient
+from shoal.entrypoints.openai.lora_routes import parse_lora_modules
 from shoal.entrypoints.openai.pool_metrics import PoolMember, enable_multiprocess_metrics
+from shoal.entrypoints.openai.pool_state import PoolShared
+from shoal.entrypoints.openai.pool_state import join as join_pool
 from shoal.entrypoints.openai.server_settings import ServerSettings
 from shoal.metrics.stats import IterationStats
 
@@ -55,8 +67,6 @@ STATS_LOG_INTERVAL_S = 10.0
 
 def check_pool_settings(engine_args: EngineArgs, settings: ServerSettings) -> None:
     """What several API processes cannot do: a ValueError naming the flag."""
-    from shoal.entrypoints.openai.lora_routes import runtime_updates_allowed
-
     n = settings.api_server_count
     if engine_args.data_parallel_size > 1:
         raise ValueError(f"--api-server-count {n} shares one engine core between API "
@@ -68,10 +78,7 @@ def check_pool_settings(engine_args: EngineArgs, settings: ServerSettings) -> No
     if settings.grpc_port:
         raise ValueError(f"--grpc-port is served by one process; it does not combine with "
                          f"--api-server-count {n}")
-    if runtime_updates_allowed():
-        raise ValueError(f"run-time LoRA updates (VLLM_ALLOW_RUNTIME_LORA_UPDATING) change one "
-                         f"API process's adapters; they do not combine with --api-server-count "
-                         f"{n} (serve adapters with --lora-modules)")
+    parse_lora_modules(settings.lora_modules or [])  # (the supervisor reads them too)
     if not hasattr(socket, "SO_REUSEPORT") or not hasattr(os, "pidfd_open"):
         raise ValueError(f"--api-server-count {n} needs Linux (SO_REUSEPORT, pidfd_open)")
 
@@ -102,6 +109,7 @@ class ApiProcessSpec:
     engine_pid: int
     metrics_dir: str
     log_level: int
+    shared: PoolShared
 
 
 def run_api_process(spec: ApiProcessSpec) -> None:
@@ -112,6 +120,7 @@ def run_api_process(spec: ApiProcessSpec) -> None:
     logging.basicConfig(level=spec.log_level,
                         format=f"%(levelname)s %(asctime)s [api {spec.index}] %(message)s")
     enable_multiprocess_metrics(spec.metrics_dir)
+    join_pool(spec.shared, spec.index)
     try:
         sock = bind_reuseport(spec.settings.host, spec.settings.port)
         sock.listen(LISTEN_BACKLOG)
@@ -135,12 +144,14 @@ async def _serve_one(spec: ApiProcessSpec, sock: socket.socket) -> int:
 
 class ApiServerPool:
     def __init__(self, engine_args: EngineArgs, settings: ServerSettings,
-                 owner: SharedCoreClient, metrics_dir: str, log_level: int):
+                 owner: SharedCoreClient, metrics_dir: str, log_level: int,
+                 shared: PoolShared):
         self.engine_args = engine_args
         self.settings = settings
         self.owner = owner
         self.metrics_dir = metrics_dir
         self.log_level = log_level
+        self.shared = shared
         self.workers: list[Any] = []
         self._reaping: set[asyncio.Task[None]] = set()
         self.all_exited = asyncio.Event()
@@ -152,7 +163,8 @@ class ApiServerPool:
         mp = multiprocessing.get_context("spawn")
         for index in range(self.settings.api_server_count):
             spec = ApiProcessSpec(index, self.engine_args, self.settings, self.owner.address,
-                                  self.owner.proc.pid, self.metrics_dir, self.log_level)
+                                  self.owner.proc.pid, self.metrics_dir, self.log_level,
+                                  self.shared)
             proc = mp.Process(target=run_api_process, args=(spec,), name=f"shoal-api-{index}",
                               daemon=True)
             proc.start()
@@ -168,6 +180,7 @@ class ApiServerPool:
         # The sentinel turns readable as the process closes its files, a moment before the
         # kernel has its exit status.
         await asyncio.to_thread(proc.join, 10.0)
+        self.shared.process_gone(self.workers.index(proc))
         left = sum(w.is_alive() for w in self.workers)
         if not self.stopping and not self.engine_died:
             logger.error("API server process %s (pid %d) exited with code %s; %d left",
@@ -235,11 +248,16 @@ async def serve_pool(engine_args: EngineArgs, settings: ServerSettings,
     try:
         owner = await SharedCoreClient.start(engine_args, log_level=log_level,
                                              build_core=build_core)
+        shared: PoolShared | None = None
         try:
+            shared = PoolShared.create(  # (while the engine starts)
+                settings, parse_lora_modules(settings.lora_modules or []))
             return await _supervise(ApiServerPool(engine_args, settings, owner, metrics_dir,
-                                                  log_level))
+                                                  log_level, shared))
         finally:
             await owner.shutdown()
+            if shared is not None:
+                shared.remove()
     finally:
         holder.close()
         shutil.rmtree(metrics_dir, ignore_errors=True)

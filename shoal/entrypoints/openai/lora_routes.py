@@ -1,6 +1,8 @@
 """LoRA adapters on the server: --lora-modules at start-up, and vLLM's run-time routes
 POST /v1/load_lora_adapter and /v1/unload_lora_adapter (only with
-VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM; SHOAL_ALLOW_RUNTIME_LORA_UPDATING too)."""
+VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, as vLLM; SHOAL_ALLOW_RUNTIME_LORA_UPDATING too). With
+--api-server-count N the run-time changes go through the pool's adapter table, so every API
+process serves the same adapters (pool_adapters.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from fastapi.responses import PlainTextResponse
 from shoal import envs
 from shoal.engine.async_llm import AsyncLLM
 from shoal.entrypoints.openai.errors import OpenAIError
+from shoal.entrypoints.openai.pool_adapters import AdapterRefresh, SharedAdapters
+from shoal.entrypoints.openai.pool_state import member
 from shoal.entrypoints.openai.serving_models import ServedModels
 
 logger = logging.getLogger(__name__)
@@ -75,18 +79,29 @@ def add_lora_routes(app: FastAPI, models: ServedModels, engine: AsyncLLM) -> Non
         return
     logger.warning("run-time LoRA updates are on (VLLM_ALLOW_RUNTIME_LORA_UPDATING): anyone "
                    "who can reach the API can load adapters from this host's files")
+    pool = member()
+    shared = None if pool is None else SharedAdapters(pool.shared.file, pool.shared.cells,
+                                                      pool.shared.adapters_cell)
+    if shared is not None:
+        app.add_middleware(AdapterRefresh, adapters=shared, models=models)
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(raw: Request) -> PlainTextResponse:
         body = await _body(raw)
-        name = body.get("lora_name")
-        models.load_lora(name, body.get("lora_path"), body.get("base_model_name"))
+        name, path, base = body.get("lora_name"), body.get("lora_path"), \
+            body.get("base_model_name")
+        if shared is None:
+            models.load_lora(name, path, base)
+        else:
+            await shared.load(models, name, path, base)
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(raw: Request) -> PlainTextResponse:
         body = await _body(raw)
-        lora = models.unload_lora(body.get("lora_name"))
+        name = body.get("lora_name")
+        lora = models.unload_lora(name) if shared is None else \
+            await shared.unload(models, name)
         await engine.remove_lora(lora.lora_int_id)
         return PlainTextResponse(f"Success: LoRA adapter '{lora.lora_name}' removed "
                                  "successfully.")

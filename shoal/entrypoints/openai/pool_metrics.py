@@ -13,6 +13,9 @@ engine gauges are set by the supervisor alone, the sleep state by whichever API 
 /sleep or /wake_up. prometheus_client takes a gauge's mode from the family, so the mode and
 its timestamps are supplied here, by the value class every process uses.
 
+What else the API processes share (the Responses store, /load's count, run-time LoRA
+adapters) is pool_state.py's.
+
 `x-shoal-api-server: <k>` on every response and shoal:api_server_requests_total{api_server}
 say which process served what (how evenly the kernel shared the connections out).
 """
@@ -30,6 +33,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from shoal.core.types import SchedulerStats
+from shoal.entrypoints.openai.pool_load import SharedServerLoad
+from shoal.entrypoints.openai.pool_state import member
 from shoal.metrics.stats import IterationStats
 
 SOURCE = "shoal_src:"  # (shoal.metrics.prometheus: the one copy of each family)
@@ -106,9 +111,13 @@ class RequestSeriesOnly:
 
 class ApiServerIdentity:
     """Pure ASGI middleware: counts each HTTP request of API process `index` and names the
-    process in a response header."""
+    process in a response header. The outermost of a pool member's app, it also brings the
+    pool's /load (pool_load.py) when --enable-server-load-tracking is on."""
 
     def __init__(self, app: Any, index: int):
+        pool = member()
+        if pool is not None and pool.shared.load_tracking:
+            app = SharedServerLoad(app, pool.shared, index)
         self.app = app
         self.header = (IDENTITY_HEADER, str(index).encode())
         self.requests = Counter("shoal:api_server_requests", "HTTP requests served by each "

@@ -3,14 +3,14 @@
 
 The input (a string or a list of messages, after `instructions` and the conversation of
 `previous_response_id`) goes through the chat template like a chat completion. Stored
-responses stay in memory, at most --max-stored-responses of them (the oldest are dropped), so
-`previous_response_id` can continue a conversation and GET /v1/responses/{id} can fetch one.
+responses are kept by response_store.py, at most --max-stored-responses of them (the oldest are
+dropped; one store for all API processes of --api-server-count N), so `previous_response_id`
+can continue a conversation and GET /v1/responses/{id} can fetch one.
 Streams send the Responses event sequence (response.created ... response.completed)."""
 
 from __future__ import annotations
 
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
@@ -23,7 +23,9 @@ from shoal.engine.async_llm import RequestStream
 from shoal.engine.output_processor import OutputKind
 from shoal.entrypoints.openai.constraints import response_format_params
 from shoal.entrypoints.openai.errors import OpenAIError, error_from_exception
+from shoal.entrypoints.openai.pool_state import member
 from shoal.entrypoints.openai.protocol import Number, OpenAIBaseModel, check_context_length
+from shoal.entrypoints.openai.response_store import ResponseStore, SharedResponseStore
 from shoal.entrypoints.openai.responses import now_s, random_id
 from shoal.entrypoints.openai.responses_tools import (
     assistant_turn,
@@ -128,37 +130,18 @@ def input_messages(req: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-class ResponseStore:
-    """The last `capacity` stored responses and their conversations (oldest dropped)."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._items: OrderedDict[str, tuple[dict[str, Any], list[dict[str, str]]]] = \
-            OrderedDict()
-
-    def put(self, response: dict[str, Any], conversation: list[dict[str, str]]) -> None:
-        if self.capacity <= 0:
-            return
-        self._items[response["id"]] = (response, conversation)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
-
-    def get(self, response_id: str, param: str | None = None
-            ) -> tuple[dict[str, Any], list[dict[str, str]]]:
-        if not response_id.startswith("resp"):  # malformed: 400, as OpenAI and vLLM answer
-            raise OpenAIError(400, f"Invalid '{param or 'response_id'}': {response_id!r}. "
-                                   "Expected an ID that begins with 'resp'.", param)
-        entry = self._items.get(response_id)
-        if entry is None:
-            raise OpenAIError(404, f"no stored response {response_id!r} (responses are kept in "
-                                   f"memory, the last {self.capacity} of them)", param)
-        return entry
+def open_response_store(capacity: int) -> ResponseStore | SharedResponseStore:
+    """This process's own store, or in a pool (--api-server-count) the one all share."""
+    pool = member()
+    if pool is None or capacity <= 0:
+        return ResponseStore(capacity)
+    return SharedResponseStore(pool.shared.file, capacity)
 
 
 class OpenAIServingResponses(ServingBase):
     def __init__(self, *args: Any):
         super().__init__(*args)
-        self.store = ResponseStore(self.settings.max_stored_responses)
+        self.store = open_response_store(self.settings.max_stored_responses)
 
     def retrieve(self, response_id: str) -> dict[str, Any]:
         return self.store.get(response_id)[0]
@@ -207,7 +190,7 @@ class OpenAIServingResponses(ServingBase):
         final = outs[-1]
         content, items = _output(plan, final.outputs[0].text)
         body = self._response(req, model, rid, msg_id, content, final, "completed", items)
-        self._keep(req, body, conversation, content, items)
+        await self._keep(req, body, conversation, content, items)
         return JSONResponse(body, headers=self.load_headers(raw))
 
     def _plan(self, req: ResponsesRequest, tools: list[dict[str, Any]]) -> ToolPlan:
@@ -218,11 +201,11 @@ class OpenAIServingResponses(ServingBase):
         return self.tool_plan(tools, chat_tool_choice(req.tool_choice), req.parallel_tool_calls,
                               "text.format" if req.constraint() is not None else None)
 
-    def _keep(self, req: ResponsesRequest, body: dict[str, Any],
-              conversation: list[dict[str, Any]], text: str,
-              items: list[dict[str, Any]] = ()) -> None:
+    async def _keep(self, req: ResponsesRequest, body: dict[str, Any],
+                    conversation: list[dict[str, Any]], text: str,
+                    items: list[dict[str, Any]] = ()) -> None:
         if req.store:
-            self.store.put(body, conversation + [assistant_turn(text, list(items))])
+            await self.store.put(body, conversation + [assistant_turn(text, list(items))])
 
     def _response(self, req: ResponsesRequest, model: str, rid: str, msg_id: str, text: str,
                   out: RequestOutput | None, status: str,
@@ -315,7 +298,7 @@ class OpenAIServingResponses(ServingBase):
             stream.abort()
         content, items = _output(plan, "".join(text_parts))
         body = self._response(req, model, rid, msg_id, content, last, "completed", items)
-        self._keep(req, body, conversation, content, items)
+        await self._keep(req, body, conversation, content, items)
         events = []
         if plain:
             events.append(message_closes(content))
