@@ -43,7 +43,10 @@ def attach_kv_connector(core: Any, config: KVTransferConfig | None, model: str
     info = EngineInfo(scheduler.block_size, parallel.tensor_parallel_size, model,
                       parallel.pipeline_parallel_size,
                       pin_memory=on_cuda and parallel.world_size == 1,
-                      kv_rows=_kv_rows(core))
+                      kv_rows=_kv_rows(core),
+                      # mp ranks share this host: fetched KV goes to them through /dev/shm
+                      ranks_share_memory=(parallel.world_size > 1 and
+                                          parallel.distributed_executor_backend == "mp"))
     connector = build_connector(config, info)
     core.kv_connector = scheduler.connector = scheduler.admission.connector = connector
     server = getattr(connector, "server", None)

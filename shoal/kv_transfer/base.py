@@ -55,6 +55,9 @@ class EngineInfo:
     # are then asynchronous)
     pin_memory: bool = False
     kv_rows: KVRows | None = None  # (None: not known here, checked by the runner only)
+    # every rank runs on this host (the mp executor): fetched KV reaches the ranks through
+    # shared memory, each reading its own heads, not inside the step's broadcast (shared.py)
+    ranks_share_memory: bool = False
 
 
 class KVConnector(ABC):

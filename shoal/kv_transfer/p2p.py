@@ -12,7 +12,9 @@ Consumer (kv_consumer / kv_both): a waiting request sent with those params is fe
 of `kv_fetch_workers` background threads (it waits unadmitted meanwhile, the others keep
 stepping); at most `kv_fetch_buffer_bytes` of fetched KV waits for admission at once (more
 fetches start as it is admitted). The prompt's token ids are checked against a hash the
-producer sends, and the rows go into the request's blocks in the step that admits it. Any
+producer sends, and the rows go into the request's blocks in the step that admits it (with
+several ranks on this host the fetched bytes land in shared memory and the step carries a
+handle: each rank reads its own heads there, shared.py). Any
 failure (the producer gone, the key expired or served already, another prompt, a timeout of
 `kv_fetch_timeout_s` on a receive) means the prompt is recomputed, never an error."""
 
@@ -35,6 +37,7 @@ from shoal.core.request import Request
 from shoal.kv_transfer.base import EngineInfo, KVConnector
 from shoal.kv_transfer.config import KVTransferConfig
 from shoal.kv_transfer.payload import KVPayload, host_buffer
+from shoal.kv_transfer.shared import SegmentMaker, to_ranks
 from shoal.kv_transfer.transport import KVServer, Reply, fetch
 
 logger = logging.getLogger(__name__)
@@ -92,6 +95,7 @@ class P2PConnector(KVConnector):
             if config.consumes else None
         self._fetching: dict[str, Future] = {}
         self._fetched: dict[str, _Fetched] = {}
+        self._segments = SegmentMaker()  # (used only when the ranks share this host's memory)
         self.num_loaded = self.num_failed = 0  # consumer: requests loaded / recomputed
         self.num_dropped = 0  # producer: kept KV dropped unfetched (TTL, buffer full)
         self.bytes_fetched, self.fetch_seconds = 0, 0.0  # consumer: successful fetches
@@ -208,8 +212,19 @@ class P2PConnector(KVConnector):
                            type(e).__name__, e)
             return _Fetched(0, None)
 
+    @property
+    def _ranks_via_shared_memory(self) -> int:
+        """How many ranks read fetched KV out of shared memory (0: it is broadcast, or
+        there is one rank). A consumer has one pipeline stage (factory.py)."""
+        tp = self.engine.tensor_parallel_size
+        return tp if self.engine.ranks_share_memory and tp > 1 else 0
+
     def _alloc(self, nbytes: int) -> memoryview:
-        # pinned: the device copies are asynchronous (one rank: TP ranks get the bytes by IPC)
+        if self._ranks_via_shared_memory:  # the ranks map it: nothing rides in the broadcast
+            view = self._segments.segment(nbytes)
+            if view is not None:
+                return view
+        # pinned: the device copies are asynchronous (one rank)
         return host_buffer(nbytes, pinned=self.engine.pin_memory)
 
     def admitted(self, req: Request, start: int, num_tokens: int, block_ids: list[int]) -> None:
@@ -217,8 +232,11 @@ class P2PConnector(KVConnector):
         if got is None or got.payload is None or num_tokens <= 0:
             return
         payload = got.payload
+        data = payload.data
+        if self._ranks_via_shared_memory:
+            data = to_ranks(data, self._ranks_via_shared_memory)  # a handle, not the bytes
         self._plan.loads.append(KVLoad(req.serial, list(block_ids), start, num_tokens,
-                                       payload.layout, payload.data))
+                                       payload.layout, data))
         got.payload = None  # used: a recompute after preemption computes instead
         self.num_loaded += 1
 
@@ -247,3 +265,4 @@ class P2PConnector(KVConnector):
             self.server.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        self._segments.sweep()

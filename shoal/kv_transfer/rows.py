@@ -7,7 +7,8 @@ V, or MLA's one latent row). A payload (payload.py) holds per layer the rows [pl
 of tokens [0, N) with all H KV heads (the producer runs one rank), in the cache dtype, as raw
 bytes (float8 has no index kernels on some devices, bytes have). Both directions take one
 indexed copy per layer over the request's slots (never a loop over blocks or tokens); on CUDA
-the host side is pinned and the copies are asynchronous."""
+the host side is pinned and the copies are asynchronous. A tensor-parallel rank reads only its
+heads' rows of the payload (shared with the other ranks of the host: shared.py)."""
 
 from __future__ import annotations
 
@@ -113,24 +114,31 @@ def check_layout(caches: list[torch.Tensor], layout: KVLayout, nbytes: int) -> N
 
 
 def scatter_rows(caches: list[torch.Tensor], layout: KVLayout, data, block_ids: list[int],
-                 block_size: int, start: int, num_tokens: int) -> None:
+                 block_size: int, start: int, num_tokens: int) -> int:
     """Writes rows [start, start + num_tokens) of a payload into the request's blocks: per
     layer one copy to the device (asynchronous from pinned memory) and one indexed write.
-    On CUDA the caller keeps `data` alive until the device has read it."""
+    On CUDA the caller keeps `data` alive until the device has read it. Returns the bytes of
+    rows this rank takes: one of several takes only its own heads (about 1/tp of them)."""
     host = _host_tensor(data)
     check_layout(caches, layout, host.numel())
     device = caches[0].device
     slots = _slots(block_ids, block_size, start, start + num_tokens, device)
     rank, world = get_tp_rank(), get_tp_world_size()
-    offset = 0
+    offset = read = 0
     for i, kv in enumerate(caches):
         size = layout.layer_nbytes(i)
         rows = host[offset:offset + size].view(layout.layers[i])
         offset += size
-        if device.type != "cpu":  # the whole layer at once: one contiguous copy
-            rows = rows.to(device, non_blocking=True)
         heads = _head_slice(layout.layers[i][2], kv.shape[2], rank, world)
-        dst, src = kv.view(torch.uint8), rows[:, start:start + num_tokens, heads]
+        src = rows[:, start:start + num_tokens, heads]
+        read += src.numel()
+        if device.type != "cpu":
+            if src.shape[2] == rows.shape[2]:  # all heads: the whole layer in one copy
+                src = rows.to(device, non_blocking=True)[:, start:start + num_tokens]
+            else:  # this rank's heads only cross to the device (gathered on the host)
+                src = src.contiguous().to(device, non_blocking=True)
+        dst = kv.view(torch.uint8)
         if dst.device.type == "cpu":
             dst, src = _wide(dst, src)
         dst.index_copy_(1, slots, src)
+    return read

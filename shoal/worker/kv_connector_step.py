@@ -13,7 +13,9 @@ import torch
 
 from shoal.core.kv_connector_plan import KVConnectorPlan
 from shoal.core.scheduler_output import ModelRunnerOutput
+from shoal.distributed.parallel_state import get_tp_rank
 from shoal.kv_transfer.rows import gather_rows, scatter_rows
+from shoal.kv_transfer.shared import open_rows
 
 
 class LoadKeeper:
@@ -37,11 +39,16 @@ _keeper = LoadKeeper()
 
 
 def run_loads(plan: KVConnectorPlan, caches: list[torch.Tensor], block_size: int) -> None:
-    for load in plan.loads:
-        scatter_rows(caches, load.layout, load.data, load.block_ids, block_size, load.start,
+    """A load's bytes come in the plan, or as a handle to shared memory where every
+    tensor-parallel rank of this host maps its own link (kv_transfer/shared.py) and reads
+    only its heads. (A consumer has one pipeline stage: kv_transfer/factory.py.)"""
+    rank = get_tp_rank()
+    buffers = [open_rows(load.data, rank) for load in plan.loads]
+    for load, data in zip(plan.loads, buffers):
+        scatter_rows(caches, load.layout, data, load.block_ids, block_size, load.start,
                      load.num_tokens)
     if plan.loads and caches[0].device.type == "cuda":
-        _keeper.keep([load.data for load in plan.loads])
+        _keeper.keep(buffers)
 
 
 def save_hook(plan: KVConnectorPlan, caches: list[torch.Tensor], block_size: int

@@ -42,6 +42,11 @@ def client_modules(tmp_path_factory):
     rc = protoc.main(["protoc", f"-I{GRPC_DIR}", f"--python_out={out}",
                       f"--grpc_python_out={out}", str(PROTO)])
     assert rc == 0
+    # A private descriptor pool: the server's own pb2 may already be in the default one (an
+    # in-process server in another test module), and one pool refuses the same symbols twice.
+    pb2 = out / "shoal_engine_pb2.py"
+    pb2.write_text(pb2.read_text().replace("_descriptor_pool.Default()",
+                                           "_descriptor_pool.DescriptorPool()"))
     sys.path.insert(0, str(out))
     try:
         return (importlib.import_module("shoal_engine_pb2"),

@@ -12,6 +12,7 @@ import pytest
 from engine_helpers import tiny_llm
 
 from shoal import SamplingParams
+from shoal.executor.commands import RunStep
 
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(37 + 5 * i)] for i in range(3)]
 STEPS = 8
@@ -106,22 +107,38 @@ def test_bad_transfer_settings_are_refused(tiny_llama_dir) -> None:
 
 @pytest.mark.slow
 def test_two_tensor_parallel_decode_ranks(tiny_llama_dir, reference) -> None:
-    """The producer runs one rank, the consumer two (gloo): each consumer rank writes its
-    own KV heads of the transferred rows. (The prompts are prefilled before the consumer
-    starts: two engines in one process share torch.distributed's world, which the consumer's
-    ranks then hold; the producer only serves its kept KV from then on.)"""
+    """The producer runs one rank, the consumer two (gloo, the mp executor): each consumer
+    rank writes its own KV heads of the transferred rows, read out of shared memory; the
+    steps sent to the ranks carry a handle, not the KV. (The prompts are prefilled before the
+    consumer starts: two engines in one process share torch.distributed's world, which the
+    consumer's ranks then hold; the producer only serves its kept KV from then on.)"""
     producer = _producer(tiny_llama_dir)
     params = [_prefill(producer, p) for p in PROMPTS]
+    kept = producer.llm_engine.core.kv_connector.stats()["kept_bytes"]
     consumer = tiny_llm(tiny_llama_dir, tensor_parallel_size=2, kv_transfer_config={
         "kv_connector": "P2PConnector", "kv_role": "kv_consumer"})
+    connector = consumer.llm_engine.core.kv_connector
+    assert connector.engine.ranks_share_memory  # mp ranks on one host
+    runner, sent = consumer.llm_engine.core.runner, []
+    broadcast = runner._broadcast
+
+    def record(cmd) -> None:
+        plan = cmd.sched.kv_connector if isinstance(cmd, RunStep) else None
+        if plan is not None and plan.loads:
+            sent.append(len(runner._encoder.encode(cmd)))
+        broadcast(cmd)
+
+    runner._broadcast = record
     try:
         outs = consumer.generate(
             [{"prompt_token_ids": p} for p in PROMPTS],
             [_greedy(kv_transfer_params=kp) for kp in params], use_tqdm=False)
-        assert consumer.llm_engine.core.kv_connector.num_loaded == len(PROMPTS)
+        assert connector.num_loaded == len(PROMPTS)
         for out, want in zip(outs, reference):
             assert list(out.outputs[0].token_ids) == want
             assert out.num_cached_tokens == len(out.prompt_token_ids) - 1
+        assert sent and sum(sent) < kept / 4  # the KV itself went through shared memory
+        assert connector._segments.sweep() == 0  # every rank mapped and let go of its link
     finally:
         producer.shutdown()
         consumer.shutdown()

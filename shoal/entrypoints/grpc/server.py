@@ -15,6 +15,7 @@ import shoal
 from shoal.engine.async_llm import AsyncLLM, QueueFullError, RequestStream
 from shoal.engine.output_processor import OutputKind
 from shoal.engine.request_errors import EngineDeadError, RequestTimeoutError
+from shoal.entrypoints.grpc import health
 from shoal.entrypoints.grpc import shoal_engine_pb2 as pb
 from shoal.entrypoints.grpc import shoal_engine_pb2_grpc as pb_grpc
 from shoal.entrypoints.openai.errors import OpenAIError, ServerShuttingDown
@@ -25,8 +26,9 @@ from shoal.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Methods a load balancer calls without credentials (as /health over HTTP).
-OPEN_METHODS = frozenset({"/shoal.v1.Engine/Health"})
+# Methods a load balancer calls without credentials (as /health over HTTP); reflection, as
+# HTTP's /openapi.json, needs the key.
+OPEN_METHODS = frozenset({"/shoal.v1.Engine/Health"}) | health.OPEN_METHODS
 _OPTIONAL_PARAMS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
 _HTTP_STATUS = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
                 503: grpc.StatusCode.UNAVAILABLE}
@@ -166,12 +168,13 @@ class EngineServicer(pb_grpc.EngineServicer):
         msg = pb.HealthResponse(status=pb.HealthResponse.SERVING, num_running=stats.num_running,
                                 num_waiting=stats.num_waiting,
                                 kv_cache_usage=stats.kv_cache_usage)
-        reason = await self._not_serving_reason()
+        reason = await self.not_serving_reason()
         if reason:
             msg.status, msg.reason = pb.HealthResponse.NOT_SERVING, reason
         return msg
 
-    async def _not_serving_reason(self) -> str:
+    async def not_serving_reason(self) -> str:
+        """Why the engine takes no requests now ("": it does); grpc.health.v1 asks it too."""
         if not self.engine.is_healthy:
             return f"engine dead: {self.engine.errored or 'the engine process is not running'}"
         if self.draining():
@@ -179,6 +182,8 @@ class EngineServicer(pb_grpc.EngineServicer):
         try:
             if await self.engine.is_sleeping():
                 return "sleeping"
+            if await self.engine.is_paused():  # (requests wait queued until resumed)
+                return "paused"
         except Exception as e:  # a core that does not answer is not serving
             return f"engine not responding: {e}"
         return ""
@@ -238,19 +243,26 @@ def _rejecting(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHa
             await deny(request, context)
             yield  # unreachable: makes this an async generator, as a streaming handler is
 
-        return grpc.unary_stream_rpc_method_handler(deny_stream, **kw)
-    return grpc.unary_unary_rpc_method_handler(deny, **kw)
+        make = (grpc.stream_stream_rpc_method_handler if handler.request_streaming  # reflection
+                else grpc.unary_stream_rpc_method_handler)
+        return make(deny_stream, **kw)
+    make = (grpc.stream_unary_rpc_method_handler if handler.request_streaming
+            else grpc.unary_unary_rpc_method_handler)
+    return make(deny, **kw)
 
 
 async def start_grpc_server(engine: AsyncLLM, models: ServedModels, settings: ServerSettings,
                             draining: Callable[[], bool], kv_events_address: str | None = None
-                            ) -> grpc.aio.Server:
-    """Binds --host:--grpc-port and starts serving on the running event loop; the caller stops
-    it (`await server.stop(grace)`)."""
+                            ) -> health.ControlPlane:
+    """Binds --host:--grpc-port and starts serving shoal.v1.Engine, grpc.health.v1.Health and
+    reflection on the running event loop; the caller stops it (`await plane.stop(grace)`:
+    health turns NOT_SERVING first)."""
     interceptors = [ApiKeyInterceptor(settings.api_key)] if settings.api_key else []
     server = grpc.aio.server(interceptors=interceptors)
     servicer = EngineServicer(engine, models, settings, draining, kv_events_address)
     pb_grpc.add_EngineServicer_to_server(servicer, server)
+    health_servicer = health.add_health_and_reflection(server, servicer.not_serving_reason)
+    await health_servicer.refresh()  # the engine is up: SERVING from the first call
     address = f"{settings.host}:{settings.grpc_port}"
     try:
         bound = server.add_insecure_port(address)
@@ -260,4 +272,4 @@ async def start_grpc_server(engine: AsyncLLM, models: ServedModels, settings: Se
         raise OSError(f"cannot listen for gRPC on {address}")
     await server.start()
     logger.info("gRPC control plane on %s", address)
-    return server
+    return health.ControlPlane(server, health_servicer)
