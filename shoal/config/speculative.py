@@ -28,6 +28,9 @@ _NOT_YET_KEYS = {"draft_tensor_parallel_size", "max_model_len", "quantization", 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     method: str
+    # mtp: drafts 1..n come from a checkpoint's first n MTP layers in a chain (n = its layer
+    # count, or fewer when this is smaller), drafts past them from the last layer alone
+    # (shoal/spec_decode/mtp_chain.py). vLLM has no setting for the layer count either.
     num_speculative_tokens: int
     prompt_lookup_min: int = 1  # ngram: shortest suffix matched in the context
     prompt_lookup_max: int = 5  # ngram: longest suffix tried first

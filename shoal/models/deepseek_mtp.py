@@ -13,7 +13,14 @@ For the token t at position p and the main model's (final-normed) hidden state h
     logits = head(shared_head.norm(y))                      # for the token at p + 2
 
 y is also what a further draft step feeds back in place of h. As in vLLM, the embedding of a
-row at position 0 is zeroed."""
+row at position 0 is zeroed.
+
+A checkpoint with num_nextn_predict_layers = n > 1 stores n such layers (depths), the j-th as
+model.layers.{num_hidden_layers + j}.*, each with its own norms, eh_proj, decoder layer and
+shared head. Depth j at position p reads depth j - 1's output y at p (depth 0: the main
+model's h) and the token j positions further on than depth 0's (the one at p + j + 1), and
+predicts the token at p + j + 2 (DeepSeek-V3's sequential MTP). DeepseekMTPDepths holds them;
+shoal/spec_decode/mtp_chain.py runs them as a drafter."""
 
 from __future__ import annotations
 
@@ -41,9 +48,9 @@ def num_mtp_layers(cfg: Any) -> int:
     return int(getattr(cfg, "num_nextn_predict_layers", 0) or 0)
 
 
-def mtp_prefix(cfg: Any) -> str:
-    """The checkpoint prefix of the first MTP layer (the only one shoal runs)."""
-    return f"model.layers.{cfg.num_hidden_layers}."
+def mtp_prefix(cfg: Any, depth: int = 0) -> str:
+    """The checkpoint prefix of the MTP layer of `depth` (0: the first)."""
+    return f"model.layers.{cfg.num_hidden_layers + depth}."
 
 
 class SharedHead(nn.Module):
@@ -54,11 +61,13 @@ class SharedHead(nn.Module):
 
 
 class DeepseekMTP(nn.Module):
-    """The first MTP layer of a DeepSeek-V3-family config."""
+    """One MTP layer of a DeepSeek-V3-family config (depth 0: the first)."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True,
+                 depth: int = 0):
         super().__init__()
         self.config = cfg
+        self.prefix = mtp_prefix(cfg, depth)
         h, eps, ops = cfg.hidden_size, cfg.rms_norm_eps, use_triton_ops
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h, dtype)
         self.enorm = RMSNorm(h, eps, dtype, ops)
@@ -66,7 +75,7 @@ class DeepseekMTP(nn.Module):
         self.eh_proj = ReplicatedLinear(2 * h, h, bias=False, params_dtype=dtype)
         # V3.2's MTP layer has the indexer too
         layer_cls = DeepseekV32DecoderLayer if is_sparse(cfg) else DeepseekDecoderLayer
-        self.mtp_block = layer_cls(cfg, dtype, cfg.num_hidden_layers, ops)
+        self.mtp_block = layer_cls(cfg, dtype, cfg.num_hidden_layers + depth, ops)
         self.shared_head = SharedHead(cfg, dtype, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -96,7 +105,7 @@ class DeepseekMTP(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      target: nn.Module) -> set[str]:
-        """Checkpoint tensors model.layers.{n}.* of the first MTP layer (others are ignored);
+        """Checkpoint tensors model.layers.{n}.* of this MTP layer (others are ignored);
         the embedding and the head fall back to the target's. Returns the names loaded;
         raises when a parameter of the layer was left unfilled."""
         params = dict(self.named_parameters())
@@ -128,7 +137,7 @@ class DeepseekMTP(nn.Module):
         """model.layers.{n}.X -> X for the layer's own tensors, mtp_block.X for its decoder
         layer's; interleaved rotary rows turned into halves, as the main model does."""
         cfg = self.config
-        prefix = mtp_prefix(cfg)
+        prefix = self.prefix
         interleaved = rope_is_interleaved(cfg)
         nope, rope, lora = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank
         for name, tensor in weights:
@@ -143,3 +152,29 @@ class DeepseekMTP(nn.Module):
                                            name):
                 tensor = deinterleave_rows(tensor, lora, rope, tensor.shape[0])
             yield name, tensor
+
+
+class DeepseekMTPDepths(nn.Module):
+    """The first `depths` MTP layers of a checkpoint, run as a chain (depth j: the MTP layer
+    model.layers.{num_hidden_layers + j}); each keeps its own KV cache."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, depths: int, use_triton_ops: bool = True):
+        super().__init__()
+        self.config = cfg
+        self.num_depths = depths
+        self.layers = nn.ModuleList([DeepseekMTP(cfg, dtype, use_triton_ops, depth=j)
+                                     for j in range(depths)])
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                prev_hidden: torch.Tensor, md: Any, depth: int = 0) -> torch.Tensor:
+        return self.layers[depth](input_ids, positions, prev_hidden, md)
+
+    def compute_logits(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        return self.layers[depth].compute_logits(hidden)
+
+    def attention_layers(self) -> list[LatentAttention]:
+        return [a for layer in self.layers for a in layer.attention_layers()]
+
+    def share_with(self, target: nn.Module, embed: bool, head: bool) -> None:
+        for layer in self.layers:
+            layer.share_with(target, embed, head)

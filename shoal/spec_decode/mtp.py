@@ -28,6 +28,10 @@ positions L-1, L, ... (replayed as CUDA graphs once captured: draft_graphs.py); 
 positions past the request's blocks go to per-row scratch blocks, and everything written
 past the computed tokens is overwritten by the next mirror before anyone reads it.
 
+A head with several MTP layers (num_depths > 1: DeepseekMTPDepths, Qwen3NextMTP with
+mtp_num_hidden_layers > 1) drafts 1..n with its n layers in a chain, each with its own KV
+cache, and goes on with the last one past them: shoal/spec_decode/mtp_chain.py.
+
 With confidence-scheduled verification on (speculative_config confidence_threshold), each
 draft also carries the head's probability of it, the softmax of its logits at the greedy
 token (exp(max - logsumexp), out of the logits the argmax reads anyway): draft 1's beside the
@@ -50,12 +54,13 @@ from shoal.config.speculative import SpeculativeConfig
 from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.host_to_device import to_device
 from shoal.loader.dummy import initialize_dummy_weights
-from shoal.models.deepseek_mtp import DeepseekMTP, mtp_prefix, num_mtp_layers
+from shoal.models.deepseek_mtp import DeepseekMTP, DeepseekMTPDepths, mtp_prefix, num_mtp_layers
 from shoal.models.qwen3_next import Qwen3NextForCausalLM
 from shoal.models.qwen3_next_mtp import PREFIX as QWEN_MTP_PREFIX
 from shoal.models.qwen3_next_mtp import Qwen3NextMTP
 from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.spec_decode.drafter_cache import DrafterCache
+from shoal.spec_decode.mtp_chain import MirrorPass, MirrorRequest, MtpChain
 from shoal.worker.drafter import TargetStep
 
 logger = logging.getLogger(__name__)
@@ -91,10 +96,10 @@ def check_mtp_target(hf_config: Any, qwen: bool = False) -> None:
 
 def read_mtp_tensors(source: str, hf_config: Any,
                      prefix: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """The first MTP layer's tensors of a safetensors folder (only those are read), one at a
-    time in the checkpoint's dtype (dequantized, when the checkpoint is quantized: see
+    """One MTP layer's tensors of a safetensors folder (only those are read), one at a time
+    in the checkpoint's dtype (dequantized, when the checkpoint is quantized: see
     shoal/quantization): DeepSeek-V3's layer holds 256 experts. prefix: the layer's
-    (DeepSeek's model.layers.{n}. by default)."""
+    (DeepSeek's first, model.layers.{n}., by default)."""
     from safetensors import safe_open
 
     from shoal.loader.safetensors_loader import safetensors_files
@@ -134,14 +139,24 @@ class DraftHead(Protocol):
 
 
 def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.Module:
-    """The target's first MTP layer (method "mtp"), loaded from the target's checkpoint."""
+    """The target's MTP layers (method "mtp"), loaded from the target's checkpoint: the
+    first min(layers, num_speculative_tokens) of them (mtp_chain.py)."""
     hf = loaded.hf_config
+    spec = config.speculative_config
+    k = spec.num_speculative_tokens if spec is not None else 1
+    depths = max(1, min(mtp_layer_count(hf), k))
+    if mtp_layer_count(hf) > 1:
+        logger.info("mtp: the checkpoint has %d MTP layers; drafts 1..%d use the first %d "
+                    "in a chain%s", mtp_layer_count(hf), depths, depths,
+                    f", the later {k - depths} the last one alone" if k > depths else "")
     if isinstance(target, Qwen3NextForCausalLM):  # (Qwen3.5's classes too)
-        return _qwen_mtp_head(config, target, loaded)
+        return _qwen_mtp_head(config, target, loaded, depths)
     check_mtp_target(hf)
     dtype = config.model_config.dtype
     with torch.device(config.device):
-        head = DeepseekMTP(hf, dtype, use_triton_ops=config.use_triton_ops)
+        head: nn.Module = (DeepseekMTP(hf, dtype, use_triton_ops=config.use_triton_ops)
+                           if depths == 1 else
+                           DeepseekMTPDepths(hf, dtype, depths, config.use_triton_ops))
     if config.model_config.load_format == "dummy":
         initialize_dummy_weights(head, seed=config.model_config.seed + 1)
         head.share_with(target, embed=True, head=True)
@@ -149,21 +164,19 @@ def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.M
         if loaded.load_format != "safetensors":
             raise ValueError("speculative_config: method 'mtp' loads its layer from a "
                              f"safetensors folder, not {loaded.load_format}")
-        head.load_weights(read_mtp_tensors(loaded.source, hf), target)
-    head.eval()
-    if num_mtp_layers(hf) > 1:
-        logger.info("mtp: the checkpoint has %d MTP layers; drafting with the first",
-                    num_mtp_layers(hf))
-    return head
+        for j, layer in enumerate([head] if depths == 1 else head.layers):
+            layer.load_weights(read_mtp_tensors(loaded.source, hf, mtp_prefix(hf, j)), target)
+    return head.eval()
 
 
-def _qwen_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.Module:
-    """Qwen3-Next's / Qwen3.5's MTP layer (mtp.*), on the target's embedding and head."""
+def _qwen_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any,
+                   depths: int) -> nn.Module:
+    """Qwen3-Next's / Qwen3.5's MTP layers (mtp.*), on the target's embedding and head."""
     hf = loaded.hf_config
     check_mtp_target(hf, qwen=True)
     with torch.device(config.device):
         head = Qwen3NextMTP(hf, config.model_config.dtype, target,
-                            use_triton_ops=config.use_triton_ops)
+                            use_triton_ops=config.use_triton_ops, depths=depths)
     if config.model_config.load_format == "dummy":
         initialize_dummy_weights(head, seed=config.model_config.seed + 1)
     elif loaded.load_format != "safetensors":
@@ -183,6 +196,11 @@ class HiddenStateDrafter(DrafterCache):
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig, head: nn.Module):
         self.model = head
         self._init_cache(config, spec.num_speculative_tokens)
+        # Several MTP layers: drafts 1..depths in a chain (mtp_chain.py), then the last one
+        self.depths = int(getattr(head, "num_depths", 1))
+        self.chain = None if self.depths == 1 else MtpChain(
+            self._run_depth, self._metadata, self.depths, head.config.hidden_size, self.dtype,
+            self.device, capacity=2 * self.max_rows)
         # With async scheduling the next target step is launched before this one is mirrored
         self.async_scheduling = config.async_scheduling
         self.confidence = spec.confidence_threshold is not None
@@ -236,6 +254,9 @@ class HiddenStateDrafter(DrafterCache):
             pos.extend(range(r.context_len, r.context_len + n))
             ids.extend(r.state.token_ids(r.context_len + 1, r.context_len + n + 1))
             kept.append((r, n))
+        if self.chain is not None:
+            for serial in failed:
+                self.chain.forget(serial)
         if not kept:
             return {}
         num_decodes = 0
@@ -245,66 +266,104 @@ class HiddenStateDrafter(DrafterCache):
                             [r.block_ids for r, _ in kept], num_decodes)
         row_t = to_device(rows, torch.long, self.device)
         h = hidden[row_t] if len(rows) != hidden.shape[0] else hidden
-        out = self.model(to_device(ids, torch.long, self.device),
-                         to_device(pos, torch.long, self.device), h, md)
-        return self._propose(kept, out) if propose else {}
+        ids_t = to_device(ids, torch.long, self.device)
+        out = self._run_depth(0, ids_t, to_device(pos, torch.long, self.device), h, md)
+        mirrored = None
+        if self.chain is not None:  # depths 1..n-1 over the rows whose tokens are now known
+            mirrored = self.chain.mirror([MirrorRequest(r.serial, r.context_len, n, r.block_ids)
+                                          for r, n in kept], ids_t, out)
+        return self._propose(kept, out, mirrored) if propose else {}
 
-    def _propose(self, kept: list[tuple[MtpRequest, int]], out: torch.Tensor
-                 ) -> dict[int, list[int]]:
+    def _propose(self, kept: list[tuple[MtpRequest, int]], out: torch.Tensor,
+                 mirrored: MirrorPass | None = None) -> dict[int, list[int]]:
         """Greedy drafts, up to k, fewer near max_model_len (as the draft model's)."""
-        last, reqs, lens = [], [], []
+        last, reqs, lens, picks = [], [], [], []
         self.last_draft_probs = {}
         row = 0
-        for r, n in kept:
+        for b, (r, n) in enumerate(kept):
             row += n
             seq_len = r.state.num_tokens
             if r.sample and seq_len < self.max_model_len - 1:
                 last.append(row - 1)
                 reqs.append(r)
                 lens.append(seq_len)
+                picks.append(b)
         if not reqs:
             return {}
         k = min(self.k, self.max_model_len - 1 - max(lens))
         if k < 1:
             return {}
         h = out[to_device(last, torch.long, self.device)]
-        ids, p = self._greedy_p(h) if self.confidence else (self._greedy(h), None)
-        drafts = ids[:, None]
+        ids, p = self._pick(h, 0)
+        cols, probs = [ids], [p]
+        depths = min(self.depths, k)
+        if depths > 1:  # drafts 2..depths: MTP layers 2..depths (eagerly)
+            assert self.chain is not None and mirrored is not None
+            cols, more, h = self.chain.draft(mirrored, picks, ids, depths, self._pick)
+            probs += more
+            ids = cols[-1]
+        drafts = torch.stack(cols, dim=1)
         if p is not None:
             self._prob_col.zero_()
-        if k > 1:  # drafts 2..k: the head's own steps (CUDA graphs when captured)
+        steps = k - depths
+        if steps > 0:  # the last layer's own steps (CUDA graphs when captured)
             start = [n - 1 for n in lens]  # the just-sampled token's position
-            need = [-(-(p + k - 1) // self.block_size) for p in start]
+            need = [-(-(p + steps) // self.block_size) for p in start]
             tables = [self._row_table(j, r.block_ids, nb)
                       for j, (r, nb) in enumerate(zip(reqs, need))]
-            drafts = torch.cat([drafts, self._greedy_steps(ids, h, start, tables, k - 1)],
+            drafts = torch.cat([drafts, self._greedy_steps(ids, h, start, tables, steps)],
                                dim=1)
         result = drafts.tolist()  # the one wait for the device
         if p is not None:
-            probs = torch.cat([p[:, None], self._probs[:len(reqs), :k - 1]], dim=1).tolist()
-            self.last_draft_probs = {r.serial: q for r, q in zip(reqs, probs)}
+            probs_t = torch.stack([q for q in probs if q is not None], dim=1)
+            probs_l = torch.cat([probs_t, self._probs[:len(reqs), :steps]], dim=1).tolist()
+            self.last_draft_probs = {r.serial: q for r, q in zip(reqs, probs_l)}
         return {r.serial: d for r, d in zip(reqs, result)}
+
+    def _run_depth(self, depth: int, ids: torch.Tensor, positions: torch.Tensor,
+                   hidden: torch.Tensor, md: Any) -> torch.Tensor:
+        """The head's (MTP layer `depth`'s) output states."""
+        if self.depths == 1:
+            return self.model(ids, positions, hidden, md)
+        return self.model(ids, positions, hidden, md, depth=depth)
+
+    def _pick(self, h: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy ids of output states h of layer `depth`, and with confidence-scheduled
+        verification their probabilities (else None)."""
+        if self.confidence:
+            return self._greedy_p(h, depth)
+        if self.depths == 1:
+            return self._greedy(h), None
+        return self._logits(h, depth).argmax(dim=-1), None
 
     def _draft_step(self, ids: torch.Tensor, positions: torch.Tensor,
                     hidden: torch.Tensor | None, md: Any
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        h = self.model(ids, positions, hidden, md)
-        if not self.confidence:
-            return self._greedy(h), h
-        next_ids, p = self._greedy_p(h)
+        last = self.depths - 1  # past the chain, the last layer goes on alone
+        assert hidden is not None
+        h = self._run_depth(last, ids, positions, hidden, md)
+        next_ids, p = self._pick(h, last)
+        if p is None:
+            return next_ids, h
         # Column j of the static buffer (modulo: graph warm-ups run the step more times)
         col = self._prob_col % self._probs.shape[1]
         self._probs[:p.shape[0]].index_copy_(1, col, p[:, None])
         self._prob_col.add_(1)
         return next_ids, h
 
+    def _logits(self, h: torch.Tensor, depth: int) -> torch.Tensor:
+        if self.depths == 1:
+            return self.model.compute_logits(h)
+        return self.model.compute_logits(h, depth=depth)
+
     def _greedy(self, h: torch.Tensor) -> torch.Tensor:
         """The head's greedy next token ids (the target's vocabulary) of output states h."""
         return self.model.compute_logits(h).argmax(dim=-1)
 
-    def _greedy_p(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _greedy_p(self, h: torch.Tensor, depth: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """_greedy's ids and the head's probability of each (float32), from one logits."""
-        logits = self.model.compute_logits(h)
+        logits = self._logits(h, depth)
         ids = logits.argmax(dim=-1)
         p = torch.exp(logits.amax(dim=-1).float() - torch.logsumexp(logits.float(), dim=-1))
         if hasattr(self.model, "to_target"):  # EAGLE-3: a draft vocabulary of its own
@@ -316,6 +375,12 @@ class HiddenStateDrafter(DrafterCache):
 
     def capture_graphs(self, pool: Any, max_blocks: int,
                        graphs_type: type[DraftGraphs] = DraftGraphs) -> float:
-        # Draft 1 comes from the mirror's output: with k = 1 no step is left to replay.
-        return super().capture_graphs(pool, max_blocks, graphs_type) if self.k > 1 else 0.0
+        # Draft 1 comes from the mirror's output, drafts 2..depths from the chain of MTP
+        # layers (eager): only the steps past them replay (none with k <= depths).
+        if self.depths > 1:
+            logger.info("mtp: drafts 2..%d run MTP layers 2..%d eagerly (not captured as "
+                        "CUDA graphs yet)", self.depths, self.depths)
+        if self.k <= self.depths:
+            return 0.0
+        return super().capture_graphs(pool, max_blocks, graphs_type)
 

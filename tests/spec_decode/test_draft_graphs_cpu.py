@@ -114,7 +114,7 @@ def test_draft_model_drafts_through_padded_graphs(tiny_llama_dir, tmp_path):
     """The draft model's k greedy steps replay the emulated graphs: lossless, and every
     proposal is the draft model's own greedy continuation (transformers)."""
     draft = _draft(tiny_llama_dir, tmp_path, 0.03)
-    sp = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = random_prompts(3, seed=2, lo=2, hi=20)
     want = _ids(tiny_llm(tiny_llama_dir).generate(prompts, sp, use_tqdm=False))
     llm = tiny_llm(tiny_llama_dir, attention_backend="triton", max_num_seqs=4,
