@@ -26,7 +26,9 @@ class AttentionBackend(ABC):
     # forward / forward_fused take `sinks` (gpt-oss): one learned logit per query head that
     # joins the softmax's denominator and carries no value.
     supports_sinks: bool = False
-    # forward takes `softcap` (Gemma 2: scores capped as softcap * tanh(scores / softcap))
+    # forward / forward_fused take `softcap` (Gemma 2: scores capped as
+    # softcap * tanh(scores / softcap)). A layer with a cap refuses, when bound, a backend
+    # without it: no path may drop the cap silently.
     supports_softcap: bool = False
     # forward_mla takes `select` (DeepSeek-V3.2's indexer: the keys each query reads)
     supports_sparse_mla: bool = False
@@ -50,7 +52,9 @@ class AttentionBackend(ABC):
         """Writes k, v [T, Hk, D] into their slots of kv_cache [2, slots, Hk, D], then
         attends q [T, Hq, D] over each request's context. Returns [T, Hq, D]. sinks [Hq]
         (only when supports_sinks): query head h's softmax also counts exp(sinks[h]).
-        k_scale=, v_scale= (only when supports_fp8_kv_cache): an FP8 cache's scales."""
+        k_scale=, v_scale= (only when supports_fp8_kv_cache): an FP8 cache's scales.
+        softcap= (only when supports_softcap): scores capped as softcap * tanh(s / softcap)
+        before the softmax, masked keys staying out of it."""
 
     def forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -59,7 +63,8 @@ class AttentionBackend(ABC):
                       scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """forward on q and k before their optional per-head RMSNorm (weight None: none) and
         neox rotary, which the backend applies while writing the cache. Only when
-        fuses_rope_and_cache_write; q may be modified in place."""
+        fuses_rope_and_cache_write; q may be modified in place. Takes forward's keywords
+        (sinks, k_scale, v_scale, softcap) under the same flags."""
         raise self._unsupported("fused rotary + cache write")
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,

@@ -14,7 +14,10 @@ produce zeros, tables have a fixed width, the split-K grid a fixed size. Eager c
 ask for the same with pad_decodes_to, block_table_width and decode_num_splits.
 
 An FP8 cache (kv_cache_dtype="fp8") goes through the same kernels, their KV_FP8 variants
-(picked from the cache's dtype): the scales are plain floats, constants of a captured graph."""
+(picked from the cache's dtype): the scales are plain floats, constants of a captured graph.
+So is a layer's soft cap (Gemma 2), which picks the kernels' SOFTCAP variants: every path
+(decode, split-K decode, prefill and chunked prefill, windows, sinks, the fused rotary write)
+applies it."""
 
 from __future__ import annotations
 
@@ -128,12 +131,14 @@ def build_triton_attention_metadata(
 def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            kv_cache: torch.Tensor, md: TritonAttentionMetadata,
                            scale: float, sinks: torch.Tensor | None = None,
-                           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                           k_scale: float = 1.0, v_scale: float = 1.0,
+                           softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hk, D]; kv_cache: [2, num_slots, Hk, D]; sinks: [Hq] or None;
-    k_scale, v_scale: an FP8 cache's scales. Returns [T, Hq, D]."""
+    k_scale, v_scale: an FP8 cache's scales; softcap: scores capped as
+    softcap * tanh(s / softcap), or None. Returns [T, Hq, D]."""
     _check_tokens(q, md)
     write_kv_cache(kv_cache, k, v, md.slot_mapping, k_scale, v_scale)
-    return _attend_cached(q, kv_cache, md, scale, sinks, k_scale, v_scale)
+    return _attend_cached(q, kv_cache, md, scale, sinks, k_scale, v_scale, softcap)
 
 
 def paged_attention_triton_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -142,14 +147,15 @@ def paged_attention_triton_fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  k_norm_weight: torch.Tensor | None, eps: float,
                                  kv_cache: torch.Tensor, md: TritonAttentionMetadata,
                                  scale: float, sinks: torch.Tensor | None = None,
-                                 k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                                 k_scale: float = 1.0, v_scale: float = 1.0,
+                                 softcap: float | None = None) -> torch.Tensor:
     """paged_attention_triton on q and k before their per-head RMSNorm (weights None: none)
     and neox rotary, which one kernel applies while writing the cache (see
     ops/rope_kv_write.py). q is rotated in place; k is left as it was."""
     _check_tokens(q, md)
     rope_kv_write(positions, q, k, v, cos_sin_cache, kv_cache, md.slot_mapping,
                   q_norm_weight, k_norm_weight, eps, k_scale, v_scale)
-    return _attend_cached(q, kv_cache, md, scale, sinks, k_scale, v_scale)
+    return _attend_cached(q, kv_cache, md, scale, sinks, k_scale, v_scale, softcap)
 
 
 def _check_tokens(q: torch.Tensor, md: TritonAttentionMetadata) -> None:
@@ -159,7 +165,7 @@ def _check_tokens(q: torch.Tensor, md: TritonAttentionMetadata) -> None:
 
 def _attend_cached(q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionMetadata,
                    scale: float, sinks: torch.Tensor | None, k_scale: float,
-                   v_scale: float) -> torch.Tensor:
+                   v_scale: float, softcap: float | None = None) -> torch.Tensor:
     """Decode and prefill attention over a cache that already holds the step's keys."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     nd = md.num_decode_rows
@@ -167,13 +173,13 @@ def _attend_cached(q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionM
         paged_decode(q[:nd], kv_cache, md.block_tables[:nd], md.seq_lens[:nd], md.block_size,
                      scale, sliding_window=md.sliding_window, num_splits=md.decode_num_splits,
                      max_seq_len=md.max_decode_seq_len, out=out[:nd], sinks=sinks,
-                     k_scale=k_scale, v_scale=v_scale)
+                     k_scale=k_scale, v_scale=v_scale, softcap=softcap)
     if md.num_prefills:
         # Whole tensors and first_row, not slices: see paged_prefill's kernel.
         paged_prefill(q, kv_cache, md.block_tables, md.seq_lens, md.query_start_loc,
                       md.max_query_len, md.block_size, scale,
                       sliding_window=md.sliding_window, out=out, first_row=nd, sinks=sinks,
-                      k_scale=k_scale, v_scale=v_scale)
+                      k_scale=k_scale, v_scale=v_scale, softcap=softcap)
     return out
 
 
@@ -223,12 +229,13 @@ class TritonGraphBuffers:
 
 class TritonAttentionBackend(AttentionBackend):
     """The AttentionBackend interface in full: fused rotary + cache write, CUDA graphs of
-    every step shape, latent attention, attention sinks, FP8 caches."""
+    every step shape, latent attention, attention sinks, soft-capping, FP8 caches."""
 
     name = "triton"
     supports_cuda_graphs = True
     supports_mla = True
     supports_sinks = True
+    supports_softcap = True
     supports_fp8_kv_cache = True
 
     def __init__(self, fuse_rope_and_cache_write: bool = True) -> None:
@@ -249,20 +256,22 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: TritonAttentionMetadata,
                 scale: float, sinks: torch.Tensor | None = None, *, k_scale: float = 1.0,
-                v_scale: float = 1.0) -> torch.Tensor:
-        return paged_attention_triton(q, k, v, kv_cache, md, scale, sinks, k_scale, v_scale)
+                v_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
+        return paged_attention_triton(q, k, v, kv_cache, md, scale, sinks, k_scale, v_scale,
+                                      softcap)
 
     def forward_fused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                       q_norm_weight: torch.Tensor | None, k_norm_weight: torch.Tensor | None,
                       eps: float, kv_cache: torch.Tensor, md: TritonAttentionMetadata,
                       scale: float, sinks: torch.Tensor | None = None, *,
-                      k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                      k_scale: float = 1.0, v_scale: float = 1.0,
+                      softcap: float | None = None) -> torch.Tensor:
         """forward on q and k before their optional per-head RMSNorm and rotary (see
         paged_attention_triton_fused); only while fuses_rope_and_cache_write."""
         return paged_attention_triton_fused(q, k, v, positions, cos_sin_cache, q_norm_weight,
                                             k_norm_weight, eps, kv_cache, md, scale, sinks,
-                                            k_scale, v_scale)
+                                            k_scale, v_scale, softcap)
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
                     md: TritonAttentionMetadata, scale: float, v_dim: int, *,

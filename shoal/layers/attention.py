@@ -5,7 +5,9 @@ sized, `backend` once at start-up); a fresh layer uses the torch reference backe
 With an FP8 cache (kv_cache_dtype="fp8") the layer hands its per-tensor k and v scales to the
 backend: 1.0 unless the checkpoint has them (set at load by shoal/loader/kv_scales.py, from
 `self_attn.k_scale` / `v_scale` or the projections' `output_scale`). They are plain floats:
-fixed once loaded, read on the host at each launch (a CUDA graph keeps them as constants)."""
+fixed once loaded, read on the host at each launch (a CUDA graph keeps them as constants).
+A soft-capped layer (Gemma 2) hands its cap to both forward paths the same way, and refuses
+a backend without supports_softcap as soon as the runner binds it: a cap is never dropped."""
 
 from __future__ import annotations
 
@@ -35,8 +37,25 @@ class Attention(nn.Module):
         self.softcap = softcap or None
         self.kv_cache: torch.Tensor | None = None  # [2, num_slots, Hk, D]
         self.kv_group = 0  # its KV cache group: which of a step's metadata it reads
-        self.backend: AttentionBackend = TorchAttentionBackend()
+        self.backend = TorchAttentionBackend()
         self.k_scale, self.v_scale = 1.0, 1.0  # an FP8 cache's scales (kv_quant.py)
+
+    @property
+    def backend(self) -> AttentionBackend:
+        return self._backend
+
+    @backend.setter
+    def backend(self, backend: AttentionBackend) -> None:
+        """Binds the backend (the runner does, at start-up); a soft-capped layer refuses one
+        that cannot cap, before any step runs."""
+        if self.softcap and not backend.supports_softcap:
+            raise self._no_softcap(backend)
+        self._backend = backend
+
+    @staticmethod
+    def _no_softcap(backend: AttentionBackend) -> NotImplementedError:
+        return NotImplementedError(f"the {backend.name} attention backend has no attention "
+                                   "soft-capping; use attention_backend='torch'")
 
     def set_kv_scales(self, k_scale: float | None, v_scale: float | None) -> None:
         """The checkpoint's scales of an FP8 KV cache (None: keep 1.0)."""
@@ -72,11 +91,7 @@ class Attention(nn.Module):
         if sinks is not None:
             self._check_sinks(sinks)
             kw["sinks"] = sinks
-        if self.softcap:
-            if not self.backend.supports_softcap:
-                raise NotImplementedError(f"the {self.backend.name} attention backend has no "
-                                          "attention soft-capping; use attention_backend='torch'")
-            kw["softcap"] = self.softcap
+        kw.update(self._softcap_kw())
         return self.backend.forward(q, k, v, cache, md, self.scale, **kw)
 
     @property
@@ -105,7 +120,17 @@ class Attention(nn.Module):
         if sinks is not None:
             self._check_sinks(sinks)
             kw["sinks"] = sinks
+        kw.update(self._softcap_kw())
         return self.backend.forward_fused(*args, **kw)
+
+    def _softcap_kw(self) -> dict[str, Any]:
+        """The cap for either forward path (checked again here: a backend's flag is a plain
+        attribute, and a cap must never be dropped)."""
+        if not self.softcap:
+            return {}
+        if not self.backend.supports_softcap:
+            raise self._no_softcap(self.backend)
+        return {"softcap": self.softcap}
 
     def _fp8_scales(self, cache: torch.Tensor) -> dict[str, Any]:
         if not kv_quant.is_fp8(cache):

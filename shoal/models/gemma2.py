@@ -6,8 +6,8 @@ scale query_pre_attn_scalar ** -0.5, sliding and full layers by config.layer_typ
 alternates them), tied embeddings. What differs: no norm on the query and key heads, one rope
 base for every layer, and two soft caps: each attention score becomes
 attn_logit_softcapping * tanh(score / attn_logit_softcapping) (the paged attention layer's
-softcap, which the torch attention backend applies; the Triton backend has none, and the
-compatibility table sends such a model to attention_backend='torch'), and the final logits
+softcap, which both the torch and the Triton attention backends apply, the latter in its
+fused rotary path too), and the final logits
 final_logit_softcapping * tanh(logits / final_logit_softcapping)."""
 
 from __future__ import annotations

@@ -98,9 +98,9 @@ class Gemma3Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        # norms, rotary, cache write fused (a backend that fuses them has no soft-capping:
-        # Attention.forward refuses that clearly)
-        if self.attn.fuses_rope and spans is None and not self.attn.softcap:
+        # norms, rotary, cache write fused; the soft cap goes along (a backend without one
+        # was refused when bound)
+        if self.attn.fuses_rope and spans is None:
             o = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, self.q_norm,
                                        self.k_norm, md)
         else:

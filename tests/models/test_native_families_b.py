@@ -190,20 +190,19 @@ def test_an_activation_the_class_lacks_is_refused(arch, model_type, act) -> None
 
 
 def test_a_backend_without_soft_capping_refuses_gemma2() -> None:
-    """The Triton backend fuses rotary into its cache write and has no soft cap: Gemma 2's
-    layers must not take that fused path (it would drop the cap) but say why they cannot run."""
-    from shoal.attention.metadata import build_attention_metadata
+    """A backend that cannot cap (here one that fuses rotary into its cache write, as Triton
+    does) must not run Gemma 2's layers without the cap: they refuse it when it is bound,
+    saying why. (The Triton backend caps: tests/attention/test_triton_softcap.py.)"""
     from shoal.attention.triton_backend import TritonAttentionBackend
     from shoal.models.gemma2 import Gemma2ForCausalLM
+
+    class NoCap(TritonAttentionBackend):
+        supports_softcap = False
 
     fam = FAMILIES["gemma2"]
     cfg = AutoConfig.for_model("gemma2", **{**COMMON, **fam.fields, "num_hidden_layers": 1})
     model = Gemma2ForCausalLM(cfg, torch.float32, use_triton_ops=False)
     for layer in model.attention_layers():
-        layer.backend = TritonAttentionBackend()
-        layer.kv_cache = torch.zeros(2, 8, layer.num_kv_heads, layer.head_dim)
-    md = build_attention_metadata(query_lens=[3], context_lens=[0], block_tables=[[0]],
-                                  block_size=4, num_decodes=0, sliding_window=None,
-                                  device=torch.device("cpu"), null_block=1)
-    with pytest.raises(NotImplementedError, match="soft-capping; use attention_backend='torch'"):
-        model(torch.tensor([3, 4, 5]), torch.arange(3), md)
+        with pytest.raises(NotImplementedError,
+                           match="soft-capping; use attention_backend='torch'"):
+            layer.backend = NoCap()

@@ -17,12 +17,18 @@ Attention sinks (gpt-oss: per query head, a logit in the softmax's denominator w
 start the online softmax of split 0 as if one key of that logit and a zero value had been
 seen: running max = the sink, sum = 1.
 
+Soft-capping (Gemma 2: each score becomes softcap * tanh(score / softcap)) is a constexpr
+variant (SOFTCAP; none of its work is compiled in otherwise): the dot product is scaled to
+score / softcap, capped by soft_cap, and only then masked and fed to the running max. The cap
+is a plain float of the layer, a constant of a captured CUDA graph. Sinks are not capped.
+
 An FP8 cache (KV_FP8, see ops/fp8.py): tiles are converted to q's dtype as loaded, k_scale is
 folded into qk_scale and v_scale multiplies each split's output."""
 
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import triton
@@ -34,8 +40,39 @@ from shoal.attention.ops.fp8 import check_fp8_cache
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: avoids inf - inf = nan on empty rows
 _LOG2E = 1.4426950408889634
 _LOG2E_C = tl.constexpr(_LOG2E)  # sinks are natural-log logits; the kernel works in base 2
+_NEG_2LOG2E = tl.constexpr(-2.0 * _LOG2E)
 MIN_SPLIT_TOKENS = 128  # a split shorter than two key tiles costs more than it saves
 MAX_SPLITS = 64
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """cap * tanh(x), through exp2: Triton has no tanh the interpreter also runs (libdevice's
+    is GPU-only). tanh|x| = (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1]: never inf."""
+    e = tl.exp2(tl.abs(x) * _NEG_2LOG2E)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t) * cap
+
+
+@triton.jit
+def logits(q, k, qk_scale, cap, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """q k^T as base-2 logits (see score_scales): scaled, then capped under SOFTCAP."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    if SOFTCAP:
+        s = soft_cap(s, cap)
+    return s
+
+
+def score_scales(scale: float, softcap: float | None) -> tuple[float, float]:
+    """The kernels' (qk_scale, cap) for an attention scale (an FP8 cache's k_scale folded in).
+    Without a cap the dot product times qk_scale is the base-2 logit; with one it is
+    score / softcap, which soft_cap(., cap) turns into softcap * tanh(score / softcap) in
+    base 2 (cap = softcap * log2 e)."""
+    if softcap is None:
+        return scale * _LOG2E, 0.0
+    if not (isinstance(softcap, (int, float)) and 0 < softcap < math.inf):
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
+    return scale / softcap, float(softcap) * _LOG2E
 
 
 # Per-step ints are not specialized (== 1, % 16), so steps do not trigger new compiles.
@@ -43,13 +80,13 @@ MAX_SPLITS = 64
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, sinks_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, v_scale, window, num_splits,
+    qk_scale, cap, v_scale, window, num_splits,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     num_heads,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kh = tl.program_id(1)
@@ -87,7 +124,7 @@ def _paged_decode_kernel(
         k = tl.load(k_cache_ptr + kv_off, mask=valid[:, None], other=0.0)
         if KV_FP8:
             k = k.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = logits(q, k, qk_scale, cap, SOFTCAP, DOT_PRECISION)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -168,11 +205,12 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
                  sliding_window: int | None = None, num_splits: int | None = None,
                  max_seq_len: int | None = None, out: torch.Tensor | None = None,
                  sinks: torch.Tensor | None = None, k_scale: float = 1.0,
-                 v_scale: float = 1.0) -> torch.Tensor:
+                 v_scale: float = 1.0, softcap: float | None = None) -> torch.Tensor:
     """q: [B, Hq, D], the query of the last token of each sequence (position seq_len - 1);
     kv_cache: [2, num_slots, Hk, D] (q's dtype, or FP8 read as stored * k_scale / v_scale);
     block_tables: int32 [B, N]; seq_lens: int32 [B], 0 for padded rows (their output is
-    zero); sinks: [Hq] logits or None. Returns out [B, Hq, D] in q's dtype.
+    zero); sinks: [Hq] logits or None; softcap: scores capped as softcap * tanh(s / softcap),
+    or None. Returns out [B, Hq, D] in q's dtype.
 
     num_splits None picks one from max_seq_len (default: the block-table capacity); pass a
     fixed value under CUDA-graph capture."""
@@ -194,6 +232,7 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         raise ValueError(f"num_splits {num_splits} out of range")
     check_sinks(sinks, hq, q.device)
     fp8 = check_fp8_cache(kv_cache, q.dtype)
+    qk_scale, cap = score_scales(scale * (k_scale if fp8 else 1.0), softcap)
 
     group = hq // hk
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -208,14 +247,14 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
     _paged_decode_kernel[(bsz, hk, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, sinks if sinks is not None else q,
         out, part_out, part_lse,
-        scale * _LOG2E * (k_scale if fp8 else 1.0), v_scale, sliding_window or 0, num_splits,
+        qk_scale, cap, v_scale, sliding_window or 0, num_splits,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1), hq,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=d,
         BLOCK_N=block_n, BLOCK_SIZE=block_size, SPLIT=num_splits > 1,
         USE_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8,
-        num_warps=4, num_stages=3 if d <= 128 else 2,
+        SOFTCAP=softcap is not None, num_warps=4, num_stages=3 if d <= 128 else 2,
     )
     if num_splits > 1:
         _split_reduce_kernel[(bsz, hq)](

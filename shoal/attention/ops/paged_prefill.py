@@ -12,6 +12,9 @@ tiles skip the causal and bounds masks; only the tail near the diagonal pays for
 Attention sinks (gpt-oss) start each row's online softmax as if one key of the row's head's
 sink logit, with a zero value, had been seen: running max = the sink, sum = 1.
 
+Soft-capping (SOFTCAP, Gemma 2) as in ops/paged_decode.py: scores are capped before the
+causal, bounds and window masks and the running max.
+
 An FP8 cache (KV_FP8, see ops/fp8.py): tiles are converted to q's dtype as loaded, k_scale is
 folded into qk_scale and v_scale multiplies the output."""
 
@@ -25,6 +28,7 @@ import triton.language as tl
 
 from shoal.attention.ops.checks import check_paged_inputs, check_sinks
 from shoal.attention.ops.fp8 import check_fp8_cache
+from shoal.attention.ops.paged_decode import logits, score_scales
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: rows masked out of a tile stay nan-free
 _LOG2E = 1.4426950408889634
@@ -33,9 +37,10 @@ _LOG2E_C = tl.constexpr(_LOG2E)  # sinks are natural-log logits; the kernel work
 
 @triton.jit
 def _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off, lo, hi,
-            qk_scale, window, stride_cs, offs_d,
+            qk_scale, cap, window, stride_cs, offs_d,
             BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr,
-            USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+            USE_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+            SOFTCAP: tl.constexpr):
     """Online-softmax update over keys [lo, hi). MASKED: apply bounds and causal masks (else
     every key in whole tiles of [lo, hi) is visible to every row)."""
     for n0 in range(lo, hi, BLOCK_N):
@@ -56,7 +61,7 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
         if KV_FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = logits(q, k, qk_scale, cap, SOFTCAP, DOT_PRECISION)
         if MASKED:
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         if USE_WINDOW:
@@ -76,11 +81,12 @@ def _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row, head_off,
 @triton.jit(do_not_specialize=["window", "num_q_tiles", "first_row", "stride_bt"])
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, query_start_ptr, out_ptr,
-    sinks_ptr, qk_scale, v_scale, window, num_q_tiles, first_row,
+    sinks_ptr, qk_scale, cap, v_scale, window, num_q_tiles, first_row,
     stride_qt, stride_qh, stride_cs, stride_ch, stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_WINDOW: tl.constexpr,
     HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     # Later query tiles see more keys: launch them first so the tail of the grid is short.
     tile = num_q_tiles - 1 - tl.program_id(0)
@@ -120,11 +126,13 @@ def _paged_prefill_kernel(
     bt_row = block_tables_ptr + seq * stride_bt
     head_off = kh * stride_ch
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
-                            head_off, lo, mid, qk_scale, window, stride_cs, offs_d,
-                            BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, DOT_PRECISION, KV_FP8)
+                            head_off, lo, mid, qk_scale, cap, window, stride_cs, offs_d,
+                            BLOCK_N, BLOCK_SIZE, False, USE_WINDOW, DOT_PRECISION, KV_FP8,
+                            SOFTCAP)
     acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_pos, k_cache_ptr, v_cache_ptr, bt_row,
-                            head_off, mid, hi, qk_scale, window, stride_cs, offs_d,
-                            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION, KV_FP8)
+                            head_off, mid, hi, qk_scale, cap, window, stride_cs, offs_d,
+                            BLOCK_N, BLOCK_SIZE, True, USE_WINDOW, DOT_PRECISION, KV_FP8,
+                            SOFTCAP)
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     if KV_FP8:
         o = o * v_scale
@@ -170,7 +178,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
                   block_size: int, scale: float, *, sliding_window: int | None = None,
                   out: torch.Tensor | None = None, first_row: int = 0,
                   block_m: int | None = None, sinks: torch.Tensor | None = None,
-                  k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
+                  k_scale: float = 1.0, v_scale: float = 1.0,
+                  softcap: float | None = None) -> torch.Tensor:
     """q: [T, Hq, D]; kv_cache: [2, num_slots, Hk, D] already holding every key, the new ones
     included (q's dtype, or FP8 read as stored * k_scale / v_scale); block_tables: int32
     [P, N]; seq_lens: int32 [P] (context + query tokens);
@@ -178,8 +187,8 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     outside them are left untouched in out); max_query_len: an upper bound on any
     query_start_loc difference (it sizes the grid). Rows before first_row of the per-request
     tensors belong to others (decodes) and are skipped. block_m forces the query tile height
-    (warmup compiles each one). sinks: [Hq] logits or None. Returns out [T, Hq, D] in q's
-    dtype."""
+    (warmup compiles each one). sinks: [Hq] logits or None; softcap: scores capped as
+    softcap * tanh(s / softcap), or None. Returns out [T, Hq, D] in q's dtype."""
     t, hq, d = q.shape
     hk = kv_cache.shape[2]
     if query_start_loc.dtype != torch.int32 or query_start_loc.dim() != 1 \
@@ -201,6 +210,7 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
         raise ValueError(f"sliding_window must be >= 1, got {sliding_window}")
     check_sinks(sinks, hq, q.device)
     fp8 = check_fp8_cache(kv_cache, q.dtype)
+    qk_scale, cap = score_scales(scale * (k_scale if fp8 else 1.0), softcap)
 
     group = hq // hk
     block_g = triton.next_power_of_2(group)
@@ -217,13 +227,14 @@ def paged_prefill(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.T
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     _paged_prefill_kernel[(num_q_tiles, num_seqs, hk)](
         q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out,
-        sinks if sinks is not None else q, scale * _LOG2E * (k_scale if fp8 else 1.0), v_scale,
+        sinks if sinks is not None else q, qk_scale, cap, v_scale,
         sliding_window or 0, num_q_tiles, first_row,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, BLOCK_G=block_g, BLOCK_M=block_m, HEAD_DIM=d, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, USE_WINDOW=sliding_window is not None,
         HAS_SINKS=sinks is not None, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        KV_FP8=fp8, num_warps=8 if block_m * shrink >= 128 else 4, num_stages=2,
+        KV_FP8=fp8, SOFTCAP=softcap is not None,
+        num_warps=8 if block_m * shrink >= 128 else 4, num_stages=2,
     )
     return out
