@@ -142,7 +142,8 @@ class PoolingModel(Protocol):
     hidden_size: int
     # Outputs of the classifier (0: none; 1: a cross-encoder's relevance logit).
     num_labels: int
-    # The token classify() reads: CLS or LAST (None without a classifier).
+    # What classify() reads: the CLS or LAST token, or the MEAN of the tokens (None without a
+    # classifier).
     classifier_pooling_type: str | None
     # token_output() gives the per-token tasks' results (BGE-M3's heads); otherwise they are
     # the hidden states themselves, truncated and normalized as embeddings are.

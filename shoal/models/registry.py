@@ -72,6 +72,11 @@ _POOLING_MODELS: dict[str, tuple[str, str]] = {
                                        "LlamaForSequenceClassification"),
     "Qwen2ForSequenceClassification": ("shoal.models.llama_pooling",
                                        "Qwen2ForSequenceClassification"),
+    "EuroBertModel": ("shoal.models.eurobert", "EuroBertModel"),
+    "EuroBertForMaskedLM": ("shoal.models.eurobert", "EuroBertForMaskedLM"),
+    "EuroBertForSequenceClassification": ("shoal.models.eurobert",
+                                          "EuroBertForSequenceClassification"),
+    "JinaEmbeddingsV5Model": ("shoal.models.eurobert", "JinaEmbeddingsV5Model"),
 }
 
 # model_type -> architecture, for configs that do not list `architectures`.
@@ -107,6 +112,7 @@ _BY_MODEL_TYPE = {
     "bert": "BertModel",
     "roberta": "RobertaModel",
     "xlm-roberta": "XLMRobertaModel",
+    "eurobert": "EuroBertModel",
 }
 
 

@@ -220,6 +220,7 @@ def test_model_follows_the_interface(arch: str) -> None:
 # architecture -> (transformers model_type, config fields); BERT-sized tiny shapes
 _ENCODER = dict(vocab_size=512, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                 intermediate_size=64, max_position_embeddings=64)
+_EUROBERT = {**TINY_COMMON, "pad_token_id": 0, "mask_token_id": 3}
 POOLING_ARCHITECTURES = {
     "BertModel": ("bert", _ENCODER),
     "BertForSequenceClassification": ("bert", {**_ENCODER, "num_labels": 3}),
@@ -232,6 +233,12 @@ POOLING_ARCHITECTURES = {
                                                            "num_labels": 2}),
     "LlamaForSequenceClassification": ("llama", {**TINY_COMMON, "num_labels": 2}),
     "Qwen2ForSequenceClassification": ("qwen2", {**TINY_COMMON, "num_labels": 1}),
+    "EuroBertModel": ("eurobert", _EUROBERT),
+    "EuroBertForMaskedLM": ("eurobert", _EUROBERT),
+    # (this check admits CLS or LAST classifiers: "bos"; "mean" and "late": test_eurobert.py)
+    "EuroBertForSequenceClassification": ("eurobert", {**_EUROBERT, "num_labels": 2,
+                                                       "classifier_pooling": "bos"}),
+    "JinaEmbeddingsV5Model": ("eurobert", {**_EUROBERT, "is_decoder": False}),
 }
 # Causal LMs run as embedders (latent attention is refused under pooling: the compatibility
 # table's row, shoal/engine/compatibility.py).
@@ -260,7 +267,7 @@ def _check_declarations(model: PoolingModel) -> None:
     assert classifier == (type(model).classify is not PoolingModelBase.classify)
     assert model.has_token_heads == (type(model).token_output is not PoolingModelBase.token_output)
     if classifier:
-        assert model.classifier_pooling_type in ("CLS", "LAST")
+        assert model.classifier_pooling_type in ("CLS", "LAST", "MEAN")
         assert ("score" in tasks) == (model.num_labels == 1)  # a cross-encoder
     else:
         assert set(EMBED_TASKS) <= set(tasks)
