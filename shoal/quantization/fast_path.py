@@ -13,7 +13,13 @@ Used by loader/build.py around a model's load, only on CUDA with a bfloat16 or f
    (methods.make_quant_linear picks its kernel; where none fits, the rows are dequantized into
    its dense weight), its dense weight freed. Online FP8, and dummy weights of a checkpoint
    config that names a scheme (benchmarks: random weights quantized by that scheme), quantize
-   the dense linears here, on the device."""
+   the dense linears here, on the device.
+
+MoE experts (FusedMoE) in FP8 stay FP8 the same way: a layer whose w13 and w2 arrived whole
+and packed gets `install_fp8` (shoal/layers/moe/triton_experts_fp8.py: block-scaled or
+per-channel experts); one that cannot (INT4 experts, a tensor-parallel slice off the scale
+groups, a GPU without FP8) is dequantized into its dense experts, with a log line saying
+why. Online FP8 and dummy weights of an FP8 config quantize the dense experts at finish."""
 
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ from torch import nn
 
 from shoal import envs
 from shoal.quantization.config import QuantizationConfig
-from shoal.quantization.handles import PackedLoading, StandIns
+from shoal.quantization.handles import LayerParts, PackedLoading, StandIns
 from shoal.quantization.packed import (
     PackedLinear,
     awq_packed,
@@ -75,6 +81,12 @@ def dense_scheme(q: QuantizationConfig) -> Any:
         sym = q.sym if q.quant_method == "gptq" else False
         return lambda w: quantize_int4(w, q.group_size, sym)
     return None
+
+
+def expert_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The FusedMoE layers that can hold FP8 experts and do not yet, by name."""
+    return {name: m for name, m in model.named_modules()
+            if hasattr(m, "install_fp8") and getattr(m, "quant", None) is None}
 
 
 def fast_layers(model: nn.Module) -> dict[str, nn.Module]:
@@ -126,7 +138,8 @@ class FastPath:
     def loading(self, model: nn.Module) -> Any:
         if self.dummy:
             return nullcontext()
-        self._loading = PackedLoading(model, self.stand_ins, set(fast_layers(model).values()))
+        self._loading = PackedLoading(model, self.stand_ins, set(fast_layers(model).values()),
+                                      set(expert_layers(model).values()))
         return self._loading
 
     @torch.no_grad()
@@ -161,6 +174,7 @@ class FastPath:
                 if q is not None:
                     bytes_packed += self._install(layer, q)
                     counts[q.name] += 1
+        bytes_packed += self._finish_experts(model, counts)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the dense weights' memory, for the KV cache
         if counts:
@@ -169,6 +183,65 @@ class FastPath:
                         bytes_packed / 2**20)
         self._loading = None
         return dict(counts)
+
+    def _finish_experts(self, model: nn.Module, counts: Counter[str]) -> int:
+        """FP8 experts installed (or dequantized, logged); their bytes."""
+        loading = self._loading
+        stacks: dict[nn.Module, dict[str, Any]] = {}
+        for (layer, which), lp in (loading.expert_parts if loading else {}).items():
+            stacks.setdefault(layer, {})[which] = lp
+        refused = dict(loading.refused) if loading else {}
+        nbytes = 0
+        for layer, lps in stacks.items():
+            why = refused.get(layer) or experts_problem(lps, self.device)
+            q = None
+            if why is None:
+                try:
+                    q = fp8_experts(lps["w13"], lps["w2"])
+                except ValueError as e:
+                    why = str(e)
+            if q is None:
+                refused[layer] = why
+                for which, lp in lps.items():
+                    dequantize_expert_rows(getattr(layer, f"{which}_weight"), lp)
+                continue
+            layer.install_fp8(q)
+            nbytes += q.nbytes
+            counts[q.name] += 1
+        if self.qconfig.quant_method == "fp8" and (self.qconfig.online or self.dummy):
+            nbytes += self._quantize_dense_experts(model, counts, refused, set(stacks))
+        names = {m: n for n, m in model.named_modules()}
+        for why, layers in _by_reason(refused).items():
+            counts[f"dense experts ({why})"] += len(layers)
+            logger.info("MoE experts of %d layer(s) (e.g. %s) kept dense, not FP8: %s",
+                        len(layers), names.get(layers[0], "?"), why)
+        return nbytes
+
+    def _quantize_dense_experts(self, model: nn.Module, counts: Counter[str],
+                                refused: dict[nn.Module, str], done: set[nn.Module]) -> int:
+        """Online FP8 (per channel) and dummy weights (the config's blocks): dense experts
+        quantized on the device, one expert at a time."""
+        from shoal.layers.quantization.methods import fp8_supported
+
+        block = None if self.qconfig.online else self.qconfig.weight_block_size
+        nbytes = 0
+        for layer in expert_layers(model).values():
+            if layer in done or layer in refused:
+                continue
+            if not fp8_supported(self.device):
+                refused[layer] = "no FP8 tensor cores on this GPU"
+                continue
+            stack = [_stack([quantize_fp8(w, block) for w in getattr(layer, p).data])
+                     for p in ("w13_weight", "w2_weight")]
+            try:
+                q = fp8_experts(*stack)
+            except ValueError as e:
+                refused[layer] = str(e)
+                continue
+            layer.install_fp8(q)
+            nbytes += q.nbytes
+            counts[q.name] += 1
+        return nbytes
 
     def _install(self, layer: nn.Module, q: Any) -> int:
         layer.quant = q
@@ -182,3 +255,52 @@ def make(packed: PackedLinear, device: torch.device) -> Any:
     from shoal.layers.quantization.methods import make_quant_linear
 
     return make_quant_linear(packed, device)
+
+
+# ---- FP8 experts ------------------------------------------------------------------------------
+
+def experts_problem(lps: dict[str, LayerParts], device: torch.device) -> str | None:
+    """Why an expert stack's received parts cannot run as FP8 experts (None: they can)."""
+    from shoal.layers.quantization.methods import fp8_supported
+
+    if set(lps) != {"w13", "w2"}:
+        return "only one of the two projections arrived packed"
+    if any(lp.mixed or not bool(lp.present.bool().all()) for lp in lps.values()):
+        return "some experts' shards arrived dense"
+    if not fp8_supported(device):
+        return "no FP8 tensor cores on this GPU"
+    return None
+
+
+def fp8_experts(w13: LayerParts, w2: LayerParts) -> Any:
+    """triton_experts_fp8.FP8Experts from the two stacks' parts; ValueError: why not."""
+    from shoal.layers.moe.triton_experts_fp8 import make_fp8_experts
+
+    return make_fp8_experts(w13.parts["weight"], w13.parts["scale"], w13.group,
+                            w2.parts["weight"], w2.parts["scale"], w2.group,
+                            w13.parts.get("input_scale"), w2.parts.get("input_scale"))
+
+
+def dequantize_expert_rows(param: torch.Tensor, lp: LayerParts) -> None:
+    """The rows packed shards filled, dequantized into the dense expert stack, one expert at
+    a time (a whole stack in float32 would be several times its size)."""
+    for e in range(param.shape[0]):
+        rows = lp.present[e].bool().view(-1)
+        if bool(rows.any()):
+            one = PackedLinear(lp.kind, lp.in_features, lp.group,
+                               {n: t[e] for n, t in lp.parts.items()}, lp.perm)
+            param.data[e][rows] = dequantize_packed(one)[rows].to(param.dtype)
+
+
+def _stack(packed: list[PackedLinear]) -> LayerParts:
+    """Per-expert PackedLinears (one scheme) as one stack's LayerParts."""
+    p = packed[0]
+    parts = {n: torch.stack([q.parts[n] for q in packed]) for n in p.parts}
+    return LayerParts(p.kind, p.group, p.in_features, 1, parts)
+
+
+def _by_reason(refused: dict[nn.Module, str]) -> dict[str, list[nn.Module]]:
+    out: dict[str, list[nn.Module]] = {}
+    for layer, why in refused.items():
+        out.setdefault(why, []).append(layer)
+    return out

@@ -12,7 +12,13 @@ output rows first, the loader puts each part's rows where it would have put the 
 A stand-in that reaches a layer that cannot run packed (not a shoal linear, a weight read
 as a tensor, a shard whose parts disagree with the layer's others) is dequantized there and
 loaded dense. One that no loader ever sees (a model that copies or reshapes weights itself)
-is an error at the end of the load, never garbage in a layer."""
+is an error at the end of the load, never garbage in a layer.
+
+FusedMoE layers (`experts`) take FP8 experts the same way: their w13_weight / w2_weight
+[E, rows, K] get part buffers [E, rows, ...] that FusedMoE's own loader fills expert by expert
+and shard by shard (gate / up rows, this rank's down columns); other packed kinds (INT4), and
+a rank's share of the down inputs that is not whole scale groups, are dequantized there
+(`refused` says why, for the log)."""
 
 from __future__ import annotations
 
@@ -69,14 +75,15 @@ class StandIns:
 
 @dataclass
 class LayerParts:
-    """A layer's packed parts as its loader placed them ([rows of the layer, ...] each)."""
+    """A layer's packed parts as its loader placed them ([rows of the layer, ...] each; an
+    expert stack's [E, rows, ...])."""
 
     kind: str
     group: int
     in_features: int  # this rank's K
     split: int  # inputs of the checkpoint tensor over the layer's (row-parallel ranks)
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
-    present: torch.Tensor | None = None  # uint8 [rows, 1]: rows a packed shard filled
+    present: torch.Tensor | None = None  # uint8 [(E,) rows, 1]: rows a packed shard filled
     perm: torch.Tensor | None = None
     mixed: bool = False  # some shard came dense: the layer stays dense
 
@@ -84,19 +91,29 @@ class LayerParts:
         return PackedLinear(self.kind, self.in_features, self.group, self.parts, self.perm)
 
 
-class PackedLoading:
-    """Swaps every parameter's weight_loader while a model loads (`with` block); `layers`
-    maps the layers that may run packed to the name of their weight parameter."""
+# An expert stack's parts are keyed by (FusedMoE layer, "w13" or "w2").
+ExpertKey = tuple[nn.Module, str]
 
-    def __init__(self, model: nn.Module, stand_ins: StandIns, layers: set[nn.Module]):
+
+class PackedLoading:
+    """Swaps every parameter's weight_loader while a model loads (`with` block); `layers`:
+    the linear layers that may run packed, `experts`: the FusedMoE layers that may."""
+
+    def __init__(self, model: nn.Module, stand_ins: StandIns, layers: set[nn.Module],
+                 experts: set[nn.Module] | None = None):
         self.model, self.stand_ins, self.fast = model, stand_ins, layers
+        self.experts = experts or set()
         self.parts: dict[nn.Module, LayerParts] = {}
+        self.expert_parts: dict[ExpertKey, LayerParts] = {}
+        self.refused: dict[nn.Module, str] = {}  # expert layers with a dequantized shard: why
         self._saved: list[tuple[nn.Parameter, Any]] = []
 
     def __enter__(self) -> PackedLoading:
         from shoal.layers.linear import default_weight_loader
 
-        owner = {id(m.weight): m for m in self.fast}
+        owner: dict[int, nn.Module | ExpertKey] = {id(m.weight): m for m in self.fast}
+        for m in self.experts:
+            owner[id(m.w13_weight)], owner[id(m.w2_weight)] = (m, "w13"), (m, "w2")
         for _, param in self.model.named_parameters():
             orig = getattr(param, "weight_loader", None)
             self._saved.append((param, orig))
@@ -112,17 +129,22 @@ class PackedLoading:
                 param.weight_loader = orig
         self._saved.clear()
 
-    def _load(self, layer: nn.Module | None, orig: Any, param: torch.Tensor,
+    def _load(self, owner: nn.Module | ExpertKey | None, orig: Any, param: torch.Tensor,
               loaded: torch.Tensor, *args: Any, **kw: Any) -> None:
         found = self.stand_ins.take(loaded)
         if found is None:
             return orig(param, loaded, *args, **kw)
         module, packed = found
-        target = self._parts_for(layer, param, packed)
+        if isinstance(owner, tuple):
+            table: dict = self.expert_parts
+            target = self._expert_parts_for(owner, param, packed)
+        else:
+            table = self.parts
+            target = self._parts_for(owner, param, packed, table)
         if target is None:
             dense = dequantize_packed(packed).to(param.dtype)
-            if layer in self.parts:
-                self.parts[layer].mixed = True
+            if owner in table:
+                table[owner].mixed = True
             return orig(param, dense, *args, **kw)
         for name, part in packed.parts.items():
             src = part if part.shape[1] > 1 or target.split == 1 else \
@@ -131,32 +153,44 @@ class PackedLoading:
         ones = torch.ones(packed.out_features, target.split, dtype=torch.uint8)
         orig(target.present, ones, *args, **kw)
 
-    def _parts_for(self, layer: nn.Module | None, param: torch.Tensor,
-                   p: PackedLinear) -> LayerParts | None:
-        """The layer's buffers, made for this first shard; None when it cannot take `p`."""
-        if layer is None or param.dim() != 2 or p.in_features % param.shape[1]:
+    def _expert_parts_for(self, owner: ExpertKey, param: torch.Tensor,
+                          p: PackedLinear) -> LayerParts | None:
+        if p.kind != "fp8":
+            self.refused.setdefault(owner[0], f"{p.kind} experts have no kernel here")
             return None
-        split = p.in_features // param.shape[1]
-        k = param.shape[1]
+        target = self._parts_for(owner, param, p, self.expert_parts)
+        if target is None:
+            self.refused.setdefault(owner[0], "a rank's share of the expert inputs is not "
+                                    "whole scale groups, or the experts' layouts differ")
+        return target
+
+    def _parts_for(self, key: nn.Module | ExpertKey | None, param: torch.Tensor,
+                   p: PackedLinear, table: dict) -> LayerParts | None:
+        """The layer's buffers, made for this first shard; None when it cannot take `p`."""
+        dims = 3 if isinstance(key, tuple) else 2
+        if key is None or param.dim() != dims or p.in_features % param.shape[-1]:
+            return None
+        split = p.in_features // param.shape[-1]
+        k = param.shape[-1]
         if split > 1 and (p.perm is not None or p.group % 8 or
                           (p.group < p.in_features and k % p.group)):
             return None  # a rank's inputs must be whole words and groups
         cols = {name: t.shape[1] for name, t in p.parts.items()}
         if any(c > 1 and c % split for c in cols.values()):
             return None
-        have = self.parts.get(layer)
+        have = table.get(key)
         if have is not None:
             same = (have.kind == p.kind and have.group == p.group and have.split == split
-                    and all(have.parts[n].shape[1] * (split if c > 1 else 1) == c
+                    and all(have.parts[n].shape[-1] * (split if c > 1 else 1) == c
                             for n, c in cols.items() if n in have.parts)
                     and set(have.parts) == set(cols)
                     and (have.perm is None) == (p.perm is None)
                     and (p.perm is None or torch.equal(have.perm, p.perm)))
             return have if same else None
-        rows, device = param.shape[0], param.device
-        parts = {name: torch.zeros(rows, max(c // split, 1), dtype=t.dtype, device=device)
+        rows, device = param.shape[:-1], param.device  # [N] or [E, N]
+        parts = {name: torch.zeros(*rows, max(c // split, 1), dtype=t.dtype, device=device)
                  for (name, t), c in zip(p.parts.items(), cols.values())}
         made = LayerParts(p.kind, p.group, k, split, parts,
-                          torch.zeros(rows, 1, dtype=torch.uint8, device=device), p.perm)
-        self.parts[layer] = made
+                          torch.zeros(*rows, 1, dtype=torch.uint8, device=device), p.perm)
+        table[key] = made
         return made

@@ -26,6 +26,11 @@ place, y += the delta of x through projection which ("w13" or "w2") of the rows'
 experts (an int or one per row) under the adapters of the rows' step tokens (None: row i is
 token i). The Triton path hands it the down projection's input already scaled by the routing
 weight, which its GEMM folds in (the delta is linear in it).
+
+FP8 experts (a DeepSeek-V3 / Qwen3-FP8 checkpoint on the GPU fast path,
+shoal/quantization/fast_path.py): `install_fp8` swaps the dense w13_weight / w2_weight for
+float8_e4m3fn tensors beside their scales (w13_weight_scale, w2_weight_scale), and `quant`
+(a triton_experts_fp8.FP8Experts) routes the forward to that file's grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ class FusedMoE(nn.Module):
     w13_bias [E, 2 * I / tp] and w2_bias [E, H] (the local experts' under EP)."""
 
     lora: Any = None  # a shoal.lora.expert_layers.ExpertLoRA when the engine serves adapters
+    quant: Any = None  # FP8Experts once install_fp8 ran: the experts are FP8
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None,
@@ -157,8 +163,11 @@ class FusedMoE(nn.Module):
         start = self.inter_rank * self.inter
         if shard_id == "w2":
             whole = loaded.dim() == 1  # the down bias: H, nothing to split
-            default_weight_loader(param.data[local],
-                                  loaded if whole else loaded.narrow(1, start, self.inter))
+            # this rank's columns: the intermediate dim, or of a packed FP8 part (its scale
+            # groups, quantization/handles.py) as many as the target holds
+            cols = param.shape[-1]
+            default_weight_loader(param.data[local], loaded if whole else
+                                  loaded.narrow(1, self.inter_rank * cols, cols))
             return
         offset = 0 if shard_id == "w1" else self.inter
         default_weight_loader(param.data[local].narrow(0, offset, self.inter),
@@ -175,10 +184,39 @@ class FusedMoE(nn.Module):
             mine = (local >= 0) & (local < self.local_num_experts)
             topk_ids = torch.where(mine, local, self.local_num_experts)
         lora = self.lora if self.lora is not None and self.lora.enabled() else None
-        out = fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                            self.use_triton_ops, foreign_ids=foreign, lora=lora,
-                            **self._extras(self.adds_down_bias))
+        out = self._experts(x, topk_weights, topk_ids, foreign, lora, self.adds_down_bias)
         return tp_all_reduce(out) if self.reduce_results else out
+
+    def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 foreign: bool, lora: Any, down_bias: bool) -> torch.Tensor:
+        if self.quant is None:
+            return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                 self.use_triton_ops, foreign_ids=foreign, lora=lora,
+                                 **self._extras(down_bias))
+        # FP8: always the Triton kernels (installed only where they run: fast_path.py)
+        from shoal.layers.moe.triton_experts_fp8 import experts_triton_fp8
+
+        if foreign:
+            topk_ids, topk_weights = _mask_foreign(topk_ids, topk_weights,
+                                                   self.local_num_experts)
+        return experts_triton_fp8(x, self.quant, topk_weights, topk_ids, lora=lora,
+                                  **self._extras(down_bias))
+
+    def install_fp8(self, q: Any) -> None:
+        """The experts from now on: q, a triton_experts_fp8.FP8Experts of this layer's shapes.
+        Its tensors become buffers, not parameters: no weight update can refill them (they
+        are refused, as for packed linears) and sleep keeps them at both levels."""
+        e, two_i, h = self.w13_weight.shape
+        if tuple(q.w13.shape) != (e, two_i, h) or tuple(q.w2.shape) != tuple(
+                self.w2_weight.shape):
+            raise ValueError(f"FP8 experts {tuple(q.w13.shape)} / {tuple(q.w2.shape)} do not "
+                             f"fit the layer's {(e, two_i, h)} / {tuple(self.w2_weight.shape)}")
+        for name, t in (("w13_weight", q.w13), ("w13_weight_scale", q.w13_scale),
+                        ("w2_weight", q.w2), ("w2_weight_scale", q.w2_scale)):
+            if hasattr(self, name):
+                delattr(self, name)
+            self.register_buffer(name, t)
+        self.quant = q
 
     def _extras(self, down_bias: bool) -> dict:
         """fused_experts' bias and activation arguments."""
@@ -189,5 +227,4 @@ class FusedMoE(nn.Module):
         """Rows dispatched here, one (token, expert) pair each: the expert's unweighted
         output (all_to_all_experts applies the routing weights at the token's rank)."""
         ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
-        return fused_experts(x, self.w13_weight, self.w2_weight, ones, local_ids[:, None],
-                             self.use_triton_ops, **self._extras(True))
+        return self._experts(x, ones, local_ids[:, None], False, None, True)
