@@ -248,15 +248,18 @@ ROWS: tuple[Incompatibility, ...] = (
         lambda s: s.spec_method in ("eagle", "eagle3") and s.linear_attention,
         "speculative_config: method 'eagle' has no head for {s.model_class}; use 'mtp', "
         "'draft_model' or 'ngram'"),
-    Incompatibility(  # (tensor parallelism works: drafters sharded, see worker/drafter.py)
-        "speculative_config", "pipeline_parallel_size > 1",
-        lambda s: s.speculative and s.pp > 1,
-        "speculative_config does not support pipeline_parallel_size > 1 yet (it does run "
-        "with tensor_parallel_size > 1)"),
+    Incompatibility(  # (TP: every method; PP: stage 0 drafts, see spec_decode/factory.py)
+        "speculative_config (eagle3, mtp)", "pipeline_parallel_size > 1",
+        lambda s: s.spec_method in ("eagle3", "mtp") and s.pp > 1,
+        "speculative_config: method {s.spec_method!r} does not support pipeline_parallel_size "
+        "> 1 yet; 'ngram', 'draft_model' and 'eagle' do (stage 0 drafts from the final hidden "
+        "states: EAGLE-3 would need every stage's, and no model with MTP layers is built per "
+        "stage)"),
     Incompatibility(
         "speculative_config", _DP_EP,
         lambda s: s.speculative and s.dp_ep,
-        "speculative_config does not support " + _DP_EP + " yet"),
+        "speculative_config does not support " + _DP_EP + " yet; replicas without "
+        "enable_expert_parallel do (each drafts for its own requests)"),
     Incompatibility(
         "speculative_config (draft_model, mtp, eagle)", "a model whose layers all slide",
         lambda s: s.drafter_with_kv and s.all_layers_sliding,
@@ -402,10 +405,10 @@ ROWS: tuple[Incompatibility, ...] = (
         lambda s: _deepseek_v4(s) and s.dp_ep,
         "DeepseekV4ForCausalLM does not support " + _DP_EP + " yet"),
     Incompatibility(
-        _V4, "speculative_config (mtp, eagle)",
-        lambda s: _deepseek_v4(s) and s.spec_method in ("mtp", "eagle", "eagle3"),
-        "speculative_config: method {s.spec_method!r} has no head for DeepseekV4ForCausalLM "
-        "(its multi-token-prediction layers are not loaded yet); use 'ngram'"),
+        _V4, "speculative_config (eagle)",
+        lambda s: _deepseek_v4(s) and s.spec_method in ("eagle", "eagle3"),
+        "speculative_config: method {s.spec_method!r} has no head for DeepseekV4ForCausalLM; "
+        "use 'mtp' (its multi-token-prediction layer) or 'ngram'"),
     Incompatibility(
         _V4, "kv_cache_dtype='fp8'",
         lambda s: _deepseek_v4(s) and getattr(s.args, "kv_cache_dtype", "auto") != "auto",

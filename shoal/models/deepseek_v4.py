@@ -15,9 +15,13 @@ keep the whole context (the full-attention tables: 1/m of a row a token), the wi
 the open groups' inputs drop the blocks behind their windows (one sliding group per window
 length: the attention's, m or 2m for CSA, m' for HCA).
 
-Not yet: the multi-token-prediction layers (skipped at load, with a log line), tensor
-parallelism, CUDA (the torch path reads host values per request; the compatibility table
-refuses CUDA), quantized (FP8 / FP4) checkpoints."""
+Multi-token prediction (speculative_config method "mtp"): the checkpoint's `mtp.*` layers are
+the drafter's (shoal/models/deepseek_v4_mtp.py), which reads the target's hyper-connection
+streams: with it, forward returns the last layer's streams flattened [T, hc * D] instead of
+the collapsed, normed state, and compute_logits collapses them first (output_streams).
+
+Not yet: tensor parallelism, CUDA (the torch path reads host values per request; the
+compatibility table refuses CUDA), quantized (FP8 / FP4) checkpoints."""
 
 from __future__ import annotations
 
@@ -111,11 +115,16 @@ class DeepseekV4Model(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 md: Any) -> torch.Tensor:
+        """The last layer's streams [T, hc, D]."""
         step = StepSpans.of(md, positions)
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, input_ids, positions, step)
+        return streams
+
+    def collapse(self, streams: torch.Tensor) -> torch.Tensor:
+        """Streams [T, hc, D] -> the final (normed) hidden state [T, D]."""
         return self.norm(self.hc_head(streams))
 
 
@@ -135,12 +144,22 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, dtype)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # An MTP drafter reads the streams (output_streams): forward then returns them
+        self.streams_out = False
+
+    def output_streams(self) -> None:
+        """From now on forward returns the last layer's streams flattened [T, hc * D] (the
+        hidden state an MTP drafter reads) and compute_logits collapses them first."""
+        self.streams_out = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: Any) -> torch.Tensor:
-        return self.model(input_ids, positions, attn_metadata)
+        streams = self.model(input_ids, positions, attn_metadata)
+        return streams.flatten(1) if self.streams_out else self.model.collapse(streams)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.streams_out:
+            hidden = self.model.collapse(hidden.view(hidden.shape[0], self.model.hc_mult, -1))
         return self.lm_head.compute_logits(hidden)
 
     def attention_layers(self) -> list[PagedRows]:  # type: ignore[override]
@@ -173,7 +192,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                                  f"{type(self).__name__}")
             load_tensor(param, tensor)
             loaded.add(name)
-        if skipped:
-            logger.info("skipped %d tensors of the multi-token-prediction layers (not "
-                        "supported yet)", skipped)
+        if skipped:  # read by the MTP drafter when there is one (mtp_name)
+            logger.info("skipped %d tensors of the multi-token-prediction layers (the MTP "
+                        "drafter's, speculative_config method 'mtp')", skipped)
         return loaded

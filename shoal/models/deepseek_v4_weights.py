@@ -7,7 +7,8 @@ in-memory names (`self_attn.q_a_proj`, `mlp.experts.gate_up_proj` stacked, `attn
 which shoal's modules follow. The rules below turn the first into the second; names already
 in transformers' spelling pass through (but for the indexer's `scorer.`, which shoal's
 indexer does not have). The multi-token-prediction layers (`mtp.*`, or layers past
-num_hidden_layers) map to None: they are not loaded yet."""
+num_hidden_layers) map to None for the main model: the MTP drafter loads them (mtp_name,
+shoal/models/deepseek_v4_mtp.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +47,17 @@ _TOP = {"embed.weight": "model.embed_tokens.weight", "head.weight": "lm_head.wei
 _LAYER = re.compile(r"^(?:model\.)?layers\.(\d+)\.(.*)$")
 
 
+# An MTP layer's own tensors (the rest are its decoder block's): DeepSeek's release spelling
+# -> DeepseekV4MTP's parameters; an embedding or head copy is optional (the target's is shared)
+_MTP_OWN = {"e_proj.weight": "e_proj.weight", "h_proj.weight": "h_proj.weight",
+            "enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight",
+            "norm.weight": "norm.weight", "hc_head_fn": "hc_head.hc_fn",
+            "hc_head_base": "hc_head.hc_base", "hc_head_scale": "hc_head.hc_scale",
+            "emb.tok_emb.weight": "embed_tokens.weight", "embed.weight": "embed_tokens.weight",
+            "head.weight": "lm_head.weight"}
+_MTP = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.*)$")
+
+
 def shoal_name(name: str, num_layers: int) -> str | None:
     """The parameter `name` fills, or None for a multi-token-prediction tensor."""
     if name.startswith(("mtp.", "model.mtp.")):
@@ -57,9 +69,23 @@ def shoal_name(name: str, num_layers: int) -> str | None:
         return name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
     if int(m[1]) >= num_layers:
         return None
-    rest = m[2]
+    return f"model.layers.{m[1]}.{layer_part_name(m[2])}"
+
+
+def layer_part_name(rest: str) -> str:
+    """A decoder layer's part of a tensor name (`attn.wq_a.weight`, `hc_ffn_fn`) in shoal's
+    spelling (`self_attn.q_a_proj.weight`, `ffn_hc.fn`)."""
     for pattern, replacement in _LAYER_RULES:
         if pattern.search(rest):
-            rest = pattern.sub(replacement, rest, count=1)
-            break
-    return f"model.layers.{m[1]}.{rest}"
+            return pattern.sub(replacement, rest, count=1)
+    return rest
+
+
+def mtp_name(name: str, depth: int = 0) -> str | None:
+    """The DeepseekV4MTP parameter the release's `mtp.{depth}.*` tensor fills (its decoder
+    block's under `mtp_block.`); None: not a tensor of that MTP layer."""
+    m = _MTP.match(name)
+    if m is None or int(m[1]) != depth:
+        return None
+    rest = m[2]
+    return _MTP_OWN.get(rest) or f"mtp_block.{layer_part_name(rest)}"

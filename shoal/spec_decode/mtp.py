@@ -1,7 +1,8 @@
 """Drafting from the target's hidden states: methods "mtp" and "eagle".
 
 Both draft with a small "head" that reads the target's final (normed) hidden states: "mtp"
-with DeepSeek-V3's multi-token-prediction layer (shoal/models/deepseek_mtp.py), "eagle" with
+with DeepSeek-V3's multi-token-prediction layer (shoal/models/deepseek_mtp.py; DeepSeek-V4's,
+whose hidden states are hyper-connection streams: deepseek_v4_mtp.py), "eagle" with
 an EAGLE-1 head for a Llama-family target (shoal/models/llama_eagle.py). HiddenStateDrafter
 runs either; a head is a module with
 
@@ -86,12 +87,17 @@ def mtp_layer_count(hf_config: Any) -> int:
 
 
 def check_mtp_target(hf_config: Any, qwen: bool = False) -> None:
-    if mtp_layer_count(hf_config) < 1 or not (qwen or hasattr(hf_config, "kv_lora_rank")):
+    family = qwen or hasattr(hf_config, "kv_lora_rank") or _is_v4(hf_config)
+    if mtp_layer_count(hf_config) < 1 or not family:
         raise ValueError(
             "speculative_config: method 'mtp' needs a model with multi-token-prediction "
-            "layers (a DeepSeek-V3-family config with num_nextn_predict_layers >= 1, or a "
-            f"Qwen3-Next / Qwen3.5 one with mtp_num_hidden_layers >= 1); "
+            "layers (a DeepSeek-V3-family or DeepSeek-V4 config with num_nextn_predict_layers "
+            ">= 1, or a Qwen3-Next / Qwen3.5 one with mtp_num_hidden_layers >= 1); "
             f"{getattr(hf_config, 'model_type', '?')} has none")
+
+
+def _is_v4(hf_config: Any) -> bool:
+    return getattr(hf_config, "model_type", None) == "deepseek_v4"
 
 
 def read_mtp_tensors(source: str, hf_config: Any,
@@ -142,6 +148,8 @@ def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.M
     """The target's MTP layers (method "mtp"), loaded from the target's checkpoint: the
     first min(layers, num_speculative_tokens) of them (mtp_chain.py)."""
     hf = loaded.hf_config
+    if _is_v4(hf):
+        return _v4_mtp_head(config, target, loaded)
     spec = config.speculative_config
     k = spec.num_speculative_tokens if spec is not None else 1
     depths = max(1, min(mtp_layer_count(hf), k))
@@ -184,6 +192,31 @@ def _qwen_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any,
                          f"safetensors folder, not {loaded.load_format}")
     else:
         head.load_weights(read_mtp_tensors(loaded.source, hf, QWEN_MTP_PREFIX))
+    return head.eval()
+
+
+def _v4_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.Module:
+    """DeepSeek-V4's first MTP layer (mtp.0.*), drafting every token (a chain of several
+    is not built for V4 yet); the target hands it its hyper-connection streams from now on."""
+    from shoal.models.deepseek_v4_mtp import PREFIX as V4_MTP_PREFIX
+    from shoal.models.deepseek_v4_mtp import DeepseekV4MTP
+
+    hf = loaded.hf_config
+    check_mtp_target(hf)
+    if mtp_layer_count(hf) > 1:
+        logger.info("mtp: the checkpoint has %d MTP layers; DeepSeek-V4 drafts with the "
+                    "first alone", mtp_layer_count(hf))
+    with torch.device(config.device):
+        head = DeepseekV4MTP(hf, config.model_config.dtype, config.use_triton_ops)
+    if config.model_config.load_format == "dummy":
+        initialize_dummy_weights(head, seed=config.model_config.seed + 1)
+        head.share_with(target, embed=True, head=True)
+    elif loaded.load_format != "safetensors":
+        raise ValueError("speculative_config: method 'mtp' loads its layer from a "
+                         f"safetensors folder, not {loaded.load_format}")
+    else:
+        head.load_weights(read_mtp_tensors(loaded.source, hf, V4_MTP_PREFIX), target)
+    target.output_streams()
     return head.eval()
 
 

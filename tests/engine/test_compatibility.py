@@ -19,6 +19,7 @@ def _hf(**extra):
 
 
 _SPEC = {"method": "ngram", "num_speculative_tokens": 2}
+_EAGLE3 = {"method": "eagle3", "model": "/tmp/eagle3", "num_speculative_tokens": 2}
 _DRAFT_MODEL = {"method": "draft_model", "model": "/tmp/draft", "num_speculative_tokens": 2}
 _EAGLE = {"method": "eagle", "model": "/tmp/eagle", "num_speculative_tokens": 2}
 _DP_EP = dict(data_parallel_size=2, enable_expert_parallel=True, data_parallel_rank=0,
@@ -59,8 +60,9 @@ CASES = [
      r"runner=.pooling. is not supported for Qwen3NextForCausalLM \(linear-attention layers\)"),
     (dict(speculative_config=_EAGLE), _HYBRID, "generate", "cpu", 64,
      "method 'eagle' has no head for Qwen3NextForCausalLM"),
-    (dict(speculative_config=_SPEC, pipeline_parallel_size=2), {}, "generate", "cpu", 64,
-     "speculative_config does not support pipeline_parallel_size > 1 yet"),
+    (dict(speculative_config=_EAGLE3, pipeline_parallel_size=2), {}, "generate", "cpu", 64,
+     "method 'eagle3' does not support pipeline_parallel_size > 1 yet; 'ngram', 'draft_model' "
+     "and 'eagle' do"),
     (dict(speculative_config=_SPEC, **_DP_EP), {}, "generate", "cpu", 64,
      r"speculative_config does not support enable_expert_parallel with data_parallel_size > 1 "
      r"\(DP\+EP\) yet"),
@@ -121,8 +123,8 @@ CASES = [
      "DeepseekV4ForCausalLM's layers are not tensor-parallel yet"),
     (_DP_EP, _V4, "generate", "cpu", 64,
      r"DeepseekV4ForCausalLM does not support enable_expert_parallel"),
-    (dict(speculative_config=_MTP), _V4, "generate", "cpu", 64,
-     "method 'mtp' has no head for DeepseekV4ForCausalLM"),
+    (dict(speculative_config=_EAGLE), _V4, "generate", "cpu", 64,
+     "method 'eagle' has no head for DeepseekV4ForCausalLM"),
     (dict(kv_cache_dtype="fp8"), _V4, "generate", "cpu", 64,
      "DeepseekV4ForCausalLM keeps its caches in the model dtype"),
     (dict(speculative_config=_SPEC),
