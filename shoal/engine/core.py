@@ -362,7 +362,8 @@ class EngineCore:
         depth = self._depth()
         launched = None
         if len(self.queue) < depth:
-            sched = self.scheduler.schedule(allow_drafts=not self.queue)
+            # (under micro-batches no request has a token in flight when it is scheduled)
+            sched = self.scheduler.schedule(allow_drafts=not self.queue or self.micro_batches > 1)
             if not sched.is_empty:
                 launched = self.queue.push(sched)  # before it runs: _recover fails it then
                 launched.handle = self.runner.execute(sched)

@@ -9,11 +9,16 @@ KV holds every position the target computed. After a step samples, the draft dec
 tokens from each sampling request's last token (replayed as CUDA graphs once captured:
 draft_graphs.py); positions past the request's blocks go to scratch blocks at the end of
 the draft's cache (one set per row). What it writes past the computed tokens is overwritten
-by the next mirror before anyone reads it."""
+by the next mirror before anyone reads it.
+
+Pipeline parallelism: the draft model runs on stage 0 (the drafting stage, see factory.py),
+whole: every layer and the final norm, however the target's layers are split."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -21,6 +26,7 @@ import torch
 from shoal.config import EngineConfig
 from shoal.config.speculative import SpeculativeConfig
 from shoal.core.scheduler_output import ModelRunnerOutput
+from shoal.distributed import parallel_state
 from shoal.distributed.parallel_state import get_tp_world_size
 from shoal.host_to_device import to_device
 from shoal.loader import build_model, load_model
@@ -29,6 +35,19 @@ from shoal.spec_decode.drafter_cache import DrafterCache
 from shoal.worker.drafter import TargetStep
 
 logger = logging.getLogger(__name__)
+
+
+@contextmanager
+def _one_stage() -> Iterator[None]:
+    """A model built in this block is whole (one pipeline stage), whatever the target's
+    stages: models read the stage they build at construction and weight loading only."""
+    ps = parallel_state
+    saved = ps._PP_SIZE, ps._PP_RANK
+    ps._PP_SIZE, ps._PP_RANK = 1, 0
+    try:
+        yield
+    finally:
+        ps._PP_SIZE, ps._PP_RANK = saved
 
 
 class DraftModelDrafter(DrafterCache):
@@ -41,7 +60,8 @@ class DraftModelDrafter(DrafterCache):
                              f"({spec.model}) is not supported yet: its states would not "
                              "follow the target's verify steps; draft with a dense model")
         try:  # sharded like the target, over its tensor-parallel group
-            self.model = build_model(config, loaded)
+            with _one_stage():
+                self.model = build_model(config, loaded)
         except ValueError as e:
             if get_tp_world_size() == 1:
                 raise

@@ -1,6 +1,11 @@
 """The drafter a speculative config asks for (None: no speculation). The executor hands this
 factory to the model runner, which calls it once its target model is built: "mtp" and
-"eagle" heads share the target's embedding and LM head."""
+"eagle" heads share the target's embedding and LM head.
+
+Pipeline parallelism: only stage 0 drafts. It holds the embedding and the LM head, receives
+the last stage's final hidden states and samples (shoal/worker/stage_link.py), so it has
+everything a drafter reads; the later stages run the verify steps' tokens like any others
+and build no drafter (None)."""
 
 from __future__ import annotations
 
@@ -8,12 +13,13 @@ from typing import Any
 
 from shoal.config import EngineConfig
 from shoal.config.speculative import FORCED
+from shoal.distributed.parallel_state import pp_is_first
 from shoal.worker.drafter import Drafter
 
 
 def build_drafter(engine_config: EngineConfig, target: Any, loaded: Any) -> Drafter | None:
     config = engine_config.speculative_config
-    if config is None:
+    if config is None or not pp_is_first():
         return None
     if config.method == "ngram":
         from shoal.spec_decode.ngram import NgramDrafter

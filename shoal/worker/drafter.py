@@ -17,7 +17,13 @@ Every rank runs the same drafting passes, kept in lockstep by their all-reduces,
 same tokens: the sampled and accepted tokens of rank 0 are every rank's (ModelRunner.sample
 broadcasts them; a grammar's mask is applied on rank 0 only, unseeded sampling differs per
 process). Only rank 0's drafts reach the scheduler, which sends every rank the drafts to
-verify with the step; host drafters (ngram) therefore draft on rank 0 only."""
+verify with the step; host drafters (ngram) therefore draft on rank 0 only.
+
+Pipeline parallelism: stage 0 drafts (the later stages build no drafter). It holds the
+embedding and the LM head and samples from the final hidden states the last stage sends back
+(worker/stage_link.py), so a drafter that reads them gets the step's on_launch only once the
+step is sampled, right before propose; a draft model mirrors at launch as usual. Micro-batches
+never share a request, so a step finished behind a later one still proposes (latest=True)."""
 
 from __future__ import annotations
 
@@ -37,7 +43,8 @@ class TargetStep:
     """What a drafter sees of one target step."""
 
     inputs: StepInputs
-    hidden: torch.Tensor | None  # every token's final hidden state (keeps_hidden drafters)
+    # every token's final hidden state (keeps_hidden drafters; pipeline stage 0: once sampled)
+    hidden: torch.Tensor | None
     input_ids: Callable[[], torch.Tensor]  # the step's ids on the device, pending filled in
     hidden_static: bool = False  # hidden is a CUDA graph's output: the next replay overwrites it
 

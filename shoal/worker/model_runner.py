@@ -107,7 +107,9 @@ class ModelRunner(RunnerLifecycle, Executor):
                                        save_states=config.cache_config.enable_prefix_caching)
         self.drafter: Drafter | None = None
         if config.speculative_config is not None and drafter_factory is not None:
+            # (None on pipeline stages after the first: stage 0 samples and drafts)
             self.drafter = drafter_factory(config, self.model, loaded)
+        if self.drafter is not None:
             self.forwarder.keep_hidden = self.drafter.keeps_hidden
             self.forwarder.state_replays = any(self.forwarder.state_groups)
             # (engine/compatibility.py refuses these for models whose layers all slide)
@@ -364,14 +366,24 @@ class ModelRunner(RunnerLifecycle, Executor):
 
     def _launch_drafter(self, drafter: Drafter, handle: StepHandle) -> None:
         assert handle.inputs is not None and handle.forward is not None
-        inp = handle.inputs
-        # (Pipeline parallelism, whose stage 0 gets its hidden states later, never drafts.)
-        forward = handle.forward if isinstance(handle.forward, ForwardOutput) else None
-        step = TargetStep(inp, forward.hidden if forward else None,
+        inp, forward = handle.inputs, handle.forward
+        staged = not isinstance(forward, ForwardOutput)
+        step = TargetStep(inp, None if staged else forward.hidden,
                           lambda: self.forwarder.device_input_ids(inp),
-                          hidden_static=forward is not None and forward.hidden_static)
-        state = drafter.on_launch(step)
-        handle.hooks.append(lambda out, latest: drafter.propose(step, state, out, latest))
+                          hidden_static=not staged and forward.hidden_static)
+        # Pipeline parallelism (stage 0): the final hidden states arrive when the step is
+        # sampled, so a drafter that reads them sees the step then; and no later micro-batch
+        # holds this one's requests, so its drafts are wanted as the latest step's are.
+        late = staged and drafter.keeps_hidden
+        state = None if late else drafter.on_launch(step)
+
+        def propose(out: ModelRunnerOutput, latest: bool) -> None:
+            nonlocal state
+            if late:
+                step.hidden = handle.forward.hidden  # (sample() received them)
+                state = drafter.on_launch(step)
+            drafter.propose(step, state, out, latest or staged)
+        handle.hooks.append(propose)
 
     @torch.inference_mode()
     def sample(self, handle: StepHandle, grammar: GrammarBitmask | None) -> None:
@@ -379,7 +391,9 @@ class ModelRunner(RunnerLifecycle, Executor):
         the last stage's hidden states first) and the copy of its tokens to the host."""
         if handle.inputs is None or handle.forward is None:
             return
-        logits = handle.forward.wait().logits
+        # (pipeline parallel: received now, and kept for a drafter's finish hook)
+        handle.forward = handle.forward.wait()
+        logits = handle.forward.logits
         if logits is None:  # no row samples this step
             self.pending.clear()
             return

@@ -28,7 +28,6 @@ from spec_decode.test_eagle3 import head_weights, write_head
 from spec_decode.test_spec_engine import SpecCounter
 
 from shoal import SamplingParams
-from shoal.engine.engine_args import EngineArgs
 
 K = 3
 PROMPTS = random_prompts(3, seed=11, lo=4, hi=24)
@@ -173,18 +172,4 @@ def test_two_ranks_speculate_as_one_rank_does(method, request):
     assert (heads[1] == []) == (method == "ngram")
     assert heads[2] == [(h // 2, max(1, kv // 2)) for h, kv in heads[1]]
 
-
-def test_pipeline_parallel_speculation_is_refused(tiny_llama_dir):
-    from transformers import AutoConfig
-
-    hf = AutoConfig.from_pretrained(tiny_llama_dir)
-    spec = {"method": "ngram", "num_speculative_tokens": K}
-    assert EngineArgs(device="cpu", tensor_parallel_size=2, speculative_config=spec
-                      ).create_engine_config(hf).parallel_config.world_size == 2
-    args = EngineArgs(device="cpu", pipeline_parallel_size=2, tensor_parallel_size=2,
-                      speculative_config=spec)
-    with pytest.raises(ValueError, match=r"speculative_config does not support "
-                       r"pipeline_parallel_size > 1 yet \(it does run with "
-                       r"tensor_parallel_size > 1\)"):
-        args.create_engine_config(hf)
 
