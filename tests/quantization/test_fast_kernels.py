@@ -75,6 +75,37 @@ def test_w4a16_gemm_matches_dequantized_matmul(m, n, k, group, sym):
     _close(got, want, 1e-5)
 
 
+def test_w4a16_tiles_too_big_for_shared_memory_shrink_until_they_fit(monkeypatch):
+    """A launch refused for shared memory (an H200 refused 128 x 128 tiles over 3 stages)
+    retries with fewer stages, then smaller tiles, and remembers what fit."""
+    from triton.runtime.errors import OutOfResources
+
+    from shoal.layers.quantization import w4a16_gemm
+
+    real, launched = w4a16_gemm._w4a16_kernel, []
+
+    class Fussy:  # refuses any config over 2 stages or 16 rows, as a small GPU would
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["BLOCK_M"], kw["num_stages"]))
+                if kw["num_stages"] > 2 or kw["BLOCK_M"] > 16:
+                    raise OutOfResources(300_000, 232_448, "shared memory")
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(w4a16_gemm, "_w4a16_kernel", Fussy())
+    monkeypatch.setattr(w4a16_gemm, "_FITTED", {})
+    torch.manual_seed(3)
+    p = quantize_int4(torch.randn(32, 64, device=DEVICE), 16, True)
+    x = torch.randn(70, 64, device=DEVICE)
+    args = (p.parts["codes"].t().contiguous(), p.parts["scale"].t().contiguous(), None, 16)
+    _close(w4a16_matmul(x, *args), x @ dequantize_packed(p).t(), 1e-5)
+    assert launched[0] == (64, 3) and launched[-1] == (16, 2)
+    launched.clear()
+    w4a16_matmul(x, *args)  # the fitted tiles at once
+    assert launched == [(16, 2)]
+
+
 def test_decode_tiles_split_k_and_prefill_tiles_do_not():
     cpu = torch.device("cpu")
     assert choose(1, 32, 512, 32, cpu).split_k > 1

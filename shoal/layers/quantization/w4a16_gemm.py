@@ -7,11 +7,14 @@ serves a whole step."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
-from shoal.layers.quantization.tiles import choose, k_per_split
+from shoal.layers.quantization.tiles import Tiles, choose, k_per_split
 
 
 @triton.jit
@@ -80,10 +83,36 @@ def w4a16_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                       dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     if m == 0:
         return out if split == 1 else out.sum(0).to(x.dtype)
-    grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
-    _w4a16_kernel[grid](
-        x, codes, scales, zeros if zeros is not None else scales, out, m, n, k, span,
-        max(group, 1), x.stride(0), codes.stride(0), scales.stride(0), m * n, n,
-        HAS_ZERO=zeros is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=step,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+    t = _FITTED.get(t, t)
+    while True:
+        grid = (triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split)
+        try:
+            _w4a16_kernel[grid](
+                x, codes, scales, zeros if zeros is not None else scales, out, m, n, k, span,
+                max(group, 1), x.stride(0), codes.stride(0), scales.stride(0), m * n, n,
+                HAS_ZERO=zeros is not None, BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=step,
+                num_warps=t.num_warps, num_stages=t.num_stages)
+            break
+        except OutOfResources:  # (raised at the first launch of a config: before any capture)
+            smaller = _smaller(t)
+            if smaller is None:
+                raise
+            _FITTED[choose(m, n, k, step, x.device)] = t = smaller
     return out if split == 1 else out.sum(0).to(x.dtype)
+
+
+# Tiles whose kernel needs more shared memory than the GPU has -> the tiles that fit there
+# (the dequantized weight tile is staged in shared memory too: 128 x 128 tiles over 3 stages
+# asked an H200 for 257 KB of its 227).
+_FITTED: dict[Tiles, Tiles] = {}
+
+
+def _smaller(t: Tiles) -> Tiles | None:
+    """Fewer pipeline stages first, then half the rows, then half the columns."""
+    if t.num_stages > 2:
+        return replace(t, num_stages=t.num_stages - 1)
+    if t.block_m > 16:
+        return replace(t, block_m=t.block_m // 2, num_warps=max(4, t.num_warps // 2))
+    if t.block_n > 32:
+        return replace(t, block_n=t.block_n // 2)
+    return None
