@@ -62,7 +62,7 @@ ARCHS: list[Arch] = [
        activation_sparsity_pattern=[0.0, 0.0], intermediate_size=[128, 128], **_SWA),
     _a("vaultgemma", "vaultgemma-no-softcap", head_dim=16, attn_logit_softcapping=None,
        **_SWA),
-    # attention logit soft-capping (the torch backend): gemma2's own cap (50), and a cap of 2
+    # attention logit soft-capping (torch and Triton backends): gemma2's own cap (50), and a cap of 2
     # that bends every score of the tiny model
     _a("gemma2", head_dim=16, **_SWA),
     _a("vaultgemma", head_dim=16, attn_logit_softcapping=2.0, **_SWA),

@@ -9,6 +9,7 @@ leaves the method to the default here, which raises NotImplementedError."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -80,10 +81,12 @@ class AttentionBackend(ABC):
 
     def warm_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
                      block_size: int, sliding_window: int | None,
-                     q_dtype: torch.dtype | None = None) -> int:
+                     q_dtype: torch.dtype | None = None,
+                     softcaps: Collection[float | None] = (None,)) -> int:
         """Compiles, before the first request, every kernel variant a step can pick (for
         backends whose kernels are compiled on first use); returns how many ran. q_dtype:
-        the activations' (None: the cache's; an FP8 cache needs it)."""
+        the activations' (None: the cache's; an FP8 cache needs it); softcaps: the layers'
+        attention soft-caps (None: uncapped)."""
         return 0
 
     def warm_mla_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,

@@ -21,6 +21,7 @@ applies it."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -280,9 +281,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     def warm_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
                      block_size: int, sliding_window: int | None,
-                     q_dtype: torch.dtype | None = None) -> int:
+                     q_dtype: torch.dtype | None = None,
+                     softcaps: Collection[float | None] = (None,)) -> int:
         return warm_paged_attention(kv_cache, num_heads, scale, block_size, sliding_window,
-                                    q_dtype)
+                                    q_dtype, softcaps)
 
     def warm_mla_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
                          block_size: int, v_dim: int, q_dtype: torch.dtype | None = None) -> int:

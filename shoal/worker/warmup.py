@@ -107,6 +107,12 @@ def prefill_buckets(max_tokens: int) -> list[int]:
     return out
 
 
+def group_softcaps(layers: list[nn.Module], group: KVCacheGroup) -> set[float | None]:
+    """The attention soft-caps of a cache group's layers (None: uncapped): the capped kernel
+    variants are compiled only for a model that runs them."""
+    return {getattr(layers[i], "softcap", None) for i in group.layers}
+
+
 @torch.inference_mode()
 def warmup(runner: Runner) -> float:
     """Runs each kind of step once per size bucket so Triton kernels are compiled (and the
@@ -143,7 +149,8 @@ def warmup(runner: Runner) -> float:
         else:
             variants += runner.backend.warm_kernels(
                 layer.kv_cache, layer.num_heads, layer.scale, runner.block_size,
-                group.sliding_window, q_dtype=runner.dtype)
+                group.sliding_window, q_dtype=runner.dtype,
+                softcaps=group_softcaps(layers, group))
     if runner.device.type == "cuda":
         torch.cuda.synchronize(runner.device)
     took = time.perf_counter() - t0

@@ -160,6 +160,70 @@ def test_speculative_verify_steps(tmp_path, monkeypatch) -> None:
     assert [o.outputs[0].token_ids for o in _generate(llm, prompts)] == refs
 
 
+def test_soft_capped_model_on_the_triton_backend(tmp_path) -> None:
+    """Gemma 2's attention soft-cap reaches the Triton kernels through the backend (the
+    interpreter on the CPU, so a tinier model than the others): prompts past the window in
+    chunks beside decodes give transformers' tokens and logprobs, which a dropped cap would
+    move."""
+    from oracle import check_against_hf
+
+    from shoal.models.transformers_backend.model import TransformersForCausalLM
+
+    path = write_tiny_checkpoint(
+        tmp_path, "gemma2", seed=1, vocab_size=128, hidden_size=32, intermediate_size=48,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, sliding_window=4,
+        attn_logit_softcapping=2.0, max_position_embeddings=64, architectures=[
+            "Gemma2ForCausalLM"])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = [[(5 * i) % 120 + 3 for i in range(11)], [7, 9, 11]]
+    with torch.no_grad():  # the cap moves these logits: running without it would fail
+        ids = torch.tensor(prompts[:1])
+        capped = torch.log_softmax(hf(ids).logits, -1)
+        for layer in hf.model.layers:
+            layer.self_attn.attn_logit_softcapping = None
+        assert (torch.log_softmax(hf(ids).logits, -1) - capped).abs().max() > 1e-2
+        for layer in hf.model.layers:
+            layer.self_attn.attn_logit_softcapping = 2.0
+    llm = LLM(model=str(path), model_impl="transformers", device="cpu", dtype="float32",
+              attention_backend="triton", max_num_batched_tokens=8, block_size=4,
+              num_gpu_blocks_override=32, max_model_len=32, enforce_eager=True)
+    runner = llm.llm_engine.core.runner
+    assert isinstance(runner.model, TransformersForCausalLM) and runner.backend.name == "triton"
+    assert [layer.softcap for layer in runner.model.attention_layers()] == [2.0, 2.0]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=1)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    check_against_hf(outs, prompts, hf, 3)
+
+
+def test_a_backend_without_soft_capping_is_refused_when_bound() -> None:
+    """Off the CPU the capped model is built (no refusal by device any more); its layers
+    refuse a backend that cannot cap (the runner binds it at start-up), saying so; uncapped
+    ones take it."""
+    from shoal.attention.torch_backend import TorchAttentionBackend
+    from shoal.models.transformers_backend.attention import probe_attention
+    from shoal.models.transformers_backend.model import TransformersForCausalLM, paged_layers
+
+    class NoCap(TorchAttentionBackend):
+        name = "nocap"
+        supports_softcap = False
+
+    cfg = _config("gemma2", head_dim=16, attn_logit_softcapping=2.0)
+    capped = TransformersForCausalLM(cfg, torch.float32)
+    with torch.no_grad():
+        calls = probe_attention(lambda: capped._run(torch.zeros(2, dtype=torch.long),
+                                                    torch.arange(2)))
+    with torch.device("meta"):  # as on a GPU: layers are built where the model is
+        assert [a.softcap for a in paged_layers(calls, cfg, "Gemma2")] == [2.0, 2.0]
+    for layer in capped.attention_layers():
+        with pytest.raises(NotImplementedError, match="the nocap attention backend has no "
+                                                      "attention soft-capping"):
+            layer.backend = NoCap()
+    plain = TransformersForCausalLM(_config("gemma2", head_dim=16, attn_logit_softcapping=None),
+                                    torch.float32)
+    for layer in plain.attention_layers():
+        layer.backend = NoCap()
+
+
 # ---- model_impl ------------------------------------------------------------------------------
 
 def test_model_impl_picks_the_path() -> None:

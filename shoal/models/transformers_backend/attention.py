@@ -10,7 +10,9 @@ sets it, so a stray call outside a shoal forward fails loudly).
 A probe pass (`probe_attention`) runs the model once at construction and records what each
 attention module passes (heads, head size, scaling, window, soft-cap, masks): the paged
 layers are built from what the model really does, not from config field names, which
-differ from one architecture to the next."""
+differ from one architecture to the next. A module's soft-cap (Gemma 2's `softcap`) is kept
+by its paged layer, which hands it to the backend the runner binds and refuses one without
+supports_softcap."""
 
 from __future__ import annotations
 
@@ -81,6 +83,11 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
         raise ValueError(f"shoal runs a step as one flattened sequence (got batch "
                          f"{query.shape[0]})")
     layer = current.layers[id(module)]
+    if (softcap or None) != layer.softcap:
+        # The layer applies the cap the probe saw; a module whose cap changed since would
+        # be run with the wrong one.
+        raise RuntimeError(f"{type(module).__name__} passed attention soft-cap {softcap}, "
+                           f"its paged layer was built with {layer.softcap}")
     # [1, H, T, D] -> [T, H, D]: the layout of shoal's paged layers; keys and values in the
     # query's dtype (some models compute them in float32 under a lower model dtype).
     # s_aux: attention sinks (gpt-oss), which the layer checks the backend has.

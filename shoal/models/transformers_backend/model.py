@@ -111,9 +111,6 @@ def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str) -> list[
                      "cannot hold")
     layers = []
     for i, c in enumerate(calls):
-        if c.softcap and torch.get_default_device().type != "cpu":
-            raise refuse(f"attention logit soft-capping ({c.softcap}) off the CPU: only "
-                         "the torch attention backend applies it yet")
         if not c.is_causal:
             raise refuse("bidirectional (non-causal) attention")
         if c.own_mask:
@@ -124,6 +121,8 @@ def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str) -> list[
                          "paged layer keeps both at one head size)")
         if c.num_heads % c.num_kv_heads:
             raise refuse(f"{c.num_heads} query heads over {c.num_kv_heads} KV heads")
+        # The module's attention soft-cap (Gemma 2) goes to its paged layer, which hands it
+        # to the backend and refuses, when the runner binds it, a backend that cannot cap.
         layer = Attention(c.num_heads, c.num_kv_heads, c.head_dim,
                           sliding_window(c, hf_config, i), softcap=c.softcap)
         if c.scaling is not None:
