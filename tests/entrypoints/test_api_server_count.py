@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -252,13 +253,39 @@ def test_adapters_loaded_through_either_process_are_served_by_both(servers, pinn
     assert adapters("1") == {}
 
 
-def test_killing_one_api_process_leaves_the_other_and_the_engine(servers, pinned):
+def _restarted(pool: RemoteServer, pid: int, timeout: float = 10.0) -> tuple[str, int]:
+    """(index, new pid) from the supervisor's log line for the death of API process `pid`."""
+    pattern = re.compile(rf"API server process (\d+) \(pid {pid}\) died \(killed by signal "
+                         r"SIGKILL\); restarted as pid (\d+) \(restart 1 of 5 ")
+    deadline = time.monotonic() + timeout
+    while not (found := pattern.search(pool.log_path.read_text(errors="replace"))):
+        assert time.monotonic() < deadline, pool.log_tail()
+        time.sleep(0.05)
+    return found[1], int(found[2])
+
+
+def _connect_to(pool: RemoteServer, who: str, timeout: float = 60.0) -> httpx.Client:
+    """A client whose keep-alive connection the kernel gave to API process `who` (new
+    connections until one lands there: it counts only once that process listens)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        client = httpx.Client(base_url=pool.base_url, timeout=60)
+        if client.get("/health").headers[HEADER] == who:
+            return client
+        client.close()
+        assert time.monotonic() < deadline, f"API process {who} never came back"
+        time.sleep(0.05)
+
+
+def test_killing_one_api_process_leaves_the_other_and_the_engine_and_it_comes_back(
+        servers, pinned):
     pool, _ = servers
     api = _api_pids(pool)
     assert len(api) == 2
     engine = [c for c in _children(pool.proc.pid) if c not in api
               and b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert len(engine) == 1
+    restarts_before = pool.metric("api_server_restarts_total")
     with contextlib.ExitStack() as streams:
         lines = []  # (held: a generator dropped closes its stream)
         for who in ("0", "1"):  # a request in flight on each: the dead one's leaves /load
@@ -267,25 +294,46 @@ def test_killing_one_api_process_leaves_the_other_and_the_engine(servers, pinned
             assert next(lines[-1]).startswith("data: ")
         assert pool.get("/load").json()["server_load"] == 2
         os.kill(api[0], signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{api[0]}").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        while pool.get("/load").json()["server_load"] != 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert pool.get("/load").json()["server_load"] == 1
-    served = set()
-    for prompt in PROMPTS:  # new connections each: the kernel sends them to the survivor
-        r = httpx.post(pool.base_url + "/v1/completions", timeout=60,
-                       json={"prompt": prompt, "max_tokens": 4, "temperature": 0})
-        assert r.status_code == 200, r.text
-        served.add(r.headers[HEADER])
-    assert len(served) == 1
-    assert pool.get("/health").status_code == 200
+        killed, new_pid = _restarted(pool, api[0])
+        survivor = "1" if killed == "0" else "0"
+        assert new_pid not in api
+        # while the new one starts (seconds: a fresh interpreter), new connections go to the
+        # survivor
+        for _ in range(3):
+            r = httpx.get(pool.base_url + "/health", timeout=10)
+            assert r.status_code == 200 and r.headers[HEADER] == survivor
+        # the survivor and the engine serve on, its stream included
+        assert any(line.startswith("data: ") for line in lines[int(survivor)])
+        r = _on(pinned, survivor, "POST", "/v1/completions",
+                json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+        assert _on(pinned, survivor, "GET", "/load").json()["server_load"] == 1
+    # the new process serves on the killed one's index, as a client of the same engine
+    pinned[killed].close()  # (its connection died with the process)
+    pinned[killed] = _connect_to(pool, killed)
+    r = _on(pinned, killed, "POST", "/v1/completions",
+            json={"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"], r.text
+    assert sorted(_api_pids(pool)) == sorted([api[1], new_pid])
     assert pool.proc.poll() is None and Path(f"/proc/{engine[0]}").exists()
-    assert _api_pids(pool) == [api[1]]
-    pool.proc.send_signal(signal.SIGTERM)  # the survivor drains, then the engine stops
+    # /load: the dead process's request is gone from every count, the new one counts its own
+    assert _wait_load(pool, 0) == {"0": 0, "1": 0}
+    with pinned[survivor].stream("POST", "/v1/completions", json=LONG) as s:
+        held = s.iter_lines()
+        assert next(held).startswith("data: ")
+        assert _on(pinned, killed, "GET", "/load").json()["server_load"] == 1
+        with pinned[killed].stream("POST", "/v1/completions", json=LONG) as s2:
+            held2 = s2.iter_lines()
+            assert next(held2).startswith("data: ") and s2.headers[HEADER] == killed
+            assert _load_everywhere(pool) == {"0": 2, "1": 2}
+    assert _wait_load(pool, 0) == {"0": 0, "1": 0}
+    metrics = pool.get("/metrics").text
+    assert f'shoal:api_server_restarts_total{{api_server="{killed}"}} 1.0' in metrics
+    assert pool.metric("api_server_restarts_total") == restarts_before + 1
+    pool.proc.send_signal(signal.SIGTERM)  # both drain, nothing is restarted, the engine stops
     assert pool.proc.wait(timeout=60) == 0, pool.log_tail()
     assert not Path(f"/proc/{engine[0]}").exists()
+    assert pool.log_path.read_text(errors="replace").count("restarted as pid") == 1
 
 
 def test_combinations_that_cannot_work_are_refused_by_name():

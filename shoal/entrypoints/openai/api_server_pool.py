@@ -17,10 +17,21 @@ burst of connections (W8's clients, all at once) would land on one process. The 
 binds the port first (SO_REUSEPORT too, never listening, so it gets no connection): a port in
 use fails before anything starts, and port 0 becomes one port for all.
 
-An API process that dies takes its own requests with it (the engine aborts them); the others
-and the engine go on, and the supervisor exits 1 once no API process is left. If the engine
-dies, every API process fails its requests and exits 1 (as a one-process server does), then
-the supervisor.
+An API process that dies takes its own requests with it (the engine aborts them, and the
+supervisor zeroes its /load cell); the others and the engine go on, and the supervisor starts
+a new process on its index: a new client of the engine (its own namespace of request ids),
+binding the same port, which the supervisor's socket keeps reserved; it listens only once it
+serves, so no new connection waits on its start-up (it answers 3 s after the death on 2 busy
+CPU cores; listening from its bind, as at the first start, a connection queued on it waited up
+to 0.7 s). The dead pid's metric files stay, so counters and histograms keep counting what it
+served (prometheus_client's mark_process_dead drops only its "live" gauges). Each restart is
+logged with the exit code or signal and counted in
+shoal:api_server_restarts_total{api_server}; any exit the supervisor did not ask for counts (a
+SIGTERM sent to one API process too). Restarts are bounded (RestartBudget): an index already
+restarted 5 times within the last 60 s is left dead when it dies again, with a log line saying
+so; the supervisor exits 1 once no API process is left. Nothing is restarted once
+SIGTERM/SIGINT has come, nor after the engine died: then every API process fails its requests
+and exits 1 (as a one-process server does), then the supervisor.
 
 One server to its clients, whichever process a request lands on: the engine's state (sleep,
 pause, prefix cache, weights) is the engine's; /metrics merges every process's series
@@ -45,15 +56,23 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from typing import Any
+
+from prometheus_client.multiprocess import mark_process_dead
 
 from shoal.engine.core_client import EngineStartupError
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.request_errors import EngineDeadError
 from shoal.engine.shared_client import SharedCoreClient
 from shoal.entrypoints.openai.lora_routes import parse_lora_modules
-from shoal.entrypoints.openai.pool_metrics import PoolMember, enable_multiprocess_metrics
+from shoal.entrypoints.openai.pool_metrics import (
+    PoolMember,
+    enable_multiprocess_metrics,
+    restart_counter,
+)
+from shoal.entrypoints.openai.pool_restart import RestartBudget, describe_exit
 from shoal.entrypoints.openai.pool_state import PoolShared
 from shoal.entrypoints.openai.pool_state import join as join_pool
 from shoal.entrypoints.openai.server_settings import ServerSettings
@@ -110,6 +129,11 @@ class ApiProcessSpec:
     metrics_dir: str
     log_level: int
     shared: PoolShared
+    # At the first start each process listens from its bind: connections queue on one still
+    # starting, so the kernel shares them out from the first (none is served before the
+    # engine is ready anyway). A restarted one listens only once it serves (uvicorn's
+    # listen): meanwhile new connections go to the others instead of waiting in its queue.
+    listen_early: bool = True
 
 
 def run_api_process(spec: ApiProcessSpec) -> None:
@@ -123,7 +147,8 @@ def run_api_process(spec: ApiProcessSpec) -> None:
     join_pool(spec.shared, spec.index)
     try:
         sock = bind_reuseport(spec.settings.host, spec.settings.port)
-        sock.listen(LISTEN_BACKLOG)
+        if spec.listen_early:
+            sock.listen(LISTEN_BACKLOG)
     except OSError as e:
         print(f"shoal: API process {spec.index}: {e}", file=sys.stderr)
         sys.exit(1)
@@ -145,48 +170,82 @@ async def _serve_one(spec: ApiProcessSpec, sock: socket.socket) -> int:
 class ApiServerPool:
     def __init__(self, engine_args: EngineArgs, settings: ServerSettings,
                  owner: SharedCoreClient, metrics_dir: str, log_level: int,
-                 shared: PoolShared):
+                 shared: PoolShared, budget: RestartBudget | None = None):
         self.engine_args = engine_args
         self.settings = settings
         self.owner = owner
         self.metrics_dir = metrics_dir
         self.log_level = log_level
         self.shared = shared
-        self.workers: list[Any] = []
+        self.budget = budget or RestartBudget()
+        self.workers: list[Any] = []  # workers[k]: API process k's latest process
         self._reaping: set[asyncio.Task[None]] = set()
         self.all_exited = asyncio.Event()
         self.stopping = False
         self.engine_died = False
+        self.restarts = restart_counter(settings.api_server_count)
 
     def spawn(self) -> None:
-        loop = asyncio.get_running_loop()
-        mp = multiprocessing.get_context("spawn")
         for index in range(self.settings.api_server_count):
-            spec = ApiProcessSpec(index, self.engine_args, self.settings, self.owner.address,
-                                  self.owner.proc.pid, self.metrics_dir, self.log_level,
-                                  self.shared)
-            proc = mp.Process(target=run_api_process, args=(spec,), name=f"shoal-api-{index}",
-                              daemon=True)
-            proc.start()
-            self.workers.append(proc)
-            loop.add_reader(proc.sentinel, self._exited, proc)
+            self.workers.append(None)
+            self._start(index, restart=False)
 
-    def _exited(self, proc: Any) -> None:
+    def _start(self, index: int, restart: bool) -> None:
+        spec = ApiProcessSpec(index, self.engine_args, self.settings, self.owner.address,
+                              self.owner.proc.pid, self.metrics_dir, self.log_level,
+                              self.shared, listen_early=not restart)
+        proc = multiprocessing.get_context("spawn").Process(
+            target=run_api_process, args=(spec,), name=f"shoal-api-{index}", daemon=True)
+        proc.start()
+        self.workers[index] = proc
+        asyncio.get_running_loop().add_reader(proc.sentinel, self._exited, index, proc)
+
+    def _exited(self, index: int, proc: Any) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(proc.sentinel)
-        self._reaping.add(loop.create_task(self._reap(proc)))
+        task = loop.create_task(self._reap(index, proc))
+        self._reaping.add(task)
+        task.add_done_callback(self._reaping.discard)
 
-    async def _reap(self, proc: Any) -> None:
+    async def _reap(self, index: int, proc: Any) -> None:
         # The sentinel turns readable as the process closes its files, a moment before the
         # kernel has its exit status.
         await asyncio.to_thread(proc.join, 10.0)
-        self.shared.process_gone(self.workers.index(proc))
-        left = sum(w.is_alive() for w in self.workers)
-        if not self.stopping and not self.engine_died:
-            logger.error("API server process %s (pid %d) exited with code %s; %d left",
-                         proc.name, proc.pid, proc.exitcode, left)
-        if not left:
+        self.shared.process_gone(index)
+        mark_process_dead(proc.pid, self.metrics_dir)
+        # (the checks and the start run in one step of the loop: stop() cannot come between)
+        if self._may_restart():
+            how = describe_exit(proc.exitcode)
+            if not self.budget.take(index, time.monotonic()):
+                logger.error("API server process %d (pid %d) died (%s) after %d restarts "
+                             "within %.0f s; it is not restarted again; %d left", index,
+                             proc.pid, how, self.budget.recent(index), self.budget.window_s,
+                             self._left())
+            else:
+                try:
+                    self._start(index, restart=True)
+                except OSError as e:  # (no process or pipe to be had: as if given up)
+                    logger.error("API server process %d (pid %d) died (%s) and cannot be "
+                                 "restarted: %s; %d left", index, proc.pid, how, e,
+                                 self._left())
+                else:
+                    self.restarts[index].inc()
+                    logger.warning("API server process %d (pid %d) died (%s); restarted as "
+                                   "pid %d (restart %d of %d allowed within %.0f s)", index,
+                                   proc.pid, how, self.workers[index].pid,
+                                   self.budget.recent(index), self.budget.limit,
+                                   self.budget.window_s)
+                    return
+        if not self._left():
             self.all_exited.set()
+
+    def _may_restart(self) -> bool:
+        """Not while shutting down, nor once the engine is gone (the API processes then exit
+        on their own, and a new one would find no engine)."""
+        return not self.stopping and not self.engine_died and self.owner.is_alive
+
+    def _left(self) -> int:
+        return sum(w.is_alive() for w in self.workers)
 
     def stop(self) -> None:
         """SIGTERM/SIGINT: each API process drains (--shutdown-timeout), then exits; a second

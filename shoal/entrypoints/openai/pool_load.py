@@ -6,7 +6,8 @@ Each API process counts its own requests in its cell of the pool's shared counte
 middleware.ServerLoadMiddleware counts them in one process: the same paths, a whole stream until
 its last byte). /load is still answered by the app's route (its headers, X-Request-Id
 included), with the sum of all cells in place of the process's own count. A process that dies
-takes its requests with it: the supervisor zeroes its cell (PoolShared.process_gone).
+takes its requests with it: the supervisor zeroes its cell (PoolShared.process_gone) before
+it starts a new process on the same index, which counts up from 0.
 """
 
 from __future__ import annotations

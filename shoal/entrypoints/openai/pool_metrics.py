@@ -17,7 +17,10 @@ What else the API processes share (the Responses store, /load's count, run-time 
 adapters) is pool_state.py's.
 
 `x-shoal-api-server: <k>` on every response and shoal:api_server_requests_total{api_server}
-say which process served what (how evenly the kernel shared the connections out).
+say which process served what (how evenly the kernel shared the connections out);
+shoal:api_server_restarts_total{api_server}, the supervisor's, how often each was restarted.
+A restarted process is a new pid: the dead one's files stay, so its index's counters go on
+from where they were (never backwards), summed with the new process's.
 """
 
 from __future__ import annotations
@@ -62,6 +65,14 @@ def enable_multiprocess_metrics(path: str) -> None:
             super().set(value, timestamp)
 
     values.ValueClass = StampedValue
+
+
+def restart_counter(count: int) -> list[Any]:
+    """The supervisor's shoal:api_server_restarts_total, one child per API process index,
+    each written (at 0) now so that the series are there before any restart."""
+    family = Counter("shoal:api_server_restarts", "Restarts of each API server process after "
+                     "it died.", ["api_server"], registry=None)
+    return [family.labels(str(k)) for k in range(count)]
 
 
 class _MergedView:

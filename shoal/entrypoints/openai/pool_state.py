@@ -68,7 +68,8 @@ class PoolShared:
 
     def process_gone(self, index: int) -> None:
         """API process `index` has exited: its requests went with it (only its own process
-        writes its cell, so nothing races this)."""
+        writes its cell, and the supervisor starts the next one on `index` after this call,
+        so nothing races it)."""
         self.cells[index] = 0
 
     def remove(self) -> None:
