@@ -375,9 +375,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--server-timeout", type=float, default=300.0)
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, tiny sizes")
     args = p.parse_args()
-    if args.smoke:
+    if args.smoke:  # its sizes, but a --concurrency given on the command line stays
         for k, v in SMOKE.items():
-            setattr(args, k, v)
+            if k != "concurrency" or args.concurrency == p.get_default("concurrency"):
+                setattr(args, k, v)
     args.layouts = [x.strip() for x in args.layouts.split(",") if x.strip()]
     if not args.layouts or set(args.layouts) - set(LAYOUTS):
         p.error(f"--layouts: choose from {LAYOUTS}")

@@ -22,16 +22,16 @@ FIGURES = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
 def test_disagg_gpu_smoke_both_layouts(tmp_path: Path) -> None:
     out = tmp_path / "disagg.json"
     env = {**os.environ, "SHOAL_COMMIT": "test"}
-    proc = subprocess.run([sys.executable, "benchmarks/disagg_gpu.py", "--smoke", "--out",
-                           str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "benchmarks/disagg_gpu.py", "--smoke",
+                           "--concurrency", "2", "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rec = json.loads(out.read_text())
     assert rec["workload"] == "W15" and rec["commit"] == "test" and rec["smoke"]
-    assert rec["concurrency"] == [2, 4] and set(rec["layouts"]) == {"a", "b"}
+    assert rec["concurrency"] == [2] and set(rec["layouts"]) == {"a", "b"}
     for layout in ("a", "b"):
         got = rec["layouts"][layout]
-        assert "error" not in got and set(got["runs"]) == {"2", "4"}
+        assert "error" not in got and set(got["runs"]) == {"2"}
         for conc, run in got["runs"].items():
             assert run["completed"] == run["num_prompts"] == 2 * int(conc)
             assert run["failed"] == 0 and run["total_output_tokens"] == 8 * run["completed"]
@@ -50,7 +50,7 @@ def test_disagg_gpu_smoke_both_layouts(tmp_path: Path) -> None:
     assert all(f["tokens"] == 64 and f["bytes"] > 0 for f in kv["fetches"])
     summ = rec["summary"]
     assert summ["kv_transfer_gb_per_s"] == kv["median_gb_per_s"]
-    for conc in ("2", "4"):
+    for conc in ("2",):
         row = summ["by_concurrency"][conc]
         assert row["median_ttft_ms_b_over_a"] > 0 and row["output_throughput_b_over_a"] > 0
         assert all(f"{k}_b_over_a" in row for k in FIGURES)
