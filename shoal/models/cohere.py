@@ -21,10 +21,10 @@ from torch import nn
 from shoal.distributed.parallel_state import get_tp_rank
 from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.linear import RowParallelLinear, default_weight_loader
+from shoal.layers.norm import ResidualLayerNorm
 from shoal.models.deepseek_v2 import deinterleave_rows
 from shoal.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, LlamaModel
 from shoal.models.olmo2 import attend, check_silu
-from shoal.models.starcoder2 import LayerNorm
 
 
 class HeadLayerNorm(nn.Module):
@@ -81,7 +81,7 @@ class CohereDecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = CohereAttention(cfg, dtype, use_triton_ops, layer=layer)
         self.mlp = LlamaMLP(cfg, dtype, use_triton_ops)
-        self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype, bias=False)
+        self.input_layernorm = ResidualLayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype, bias=False)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None, md: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,7 +99,7 @@ class CohereModel(LlamaModel):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(CohereDecoderLayer(cfg, dtype, use_triton_ops, layer=i)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype, bias=False)
+        self.norm = ResidualLayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype, bias=False)
 
 
 class CohereForCausalLM(LlamaForCausalLM):

@@ -17,10 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size, tp_all_reduce
 from shoal.layers.embedding import VocabParallelEmbedding
-from shoal.layers.linear import RowParallelLinear, default_weight_loader
-from shoal.layers.norm import RMSNorm
+from shoal.layers.linear import RowParallelLinear
+from shoal.layers.norm import RMSNorm, ShardedRMSNorm
 from shoal.models.llama import (
     LlamaAttention,
     LlamaDecoderLayer,
@@ -45,33 +44,6 @@ def attend(module: LlamaAttention, positions: torch.Tensor, q: torch.Tensor,
         return module.attn.forward_rope(positions, q, k, v, module.rotary_emb, None, None, md)
     q, k = module.rotary_emb(positions, q, k)
     return module.attn(q, k, v, md)
-
-
-class ShardedRMSNorm(nn.Module):
-    """RMSNorm over a projection whose features are split over the tensor-parallel ranks:
-    this rank holds `local` of the `full` features (its heads' slice of the weight), and
-    `replicas` ranks hold each slice (KV heads replicated when fewer than ranks)."""
-
-    def __init__(self, full: int, local: int, eps: float, dtype: torch.dtype,
-                 replicas: int = 1):
-        super().__init__()
-        self.full, self.eps, self.replicas = full, eps, replicas
-        self.tp = get_tp_world_size()
-        self.slot = get_tp_rank() // replicas
-        self.weight = nn.Parameter(torch.ones(local, dtype=dtype), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
-
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        n = param.shape[0]
-        default_weight_loader(param, loaded.narrow(0, self.slot * n, n))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        sq = xf.pow(2).sum(-1, keepdim=True)
-        if self.tp > 1:
-            sq = tp_all_reduce(sq) / self.replicas
-        # transformers multiplies by the weight in float32, then rounds
-        return (xf * torch.rsqrt(sq / self.full + self.eps) * self.weight.float()).to(x.dtype)
 
 
 class Olmo2Attention(LlamaAttention):

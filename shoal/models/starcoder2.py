@@ -14,32 +14,11 @@ from torch import nn
 
 from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.linear import ColumnParallelLinear, RowParallelLinear
+from shoal.layers.norm import ResidualLayerNorm
 from shoal.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
 
 # hidden_act -> F.gelu's approximate argument
 _GELU = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu": "none"}
-
-
-class LayerNorm(nn.LayerNorm):
-    """LayerNorm (with or without a bias) that takes the residual as RMSNorm does:
-    norm(x, residual) -> (norm(x + residual), x + residual). Computed in float32, as
-    transformers' StarCoder2 and Cohere norms (and nn.LayerNorm on the CPU) do."""
-
-    def __init__(self, hidden_size: int, eps: float, dtype: torch.dtype, bias: bool = True):
-        super().__init__(hidden_size, eps=eps, bias=bias, dtype=dtype)
-        self.requires_grad_(False)
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.float()
-        return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), bias,
-                            self.eps).to(x.dtype)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
-        if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
 
 
 class Starcoder2Attention(LlamaAttention):
@@ -79,8 +58,8 @@ class Starcoder2DecoderLayer(LlamaDecoderLayer):
         nn.Module.__init__(self)  # not Llama's: it would build RMSNorms and a SwiGLU MLP
         self.self_attn = Starcoder2Attention(cfg, dtype, use_triton_ops, layer=layer)
         self.mlp = Starcoder2MLP(cfg, dtype)
-        self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.norm_epsilon, dtype)
-        self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.norm_epsilon, dtype)
+        self.input_layernorm = ResidualLayerNorm(cfg.hidden_size, cfg.norm_epsilon, dtype)
+        self.post_attention_layernorm = ResidualLayerNorm(cfg.hidden_size, cfg.norm_epsilon, dtype)
 
 
 class Starcoder2Model(LlamaModel):
@@ -89,7 +68,7 @@ class Starcoder2Model(LlamaModel):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
         self.layers = nn.ModuleList(Starcoder2DecoderLayer(cfg, dtype, use_triton_ops, layer=i)
                                     for i in range(cfg.num_hidden_layers))
-        self.norm = LayerNorm(cfg.hidden_size, cfg.norm_epsilon, dtype)
+        self.norm = ResidualLayerNorm(cfg.hidden_size, cfg.norm_epsilon, dtype)
 
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
