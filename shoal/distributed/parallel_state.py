@@ -86,6 +86,20 @@ def expert_parallel(enabled: bool) -> Iterator[None]:
         _EXPERT_PARALLEL = prev
 
 
+@contextmanager
+def one_pipeline_stage() -> Iterator[None]:
+    """A model built inside this block is whole (one pipeline stage) whatever this rank's
+    stage: models read their stage at construction and weight loading only (a draft model
+    on stage 0 of a pipelined target)."""
+    global _PP_SIZE, _PP_RANK
+    saved = _PP_SIZE, _PP_RANK
+    _PP_SIZE, _PP_RANK = 1, 0
+    try:
+        yield
+    finally:
+        _PP_SIZE, _PP_RANK = saved
+
+
 def expert_parallel_enabled() -> bool:
     return _EXPERT_PARALLEL
 

@@ -17,8 +17,6 @@ whole: every layer and the final norm, however the target's layers are split."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -26,8 +24,7 @@ import torch
 from shoal.config import EngineConfig
 from shoal.config.speculative import SpeculativeConfig
 from shoal.core.scheduler_output import ModelRunnerOutput
-from shoal.distributed import parallel_state
-from shoal.distributed.parallel_state import get_tp_world_size
+from shoal.distributed.parallel_state import get_tp_world_size, one_pipeline_stage
 from shoal.host_to_device import to_device
 from shoal.loader import build_model, load_model
 from shoal.models.registry import has_linear_attention
@@ -35,19 +32,6 @@ from shoal.spec_decode.drafter_cache import DrafterCache
 from shoal.worker.drafter import TargetStep
 
 logger = logging.getLogger(__name__)
-
-
-@contextmanager
-def _one_stage() -> Iterator[None]:
-    """A model built in this block is whole (one pipeline stage), whatever the target's
-    stages: models read the stage they build at construction and weight loading only."""
-    ps = parallel_state
-    saved = ps._PP_SIZE, ps._PP_RANK
-    ps._PP_SIZE, ps._PP_RANK = 1, 0
-    try:
-        yield
-    finally:
-        ps._PP_SIZE, ps._PP_RANK = saved
 
 
 class DraftModelDrafter(DrafterCache):
@@ -60,7 +44,7 @@ class DraftModelDrafter(DrafterCache):
                              f"({spec.model}) is not supported yet: its states would not "
                              "follow the target's verify steps; draft with a dense model")
         try:  # sharded like the target, over its tensor-parallel group
-            with _one_stage():
+            with one_pipeline_stage():
                 self.model = build_model(config, loaded)
         except ValueError as e:
             if get_tp_world_size() == 1:
