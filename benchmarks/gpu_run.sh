@@ -115,6 +115,8 @@ part() {
     quant) run quant ${QUANT_LIMIT:-330} $py/quant_gpu.py ${QUANT_PARTS:-all} --timeout 110 $S --out "$DIR/quant.json" ;;
     w8pool) run w8pool 300 $py/w8_serving.py --model "$W8_MODEL" --api-server-count 2 \
         --concurrency 1024 --offline-runs 1 --stream-runs 1 $S --out "$DIR/w8pool.json" ;;
+    w8one) run w8one 260 $py/w8_serving.py --model "$W8_MODEL" --api-server-count 1 \
+        --concurrency 1024 --offline-runs 1 --stream-runs 1 $S --out "$DIR/w8one.json" ;;
     hybrid-batch1) run hybrid_batch1 230 $py/hybrid_gpu.py batch1 --stage-timeout 115 $S \
         ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-27B,moonshotai/Kimi-Linear-48B-A3B-Instruct}"} \
         --out "$DIR/hybrid_batch1.json" ;;
