@@ -8,14 +8,16 @@ and batch-1 decode of the Llama-3.1-8B shape in bf16, FP8 and INT4 (random weigh
 Parts (one JSON record each, written to --out after every part):
 
 - kernels: Llama-3.1-8B's projections (qkv 6144x4096, o 4096x4096, gate_up 28672x4096,
-  down 4096x14336) at M = 1, 16, 64, 256, 2048 tokens; per shape the median time (CUDA
+  down 4096x14336) at M = 1, 4, 16, 64, 256, 2048 tokens; per shape the median time (CUDA
   events, after warm-up) of: bf16 (x @ W^T: what a layer runs on the dequantize-at-load
   path, SHOAL_QUANT_DEQUANT=1), fp8_channel (per-token activation quantization +
   torch._scaled_mm), fp8_block (per-token-group quantization + the Triton block GEMM),
   int4_g128 (the Triton W4A16 GEMM, symmetric group 128) and int4_dequant (the same weight
   dequantized on the fly, then one bf16 matmul: the large-M alternative that
   SHOAL_W4A16_DENSE_ABOVE_M selects); each with its weight bytes and the bandwidth that
-  reading them once in that time implies.
+  reading them once in that time implies. At M <= 8 the quantized layers time their
+  launch candidates once (launch_tuner.py: weight-only GEMVs beside the kernels named above)
+  and run the fastest; `tuned` lists every candidate's time and the pick.
 - decode: for each of bf16, fp8_channel (quantization="fp8": online FP8 of the dummy
   weights), fp8_block (a config with quantization_config fp8, weight_block_size [128, 128])
   and int4_g128 (a config with quantization_config gptq 4-bit, group 128): one engine in its
@@ -49,7 +51,7 @@ from results_file import record, write
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
-MS = (1, 16, 64, 256, 2048)
+MS = (1, 4, 16, 64, 256, 2048)
 SMOKE_SHAPES = {"qkv": (96, 64), "down": (64, 128)}
 SMOKE_MS = (1, 3)
 VARIANTS = ("bf16", "fp8_channel", "fp8_block", "int4_g128")
@@ -135,7 +137,16 @@ def kernel_part(args: argparse.Namespace) -> dict[str, Any]:
             print(json.dumps({k: (round(v["us"], 1) if isinstance(v, dict) and "us" in v
                                   else v) for k, v in row.items()}), flush=True)
             rows.append(row)
-    return dict(device=device, dtype=str(dtype), rows=rows)
+    return dict(device=device, dtype=str(dtype), rows=rows, tuned=tuned_launches())
+
+
+def tuned_launches() -> dict[str, Any]:
+    """What the launch tuner timed in this process: per key the pick and every candidate."""
+    from shoal.layers.quantization.launch_tuner import TUNED
+
+    return {" ".join(map(str, key)): {"choice": t.choice, "times_us": {
+        k: (round(v, 2) if v != float("inf") else "failed") for k, v in t.times_us.items()}}
+        for key, t in TUNED.items()}
 
 
 def variant_folder(variant: str, base: Path, root: Path) -> Path:
@@ -161,7 +172,7 @@ def decode_one(args: argparse.Namespace) -> dict[str, Any]:
     cfg = json.loads((offline_runs.shipped_folder(model) / "config.json").read_text())
     out = offline_runs.batch1(eng.llm, int(cfg["vocab_size"]), args.b1_in, args.b1_out,
                               runs=args.repeats)
-    return dict(variant=variant, ready_s=eng.ready_s, **out)
+    return dict(variant=variant, ready_s=eng.ready_s, **out, tuned=tuned_launches())
 
 
 def weight_floor(cfg: dict[str, Any], variant: str) -> dict[str, Any]:

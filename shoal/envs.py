@@ -134,6 +134,12 @@ SHOAL_W4A16_DENSE_ABOVE_M: EnvVar[int | None] = EnvVar(
     "run a dense matmul instead of the W4A16 kernel; unset: always the kernel "
     "(shoal/layers/quantization/methods.py)")
 
+SHOAL_QUANT_TUNING: EnvVar[bool] = EnvVar(
+    "SHOAL_QUANT_TUNING", True, _switch,
+    "0: quantized layers take their heuristic launch shape for a few decode rows instead of "
+    "timing the candidates once per shape on the GPU (shoal/layers/quantization/"
+    "launch_tuner.py)")
+
 SHOAL_KV_HUGE_PAGES: EnvVar[bool] = EnvVar(
     "SHOAL_KV_HUGE_PAGES", True, _switch,
     "0: the CPU KV pool is neither marked for transparent huge pages nor populated at "

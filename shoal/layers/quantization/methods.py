@@ -18,8 +18,10 @@ from dataclasses import dataclass
 import torch
 
 from shoal import envs
+from shoal.layers.quantization import decode_gemv
 from shoal.layers.quantization.fp8_block_gemm import fp8_block_matmul
 from shoal.layers.quantization.fp8_quant import quantize_fp8_groups, quantize_fp8_static
+from shoal.layers.quantization.launch_tuner import run_fastest
 from shoal.layers.quantization.w4a16_gemm import block_k_for, w4a16_matmul
 
 FP8_GROUP = 128  # activation group of per-channel weights that take the block kernel
@@ -28,6 +30,20 @@ DENSE_ABOVE_M_ENV = envs.SHOAL_W4A16_DENSE_ABOVE_M.name
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _decode_rows(flat: torch.Tensor) -> bool:
+    """A few rows on the GPU (or the interpreter): the weight-only GEMVs are candidates."""
+    return 0 < flat.shape[0] <= decode_gemv.MAX_ROWS and flat.dtype != torch.float64
+
+
+def _tune_key(kind: str, weight_shape: tuple[int, ...], group: int, flat: torch.Tensor
+              ) -> tuple:
+    return (kind, *weight_shape, group, 1 << (flat.shape[0] - 1).bit_length(), flat.dtype)
+
+
+def _gemv_name(t: decode_gemv.GemvTiles) -> str:
+    return f"gemv n{t.block_n} k{t.block_k} split{t.split}"
 
 
 @dataclass
@@ -45,6 +61,20 @@ class FP8ScaledMM:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.weight.shape
         flat = x.reshape(-1, k)
+        if _decode_rows(flat) and self.input_scale is None:
+            flat = flat.contiguous()
+            scale = self.weight_scale.reshape(n)
+            calls = {"scaled_mm": lambda: self._scaled_mm(flat)}
+            for t in decode_gemv.fp8_candidates(n, k, 0, flat.device):
+                calls[_gemv_name(t)] = (
+                    lambda t=t: decode_gemv.fp8_gemv(flat, self.weight, scale, t))
+            y = run_fastest(_tune_key("fp8 channel", (n, k), 0, flat), calls, flat.device)
+        else:
+            y = self._scaled_mm(flat)
+        return y.view(*x.shape[:-1], n)
+
+    def _scaled_mm(self, flat: torch.Tensor) -> torch.Tensor:
+        n, k = self.weight.shape
         m = flat.shape[0]
         if self.input_scale is None:
             q, sa = quantize_fp8_groups(flat.contiguous(), k)
@@ -52,10 +82,10 @@ class FP8ScaledMM:
             q = quantize_fp8_static(flat, self.input_scale)
             sa = self.input_scale.reshape(1, 1).expand(m, 1).contiguous()
         # row-wise scaling writes bfloat16 only (on CUDA); other dtypes are cast after
-        out = torch.bfloat16 if x.is_cuda else x.dtype
+        out = torch.bfloat16 if flat.is_cuda else flat.dtype
         y = torch._scaled_mm(q, self.weight.t(), scale_a=sa, scale_b=self.weight_scale,
                              out_dtype=out)
-        return y.to(x.dtype).view(*x.shape[:-1], n)
+        return y.to(flat.dtype)
 
 
 @dataclass
@@ -76,10 +106,22 @@ class FP8BlockLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n, k = self.weight.shape
         flat = x.reshape(-1, k).contiguous()
-        q, sa = quantize_fp8_groups(flat, self.group)
-        y = fp8_block_matmul(q, sa, self.weight, self.weight_scale, self.group,
-                             self.scale_rows, x.dtype)
+        if _decode_rows(flat):
+            calls = {"block gemm": lambda: self._block_gemm(flat)}
+            for t in decode_gemv.fp8_candidates(n, k, self.group, flat.device):
+                calls[_gemv_name(t)] = (lambda t=t: decode_gemv.fp8_gemv(
+                    flat, self.weight, self.weight_scale, t, group=self.group,
+                    scale_rows=self.scale_rows))
+            y = run_fastest(_tune_key(f"fp8 block {self.scale_rows}", (n, k), self.group, flat),
+                            calls, flat.device)
+        else:
+            y = self._block_gemm(flat)
         return y.view(*x.shape[:-1], n)
+
+    def _block_gemm(self, flat: torch.Tensor) -> torch.Tensor:
+        q, sa = quantize_fp8_groups(flat, self.group)
+        return fp8_block_matmul(q, sa, self.weight, self.weight_scale, self.group,
+                                self.scale_rows, flat.dtype)
 
 
 @dataclass
@@ -109,6 +151,17 @@ class Int4Linear:
             flat = flat.index_select(1, self.perm)
         if self.dense_above_m is not None and flat.shape[0] > self.dense_above_m:
             y = flat @ self.dequantize(x.dtype)
+        elif _decode_rows(flat):
+            flat = flat.contiguous()
+            calls = {"w4a16 gemm": lambda: w4a16_matmul(flat, self.codes, self.scales,
+                                                         self.zeros, self.group)}
+            n = self.codes.shape[1]
+            for t in decode_gemv.int4_candidates(n, self.in_features, self.group, flat.device):
+                calls[_gemv_name(t)] = (lambda t=t: decode_gemv.int4_gemv(
+                    flat, self.codes, self.scales, self.zeros, self.group, t))
+            kind = "int4 asym" if self.zeros is not None else "int4"
+            y = run_fastest(_tune_key(kind, (self.in_features, n), self.group, flat), calls,
+                            flat.device)
         else:
             y = w4a16_matmul(flat.contiguous(), self.codes, self.scales, self.zeros,
                              self.group)

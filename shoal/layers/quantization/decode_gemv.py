@@ -1,0 +1,194 @@
+"""Weight-only GEMV for a few rows (decode): y = x W^T with x in bf16/fp16/fp32 and W in FP8
+or INT4, dequantized in registers, no tensor cores. At batch 1 a decode step is a weight read:
+the FP8 paths of methods.py first quantize the activations (one more kernel) and then run an
+FP8 GEMM built for many rows; here each program streams a strip of BLOCK_N output rows (FP8:
+rows of W, contiguous along K; INT4: GPTQ's words, contiguous along N) over its share of K,
+multiplies with every one of the M <= MAX_ROWS activation rows held in registers, and reduces
+along K inside the program. Shared memory is not used, so nothing limits the strips in flight
+but registers.
+
+split > 1: the K range is cut into `split` programs per strip writing float32 partials
+[split, M, N] that one sum adds (deterministic: no atomics), for shapes with too few strips
+to fill the GPU (a 4096-row output of a 14336-wide input)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_ROWS = 8  # activation rows one program holds; more rows take the tensor-core kernels
+
+
+@dataclass(frozen=True)
+class GemvTiles:
+    block_n: int
+    block_k: int  # inputs per K step (INT4: 8 per word)
+    split: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@triton.jit
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, SCALE_ROWS, GROUP,
+                     stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+                     PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok, m_ok = offs_n < N, offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = offs_k < k_end
+        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)
+        part = tl.sum(w[None, :, :] * x[:, None, :], axis=2)
+        if PER_ROW:
+            acc += part
+        else:  # a block scale: BLOCK_K divides GROUP, so one scale per row serves the step
+            s = tl.load(s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn + k0 // GROUP,
+                        mask=n_ok, other=0.0)
+            acc += part * s[None, :]
+    if PER_ROW:
+        acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
+    tl.store(out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_SPLIT, GROUP,
+                      stride_xm, stride_wk, stride_sg, stride_os, stride_om,
+                      HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_W: tl.constexpr):
+    """BLOCK_W words along K a step (8 inputs each), all in one group of scales."""
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_ok, m_ok = offs_n < N, offs_m < M
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    for k0 in range(k_start, k_end, BLOCK_W * 8):
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
+        words = tl.load(w_ptr + offs_w.to(tl.int64)[:, None] * stride_wk + offs_n[None, :],
+                        mask=(offs_w * 8 < k_end)[:, None] & n_ok[None, :], other=0)
+        g = (k0 // GROUP).to(tl.int64)
+        scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_ok, other=0.0).to(tl.float32)
+        if HAS_ZERO:
+            zero = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_ok, other=0).to(tl.float32)
+        else:
+            zero = tl.full([BLOCK_N], 8.0, dtype=tl.float32)
+        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(8):
+            code = ((words >> (4 * j)) & 0xF).to(tl.float32) - zero[None, :]
+            ks = offs_w * 8 + j
+            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & (ks < k_end)[None, :],
+                        other=0.0).to(tl.float32)
+            part += tl.sum(x[:, :, None] * code[None, :, :], axis=1)
+        acc += part * scale[None, :]
+    out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
+    tl.store(out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def _rows(m: int) -> int:
+    if not 0 < m <= MAX_ROWS:
+        raise ValueError(f"decode GEMV takes 1..{MAX_ROWS} rows, got {m}")
+    return triton.next_power_of_2(m)
+
+
+def _span(k: int, step: int, split: int) -> tuple[int, int]:
+    """(inputs per split, whole steps; splits left with inputs)."""
+    span = triton.cdiv(triton.cdiv(k, step), split) * step
+    return span, triton.cdiv(k, span)
+
+
+def _finish(out: torch.Tensor, split: int, dtype: torch.dtype) -> torch.Tensor:
+    return out if split == 1 else out.sum(0).to(dtype)
+
+
+def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tiles: GemvTiles, *,
+             group: int = 0, scale_rows: int = 1) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), w float8 [N, K]; w_scale float32 [N] (group 0: one scale per
+    output row) or [ceil(N / scale_rows), ceil(K / group)] (block scales; tiles.block_k
+    divides group) -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    if w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} need the same "
+                         "K and contiguous rows")
+    if group and group % tiles.block_k:
+        raise ValueError(f"fp8_gemv: block_k {tiles.block_k} must divide the group {group}")
+    span, split = _span(k, tiles.block_k, tiles.split)
+    out = torch.empty((split, m, n) if split > 1 else (m, n),
+                      dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    _fp8_gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
+        x, w, w_scale, out, m, n, k, span, scale_rows, max(group, 1), x.stride(0), w.stride(0),
+        w_scale.stride(0) if group else 0, m * n, n, PER_ROW=group == 0, BLOCK_M=_rows(m),
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages)
+    return _finish(out, split, x.dtype)
+
+
+def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+              zeros: torch.Tensor | None, group: int, tiles: GemvTiles) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS); codes int32 [ceil(K / 8), N], scales [G, N], zeros uint8
+    [G, N] or None (8), as w4a16_gemm.py; tiles.block_k (a multiple of 8) divides the group
+    unless one group spans K."""
+    m, k = x.shape
+    n = codes.shape[1]
+    if codes.shape[0] != triton.cdiv(k, 8) or scales.shape[1] != n or x.stride(1) != 1:
+        raise ValueError(f"int4_gemv: x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
+                         f"scales {tuple(scales.shape)} do not fit")
+    if tiles.block_k % 8 or (group < k and group % tiles.block_k):
+        raise ValueError(f"int4_gemv: block_k {tiles.block_k} must be a multiple of 8 that "
+                         f"divides the group {group}")
+    span, split = _span(k, tiles.block_k, tiles.split)
+    out = torch.empty((split, m, n) if split > 1 else (m, n),
+                      dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    _int4_gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
+        x, codes, scales, zeros if zeros is not None else scales, out, m, n, k, span,
+        max(group, 1) if group < k else 1 << 30,  # one group over K: group 0 for every step
+        x.stride(0), codes.stride(0), scales.stride(0), m * n, n, HAS_ZERO=zeros is not None,
+        BLOCK_M=_rows(m), BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_k // 8,
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    return _finish(out, split, x.dtype)
+
+
+def fp8_candidates(n: int, k: int, group: int, device: torch.device) -> list[GemvTiles]:
+    """Launch shapes worth timing for an FP8 weight [N, K] (group: block-scale width or 0)."""
+    strips = ((16, 32), (8, 16)) if device.type != "cuda" else (
+        (8, 512), (16, 256), (32, 128), (16, 128), (64, 64))
+    return _with_splits([s for s in strips if not group or group % s[1] == 0], n, (1, 2, 4),
+                        device)
+
+
+def int4_candidates(n: int, k: int, group: int, device: torch.device) -> list[GemvTiles]:
+    """Launch shapes worth timing for INT4 codes [K / 8, N] of group `group`."""
+    strips = ((16, 16), (32, 8)) if device.type != "cuda" else (
+        (64, 64), (128, 32), (32, 128), (64, 128), (128, 64), (256, 32))
+    return _with_splits([s for s in strips if group >= k or group % s[1] == 0], n,
+                        (1, 2, 4, 8), device)
+
+
+def _with_splits(strips: list[tuple[int, int]], n: int, splits: tuple[int, ...],
+                 device: torch.device) -> list[GemvTiles]:
+    """Each strip (block_n, block_k) unsplit, and split while the programs stay within four
+    per multiprocessor (the interpreter: one split of each)."""
+    if device.type != "cuda":
+        return [GemvTiles(bn, bk, 1 + i % 2) for i, (bn, bk) in enumerate(strips)]
+    room = 4 * torch.cuda.get_device_properties(device).multi_processor_count
+    return [GemvTiles(bn, bk, split) for bn, bk in strips for split in splits
+            if split == 1 or triton.cdiv(n, bn) * split <= room]

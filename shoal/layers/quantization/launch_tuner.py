@@ -1,0 +1,81 @@
+"""The fastest of a few launch candidates per shape, timed once on the GPU.
+
+A quantized layer at a few decode rows has several ways to run (weight-only GEMV strips of
+different widths and K splits, the tensor-core kernel of methods.py) and which is fastest
+depends on the GPU and the shape more than a rule can say. The first call of a shape key
+outside a CUDA-graph capture (the engine's warm-up pass runs every captured shape eagerly
+before capturing it) times each candidate and keeps the fastest for the process; later calls,
+and the captured graph, use that one. Candidates that fail to launch (shared memory, say) are
+dropped. During a capture, on the CPU, or with SHOAL_QUANT_TUNING=0, a key not timed yet takes
+its first candidate: the heuristic's pick.
+
+The choice is per process: two runs may pick different candidates of near-equal time, whose
+float32 sums differ in order (outputs within rounding, not bit-equal across runs)."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from shoal import envs
+
+logger = logging.getLogger(__name__)
+
+WARMUP, REPEATS = 3, 10
+
+
+@dataclass
+class Tuned:
+    choice: str
+    times_us: dict[str, float] = field(default_factory=dict)  # name -> median; failed: inf
+
+
+TUNED: dict[Hashable, Tuned] = {}
+
+
+def run_fastest(key: Hashable, candidates: dict[str, Callable[[], torch.Tensor]],
+                device: torch.device) -> torch.Tensor:
+    """The output of the fastest candidate for key (see the module docstring); candidates
+    in order of preference, each computing the same result."""
+    known = TUNED.get(key)
+    if known is None and _may_time(device):
+        known = TUNED[key] = _time(key, candidates)
+    name = known.choice if known is not None else next(iter(candidates))
+    return candidates[name]()
+
+
+def _may_time(device: torch.device) -> bool:
+    return (device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
+            and envs.SHOAL_QUANT_TUNING.get())
+
+
+def _time(key: Hashable, candidates: dict[str, Callable[[], torch.Tensor]]) -> Tuned:
+    times: dict[str, float] = {}
+    for name, fn in candidates.items():
+        try:
+            for _ in range(WARMUP):
+                fn()
+            samples = []
+            for _ in range(REPEATS):
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                samples.append(start.elapsed_time(end) * 1e3)
+            times[name] = statistics.median(samples)
+        except Exception as e:  # a launch shape this GPU cannot run: not a candidate
+            logger.debug("launch candidate %s of %s failed: %s", name, key, e)
+            times[name] = float("inf")
+    best = min(times, key=times.__getitem__)
+    if times[best] == float("inf"):
+        raise RuntimeError(f"no launch candidate of {key} ran; first: {next(iter(candidates))}")
+    first = next(iter(candidates))
+    logger.info("quantized %s: %s %.1f us (heuristic %s %.1f us, %d candidates)", key, best,
+                times[best], first, times[first], len(times))
+    return Tuned(best, times)
