@@ -46,3 +46,18 @@ def test_exit_codes_and_signals_in_words():
     assert describe_exit(1) == "exit code 1"
     assert describe_exit(0) == "exit code 0"
     assert describe_exit(None) == "exit status unknown"
+
+
+def test_repeated_restarts_back_off_and_a_quiet_window_resets_the_wait():
+    budget = RestartBudget(limit=6, window_s=60.0)
+    waits = []
+    for t in (0.0, 1.0, 2.0, 3.0, 4.0, 5.0):
+        assert budget.take(2, t)
+        waits.append(budget.backoff_s(2))
+    assert waits == [0.0, 0.5, 1.0, 2.0, 4.0, 8.0]  # the first comes back at once
+    assert budget.backoff_s(0) == 0.0  # an index that never died
+    big = RestartBudget(limit=20, window_s=60.0)
+    for t in range(20):
+        big.take(0, float(t))
+    assert big.backoff_s(0) == 8.0  # capped
+    assert budget.take(2, 200.0) and budget.backoff_s(2) == 0.0

@@ -213,7 +213,6 @@ class ApiServerPool:
         await asyncio.to_thread(proc.join, 10.0)
         self.shared.process_gone(index)
         mark_process_dead(proc.pid, self.metrics_dir)
-        # (the checks and the start run in one step of the loop: stop() cannot come between)
         if self._may_restart():
             how = describe_exit(proc.exitcode)
             if not self.budget.take(index, time.monotonic()):
@@ -221,7 +220,7 @@ class ApiServerPool:
                              "within %.0f s; it is not restarted again; %d left", index,
                              proc.pid, how, self.budget.recent(index), self.budget.window_s,
                              self._left())
-            else:
+            elif await self._backed_off(index, proc.pid, how):
                 try:
                     self._start(index, restart=True)
                 except OSError as e:  # (no process or pipe to be had: as if given up)
@@ -238,6 +237,17 @@ class ApiServerPool:
                     return
         if not self._left():
             self.all_exited.set()
+
+    async def _backed_off(self, index: int, pid: int, how: str) -> bool:
+        """Waits the budget's back-off before a repeated restart; False if the server began
+        stopping (or lost its engine) meanwhile. The check and the start that follows run in
+        one step of the loop: stop() cannot come between them."""
+        wait = self.budget.backoff_s(index)
+        if wait > 0:
+            logger.warning("API server process %d (pid %d) died (%s) again; restarting it in "
+                           "%.1f s", index, pid, how, wait)
+            await asyncio.sleep(wait)
+        return self._may_restart()
 
     def _may_restart(self) -> bool:
         """Not while shutting down, nor once the engine is gone (the API processes then exit

@@ -8,6 +8,8 @@ from collections import deque
 
 RESTART_LIMIT = 5  # restarts of one index ...
 RESTART_WINDOW_S = 60.0  # ... within this long; one more death and it stays dead
+FIRST_BACKOFF_S = 0.5  # the wait before a second restart within the window, doubled after
+MAX_BACKOFF_S = 8.0
 
 
 class RestartBudget:
@@ -34,6 +36,13 @@ class RestartBudget:
             return False
         times.append(now)
         return True
+
+    def backoff_s(self, index: int) -> float:
+        """How long to wait before the restart just taken: none for the first within the
+        window (a one-off crash comes back at once), then FIRST_BACKOFF_S doubling up to
+        MAX_BACKOFF_S, so a process that dies at start-up does not spin the CPU."""
+        n = self.recent(index)
+        return 0.0 if n <= 1 else min(FIRST_BACKOFF_S * 2 ** (n - 2), MAX_BACKOFF_S)
 
     def recent(self, index: int) -> int:
         """The restarts of `index` counted in its window (as of the last take)."""
