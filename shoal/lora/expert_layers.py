@@ -31,7 +31,7 @@ class ExpertLoRA:
         self.name, self.step, self.rank = name, step, max_rank
         self.num_experts, self.local = moe.num_experts, moe.local_num_experts
         self.expert_start = moe.expert_start
-        self.hidden, self.inter = moe.w13_weight.shape[2], moe.inter
+        self.hidden, self.inter = moe.hidden_size, moe.inter
         self.inter_start = moe.inter_rank * moe.inter  # this rank's first intermediate row
         self.full_inter = moe.inter * (moe.tp_size if moe.ep_size == 1 else 1)
         s, e, h, i, r = max_loras, self.local, self.hidden, self.inter, max_rank

@@ -15,11 +15,13 @@ Used by loader/build.py around a model's load, only on CUDA with a bfloat16 or f
    config that names a scheme (benchmarks: random weights quantized by that scheme), quantize
    the dense linears here, on the device.
 
-MoE experts (FusedMoE) in FP8 stay FP8 the same way: a layer whose w13 and w2 arrived whole
-and packed gets `install_fp8` (shoal/layers/moe/triton_experts_fp8.py: block-scaled or
-per-channel experts); one that cannot (INT4 experts, a tensor-parallel slice off the scale
-groups, a GPU without FP8) is dequantized into its dense experts, with a log line saying
-why. Online FP8 and dummy weights of an FP8 config quantize the dense experts at finish."""
+MoE experts (FusedMoE) in FP8 or INT4 stay packed the same way: a layer whose w13 and w2
+arrived whole and packed gets `install_fp8` (shoal/layers/moe/triton_experts_fp8.py:
+block-scaled or per-channel experts) or `install_int4` (triton_experts_int4.py: GPTQ, AWQ,
+compressed-tensors W4A16); one that cannot (act-order INT4, a tensor-parallel slice off the
+scale groups, a GPU without the kernel's instructions) is dequantized into its dense experts,
+with a log line saying why. Online FP8 and dummy weights of an FP8 or 4-bit GPTQ / AWQ config
+quantize the dense experts at finish."""
 
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def dense_scheme(q: QuantizationConfig) -> Any:
 
 
 def expert_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The FusedMoE layers that can hold FP8 experts and do not yet, by name."""
+    """The FusedMoE layers that can hold packed experts and do not yet, by name."""
     return {name: m for name, m in model.named_modules()
             if hasattr(m, "install_fp8") and getattr(m, "quant", None) is None}
 
@@ -185,7 +187,7 @@ class FastPath:
         return dict(counts)
 
     def _finish_experts(self, model: nn.Module, counts: Counter[str]) -> int:
-        """FP8 experts installed (or dequantized, logged); their bytes."""
+        """FP8 / INT4 experts installed (or dequantized, logged); their bytes."""
         loading = self._loading
         stacks: dict[nn.Module, dict[str, Any]] = {}
         for (layer, which), lp in (loading.expert_parts if loading else {}).items():
@@ -197,7 +199,7 @@ class FastPath:
             q = None
             if why is None:
                 try:
-                    q = fp8_experts(lps["w13"], lps["w2"])
+                    q = packed_experts(lps["w13"], lps["w2"])
                 except ValueError as e:
                     why = str(e)
             if q is None:
@@ -205,40 +207,43 @@ class FastPath:
                 for which, lp in lps.items():
                     dequantize_expert_rows(getattr(layer, f"{which}_weight"), lp)
                 continue
-            layer.install_fp8(q)
+            install_experts(layer, q)
             nbytes += q.nbytes
             counts[q.name] += 1
-        if self.qconfig.quant_method == "fp8" and (self.qconfig.online or self.dummy):
-            nbytes += self._quantize_dense_experts(model, counts, refused, set(stacks))
+        scheme = dense_scheme(self.qconfig) if (self.qconfig.online or self.dummy) else None
+        if scheme is not None:
+            nbytes += self._quantize_dense_experts(model, counts, refused, set(stacks), scheme)
         names = {m: n for n, m in model.named_modules()}
-        for why, layers in _by_reason(refused).items():
+        kinds = dict(loading.expert_kinds) if loading else {}
+        default = "int4" if self.qconfig.quant_method in ("gptq", "awq") else "fp8"
+        for (kind, why), layers in _by_reason(refused, kinds, default).items():
             counts[f"dense experts ({why})"] += len(layers)
-            logger.info("MoE experts of %d layer(s) (e.g. %s) kept dense, not FP8: %s",
-                        len(layers), names.get(layers[0], "?"), why)
+            logger.info("MoE experts of %d layer(s) (e.g. %s) kept dense, not %s: %s",
+                        len(layers), names.get(layers[0], "?"), kind.upper(), why)
         return nbytes
 
     def _quantize_dense_experts(self, model: nn.Module, counts: Counter[str],
-                                refused: dict[nn.Module, str], done: set[nn.Module]) -> int:
-        """Online FP8 (per channel) and dummy weights (the config's blocks): dense experts
-        quantized on the device, one expert at a time."""
-        from shoal.layers.quantization.methods import fp8_supported
-
-        block = None if self.qconfig.online else self.qconfig.weight_block_size
+                                refused: dict[nn.Module, str], done: set[nn.Module],
+                                scheme: Any) -> int:
+        """Online FP8 (per channel) and dummy weights (the config's blocks or groups): dense
+        experts quantized on the device by `scheme` (dense_scheme), one expert at a time."""
+        kind = "fp8" if self.qconfig.quant_method == "fp8" else "int4"
         nbytes = 0
         for layer in expert_layers(model).values():
             if layer in done or layer in refused:
                 continue
-            if not fp8_supported(self.device):
-                refused[layer] = "no FP8 tensor cores on this GPU"
+            why = kernel_problem(kind, self.device)
+            if why is not None:
+                refused[layer] = why
                 continue
-            stack = [_stack([quantize_fp8(w, block) for w in getattr(layer, p).data])
+            stack = [_stack([scheme(w) for w in getattr(layer, p).data])
                      for p in ("w13_weight", "w2_weight")]
             try:
-                q = fp8_experts(*stack)
+                q = packed_experts(*stack)
             except ValueError as e:
                 refused[layer] = str(e)
                 continue
-            layer.install_fp8(q)
+            install_experts(layer, q)
             nbytes += q.nbytes
             counts[q.name] += 1
         return nbytes
@@ -257,19 +262,45 @@ def make(packed: PackedLinear, device: torch.device) -> Any:
     return make_quant_linear(packed, device)
 
 
-# ---- FP8 experts ------------------------------------------------------------------------------
+# ---- FP8 and INT4 experts ---------------------------------------------------------------------
 
 def experts_problem(lps: dict[str, LayerParts], device: torch.device) -> str | None:
-    """Why an expert stack's received parts cannot run as FP8 experts (None: they can)."""
-    from shoal.layers.quantization.methods import fp8_supported
-
+    """Why an expert stack's received parts cannot run packed (None: they can)."""
     if set(lps) != {"w13", "w2"}:
         return "only one of the two projections arrived packed"
     if any(lp.mixed or not bool(lp.present.bool().all()) for lp in lps.values()):
         return "some experts' shards arrived dense"
-    if not fp8_supported(device):
+    if lps["w13"].kind != lps["w2"].kind:
+        return "the two projections are packed in different formats"
+    return kernel_problem(lps["w13"].kind, device)
+
+
+def kernel_problem(kind: str, device: torch.device) -> str | None:
+    from shoal.layers.quantization.methods import fp8_supported, int4_supported
+
+    if kind == "fp8" and not fp8_supported(device):
         return "no FP8 tensor cores on this GPU"
+    if kind == "int4" and not int4_supported(device):
+        return "the W4A16 kernel needs compute capability 8.0"
     return None
+
+
+def packed_experts(w13: LayerParts, w2: LayerParts) -> Any:
+    """The experts' run-time form from the two stacks' parts: triton_experts_fp8.FP8Experts
+    or triton_experts_int4.Int4Experts; ValueError: why not."""
+    if w13.kind == "int4":
+        from shoal.layers.moe.triton_experts_int4 import Int4Experts, int4_weights
+
+        return Int4Experts(*(int4_weights(lp.parts["codes"], lp.parts["scale"],
+                                          lp.parts["zero"], lp.group, lp.in_features)
+                             for lp in (w13, w2)))
+    return fp8_experts(w13, w2)
+
+
+def install_experts(layer: nn.Module, q: Any) -> None:
+    from shoal.layers.moe.triton_experts_int4 import Int4Experts
+
+    (layer.install_int4 if isinstance(q, Int4Experts) else layer.install_fp8)(q)
 
 
 def fp8_experts(w13: LayerParts, w2: LayerParts) -> Any:
@@ -299,8 +330,10 @@ def _stack(packed: list[PackedLinear]) -> LayerParts:
     return LayerParts(p.kind, p.group, p.in_features, 1, parts)
 
 
-def _by_reason(refused: dict[nn.Module, str]) -> dict[str, list[nn.Module]]:
-    out: dict[str, list[nn.Module]] = {}
+def _by_reason(refused: dict[nn.Module, str], kinds: dict[nn.Module, str],
+               default: str) -> dict[tuple[str, str], list[nn.Module]]:
+    """Refused layers by (packed kind, why)."""
+    out: dict[tuple[str, str], list[nn.Module]] = {}
     for layer, why in refused.items():
-        out.setdefault(why, []).append(layer)
+        out.setdefault((kinds.get(layer, default), why), []).append(layer)
     return out

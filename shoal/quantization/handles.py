@@ -14,11 +14,11 @@ as a tensor, a shard whose parts disagree with the layer's others) is dequantize
 loaded dense. One that no loader ever sees (a model that copies or reshapes weights itself)
 is an error at the end of the load, never garbage in a layer.
 
-FusedMoE layers (`experts`) take FP8 experts the same way: their w13_weight / w2_weight
-[E, rows, K] get part buffers [E, rows, ...] that FusedMoE's own loader fills expert by expert
-and shard by shard (gate / up rows, this rank's down columns); other packed kinds (INT4), and
-a rank's share of the down inputs that is not whole scale groups, are dequantized there
-(`refused` says why, for the log)."""
+FusedMoE layers (`experts`) take FP8 and INT4 experts the same way: their w13_weight /
+w2_weight [E, rows, K] get part buffers [E, rows, ...] that FusedMoE's own loader fills expert
+by expert and shard by shard (gate / up rows, this rank's down columns); act-order INT4 (a
+permutation of the inputs per expert), and a rank's share of the down inputs that is not
+whole scale groups, are dequantized there (`refused` says why, for the log)."""
 
 from __future__ import annotations
 
@@ -106,6 +106,7 @@ class PackedLoading:
         self.parts: dict[nn.Module, LayerParts] = {}
         self.expert_parts: dict[ExpertKey, LayerParts] = {}
         self.refused: dict[nn.Module, str] = {}  # expert layers with a dequantized shard: why
+        self.expert_kinds: dict[nn.Module, str] = {}  # expert layers: the packed kind seen
         self._saved: list[tuple[nn.Parameter, Any]] = []
 
     def __enter__(self) -> PackedLoading:
@@ -155,8 +156,13 @@ class PackedLoading:
 
     def _expert_parts_for(self, owner: ExpertKey, param: torch.Tensor,
                           p: PackedLinear) -> LayerParts | None:
-        if p.kind != "fp8":
+        self.expert_kinds.setdefault(owner[0], p.kind)
+        if p.kind not in ("fp8", "int4"):
             self.refused.setdefault(owner[0], f"{p.kind} experts have no kernel here")
+            return None
+        if p.perm is not None:
+            self.refused.setdefault(owner[0], "act-order int4 experts (inputs permuted per "
+                                    "expert) have no kernel here")
             return None
         target = self._parts_for(owner, param, p, self.expert_parts)
         if target is None:

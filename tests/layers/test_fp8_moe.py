@@ -192,14 +192,13 @@ def test_make_fp8_experts_refuses_what_the_kernel_cannot_take() -> None:
 
 OFF_GROUPS = ("a rank's share of the expert inputs is not whole scale groups, or the "
               "experts' layouts differ")
-# (moe_intermediate_size, fp8 block / None: per channel / "gptq", rank of 2 tensor-parallel
+# (moe_intermediate_size, fp8 block / None: per channel, rank of 2 tensor-parallel
 # ranks or None, why it stays dense or None: kept FP8)
 LOAD_CASES = {
     "fp8-block": (64, (32, 32), None, None),
     "fp8-block-tp-rank1": (64, (32, 32), 1, None),
     "fp8-channel": (64, None, None, None),
     "fp8-block-tp-off-the-groups": (96, (32, 32), 1, OFF_GROUPS),  # 48 inputs a rank
-    "gptq-4bit": (64, "gptq", None, "int4 experts have no kernel here"),
 }
 
 
@@ -208,8 +207,9 @@ LOAD_CASES = {
 def test_fast_path_loads_expert_shards_packed_or_refuses(case, monkeypatch, caplog) -> None:
     """Each expert's gate / up / down stand-ins through FusedMoE's own loader: the layer's
     rows (this rank's under tensor parallelism) in FP8 equal the checkpoint's dequantized
-    weights; INT4 experts and a rank's slice off the scale groups are dequantized, logged."""
-    from quantization.quant_checkpoints import fp8_block, fp8_rows, gptq
+    weights; a rank's slice off the scale groups is dequantized, logged (INT4 experts:
+    test_int4_moe.py)."""
+    from quantization.quant_checkpoints import fp8_block, fp8_rows
 
     from shoal.quantization.config import parse_quantization_config
     from shoal.quantization.fast_path import FastPath
@@ -219,15 +219,10 @@ def test_fast_path_loads_expert_shards_packed_or_refuses(case, monkeypatch, capl
     if rank is not None:  # rank 1 of 2 tensor-parallel ranks
         monkeypatch.setattr(moe_layer, "get_tp_world_size", lambda: 2)
         monkeypatch.setattr(moe_layer, "get_tp_rank", lambda: rank)
-    if block == "gptq":
-        config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
-                  "sym": True}
-        quantize = gptq
-    else:
-        config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
-        if block:
-            config["weight_block_size"] = list(block)
-        quantize = (lambda w: fp8_block(w, block)) if block else fp8_rows
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    if block:
+        config["weight_block_size"] = list(block)
+    quantize = (lambda w: fp8_block(w, block)) if block else fp8_rows
     qconfig = parse_quantization_config(config)
     path = FastPath.plan(qconfig, torch.float32, "cpu", allow_cpu=True)
     holder = torch.nn.Module()

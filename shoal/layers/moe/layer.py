@@ -30,7 +30,10 @@ weight, which its GEMM folds in (the delta is linear in it).
 FP8 experts (a DeepSeek-V3 / Qwen3-FP8 checkpoint on the GPU fast path,
 shoal/quantization/fast_path.py): `install_fp8` swaps the dense w13_weight / w2_weight for
 float8_e4m3fn tensors beside their scales (w13_weight_scale, w2_weight_scale), and `quant`
-(a triton_experts_fp8.FP8Experts) routes the forward to that file's grouped GEMMs.
+(a triton_experts_fp8.FP8Experts) routes the forward to that file's grouped GEMMs. INT4
+weight-only experts (GPTQ, AWQ, compressed-tensors W4A16) likewise: `install_int4` swaps them
+for packed codes, scales and zero points (w13_qweight, w13_scales, w13_qzeros, w2_...) and
+`quant` (a triton_experts_int4.Int4Experts) routes to triton_experts_int4.py.
 """
 
 from __future__ import annotations
@@ -96,7 +99,7 @@ class FusedMoE(nn.Module):
     w13_bias [E, 2 * I / tp] and w2_bias [E, H] (the local experts' under EP)."""
 
     lora: Any = None  # a shoal.lora.expert_layers.ExpertLoRA when the engine serves adapters
-    quant: Any = None  # FP8Experts once install_fp8 ran: the experts are FP8
+    quant: Any = None  # FP8Experts / Int4Experts once install_fp8 / install_int4 ran
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None,
@@ -107,6 +110,7 @@ class FusedMoE(nn.Module):
         self.use_triton_ops = use_triton_ops  # the Triton kernel for CUDA tensors
         self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
         self.num_experts = num_experts
+        self.hidden_size = hidden_size  # (w13_weight is gone once INT4 experts are installed)
         self.ep_size, self.ep_rank = get_ep_world_size(), get_ep_rank()
         if self.ep_size > 1:
             if num_experts % self.ep_size:
@@ -193,14 +197,15 @@ class FusedMoE(nn.Module):
             return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                  self.use_triton_ops, foreign_ids=foreign, lora=lora,
                                  **self._extras(down_bias))
-        # FP8: always the Triton kernels (installed only where they run: fast_path.py)
+        # FP8 / INT4: always the Triton kernels (installed only where they run: fast_path.py)
         from shoal.layers.moe.triton_experts_fp8 import experts_triton_fp8
+        from shoal.layers.moe.triton_experts_int4 import Int4Experts, experts_triton_int4
 
         if foreign:
             topk_ids, topk_weights = _mask_foreign(topk_ids, topk_weights,
                                                    self.local_num_experts)
-        return experts_triton_fp8(x, self.quant, topk_weights, topk_ids, lora=lora,
-                                  **self._extras(down_bias))
+        run = experts_triton_int4 if isinstance(self.quant, Int4Experts) else experts_triton_fp8
+        return run(x, self.quant, topk_weights, topk_ids, lora=lora, **self._extras(down_bias))
 
     def install_fp8(self, q: Any) -> None:
         """The experts from now on: q, a triton_experts_fp8.FP8Experts of this layer's shapes.
@@ -215,6 +220,22 @@ class FusedMoE(nn.Module):
                         ("w2_weight", q.w2), ("w2_weight_scale", q.w2_scale)):
             if hasattr(self, name):
                 delattr(self, name)
+            self.register_buffer(name, t)
+        self.quant = q
+
+    def install_int4(self, q: Any) -> None:
+        """The experts from now on: q, a triton_experts_int4.Int4Experts of this layer's
+        shapes; the dense w13_weight / w2_weight are dropped and q's tensors become buffers
+        (as install_fp8's)."""
+        e, two_i, h = self.w13_weight.shape
+        i = self.w2_weight.shape[2]
+        got = ((q.w13.codes.shape[0], q.w13.in_features, q.w13.out_features),
+               (q.w2.codes.shape[0], q.w2.in_features, q.w2.out_features))
+        if got != ((e, h, two_i), (e, i, h)):
+            raise ValueError(f"INT4 experts (E, K, N) {got} do not fit the layer's "
+                             f"{((e, h, two_i), (e, i, h))}")
+        del self.w13_weight, self.w2_weight
+        for name, t in q.buffers().items():
             self.register_buffer(name, t)
         self.quant = q
 
