@@ -4,7 +4,8 @@ A quantized layer at a few decode rows has several ways to run (weight-only GEMV
 different widths and K splits, the tensor-core kernel of methods.py) and which is fastest
 depends on the GPU and the shape more than a rule can say. The first call of a shape key
 outside a CUDA-graph capture (the engine's warm-up pass runs every captured shape eagerly
-before capturing it) times each candidate and keeps the fastest for the process; later calls,
+before capturing it) times each candidate, as the GPU runs it inside a graph of its own, and
+keeps the fastest for the process; later calls,
 and the captured graph, use that one. Candidates that fail to launch (shared memory, say) are
 dropped. During a capture, on the CPU, or with SHOAL_QUANT_TUNING=0, a key not timed yet takes
 its first candidate: the heuristic's pick.
@@ -54,28 +55,42 @@ def _may_time(device: torch.device) -> bool:
 
 
 def _time(key: Hashable, candidates: dict[str, Callable[[], torch.Tensor]]) -> Tuned:
-    times: dict[str, float] = {}
-    for name, fn in candidates.items():
-        try:
-            for _ in range(WARMUP):
-                fn()
-            samples = []
-            for _ in range(REPEATS):
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end) * 1e3)
-            times[name] = statistics.median(samples)
-        except Exception as e:  # a launch shape this GPU cannot run: not a candidate
-            logger.debug("launch candidate %s of %s failed: %s", name, key, e)
-            times[name] = float("inf")
+    times = {name: gpu_time_us(fn, f"{key} {name}") for name, fn in candidates.items()}
     best = min(times, key=times.__getitem__)
-    if times[best] == float("inf"):
-        raise RuntimeError(f"no launch candidate of {key} ran; first: {next(iter(candidates))}")
     first = next(iter(candidates))
+    if times[best] == float("inf"):  # nothing could be timed: the heuristic's pick
+        logger.warning("quantized %s: no launch candidate could be timed; using %s", key, first)
+        return Tuned(first, times)
     logger.info("quantized %s: %s %.1f us (heuristic %s %.1f us, %d candidates)", key, best,
                 times[best], first, times[first], len(times))
     return Tuned(best, times)
+
+
+def gpu_time_us(fn: Callable[[], object], label: str = "") -> float:
+    """Microseconds a call of fn takes on the GPU: REPEATS calls captured in one CUDA graph,
+    the median of three replays. Timing eager calls instead would time this host's kernel
+    launches (tens of microseconds each on a slow CPU), which favour fewer, slower kernels;
+    the engine replays graphs. inf: fn cannot launch or be captured here."""
+    try:
+        for _ in range(WARMUP):  # compiles, and settles any lazy allocation
+            fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for _ in range(REPEATS):
+                fn()
+        samples = []
+        for _ in range(3):
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / REPEATS)
+        del graph
+        return statistics.median(samples)
+    except Exception as e:  # a launch shape this GPU cannot run: not a candidate
+        logger.debug("launch candidate %s failed: %s", label, e)
+        torch.cuda.synchronize()
+        return float("inf")
