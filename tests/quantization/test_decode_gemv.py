@@ -35,16 +35,16 @@ def test_fp8_gemv_per_row_scales(m, n, k, tiles):
     _close(got, x @ dequantize_packed(p).t())
 
 
-@pytest.mark.parametrize("scale_rows,tiles", [(1, GemvTiles(16, 32, 1)),
-                                              (16, GemvTiles(8, 16, 3))])
-def test_fp8_gemv_block_scales(scale_rows, tiles):
+@pytest.mark.parametrize("m,scale_rows,tiles", [(2, 1, GemvTiles(16, 32, 1)),
+                                                (1, 16, GemvTiles(8, 16, 3))])
+def test_fp8_gemv_block_scales(m, scale_rows, tiles):
     torch.manual_seed(1)
     n, k, group = 48, 160, 32  # K ends mid-group
     p = quantize_fp8(torch.randn(n, k, device=DEVICE), (16, group))
     scale = p.parts["scale"]
     if scale_rows > 1:
         scale = scale[::scale_rows].contiguous()
-    x = torch.randn(2, k, device=DEVICE)
+    x = torch.randn(m, k, device=DEVICE)
     got = fp8_gemv(x, p.parts["weight"], scale, tiles, group=group, scale_rows=scale_rows)
     _close(got, x @ dequantize_packed(p).t())
 

@@ -50,9 +50,13 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, SCALE_ROWS,
         k_ok = offs_k < k_end
         w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
                     other=0.0).to(tl.float32)
-        x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        part = tl.sum(w[None, :, :] * x[:, None, :], axis=2)
+        if BLOCK_M == 1:  # a plain 2-D row reduction: what batch-1 decode runs
+            x1 = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            part = tl.sum(w * x1[None, :], axis=1)[None, :]
+        else:
+            x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            part = tl.sum(w[None, :, :] * x[:, None, :], axis=2)
         if PER_ROW:
             acc += part
         else:  # a block scale: BLOCK_K divides GROUP, so one scale per row serves the step
@@ -90,14 +94,23 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_SPLIT, GRO
             zero = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_ok, other=0).to(tl.float32)
         else:
             zero = tl.full([BLOCK_N], 8.0, dtype=tl.float32)
-        part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(8):
-            code = ((words >> (4 * j)) & 0xF).to(tl.float32) - zero[None, :]
-            ks = offs_w * 8 + j
-            x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & (ks < k_end)[None, :],
-                        other=0.0).to(tl.float32)
-            part += tl.sum(x[:, :, None] * code[None, :, :], axis=1)
-        acc += part * scale[None, :]
+        if BLOCK_M == 1:  # 2-D: the codes of word row w times x's input 8w + j
+            col = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(8):
+                code = ((words >> (4 * j)) & 0xF).to(tl.float32) - zero[None, :]
+                ks = offs_w * 8 + j
+                x1 = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0).to(tl.float32)
+                col += tl.sum(code * x1[:, None], axis=0)
+            acc += (col * scale)[None, :]
+        else:
+            part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(8):
+                code = ((words >> (4 * j)) & 0xF).to(tl.float32) - zero[None, :]
+                ks = offs_w * 8 + j
+                x = tl.load(x_rows + ks[None, :], mask=m_ok[:, None] & (ks < k_end)[None, :],
+                            other=0.0).to(tl.float32)
+                part += tl.sum(x[:, :, None] * code[None, :, :], axis=1)
+            acc += part * scale[None, :]
     out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
     tl.store(out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
