@@ -42,27 +42,42 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, SCALE_ROWS,
     n_ok, m_ok = offs_n < N, offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < k_end
-        w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        if BLOCK_M == 1:  # a plain 2-D row reduction: what batch-1 decode runs
+    if BLOCK_M == 1:
+        # Batch-1 decode: the products add up elementwise in a [BLOCK_N, BLOCK_K] tile that
+        # is reduced across K once at the end (a reduction per step would cost a cross-warp
+        # exchange every step).
+        wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_end
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
             x1 = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            part = tl.sum(w * x1[None, :], axis=1)[None, :]
-        else:
+            if PER_ROW:
+                wide += w * x1[None, :]
+            else:  # a block scale: BLOCK_K divides GROUP, one scale per row serves the step
+                s = tl.load(s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
+                            + k0 // GROUP, mask=n_ok, other=0.0)
+                wide += w * (x1[None, :] * s[:, None])
+        acc = tl.sum(wide, axis=1)[None, :]
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_end
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
             x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
                         other=0.0).to(tl.float32)
             part = tl.sum(w[None, :, :] * x[:, None, :], axis=2)
-        if PER_ROW:
-            acc += part
-        else:  # a block scale: BLOCK_K divides GROUP, so one scale per row serves the step
-            s = tl.load(s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn + k0 // GROUP,
-                        mask=n_ok, other=0.0)
-            acc += part * s[None, :]
+            if PER_ROW:
+                acc += part
+            else:
+                s = tl.load(s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
+                            + k0 // GROUP, mask=n_ok, other=0.0)
+                acc += part * s[None, :]
     if PER_ROW:
         acc = acc * tl.load(s_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
@@ -81,9 +96,12 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_SPLIT, GRO
     offs_m = tl.arange(0, BLOCK_M)
     n_ok, m_ok = offs_n < N, offs_m < M
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
+    # batch 1: products add up elementwise in a [BLOCK_W, BLOCK_N] tile, reduced over the
+    # words once at the end; more rows: reduced every step
+    wide = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_W * 8):
         offs_w = k0 // 8 + tl.arange(0, BLOCK_W)
         words = tl.load(w_ptr + offs_w.to(tl.int64)[:, None] * stride_wk + offs_n[None, :],
@@ -94,14 +112,14 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_SPLIT, GRO
             zero = tl.load(z_ptr + g * stride_sg + offs_n, mask=n_ok, other=0).to(tl.float32)
         else:
             zero = tl.full([BLOCK_N], 8.0, dtype=tl.float32)
-        if BLOCK_M == 1:  # 2-D: the codes of word row w times x's input 8w + j
-            col = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if BLOCK_M == 1:
+            step = tl.zeros([BLOCK_W, BLOCK_N], dtype=tl.float32)
             for j in tl.static_range(8):
                 code = ((words >> (4 * j)) & 0xF).to(tl.float32) - zero[None, :]
                 ks = offs_w * 8 + j
                 x1 = tl.load(x_ptr + ks, mask=ks < k_end, other=0.0).to(tl.float32)
-                col += tl.sum(code * x1[:, None], axis=0)
-            acc += (col * scale)[None, :]
+                step += code * x1[:, None]
+            wide += step * scale[None, :]
         else:
             part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
             for j in tl.static_range(8):
@@ -111,6 +129,8 @@ def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_SPLIT, GRO
                             other=0.0).to(tl.float32)
                 part += tl.sum(x[:, :, None] * code[None, :, :], axis=1)
             acc += part * scale[None, :]
+    if BLOCK_M == 1:
+        acc = tl.sum(wide, axis=0)[None, :]
     out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
     tl.store(out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
