@@ -112,4 +112,8 @@ def add_run_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--output-file", required=True, help="the results ('-': stdout)")
     p.add_argument("--model", default=None, help="model (default: the embedded one)")
     p.add_argument("--served-model-name", default=None, help="the name in the responses")
+    p.add_argument("--enable-metrics", action="store_true",
+                   help="serve the run's Prometheus metrics on --host:--port while it runs")
+    p.add_argument("--host", default="127.0.0.1", help="the metrics server's address")
+    p.add_argument("--port", type=int, default=8000, help="the metrics server's port")
     add_engine_flags(p)

@@ -98,6 +98,7 @@ class _EngineSeries:
         self.spec_per_pos: list[Any] = []
         self.queries, self.hits, self.preempt = CumulativeDelta(), CumulativeDelta(), \
             CumulativeDelta()
+        self.mm_queries_total, self.mm_hits_total = CumulativeDelta(), CumulativeDelta()
         self.tiers: dict[tuple[str, str], tuple[Any, CumulativeDelta]] = {}
 
 
@@ -176,6 +177,10 @@ class PrometheusStatLogger:
                                                           "number of queried tokens.")
         counter("prefix_hits", "prefix_cache_hits", "Prefix cache hits, in terms of number of "
                                                     "cached tokens.")
+        counter("mm_queries", "mm_cache_queries", "Multi-modal cache queries, in terms of "
+                                                  "number of queried items.")
+        counter("mm_hits", "mm_cache_hits", "Multi-modal cache hits, in terms of number of "
+                                            "cached items.")
         counter("preemptions", "num_preemptions", "Cumulative number of preemption from the "
                                                   "engine.")
         counter("prompt_tokens", "prompt_tokens", "Number of prefill tokens processed.")
@@ -261,6 +266,9 @@ class PrometheusStatLogger:
             e.prefix_queries.inc(e.queries(s.prefix_cache_queries))
             e.prefix_hits.inc(e.hits(s.prefix_cache_hits))
             e.preemptions.inc(e.preempt(s.num_preemptions))
+            # an image looked up in the encoder cache: a hit, or a miss that was encoded
+            e.mm_queries.inc(e.mm_queries_total(s.mm_items_encoded + s.mm_cache_hits))
+            e.mm_hits.inc(e.mm_hits_total(s.mm_cache_hits))
             e.generation_tokens.inc(s.num_generation_tokens)
             step_tokens = s.num_prompt_tokens + s.num_generation_tokens
             if step_tokens:

@@ -52,6 +52,17 @@ def test_scheduler_stats_gauges_and_counters():
     assert _value(r, "shoal:iteration_tokens_total_sum") == 33
 
 
+def test_image_cache_queries_and_hits_count_items_cumulatively():
+    """vLLM's mm_cache_queries / mm_cache_hits: every image looked up in the encoder cache
+    (encoded or found) and the ones found."""
+    p = PrometheusStatLogger(M)
+    p.record(SchedulerStats(mm_items_encoded=2, mm_cache_hits=1), IterationStats())
+    p.record(SchedulerStats(mm_items_encoded=3, mm_cache_hits=4), IterationStats())
+    assert _value(p.registry, "shoal:mm_cache_queries_total") == 7
+    assert _value(p.registry, "shoal:mm_cache_hits_total") == 4
+    assert _value(p.registry, "vllm:mm_cache_hits_total") == 4
+
+
 def test_prompt_tokens_count_whole_prompts_with_their_cached_part():
     # vLLM's semantics: a prompt counts whole when its first token comes (cache hits too).
     p = PrometheusStatLogger(M)

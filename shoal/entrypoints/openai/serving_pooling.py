@@ -48,6 +48,17 @@ def _encode(vec: np.ndarray, fmt: str) -> list | str:
     return vec.tolist()
 
 
+def embedding_body(req: EmbeddingRequest, model: str, outs: list[PoolingRequestOutput],
+                   rid: str, *, pooling: bool = False) -> dict[str, Any]:
+    """The /v1/embeddings (or /pooling) response for the outputs of embedding_jobs."""
+    obj, key = ("pooling", "data") if pooling else ("embedding", "embedding")
+    data = [{"index": i, "object": obj,
+             key: _encode(np.asarray(o.outputs.data), req.encoding_format)}
+            for i, o in enumerate(outs)]
+    return {"id": rid, "object": "list", "created": now_s(), "model": model, "data": data,
+            "usage": _usage(sum(len(o.prompt_token_ids) for o in outs))}
+
+
 class OpenAIServingPooling(ServingBase):
     @property
     def info(self) -> PoolingInfo:
@@ -113,26 +124,27 @@ class OpenAIServingPooling(ServingBase):
         except ClientDisconnected:
             return Response(status_code=499)
 
-    # ---- endpoints ----------------------------------------------------------------------------
-    async def embeddings(self, req: EmbeddingRequest, raw: Request, *, pooling: bool = False
-                         ) -> Response:
+    def embedding_jobs(self, req: EmbeddingRequest, *, pooling: bool = False
+                       ) -> tuple[str, list[_Job]]:
+        """The served model's name and one engine request per input of an /v1/embeddings
+        (or /pooling) body; what is wrong with it is an error here, before any runs (the
+        server and the batch runner share this)."""
         task = (req.task if isinstance(req, PoolingRequest) and req.task else
                 self.info.tasks[0] if pooling else "embed")
         model = self._check(req, task)
         params = PoolingParams(task=task, dimensions=req.dimensions, normalize=req.normalize)
         params.check_against(self.info)
-        jobs = [(self._prompt(x, req), params, None) for x in normalize_inputs(req.input)]
+        return model, [(self._prompt(x, req), params, None) for x in normalize_inputs(req.input)]
+
+    # ---- endpoints ----------------------------------------------------------------------------
+    async def embeddings(self, req: EmbeddingRequest, raw: Request, *, pooling: bool = False
+                         ) -> Response:
+        model, jobs = self.embedding_jobs(req, pooling=pooling)
         outs = await self._answer(jobs, req.priority, raw)
         if isinstance(outs, Response):
             return outs
-        obj, key, prefix = ("pooling", "data", "pool") if pooling else \
-            ("embedding", "embedding", "embd")
-        data = [{"index": i, "object": obj, key: _encode(o.outputs.data, req.encoding_format)}
-                for i, o in enumerate(outs)]
-        return JSONResponse({
-            "id": response_id(prefix, req.request_id, raw), "object": "list",
-            "created": now_s(), "model": model, "data": data,
-            "usage": _usage(sum(len(o.prompt_token_ids) for o in outs))})
+        rid = response_id("pool" if pooling else "embd", req.request_id, raw)
+        return JSONResponse(embedding_body(req, model, outs, rid, pooling=pooling))
 
     async def classify(self, req: ClassificationRequest, raw: Request) -> Response:
         model = self._check(req, "classify")
