@@ -9,7 +9,11 @@ from dataclasses import dataclass
 # token -> slot table lines up with their rows): shoal.lora.layers adapts them.
 LORA_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-    "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"})
+    "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+    # issue 33's native families (their checkpoint names: shoal/lora/layers.py)
+    "CohereForCausalLM", "Gemma2ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM",
+    "GraniteForCausalLM", "GraniteMoeForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM",
+    "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM"})
 
 # vLLM's allowed --max-lora-rank values
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -9,10 +9,19 @@ Which layers: the column- and row-parallel projections under `model.layers.` who
 checkpoint names end in q/k/v/o_proj or gate/up/down_proj (fused qkv_proj and gate_up_proj
 through the model's packed_modules_mapping), on the architectures of
 shoal.config.lora.LORA_ARCHITECTURES, whose projections see every token of the step. The
-routed experts of their MoE layers take adapters through shoal/lora/expert_layers.py."""
+routed experts of their MoE layers take adapters through shoal/lora/expert_layers.py.
+
+What a model class may say of its checkpoint's names (class attributes, none by default):
+`lora_extra_leaves`, more module names that take adapters (StarCoder2's c_fc, c_proj);
+`lora_fused_modules`, fused layers that are one module in the checkpoint too (Phi-3's qkv_proj
+and gate_up_proj): an adapter of it has one A and one B over all the parts' rows, each part
+reads its rows of B (A repeats in each part's block); and `adapt_lora_b(module, b)`, a B
+[out, r] with its rows reordered as the model reorders the module's weight rows at load
+(GLM-4's and Cohere's interleaved rotary)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -82,8 +91,10 @@ class LoRALayer:
     """A projection's adapter slots (plain tensors, not module state: no checkpoint name)."""
 
     def __init__(self, subs: list[SubProjection], out_local: int, step: LoRAStep,
-                 max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device):
+                 max_loras: int, max_rank: int, dtype: torch.dtype, device: torch.device,
+                 adapt_b: Callable[[str, torch.Tensor], torch.Tensor] | None = None):
         self.subs, self.step, self.rank = subs, step, max_rank
+        self.adapt_b = adapt_b  # the model's adapt_lora_b, if any
         in_local = subs[0].in_size
         self.a = torch.zeros(max_loras, len(subs) * max_rank, in_local, dtype=dtype,
                              device=device)
@@ -106,6 +117,8 @@ class LoRALayer:
             if pair is None:
                 continue
             a, b = pair
+            if self.adapt_b is not None:
+                b = self.adapt_b(sub.name, b)
             rank = a.shape[0]
             self.a[slot, i * r:i * r + rank].copy_(a[:, sub.in_start:sub.in_start + sub.in_size])
             self.b[slot, sub.out_offset:sub.out_offset + sub.out_size, :rank].copy_(
@@ -140,11 +153,13 @@ def _fused_subs(model: nn.Module) -> dict[str, list[tuple[str, object]]]:
     return fused
 
 
-def _subs_of(name: str, layer: nn.Module, fused: dict[str, list[tuple[str, object]]]
-             ) -> list[SubProjection] | None:
+def _subs_of(name: str, layer: nn.Module, fused: dict[str, list[tuple[str, object]]],
+             leaves: frozenset[str], whole: frozenset[str]) -> list[SubProjection] | None:
+    """leaves: the checkpoint module names that take adapters; whole: the fused layers
+    adapted as one checkpoint module (the module docstring)."""
     prefix, leaf = name.rsplit(".", 1)
     if isinstance(layer, RowParallelLinear):
-        if leaf not in TARGET_LEAVES:
+        if leaf not in leaves:
             return None
         out, in_local = layer.weight.shape
         return [SubProjection(name, 0, out, 0, out, layer.tp_rank * in_local, in_local,
@@ -169,7 +184,15 @@ def _subs_of(name: str, layer: nn.Module, fused: dict[str, list[tuple[str, objec
         names = [leaf]
         out = layer.output_size_per_partition
         parts = [(out, rank * out, out * tp)]
-    if not all(n in TARGET_LEAVES for n in names):
+    if leaf in whole and len(parts) > 1:
+        # one checkpoint module: part j's rows of its B start after the parts before it
+        total, subs, offset, before = sum(p[2] for p in parts), [], 0, 0
+        for size, start, full in parts:
+            subs.append(SubProjection(name, offset, size, before + start, total, 0, hidden,
+                                      hidden))
+            offset, before = offset + size, before + full
+        return subs
+    if not all(n in leaves for n in names):
         return None
     subs, offset = [], 0
     for src, (size, start, full) in zip(names, parts):
@@ -183,15 +206,18 @@ def add_lora_layers(model: nn.Module, step: LoRAStep, max_loras: int, max_rank: 
                     dtype: torch.dtype, device: torch.device) -> list[LoRALayer]:
     """Gives every adaptable projection its LoRALayer (layer.lora); returns them."""
     fused = _fused_subs(model)
+    leaves = TARGET_LEAVES | frozenset(getattr(model, "lora_extra_leaves", ()))
+    whole = frozenset(getattr(model, "lora_fused_modules", ()))
+    adapt_b = getattr(model, "adapt_lora_b", None)
     layers = []
     for name, module in model.named_modules():
         if not name.startswith("model.layers.") or getattr(module, "lora", None) is not None:
             continue
-        subs = _subs_of(name, module, fused)
+        subs = _subs_of(name, module, fused, leaves, whole)
         if subs is None:
             continue
         out_local = module.weight.shape[0]
-        lora = LoRALayer(subs, out_local, step, max_loras, max_rank, dtype, device)
+        lora = LoRALayer(subs, out_local, step, max_loras, max_rank, dtype, device, adapt_b)
         module.lora = lora
         layers.append(lora)
     return layers

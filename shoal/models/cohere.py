@@ -7,7 +7,10 @@ loading reorders each query and key head's rows (evens first, then odds) so that
 rotary, which rotates halves, computes the same q.k. With use_qk_norm (Command-R+), each query
 and key head is LayerNormed before the rotary with weights of its own ([heads, head_dim],
 reordered the same way and split over tensor-parallel ranks as the heads are). The MLP is
-Llama's SwiGLU; o_proj has a bias when q/k/v have one (attention_bias)."""
+Llama's SwiGLU; o_proj has a bias when q/k/v have one (attention_bias). Built per pipeline
+stage (LlamaModel.build_stages); the logit scale applies where the logits are computed (stage
+0, which holds lm_head). A LoRA adapter's B of q_proj or k_proj is reordered as their weights
+are (adapt_lora_b)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.distributed.parallel_state import get_tp_rank
-from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.linear import RowParallelLinear, default_weight_loader
 from shoal.layers.norm import ResidualLayerNorm
 from shoal.models.deepseek_v2 import deinterleave_rows
@@ -95,11 +97,10 @@ class CohereDecoderLayer(nn.Module):
 
 class CohereModel(LlamaModel):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
-        nn.Module.__init__(self)  # one stage (LlamaModel's class defaults)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(CohereDecoderLayer(cfg, dtype, use_triton_ops, layer=i)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = ResidualLayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype, bias=False)
+        nn.Module.__init__(self)  # Llama's would build its own layers
+        self.build_stages(
+            cfg, dtype, lambda i: CohereDecoderLayer(cfg, dtype, use_triton_ops, layer=i),
+            lambda: ResidualLayerNorm(cfg.hidden_size, cfg.layer_norm_eps, dtype, bias=False))
 
 
 class CohereForCausalLM(LlamaForCausalLM):
@@ -127,7 +128,7 @@ class CohereForCausalLM(LlamaForCausalLM):
                 ) -> Iterator[tuple[str, torch.Tensor]]:
         """Each query and key head's rows (and its norm weights) reordered so that interleaved
         rotary pairs become halves."""
-        d = self.model.layers[0].self_attn.head_dim
+        d = self._head_dim()
         for name, tensor in weights:
             if name.endswith((".self_attn.q_proj.weight", ".self_attn.q_proj.bias",
                               ".self_attn.k_proj.weight", ".self_attn.k_proj.bias")):
@@ -135,3 +136,15 @@ class CohereForCausalLM(LlamaForCausalLM):
             elif name.endswith((".self_attn.q_norm.weight", ".self_attn.k_norm.weight")):
                 tensor = deinterleave_rows(tensor.reshape(-1), 0, d, d).view_as(tensor)
             yield name, tensor
+
+    def _head_dim(self) -> int:
+        cfg = self.config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    def adapt_lora_b(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """A LoRA adapter's B [out, r] of checkpoint module `module`, its rows in the order the
+        loaded weights' are (shoal/lora/layers.py calls it)."""
+        if not module.endswith((".self_attn.q_proj", ".self_attn.k_proj")):
+            return b
+        d = self._head_dim()
+        return deinterleave_rows(b, 0, d, d)

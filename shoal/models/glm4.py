@@ -11,7 +11,12 @@ Norms: input_layernorm before attention, post_self_attn_layernorm on its output 
 residual add, post_attention_layernorm before the MLP and post_mlp_layernorm on its output
 (Gemma's sandwich, under GLM's names). The MLP's gate and up projections are one checkpoint
 tensor, gate_up_proj ([gate; up] rows), split into the fused parameter's two shards so that
-tensor parallelism slices each. q/k/v carry a bias (attention_bias), o_proj none.
+tensor parallelism slices each. q/k/v carry a bias (attention_bias), o_proj none. Built per
+pipeline stage (LlamaModel.build_stages).
+
+LoRA: PEFT adapts gate_up_proj as one module (lora_fused_modules: each shard reads its rows of
+the adapter's B), and an adapter's B of q_proj or k_proj has its rows reordered as the weights'
+are (adapt_lora_b), so that B A x lands on the rows it adapts.
 
 Glm4Attention is also GLM-4.5 MoE's (shoal/models/glm4_moe.py), whose partial rotary rotates
 halves (no reordering there) and which may norm each query and key head."""
@@ -19,13 +24,12 @@ halves (no reordering there) and which may norm each query and key head."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from shoal.layers.attention import Attention
-from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.linear import QKVParallelLinear, RowParallelLinear
 from shoal.layers.norm import RMSNorm
 from shoal.layers.rotary import get_rope, rope_parameters
@@ -117,11 +121,10 @@ class Glm4DecoderLayer(nn.Module):
 
 class Glm4Model(LlamaModel):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
-        nn.Module.__init__(self)  # one stage (LlamaModel's class defaults)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(Glm4DecoderLayer(cfg, dtype, use_triton_ops, layer=i)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+        nn.Module.__init__(self)  # Llama's would build its own layers
+        self.build_stages(
+            cfg, dtype, lambda i: Glm4DecoderLayer(cfg, dtype, use_triton_ops, layer=i),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops))
 
 
 def split_gate_up(weights: Iterable[tuple[str, torch.Tensor]]
@@ -137,7 +140,13 @@ def split_gate_up(weights: Iterable[tuple[str, torch.Tensor]]
             yield name, tensor
 
 
+# the rows each reorders: q_proj's and k_proj's (weight, bias, a LoRA adapter's B)
+_ROTATED = (".self_attn.q_proj", ".self_attn.k_proj")
+
+
 class Glm4ForCausalLM(LlamaForCausalLM):
+    lora_fused_modules: ClassVar[frozenset[str]] = frozenset({"gate_up_proj"})
+
     def _build_model(self, hf_config: Any, dtype: torch.dtype,
                      use_triton_ops: bool) -> nn.Module:
         check_silu(hf_config, "GLM-4")
@@ -151,7 +160,13 @@ class Glm4ForCausalLM(LlamaForCausalLM):
         """q_proj and k_proj rows reordered so that interleaved rotary pairs become halves."""
         d, rot = head_dim(self.config), rotary_dim(self.config)
         for name, tensor in weights:
-            if name.endswith((".self_attn.q_proj.weight", ".self_attn.q_proj.bias",
-                              ".self_attn.k_proj.weight", ".self_attn.k_proj.bias")):
+            if name.endswith(tuple(f"{m}.{p}" for m in _ROTATED for p in ("weight", "bias"))):
                 tensor = deinterleave_rows(tensor, 0, rot, d)
             yield name, tensor
+
+    def adapt_lora_b(self, module: str, b: torch.Tensor) -> torch.Tensor:
+        """A LoRA adapter's B [out, r] of checkpoint module `module`, its rows in the order the
+        loaded weights' are (shoal/lora/layers.py calls it)."""
+        if not module.endswith(_ROTATED):
+            return b
+        return deinterleave_rows(b, 0, rotary_dim(self.config), head_dim(self.config))

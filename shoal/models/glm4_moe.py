@@ -12,7 +12,8 @@ biased scores sum highest and takes top-k among their experts; the weights are t
 scores of the chosen experts, renormalized when norm_topk_prob, times routed_scaling_factor.
 n_shared_experts always-on experts join the sum. The first first_k_dense_replace layers keep a
 dense SwiGLU MLP. The multi-token-prediction layers of the checkpoints
-(model.layers.{num_hidden_layers}...) are skipped on load."""
+(model.layers.{num_hidden_layers}...) are skipped on load. Built per pipeline stage
+(LlamaModel.build_stages)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.moe.deepseek_router import DeepseekRouter
 from shoal.layers.moe.layer import FusedMoE
 from shoal.layers.norm import RMSNorm
@@ -72,11 +72,10 @@ class Glm4MoeDecoderLayer(LlamaDecoderLayer):
 
 class Glm4MoeModel(LlamaModel):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
-        nn.Module.__init__(self)  # one stage (LlamaModel's class defaults)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(Glm4MoeDecoderLayer(cfg, dtype, use_triton_ops, layer=i)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+        nn.Module.__init__(self)  # Llama's would build its own layers
+        self.build_stages(
+            cfg, dtype, lambda i: Glm4MoeDecoderLayer(cfg, dtype, use_triton_ops, layer=i),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops))
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):
@@ -89,7 +88,7 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         """Expert tensors go into the stacked w13 / w2 parameters; the rest load as in Llama."""
         loaded: set[str] = set()
         rest = super().load_weights(load_expert_tensors(
-            self._without_mtp(weights), dict(self.named_parameters()), loaded,
+            self.stage_tensors(self._without_mtp(weights)), dict(self.named_parameters()), loaded,
             type(self).__name__))
         return loaded | rest  # super() consumed the generator, which filled `loaded`
 

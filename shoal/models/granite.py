@@ -2,18 +2,19 @@
 token embeddings times embedding_multiplier, each branch output (attention, MLP) times
 residual_multiplier before it joins the residual stream, attention_multiplier as the softmax
 scale (not head_dim ** -0.5), and the logits divided by logits_scaling. attention_bias puts
-a bias on q, k, v and o alike, as transformers' Llama attention does. One pipeline stage.
+a bias on q, k, v and o alike, as transformers' Llama attention does. Built per pipeline
+stage (LlamaModel.build_stages): the embedding multiplier applies on the first stage, the logits
+scaling where the logits are computed (stage 0, which holds lm_head).
 
 GraniteMoe (shoal/models/granitemoe.py) reuses these pieces around its experts."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.linear import RowParallelLinear
 from shoal.layers.norm import RMSNorm
 from shoal.models.llama import (
@@ -41,16 +42,21 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
     residual stream is carried beside the branch output, and each add fuses into the norm
     that follows)."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, layer: int, use_triton_ops: bool = True,
-                 mlp: nn.Module | None = None):
-        """mlp: the feed-forward block (default Llama's dense MLP; GraniteMoe's experts)."""
+    def __init__(self, cfg: Any, dtype: torch.dtype, layer: int, use_triton_ops: bool = True):
         nn.Module.__init__(self)
         ops = use_triton_ops
         self.self_attn = GraniteAttention(cfg, dtype, ops, layer=layer)
-        self.mlp = mlp if mlp is not None else LlamaMLP(cfg, dtype, ops)
+        self.add_feed_forward(cfg, dtype, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, ops)
         self.residual_multiplier = float(cfg.residual_multiplier)
+
+    def add_feed_forward(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool) -> None:
+        """The feed-forward block, under its checkpoint name (GraniteMoe's differs)."""
+        self.mlp = LlamaMLP(cfg, dtype, use_triton_ops)
+
+    def feed_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor,
                 residual: torch.Tensor | None,
@@ -62,31 +68,27 @@ class GraniteDecoderLayer(LlamaDecoderLayer):
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, md) * self.residual_multiplier
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden) * self.residual_multiplier, residual
+        return self.feed_forward(hidden) * self.residual_multiplier, residual
 
 
 class GraniteModel(LlamaModel):
-    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True,
-                 layers: list[nn.Module] | None = None):
-        """layers: the decoder layers (default Granite's dense ones)."""
+    layer_cls: ClassVar[type[GraniteDecoderLayer]] = GraniteDecoderLayer
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         nn.Module.__init__(self)  # Llama's would build its own layers
-        self.hidden_size, self.dtype = cfg.hidden_size, dtype
         self.embedding_multiplier = float(cfg.embedding_multiplier)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(
-            layers if layers is not None else
-            [GraniteDecoderLayer(cfg, dtype, i, use_triton_ops)
-             for i in range(cfg.num_hidden_layers)])
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+        self.build_stages(
+            cfg, dtype, lambda i: self.layer_cls(cfg, dtype, i, use_triton_ops),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: Any,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
                 inputs_embeds: torch.Tensor | None = None,
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # transformers scales given input embeddings too
-        embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        return super().forward(input_ids, positions, md, intermediate,
-                               embeds * self.embedding_multiplier)
+        if self.is_first:  # transformers scales given input embeddings too
+            embeds = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            inputs_embeds = embeds * self.embedding_multiplier
+        return super().forward(input_ids, positions, md, intermediate, inputs_embeds)
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

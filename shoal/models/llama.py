@@ -12,7 +12,7 @@ tied embeddings are then one tensor). load_weights skips the tensors of what thi
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -149,13 +149,19 @@ class PPMissingLayer(nn.Identity):
     """A module another pipeline stage holds: no parameters, never run."""
 
 
-# Architectures whose model builds per pipeline stage (LlamaModel's stages, nothing else).
+# Architectures whose model builds per pipeline stage (LlamaModel.build_stages) and whose
+# loaders skip the other stages' tensors; the engine refuses pipeline parallelism for the rest.
 PIPELINE_PARALLEL_ARCHITECTURES = frozenset({
-    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"})
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    # the families built on LlamaModel's stages (shoal/models/<family>.py)
+    "CohereForCausalLM", "Gemma2ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM",
+    "GraniteForCausalLM", "GraniteMoeForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM",
+    "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM"})
 
 
 class LlamaModel(nn.Module):
-    # The whole stack, for subclasses that build their own layers (one stage only).
+    # The whole stack, for subclasses that build their layers without build_stages (one
+    # stage only).
     is_first = is_last = True
     start_layer: int = 0
     end_layer: int | None = None
@@ -166,18 +172,26 @@ class LlamaModel(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool = False,
                  qkv_bias: bool = False, use_triton_ops: bool = True):
         super().__init__()
+        self.build_stages(
+            cfg, dtype,
+            lambda i: LlamaDecoderLayer(cfg, dtype, qk_norm, qkv_bias, use_triton_ops, layer=i),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops))
+
+    def build_stages(self, cfg: Any, dtype: torch.dtype, layer: Callable[[int], nn.Module],
+                     norm: Callable[[], nn.Module]) -> None:
+        """This pipeline stage's part of the stack (the module docstring's rule): embed_tokens
+        on the first stage, layer(i) for each layer of pp_layer_range, norm() on the last,
+        PPMissingLayer in the place of the rest. Subclasses with layers of their own call it
+        from their __init__ (after nn.Module's) and so build per stage too."""
         self.hidden_size, self.dtype = cfg.hidden_size, dtype
         self.is_first, self.is_last = pp_is_first(), pp_is_last()
         self.start_layer, self.end_layer = pp_layer_range(cfg.num_hidden_layers)
         self.embed_tokens = (VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
                              if self.is_first else PPMissingLayer())
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, dtype, qk_norm, qkv_bias, use_triton_ops, layer=i)
-            if self.start_layer <= i < self.end_layer else PPMissingLayer()
-            for i in range(cfg.num_hidden_layers)
-        )
-        self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
-                     if self.is_last else PPMissingLayer())
+            layer(i) if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(cfg.num_hidden_layers))
+        self.norm = norm() if self.is_last else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: Any,
                 intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -318,6 +332,13 @@ class LlamaForCausalLM(nn.Module):
         if name.startswith("lm_head."):
             return pp_is_first()
         return self.model.owns(name)
+
+    def stage_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors this pipeline stage holds (all of them on one stage): for
+        loaders that consume some tensors before load_weights' own check (MoE experts)."""
+        one = get_pp_world_size() == 1
+        return ((name, t) for name, t in weights if one or self._on_this_stage(name))
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -4,7 +4,8 @@ experts: softmax over all experts, the top k, their weights renormalized to sum 
 Checkpoints name the block `block_sparse_moe` and each expert's projections w1 (gate), w3
 (up), w2 (down); transformers 5 names it `mlp` with the experts stacked (gate_up_proj,
 down_proj). Both load into FusedMoE's stacked parameters (shoal/models/expert_weights.py).
-One pipeline stage."""
+Built per pipeline stage (LlamaModel.build_stages). LoRA adapters of the experts use
+transformers 5's names (mlp.experts: shoal/lora/expert_adapter.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.moe.layer import FusedMoE
 from shoal.layers.moe.router import TopKRouter
 from shoal.layers.norm import RMSNorm
@@ -67,11 +67,9 @@ class MixtralDecoderLayer(LlamaDecoderLayer):
 class MixtralModel(LlamaModel):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         nn.Module.__init__(self)  # Llama's would build dense layers
-        self.hidden_size, self.dtype = cfg.hidden_size, dtype
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(MixtralDecoderLayer(cfg, dtype, i, use_triton_ops)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+        self.build_stages(
+            cfg, dtype, lambda i: MixtralDecoderLayer(cfg, dtype, i, use_triton_ops),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops))
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -84,6 +82,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         load as in Llama."""
         loaded: set[str] = set()
         rest = super().load_weights(load_expert_tensors(
-            checkpoint_to_hf_names(weights), dict(self.named_parameters()), loaded,
+            checkpoint_to_hf_names(self.stage_tensors(weights)), dict(self.named_parameters()),
+            loaded,
             type(self).__name__))
         return loaded | rest  # super() consumed the generator, which filled `loaded`

@@ -8,7 +8,8 @@ head. Under tensor parallelism a rank holds some heads of that projection, so th
 of squares is all-reduced over the ranks (each replica of a shared KV head counted once).
 
 The residual stream is carried as (branch output, stream before it), as Llama's layers hand it
-on, so the final norm still adds the last branch in its fused call."""
+on, so the final norm still adds the last branch in its fused call; and so is the pair
+between pipeline stages (LlamaModel.build_stages)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.linear import RowParallelLinear
 from shoal.layers.norm import RMSNorm, ShardedRMSNorm
 from shoal.models.llama import (
@@ -91,11 +91,10 @@ class Olmo2DecoderLayer(LlamaDecoderLayer):
 
 class Olmo2Model(LlamaModel):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
-        nn.Module.__init__(self)  # one stage (LlamaModel's class defaults)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(Olmo2DecoderLayer(cfg, dtype, use_triton_ops, layer=i)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+        nn.Module.__init__(self)  # Llama's would build its own layers
+        self.build_stages(
+            cfg, dtype, lambda i: Olmo2DecoderLayer(cfg, dtype, use_triton_ops, layer=i),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops))
 
 
 class Olmo2ForCausalLM(LlamaForCausalLM):

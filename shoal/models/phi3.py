@@ -5,17 +5,20 @@ rotary. The checkpoint stores q, k and v as one qkv_proj and gate and up as one 
 one by its own heads or rows. Only the first partial_rotary_factor of each head rotates.
 LongRoPE ("longrope" rope scaling: per-frequency short and long factors, an attention factor
 on cos and sin) is shoal/layers/rotary.py's, whose factor set is chosen once for the
-model's context (see _longrope there). One pipeline stage."""
+model's context (see _longrope there). Built per pipeline stage (LlamaModel.build_stages).
+
+LoRA: PEFT adapts the checkpoint's modules, the fused qkv_proj and gate_up_proj (one A, one B
+over all their rows): lora_fused_modules tells shoal/lora/layers.py to read each part's rows
+of that B."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.norm import RMSNorm
 from shoal.models.llama import (
     LlamaAttention,
@@ -58,14 +61,14 @@ class Phi3DecoderLayer(LlamaDecoderLayer):
 class Phi3Model(LlamaModel):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         nn.Module.__init__(self)  # Llama's would build its own layers
-        self.hidden_size, self.dtype = cfg.hidden_size, dtype
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(Phi3DecoderLayer(cfg, dtype, i, use_triton_ops)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+        self.build_stages(
+            cfg, dtype, lambda i: Phi3DecoderLayer(cfg, dtype, i, use_triton_ops),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops))
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):
+    lora_fused_modules: ClassVar[frozenset[str]] = frozenset({"qkv_proj", "gate_up_proj"})
+
     def _build_model(self, hf_config: Any, dtype: torch.dtype,
                      use_triton_ops: bool) -> nn.Module:
         return Phi3Model(hf_config, dtype, use_triton_ops)

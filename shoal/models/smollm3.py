@@ -2,7 +2,7 @@
 config.no_rope_layers holds 1 for a layer that applies the rotary and 0 for one that does not
 (transformers fills it from no_rope_layer_interval: every interval-th layer is NoPE). A
 sliding window, when use_sliding_window is set, applies to the layers config.layer_types
-marks (layer_sliding_window). One pipeline stage."""
+marks (layer_sliding_window). Built per pipeline stage (LlamaModel.build_stages)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.norm import RMSNorm
 from shoal.models.llama import (
     LlamaAttention,
@@ -50,12 +49,10 @@ class SmolLM3DecoderLayer(LlamaDecoderLayer):
 class SmolLM3Model(LlamaModel):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         nn.Module.__init__(self)  # Llama's would build its own layers
-        self.hidden_size, self.dtype = cfg.hidden_size, dtype
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(
-            SmolLM3DecoderLayer(cfg, dtype, i, rope, use_triton_ops)
-            for i, rope in enumerate(rope_layers(cfg)))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+        rope = rope_layers(cfg)
+        self.build_stages(
+            cfg, dtype, lambda i: SmolLM3DecoderLayer(cfg, dtype, i, rope[i], use_triton_ops),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops))
 
 
 class SmolLM3ForCausalLM(LlamaForCausalLM):

@@ -2,7 +2,8 @@
 parts: LayerNorms with a bias (norm_epsilon), biases on every projection (use_bias), and a
 plain MLP c_fc -> GELU (tanh approximation by hidden_act) -> c_proj instead of SwiGLU. Every
 layer slides when config.sliding_window is set (StarCoder2-3B/7B/15B: 4096). Embeddings are
-tied by default. One pipeline stage."""
+tied by default. Built per pipeline stage (LlamaModel.build_stages). LoRA adapts the MLP's
+c_fc and c_proj (PEFT's names for them) beside q/k/v/o_proj."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shoal.layers.norm import ResidualLayerNorm
 from shoal.models.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
@@ -64,11 +64,10 @@ class Starcoder2DecoderLayer(LlamaDecoderLayer):
 
 class Starcoder2Model(LlamaModel):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
-        nn.Module.__init__(self)  # one stage (LlamaModel's class defaults)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(Starcoder2DecoderLayer(cfg, dtype, use_triton_ops, layer=i)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = ResidualLayerNorm(cfg.hidden_size, cfg.norm_epsilon, dtype)
+        nn.Module.__init__(self)  # Llama's would build its own layers
+        self.build_stages(
+            cfg, dtype, lambda i: Starcoder2DecoderLayer(cfg, dtype, use_triton_ops, layer=i),
+            lambda: ResidualLayerNorm(cfg.hidden_size, cfg.norm_epsilon, dtype))
 
 
 class Starcoder2ForCausalLM(LlamaForCausalLM):
@@ -77,6 +76,7 @@ class Starcoder2ForCausalLM(LlamaForCausalLM):
         "k_proj": ("qkv_proj", "k"),
         "v_proj": ("qkv_proj", "v"),
     }
+    lora_extra_leaves: ClassVar[frozenset[str]] = frozenset({"c_fc", "c_proj"})
 
     def _build_model(self, hf_config: Any, dtype: torch.dtype,
                      use_triton_ops: bool) -> nn.Module:
