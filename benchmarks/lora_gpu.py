@@ -9,14 +9,17 @@ adapter, each against the same engine without LoRA.
 
 Parts (one JSON record each; the file is rewritten after every part):
 
-- kernels: shoal.lora.ops.add_lora, Triton (CUDA) against the torch path on the same inputs
-  at the 8B shape's projections (qkv 4096 -> 6144 in three sub-projections, gate_up 4096 ->
-  28672 in two, down 14336 -> 4096), rank 16, 16 slots, tokens 1 / 64 / 2048 with mixed slots:
-  max |difference| and the time of each, beside the base projection's matmul.
+- kernels: each Triton path of shoal.lora.ops.lora_triton (split-K, segmented) against the
+  torch path at the 8B shape's projections (qkv 4096 -> 6144 in three sub-projections, o,
+  gate_up 4096 -> 28672 in two, down 14336 -> 4096), rank 16, 16 slots, steps of 1, 16, 32,
+  64, 128, 256 and 2,048 tokens over 1 or 16 adapters: max |difference|, the time per call
+  inside a CUDA graph (and eager), the base projection's matmul, the faster path and the one
+  the threshold picks. --segmented-min-tokens N moves the threshold for every part.
 - correctness: a small random Llama (4 layers, hidden 1024) written to disk with two random
   rank-16 adapters; the LoRA engine (CUDA graphs) against an engine on each adapter's merged
   weights (W + scale B A): the share of greedy tokens equal, the first divergence. bf16:
-  near ties may diverge; reported, not failed.
+  near ties may diverge; reported, not failed. Each engine has a fixed 2 GiB KV cache, so
+  the order they are built in does not matter.
 - w1: the 8B shape (load_format=dummy), enable_lora, max_loras 16, W1 requests spread round
   robin over 0 (base), 1, 4 and 16 adapters; and an engine without enable_lora (base): output
   tok/s and each ratio to the base engine.
@@ -31,6 +34,7 @@ import argparse
 import functools
 import gc
 import json
+import os
 import tempfile
 import time
 import traceback
@@ -97,47 +101,112 @@ def release(llm: Any = None) -> None:
         torch.cuda.empty_cache()
 
 
-def kernels(args: argparse.Namespace) -> dict[str, Any]:
+def _graph_us(fn: Any, reps: int, iters: int = 10) -> float:
+    """Microseconds per call of fn, captured `reps` times in one CUDA graph and replayed:
+    the device time with launch gaps as the engine's graphs see them, without the host's
+    Python and launch overhead (which eager timings add)."""
     import torch
 
-    from shoal.lora.ops import add_lora
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(0)  # compiles, outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for r in range(reps):
+            fn(r)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / (iters * reps)
+
+
+def _kernel_row(name: str, n_in: int, offsets: tuple[int, ...], n_out: int, tokens: int,
+                adapters: int, rank: int, slots: int, smoke: bool) -> dict[str, Any]:
+    """One projection, step size and adapter count: each Triton path (and the automatic
+    choice) against the torch path, timed eager and in a CUDA graph, beside the base
+    matmul. The adapter buffers rotate over copies worth about twice an H100's L2, so that
+    (with 16 adapters) their reads come from HBM as in the engine, where every layer has its
+    own."""
+    import torch
+
+    from shoal.lora.ops import add_lora, lora_triton
 
     cuda = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape: int, scale: float = 1.0) -> Any:
+        return torch.randn(*shape, device=device, dtype=dtype, generator=g) * scale
+    x, w = randn(tokens, n_in), randn(n_out, n_in, scale=0.02)
+    per_copy = slots * (len(offsets) * rank * n_in + n_out * rank) * x.element_size()
+    copies = max(1, min(16, (100 << 20) // per_copy)) if cuda else 1
+    ab = [(randn(slots, len(offsets) * rank, n_in, scale=0.02),
+           randn(slots, n_out, rank, scale=0.02)) for _ in range(copies)]
+    ids = torch.arange(tokens, device=device, dtype=torch.int32) % adapters
+    y0 = x @ w.T
+    want = y0.clone()
+    add_lora(want, x, *ab[0], ids, offsets, rank, use_triton=False)
+    row: dict[str, Any] = {"projection": name, "tokens": tokens, "adapters": adapters,
+                           "in": n_in, "out": n_out,
+                           "auto_path": lora_triton.choose_path(tokens, slots, len(offsets),
+                                                                rank),
+                           "max_abs_delta": float((want - y0).abs().max())}
+    iters = 20 if not smoke else 2
+    for path in ("split_k", "segmented"):
+        y = y0.clone()
+        lora_triton.add_lora(y, x, *ab[0], ids, offsets, rank, path=path)
+        row[f"max_abs_diff_{path}_vs_torch"] = float((y.float() - want.float()).abs().max())
+        run = functools.partial(lora_triton.add_lora, y0.clone(), x, *ab[0], ids, offsets,
+                                rank, path=path)
+        row[f"{path}_eager_ms"] = _time(run, iters)
+        if cuda:
+            yg = y0.clone()
+            row[f"{path}_graph_us"] = _graph_us(
+                lambda r, _p=path, _y=yg: lora_triton.add_lora(_y, x, *ab[r % copies], ids,
+                                                                offsets, rank, path=_p),
+                reps=max(20, copies))
+    if cuda:
+        out = torch.empty(tokens, n_out, device=device, dtype=dtype)
+        row["base_matmul_graph_us"] = _graph_us(lambda r: torch.matmul(x, w.T, out=out), 20)
+        best = min(row["split_k_graph_us"], row["segmented_graph_us"])
+        row["best_path"] = "split_k" if best == row["split_k_graph_us"] else "segmented"
+        row["best_vs_base"] = best / row["base_matmul_graph_us"]
+    row["base_matmul_eager_ms"] = _time(functools.partial(torch.matmul, x, w.T), iters)
+    return row
+
+
+def kernels(args: argparse.Namespace) -> dict[str, Any]:
+    """The Triton LoRA paths at the 8B shape's projections (qkv 4096 -> 6144 in three
+    sub-projections, o 4096 -> 4096, gate_up 4096 -> 28672 in two, down 14336 -> 4096), rank
+    16, 16 slots, for steps of 1 to 2,048 tokens over 1 or 16 adapters (round robin): which
+    path is faster where, so the threshold (lora_triton.SEGMENTED_MIN_TOKENS, also
+    --segmented-min-tokens) can be set from one run. Smoke: tiny shapes on the CPU, the
+    Triton paths in its interpreter."""
+    from shoal.lora.ops import lora_triton
+
     hidden, kv, inter = (4096, 1024, 14336) if not args.smoke else (64, 16, 128)
     shapes = {"qkv": (hidden, (0, hidden, hidden + kv), hidden + 2 * kv),
+              "o": (hidden, (0,), hidden),
               "gate_up": (hidden, (0, inter), 2 * inter), "down": (inter, (0,), hidden)}
     rank, slots = 16, 16
     rows = []
-    for tokens in ((1, 64, 2048) if not args.smoke else (1, 8)):
-        for name, (n_in, offsets, n_out) in shapes.items():
-            g = torch.Generator(device=device).manual_seed(0)
-            x = torch.randn(tokens, n_in, device=device, dtype=dtype, generator=g)
-            w = torch.randn(n_out, n_in, device=device, dtype=dtype, generator=g) * 0.02
-            a = torch.randn(slots, len(offsets) * rank, n_in, device=device, dtype=dtype,
-                            generator=g) * 0.02
-            b = torch.randn(slots, n_out, rank, device=device, dtype=dtype, generator=g) * 0.02
-            ids = torch.arange(tokens, device=device, dtype=torch.int32) % (slots + 1) - 1
-            y0 = x @ w.T
-            out = {}
-            for backend in (("triton", "torch") if cuda else ("torch",)):
-                y = y0.clone()
-                add_lora(y, x, a, b, ids, offsets, rank, use_triton=backend == "triton")
-                out[backend] = y.float()
-                run = functools.partial(add_lora, y0.clone(), x, a, b, ids, offsets, rank,
-                                        use_triton=backend == "triton")
-                out[backend + "_ms"] = _time(run, 20 if not args.smoke else 2)
-            base_ms = _time(functools.partial(torch.matmul, x, w.T), 20 if not args.smoke else 2)
-            row = {"projection": name, "tokens": tokens, "in": n_in, "out": n_out,
-                   "base_matmul_ms": base_ms,
-                   **{k: v for k, v in out.items() if k.endswith("_ms")}}
-            if cuda:
-                row["max_abs_diff_triton_vs_torch"] = float(
-                    (out["triton"] - out["torch"]).abs().max())
-                row["max_abs_delta"] = float((out["torch"] - y0.float()).abs().max())
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    return record("lora_kernels", "shoal", rank=rank, slots=slots, dtype=str(dtype),
+    for tokens in ((1, 16, 32, 64, 128, 256, 2048) if not args.smoke else (1, 8, 40)):
+        for adapters in ((1, 16) if tokens > 1 else (1,)):
+            for name, (n_in, offsets, n_out) in shapes.items():
+                rows.append(_kernel_row(name, n_in, offsets, n_out, tokens, adapters, rank,
+                                        slots, args.smoke))
+                print(json.dumps(rows[-1]), flush=True)
+    return record("lora_kernels", "shoal", rank=rank, slots=slots,
+                  segmented_min_tokens=lora_triton.SEGMENTED_MIN_TOKENS,
+                  timing="graph_us: per call inside a CUDA graph of repeated calls (the "
+                         "engine's view); eager_ms: host-timed, launch overhead included",
                   rows=rows)
 
 
@@ -193,8 +262,10 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
 
     work = Path(tempfile.mkdtemp(prefix="lora-gpu-"))
     base = _small_llama(work / "base", args.smoke)
+    # A fixed KV budget, not gpu_memory_utilization (a cap on the whole device's use, which
+    # counted the LoRA engine's leftovers against the reference engines built after it)
     kw = dict(device=args.device, dtype=args.dtype, max_model_len=1024,
-              gpu_memory_utilization=0.3) if not args.smoke else dict(device="cpu")
+              kv_cache_memory_bytes=2 << 30) if not args.smoke else dict(device="cpu")
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=16, **kw)
     targets = lora_targets(llm)
     adapters = [write_adapter(work / f"a{i}", targets, seed=i + 1, rank=16, scale=0.05,
@@ -316,9 +387,20 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default=None)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--segmented-min-tokens", type=int, default=None,
+                    help="steps of at least this many tokens take the segmented LoRA kernels "
+                         "(lora_triton.SEGMENTED_MIN_TOKENS; every part, engines included)")
     args = ap.parse_args()
     if args.smoke:
         args.dtype = "float32"
+        import torch
+
+        if not torch.cuda.is_available():  # the Triton paths in its interpreter (CPU tensors)
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.segmented_min_tokens is not None:
+        from shoal.lora.ops import lora_triton
+
+        lora_triton.SEGMENTED_MIN_TOKENS = args.segmented_min_tokens
     parts = PARTS if args.parts == "all" else tuple(args.parts.split(","))
     records, failed = [], False
     for part in parts:

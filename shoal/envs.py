@@ -140,6 +140,11 @@ SHOAL_QUANT_TUNING: EnvVar[bool] = EnvVar(
     "timing the candidates once per shape on the GPU (shoal/layers/quantization/"
     "launch_tuner.py)")
 
+SHOAL_LORA_SEGMENTED_MIN_TOKENS: EnvVar[int | None] = EnvVar(
+    "SHOAL_LORA_SEGMENTED_MIN_TOKENS", None, _optional_count,
+    "LoRA on CUDA: steps of at least this many tokens take the segmented Triton kernels, "
+    "shorter ones split-K; unset: 32 (shoal/lora/ops/lora_triton.py)")
+
 SHOAL_KV_HUGE_PAGES: EnvVar[bool] = EnvVar(
     "SHOAL_KV_HUGE_PAGES", True, _switch,
     "0: the CPU KV pool is neither marked for transparent huge pages nor populated at "

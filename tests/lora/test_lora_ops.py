@@ -2,7 +2,8 @@
 path and the Triton kernels (the interpreter on the CPU, see conftest.py; compiled on a GPU),
 for one to four fused sub-projections of uneven sizes, mixed slots with -1, one slot for
 all, no slot at all and no token; split-K partials; rank padding; a CUDA graph replay (GPU
-only); refused inputs."""
+only); refused inputs. These steps are short: the Triton path is its split-K kernels
+(lora_split_k.py); test_lora_triton_sgmv.py covers the segmented ones."""
 
 from __future__ import annotations
 
@@ -75,13 +76,34 @@ def test_triton_path(dtype: torch.dtype, slots: list[int], offsets: tuple[int, .
 
 
 def test_triton_split_k_and_row_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small blocks: several blocks of rank rows, the input features in three splits."""
+    """Small blocks: three blocks of rank rows, the input features in three splits of one
+    block each (the split-K path's own splits: one program of a token per block of 16)."""
     fn = _triton_add_lora()
-    from shoal.lora.ops import lora_triton
+    from shoal.lora.ops import lora_split_k
 
-    monkeypatch.setattr(lora_triton, "_shrink_blocks", lambda n_rows, in_features: (4, 16))
+    monkeypatch.setattr(lora_split_k, "shrink_config", lambda *shape: (4, 16, 3, 16))
     for dtype in (torch.float32, torch.bfloat16):
         _check(fn, dtype, (0, 16, 28), SLOTS["mixed"], 4)
+
+
+def test_triton_split_k_shapes() -> None:
+    """The split-K shrink's sizes for the Llama-3.1-8B projections: one step of one token
+    spreads A over at least 56 programs of one K block each; longer steps loop over at
+    most MAX_ITERS K blocks; no split is empty."""
+    pytest.importorskip("triton")
+    from shoal.lora.ops import lora_split_k
+
+    for n_rows, in_features in ((48, 4096), (32, 4096), (16, 14336), (16, 4096)):
+        for n_tokens in (1, 4, 16, 64):
+            block_r, block_k, splits, per = lora_split_k.shrink_config(n_tokens, n_rows,
+                                                                       in_features)
+            assert per % block_k == 0 and (splits - 1) * per < in_features <= splits * per
+            assert per // block_k <= lora_split_k.MAX_ITERS
+            assert block_r * block_k <= lora_split_k.TILE
+            if n_tokens == 1:
+                assert splits >= 56 and per // block_k <= 2
+    # rank 512: the expand's [splits, R] tile of partials stays within PARTIALS_TILE
+    assert lora_split_k.shrink_config(1, 3 * 512, 4096, 4096 // 512)[2] <= 8
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
