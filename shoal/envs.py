@@ -143,7 +143,7 @@ SHOAL_QUANT_TUNING: EnvVar[bool] = EnvVar(
 SHOAL_LORA_SEGMENTED_MIN_TOKENS: EnvVar[int | None] = EnvVar(
     "SHOAL_LORA_SEGMENTED_MIN_TOKENS", None, _optional_count,
     "LoRA on CUDA: steps of at least this many tokens take the segmented Triton kernels, "
-    "shorter ones split-K; unset: 32 (shoal/lora/ops/lora_triton.py)")
+    "shorter ones split-K; unset: 64 (shoal/lora/ops/lora_triton.py)")
 
 SHOAL_KV_HUGE_PAGES: EnvVar[bool] = EnvVar(
     "SHOAL_KV_HUGE_PAGES", True, _switch,

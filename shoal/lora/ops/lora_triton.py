@@ -43,7 +43,9 @@ from shoal.lora.ops.lora_torch import check_args
 MAX_SUBS = 4  # the expand kernels compare a row with three sub-projection starts
 # Steps of at least this many tokens take the segmented path: a module attribute, which
 # benchmarks/lora_gpu.py --segmented-min-tokens sets (in process) to sweep it.
-SEGMENTED_MIN_TOKENS = 32
+# H100, 2026-12-05 (benchmarks/results/2026-12-05-lora-3f3ee93-H100.json): at 32 tokens
+# split-K was faster in 7 of 8 projection x adapter-count rows, at 64 segmented in all 8.
+SEGMENTED_MIN_TOKENS = 64
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 KernelPath = Literal["split_k", "segmented"]
 
