@@ -31,11 +31,14 @@ slots; with groups longer than a block only the blocks closing a group hold one,
 entries of its sparse tables stay the null block: holds_block). Its first version kept every
 token's compressor inputs instead (CompressorInputSpec).
 
-Pages of different sizes live in one tensor per layer, each with a page for every block id
-(shoal/worker/kv_cache_tensors.py): a block of any group costs the sum of every layer's pages.
-So what the specs save per token of context (context_bytes_per_token) the pool gains only once
-a group's blocks cost its own pages (per-group pools, or per-group block sizes that make
-every page the same size, as vLLM's hybrid allocator does)."""
+Groups whose layers' rows differ (DeepSeek-V4's windows, entries and open groups) would cost,
+in one pool of shared block ids, every layer's page per block of any group. Such groups
+instead get a pool partition each (KVCacheGroup.num_blocks, pool_partitions): a run of block
+ids whose pages only that group's layers have, sized by what the group holds
+(shoal/worker/kv_pool_split.py), so a token of context costs context_bytes_per_token. Every
+group keeps the one block size, so tables, prefix hashes, slot mapping and the layers' reads
+stay as they are; see shoal/worker/kv_pool_split.py for why this and not vLLM's per-group
+block sizes."""
 
 from __future__ import annotations
 
@@ -79,6 +82,10 @@ class KVCacheSpec:
 
     def holds_every_block(self, block_size: int) -> bool:
         return True
+
+    def held_fraction(self, block_size: int) -> float:
+        """The share of a table's entries that hold a block (over a long context)."""
+        return 1.0
 
     def bytes_per_token(self, block_size: int) -> float:
         """What a token costs while its block is held."""
@@ -199,6 +206,9 @@ class CompressedEntrySpec(KVCacheSpec):
     def holds_every_block(self, block_size: int) -> bool:
         return self.ratio <= block_size
 
+    def held_fraction(self, block_size: int) -> float:
+        return min(1.0, block_size / self.ratio)
+
     def bytes_per_token(self, block_size: int) -> float:
         return self.page_bytes(block_size) / max(block_size, self.ratio)
 
@@ -270,6 +280,8 @@ class KVCacheGroup:
 
     spec: KVCacheSpec
     layers: tuple[int, ...]
+    # Blocks of its own pool partition (0: the groups share the pool's block ids)
+    num_blocks: int = 0
 
     @property
     def sliding_window(self) -> int | None:
@@ -312,10 +324,25 @@ def group_layers(specs: list[KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
 class KVCacheLayout:
     """What the runner allocated: num_blocks blocks (ids [0, num_blocks); id num_blocks is the
     null block, always zero, which padding and the entries that left a table read) and the
-    groups sharing them."""
+    groups sharing them. A partitioned pool (pool_partitions): num_blocks is the first group's
+    (every token of the context takes its blocks), each group has its own."""
 
     num_blocks: int
     groups: tuple[KVCacheGroup, ...]
+
+
+def pool_partitions(groups: tuple[KVCacheGroup, ...] | list[KVCacheGroup]
+                    ) -> tuple[tuple[int, int], ...]:
+    """(first block id, count) of each group's run of a partitioned pool, in group order,
+    ids from 1: id 0 is the null block, page 0 of every group's tensors (each group's block
+    id b is its page b - first + 1). Empty when the groups share the pool."""
+    if not groups or not all(g.num_blocks for g in groups):
+        return ()
+    runs, first = [], 1
+    for g in groups:
+        runs.append((first, g.num_blocks))
+        first += g.num_blocks
+    return tuple(runs)
 
 
 def context_bytes_per_token(specs: list[KVCacheSpec], block_size: int) -> float:

@@ -2,21 +2,27 @@
 prefix-cache map from content hash to block.
 
 A freed block keeps its hash and stays findable until it is handed out again, so a later
-request with the same prefix can take it back from the free queue (prefix-cache hit)."""
+request with the same prefix can take it back from the free queue (prefix-cache hit).
+
+A partitioned pool (KV cache groups with pages of their own, core/kv_cache_spec.py
+pool_partitions) holds one run of block ids per group, ids from 1 (0 is the null page every
+group's tensors keep), each run with its own free queue: a group allocates only from its
+own; the prefix-cache map, the events and the eviction hook stay the pool's."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from shoal.kv_cache.events import EventSink
 from shoal.kv_cache.hashing import BlockHash
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev", "next")
+    __slots__ = ("block_id", "part", "ref_cnt", "block_hash", "prev", "next")
 
-    def __init__(self, block_id: int):
+    def __init__(self, block_id: int, part: int = 0):
         self.block_id = block_id
+        self.part = part  # its run of a partitioned pool (its free queue)
         self.ref_cnt = 0
         self.block_hash: BlockHash | None = None
         self.prev: KVBlock | None = None
@@ -68,13 +74,24 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True):
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 partitions: Sequence[tuple[int, int]] = ()):
+        """partitions: (first id, count) of each run of a partitioned pool (num_blocks their
+        sum); none: one run of ids [0, num_blocks)."""
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 (got {num_blocks})")
+        runs = tuple(partitions) or ((0, num_blocks),)
+        if sum(n for _, n in runs) != num_blocks or min(n for _, n in runs) < 1:
+            raise ValueError(f"partitions {runs} must be non-empty and hold num_blocks "
+                             f"({num_blocks}) blocks")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        self.free_queue = FreeBlockQueue(self.blocks)
+        by_run = [[KVBlock(first + i, part) for i in range(n)]
+                  for part, (first, n) in enumerate(runs)]
+        self.blocks = [b for run in by_run for b in run]
+        self.sizes = tuple(n for _, n in runs)
+        self.free_queues = [FreeBlockQueue(run) for run in by_run]
+        self.free_queue = self.free_queues[0]  # the only one of an unpartitioned pool
         self.cached: dict[BlockHash, KVBlock] = {}
         self.num_evictions = 0
         # KV offloading (shoal/kv_offload/connector.py) saves a cached block's content before
@@ -84,21 +101,26 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.free_queue.num_free
+        return sum(q.num_free for q in self.free_queues)
+
+    def num_free(self, part: int = 0) -> int:
+        return self.free_queues[part].num_free
 
     def usage(self) -> float:
-        """Fraction of blocks held by requests; cached blocks nobody holds count as free."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        """Fraction of blocks held by requests (of the fullest run: the one that stops
+        admissions); cached blocks nobody holds count as free."""
+        return max(1.0 - q.num_free / n for q, n in zip(self.free_queues, self.sizes))
 
     def get_cached_block(self, block_hash: BlockHash) -> KVBlock | None:
         return self.cached.get(block_hash) if self.enable_caching else None
 
-    def allocate(self, n: int) -> list[KVBlock]:
-        if n > self.num_free_blocks:
-            raise ValueError(f"cannot allocate {n} blocks, only {self.num_free_blocks} free")
+    def allocate(self, n: int, part: int = 0) -> list[KVBlock]:
+        queue = self.free_queues[part]
+        if n > queue.num_free:
+            raise ValueError(f"cannot allocate {n} blocks, only {queue.num_free} free")
         out = []
         for _ in range(n):
-            block = self.free_queue.popleft()
+            block = queue.popleft()
             if block.block_hash is not None:  # evict its cached content
                 if self.on_evict is not None:
                     self.on_evict(block)
@@ -112,7 +134,7 @@ class BlockPool:
         """Takes a reference on cache-hit blocks, pulling free ones out of the free queue."""
         for b in blocks:
             if b.ref_cnt == 0:
-                self.free_queue.remove(b)
+                self.free_queues[b.part].remove(b)
             b.ref_cnt += 1
 
     def free(self, blocks: list[KVBlock]) -> None:
@@ -124,7 +146,7 @@ class BlockPool:
                 raise RuntimeError(f"double free of {b}")
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
-                self.free_queue.append(b)
+                self.free_queues[b.part].append(b)
 
     def cache_block(self, block: KVBlock, block_hash: BlockHash) -> None:
         if not self.enable_caching or block.block_hash is not None:

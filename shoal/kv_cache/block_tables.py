@@ -10,7 +10,11 @@ different layers).
 A linear-state group (LinearStateSpec) drops blocks as a window of one token does; its
 blocks hold the state after their last token, which the step computing that token writes.
 They are published only once computed: a request sharing a block published for a step in
-flight would read its state (attention blocks are safe: a layer writes keys before reading)."""
+flight would read its state (attention blocks are safe: a layer writes keys before reading).
+
+In a partitioned pool (kv_cache_spec.pool_partitions) a group takes blocks from its own run,
+and its tables on the device hold pages of its own tensors (page): id - page_base, the null
+block page 0."""
 
 from __future__ import annotations
 
@@ -22,9 +26,14 @@ from shoal.kv_cache.hashing import BlockHash
 
 class BlockTables:
     def __init__(self, group: KVCacheGroup, index: int, pool: BlockPool, block_size: int,
-                 null_block: int):
+                 null_block: int, part: int = 0, page_base: int = 0):
+        """part: the pool's run the group allocates from; page_base: a block's page in the
+        group's tensors is its id minus this (a partitioned pool, kv_cache_spec.pool_partitions;
+        0 and 0 for a shared pool)."""
         self.group, self.pool, self.block_size = group, pool, block_size
         self.null_block = null_block
+        self.page_base = page_base
+        self.part = part
         self._tag = bytes([index]) if index else b""
         self.sliding = group.spec.drops_blocks
         self.publishes_computed = group.holds_state
@@ -34,6 +43,10 @@ class BlockTables:
         # newly filled ones), and leading entries already dropped (sliding window).
         self.num_published: dict[str, int] = {}
         self.num_dropped: dict[str, int] = {}
+
+    def page(self, block: KVBlock | None) -> int:
+        """What the request's table on the device holds for `block` (None: the null page)."""
+        return self.null_block if block is None else block.block_id - self.page_base
 
     def key(self, block_hash: BlockHash) -> BlockHash:
         return block_hash + self._tag if self._tag else block_hash
@@ -61,9 +74,9 @@ class BlockTables:
         ids = self.ids.setdefault(rid, [])
         for b in hits:
             blocks.append(b)
-            ids.append(self.null_block if b is None else b.block_id)
+            ids.append(self.page(b))
         blocks.extend(new_blocks)
-        ids.extend(b.block_id for b in new_blocks)
+        ids.extend(b.block_id - self.page_base for b in new_blocks)
         if hits and hits[0] is None:  # a sliding hit starts past dropped entries
             self.num_dropped[rid] = sum(b is None for b in hits)
 

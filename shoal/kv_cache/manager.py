@@ -5,13 +5,19 @@ keeps its own table per request (kv_cache/block_tables.py). The first group's ta
 request's `block_ids` (what the drafters and the KV tiers follow); the others travel as
 `group_block_ids`. Allocation is all or nothing across the groups. A group whose spec holds
 pages in some blocks only (holds_block: DeepSeek-V4's entries of groups longer than a block)
-gets sparse tables, its other entries left null as dropped ones are."""
+gets sparse tables, its other entries left null as dropped ones are.
+
+Groups sized with a partition each (KVCacheGroup.num_blocks: layers whose rows differ,
+shoal/worker/kv_pool_split.py) allocate from their own run of the pool's ids: a group's
+blocks are counted against its own free blocks, and the tables hold its pages (the null
+block is page 0). Block ids stay unique across the groups, so what names blocks by id (the
+prefix cache, fault zeroing, KV events) is unchanged."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from shoal.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroup
+from shoal.core.kv_cache_spec import FULL_ATTENTION, KVCacheGroup, pool_partitions
 from shoal.core.request import Request
 from shoal.kv_cache.block_pool import BlockPool, KVBlock
 from shoal.kv_cache.block_tables import BlockTables
@@ -68,24 +74,33 @@ class _SparseTables(_Tables):
             else:
                 b = next(fresh) if self._holds(i) else None
             blocks.append(b)
-            ids.append(self.null_block if b is None else b.block_id)
+            ids.append(self.page(b))
 
 
 def _tables(group: KVCacheGroup, index: int, pool: BlockPool, block_size: int,
-            null_block: int) -> _Tables:
+            null_block: int, runs: tuple[tuple[int, int], ...]) -> _Tables:
     # the first group's tables are every request's block_ids: they stay whole
     sparse = index > 0 and not group.spec.holds_every_block(block_size)
-    return (_SparseTables if sparse else _Tables)(group, index, pool, block_size, null_block)
+    part, base = (index, runs[index][0] - 1) if runs else (0, 0)
+    return (_SparseTables if sparse else _Tables)(group, index, pool, block_size, null_block,
+                                                  part, base)
 
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  groups: Sequence[KVCacheGroup] = FULL_ATTENTION):
+        """num_blocks: the shared pool's blocks; ignored when the groups have partitions of
+        their own (pool_partitions)."""
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.null_block = num_blocks  # read where a table holds no block (see BlockTables)
-        self.tables = [_tables(g, i, self.pool, block_size, self.null_block)
+        runs = pool_partitions(tuple(groups))
+        if runs:
+            self.pool = BlockPool(sum(n for _, n in runs), enable_caching, runs)
+            self.null_block = 0  # every group's page 0
+        else:
+            self.pool = BlockPool(num_blocks, enable_caching)
+            self.null_block = num_blocks  # read where a table holds no block (see BlockTables)
+        self.tables = [_tables(g, i, self.pool, block_size, self.null_block, runs)
                        for i, g in enumerate(groups)]
         self._main = self.tables[0]
         self._sliding_tables = [t for t in self.tables if t.sliding]
@@ -215,9 +230,16 @@ class KVCacheManager:
         if any(h is None for h in hits):
             return None  # another group's hit left the cache meanwhile
         counts = [t.missing(rid, need, len(h)) for t, h in zip(self.tables, hits)]
-        # Cache hits sitting in the free queue are taken out of it, so they count against it.
-        evictable = sum(1 for h in hits for b in h if b is not None and b.ref_cnt == 0)
-        if sum(counts) + evictable > self.pool.num_free_blocks:
+        # Cache hits sitting in the free queue are taken out of it, so they count against it
+        # (each run of a partitioned pool against its own).
+        wanted = [0] * len(self.pool.free_queues)
+        for t, n in zip(self.tables, counts):
+            wanted[t.part] += n
+        for h in hits:
+            for b in h:
+                if b is not None and b.ref_cnt == 0:
+                    wanted[b.part] += 1
+        if any(n > self.pool.num_free(p) for p, n in enumerate(wanted)):
             return None
         # Every group's hits are taken before any group allocates: a hit still in the free
         # queue must not be handed out (and evicted) as another group's new block.
@@ -225,7 +247,7 @@ class KVCacheManager:
             self.pool.touch([b for b in h if b is not None])
         new_main: list[KVBlock] = []
         for t, h, n in zip(self.tables, hits, counts):
-            new_blocks = self.pool.allocate(n)
+            new_blocks = self.pool.allocate(n, t.part)
             t.grow(rid, h, new_blocks, need)
             if t is self._main:
                 new_main = new_blocks

@@ -13,7 +13,9 @@ HCA layers the compressed entries and the compressors' inputs of the open groups
 shoal/layers/compressed_attention.py) fall in KV cache groups by table policy: the entries
 keep the whole context (the full-attention tables: 1/m of a row a token), the window rows and
 the open groups' inputs drop the blocks behind their windows (one sliding group per window
-length: the attention's, m or 2m for CSA, m' for HCA).
+length: the attention's, m or 2m for CSA, m' for HCA). Their rows differ, so each group gets
+a partition of the pool with pages of its own (shoal/worker/kv_pool_split.py): a token of
+context costs only the entries' bytes (core/kv_cache_spec.py context_bytes_per_token).
 
 Multi-token prediction (speculative_config method "mtp"): the checkpoint's `mtp.*` layers are
 the drafter's (shoal/models/deepseek_v4_mtp.py), which reads the target's hyper-connection

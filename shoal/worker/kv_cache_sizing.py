@@ -36,18 +36,23 @@ def _host_memory_bytes() -> int:
         return 16 << 30
 
 
+def kv_budget_bytes(cfg: CacheConfig, device: torch.device, non_kv_peak_bytes: int = 0) -> int:
+    """The bytes the KV pool may take: kv_cache_memory_bytes, else the GPU's share left after
+    the others and the activations' peak, else (CPU) a part of host memory."""
+    if cfg.kv_cache_memory_bytes is not None:
+        return cfg.kv_cache_memory_bytes
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used_by_others = total - free
+        return int(total * cfg.gpu_memory_utilization) - used_by_others - non_kv_peak_bytes
+    return min(CPU_DEFAULT_KV_BYTES, _host_memory_bytes() // 4)
+
+
 def decide_num_blocks(cfg: CacheConfig, per_block: int, device: torch.device,
                       non_kv_peak_bytes: int = 0) -> int:
     if cfg.num_gpu_blocks_override is not None:
         return cfg.num_gpu_blocks_override
-    if cfg.kv_cache_memory_bytes is not None:
-        budget = cfg.kv_cache_memory_bytes
-    elif device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        used_by_others = total - free
-        budget = int(total * cfg.gpu_memory_utilization) - used_by_others - non_kv_peak_bytes
-    else:
-        budget = min(CPU_DEFAULT_KV_BYTES, _host_memory_bytes() // 4)
+    budget = kv_budget_bytes(cfg, device, non_kv_peak_bytes)
     num = budget // per_block
     if num < 2:
         raise ValueError(

@@ -40,13 +40,9 @@ from shoal.worker import warmup as startup
 from shoal.worker.drafter import Drafter, DrafterFactory, TargetStep
 from shoal.worker.encoder_graphs import EncoderGraphs
 from shoal.worker.kv_cache_sizing import decide_num_blocks
-from shoal.worker.kv_cache_tensors import (
-    allocate_kv_caches,
-    bytes_per_block,
-    layer_specs,
-    zero_blocks,
-)
+from shoal.worker.kv_cache_tensors import bind_pool, bytes_per_block, layer_specs, zero_pool
 from shoal.worker.kv_connector_step import run_loads, save_hook
+from shoal.worker.kv_pool_split import partitioned_pool
 from shoal.worker.lifecycle import RunnerLifecycle
 from shoal.worker.mm_step import MultiModalRunner
 from shoal.worker.model_graphs import ModelGraphs, step_shapes
@@ -79,6 +75,7 @@ class ModelRunner(RunnerLifecycle, Executor):
         # id: an id may be reused while a step holding its old request is in flight.
         self.requests: dict[int, RequestState] = {}
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_pages: Any = None  # a partitioned pool's tensors by group (PoolPages)
         # The pool's storage: the model dtype, or FP8 (kv_cache_dtype; a drafter's own cache
         # stays in the model dtype).
         self.kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
@@ -194,14 +191,21 @@ class ModelRunner(RunnerLifecycle, Executor):
                         "replaying verified tokens (%d requests x %d tokens), outside the KV "
                         "cache", replays / 2**20, self.config.scheduler_config.max_num_seqs,
                         self.config.speculative_config.num_speculative_tokens + 1)
-        num_blocks = decide_num_blocks(self.config.cache_config, per_block, self.device,
-                                       non_kv_peak_bytes=activations + replays)
-        # Tensor/pipeline parallel: every rank holds the same blocks (of its own layers), as
-        # many as the tightest rank can.
-        num_blocks = world_min_int(num_blocks, self.device)
+        # Groups with tensors of their own: a pool partition each (num_blocks the first's)
+        split = partitioned_pool(self.config, self.kv_specs, self.kv_groups, self.device,
+                                 per_block, activations + replays)
+        if split is None:
+            num_blocks = decide_num_blocks(self.config.cache_config, per_block, self.device,
+                                           non_kv_peak_bytes=activations + replays)
+            # Tensor/pipeline parallel: every rank holds the same blocks (of its own layers),
+            # as many as the tightest rank can.
+            num_blocks = world_min_int(num_blocks, self.device)
+        else:
+            self.kv_groups, per_block = split
+            num_blocks = self.kv_groups[0].num_blocks
         self.bind_kv_cache(num_blocks)
-        if self.drafter is not None:
-            self.drafter.bind(num_blocks, self.backend)
+        if self.drafter is not None:  # (partitioned: the first group's pages from 1)
+            self.drafter.bind(num_blocks + (split is not None), self.backend)
         logger.info("KV cache: %d blocks of %d tokens (%.1f MiB, %s)", num_blocks,
                     self.block_size, num_blocks * per_block / 2**20,
                     str(self.kv_dtype).removeprefix("torch."))
@@ -263,16 +267,14 @@ class ModelRunner(RunnerLifecycle, Executor):
         # One extra block at the end is the null block: never allocated, never written, so it
         # stays zero and padding positions can safely read it. Linear-attention layers get
         # one more, which the padding rows of their decode graphs write.
-        self.forwarder.null_block = num_blocks
-        slots = (num_blocks + 1 + self.has_linear_states) * self.block_size
-        self.kv_caches = allocate_kv_caches(self.model.attention_layers(), self.kv_specs,
-                                            self.kv_groups, slots, self.kv_dtype, self.device,
-                                            self.block_size)
+        self.forwarder.null_block, self.kv_caches, self.kv_pages = bind_pool(
+            self.model.attention_layers(), self.kv_specs, self.kv_groups, num_blocks,
+            self.has_linear_states, self.kv_dtype, self.device, self.block_size)
 
     def unbind_kv_cache(self) -> None:
         for layer in self.model.attention_layers():
             layer.kv_cache = None
-        self.kv_caches = []
+        self.kv_caches, self.kv_pages = [], None
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
         return self.kv_caches
@@ -445,4 +447,4 @@ class ModelRunner(RunnerLifecycle, Executor):
         """(block id, first slot): a request that produced non-finite values must not leave
         them where padding reads of later requests may touch them (0 * NaN is NaN). The
         scheduler names whole blocks, or the tail of a block a new owner has started."""
-        zero_blocks(self.kv_caches, entries, self.block_size)
+        zero_pool(self.kv_caches, self.kv_pages, entries, self.block_size)

@@ -144,10 +144,14 @@ def test_prefix_hit_gives_the_tokens_of_a_miss(tiny):
 def test_preemption_recomputes(tiny):
     path, hf = tiny
     prompts = _prompts((60, 55, 50, 45), seed=4)
+    # the override counts the first group's blocks (the CSA entries' partition: every token
+    # of the context takes them), the other groups' partitions follow (kv_pool_split.py)
     llm = LLM(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=32,
-              num_gpu_blocks_override=48, max_model_len=128, enable_prefix_caching=False)
+              num_gpu_blocks_override=36, max_model_len=128, enable_prefix_caching=False)
     check(_generate(llm, prompts), prompts, hf)
-    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    scheduler = llm.llm_engine.core.scheduler
+    assert scheduler.num_preemptions > 0
+    assert len(scheduler.kv.pool.sizes) == 4 and scheduler.kv.pool.sizes[0] == 36
 
 
 def test_both_spellings_load_alike_and_mtp_is_skipped(tiny, caplog):
