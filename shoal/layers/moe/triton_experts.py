@@ -85,6 +85,20 @@ def choose_tiles(num_pairs: int, num_experts: int, dtype: torch.dtype) -> tuple[
     return (block_m, 32, 32) if dtype == torch.float32 else (block_m, 64, 64)
 
 
+def check_quantized_inputs(x: torch.Tensor, hidden: int, topk_weights: torch.Tensor,
+                           topk_ids: torch.Tensor) -> None:
+    """The FP8 and INT4 expert paths' checks of what is not their weights: x [T, hidden]
+    with contiguous rows in fp16/bf16/fp32, topk_ids and topk_weights [T, k]."""
+    if x.dim() != 2 or x.shape[1] != hidden or x.stride(1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} must be [T, {hidden}], rows contiguous")
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"x is {x.dtype}: need float16, bfloat16 or float32")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] \
+            or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / weights "
+                         f"{tuple(topk_weights.shape)} must both be [{x.shape[0]}, k]")
+
+
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
            topk_ids: torch.Tensor, w13_bias: torch.Tensor | None,
            w2_bias: torch.Tensor | None) -> None:

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.align import ExpertGroups, group_by_expert
-from shoal.layers.moe.triton_experts import choose_tiles
+from shoal.layers.moe.triton_experts import check_quantized_inputs, choose_tiles
 from shoal.layers.ops.silu_mul import silu_and_mul
 from shoal.layers.quantization.w4a16_gemm import block_k_for
 
@@ -196,26 +196,13 @@ def _gemm(a: torch.Tensor, w: Int4Weights, c: torch.Tensor, groups: ExpertGroups
     )
 
 
-def _check(x: torch.Tensor, q: Int4Experts, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> None:
-    h = q.w13.in_features
-    if x.dim() != 2 or x.shape[1] != h or x.stride(1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} must be [T, {h}], rows contiguous")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x is {x.dtype}: need float16, bfloat16 or float32")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] \
-            or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / weights "
-                         f"{tuple(topk_weights.shape)} must both be [{x.shape[0]}, k]")
-
-
 def experts_triton_int4(x: torch.Tensor, q: Int4Experts, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None,
                         w2_bias: torch.Tensor | None = None,
                         activation: ExpertActivation = SILU, lora: Any = None) -> torch.Tensor:
     """triton_experts.experts_triton's contract with the weights of `q`: x [T, H],
     topk_weights / topk_ids [T, k] -> [T, H] in x's dtype."""
-    _check(x, q, topk_weights, topk_ids)
+    check_quantized_inputs(x, q.w13.in_features, topk_weights, topk_ids)
     t, k = topk_ids.shape
     e, two_i, h = q.w13.codes.shape[0], q.w13.out_features, q.w2.out_features
     if t == 0:
