@@ -15,8 +15,6 @@ import pytest
 import torch
 from PIL import Image
 
-from shoal.multimodal.video import retained_count
-
 ROOT = Path(__file__).resolve().parents[2]
 VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
 
@@ -26,15 +24,14 @@ def test_vl_gpu_smoke_every_section(tmp_path: Path) -> None:
     out = tmp_path / "vl.json"
     env = {**os.environ, "SHOAL_COMMIT": "test"}
     env.pop("SHOAL_BENCH_PUBLIC_ONLY", None)
-    # EVS at 0.5 only (one engine, not two): its count is checked against the grid's below,
-    # and rate 0's whole video against transformers in tests/multimodal/test_evs.py.
-    proc = subprocess.run([sys.executable, "benchmarks/vl_gpu.py", "--smoke", "--evs-rates",
-                           "0.5", "--out", str(out)],
+    # Every section but EVS (an engine of its own: test time); EVS itself is checked against
+    # transformers in tests/multimodal/test_evs.py.
+    proc = subprocess.run([sys.executable, "benchmarks/vl_gpu.py", "--smoke", "--sections",
+                           "throughput,ttft,encoder,serve", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     recs = {r["workload"]: r for r in json.loads(out.read_text())}
-    assert set(recs) == {"W13_throughput", "W13_ttft_cache", "W13_encoder_step", "W13_evs",
-                         "W13_serve"}
+    assert set(recs) == {"W13_throughput", "W13_ttft_cache", "W13_encoder_step", "W13_serve"}
     assert all(r["commit"] == "test" and "error" not in r for r in recs.values())
 
     tp = recs["W13_throughput"]
@@ -58,12 +55,6 @@ def test_vl_gpu_smoke_every_section(tmp_path: Path) -> None:
     assert enc["embed_multimodal"]["median_ms"] > 0 and enc["eager_tower"]["median_ms"] > 0
     assert enc["eager_tower_per_image_in_batch_ms"] > 0 and enc["tower_tflop_per_image"] > 0
     assert "graph_note" in enc  # no CUDA graphs on the CPU
-
-    evs = recs["W13_evs"]
-    if not evs.get("skipped"):  # EVS present in this tree
-        (rate,) = evs["rates"]  # 4 frames of 112x84: 2 steps of 6 x 8 patches, merged 2 x 2
-        assert rate["rate"] == 0.5 and "error" not in rate
-        assert rate["video_tokens"] == retained_count(12, 2, 0.5) < retained_count(12, 2, 0.0)
 
     sv = recs["W13_serve"]
     assert sv["completed"] == 4 and sv["failed"] == 0 and sv["total_output_tokens"] == 32
