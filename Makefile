@@ -32,7 +32,11 @@ serve: $(BUILT)
 
 test: $(BUILT)
 	$(BIN)/ruff check shoal tests benchmarks
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x --durations=15 -m "not gpu_script"
+
+# The GPU benchmark scripts at --smoke size on the CPU (run before a device call).
+gpu-script-smoke: $(BUILT)
+	$(BIN)/python -m pytest -q -m gpu_script tests/benchmarks
 
 lint: $(BUILT)
 	$(BIN)/ruff check shoal tests benchmarks

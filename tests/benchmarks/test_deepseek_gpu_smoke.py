@@ -8,7 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.gpu_script  # make gpu-script-smoke
 
 
 def test_deepseek_gpu_smoke(tmp_path: Path) -> None:

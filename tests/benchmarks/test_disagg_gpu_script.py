@@ -20,7 +20,7 @@ FIGURES = ("median_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms",
            "request_throughput", "output_throughput")
 
 
-@pytest.mark.slow
+@pytest.mark.gpu_script
 def test_disagg_gpu_smoke_layout_b(tmp_path: Path) -> None:
     out = tmp_path / "disagg.json"
     env = {**os.environ, "SHOAL_COMMIT": "test"}

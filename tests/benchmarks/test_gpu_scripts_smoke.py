@@ -10,7 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.gpu_script  # make gpu-script-smoke
 
 
 def run(script: str, *args: str, out: Path) -> list[dict]:

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 VL_7B = "Qwen/Qwen2.5-VL-7B-Instruct"
 
 
-@pytest.mark.slow
+@pytest.mark.gpu_script
 def test_vl_gpu_smoke_every_section(tmp_path: Path) -> None:
     out = tmp_path / "vl.json"
     env = {**os.environ, "SHOAL_COMMIT": "test"}
