@@ -13,7 +13,7 @@ run that is killed keeps the records before it):
   gpu_suite.w2 (TTFT from a separate 1-token request; decode = (n - 1) / (total - TTFT); a
   fresh prompt for every run, where w2 repeats one and so may hit the prefix cache),
   plus the engine's own TTFT and decode rate of that run (RequestOutput.metrics). Weight-read
-  floor: active parameters x element size / COPY_BANDWIDTH, where active = every parameter
+  floor: active parameters x element size / the GPU copy bandwidth, where active = every parameter
   of the built model except the routed experts' stacked weights, plus num_experts_per_tok x
   one routed expert (w13 + w2 rows of one expert) per MoE layer. At batch 1 each token runs
   exactly k experts per MoE layer, so this is the bytes one decode token reads (the whole
@@ -60,7 +60,7 @@ from typing import Any
 import engine_internals
 import offline_runs
 from bench_args import REQUIRED, add_common, comma_words
-from offline_runs import COPY_BANDWIDTH, DEEPSEEK_V2_LITE
+from offline_runs import DEEPSEEK_V2_LITE, copy_bandwidth
 from results_file import record, write
 
 MODEL = DEEPSEEK_V2_LITE
@@ -169,13 +169,14 @@ def roofline(bench: Bench, decode: float) -> dict[str, Any]:
         return dict.fromkeys(ROOFLINE_KEYS)
     counts = count_active(model, int(bench.hf_config.num_experts_per_tok))
     weight_bytes = counts["active_params"] * counts["param_bytes"]
-    roof = COPY_BANDWIDTH / weight_bytes
-    tight = COPY_BANDWIDTH / (counts["active_params_without_embedding"] * counts["param_bytes"])
+    bandwidth = copy_bandwidth()
+    roof = bandwidth / weight_bytes
+    tight = bandwidth / (counts["active_params_without_embedding"] * counts["param_bytes"])
     cfg, s = bench.hf_config, bench.sizes
     latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * counts["param_bytes"]
     mean_ctx = s["b1_in"] + s["b1_out"] / 2
     return dict(
-        weight_bytes_per_token=weight_bytes, copy_bandwidth=COPY_BANDWIDTH,
+        weight_bytes_per_token=weight_bytes, copy_bandwidth=bandwidth,
         roofline_tok_s=roof, fraction_of_roofline=decode / roof,
         roofline_tok_s_one_embedding_row=tight,
         fraction_of_roofline_one_embedding_row=decode / tight,
@@ -186,7 +187,7 @@ def roofline(bench: Bench, decode: float) -> dict[str, Any]:
             "stacked w13/w2 weights, plus num_experts_per_tok x one routed expert's w13+w2 per "
             "MoE layer; router gates and shared experts count in full; at batch 1 a token runs "
             "exactly num_experts_per_tok routed experts per MoE layer"),
-        roofline_rule="weight_bytes_per_token / COPY_BANDWIDTH (offline_runs.py), KV reads not "
+        roofline_rule="weight_bytes_per_token / offline_runs.copy_bandwidth(), KV reads not "
                       "included (see kv_bytes_read_per_token_at_mean_context)")
 
 

@@ -61,7 +61,7 @@ def w2(s: Suite) -> list[dict]:
     eng = s.start(LLAMA_8B, max_model_len=sz["max_model_len"], max_num_seqs=16)
     fig = offline_runs.batch1(eng.llm, sz["vocab"], sz["b1_in"], sz["b1_out"],
                               repeat_prompt=True)
-    roofline = offline_runs.COPY_BANDWIDTH / W2_BYTES_PER_TOKEN
+    roofline = offline_runs.copy_bandwidth() / W2_BYTES_PER_TOKEN
     # Where a step's time goes: the decode graph alone vs the whole step.
     replay_ms = engine_internals.graph_replay_ms(eng.llm)
     if not s.args.no_profile:

@@ -30,7 +30,7 @@ Parts (one JSON record each per model, the file rewritten after every part):
   there (bf16 near-ties diverge: reported, not failed). A transformers without the family's
   class gives {"skipped": "transformers X has no class Y"}.
 - batch1: 128 prompt ids, 256 output tokens, greedy, median of 3 (offline_runs.batch1, as
-  deepseek_gpu). Floor: active parameters x 2 bytes / COPY_BANDWIDTH (deepseek_gpu.count_active:
+  deepseek_gpu). Floor: active parameters x 2 bytes / the GPU's copy bandwidth (deepseek_gpu.count_active:
   total minus the routed experts plus top-k experts per MoE layer; a dense model: all), and the
   floor with the attention KV at the mean context plus each linear layer's state read and
   written once per token.
@@ -80,7 +80,7 @@ import engine_internals
 import offline_runs
 from bench_args import REQUIRED, add_common, comma_ints, comma_words
 from deepseek_gpu import count_active, w1  # w1: the same W1 part on this EngineStage
-from offline_runs import COPY_BANDWIDTH
+from offline_runs import copy_bandwidth
 from results_file import record, shoal_source, write
 
 # Shipped shapes: name -> shoal/model_configs/<folder>.
@@ -396,14 +396,15 @@ def roofline(st: EngineStage, decode: float) -> dict[str, Any]:
         return dict(roofline_tok_s=None, params=None)
     counts = count_active(model, int(getattr(st.cfg, "num_experts_per_tok", 0) or 0))
     weight_bytes = counts["active_params"] * counts["param_bytes"]
-    roof = COPY_BANDWIDTH / weight_bytes
-    tight = COPY_BANDWIDTH / (counts["active_params_without_embedding"] * counts["param_bytes"])
+    bandwidth = copy_bandwidth()
+    roof = bandwidth / weight_bytes
+    tight = bandwidth / (counts["active_params_without_embedding"] * counts["param_bytes"])
     lay = engine_layout(st.llm) or config_bytes(st.cfg, counts["param_bytes"])
     mean_ctx = st.sizes["b1_in"] + st.sizes["b1_out"] / 2
     kv_state = lay["attention_bytes_per_token"] * mean_ctx + 2 * lay["state_bytes_per_seq"]
-    with_kv = COPY_BANDWIDTH / (weight_bytes + kv_state)
+    with_kv = bandwidth / (weight_bytes + kv_state)
     return dict(
-        weight_bytes_per_token=weight_bytes, copy_bandwidth=COPY_BANDWIDTH,
+        weight_bytes_per_token=weight_bytes, copy_bandwidth=bandwidth,
         roofline_tok_s=roof, fraction_of_roofline=decode / roof,
         roofline_tok_s_one_embedding_row=tight,
         fraction_of_roofline_one_embedding_row=decode / tight,
@@ -413,7 +414,7 @@ def roofline(st: EngineStage, decode: float) -> dict[str, Any]:
             "deepseek_gpu.count_active: all parameters of the engine's model minus the routed "
             "experts' stacked w13/w2, plus num_experts_per_tok x one expert per MoE layer "
             "(router, shared expert and every linear/full attention layer in full)"),
-        roofline_rule=("weight_bytes_per_token / COPY_BANDWIDTH; _with_kv_state adds the "
+        roofline_rule=("weight_bytes_per_token / the GPU's copy bandwidth; _with_kv_state adds the "
                        "attention KV at the mean context and every linear layer's float32 "
                        "state read and written once per token"))
 

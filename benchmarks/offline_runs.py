@@ -25,6 +25,23 @@ QWEN3_06B = "Qwen/Qwen3-0.6B"
 DEEPSEEK_V2_LITE = "deepseek-ai/DeepSeek-V2-Lite"
 # H200 copy bandwidth (BENCHMARKS.md): the roofline of a decode step that streams weights.
 COPY_BANDWIDTH = 4.25e12
+# Device-to-device copy bandwidth (bytes read + written) measured on the lent machines
+# (.library/device/KINDS.md), by the name torch gives the GPU: a roofline must use the card
+# that ran, or an H100 run reads 1.4x too far from its floor.
+COPY_BANDWIDTH_BY_GPU = {"H200": 4.25e12, "H100": 3.0e12}
+
+
+def copy_bandwidth() -> float:
+    """The copy bandwidth of this process's GPU (COPY_BANDWIDTH, the H200's, where the card
+    is not in the table or there is no GPU: smoke runs)."""
+    import torch
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name()
+        for key, value in COPY_BANDWIDTH_BY_GPU.items():
+            if key in name:
+                return value
+    return COPY_BANDWIDTH
 # The shipped shapes (shoal/model_configs/<folder>/config.json) of the names above.
 SHIPPED_CONFIGS = {LLAMA_8B: "llama-3.1-8b", QWEN3_06B: "qwen3-0.6b",
                    DEEPSEEK_V2_LITE: "deepseek-v2-lite", "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b"}

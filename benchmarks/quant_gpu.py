@@ -24,7 +24,7 @@ Parts (one JSON record each, written to --out after every part):
   own subprocess (load_format="dummy"; the GPU is empty for each), batch-1 decode as
   offline_runs.batch1 (128 prompt ids, 256 output tokens, greedy, median of 3), and the
   weight-read floor of a decode token (the linear weights' packed bytes + the rest in bf16)
-  at COPY_BANDWIDTH.
+  at the GPU's copy bandwidth (offline_runs.copy_bandwidth: H200 4.25, H100 3.0 TB/s).
 
 --smoke: tiny shapes and a 2-layer, 64-wide Llama on the CPU in float32 (Triton under
 TRITON_INTERPRET=1); the fast path is CUDA-only, so the smoke engines run dense: it checks
@@ -46,7 +46,7 @@ from typing import Any
 
 import offline_runs
 from bench_args import add_common, comma_words
-from offline_runs import COPY_BANDWIDTH, LLAMA_8B
+from offline_runs import LLAMA_8B, copy_bandwidth
 from results_file import record, write
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
@@ -193,7 +193,9 @@ def weight_floor(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
     linear = layers * (h * (heads + 2 * kv) * hd + heads * hd * h + 3 * h * inter)
     other = cfg["vocab_size"] * h + h + layers * 2 * h  # LM head, one embedding row, norms
     nbytes = linear * BYTES_PER_WEIGHT[variant] + other * 2
-    return dict(weight_bytes_per_token=nbytes, floor_tok_s=COPY_BANDWIDTH / nbytes)
+    bandwidth = copy_bandwidth()
+    return dict(weight_bytes_per_token=nbytes, copy_bandwidth=bandwidth,
+                floor_tok_s=bandwidth / nbytes)
 
 
 def decode_part(args: argparse.Namespace, root: Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ With --offload-gb 0,4,8 also weight offloading (cpu_offload_gb): for each budget
 engine, its offloaded layers and bytes, and batch-1 greedy decode tok/s (128 prompt tokens;
 the time of 1+N tokens less that of 1) against the floor of a step that copies the offloaded
 bytes over the host link (measured: one pinned 1 GiB host-to-device copy) and reads every
-weight from device memory (COPY_BANDWIDTH); --skip-lifecycle runs that part alone.
+weight from device memory (offline_runs.copy_bandwidth()); --skip-lifecycle runs that part alone.
 
     python benchmarks/rl_gpu.py --out bench-work/rl-h200.json [--cycles 20]
     python benchmarks/rl_gpu.py --skip-lifecycle --offload-gb 0,4,8 --out bench-work/off.json
@@ -104,7 +104,7 @@ def offload_run(model: str, gb: float, kw: dict[str, Any], n: int, link: float |
         full, tokens = min((timed(llm, prompt, n + 1) for _ in range(3)), key=lambda r: r[0])
         weight_bytes = sum(p.numel() * p.element_size() for p in runner.model.parameters())
         offloaded = stats.offloaded_bytes if stats else 0
-        floor_s = (weight_bytes / offline_runs.COPY_BANDWIDTH
+        floor_s = (weight_bytes / offline_runs.copy_bandwidth()
                    + (offloaded / link if link else 0.0))
         return {"cpu_offload_gb": gb, "offloaded_layers": len(stats.layers) if stats else 0,
                 "offloaded_bytes": offloaded,
@@ -132,7 +132,7 @@ def offload_decode(model: str, budgets: list[float], kw: dict[str, Any], smoke: 
         first_tokens = tokens if first_tokens is None else first_tokens
         runs.append({**fig, "same_tokens_as_first": tokens == first_tokens})
         release()
-    return {"h2d_bytes_per_s": link, "copy_bandwidth": offline_runs.COPY_BANDWIDTH,
+    return {"h2d_bytes_per_s": link, "copy_bandwidth": offline_runs.copy_bandwidth(),
             "decode_tokens": n, "runs": runs,
             "floor_rule": "weight_bytes / copy_bandwidth + offloaded_bytes / h2d_bytes_per_s"}
 

@@ -101,9 +101,9 @@ def test_each_layer_replays_every_candidate_the_tuner_could_pick(name, monkeypat
     picks = []
     real = launch_tuner.run_fastest
 
-    def spy(key, calls, device):
-        picks.append((key, list(calls)))
-        return real(key, calls, device)
+    def spy(key, names, run, device):
+        picks.append((key, list(names)))
+        return real(key, names, run, device)
 
     monkeypatch.setattr("shoal.layers.quantization.methods.run_fastest", spy)
     q(x)
@@ -122,10 +122,24 @@ def test_each_layer_replays_every_candidate_the_tuner_could_pick(name, monkeypat
 def test_the_cpu_never_times_and_keeps_the_heuristics_pick(monkeypatch):
     monkeypatch.setattr(launch_tuner, "TUNED", {})
     ran = []
-    calls = {"first": lambda: ran.append("first") or torch.zeros(1),
-             "second": lambda: ran.append("second") or torch.ones(1)}
-    launch_tuner.run_fastest(("k",), calls, torch.device("cpu"))
+    launch_tuner.run_fastest(("k",), ("first", "second"),
+                             lambda name: ran.append(name) or torch.zeros(1),
+                             torch.device("cpu"))
     assert ran == ["first"] and launch_tuner.TUNED == {}
+
+
+def test_a_shapes_candidates_are_built_once():
+    """The eager decode path asks for a shape's candidates at every call: the second ask
+    is the cached object, not a rebuilt list."""
+    from shoal.layers.quantization import methods
+
+    q = make_quant_linear(_cases()["int4"], torch.device(DEVICE))
+    x = torch.randn(2, 256, device=DEVICE)
+    q(x)
+    before = methods._int4_candidates.cache_info()
+    q(x)
+    after = methods._int4_candidates.cache_info()
+    assert after.misses == before.misses and after.hits == before.hits + 1
 
 
 def test_more_rows_than_the_gemv_holds_skip_the_tuner(monkeypatch):

@@ -15,9 +15,10 @@ float32 sums differ in order (outputs within rounding, not bit-equal across runs
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,15 +39,15 @@ class Tuned:
 TUNED: dict[Hashable, Tuned] = {}
 
 
-def run_fastest(key: Hashable, candidates: dict[str, Callable[[], torch.Tensor]],
+def run_fastest(key: Hashable, names: Sequence[str], run: Callable[[str], torch.Tensor],
                 device: torch.device) -> torch.Tensor:
-    """The output of the fastest candidate for key (see the module docstring); candidates
-    in order of preference, each computing the same result."""
+    """run(name) for the fastest candidate name of key (see the module docstring); names in
+    order of preference, each computing the same result. Once key is timed this is a dict
+    look-up and one call: the eager decode path calls it per layer and step."""
     known = TUNED.get(key)
     if known is None and _may_time(device):
-        known = TUNED[key] = _time(key, candidates)
-    name = known.choice if known is not None else next(iter(candidates))
-    return candidates[name]()
+        known = TUNED[key] = _time(key, {name: functools.partial(run, name) for name in names})
+    return run(known.choice if known is not None else names[0])
 
 
 def _may_time(device: torch.device) -> bool:

@@ -12,6 +12,7 @@ None: the layer keeps its dense dequantized weight (a shape or device no kernel 
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -46,6 +47,29 @@ def _gemv_name(t: decode_gemv.GemvTiles) -> str:
     return f"gemv n{t.block_n} k{t.block_k} split{t.split}"
 
 
+@dataclass(frozen=True)
+class _Candidates:
+    """A shape's launch candidates: the tensor-core kernel's name first (the heuristic's pick),
+    then the GEMV tiles by name. Built once per shape: the eager decode path asks for them at
+    every call of every layer."""
+    names: tuple[str, ...]
+    tiles: dict[str, decode_gemv.GemvTiles]
+
+
+@functools.cache
+def _fp8_candidates(first: str, n: int, k: int, group: int, device: torch.device
+                    ) -> _Candidates:
+    tiles = {_gemv_name(t): t for t in decode_gemv.fp8_candidates(n, k, group, device)}
+    return _Candidates((first, *tiles), tiles)
+
+
+@functools.cache
+def _int4_candidates(first: str, n: int, k: int, group: int, device: torch.device
+                     ) -> _Candidates:
+    tiles = {_gemv_name(t): t for t in decode_gemv.int4_candidates(n, k, group, device)}
+    return _Candidates((first, *tiles), tiles)
+
+
 @dataclass
 class FP8ScaledMM:
     weight: torch.Tensor  # float8_e4m3fn [N, K]
@@ -63,12 +87,16 @@ class FP8ScaledMM:
         flat = x.reshape(-1, k)
         if _decode_rows(flat) and self.input_scale is None:
             flat = flat.contiguous()
-            scale = self.weight_scale.reshape(n)
-            calls = {"scaled_mm": lambda: self._scaled_mm(flat)}
-            for t in decode_gemv.fp8_candidates(n, k, 0, flat.device):
-                calls[_gemv_name(t)] = (
-                    lambda t=t: decode_gemv.fp8_gemv(flat, self.weight, scale, t))
-            y = run_fastest(_tune_key("fp8 channel", (n, k), 0, flat), calls, flat.device)
+            cands = _fp8_candidates("scaled_mm", n, k, 0, flat.device)
+
+            def run(name: str) -> torch.Tensor:
+                if name == "scaled_mm":
+                    return self._scaled_mm(flat)
+                return decode_gemv.fp8_gemv(flat, self.weight, self.weight_scale.reshape(n),
+                                            cands.tiles[name])
+
+            y = run_fastest(_tune_key("fp8 channel", (n, k), 0, flat), cands.names, run,
+                            flat.device)
         else:
             y = self._scaled_mm(flat)
         return y.view(*x.shape[:-1], n)
@@ -107,13 +135,17 @@ class FP8BlockLinear:
         n, k = self.weight.shape
         flat = x.reshape(-1, k).contiguous()
         if _decode_rows(flat):
-            calls = {"block gemm": lambda: self._block_gemm(flat)}
-            for t in decode_gemv.fp8_candidates(n, k, self.group, flat.device):
-                calls[_gemv_name(t)] = (lambda t=t: decode_gemv.fp8_gemv(
-                    flat, self.weight, self.weight_scale, t, group=self.group,
-                    scale_rows=self.scale_rows))
+            cands = _fp8_candidates("block gemm", n, k, self.group, flat.device)
+
+            def run(name: str) -> torch.Tensor:
+                if name == "block gemm":
+                    return self._block_gemm(flat)
+                return decode_gemv.fp8_gemv(flat, self.weight, self.weight_scale,
+                                            cands.tiles[name], group=self.group,
+                                            scale_rows=self.scale_rows)
+
             y = run_fastest(_tune_key(f"fp8 block {self.scale_rows}", (n, k), self.group, flat),
-                            calls, flat.device)
+                            cands.names, run, flat.device)
         else:
             y = self._block_gemm(flat)
         return y.view(*x.shape[:-1], n)
@@ -153,15 +185,19 @@ class Int4Linear:
             y = flat @ self.dequantize(x.dtype)
         elif _decode_rows(flat):
             flat = flat.contiguous()
-            calls = {"w4a16 gemm": lambda: w4a16_matmul(flat, self.codes, self.scales,
-                                                         self.zeros, self.group)}
             n = self.codes.shape[1]
-            for t in decode_gemv.int4_candidates(n, self.in_features, self.group, flat.device):
-                calls[_gemv_name(t)] = (lambda t=t: decode_gemv.int4_gemv(
-                    flat, self.codes, self.scales, self.zeros, self.group, t))
+            cands = _int4_candidates("w4a16 gemm", n, self.in_features, self.group,
+                                     flat.device)
+
+            def run(name: str) -> torch.Tensor:
+                if name == "w4a16 gemm":
+                    return w4a16_matmul(flat, self.codes, self.scales, self.zeros, self.group)
+                return decode_gemv.int4_gemv(flat, self.codes, self.scales, self.zeros,
+                                             self.group, cands.tiles[name])
+
             kind = "int4 asym" if self.zeros is not None else "int4"
-            y = run_fastest(_tune_key(kind, (self.in_features, n), self.group, flat), calls,
-                            flat.device)
+            y = run_fastest(_tune_key(kind, (self.in_features, n), self.group, flat),
+                            cands.names, run, flat.device)
         else:
             y = w4a16_matmul(flat.contiguous(), self.codes, self.scales, self.zeros,
                              self.group)
