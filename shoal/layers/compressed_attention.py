@@ -21,8 +21,12 @@ grouped output projection: o_groups blocks of heads each projected to o_lora_ran
 mixed to hidden_size (o_b_proj).
 
 Attention runs request by request over the spans of the step (shoal/layers/request_spans.py):
-a reference path, not a kernel. Not tensor-parallel yet (the compatibility table refuses
-tensor_parallel_size > 1)."""
+a reference path, not a kernel.
+
+Tensor parallelism splits the query heads, their sinks and the output groups (o_groups / tp
+each: a group's heads stay on one rank, so o_a_proj splits by rows and o_b_proj by columns,
+all-reduced). The one shared KV row, the compressors and the indexer are replicated: every
+rank keeps the whole caches (their specs do not change with tp) and picks the same entries."""
 
 from __future__ import annotations
 
@@ -33,9 +37,15 @@ import torch
 from torch import nn
 
 from shoal.core.kv_cache_spec import CompressorStateSpec
+from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from shoal.layers.compressed_indexer import CompressedIndexer, SparseCompressor
 from shoal.layers.interleaved_rope import InterleavedRope
-from shoal.layers.linear import ReplicatedLinear
+from shoal.layers.linear import (
+    ColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    default_weight_loader,
+)
 from shoal.layers.norm import RMSNorm
 from shoal.layers.paged_entries import PagedEntries
 from shoal.layers.paged_rows import PagedRows
@@ -53,27 +63,33 @@ class CompressedAttention(nn.Module):
         if self.kind not in (SLIDING, CSA, HCA):
             raise ValueError(f"unknown DeepSeek-V4 layer type {self.kind!r}")
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.num_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        self.window, self.eps = cfg.sliding_window, eps
-        self.o_groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        heads, groups, tp = cfg.num_attention_heads, cfg.o_groups, get_tp_world_size()
+        self.head_dim, self.window, self.eps = cfg.head_dim, cfg.sliding_window, eps
+        heads_dim = heads * self.head_dim
+        if heads_dim % groups:
+            raise ValueError(f"o_groups ({groups}) must divide the heads' {heads_dim} channels")
+        for name, n in (("num_attention_heads", heads), ("o_groups", groups)):
+            if n % tp:
+                raise ValueError(f"DeepSeek-V4: {name} ({n}) must be a multiple of "
+                                 f"tensor_parallel_size ({tp})")
+        # this rank's heads and output groups
+        self.num_heads, self.o_groups, self.o_rank = heads // tp, groups // tp, cfg.o_lora_rank
         self.scale = self.head_dim ** -0.5
         self.rope = InterleavedRope(cfg, "main" if self.kind == SLIDING else "compress")
         self.q_a_proj = ReplicatedLinear(h, cfg.q_lora_rank, params_dtype=dtype)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, eps, dtype, use_triton_ops)
-        self.q_b_proj = ReplicatedLinear(cfg.q_lora_rank, self.num_heads * self.head_dim,
-                                         params_dtype=dtype)
+        self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads_dim, params_dtype=dtype)
         self.kv_proj = ReplicatedLinear(h, self.head_dim, params_dtype=dtype)
         self.kv_norm = RMSNorm(self.head_dim, eps, dtype, use_triton_ops)
-        heads_dim = self.num_heads * self.head_dim
-        if heads_dim % self.o_groups:
-            raise ValueError(f"o_groups ({self.o_groups}) must divide the heads' "
-                             f"{heads_dim} channels")
-        self.o_a_proj = ReplicatedLinear(heads_dim // self.o_groups, self.o_groups * self.o_rank,
-                                         params_dtype=dtype)
-        self.o_b_proj = ReplicatedLinear(self.o_groups * self.o_rank, h, params_dtype=dtype)
-        # float32, as transformers keeps them
+        # rows: the groups' blocks of o_lora_rank, this rank's groups
+        self.o_a_proj = ColumnParallelLinear(heads_dim // groups, groups * self.o_rank,
+                                             params_dtype=dtype)
+        self.o_a_proj.weight_only = True  # read per group (_grouped_out), never run as a layer
+        self.o_b_proj = RowParallelLinear(groups * self.o_rank, h, params_dtype=dtype)
+        # float32, as transformers keeps them; this rank's heads'
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32),
                                   requires_grad=False)
+        self.sinks.weight_loader = self._load_sinks
         self.window_rows = PagedRows(self.head_dim, self.window)
         self.compressor: TokenCompressor | None = None
         self.indexer: CompressedIndexer | None = None
@@ -93,6 +109,10 @@ class CompressedAttention(nn.Module):
             self.pending_rows = PagedRows(self._row_split()[-1],
                                           (1 + self.compressor.groups_before) * m,
                                           CompressorStateSpec)
+
+    def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        n = self.num_heads
+        default_weight_loader(param, loaded.narrow(0, get_tp_rank() * n, n))
 
     def paged_layers(self) -> list[PagedRows]:
         """Its paged caches: the sliding window's rows, then (compressed layers) the entries

@@ -22,8 +22,13 @@ the drafter's (shoal/models/deepseek_v4_mtp.py), which reads the target's hyper-
 streams: with it, forward returns the last layer's streams flattened [T, hc * D] instead of
 the collapsed, normed state, and compute_logits collapses them first (output_streams).
 
-Not yet: tensor parallelism, CUDA (the torch path reads host values per request; the
-compatibility table refuses CUDA), quantized (FP8 / FP4) checkpoints."""
+Tensor parallelism: attention heads and output groups split over the ranks (the shared KV
+row, compressors and indexer replicated: shoal/layers/compressed_attention.py), every expert's
+intermediate dim (FusedMoE) and the shared expert's, one all-reduce after each; routing and
+hyper-connection mixing are small and replicated.
+
+Not yet: CUDA (the torch path reads host values per request; the compatibility table refuses
+CUDA), quantized (FP8 / FP4) checkpoints."""
 
 from __future__ import annotations
 
@@ -34,10 +39,11 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from shoal.distributed.parallel_state import tp_all_reduce
 from shoal.layers.compressed_attention import CompressedAttention
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.layers.hyper_connection import HyperConnection, HyperHead
-from shoal.layers.linear import ReplicatedLinear, load_tensor
+from shoal.layers.linear import ColumnParallelLinear, RowParallelLinear, load_tensor
 from shoal.layers.moe.deepseek_v4_routing import ClippedSwiGLU, DeepseekV4Router
 from shoal.layers.moe.layer import FusedMoE
 from shoal.layers.norm import RMSNorm
@@ -50,13 +56,15 @@ logger = logging.getLogger(__name__)
 
 
 class ClippedMLP(nn.Module):
-    """The shared expert: SwiGLU with the experts' clipping."""
+    """The shared expert: SwiGLU with the experts' clipping; this rank's slice of the
+    intermediate dim, its partial sum left to the caller's all-reduce."""
 
     def __init__(self, hidden: int, inter: int, limit: float, dtype: torch.dtype):
         super().__init__()
-        self.gate_proj = ReplicatedLinear(hidden, inter, params_dtype=dtype)
-        self.up_proj = ReplicatedLinear(hidden, inter, params_dtype=dtype)
-        self.down_proj = ReplicatedLinear(inter, hidden, params_dtype=dtype)
+        self.gate_proj = ColumnParallelLinear(hidden, inter, params_dtype=dtype)
+        self.up_proj = ColumnParallelLinear(hidden, inter, params_dtype=dtype)
+        self.down_proj = RowParallelLinear(inter, hidden, reduce_results=False,
+                                           params_dtype=dtype)
         self.act = ClippedSwiGLU(limit=limit)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,7 +88,7 @@ class DeepseekV4MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
-        return self.experts(x, weights.to(x.dtype), ids) + self.shared_experts(x)
+        return tp_all_reduce(self.experts(x, weights.to(x.dtype), ids) + self.shared_experts(x))
 
 
 class DeepseekV4DecoderLayer(nn.Module):

@@ -27,7 +27,10 @@ it (layer_types stops at num_hidden_layers), so the kinds are fixed here, and a 
 whose MTP layer has compressor or hash-routing tensors is refused: its compressed entries
 would be several KV cache groups, which the drafter's cache (one group on the target's first
 table, shoal/spec_decode/drafter_cache.py) does not hold. Its window rows follow the
-target's first table, which a V4 target with CSA or HCA layers keeps whole."""
+target's first table, which a V4 target with CSA or HCA layers keeps whole.
+
+Under tensor parallelism the block splits as the main layers do (heads, output groups,
+experts); e_proj, h_proj and the hyper-connection head are small and replicated."""
 
 from __future__ import annotations
 

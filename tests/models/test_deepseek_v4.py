@@ -116,6 +116,39 @@ def test_greedy_matches_transformers_in_mixed_chunked_batches(tiny):
     check(_generate(llm, prompts), prompts, hf)
 
 
+def test_two_tensor_parallel_ranks_match_transformers(tiny):
+    """tensor_parallel_size=2 on gloo: 2 of the 4 query heads and 1 of the 2 output groups
+    a rank, every expert's and the shared expert's intermediate dim halved; the KV rows,
+    compressors and indexer replicated (whole caches on each rank, the one-rank specs).
+    Chunked prompts past the window, the HCA group, top-k x m and 128 tokens."""
+    path, hf = tiny
+    prompts = _prompts((30, 137), seed=1)
+    llm = LLM(model=str(path), dtype="float32", tensor_parallel_size=2, block_size=4,
+              max_num_batched_tokens=32, num_gpu_blocks_override=256, max_model_len=256)
+    try:
+        model = llm.llm_engine.core.runner.driver.model
+        attn = model.model.layers[1].self_attn
+        assert (attn.num_heads, attn.o_groups, tuple(attn.sinks.shape)) == (2, 1, (2,))
+        assert model.model.layers[3].mlp.experts.inter == V4["moe_intermediate_size"] // 2
+        runner = llm.llm_engine.core.runner.driver
+        assert [g.sliding_window for g in runner.kv_groups] == [None, None, 8, 16]
+        assert all(s.num_kv_heads == 1 for s in runner.kv_specs)
+        check(_generate(llm, prompts), prompts, hf)
+    finally:
+        llm.shutdown()
+
+
+def test_output_groups_must_split_evenly_over_tensor_parallel_ranks(monkeypatch):
+    """A group of heads is projected on one rank: 4 heads split over 4 ranks, 2 groups not."""
+    import shoal.layers.compressed_attention as ca
+
+    monkeypatch.setattr(ca, "get_tp_world_size", lambda: 4)
+    cfg = AutoConfig.for_model("deepseek_v4", **V4)
+    with pytest.raises(ValueError, match=r"o_groups \(2\) must be a multiple of "
+                                         r"tensor_parallel_size \(4\)"):
+        ca.CompressedAttention(cfg, 0, torch.float32)
+
+
 def test_whole_prompts_and_decodes_alone(tiny):
     path, hf = tiny
     prompts = _prompts((70,), seed=2)

@@ -222,3 +222,27 @@ def test_a_compressed_mtp_layer_is_refused(ckpt, tmp_path):
     extra = [("mtp.0.attn.compressor.wkv.weight", torch.zeros(64, 64))]
     with pytest.raises(ValueError, match="compressed .* window-only"):
         head.load_weights(list(tensors.items()) + extra, main)
+
+
+def test_mtp_on_two_tensor_parallel_ranks(ckpt):
+    """tensor_parallel_size=2: the MTP block's heads and experts split like the target's;
+    greedy tokens and logprobs are the one-rank plain engine's (a 141-token prompt: CSA and
+    HCA groups close in verify steps) and drafts are accepted."""
+    target, _ = ckpt
+    rng = random.Random(4)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (141, 9)]
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    plain, plain_lp = _tokens_and_logprobs(_llm(target).generate(inputs, sp, use_tqdm=False))
+    llm = _llm(target, tensor_parallel_size=2, max_num_batched_tokens=48,
+               speculative_config={"method": "mtp", "num_speculative_tokens": K})
+    try:
+        head = llm.llm_engine.core.runner.driver.drafter.model
+        assert head.mtp_block.self_attn.num_heads == V4["num_attention_heads"] // 2
+        counter = SpecCounter(llm)
+        spec, spec_lp = _tokens_and_logprobs(llm.generate(inputs, sp, use_tqdm=False))
+        assert spec == plain
+        torch.testing.assert_close(spec_lp, plain_lp, atol=1e-5, rtol=0)
+        assert 0 < counter.accepted < counter.draft_tokens
+    finally:
+        llm.shutdown()
