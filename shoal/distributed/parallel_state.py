@@ -203,14 +203,15 @@ def pp_layer_partition(num_layers: int, pp_size: int) -> list[int] | None:
     return sizes
 
 
-def pp_layer_range(num_layers: int) -> tuple[int, int]:
-    """This rank's decoder layers (all of them without pipeline parallelism): as
-    SHOAL_PP_LAYER_PARTITION splits them if set (pp_layer_partition), else evenly."""
+def pp_layer_range(num_layers: int, stage: int | None = None) -> tuple[int, int]:
+    """This rank's decoder layers, or `stage`'s (all of them without pipeline parallelism):
+    as SHOAL_PP_LAYER_PARTITION splits them if set (pp_layer_partition), else evenly."""
+    stage = _PP_RANK if stage is None else stage
     sizes = pp_layer_partition(num_layers, _PP_SIZE)
     if sizes is None:
-        return get_pp_indices(num_layers, _PP_RANK, _PP_SIZE)
-    start = sum(sizes[:_PP_RANK])
-    return start, start + sizes[_PP_RANK]
+        return get_pp_indices(num_layers, stage, _PP_SIZE)
+    start = sum(sizes[:stage])
+    return start, start + sizes[stage]
 
 
 # ---- collectives --------------------------------------------------------------------------------

@@ -234,10 +234,6 @@ ROWS: tuple[Incompatibility, ...] = (
         lambda s: s.lora and s.pooling,
         "enable_lora serves generation; the pooling runner takes no adapters yet"),
     Incompatibility(
-        "enable_lora", "pipeline_parallel_size > 1",
-        lambda s: s.lora and s.pp > 1,
-        "enable_lora does not support pipeline_parallel_size > 1 yet"),
-    Incompatibility(
         "enable_lora", "an architecture without LoRA layers",
         lambda s: s.lora and not s.pooling and not s.lora_capable,
         "enable_lora is not supported for {s.model_class} yet (supported: "
@@ -248,13 +244,6 @@ ROWS: tuple[Incompatibility, ...] = (
         lambda s: s.spec_method in ("eagle", "eagle3") and s.linear_attention,
         "speculative_config: method 'eagle' has no head for {s.model_class}; use 'mtp', "
         "'draft_model' or 'ngram'"),
-    Incompatibility(  # (TP: every method; PP: stage 0 drafts, see spec_decode/factory.py)
-        "speculative_config (eagle3, mtp)", "pipeline_parallel_size > 1",
-        lambda s: s.spec_method in ("eagle3", "mtp") and s.pp > 1,
-        "speculative_config: method {s.spec_method!r} does not support pipeline_parallel_size "
-        "> 1 yet; 'ngram', 'draft_model' and 'eagle' do (stage 0 drafts from the final hidden "
-        "states: EAGLE-3 would need every stage's, and no model with MTP layers is built per "
-        "stage)"),
     Incompatibility(
         "speculative_config", _DP_EP,
         lambda s: s.speculative and s.dp_ep,
@@ -395,11 +384,6 @@ ROWS: tuple[Incompatibility, ...] = (
         "DeepseekV4ForCausalLM runs on the CPU only yet: its attention is a plain-torch "
         "reference that loops over the step's requests at every layer with host-side indices "
         "(no kernels, no CUDA graphs); use device='cpu'"),
-    Incompatibility(
-        _V4, "tensor_parallel_size > 1",
-        lambda s: _deepseek_v4(s) and s.tp > 1,
-        "DeepseekV4ForCausalLM's layers are not tensor-parallel yet: tensor_parallel_size must "
-        "be 1 (got {s.tp})"),
     Incompatibility(
         _V4, _DP_EP,
         lambda s: _deepseek_v4(s) and s.dp_ep,

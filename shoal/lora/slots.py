@@ -1,7 +1,9 @@
 """The worker's adapters: up to max_cpu_loras loaded in host memory (least recently used
 dropped first, read again from disk when asked for) and max_loras in the layers' device
 slots (least recently used slot reused). Each step writes its tokens' slots into the shared
-table (LoRAStep); the scheduler never runs a step with more distinct adapters than slots."""
+table (LoRAStep); the scheduler never runs a step with more distinct adapters than slots.
+Under pipeline parallelism each stage holds the slots of its own layers and reads only the
+adapter tensors of those (stage_limits.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from shoal.config.lora import LoRAConfig
 from shoal.lora.adapter import LoRALimits, check_adapter
 from shoal.lora.expert_layers import ExpertLoRA, add_expert_lora, expert_targets
 from shoal.lora.layers import LoRALayer, LoRAStep, add_lora_layers, lora_targets
+from shoal.lora.stage_limits import StageModules, whole_model_limits
 from shoal.lora.weights import AdapterWeights, load_adapter_weights
 from shoal.lora_request import LoRARequest
 
@@ -31,10 +34,13 @@ class LoRASlots:
         # the routed experts of MoE layers (expert_layers.py)
         self.expert_layers: list[ExpertLoRA] = add_expert_lora(
             model, self.step, config.max_loras, config.max_lora_rank, dtype, device)
-        if not self.layers and not self.expert_layers:
+        stage = LoRALimits(config.max_loras, config.max_lora_rank,
+                           lora_targets(self.layers), expert_targets(self.expert_layers))
+        self.stage_modules = StageModules.of(stage)
+        # adapters are checked against every stage's projections (this one's alone on one)
+        self.limits = whole_model_limits(stage)
+        if not self.limits.targets and not self.limits.experts:
             raise ValueError(f"{type(model).__name__} has no projections LoRA can adapt")
-        self.limits = LoRALimits(config.max_loras, config.max_lora_rank,
-                                 lora_targets(self.layers), expert_targets(self.expert_layers))
         self.host: OrderedDict[int, tuple[str, AdapterWeights]] = OrderedDict()
         self.slot_of: dict[int, int] = {}  # adapter id -> device slot
         self.in_slot: list[int | None] = [None] * config.max_loras  # slot -> adapter id
@@ -52,7 +58,8 @@ class LoRASlots:
             self.host.move_to_end(lora.lora_int_id)
             return held[1]
         spec = check_adapter(lora.lora_path, self.limits)
-        weights = load_adapter_weights(spec, self.dtype, pin=self.device.type == "cuda")
+        weights = load_adapter_weights(self.stage_modules.part_of(spec), self.dtype,
+                                       pin=self.device.type == "cuda")
         self.loads += 1
         if held is not None:  # the same id, another folder: its slot holds stale weights
             self.remove(lora.lora_int_id)

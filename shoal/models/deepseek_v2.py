@@ -26,6 +26,8 @@ Tensor parallelism: heads split (q_b_proj / q_proj and kv_b_proj by output rows,
 input columns); the latent down-projections and their norms are replicated (every rank needs
 the whole latent row); experts split as in FusedMoE.
 
+Pipeline parallelism: the stack builds per stage as Llama's (LlamaModel.build_stages).
+
 Multi-token-prediction layers (model.layers.{num_hidden_layers}...) are skipped on load."""
 
 from __future__ import annotations
@@ -40,7 +42,6 @@ from torch import nn
 
 from shoal.distributed.parallel_state import get_tp_world_size, tp_all_reduce
 from shoal.layers.activation import SiluAndMul
-from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.latent_attention import LatentAttention
 from shoal.layers.linear import (
     ColumnParallelLinear,
@@ -53,7 +54,7 @@ from shoal.layers.moe.layer import FusedMoE
 from shoal.layers.norm import RMSNorm
 from shoal.layers.rotary import get_rope, rope_parameters, yarn_softmax_scale
 from shoal.models.expert_weights import load_expert_tensors
-from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel
+from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, PPMissingLayer
 
 logger = logging.getLogger(__name__)
 
@@ -233,11 +234,10 @@ class DeepseekModel(LlamaModel):
     layer_cls: ClassVar[type[DeepseekDecoderLayer]] = DeepseekDecoderLayer
 
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
-        nn.Module.__init__(self)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(self.layer_cls(cfg, dtype, i, use_triton_ops)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+        nn.Module.__init__(self)  # Llama's would build its own layers
+        self.build_stages(
+            cfg, dtype, lambda i: self.layer_cls(cfg, dtype, i, use_triton_ops),
+            lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops))
 
 
 class DeepseekV2ForCausalLM(LlamaForCausalLM):
@@ -252,13 +252,14 @@ class DeepseekV2ForCausalLM(LlamaForCausalLM):
         return DeepseekModel(hf_config, dtype, use_triton_ops)
 
     def attention_layers(self) -> list[LatentAttention]:  # type: ignore[override]
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.layers
+                if not isinstance(layer, PPMissingLayer)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded: set[str] = set()
         rest = super().load_weights(load_expert_tensors(
-            self._prepared(weights), dict(self.named_parameters()), loaded,
-            type(self).__name__))
+            self.stage_tensors(self._prepared(weights)), dict(self.named_parameters()),
+            loaded, type(self).__name__))
         return loaded | rest
 
     def _prepared(self, weights: Iterable[tuple[str, torch.Tensor]]

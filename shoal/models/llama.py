@@ -24,6 +24,7 @@ from shoal.distributed.parallel_state import (
     pp_is_last,
     pp_layer_range,
 )
+from shoal.distributed.stage_aux import AuxRoute, aux_route
 from shoal.layers.activation import SiluAndMul
 from shoal.layers.attention import Attention
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -156,7 +157,9 @@ PIPELINE_PARALLEL_ARCHITECTURES = frozenset({
     # the families built on LlamaModel's stages (shoal/models/<family>.py)
     "CohereForCausalLM", "Gemma2ForCausalLM", "Glm4ForCausalLM", "Glm4MoeForCausalLM",
     "GraniteForCausalLM", "GraniteMoeForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM",
-    "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM"})
+    "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM",
+    # DeepSeek-V2 / V3 (and Kimi-K2): MLA and MoE layers on the same stages
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
 
 
 class LlamaModel(nn.Module):
@@ -167,6 +170,7 @@ class LlamaModel(nn.Module):
     end_layer: int | None = None
     # EAGLE-3's auxiliary hidden states (record_aux); none recorded by default
     aux_layers: tuple[int, ...] = ()
+    aux_route: AuxRoute | None = None  # which of them this stage records (and receives)
     aux_buffer: torch.Tensor
 
     def __init__(self, cfg: Any, dtype: torch.dtype, qk_norm: bool = False,
@@ -212,7 +216,7 @@ class LlamaModel(nn.Module):
             hidden = torch.zeros(input_ids.shape[0], self.hidden_size, dtype=self.dtype,
                                  device=input_ids.device)
             residual = torch.zeros_like(hidden)
-        if self.aux_layers:
+        if self.aux_route is not None:
             hidden, residual = self._layers_recording_aux(positions, hidden, residual, md)
         else:
             for layer in self.layers[self.start_layer:self.end_layer]:
@@ -226,25 +230,34 @@ class LlamaModel(nn.Module):
     def record_aux(self, layer_ids: tuple[int, ...], max_tokens: int) -> None:
         """EAGLE-3: every forward pass also writes the residual stream entering each layer
         of layer_ids (len(layers): the last layer's output) into aux_buffer, concatenated:
-        [tokens, len(layer_ids) * hidden]. A fixed buffer, so CUDA graph replays fill it too."""
+        [tokens, len(layer_ids) * hidden]. A fixed buffer, so CUDA graph replays fill it too.
+        Pipeline parallelism: each stage records the layers it owns (aux_route.own, in
+        layer_ids' order; shoal/distributed/stage_aux.py), which StageLink moves to stage 0."""
         self.aux_layers = tuple(layer_ids)
-        self.aux_buffer = torch.zeros(max_tokens, len(layer_ids) * self.hidden_size,
+        num_layers, stages = len(self.layers), get_pp_world_size()
+        ranges = [pp_layer_range(num_layers, s) for s in range(stages)]
+        stage = 0 if stages == 1 else ranges.index((self.start_layer, self.end_layer))
+        self.aux_route = aux_route(self.aux_layers, ranges, stage)
+        self.aux_buffer = torch.zeros(max_tokens, len(self.aux_route.own) * self.hidden_size,
                                       dtype=self.dtype, device=next(self.parameters()).device)
 
     def _layers_recording_aux(self, positions: torch.Tensor, hidden: torch.Tensor,
                               residual: torch.Tensor | None, md: Any
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
         aux: dict[int, torch.Tensor] = {}
-        assert self.end_layer is not None
+        assert self.end_layer is not None and self.aux_route is not None
+        own = self.aux_route.own
         for i in range(self.start_layer, self.end_layer + 1):
-            if i in self.aux_layers:
+            if i in own:
                 aux[i] = hidden if residual is None else hidden + residual
             if i < self.end_layer:
                 hidden, residual = self.layers[i](positions, hidden, residual, md)
         t = hidden.shape[0]
+        if not own:  # (a pipeline stage owning none of them)
+            return hidden, residual
         if t > self.aux_buffer.shape[0]:  # (eager only: graphs capture within the size)
             self.aux_buffer = self.aux_buffer.new_zeros(t, self.aux_buffer.shape[1])
-        self.aux_buffer[:t].copy_(torch.cat([aux[i] for i in self.aux_layers], dim=-1))
+        self.aux_buffer[:t].copy_(torch.cat([aux[i] for i in own], dim=-1))
         return hidden, residual
 
     def owns(self, name: str) -> bool:

@@ -4,7 +4,10 @@ HiddenStateDrafter machinery (mirror, KV cache of its own, greedy steps, CUDA gr
 The target records, in the same forward pass, the residual stream (hidden + residual)
 entering three of its layers (LlamaModel.record_aux; by default layers 2, L // 2 and L - 3 as
 vLLM's and SGLang's, else the head config's eagle_config.eagle_aux_hidden_state_layer_ids,
-read as vLLM reads them). For the token t at position p + 1 and those states a_1..a_3 at p:
+read as vLLM reads them). Under pipeline parallelism every stage records those of its own
+layers (record_stage_aux on the stages that build no drafter), and they reach stage 0, which
+drafts, behind the final hidden states (shoal/distributed/stage_aux.py, worker/
+stage_link.py). For the token t at position p + 1 and those states a_1..a_3 at p:
 
     g = fc(cat([a_1, a_2, a_3]))                       # fc: [H, 3 * H_target], no bias
     e = input_layernorm(embed(t)); n = hidden_norm(g)  # residual: g (n: norm_before_residual)
@@ -34,7 +37,7 @@ from torch import nn
 
 from shoal.config import EngineConfig
 from shoal.config.speculative import SpeculativeConfig
-from shoal.distributed.parallel_state import get_pp_world_size, get_tp_world_size
+from shoal.distributed.parallel_state import get_tp_world_size
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.layers.linear import (
     QKVParallelLinear,
@@ -230,19 +233,41 @@ def _check_tensors(tensors: dict[str, torch.Tensor], cfg: Any, folder: Path,
                          f"vocabulary [0, {v})")
 
 
-def build_eagle3_head(config: EngineConfig, spec: SpeculativeConfig, target: nn.Module,
-                      loaded: Any) -> tuple[Eagle3LlamaHead, tuple[int, ...]]:
-    """The EAGLE-3 head of spec.model for `target`, and the target layers it reads."""
-    if not isinstance(target, LlamaForCausalLM) or get_pp_world_size() > 1:
+def _head_folder_config(config: EngineConfig, spec: SpeculativeConfig, target: nn.Module,
+                        loaded: Any) -> tuple[Path, Any, tuple[int, ...]]:
+    """The head's folder, its config and the target layers it reads (checked)."""
+    if not isinstance(target, LlamaForCausalLM):
         raise ValueError(f"{_ERR} drafts for Llama-family targets (LlamaForCausalLM and its "
-                         f"kin) without pipeline parallelism, not {type(target).__name__}")
+                         f"kin), not {type(target).__name__}")
     folder = Path(spec.model or "").expanduser()
     if not spec.model or not folder.is_dir():
         raise ValueError(f"{_ERR} needs a local folder with the EAGLE-3 head's config.json "
                          f"and weights; {spec.model!r} is none (shoal never downloads)")
     hf = loaded.hf_config
     cfg = _head_config(folder, hf, config.scheduler_config.max_model_len)
-    ids = aux_layer_ids(cfg, hf.num_hidden_layers)
+    return folder, cfg, aux_layer_ids(cfg, hf.num_hidden_layers)
+
+
+def record_stage_aux(config: EngineConfig, spec: SpeculativeConfig, target: nn.Module,
+                     loaded: Any) -> None:
+    """A pipeline stage after the first (no drafter): its target records the aux states
+    of its own layers that the head reads."""
+    _record_aux(config, spec, target, _head_folder_config(config, spec, target, loaded)[2])
+
+
+def _record_aux(config: EngineConfig, spec: SpeculativeConfig, target: nn.Module,
+                ids: tuple[int, ...]) -> None:
+    sc = config.scheduler_config
+    max_tokens = max(sc.max_num_batched_tokens,
+                     sc.max_num_seqs * (spec.num_speculative_tokens + 1))
+    target.model.record_aux(ids, max_tokens)
+
+
+def build_eagle3_head(config: EngineConfig, spec: SpeculativeConfig, target: nn.Module,
+                      loaded: Any) -> tuple[Eagle3LlamaHead, tuple[int, ...]]:
+    """The EAGLE-3 head of spec.model for `target`, and the target layers it reads."""
+    folder, cfg, ids = _head_folder_config(config, spec, target, loaded)
+    hf = loaded.hf_config
     dummy = config.model_config.load_format == "dummy"
     tensors = {} if dummy else renamed_eagle3(read_eagle_tensors(folder))
     if not dummy:
@@ -268,19 +293,20 @@ class Eagle3Drafter(HiddenStateDrafter):
                  loaded: Any):
         head, ids = build_eagle3_head(config, spec, target, loaded)
         super().__init__(config, spec, head)
-        sc = config.scheduler_config
-        max_tokens = max(sc.max_num_batched_tokens,
-                         sc.max_num_seqs * (spec.num_speculative_tokens + 1))
         self.target_model = target.model
-        self.target_model.record_aux(ids, max_tokens)
+        _record_aux(config, spec, target, ids)
 
     @torch.inference_mode()
     def on_launch(self, step: TargetStep) -> torch.Tensor | None:
         """fc over the step's aux states, queued now: the buffer they sit in is the next
-        step's too (a new tensor comes out, so async scheduling needs no copy)."""
+        step's too (a new tensor comes out, so async scheduling needs no copy). Pipeline
+        parallelism: every stage's, gathered once the step is back (step.aux)."""
         if step.hidden is None:
             return None
-        return self.model.combine(self.target_model.aux_buffer[:step.hidden.shape[0]])
+        aux = step.aux
+        if aux is None:
+            aux = self.target_model.aux_buffer[:step.hidden.shape[0]]
+        return self.model.combine(aux)
 
     def _greedy(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.to_target(self.model.compute_logits(h).argmax(dim=-1))

@@ -5,7 +5,16 @@ factory to the model runner, which calls it once its target model is built: "mtp
 Pipeline parallelism: only stage 0 drafts. It holds the embedding and the LM head, receives
 the last stage's final hidden states and samples (shoal/worker/stage_link.py), so it has
 everything a drafter reads; the later stages run the verify steps' tokens like any others
-and build no drafter (None)."""
+and build no drafter (None). EAGLE-3 reads aux hidden states of layers on every stage: each
+later stage's target records those of its own layers, which travel to stage 0 with the
+final hidden states. MTP heads live on stage 0 too: an MTP layer reads the final hidden
+state and the embedding of the next token, and its logits come from the target's LM head
+(DeepSeek-V3's when the checkpoint has no copy; Qwen3-Next's always), all of which stage 0
+holds; it knows the sampled tokens the mirror reads first, and its per-request state (the
+drafter KV cache, mtp_chain.py's carry) stays in one place as on one stage. On the last
+stage it would need the sampled tokens sent there and the drafts back, and a copy of the
+embedding and LM head. The price: stage 0 holds the MTP layers' weights and KV cache
+(SHOAL_PP_LAYER_PARTITION can give it fewer decoder layers)."""
 
 from __future__ import annotations
 
@@ -19,7 +28,13 @@ from shoal.worker.drafter import Drafter
 
 def build_drafter(engine_config: EngineConfig, target: Any, loaded: Any) -> Drafter | None:
     config = engine_config.speculative_config
-    if config is None or not pp_is_first():
+    if config is None:
+        return None
+    if not pp_is_first():
+        if config.method == "eagle3":
+            from shoal.spec_decode.eagle3 import record_stage_aux
+
+            record_stage_aux(engine_config, config, target, loaded)
         return None
     if config.method == "ngram":
         from shoal.spec_decode.ngram import NgramDrafter

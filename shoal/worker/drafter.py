@@ -47,6 +47,8 @@ class TargetStep:
     hidden: torch.Tensor | None
     input_ids: Callable[[], torch.Tensor]  # the step's ids on the device, pending filled in
     hidden_static: bool = False  # hidden is a CUDA graph's output: the next replay overwrites it
+    # pipeline stage 0, once sampled: every stage's EAGLE-3 aux states (stage_link.py)
+    aux: torch.Tensor | None = None
 
 
 class Drafter(ABC):

@@ -35,6 +35,7 @@ class RunnerLifecycle:
     drafter: Any
     kv_transfer: Any
     config: Any
+    lora: Any  # a shoal.lora.slots.LoRASlots, or None
 
     _asleep: SleepingWeights | None = None
     _kv_asleep: int | None = None  # the pool's block count while the KV cache is dropped
@@ -195,7 +196,10 @@ class RunnerLifecycle:
                 "device": str(self.device), "sleeping": self.is_sleeping,
                 # cpu_offload_gb: this rank's decoder layers in host memory, and their bytes
                 "offloaded_layers": list(stats.layers) if stats else [],
-                "offloaded_bytes": stats.offloaded_bytes if stats else 0}
+                "offloaded_bytes": stats.offloaded_bytes if stats else 0,
+                # enable_lora: the adapter ids this rank holds in host memory (its stage's
+                # tensors of them under pipeline parallelism)
+                "lora_adapters": sorted(self.lora.host) if self.lora is not None else []}
 
     def rpc(self, method: str, args: list[Any]) -> Any:
         if method not in RPC_METHODS:

@@ -382,7 +382,7 @@ class ModelRunner(RunnerLifecycle, Executor):
         def propose(out: ModelRunnerOutput, latest: bool) -> None:
             nonlocal state
             if late:
-                step.hidden = handle.forward.hidden  # (sample() received them)
+                step.hidden, step.aux = handle.forward.hidden, handle.forward.aux  # (sampled)
                 state = drafter.on_launch(step)
             drafter.propose(step, state, out, latest or staged)
         handle.hooks.append(propose)

@@ -11,7 +11,13 @@ which the driver's finish calls), after it has launched the next micro-batch
 
 Every rank runs the steps in the same order, and point-to-point messages between two ranks
 are matched in the order they were posted (gloo and NCCL alike): step N's activations never
-meet step N+1's receive."""
+meet step N+1's receive.
+
+EAGLE-3 (the target records aux hidden states: shoal/distributed/stage_aux.py): the states
+a later stage records travel as further [tokens, hidden] planes behind (hidden, residual)
+and, from the last stage, behind the final hidden states; stage 0 keeps a copy of its own
+(the next micro-batch overwrites its buffer) and puts them all in the head's order once the
+step is back (PendingHidden.aux_states)."""
 
 from __future__ import annotations
 
@@ -29,6 +35,7 @@ from shoal.distributed.parallel_state import (
     pp_prev_rank,
     pp_stage_rank,
 )
+from shoal.distributed.stage_aux import AuxRoute
 
 
 @dataclass
@@ -37,10 +44,32 @@ class PendingHidden:
 
     hidden: torch.Tensor
     work: Any  # the irecv's dist.Work
+    # EAGLE-3: stage 0's own aux states [tokens, own * hidden], the received ones [r, tokens,
+    # hidden] (planes of the buffer `hidden` is plane 0 of) and their route
+    own_aux: torch.Tensor | None = None
+    received_aux: torch.Tensor | None = None
+    route: AuxRoute | None = None
 
     def wait(self) -> torch.Tensor:
         self.work.wait()
         return self.hidden
+
+    def aux_states(self) -> torch.Tensor | None:
+        """After wait(): every aux state, [tokens, len(layers) * hidden] in the head's
+        order, as one stage's aux_buffer holds them (None without EAGLE-3)."""
+        route = self.route
+        if route is None:
+            return None
+        n, h = self.hidden.shape
+        parts = []
+        if self.own_aux is not None:
+            parts.append(self.own_aux.view(n, -1, h))
+        if self.received_aux is not None:
+            parts.append(self.received_aux.transpose(0, 1))
+        planes = torch.cat(parts, dim=1)  # [tokens, layers, hidden]: own, then received
+        if route.order is not None:
+            planes = planes[:, list(route.order)]
+        return planes.reshape(n, -1)
 
 
 class StageLink:
@@ -53,21 +82,30 @@ class StageLink:
             md: object) -> PendingHidden | None:
         """This stage's layers on the step's tokens; on stage 0 the final hidden states to
         come (None on the other stages, which sample nothing)."""
-        n = ids.shape[0]
-        inter = None
+        n, h = ids.shape[0], self.hidden_size
+        route: AuxRoute | None = getattr(getattr(model, "model", None), "aux_route", None)
+        received = route.received if route is not None else 0
+        inter, aux_in = None, []
         if not pp_is_first():
-            buf = torch.empty(2, n, self.hidden_size, dtype=self.dtype, device=self.device)
+            buf = torch.empty(2 + received, n, h, dtype=self.dtype, device=self.device)
             dist.recv(buf, src=pp_prev_rank())  # this stage's input: nothing else to do before
             inter = (buf[0], buf[1])
+            aux_in = [buf[2:]] if received else []
         out = model.forward_stage(ids, pos, md, inter)
-        if pp_is_last():
-            self._send(out.contiguous(), pp_stage_rank(0))
-        else:
-            self._send(torch.stack(out), pp_next_rank())
+        own = route is not None and bool(route.own)
+        own_aux = model.model.aux_buffer[:n] if own else None
+        if not pp_is_first() and own_aux is not None:  # on its way with the activations
+            aux_in.append(own_aux.view(n, -1, h).transpose(0, 1))
+        head = out.contiguous()[None] if pp_is_last() else torch.stack(out)
+        message = torch.cat([head, *aux_in]) if aux_in else head
+        self._send(message, pp_stage_rank(0) if pp_is_last() else pp_next_rank())
         if not pp_is_first():
             return None
-        final = torch.empty(n, self.hidden_size, dtype=self.dtype, device=self.device)
-        return PendingHidden(final, dist.irecv(final, src=pp_stage_rank(get_pp_world_size() - 1)))
+        final = torch.empty(1 + received, n, h, dtype=self.dtype, device=self.device)
+        work = dist.irecv(final, src=pp_stage_rank(get_pp_world_size() - 1))
+        return PendingHidden(final[0], work,
+                             own_aux.clone() if own_aux is not None else None,
+                             final[1:] if received else None, route)
 
     def _send(self, tensor: torch.Tensor, dst: int) -> None:
         self._sends = [(w, t) for w, t in self._sends if not w.is_completed()]

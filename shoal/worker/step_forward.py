@@ -32,6 +32,9 @@ class ForwardOutput:
     hidden: torch.Tensor | None  # every token's final hidden state, when kept for a drafter
     # hidden is (a view of) a CUDA graph's static output, which the next replay overwrites
     hidden_static: bool = False
+    # pipeline stage 0: every stage's EAGLE-3 aux states of the step, in the head's order
+    # (None: read the model's aux_buffer, or no EAGLE-3)
+    aux: torch.Tensor | None = None
 
     def wait(self) -> ForwardOutput:
         return self
@@ -46,7 +49,9 @@ class StageOutput:
     complete: Callable[[torch.Tensor], ForwardOutput]
 
     def wait(self) -> ForwardOutput:
-        return self.complete(self.pending.wait())
+        out = self.complete(self.pending.wait())
+        out.aux = self.pending.aux_states()
+        return out
 
 
 class StepForwarder:

@@ -44,8 +44,6 @@ CASES = [
      "speculative_config applies to generation, not the pooling runner"),
     (dict(enable_lora=True), {}, "pooling", "cpu", 64,
      "the pooling runner takes no adapters yet"),
-    (dict(enable_lora=True, pipeline_parallel_size=2), {}, "generate", "cpu", 64,
-     "enable_lora does not support pipeline_parallel_size > 1 yet"),
     (dict(enable_lora=True), dict(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=32),
      "generate", "cpu", 64, "enable_lora is not supported for DeepseekV3ForCausalLM yet"),
     (dict(), dict(architectures=["DeepseekV3ForCausalLM"], kv_lora_rank=32), "pooling", "cpu",
@@ -60,9 +58,6 @@ CASES = [
      r"runner=.pooling. is not supported for Qwen3NextForCausalLM \(linear-attention layers\)"),
     (dict(speculative_config=_EAGLE), _HYBRID, "generate", "cpu", 64,
      "method 'eagle' has no head for Qwen3NextForCausalLM"),
-    (dict(speculative_config=_EAGLE3, pipeline_parallel_size=2), {}, "generate", "cpu", 64,
-     "method 'eagle3' does not support pipeline_parallel_size > 1 yet; 'ngram', 'draft_model' "
-     "and 'eagle' do"),
     (dict(speculative_config=_SPEC, **_DP_EP), {}, "generate", "cpu", 64,
      r"speculative_config does not support enable_expert_parallel with data_parallel_size > 1 "
      r"\(DP\+EP\) yet"),
@@ -119,8 +114,6 @@ CASES = [
      "cpu", 64, r"kv_cache_dtype='fp8' does not cover DeepseekV32ForCausalLM's lightning "
      "indexer"),
     (dict(), _V4, "generate", "cuda", 64, "DeepseekV4ForCausalLM runs on the CPU only yet"),
-    (dict(tensor_parallel_size=2), _V4, "generate", "cpu", 64,
-     "DeepseekV4ForCausalLM's layers are not tensor-parallel yet"),
     (_DP_EP, _V4, "generate", "cpu", 64,
      r"DeepseekV4ForCausalLM does not support enable_expert_parallel"),
     (dict(speculative_config=_EAGLE), _V4, "generate", "cpu", 64,
@@ -156,7 +149,9 @@ def test_plain_configurations_fall_on_no_row(runner, device):
     assert violations(_resolved({}, {}, runner, device, 64)) == []
     # supported combinations stay allowed
     for kwargs in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2, enforce_eager=True),
+                   dict(enable_lora=True, pipeline_parallel_size=2, enforce_eager=True),
                    dict(tensor_parallel_size=2, speculative_config=_EAGLE),
+                   dict(pipeline_parallel_size=2, enforce_eager=True, speculative_config=_EAGLE3),
                    dict(kv_offloading_size=1.0, kv_offloading_disk_path="/tmp/x",
                         kv_offloading_disk_size=1.0), _DP_EP):
         if runner == "generate":
