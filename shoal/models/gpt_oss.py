@@ -7,14 +7,19 @@ softmaxed, experts with biases and a clamped SwiGLU (layers/moe/activation.py).
 Checkpoints hold the experts stacked, gate and up interleaved along the intermediate dim
 (even columns gate, odd up), either dequantized (gate_up_proj [E, H, 2I], down_proj [E, I, H],
 transformers' layout) or as released, in MXFP4 (`*_blocks` / `*_scales` of the transposed
-projections, shoal/quantization/mxfp4.py), which is unpacked into the model's dtype at load
-time. Both land in FusedMoE's stacked w13 (gate rows, then up rows) and w2, split per
-tensor-parallel rank like any expert."""
+projections, shoal/layers/quantization/mxfp4.py). Both land in FusedMoE's stacked w13 (gate
+rows, then up rows) and w2, split per tensor-parallel rank like any expert. Where the layer can
+run them packed (CUDA with its Triton kernels: mxfp4_experts.packed_experts_problem), MXFP4
+experts stay e2m1 codes and e8m0 scales in that order (FusedMoE.install_mxfp4, triton_experts_mxfp4.py);
+elsewhere (the CPU, a rank's share of the down inputs off the 32-value blocks, ...) they are
+unpacked into the model's dtype at load time, with one log line per reason."""
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -27,13 +32,43 @@ from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.linear import QKVParallelLinear, RowParallelLinear, default_weight_loader
 from shoal.layers.moe.activation import ExpertActivation
 from shoal.layers.moe.layer import FusedMoE
+from shoal.layers.moe.mxfp4_experts import (
+    Mxfp4Experts,
+    Mxfp4Weights,
+    dequantize_mxfp4_experts,
+    mxfp4_weights,
+    packed_experts_problem,
+)
 from shoal.layers.norm import RMSNorm
+from shoal.layers.quantization.mxfp4 import BLOCK, BYTES_PER_BLOCK, dequantize_mxfp4
 from shoal.layers.rotary import get_rope, rope_parameters
 from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, layer_sliding_window
-from shoal.quantization.mxfp4 import dequantize_mxfp4
+
+logger = logging.getLogger(__name__)
 
 # model.layers.N.mlp.experts.gate_up_proj[_bias|_blocks|_scales], and down_proj's
 _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
+_PROJ = {"gate_up_proj": "w13", "down_proj": "w2"}  # FusedMoE's name of each projection
+
+
+@dataclass
+class _Mxfp4Loading:
+    """One load pass's MXFP4 experts: each layer's packed projections until it has both, the
+    layers that keep them packed, and why the others' are dense."""
+
+    pending: dict[FusedMoE, dict[str, Mxfp4Weights]] = field(default_factory=dict)
+    packed: list[FusedMoE] = field(default_factory=list)
+    refused: dict[FusedMoE, str] = field(default_factory=dict)
+
+    def refuse(self, moe: FusedMoE, why: str) -> None:
+        """The layer runs dense: a projection already kept packed is unpacked into its
+        dense stack (FusedMoE's rows already, one expert at a time)."""
+        self.refused.setdefault(moe, why)
+        for proj, w in self.pending.pop(moe, {}).items():
+            param = getattr(moe, f"{_PROJ[proj]}_weight")
+            for e in range(param.shape[0]):
+                one = Mxfp4Weights(w.blocks[e:e + 1], w.scales[e:e + 1])
+                param.data[e] = dequantize_mxfp4_experts(one, param.dtype)[0]
 
 
 class GptOssAttention(nn.Module):
@@ -157,6 +192,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
         """Loads the expert tensors among `weights` and yields every other one. An MXFP4
         projection loads once both its blocks and its scales have come by."""
         halves: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+        mxfp4 = _Mxfp4Loading()
         for name, tensor in weights:
             m = _EXPERTS.match(name)
             if m is None:
@@ -169,12 +205,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
                 pair[part] = tensor
                 if len(pair) == 2:
                     del halves[(prefix, proj)]
-                    for e in range(pair["_blocks"].shape[0]):
-                        if not moe.expert_start <= e < moe.expert_start + moe.local_num_experts:
-                            continue  # another expert-parallel rank's: not worth unpacking
-                        w = dequantize_mxfp4(pair["_blocks"][e], pair["_scales"][e],
-                                             moe.w13_weight.dtype)
-                        self._load_expert(moe, proj, e, w, bias=False)
+                    self._load_mxfp4(moe, proj, pair["_blocks"], pair["_scales"], mxfp4)
                     loaded.add(_param_name(prefix, proj, bias=False))
                 continue
             for e, t in enumerate(tensor.unbind(0)):
@@ -184,6 +215,56 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if halves:
             raise ValueError(f"MXFP4 expert tensors without their blocks or scales: "
                              f"{sorted('.'.join(k) for k in halves)}")
+        self._finish_mxfp4(mxfp4)
+
+    def _load_mxfp4(self, moe: FusedMoE, proj: str, blocks: torch.Tensor,
+                    scales: torch.Tensor, mxfp4: _Mxfp4Loading) -> None:
+        """One MXFP4 projection of every expert: kept packed where the layer can run it so
+        (installed once both projections are in), else unpacked into the dense stack."""
+        out, inp = self._expert_shape(proj)
+        want = (self.config.num_local_experts, out, inp // BLOCK, BYTES_PER_BLOCK)
+        if inp % BLOCK or tuple(blocks.shape) != want or tuple(scales.shape) != want[:3]:
+            raise ValueError(f"expert {proj}_blocks {tuple(blocks.shape)} / _scales "
+                             f"{tuple(scales.shape)}, expected {want} / {want[:3]}")
+        why = mxfp4.refused.get(moe) or packed_experts_problem(moe)
+        if why is None:
+            try:
+                mxfp4.pending.setdefault(moe, {})[proj] = _packed_rows(moe, proj, blocks,
+                                                                       scales)
+            except ValueError as err:
+                why = str(err)
+        if why is not None:
+            mxfp4.refuse(moe, why)
+            for e in range(moe.expert_start, moe.expert_start + moe.local_num_experts):
+                # (another expert-parallel rank's experts: not worth unpacking)
+                w = dequantize_mxfp4(blocks[e], scales[e], moe.w13_weight.dtype)
+                self._load_expert(moe, proj, e, w, bias=False)
+            return
+        pending = mxfp4.pending[moe]
+        if len(pending) == 2:
+            del mxfp4.pending[moe]
+            moe.install_mxfp4(Mxfp4Experts(pending["gate_up_proj"], pending["down_proj"]))
+            mxfp4.packed.append(moe)
+
+    def _finish_mxfp4(self, mxfp4: _Mxfp4Loading) -> None:
+        """Layers with one projection packed and the other dense run dense; the log says
+        which layers keep packed experts and why the others do not."""
+        for moe in list(mxfp4.pending):
+            mxfp4.refuse(moe, "only one of its two projections is MXFP4 in the checkpoint")
+        if mxfp4.refused:
+            names = {m: n for n, m in self.named_modules()}
+            by_why: dict[str, list[FusedMoE]] = {}
+            for moe, why in mxfp4.refused.items():
+                by_why.setdefault(why, []).append(moe)
+            for why, layers in by_why.items():
+                logger.info("MoE experts of %d layer(s) (e.g. %s) kept dense, not MXFP4: %s",
+                            len(layers), names.get(layers[0], "?"), why)
+        if mxfp4.packed:
+            nbytes = sum(m.quant.nbytes for m in mxfp4.packed)
+            logger.info("%s x%d: %.1f MiB of packed experts", mxfp4.packed[0].quant.name,
+                        len(mxfp4.packed), nbytes / 2**20)
+            if mxfp4.packed[0].w13_blocks.is_cuda:
+                torch.cuda.empty_cache()  # the dense experts' memory, for the KV cache
 
     def _experts(self, prefix: str, name: str) -> FusedMoE:
         try:
@@ -199,9 +280,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
                      bias: bool) -> None:
         """One expert's projection [out, in] (or bias [out]) in the checkpoint's order: gate_up
         rows interleaved (even gate, odd up), down whole."""
-        cfg = self.config
-        out, inp = ((2 * cfg.intermediate_size, cfg.hidden_size) if proj == "gate_up_proj"
-                    else (cfg.hidden_size, cfg.intermediate_size))
+        out, inp = self._expert_shape(proj)
         if tuple(w.shape) != ((out,) if bias else (out, inp)):
             raise ValueError(f"expert {proj}{'_bias' if bias else ''} of shape "
                              f"{tuple(w.shape)}, expected {(out,) if bias else (out, inp)}")
@@ -213,6 +292,38 @@ class GptOssForCausalLM(LlamaForCausalLM):
         else:
             param = moe.w2_bias if bias else moe.w2_weight
             moe.weight_loader(param, w.to(param.dtype), e, "w2")
+
+
+    def _expert_shape(self, proj: str) -> tuple[int, int]:
+        """(outputs, inputs) of one expert's whole projection in the checkpoint."""
+        cfg = self.config
+        return ((2 * cfg.intermediate_size, cfg.hidden_size) if proj == "gate_up_proj"
+                else (cfg.hidden_size, cfg.intermediate_size))
+
+
+def _packed_rows(moe: FusedMoE, proj: str, blocks: torch.Tensor,
+                 scales: torch.Tensor) -> Mxfp4Weights:
+    """The layer's share of a checkpoint projection (blocks [E, out, G, 16], scales
+    [E, out, G]), still packed, on its device: its local experts; of gate_up this rank's gate
+    rows (the even ones), then its up rows (the odd ones); of down this rank's input blocks.
+    Copied one expert at a time (the loader streams the bytes as float32)."""
+    start, size = moe.inter_rank * moe.inter, moe.inter
+    if proj == "gate_up_proj":
+        mine = torch.arange(start, start + size)
+        rows, groups = torch.cat([2 * mine, 2 * mine + 1]), slice(None)
+    else:  # packed_experts_problem checked that this rank's inputs are whole blocks
+        rows, groups = slice(None), slice(start // BLOCK, (start + size) // BLOCK)
+    first = blocks[0][rows][:, groups]
+    local = range(moe.expert_start, moe.expert_start + moe.local_num_experts)
+    device = moe.w13_weight.device
+    out_b = torch.empty(len(local), first.shape[0], first.shape[1] * BYTES_PER_BLOCK,
+                        dtype=torch.uint8, device=device)
+    out_s = torch.empty(len(local), first.shape[0], first.shape[1], dtype=torch.uint8,
+                        device=device)
+    for i, e in enumerate(local):
+        one = mxfp4_weights(blocks[e][rows][:, groups][None], scales[e][rows][:, groups][None])
+        out_b[i], out_s[i] = one.blocks[0], one.scales[0]
+    return Mxfp4Weights(out_b, out_s)
 
 
 def _param_name(prefix: str, proj: str, bias: bool) -> str:

@@ -31,10 +31,10 @@ from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP  # noqa: E402
 
 from shoal import LLM, SamplingParams  # noqa: E402
 from shoal.core.kv_cache_spec import group_layers  # noqa: E402
+from shoal.layers.quantization.mxfp4 import dequantize_mxfp4  # noqa: E402
 from shoal.loader import load_model  # noqa: E402
 from shoal.models.gpt_oss import GptOssForCausalLM  # noqa: E402
 from shoal.models.registry import resolve_model_class  # noqa: E402
-from shoal.quantization.mxfp4 import dequantize_mxfp4  # noqa: E402
 from shoal.worker.kv_cache_tensors import layer_specs  # noqa: E402
 
 WINDOW = 6

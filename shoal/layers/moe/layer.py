@@ -33,7 +33,10 @@ float8_e4m3fn tensors beside their scales (w13_weight_scale, w2_weight_scale), a
 (a triton_experts_fp8.FP8Experts) routes the forward to that file's grouped GEMMs. INT4
 weight-only experts (GPTQ, AWQ, compressed-tensors W4A16) likewise: `install_int4` swaps them
 for packed codes, scales and zero points (w13_qweight, w13_scales, w13_qzeros, w2_...) and
-`quant` (a triton_experts_int4.Int4Experts) routes to triton_experts_int4.py.
+`quant` (a triton_experts_int4.Int4Experts) routes to triton_experts_int4.py. gpt-oss's MXFP4
+experts (shoal/models/gpt_oss.py, where the GPU can run them packed): `install_mxfp4` swaps
+them for the checkpoint's e2m1 blocks and e8m0 scales (w13_blocks, w13_scales, w2_...) and
+`quant` (an mxfp4_experts.Mxfp4Experts) routes to triton_experts_mxfp4.py.
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class FusedMoE(nn.Module):
     w13_bias [E, 2 * I / tp] and w2_bias [E, H] (the local experts' under EP)."""
 
     lora: Any = None  # a shoal.lora.expert_layers.ExpertLoRA when the engine serves adapters
-    quant: Any = None  # FP8Experts / Int4Experts once install_fp8 / install_int4 ran
+    quant: Any = None  # FP8Experts / Int4Experts / Mxfp4Experts once install_* ran
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None,
@@ -197,14 +200,22 @@ class FusedMoE(nn.Module):
             return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                  self.use_triton_ops, foreign_ids=foreign, lora=lora,
                                  **self._extras(down_bias))
-        # FP8 / INT4: always the Triton kernels (installed only where they run: fast_path.py)
+        # FP8 / INT4 / MXFP4: always the Triton kernels (installed only where they run:
+        # fast_path.py, gpt_oss.py)
+        from shoal.layers.moe.mxfp4_experts import Mxfp4Experts
         from shoal.layers.moe.triton_experts_fp8 import experts_triton_fp8
         from shoal.layers.moe.triton_experts_int4 import Int4Experts, experts_triton_int4
 
         if foreign:
             topk_ids, topk_weights = _mask_foreign(topk_ids, topk_weights,
                                                    self.local_num_experts)
-        run = experts_triton_int4 if isinstance(self.quant, Int4Experts) else experts_triton_fp8
+        if isinstance(self.quant, Mxfp4Experts):
+            from shoal.layers.moe.triton_experts_mxfp4 import experts_triton_mxfp4
+
+            run = experts_triton_mxfp4
+        else:
+            run = (experts_triton_int4 if isinstance(self.quant, Int4Experts)
+                   else experts_triton_fp8)
         return run(x, self.quant, topk_weights, topk_ids, lora=lora, **self._extras(down_bias))
 
     def install_fp8(self, q: Any) -> None:
@@ -233,6 +244,22 @@ class FusedMoE(nn.Module):
                (q.w2.codes.shape[0], q.w2.in_features, q.w2.out_features))
         if got != ((e, h, two_i), (e, i, h)):
             raise ValueError(f"INT4 experts (E, K, N) {got} do not fit the layer's "
+                             f"{((e, h, two_i), (e, i, h))}")
+        del self.w13_weight, self.w2_weight
+        for name, t in q.buffers().items():
+            self.register_buffer(name, t)
+        self.quant = q
+
+    def install_mxfp4(self, q: Any) -> None:
+        """The experts from now on: q, an mxfp4_experts.Mxfp4Experts of this layer's shapes;
+        the dense w13_weight / w2_weight are dropped and q's tensors become buffers (as
+        install_fp8's)."""
+        e, two_i, h = self.w13_weight.shape
+        i = self.w2_weight.shape[2]
+        got = ((q.w13.blocks.shape[0], q.w13.in_features, q.w13.out_features),
+               (q.w2.blocks.shape[0], q.w2.in_features, q.w2.out_features))
+        if got != ((e, h, two_i), (e, i, h)):
+            raise ValueError(f"MXFP4 experts (E, K, N) {got} do not fit the layer's "
                              f"{((e, h, two_i), (e, i, h))}")
         del self.w13_weight, self.w2_weight
         for name, t in q.buffers().items():

@@ -1,0 +1,191 @@
+"""The routed expert MLPs with MXFP4 experts kept packed (gpt-oss as released): the two grouped
+GEMMs of triton_experts.py with the e2m1 codes and their e8m0 scales decoded in registers.
+
+Weights: mxfp4_experts.Mxfp4Experts, each projection in the checkpoint's layout, rows first
+(blocks uint8 [E, N, K / 2], scales uint8 [E, N, K / 32]). K is whole 32-value blocks (the
+format's) and a K step (BLOCK_K = 64) covers whole blocks, so each step reads 32 bytes and 2
+scales of an output (a step past the end of K is masked: K = 32 (2j + 1) ends in half of
+one). Decoded in float32 (exact: e2m1 times a power of two), each tile is rounded to x's
+dtype before tl.dot, as the dense path rounds its weights at load; an e8m0 scale of 0
+(2^-127) reads as 0 here, a difference below 2^-124 of a weight.
+
+The rest is the bf16 path's: pairs grouped by expert into blocks (align.py), the activation
+(gpt-oss's clamped SwiGLU, activation.py) between the GEMMs, the biases in each GEMM's
+epilogue and the routing weight in the second's, the LoRA hook after each, and graph safety:
+the grid and every buffer are sized from T * k, E and the tile sizes only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from shoal.layers.moe.activation import SILU, ExpertActivation
+from shoal.layers.moe.align import ExpertGroups, group_by_expert
+from shoal.layers.moe.mxfp4_experts import Mxfp4Experts, Mxfp4Weights, dequantize_mxfp4_experts
+from shoal.layers.moe.triton_experts import check_quantized_inputs, choose_tiles
+from shoal.layers.ops.silu_mul import silu_and_mul
+
+BLOCK_K = 64  # the K step in every dtype: two 32-value blocks, 32 bytes and 2 scales a row
+
+
+@triton.jit
+def _e2m1_to_float(codes):
+    """float32 values of 4-bit e2m1 codes (any integer tensor holding 0..15): sign bit, two
+    exponent bits (bias 1), one mantissa bit; exponent 0 is subnormal (0 and 0.5)."""
+    em = (codes & 7).to(tl.int32)
+    # exponent e >= 1: 2^(e - 1) * (1 + m / 2) is float32 exponent e + 126, mantissa bit m
+    normal = ((em << 22) + (126 << 23)).to(tl.float32, bitcast=True)
+    mag = tl.where(em >= 2, normal, em.to(tl.float32) * 0.5)
+    return tl.where((codes & 8) != 0, -mag, mag)
+
+
+# num_pairs changes every step: not specialized (== 1, % 16) so steps do not recompile.
+@triton.jit(do_not_specialize=["num_pairs"])
+def _mxfp4_grouped_gemm_kernel(
+    a_ptr, b_ptr, s_ptr, c_ptr, sorted_ids_ptr, block_expert_ptr, weights_ptr, bias_ptr,
+    num_pairs, n_out, k_in, a_row_div,
+    stride_am, stride_be, stride_bn, stride_se, stride_sn, stride_cm, stride_bias,
+    MUL_WEIGHTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """c[pair, n] = (a[pair // a_row_div, :] . w[expert, n, :] (+ bias[expert, n]))
+    (* weights[pair]) for the pairs of one block, w decoded from b (blocks [E, N, K / 2]) and
+    s (scales [E, N, K / 32]) one K step at a time."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(n_out, BLOCK_N)
+    pid_m = pid // num_n
+    pid_n = pid % num_n
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:  # padding block past the used ones
+        return
+    expert = expert.to(tl.int64)  # expert * stride_be passes 2**31 on large expert stacks
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_ids_ptr + offs_m)
+    valid = pairs < num_pairs  # padding rows hold num_pairs
+    rows = (pairs // a_row_div).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < n_out
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_b = tl.arange(0, BLOCK_K // 2)  # the step's bytes of one output
+    offs_s = tl.arange(0, BLOCK_K // 32)  # and its scales
+    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
+    b_ptrs = (b_ptr + expert * stride_be + offs_n[:, None].to(tl.int64) * stride_bn
+              + offs_b[None, :])
+    s_ptrs = (s_ptr + expert * stride_se + offs_n[:, None].to(tl.int64) * stride_sn
+              + offs_s[None, :])
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):
+        left = k_in - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k < left)[None, :], other=0.0)
+        packed = tl.load(b_ptrs, mask=n_mask[:, None] & (offs_b < left // 2)[None, :],
+                         other=0)
+        # [N, K / 2] bytes -> [N, K / 2, 2] (low nibble first) -> [N, K] codes in k order
+        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, BLOCK_K))
+        exps = tl.load(s_ptrs, mask=n_mask[:, None] & (offs_s < left // 32)[None, :],
+                       other=0)
+        # e8m0 s >= 1 is the float32 2^(s - 127): the exponent field alone (0 reads as 0)
+        scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+        w = tl.reshape(_e2m1_to_float(codes), (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None]
+        w = tl.reshape(w, (BLOCK_N, BLOCK_K)).to(a.dtype)
+        acc = tl.dot(a, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K // 2
+        s_ptrs += BLOCK_K // 32
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + expert * stride_bias + offs_n, mask=n_mask, other=0.0)
+        acc = acc + bias.to(tl.float32)[None, :]
+    if MUL_WEIGHTS:
+        wt = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
+        acc = acc * wt.to(tl.float32)[:, None]
+    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+
+
+def _gemm(a: torch.Tensor, w: Mxfp4Weights, c: torch.Tensor, groups: ExpertGroups,
+          weights: torch.Tensor | None, num_pairs: int, a_row_div: int,
+          tiles: tuple[int, int], bias: torch.Tensor | None = None) -> None:
+    block_n, block_k = tiles  # block_k: a multiple of 32
+    n_out = w.out_features
+    grid = (groups.block_expert.shape[0] * triton.cdiv(n_out, block_n),)
+    half = a.dtype != torch.float32
+    _mxfp4_grouped_gemm_kernel[grid](
+        a, w.blocks, w.scales, c, groups.sorted_ids, groups.block_expert,
+        weights if weights is not None else c, bias if bias is not None else c,
+        num_pairs, n_out, w.in_features, a_row_div,
+        a.stride(0), w.blocks.stride(0), w.blocks.stride(1), w.scales.stride(0),
+        w.scales.stride(1), c.stride(0), bias.stride(0) if bias is not None else 0,
+        MUL_WEIGHTS=weights is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=groups.block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION="tf32" if half else "ieee",
+        num_warps=4, num_stages=3 if half else 2,
+    )
+
+
+def _check_biases(q: Mxfp4Experts, w13_bias: torch.Tensor | None,
+                  w2_bias: torch.Tensor | None) -> None:
+    e = q.w13.blocks.shape[0]
+    for bias, shape in ((w13_bias, (e, q.w13.out_features)), (w2_bias, (e, q.w2.out_features))):
+        if bias is not None and (tuple(bias.shape) != shape or bias.stride(1) != 1):
+            raise ValueError(f"expert bias {tuple(bias.shape)} must be {shape}, rows contiguous")
+
+
+def experts_triton_mxfp4(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.Tensor,
+                         topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None,
+                         w2_bias: torch.Tensor | None = None,
+                         activation: ExpertActivation = SILU, lora: Any = None) -> torch.Tensor:
+    """triton_experts.experts_triton's contract with the weights of `q`: x [T, H],
+    topk_weights / topk_ids [T, k], optional biases w13_bias [E, 2I] and w2_bias [E, H]
+    -> [T, H] in x's dtype."""
+    check_quantized_inputs(x, q.w13.in_features, topk_weights, topk_ids)
+    _check_biases(q, w13_bias, w2_bias)
+    t, k = topk_ids.shape
+    e, two_i, h = q.w13.blocks.shape[0], q.w13.out_features, q.w2.out_features
+    if t == 0:
+        return torch.zeros_like(x)
+    n = t * k
+    block_m, block_n, _ = choose_tiles(n, e, x.dtype)
+    if not x.is_cuda:  # the interpreter: fewer, larger programs
+        block_n = 128
+    groups = group_by_expert(topk_ids, e, block_m)
+    gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
+    _gemm(x, q.w13, gate_up, groups, None, n, k, (block_n, BLOCK_K), w13_bias)
+    if lora is not None:
+        tokens = torch.arange(n, device=x.device) // k
+        experts = topk_ids.reshape(-1)
+        lora.add("w13", gate_up, x.index_select(0, tokens), experts, tokens)
+    act = silu_and_mul(gate_up) if activation == SILU else activation(gate_up).contiguous()
+    down = torch.empty(n, h, dtype=x.dtype, device=x.device)
+    _gemm(act, q.w2, down, groups, topk_weights.contiguous(), n, 1, (block_n, BLOCK_K), w2_bias)
+    if lora is not None:  # the GEMM scaled by the routing weight: scale the delta's input
+        lora.add("w2", down, act * topk_weights.reshape(-1, 1).to(act.dtype), experts, tokens)
+    return down.view(t, k, h).sum(dim=1)
+
+
+# ---- the plain PyTorch twin (tests) ----------------------------------------------------------
+
+def experts_mxfp4_reference(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.Tensor,
+                            topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None,
+                            w2_bias: torch.Tensor | None = None,
+                            activation: ExpertActivation = SILU) -> torch.Tensor:
+    """experts_triton_mxfp4 in plain PyTorch, pair by pair (small shapes): the weights
+    dequantized and rounded to x's dtype as the kernel rounds its tiles, float32 products,
+    the same casts to x's dtype."""
+    t, k = topk_ids.shape
+    h = q.w2.out_features
+    experts = topk_ids.reshape(-1).long()
+    tokens = torch.arange(t * k, device=x.device) // k
+    w13 = dequantize_mxfp4_experts(q.w13, x.dtype).float()[experts]
+    w2 = dequantize_mxfp4_experts(q.w2, x.dtype).float()[experts]
+    gate_up = torch.bmm(w13, x.float()[tokens][:, :, None])[:, :, 0]
+    if w13_bias is not None:
+        gate_up = gate_up + w13_bias.float()[experts]
+    act = activation(gate_up.to(x.dtype))
+    down = torch.bmm(w2, act.float()[:, :, None])[:, :, 0]
+    if w2_bias is not None:
+        down = down + w2_bias.float()[experts]
+    down = (down * topk_weights.reshape(-1, 1).float()).to(x.dtype)
+    return down.view(t, k, h).sum(dim=1)
+
