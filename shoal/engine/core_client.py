@@ -15,7 +15,6 @@ import logging
 import multiprocessing
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,6 +38,7 @@ from shoal.engine.core_proc import run_engine_core
 from shoal.engine.cpu_threads import spawn_env
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.request_errors import EngineDeadError
+from shoal.temp_folders import make_temp_folder
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class EngineCoreClient:
         """Spawns the engine process; `wait_ready()` then waits for its READY message.
         `build_core` replaces the model-loading EngineCore (a picklable callable: tests and
         the model-free serving benchmark)."""
-        ipc_dir = tempfile.mkdtemp(prefix="shoal-ipc-")
+        ipc_dir = make_temp_folder("ipc")
         input_addr, output_addr = f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
         ctx = zmq.asyncio.Context()
         to_engine = ctx.socket(zmq.PUSH)

@@ -16,7 +16,6 @@ import logging
 import os
 import select
 import shutil
-import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ import zmq.asyncio
 from shoal.engine.core_client import EngineCoreClient, spawn_engine_process
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.shared_core import Detach, Hello, run_shared_engine_core
+from shoal.temp_folders import make_temp_folder
 
 
 class ForeignProcess:
@@ -62,7 +62,7 @@ class SharedCoreClient(EngineCoreClient):
                     build_core: Callable[[EngineArgs], Any] | None = None) -> SharedCoreClient:
         """Spawns a shared engine and attaches to it as its owner; `address` and `proc.pid`
         are what API processes attach with."""
-        ipc_dir = tempfile.mkdtemp(prefix="shoal-ipc-")
+        ipc_dir = make_temp_folder("ipc")
         address = f"ipc://{ipc_dir}/engine"
         proc, death_writer = spawn_engine_process(
             engine_args, run_shared_engine_core, (address,), log_level, build_core)
@@ -72,7 +72,7 @@ class SharedCoreClient(EngineCoreClient):
     @classmethod
     def attach(cls, address: str, engine_pid: int) -> SharedCoreClient:
         """An API process's client of the engine another process started."""
-        own_dir = tempfile.mkdtemp(prefix="shoal-ipc-")
+        own_dir = make_temp_folder("ipc")
         client = cls._attach(address, ForeignProcess(engine_pid), owner=False, out_dir=own_dir)
         client._own_dir = own_dir
         return client

@@ -27,7 +27,6 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.connection
 import shutil
-import tempfile
 import weakref
 from typing import Any
 
@@ -44,6 +43,7 @@ from shoal.executor.driver import DriverExecutor
 from shoal.executor.rank_runner import model_runner
 from shoal.executor.worker import run_worker
 from shoal.loader import LoadedModel
+from shoal.temp_folders import make_temp_folder
 
 
 class WorkerDiedError(RuntimeError):
@@ -56,7 +56,7 @@ class _Ranks:
     that its finalizer, which must not hold the executor, can release them."""
 
     def __init__(self) -> None:
-        self.ipc_dir = tempfile.mkdtemp(prefix="shoal-tp-")
+        self.ipc_dir = make_temp_folder("tp")
         self.ctx = zmq.Context()
         self.sockets: list[zmq.Socket] = []
         self.procs: list[Any] = []

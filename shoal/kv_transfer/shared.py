@@ -13,9 +13,11 @@ Only where the ranks share this host's memory (EngineInfo.ranks_share_memory); t
 executor, whose ranks may be on other hosts, keeps the broadcast. Where /dev/shm is missing
 or full, `segment` gives None and the payload goes in the broadcast as before. Torch-free.
 
-Names are `shoal-kv-<pid>-<connector>-<n>` (`.<rank>` for the ranks' links): `sweep` removes
-what a connector left (a step that failed before every rank mapped its link). A process
-killed between a fetch and its step leaves its files behind (at most the fetch budget)."""
+Names are `shoal-kv-p<pid>n<pid namespace>-<connector>-<n>` (`.<rank>` for the ranks'
+links): `sweep` removes what a connector left (a step that failed before every rank mapped
+its link); a process killed between a fetch and its step leaves its files behind until the
+next connector of this host starts, which removes those whose process is gone
+(shoal/temp_folders.py)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from shoal.temp_folders import owner_tag, sweep_stale
 
 SHM_DIR = Path("/dev/shm")
 
@@ -54,7 +58,9 @@ class SegmentMaker:
     def __init__(self, directory: Path | None = None):
         directory = directory if directory is not None else SHM_DIR
         self.directory = directory if directory.is_dir() else None
-        self.prefix = f"shoal-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        if self.directory is not None:  # segments a killed engine left (and its ranks' links)
+            sweep_stale("kv", str(self.directory))
+        self.prefix = f"shoal-kv-{owner_tag()}-{uuid.uuid4().hex[:8]}-"
         self._serial = itertools.count()
 
     def segment(self, nbytes: int) -> memoryview | None:

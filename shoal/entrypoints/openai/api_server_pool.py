@@ -55,7 +55,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -77,6 +76,7 @@ from shoal.entrypoints.openai.pool_state import PoolShared
 from shoal.entrypoints.openai.pool_state import join as join_pool
 from shoal.entrypoints.openai.server_settings import ServerSettings
 from shoal.metrics.stats import IterationStats
+from shoal.temp_folders import make_temp_folder
 
 logger = logging.getLogger("shoal.entrypoints.openai.api_server")
 
@@ -311,7 +311,7 @@ async def serve_pool(engine_args: EngineArgs, settings: ServerSettings,
         print(f"shoal: cannot listen on {settings.host}:{settings.port}: {e}", file=sys.stderr)
         return 1
     settings = dataclasses.replace(settings, port=holder.getsockname()[1])
-    metrics_dir = tempfile.mkdtemp(prefix="shoal-metrics-")
+    metrics_dir = make_temp_folder("metrics")
     enable_multiprocess_metrics(metrics_dir)
     log_level = logging.getLogger().getEffectiveLevel()
     try:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import shutil
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from typing import Any
 from shoal.entrypoints.openai.pool_adapters import create_adapter_table
 from shoal.entrypoints.openai.response_store import create_store_file
 from shoal.entrypoints.openai.server_settings import ServerSettings
+from shoal.temp_folders import make_temp_folder
 
 POOL_FILE = "pool.sqlite"
 
@@ -42,7 +42,7 @@ class PoolShared:
     def create(cls, settings: ServerSettings,
                adapters: Sequence[tuple[str, str, str | None]] = ()) -> PoolShared:
         """`adapters`: --lora-modules as (name, path, base model name), in their order."""
-        folder = tempfile.mkdtemp(prefix="shoal-pool-")
+        folder = make_temp_folder("pool")
         try:
             path = os.path.join(folder, POOL_FILE)
             create_store_file(path)
