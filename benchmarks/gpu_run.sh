@@ -102,8 +102,11 @@ part() {
     # hybrid-batch1 81 s (Qwen3.5-27B, Qwen3-Next-24layers failing fast: no KV room on
     # 80 GB); hybrid-correctness did not finish one model in 110 s (give it a call of its
     # own, --stage-timeout 300); disagg passed 470 s (layout b's slow transfers)
-    hybrid-correctness)  # transformers 5.25 (Qwen3.5, Kimi Linear classes) from bench-work/tf525
-      TF=/tmp/tf525; $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    # transformers 5.25 (Qwen3.5, Kimi Linear classes) from bench-work/tf525: its wheel plus
+    # huggingface_hub 2.4 and that one's dependencies (httpx2, httpcore2, hf_xet, ...): 5.25
+    # refuses the image's hub 1.x; a fresh folder, so no older hub stays behind on a warm machine
+    hybrid-correctness)
+      TF=/tmp/tf525; rm -rf $TF; $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
         --upgrade --target $TF "$REPO"/bench-work/tf525/*.whl >/dev/null 2>&1 || TF=""
       PYTHONPATH=${TF:+$TF:}$PYTHONPATH run hybrid_correctness ${HC_LIMIT:-190} $py/hybrid_gpu.py \
         correctness --stage-timeout ${HC_STAGE_TIMEOUT:-110} $S \
@@ -125,6 +128,12 @@ part() {
     vl) run vl 320 $py/vl_gpu.py --sections throughput,ttft,encoder,serve --runs 1 \
         --timeout 150 $S --out "$DIR/vl.json" ;;
     disagg) run disagg 470 $py/disagg_gpu.py --budget-s 430 $S --out "$DIR/disagg.json" ;;
+    # issue 32: DeepSeek-V4's 4-layer cut (51 GiB) and MLA at its width, eager V4; transformers
+    # 5.25 (its DeepseekV4 config and class) from bench-work/tf525; estimated ~220 s on an H200
+    v4) TF=/tmp/tf525; rm -rf $TF; $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+          --upgrade --target $TF "$REPO"/bench-work/tf525/*.whl >/dev/null 2>&1 || TF=""
+        PYTHONPATH=${TF:+$TF:}$PYTHONPATH run v4 ${V4_LIMIT:-330} $py/deepseek_v4_gpu.py \
+          ${V4_PARTS:-all} --stage-timeout ${V4_STAGE_TIMEOUT:-170} $S --out "$DIR/v4.json" ;;
     *) echo "unknown part $1" ;;
   esac
 }

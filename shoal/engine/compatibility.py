@@ -179,8 +179,7 @@ _V4 = "DeepSeek-V4 (DeepseekV4ForCausalLM)"
 
 
 def _deepseek_v4(s: ResolvedArgs) -> bool:
-    """DeepSeek-V4, whose layers (shoal/models/deepseek_v4.py) are a plain-torch reference
-    for the CPU yet."""
+    """DeepSeek-V4 (shoal/models/deepseek_v4.py)."""
     archs = getattr(s.hf_config, "architectures", None) or ()
     return ("DeepseekV4ForCausalLM" in archs
             or getattr(s.hf_config, "model_type", None) == "deepseek_v4")
@@ -377,13 +376,7 @@ ROWS: tuple[Incompatibility, ...] = (
         lambda s: s.transformers_backend and s.spec_method in ("mtp", "eagle", "eagle3"),
         "speculative_config: method {s.spec_method!r} drafts from a shoal model class's layers "
         "and hidden states; with the Transformers backend use 'ngram' or 'draft_model'"),
-    # ---- DeepSeek-V4: a per-request reference path in plain torch, CPU only yet ----------
-    Incompatibility(
-        _V4, "a CUDA device",
-        lambda s: _deepseek_v4(s) and s.device_type == "cuda",
-        "DeepseekV4ForCausalLM runs on the CPU only yet: its attention is a plain-torch "
-        "reference that loops over the step's requests at every layer with host-side indices "
-        "(no kernels, no CUDA graphs); use device='cpu'"),
+    # ---- DeepSeek-V4: plain torch on any device (on CUDA eagerly: engine/graph_support.py) --
     Incompatibility(
         _V4, _DP_EP,
         lambda s: _deepseek_v4(s) and s.dp_ep,

@@ -28,12 +28,13 @@ from shoal.engine.cpu_defaults import (
     default_scheduler_limits,
 )
 from shoal.engine.encoder_schedule import image_attention_backend
+from shoal.engine.graph_support import runs_without_graphs
 from shoal.engine.kv_events_args import KVEventsArgs
 from shoal.engine.kv_transfer_args import KVTransferArgs
 from shoal.engine.mm_args import MultiModalArgs
 from shoal.engine.offload_args import WeightOffloadArgs
 from shoal.json_arg import json_object
-from shoal.models.registry import has_linear_attention, takes_transformers_backend
+from shoal.models.registry import has_linear_attention
 from shoal.pooling.model_info import parse_pooler_config
 from shoal.quantization.config import check_quantization_name
 from shoal.structured_output.params import check_backend_available, parse_backend_config
@@ -225,7 +226,7 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
         runner = self.resolve_runner(hf_config)
         device = self.resolved_device()
         self._check_values()
-        backend_model = takes_transformers_backend(hf_config, runner, self.model_impl)
+        no_graphs = runs_without_graphs(hf_config, runner, self.model_impl, device.type)
         max_len = self._max_model_len(hf_config, runner, model_path)
         check_compatibility(ResolvedArgs(self, runner, device.type, max_len, hf_config,
                                          serving))
@@ -273,9 +274,8 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
                 data_parallel_rank=self.data_parallel_rank or 0,
                 data_parallel_master_port=self.data_parallel_master_port),
             device=device,
-            # No graph capture for DP+EP (the MoE all-to-all reads its split sizes on the host)
-            # nor the Transformers backend (transformers' code is not checked for capture).
-            enforce_eager=self.enforce_eager or self.dp_expert_parallel() or backend_model,
+            # No graphs for DP+EP (its all-to-all reads split sizes on the host); graph_support.py
+            enforce_eager=self.enforce_eager or self.dp_expert_parallel() or no_graphs,
             attention_backend=self.attention_backend or image_attention_backend(hf_config),
             use_triton_ops=self.use_triton_ops,
             fuse_rope_kv_write=self.fuse_rope_kv_write,

@@ -20,8 +20,13 @@ The value's rotation is undone on the output (RoPE at minus the query's position
 grouped output projection: o_groups blocks of heads each projected to o_lora_rank (o_a_proj),
 mixed to hidden_size (o_b_proj).
 
-Attention runs request by request over the spans of the step (shoal/layers/request_spans.py):
-a reference path, not a kernel.
+Plain torch over the spans of the step (shoal/layers/request_spans.py), no kernels: it runs on
+any device, eagerly (the host reads the step's spans once per step, which a CUDA graph cannot
+capture). The step's decodes close their groups and attend as one batch, their rows and
+entries gathered from the caches through indices built once per step; the other requests
+one by one, their queries in chunks whose score tensors stay under SCORE_ELEMENTS (a long
+prefill chunk would otherwise hold [n, H, n] scores, and the indexer's [n, index_n_heads,
+n / m]).
 
 Tensor parallelism splits the query heads, their sinks and the output groups (o_groups / tp
 each: a group's heads stay on one rank, so o_a_proj splits by rows and o_b_proj by columns,
@@ -30,6 +35,7 @@ rank keeps the whole caches (their specs do not change with tp) and picks the sa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +44,7 @@ from torch import nn
 
 from shoal.core.kv_cache_spec import CompressorStateSpec
 from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size
+from shoal.host_to_device import to_device
 from shoal.layers.compressed_indexer import CompressedIndexer, SparseCompressor
 from shoal.layers.interleaved_rope import InterleavedRope
 from shoal.layers.linear import (
@@ -54,6 +61,19 @@ from shoal.layers.token_compressor import TokenCompressor
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
                      "heavily_compressed_attention")
+# float32 score elements one chunk of queries may hold (per tensor: the softmax keeps a few
+# alive), 128 MiB: 8192 prefill queries at 64 heads would otherwise take 17 GiB for the window
+SCORE_ELEMENTS = 1 << 25
+
+
+def queries_per_chunk(heads: int, keys: int, grows: bool = True) -> int:
+    """The most queries c (>= 1) whose scores c x heads x (keys + c) (grows: each query adds
+    a key, a request's own chunk) or c x heads x keys (a batch of decodes) stay within
+    SCORE_ELEMENTS."""
+    budget = SCORE_ELEMENTS // max(1, heads)
+    if not grows:
+        return max(1, budget // max(1, keys))
+    return max(1, (math.isqrt(keys * keys + 4 * budget) - keys) // 2)
 
 
 class CompressedAttention(nn.Module):
@@ -138,6 +158,7 @@ class CompressedAttention(nn.Module):
         kv = self.rope.rotate(self.kv_norm(self.kv_proj(hidden)), cos, sin)
         self.window_rows.write(kv, step)
         ctx = _StepInputs(q, kv)
+        nd = step.num_decodes  # the leading spans, attended as one batch
         if self.compressor is not None:
             rows = self.compressor.project(hidden)
             if self.indexer is not None:
@@ -145,10 +166,16 @@ class CompressedAttention(nn.Module):
                 ctx.index_q, ctx.index_w = self.indexer.queries(hidden, q_resid, cos, sin)
             self.pending_rows.write(rows, step)
             ctx.rows = rows
-            # every request's closed groups are stored before any request reads entries
-            ctx.new_entries = [self._close_groups(rows, step, span) for span in step.spans]
+            # every request's closed groups are stored before any request reads entries (the
+            # decodes' as one batch: they read theirs back from the cache)
+            if nd:
+                self._close_decode_groups(step)
+            ctx.new_entries = [None] * nd + [self._close_groups(rows, step, span)
+                                             for span in step.spans[nd:]]
         out = torch.empty_like(q)
-        for i, span in enumerate(step.spans):
+        if nd:
+            out[:nd] = self._attend_decodes(ctx, step)
+        for i, span in enumerate(step.spans[nd:], nd):
             out[span.start:span.start + span.length] = self._attend(ctx, step, span, i)
         out = self.rope.rotate(out, cos, sin, inverse=True)
         return self.o_b_proj(self._grouped_out(out.view(t, self.o_groups, -1)))
@@ -180,32 +207,133 @@ class CompressedAttention(nn.Module):
         self.entries.store(entries, first, step, span)
         return entries
 
+    @property
+    def _score_heads(self) -> int:
+        """Heads of the widest score tensor a query makes (its own, or the indexer's)."""
+        return max(self.num_heads, self.indexer.n_heads if self.indexer is not None else 0)
+
+    def _attend_decodes(self, ctx: _StepInputs, step: StepSpans) -> torch.Tensor:
+        """The step's decodes [Bd, H, D] as one batch, each query over its window's rows and
+        its compressed entries, read from the caches (this step's were written before)."""
+        nd, n_entries = step.num_decodes, 0
+        if self.compressor is not None:
+            m = self.compressor.ratio
+            n_entries = max((s.context + 1) // m for s in step.spans[:nd])
+        per = queries_per_chunk(self._score_heads, self.window + n_entries, grows=False)
+        outs = [self._attend_decode_rows(ctx, step, slice(a, min(a + per, nd)))
+                for a in range(0, nd, per)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _attend_decode_rows(self, ctx: _StepInputs, step: StepSpans,
+                            rows: slice) -> torch.Tensor:
+        q = ctx.q[rows]
+        keys, allowed = self.window_rows.read_decodes(step, self.window, rows)
+        keys = keys.to(q.dtype)
+        loaded = self.entries.load_decodes(step, rows) if self.entries is not None else None
+        if loaded is not None:
+            stored, own = loaded
+            stored = stored.to(q.dtype)
+            if self.indexer is not None:
+                own = self.indexer.select(ctx.index_q[rows], ctx.index_w[rows],
+                                          stored[..., self.head_dim:], own)
+            keys = torch.cat([keys, stored[..., :self.head_dim]], dim=1)
+            allowed = torch.cat([allowed, own], dim=1)
+        return self._softmax(q, keys, allowed)
+
+    def _close_decode_groups(self, step: StepSpans) -> None:
+        """The entries of the groups the step's decodes complete (a decode closes at most
+        one), computed as one batch from the open groups' rows in the cache and stored."""
+        assert self.compressor is not None and self.entries is not None
+        closing = self._closing_decodes(step)
+        if closing is None:
+            return
+        rows, groups, slots = closing
+        inputs = self.pending_rows.rows_at(slots)
+        width, _ = self._row_split()
+        entries = self.compressor.compress_closing(inputs[..., :width], groups)
+        if self.indexer is not None:
+            keys = self.indexer.compress_closing(inputs[..., width:], groups)
+            entries = torch.cat([entries, keys.to(entries.dtype)], dim=-1)
+        self.entries.store_decodes(entries, rows, groups, step)
+
+    def _closing_decodes(self, step: StepSpans
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The decodes whose token completes a group: their indices [n], their groups [n]
+        and the slots of the rows their entries pool [n, (1 + groups_before) m] (a group 0's
+        missing group before reads position 0's, masked). Built once per step and ratio."""
+        assert self.compressor is not None and self.pending_rows is not None
+        m, before = self.compressor.ratio, self.compressor.groups_before
+        key = ("closing", self.pending_rows.kv_group, m, before)
+        if key not in step.indices:
+            closing = [b for b, s in enumerate(step.spans[:step.num_decodes])
+                       if (s.context + 1) % m == 0]
+            found = None
+            if closing:
+                p = step.decode_positions
+                rows = to_device(closing, torch.long, p.device)
+                groups = torch.div(p[rows] + 1, m, rounding_mode="floor") - 1
+                k = (groups - before)[:, None] * m + torch.arange((1 + before) * m,
+                                                                  device=p.device)
+                k = k.clamp(min=0)
+                bs = step.block_size
+                table = step.decode_tables[self.pending_rows.kv_group][rows]
+                found = rows, groups, table.gather(1, k // bs) * bs + k % bs
+            step.indices[key] = found
+        return step.indices[key]
+
     def _attend(self, ctx: _StepInputs, step: StepSpans, span: RequestSpan,
                 i: int) -> torch.Tensor:
-        """One request's queries [n, H, D] over its window and its compressed entries."""
-        rows = slice(span.start, span.start + span.length)
+        """One request's queries [n, H, D] over its window and its compressed entries, in
+        chunks of queries (queries_per_chunk)."""
+        stored = self._span_entries(ctx, step, span, i)
+        keys = self.window + (0 if stored is None else len(stored))
+        per = queries_per_chunk(self._score_heads, keys)
+        outs = [self._attend_rows(ctx, step, span, a, min(a + per, span.length), stored)
+                for a in range(0, span.length, per)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _attend_rows(self, ctx: _StepInputs, step: StepSpans, span: RequestSpan, a: int,
+                     b: int, stored: torch.Tensor | None) -> torch.Tensor:
+        """The request's queries [a, b) (positions context + a, ...) over their windows and
+        the entries they have seen of `stored`."""
+        rows = slice(span.start + a, span.start + b)
         device = ctx.q.device
-        pos = torch.arange(span.context, span.end, device=device)
-        lo = max(0, span.context - self.window + 1)
-        keys = self.window_rows.read(ctx.kv, step, span, lo, span.end)
-        k_pos = torch.arange(lo, span.end, device=device)
+        first, end = span.context + a, span.context + b
+        pos = torch.arange(first, end, device=device)
+        lo = max(0, first - self.window + 1)
+        keys = self.window_rows.read(ctx.kv, step, span, lo, end)
+        k_pos = torch.arange(lo, end, device=device)
         allowed = (k_pos <= pos[:, None]) & (k_pos > pos[:, None] - self.window)
-        entries = self._entries(ctx, step, span, i, pos, rows)
-        if entries is not None:
-            keys = torch.cat([keys, entries[0]])
-            allowed = torch.cat([allowed, entries[1]], dim=-1)
-        scores = torch.matmul(ctx.q[rows], keys.t()).float() * self.scale  # [n, H, K]
+        if stored is not None:
+            m = self.compressor.ratio
+            n = min(len(stored), end // m)  # entry w pools tokens [w m, (w + 1) m)
+            if n:
+                # a query sees an entry once it has all of its group's tokens
+                visible = torch.arange(n, device=device) < ((pos + 1) // m)[:, None]
+                if self.indexer is not None:
+                    visible = self.indexer.select(ctx.index_q[rows], ctx.index_w[rows],
+                                                  stored[:n, self.head_dim:], visible)
+                keys = torch.cat([keys, stored[:n, :self.head_dim]])
+                allowed = torch.cat([allowed, visible], dim=-1)
+        return self._softmax(ctx.q[rows], keys, allowed)
+
+    def _softmax(self, q: torch.Tensor, keys: torch.Tensor,
+                 allowed: torch.Tensor) -> torch.Tensor:
+        """q [n, H, D] over keys [K, D] (or each query's own, [n, K, D]) where allowed [n, K]:
+        one softmax with each head's sink (a logit with no value), the keys as values."""
+        scores = torch.matmul(q, keys.transpose(-1, -2)).float() * self.scale  # [n, H, K]
         scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-        sinks = self.sinks.float().view(1, -1, 1).expand(span.length, -1, 1)
+        sinks = self.sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
         logits = torch.cat([scores, sinks], dim=-1)
         logits = logits - logits.amax(dim=-1, keepdim=True)
         probs = logits.softmax(dim=-1)[..., :-1]
         return torch.matmul(probs.to(keys.dtype), keys)
 
-    def _entries(self, ctx: _StepInputs, step: StepSpans, span: RequestSpan, i: int,
-                 pos: torch.Tensor, rows: slice) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The request's compressed entries [N, D] and which each query reads [n, N] (None:
-        a sliding layer, or no complete group yet)."""
+    def _span_entries(self, ctx: _StepInputs, step: StepSpans, span: RequestSpan,
+                      i: int) -> torch.Tensor | None:
+        """The request's entries [N, D (+ index_head_dim)] of its complete groups (N =
+        span.end // m): those cached before this step, then those it closes (None: a sliding
+        layer, or no complete group yet)."""
         if self.compressor is None or self.entries is None:
             return None
         m = self.compressor.ratio
@@ -215,14 +343,7 @@ class CompressedAttention(nn.Module):
         parts = [self.entries.load(step, span, cached).to(ctx.q.dtype)] if cached else []
         if ctx.new_entries[i] is not None:
             parts.append(ctx.new_entries[i])
-        stored = torch.cat(parts) if len(parts) > 1 else parts[0]
-        entries = stored[:, :self.head_dim]
-        # entry w pools tokens [w m, (w + 1) m): a query sees it once it has them all
-        visible = torch.arange(n, device=pos.device) < ((pos + 1) // m)[:, None]
-        if self.indexer is not None:
-            visible = self.indexer.select(ctx.index_q[rows], ctx.index_w[rows],
-                                          stored[:, self.head_dim:], visible)
-        return entries, visible
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 @dataclass

@@ -46,9 +46,11 @@ class CompressedIndexer(TokenCompressor):
 
     def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                visible: torch.Tensor) -> torch.Tensor:
-        """q [n, H, D], weights [n, H], keys [N, D] (this request's compressed keys), visible
-        [n, N] -> bool [n, N]: the entries each query reads."""
-        scores = F.relu(torch.matmul(q, keys.float().t())) * self.scale  # [n, H, N]
+        """q [n, H, D], weights [n, H], keys [N, D] (this request's compressed keys; or
+        [n, N, D]: each query's own, a batch of decodes), visible [n, N] -> bool [n, N]: the
+        entries each query reads."""
+        keys = keys.float().transpose(-1, -2)
+        scores = F.relu(torch.matmul(q, keys)) * self.scale  # [n, H, N]
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
         k = min(self.topk, scores.shape[-1])
         picked = torch.zeros_like(visible)

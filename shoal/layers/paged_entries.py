@@ -7,7 +7,7 @@ depends only on the tokens up to its end and prefix caching shares it as it shar
 page is the block's token slots of slot_row values each, read as ceil(bs / ratio) entries.
 Like PagedRows (which it extends for the runner's binding), a step stores every request's
 new entries before any request loads, so a prefix hit on blocks computed in the same step
-reads them."""
+reads them. The step's decodes load theirs as one batch (load_decodes)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,17 @@ class PagedEntries(PagedRows):
         pages = self._pages(bs)
         pages[blocks, slot] = entries.to(pages.dtype)
 
+    def store_decodes(self, entries: torch.Tensor, rows: torch.Tensor,
+                      groups: torch.Tensor, step: StepSpans) -> None:
+        """entries [n, width]: the entries of groups `groups` [n] that the step's decodes
+        `rows` [n] (indices into its decodes, flat rows too) close, each by its own token."""
+        bs = step.block_size
+        blocks = torch.div(step.slots[self.kv_group][rows], bs, rounding_mode="floor")
+        last = step.decode_positions[rows]
+        slot = groups - torch.div(last, bs, rounding_mode="floor") * bs // self.ratio
+        pages = self._pages(bs)
+        pages[blocks, slot] = entries.to(pages.dtype)
+
     def load(self, step: StepSpans, span: RequestSpan, n: int) -> torch.Tensor:
         """The request's first n entries [n, width], through its block table."""
         table = span.tables[self.kv_group]
@@ -63,3 +74,31 @@ class PagedEntries(PagedRows):
         last, slot = self._slots(0, n, bs, table.device)
         blocks = table[torch.div(last, bs, rounding_mode="floor")]
         return self._pages(bs)[blocks, slot]
+
+    def load_decodes(self, step: StepSpans, rows: slice
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's decodes `rows` (of [0, step.num_decodes)): the entries of each one's
+        complete groups [n, N, width], N the most any decode of the step has, after this
+        step's own are stored, and which are its own [n, N] (None: no decode has one)."""
+        key = ("entries", self.kv_group, self.ratio)
+        if key not in step.indices:
+            m, bs = self.ratio, step.block_size
+            n_max = max((s.context + 1) // m for s in step.spans[:step.num_decodes])
+            index = None
+            if n_max:
+                p = step.decode_positions
+                table = step.decode_tables[self.kv_group]
+                last, slot = self._slots(0, n_max, bs, p.device)
+                # a decode's padding entries (past its own) read a block of its table or the
+                # table's padding (the null block): finite, masked
+                column = torch.div(last, bs, rounding_mode="floor")
+                column = column.clamp(max=table.shape[1] - 1)
+                seen = torch.div(p + 1, m, rounding_mode="floor")
+                own = torch.arange(n_max, device=p.device) < seen[:, None]
+                index = table[:, column], slot, own
+            step.indices[key] = index
+        index = step.indices[key]
+        if index is None:
+            return None
+        blocks, slot, own = index
+        return self._pages(step.block_size)[blocks[rows], slot], own[rows]

@@ -3,7 +3,8 @@
 inputs of the groups still pooling, CompressorStateSpec). It declares its cache spec like any
 paged layer; the runner binds `kv_cache` [1, num_slots, 1, width] and `kv_group`. A step
 writes its rows before any request reads, so a request may read blocks another request of
-the same step fills (prefix hits on blocks computed in this very step)."""
+the same step fills (prefix hits on blocks computed in this very step). The step's decodes
+read their windows as one batch (read_decodes)."""
 
 from __future__ import annotations
 
@@ -60,3 +61,25 @@ class PagedRows(nn.Module):
         b0, b1 = lo // bs, -(-hi // bs)
         blocks = self._rows().view(-1, bs, self.width)[table[b0:b1]].reshape(-1, self.width)
         return blocks[lo - b0 * bs:hi - b0 * bs].to(rows.dtype)
+
+    def read_decodes(self, step: StepSpans, window: int, rows: slice
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's decodes `rows` (of [0, step.num_decodes)): each one's rows of positions
+        (p - window, p] [n, window, width] from the cache (the step's own row is written
+        before), and which of those positions exist [n, window] (>= 0; the others read
+        position 0's row, finite)."""
+        key = ("window", self.kv_group, window)
+        if key not in step.indices:
+            p = step.decode_positions
+            k = p[:, None] - (window - 1) + torch.arange(window, device=p.device)
+            exists = k >= 0
+            k = k.clamp(min=0)
+            bs = step.block_size
+            table = step.decode_tables[self.kv_group]
+            step.indices[key] = table.gather(1, k // bs) * bs + k % bs, exists
+        slots, exists = step.indices[key]
+        return self._rows()[slots[rows]], exists[rows]
+
+    def rows_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """The cached rows at `slots` (any shape) [..., width]."""
+        return self._rows()[slots]

@@ -57,10 +57,30 @@ class TokenCompressor(nn.Module):
         gate = gate + self.position_bias
         if self.overlap:
             kv, gate = self._overlapped(kv, gate)
+        return self._pool(kv, gate, torch.arange(first, first + n, device=rows.device))
+
+    def compress_closing(self, rows: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """A batch of requests closing one group each: rows [n, (1 + groups_before) m,
+        row_width] (with CSA's overlap the group before's rows, then the group's), groups [n]
+        the groups' indices -> their entries [n, head_dim]. A group 0 has no group before:
+        those rows are left out (zero, with a -inf gate), as compress leaves them."""
+        n, m, d = rows.shape[0], self.ratio, self.head_dim
+        kv, gate = rows.view(n, 1 + self.groups_before, m, self.row_width).chunk(2, dim=-1)
+        gate = gate + self.position_bias
+        if not self.overlap:
+            return self._pool(kv[:, 0], gate[:, 0], groups)
+        first = (groups == 0)[:, None, None]
+        kv = torch.cat([kv[:, 0, :, :d].masked_fill(first, 0), kv[:, 1, :, d:]], dim=1)
+        gate = torch.cat([gate[:, 0, :, :d].masked_fill(first, float("-inf")),
+                          gate[:, 1, :, d:]], dim=1)
+        return self._pool(kv, gate, groups)
+
+    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+        """kv, gate [n, rows, head_dim] of n groups (their indices `groups` [n]) -> the entries
+        [n, head_dim]: the softmax-gated sum, normed, rotated at each group's first token."""
         weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
         entries = self.kv_norm((kv * weights).sum(dim=1))
-        positions = torch.arange(first, first + n, device=rows.device) * m
-        return self.rope.rotate(entries, *self.rope.cos_sin(positions))
+        return self.rope.rotate(entries, *self.rope.cos_sin(groups * self.ratio))
 
     def _overlapped(self, kv: torch.Tensor, gate: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:

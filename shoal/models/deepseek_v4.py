@@ -27,8 +27,9 @@ row, compressors and indexer replicated: shoal/layers/compressed_attention.py), 
 intermediate dim (FusedMoE) and the shared expert's, one all-reduce after each; routing and
 hyper-connection mixing are small and replicated.
 
-Not yet: CUDA (the torch path reads host values per request; the compatibility table refuses
-CUDA), quantized (FP8 / FP4) checkpoints."""
+On CUDA the layers run as they do on the CPU, in plain torch (no kernels yet), and eagerly:
+their spans are read on the host once per step (eager_only_reason; the engine sets
+enforce_eager). Not yet: quantized (FP8 / FP4) checkpoints."""
 
 from __future__ import annotations
 
@@ -144,6 +145,11 @@ class DeepseekV4ForCausalLM(nn.Module):
     default_pooling_type = "LAST"
     # nothing fused: checkpoint projections load one to one
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {}
+    # no CUDA graphs: the engine runs it eagerly on CUDA (engine/graph_support.py logs this)
+    eager_only_reason: ClassVar[str] = (
+        "its attention (shoal/layers/compressed_attention.py) is plain torch over the step's "
+        "request spans, which it reads on the host once per step: a CUDA graph cannot capture "
+        "that")
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__()

@@ -13,8 +13,9 @@ from torch import nn
 
 from shoal.attention.backend import AttentionBackend
 from shoal.config import EngineConfig
-from shoal.core.kv_cache_spec import KVCacheGroup, LatentAttentionSpec
+from shoal.core.kv_cache_spec import KVCacheGroup, LatentAttentionSpec, pool_partitions
 from shoal.distributed.parallel_state import pp_is_first
+from shoal.layers.paged_rows import PagedRows
 from shoal.worker.step_forward import StepForwarder
 
 logger = logging.getLogger(__name__)
@@ -40,12 +41,12 @@ class Runner(Protocol):
 
 
 def dummy_forward(runner: Runner, query_lens: list[int], num_decodes: int,
-                  sample: bool = True) -> None:
-    """A forward over made-up requests whose blocks are taken from the start of the bound
-    cache (never the null block). Writes garbage into those blocks: only call it before any
-    request has run."""
+                  sample: bool = True, first_block: int = 0) -> None:
+    """A forward over made-up requests whose blocks are taken from first_block on in the bound
+    cache (never the null block), the same ids in every group's tables. Writes garbage into
+    those blocks: only call it before any request has run."""
     bs = runner.block_size
-    tables, next_block = [], 0
+    tables, next_block = [], first_block
     context = [0] * len(query_lens)
     for q in query_lens:
         n = -(-q // bs)
@@ -113,13 +114,23 @@ def group_softcaps(layers: list[nn.Module], group: KVCacheGroup) -> set[float | 
     return {getattr(layers[i], "softcap", None) for i in group.layers}
 
 
+def dummy_blocks(runner: Runner) -> tuple[int, int]:
+    """(first block, count): the ids a dummy step may take in every group's tables. A shared
+    pool: [0, null_block). A partitioned one (DeepSeek-V4, worker/kv_pool_split.py): the
+    tables hold each group's pages, 0 its null page and its blocks from 1, as many as the
+    smallest partition has."""
+    if pool_partitions(runner.kv_groups):
+        return 1, min(g.num_blocks for g in runner.kv_groups)
+    return 0, runner.null_block
+
+
 @torch.inference_mode()
 def warmup(runner: Runner) -> float:
     """Runs each kind of step once per size bucket so Triton kernels are compiled (and the
     caching allocator warmed) before the first request."""
     t0 = time.perf_counter()
     sc = runner.config.scheduler_config
-    free_blocks = runner.null_block  # blocks [0, null_block) are the pool
+    first_block, free_blocks = dummy_blocks(runner)
 
     def fits(lens: list[int]) -> bool:
         return sum(-(-q // runner.block_size) for q in lens) <= free_blocks
@@ -133,15 +144,15 @@ def warmup(runner: Runner) -> float:
     steps.append(([1, 1, 17], 2))  # a mixed step: decodes and a prefill chunk
     for lens, num_decodes in steps:
         if fits(lens):
-            dummy_forward(runner, lens, num_decodes)
+            dummy_forward(runner, lens, num_decodes, first_block=first_block)
     # Long contexts pick attention variants (decode splits, prefill tiles) that the short
     # dummy steps above never reach: once per KV cache group (each its own window).
     layers = runner.model.attention_layers()
     variants = 0
     for group in runner.kv_groups:
         layer = layers[group.layers[0]]
-        if group.holds_state:
-            continue
+        if group.holds_state or isinstance(layer, PagedRows):
+            continue  # (paged rows are read by the model's own torch code: no backend kernel)
         if isinstance(group.spec, LatentAttentionSpec):
             variants += runner.backend.warm_mla_kernels(
                 layer.kv_cache, layer.num_heads, layer.scale, runner.block_size, layer.v_dim,

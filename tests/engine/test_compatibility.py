@@ -113,7 +113,6 @@ CASES = [
      dict(architectures=["DeepseekV32ForCausalLM"], kv_lora_rank=32, index_topk=32), "generate",
      "cpu", 64, r"kv_cache_dtype='fp8' does not cover DeepseekV32ForCausalLM's lightning "
      "indexer"),
-    (dict(), _V4, "generate", "cuda", 64, "DeepseekV4ForCausalLM runs on the CPU only yet"),
     (_DP_EP, _V4, "generate", "cpu", 64,
      r"DeepseekV4ForCausalLM does not support enable_expert_parallel"),
     (dict(speculative_config=_EAGLE), _V4, "generate", "cpu", 64,
@@ -192,3 +191,17 @@ def test_sliding_window_rows_read_each_layers_window():
                                 "cpu", 64)) == []
     assert [r.other for r in violations(_resolved({}, hybrid, "pooling", "cpu", 64))] == [
         "a sliding window shorter than max_model_len"]
+
+
+def test_deepseek_v4_runs_on_cuda_without_graphs(caplog):
+    """No row refuses DeepSeek-V4 on CUDA: its class cannot be captured in CUDA graphs
+    (eager_only_reason), so the engine config runs it eagerly and one log line says why; a
+    model with graphs keeps them, and on the CPU nothing is said."""
+    assert violations(_resolved({}, _V4, "generate", "cuda", 64)) == []
+    with caplog.at_level("INFO", logger="shoal.engine.graph_support"):
+        assert EngineArgs(device="cuda").create_engine_config(_hf(**_V4)).enforce_eager
+        assert not EngineArgs(device="cuda").create_engine_config(_hf()).enforce_eager
+        assert not EngineArgs(device="cpu").create_engine_config(_hf(**_V4)).enforce_eager
+    said = [r.getMessage() for r in caplog.records if "without CUDA graphs" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("DeepseekV4ForCausalLM runs without CUDA "
+                                                 "graphs (enforce_eager): its attention")

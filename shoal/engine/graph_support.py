@@ -1,0 +1,30 @@
+"""Which models run without CUDA graphs whatever enforce_eager says: the ones the engine
+cannot capture, run eagerly rather than refused (as vLLM falls back to eager mode for models
+without graph support)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from shoal.models.registry import resolve_model_class, takes_transformers_backend
+
+logger = logging.getLogger(__name__)
+
+
+def runs_without_graphs(hf_config: Any, runner: str, model_impl: str, device_type: str) -> bool:
+    """Through the Transformers backend (transformers' code is not checked for capture; its
+    own checks raise here, before the compatibility table), or, on CUDA, a shoal class whose
+    `eager_only_reason` says why its forward cannot be captured, said in one log line."""
+    if takes_transformers_backend(hf_config, runner, model_impl):
+        return True
+    if device_type != "cuda":
+        return False
+    try:
+        cls = resolve_model_class(hf_config, runner, model_impl)
+    except ValueError:  # (an unknown architecture fails where the model is built)
+        return False
+    reason = getattr(cls, "eager_only_reason", None)
+    if reason:
+        logger.info("%s runs without CUDA graphs (enforce_eager): %s", cls.__name__, reason)
+    return bool(reason)
