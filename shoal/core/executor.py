@@ -21,6 +21,7 @@ from typing import Any
 
 from shoal.core.kv_cache_spec import KVCacheLayout
 from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from shoal.lora_request import LoRARequest
 
 
 class Executor(ABC):
@@ -69,9 +70,22 @@ class Executor(ABC):
         updates, ...) on every rank; returns each rank's result, rank 0 first."""
         raise NotImplementedError(f"{type(self).__name__} runs no lifecycle methods")
 
-    def remove_lora(self, lora_id: int) -> None:
-        """LoRA: forgets an unloaded adapter on every rank (a later request reads it again)."""
-        return None
+    # LoRA adapters, on every rank (engine/core_lora.py calls these only with enable_lora on)
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Reads the adapter ahead of requests; ValueError naming it when it cannot serve."""
+        raise ValueError(f"{type(self).__name__} serves no LoRA adapters")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Forgets an adapter (a later request reads it again); False when not loaded."""
+        return False
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keeps a loaded adapter in host memory and in its device slot until removed."""
+        raise ValueError(f"{type(self).__name__} serves no LoRA adapters")
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters loaded (host memory or a device slot)."""
+        return set()
 
     def shutdown(self) -> None:
         """Stops worker ranks and leaves process groups (idempotent)."""

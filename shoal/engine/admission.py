@@ -64,6 +64,8 @@ class Admission:
         self.connector = connector  # KV from and for other engines (shoal/kv_transfer)
         self.waiting, self.running = waiting, running
         self.block_size = kv.block_size
+        # LoRA adapters pinned to a device slot (engine/core_lora.py): fewer than max_loras
+        self.pinned_loras: set[int] = set()
 
     def schedule_waiting(self, step: StepPlan) -> None:
         """Waiting requests in queue order, while there is budget, a free sequence slot and
@@ -114,11 +116,16 @@ class Admission:
 
     def _lora_fits(self, lora: LoRARequest, running: dict[int, str]) -> bool:
         """A request of another adapter waits while every slot is taken; one whose id runs
-        with another folder waits for it to end (an id names one adapter in a step)."""
+        with another folder waits for it to end (an id names one adapter in a step).
+        Pinned adapters have their slots: the others share the slots left."""
         held = running.get(lora.lora_int_id)
-        if held is None:
-            return len(running) < self.max_loras
-        return held == lora.lora_path
+        if held is not None:
+            return held == lora.lora_path
+        pinned = self.pinned_loras
+        if lora.lora_int_id in pinned:
+            return True
+        unpinned = sum(1 for lora_id in running if lora_id not in pinned)
+        return unpinned < self.max_loras - len(pinned)
 
     def find_cached(self, req: Request) -> _Cached | None:
         """The request's prefix hits: device blocks, then tier blocks pinned in the CPU tier

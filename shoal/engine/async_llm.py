@@ -327,10 +327,34 @@ class AsyncLLM:
             if setter is not None:
                 setter(level)
 
-    async def remove_lora(self, lora_id: int) -> None:
-        """An unloaded adapter leaves the engine's host memory and slots (requests already
-        running with it finish first: their steps still find it)."""
-        await self.client.call_utility("remove_lora", args=[lora_id])
+    # ---- LoRA adapters (vLLM's; shoal/engine/core_lora.py says what each does) ----------
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads the adapter in the engine ahead of its requests; ValueError naming it."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"add_lora takes a LoRARequest (got "
+                             f"{type(lora_request).__name__})")
+        return bool(await self._lora_call("add_lora", lora_request, timeout=120.0))
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """An unloaded adapter leaves the engine's host memory and slots; False when it was
+        not loaded or requests still run or wait with it."""
+        return bool(await self._lora_call("remove_lora", lora_id))
+
+    async def list_loras(self) -> set[int]:
+        return set(await self._lora_call("list_loras"))
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        return bool(await self._lora_call("pin_lora", lora_id))
+
+    async def _lora_call(self, method: str, *args: Any, timeout: float = 10.0) -> Any:
+        """The engine's ValueError (it crosses the socket as "ValueError: ...") raised as one."""
+        try:
+            return await self.client.call_utility(method, timeout=timeout, args=list(args))
+        except RuntimeError as e:
+            kind, _, message = str(e).partition(": ")
+            if kind == "ValueError" and type(e) is RuntimeError:
+                raise ValueError(message) from None
+            raise
 
     async def check_health(self) -> None:
         if not self.is_healthy:

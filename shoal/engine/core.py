@@ -31,6 +31,7 @@ from shoal.core.executor import Executor
 from shoal.core.kv_cache_spec import KVCacheLayout
 from shoal.core.request import Request
 from shoal.core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from shoal.engine.core_lora import CoreLoRA
 from shoal.engine.dp_lockstep import join_dp_lockstep
 from shoal.engine.encoder_schedule import encoder_cache_size, whole_spans
 from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_core_request
@@ -66,7 +67,7 @@ def freeze_startup_heap() -> None:
     gc.freeze()
 
 
-class EngineCore:
+class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  request_limits: RequestLimits | None = None):
         """request_limits: what one request may ask for (RequestLimits.from_engine_args);
@@ -274,15 +275,6 @@ class EngineCore:
         if done and getattr(self.scheduler, "encoders", None) is not None:
             self.scheduler.encoders.reset()  # images' encoder outputs: the runner's next step
         return done
-
-    def remove_lora(self, lora_id: int) -> None:
-        """Forgets an unloaded adapter, unless a request still runs or waits with it (its
-        steps would read it again from disk; the next unload after they end drops it)."""
-        s = self.scheduler
-        busy = any(r.lora is not None and r.lora.lora_int_id == lora_id
-                   for r in (*s.running, *s.waiting))
-        if not busy:
-            self.runner.remove_lora(lora_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)

@@ -40,6 +40,7 @@ from shoal.engine.core_messages import (
     UtilityResult,
 )
 from shoal.engine.engine_args import EngineArgs
+from shoal.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,8 @@ IDLE_POLL_MS = 2000
 class EngineCoreProc:
     """The busy loop around one EngineCore (anything with its methods, for tests)."""
 
-    UTILITIES = ("ping", "get_stats", "reset_stats", "remove_lora", "sleep", "wake_up",
-                 "is_sleeping", "reset_prefix_cache", "pause_generation", "resume_generation",
+    UTILITIES = ("ping", "get_stats", "reset_stats", "add_lora", "remove_lora", "pin_lora",
+                 "list_loras", "sleep", "wake_up", "is_sleeping", "reset_prefix_cache", "pause_generation", "resume_generation",
                  "is_paused", "pause_settled", "collective_rpc")
 
     def __init__(self, core: Any, input_socket: zmq.Socket, output_socket: zmq.Socket,
@@ -229,7 +230,10 @@ class EngineCoreProc:
             "ping": lambda: "pong",
             "get_stats": lambda: msgspec.to_builtins(self._rebased(self._last_stats)),
             "reset_stats": self._reset_stats,
+            "add_lora": lambda lora: self.core.add_lora(lora_request_of(lora)),
             "remove_lora": lambda lora_id: self.core.remove_lora(int(lora_id)),
+            "pin_lora": lambda lora_id: self.core.pin_lora(int(lora_id)),
+            "list_loras": lambda: sorted(self.core.list_loras()),
             "sleep": lambda level: self.core.sleep(int(level)),
             "wake_up": lambda tags=None: self.core.wake_up(tags),
             "is_sleeping": lambda: bool(self.core.sleep_level),
@@ -268,6 +272,14 @@ class EngineCoreProc:
 
     def _send(self, msg: Any) -> None:
         self.output.send(self.encoder.encode(msg), copy=False)
+
+
+def lora_request_of(raw: Any) -> LoRARequest:
+    """add_lora's argument as it crossed the socket (a LoRARequest encodes as a map)."""
+    try:
+        return msgspec.convert(raw, LoRARequest)
+    except msgspec.ValidationError as e:
+        raise ValueError(f"add_lora: not a LoRARequest ({e})") from None
 
 
 def rpc_arguments(method: str, args: list[Any] | None, kwargs: dict[str, Any] | None

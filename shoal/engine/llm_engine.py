@@ -84,6 +84,24 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         self.core.abort_requests(self.outputs.abort(request_id))
 
+    # ---- LoRA adapters (vLLM's; the offline LLM reaches them as llm.llm_engine.add_lora)
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Loads the adapter on every rank ahead of its requests; ValueError naming it when
+        it cannot be served (the engine serves on)."""
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """False when it was not loaded, or while requests still run or wait with it."""
+        return self.core.remove_lora(lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.core.list_loras()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Never evicted (host memory, device slot) until removed; ValueError when it is not
+        loaded or would take the last unpinned slot (shoal/engine/core_lora.py)."""
+        return self.core.pin_lora(lora_id)
+
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests() or self.outputs.has_unfinished()
 

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 
 from shoal.core.scheduler_output import SchedulerOutput
+from shoal.lora_request import LoRARequest
 
 
 class InitKVCache(msgspec.Struct, tag="init_kv"):
@@ -33,6 +34,16 @@ class RemoveLoRA(msgspec.Struct, tag="remove_lora"):
     lora_id: int
 
 
+class AddLoRA(msgspec.Struct, tag="add_lora"):
+    """add_lora: the driver read the adapter first (a bad one never reaches the ranks)."""
+
+    lora: LoRARequest
+
+
+class PinLoRA(msgspec.Struct, tag="pin_lora"):
+    lora_id: int
+
+
 class CollectiveRPC(msgspec.Struct, tag="rpc"):
     """A lifecycle method on every rank; the results are gathered over the ranks' group."""
 
@@ -52,5 +63,5 @@ class Stop(msgspec.Struct, tag="stop"):
     pass
 
 
-Command = (InitKVCache | RunStep | FinishStep | RemoveRequests | RemoveLoRA | CollectiveRPC
-           | ResetAfterFault | CheckHealth | Stop)
+Command = (InitKVCache | RunStep | FinishStep | RemoveRequests | RemoveLoRA | AddLoRA | PinLoRA
+           | CollectiveRPC | ResetAfterFault | CheckHealth | Stop)

@@ -22,16 +22,19 @@ from shoal.core.executor import Executor
 from shoal.core.kv_cache_spec import KVCacheLayout
 from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from shoal.executor.commands import (
+    AddLoRA,
     CheckHealth,
     CollectiveRPC,
     FinishStep,
     InitKVCache,
+    PinLoRA,
     RemoveLoRA,
     RemoveRequests,
     ResetAfterFault,
     RunStep,
 )
 from shoal.executor.rpc import check_rpc_method, gather_rpc
+from shoal.lora_request import LoRARequest
 from shoal.worker.model_runner import ModelRunner
 from shoal.worker.step_handle import StepHandle
 
@@ -79,9 +82,25 @@ class DriverExecutor(Executor):
         self._broadcast(CollectiveRPC(method, list(args)))
         return gather_rpc(self.driver, method, list(args), raise_errors=True)
 
-    def remove_lora(self, lora_id: int) -> None:
+    # LoRA: the driver first, so that a bad adapter or a refused pin raises here and never
+    # reaches the other ranks (they hold what the driver holds: the same calls, in order).
+    # No collective: under pipeline parallelism steps may be in flight meanwhile.
+    def add_lora(self, lora: LoRARequest) -> bool:
+        added = self.driver.add_lora(lora)
+        self._broadcast(AddLoRA(lora))
+        return added
+
+    def pin_lora(self, lora_id: int) -> bool:
+        pinned = self.driver.pin_lora(lora_id)
+        self._broadcast(PinLoRA(lora_id))
+        return pinned
+
+    def remove_lora(self, lora_id: int) -> bool:
         self._broadcast(RemoveLoRA(lora_id))
-        self._on_driver(self.driver.remove_lora, lora_id)
+        return self._on_driver(self.driver.remove_lora, lora_id)
+
+    def list_loras(self) -> set[int]:
+        return self.driver.list_loras()
 
     @property
     def pipelined(self) -> bool:

@@ -26,11 +26,13 @@ import zmq
 
 from shoal.config import EngineConfig
 from shoal.executor.commands import (
+    AddLoRA,
     CheckHealth,
     CollectiveRPC,
     Command,
     FinishStep,
     InitKVCache,
+    PinLoRA,
     RemoveLoRA,
     RemoveRequests,
     ResetAfterFault,
@@ -102,6 +104,8 @@ class RankCommands:
             runner.remove_requests(set(cmd.serials))
         elif isinstance(cmd, RemoveLoRA):
             runner.remove_lora(cmd.lora_id)
+        elif isinstance(cmd, (AddLoRA, PinLoRA)):
+            self._lora_call(cmd)
         elif isinstance(cmd, CollectiveRPC):
             gather_rpc(runner, cmd.method, cmd.args)
         elif isinstance(cmd, InitKVCache):
@@ -114,6 +118,17 @@ class RankCommands:
         elif isinstance(cmd, Stop):
             return False
         return True
+
+    def _lora_call(self, cmd: AddLoRA | PinLoRA) -> None:
+        """What the driver did already, so it succeeds here too; if it does not (a file
+        gone since), this rank serves on: a request naming the adapter reads it again."""
+        try:
+            if isinstance(cmd, AddLoRA):
+                self.runner.add_lora(cmd.lora)
+            else:
+                self.runner.pin_lora(cmd.lora_id)
+        except Exception:
+            logger.exception("%s failed on this rank", type(cmd).__name__)
 
     def _finish(self, handle: Any) -> None:
         # No grammar: this rank's tokens are never read (the driver's are).

@@ -3,7 +3,12 @@ dropped first, read again from disk when asked for) and max_loras in the layers'
 slots (least recently used slot reused). Each step writes its tokens' slots into the shared
 table (LoRAStep); the scheduler never runs a step with more distinct adapters than slots.
 Under pipeline parallelism each stage holds the slots of its own layers and reads only the
-adapter tensors of those (stage_limits.py)."""
+adapter tensors of those (stage_limits.py).
+
+Pinned adapters (vLLM's pin_lora) are never dropped from host memory nor from their slot.
+Fewer than max_loras may be pinned: one slot at least stays for the other adapters, whose
+requests would otherwise wait for ever (the scheduler admits unpinned adapters into the
+slots left unpinned, engine/admission.py)."""
 
 from __future__ import annotations
 
@@ -46,6 +51,7 @@ class LoRASlots:
         self.in_slot: list[int | None] = [None] * config.max_loras  # slot -> adapter id
         self.slot_path: list[str | None] = [None] * config.max_loras
         self.last_used = [0] * config.max_loras
+        self.pinned: set[int] = set()  # adapter ids kept in host memory and in their slot
         self._steps = 0
         self.loads = 0  # adapters read from disk (tests and logs)
 
@@ -61,20 +67,72 @@ class LoRASlots:
         weights = load_adapter_weights(self.stage_modules.part_of(spec), self.dtype,
                                        pin=self.device.type == "cuda")
         self.loads += 1
-        if held is not None:  # the same id, another folder: its slot holds stale weights
-            self.remove(lora.lora_int_id)
+        stale = self.slot_of.get(lora.lora_int_id)
+        if stale is not None and self.slot_path[stale] != lora.lora_path:
+            # the same id, another folder: its slot holds stale weights (a pin stays: the
+            # id is pinned, whatever folder it names)
+            self.in_slot[stale] = self.slot_path[stale] = None
+            del self.slot_of[lora.lora_int_id]
         self.host[lora.lora_int_id] = (lora.lora_path, weights)
-        while len(self.host) > self.config.cpu_capacity:
-            old, _ = self.host.popitem(last=False)
-            logger.debug("LoRA adapter %d dropped from host memory", old)
+        self.host.move_to_end(lora.lora_int_id)
+        self._drop_from_host(keep=lora.lora_int_id)
         return weights
 
-    def remove(self, lora_id: int) -> None:
-        """Forgets the adapter (host copy and slot); a later request reads it again."""
-        self.host.pop(lora_id, None)
+    def _drop_from_host(self, keep: int) -> None:
+        """Least recently used first, never a pinned adapter nor `keep` (the one just
+        read): fewer than max_loras <= max_cpu_loras are pinned, so one is always found."""
+        while len(self.host) > self.config.cpu_capacity:
+            old = next(i for i in self.host if i not in self.pinned and i != keep)
+            del self.host[old]
+            logger.debug("LoRA adapter %d dropped from host memory", old)
+
+    def remove(self, lora_id: int) -> bool:
+        """Forgets the adapter (host copy, slot and pin); a later request reads it again.
+        False when it was not loaded."""
+        self.pinned.discard(lora_id)
+        held = self.host.pop(lora_id, None) is not None
         slot = self.slot_of.pop(lora_id, None)
         if slot is not None:
             self.in_slot[slot] = self.slot_path[slot] = None
+        return held or slot is not None
+
+    def loaded(self) -> set[int]:
+        """The ids of the adapters held in host memory or in a device slot (a request of
+        one of them reads nothing from disk)."""
+        return set(self.host) | set(self.slot_of)
+
+    def preload(self, lora: LoRARequest) -> None:
+        """add_lora: the adapter into host memory, and into a device slot if one is free
+        (a slot that holds another adapter is left alone: running requests may use it)."""
+        weights = self.add(lora)
+        if lora.lora_int_id not in self.slot_of and None in self.in_slot:
+            self._write(self.in_slot.index(None), lora.lora_int_id, lora.lora_path, weights)
+
+    def pin(self, lora_id: int) -> None:
+        """Keeps a loaded adapter in host memory and in a device slot (taken now: a free
+        one, else the least recently used unpinned one) until it is removed."""
+        if lora_id in self.pinned:
+            return
+        if lora_id in self.host:
+            path = self.host[lora_id][0]
+        elif lora_id in self.slot_of:
+            path = self.slot_path[self.slot_of[lora_id]]
+        else:
+            raise ValueError(f"LoRA adapter {lora_id} is not loaded: add_lora or a request "
+                             "naming it loads it before it can be pinned")
+        limit = len(self.in_slot)
+        if len(self.pinned) + 1 >= limit:
+            raise ValueError(f"cannot pin LoRA adapter {lora_id}: {len(self.pinned)} of the "
+                             f"max_loras={limit} device slots are pinned, and one must stay "
+                             "for the other adapters' requests (raise max_loras)")
+        assert path is not None
+        # (read again only if host memory had dropped it while its slot kept it)
+        weights = self.add(LoRARequest(f"lora-{lora_id}", lora_id, path))
+        if lora_id not in self.slot_of:
+            free = [s for s, held_id in enumerate(self.in_slot) if held_id is None]
+            slot = free[0] if free else self._least_recent(keep=set())
+            self._write(slot, lora_id, path, weights)
+        self.pinned.add(lora_id)
 
     # ---- device slots -------------------------------------------------------------------------
     def set_step(self, loras: list[LoRARequest | None], num_tokens: list[int]) -> None:
@@ -101,16 +159,26 @@ class LoRASlots:
         slot = self.slot_of.get(lora.lora_int_id)
         if slot is None:
             free = [s for s, held_id in enumerate(self.in_slot) if held_id is None]
-            slot = free[0] if free else min(
-                (s for s, held_id in enumerate(self.in_slot) if held_id not in keep),
-                key=lambda s: self.last_used[s])
-            old = self.in_slot[slot]
-            if old is not None:
-                del self.slot_of[old]
+            slot = free[0] if free else self._least_recent(keep)
+        self._write(slot, lora.lora_int_id, lora.lora_path, weights)
+        return slot
+
+    def _least_recent(self, keep: set[int]) -> int:
+        """The least recently used slot whose adapter is neither pinned nor in `keep`."""
+        candidates = [s for s, held_id in enumerate(self.in_slot)
+                      if held_id not in keep and held_id not in self.pinned]
+        if not candidates:  # the scheduler's admission rule makes this unreachable
+            raise RuntimeError(f"no LoRA slot to reuse: {len(self.pinned)} pinned, the step "
+                               f"needs {sorted(keep)}; max_loras is {len(self.in_slot)}")
+        return min(candidates, key=lambda s: self.last_used[s])
+
+    def _write(self, slot: int, lora_id: int, path: str, weights: AdapterWeights) -> None:
+        old = self.in_slot[slot]
+        if old is not None and old != lora_id:
+            del self.slot_of[old]
         for layer in (*self.layers, *self.expert_layers):
             layer.write_slot(slot, weights)
-        self.in_slot[slot] = lora.lora_int_id
-        self.slot_path[slot] = lora.lora_path
-        self.slot_of[lora.lora_int_id] = slot
+        self.in_slot[slot] = lora_id
+        self.slot_path[slot] = path
+        self.slot_of[lora_id] = slot
         self.last_used[slot] = self._steps
-        return slot

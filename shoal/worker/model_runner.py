@@ -48,6 +48,7 @@ from shoal.worker.mm_step import MultiModalRunner
 from shoal.worker.model_graphs import ModelGraphs, step_shapes
 from shoal.worker.pending_tokens import PendingTokens
 from shoal.worker.request_state import RequestState
+from shoal.worker.runner_lora import RunnerLoRA
 from shoal.worker.stage_link import StageLink
 from shoal.worker.step_forward import ForwardOutput, StepForwarder
 from shoal.worker.step_handle import StepHandle
@@ -57,7 +58,7 @@ from shoal.worker.step_sampling import sample_step
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner(RunnerLifecycle, Executor):
+class ModelRunner(RunnerLifecycle, RunnerLoRA, Executor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  drafter_factory: DrafterFactory | None = None):
         """drafter_factory: builds the speculative config's drafter over the target model
@@ -130,23 +131,8 @@ class ModelRunner(RunnerLifecycle, Executor):
         k = spec.num_speculative_tokens if spec is not None else 0
         return max(sc.max_num_batched_tokens, sc.max_num_seqs * (k + 1))
 
-    def load_step_loras(self, sched: SchedulerOutput) -> None:
-        """LoRA: the step's adapters into host memory (read from disk where not there yet);
-        raises when one cannot be read."""
-        if self.lora is None:
-            return
-        new = {n.serial: n.lora for n in sched.new_requests}
-        for it in sched.scheduled:
-            lora = new[it.serial] if it.serial in new else self.requests[it.serial].lora
-            if lora is not None:
-                self.lora.add(lora)
-
     def collective_rpc(self, method: str, args: list[Any]) -> list[Any]:
         return [self.rpc(method, args)]
-
-    def remove_lora(self, lora_id: int) -> None:
-        if self.lora is not None:
-            self.lora.remove(lora_id)
 
     @property
     def pipelined(self) -> bool:

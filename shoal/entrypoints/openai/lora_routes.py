@@ -91,9 +91,17 @@ def add_lora_routes(app: FastAPI, models: ServedModels, engine: AsyncLLM) -> Non
         name, path, base = body.get("lora_name"), body.get("lora_path"), \
             body.get("base_model_name")
         if shared is None:
-            models.load_lora(name, path, base)
+            lora = models.load_lora(name, path, base)
         else:
-            await shared.load(models, name, path, base)
+            lora = await shared.load(models, name, path, base)
+        try:  # read by the engine now, so its first request does not wait for it
+            await engine.add_lora(lora)
+        except ValueError as e:  # (checked above already: the folder changed meanwhile)
+            if shared is None:
+                models.unload_lora(name)
+            else:
+                await shared.unload(models, name)
+            raise OpenAIError(400, str(e), "lora_path") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
