@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.layers.ops.dispatch import use_triton
+
 
 def _flat_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """[T, hc, D] -> [T, hc * D] float32, divided by its root mean square."""
@@ -23,8 +25,9 @@ def _flat_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class HyperConnection(nn.Module):
-    def __init__(self, cfg: Any):
+    def __init__(self, cfg: Any, use_triton_ops: bool = True):
         super().__init__()
+        self.use_triton_ops = use_triton_ops  # CUDA: the mixes in one kernel (ops/)
         hc = self.hc = cfg.hc_mult
         self.iters, self.hc_eps, self.eps = cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps
         mixes = (2 + hc) * hc  # pre (hc), post (hc), comb (hc x hc)
@@ -36,17 +39,28 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, hc, D] -> (post [T, hc], comb [T, hc, hc], the block's input [T, D])."""
-        hc = self.hc
         mixes = F.linear(_flat_rms(streams, self.eps), self.fn)
+        if use_triton(mixes, self.use_triton_ops):
+            from shoal.layers.ops.hyper_connection_mix import hc_mix
+
+            pre, post, comb = hc_mix(mixes, self.base, self.scale, self.hc, self.iters,
+                                     self.hc_eps)
+        else:
+            pre, post, comb = self.mix(mixes)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+    def mix(self, mixes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected mixes [T, (2 + hc) * hc] -> (pre [T, hc], post [T, hc], comb [T, hc,
+        hc]) in PyTorch (the kernel's reference)."""
+        hc = self.hc
         pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
         pre_b, post_b, comb_b = self.base.split([hc, hc, hc * hc])
         pre_s, post_s, comb_s = self.scale.unbind(0)
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = torch.softmax(comb_w.view(-1, hc, hc) * comb_s + comb_b.view(hc, hc), dim=-1)
-        comb = self._sinkhorn(comb + self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return pre, post, self._sinkhorn(comb + self.hc_eps)
 
     def _sinkhorn(self, comb: torch.Tensor) -> torch.Tensor:
         """Columns, then (rows, columns) iters - 1 times, normalized to sum to 1."""

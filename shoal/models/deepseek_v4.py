@@ -100,8 +100,8 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.mlp = DeepseekV4MoE(cfg, layer, dtype, use_triton_ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, use_triton_ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps, dtype, use_triton_ops)
-        self.attn_hc = HyperConnection(cfg)
-        self.ffn_hc = HyperConnection(cfg)
+        self.attn_hc = HyperConnection(cfg, use_triton_ops)
+        self.ffn_hc = HyperConnection(cfg, use_triton_ops)
 
     def forward(self, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                 step: StepSpans) -> torch.Tensor:
