@@ -148,3 +148,18 @@ def test_more_rows_than_the_gemv_holds_skip_the_tuner(monkeypatch):
                         lambda *a: pytest.fail("tuned a prefill"))
     x = torch.randn(decode_gemv.MAX_ROWS + 1, 256, device=DEVICE)
     _close(q(x), x @ dequantize_packed(_cases()["int4"]).t())
+
+
+def test_a_fast_candidate_that_computes_garbage_is_never_picked(monkeypatch, caplog):
+    """The tuner checks each candidate's output against its first (the heuristic's pick)
+    before it may win on time: a race or a wrong mask in a fast launch shape is dropped."""
+    speed = {"reference": 9.0, "fast but wrong": 1.0, "right": 5.0, "fast nan": 0.5}
+    out = {"reference": torch.ones(4, 8), "fast but wrong": torch.zeros(4, 8),
+           "right": torch.ones(4, 8) * 1.01, "fast nan": torch.full((4, 8), float("nan"))}
+    # (the label is "<key> <candidate name>")
+    monkeypatch.setattr(launch_tuner, "gpu_time_us",
+                        lambda fn, label="": speed[label.removeprefix("('k',) ")])
+    tuned = launch_tuner._time(("k",), {name: (lambda name=name: out[name]) for name in out})
+    assert tuned.choice == "right"
+    assert tuned.times_us["fast but wrong"] == tuned.times_us["fast nan"] == float("inf")
+    assert "fast but wrong disagrees with the reference" in caplog.text

@@ -9,15 +9,22 @@ but registers.
 
 split > 1: the K range is cut into `split` programs per strip writing float32 partials
 [split, M, N] that one sum adds (deterministic: no atomics), for shapes with too few strips
-to fill the GPU (a 4096-row output of a 14336-wide input)."""
+to fill the GPU (a 4096-row output of a 14336-wide input).
+
+INT4 has a second kernel, int4_wide_gemv.py (tiles.kernel "wide": fewer instructions a code,
+the rows sharing each dequantized code, a K split summed by the strip's last program); the
+tuner times both kinds."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from shoal.layers.quantization.int4_wide_gemv import int4_wide_gemv, partial_chunk
 
 MAX_ROWS = 8  # activation rows one program holds; more rows take the tensor-core kernels
 
@@ -29,6 +36,8 @@ class GemvTiles:
     split: int
     num_warps: int = 4
     num_stages: int = 3
+    kernel: str = "strip"  # INT4: "strip" (here) or "wide" (int4_wide_gemv.py)
+    prefetch: bool = False  # "wide": the next step's words load during this step's math
 
 
 @triton.jit
@@ -188,6 +197,13 @@ def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     if tiles.block_k % 8 or (group < k and group % tiles.block_k):
         raise ValueError(f"int4_gemv: block_k {tiles.block_k} must be a multiple of 8 that "
                          f"divides the group {group}")
+    if tiles.kernel == "wide":
+        return int4_wide_gemv(x, codes, scales, zeros, group, block_n=tiles.block_n,
+                              step_w=tiles.block_k // 8, split=tiles.split,
+                              prefetch=tiles.prefetch, num_warps=tiles.num_warps,
+                              num_stages=tiles.num_stages)
+    if tiles.kernel != "strip":
+        raise ValueError(f"int4_gemv: kernel {tiles.kernel!r} is not 'strip' or 'wide'")
     span, split = _span(k, tiles.block_k, tiles.split)
     out = torch.empty((split, m, n) if split > 1 else (m, n),
                       dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
@@ -208,12 +224,56 @@ def fp8_candidates(n: int, k: int, group: int, device: torch.device) -> list[Gem
                         device)
 
 
-def int4_candidates(n: int, k: int, group: int, device: torch.device) -> list[GemvTiles]:
-    """Launch shapes worth timing for INT4 codes [K / 8, N] of group `group`."""
+def int4_candidates(n: int, k: int, group: int, device: torch.device, rows: int = 1
+                    ) -> list[GemvTiles]:
+    """Launch shapes worth timing for INT4 codes [K / 8, N] of group `group` at `rows`
+    activation rows (a power of two up to MAX_ROWS): the strip kernel's, then the wide
+    kernel's, whose registers grow with the rows."""
     strips = ((16, 16), (32, 8)) if device.type != "cuda" else (
         (64, 64), (128, 32), (32, 128), (64, 128), (128, 64), (256, 32))
-    return _with_splits([s for s in strips if group >= k or group % s[1] == 0], n,
-                        (1, 2, 4, 8), device)
+    fits = [s for s in strips if group >= k or group % s[1] == 0]
+    return _with_splits(fits, n, (1, 2, 4, 8), device) + _wide(n, k, group, rows, device)
+
+
+# "wide" tiles per row count: (block_n, step words, prefetch), one warp a program. Each
+# thread holds step x block_n / 32 words and rows x that many float32 sums: at one row 64
+# words a thread (106-170 registers from Triton's sm_90 compiler, 12-19 programs an SM),
+# fewer words with more rows so that 8 rows stay within 255 registers without spilling.
+# With few words a step, prefetch costs few registers and keeps two steps of loads in flight.
+# Ten compiled kernels in all (a tile's splits share one): start-up time stays small.
+_WIDE = {1: ((256, 8, False), (256, 8, True), (512, 4, True), (128, 16, False)),
+         2: ((256, 4, False), (256, 4, True)),
+         4: ((256, 2, True), (128, 4, False)),
+         8: ((256, 1, True), (128, 2, True))}
+
+
+def _wide(n: int, k: int, group: int, rows: int, device: torch.device) -> list[GemvTiles]:
+    if device.type != "cuda":  # the interpreter: one tile, split (few steps: it is slow)
+        return [GemvTiles(64, 32, 2, num_warps=1, num_stages=1, kernel="wide")] \
+            if group >= k or group % 32 == 0 else []
+    return wide_tiles(n, k, group, rows, torch.cuda.get_device_properties(device)
+                      .multi_processor_count)
+
+
+def wide_tiles(n: int, k: int, group: int, rows: int, sms: int) -> list[GemvTiles]:
+    """The wide kernel's candidates on a GPU of `sms` multiprocessors: each tile of _WIDE
+    with up to three K splits (powers of two) that give about 4, 8 and 16 one-warp programs
+    a multiprocessor. Never one split: a strip's single warp cannot keep a multiprocessor's
+    loads in flight. At most: K / 128 (the float32 partials stay within 6 % of the weight's
+    bytes), four rounds of the last program's partial loads (partial_chunk), half the K
+    steps (two steps a program, or one where K is short)."""
+    out = []
+    for block_n, words, prefetch in _WIDE[rows]:
+        if group < k and group % (words * 8):
+            continue
+        strips, steps = triton.cdiv(n, block_n), triton.cdiv(k, words * 8)
+        most = min(k // 128, 4 * partial_chunk(rows, block_n // 32), max(2, steps // 2))
+        most = 1 << max(1, most.bit_length() - 1)  # a power of two, at least 2
+        splits = sorted({min(most, max(2, 1 << round(math.log2(per_sm * sms / strips))))
+                         for per_sm in (4, 8, 16)})
+        out += [GemvTiles(block_n, words * 8, split, num_warps=1, num_stages=1,
+                          kernel="wide", prefetch=prefetch) for split in splits]
+    return out
 
 
 def _with_splits(strips: list[tuple[int, int]], n: int, splits: tuple[int, ...],

@@ -5,10 +5,10 @@ different widths and K splits, the tensor-core kernel of methods.py) and which i
 depends on the GPU and the shape more than a rule can say. The first call of a shape key
 outside a CUDA-graph capture (the engine's warm-up pass runs every captured shape eagerly
 before capturing it) times each candidate, as the GPU runs it inside a graph of its own, and
-keeps the fastest for the process; later calls,
-and the captured graph, use that one. Candidates that fail to launch (shared memory, say) are
-dropped. During a capture, on the CPU, or with SHOAL_QUANT_TUNING=0, a key not timed yet takes
-its first candidate: the heuristic's pick.
+keeps the fastest for the process; later calls, and the captured graph, use that one.
+Candidates that fail to launch (shared memory, say) or whose output is not the first
+candidate's (the heuristic's pick) are dropped. During a capture, on the CPU, or with
+SHOAL_QUANT_TUNING=0, a key not timed yet takes its first candidate: the heuristic's pick.
 
 The choice is per process: two runs may pick different candidates of near-equal time, whose
 float32 sums differ in order (outputs within rounding, not bit-equal across runs)."""
@@ -28,6 +28,7 @@ from shoal import envs
 logger = logging.getLogger(__name__)
 
 WARMUP, REPEATS = 3, 10
+AGREE = 0.125  # relative norm error a candidate may show against the reference (_agrees)
 
 
 @dataclass
@@ -56,15 +57,39 @@ def _may_time(device: torch.device) -> bool:
 
 
 def _time(key: Hashable, candidates: dict[str, Callable[[], torch.Tensor]]) -> Tuned:
-    times = {name: gpu_time_us(fn, f"{key} {name}") for name, fn in candidates.items()}
-    best = min(times, key=times.__getitem__)
     first = next(iter(candidates))
+    try:  # the heuristic's pick (the tested tensor-core kernel): what every candidate must give
+        ref = candidates[first]().float()
+    except Exception:  # (it cannot launch here: nothing to check the others against)
+        ref = None
+    times = {}
+    for name, fn in candidates.items():
+        t = gpu_time_us(fn, f"{key} {name}")
+        if t != float("inf") and ref is not None and name != first \
+                and not _agrees(fn, ref, f"{key} {name}"):
+            t = float("inf")
+        times[name] = t
+    best = min(times, key=times.__getitem__)
     if times[best] == float("inf"):  # nothing could be timed: the heuristic's pick
         logger.warning("quantized %s: no launch candidate could be timed; using %s", key, first)
         return Tuned(first, times)
     logger.info("quantized %s: %s %.1f us (heuristic %s %.1f us, %d candidates)", key, best,
                 times[best], first, times[first], len(times))
     return Tuned(best, times)
+
+
+def _agrees(fn: Callable[[], torch.Tensor], ref: torch.Tensor, label: str) -> bool:
+    """Whether a candidate computes what the reference does, up to AGREE in relative norm (the
+    FP8 tensor-core kernels round activations to FP8, the GEMVs do not: a few percent apart).
+    A fast launch shape that computes garbage (a race, a wrong mask) must never be picked:
+    the timing alone would not notice."""
+    out = fn().float()
+    err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    if out.shape == ref.shape and bool(torch.isfinite(out).all()) and err <= AGREE:
+        return True
+    logger.warning("launch candidate %s disagrees with the reference (relative error %.3g): "
+                   "dropped", label, err)
+    return False
 
 
 def gpu_time_us(fn: Callable[[], object], label: str = "") -> float:

@@ -38,13 +38,21 @@ def _decode_rows(flat: torch.Tensor) -> bool:
     return 0 < flat.shape[0] <= decode_gemv.MAX_ROWS and flat.dtype != torch.float64
 
 
+def _row_bucket(flat: torch.Tensor) -> int:
+    """Rows rounded up to a power of two: one tuning key (and candidate list) per bucket."""
+    return 1 << (flat.shape[0] - 1).bit_length()
+
+
 def _tune_key(kind: str, weight_shape: tuple[int, ...], group: int, flat: torch.Tensor
               ) -> tuple:
-    return (kind, *weight_shape, group, 1 << (flat.shape[0] - 1).bit_length(), flat.dtype)
+    return (kind, *weight_shape, group, _row_bucket(flat), flat.dtype)
 
 
 def _gemv_name(t: decode_gemv.GemvTiles) -> str:
-    return f"gemv n{t.block_n} k{t.block_k} split{t.split}"
+    name = f"gemv n{t.block_n} k{t.block_k} split{t.split}"
+    if t.kernel == "strip":
+        return name
+    return f"{name} {t.kernel} w{t.num_warps}" + (" prefetch" if t.prefetch else "")
 
 
 @dataclass(frozen=True)
@@ -64,9 +72,10 @@ def _fp8_candidates(first: str, n: int, k: int, group: int, device: torch.device
 
 
 @functools.cache
-def _int4_candidates(first: str, n: int, k: int, group: int, device: torch.device
-                     ) -> _Candidates:
-    tiles = {_gemv_name(t): t for t in decode_gemv.int4_candidates(n, k, group, device)}
+def _int4_candidates(first: str, n: int, k: int, group: int, device: torch.device,
+                     rows: int = 1) -> _Candidates:
+    tiles = {_gemv_name(t): t
+             for t in decode_gemv.int4_candidates(n, k, group, device, rows)}
     return _Candidates((first, *tiles), tiles)
 
 
@@ -187,7 +196,7 @@ class Int4Linear:
             flat = flat.contiguous()
             n = self.codes.shape[1]
             cands = _int4_candidates("w4a16 gemm", n, self.in_features, self.group,
-                                     flat.device)
+                                     flat.device, _row_bucket(flat))
 
             def run(name: str) -> torch.Tensor:
                 if name == "w4a16 gemm":
