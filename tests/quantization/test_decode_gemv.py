@@ -108,7 +108,10 @@ def test_each_layer_replays_every_candidate_the_tuner_could_pick(name, monkeypat
     monkeypatch.setattr("shoal.layers.quantization.methods.run_fastest", spy)
     q(x)
     (key, names), = picks
-    assert key[0].startswith(name) and key[-2] == 4 and len(names) >= 3  # 3 rows -> the 4-row bucket
+    # 3 rows -> the 4-row bucket; on a GPU this tiny shape may leave the kernel alone (the
+    # GPU's strips are wider than its block-scale groups take)
+    assert key[0].startswith(name) and key[-2] == 4 and len(names) >= (3 if DEVICE == "cpu"
+                                                                          else 1)
     if DEVICE == "cuda":  # the GPU timed them all and picked one
         assert set(launch_tuner.TUNED[key].times_us) == set(names)
     for cand in names[1:]:
@@ -147,7 +150,8 @@ def test_more_rows_than_the_gemv_holds_skip_the_tuner(monkeypatch):
     monkeypatch.setattr("shoal.layers.quantization.methods.run_fastest",
                         lambda *a: pytest.fail("tuned a prefill"))
     x = torch.randn(decode_gemv.MAX_ROWS + 1, 256, device=DEVICE)
-    _close(q(x), x @ dequantize_packed(_cases()["int4"]).t())
+    # the W4A16 GEMM's tl.dot takes TF32 inputs on a GPU
+    _close(q(x), x @ dequantize_packed(_cases()["int4"]).t(), 2e-3 if DEVICE == "cuda" else 1e-5)
 
 
 def test_a_fast_candidate_that_computes_garbage_is_never_picked(monkeypatch, caplog):
