@@ -257,7 +257,11 @@ def test_greedy_matches_transformers(tiny):
     prompts = [[5, 9, 33, 100, 7, 8, 200, 3, 11, 64, 250, 17] * 6, [300, 41], [77] * 20]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=1)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    check_against_hf(outs, prompts, hf, 8)
+    # float32 on both sides, but summed in other orders (shoal's C++ layer kernels or torch,
+    # against transformers' MKL): one step of the tiny Qwen3-Next (the 12-id x 6 prompt, its
+    # fifth token) lands 0.9-1.04e-4 from transformers on an AMX Intel host with either path,
+    # 1e-5 elsewhere; the gated delta rule's state carries such differences forward.
+    check_against_hf(outs, prompts, hf, 8, tol=3e-4)
 
 
 def test_quantized_matrices_load(tmp_path, tiny):
