@@ -145,6 +145,13 @@ SHOAL_LORA_SEGMENTED_MIN_TOKENS: EnvVar[int | None] = EnvVar(
     "LoRA on CUDA: steps of at least this many tokens take the segmented Triton kernels, "
     "shorter ones split-K; unset: 64 (shoal/lora/ops/lora_triton.py)")
 
+SHOAL_FREEZE_STARTUP_HEAP: EnvVar[bool] = EnvVar(
+    "SHOAL_FREEZE_STARTUP_HEAP", True, _switch,
+    "0: the engine core leaves what its start-up built to the garbage collector instead of "
+    "freezing it (gc.freeze; shoal/engine/startup_heap.py): for processes that start and drop "
+    "many small engines, as the test suite does, where each drop's thaw makes the next "
+    "start's collection walk the whole heap")
+
 SHOAL_KV_HUGE_PAGES: EnvVar[bool] = EnvVar(
     "SHOAL_KV_HUGE_PAGES", True, _switch,
     "0: the CPU KV pool is neither marked for transparent huge pages nor populated at "

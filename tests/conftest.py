@@ -19,6 +19,10 @@ if not torch.cuda.is_available():
 # runs on AVX2 and on AMX hosts, so the suite pins it (servers it starts inherit this).
 os.environ.setdefault("SHOAL_CPU_AUTO_DTYPE", "float32")
 
+# Engines freeze what their start-up built (engine/startup_heap.py) and thaw the whole heap
+# when dropped, after which the next start walks all of it: ~0.15 s an engine here.
+os.environ.setdefault("SHOAL_FREEZE_STARTUP_HEAP", "0")
+
 # Two cores: one intra-op thread per process keeps test processes from fighting.
 torch.set_num_threads(int(os.environ.get("SHOAL_TEST_THREADS", "1")))
 

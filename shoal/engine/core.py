@@ -18,8 +18,6 @@ costs no more than plain decoding."""
 
 from __future__ import annotations
 
-import atexit
-import gc
 import logging
 import os
 import time
@@ -39,6 +37,11 @@ from shoal.engine.pause import GenerationPause
 from shoal.engine.pooling_scheduler import PoolingScheduler
 from shoal.engine.request_errors import EngineDeadError
 from shoal.engine.scheduler import Scheduler
+from shoal.engine.startup_heap import (
+    freeze_startup_heap,
+    refreeze_if_thawed,
+    release_startup_heap,
+)
 from shoal.engine.step_queue import LaunchedStep, StepQueue
 from shoal.engine.structured_steps import StructuredSteps
 from shoal.engine.warm_requests import warm_request_path
@@ -53,18 +56,6 @@ logger = logging.getLogger(__name__)
 # one made-up token, forward and sampling): requests that fail alone are the usual cause, and
 # the engine serves on; a check that fails too means every request would, and it stops.
 CHECK_AFTER_FAILED_STEPS = 4
-
-
-def freeze_startup_heap() -> None:
-    """Moves everything built so far (torch, the model, tokenizer tables: millions of
-    objects) out of the garbage collector's reach. Otherwise the first full collection comes
-    during real traffic, as the first batch's requests add up: a 292 ms step in the middle of
-    W8's first run on the H200, none in the second."""
-    gc.collect()
-    if not gc.get_freeze_count():
-        # Frozen objects are never freed at exit; nanobind (triton) then reports leaks.
-        atexit.register(gc.unfreeze)
-    gc.freeze()
 
 
 class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
@@ -122,7 +113,7 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
             warm_request_path(self)
             self.startup_times["warm_requests"] = time.perf_counter() - t1
         t1 = time.perf_counter()
-        freeze_startup_heap()
+        freeze_startup_heap(self)  # (thawed at shutdown: engine/startup_heap.py)
         self.startup_times["freeze_heap"] = time.perf_counter() - t1
         logger.info("engine core ready in %.2f s (max_num_batched_tokens %d, max_num_seqs %d)",
                     time.perf_counter() - t0, sc.max_num_batched_tokens, sc.max_num_seqs)
@@ -304,9 +295,11 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
             self.runner.shutdown()
             if self.dp_lockstep is not None:
                 self.dp_lockstep.shutdown()
+            release_startup_heap(self)
 
     # ---- the loop body ----------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        refreeze_if_thawed()  # after another engine in this process stopped
         lockstep = self.dp_lockstep  # DP+EP: every replica steps, or none (dp_lockstep.py)
         if lockstep is not None and not lockstep.begin_step(self._has_local_work(), self.runner):
             return self._idle_round()

@@ -26,6 +26,7 @@ from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import RequestLimits
 from shoal.engine.kv_connector_setup import attach_kv_connector
 from shoal.engine.kv_events import attach_kv_events
+from shoal.engine.startup_heap import collect_stopped_engines
 from shoal.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,8 @@ def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
     config = args.create_engine_config(loaded.hf_config, loaded.source, serving=serving)
     if cuda_init is not None:
         cuda_init.join()
+    # (engines stopped before this one give their device memory back before it is measured)
+    collect_stopped_engines(device)
     t1 = time.perf_counter()
     core = EngineCore(config, loaded, request_limits=limits)
     core.thread_governor = thread_governor(device.type, threads, args.cpu_threads)

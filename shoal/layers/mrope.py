@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from shoal.layers.rotary import RotaryEmbedding, rope_parameters
+from shoal.layers.rotary_share import RotaryShare
 
 
 def mrope_streams(mrope_section: list[int], interleaved: bool) -> list[int]:
@@ -77,7 +78,7 @@ def mrope_section_of(hf_config: Any) -> tuple[list[int], bool] | None:
     return [int(s) for s in section], bool(rope.get("mrope_interleaved", False))
 
 
-_SHARED: dict[tuple, MRotaryEmbedding] = {}
+_SHARED: RotaryShare[MRotaryEmbedding] = RotaryShare()  # (rotary_share.py: one model's)
 
 
 def get_mrope(hf_config: Any, head_dim: int, use_triton_ops: bool = True,
@@ -94,9 +95,6 @@ def get_mrope(hf_config: Any, head_dim: int, use_triton_ops: bool = True,
     device = torch.empty(0).device  # the torch.device context the model is built under
     key = (head_dim, hf_config.max_position_embeddings, theta, tuple(found[0]), found[1],
            repr(sorted((scaling or {}).items())), str(device), use_triton_ops, rot_dim)
-    rope = _SHARED.get(key)
-    if rope is None:
-        rope = _SHARED[key] = MRotaryEmbedding(
-            head_dim, hf_config.max_position_embeddings, theta, found[0], found[1], scaling,
-            rot_dim, use_triton_ops)
-    return rope
+    return _SHARED.get(key, lambda: MRotaryEmbedding(
+        head_dim, hf_config.max_position_embeddings, theta, found[0], found[1], scaling,
+        rot_dim, use_triton_ops))

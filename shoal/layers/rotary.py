@@ -10,6 +10,7 @@ from torch import nn
 
 from shoal.layers.ops import cpu_layer_ops
 from shoal.layers.ops.dispatch import use_triton
+from shoal.layers.rotary_share import RotaryShare
 
 
 def _rope_kind(scaling: dict[str, Any]) -> str:
@@ -244,7 +245,7 @@ class RotaryEmbedding(nn.Module):
         return table
 
 
-_SHARED: dict[tuple, RotaryEmbedding] = {}
+_SHARED: RotaryShare[RotaryEmbedding] = RotaryShare()  # (rotary_share.py: one model's)
 
 
 def _freeze(value: Any) -> Any:
@@ -260,14 +261,13 @@ def _freeze(value: Any) -> Any:
 def get_rope(head_dim: int, max_position: int, theta: float,
              scaling: dict[str, Any] | None = None,
              use_triton_ops: bool = True, rot_dim: int | None = None) -> RotaryEmbedding:
-    """One rotary module (and one cos/sin table) shared by every layer with the same settings;
-    a long-context model's table is tens of MiB, too much to repeat per layer. rot_dim: the
+    """One rotary module (and one cos/sin table) shared by every layer of a model with the same
+    settings (rotary_share.py: never by two models); a long-context model's table is tens of
+    MiB, too much to repeat per layer. rot_dim: the
     leading dims of a head that rotate (partial rotary; default all)."""
     device = torch.empty(0).device  # the torch.device context the model is built under
     key = (head_dim, max_position, theta, _freeze(scaling or {}), str(device), use_triton_ops,
            rot_dim)
-    rope = _SHARED.get(key)
-    if rope is None:
-        rope = _SHARED[key] = RotaryEmbedding(head_dim, max_position, theta, scaling,
-                                              rot_dim=rot_dim, use_triton_ops=use_triton_ops)
-    return rope
+    return _SHARED.get(key, lambda: RotaryEmbedding(head_dim, max_position, theta, scaling,
+                                                    rot_dim=rot_dim,
+                                                    use_triton_ops=use_triton_ops))

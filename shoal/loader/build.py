@@ -14,6 +14,7 @@ from torch import nn
 
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import expert_parallel
+from shoal.layers import rotary_share
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.loader.kv_scales import apply_kv_scales
 from shoal.loader.loaded_model import LoadedModel
@@ -38,10 +39,12 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
     # cpu_offload_gb: the first decoder layers move to host memory as they are built
     offload = config.cache_config.cpu_offload_bytes
     offloader = WeightOffloader(offload, config.device) if offload else None
-    with torch.device(config.device), expert_parallel(ep), (
+    # (rotary tables shared by this model's layers only: layers/rotary_share.py)
+    with torch.device(config.device), expert_parallel(ep), rotary_share.one_model() as rope, (
             offloader.building() if offloader else contextlib.nullcontext()):
         model = cls(loaded.hf_config, config.model_config.dtype,
                     use_triton_ops=config.use_triton_ops)
+    rotary_share.remember(model, rope)  # (a drafter's head shares them)
     dummy = config.model_config.load_format == "dummy"
     # FP8 / INT4 weights kept packed on CUDA (shoal/quantization/fast_path.py)
     fast = None if offload else FastPath.plan(loaded.quantization, config.model_config.dtype,

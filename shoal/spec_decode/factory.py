@@ -23,10 +23,16 @@ from typing import Any
 from shoal.config import EngineConfig
 from shoal.config.speculative import FORCED
 from shoal.distributed.parallel_state import pp_is_first
+from shoal.layers import rotary_share
 from shoal.worker.drafter import Drafter
 
 
 def build_drafter(engine_config: EngineConfig, target: Any, loaded: Any) -> Drafter | None:
+    with rotary_share.one_model(target):  # a head's layers share the target's rotary tables
+        return _build_drafter(engine_config, target, loaded)
+
+
+def _build_drafter(engine_config: EngineConfig, target: Any, loaded: Any) -> Drafter | None:
     config = engine_config.speculative_config
     if config is None:
         return None
