@@ -170,12 +170,6 @@ def whole_spans(hf_config: Any) -> bool:
                or [])
 
 
-def image_attention_backend(hf_config: Any) -> str | None:
-    """The attention backend a model's images need by default: the torch one for two-way
-    attention among an image's tokens (Gemma 3's, which the Triton kernels do not have)."""
-    return "torch" if whole_spans(hf_config) else None
-
-
 def encoder_cache_size(config: Any, hf_config: Any) -> int:
     """Encoder outputs the runner keeps for a vision-language model (0 for any other): also
     the largest image a request may carry (EngineLimits.mm_max_embeds)."""

@@ -27,7 +27,6 @@ from shoal.engine.cpu_defaults import (
     GPU_MAX_NUM_BATCHED_TOKENS,
     default_scheduler_limits,
 )
-from shoal.engine.encoder_schedule import image_attention_backend
 from shoal.engine.graph_support import runs_without_graphs
 from shoal.engine.kv_events_args import KVEventsArgs
 from shoal.engine.kv_transfer_args import KVTransferArgs
@@ -276,7 +275,7 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
             device=device,
             # No graphs for DP+EP (its all-to-all reads split sizes on the host); graph_support.py
             enforce_eager=self.enforce_eager or self.dp_expert_parallel() or no_graphs,
-            attention_backend=self.attention_backend or image_attention_backend(hf_config),
+            attention_backend=self.attention_backend,
             use_triton_ops=self.use_triton_ops,
             fuse_rope_kv_write=self.fuse_rope_kv_write,
             cpu_int4_matmul=self._cpu_int4_matmul(device, dtype),

@@ -10,7 +10,10 @@ attention, then the rows of each image span are recomputed over the keys they se
 the end of their span (context and span keys read back from the paged cache, which the layer
 has just written), a sliding layer's window still applying. This assumes every image span of
 a step is whole within the step (the scheduler keeps an image's span in one step for this
-architecture) and the torch attention backend's metadata.
+architecture). Either attention backend's metadata locates a span's request rows, positions
+and block table: the torch one's per layer, the Triton one's from host values read once a
+step, with each span's key slots (and window mask) built once per KV cache group; the
+recompute itself is PyTorch either way (a span is at most a few hundred image tokens).
 
 hf_config is transformers' Gemma3Config or the engine's flattened text config whose
 `multimodal_config` is that config (shoal/loader/multimodal_config.py). Parameter names are
@@ -19,7 +22,9 @@ model.language_model.*); lm_head is tied to the embeddings. One pipeline stage."
 
 from __future__ import annotations
 
+import bisect
 import re
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -52,12 +57,20 @@ def canonical_name(name: str) -> str:
     return name
 
 
+# a piece's key cache slots [L] and sliding-window mask [n, L] (None: no window)
+_Keys = tuple[torch.Tensor, torch.Tensor | None]
+
+
 class ImageSpans:
     """The flat rows [a, b) of each image's soft tokens in one step, taken from the step's
     is_multimodal mask (a run of True is one image: each is wrapped in text markers)."""
 
     def __init__(self, spans: list[tuple[int, int]]) -> None:
         self.spans = spans
+        # Triton metadata: the spans cut at request boundaries (read once a step) and, by
+        # (KV cache group, window), each piece's key slots and mask, shared by the group's layers
+        self._pieces: list[_Piece] | None = None
+        self._keys: dict[tuple[int, int | None], list[_Keys]] = {}
 
     @classmethod
     def from_mask(cls, is_multimodal: torch.Tensor | None) -> ImageSpans | None:
@@ -76,8 +89,7 @@ class ImageSpans:
         if isinstance(md, GroupedMetadata):
             md = md.of(attn.kv_group)
         if not isinstance(md, AttentionMetadata):
-            raise NotImplementedError("Gemma 3's bidirectional image attention reads the torch "
-                                      "backend's metadata; use attention_backend='torch'")
+            return self._attend_triton(attn, q, o, md)
         for a, b in self.spans:
             while a < b:  # a run that crosses into the next request's rows is split there
                 start, end, table = _request_rows(md, a)
@@ -85,6 +97,68 @@ class ImageSpans:
                 o[a:stop] = _span_rows(attn, q[a:stop], positions, md, start, a, stop, table)
                 a = stop
         return o
+
+    def _attend_triton(self, attn: Attention, q: torch.Tensor, o: torch.Tensor, md: Any
+                       ) -> torch.Tensor:
+        from shoal.attention.triton_backend import TritonAttentionMetadata
+
+        if not isinstance(md, TritonAttentionMetadata):
+            raise TypeError(f"Gemma 3's bidirectional image attention reads the torch or Triton "
+                            f"backend's metadata, got {type(md).__name__}")
+        if self._pieces is None:
+            self._pieces = _triton_pieces(self.spans, md)
+        window = attn.sliding_window
+        keys = self._keys.get((attn.kv_group, window))
+        if keys is None:
+            keys = [_piece_keys(p, md, window) for p in self._pieces]
+            self._keys[(attn.kv_group, window)] = keys
+        for p, (slots, mask) in zip(self._pieces, keys):
+            o[p.a:p.b] = _attend_slots(attn, q[p.a:p.b], slots, mask)
+        return o
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Flat rows [a, b) of one image span inside one request's rows: that request's row of
+    the Triton metadata and the position of row a."""
+
+    a: int
+    b: int
+    row: int
+    first: int
+
+
+def _triton_pieces(spans: list[tuple[int, int]], md: Any) -> list[_Piece]:
+    """The spans cut where a run crosses into the next request's rows. A row's position is
+    its request's context plus its offset in the request's queries."""
+    rows = md.num_decode_rows + md.num_prefills
+    host = torch.cat([md.query_start_loc[:rows + 1], md.context_lens[:rows]]).tolist()
+    starts, contexts = host[:rows + 1], host[rows + 1:]
+    out = []
+    for a, b in spans:
+        while a < b:
+            r = bisect.bisect_right(starts, a) - 1  # the request whose queries hold row a
+            if not md.num_decode_rows <= r < rows:
+                raise ValueError(f"image row {a} is not in a prefill chunk")
+            stop = min(b, starts[r + 1])
+            out.append(_Piece(a, stop, r, contexts[r] + a - starts[r]))
+            a = stop
+    return out
+
+
+def _piece_keys(p: _Piece, md: Any, window: int | None) -> _Keys:
+    """Cache slots of the keys rows [a, b) see (their request's, through row b - 1; from the
+    window's start for row a on a sliding layer) and the window's mask [n, L] (None without
+    one)."""
+    bs, device = md.block_size, md.block_tables.device
+    end = p.first + p.b - p.a  # one past row b - 1's position
+    lo = 0 if window is None else max(0, p.first - window + 1)
+    kpos = torch.arange(lo, end, device=device)
+    slots = md.block_tables[p.row].long()[kpos // bs] * bs + kpos % bs
+    if window is None:
+        return slots, None
+    qpos = torch.arange(p.first, end, device=device)
+    return slots, kpos[None, :] > qpos[:, None] - window
 
 
 def _request_rows(md: AttentionMetadata, row: int) -> tuple[int, int, torch.Tensor | None]:
@@ -114,15 +188,21 @@ def _span_rows(attn: Attention, q: torch.Tensor, positions: torch.Tensor,
         lo = 0 if window is None else max(0, int(positions[a]) - window + 1)
         kpos = torch.arange(lo, int(positions[b - 1]) + 1, device=positions.device)
         slots = table[kpos // bs] * bs + kpos % bs
+    mask = None
+    if window is not None:  # the span's future keys are all inside it
+        mask = kpos[None, :] > positions[a:b, None] - window
+    return _attend_slots(attn, q, slots, mask)
+
+
+def _attend_slots(attn: Attention, q: torch.Tensor, slots: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
+    """q [n, Hq, D] over the keys and values at cache slots [L] of the layer's paged cache."""
     cache = attn.kv_cache
     assert cache is not None
     k, v = cache[0][slots], cache[1][slots]  # [L, Hk, D]
     if kv_quant.is_fp8(cache):
         k = kv_quant.dequantize(k, attn.k_scale, q.dtype)
         v = kv_quant.dequantize(v, attn.v_scale, q.dtype)
-    mask = None
-    if window is not None:  # the span's future keys are all inside it
-        mask = kpos[None, :] > positions[a:b, None] - window
     return _attention(q, k, v, mask, attn.scale, attn.softcap)
 
 
