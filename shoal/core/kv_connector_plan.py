@@ -12,11 +12,18 @@ from typing import Any
 @dataclass(frozen=True)
 class KVLayout:
     """What a transferred KV payload holds (kv_transfer/payload.py): every layer's rows one
-    after another, layer i as [planes, num_tokens, heads, width in bytes] raw bytes."""
+    after another, layer i as [planes, rows, heads, width in bytes] raw bytes of tokens
+    [starts[i], num_tokens) (rows = num_tokens - starts[i]). A sliding-window layer sends only
+    the tokens its window still reads at the prompt's end; the others start at 0 (`starts`
+    empty: every layer does)."""
 
     dtype: str  # the cache dtype, as torch names it without "torch." (e.g. "bfloat16")
     num_tokens: int
-    layers: list[list[int]]  # per layer [planes, num_tokens, heads, width in bytes]
+    layers: list[list[int]]  # per layer [planes, rows, heads, width in bytes]
+    starts: list[int] = field(default_factory=list)  # per layer its first token (or empty)
+
+    def start(self, i: int) -> int:
+        return self.starts[i] if self.starts else 0
 
     def layer_nbytes(self, i: int) -> int:
         planes, n, heads, width = self.layers[i]
@@ -27,32 +34,46 @@ class KVLayout:
         return sum(self.layer_nbytes(i) for i in range(len(self.layers)))
 
     def to_wire(self) -> dict[str, Any]:
-        return {"dtype": self.dtype, "num_tokens": self.num_tokens, "layers": self.layers}
+        wire = {"dtype": self.dtype, "num_tokens": self.num_tokens, "layers": self.layers}
+        if any(self.starts):
+            wire["starts"] = self.starts
+        return wire
 
     @classmethod
     def from_wire(cls, msg: Any) -> KVLayout:
         """From a peer's header; ValueError when it is malformed."""
         try:
             layers = [[int(x) for x in shape] for shape in msg["layers"]]
-            layout = cls(str(msg["dtype"]), int(msg["num_tokens"]), layers)
-        except (KeyError, TypeError, ValueError) as e:
+            starts = [int(x) for x in msg.get("starts", ())]
+            layout = cls(str(msg["dtype"]), int(msg["num_tokens"]), layers, starts)
+        except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a malformed KV layout ({type(e).__name__}: {e})") from e
         if any(len(s) != 4 or min(s) < 0 for s in layers) or layout.num_tokens < 0:
             raise ValueError("a malformed KV layout: each layer needs 4 sizes >= 0")
+        if starts and len(starts) != len(layers):
+            raise ValueError(f"a malformed KV layout: {len(starts)} starts for "
+                             f"{len(layers)} layers")
+        for i, shape in enumerate(layers):
+            first = layout.start(i)
+            if not 0 <= first <= layout.num_tokens or shape[1] != layout.num_tokens - first:
+                raise ValueError(f"a malformed KV layout: layer {i} has {shape[1]} rows from "
+                                 f"token {first} of {layout.num_tokens}")
         return layout
 
 
 @dataclass
 class KVLoad:
     """Write rows [start, start + num_tokens) of a fetched payload (kv_transfer/payload.py:
-    its layout and raw bytes) into the request's blocks."""
+    its layout and raw bytes) into the request's blocks (a sliding-window layer only those
+    its window reads from start + num_tokens on)."""
 
     serial: int
-    block_ids: list[int]
+    block_ids: list[int]  # the first KV cache group's table
     start: int
     num_tokens: int
     layout: KVLayout
     data: Any  # a buffer (memoryview: msgpack sends it to tensor-parallel ranks as bytes)
+    group_block_ids: list[list[int]] = field(default_factory=list)  # the other groups' tables
 
 
 @dataclass
@@ -62,8 +83,9 @@ class KVSave:
 
     serial: int
     key: str
-    block_ids: list[int]
+    block_ids: list[int]  # the first KV cache group's table
     num_tokens: int
+    group_block_ids: list[list[int]] = field(default_factory=list)  # the other groups' tables
 
 
 @dataclass

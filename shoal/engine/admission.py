@@ -166,7 +166,8 @@ class Admission:
             if req.mm_features and self.encoders is not None:
                 n, images = self.encoders.fit(req, n_loaded + cached.num_hit_tokens, n)
             new_blocks = None if n <= 0 else self.kv.allocate_slots(
-                req, n_loaded + n, cached.device_hits, loaded_blocks=cached.staged.num_blocks)
+                req, n_loaded + n, cached.device_hits, loaded_blocks=cached.staged.num_blocks,
+                loaded_tokens=cached.external)
         if new_blocks is None:
             if cached.staged:
                 self.offload.cancel(cached.staged)
@@ -176,7 +177,8 @@ class Admission:
                                                                  req.request_id))
         if cached.external:
             self.connector.admitted(req, cached.num_hit_tokens, cached.external,
-                                    self.kv.block_ids(req.request_id))
+                                    self.kv.block_ids(req.request_id),
+                                    *self._other_groups(req))
         n_hit = cached.num_hit_tokens + n_loaded
         req.num_computed_tokens = n_hit
         self.waiting.pop()
@@ -218,8 +220,15 @@ class Admission:
             self.encoders.commit(req, images)
         if self.connector is not None:  # (a producer saves a prompt once it has run whole)
             self.connector.scheduled(req, req.num_computed_tokens, n,
-                                     self.kv.block_ids(req.request_id))
+                                     self.kv.block_ids(req.request_id),
+                                     *self._other_groups(req))
         step.add(req, n)
+
+    def _other_groups(self, req: Request) -> tuple:
+        """The connector's group_block_ids argument, passed only for a model of several KV
+        cache groups: a connector class written for one group (module:Class) keeps working."""
+        groups = self.kv.group_block_ids(req.request_id)
+        return (groups,) if groups else ()
 
     def fill_output(self, out: SchedulerOutput) -> None:
         """The step's encoder work for images and its KV connector plan."""

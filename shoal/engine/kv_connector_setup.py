@@ -1,16 +1,56 @@
 """Gives a built engine core its KV connector (kv_transfer_config): the scheduler's admission
-asks it for other engines' KV and hands it the prompts to save (shoal/kv_transfer)."""
+asks it for other engines' KV and hands it the prompts to save (shoal/kv_transfer).
+
+Models whose KV cache groups are all attention groups transfer (full attention, MLA, sliding
+windows beside them, of one or several lengths: each layer's rows follow its group's table);
+groups that keep something other than keys and values per token are refused here by kind."""
 
 from __future__ import annotations
 
 import logging
 from typing import Any
 
+from shoal.core.kv_cache_spec import (
+    CompressedEntrySpec,
+    CompressorInputSpec,
+    CompressorStateSpec,
+    FullAttentionSpec,
+    IndexerKeySpec,
+    KVCacheGroup,
+    LatentAttentionSpec,
+    LinearStateSpec,
+    SlidingSharedKVSpec,
+    SlidingWindowSpec,
+)
 from shoal.kv_transfer.base import EngineInfo, KVConnector, KVRows
 from shoal.kv_transfer.config import KVTransferConfig
 from shoal.kv_transfer.factory import build_connector
 
 logger = logging.getLogger(__name__)
+
+# Groups whose layers keep keys and values (or MLA's latent rows) per token: their rows move
+# as they are (a sliding group's: those its window reads at the prompt's end).
+_TRANSFERABLE = (FullAttentionSpec, SlidingWindowSpec, LatentAttentionSpec, IndexerKeySpec)
+_REFUSED = {  # (the most specific class first: several derive from the transferable ones)
+    LinearStateSpec: "linear-attention states (LinearStateSpec)",
+    SlidingSharedKVSpec: "DeepSeek-V4's shared-KV windows (SlidingSharedKVSpec)",
+    CompressorStateSpec: "DeepSeek-V4's compressor states (CompressorStateSpec)",
+    CompressedEntrySpec: "DeepSeek-V4's compressed entries (CompressedEntrySpec)",
+    CompressorInputSpec: "DeepSeek-V4's compressor inputs (CompressorInputSpec)",
+}
+
+
+def check_groups(groups: list[KVCacheGroup]) -> None:
+    """ValueError naming the first KV cache group whose kind cannot be transferred."""
+    for i, g in enumerate(groups):
+        spec = g.spec
+        if type(spec) in _TRANSFERABLE:
+            continue
+        kind = next((name for cls, name in _REFUSED.items() if isinstance(spec, cls)),
+                    type(spec).__name__)
+        raise ValueError(f"kv_transfer_config: KV cache group {i} of {len(groups)} holds "
+                         f"{kind}, which prefill/decode disaggregation does not transfer "
+                         "yet (only attention groups: full attention, MLA, sliding windows)")
 
 
 def _kv_rows(core: Any) -> KVRows | None:
@@ -22,9 +62,12 @@ def _kv_rows(core: Any) -> KVRows | None:
         if model is not None else []
     if not caches or any(kv is None or kv.dim() != 4 for kv in caches):
         return None
+    window = {i: g.sliding_window for t in core.scheduler.kv.tables for g in (t.group,)
+              for i in g.layers}
     return KVRows(str(caches[0].dtype).removeprefix("torch."),
                   [(kv.shape[0], kv.shape[2], kv.shape[3] * kv.element_size())
-                   for kv in caches])
+                   for kv in caches],
+                  tuple(window.get(i) for i in range(len(caches))))
 
 
 def attach_kv_connector(core: Any, config: KVTransferConfig | None, model: str
@@ -34,10 +77,7 @@ def attach_kv_connector(core: Any, config: KVTransferConfig | None, model: str
     scheduler = core.scheduler
     if not hasattr(scheduler, "admission"):
         raise ValueError("kv_transfer_config: the pooling runner keeps no KV cache to transfer")
-    if len(scheduler.kv.tables) > 1:
-        raise ValueError("kv_transfer_config: models with several KV cache groups (sliding "
-                         "windows beside full attention, linear attention) are not supported "
-                         "yet")
+    check_groups([t.group for t in scheduler.kv.tables])
     parallel = core.config.parallel_config
     on_cuda = core.config.device.type == "cuda"
     info = EngineInfo(scheduler.block_size, parallel.tensor_parallel_size, model,

@@ -192,13 +192,18 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed: list[KVBlock | None] | None = None,
-                       loaded_blocks: int = 0) -> list[KVBlock] | None:
+                       loaded_blocks: int = 0, loaded_tokens: int = 0
+                       ) -> list[KVBlock] | None:
         """Reserves room for `num_new_tokens` more tokens after the request's computed ones
         and its new prefix hits (new_computed, from get_computed_blocks). Returns the first
         group's new blocks, or None (and changes nothing) when the pool cannot provide them.
         loaded_blocks: the first new tokens are that many whole blocks loaded from the KV
         tiers: a linear-state table then starts at the last of them (the state loaded there),
-        its entries before left empty as if they had left its one-token window."""
+        its entries before left empty as if they had left its one-token window.
+        loaded_tokens: the first new tokens are that many rows another engine's KV writes in
+        (shoal/kv_transfer), a sliding group's only those its window reads after them: its
+        table takes no block before them, and the block they start inside is kept out of the
+        prefix cache (its earlier rows stay unwritten)."""
         rid = request.request_id
         start = request.num_computed_tokens
         if not new_computed:
@@ -229,6 +234,10 @@ class KVCacheManager:
                 else self._group_hits(t, request, n_hits) for t in self.tables]
         if any(h is None for h in hits):
             return None  # another group's hit left the cache meanwhile
+        if loaded_tokens:
+            hits = [self._loaded_window(t, rid, h, start + loaded_tokens) if t.sliding else h
+                    for t, h in zip(self.tables, hits)]
+        first_new = [t.held(rid) + len(h) for t, h in zip(self.tables, hits)]
         counts = [t.missing(rid, need, len(h)) for t, h in zip(self.tables, hits)]
         # Cache hits sitting in the free queue are taken out of it, so they count against it
         # (each run of a partitioned pool against its own).
@@ -253,9 +262,33 @@ class KVCacheManager:
                 new_main = new_blocks
         if self.enable_caching:
             self._publish(request, start + num_new_tokens)
+            if loaded_tokens:
+                self._withhold_partly_loaded(rid, start + loaded_tokens, first_new)
         for t in self._sliding_tables:
             t.drop_out_of_window(rid, start)
         return new_main
+
+    def _loaded_window(self, tables: BlockTables, rid: str, hits: list[KVBlock | None],
+                       end: int) -> list[KVBlock | None]:
+        """A sliding table's hits when loaded rows reach `end`: None (no block) for every
+        entry before the one its window then reads from."""
+        first = tables.group.first_needed_block(end, self.block_size) - tables.held(rid)
+        if first <= 0:
+            return hits
+        return [None] * first + hits[first:]
+
+    def _withhold_partly_loaded(self, rid: str, end: int, first_new: list[int]) -> None:
+        """The new block a sliding table's loaded rows start inside (before `end`'s window,
+        its rows are not loaded) leaves the prefix cache, which would serve it whole."""
+        for t, first in zip(self.tables, first_new):
+            if not t.sliding:
+                continue
+            token = t.group.spec.first_needed_token(end)
+            index = token // self.block_size
+            blocks = t.blocks.get(rid, [])
+            if token % self.block_size and first <= index < len(blocks) \
+                    and blocks[index] is not None:
+                self.pool.uncache_block(blocks[index])
 
     def _states_lag(self, rid: str, computed: int) -> bool:
         """A linear-state table has computed blocks not yet published (they publish a step

@@ -7,7 +7,9 @@ hits and KV-tier hits): how many more prompt tokens the connector can supply, 0 
 None while it is still finding out (the request waits, the others run). `admitted` says a
 request took them (which blocks, from which position); `scheduled` sees every scheduled
 chunk (a producer saves a prompt once its last chunk has run); `step_plan` gives the step's
-loads and saves; `saved` receives the runner's saved KV; `finished` lets go of a request."""
+loads and saves; `saved` receives the runner's saved KV; `finished` lets go of a request.
+`admitted` and `scheduled` get the request's block table of every KV cache group: the first
+group's (block_ids) and the others' (group_block_ids, empty for a model of one group)."""
 
 from __future__ import annotations
 
@@ -22,11 +24,13 @@ from shoal.kv_transfer.config import KVTransferConfig
 
 @dataclass(frozen=True)
 class KVRows:
-    """The engine's paged caches: their dtype and per layer (planes, KV heads of this rank,
-    bytes of one head's row)."""
+    """The engine's paged caches: their dtype, per layer (planes, KV heads of this rank,
+    bytes of one head's row) and per layer its sliding window (None, or empty for all: every
+    token)."""
 
     dtype: str
     layers: list[tuple[int, int, int]]
+    windows: tuple[int | None, ...] = ()
 
     def check(self, layout: KVLayout, world: int) -> None:
         """ValueError when a transferred payload cannot go into these caches."""
@@ -41,6 +45,12 @@ class KVRows:
                 raise ValueError(f"the KV rows ({planes} planes, {total} heads of {width} "
                                  f"bytes) do not fit this cache's ({p}, {local} heads a "
                                  f"rank of {world}, {w} bytes)")
+        n = layout.num_tokens
+        for i, window in enumerate(self.windows or (None,) * len(self.layers)):
+            reads = 0 if window is None else max(0, n - window)
+            if layout.start(i) > reads:  # (a producer with a shorter window on this layer)
+                raise ValueError(f"the KV of layer {i} starts at token {layout.start(i)}, "
+                                 f"this layer reads from token {reads}")
 
 
 @dataclass(frozen=True)
@@ -69,12 +79,13 @@ class KVConnector(ABC):
         """Tokens after the first num_computed that the connector supplies (never the
         prompt's last: it is computed to sample from); None: not known yet, ask again."""
 
-    def admitted(self, req: Request, start: int, num_tokens: int, block_ids: list[int]) -> None:
+    def admitted(self, req: Request, start: int, num_tokens: int, block_ids: list[int],
+                 group_block_ids: tuple[list[int], ...] = ()) -> None:
         """The request was admitted with num_tokens of the connector's tokens from start."""
         return None
 
-    def scheduled(self, req: Request, start: int, num_tokens: int,
-                  block_ids: list[int]) -> None:
+    def scheduled(self, req: Request, start: int, num_tokens: int, block_ids: list[int],
+                  group_block_ids: tuple[list[int], ...] = ()) -> None:
         """A chunk of the request runs this step (tokens [start, start + num_tokens))."""
         return None
 

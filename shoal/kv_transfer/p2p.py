@@ -101,8 +101,8 @@ class P2PConnector(KVConnector):
         self.bytes_fetched, self.fetch_seconds = 0, 0.0  # consumer: successful fetches
 
     # ---- producer ---------------------------------------------------------------------------
-    def scheduled(self, req: Request, start: int, num_tokens: int,
-                  block_ids: list[int]) -> None:
+    def scheduled(self, req: Request, start: int, num_tokens: int, block_ids: list[int],
+                  group_block_ids: tuple[list[int], ...] = ()) -> None:
         params = req.sampling_params.kv_transfer_params
         n = req.num_prompt_tokens
         if (not self.config.produces or not params or not params.get("do_remote_decode")
@@ -110,7 +110,8 @@ class P2PConnector(KVConnector):
             return
         key = f"{uuid.uuid4().hex}-{req.serial}"
         self._pending_saves[key] = prompt_digest(req.prompt_token_ids)
-        self._plan.saves.append(KVSave(req.serial, key, list(block_ids), n))
+        self._plan.saves.append(KVSave(req.serial, key, list(block_ids), n,
+                                       [list(ids) for ids in group_block_ids]))
         assert self.server is not None
         self._params[req.serial] = {
             "do_remote_prefill": True, "remote_host": self.config.kv_ip,
@@ -227,7 +228,8 @@ class P2PConnector(KVConnector):
         # pinned: the device copies are asynchronous (one rank)
         return host_buffer(nbytes, pinned=self.engine.pin_memory)
 
-    def admitted(self, req: Request, start: int, num_tokens: int, block_ids: list[int]) -> None:
+    def admitted(self, req: Request, start: int, num_tokens: int, block_ids: list[int],
+                 group_block_ids: tuple[list[int], ...] = ()) -> None:
         got = self._fetched.get(req.request_id)
         if got is None or got.payload is None or num_tokens <= 0:
             return
@@ -236,7 +238,8 @@ class P2PConnector(KVConnector):
         if self._ranks_via_shared_memory:
             data = to_ranks(data, self._ranks_via_shared_memory)  # a handle, not the bytes
         self._plan.loads.append(KVLoad(req.serial, list(block_ids), start, num_tokens,
-                                       payload.layout, data))
+                                       payload.layout, data,
+                                       [list(ids) for ids in group_block_ids]))
         got.payload = None  # used: a recompute after preemption computes instead
         self.num_loaded += 1
 

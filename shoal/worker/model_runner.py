@@ -32,6 +32,7 @@ from shoal.distributed.parallel_state import (
     world_min_int,
 )
 from shoal.kv_offload.transfer import KVTransfer
+from shoal.kv_transfer.rows import LayerTables
 from shoal.layers.linear_attention import LinearAttention
 from shoal.loader import LoadedModel, build_model
 from shoal.lora.slots import LoRASlots
@@ -321,9 +322,10 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, Executor):
         plan = sched.kv_connector  # disaggregated prefill: KV from and for other engines
         if plan is not None:
             caches = [layer.kv_cache for layer in self.model.attention_layers()]
-            run_loads(plan, caches, self.block_size)
+            tables = LayerTables.of(self.kv_groups)  # each layer's group: its block table
+            run_loads(plan, caches, self.block_size, tables)
             if plan.saves:
-                handle.hooks.append(save_hook(plan, caches, self.block_size))
+                handle.hooks.append(save_hook(plan, caches, self.block_size, tables))
         if sched.is_empty:
             return handle
         self._num_forwards += 1
