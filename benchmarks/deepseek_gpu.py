@@ -62,6 +62,7 @@ import offline_runs
 from bench_args import REQUIRED, add_common, comma_words
 from offline_runs import DEEPSEEK_V2_LITE, copy_bandwidth
 from results_file import record, write
+from staged_gpu import LazyEngine
 
 MODEL = DEEPSEEK_V2_LITE
 MLA_SCRIPT = Path(__file__).resolve().parent / "mla_decode_gpu.py"
@@ -94,43 +95,26 @@ def write_smoke_config(folder: Path) -> Path:
     return folder
 
 
-class Bench:
+class Bench(LazyEngine):
     """The engine (built once, on first use) and what the parts share."""
 
     def __init__(self, args: argparse.Namespace, sizes: dict[str, Any]):
         self.args, self.sizes = args, sizes
-        self._engine: offline_runs.Engine | None = None
-        self._build_error: str | None = None
         folder = offline_runs.shipped_folder(args.model)
         self.hf_config = SimpleNamespace(**json.loads((folder / "config.json").read_text()))
-
-    @property
-    def llm(self) -> Any:
-        if self._engine is None:
-            if self._build_error is not None:  # build once: the next part fails fast
-                raise RuntimeError(f"engine did not start: {self._build_error}")
-            kw: dict[str, Any] = dict(load_format="dummy", dtype=self.sizes["dtype"],
-                                      max_model_len=self.sizes["max_model_len"],
-                                      max_num_seqs=self.args.max_num_seqs)
-            if self.sizes["kv_cache_memory_bytes"] is not None:
-                kw |= {"kv_cache_memory_bytes": self.sizes["kv_cache_memory_bytes"],
-                       "device": "cpu"}
-            try:
-                self._engine = offline_runs.start_engine(self.args.model, **kw)
-            except Exception as e:
-                self._build_error = f"{type(e).__name__}: {e}"
-                raise
-        return self._engine.llm
+        kw: dict[str, Any] = dict(load_format="dummy", dtype=sizes["dtype"],
+                                  max_model_len=sizes["max_model_len"],
+                                  max_num_seqs=args.max_num_seqs)
+        if sizes["kv_cache_memory_bytes"] is not None:
+            kw |= {"kv_cache_memory_bytes": sizes["kv_cache_memory_bytes"], "device": "cpu"}
+        super().__init__(args.model, kw)
 
     def vocab(self) -> int:
         return int(self.hf_config.vocab_size)
 
     def common(self) -> dict[str, Any]:
-        eng = self._engine
         return dict(model=self.args.model, dtype=self.sizes["dtype"], smoke=self.args.smoke,
-                    ready_s=eng.ready_s if eng else None,
-                    process_ready_s=eng.process_ready_s if eng else None,
-                    max_num_seqs=self.args.max_num_seqs,
+                    **self.ready_fields(), max_num_seqs=self.args.max_num_seqs,
                     max_model_len=self.sizes["max_model_len"])
 
 
@@ -161,27 +145,34 @@ def count_active(model: Any, top_k: int) -> dict[str, Any]:
                 active_params_without_embedding=one_row, param_bytes=elem)
 
 
+def weight_floor(model: Any, top_k: int, decode: float) -> dict[str, Any]:
+    """The weight-read floor of a decode token (count_active's bytes over the GPU's copy
+    bandwidth; also with one embedding row) and `decode` tok/s as a fraction of each."""
+    counts = count_active(model, top_k)
+    weight_bytes = counts["active_params"] * counts["param_bytes"]
+    bandwidth = copy_bandwidth()
+    roof = bandwidth / weight_bytes
+    tight = bandwidth / (counts["active_params_without_embedding"] * counts["param_bytes"])
+    return dict(weight_bytes_per_token=weight_bytes, copy_bandwidth=bandwidth,
+                roofline_tok_s=roof, fraction_of_roofline=decode / roof,
+                roofline_tok_s_one_embedding_row=tight,
+                fraction_of_roofline_one_embedding_row=decode / tight, params=counts)
+
+
 def roofline(bench: Bench, decode: float) -> dict[str, Any]:
     """The weight-read floor of a decode token, from the engine's model (an internal: None
     figures without it)."""
     model = getattr(engine_internals.runner(bench.llm), "model", None)
     if model is None:
         return dict.fromkeys(ROOFLINE_KEYS)
-    counts = count_active(model, int(bench.hf_config.num_experts_per_tok))
-    weight_bytes = counts["active_params"] * counts["param_bytes"]
-    bandwidth = copy_bandwidth()
-    roof = bandwidth / weight_bytes
-    tight = bandwidth / (counts["active_params_without_embedding"] * counts["param_bytes"])
+    floor = weight_floor(model, int(bench.hf_config.num_experts_per_tok), decode)
     cfg, s = bench.hf_config, bench.sizes
-    latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * counts["param_bytes"]
+    latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * floor["params"]["param_bytes"]
     mean_ctx = s["b1_in"] + s["b1_out"] / 2
     return dict(
-        weight_bytes_per_token=weight_bytes, copy_bandwidth=bandwidth,
-        roofline_tok_s=roof, fraction_of_roofline=decode / roof,
-        roofline_tok_s_one_embedding_row=tight,
-        fraction_of_roofline_one_embedding_row=decode / tight,
+        **floor,
         kv_bytes_read_per_token_at_mean_context=int(cfg.num_hidden_layers * latent * mean_ctx),
-        params=counts, params_counted_on="engine model (the runner's model)",
+        params_counted_on="engine model (the runner's model)",
         active_params_rule=(
             "all parameters of the built model (shared tensors once) minus the routed experts' "
             "stacked w13/w2 weights, plus num_experts_per_tok x one routed expert's w13+w2 per "
@@ -247,7 +238,7 @@ def kv_bytes(bench: Bench) -> dict[str, Any]:
     mha = layers * heads * (int(cfg.qk_nope_head_dim) + int(cfg.qk_rope_head_dim)
                             + int(cfg.v_head_dim)) * elem
     return record(
-        "kv_bytes", "shoal", **bench.common(), source=source, engine_error=bench._build_error,
+        "kv_bytes", "shoal", **bench.common(), source=source, engine_error=bench.build_error,
         kv_cache_shape_and_layers=shapes, kv_cache_slots=slots,
         kv_cache_gib=per_token * slots / 2**30 if slots else None,
         num_layers=layers, latent_row=latent_dim, element_bytes=elem,
@@ -336,8 +327,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         records.append(rec)
         print(json.dumps(rec, default=str), flush=True)
         write(records, args.out)
-    if bench._engine is not None:
-        bench._engine.llm.shutdown()
+    bench.close()
     if tmp is not None:
         tmp.cleanup()
     return records

@@ -16,8 +16,8 @@ Parts (one JSON record each, the file rewritten after every one):
 - correctness: transformers' DeepseekV4ForCausalLM at the cut's width and layers (sliding,
   sliding, CSA, HCA; hash then top-k routing) but CORRECTNESS_EXPERTS routed experts (the
   attention, compressors, indexer and hyper-connections are the real ones; the expert count
-  only sizes the MoE), random weights as benchmarks/hybrid_gpu.py draws them (matrices N(0,
-  0.2 * min(1, sqrt(64 / fan_in))), vectors U(0.5, 1.5)), each hash layer's token -> experts
+  only sizes the MoE), random weights as benchmarks/hf_agreement.py draws them (matrices
+  N(0, 0.2 * min(1, sqrt(64 / fan_in))), vectors U(0.5, 1.5)), each hash layer's token -> experts
   table k distinct experts per token, the routing bias N(0, 0.5), in the engine dtype on the
   device; save_pretrained, loaded by shoal. Prompts of 48, 400 and 2300 random ids (past the
   window of 128, the HCA group of 128 and index_topk x m = 2048 tokens, where the indexer
@@ -52,7 +52,7 @@ Both engines: max_model_len the largest context + decode + 128, kv_cache_memory_
 for the scheduler), max_num_batched_tokens 8192. V4 runs eagerly (its class has no CUDA graph
 support: the engine logs why); --enforce-eager makes the MLA engine eager too.
 
-Stages run in child processes (benchmarks/hybrid_gpu.py's pattern), each with --stage-timeout:
+Stages run in child processes (benchmarks/staged_gpu.py), each with --stage-timeout:
 v4 (kv, batch1, long_context, w1), mla (long_context_mla), then correctness. On an H200,
 estimated from the eager step's ~1,800 kernel launches (about 10-15 ms a decode step) and the
 other GPU scripts' start-up times (not measured yet): v4 ~110 s (ready ~35 s, batch1 ~15 s,
@@ -65,27 +65,22 @@ sizes."""
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import math
-import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import engine_internals
 import offline_runs
-from bench_args import REQUIRED, add_common, comma_ints, comma_words
-from deepseek_gpu import count_active, w1
-from hybrid_gpu import append, error_record, free_memory, read_records, timed_request
-from offline_runs import copy_bandwidth
+import staged_gpu
+from deepseek_gpu import w1, weight_floor
+from hf_agreement import INIT_RULE, compare, correctness_device, hf_and_shoal, randomize
+from long_context_runs import context_max_model_len, contexts_for, measure_contexts
 from results_file import record, shoal_source, write
+from staged_gpu import LazyEngine, append, engine_kw, free_memory, read_records
 
 MODEL = "deepseek-ai/DeepSeek-V4-Flash-Base-4layers"
 CONFIG_FOLDER = "deepseek-v4-flash-base-4layers"
@@ -179,72 +174,30 @@ def mla_bytes_per_token(cfg: dict[str, Any], elem: int) -> int:
 # ---- engines -------------------------------------------------------------------------------
 
 def max_model_len(args: argparse.Namespace, sizes: dict[str, Any], cfg: dict[str, Any]) -> int:
-    if args.max_model_len or sizes["max_model_len"]:
-        return int(args.max_model_len or sizes["max_model_len"])
-    want = max(contexts_for(args, sizes)) + sizes["decode_tokens"] + 128
-    return min(want, int(cfg.get("max_position_embeddings") or want))
+    return context_max_model_len(args, sizes, cfg.get("max_position_embeddings"))
 
 
-def contexts_for(args: argparse.Namespace, sizes: dict[str, Any]) -> list[int]:
-    return list(args.contexts or sizes["contexts"])
-
-
-def engine_kw(args: argparse.Namespace, sizes: dict[str, Any], limit: int) -> dict[str, Any]:
-    kw: dict[str, Any] = dict(load_format="dummy", dtype=sizes["dtype"], max_model_len=limit,
-                              max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens
-                              or sizes["max_num_batched_tokens"],
-                              kv_cache_memory_bytes=sizes["kv_cache_memory_bytes"],
-                              enforce_eager=args.enforce_eager)
-    if sizes["device"]:
-        kw["device"] = sizes["device"]
-    return kw
-
-
-class EngineStage:
+class EngineStage(LazyEngine):
     """The V4 cut on one engine (built on first use) for kv, batch1, long_context, w1."""
 
     def __init__(self, args: argparse.Namespace, sizes: dict[str, Any]):
         self.args, self.sizes = args, sizes
-        self.folder = v4_folder(args)
-        self.cfg = read_config(self.folder)
+        folder = v4_folder(args)
+        self.cfg = read_config(folder)
         self.max_model_len = max_model_len(args, sizes, self.cfg)
-        self._engine: offline_runs.Engine | None = None
-        self._build_error: str | None = None
-
-    @property
-    def llm(self) -> Any:
-        if self._engine is None:
-            if self._build_error is not None:
-                raise RuntimeError(f"engine did not start: {self._build_error}")
-            try:
-                self._engine = offline_runs.start_engine(
-                    str(self.folder), **engine_kw(self.args, self.sizes, self.max_model_len))
-            except Exception as e:
-                self._build_error = f"{type(e).__name__}: {e}"
-                raise
-        return self._engine.llm
+        super().__init__(str(folder), engine_kw(args, sizes, self.max_model_len))
 
     def vocab(self) -> int:
         return int(self.cfg["vocab_size"])
 
     def common(self) -> dict[str, Any]:
-        eng = self._engine
         return dict(model=MODEL if not self.args.model else self.args.model,
-                    dtype=self.sizes["dtype"], smoke=self.args.smoke,
-                    ready_s=eng.ready_s if eng else None,
-                    process_ready_s=eng.process_ready_s if eng else None,
+                    dtype=self.sizes["dtype"], smoke=self.args.smoke, **self.ready_fields(),
                     max_num_seqs=self.args.max_num_seqs, max_model_len=self.max_model_len,
                     kv_cache_memory_bytes=self.sizes["kv_cache_memory_bytes"],
                     enforce_eager=engine_eager(self._engine),
                     max_num_batched_tokens=self.args.max_num_batched_tokens
                     or self.sizes["max_num_batched_tokens"])
-
-    def close(self) -> None:
-        if self._engine is not None:
-            self._engine.llm.shutdown()
-            self._engine = None
-            free_memory()
 
 
 def engine_eager(eng: offline_runs.Engine | None) -> bool | None:
@@ -301,15 +254,7 @@ def roofline(st: EngineStage, decode: float) -> dict[str, Any]:
     model = getattr(engine_internals.runner(st.llm), "model", None)
     if model is None:
         return dict(roofline_tok_s=None, params=None)
-    counts = count_active(model, int(st.cfg["num_experts_per_tok"]))
-    weight_bytes = counts["active_params"] * counts["param_bytes"]
-    bandwidth = copy_bandwidth()
-    roof = bandwidth / weight_bytes
-    tight = bandwidth / (counts["active_params_without_embedding"] * counts["param_bytes"])
-    return dict(weight_bytes_per_token=weight_bytes, copy_bandwidth=bandwidth,
-                roofline_tok_s=roof, fraction_of_roofline=decode / roof,
-                roofline_tok_s_one_embedding_row=tight,
-                fraction_of_roofline_one_embedding_row=decode / tight, params=counts,
+    return dict(**weight_floor(model, int(st.cfg["num_experts_per_tok"]), decode),
                 active_params_rule=(
                     "deepseek_gpu.count_active: all parameters minus the routed experts' "
                     "stacked w13/w2, plus num_experts_per_tok x one expert per MoE layer (hash "
@@ -324,31 +269,13 @@ def batch1(st: EngineStage) -> dict[str, Any]:
                   output_len=s["b1_out"], **fig, **roofline(st, fig["decode_tok_s"] or 0))
 
 
-def measure_contexts(llm: Any, contexts: list[int], limit: int, sizes: dict[str, Any],
-                     vocab: int, seed: int, seq_bytes: Any) -> list[dict[str, Any]]:
-    """Timings and bytes of each context (a warm-up request first); contexts over `limit`
-    tokens get bytes only."""
-    decode = sizes["decode_tokens"]
-    timed_request(llm, min(64, limit - decode - 1), 4, vocab, seed)  # warm-up
-    rows = []
-    for i, c in enumerate(contexts):
-        row: dict[str, Any] = dict(context=c, kv_bytes=seq_bytes(c))
-        if c + decode + 1 > limit:
-            row["skipped"] = f"context + {decode + 1} tokens over max_model_len {limit}"
-        else:
-            row |= timed_request(llm, c, decode, vocab, seed + 1 + i)
-        print(json.dumps(row, default=str), flush=True)
-        rows.append(row)
-    return rows
-
-
 def long_context(st: EngineStage) -> dict[str, Any]:
     lay = v4_layout(st.llm)
     elem = 2 if st.sizes["dtype"] == "bfloat16" else 4
     per_token = mla_bytes_per_token(mla_config(st.cfg, st.args.smoke), elem)
 
-    def seq_bytes(c: int) -> int | None:
-        return v4_seq_bytes(lay, c) if lay else None
+    def seq_bytes(c: int) -> dict[str, Any]:
+        return dict(kv_bytes=v4_seq_bytes(lay, c) if lay else None)
 
     rows = measure_contexts(st.llm, contexts_for(st.args, st.sizes), st.max_model_len,
                             st.sizes, st.vocab(), st.args.seed, seq_bytes)
@@ -376,7 +303,7 @@ def long_context_mla(args: argparse.Namespace, sizes: dict[str, Any]) -> dict[st
                             if caches else None)
         rows = measure_contexts(eng.llm, contexts_for(args, sizes), limit, sizes,
                                 int(raw["vocab_size"]), args.seed,
-                                lambda c: (engine_per_token or per_token) * c)
+                                lambda c: dict(kv_bytes=(engine_per_token or per_token) * c))
         return record(MLA_WORKLOAD, "shoal", model="DeepseekV3ForCausalLM at the V4 cut's width",
                       config=raw, dtype=sizes["dtype"], smoke=args.smoke, ready_s=eng.ready_s,
                       max_model_len=limit, enforce_eager=engine_eager(eng),
@@ -391,19 +318,14 @@ def long_context_mla(args: argparse.Namespace, sizes: dict[str, Any]) -> dict[st
 
 # ---- correctness ---------------------------------------------------------------------------
 
-def randomize(model: Any, seed: int) -> None:
-    """hybrid_gpu's draw (matrices scaled to keep the tiny checkpoint's gain at any width),
-    each hash layer's token -> experts table k distinct experts per token, the routing bias
-    N(0, 0.5)."""
+def randomize_v4(model: Any, seed: int) -> None:
+    """hf_agreement's draw, each hash layer's token -> experts table k distinct experts per
+    token, the routing bias N(0, 0.5)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
+    randomize(model)
     with torch.no_grad():
-        for _, p in model.named_parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2 * min(1.0, math.sqrt(64 / p.shape[-1])))
-            else:
-                p.uniform_(0.5, 1.5)
         for name, b in model.named_buffers():
             if name.endswith("tid2eid"):
                 experts = model.config.n_routed_experts
@@ -430,7 +352,6 @@ def hf_full_greedy(hf: Any, prompt: list[int], steps: int, device: str
 
 
 def correctness(args: argparse.Namespace, sizes: dict[str, Any]) -> dict[str, Any]:
-    import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -446,78 +367,21 @@ def correctness(args: argparse.Namespace, sizes: dict[str, Any]) -> dict[str, An
         return record("correctness", "shoal", **base, skipped=(
             f"transformers {transformers.__version__} has no DeepSeek-V4 config "
             f"({type(e).__name__}: {e})"))
-    device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
-    dtype = getattr(torch, sizes["dtype"])
-    torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
-    with torch.device(device):
-        hf = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-    randomize(hf, args.seed)
-    tmp = tempfile.mkdtemp(prefix="v4-correctness-")
-    llm = None
-    try:
-        hf.save_pretrained(tmp, safe_serialization=True)
-        build_s = time.perf_counter() - t0
-        print(f"[correctness] transformers built and saved in {build_s:.1f} s",
-              file=sys.stderr, flush=True)
-        from shoal import LLM
-
-        t1 = time.perf_counter()
-        kw = dict(dtype=sizes["dtype"], max_model_len=sizes["corr_max_model_len"],
-                  max_num_seqs=8, kv_cache_memory_bytes=sizes["corr_kv_bytes"])
-        llm = LLM(model=tmp, **kw, **({"device": "cpu"} if device == "cpu" else {}))
-        ready_s = time.perf_counter() - t1
-        return record("correctness", "shoal", **base, **compare(llm, hf, cfg, sizes, device,
-                                                               args.seed),
-                      hf_params=sum(p.numel() for p in hf.parameters()),
-                      hf_build_save_s=build_s, shoal_ready_s=ready_s,
+    device = correctness_device(args.smoke)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in sizes["corr_lens"]]
+    with hf_and_shoal(lambda dtype: AutoModelForCausalLM.from_config(cfg, dtype=dtype),
+                      lambda hf: randomize_v4(hf, args.seed), sizes, device, args.seed,
+                      "v4-correctness-") as pair:
+        return record("correctness", "shoal", **base,
+                      **compare(pair.llm, pair.hf, prompts, sizes["corr_steps"], device,
+                                hf_full_greedy),
+                      hf_params=sum(p.numel() for p in pair.hf.parameters()),
+                      hf_build_save_s=pair.build_save_s, shoal_ready_s=pair.shoal_ready_s,
                       oracle="transformers' full forward re-run for every token",
-                      init_rule=("matrices N(0, 0.2 * min(1, sqrt(64 / fan_in))), vectors "
-                                 "U(0.5, 1.5), tid2eid k distinct experts a token, "
+                      init_rule=(f"{INIT_RULE}, tid2eid k distinct experts a token, "
                                  "e_score_correction_bias N(0, 0.5)"),
                       note="bf16 near-ties diverge: reported, not failed")
-    finally:
-        if llm is not None:
-            llm.shutdown()
-        del hf, llm
-        shutil.rmtree(tmp, ignore_errors=True)
-        free_memory()
-
-
-def compare(llm: Any, hf: Any, cfg: Any, sizes: dict[str, Any], device: str,
-            seed: int) -> dict[str, Any]:
-    from shoal import SamplingParams
-
-    rng = random.Random(seed)
-    steps = sizes["corr_steps"]
-    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(n)] for n in sizes["corr_lens"]]
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    shoal_s = time.perf_counter() - t0
-    same = total = 0
-    rows = []
-    t1 = time.perf_counter()
-    for p, o in zip(prompts, outs):
-        ref, ref_lp = hf_full_greedy(hf, p, steps, device)
-        got = list(o.outputs[0].token_ids)
-        agree = [a == b for a, b in zip(got, ref)]
-        same, total = same + sum(agree), total + steps
-        div = next((i for i, a in enumerate(agree) if not a), None)
-        diffs = [abs(o.outputs[0].logprobs[i][got[i]].logprob - ref_lp[i][got[i]].item())
-                 for i in range(steps if div is None else div)]
-        rows.append(dict(prompt_len=len(p), first_divergence_step=div,
-                         max_logprob_diff=max(diffs, default=None),
-                         hf_margin_at_divergence=None if div is None else
-                         (ref_lp[div][ref[div]] - ref_lp[div][got[div]]).item()))
-    divs = [r["first_divergence_step"] for r in rows if r["first_divergence_step"] is not None]
-    lp = [r["max_logprob_diff"] for r in rows if r["max_logprob_diff"] is not None]
-    return dict(prompts=len(prompts), steps=steps, token_match_fraction=same / total,
-                prompts_identical=sum(r["first_divergence_step"] is None for r in rows),
-                first_divergence_step=min(divs) if divs else None,
-                max_logprob_diff=max(lp) if lp else None, shoal_generate_s=shoal_s,
-                hf_greedy_s=time.perf_counter() - t1, per_prompt=rows,
-                logprob_rule="over each prompt's agreeing prefix")
 
 
 # ---- stages and the child processes --------------------------------------------------------
@@ -525,76 +389,21 @@ def compare(llm: Any, hf: Any, cfg: Any, sizes: dict[str, Any], device: str,
 def run_stage(args: argparse.Namespace, sizes: dict[str, Any], stage: str,
               parts: list[str]) -> None:
     """The stage's parts, each record appended to --out as it comes."""
-    def one(workload: str, fn: Any, *a: Any) -> None:
-        t0 = time.perf_counter()
-        try:
-            rec = fn(*a)
-        except Exception as e:  # one part's failure must not hide the others
-            rec = error_record(workload, MODEL, e)
-        rec["part_wall_s"] = time.perf_counter() - t0
-        print(json.dumps(rec, default=str)[:4000], flush=True)
-        append(rec, args.out)
-
     if stage == "correctness":
-        one("correctness", correctness, args, sizes)
+        staged_gpu.run_part(args.out, "correctness", MODEL, correctness, args, sizes)
     elif stage == "mla":
-        one(MLA_WORKLOAD, long_context_mla, args, sizes)
+        staged_gpu.run_part(args.out, MLA_WORKLOAD, MODEL, long_context_mla, args, sizes)
     else:
-        try:
-            st = EngineStage(args, sizes)
-        except Exception as e:
-            for p in parts:
-                append(error_record(WORKLOADS.get(p, p), MODEL, e), args.out)
-            return
         fns = {"kv": kv_bytes, "batch1": batch1, "long_context": long_context, "w1": w1}
-        try:
-            for p in parts:
-                one(WORKLOADS.get(p, p), fns[p], st)
-        finally:
-            st.close()
-
-
-CHILD_FLAGS = (("--num-requests", "num_requests"), ("--max-num-seqs", "max_num_seqs"),
-               ("--max-model-len", "max_model_len"), ("--decode-tokens", "decode_tokens"),
-               ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"),
-               ("--dtype", "dtype"), ("--model", "model"))
+        staged_gpu.run_engine_parts(args.out, MODEL, lambda: EngineStage(args, sizes),
+                                    [(WORKLOADS.get(p, p), fns[p]) for p in parts])
 
 
 def run_child(args: argparse.Namespace, stage: str, parts: list[str]) -> None:
     """run_stage in a child process; a child that dies leaves error records."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), ",".join(parts), "--out",
-           str(args.out), "--stage", stage]
-    for flag, attr in CHILD_FLAGS:
-        if getattr(args, attr) is not None:
-            cmd += [flag, str(getattr(args, attr))]
-    if args.contexts:
-        cmd += ["--contexts", ",".join(map(str, args.contexts))]
-    cmd += ["--smoke"] * args.smoke + ["--enforce-eager"] * args.enforce_eager
-    before = len(read_records(args.out))
-    tail: collections.deque[str] = collections.deque(maxlen=60)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-
-    def pump() -> None:  # stderr to ours as it comes, its tail kept for the record
-        for line in proc.stderr:  # type: ignore[union-attr]
-            sys.stderr.write(line)
-            tail.append(line)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        status = f"exited with status {proc.wait(timeout=args.stage_timeout)}"
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        status = f"was killed after --stage-timeout {args.stage_timeout:g} s"
-    reader.join(5)
-    written = {r.get("workload") for r in read_records(args.out)[before:]}
     wanted = [MLA_WORKLOAD] if stage == "mla" else [WORKLOADS.get(p, p) for p in parts]
-    for workload in wanted:
-        if workload not in written:
-            append(record(workload, "shoal", model=MODEL, stage=stage,
-                          error=f"child process {status} without writing this record",
-                          stderr_tail="".join(tail)[-3000:]), args.out)
+    staged_gpu.run_child(args, __file__, stage, parts, workloads=wanted, model=MODEL,
+                         extra=["--model", args.model] if args.model else [])
 
 
 def summary(path: Path) -> dict[str, Any] | None:
@@ -620,44 +429,13 @@ def summary(path: Path) -> dict[str, Any] | None:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", type=comma_words, help=f"all, or a comma list of {', '.join(PARTS)}")
-    add_common(ap, out=REQUIRED, num_requests=None, max_num_seqs=256, seed=0,
-               smoke="CPU, float32, tiny V4 and MLA configs in a temp folder")
+    ap = staged_gpu.staged_parser(
+        __doc__.split("\n\n")[0], PARTS, STAGES, stage_timeout=600,
+        smoke="CPU, float32, tiny V4 and MLA configs in a temp folder",
+        enforce_eager="the MLA engine without CUDA graphs too (V4 always runs eagerly)")
     ap.add_argument("--model", default=None,
                     help=f"a V4 model folder (default: the shipped {MODEL})")
-    ap.add_argument("--contexts", type=comma_ints, default=None,
-                    help="long_context lengths (default 1024,32768,131072)")
-    ap.add_argument("--decode-tokens", type=int, default=None,
-                    help="long_context: tokens decoded after the prefill (default 32)")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="engine max_model_len (default: largest context + decode + 128)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="engine chunk of a step (default 8192)")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                    help="engine and transformers dtype (default bfloat16; float32: the "
-                    "correctness part's tight check)")
-    ap.add_argument("--enforce-eager", action="store_true",
-                    help="the MLA engine without CUDA graphs too (V4 always runs eagerly)")
-    ap.add_argument("--no-isolate", action="store_true",
-                    help="run every stage in this process (engines are not freed)")
-    ap.add_argument("--stage-timeout", type=float, default=600,
-                    help="seconds a child process may take")
-    ap.add_argument("--stage", choices=[s for s, _ in STAGES], help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers' hub kernels: never fetched
-    parts = list(PARTS) if args.part == ["all"] else args.part
-    if unknown := [p for p in parts if p not in PARTS]:
-        ap.error(f"unknown part(s) {unknown}: all, or {', '.join(PARTS)}")
-    sizes = dict(SMOKE if args.smoke else FULL)
-    if args.dtype:
-        sizes["dtype"] = args.dtype
-    if args.decode_tokens:
-        sizes["decode_tokens"] = args.decode_tokens
-    if args.num_requests:
-        sizes["num_requests"] = args.num_requests
-    if args.smoke:
-        args.max_num_seqs = min(args.max_num_seqs, 8)
+    args, parts, sizes = staged_gpu.parse_staged(ap, argv, PARTS, FULL, SMOKE)
     if args.stage:  # a child: one stage
         run_stage(args, sizes, args.stage, parts)
         return read_records(args.out)
@@ -669,14 +447,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         (folder / "config.json").write_text(json.dumps(SMOKE_V4, indent=2) + "\n")
         args.model = str(folder)
     write([], args.out)
-    for stage, stage_parts in STAGES:
-        todo = [p for p in stage_parts if p in parts]
-        if not todo:
-            continue
-        if args.no_isolate:
-            run_stage(args, sizes, stage, todo)
-        else:
-            run_child(args, stage, todo)
+    staged_gpu.run_stages(args, STAGES, parts,
+                          lambda stage, todo: run_stage(args, sizes, stage, todo),
+                          lambda stage, todo: run_child(args, stage, todo))
     if "long_context" in parts and (rec := summary(args.out)) is not None:
         print(json.dumps(rec, default=str), flush=True)
         append(rec, args.out)

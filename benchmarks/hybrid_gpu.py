@@ -60,28 +60,25 @@ temp folder and runs every part on the CPU in float32 with small sizes."""
 from __future__ import annotations
 
 import argparse
-import collections
-import gc
 import json
-import math
-import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import engine_internals
+import long_context_runs
 import offline_runs
-from bench_args import REQUIRED, add_common, comma_ints, comma_words
-from deepseek_gpu import count_active, w1  # w1: the same W1 part on this EngineStage
-from offline_runs import copy_bandwidth
+import staged_gpu
+from bench_args import comma_words
+from deepseek_gpu import w1, weight_floor  # w1: the same W1 part on this EngineStage
+from hf_agreement import compare, correctness_device, hf_and_shoal, randomize
+from long_context_runs import context_max_model_len, contexts_for
 from results_file import record, shoal_source, write
+from staged_gpu import LazyEngine, append, engine_kw, free_memory, read_records
 
 # Shipped shapes: name -> shoal/model_configs/<folder>.
 CONFIG_FOLDERS = {
@@ -104,12 +101,12 @@ FULL = dict(dtype="bfloat16", max_model_len=None, b1_in=128, b1_out=256, w1_in=(
             w1_out=(100, 1024), num_requests=256, kv_cache_memory_bytes=None,
             contexts=[1024, 32768, 131072], decode_tokens=32, max_num_batched_tokens=8192,
             corr_prompts=4, corr_len=(20, 300), corr_steps=16, corr_max_model_len=1024,
-            corr_kv_bytes=4 << 30)
+            corr_kv_bytes=4 << 30, device=None)
 SMOKE = dict(dtype="float32", max_model_len=512, b1_in=16, b1_out=12, w1_in=(8, 40),
              w1_out=(4, 16), num_requests=6, kv_cache_memory_bytes=32 << 20,
              contexts=[64, 256, 480], decode_tokens=8, max_num_batched_tokens=128,
              corr_prompts=4, corr_len=(20, 120), corr_steps=16, corr_max_model_len=512,
-             corr_kv_bytes=32 << 20)
+             corr_kv_bytes=32 << 20, device="cpu")
 # GPU memory kept free beside weights and KV when deciding whether a variant fits.
 ACTIVATION_MARGIN = 8 << 30
 
@@ -272,144 +269,56 @@ def seq_bytes(tokens: int, lay: dict[str, Any] | None, cb: dict[str, Any]) -> di
 
 # ---- engines -------------------------------------------------------------------------------
 
-def engine_kw(args: argparse.Namespace, sizes: dict[str, Any], max_model_len: int,
-              **extra: Any) -> dict[str, Any]:
-    kw: dict[str, Any] = dict(load_format="dummy", dtype=sizes["dtype"],
-                              max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
-                              max_num_batched_tokens=args.max_num_batched_tokens
-                              or sizes["max_num_batched_tokens"],
-                              enforce_eager=args.enforce_eager, **extra)
-    if sizes["kv_cache_memory_bytes"] is not None:
-        kw |= {"kv_cache_memory_bytes": sizes["kv_cache_memory_bytes"], "device": "cpu"}
-    return kw
-
-
-def free_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def contexts_for(args: argparse.Namespace, sizes: dict[str, Any]) -> list[int]:
-    return list(args.contexts or sizes["contexts"])
-
-
-def hybrid_max_model_len(args: argparse.Namespace, sizes: dict[str, Any], cfg: Any) -> int:
-    if args.max_model_len or sizes["max_model_len"]:
-        return int(args.max_model_len or sizes["max_model_len"])
-    want = max(contexts_for(args, sizes)) + sizes["decode_tokens"] + 128
-    return min(want, max_positions(cfg))
-
-
-def timed_request(llm: Any, tokens: int, decode: int, vocab: int, seed: int) -> dict[str, Any]:
-    """One request of `tokens` random ids and decode + 1 greedy tokens: TTFT (the prefill,
-    chunked) and decode ms a token, from the engine's RequestOutput.metrics."""
-    from shoal import SamplingParams
-
-    rng = random.Random(seed)
-    params = SamplingParams(temperature=0, max_tokens=decode + 1, ignore_eos=True)
-    t0 = time.perf_counter()
-    out = llm.generate(offline_runs.random_prompt(rng, tokens, vocab), params,
-                       use_tqdm=False)[0]
-    wall = time.perf_counter() - t0
-    n, m = len(out.outputs[0].token_ids), out.metrics
-    prefill = decode_ms = None
-    if m is not None and m.first_token_time is not None:
-        prefill = m.first_token_time - m.arrival_time
-        if m.finished_time is not None and n > 1:
-            decode_ms = (m.finished_time - m.first_token_time) / (n - 1) * 1000
-    return dict(prefill_s=prefill, decode_ms_per_token=decode_ms, decode_tokens=n - 1,
-                wall_s=wall, num_cached_tokens=out.num_cached_tokens,
-                prefill_tok_s=tokens / prefill if prefill else None)
-
-
 def measure_contexts(llm: Any, contexts: list[int], limit: int, sizes: dict[str, Any],
                      cb: dict[str, Any], vocab: int, seed: int) -> tuple[dict | None, list]:
-    """Bytes and timings of each context (a warm-up request first); contexts over `limit`
-    tokens, or whose blocks the pool cannot hold, get bytes only."""
+    """Bytes and timings of each context; contexts over `limit` tokens, or whose blocks the
+    pool cannot hold, get bytes only."""
     lay = engine_layout(llm)
-    decode = sizes["decode_tokens"]
-    timed_request(llm, min(64, limit - decode - 1), 4, vocab, seed)  # warm-up
-    rows = []
-    for i, c in enumerate(contexts):
-        row: dict[str, Any] = dict(context=c, **seq_bytes(c, lay, cb))
-        if c + decode + 1 > limit:
-            row["skipped"] = f"context + {decode + 1} tokens over max_model_len {limit}"
-        elif lay and seq_bytes(c + decode + 1, lay, cb)["pool_blocks"] > lay["num_blocks"]:
-            row["skipped"] = f"needs more than the pool's {lay['num_blocks']} blocks"
-        else:
-            row |= timed_request(llm, c, decode, vocab, seed + 1 + i)
-        print(json.dumps(row, default=str), flush=True)
-        rows.append(row)
+
+    def wont_fit(tokens: int) -> str | None:
+        if lay and seq_bytes(tokens, lay, cb)["pool_blocks"] > lay["num_blocks"]:
+            return f"needs more than the pool's {lay['num_blocks']} blocks"
+        return None
+
+    rows = long_context_runs.measure_contexts(llm, contexts, limit, sizes, vocab, seed,
+                                              lambda c: seq_bytes(c, lay, cb), wont_fit)
     return lay, rows
 
 
-class EngineStage:
+class EngineStage(LazyEngine):
     """The shipped shape on one engine (built on first use) for batch1, w1, long_context."""
 
     def __init__(self, args: argparse.Namespace, sizes: dict[str, Any], model: str):
         self.args, self.sizes, self.model = args, sizes, model
         self.cfg = hf_config(raw_config(model))
-        self.max_model_len = hybrid_max_model_len(args, sizes, self.cfg)
-        self._engine: offline_runs.Engine | None = None
-        self._build_error: str | None = None
-
-    @property
-    def llm(self) -> Any:
-        if self._engine is None:
-            if self._build_error is not None:
-                raise RuntimeError(f"engine did not start: {self._build_error}")
-            try:
-                self._engine = offline_runs.start_engine(
-                    str(config_folder(self.model)),
-                    **engine_kw(self.args, self.sizes, self.max_model_len))
-            except Exception as e:
-                self._build_error = f"{type(e).__name__}: {e}"
-                raise
-        return self._engine.llm
+        self.max_model_len = context_max_model_len(args, sizes, max_positions(self.cfg))
+        super().__init__(str(config_folder(model)), engine_kw(args, sizes, self.max_model_len))
 
     def vocab(self) -> int:
         return int(self.cfg.vocab_size)
 
     def common(self) -> dict[str, Any]:
-        eng = self._engine
         return dict(model=self.model, family=self.cfg.model_type, dtype=self.sizes["dtype"],
-                    smoke=self.args.smoke, ready_s=eng.ready_s if eng else None,
-                    process_ready_s=eng.process_ready_s if eng else None,
+                    smoke=self.args.smoke, **self.ready_fields(),
                     max_num_seqs=self.args.max_num_seqs, max_model_len=self.max_model_len,
                     enforce_eager=self.args.enforce_eager,
                     max_num_batched_tokens=self.args.max_num_batched_tokens
                     or self.sizes["max_num_batched_tokens"])
-
-    def close(self) -> None:
-        if self._engine is not None:
-            self._engine.llm.shutdown()
-            self._engine = None
-            free_memory()
 
 
 def roofline(st: EngineStage, decode: float) -> dict[str, Any]:
     model = getattr(engine_internals.runner(st.llm), "model", None)
     if model is None:
         return dict(roofline_tok_s=None, params=None)
-    counts = count_active(model, int(getattr(st.cfg, "num_experts_per_tok", 0) or 0))
-    weight_bytes = counts["active_params"] * counts["param_bytes"]
-    bandwidth = copy_bandwidth()
-    roof = bandwidth / weight_bytes
-    tight = bandwidth / (counts["active_params_without_embedding"] * counts["param_bytes"])
-    lay = engine_layout(st.llm) or config_bytes(st.cfg, counts["param_bytes"])
+    floor = weight_floor(model, int(getattr(st.cfg, "num_experts_per_tok", 0) or 0), decode)
+    lay = engine_layout(st.llm) or config_bytes(st.cfg, floor["params"]["param_bytes"])
     mean_ctx = st.sizes["b1_in"] + st.sizes["b1_out"] / 2
     kv_state = lay["attention_bytes_per_token"] * mean_ctx + 2 * lay["state_bytes_per_seq"]
-    with_kv = bandwidth / (weight_bytes + kv_state)
+    with_kv = floor["copy_bandwidth"] / (floor["weight_bytes_per_token"] + kv_state)
     return dict(
-        weight_bytes_per_token=weight_bytes, copy_bandwidth=bandwidth,
-        roofline_tok_s=roof, fraction_of_roofline=decode / roof,
-        roofline_tok_s_one_embedding_row=tight,
-        fraction_of_roofline_one_embedding_row=decode / tight,
+        **floor,
         kv_state_bytes_per_decode_token=kv_state, roofline_tok_s_with_kv_state=with_kv,
-        fraction_of_roofline_with_kv_state=decode / with_kv, params=counts,
+        fraction_of_roofline_with_kv_state=decode / with_kv,
         active_params_rule=(
             "deepseek_gpu.count_active: all parameters of the engine's model minus the routed "
             "experts' stacked w13/w2, plus num_experts_per_tok x one expert per MoE layer "
@@ -509,25 +418,14 @@ def variant_params(cfg: Any) -> int | None:
 
 # ---- correctness ---------------------------------------------------------------------------
 
-def randomize(model: Any) -> None:
-    """write_tiny_checkpoint's draw, matrices scaled to keep its gain at any width."""
-    import torch
-
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("A_log"):
-                p.normal_(0, 0.3)
-            elif name.endswith("dt_bias"):
-                p.uniform_(-4, -2)
-            elif p.dim() > 1:
-                p.normal_(0, 0.2 * min(1.0, math.sqrt(64 / p.shape[-1])))
-            else:
-                p.uniform_(0.5, 1.5)
+# write_tiny_checkpoint's draws of the linear layers' decay parameters (hf_agreement.randomize
+# draws the rest)
+DECAY_DRAWS = {"A_log": lambda p: p.normal_(0, 0.3), "dt_bias": lambda p: p.uniform_(-4, -2)}
 
 
 def correctness(args: argparse.Namespace, sizes: dict[str, Any], model: str) -> dict:
-    import torch
     import transformers
+    from gpu_correctness import hf_greedy  # (imports torch: correctness children only)
 
     raw = four_layers(raw_config(model))
     name = HF_CLASSES.get(raw["model_type"], "?")
@@ -539,182 +437,44 @@ def correctness(args: argparse.Namespace, sizes: dict[str, Any], model: str) -> 
     except Exception as e:
         return record("correctness", "shoal", **base, skipped=(
             f"transformers {transformers.__version__} has no class {name} ({type(e).__name__})"))
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    dtype = getattr(torch, sizes["dtype"])
-    torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
-    with torch.device(device):
-        hf = hf_cls._from_config(cfg, dtype=dtype).eval()
-    randomize(hf)
-    tmp = tempfile.mkdtemp(prefix="hybrid-correctness-")
-    llm = None
-    try:
-        hf.save_pretrained(tmp)
-        build_s = time.perf_counter() - t0
-        print(f"[correctness] transformers built and saved in {build_s:.1f} s", file=sys.stderr,
-              flush=True)
-        t1 = time.perf_counter()
-        llm = shoal_llm(tmp, sizes, device)
-        print(f"[correctness] shoal ready in {time.perf_counter() - t1:.1f} s", file=sys.stderr,
-              flush=True)
-        return record("correctness", "shoal", **base, **compare(llm, hf, cfg, sizes, device,
-                                                               args.seed),
+    device = correctness_device(args.smoke)
+    rng = random.Random(args.seed)
+    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(*sizes["corr_len"]))]
+               for _ in range(sizes["corr_prompts"])]
+    with hf_and_shoal(lambda dtype: hf_cls._from_config(cfg, dtype=dtype),
+                      lambda hf: randomize(hf, DECAY_DRAWS), sizes, device, args.seed,
+                      "hybrid-correctness-") as pair:
+        return record("correctness", "shoal", **base,
+                      **compare(pair.llm, pair.hf, prompts, sizes["corr_steps"], device,
+                                hf_greedy),
                       layers=4, layer_types=list(cfg.layer_types),
                       hidden_size=cfg.hidden_size, hf_params=sum(
-                          p.numel() for p in hf.parameters()), hf_build_save_s=build_s,
+                          p.numel() for p in pair.hf.parameters()),
+                      hf_build_save_s=pair.build_save_s,
                       init_rule=("A_log ~ N(0, 0.3), dt_bias ~ U(-4, -2), vectors U(0.5, 1.5), "
                                  "matrices N(0, 0.2 * min(1, sqrt(64 / fan_in)))"),
                       note="bf16 near-ties diverge: reported, not failed")
-    finally:
-        if llm is not None:
-            llm.shutdown()
-        del hf, llm
-        shutil.rmtree(tmp, ignore_errors=True)
-        free_memory()
-
-
-def shoal_llm(folder: str, sizes: dict[str, Any], device: str) -> Any:
-    from shoal import LLM
-
-    kw: dict[str, Any] = dict(dtype=sizes["dtype"], max_model_len=sizes["corr_max_model_len"],
-                              max_num_seqs=8, kv_cache_memory_bytes=sizes["corr_kv_bytes"])
-    if device == "cpu":
-        kw["device"] = "cpu"
-    return LLM(model=folder, **kw)
-
-
-def compare(llm: Any, hf: Any, cfg: Any, sizes: dict[str, Any], device: str,
-            seed: int) -> dict[str, Any]:
-    from gpu_correctness import hf_greedy  # (imports torch: correctness children only)
-
-    from shoal import SamplingParams
-
-    rng = random.Random(seed)
-    steps = sizes["corr_steps"]
-    prompts = [[rng.randrange(cfg.vocab_size) for _ in range(rng.randint(*sizes["corr_len"]))]
-               for _ in range(sizes["corr_prompts"])]
-    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    shoal_s = time.perf_counter() - t0
-    print(f"[correctness] shoal generated in {shoal_s:.1f} s", file=sys.stderr, flush=True)
-    same = total = 0
-    rows = []
-    for p, o in zip(prompts, outs):
-        ref, ref_lp = hf_greedy(hf, p, steps, device)
-        got = list(o.outputs[0].token_ids)
-        agree = [a == b for a, b in zip(got, ref)]
-        same, total = same + sum(agree), total + steps
-        div = next((i for i, a in enumerate(agree) if not a), None)
-        diffs = [abs(o.outputs[0].logprobs[i][got[i]].logprob - ref_lp[i][got[i]].item())
-                 for i in range(steps if div is None else div)]
-        rows.append(dict(prompt_len=len(p), first_divergence_step=div,
-                         max_logprob_diff=max(diffs, default=None),
-                         hf_margin_at_divergence=None if div is None else
-                         (ref_lp[div][ref[div]] - ref_lp[div][got[div]]).item()))
-    print(f"[correctness] transformers greedy in {time.perf_counter() - t0 - shoal_s:.1f} s",
-          file=sys.stderr, flush=True)
-    divs = [r["first_divergence_step"] for r in rows if r["first_divergence_step"] is not None]
-    lp = [r["max_logprob_diff"] for r in rows if r["max_logprob_diff"] is not None]
-    return dict(prompts=len(prompts), steps=steps, token_match_fraction=same / total,
-                prompts_identical=sum(r["first_divergence_step"] is None for r in rows),
-                first_divergence_step=min(divs) if divs else None,
-                max_logprob_diff=max(lp) if lp else None, shoal_generate_s=shoal_s,
-                per_prompt=rows, logprob_rule="over each prompt's agreeing prefix")
 
 
 # ---- stages and the child processes --------------------------------------------------------
 
-def append(rec: dict[str, Any], path: Path) -> None:
-    write(read_records(path) + [rec], path)
-
-
-def read_records(path: Path) -> list[dict[str, Any]]:
-    try:
-        data = json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return []
-    return data if isinstance(data, list) else []
-
-
-def error_record(workload: str, model: str, e: BaseException) -> dict[str, Any]:
-    traceback.print_exc()
-    return record(workload, "shoal", model=model, error=f"{type(e).__name__}: {e}",
-                  traceback=traceback.format_exc()[-3000:])
-
-
 def run_stage(args: argparse.Namespace, sizes: dict[str, Any], stage: str, model: str,
               parts: list[str]) -> None:
     """The stage's parts for one model, each record appended to --out as it comes."""
-    def one(workload: str, fn: Any, *a: Any) -> None:
-        t0 = time.perf_counter()
-        try:
-            rec = fn(*a)
-        except Exception as e:  # one part's failure must not hide the others
-            rec = error_record(workload, model, e)
-        rec["part_wall_s"] = time.perf_counter() - t0
-        print(json.dumps(rec, default=str)[:4000], flush=True)
-        append(rec, args.out)
-
     if stage == "correctness":
-        one("correctness", correctness, args, sizes, model)
+        staged_gpu.run_part(args.out, "correctness", model, correctness, args, sizes, model)
     elif stage == "full":
-        one(WORKLOAD["full"], full_attention, args, sizes, model)
+        staged_gpu.run_part(args.out, WORKLOAD["full"], model, full_attention, args, sizes, model)
     else:
-        try:
-            st = EngineStage(args, sizes, model)
-        except Exception as e:
-            for p in parts:
-                append(error_record(p, model, e), args.out)
-            return
-        try:
-            for p in parts:
-                one(p, {"batch1": batch1, "w1": w1, "long_context": long_context}[p], st)
-        finally:
-            st.close()
-
-
-CHILD_FLAGS = (("--num-requests", "num_requests"), ("--max-num-seqs", "max_num_seqs"),
-               ("--max-model-len", "max_model_len"), ("--decode-tokens", "decode_tokens"),
-               ("--max-num-batched-tokens", "max_num_batched_tokens"), ("--seed", "seed"),
-               ("--dtype", "dtype"))
+        fns = {"batch1": batch1, "w1": w1, "long_context": long_context}
+        staged_gpu.run_engine_parts(args.out, model, lambda: EngineStage(args, sizes, model),
+                                    [(p, fns[p]) for p in parts])
 
 
 def run_child(args: argparse.Namespace, stage: str, model: str, parts: list[str]) -> None:
     """run_stage in a child process; a child that dies leaves error records."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), ",".join(parts), "--models", model,
-           "--out", str(args.out), "--stage", stage]
-    for flag, attr in CHILD_FLAGS:
-        if getattr(args, attr) is not None:
-            cmd += [flag, str(getattr(args, attr))]
-    if args.contexts:
-        cmd += ["--contexts", ",".join(map(str, args.contexts))]
-    cmd += ["--smoke"] * args.smoke + ["--enforce-eager"] * args.enforce_eager
-    before = len(read_records(args.out))
-    tail: collections.deque[str] = collections.deque(maxlen=60)
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-
-    def pump() -> None:  # stderr to ours as it comes, its tail kept for the record
-        for line in proc.stderr:  # type: ignore[union-attr]
-            sys.stderr.write(line)
-            tail.append(line)
-
-    reader = threading.Thread(target=pump, daemon=True)
-    reader.start()
-    try:
-        status = f"exited with status {proc.wait(timeout=args.stage_timeout)}"
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        status = f"was killed after --stage-timeout {args.stage_timeout:g} s"
-    reader.join(5)
-    written = {r.get("workload") for r in read_records(args.out)[before:]}
-    for p in parts:
-        workload = WORKLOAD.get(stage, p)
-        if workload not in written:
-            append(record(workload, "shoal", model=model, stage=stage,
-                          error=f"child process {status} without writing this record",
-                          stderr_tail="".join(tail)[-3000:]), args.out)
+    staged_gpu.run_child(args, __file__, stage, parts, model=model, extra=["--models", model],
+                         workloads=[WORKLOAD.get(stage, p) for p in parts])
 
 
 def summary(model: str, path: Path) -> dict[str, Any] | None:
@@ -741,43 +501,25 @@ def summary(model: str, path: Path) -> dict[str, Any] | None:
                   smoke=hyb.get("smoke"), contexts=rows)
 
 
+def run_model(args: argparse.Namespace, sizes: dict[str, Any], model: str,
+              parts: list[str]) -> None:
+    """Every stage of one model, then its long-context summary."""
+    staged_gpu.run_stages(args, STAGES, parts,
+                          lambda stage, todo: run_stage(args, sizes, stage, model, todo),
+                          lambda stage, todo: run_child(args, stage, model, todo))
+    if "long_context" in parts and (rec := summary(model, args.out)) is not None:
+        print(json.dumps(rec, default=str), flush=True)
+        append(rec, args.out)
+
+
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("part", type=comma_words, help=f"all, or a comma list of {', '.join(PARTS)}")
-    add_common(ap, out=REQUIRED, num_requests=None, max_num_seqs=256, seed=0,
-               smoke="CPU, float32, tiny configs of the four families in a temp folder")
+    ap = staged_gpu.staged_parser(
+        __doc__.split("\n\n")[0], PARTS, STAGES, stage_timeout=3600,
+        smoke="CPU, float32, tiny configs of the four families in a temp folder",
+        enforce_eager="engines without CUDA graphs (hybrid and all-full-attention alike)")
     ap.add_argument("--models", type=comma_words, default=None,
                     help="comma list of names or folders (default: the four shipped hybrids)")
-    ap.add_argument("--contexts", type=comma_ints, default=None,
-                    help="long_context lengths (default 1024,32768,131072)")
-    ap.add_argument("--decode-tokens", type=int, default=None,
-                    help="long_context: tokens decoded after the prefill (default 32)")
-    ap.add_argument("--max-model-len", type=int, default=None,
-                    help="engine max_model_len (default: largest context + decode + 128)")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="engine chunk of a step (default 8192)")
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
-                    help="engine and transformers dtype (default bfloat16; float32: the "
-                    "correctness part's tight check, logprobs to ~1e-4)")
-    ap.add_argument("--enforce-eager", action="store_true",
-                    help="engines without CUDA graphs (hybrid and all-full-attention alike)")
-    ap.add_argument("--no-isolate", action="store_true",
-                    help="run every stage in this process (engines are not freed)")
-    ap.add_argument("--stage-timeout", type=float, default=3600,
-                    help="seconds a child process may take")
-    ap.add_argument("--stage", choices=[s for s, _ in STAGES], help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # transformers' hub kernels: never fetched
-    parts = list(PARTS) if args.part == ["all"] else args.part
-    if unknown := [p for p in parts if p not in PARTS]:
-        ap.error(f"unknown part(s) {unknown}: all, or {', '.join(PARTS)}")
-    sizes = dict(SMOKE if args.smoke else FULL)
-    if args.dtype:
-        sizes["dtype"] = args.dtype
-    if args.decode_tokens:
-        sizes["decode_tokens"] = args.decode_tokens
-    if args.smoke:
-        args.max_num_seqs = min(args.max_num_seqs, 8)
+    args, parts, sizes = staged_gpu.parse_staged(ap, argv, PARTS, FULL, SMOKE)
     if args.stage:  # a child: one model, one stage
         run_stage(args, sizes, args.stage, args.models[0], parts)
         return read_records(args.out)
@@ -789,17 +531,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     models = models or MODELS
     write([], args.out)
     for model in models:
-        for stage, stage_parts in STAGES:
-            todo = [p for p in stage_parts if p in parts]
-            if not todo:
-                continue
-            if args.no_isolate:
-                run_stage(args, sizes, stage, model, todo)
-            else:
-                run_child(args, stage, model, todo)
-        if "long_context" in parts and (rec := summary(model, args.out)) is not None:
-            print(json.dumps(rec, default=str), flush=True)
-            append(rec, args.out)
+        run_model(args, sizes, model, parts)
     if tmp is not None:
         tmp.cleanup()
     return read_records(args.out)
