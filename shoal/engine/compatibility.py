@@ -362,11 +362,6 @@ ROWS: tuple[Incompatibility, ...] = (
         "indexer yet (its key cache is written in the model dtype); use kv_cache_dtype='auto'"),
     # ---- the Transformers backend (transformers' modeling code, shoal's paged attention) ----
     Incompatibility(
-        "model_impl='transformers' (the Transformers backend)", "tensor_parallel_size > 1",
-        lambda s: s.transformers_backend and s.tp > 1,
-        "the Transformers backend has no tensor-parallel plan yet: tensor_parallel_size must "
-        "be 1 (got {s.tp})"),
-    Incompatibility(
         "model_impl='transformers' (the Transformers backend)", _DP_EP,
         lambda s: s.transformers_backend and s.dp_ep,
         "the Transformers backend runs transformers' own MoE layers, which do not split "

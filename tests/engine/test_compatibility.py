@@ -97,8 +97,6 @@ CASES = [
      "distributed_executor_backend must be unset or 'uni'"),
     (dict(_DP_EP, data_parallel_rank=2), {}, "generate", "cpu", 64,
      r"needs data_parallel_rank in \[0, 2\)"),
-    (dict(model_impl="transformers", tensor_parallel_size=2), {}, "generate", "cpu", 64,
-     "the Transformers backend has no tensor-parallel plan yet"),
     (dict(_DP_EP, model_impl="transformers"), {}, "generate", "cpu", 64,
      "the Transformers backend runs transformers' own MoE layers"),
     (dict(model_impl="transformers", speculative_config=_EAGLE), {}, "generate", "cpu", 64,

@@ -10,8 +10,10 @@ A step's flattened tokens go in as one [1, T] sequence with position_ids = posit
 transformers builds no causal mask for an attention implementation it does not know, and
 the paged backend applies causality (and sliding windows) per request.
 
-Not here yet: tensor/pipeline parallel plans (the compatibility table refuses them), CUDA
-graphs (start-up forces eager), pooling (runner="pooling")."""
+With tensor_parallel_size > 1 the config's own tensor-parallel plan splits the linears
+(tensor_parallel.py); the probe then sees each rank's local heads, which its paged layers
+keep. Not here yet: pipeline parallelism (the compatibility table refuses it), CUDA graphs
+(start-up forces eager), pooling (runner="pooling")."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from shoal.distributed.parallel_state import get_tp_world_size
 from shoal.layers.attention import Attention
 from shoal.models.transformers_backend.attention import (
     AttentionCall,
@@ -30,6 +33,7 @@ from shoal.models.transformers_backend.attention import (
 from shoal.models.transformers_backend.build import build_causal_lm
 from shoal.models.transformers_backend.logits import CausalLMHead
 from shoal.models.transformers_backend.support import check_supported
+from shoal.models.transformers_backend.tensor_parallel import TPPlan, apply_tp_plan, tp_plan
 from shoal.models.transformers_backend.weights import load_checkpoint
 
 # Tokens of the construction-time probe pass (two, so code paths for single-token steps and
@@ -45,7 +49,11 @@ class TransformersForCausalLM(nn.Module):
         """use_triton_ops has no effect: the layers are transformers' (attention excepted)."""
         super().__init__()
         check_supported(hf_config)
+        tp = get_tp_world_size()
+        plan = tp_plan(hf_config, tp) if tp > 1 else None  # (refused before anything is built)
         hf = build_causal_lm(hf_config, dtype, torch.get_default_device())
+        if plan is not None:
+            apply_tp_plan(hf, plan)
         # Its children become this module's, so parameter names are the checkpoint's
         # ("model.layers.0...", "lm_head.weight"); the wrapper itself is kept unregistered.
         self.__dict__["hf_model"] = hf
@@ -65,6 +73,8 @@ class TransformersForCausalLM(nn.Module):
             calls = probe_attention(lambda: self._run(
                 torch.zeros(_PROBE_TOKENS, dtype=torch.long, device=device),
                 torch.arange(_PROBE_TOKENS, device=device)))
+        if plan is not None:
+            check_local_heads(calls, hf_config, plan, self.architecture)
         self.paged_attention = nn.ModuleList(paged_layers(calls, hf_config, self.architecture))
         self._layer_of = {id(c.module): layer for c, layer in zip(calls, self.paged_attention)}
 
@@ -129,6 +139,24 @@ def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str) -> list[
             layer.scale = c.scaling
         layers.append(layer)
     return layers
+
+
+def check_local_heads(calls: list[AttentionCall], hf_config: Any, plan: TPPlan,
+                      arch: str) -> None:
+    """Every attention call runs this rank's share of the query heads (all of them where the
+    plan gathers q/k/v back whole): ValueError for modeling code that reshapes by head
+    counts the split did not reach. (KV heads are not compared: configs of models without
+    grouped-query attention may carry a num_key_value_heads their code never reads.)"""
+    heads = getattr(hf_config, "num_attention_heads", None)
+    if not isinstance(heads, int):
+        return
+    share = plan.tp if plan.splits_heads else 1
+    for c in calls:
+        if c.num_heads * share != heads:
+            raise ValueError(f"the Transformers backend cannot run {arch} with "
+                             f"tensor_parallel_size {plan.tp}: {type(c.module).__name__} "
+                             f"attends over {c.num_heads} query heads on a rank, not "
+                             f"{heads // share} of its {heads}")
 
 
 def sliding_window(call: AttentionCall, hf_config: Any, index: int) -> int | None:

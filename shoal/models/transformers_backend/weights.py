@@ -2,7 +2,9 @@
 layout while the modeling code may have moved on (transformers 5 fuses MoE experts into one
 tensor, renames legacy prefixes): the model's own conversion mapping (the one
 `from_pretrained` applies) renames each tensor, and gathers the ones a converter merges
-(each expert's projections) until they are all in."""
+(each expert's projections) until they are all in. A tensor-parallel layer's parameter
+(tensor_parallel.py) takes the whole tensor through its weight loader, which keeps this
+rank's slice."""
 
 from __future__ import annotations
 
@@ -59,8 +61,10 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         g.parts.append((name, pattern, tensor))
         g.numel += tensor.numel()
         # A merge keeps every element: once the parameter's worth is in, convert now rather
-        # than hold a whole MoE checkpoint's experts to the end.
-        if g.numel == targets[key].numel():
+        # than hold a whole MoE checkpoint's experts to the end (a split parameter holds a
+        # rank's share of the elements: its parts wait for the end).
+        if (g.numel == targets[key].numel()
+                and getattr(targets[key], "weight_loader", None) is None):
             loaded |= _convert(model, targets, key, gathered.pop(key))
     for key, g in gathered.items():  # conversions that change sizes: at the end
         loaded |= _convert(model, targets, key, g)
@@ -86,6 +90,13 @@ def _convert(model: nn.Module, targets: dict[str, torch.Tensor], key: str,
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    loader = getattr(dst, "weight_loader", None)
+    if loader is not None:  # a tensor-parallel layer's: it keeps this rank's slice
+        try:
+            loader(dst, src.to(dst.dtype))
+        except ValueError as e:
+            raise ValueError(f"checkpoint tensor {name!r}: {e}") from None
+        return
     if dst.shape != src.shape:
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, the model "
                          f"expects {tuple(dst.shape)}")
