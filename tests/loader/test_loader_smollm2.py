@@ -46,11 +46,11 @@ def reference_dir(ours) -> tuple[str, str]:
 
 
 @pytest.fixture(scope="module")
-def reference_tokenizer(reference_dir):
-    from transformers import AutoTokenizer
-
-    folder, name = reference_dir
-    return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+def reference_tokenizer(reference_dir, smollm_gguf, hf_smollm_tokenizer):
+    # conftest's session-wide transformers tokenizer of this very file (test_detokenizer's
+    # too: one ~4 s build for both)
+    assert reference_dir == smollm_gguf
+    return hf_smollm_tokenizer
 
 
 def test_config(ours):

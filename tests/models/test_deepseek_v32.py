@@ -48,7 +48,8 @@ def test_greedy_matches_transformers_in_mixed_chunked_batches(tiny):
 def test_whole_prompts_and_decodes_alone(tiny):
     path, hf = tiny
     prompts = _prompts((40,), seed=2)
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256)
+    # 64 blocks: the CPU default (4 GiB of small latent blocks) is ~280k blocks, ~1 s
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
     check_against_hf(_generate(llm, prompts), prompts, hf, STEPS)
 
 
@@ -84,7 +85,7 @@ def test_short_contexts_skip_the_indexer(tiny, monkeypatch):
         return select(self, *args)
 
     monkeypatch.setattr(LightningIndexer, "_select", counting)
-    llm = LLM(model=str(path), dtype="float32", max_model_len=256)
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, num_gpu_blocks_override=64)
     short = _prompts((3,), seed=5)
     out = llm.generate([{"prompt_token_ids": short[0]}],
                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1),

@@ -82,7 +82,8 @@ def test_pruned_video_matches_transformers(setup, rate) -> None:
     frames[:, :56] = frames[0, :56]
     video = Video(frames, 2.0)
     llm = LLM(model=str(folder), dtype="float32", max_model_len=512,
-              max_num_batched_tokens=64, video_pruning_rate=rate)
+              max_num_batched_tokens=64, video_pruning_rate=rate,
+              num_gpu_blocks_override=512)  # CPU default: 4 GiB, ~500k blocks, ~1.3 s
     text = f"w1 {VID} w2 w3"
     oracle.proc.video_pruning_rate = rate
     ids, (f,) = oracle.expand(text, [], [video])

@@ -164,7 +164,9 @@ def check(llm: LLM, hf: HFGemma3VL, proc: HFProcessor,
 
 def test_engine_matches_transformers(tiny, registered) -> None:
     path, hf, proc = tiny
-    llm = LLM(model=str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=128)
+    # 512 blocks: the CPU default (4 GiB) is ~350k block objects, ~1 s to build
+    llm = LLM(model=str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=128,
+              num_gpu_blocks_override=512)
     assert isinstance(llm.llm_engine.core.runner.model, Gemma3ForConditionalGeneration)
     one, two = (TEXTS[1], [image(5)]), (TEXTS[2], [image(6), image(7, 20, 64)])
     check(llm, hf, proc, [one])
@@ -179,7 +181,7 @@ def test_engine_in_steps_of_eight_tokens(tiny, registered, monkeypatch) -> None:
     the paged cache."""
     path, hf, proc = tiny
     llm = LLM(model=str(path), dtype="float32", max_model_len=128, max_num_batched_tokens=8,
-              block_size=4)
+              block_size=4, num_gpu_blocks_override=512)  # default: 1.4M blocks, ~2 s
     placed = record_placed(monkeypatch, llm)
     text = " ".join(f"w{i}" for i in range(10, 18)) + " <start_of_image> <start_of_image> w9"
     check(llm, hf, proc, [(text, [image(8), image(9)])])

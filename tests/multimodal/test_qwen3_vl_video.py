@@ -92,8 +92,9 @@ def greedy() -> SamplingParams:
 
 @pytest.fixture(scope="module")
 def llm(folder) -> LLM:
+    # 512 blocks: the CPU default (4 GiB) is ~500k block objects, ~1.3 s an engine
     return LLM(model=str(folder), dtype="float32", max_model_len=512,
-               limit_mm_per_prompt={"image": 1, "video": 2})
+               num_gpu_blocks_override=512, limit_mm_per_prompt={"image": 1, "video": 2})
 
 
 # ---- the processor against transformers' pieces --------------------------------------------
@@ -216,7 +217,7 @@ def test_image_and_video_and_chunked_prefill(folder, llm, oracle) -> None:
     (out,) = llm.generate(prompt, greedy(), use_tqdm=False)
     _check(out, want)
     small = LLM(model=str(folder), dtype="float32", max_model_len=512,
-                max_num_batched_tokens=8)
+                max_num_batched_tokens=8, num_gpu_blocks_override=512)
     (out,) = small.generate(prompt, greedy(), use_tqdm=False)
     _check(out, want)
     single = {"prompt": f"w7 {VID} w8 w9", "multi_modal_data": {"video": video}}
@@ -241,4 +242,5 @@ def test_video_url_chat_part_gives_the_offline_tokens(llm, oracle) -> None:
 
 def test_evs_is_refused_for_qwen3_vl(folder) -> None:
     with pytest.raises(ValueError, match="video_pruning_rate"):
-        LLM(model=str(folder), dtype="float32", max_model_len=256, video_pruning_rate=0.5)
+        LLM(model=str(folder), dtype="float32", max_model_len=256, video_pruning_rate=0.5,
+            num_gpu_blocks_override=512)

@@ -141,8 +141,10 @@ def oracle(folder) -> Oracle:
 
 @pytest.fixture(scope="module")
 def llm(folder) -> LLM:
+    # 512 blocks: the CPU default (4 GiB) is ~500k block objects, ~1.3 s an engine
     return LLM(model=str(folder), dtype="float32", max_model_len=640,
-               max_num_batched_tokens=640, limit_mm_per_prompt={"image": 2, "video": 2})
+               max_num_batched_tokens=640, limit_mm_per_prompt={"image": 2, "video": 2},
+               num_gpu_blocks_override=512)
 
 
 # ---- decoding ------------------------------------------------------------------------------
@@ -258,7 +260,7 @@ def test_time_scaled_video_and_chunked_prefill(folder, llm, oracle) -> None:
     text = f"w7 {VID} w8 w9"
     ids, tokens = _time_scaled_reference(oracle, text, video)
     small = LLM(model=str(folder), dtype="float32", max_model_len=256,
-                max_num_batched_tokens=8)
+                max_num_batched_tokens=8, num_gpu_blocks_override=512)
     for engine in (llm, small):
         (out,) = engine.generate({"prompt": text, "multi_modal_data": {"video": video}},
                                  greedy(), use_tqdm=False)

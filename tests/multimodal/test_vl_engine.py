@@ -99,8 +99,9 @@ def oracle(folder) -> Oracle:
 
 
 def make_llm(folder: Path, **kw) -> LLM:
+    # 512 blocks: the CPU default (4 GiB) is ~500k block objects, ~1.3 s an engine
     args = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=512,
-                enable_prefix_caching=True)
+                enable_prefix_caching=True, num_gpu_blocks_override=512)
     return LLM(model=str(folder), **{**args, **kw})
 
 
@@ -334,7 +335,8 @@ def test_more_images_than_the_limit(folder, oracle) -> None:
 
 
 def test_images_to_a_text_model(tiny_llama_dir) -> None:
-    text_llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=128)
+    text_llm = LLM(model=str(tiny_llama_dir), dtype="float32", max_model_len=128,
+                   num_gpu_blocks_override=64)
     prompt = {"prompt_token_ids": [5, 6, 7], "multi_modal_data": {"image": image(19, 64, 64)}}
     with pytest.raises(ValueError, match="does not take images"):
         generate(text_llm, prompt)

@@ -20,8 +20,9 @@ def test_two_ranks_match_transformers(tmp_path) -> None:
 
     folder = write_tiny_qwen2_5_vl(tmp_path / "model")
     images = [image(4, 90, 60), image(5, 60, 90)]
+    # 512 blocks: the CPU default (4 GiB) is ~500k block objects, ~1.3 s to build
     llm = LLM(model=str(folder), dtype="float32", max_model_len=512, tensor_parallel_size=2,
-              max_num_batched_tokens=16)
+              max_num_batched_tokens=16, num_gpu_blocks_override=512)
     try:
         driver = llm.llm_engine.core.runner.driver  # rank 0, in this process
         assert driver.model.attention_layers()[0].num_heads == 2  # really split

@@ -140,7 +140,9 @@ def test_cross_encoder_classify_score_rerank(tiny_cross_encoder):
 
 
 def test_pooling_endpoints_on_a_generation_model_are_400(tiny_llama_dir):
-    server = RemoteServer(str(tiny_llama_dir), base_args=QUIET + ["--max-model-len", "128"])
+    # 64 blocks: the CPU default (4 GiB) is ~500k block objects, ~1.3 s of the server's start
+    server = RemoteServer(str(tiny_llama_dir), base_args=QUIET + [
+        "--max-model-len", "128", "--num-gpu-blocks-override", "64"])
     try:
         for path, body in [("/v1/embeddings", {"input": [1, 2, 3]}),
                            ("/classify", {"input": [1, 2]}),

@@ -134,7 +134,9 @@ def test_single_prefill_graphs_match_torch_with_cached_prefixes(tiny_llama_dir):
 
 def test_verify_graphs_match_eager_verify_steps(tiny_llama_dir):
     """Speculative decoding's verify steps (every request k + 1 tokens) through the padded
-    verify graphs give the tokens of the same steps run eagerly; batches of 3 pad to 4.
+    verify graphs give the tokens of the same steps run eagerly (by the torch backend: the
+    interpreted Triton kernels would double the test's time, and the graphs' tokens must be
+    its tokens all the same); batches of 3 pad to 4.
     Forced acceptance proposes k drafts every step (a lossless proposer on a random model
     rarely has k); each step's bonus token still comes from the verify forward's logits."""
     spec = {"method": "test_forced_acceptance", "num_speculative_tokens": 2,
@@ -144,12 +146,14 @@ def test_verify_graphs_match_eager_verify_steps(tiny_llama_dir):
                for n in (5, 9, 14)]
     # Different lengths: a request near its end verifies fewer than k drafts beside others.
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (7, 10, 13)]
-    ref = [o.outputs[0].token_ids for o in _llm(tiny_llama_dir, "triton",
+    ref = [o.outputs[0].token_ids for o in _llm(tiny_llama_dir, "torch",
                                                  speculative_config=spec).generate(
         prompts, params, use_tqdm=False)]
     llm = _llm(tiny_llama_dir, "triton", speculative_config=spec)
     runner = llm.llm_engine.core.runner
-    shapes = [StepShape(b, 3, 3) for b in (1, 2, 4, 8)]  # k = 2: the full verify only
+    # k = 2: the full verify only; up to 4 rows (three requests: 8 would never replay, and
+    # each captured shape is an interpreted forward)
+    shapes = [StepShape(b, 3, 3) for b in (1, 2, 4)]
     graphs = _graphs(runner, shapes, 96 // 4)
     padded_real = []  # real tokens of each replay of all three requests
     real_run = graphs.run
@@ -170,7 +174,7 @@ def test_verify_graphs_match_eager_verify_steps(tiny_llama_dir):
 
 def test_verify_graph_ladder_picks_the_fewest_tokens(tiny_llama_dir):
     """Verify graphs for 1, 2 and 4 drafts (k = 4): a step replays the smallest that holds
-    its longest request; output is the eager steps'."""
+    its longest request; output is the eager steps' (torch backend: see above)."""
     spec = {"method": "test_forced_acceptance", "num_speculative_tokens": 4,
             "acceptance_rate": 0.5}
     assert draft_ladder(4) == [1, 2, 4] and draft_ladder(3) == [1, 2, 3]
@@ -179,13 +183,13 @@ def test_verify_graph_ladder_picks_the_fewest_tokens(tiny_llama_dir):
     prompts = [{"prompt_token_ids": [rng.randrange(3, 512) for _ in range(n)]}
                for n in (6, 11)]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 16)]
-    ref = [o.outputs[0].token_ids for o in _llm(tiny_llama_dir, "triton",
+    ref = [o.outputs[0].token_ids for o in _llm(tiny_llama_dir, "torch",
                                                  speculative_config=spec).generate(
         prompts, params, use_tqdm=False)]
     llm = _llm(tiny_llama_dir, "triton", speculative_config=spec)
     runner = llm.llm_engine.core.runner
     shapes = [s for s in step_shapes(8, 32, prefill=False, num_speculative_tokens=4)
-              if s.q > 1]
+              if s.q > 1 and s.rows <= 2]  # two requests: larger batches never replay
     assert sorted({s.q for s in shapes}) == [2, 3, 5]
     graphs = _graphs(runner, shapes, 96 // 4)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
@@ -206,12 +210,16 @@ def test_mtp_drafts_from_the_graphs_hidden_states(tmp_path, name, async_scheduli
     prompts = random_prompts(3, seed=8, lo=2, hi=14)
     want = [o.outputs[0].token_ids for o in tiny_llm(target).generate(prompts, sp,
                                                                        use_tqdm=False)]
+    # Up to 96 tokens (requests reach 35): the graphs' latent decode then runs in one split
+    # (tiny_llm's 256 took two and a reduce, 40% of the interpreted time; the split kernels
+    # have their own tests).
     llm = tiny_llm(target, attention_backend="triton", async_scheduling=async_scheduling,
+                   max_model_len=96,
                    speculative_config={"method": "mtp", "num_speculative_tokens": 2})
     steps = StepLog(llm)
     runner = llm.llm_engine.core.runner
     shapes = step_shapes(4, 16, num_speculative_tokens=2)
-    graphs = _graphs(runner, shapes, 256 // 4, keep_hidden=True)
+    graphs = _graphs(runner, shapes, 96 // 4, keep_hidden=True)
     log = record_proposals(llm)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == want
@@ -249,10 +257,11 @@ def test_a_prompt_chunk_beside_verifies_samples_its_last_row_only(tiny_llama_dir
                     done[out.request_id] = out.outputs[0].token_ids
         return [done["a"], done["b"]]
 
-    want = run(_llm(tiny_llama_dir, "triton", speculative_config=spec))
+    want = run(_llm(tiny_llama_dir, "torch", speculative_config=spec))  # eager (see above)
     llm = _llm(tiny_llama_dir, "triton", speculative_config=spec)
     runner = llm.llm_engine.core.runner
-    graphs = _graphs(runner, [StepShape(b, 3, 3) for b in (1, 2, 4, 8)], 96 // 4)
+    # two requests: larger batches would never replay (each is an interpreted capture)
+    graphs = _graphs(runner, [StepShape(b, 3, 3) for b in (1, 2)], 96 // 4)
     assert run(llm) == want
     assert graphs.runs
     assert llm.llm_engine.core.scheduler.suspects.num_failed_steps == 0
