@@ -129,8 +129,8 @@ def test_state_tables_start_at_the_loaded_state(tiny):
     seen: list[list[list]] = []
     allocate = kv.allocate_slots
 
-    def recording(request, num_new_tokens, new_computed=None, loaded_blocks=0):
-        out = allocate(request, num_new_tokens, new_computed, loaded_blocks)
+    def recording(request, num_new_tokens, new_computed=None, loaded_blocks=0, **kw):
+        out = allocate(request, num_new_tokens, new_computed, loaded_blocks, **kw)
         if loaded_blocks:
             seen.append([list(t.blocks[request.request_id]) for t in kv.tables
                          if t.publishes_computed])
