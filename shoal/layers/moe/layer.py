@@ -236,30 +236,24 @@ class FusedMoE(nn.Module):
 
     def install_int4(self, q: Any) -> None:
         """The experts from now on: q, a triton_experts_int4.Int4Experts of this layer's
-        shapes; the dense w13_weight / w2_weight are dropped and q's tensors become buffers
-        (as install_fp8's)."""
-        e, two_i, h = self.w13_weight.shape
-        i = self.w2_weight.shape[2]
-        got = ((q.w13.codes.shape[0], q.w13.in_features, q.w13.out_features),
-               (q.w2.codes.shape[0], q.w2.in_features, q.w2.out_features))
-        if got != ((e, h, two_i), (e, i, h)):
-            raise ValueError(f"INT4 experts (E, K, N) {got} do not fit the layer's "
-                             f"{((e, h, two_i), (e, i, h))}")
-        del self.w13_weight, self.w2_weight
-        for name, t in q.buffers().items():
-            self.register_buffer(name, t)
-        self.quant = q
+        shapes (packed codes, scales, zero points)."""
+        self._install_packed(q, "INT4", q.w13.codes, q.w2.codes)
 
     def install_mxfp4(self, q: Any) -> None:
-        """The experts from now on: q, an mxfp4_experts.Mxfp4Experts of this layer's shapes;
-        the dense w13_weight / w2_weight are dropped and q's tensors become buffers (as
-        install_fp8's)."""
+        """The experts from now on: q, an mxfp4_experts.Mxfp4Experts of this layer's shapes
+        (the checkpoint's e2m1 blocks and e8m0 scales)."""
+        self._install_packed(q, "MXFP4", q.w13.blocks, q.w2.blocks)
+
+    def _install_packed(self, q: Any, fmt: str, w13_store: torch.Tensor,
+                        w2_store: torch.Tensor) -> None:
+        """The dense w13_weight / w2_weight are dropped and q's tensors become buffers (as
+        install_fp8's), once q's (experts, K, N) per projection fit the layer's."""
         e, two_i, h = self.w13_weight.shape
         i = self.w2_weight.shape[2]
-        got = ((q.w13.blocks.shape[0], q.w13.in_features, q.w13.out_features),
-               (q.w2.blocks.shape[0], q.w2.in_features, q.w2.out_features))
+        got = ((w13_store.shape[0], q.w13.in_features, q.w13.out_features),
+               (w2_store.shape[0], q.w2.in_features, q.w2.out_features))
         if got != ((e, h, two_i), (e, i, h)):
-            raise ValueError(f"MXFP4 experts (E, K, N) {got} do not fit the layer's "
+            raise ValueError(f"{fmt} experts (E, K, N) {got} do not fit the layer's "
                              f"{((e, h, two_i), (e, i, h))}")
         del self.w13_weight, self.w2_weight
         for name, t in q.buffers().items():
