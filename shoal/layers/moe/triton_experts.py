@@ -16,6 +16,7 @@ a captured decode step replays correctly with any routing."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -160,15 +161,32 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     n = t * k
     tiles = choose_tiles(n, e, x.dtype)
     groups = group_by_expert(topk_ids, e, tiles[0])
+    return run_routed_experts(
+        x, topk_weights, topk_ids, two_i, h,
+        lambda a, c: _gemm(a, w13, c, groups, None, n, k, tiles, w13_bias),
+        lambda a, c, w: _gemm(a, w2, c, groups, w, n, 1, tiles, w2_bias), activation, lora)
+
+
+def run_routed_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       two_i: int, h: int,
+                       gemm13: Callable[[torch.Tensor, torch.Tensor], None],
+                       gemm2: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+                       activation: ExpertActivation, lora: Any) -> torch.Tensor:
+    """The flow every grouped expert path shares (bf16 here, FP8, INT4, MXFP4 beside):
+    gemm13(x, gate_up) fills each routed pair's [2I] row from its token's row of x, the LoRA
+    delta and the activation follow, gemm2(act, down, topk_weights) fills each pair's [H] row
+    scaled by its routing weight, and a token's k rows are summed -> [T, H] in x's dtype."""
+    t, k = topk_ids.shape
+    n = t * k
     gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, gate_up, groups, None, n, k, tiles, w13_bias)
+    gemm13(x, gate_up)
     if lora is not None:
         tokens = torch.arange(n, device=x.device) // k
         experts = topk_ids.reshape(-1)
         lora.add("w13", gate_up, x.index_select(0, tokens), experts, tokens)
     act = silu_and_mul(gate_up) if activation == SILU else activation(gate_up).contiguous()
     down = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    _gemm(act, w2, down, groups, topk_weights.contiguous(), n, 1, tiles, w2_bias)
+    gemm2(act, down, topk_weights.contiguous())
     if lora is not None:  # the GEMM scaled by the routing weight: scale the delta's input
         lora.add("w2", down, act * topk_weights.reshape(-1, 1).to(act.dtype), experts, tokens)
     return down.view(t, k, h).sum(dim=1)

@@ -29,8 +29,11 @@ import triton.language as tl
 
 from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.align import ExpertGroups, group_by_expert
-from shoal.layers.moe.triton_experts import check_quantized_inputs, choose_tiles
-from shoal.layers.ops.silu_mul import silu_and_mul
+from shoal.layers.moe.triton_experts import (
+    check_quantized_inputs,
+    choose_tiles,
+    run_routed_experts,
+)
 from shoal.layers.quantization.fp8_quant import (
     quantize_fp8_groups,
     quantize_fp8_groups_reference,
@@ -219,22 +222,15 @@ def experts_triton_fp8(x: torch.Tensor, q: FP8Experts, topk_weights: torch.Tenso
         return torch.zeros_like(x)
     n = t * k
     groups = group_by_expert(topk_ids, e, choose_tiles(n, e, x.dtype)[0])
-    xq, xs = quantize_activations(x, q.group, q.input_scale13)
-    gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
-    _gemm(xq, xs, q.w13, q.w13_scale, q.scale_rows13, gate_up, groups, None, n, k, q.group,
-          w13_bias)
-    if lora is not None:
-        tokens = torch.arange(n, device=x.device) // k
-        experts = topk_ids.reshape(-1)
-        lora.add("w13", gate_up, x.index_select(0, tokens), experts, tokens)
-    act = silu_and_mul(gate_up) if activation == SILU else activation(gate_up).contiguous()
-    aq, as_ = quantize_activations(act, q.group, q.input_scale2)
-    down = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    _gemm(aq, as_, q.w2, q.w2_scale, q.scale_rows2, down, groups, topk_weights.contiguous(),
-          n, 1, q.group, w2_bias)
-    if lora is not None:  # the GEMM scaled by the routing weight: scale the delta's input
-        lora.add("w2", down, act * topk_weights.reshape(-1, 1).to(act.dtype), experts, tokens)
-    return down.view(t, k, h).sum(dim=1)
+    # each GEMM's input quantized per token group first (static scales where q has them)
+    return run_routed_experts(
+        x, topk_weights, topk_ids, two_i, h,
+        lambda a, c: _gemm(*quantize_activations(a, q.group, q.input_scale13), q.w13,
+                           q.w13_scale, q.scale_rows13, c, groups, None, n, k, q.group,
+                           w13_bias),
+        lambda a, c, w: _gemm(*quantize_activations(a, q.group, q.input_scale2), q.w2,
+                              q.w2_scale, q.scale_rows2, c, groups, w, n, 1, q.group, w2_bias),
+        activation, lora)
 
 
 # ---- the plain PyTorch twin (tests) ----------------------------------------------------------

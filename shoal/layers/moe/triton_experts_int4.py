@@ -29,8 +29,11 @@ import triton.language as tl
 
 from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.align import ExpertGroups, group_by_expert
-from shoal.layers.moe.triton_experts import check_quantized_inputs, choose_tiles
-from shoal.layers.ops.silu_mul import silu_and_mul
+from shoal.layers.moe.triton_experts import (
+    check_quantized_inputs,
+    choose_tiles,
+    run_routed_experts,
+)
 from shoal.layers.quantization.w4a16_gemm import block_k_for
 
 
@@ -212,18 +215,10 @@ def experts_triton_int4(x: torch.Tensor, q: Int4Experts, topk_weights: torch.Ten
     if not x.is_cuda:  # the interpreter: fewer, larger programs
         block_n = 128
     groups = group_by_expert(topk_ids, e, block_m)
-    gate_up = torch.empty(n, two_i, dtype=x.dtype, device=x.device)
-    _gemm(x, q.w13, gate_up, groups, None, n, k, block_n, w13_bias)
-    if lora is not None:
-        tokens = torch.arange(n, device=x.device) // k
-        experts = topk_ids.reshape(-1)
-        lora.add("w13", gate_up, x.index_select(0, tokens), experts, tokens)
-    act = silu_and_mul(gate_up) if activation == SILU else activation(gate_up).contiguous()
-    down = torch.empty(n, h, dtype=x.dtype, device=x.device)
-    _gemm(act, q.w2, down, groups, topk_weights.contiguous(), n, 1, block_n, w2_bias)
-    if lora is not None:  # the GEMM scaled by the routing weight: scale the delta's input
-        lora.add("w2", down, act * topk_weights.reshape(-1, 1).to(act.dtype), experts, tokens)
-    return down.view(t, k, h).sum(dim=1)
+    return run_routed_experts(
+        x, topk_weights, topk_ids, two_i, h,
+        lambda a, c: _gemm(a, q.w13, c, groups, None, n, k, block_n, w13_bias),
+        lambda a, c, w: _gemm(a, q.w2, c, groups, w, n, 1, block_n, w2_bias), activation, lora)
 
 
 # ---- the plain PyTorch twin (tests, and the dense fallback) ---------------------------------
