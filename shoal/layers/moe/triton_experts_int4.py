@@ -29,6 +29,7 @@ import triton.language as tl
 
 from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.align import ExpertGroups, group_by_expert
+from shoal.layers.moe.grouped_gemm_tile import store_tile, tile_expert, tile_pairs
 from shoal.layers.moe.triton_experts import (
     check_quantized_inputs,
     choose_tiles,
@@ -133,20 +134,12 @@ def _int4_grouped_gemm_kernel(
     """c[pair, n] = (a[pair // a_row_div, :] . w[expert, n, :] (+ bias[expert, n]))
     (* weights[pair]) for the pairs of one block, w dequantized from b (codes [E, K / 8, N]),
     s (scales [E, G, N]) and z (zeros, same strides as s) one K step at a time."""
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(n_out, BLOCK_N)
-    pid_m = pid // num_n
-    pid_n = pid % num_n
-    expert = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, expert = tile_expert(tl.program_id(0), n_out, block_expert_ptr, BLOCK_N)
     if expert < 0:  # padding block past the used ones
         return
     expert = expert.to(tl.int64)  # expert * stride_be passes 2**31 on large expert stacks
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pairs = tl.load(sorted_ids_ptr + offs_m)
-    valid = pairs < num_pairs  # padding rows hold num_pairs
-    rows = (pairs // a_row_div).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < n_out
+    pairs, valid, rows, offs_n, n_mask = tile_pairs(pid_m, pid_n, sorted_ids_ptr, num_pairs,
+                                                    a_row_div, n_out, BLOCK_M, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     shifts = ((offs_k % 8) * 4)[:, None]
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :]
@@ -169,14 +162,8 @@ def _int4_grouped_gemm_kernel(
             w = (codes - 8).to(tl.float32) * scale[None, :]
         acc = tl.dot(a, w.to(a.dtype), acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + expert * stride_bias + offs_n, mask=n_mask, other=0.0)
-        acc = acc + bias.to(tl.float32)[None, :]
-    if MUL_WEIGHTS:
-        wt = tl.load(weights_ptr + pairs, mask=valid, other=0.0)
-        acc = acc * wt.to(tl.float32)[:, None]
-    c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & n_mask[None, :])
+    store_tile(acc, c_ptr, stride_cm, pairs, valid, offs_n, n_mask, expert, bias_ptr,
+               stride_bias, weights_ptr, HAS_BIAS, MUL_WEIGHTS)
 
 
 def _gemm(a: torch.Tensor, w: Int4Weights, c: torch.Tensor, groups: ExpertGroups,
