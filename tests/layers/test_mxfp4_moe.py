@@ -288,6 +288,7 @@ def test_gpt_oss_loads_a_ranks_mxfp4_rows_packed_or_refuses(inter, monkeypatch, 
 def tiny_mxfp4(tmp_path_factory):
     """(MXFP4 checkpoint folder, transformers' model of its dequantized weights): random
     bytes for the experts' blocks, scales of 2^-6 .. 2^-3."""
+    from gpt_oss_oracle import follow_config_swiglu
     from oracle import randomize_weights
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
@@ -295,6 +296,7 @@ def tiny_mxfp4(tmp_path_factory):
     folder = tmp_path_factory.mktemp("gpt-oss-mxfp4")
     torch.manual_seed(13)
     hf = AutoModelForCausalLM.from_config(_config(), dtype=torch.float32).eval()
+    follow_config_swiglu(hf, hf.config)
     randomize_weights(hf)
     g = torch.Generator().manual_seed(14)
     packed = {}

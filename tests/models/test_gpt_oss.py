@@ -23,6 +23,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 from gloo_harness import load_tp_model, prompt_logits, run_on_two_ranks  # noqa: E402
+from gpt_oss_oracle import follow_config_swiglu  # noqa: E402
 from oracle import hf_greedy, randomize_weights  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -80,6 +81,7 @@ def tiny(tmp_path_factory) -> tuple[Path, Path, torch.nn.Module]:
     root = tmp_path_factory.mktemp("gpt-oss")
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(tiny_config(), dtype=torch.float32).eval()
+    follow_config_swiglu(hf, hf.config)
     randomize_weights(hf)
     packed: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -197,7 +199,7 @@ def test_moe_block_matches_transformers():
     """Router (top-k of biased logits, softmaxed), expert biases and the clamped SwiGLU."""
     cfg = tiny_config()
     torch.manual_seed(1)
-    hf = GptOssMLP(cfg).eval()
+    hf = follow_config_swiglu(GptOssMLP(cfg).eval(), cfg)
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.3)
