@@ -34,6 +34,7 @@ from typing import Any
 from bench_args import add_common, comma_words, int_range
 from cpu_quiet import MachineLoad
 from results_file import default_path, host, provenance, write
+from served_decode import stream_completion
 from server_process import SHOAL_CLI, ServerProcess, free_port
 from w6_cpu_throughput import MAX_MODEL_LEN, W6, make_requests, parse_pair
 
@@ -133,25 +134,9 @@ def _completion(ids: list[int], n: int, **extra: Any) -> dict[str, Any]:
 def served_batch1(url: str, req: dict[str, Any], timeout: float) -> dict[str, Any]:
     """One streaming request: decode tok/s = (tokens - 1) / (last chunk - first chunk)."""
     b1 = req["batch1"]
-    body = _completion(b1["prompt_token_ids"], b1["max_tokens"], stream=True,
-                       stream_options={"include_usage": True})
-    rq = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(),
-                                headers={"Content-Type": "application/json"})
-    t0, first, last, tokens = time.perf_counter(), None, None, 0
-    with urllib.request.urlopen(rq, timeout=timeout) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices"):
-                last = time.perf_counter()
-                first = first or last
-    decode = (tokens - 1) / (last - first) if first and last and last > first else None
-    return {"batch1_tok_s": decode, "batch1_ttft_s": (first or t0) - t0,
-            "batch1_output_tokens": tokens, "batch1_total_s": (last or t0) - t0}
+    r = stream_completion(url, MODEL["name"], b1["prompt_token_ids"], b1["max_tokens"], timeout)
+    return {"batch1_tok_s": r["decode_tok_s"], "batch1_ttft_s": r["ttft_s"],
+            "batch1_output_tokens": r["output_tokens"], "batch1_total_s": r["total_s"]}
 
 
 def served_w6(url: str, req: dict[str, Any], timeout: float) -> dict[str, Any]:

@@ -115,7 +115,8 @@ part() {
     hybrid-engine) run hybrid_engine ${HE_LIMIT:-560} $py/hybrid_gpu.py batch1,w1,long_context \
         --stage-timeout ${HE_STAGE_TIMEOUT:-250} $S ${HYBRID_MODELS:+--models $HYBRID_MODELS} \
         --out "$DIR/hybrid_engine.json" ;;
-    quant) run quant ${QUANT_LIMIT:-330} $py/quant_gpu.py ${QUANT_PARTS:-all} --timeout 110 $S --out "$DIR/quant.json" ;;
+    quant) run quant ${QUANT_LIMIT:-330} $py/quant_gpu.py ${QUANT_PARTS:-all} --timeout 110 $S \
+        ${QUANT_SERVE:+--serve} ${QUANT_VARIANTS:+--variants $QUANT_VARIANTS} --out "$DIR/quant.json" ;;
     w8pool) run w8pool 300 $py/w8_serving.py --model "$W8_MODEL" --api-server-count 2 \
         --concurrency 1024 --offline-runs 1 --stream-runs 1 $S --out "$DIR/w8pool.json" ;;
     w8one) run w8one 260 $py/w8_serving.py --model "$W8_MODEL" --api-server-count 1 \

@@ -25,6 +25,9 @@ Parts (one JSON record each, written to --out after every part):
   offline_runs.batch1 (128 prompt ids, 256 output tokens, greedy, median of 3), and the
   weight-read floor of a decode token (the linear weights' packed bytes + the rest in bf16)
   at the GPU's copy bandwidth (offline_runs.copy_bandwidth: H200 4.25, H100 3.0 TB/s).
+  With --serve, each variant's engine then starts once more as `shoal serve` (the same
+  settings) and batch-1 decode is measured through it too (served_decode.py: streamed
+  /v1/completions, fresh prompts, median of --repeats): `served` and `served_over_offline`.
 
 --smoke: tiny shapes and a 2-layer, 64-wide Llama on the CPU in float32 (Triton under
 TRITON_INTERPRET=1); the fast path is CUDA-only, so the smoke engines run dense: it checks
@@ -35,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -48,6 +52,8 @@ import offline_runs
 from bench_args import add_common, comma_words
 from offline_runs import LLAMA_8B, copy_bandwidth
 from results_file import record, write
+from served_decode import model_name, served_batch1
+from server_process import SHOAL_CLI, ServerProcess, free_port
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
@@ -198,6 +204,34 @@ def weight_floor(cfg: dict[str, Any], variant: str) -> dict[str, Any]:
                 floor_tok_s=bandwidth / nbytes)
 
 
+def served_part(args: argparse.Namespace, folder: Path, variant: str, vocab: int,
+                root: Path) -> dict[str, Any]:
+    """The variant's batch-1 decode through `shoal serve` (same engine settings as the offline
+    run, its own process, the GPU empty again): streamed requests of fresh random prompts."""
+    port = free_port()
+    cmd = [sys.executable, *SHOAL_CLI, "serve", str(folder), "--port", str(port),
+           "--load-format", "dummy", "--dtype", args.engine_dtype,
+           "--max-model-len", str(args.max_model_len), "--max-num-seqs", "8",
+           "--disable-uvicorn-access-log"]
+    if variant == "fp8_channel":
+        cmd += ["--quantization", "fp8"]
+    if args.smoke:
+        cmd += ["--device", "cpu", "--kv-cache-memory-bytes", str(32 << 20)]
+    rng = random.Random(1)
+    prompts = [offline_runs.random_prompt(rng, args.b1_in, vocab)["prompt_token_ids"]
+               for _ in range(args.repeats + 1)]
+    try:
+        with ServerProcess(cmd, port, log=root / f"serve-{variant}.log",
+                           timeout=args.timeout) as server:
+            return {"ready_s": server.ready_s,
+                    **served_batch1(server.url, model_name(server.url), prompts, args.b1_out,
+                                    timeout=args.timeout)}
+    except Exception as e:  # the offline figure stands; say why the served one is missing
+        log = root / f"serve-{variant}.log"
+        return {"error": f"{type(e).__name__}: {e}",
+                "log_tail": log.read_text()[-2000:] if log.exists() else ""}
+
+
 def decode_part(args: argparse.Namespace, root: Path) -> dict[str, Any]:
     base = offline_runs.shipped_folder(args.model)
     cfg = json.loads((base / "config.json").read_text())
@@ -219,7 +253,11 @@ def decode_part(args: argparse.Namespace, root: Path) -> dict[str, Any]:
         else:
             row["error"] = (proc.stderr or proc.stdout)[-3000:]
         row["wall_s"] = time.perf_counter() - t0
-        print(json.dumps({k: v for k, v in row.items() if not isinstance(v, list)
+        if args.serve:
+            row["served"] = served_part(args, folder, variant, int(cfg["vocab_size"]), root)
+            if (row["served"].get("decode_tok_s") or 0) and row.get("decode_tok_s"):
+                row["served_over_offline"] = row["served"]["decode_tok_s"] / row["decode_tok_s"]
+        print(json.dumps({k: v for k, v in row.items() if not isinstance(v, (list, dict))
                           and k != "error"}), flush=True)
         results[variant] = row
     return dict(model=args.model, dtype=args.engine_dtype, variants=results)
@@ -233,6 +271,8 @@ def main() -> int:
                smoke="tiny shapes and a tiny Llama on the CPU")
     p.add_argument("--variants", type=comma_words, default=list(VARIANTS))
     p.add_argument("--timeout", type=int, default=900, help="seconds per decode engine")
+    p.add_argument("--serve", action="store_true",
+                   help="also each variant's batch-1 decode through `shoal serve`")
     # the subprocess of one decode engine
     p.add_argument("--variant", default=None, help=argparse.SUPPRESS)
     p.add_argument("--model-path", default=None, help=argparse.SUPPRESS)
