@@ -2,7 +2,8 @@
 M-RoPE, and its vision tower (shoal/models/vision/qwen3_vl.py), whose merged patch features
 fill the <|image_pad|> and <|video_pad|> positions of the prompt
 (shoal/multimodal/processors/qwen3_vl.py expands them; a video's frames are separated by
-timestamp text, which its feature's embed_mask leaves to the token embeddings).
+timestamp text, which its feature's embed_mask leaves to the token embeddings; under EVS,
+prune_video lays the span out once the tower has run: shoal/models/qwen3_vl_video.py).
 
 Deepstack: the tower also yields one feature tensor per `deepstack_visual_indexes` block;
 the k-th is added to the hidden states at the image positions after decoder layer k.
@@ -23,8 +24,9 @@ import numpy as np
 import torch
 
 from shoal.models.llama import LlamaModel
-from shoal.models.qwen2_5_vl import _pixels_and_grid
+from shoal.models.qwen2_5_vl import _pixels_and_grid, evs_keep_mask
 from shoal.models.qwen3 import Qwen3ForCausalLM
+from shoal.models.qwen3_vl_video import PrunedVideo, span_positions, span_rows
 from shoal.models.vision.qwen3_vl import Qwen3VisionTransformer
 from shoal.models.vlm_common import install_mrope, load_qwen_vl, mrope_walk
 
@@ -127,25 +129,37 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     def _place(self, f: Any, start: int) -> tuple[np.ndarray, int]:
         _, grid = _pixels_and_grid(f)
         t, h, w = (int(x) for x in np.asarray(grid).reshape(3))
-        h, w = h // self.merge, w // self.merge
-        hh, ww = np.meshgrid(np.arange(h), np.arange(w), indexing="ij")
-        frame = np.stack([np.zeros(h * w, np.int64), hh.ravel(), ww.ravel()])
-        mask = f.embed_mask or bytes([1]) * f.length
-        parts: list[np.ndarray] = []
-        i = frames = 0
-        while i < f.length:
-            if mask[i]:  # a frame group's h*w pads, all together
-                if i + h * w > f.length or not all(mask[i:i + h * w]):
-                    raise ValueError(f"{f.modality} span: a frame of {h * w} tokens is cut")
-                parts.append(frame + start)
-                start, i, frames = start + max(h, w), i + h * w, frames + 1
-            else:
-                parts.append(np.full((3, 1), start))
-                start, i = start + 1, i + 1
-        if frames != t:
-            raise ValueError(f"{f.modality} span of {f.length} tokens does not fit its grid "
-                             f"{t}x{h}x{w}")
-        return np.concatenate(parts, axis=1), start
+        pruned = PrunedVideo.of(f, self.merge)
+        if pruned is None:
+            mask = f.embed_mask or bytes([1]) * f.length
+            return span_positions((t, h // self.merge, w // self.merge), mask, start,
+                                  f.modality)
+        # EVS: the prompt's planned layout until prune_video knows the kept tokens
+        positions, _, end = pruned.layout(pruned.planned_keep(), start)
+        if positions.shape[1] != f.length:
+            raise ValueError(f"a pruned video's span has {f.length} tokens; its grid and "
+                             f"texts make {positions.shape[1]}")
+        return positions, end
+
+    def prune_video(self, feature: Any, embeds: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A video's span rows from its tower output, and their positions relative to the
+        span's first [3, length]. Unpruned: the output as it is (the span's pads). EVS: the
+        tokens evs_keep_mask picks (over the main features) with the texts between frames
+        laid out among them by what each frame kept (qwen3_vl_video.py)."""
+        pruned = PrunedVideo.of(feature, self.merge)
+        if pruned is None:
+            return embeds, torch.from_numpy(self._place(feature, 0)[0])
+        hidden = embeds.shape[1] // (1 + self.num_deepstack)
+        keep = evs_keep_mask(embeds[:, :hidden], pruned.grid, pruned.rate)
+        positions, is_pad, _ = pruned.layout(keep.cpu().numpy(), 0)
+        if len(is_pad) != feature.length:
+            raise ValueError(f"a pruned video's span has {feature.length} tokens; EVS keeps "
+                             f"{len(is_pad)}")
+        ids = torch.from_numpy(pruned.text_ids).to(embeds.device)
+        rows = span_rows(embeds[keep.to(embeds.device)], self.model.embed_tokens(ids),
+                         torch.from_numpy(is_pad))
+        return rows, torch.from_numpy(positions)
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -54,6 +54,20 @@ def retained_count(tokens_per_frame: int, num_frames: int, rate: float) -> int:
     return max(tokens_per_frame, int(tokens_per_frame * num_frames * (1 - rate)))
 
 
+def planned_counts(tokens_per_frame: int, num_frames: int, kept: int) -> list[int]:
+    """Pads per frame group of a pruned video's prompt before the tower has run (Qwen3-VL,
+    whose frames are separated by timestamps): the first frame whole, the rest of the `kept`
+    tokens spread evenly over the later frames, earlier ones taking the remainder. Only the
+    total is binding: the model lays the frames out by what EVS keeps (qwen3_vl_video.py)."""
+    if not tokens_per_frame <= kept <= tokens_per_frame * num_frames:
+        raise ValueError(f"kept must be in [{tokens_per_frame}, "
+                         f"{tokens_per_frame * num_frames}] (got {kept})")
+    if num_frames == 1:
+        return [kept]
+    share, extra = divmod(kept - tokens_per_frame, num_frames - 1)
+    return [tokens_per_frame] + [share + (i < extra) for i in range(num_frames - 1)]
+
+
 def _error(message: str) -> Exception:
     return MediaError(message)
 

@@ -97,9 +97,10 @@ async def _route(router: Router, request: Request, path: str) -> Response:
         return _error(400, "the request body is not JSON")
     if not isinstance(body, dict):
         return _error(400, "the request body must be a JSON object")
-    ids = await router.prompt_token_ids(path, body, _headers(request))
+    prompt = await router.prompt(path, body, _headers(request))
     salt = body.get("cache_salt")
-    hashes = router.hashes(ids, salt if isinstance(salt, str) else None) if ids else []
+    hashes = (router.hashes(prompt, salt if isinstance(salt, str) else None)
+              if prompt is not None and prompt.token_ids else [])
     target, hit = router.choose(hashes)
     logger.debug("%s: %d of %d blocks held by %s", path, hit, len(hashes),
                  router.backends[target].url)

@@ -1,6 +1,13 @@
 """The routing decision: the backend holding the longest prefix of the prompt's blocks,
 unless it is much busier than the least loaded one; otherwise the least loaded (round robin
-among equals)."""
+among equals).
+
+The prompt's block hashes are the engines' own (kv_cache/hashing.py), so they match the
+hashes of the engines' KV events: the expanded token ids, and for a block over an image's
+(or video's) span the engine's content hash of that item, so two prompts that differ only in
+an image share their blocks before it and none after. A chat's images are rendered by a
+backend's /tokenize, which processes them as the chat route will and names each item's
+span and content hash (mm_placeholders)."""
 
 from __future__ import annotations
 
@@ -20,6 +27,43 @@ logger = logging.getLogger(__name__)
 _CHAT_TOKENIZE_FIELDS = ("messages", "add_generation_prompt", "continue_final_message",
                          "chat_template", "chat_template_kwargs", "tools", "documents",
                          "add_special_tokens")
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image's (or video's) span of the expanded prompt and the engine's content hash of
+    it (the attributes hash_full_blocks reads of a MultiModalFeature)."""
+
+    identifier: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class RoutedPrompt:
+    """What a prompt's block hashes are made of."""
+
+    token_ids: list[int]
+    images: list[ImageSpan] = field(default_factory=list)
+
+
+def parse_placeholders(value: Any) -> list[ImageSpan] | None:
+    """/tokenize's mm_placeholders as spans; None when malformed (the prompt then routes by
+    load alone: a wrong image identity must not route by a text match)."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        return None
+    spans = []
+    for item in value:
+        if not isinstance(item, dict):
+            return None
+        ident, offset, length = (item.get(k) for k in ("identifier", "offset", "length"))
+        if (not isinstance(ident, str) or type(offset) is not int or type(length) is not int
+                or offset < 0 or length <= 0):
+            return None
+        spans.append(ImageSpan(ident, offset, length))
+    return spans
 
 
 @dataclass
@@ -59,14 +103,15 @@ class Router:
                 return i, matched.get(i, 0)
         raise AssertionError("unreachable: some backend has the least load")
 
-    def hashes(self, token_ids: Sequence[int], salt: str | None) -> list[BlockHash]:
-        return hash_full_blocks(list(token_ids), self.block_size, [], salt)
+    def hashes(self, prompt: RoutedPrompt, salt: str | None) -> list[BlockHash]:
+        return hash_full_blocks(list(prompt.token_ids), self.block_size, [], salt,
+                                prompt.images)
 
-    async def prompt_token_ids(self, path: str, body: dict[str, Any],
-                               headers: dict[str, str]) -> list[int] | None:
-        """The prompt's token ids as the backend will see them: given, or from the least
-        loaded backend's /tokenize (None when they cannot be known: a batch of prompts,
-        a backend without /tokenize...)."""
+    async def prompt(self, path: str, body: dict[str, Any], headers: dict[str, str]
+                     ) -> RoutedPrompt | None:
+        """The prompt as the backend will see it: token ids given, or from the least loaded
+        backend's /tokenize with a chat's images (None when it cannot be known: a batch of
+        prompts, a backend without /tokenize...)."""
         if path.endswith("/chat/completions"):
             query = {k: body[k] for k in _CHAT_TOKENIZE_FIELDS if k in body}
             if "messages" not in query:
@@ -76,7 +121,7 @@ class Router:
             if isinstance(prompt, list) and len(prompt) == 1:
                 prompt = prompt[0]
             if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-                return prompt
+                return RoutedPrompt(prompt)
             if not isinstance(prompt, str):
                 return None
             query = {"prompt": prompt}
@@ -90,9 +135,14 @@ class Router:
         except (upstream.UpstreamError, ValueError, OSError) as e:
             logger.warning("tokenizing on %s failed: %r", target.url, e)
             return None
-        if resp.status != 200 or not isinstance(data.get("tokens"), list):
+        if (resp.status != 200 or not isinstance(data, dict)
+                or not isinstance(data.get("tokens"), list)):
             return None
-        return data["tokens"]
+        images = parse_placeholders(data.get("mm_placeholders"))
+        if images is None:
+            logger.warning("tokenizing on %s: malformed mm_placeholders", target.url)
+            return None
+        return RoutedPrompt(data["tokens"], images)
 
     def state(self) -> dict[str, Any]:
         return {"block_size": self.block_size, "backends": [

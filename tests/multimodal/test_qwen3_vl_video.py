@@ -239,8 +239,3 @@ def test_video_url_chat_part_gives_the_offline_tokens(llm, oracle) -> None:
     assert chat.prompt_token_ids == offline.prompt_token_ids
     _check(chat, oracle.run(text, [], [video]))
 
-
-def test_evs_is_refused_for_qwen3_vl(folder) -> None:
-    with pytest.raises(ValueError, match="video_pruning_rate"):
-        LLM(model=str(folder), dtype="float32", max_model_len=256, video_pruning_rate=0.5,
-            num_gpu_blocks_override=512)

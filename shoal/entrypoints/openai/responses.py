@@ -170,11 +170,28 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class MultiModalPlaceholder(BaseModel):
+    """An image's (or video's) span in the expanded prompt and the engine's content hash of
+    it: what the prefix-cache hashes of the blocks over the span mix in (the cache-aware
+    router rebuilds the engine's block hashes from these)."""
+
+    modality: str
+    identifier: str
+    offset: int
+    length: int
+
+
 class TokenizeResponse(BaseModel):
     count: int
     max_model_len: int
     tokens: list[int]
     token_strs: list[str] | None = None
+    # set for a chat with images or videos (tokens: the expanded prompt); left out otherwise
+    mm_placeholders: list[MultiModalPlaceholder] | None = None
+
+    def body(self) -> dict[str, Any]:
+        return self.model_dump(exclude={"mm_placeholders"} if self.mm_placeholders is None
+                               else None)
 
 
 class DetokenizeResponse(BaseModel):

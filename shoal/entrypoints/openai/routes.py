@@ -95,7 +95,7 @@ def add_model_and_tokenizer_routes(app: FastAPI, models: ServedModels,
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> JSONResponse:
         _warn_unknown(req)
-        return JSONResponse(tokenization.tokenize(req).model_dump())
+        return JSONResponse((await tokenization.tokenize(req)).body())
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> JSONResponse:

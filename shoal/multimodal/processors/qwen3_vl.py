@@ -13,6 +13,12 @@ Qwen3VLProcessor and Qwen3VLVideoProcessor make it.
   The timestamps are tokenized on their own, as vLLM does.
 - Feature: one per video, spanning its first to its last pad; embed_mask marks the pads
   (the timestamps and frame markers between are text), so the encoder runs once a video.
+- EVS (video_pruning_rate > 0): which tokens of a frame survive is known only once the tower
+  has run, so the prompt holds just the kept count of pads (video.retained_count), laid out
+  by video.planned_counts, and the feature (from the first pad to the closing
+  <|vision_end|>, no embed_mask: every position takes an encoder row) carries the rate and
+  the texts between frames (frame_text_ids, one frame_text_lens entry per gap); the model
+  lays the span out (models/qwen3_vl_video.py).
 
 No torch here: the video config is read from the checkpoint's JSON with the class defaults
 of transformers' Qwen3VLVideoProcessor (importing it would import torch)."""
@@ -28,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from shoal.multimodal.processors.qwen_vl import Expansion, QwenVLProcessor, video_patches
-from shoal.multimodal.video import Video
+from shoal.multimodal.video import Video, planned_counts, retained_count
 
 _UNKNOWN_FPS = 24.0  # what transformers assumes of a video without a frame rate
 
@@ -108,7 +114,7 @@ def group_times(times: np.ndarray, temporal: int) -> list[float]:
 
 
 class Qwen3VLProcessor(QwenVLProcessor):
-    supports_evs = False  # pruning would change the pads between the timestamps
+    supports_evs = True  # frames laid out after the tower: models/qwen3_vl_video.py
 
     def __init__(self, folder: Any, hf_config: Any, tokenizer: Any) -> None:
         super().__init__(folder, hf_config, tokenizer)
@@ -130,26 +136,40 @@ class Qwen3VLProcessor(QwenVLProcessor):
         return np.linspace(0, total - 1, n).round().astype(int).tolist()
 
     def video_item(self, video: Video, prompt_token_ids: list[int], at: int) -> Expansion:
-        if self.video_pruning_rate > 0:
-            raise ValueError("video_pruning_rate (EVS) is not supported for Qwen3-VL videos")
         cfg, frames = self.video_config, video.frames
         pixels, grid = video_patches(frames, self._frame_size(frames), cfg, self.merge)
         per_frame = int(grid[1] * grid[2]) // self.merge ** 2
+        stamps = [self._timestamp(s)
+                  for s in group_times(video.frame_times(), cfg.temporal_patch_size)]
+        rate = float(self.video_pruning_rate)
+        counts = [per_frame] * len(stamps)
+        if rate > 0:  # EVS: as many pads as it keeps, laid out for now as planned_counts
+            counts = planned_counts(per_frame, len(stamps),
+                                    retained_count(per_frame, len(stamps), rate))
         tokens: list[int] = []
         mask: list[int] = []
-        for second in group_times(video.frame_times(), cfg.temporal_patch_size):
-            stamp = self._timestamp(second)
-            tokens += [*stamp, self.vision_start_id, *[self.video_token_id] * per_frame,
+        for stamp, n in zip(stamps, counts):
+            tokens += [*stamp, self.vision_start_id, *[self.video_token_id] * n,
                        self.vision_end_id]
-            mask += [0] * (len(stamp) + 1) + [1] * per_frame + [0]
-        first, last = mask.index(1), len(mask) - 1
+            mask += [0] * (len(stamp) + 1) + [1] * n + [0]
+        first, last = mask.index(1), len(mask) - 1  # the first frame is never pruned
         span = mask[first:last]
         wrapped = (0 < at < len(prompt_token_ids) - 1
                    and prompt_token_ids[at - 1] == self.vision_start_id
                    and prompt_token_ids[at + 1] == self.vision_end_id)
         arrays = {"pixel_values_videos": pixels, "video_grid_thw": grid}
-        return Expansion("video", arrays, tokens, first, last,
-                         bytes(span) if 0 in span else None, wrapped)
+        embed_mask = bytes(span) if 0 in span else None
+        if rate > 0:
+            # Which frame a kept token belongs to is known only once the tower has run, so
+            # every position of the span takes an encoder row (prune_video lays the frames
+            # out: kept tokens, and the embeddings of these texts between frames)
+            between = [t for t, m in zip(tokens[first:last], span) if not m]
+            arrays |= {"video_pruning_rate": np.asarray([rate], dtype=np.float32),
+                       "frame_text_ids": np.asarray(between, dtype=np.int64),
+                       "frame_text_lens": np.asarray([len(s) + 2 for s in stamps[1:]],
+                                                     dtype=np.int64)}
+            embed_mask = None
+        return Expansion("video", arrays, tokens, first, last, embed_mask, wrapped)
 
     def _frame_size(self, frames: np.ndarray) -> tuple[int, int]:
         cfg = self.video_config
