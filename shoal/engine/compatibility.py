@@ -148,9 +148,26 @@ class ResolvedArgs:
 
     @property
     def pipeline_capable(self) -> bool:
+        """Built per pipeline stage: a native class listed for it, or any model the
+        Transformers backend runs (its own row asks for the config's pipeline plan)."""
         from shoal.models.llama import PIPELINE_PARALLEL_ARCHITECTURES
 
-        return self.model_class in PIPELINE_PARALLEL_ARCHITECTURES
+        return (self.transformers_backend
+                or self.model_class in PIPELINE_PARALLEL_ARCHITECTURES)
+
+    @property
+    def backend_pp_refusal(self) -> str | None:
+        """Why the Transformers backend cannot split this model into pp stages."""
+        from shoal.models.transformers_backend.pipeline import pp_plan_refusal
+
+        return pp_plan_refusal(self.hf_config, self.pp)
+
+    @property
+    def backend_tp_refusal(self) -> str | None:
+        """Why the Transformers backend cannot split this model over tp ranks."""
+        from shoal.models.transformers_backend.tensor_parallel import tp_plan_refusal
+
+        return tp_plan_refusal(self.hf_config, self.tp)
 
     @property
     def pooling_only(self) -> bool:
@@ -366,6 +383,16 @@ ROWS: tuple[Incompatibility, ...] = (
         lambda s: s.transformers_backend and s.dp_ep,
         "the Transformers backend runs transformers' own MoE layers, which do not split "
         "experts over replicas: " + _DP_EP + " is not supported"),
+    Incompatibility(
+        "model_impl='transformers' (the Transformers backend)",
+        "tensor_parallel_size > 1 without a base_model_tp_plan that divides the heads",
+        lambda s: s.transformers_backend and s.tp > 1 and s.backend_tp_refusal is not None,
+        "{s.backend_tp_refusal}"),
+    Incompatibility(
+        "model_impl='transformers' (the Transformers backend)",
+        "pipeline_parallel_size > 1 without a base_model_pp_plan",
+        lambda s: s.transformers_backend and s.pp > 1 and s.backend_pp_refusal is not None,
+        "{s.backend_pp_refusal}"),
     Incompatibility(
         "model_impl='transformers' (the Transformers backend)", "speculative_config (mtp, eagle)",
         lambda s: s.transformers_backend and s.spec_method in ("mtp", "eagle", "eagle3"),

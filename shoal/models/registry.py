@@ -45,6 +45,10 @@ _MODELS: dict[str, tuple[str, str]] = {
                                          "Idefics3ForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("shoal.models.qwen3_vl",
                                         "Qwen3VLForConditionalGeneration"),
+    "Qwen3_5ForConditionalGeneration": ("shoal.models.qwen3_5_vl",
+                                        "Qwen3_5ForConditionalGeneration"),
+    "Qwen3_5MoeForConditionalGeneration": ("shoal.models.qwen3_5_vl",
+                                           "Qwen3_5MoeForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("shoal.models.llava", "LlavaForConditionalGeneration"),
     "Gemma3ForCausalLM": ("shoal.models.gemma3", "Gemma3ForCausalLM"),
     "Gemma3ForConditionalGeneration": ("shoal.models.gemma3_vl",
@@ -91,6 +95,8 @@ _BY_MODEL_TYPE = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
     "deepseek_v2": "DeepseekV2ForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "deepseek_v32": "DeepseekV32ForCausalLM",
@@ -147,8 +153,9 @@ def is_pooling_only(hf_config: Any) -> bool:
 def uses_transformers_backend(hf_config: Any, runner: str = "generate",
                               model_impl: str = "auto") -> bool:
     """Whether the model takes the Transformers backend: always for model_impl
-    "transformers", for "auto" when shoal has no class for the architecture (generation
-    only: the backend has no pooling path), never for "shoal"."""
+    "transformers", for "auto" when shoal has no class for the architecture (under
+    runner="pooling" the backend embeds with a decoder's hidden states), never for
+    "shoal"."""
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl must be one of {', '.join(MODEL_IMPLS)} (got "
                          f"{model_impl!r})")
@@ -157,8 +164,7 @@ def uses_transformers_backend(hf_config: Any, runner: str = "generate",
     archs = _architectures(hf_config)
     if not archs and not getattr(hf_config, "model_type", None):
         return False  # names no model at all: resolve_model_class's error, when built
-    return runner == "generate" and not any(a in _MODELS or a in _POOLING_MODELS
-                                            for a in archs)
+    return not any(a in _MODELS or a in _POOLING_MODELS for a in archs)
 
 
 def takes_transformers_backend(hf_config: Any, runner: str, model_impl: str) -> bool:
@@ -202,10 +208,8 @@ def resolve_model_class(hf_config: Any, runner: str = "generate",
 
 
 def _transformers_backend(hf_config: Any, runner: str, model_impl: str) -> type:
-    """The backend's class, once its checks on the config pass (ValueError naming why not)."""
-    if runner != "generate":
-        raise ValueError("model_impl='transformers' runs text generation only; the pooling "
-                         "runner needs shoal's own class (model_impl='auto' or 'shoal')")
+    """The backend's class, once its checks on the config pass (ValueError naming why not);
+    under runner="pooling" build_model makes it an embedder (as_pooling_model)."""
     from shoal.models.transformers_backend.support import unsupported_reason
 
     reason = unsupported_reason(hf_config)

@@ -237,8 +237,10 @@ def test_model_impl_picks_the_path() -> None:
         resolve_model_class(phi, model_impl="shoal")  # the registry's own error
     with pytest.raises(ValueError, match="model_impl must be one of auto, shoal, transformers"):
         resolve_model_class(llama, model_impl="hf")
-    with pytest.raises(ValueError, match="runs text generation only"):
-        resolve_model_class(llama, "pooling", "transformers")
+    # pooling: the backend embeds too (tests/models/test_transformers_backend_pooling.py)
+    assert resolve_model_class(llama, "pooling", "transformers").__name__ == (
+        "TransformersForCausalLM")
+    assert uses_transformers_backend(phi, "pooling", "auto")
     with pytest.raises(ValueError, match="it is an encoder-decoder model"):
         resolve_model_class(AutoConfig.for_model("t5"), model_impl="transformers")
     falcon = _config("falcon")

@@ -1,8 +1,8 @@
 """Tensor parallelism through the Transformers backend (transformers_backend/tensor_parallel.py):
 the engine on two CPU ranks (gloo) gives transformers' own greedy tokens and logprobs, on
-Llama (which shoal also runs natively, forced through the backend) and on Gemma (no class of
-shoal's own); a config without a tensor-parallel plan, or whose heads do not divide by the
-rank count, is refused naming the field."""
+Llama (which shoal also runs natively, forced through the backend; its one KV head kept whole
+on both ranks) and on Gemma (no class of shoal's own); a config without a tensor-parallel
+plan, or whose heads do not divide by the rank count, is refused naming the field."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from oracle import TINY_COMMON, check_against_hf, write_tiny_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from shoal import LLM, SamplingParams
+from shoal.engine.engine_args import EngineArgs
 from shoal.layers.linear import ColumnParallelLinear, RowParallelLinear
-from shoal.models.transformers_backend.tensor_parallel import tp_plan
+from shoal.models.transformers_backend.tensor_parallel import ReplicatedKVLinear, tp_plan
 
 
 def _config(model_type: str, **fields):
@@ -21,12 +22,14 @@ def _config(model_type: str, **fields):
 
 
 @pytest.mark.parametrize("model_type, fields", [
-    ("llama", {}),  # shoal's own LlamaForCausalLM is bypassed (model_impl="transformers")
-    ("gemma", dict(head_dim=16)),  # no class of shoal's own
+    # shoal's own LlamaForCausalLM is bypassed (model_impl="transformers"); one KV head for
+    # two ranks: each keeps it whole (k_proj / v_proj replicated)
+    ("llama", dict(num_key_value_heads=1)),
+    ("gemma", dict(head_dim=16)),  # no class of shoal's own; its 2 KV heads split
 ])
 def test_two_ranks_match_transformers(model_type, fields, tmp_path) -> None:
     """Chunked prefills beside decodes on two ranks: transformers' tokens and logprobs, rank
-    0 holding half of each split layer and half of the heads."""
+    0 holding half of each split layer and half of the query heads."""
     path = write_tiny_checkpoint(tmp_path, model_type, seed=1, **fields)
     llm = LLM(model=str(path), model_impl="transformers", dtype="float32",
               tensor_parallel_size=2, max_num_batched_tokens=16, block_size=4,
@@ -41,6 +44,9 @@ def test_two_ranks_match_transformers(model_type, fields, tmp_path) -> None:
         assert layer.self_attn.q_proj.weight.shape == (32, 64)
         assert layer.mlp.down_proj.weight.shape == (64, 64)
         assert [(a.num_heads, a.num_kv_heads) for a in model.attention_layers()] == [(2, 1)] * 2
+        replicated = fields.get("num_key_value_heads") == 1
+        assert isinstance(layer.self_attn.k_proj, ReplicatedKVLinear) == replicated
+        assert layer.self_attn.k_proj.weight.shape == (16, 64)  # one KV head of 16
         prompts = [[(7 * i) % 500 + 3 for i in range(23)], [7, 9, 11], list(range(40, 47))]
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -48,6 +54,26 @@ def test_two_ranks_match_transformers(model_type, fields, tmp_path) -> None:
         llm.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     check_against_hf(outs, prompts, hf, 4)
+
+
+def test_the_engine_config_refuses_before_any_rank_starts() -> None:
+    """create_engine_config raises the model's own ValueError, word for word, so no rank is
+    ever started for a model whose plan cannot split it; a plan that can passes."""
+    args = EngineArgs(device="cpu", model_impl="transformers", tensor_parallel_size=2,
+                      max_model_len=64)
+    gpt2 = _config("gpt2")
+    gpt2.architectures = ["GPT2LMHeadModel"]
+    odd = _config("llama", hidden_size=48, num_attention_heads=3, num_key_value_heads=1)
+    odd.architectures = ["LlamaForCausalLM"]
+    for cfg in (gpt2, odd):
+        with pytest.raises(ValueError) as refused:
+            args.create_engine_config(cfg)
+        with pytest.raises(ValueError) as built:
+            tp_plan(cfg, 2)
+        assert str(refused.value) == str(built.value)
+    llama = _config("llama")
+    llama.architectures = ["LlamaForCausalLM"]
+    assert args.create_engine_config(llama).parallel_config.tensor_parallel_size == 2
 
 
 def test_the_model_refuses_what_its_plan_cannot_split(monkeypatch) -> None:
@@ -72,8 +98,8 @@ def test_the_model_refuses_what_its_plan_cannot_split(monkeypatch) -> None:
 @pytest.mark.parametrize("model_type, fields, tp, message", [
     ("gpt2", {}, 2, "GPT2LMHeadModel with tensor_parallel_size 2: its config has no "
                     "base_model_tp_plan"),
-    ("llama", {}, 4, r"its num_key_value_heads \(2\) is not divisible by "
-                     r"tensor_parallel_size \(4\)"),
+    ("llama", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=3), 2,
+     r"its num_key_value_heads \(3\) is not divisible by tensor_parallel_size \(2\)"),
     ("llama", dict(hidden_size=96, num_attention_heads=6, num_key_value_heads=6), 4,
      r"its num_attention_heads \(6\) is not divisible by tensor_parallel_size \(4\)"),
     ("llama", dict(base_model_tp_plan={"layers.*.mlp.up_proj": "colwise",

@@ -6,7 +6,7 @@ construction (rotary frequencies, embedding scales) that checkpoints do not stor
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,9 +37,12 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = register  # type: ignore[method-assign]
 
 
-def build_causal_lm(hf_config: Any, dtype: torch.dtype, device: torch.device) -> nn.Module:
+def build_causal_lm(hf_config: Any, dtype: torch.dtype, device: torch.device,
+                    prune: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """transformers' causal LM for the config with shoal's attention function, parameters
-    zero-filled in `dtype` on `device` (tied ones stay one tensor), in eval mode."""
+    zero-filled in `dtype` on `device` (tied ones stay one tensor), in eval mode. `prune`
+    sees the model while its parameters are still on the meta device: what it removes
+    (another pipeline stage's layers, a pooling model's LM head) never takes memory."""
     from transformers import AutoModelForCausalLM
 
     register_attention_function()
@@ -47,6 +50,8 @@ def build_causal_lm(hf_config: Any, dtype: torch.dtype, device: torch.device) ->
     with torch.device(device), parameters_on_meta():
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype,
                                                  attn_implementation=ATTN_IMPLEMENTATION)
+    if prune is not None:
+        prune(model)
     materialize(model, device)
     return model.eval().requires_grad_(False)
 

@@ -11,9 +11,19 @@ transformers builds no causal mask for an attention implementation it does not k
 the paged backend applies causality (and sliding windows) per request.
 
 With tensor_parallel_size > 1 the config's own tensor-parallel plan splits the linears
-(tensor_parallel.py); the probe then sees each rank's local heads, which its paged layers
-keep. Not here yet: pipeline parallelism (the compatibility table refuses it), CUDA graphs
-(start-up forces eager), pooling (runner="pooling")."""
+(tensor_parallel.py; with more ranks than KV heads each rank keeps the KV head its query
+heads read); the probe then sees each rank's local heads, which its paged layers keep. With
+pipeline_parallel_size > 1 the config's pipeline plan splits the base model into stages
+(pipeline.py): each builds and loads only its decoder layers, stage 0 also the embedding and
+the LM head, the last stage the final norm, and forward_stage passes activations as native
+models' stages do. Under runner="pooling" (as_pooling_model's subclass) it is a decoder
+embedder: no LM head is built, the pooling runner pools its final hidden states over packed
+prompts (causal attention; encoders are refused by support.py). The compatibility table
+refuses, before any rank starts, a tp or pp size the config's plans cannot split.
+
+Not here yet: CUDA graphs (start-up forces eager, so pipeline stages on CUDA need
+enforce_eager), encoder-only (bidirectional) models, pooling with tp or pp > 1 (refused for
+every model), soft-capped attention in a pooling step (refused when built)."""
 
 from __future__ import annotations
 
@@ -23,8 +33,9 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from shoal.distributed.parallel_state import get_tp_world_size
+from shoal.distributed.parallel_state import get_pp_world_size, get_tp_world_size, pp_is_first
 from shoal.layers.attention import Attention
+from shoal.models.interface import PoolingModelBase
 from shoal.models.transformers_backend.attention import (
     AttentionCall,
     probe_attention,
@@ -32,6 +43,12 @@ from shoal.models.transformers_backend.attention import (
 )
 from shoal.models.transformers_backend.build import build_causal_lm
 from shoal.models.transformers_backend.logits import CausalLMHead
+from shoal.models.transformers_backend.pipeline import (
+    StageSlice,
+    drop_lm_head,
+    pp_plan_refusal,
+    split_stages,
+)
 from shoal.models.transformers_backend.support import check_supported
 from shoal.models.transformers_backend.tensor_parallel import TPPlan, apply_tp_plan, tp_plan
 from shoal.models.transformers_backend.weights import load_checkpoint
@@ -49,9 +66,26 @@ class TransformersForCausalLM(nn.Module):
         """use_triton_ops has no effect: the layers are transformers' (attention excepted)."""
         super().__init__()
         check_supported(hf_config)
-        tp = get_tp_world_size()
+        tp, pp = get_tp_world_size(), get_pp_world_size()
         plan = tp_plan(hf_config, tp) if tp > 1 else None  # (refused before anything is built)
-        hf = build_causal_lm(hf_config, dtype, torch.get_default_device())
+        refusal = pp_plan_refusal(hf_config, pp)
+        if refusal is not None:
+            raise ValueError(refusal)
+        # As a pooling model (runner="pooling": as_pooling_model's subclass) it needs no LM
+        # head; with pipeline stages only this stage's modules are built.
+        self.pooling = isinstance(self, PoolingModelBase)
+        self.stage: StageSlice | None = None
+        dropped: list[str] = []
+
+        def prune(hf: nn.Module) -> None:
+            if pp > 1:
+                self.stage = split_stages(hf, hf_config)
+                dropped.extend(self.stage.dropped)
+            if self.pooling and hf.get_output_embeddings() is not None and pp_is_first():
+                dropped.append(drop_lm_head(hf))
+
+        hf = build_causal_lm(hf_config, dtype, torch.get_default_device(), prune)
+        self._dropped = tuple(dropped)
         if plan is not None:
             apply_tp_plan(hf, plan)
         # Its children become this module's, so parameter names are the checkpoint's
@@ -63,11 +97,17 @@ class TransformersForCausalLM(nn.Module):
             if param is not None:
                 self.register_parameter(name, param)
         self.config = hf_config
+        self.hidden_size = int(hf_config.hidden_size)
+        self.dtype = dtype
         self.architecture = type(hf).__name__
-        out, inp = hf.get_output_embeddings(), hf.get_input_embeddings()
-        self.tie_word_embeddings = (out is not None and inp is not None
-                                    and out.weight is inp.weight)
-        self._head = CausalLMHead(hf)
+        out = getattr(hf.get_output_embeddings(), "weight", None)
+        inp = getattr(hf.get_input_embeddings(), "weight", None)
+        self.tie_word_embeddings = out is not None and out is inp
+        head = not self.pooling and (self.stage is None or self.stage.is_first)
+        self._head = CausalLMHead(hf) if head else None
+        base = getattr(hf, hf.base_model_prefix)
+        if self.stage is not None:
+            self.stage.attach(base)
         device = next(hf.parameters()).device
         with torch.no_grad():  # (not inference mode: tensors it caches stay usable outside)
             calls = probe_attention(lambda: self._run(
@@ -75,7 +115,11 @@ class TransformersForCausalLM(nn.Module):
                 torch.arange(_PROBE_TOKENS, device=device)))
         if plan is not None:
             check_local_heads(calls, hf_config, plan, self.architecture)
-        self.paged_attention = nn.ModuleList(paged_layers(calls, hf_config, self.architecture))
+        first, end = ((self.stage.start, self.stage.end) if self.stage is not None
+                      else (0, getattr(hf_config, "num_hidden_layers", None)))
+        self.paged_attention = nn.ModuleList(
+            paged_layers(calls, hf_config, self.architecture, first, end,
+                         pooling=self.pooling))
         self._layer_of = {id(c.module): layer for c, layer in zip(calls, self.paged_attention)}
 
     def train(self, mode: bool = True) -> TransformersForCausalLM:
@@ -83,29 +127,49 @@ class TransformersForCausalLM(nn.Module):
         return super().train(mode)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn_metadata: Any) -> torch.Tensor:
-        with step_context(attn_metadata, self._layer_of):
-            return self._run(input_ids, positions)
+                attn_metadata: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The final hidden states; on a pipeline stage before the last, (hidden, residual)
+        for the next stage (pipeline.py)."""
+        return self.forward_stage(input_ids, positions, attn_metadata, None)
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward_stage(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      attn_metadata: Any,
+                      intermediate: tuple[torch.Tensor, torch.Tensor] | None,
+                      ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Pipeline parallelism: this stage's layers from the previous stage's (hidden,
+        residual) (None on the first stage), as native models' forward_stage."""
+        with step_context(attn_metadata, self._layer_of):
+            return self._run(input_ids, positions, intermediate)
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor,
+             intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+             ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         base = getattr(self.hf_model, self.hf_model.base_model_prefix)
+        if self.stage is not None:
+            return self.stage.run(base, input_ids, positions, intermediate, self.dtype)
         out = base(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                    use_cache=False)
         return out[0][0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self._head is None:
+            raise ValueError(f"{self.architecture} has no LM head here (a pooling model, or a "
+                             "pipeline stage after the first)")
         return self._head(hidden)
 
     def attention_layers(self) -> list[Attention]:
         return list(self.paged_attention)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_checkpoint(self.hf_model, weights)
+        owns = (lambda key: not key.startswith(self._dropped)) if self._dropped else None
+        return load_checkpoint(self.hf_model, weights, owns)
 
 
-def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str) -> list[Attention]:
-    """One paged layer per attention module the probe saw, in call order; ValueError naming
-    what the backend cannot do."""
+def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str, first: int = 0,
+                 end: int | None = None, *, pooling: bool = False) -> list[Attention]:
+    """One paged layer per attention module the probe saw, in call order, for decoder layers
+    [first, end) (this pipeline stage's; end None: the config's count, if any); ValueError
+    naming what the backend cannot do. pooling: the model embeds (runner="pooling")."""
     def refuse(reason: str) -> ValueError:
         return ValueError(f"the Transformers backend cannot run {arch}: {reason}")
 
@@ -114,7 +178,7 @@ def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str) -> list[
     if len({id(c.module) for c in calls}) != len(calls):
         raise refuse("an attention module runs more than once per pass (layers sharing "
                      "attention would share one KV cache)")
-    num_layers = getattr(hf_config, "num_hidden_layers", None)
+    num_layers = None if end is None else end - first
     if num_layers is not None and len(calls) < num_layers:
         raise refuse(f"only {len(calls)} of its {num_layers} decoder layers call attention; "
                      "the others keep state (recurrent, convolution) the paged K/V cache "
@@ -122,10 +186,15 @@ def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str) -> list[
     layers = []
     for i, c in enumerate(calls):
         if not c.is_causal:
-            raise refuse("bidirectional (non-causal) attention")
+            raise refuse("bidirectional (non-causal) attention"
+                         + (" (an encoder: its embeddings need shoal's own class)"
+                            if pooling else ""))
         if c.own_mask:
             raise refuse("its attention modules build masks of their own (dynamic or "
                          "prefix masks), which paged attention does not apply")
+        if pooling and c.softcap:
+            raise refuse("attention soft-capping, which a pooling step (packed prompts, no "
+                         "KV cache) does not apply")
         if c.head_dim != c.value_dim:
             raise refuse(f"keys of {c.head_dim} and values of {c.value_dim} per head (a "
                          "paged layer keeps both at one head size)")
@@ -134,7 +203,7 @@ def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str) -> list[
         # The module's attention soft-cap (Gemma 2) goes to its paged layer, which hands it
         # to the backend and refuses, when the runner binds it, a backend that cannot cap.
         layer = Attention(c.num_heads, c.num_kv_heads, c.head_dim,
-                          sliding_window(c, hf_config, i), softcap=c.softcap)
+                          sliding_window(c, hf_config, first + i), softcap=c.softcap)
         if c.scaling is not None:
             layer.scale = c.scaling
         layers.append(layer)

@@ -17,14 +17,33 @@ def causal_lm_class(hf_config: Any) -> type:
     try:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)]
     except KeyError:
-        raise ValueError(f"transformers has no causal-LM class for model_type "
-                         f"{getattr(hf_config, 'model_type', None)!r}") from None
+        pass
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    model_type = getattr(hf_config, "model_type", None)
+    if type(hf_config) in MODEL_MAPPING:  # a base model only: an encoder
+        raise ValueError(f"transformers has no causal-LM class for model_type {model_type!r}: "
+                         "it is an encoder-only model, whose bidirectional attention the "
+                         "backend's causal paged attention does not run (its embeddings "
+                         "need a class of shoal's own)")
+    raise ValueError(f"transformers has no causal-LM class for model_type {model_type!r}")
+
+
+# Checkpoint classes with a task head on top of the decoder, which the backend does not build
+# (it runs the causal LM: generation, or its hidden states as embeddings).
+_TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
 
 
 def unsupported_reason(hf_config: Any) -> str | None:
     """Why the backend cannot run the model, or None when the config shows no reason."""
     if getattr(hf_config, "is_encoder_decoder", False):
         return "it is an encoder-decoder model (the backend runs decoder-only models)"
+    heads = [a for a in getattr(hf_config, "architectures", None) or []
+             if a.endswith(_TASK_HEADS)]
+    if heads:
+        return (f"its checkpoint class {heads[0]} has a task head, which the backend does "
+                "not build (it runs the causal LM: generation, or embeddings from its hidden "
+                "states under runner='pooling')")
     try:
         cls = causal_lm_class(hf_config)
     except ValueError as e:

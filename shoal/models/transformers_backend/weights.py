@@ -9,7 +9,7 @@ rank's slice."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,10 +27,13 @@ class _Gathered:
 
 
 @torch.no_grad()
-def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                    owns: Callable[[str], bool] | None = None) -> set[str]:
     """Copies the checkpoint tensors into `model` (a transformers PreTrainedModel); returns
-    the names of the parameters and buffers filled. Raises ValueError for a tensor that has
-    no place in the model or the wrong shape."""
+    the names of the parameters and buffers filled. `owns(name)` False: a module this model
+    left out (another pipeline stage's, a pooling model's LM head), whose tensors are
+    skipped. Raises ValueError for a tensor that has no place in the model or the wrong
+    shape."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import (
         WeightConverter,
@@ -50,6 +53,9 @@ def load_checkpoint(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]
         if name.endswith("rotary_emb.inv_freq"):  # old checkpoints stored the buffer
             continue
         key, pattern = rename_source_key(name, renamings, converters, prefix, targets)
+        if owns is not None and key not in targets and not (
+                owns(key) and owns(f"{prefix}.{key}")):
+            continue  # (a base model's checkpoint names it without the prefix)
         if key not in targets:
             raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in "
                              f"{type(model).__name__}")
