@@ -13,6 +13,10 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
     lora_int_id: int  # >= 1, unique per adapter for the engine's lifetime
     lora_path: str = ""  # a PEFT folder: adapter_config.json + adapter_model.safetensors
     base_model_name: str | None = None  # the served model it extends (the server's parent)
+    # The SHA-256 of the folder's files (shoal/lora/adapter_digest.py), set by the engine core
+    # when the request arrives, whatever a caller set: the prefix cache keys the request's
+    # blocks by it, and the worker ranks check what they read against it.
+    content_digest: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.lora_name, str) or not self.lora_name:
@@ -22,6 +26,9 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
             raise ValueError(f"lora_int_id must be an integer >= 1 (got {self.lora_int_id!r})")
         if not isinstance(self.lora_path, str) or not self.lora_path:
             raise ValueError("lora_path must name the adapter's folder")
+        if self.content_digest is not None and not isinstance(self.content_digest, str):
+            raise ValueError(f"content_digest must be a string or None (got "
+                             f"{self.content_digest!r})")
 
     # vLLM's shorter names
     @property
@@ -39,5 +46,6 @@ class LoRARequest(msgspec.Struct, frozen=True, omit_defaults=True):
     @property
     def cache_key(self) -> str:
         """What the prefix-cache hashes mix in: two adapters never share a KV block, and
-        neither do one adapter's id reused for another folder."""
-        return f"lora:{self.lora_int_id}:{self.lora_path}"
+        neither do one adapter's id reused for another folder nor one folder saved again
+        with other weights."""
+        return f"lora:{self.lora_int_id}:{self.lora_path}:{self.content_digest or ''}"

@@ -97,7 +97,7 @@ class Admission:
                 if not self.admit(req, cached, step):
                     break
                 if req.lora is not None:
-                    loras[req.lora.lora_int_id] = req.lora.lora_path
+                    loras[req.lora.lora_int_id] = req.lora.cache_key
             step.current = None
         finally:  # (also when scheduling raises: they must not leave the queue)
             for req in reversed(deferred):
@@ -108,19 +108,20 @@ class Admission:
         return self.config.max_loras
 
     def _running_loras(self) -> dict[int, str]:
-        """The adapters of the running requests (id -> folder): a step runs them all, in at
-        most max_loras device slots."""
+        """The adapters of the running requests (id -> cache_key: folder and version): a step
+        runs them all, in at most max_loras device slots."""
         if not self.config.max_loras:
             return {}
-        return {r.lora.lora_int_id: r.lora.lora_path for r in self.running if r.lora}
+        return {r.lora.lora_int_id: r.lora.cache_key for r in self.running if r.lora}
 
     def _lora_fits(self, lora: LoRARequest, running: dict[int, str]) -> bool:
         """A request of another adapter waits while every slot is taken; one whose id runs
-        with another folder waits for it to end (an id names one adapter in a step).
+        with another folder or version of its files waits for it to end (an id names one
+        adapter in a step).
         Pinned adapters have their slots: the others share the slots left."""
         held = running.get(lora.lora_int_id)
         if held is not None:
-            return held == lora.lora_path
+            return held == lora.cache_key
         pinned = self.pinned_loras
         if lora.lora_int_id in pinned:
             return True

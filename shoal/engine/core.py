@@ -174,7 +174,7 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
             cache_salt=req.cache_salt,
             pooling_params=req.pooling_params,
             token_type_ids=req.token_type_ids,
-            lora=req.lora,
+            lora=self.versioned_lora(req.lora),  # (engine/core_lora.py)
             mm_features=req.mm_features,
         )
         params = req.sampling_params.structured_outputs

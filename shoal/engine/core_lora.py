@@ -4,13 +4,19 @@ that a step never mixes more adapters than device slots: pinned adapters keep th
 the other adapters' requests share the slots left (engine/admission.py). One slot at least
 stays unpinned, so that a request of any adapter runs once the requests ahead of it end:
 with max_loras=1 nothing can be pinned. (vLLM lets every slot be pinned; a step that needs
-another adapter then finds no free slot and fails.)"""
+another adapter then finds no free slot and fails.)
+
+Every adapter that reaches the scheduler or the ranks from here carries the digest of its
+files as they were when it arrived (versioned_lora): the prefix cache keys its blocks by it,
+so re-registering an id and folder whose files were saved again never serves KV computed
+with the old weights."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from shoal.core.executor import Executor
+from shoal.lora.adapter import with_content_digest
 from shoal.lora_request import LoRARequest
 
 
@@ -27,18 +33,31 @@ class CoreLoRA:
         self._lora_config("add_lora")
         if not isinstance(lora, LoRARequest):
             raise ValueError(f"add_lora takes a LoRARequest (got {type(lora).__name__})")
-        busy = self._busy_loras().get(lora.lora_int_id)
-        if busy is not None and busy != lora.lora_path:
+        try:
+            lora = with_content_digest(lora)
+        except ValueError as e:
+            raise ValueError(f"add_lora {lora.lora_name!r} (id {lora.lora_int_id}): {e}"
+                             ) from None
+        busy = next((b for b in self._busy_loras() if b.lora_int_id == lora.lora_int_id
+                     and b.cache_key != lora.cache_key), None)
+        if busy is not None:
+            what = (f"the folder {busy.lora_path!r}" if busy.lora_path != lora.lora_path else
+                    "this folder's files as they were before they were saved again")
             raise ValueError(f"add_lora {lora.lora_name!r}: adapter id {lora.lora_int_id} is "
-                             f"in use by requests with the folder {busy!r} (an id names one "
-                             "folder while its requests run)")
+                             f"in use by requests with {what} (an id names one adapter "
+                             "while its requests run)")
         return self.runner.add_lora(lora)
+
+    def versioned_lora(self, lora: LoRARequest | None) -> LoRARequest | None:
+        """A new request's adapter with the digest of its files now (ValueError when the
+        folder is no longer an adapter)."""
+        return None if lora is None else with_content_digest(lora)
 
     def remove_lora(self, lora_id: int) -> bool:
         """Forgets an adapter (and its pin) on every rank, unless a request still runs or
         waits with it (its steps would read it again from disk; a remove after they end
         drops it): False then, and when it was not loaded."""
-        if lora_id in self._busy_loras():
+        if any(b.lora_int_id == lora_id for b in self._busy_loras()):
             return False
         removed = self.runner.remove_lora(lora_id)
         admission = getattr(self.scheduler, "admission", None)  # (none: pooling, no LoRA)
@@ -85,8 +104,7 @@ class CoreLoRA:
                              "enable_lora=True)")
         return lora_config
 
-    def _busy_loras(self) -> dict[int, str]:
-        """The adapters of the requests running or waiting: id -> folder."""
+    def _busy_loras(self) -> list[LoRARequest]:
+        """The adapters of the requests running or waiting."""
         s = self.scheduler
-        return {r.lora.lora_int_id: r.lora.lora_path for r in (*s.running, *s.waiting)
-                if r.lora is not None}
+        return [r.lora for r in (*s.running, *s.waiting) if r.lora is not None]

@@ -17,7 +17,6 @@ from shoal.config import (
     ray_installed,
     resolve_dtype,
 )
-from shoal.config.lora import LoRAConfig
 from shoal.config.speculative import SpeculativeConfig
 from shoal.engine.cache_args import cache_config
 from shoal.engine.compatibility import ResolvedArgs, check_compatibility
@@ -30,6 +29,7 @@ from shoal.engine.cpu_defaults import (
 from shoal.engine.graph_support import runs_without_graphs
 from shoal.engine.kv_events_args import KVEventsArgs
 from shoal.engine.kv_transfer_args import KVTransferArgs
+from shoal.engine.lora_args import LoRAArgs
 from shoal.engine.mm_args import MultiModalArgs
 from shoal.engine.offload_args import WeightOffloadArgs
 from shoal.json_arg import json_object
@@ -50,7 +50,8 @@ def arg(default: Any, help: str) -> Any:
 
 
 @dataclass
-class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs):
+class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs,
+                 LoRAArgs):
     """Every engine argument, once, with vLLM's names. `LLM(**kwargs)`, `shoal serve` flags and
     the engine process all start from here."""
 
@@ -157,14 +158,6 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
         None, "speculative decoding, as a JSON object: {\"method\": \"ngram\", "
               "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
               "\"prompt_lookup_max\": 5} (default: off)")
-    enable_lora: bool = arg(False, "serve LoRA adapters (PEFT folders) over the base model: a "
-                                   "request names one (lora_request offline, its model name "
-                                   "when serving)")
-    max_loras: int = arg(1, "LoRA: distinct adapters in one step (device slots)")
-    max_lora_rank: int = arg(16, "LoRA: the largest adapter rank (1, 8, 16, 32, 64, 128, 256, "
-                                 "320 or 512)")
-    max_cpu_loras: int | None = arg(None, "LoRA: adapters kept loaded in host memory "
-                                          "(default: max_loras)")
     runner: str = arg("auto", "generate or pooling (embeddings, classification, scores); "
                               "auto: pooling for an encoder or classifier checkpoint")
     model_impl: str = arg("auto", "shoal (its own model class), transformers (transformers' "
@@ -284,7 +277,7 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
             async_scheduling=self._async_scheduling(device, world, hf_config),
             structured_outputs_backend=check_backend_available(
                 parse_backend_config(self.structured_outputs_config)),
-            lora_config=self._lora_config(),
+            lora_config=self.lora_settings() if self.enable_lora else None,
         )
 
     def _check_values(self) -> None:
@@ -307,9 +300,7 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
                 f"load_format must be auto, gguf, safetensors or dummy (got {self.load_format!r})"
             )
         check_quantization_name(self.quantization)  # against the checkpoint: at its load
-        if not isinstance(self.enable_lora, bool):
-            raise ValueError(f"enable_lora must be a bool (got {self.enable_lora!r})")
-        LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)  # their values
+        self.lora_settings()  # their values (lora_args.py)
         check_kv_cache_dtype(self.kv_cache_dtype)
 
     def _max_model_len(self, hf_config: Any, runner: str, model_path: str | None) -> int:
@@ -405,11 +396,6 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
             return ("small_steps" if device.type == "cpu" and dtype == torch.bfloat16
                     else "off")
         return "all" if mode else "off"
-
-    def _lora_config(self) -> LoRAConfig | None:
-        if not self.enable_lora:
-            return None
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def _kv_offload_config(self) -> KVOffloadConfig | None:
         if self.kv_offloading_size is None:

@@ -3,21 +3,24 @@ names and shapes of adapter_model.safetensors (its JSON header). The frontend ch
 adapter before any request uses it, and the engine core checks again, against the
 projections the model can take an adapter on (LoRALimits, from the worker); the worker then
 reads the tensors themselves (shoal/lora/weights.py). Adapters of MoE experts are named and
-checked by shoal/lora/expert_adapter.py."""
+checked by shoal/lora/expert_adapter.py. Reading a folder also takes the digest of its files
+(adapter_digest.py): what the prefix cache keys the adapter's KV blocks by."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from shoal.config.lora import ALL_LINEAR, EXPERTS, TARGET_MODULES_SETTING
+from shoal.lora.adapter_digest import digest_and_header, file_stamp
 from shoal.lora.expert_adapter import check_experts, expert_target, stacked_name
+from shoal.lora_request import LoRARequest
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -37,6 +40,11 @@ class LoRALimits(msgspec.Struct, frozen=True):
     # MoE experts module name (model.layers.0.mlp.experts) -> (num_experts, hidden,
     # moe_intermediate_size): the routed experts that take LoRA (expert_adapter.py)
     experts: dict[str, tuple[int, int, int]] = msgspec.field(default_factory=dict)
+    # the leaf names of the model's adaptable modules that lora_target_modules leaves
+    # without slots ("experts": the routed experts): their adapters are refused by name
+    left_out: tuple[str, ...] = ()
+    # set: why the model's MoE experts take no adapters whatever the setting (DP+EP)
+    experts_refused: str = ""
 
 
 @dataclass(frozen=True)
@@ -60,6 +68,7 @@ class AdapterSpec:
     path: str
     rank: int  # the config's r (modules may differ through rank_pattern)
     modules: dict[str, ModuleAdapter]
+    digest: str  # of the files this spec was read from (adapter_digest.py)
 
 
 def read_adapter(path: str) -> AdapterSpec:
@@ -75,14 +84,25 @@ def read_adapter(path: str) -> AdapterSpec:
             raise ValueError(f"LoRA adapter {path!r} has adapter_model.bin only: shoal reads "
                              f"{WEIGHTS_FILE} (save it with safe_serialization=True)")
         raise ValueError(f"LoRA adapter {path!r} has no {WEIGHTS_FILE}")
-    stamp = tuple(f.stat().st_mtime_ns for f in (config_file, weights_file))
+    stamp = (file_stamp(config_file), file_stamp(weights_file))
     return _read_cached(str(folder.resolve()), stamp)
 
 
-_CACHE: dict[tuple[str, tuple[int, ...]], AdapterSpec] = {}
+def with_content_digest(lora: LoRARequest) -> LoRARequest:
+    """The request's adapter with the digest of its files as they are now (the engine core's
+    call when a request or add_lora arrives): what its KV blocks are keyed by and what the
+    worker ranks check the files they read against. ValueError when the folder is not an
+    adapter (any digest a caller set is replaced)."""
+    digest = read_adapter(lora.lora_path).digest
+    return lora if lora.content_digest == digest else msgspec.structs.replace(
+        lora, content_digest=digest)
 
 
-def _read_cached(path: str, stamp: tuple[int, ...]) -> AdapterSpec:
+Stamp = tuple[tuple[int, ...], tuple[int, ...]]
+_CACHE: dict[tuple[str, Stamp], AdapterSpec] = {}
+
+
+def _read_cached(path: str, stamp: Stamp) -> AdapterSpec:
     key = (path, stamp)
     spec = _CACHE.get(key)
     if spec is None:
@@ -94,15 +114,21 @@ def _read_cached(path: str, stamp: tuple[int, ...]) -> AdapterSpec:
 
 def _read(folder: Path) -> AdapterSpec:
     try:
-        config = json.loads((folder / CONFIG_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        raw = (folder / CONFIG_FILE).read_bytes()
+        config = json.loads(raw)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ValueError(f"LoRA adapter {str(folder)!r}: {CONFIG_FILE} is not valid JSON "
                          f"({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"LoRA adapter {str(folder)!r}: {CONFIG_FILE} is not a JSON object")
     _check_config(config, folder)
-    shapes = safetensors_shapes(folder / WEIGHTS_FILE)
-    return AdapterSpec(str(folder), int(config["r"]), _modules(config, shapes, folder))
+    weights = folder / WEIGHTS_FILE
+    try:
+        digest, header = digest_and_header(raw, weights)
+    except OSError as e:
+        raise ValueError(f"LoRA adapter weights {str(weights)!r} cannot be read ({e})") from None
+    shapes = _header_shapes(header, weights)
+    return AdapterSpec(str(folder), int(config["r"]), _modules(config, shapes, folder), digest)
 
 
 def _check_config(config: dict[str, Any], folder: Path) -> None:
@@ -126,19 +152,17 @@ def _check_config(config: dict[str, Any], folder: Path) -> None:
                          f"{config['modules_to_save']!r}), which is not supported")
 
 
-def safetensors_shapes(file: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape, from the file's JSON header."""
+def _header_shapes(header: bytes, file: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, from the safetensors file's JSON header."""
     try:
-        with open(file, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            if size > 100 << 20:
-                raise ValueError("header larger than 100 MiB")
-            header = json.loads(f.read(size))
-    except (OSError, struct.error, ValueError) as e:
+        tensors = json.loads(header)
+        if not isinstance(tensors, dict):
+            raise ValueError("its header is not a JSON object")
+        tensors.pop("__metadata__", None)
+        return {name: list(meta["shape"]) for name, meta in tensors.items()}
+    except (ValueError, TypeError, KeyError) as e:
         raise ValueError(f"LoRA adapter weights {str(file)!r} are not a safetensors file "
                          f"({e})") from None
-    header.pop("__metadata__", None)
-    return {name: list(meta["shape"]) for name, meta in header.items()}
 
 
 def _modules(config: dict[str, Any], shapes: dict[str, list[int]],
@@ -201,6 +225,11 @@ def check_adapter(path: str, limits: LoRALimits | None) -> AdapterSpec:
         raise ValueError("this engine serves no LoRA adapters (start it with enable_lora)")
     spec = read_adapter(path)
     where = f"LoRA adapter {path!r}"
+    name = next((n for n in spec.modules if expert_target(n) is not None), None)
+    if name is not None and limits.experts_refused:
+        raise ValueError(f"{where} adapts MoE experts ({name}): {limits.experts_refused}")
+    if name is not None and EXPERTS in limits.left_out:
+        raise ValueError(_left_out_message(where, name, EXPERTS))
     check_experts(where, spec.modules, limits.experts, limits.max_lora_rank)
     for name, mod in spec.modules.items():
         leaf = name.rsplit(".", 1)[-1]
@@ -210,6 +239,8 @@ def check_adapter(path: str, limits: LoRALimits | None) -> AdapterSpec:
         if expert_target(name) is not None:
             continue  # checked above
         shape = limits.targets.get(name)
+        if shape is None and leaf in limits.left_out:
+            raise ValueError(_left_out_message(where, name, leaf))
         if shape is None:
             if ".experts." in name or name.endswith(".experts"):
                 raise ValueError(f"{where} adapts MoE experts ({name}) in a layout shoal does "
@@ -225,3 +256,13 @@ def check_adapter(path: str, limits: LoRALimits | None) -> AdapterSpec:
                              f"in the adapter but {shape[0]} -> {shape[1]} in the model (an "
                              "adapter of another base model?)")
     return spec
+
+
+def _left_out_message(where: str, module: str, leaf: str) -> str:
+    setting = TARGET_MODULES_SETTING
+    if leaf == EXPERTS:
+        return (f"{where} adapts MoE experts ({module}), but this engine holds no adapter "
+                f"slots for them: start it with {setting} unset or listing '{EXPERTS}' "
+                f"(e.g. --lora-target-modules {ALL_LINEAR} {EXPERTS})")
+    return (f"{where} adapts {module}, but {setting} leaves '{leaf}' out: start the engine "
+            f"with {leaf} listed (or {setting} unset) to serve it")

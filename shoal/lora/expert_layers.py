@@ -112,18 +112,41 @@ def _per_expert(a: torch.Tensor, b: torch.Tensor, num_experts: int
             b.view(b.shape[0], r, num_experts).permute(2, 0, 1))
 
 
+# Why the experts take no adapters under DP+EP (the model's FusedMoE layers then have a
+# dispatch_group): each replica numbers its adapter slots its own way, and the all-to-all
+# hands a (token, expert) pair to the expert's owner with neither its adapter nor the owner
+# holding that replica's adapters.
+DP_EP_REFUSAL = ("LoRA on MoE experts does not run under DP+EP (enable_expert_parallel with "
+                 "data_parallel_size > 1): the all-to-all sends each token's expert pairs to "
+                 "other replicas, which hold other adapters in their slots; adapters of the "
+                 "attention and dense projections are served")
+
+
+def moe_layers(model: nn.Module, dp_ep: bool = False) -> list[tuple[str, FusedMoE]]:
+    """The FusedMoE layers of the decoder layers that can take expert adapters (dp_ep:
+    those that cannot, for DP_EP_REFUSAL's reason)."""
+    return [(name, module) for name, module in model.named_modules()
+            if name.startswith("model.layers.") and isinstance(module, FusedMoE)
+            and (module.dispatch_group is not None) == dp_ep]
+
+
 def add_expert_lora(model: nn.Module, step: LoRAStep, max_loras: int, max_rank: int,
                     dtype: torch.dtype, device: torch.device) -> list[ExpertLoRA]:
-    """Gives every FusedMoE of the decoder layers its ExpertLoRA (moe.lora); returns them.
-    Not under DP+EP: the all-to-all moves tokens away from their slots."""
+    """Gives every FusedMoE of moe_layers its ExpertLoRA (moe.lora); returns them."""
     layers = []
-    for name, module in model.named_modules():
-        if not (name.startswith("model.layers.") and isinstance(module, FusedMoE)) \
-                or module.dispatch_group is not None:
-            continue
+    for name, module in moe_layers(model):
         module.lora = ExpertLoRA(name, module, step, max_loras, max_rank, dtype, device)
         layers.append(module.lora)
     return layers
+
+
+def expert_slot_bytes(num_layers: int, local_experts: int, hidden: int, inter: int,
+                      max_loras: int, max_rank: int, dtype_bytes: int) -> int:
+    """The device memory of the expert slots ExpertLoRA allocates (a13, b13, a2, b2 of
+    every layer), without building them: local_experts and inter as one rank holds them."""
+    per_expert = 2 * max_rank * hidden + 2 * inter * 2 * max_rank + max_rank * inter \
+        + hidden * max_rank
+    return num_layers * max_loras * local_experts * per_expert * dtype_bytes
 
 
 def expert_targets(layers: list[ExpertLoRA]) -> dict[str, tuple[int, int, int]]:

@@ -8,8 +8,9 @@ CUDA graph replays with whatever slots the step wrote there.
 Which layers: the column- and row-parallel projections under `model.layers.` whose
 checkpoint names end in q/k/v/o_proj or gate/up/down_proj (fused qkv_proj and gate_up_proj
 through the model's packed_modules_mapping), on the architectures of
-shoal.config.lora.LORA_ARCHITECTURES, whose projections see every token of the step. The
-routed experts of their MoE layers take adapters through shoal/lora/expert_layers.py.
+shoal.config.lora.LORA_ARCHITECTURES, whose projections see every token of the step, less
+those the lora_target_modules setting leaves out (shoal/lora/target_modules.py). The routed
+experts of their MoE layers take adapters through shoal/lora/expert_layers.py.
 
 What a model class may say of its checkpoint's names (class attributes, none by default):
 `lora_extra_leaves`, more module names that take adapters (StarCoder2's c_fc, c_proj);
@@ -41,6 +42,7 @@ from shoal.lora.ops.lora_groups import (
     block_diagonal,
     group_tokens,
 )
+from shoal.lora.target_modules import wants_layer
 
 TARGET_LEAVES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                            "down_proj"})
@@ -202,25 +204,49 @@ def _subs_of(name: str, layer: nn.Module, fused: dict[str, list[tuple[str, objec
     return subs
 
 
+@dataclass(frozen=True)
+class AdaptedProjections:
+    layers: list[LoRALayer]
+    # the checkpoint leaf names of the adaptable projections target_modules left out
+    left_out: frozenset[str]
+    # every leaf name target_modules may list (the parts' and the fused layers')
+    names: frozenset[str]
+
+
+def fused_parts(model: nn.Module) -> dict[str, list[str]]:
+    """Fused layer leaf -> its checkpoint parts' leaves (qkv_proj -> q_proj, k_proj, v_proj)."""
+    return {dst: [src for src, _ in subs] for dst, subs in _fused_subs(model).items()}
+
+
 def add_lora_layers(model: nn.Module, step: LoRAStep, max_loras: int, max_rank: int,
-                    dtype: torch.dtype, device: torch.device) -> list[LoRALayer]:
-    """Gives every adaptable projection its LoRALayer (layer.lora); returns them."""
+                    dtype: torch.dtype, device: torch.device,
+                    targets: frozenset[str] | None = None) -> AdaptedProjections:
+    """Gives every adaptable projection that `targets` (target_modules.expand's; None:
+    all) wants its LoRALayer (layer.lora)."""
     fused = _fused_subs(model)
     leaves = TARGET_LEAVES | frozenset(getattr(model, "lora_extra_leaves", ()))
     whole = frozenset(getattr(model, "lora_fused_modules", ()))
     adapt_b = getattr(model, "adapt_lora_b", None)
-    layers = []
+    layers: list[LoRALayer] = []
+    left_out: set[str] = set()
+    names: set[str] = set()
     for name, module in model.named_modules():
         if not name.startswith("model.layers.") or getattr(module, "lora", None) is not None:
             continue
         subs = _subs_of(name, module, fused, leaves, whole)
         if subs is None:
             continue
+        parts = {s.name.rsplit(".", 1)[-1] for s in subs}
+        layer_names = parts | {name.rsplit(".", 1)[-1]}
+        names |= layer_names
+        if not wants_layer(targets, layer_names):
+            left_out |= parts
+            continue
         out_local = module.weight.shape[0]
         lora = LoRALayer(subs, out_local, step, max_loras, max_rank, dtype, device, adapt_b)
         module.lora = lora
         layers.append(lora)
-    return layers
+    return AdaptedProjections(layers, frozenset(left_out), frozenset(names))
 
 
 def lora_targets(layers: list[LoRALayer]) -> dict[str, tuple[int, int]]:

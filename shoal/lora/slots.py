@@ -3,7 +3,12 @@ dropped first, read again from disk when asked for) and max_loras in the layers'
 slots (least recently used slot reused). Each step writes its tokens' slots into the shared
 table (LoRAStep); the scheduler never runs a step with more distinct adapters than slots.
 Under pipeline parallelism each stage holds the slots of its own layers and reads only the
-adapter tensors of those (stage_limits.py).
+adapter tensors of those (stage_limits.py). Which modules get slots at all: the
+lora_target_modules setting (target_modules.py; by default no MoE experts).
+
+An adapter held (in host memory or a slot) is one version of its folder: (path, digest of
+its files). A request whose content_digest names another version reads the folder again, and
+that read must find the version it names (the engine core keyed its KV blocks by it).
 
 Pinned adapters (vLLM's pin_lora) are never dropped from host memory nor from their slot.
 Fewer than max_loras may be pinned: one slot at least stays for the other adapters, whose
@@ -18,15 +23,32 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from shoal.config.lora import LoRAConfig
+from shoal.config.lora import ALL_LINEAR, EXPERTS, TARGET_MODULES_SETTING, LoRAConfig
 from shoal.lora.adapter import LoRALimits, check_adapter
-from shoal.lora.expert_layers import ExpertLoRA, add_expert_lora, expert_targets
-from shoal.lora.layers import LoRALayer, LoRAStep, add_lora_layers, lora_targets
+from shoal.lora.adapter_digest import changed_message
+from shoal.lora.expert_layers import (
+    DP_EP_REFUSAL,
+    ExpertLoRA,
+    add_expert_lora,
+    expert_targets,
+    moe_layers,
+)
+from shoal.lora.layers import LoRALayer, LoRAStep, add_lora_layers, fused_parts, lora_targets
 from shoal.lora.stage_limits import StageModules, whole_model_limits
+from shoal.lora.target_modules import expand, lists_experts, unknown_names, wants_experts
 from shoal.lora.weights import AdapterWeights, load_adapter_weights
 from shoal.lora_request import LoRARequest
 
 logger = logging.getLogger(__name__)
+
+Version = tuple[str, str]  # (folder, digest of its files)
+
+
+def _matches(held: Version | None, lora: LoRARequest) -> bool:
+    """Whether the held version serves the request (one without a digest takes whatever
+    version of its folder is held: pin_lora's and direct callers')."""
+    return held is not None and held[0] == lora.lora_path and (
+        lora.content_digest is None or held[1] == lora.content_digest)
 
 
 class LoRASlots:
@@ -34,22 +56,45 @@ class LoRASlots:
                  dtype: torch.dtype, device: torch.device):
         self.config, self.dtype, self.device = config, dtype, device
         self.step = LoRAStep(max_tokens, device, use_triton=device.type == "cuda")
-        self.layers: list[LoRALayer] = add_lora_layers(
-            model, self.step, config.max_loras, config.max_lora_rank, dtype, device)
-        # the routed experts of MoE layers (expert_layers.py)
+        fused = fused_parts(model)
+        targets = expand(config.target_modules, fused)  # (target_modules.py)
+        dense = add_lora_layers(model, self.step, config.max_loras, config.max_lora_rank,
+                                dtype, device, targets)
+        self.layers: list[LoRALayer] = dense.layers
+        # the routed experts of MoE layers (expert_layers.py), when asked for
+        refused = DP_EP_REFUSAL if moe_layers(model, dp_ep=True) else ""
+        if refused and lists_experts(targets):
+            raise ValueError(f"{TARGET_MODULES_SETTING} lists '{EXPERTS}', but {refused}")
         self.expert_layers: list[ExpertLoRA] = add_expert_lora(
-            model, self.step, config.max_loras, config.max_lora_rank, dtype, device)
-        stage = LoRALimits(config.max_loras, config.max_lora_rank,
-                           lora_targets(self.layers), expert_targets(self.expert_layers))
+            model, self.step, config.max_loras, config.max_lora_rank, dtype, device
+        ) if wants_experts(targets) and not refused else []
+        if self.expert_layers:
+            nbytes = sum(t.numel() * t.element_size() for layer in self.expert_layers
+                         for t in (layer.a13, layer.b13, layer.a2, layer.b2))
+            logger.info("LoRA: adapter slots for the MoE experts of %d layers take %.2f GiB "
+                        "(--lora-target-modules %s leaves the experts out)",
+                        len(self.expert_layers), nbytes / 2**30, ALL_LINEAR)
+        left_out = set(dense.left_out)
+        if moe_layers(model) and not self.expert_layers:
+            left_out.add(EXPERTS)
+        stage = LoRALimits(config.max_loras, config.max_lora_rank, lora_targets(self.layers),
+                           expert_targets(self.expert_layers), tuple(sorted(left_out)),
+                           refused)
         self.stage_modules = StageModules.of(stage)
         # adapters are checked against every stage's projections (this one's alone on one)
         self.limits = whole_model_limits(stage)
+        known = {n.rsplit(".", 1)[-1] for n in self.limits.targets} | set(fused) \
+            | set(self.limits.left_out) | ({EXPERTS} if self.limits.experts else set())
+        if unknown := unknown_names(targets, known):
+            raise ValueError(f"{TARGET_MODULES_SETTING}: {', '.join(map(repr, unknown))} "
+                             f"name(s) no module of {type(model).__name__} that takes LoRA "
+                             f"(it has: {', '.join(sorted(known))})")
         if not self.limits.targets and not self.limits.experts:
             raise ValueError(f"{type(model).__name__} has no projections LoRA can adapt")
-        self.host: OrderedDict[int, tuple[str, AdapterWeights]] = OrderedDict()
+        self.host: OrderedDict[int, tuple[Version, AdapterWeights]] = OrderedDict()
         self.slot_of: dict[int, int] = {}  # adapter id -> device slot
         self.in_slot: list[int | None] = [None] * config.max_loras  # slot -> adapter id
-        self.slot_path: list[str | None] = [None] * config.max_loras
+        self.slot_version: list[Version | None] = [None] * config.max_loras
         self.last_used = [0] * config.max_loras
         self.pinned: set[int] = set()  # adapter ids kept in host memory and in their slot
         self._steps = 0
@@ -60,20 +105,23 @@ class LoRASlots:
         """The adapter's weights in host memory (read now unless loaded); ValueError when
         the adapter does not fit this model."""
         held = self.host.get(lora.lora_int_id)
-        if held is not None and held[0] == lora.lora_path:
+        if held is not None and _matches(held[0], lora):
             self.host.move_to_end(lora.lora_int_id)
             return held[1]
         spec = check_adapter(lora.lora_path, self.limits)
+        if lora.content_digest is not None and spec.digest != lora.content_digest:
+            raise ValueError(changed_message(lora.lora_path))
         weights = load_adapter_weights(self.stage_modules.part_of(spec), self.dtype,
                                        pin=self.device.type == "cuda")
         self.loads += 1
+        version = (lora.lora_path, spec.digest)
         stale = self.slot_of.get(lora.lora_int_id)
-        if stale is not None and self.slot_path[stale] != lora.lora_path:
-            # the same id, another folder: its slot holds stale weights (a pin stays: the
-            # id is pinned, whatever folder it names)
-            self.in_slot[stale] = self.slot_path[stale] = None
+        if stale is not None and self.slot_version[stale] != version:
+            # the same id, another folder or version: its slot holds stale weights (a pin
+            # stays: the id is pinned, whatever folder it names)
+            self.in_slot[stale] = self.slot_version[stale] = None
             del self.slot_of[lora.lora_int_id]
-        self.host[lora.lora_int_id] = (lora.lora_path, weights)
+        self.host[lora.lora_int_id] = (version, weights)
         self.host.move_to_end(lora.lora_int_id)
         self._drop_from_host(keep=lora.lora_int_id)
         return weights
@@ -93,7 +141,7 @@ class LoRASlots:
         held = self.host.pop(lora_id, None) is not None
         slot = self.slot_of.pop(lora_id, None)
         if slot is not None:
-            self.in_slot[slot] = self.slot_path[slot] = None
+            self.in_slot[slot] = self.slot_version[slot] = None
         return held or slot is not None
 
     def loaded(self) -> set[int]:
@@ -106,7 +154,8 @@ class LoRASlots:
         (a slot that holds another adapter is left alone: running requests may use it)."""
         weights = self.add(lora)
         if lora.lora_int_id not in self.slot_of and None in self.in_slot:
-            self._write(self.in_slot.index(None), lora.lora_int_id, lora.lora_path, weights)
+            self._write(self.in_slot.index(None), lora.lora_int_id,
+                        self.host[lora.lora_int_id][0], weights)
 
     def pin(self, lora_id: int) -> None:
         """Keeps a loaded adapter in host memory and in a device slot (taken now: a free
@@ -114,9 +163,9 @@ class LoRASlots:
         if lora_id in self.pinned:
             return
         if lora_id in self.host:
-            path = self.host[lora_id][0]
+            version = self.host[lora_id][0]
         elif lora_id in self.slot_of:
-            path = self.slot_path[self.slot_of[lora_id]]
+            version = self.slot_version[self.slot_of[lora_id]]
         else:
             raise ValueError(f"LoRA adapter {lora_id} is not loaded: add_lora or a request "
                              "naming it loads it before it can be pinned")
@@ -125,13 +174,14 @@ class LoRASlots:
             raise ValueError(f"cannot pin LoRA adapter {lora_id}: {len(self.pinned)} of the "
                              f"max_loras={limit} device slots are pinned, and one must stay "
                              "for the other adapters' requests (raise max_loras)")
-        assert path is not None
+        assert version is not None
         # (read again only if host memory had dropped it while its slot kept it)
-        weights = self.add(LoRARequest(f"lora-{lora_id}", lora_id, path))
+        weights = self.add(LoRARequest(f"lora-{lora_id}", lora_id, version[0],
+                                       content_digest=version[1]))
         if lora_id not in self.slot_of:
             free = [s for s, held_id in enumerate(self.in_slot) if held_id is None]
             slot = free[0] if free else self._least_recent(keep=set())
-            self._write(slot, lora_id, path, weights)
+            self._write(slot, lora_id, version, weights)
         self.pinned.add(lora_id)
 
     # ---- device slots -------------------------------------------------------------------------
@@ -152,7 +202,7 @@ class LoRASlots:
 
     def _slot(self, lora: LoRARequest, keep: set[int]) -> int:
         slot = self.slot_of.get(lora.lora_int_id)
-        if slot is not None and self.slot_path[slot] == lora.lora_path:
+        if slot is not None and _matches(self.slot_version[slot], lora):
             self.last_used[slot] = self._steps
             return slot
         weights = self.add(lora)
@@ -160,7 +210,7 @@ class LoRASlots:
         if slot is None:
             free = [s for s, held_id in enumerate(self.in_slot) if held_id is None]
             slot = free[0] if free else self._least_recent(keep)
-        self._write(slot, lora.lora_int_id, lora.lora_path, weights)
+        self._write(slot, lora.lora_int_id, self.host[lora.lora_int_id][0], weights)
         return slot
 
     def _least_recent(self, keep: set[int]) -> int:
@@ -172,13 +222,14 @@ class LoRASlots:
                                f"needs {sorted(keep)}; max_loras is {len(self.in_slot)}")
         return min(candidates, key=lambda s: self.last_used[s])
 
-    def _write(self, slot: int, lora_id: int, path: str, weights: AdapterWeights) -> None:
+    def _write(self, slot: int, lora_id: int, version: Version, weights: AdapterWeights
+               ) -> None:
         old = self.in_slot[slot]
         if old is not None and old != lora_id:
             del self.slot_of[old]
         for layer in (*self.layers, *self.expert_layers):
             layer.write_slot(slot, weights)
         self.in_slot[slot] = lora_id
-        self.slot_path[slot] = path
+        self.slot_version[slot] = version
         self.slot_of[lora_id] = slot
         self.last_used[slot] = self._steps

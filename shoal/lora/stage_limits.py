@@ -20,14 +20,17 @@ def whole_model_limits(stage: LoRALimits) -> LoRALimits:
     collective: every rank of the engine calls it, at the same point of start-up."""
     if get_pp_world_size() == 1:
         return stage
-    gathered: list[tuple[dict, dict] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (stage.targets, stage.experts))
+    gathered: list[tuple[dict, dict, tuple] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (stage.targets, stage.experts, stage.left_out))
     targets: dict[str, tuple[int, int]] = {}
     experts: dict[str, tuple[int, int, int]] = {}
-    for rank_targets, rank_experts in gathered:  # stage order: the layers' order
+    left_out: set[str] = set()
+    for rank_targets, rank_experts, rank_left_out in gathered:  # stage order: layers' order
         targets.update(rank_targets)
         experts.update(rank_experts)
-    return LoRALimits(stage.max_loras, stage.max_lora_rank, targets, experts)
+        left_out.update(rank_left_out)
+    return LoRALimits(stage.max_loras, stage.max_lora_rank, targets, experts,
+                      tuple(sorted(left_out)), stage.experts_refused)
 
 
 @dataclasses.dataclass(frozen=True)

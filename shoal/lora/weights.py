@@ -1,6 +1,10 @@
 """An adapter's tensors, read from its safetensors file into host memory: per checkpoint
 module name, A [r, in] and B [out, r] with the LoRA scale folded into B, in the model dtype
-(full, unsharded: each rank's layer takes its slice when the adapter enters a slot)."""
+(full, unsharded: each rank's layer takes its slice when the adapter enters a slot).
+
+The tensors come from the very bytes whose digest matches the spec's (the version the spec's
+shapes and scales were read from): a folder saved again between the two reads is an error,
+never a mix of two versions."""
 
 from __future__ import annotations
 
@@ -8,21 +12,24 @@ from pathlib import Path
 
 import torch
 
-from shoal.lora.adapter import WEIGHTS_FILE, AdapterSpec
+from shoal.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, AdapterSpec
+from shoal.lora.adapter_digest import read_verified
 
 AdapterWeights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def load_adapter_weights(spec: AdapterSpec, dtype: torch.dtype, pin: bool = False
                          ) -> AdapterWeights:
-    from safetensors import safe_open
+    from safetensors.torch import load
 
+    data = read_verified(Path(spec.path), CONFIG_FILE, WEIGHTS_FILE, spec.digest)
+    tensors = load(data)
+    del data
     weights: AdapterWeights = {}
-    with safe_open(str(Path(spec.path) / WEIGHTS_FILE), framework="pt") as f:
-        for name, mod in spec.modules.items():
-            a = f.get_tensor(mod.a_key).to(dtype)
-            b = (f.get_tensor(mod.b_key).float() * mod.scaling).to(dtype)
-            if pin:
-                a, b = a.pin_memory(), b.pin_memory()
-            weights[name] = (a, b)
+    for name, mod in spec.modules.items():
+        a = tensors[mod.a_key].to(dtype)
+        b = (tensors[mod.b_key].float() * mod.scaling).to(dtype)
+        if pin:
+            a, b = a.pin_memory(), b.pin_memory()
+        weights[name] = (a, b)
     return weights

@@ -364,7 +364,8 @@ def test_adapter_gone_before_its_step_fails_that_request_only(llama, two_slots, 
 def moe(tmp_path_factory):
     folder = tmp_path_factory.mktemp("lora-moe")
     base = write_tiny_checkpoint(folder / "base", "qwen3_moe", seed=3, **QWEN3_MOE)
-    llm = LLM(model=str(base), enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
+    llm = LLM(model=str(base), enable_lora=True, max_loras=1, max_lora_rank=8,
+              lora_target_modules=["all-linear", "experts"], **ENGINE)
     yield base, folder, llm
     llm.shutdown()
 

@@ -91,7 +91,8 @@ def moe(tmp_path_factory):
         "per-expert": write_per_expert(base, folder / "per-expert", seed=53),
     }
     llm = LLM(model=str(base), enable_lora=True, max_loras=2, max_lora_rank=8,
-              max_num_batched_tokens=16, **ENGINE)
+              max_num_batched_tokens=16, lora_target_modules=["all-linear", "experts"],
+              **ENGINE)
     yield base, adapters, llm
     llm.shutdown()
 

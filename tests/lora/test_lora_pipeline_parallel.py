@@ -117,7 +117,9 @@ def test_fused_and_expert_adapters_on_two_stages(model_type, overrides, adapter,
     base = write_tiny_checkpoint(tmp_path / "base", model_type, seed=2, **overrides)
     path = write_adapter(base, tmp_path / "adapter", seed=21, r=4, alpha=8, scale=0.2,
                          **adapter)
-    llm = LLM(model=str(base), max_loras=1, **ENGINE)
+    experts = dict(lora_target_modules=["all-linear", "experts"]) \
+        if "target_parameters" in adapter else {}
+    llm = LLM(model=str(base), max_loras=1, **experts, **ENGINE)
     try:
         chosen, prompts = [path, None, path], [PROMPTS[0], PROMPTS[0], PROMPTS[2]]
         outs = serve(llm, chosen, {path: 1}, prompts)

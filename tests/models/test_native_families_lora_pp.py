@@ -114,7 +114,9 @@ def _run(arch: str, folder: Path) -> Run:
     extra = {"target_parameters": fam.parameters} if fam.parameters else {}
     adapter = write_adapter(path, folder / f"{arch}-lora", seed=7, r=4, alpha=8,
                             targets=fam.targets, scale=0.2, **extra)
-    llm = LLM(model=str(path), enable_lora=True, max_loras=1, max_lora_rank=8, **ENGINE)
+    experts = dict(lora_target_modules=["all-linear", "experts"]) if fam.parameters else {}
+    llm = LLM(model=str(path), enable_lora=True, max_loras=1, max_lora_rank=8, **experts,
+              **ENGINE)
     try:
         assert type(llm.llm_engine.core.runner.model).__name__ == arch  # not the backend
         p = _prompts()
