@@ -15,6 +15,7 @@ from torch import nn
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import expert_parallel
 from shoal.layers import rotary_share
+from shoal.layers.moe.deferred_stacks import check_none_deferred, packed_experts_expected
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.loader.kv_scales import apply_kv_scales
 from shoal.loader.loaded_model import LoadedModel
@@ -39,16 +40,18 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
     # cpu_offload_gb: the first decoder layers move to host memory as they are built
     offload = config.cache_config.cpu_offload_bytes
     offloader = WeightOffloader(offload, config.device) if offload else None
+    dummy = config.model_config.load_format == "dummy"
+    # FP8 / INT4 weights kept packed on CUDA (shoal/quantization/fast_path.py); MoE experts
+    # expected packed are built without their dense stacks (layers/moe/deferred_stacks.py)
+    fast = None if offload else FastPath.plan(loaded.quantization, config.model_config.dtype,
+                                              config.device, dummy=dummy)
     # (rotary tables shared by this model's layers only: layers/rotary_share.py)
     with torch.device(config.device), expert_parallel(ep), rotary_share.one_model() as rope, (
-            offloader.building() if offloader else contextlib.nullcontext()):
+            offloader.building() if offloader else contextlib.nullcontext()), \
+            packed_experts_expected(fast.experts_plan() if fast else None):
         model = cls(loaded.hf_config, config.model_config.dtype,
                     use_triton_ops=config.use_triton_ops)
     rotary_share.remember(model, rope)  # (a drafter's head shares them)
-    dummy = config.model_config.load_format == "dummy"
-    # FP8 / INT4 weights kept packed on CUDA (shoal/quantization/fast_path.py)
-    fast = None if offload else FastPath.plan(loaded.quantization, config.model_config.dtype,
-                                              config.device, dummy=dummy)
     if dummy:  # (drawn on the device, offloaded or not)
         initialize_dummy_weights(model, seed=config.model_config.seed, device=config.device)
     else:
@@ -61,6 +64,7 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
         apply_kv_scales(model, loaded.kv_scales)  # (filled by the pass just made)
     if fast is not None:
         fast.finish(model)
+    check_none_deferred(model)
     # By default only a GGUF's weights are looked at (another format has no 4-bit groups to
     # find, and the search reads every weight); asked for, any model is tried.
     if config.cpu_int4_matmul == "all" or (config.cpu_int4_matmul == "small_steps"

@@ -13,7 +13,7 @@ from shoal.loader.resolve import ModelSource, resolve_model
 from shoal.loader.safetensors_loader import folder_weights, load_folder_config
 from shoal.loader.text_only import text_only
 from shoal.loader.tokenizers import load_folder_tokenizer, load_tokenizer
-from shoal.quantization.config import detect_quantization, resolve_quantization
+from shoal.quantization.config import detect_quantization, model_unpacked, resolve_quantization
 from shoal.quantization.weights import dequantized_weights
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
@@ -82,9 +82,11 @@ def checkpoint_weights(model: str, quantization: str | None = None) -> Any:
 
 
 def _streamed(path: Path, config: Any, rename: Any, qconfig: Any, kv_scales: KVScales) -> Any:
-    """A folder's weights in float32, or as stored and dequantized as they stream."""
+    """A folder's weights in float32, or as stored and dequantized as they stream; a format
+    the model unpacks itself (MXFP4) keeps its integer tensors as stored."""
     if qconfig is None:
-        return without_kv_scales(folder_weights(path, config, rename), kv_scales)
+        stream = folder_weights(path, config, rename, keep_integers=model_unpacked(config))
+        return without_kv_scales(stream, kv_scales)
     stored = folder_weights(path, config, rename, dtype=None)
     return dequantized_weights(without_kv_scales(stored, kv_scales), qconfig)
 

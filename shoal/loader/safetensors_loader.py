@@ -38,10 +38,13 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 def folder_weights(folder: Path, config: PretrainedConfig,
                    rename: Callable[[str], str | None] | None = None,
-                   dtype: torch.dtype | None = torch.float32) -> WeightsFn:
+                   dtype: torch.dtype | None = torch.float32,
+                   keep_integers: bool = False) -> WeightsFn:
     """rename: the name a tensor loads as (None: skipped), e.g. a multimodal checkpoint's
     language model read on its own (loader/text_only.py). dtype None: tensors as stored (a
-    quantized checkpoint's, for shoal/quantization to dequantize)."""
+    quantized checkpoint's, for shoal/quantization to dequantize). keep_integers: integer
+    tensors as stored (gpt-oss's MXFP4 bytes, which the model unpacks: in float32 they
+    would take four times their size)."""
     files = safetensors_files(folder)
     # A tied head is the embedding matrix; some checkpoints store the copy anyway, so drop it.
     skip = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
@@ -54,6 +57,8 @@ def folder_weights(folder: Path, config: PretrainedConfig,
                     if name is None or name in skip:
                         continue
                     tensor = handle.get_tensor(stored)
-                    yield name, tensor if dtype is None else tensor.to(dtype)
+                    as_stored = dtype is None or (keep_integers
+                                                  and not tensor.is_floating_point())
+                    yield name, tensor if as_stored else tensor.to(dtype)
 
     return weights

@@ -12,7 +12,9 @@ rows, then up rows) and w2, split per tensor-parallel rank like any expert. Wher
 run them packed (CUDA with its Triton kernels: mxfp4_experts.packed_experts_problem), MXFP4
 experts stay e2m1 codes and e8m0 scales in that order (FusedMoE.install_mxfp4, triton_experts_mxfp4.py);
 elsewhere (the CPU, a rank's share of the down inputs off the 32-value blocks, ...) they are
-unpacked into the model's dtype at load time, with one log line per reason."""
+unpacked into the model's dtype at load time, with one log line per reason. A layer of an
+MXFP4 config that can keep them packed never allocates its dense stacks (deferred_stacks.py;
+load_format="dummy" gives it random MXFP4 experts)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from shoal.layers.attention import Attention
 from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.linear import QKVParallelLinear, RowParallelLinear, default_weight_loader
 from shoal.layers.moe.activation import ExpertActivation
+from shoal.layers.moe.deferred_stacks import PackedExpertsPlan
 from shoal.layers.moe.layer import FusedMoE
 from shoal.layers.moe.mxfp4_experts import (
     Mxfp4Experts,
@@ -39,16 +42,20 @@ from shoal.layers.moe.mxfp4_experts import (
     mxfp4_weights,
     packed_experts_problem,
 )
+from shoal.layers.moe.random_experts import random_mxfp4_experts
 from shoal.layers.norm import RMSNorm
 from shoal.layers.quantization.mxfp4 import BLOCK, BYTES_PER_BLOCK, dequantize_mxfp4
 from shoal.layers.rotary import get_rope, rope_parameters
 from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, layer_sliding_window
+from shoal.quantization.config import model_unpacked
 
 logger = logging.getLogger(__name__)
 
 # model.layers.N.mlp.experts.gate_up_proj[_bias|_blocks|_scales], and down_proj's
 _EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 _PROJ = {"gate_up_proj": "w13", "down_proj": "w2"}  # FusedMoE's name of each projection
+# MXFP4 experts expected packed: dense stacks deferred; dummy weights random MXFP4 experts
+MXFP4_PLAN = PackedExpertsPlan("mxfp4", random_mxfp4_experts)
 
 
 @dataclass
@@ -64,6 +71,7 @@ class _Mxfp4Loading:
         """The layer runs dense: a projection already kept packed is unpacked into its
         dense stack (FusedMoE's rows already, one expert at a time)."""
         self.refused.setdefault(moe, why)
+        moe.materialize_dense()
         for proj, w in self.pending.pop(moe, {}).items():
             param = getattr(moe, f"{_PROJ[proj]}_weight")
             for e in range(param.shape[0]):
@@ -138,9 +146,12 @@ class GptOssMoE(nn.Module):
                                    cfg.num_experts_per_tok, dtype)
         act = ExpertActivation("clamped_swiglu", alpha=getattr(cfg, "swiglu_alpha", 1.702),
                                limit=getattr(cfg, "swiglu_limit", 7.0))
+        plan = MXFP4_PLAN if model_unpacked(cfg) else None  # (MXFP4: the one such format)
         self.experts = FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
                                 params_dtype=dtype, use_triton_ops=use_triton_ops,
-                                has_bias=True, activation=act)
+                                has_bias=True, activation=act, packed=plan)
+        if plan is not None and packed_experts_problem(self.experts) is not None:
+            self.experts.materialize_dense()  # unpacked at load (the CPU, ...)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.router(x)

@@ -100,6 +100,15 @@ def _weight_scheme(group: Any) -> str:
     return f"{w.get('type', 'int')}{w.get('num_bits', '?')} {w.get('strategy')}{size}{asym}"
 
 
+def model_unpacked(hf_config: Any) -> bool:
+    """The config names a format its model unpacks itself (MODEL_UNPACKED: gpt-oss's MXFP4
+    experts), which detect_quantization leaves out."""
+    raw = getattr(hf_config, "quantization_config", None)
+    if raw is not None and not isinstance(raw, dict):
+        raw = raw.to_dict()
+    return bool(raw) and str(raw.get("quant_method", "")).lower() in MODEL_UNPACKED
+
+
 def detect_quantization(hf_config: Any, folder: Path | None = None) -> QuantizationConfig | None:
     """The checkpoint's quantization: `quantization_config` of its config (a dict, or an
     object with to_dict), else an AutoGPTQ-era quantize_config.json beside it; None when

@@ -20,8 +20,13 @@ arrived whole and packed gets `install_fp8` (shoal/layers/moe/triton_experts_fp8
 block-scaled or per-channel experts) or `install_int4` (triton_experts_int4.py: GPTQ, AWQ,
 compressed-tensors W4A16); one that cannot (act-order INT4, a tensor-parallel slice off the
 scale groups, a GPU without the kernel's instructions) is dequantized into its dense experts,
-with a log line saying why. Online FP8 and dummy weights of an FP8 or 4-bit GPTQ / AWQ config
-quantize the dense experts at finish."""
+with a log line saying why. Online FP8 quantizes the dense experts at finish.
+
+Where the config says the experts come packed (`experts_plan`), build.py builds the model's
+FusedMoE layers with their dense stacks deferred (shoal/layers/moe/deferred_stacks.py): only
+the packed buffers are ever allocated, and a layer that ends dense allocates its stacks then.
+Dummy weights of an FP8 or 4-bit GPTQ / AWQ config are random packed experts of the config's
+scheme (shoal/layers/moe/random_experts.py), drawn by loader/dummy.py."""
 
 from __future__ import annotations
 
@@ -29,12 +34,14 @@ import logging
 from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from shoal import envs
+from shoal.layers.moe.deferred_stacks import PackedExpertsPlan, materialize
 from shoal.quantization.config import QuantizationConfig
 from shoal.quantization.handles import LayerParts, PackedLoading, StandIns
 from shoal.quantization.packed import (
@@ -125,6 +132,32 @@ class FastPath:
                         "kernels take bfloat16 or float16 activations)", dtype)
             return None
         return cls(qconfig, dtype, device, dummy)
+
+    def experts_plan(self) -> PackedExpertsPlan | None:
+        """What this load's FusedMoE layers can expect: packed experts (so their dense
+        stacks are deferred), with the random ones of a dummy load; None where the experts
+        come dense (online FP8, 8-bit GPTQ) or have no kernel on this device."""
+        from shoal.layers.moe.random_experts import random_fp8_experts, random_int4_experts
+
+        q = self.qconfig
+        random: Any = None
+        if q.online:
+            return None
+        if q.quant_method == "fp8":
+            kind, random = "fp8", partial(random_fp8_experts, block=q.weight_block_size)
+        elif q.quant_method in ("gptq", "awq"):
+            if q.bits != 4:
+                return None
+            kind = "int4"
+            random = partial(random_int4_experts, group=q.group_size,
+                             sym=q.sym if q.quant_method == "gptq" else False)
+        else:  # compressed-tensors: dummy weights stay dense (dense_scheme)
+            kind = ct_packed_kind(q)
+            if kind is None:
+                return None
+        if kernel_problem(kind, self.device) is not None:
+            return None
+        return PackedExpertsPlan(kind, random if self.dummy else None)
 
     def weights(self, stream: Any) -> Any:
         """The stream to load (a dummy load has none)."""
@@ -315,12 +348,30 @@ def fp8_experts(w13: LayerParts, w2: LayerParts) -> Any:
 def dequantize_expert_rows(param: torch.Tensor, lp: LayerParts) -> None:
     """The rows packed shards filled, dequantized into the dense expert stack, one expert at
     a time (a whole stack in float32 would be several times its size)."""
+    materialize(param)  # (deferred while the layer was expected packed)
     for e in range(param.shape[0]):
         rows = lp.present[e].bool().view(-1)
         if bool(rows.any()):
             one = PackedLinear(lp.kind, lp.in_features, lp.group,
                                {n: t[e] for n, t in lp.parts.items()}, lp.perm)
             param.data[e][rows] = dequantize_packed(one)[rows].to(param.dtype)
+
+
+def ct_packed_kind(q: QuantizationConfig) -> str | None:
+    """compressed-tensors: "int4" or "fp8" where a config group is stored in a form the
+    expert kernels take (4-bit pack-quantized ints, 8-bit float-quantized floats); None."""
+    from shoal.quantization.compressed_tensors import CompressedTensorsLayout
+
+    kinds = set()
+    for group in CompressedTensorsLayout(q.raw).groups:
+        w = group.scheme.weights
+        if w is None or group.dense:
+            continue
+        if group.format == "pack-quantized" and w.type == "int" and w.num_bits == 4:
+            kinds.add("int4")
+        elif group.format == "float-quantized" and w.type == "float" and w.num_bits == 8:
+            kinds.add("fp8")
+    return "int4" if "int4" in kinds else next(iter(kinds), None)
 
 
 def _stack(packed: list[PackedLinear]) -> LayerParts:

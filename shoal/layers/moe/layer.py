@@ -37,6 +37,10 @@ for packed codes, scales and zero points (w13_qweight, w13_scales, w13_qzeros, w
 experts (shoal/models/gpt_oss.py, where the GPU can run them packed): `install_mxfp4` swaps
 them for the checkpoint's e2m1 blocks and e8m0 scales (w13_blocks, w13_scales, w2_...) and
 `quant` (an mxfp4_experts.Mxfp4Experts) routes to triton_experts_mxfp4.py.
+
+Built under a PackedExpertsPlan (deferred_stacks.py: the fast path's, gpt-oss's MXFP4), the
+dense stacks are deferred: their shape without their memory, allocated by `materialize_dense`
+only where the experts end up dense after all (the weight loader does it on a dense shard).
 """
 
 from __future__ import annotations
@@ -57,6 +61,12 @@ from shoal.distributed.parallel_state import (
 from shoal.layers.linear import _divide, default_weight_loader
 from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.all_to_all import all_to_all_experts
+from shoal.layers.moe.deferred_stacks import (
+    PackedExpertsPlan,
+    current_plan,
+    deferred_stack,
+    materialize,
+)
 from shoal.layers.moe.torch_experts import experts_dense, experts_torch
 from shoal.layers.ops.dispatch import use_triton
 
@@ -99,7 +109,9 @@ class FusedMoE(nn.Module):
     w2_weight [E, H, I / tp]: this rank's columns of each down projection. With expert
     parallelism: w13_weight [E / ep, 2 * I, H], w2_weight [E / ep, H, I], this rank's
     experts whole (local expert i is global expert expert_start + i). has_bias adds
-    w13_bias [E, 2 * I / tp] and w2_bias [E, H] (the local experts' under EP)."""
+    w13_bias [E, 2 * I / tp] and w2_bias [E, H] (the local experts' under EP).
+    packed: the experts are expected packed, so the dense stacks are deferred (None: the
+    plan of the surrounding deferred_stacks.packed_experts_expected, if any)."""
 
     lora: Any = None  # a shoal.lora.expert_layers.ExpertLoRA when the engine serves adapters
     quant: Any = None  # FP8Experts / Int4Experts / Mxfp4Experts once install_* ran
@@ -107,7 +119,7 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None,
                  use_triton_ops: bool = True, *, has_bias: bool = False,
-                 activation: ExpertActivation = SILU):
+                 activation: ExpertActivation = SILU, packed: PackedExpertsPlan | None = None):
         super().__init__()
         self.activation = activation
         self.use_triton_ops = use_triton_ops  # the Triton kernel for CUDA tensors
@@ -129,12 +141,13 @@ class FusedMoE(nn.Module):
             self.inter_rank = self.tp_rank
         self.expert_start = self.ep_rank * self.local_num_experts
         self.reduce_results = reduce_results
+        self.packed_plan = packed if packed is not None else current_plan()
+        stack = torch.empty if self.packed_plan is None else deferred_stack
         self.w13_weight = nn.Parameter(
-            torch.empty(self.local_num_experts, 2 * self.inter, hidden_size,
-                        dtype=params_dtype),
+            stack(self.local_num_experts, 2 * self.inter, hidden_size, dtype=params_dtype),
             requires_grad=False)
         self.w2_weight = nn.Parameter(
-            torch.empty(self.local_num_experts, hidden_size, self.inter, dtype=params_dtype),
+            stack(self.local_num_experts, hidden_size, self.inter, dtype=params_dtype),
             requires_grad=False)
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
@@ -162,6 +175,7 @@ class FusedMoE(nn.Module):
         local one is copied whole."""
         if shard_id not in SHARD_IDS:
             raise ValueError(f"shard_id must be one of {SHARD_IDS}, got {shard_id!r}")
+        materialize(param)  # a dense shard for a deferred stack: these experts stay dense
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert {expert_id} out of range [0, {self.num_experts})")
         local = expert_id - self.expert_start
@@ -243,6 +257,22 @@ class FusedMoE(nn.Module):
         """The experts from now on: q, an mxfp4_experts.Mxfp4Experts of this layer's shapes
         (the checkpoint's e2m1 blocks and e8m0 scales)."""
         self._install_packed(q, "MXFP4", q.w13.blocks, q.w2.blocks)
+
+    def install(self, q: Any) -> None:
+        """install_mxfp4, install_int4 or install_fp8, by the type of q."""
+        from shoal.layers.moe.mxfp4_experts import Mxfp4Experts
+
+        if isinstance(q, Mxfp4Experts):
+            self.install_mxfp4(q)
+            return
+        from shoal.layers.moe.triton_experts_int4 import Int4Experts
+
+        (self.install_int4 if isinstance(q, Int4Experts) else self.install_fp8)(q)
+
+    def materialize_dense(self) -> None:
+        """The dense stacks' own memory where they were deferred (the experts stay dense)."""
+        materialize(self.w13_weight)
+        materialize(self.w2_weight)
 
     def _install_packed(self, q: Any, fmt: str, w13_store: torch.Tensor,
                         w2_store: torch.Tensor) -> None:

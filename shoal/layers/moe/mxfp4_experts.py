@@ -80,8 +80,9 @@ def mxfp4_weights(blocks: torch.Tensor, scales: torch.Tensor) -> Mxfp4Weights:
 
 
 def packed_experts_problem(moe: Any, allow_cpu: bool = False) -> str | None:
-    """Why the FusedMoE `moe` (its dense experts allocated, not yet loaded) cannot hold MXFP4
-    experts packed; None: it can. allow_cpu: tests, with the kernel under TRITON_INTERPRET=1."""
+    """Why the FusedMoE `moe` (its dense stacks allocated or deferred, not yet loaded) cannot
+    hold MXFP4 experts packed; None: it can. allow_cpu: tests, with the kernel under
+    TRITON_INTERPRET=1."""
     from shoal.layers.ops.dispatch import TRITON_AVAILABLE
 
     w = moe.w13_weight
