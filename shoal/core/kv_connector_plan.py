@@ -15,12 +15,16 @@ class KVLayout:
     after another, layer i as [planes, rows, heads, width in bytes] raw bytes of tokens
     [starts[i], num_tokens) (rows = num_tokens - starts[i]). A sliding-window layer sends only
     the tokens its window still reads at the prompt's end; the others start at 0 (`starts`
-    empty: every layer does)."""
+    empty: every layer does). A linear-attention layer (its index in `states`) sends its
+    recurrent state after token num_tokens - 1 instead: one row [1, 1, ranks, state bytes]
+    from token num_tokens - 1, a head per tensor-parallel rank of the producer (each rank
+    holds its own heads' conv and delta-rule state)."""
 
     dtype: str  # the cache dtype, as torch names it without "torch." (e.g. "bfloat16")
     num_tokens: int
     layers: list[list[int]]  # per layer [planes, rows, heads, width in bytes]
     starts: list[int] = field(default_factory=list)  # per layer its first token (or empty)
+    states: list[int] = field(default_factory=list)  # the layers whose row is a state
 
     def start(self, i: int) -> int:
         return self.starts[i] if self.starts else 0
@@ -37,6 +41,8 @@ class KVLayout:
         wire = {"dtype": self.dtype, "num_tokens": self.num_tokens, "layers": self.layers}
         if any(self.starts):
             wire["starts"] = self.starts
+        if self.states:
+            wire["states"] = self.states
         return wire
 
     @classmethod
@@ -45,7 +51,8 @@ class KVLayout:
         try:
             layers = [[int(x) for x in shape] for shape in msg["layers"]]
             starts = [int(x) for x in msg.get("starts", ())]
-            layout = cls(str(msg["dtype"]), int(msg["num_tokens"]), layers, starts)
+            states = [int(x) for x in msg.get("states", ())]
+            layout = cls(str(msg["dtype"]), int(msg["num_tokens"]), layers, starts, states)
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a malformed KV layout ({type(e).__name__}: {e})") from e
         if any(len(s) != 4 or min(s) < 0 for s in layers) or layout.num_tokens < 0:
@@ -58,6 +65,12 @@ class KVLayout:
             if not 0 <= first <= layout.num_tokens or shape[1] != layout.num_tokens - first:
                 raise ValueError(f"a malformed KV layout: layer {i} has {shape[1]} rows from "
                                  f"token {first} of {layout.num_tokens}")
+        if sorted(set(states)) != states or any(not 0 <= i < len(layers) for i in states):
+            raise ValueError(f"a malformed KV layout: state layers {states}")
+        for i in states:
+            if layers[i][:2] != [1, 1] or layout.start(i) != layout.num_tokens - 1:
+                raise ValueError(f"a malformed KV layout: layer {i}'s state is not one row "
+                                 f"after token {layout.num_tokens - 1}")
         return layout
 
 

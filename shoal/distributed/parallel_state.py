@@ -231,6 +231,17 @@ def tp_all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+def tp_gather_to_first(x: torch.Tensor) -> list[torch.Tensor] | None:
+    """Every TP rank's x (the same shape on each) on TP rank 0, in rank order; None on the
+    other ranks (a tensor-parallel producer's saved KV rows: shoal/kv_transfer/tp_rows.py)."""
+    if get_tp_world_size() == 1:
+        return [x]
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_TP_SIZE)] if get_tp_rank() == 0 else None
+    dist.gather(x, parts, group=_TP_GROUP, group_dst=0)
+    return parts
+
+
 def tp_broadcast_from_first(x: torch.Tensor) -> torch.Tensor:
     """TP rank 0's x on every rank of the stage's TP group, in place (x on the ranks' device,
     the same shape on each). Speculation: the driver's sampled and accepted tokens become every

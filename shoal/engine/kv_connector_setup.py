@@ -1,9 +1,11 @@
 """Gives a built engine core its KV connector (kv_transfer_config): the scheduler's admission
 asks it for other engines' KV and hands it the prompts to save (shoal/kv_transfer).
 
-Models whose KV cache groups are all attention groups transfer (full attention, MLA, sliding
-windows beside them, of one or several lengths: each layer's rows follow its group's table);
-groups that keep something other than keys and values per token are refused here by kind."""
+Models whose KV cache groups are attention groups transfer (full attention, MLA, sliding
+windows beside them, of one or several lengths: each layer's rows follow its group's table),
+also beside linear-attention groups (hybrids: their recurrent states move at a block end,
+which a producer keeps only with prefix caching on); DeepSeek-V4's groups, which keep
+something else per token, are refused here by kind."""
 
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ logger = logging.getLogger(__name__)
 
 # Groups whose layers keep keys and values (or MLA's latent rows) per token: their rows move
 # as they are (a sliding group's: those its window reads at the prompt's end).
-_TRANSFERABLE = (FullAttentionSpec, SlidingWindowSpec, LatentAttentionSpec, IndexerKeySpec)
+# Linear-attention groups move their states (kv_transfer/states.py).
+_TRANSFERABLE = (FullAttentionSpec, SlidingWindowSpec, LatentAttentionSpec, IndexerKeySpec,
+                 LinearStateSpec)
 _REFUSED = {  # (the most specific class first: several derive from the transferable ones)
-    LinearStateSpec: "linear-attention states (LinearStateSpec)",
     SlidingSharedKVSpec: "DeepSeek-V4's shared-KV windows (SlidingSharedKVSpec)",
     CompressorStateSpec: "DeepSeek-V4's compressor states (CompressorStateSpec)",
     CompressedEntrySpec: "DeepSeek-V4's compressed entries (CompressedEntrySpec)",
@@ -50,7 +53,8 @@ def check_groups(groups: list[KVCacheGroup]) -> None:
                     type(spec).__name__)
         raise ValueError(f"kv_transfer_config: KV cache group {i} of {len(groups)} holds "
                          f"{kind}, which prefill/decode disaggregation does not transfer "
-                         "yet (only attention groups: full attention, MLA, sliding windows)")
+                         "yet (only attention groups: full attention, MLA, sliding windows, "
+                         "and linear-attention states)")
 
 
 def _kv_rows(core: Any) -> KVRows | None:
@@ -64,10 +68,13 @@ def _kv_rows(core: Any) -> KVRows | None:
         return None
     window = {i: g.sliding_window for t in core.scheduler.kv.tables for g in (t.group,)
               for i in g.layers}
+    specs = getattr(runner, "kv_specs", None) or [None] * len(caches)
+    states = tuple(i for i, s in enumerate(specs) if isinstance(s, LinearStateSpec))
     return KVRows(str(caches[0].dtype).removeprefix("torch."),
-                  [(kv.shape[0], kv.shape[2], kv.shape[3] * kv.element_size())
-                   for kv in caches],
-                  tuple(window.get(i) for i in range(len(caches))))
+                  [(1, 1, spec.state_bytes) if isinstance(spec, LinearStateSpec) else
+                   (kv.shape[0], kv.shape[2], kv.shape[3] * kv.element_size())
+                   for kv, spec in zip(caches, specs)],
+                  tuple(window.get(i) for i in range(len(caches))), states)
 
 
 def attach_kv_connector(core: Any, config: KVTransferConfig | None, model: str
@@ -77,7 +84,13 @@ def attach_kv_connector(core: Any, config: KVTransferConfig | None, model: str
     scheduler = core.scheduler
     if not hasattr(scheduler, "admission"):
         raise ValueError("kv_transfer_config: the pooling runner keeps no KV cache to transfer")
-    check_groups([t.group for t in scheduler.kv.tables])
+    groups = [t.group for t in scheduler.kv.tables]
+    check_groups(groups)
+    linear_states = any(g.holds_state for g in groups)
+    if linear_states and config.produces and not scheduler.kv.enable_caching:
+        raise ValueError("kv_transfer_config: a producer (kv_producer / kv_both) of a model "
+                         "with linear-attention layers needs enable_prefix_caching (its "
+                         "layers keep their states at block ends, which are sent, only then)")
     parallel = core.config.parallel_config
     on_cuda = core.config.device.type == "cuda"
     info = EngineInfo(scheduler.block_size, parallel.tensor_parallel_size, model,
@@ -86,7 +99,8 @@ def attach_kv_connector(core: Any, config: KVTransferConfig | None, model: str
                       kv_rows=_kv_rows(core),
                       # mp ranks share this host: fetched KV goes to them through /dev/shm
                       ranks_share_memory=(parallel.world_size > 1 and
-                                          parallel.distributed_executor_backend == "mp"))
+                                          parallel.distributed_executor_backend == "mp"),
+                      linear_states=linear_states)
     connector = build_connector(config, info)
     core.kv_connector = scheduler.connector = scheduler.admission.connector = connector
     server = getattr(connector, "server", None)

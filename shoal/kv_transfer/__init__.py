@@ -16,7 +16,9 @@ Who does what (vLLM's split of a connector into a scheduler side and a worker si
   runner writes a plan's loads into the paged cache before the forward pass and reads its
   saves out after it.
 - p2p.py: P2PConnector. The producer keeps each finished prompt's KV (token-major rows of
-  every paged layer, all KV heads, read out once into one host buffer: payload.py, rows.py)
+  every paged layer, all KV heads, read out once into one host buffer: payload.py, rows.py;
+  a hybrid's linear layers send their recurrent states at a block end instead: states.py;
+  several tensor-parallel ranks gather their heads on rank 0: tp_rows.py)
   for a while and serves it over TCP (transport.py: a small msgpack header, then the raw
   bytes, received straight into a recycled host buffer, pinned on CUDA); the consumer
   fetches it on background threads while the request waits unadmitted (the others keep

@@ -25,12 +25,14 @@ from shoal.kv_transfer.config import KVTransferConfig
 @dataclass(frozen=True)
 class KVRows:
     """The engine's paged caches: their dtype, per layer (planes, KV heads of this rank,
-    bytes of one head's row) and per layer its sliding window (None, or empty for all: every
-    token)."""
+    bytes of one head's row; a linear-attention layer: 1, 1, its state's bytes on this rank),
+    per layer its sliding window (None, or empty for all: every token) and the layers that
+    hold recurrent states."""
 
     dtype: str
     layers: list[tuple[int, int, int]]
     windows: tuple[int | None, ...] = ()
+    states: tuple[int, ...] = ()
 
     def check(self, layout: KVLayout, world: int) -> None:
         """ValueError when a transferred payload cannot go into these caches."""
@@ -39,7 +41,17 @@ class KVRows:
                              f"{len(self.layers)}")
         if layout.dtype != self.dtype:
             raise ValueError(f"the KV is {layout.dtype}, this cache {self.dtype}")
-        for (planes, _, total, width), (p, local, w) in zip(layout.layers, self.layers):
+        if tuple(layout.states) != self.states:
+            raise ValueError(f"the KV has linear-attention states in layers {layout.states}, "
+                             f"this model in {list(self.states)}")
+        for i, ((planes, _, total, width), (p, local, w)) in enumerate(
+                zip(layout.layers, self.layers)):
+            if i in self.states:  # one state per rank: as many ranks on both sides
+                if (planes, width, total) != (p, w, world):
+                    raise ValueError(f"the linear-attention states of layer {i} ({total} "
+                                     f"ranks of {width} bytes) do not fit this model's "
+                                     f"({world} ranks of {w} bytes)")
+                continue
             if (planes, width) != (p, w) or not (
                     local * world == total or local == total or (local == 1 and total < world)):
                 raise ValueError(f"the KV rows ({planes} planes, {total} heads of {width} "
@@ -47,6 +59,8 @@ class KVRows:
                                  f"rank of {world}, {w} bytes)")
         n = layout.num_tokens
         for i, window in enumerate(self.windows or (None,) * len(self.layers)):
+            if i in self.states:
+                continue
             reads = 0 if window is None else max(0, n - window)
             if layout.start(i) > reads:  # (a producer with a shorter window on this layer)
                 raise ValueError(f"the KV of layer {i} starts at token {layout.start(i)}, "
@@ -68,6 +82,9 @@ class EngineInfo:
     # every rank runs on this host (the mp executor): fetched KV reaches the ranks through
     # shared memory, each reading its own heads, not inside the step's broadcast (shared.py)
     ranks_share_memory: bool = False
+    # linear-attention layers (a hybrid): the KV moves with their recurrent states, up to a
+    # block end of the producer (p2p.py)
+    linear_states: bool = False
 
 
 class KVConnector(ABC):

@@ -29,7 +29,4 @@ def build_connector(config: KVTransferConfig, engine: EngineInfo) -> KVConnector
     if engine.pipeline_parallel_size > 1:  # (each stage holds only some of the layers)
         raise ValueError("kv_transfer_config with pipeline_parallel_size > 1 is not "
                          "supported yet")
-    if config.produces and engine.tensor_parallel_size > 1:
-        raise ValueError("kv_transfer_config: a producer (kv_producer / kv_both) with "
-                         "tensor_parallel_size > 1 is not supported yet (a consumer may be)")
     return cls(config, engine)

@@ -6,7 +6,12 @@ Producer (kv_producer / kv_both): a request sent with kv_transfer_params
 seconds (at most `kv_buffer_bytes` in all, oldest dropped first) and served once to whoever
 asks for its key. The request's final output carries the kv_transfer_params a consumer needs:
 {"do_remote_prefill": true, "remote_host", "remote_port", "remote_request_id" (the key),
-"remote_num_tokens"}.
+"remote_num_tokens"}. A hybrid's (linear-attention layers) KV ends at the last block end
+before the prompt's last token, with the linear layers' states there: the consumer computes
+the rest, as after a prefix hit (a prompt within one block sends nothing: no params). With
+several tensor-parallel ranks each reads out its own heads and rank 0 gathers them into one
+payload of every head (tp_rows.py), which a consumer of any TP size slices on receipt (a
+hybrid's states: one of as many ranks).
 
 Consumer (kv_consumer / kv_both): a waiting request sent with those params is fetched on one
 of `kv_fetch_workers` background threads (it waits unadmitted meanwhile, the others keep
@@ -101,15 +106,30 @@ class P2PConnector(KVConnector):
         self.bytes_fetched, self.fetch_seconds = 0, 0.0  # consumer: successful fetches
 
     # ---- producer ---------------------------------------------------------------------------
+    def _save_point(self, num_prompt_tokens: int) -> int:
+        """The tokens whose KV a prompt's consumer gets: all of them; with linear-attention
+        layers those up to the last block end before the prompt's last token, whose states
+        the producer's prefix caching keeps (a block-end state, as a prefix hit restores
+        one) and where the consumer resumes (0: the prompt ends inside its first block)."""
+        if not self.engine.linear_states:
+            return num_prompt_tokens
+        bs = self.engine.block_size
+        return (num_prompt_tokens - 1) // bs * bs
+
     def scheduled(self, req: Request, start: int, num_tokens: int, block_ids: list[int],
                   group_block_ids: tuple[list[int], ...] = ()) -> None:
         params = req.sampling_params.kv_transfer_params
-        n = req.num_prompt_tokens
         if (not self.config.produces or not params or not params.get("do_remote_decode")
-                or not start < n <= start + num_tokens):
+                or req.serial in self._params):  # (saved already: its tokens are known)
+            return
+        n = self._save_point(req.num_prompt_tokens)
+        # saved in the step that computes its last token (a hybrid's: or that starts right
+        # after it, reading the state there from a prefix hit)
+        lowest = start if self.engine.linear_states else start + 1
+        if not n or not lowest <= n <= start + num_tokens:
             return
         key = f"{uuid.uuid4().hex}-{req.serial}"
-        self._pending_saves[key] = prompt_digest(req.prompt_token_ids)
+        self._pending_saves[key] = prompt_digest(req.prompt_token_ids[:n])
         self._plan.saves.append(KVSave(req.serial, key, list(block_ids), n,
                                        [list(ids) for ids in group_block_ids]))
         assert self.server is not None
@@ -183,7 +203,10 @@ class P2PConnector(KVConnector):
                 self.fetch_seconds += got.seconds
         if got.payload is None:
             return 0
-        usable = min(got.num_tokens, req.num_prompt_tokens - 1)
+        n = got.num_tokens
+        if got.payload.layout.states:  # the states follow token n - 1: the load ends there
+            return n - num_computed if num_computed < n < req.num_prompt_tokens else 0
+        usable = min(n, req.num_prompt_tokens - 1)
         return max(0, usable - num_computed)
 
     def _held_bytes(self) -> int:

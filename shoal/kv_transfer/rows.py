@@ -4,7 +4,7 @@ block sizes, each tensor-parallel rank taking its share of the KV heads.
 
 A layer's cache is [planes, slots, Hk, D] (slot = block * block_size + offset; planes: K and
 V, or MLA's one latent row). A payload (payload.py) holds per layer the rows [planes, N, H, D]
-of tokens [0, N) with all H KV heads (the producer runs one rank), in the cache dtype, as raw
+of tokens [0, N) with all H KV heads (whatever the producer's ranks), in the cache dtype, as raw
 bytes (float8 has no index kernels on some devices, bytes have). Both directions take one
 indexed copy per layer over the request's slots (never a loop over blocks or tokens); on CUDA
 the host side is pinned and the copies are asynchronous. A tensor-parallel rank reads only its
@@ -15,19 +15,30 @@ several lengths) has one block table per group: each layer's rows follow its gro
 (LayerTables). A sliding layer sends only the tokens its window still reads at the prompt's
 end (from num_tokens - window), and the consumer writes only those its window reads from the
 first token it computes on (its table holds no block before them: KVCacheManager's
-loaded_tokens)."""
+loaded_tokens).
+
+A linear-attention layer (hybrids) sends its recurrent state instead of rows: the state after
+the payload's last token, read out of the block of its state table covering that token and
+written into the consumer's block covering it (states.py); a hybrid's payload ends at a block
+end of the producer, whose state its prefix caching keeps (p2p.py).
+
+A tensor-parallel producer: every rank reads its own heads and TP rank 0 gathers them into one
+payload of every head (tp_rows.py), so the two sides' TP sizes may differ."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from shoal.core.kv_cache_spec import KVCacheGroup
+from shoal.core.kv_cache_spec import KVCacheGroup, KVCacheSpec, LinearStateSpec
 from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from shoal.kv_transfer.payload import KVLayout, KVPayload, host_buffer
+from shoal.kv_transfer.states import read_state, state_pages, write_state
+from shoal.kv_transfer.tp_rows import gather_to_first, kv_head_replicas, model_kv_heads
 
 
 def _slots(block_ids: list[int], block_size: int, start: int, end: int,
@@ -40,22 +51,45 @@ def _slots(block_ids: list[int], block_size: int, start: int, end: int,
 @dataclass(frozen=True)
 class LayerTables:
     """Per paged layer: the KV cache group whose block table its rows follow (0: the first
-    group's, KVLoad/KVSave.block_ids; g > 0: group_block_ids[g - 1]) and its sliding window
-    (None: it keeps every token)."""
+    group's, KVLoad/KVSave.block_ids; g > 0: group_block_ids[g - 1]), its sliding window
+    (None: it keeps every token), its recurrent state's spec (a linear-attention layer; empty:
+    none has one) and how many consecutive tensor-parallel ranks hold the same rows (empty:
+    each rank its own heads; tp_rows.py)."""
 
     groups: tuple[int, ...]
     windows: tuple[int | None, ...]
+    states: tuple[LinearStateSpec | None, ...] = ()
+    replicas: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, kv_groups: Sequence[KVCacheGroup]) -> LayerTables:
+    def of(cls, kv_groups: Sequence[KVCacheGroup], specs: Sequence[KVCacheSpec] = (),
+           hf_config: Any = None) -> LayerTables:
+        """specs: every layer's own (default: its group's); hf_config: the model's, for its
+        KV heads when fewer than the tensor-parallel ranks."""
         group_of = {i: gi for gi, g in enumerate(kv_groups) for i in g.layers}
         n = len(group_of)
+        specs = list(specs) or [kv_groups[group_of[i]].spec for i in range(n)]
+        states = tuple(s if isinstance(s, LinearStateSpec) else None for s in specs)
+        world = get_tp_world_size()
         return cls(tuple(group_of[i] for i in range(n)),
-                   tuple(kv_groups[group_of[i]].sliding_window for i in range(n)))
+                   tuple(kv_groups[group_of[i]].sliding_window for i in range(n)),
+                   states if any(states) else (),
+                   kv_head_replicas(specs, model_kv_heads(hf_config), world) if world > 1
+                   else ())
+
+    def state(self, layer: int) -> LinearStateSpec | None:
+        return self.states[layer] if self.states else None
+
+    @property
+    def state_layers(self) -> list[int]:
+        return [i for i, s in enumerate(self.states) if s is not None]
 
     def first_sent(self, layer: int, num_tokens: int) -> int:
         """The first of a prompt's num_tokens whose rows the layer sends: a sliding layer's
-        window at the prompt's last token reads keys from num_tokens - window on."""
+        window at the prompt's last token reads keys from num_tokens - window on (a linear
+        layer's state: the one after the last)."""
+        if self.state(layer) is not None:
+            return num_tokens - 1
         window = self.windows[layer]
         return 0 if window is None else max(0, num_tokens - window)
 
@@ -73,12 +107,23 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def layout_of(caches: list[torch.Tensor], num_tokens: int,
-              starts: Sequence[int] = ()) -> KVLayout:
+def _row_shape(kv: torch.Tensor, layer: int, tables: LayerTables, num_tokens: int,
+               start: int) -> list[int]:
+    """[planes, rows, heads, width in bytes] of a layer's rows of this rank."""
+    spec = tables.state(layer)
+    if spec is not None:
+        return [1, 1, 1, spec.state_bytes]
+    return [kv.shape[0], num_tokens - start, kv.shape[2], kv.shape[3] * kv.element_size()]
+
+
+def layout_of(caches: list[torch.Tensor], num_tokens: int, starts: Sequence[int] = (),
+              tables: LayerTables | None = None) -> KVLayout:
+    tables = tables or _one_table(len(caches))
     starts = list(starts) if any(starts) else []
-    shapes = [[kv.shape[0], num_tokens - (starts[i] if starts else 0), kv.shape[2],
-               kv.shape[3] * kv.element_size()] for i, kv in enumerate(caches)]
-    return KVLayout(_dtype_name(caches[0].dtype), num_tokens, shapes, starts)
+    shapes = [_row_shape(kv, i, tables, num_tokens, starts[i] if starts else 0)
+              for i, kv in enumerate(caches)]
+    return KVLayout(_dtype_name(caches[0].dtype), num_tokens, shapes, starts,
+                    tables.state_layers)
 
 
 def _wide(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,30 +164,62 @@ class _Slots:
         return self._done[key]
 
 
+def _read_layer(kv: torch.Tensor, layer: int, tables: LayerTables, slots_of: _Slots,
+                start: int, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A layer's rows of tokens [start, num_tokens) (a linear layer's state after the last),
+    this rank's heads, as uint8 [planes, rows, heads, width]: into `out` (a host buffer's
+    slice; queued on CUDA), or a new tensor on the cache's device."""
+    spec = tables.state(layer)
+    if spec is not None:
+        table = slots_of.tables[tables.groups[layer]]
+        rows = read_state(state_pages(kv, slots_of.block_size, spec),
+                          table[(num_tokens - 1) // slots_of.block_size])
+    else:
+        slots = slots_of(tables.groups[layer], start, num_tokens)
+        if out is not None and out.device == kv.device:  # (CPU: no intermediate copy)
+            return torch.index_select(kv.view(torch.uint8), 1, slots, out=out)
+        rows = kv.view(torch.uint8).index_select(1, slots)
+    if out is None:
+        return rows
+    return out.copy_(rows, non_blocking=True)
+
+
 def gather_rows(caches: list[torch.Tensor], block_ids: list[int], block_size: int,
                 num_tokens: int, tables: LayerTables | None = None,
-                group_block_ids: Sequence[list[int]] = ()) -> KVPayload:
+                group_block_ids: Sequence[list[int]] = ()) -> KVPayload | None:
     """Tokens [0, num_tokens) of every layer (a sliding layer's: those its window reads at
-    the last one), into one host buffer. On CUDA the copies are queued (pinned memory): the
-    payload's `ready` waits for them, so the step does not."""
+    the last one; a linear layer's state after it), into one host buffer. On CUDA the copies
+    are queued (pinned memory): the payload's `ready` waits for them, so the step does not.
+    With several tensor-parallel ranks every rank calls it (a collective): TP rank 0 gets
+    the payload of every KV head, the others None."""
     device = caches[0].device
     tables = tables or _one_table(len(caches))
     starts = [tables.first_sent(i, num_tokens) for i in range(len(caches))]
-    layout = layout_of(caches, num_tokens, starts)
+    slots_of = _Slots([block_ids, *group_block_ids], block_size, device)
+    gathered = None
+    if get_tp_world_size() > 1:
+        local = [_read_layer(kv, i, tables, slots_of, starts[i], num_tokens)
+                 for i, kv in enumerate(caches)]
+        gathered = gather_to_first(local, tables.replicas or (1,) * len(caches))
+        if gathered is None:
+            return None
+        layout = KVLayout(_dtype_name(caches[0].dtype), num_tokens,
+                          [list(rows.shape) for rows in gathered],
+                          starts if any(starts) else [], tables.state_layers)
+    else:
+        layout = layout_of(caches, num_tokens, starts, tables)
     cuda = device.type == "cuda"
     data = host_buffer(layout.nbytes, pinned=cuda)
     host = _host_tensor(data)
-    slots_of = _Slots([block_ids, *group_block_ids], block_size, device)
     offset = 0
     for i, kv in enumerate(caches):
         size = layout.layer_nbytes(i)
         out = host[offset:offset + size].view(layout.layers[i])
         offset += size
-        slots = slots_of(tables.groups[i], starts[i], num_tokens)
-        if cuda:
-            out.copy_(kv.view(torch.uint8).index_select(1, slots), non_blocking=True)
+        if gathered is not None:
+            out.copy_(gathered[i], non_blocking=True)
         else:
-            torch.index_select(kv.view(torch.uint8), 1, slots, out=out)
+            _read_layer(kv, i, tables, slots_of, starts[i], num_tokens, out)
     ready: Callable[[], None] | None = None
     if cuda:
         done = torch.cuda.Event()
@@ -163,8 +240,18 @@ def _head_slice(total: int, local: int, rank: int, world: int) -> slice:
     raise ValueError(f"cannot place {total} transferred KV heads on a rank holding {local}")
 
 
-def check_layout(caches: list[torch.Tensor], layout: KVLayout, nbytes: int) -> None:
+def _state_slice(ranks: int, rank: int, world: int) -> slice:
+    """This rank's state among a producer's `ranks` (one per rank: tp_rows.py)."""
+    if ranks != world:
+        raise ValueError(f"linear-attention states of {ranks} tensor-parallel ranks cannot "
+                         f"go to {world} (a state is not re-sliced across TP sizes)")
+    return slice(rank, rank + 1)
+
+
+def check_layout(caches: list[torch.Tensor], layout: KVLayout, nbytes: int,
+                 tables: LayerTables | None = None) -> None:
     """ValueError when a payload cannot go into these caches."""
+    tables = tables or _one_table(len(caches))
     if len(layout.layers) != len(caches):
         raise ValueError(f"the transferred KV has {len(layout.layers)} layers, this model "
                          f"{len(caches)}")
@@ -173,10 +260,16 @@ def check_layout(caches: list[torch.Tensor], layout: KVLayout, nbytes: int) -> N
     if nbytes != layout.nbytes:
         raise ValueError(f"the transferred KV has {nbytes} bytes, its layout says "
                          f"{layout.nbytes}")
-    for kv, (planes, _, _, width) in zip(caches, layout.layers):
-        if planes != kv.shape[0] or width != kv.shape[3] * kv.element_size():
-            raise ValueError(f"the transferred KV rows are {planes} x {width} bytes a head, "
-                             f"this cache's {kv.shape[0]} x {kv.shape[3] * kv.element_size()}")
+    if layout.states != tables.state_layers:
+        raise ValueError(f"the transferred KV has linear-attention states in layers "
+                         f"{layout.states}, this model in {tables.state_layers}")
+    for i, (kv, (planes, _, _, width)) in enumerate(zip(caches, layout.layers)):
+        spec = tables.state(i)
+        want = (1, spec.state_bytes) if spec is not None else (
+            kv.shape[0], kv.shape[3] * kv.element_size())
+        if (planes, width) != want:
+            raise ValueError(f"the transferred KV rows of layer {i} are {planes} x {width} "
+                             f"bytes a head, this cache's {want[0]} x {want[1]}")
 
 
 def scatter_rows(caches: list[torch.Tensor], layout: KVLayout, data, block_ids: list[int],
@@ -185,15 +278,19 @@ def scatter_rows(caches: list[torch.Tensor], layout: KVLayout, data, block_ids: 
                  group_block_ids: Sequence[list[int]] = ()) -> int:
     """Writes rows [start, start + num_tokens) of a payload into the request's blocks (a
     sliding layer's: those its window reads from start + num_tokens on; its table holds no
-    block before them): per layer one copy to the device (asynchronous from pinned memory)
-    and one indexed write. On CUDA the caller keeps `data` alive until the device has read
-    it. Returns the bytes of rows this rank takes: one of several takes only its own heads
-    (about 1/tp of them)."""
+    block before them; a linear layer's state, which must follow the payload's last token,
+    into the block of its table covering that token): per layer one copy to the device
+    (asynchronous from pinned memory) and one indexed write. On CUDA the caller keeps `data`
+    alive until the device has read it. Returns the bytes of rows this rank takes: one of
+    several takes only its own heads (about 1/tp of them)."""
     host = _host_tensor(data)
-    check_layout(caches, layout, host.numel())
-    device = caches[0].device
     tables = tables or _one_table(len(caches))
+    check_layout(caches, layout, host.numel(), tables)
+    device = caches[0].device
     end = start + num_tokens
+    if tables.states and end != layout.num_tokens:
+        raise ValueError(f"the transferred linear-attention states follow token "
+                         f"{layout.num_tokens - 1}, but the load ends at token {end - 1}")
     slots_of = _Slots([block_ids, *group_block_ids], block_size, device)
     rank, world = get_tp_rank(), get_tp_world_size()
     offset = read = 0
@@ -201,6 +298,14 @@ def scatter_rows(caches: list[torch.Tensor], layout: KVLayout, data, block_ids: 
         size = layout.layer_nbytes(i)
         rows = host[offset:offset + size].view(layout.layers[i])
         offset += size
+        spec = tables.state(i)
+        if spec is not None:
+            src = rows[:, :, _state_slice(layout.layers[i][2], rank, world)]
+            table = slots_of.tables[tables.groups[i]]
+            write_state(state_pages(kv, block_size, spec), table[(end - 1) // block_size],
+                        src)
+            read += src.numel()
+            continue
         first, sent = tables.first_read(i, start, end), layout.start(i)
         if sent > first:
             raise ValueError(f"layer {i}'s transferred rows start at token {sent}, but it "

@@ -1,9 +1,10 @@
 """The model runner's side of a step's KV connector plan (shoal/kv_transfer): loads written
 into the requests' blocks before the forward pass (queued on the device: from pinned host
-memory on CUDA, so the step does not wait for them), saves read out once the step's forward
-pass is done (a finish hook: the rows are then computed, whatever the device) into one host
-buffer each, which the connector serves once its copies have landed. Each layer's rows follow
-its KV cache group's block table (rows.LayerTables: sliding windows beside full attention)."""
+memory on CUDA, so the step does not wait for them), saves read out right behind the step's
+forward pass (queued after it on CUDA) into one host buffer each, handed over at finish,
+which the connector serves once its copies have landed. Each layer's rows follow its KV
+cache group's block table (rows.LayerTables: sliding windows beside full attention; a
+linear-attention layer's state in the block covering the last token)."""
 
 from __future__ import annotations
 
@@ -55,10 +56,15 @@ def run_loads(plan: KVConnectorPlan, caches: list[torch.Tensor], block_size: int
 
 def save_hook(plan: KVConnectorPlan, caches: list[torch.Tensor], block_size: int,
               tables: LayerTables | None = None) -> Callable[[ModelRunnerOutput, bool], None]:
-    saves = list(plan.saves)
+    """Reads the plan's saves out now, right behind the step's forward pass (queued after it
+    on CUDA): a later step, scheduled before this one finishes (async scheduling), may reuse
+    a block the saves read (a linear layer's state block or a sliding layer's, dropped from
+    the request's table then). With several tensor-parallel ranks each reads its own heads
+    and TP rank 0 gathers them (a collective: every rank runs the same steps). The hook
+    hands the payloads over at finish."""
+    saved = {s.key: gather_rows(caches, s.block_ids, block_size, s.num_tokens, tables,
+                                s.group_block_ids) for s in plan.saves}
 
     def save(out: ModelRunnerOutput, latest: bool) -> None:
-        for s in saves:
-            out.kv_saved[s.key] = gather_rows(caches, s.block_ids, block_size, s.num_tokens,
-                                              tables, s.group_block_ids)
+        out.kv_saved.update((key, p) for key, p in saved.items() if p is not None)
     return save

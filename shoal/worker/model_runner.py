@@ -322,11 +322,12 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, Executor):
         plan = sched.kv_connector  # disaggregated prefill: KV from and for other engines
         if plan is not None:
             caches = [layer.kv_cache for layer in self.model.attention_layers()]
-            tables = LayerTables.of(self.kv_groups)  # each layer's group: its block table
+            # each layer's group (its block table), linear layers' states, replicated heads
+            tables = LayerTables.of(self.kv_groups, self.kv_specs, self.hf_config)
             run_loads(plan, caches, self.block_size, tables)
-            if plan.saves:
-                handle.hooks.append(save_hook(plan, caches, self.block_size, tables))
         if sched.is_empty:
+            if plan is not None and plan.saves:  # (rows an earlier step computed)
+                handle.hooks.append(save_hook(plan, caches, self.block_size, tables))
             return handle
         self._num_forwards += 1
         inp = prepare_inputs(sched, self.requests, self.pending.rows)
@@ -336,6 +337,8 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, Executor):
         if self.lora is not None:
             self.lora.set_step([st.lora for st in inp.states], inp.query_lens())
         handle.forward = self.forwarder.run(inp, handle.out)
+        if plan is not None and plan.saves:  # queued now: no later step has reused a block
+            handle.hooks.append(save_hook(plan, caches, self.block_size, tables))
         if self.drafter is not None:
             self._launch_drafter(self.drafter, handle)
         self._latest = handle

@@ -1,8 +1,9 @@
 """Two offline engines in one process, a producer (prefill) and a consumer (decode), joined
 by the P2P connector: the consumer's greedy tokens equal one engine's, also with another
-block size on each side; its prompt's KV is loaded, not computed (the producer ran the
-prompt once); a consumer that cannot fetch the KV (the producer gone, the key served
-already, another prompt) recomputes and still answers right."""
+block size on each side and with two tensor-parallel ranks on either side; its prompt's KV is
+loaded, not computed (the producer ran the prompt once); a consumer that cannot fetch the KV
+(the producer gone, the key served already, another prompt) recomputes and still answers
+right."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from shoal import SamplingParams
 from shoal.executor.commands import RunStep
 
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(37 + 5 * i)] for i in range(3)]
+MORE = [[(11 * i + 5 * j) % 500 + 1 for j in range(29 + 6 * i)] for i in range(2)]
 STEPS = 8
 
 
@@ -42,11 +44,18 @@ def _prefill(producer, prompt) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama_dir):
+def answers(tiny_llama_dir):
+    """One engine's tokens for PROMPTS, then MORE."""
     llm = tiny_llm(tiny_llama_dir)
-    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], _greedy(), use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS + MORE], _greedy(),
+                        use_tqdm=False)
     llm.shutdown()
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(answers):
+    return answers[:len(PROMPTS)]
 
 
 @pytest.mark.parametrize("sizes", [(4, 4), (4, 16), (16, 8)], ids=["same", "4-16", "16-8"])
@@ -105,21 +114,29 @@ def test_bad_transfer_settings_are_refused(tiny_llama_dir) -> None:
         SamplingParams(kv_transfer_params={"do_remote_prefill": True})
 
 
+def _both(path, **kw):
+    return tiny_llm(path, kv_transfer_config={"kv_connector": "P2PConnector",
+                                              "kv_role": "kv_both", "kv_port": 0}, **kw)
+
+
 @pytest.mark.slow
-def test_two_tensor_parallel_decode_ranks(tiny_llama_dir, reference) -> None:
-    """The producer runs one rank, the consumer two (gloo, the mp executor): each consumer
-    rank writes its own KV heads of the transferred rows, read out of shared memory; the
-    steps sent to the ranks carry a handle, not the KV. (The prompts are prefilled before the
-    consumer starts: two engines in one process share torch.distributed's world, which the
-    consumer's ranks then hold; the producer only serves its kept KV from then on.)"""
-    producer = _producer(tiny_llama_dir)
-    params = [_prefill(producer, p) for p in PROMPTS]
-    kept = producer.llm_engine.core.kv_connector.stats()["kept_bytes"]
-    consumer = tiny_llm(tiny_llama_dir, tensor_parallel_size=2, kv_transfer_config={
-        "kv_connector": "P2PConnector", "kv_role": "kv_consumer"})
-    connector = consumer.llm_engine.core.kv_connector
+def test_two_tensor_parallel_ranks_on_either_side(tiny_llama_dir, answers) -> None:
+    """One rank to two, then two to one (two engines, each producer and consumer). Two
+    consumer ranks (gloo, the mp executor) each write their own KV heads of the transferred
+    rows, read out of shared memory: the steps sent to the ranks carry a handle, not the KV.
+    Two producer ranks each read out their own heads and rank 0 gathers them into a payload
+    of every head, which one consumer rank takes whole. (Two engines in one process share
+    torch.distributed's world: the one-rank engine prefills before the two-rank one starts,
+    and consumes once that one's ranks have stopped, its connector still serving its kept
+    KV.)"""
+    reference, more = answers[:len(PROMPTS)], answers[len(PROMPTS):]
+    one = _both(tiny_llama_dir)
+    params = [_prefill(one, p) for p in PROMPTS]
+    kept = one.llm_engine.core.kv_connector.stats()["kept_bytes"]
+    two = _both(tiny_llama_dir, tensor_parallel_size=2)
+    connector = two.llm_engine.core.kv_connector
     assert connector.engine.ranks_share_memory  # mp ranks on one host
-    runner, sent = consumer.llm_engine.core.runner, []
+    runner, sent = two.llm_engine.core.runner, []
     broadcast = runner._broadcast
 
     def record(cmd) -> None:
@@ -130,7 +147,7 @@ def test_two_tensor_parallel_decode_ranks(tiny_llama_dir, reference) -> None:
 
     runner._broadcast = record
     try:
-        outs = consumer.generate(
+        outs = two.generate(
             [{"prompt_token_ids": p} for p in PROMPTS],
             [_greedy(kv_transfer_params=kp) for kp in params], use_tqdm=False)
         assert connector.num_loaded == len(PROMPTS)
@@ -139,9 +156,20 @@ def test_two_tensor_parallel_decode_ranks(tiny_llama_dir, reference) -> None:
             assert out.num_cached_tokens == len(out.prompt_token_ids) - 1
         assert sent and sum(sent) < kept / 4  # the KV itself went through shared memory
         assert connector._segments.sweep() == 0  # every rank mapped and let go of its link
+
+        params = [_prefill(two, p) for p in MORE]
+        # each rank held 1 of the 2 KV heads: the payload has both
+        assert all(k.payload.layout.layers[0][2] == 2 for k in connector._store.values())
+        runner.shutdown()  # its ranks stop, torch.distributed's world goes back to `one`
+        outs = one.generate([{"prompt_token_ids": p} for p in MORE],
+                            [_greedy(kv_transfer_params=kp) for kp in params], use_tqdm=False)
+        assert one.llm_engine.core.kv_connector.num_loaded == len(MORE)
+        for out, want in zip(outs, more):
+            assert list(out.outputs[0].token_ids) == want
+            assert out.num_cached_tokens == len(out.prompt_token_ids) - 1
     finally:
-        producer.shutdown()
-        consumer.shutdown()
+        one.shutdown()
+        two.shutdown()
 
 
 def _kv_bytes(producer, prompt) -> int:

@@ -4,8 +4,8 @@ greedy tokens and logprobs are one engine's, also with another block size on eac
 sliding layers send only the rows their window reads at the prompt's end, and the decode
 engine's sliding tables take no block before them. A later prompt sharing the loaded one's
 prefix still gives one engine's answer (the block the loaded window starts inside is kept out
-of the prefix cache). Rows and tables of windows of two lengths in pieces; a hybrid of
-linear-attention layers stays refused, naming the group's kind."""
+of the prefix cache). Rows and tables of windows of two lengths in pieces (hybrids of
+linear-attention layers: test_p2p_hybrid.py)."""
 
 from __future__ import annotations
 
@@ -160,15 +160,3 @@ def test_rows_of_two_window_lengths_across_block_sizes() -> None:
     with pytest.raises(ValueError, match="layer 2 starts at token 33, this layer reads from "
                                          "token 29"):
         KVRows("float32", rows, (None, 8, 16)).check(payload.layout, 1)
-
-
-def test_a_linear_attention_hybrid_is_refused(tmp_path) -> None:
-    path = write_tiny_checkpoint(
-        tmp_path / "qwen35", "qwen3_5_text", seed=4, head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"])
-    with pytest.raises(ValueError, match=r"KV cache group 1 of 2 holds linear-attention "
-                                         r"states \(LinearStateSpec\)"):
-        tiny_llm(path, max_model_len=128, kv_transfer_config={
-            "kv_connector": "P2PConnector", "kv_role": "kv_consumer"})
