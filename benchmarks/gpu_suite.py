@@ -5,9 +5,14 @@ per invocation, so each runs in its own process with its own time limit:
     python benchmarks/gpu_suite.py w2 --out results.json
     python benchmarks/gpu_suite.py w1 | w3-hf | w7 | syncs --out FILE
     python benchmarks/gpu_suite.py w1 --smoke --out /tmp/w1.json   # tiny model on the CPU
+    python benchmarks/gpu_suite.py w2 --model-impl transformers --out FILE  # the backend
 
 W3 itself is `shoal bench throughput --preset W3`. Every record has ready_s (LLM(...) alone)
-and process_ready_s (from process start: W7's figure)."""
+and process_ready_s (from process start: W7's figure), model_impl (--model-impl: auto, shoal's
+own class, or the Transformers backend on the same shape), model_class (the class that ran:
+TransformersForCausalLM for the backend) and cuda_graphs (whether the engine kept its CUDA
+graphs: the backend drops them when its forward fails the start-up check); those two are None
+where engine internals are off."""
 
 from __future__ import annotations
 
@@ -41,6 +46,8 @@ class Suite:
             "load_format": "dummy", "dtype": self.sizes["dtype"],
             "async_scheduling": args.async_scheduling == "on",
             "distributed_executor_backend": args.executor}
+        if args.model_impl != "auto":  # (left out by default: trees before the backend)
+            self.engine_kw["model_impl"] = args.model_impl
         if args.smoke:
             self.engine_kw |= {"device": "cpu", "kv_cache_memory_bytes": 64 << 20}
             self.tiny = offline_runs.tiny_llama(Path(tempfile.mkdtemp(prefix="suite-smoke-")))
@@ -52,8 +59,14 @@ class Suite:
         return offline_runs.start_engine(self.model(name), **self.engine_kw, **kw)
 
     def common(self, engine: offline_runs.Engine, name: str) -> dict[str, Any]:
+        runner = engine_internals.runner(engine.llm)
         return dict(model=name, dtype=self.sizes["dtype"], ready_s=engine.ready_s,
-                    process_ready_s=engine.process_ready_s, smoke=self.args.smoke)
+                    process_ready_s=engine.process_ready_s, smoke=self.args.smoke,
+                    model_impl=self.args.model_impl,
+                    model_class=None if runner is None
+                    else type(getattr(runner, "model", None)).__name__,
+                    cuda_graphs=None if runner is None
+                    else getattr(runner, "graphs", None) is not None)
 
 
 def w2(s: Suite) -> list[dict]:
@@ -108,6 +121,8 @@ def _step_split(llm: Any, prompts: list, params: list) -> dict | None:
 
     core = engine_internals.core(llm, required=True)
     graphs = core.runner.graphs
+    if graphs is None:  # (the engine runs eagerly: nothing to split)
+        return None
     events: list[tuple[int, Any, Any]] = []
     real_run, timers = graphs.run, engine_internals.MethodTimers()
 
@@ -256,6 +271,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--w7-model", default="llama", choices=["llama", "qwen3"])
     ap.add_argument("--split-time", action="store_true",
                     help="W1: rerun timing host and GPU time of every step")
+    ap.add_argument("--model-impl", choices=["auto", "shoal", "transformers"], default="auto",
+                    help="shoal's own model class or the Transformers backend, on the same "
+                         "shape (W1/W2: the backend against native)")
     args = ap.parse_args(argv)
     records = PARTS[args.part](Suite(args))
     for r in records:

@@ -13,11 +13,12 @@ logger = logging.getLogger(__name__)
 
 
 def runs_without_graphs(hf_config: Any, runner: str, model_impl: str, device_type: str) -> bool:
-    """Through the Transformers backend (transformers' code is not checked for capture; its
-    own checks raise here, before the compatibility table), or, on CUDA, a shoal class whose
-    `eager_only_reason` says why its forward cannot be captured, said in one log line."""
+    """On CUDA, a shoal class whose `eager_only_reason` says why its forward cannot be
+    captured, said in one log line. Not the Transformers backend (whose checks on the config
+    raise here, before the compatibility table): whether transformers' code captures is
+    found out on the captured graphs at start-up (shoal/worker/graph_check.py)."""
     if takes_transformers_backend(hf_config, runner, model_impl):
-        return True
+        return False
     if device_type != "cuda":
         return False
     try:

@@ -40,6 +40,7 @@ from shoal.sample.sampler import Sampler
 from shoal.worker import warmup as startup
 from shoal.worker.drafter import Drafter, DrafterFactory, TargetStep
 from shoal.worker.encoder_graphs import EncoderGraphs
+from shoal.worker.graph_check import capture_checked
 from shoal.worker.kv_cache_sizing import decide_num_blocks
 from shoal.worker.kv_cache_tensors import bind_pool, bytes_per_block, layer_specs, zero_pool
 from shoal.worker.kv_connector_step import run_loads, save_hook
@@ -233,7 +234,14 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, Executor):
                                   block_size=self.block_size, windows=self.forwarder.windows,
                                   keep_hidden=self.forwarder.keep_hidden,
                                   group_backends=self.graph_group_backends())
-        self.startup_times["cuda_graphs"] = self.graphs.capture()
+        if getattr(self.model, "check_graph_capture", False):  # not shoal's code: on trial
+            took = capture_checked(self.graphs, self)
+        else:
+            took = self.graphs.capture()
+        if took is None:  # it runs eagerly, as with enforce_eager (graph_check.py logged why)
+            self.graphs = None
+            return
+        self.startup_times["cuda_graphs"] = took
         if hasattr(self.model, "encoder_graphs"):  # the vision tower's, captured per grid
             self.model.encoder_graphs = EncoderGraphs(self.model.visual, self.device)
         if self.drafter is not None:

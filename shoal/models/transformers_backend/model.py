@@ -21,9 +21,16 @@ embedder: no LM head is built, the pooling runner pools its final hidden states 
 prompts (causal attention; encoders are refused by support.py). The compatibility table
 refuses, before any rank starts, a tp or pp size the config's plans cannot split.
 
-Not here yet: CUDA graphs (start-up forces eager, so pipeline stages on CUDA need
-enforce_eager), encoder-only (bidirectional) models, pooling with tp or pp > 1 (refused for
-every model), soft-capped attention in a pooling step (refused when built)."""
+CUDA graphs: the step's attention metadata reaches the paged layers through the step
+context, so a captured step reads the graph's persistent buffers as a native model's layers
+do; whether transformers' code for the architecture can be captured at all (no host syncs,
+nothing frozen that changes from step to step) is found out at start-up on the captured
+graphs themselves (check_graph_capture: worker/graph_check.py), and a model that fails runs
+eagerly, said in one log line.
+
+Not here yet: encoder-only (bidirectional) models, pooling with tp or pp > 1 (refused for
+every model), soft-capped attention in a pooling step (refused when built), pipeline stages
+with CUDA graphs (as for native models: enforce_eager)."""
 
 from __future__ import annotations
 
@@ -61,6 +68,9 @@ _PROBE_TOKENS = 2
 class TransformersForCausalLM(nn.Module):
     # transformers' parameters are the checkpoint's own, unfused
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {}
+    # transformers' forward was not written for capture: the runner checks its CUDA graphs
+    # against eager steps before serving with them (shoal/worker/graph_check.py)
+    check_graph_capture: ClassVar[bool] = True
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         """use_triton_ops has no effect: the layers are transformers' (attention excepted)."""
