@@ -85,6 +85,9 @@ class ModelConfig:
     # "auto" | "shoal" | "transformers": shoal's class or the Transformers backend
     # (shoal/models/registry.py resolves it per model, so a draft model picks its own)
     model_impl: str = "auto"
+    # every modality's limit_mm_per_prompt 0: a multimodal checkpoint whose text model runs
+    # alone loads as that (shoal/loader/text_only.py)
+    language_model_only: bool = False
 
     def __post_init__(self) -> None:
         if self.runner not in ("generate", "pooling"):

@@ -247,7 +247,8 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
                                      runner=runner,
                                      pooler_config=parse_pooler_config(self.pooler_config),
                                      quantization=self.quantization,
-                                     model_impl=self.model_impl),
+                                     model_impl=self.model_impl,
+                                     language_model_only=self.language_model_only()),
             cache_config=cache_config(self, hf_config, runner, dtype),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=limits.max_num_batched_tokens,

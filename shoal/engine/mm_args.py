@@ -45,6 +45,11 @@ class MultiModalArgs:
         self.videos_per_prompt()
         return self._limit("image")
 
+    def language_model_only(self) -> bool:
+        """Every modality's limit 0 (vLLM's language-model-only mode): a checkpoint whose text
+        model runs alone (Qwen3.5's) loads without its vision tower (loader/text_only.py)."""
+        return self.images_per_prompt() == 0 and self.videos_per_prompt() == 0
+
     def videos_per_prompt(self) -> int:
         return self._limit("video")
 

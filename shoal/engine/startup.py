@@ -61,7 +61,8 @@ def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
     if threads is not None:
         logger.info("model threads on the CPU: %d", threads)
     loaded = load_model(args.model, tokenizer=args.tokenizer, load_format=args.load_format,
-                        quantization=args.quantization)
+                        quantization=args.quantization,
+                        language_model_only=args.language_model_only())
     args.apply_hf_overrides(loaded.hf_config)
     config = args.create_engine_config(loaded.hf_config, loaded.source, serving=serving)
     if cuda_init is not None:

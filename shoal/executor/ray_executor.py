@@ -90,7 +90,8 @@ class RayWorker:
         torch.manual_seed(config.model_config.seed)
         mc = config.model_config
         loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format,
-                            quantization=mc.quantization)
+                            quantization=mc.quantization,
+                            language_model_only=mc.language_model_only)
         self.commands = RankCommands(model_runner(config, loaded))
         import ray
 

@@ -65,7 +65,8 @@ def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_a
         torch.manual_seed(config.model_config.seed)
         mc = config.model_config
         loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format,
-                            quantization=mc.quantization)
+                            quantization=mc.quantization,
+                            language_model_only=mc.language_model_only)
         runner = model_runner(config, loaded)
         _serve(runner, commands, parent_pid)
     except Exception:

@@ -11,7 +11,7 @@ from shoal.loader.kv_scales import KVScales, without_kv_scales
 from shoal.loader.loaded_model import LoadedModel, no_weights
 from shoal.loader.resolve import ModelSource, resolve_model
 from shoal.loader.safetensors_loader import folder_weights, load_folder_config
-from shoal.loader.text_only import text_only
+from shoal.loader.text_only import declares_vision, text_only
 from shoal.loader.tokenizers import load_folder_tokenizer, load_tokenizer
 from shoal.quantization.config import detect_quantization, model_unpacked, resolve_quantization
 from shoal.quantization.weights import dequantized_weights
@@ -21,7 +21,7 @@ LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
 def load_model(
     model: str | None = None, *, tokenizer: str | None = None, load_format: str = "auto",
-    quantization: str | None = None,
+    quantization: str | None = None, language_model_only: bool = False,
 ) -> LoadedModel:
     """Load `model` (None = embedded SmolLM2-135M-Instruct, a known name, or a local path).
 
@@ -29,6 +29,8 @@ def load_model(
     load_format "dummy" resolves config and tokenizer but yields no weights.
     `quantization`: None takes the checkpoint's own (a quantized safetensors folder streams
     dequantized weights: shoal/quantization); see resolve_quantization for the rest.
+    `language_model_only`: a multimodal checkpoint whose text model runs alone loads as that
+    (loader/text_only.py).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; expected one of {LOAD_FORMATS}")
@@ -50,7 +52,7 @@ def load_model(
         # (dummy weights: quantized by it on the GPU, kept dense on the CPU)
         qconfig = resolve_quantization(
             quantization, detect_quantization(full_config, source.path), str(source.path))
-        config, rename = text_only(full_config)
+        config, rename = _text_only(full_config, source.path, language_model_only)
         weights = (no_weights if dummy else
                    _streamed(source.path, config, rename, qconfig, kv_scales))
         tok = None if tokenizer is not None else load_folder_tokenizer(source.path)
@@ -68,7 +70,8 @@ def load_model(
     )
 
 
-def checkpoint_weights(model: str, quantization: str | None = None) -> Any:
+def checkpoint_weights(model: str, quantization: str | None = None,
+                       language_model_only: bool = False) -> Any:
     """The weights of a checkpoint (folder or .gguf) as load_model streams them, without
     its tokenizer: a weight update's source."""
     source = resolve_model(model)
@@ -77,8 +80,12 @@ def checkpoint_weights(model: str, quantization: str | None = None) -> Any:
     full_config = load_folder_config(source.path)
     qconfig = resolve_quantization(quantization, detect_quantization(full_config, source.path),
                                    str(source.path))
-    config, rename = text_only(full_config)
+    config, rename = _text_only(full_config, source.path, language_model_only)
     return _streamed(source.path, config, rename, qconfig, KVScales())
+
+
+def _text_only(config: Any, folder: Path, language_model_only: bool) -> tuple[Any, Any]:
+    return text_only(config, language_model_only or not declares_vision(folder))
 
 
 def _streamed(path: Path, config: Any, rename: Any, qconfig: Any, kv_scales: KVScales) -> Any:

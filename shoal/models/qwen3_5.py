@@ -2,7 +2,8 @@
 (shoal/models/qwen3_next.py) with Qwen3.5's in-projections (in_proj_qkv, in_proj_z,
 in_proj_b, in_proj_a) and dense MLPs (Qwen3_5ForCausalLM) or a shared-expert MoE in every
 layer (Qwen3_5MoeForCausalLM). Its rotary is multimodal (mrope): over text alone the three
-position streams are one, which is plain rotary on the first partial_rotary_factor of a head."""
+position streams are one, which is plain rotary on the first partial_rotary_factor of a head.
+With images and video (the checkpoints' own Qwen3_5ForConditionalGeneration): qwen3_5_vl.py."""
 
 from __future__ import annotations
 

@@ -166,9 +166,11 @@ class HybridModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = OffsetRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                md: Any) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, md: Any,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # inputs_embeds: a multimodal step's rows (image rows placed: qwen3_5_vl.py)
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, md)
         hidden, _ = self.norm(hidden, residual)

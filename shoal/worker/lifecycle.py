@@ -132,7 +132,8 @@ class RunnerLifecycle:
         """A checkpoint folder (safetensors, quantized ones dequantized) of this model."""
         from shoal.loader.load import checkpoint_weights
 
-        return self.update_weights(checkpoint_weights(path)())
+        only = self.config.model_config.language_model_only
+        return self.update_weights(checkpoint_weights(path, language_model_only=only)())
 
     def update_weights_from_file(self, file: str) -> int:
         """One safetensors file of checkpoint-named tensors (the state-dict route over several

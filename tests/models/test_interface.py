@@ -137,7 +137,8 @@ LINEAR = {"Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
 # nest a vision config), and here for the multimodal interface.
 MULTIMODAL = ("Gemma3ForConditionalGeneration", "Idefics3ForConditionalGeneration",
               "LlavaForConditionalGeneration",
-              "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration")
+              "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
+              "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 
 def test_every_registered_architecture_is_checked() -> None:

@@ -241,9 +241,10 @@ def test_a_finished_requests_last_states_are_cached(tiny):
 
 
 def test_a_qwen3_5_multimodal_checkpoint_serves_its_text_model(tmp_path):
-    """Qwen/Qwen3.5-* repos are Qwen3_5ForConditionalGeneration: the text model loads from
-    model.language_model.* (the vision tower is skipped) and gives the tokens transformers'
-    multimodal class gives for text alone."""
+    """Qwen/Qwen3.5-* repos are Qwen3_5ForConditionalGeneration: language-model-only (every
+    modality's limit 0; with images it is tests/multimodal/test_qwen3_5_vl.py's class) loads
+    the text model from model.language_model.* (the vision tower is skipped) and gives the
+    tokens transformers' multimodal class gives for text alone."""
     from transformers import AutoModelForImageTextToText, Qwen3_5Config
 
     text = {**TINY_COMMON, **KINDS["qwen3_5_text"]}
@@ -256,7 +257,7 @@ def test_a_qwen3_5_multimodal_checkpoint_serves_its_text_model(tmp_path):
     randomize_weights(model)
     model.save_pretrained(tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", num_gpu_blocks_override=32,
-              max_model_len=256)
+              max_model_len=256, limit_mm_per_prompt={"image": 0, "video": 0})
     assert type(llm.llm_engine.core.runner.model).__name__ == "Qwen3_5ForCausalLM"
     _check(llm, model.eval(), _prompts(3, seed=12))
 

@@ -98,7 +98,8 @@ class Qwen3VisionTransformer(nn.Module):
         super().__init__()
         cfg = vision_config
         self.merge = cfg.spatial_merge_size
-        self.deepstack_indexes = [int(i) for i in cfg.deepstack_visual_indexes]
+        # (Qwen3.5's tower has none: its config lacks the field)
+        self.deepstack_indexes = [int(i) for i in getattr(cfg, "deepstack_visual_indexes", ())]
         head_dim = cfg.hidden_size // cfg.num_heads
         rope = getattr(cfg, "rope_parameters", None) or {}
         theta = float(rope.get("rope_theta", 10000.0))

@@ -15,6 +15,11 @@ _PROCESSORS: dict[str, tuple[str, str]] = {
                                          "Idefics3Processor"),
     "Qwen3VLForConditionalGeneration": ("shoal.multimodal.processors.qwen3_vl",
                                         "Qwen3VLProcessor"),
+    # Qwen3.5's native vision variants: the same processor (transformers' Qwen3VLProcessor)
+    "Qwen3_5ForConditionalGeneration": ("shoal.multimodal.processors.qwen3_vl",
+                                        "Qwen3VLProcessor"),
+    "Qwen3_5MoeForConditionalGeneration": ("shoal.multimodal.processors.qwen3_vl",
+                                           "Qwen3VLProcessor"),
     "LlavaForConditionalGeneration": ("shoal.multimodal.processors.llava", "LlavaProcessor"),
     "Gemma3ForConditionalGeneration": ("shoal.multimodal.processors.gemma3",
                                        "Gemma3Processor"),
