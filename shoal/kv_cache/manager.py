@@ -199,7 +199,8 @@ class KVCacheManager:
         group's new blocks, or None (and changes nothing) when the pool cannot provide them.
         loaded_blocks: the first new tokens are that many whole blocks loaded from the KV
         tiers: a linear-state table then starts at the last of them (the state loaded there),
-        its entries before left empty as if they had left its one-token window.
+        its entries before left empty as if they had left its one-token window, and a
+        sliding table at the first block its window reads after them (only those load).
         loaded_tokens: the first new tokens are that many rows another engine's KV writes in
         (shoal/kv_transfer), a sliding group's only those its window reads after them: its
         table takes no block before them, and the block they start inside is kept out of the
@@ -234,8 +235,9 @@ class KVCacheManager:
                 else self._group_hits(t, request, n_hits) for t in self.tables]
         if any(h is None for h in hits):
             return None  # another group's hit left the cache meanwhile
-        if loaded_tokens:
-            hits = [self._loaded_window(t, rid, h, start + loaded_tokens) if t.sliding else h
+        loaded = loaded_blocks * self.block_size + loaded_tokens
+        if loaded:  # (a linear-state table's hits above already start at its loaded state)
+            hits = [self._loaded_window(t, rid, h, start + loaded) if t.sliding else h
                     for t, h in zip(self.tables, hits)]
         first_new = [t.held(rid) + len(h) for t, h in zip(self.tables, hits)]
         counts = [t.missing(rid, need, len(h)) for t, h in zip(self.tables, hits)]

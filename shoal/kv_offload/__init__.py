@@ -11,7 +11,10 @@ Turn it on with engine arguments (the same names as `shoal serve` flags):
 Who does what:
 - factory.py builds the store (store.py: the CPU tier, then the lower tiers) and the
   transfer (transfer.py: device <-> CPU-tier copies); the engine core gives the store to the
-  scheduler and the transfer to the model runner.
+  scheduler and the transfer to the model runner. Where a block's pages differ in shape (a
+  pool partitioned between KV cache groups, DeepSeek-V4; latent rows beside indexer keys,
+  DeepSeek-V3.2) the CPU tier has slots of each copy group's size (grouped_cpu_tier.py) and
+  the copies go by group (grouped_transfer.py).
 - The scheduler's connector (connector.py) decides the copies of a step: they travel to the
   runner in SchedulerOutput.kv_transfers, and back comes ModelRunnerOutput.kv_transfers_done
   once they have completed; only then are their CPU slots unpinned (and filled ones counted
@@ -33,7 +36,8 @@ How blocks move (see connector.py, store.py and loads.py):
 - Per request, SamplingParams(kv_transfer_params={"skip_tiers": ["disk"]}) keeps a request
   from reading a tier (request_params.py).
 - Disk files live under a directory named after the model, dtype, block size, per-layer
-  shape and layout version (layout.StoreKey); every file header repeats that key's digest
+  shape (a partitioned pool's: each group's block bytes) and layout version
+  (layout.StoreKey); every file header repeats that key's digest
   and carries an xxhash of the payload.
 - Statistics: TieredKVStore.stats() -> KVOffloadStats (queries, hits, bytes and seconds
   loaded and stored, usage, per tier; a lower tier's load seconds are its readers' busy

@@ -12,12 +12,17 @@
   (and verified) in the background: `stage` returns None ("ask again next step") and the
   scheduler goes on with the other requests, so a disk load never stalls their decoding.
   `abandon` lets go of a request that will not come back for its blocks.
-- Hybrids (linear-attention layers beside attention: several KV cache groups over the one
-  pool, shoal/kv_cache/manager.py): every group's blocks are stored under their group's key
-  (the prefix hash, tagged), as they leave the device. A tier hit of n blocks needs every
-  attention group's first n blocks and each linear-state group's block n - 1 (the state
-  after the hit's last token, saved at that block's end): the longest such n the tiers hold
-  is staged, states included, and the state groups' earlier entries stay empty.
+- Several KV cache groups (linear-attention hybrids; DeepSeek-V4's compressed entries,
+  windows and open groups, each group in a partition of the pool of its own:
+  shoal/kv_cache/manager.py): every group's blocks are stored under their group's key (the
+  prefix hash, tagged), as they leave the device. A tier hit of n blocks needs what the step
+  after it reads of each group: every block of a group that keeps the whole context (of a
+  sparse one, those that hold entries), and of a group that drops blocks only those from
+  its first needed one on (a sliding window's last blocks; a linear-state group's block
+  n - 1, the state after the hit's last token). The longest such n is staged, and the
+  dropping groups' earlier entries stay empty. A block that the device still holds, free
+  and cached, while its neighbours of other groups left (so the device hit stopped before
+  it), is copied into the CPU tier by the same plan, ahead of the loads (_snapshot).
 - Every plan handed out has an id. The CPU slots it reads or writes stay pinned, and the
   slots it fills count as garbage, until `transfers_done` hears from the model runner (via
   ModelRunnerOutput and the scheduler's update) that its copies have completed. So nothing
@@ -175,36 +180,79 @@ class KVOffloadConnector:
             return None
         slots = self.store.slots(st)
         if self.tables and len(slots) < len(wanted):  # a block arrived damaged: without it,
-            self.store.release(st)  # the state at the hit's end is missing: nothing loads
+            self.store.release(st)  # the hit's end lacks what a group needs: nothing loads
             return Staged()
         blocks = [w._replace(slot=s) for w, s in zip(wanted, slots)]
         if not blocks:
             return Staged()
-        return Staged(blocks, blocks[-1].index + 1 - num_device_hits)
+        return Staged(blocks, max(b.index for b in blocks) + 1 - num_device_hits)
 
     def _wanted(self, req: Request, num_device_hits: int, max_blocks: int,
                 skip: Sequence[str]) -> list[StagedBlock]:
         """The blocks to stage, slots unknown yet: with one group, its blocks after the
-        device hits; with several, the longest hit the tiers hold whole (read-only lookups:
-        the walk in begin_stage pins)."""
+        device hits; with several, what each group needs of the longest hit the tiers (or
+        the device's free cached blocks: _snapshot) hold whole. Lookups only (the walk in
+        begin_stage pins), but for the snapshots."""
         hashes = req.block_hashes
         if not self.tables:
             return [StagedBlock(h, -1, 0, num_device_hits + i)
                     for i, h in enumerate(hashes[num_device_hits:max_blocks])]
-        attention = [(g, t) for g, t in enumerate(self.tables) if not t.publishes_computed]
-        states = [(g, t) for g, t in enumerate(self.tables) if t.publishes_computed]
+        if self.store.cpu.name in skip:  # every tier's blocks come through the CPU tier
+            return []
+        whole = [(g, t) for g, t in enumerate(self.tables) if not t.sliding]
+        dropping = [(g, t) for g, t in enumerate(self.tables) if t.sliding]
         end = num_device_hits
-        while end < max_blocks and all(self.store.holds(t.key(hashes[end]), skip)
-                                       for _, t in attention):
+        while end < max_blocks and all(self._available(t.key(hashes[end]), skip)
+                                       for g, t in whole if self._has_entry(g, t, end)):
             end += 1
         while end > num_device_hits and not all(
-                self.store.holds(t.key(hashes[end - 1]), skip) for _, t in states):
+                self._available(t.key(hashes[i]), skip)
+                for g, t in dropping for i in self._needed(g, t, end, num_device_hits)):
             end -= 1
         if end == num_device_hits:
             return []
-        out = [StagedBlock(t.key(hashes[i]), -1, g, i)
-               for i in range(num_device_hits, end) for g, t in attention]
-        return out + [StagedBlock(t.key(hashes[end - 1]), -1, g, end - 1) for g, t in states]
+        needed = [set(self._needed(g, t, end, num_device_hits))
+                  for g, t in enumerate(self.tables)]
+        out = [StagedBlock(t.key(hashes[i]), -1, g, i) for i in range(num_device_hits, end)
+               for g, t in enumerate(self.tables) if i in needed[g]]
+        for b in out:
+            if not self.store.holds(b.key, skip):
+                self._snapshot(b.key)
+        return out
+
+    def _has_entry(self, group: int, tables: BlockTables, index: int) -> bool:
+        """Whether entry `index` of the group's tables holds a block: all of the first
+        group's do; a sparse group's (DeepSeek-V4's entries of groups longer than a block)
+        only where its spec says (kv_cache/manager.py _SparseTables)."""
+        return group == 0 or tables.group.spec.holds_block(index, self.block_size)
+
+    def _needed(self, group: int, tables: BlockTables, end: int,
+                num_device_hits: int) -> list[int]:
+        """The entries of the group's table that a hit of `end` blocks loads: those after
+        the device hits, from the first that the next step reads on (a sliding window's
+        blocks in its window, a linear-state group's last block), where the table holds
+        one."""
+        first = max(num_device_hits,
+                    tables.group.first_needed_block(end * self.block_size, self.block_size))
+        return [i for i in range(first, end) if self._has_entry(group, tables, i)]
+
+    def _available(self, key: BlockHash, skip: Sequence[str]) -> bool:
+        """A tier holds the block, or the device does in a free cached block (_snapshot)."""
+        if self.store.holds(key, skip):
+            return True
+        block = self.pool.cached.get(key)
+        return block is not None and block.ref_cnt == 0
+
+    def _snapshot(self, key: BlockHash) -> None:
+        """A block a tier hit needs that only the device still holds, in a free cached block
+        (the other groups' blocks of its prefix left the device, so the device hit stops
+        before it): into the CPU tier through this step's plan, whose stores run before its
+        loads. A block no request holds was computed by an earlier step (one published for
+        a step not run yet is held by its request). Without room in the CPU tier the staging
+        walk stops there and nothing loads."""
+        block = self.pool.cached.get(key)
+        if block is not None:
+            self.on_device_evict(block)
 
     def abandon(self, request_id: str) -> None:
         """The request was aborted or finished while waiting: drop what is reserved or being

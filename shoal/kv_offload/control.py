@@ -18,7 +18,7 @@ def offload_device_prefix_cache(core: Any) -> int:
     conn, pool = sched.offload, sched.kv.pool
     if conn is None:
         return 0
-    victims = [b for b in pool.free_queue if b.block_hash is not None]
+    victims = [b for queue in pool.free_queues for b in queue if b.block_hash is not None]
     batch = max(1, conn.store.cpu.capacity_blocks)
     for i in range(0, len(victims), batch):
         conn.begin_step()

@@ -4,7 +4,11 @@ only one the device copies with: blocks of the lower tiers are read into its slo
 
 Besides the generic load/store, the device side works on slots directly: `reserve` hands out
 a slot for a block the model runner will copy in later, and pins keep a slot from being
-evicted (or cascaded to a lower tier) while a copy into or out of it is in flight."""
+evicted (or cascaded to a lower tier) while a copy into or out of it is in flight.
+
+A partitioned pool's blocks differ in size by KV cache group: GroupedCPUTier
+(grouped_cpu_tier.py) keeps a pool of slots per group, through the hooks below (payload,
+_free_for, _policy_for, _release_slot)."""
 
 from __future__ import annotations
 
@@ -34,8 +38,11 @@ class CPUTier(KVTier):
             pin_memory = torch.cuda.is_available()
         self.pool = torch.empty((num_slots, *layout.block_shape), dtype=layout.dtype,
                                 pin_memory=pin_memory and num_slots > 0)
-        self._slot: dict[BlockHash, int] = {}
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
+        self._init_index()
+
+    def _init_index(self) -> None:
+        self._slot: dict[BlockHash, int] = {}
         self._pins: Counter[BlockHash] = Counter()
         self.on_evict: EvictHook | None = None
 
@@ -75,6 +82,24 @@ class CPUTier(KVTier):
         return not self._pins[block_hash]
 
     # -- slots --------------------------------------------------------------------------------
+    def payload(self, slot: int) -> torch.Tensor:
+        """The slot's block (a view of the pool): [*layout.block_shape]."""
+        return self.pool[slot]
+
+    def _take_slot(self, block_hash: BlockHash) -> int | None:
+        """A free slot for the block, made by evicting per the policy; None when every slot
+        it could take is pinned."""
+        while not self._free:
+            if not self._evict_one():
+                return None
+        return self._free.pop()
+
+    def _release_slot(self, slot: int, block_hash: BlockHash) -> None:
+        self._free.append(slot)
+
+    def _free_slots(self) -> list[int]:
+        return self._free
+
     def reserve(self, block_hash: BlockHash) -> int | None:
         """A slot for a block not held yet, made by evicting per the policy (victims cascade
         through on_evict). The caller fills it; None when every slot is pinned."""
@@ -83,23 +108,22 @@ class CPUTier(KVTier):
         if not self.capacity_blocks:
             return None
         self.policy.prepare(block_hash)
-        while not self._free:
-            if not self._evict_one():
-                return None
-        slot = self._free.pop()
+        slot = self._take_slot(block_hash)
+        if slot is None:
+            return None
         self._slot[block_hash] = slot
         self.policy.insert(block_hash)
         self._sync_usage()
         return slot
 
-    def _evict_one(self) -> bool:
-        victim = self.policy.evict(self._evictable)
+    def _evict_one(self, policy: EvictionPolicy | None = None) -> bool:
+        victim = (policy or self.policy).evict(self._evictable)
         if victim is None:
             return False
         slot = self._slot.pop(victim)
         if self.on_evict is not None:
-            self.on_evict(victim, self.pool[slot])
-        self._free.append(slot)
+            self.on_evict(victim, self.payload(slot))
+        self._release_slot(slot, victim)
         self.stats.evictions += 1
         self._sync_usage()
         return True
@@ -112,15 +136,16 @@ class CPUTier(KVTier):
             slot = self._slot.get(h)
             if slot is None:
                 break
-            dst[i].copy_(self.pool[slot])
+            dst[i].copy_(self.payload(slot))
             self.policy.touch(h)
             n += 1
-        self.stats.record_load(n, n * self.entry_bytes, time.perf_counter() - t0)
+        self.stats.record_load(n, sum(map(self.layout.payload_bytes, hashes[:n])),
+                               time.perf_counter() - t0)
         return n
 
     def store(self, hashes: Sequence[BlockHash], src: torch.Tensor) -> int:
         t0 = time.perf_counter()
-        n = stored = 0
+        n = stored = nbytes = 0
         for i, h in enumerate(hashes):
             if h in self._slot:
                 self.policy.touch(h)
@@ -128,10 +153,11 @@ class CPUTier(KVTier):
                 slot = self.reserve(h)
                 if slot is None:
                     break
-                self.pool[slot].copy_(src[i])
+                self.payload(slot).copy_(src[i])
                 stored += 1
+                nbytes += self.layout.payload_bytes(h)
             n += 1
-        self.stats.record_store(stored, stored * self.entry_bytes, time.perf_counter() - t0)
+        self.stats.record_store(stored, nbytes, time.perf_counter() - t0)
         return n
 
     def remove(self, block_hash: BlockHash) -> bool:
@@ -142,7 +168,7 @@ class CPUTier(KVTier):
             self._slot[block_hash] = slot
             raise RuntimeError(f"cannot remove pinned block {block_hash.hex()}")
         self.policy.remove(block_hash)
-        self._free.append(slot)
+        self._release_slot(slot, block_hash)
         self._sync_usage()
         return True
 
@@ -160,6 +186,6 @@ class CPUTier(KVTier):
         """Invariants, for tests: every slot is either free or holds exactly one block."""
         used = sorted(self._slot.values())
         assert len(set(used)) == len(used), "a slot holds two blocks"
-        assert sorted(used + self._free) == list(range(self.capacity_blocks)), "slot leak"
+        assert sorted(used + self._free_slots()) == list(range(self.capacity_blocks)), "slot leak"
         assert len(self.policy) == len(self._slot), "policy and tier disagree"
         assert all(h in self._slot for h in self._pins), "a pin outlived its block"

@@ -4,7 +4,8 @@ model, dtype, block size or layout never sees these files.
 The index is rebuilt at start-up by listing the directory (files of the wrong size and
 leftover temporary files are deleted; headers and checksums are checked at load), so blocks
 survive a restart. The size limit counts whole files and holds at all times: room is made by
-the policy before a file is written.
+the policy before a file is written. A partitioned pool's blocks (DeepSeek-V4) make files of
+a size per KV cache group (BlockLayout.payload_bytes): the limit then counts their bytes.
 
 Reads come in the two halves of a `LowerTier`: `read_into` (file or pending write -> memory,
 verified; touches no state, any thread) and `settle` (index, policy and statistics, on the
@@ -46,9 +47,15 @@ def build_disk_tier(ctx: TierContext) -> DiskTier | None:
     oc = ctx.config
     if oc.disk_path is None:
         return None
-    blocks = oc.disk_bytes // (HEADER_BYTES + ctx.layout.nbytes)
+    blocks = oc.disk_bytes // smallest_file(ctx.layout)
     return DiskTier(os.fspath(oc.disk_path), ctx.key, ctx.layout, oc.disk_bytes,
                     make_policy(oc.policy, blocks))
+
+
+def smallest_file(layout: BlockLayout) -> int:
+    """The smallest file a block makes (a partitioned pool's blocks differ by KV cache
+    group): what the most files that fit are counted with."""
+    return HEADER_BYTES + min(layout.group_bytes or (layout.nbytes,))
 
 
 class DiskTier(LowerTier):
@@ -58,7 +65,13 @@ class DiskTier(LowerTier):
                  policy: EvictionPolicy, background_writes: bool = True,
                  read_threads: int = DEFAULT_READ_THREADS):
         file_bytes = HEADER_BYTES + layout.nbytes
-        super().__init__(layout, capacity_bytes // file_bytes, file_bytes, policy)
+        super().__init__(layout, capacity_bytes // smallest_file(layout), file_bytes, policy)
+        # The size limit: whole files of one size, or the bytes themselves where a
+        # partitioned pool's files differ in size by group
+        self._limit = (capacity_bytes if layout.group_bytes
+                       else self.capacity_blocks * file_bytes)
+        self.stats.capacity_bytes = self._limit
+        self._bytes = 0  # of the files indexed
         self.key = key
         self.key_digest = key.digest()
         self.dir = Path(root).expanduser() / key.dirname()
@@ -71,6 +84,31 @@ class DiskTier(LowerTier):
         if not self.capacity_blocks:
             logger.warning("kv_offloading_disk_size is smaller than one block (%d bytes): the "
                            "disk tier stores nothing", file_bytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._limit
+
+    @property
+    def used_bytes(self) -> int:
+        return self._bytes
+
+    def _add(self, block_hash: BlockHash) -> None:
+        self._index.add(block_hash)
+        self._bytes += self._file_bytes(block_hash)
+
+    def _drop(self, block_hash: BlockHash) -> None:
+        if block_hash in self._index:
+            self._index.discard(block_hash)
+            self._bytes -= self._file_bytes(block_hash)
+
+    def _file_bytes(self, block_hash: BlockHash) -> int:
+        """A block's file size: a partitioned pool's blocks differ by KV cache group (the
+        size limit still counts every file as the largest: entry_bytes)."""
+        try:
+            return HEADER_BYTES + self.layout.payload_bytes(block_hash)
+        except ValueError:  # a key naming no group of this layout: not one of ours
+            return -1
 
     def _path(self, block_hash: BlockHash) -> Path:
         return self.dir / file_name(block_hash)
@@ -102,7 +140,7 @@ class DiskTier(LowerTier):
                 st = entry.stat()
             except (ValueError, OSError):
                 continue
-            if st.st_size != self.entry_bytes:
+            if st.st_size != self._file_bytes(block_hash):
                 unlink_quietly(entry.path)
                 self.stats.damaged += 1
                 continue
@@ -111,9 +149,9 @@ class DiskTier(LowerTier):
         for _, h in sorted(found):
             self.policy.prepare(h)
             self.policy.insert(h)
-            self._index.add(h)
-        if len(self._index) > self.capacity_blocks:  # the size limit was lowered
-            self.evict(len(self._index) - self.capacity_blocks)
+            self._add(h)
+        while self._bytes > self._limit and self.evict(1):  # the size limit was lowered
+            pass
         self._sync_usage()
         if self._index:
             logger.info("disk KV tier %s: %d blocks found", self.dir, len(self._index))
@@ -179,12 +217,13 @@ class DiskTier(LowerTier):
             if h not in self._index or not self.settle(h, self.read_into(h, dst[i])):
                 break
             n += 1
-        self.stats.record_load(n, n * self.layout.nbytes, time.perf_counter() - t0)
+        self.stats.record_load(n, sum(map(self.layout.payload_bytes, hashes[:n])),
+                               time.perf_counter() - t0)
         return n
 
     def store(self, hashes: Sequence[BlockHash], src: torch.Tensor) -> int:
         """Queues the writes (see disk_writer.py); time is counted when the writer runs."""
-        n = written = 0
+        n = written = nbytes = 0
         for i, h in enumerate(hashes):
             if h in self._index:
                 self.policy.touch(h)
@@ -193,19 +232,21 @@ class DiskTier(LowerTier):
             if not self.capacity_blocks:
                 break
             self.policy.prepare(h)
-            while len(self._index) >= self.capacity_blocks:
+            size = self._file_bytes(h)
+            while self._bytes + size > self._limit:
                 if not self.evict(1):
                     break
-            if len(self._index) >= self.capacity_blocks:
+            if self._bytes + size > self._limit:
                 break
             self.writer.write(self._path(h), self.key_digest, h, src[i])
-            self._index.add(h)
+            self._add(h)
             self.policy.insert(h)
             written += 1
+            nbytes += self.layout.payload_bytes(h)
             n += 1
         self._sync_usage()
         self.stats.blocks_stored += written
-        self.stats.bytes_stored += written * self.layout.nbytes
+        self.stats.bytes_stored += nbytes
         return n
 
     def remove(self, block_hash: BlockHash) -> bool:
@@ -216,7 +257,7 @@ class DiskTier(LowerTier):
         return True
 
     def _forget(self, block_hash: BlockHash) -> None:
-        self._index.discard(block_hash)
+        self._drop(block_hash)
         self.policy.remove(block_hash)
         self._sync_usage()
 
@@ -226,7 +267,7 @@ class DiskTier(LowerTier):
             victim = self.policy.evict(lambda _: True)
             if victim is None:
                 break
-            self._index.discard(victim)
+            self._drop(victim)
             self.writer.unlink(self._path(victim))
             self.stats.evictions += 1
             n += 1
@@ -250,4 +291,5 @@ class DiskTier(LowerTier):
         assert len(self.policy) == len(self._index), "policy and tier disagree"
         size = sum(p.stat().st_size for p in self.dir.glob("*" + SUFFIX))
         assert size <= self.capacity_bytes, f"{size} bytes on disk > limit {self.capacity_bytes}"
+        assert size == self._bytes, f"{size} bytes on disk, {self._bytes} counted"
 

@@ -18,6 +18,8 @@ import xxhash
 from shoal.config import EngineConfig
 from shoal.core.kv_cache_spec import KVCacheGroup
 from shoal.kv_offload.cpu_tier import CPUTier
+from shoal.kv_offload.grouped_cpu_tier import GroupedCPUTier
+from shoal.kv_offload.grouped_transfer import GroupedKVTransfer, page_bytes, page_groups
 from shoal.kv_offload.layout import BlockLayout, StoreKey
 from shoal.kv_offload.lower_tiers import LOWER_TIERS
 from shoal.kv_offload.policy import make_policy
@@ -62,12 +64,17 @@ def model_identity(source: str, load_format: str, seed: int,
 def block_layout(kv_caches: list[torch.Tensor], groups: Sequence[KVCacheGroup],
                  block_size: int) -> BlockLayout:
     """A CPU-tier block: one block of every cache tensor, as the layers' cache spec lays it
-    out. A hybrid's groups (full attention and linear states) share the tensors (a block id
-    holds one group's pages, kv_cache_tensors.py), so a block copies the same way whichever
-    group it belongs to; sliding-window groups are not offloaded yet."""
-    if any(g.sliding_window is not None for g in groups):
-        raise ValueError("kv_offloading_size does not support models with sliding-window "
-                         f"layers beside full attention ({len(groups)} KV cache groups) yet")
+    out. A hybrid's groups (full attention beside sliding windows or linear states) share
+    the tensors (a block id holds one group's pages, kv_cache_tensors.py), so a block copies
+    the same way whichever group it belongs to. Where pages differ in shape (a partitioned
+    pool's groups, DeepSeek-V4; one group of layers with rows of two widths, DeepSeek-V3.2's
+    latents and indexer keys) a block is its copy group's pages as bytes
+    (BlockLayout.grouped, grouped_transfer.py)."""
+    pages = page_groups(kv_caches, groups, block_size)
+    if pages is not None:
+        return BlockLayout.grouped(
+            tuple(sum(page_bytes(kv, block_size) for kv in pg.tensors) for pg in pages),
+            block_size, kv_caches[0].dtype)
     spec = groups[0].spec
     row = (spec.planes, spec.num_kv_heads, spec.head_size)
     for kv in kv_caches:  # [planes, slots, heads, head size] each, as the spec says
@@ -100,18 +107,27 @@ def build_kv_offload(config: EngineConfig, kv_caches: list[torch.Tensor], loaded
     if oc is None:
         return None
     layout = block_layout(kv_caches, groups, config.cache_config.block_size)
-    cpu_blocks = oc.cpu_bytes // layout.nbytes
-    if cpu_blocks < 1:
-        raise ValueError(f"kv_offloading_size ({oc.cpu_bytes / 2**30:.6f} GiB) is smaller than one "
-                         f"KV block of this model ({layout.nbytes} bytes)")
-    cpu = CPUTier(layout, oc.cpu_bytes, make_policy(oc.policy, cpu_blocks),
-                  pin_memory=config.device.type == "cuda")
+    pin = config.device.type == "cuda"
+    cpu: CPUTier
+    transfer: KVTransfer
+    if layout.group_bytes:  # slots of each group's size, the bytes split as the device's
+        shares = [(g.num_blocks or 1) * b for g, b in zip(groups, layout.group_bytes)]
+        cpu = GroupedCPUTier(layout, oc.cpu_bytes, oc.policy, shares, pin_memory=pin)
+        pages = page_groups(kv_caches, groups, layout.block_size)
+        assert pages is not None
+        transfer = GroupedKVTransfer(pages, cpu, layout.block_size, cpu.stats)
+    else:
+        cpu_blocks = oc.cpu_bytes // layout.nbytes
+        if cpu_blocks < 1:
+            raise ValueError(f"kv_offloading_size ({oc.cpu_bytes / 2**30:.6f} GiB) is smaller "
+                             f"than one KV block of this model ({layout.nbytes} bytes)")
+        cpu = CPUTier(layout, oc.cpu_bytes, make_policy(oc.policy, cpu_blocks), pin_memory=pin)
+        transfer = KVTransfer(kv_caches, cpu.pool, layout.block_size, cpu.stats)
     key = StoreKey.of(model_identity(loaded.source, loaded.load_format,
                                      config.model_config.seed,
                                      config.model_config.quantization), layout)
     tiers: list[KVTier] = [cpu, *build_lower_tiers(TierContext(oc, layout, key))]
     store = TieredKVStore(tiers)
-    transfer = KVTransfer(kv_caches, cpu.pool, layout.block_size, cpu.stats)
     logger.info("KV offloading (%s): %s", oc.policy, ", ".join(
         f"{t.name} tier {t.capacity_blocks} blocks ({t.capacity_bytes / 2**30:.2f} GiB)"
         for t in tiers))

@@ -64,7 +64,7 @@ class LowerTierLoads:
     def start(self, tier: LowerTier, block_hash: BlockHash, slot: int, waiter: Staging) -> None:
         """Reads the block from `tier` into `slot`, just reserved for it in the CPU tier."""
         self.cpu.pin(block_hash)  # the read's own pin
-        future = tier.read_async(block_hash, self.cpu.pool[slot])
+        future = tier.read_async(block_hash, self.cpu.payload(slot))
         self._reads[block_hash] = _Read(tier, future)
         self.join(block_hash, waiter)
 
@@ -109,6 +109,6 @@ class LowerTierLoads:
         self.cpu.unpin(block_hash)
         if ok:
             tier.stats.blocks_loaded += 1
-            tier.stats.bytes_loaded += tier.layout.nbytes
+            tier.stats.bytes_loaded += tier.layout.payload_bytes(block_hash)
         else:
             self.cpu.remove(block_hash)  # the slot holds garbage: give it back

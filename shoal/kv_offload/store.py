@@ -266,7 +266,7 @@ class TieredKVStore:
             self.cpu.evict(len(self.cpu))  # unpinned blocks cascade down in policy order
             for h in self.cpu.keys():  # still pinned (a waiting request holds it): copy it down
                 if h not in self._unfilled and h not in self._doomed:
-                    self._demote(h, self.cpu.pool[self.cpu.slot_of(h)])
+                    self._demote(h, self.cpu.payload(self.cpu.slot_of(h)))
         self.close()
 
     def close(self) -> None:

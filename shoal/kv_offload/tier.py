@@ -2,7 +2,9 @@
 
 Blocks are addressed by their content hash (the chained prefix hash of the device prefix
 cache), so a hit in any tier is the same bytes the device would have computed. Payloads
-cross the interface as CPU tensors shaped [n, *BlockLayout.block_shape].
+cross the interface as CPU tensors shaped [n, *BlockLayout.block_shape]; a partitioned
+pool's (BlockLayout.grouped, DeepSeek-V4) one block at a time, as [payload_bytes(key)]
+uint8: a size per KV cache group.
 
 The first tier of a store is the CPU tier (cpu_tier.py): the only one the device copies
 with. Every tier below it is a `LowerTier`: its blocks are read into a CPU-tier slot in the

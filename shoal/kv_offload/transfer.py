@@ -40,12 +40,19 @@ class KVTransfer:
         self.views = [kv.view(torch.uint8).view(kv.shape[0], kv.shape[1] // block_size, -1)
                       for kv in kv_caches]
         self.pool = cpu_pool.view(torch.uint8)
-        self.stats = cpu_stats
-        self.device = kv_caches[0].device
+        self._init_copier(kv_caches[0].device, cpu_stats)
+
+    def _init_copier(self, device: torch.device, stats: TierStats | None) -> None:
+        self.stats = stats
+        self.device = device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # (plan id, event after its copies) of the plans run on CUDA and not waited for yet,
         # in the order they ran: the side stream runs them in that order.
         self._events: deque[tuple[int, torch.cuda.Event]] = deque()
+
+    def _nbytes(self, blocks: list[int]) -> int:
+        """The bytes of these device blocks."""
+        return len(blocks) * self.block_bytes
 
     def wait(self, plan_id: int) -> None:
         """Returns once the copies of this plan (and of every plan run before it) are done:
@@ -78,8 +85,10 @@ class KVTransfer:
             # Time is what the step spent issuing (and, on the CPU, doing) the copies; split
             # between stores and loads by bytes.
             ns, nl = len(plan.stores), len(plan.loads)
-            self.stats.record_store(ns, ns * self.block_bytes, dt * ns / (ns + nl))
-            self.stats.record_load(nl, nl * self.block_bytes, dt * nl / (ns + nl))
+            self.stats.record_store(ns, self._nbytes([d for d, _ in plan.stores]),
+                                    dt * ns / (ns + nl))
+            self.stats.record_load(nl, self._nbytes([d for _, d in plan.loads]),
+                                   dt * nl / (ns + nl))
 
     # -- CPU device: the "device" cache is host memory too ------------------------------------
     def _store_cpu(self, stores: list[tuple[int, int]]) -> None:

@@ -1,8 +1,8 @@
-"""DeepSeek-V4's multi-token-prediction (MTP) layer, run as a drafter (method "mtp").
+"""DeepSeek-V4's multi-token-prediction (MTP) layers, run as a drafter (method "mtp").
 
-DeepSeek's release stores it as `mtp.0.*` (transformers 5.25 builds no MTP layer and ignores
-those tensors): e_proj and h_proj ([hidden, hidden] each, where V3 has one eh_proj), enorm,
-hnorm, a whole V4 decoder block (`attn.*`, `ffn.*`, `attn_norm`, `ffn_norm`, `hc_attn_*`,
+DeepSeek's release stores the first as `mtp.0.*` (transformers 5.25 builds no MTP layer and
+ignores those tensors): e_proj and h_proj ([hidden, hidden] each, where V3 has one eh_proj),
+enorm, hnorm, a whole V4 decoder block (`attn.*`, `ffn.*`, `attn_norm`, `ffn_norm`, `hc_attn_*`,
 `hc_ffn_*`, spelled as the main layers'), its own final collapse of the streams
 (`hc_head_fn / base / scale`) and norm (`norm`); the embedding and the output head are the
 main model's (a copy, `emb.tok_emb` / `embed` and `head`, loads when present).
@@ -16,7 +16,12 @@ vLLM's V4 MTP read them. For the target's streams S at position p and the token 
     y = block(x) at position p                       # a V4 decoder block: streams -> streams
     logits = head(norm(hc_head(y)))                  # for the token at p + 2
 
-y (flattened [hc * D]) is also what a further draft step feeds back in place of S. Unlike
+y (flattened [hc * D]) is also what a further draft step feeds back in place of S. With
+num_nextn_predict_layers = n > 1 the checkpoint has n such layers, `mtp.{j}.*` (each its
+own projections, norms, block and head collapse; DeepseekV4MTPDepths): layer j reads layer
+j - 1's output streams y at p (layer 0: the target's S) and the token at p + j + 1, and
+predicts the one at p + j + 2, the sequential chain DeepSeek-V3's MTP layers run
+(shoal/spec_decode/mtp_chain.py drives it; each layer keeps its own window cache). Unlike
 vLLM's V3 and V4 heads (and shoal's V3 one), the embedding at position 0 is not zeroed:
 DeepSeek's reference does not.
 
@@ -52,7 +57,10 @@ from shoal.models.deepseek_v4 import DeepseekV4DecoderLayer
 from shoal.models.deepseek_v4_weights import mtp_name
 from shoal.models.expert_weights import load_expert_tensors
 
-PREFIX = "mtp.0."  # the first MTP layer's tensors in DeepSeek's release
+
+def mtp_prefix(depth: int) -> str:
+    """The release's prefix of MTP layer `depth`'s tensors."""
+    return f"mtp.{depth}."
 
 
 def mtp_block_config(cfg: Any) -> Any:
@@ -65,12 +73,16 @@ def mtp_block_config(cfg: Any) -> Any:
 
 
 class DeepseekV4MTP(nn.Module):
-    """The first MTP layer of a DeepSeek-V4 checkpoint: a DraftHead (spec_decode/mtp.py)
-    whose hidden states are flattened streams [n, hc * D]."""
+    """One MTP layer of a DeepSeek-V4 checkpoint (depth 0: the first): a DraftHead
+    (spec_decode/mtp.py) whose hidden states are flattened streams [n, hc * D]. Every depth's
+    block takes the kinds fixed at index num_hidden_layers (mtp_block_config)."""
 
-    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
+    def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True,
+                 depth: int = 0):
         super().__init__()
         self.config = cfg
+        self.depth = depth
+        self.prefix = mtp_prefix(depth)
         h, eps, ops = cfg.hidden_size, cfg.rms_norm_eps, use_triton_ops
         self.hc_mult, self.hidden = cfg.hc_mult, h
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, h, dtype)
@@ -83,6 +95,11 @@ class DeepseekV4MTP(nn.Module):
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(h, eps, dtype, ops)
         self.lm_head = ParallelLMHead(cfg.vocab_size, h, dtype)
+
+    @property
+    def state_size(self) -> int:
+        """The width of the hidden state it reads and returns: the flattened streams."""
+        return self.hc_mult * self.hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 prev_hidden: torch.Tensor, md: Any) -> torch.Tensor:
@@ -112,12 +129,13 @@ class DeepseekV4MTP(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]],
                      target: nn.Module) -> set[str]:
-        """The release's mtp.0.* tensors (others are ignored); the embedding and the head
-        fall back to the target's. Raises on a tensor it has no parameter for (a compressed
-        or hash-routed MTP layer among them) and on a parameter left unfilled."""
+        """The release's mtp.{depth}.* tensors (others are ignored); the embedding and the
+        head fall back to the target's. Raises on a tensor it has no parameter for (a
+        compressed or hash-routed MTP layer among them) and on a parameter left unfilled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        renamed = ((mtp_name(n), t) for n, t in weights if mtp_name(n) is not None)
+        renamed = ((mtp_name(n, self.depth), t) for n, t in weights
+                   if mtp_name(n, self.depth) is not None)
         for name, tensor in load_expert_tensors(renamed, params, loaded, type(self).__name__):
             param = params.get(name)
             if param is None:
@@ -129,8 +147,41 @@ class DeepseekV4MTP(nn.Module):
         loaded |= {"embed_tokens.weight", "lm_head.weight"}
         missing = sorted(set(params) - loaded)
         if missing:
-            raise ValueError(f"the checkpoint's MTP layer ({PREFIX}*) lacks {missing[:5]}")
+            raise ValueError(f"the checkpoint's MTP layer ({self.prefix}*) lacks {missing[:5]}")
         return loaded
+
+
+class DeepseekV4MTPDepths(nn.Module):
+    """The first `depths` MTP layers of a DeepSeek-V4 checkpoint, run as a chain (depth j:
+    `mtp.{j}.*`), each with its own window cache (HiddenStateDrafter with num_depths > 1)."""
+
+    def __init__(self, cfg: Any, dtype: torch.dtype, depths: int, use_triton_ops: bool = True):
+        super().__init__()
+        if depths < 2:
+            raise ValueError(f"DeepseekV4MTPDepths chains 2 or more MTP layers (got {depths}); "
+                             "one is a DeepseekV4MTP")
+        self.config = cfg
+        self.num_depths = depths
+        self.layers = nn.ModuleList([DeepseekV4MTP(cfg, dtype, use_triton_ops, depth=j)
+                                     for j in range(depths)])
+
+    @property
+    def state_size(self) -> int:
+        return self.layers[0].state_size
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                prev_hidden: torch.Tensor, md: Any, depth: int = 0) -> torch.Tensor:
+        return self.layers[depth](input_ids, positions, prev_hidden, md)
+
+    def compute_logits(self, hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        return self.layers[depth].compute_logits(hidden)
+
+    def attention_layers(self) -> list[PagedRows]:
+        return [a for layer in self.layers for a in layer.attention_layers()]
+
+    def share_with(self, target: nn.Module, embed: bool, head: bool) -> None:
+        for layer in self.layers:
+            layer.share_with(target, embed, head)
 
 
 def _unknown(name: str) -> str:

@@ -148,8 +148,6 @@ def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.M
     """The target's MTP layers (method "mtp"), loaded from the target's checkpoint: the
     first min(layers, num_speculative_tokens) of them (mtp_chain.py)."""
     hf = loaded.hf_config
-    if _is_v4(hf):
-        return _v4_mtp_head(config, target, loaded)
     spec = config.speculative_config
     k = spec.num_speculative_tokens if spec is not None else 1
     depths = max(1, min(mtp_layer_count(hf), k))
@@ -157,6 +155,8 @@ def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.M
         logger.info("mtp: the checkpoint has %d MTP layers; drafts 1..%d use the first %d "
                     "in a chain%s", mtp_layer_count(hf), depths, depths,
                     f", the later {k - depths} the last one alone" if k > depths else "")
+    if _is_v4(hf):
+        return _v4_mtp_head(config, target, loaded, depths)
     if isinstance(target, Qwen3NextForCausalLM):  # (Qwen3.5's classes too)
         return _qwen_mtp_head(config, target, loaded, depths)
     check_mtp_target(hf)
@@ -195,19 +195,18 @@ def _qwen_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any,
     return head.eval()
 
 
-def _v4_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.Module:
-    """DeepSeek-V4's first MTP layer (mtp.0.*), drafting every token (a chain of several
-    is not built for V4 yet); the target hands it its hyper-connection streams from now on."""
-    from shoal.models.deepseek_v4_mtp import PREFIX as V4_MTP_PREFIX
-    from shoal.models.deepseek_v4_mtp import DeepseekV4MTP
+def _v4_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any,
+                 depths: int) -> nn.Module:
+    """DeepSeek-V4's first `depths` MTP layers (mtp.{j}.*), chained as V3's are; the target
+    hands them its hyper-connection streams from now on."""
+    from shoal.models.deepseek_v4_mtp import DeepseekV4MTP, DeepseekV4MTPDepths, mtp_prefix
 
     hf = loaded.hf_config
     check_mtp_target(hf)
-    if mtp_layer_count(hf) > 1:
-        logger.info("mtp: the checkpoint has %d MTP layers; DeepSeek-V4 drafts with the "
-                    "first alone", mtp_layer_count(hf))
+    dtype, ops = config.model_config.dtype, config.use_triton_ops
     with torch.device(config.device):
-        head = DeepseekV4MTP(hf, config.model_config.dtype, config.use_triton_ops)
+        head: nn.Module = (DeepseekV4MTP(hf, dtype, ops) if depths == 1 else
+                           DeepseekV4MTPDepths(hf, dtype, depths, ops))
     if config.model_config.load_format == "dummy":
         initialize_dummy_weights(head, seed=config.model_config.seed + 1)
         head.share_with(target, embed=True, head=True)
@@ -215,7 +214,8 @@ def _v4_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.Mod
         raise ValueError("speculative_config: method 'mtp' loads its layer from a "
                          f"safetensors folder, not {loaded.load_format}")
     else:
-        head.load_weights(read_mtp_tensors(loaded.source, hf, V4_MTP_PREFIX), target)
+        for j, layer in enumerate([head] if depths == 1 else head.layers):
+            layer.load_weights(read_mtp_tensors(loaded.source, hf, mtp_prefix(j)), target)
     target.output_streams()
     return head.eval()
 
@@ -232,7 +232,7 @@ class HiddenStateDrafter(DrafterCache):
         # Several MTP layers: drafts 1..depths in a chain (mtp_chain.py), then the last one
         self.depths = int(getattr(head, "num_depths", 1))
         self.chain = None if self.depths == 1 else MtpChain(
-            self._run_depth, self._metadata, self.depths, head.config.hidden_size, self.dtype,
+            self._run_depth, self._metadata, self.depths, self._state_size(), self.dtype,
             self.device, capacity=2 * self.max_rows)
         # With async scheduling the next target step is launched before this one is mirrored
         self.async_scheduling = config.async_scheduling
@@ -403,8 +403,12 @@ class HiddenStateDrafter(DrafterCache):
             ids = self.model.to_target(ids)
         return ids, p
 
+    def _state_size(self) -> int:
+        """The width of the head's states (DeepSeek-V4's: hyper-connection streams, hc * D)."""
+        return int(getattr(self.model, "state_size", self.model.config.hidden_size))
+
     def _hidden_spec(self) -> tuple[int, torch.dtype]:
-        return self.model.config.hidden_size, self.dtype
+        return self._state_size(), self.dtype
 
     def capture_graphs(self, pool: Any, max_blocks: int,
                        graphs_type: type[DraftGraphs] = DraftGraphs) -> float:

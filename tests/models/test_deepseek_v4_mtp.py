@@ -14,6 +14,7 @@ speculative run must match to 1e-5 (a 0.1% error in the entries of verify steps 
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 import re
@@ -96,9 +97,12 @@ class Reference:
         return self._streams[tuple(seq)]
 
     @torch.no_grad()
-    def mtp(self, next_ids: list[int], prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows at positions 0..T-1 (causal, window W): (output streams, logits)."""
-        w, t = self.w, len(next_ids)
+    def mtp(self, next_ids: list[int], prev: torch.Tensor, w: dict | None = None,
+            block: torch.nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows at positions 0..T-1 (causal, window W): (output streams, logits). w, block:
+        an MTP layer's own tensors and block (the first's by default)."""
+        w, t = self.w if w is None else w, len(next_ids)
+        block = self.block if block is None else block
         e = _rms(self.full.model.embed_tokens(torch.tensor(next_ids)), w["enorm.weight"])
         x = _rms(prev, w["hnorm.weight"]) @ w["h_proj.weight"].T
         x = (x + (e @ w["e_proj.weight"].T)[:, None])[None]
@@ -106,12 +110,24 @@ class Reference:
         gap = pos[0][:, None] - pos[0][None]
         mask = torch.zeros(t, t).masked_fill((gap < 0) | (gap >= W), float("-inf"))
         rope = {k: self.full.model.rotary_emb(x, pos, layer_type=k) for k in ("main", "compress")}
-        y = self.block(x, input_ids=torch.tensor([next_ids]), position_embeddings=rope,
+        y = block(x, input_ids=torch.tensor([next_ids]), position_embeddings=rope,
                        position_ids=pos, attention_mask=mask[None, None])[0]
         mixes = F.linear(_rms(y.flatten(1)), w["hc_head_fn"])
         pre = torch.sigmoid(mixes * w["hc_head_scale"] + w["hc_head_base"]) + 1e-6
         h = (pre[..., None] * y).sum(1)
         return y, _rms(h, w["norm.weight"]) @ self.full.lm_head.weight.T
+
+    def chain_drafts(self, seq: list[int], layers: list[tuple[dict, torch.nn.Module]]
+                     ) -> list[int]:
+        """Drafts 1..len(layers) of the sequential chain after `seq`: MTP layer j's row at p
+        reads layer j - 1's output streams at p (layer 0: the target's) and the token at
+        p + j + 1 (the last one: draft j)."""
+        ids, prev, out = list(seq[1:]), self.streams(seq)[:-1], []
+        for w, block in layers:
+            prev, logits = self.mtp(ids, prev, w, block)
+            out.append(int(logits[-1].argmax()))
+            ids = ids[1:] + [out[-1]]
+        return out
 
     def drafts(self, seq: list[int], k: int) -> list[int]:
         """Greedy MTP drafts after `seq`, recomputed from scratch."""
@@ -209,6 +225,70 @@ def test_head_matches_the_formula_past_the_window(ckpt):
         logits = mtp.model.compute_logits(y)
     torch.testing.assert_close(y, want_y.flatten(1), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def two_layers(ckpt, tmp_path_factory):
+    """The checkpoint with num_nextn_predict_layers=2: mtp.1.* is mtp.0.*, but for its own
+    h_proj, hnorm, e_proj and its block's attention norm (so a depth that read the other's
+    weights would draft otherwise). Returns (folder, reference, each layer's (own tensors,
+    transformers block))."""
+    target, ref = ckpt
+    tensors = load_file(target / "model.safetensors")
+    gen = torch.Generator().manual_seed(7)
+    h = V4["hidden_size"]
+    own = dict(ref.w, **{"h_proj.weight": 0.01 * torch.randn(h, h, generator=gen),
+                         "hnorm.weight": 0.5 + torch.rand(h, generator=gen),
+                         "e_proj.weight": torch.eye(h) + 0.005 * torch.randn(h, h,
+                                                                             generator=gen)})
+    block = copy.deepcopy(ref.block)
+    with torch.no_grad():
+        block.input_layernorm.weight.mul_(1.5)
+    for name, t in list(tensors.items()):
+        if name.startswith("mtp.0."):
+            rest = name.removeprefix("mtp.0.")
+            tensors["mtp.1." + rest] = own.get(rest, t).clone()
+    tensors["mtp.1.attn_norm.weight"] = block.input_layernorm.weight.detach().clone()
+    folder = tmp_path_factory.mktemp("dsv4-mtp2")
+    save_file(tensors, folder / "model.safetensors")
+    cfg = json.loads((target / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(cfg, num_nextn_predict_layers=2)))
+    return folder, ref, [(ref.w, ref.block), (own, block)]
+
+
+def test_two_mtp_layers_chain_losslessly(two_layers):
+    """Two MTP layers, k=2: draft 2 is the second layer's, over its own window cache, from
+    the first's output streams (every proposal is the chain's formula); greedy tokens and
+    logprobs are the plain engine's; drafts at both positions are accepted and rejected."""
+    folder, ref, layers = two_layers
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (70, 9)]
+    sp = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=1)
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    plain, plain_lp = _tokens_and_logprobs(_llm(folder).generate(inputs, sp, use_tqdm=False))
+    llm = _llm(folder, max_num_batched_tokens=48,
+               speculative_config={"method": "mtp", "num_speculative_tokens": K})
+    drafter = llm.llm_engine.core.runner.drafter
+    assert drafter.depths == 2 and len(drafter.model.layers) == 2
+    per_pos = [0, 0]
+    stats = llm.llm_engine.core.scheduler.stats
+
+    def counting():
+        s = stats()
+        for i, n in enumerate(s.spec_num_accepted_tokens_per_pos or []):
+            per_pos[i] += n
+        return s
+    llm.llm_engine.core.scheduler.stats = counting
+    counter, log = SpecCounter(llm), record_proposals(llm)
+    spec, spec_lp = _tokens_and_logprobs(llm.generate(inputs, sp, use_tqdm=False))
+    assert spec == plain
+    torch.testing.assert_close(spec_lp, plain_lp, atol=1e-5, rtol=0)
+    assert counter.draft_tokens == K * counter.drafts
+    assert sum(per_pos) == counter.accepted < counter.draft_tokens
+    assert per_pos[0] >= per_pos[1] > 0  # the second layer's drafts are accepted too
+    assert len(log) > 8
+    for seq, drafts in log:
+        assert drafts == ref.chain_drafts(seq, layers[:len(drafts)]), len(seq)
 
 
 def test_a_compressed_mtp_layer_is_refused(ckpt, tmp_path):
