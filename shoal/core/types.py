@@ -30,6 +30,9 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     lora: LoRARequest | None = None  # the LoRA adapter it runs with
     # its images, in prompt order (placeholders already expanded in prompt_token_ids)
     mm_features: list[MultiModalFeature] | None = None
+    # The data-parallel replica the client asked for (vLLM's X-data-parallel-rank; a cache-
+    # aware router names the one holding the prefix); None: the DP client balances by load.
+    data_parallel_rank: int | None = None
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):

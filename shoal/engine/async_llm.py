@@ -21,6 +21,7 @@ from shoal.core.errors import ErrorCode
 from shoal.core.types import SchedulerStats
 from shoal.engine.core_client import EngineCoreClient
 from shoal.engine.core_messages import CoreOutputs, Ready
+from shoal.engine.dp_client import check_data_parallel_rank
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.input_processor import InputProcessor, PromptType
 from shoal.engine.mm_frontend import MultiModalFrontend
@@ -173,13 +174,19 @@ class AsyncLLM:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
                     priority: int = 0, cache_salt: str | None = None,
                     output_kind: OutputKind = OutputKind.FINAL_ONLY,
-                    lora_request: LoRARequest | None = None) -> RequestStream:
+                    lora_request: LoRARequest | None = None,
+                    data_parallel_rank: int | None = None) -> RequestStream:
         """Validates and submits; raises ValueError (bad input), QueueFullError or
-        EngineDeadError before anything reaches the core."""
+        EngineDeadError before anything reaches the core. data_parallel_rank: the replica
+        to run on (data_parallel_size > 1; None: the least loaded)."""
         if self.errored is not None:
             raise EngineDeadError(str(self.errored))
+        rank = check_data_parallel_rank(data_parallel_rank,
+                                        self.engine_args.data_parallel_size)
         req = self.inputs.process_request(request_id, prompt, params, priority=priority,
                                           cache_salt=cache_salt, lora_request=lora_request)
+        for r in req.core_requests:  # every sample of it on that replica
+            r.data_parallel_rank = rank
         self._check_queue(len(req.core_requests))
         stream = RequestStream(self, request_id)
         stream.constrained = params.structured_outputs is not None
@@ -224,11 +231,13 @@ class AsyncLLM:
                        request_id: str, priority: int = 0, *, cache_salt: str | None = None,
                        output_kind: OutputKind = OutputKind.FINAL_ONLY,
                        lora_request: LoRARequest | None = None,
+                       data_parallel_rank: int | None = None,
                        ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs; stopping early (or cancellation) aborts it."""
         stream = self.add_request(request_id, prompt, sampling_params, priority=priority,
                                   cache_salt=cache_salt, output_kind=output_kind,
-                                  lora_request=lora_request)
+                                  lora_request=lora_request,
+                                  data_parallel_rank=data_parallel_rank)
         try:
             async for out in stream:
                 yield out

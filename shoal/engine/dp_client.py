@@ -3,7 +3,9 @@ one frontend (vLLM's `data_parallel_size` with its internal load balancing).
 
 `DataParallelCoreClient` has EngineCoreClient's interface, so AsyncLLM does not know how
 many engines it drives. A new request goes to the engine with the fewest requests in flight
-(ties: the lowest rank); its aborts follow it there. Outputs of all engines feed one queue,
+(ties: the lowest rank), unless it names its replica (`data_parallel_rank`, which the HTTP
+server takes from vLLM's `X-data-parallel-rank` header: a cache-aware router sends it to the
+replica holding its prefix); its aborts follow it there. Outputs of all engines feed one queue,
 each message tagged with its replica (`engine_index`): the metrics are labelled per engine, as
 vLLM's, and the frontend merges the replicas' latest statistics for the log line and its
 queue limit. Replica r runs on GPU r * tensor_parallel_size (on the CPU, the cores are shared
@@ -40,13 +42,27 @@ from shoal.metrics.stats import CUMULATIVE_FIELDS, merge_engine_stats
 
 logger = logging.getLogger(__name__)
 
+
+def check_data_parallel_rank(rank: object, size: int, field: str = "data_parallel_rank"
+                             ) -> int | None:
+    """A request's replica (None: any); ValueError naming `field` unless an integer in
+    [0, size)."""
+    if rank is None:
+        return None
+    if type(rank) is not int or not 0 <= rank < size:
+        raise ValueError(f"{field} must be an integer in [0, {size}): this server runs {size} "
+                         f"data-parallel replica{'s' if size != 1 else ''} (got {rank!r})")
+    return rank
+
+
 def replica_args(engine_args: EngineArgs, rank: int, port: int | None = None) -> EngineArgs:
-    """The engine arguments of replica `rank`: its own GPU(s), or its share of the cores;
-    DP+EP: its rank in the replicas' process group, which meets on `port`."""
+    """The engine arguments of replica `rank`: its own GPU(s), or its share of the cores,
+    and its rank (its KV events say which replica they come from, on their own port); DP+EP:
+    the port the replicas' process group meets on."""
     dp = engine_args.data_parallel_size
+    engine_args = dataclasses.replace(engine_args, data_parallel_rank=rank)
     if engine_args.enable_expert_parallel is True:
-        engine_args = dataclasses.replace(engine_args, data_parallel_rank=rank,
-                                          data_parallel_master_port=port)
+        engine_args = dataclasses.replace(engine_args, data_parallel_master_port=port)
     device = engine_args.device
     if device is None:
         import torch
@@ -107,10 +123,19 @@ class DataParallelCoreClient:
 
     # ---- traffic --------------------------------------------------------------------------
     def add_request(self, req: EngineCoreRequest) -> None:
+        """To the replica the request names, else the least loaded; a named replica that
+        died leaves the choice to the load (its prefix is gone with it)."""
         live = self._live_ranks()
         if not live:
             raise EngineDeadError("every engine replica has died")
-        rank = min(live, key=lambda i: (self._in_flight[i], i))
+        named = check_data_parallel_rank(req.data_parallel_rank, len(self.clients))
+        if named is not None and named in live:
+            rank = named
+        else:
+            if named is not None:
+                logger.debug("request %s names replica %d, which died: balanced instead",
+                             req.request_id, named)
+            rank = min(live, key=lambda i: (self._in_flight[i], i))
         self.clients[rank].add_request(req)
         self._owner[req.request_id] = rank
         self._in_flight[rank] += 1

@@ -1,6 +1,7 @@
 """The router's HTTP app: /v1/completions and /v1/chat/completions proxied (streams pass
-through as they come) to the backend the policy picks; /health, /v1/models and
-/router/state (the index and loads, for operators and tests)."""
+through as they come) to the backend replica the policy picks (a data-parallel backend's
+replica named in the X-data-parallel-rank header); /health, /v1/models and /router/state
+(the index and loads, for operators and tests)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ from fastapi.responses import JSONResponse, Response
 from shoal.kv_cache.events import BlockStored, KVEventBatch
 from shoal.router import upstream
 from shoal.router.passthrough import pass_through
-from shoal.router.policy import Router
+from shoal.router.policy import Router, Target
 from shoal.router.subscriber import EventSubscriber
 
 logger = logging.getLogger(__name__)
 
-# Request headers passed to the backend (the rest are the router's own connection's).
+# Request headers passed to the backend (the rest are the router's own connection's; a
+# client's X-data-parallel-rank among them: the router places requests itself).
 _FORWARDED = ("authorization", "content-type", "accept", "x-request-id")
+DP_RANK_HEADER = "X-data-parallel-rank"  # vLLM's: run the request on this DP replica
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -32,19 +35,35 @@ def _error(status: int, message: str) -> JSONResponse:
                                    "code": status}}, status_code=status)
 
 
+def _learn_rank(router: Router, holder: tuple[int, int], endpoint: str,
+                batch: KVEventBatch) -> None:
+    """A data-parallel replica is named by the rank its events carry (expected: its
+    endpoint's place in --kv-events)."""
+    replica = router.replica(holder)
+    rank = batch.data_parallel_rank
+    if replica.rank is None or rank is None or rank == replica.rank:
+        return
+    logger.warning("KV events on %s come from data-parallel rank %d, not %d (its place in "
+                   "--kv-events): requests for its blocks name rank %d", endpoint, rank,
+                   replica.rank, rank)
+    replica.rank = rank
+
+
 def _subscribers(router: Router, ctx: zmq.asyncio.Context, topic: str) -> list[EventSubscriber]:
     subs = []
     for i, backend in enumerate(router.backends):
-        def apply(batch: KVEventBatch, i: int = i) -> None:
-            for ev in batch.events:  # the engines' block size, once known
-                if isinstance(ev, BlockStored) and ev.block_size != router.block_size:
-                    logger.info("backends use %d-token blocks", ev.block_size)
-                    router.block_size = ev.block_size
-            router.index.apply(i, batch.events)
+        for j, (endpoint, replay) in enumerate(zip(backend.kv_events, backend.replay)):
+            def apply(batch: KVEventBatch, holder: tuple[int, int] = (i, j),
+                      endpoint: str = endpoint) -> None:
+                for ev in batch.events:  # the engines' block size, once known
+                    if isinstance(ev, BlockStored) and ev.block_size != router.block_size:
+                        logger.info("backends use %d-token blocks", ev.block_size)
+                        router.block_size = ev.block_size
+                _learn_rank(router, holder, endpoint, batch)
+                router.index.apply(holder, batch.events)
 
-        for endpoint, replay in zip(backend.kv_events, backend.replay):
             subs.append(EventSubscriber(ctx, endpoint, replay, apply,
-                                        lambda i=i: router.index.clear(i), topic))
+                                        lambda h=(i, j): router.index.clear(h), topic))
     return subs
 
 
@@ -72,7 +91,7 @@ def build_app(router: Router, topic: str = "") -> FastAPI:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return await _proxy(router, request, "/v1/models", b"", 0, method="GET")
+        return await _proxy(router, request, "/v1/models", b"", Target(0), method="GET")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -101,26 +120,29 @@ async def _route(router: Router, request: Request, path: str) -> Response:
     salt = body.get("cache_salt")
     hashes = (router.hashes(prompt, salt if isinstance(salt, str) else None)
               if prompt is not None and prompt.token_ids else [])
-    target, hit = router.choose(hashes)
-    logger.debug("%s: %d of %d blocks held by %s", path, hit, len(hashes),
-                 router.backends[target].url)
-    return await _proxy(router, request, path, raw, target, hit=hit)
+    target = router.choose(hashes)
+    logger.debug("%s: %d of %d blocks held by %s replica %s", path, target.hit, len(hashes),
+                 router.backends[target.backend].url, router.replica(target.holder).rank)
+    return await _proxy(router, request, path, raw, target)
 
 
-async def _proxy(router: Router, request: Request, path: str, raw: bytes, target: int,
-                 method: str = "POST", hit: int = 0) -> Response:
-    backend = router.backends[target]
-    backend.in_flight += 1
-    backend.routed += 1
-    backend.prefix_routed += hit > 0
+async def _proxy(router: Router, request: Request, path: str, raw: bytes, target: Target,
+                 method: str = "POST") -> Response:
+    url = router.backends[target.backend].url
+    replica = router.replica(target.holder)
+    headers, shown = _headers(request), {"x-shoal-backend": url}
+    if replica.rank is not None:
+        headers[DP_RANK_HEADER] = shown["x-shoal-replica"] = str(replica.rank)
+    replica.in_flight += 1
+    replica.routed += 1
+    replica.prefix_routed += target.hit > 0
     try:
-        resp = await upstream.request(backend.url, method, path, raw, _headers(request),
-                                      timeout=None)
+        resp = await upstream.request(url, method, path, raw, headers, timeout=None)
     except upstream.UpstreamError as e:
-        backend.in_flight -= 1
+        replica.in_flight -= 1
         return _error(502, str(e))
 
-    def done() -> None:  # the backend's load drops whether the client stayed or left
-        backend.in_flight -= 1
+    def done() -> None:  # the replica's load drops whether the client stayed or left
+        replica.in_flight -= 1
 
-    return pass_through(resp, headers={"x-shoal-backend": backend.url}, on_done=done)
+    return pass_through(resp, headers=shown, on_done=done)

@@ -14,8 +14,10 @@ def add_router_flags(p: argparse.ArgumentParser) -> None:
                    help="a backend server, http://host:port (repeat for each)")
     p.add_argument("--kv-events", action="append", default=[], metavar="ENDPOINT",
                    help="the KV events PUB endpoint of each backend, in --backend order "
-                        "(tcp://host:5557; several, comma-separated, for a data-parallel "
-                        "backend's replicas). Without them requests are balanced by load "
+                        "(tcp://host:5557; for a data-parallel backend each replica's, "
+                        "comma-separated in rank order: tcp://host:5557,tcp://host:5558, so "
+                        "requests go to the replica holding their prefix and the load is "
+                        "balanced per replica). Without them requests are balanced by load "
                         "alone")
     p.add_argument("--kv-events-replay", action="append", default=[], metavar="ENDPOINT",
                    help="the replay endpoint of each backend, in the same order "

@@ -1,52 +1,56 @@
-"""Which backend holds which prefix-cache block, from their KV events."""
+"""Which engine holds which prefix-cache block, from their KV events. A holder is any
+hashable key: the router's is (backend id, replica index), so each data-parallel replica of a
+backend has blocks of its own."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 
 from shoal.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from shoal.kv_cache.hashing import BlockHash
 
+Holder = Hashable
+
 
 class PrefixIndex:
     def __init__(self) -> None:
-        self._where: dict[BlockHash, set[int]] = {}  # block hash -> backend ids
-        self._held: dict[int, set[BlockHash]] = {}  # backend id -> its block hashes
+        self._where: dict[BlockHash, set[Holder]] = {}  # block hash -> its holders
+        self._held: dict[Holder, set[BlockHash]] = {}  # holder -> its block hashes
 
-    def apply(self, backend: int, events: Iterable[KVEvent]) -> None:
-        held = self._held.setdefault(backend, set())
+    def apply(self, holder: Holder, events: Iterable[KVEvent]) -> None:
+        held = self._held.setdefault(holder, set())
         for ev in events:
             if isinstance(ev, BlockStored):
                 for h in ev.block_hashes:
-                    self._where.setdefault(h, set()).add(backend)
+                    self._where.setdefault(h, set()).add(holder)
                     held.add(h)
             elif isinstance(ev, BlockRemoved):
                 for h in ev.block_hashes:
-                    self._drop(backend, h)
+                    self._drop(holder, h)
                     held.discard(h)
             elif isinstance(ev, AllBlocksCleared):
-                self.clear(backend)
+                self.clear(holder)
 
-    def clear(self, backend: int) -> None:
-        """Forgets a backend's blocks (it reset its cache, or restarted)."""
-        for h in self._held.pop(backend, set()):
-            self._drop(backend, h)
+    def clear(self, holder: Holder) -> None:
+        """Forgets a holder's blocks (it reset its cache, or restarted)."""
+        for h in self._held.pop(holder, set()):
+            self._drop(holder, h)
 
-    def _drop(self, backend: int, h: BlockHash) -> None:
+    def _drop(self, holder: Holder, h: BlockHash) -> None:
         owners = self._where.get(h)
         if owners is not None:
-            owners.discard(backend)
+            owners.discard(holder)
             if not owners:
                 del self._where[h]
 
-    def num_blocks(self, backend: int) -> int:
-        return len(self._held.get(backend, ()))
+    def num_blocks(self, holder: Holder) -> int:
+        return len(self._held.get(holder, ()))
 
-    def match(self, hashes: Sequence[BlockHash]) -> dict[int, int]:
-        """Backend id -> how many leading blocks of `hashes` it holds (backends with none
-        are left out): an engine's prefix hit stops at its first missing block."""
-        out: dict[int, int] = {}
-        alive: set[int] | None = None
+    def match(self, hashes: Sequence[BlockHash]) -> dict[Holder, int]:
+        """Holder -> how many leading blocks of `hashes` it holds (holders with none are
+        left out): an engine's prefix hit stops at its first missing block."""
+        out: dict[Holder, int] = {}
+        alive: set[Holder] | None = None
         for i, h in enumerate(hashes):
             owners = self._where.get(h, set())
             alive = set(owners) if alive is None else alive & owners

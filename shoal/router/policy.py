@@ -1,6 +1,12 @@
-"""The routing decision: the backend holding the longest prefix of the prompt's blocks,
+"""The routing decision: the engine holding the longest prefix of the prompt's blocks,
 unless it is much busier than the least loaded one; otherwise the least loaded (round robin
 among equals).
+
+An engine is a backend's replica: a data-parallel server (data_parallel_size > 1, its
+replicas behind one URL) is one replica per DP rank, each publishing its own KV events on
+its own endpoint, and a request for one of them names it in vLLM's X-data-parallel-rank
+header. Prefix hits and loads are counted per replica; a backend with one events endpoint
+(or none) is one replica the router does not name (its server places the request).
 
 The prompt's block hashes are the engines' own (kv_cache/hashing.py), so they match the
 hashes of the engines' KV events: the expanded token ids, and for a block over an image's
@@ -67,13 +73,47 @@ def parse_placeholders(value: Any) -> list[ImageSpan] | None:
 
 
 @dataclass
-class Backend:
-    url: str
-    kv_events: list[str] = field(default_factory=list)  # PUB endpoints (one per DP rank)
-    replay: list[str | None] = field(default_factory=list)
+class Replica:
+    """One engine of a backend: rank is its DP rank (named to the backend), None for a
+    backend's only engine."""
+
+    rank: int | None
     in_flight: int = 0
     routed: int = 0  # requests sent here
     prefix_routed: int = 0  # ...of which for a prefix it held
+
+
+@dataclass
+class Backend:
+    url: str
+    # KV events PUB endpoints: one per DP rank, in rank order (the replicas bind the port
+    # plus their rank), or one for a server of one engine
+    kv_events: list[str] = field(default_factory=list)
+    replay: list[str | None] = field(default_factory=list)
+    replicas: list[Replica] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.kv_events)
+        self.replicas = [Replica(r) for r in range(n)] if n > 1 else [Replica(None)]
+
+    @property
+    def in_flight(self) -> int:
+        return sum(r.in_flight for r in self.replicas)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a request goes: replica `replica` of backend `backend` (indices into
+    Router.backends and its replicas), and how many leading blocks of the prompt it holds."""
+
+    backend: int
+    replica: int = 0
+    hit: int = 0
+
+    @property
+    def holder(self) -> tuple[int, int]:
+        """Its key in the prefix index."""
+        return self.backend, self.replica
 
 
 class Router:
@@ -84,24 +124,31 @@ class Router:
         self.backends = list(backends)
         self.block_size = block_size
         self.max_imbalance = max_imbalance
-        self.index = PrefixIndex()
-        self._next = 0  # round robin among equally loaded backends
+        self.index = PrefixIndex()  # keyed by (backend id, replica index): Target.holder
+        self._holders = [(b, j) for b, backend in enumerate(self.backends)
+                         for j in range(len(backend.replicas))]
+        self._next = 0  # round robin among equally loaded replicas
 
-    def choose(self, hashes: Sequence[BlockHash]) -> tuple[int, int]:
-        """(backend id, blocks of its prefix hit) for a prompt's full-block hashes."""
+    def replica(self, holder: tuple[int, int]) -> Replica:
+        b, j = holder
+        return self.backends[b].replicas[j]
+
+    def choose(self, hashes: Sequence[BlockHash]) -> Target:
+        """The replica for a prompt's full-block hashes."""
         matched = self.index.match(hashes) if hashes else {}
-        least = min(b.in_flight for b in self.backends)
+        load = {h: self.replica(h).in_flight for h in self._holders}
+        least = min(load.values())
         if matched:
-            best = max(matched, key=lambda i: (matched[i], -self.backends[i].in_flight))
-            if self.backends[best].in_flight <= least + self.max_imbalance:
-                return best, matched[best]
-        n = len(self.backends)
+            best = max(matched, key=lambda h: (matched[h], -load[h]))
+            if load[best] <= least + self.max_imbalance:
+                return Target(*best, hit=matched[best])
+        n = len(self._holders)
         for k in range(n):
-            i = (self._next + k) % n
-            if self.backends[i].in_flight == least:
-                self._next = i + 1
-                return i, matched.get(i, 0)
-        raise AssertionError("unreachable: some backend has the least load")
+            h = self._holders[(self._next + k) % n]
+            if load[h] == least:
+                self._next = (self._next + k + 1) % n
+                return Target(*h, hit=matched.get(h, 0))
+        raise AssertionError("unreachable: some replica has the least load")
 
     def hashes(self, prompt: RoutedPrompt, salt: str | None) -> list[BlockHash]:
         return hash_full_blocks(list(prompt.token_ids), self.block_size, [], salt,
@@ -145,7 +192,14 @@ class Router:
         return RoutedPrompt(data["tokens"], images)
 
     def state(self) -> dict[str, Any]:
-        return {"block_size": self.block_size, "backends": [
-            {"url": b.url, "in_flight": b.in_flight, "routed": b.routed,
-             "prefix_routed": b.prefix_routed, "cached_blocks": self.index.num_blocks(i)}
-            for i, b in enumerate(self.backends)]}
+        """Each backend's totals and its replicas' own counts."""
+        backends = []
+        for i, b in enumerate(self.backends):
+            replicas = [{"rank": r.rank, "in_flight": r.in_flight, "routed": r.routed,
+                         "prefix_routed": r.prefix_routed,
+                         "cached_blocks": self.index.num_blocks((i, j))}
+                        for j, r in enumerate(b.replicas)]
+            totals = {k: sum(r[k] for r in replicas)
+                      for k in ("in_flight", "routed", "prefix_routed", "cached_blocks")}
+            backends.append({"url": b.url, **totals, "replicas": replicas})
+        return {"block_size": self.block_size, "backends": backends}

@@ -25,7 +25,7 @@ from shoal.kv_cache.events import BlockStored
 from shoal.kv_cache.hashing import hash_full_blocks
 from shoal.multimodal.media import MediaSettings
 from shoal.router import policy
-from shoal.router.policy import Backend, RoutedPrompt, Router, parse_placeholders
+from shoal.router.policy import Backend, RoutedPrompt, Router, Target, parse_placeholders
 
 BLOCK = 16
 TEXT = " ".join(f"w{i}" for i in range(20))  # more than a block before the image
@@ -116,11 +116,12 @@ def test_chats_that_differ_in_an_image_route_by_the_image(engine, monkeypatch) -
             == router.hashes(RoutedPrompt(py.token_ids), None))
 
     for backend, hashes in enumerate((hx, hy)):  # a holds x's blocks, b holds y's
-        router.index.apply(backend, [BlockStored(hashes, None, [], BLOCK)])
-    assert router.choose(hy) == (1, len(hy)) and router.choose(hx) == (0, len(hx))
+        router.index.apply((backend, 0), [BlockStored(hashes, None, [], BLOCK)])
+    assert router.choose(hy) == Target(1, 0, len(hy))
+    assert router.choose(hx) == Target(0, 0, len(hx))
     # the same pixels in another PNG encoding: the engine's identity is the pixels'
     again = asyncio.run(router.prompt("/v1/chat/completions", chat(png_url(y, level=1)), {}))
-    assert router.choose(router.hashes(again, None)) == (1, len(hy))
+    assert router.choose(router.hashes(again, None)) == Target(1, 0, len(hy))
 
 
 def test_malformed_placeholders_route_by_load() -> None:

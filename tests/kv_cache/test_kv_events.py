@@ -173,7 +173,7 @@ def test_publisher_sequence_numbers_and_replay() -> None:
 # ---- the router's side: index, choice, and a subscriber that replays what it missed ------
 def test_index_matches_leading_blocks_and_router_balances() -> None:
     from shoal.router.index import PrefixIndex
-    from shoal.router.policy import Backend, Router
+    from shoal.router.policy import Backend, Router, Target
 
     h = hash_full_blocks(list(range(16)), BS, [])
     index = PrefixIndex()
@@ -186,12 +186,12 @@ def test_index_matches_leading_blocks_and_router_balances() -> None:
     assert index.match(h) == {} and index.num_blocks(1) == 0
     router = Router([Backend("http://a"), Backend("http://b")], block_size=BS,
                     max_imbalance=2)
-    router.index.apply(1, [BlockStored(h[:2], None, [], BS)])
-    assert router.choose(h) == (1, 2)
-    router.backends[1].in_flight = 3  # too busy beside an idle backend: balance instead
-    assert router.choose(h) == (0, 0)
-    router.backends[1].in_flight = 0
-    picks = [router.choose([])[0] for _ in range(4)]  # round robin among equals
+    router.index.apply((1, 0), [BlockStored(h[:2], None, [], BS)])  # (backend, replica)
+    assert router.choose(h) == Target(1, 0, hit=2)
+    router.backends[1].replicas[0].in_flight = 3  # too busy beside an idle one: balance
+    assert router.choose(h) == Target(0, 0, hit=0)
+    router.backends[1].replicas[0].in_flight = 0
+    picks = [router.choose([]).backend for _ in range(4)]  # round robin among equals
     assert picks[0] != picks[1] and picks[:2] == picks[2:]
 
 

@@ -14,7 +14,9 @@ and in the same process and event loop, the service `shoal.v1.Engine` of
   GetServerInfo (version, the HTTP address, the KV event publisher's address, DP size).
 
 With --api-key, every other method needs the metadata `authorization: Bearer <key>`
-(UNAUTHENTICATED otherwise). Errors are status codes: INVALID_ARGUMENT for a bad request
+(UNAUTHENTICATED otherwise). --grpc-ssl-certfile and --grpc-ssl-keyfile serve over TLS (and
+refuse plaintext clients); --grpc-ssl-ca-certs also requires client certificates those CAs
+sign (mutual TLS); the API key applies over TLS too (tls.py). Errors are status codes: INVALID_ARGUMENT for a bad request
 (with the validator's message), NOT_FOUND for an unknown model, RESOURCE_EXHAUSTED when the
 queue is full, UNAVAILABLE when the engine is dead or the server drains.
 
@@ -24,6 +26,8 @@ A client in any language is generated from the proto; in Python:
 
     import grpc, shoal_engine_pb2 as pb, shoal_engine_pb2_grpc as pb_grpc
     stub = pb_grpc.EngineStub(grpc.insecure_channel("localhost:50051"))
+    # over TLS: grpc.secure_channel("localhost:50051", grpc.ssl_channel_credentials(
+    #     root_certificates=CA_PEM))  (+ private_key=, certificate_chain= for mutual TLS)
     req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=[1, 2, 3]),
                              sampling_params=pb.SamplingParams(max_tokens=8, temperature=0))
     for msg in stub.Generate(req, metadata=[("authorization", "Bearer KEY")]):

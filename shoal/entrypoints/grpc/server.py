@@ -18,6 +18,7 @@ from shoal.engine.request_errors import EngineDeadError, RequestTimeoutError
 from shoal.entrypoints.grpc import health
 from shoal.entrypoints.grpc import shoal_engine_pb2 as pb
 from shoal.entrypoints.grpc import shoal_engine_pb2_grpc as pb_grpc
+from shoal.entrypoints.grpc.tls import TlsFiles, server_credentials
 from shoal.entrypoints.openai.errors import OpenAIError, ServerShuttingDown
 from shoal.entrypoints.openai.server_settings import ServerSettings
 from shoal.entrypoints.openai.serving_models import ServedModels
@@ -254,9 +255,11 @@ def _rejecting(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHa
 async def start_grpc_server(engine: AsyncLLM, models: ServedModels, settings: ServerSettings,
                             draining: Callable[[], bool], kv_events_address: str | None = None
                             ) -> health.ControlPlane:
-    """Binds --host:--grpc-port and starts serving shoal.v1.Engine, grpc.health.v1.Health and
-    reflection on the running event loop; the caller stops it (`await plane.stop(grace)`:
-    health turns NOT_SERVING first)."""
+    """Binds --host:--grpc-port (over TLS with --grpc-ssl-certfile: tls.py) and starts
+    serving shoal.v1.Engine, grpc.health.v1.Health and reflection on the running event loop;
+    the caller stops it (`await plane.stop(grace)`: health turns NOT_SERVING first)."""
+    tls = TlsFiles.of(settings)
+    credentials = server_credentials(tls) if tls is not None else None  # before binding
     interceptors = [ApiKeyInterceptor(settings.api_key)] if settings.api_key else []
     server = grpc.aio.server(interceptors=interceptors)
     servicer = EngineServicer(engine, models, settings, draining, kv_events_address)
@@ -265,11 +268,13 @@ async def start_grpc_server(engine: AsyncLLM, models: ServedModels, settings: Se
     await health_servicer.refresh()  # the engine is up: SERVING from the first call
     address = f"{settings.host}:{settings.grpc_port}"
     try:
-        bound = server.add_insecure_port(address)
+        bound = (server.add_secure_port(address, credentials) if credentials is not None
+                 else server.add_insecure_port(address))
     except RuntimeError as e:
         raise OSError(f"cannot listen for gRPC on {address}: {e}") from None
     if not bound:
         raise OSError(f"cannot listen for gRPC on {address}")
     await server.start()
-    logger.info("gRPC control plane on %s", address)
+    logger.info("gRPC control plane on %s (%s)", address,
+                tls.describe() if tls is not None else "plaintext")
     return health.ControlPlane(server, health_servicer)

@@ -172,7 +172,7 @@ class OpenAIServingResponses(ServingBase):
         stream = self.engine.add_request(
             random_id("resp"), prompt, params,
             output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY,
-            lora_request=self.models.lora(req.model))
+            lora_request=self.models.lora(req.model), data_parallel_rank=self.replica(raw))
         rid, msg_id = "resp_" + uuid.uuid4().hex, "msg_" + uuid.uuid4().hex
         conversation = history + turn
         if req.stream:

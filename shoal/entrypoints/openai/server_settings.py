@@ -70,6 +70,15 @@ class ServerSettings:
                                           "(shoal/entrypoints/grpc/shoal_engine.proto) on "
                                           "--host at this port, over the same engine and "
                                           "--api-key (0 or unset: off)")
+    grpc_ssl_certfile: str | None = setting(None, "serve gRPC over TLS: the server's "
+                                                  "certificate chain (PEM; with "
+                                                  "--grpc-ssl-keyfile). Plaintext clients "
+                                                  "are then refused")
+    grpc_ssl_keyfile: str | None = setting(None, "the private key (PEM) of "
+                                                 "--grpc-ssl-certfile")
+    grpc_ssl_ca_certs: str | None = setting(None, "mutual TLS for gRPC: clients must present "
+                                                  "a certificate these CA certificates (PEM) "
+                                                  "sign; --api-key still applies")
     max_stored_responses: int = setting(1000, "Responses API: how many responses are kept in "
                                               "memory for previous_response_id (oldest dropped)")
 
@@ -105,5 +114,21 @@ class ServerSettings:
                              f"(got {self.metrics_prefixes})")
         if self.grpc_port is not None and not 0 <= self.grpc_port <= 65535:
             raise ValueError(f"grpc_port must be in 0..65535 (got {self.grpc_port})")
+        self._check_grpc_tls()
         if self.max_stored_responses < 0:
             raise ValueError("max_stored_responses must be >= 0")
+
+    def _check_grpc_tls(self) -> None:
+        """The TLS flags come as a set (the files are read when the gRPC server starts)."""
+        cert, key = self.grpc_ssl_certfile, self.grpc_ssl_keyfile
+        if (cert is None) != (key is None):
+            given, missing = (("grpc_ssl_certfile", "grpc_ssl_keyfile") if key is None
+                              else ("grpc_ssl_keyfile", "grpc_ssl_certfile"))
+            raise ValueError(f"{missing} must be set with {given}: TLS needs the "
+                             f"certificate and its private key")
+        if self.grpc_ssl_ca_certs is not None and cert is None:
+            raise ValueError("grpc_ssl_ca_certs needs grpc_ssl_certfile and grpc_ssl_keyfile "
+                             "(mutual TLS is TLS with client certificates)")
+        if cert is not None and not self.grpc_port:
+            raise ValueError("grpc_ssl_certfile needs grpc_port: the TLS flags configure the "
+                             "gRPC control plane, which is off")

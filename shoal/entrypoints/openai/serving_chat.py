@@ -174,8 +174,8 @@ class OpenAIServingChat(ServingBase):
                               if req.constraint() is not None else None)
 
     def _submit(self, req: ChatCompletionRequest, prompt: ProcessedPrompt, k: int | None,
-                max_tokens: int | None, engine_id: str, plan: ToolPlan | None = None
-                ) -> RequestStream:
+                max_tokens: int | None, engine_id: str, plan: ToolPlan | None = None,
+                replica: int | None = None) -> RequestStream:
         check_context_length(len(prompt.prompt_token_ids), max_tokens, self.engine.max_model_len,
                              "max_completion_tokens" if req.max_completion_tokens is not None
                              else "max_tokens")
@@ -186,7 +186,7 @@ class OpenAIServingChat(ServingBase):
         return self.engine.add_request(
             engine_id, prompt, params, priority=req.priority, cache_salt=req.cache_salt,
             output_kind=OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY,
-            lora_request=self.models.lora(req.model))
+            lora_request=self.models.lora(req.model), data_parallel_rank=replica)
 
     async def create(self, req: ChatCompletionRequest, raw: Request) -> Response:
         model = self.models.check(req.model)
@@ -199,7 +199,8 @@ class OpenAIServingChat(ServingBase):
                                        "outputs or a required/named tool_choice",
                                   "use_beam_search")
             return await self._beam_search(req, raw, model, prompt, k, max_tokens)
-        stream = self._submit(req, prompt, k, max_tokens, random_id("chatcmpl"), plan)
+        stream = self._submit(req, prompt, k, max_tokens, random_id("chatcmpl"), plan,
+                              self.replica(raw))
         rid = response_id("chatcmpl", req.request_id, raw)
         if req.stream:
             if stream.constrained:
@@ -246,11 +247,12 @@ class OpenAIServingChat(ServingBase):
         model = self.models.check(req.model)
         k, max_tokens = self._prepare(req)
         prompts = [await self.render_async(req, conversation) for conversation in req.messages]
-        engine_id = random_id("chatcmpl")
+        engine_id, replica = random_id("chatcmpl"), self.replica(raw)
         streams: list[RequestStream] = []
         try:
             for i, p in enumerate(prompts):
-                streams.append(self._submit(req, p, k, max_tokens, f"{engine_id}-{i}"))
+                streams.append(self._submit(req, p, k, max_tokens, f"{engine_id}-{i}",
+                                            replica=replica))
             finals: list[RequestOutput | None] = [None] * len(streams)
 
             async def collect() -> None:

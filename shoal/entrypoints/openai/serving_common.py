@@ -1,5 +1,6 @@
 """What the completion, chat and responses handlers share: response ids, the server's
-request-level defaults, the token decoder of the logprobs fields, ORCA load headers."""
+request-level defaults, the token decoder of the logprobs fields, ORCA load headers, the
+data-parallel replica a request names."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from fastapi import Request
 
 from shoal.engine.async_llm import AsyncLLM
+from shoal.engine.dp_client import check_data_parallel_rank
 from shoal.entrypoints.openai.errors import OpenAIError
 from shoal.entrypoints.openai.logprobs import decode_token
 from shoal.entrypoints.openai.server_settings import ServerSettings
@@ -18,6 +20,8 @@ from shoal.entrypoints.openai.serving_models import ServedModels
 from shoal.entrypoints.openai.tool_choice import ToolPlan, ToolsError, plan_tools
 
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
+# vLLM's header that sends a request to one data-parallel replica (a cache-aware router's pick)
+DP_RANK_HEADER = "X-data-parallel-rank"
 
 
 def response_id(prefix: str, requested: str | None, raw: Request | None) -> str:
@@ -25,6 +29,22 @@ def response_id(prefix: str, requested: str | None, raw: Request | None) -> str:
     else a fresh one. The engine gets its own unique id, since clients may reuse these."""
     base = requested or (raw.headers.get("x-request-id") if raw is not None else None)
     return f"{prefix}-{base or uuid.uuid4().hex}"
+
+
+def data_parallel_rank(raw: Request | None, size: int) -> int | None:
+    """The replica the request's X-data-parallel-rank header names (None: no header); a 400
+    naming the header unless it is an integer in [0, data_parallel_size)."""
+    value = raw.headers.get(DP_RANK_HEADER) if raw is not None else None
+    if value is None:
+        return None
+    try:
+        rank: object = int(value)
+    except ValueError:
+        rank = value
+    try:
+        return check_data_parallel_rank(rank, size, DP_RANK_HEADER)
+    except ValueError as e:
+        raise OpenAIError(400, str(e), DP_RANK_HEADER) from None
 
 
 class ServingBase:
@@ -63,6 +83,10 @@ class ServingBase:
         """usage.prompt_tokens_details.cached_tokens whenever the server reports it, 0 on a
         miss (vLLM 0.28's test_single_completion expects {"cached_tokens": 0})."""
         return num_cached if self.settings.enable_prompt_tokens_details else None
+
+    def replica(self, raw: Request | None) -> int | None:
+        """The data-parallel replica the request names (see data_parallel_rank)."""
+        return data_parallel_rank(raw, self.engine.engine_args.data_parallel_size)
 
     def load_headers(self, raw: Request | None) -> dict[str, str] | None:
         """vLLM's ORCA `endpoint-load-metrics` header, when the request asks for it."""

@@ -131,13 +131,14 @@ class OpenAIServingCompletion(ServingBase):
         params = req.to_sampling_params(max_tokens, k, prompt_k, req.constraint())
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         engine_id = random_id("cmpl")
+        replica = self.replica(raw)
         streams: list[RequestStream] = []
         try:  # validate and submit every prompt, or none
             for i, p in enumerate(prompts):
                 streams.append(self.engine.add_request(
                     f"{engine_id}-{i}", p, params, priority=req.priority,
                     cache_salt=req.cache_salt, output_kind=kind,
-                    lora_request=self.models.lora(req.model)))
+                    lora_request=self.models.lora(req.model), data_parallel_rank=replica))
         except BaseException:
             for s in streams:
                 s.abort()
