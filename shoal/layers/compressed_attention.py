@@ -20,13 +20,15 @@ The value's rotation is undone on the output (RoPE at minus the query's position
 grouped output projection: o_groups blocks of heads each projected to o_lora_rank (o_a_proj),
 mixed to hidden_size (o_b_proj).
 
-Plain torch over the spans of the step (shoal/layers/request_spans.py), no kernels: it runs on
-any device, eagerly (the host reads the step's spans once per step, which a CUDA graph cannot
-capture). The step's decodes close their groups and attend as one batch, their rows and
-entries gathered from the caches through indices built once per step; the other requests
-one by one, their queries in chunks whose score tensors stay under SCORE_ELEMENTS (a long
-prefill chunk would otherwise hold [n, H, n] scores, and the indexer's [n, index_n_heads,
-n / m]).
+Plain torch over the step (shoal/layers/request_spans.py), no kernels: it runs on any device.
+The step's decodes close their groups and attend as one batch, in shapes fixed by their block
+tables' width and masked per decode (every decode computes the entry its token would close,
+only those that close one store it; a CSA decode scores every entry its tables hold and reads
+the indexer's top-k), from device tensors only: a step of decodes alone is captured in a CUDA
+graph. The other requests (prefill chunks, verify steps: eager) one by one, from their spans
+read on the host, their queries in chunks whose score tensors stay under SCORE_ELEMENTS (a
+long prefill chunk would otherwise hold [n, H, n] scores, and the indexer's [n,
+index_n_heads, n / m]).
 
 Tensor parallelism splits the query heads, their sinks and the output groups (o_groups / tp
 each: a group's heads stay on one rank, so o_a_proj splits by rows and o_b_proj by columns,
@@ -44,7 +46,6 @@ from torch import nn
 
 from shoal.core.kv_cache_spec import CompressorStateSpec
 from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size
-from shoal.host_to_device import to_device
 from shoal.layers.compressed_indexer import CompressedIndexer, SparseCompressor
 from shoal.layers.interleaved_rope import InterleavedRope
 from shoal.layers.linear import (
@@ -158,7 +159,7 @@ class CompressedAttention(nn.Module):
         kv = self.rope.rotate(self.kv_norm(self.kv_proj(hidden)), cos, sin)
         self.window_rows.write(kv, step)
         ctx = _StepInputs(q, kv)
-        nd = step.num_decodes  # the leading spans, attended as one batch
+        nd = step.num_decodes  # the leading rows, attended as one batch
         if self.compressor is not None:
             rows = self.compressor.project(hidden)
             if self.indexer is not None:
@@ -170,13 +171,15 @@ class CompressedAttention(nn.Module):
             # decodes' as one batch: they read theirs back from the cache)
             if nd:
                 self._close_decode_groups(step)
-            ctx.new_entries = [None] * nd + [self._close_groups(rows, step, span)
-                                             for span in step.spans[nd:]]
-        out = torch.empty_like(q)
-        if nd:
-            out[:nd] = self._attend_decodes(ctx, step)
-        for i, span in enumerate(step.spans[nd:], nd):
-            out[span.start:span.start + span.length] = self._attend(ctx, step, span, i)
+            ctx.new_entries = [self._close_groups(rows, step, span) for span in step.spans]
+        if step.decodes_only:  # (what a decode graph captures)
+            out = self._attend_decodes(ctx, step)
+        else:
+            out = torch.empty_like(q)
+            if nd:
+                out[:nd] = self._attend_decodes(ctx, step)
+            for i, span in enumerate(step.spans):
+                out[span.start:span.start + span.length] = self._attend(ctx, step, span, i)
         out = self.rope.rotate(out, cos, sin, inverse=True)
         return self.o_b_proj(self._grouped_out(out.view(t, self.o_groups, -1)))
 
@@ -214,11 +217,12 @@ class CompressedAttention(nn.Module):
 
     def _attend_decodes(self, ctx: _StepInputs, step: StepSpans) -> torch.Tensor:
         """The step's decodes [Bd, H, D] as one batch, each query over its window's rows and
-        its compressed entries, read from the caches (this step's were written before)."""
+        its compressed entries, read from the caches (this step's were written before). The
+        shapes follow the tables' width, never a decode's length: a graph replays them."""
         nd, n_entries = step.num_decodes, 0
-        if self.compressor is not None:
-            m = self.compressor.ratio
-            n_entries = max((s.context + 1) // m for s in step.spans[:nd])
+        if self.entries is not None:
+            index = self.entries.decode_index(step)
+            n_entries = 0 if index is None else index[2].shape[1]
         per = queries_per_chunk(self._score_heads, self.window + n_entries, grows=False)
         outs = [self._attend_decode_rows(ctx, step, slice(a, min(a + per, nd)))
                 for a in range(0, nd, per)]
@@ -229,56 +233,65 @@ class CompressedAttention(nn.Module):
         q = ctx.q[rows]
         keys, allowed = self.window_rows.read_decodes(step, self.window, rows)
         keys = keys.to(q.dtype)
-        loaded = self.entries.load_decodes(step, rows) if self.entries is not None else None
-        if loaded is not None:
-            stored, own = loaded
-            stored = stored.to(q.dtype)
-            if self.indexer is not None:
-                own = self.indexer.select(ctx.index_q[rows], ctx.index_w[rows],
-                                          stored[..., self.head_dim:], own)
-            keys = torch.cat([keys, stored[..., :self.head_dim]], dim=1)
+        entries = self._decode_entries(ctx, step, rows) if self.entries is not None else None
+        if entries is not None:
+            stored, own = entries
+            keys = torch.cat([keys, stored.to(q.dtype)], dim=1)
             allowed = torch.cat([allowed, own], dim=1)
         return self._softmax(q, keys, allowed)
 
+    def _decode_entries(self, ctx: _StepInputs, step: StepSpans, rows: slice
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The entries the decodes `rows` read [n, K, D] and which are theirs to read [n, K]:
+        on HCA every entry their tables hold, on CSA the indexer's top-k of them (scored on
+        their index keys; only the picked ones' keys are read). None: the tables hold none."""
+        assert self.entries is not None
+        d = self.head_dim
+        if self.indexer is None:
+            return self.entries.load_decodes(step, rows, slice(0, d))
+        loaded = self.entries.load_decodes(step, rows, slice(d, None))
+        if loaded is None:
+            return None
+        index_keys, own = loaded
+        picked, seen = self.indexer.pick(ctx.index_q[rows], ctx.index_w[rows], index_keys, own)
+        return self.entries.gather_decodes(step, rows, picked, slice(0, d)), seen
+
     def _close_decode_groups(self, step: StepSpans) -> None:
         """The entries of the groups the step's decodes complete (a decode closes at most
-        one), computed as one batch from the open groups' rows in the cache and stored."""
+        one), computed as one batch from the open groups' rows in the cache and stored. Every
+        decode row computes one (fixed shapes); only those closing a group store theirs."""
         assert self.compressor is not None and self.entries is not None
-        closing = self._closing_decodes(step)
-        if closing is None:
-            return
-        rows, groups, slots = closing
+        closing, groups, slots = self._closing_decodes(step)
         inputs = self.pending_rows.rows_at(slots)
         width, _ = self._row_split()
         entries = self.compressor.compress_closing(inputs[..., :width], groups)
         if self.indexer is not None:
             keys = self.indexer.compress_closing(inputs[..., width:], groups)
             entries = torch.cat([entries, keys.to(entries.dtype)], dim=-1)
-        self.entries.store_decodes(entries, rows, groups, step)
+        self.entries.store_decodes(entries, closing, groups, step)
 
     def _closing_decodes(self, step: StepSpans
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """The decodes whose token completes a group: their indices [n], their groups [n]
-        and the slots of the rows their entries pool [n, (1 + groups_before) m] (a group 0's
-        missing group before reads position 0's, masked). Built once per step and ratio."""
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """For each of the step's decodes: whether its token completes a group [Bd] (never a
+        graph's padding row), that group [Bd] (0 before the first completes) and the slots of
+        the rows its entry pools [Bd, (1 + groups_before) m] (a group 0's missing group
+        before reads position 0's, masked). Built once per step and ratio."""
         assert self.compressor is not None and self.pending_rows is not None
         m, before = self.compressor.ratio, self.compressor.groups_before
-        key = ("closing", self.pending_rows.kv_group, m, before)
+        group = self.pending_rows.kv_group
+        key = ("closing", group, m, before)
         if key not in step.indices:
-            closing = [b for b, s in enumerate(step.spans[:step.num_decodes])
-                       if (s.context + 1) % m == 0]
-            found = None
-            if closing:
-                p = step.decode_positions
-                rows = to_device(closing, torch.long, p.device)
-                groups = torch.div(p[rows] + 1, m, rounding_mode="floor") - 1
-                k = (groups - before)[:, None] * m + torch.arange((1 + before) * m,
-                                                                  device=p.device)
-                k = k.clamp(min=0)
-                bs = step.block_size
-                table = step.decode_tables[self.pending_rows.kv_group][rows]
-                found = rows, groups, table.gather(1, k // bs) * bs + k % bs
-            step.indices[key] = found
+            p = step.decode_positions
+            closing = (torch.remainder(p + 1, m) == 0) & step.decode_live(group)
+            groups = (torch.div(p + 1, m, rounding_mode="floor") - 1).clamp(min=0)
+            k = (groups - before)[:, None] * m + torch.arange((1 + before) * m,
+                                                              device=p.device)
+            k = k.clamp(min=0)
+            bs = step.block_size
+            table = step.decode_tables[group]
+            # (a decode closing nothing may point past its blocks: a column of its table)
+            column = (k // bs).clamp(max=table.shape[1] - 1)
+            step.indices[key] = closing, groups, table.gather(1, column) * bs + k % bs
         return step.indices[key]
 
     def _attend(self, ctx: _StepInputs, step: StepSpans, span: RequestSpan,
@@ -333,7 +346,7 @@ class CompressedAttention(nn.Module):
                       i: int) -> torch.Tensor | None:
         """The request's entries [N, D (+ index_head_dim)] of its complete groups (N =
         span.end // m): those cached before this step, then those it closes (None: a sliding
-        layer, or no complete group yet)."""
+        layer, or no complete group yet). i: its index in step.spans."""
         if self.compressor is None or self.entries is None:
             return None
         m = self.compressor.ratio
@@ -349,8 +362,8 @@ class CompressedAttention(nn.Module):
 @dataclass
 class _StepInputs:
     """What every request of the step reads: queries, KV rows, and on compressed layers the
-    compressors' rows, each request's entries closed in this step, and the indexer's queries
-    and head weights."""
+    compressors' rows, the entries each of step.spans closes in this step, and the indexer's
+    queries and head weights."""
 
     q: torch.Tensor
     kv: torch.Tensor

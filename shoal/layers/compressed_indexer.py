@@ -49,13 +49,20 @@ class CompressedIndexer(TokenCompressor):
         """q [n, H, D], weights [n, H], keys [N, D] (this request's compressed keys; or
         [n, N, D]: each query's own, a batch of decodes), visible [n, N] -> bool [n, N]: the
         entries each query reads."""
+        picked, seen = self.pick(q, weights, keys, visible)
+        out = torch.zeros_like(visible)
+        return out.scatter_(-1, picked, seen)
+
+    def pick(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+             visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """As select, the entries each query reads as indices [n, k] (k = min(index_topk,
+        N): a fixed shape) and whether each is one it may see [n, k] (not, where it sees
+        fewer than k)."""
         keys = keys.float().transpose(-1, -2)
         scores = F.relu(torch.matmul(q, keys)) * self.scale  # [n, H, N]
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
-        k = min(self.topk, scores.shape[-1])
-        picked = torch.zeros_like(visible)
-        picked.scatter_(-1, scores.topk(k, dim=-1).indices, True)
-        return picked & visible
+        picked = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
+        return picked, visible.gather(-1, picked)
 
 
 class SparseCompressor(TokenCompressor):

@@ -7,14 +7,16 @@ depends only on the tokens up to its end and prefix caching shares it as it shar
 page is the block's token slots of slot_row values each, read as ceil(bs / ratio) entries.
 Like PagedRows (which it extends for the runner's binding), a step stores every request's
 new entries before any request loads, so a prefix hit on blocks computed in the same step
-reads them. The step's decodes load theirs as one batch (load_decodes)."""
+reads them. The step's decodes store and load theirs as one batch, in shapes fixed by their
+tables' width (N blocks hold at most N bs / ratio entries; each decode masks those past its
+own), from device tensors only: a CUDA graph replays them."""
 
 from __future__ import annotations
 
 import torch
 
 from shoal.core.kv_cache_spec import CompressedEntrySpec
-from shoal.layers.paged_rows import PagedRows
+from shoal.layers.paged_rows import PagedRows, masked_put
 from shoal.layers.request_spans import RequestSpan, StepSpans
 
 
@@ -54,16 +56,17 @@ class PagedEntries(PagedRows):
         pages = self._pages(bs)
         pages[blocks, slot] = entries.to(pages.dtype)
 
-    def store_decodes(self, entries: torch.Tensor, rows: torch.Tensor,
+    def store_decodes(self, entries: torch.Tensor, keep: torch.Tensor,
                       groups: torch.Tensor, step: StepSpans) -> None:
-        """entries [n, width]: the entries of groups `groups` [n] that the step's decodes
-        `rows` [n] (indices into its decodes, flat rows too) close, each by its own token."""
-        bs = step.block_size
-        blocks = torch.div(step.slots[self.kv_group][rows], bs, rounding_mode="floor")
-        last = step.decode_positions[rows]
+        """entries [Bd, width]: for each of the step's decodes the entry of group groups[b],
+        stored where keep [Bd] says the decode's token closes that group (the others, and a
+        graph's padding rows, store nothing)."""
+        bs, nd = step.block_size, step.num_decodes
+        token_slots = step.slots[self.kv_group][:nd]
+        blocks = torch.div(token_slots, bs, rounding_mode="floor")
+        last = step.decode_positions
         slot = groups - torch.div(last, bs, rounding_mode="floor") * bs // self.ratio
-        pages = self._pages(bs)
-        pages[blocks, slot] = entries.to(pages.dtype)
+        masked_put(self._pages(bs), (blocks, slot), entries, keep)
 
     def load(self, step: StepSpans, span: RequestSpan, n: int) -> torch.Tensor:
         """The request's first n entries [n, width], through its block table."""
@@ -75,30 +78,44 @@ class PagedEntries(PagedRows):
         blocks = table[torch.div(last, bs, rounding_mode="floor")]
         return self._pages(bs)[blocks, slot]
 
-    def load_decodes(self, step: StepSpans, rows: slice
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The step's decodes `rows` (of [0, step.num_decodes)): the entries of each one's
-        complete groups [n, N, width], N the most any decode of the step has, after this
-        step's own are stored, and which are its own [n, N] (None: no decode has one)."""
+    def decode_index(self, step: StepSpans
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Where the step's decodes' entries lie: blocks [Bd, n], slots [n] and which are
+        each decode's own [Bd, n] (complete groups; the step's own are stored before), n =
+        what its tables' width holds (None: not one entry). Built once per step."""
         key = ("entries", self.kv_group, self.ratio)
         if key not in step.indices:
             m, bs = self.ratio, step.block_size
-            n_max = max((s.context + 1) // m for s in step.spans[:step.num_decodes])
+            table = step.decode_tables[self.kv_group]
+            n_max = table.shape[1] * bs // m
             index = None
             if n_max:
                 p = step.decode_positions
-                table = step.decode_tables[self.kv_group]
                 last, slot = self._slots(0, n_max, bs, p.device)
                 # a decode's padding entries (past its own) read a block of its table or the
-                # table's padding (the null block): finite, masked
+                # table's padding: finite, masked
                 column = torch.div(last, bs, rounding_mode="floor")
-                column = column.clamp(max=table.shape[1] - 1)
                 seen = torch.div(p + 1, m, rounding_mode="floor")
                 own = torch.arange(n_max, device=p.device) < seen[:, None]
                 index = table[:, column], slot, own
             step.indices[key] = index
-        index = step.indices[key]
+        return step.indices[key]
+
+    def load_decodes(self, step: StepSpans, rows: slice, columns: slice = slice(None)
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The step's decodes `rows` (of [0, step.num_decodes)): the `columns` of every
+        entry their tables hold [n, N, w] and which are each one's own [n, N] (None: the
+        tables hold no entry)."""
+        index = self.decode_index(step)
         if index is None:
             return None
         blocks, slot, own = index
-        return self._pages(step.block_size)[blocks[rows], slot], own[rows]
+        return self._pages(step.block_size)[..., columns][blocks[rows], slot], own[rows]
+
+    def gather_decodes(self, step: StepSpans, rows: slice, picked: torch.Tensor,
+                       columns: slice = slice(None)) -> torch.Tensor:
+        """The `columns` of the entries picked [n, k] (indices of decode_index's n entries)
+        by each of the step's decodes `rows` [n, k, w]."""
+        blocks, slot, _ = self.decode_index(step)
+        pages = self._pages(step.block_size)[..., columns]
+        return pages[blocks[rows].gather(1, picked), slot[picked]]

@@ -4,7 +4,8 @@ inputs of the groups still pooling, CompressorStateSpec). It declares its cache 
 paged layer; the runner binds `kv_cache` [1, num_slots, 1, width] and `kv_group`. A step
 writes its rows before any request reads, so a request may read blocks another request of
 the same step fills (prefix hits on blocks computed in this very step). The step's decodes
-read their windows as one batch (read_decodes)."""
+read their windows as one batch (read_decodes), from device tensors only; a step of decodes
+alone writes with masked_put, since a CUDA graph's padding rows (slot -1) write nothing."""
 
 from __future__ import annotations
 
@@ -42,10 +43,14 @@ class PagedRows(nn.Module):
 
     def write(self, rows: torch.Tensor, step: StepSpans) -> None:
         """rows [T, width]: the step's rows, each at its token's slot (nothing for a pooling
-        step)."""
-        if step.slots:
-            cache = self._rows()
-            cache.index_copy_(0, step.slots[self.kv_group], rows.to(cache.dtype))
+        step; nothing for a padding row of a decode graph, slot -1)."""
+        if not step.slots:
+            return
+        cache, slots = self._rows(), step.slots[self.kv_group]
+        if step.decodes_only:
+            masked_put(cache, (slots,), rows, slots >= 0)
+        else:
+            cache.index_copy_(0, slots, rows.to(cache.dtype))
 
     def read(self, rows: torch.Tensor, step: StepSpans, span: RequestSpan, lo: int,
              hi: int) -> torch.Tensor:
@@ -67,7 +72,8 @@ class PagedRows(nn.Module):
         """The step's decodes `rows` (of [0, step.num_decodes)): each one's rows of positions
         (p - window, p] [n, window, width] from the cache (the step's own row is written
         before), and which of those positions exist [n, window] (>= 0; the others read
-        position 0's row, finite)."""
+        position 0's row, finite). A position past the table (a graph's padding row, or a
+        drafter's row after its last step: never read) reads the table's last column."""
         key = ("window", self.kv_group, window)
         if key not in step.indices:
             p = step.decode_positions
@@ -76,10 +82,30 @@ class PagedRows(nn.Module):
             k = k.clamp(min=0)
             bs = step.block_size
             table = step.decode_tables[self.kv_group]
-            step.indices[key] = table.gather(1, k // bs) * bs + k % bs, exists
+            column = (k // bs).clamp(max=table.shape[1] - 1)
+            step.indices[key] = table.gather(1, column) * bs + k % bs, exists
         slots, exists = step.indices[key]
         return self._rows()[slots[rows]], exists[rows]
 
     def rows_at(self, slots: torch.Tensor) -> torch.Tensor:
         """The cached rows at `slots` (any shape) [..., width]."""
         return self._rows()[slots]
+
+
+def masked_put(dest: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor,
+               keep: torch.Tensor) -> None:
+    """dest[index][i] = values[i] for the rows where keep [n] is True; the others change
+    nothing. Fixed shapes and no host read (a CUDA graph's step): a row not kept repeats a
+    kept row's write (same place, same value), or, when none is kept, writes back what
+    dest[0, ...] holds. Its index may be anything (-1, out of range): it is never used."""
+    any_kept = keep.any()
+    first = keep.to(torch.int32).argmax().view(1)  # a kept row (0 when none is)
+
+    def redirected(i: torch.Tensor) -> torch.Tensor:
+        return torch.where(keep, i, torch.where(any_kept, i.index_select(0, first), 0))
+
+    at = tuple(redirected(i) for i in index)
+    src = values.to(dest.dtype)
+    other = torch.where(any_kept, src.index_select(0, first), dest[at])
+    keep_rows = keep.view(-1, *(1,) * (src.dim() - 1))
+    dest.index_put_(at, torch.where(keep_rows, src, other))

@@ -1,18 +1,22 @@
-"""A step's requests as spans of the flattened tokens, with each one's cached context and
-block tables: what layers that compute per request read (DeepSeek-V4's compressed attention,
-shoal/layers/compressed_attention.py) instead of the attention backend's batched layout.
+"""A step's requests as the layers that compute per request read them (DeepSeek-V4's
+compressed attention, shoal/layers/compressed_attention.py) instead of the attention
+backend's batched layout: its decodes as one batch on the device, the other requests as spans
+of the flattened tokens with each one's cached context and block tables.
 
 Built once per step from whatever metadata the runner hands the model: the torch backend's
 AttentionMetadata or the Triton backend's TritonAttentionMetadata (one per KV cache group;
-the layers read neither backend's kernels, only the requests' spans, tables and slots), or a
-pooling step's PackedSeqs (whole prompts, nothing cached). The host values (each request's
-start, length and context) are read back once per step, not per layer.
+the layers read neither backend's kernels, only the requests' tables and slots), or a pooling
+step's PackedSeqs (whole prompts, nothing cached).
 
-The step's decodes (the leading requests of one new token after their cached ones, as both
-backends order them) are also kept as a batch: their positions and block tables [Bd, N] per
-group on the device, so a layer attends for all of them at once; the gather indices the
-layers derive from them (window slots, entry pages) are built by the first layer that needs
-them and kept for the step in `indices`."""
+The decodes (the leading requests of one new token after their cached ones, as both backends
+order them) are read from device tensors only: their positions, block tables [Bd, N] per
+group and slots, so a step of decodes alone reads nothing on the host and a CUDA graph
+captures it (the Triton backend's graph metadata: rows padded to the captured size, slot -1
+on a padding row, tables of the graphs' fixed width). What the layers derive from them (how
+many entries a decode has, which ones close a group, window slots) comes from those tensors
+in shapes fixed by the table width, masked per row; the gather indices are built by the first
+layer that needs them and kept for the step in `indices`. The other requests (prefill chunks,
+verify steps: eager) have their starts, lengths and contexts read back once per step."""
 
 from __future__ import annotations
 
@@ -27,10 +31,9 @@ from shoal.attention.packed import PackedSeqs
 
 @dataclass(frozen=True)
 class RequestSpan:
-    """One request's new tokens: flat rows [start, start + length) at positions
-    [context, context + length). tables[g]: its block table in KV cache group g (padded with
-    the null block); empty where nothing cached is read (context 0) and for the step's
-    decodes, which read through StepSpans.decode_tables."""
+    """One request's new tokens after the step's decodes: flat rows [start, start + length) at
+    positions [context, context + length). tables[g]: its block table in KV cache group g
+    (padded with the null block); empty where nothing cached is read (context 0)."""
 
     start: int
     length: int
@@ -45,10 +48,11 @@ class RequestSpan:
 
 @dataclass(frozen=True)
 class StepSpans:
-    """The step's requests in flat order, each group's slot of every token (empty for a
-    pooling step, which caches nothing) and the block size. The first num_decodes spans are
-    decodes (flat rows [0, num_decodes)): decode_positions [Bd] and, per group,
-    decode_tables [Bd, N] (int64) hold them as a batch."""
+    """The step's decodes and other requests, each group's slot of every token (-1: a graph's
+    padding row, which writes nothing; empty for a pooling step, which caches nothing) and the
+    block size. Decodes are flat rows [0, num_decodes) (a graph's padding rows included):
+    decode_positions [Bd] and, per group, decode_tables [Bd, N] (int64) hold them as a batch;
+    `spans` are the requests after them, in flat order."""
 
     spans: tuple[RequestSpan, ...]
     slots: tuple[torch.Tensor, ...]
@@ -58,6 +62,15 @@ class StepSpans:
     decode_tables: tuple[torch.Tensor, ...] = ()
     # gather indices the layers share within the step, by (kind, group, size)
     indices: dict[tuple, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def decodes_only(self) -> bool:
+        """A step of decodes alone (what a decode graph replays): its rows may be padding."""
+        return self.num_decodes > 0 and not self.spans
+
+    def decode_live(self, group: int) -> torch.Tensor:
+        """[Bd] bool: the decode rows that are requests (a graph's padding rows have slot -1)."""
+        return self.slots[group][:self.num_decodes] >= 0
 
     @classmethod
     def of(cls, md: object, positions: torch.Tensor) -> StepSpans:
@@ -80,40 +93,44 @@ class StepSpans:
     @classmethod
     def _of_torch(cls, mds: tuple[AttentionMetadata, ...], positions: torch.Tensor
                   ) -> StepSpans:
-        starts = _span_lengths(mds[0])
-        tables = [_prefill_tables_by_start(m) for m in mds]
-        first = sorted(starts)
-        contexts = positions[torch.tensor(first, dtype=torch.long, device=positions.device)
-                             ].tolist() if first else []
         nd = mds[0].num_decodes  # (flat starts [0, nd))
-        spans = tuple(RequestSpan(s, starts[s], c, tuple(t[s] for t in tables) if c and s >= nd
-                                  else ()) for s, c in zip(first, contexts))
+        spans: tuple[RequestSpan, ...] = ()
+        if mds[0].num_prefills:
+            lengths = _prefill_lengths(mds[0])
+            tables = [_prefill_tables_by_start(m) for m in mds]
+            first = sorted(lengths)
+            contexts = positions[torch.tensor(first, dtype=torch.long, device=positions.device)
+                                 ].tolist()
+            spans = tuple(RequestSpan(s, lengths[s], c, tuple(t[s] for t in tables) if c
+                                      else ()) for s, c in zip(first, contexts))
         return cls(spans, tuple(m.slot_mapping for m in mds), mds[0].block_size, nd,
                    positions[:nd] if nd else None,
                    tuple(m.decode_block_tables for m in mds) if nd else ())
 
     @classmethod
     def _of_triton(cls, mds: tuple, positions: torch.Tensor) -> StepSpans:
-        """Rows are requests in flat order (eager metadata: no padded rows); their tables
-        [R, N] int32, zero past a request's blocks (never read: a span reads its own)."""
+        """Decode rows [0, num_decode_rows) (padding included) from the device; the prefill
+        rows after them read back (eager metadata: no padded prefill rows). Tables [R, N]
+        int32, zero past a request's blocks (a decode masks what it reads there)."""
         md = mds[0]
-        rows = md.num_decodes + md.num_prefills
-        host = torch.cat([md.query_start_loc[:rows + 1], md.context_lens[:rows]]).tolist()
-        starts, contexts = host[:rows + 1], host[rows + 1:]
-        tables = [m.block_tables[:rows].long() for m in mds]
-        nd = md.num_decodes
-        spans = tuple(RequestSpan(starts[r], starts[r + 1] - starts[r], c,
-                                  tuple(t[r] for t in tables) if c and r >= nd else ())
-                      for r, c in enumerate(contexts))
+        nd, rows = md.num_decode_rows, md.num_decode_rows + md.num_prefills
+        spans: tuple[RequestSpan, ...] = ()
+        if md.num_prefills:
+            host = torch.cat([md.query_start_loc[nd:rows + 1], md.context_lens[nd:rows]]
+                             ).tolist()
+            starts, contexts = host[:rows - nd + 1], host[rows - nd + 1:]
+            tables = [m.block_tables[nd:rows].long() for m in mds]
+            spans = tuple(RequestSpan(starts[r], starts[r + 1] - starts[r], c,
+                                      tuple(t[r] for t in tables) if c else ())
+                          for r, c in enumerate(contexts))
         return cls(spans, tuple(m.slot_mapping for m in mds), md.block_size, nd,
                    positions[:nd] if nd else None,
-                   tuple(t[:nd] for t in tables) if nd else ())
+                   tuple(m.block_tables[:nd].long() for m in mds) if nd else ())
 
 
-def _span_lengths(md: AttentionMetadata) -> dict[int, int]:
-    """Flat start -> new tokens of every request of the step."""
-    out = {i: 1 for i in range(md.num_decodes)}
-    out.update(dict(md.fresh_spans))
+def _prefill_lengths(md: AttentionMetadata) -> dict[int, int]:
+    """Flat start -> new tokens of every request after the decodes."""
+    out = dict(md.fresh_spans)
     if md.prefill_token_index is not None:
         firsts = md.prefill_token_index[:, 0].tolist()
         out.update(zip(firsts, md.prefill_token_valid.sum(1).tolist()))

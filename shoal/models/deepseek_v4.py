@@ -27,9 +27,11 @@ row, compressors and indexer replicated: shoal/layers/compressed_attention.py), 
 intermediate dim (FusedMoE) and the shared expert's, one all-reduce after each; routing and
 hyper-connection mixing are small and replicated.
 
-On CUDA the layers run as they do on the CPU, in plain torch (no kernels yet), and eagerly:
-their spans are read on the host once per step (eager_only_reason; the engine sets
-enforce_eager). Not yet: quantized (FP8 / FP4) checkpoints."""
+On CUDA the layers run as they do on the CPU, in plain torch (no kernels yet). A step of
+decodes alone reads nothing on the host (shoal/layers/request_spans.py: the decodes' positions,
+tables and slots on the device, fixed shapes masked per row), so the runner captures decode
+steps in CUDA graphs (decode_graphs_only); prefill chunks and verify steps read their spans on
+the host and run eagerly. Not yet: quantized (FP8 / FP4) checkpoints."""
 
 from __future__ import annotations
 
@@ -145,11 +147,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     default_pooling_type = "LAST"
     # nothing fused: checkpoint projections load one to one
     packed_modules_mapping: ClassVar[dict[str, tuple[str, str | int]]] = {}
-    # no CUDA graphs: the engine runs it eagerly on CUDA (engine/graph_support.py logs this)
-    eager_only_reason: ClassVar[str] = (
-        "its attention (shoal/layers/compressed_attention.py) is plain torch over the step's "
-        "request spans, which it reads on the host once per step: a CUDA graph cannot capture "
-        "that")
+    # CUDA graphs of decode steps only (worker/model_runner.py): why the others run eagerly
+    decode_graphs_only: ClassVar[str] = (
+        "its attention (shoal/layers/compressed_attention.py) reads a prefill chunk's or a "
+        "verify step's request spans on the host; a step of decodes alone reads none")
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__()

@@ -228,7 +228,8 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, Executor):
         shapes = step_shapes(sc.max_num_seqs, sc.max_num_batched_tokens,
                              num_speculative_tokens=spec.num_speculative_tokens
                              if spec is not None else 0)
-        if self.has_linear_states:  # decode graphs only: chunks and verifies run eagerly
+        # decode graphs only (graph_support.py logged why): chunks and verifies run eagerly
+        if self.has_linear_states or getattr(self.model, "decode_graphs_only", None):
             shapes = [s for s in shapes if s.q == 1]
         self.graphs = ModelGraphs(self.model, self.backend, shapes, max_blocks, self.device,
                                   block_size=self.block_size, windows=self.forwarder.windows,

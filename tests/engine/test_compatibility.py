@@ -193,15 +193,29 @@ def test_sliding_window_rows_read_each_layers_window():
         "a sliding window shorter than max_model_len"]
 
 
-def test_deepseek_v4_runs_on_cuda_without_graphs(caplog):
-    """No row refuses DeepSeek-V4 on CUDA: its class cannot be captured in CUDA graphs
-    (eager_only_reason), so the engine config runs it eagerly and one log line says why; a
-    model with graphs keeps them, and on the CPU nothing is said."""
+def test_deepseek_v4_keeps_cuda_graphs_and_eager_only_classes_run_eagerly(caplog,
+                                                                          monkeypatch):
+    """No row refuses DeepSeek-V4 on CUDA, and it keeps CUDA graphs (its decode steps are
+    captured: decode_graphs_only). A class that cannot be captured at all (eager_only_reason)
+    runs eagerly with one log line saying why; a model with graphs keeps them, and on the CPU
+    nothing is said."""
+    from shoal.models.deepseek_v4 import DeepseekV4ForCausalLM
+
     assert violations(_resolved({}, _V4, "generate", "cuda", 64)) == []
+    with caplog.at_level("INFO", logger="shoal.engine.graph_support"):
+        assert not EngineArgs(device="cuda").create_engine_config(_hf(**_V4)).enforce_eager
+    assert [r.getMessage() for r in caplog.records
+            if r.name == "shoal.engine.graph_support"] == [
+        "DeepseekV4ForCausalLM: CUDA graphs of decode steps only: its attention "
+        "(shoal/layers/compressed_attention.py) reads a prefill chunk's or a verify step's "
+        "request spans on the host; a step of decodes alone reads none"]
+    caplog.clear()
+    monkeypatch.setattr(DeepseekV4ForCausalLM, "eager_only_reason", "its forward reads the "
+                        "host", raising=False)
     with caplog.at_level("INFO", logger="shoal.engine.graph_support"):
         assert EngineArgs(device="cuda").create_engine_config(_hf(**_V4)).enforce_eager
         assert not EngineArgs(device="cuda").create_engine_config(_hf()).enforce_eager
         assert not EngineArgs(device="cpu").create_engine_config(_hf(**_V4)).enforce_eager
     said = [r.getMessage() for r in caplog.records if "without CUDA graphs" in r.getMessage()]
-    assert len(said) == 1 and said[0].startswith("DeepseekV4ForCausalLM runs without CUDA "
-                                                 "graphs (enforce_eager): its attention")
+    assert said == ["DeepseekV4ForCausalLM runs without CUDA graphs (enforce_eager): its "
+                    "forward reads the host"]
