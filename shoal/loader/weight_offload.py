@@ -1,17 +1,18 @@
 """Weight offloading (vLLM's `cpu_offload_gb`): whole decoder layers, from the first, keep
 their parameters in host memory (pinned on CUDA) up to a byte budget per rank, and each
-forward pass copies an offloaded layer's weights into one device staging buffer just before
-the layer runs.
+forward pass copies an offloaded layer's weights into a device staging slot before the
+layer runs.
 
-Why a staging buffer, not vLLM's zero-copy reads of host memory (UVA): the copy is one plain
-host-to-device memcpy per layer on the forward's stream, so a CUDA graph captures it as a
-memcpy node and replays it (a layer's host buffer never moves; weight updates write into it
-in place), and the layer's kernels then read device memory at full speed instead of pulling
-every weight over PCIe at the access pattern of a GEMM. Every offloaded layer shares the one
-buffer (stream order makes layer i's kernels finish before layer i+1's copy overwrites it),
-so the device holds the largest offloaded layer once: what offloading saves is the
-offloaded bytes less that buffer. There is no prefetch on a side stream: at batch 1 the copy
-of a layer takes tens of times its compute, so overlapping the two would hide almost nothing.
+Why staging, not vLLM's zero-copy reads of host memory (UVA): the copy is one plain
+host-to-device memcpy per layer, so a CUDA graph captures it as a memcpy node and replays it
+(a layer's host buffer never moves; weight updates write into it in place), and the layer's
+kernels then read device memory at full speed instead of pulling every weight over PCIe at
+the access pattern of a GEMM. The staging buffer holds one slot, or two with prefetch (the
+CUDA default, `WeightOffloader.default_prefetch`): layer k+1's copy then runs on a side
+stream while layer k computes, layer k in slot k % 2 (offload_copies.py has the ordering).
+Each slot is the size of the largest offloaded layer, so what offloading saves is the
+offloaded bytes less the staging buffer. At batch 1 a layer's copy takes tens of times its
+compute, so prefetch hides little there; steps of many tokens (W1) hide more of it.
 
 The stages (shoal/loader/build.py drives them):
 - construction, inside `building()`: a module-registration hook sees each decoder layer as it
@@ -21,14 +22,15 @@ The stages (shoal/loader/build.py drives them):
   a ModuleList one by one, as Llama's does, the build never holds them all);
 - loading: the parameters point at their host copies, so the weights load there;
 - `activate(model)`: the staging buffer is allocated, every offloaded parameter points into
-  it, and a forward pre-hook per layer copies the layer's host buffer in;
+  its layer's slot, and a forward pre-hook per layer has the layer's host buffer copied in;
 - `at_home()`: the parameters point at their host copies again while a weight update (or a
   checksum) runs, then back at the staging buffer.
 
-Sleep (worker/sleep_mode.py) sees the staging buffer as one more parameter storage: it is
-freed and restored like the rest (its content does not matter: each forward copies in), while
-the host copies stay where they are at both levels, so a level-2 sleep keeps the offloaded
-layers' weights. rank_info reports each rank's offloaded layers and bytes.
+Sleep (worker/sleep_mode.py) frees and restores the staging buffer like a parameter
+storage but copies nothing out of it (`scratch_storages`: its content does not matter, each
+forward copies in), while the host copies stay where they are at both levels, so a level-2
+sleep keeps the offloaded layers' weights. rank_info reports each rank's offloaded layers
+and bytes.
 
 The mechanism is device-generic: on the CPU the "host copy" and the staging buffer are both
 host tensors (tests run it there; the engine argument itself does nothing on a CPU engine)."""
@@ -48,6 +50,7 @@ from shoal.layers.attention import Attention
 from shoal.layers.compressed_attention import CompressedAttention
 from shoal.layers.latent_attention import LatentAttention
 from shoal.layers.linear_attention import LinearAttention
+from shoal.loader.offload_copies import LayerCopies, LayerCopy
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +104,7 @@ class OffloadStats:
 
     layers: tuple[str, ...]  # their module names, in order
     offloaded_bytes: int  # their host buffers (the budget's count)
-    staging_bytes: int  # the device buffer they are copied into
+    staging_bytes: int  # the device buffer they are copied into (one or two slots)
     budget_bytes: int
 
     @property
@@ -117,15 +120,24 @@ class _OffloadedLayer:
     home: torch.Tensor  # uint8 host buffer (pinned on CUDA)
     home_views: list[torch.Tensor]  # each parameter's view of it
     staging_views: list[torch.Tensor] = field(default_factory=list)
-    staging_used: torch.Tensor | None = None  # the head of the staging buffer it fills
+    staging_used: torch.Tensor | None = None  # the head of the staging slot it fills
 
 
 class WeightOffloader:
-    def __init__(self, budget_bytes: int, device: torch.device):
+    # Prefetch (layer k+1 copied on a side stream while layer k computes, two staging slots)
+    # when the constructor is not told: None means on CUDA only (on the CPU a copy is
+    # synchronous). The GPU test and benchmarks/rl_gpu.py set it to compare.
+    default_prefetch: bool | None = None
+
+    def __init__(self, budget_bytes: int, device: torch.device, prefetch: bool | None = None):
         self.budget = OffloadBudget(budget_bytes)
         self.device = torch.device(device)
+        if prefetch is None:
+            prefetch = self.default_prefetch
+        self.prefetch = self.device.type == "cuda" if prefetch is None else bool(prefetch)
         self.layers: list[_OffloadedLayer] = []
-        self.staging: torch.Tensor | None = None
+        self.staging: torch.Tensor | None = None  # every slot, one after the other
+        self.copies: LayerCopies | None = None
         self.stats: OffloadStats | None = None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._moved: set[int] = set()  # ids of the parameters in host buffers
@@ -180,22 +192,28 @@ class WeightOffloader:
                                  "parameters after construction (a load-time conversion); "
                                  "this model cannot offload its weights")
         self._check_not_shared(model)
-        size = max((layer.home.numel() for layer in self.layers), default=0)
-        self.staging = (torch.empty(size, dtype=torch.uint8, device=self.device)
+        # (home sizes are multiples of ALIGN, so every slot starts aligned)
+        slot = max((layer.home.numel() for layer in self.layers), default=0)
+        slots = 2 if self.prefetch and len(self.layers) > 1 else 1
+        self.staging = (torch.empty(slots * slot, dtype=torch.uint8, device=self.device)
                         if self.layers else None)
-        for layer in self.layers:
+        copies = []
+        for k, layer in enumerate(self.layers):
             assert self.staging is not None
-            layer.staging_views = [_view(self.staging, off, p)
+            head = (k % slots) * slot  # layer k's slot
+            layer.staging_views = [_view(self.staging, head + off, p)
                                    for off, p in zip(layer.offsets, layer.params)]
-            layer.staging_used = self.staging[:layer.home.numel()]
+            layer.staging_used = self.staging[head:head + layer.home.numel()]
+            copies.append(LayerCopy(layer.home, layer.staging_used))
             self._point(layer, home=False)
-            self._hooks.append(layer.module.register_forward_pre_hook(_copy_in(layer)))
+            self._hooks.append(layer.module.register_forward_pre_hook(self._copy_in(k)))
+        self.copies = LayerCopies(copies, self.device, prefetch=slots == 2)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the device copies freed during the build
         self.stats = OffloadStats(tuple(names[id(layer.module)] for layer in self.layers),
-                                  sum(layer.home.numel() for layer in self.layers), size,
-                                  self.budget.budget)
-        _report(self.stats, self.device, self._seen)
+                                  sum(layer.home.numel() for layer in self.layers),
+                                  slots * slot, self.budget.budget)
+        _report(self.stats, self.device, self._seen, slots)
         setattr(model, ATTRIBUTE, self)  # where host_weights() finds it
         return self.stats
 
@@ -212,6 +230,17 @@ class WeightOffloader:
         finally:
             for layer in self.layers:
                 self._point(layer, home=False)
+
+    def scratch_storages(self) -> list[torch.Tensor]:
+        """Tensors whose storage a sleep may free without keeping its bytes: the staging
+        buffer (each forward copies the layers in again)."""
+        return [self.staging] if self.staging is not None else []
+
+    def _copy_in(self, k: int):  # noqa: ANN202 (a forward pre-hook)
+        def hook(module: nn.Module, args: tuple) -> None:
+            assert self.copies is not None
+            self.copies.before_layer(k)
+        return hook
 
     def _point(self, layer: _OffloadedLayer, home: bool) -> None:
         views = layer.home_views if home or not layer.staging_views else layer.staging_views
@@ -240,30 +269,24 @@ def _view(buffer: torch.Tensor, offset: int, p: torch.Tensor) -> torch.Tensor:
     return buffer[offset:offset + nbytes].view(p.dtype).view(p.shape)
 
 
-def _copy_in(layer: _OffloadedLayer):  # noqa: ANN202 (a forward pre-hook)
-    src, dst = layer.home, layer.staging_used
-
-    def hook(module: nn.Module, args: tuple) -> None:
-        dst.copy_(src, non_blocking=True)
-    return hook
-
-
 def _size(nbytes: int) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
-def _report(stats: OffloadStats, device: torch.device, seen: int) -> None:
+def _report(stats: OffloadStats, device: torch.device, seen: int, slots: int) -> None:
     if not stats.layers:
         logger.warning("cpu_offload_gb: nothing offloaded (%s)", "this model has no decoder "
                        "layers it can offload" if not seen else f"{_size(stats.budget_bytes)} "
                        "is less than the first decoder layer's weights")
         return
     logger.info("weight offload: %d decoder layers (%s .. %s), %s of weights in %s host "
-                "memory (budget %s), copied per forward into a %s %s staging buffer: %s of "
-                "device memory freed for the KV cache", len(stats.layers), stats.layers[0],
-                stats.layers[-1], _size(stats.offloaded_bytes),
+                "memory (budget %s), copied per forward into a %s %s staging buffer (%s): "
+                "%s of device memory freed for the KV cache", len(stats.layers),
+                stats.layers[0], stats.layers[-1], _size(stats.offloaded_bytes),
                 "pinned" if device.type == "cuda" else "plain", _size(stats.budget_bytes),
-                _size(stats.staging_bytes), device.type, _size(stats.device_bytes_saved))
+                _size(stats.staging_bytes), device.type,
+                "two slots, the next layer prefetched" if slots == 2 else "one slot",
+                _size(stats.device_bytes_saved))
 
 
 def offloader_of(model: nn.Module) -> WeightOffloader | None:

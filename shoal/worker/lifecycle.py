@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shoal.loader.weight_offload import host_weights, offloader_of
-from shoal.worker.sleep_mode import SleepingWeights, put_to_sleep, wake
+from shoal.worker.sleep_mode import HostCopies, SleepingWeights, kept_sizes, put_to_sleep, wake
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ class RunnerLifecycle:
     lora: Any  # a shoal.lora.slots.LoRASlots, or None
 
     _asleep: SleepingWeights | None = None
+    _host: HostCopies | None = None  # level 1's host buffers, kept from sleep to sleep
     _kv_asleep: int | None = None  # the pool's block count while the KV cache is dropped
     _had_graphs = False
     _update_group: Any = None
@@ -48,9 +49,24 @@ class RunnerLifecycle:
     def is_sleeping(self) -> bool:
         return self._asleep is not None or self._kv_asleep is not None
 
+    @property
+    def host_copies(self) -> HostCopies:
+        """Level 1's host buffers (sleep_mode.py): allocated by the first sleep, reused by
+        the next ones, released by a level-2 sleep, a weight update that changes a storage's
+        size, or shutdown."""
+        if self._host is None:
+            self._host = HostCopies()
+        return self._host
+
+    def _scratch(self) -> list[torch.Tensor]:
+        """Storages a sleep frees without keeping their bytes (weight offloading's staging)."""
+        offloader = offloader_of(self.model)
+        return offloader.scratch_storages() if offloader is not None else []
+
     def sleep(self, level: int = 1) -> dict[str, float]:
         """Frees the KV cache (its content is lost) and the weights (level 1: kept in host
-        memory; level 2: dropped). Returns the bytes freed and the seconds taken."""
+        memory; level 2: dropped). Returns the bytes freed, the host buffers this sleep had
+        to allocate (0 once level 1's are kept) and the seconds taken."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 or 2 (got {level!r})")
         if self.is_sleeping:
@@ -68,16 +84,20 @@ class RunnerLifecycle:
         kv_bytes = sum(storages.values())
         self._kv_asleep = self.null_block  # (the pool's size: the null block is past it)
         self.unbind_kv_cache()
-        self._asleep = put_to_sleep([self.model], level)
+        allocated = self.host_copies.allocations
+        self._asleep = put_to_sleep([self.model], level, self.host_copies, self._scratch())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
         return {"kv_cache_bytes": kv_bytes, "weight_bytes": self._asleep.nbytes,
+                "host_buffers_allocated": self.host_copies.allocations - allocated,
                 "seconds": time.perf_counter() - t0}
 
     def wake_up(self, tags: list[str] | None = None) -> dict[str, float]:
         """tags: "weights" and/or "kv_cache" (None: both). CUDA graphs are captured again once
-        both are back (their addresses moved)."""
+        both are back (their addresses moved). On CUDA the weights' copies may still be under
+        way on return (the seconds do not count them): the device's stream waits for them
+        before the next forward."""
         tags = ["weights", "kv_cache"] if tags is None else list(tags)
         unknown = set(tags) - {"weights", "kv_cache"}
         if unknown:
@@ -126,6 +146,8 @@ class RunnerLifecycle:
             self.model.load_weights(counted())
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        if self._host is not None and self._host.buffers:
+            self._host.keep_if(kept_sizes([self.model], self._scratch()))
         return count
 
     def update_weights_from_path(self, path: str) -> int:
@@ -198,9 +220,19 @@ class RunnerLifecycle:
                 # cpu_offload_gb: this rank's decoder layers in host memory, and their bytes
                 "offloaded_layers": list(stats.layers) if stats else [],
                 "offloaded_bytes": stats.offloaded_bytes if stats else 0,
+                # level-1 sleep's host copies of the weights, kept between sleeps
+                "host_copy_bytes": self._host.nbytes if self._host is not None else 0,
                 # enable_lora: the adapter ids this rank holds in host memory (its stage's
                 # tensors of them under pipeline parallelism)
                 "lora_adapters": sorted(self.lora.host) if self.lora is not None else []}
+
+    def shutdown(self) -> None:
+        """Releases the host copies of the weights (kept between sleeps, or a sleeping
+        engine's), then whatever the runner's other parts release."""
+        self._asleep = None
+        if self._host is not None:
+            self._host.release()
+        super().shutdown()  # type: ignore[misc]
 
     def rpc(self, method: str, args: list[Any]) -> Any:
         if method not in RPC_METHODS:
