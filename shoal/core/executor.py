@@ -101,6 +101,16 @@ class Executor(ABC):
         still joins the MoE layers' collectives of a step the other replicas run."""
         raise NotImplementedError(f"{type(self).__name__} runs no dummy batches")
 
+    def lockstep_drafts(self, agree: Any) -> None:
+        """DP+EP: `agree` (a replica's bid -> the largest of any replica) keeps a drafter whose
+        experts are split over the replicas in step with the others (worker/draft_lockstep.py);
+        an executor without such a drafter ignores it."""
+        return None
+
+    def pad_draft_passes(self) -> None:
+        """DP+EP, after each step: the drafter's dummy passes up to the agreed count."""
+        return None
+
     def kv_cache_tensors(self) -> list[Any]:
         """The device KV cache tensors, one per paged layer (KV offloading copies them)."""
         return []

@@ -261,11 +261,6 @@ ROWS: tuple[Incompatibility, ...] = (
         "speculative_config: method 'eagle' has no head for {s.model_class}; use 'mtp', "
         "'draft_model' or 'ngram'"),
     Incompatibility(
-        "speculative_config", _DP_EP,
-        lambda s: s.speculative and s.dp_ep,
-        "speculative_config does not support " + _DP_EP + " yet; replicas without "
-        "enable_expert_parallel do (each drafts for its own requests)"),
-    Incompatibility(
         "speculative_config (draft_model, mtp, eagle)", "a model whose layers all slide",
         lambda s: s.drafter_with_kv and s.all_layers_sliding,
         "speculative_config: a drafter with a KV cache of its own follows the target's block "

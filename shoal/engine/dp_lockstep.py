@@ -7,7 +7,9 @@ Every MoE forward is thus a collective over all replicas: when one runs a step, 
 one. Each step therefore starts with one all-reduce over a CPU (gloo) group of the replicas'
 engine cores: how many replicas have work. None: nobody steps. Some: every replica steps, and
 one with no work of its own (or whose schedule came up empty) runs a dummy forward pass of one
-made-up token (`ModelRunner.run_dummy_batch`, vLLM's dummy batch), sampling nothing.
+made-up token (`ModelRunner.run_dummy_batch`, vLLM's dummy batch), sampling nothing. A
+drafter whose MoE layers split their experts too (speculative decoding) runs as many passes
+as the others: one more round, max, on its first pass (shoal/worker/draft_lockstep.py).
 
 Serving, an idle engine core still takes part in one round every IDLE_SYNC_MS (a heartbeat:
 a request that reaches any replica starts the next step on all of them within that time);
@@ -90,10 +92,27 @@ class DPLockstep:
         return True
 
     def end_step(self, runner: Any) -> None:
-        """After a step: a replica whose step ran no forward pass runs the dummy one."""
+        """After a step: a replica whose step ran no forward pass runs the dummy one; then a
+        drafter with experts split over the replicas, its dummy passes up to the count the
+        replicas agreed on (worker/draft_lockstep.py: a replica without a forward pass bids
+        here)."""
         if runner.num_forwards == self._forwards_before:
             runner.run_dummy_batch()
             self.dummy_steps += 1
+        runner.pad_draft_passes()
+
+    def agree_max(self, value: int) -> int:
+        """One round mid-step: the largest `value` of any replica (each calls it once at the
+        same point of the step: a drafter's pass count, worker/draft_lockstep.py)."""
+        import torch.distributed as dist
+
+        try:
+            self._flag.fill_(value)
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as e:
+            raise DPPeerLostError(f"DP+EP replica {self.rank}: another replica is gone or "
+                                  f"stuck ({e})") from e
+        return int(self._flag.item())
 
     def rejoin(self) -> None:
         """Offline: take part in at least one more round (the start of a generate call)."""

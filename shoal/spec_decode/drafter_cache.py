@@ -15,6 +15,7 @@ from shoal.config import EngineConfig
 from shoal.core.kv_cache_spec import KVCacheGroup
 from shoal.host_to_device import to_device
 from shoal.spec_decode.draft_graphs import DraftGraphs
+from shoal.worker.draft_lockstep import PassPlan
 from shoal.worker.drafter import Drafter
 from shoal.worker.kv_cache_tensors import allocate_kv_caches, layer_specs
 
@@ -80,6 +81,29 @@ class DrafterCache(Drafter):
     def _hidden_spec(self) -> tuple[int, torch.dtype] | None:
         """(size, dtype) of the state _draft_step feeds back; None: it feeds back none."""
         return None
+
+    def pass_plan(self) -> PassPlan:
+        """The passes of `model` one target step runs at most, in order (draft_lockstep.py):
+        a draft model mirrors the step in one pass and drafts k; a hidden-state head mirrors
+        it with each of its depths, takes draft 1 from the mirror and drafts k - 1."""
+        if self.keeps_hidden:
+            return PassPlan(mirror=int(getattr(self, "depths", 1)), drafting=self.k - 1)
+        return PassPlan(mirror=1, drafting=self.k)
+
+    @torch.inference_mode()
+    def dummy_pass(self, depth: int = 0) -> None:
+        """DP+EP (draft_lockstep.py): one made-up token through the model (a head: its
+        layer `depth`, from a zero state), so that this replica joins the MoE all-to-alls of
+        a pass the others run. Its KV goes to row 0's first scratch block, which a draft
+        writes before it reads."""
+        zero = torch.zeros(1, dtype=torch.long, device=self.device)
+        md = self._metadata([1], [0], [[self._scratch_base]], 0)
+        spec = self._hidden_spec()
+        if spec is None:
+            self.model(zero, zero, md)
+            return
+        state = torch.zeros(1, spec[0], dtype=spec[1], device=self.device)
+        self.model(zero, zero, state, md, **({"depth": depth} if depth else {}))
 
     def capture_graphs(self, pool: Any, max_blocks: int,
                        graphs_type: type[DraftGraphs] = DraftGraphs) -> float:

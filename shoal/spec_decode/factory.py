@@ -22,13 +22,19 @@ from typing import Any
 
 from shoal.config import EngineConfig
 from shoal.config.speculative import FORCED
-from shoal.distributed.parallel_state import pp_is_first
+from shoal.distributed.parallel_state import expert_parallel, pp_is_first
 from shoal.layers import rotary_share
 from shoal.worker.drafter import Drafter
 
 
 def build_drafter(engine_config: EngineConfig, target: Any, loaded: Any) -> Drafter | None:
-    with rotary_share.one_model(target):  # a head's layers share the target's rotary tables
+    # A head's layers share the target's rotary tables. Under DP+EP a head's MoE layer (an
+    # MTP layer) splits its experts over the replicas as the target's do (a draft model is
+    # built so by build_model): DeepSeek-V3's MTP layer holds 256 experts, too many to keep
+    # whole on every replica. Its passes then run in step with the other replicas'
+    # (worker/draft_lockstep.py); TP+EP heads keep their experts as before.
+    dp_ep = engine_config.parallel_config.dp_expert_parallel
+    with rotary_share.one_model(target), expert_parallel(dp_ep):
         return _build_drafter(engine_config, target, loaded)
 
 

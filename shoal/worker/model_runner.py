@@ -38,6 +38,7 @@ from shoal.loader import LoadedModel, build_model
 from shoal.lora.slots import LoRASlots
 from shoal.sample.sampler import Sampler
 from shoal.worker import warmup as startup
+from shoal.worker.draft_lockstep import RunnerDraftLockstep
 from shoal.worker.drafter import Drafter, DrafterFactory, TargetStep
 from shoal.worker.encoder_graphs import EncoderGraphs
 from shoal.worker.graph_check import capture_checked
@@ -60,7 +61,7 @@ from shoal.worker.step_sampling import sample_step
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner(RunnerLifecycle, RunnerLoRA, Executor):
+class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, Executor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  drafter_factory: DrafterFactory | None = None):
         """drafter_factory: builds the speculative config's drafter over the target model

@@ -58,9 +58,6 @@ CASES = [
      r"runner=.pooling. is not supported for Qwen3NextForCausalLM \(linear-attention layers\)"),
     (dict(speculative_config=_EAGLE), _HYBRID, "generate", "cpu", 64,
      "method 'eagle' has no head for Qwen3NextForCausalLM"),
-    (dict(speculative_config=_SPEC, **_DP_EP), {}, "generate", "cpu", 64,
-     r"speculative_config does not support enable_expert_parallel with data_parallel_size > 1 "
-     r"\(DP\+EP\) yet"),
     (dict(kv_offloading_size=1.0, tensor_parallel_size=2), {}, "generate", "cpu", 64,
      "kv_offloading_size does not support tensor_parallel_size > 1 yet"),
     (dict(kv_offloading_size=1.0, pipeline_parallel_size=2), {}, "generate", "cpu", 64,
@@ -152,7 +149,8 @@ def test_plain_configurations_fall_on_no_row(runner, device):
                    dict(tensor_parallel_size=2, speculative_config=_EAGLE),
                    dict(pipeline_parallel_size=2, enforce_eager=True, speculative_config=_EAGLE3),
                    dict(kv_offloading_size=1.0, kv_offloading_disk_path="/tmp/x",
-                        kv_offloading_disk_size=1.0), _DP_EP):
+                        kv_offloading_disk_size=1.0), _DP_EP,
+                   dict(_DP_EP, speculative_config=_SPEC)):
         if runner == "generate":
             assert violations(_resolved(kwargs, {}, runner, device, 64)) == [], kwargs
     # a replica of `shoal serve --data-parallel-size 2`

@@ -233,8 +233,6 @@ def test_dp_ep_config():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"tensor_parallel_size": 2}, "needs tensor_parallel_size 1 and pipeline_parallel_size 1"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
-     "speculative_config does not support"),
     ({"async_scheduling": True}, "async_scheduling does not support"),
     ({"data_parallel_master_port": None}, "needs data_parallel_rank in"),
     ({"data_parallel_rank": 2}, "needs data_parallel_rank in"),
