@@ -10,7 +10,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.layers.embedding import VocabParallelEmbedding
 from shoal.layers.moe.layer import FusedMoE
 from shoal.layers.moe.router import TopKRouter
 from shoal.layers.norm import RMSNorm
@@ -62,11 +61,10 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
 class Qwen3MoeModel(LlamaModel):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         nn.Module.__init__(self)  # Llama's would build dense layers
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype)
-        self.layers = nn.ModuleList(
-            Qwen3MoeDecoderLayer(cfg, dtype, i, use_triton_ops)
-            for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype, use_triton_ops)
+        self.build_stages(cfg, dtype, lambda i: Qwen3MoeDecoderLayer(cfg, dtype, i,
+                                                                     use_triton_ops),
+                          lambda: RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                                          use_triton_ops))
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -203,3 +203,18 @@ def test_eagle3_errors(ckpt, tiny_llama_dir, tmp_path) -> None:
         tiny_llm(tiny_llama_dir, speculative_config=_spec(tmp_path / "no-d2t"))
     with pytest.raises(ValueError, match="method 'eagle3' needs 'model'"):
         tiny_llm(target, speculative_config={"method": "eagle3", "num_speculative_tokens": 2})
+
+
+def test_eagle3_over_a_moe_target_is_lossless(tmp_path) -> None:
+    """A Qwen3-MoE target records its aux hidden states as a dense one (its stack is built by
+    build_stages like Llama's: it once lacked the attributes the recording reads)."""
+    moe = dict(num_hidden_layers=LAYERS, num_experts=4, num_experts_per_tok=2,
+               moe_intermediate_size=32, head_dim=D, architectures=["Qwen3MoeForCausalLM"])
+    target = write_tiny_checkpoint(tmp_path / "moe", "qwen3_moe", seed=2, **moe)
+    folder = write_head(tmp_path / "head", head_weights(seed=6))
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = random_prompts(2, seed=5, lo=2, hi=20)
+    llm = tiny_llm(target, speculative_config=_spec(folder))
+    assert llm.llm_engine.core.runner.model.model.aux_layers == AUX
+    got = _ids(llm.generate(prompts, sp, use_tqdm=False))
+    assert got == _ids(tiny_llm(target).generate(prompts, sp, use_tqdm=False))
