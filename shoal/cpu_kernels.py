@@ -1,8 +1,9 @@
 """shoal's C++ CPU kernels (shoal/csrc): build, load, and whether this process may use them.
 
 One torch extension holds them all (namespace torch.ops.shoal_cpu): the paged decode attention
-(used by shoal/attention/ops/cpu_paged_decode.py) and the decoder layer's small ops
-(shoal/layers/ops/cpu_layer_ops.py). Built ahead of time by `python -m shoal.cpu_kernels
+(used by shoal/attention/ops/cpu_paged_decode.py), the decoder layer's small ops
+(shoal/layers/ops/cpu_layer_ops.py) and linear attention's decode step
+(shoal/layers/ops/cpu_linear_state.py). Built ahead of time by `python -m shoal.cpu_kernels
 --build` (the Makefile's set-up runs it), never inside a request: a compile takes about a
 minute on a laptop-class CPU. At run time the kernels are used when the build of these very
 sources, torch and flags exists (the build folder is named by their hash, so a stale build is
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "paged_decode_cpu.cpp", CSRC / "layer_ops_cpu.cpp", CSRC / "sampling_cpu.cpp",
-           CSRC / "small_linear_cpu.cpp")
+           CSRC / "small_linear_cpu.cpp", CSRC / "linear_state_cpu.cpp")
 HEADERS = (CSRC / "cpu_common.h",)
 NAME = "shoal_cpu_kernels"
 # No -march: one build must run on any x86-64; the kernels pick AVX-512/AVX2 at run time.

@@ -84,7 +84,8 @@ SHOAL_CPU_DECODE_KERNEL: EnvVar[bool] = EnvVar(
 SHOAL_CPU_LAYER_KERNELS: EnvVar[bool] = EnvVar(
     "SHOAL_CPU_LAYER_KERNELS", True, _switch,
     "0: the decoder layer's small ops on the CPU (norms, SiLU-and-mul, rotary, KV-cache write, "
-    "small linear layers) run their torch paths instead of the C++ kernels "
+    "small linear layers, linear attention's decode step) run their torch paths instead of "
+    "the C++ kernels "
     "(shoal/cpu_kernels.py)")
 
 SHOAL_CPU_ADAPTIVE_THREADS: EnvVar[bool] = EnvVar(

@@ -64,19 +64,21 @@ def draft_continuations(monkeypatch, refs: dict[tuple[int, ...], list[int]], k: 
 
 
 def record_replay_widths(monkeypatch) -> list[tuple[int, int]]:
-    """(values kept per verified token, the layer's replay_width) of every replay the
-    linear-attention layers run: what the runner reserves memory for must be what they keep."""
-    from shoal.layers.linear_attention import LinearAttention
+    """(values of a verified token's inputs, the row width the layer keeps) of every verify
+    the linear-attention layers keep for its replay: what the runner reserves memory for
+    (replay_width per token) must be what they keep."""
+    from shoal.layers.linear_replays import KeptInputs
 
     seen: list[tuple[int, int]] = []
-    replay = LinearAttention._replay
+    pack = KeptInputs.pack
 
-    def recording(self, r) -> None:
-        x, rest = self._replay_inputs[r.serial]
-        seen.append((x[0].numel() + sum(t[0].numel() for t in rest), self.replay_width))
-        replay(self, r)
+    def recording(self, x, rest):
+        lead = x.shape[:-1]
+        seen.append((x.shape[-1] + sum(r.reshape(*lead, -1).shape[-1] for r in rest),
+                     self.buffer.shape[-1]))
+        return pack(self, x, rest)
 
-    monkeypatch.setattr(LinearAttention, "_replay", recording)
+    monkeypatch.setattr(KeptInputs, "pack", recording)
     return seen
 
 

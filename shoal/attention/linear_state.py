@@ -11,18 +11,30 @@ inside the chunk into that block.
 Speculative decoding (vLLM's ReplaySSM): a verify step of k + 1 tokens must not leave k
 rejected tokens in the states. It reads the state, computes its outputs and writes nothing of
 its own: it copies the state it read into every block its tokens reach, and each layer keeps
-the tokens' inputs (its conv input and the rest of its projections, by request serial). The
-next step first folds the accepted run (ScheduledRequest.replay tokens) into the state of the
-block it reads from, which is then the state after the accepted tokens, and goes on as
-usual. A rejection costs no copy of a state."""
+the tokens' inputs (its conv input and the rest of its projections) in the request's slot
+(shoal/layers/linear_replays.py). The next step first folds the accepted run
+(ScheduledRequest.replay tokens) into the state of the block it reads from, which is then the
+state after the accepted tokens, and goes on as usual. A rejection costs no copy of a state.
+
+CUDA graphs: decode steps read each row's read and write block from a persistent buffer
+(StateGraphBuffers); verify steps, and decode steps that fold a replay, replay the verify
+graphs, whose rows of up to q tokens (StateRows) carry every block, count and slot as
+device values: each row folds its replay (masked to its count) into the state it read,
+runs its tokens, and writes its final state (a row without drafts), or the state before
+its tokens into the blocks they reach and its inputs into its slot (a verify row). The fold
+is not written back: the row goes on from it, and no later step reads the block it read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from shoal.host_to_device import to_device
+
+# The kept-inputs row that padding rows and rows with nothing to keep write
+# (shoal/layers/linear_replays.py: requests hold slots 1..capacity).
+TRASH_SLOT = 0
 
 
 @dataclass(frozen=True)
@@ -35,42 +47,62 @@ class StateChunk:
     read: int  # block id holding the state before it
     write: int  # block id receiving the state after it
     saves: tuple[int, ...]  # block ids receiving the states at the block ends inside it
-    verify: bool = False  # a verify step: outputs only, inputs kept by the request's serial
-    serial: int = -1
+    verify: bool = False  # a verify step: outputs only, inputs kept in the request's slot
+    slot: int = 0  # (linear_replays.py; 0: the trash slot)
 
 
 @dataclass(frozen=True)
-class StateReplay:
-    """Before the step: fold a request's accepted run (the first `tokens` of its last verify,
-    kept by its serial) into the state of `block`."""
+class StateFold:
+    """Before an eager step: fold each replaying request's accepted run (the first count[i]
+    inputs kept in slot[i]) into the state of block[i]. int64 device vectors [R]."""
 
-    block: int
-    tokens: int
-    serial: int
+    block: torch.Tensor
+    slot: torch.Tensor
+    count: torch.Tensor
+
+
+@dataclass(frozen=True)
+class StateRows:
+    """A graph step of R rows of q tokens (padded), every value a device int64 vector [R]
+    (reach [M, R]): a row reads the state of `read`, folds the first fold_count inputs kept
+    in fold_slot into it, runs its `count` real tokens and writes the state after them into
+    `write`. A verify row writes the trash block there, and instead the state before its
+    tokens into each block of `reach` (the blocks its tokens reach, the trash block past
+    them) and its inputs into slot `keep`; other rows write reach and keep to the trash."""
+
+    q: int
+    read: torch.Tensor
+    write: torch.Tensor
+    count: torch.Tensor
+    keep: torch.Tensor
+    fold_slot: torch.Tensor
+    fold_count: torch.Tensor
+    reach: torch.Tensor
 
 
 @dataclass
 class StateMetadata:
     """A step's state slots for the layers of one linear-state group: the decodes (one token
     each, rows [0, num_decodes)) as two index vectors, the other chunks one by one, and the
-    replays that come first."""
+    replays that come first; or, in a verify graph, its rows (then nothing else is set)."""
 
     num_decodes: int
     decode_read: torch.Tensor | None  # [Bd] int64 block ids
     decode_write: torch.Tensor | None  # [Bd]
     chunks: list[StateChunk]
     block_size: int
-    replays: list[StateReplay] = field(default_factory=list)
+    fold: StateFold | None = None
+    rows: StateRows | None = None
 
 
 @dataclass(frozen=True)
 class StateSpecInputs:
-    """Per request of a step: the accepted run to replay, whether it verifies drafts, its
-    serial."""
+    """Per request of a step: the accepted run to replay, whether it verifies drafts, and its
+    replay slot (linear_replays.ReplaySlots)."""
 
     replay: list[int]
     verify: list[bool]
-    serials: list[int]
+    slots: list[int]
 
 
 def build_state_metadata(*, query_lens: list[int], context_lens: list[int],
@@ -82,10 +114,11 @@ def build_state_metadata(*, query_lens: list[int], context_lens: list[int],
     def read(table: list[int], s: int) -> int:
         return table[(s - 1) // block_size] if s else null_block
 
-    replays: list[StateReplay] = []
-    if spec is not None:
-        replays = [StateReplay(read(t, c), r, serial) for t, c, r, serial in zip(
-            block_tables, context_lens, spec.replay, spec.serials) if r]
+    fold = None
+    if spec is not None and any(spec.replay):
+        folds = [(read(t, c), slot, r) for t, c, r, slot in zip(
+            block_tables, context_lens, spec.replay, spec.slots) if r]
+        fold = StateFold(*(to_device(list(col), torch.long, device) for col in zip(*folds)))
 
     dr = [read(t, c) for t, c in zip(block_tables[:num_decodes], context_lens)]
     dw = [t[c // block_size] for t, c in zip(block_tables[:num_decodes], context_lens)]
@@ -96,7 +129,7 @@ def build_state_metadata(*, query_lens: list[int], context_lens: list[int],
         if spec is not None and spec.verify[i]:  # the state read, into every block reached
             reach = tuple(table[j] for j in range(s // block_size, (e - 1) // block_size + 1))
             chunks.append(StateChunk(start, n, s, read(table, s), -1, reach, True,
-                                     spec.serials[i]))
+                                     spec.slots[i]))
         else:
             saves = tuple(table[j] for j in range(s // block_size, (e - 1) // block_size)
                           ) if save_block_ends else ()
@@ -107,8 +140,7 @@ def build_state_metadata(*, query_lens: list[int], context_lens: list[int],
         num_decodes,
         to_device(dr, torch.long, device) if num_decodes else None,
         to_device(dw, torch.long, device) if num_decodes else None,
-        chunks, block_size, replays)
-
+        chunks, block_size, fold)
 
 
 class StatePages:
@@ -162,38 +194,86 @@ class StatePages:
 
 class StateGraphBuffers:
     """The graph-buffer hooks of AttentionBackend (alloc / fill / graph_metadata) for a
-    linear-state group, so decode steps of hybrid models replay as CUDA graphs: each row's
-    read and write block in one persistent [2, rows] buffer. Padding rows read the null block
-    (zeros) and write `trash_block`, a block no request holds."""
+    linear-state group, so decode and verify steps of hybrid models replay as CUDA graphs.
+    Decode shapes (q = 1): each row's read and write block in one persistent [2, rows]
+    buffer. Shapes of q > 1 tokens per row: the StateRows fields, one buffer row each.
+    Padding rows read the null block (zeros) and write `trash_block`, a block no request
+    holds, and the trash slot of the kept inputs."""
 
     name = "linear-state"
+    takes_state_spec = True  # GraphTable.stage passes the step's StateSpecInputs
 
     def __init__(self, null_block: int, trash_block: int, block_size: int):
         self.null_block, self.trash_block, self.block_size = null_block, trash_block, block_size
 
+    def reach_width(self, q: int) -> int:
+        """The most blocks q consecutive tokens reach."""
+        return 1 + -(-(q - 1) // self.block_size)
+
     def alloc_graph_buffers(self, max_rows: int, max_tokens: int, max_blocks: int,
                             device: torch.device, **_: object) -> dict:
         return {"rw": torch.zeros(2, max_rows, dtype=torch.long, device=device),
+                "rows": torch.zeros(_ROW_FIELDS + self.reach_width(max_tokens), max_rows,
+                                    dtype=torch.long, device=device),
                 "tables": []}
 
     def fill_graph_buffers(self, buf: dict, rows: int, q: int, context_lens: list[int],
                            block_tables: list[list[int]] | None,
-                           slot_mapping: list[int]) -> None:
-        if q != 1:
-            raise NotImplementedError("linear-attention layers replay decode graphs only")
+                           slot_mapping: list[int],
+                           state_spec: StateSpecInputs | None = None) -> None:
+        """slot_mapping: the rows' token slots (-1: padding), which give each row's real
+        token count; state_spec: the step's replays, verifies and replay slots."""
         if block_tables is not None:  # (live lists: kept, they follow their requests)
             buf["tables"] = block_tables
         bs, tables = self.block_size, buf["tables"]
-        pad = rows - len(context_lens)
+        n = len(context_lens)
         read = [t[(c - 1) // bs] if c else self.null_block for t, c in zip(tables, context_lens)]
-        write = [t[c // bs] for t, c in zip(tables, context_lens)]
-        host = torch.tensor([read + [self.null_block] * pad, write + [self.trash_block] * pad],
-                            dtype=torch.long)
-        buf["rw"][:, :rows].copy_(host, non_blocking=True)
+        if q == 1:
+            if state_spec is not None and any(state_spec.replay):
+                raise ValueError("a decode graph cannot fold replays: they replay verify graphs")
+            write = [t[c // bs] for t, c in zip(tables, context_lens)]
+            host = torch.tensor([read + [self.null_block] * (rows - n),
+                                 write + [self.trash_block] * (rows - n)], dtype=torch.long)
+            buf["rw"][:, :rows].copy_(host, non_blocking=True)
+            return
+        cols = self._row_columns(rows, q, context_lens, tables, slot_mapping, state_spec)
+        buf["rows"][:len(cols), :rows].copy_(torch.tensor(cols, dtype=torch.long),
+                                             non_blocking=True)
+
+    def _row_columns(self, rows: int, q: int, context_lens: list[int], tables: list[list[int]],
+                     slot_mapping: list[int], spec: StateSpecInputs | None) -> list[list[int]]:
+        """Each real row's StateRows values, padded to `rows` (see StateRows)."""
+        bs, trash, m = self.block_size, self.trash_block, self.reach_width(q)
+        pad = [self.null_block, trash, 0, TRASH_SLOT, TRASH_SLOT, 0] + [trash] * m
+        out = []
+        for r, (t, c) in enumerate(zip(tables, context_lens)):
+            count = sum(s >= 0 for s in slot_mapping[r * q:(r + 1) * q])
+            e = c + count
+            read = t[(c - 1) // bs] if c else self.null_block
+            replay = spec.replay[r] if spec is not None else 0
+            slot = spec.slots[r] if spec is not None else TRASH_SLOT
+            if spec is not None and spec.verify[r]:
+                reach = [t[j] for j in range(c // bs, (e - 1) // bs + 1)]
+                out.append([read, trash, count, slot, slot, replay]
+                           + reach + [trash] * (m - len(reach)))
+            else:
+                out.append([read, t[(e - 1) // bs], count, TRASH_SLOT,
+                            slot if replay else TRASH_SLOT, replay] + [trash] * m)
+        out += [pad] * (rows - len(out))
+        return [list(col) for col in zip(*out)]  # one list per field
 
     def graph_metadata(self, buf: dict, rows: int, q: int) -> StateMetadata:
-        rw = buf["rw"]
-        return StateMetadata(rows, rw[0, :rows], rw[1, :rows], [], self.block_size)
+        if q == 1:
+            rw = buf["rw"]
+            return StateMetadata(rows, rw[0, :rows], rw[1, :rows], [], self.block_size)
+        f = buf["rows"][:, :rows]
+        m = self.reach_width(q)
+        return StateMetadata(0, None, None, [], self.block_size, rows=StateRows(
+            q, read=f[0], write=f[1], count=f[2], keep=f[3], fold_slot=f[4], fold_count=f[5],
+            reach=f[_ROW_FIELDS:_ROW_FIELDS + m]))
 
     def advance_graph_buffers(self, buf: dict, rows: int) -> None:
         raise NotImplementedError("linear-attention layers do not draft in graphs")
+
+
+_ROW_FIELDS = 6  # StateRows' vectors before reach, in the order of its fields

@@ -94,13 +94,16 @@ class GatedDeltaNet(LinearAttention):
             b, a = ba.split([self.nv, self.nv], dim=-1)
         return x, (z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv))
 
+    def gates(self, rest: Rest) -> tuple[torch.Tensor, torch.Tensor]:
+        _, b, a = rest
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        return g, b.float().sigmoid()
+
     def heads(self, y: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
         n = y.shape[0]
         q, k, v = y.split([self.nk * self.dk, self.nk * self.dk, self.nv * self.dv], dim=-1)
-        _, b, a = rest
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return (q.reshape(n, self.nk, self.dk), k.reshape(n, self.nk, self.dk),
-                v.reshape(n, self.nv, self.dv), g, b.float().sigmoid())
+                v.reshape(n, self.nv, self.dv), *self.gates(rest))
 
     def output(self, o: torch.Tensor, rest: Rest) -> torch.Tensor:
         z = rest[0]

@@ -124,15 +124,19 @@ class KimiDeltaAttention(LinearAttention):
         return self.conv_dim + self.heads_per_rank * (1 + 2 * self.d)
 
     qk_norm = staticmethod(fla_l2norm)
+    qk_norm_divides = True
+
+    def gates(self, rest: Rest) -> tuple[torch.Tensor, torch.Tensor]:
+        b, f, _ = rest
+        g = kimi_softplus(f.float() + self.dt_bias.float()).view(-1, self.heads_per_rank, self.d)
+        g = -self.A_log.float().exp().unsqueeze(-1) * g
+        # beta's sigmoid in the model dtype, as transformers takes it
+        return g, b.sigmoid().float()
 
     def heads(self, y: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
         n, h, d = y.shape[0], self.heads_per_rank, self.d
         q, k, v = (t.reshape(n, h, d) for t in y.split(h * d, dim=-1))
-        b, f, _ = rest
-        g = kimi_softplus(f.float() + self.dt_bias.float()).view(n, h, d)
-        g = -self.A_log.float().exp().unsqueeze(-1) * g
-        # beta's sigmoid in the model dtype, as transformers takes it
-        return q, k, v, g, b.sigmoid().float()
+        return (q, k, v, *self.gates(rest))
 
     def output(self, o: torch.Tensor, rest: Rest) -> torch.Tensor:
         gate = rest[2]

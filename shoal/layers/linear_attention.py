@@ -11,7 +11,11 @@ A subclass says how a token becomes the conv input (`conv_input`), how the convo
 channels become the delta rule's q and k per key head, v per value head, log-decay g and
 beta (`heads`; `mix` then L2-norms q and k and repeats them to the value heads), and how the
 output becomes the hidden state (`output`). On CUDA a decode batch runs two Triton kernels
-that update the states in place in their pages (shoal/layers/ops/linear_state_decode.py)."""
+that update the states in place in their pages (shoal/layers/ops/linear_state_decode.py), on
+the CPU one C++ call (shoal/layers/ops/cpu_linear_state.py); the torch ops are the reference.
+Speculative decoding: a verify keeps its tokens' inputs (shoal/layers/linear_replays.py) and
+the next step folds the accepted run in; a verify graph's rows do both at fixed shapes
+(StateRows, shoal/layers/ops/delta_rule_rows.py)."""
 
 from __future__ import annotations
 
@@ -20,11 +24,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from shoal.attention.linear_state import StateChunk, StateMetadata, StatePages, StateReplay
+from shoal.attention.linear_state import (
+    StateChunk,
+    StateFold,
+    StateMetadata,
+    StatePages,
+    StateRows,
+)
 from shoal.attention.metadata import GroupedMetadata
 from shoal.core.kv_cache_spec import LinearStateSpec
-from shoal.layers.ops import fla_chunk
+from shoal.layers.linear_replays import KeptInputs
+from shoal.layers.ops import cpu_linear_state, fla_chunk
 from shoal.layers.ops import linear_state_decode as decode_kernels
+from shoal.layers.ops.delta_rule_rows import causal_conv1d_rows, gated_delta_rule_rows
 from shoal.layers.ops.gated_delta_rule import (
     causal_conv1d,
     causal_conv1d_step,
@@ -56,8 +68,10 @@ class LinearAttention(nn.Module):
         self.pages: StatePages | None = None
         self.block_size = 0
         # speculative decoding: each verifying request's tokens (conv input and the rest of
-        # its projections), by serial, until the next step replays the accepted run
-        self._replay_inputs: dict[int, tuple[torch.Tensor, Rest]] = {}
+        # its projections) in its slot until the next step folds the accepted run in;
+        # allocated with the pages once keep_replays() has sized it
+        self.kept: KeptInputs | None = None
+        self._kept_size: tuple[int, int, torch.dtype] | None = None
 
     # ---- the cache ------------------------------------------------------------------------
     def kv_cache_spec(self, dtype_bytes: int) -> LinearStateSpec:
@@ -71,6 +85,16 @@ class LinearAttention(nn.Module):
         self._cache, self.block_size = cache, block_size
         self.pages = StatePages(cache, block_size, (self.conv_dim, self.conv_kernel - 1),
                                 (self.state_heads, self.key_dim, self.value_dim))
+        if self._kept_size is not None:
+            slots, tokens, dtype = self._kept_size
+            self.kept = KeptInputs(slots, tokens, self.replay_width, dtype, cache.device)
+
+    def keep_replays(self, slots: int, tokens: int, dtype: torch.dtype) -> None:
+        """Speculative decoding: keep up to `tokens` verified tokens of `slots` requests (the
+        buffer comes with the pages, whose memory budget left room for it)."""
+        self._kept_size = (slots, tokens, dtype)
+        if self._cache is not None:
+            self.bind_pages(self._cache, self.block_size)
 
     @property
     def kv_cache(self) -> torch.Tensor | None:
@@ -79,7 +103,7 @@ class LinearAttention(nn.Module):
     @kv_cache.setter
     def kv_cache(self, cache: torch.Tensor | None) -> None:
         if cache is None:
-            self._cache, self.pages = None, None
+            self._cache, self.pages, self.kept = None, None, None
         elif self.block_size:
             self.bind_pages(cache, self.block_size)
         else:
@@ -100,8 +124,14 @@ class LinearAttention(nn.Module):
         and beta [n, H] (float32)."""
         raise NotImplementedError
 
-    # q and k's L2 norm (Kimi's rounds as fla's sqrt-and-divide does)
+    def gates(self, rest: Rest) -> tuple[torch.Tensor, torch.Tensor]:
+        """heads()'s g and beta, which need only `rest`."""
+        raise NotImplementedError
+
+    # q and k's L2 norm (Kimi's rounds as fla's sqrt-and-divide does); qk_norm_divides says
+    # which of the two the C++ decode kernel takes
     qk_norm = staticmethod(l2_normed)
+    qk_norm_divides = False
 
     def mix(self, y: torch.Tensor, rest: Rest) -> tuple[torch.Tensor, ...]:
         q, k, v, g, beta = self.heads(y, rest)
@@ -130,8 +160,10 @@ class LinearAttention(nn.Module):
         if self.pages is None:
             raise RuntimeError("the KV cache is not bound to the linear-attention layer")
         x, rest = self.conv_input(hidden)
-        for replay in md.replays:
-            self._replay(replay)
+        if md.rows is not None:  # a verify graph's rows
+            return self.output(self._rows(x, rest, md.rows), rest)
+        if md.fold is not None:
+            self._fold_into_pages(md.fold, (x, rest))
         o = torch.empty(x.shape[0], self.state_heads, self.value_dim, dtype=torch.float32,
                         device=x.device)
         nd = md.num_decodes
@@ -148,6 +180,11 @@ class LinearAttention(nn.Module):
         assert self.pages is not None and md.decode_read is not None
         if x.is_cuda and decode_kernels.kernel_fits(self.key_dim, self.value_dim):
             return self._decodes_in_place(x, rest, md)
+        if cpu_linear_state.usable(x) and self.conv_weight.dtype == x.dtype:  # one C++ call
+            g, beta = self.gates(rest)
+            return cpu_linear_state.decode_step(
+                x, self.conv_weight, self.conv_bias, g, beta, self.pages, md.decode_read,
+                md.decode_write, self.scale, self.qk_norm_divides)
         conv, state = self.pages.read(md.decode_read)
         y, conv = causal_conv1d_step(x, self.conv_weight, self.conv_bias, conv.to(x.dtype))
         q, k, v, g, beta = self.mix(y, rest)
@@ -205,28 +242,65 @@ class LinearAttention(nn.Module):
         return torch.cat(outs) if len(outs) > 1 else outs[0], state, saved
 
     # ---- speculative decoding (ReplaySSM, see shoal/attention/linear_state.py) -------------
+    def _run(self, x: torch.Tensor, rest: Rest, conv: torch.Tensor, state: torch.Tensor,
+             counts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """R rows of T tokens (x [R, T, C], rest [R, T, ...]) from their conv states
+        [R, C, K-1] and states [R, H, Dk, Dv], the first counts[r] tokens of row r real (None:
+        all). Returns (o [R, T, H, Dv] float32, the conv states and states after them)."""
+        R, T = x.shape[:2]
+        y, conv_end = causal_conv1d_rows(x, self.conv_weight, self.conv_bias, conv, counts)
+        heads = self.mix(y.flatten(0, 1), tuple(r.flatten(0, 1) for r in rest))
+        o, state = gated_delta_rule_rows(*(t.unflatten(0, (R, T)) for t in heads), state,
+                                         counts, scale=self.scale)
+        return o, conv_end, state
+
+    def _fold(self, conv: torch.Tensor, state: torch.Tensor, slots: torch.Tensor,
+              counts: torch.Tensor, like: tuple[torch.Tensor, Rest]
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The states of R rows after the first counts[r] inputs kept in slots[r] (like: a
+        step's x and rest, whose per-token shapes the kept values take)."""
+        kept = self._kept()
+        x, rest = kept.unpack(kept.gather(slots), like)
+        _, conv, state = self._run(x, rest, conv, state, counts)
+        return conv, state
+
+    def _fold_into_pages(self, fold: StateFold, like: tuple[torch.Tensor, Rest]) -> None:
+        """An eager step's replays: each accepted run folded into the state of its block."""
+        assert self.pages is not None
+        conv, state = self.pages.read(fold.block)
+        conv, state = self._fold(conv, state, fold.slot, fold.count, like)
+        self.pages.write(fold.block, conv, state)
+
     def _verify(self, x: torch.Tensor, rest: Rest, ch: StateChunk) -> torch.Tensor:
-        """Outputs of a verify step's tokens; the state read is copied into every block they
-        reach and their inputs kept for the replay of the accepted run."""
+        """Outputs of an eager verify step's tokens; the state read is copied into every
+        block they reach and their inputs kept for the replay of the accepted run."""
         assert self.pages is not None
         conv, state = self.pages.read_one(ch.read)
-        y, _ = causal_conv1d(x, self.conv_weight, self.conv_bias, conv[0].to(x.dtype))
-        o, _, _ = chunk_gated_delta_rule(*self.mix(y, rest), state[0], scale=self.scale)
+        o, _, _ = self._run(x[None], tuple(r[None] for r in rest), conv, state, None)
         for block in ch.saves:
             self.pages.write_one(block, conv[0], state[0])
-        self._replay_inputs[ch.serial] = (x.clone(), tuple(r.clone() for r in rest))
-        return o
+        kept = self._kept()
+        kept.keep_one(ch.slot, kept.pack(x, rest))
+        return o[0]
 
-    def _replay(self, replay: StateReplay) -> None:
-        """Folds the accepted run of the last verify into the state of replay.block."""
+    def _rows(self, x: torch.Tensor, rest: Rest, rows: StateRows) -> torch.Tensor:
+        """A verify graph's R rows of q tokens (see StateRows): fixed shapes, every block,
+        count and slot a device value."""
         assert self.pages is not None
-        x, rest = self._replay_inputs.pop(replay.serial)
-        x, rest = x[:replay.tokens], tuple(r[:replay.tokens] for r in rest)
-        conv, state = self.pages.read_one(replay.block)
-        y, conv_end = causal_conv1d(x, self.conv_weight, self.conv_bias, conv[0].to(x.dtype))
-        _, state, _ = chunk_gated_delta_rule(*self.mix(y, rest), state[0], scale=self.scale)
-        self.pages.write_one(replay.block, conv_end, state)
+        R, q = rows.read.shape[0], rows.q
+        xs, rs = x.unflatten(0, (R, q)), tuple(r.unflatten(0, (R, q)) for r in rest)
+        conv, state = self.pages.read(rows.read)
+        conv, state = self._fold(conv, state, rows.fold_slot, rows.fold_count, (x, rest))
+        o, conv_end, state_end = self._run(xs, rs, conv, state, rows.count)
+        self.pages.write(rows.write, conv_end, state_end)
+        for blocks in rows.reach:  # (verify rows; the trash block for the others)
+            self.pages.write(blocks, conv, state)
+        kept = self._kept()
+        kept.keep(rows.keep, kept.pack(xs, rs))
+        return o.flatten(0, 1)
 
-    def forget(self, serials: set[int]) -> None:
-        for serial in serials:
-            self._replay_inputs.pop(serial, None)
+    def _kept(self) -> KeptInputs:
+        if self.kept is None:
+            raise RuntimeError("speculative decoding on a linear-attention layer whose kept "
+                               "inputs were never sized (keep_replays) or whose cache is unbound")
+        return self.kept

@@ -132,7 +132,8 @@ class GraphTable:
 
     def stage(self, shape: StepShape, token_rows: Sequence[Sequence[int]],
               context_lens: list[int], block_tables: Sequence[list[list[int]]],
-              slots: Sequence[list[int]], serials: Sequence[int] = ()) -> torch.Tensor:
+              slots: Sequence[list[int]], serials: Sequence[int] = (),
+              state_spec: Any = None) -> torch.Tensor:
         """Copies a step's inputs into the buffers: token_rows [i] into token row i (each
         shape.tokens long at most, zero-padded), one row per real request (context length,
         and per KV cache group: block_tables[g]), per group the slots of every padded token
@@ -140,6 +141,7 @@ class GraphTable:
         tables are copied only when the rows (serials) or their lengths changed since the last
         stage: a steady decode batch needs one copy every block_size steps (its tables only
         grow; other steps, which may follow a rollback of rejected drafts, copy them always).
+        state_spec goes to the group backends that take it (linear-state groups).
         Returns the token rows on the device (fill pending tokens into row 0 first)."""
         staged = self.tokens.stage(shape.tokens, token_rows)
         key = ((shape, tuple(serials), tuple(len(t) for t in block_tables[0]))
@@ -147,8 +149,9 @@ class GraphTable:
         keep = key is not None and key == self._tables_key
         for b, buf, tables, group_slots in zip(self.group_backends, self.buffers,
                                                block_tables, slots):
+            extra = {"state_spec": state_spec} if getattr(b, "takes_state_spec", False) else {}
             b.fill_graph_buffers(buf, shape.rows, shape.q, context_lens,
-                                 None if keep else tables, group_slots)
+                                 None if keep else tables, group_slots, **extra)
         self._tables_key = key
         return staged
 

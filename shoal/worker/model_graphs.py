@@ -12,6 +12,9 @@ and logits for every step shape it replays, and how a step's inputs are laid out
   tail after a prefix-cache hit), padded to 16 .. 512 tokens; the LM head runs on its last
   real token only.
 
+Models with linear-attention layers capture decode and verify shapes (not prefill chunks);
+a decode step that folds a verify's accepted run into the states replays a verify graph.
+
 Padding tokens write no KV (slot -1) and repeat their row's last position; padding rows are
 empty. The runner takes the real rows' logits (and, for a hidden-state drafter, every real
 token's final hidden state)."""
@@ -111,12 +114,15 @@ class ModelGraphs:
     def pick(self, inp: StepInputs) -> StepShape | None:
         """The shape whose graph runs this step, or None (the step runs eagerly)."""
         n = len(inp.items)
-        if inp.prompt_lp_spans or n == 0 or any(it.replay for it in inp.items):
-            return None  # (a replay: linear layers fold a verify's run in, eagerly)
-        if inp.num_decodes == n == inp.num_tokens:
+        if inp.prompt_lp_spans or n == 0:
+            return None
+        # Linear-attention layers fold the run a request's last verify accepted into its
+        # state: verify graphs do (decode graphs do not), so such decodes replay those.
+        replays = any(it.replay for it in inp.items)
+        if inp.num_decodes == n == inp.num_tokens and not replays:
             rows = round_up(n, self.decode_sizes)
             return None if rows is None else self._known(StepShape(rows, 1))
-        if inp.has_drafts:
+        if inp.has_drafts or replays:
             if inp.pending_dst or not all(it.sample for it in inp.items):
                 return None
             rows = round_up(n, self.verify_sizes)
@@ -131,10 +137,12 @@ class ModelGraphs:
         return shape if shape in self.table else None
 
     def run(self, shape: StepShape, inp: StepInputs,
-            fill_pending: Callable[[torch.Tensor], None] | None
+            fill_pending: Callable[[torch.Tensor], None] | None, state_spec: Any = None
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Replays the step's graph; returns the logits of its sampling rows (in the order of
-        inp.logits_index) and, when kept, every real token's hidden states."""
+        inp.logits_index) and, when kept, every real token's hidden states. state_spec: the
+        step's linear-attention replays and verifies (attention/linear_state.py
+        StateSpecInputs), or None."""
         ids, pos, padded = self._layout(shape, inp)
         # Each row's last real token (read only by a chunk's shape: its logits row)
         last = ([r * shape.q + it.num_new_tokens - 1 for r, it in enumerate(inp.items)]
@@ -143,7 +151,8 @@ class ModelGraphs:
         tables = [inp.block_tables(g) for g in range(self.num_groups)]
         staged = self.table.stage(shape, (ids, pos, last), context_lens, tables,
                                   [self._slots(shape, inp, context_lens, t) for t in tables],
-                                  serials=[it.serial for it in inp.items])
+                                  serials=[it.serial for it in inp.items],
+                                  state_spec=state_spec)
         if fill_pending is not None:  # decodes and lone chunks: flat index = padded index
             fill_pending(staged[0])
         logits, hidden = self.table.replay(shape)

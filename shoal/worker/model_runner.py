@@ -112,7 +112,9 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, Executor):
             self.drafter = drafter_factory(config, self.model, loaded)
         if self.drafter is not None:
             self.forwarder.keep_hidden = self.drafter.keeps_hidden
-            self.forwarder.state_replays = any(self.forwarder.state_groups)
+            self.forwarder.enable_state_replays(  # (linear layers: verified tokens kept)
+                config.scheduler_config.max_num_seqs,
+                config.speculative_config.num_speculative_tokens + 1, self.dtype)
             # (engine/compatibility.py refuses these for models whose layers all slide)
             assert not (self.drafter.kv_layers() and windows[0] is not None)
         self.lora: LoRASlots | None = None
@@ -230,8 +232,10 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, Executor):
                              num_speculative_tokens=spec.num_speculative_tokens
                              if spec is not None else 0)
         # decode graphs only (graph_support.py logged why): chunks and verifies run eagerly
-        if self.has_linear_states or getattr(self.model, "decode_graphs_only", None):
+        if getattr(self.model, "decode_graphs_only", None):
             shapes = [s for s in shapes if s.q == 1]
+        elif self.has_linear_states:  # decodes and verifies (StateRows); chunks run eagerly
+            shapes = [s for s in shapes if s.q == 1 or s.logits_per_row > 1]
         self.graphs = ModelGraphs(self.model, self.backend, shapes, max_blocks, self.device,
                                   block_size=self.block_size, windows=self.forwarder.windows,
                                   keep_hidden=self.forwarder.keep_hidden,
@@ -285,18 +289,9 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, Executor):
     def remove_requests(self, serials: set[int]) -> None:
         for serial in serials:
             self.requests.pop(serial, None)
-        self._forget_replays(serials)
+        self.forwarder.forget_replays(serials)  # (linear layers' kept verify inputs)
         if self.mm is not None:
             self.mm.remove(serials)
-
-    def _forget_replays(self, serials: set[int]) -> None:
-        """Linear-attention layers drop what the requests' last verify kept for its replay
-        (a request that ended, or came back after preemption: it recomputes its states)."""
-        if self.forwarder.state_replays:
-            layers = self.model.attention_layers()
-            for g in self.kv_groups:
-                for i in g.layers if g.holds_state else ():
-                    layers[i].forget(serials)
 
     def reset_after_fault(self) -> None:
         """A step raised: nothing may take input tokens from it or trust cached tables, and
@@ -323,7 +318,8 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, Executor):
         for new in sched.new_requests:
             self.requests[new.serial] = RequestState.of(new, self.device)
         if sched.new_requests:
-            self._forget_replays({new.serial for new in sched.new_requests})
+            # back after preemption: it recomputes its states, folds nothing in
+            self.forwarder.forget_replays({new.serial for new in sched.new_requests})
         if self.mm is not None:
             self.mm.begin_step(sched, self.requests)
         handle = StepHandle(ModelRunnerOutput())

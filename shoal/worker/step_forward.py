@@ -18,6 +18,8 @@ from shoal.attention.metadata import GroupedMetadata
 from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.core.types import Logprobs
 from shoal.host_to_device import to_device
+from shoal.layers.linear_attention import LinearAttention
+from shoal.layers.linear_replays import ReplaySlots
 from shoal.sample.host_rows import logprobs_rows
 from shoal.sample.sampler import compute_logprobs_tensors
 from shoal.worker.model_graphs import ModelGraphs
@@ -67,8 +69,10 @@ class StepForwarder:
         self.block_size, self.windows = block_size, windows
         self.state_groups = state_groups or (False,) * len(windows)
         self.save_states = save_states
-        # Linear-attention layers under speculative decoding: verify steps and replays
+        # Linear-attention layers under speculative decoding: verify steps and replays, the
+        # slots of their kept inputs (enable_state_replays)
         self.state_replays = False
+        self.replay_slots: ReplaySlots | None = None
         self.pending = pending
         self.stage_link = stage_link
         self.graphs: ModelGraphs | None = None  # once captured
@@ -91,9 +95,30 @@ class StepForwarder:
             shape = None  # a verify step with adapters runs eagerly (rows in flat order)
         if shape is None:
             return self._from_hidden(inp, out, self._eager(inp))
+        spec = self._state_spec(inp)
         logits, hidden = self.graphs.run(
-            shape, inp, self.pending.filler(inp.pending_dst, inp.pending_src))
+            shape, inp, self.pending.filler(inp.pending_dst, inp.pending_src),
+            **({"state_spec": spec} if spec is not None else {}))
         return ForwardOutput(logits, hidden, hidden_static=True)
+
+    def enable_state_replays(self, max_requests: int, tokens: int, dtype: torch.dtype) -> None:
+        """Speculative decoding on linear-attention layers: each keeps the inputs of up to
+        `tokens` verified tokens of max_requests requests (shoal/layers/linear_replays.py).
+        Nothing for a model without them."""
+        if not any(self.state_groups):
+            return
+        # (engine/cache_args.py turns prefix caching off: verify graphs save no block ends)
+        assert not self.save_states, "prefix caching with replays of linear-attention states"
+        layers = [a for a in self.model.attention_layers() if isinstance(a, LinearAttention)]
+        for layer in layers:
+            layer.keep_replays(max_requests, tokens, dtype)
+        self.replay_slots = ReplaySlots(max_requests, layers)
+        self.state_replays = True
+
+    def forget_replays(self, serials: set[int]) -> None:
+        """Requests that ended or came back after preemption: their kept inputs go."""
+        if self.replay_slots is not None:
+            self.replay_slots.forget(serials)
 
     def _eager(self, inp: StepInputs) -> torch.Tensor:
         ids, pos, md = self.eager_inputs(inp)
@@ -117,13 +142,15 @@ class StepForwarder:
         return ids, pos, md
 
     def _state_spec(self, inp: StepInputs) -> StateSpecInputs | None:
-        """The replays and verify rows of a step, for linear-attention layers."""
+        """The replays and verify rows of a step, for linear-attention layers (call once a
+        step: it takes and gives back replay slots)."""
         if not self.state_replays or not (inp.has_drafts or any(it.replay for it in inp.items)):
             return None
-        items = inp.items
-        return StateSpecInputs([it.replay for it in items],
-                               [it.num_draft_tokens > 0 for it in items],
-                               [it.serial for it in items])
+        assert self.replay_slots is not None
+        replay = [it.replay for it in inp.items]
+        verify = [it.num_draft_tokens > 0 for it in inp.items]
+        return StateSpecInputs(replay, verify, self.replay_slots.assign(
+            [it.serial for it in inp.items], replay, verify))
 
     def metadata(self, query_lens: list[int], context_lens: list[int],
                  tables: list[list[list[int]]], num_decodes: int,
