@@ -37,7 +37,9 @@ class InterleavedRope(nn.Module):
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] -> cos, sin [T, rot_dim / 2] (float32), one per pair."""
-        freqs = positions[:, None].float() * self.inv_freq.to(positions.device)
+        if self.inv_freq.device != positions.device:  # (once, before any graph capture)
+            self.inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * self.inv_freq
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

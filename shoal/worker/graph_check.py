@@ -69,18 +69,20 @@ class CheckedRunner(Protocol):
 def capture_checked(graphs: ModelGraphs, runner: CheckedRunner) -> float | None:
     """Captures `graphs` and checks a replay against the eager forward: the capture's seconds,
     or None when the model must run eagerly (logged once with the reason)."""
-    reason: str | None = None
     took = 0.0
-    try:
-        with _stream_kept(runner.device):
-            took = graphs.capture()
-    except torch.OutOfMemoryError:
-        raise  # (memory, not the forward's code: as for any model)
-    except Exception as e:  # what the forward does under capture (a host sync, ...)
-        reason = f"capturing its forward raised {describe_error(e)}"
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize(runner.device)
-    reason = _agreed(reason, runner.device)
+    reason = _agreed(host_sync_reason(runner), runner.device)
+    if reason is None:
+        try:
+            with _stream_kept(runner.device):
+                took = graphs.capture()
+        except torch.OutOfMemoryError:
+            raise  # (memory, not the forward's code: as for any model)
+        except Exception as e:  # what the forward does under capture that the probe missed
+            reason = f"capturing its forward raised {describe_error(e)}"
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize(runner.device)
+                _end_capture_state(runner.device)
+        reason = _agreed(reason, runner.device)
     if reason is None:
         try:
             reason = replay_mismatch(graphs, runner)
@@ -97,6 +99,48 @@ def capture_checked(graphs: ModelGraphs, runner: CheckedRunner) -> float | None:
     logger.info("%s: CUDA graphs checked (a replayed decode step gives the eager step's "
                 "logits)", name)
     return took
+
+
+def host_sync_reason(runner: CheckedRunner) -> str | None:
+    """On CUDA, why an eager decode step of the model cannot be captured, found without a
+    capture: the step runs under torch's sync debug mode "error", which raises on a host sync
+    (.item(), nonzero, a copy from pageable memory) as a capture would. A capture that fails
+    leaves torch's CUDA generator in capture state (its capture_end raises before the
+    generator's epilogue), and every later random draw of the process then fails."""
+    if runner.device.type != "cuda":
+        return None
+    first, count = dummy_blocks(runner)
+    rows = min(2, count)
+    tables = [[first + i] for i in range(rows)]
+    md = runner.forwarder.metadata([1] * rows, [1] * rows, [tables] * len(runner.kv_groups),
+                                   rows)
+    ids = torch.ones(rows, dtype=torch.long, device=runner.device)
+    pos = torch.ones(rows, dtype=torch.long, device=runner.device)
+    torch.cuda.synchronize(runner.device)
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.inference_mode():
+            runner.model(ids, pos, md)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as e:
+        return f"an eager decode step synchronizes with the host: {describe_error(e)}"
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    return None
+
+
+def _end_capture_state(device: torch.device) -> None:
+    """After a capture that failed: one trivial capture, whose end runs the CUDA generator's
+    epilogue the failed one skipped (see host_sync_reason)."""
+    try:
+        graph, x = torch.cuda.CUDAGraph(), torch.zeros(1, device=device)
+        with torch.cuda.graph(graph):
+            x.add_(1)
+    except Exception:  # (best effort: the warning names the first failure already)
+        logger.debug("resetting the capture state after a failed capture failed",
+                     exc_info=True)
 
 
 def replay_mismatch(graphs: ModelGraphs, runner: CheckedRunner) -> str | None:

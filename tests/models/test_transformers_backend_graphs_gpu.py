@@ -111,7 +111,7 @@ def _mlp_captured_otherwise(real, self, x):
 
 
 @pytest.mark.parametrize("forward,reason", [
-    (_mlp_that_syncs, "capturing its forward raised "),
+    (_mlp_that_syncs, "an eager decode step synchronizes with the host"),
     (_mlp_captured_otherwise, "a replayed decode step's logits differ from the eager step's"),
 ], ids=["host-sync", "replay-differs"])
 def test_an_uncapturable_forward_runs_eagerly_with_the_reason(checkpoints, monkeypatch, caplog,
