@@ -6,29 +6,14 @@ tokens and logprobs (a prompt past index_topk, so the indexer's keys are read)."
 
 from __future__ import annotations
 
-import random
-
 import torch
 from deepseek_tiny import write_deepseek
+from greedy_runs import greedy_run, random_prompt
 from models.test_deepseek_v32 import V32
 
-from shoal import LLM, SamplingParams
+from shoal import LLM
 from shoal.kv_cache.hashing import hash_full_blocks
 from shoal.kv_offload.grouped_cpu_tier import GroupedCPUTier
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
-def _generate(llm: LLM, prompt: list[int]) -> tuple[int, list[int], list[float]]:
-    out = llm.generate({"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1),
-                       use_tqdm=False)[0]
-    c = out.outputs[0]
-    return (out.num_cached_tokens, c.token_ids,
-            [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
 
 
 def test_latents_and_indexer_keys_come_back_together(tmp_path):
@@ -38,16 +23,16 @@ def test_latents_and_indexer_keys_come_back_together(tmp_path):
               kv_offloading_size=1 / 1024)
     store = llm.llm_engine.core.kv_offload
     assert isinstance(store.cpu, GroupedCPUTier) and len(store.cpu.layout.group_bytes) == 1
-    p = _prompt(1, 70)  # 17 full blocks; index_topk is 8
-    miss = _generate(llm, p)
-    device = _generate(llm, p)
+    p = random_prompt(1, 70)  # 17 full blocks; index_topk is 8
+    miss = greedy_run(llm, p)
+    device = greedy_run(llm, p)
     assert (miss[0], device[0], device[1]) == (0, 68, miss[1])
     for i in range(4):
-        _generate(llm, _prompt(100 + i, 80))
+        greedy_run(llm, random_prompt(100 + i, 80))
     assert llm.llm_engine.core.scheduler.kv.tables[0].cached(hash_full_blocks(p, 4, [])[0]) \
         is None
     before = store.stats().tiers[0].hits
-    hit = _generate(llm, p)
+    hit = greedy_run(llm, p)
     assert hit[:2] == device[:2]
     torch.testing.assert_close(hit[2], device[2], atol=1e-5, rtol=0)
     assert store.stats().tiers[0].hits - before == 17

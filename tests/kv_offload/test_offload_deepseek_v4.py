@@ -10,10 +10,9 @@ the blocks their windows read."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from greedy_runs import greedy_run, random_prompt
 from models.test_deepseek_v4 import V4
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -31,12 +30,7 @@ BLOCK = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
-P = _prompt(1, 70)  # 17 full blocks: a hit restores 68 tokens
+P = random_prompt(1, 70)  # 17 full blocks: a hit restores 68 tokens
 # What a hit of 17 blocks loads of each group: every CSA entries block; the HCA entries of
 # blocks 3, 7, 11, 15 (each closing a group of 16); the window's (8) blocks 15 and 16; HCA's
 # open group (16 tokens back from token 68): blocks 13..16
@@ -68,10 +62,7 @@ def llm(tmp_path_factory):
 
 
 def _generate(llm: LLM, prompt: list[int]) -> tuple[int, list[int], list[float]]:
-    out = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)[0]
-    c = out.outputs[0]
-    return (out.num_cached_tokens, c.token_ids,
-            [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+    return greedy_run(llm, prompt, GREEDY)
 
 
 def _same(got: tuple, want: tuple) -> None:
@@ -95,7 +86,7 @@ def _push_out(llm: LLM, prompt: list[int], seed: int) -> None:
     """Prompts never seen before (a tier hit of theirs would allocate fewer blocks), enough
     to cycle every partition's free blocks."""
     for i in range(4):
-        _generate(llm, _prompt(100 + 10 * seed + i, 80))
+        _generate(llm, random_prompt(100 + 10 * seed + i, 80))
     assert _on_device(llm, prompt) == [0, 0, 0, 0]
 
 
@@ -155,10 +146,10 @@ def test_entries_on_the_device_and_windows_in_the_tier(llm):
     cached entries through the CPU tier in the same plan (stores before loads). Then a block
     of the window missing from the tiers shortens the hit to where the window's blocks are
     held."""
-    q = _prompt(2, 70)
+    q = random_prompt(2, 70)
     miss = _generate(llm, q)
     device = _generate(llm, q)
-    _generate(llm, _prompt(99, 90))
+    _generate(llm, random_prompt(99, 90))
     assert _on_device(llm, q) == [17, 4, 0, 0]
     conn = llm.llm_engine.core.scheduler.offload
     stored = conn.num_stored_blocks

@@ -5,10 +5,9 @@ transformers, from the device, the CPU tier, the disk tier, or recomputed."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
+from greedy_runs import random_prompt
 from oracle import hf_greedy, write_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
@@ -25,13 +24,8 @@ STEPS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True)
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 512) for _ in range(n)]
-
-
-P = _prompt(1, 200)  # 3 full blocks: a hit restores 192 tokens and the state after them
-OTHERS = [_prompt(100 + i, 200) for i in range(3)]
+P = random_prompt(1, 200)  # 3 full blocks: a hit restores 192 tokens and the state after them
+OTHERS = [random_prompt(100 + i, 200) for i in range(3)]
 
 
 @pytest.fixture(scope="module")

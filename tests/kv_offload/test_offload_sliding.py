@@ -5,26 +5,11 @@ only the two blocks its window reads, and gives the device hit's tokens and logp
 
 from __future__ import annotations
 
-import random
-
+from greedy_runs import greedy_run, random_prompt
 from oracle import write_tiny_checkpoint
 
-from shoal import LLM, SamplingParams
+from shoal import LLM
 from shoal.kv_cache.hashing import hash_full_blocks
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(3, 500) for _ in range(n)]
-
-
-def _generate(llm: LLM, prompt: list[int]) -> tuple[int, list[int], list[float]]:
-    out = llm.generate({"prompt_token_ids": prompt},
-                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1),
-                       use_tqdm=False)[0]
-    c = out.outputs[0]
-    return (out.num_cached_tokens, c.token_ids,
-            [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
 
 
 def test_window_blocks_come_back_with_the_full_ones(tmp_path):
@@ -35,18 +20,18 @@ def test_window_blocks_come_back_with_the_full_ones(tmp_path):
     llm = LLM(model=str(tmp_path), dtype="float32", block_size=4,
               max_model_len=256, max_num_seqs=2, num_gpu_blocks_override=40,
               max_num_batched_tokens=32, kv_offloading_size=2 / 1024)
-    p = _prompt(1, 70)  # 17 full blocks: a hit of 68 tokens
-    miss = _generate(llm, p)
-    device = _generate(llm, p)
+    p = random_prompt(1, 70, hi=500)  # 17 full blocks: a hit of 68 tokens
+    miss = greedy_run(llm, p)
+    device = greedy_run(llm, p)
     assert (miss[0], device[0], device[1]) == (0, 68, miss[1])
     for i in range(4):
-        _generate(llm, _prompt(100 + i, 80))
+        greedy_run(llm, random_prompt(100 + i, 80, hi=500))
     kv = llm.llm_engine.core.scheduler.kv
     hashes = hash_full_blocks(p, 4, [])
     assert [sum(t.cached(h) is not None for h in hashes) for t in kv.tables] == [0, 0]
     store = llm.llm_engine.core.kv_offload
     before = store.stats().tiers[0].hits
-    hit = _generate(llm, p)
+    hit = greedy_run(llm, p)
     assert hit[:2] == device[:2]
     assert max(abs(a - b) for a, b in zip(hit[2], device[2])) < 1e-5
     assert store.stats().tiers[0].hits - before == 17 + 2  # the window's: blocks 15 and 16
