@@ -158,6 +158,11 @@ SHOAL_KV_HUGE_PAGES: EnvVar[bool] = EnvVar(
     "0: the CPU KV pool is neither marked for transparent huge pages nor populated at "
     "start-up (shoal/worker/host_pages.py)")
 
+SHOAL_OFFLOAD_PREFETCH: EnvVar[bool] = EnvVar(
+    "SHOAL_OFFLOAD_PREFETCH", False, _switch,
+    "1: with cpu_offload_gb on CUDA, layer k+1's weights are copied on a side stream while "
+    "layer k computes, into two staging slots (shoal/loader/offload_copies.py); off by "
+    "default until its GPU test has passed on a GPU")
 SHOAL_PP_LAYER_PARTITION: EnvVar[str | None] = EnvVar(
     "SHOAL_PP_LAYER_PARTITION", None, _optional_text,
     "decoder layers per pipeline stage, comma-separated (e.g. 13,17), as vLLM's "

@@ -5,7 +5,7 @@ Without prefetch (one staging slot: the CPU default) layer k's copy runs on the 
 stream just before layer k; stream order keeps layer k-1's kernels ahead of the copy that
 overwrites their weights.
 
-With prefetch (two slots, layer k in slot k % 2: the CUDA default) the copy of layer k+1 is
+With prefetch (two slots, layer k in slot k % 2: on CUDA with SHOAL_OFFLOAD_PREFETCH=1) the copy of layer k+1 is
 issued on a side stream when layer k starts, so it crosses the host link while layer k
 computes:
 - layer k's kernels wait for its copy (an event recorded after it on the side stream);

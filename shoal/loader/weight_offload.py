@@ -7,8 +7,9 @@ Why staging, not vLLM's zero-copy reads of host memory (UVA): the copy is one pl
 host-to-device memcpy per layer, so a CUDA graph captures it as a memcpy node and replays it
 (a layer's host buffer never moves; weight updates write into it in place), and the layer's
 kernels then read device memory at full speed instead of pulling every weight over PCIe at
-the access pattern of a GEMM. The staging buffer holds one slot, or two with prefetch (the
-CUDA default, `WeightOffloader.default_prefetch`): layer k+1's copy then runs on a side
+the access pattern of a GEMM. The staging buffer holds one slot, or two with prefetch (on
+CUDA with SHOAL_OFFLOAD_PREFETCH=1 until its GPU test has passed on a GPU, or
+`WeightOffloader.default_prefetch`): layer k+1's copy then runs on a side
 stream while layer k computes, layer k in slot k % 2 (offload_copies.py has the ordering).
 Each slot is the size of the largest offloaded layer, so what offloading saves is the
 offloaded bytes less the staging buffer. At batch 1 a layer's copy takes tens of times its
@@ -46,6 +47,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
+from shoal import envs
 from shoal.layers.attention import Attention
 from shoal.layers.compressed_attention import CompressedAttention
 from shoal.layers.latent_attention import LatentAttention
@@ -125,8 +127,9 @@ class _OffloadedLayer:
 
 class WeightOffloader:
     # Prefetch (layer k+1 copied on a side stream while layer k computes, two staging slots)
-    # when the constructor is not told: None means on CUDA only (on the CPU a copy is
-    # synchronous). The GPU test and benchmarks/rl_gpu.py set it to compare.
+    # when the constructor is not told: None means SHOAL_OFFLOAD_PREFETCH on CUDA (off by
+    # default: its GPU test has not passed on a GPU yet; on the CPU a copy is synchronous
+    # anyway). The GPU test and benchmarks/rl_gpu.py set it to compare.
     default_prefetch: bool | None = None
 
     def __init__(self, budget_bytes: int, device: torch.device, prefetch: bool | None = None):
@@ -134,7 +137,9 @@ class WeightOffloader:
         self.device = torch.device(device)
         if prefetch is None:
             prefetch = self.default_prefetch
-        self.prefetch = self.device.type == "cuda" if prefetch is None else bool(prefetch)
+        if prefetch is None:
+            prefetch = self.device.type == "cuda" and envs.SHOAL_OFFLOAD_PREFETCH.get()
+        self.prefetch = bool(prefetch)
         self.layers: list[_OffloadedLayer] = []
         self.staging: torch.Tensor | None = None  # every slot, one after the other
         self.copies: LayerCopies | None = None
