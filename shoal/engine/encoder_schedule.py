@@ -42,12 +42,14 @@ class EncoderSchedule:
         self._step_left = step_budget
         self._free: list[str] = []
         self._encode: list[tuple[int, int]] = []
+        self._costs: dict[str, int] = {}  # planned encodes' computed tokens, until committed
         # cumulative since start-up: images encoded, images found in the cache
         self.num_encoded = 0
         self.num_hits = 0
 
     def begin_step(self) -> None:
         self._step_left = self.step_budget
+        self._costs.clear()
 
     def fit(self, req: Request, start: int, n: int) -> tuple[int, EncoderPlan]:
         """How many of the n tokens from `start` can run this step, and what they need."""
@@ -70,12 +72,17 @@ class EncoderSchedule:
                     room -= self.entries[f.identifier]
                 plan.reads.append(f.identifier)
                 continue
-            need = f.num_embeds
-            if need > left or need > room:
+            need, cost = f.num_embeds, f.encoder_cost  # (kept, computed: EVS keeps fewer)
+            # an item costing more than a whole step's budget (a pruned video's tower runs
+            # every frame) runs alone in a step, or it would never run
+            over = cost > left and not (left == self.step_budget == self._step_left
+                                        and not plan.encode)
+            if over or need > room:
                 return max(f.offset - start, 0), plan  # stop before the image
-            left -= need
+            left -= cost
             room -= need
             plan.encode.append((i, f.identifier, need))
+            self._costs[f.identifier] = cost
             plan.reads.append(f.identifier)
         return n, plan
 
@@ -94,7 +101,7 @@ class EncoderSchedule:
             self._make_room(need)
             self.entries[ident] = need
             self.used += need
-            self._step_left -= need
+            self._step_left -= self._costs.pop(ident, need)
             self.num_encoded += 1
             self.refs.setdefault(ident, set()).add(req.serial)
         self._encode.extend((req.serial, i) for i, _, _ in plan.encode)

@@ -44,13 +44,21 @@ class MultiModalFeature(msgspec.Struct, array_like=True, frozen=True):
     length: int
     data: dict[str, TensorData]
     embed_mask: bytes | None = None
+    # the tokens the encoder computes, when more than it keeps (EVS: a pruned video's tower
+    # runs over every frame); None: num_embeds
+    encoder_tokens: int | None = None
 
     @property
     def num_embeds(self) -> int:
-        """Encoder outputs it produces (what it costs the encoder budget and cache)."""
+        """Encoder outputs it keeps (what it costs the encoder cache)."""
         if self.embed_mask is None:
             return self.length
         return sum(self.embed_mask)
+
+    @property
+    def encoder_cost(self) -> int:
+        """Encoder tokens it computes (what it costs a step's encoder budget)."""
+        return self.num_embeds if self.encoder_tokens is None else self.encoder_tokens
 
     @property
     def end(self) -> int:
@@ -81,10 +89,11 @@ def content_hash(kind: str, arrays: Mapping[str, np.ndarray]) -> str:
 
 def make_feature(kind: str, modality: str, offset: int, length: int,
                  arrays: Mapping[str, np.ndarray], embed_mask: bytes | None = None,
-                 ) -> MultiModalFeature:
+                 encoder_tokens: int | None = None) -> MultiModalFeature:
     """A feature whose identifier is the content hash of its arrays."""
     return MultiModalFeature(modality, content_hash(kind, arrays), offset, length,
-                             {k: TensorData.of(v) for k, v in arrays.items()}, embed_mask)
+                             {k: TensorData.of(v) for k, v in arrays.items()}, embed_mask,
+                             encoder_tokens)
 
 
 def check_features(features: list[MultiModalFeature], prompt_len: int, max_embeds: int,

@@ -169,7 +169,8 @@ class Qwen3VLProcessor(QwenVLProcessor):
                        "frame_text_lens": np.asarray([len(s) + 2 for s in stamps[1:]],
                                                      dtype=np.int64)}
             embed_mask = None
-        return Expansion("video", arrays, tokens, first, last, embed_mask, wrapped)
+        return Expansion("video", arrays, tokens, first, last, embed_mask, wrapped,
+                         encoder_tokens=per_frame * len(stamps) if rate > 0 else None)
 
     def _frame_size(self, frames: np.ndarray) -> tuple[int, int]:
         cfg = self.video_config

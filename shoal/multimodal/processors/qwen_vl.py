@@ -40,6 +40,7 @@ class Expansion:
     last: int | None = None
     embed_mask: bytes | None = None
     wrapped: bool = False
+    encoder_tokens: int | None = None  # EVS: the tower's tokens, more than the span keeps
 
 
 def load_image_processor(folder: Any) -> Any:
@@ -145,7 +146,8 @@ class QwenVLProcessor:
             ids.extend(prompt_token_ids[cursor:lo])
             last = len(e.tokens) if e.last is None else e.last
             features.append(make_feature(self.kind, e.modality, len(ids) + e.first,
-                                         last - e.first, e.arrays, e.embed_mask))
+                                         last - e.first, e.arrays, e.embed_mask,
+                                         e.encoder_tokens))
             ids.extend(e.tokens)
             cursor = hi
         ids.extend(prompt_token_ids[cursor:])
@@ -161,7 +163,8 @@ class QwenVLProcessor:
                   "video_pruning_rate": np.asarray([rate], dtype=np.float32)}
         per_frame = int(grid[1] * grid[2]) // self.merge ** 2
         n = retained_count(per_frame, int(grid[0]), rate)
-        return Expansion("video", arrays, [self.video_token_id] * n)
+        return Expansion("video", arrays, [self.video_token_id] * n,
+                         encoder_tokens=per_frame * int(grid[0]) if rate > 0 else None)
 
     def video_pixels_of(self, frames: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """[T, H, W, 3] uint8 frames -> (patches [t*h*w, C*tps*p*p] float32, grid (t, h, w))."""
