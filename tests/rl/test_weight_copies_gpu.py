@@ -15,6 +15,7 @@ import gc
 
 import pytest
 import torch
+from bf16_runs import greedy_outputs, same
 from oracle import write_tiny_checkpoint
 from safetensors.torch import load_file
 
@@ -36,16 +37,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=
 
 
 def outputs(llm: LLM) -> list[tuple[list[int], list[list[float]]]]:
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    return [(list(o.outputs[0].token_ids),
-             [sorted(lp.logprob for lp in d.values()) for d in o.outputs[0].logprobs])
-            for o in outs]
-
-
-def same(a: list, b: list) -> bool:
-    """Tokens exactly, logprobs to bfloat16's rounding."""
-    return all(ta == tb and torch.allclose(torch.tensor(la), torch.tensor(lb), atol=2e-2)
-               for (ta, la), (tb, lb) in zip(a, b))
+    return greedy_outputs(llm, PROMPTS, GREEDY)
 
 
 def close(llm: LLM) -> None:
