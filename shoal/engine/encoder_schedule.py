@@ -75,8 +75,8 @@ class EncoderSchedule:
             need, cost = f.num_embeds, f.encoder_cost  # (kept, computed: EVS keeps fewer)
             # an item costing more than a whole step's budget (a pruned video's tower runs
             # every frame) runs alone in a step, or it would never run
-            over = cost > left and not (left == self.step_budget == self._step_left
-                                        and not plan.encode)
+            first_of_step = self._step_left == self.step_budget and not plan.encode
+            over = cost > left and not first_of_step
             if over or need > room:
                 return max(f.offset - start, 0), plan  # stop before the image
             left -= cost

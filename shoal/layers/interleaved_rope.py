@@ -33,12 +33,13 @@ class InterleavedRope(nn.Module):
         scaling = None if params.get("rope_type", "default") == "default" else params
         inv, self.attention_factor = _rope_freqs(self.rot_dim, float(params["rope_theta"]),
                                                  scaling, cfg.max_position_embeddings)
-        self.register_buffer("inv_freq", inv.float(), persistent=False)
+        # on the device the model is built under (a copy from the CPU each step would be
+        # refused inside a CUDA graph capture)
+        self.register_buffer("inv_freq", inv.float().to(torch.empty(0).device),
+                             persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[T] -> cos, sin [T, rot_dim / 2] (float32), one per pair."""
-        if self.inv_freq.device != positions.device:  # (once, before any graph capture)
-            self.inv_freq = self.inv_freq.to(positions.device)
         freqs = positions[:, None].float() * self.inv_freq
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 

@@ -43,6 +43,11 @@ class ExpertLoRA:
         self.a2, self.b2 = zeros(s, e, r, i), zeros(s, e, h, r)
 
     @property
+    def nbytes(self) -> int:
+        """The device memory of its slots (expert_slot_bytes' figure, measured)."""
+        return sum(t.numel() * t.element_size() for t in (self.a13, self.b13, self.a2, self.b2))
+
+    @property
     def shape(self) -> tuple[int, int, int]:
         """(num_experts, hidden, moe_intermediate_size) of the full layer."""
         return self.num_experts, self.hidden, self.full_inter

@@ -69,8 +69,7 @@ class LoRASlots:
             model, self.step, config.max_loras, config.max_lora_rank, dtype, device
         ) if wants_experts(targets) and not refused else []
         if self.expert_layers:
-            nbytes = sum(t.numel() * t.element_size() for layer in self.expert_layers
-                         for t in (layer.a13, layer.b13, layer.a2, layer.b2))
+            nbytes = sum(layer.nbytes for layer in self.expert_layers)
             logger.info("LoRA: adapter slots for the MoE experts of %d layers take %.2f GiB "
                         "(--lora-target-modules %s leaves the experts out)",
                         len(self.expert_layers), nbytes / 2**30, ALL_LINEAR)
