@@ -99,6 +99,15 @@ def hf_greedy(model, prompt_ids: list[int], n: int) -> tuple[list[int], list[tor
     return out, logits
 
 
+def greedy_with_logprobs(llm, prompts: list[list[int]], steps: int) -> list:
+    """shoal's greedy outputs of token-id prompts, with each chosen token's logprob: what
+    check_against_hf compares."""
+    from shoal import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, logprobs=1)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
 def check_against_hf(outs, prompts, hf, steps: int, *, tol: float = 1e-4,
                      greedy=None) -> None:
     """shoal's greedy outputs (with logprobs=1) against transformers' greedy decoding (or

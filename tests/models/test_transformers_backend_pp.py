@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import TINY_COMMON, check_against_hf, write_tiny_checkpoint
+from oracle import TINY_COMMON, check_against_hf, greedy_with_logprobs, write_tiny_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import shoal.distributed.parallel_state as parallel_state
-from shoal import LLM, SamplingParams
+from shoal import LLM
 from shoal.attention.packed import PackedSeqs
 from shoal.engine.engine_args import EngineArgs
 from shoal.loader import load_model
@@ -43,8 +43,7 @@ def test_two_stages_match_transformers(model_type, fields, tmp_path) -> None:
         assert not any(n.startswith(("model.layers.1.", "model.norm.")) for n in names)
         assert len(model.attention_layers()) == 1
         prompts = [[(7 * i) % 500 + 3 for i in range(23)], [7, 9, 11], list(range(40, 47))]
-        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = greedy_with_logprobs(llm, prompts, 4)
     finally:
         llm.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

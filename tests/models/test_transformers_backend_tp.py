@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import TINY_COMMON, check_against_hf, write_tiny_checkpoint
+from oracle import TINY_COMMON, check_against_hf, greedy_with_logprobs, write_tiny_checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from shoal import LLM, SamplingParams
+from shoal import LLM
 from shoal.engine.engine_args import EngineArgs
 from shoal.layers.linear import ColumnParallelLinear, RowParallelLinear
 from shoal.models.transformers_backend.tensor_parallel import ReplicatedKVLinear, tp_plan
@@ -48,8 +48,7 @@ def test_two_ranks_match_transformers(model_type, fields, tmp_path) -> None:
         assert isinstance(layer.self_attn.k_proj, ReplicatedKVLinear) == replicated
         assert layer.self_attn.k_proj.weight.shape == (16, 64)  # one KV head of 16
         prompts = [[(7 * i) % 500 + 3 for i in range(23)], [7, 9, 11], list(range(40, 47))]
-        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=1)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        outs = greedy_with_logprobs(llm, prompts, 4)
     finally:
         llm.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
