@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from shoal.attention.linear_state import StateGraphBuffers
 from shoal.attention.selector import get_attention_backend
 from shoal.config import EngineConfig, resolve_kv_cache_dtype
 from shoal.core.executor import Executor
@@ -40,15 +39,14 @@ from shoal.sample.sampler import Sampler
 from shoal.worker import warmup as startup
 from shoal.worker.draft_lockstep import RunnerDraftLockstep
 from shoal.worker.drafter import Drafter, DrafterFactory, TargetStep
-from shoal.worker.encoder_graphs import EncoderGraphs
-from shoal.worker.graph_check import capture_checked
+from shoal.worker.graph_capture import RunnerGraphCapture
 from shoal.worker.kv_cache_sizing import decide_num_blocks
 from shoal.worker.kv_cache_tensors import bind_pool, bytes_per_block, layer_specs, zero_pool
 from shoal.worker.kv_connector_step import run_loads, save_hook
 from shoal.worker.kv_pool_split import partitioned_pool
 from shoal.worker.lifecycle import RunnerLifecycle
 from shoal.worker.mm_step import MultiModalRunner
-from shoal.worker.model_graphs import ModelGraphs, step_shapes
+from shoal.worker.model_graphs import ModelGraphs
 from shoal.worker.pending_tokens import PendingTokens
 from shoal.worker.request_state import RequestState
 from shoal.worker.runner_lora import RunnerLoRA
@@ -61,7 +59,8 @@ from shoal.worker.step_sampling import sample_step
 logger = logging.getLogger(__name__)
 
 
-class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, Executor):
+class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, RunnerGraphCapture,
+                  Executor):
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
                  drafter_factory: DrafterFactory | None = None):
         """drafter_factory: builds the speculative config's drafter over the target model
@@ -224,46 +223,6 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, Executor):
         tokens = self.config.speculative_config.num_speculative_tokens + 1
         return self.config.scheduler_config.max_num_seqs * tokens * width * self.dtype.itemsize
 
-    def _capture_graphs(self) -> None:
-        sc = self.config.scheduler_config
-        spec = self.config.speculative_config
-        max_blocks = -(-sc.max_model_len // self.block_size)
-        shapes = step_shapes(sc.max_num_seqs, sc.max_num_batched_tokens,
-                             num_speculative_tokens=spec.num_speculative_tokens
-                             if spec is not None else 0)
-        # decode graphs only (graph_support.py logged why): chunks and verifies run eagerly
-        if getattr(self.model, "decode_graphs_only", None):
-            shapes = [s for s in shapes if s.q == 1]
-        elif self.has_linear_states:  # decodes and verifies (StateRows); chunks run eagerly
-            shapes = [s for s in shapes if s.q == 1 or s.logits_per_row > 1]
-        self.graphs = ModelGraphs(self.model, self.backend, shapes, max_blocks, self.device,
-                                  block_size=self.block_size, windows=self.forwarder.windows,
-                                  keep_hidden=self.forwarder.keep_hidden,
-                                  group_backends=self.graph_group_backends())
-        if getattr(self.model, "check_graph_capture", False):  # not shoal's code: on trial
-            took = capture_checked(self.graphs, self)
-        else:
-            took = self.graphs.capture()
-        if took is None:  # it runs eagerly, as with enforce_eager (graph_check.py logged why)
-            self.graphs = None
-            return
-        self.startup_times["cuda_graphs"] = took
-        if hasattr(self.model, "encoder_graphs"):  # the vision tower's, captured per grid
-            self.model.encoder_graphs = EncoderGraphs(self.model.visual, self.device)
-        if self.drafter is not None:
-            # Drafting steps as graph replays: eagerly each one pays the launches.
-            self.startup_times["draft_graphs"] = self.drafter.capture_graphs(
-                self.graphs.pool, max_blocks)
-
-    @property
-    def has_linear_states(self) -> bool:
-        return any(g.holds_state for g in self.kv_groups)
-
-    def graph_group_backends(self) -> list:
-        """Whose graph-buffer hooks serve each KV cache group in CUDA graphs."""
-        return [StateGraphBuffers(self.null_block, self.null_block + 1, self.block_size)
-                if g.holds_state else self.backend for g in self.kv_groups]
-
     def bind_kv_cache(self, num_blocks: int) -> None:
         # One extra block at the end is the null block: never allocated, never written, so it
         # stays zero and padding positions can safely read it. Linear-attention layers get
@@ -271,11 +230,22 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, Executor):
         self.forwarder.null_block, self.kv_caches, self.kv_pages = bind_pool(
             self.model.attention_layers(), self.kv_specs, self.kv_groups, num_blocks,
             self.has_linear_states, self.kv_dtype, self.device, self.block_size)
+        self._connector_tables: tuple[list[torch.Tensor], LayerTables] | None = None
 
     def unbind_kv_cache(self) -> None:
         for layer in self.model.attention_layers():
             layer.kv_cache = None
         self.kv_caches, self.kv_pages = [], None
+        self._connector_tables = None
+
+    def _connector_layout(self) -> tuple[list[torch.Tensor], LayerTables]:
+        """Disaggregated prefill: each layer's cache tensor and its group (block table),
+        linear layers' states and replicated heads; built once per bound pool."""
+        if self._connector_tables is None:
+            self._connector_tables = (
+                [layer.kv_cache for layer in self.model.attention_layers()],
+                LayerTables.of(self.kv_groups, self.kv_specs, self.hf_config))
+        return self._connector_tables
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
         return self.kv_caches
@@ -327,9 +297,7 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, Executor):
             self._run_kv_transfer(sched.kv_transfers, handle)
         plan = sched.kv_connector  # disaggregated prefill: KV from and for other engines
         if plan is not None:
-            caches = [layer.kv_cache for layer in self.model.attention_layers()]
-            # each layer's group (its block table), linear layers' states, replicated heads
-            tables = LayerTables.of(self.kv_groups, self.kv_specs, self.hf_config)
+            caches, tables = self._connector_layout()
             run_loads(plan, caches, self.block_size, tables)
         if sched.is_empty:
             if plan is not None and plan.saves:  # (rows an earlier step computed)

@@ -127,7 +127,7 @@ def test_decode_graphs_replay_the_eager_tokens(tiny, monkeypatch):  # noqa: F811
     _experts_unguarded(monkeypatch)
     GuardedGraphTable.max_block = min(g.num_blocks for g in runner.kv_groups)
     GuardedGraphTable.replayed = []
-    monkeypatch.setattr("shoal.worker.model_runner.ModelGraphs",
+    monkeypatch.setattr("shoal.worker.graph_capture.ModelGraphs",
                         functools.partial(ModelGraphs, table_type=GuardedGraphTable))
     runner._capture_graphs()  # over empty metadata: every row padding
     try:

@@ -80,7 +80,7 @@ def backend_llm(tmp_path_factory):
 def _capture(llm, table_type, monkeypatch):
     """The runner's start-up capture, replays emulated by `table_type`."""
     runner = llm.llm_engine.core.runner
-    monkeypatch.setattr("shoal.worker.model_runner.ModelGraphs",
+    monkeypatch.setattr("shoal.worker.graph_capture.ModelGraphs",
                         functools.partial(ModelGraphs, table_type=table_type))
     runner.graphs = None
     runner._capture_graphs()

@@ -1,0 +1,75 @@
+"""Capturing a runner's CUDA graphs: which step shapes get one, whose buffer hooks serve
+each KV cache group, and what runs eagerly instead.
+
+The rule for a model class has three cases: one that cannot be captured declares
+`eager_only_reason` (graph_support.py logs it and the engine runs eagerly); one that can
+capture decodes only declares `decode_graphs_only` (chunks and verifies run eagerly); code
+that is not shoal's (the Transformers backend) sets `check_graph_capture` and its graphs are
+captured on trial and checked (graph_check.py). Hybrids capture decodes and verifies
+(StateRows); their prefill chunks run eagerly.
+
+ModelRunner takes this side from RunnerGraphCapture, beside its other mixins."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.attention.linear_state import StateGraphBuffers
+from shoal.worker.encoder_graphs import EncoderGraphs
+from shoal.worker.graph_check import capture_checked
+from shoal.worker.model_graphs import ModelGraphs, step_shapes
+
+
+class RunnerGraphCapture:
+    # (set by ModelRunner)
+    config: Any
+    model: Any
+    backend: Any
+    device: Any
+    block_size: int
+    kv_groups: list
+    forwarder: Any
+    drafter: Any
+    startup_times: dict[str, float]
+    graphs: ModelGraphs | None
+    null_block: int
+
+    def _capture_graphs(self) -> None:
+        sc = self.config.scheduler_config
+        spec = self.config.speculative_config
+        max_blocks = -(-sc.max_model_len // self.block_size)
+        shapes = step_shapes(sc.max_num_seqs, sc.max_num_batched_tokens,
+                             num_speculative_tokens=spec.num_speculative_tokens
+                             if spec is not None else 0)
+        # decode graphs only (graph_support.py logged why): chunks and verifies run eagerly
+        if getattr(self.model, "decode_graphs_only", None):
+            shapes = [s for s in shapes if s.q == 1]
+        elif self.has_linear_states:  # decodes and verifies (StateRows); chunks run eagerly
+            shapes = [s for s in shapes if s.q == 1 or s.logits_per_row > 1]
+        self.graphs = ModelGraphs(self.model, self.backend, shapes, max_blocks, self.device,
+                                  block_size=self.block_size, windows=self.forwarder.windows,
+                                  keep_hidden=self.forwarder.keep_hidden,
+                                  group_backends=self.graph_group_backends())
+        if getattr(self.model, "check_graph_capture", False):  # not shoal's code: on trial
+            took = capture_checked(self.graphs, self)
+        else:
+            took = self.graphs.capture()
+        if took is None:  # it runs eagerly, as with enforce_eager (graph_check.py logged why)
+            self.graphs = None
+            return
+        self.startup_times["cuda_graphs"] = took
+        if hasattr(self.model, "encoder_graphs"):  # the vision tower's, captured per grid
+            self.model.encoder_graphs = EncoderGraphs(self.model.visual, self.device)
+        if self.drafter is not None:
+            # Drafting steps as graph replays: eagerly each one pays the launches.
+            self.startup_times["draft_graphs"] = self.drafter.capture_graphs(
+                self.graphs.pool, max_blocks)
+
+    @property
+    def has_linear_states(self) -> bool:
+        return any(g.holds_state for g in self.kv_groups)
+
+    def graph_group_backends(self) -> list:
+        """Whose graph-buffer hooks serve each KV cache group in CUDA graphs."""
+        return [StateGraphBuffers(self.null_block, self.null_block + 1, self.block_size)
+                if g.holds_state else self.backend for g in self.kv_groups]
