@@ -6,7 +6,8 @@ Each row has `counts[r]` real tokens, a prefix of its T; the rest are padding. N
 reads a value back to the host or branches on one: padding tokens enter the recurrence as
 identity steps (k = v = 0, g = 0, beta = 0 leave the state exactly as it was, whatever the
 padding held), and the conv state after a row's real tokens is gathered by its count.
-Short rows (T <= 9 in practice) run the recurrent form token by token, batched over rows."""
+Short rows (T <= 9 in practice) run the recurrent form token by token, batched over rows:
+in one Triton kernel on CUDA (delta_rule_rows_triton.py), in torch ops elsewhere."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shoal.layers.ops.dispatch import use_triton
 from shoal.layers.ops.gated_delta_rule import recurrent_gated_delta_rule
 
 
@@ -48,7 +50,18 @@ def gated_delta_rule_rows(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tens
     """R rows of T tokens: q, k [R, T, H, Dk] (normed, repeated to v's heads); v [R, T, H, Dv];
     g [R, T, H] or [R, T, H, Dk]; beta [R, T, H]; state [R, H, Dk, Dv], each row's state
     before its first token; counts [R] (None: all T real). Returns (o [R, T, H, Dv] float32,
-    padding tokens' outputs unspecified; each row's state after its real tokens)."""
+    padding tokens' outputs unspecified; each row's state after its real tokens). CUDA
+    tensors go through one Triton kernel (delta_rule_rows_triton.py), others the torch ops."""
+    if use_triton(q, True):
+        from shoal.layers.ops.delta_rule_rows_triton import gated_delta_rule_rows_triton
+        return gated_delta_rule_rows_triton(q, k, v, g, beta, state, counts, scale=scale)
+    return gated_delta_rule_rows_torch(q, k, v, g, beta, state, counts, scale=scale)
+
+
+def gated_delta_rule_rows_torch(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                state: Tensor, counts: Tensor | None, *, scale: float
+                                ) -> tuple[Tensor, Tensor]:
+    """gated_delta_rule_rows token by token in torch ops (the reference; the CPU path)."""
     T = q.shape[1]
     if counts is not None:
         real = real_tokens(counts, T)
