@@ -233,7 +233,12 @@ class LinearStateSpec(KVCacheSpec):
     convolution's last conv_width inputs of conv_dim channels, and the [state_heads, key_dim,
     value_dim] delta-rule state. It is stored in the page of an attention layer of the same
     block id (num_kv_heads, head_size, dtype_bytes, planes: that layer's row), whose bytes must
-    hold it."""
+    hold it.
+
+    The sizes are this rank's: conv_parts cuts its conv channels into consecutive parts
+    (Gated DeltaNet's and KDA's q | k | v heads; empty: one part), each this rank's slice of
+    the model's part, in rank order as its state heads are, so that a state moves between
+    engines of any TP sizes (kv_transfer/states.py)."""
 
     planes_of_page: int = 2
     conv_dim: int = 0
@@ -241,6 +246,7 @@ class LinearStateSpec(KVCacheSpec):
     state_heads: int = 0
     key_dim: int = 0
     value_dim: int = 0
+    conv_parts: tuple[int, ...] = ()
 
     @property
     def planes(self) -> int:

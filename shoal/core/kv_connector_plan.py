@@ -16,9 +16,9 @@ class KVLayout:
     [starts[i], num_tokens) (rows = num_tokens - starts[i]). A sliding-window layer sends only
     the tokens its window still reads at the prompt's end; the others start at 0 (`starts`
     empty: every layer does). A linear-attention layer (its index in `states`) sends its
-    recurrent state after token num_tokens - 1 instead: one row [1, 1, ranks, state bytes]
-    from token num_tokens - 1, a head per tensor-parallel rank of the producer (each rank
-    holds its own heads' conv and delta-rule state)."""
+    recurrent state after token num_tokens - 1 instead: one row [1, 1, 1, state bytes] from
+    token num_tokens - 1, the whole model's conv and delta-rule state in the model's order of
+    channels and heads, whatever the producer's tensor-parallel ranks (kv_transfer/states.py)."""
 
     dtype: str  # the cache dtype, as torch names it without "torch." (e.g. "bfloat16")
     num_tokens: int

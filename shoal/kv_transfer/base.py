@@ -46,11 +46,11 @@ class KVRows:
                              f"this model in {list(self.states)}")
         for i, ((planes, _, total, width), (p, local, w)) in enumerate(
                 zip(layout.layers, self.layers)):
-            if i in self.states:  # one state per rank: as many ranks on both sides
-                if (planes, width, total) != (p, w, world):
-                    raise ValueError(f"the linear-attention states of layer {i} ({total} "
-                                     f"ranks of {width} bytes) do not fit this model's "
-                                     f"({world} ranks of {w} bytes)")
+            if i in self.states:  # the whole model's state, each rank takes its slices
+                if (planes, total, width) != (p, 1, w * world):
+                    raise ValueError(f"the linear-attention state of layer {i} ({planes} x "
+                                     f"{total} x {width} bytes) does not fit this model's "
+                                     f"({world} ranks of {w} bytes: 1 x 1 x {w * world})")
                 continue
             if (planes, width) != (p, w) or not (
                     local * world == total or local == total or (local == 1 and total < world)):

@@ -11,7 +11,7 @@ before the prompt's last token, with the linear layers' states there: the consum
 the rest, as after a prefix hit (a prompt within one block sends nothing: no params). With
 several tensor-parallel ranks each reads out its own heads and rank 0 gathers them into one
 payload of every head (tp_rows.py), which a consumer of any TP size slices on receipt (a
-hybrid's states: one of as many ranks).
+hybrid's states too: they go in the model's order of channels and heads, states.py).
 
 Consumer (kv_consumer / kv_both): a waiting request sent with those params is fetched on one
 of `kv_fetch_workers` background threads (it waits unadmitted meanwhile, the others keep

@@ -20,10 +20,13 @@ loaded_tokens).
 A linear-attention layer (hybrids) sends its recurrent state instead of rows: the state after
 the payload's last token, read out of the block of its state table covering that token and
 written into the consumer's block covering it (states.py); a hybrid's payload ends at a block
-end of the producer, whose state its prefix caching keeps (p2p.py).
+end of the producer, whose state its prefix caching keeps (p2p.py). The payload holds the
+state of the whole model (every rank's channels and heads, in the model's order), and each
+consumer rank takes its own slices of it.
 
 A tensor-parallel producer: every rank reads its own heads and TP rank 0 gathers them into one
-payload of every head (tp_rows.py), so the two sides' TP sizes may differ."""
+payload of every head (tp_rows.py), and its ranks' linear-attention states into the model's
+order (states.py), so the two sides' TP sizes may differ."""
 
 from __future__ import annotations
 
@@ -37,7 +40,13 @@ import torch
 from shoal.core.kv_cache_spec import KVCacheGroup, KVCacheSpec, LinearStateSpec
 from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from shoal.kv_transfer.payload import KVLayout, KVPayload, host_buffer
-from shoal.kv_transfer.states import read_state, state_pages, write_state
+from shoal.kv_transfer.states import (
+    rank_share,
+    read_state,
+    state_pages,
+    to_model_order,
+    write_state,
+)
 from shoal.kv_transfer.tp_rows import gather_to_first, kv_head_replicas, model_kv_heads
 
 
@@ -203,8 +212,11 @@ def gather_rows(caches: list[torch.Tensor], block_ids: list[int], block_size: in
         gathered = gather_to_first(local, tables.replicas or (1,) * len(caches))
         if gathered is None:
             return None
-        layout = KVLayout(_dtype_name(caches[0].dtype), num_tokens,
-                          [list(rows.shape) for rows in gathered],
+        # a state layer gathered [1, 1, ranks, state bytes]: it goes as one row, in the
+        # model's order (states.py)
+        shapes = [[1, 1, 1, rows.numel()] if tables.state(i) is not None else list(rows.shape)
+                  for i, rows in enumerate(gathered)]
+        layout = KVLayout(_dtype_name(caches[0].dtype), num_tokens, shapes,
                           starts if any(starts) else [], tables.state_layers)
     else:
         layout = layout_of(caches, num_tokens, starts, tables)
@@ -216,7 +228,10 @@ def gather_rows(caches: list[torch.Tensor], block_ids: list[int], block_size: in
         size = layout.layer_nbytes(i)
         out = host[offset:offset + size].view(layout.layers[i])
         offset += size
-        if gathered is not None:
+        spec = tables.state(i)
+        if gathered is not None and spec is not None:
+            to_model_order(gathered[i].view(gathered[i].shape[2], -1), spec, out.view(-1))
+        elif gathered is not None:
             out.copy_(gathered[i], non_blocking=True)
         else:
             _read_layer(kv, i, tables, slots_of, starts[i], num_tokens, out)
@@ -240,17 +255,10 @@ def _head_slice(total: int, local: int, rank: int, world: int) -> slice:
     raise ValueError(f"cannot place {total} transferred KV heads on a rank holding {local}")
 
 
-def _state_slice(ranks: int, rank: int, world: int) -> slice:
-    """This rank's state among a producer's `ranks` (one per rank: tp_rows.py)."""
-    if ranks != world:
-        raise ValueError(f"linear-attention states of {ranks} tensor-parallel ranks cannot "
-                         f"go to {world} (a state is not re-sliced across TP sizes)")
-    return slice(rank, rank + 1)
-
-
 def check_layout(caches: list[torch.Tensor], layout: KVLayout, nbytes: int,
                  tables: LayerTables | None = None) -> None:
-    """ValueError when a payload cannot go into these caches."""
+    """ValueError when a payload cannot go into these caches (this rank's of the tensor-
+    parallel group's)."""
     tables = tables or _one_table(len(caches))
     if len(layout.layers) != len(caches):
         raise ValueError(f"the transferred KV has {len(layout.layers)} layers, this model "
@@ -263,10 +271,18 @@ def check_layout(caches: list[torch.Tensor], layout: KVLayout, nbytes: int,
     if layout.states != tables.state_layers:
         raise ValueError(f"the transferred KV has linear-attention states in layers "
                          f"{layout.states}, this model in {tables.state_layers}")
-    for i, (kv, (planes, _, _, width)) in enumerate(zip(caches, layout.layers)):
+    world = get_tp_world_size()
+    for i, (kv, (planes, _, heads, width)) in enumerate(zip(caches, layout.layers)):
         spec = tables.state(i)
-        want = (1, spec.state_bytes) if spec is not None else (
-            kv.shape[0], kv.shape[3] * kv.element_size())
+        if spec is not None:  # the whole model's state: every rank's of this group
+            if (planes, heads, width) != (1, 1, world * spec.state_bytes):
+                raise ValueError(f"the transferred linear-attention state of layer {i} is "
+                                 f"{planes} x {heads} x {width} bytes; this model's at "
+                                 f"{world} tensor-parallel ranks is 1 x 1 x "
+                                 f"{world * spec.state_bytes} ({world} ranks of "
+                                 f"{spec.state_bytes})")
+            continue
+        want = (kv.shape[0], kv.shape[3] * kv.element_size())
         if (planes, width) != want:
             raise ValueError(f"the transferred KV rows of layer {i} are {planes} x {width} "
                              f"bytes a head, this cache's {want[0]} x {want[1]}")
@@ -300,7 +316,7 @@ def scatter_rows(caches: list[torch.Tensor], layout: KVLayout, data, block_ids: 
         offset += size
         spec = tables.state(i)
         if spec is not None:
-            src = rows[:, :, _state_slice(layout.layers[i][2], rank, world)]
+            src = rank_share(rows, spec, rank, world)
             table = slots_of.tables[tables.groups[i]]
             write_state(state_pages(kv, block_size, spec), table[(end - 1) // block_size],
                         src)

@@ -7,9 +7,9 @@ A layer's KV heads are split over the ranks (rank r holds heads [r * local, (r +
 local)) unless the model has fewer KV heads than ranks: then `replicas` consecutive ranks
 hold the same head (QKVParallelLinear) and rank 0 keeps one of each run. A latent (MLA) row
 is held whole by every rank: rank 0's own is the payload's. A linear layer's state is this
-rank's heads' conv and delta-rule state: the payload keeps every rank's, rank-major (one
-"head" per rank), and a consumer takes them only with as many ranks (a state's channels are
-not heads that could be re-sliced without the model's layout of them)."""
+rank's channels' conv and heads' delta-rule state: gathered here one a rank (rank-major,
+one "head" per rank), it goes into the payload in the model's order (states.py:
+to_model_order), whose slices a consumer rank of any TP size takes (states.rank_share)."""
 
 from __future__ import annotations
 

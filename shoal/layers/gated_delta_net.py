@@ -43,7 +43,8 @@ class GatedDeltaNet(LinearAttention):
         nv = _divide(cfg.linear_num_value_heads, tp, "linear_num_value_heads")
         dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         super().__init__(conv_dim=2 * nk * dk + nv * dv, conv_kernel=cfg.linear_conv_kernel_dim,
-                         state_heads=nv, key_dim=dk, value_dim=dv)
+                         state_heads=nv, key_dim=dk, value_dim=dv,
+                         conv_parts=(nk * dk, nk * dk, nv * dv))
         self.nk, self.nv, self.dk, self.dv = nk, nv, dk, dv
         self.interleaved = interleaved
         self.eps = cfg.rms_norm_eps

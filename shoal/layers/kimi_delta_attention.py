@@ -82,7 +82,8 @@ class KimiDeltaAttention(LinearAttention):
         heads = _divide(cfg.linear_num_heads, tp, "linear_num_heads")
         d = cfg.linear_head_dim
         super().__init__(conv_dim=3 * heads * d, conv_kernel=cfg.linear_conv_kernel_dim,
-                         state_heads=heads, key_dim=d, value_dim=d)
+                         state_heads=heads, key_dim=d, value_dim=d,
+                         conv_parts=(heads * d,) * 3)
         self.heads_per_rank, self.d, self.eps = heads, d, cfg.rms_norm_eps
         hidden, full, n = cfg.hidden_size, cfg.linear_num_heads * d, cfg.linear_num_heads
         qkvb = {"q": (0,), "k": (1,), "v": (2,), "b": (3,)}

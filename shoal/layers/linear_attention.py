@@ -55,11 +55,14 @@ def l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 class LinearAttention(nn.Module):
     def __init__(self, *, conv_dim: int, conv_kernel: int, state_heads: int, key_dim: int,
-                 value_dim: int):
-        """Per rank: conv_dim channels convolved over conv_kernel taps; state_heads delta-rule
-        heads of key_dim x value_dim."""
+                 value_dim: int, conv_parts: tuple[int, ...]):
+        """Per rank: conv_dim channels convolved over conv_kernel taps, in consecutive parts
+        each split over the ranks (LinearStateSpec.conv_parts); state_heads delta-rule heads
+        of key_dim x value_dim."""
         super().__init__()
-        self.conv_dim, self.conv_kernel = conv_dim, conv_kernel
+        if sum(conv_parts) != conv_dim:
+            raise ValueError(f"conv_parts {conv_parts} do not add up to conv_dim {conv_dim}")
+        self.conv_dim, self.conv_kernel, self.conv_parts = conv_dim, conv_kernel, conv_parts
         self.state_heads, self.key_dim, self.value_dim = state_heads, key_dim, value_dim
         self.scale = key_dim ** -0.5
         self.kv_group = 0  # its KV cache group (a linear-state group)
@@ -79,7 +82,8 @@ class LinearAttention(nn.Module):
         layers' it shares pages with, filled in by the runner (kv_cache_tensors.py)."""
         return LinearStateSpec(0, 0, dtype_bytes, conv_dim=self.conv_dim,
                                conv_width=self.conv_kernel - 1, state_heads=self.state_heads,
-                               key_dim=self.key_dim, value_dim=self.value_dim)
+                               key_dim=self.key_dim, value_dim=self.value_dim,
+                               conv_parts=self.conv_parts)
 
     def bind_pages(self, cache: torch.Tensor, block_size: int) -> None:
         self._cache, self.block_size = cache, block_size

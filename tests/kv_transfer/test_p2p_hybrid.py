@@ -4,8 +4,8 @@ before the prompt's last token and the linear layers' states there (computed ins
 prompt's chunk, or restored from its own prefix cache); the consumer writes both, computes the
 rest as after a prefix hit, and gives one engine's greedy tokens and logprobs, with the same
 or a larger block size. A prompt within its first block sends nothing. The rows and states in
-pieces: across block sizes, a load that does not end where the states are, one state per
-tensor-parallel rank."""
+pieces: across block sizes, a load that does not end where the states are, a two-rank
+producer's states in the model's order (the TP resharding itself: test_state_resharding.py)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from shoal.engine.kv_connector_setup import check_groups
 from shoal.kv_transfer import rows as rows_module
 from shoal.kv_transfer.base import KVRows
 from shoal.kv_transfer.rows import LayerTables, gather_rows, scatter_rows
-from shoal.kv_transfer.states import state_pages
+from shoal.kv_transfer.states import state_pages, to_model_order
 
 LINEAR = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
               linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
@@ -158,32 +158,35 @@ def test_a_state_moves_to_the_block_covering_its_token_across_block_sizes(monkey
     with pytest.raises(ValueError, match="states follow token 23, but the load ends at "
                                          "token 22"):
         scatter_rows(dst, layout, payload.data, dst_ids, 16, 0, n - 1, tables, [dst_states])
-    # two consumer ranks for a one-rank producer's state: refused (no re-slicing of states)
+    # two consumer ranks each holding as large a state as the whole payload's: refused
     monkeypatch.setattr(rows_module, "get_tp_rank", lambda: 1)
     monkeypatch.setattr(rows_module, "get_tp_world_size", lambda: 2)
-    with pytest.raises(ValueError, match="states of 1 tensor-parallel ranks cannot go to 2"):
+    with pytest.raises(ValueError, match="state of layer 1 is 1 x 1 x 96 bytes; this model's "
+                                         "at 2 tensor-parallel ranks is 1 x 1 x 192"):
         scatter_rows(dst, layout, payload.data, dst_ids, 16, 0, n, tables, [dst_states])
 
 
 def test_each_rank_takes_its_own_state_of_a_two_rank_payload(monkeypatch) -> None:
-    """A two-rank producer's state layer holds one state a rank (rank-major): consumer rank r
-    of two writes state r."""
+    """A two-rank producer's state layer holds both ranks' states in the model's order:
+    consumer rank r of two writes state r."""
     n, tables = 8, LayerTables.of(GROUPS)
     src = [_caches(2, 8, seed=s) for s in (1, 2)]  # ranks 0 and 1 of the producer
     parts = [gather_rows(c, [0], 8, n, tables, [[1]]) for c in src]
     layout = parts[0].layout
     one = [bytes(p.data) for p in parts]
     size = 2 * n * 2 * 16
-    # a two-rank payload as tp_rows assembles it: the attention rows of its 4 heads (here
-    # two ranks' 2 heads, head-major), then both ranks' states
+    # a two-rank payload as gather_rows assembles it: the attention rows of its 4 heads
+    # (here two ranks' 2 heads, head-major), then both ranks' states in the model's order
     rows = [torch.frombuffer(bytearray(b[:size]), dtype=torch.uint8).view(2, n, 2, 16)
             for b in one]
     states = [torch.frombuffer(bytearray(b[size:]), dtype=torch.uint8) for b in one]
-    data = torch.cat([torch.cat(rows, dim=2).reshape(-1), torch.cat(states)]).numpy()
-    wide = KVLayout(layout.dtype, n, [[2, n, 4, 16], [1, 1, 2, STATE.state_bytes]],
+    data = torch.cat([torch.cat(rows, dim=2).reshape(-1),
+                      to_model_order(torch.stack(states), STATE)]).numpy()
+    wide = KVLayout(layout.dtype, n, [[2, n, 4, 16], [1, 1, 1, 2 * STATE.state_bytes]],
                         layout.starts, layout.states)
     KVRows("float32", [(2, 2, 16), (1, 1, STATE.state_bytes)], (), (1,)).check(wide, 2)
-    with pytest.raises(ValueError, match="states of layer 1 \\(2 ranks"):
+    with pytest.raises(ValueError, match="state of layer 1 \\(1 x 1 x 192 bytes\\) does "
+                                         "not fit this model's \\(1 ranks of 96"):
         KVRows("float32", [(2, 4, 16), (1, 1, STATE.state_bytes)], (), (1,)).check(wide, 1)
     for rank in (0, 1):
         monkeypatch.setattr(rows_module, "get_tp_rank", lambda r=rank: r)
