@@ -116,6 +116,14 @@ class ResolvedArgs:
 
         return uses_transformers_backend(self.hf_config, self.runner, self.args.model_impl)
 
+    @property
+    def backend_encoder(self) -> bool:
+        """An encoder-only model through the Transformers backend, which applies each
+        module's sliding window itself (transformers_backend/encoder_attention.py)."""
+        from shoal.models.transformers_backend.support import is_encoder_only
+
+        return self.transformers_backend and is_encoder_only(self.hf_config)
+
     @functools.cached_property
     def model_class(self) -> str:
         from shoal.models.registry import TRANSFORMERS_BACKEND, resolve_model_class
@@ -236,7 +244,7 @@ ROWS: tuple[Incompatibility, ...] = (
     Incompatibility(
         "runner='pooling'", "a sliding window shorter than max_model_len",
         lambda s: s.pooling and s.sliding_window is not None
-        and s.max_model_len > s.sliding_window,
+        and s.max_model_len > s.sliding_window and not s.backend_encoder,
         "max_model_len ({s.max_model_len}) is longer than the model's sliding window "
         "({s.sliding_window}), which pooling does not apply yet: set max_model_len to "
         "{s.sliding_window} or less"),

@@ -145,9 +145,16 @@ def has_linear_attention(hf_config: Any) -> bool:
 
 
 def is_pooling_only(hf_config: Any) -> bool:
-    """An encoder or a classification head: it cannot generate (runner "auto" -> pooling)."""
+    """An encoder or a classification head: it cannot generate (runner "auto" -> pooling).
+    Also an encoder-only model that only the Transformers backend runs."""
     archs = _architectures(hf_config)
-    return any(a in _POOLING_MODELS for a in archs) and not any(a in _MODELS for a in archs)
+    if any(a in _POOLING_MODELS for a in archs) and not any(a in _MODELS for a in archs):
+        return True
+    if not uses_transformers_backend(hf_config):
+        return False
+    from shoal.models.transformers_backend.support import is_encoder_only
+
+    return is_encoder_only(hf_config)
 
 
 def uses_transformers_backend(hf_config: Any, runner: str = "generate",
@@ -178,7 +185,7 @@ def takes_transformers_backend(hf_config: Any, runner: str, model_impl: str) -> 
 
 def model_path(cls: type) -> str:
     """How a model class runs, for start-up logs."""
-    if cls.__name__ == TRANSFORMERS_BACKEND[1]:
+    if cls.__module__.startswith("shoal.models.transformers_backend."):
         return "the Transformers backend (transformers' modeling code, shoal's paged attention)"
     return "shoal's own model class"
 
@@ -210,9 +217,9 @@ def resolve_model_class(hf_config: Any, runner: str = "generate",
 def _transformers_backend(hf_config: Any, runner: str, model_impl: str) -> type:
     """The backend's class, once its checks on the config pass (ValueError naming why not);
     under runner="pooling" build_model makes it an embedder (as_pooling_model)."""
-    from shoal.models.transformers_backend.support import unsupported_reason
+    from shoal.models.transformers_backend.support import encoder_class_path, unsupported_reason
 
-    reason = unsupported_reason(hf_config)
+    reason = unsupported_reason(hf_config, runner)
     if reason is not None:
         archs = _architectures(hf_config) or [getattr(hf_config, "model_type", None)]
         if model_impl == "auto":
@@ -220,5 +227,5 @@ def _transformers_backend(hf_config: Any, runner: str, model_impl: str) -> type:
                              f"of its own for it (supported: {', '.join(supported_architectures())})"
                              f" and the Transformers backend cannot run it: {reason}")
         raise ValueError(f"the Transformers backend cannot run {archs[0]}: {reason}")
-    module, name = TRANSFORMERS_BACKEND
+    module, name = encoder_class_path(hf_config) or TRANSFORMERS_BACKEND  # (encoders: pooling)
     return getattr(importlib.import_module(module), name)

@@ -2,8 +2,8 @@
 for (Gemma, model_impl="auto") and one forced through the backend (Qwen3) embed as
 transformers' base model's final hidden states pooled the same way (last token, or mean with
 pooler_config), over packed prompts of several lengths; no LM head is built. An encoder-only
-model, whose bidirectional attention the backend does not run, and a classification
-checkpoint, whose head it does not build, are refused by name."""
+model cannot generate, and a decoder's classification checkpoint, whose head the backend
+does not build, is refused by name (encoders: test_transformers_backend_encoders.py)."""
 
 from __future__ import annotations
 
@@ -45,14 +45,14 @@ def test_embeddings_match_transformers_hidden_states(model_type, fields, impl, p
 
 
 @pytest.mark.parametrize("model_type", ["distilbert", "modernbert"])
-def test_encoder_only_models_are_refused_by_name(model_type) -> None:
+def test_encoder_only_models_cannot_generate(model_type) -> None:
     cfg = AutoConfig.for_model(model_type, **{k: v for k, v in TINY_COMMON.items()
                                               if k != "num_key_value_heads"})
     cfg.architectures = [f"{type(cfg).__name__.removesuffix('Config')}Model"]
-    with pytest.raises(ValueError, match=f"the Transformers backend cannot run it: transformers "
-                                         f"has no causal-LM class for model_type "
-                                         f"'{model_type}': it is an encoder-only model"):
-        resolve_model_class(cfg, "pooling")
+    with pytest.raises(ValueError, match="the Transformers backend cannot run it: it is an "
+                                         "encoder-only model .*: it cannot generate text; use "
+                                         "runner='pooling'"):
+        resolve_model_class(cfg, "generate")
 
 
 def test_a_classification_head_is_refused_by_name() -> None:

@@ -4,8 +4,10 @@ transformers' modeling code calls `ALL_ATTENTION_FUNCTIONS[config._attn_implemen
 from every attention module with query [B, H, S, D] and key/value [B, Hk, S, D]; registering
 ATTN_IMPLEMENTATION there routes those calls here. The function itself is global, so what
 a call needs (the step's metadata, which paged layer the calling module writes) travels in a
-context variable that TransformersForCausalLM.forward sets around its pass (nothing else
-sets it, so a stray call outside a shoal forward fails loudly).
+context variable that TransformersForCausalLM.forward sets around its pass; an encoder's
+pooling forward (encoder.py) sets a PackedStep instead, whose calls attend bidirectionally
+within each packed prompt (encoder_attention.py). Nothing else sets it, so a stray call
+outside a shoal forward fails loudly.
 
 A probe pass (`probe_attention`) runs the model once at construction and records what each
 attention module passes (heads, head size, scaling, window, soft-cap, masks): the paged
@@ -26,6 +28,10 @@ import torch
 from torch import nn
 
 from shoal.layers.attention import Attention
+from shoal.models.transformers_backend.encoder_attention import (
+    PackedStep,
+    packed_bidirectional,
+)
 
 ATTN_IMPLEMENTATION = "shoal_paged"
 
@@ -57,8 +63,8 @@ class _Step:
     layers: dict[int, Attention]  # id(attention module) -> its paged layer
 
 
-_CURRENT: ContextVar[_Probe | _Step | None] = ContextVar("shoal_transformers_step",
-                                                         default=None)
+_CURRENT: ContextVar[_Probe | _Step | PackedStep | None] = ContextVar(
+    "shoal_transformers_step", default=None)
 
 
 def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -76,6 +82,12 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                                      sliding_window, softcap, kwargs))
         b, h, s, d = query.shape
         return query.new_zeros(b, s, h, d), None
+    if isinstance(current, PackedStep):  # an encoder's pooling step: no paged layers
+        if softcap or kwargs.get("s_aux") is not None:
+            raise NotImplementedError(f"{type(module).__name__}: attention soft-capping or "
+                                      "sinks in an encoder's packed attention")
+        return packed_bidirectional(query, key, value, current.seqs, scaling,
+                                    sliding_window), None
     if current is None:
         raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention called outside a shoal forward "
                            "pass")
@@ -114,6 +126,16 @@ def _record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: to
 def step_context(metadata: Any, layers: dict[int, Attention]) -> Iterator[None]:
     """The step every attention call inside reads (set by the model's forward)."""
     token = _CURRENT.set(_Step(metadata, layers))
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+@contextmanager
+def packed_step_context(step: PackedStep) -> Iterator[None]:
+    """The pooling step an encoder's attention calls read (set by encoder.py's forward)."""
+    token = _CURRENT.set(step)
     try:
         yield
     finally:

@@ -1,7 +1,8 @@
-"""Building a transformers causal LM without initializing its weights: parameters are created
-on the meta device and then materialized (zeros, in the engine's dtype, on its device); the
-checkpoint fills them afterwards. Buffers are left real: they hold values computed at
-construction (rotary frequencies, embedding scales) that checkpoints do not store."""
+"""Building a transformers model (a causal LM, an encoder) without initializing its weights:
+parameters are created on the meta device and then materialized (zeros, in the engine's
+dtype, on its device); the checkpoint fills them afterwards. Buffers are left real: they
+hold values computed at construction (rotary frequencies, embedding scales) that checkpoints
+do not store."""
 
 from __future__ import annotations
 
@@ -38,20 +39,30 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def build_causal_lm(hf_config: Any, dtype: torch.dtype, device: torch.device,
-                    prune: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                    prune: Callable[[nn.Module], nn.Module | None] | None = None
+                    ) -> nn.Module:
     """transformers' causal LM for the config with shoal's attention function, parameters
     zero-filled in `dtype` on `device` (tied ones stay one tensor), in eval mode. `prune`
     sees the model while its parameters are still on the meta device: what it removes
     (another pipeline stage's layers, a pooling model's LM head) never takes memory."""
     from transformers import AutoModelForCausalLM
 
+    return build_model(AutoModelForCausalLM.from_config, hf_config, dtype, device, prune)
+
+
+def build_model(make: Callable[..., nn.Module], hf_config: Any, dtype: torch.dtype,
+                device: torch.device,
+                prune: Callable[[nn.Module], nn.Module | None] | None = None) -> nn.Module:
+    """`make(config, dtype=..., attn_implementation=...)` (an Auto class's from_config, or a
+    model class's _from_config) built as build_causal_lm says. `prune` may return a
+    submodule to keep instead of the whole model (an encoder's base model without its
+    checkpoint's heads): only that is materialized and returned."""
     register_attention_function()
     cfg = copy.deepcopy(hf_config)  # from_config writes dtype and the attention choice into it
     with torch.device(device), parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype,
-                                                 attn_implementation=ATTN_IMPLEMENTATION)
+        model = make(cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
     if prune is not None:
-        prune(model)
+        model = prune(model) or model
     materialize(model, device)
     return model.eval().requires_grad_(False)
 

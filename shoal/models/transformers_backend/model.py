@@ -18,8 +18,9 @@ pipeline_parallel_size > 1 the config's pipeline plan splits the base model into
 the LM head, the last stage the final norm, and forward_stage passes activations as native
 models' stages do. Under runner="pooling" (as_pooling_model's subclass) it is a decoder
 embedder: no LM head is built, the pooling runner pools its final hidden states over packed
-prompts (causal attention; encoders are refused by support.py). The compatibility table
-refuses, before any rank starts, a tp or pp size the config's plans cannot split.
+prompts (causal attention; encoder-only models run as encoder.py's classes). The
+compatibility table refuses, before any rank starts, a tp or pp size the config's plans
+cannot split.
 
 CUDA graphs: the step's attention metadata reaches the paged layers through the step
 context, so a captured step reads the graph's persistent buffers as a native model's layers
@@ -28,9 +29,9 @@ nothing frozen that changes from step to step) is found out at start-up on the c
 graphs themselves (check_graph_capture: worker/graph_check.py), and a model that fails runs
 eagerly, said in one log line.
 
-Not here yet: encoder-only (bidirectional) models, pooling with tp or pp > 1 (refused for
-every model), soft-capped attention in a pooling step (refused when built), pipeline stages
-with CUDA graphs (as for native models: enforce_eager)."""
+Not here yet: pooling with tp or pp > 1 (refused for every model), soft-capped attention
+in a pooling step (refused when built), pipeline stages with CUDA graphs (as for native
+models: enforce_eager)."""
 
 from __future__ import annotations
 
@@ -197,7 +198,8 @@ def paged_layers(calls: list[AttentionCall], hf_config: Any, arch: str, first: i
     for i, c in enumerate(calls):
         if not c.is_causal:
             raise refuse("bidirectional (non-causal) attention"
-                         + (" (an encoder: its embeddings need shoal's own class)"
+                         + (" (an encoder whose config does not read as one: "
+                            "support.is_encoder_only)"
                             if pooling else ""))
         if c.own_mask:
             raise refuse("its attention modules build masks of their own (dynamic or "

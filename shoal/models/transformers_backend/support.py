@@ -1,6 +1,11 @@
 """Which models the Transformers backend can run, decided from the config alone (before
 anything is built); what only a pass through the model shows (soft-capping, head sizes,
-layers without attention) is checked by the probe in model.py."""
+layers without attention, bidirectional attention) is checked by the probes in model.py and
+encoder.py.
+
+Decoders run as transformers' causal LM (model.py); encoder-only models (is_encoder_only:
+BERT-like families, bidirectional attention) as its base model or sequence classifier under
+the pooling runner (encoder.py)."""
 
 from __future__ import annotations
 
@@ -34,10 +39,14 @@ def causal_lm_class(hf_config: Any) -> type:
 _TASK_HEADS = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
 
 
-def unsupported_reason(hf_config: Any) -> str | None:
-    """Why the backend cannot run the model, or None when the config shows no reason."""
+def unsupported_reason(hf_config: Any, runner: str = "generate") -> str | None:
+    """Why the backend cannot run the model under `runner`, or None when the config shows no
+    reason."""
     if getattr(hf_config, "is_encoder_decoder", False):
-        return "it is an encoder-decoder model (the backend runs decoder-only models)"
+        return ("it is an encoder-decoder model (the backend runs decoder-only and "
+                "encoder-only models)")
+    if is_encoder_only(hf_config):
+        return encoder_unsupported_reason(hf_config, runner)
     heads = [a for a in getattr(hf_config, "architectures", None) or []
              if a.endswith(_TASK_HEADS)]
     if heads:
@@ -63,8 +72,8 @@ def unsupported_reason(hf_config: Any) -> str | None:
     return None
 
 
-def check_supported(hf_config: Any) -> None:
-    reason = unsupported_reason(hf_config)
+def check_supported(hf_config: Any, runner: str = "generate") -> None:
+    reason = unsupported_reason(hf_config, runner)
     if reason is not None:
         raise ValueError(f"the Transformers backend cannot run "
                          f"{_name(hf_config)}: {reason}")
@@ -73,3 +82,77 @@ def check_supported(hf_config: Any) -> None:
 def _name(hf_config: Any) -> str:
     archs = getattr(hf_config, "architectures", None) or []
     return archs[0] if archs else repr(getattr(hf_config, "model_type", None))
+
+
+# Checkpoint classes of an encoder whose head gives one result per token or per span, which
+# the pooling runner has no task for (the backend builds encoders' embeddings and sequence
+# classifiers).
+_PER_TOKEN_HEADS = ("ForTokenClassification", "ForQuestionAnswering", "ForMultipleChoice")
+_CAUSAL_CLASSES = ("ForCausalLM", "LMHeadModel")
+
+
+def is_encoder_only(hf_config: Any) -> bool:
+    """An encoder-only model (bidirectional attention): a model type with a masked-LM class
+    (BERT and its descendants: DistilBERT, ELECTRA, XLM-R, ModernBERT...) whose config is not
+    a decoder's. Decided without importing any modeling code; the probe in encoder.py checks
+    that its attention really is bidirectional."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    if getattr(hf_config, "is_encoder_decoder", False) or getattr(hf_config, "is_decoder", False):
+        return False
+    archs = getattr(hf_config, "architectures", None) or []
+    if archs and archs[0].endswith(_CAUSAL_CLASSES):
+        return False
+    return getattr(hf_config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+
+def is_sequence_classifier(hf_config: Any) -> bool:
+    """The checkpoint class has a sequence-classification head."""
+    archs = getattr(hf_config, "architectures", None) or []
+    return bool(archs) and archs[0].endswith("ForSequenceClassification")
+
+
+def encoder_checkpoint_class(hf_config: Any) -> type:
+    """transformers' class of an encoder's checkpoint (architectures[0]), else its base model
+    class (a config without architectures, or naming a class of another model type)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    archs = getattr(hf_config, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if isinstance(cls, type) and getattr(cls, "config_class", None) is type(hf_config):
+        return cls
+    return MODEL_MAPPING[type(hf_config)]
+
+
+def encoder_unsupported_reason(hf_config: Any, runner: str) -> str | None:
+    """Why the backend cannot run an encoder-only model under `runner`, or None."""
+    if runner != "pooling":
+        return ("it is an encoder-only model (bidirectional attention): it cannot generate "
+                "text; use runner='pooling' (embeddings, or classification with a "
+                "...ForSequenceClassification checkpoint)")
+    archs = getattr(hf_config, "architectures", None) or []
+    heads = [a for a in archs[:1] if a.endswith(_PER_TOKEN_HEADS)]
+    if heads:
+        return (f"its checkpoint class {heads[0]} has a per-token or span head, which the "
+                "backend does not build for encoders (it builds embeddings and sequence "
+                "classifiers)")
+    try:
+        cls = encoder_checkpoint_class(hf_config)
+    except KeyError:
+        return (f"transformers has no model class for model_type "
+                f"{getattr(hf_config, 'model_type', None)!r}")
+    if not getattr(cls, "_supports_attention_backend", False):
+        return (f"its modeling code ({cls.__name__}) does not support custom attention "
+                "functions (_supports_attention_backend is False), so shoal's packed "
+                "attention cannot be plugged in")
+    return None
+
+
+def encoder_class_path(hf_config: Any) -> tuple[str, str] | None:
+    """(module, class) of the backend's encoder class for the config; None for a decoder."""
+    if not is_encoder_only(hf_config):
+        return None
+    name = ("TransformersEncoderForSequenceClassification" if is_sequence_classifier(hf_config)
+            else "TransformersEncoderModel")
+    return "shoal.models.transformers_backend.encoder", name
