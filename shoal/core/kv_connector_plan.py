@@ -18,16 +18,24 @@ class KVLayout:
     empty: every layer does). A linear-attention layer (its index in `states`) sends its
     recurrent state after token num_tokens - 1 instead: one row [1, 1, 1, state bytes] from
     token num_tokens - 1, the whole model's conv and delta-rule state in the model's order of
-    channels and heads, whatever the producer's tensor-parallel ranks (kv_transfer/states.py)."""
+    channels and heads, whatever the producer's tensor-parallel ranks (kv_transfer/states.py).
+    A compressed layer (DeepSeek-V4's entries, ratio r in `ratios`) sends its entries instead
+    of token rows: [1, num_tokens // r, 1, entry bytes], entry w pooling tokens [w r, (w + 1)
+    r), placed in the consumer's own blocks by index (kv_transfer/entries.py)."""
 
     dtype: str  # the cache dtype, as torch names it without "torch." (e.g. "bfloat16")
     num_tokens: int
     layers: list[list[int]]  # per layer [planes, rows, heads, width in bytes]
     starts: list[int] = field(default_factory=list)  # per layer its first token (or empty)
     states: list[int] = field(default_factory=list)  # the layers whose row is a state
+    # per layer its entries' group ratio (0: token rows), or empty: no compressed layer
+    ratios: list[int] = field(default_factory=list)
 
     def start(self, i: int) -> int:
         return self.starts[i] if self.starts else 0
+
+    def ratio(self, i: int) -> int:
+        return self.ratios[i] if self.ratios else 0
 
     def layer_nbytes(self, i: int) -> int:
         planes, n, heads, width = self.layers[i]
@@ -43,6 +51,8 @@ class KVLayout:
             wire["starts"] = self.starts
         if self.states:
             wire["states"] = self.states
+        if any(self.ratios):
+            wire["ratios"] = self.ratios
         return wire
 
     @classmethod
@@ -52,7 +62,9 @@ class KVLayout:
             layers = [[int(x) for x in shape] for shape in msg["layers"]]
             starts = [int(x) for x in msg.get("starts", ())]
             states = [int(x) for x in msg.get("states", ())]
-            layout = cls(str(msg["dtype"]), int(msg["num_tokens"]), layers, starts, states)
+            ratios = [int(x) for x in msg.get("ratios", ())]
+            layout = cls(str(msg["dtype"]), int(msg["num_tokens"]), layers, starts, states,
+                         ratios)
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a malformed KV layout ({type(e).__name__}: {e})") from e
         if any(len(s) != 4 or min(s) < 0 for s in layers) or layout.num_tokens < 0:
@@ -60,8 +72,16 @@ class KVLayout:
         if starts and len(starts) != len(layers):
             raise ValueError(f"a malformed KV layout: {len(starts)} starts for "
                              f"{len(layers)} layers")
+        if ratios and (len(ratios) != len(layers) or min(ratios) < 0):
+            raise ValueError(f"a malformed KV layout: ratios {ratios} for {len(layers)} layers")
         for i, shape in enumerate(layers):
-            first = layout.start(i)
+            first, ratio = layout.start(i), layout.ratio(i)
+            if ratio:  # compressed entries: every complete group's, from token 0
+                if first or shape[1] != layout.num_tokens // ratio:
+                    raise ValueError(f"a malformed KV layout: layer {i} has {shape[1]} "
+                                     f"entries of ratio {ratio} from token {first} of "
+                                     f"{layout.num_tokens}")
+                continue
             if not 0 <= first <= layout.num_tokens or shape[1] != layout.num_tokens - first:
                 raise ValueError(f"a malformed KV layout: layer {i} has {shape[1]} rows from "
                                  f"token {first} of {layout.num_tokens}")

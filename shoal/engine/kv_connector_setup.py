@@ -4,8 +4,10 @@ asks it for other engines' KV and hands it the prompts to save (shoal/kv_transfe
 Models whose KV cache groups are attention groups transfer (full attention, MLA, sliding
 windows beside them, of one or several lengths: each layer's rows follow its group's table),
 also beside linear-attention groups (hybrids: their recurrent states move at a block end,
-which a producer keeps only with prefix caching on); DeepSeek-V4's groups, which keep
-something else per token, are refused here by kind."""
+which a producer keeps only with prefix caching on), and DeepSeek-V4's: its window rows and
+its compressors' inputs of the open groups as sliding rows, its compressed entries (with
+CSA's indexer keys) by entry index (kv_transfer/entries.py). A kind not known to move is
+refused here."""
 
 from __future__ import annotations
 
@@ -30,16 +32,15 @@ from shoal.kv_transfer.factory import build_connector
 
 logger = logging.getLogger(__name__)
 
-# Groups whose layers keep keys and values (or MLA's latent rows) per token: their rows move
-# as they are (a sliding group's: those its window reads at the prompt's end).
-# Linear-attention groups move their states (kv_transfer/states.py).
+# Groups whose layers keep one or two rows per token (keys and values, MLA's latent rows,
+# indexer keys, DeepSeek-V4's shared K=V window rows and its compressors' inputs of the open
+# groups): their rows move as they are (a sliding group's: those its window reads at the
+# prompt's end). Linear-attention groups move their states (kv_transfer/states.py),
+# DeepSeek-V4's compressed entries their entries (kv_transfer/entries.py).
 _TRANSFERABLE = (FullAttentionSpec, SlidingWindowSpec, LatentAttentionSpec, IndexerKeySpec,
-                 LinearStateSpec)
-_REFUSED = {  # (the most specific class first: several derive from the transferable ones)
-    SlidingSharedKVSpec: "DeepSeek-V4's shared-KV windows (SlidingSharedKVSpec)",
-    CompressorStateSpec: "DeepSeek-V4's compressor states (CompressorStateSpec)",
-    CompressedEntrySpec: "DeepSeek-V4's compressed entries (CompressedEntrySpec)",
-    CompressorInputSpec: "DeepSeek-V4's compressor inputs (CompressorInputSpec)",
+                 LinearStateSpec, SlidingSharedKVSpec, CompressorStateSpec, CompressedEntrySpec)
+_REFUSED = {  # kinds no model declares now (the first version of DeepSeek-V4's compressors)
+    CompressorInputSpec: "DeepSeek-V4's per-token compressor inputs (CompressorInputSpec)",
 }
 
 
@@ -54,7 +55,8 @@ def check_groups(groups: list[KVCacheGroup]) -> None:
         raise ValueError(f"kv_transfer_config: KV cache group {i} of {len(groups)} holds "
                          f"{kind}, which prefill/decode disaggregation does not transfer "
                          "yet (only attention groups: full attention, MLA, sliding windows, "
-                         "and linear-attention states)")
+                         "linear-attention states and DeepSeek-V4's windows, compressed "
+                         "entries and open compressor groups)")
 
 
 def _kv_rows(core: Any) -> KVRows | None:
@@ -70,11 +72,19 @@ def _kv_rows(core: Any) -> KVRows | None:
               for i in g.layers}
     specs = getattr(runner, "kv_specs", None) or [None] * len(caches)
     states = tuple(i for i, s in enumerate(specs) if isinstance(s, LinearStateSpec))
+    ratios = tuple(s.ratio if isinstance(s, CompressedEntrySpec) else 0 for s in specs)
+
+    def row(kv: Any, spec: Any) -> tuple[int, int, int]:
+        if isinstance(spec, LinearStateSpec):
+            return 1, 1, spec.state_bytes
+        if isinstance(spec, CompressedEntrySpec):  # an entry, not the page's token slot
+            return 1, 1, spec.head_size * spec.dtype_bytes
+        return kv.shape[0], kv.shape[2], kv.shape[3] * kv.element_size()
+
     return KVRows(str(caches[0].dtype).removeprefix("torch."),
-                  [(1, 1, spec.state_bytes) if isinstance(spec, LinearStateSpec) else
-                   (kv.shape[0], kv.shape[2], kv.shape[3] * kv.element_size())
-                   for kv, spec in zip(caches, specs)],
-                  tuple(window.get(i) for i in range(len(caches))), states)
+                  [row(kv, spec) for kv, spec in zip(caches, specs)],
+                  tuple(window.get(i) for i in range(len(caches))), states,
+                  ratios if any(ratios) else ())
 
 
 def attach_kv_connector(core: Any, config: KVTransferConfig | None, model: str

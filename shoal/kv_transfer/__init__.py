@@ -18,6 +18,7 @@ Who does what (vLLM's split of a connector into a scheduler side and a worker si
 - p2p.py: P2PConnector. The producer keeps each finished prompt's KV (token-major rows of
   every paged layer, all KV heads, read out once into one host buffer: payload.py, rows.py;
   a hybrid's linear layers send their recurrent states at a block end instead: states.py;
+  DeepSeek-V4's compressed layers their entries, placed by entry index: entries.py;
   several tensor-parallel ranks gather their heads on rank 0: tp_rows.py)
   for a while and serves it over TCP (transport.py: a small msgpack header, then the raw
   bytes, received straight into a recycled host buffer, pinned on CUDA); the consumer

@@ -25,14 +25,16 @@ from shoal.kv_transfer.config import KVTransferConfig
 @dataclass(frozen=True)
 class KVRows:
     """The engine's paged caches: their dtype, per layer (planes, KV heads of this rank,
-    bytes of one head's row; a linear-attention layer: 1, 1, its state's bytes on this rank),
-    per layer its sliding window (None, or empty for all: every token) and the layers that
-    hold recurrent states."""
+    bytes of one head's row; a linear-attention layer: 1, 1, its state's bytes on this rank;
+    a compressed layer: 1, 1, an entry's bytes), per layer its sliding window (None, or empty
+    for all: every token), the layers that hold recurrent states, and per layer its
+    compressed entries' group ratio (0: token rows; empty: no compressed layer)."""
 
     dtype: str
     layers: list[tuple[int, int, int]]
     windows: tuple[int | None, ...] = ()
     states: tuple[int, ...] = ()
+    ratios: tuple[int, ...] = ()
 
     def check(self, layout: KVLayout, world: int) -> None:
         """ValueError when a transferred payload cannot go into these caches."""
@@ -44,6 +46,11 @@ class KVRows:
         if tuple(layout.states) != self.states:
             raise ValueError(f"the KV has linear-attention states in layers {layout.states}, "
                              f"this model in {list(self.states)}")
+        if any(layout.ratios) or any(self.ratios):
+            theirs = [layout.ratio(i) for i in range(len(self.layers))]
+            if theirs != list(self.ratios or (0,) * len(self.layers)):
+                raise ValueError(f"the KV has compressed entries of ratios {theirs}, this "
+                                 f"model {list(self.ratios)}")
         for i, ((planes, _, total, width), (p, local, w)) in enumerate(
                 zip(layout.layers, self.layers)):
             if i in self.states:  # the whole model's state, each rank takes its slices

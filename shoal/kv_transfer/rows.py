@@ -24,6 +24,14 @@ end of the producer, whose state its prefix caching keeps (p2p.py). The payload 
 state of the whole model (every rank's channels and heads, in the model's order), and each
 consumer rank takes its own slices of it.
 
+A compressed layer (DeepSeek-V4's entries, one per complete group of tokens, CSA's with its
+indexer key) sends its entries, not token rows: an entry's place in a page follows the block
+size (entries.py), so each side finds them in its own blocks by index; the consumer writes
+those of the groups its loaded tokens close. DeepSeek-V4's window rows and its compressors'
+inputs of the open groups are one row a token in sliding tables (SlidingSharedKVSpec,
+CompressorStateSpec): they move as any sliding layer's, the compressors' from the first
+token of the oldest group their next entry still pools.
+
 A tensor-parallel producer: every rank reads its own heads and TP rank 0 gathers them into one
 payload of every head (tp_rows.py), and its ranks' linear-attention states into the model's
 order (states.py), so the two sides' TP sizes may differ."""
@@ -37,8 +45,14 @@ from typing import Any
 
 import torch
 
-from shoal.core.kv_cache_spec import KVCacheGroup, KVCacheSpec, LinearStateSpec
+from shoal.core.kv_cache_spec import (
+    CompressedEntrySpec,
+    KVCacheGroup,
+    KVCacheSpec,
+    LinearStateSpec,
+)
 from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size
+from shoal.kv_transfer.entries import entry_bytes, read_entries, write_entries
 from shoal.kv_transfer.payload import KVLayout, KVPayload, host_buffer
 from shoal.kv_transfer.states import (
     rank_share,
@@ -62,13 +76,15 @@ class LayerTables:
     """Per paged layer: the KV cache group whose block table its rows follow (0: the first
     group's, KVLoad/KVSave.block_ids; g > 0: group_block_ids[g - 1]), its sliding window
     (None: it keeps every token), its recurrent state's spec (a linear-attention layer; empty:
-    none has one) and how many consecutive tensor-parallel ranks hold the same rows (empty:
-    each rank its own heads; tp_rows.py)."""
+    none has one), how many consecutive tensor-parallel ranks hold the same rows (empty:
+    each rank its own heads; tp_rows.py) and its compressed entries' spec (DeepSeek-V4's
+    CSA / HCA entries; empty: none has them)."""
 
     groups: tuple[int, ...]
     windows: tuple[int | None, ...]
     states: tuple[LinearStateSpec | None, ...] = ()
     replicas: tuple[int, ...] = ()
+    entries: tuple[CompressedEntrySpec | None, ...] = ()
 
     @classmethod
     def of(cls, kv_groups: Sequence[KVCacheGroup], specs: Sequence[KVCacheSpec] = (),
@@ -79,15 +95,24 @@ class LayerTables:
         n = len(group_of)
         specs = list(specs) or [kv_groups[group_of[i]].spec for i in range(n)]
         states = tuple(s if isinstance(s, LinearStateSpec) else None for s in specs)
+        entries = tuple(s if isinstance(s, CompressedEntrySpec) else None for s in specs)
         world = get_tp_world_size()
         return cls(tuple(group_of[i] for i in range(n)),
                    tuple(kv_groups[group_of[i]].sliding_window for i in range(n)),
                    states if any(states) else (),
                    kv_head_replicas(specs, model_kv_heads(hf_config), world) if world > 1
-                   else ())
+                   else (), entries if any(entries) else ())
 
     def state(self, layer: int) -> LinearStateSpec | None:
         return self.states[layer] if self.states else None
+
+    def entry(self, layer: int) -> CompressedEntrySpec | None:
+        return self.entries[layer] if self.entries else None
+
+    @property
+    def ratios(self) -> list[int]:
+        """Per layer its entries' ratio (0: token rows), as KVLayout.ratios (empty: none)."""
+        return [s.ratio if s is not None else 0 for s in self.entries]
 
     @property
     def state_layers(self) -> list[int]:
@@ -122,6 +147,9 @@ def _row_shape(kv: torch.Tensor, layer: int, tables: LayerTables, num_tokens: in
     spec = tables.state(layer)
     if spec is not None:
         return [1, 1, 1, spec.state_bytes]
+    entry = tables.entry(layer)
+    if entry is not None:
+        return [1, num_tokens // entry.ratio, 1, entry_bytes(entry)]
     return [kv.shape[0], num_tokens - start, kv.shape[2], kv.shape[3] * kv.element_size()]
 
 
@@ -132,7 +160,7 @@ def layout_of(caches: list[torch.Tensor], num_tokens: int, starts: Sequence[int]
     shapes = [_row_shape(kv, i, tables, num_tokens, starts[i] if starts else 0)
               for i, kv in enumerate(caches)]
     return KVLayout(_dtype_name(caches[0].dtype), num_tokens, shapes, starts,
-                    tables.state_layers)
+                    tables.state_layers, tables.ratios)
 
 
 def _wide(dst: torch.Tensor, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -162,13 +190,16 @@ class _Slots:
         self.tables, self.block_size, self.device = tables, block_size, device
         self._done: dict[tuple[int, int, int], torch.Tensor] = {}
 
+    def table(self, group: int) -> list[int]:
+        if group >= len(self.tables):
+            raise ValueError(f"a layer of KV cache group {group}, but the request has "
+                             f"{len(self.tables)} block tables")
+        return self.tables[group]
+
     def __call__(self, group: int, start: int, end: int) -> torch.Tensor:
         key = (group, start, end)
         if key not in self._done:
-            if group >= len(self.tables):
-                raise ValueError(f"a layer of KV cache group {group}, but the request has "
-                                 f"{len(self.tables)} block tables")
-            self._done[key] = _slots(self.tables[group], self.block_size, start, end,
+            self._done[key] = _slots(self.table(group), self.block_size, start, end,
                                      self.device)
         return self._done[key]
 
@@ -177,12 +208,16 @@ def _read_layer(kv: torch.Tensor, layer: int, tables: LayerTables, slots_of: _Sl
                 start: int, num_tokens: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """A layer's rows of tokens [start, num_tokens) (a linear layer's state after the last),
     this rank's heads, as uint8 [planes, rows, heads, width]: into `out` (a host buffer's
-    slice; queued on CUDA), or a new tensor on the cache's device."""
-    spec = tables.state(layer)
+    slice; queued on CUDA), or a new tensor on the cache's device. A compressed layer: its
+    entries of the complete groups of [0, num_tokens)."""
+    spec, entry = tables.state(layer), tables.entry(layer)
     if spec is not None:
         table = slots_of.tables[tables.groups[layer]]
         rows = read_state(state_pages(kv, slots_of.block_size, spec),
                           table[(num_tokens - 1) // slots_of.block_size])
+    elif entry is not None:
+        rows = read_entries(kv, entry, slots_of.table(tables.groups[layer]),
+                            slots_of.block_size, num_tokens)
     else:
         slots = slots_of(tables.groups[layer], start, num_tokens)
         if out is not None and out.device == kv.device:  # (CPU: no intermediate copy)
@@ -217,7 +252,7 @@ def gather_rows(caches: list[torch.Tensor], block_ids: list[int], block_size: in
         shapes = [[1, 1, 1, rows.numel()] if tables.state(i) is not None else list(rows.shape)
                   for i, rows in enumerate(gathered)]
         layout = KVLayout(_dtype_name(caches[0].dtype), num_tokens, shapes,
-                          starts if any(starts) else [], tables.state_layers)
+                          starts if any(starts) else [], tables.state_layers, tables.ratios)
     else:
         layout = layout_of(caches, num_tokens, starts, tables)
     cuda = device.type == "cuda"
@@ -271,9 +306,18 @@ def check_layout(caches: list[torch.Tensor], layout: KVLayout, nbytes: int,
     if layout.states != tables.state_layers:
         raise ValueError(f"the transferred KV has linear-attention states in layers "
                          f"{layout.states}, this model in {tables.state_layers}")
+    if layout.ratios != tables.ratios and any(layout.ratios + tables.ratios):
+        raise ValueError(f"the transferred KV has compressed entries of ratios "
+                         f"{layout.ratios or 'none'}, this model {tables.ratios or 'none'}")
     world = get_tp_world_size()
     for i, (kv, (planes, _, heads, width)) in enumerate(zip(caches, layout.layers)):
-        spec = tables.state(i)
+        spec, entry = tables.state(i), tables.entry(i)
+        if entry is not None:
+            if (planes, heads, width) != (1, 1, entry_bytes(entry)):
+                raise ValueError(f"the transferred entries of layer {i} are {planes} x "
+                                 f"{heads} x {width} bytes, this model's 1 x 1 x "
+                                 f"{entry_bytes(entry)}")
+            continue
         if spec is not None:  # the whole model's state: every rank's of this group
             if (planes, heads, width) != (1, 1, world * spec.state_bytes):
                 raise ValueError(f"the transferred linear-attention state of layer {i} is "
@@ -320,6 +364,13 @@ def scatter_rows(caches: list[torch.Tensor], layout: KVLayout, data, block_ids: 
             table = slots_of.tables[tables.groups[i]]
             write_state(state_pages(kv, block_size, spec), table[(end - 1) // block_size],
                         src)
+            read += src.numel()
+            continue
+        entry = tables.entry(i)
+        if entry is not None:  # those of the groups closing in [start, end)
+            lo, hi = start // entry.ratio, end // entry.ratio
+            src = rows[0, lo:hi, 0]
+            write_entries(kv, entry, slots_of.table(tables.groups[i]), block_size, lo, src)
             read += src.numel()
             continue
         first, sent = tables.first_read(i, start, end), layout.start(i)

@@ -4,7 +4,8 @@ memory on CUDA, so the step does not wait for them), saves read out right behind
 forward pass (queued after it on CUDA) into one host buffer each, handed over at finish,
 which the connector serves once its copies have landed. Each layer's rows follow its KV
 cache group's block table (rows.LayerTables: sliding windows beside full attention; a
-linear-attention layer's state in the block covering the last token)."""
+linear-attention layer's state in the block covering the last token; DeepSeek-V4's
+compressed entries in the blocks closing their groups, kv_transfer/entries.py)."""
 
 from __future__ import annotations
 

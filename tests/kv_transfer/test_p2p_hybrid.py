@@ -197,12 +197,14 @@ def test_each_rank_takes_its_own_state_of_a_two_rank_payload(monkeypatch) -> Non
         assert torch.equal(dst[0][:, 8:16], src[rank][0][:, :8])  # its own heads' rows
 
 
-def test_deepseek_v4_groups_stay_refused() -> None:
-    from shoal.core.kv_cache_spec import CompressorStateSpec
+def test_a_kind_not_known_to_move_is_refused() -> None:
+    """(DeepSeek-V4's groups move: test_p2p_deepseek_v4.py; its first version's per-token
+    compressor inputs, which no model declares now, do not.)"""
+    from shoal.core.kv_cache_spec import CompressorInputSpec
 
     groups = [KVCacheGroup(ATTN, (0,)), KVCacheGroup(STATE, (1,)),
-              KVCacheGroup(CompressorStateSpec(1, 8, 4, 8), (2,))]
-    with pytest.raises(ValueError, match=r"group 2 of 3 holds DeepSeek-V4's compressor "
-                                         r"states"):
+              KVCacheGroup(CompressorInputSpec(1, 8, 4), (2,))]
+    with pytest.raises(ValueError, match=r"group 2 of 3 holds DeepSeek-V4's per-token "
+                                         r"compressor inputs"):
         check_groups(groups)
     check_groups(groups[:2])
