@@ -112,9 +112,10 @@ class AttentionBackend(ABC):
         block_tables None keeps the previous fill's tables."""
         raise self._unsupported("CUDA graphs")
 
-    def graph_metadata(self, buf: Any, rows: int, q: int) -> Any:
+    def graph_metadata(self, buf: Any, rows: int, q: int, blocks: int | None = None) -> Any:
         """Metadata over views of the buffers for a graph of `rows` x `q` tokens; its host-side
-        values depend on the shape only, so the captured graph replays any fill."""
+        values depend on the shape only, so the captured graph replays any fill. blocks: the
+        block tables' first columns only (None: their whole width)."""
         raise self._unsupported("CUDA graphs")
 
     def advance_graph_buffers(self, buf: Any, rows: int) -> None:

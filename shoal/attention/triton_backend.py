@@ -339,12 +339,19 @@ class TritonAttentionBackend(AttentionBackend):
         if block_tables is not None and n:
             self._fill_tables(buf, turn, block_tables)
 
-    def graph_metadata(self, buf: TritonGraphBuffers, rows: int,
-                       q: int) -> TritonAttentionMetadata:
+    def graph_metadata(self, buf: TritonGraphBuffers, rows: int, q: int,
+                       blocks: int | None = None) -> TritonAttentionMetadata:
         """Metadata over views of the buffers for a graph of rows x q tokens: decode rows
         (the decode kernel) for q = 1, else q-token chunks (the prefill kernel). Host-side
-        values depend on the shape only: the split count comes from the table capacity."""
-        cap = buf.block_tables.shape[1] * buf.block_size
+        values depend on the shape only: the split count comes from the table capacity.
+        blocks: the tables' first columns only (a graph for requests of at most that many
+        blocks); None: all of them."""
+        tables = buf.block_tables[:rows]
+        if blocks is not None:
+            if not 0 < blocks <= tables.shape[1]:
+                raise ValueError(f"blocks must be in [1, {tables.shape[1]}], got {blocks}")
+            tables = tables[:, :blocks]
+        cap = tables.shape[1] * buf.block_size
         decode = q == 1
         return TritonAttentionMetadata(
             num_tokens=rows * q,
@@ -353,7 +360,7 @@ class TritonAttentionBackend(AttentionBackend):
             num_decodes=rows if decode else 0,
             num_decode_rows=rows if decode else 0,
             num_prefills=0 if decode else rows,
-            block_tables=buf.block_tables[:rows],
+            block_tables=tables,
             seq_lens=buf.meta[:rows],
             context_lens=buf.meta[rows:2 * rows],
             query_start_loc=buf.meta[2 * rows:3 * rows + 1],

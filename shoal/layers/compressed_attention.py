@@ -25,7 +25,8 @@ The step's decodes close their groups and attend as one batch, in shapes fixed b
 tables' width and masked per decode (every decode computes the entry its token would close,
 only those that close one store it; a CSA decode scores every entry its tables hold and reads
 the indexer's top-k), from device tensors only: a step of decodes alone is captured in a CUDA
-graph. The other requests (prefill chunks, verify steps: eager) one by one, from their spans
+graph. That work follows the width: eagerly the step's longest table's, in a graph the
+narrowest captured width holding it (DeepseekV4ForCausalLM.decode_table_buckets_from). The other requests (prefill chunks, verify steps: eager) one by one, from their spans
 read on the host, their queries in chunks whose score tensors stay under SCORE_ELEMENTS (a
 long prefill chunk would otherwise hold [n, H, n] scores, and the indexer's [n,
 index_n_heads, n / m]).

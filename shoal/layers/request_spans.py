@@ -111,21 +111,28 @@ class StepSpans:
     def _of_triton(cls, mds: tuple, positions: torch.Tensor) -> StepSpans:
         """Decode rows [0, num_decode_rows) (padding included) from the device; the prefill
         rows after them read back (eager metadata: no padded prefill rows). Tables [R, N]
-        int32, zero past a request's blocks (a decode masks what it reads there)."""
+        int32, zero past a request's blocks (a decode masks what it reads there). The
+        decodes' work follows their tables' width: beside prefills (an eager step, read back
+        anyway) it is cut to the longest decode's blocks, not the longest prefill's."""
         md = mds[0]
         nd, rows = md.num_decode_rows, md.num_decode_rows + md.num_prefills
         spans: tuple[RequestSpan, ...] = ()
+        width = md.block_tables.shape[1]
         if md.num_prefills:
-            host = torch.cat([md.query_start_loc[nd:rows + 1], md.context_lens[nd:rows]]
-                             ).tolist()
-            starts, contexts = host[:rows - nd + 1], host[rows - nd + 1:]
+            longest = md.seq_lens[:nd].amax(0, keepdim=True) if nd else md.seq_lens[:0]
+            host = torch.cat([md.query_start_loc[nd:rows + 1], md.context_lens[nd:rows],
+                              longest]).tolist()
+            p = md.num_prefills
+            starts, contexts = host[:p + 1], host[p + 1:2 * p + 1]
+            if nd:
+                width = min(width, -(-host[2 * p + 1] // md.block_size))
             tables = [m.block_tables[nd:rows].long() for m in mds]
             spans = tuple(RequestSpan(starts[r], starts[r + 1] - starts[r], c,
                                       tuple(t[r] for t in tables) if c else ())
                           for r, c in enumerate(contexts))
         return cls(spans, tuple(m.slot_mapping for m in mds), md.block_size, nd,
                    positions[:nd] if nd else None,
-                   tuple(m.block_tables[:nd].long() for m in mds) if nd else ())
+                   tuple(m.block_tables[:nd, :width].long() for m in mds) if nd else ())
 
 
 def _prefill_lengths(md: AttentionMetadata) -> dict[int, int]:

@@ -30,8 +30,11 @@ hyper-connection mixing are small and replicated.
 On CUDA the layers run as they do on the CPU, in plain torch (no kernels yet). A step of
 decodes alone reads nothing on the host (shoal/layers/request_spans.py: the decodes' positions,
 tables and slots on the device, fixed shapes masked per row), so the runner captures decode
-steps in CUDA graphs (decode_graphs_only); prefill chunks and verify steps read their spans on
-the host and run eagerly. Not yet: quantized (FP8 / FP4) checkpoints."""
+steps in CUDA graphs (decode_graphs_only), one per batch size and table width
+(decode_table_buckets_from: the decodes' work follows the width, so a step replays the
+narrowest that holds its longest request, not max_model_len's); prefill chunks and verify
+steps read their spans on the host and run eagerly. Not yet: quantized (FP8 / FP4)
+checkpoints."""
 
 from __future__ import annotations
 
@@ -151,6 +154,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     decode_graphs_only: ClassVar[str] = (
         "its attention (shoal/layers/compressed_attention.py) reads a prefill chunk's or a "
         "verify step's request spans on the host; a step of decodes alone reads none")
+    # A graph's decodes score (CSA's indexer) or attend (HCA) every compressed entry its
+    # block tables could hold, masked per row (shoal/layers/paged_entries.py decode_index):
+    # their work follows the tables' width. Decode graphs are captured per width, doubling
+    # from this many tokens (below it the window and top-k dominate; CSA's 2048 tokens are
+    # 512 entries, V4's index_topk), and a step replays the narrowest holding its longest
+    # request (shoal/worker/model_graphs.py).
+    decode_table_buckets_from: ClassVar[int] = 2048
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__()

@@ -6,7 +6,9 @@ The rule for a model class has three cases: one that cannot be captured declares
 capture decodes only declares `decode_graphs_only` (chunks and verifies run eagerly); code
 that is not shoal's (the Transformers backend) sets `check_graph_capture` and its graphs are
 captured on trial and checked (graph_check.py). Hybrids capture decodes and verifies
-(StateRows); their prefill chunks run eagerly.
+(StateRows); their prefill chunks run eagerly. A class whose decode work follows the block
+tables' width declares `decode_table_buckets_from` (tokens): its decode graphs are captured
+per table width as well, doubling from there (model_graphs.py table_widths).
 
 ModelRunner takes this side from RunnerGraphCapture, beside its other mixins."""
 
@@ -17,7 +19,7 @@ from typing import Any
 from shoal.attention.linear_state import StateGraphBuffers
 from shoal.worker.encoder_graphs import EncoderGraphs
 from shoal.worker.graph_check import capture_checked
-from shoal.worker.model_graphs import ModelGraphs, step_shapes
+from shoal.worker.model_graphs import ModelGraphs, step_shapes, table_widths
 
 
 class RunnerGraphCapture:
@@ -38,9 +40,12 @@ class RunnerGraphCapture:
         sc = self.config.scheduler_config
         spec = self.config.speculative_config
         max_blocks = -(-sc.max_model_len // self.block_size)
+        narrowest = getattr(self.model, "decode_table_buckets_from", None)
+        widths = (table_widths(max_blocks, -(-narrowest // self.block_size))
+                  if narrowest else [])
         shapes = step_shapes(sc.max_num_seqs, sc.max_num_batched_tokens,
                              num_speculative_tokens=spec.num_speculative_tokens
-                             if spec is not None else 0)
+                             if spec is not None else 0, decode_widths=widths)
         # decode graphs only (graph_support.py logged why): chunks and verifies run eagerly
         if getattr(self.model, "decode_graphs_only", None):
             shapes = [s for s in shapes if s.q == 1]

@@ -40,6 +40,10 @@ class StepShape:
     q: int  # tokens per row, padded: 1 decode, k + 1 verify, a prefill chunk's length
     # Logits per row: q (verify: every position), or 1 (a decode's token, a chunk's last)
     logits_per_row: int = 1
+    # Block-table columns the graph reads (0: the table's whole width). A model whose decode
+    # work follows the table width gets one graph per width (worker/model_graphs.py
+    # table_widths): a step replays the narrowest that holds its longest request.
+    blocks: int = 0
 
     @property
     def tokens(self) -> int:
@@ -63,8 +67,14 @@ class GraphTable:
         if not shapes:
             raise ValueError("a graph table needs at least one shape")
         self.backend = backend
-        self.shapes = sorted(set(shapes), key=lambda s: (s.tokens, s.rows), reverse=True)
-        self.device = device
+        if any(not 0 <= s.blocks <= max_blocks for s in shapes):
+            raise ValueError(f"a shape's blocks must be in [0, {max_blocks}] (the tables' "
+                             f"width; 0: all of it), got "
+                             f"{sorted({s.blocks for s in shapes})}")
+        # largest first (capture: the smaller reuse the pool's blocks), the whole width first
+        self.shapes = sorted(set(shapes), reverse=True,
+                             key=lambda s: (s.tokens, s.rows, s.blocks or max_blocks))
+        self.device, self.block_size = device, block_size
         max_rows = max(s.rows for s in self.shapes)
         max_tokens = max(s.tokens for s in self.shapes)
         self.tokens = StagedTokens(token_rows, max_tokens, device)
@@ -120,9 +130,11 @@ class GraphTable:
         """The shape's metadata over buffers holding no real row (capture: the kernels run
         but write and read nothing); one per KV cache group, grouped when there are several."""
         mds = []
+        # (a narrower shape's metadata reads the tables' first shape.blocks columns)
+        narrow = {"blocks": shape.blocks} if shape.blocks else {}
         for b, buf in zip(self.group_backends, self.buffers):
             b.fill_graph_buffers(buf, shape.rows, shape.q, [], [], [])
-            mds.append(b.graph_metadata(buf, shape.rows, shape.q))
+            mds.append(b.graph_metadata(buf, shape.rows, shape.q, **narrow))
         return GroupedMetadata.of_groups(mds)
 
     def invalidate_tables(self) -> None:
@@ -143,6 +155,11 @@ class GraphTable:
         grow; other steps, which may follow a rollback of rejected drafts, copy them always).
         state_spec goes to the group backends that take it (linear-state groups).
         Returns the token rows on the device (fill pending tokens into row 0 first)."""
+        # (a narrow graph reads the blocks of its rows' positions; a table may run longer)
+        longest = max(context_lens, default=0) + shape.q
+        if shape.blocks and longest > shape.blocks * self.block_size:
+            raise ValueError(f"a request of {longest} tokens does not fit the {shape.blocks} "
+                             f"block-table columns of the graph {shape}")
         staged = self.tokens.stage(shape.tokens, token_rows)
         key = ((shape, tuple(serials), tuple(len(t) for t in block_tables[0]))
                if serials and shape.q == 1 and self._keep_tables else None)

@@ -2,7 +2,11 @@
 and logits for every step shape it replays, and how a step's inputs are laid out for a shape.
 
 - decode: batches of one token per request, padded to capture_sizes (1, 2, 4, 8, then steps
-  of 8 to 256, then of 16: vLLM's sizes);
+  of 8 to 256, then of 16: vLLM's sizes); for a model whose decode work follows the block
+  tables' width rather than each request's context (DeepSeek-V4: its decodes score or attend
+  every compressed entry the tables could hold, masked per row), also per table width
+  (table_widths: doubling from the model's `decode_table_buckets_from` tokens), and a step
+  replays the narrowest that holds its longest request;
 - verify: requests of up to k + 1 tokens each (speculative decoding), padded to q = d + 1 for
   d in draft_ladder(k) (a step replays the smallest q that holds its longest request: at batch
   32 on the H200, padding every request to 5 tokens made a verify step 1.42x a decode step),
@@ -21,7 +25,7 @@ token's final hidden state)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,9 +59,26 @@ def draft_ladder(k: int) -> list[int]:
     return counts + [k]
 
 
+def table_widths(max_blocks: int, narrowest: int) -> list[int]:
+    """The narrower table widths (blocks) decode graphs are captured for besides the whole
+    width: narrowest, twice that, ... up to half of max_blocks (none when narrowest is more).
+    A step's decode work is then at most about twice its longest request's (or narrowest's):
+    past the last width, the whole table's is."""
+    if narrowest < 1:
+        raise ValueError(f"the narrowest table width must be >= 1 block, got {narrowest}")
+    widths, w = [], narrowest
+    while 2 * w <= max_blocks:
+        widths.append(w)
+        w *= 2
+    return widths
+
+
 def step_shapes(max_num_seqs: int, max_num_batched_tokens: int, *, prefill: bool = True,
-                num_speculative_tokens: int = 0) -> list[StepShape]:
-    shapes = [StepShape(b, 1) for b in capture_sizes(max_num_seqs)]
+                num_speculative_tokens: int = 0,
+                decode_widths: Sequence[int] = ()) -> list[StepShape]:
+    """decode_widths: narrower table widths (blocks) of decode graphs besides the whole one."""
+    shapes = [StepShape(b, 1, 1, w) for b in capture_sizes(max_num_seqs)
+              for w in (0, *decode_widths)]
     if prefill:
         shapes += [StepShape(1, n) for n in PREFILL_GRAPH_SIZES if n <= max_num_batched_tokens]
     if num_speculative_tokens:
@@ -85,7 +106,9 @@ class ModelGraphs:
         self.table = table_type(backend, shapes, width, device, block_size=block_size,
                                 windows=windows, group_backends=group_backends)
         self.num_groups = len(windows)
-        self.decode_sizes = sorted(s.rows for s in shapes if s.q == 1)
+        self.decode_sizes = sorted({s.rows for s in shapes if s.q == 1})
+        # narrower decode tables (blocks) than the whole width, when the model has them
+        self.decode_widths = sorted({s.blocks for s in shapes if s.q == 1 and s.blocks})
         self.prefill_sizes = sorted(s.q for s in shapes if s.rows == 1 and s.logits_per_row == 1)
         self.verify_qs = sorted({s.q for s in shapes if s.logits_per_row > 1})
         self.verify_sizes = sorted({s.rows for s in shapes if s.logits_per_row > 1})
@@ -121,7 +144,9 @@ class ModelGraphs:
         replays = any(it.replay for it in inp.items)
         if inp.num_decodes == n == inp.num_tokens and not replays:
             rows = round_up(n, self.decode_sizes)
-            return None if rows is None else self._known(StepShape(rows, 1))
+            if rows is None:
+                return None
+            return self._known(StepShape(rows, 1, 1, self.decode_width(inp)))
         if inp.has_drafts or replays:
             if inp.pending_dst or not all(it.sample for it in inp.items):
                 return None
@@ -132,6 +157,15 @@ class ModelGraphs:
             q = round_up(inp.num_tokens, self.prefill_sizes)
             return None if q is None else self._known(StepShape(1, q))
         return None
+
+    def decode_width(self, inp: StepInputs) -> int:
+        """The narrowest captured table width (blocks) holding the blocks of the step's
+        longest request (its new token's included), or 0 (the whole width). A table may hold
+        more blocks (ahead of its tokens): a decode reads none of them."""
+        if not self.decode_widths:
+            return 0
+        longest = max(it.context_len + it.num_new_tokens for it in inp.items)
+        return round_up(-(-longest // self.block_size), self.decode_widths) or 0
 
     def _known(self, shape: StepShape) -> StepShape | None:
         return shape if shape in self.table else None
