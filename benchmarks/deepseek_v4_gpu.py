@@ -49,8 +49,9 @@ Parts (one JSON record each, the file rewritten after every one):
 
 Both engines: max_model_len the largest context + decode + 128, kv_cache_memory_bytes 8 GiB
 (V4's context costs 328 B a token, so a budget from free memory would make millions of blocks
-for the scheduler), max_num_batched_tokens 8192. V4 runs eagerly (its class has no CUDA graph
-support: the engine logs why); --enforce-eager makes the MLA engine eager too.
+for the scheduler), max_num_batched_tokens 8192. V4's decode steps replay CUDA graphs
+(one per batch size and table width; its prefill chunks run eagerly); --enforce-eager makes
+both engines eager.
 
 Stages run in child processes (benchmarks/staged_gpu.py), each with --stage-timeout:
 v4 (kv, batch1, long_context, w1), mla (long_context_mla), then correctness. On an H200,
@@ -432,7 +433,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap = staged_gpu.staged_parser(
         __doc__.split("\n\n")[0], PARTS, STAGES, stage_timeout=600,
         smoke="CPU, float32, tiny V4 and MLA configs in a temp folder",
-        enforce_eager="the MLA engine without CUDA graphs too (V4 always runs eagerly)")
+        enforce_eager="both engines without CUDA graphs")
     ap.add_argument("--model", default=None,
                     help=f"a V4 model folder (default: the shipped {MODEL})")
     args, parts, sizes = staged_gpu.parse_staged(ap, argv, PARTS, FULL, SMOKE)
