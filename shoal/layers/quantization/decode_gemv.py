@@ -11,6 +11,11 @@ split > 1: the K range is cut into `split` programs per strip writing float32 pa
 [split, M, N] that one sum adds (deterministic: no atomics), for shapes with too few strips
 to fill the GPU (a 4096-row output of a 14336-wide input).
 
+FP8 block scales (weight_block_size): a K step within one group reads each row's scale every
+step; a step of several groups (_fp8_group_steps) reads the step's scales together and,
+where the strip lies in one row block of scales, multiplies them into the activations, so
+that a weight costs one FMA as on the per-channel path. The tuner times both kinds.
+
 INT4 has a second kernel, int4_wide_gemv.py (tiles.kernel "wide": fewer instructions a code,
 the rows sharing each dequantized code, a K split summed by the strip's last program); the
 tuner times both kinds."""
@@ -27,6 +32,7 @@ import triton.language as tl
 from shoal.layers.quantization.int4_wide_gemv import int4_wide_gemv, partial_chunk
 
 MAX_ROWS = 8  # activation rows one program holds; more rows take the tensor-core kernels
+MAX_STEP_GROUPS = 4  # block-scale groups a candidate's K step spans at most
 
 
 @dataclass(frozen=True)
@@ -41,10 +47,10 @@ class GemvTiles:
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, SCALE_ROWS, GROUP,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, SCALE_ROWS,
                      stride_xm, stride_wn, stride_sn, stride_os, stride_om,
-                     PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     PER_ROW: tl.constexpr, GROUP: tl.constexpr, STRIP_SCALES: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -53,7 +59,11 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, SCALE_ROWS,
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
-    if BLOCK_M == 1:
+    if not PER_ROW and BLOCK_K > GROUP:
+        acc = _fp8_group_steps(x_ptr, w_ptr, s_ptr, pid_n, offs_n, offs_m, n_ok, m_ok, k_start,
+                               k_end, SCALE_ROWS, stride_xm, stride_wn, stride_sn, GROUP,
+                               STRIP_SCALES, BLOCK_M, BLOCK_N, BLOCK_K)
+    elif BLOCK_M == 1:
         # Batch-1 decode: the products add up elementwise in a [BLOCK_N, BLOCK_K] tile that
         # is reduced across K once at the end (a reduction per step would cost a cross-warp
         # exchange every step).
@@ -92,6 +102,80 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, SCALE_ROWS,
     out = out_ptr + pid_k.to(tl.int64) * stride_os + offs_m.to(tl.int64)[:, None] * stride_om
     tl.store(out + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=m_ok[:, None] & n_ok[None, :])
+
+
+@triton.jit
+def _fp8_group_steps(x_ptr, w_ptr, s_ptr, pid_n, offs_n, offs_m, n_ok, m_ok, k_start, k_end,
+                     SCALE_ROWS, stride_xm, stride_wn, stride_sn, GROUP: tl.constexpr,
+                     STRIP_SCALES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """Block scales with a K step of GROUPS = BLOCK_K / GROUP scale groups -> [BLOCK_M,
+    BLOCK_N] sums. A step of one group (the kernel's other branch) is short and reloads a
+    scale per row every step; here a step reads GROUPS scales. STRIP_SCALES: the strip's
+    rows share one row of scales (BLOCK_N divides SCALE_ROWS: 128-row weight blocks), so
+    the scales multiply the step's activations and the weights take one FMA each, as the
+    per-channel path's; else each row's own scales multiply its products."""
+    GROUPS: tl.constexpr = BLOCK_K // GROUP
+    offs_g = tl.arange(0, GROUPS)
+    offs_j = tl.arange(0, GROUP)
+    # a step's groups past k_end read the last one's scales (in bounds; their weights are 0)
+    g_last = (k_end - 1) // GROUP
+    if STRIP_SCALES:
+        s_row = s_ptr + ((pid_n * BLOCK_N) // SCALE_ROWS).to(tl.int64) * stride_sn
+    else:
+        s_rows = s_ptr + (offs_n // SCALE_ROWS).to(tl.int64) * stride_sn
+    if BLOCK_M == 1:
+        # the step as a [BLOCK_N, GROUPS, GROUP] tile: whole-row vector loads as in the
+        # per-channel path, a scale per group broadcast along its GROUP inputs, the products
+        # summed elementwise and reduced once at the end
+        sub = offs_g[:, None] * GROUP + offs_j[None, :]
+        w3 = w_ptr + offs_n.to(tl.int64)[:, None, None] * stride_wn
+        wide = tl.zeros([BLOCK_N, GROUPS, GROUP], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + sub
+            k_ok = offs_k < k_end
+            w = tl.load(w3 + offs_k[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :],
+                        other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+            g = tl.minimum(k0 // GROUP + offs_g, g_last)
+            if STRIP_SCALES:
+                wide += w * (x * tl.load(s_row + g)[:, None])[None, :, :]
+            else:
+                s = tl.load(s_rows[:, None] + g[None, :], mask=n_ok[:, None], other=0.0)
+                wide += w * (x[None, :, :] * s[:, :, None])
+        acc = tl.sum(tl.sum(wide, axis=2), axis=1)[None, :]
+    else:
+        w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+        x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(k_start, k_end, BLOCK_K):
+            if STRIP_SCALES:
+                # more rows, one scale row: the scales multiply the activations (a scale per
+                # input, read by its group) and the step is the per-channel path's
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = offs_k < k_end
+                w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                            other=0.0).to(tl.float32)
+                s = tl.load(s_row + tl.minimum(offs_k // GROUP, g_last))
+                acc += tl.sum(w[None, :, :] * (x * s[None, :])[:, None, :], axis=2)
+            else:
+                # more rows, a scale row each: the step's groups one after another (a
+                # [BLOCK_M, BLOCK_N, GROUP] product each, reduced and scaled), unrolled so
+                # that their loads are issued together
+                for i in tl.static_range(GROUPS):
+                    offs_k = k0 + i * GROUP + offs_j
+                    k_ok = offs_k < k_end
+                    w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                other=0.0).to(tl.float32)
+                    x = tl.load(x_rows + offs_k[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                                other=0.0).to(tl.float32)
+                    part = tl.sum(w[None, :, :] * x[:, None, :], axis=2)
+                    s = tl.load(s_rows + tl.minimum(k0 // GROUP + i, g_last), mask=n_ok,
+                                other=0.0)
+                    acc += part * s[None, :]
+    return acc
 
 
 @triton.jit
@@ -165,20 +249,23 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tiles: Gem
              group: int = 0, scale_rows: int = 1) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), w float8 [N, K]; w_scale float32 [N] (group 0: one scale per
     output row) or [ceil(N / scale_rows), ceil(K / group)] (block scales; tiles.block_k
-    divides group) -> [M, N] in x's dtype."""
+    divides group, or is a multiple of it: a K step of several groups) -> [M, N] in x's
+    dtype."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
         raise ValueError(f"fp8_gemv: x {tuple(x.shape)} and w {tuple(w.shape)} need the same "
                          "K and contiguous rows")
-    if group and group % tiles.block_k:
-        raise ValueError(f"fp8_gemv: block_k {tiles.block_k} must divide the group {group}")
+    if group and group % tiles.block_k and tiles.block_k % group:
+        raise ValueError(f"fp8_gemv: block_k {tiles.block_k} must divide the group {group} "
+                         "or be a multiple of it")
     span, split = _span(k, tiles.block_k, tiles.split)
     out = torch.empty((split, m, n) if split > 1 else (m, n),
                       dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
-        x, w, w_scale, out, m, n, k, span, scale_rows, max(group, 1), x.stride(0), w.stride(0),
-        w_scale.stride(0) if group else 0, m * n, n, PER_ROW=group == 0, BLOCK_M=_rows(m),
+        x, w, w_scale, out, m, n, k, span, scale_rows, x.stride(0), w.stride(0),
+        w_scale.stride(0) if group else 0, m * n, n, PER_ROW=group == 0, GROUP=max(group, 1),
+        STRIP_SCALES=bool(group) and scale_rows % tiles.block_n == 0, BLOCK_M=_rows(m),
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
         num_stages=tiles.num_stages)
     return _finish(out, split, x.dtype)
@@ -217,11 +304,16 @@ def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 
 
 def fp8_candidates(n: int, k: int, group: int, device: torch.device) -> list[GemvTiles]:
-    """Launch shapes worth timing for an FP8 weight [N, K] (group: block-scale width or 0)."""
+    """Launch shapes worth timing for an FP8 weight [N, K] (group: block-scale width or 0).
+    Block scales take the strips whose K step is within a group, then those whose step
+    spans 2 to MAX_STEP_GROUPS groups (the per-channel path's long steps)."""
     strips = ((16, 32), (8, 16)) if device.type != "cuda" else (
         (8, 512), (16, 256), (32, 128), (16, 128), (64, 64))
-    return _with_splits([s for s in strips if not group or group % s[1] == 0], n, (1, 2, 4),
-                        device)
+    if not group:
+        return _with_splits(list(strips), n, (1, 2, 4), device)
+    within = [s for s in strips if group % s[1] == 0]
+    spanning = [s for s in strips if s[1] % group == 0 and 1 < s[1] // group <= MAX_STEP_GROUPS]
+    return _with_splits(within + spanning, n, (1, 2, 4), device)
 
 
 def int4_candidates(n: int, k: int, group: int, device: torch.device, rows: int = 1
