@@ -221,10 +221,8 @@ ROWS: tuple[Incompatibility, ...] = (
         "runner='generate'", "convert='embed'",
         lambda s: s.args.runner == "generate" and s.args.convert == "embed",
         "runner='generate' cannot run convert='embed'"),
-    Incompatibility(
-        "runner='pooling'", "tensor_parallel_size > 1",
-        lambda s: s.pooling and s.tp > 1,
-        "the pooling runner does not support tensor_parallel_size > 1 yet"),
+    # (tensor_parallel_size > 1 runs: every rank holds a pooling runner over its shard, rank
+    # 0 pools; the Transformers backend's rows below refuse a model its tp plan cannot split)
     Incompatibility(
         "runner='pooling'", "pipeline_parallel_size > 1",
         lambda s: s.pooling and s.pp > 1,

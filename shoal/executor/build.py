@@ -9,12 +9,9 @@ from shoal.loader import LoadedModel
 
 
 def build_model_executor(config: EngineConfig, loaded: LoadedModel) -> Executor:
-    """A ModelRunner in this process (uni); a MultiprocExecutor (mp) or RayExecutor (ray);
-    the pooling runner for a pooling model. Each implements shoal.core.executor.Executor."""
-    if config.model_config.runner == "pooling":
-        from shoal.worker.pooling_runner import PoolingModelRunner
-
-        return PoolingModelRunner(config, loaded)
+    """A ModelRunner (the pooling runner for a pooling model) in this process (uni); a
+    MultiprocExecutor (mp) or RayExecutor (ray) whose ranks each hold one. Each implements
+    shoal.core.executor.Executor."""
     backend = config.parallel_config.distributed_executor_backend
     if backend == "uni":
         return model_runner(config, loaded)

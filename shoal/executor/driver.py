@@ -48,7 +48,7 @@ class StagedStep:
 
 
 class DriverExecutor(Executor):
-    driver: ModelRunner
+    driver: ModelRunner  # (a PoolingModelRunner for a pooling model: the same calls)
 
     def _broadcast(self, cmd: Any) -> None:
         raise NotImplementedError
@@ -72,6 +72,10 @@ class DriverExecutor(Executor):
     @property
     def num_forwards(self) -> int:
         return self.driver.num_forwards
+
+    @property
+    def pooling_info(self) -> Any:  # type: ignore[override]
+        return self.driver.pooling_info
 
     @property
     def lora_limits(self) -> Any:  # type: ignore[override]

@@ -4,7 +4,13 @@ No KV cache, no sampling, no CUDA graphs: each scheduled request is a whole prom
 pooling scheduler never splits one), the step's prompts are packed back to back with no
 padding, the model returns their final hidden states, and shoal/pooling/pooler.py turns them
 into one result per request. The same Executor interface as ModelRunner, so EngineCore
-drives both the same way."""
+drives both the same way.
+
+Tensor parallelism: every rank holds one, built over its shard of the model (the executors
+of shoal/executor/ build ranks through rank_runner.py), and runs each step's forward pass,
+whose collectives keep the ranks in lockstep; the final hidden states are whole on every
+rank, and only rank 0 pools them (the heads are replicated and pool with no collective) and
+returns results. Pipeline parallelism is refused (shoal/engine/compatibility.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +27,7 @@ from shoal.config import EngineConfig
 from shoal.core.executor import Executor
 from shoal.core.kv_cache_spec import KVCacheLayout
 from shoal.core.scheduler_output import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from shoal.distributed.parallel_state import get_tp_rank
 from shoal.loader import LoadedModel, build_model
 from shoal.pooling.model_info import build_pooling_info
 from shoal.pooling.pooler import PoolingRow, pooled_results
@@ -43,6 +50,9 @@ class PoolingStep:
 
 
 class PoolingModelRunner(Executor):
+    # steps finish as they run (DriverExecutor reads this of its driver)
+    pipelined = False
+
     def __init__(self, config: EngineConfig, loaded: LoadedModel):
         self.config = config
         self.device = config.device
@@ -55,10 +65,16 @@ class PoolingModelRunner(Executor):
         self.pooling_info = build_pooling_info(self.model, loaded.hf_config, folder,
                                                config.model_config.pooler_config)
         self.requests: dict[int, _PoolingState] = {}
+        self.pools = get_tp_rank() == 0  # other ranks only join the forward's collectives
+        self._num_forwards = 0
         self.startup_times: dict[str, float] = {"load_model": time.perf_counter() - t0}
         info = self.pooling_info
         logger.info("pooling model: tasks %s, %s pooling, normalize=%s",
                     ", ".join(info.tasks), info.pooling_type, info.normalize)
+
+    @property
+    def num_forwards(self) -> int:
+        return self._num_forwards
 
     def initialize_kv_cache(self) -> KVCacheLayout:
         """A pooling model keeps no KV cache: zero blocks."""
@@ -87,6 +103,9 @@ class PoolingModelRunner(Executor):
             input_ids = torch.tensor(ids, dtype=torch.long).to(self.device)
             pos = torch.tensor(positions, dtype=torch.long).to(self.device)
             hidden = self.model(input_ids, pos, seqs)
+            self._num_forwards += 1
+            if not self.pools:
+                return PoolingStep(ModelRunnerOutput())
             results = pooled_results(self.model, hidden, rows, self.pooling_info)
         out = ModelRunnerOutput()
         for serial, arr in results.items():
@@ -95,6 +114,10 @@ class PoolingModelRunner(Executor):
             else:
                 out.failed_serials.add(serial)
         return PoolingStep(out)
+
+    def load_step_loras(self, sched: SchedulerOutput) -> None:
+        """No adapters: the compatibility table refuses enable_lora with pooling."""
+        return None
 
     def sample(self, handle: PoolingStep, grammar: GrammarBitmask | None) -> None:
         return None  # pooling samples nothing

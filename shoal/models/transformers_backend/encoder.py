@@ -17,7 +17,11 @@ kept. TransformersEncoderForSequenceClassification keeps the whole classifier; c
 runs the checkpoint's own head over the pooled token (a view of the model whose base model
 returns the given states, with the base's pooler over them where it has one).
 
-Not here: tensor or pipeline parallelism (refused), attention soft-capping or sinks,
+Tensor parallelism follows the config's base_model_tp_plan as for decoders
+(tensor_parallel.py: EuroBERT's, for one); an encoder whose config has none (BERT, DistilBERT,
+ModernBERT, ...) is refused by name at tensor_parallel_size > 1.
+
+Not here: pipeline parallelism (refused), attention soft-capping or sinks,
 modeling code that mixes tokens outside the attention function (refused where a layer never
 calls it), per-token and span heads (support.py refuses them)."""
 
@@ -42,12 +46,14 @@ from shoal.models.transformers_backend.attention import (
 )
 from shoal.models.transformers_backend.build import build_model
 from shoal.models.transformers_backend.encoder_attention import PackedStep
+from shoal.models.transformers_backend.model import check_local_heads
 from shoal.models.transformers_backend.support import (
     check_supported,
     encoder_checkpoint_class,
     is_encoder_only,
     is_sequence_classifier,
 )
+from shoal.models.transformers_backend.tensor_parallel import TPPlan, apply_tp_plan, tp_plan
 from shoal.models.transformers_backend.weights import load_checkpoint
 
 # Tokens of the construction-time probe pass (several, so positions show their numbering).
@@ -75,13 +81,18 @@ class TransformersEncoderModel(nn.Module, PoolingModelBase):
         classifier = isinstance(self, SequenceClassifierBase)
         if classifier != is_sequence_classifier(hf_config):
             raise self._refusal(f"{type(self).__name__} does not build this checkpoint class")
-        if get_tp_world_size() > 1 or get_pp_world_size() > 1:
-            raise self._refusal("tensor or pipeline parallelism (an encoder runs on one rank)")
+        if get_pp_world_size() > 1:
+            raise self._refusal("pipeline parallelism (an encoder runs in one stage)")
+        tp = get_tp_world_size()
+        # (ValueError naming the architecture where the config has no plan that splits it)
+        plan = tp_plan(hf_config, tp) if tp > 1 else None
         # A task checkpoint's tensors carry the base model's prefix; what else it holds
         # belongs to heads an embedder does not build.
         self._task_checkpoint = not classifier and not _is_base_model(cls)
         hf = build_model(cls._from_config, hf_config, dtype, torch.get_default_device(),
                          None if classifier else _base_model)
+        if plan is not None:  # (it names base-model layers: a classifier's head stays whole)
+            apply_tp_plan(hf, plan)
         # Its children become this module's, so parameter names are the checkpoint's (less
         # the base prefix for an embedder); the model itself is kept unregistered.
         self.__dict__["hf_model"] = hf
@@ -103,7 +114,7 @@ class TransformersEncoderModel(nn.Module, PoolingModelBase):
         # (without the base prefix: checkpoints name them either way)
         self._buffer_names = {name.removeprefix(f"{hf.base_model_prefix}.")
                               for name, _ in hf.named_buffers()}
-        self.position_offset = self._probe(hf_config)
+        self.position_offset = self._probe(hf_config, plan)
 
     def _refusal(self, reason: str) -> ValueError:
         return ValueError(f"the Transformers backend cannot run {self.architecture}: {reason}")
@@ -134,10 +145,11 @@ class TransformersEncoderModel(nn.Module, PoolingModelBase):
             kw["use_cache"] = False
         return self.base(**kw)[0][0]
 
-    def _probe(self, hf_config: Any) -> int:
+    def _probe(self, hf_config: Any, plan: TPPlan | None) -> int:
         """One pass over a made-up prompt with positions left to the model: checks what its
-        attention modules pass (bidirectional, no masks of their own, every layer attends)
-        and returns where its position numbering starts (0; RoBERTa's padding index + 1)."""
+        attention modules pass (bidirectional, no masks of their own, every layer attends,
+        this rank's share of the heads under a tensor-parallel plan) and returns where its
+        position numbering starts (0; RoBERTa's padding index + 1)."""
         ids = torch.full((_PROBE_TOKENS,), _probe_token(hf_config), dtype=torch.long,
                          device=next(self.hf_model.parameters()).device)
         seen: list[torch.Tensor] = []
@@ -151,6 +163,8 @@ class TransformersEncoderModel(nn.Module, PoolingModelBase):
             for h in hooks:
                 h.remove()
         self._check_calls(calls, getattr(hf_config, "num_hidden_layers", None))
+        if plan is not None:
+            check_local_heads(calls, hf_config, plan, self.architecture)
         if not seen:  # no absolute position embeddings (rotary, relative): from 0
             return 0
         pos = seen[0].reshape(-1)

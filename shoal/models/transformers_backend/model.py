@@ -29,7 +29,7 @@ nothing frozen that changes from step to step) is found out at start-up on the c
 graphs themselves (check_graph_capture: worker/graph_check.py), and a model that fails runs
 eagerly, said in one log line.
 
-Not here yet: pooling with tp or pp > 1 (refused for every model), soft-capped attention
+Not here yet: pooling with pp > 1 (refused for every model), soft-capped attention
 in a pooling step (refused when built), pipeline stages with CUDA graphs (as for native
 models: enforce_eager)."""
 

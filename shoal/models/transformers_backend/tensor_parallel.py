@@ -138,11 +138,12 @@ def tp_plan(hf_config: Any, tp: int) -> TPPlan:
 
 
 def apply_tp_plan(model: nn.Module, plan: TPPlan) -> None:
-    """Replaces the plan's linears of `model` (a transformers causal LM) by shoal's parallel
-    layers (weights uninitialized: the checkpoint fills them); the attention modules whose
-    q/k/v projections are split get local head counts (those that reshape by -1 need none;
-    the backend's probe checks what each one really passes)."""
-    base = getattr(model, model.base_model_prefix)
+    """Replaces the plan's linears of `model` (a transformers causal LM, an encoder's
+    classifier, or a base model itself) by shoal's parallel layers (weights uninitialized:
+    the checkpoint fills them); the attention modules whose q/k/v projections are split get
+    local head counts (those that reshape by -1 need none; the backend's probe checks what
+    each one really passes)."""
+    base = model.base_model
     matched = [(name, module, style) for name, module in base.named_modules()
                if (style := plan.style_of(name)) is not None]
     attention: dict[int, nn.Module] = {}
