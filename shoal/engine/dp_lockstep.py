@@ -21,7 +21,9 @@ returns once every replica is idle.
 The process group: world = data_parallel_size, one rank per engine core, joined over TCP at
 127.0.0.1:data_parallel_master_port (chosen by the parent), on the device's backend (NCCL on
 GPUs, gloo on the CPU): the EP group. The coordination group is gloo with a timeout of
-SHOAL_DP_SYNC_TIMEOUT_S (shoal/envs.py).
+SHOAL_DP_SYNC_TIMEOUT_S (shoal/envs.py). Joining, the replicas check that their LoRA settings
+agree (the MoE experts' adapter slots are one table over the replicas:
+shoal/lora/shared_expert_slots.py).
 
 Faults: a replica that dies breaks every collective. A gloo peer's death fails the others'
 next collective at once (connection closed); a replica that hangs fails them after the
@@ -153,6 +155,26 @@ def join_dp_lockstep(config: EngineConfig) -> DPLockstep | None:
     sync_timeout = datetime.timedelta(seconds=envs.SHOAL_DP_SYNC_TIMEOUT_S.get())
     coordination = dist.new_group(backend="gloo", timeout=sync_timeout)
     init_dp_expert_parallel(dist.group.WORLD)
+    _check_same_lora_settings(config, size)
     logger.info("DP+EP: replica %d of %d (pid %d) joined the expert-parallel group", rank,
                 size, os.getpid())
     return DPLockstep(coordination, rank, size)
+
+
+def _check_same_lora_settings(config: EngineConfig, size: int) -> None:
+    """The replicas number the MoE experts' adapter slots alike (shoal/lora/
+    shared_expert_slots.py): their LoRA settings must agree. ValueError on every replica
+    (the group left) when they do not."""
+    import torch.distributed as dist
+
+    from shoal.distributed.parallel_state import reset_dp_expert_parallel
+    from shoal.lora.shared_expert_slots import check_same_lora_settings, lora_settings
+
+    settings: list[Any] = [None] * size
+    dist.all_gather_object(settings, lora_settings(config.lora_config))
+    try:
+        check_same_lora_settings(settings)
+    except ValueError:
+        reset_dp_expert_parallel()
+        dist.destroy_process_group()
+        raise

@@ -43,8 +43,6 @@ class LoRALimits(msgspec.Struct, frozen=True):
     # the leaf names of the model's adaptable modules that lora_target_modules leaves
     # without slots ("experts": the routed experts): their adapters are refused by name
     left_out: tuple[str, ...] = ()
-    # set: why the model's MoE experts take no adapters whatever the setting (DP+EP)
-    experts_refused: str = ""
 
 
 @dataclass(frozen=True)
@@ -226,8 +224,6 @@ def check_adapter(path: str, limits: LoRALimits | None) -> AdapterSpec:
     spec = read_adapter(path)
     where = f"LoRA adapter {path!r}"
     name = next((n for n in spec.modules if expert_target(n) is not None), None)
-    if name is not None and limits.experts_refused:
-        raise ValueError(f"{where} adapts MoE experts ({name}): {limits.experts_refused}")
     if name is not None and EXPERTS in limits.left_out:
         raise ValueError(_left_out_message(where, name, EXPERTS))
     check_experts(where, spec.modules, limits.experts, limits.max_lora_rank)

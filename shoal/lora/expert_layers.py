@@ -8,9 +8,16 @@ gate_up_proj adapter has rank 2r when converted from gate_proj + up_proj targets
 gate_proj and up_proj adapters take columns 0:R and R:2R of a block-diagonal B), a2 [S, E, R, I]
 and b2 [S, E, H, R] for down_proj; B scaled. A pair of token t and local expert e reads slot
 row s * E + e of the flattened buffers, s = the token's slot: the batched op of
-shoal.lora.ops (torch or Triton) does the rest, the pairs grouped by (adapter, expert)."""
+shoal.lora.ops (torch or Triton) does the rest, the pairs grouped by (adapter, expert).
+
+Under DP+EP (the layer's FusedMoE has a dispatch_group) the slots are the replicas' shared
+table (shared_expert_slots.py: data_parallel_size * max_loras of them), filled with the
+slices of this replica's experts: the token's shared slot travels with its pairs in the
+all-to-all (dispatched), and the owner's expert path adds the delta through for_rows."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,6 +26,7 @@ from shoal.layers.moe.layer import FusedMoE
 from shoal.lora.expert_adapter import PER_EXPERT
 from shoal.lora.layers import LoRAStep
 from shoal.lora.ops import add_lora
+from shoal.lora.shared_expert_slots import SharedExpertSlots
 
 Weights = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
@@ -41,6 +49,7 @@ class ExpertLoRA:
 
         self.a13, self.b13 = zeros(s, e, 2 * r, h), zeros(s, e, 2 * i, 2 * r)
         self.a2, self.b2 = zeros(s, e, r, i), zeros(s, e, h, r)
+        self.shared: SharedExpertSlots | None = None  # DP+EP: the replicas' slot table
 
     @property
     def nbytes(self) -> int:
@@ -62,12 +71,27 @@ class ExpertLoRA:
         """y [N, out] += each row's delta: x [N, in] the rows' inputs to projection `which`
         ("w13": gate|up, "w2": down) of local expert `experts` (one for all rows, or one per
         row), rows of step tokens `tokens` (None: row i is token i)."""
-        slots = self.step.token_slots
-        slots = slots[:y.shape[0]] if tokens is None else slots[tokens]
+        self.add_rows(self.step.token_slots, which, y, x, experts, tokens)
+
+    def add_rows(self, table: torch.Tensor, which: str, y: torch.Tensor, x: torch.Tensor,
+                 experts: int | torch.Tensor, tokens: torch.Tensor | None) -> None:
+        """add, with `table` giving the slot of each token (row) the tokens index."""
+        slots = table[:y.shape[0]] if tokens is None else table[tokens]
         pair = torch.where(slots >= 0, slots.long() * self.local + experts, -1)
         a, b = (self.a13, self.b13) if which == "w13" else (self.a2, self.b2)
         add_lora(y, x, a.flatten(0, 1), b.flatten(0, 1), pair, (0,), a.shape[2],
                  use_triton=self.step.use_triton)
+
+    # ---- DP+EP: slots that travel with the tokens ---------------------------------------------
+    def dispatched(self, num_tokens: int) -> torch.Tensor | None:
+        """The shared slots [num_tokens] of this replica's step tokens, to send beside them
+        in the all-to-all; None where none travel (no DP+EP, or no adapter on any replica:
+        alike on every replica)."""
+        return None if self.shared is None else self.shared.dispatched(num_tokens)
+
+    def for_rows(self, slots: torch.Tensor) -> ReceivedRows:
+        """The hook for rows the all-to-all brought here, row i of slot slots[i]."""
+        return ReceivedRows(self, slots)
 
     # ---- slots --------------------------------------------------------------------------------
     def write_slot(self, slot: int, weights: Weights) -> None:
@@ -117,30 +141,37 @@ def _per_expert(a: torch.Tensor, b: torch.Tensor, num_experts: int
             b.view(b.shape[0], r, num_experts).permute(2, 0, 1))
 
 
-# Why the experts take no adapters under DP+EP (the model's FusedMoE layers then have a
-# dispatch_group): each replica numbers its adapter slots its own way, and the all-to-all
-# hands a (token, expert) pair to the expert's owner with neither its adapter nor the owner
-# holding that replica's adapters.
-DP_EP_REFUSAL = ("LoRA on MoE experts does not run under DP+EP (enable_expert_parallel with "
-                 "data_parallel_size > 1): the all-to-all sends each token's expert pairs to "
-                 "other replicas, which hold other adapters in their slots; adapters of the "
-                 "attention and dense projections are served")
+class ReceivedRows:
+    """FusedMoE's LoRA hook over rows dispatched to this replica (all_to_all.py): the slot of
+    row i is slots[i], sent by the token's replica (the shared table's numbering)."""
+
+    def __init__(self, lora: ExpertLoRA, slots: torch.Tensor):
+        self.lora, self.slots = lora, slots
+
+    def add(self, which: str, y: torch.Tensor, x: torch.Tensor, experts: int | torch.Tensor,
+            tokens: torch.Tensor | None) -> None:
+        self.lora.add_rows(self.slots, which, y, x, experts, tokens)
 
 
-def moe_layers(model: nn.Module, dp_ep: bool = False) -> list[tuple[str, FusedMoE]]:
-    """The FusedMoE layers of the decoder layers that can take expert adapters (dp_ep:
-    those that cannot, for DP_EP_REFUSAL's reason)."""
+def moe_layers(model: nn.Module) -> list[tuple[str, FusedMoE]]:
+    """The FusedMoE layers of the decoder layers (they all take expert adapters)."""
     return [(name, module) for name, module in model.named_modules()
-            if name.startswith("model.layers.") and isinstance(module, FusedMoE)
-            and (module.dispatch_group is not None) == dp_ep]
+            if name.startswith("model.layers.") and isinstance(module, FusedMoE)]
 
 
-def add_expert_lora(model: nn.Module, step: LoRAStep, max_loras: int, max_rank: int,
+def dispatch_group(model: nn.Module) -> Any:
+    """DP+EP: the group the model's MoE layers dispatch tokens over; None otherwise."""
+    return next((m.dispatch_group for _, m in moe_layers(model)
+                 if m.dispatch_group is not None), None)
+
+
+def add_expert_lora(model: nn.Module, step: LoRAStep, num_slots: int, max_rank: int,
                     dtype: torch.dtype, device: torch.device) -> list[ExpertLoRA]:
-    """Gives every FusedMoE of moe_layers its ExpertLoRA (moe.lora); returns them."""
+    """Gives every FusedMoE of moe_layers its ExpertLoRA of num_slots slots (max_loras;
+    data_parallel_size times that under DP+EP); returns them."""
     layers = []
     for name, module in moe_layers(model):
-        module.lora = ExpertLoRA(name, module, step, max_loras, max_rank, dtype, device)
+        module.lora = ExpertLoRA(name, module, step, num_slots, max_rank, dtype, device)
         layers.append(module.lora)
     return layers
 
@@ -148,7 +179,8 @@ def add_expert_lora(model: nn.Module, step: LoRAStep, max_loras: int, max_rank: 
 def expert_slot_bytes(num_layers: int, local_experts: int, hidden: int, inter: int,
                       max_loras: int, max_rank: int, dtype_bytes: int) -> int:
     """The device memory of the expert slots ExpertLoRA allocates (a13, b13, a2, b2 of
-    every layer), without building them: local_experts and inter as one rank holds them."""
+    every layer), without building them: local_experts and inter as one rank holds them
+    (max_loras: the slots, data_parallel_size * max_loras under DP+EP)."""
     per_expert = 2 * max_rank * hidden + 2 * inter * 2 * max_rank + max_rank * inter \
         + hidden * max_rank
     return num_layers * max_loras * local_experts * per_expert * dtype_bytes

@@ -4,7 +4,9 @@ slots (least recently used slot reused). Each step writes its tokens' slots into
 table (LoRAStep); the scheduler never runs a step with more distinct adapters than slots.
 Under pipeline parallelism each stage holds the slots of its own layers and reads only the
 adapter tensors of those (stage_limits.py). Which modules get slots at all: the
-lora_target_modules setting (target_modules.py; by default no MoE experts).
+lora_target_modules setting (target_modules.py; by default the MoE experts too). Under DP+EP
+the MoE experts' slots are a table the replicas share (shared_expert_slots.py), agreed at
+each step; the dense slots stay this replica's own.
 
 An adapter held (in host memory or a slot) is one version of its folder: (path, digest of
 its files). A request whose content_digest names another version reads the folder again, and
@@ -21,21 +23,23 @@ import logging
 from collections import OrderedDict
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shoal.config.lora import ALL_LINEAR, EXPERTS, TARGET_MODULES_SETTING, LoRAConfig
 from shoal.lora.adapter import LoRALimits, check_adapter
 from shoal.lora.adapter_digest import changed_message
 from shoal.lora.expert_layers import (
-    DP_EP_REFUSAL,
     ExpertLoRA,
     add_expert_lora,
+    dispatch_group,
     expert_targets,
     moe_layers,
 )
 from shoal.lora.layers import LoRALayer, LoRAStep, add_lora_layers, fused_parts, lora_targets
+from shoal.lora.shared_expert_slots import SharedExpertSlots
 from shoal.lora.stage_limits import StageModules, whole_model_limits
-from shoal.lora.target_modules import expand, lists_experts, unknown_names, wants_experts
+from shoal.lora.target_modules import expand, unknown_names, wants_experts
 from shoal.lora.weights import AdapterWeights, load_adapter_weights
 from shoal.lora_request import LoRARequest
 
@@ -61,13 +65,18 @@ class LoRASlots:
         dense = add_lora_layers(model, self.step, config.max_loras, config.max_lora_rank,
                                 dtype, device, targets)
         self.layers: list[LoRALayer] = dense.layers
-        # the routed experts of MoE layers (expert_layers.py), when asked for
-        refused = DP_EP_REFUSAL if moe_layers(model, dp_ep=True) else ""
-        if refused and lists_experts(targets):
-            raise ValueError(f"{TARGET_MODULES_SETTING} lists '{EXPERTS}', but {refused}")
+        # the routed experts of MoE layers (expert_layers.py), when asked for; under DP+EP
+        # in slots the replicas share (a step's adapters of every replica: dp x max_loras)
+        group = dispatch_group(model)
+        num_slots = config.max_loras * (1 if group is None else dist.get_world_size(group))
         self.expert_layers: list[ExpertLoRA] = add_expert_lora(
-            model, self.step, config.max_loras, config.max_lora_rank, dtype, device
-        ) if wants_experts(targets) and not refused else []
+            model, self.step, num_slots, config.max_lora_rank, dtype, device
+        ) if wants_experts(targets) else []
+        self.shared: SharedExpertSlots | None = None
+        if group is not None and self.expert_layers:
+            self.shared = SharedExpertSlots(num_slots, max_tokens, group, device)
+            for layer in self.expert_layers:
+                layer.shared = self.shared
         if self.expert_layers:
             nbytes = sum(layer.nbytes for layer in self.expert_layers)
             logger.info("LoRA: adapter slots for the MoE experts of %d layers take %.2f GiB "
@@ -77,8 +86,7 @@ class LoRASlots:
         if moe_layers(model) and not self.expert_layers:
             left_out.add(EXPERTS)
         stage = LoRALimits(config.max_loras, config.max_lora_rank, lora_targets(self.layers),
-                           expert_targets(self.expert_layers), tuple(sorted(left_out)),
-                           refused)
+                           expert_targets(self.expert_layers), tuple(sorted(left_out)))
         self.stage_modules = StageModules.of(stage)
         # adapters are checked against every stage's projections (this one's alone on one)
         self.limits = whole_model_limits(stage)
@@ -107,13 +115,7 @@ class LoRASlots:
         if held is not None and _matches(held[0], lora):
             self.host.move_to_end(lora.lora_int_id)
             return held[1]
-        spec = check_adapter(lora.lora_path, self.limits)
-        if lora.content_digest is not None and spec.digest != lora.content_digest:
-            raise ValueError(changed_message(lora.lora_path))
-        weights = load_adapter_weights(self.stage_modules.part_of(spec), self.dtype,
-                                       pin=self.device.type == "cuda")
-        self.loads += 1
-        version = (lora.lora_path, spec.digest)
+        version, weights = self._read(lora)
         stale = self.slot_of.get(lora.lora_int_id)
         if stale is not None and self.slot_version[stale] != version:
             # the same id, another folder or version: its slot holds stale weights (a pin
@@ -124,6 +126,17 @@ class LoRASlots:
         self.host.move_to_end(lora.lora_int_id)
         self._drop_from_host(keep=lora.lora_int_id)
         return weights
+
+    def _read(self, lora: LoRARequest) -> tuple[Version, AdapterWeights]:
+        """The adapter's folder read from disk, checked against this model and the version
+        the request names."""
+        spec = check_adapter(lora.lora_path, self.limits)
+        if lora.content_digest is not None and spec.digest != lora.content_digest:
+            raise ValueError(changed_message(lora.lora_path))
+        weights = load_adapter_weights(self.stage_modules.part_of(spec), self.dtype,
+                                       pin=self.device.type == "cuda")
+        self.loads += 1
+        return (lora.lora_path, spec.digest), weights
 
     def _drop_from_host(self, keep: int) -> None:
         """Least recently used first, never a pinned adapter nor `keep` (the one just
@@ -198,6 +211,37 @@ class LoRASlots:
             slot = -1 if lora is None else self.slot_of[lora.lora_int_id]
             table.extend([slot] * n)
         self.step.set(table)
+        if self.shared is not None:
+            self._share_expert_slots(loras, num_tokens)
+
+    def _share_expert_slots(self, loras: list[LoRARequest | None], num_tokens: list[int]
+                            ) -> None:
+        """DP+EP (a collective, every replica at every forward pass): the replicas' step
+        adapters into the shared expert slots, new ones loaded (shared_expert_slots.py)."""
+        assert self.shared is not None
+        writes = self.shared.agree(loras)
+        if writes:  # (alike on every replica, so is confirm's collective)
+            error = None
+            try:
+                for slot, lora in writes:
+                    weights = self._expert_weights(lora)
+                    for layer in self.expert_layers:
+                        layer.write_slot(slot, weights)
+            except Exception as e:  # every replica raises it (confirm), none waits for ever
+                error = f"{type(e).__name__}: {e}"
+            self.shared.confirm(writes, error)
+        self.shared.set_tokens(loras, num_tokens)
+
+    def _expert_weights(self, lora: LoRARequest) -> AdapterWeights:
+        """The weights of an adapter some replica's step needs: from host memory, else read
+        (and kept, unless this replica holds another version of its id for its own
+        requests: then read aside, its dense slot and host copy left alone)."""
+        held = self.host.get(lora.lora_int_id)
+        if held is not None and _matches(held[0], lora):
+            return held[1]
+        if held is not None or lora.lora_int_id in self.slot_of:
+            return self._read(lora)[1]
+        return self.add(lora)
 
     def _slot(self, lora: LoRARequest, keep: set[int]) -> int:
         slot = self.slot_of.get(lora.lora_int_id)
@@ -226,7 +270,9 @@ class LoRASlots:
         old = self.in_slot[slot]
         if old is not None and old != lora_id:
             del self.slot_of[old]
-        for layer in (*self.layers, *self.expert_layers):
+        # (the experts' slots are this replica's own but under DP+EP: set_step fills those)
+        own_experts = self.expert_layers if self.shared is None else []
+        for layer in (*self.layers, *own_experts):
             layer.write_slot(slot, weights)
         self.in_slot[slot] = lora_id
         self.slot_version[slot] = version

@@ -30,7 +30,7 @@ def whole_model_limits(stage: LoRALimits) -> LoRALimits:
         experts.update(rank_experts)
         left_out.update(rank_left_out)
     return LoRALimits(stage.max_loras, stage.max_lora_rank, targets, experts,
-                      tuple(sorted(left_out)), stage.experts_refused)
+                      tuple(sorted(left_out)))
 
 
 @dataclasses.dataclass(frozen=True)

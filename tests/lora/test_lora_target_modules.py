@@ -131,26 +131,3 @@ def test_lora_config_checks_target_modules(value):
     with pytest.raises(ValueError, match="lora_target_modules"):
         LoRAConfig(target_modules=value)
     assert LoRAConfig(target_modules=["q_proj"]).target_modules == ("q_proj",)
-
-
-def test_experts_under_dp_ep_are_refused_with_the_reason(tmp_path):
-    """Under DP+EP (FusedMoE layers with an all-to-all dispatch group) the experts take no
-    adapters whatever the setting: asking for them fails at start-up, an expert adapter is
-    refused naming DP+EP, and the projections still take adapters."""
-    from shoal.layers.moe.layer import FusedMoE
-
-    def dp_ep_moe() -> torch.nn.Module:
-        m = moe()
-        for layer in m.modules():
-            if isinstance(layer, FusedMoE):
-                layer.dispatch_group = object()  # (what DP+EP's parallel state gives it)
-        return m
-
-    with pytest.raises(ValueError, match="lists 'experts', but LoRA on MoE experts does not "
-                                         "run under DP\\+EP"):
-        slots(dp_ep_moe(), target_modules=("all-linear", "experts"))
-    s = slots(dp_ep_moe())
-    assert s.expert_layers == [] and s.limits.left_out == ()
-    with pytest.raises(ValueError, match=r"adapts MoE experts .*does not run under DP\+EP"):
-        check_adapter(str(expert_adapter(tmp_path / "experts")), s.limits)
-    assert s.add(LoRARequest("a", 1, str(attention_adapter(tmp_path / "a", ("q_proj",)))))

@@ -10,7 +10,8 @@ output travels back:
 
 Pairs are sent sorted by global expert id, so each rank's slice is sorted by local expert and
 the per-(rank, local expert) counts say which expert every received row is for: three
-exchanges in all. The sum at the source adds the pairs in expert order, as experts_torch does
+exchanges in all, four with token_tags (a value per token that travels with its pairs: the
+token's LoRA slot in the replicas' shared table, shoal/lora/shared_expert_slots.py). The sum at the source adds the pairs in expert order, as experts_torch does
 on one rank, so fp32 results match the single-rank layer bit for bit.
 
 Collectives: torch.distributed.all_to_all_single with uneven split sizes, which gloo (CPU) and
@@ -24,17 +25,20 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-# (hidden states [N, H] received, their local expert ids [N]) -> unweighted outputs [N, H]
-LocalExperts = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (hidden states [N, H] received, their local expert ids [N][, their tags [N]]) ->
+# unweighted outputs [N, H]
+LocalExperts = Callable[..., torch.Tensor]
 
 
 def all_to_all_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        experts_per_rank: int, run_local: LocalExperts,
-                       group: dist.ProcessGroup | None) -> torch.Tensor:
+                       group: dist.ProcessGroup | None,
+                       token_tags: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, H] this rank's tokens; topk_ids / topk_weights [T, k] their routing (global
     expert ids; rank r owns experts [r * experts_per_rank, (r + 1) * experts_per_rank)).
     Returns [T, H]: each token's weighted sum over its k experts, wherever they ran. Every rank
-    of `group` must call it (a rank with no token of its own still serves its experts)."""
+    of `group` must call it (a rank with no token of its own still serves its experts), all
+    with token_tags [T] (int32) or all without: run_local then gets the received rows' tags."""
     world = dist.get_world_size(group)
     t, k = topk_ids.shape
     flat = topk_ids.reshape(-1)
@@ -51,10 +55,16 @@ def all_to_all_experts(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: to
     send_x = x.index_select(0, tokens)
     recv_x = x.new_empty(sum(recv_splits), x.shape[1])
     dist.all_to_all_single(recv_x, send_x, recv_splits, send_splits, group=group)
+    tags = ()
+    if token_tags is not None:
+        recv_tags = token_tags.new_empty(recv_x.shape[0])
+        dist.all_to_all_single(recv_tags, token_tags.index_select(0, tokens), recv_splits,
+                               send_splits, group=group)
+        tags = (recv_tags,)
     if recv_x.shape[0]:
         local_ids = torch.arange(experts_per_rank, device=x.device).repeat(world)
         recv_ids = torch.repeat_interleave(local_ids, recv_by_expert.reshape(-1))
-        y = run_local(recv_x, recv_ids)
+        y = run_local(recv_x, recv_ids, *tags)
     else:  # no pair for this rank's experts this time: it still takes part in the exchange
         y = recv_x
     back = torch.empty_like(send_x)

@@ -25,7 +25,8 @@ after each projection of the routed rows: lora.add(which, y, x, experts, tokens)
 place, y += the delta of x through projection which ("w13" or "w2") of the rows' local
 experts (an int or one per row) under the adapters of the rows' step tokens (None: row i is
 token i). The Triton path hands it the down projection's input already scaled by the routing
-weight, which its GEMM folds in (the delta is linear in it).
+weight, which its GEMM folds in (the delta is linear in it). Under DP+EP the token's slot
+travels with its pairs (lora.dispatched) and the owner's experts take lora.for_rows(slots).
 
 FP8 experts (a DeepSeek-V3 / Qwen3-FP8 checkpoint on the GPU fast path,
 shoal/quantization/fast_path.py): `install_fp8` swaps the dense w13_weight / w2_weight for
@@ -197,8 +198,9 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         if self.dispatch_group is not None:  # DP+EP: this rank's tokens, all experts
+            tags = None if self.lora is None else self.lora.dispatched(x.shape[0])
             return all_to_all_experts(x, topk_weights, topk_ids, self.local_num_experts,
-                                      self._run_local_experts, self.dispatch_group)
+                                      self._run_local_experts, self.dispatch_group, tags)
         foreign = self.ep_size > 1
         if foreign:  # global ids -> local ones; other ranks' experts -> local_num_experts
             local = topk_ids - self.expert_start
@@ -295,8 +297,11 @@ class FusedMoE(nn.Module):
         return dict(w13_bias=self.w13_bias, w2_bias=self.w2_bias if down_bias else None,
                     activation=self.activation)
 
-    def _run_local_experts(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+    def _run_local_experts(self, x: torch.Tensor, local_ids: torch.Tensor,
+                           lora_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Rows dispatched here, one (token, expert) pair each: the expert's unweighted
-        output (all_to_all_experts applies the routing weights at the token's rank)."""
+        output (all_to_all_experts applies the routing weights at the token's rank), with
+        the LoRA delta of each row's adapter slot where slots came with them."""
         ones = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
-        return self._experts(x, ones, local_ids[:, None], False, None, True)
+        lora = None if lora_slots is None else self.lora.for_rows(lora_slots)
+        return self._experts(x, ones, local_ids[:, None], False, lora, True)
