@@ -88,6 +88,8 @@ class ModelConfig:
     # every modality's limit_mm_per_prompt 0: a multimodal checkpoint whose text model runs
     # alone loads as that (shoal/loader/text_only.py)
     language_model_only: bool = False
+    # --hf-overrides' config fields, which worker ranks set on the config they load
+    hf_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.runner not in ("generate", "pooling"):

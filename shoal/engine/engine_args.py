@@ -186,12 +186,12 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
     def apply_hf_overrides(self, hf_config: Any) -> None:
         """--hf-overrides: a JSON object (or a dict) of config fields, set before the model
         class is chosen."""
-        value = self.hf_overrides
-        if value is None:
-            return
-        value = json_object(value, "hf_overrides")
-        for key, v in value.items():
+        for key, v in self.parsed_hf_overrides().items():
             setattr(hf_config, key, v)
+
+    def parsed_hf_overrides(self) -> dict[str, Any]:
+        value = self.hf_overrides
+        return {} if value is None else json_object(value, "hf_overrides")
 
     def resolve_runner(self, hf_config: Any) -> str:
         """"generate" or "pooling", from runner, convert and the checkpoint's architecture
@@ -248,7 +248,8 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
                                      pooler_config=parse_pooler_config(self.pooler_config),
                                      quantization=self.quantization,
                                      model_impl=self.model_impl,
-                                     language_model_only=self.language_model_only()),
+                                     language_model_only=self.language_model_only(),
+                                     hf_overrides=self.parsed_hf_overrides()),
             cache_config=cache_config(self, hf_config, runner, dtype),
             scheduler_config=SchedulerConfig(
                 max_num_batched_tokens=limits.max_num_batched_tokens,

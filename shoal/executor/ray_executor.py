@@ -39,7 +39,7 @@ from shoal.executor.commands import Command
 from shoal.executor.distributed_init import join_tensor_parallel_group
 from shoal.executor.driver import DriverExecutor
 from shoal.executor.multiproc import WorkerDiedError
-from shoal.executor.rank_runner import model_runner
+from shoal.executor.rank_runner import load_rank_model, model_runner
 from shoal.executor.worker import RankCommands
 from shoal.loader import LoadedModel
 
@@ -79,7 +79,6 @@ class RayWorker:
 
     def setup(self, config: EngineConfig, rank: int, world: int, host: str, port: int,
               cpu_threads: int | None, env: dict[str, str]) -> tuple[int, str]:
-        from shoal.loader import load_model
         os.environ.update(env)
         if cpu_threads is not None:
             torch.set_num_threads(cpu_threads)
@@ -88,10 +87,7 @@ class RayWorker:
         join_tensor_parallel_group(config.device, rank, world, port,
                                    config.parallel_config.pipeline_parallel_size, host)
         torch.manual_seed(config.model_config.seed)
-        mc = config.model_config
-        loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format,
-                            quantization=mc.quantization,
-                            language_model_only=mc.language_model_only)
+        loaded = load_rank_model(config)
         self.commands = RankCommands(model_runner(config, loaded))
         import ray
 

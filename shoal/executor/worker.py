@@ -40,7 +40,7 @@ from shoal.executor.commands import (
     Stop,
 )
 from shoal.executor.distributed_init import join_tensor_parallel_group, rank_device
-from shoal.executor.rank_runner import model_runner
+from shoal.executor.rank_runner import load_rank_model, model_runner
 from shoal.executor.rpc import gather_rpc
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,6 @@ PARENT_CHECK_MS = 1000  # how often an idle worker checks that the engine core s
 def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_addr: str,
                cpu_threads: int | None, pp: int = 1) -> None:
     """The worker process's main (spawned by MultiprocExecutor)."""
-    from shoal.loader import load_model
-
     parent_pid = os.getppid()
     if cpu_threads is not None:
         torch.set_num_threads(cpu_threads)
@@ -63,10 +61,7 @@ def run_worker(config: EngineConfig, rank: int, world: int, port: int, command_a
     try:
         join_tensor_parallel_group(config.device, rank, world, port, pp)
         torch.manual_seed(config.model_config.seed)
-        mc = config.model_config
-        loaded = load_model(mc.model, tokenizer=mc.tokenizer, load_format=mc.load_format,
-                            quantization=mc.quantization,
-                            language_model_only=mc.language_model_only)
+        loaded = load_rank_model(config)
         runner = model_runner(config, loaded)
         _serve(runner, commands, parent_pid)
     except Exception:

@@ -45,6 +45,28 @@ def test_two_ranks_generate_what_one_rank_does(tiny_llama_dir):
         str(tiny_llama_dir), 1, greedy)
 
 
+def test_worker_ranks_build_the_model_hf_overrides_made(tiny_llama_dir):
+    """--hf-overrides reach every rank: a norm epsilon that changes the tokens gives two
+    ranks one rank's tokens (a rank 1 without it would add other partial sums)."""
+    torch.set_num_threads(1)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+
+    def tokens(tp: int, overrides: str | None) -> list[list[int]]:
+        llm = LLM(model=str(tiny_llama_dir), tensor_parallel_size=tp, device="cpu",
+                  dtype="float32", max_model_len=128, kv_cache_memory_bytes=2**22,
+                  hf_overrides=overrides)
+        try:
+            return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy)]
+        finally:
+            llm.shutdown()
+
+    wide_eps = '{"rms_norm_eps": 4.0}'
+    one = tokens(1, wide_eps)
+    assert one != tokens(1, None)  # the override changes the model
+    assert tokens(2, wide_eps) == one
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be an integer >= 1"),
     ({"tensor_parallel_size": 2, "async_scheduling": True}, "async_scheduling does not support"),
