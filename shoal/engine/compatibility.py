@@ -400,10 +400,8 @@ ROWS: tuple[Incompatibility, ...] = (
         "speculative_config: method {s.spec_method!r} drafts from a shoal model class's layers "
         "and hidden states; with the Transformers backend use 'ngram' or 'draft_model'"),
     # ---- DeepSeek-V4: plain torch on any device (on CUDA eagerly: engine/graph_support.py) --
-    Incompatibility(
-        _V4, _DP_EP,
-        lambda s: _deepseek_v4(s) and s.dp_ep,
-        "DeepseekV4ForCausalLM does not support " + _DP_EP + " yet"),
+    # (expert parallelism runs, inside TP and over DP+EP replicas, MTP included:
+    # tests/models/test_deepseek_v4_data_parallel.py)
     Incompatibility(
         _V4, "speculative_config (eagle)",
         lambda s: _deepseek_v4(s) and s.spec_method in ("eagle", "eagle3"),

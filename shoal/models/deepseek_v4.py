@@ -27,6 +27,16 @@ row, compressors and indexer replicated: shoal/layers/compressed_attention.py), 
 intermediate dim (FusedMoE) and the shared expert's, one all-reduce after each; routing and
 hyper-connection mixing are small and replicated.
 
+Expert parallelism (enable_expert_parallel; shoal/layers/moe/layer.py): the routed experts are
+split whole over the ranks, E / ep each, the rest as above. Inside tensor parallelism every
+rank routes every token and runs the pairs of its own experts; the experts' parts and the
+shared expert's partial sum are summed by DeepseekV4MoE's one all-reduce. Over data-parallel
+replicas (DP+EP, tensor_parallel_size 1) each replica routes its own tokens (a hash layer
+looks its experts up from the replica's own input ids) before FusedMoE's all-to-all sends
+each pair to its expert's replica; attention, hyper-connections, routers and the shared
+expert stay whole per replica, an idle replica's dummy pass is a one-token prefill into the
+null block, and MTP layers split their experts likewise (shoal/worker/draft_lockstep.py).
+
 On CUDA the layers run as they do on the CPU, in plain torch (no kernels yet). A step of
 decodes alone reads nothing on the host (shoal/layers/request_spans.py: the decodes' positions,
 tables and slots on the device, fixed shapes masked per row), so the runner captures decode

@@ -108,8 +108,6 @@ CASES = [
      dict(architectures=["DeepseekV32ForCausalLM"], kv_lora_rank=32, index_topk=32), "generate",
      "cpu", 64, r"kv_cache_dtype='fp8' does not cover DeepseekV32ForCausalLM's lightning "
      "indexer"),
-    (_DP_EP, _V4, "generate", "cpu", 64,
-     r"DeepseekV4ForCausalLM does not support enable_expert_parallel"),
     (dict(speculative_config=_EAGLE), _V4, "generate", "cpu", 64,
      "method 'eagle' has no head for DeepseekV4ForCausalLM"),
     (dict(kv_cache_dtype="fp8"), _V4, "generate", "cpu", 64,
@@ -200,6 +198,9 @@ def test_deepseek_v4_keeps_cuda_graphs_and_eager_only_classes_run_eagerly(caplog
     from shoal.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     assert violations(_resolved({}, _V4, "generate", "cuda", 64)) == []
+    # DP+EP, with MTP too (models/test_deepseek_v4_data_parallel.py)
+    assert violations(_resolved(dict(_DP_EP, speculative_config=_MTP), _V4, "generate", "cpu",
+                                64)) == []
     with caplog.at_level("INFO", logger="shoal.engine.graph_support"):
         assert not EngineArgs(device="cuda").create_engine_config(_hf(**_V4)).enforce_eager
     assert [r.getMessage() for r in caplog.records
