@@ -399,7 +399,7 @@ ROWS: tuple[Incompatibility, ...] = (
         lambda s: s.transformers_backend and s.spec_method in ("mtp", "eagle", "eagle3"),
         "speculative_config: method {s.spec_method!r} drafts from a shoal model class's layers "
         "and hidden states; with the Transformers backend use 'ngram' or 'draft_model'"),
-    # ---- DeepSeek-V4: plain torch on any device (on CUDA eagerly: engine/graph_support.py) --
+    # ---- DeepSeek-V4 (decode graphs only on CUDA: engine/graph_support.py) ------------------
     # (expert parallelism runs, inside TP and over DP+EP replicas, MTP included:
     # tests/models/test_deepseek_v4_data_parallel.py)
     Incompatibility(

@@ -20,11 +20,15 @@ The value's rotation is undone on the output (RoPE at minus the query's position
 grouped output projection: o_groups blocks of heads each projected to o_lora_rank (o_a_proj),
 mixed to hidden_size (o_b_proj).
 
-Plain torch over the step (shoal/layers/request_spans.py), no kernels: it runs on any device.
-The step's decodes close their groups and attend as one batch, in shapes fixed by their block
-tables' width and masked per decode (every decode computes the entry its token would close,
-only those that close one store it; a CSA decode scores every entry its tables hold and reads
-the indexer's top-k), from device tensors only: a step of decodes alone is captured in a CUDA
+Plain torch over the step (shoal/layers/request_spans.py): it runs on any device; on CUDA
+(use_triton_ops, with Triton installed) the decodes' attention and CSA's indexer scores run as
+Triton kernels reading the caches directly, each row's loops stopping at its own length
+(shoal/attention/ops/v4_decode_attention.py, v4_index_scores.py; the torch path is their
+reference). The step's decodes close their groups and attend as one batch, in shapes fixed by
+their block tables' width and masked per decode (every decode computes the entry its token
+would close, only those that close one store it; a CSA decode scores every entry its tables
+hold and reads the indexer's top-k; the kernels skip the scores and top-k while the tables
+hold no more than top-k entries, every one then read), from device tensors only: a step of decodes alone is captured in a CUDA
 graph. That work follows the width: eagerly the step's longest table's, in a graph the
 narrowest captured width holding it (DeepseekV4ForCausalLM.decode_table_buckets_from). The other requests (prefill chunks, verify steps: eager) one by one, from their spans
 read on the host, their queries in chunks whose score tensors stay under SCORE_ELEMENTS (a
@@ -56,6 +60,7 @@ from shoal.layers.linear import (
     default_weight_loader,
 )
 from shoal.layers.norm import RMSNorm
+from shoal.layers.ops.dispatch import use_triton
 from shoal.layers.paged_entries import PagedEntries
 from shoal.layers.paged_rows import PagedRows
 from shoal.layers.request_spans import RequestSpan, StepSpans
@@ -82,6 +87,7 @@ class CompressedAttention(nn.Module):
     def __init__(self, cfg: Any, layer: int, dtype: torch.dtype, use_triton_ops: bool = True):
         super().__init__()
         self.kind = cfg.layer_types[layer]
+        self.use_triton_ops = use_triton_ops  # CUDA: the decodes through Triton kernels
         if self.kind not in (SLIDING, CSA, HCA):
             raise ValueError(f"unknown DeepSeek-V4 layer type {self.kind!r}")
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
@@ -220,6 +226,8 @@ class CompressedAttention(nn.Module):
         """The step's decodes [Bd, H, D] as one batch, each query over its window's rows and
         its compressed entries, read from the caches (this step's were written before). The
         shapes follow the tables' width, never a decode's length: a graph replays them."""
+        if use_triton(ctx.q, self.use_triton_ops):
+            return self._attend_decodes_triton(ctx, step)
         nd, n_entries = step.num_decodes, 0
         if self.entries is not None:
             index = self.entries.decode_index(step)
@@ -228,6 +236,31 @@ class CompressedAttention(nn.Module):
         outs = [self._attend_decode_rows(ctx, step, slice(a, min(a + per, nd)))
                 for a in range(0, nd, per)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def _attend_decodes_triton(self, ctx: _StepInputs, step: StepSpans) -> torch.Tensor:
+        """_attend_decodes in Triton kernels: the indexer's scores (CSA whose tables hold more
+        entries than top-k; else every entry is read, as its top-k would pick them all)
+        feeding torch.topk over the tables' width, then the attention, each row's loops up to
+        its own window and entries (read on the device: graph-safe)."""
+        from shoal.attention.ops.v4_decode_attention import (
+            DecodeEntries,
+            PagedKeys,
+            v4_decode_attention,
+        )
+
+        nd, bs, positions = step.num_decodes, step.block_size, step.decode_positions
+        window = PagedKeys(self.window_rows._rows().view(-1, bs, self.head_dim),
+                           step.decode_tables[self.window_rows.kv_group])
+        entries = None
+        paged = self.entries.decode_pages(step) if self.entries is not None else None
+        if paged is not None:  # (else a sliding layer, or tables holding no entry)
+            pages, picked = PagedKeys(*paged), None
+            if self.indexer is not None:
+                picked = self.indexer.pick_decodes(ctx.index_q[:nd], ctx.index_w[:nd],
+                                                   positions, pages, self.head_dim, bs)
+            entries = DecodeEntries(pages, self.entries.ratio, picked)
+        return v4_decode_attention(ctx.q[:nd], positions, self.sinks, self.scale, window,
+                                   self.window, bs, entries)
 
     def _attend_decode_rows(self, ctx: _StepInputs, step: StepSpans,
                             rows: slice) -> torch.Tensor:

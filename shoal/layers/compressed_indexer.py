@@ -6,14 +6,15 @@ shoal/layers/token_compressor.py) plus a query head: n_heads queries per token f
 attention's query latent (q_b_proj of q_a's output, rotated at the token's position with the
 "compress" table), and per-token head weights (weights_proj / sqrt(n_heads)). A query scores entry s as
 sum_h w_h * relu(q_h . k_s) / sqrt(index_head_dim) and reads its index_topk best among the
-entries it may see (every one of them when it sees fewer).
+entries it may see (every one of them when it sees fewer). On CUDA a batch of decodes scores
+in a Triton kernel reading the keys from the cache (pick_decodes).
 
 SparseCompressor is the CSA layer's compressor holding its indexer (transformers' layout:
 `self_attn.compressor.indexer`)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +22,9 @@ import torch.nn.functional as F
 from shoal.layers.interleaved_rope import InterleavedRope
 from shoal.layers.linear import ReplicatedLinear
 from shoal.layers.token_compressor import TokenCompressor
+
+if TYPE_CHECKING:
+    from shoal.attention.ops.v4_decode_attention import PagedKeys
 
 
 class CompressedIndexer(TokenCompressor):
@@ -53,16 +57,39 @@ class CompressedIndexer(TokenCompressor):
         out = torch.zeros_like(visible)
         return out.scatter_(-1, picked, seen)
 
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """As select's arguments -> each query's score of each entry [n, N] float32, -inf
+        where it may not see it."""
+        keys = keys.float().transpose(-1, -2)
+        scores = F.relu(torch.matmul(q, keys)) * self.scale  # [n, H, N]
+        return (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
+
     def pick(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
              visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """As select, the entries each query reads as indices [n, k] (k = min(index_topk,
         N): a fixed shape) and whether each is one it may see [n, k] (not, where it sees
         fewer than k)."""
-        keys = keys.float().transpose(-1, -2)
-        scores = F.relu(torch.matmul(q, keys)) * self.scale  # [n, H, N]
-        scores = (scores * weights.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
+        scores = self.scores(q, weights, keys, visible)
         picked = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
         return picked, visible.gather(-1, picked)
+
+    def pick_decodes(self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
+                     entries: PagedKeys, key_column: int, block_size: int
+                     ) -> torch.Tensor | None:
+        """The Triton path of a batch of decodes (shoal/attention/ops/v4_index_scores.py): q
+        [Bd, H, D] and weights [Bd, H] at positions [Bd], the entries' cache (this indexer's
+        keys at key_column) and tables [Bd, N] -> the entries each reads [Bd, index_topk]
+        sorted best first (its own before any it may not see: those score -inf), or None
+        when the tables hold no more than index_topk entries (every one is read: no scores,
+        no top-k)."""
+        from shoal.attention.ops.v4_index_scores import v4_index_scores
+
+        if entries.tables.shape[1] * block_size // self.ratio <= self.topk:
+            return None
+        scores = v4_index_scores(q, weights, positions, entries, key_column, self.ratio,
+                                 block_size, self.scale)
+        return scores.topk(self.topk, dim=-1).indices
 
 
 class SparseCompressor(TokenCompressor):

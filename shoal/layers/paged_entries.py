@@ -101,6 +101,15 @@ class PagedEntries(PagedRows):
             step.indices[key] = index
         return step.indices[key]
 
+    def decode_pages(self, step: StepSpans) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the decode kernels read (shoal/attention/ops/v4_decode_attention.py): the cache
+        as entry slots [blocks, ceil(bs / ratio), width] and the step's decodes' tables [Bd,
+        N] (None: the tables hold no entry)."""
+        table = step.decode_tables[self.kv_group]
+        if not table.shape[1] * step.block_size // self.ratio:
+            return None
+        return self._pages(step.block_size), table
+
     def load_decodes(self, step: StepSpans, rows: slice, columns: slice = slice(None)
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's decodes `rows` (of [0, step.num_decodes)): the `columns` of every

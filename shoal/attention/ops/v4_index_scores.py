@@ -1,0 +1,105 @@
+"""DeepSeek-V4's lightning-indexer scores for decode rows (shoal/layers/compressed_indexer.py)
+in one Triton kernel, reading the index keys straight from the paged entries' cache.
+
+Row r (one query token at position p, n_heads queries [Hi, Di] float32 and head weights
+[Hi]) scores entry w as scale * sum_h weights_h * relu(q_h . key_w), for the entries it has
+seen (w < (p + 1) // ratio, capped at what its tables hold, n_entries); the others get -inf,
+so torch.topk over the fixed width [R, n_entries] puts a row's own entries first. Entry w's
+index key sits in columns [key_column, key_column + Di) of its entry slot, in the page of the
+block of its last token e = (w + 1) ratio - 1, slot w - floor(e / bs) bs / ratio
+(PagedEntries._slots).
+
+A program owns one row and BLOCK_N entries; one past the row's entries only writes -inf.
+Launch shapes follow the batch and table width, the row's length is read on the device:
+CUDA-graph safe. The products run in float32 (ieee) as the torch path's matmul does: the
+top-k is a hard choice, a tf32 rounding would flip near ties."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shoal.attention.ops.v4_decode_attention import PagedKeys, check_pages
+
+
+@triton.jit(do_not_specialize=["n_entries", "key_column"])
+def _index_scores_kernel(
+    q_ptr, w_ptr, pos_ptr, ent_ptr, tab_ptr, out_ptr,
+    scale, n_heads, n_entries, key_column,
+    stride_qr, stride_qh, stride_wr, stride_eb, stride_es, stride_tr, stride_tc, ent_cols,
+    stride_or,
+    BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    w0 = tl.program_id(1) * BLOCK_N
+    w = w0 + tl.arange(0, BLOCK_N)
+    in_table = w < n_entries
+    p = tl.load(pos_ptr + r).to(tl.int64)
+    seen = tl.minimum(tl.maximum((p + 1) // RATIO, 0), n_entries)
+    out = out_ptr + r * stride_or + w
+    if w0 < seen:
+        valid = w < seen
+        col = tl.minimum(((w + 1) * RATIO - 1) // BLOCK_SIZE, ent_cols - 1)
+        block = tl.load(tab_ptr + r * stride_tr + col * stride_tc, mask=valid, other=0)
+        row = block.to(tl.int64) * stride_eb + (w - (col * BLOCK_SIZE) // RATIO) * stride_es
+        d = tl.arange(0, INDEX_DIM)
+        keys = tl.load(ent_ptr + row[:, None] + key_column + d[None, :], mask=valid[:, None],
+                       other=0.0).to(tl.float32)
+        heads = tl.arange(0, BLOCK_HI)
+        h_mask = heads < n_heads
+        q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :],
+                    mask=h_mask[:, None], other=0.0).to(tl.float32)
+        weights = tl.load(w_ptr + r * stride_wr + heads, mask=h_mask, other=0.0)
+        s = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)  # [Hi, BLOCK_N]
+        score = tl.sum(tl.maximum(s, 0.0) * weights.to(tl.float32)[:, None], 0) * scale
+        tl.store(out, tl.where(valid, score, float("-inf")), mask=in_table)
+    else:
+        tl.store(out, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=in_table)
+
+
+def _check(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
+           entries: PagedKeys, key_column: int) -> None:
+    if q.dim() != 3 or q.stride(2) != 1:
+        raise ValueError(f"q must be [R, Hi, Di] with a contiguous last dim, got "
+                         f"{tuple(q.shape)} strides {q.stride()}")
+    rows, heads, dim = q.shape
+    if dim < 16 or dim & (dim - 1):
+        raise ValueError(f"index_head_dim {dim} must be a power of two >= 16")
+    if tuple(weights.shape) != (rows, heads) or weights.stride(1) != 1:
+        raise ValueError(f"weights has shape {tuple(weights.shape)}, expected contiguous "
+                         f"({rows}, {heads})")
+    if tuple(positions.shape) != (rows,):
+        raise ValueError(f"positions has shape {tuple(positions.shape)}, expected ({rows},)")
+    check_pages("entries", entries, rows, dim, key_column)
+
+
+def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entries: PagedKeys,
+           key_column: int, ratio: int, block_size: int, scale: float, *, block_n: int = 32,
+           num_warps: int = 4) -> torch.Tensor:
+    """v4_index_scores with its tiling chosen (for timing them)."""
+    _check(q, weights, positions, entries, key_column)
+    rows, heads, dim = q.shape
+    n_entries = entries.tables.shape[1] * block_size // ratio
+    out = torch.empty(rows, n_entries, dtype=torch.float32, device=q.device)
+    if rows == 0 or n_entries == 0:
+        return out
+    _index_scores_kernel[(rows, triton.cdiv(n_entries, block_n))](
+        q, weights, positions, entries.pages, entries.tables, out,
+        scale, heads, n_entries, key_column,
+        q.stride(0), q.stride(1), weights.stride(0), entries.pages.stride(0),
+        entries.pages.stride(1), entries.tables.stride(0), entries.tables.stride(1),
+        entries.tables.shape[1], out.stride(0),
+        BLOCK_HI=max(16, triton.next_power_of_2(heads)), INDEX_DIM=dim, BLOCK_N=block_n,
+        BLOCK_SIZE=block_size, RATIO=ratio, DOT_PRECISION="ieee", num_warps=num_warps)
+    return out
+
+
+def v4_index_scores(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
+                    entries: PagedKeys, key_column: int, ratio: int, block_size: int,
+                    scale: float) -> torch.Tensor:
+    """q [R, Hi, Di] and weights [R, Hi] (the indexer's, float32), positions [R], the
+    entries' pages (index keys at key_column of each entry slot) and tables [R, N] -> scores
+    [R, N * block_size // ratio] float32, -inf past each row's own entries."""
+    return launch(q, weights, positions, entries, key_column, ratio, block_size, scale)
