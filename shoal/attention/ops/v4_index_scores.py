@@ -31,6 +31,7 @@ def _index_scores_kernel(
     stride_or,
     BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     w0 = tl.program_id(1) * BLOCK_N
@@ -44,15 +45,20 @@ def _index_scores_kernel(
         col = tl.minimum(((w + 1) * RATIO - 1) // BLOCK_SIZE, ent_cols - 1)
         block = tl.load(tab_ptr + r * stride_tr + col * stride_tc, mask=valid, other=0)
         row = block.to(tl.int64) * stride_eb + (w - (col * BLOCK_SIZE) // RATIO) * stride_es
-        d = tl.arange(0, INDEX_DIM)
-        keys = tl.load(ent_ptr + row[:, None] + key_column + d[None, :], mask=valid[:, None],
-                       other=0.0).to(tl.float32)
         heads = tl.arange(0, BLOCK_HI)
         h_mask = heads < n_heads
-        q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :],
-                    mask=h_mask[:, None], other=0.0).to(tl.float32)
+        # the products BLOCK_D columns at a time: a float32 (ieee) dot runs on FMAs with its
+        # operands' whole K in registers, and all 128 at once spill kilobytes a thread on
+        # sm_90 (ptxas: 5 KiB of stack at block_n 32, 4 warps; 16 at a time: 80 registers)
+        s = tl.zeros([BLOCK_HI, BLOCK_N], tl.float32)
+        for d0 in tl.static_range(0, INDEX_DIM, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            keys = tl.load(ent_ptr + row[:, None] + key_column + d[None, :],
+                           mask=valid[:, None], other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :],
+                        mask=h_mask[:, None], other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(keys), s, input_precision=DOT_PRECISION)  # [Hi, BLOCK_N]
         weights = tl.load(w_ptr + r * stride_wr + heads, mask=h_mask, other=0.0)
-        s = tl.dot(q, tl.trans(keys), input_precision=DOT_PRECISION)  # [Hi, BLOCK_N]
         score = tl.sum(tl.maximum(s, 0.0) * weights.to(tl.float32)[:, None], 0) * scale
         tl.store(out, tl.where(valid, score, float("-inf")), mask=in_table)
     else:
@@ -92,7 +98,8 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
         entries.pages.stride(1), entries.tables.stride(0), entries.tables.stride(1),
         entries.tables.shape[1], out.stride(0),
         BLOCK_HI=max(16, triton.next_power_of_2(heads)), INDEX_DIM=dim, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, RATIO=ratio, DOT_PRECISION="ieee", num_warps=num_warps)
+        BLOCK_SIZE=block_size, RATIO=ratio, DOT_PRECISION="ieee", BLOCK_D=16,
+        num_warps=num_warps)
     return out
 
 
