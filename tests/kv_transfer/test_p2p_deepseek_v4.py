@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from engine_helpers import tiny_llm
+from models.test_deepseek_v4 import V4  # the tiny V4 config
 
 from shoal import SamplingParams
 from shoal.core.kv_cache_spec import (
@@ -32,19 +33,6 @@ from shoal.kv_transfer.base import KVRows
 from shoal.kv_transfer.rows import LayerTables, gather_rows, scatter_rows
 from shoal.layers.paged_entries import PagedEntries
 
-LAYERS = ["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-          "compressed_sparse_attention"]
-V4 = dict(vocab_size=512, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
-          num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32,
-          partial_rotary_factor=0.5, num_experts_per_tok=2, n_routed_experts=8,
-          n_shared_experts=1, layer_types=LAYERS,
-          compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-          mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], hc_mult=3, sliding_window=8,
-          o_groups=2, o_lora_rank=16, index_n_heads=16, index_head_dim=32, index_topk=4,
-          max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
-          rope_parameters={"rope_type": "yarn", "factor": 4.0,
-                           "original_max_position_embeddings": 128, "beta_fast": 32,
-                           "beta_slow": 1})
 STEPS = 6
 _rng = random.Random(4)
 PROMPTS = [[_rng.randrange(3, 512) for _ in range(n)] for n in (30, 32, 7)]

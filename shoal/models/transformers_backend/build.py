@@ -88,3 +88,14 @@ def materialize(model: nn.Module, device: torch.device) -> None:
                     raise ValueError(f"{type(module).__name__}.{name}: a buffer built from "
                                      "parameters at construction (not supported)")
                 module._buffers[name] = buf.to(device)
+
+
+def adopt(wrapper: nn.Module, hf: nn.Module) -> None:
+    """hf's children and own parameters become wrapper's, so parameter names are the
+    checkpoint's; hf itself is kept unregistered (wrapper.hf_model)."""
+    wrapper.__dict__["hf_model"] = hf
+    for name, child in hf.named_children():
+        wrapper.add_module(name, child)
+    for name, param in hf._parameters.items():
+        if param is not None:
+            wrapper.register_parameter(name, param)

@@ -44,7 +44,7 @@ from shoal.models.transformers_backend.attention import (
     packed_step_context,
     probe_attention,
 )
-from shoal.models.transformers_backend.build import build_model
+from shoal.models.transformers_backend.build import adopt, build_model
 from shoal.models.transformers_backend.encoder_attention import PackedStep
 from shoal.models.transformers_backend.model import check_local_heads
 from shoal.models.transformers_backend.support import (
@@ -93,14 +93,8 @@ class TransformersEncoderModel(nn.Module, PoolingModelBase):
                          None if classifier else _base_model)
         if plan is not None:  # (it names base-model layers: a classifier's head stays whole)
             apply_tp_plan(hf, plan)
-        # Its children become this module's, so parameter names are the checkpoint's (less
-        # the base prefix for an embedder); the model itself is kept unregistered.
-        self.__dict__["hf_model"] = hf
-        for name, child in hf.named_children():
-            self.add_module(name, child)
-        for name, param in hf._parameters.items():
-            if param is not None:
-                self.register_parameter(name, param)
+        # (parameter names are the checkpoint's, less the base prefix for an embedder)
+        adopt(self, hf)
         self.config = hf_config
         self.hidden_size = int(hf_config.hidden_size)
         self.dtype = dtype

@@ -49,7 +49,7 @@ from shoal.models.transformers_backend.attention import (
     probe_attention,
     step_context,
 )
-from shoal.models.transformers_backend.build import build_causal_lm
+from shoal.models.transformers_backend.build import adopt, build_causal_lm
 from shoal.models.transformers_backend.logits import CausalLMHead
 from shoal.models.transformers_backend.pipeline import (
     StageSlice,
@@ -99,14 +99,8 @@ class TransformersForCausalLM(nn.Module):
         self._dropped = tuple(dropped)
         if plan is not None:
             apply_tp_plan(hf, plan)
-        # Its children become this module's, so parameter names are the checkpoint's
-        # ("model.layers.0...", "lm_head.weight"); the wrapper itself is kept unregistered.
-        self.__dict__["hf_model"] = hf
-        for name, child in hf.named_children():
-            self.add_module(name, child)
-        for name, param in hf._parameters.items():
-            if param is not None:
-                self.register_parameter(name, param)
+        # ("model.layers.0...", "lm_head.weight")
+        adopt(self, hf)
         self.config = hf_config
         self.hidden_size = int(hf_config.hidden_size)
         self.dtype = dtype
