@@ -228,10 +228,15 @@ class RunnerLifecycle:
 
     def shutdown(self) -> None:
         """Releases the host copies of the weights (kept between sleeps, or a sleeping
-        engine's), then whatever the runner's other parts release."""
+        engine's), the CUDA graphs and the KV pool, then whatever the runner's other parts
+        release. (The layers drop their pool: a caller still holding the model's modules
+        would otherwise keep the whole pool on the device, and the next engine's budget
+        from gpu_memory_utilization would count it as another's.)"""
         self._asleep = None
         if self._host is not None:
             self._host.release()
+        self.graphs = None
+        self.unbind_kv_cache()
         super().shutdown()  # type: ignore[misc]
 
     def rpc(self, method: str, args: list[Any]) -> Any:

@@ -170,3 +170,14 @@ def test_two_tensor_parallel_ranks(tmp_path) -> None:
         assert tokens(llm)[0] == pair.want["b"]
     finally:
         llm.shutdown()
+
+
+def test_shutdown_lets_go_of_the_kv_pool(tiny_llama_dir) -> None:
+    """Modules a caller still holds after shutdown keep no KV pool (on a GPU it would count
+    against the next engine's gpu_memory_utilization budget)."""
+    llm = LLM(model=str(tiny_llama_dir), dtype="float32", kv_cache_memory_bytes=1 << 20)
+    layers = llm.llm_engine.core.runner.model.attention_layers()
+    assert all(layer.kv_cache is not None for layer in layers)
+    llm.shutdown()
+    assert all(layer.kv_cache is None for layer in layers)
+    assert llm.llm_engine.core.runner.kv_caches == []
