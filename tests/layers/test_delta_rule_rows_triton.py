@@ -20,9 +20,11 @@ from shoal.layers.ops import delta_rule_rows_triton as rows_triton  # noqa: E402
 from shoal.layers.ops.delta_rule_rows import gated_delta_rule_rows_torch  # noqa: E402
 
 TOL = {"atol": 2e-5, "rtol": 2e-5}
+# The small cases run interpreted on the CPU, compiled where there is a GPU.
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _inputs(R: int, T: int, H: int, Dk: int, Dv: int, per_channel: bool, device: str = "cpu",
+def _inputs(R: int, T: int, H: int, Dk: int, Dv: int, per_channel: bool, device: str = DEV,
             seed: int = 0) -> tuple[torch.Tensor, ...]:
     gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -55,7 +57,7 @@ def _check_real(o: torch.Tensor, end: torch.Tensor, o_ref: torch.Tensor, end_ref
 def test_rows_match_torch_with_padding(per_channel: bool, Dk: int, Dv: int):
     R, T, H = 4, 3, 2
     q, k, v, g, beta, state = _inputs(R, T, H, Dk, Dv, per_channel)
-    counts = torch.tensor([T, 1, 0, 2], dtype=torch.int32)  # all, one, none, some real
+    counts = torch.tensor([T, 1, 0, 2], dtype=torch.int32, device=DEV)  # all, one, none, some real
     _nan_padding(counts, k, v, g, beta)  # (q too would only spoil padding outputs)
     o, end = rows_triton.gated_delta_rule_rows_triton(q, k, v, g, beta, state, counts,
                                                       scale=0.4)
@@ -81,15 +83,15 @@ def test_strided_inputs_and_int64_counts():
     state) read through their strides."""
     R, T, H, Dk, Dv = 2, 3, 2, 8, 8
     q, k, v, g, beta, state = _inputs(R, T, H, Dk, Dv, True, seed=2)
-    wide = torch.randn(R, T, H, Dv + 3)
+    wide = torch.randn(R, T, H, Dv + 3, device=DEV)
     wide[..., 3:] = v
     v = wide[..., 3:]
-    gb = torch.randn(R, T, H, Dk + 1)
+    gb = torch.randn(R, T, H, Dk + 1, device=DEV)
     gb[..., :Dk] = g
     gb[..., Dk] = beta
     g, beta = gb[..., :Dk], gb[..., Dk]
     state = state.transpose(-1, -2).contiguous().transpose(-1, -2)
-    counts = torch.tensor([2, 3])
+    counts = torch.tensor([2, 3], device=DEV)
     o, end = rows_triton.gated_delta_rule_rows_triton(q, k, v, g, beta, state, counts, scale=0.5)
     o_ref, end_ref = gated_delta_rule_rows_torch(q, k, v, g, beta, state, counts, scale=0.5)
     _check_real(o, end, o_ref, end_ref, counts)
@@ -104,7 +106,7 @@ def test_bad_shapes_are_refused():
         rows_triton.gated_delta_rule_rows_triton(q, k, v, g, beta, state[:1], None, scale=1.0)
     with pytest.raises(ValueError, match="counts has shape"):
         rows_triton.gated_delta_rule_rows_triton(q, k, v, g, beta, state,
-                                                 torch.tensor([1, 2, 2]), scale=1.0)
+                                                 torch.tensor([1, 2, 2], device=DEV), scale=1.0)
 
 
 def _time_ms(fn, iters: int = 50) -> float:
