@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from gpu_timing import time_ms  # noqa: E402
+
 from shoal.layers.ops import delta_rule_rows_triton as rows_triton  # noqa: E402
 from shoal.layers.ops.delta_rule_rows import gated_delta_rule_rows_torch  # noqa: E402
 
@@ -109,19 +111,6 @@ def test_bad_shapes_are_refused():
                                                  torch.tensor([1, 2, 2], device=DEV), scale=1.0)
 
 
-def _time_ms(fn, iters: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / iters
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
@@ -161,12 +150,12 @@ def test_qwen3_5_shapes_on_gpu_and_in_a_cuda_graph(per_channel: bool):
         rows_triton.gated_delta_rule_rows_triton(q, k, v, g, beta, state, counts,
                                                  scale=D ** -0.5)
     name = "kda" if per_channel else "gdn"
-    print(f"\n[{name} R={R} T={T} H={H} D={D}] torch {_time_ms(run_torch) * 1e3:.1f} us, "
-          f"triton {_time_ms(run_triton) * 1e3:.1f} us, "
-          f"triton graph replay {_time_ms(graph.replay) * 1e3:.1f} us")
+    print(f"\n[{name} R={R} T={T} H={H} D={D}] torch {time_ms(run_torch) * 1e3:.1f} us, "
+          f"triton {time_ms(run_triton) * 1e3:.1f} us, "
+          f"triton graph replay {time_ms(graph.replay) * 1e3:.1f} us")
     for block_v in (16, 32, 64):
         for warps in (2, 4, 8):
             def run(bv: int = block_v, nw: int = warps) -> None:
                 rows_triton.launch_rows(q, k, v, g, beta, state, counts, scale=D ** -0.5,
                                         block_v=bv, num_warps=nw)
-            print(f"  block_v={block_v} num_warps={warps}: {_time_ms(run) * 1e3:.1f} us")
+            print(f"  block_v={block_v} num_warps={warps}: {time_ms(run) * 1e3:.1f} us")

@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
+from gpu_timing import time_ms  # noqa: E402
 from models.test_deepseek_v4 import tiny  # noqa: E402, F401 (fixture)
 
 import shoal.layers.compressed_attention as ca  # noqa: E402
@@ -168,19 +169,6 @@ def test_bad_inputs_are_refused():
         v4_index_scores(q, torch.zeros(2, 4), torch.zeros(2), keys, 8, 4, 4, 1.0)
 
 
-def _time_ms(fn, iters: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    stop.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(stop) / iters
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", [CSA, HCA, SLIDING])
@@ -230,12 +218,12 @@ def test_v4_flash_shapes_on_gpu(kind: str, rows: int, context: int):
             step.indices.clear()
         layer._attend_decodes(ctx, step)
     step.decode_positions.add_(7)  # (the torch path at the first positions again)
-    torch_fresh, torch_ms = _time_ms(lambda: run_torch(True)), _time_ms(lambda: run_torch(False))
+    torch_fresh, torch_ms = time_ms(lambda: run_torch(True)), time_ms(lambda: run_torch(False))
     layer.use_triton_ops = True
-    triton_ms = _time_ms(lambda: layer._attend_decodes_triton(ctx, step))
+    triton_ms = time_ms(lambda: layer._attend_decodes_triton(ctx, step))
     print(f"\n[{kind} rows={rows} context={context}] torch {torch_ms * 1e3:.0f} us "
           f"({torch_fresh * 1e3:.0f} us building the step's indices), triton "
-          f"{triton_ms * 1e3:.0f} us, triton graph replay {_time_ms(graph.replay) * 1e3:.0f} us")
+          f"{triton_ms * 1e3:.0f} us, triton graph replay {time_ms(graph.replay) * 1e3:.0f} us")
     picked, paged = None, layer.entries.decode_pages(step) if layer.entries else None
     if layer.indexer is not None and paged is not None:
         pages = PagedKeys(*paged)
@@ -264,7 +252,7 @@ def _timed(fn) -> str:
     from triton.runtime.errors import OutOfResources
 
     try:
-        return f"{_time_ms(fn) * 1e3:.0f} us"
+        return f"{time_ms(fn) * 1e3:.0f} us"
     except OutOfResources as e:
         return f"does not fit ({e})"
 
