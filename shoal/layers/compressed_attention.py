@@ -249,8 +249,7 @@ class CompressedAttention(nn.Module):
         )
 
         nd, bs, positions = step.num_decodes, step.block_size, step.decode_positions
-        window = PagedKeys(self.window_rows._rows().view(-1, bs, self.head_dim),
-                           step.decode_tables[self.window_rows.kv_group])
+        window = PagedKeys(*self.window_rows.decode_pages(step))
         entries = None
         paged = self.entries.decode_pages(step) if self.entries is not None else None
         if paged is not None:  # (else a sliding layer, or tables holding no entry)

@@ -91,6 +91,12 @@ class PagedRows(nn.Module):
         """The cached rows at `slots` (any shape) [..., width]."""
         return self._rows()[slots]
 
+    def decode_pages(self, step: StepSpans) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the decode kernels read (shoal/attention/ops/v4_decode_attention.py): the cache
+        as rows [blocks, block_size, width] and the step's decodes' tables [Bd, N]."""
+        bs = step.block_size
+        return self._rows().view(-1, bs, self.width), step.decode_tables[self.kv_group]
+
 
 def masked_put(dest: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor,
                keep: torch.Tensor) -> None:
