@@ -155,11 +155,11 @@ class GraphTable:
         grow; other steps, which may follow a rollback of rejected drafts, copy them always).
         state_spec goes to the group backends that take it (linear-state groups).
         Returns the token rows on the device (fill pending tokens into row 0 first)."""
-        # (a narrow graph reads the blocks of its rows' positions; a table may run longer)
-        longest = max(context_lens, default=0) + shape.q
-        if shape.blocks and longest > shape.blocks * self.block_size:
-            raise ValueError(f"a request of {longest} tokens does not fit the {shape.blocks} "
-                             f"block-table columns of the graph {shape}")
+        if shape.blocks:  # (a narrow graph reads its rows' positions' blocks; tables may run on)
+            longest = max(context_lens, default=0) + shape.q
+            if longest > shape.blocks * self.block_size:
+                raise ValueError(f"a request of {longest} tokens does not fit the "
+                                 f"{shape.blocks} block-table columns of the graph {shape}")
         staged = self.tokens.stage(shape.tokens, token_rows)
         key = ((shape, tuple(serials), tuple(len(t) for t in block_tables[0]))
                if serials and shape.q == 1 and self._keep_tables else None)
