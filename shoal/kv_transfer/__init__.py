@@ -26,8 +26,9 @@ Who does what (vLLM's split of a connector into a scheduler side and a worker si
   stepping), then the admitting step writes it into the request's blocks with one indexed
   copy per layer, whatever their block size, each tensor-parallel rank taking its own
   heads (ranks of the mp executor map the fetched bytes from shared memory instead of
-  receiving them all in the step's broadcast: shared.py). A consumer that cannot fetch (the producer died, the KV expired or was served,
-  another prompt or model) recomputes the prompt instead.
+  receiving them all in the step's broadcast: shared.py). A consumer that cannot fetch (the
+  producer died, the KV expired or was served, another prompt or model) recomputes the prompt
+  instead.
 - factory.py builds a connector by name or `module:Class`; config.py reads kv_transfer_config.
 
 Built on the same hand-off as KV offloading: what the runner must copy travels in the

@@ -25,15 +25,15 @@ Plain torch over the step (shoal/layers/request_spans.py): it runs on any device
 Triton kernels reading the caches directly, each row's loops stopping at its own length
 (shoal/attention/ops/v4_decode_attention.py, v4_index_scores.py; the torch path is their
 reference). The step's decodes close their groups and attend as one batch, in shapes fixed by
-their block tables' width and masked per decode (every decode computes the entry its token
-would close, only those that close one store it; a CSA decode scores every entry its tables
-hold and reads the indexer's top-k; the kernels skip the scores and top-k while the tables
-hold no more than top-k entries, every one then read), from device tensors only: a step of decodes alone is captured in a CUDA
-graph. That work follows the width: eagerly the step's longest table's, in a graph the
-narrowest captured width holding it (DeepseekV4ForCausalLM.decode_table_buckets_from). The other requests (prefill chunks, verify steps: eager) one by one, from their spans
-read on the host, their queries in chunks whose score tensors stay under SCORE_ELEMENTS (a
-long prefill chunk would otherwise hold [n, H, n] scores, and the indexer's [n,
-index_n_heads, n / m]).
+their block tables' width and masked per decode (every decode computes the entry its token would
+close, only those that close one store it; a CSA decode scores every entry its tables hold and
+reads the indexer's top-k; the kernels skip the scores and top-k while the tables hold no more
+than top-k entries, every one then read), from device tensors only: a step of decodes alone is
+captured in a CUDA graph. That work follows the width: eagerly the step's longest table's, in a
+graph the narrowest captured width holding it (DeepseekV4ForCausalLM.decode_table_buckets_from).
+The other requests (prefill chunks, verify steps: eager) one by one, from their spans read on
+the host, their queries in chunks whose score tensors stay under SCORE_ELEMENTS (a long prefill
+chunk would otherwise hold [n, H, n] scores, and the indexer's [n, index_n_heads, n / m]).
 
 Tensor parallelism splits the query heads, their sinks and the output groups (o_groups / tp
 each: a group's heads stay on one rank, so o_a_proj splits by rows and o_b_proj by columns,

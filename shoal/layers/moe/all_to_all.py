@@ -9,10 +9,11 @@ output travels back:
                   -> outputs all-to-all (the reverse splits) -> weighted sum per token
 
 Pairs are sent sorted by global expert id, so each rank's slice is sorted by local expert and
-the per-(rank, local expert) counts say which expert every received row is for: three
-exchanges in all, four with token_tags (a value per token that travels with its pairs: the
-token's LoRA slot in the replicas' shared table, shoal/lora/shared_expert_slots.py). The sum at the source adds the pairs in expert order, as experts_torch does
-on one rank, so fp32 results match the single-rank layer bit for bit.
+the per-(rank, local expert) counts say which expert every received row is for: three exchanges
+in all, four with token_tags (a value per token that travels with its pairs: the token's LoRA
+slot in the replicas' shared table, shoal/lora/shared_expert_slots.py). The sum at the source
+adds the pairs in expert order, as experts_torch does on one rank, so fp32 results match the
+single-rank layer bit for bit.
 
 Collectives: torch.distributed.all_to_all_single with uneven split sizes, which gloo (CPU) and
 NCCL (GPU) both implement. The split sizes are read on the host (one device sync per layer):
