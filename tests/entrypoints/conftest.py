@@ -3,6 +3,7 @@ one shared by the modules whose checks hold on vLLM's optional features (smollm2
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -32,6 +33,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(n: int) -> int:
+    """The first of n consecutive free ports (what a server binding port + rank needs: a
+    free port's neighbour may be any other socket's)."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            with contextlib.ExitStack() as held:
+                for port in range(base + 1, base + n):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {n} consecutive free ports found")
 
 
 class ProxyProcess:

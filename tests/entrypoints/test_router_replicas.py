@@ -28,7 +28,7 @@ from shoal.kv_cache.events import BlockStored, new_batch
 from shoal.kv_cache.hashing import hash_full_blocks
 from shoal.router.policy import Backend, Router, Target
 
-from .conftest import free_port
+from .conftest import free_port, free_port_run
 
 BS = 16
 PROMPT = list(range(1000, 1000 + 4 * BS))  # four full blocks
@@ -155,7 +155,7 @@ def test_router_sends_a_prefix_to_the_dp_replica_holding_it() -> None:
         build = functools.partial(build_null_core, step_time_s=0.002, vocab_size=49152)
         engine = await AsyncLLM.from_engine_args(args, build_core=build, startup_timeout=60,
                                                  log_stats_interval=3600)
-        base = free_port()
+        base = free_port_run(2)
         pubs = [ZmqEventPublisher(KVEventsConfig(True, endpoint=f"tcp://127.0.0.1:{base}"),
                                   dp_rank=r) for r in (0, 1)]  # binds base + rank
         port, rport = free_port(), free_port()
