@@ -17,7 +17,7 @@ import torch
 
 from shoal.models.llama import Qwen2ForCausalLM
 from shoal.models.vision.qwen2_5_vl import Qwen2_5_VisionTransformer
-from shoal.models.vlm_common import install_mrope, load_qwen_vl, mrope_walk, place_rows
+from shoal.models.vlm_common import VideoSpan, install_mrope, load_qwen_vl, mrope_walk, place_rows
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
@@ -64,18 +64,18 @@ class Qwen2_5_VLForConditionalGeneration(Qwen2ForCausalLM):
                         is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
         return place_rows(self.model.embed_tokens(input_ids), mm_embeds, is_multimodal)
 
-    def prune_video(self, feature: Any, embeds: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """EVS of a video's tower output: (the kept rows, their positions relative to the
-        video's first token [3, kept]), in the original order; the first frame whole."""
+    def prune_video(self, feature: Any, embeds: torch.Tensor) -> VideoSpan:
+        """EVS of a video's tower output: the kept rows and their positions relative to the
+        video's first token [3, kept], in the original order; the first frame whole. The
+        span is pads alone, pruned or not: the model reads the prompt's ids."""
         arrays = feature.arrays()
         rel = torch.from_numpy(self.vision_positions(feature))
         rate = float(arrays.get("video_pruning_rate", np.zeros(1)).reshape(-1)[0])
         if feature.modality != "video" or rate <= 0:
-            return embeds, rel
+            return VideoSpan(embeds, rel)
         t, h, w = (int(x) for x in arrays["video_grid_thw"].reshape(3))
         keep = evs_keep_mask(embeds, (t, h // self.merge, w // self.merge), rate)
-        return embeds[keep.to(embeds.device)], rel[:, keep.cpu()]
+        return VideoSpan(embeds[keep.to(embeds.device)], rel[:, keep.cpu()])
 
     def vision_positions(self, feature: Any) -> np.ndarray:
         """[3, t*h*w] positions of an item's merged patches relative to its first: (time,

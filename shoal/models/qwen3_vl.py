@@ -28,7 +28,7 @@ from shoal.models.qwen2_5_vl import _pixels_and_grid, evs_keep_mask
 from shoal.models.qwen3 import Qwen3ForCausalLM
 from shoal.models.qwen3_vl_video import PrunedVideo, span_positions, span_rows
 from shoal.models.vision.qwen3_vl import Qwen3VisionTransformer
-from shoal.models.vlm_common import install_mrope, load_qwen_vl, mrope_walk
+from shoal.models.vlm_common import VideoSpan, install_mrope, load_qwen_vl, mrope_walk
 
 
 class _DeepstackModel(LlamaModel):
@@ -141,15 +141,15 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
                              f"texts make {positions.shape[1]}")
         return positions, end
 
-    def prune_video(self, feature: Any, embeds: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def prune_video(self, feature: Any, embeds: torch.Tensor) -> VideoSpan:
         """A video's span rows from its tower output, and their positions relative to the
         span's first [3, length]. Unpruned: the output as it is (the span's pads). EVS: the
         tokens evs_keep_mask picks (over the main features) with the texts between frames
-        laid out among them by what each frame kept (qwen3_vl_video.py)."""
+        laid out among them by what each frame kept (qwen3_vl_video.py), and the ids the
+        model so reads over the span (the prompt holds the planned layout)."""
         pruned = PrunedVideo.of(feature, self.merge)
         if pruned is None:
-            return embeds, torch.from_numpy(self._place(feature, 0)[0])
+            return VideoSpan(embeds, torch.from_numpy(self._place(feature, 0)[0]))
         hidden = embeds.shape[1] // (1 + self.num_deepstack)
         keep = evs_keep_mask(embeds[:, :hidden], pruned.grid, pruned.rate)
         positions, is_pad, _ = pruned.layout(keep.cpu().numpy(), 0)
@@ -159,7 +159,8 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         ids = torch.from_numpy(pruned.text_ids).to(embeds.device)
         rows = span_rows(embeds[keep.to(embeds.device)], self.model.embed_tokens(ids),
                          torch.from_numpy(is_pad))
-        return rows, torch.from_numpy(positions)
+        return VideoSpan(rows, torch.from_numpy(positions),
+                         pruned.span_ids(is_pad, int(self.config.video_token_id)))
 
     # ---- weights ----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -13,7 +13,9 @@ video, so how many each frame keeps is known only then. The pruned span is the u
 with the dropped pads taken out: every text token stays, every kept token keeps the position
 it has unpruned, and the text after the video starts where it would unpruned. Its rows are
 the kept tower rows at the pads and the token embeddings of the texts (zero deepstack
-there), so every position of the span takes an encoder row."""
+there), so every position of the span takes an encoder row. The prompt keeps the planned
+layout's ids, so at some span positions the model reads another id than the prompt's
+(span_ids): the runner leaves those positions' prompt logprobs None (worker/mm_step.py)."""
 
 from __future__ import annotations
 
@@ -117,6 +119,16 @@ class PrunedVideo:
         columns = np.ones(len(mask), dtype=bool)
         columns[mask.astype(bool)] = keep
         return positions[:, columns], mask[columns].astype(bool), end
+
+    def span_ids(self, is_pad: np.ndarray, pad_id: int) -> np.ndarray:
+        """[L] the token ids a span laid out with pads at is_pad ([L] bool, from layout)
+        holds: pad_id at the pads, the texts between frames in order elsewhere."""
+        if int((~is_pad).sum()) != len(self.text_ids):
+            raise ValueError(f"a pruned span with {int((~is_pad).sum())} text positions; "
+                             f"the video has {len(self.text_ids)} text tokens")
+        ids = np.full(len(is_pad), pad_id, dtype=np.int64)
+        ids[~is_pad] = self.text_ids
+        return ids
 
 
 def span_rows(kept: torch.Tensor, text: torch.Tensor, is_pad: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ Each model keeps its own checkpoint name mapping."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
@@ -186,3 +187,16 @@ def mrope_walk(prompt_len: int, features: list[Any],
     positions = np.concatenate(parts, axis=1)
     delta = int(positions.max()) + 1 - prompt_len
     return torch.from_numpy(positions.astype(np.int64)), delta
+
+
+@dataclass(frozen=True)
+class VideoSpan:
+    """A video's span as prune_video lays it out once the tower has run (EVS): the rows the
+    encoder cache keeps for it [n, D], their M-RoPE positions relative to the span's first
+    [3, n], and the token ids the model reads at the span's positions when they are not the
+    prompt's (Qwen3-VL: the timestamps between frames sit where the kept tokens put them,
+    not where the prompt planned them); None: the prompt's own ids."""
+
+    rows: torch.Tensor
+    positions: torch.Tensor
+    token_ids: np.ndarray | None = None

@@ -12,13 +12,21 @@ graphs with 1-D positions.
 EVS (video_pruning_rate): a video's prompt holds pads only for the tokens pruning keeps, so
 its positions are known only once the tower has run: the model's prune_video gives the kept
 rows (cached) and their original (t, h, w) positions, which overwrite the placeholder
-positions of every request's span of that video before a step reads them."""
+positions of every request's span of that video before a step reads them.
+
+Prompt logprobs under EVS: the prompt (and the prompt_token_ids a user gets back) keeps the
+planned layout, while a Qwen3-VL span reads its timestamp texts where the kept tokens put
+them, so at some span positions the model reads another token than the prompt's. Those
+positions' prompt logprobs are left None (as the first token's): scoring the prompt's id
+there would score a token the model never read at that place. Every other position, pads
+included, scores the prompt's id, so the list still lines up with prompt_token_ids."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from shoal.core.scheduler_output import SchedulerOutput
@@ -48,6 +56,10 @@ class MultiModalRunner:
         self.mrope: dict[int, _MRope] = {}  # request serial -> its prompt's positions
         self.prunes = hasattr(model, "prune_video")
         self.kept_positions: dict[str, torch.Tensor] = {}  # video identifier -> [3, kept]
+        # video identifier -> the ids the model reads over its span, where not the prompt's
+        self.span_ids: dict[str, np.ndarray] = {}
+        # serial -> prompt positions whose prompt token the model does not read there
+        self.unread: dict[int, frozenset[int]] = {}
         self.pending: dict[int, list[Any]] = {}  # serial -> videos whose positions wait
         self.num_encoded = 0  # images encoded (tests count them)
 
@@ -65,10 +77,11 @@ class MultiModalRunner:
         for ident in sched.encoder_free:
             self.cache.pop(ident, None)
             self.kept_positions.pop(ident, None)
+            self.span_ids.pop(ident, None)
         if sched.encoder_inputs:
             self._encode(sched, states)
         if self.pending:
-            self._place_videos()
+            self._place_videos(states)
 
     def _encode(self, sched: SchedulerOutput, states: dict[int, RequestState]) -> None:
         todo: dict[str, Any] = {}
@@ -78,22 +91,33 @@ class MultiModalRunner:
         outputs = self.model.embed_multimodal(list(todo.values()))
         for (ident, feature), out in zip(todo.items(), outputs):
             if feature.modality == "video" and self.prunes:
-                out, self.kept_positions[ident] = self.model.prune_video(feature, out)
+                span = self.model.prune_video(feature, out)
+                out, self.kept_positions[ident] = span.rows, span.positions
+                if span.token_ids is not None:
+                    self.span_ids[ident] = span.token_ids
             self.cache[ident] = out
         self.num_encoded += len(todo)
 
-    def _place_videos(self) -> None:
+    def _place_videos(self, states: dict[int, RequestState]) -> None:
         """Pending video spans whose kept positions are known take them, offset by the
-        span's first position (its first token, always kept, is at (start, start, start))."""
+        span's first position (its first token, always kept, is at (start, start, start)),
+        and note the span positions where the model reads another id than the prompt's."""
         for serial in list(self.pending):
             rope, left = self.mrope.get(serial), []
             for f in self.pending[serial]:
                 rel = self.kept_positions.get(f.identifier)
                 if rel is None:
                     left.append(f)
-                elif rope is not None:
+                    continue
+                if rope is not None:
                     span = rope.positions[:, f.offset:f.end]
                     span.copy_(rel + span[0, 0])
+                seen = self.span_ids.get(f.identifier)
+                if seen is not None and serial in states:
+                    planned = np.asarray(states[serial].prompt_token_ids[f.offset:f.end])
+                    moved = f.offset + np.flatnonzero(planned != seen)
+                    self.unread[serial] = self.unread.get(serial, frozenset()) | frozenset(
+                        moved.tolist())
             if left:
                 self.pending[serial] = left
             else:
@@ -103,14 +127,20 @@ class MultiModalRunner:
         for serial in serials:
             self.mrope.pop(serial, None)
             self.pending.pop(serial, None)
+            self.unread.pop(serial, None)
 
     def reset(self) -> None:
         self.cache.clear()
         self.kept_positions.clear()
+        self.span_ids.clear()
 
     def prepare(self, inp: StepInputs) -> None:
         """Sets inp.mm for a step that places encoder outputs or needs 3-D positions, and
-        shifts the 1-D positions of M-RoPE requests by their delta."""
+        shifts the 1-D positions of M-RoPE requests by their delta; hands the prompt
+        logprobs the positions they leave None (unread)."""
+        for serial, *_ in inp.prompt_lp_spans:
+            if serial in self.unread:
+                inp.prompt_lp_unread[serial] = self.unread[serial]
         rows: list[torch.Tensor] = []
         flat: list[int] = []
         tables: list[tuple[int, int, int, _MRope]] = []  # (flat start, ctx, n, positions)

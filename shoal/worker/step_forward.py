@@ -194,7 +194,8 @@ class StepForwarder:
     def _prompt_logprobs(self, inp: StepInputs, hidden: torch.Tensor
                          ) -> dict[int, list[tuple[int, Logprobs]]]:
         """Logprob of prompt token p+1 given tokens up to p, for the prompt positions in this
-        step's chunk of each request that asked for prompt_logprobs."""
+        step's chunk of each request that asked for prompt_logprobs; none for a position
+        whose prompt token the model does not read (inp.prompt_lp_unread: it stays None)."""
         states = {it.serial: st for it, st in zip(inp.items, inp.states)}
         result: dict[int, list[tuple[int, Logprobs]]] = {}
         for serial, start, ctx, n in inp.prompt_lp_spans:
@@ -208,6 +209,8 @@ class StepForwarder:
                 targets = to_device(prompt[ctx + 1:last + 1], torch.long, self.device)
                 lt = compute_logprobs_tensors(self.model.compute_logits(h), targets, k)
                 rows = logprobs_rows(lt, [k] * (last - ctx))
-                entries = [(ctx + 1 + j, row) for j, row in enumerate(rows) if row is not None]
+                unread = inp.prompt_lp_unread.get(serial, frozenset())
+                entries = [(ctx + 1 + j, row) for j, row in enumerate(rows)
+                           if row is not None and ctx + 1 + j not in unread]
             result[serial] = entries
         return result

@@ -31,6 +31,9 @@ class StepInputs:
     pending_src: list[int] = field(default_factory=list)
     # (request serial, flat start, context length, tokens) of chunks that want prompt logprobs.
     prompt_lp_spans: list[tuple[int, int, int, int]] = field(default_factory=list)
+    # Their prompt positions whose prompt token the model does not read there (EVS's pruned
+    # video spans: mm_step.py), by request serial: those prompt logprobs stay None.
+    prompt_lp_unread: dict[int, frozenset[int]] = field(default_factory=dict)
     # Speculative decoding: each sampling request's drafts (their k+1 positions give logits).
     drafts: list[list[int]] = field(default_factory=list)
     has_drafts: bool = False

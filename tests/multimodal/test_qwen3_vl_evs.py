@@ -72,9 +72,11 @@ def hand_made(oracle: Oracle, video: Video, rate: float) -> dict:
     embeds = hf.get_input_embeddings()(kept_ids)
     embeds[is_pad] = main[keep]
     pos = positions[:, 0, columns]
-    tokens = _greedy(oracle.model, embeds, pos, is_pad, [d[keep] for d in deep])
+    deepstack = [d[keep] for d in deep]
+    tokens = _greedy(oracle.model, embeds, pos, is_pad, deepstack)
     return {"ids": kept_ids.tolist(), "positions": pos, "embeds": embeds, "tokens": tokens,
-            "per_frame": keep.reshape(t, -1).sum(1).tolist()}
+            "per_frame": keep.reshape(t, -1).sum(1).tolist(), "is_pad": is_pad,
+            "deepstack": deepstack}
 
 
 def _greedy(model, embeds: torch.Tensor, positions: torch.Tensor, is_pad: torch.Tensor,
