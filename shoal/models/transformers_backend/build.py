@@ -52,15 +52,18 @@ def build_causal_lm(hf_config: Any, dtype: torch.dtype, device: torch.device,
 
 def build_model(make: Callable[..., nn.Module], hf_config: Any, dtype: torch.dtype,
                 device: torch.device,
-                prune: Callable[[nn.Module], nn.Module | None] | None = None) -> nn.Module:
+                prune: Callable[[nn.Module], nn.Module | None] | None = None,
+                attn_implementation: str | None = ATTN_IMPLEMENTATION) -> nn.Module:
     """`make(config, dtype=..., attn_implementation=...)` (an Auto class's from_config, or a
     model class's _from_config) built as build_causal_lm says. `prune` may return a
     submodule to keep instead of the whole model (an encoder's base model without its
-    checkpoint's heads): only that is materialized and returned."""
+    checkpoint's heads): only that is materialized and returned. attn_implementation None
+    leaves the attention to transformers' default for the class (an encoder whose modeling
+    code takes no custom attention function: encoder_padded.py)."""
     register_attention_function()
     cfg = copy.deepcopy(hf_config)  # from_config writes dtype and the attention choice into it
     with torch.device(device), parameters_on_meta():
-        model = make(cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION)
+        model = make(cfg, dtype=dtype, attn_implementation=attn_implementation)
     if prune is not None:
         model = prune(model) or model
     materialize(model, device)

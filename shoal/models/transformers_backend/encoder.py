@@ -3,13 +3,17 @@ shoal has no class of its own for (DistilBERT, ELECTRA, ModernBERT, XLM-R with a
 ...; or BERT itself under model_impl="transformers"), run as pooling models
 (shoal/models/interface.py's PoolingModel) by the pooling runner.
 
-The pooling runner packs a step's whole prompts back to back; the base model runs them as
-one [1, T] sequence. Its attention modules call the backend's attention function, which
+The pooling runner packs a step's whole prompts back to back. Where the modeling code takes a
+custom attention function (support.packs_prompts), the base model runs them as one [1, T]
+sequence. Its attention modules call the backend's attention function, which
 attends bidirectionally within each prompt (encoder_attention.py: no KV cache, no
 cross-prompt attention, a module's sliding window kept). Positions restart per prompt as
 position_ids, numbered as the model numbers them itself (RoBERTa's start after the padding
 index: the offset is read off a probe pass); segment ids go in as token_type_ids where the
-base model takes them.
+base model takes them. Where it takes none (MPNet, DeBERTa-v2/v3, RoFormer, ...),
+transformers' own forward runs over padded batches of the prompts with an attention mask
+(encoder_padded.py: its limits on padding and memory), and the packed states it gives back
+are pooled and classified the same way.
 
 TransformersEncoderModel embeds: the checkpoint's class is built (its heads pruned on the
 meta device, so a masked-LM checkpoint's base model keeps its own layout) and its base model
@@ -19,7 +23,8 @@ returns the given states, with the base's pooler over them where it has one).
 
 Tensor parallelism follows the config's base_model_tp_plan as for decoders
 (tensor_parallel.py: EuroBERT's, for one); an encoder whose config has none (BERT, DistilBERT,
-ModernBERT, ...) is refused by name at tensor_parallel_size > 1.
+ModernBERT, ...) is refused by name at tensor_parallel_size > 1, and so is one run over
+padded batches (transformers' own attention sizes its heads from the config, not the shard).
 
 Not here: pipeline parallelism (refused), attention soft-capping or sinks,
 modeling code that mixes tokens outside the attention function (refused where a layer never
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import logging
 import re
 from collections.abc import Iterable
 from typing import Any, ClassVar
@@ -40,21 +46,26 @@ from shoal.attention.packed import PackedSeqs
 from shoal.distributed.parallel_state import get_pp_world_size, get_tp_world_size
 from shoal.models.interface import PoolingModelBase, SequenceClassifierBase
 from shoal.models.transformers_backend.attention import (
+    ATTN_IMPLEMENTATION,
     AttentionCall,
     packed_step_context,
     probe_attention,
 )
 from shoal.models.transformers_backend.build import adopt, build_model
 from shoal.models.transformers_backend.encoder_attention import PackedStep
+from shoal.models.transformers_backend.encoder_padded import PaddedEncoder
 from shoal.models.transformers_backend.model import check_local_heads
 from shoal.models.transformers_backend.support import (
     check_supported,
     encoder_checkpoint_class,
     is_encoder_only,
     is_sequence_classifier,
+    packs_prompts,
 )
 from shoal.models.transformers_backend.tensor_parallel import TPPlan, apply_tp_plan, tp_plan
 from shoal.models.transformers_backend.weights import load_checkpoint
+
+logger = logging.getLogger(__name__)
 
 # Tokens of the construction-time probe pass (several, so positions show their numbering).
 _PROBE_TOKENS = 3
@@ -83,31 +94,44 @@ class TransformersEncoderModel(nn.Module, PoolingModelBase):
             raise self._refusal(f"{type(self).__name__} does not build this checkpoint class")
         if get_pp_world_size() > 1:
             raise self._refusal("pipeline parallelism (an encoder runs in one stage)")
+        packed = packs_prompts(cls)
         tp = get_tp_world_size()
+        if tp > 1 and not packed:
+            raise self._refusal("tensor parallelism: its modeling code takes no custom "
+                                "attention function, so it runs whole, over padded batches")
         # (ValueError naming the architecture where the config has no plan that splits it)
         plan = tp_plan(hf_config, tp) if tp > 1 else None
         # A task checkpoint's tensors carry the base model's prefix; what else it holds
         # belongs to heads an embedder does not build.
         self._task_checkpoint = not classifier and not _is_base_model(cls)
         hf = build_model(cls._from_config, hf_config, dtype, torch.get_default_device(),
-                         None if classifier else _base_model)
+                         None if classifier else _base_model,
+                         ATTN_IMPLEMENTATION if packed else None)
         if plan is not None:  # (it names base-model layers: a classifier's head stays whole)
             apply_tp_plan(hf, plan)
         # (parameter names are the checkpoint's, less the base prefix for an embedder)
         adopt(self, hf)
         self.config = hf_config
-        self.hidden_size = int(hf_config.hidden_size)
         self.dtype = dtype
         self.__dict__["base"] = hf.base_model
+        # (without the base prefix: checkpoints name them either way)
+        self._buffer_names = {name.removeprefix(f"{hf.base_model_prefix}.")
+                              for name, _ in hf.named_buffers()}
+        self.padded: PaddedEncoder | None = None
+        if not packed:
+            self.padded = PaddedEncoder(self.base, hf_config, self.architecture)
+            self.hidden_size = self.padded.hidden_size
+            logger.info("%s runs over padded batches (its modeling code takes no custom "
+                        "attention function)%s", self.architecture,
+                        "" if self.padded.pads else ", one prompt length per batch")
+            return
+        self.hidden_size = int(hf_config.hidden_size)
         accepts = inspect.signature(self.base.forward).parameters
         if "position_ids" not in accepts:
             raise self._refusal(f"{type(self.base).__name__}.forward takes no position_ids, so "
                                 "positions cannot restart at each packed prompt")
         self._takes_token_types = "token_type_ids" in accepts
         self._takes_use_cache = "use_cache" in accepts
-        # (without the base prefix: checkpoints name them either way)
-        self._buffer_names = {name.removeprefix(f"{hf.base_model_prefix}.")
-                              for name, _ in hf.named_buffers()}
         self.position_offset = self._probe(hf_config, plan)
 
     def _refusal(self, reason: str) -> ValueError:
@@ -120,6 +144,8 @@ class TransformersEncoderModel(nn.Module, PoolingModelBase):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attn_metadata: PackedSeqs) -> torch.Tensor:
         """[T] packed prompts -> [T, hidden_size] final hidden states."""
+        if self.padded is not None:  # (positions are the model's own: right padding)
+            return self.padded(input_ids, attn_metadata)
         with packed_step_context(PackedStep(attn_metadata)):
             return self._run(input_ids, positions + self.position_offset,
                              attn_metadata.token_type_ids)
@@ -217,9 +243,14 @@ class TransformersEncoderForSequenceClassification(TransformersEncoderModel,
         self.num_labels = int(hf_config.num_labels)
         self.classifier_pooling_type = classifier_pooling(hf_config)
         self.__dict__["head_view"] = head_only_view(self.hf_model)
-        with torch.no_grad():  # (parameters are zeros here: only the shape is checked)
-            logits = self.classify(torch.zeros(2, self.hidden_size, dtype=dtype,
-                                               device=next(self.parameters()).device))
+        try:
+            with torch.no_grad():  # (parameters are zeros here: only the shape is checked)
+                logits = self.classify(torch.zeros(2, self.hidden_size, dtype=dtype,
+                                                   device=next(self.parameters()).device))
+        except (AttributeError, TypeError, RuntimeError) as e:
+            raise self._refusal(f"its classification head does not run over the pooled "
+                                f"token alone ({type(e).__name__}: {e}): it reads more of the "
+                                "base model's inputs or outputs") from e
         if tuple(logits.shape) != (2, self.num_labels):
             raise self._refusal(f"its classification head gives logits of shape "
                                 f"{tuple(logits.shape)} for 2 pooled tokens, not "

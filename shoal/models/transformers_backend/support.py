@@ -5,10 +5,13 @@ encoder.py.
 
 Decoders run as transformers' causal LM (model.py); encoder-only models (is_encoder_only:
 BERT-like families, bidirectional attention) as its base model or sequence classifier under
-the pooling runner (encoder.py)."""
+the pooling runner (encoder.py): packed prompts where the modeling code takes a custom
+attention function, transformers' own forward over padded batches where it does not (MPNet,
+DeBERTa, ...: encoder_padded.py)."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 # Layer kinds whose cache is shoal's paged K/V (full, or a sliding window).
@@ -116,13 +119,21 @@ def encoder_checkpoint_class(hf_config: Any) -> type:
     """transformers' class of an encoder's checkpoint (architectures[0]), else its base model
     class (a config without architectures, or naming a class of another model type)."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
     archs = getattr(hf_config, "architectures", None) or []
     cls = getattr(transformers, archs[0], None) if archs else None
     if isinstance(cls, type) and getattr(cls, "config_class", None) is type(hf_config):
         return cls
-    return MODEL_MAPPING[type(hf_config)]
+    return _base_model_class(hf_config)
+
+
+def _base_model_class(hf_config: Any) -> type:
+    """transformers' base model class for the config (the first where a model type has
+    several: Funnel's full model before its encoder-only one)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    cls = MODEL_MAPPING[type(hf_config)]
+    return cls[0] if isinstance(cls, tuple) else cls
 
 
 def encoder_unsupported_reason(hf_config: Any, runner: str) -> str | None:
@@ -142,11 +153,22 @@ def encoder_unsupported_reason(hf_config: Any, runner: str) -> str | None:
     except KeyError:
         return (f"transformers has no model class for model_type "
                 f"{getattr(hf_config, 'model_type', None)!r}")
-    if not getattr(cls, "_supports_attention_backend", False):
+    if packs_prompts(cls):
+        return None
+    # transformers' own forward over padded batches (encoder_padded.py) feeds it token ids
+    base = _base_model_class(hf_config)
+    if "input_ids" not in inspect.signature(base.forward).parameters:
         return (f"its modeling code ({cls.__name__}) does not support custom attention "
-                "functions (_supports_attention_backend is False), so shoal's packed "
-                "attention cannot be plugged in")
+                f"functions, and its base model {base.__name__} takes no input_ids (it reads "
+                "other inputs), so it cannot run over padded token batches either")
     return None
+
+
+def packs_prompts(cls: type) -> bool:
+    """Whether an encoder's checkpoint class takes a custom attention function, so the
+    backend runs a step's prompts packed (encoder.py); otherwise transformers' own forward
+    runs over padded batches (encoder_padded.py)."""
+    return bool(getattr(cls, "_supports_attention_backend", False))
 
 
 def encoder_class_path(hf_config: Any) -> tuple[str, str] | None:
