@@ -186,7 +186,9 @@ def takes_transformers_backend(hf_config: Any, runner: str, model_impl: str) -> 
 def model_path(cls: type) -> str:
     """How a model class runs, for start-up logs."""
     if cls.__module__.startswith("shoal.models.transformers_backend."):
-        return "the Transformers backend (transformers' modeling code, shoal's paged attention)"
+        # encoders whose code takes no custom attention run padded batches instead (the
+        # encoder logs which path it took)
+        return "the Transformers backend (transformers' modeling code)"
     return "shoal's own model class"
 
 
