@@ -107,6 +107,12 @@ class Executor(ABC):
         an executor without such a drafter ignores it."""
         return None
 
+    def lockstep_loras(self, agree: Any) -> None:
+        """DP+EP: `agree` (as lockstep_drafts') lets the MoE experts' LoRA slots, one table
+        over the replicas, skip exchanging the adapters of a step where no replica's changed
+        (lora/shared_expert_slots.py); an executor without them ignores it."""
+        return None
+
     def pad_draft_passes(self) -> None:
         """DP+EP, after each step: the drafter's dummy passes up to the agreed count."""
         return None

@@ -126,6 +126,9 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[int, list[tuple[int, Logprobs]]] = field(default_factory=dict)
     # requests whose logits were not finite: they are finished with an error
     failed_serials: set[int] = field(default_factory=set)
+    # requests the step could not run as asked, with why (DP+EP: a LoRA adapter a replica
+    # could not load, lora/slots.py): they are finished with that error
+    failed_errors: dict[int, str] = field(default_factory=dict)
     # KV offloading: ids of the transfer plans whose copies have completed (the step's own
     # plan once its results are in; the scheduler then lets go of the plan's CPU slots)
     kv_transfers_done: list[int] = field(default_factory=list)

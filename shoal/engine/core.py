@@ -72,8 +72,9 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
         # joined before the model is built; None otherwise.
         self.dp_lockstep = join_dp_lockstep(config)
         self.runner: Executor = build_model_executor(config, loaded)
-        if self.dp_lockstep is not None:  # a drafter's passes agreed with the replicas
+        if self.dp_lockstep is not None:  # a drafter's passes, expert LoRA slots agreed
             self.runner.lockstep_drafts(self.dp_lockstep.agree_max)
+            self.runner.lockstep_loras(self.dp_lockstep.agree_max)
         try:
             layout = self.runner.initialize_kv_cache()
             self.scheduler: Scheduler | PoolingScheduler = (

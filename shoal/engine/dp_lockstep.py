@@ -10,6 +10,11 @@ one with no work of its own (or whose schedule came up empty) runs a dummy forwa
 made-up token (`ModelRunner.run_dummy_batch`, vLLM's dummy batch), sampling nothing. A
 drafter whose MoE layers split their experts too (speculative decoding) runs as many passes
 as the others: one more round, max, on its first pass (shoal/worker/draft_lockstep.py).
+With LoRA on the MoE experts, every forward pass (a dummy one too) starts with one more
+round, max: whether some replica's step adapters changed, and so whether the replicas must
+exchange them to keep their shared expert slots alike (shoal/lora/shared_expert_slots.py).
+That bid cannot ride on the round at the start of a step, which comes before the scheduler
+picks the step's requests.
 
 Serving, an idle engine core still takes part in one round every IDLE_SYNC_MS (a heartbeat:
 a request that reaches any replica starts the next step on all of them within that time);
@@ -104,8 +109,9 @@ class DPLockstep:
         runner.pad_draft_passes()
 
     def agree_max(self, value: int) -> int:
-        """One round mid-step: the largest `value` of any replica (each calls it once at the
-        same point of the step: a drafter's pass count, worker/draft_lockstep.py)."""
+        """One round mid-step: the largest `value` of any replica (each calls it at the same
+        points of the step: whether its expert LoRA adapters changed, before the forward pass,
+        lora/shared_expert_slots.py; a drafter's pass count, worker/draft_lockstep.py)."""
         import torch.distributed as dist
 
         try:

@@ -10,7 +10,7 @@ from shoal.core.errors import ErrorCode
 from shoal.core.request import Request, RequestStatus
 from shoal.core.scheduler_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from shoal.core.types import EngineCoreOutput
-from shoal.engine.request_table import error_output
+from shoal.engine.request_table import engine_failed_message, error_output
 from shoal.engine.token_results import keep_tokens, produced_tokens, token_output
 
 
@@ -40,7 +40,8 @@ class StepResults:
             self.connector.saved(result.kv_saved)
         outputs = self.table.take_pending_outputs()
         for item in sched.scheduled:
-            failed = item.serial in result.failed_serials
+            error = result.failed_errors.get(item.serial)
+            failed = error is not None or item.serial in result.failed_serials
             if item.sample and self.failed_blocks.pending:
                 self.failed_blocks.settle(item.serial, failed)
             req = self.table.by_serial.get(item.serial)
@@ -50,8 +51,10 @@ class StepResults:
                 req.num_pending_tokens -= 1
             if failed:
                 self._end(req, RequestStatus.FINISHED_ERROR)
-                outputs.append(error_output(req, "the model produced non-finite logits",
-                                            ErrorCode.NON_FINITE))
+                outputs.append(
+                    error_output(req, "the model produced non-finite logits",
+                                 ErrorCode.NON_FINITE) if error is None else
+                    error_output(req, engine_failed_message(error), ErrorCode.ENGINE_FAILED))
                 continue
             prompt_lp = result.prompt_logprobs.get(req.serial)
             if item.sample:

@@ -6,12 +6,20 @@ all_to_all.py) hands a token's (token, expert) pairs to the replicas owning its 
 owner must apply the token's adapter to its own experts, and may never have seen a request of
 that adapter. So the expert slots form one table shared by the replicas:
 
-- Before each forward pass (set_step, also a replica's dummy pass) the replicas gather the
-  adapters of their steps' tokens (one all_gather_object over the expert-parallel group) and
-  each runs the same deterministic assignment on the union: an adapter keeps its slot, a new
-  one takes a free slot or the least recently used one no step token needs. Same inputs, same
-  order: every replica ends with the same table, and loads the adapters new to it (its own
-  experts' slices, read from disk where its host memory lacks them) before the forward pass.
+- Before each forward pass (set_step, also a replica's dummy pass) the replicas agree on the
+  adapters of their steps' tokens and each runs the same deterministic assignment on the
+  union: an adapter keeps its slot, a new one takes a free slot or the least recently used one
+  no step token needs. Same inputs, same order: every replica ends with the same table, and
+  loads the adapters new to it (its own experts' slices, read from disk where its host memory
+  lacks them) before the forward pass.
+- Agreeing is cheap while no replica's set changes, the usual case over a run of decode
+  steps: each replica bids whether its step's adapters differ from those it sent last time
+  (one all-reduce, max, of an int over the lockstep's CPU group: no pickling, no device
+  sync). Only when some replica's did do they exchange their sets (an all_gather_object over
+  the expert-parallel group); otherwise the union is the one agreed last, and every replica
+  marks it used at this step, as the exchange would have. (The bid cannot ride on the
+  lockstep's round at the start of a step: that round comes before the scheduler picks the
+  step's requests.)
 - A token's slot in that table travels beside its hidden state in the all-to-all (only in
   steps where some replica has an adapter: every replica knows from the union), and the
   owner adds the delta of that slot's A and B of its local expert.
@@ -22,12 +30,21 @@ union never exceeds data_parallel_size * max_loras slots; each replica holds tha
 its experts (E / dp of them): the memory of max_loras slots of every expert, as on one rank.
 Pins (pin_lora) hold dense slots only; an expert slot is taken when a step needs it.
 
+An adapter some replica cannot load (its files changed or went away, so one version of an id
+is gone from disk while another replica still serves it from memory) is bad input, not a
+broken engine: the replicas learn of it together (a replica's own failed load travels in the
+exchange, a failed load of a new slot in confirm's), leave it out of the table, and its
+requests, on whichever replica, run this step without it and fail with the reason; the
+others' requests go on. A later step that names it again (another request of that version)
+bids a change, so it is tried again, never left half-agreed.
+
 The replicas must agree on the settings the table depends on: check_same_lora_settings runs
-when they join (dp_lockstep.py). A replica that fails to load an adapter makes every replica's
-step fail with its message (confirm), not the others' all-to-all wait for it."""
+when they join (dp_lockstep.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,10 +54,21 @@ from shoal.config.lora import LoRAConfig
 from shoal.lora_request import LoRARequest
 
 Key = tuple[int, str, str]  # (lora_int_id, lora_path, content_digest or "")
+AgreeMax = Callable[[int], int]  # a replica's bid -> the largest of any replica's
 
 
 def slot_key(lora: LoRARequest) -> Key:
     return lora.lora_int_id, lora.lora_path, lora.content_digest or ""
+
+
+@dataclass
+class Agreement:
+    """What one step's agreement asks of every replica (the same on each)."""
+
+    # (slot, adapter) assigned anew: each replica loads its experts' slices of them now
+    writes: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    # adapters some replica could not load, left out of the table: key -> why
+    failed: dict[Key, str] = field(default_factory=dict)
 
 
 class SharedExpertSlots:
@@ -48,6 +76,9 @@ class SharedExpertSlots:
 
     def __init__(self, num_slots: int, max_tokens: int, group: Any, device: torch.device):
         self.group = group  # the expert-parallel group of the replicas (FusedMoE's dispatch)
+        # the lockstep's all-reduce (engine/dp_lockstep.py: DPLockstep.agree_max), set once
+        # the engine core has it; None: the sets are exchanged at every step
+        self.agree_max: AgreeMax | None = None
         self.in_slot: list[Key | None] = [None] * num_slots
         self.slot_of: dict[Key, int] = {}
         self.last_used = [0] * num_slots
@@ -55,20 +86,37 @@ class SharedExpertSlots:
         self.num_tokens = 0
         self.active = False  # some replica's step has an adapter: slots travel with tokens
         self._steps = 0
+        self._sent: list[Key] = []  # this replica's step adapters at the last exchange
+        self._union: list[Key] = []  # every replica's then, those that failed left out
 
-    def agree(self, loras: list[LoRARequest | None]) -> list[tuple[int, LoRARequest]]:
-        """A collective: the step's adapters of every replica into the table. Returns the
-        (slot, adapter) pairs this step assigned anew, the same on every replica: each loads
-        them into its layers' slots before the forward pass."""
+    def agree(self, loras: list[LoRARequest | None], refused: dict[Key, str]) -> Agreement:
+        """A collective: the step's adapters of every replica into the table. `refused`: this
+        replica's adapters it could not load itself (key -> why). Every replica gets the same
+        Agreement: it loads the writes into its layers' slots before the forward pass, then
+        calls confirm."""
         mine = sorted({slot_key(x): x for x in loras if x is not None}.items())
-        gathered: list[list[tuple[Key, LoRARequest]] | None] = \
-            [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, mine, group=self.group)
-        union: dict[Key, LoRARequest] = {}
-        for replica in gathered:
-            for key, lora in replica or []:
-                union.setdefault(key, lora)
+        keys = [key for key, _ in mine]
         self._steps += 1
+        changed = (keys != self._sent or bool(refused)
+                   or any(key not in self.slot_of for key in keys))
+        if self.agree_max is not None and not self.agree_max(int(changed)):
+            for key in self._union:  # what the exchange would have marked used
+                self.last_used[self.slot_of[key]] = self._steps
+            return Agreement()
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, (mine, refused), group=self.group)
+        self._sent = keys
+        union: dict[Key, LoRARequest] = {}
+        failed: dict[Key, str] = {}
+        for rank, (replica, errors) in enumerate(gathered):
+            for key, why in errors.items():
+                failed.setdefault(key, f"DP+EP replica {rank} could not load {why}")
+            for key, lora in replica:
+                union.setdefault(key, lora)
+        for key in failed:
+            union.pop(key, None)
+            self._forget(key)
+        self._union = sorted(union)
         self.active = bool(union)
         if len(union) > len(self.in_slot):
             raise RuntimeError(f"DP+EP: the replicas' steps need {len(union)} expert adapter "
@@ -78,10 +126,10 @@ class SharedExpertSlots:
             if key in self.slot_of:
                 self.last_used[self.slot_of[key]] = self._steps
         writes = []
-        for key in sorted(union):
+        for key in self._union:
             if key not in self.slot_of:
                 writes.append((self._take(key, set(union)), union[key]))
-        return writes
+        return Agreement(writes, failed)
 
     def _take(self, key: Key, needed: set[Key]) -> int:
         free = [s for s, held in enumerate(self.in_slot) if held is None]
@@ -95,26 +143,35 @@ class SharedExpertSlots:
         self.last_used[slot] = self._steps
         return slot
 
-    def confirm(self, writes: list[tuple[int, LoRARequest]], error: str | None) -> None:
-        """After the loads of `writes` (every replica calls it when writes is not empty, as
-        the table says alike): raises on every replica when one failed, its slots emptied."""
-        gathered: list[str | None] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(gathered, error, group=self.group)
-        failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
-        if not failed:
-            return
-        for slot, lora in writes:
+    def _forget(self, key: Key) -> None:
+        slot = self.slot_of.pop(key, None)
+        if slot is not None:
             self.in_slot[slot] = None
-            self.slot_of.pop(slot_key(lora), None)
-        rank, message = failed[0]
-        raise RuntimeError(f"DP+EP: replica {rank} could not load the expert slices of a LoRA "
-                           f"adapter another replica's step needs: {message}")
+
+    def confirm(self, writes: list[tuple[int, LoRARequest]], errors: dict[Key, str]
+                ) -> dict[Key, str]:
+        """After the loads of `writes` (every replica calls it when writes is not empty, as
+        the table says alike), `errors` this replica's failed ones (key -> why). Returns
+        every replica's, the same on each: those adapters' slots are emptied."""
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, errors, group=self.group)
+        failed: dict[Key, str] = {}
+        for rank, replica in enumerate(gathered):
+            for key, why in replica.items():
+                failed.setdefault(key, f"DP+EP replica {rank} could not load the expert "
+                                       f"slices of {why}")
+        for key in failed:
+            self._forget(key)
+        self._union = [key for key in self._union if key not in failed]
+        self.active = bool(self._union)
+        return failed
 
     def set_tokens(self, loras: list[LoRARequest | None], num_tokens: list[int]) -> None:
-        """The step's token -> shared slot rows (-1: no adapter), in the step's order."""
+        """The step's token -> shared slot rows (-1: no adapter, or one that failed), in the
+        step's order."""
         rows: list[int] = []
         for lora, n in zip(loras, num_tokens):
-            rows.extend([-1 if lora is None else self.slot_of[slot_key(lora)]] * n)
+            rows.extend([-1 if lora is None else self.slot_of.get(slot_key(lora), -1)] * n)
         n, prev = len(rows), self.num_tokens
         if n > self.token_slots.shape[0]:
             raise ValueError(f"a step of {n} tokens; the LoRA slot table holds "

@@ -6,7 +6,11 @@ Under pipeline parallelism each stage holds the slots of its own layers and read
 adapter tensors of those (stage_limits.py). Which modules get slots at all: the
 lora_target_modules setting (target_modules.py; by default the MoE experts too). Under DP+EP
 the MoE experts' slots are a table the replicas share (shared_expert_slots.py), agreed at
-each step; the dense slots stay this replica's own.
+each step; the dense slots stay this replica's own. There a step's adapter that cannot be
+loaded (its files changed or went away) fails its requests alone, with the reason, on every
+replica (set_step's step_errors, per request): raising would leave the other replicas
+waiting in the step's collectives. On one rank, or one group of tensor-parallel ranks, a
+failed load raises and the engine core fails the step's requests (engine/suspects.py).
 
 An adapter held (in host memory or a slot) is one version of its folder: (path, digest of
 its files). A request whose content_digest names another version reads the folder again, and
@@ -37,7 +41,7 @@ from shoal.lora.expert_layers import (
     moe_layers,
 )
 from shoal.lora.layers import LoRALayer, LoRAStep, add_lora_layers, fused_parts, lora_targets
-from shoal.lora.shared_expert_slots import SharedExpertSlots
+from shoal.lora.shared_expert_slots import Key, SharedExpertSlots, slot_key
 from shoal.lora.stage_limits import StageModules, whole_model_limits
 from shoal.lora.target_modules import expand, unknown_names, wants_experts
 from shoal.lora.weights import AdapterWeights, load_adapter_weights
@@ -68,6 +72,7 @@ class LoRASlots:
         # the routed experts of MoE layers (expert_layers.py), when asked for; under DP+EP
         # in slots the replicas share (a step's adapters of every replica: dp x max_loras)
         group = dispatch_group(model)
+        self.dp_ep = group is not None  # replicas in lockstep: a failed load must not raise
         num_slots = config.max_loras * (1 if group is None else dist.get_world_size(group))
         self.expert_layers: list[ExpertLoRA] = add_expert_lora(
             model, self.step, num_slots, config.max_lora_rank, dtype, device
@@ -106,6 +111,7 @@ class LoRASlots:
         self.pinned: set[int] = set()  # adapter ids kept in host memory and in their slot
         self._steps = 0
         self.loads = 0  # adapters read from disk (tests and logs)
+        self.step_errors: list[str | None] = []  # (set_step's: its requests' failed loads)
 
     # ---- host memory --------------------------------------------------------------------------
     def add(self, lora: LoRARequest) -> AdapterWeights:
@@ -198,48 +204,67 @@ class LoRASlots:
 
     # ---- device slots -------------------------------------------------------------------------
     def set_step(self, loras: list[LoRARequest | None], num_tokens: list[int]) -> None:
-        """The step's requests' adapters and token counts, in the step's order."""
+        """The step's requests' adapters and token counts, in the step's order. Sets
+        step_errors: empty, or per request None or why its adapter could not be had; only
+        under DP+EP, where such a request runs this step without the adapter and the runner
+        fails it (elsewhere a failed load raises)."""
         self._steps += 1
+        self.step_errors = []
         wanted = {lora.lora_int_id: lora for lora in loras if lora is not None}
         if len(wanted) > len(self.in_slot):
             raise RuntimeError(f"a step with {len(wanted)} LoRA adapters; max_loras is "
                                f"{len(self.in_slot)}")
+        refused: dict[Key, str] = {}  # (DP+EP) this replica's adapters it could not load
         for lora in wanted.values():
-            self._slot(lora, set(wanted))
+            if not self.dp_ep:
+                self._slot(lora, set(wanted))
+                continue
+            try:
+                self._slot(lora, set(wanted))
+            except Exception as e:  # (the other replicas hear of it in _share_expert_slots)
+                refused[slot_key(lora)] = _why(lora, e)
         table: list[int] = []
         for lora, n in zip(loras, num_tokens):
-            slot = -1 if lora is None else self.slot_of[lora.lora_int_id]
+            slot = (-1 if lora is None or (refused and slot_key(lora) in refused)
+                    else self.slot_of[lora.lora_int_id])
             table.extend([slot] * n)
         self.step.set(table)
-        if self.shared is not None:
-            self._share_expert_slots(loras, num_tokens)
+        failed = (refused if self.shared is None
+                  else self._share_expert_slots(loras, num_tokens, refused))
+        if failed:
+            self.step_errors = [None if lora is None else failed.get(slot_key(lora))
+                                for lora in loras]
 
-    def _share_expert_slots(self, loras: list[LoRARequest | None], num_tokens: list[int]
-                            ) -> None:
+    def _share_expert_slots(self, loras: list[LoRARequest | None], num_tokens: list[int],
+                            refused: dict[Key, str]) -> dict[Key, str]:
         """DP+EP (a collective, every replica at every forward pass): the replicas' step
-        adapters into the shared expert slots, new ones loaded (shared_expert_slots.py)."""
+        adapters into the shared expert slots, new ones loaded (shared_expert_slots.py).
+        Returns the adapters some replica could not load (key -> why), the same on every
+        replica: their tokens run without them."""
         assert self.shared is not None
-        writes = self.shared.agree(loras)
-        if writes:  # (alike on every replica, so is confirm's collective)
-            error = None
-            try:
-                for slot, lora in writes:
+        agreed = self.shared.agree(loras, refused)
+        failed = dict(agreed.failed)
+        if agreed.writes:  # (alike on every replica, so is confirm's collective)
+            errors: dict[Key, str] = {}
+            for slot, lora in agreed.writes:
+                try:
                     weights = self._expert_weights(lora)
                     for layer in self.expert_layers:
                         layer.write_slot(slot, weights)
-            except Exception as e:  # every replica raises it (confirm), none waits for ever
-                error = f"{type(e).__name__}: {e}"
-            self.shared.confirm(writes, error)
+                except Exception as e:  # every replica hears of it (confirm), none waits
+                    errors[slot_key(lora)] = _why(lora, e)
+            failed.update(self.shared.confirm(agreed.writes, errors))
         self.shared.set_tokens(loras, num_tokens)
+        return failed
 
     def _expert_weights(self, lora: LoRARequest) -> AdapterWeights:
-        """The weights of an adapter some replica's step needs: from host memory, else read
-        (and kept, unless this replica holds another version of its id for its own
-        requests: then read aside, its dense slot and host copy left alone)."""
+        """The weights of an adapter some replica's step needs: add()'s (from host memory,
+        else read and kept), unless this replica holds another version of its id for its own
+        requests: then read aside, its dense slot and host copy left alone."""
         held = self.host.get(lora.lora_int_id)
-        if held is not None and _matches(held[0], lora):
-            return held[1]
-        if held is not None or lora.lora_int_id in self.slot_of:
+        slot = self.slot_of.get(lora.lora_int_id)
+        if (held is not None and not _matches(held[0], lora)) or (
+                slot is not None and not _matches(self.slot_version[slot], lora)):
             return self._read(lora)[1]
         return self.add(lora)
 
@@ -278,3 +303,9 @@ class LoRASlots:
         self.slot_version[slot] = version
         self.slot_of[lora_id] = slot
         self.last_used[slot] = self._steps
+
+
+def _why(lora: LoRARequest, error: Exception) -> str:
+    """An adapter's failed load, as its requests' error reads (with the replica before it)."""
+    return (f"LoRA adapter {lora.lora_name!r} (id {lora.lora_int_id}): "
+            f"{type(error).__name__}: {error}")

@@ -309,7 +309,7 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, RunnerGraphC
         if self.mm is not None:
             self.mm.prepare(inp)
         if self.lora is not None:
-            self.lora.set_step([st.lora for st in inp.states], inp.query_lens())
+            self.set_lora_step(inp, handle.out)  # (runner_lora.py)
         handle.forward = self.forwarder.run(inp, handle.out)
         if plan is not None and plan.saves:  # queued now: no later step has reused a block
             handle.hooks.append(save_hook(plan, caches, self.block_size, tables))

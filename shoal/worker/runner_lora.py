@@ -1,13 +1,17 @@
-"""A rank's LoRA adapters outside its steps' own loads (mixed into ModelRunner): the step's
-adapters read ahead of it, and the engine core's add_lora, remove_lora, pin_lora and
-list_loras. Every rank runs the same calls in the same order (the driver's commands,
-shoal/executor/commands.py), so all ranks hold the same adapters."""
+"""A rank's LoRA adapters (mixed into ModelRunner): the step's adapters read ahead of it and
+set into their slots, and the engine core's add_lora, remove_lora, pin_lora and list_loras.
+Every rank runs the same calls in the same order (the driver's commands,
+shoal/executor/commands.py), so all ranks hold the same adapters. Under DP+EP the step's
+adapters are read as they are set (a replica whose load fails fails those requests alone:
+lora/slots.py), and the lockstep's all-reduce reaches the shared expert slots
+(lockstep_loras)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from shoal.core.scheduler_output import SchedulerOutput
+from shoal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from shoal.lora.shared_expert_slots import AgreeMax
 from shoal.lora.slots import LoRASlots
 from shoal.lora_request import LoRARequest
 
@@ -19,14 +23,30 @@ class RunnerLoRA:
 
     def load_step_loras(self, sched: SchedulerOutput) -> None:
         """LoRA: the step's adapters into host memory (read from disk where not there yet);
-        raises when one cannot be read."""
-        if self.lora is None:
+        raises when one cannot be read. (DP+EP: set_lora_step reads them.)"""
+        if self.lora is None or self.lora.dp_ep:
             return
         new = {n.serial: n.lora for n in sched.new_requests}
         for it in sched.scheduled:
             lora = new[it.serial] if it.serial in new else self.requests[it.serial].lora
             if lora is not None:
                 self.lora.add(lora)
+
+    def set_lora_step(self, inp: Any, out: ModelRunnerOutput) -> None:
+        """The step's adapters into their slots (inp: the step's StepInputs). Under DP+EP a
+        request whose adapter some replica could not load runs without it and ends with
+        why (out.failed_errors)."""
+        assert self.lora is not None
+        self.lora.set_step([st.lora for st in inp.states], inp.query_lens())
+        for item, error in zip(inp.items, self.lora.step_errors):
+            if error is not None:
+                out.failed_errors[item.serial] = error
+
+    def lockstep_loras(self, agree: AgreeMax) -> None:
+        """DP+EP: `agree`, the replicas' all-reduce (max) of engine/dp_lockstep.py, lets the
+        shared expert slots skip exchanging a step's adapters no replica changed."""
+        if self.lora is not None and self.lora.shared is not None:
+            self.lora.shared.agree_max = agree
 
     def add_lora(self, lora: LoRARequest) -> bool:
         """Reads the adapter into host memory (and a free device slot) ahead of requests;

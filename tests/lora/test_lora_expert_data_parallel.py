@@ -3,14 +3,20 @@ with half the experts and one adapter slot of its own, serve two expert adapters
 model in one batch and give the one-rank engine's greedy tokens and logprobs. Replica 0's
 requests of adapter "experts" reach replica 1's experts, where no request of replica 1 names
 that adapter: replica 1 loads it into the shared table all the same. A later round brings a
-third adapter, which takes the least recently used shared slot on both replicas. And
-replicas whose LoRA settings differ are refused when they join."""
+third adapter, which takes the least recently used shared slot on both replicas. Over a
+round's decode steps, whose adapters stay the same, the replicas exchange their adapter sets
+once, not at every step. A third round serves one adapter id at two versions of its files,
+one of them gone from disk by then: only the requests naming that version fail, on the
+replica that has them, and the rest give the one-rank tokens. And replicas whose LoRA
+settings differ are refused when they join."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import time
 from pathlib import Path
 
 import pytest
@@ -19,6 +25,7 @@ import torch.multiprocessing as mp
 from oracle import write_tiny_checkpoint
 
 from shoal import LLM, SamplingParams
+from shoal.lora.adapter import read_adapter
 from shoal.lora.request import LoRARequest
 from shoal.lora.shared_expert_slots import check_same_lora_settings, lora_settings
 
@@ -36,6 +43,18 @@ ROUND_ONE = [(0, [5, 17, 300, 42, 7, 99], "experts"), (0, [9, 9, 9], None),
              (1, [33, 44, 55, 66, 77], "stacked"), (1, [1, 2, 3, 4], None)]
 ROUND_TWO = [(0, [12, 13, 14, 15, 16], "third"), (1, [7, 70, 170, 7, 70], "experts")]
 IDS = {"experts": 1, "stacked": 2, "third": 3}
+# Round three: adapter "versioned" (id 4) in one folder, saved first with the files of
+# "experts" (version A), then with those of "third" (version B) once replica 0 holds A in
+# memory and has a request of it; replica 1's request, added then, names B and equals "third"
+# on its prompt (ROUND_TWO). Adapter "resaved" (id 5) is saved again once replica 0 has a
+# request of it, before replica 0 reads it (its second step: the one slot is A's first).
+# (replica, prompt, adapter or None, max_tokens); replica 0 is idle after two steps and runs
+# dummy passes while replica 1 decodes.
+ROUND_THREE = [(0, ROUND_ONE[0][1], "versioned", STEPS), (0, ROUND_ONE[1][1], None, 2),
+               (0, ROUND_ONE[3][1], "resaved", STEPS), (1, ROUND_TWO[0][1], "versioned", STEPS),
+               (1, ROUND_ONE[5][1], None, STEPS)]
+THREE_IDS = {"versioned": 4, "resaved": 5}
+THREE_REFERENCE = [None, 1, None, len(ROUND_ONE), 5]  # index in the one-rank results
 
 
 def _free_port() -> int:
@@ -96,8 +115,8 @@ def moe(tmp_path_factory):
     return base, adapters
 
 
-def _greedy() -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=0)
+def _greedy(max_tokens: int = STEPS) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
 
 
 def _request(adapters: dict[str, Path], name: str | None) -> LoRARequest | None:
@@ -126,7 +145,50 @@ def one_rank(moe):
     return got[:len(cases)], got[len(cases):]
 
 
-def _replica(rank: int, port: int, base: str, adapters: dict[str, Path], out: str) -> None:
+def _save_as(folder: Path, source: Path) -> None:
+    """The adapter folder saved again with `source`'s files (each replaced whole)."""
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        shutil.copyfile(source / name, folder / f"{name}.new")
+        os.replace(folder / f"{name}.new", folder / name)
+
+
+def _round_three(llm, rank: int, adapters: dict[str, Path], folders: dict[str, Path],
+                 marker: Path) -> list:
+    """Replica 0 holds version A of "versioned" in memory and adds its requests; both folders
+    are then saved again, and replica 1 adds its own (keyed to B). Then both step until every
+    replica is idle. Each request's (error, result), in ROUND_THREE's order of this replica."""
+    eng = llm.llm_engine
+    loras = {n: LoRARequest(n, i, str(folders[n])) for n, i in THREE_IDS.items()}
+    if rank == 1:
+        deadline = time.monotonic() + 60
+        while not marker.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("replica 0 did not add its round-three requests")
+            time.sleep(0.01)
+    else:
+        eng.add_lora(loras["versioned"])  # version A into host memory
+    ids = []
+    for r, prompt, name, max_tokens in ROUND_THREE:
+        if r == rank:
+            ids.append(eng.next_request_id())
+            eng.add_request(ids[-1], prompt, _greedy(max_tokens),
+                            lora_request=None if name is None else loras[name])
+    if rank == 0:
+        _save_as(folders["versioned"], adapters["third"])  # version A is gone from disk
+        _save_as(folders["resaved"], adapters["experts"])
+        marker.touch()
+    eng.join_replicas()
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [(o.error, _results([o])[0] if o.error is None else None)
+            for o in (done[i] for i in ids)]
+
+
+def _replica(rank: int, port: int, base: str, adapters: dict[str, Path], out: str,
+             folders: dict[str, Path], marker: str) -> None:
     torch.set_num_threads(1)
     llm = LLM(model=base, max_loras=1, data_parallel_size=2, enable_expert_parallel=True,
               data_parallel_rank=rank, data_parallel_master_port=port, **ENGINE)
@@ -144,15 +206,33 @@ def _replica(rank: int, port: int, base: str, adapters: dict[str, Path], out: st
             return run_local(self, x, local_ids, lora_slots)
 
         FusedMoE._run_local_experts = record
+        gathers = [0]  # every all_gather_object of this replica (the shared slots' exchanges)
+        gather = torch.distributed.all_gather_object
+
+        def count(*args, **kwargs):
+            gathers[0] += 1
+            return gather(*args, **kwargs)
+
+        torch.distributed.all_gather_object = count
+        lockstep = llm.llm_engine.core.dp_lockstep
         result: dict = {"slots": slots.expert_layers[0].a13.shape[:2]}
         for name, cases in (("one", ROUND_ONE), ("two", ROUND_TWO)):
             mine = [(p, n) for r, p, n in cases if r == rank]
+            gathers[0], forwards = 0, runner.num_forwards + lockstep.dummy_steps
             outs = llm.generate([p for p, _ in mine], _greedy(), use_tqdm=False,
                                 lora_request=[_request(adapters, n) for _, n in mine])
             result[name] = _results(outs)
+            result[f"passes_{name}"] = runner.num_forwards + lockstep.dummy_steps - forwards
+            result[f"gathers_{name}"] = gathers[0]
             result[f"table_{name}"] = {key[0]: slot for key, slot in slots.shared.slot_of.items()}
             result[f"received_{name}"] = sorted(received)
             received.clear()
+        gathers[0], dummies = 0, lockstep.dummy_steps
+        result["three"] = _round_three(llm, rank, adapters, folders, Path(marker))
+        result["gathers_three"] = gathers[0]
+        result["dummies_three"] = lockstep.dummy_steps - dummies
+        result["table_three"] = {(key[0], key[2]): slot
+                                 for key, slot in slots.shared.slot_of.items()}
         torch.save(result, out)
     finally:
         llm.shutdown()
@@ -171,7 +251,13 @@ def test_two_replicas_serve_expert_adapters_as_one_rank(moe, one_rank, tmp_path)
     ctx = mp.get_context("spawn")
     port = _free_port()
     outs = [str(tmp_path / f"rank{r}.pt") for r in range(2)]
-    procs = [ctx.Process(target=_replica, args=(r, port, str(base), adapters, outs[r]))
+    folders = {n: tmp_path / n for n in THREE_IDS}  # round three's adapters, first saved as
+    for name, source in (("versioned", "experts"), ("resaved", "stacked")):
+        folders[name].mkdir()
+        _save_as(folders[name], adapters[source])
+    marker = str(tmp_path / "round-three-added")
+    procs = [ctx.Process(target=_replica, args=(r, port, str(base), adapters, outs[r],
+                                                folders, marker))
              for r in range(2)]
     for p in procs:
         p.start()
@@ -202,6 +288,37 @@ def test_two_replicas_serve_expert_adapters_as_one_rank(moe, one_rank, tmp_path)
     two = [r["table_two"] for r in results]
     assert two[0] == two[1] == {IDS["experts"]: one[0][IDS["experts"]],
                                 IDS["third"]: one[0][IDS["stacked"]]}
+    # the adapter sets are exchanged when they change, not at every forward pass: only at a
+    # round's first step (the sets, then the loads' outcome); the others' sets stay the same
+    for r in results:
+        for name in ("one", "two"):
+            assert r[f"passes_{name}"] >= STEPS and r[f"gathers_{name}"] == 2, r
+    # round three: the request of version A fails (replica 1 could not load A's expert
+    # slices, its files gone), and so does that of "resaved" (replica 0 could not load it
+    # itself), each with the reason; every other request gives one rank's answer
+    per_replica = [iter(r["three"]) for r in results]
+    three = [next(per_replica[case[0]]) for case in ROUND_THREE]
+    failures = {0: "DP+EP replica 1 could not load the expert slices of LoRA adapter "
+                   "'versioned' (id 4)",
+                2: "DP+EP replica 0 could not load LoRA adapter 'resaved' (id 5)"}
+    for i, ((error, got), ref, case) in enumerate(zip(three, THREE_REFERENCE, ROUND_THREE)):
+        if i in failures:
+            assert error is not None and failures[i] in error, error
+            assert "its files changed after the request arrived" in error, error
+            continue
+        assert error is None, error
+        n = case[3]
+        _assert_same([got], [(reference[ref][0][:n], reference[ref][1][:n])])
+    # replica 0, idle after two steps, ran dummy passes in step with replica 1 (whose tokens
+    # of B still met B on replica 0's experts). Sets exchanged: step one (and the loads'
+    # outcome), two ("resaved" instead of A on replica 0), three (replica 0 idle); no more
+    assert results[0]["dummies_three"] == STEPS - 2, results[0]["dummies_three"]
+    assert [r["gathers_three"] for r in results] == [4, 4]
+    # both replicas' tables: version B kept its slot; A and "resaved" have none
+    b = read_adapter(str(adapters["third"])).digest
+    tables = [r["table_three"] for r in results]
+    assert tables[0] == tables[1]
+    assert [key for key in tables[0] if key[0] in THREE_IDS.values()] == [(4, b)]
 
 
 def test_replicas_with_other_lora_settings_are_refused():
