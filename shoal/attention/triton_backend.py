@@ -34,6 +34,7 @@ from shoal.attention.ops.kv_cache_write import write_kv_cache
 from shoal.attention.ops.mla_cache_write import write_mla_cache
 from shoal.attention.ops.mla_decode import mla_paged_decode
 from shoal.attention.ops.mla_prefill import mla_paged_prefill
+from shoal.attention.ops.mla_sparse import SparseRows, mla_sparse_attention
 from shoal.attention.ops.paged_decode import paged_decode
 from shoal.attention.ops.paged_prefill import paged_prefill
 from shoal.attention.ops.rope_kv_write import rope_kv_write
@@ -186,13 +187,22 @@ def _attend_cached(q: torch.Tensor, kv_cache: torch.Tensor, md: TritonAttentionM
 
 def latent_attention_triton(q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
                             md: TritonAttentionMetadata, scale: float,
-                            v_dim: int, kv_scale: float = 1.0) -> torch.Tensor:
+                            v_dim: int, kv_scale: float = 1.0,
+                            select: SparseRows | None = None) -> torch.Tensor:
     """MLA (AttentionBackend.forward_mla) with the Triton kernels: q [T, H, Dk], latent
     [T, Dk], kv_cache [1, slots, 1, Dk] (kv_scale: an FP8 cache's scale of the row). Same
-    row layout as paged_attention_triton."""
+    row layout as paged_attention_triton. select (DeepSeek-V3.2): the positions each query
+    row reads, every row of the step (decodes and prefill tokens) through the sparse kernel;
+    None: all it may see."""
     _check_tokens(q, md)
+    if select is not None and not isinstance(select, SparseRows):
+        raise TypeError(f"the Triton backend's sparse MLA takes SparseRows (the indexer's "
+                        f"picks on its metadata), got {type(select).__name__}")
     cache = kv_cache.view(kv_cache.shape[1], kv_cache.shape[3])
     write_mla_cache(latent, cache, md.slot_mapping, kv_scale)
+    if select is not None:
+        return mla_sparse_attention(q, cache, md.block_tables, select, md.block_size, scale,
+                                    v_dim, kv_scale=kv_scale)
     out = torch.empty(q.shape[0], q.shape[1], v_dim, dtype=q.dtype, device=q.device)
     nd = md.num_decode_rows
     if nd:
@@ -230,13 +240,15 @@ class TritonGraphBuffers:
 
 class TritonAttentionBackend(AttentionBackend):
     """The AttentionBackend interface in full: fused rotary + cache write, CUDA graphs of
-    every step shape, latent attention, attention sinks, soft-capping, FP8 caches."""
+    every step shape, latent attention (sparse too), attention sinks, soft-capping, FP8
+    caches."""
 
     name = "triton"
     supports_cuda_graphs = True
     supports_mla = True
     supports_sinks = True
     supports_softcap = True
+    supports_sparse_mla = True
     supports_fp8_kv_cache = True
 
     def __init__(self, fuse_rope_and_cache_write: bool = True) -> None:
@@ -275,9 +287,11 @@ class TritonAttentionBackend(AttentionBackend):
                                             k_scale, v_scale, softcap)
 
     def forward_mla(self, q: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor,
-                    md: TritonAttentionMetadata, scale: float, v_dim: int, *,
+                    md: TritonAttentionMetadata, scale: float, v_dim: int,
+                    select: SparseRows | None = None, *,
                     kv_scale: float = 1.0) -> torch.Tensor:
-        return latent_attention_triton(q, latent, kv_cache, md, scale, v_dim, kv_scale)
+        return latent_attention_triton(q, latent, kv_cache, md, scale, v_dim, kv_scale,
+                                       select)
 
     def warm_kernels(self, kv_cache: torch.Tensor, num_heads: int, scale: float,
                      block_size: int, sliding_window: int | None,

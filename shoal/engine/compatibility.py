@@ -371,13 +371,18 @@ ROWS: tuple[Incompatibility, ...] = (
         "{s.args.data_parallel_rank!r} and {s.args.data_parallel_master_port!r})"),
     # ---- the KV cache dtype -----------------------------------------------------------------
     # (Linear-attention hybrids take it: their attention pages are FP8, their recurrent states
-    # stay float32 words inside those pages, and the block size grows until a page holds one.)
+    # stay float32 words inside those pages, and the block size grows until a page holds one.
+    # DeepSeek-V3.2 keeps its indexer keys and DeepSeek-V4 its window rows and compressed
+    # entries as FP8 with a scale per block of values: attention/fp8_rows.py.)
     Incompatibility(
-        "kv_cache_dtype='fp8'", "DeepSeek-V3.2 sparse attention (the indexer's key cache)",
+        "kv_cache_dtype='fp8'", "DeepSeek-V3.2 on the Triton attention backend",
         lambda s: (s.fp8_kv_cache and s.latent_attention
-                   and getattr(s.hf_config, "index_topk", None) is not None),
-        "kv_cache_dtype={s.args.kv_cache_dtype!r} does not cover {s.model_class}'s lightning "
-        "indexer yet (its key cache is written in the model dtype); use kv_cache_dtype='auto'"),
+                   and getattr(s.hf_config, "index_topk", None) is not None
+                   and (s.args.attention_backend
+                        or ("triton" if s.device_type == "cuda" else "torch")) == "triton"),
+        "kv_cache_dtype={s.args.kv_cache_dtype!r}: {s.model_class}'s lightning indexer keeps "
+        "FP8 keys on attention_backend='torch' only (the Triton backend's indexer kernels read "
+        "keys in the model dtype); use attention_backend='torch' or kv_cache_dtype='auto'"),
     # ---- the Transformers backend (transformers' modeling code, shoal's paged attention) ----
     Incompatibility(
         "model_impl='transformers' (the Transformers backend)", _DP_EP,
@@ -408,21 +413,12 @@ ROWS: tuple[Incompatibility, ...] = (
         "speculative_config: method {s.spec_method!r} has no head for DeepseekV4ForCausalLM; "
         "use 'mtp' (its multi-token-prediction layer) or 'ngram'"),
     Incompatibility(
-        _V4, "kv_cache_dtype='fp8'",
-        lambda s: _deepseek_v4(s) and getattr(s.args, "kv_cache_dtype", "auto") != "auto",
-        "DeepseekV4ForCausalLM keeps its caches in the model dtype (kv_cache_dtype "
-        "{s.args.kv_cache_dtype!r} is not supported for it yet); use kv_cache_dtype='auto'"),
+        _V4, "kv_cache_dtype='fp8' with a block_size not a multiple of 4 on CUDA",
+        lambda s: (_deepseek_v4(s) and s.fp8_kv_cache and s.device_type == "cuda"
+                   and s.args.block_size % 4 != 0),
+        "DeepseekV4ForCausalLM's decode kernels read an FP8 cache's float32 scales 4-byte "
+        "aligned, which needs block_size a multiple of 4 (got {s.args.block_size})"),
     # ---- devices --------------------------------------------------------------------------
-    Incompatibility(
-        "DeepSeek-V3.2 sparse attention", "max_model_len > index_topk on CUDA",
-        lambda s: (s.device_type == "cuda" and s.args.attention_backend != "torch"
-                   and s.latent_attention
-                   and getattr(s.hf_config, "index_topk", None) is not None
-                   and s.max_model_len > s.hf_config.index_topk),
-        "{s.model_class}: contexts past index_topk ({s.hf_config.index_topk}) need sparse "
-        "latent attention, which only attention_backend='torch' has yet; set max_model_len "
-        "<= {s.hf_config.index_topk} (exactly dense there) or attention_backend='torch' (got "
-        "max_model_len {s.max_model_len})"),
     Incompatibility(
         "speculative_config", "a vision-language model",
         lambda s: s.speculative and getattr(s.hf_config, "multimodal_config", None) is not None,

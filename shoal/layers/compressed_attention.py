@@ -38,7 +38,14 @@ chunk would otherwise hold [n, H, n] scores, and the indexer's [n, index_n_heads
 Tensor parallelism splits the query heads, their sinks and the output groups (o_groups / tp
 each: a group's heads stay on one rank, so o_a_proj splits by rows and o_b_proj by columns,
 all-reduced). The one shared KV row, the compressors and the indexer are replicated: every
-rank keeps the whole caches (their specs do not change with tp) and picks the same entries."""
+rank keeps the whole caches (their specs do not change with tp) and picks the same entries.
+
+kv_cache_dtype="fp8": the window's rows and the compressed entries (CSA's with their index
+keys) are stored as e4m3 with a float32 scale per block of values (attention/fp8_rows.py),
+about half of bfloat16's bytes, and read back dequantized by the torch path and the decode
+kernels alike; the step's own rows and entries are read as the cache gives them back, so a
+prefix hit reads what a miss does. The open groups' compressor inputs stay in the model
+dtype (see __init__)."""
 
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal.attention.fp8_rows import INDEXER_KEY_BLOCK, KV_ROW_BLOCK, BlockScaledRows
 from shoal.core.kv_cache_spec import CompressorStateSpec
 from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from shoal.layers.compressed_indexer import CompressedIndexer, SparseCompressor
@@ -118,7 +126,12 @@ class CompressedAttention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32),
                                   requires_grad=False)
         self.sinks.weight_loader = self._load_sinks
-        self.window_rows = PagedRows(self.head_dim, self.window)
+        # In an FP8 pool (kv_cache_dtype="fp8") the window's rows and the entries (with CSA's
+        # index keys) are block-scaled FP8 (attention/fp8_rows.py); the open groups' inputs
+        # keep the model dtype: their gate half are softmax logits, which FP8's 1/16 steps
+        # would move by several percent of a weight, and they are a few rows a request.
+        self.window_rows = PagedRows(self.head_dim, self.window,
+                                     fp8=BlockScaledRows.of((self.head_dim, KV_ROW_BLOCK)))
         self.compressor: TokenCompressor | None = None
         self.indexer: CompressedIndexer | None = None
         if self.kind == CSA:
@@ -133,10 +146,12 @@ class CompressedAttention(nn.Module):
         if self.compressor is not None:
             m = self.compressor.ratio
             index_dim = self.indexer.head_dim if self.indexer is not None else 0
-            self.entries = PagedEntries(self.head_dim + index_dim, m)
+            fp8 = BlockScaledRows.of((self.head_dim, KV_ROW_BLOCK),
+                                     (index_dim, INDEXER_KEY_BLOCK))
+            self.entries = PagedEntries(self.head_dim + index_dim, m, fp8=fp8)
             self.pending_rows = PagedRows(self._row_split()[-1],
                                           (1 + self.compressor.groups_before) * m,
-                                          CompressorStateSpec)
+                                          CompressorStateSpec, dtype=dtype)
 
     def _load_sinks(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
         n = self.num_heads
@@ -164,7 +179,7 @@ class CompressedAttention(nn.Module):
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
         q = self.rope.rotate(q, cos, sin)
         kv = self.rope.rotate(self.kv_norm(self.kv_proj(hidden)), cos, sin)
-        self.window_rows.write(kv, step)
+        kv = self.window_rows.write(kv, step)  # (as later reads give them: FP8 rounds)
         ctx = _StepInputs(q, kv)
         nd = step.num_decodes  # the leading rows, attended as one batch
         if self.compressor is not None:
@@ -213,9 +228,7 @@ class CompressedAttention(nn.Module):
         if self.indexer is not None:
             keys = self.indexer.compress(inputs[:, width:], lo)
             entries = torch.cat([entries, keys.to(entries.dtype)], dim=-1)
-        entries = entries[first - lo:]
-        self.entries.store(entries, first, step, span)
-        return entries
+        return self.entries.store(entries[first - lo:], first, step, span)
 
     @property
     def _score_heads(self) -> int:
@@ -264,12 +277,11 @@ class CompressedAttention(nn.Module):
     def _attend_decode_rows(self, ctx: _StepInputs, step: StepSpans,
                             rows: slice) -> torch.Tensor:
         q = ctx.q[rows]
-        keys, allowed = self.window_rows.read_decodes(step, self.window, rows)
-        keys = keys.to(q.dtype)
+        keys, allowed = self.window_rows.read_decodes(step, self.window, rows, q.dtype)
         entries = self._decode_entries(ctx, step, rows) if self.entries is not None else None
         if entries is not None:
             stored, own = entries
-            keys = torch.cat([keys, stored.to(q.dtype)], dim=1)
+            keys = torch.cat([keys, stored], dim=1)
             allowed = torch.cat([allowed, own], dim=1)
         return self._softmax(q, keys, allowed)
 
@@ -279,15 +291,15 @@ class CompressedAttention(nn.Module):
         on HCA every entry their tables hold, on CSA the indexer's top-k of them (scored on
         their index keys; only the picked ones' keys are read). None: the tables hold none."""
         assert self.entries is not None
-        d = self.head_dim
+        d, dtype = self.head_dim, ctx.q.dtype
         if self.indexer is None:
-            return self.entries.load_decodes(step, rows, slice(0, d))
-        loaded = self.entries.load_decodes(step, rows, slice(d, None))
+            return self.entries.load_decodes(step, rows, slice(0, d), dtype)
+        loaded = self.entries.load_decodes(step, rows, slice(d, None), torch.float32)
         if loaded is None:
             return None
         index_keys, own = loaded
         picked, seen = self.indexer.pick(ctx.index_q[rows], ctx.index_w[rows], index_keys, own)
-        return self.entries.gather_decodes(step, rows, picked, slice(0, d)), seen
+        return self.entries.gather_decodes(step, rows, picked, slice(0, d), dtype), seen
 
     def _close_decode_groups(self, step: StepSpans) -> None:
         """The entries of the groups the step's decodes complete (a decode closes at most
@@ -386,7 +398,7 @@ class CompressedAttention(nn.Module):
         n, cached = span.end // m, span.context // m
         if not n:
             return None
-        parts = [self.entries.load(step, span, cached).to(ctx.q.dtype)] if cached else []
+        parts = [self.entries.load(step, span, cached, ctx.q.dtype)] if cached else []
         if ctx.new_entries[i] is not None:
             parts.append(ctx.new_entries[i])
         return torch.cat(parts) if len(parts) > 1 else parts[0]

@@ -73,6 +73,7 @@ class LatentAttention(nn.Module):
         if not self.backend.supports_sparse_mla:
             raise NotImplementedError(
                 f"the {self.backend.name} attention backend has no sparse latent attention: "
-                "DeepSeek-V3.2 contexts longer than index_topk need attention_backend='torch'")
+                "DeepSeek-V3.2 contexts longer than index_topk need attention_backend 'torch' "
+                "or 'triton'")
         return self.backend.forward_mla(q, latent, self.kv_cache, md, self.scale, self.v_dim,
                                         select, **kw)

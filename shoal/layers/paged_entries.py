@@ -9,32 +9,45 @@ Like PagedRows (which it extends for the runner's binding), a step stores every 
 new entries before any request loads, so a prefix hit on blocks computed in the same step
 reads them. The step's decodes store and load theirs as one batch, in shapes fixed by their
 tables' width (N blocks hold at most N bs / ratio entries; each decode masks those past its
-own), from device tensors only: a CUDA graph replays them."""
+own), from device tensors only: a CUDA graph replays them. In an FP8 pool an entry is
+stored as PagedRows stores its FP8 rows (attention/fp8_rows.py: e4m3 bytes and a scale per
+block; `width` then counts them in the page's one-byte elements)."""
 
 from __future__ import annotations
 
 import torch
 
+from shoal.attention.fp8_rows import BlockScaledRows
 from shoal.core.kv_cache_spec import CompressedEntrySpec
 from shoal.layers.paged_rows import PagedRows, masked_put
 from shoal.layers.request_spans import RequestSpan, StepSpans
 
 
 class PagedEntries(PagedRows):
-    def __init__(self, width: int, ratio: int):
-        super().__init__(width, None)  # every entry of the context is kept
+    def __init__(self, width: int, ratio: int, *, fp8: BlockScaledRows | None = None,
+                 dtype: torch.dtype | None = None):
+        super().__init__(width, None, fp8=fp8, dtype=dtype)  # every entry of the context is kept
         self.ratio = ratio
 
     def kv_cache_spec(self, dtype_bytes: int) -> CompressedEntrySpec:
-        return CompressedEntrySpec(1, self.width, dtype_bytes, ratio=self.ratio)
+        return CompressedEntrySpec(1, self.stored_width(dtype_bytes), dtype_bytes,
+                                   ratio=self.ratio)
 
     def _pages(self, bs: int) -> torch.Tensor:
-        """[blocks, entries per block, width]: the cache as entry slots."""
-        if self.kv_cache is None:
-            raise RuntimeError("KV cache is not bound to the paged entries")
+        """[blocks, entries per block, stored width]: the cache as entry slots."""
+        cache = self._storage()
         per_block = -(-bs // self.ratio)
-        pages = self.kv_cache[0].view(-1, bs * self.kv_cache.shape[-1])
-        return pages[:, :per_block * self.width].unflatten(1, (per_block, self.width))
+        pages = cache.view(-1, bs * cache.shape[-1])
+        width = self.row_width
+        return pages[:, :per_block * width].unflatten(1, (per_block, width))
+
+    def _at(self, bs: int, blocks: torch.Tensor, slot: torch.Tensor, columns: slice,
+            dtype: torch.dtype | None) -> torch.Tensor:
+        """The `columns` of the entries at (blocks, slot), in dtype (None: as stored)."""
+        pages = self._pages(bs)
+        if self.quantized:  # (the whole stored rows: their scales follow the values)
+            return self.decode(pages[blocks, slot], dtype, columns)
+        return self.decode(pages[..., columns][blocks, slot], dtype)
 
     def _slots(self, first: int, n: int, bs: int, device: torch.device
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,16 +58,18 @@ class PagedEntries(PagedRows):
         return last, w - torch.div(last, bs, rounding_mode="floor") * bs // self.ratio
 
     def store(self, entries: torch.Tensor, first: int, step: StepSpans,
-              span: RequestSpan) -> None:
+              span: RequestSpan) -> torch.Tensor:
         """entries [n, width]: the request's entries [first, first + n), whose groups close
-        in this step (nothing for a pooling step, which caches nothing)."""
-        if not step.slots or not len(entries):
-            return
-        bs, slots = step.block_size, step.slots[self.kv_group]
-        last, slot = self._slots(first, len(entries), bs, slots.device)
-        blocks = torch.div(slots[span.start + last - span.context], bs, rounding_mode="floor")
-        pages = self._pages(bs)
-        pages[blocks, slot] = entries.to(pages.dtype)
+        in this step (nothing for a pooling step, which caches nothing). Returns them as a
+        later load gives them (FP8: rounded)."""
+        stored = self.encode(entries)
+        if step.slots and len(entries):
+            bs, slots = step.block_size, step.slots[self.kv_group]
+            last, slot = self._slots(first, len(entries), bs, slots.device)
+            blocks = torch.div(slots[span.start + last - span.context], bs,
+                               rounding_mode="floor")
+            self._pages(bs)[blocks, slot] = stored
+        return self.decode(stored, entries.dtype)
 
     def store_decodes(self, entries: torch.Tensor, keep: torch.Tensor,
                       groups: torch.Tensor, step: StepSpans) -> None:
@@ -66,17 +81,19 @@ class PagedEntries(PagedRows):
         blocks = torch.div(token_slots, bs, rounding_mode="floor")
         last = step.decode_positions
         slot = groups - torch.div(last, bs, rounding_mode="floor") * bs // self.ratio
-        masked_put(self._pages(bs), (blocks, slot), entries, keep)
+        masked_put(self._pages(bs), (blocks, slot), self.encode(entries), keep)
 
-    def load(self, step: StepSpans, span: RequestSpan, n: int) -> torch.Tensor:
-        """The request's first n entries [n, width], through its block table."""
+    def load(self, step: StepSpans, span: RequestSpan, n: int,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The request's first n entries [n, width], through its block table, in dtype
+        (None: as stored)."""
         table = span.tables[self.kv_group]
         if table is None:
             raise RuntimeError("a request with cached tokens has no block table")
         bs = step.block_size
         last, slot = self._slots(0, n, bs, table.device)
         blocks = table[torch.div(last, bs, rounding_mode="floor")]
-        return self._pages(bs)[blocks, slot]
+        return self._at(bs, blocks, slot, slice(None), dtype)
 
     def decode_index(self, step: StepSpans
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
@@ -101,30 +118,35 @@ class PagedEntries(PagedRows):
             step.indices[key] = index
         return step.indices[key]
 
-    def decode_pages(self, step: StepSpans) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """What the decode kernels read (shoal/attention/ops/v4_decode_attention.py): the cache
-        as entry slots [blocks, ceil(bs / ratio), width] and the step's decodes' tables [Bd,
-        N] (None: the tables hold no entry)."""
+    def decode_pages(self, step: StepSpans
+                     ) -> tuple[torch.Tensor, torch.Tensor, BlockScaledRows | None] | None:
+        """What the decode kernels read (shoal/attention/ops/v4_decode_attention.py
+        PagedKeys): the cache as entry slots [blocks, ceil(bs / ratio), stored width], the
+        step's decodes' tables [Bd, N] and the entries' FP8 layout (None: stored as values);
+        None: the tables hold no entry."""
         table = step.decode_tables[self.kv_group]
         if not table.shape[1] * step.block_size // self.ratio:
             return None
-        return self._pages(step.block_size), table
+        return (self._pages(step.block_size), table,
+                self.fp8_rows if self.quantized else None)
 
-    def load_decodes(self, step: StepSpans, rows: slice, columns: slice = slice(None)
+    def load_decodes(self, step: StepSpans, rows: slice, columns: slice = slice(None),
+                     dtype: torch.dtype | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The step's decodes `rows` (of [0, step.num_decodes)): the `columns` of every
-        entry their tables hold [n, N, w] and which are each one's own [n, N] (None: the
-        tables hold no entry)."""
+        entry their tables hold [n, N, w] in dtype (None: as stored) and which are each
+        one's own [n, N] (None: the tables hold no entry)."""
         index = self.decode_index(step)
         if index is None:
             return None
         blocks, slot, own = index
-        return self._pages(step.block_size)[..., columns][blocks[rows], slot], own[rows]
+        return self._at(step.block_size, blocks[rows], slot, columns, dtype), own[rows]
 
     def gather_decodes(self, step: StepSpans, rows: slice, picked: torch.Tensor,
-                       columns: slice = slice(None)) -> torch.Tensor:
+                       columns: slice = slice(None), dtype: torch.dtype | None = None
+                       ) -> torch.Tensor:
         """The `columns` of the entries picked [n, k] (indices of decode_index's n entries)
-        by each of the step's decodes `rows` [n, k, w]."""
+        by each of the step's decodes `rows` [n, k, w], in dtype (None: as stored)."""
         blocks, slot, _ = self.decode_index(step)
-        pages = self._pages(step.block_size)[..., columns]
-        return pages[blocks[rows].gather(1, picked), slot[picked]]
+        return self._at(step.block_size, blocks[rows].gather(1, picked), slot[picked],
+                        columns, dtype)

@@ -12,23 +12,31 @@ A query that sees at most index_topk keys reads all of them: when every query of
 (decodes and chunks within the first index_topk tokens), no selection is made at all and the
 layer attends densely, on any backend (the seeds' "skipping topk at decode").
 
-The selection is a boolean mask in the torch backend's layout for each kind of row (decodes,
-fresh prompts, chunks after a cached prefix), ANDed with the causal masks there."""
+On the torch backend's metadata the selection is a boolean mask in that backend's layout
+for each kind of row (decodes, fresh prompts, chunks after a cached prefix), ANDed with the
+causal masks there. On the Triton backend's (CUDA) it is every query row's top-k positions
+(SparseRows, scored and picked on the device: shoal/layers/sparse_picks.py) for the sparse
+latent-attention kernel (shoal/attention/ops/mla_sparse.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal.attention import kv_quant
 from shoal.attention.backend import AttentionBackend
+from shoal.attention.fp8_rows import INDEXER_KEY_BLOCK, BlockScaledRows
 from shoal.attention.metadata import AttentionMetadata, GroupedMetadata
 from shoal.core.kv_cache_spec import IndexerKeySpec
 from shoal.layers.linear import ReplicatedLinear
 from shoal.layers.rotary import get_rope, rope_parameters
+
+if TYPE_CHECKING:
+    from shoal.attention.ops.mla_sparse import SparseRows
 
 
 @dataclass
@@ -63,15 +71,22 @@ class LightningIndexer(nn.Module):
                                    use_triton_ops=use_triton_ops, rot_dim=self.rope)
         self.scale = self.head_dim ** -0.5
         self.kv_cache: torch.Tensor | None = None  # [1, num_slots, 1, head_dim]
+        # With kv_cache_dtype="fp8" the keys are stored as DeepSeek's reference inference
+        # keeps them: e4m3 with a float32 scale per 128 values (attention/fp8_rows.py), rows
+        # of fp8_keys.row_bytes bytes, read back dequantized (this step's fresh keys too, so
+        # a prefix hit scores what a miss does); the queries stay float32.
+        self.fp8_keys = BlockScaledRows.of((self.head_dim, INDEXER_KEY_BLOCK))
         self.backend: AttentionBackend | None = None
 
     def kv_cache_spec(self, dtype_bytes: int) -> IndexerKeySpec:
-        return IndexerKeySpec(1, self.head_dim, dtype_bytes)
+        fp8 = dtype_bytes == kv_quant.FP8_KV_DTYPE.itemsize
+        return IndexerKeySpec(1, self.fp8_keys.row_bytes if fp8 else self.head_dim, dtype_bytes)
 
     def forward(self, hidden: torch.Tensor, q_resid: torch.Tensor, positions: torch.Tensor,
-                md: Any) -> SparseSelection | None:
-        """Caches this step's keys; the selection, or None when every query reads every
-        key it may see."""
+                md: Any) -> SparseSelection | SparseRows | None:
+        """Caches this step's keys; the selection (masks on the torch backend's metadata,
+        SparseRows on the Triton backend's), or None when every query reads every key it may
+        see."""
         if isinstance(md, GroupedMetadata):
             md = md.of(self.kv_group)
         if self.kv_cache is None:
@@ -80,12 +95,40 @@ class LightningIndexer(nn.Module):
         q = self.wq_b(q_resid).view(t, self.n_heads, self.head_dim).contiguous()
         k = self.k_norm(self.wk(hidden)).view(t, 1, self.head_dim).contiguous()
         q, k = self.rotary_emb(positions, q, k)
-        cache = self.kv_cache[0]  # [slots, 1, D]
-        cache.index_copy_(0, md.slot_mapping, k.to(cache.dtype))
+        cache = self.kv_cache[0]  # [slots, 1, D] (FP8: [slots, 1, row_bytes] bytes)
+        if kv_quant.is_fp8(cache) and not isinstance(md, AttentionMetadata):
+            raise NotImplementedError("the Triton indexer kernels read keys in the model dtype, "
+                                      "not FP8 ones: use attention_backend='torch' or "
+                                      "kv_cache_dtype='auto' for DeepSeek-V3.2")
+        if not isinstance(md, AttentionMetadata):  # the Triton backend's: SparseRows
+            return self._pick_rows(hidden, q, k, cache, md)
+        if kv_quant.is_fp8(cache):
+            cache = cache.view(torch.uint8)
+            stored = self.fp8_keys.quantize(k)
+            cache.index_copy_(0, md.slot_mapping, stored)
+            k = self.fp8_keys.dequantize(stored, k.dtype)  # (what later reads give)
+        else:
+            cache.index_copy_(0, md.slot_mapping, k.to(cache.dtype))
         if not _needs_selection(md, self.topk):
             return None
         w = self.weights_proj(hidden).float() * self.n_heads ** -0.5  # [T, H]
         return self._select(q.float(), k[:, 0].float(), w, cache, md)
+
+    def _pick_rows(self, hidden: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                   cache: torch.Tensor, md: Any) -> SparseRows | None:
+        """forward on the Triton backend's metadata: the keys written past padding rows'
+        -1 slots, then every query row's top-k positions (sparse_picks.py), or None when no
+        row sees more than index_topk keys (max_seq_len: a host value, a captured graph's the
+        capacity of its tables, so it decides once per shape)."""
+        from shoal.attention.ops.mla_cache_write import write_mla_cache
+        from shoal.layers.sparse_picks import pick_rows
+
+        write_mla_cache(k[:, 0].to(cache.dtype), cache[:, 0], md.slot_mapping)
+        if md.max_seq_len <= self.topk:
+            return None
+        w = self.weights_proj(hidden).float() * self.n_heads ** -0.5  # [T, H]
+        pages = cache.view(-1, md.block_size, self.head_dim)
+        return pick_rows(q, w, md, pages, self.topk, self.scale)
 
     def _scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """q [..., Lq, H, D], keys [..., S, D], w [..., Lq, H] -> [..., Lq, S]."""
@@ -100,14 +143,21 @@ class LightningIndexer(nn.Module):
         picked.scatter_(-1, scores.topk(k, dim=-1).indices, True)
         return picked & visible
 
-    def _select(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cache: torch.Tensor,
-                md: AttentionMetadata) -> SparseSelection:
+    def _keys(self, cache: torch.Tensor, tables: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Each request's cached keys [B, S, D] float32 (cache as stored: FP8 as uint8)."""
         from shoal.attention.torch_backend import _gather
 
+        keys = _gather(cache, tables, block_size)[:, 0]
+        if cache.dtype == torch.uint8:
+            return self.fp8_keys.dequantize(keys, torch.float32)
+        return keys.float()
+
+    def _select(self, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, cache: torch.Tensor,
+                md: AttentionMetadata) -> SparseSelection:
         decode = prefill = None
         nd = md.num_decodes
         if nd:
-            keys = _gather(cache, md.decode_block_tables, md.block_size)[:, 0].float()
+            keys = self._keys(cache, md.decode_block_tables, md.block_size)
             scores = self._scores(q[:nd, None], keys, w[:nd, None])  # [Bd, 1, S]
             decode = self._top(scores, md.decode_mask[:, 0]).unsqueeze(1)
         fresh: list[torch.Tensor | None] = []
@@ -119,7 +169,7 @@ class LightningIndexer(nn.Module):
             causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
             fresh.append(self._top(self._scores(q[span], k[span], w[span]), causal))
         if md.prefill_mask is not None:
-            keys = _gather(cache, md.prefill_block_tables, md.block_size)[:, 0].float()
+            keys = self._keys(cache, md.prefill_block_tables, md.block_size)
             idx = md.prefill_token_index  # [P, Lq]
             scores = self._scores(q[idx], keys, w[idx])  # [P, Lq, S]
             prefill = self._top(scores, md.prefill_mask[:, 0]).unsqueeze(1)

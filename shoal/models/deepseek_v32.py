@@ -6,8 +6,9 @@ sigmoid group-limited router with its correction bias, shared experts, dense lea
 
 Each layer has two paged caches in the same block tables: the latent rows and the indexer's
 key rows (attention_layers() lists both). Contexts up to index_topk read every token, so the
-layer is exactly dense MLA there (on any backend); longer ones need a backend with sparse
-MLA (the torch one today; compatibility.py refuses the rest at start-up)."""
+layer is exactly dense MLA there (on any backend); longer ones read the indexer's picks
+through sparse MLA: masks on the torch backend, a Triton kernel over each row's picked
+positions on the Triton one (shoal/attention/ops/mla_sparse.py)."""
 
 from __future__ import annotations
 

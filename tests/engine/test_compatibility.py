@@ -102,16 +102,14 @@ CASES = [
      "LlamaForCausalLM with tensor_parallel_size 2: its config has no base_model_tp_plan"),
     (dict(cpu_int4_matmul=True), {}, "generate", "cuda", 64,
      r"cpu_int4_matmul runs on the CPU only \(device is cuda\)"),
-    (dict(), dict(architectures=["DeepseekV32ForCausalLM"], kv_lora_rank=32, index_topk=32),
-     "generate", "cuda", 64, r"contexts past index_topk \(32\) need sparse latent attention"),
     (dict(kv_cache_dtype="fp8"),
      dict(architectures=["DeepseekV32ForCausalLM"], kv_lora_rank=32, index_topk=32), "generate",
-     "cpu", 64, r"kv_cache_dtype='fp8' does not cover DeepseekV32ForCausalLM's lightning "
-     "indexer"),
+     "cuda", 64, r"kv_cache_dtype='fp8': DeepseekV32ForCausalLM's lightning indexer keeps FP8 "
+     "keys on attention_backend='torch' only"),
     (dict(speculative_config=_EAGLE), _V4, "generate", "cpu", 64,
      "method 'eagle' has no head for DeepseekV4ForCausalLM"),
-    (dict(kv_cache_dtype="fp8"), _V4, "generate", "cpu", 64,
-     "DeepseekV4ForCausalLM keeps its caches in the model dtype"),
+    (dict(kv_cache_dtype="fp8", block_size=6), _V4, "generate", "cuda", 64,
+     r"needs block_size a multiple of 4 \(got 6\)"),
     (dict(speculative_config=_SPEC),
      dict(architectures=["Qwen2_5_VLForConditionalGeneration"], multimodal_config=object()),
      "generate", "cpu", 64, r"speculative decoding with Qwen2_5_VLForConditionalGeneration "

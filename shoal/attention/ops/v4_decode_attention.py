@@ -17,6 +17,11 @@ included); scores are q . k * scale, the softmax online in float32 (exp2 of log2
 scores). The loops stop at each row's own counts, read on the device (no host sync, launch
 shapes fixed by the batch and table width: CUDA-graph safe).
 
+FP8 pages (kv_cache_dtype="fp8": PagedKeys.fp8, attention/fp8_rows.py) hold e4m3 bytes and a
+float32 scale per block of each row: a key tile is loaded as FP8, converted to float32, times
+its blocks' scales (loaded per column from the same rows' scale words), then rounded to q's
+dtype, as the torch path's dequantization does; nothing else changes.
+
 A program owns one row, BLOCK_H heads (the rows of the tensor-core products; every head
 shares the keys, so one tile read serves them all) and one split of the row's keys: the
 window and the entries are each cut into num_splits whole tiles, from the row's own counts.
@@ -27,10 +32,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from shoal.attention.fp8_rows import BlockScaledRows
+from shoal.attention.kv_quant import FP8_KV_DTYPE
+from shoal.attention.ops.fp8 import check_fp8_cache
 
 _LOG2E = 1.4426950408889634
 _LOG2E_K = tl.constexpr(_LOG2E)  # (the kernels' copy)
@@ -47,10 +57,48 @@ class PagedKeys:
     """A paged cache as the decode kernels read it: pages [num_blocks, slots a block, width]
     (any strides but the last; the keys in the first head_dim columns: a window's block holds
     block_size token rows, an entries' page ceil(block_size / ratio) entries) and each decode
-    row's block table [R, N] (any integer dtype)."""
+    row's block table [R, N] (any integer dtype). fp8: the rows' layout when the pages hold
+    block-scaled FP8 rows (as bytes: uint8 or float8; width their stored bytes, 4-byte
+    aligned), None when they hold the values."""
 
     pages: torch.Tensor
     tables: torch.Tensor
+    fp8: BlockScaledRows | None = None
+
+
+class KeyOperands(NamedTuple):
+    """What a kernel reads for keys at one column of a PagedKeys: the pages (FP8 pages as
+    float8), their float32 scale words (the pages again when not FP8: never read), the first
+    scale's word in a row and the values a scale covers."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    first_scale: int
+    block: int
+    fp8: bool
+
+
+def key_operands(name: str, paged: PagedKeys, column: int, dim: int,
+                 q_dtype: torch.dtype) -> KeyOperands:
+    """The operands of keys [column, column + dim) of `paged`; ValueError where FP8 pages
+    cannot be read (their layout, this GPU, misaligned rows)."""
+    pages = paged.pages
+    if paged.fp8 is None:
+        if pages.dtype in (FP8_KV_DTYPE, torch.uint8):
+            raise ValueError(f"{name} pages hold FP8 bytes: pass their rows' layout (fp8)")
+        return KeyOperands(pages, pages, 0, 1, False)
+    if pages.dtype not in (FP8_KV_DTYPE, torch.uint8) or pages.shape[-1] != paged.fp8.row_bytes:
+        raise ValueError(f"{name} FP8 pages must be bytes of rows of {paged.fp8.row_bytes}, got "
+                         f"{pages.dtype} of {pages.shape[-1]}")
+    first, block = paged.fp8.scales_of(column, dim)
+    values = pages.view(FP8_KV_DTYPE)
+    check_fp8_cache(values, q_dtype)
+    try:
+        scales = pages.view(torch.float32)
+    except RuntimeError as e:
+        raise ValueError(f"{name} FP8 pages' rows must start 4-byte aligned (a block_size "
+                         f"that is a multiple of 4): {e}") from e
+    return KeyOperands(values, scales, first, block, True)
 
 
 @dataclass(frozen=True)
@@ -77,6 +125,22 @@ def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constex
 
 
 @triton.jit
+def load_keys(ptr, sc_ptr, block, slot, stride_b, stride_s, stride_sb, stride_ss, sc0, d,
+              valid, QBLOCK: tl.constexpr, KV_FP8: tl.constexpr):
+    """The keys [BLOCK_N, D] in slot `slot` of page `block` each (int64), as stored (strides
+    in the pages' elements); FP8 rows in float32, times the scale of each value's block
+    (stride_sb, stride_ss: the pages' strides in float32 words, sc0 a row's first scale)."""
+    k = tl.load(ptr + (block * stride_b + slot * stride_s)[:, None] + d[None, :],
+                mask=valid[:, None], other=0.0)
+    if KV_FP8:
+        sc = block * stride_sb + slot * stride_ss + sc0
+        s = tl.load(sc_ptr + sc[:, None] + (d // QBLOCK)[None, :], mask=valid[:, None],
+                    other=0.0)
+        k = k.to(tl.float32) * s
+    return k
+
+
+@triton.jit
 def _split_range(n, split, num_splits, BLOCK_N: tl.constexpr):
     """[lo, hi): this split's whole tiles of a row's n keys."""
     per = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
@@ -87,13 +151,15 @@ def _split_range(n, split, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits", "window", "n_entries", "n_picked"])
 def _v4_decode_kernel(
     q_ptr, pos_ptr, sinks_ptr, win_ptr, win_tab_ptr, ent_ptr, ent_tab_ptr, picked_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    win_sc_ptr, ent_sc_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     qk_scale, num_splits, num_heads, window, n_entries, n_picked,
     stride_qr, stride_qh, stride_wb, stride_ws, stride_wtr, stride_wtc, win_cols,
     stride_eb, stride_es, stride_etr, stride_etc, ent_cols, stride_pk, stride_or, stride_oh,
+    stride_wsb, stride_wss, win_sc0, stride_esb, stride_ess, ent_sc0,
     BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, ENTRIES: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    WIN_QBLOCK: tl.constexpr, ENT_QBLOCK: tl.constexpr,
 ):
     # head blocks vary fastest: the programs reading the same key tiles run side by side
     hb = tl.program_id(0)
@@ -117,10 +183,10 @@ def _v4_decode_kernel(
         valid = j < hi
         k_pos = p - n_win + 1 + j
         col = tl.minimum(k_pos // BLOCK_SIZE, win_cols - 1)
-        block = tl.load(win_tab_ptr + r * stride_wtr + col * stride_wtc, mask=valid, other=0)
-        row = block.to(tl.int64) * stride_wb + (k_pos % BLOCK_SIZE) * stride_ws
-        k = tl.load(win_ptr + row[:, None] + d[None, :], mask=valid[:, None],
-                    other=0.0).to(q.dtype)
+        block = tl.load(win_tab_ptr + r * stride_wtr + col * stride_wtc, mask=valid,
+                        other=0).to(tl.int64)
+        k = load_keys(win_ptr, win_sc_ptr, block, k_pos % BLOCK_SIZE, stride_wb, stride_ws,
+                      stride_wsb, stride_wss, win_sc0, d, valid, WIN_QBLOCK, KV_FP8).to(q.dtype)
         m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if ENTRIES != 0:
@@ -140,11 +206,10 @@ def _v4_decode_kernel(
                 valid = valid & (w < seen)
             col = tl.minimum(((w + 1) * RATIO - 1) // BLOCK_SIZE, ent_cols - 1)
             block = tl.load(ent_tab_ptr + r * stride_etr + col * stride_etc, mask=valid,
-                            other=0)
+                            other=0).to(tl.int64)
             slot = w - (col * BLOCK_SIZE) // RATIO
-            row = block.to(tl.int64) * stride_eb + slot * stride_es
-            k = tl.load(ent_ptr + row[:, None] + d[None, :], mask=valid[:, None],
-                        other=0.0).to(q.dtype)
+            k = load_keys(ent_ptr, ent_sc_ptr, block, slot, stride_eb, stride_es, stride_esb,
+                          stride_ess, ent_sc0, d, valid, ENT_QBLOCK, KV_FP8).to(q.dtype)
             m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     if not SPLIT:
@@ -257,8 +322,13 @@ def launch(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, scale:
         return out
     mode, n_entries, n_picked, ratio = NO_ENTRIES, 0, 0, 1
     ent, picked = window, positions  # (unread when there are no entries / picks)
+    win = key_operands("window", window, 0, dim, q.dtype)
+    ents = win
     if entries is not None:
         ent, ratio = entries.pages, entries.ratio
+        ents = key_operands("entries", ent, 0, dim, q.dtype)
+        if ents.fp8 != win.fp8:
+            raise ValueError("the window's and the entries' pages must both be FP8 or neither")
         n_entries = ent.tables.shape[1] * block_size // ratio
         mode = EVERY_ENTRY
         if entries.picked is not None:
@@ -275,17 +345,20 @@ def launch(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, scale:
                                device=q.device)
         part_lse = torch.empty(rows, heads, num_splits, dtype=torch.float32, device=q.device)
     _v4_decode_kernel[(triton.cdiv(heads, BLOCK_H), rows, num_splits)](
-        q, positions, sinks, window.pages, window.tables, ent.pages, ent.tables, picked,
-        out, part_out, part_lse,
+        q, positions, sinks, win.values, window.tables, ents.values, ent.tables, picked,
+        win.scales, ents.scales, out, part_out, part_lse,
         scale * _LOG2E, num_splits, heads, window_len, n_entries, n_picked,
-        q.stride(0), q.stride(1), window.pages.stride(0), window.pages.stride(1),
+        q.stride(0), q.stride(1), win.values.stride(0), win.values.stride(1),
         window.tables.stride(0), window.tables.stride(1), window.tables.shape[1],
-        ent.pages.stride(0), ent.pages.stride(1), ent.tables.stride(0), ent.tables.stride(1),
-        ent.tables.shape[1],
+        ents.values.stride(0), ents.values.stride(1), ent.tables.stride(0),
+        ent.tables.stride(1), ent.tables.shape[1],
         picked.stride(0), out.stride(0), out.stride(1),
+        win.scales.stride(0), win.scales.stride(1), win.first_scale,
+        ents.scales.stride(0), ents.scales.stride(1), ents.first_scale,
         BLOCK_H=BLOCK_H, HEAD_DIM=dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, RATIO=ratio,
         ENTRIES=mode, SPLIT=split,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=win.fp8,
+        WIN_QBLOCK=win.block, ENT_QBLOCK=ents.block,
         num_warps=num_warps, num_stages=num_stages)
     if split:
         _combine_kernel[(rows, heads)](

@@ -12,7 +12,9 @@ block of its last token e = (w + 1) ratio - 1, slot w - floor(e / bs) bs / ratio
 A program owns one row and BLOCK_N entries; one past the row's entries only writes -inf.
 Launch shapes follow the batch and table width, the row's length is read on the device:
 CUDA-graph safe. The products run in float32 (ieee) as the torch path's matmul does: the
-top-k is a hard choice, a tf32 rounding would flip near ties."""
+top-k is a hard choice, a tf32 rounding would flip near ties. FP8 pages (kv_cache_dtype="fp8")
+hold the keys as e4m3 with a float32 scale per block (PagedKeys.fp8): loaded as the decode
+attention loads them (load_keys), in float32."""
 
 from __future__ import annotations
 
@@ -20,18 +22,23 @@ import torch
 import triton
 import triton.language as tl
 
-from shoal.attention.ops.v4_decode_attention import PagedKeys, check_pages
+from shoal.attention.ops.v4_decode_attention import (
+    PagedKeys,
+    check_pages,
+    key_operands,
+    load_keys,
+)
 
 
 @triton.jit(do_not_specialize=["n_entries", "key_column"])
 def _index_scores_kernel(
-    q_ptr, w_ptr, pos_ptr, ent_ptr, tab_ptr, out_ptr,
+    q_ptr, w_ptr, pos_ptr, ent_ptr, tab_ptr, sc_ptr, out_ptr,
     scale, n_heads, n_entries, key_column,
     stride_qr, stride_qh, stride_wr, stride_eb, stride_es, stride_tr, stride_tc, ent_cols,
-    stride_or,
+    stride_or, stride_sb, stride_ss, sc0,
     BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, QBLOCK: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     w0 = tl.program_id(1) * BLOCK_N
@@ -43,8 +50,9 @@ def _index_scores_kernel(
     if w0 < seen:
         valid = w < seen
         col = tl.minimum(((w + 1) * RATIO - 1) // BLOCK_SIZE, ent_cols - 1)
-        block = tl.load(tab_ptr + r * stride_tr + col * stride_tc, mask=valid, other=0)
-        row = block.to(tl.int64) * stride_eb + (w - (col * BLOCK_SIZE) // RATIO) * stride_es
+        block = tl.load(tab_ptr + r * stride_tr + col * stride_tc, mask=valid,
+                        other=0).to(tl.int64)
+        slot = w - (col * BLOCK_SIZE) // RATIO
         heads = tl.arange(0, BLOCK_HI)
         h_mask = heads < n_heads
         # the products BLOCK_D columns at a time: a float32 (ieee) dot runs on FMAs with its
@@ -53,8 +61,8 @@ def _index_scores_kernel(
         s = tl.zeros([BLOCK_HI, BLOCK_N], tl.float32)
         for d0 in tl.static_range(0, INDEX_DIM, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
-            keys = tl.load(ent_ptr + row[:, None] + key_column + d[None, :],
-                           mask=valid[:, None], other=0.0).to(tl.float32)
+            keys = load_keys(ent_ptr + key_column, sc_ptr, block, slot, stride_eb, stride_es,
+                             stride_sb, stride_ss, sc0, d, valid, QBLOCK, KV_FP8).to(tl.float32)
             q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :],
                         mask=h_mask[:, None], other=0.0).to(tl.float32)
             s = tl.dot(q, tl.trans(keys), s, input_precision=DOT_PRECISION)  # [Hi, BLOCK_N]
@@ -91,14 +99,17 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
     out = torch.empty(rows, n_entries, dtype=torch.float32, device=q.device)
     if rows == 0 or n_entries == 0:
         return out
+    keys = key_operands("entries", entries, key_column, dim, q.dtype)
     _index_scores_kernel[(rows, triton.cdiv(n_entries, block_n))](
-        q, weights, positions, entries.pages, entries.tables, out,
+        q, weights, positions, keys.values, entries.tables, keys.scales, out,
         scale, heads, n_entries, key_column,
-        q.stride(0), q.stride(1), weights.stride(0), entries.pages.stride(0),
-        entries.pages.stride(1), entries.tables.stride(0), entries.tables.stride(1),
+        q.stride(0), q.stride(1), weights.stride(0), keys.values.stride(0),
+        keys.values.stride(1), entries.tables.stride(0), entries.tables.stride(1),
         entries.tables.shape[1], out.stride(0),
+        keys.scales.stride(0), keys.scales.stride(1), keys.first_scale,
         BLOCK_HI=max(16, triton.next_power_of_2(heads)), INDEX_DIM=dim, BLOCK_N=block_n,
-        BLOCK_SIZE=block_size, RATIO=ratio, DOT_PRECISION="ieee", BLOCK_D=16,
+        BLOCK_SIZE=block_size, RATIO=ratio, DOT_PRECISION="ieee",
+        BLOCK_D=16, KV_FP8=keys.fp8, QBLOCK=keys.block,
         num_warps=num_warps)
     return out
 

@@ -1,0 +1,81 @@
+"""Block-scaled FP8 rows (shoal/attention/fp8_rows.py), what kv_cache_dtype="fp8" keeps for
+DeepSeek-V3.2's indexer keys and V4's window rows and compressed entries: the byte layout,
+the rounding error (every value within half an e4m3 step of its block's grid, whatever the
+row's size, where one fixed scale flushes small rows), zero rows, segments read alone, and
+bad input refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.attention import kv_quant
+from shoal.attention.fp8_rows import INDEXER_KEY_BLOCK, KV_ROW_BLOCK, BlockScaledRows
+
+
+def test_layout_of_v4_and_v32_rows() -> None:
+    # V4-Flash's CSA entry: its 512-wide key in blocks of 64, then the indexer's 128 in one
+    csa = BlockScaledRows.of((512, KV_ROW_BLOCK), (128, INDEXER_KEY_BLOCK))
+    assert csa.segments == ((512, 64), (128, 128))
+    assert (csa.width, csa.num_scales, csa.row_bytes) == (640, 9, 640 + 36)
+    assert csa.scales_of(0, 512) == (160, 64)  # float32 word 160: byte 640
+    assert csa.scales_of(512, 128) == (168, 128)
+    # V3.2's indexer key: one scale for its 128 values; a tiny model's widths (no 64 / 128)
+    assert BlockScaledRows.of((128, INDEXER_KEY_BLOCK)).row_bytes == 132
+    assert BlockScaledRows.of((32, KV_ROW_BLOCK), (0, 128)).segments == ((32, 32),)
+    assert BlockScaledRows.of((96, KV_ROW_BLOCK)).segments == ((96, 32),)
+    odd = BlockScaledRows.of((6, 64))  # blocks of 2; values padded to 4 bytes, 3 scales
+    assert (odd.segments, odd.values_bytes, odd.row_bytes) == (((6, 2),), 8, 20)
+
+
+def test_round_trip_is_within_half_an_fp8_step_of_each_block_whatever_the_size() -> None:
+    fmt = BlockScaledRows.of((64, 32), (32, 128))
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.tensor([1e-4, 1e-2, 1.0, 30.0, 5e3]).view(-1, 1, 1)
+    x = torch.randn(5, 40, 96, generator=gen) * sizes
+    stored = fmt.quantize(x)
+    assert stored.dtype == torch.uint8 and stored.shape == (5, 40, fmt.row_bytes)
+    got = fmt.dequantize(stored, torch.float32)
+    for lo, hi in ((0, 32), (32, 64), (64, 96)):
+        block = x[..., lo:hi]
+        scale = block.abs().amax(-1, keepdim=True) / kv_quant.FP8_MAX
+        err = (got[..., lo:hi] - block).abs()
+        # e4m3: 3 mantissa bits (a relative step of 2^-3) above 2^-6, steps of 2^-9 below
+        assert torch.all(err <= torch.maximum(block.abs() * 2.0 ** -4, scale * 2.0 ** -10))
+        # the block's largest value is kept (within float32 rounding of the scale)
+        torch.testing.assert_close(got[..., lo:hi].abs().amax(-1), block.abs().amax(-1))
+    # one fixed scale of 1.0 (kv_quant's default) flushes the small rows to zero
+    assert kv_quant.round_trip(x[0], 1.0).abs().max() == 0
+    assert fmt.round_trip(x[0]).abs().max() > 0
+    assert fmt.round_trip(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_zero_rows_and_zeroed_pages_read_zero() -> None:
+    fmt = BlockScaledRows.of((32, 64))
+    assert torch.equal(fmt.round_trip(torch.zeros(3, 32)), torch.zeros(3, 32))
+    zeroed = torch.zeros(2, fmt.row_bytes, dtype=kv_quant.FP8_KV_DTYPE)  # a freed block's bytes
+    assert torch.equal(fmt.dequantize(zeroed, torch.float32), torch.zeros(2, 32))
+
+
+def test_a_segment_is_read_alone() -> None:
+    fmt = BlockScaledRows.of((64, 64), (32, 128))
+    x = torch.randn(7, 96, generator=torch.Generator().manual_seed(1))
+    stored = fmt.quantize(x)
+    whole = fmt.dequantize(stored, torch.float32)
+    assert torch.equal(fmt.dequantize(stored, torch.float32, slice(64, None)), whole[:, 64:])
+    assert torch.equal(fmt.dequantize(stored, torch.float32, slice(0, 64)), whole[:, :64])
+
+
+def test_bad_layouts_and_reads_are_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of its block"):
+        BlockScaledRows(((48, 32),))
+    with pytest.raises(ValueError, match="at least one segment"):
+        BlockScaledRows.of((0, 64))
+    fmt = BlockScaledRows.of((64, 32))
+    with pytest.raises(ValueError, match="rows of 48 values"):
+        fmt.quantize(torch.zeros(2, 48))
+    stored = fmt.quantize(torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="cut a block of 32"):
+        fmt.dequantize(stored, torch.float32, slice(0, 40))
+    with pytest.raises(ValueError, match="not whole blocks"):
+        fmt.scales_of(16, 32)
