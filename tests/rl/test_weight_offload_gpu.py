@@ -43,7 +43,10 @@ def measure(llm: LLM, base: dict[str, int]) -> dict[str, int]:
     """Device bytes the engine's allocations hold, split into the KV cache and the rest."""
     runner = llm.llm_engine.core.runner
     torch.cuda.synchronize()
-    kv = sum(t.untyped_storage().nbytes() for t in runner.kv_caches)
+    # the layers' caches are views of one pool: count each storage once
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                for t in runner.kv_caches}
+    kv = sum(storages.values())
     return {"kv": kv, "rest": torch.cuda.memory_allocated() - base["allocated"] - kv}
 
 
