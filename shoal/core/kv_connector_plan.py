@@ -21,7 +21,10 @@ class KVLayout:
     channels and heads, whatever the producer's tensor-parallel ranks (kv_transfer/states.py).
     A compressed layer (DeepSeek-V4's entries, ratio r in `ratios`) sends its entries instead
     of token rows: [1, num_tokens // r, 1, entry bytes], entry w pooling tokens [w r, (w + 1)
-    r), placed in the consumer's own blocks by index (kv_transfer/entries.py)."""
+    r), placed in the consumer's own blocks by index (kv_transfer/entries.py). A speculative
+    drafter's layers (an MTP or EAGLE head, a draft model: their caches on the first group's
+    table) travel as a layout of their own, `draft`, whose bytes follow these layers'
+    (kv_transfer/draft_rows.py)."""
 
     dtype: str  # the cache dtype, as torch names it without "torch." (e.g. "bfloat16")
     num_tokens: int
@@ -30,6 +33,7 @@ class KVLayout:
     states: list[int] = field(default_factory=list)  # the layers whose row is a state
     # per layer its entries' group ratio (0: token rows), or empty: no compressed layer
     ratios: list[int] = field(default_factory=list)
+    draft: KVLayout | None = None  # the drafter's layers (None: the producer sent none)
 
     def start(self, i: int) -> int:
         return self.starts[i] if self.starts else 0
@@ -42,8 +46,13 @@ class KVLayout:
         return planes * n * heads * width
 
     @property
-    def nbytes(self) -> int:
+    def own_nbytes(self) -> int:
+        """The bytes of `layers` (the drafter's follow them)."""
         return sum(self.layer_nbytes(i) for i in range(len(self.layers)))
+
+    @property
+    def nbytes(self) -> int:
+        return self.own_nbytes + (self.draft.nbytes if self.draft is not None else 0)
 
     def to_wire(self) -> dict[str, Any]:
         wire = {"dtype": self.dtype, "num_tokens": self.num_tokens, "layers": self.layers}
@@ -53,6 +62,8 @@ class KVLayout:
             wire["states"] = self.states
         if any(self.ratios):
             wire["ratios"] = self.ratios
+        if self.draft is not None:
+            wire["draft"] = self.draft.to_wire()
         return wire
 
     @classmethod
@@ -63,10 +74,15 @@ class KVLayout:
             starts = [int(x) for x in msg.get("starts", ())]
             states = [int(x) for x in msg.get("states", ())]
             ratios = [int(x) for x in msg.get("ratios", ())]
+            draft = cls.from_wire(msg["draft"]) if msg.get("draft") is not None else None
             layout = cls(str(msg["dtype"]), int(msg["num_tokens"]), layers, starts, states,
-                         ratios)
+                         ratios, draft)
         except (AttributeError, KeyError, TypeError, ValueError) as e:
             raise ValueError(f"a malformed KV layout ({type(e).__name__}: {e})") from e
+        if draft is not None and (draft.num_tokens != layout.num_tokens or draft.states
+                                  or any(draft.ratios) or draft.draft is not None):
+            raise ValueError("a malformed KV layout: the drafter's part must hold token rows "
+                             f"of the same {layout.num_tokens} tokens")
         if any(len(s) != 4 or min(s) < 0 for s in layers) or layout.num_tokens < 0:
             raise ValueError("a malformed KV layout: each layer needs 4 sizes >= 0")
         if starts and len(starts) != len(layers):

@@ -19,7 +19,9 @@ Who does what (vLLM's split of a connector into a scheduler side and a worker si
   every paged layer, all KV heads, read out once into one host buffer: payload.py, rows.py;
   a hybrid's linear layers send their recurrent states at a block end instead: states.py;
   DeepSeek-V4's compressed layers their entries, placed by entry index: entries.py;
-  several tensor-parallel ranks gather their heads on rank 0: tp_rows.py)
+  several tensor-parallel ranks gather their heads on rank 0: tp_rows.py; a speculative
+  drafter's layers, an MTP or EAGLE head or a draft model, their rows after the target's,
+  read out once the drafter has mirrored the prompt: draft_rows.py)
   for a while and serves it over TCP (transport.py: a small msgpack header, then the raw
   bytes, received straight into a recycled host buffer, pinned on CUDA); the consumer
   fetches it on background threads while the request waits unadmitted (the others keep

@@ -11,7 +11,9 @@ before the prompt's last token, with the linear layers' states there: the consum
 the rest, as after a prefix hit (a prompt within one block sends nothing: no params). With
 several tensor-parallel ranks each reads out its own heads and rank 0 gathers them into one
 payload of every head (tp_rows.py), which a consumer of any TP size slices on receipt (a
-hybrid's states too: they go in the model's order of channels and heads, states.py).
+hybrid's states too: they go in the model's order of channels and heads, states.py). With
+speculative decoding by a drafter of layers, the drafter's rows of the same tokens follow
+the target's in the payload (draft_rows.py).
 
 Consumer (kv_consumer / kv_both): a waiting request sent with those params is fetched on one
 of `kv_fetch_workers` background threads (it waits unadmitted meanwhile, the others keep
@@ -19,7 +21,8 @@ stepping); at most `kv_fetch_buffer_bytes` of fetched KV waits for admission at 
 fetches start as it is admitted). The prompt's token ids are checked against a hash the
 producer sends, and the rows go into the request's blocks in the step that admits it (with
 several ranks on this host the fetched bytes land in shared memory and the step carries a
-handle: each rank reads its own heads there, shared.py). Any
+handle: each rank reads its own heads there, shared.py); its drafter's rows with them, or
+zeros where the payload has none that fit (draft_rows.py: a cold drafter, exact tokens). Any
 failure (the producer gone, the key expired or served already, another prompt, a timeout of
 `kv_fetch_timeout_s` on a receive) means the prompt is recomputed, never an error."""
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -64,8 +64,9 @@ from shoal.kv_transfer.states import (
 from shoal.kv_transfer.tp_rows import gather_to_first, kv_head_replicas, model_kv_heads
 
 
-def _slots(block_ids: list[int], block_size: int, start: int, end: int,
-           device: torch.device) -> torch.Tensor:
+def token_slots(block_ids: list[int], block_size: int, start: int, end: int,
+                device: torch.device) -> torch.Tensor:
+    """The cache slots of tokens [start, end) in a block table."""
     pos = torch.arange(start, end)
     table = torch.tensor(block_ids, dtype=torch.long)
     return (table[pos // block_size] * block_size + pos % block_size).to(device)
@@ -199,8 +200,8 @@ class _Slots:
     def __call__(self, group: int, start: int, end: int) -> torch.Tensor:
         key = (group, start, end)
         if key not in self._done:
-            self._done[key] = _slots(self.table(group), self.block_size, start, end,
-                                     self.device)
+            self._done[key] = token_slots(self.table(group), self.block_size, start, end,
+                                          self.device)
         return self._done[key]
 
 
@@ -230,12 +231,15 @@ def _read_layer(kv: torch.Tensor, layer: int, tables: LayerTables, slots_of: _Sl
 
 def gather_rows(caches: list[torch.Tensor], block_ids: list[int], block_size: int,
                 num_tokens: int, tables: LayerTables | None = None,
-                group_block_ids: Sequence[list[int]] = ()) -> KVPayload | None:
+                group_block_ids: Sequence[list[int]] = (), draft: KVLayout | None = None,
+                into: Any = None) -> KVPayload | None:
     """Tokens [0, num_tokens) of every layer (a sliding layer's: those its window reads at
     the last one; a linear layer's state after it), into one host buffer. On CUDA the copies
     are queued (pinned memory): the payload's `ready` waits for them, so the step does not.
     With several tensor-parallel ranks every rank calls it (a collective): TP rank 0 gets
-    the payload of every KV head, the others None."""
+    the payload of every KV head, the others None. draft: a drafter's layout whose bytes the
+    buffer keeps room for after these layers' (draft_rows.py fills them once the drafter has
+    mirrored the step); into: the buffer to fill (layout.nbytes bytes) instead of a new one."""
     device = caches[0].device
     tables = tables or _one_table(len(caches))
     starts = [tables.first_sent(i, num_tokens) for i in range(len(caches))]
@@ -255,8 +259,13 @@ def gather_rows(caches: list[torch.Tensor], block_ids: list[int], block_size: in
                           starts if any(starts) else [], tables.state_layers, tables.ratios)
     else:
         layout = layout_of(caches, num_tokens, starts, tables)
+    if draft is not None:
+        layout = replace(layout, draft=draft)
     cuda = device.type == "cuda"
-    data = host_buffer(layout.nbytes, pinned=cuda)
+    data = host_buffer(layout.nbytes, pinned=cuda) if into is None else into
+    if memoryview(data).nbytes != layout.nbytes:
+        raise ValueError(f"a buffer of {memoryview(data).nbytes} bytes for KV rows of "
+                         f"{layout.nbytes}")
     host = _host_tensor(data)
     offset = 0
     for i, kv in enumerate(caches):
@@ -342,7 +351,8 @@ def scatter_rows(caches: list[torch.Tensor], layout: KVLayout, data, block_ids: 
     into the block of its table covering that token): per layer one copy to the device
     (asynchronous from pinned memory) and one indexed write. On CUDA the caller keeps `data`
     alive until the device has read it. Returns the bytes of rows this rank takes: one of
-    several takes only its own heads (about 1/tp of them)."""
+    several takes only its own heads (about 1/tp of them). A drafter's rows after these
+    layers' (layout.draft) are draft_rows.py's to write."""
     host = _host_tensor(data)
     tables = tables or _one_table(len(caches))
     check_layout(caches, layout, host.numel(), tables)

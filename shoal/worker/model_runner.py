@@ -31,6 +31,7 @@ from shoal.distributed.parallel_state import (
     world_min_int,
 )
 from shoal.kv_offload.transfer import KVTransfer
+from shoal.kv_transfer.draft_rows import DraftRows
 from shoal.kv_transfer.rows import LayerTables
 from shoal.layers.linear_attention import LinearAttention
 from shoal.loader import LoadedModel, build_model
@@ -230,7 +231,8 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, RunnerGraphC
         self.forwarder.null_block, self.kv_caches, self.kv_pages = bind_pool(
             self.model.attention_layers(), self.kv_specs, self.kv_groups, num_blocks,
             self.has_linear_states, self.kv_dtype, self.device, self.block_size)
-        self._connector_tables: tuple[list[torch.Tensor], LayerTables] | None = None
+        self._connector_tables: tuple[list[torch.Tensor], LayerTables,
+                                      DraftRows | None] | None = None
 
     def unbind_kv_cache(self) -> None:
         for layer in self.model.attention_layers():
@@ -238,13 +240,15 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, RunnerGraphC
         self.kv_caches, self.kv_pages = [], None
         self._connector_tables = None
 
-    def _connector_layout(self) -> tuple[list[torch.Tensor], LayerTables]:
+    def _connector_layout(self) -> tuple[list[torch.Tensor], LayerTables, DraftRows | None]:
         """Disaggregated prefill: each layer's cache tensor and its group (block table),
-        linear layers' states and replicated heads; built once per bound pool."""
+        linear layers' states and replicated heads, and the drafter's caches (on the first
+        group's table); built once per bound pool."""
         if self._connector_tables is None:
             self._connector_tables = (
                 [layer.kv_cache for layer in self.model.attention_layers()],
-                LayerTables.of(self.kv_groups, self.kv_specs, self.hf_config))
+                LayerTables.of(self.kv_groups, self.kv_specs, self.hf_config),
+                DraftRows.of(self.drafter, self.kv_groups[0].sliding_window, self.hf_config))
         return self._connector_tables
 
     def kv_cache_tensors(self) -> list[torch.Tensor]:
@@ -297,11 +301,11 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, RunnerGraphC
             self._run_kv_transfer(sched.kv_transfers, handle)
         plan = sched.kv_connector  # disaggregated prefill: KV from and for other engines
         if plan is not None:
-            caches, tables = self._connector_layout()
-            run_loads(plan, caches, self.block_size, tables)
+            caches, tables, draft = self._connector_layout()
+            run_loads(plan, caches, self.block_size, tables, draft)
         if sched.is_empty:
             if plan is not None and plan.saves:  # (rows an earlier step computed)
-                handle.hooks.append(save_hook(plan, caches, self.block_size, tables))
+                handle.hooks.append(save_hook(plan, caches, self.block_size, tables, draft))
             return handle
         self._num_forwards += 1
         inp = prepare_inputs(sched, self.requests, self.pending.rows)
@@ -311,10 +315,13 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, RunnerGraphC
         if self.lora is not None:
             self.set_lora_step(inp, handle.out)  # (runner_lora.py)
         handle.forward = self.forwarder.run(inp, handle.out)
+        save = None
         if plan is not None and plan.saves:  # queued now: no later step has reused a block
-            handle.hooks.append(save_hook(plan, caches, self.block_size, tables))
+            save = save_hook(plan, caches, self.block_size, tables, draft)
         if self.drafter is not None:
             self._launch_drafter(self.drafter, handle)
+        if save is not None:  # after the drafter's hook: its rows of the step are mirrored
+            handle.hooks.append(save)
         self._latest = handle
         return handle
 
