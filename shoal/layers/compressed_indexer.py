@@ -39,6 +39,7 @@ class CompressedIndexer(TokenCompressor):
                                          params_dtype=dtype)
         self.weights_proj = ReplicatedLinear(cfg.hidden_size, self.n_heads, params_dtype=dtype)
         self.scale = self.head_dim ** -0.5
+        self.query_dtype = dtype  # the queries' values, before queries() widens them
 
     def queries(self, hidden: torch.Tensor, q_resid: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,6 +88,8 @@ class CompressedIndexer(TokenCompressor):
 
         if entries.tables.shape[1] * block_size // self.ratio <= self.topk:
             return None
+        if entries.pages.dtype == self.query_dtype:  # lossless: tensor-core products
+            q = q.to(self.query_dtype)
         scores = v4_index_scores(q, weights, positions, entries, key_column, self.ratio,
                                  block_size, self.scale)
         return scores.topk(self.topk, dim=-1).indices

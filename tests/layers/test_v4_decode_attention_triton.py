@@ -97,7 +97,9 @@ def _inputs(layer: ca.CompressedAttention, rows: int, dtype: torch.dtype, device
     ctx = _StepInputs(q.to(dtype), q.new_zeros(0))
     if layer.indexer is not None:
         ix = layer.indexer
-        ctx.index_q = torch.randn(rows, ix.n_heads, ix.head_dim, generator=gen, device=device)
+        # (values of the model dtype, widened: what CompressedIndexer.queries gives)
+        ctx.index_q = torch.randn(rows, ix.n_heads, ix.head_dim, generator=gen,
+                                  device=device).to(dtype).float()
         ctx.index_w = torch.randn(rows, ix.n_heads, generator=gen, device=device)
     return ctx
 
@@ -135,16 +137,19 @@ def test_decodes_match_the_torch_path(kind: str, topk: int, min_split: int, monk
     torch.testing.assert_close(out, ref, **TOL)
 
 
-def test_index_scores_match_the_torch_scores():
-    """Every entry the tables hold scored, -inf past each row's own (the padding row: all)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_index_scores_match_the_torch_scores(dtype: torch.dtype):
+    """Every entry the tables hold scored, -inf past each row's own (the padding row: all).
+    bf16: the pages and the queries (bf16 values, as the model's are) in bf16, the kernel's
+    tensor-core path; its products are exact, so it matches the float32 scores."""
     gen = torch.Generator(DEV).manual_seed(2)
-    layer = _layer(_cfg(CSA), torch.float32, DEV, 64 * BS, gen)
-    ctx = _inputs(layer, len(POSITIONS), torch.float32, DEV, gen)
+    layer = _layer(_cfg(CSA), dtype, DEV, 64 * BS, gen)
+    ctx = _inputs(layer, len(POSITIONS), dtype, DEV, gen)
     step = _step(list(POSITIONS), WIDTH, 64, 1, DEV, gen)
     ix, d = layer.indexer, layer.head_dim
     keys, own = layer.entries.load_decodes(step, slice(None), slice(d, None))
     ref = ix.scores(ctx.index_q, ctx.index_w, keys, own)
-    out = v4_index_scores(ctx.index_q, ctx.index_w, step.decode_positions,
+    out = v4_index_scores(ctx.index_q.to(dtype), ctx.index_w, step.decode_positions,
                           PagedKeys(*layer.entries.decode_pages(step)), d, 4, BS, ix.scale)
     assert out.shape == (len(POSITIONS), WIDTH * BS // 4)
     assert torch.equal(out.isinf(), ref.isinf()) and out[1].isfinite().sum() == 9
@@ -232,12 +237,15 @@ def test_v4_flash_shapes_on_gpu(kind: str, rows: int, context: int):
         if picked is not None:
             for block_n in (16, 32, 64):
                 for warps in (4, 8):
-                    def score(bn: int = block_n, nw: int = warps) -> None:
-                        index_ops.launch(ctx.index_q, ctx.index_w, step.decode_positions,
-                                         pages, layer.head_dim, 4, bs, layer.indexer.scale,
-                                         block_n=bn, num_warps=nw)
-                    print(f"  index scores block_n={block_n} num_warps={warps}: "
-                          f"{_timed(score)}")
+                    for q_dtype in (torch.float32, dtype):
+                        def score(bn: int = block_n, nw: int = warps,
+                                  qd: torch.dtype = q_dtype) -> None:
+                            index_ops.launch(ctx.index_q.to(qd), ctx.index_w,
+                                             step.decode_positions, pages, layer.head_dim, 4,
+                                             bs, layer.indexer.scale, block_n=bn,
+                                             num_warps=nw)
+                        print(f"  index scores q {q_dtype} block_n={block_n} "
+                              f"num_warps={warps}: {_timed(score)}")
     for block_n in (16, 32, 64):
         for warps in (4, 8):
             for splits in (None, 1, 4, 16):

@@ -12,7 +12,11 @@ block of its last token e = (w + 1) ratio - 1, slot w - floor(e / bs) bs / ratio
 A program owns one row and BLOCK_N entries; one past the row's entries only writes -inf.
 Launch shapes follow the batch and table width, the row's length is read on the device:
 CUDA-graph safe. The products run in float32 (ieee) as the torch path's matmul does: the
-top-k is a hard choice, a tf32 rounding would flip near ties. FP8 pages (kv_cache_dtype="fp8")
+top-k is a hard choice, a tf32 rounding would flip near ties. Where q comes in the pages'
+half dtype (bf16/fp16: the model's queries are rounded to it before the indexer widens them,
+so the caller narrows them back losslessly), the dot runs on tensor cores in that dtype with
+float32 sums: a product of two half values is exact in float32, so only the order of the
+sums differs from the torch path's. FP8 pages (kv_cache_dtype="fp8")
 hold the keys as e4m3 with a float32 scale per block (PagedKeys.fp8): loaded as the decode
 attention loads them (load_keys), in float32."""
 
@@ -29,6 +33,8 @@ from shoal.attention.ops.v4_decode_attention import (
     load_keys,
 )
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
 
 @triton.jit(do_not_specialize=["n_entries", "key_column"])
 def _index_scores_kernel(
@@ -38,7 +44,8 @@ def _index_scores_kernel(
     stride_or, stride_sb, stride_ss, sc0,
     BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, QBLOCK: tl.constexpr,
+    BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, QBLOCK: tl.constexpr, HALF: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     w0 = tl.program_id(1) * BLOCK_N
@@ -57,14 +64,17 @@ def _index_scores_kernel(
         h_mask = heads < n_heads
         # the products BLOCK_D columns at a time: a float32 (ieee) dot runs on FMAs with its
         # operands' whole K in registers, and all 128 at once spill kilobytes a thread on
-        # sm_90 (ptxas: 5 KiB of stack at block_n 32, 4 warps; 16 at a time: 80 registers)
+        # sm_90 (ptxas: 5 KiB of stack at block_n 32, 4 warps; 16 at a time: 80 registers);
+        # HALF: one tensor-core dot over the whole K (BLOCK_D = INDEX_DIM)
         s = tl.zeros([BLOCK_HI, BLOCK_N], tl.float32)
         for d0 in tl.static_range(0, INDEX_DIM, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
             keys = load_keys(ent_ptr + key_column, sc_ptr, block, slot, stride_eb, stride_es,
-                             stride_sb, stride_ss, sc0, d, valid, QBLOCK, KV_FP8).to(tl.float32)
+                             stride_sb, stride_ss, sc0, d, valid, QBLOCK, KV_FP8)
             q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :],
-                        mask=h_mask[:, None], other=0.0).to(tl.float32)
+                        mask=h_mask[:, None], other=0.0)
+            if not HALF or INTERPRETED:  # (the CPU interpreter's bf16 dot is wrong: 3.9)
+                keys, q = keys.to(tl.float32), q.to(tl.float32)
             s = tl.dot(q, tl.trans(keys), s, input_precision=DOT_PRECISION)  # [Hi, BLOCK_N]
         weights = tl.load(w_ptr + r * stride_wr + heads, mask=h_mask, other=0.0)
         score = tl.sum(tl.maximum(s, 0.0) * weights.to(tl.float32)[:, None], 0) * scale
@@ -100,6 +110,7 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
     if rows == 0 or n_entries == 0:
         return out
     keys = key_operands("entries", entries, key_column, dim, q.dtype)
+    half = not keys.fp8 and q.dtype in HALF_DTYPES and q.dtype == keys.values.dtype
     _index_scores_kernel[(rows, triton.cdiv(n_entries, block_n))](
         q, weights, positions, keys.values, entries.tables, keys.scales, out,
         scale, heads, n_entries, key_column,
@@ -109,7 +120,8 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
         keys.scales.stride(0), keys.scales.stride(1), keys.first_scale,
         BLOCK_HI=max(16, triton.next_power_of_2(heads)), INDEX_DIM=dim, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, RATIO=ratio, DOT_PRECISION="ieee",
-        BLOCK_D=16, KV_FP8=keys.fp8, QBLOCK=keys.block,
+        BLOCK_D=dim if half else 16, KV_FP8=keys.fp8, QBLOCK=keys.block, HALF=half,
+        INTERPRETED=not q.is_cuda,
         num_warps=num_warps)
     return out
 
@@ -117,7 +129,8 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
 def v4_index_scores(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                     entries: PagedKeys, key_column: int, ratio: int, block_size: int,
                     scale: float) -> torch.Tensor:
-    """q [R, Hi, Di] and weights [R, Hi] (the indexer's, float32), positions [R], the
-    entries' pages (index keys at key_column of each entry slot) and tables [R, N] -> scores
-    [R, N * block_size // ratio] float32, -inf past each row's own entries."""
+    """q [R, Hi, Di] (float32, or the pages' bf16/fp16: tensor cores) and weights [R, Hi]
+    (the indexer's, float32), positions [R], the entries' pages (index keys at key_column of
+    each entry slot) and tables [R, N] -> scores [R, N * block_size // ratio] float32, -inf
+    past each row's own entries."""
     return launch(q, weights, positions, entries, key_column, ratio, block_size, scale)
