@@ -34,7 +34,10 @@ token of the oldest group their next entry still pools.
 
 A tensor-parallel producer: every rank reads its own heads and TP rank 0 gathers them into one
 payload of every head (tp_rows.py), and its ranks' linear-attention states into the model's
-order (states.py), so the two sides' TP sizes may differ."""
+order (states.py), so the two sides' TP sizes may differ. A layer every rank holds whole (MLA's
+latent row, indexer keys; all of DeepSeek-V4's caches and its MTP block's: one replicated KV
+head) is read on rank 0 alone and never gathered (a model of such layers only, as V4, runs no
+collective at all); a payload holds it once, and every consumer rank writes all of it."""
 
 from __future__ import annotations
 
@@ -143,9 +146,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _row_shape(kv: torch.Tensor, layer: int, tables: LayerTables, num_tokens: int,
-               start: int) -> list[int]:
-    """[planes, rows, heads, width in bytes] of a layer's rows of this rank."""
+               start: int, gathered: torch.Tensor | None = None) -> list[int]:
+    """[planes, rows, heads, width in bytes] of a layer's rows of this rank, or of every
+    rank's that TP rank 0 `gathered` (tp_rows.py)."""
     spec = tables.state(layer)
+    if gathered is not None:
+        # a state layer gathered [1, 1, ranks, state bytes]: it goes as one row, in the
+        # model's order (states.py)
+        return [1, 1, 1, gathered.numel()] if spec is not None else list(gathered.shape)
     if spec is not None:
         return [1, 1, 1, spec.state_bytes]
     entry = tables.entry(layer)
@@ -155,11 +163,15 @@ def _row_shape(kv: torch.Tensor, layer: int, tables: LayerTables, num_tokens: in
 
 
 def layout_of(caches: list[torch.Tensor], num_tokens: int, starts: Sequence[int] = (),
-              tables: LayerTables | None = None) -> KVLayout:
+              tables: LayerTables | None = None,
+              gathered: dict[int, torch.Tensor] | None = None) -> KVLayout:
+    """gathered: the layers TP rank 0 gathered of every rank, by index (the others: its
+    own rows)."""
     tables = tables or _one_table(len(caches))
     starts = list(starts) if any(starts) else []
-    shapes = [_row_shape(kv, i, tables, num_tokens, starts[i] if starts else 0)
-              for i, kv in enumerate(caches)]
+    gathered = gathered or {}
+    shapes = [_row_shape(kv, i, tables, num_tokens, starts[i] if starts else 0,
+                         gathered.get(i)) for i, kv in enumerate(caches)]
     return KVLayout(_dtype_name(caches[0].dtype), num_tokens, shapes, starts,
                     tables.state_layers, tables.ratios)
 
@@ -244,21 +256,23 @@ def gather_rows(caches: list[torch.Tensor], block_ids: list[int], block_size: in
     tables = tables or _one_table(len(caches))
     starts = [tables.first_sent(i, num_tokens) for i in range(len(caches))]
     slots_of = _Slots([block_ids, *group_block_ids], block_size, device)
-    gathered = None
-    if get_tp_world_size() > 1:
-        local = [_read_layer(kv, i, tables, slots_of, starts[i], num_tokens)
-                 for i, kv in enumerate(caches)]
-        gathered = gather_to_first(local, tables.replicas or (1,) * len(caches))
-        if gathered is None:
+    gathered: dict[int, torch.Tensor] = {}
+    world = get_tp_world_size()
+    if world > 1:
+        # layers every rank holds whole (a latent row, DeepSeek-V4's replicated caches) are
+        # rank 0's own: read there alone, never gathered; the others' heads are
+        replicas = tables.replicas or (1,) * len(caches)
+        split = [i for i, rep in enumerate(replicas) if rep < world]
+        if split:
+            local = [_read_layer(caches[i], i, tables, slots_of, starts[i], num_tokens)
+                     for i in split]
+            parts = gather_to_first(local, [replicas[i] for i in split])
+            if parts is None:
+                return None
+            gathered = dict(zip(split, parts))
+        elif get_tp_rank() != 0:
             return None
-        # a state layer gathered [1, 1, ranks, state bytes]: it goes as one row, in the
-        # model's order (states.py)
-        shapes = [[1, 1, 1, rows.numel()] if tables.state(i) is not None else list(rows.shape)
-                  for i, rows in enumerate(gathered)]
-        layout = KVLayout(_dtype_name(caches[0].dtype), num_tokens, shapes,
-                          starts if any(starts) else [], tables.state_layers, tables.ratios)
-    else:
-        layout = layout_of(caches, num_tokens, starts, tables)
+    layout = layout_of(caches, num_tokens, starts, tables, gathered)
     if draft is not None:
         layout = replace(layout, draft=draft)
     cuda = device.type == "cuda"
@@ -273,9 +287,9 @@ def gather_rows(caches: list[torch.Tensor], block_ids: list[int], block_size: in
         out = host[offset:offset + size].view(layout.layers[i])
         offset += size
         spec = tables.state(i)
-        if gathered is not None and spec is not None:
+        if i in gathered and spec is not None:
             to_model_order(gathered[i].view(gathered[i].shape[2], -1), spec, out.view(-1))
-        elif gathered is not None:
+        elif i in gathered:
             out.copy_(gathered[i], non_blocking=True)
         else:
             _read_layer(kv, i, tables, slots_of, starts[i], num_tokens, out)
