@@ -373,16 +373,8 @@ ROWS: tuple[Incompatibility, ...] = (
     # (Linear-attention hybrids take it: their attention pages are FP8, their recurrent states
     # stay float32 words inside those pages, and the block size grows until a page holds one.
     # DeepSeek-V3.2 keeps its indexer keys and DeepSeek-V4 its window rows and compressed
-    # entries as FP8 with a scale per block of values: attention/fp8_rows.py.)
-    Incompatibility(
-        "kv_cache_dtype='fp8'", "DeepSeek-V3.2 on the Triton attention backend",
-        lambda s: (s.fp8_kv_cache and s.latent_attention
-                   and getattr(s.hf_config, "index_topk", None) is not None
-                   and (s.args.attention_backend
-                        or ("triton" if s.device_type == "cuda" else "torch")) == "triton"),
-        "kv_cache_dtype={s.args.kv_cache_dtype!r}: {s.model_class}'s lightning indexer keeps "
-        "FP8 keys on attention_backend='torch' only (the Triton backend's indexer kernels read "
-        "keys in the model dtype); use attention_backend='torch' or kv_cache_dtype='auto'"),
+    # entries as FP8 with a scale per block of values: attention/fp8_rows.py; both backends
+    # read them.)
     # ---- the Transformers backend (transformers' modeling code, shoal's paged attention) ----
     Incompatibility(
         "model_impl='transformers' (the Transformers backend)", _DP_EP,

@@ -96,10 +96,6 @@ class LightningIndexer(nn.Module):
         k = self.k_norm(self.wk(hidden)).view(t, 1, self.head_dim).contiguous()
         q, k = self.rotary_emb(positions, q, k)
         cache = self.kv_cache[0]  # [slots, 1, D] (FP8: [slots, 1, row_bytes] bytes)
-        if kv_quant.is_fp8(cache) and not isinstance(md, AttentionMetadata):
-            raise NotImplementedError("the Triton indexer kernels read keys in the model dtype, "
-                                      "not FP8 ones: use attention_backend='torch' or "
-                                      "kv_cache_dtype='auto' for DeepSeek-V3.2")
         if not isinstance(md, AttentionMetadata):  # the Triton backend's: SparseRows
             return self._pick_rows(hidden, q, k, cache, md)
         if kv_quant.is_fp8(cache):
@@ -119,16 +115,25 @@ class LightningIndexer(nn.Module):
         """forward on the Triton backend's metadata: the keys written past padding rows'
         -1 slots, then every query row's top-k positions (sparse_picks.py), or None when no
         row sees more than index_topk keys (max_seq_len: a host value, a captured graph's the
-        capacity of its tables, so it decides once per shape)."""
+        capacity of its tables, so it decides once per shape). An FP8 cache takes the keys
+        as the torch branch stores them (fp8_keys.quantize: device ops only, no host read,
+        so a graph captures it; the rows then copied as bytes), and the scores read them
+        back with that layout."""
         from shoal.attention.ops.mla_cache_write import write_mla_cache
         from shoal.layers.sparse_picks import pick_rows
 
-        write_mla_cache(k[:, 0].to(cache.dtype), cache[:, 0], md.slot_mapping)
+        fp8 = self.fp8_keys if kv_quant.is_fp8(cache) else None
+        rows = cache[:, 0]  # [slots, D] (FP8: [slots, row_bytes])
+        if fp8 is not None:
+            rows = rows.view(torch.uint8)
+            write_mla_cache(fp8.quantize(k[:, 0]), rows, md.slot_mapping)
+        else:
+            write_mla_cache(k[:, 0].to(cache.dtype), rows, md.slot_mapping)
         if md.max_seq_len <= self.topk:
             return None
         w = self.weights_proj(hidden).float() * self.n_heads ** -0.5  # [T, H]
-        pages = cache.view(-1, md.block_size, self.head_dim)
-        return pick_rows(q, w, md, pages, self.topk, self.scale)
+        pages = rows.view(-1, md.block_size, rows.shape[-1])
+        return pick_rows(q, w, md, pages, self.topk, self.scale, fp8)
 
     def _scores(self, q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """q [..., Lq, H, D], keys [..., S, D], w [..., Lq, H] -> [..., Lq, S]."""

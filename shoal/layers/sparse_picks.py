@@ -10,7 +10,9 @@ ratio 1 are the tokens themselves: it reads the keys straight from the paged key
 past the row's own, and torch.topk keeps the best index_topk in order, so a row's visible picks
 lead. Nothing is read back to the host and the shapes follow the token count and table width:
 a captured decode (or verify) graph replays it. Rows are scored SCORE_ELEMENTS at a time, so a
-long prefill chunk over a long context does not hold every row's scores at once."""
+long prefill chunk over a long context does not hold every row's scores at once. An FP8 key
+cache (kv_cache_dtype="fp8": block-scaled rows, attention/fp8_rows.py) is read with its rows'
+layout, dequantized in the kernel as the torch path dequantizes it."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from shoal.attention.fp8_rows import BlockScaledRows
 from shoal.attention.ops.mla_sparse import SparseRows
 from shoal.attention.ops.v4_decode_attention import PagedKeys
 from shoal.attention.ops.v4_index_scores import v4_index_scores
@@ -43,11 +46,13 @@ def query_rows(md: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def pick_rows(q: torch.Tensor, weights: torch.Tensor, md: Any, pages: torch.Tensor, topk: int,
-              scale: float) -> SparseRows:
+              scale: float, fp8: BlockScaledRows | None = None) -> SparseRows:
     """q [T, Hi, Di] (the indexer's rotated queries), weights [T, Hi] (its head weights,
     float32), md the step's Triton metadata, pages [blocks, block_size, Di] the key cache
-    (every row of the step already written) -> the top-k positions of each row, best first,
-    with the rows' requests and counts. Needs tables of more than topk positions."""
+    (every row of the step already written; fp8: its rows' layout when they are stored as
+    block-scaled FP8, pages then [blocks, block_size, fp8.row_bytes] bytes) -> the top-k
+    positions of each row, best first, with the rows' requests and counts. Needs tables of
+    more than topk positions."""
     table_rows, seen = query_rows(md)
     t = q.shape[0]
     width = md.block_tables.shape[1] * md.block_size
@@ -59,7 +64,8 @@ def pick_rows(q: torch.Tensor, weights: torch.Tensor, md: Any, pages: torch.Tens
         b = min(a + chunk, t)
         tables = (md.block_tables[a:b] if not md.num_prefills
                   else md.block_tables.index_select(0, table_rows[a:b]))
-        scores = v4_index_scores(q[a:b], weights[a:b], seen[a:b] - 1, PagedKeys(pages, tables),
-                                 0, 1, md.block_size, scale)
+        keys = PagedKeys(pages, tables, fp8)
+        scores = v4_index_scores(q[a:b], weights[a:b], seen[a:b] - 1, keys, 0, 1,
+                                 md.block_size, scale)
         picks[a:b] = scores.topk(topk, dim=-1).indices
     return SparseRows(picks, seen, table_rows)

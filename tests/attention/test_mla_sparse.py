@@ -3,18 +3,22 @@ mla_sparse.py, the indexer's picks of shoal/layers/sparse_picks.py), in Triton's
 on the CPU (compiled on a GPU):
 - the kernel against a float64 softmax over each row's picks: rows shorter than top-k,
   picks of -1 and past the row masked, a padding row, positions on page boundaries, one and
-  several splits, strided q, an FP8 cache;
+  several splits, strided q, an FP8 cache as the MLA cache write stores it;
 - the indexer + forward_mla on both backends' metadata of one mixed step (decodes short and
   long, a fresh prompt, chunks after cached context) and on decode graph metadata with a
-  padding row: the Triton path gives the torch sparse path's outputs and caches;
-- a tiny V3.2 through the engine on the Triton backend: transformers' tokens.
-The GPU test runs V3.2's shapes in bf16 (128 heads, Dk 576, top-2048), replays a CUDA graph
-and prints the kernel's times at several tilings beside dense MLA decode's."""
+  padding row: the Triton path gives the torch sparse path's outputs and caches, FP8 caches
+  (the latent rows, the indexer's block-scaled keys) byte for byte;
+- a tiny V3.2 through the engine on the Triton backend: transformers' tokens; with
+  kv_cache_dtype='fp8', the torch backend's FP8 run.
+The GPU tests run V3.2's shapes in bf16 (128 heads, Dk 576, top-2048), replay a CUDA graph
+and print the kernel's times at several tilings beside dense MLA decode's; the tiny V3.2
+runs in CUDA graphs, with an FP8 cache too."""
 
 from __future__ import annotations
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -34,6 +38,7 @@ from shoal.layers.sparse_indexer import LightningIndexer  # noqa: E402
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 V_DIM, ROPE, BS, TOPK = 32, 16, 4, 8
 TOL = {"atol": 2e-5, "rtol": 2e-5}
+FP8_SCALE = 0.25  # an FP8 latent cache's scale (the checkpoint's k_scale of the layer)
 
 
 def _reference(q: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, rows: SparseRows,
@@ -99,12 +104,19 @@ def test_kernel_reads_only_each_rows_picks(num_splits: int, strided: bool, heads
 
 
 def test_fp8_cache_is_read_scaled():
+    """The FP8 latent rows as the Triton MLA path writes them (write_mla_cache: the same bytes
+    as the torch backend's kv_quant.quantize), read back times the layer's scale."""
     from shoal.attention import kv_quant
+    from shoal.attention.ops.mla_cache_write import write_mla_cache
 
     gen = torch.Generator().manual_seed(9)
     q, cache, tables, rows, bs = _kernel_case(gen, heads=3)
     kv_scale = 0.5
-    stored = kv_quant.quantize(cache, kv_scale)
+    stored = torch.zeros(cache.shape, dtype=kv_quant.FP8_KV_DTYPE, device=DEV)
+    slots = torch.arange(cache.shape[0], device=DEV)
+    write_mla_cache(cache, stored, slots, kv_scale)
+    assert torch.equal(stored.view(torch.uint8), kv_quant.quantize(cache, kv_scale)
+                       .view(torch.uint8))
     out = mla_sparse_attention(q, stored, tables, rows, bs, 0.2, V_DIM, kv_scale=kv_scale,
                                num_splits=2)
     want = _reference(q, kv_quant.dequantize(stored, kv_scale, torch.float32), tables, rows, bs,
@@ -168,34 +180,69 @@ def _layer_step(query_lens: list[int], context_lens: list[int], heads: int, seed
     return tables, caches, inputs, nb
 
 
+def _as_fp8(caches, ix: LightningIndexer):
+    """The random caches as an FP8 pool holds them: latent rows with one scale (FP8_SCALE),
+    the indexer's keys as block-scaled rows (its fp8_keys layout), both as float8 bytes."""
+    from shoal.attention import kv_quant
+
+    latent, keys = caches
+    stored = ix.fp8_keys.quantize(keys).view(kv_quant.FP8_KV_DTYPE)
+    return kv_quant.quantize(latent, FP8_SCALE), stored
+
+
 def _sparse_mla(backend, ix: LightningIndexer, md, caches, inputs, scale: float):
-    """The layer's work: the indexer's selection, then forward_mla with it."""
+    """The layer's work: the indexer's selection, then forward_mla with it (an FP8 latent
+    cache: its scale FP8_SCALE)."""
+    from shoal.attention import kv_quant
+
     latent_cache, ix.kv_cache = (c.clone().to(DEV) for c in caches)
     x = {k: v.to(DEV) for k, v in inputs.items()}
     select = ix(x["hidden"], x["q_resid"], x["positions"], md)
-    out = backend.forward_mla(x["q"], x["latent"], latent_cache, md, scale, V_DIM, select)
+    kw = {"kv_scale": FP8_SCALE} if kv_quant.is_fp8(latent_cache) else {}
+    out = backend.forward_mla(x["q"], x["latent"], latent_cache, md, scale, V_DIM, select, **kw)
     return out.cpu(), latent_cache.cpu(), ix.kv_cache.cpu(), select
 
 
-def test_mixed_step_matches_the_torch_sparse_path():
+def _same_cache(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal caches; FP8 ones byte for byte (the two backends store the same rows)."""
+    if got.dtype == torch.float8_e4m3fn:
+        assert want.dtype == got.dtype
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    else:
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["auto", "fp8"])
+def test_mixed_step_matches_the_torch_sparse_path(fp8: bool):
     """Decodes at 4 (within top-k), 21 and 14 keys, a fresh prompt of 12 tokens, chunks of 9
-    after 4 cached and of 7 after 11, pages of 4."""
+    after 4 cached and of 7 after 11, pages of 4. FP8 caches (kv_cache_dtype="fp8"): the
+    Triton path writes the latent rows and the indexer's block-scaled keys byte for byte as
+    the torch path does, and reads both back alike."""
     query_lens, context_lens, nd = [1, 1, 1, 12, 9, 7], [3, 20, 13, 0, 4, 11], 3
     tables, caches, inputs, nb = _layer_step(query_lens, context_lens, 3, seed=3)
     ix, scale = _indexer(0), (V_DIM + ROPE) ** -0.5
+    if fp8:
+        caches = _as_fp8(caches, ix)
     outs = []
     for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
         md = backend.build_metadata(query_lens=query_lens, context_lens=context_lens,
                                     block_tables=tables, block_size=BS, num_decodes=nd,
                                     sliding_window=None, device=DEV, null_block=nb)
         outs.append(_sparse_mla(backend, ix, md, caches, inputs, scale))
-    (ref, ref_lat, ref_keys, _), (out, lat, keys, rows) = outs
+    (ref, ref_lat, ref_keys, ref_select), (out, lat, keys, rows) = outs
     assert isinstance(rows, SparseRows) and rows.picks.shape == (sum(query_lens), TOPK)
     # each row's count: its position + 1
     assert rows.seen.tolist() == (inputs["positions"] + 1).tolist()
     assert rows.table_rows.tolist() == [r for r, n in enumerate(query_lens) for _ in range(n)]
-    torch.testing.assert_close(lat, ref_lat)
-    torch.testing.assert_close(keys, ref_keys)
+    # the long decodes' picks: the torch path's selection (FP8: scored on the dequantized keys)
+    for i in (1, 2):
+        seen = int(rows.seen[i])
+        mine = set(rows.picks[i, :min(TOPK, seen)].tolist())
+        assert mine == set(ref_select.decode[i, 0, 0].nonzero().flatten().tolist())
+    _same_cache(lat, ref_lat)
+    _same_cache(keys, ref_keys)
+    if fp8:  # the step's rows were written (not the random ones left)
+        assert not torch.equal(keys.view(torch.uint8), caches[1].view(torch.uint8))
     torch.testing.assert_close(out, ref, **TOL)
 
 
@@ -209,16 +256,20 @@ def test_short_steps_skip_the_indexer():
     assert _sparse_mla(backend, _indexer(1), md, caches, inputs, 0.2)[3] is None
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["auto", "fp8"])
 @pytest.mark.parametrize("q_len", [1, 3], ids=["decodes", "verify-chunks"])
-def test_graph_metadata_with_a_padding_row(q_len: int):
+def test_graph_metadata_with_a_padding_row(q_len: int, fp8: bool):
     """The metadata a graph replays (tables 10 blocks wide: past top-k, so the shape
     selects), 3 requests padded to 4 rows of q_len tokens: the padding row writes nothing
     (a decode's gives zeros; a chunk's reads stale tables, its outputs unread), the real
-    rows give the torch path's (decodes, or chunks after cached context)."""
+    rows give the torch path's (decodes, or chunks after cached context); FP8 caches: the
+    same bytes, the padding row's block-scaled key written nowhere either."""
     context_lens = [17, 2, 30]
     query_lens = [q_len] * 3
     tables, caches, inputs, nb = _layer_step(query_lens, context_lens, 3, seed=5)
     ix, scale = _indexer(2), 0.2
+    if fp8:
+        caches = _as_fp8(caches, ix)
     backend = TritonAttentionBackend()
     buf = backend.alloc_graph_buffers(8, 16, 10, DEV, block_size=BS, sliding_window=None)
     slots = [t[p // BS] * BS + p % BS for t, c in zip(tables, context_lens)
@@ -239,18 +290,24 @@ def test_graph_metadata_with_a_padding_row(q_len: int):
     torch.testing.assert_close(out[:3 * q_len], ref, **TOL)
     if q_len == 1:
         assert torch.count_nonzero(out[3]) == 0
-    torch.testing.assert_close(lat, ref_lat)  # the padding row wrote nothing
-    torch.testing.assert_close(keys, ref_keys)
+    _same_cache(lat, ref_lat)  # the padding row wrote nothing
+    _same_cache(keys, ref_keys)
 
 
-def test_tiny_v32_engine_on_the_triton_backend(tmp_path):
+@pytest.fixture(scope="module")
+def tiny_v32(tmp_path_factory):
+    """A tiny random V3.2 checkpoint (top-8) and its transformers model."""
+    return write_deepseek(tmp_path_factory.mktemp("v32"), "deepseek_v32", 3,
+                          **dict(V3, index_n_heads=8, index_head_dim=32, index_topk=TOPK))
+
+
+def test_tiny_v32_engine_on_the_triton_backend(tiny_v32):
     """Transformers' greedy tokens and logprobs (1e-4) past index_topk 8, the prompts in
     chunks beside decodes; CUDA places V3.2 past top-k on this path (no refusal any more)."""
     from shoal.engine.compatibility import ResolvedArgs, violations
     from shoal.engine.engine_args import EngineArgs
 
-    path, hf = write_deepseek(tmp_path / "v32", "deepseek_v32", 3,
-                              **dict(V3, index_n_heads=8, index_head_dim=32, index_topk=TOPK))
+    path, hf = tiny_v32
     assert violations(ResolvedArgs(EngineArgs(), "generate", "cuda", 256, hf.config)) == []
     llm = LLM(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=16,
               num_gpu_blocks_override=64, max_model_len=64, attention_backend="triton")
@@ -260,6 +317,84 @@ def test_tiny_v32_engine_on_the_triton_backend(tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     check_against_hf(outs, prompts, hf, 3)
 
+
+def _fp8_engine_runs(path, backend: str, **engine) -> SimpleNamespace:
+    """Greedy runs of the tiny V3.2 (top-8) with an FP8 cache on `backend`: prompts of 6
+    and 23 tokens (in chunks of 16 beside decodes), then one sharing the second's first 16
+    tokens (a prefix hit). Returns both runs, the prefix hits, each layer's cache read back
+    as values ((latent rows, indexer keys) per layer, float32) and the CUDA-graph replays."""
+    from kv_fp8_helpers import greedy_run
+
+    from shoal.attention import kv_quant
+    from shoal.layers.latent_attention import LatentAttention
+
+    llm = LLM(model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=16,
+              num_gpu_blocks_override=64, max_model_len=32, kv_cache_dtype="fp8",
+              attention_backend=backend, **engine)
+    try:
+        runner = llm.llm_engine.core.runner
+        assert type(runner.backend).__name__.lower().startswith(backend)
+        replays: list = []
+        if runner.graphs is not None:
+            real_run = runner.graphs.run
+            runner.graphs.run = lambda shape, *a: replays.append(shape) or real_run(shape, *a)
+        rng = random.Random(8)
+        prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (6, 23)]
+        after = [prompts[1][:16] + [7, 9, 11]]
+        runs = [greedy_run(llm, prompts, 4), greedy_run(llm, after, 4)]
+        rows = []
+        for layer in runner.model.attention_layers():
+            stored = layer.kv_cache[0, :, 0].cpu()
+            assert stored.dtype == kv_quant.FP8_KV_DTYPE
+            if isinstance(layer, LatentAttention):
+                rows.append(kv_quant.dequantize(stored, layer.kv_scale, torch.float32))
+            else:
+                rows.append(layer.fp8_keys.dequantize(stored, torch.float32))
+        return SimpleNamespace(runs=runs, hits=llm.llm_engine.core.scheduler.kv.prefix_hits,
+                               rows=rows, replays=len(replays))
+    finally:
+        llm.shutdown()
+
+
+def _same_fp8_runs(got: SimpleNamespace, want: SimpleNamespace, atol: float) -> None:
+    """The same prefix hits, tokens and cached rows (_fp8_rows_agree); logprobs within atol."""
+    assert got.hits == want.hits >= 16
+    for a, b in zip(got.runs, want.runs, strict=True):
+        assert a.tokens == b.tokens
+        for x, y in zip(a.logits, b.logits):
+            for u, v in zip(x, y):
+                torch.testing.assert_close(torch.log_softmax(u, -1), torch.log_softmax(v, -1),
+                                           atol=atol, rtol=0)
+    for a, b in zip(got.rows, want.rows, strict=True):
+        _fp8_rows_agree(a, b)
+
+
+def _fp8_rows_agree(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Caches of FP8 rows read back (slot rows x values): the same rows written, equal up to
+    what the backends' different float32 sum orders do to the rows' inputs: a block's scale
+    drifts (under 1e-4 measured), and a few values cross an e4m3 rounding boundary, one step
+    (at most 1/8 of the value) each. A wrong slot, layout or scale misses by far more."""
+    written = want.abs().amax(-1) > 0
+    assert written.sum() > 30 and torch.equal(written, got.abs().amax(-1) > 0)
+    got, want = got[written], want[written]
+    size = torch.maximum(got.abs(), want.abs())
+    off = (got - want).abs()
+    crossed = off > 1e-3 * size
+    assert crossed.float().mean() < 0.01, f"{int(crossed.sum())} of {off.numel()} values moved"
+    assert (off <= size / 8 + 2.0 ** -9).all()
+
+
+def test_tiny_v32_engine_fp8_cache_on_triton_is_the_torch_backends(tiny_v32):
+    """kv_cache_dtype='fp8' on the Triton backend (block-scaled FP8 indexer keys written and
+    scored on the device, the latent rows read by the sparse kernel) gives the torch
+    backend's FP8 run past index_topk, in chunks beside decodes and after a prefix hit: the
+    same tokens and cached rows; logprobs within 5e-3. (Not 1e-5: the two backends' float32
+    sums differ in order (logprobs 6.7e-6 apart without FP8), which flips one latent value
+    of layer 1 across an e4m3 rounding boundary here, and that moves these random models'
+    logprobs by up to 5.3e-4, measured. Each layer alone writes and reads the same bytes on
+    both backends: test_mixed_step_matches_the_torch_sparse_path[fp8].)"""
+    path = tiny_v32[0]
+    _same_fp8_runs(_fp8_engine_runs(path, "triton"), _fp8_engine_runs(path, "torch"), 5e-3)
 
 
 # ---- on a GPU: V3.2's shapes ------------------------------------------------------------
@@ -359,16 +494,25 @@ def test_v32_shapes_on_gpu(rows: int, context: int):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("rows, context", [(1, 32768), (32, 32768), (8, 131072)])
-def test_v32_indexer_picks_on_gpu(rows: int, context: int):
+def test_v32_indexer_picks_on_gpu(rows: int, context: int, fp8: bool):
     """The indexer's picks on the Triton metadata at V3.2's shapes (64 index heads of 128,
     top-2048, decodes at `context`): each row's picks carry the torch scores' top-k values
-    (ties may pick other positions of equal score); the time of scores + top-k."""
+    (ties may pick other positions of equal score); the time of scores + top-k. fp8: the
+    keys stored as the FP8 cache keeps them (e4m3, a scale per 128 values), scored against
+    the torch scores of the keys read back."""
+    from shoal.attention.fp8_rows import BlockScaledRows
     from shoal.layers.sparse_picks import pick_rows
 
     gen = torch.Generator(device="cuda").manual_seed(2)
     bs, nb = 64, context // 64
     pages = torch.randn(nb, bs, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    layout = BlockScaledRows.of((128, 128)) if fp8 else None
+    stored = pages
+    if layout is not None:
+        stored = layout.quantize(pages)  # [nb, bs, 132] bytes
+        pages = layout.dequantize(stored, torch.float32)
     tables = [torch.randperm(nb, generator=gen, device="cuda").tolist() for _ in range(rows)]
     lens = [context - 1 - 17 * i for i in range(rows)]
     md = TritonAttentionBackend().build_metadata(
@@ -377,9 +521,9 @@ def test_v32_indexer_picks_on_gpu(rows: int, context: int):
     q = torch.randn(rows, 64, 128, generator=gen, device="cuda").to(torch.bfloat16)
     w = torch.randn(rows, 64, generator=gen, device="cuda") * 0.125
     scale = 128 ** -0.5
-    picked = pick_rows(q, w, md, pages, 2048, scale)
-    keys = pages.view(-1, 128)[(md.block_tables.long()[:, :, None] * bs
-                                + torch.arange(bs, device="cuda")).view(rows, -1)].float()
+    picked = pick_rows(q, w, md, stored, 2048, scale, layout)
+    keys = pages.reshape(-1, 128)[(md.block_tables.long()[:, :, None] * bs
+                                   + torch.arange(bs, device="cuda")).view(rows, -1)].float()
     s = torch.einsum("rhd,rsd->rhs", q.float(), keys).relu() * scale
     s = torch.einsum("rh,rhs->rs", w, s)
     s = s.masked_fill(torch.arange(s.shape[1], device="cuda")[None, :]
@@ -388,8 +532,8 @@ def test_v32_indexer_picks_on_gpu(rows: int, context: int):
     got = s.gather(1, picked.picks.long()).sort(-1, descending=True).values
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert picked.seen.tolist() == [n + 1 for n in lens]
-    print(f"\n[indexer picks rows={rows} context={context}] "
-          f"{time_ms(lambda: pick_rows(q, w, md, pages, 2048, scale)) * 1e3:.0f} us")
+    print(f"\n[indexer picks rows={rows} context={context} {'fp8' if fp8 else 'bf16'} keys] "
+          f"{time_ms(lambda: pick_rows(q, w, md, stored, 2048, scale, layout)) * 1e3:.0f} us")
 
 
 @pytest.mark.gpu
@@ -414,3 +558,15 @@ def test_tiny_v32_engine_with_cuda_graphs(tmp_path):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     check_against_hf(outs, prompts, hf, 12)
     assert replays, "no step replayed a CUDA graph"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_tiny_v32_fp8_cache_with_cuda_graphs(tiny_v32):
+    """On CUDA, fp32, kv_cache_dtype='fp8': the Triton backend with CUDA graphs (the FP8
+    indexer keys quantized and written inside the captured decode steps, which select)
+    gives the eager torch backend's FP8 run: tokens, cached rows, logprobs within 5e-3."""
+    path = tiny_v32[0]
+    graphs = _fp8_engine_runs(path, "triton")
+    assert graphs.replays, "no step replayed a CUDA graph"
+    _same_fp8_runs(graphs, _fp8_engine_runs(path, "torch", enforce_eager=True), 5e-3)

@@ -102,10 +102,6 @@ CASES = [
      "LlamaForCausalLM with tensor_parallel_size 2: its config has no base_model_tp_plan"),
     (dict(cpu_int4_matmul=True), {}, "generate", "cuda", 64,
      r"cpu_int4_matmul runs on the CPU only \(device is cuda\)"),
-    (dict(kv_cache_dtype="fp8"),
-     dict(architectures=["DeepseekV32ForCausalLM"], kv_lora_rank=32, index_topk=32), "generate",
-     "cuda", 64, r"kv_cache_dtype='fp8': DeepseekV32ForCausalLM's lightning indexer keeps FP8 "
-     "keys on attention_backend='torch' only"),
     (dict(speculative_config=_EAGLE), _V4, "generate", "cpu", 64,
      "method 'eagle' has no head for DeepseekV4ForCausalLM"),
     (dict(kv_cache_dtype="fp8", block_size=6), _V4, "generate", "cuda", 64,
@@ -153,6 +149,19 @@ def test_plain_configurations_fall_on_no_row(runner, device):
     served = ResolvedArgs(EngineArgs(data_parallel_size=2), runner, device, 64, _hf(),
                           serving=True)
     assert violations(served) == []
+
+
+def test_deepseek_v32_takes_an_fp8_cache_on_either_backend():
+    """kv_cache_dtype='fp8' for V3.2 (block-scaled FP8 indexer keys) on CUDA's default
+    Triton backend, the torch backend, and the CPU: no row refuses it
+    (attention/test_mla_sparse.py runs the Triton path against the torch one)."""
+    v32 = dict(architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32",
+               kv_lora_rank=32, index_topk=32)
+    for device, backend in (("cuda", None), ("cuda", "triton"), ("cuda", "torch"),
+                            ("cpu", None), ("cpu", "triton")):
+        kwargs = dict(kv_cache_dtype="fp8", attention_backend=backend)
+        assert violations(_resolved(kwargs, v32, "generate", device, 64)) == [], (device,
+                                                                                  backend)
 
 
 def test_create_engine_config_names_every_row_it_falls_on():

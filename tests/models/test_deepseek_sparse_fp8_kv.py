@@ -251,9 +251,9 @@ def test_v4_fp8_decode_graphs_give_the_eager_torch_paths_tokens(tiny):  # noqa: 
 
 
 def test_the_compatibility_table_takes_fp8_for_both():
-    """No row refuses kv_cache_dtype='fp8' for V3.2 on the torch backend or for V4 (blocks of
-    16, CPU or CUDA); V3.2 on the Triton backend and V4 with blocks not a multiple of 4 on
-    CUDA are refused (tests/engine/test_compatibility.py holds their messages)."""
+    """No row refuses kv_cache_dtype='fp8' for V3.2 (either backend: CUDA's default is the
+    Triton one) or for V4 (blocks of 16, CPU or CUDA); V4 with blocks not a multiple of 4 on
+    CUDA is refused (tests/engine/test_compatibility.py holds its message)."""
     from shoal.engine.compatibility import ResolvedArgs, violations
     from shoal.engine.engine_args import EngineArgs
 
@@ -266,7 +266,7 @@ def test_the_compatibility_table_takes_fp8_for_both():
         args = EngineArgs(kv_cache_dtype="fp8", **kw)
         return [r.other for r in violations(ResolvedArgs(args, "generate", device, 64, hf))]
     assert rows(v32, "cpu") == rows(v32, "cuda", attention_backend="torch") == []
+    assert rows(v32, "cuda") == rows(v32, "cuda", block_size=2) == []  # (4-byte rows)
     assert rows(v4, "cpu") == rows(v4, "cuda") == rows(v4, "cpu", block_size=6) == []
-    assert rows(v32, "cuda") == ["DeepSeek-V3.2 on the Triton attention backend"]
     assert rows(v4, "cuda", block_size=6) == [
         "kv_cache_dtype='fp8' with a block_size not a multiple of 4 on CUDA"]
