@@ -21,19 +21,22 @@ grouped output projection: o_groups blocks of heads each projected to o_lora_ran
 mixed to hidden_size (o_b_proj).
 
 Plain torch over the step (shoal/layers/request_spans.py): it runs on any device; on CUDA
-(use_triton_ops, with Triton installed) the decodes' attention and CSA's indexer scores run as
-Triton kernels reading the caches directly, each row's loops stopping at its own length
-(shoal/attention/ops/v4_decode_attention.py, v4_index_scores.py; the torch path is their
-reference). The step's decodes close their groups and attend as one batch, in shapes fixed by
+(use_triton_ops, with Triton installed) the attention and CSA's indexer scores run as Triton
+kernels reading the caches directly, one query token a row, each row's loops stopping at its
+own position (shoal/attention/ops/v4_decode_attention.py, v4_index_scores.py; the torch path is
+their reference): the decodes, and the tokens of prefill chunks and verify steps, each at its
+position over its request's tables (shoal/layers/span_rows.py), in memory and time that grow
+with the tokens times what each reads (window + top-k or HCA's entries), not chunk x context. The step's decodes close their groups and attend as one batch, in shapes fixed by
 their block tables' width and masked per decode (every decode computes the entry its token would
 close, only those that close one store it; a CSA decode scores every entry its tables hold and
 reads the indexer's top-k; the kernels skip the scores and top-k while the tables hold no more
 than top-k entries, every one then read), from device tensors only: a step of decodes alone is
 captured in a CUDA graph. That work follows the width: eagerly the step's longest table's, in a
 graph the narrowest captured width holding it (DeepseekV4ForCausalLM.decode_table_buckets_from).
-The other requests (prefill chunks, verify steps: eager) one by one, from their spans read on
-the host, their queries in chunks whose score tensors stay under SCORE_ELEMENTS (a long prefill
-chunk would otherwise hold [n, H, n] scores, and the indexer's [n, index_n_heads, n / m]).
+The other requests (prefill chunks, verify steps: eager, their spans read on the host) run
+through the same kernels on CUDA; in the torch path one by one, their queries in chunks whose
+score tensors stay under SCORE_ELEMENTS (a long prefill chunk would otherwise hold [n, H, n]
+scores, and the indexer's [n, index_n_heads, n / m]).
 
 Tensor parallelism splits the query heads, their sinks and the output groups (o_groups / tp
 each: a group's heads stay on one rank, so o_a_proj splits by rows and o_b_proj by columns,
@@ -72,6 +75,7 @@ from shoal.layers.ops.dispatch import use_triton
 from shoal.layers.paged_entries import PagedEntries
 from shoal.layers.paged_rows import PagedRows
 from shoal.layers.request_spans import RequestSpan, StepSpans
+from shoal.layers.span_rows import span_rows
 from shoal.layers.token_compressor import TokenCompressor
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
@@ -194,16 +198,33 @@ class CompressedAttention(nn.Module):
             if nd:
                 self._close_decode_groups(step)
             ctx.new_entries = [self._close_groups(rows, step, span) for span in step.spans]
-        if step.decodes_only:  # (what a decode graph captures)
-            out = self._attend_decodes(ctx, step)
-        else:
-            out = torch.empty_like(q)
-            if nd:
-                out[:nd] = self._attend_decodes(ctx, step)
-            for i, span in enumerate(step.spans):
-                out[span.start:span.start + span.length] = self._attend(ctx, step, span, i)
-        out = self.rope.rotate(out, cos, sin, inverse=True)
+        out = self.rope.rotate(self._attend_step(ctx, step), cos, sin, inverse=True)
         return self.o_b_proj(self._grouped_out(out.view(t, self.o_groups, -1)))
+
+    def _attend_step(self, ctx: _StepInputs, step: StepSpans) -> torch.Tensor:
+        """Every query of the step [T, H, D] over what it sees (the step's rows and entries
+        already stored): the decodes as one batch, then the other requests' tokens (on CUDA
+        as rows of the same kernels, else request by request in torch)."""
+        if step.decodes_only:  # (what a decode graph captures)
+            return self._attend_decodes(ctx, step)
+        nd = step.num_decodes
+        out = torch.empty_like(ctx.q)
+        if nd:
+            out[:nd] = self._attend_decodes(ctx, step)
+        if not step.spans:
+            return out
+        if step.slots and use_triton(ctx.q, self.use_triton_ops):
+            spans = self._attend_spans_triton(ctx, step)
+        else:  # (a pooling step, which caches nothing, reads its own rows: torch)
+            spans = self._attend_spans(ctx, step)
+        out[nd:nd + spans.shape[0]] = spans
+        return out
+
+    def _attend_spans(self, ctx: _StepInputs, step: StepSpans) -> torch.Tensor:
+        """The torch path of the step's prefill chunks and verify steps [n, H, D] (the flat
+        rows after the decodes, span after span), request by request."""
+        outs = [self._attend(ctx, step, span, i) for i, span in enumerate(step.spans)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _grouped_out(self, x: torch.Tensor) -> torch.Tensor:
         """[T, g, in] -> [T, g * o_lora_rank]: each group of heads through its own block of
@@ -268,11 +289,40 @@ class CompressedAttention(nn.Module):
         if paged is not None:  # (else a sliding layer, or tables holding no entry)
             pages, picked = PagedKeys(*paged), None
             if self.indexer is not None:
-                picked = self.indexer.pick_decodes(ctx.index_q[:nd], ctx.index_w[:nd],
-                                                   positions, pages, self.head_dim, bs)
+                picked = self.indexer.pick_rows(ctx.index_q[:nd], ctx.index_w[:nd],
+                                                positions, pages, self.head_dim, bs)
             entries = DecodeEntries(pages, self.entries.ratio, picked)
         return v4_decode_attention(ctx.q[:nd], positions, self.sinks, self.scale, window,
                                    self.window, bs, entries)
+
+    def _attend_spans_triton(self, ctx: _StepInputs, step: StepSpans) -> torch.Tensor:
+        """The step's prefill chunks and verify steps [n, H, D] in the decode kernels: each
+        token a row at its own position over its request's tables (shoal/layers/span_rows.py),
+        reading its window up to itself and its picked (CSA) or every (HCA) entry of the
+        groups complete at its position, from the caches: this step's rows and the entries of
+        the groups it closes are stored before (forward), so a token reads what the torch path
+        (_attend) gives it, a decode at its position alike."""
+        from shoal.attention.ops.v4_decode_attention import (
+            DecodeEntries,
+            PagedKeys,
+            v4_decode_attention,
+        )
+
+        rows = span_rows(step, ctx.q.device)
+        part = slice(rows.first, rows.first + rows.count)
+        bs = step.block_size
+        window = PagedKeys(*self.window_rows.span_pages(step))
+        entries = None
+        paged = self.entries.span_pages(step) if self.entries is not None else None
+        if paged is not None:  # (else a sliding layer, or no span reaches a whole group)
+            pages, picked = PagedKeys(*paged), None
+            if self.indexer is not None:
+                picked = self.indexer.pick_rows(ctx.index_q[part], ctx.index_w[part],
+                                                rows.positions, pages, self.head_dim, bs,
+                                                rows.table_rows)
+            entries = DecodeEntries(pages, self.entries.ratio, picked)
+        return v4_decode_attention(ctx.q[part], rows.positions, self.sinks, self.scale, window,
+                                   self.window, bs, entries, table_rows=rows.table_rows)
 
     def _attend_decode_rows(self, ctx: _StepInputs, step: StepSpans,
                             rows: slice) -> torch.Tensor:

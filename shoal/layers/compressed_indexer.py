@@ -7,7 +7,8 @@ attention's query latent (q_b_proj of q_a's output, rotated at the token's posit
 "compress" table), and per-token head weights (weights_proj / sqrt(n_heads)). A query scores entry s as
 sum_h w_h * relu(q_h . k_s) / sqrt(index_head_dim) and reads its index_topk best among the
 entries it may see (every one of them when it sees fewer). On CUDA a batch of decodes scores
-in a Triton kernel reading the keys from the cache (pick_decodes).
+in a Triton kernel reading the keys from the cache (pick_rows), and so do the tokens of
+prefill chunks and verify steps, each a row of its own.
 
 SparseCompressor is the CSA layer's compressor holding its indexer (transformers' layout:
 `self_attn.compressor.indexer`)."""
@@ -25,6 +26,10 @@ from shoal.layers.token_compressor import TokenCompressor
 
 if TYPE_CHECKING:
     from shoal.attention.ops.v4_decode_attention import PagedKeys
+
+# float32 scores [rows, entries] one pick_rows launch holds: 256 MiB (a 16k-token chunk over
+# 128k tokens of context would otherwise score 2^29 at once)
+SCORE_ELEMENTS = 1 << 26
 
 
 class CompressedIndexer(TokenCompressor):
@@ -75,24 +80,44 @@ class CompressedIndexer(TokenCompressor):
         picked = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
         return picked, visible.gather(-1, picked)
 
-    def pick_decodes(self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-                     entries: PagedKeys, key_column: int, block_size: int
-                     ) -> torch.Tensor | None:
-        """The Triton path of a batch of decodes (shoal/attention/ops/v4_index_scores.py): q
-        [Bd, H, D] and weights [Bd, H] at positions [Bd], the entries' cache (this indexer's
-        keys at key_column) and tables [Bd, N] -> the entries each reads [Bd, index_topk]
-        sorted best first (its own before any it may not see: those score -inf), or None
-        when the tables hold no more than index_topk entries (every one is read: no scores,
-        no top-k)."""
+    def pick_rows(self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
+                  entries: PagedKeys, key_column: int, block_size: int,
+                  table_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The Triton path (shoal/attention/ops/v4_index_scores.py) of rows (decodes, or the
+        tokens of prefill chunks and verify steps): q [R, H, D] and weights [R, H] at
+        positions [R], the entries' cache (this indexer's keys at key_column) and tables
+        ([R, N], or any rows with table_rows [R] saying each row's) -> the entries each reads
+        [R, index_topk] sorted best first (its own before any it may not see: those score
+        -inf), or None when the tables hold no more than index_topk entries (every one is
+        read: no scores, no top-k). The scores [rows, entries] are made SCORE_ELEMENTS at a
+        time (a long prefill chunk over a long context); the chunks follow the shapes only,
+        so a decode graph replays them."""
+        from shoal.attention.ops.v4_decode_attention import PagedKeys
         from shoal.attention.ops.v4_index_scores import v4_index_scores
 
-        if entries.tables.shape[1] * block_size // self.ratio <= self.topk:
+        n = entries.tables.shape[1] * block_size // self.ratio
+        if n <= self.topk:
             return None
-        if entries.pages.dtype == self.query_dtype:  # lossless: tensor-core products
-            q = q.to(self.query_dtype)
-        scores = v4_index_scores(q, weights, positions, entries, key_column, self.ratio,
-                                 block_size, self.scale)
-        return scores.topk(self.topk, dim=-1).indices
+        half = entries.pages.dtype == self.query_dtype  # lossless: tensor-core products
+
+        def picks(a: int, b: int) -> torch.Tensor:  # rows [a, b)
+            keys, rows = entries, None
+            if table_rows is None:
+                keys = PagedKeys(entries.pages, entries.tables[a:b], entries.fp8)
+            else:
+                rows = table_rows[a:b]
+            qa = q[a:b].to(self.query_dtype) if half else q[a:b]
+            scores = v4_index_scores(qa, weights[a:b], positions[a:b], keys, key_column,
+                                     self.ratio, block_size, self.scale, table_rows=rows)
+            return scores.topk(self.topk, dim=-1).indices
+
+        total, per = q.shape[0], max(1, SCORE_ELEMENTS // n)
+        if total <= per:
+            return picks(0, total)
+        out = torch.empty(total, self.topk, dtype=torch.int32, device=q.device)
+        for a in range(0, total, per):
+            out[a:a + per] = picks(a, min(a + per, total))
+        return out
 
 
 class SparseCompressor(TokenCompressor):

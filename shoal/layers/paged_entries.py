@@ -118,16 +118,15 @@ class PagedEntries(PagedRows):
             step.indices[key] = index
         return step.indices[key]
 
-    def decode_pages(self, step: StepSpans
+    def kernel_pages(self, step: StepSpans, tables: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, BlockScaledRows | None] | None:
-        """What the decode kernels read (shoal/attention/ops/v4_decode_attention.py
-        PagedKeys): the cache as entry slots [blocks, ceil(bs / ratio), stored width], the
-        step's decodes' tables [Bd, N] and the entries' FP8 layout (None: stored as values);
-        None: the tables hold no entry."""
-        table = step.decode_tables[self.kv_group]
-        if not table.shape[1] * step.block_size // self.ratio:
+        """What the row kernels read (shoal/attention/ops/v4_decode_attention.py PagedKeys;
+        decode_pages, span_pages): the cache as entry slots [blocks, ceil(bs / ratio), stored
+        width], `tables` and the entries' FP8 layout (None: stored as values); None: the
+        tables hold no entry."""
+        if not tables.shape[1] * step.block_size // self.ratio:
             return None
-        return (self._pages(step.block_size), table,
+        return (self._pages(step.block_size), tables,
                 self.fp8_rows if self.quantized else None)
 
     def load_decodes(self, step: StepSpans, rows: slice, columns: slice = slice(None),

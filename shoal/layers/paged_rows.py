@@ -23,6 +23,7 @@ from shoal.attention import kv_quant
 from shoal.attention.fp8_rows import BlockScaledRows
 from shoal.core.kv_cache_spec import KVCacheSpec, SlidingSharedKVSpec, SlidingWindowSpec
 from shoal.layers.request_spans import RequestSpan, StepSpans
+from shoal.layers.span_rows import span_tables
 
 
 class PagedRows(nn.Module):
@@ -166,12 +167,23 @@ class PagedRows(nn.Module):
 
     def decode_pages(self, step: StepSpans
                      ) -> tuple[torch.Tensor, torch.Tensor, BlockScaledRows | None] | None:
-        """What the decode kernels read (shoal/attention/ops/v4_decode_attention.py
-        PagedKeys): the cache as stored rows [blocks, block_size, stored width], the step's
-        decodes' tables [Bd, N], and the rows' FP8 layout (None: stored as values)."""
+        """What the row kernels read for the step's decodes (PagedKeys of
+        shoal/attention/ops/v4_decode_attention.py): kernel_pages with their tables [Bd, N]."""
+        return self.kernel_pages(step, step.decode_tables[self.kv_group])
+
+    def span_pages(self, step: StepSpans
+                   ) -> tuple[torch.Tensor, torch.Tensor, BlockScaledRows | None] | None:
+        """What the row kernels read for the step's prefill chunks and verify steps:
+        kernel_pages with each span's table [P, N] (shoal/layers/span_rows.py)."""
+        return self.kernel_pages(step, span_tables(step, self.kv_group))
+
+    def kernel_pages(self, step: StepSpans, tables: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, BlockScaledRows | None] | None:
+        """The cache as stored rows [blocks, block_size, stored width], `tables`, and the
+        rows' FP8 layout (None: stored as values)."""
         bs = step.block_size
         stored = self._rows()
-        return (stored.view(-1, bs, stored.shape[-1]), step.decode_tables[self.kv_group],
+        return (stored.view(-1, bs, stored.shape[-1]), tables,
                 self.fp8_rows if self.quantized else None)
 
 

@@ -37,9 +37,11 @@ each pair to its expert's replica; attention, hyper-connections, routers and the
 expert stay whole per replica, an idle replica's dummy pass is a one-token prefill into the
 null block, and MTP layers split their experts likewise (shoal/worker/draft_lockstep.py).
 
-On CUDA a decode's attention and CSA indexer scores are Triton kernels that read the paged
-caches up to each row's length (shoal/attention/ops/v4_decode_attention.py,
-v4_index_scores.py); everything else runs as on the CPU, in plain torch. A step of
+On CUDA the attention and CSA indexer scores are Triton kernels that read the paged caches up
+to each row's position, a row per query token: decodes, and the tokens of prefill chunks and
+verify steps over their requests' tables (shoal/attention/ops/v4_decode_attention.py,
+v4_index_scores.py, shoal/layers/span_rows.py); everything else runs as on the CPU, in plain
+torch. A step of
 decodes alone reads nothing on the host (shoal/layers/request_spans.py: the decodes' positions,
 tables and slots on the device, fixed shapes masked per row), so the runner captures decode
 steps in CUDA graphs (decode_graphs_only), one per batch size and table width

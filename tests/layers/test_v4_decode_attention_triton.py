@@ -128,9 +128,8 @@ def test_decodes_match_the_torch_path(kind: str, topk: int, min_split: int, monk
         return _step(list(POSITIONS), WIDTH, 64, 1, DEV, torch.Generator(DEV).manual_seed(1))
     if kind == CSA:  # (the layer's own choice: indexer + top-k only past top-k entries)
         step = make_step()
-        picked = layer.indexer.pick_decodes(ctx.index_q, ctx.index_w, step.decode_positions,
-                                            PagedKeys(*layer.entries.decode_pages(step)), 32,
-                                            BS)
+        picked = layer.indexer.pick_rows(ctx.index_q, ctx.index_w, step.decode_positions,
+                                         PagedKeys(*layer.entries.decode_pages(step)), 32, BS)
         assert (picked is None) == (topk >= WIDTH * BS // 4)
     ref, out = _both_paths(layer, ctx, make_step)
     assert out.shape == ref.shape == (len(POSITIONS), 4, 32)
@@ -232,8 +231,8 @@ def test_v4_flash_shapes_on_gpu(kind: str, rows: int, context: int):
     picked, paged = None, layer.entries.decode_pages(step) if layer.entries else None
     if layer.indexer is not None and paged is not None:
         pages = PagedKeys(*paged)
-        picked = layer.indexer.pick_decodes(ctx.index_q, ctx.index_w, step.decode_positions,
-                                            pages, layer.head_dim, bs)
+        picked = layer.indexer.pick_rows(ctx.index_q, ctx.index_w, step.decode_positions,
+                                         pages, layer.head_dim, bs)
         if picked is not None:
             for block_n in (16, 32, 64):
                 for warps in (4, 8):
@@ -285,7 +284,8 @@ def test_tiny_engine_with_the_kernels_gives_the_torch_paths_tokens(tiny, monkeyp
     top-4, HCA m' = 16), fp32, with the kernels forced on (under the interpreter on the CPU)
     for every decode, alone and beside prefill chunks: the torch path's greedy tokens,
     logprobs within 1e-4 (4.5e-6 seen). Prompts past the window, HCA's group and CSA's top-k
-    x m, decoding through closing groups."""
+    x m, decoding through closing groups. The chunks stay in torch here (interpreted, their
+    rows would take seconds): test_v4_prefill_rows_triton.py runs them through the kernels."""
     from models.test_deepseek_v4 import _prompts
 
     from shoal import LLM, SamplingParams
@@ -311,6 +311,8 @@ def test_tiny_engine_with_the_kernels_gives_the_torch_paths_tokens(tiny, monkeyp
     ref = generate()
     monkeypatch.setattr(ca, "use_triton", lambda x, enabled: enabled)
     monkeypatch.setattr(ca.CompressedAttention, "_attend_decodes_triton", counted)
+    monkeypatch.setattr(ca.CompressedAttention, "_attend_spans_triton",
+                        ca.CompressedAttention._attend_spans)
     out = generate()
     assert calls and max(calls) >= 3  # (every layer's decodes, the three at once too)
     for got, want in zip(out, ref):

@@ -1,6 +1,11 @@
-"""DeepSeek-V4's decode attention (shoal/layers/compressed_attention.py) in one Triton kernel:
-each decode row's query token [H, D] over its sliding window's rows plus its compressed
-entries, read straight from the paged caches.
+"""DeepSeek-V4's attention (shoal/layers/compressed_attention.py) in one Triton kernel: each
+row's query token [H, D] over its sliding window's rows plus its compressed entries, read
+straight from the paged caches. A row is a decode, or one token of a prefill chunk or verify
+step (table_rows [R]: the row of the tables its request's are, so a chunk's tokens share one
+table row instead of a copy each; without it row r reads table row r, as decodes do). Rows are
+independent: a chunk's token reads what a decode at its position would, which is what the torch
+path lets it see (its window up to itself, the entries of the groups complete at its position)
+once the step's rows and closed entries are in the caches.
 
 A row at position p reads, in one softmax with a sink logit per head (a logit with no value):
 - the window rows of positions (p - window, p] that exist (>= 0), from the window's cache
@@ -46,6 +51,7 @@ _LOG2E = 1.4426950408889634
 _LOG2E_K = tl.constexpr(_LOG2E)  # (the kernels' copy)
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: no inf - inf = nan
 BLOCK_H = 16  # heads per program: the smallest tl.dot tile height
+MAX_GRID_ROWS = 65535  # a launch's rows (the grid's second axis: CUDA's limit)
 MIN_SPLIT_KEYS = 64  # a split shorter than a couple of key tiles costs more than it saves
 MAX_SPLITS = 32
 # what a row reads of its compressed entries
@@ -151,7 +157,7 @@ def _split_range(n, split, num_splits, BLOCK_N: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits", "window", "n_entries", "n_picked"])
 def _v4_decode_kernel(
     q_ptr, pos_ptr, sinks_ptr, win_ptr, win_tab_ptr, ent_ptr, ent_tab_ptr, picked_ptr,
-    win_sc_ptr, ent_sc_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    win_sc_ptr, ent_sc_ptr, out_ptr, part_out_ptr, part_lse_ptr, table_rows_ptr,
     qk_scale, num_splits, num_heads, window, n_entries, n_picked,
     stride_qr, stride_qh, stride_wb, stride_ws, stride_wtr, stride_wtc, win_cols,
     stride_eb, stride_es, stride_etr, stride_etc, ent_cols, stride_pk, stride_or, stride_oh,
@@ -159,13 +165,17 @@ def _v4_decode_kernel(
     BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, ENTRIES: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    WIN_QBLOCK: tl.constexpr, ENT_QBLOCK: tl.constexpr,
+    WIN_QBLOCK: tl.constexpr, ENT_QBLOCK: tl.constexpr, TABLE_ROWS: tl.constexpr,
 ):
     # head blocks vary fastest: the programs reading the same key tiles run side by side
     hb = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2)
     p = tl.load(pos_ptr + r).to(tl.int64)
+    if TABLE_ROWS:  # (a chunk's tokens: their request's row of the tables)
+        t = tl.load(table_rows_ptr + r).to(tl.int64)
+    else:
+        t = r
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
     d = tl.arange(0, HEAD_DIM)
@@ -183,7 +193,7 @@ def _v4_decode_kernel(
         valid = j < hi
         k_pos = p - n_win + 1 + j
         col = tl.minimum(k_pos // BLOCK_SIZE, win_cols - 1)
-        block = tl.load(win_tab_ptr + r * stride_wtr + col * stride_wtc, mask=valid,
+        block = tl.load(win_tab_ptr + t * stride_wtr + col * stride_wtc, mask=valid,
                         other=0).to(tl.int64)
         k = load_keys(win_ptr, win_sc_ptr, block, k_pos % BLOCK_SIZE, stride_wb, stride_ws,
                       stride_wsb, stride_wss, win_sc0, d, valid, WIN_QBLOCK, KV_FP8).to(q.dtype)
@@ -205,7 +215,7 @@ def _v4_decode_kernel(
                 w = tl.load(picked_ptr + r * stride_pk + j, mask=valid, other=0).to(tl.int64)
                 valid = valid & (w < seen)
             col = tl.minimum(((w + 1) * RATIO - 1) // BLOCK_SIZE, ent_cols - 1)
-            block = tl.load(ent_tab_ptr + r * stride_etr + col * stride_etc, mask=valid,
+            block = tl.load(ent_tab_ptr + t * stride_etr + col * stride_etc, mask=valid,
                             other=0).to(tl.int64)
             slot = w - (col * BLOCK_SIZE) // RATIO
             k = load_keys(ent_ptr, ent_sc_ptr, block, slot, stride_eb, stride_es, stride_esb,
@@ -272,7 +282,7 @@ def choose_num_splits(rows: int, num_heads: int, max_keys: int, num_sms: int = 1
 
 
 def _check(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, window: PagedKeys,
-           entries: DecodeEntries | None) -> None:
+           entries: DecodeEntries | None, table_rows: torch.Tensor | None) -> None:
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"q must be [R, H, D] with a contiguous last dim, got "
                          f"{tuple(q.shape)} strides {q.stride()}")
@@ -283,9 +293,10 @@ def _check(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, window
         raise ValueError(f"positions has shape {tuple(positions.shape)}, expected ({rows},)")
     if tuple(sinks.shape) != (heads,):
         raise ValueError(f"sinks has shape {tuple(sinks.shape)}, expected ({heads},)")
+    check_table_rows(table_rows, rows)
     caches = [("window", window)] + ([("entries", entries.pages)] if entries else [])
     for name, paged in caches:
-        check_pages(name, paged, rows, dim)
+        check_pages(name, paged, rows if table_rows is None else 1, dim)
     if entries is not None:
         if entries.ratio < 1:
             raise ValueError(f"entries ratio must be >= 1, got {entries.ratio}")
@@ -294,6 +305,16 @@ def _check(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, window
                                    or picked.stride(1) != 1):
             raise ValueError(f"picked must be [>= {rows}, K] with contiguous rows, got "
                              f"{tuple(picked.shape)}")
+
+
+def check_table_rows(table_rows: torch.Tensor | None, rows: int) -> None:
+    """table_rows: None, or each row's row of the tables [rows] (int32/int64; its values, on
+    the device, are not checked: the caller's to keep below the tables' rows)."""
+    if table_rows is None:
+        return
+    if tuple(table_rows.shape) != (rows,) or table_rows.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"table_rows must be int32/int64 of shape ({rows},), got "
+                         f"{table_rows.dtype} {tuple(table_rows.shape)}")
 
 
 def check_pages(name: str, paged: PagedKeys, rows: int, dim: int, column: int = 0) -> None:
@@ -312,12 +333,26 @@ def check_pages(name: str, paged: PagedKeys, rows: int, dim: int, column: int = 
 def launch(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, scale: float,
            window: PagedKeys, window_len: int, block_size: int,
            entries: DecodeEntries | None = None, *, num_splits: int | None = None,
-           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2
+           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2,
+           table_rows: torch.Tensor | None = None, out: torch.Tensor | None = None
            ) -> torch.Tensor:
-    """v4_decode_attention with its tiling chosen (for timing them)."""
-    _check(q, positions, sinks, window, entries)
+    """v4_decode_attention with its tiling chosen (for timing them); out: where to write
+    (like q, contiguous), else a new tensor."""
+    _check(q, positions, sinks, window, entries, table_rows)
     rows, heads, dim = q.shape
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+        raise ValueError(f"out must be like q {tuple(q.shape)} {q.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    if rows > MAX_GRID_ROWS:  # (a long prefill chunk's tokens: the grid's rows axis is short)
+        for a in range(0, rows, MAX_GRID_ROWS):
+            b = min(a + MAX_GRID_ROWS, rows)
+            win, ent, part_rows = _rows_of(a, b, window, entries, table_rows)
+            launch(q[a:b], positions[a:b], sinks, scale, win, window_len, block_size, ent,
+                   num_splits=num_splits, block_n=block_n, num_warps=num_warps,
+                   num_stages=num_stages, table_rows=part_rows, out=out[a:b])
+        return out
     if rows == 0 or heads == 0:
         return out
     mode, n_entries, n_picked, ratio = NO_ENTRIES, 0, 0, 1
@@ -347,6 +382,7 @@ def launch(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, scale:
     _v4_decode_kernel[(triton.cdiv(heads, BLOCK_H), rows, num_splits)](
         q, positions, sinks, win.values, window.tables, ents.values, ent.tables, picked,
         win.scales, ents.scales, out, part_out, part_lse,
+        positions if table_rows is None else table_rows,  # (unread without table rows)
         scale * _LOG2E, num_splits, heads, window_len, n_entries, n_picked,
         q.stride(0), q.stride(1), win.values.stride(0), win.values.stride(1),
         window.tables.stride(0), window.tables.stride(1), window.tables.shape[1],
@@ -358,7 +394,7 @@ def launch(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, scale:
         BLOCK_H=BLOCK_H, HEAD_DIM=dim, BLOCK_N=block_n, BLOCK_SIZE=block_size, RATIO=ratio,
         ENTRIES=mode, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=win.fp8,
-        WIN_QBLOCK=win.block, ENT_QBLOCK=ents.block,
+        WIN_QBLOCK=win.block, ENT_QBLOCK=ents.block, TABLE_ROWS=table_rows is not None,
         num_warps=num_warps, num_stages=num_stages)
     if split:
         _combine_kernel[(rows, heads)](
@@ -367,14 +403,32 @@ def launch(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, scale:
     return out
 
 
+def _rows_of(a: int, b: int, window: PagedKeys, entries: DecodeEntries | None,
+             table_rows: torch.Tensor | None
+             ) -> tuple[PagedKeys, DecodeEntries | None, torch.Tensor | None]:
+    """The window's and the entries' caches and the table rows of launch's rows [a, b): each
+    row's tables (all of them where table_rows names each row's) and picks."""
+    def cut(paged: PagedKeys) -> PagedKeys:
+        if table_rows is not None:
+            return paged
+        return PagedKeys(paged.pages, paged.tables[a:b], paged.fp8)
+    part = None
+    if entries is not None:
+        picked = None if entries.picked is None else entries.picked[a:b]
+        part = DecodeEntries(cut(entries.pages), entries.ratio, picked)
+    return cut(window), part, None if table_rows is None else table_rows[a:b]
+
+
 def v4_decode_attention(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor,
                         scale: float, window: PagedKeys, window_len: int, block_size: int,
                         entries: DecodeEntries | None = None,
-                        num_splits: int | None = None) -> torch.Tensor:
+                        num_splits: int | None = None,
+                        table_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q [R, H, D] (one query token a row, at positions [R]; D a power of two, contiguous),
     sinks [H] (a logit per head), the window's cache and tables (window_len tokens), the
     entries' (None: a sliding layer, or tables holding no entry) -> [R, H, D] in q's dtype:
     softmax over [q . k * scale for every key, sink] of the keys as values. num_splits None
-    picks one from the shapes."""
+    picks one from the shapes. table_rows [R]: the row of both caches' tables each row reads
+    (None: row r reads row r, the tables then [>= R, N])."""
     return launch(q, positions, sinks, scale, window, window_len, block_size, entries,
-                  num_splits=num_splits)
+                  num_splits=num_splits, table_rows=table_rows)

@@ -1,5 +1,7 @@
-"""DeepSeek-V4's lightning-indexer scores for decode rows (shoal/layers/compressed_indexer.py)
-in one Triton kernel, reading the index keys straight from the paged entries' cache.
+"""DeepSeek-V4's lightning-indexer scores per row (shoal/layers/compressed_indexer.py) in one
+Triton kernel, reading the index keys straight from the paged entries' cache. A row is a
+decode or one token of a prefill chunk or verify step (table_rows [R]: its request's row of
+the tables, as in v4_decode_attention.py; without it row r reads table row r).
 
 Row r (one query token at position p, n_heads queries [Hi, Di] float32 and head weights
 [Hi]) scores entry w as scale * sum_h weights_h * relu(q_h . key_w), for the entries it has
@@ -29,6 +31,7 @@ import triton.language as tl
 from shoal.attention.ops.v4_decode_attention import (
     PagedKeys,
     check_pages,
+    check_table_rows,
     key_operands,
     load_keys,
 )
@@ -38,14 +41,14 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 
 @triton.jit(do_not_specialize=["n_entries", "key_column"])
 def _index_scores_kernel(
-    q_ptr, w_ptr, pos_ptr, ent_ptr, tab_ptr, sc_ptr, out_ptr,
+    q_ptr, w_ptr, pos_ptr, ent_ptr, tab_ptr, sc_ptr, out_ptr, table_rows_ptr,
     scale, n_heads, n_entries, key_column,
     stride_qr, stride_qh, stride_wr, stride_eb, stride_es, stride_tr, stride_tc, ent_cols,
     stride_or, stride_sb, stride_ss, sc0,
     BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_D: tl.constexpr, KV_FP8: tl.constexpr, QBLOCK: tl.constexpr, HALF: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, TABLE_ROWS: tl.constexpr,
 ):
     r = tl.program_id(0).to(tl.int64)
     w0 = tl.program_id(1) * BLOCK_N
@@ -57,7 +60,11 @@ def _index_scores_kernel(
     if w0 < seen:
         valid = w < seen
         col = tl.minimum(((w + 1) * RATIO - 1) // BLOCK_SIZE, ent_cols - 1)
-        block = tl.load(tab_ptr + r * stride_tr + col * stride_tc, mask=valid,
+        if TABLE_ROWS:
+            t = tl.load(table_rows_ptr + r).to(tl.int64)
+        else:
+            t = r
+        block = tl.load(tab_ptr + t * stride_tr + col * stride_tc, mask=valid,
                         other=0).to(tl.int64)
         slot = w - (col * BLOCK_SIZE) // RATIO
         heads = tl.arange(0, BLOCK_HI)
@@ -84,7 +91,7 @@ def _index_scores_kernel(
 
 
 def _check(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
-           entries: PagedKeys, key_column: int) -> None:
+           entries: PagedKeys, key_column: int, table_rows: torch.Tensor | None) -> None:
     if q.dim() != 3 or q.stride(2) != 1:
         raise ValueError(f"q must be [R, Hi, Di] with a contiguous last dim, got "
                          f"{tuple(q.shape)} strides {q.stride()}")
@@ -96,14 +103,15 @@ def _check(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                          f"({rows}, {heads})")
     if tuple(positions.shape) != (rows,):
         raise ValueError(f"positions has shape {tuple(positions.shape)}, expected ({rows},)")
-    check_pages("entries", entries, rows, dim, key_column)
+    check_table_rows(table_rows, rows)
+    check_pages("entries", entries, rows if table_rows is None else 1, dim, key_column)
 
 
 def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entries: PagedKeys,
            key_column: int, ratio: int, block_size: int, scale: float, *, block_n: int = 32,
-           num_warps: int = 4) -> torch.Tensor:
+           num_warps: int = 4, table_rows: torch.Tensor | None = None) -> torch.Tensor:
     """v4_index_scores with its tiling chosen (for timing them)."""
-    _check(q, weights, positions, entries, key_column)
+    _check(q, weights, positions, entries, key_column, table_rows)
     rows, heads, dim = q.shape
     n_entries = entries.tables.shape[1] * block_size // ratio
     out = torch.empty(rows, n_entries, dtype=torch.float32, device=q.device)
@@ -113,6 +121,7 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
     half = not keys.fp8 and q.dtype in HALF_DTYPES and q.dtype == keys.values.dtype
     _index_scores_kernel[(rows, triton.cdiv(n_entries, block_n))](
         q, weights, positions, keys.values, entries.tables, keys.scales, out,
+        positions if table_rows is None else table_rows,  # (unread without table rows)
         scale, heads, n_entries, key_column,
         q.stride(0), q.stride(1), weights.stride(0), keys.values.stride(0),
         keys.values.stride(1), entries.tables.stride(0), entries.tables.stride(1),
@@ -121,16 +130,17 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
         BLOCK_HI=max(16, triton.next_power_of_2(heads)), INDEX_DIM=dim, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, RATIO=ratio, DOT_PRECISION="ieee",
         BLOCK_D=dim if half else 16, KV_FP8=keys.fp8, QBLOCK=keys.block, HALF=half,
-        INTERPRETED=not q.is_cuda,
+        INTERPRETED=not q.is_cuda, TABLE_ROWS=table_rows is not None,
         num_warps=num_warps)
     return out
 
 
 def v4_index_scores(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                     entries: PagedKeys, key_column: int, ratio: int, block_size: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, table_rows: torch.Tensor | None = None) -> torch.Tensor:
     """q [R, Hi, Di] (float32, or the pages' bf16/fp16: tensor cores) and weights [R, Hi]
     (the indexer's, float32), positions [R], the entries' pages (index keys at key_column of
-    each entry slot) and tables [R, N] -> scores [R, N * block_size // ratio] float32, -inf
-    past each row's own entries."""
-    return launch(q, weights, positions, entries, key_column, ratio, block_size, scale)
+    each entry slot) and tables [R, N] (or any rows, with table_rows [R] saying each row's)
+    -> scores [R, N * block_size // ratio] float32, -inf past each row's own entries."""
+    return launch(q, weights, positions, entries, key_column, ratio, block_size, scale,
+                  table_rows=table_rows)
