@@ -119,6 +119,7 @@ part() {
         ${QUANT_SERVE:+--serve} ${QUANT_VARIANTS:+--variants $QUANT_VARIANTS} --out "$DIR/quant.json" ;;
     quantw3) run quantw3 ${QUANTW3_LIMIT:-330} $py/quant_throughput_gpu.py ${QUANTW3_CASES:+--cases $QUANTW3_CASES} --timeout 150 $S --out "$DIR/quantw3.json" ;;
     gptoss) run gptoss ${GPTOSS_LIMIT:-240} $py/gpt_oss_gpu.py ${GPTOSS_PARTS:-all} $S --out "$DIR/gptoss.json" ;;
+    stepprof) run stepprof ${STEPPROF_LIMIT:-300} $py/step_profile_gpu.py ${STEPPROF_MODEL:+--model "$STEPPROF_MODEL"} $S --out "$DIR/stepprof.json" ;;
     w8pool) run w8pool 300 $py/w8_serving.py --model "$W8_MODEL" --api-server-count 2 \
         --concurrency 1024 --offline-runs 1 --stream-runs 1 $S --out "$DIR/w8pool.json" ;;
     w8one) run w8one 260 $py/w8_serving.py --model "$W8_MODEL" --api-server-count 1 \

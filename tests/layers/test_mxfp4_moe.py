@@ -117,7 +117,7 @@ def test_mxfp4_grouped_gemm_matches_the_dequantized_weights(case: str) -> None:
     x, weights, ids = routed(5, seed=2)
     extra = dict(biases(3, dtype), activation=CLAMPED) if gpt_oss_mlp else {}
     x, weights, ids = on_dev(x.to(dtype), weights.to(dtype), ids)
-    got = experts_triton_mxfp4(x, q, weights, ids, **extra)
+    got = experts_triton_mxfp4(x, q, weights, ids, **extra, path="grouped")
     assert got.dtype == dtype
     want = experts_mxfp4_reference(x, q, weights, ids, **extra)
     tol = {torch.float32: 1e-5, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
@@ -197,7 +197,7 @@ def test_launch_shapes_do_not_depend_on_the_routing(monkeypatch) -> None:
     q = packed_experts(seed=9)
     for ids in (torch.tensor([[0, 1], [2, 3], [3, 1]]), torch.tensor([[0, 1]] * 3)):
         x, weights, ids = on_dev(*routed(3, seed=10, ids=ids))
-        _close(experts_triton_mxfp4(x, q, weights, ids),
+        _close(experts_triton_mxfp4(x, q, weights, ids, path="grouped"),
                experts_mxfp4_reference(x, q, weights, ids))
     assert len(launches) == 4 and launches[:2] == launches[2:]
 

@@ -12,7 +12,15 @@ dtype before tl.dot, as the dense path rounds its weights at load; an e8m0 scale
 The rest is the bf16 path's: pairs grouped by expert into blocks (align.py), the activation
 (gpt-oss's clamped SwiGLU, activation.py) between the GEMMs, the biases in each GEMM's
 epilogue and the routing weight in the second's, the LoRA hook after each, and graph safety:
-the grid and every buffer are sized from T * k, E and the tile sizes only."""
+the grid and every buffer are sized from T * k, E and the tile sizes only.
+
+Decode sizes (T <= mxfp4_decode_experts.MAX_TOKENS, no LoRA) have a second path of two or
+three launches instead of about 37 (mxfp4_decode_experts.py: no sort, the activation and the
+sum over the k slots fused). Which runs is launch_tuner.run_fastest's pick per (shape, T):
+the GPU times this grouped path and the decode tiles once, outside CUDA-graph capture, and
+keeps the fastest of those that agree with the grouped path's output; untimed
+(SHOAL_QUANT_TUNING=0, a first call inside a capture) the GPU runs the grouped path, the
+interpreter (tests) the decode path's first tiles."""
 
 from __future__ import annotations
 
@@ -25,12 +33,14 @@ import triton.language as tl
 from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.align import ExpertGroups, group_by_expert
 from shoal.layers.moe.grouped_gemm_tile import store_tile, tile_expert, tile_pairs
+from shoal.layers.moe.mxfp4_decode_experts import MAX_TOKENS, decode_tiles, experts_mxfp4_decode
 from shoal.layers.moe.mxfp4_experts import Mxfp4Experts, Mxfp4Weights, dequantize_mxfp4_experts
 from shoal.layers.moe.triton_experts import (
     check_quantized_inputs,
     choose_tiles,
     run_routed_experts,
 )
+from shoal.layers.quantization.launch_tuner import run_fastest
 
 BLOCK_K = 64  # the K step in every dtype: two 32-value blocks, 32 bytes and 2 scales a row
 
@@ -122,19 +132,55 @@ def _check_biases(q: Mxfp4Experts, w13_bias: torch.Tensor | None,
             raise ValueError(f"expert bias {tuple(bias.shape)} must be {shape}, rows contiguous")
 
 
+PATHS = ("grouped", "decode")  # experts_triton_mxfp4's `path`: forced (tests, benchmarks)
+
+
 def experts_triton_mxfp4(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor, w13_bias: torch.Tensor | None = None,
                          w2_bias: torch.Tensor | None = None,
-                         activation: ExpertActivation = SILU, lora: Any = None) -> torch.Tensor:
+                         activation: ExpertActivation = SILU, lora: Any = None,
+                         path: str | None = None) -> torch.Tensor:
     """triton_experts.experts_triton's contract with the weights of `q`: x [T, H],
     topk_weights / topk_ids [T, k], optional biases w13_bias [E, 2I] and w2_bias [E, H]
-    -> [T, H] in x's dtype."""
+    -> [T, H] in x's dtype. path: None (the module docstring's choice), "grouped", or
+    "decode" (its first tiles; T <= MAX_TOKENS without LoRA)."""
     check_quantized_inputs(x, q.w13.in_features, topk_weights, topk_ids)
     _check_biases(q, w13_bias, w2_bias)
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path must be None or one of {PATHS}, got {path!r}")
     t, k = topk_ids.shape
-    e, two_i, h = q.w13.blocks.shape[0], q.w13.out_features, q.w2.out_features
     if t == 0:
         return torch.zeros_like(x)
+    extra = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
+    if path == "grouped" or lora is not None or (path is None and t > MAX_TOKENS):
+        return _grouped(x, q, topk_weights, topk_ids, lora=lora, **extra)
+    if t > MAX_TOKENS:
+        raise ValueError(f"path 'decode' takes 1..{MAX_TOKENS} tokens, got {t}")
+    tiles = {c.name: c for c in decode_tiles(t, q.w2.out_features, q.w2.in_features,
+                                              x.device)}
+
+    def run(name: str) -> torch.Tensor:
+        if name == "grouped":
+            return _grouped(x, q, topk_weights, topk_ids, **extra)
+        return experts_mxfp4_decode(x, q, topk_weights, topk_ids, tiles[name], **extra)
+
+    if path == "decode":
+        return run(next(iter(tiles)))
+    key = ("mxfp4 experts", q.w13.blocks.shape[0], q.w13.out_features, q.w13.in_features,
+           q.w2.out_features, k, t, x.dtype, w13_bias is not None, activation.kind)
+    # On CUDA the grouped path comes first: the tuner checks the others against it, and
+    # runs it untimed. The interpreter (tests) runs the decode path.
+    names = ("grouped", *tiles) if x.is_cuda else (*tiles, "grouped")
+    return run_fastest(key, names, run, x.device)
+
+
+def _grouped(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, w13_bias: torch.Tensor | None,
+             w2_bias: torch.Tensor | None, activation: ExpertActivation,
+             lora: Any = None) -> torch.Tensor:
+    """The grouped GEMMs (the module docstring's first path)."""
+    t, k = topk_ids.shape
+    e, two_i, h = q.w13.blocks.shape[0], q.w13.out_features, q.w2.out_features
     n = t * k
     block_m, block_n, _ = choose_tiles(n, e, x.dtype)
     if not x.is_cuda:  # the interpreter: fewer, larger programs

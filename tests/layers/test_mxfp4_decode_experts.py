@@ -1,0 +1,226 @@
+"""The decode path of packed MXFP4 experts (shoal/layers/moe/mxfp4_decode_experts.py) on the
+CPU through Triton's interpreter (conftest.py), on tiny shapes: its e2m1 decoding of every
+byte; its output against the dequantized weights' PyTorch twin (split and unsplit down
+projection, with and without gpt-oss's biases and clamped SwiGLU); launch shapes that do not
+depend on the routing (CUDA graphs); and experts_triton_mxfp4's choice of path. bfloat16 runs
+on a GPU only: the interpreter truncates casts to bfloat16 (round to nearest on the GPU),
+which doubles the error of every rounding."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")  # the interpreter on the CPU: see conftest.py
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import shoal.layers.moe.mxfp4_decode_experts as decode  # noqa: E402
+import shoal.layers.moe.triton_experts_mxfp4 as mxfp4_moe  # noqa: E402
+from shoal.layers.moe.activation import ExpertActivation  # noqa: E402
+from shoal.layers.moe.mxfp4_decode_experts import DecodeTiles, experts_mxfp4_decode  # noqa: E402
+from shoal.layers.moe.mxfp4_experts import Mxfp4Experts, mxfp4_weights  # noqa: E402
+from shoal.layers.moe.router import select_experts  # noqa: E402
+from shoal.layers.moe.triton_experts_mxfp4 import (  # noqa: E402
+    experts_mxfp4_reference,
+    experts_triton_mxfp4,
+)
+from shoal.layers.quantization.mxfp4 import E2M1_VALUES  # noqa: E402
+
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# H = 128 inputs (4 blocks); I = 96: 3 blocks, so a K step of 2 or 4 blocks ends part-filled
+# and gate_up's 96 outputs end in a partial tile of 64.
+E, TOP_K, H, INTER = 4, 2, 128, 96
+CLAMPED = ExpertActivation("clamped_swiglu", alpha=1.702, limit=1.0)  # limits the data reaches
+TILES = {  # (the interpreter's tiles) down split in two / unsplit, other K steps and widths
+    "split": DecodeTiles(64, 4, 64, 2, 2, num_warps=1),
+    "unsplit": DecodeTiles(32, 2, 16, 1, 1, num_warps=1),
+}
+
+
+def packed_experts(seed: int, low: int = 121, high: int = 125) -> Mxfp4Experts:
+    """Every e2m1 code; scales 2^(low - 127) .. 2^(high - 128)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def one(n: int, k: int):
+        blocks = torch.randint(0, 256, (E, n, k // 32, 16), dtype=torch.uint8, generator=g)
+        scales = torch.randint(low, high, (E, n, k // 32), dtype=torch.uint8, generator=g)
+        w = mxfp4_weights(blocks, scales)
+        return type(w)(w.blocks.to(DEV), w.scales.to(DEV))
+
+    return Mxfp4Experts(one(2 * INTER, H), one(H, INTER))
+
+
+def routed(t: int, seed: int, dtype: torch.dtype = torch.float32,
+           ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, H, generator=g)
+    if ids is None:
+        weights, ids = select_experts(torch.randn(t, E, generator=g) * 2, TOP_K, True)
+    else:
+        weights = torch.rand(ids.shape, generator=g) + 0.1
+    return x.to(DEV, dtype), weights.to(DEV, dtype), ids.to(DEV)
+
+
+def biases(seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return dict(w13_bias=(torch.randn(E, 2 * INTER, generator=g) * 0.3).to(DEV, dtype),
+                w2_bias=(torch.randn(E, H, generator=g) * 0.3).to(DEV, dtype))
+
+
+@triton.jit
+def _decode_bytes(b_ptr, lo_ptr, hi_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    packed = tl.load(b_ptr + offs).to(tl.int32)
+    tl.store(lo_ptr + offs, decode._e2m1_quarter(packed, 0) * 4.0)
+    tl.store(hi_ptr + offs, decode._e2m1_quarter(packed, 4) * 4.0)
+
+
+def test_every_byte_decodes_to_its_two_e2m1_values() -> None:
+    """The low nibble is the even element, the high the odd one (mxfp4.py's layout), each
+    the format's value exactly (signed zeros compare equal)."""
+    b = torch.arange(256, dtype=torch.uint8, device=DEV)
+    lo, hi = (torch.empty(256, device=DEV) for _ in range(2))
+    _decode_bytes[(1,)](b, lo, hi, N=256)
+    lut = torch.tensor(E2M1_VALUES)
+    assert torch.equal(lo.cpu(), lut[torch.arange(256) & 15])
+    assert torch.equal(hi.cpu(), lut[torch.arange(256) >> 4])
+
+
+CASES = {  # dtype, gpt-oss's biases and clamped SwiGLU, tiles, tokens
+    "fp32-silu-split": (torch.float32, False, "split", 3),
+    "fp32-gpt-oss-unsplit": (torch.float32, True, "unsplit", 1),
+    "fp32-gpt-oss-split": (torch.float32, True, "split", 2),
+    "fp16-gpt-oss-split": (torch.float16, True, "split", 3),
+    "bf16-gpt-oss-split": (torch.bfloat16, True, "split", 3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_path_matches_the_dequantized_weights(case: str) -> None:
+    """float32: the PyTorch twin to 1e-5 of the largest output (the summation order
+    differs). Half precision: the twin rounds each op of the activation and each pair's
+    down row to x's dtype, the kernel only gate / up and the activation's result and the
+    token's sum: four units in the last place bound the norm of the difference."""
+    dtype, gpt_oss_mlp, tiles, t = CASES[case]
+    if dtype == torch.bfloat16 and INTERPRET:
+        pytest.skip("the interpreter truncates casts to bfloat16 (the module docstring)")
+    q = packed_experts(seed=1)
+    x, weights, ids = routed(t, seed=2, dtype=dtype)
+    extra = dict(biases(3, dtype), activation=CLAMPED) if gpt_oss_mlp else {}
+    got = experts_mxfp4_decode(x, q, weights, ids, TILES[tiles], **extra)
+    assert got.dtype == dtype and got.shape == (t, H)
+    want = experts_mxfp4_reference(x, q, weights, ids, **extra).float()
+    if dtype == torch.float32:
+        err = (got - want).abs().max().item()
+        assert err <= 1e-5 * want.abs().max().item(), err
+        return
+    ulp = {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8}[dtype]
+    rel = ((got.float() - want).norm() / want.norm()).item()
+    assert rel < 4 * ulp, rel
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(-gate): inf, as on a GPU
+def test_wide_scales_and_foreign_pairs_with_weight_zero() -> None:
+    """Scales 2^-27 .. 2^22 (the exponent field's use, not just its low bits), and a pair
+    run as expert 0 with routing weight 0 (another expert-parallel rank's) adding nothing:
+    not even its bias."""
+    q = packed_experts(seed=4, low=100, high=150)
+    x, weights, ids = routed(2, seed=5)
+    weights[1, 0] = 0.0
+    extra = dict(biases(6, torch.float32), activation=ExpertActivation())
+    got = experts_mxfp4_decode(x, q, weights, ids, TILES["split"], **extra)
+    want = experts_mxfp4_reference(x, q, weights, ids, **extra)
+    assert ((got - want).norm() / want.norm()).item() < 1e-6
+    alone = experts_mxfp4_decode(x[1:], q, weights[1:, 1:], ids[1:, 1:], TILES["split"],
+                                 **extra)
+    assert ((got[1:] - alone).norm() / alone.norm()).item() < 1e-6
+
+
+def _recording(monkeypatch, launches: list) -> None:
+    """Every launch of the decode path's kernels appended as (kernel, grid, argument shapes)."""
+    for name in ("_gate_up_kernel", "_down_kernel", "_sum_splits_kernel"):
+        kernel = getattr(decode, name)
+
+        class Recorder:
+            def __init__(self, name=name, kernel=kernel):
+                self.name, self.kernel = name, kernel
+
+            def __getitem__(self, grid):
+                def launch(*args, **kw):
+                    launches.append((self.name, grid, [
+                        tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]))
+                    return self.kernel[grid](*args, **kw)
+                return launch
+
+        monkeypatch.setattr(decode, name, Recorder())
+
+
+def test_launch_shapes_do_not_depend_on_the_routing(monkeypatch) -> None:
+    """What a CUDA graph needs: the same T and k launch the same three kernels on the same
+    grids and buffer shapes whatever the routing (spread over the experts, or all on two)."""
+    launches: list = []
+    _recording(monkeypatch, launches)
+    q = packed_experts(seed=7)
+    for ids in (torch.tensor([[0, 1], [2, 3], [3, 1]]), torch.tensor([[0, 1]] * 3)):
+        x, weights, ids = routed(3, seed=8, ids=ids)
+        got = experts_mxfp4_decode(x, q, weights, ids, TILES["split"])
+        want = experts_mxfp4_reference(x, q, weights, ids)
+        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert [n for n, *_ in launches] == ["_gate_up_kernel", "_down_kernel",
+                                         "_sum_splits_kernel"] * 2
+    assert launches[:3] == launches[3:]
+    assert launches[0][1] == (3 * TOP_K, 2) and launches[1][1] == (3, 2, 2)
+
+
+def test_experts_triton_mxfp4_picks_the_decode_path_for_a_few_tokens(monkeypatch) -> None:
+    """Untimed on the CPU: the decode path up to MAX_TOKENS rows, the grouped GEMMs above
+    them, with a LoRA hook, or when asked for (on a GPU untimed calls take the grouped
+    path); an unknown path or a decode path of too many rows is refused."""
+    launches: list = []
+    _recording(monkeypatch, launches)
+    grouped: list = []
+    kernel = mxfp4_moe._mxfp4_grouped_gemm_kernel
+
+    class Grouped:
+        def __getitem__(self, grid):
+            grouped.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(mxfp4_moe, "_mxfp4_grouped_gemm_kernel", Grouped())
+    q = packed_experts(seed=9)
+    monkeypatch.setattr(mxfp4_moe, "MAX_TOKENS", 2)  # fewer rows to run above it
+    x, weights, ids = routed(2, seed=10)
+    experts_triton_mxfp4(x, q, weights, ids, path="decode")
+    assert len(launches) == 3 and not grouped
+    if DEV.type != "cuda":  # (on a GPU the choice is the tuner's: launch_tuner.py)
+        experts_triton_mxfp4(x, q, weights, ids)
+        assert len(launches) == 6 and not grouped
+        launches[3:] = []
+    experts_triton_mxfp4(x, q, weights, ids, path="grouped")
+    assert len(launches) == 3 and len(grouped) == 2
+    x3, weights3, ids3 = routed(3, seed=11)
+    experts_triton_mxfp4(x3, q, weights3, ids3)
+    assert len(launches) == 3 and len(grouped) == 4
+
+    class NoDelta:  # a LoRA hook whose adapters add nothing
+        def add(self, *args) -> None:
+            pass
+
+    experts_triton_mxfp4(x, q, weights, ids, lora=NoDelta())
+    assert len(launches) == 3 and len(grouped) == 6
+    with pytest.raises(ValueError, match="path must be None or one of"):
+        experts_triton_mxfp4(x, q, weights, ids, path="gemv")
+    with pytest.raises(ValueError, match="takes 1..2 tokens"):
+        experts_triton_mxfp4(x3, q, weights3, ids3, path="decode")
+
+
+def test_decode_tiles_refuse_what_the_kernels_cannot_take() -> None:
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        DecodeTiles(48, 4, 32, 4, 1)
+    with pytest.raises(ValueError, match=r"split must be in \[1, 64\]"):
+        DecodeTiles(32, 4, 32, 4, 0)
