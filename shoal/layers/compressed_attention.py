@@ -21,7 +21,7 @@ grouped output projection: o_groups blocks of heads each projected to o_lora_ran
 mixed to hidden_size (o_b_proj).
 
 Plain torch over the step (shoal/layers/request_spans.py): it runs on any device; on CUDA
-(use_triton_ops, with Triton installed) the attention and CSA's indexer scores run as Triton
+(use_triton_ops, with Triton installed; compressed_attention_kernels.py) the attention and CSA's indexer scores run as Triton
 kernels reading the caches directly, one query token a row, each row's loops stopping at its
 own position (shoal/attention/ops/v4_decode_attention.py, v4_index_scores.py; the torch path is
 their reference): the decodes, and the tokens of prefill chunks and verify steps, each at its
@@ -62,6 +62,7 @@ from torch import nn
 from shoal.attention.fp8_rows import INDEXER_KEY_BLOCK, KV_ROW_BLOCK, BlockScaledRows
 from shoal.core.kv_cache_spec import CompressorStateSpec
 from shoal.distributed.parallel_state import get_tp_rank, get_tp_world_size
+from shoal.layers.compressed_attention_kernels import TritonRows
 from shoal.layers.compressed_indexer import CompressedIndexer, SparseCompressor
 from shoal.layers.interleaved_rope import InterleavedRope
 from shoal.layers.linear import (
@@ -75,7 +76,6 @@ from shoal.layers.ops.dispatch import use_triton
 from shoal.layers.paged_entries import PagedEntries
 from shoal.layers.paged_rows import PagedRows
 from shoal.layers.request_spans import RequestSpan, StepSpans
-from shoal.layers.span_rows import span_rows
 from shoal.layers.token_compressor import TokenCompressor
 
 SLIDING, CSA, HCA = ("sliding_attention", "compressed_sparse_attention",
@@ -95,7 +95,7 @@ def queries_per_chunk(heads: int, keys: int, grows: bool = True) -> int:
     return max(1, (math.isqrt(keys * keys + 4 * budget) - keys) // 2)
 
 
-class CompressedAttention(nn.Module):
+class CompressedAttention(TritonRows, nn.Module):
     def __init__(self, cfg: Any, layer: int, dtype: torch.dtype, use_triton_ops: bool = True):
         super().__init__()
         self.kind = cfg.layer_types[layer]
@@ -270,59 +270,6 @@ class CompressedAttention(nn.Module):
         outs = [self._attend_decode_rows(ctx, step, slice(a, min(a + per, nd)))
                 for a in range(0, nd, per)]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-    def _attend_decodes_triton(self, ctx: _StepInputs, step: StepSpans) -> torch.Tensor:
-        """_attend_decodes in Triton kernels: the indexer's scores (CSA whose tables hold more
-        entries than top-k; else every entry is read, as its top-k would pick them all)
-        feeding torch.topk over the tables' width, then the attention, each row's loops up to
-        its own window and entries (read on the device: graph-safe)."""
-        from shoal.attention.ops.v4_decode_attention import (
-            DecodeEntries,
-            PagedKeys,
-            v4_decode_attention,
-        )
-
-        nd, bs, positions = step.num_decodes, step.block_size, step.decode_positions
-        window = PagedKeys(*self.window_rows.decode_pages(step))
-        entries = None
-        paged = self.entries.decode_pages(step) if self.entries is not None else None
-        if paged is not None:  # (else a sliding layer, or tables holding no entry)
-            pages, picked = PagedKeys(*paged), None
-            if self.indexer is not None:
-                picked = self.indexer.pick_rows(ctx.index_q[:nd], ctx.index_w[:nd],
-                                                positions, pages, self.head_dim, bs)
-            entries = DecodeEntries(pages, self.entries.ratio, picked)
-        return v4_decode_attention(ctx.q[:nd], positions, self.sinks, self.scale, window,
-                                   self.window, bs, entries)
-
-    def _attend_spans_triton(self, ctx: _StepInputs, step: StepSpans) -> torch.Tensor:
-        """The step's prefill chunks and verify steps [n, H, D] in the decode kernels: each
-        token a row at its own position over its request's tables (shoal/layers/span_rows.py),
-        reading its window up to itself and its picked (CSA) or every (HCA) entry of the
-        groups complete at its position, from the caches: this step's rows and the entries of
-        the groups it closes are stored before (forward), so a token reads what the torch path
-        (_attend) gives it, a decode at its position alike."""
-        from shoal.attention.ops.v4_decode_attention import (
-            DecodeEntries,
-            PagedKeys,
-            v4_decode_attention,
-        )
-
-        rows = span_rows(step, ctx.q.device)
-        part = slice(rows.first, rows.first + rows.count)
-        bs = step.block_size
-        window = PagedKeys(*self.window_rows.span_pages(step))
-        entries = None
-        paged = self.entries.span_pages(step) if self.entries is not None else None
-        if paged is not None:  # (else a sliding layer, or no span reaches a whole group)
-            pages, picked = PagedKeys(*paged), None
-            if self.indexer is not None:
-                picked = self.indexer.pick_rows(ctx.index_q[part], ctx.index_w[part],
-                                                rows.positions, pages, self.head_dim, bs,
-                                                rows.table_rows)
-            entries = DecodeEntries(pages, self.entries.ratio, picked)
-        return v4_decode_attention(ctx.q[part], rows.positions, self.sinks, self.scale, window,
-                                   self.window, bs, entries, table_rows=rows.table_rows)
 
     def _attend_decode_rows(self, ctx: _StepInputs, step: StepSpans,
                             rows: slice) -> torch.Tensor:

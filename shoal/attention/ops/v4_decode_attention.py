@@ -37,15 +37,19 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from shoal.attention.fp8_rows import BlockScaledRows
-from shoal.attention.kv_quant import FP8_KV_DTYPE
-from shoal.attention.ops.fp8 import check_fp8_cache
+# (v4_index_scores.py and the layers import these from here too)
+from shoal.attention.ops.v4_paged_keys import (
+    PagedKeys,
+    check_pages,
+    check_table_rows,
+    key_operands,
+    load_keys,
+)
 
 _LOG2E = 1.4426950408889634
 _LOG2E_K = tl.constexpr(_LOG2E)  # (the kernels' copy)
@@ -56,55 +60,6 @@ MIN_SPLIT_KEYS = 64  # a split shorter than a couple of key tiles costs more tha
 MAX_SPLITS = 32
 # what a row reads of its compressed entries
 NO_ENTRIES, EVERY_ENTRY, PICKED_ENTRIES = 0, 1, 2
-
-
-@dataclass(frozen=True)
-class PagedKeys:
-    """A paged cache as the decode kernels read it: pages [num_blocks, slots a block, width]
-    (any strides but the last; the keys in the first head_dim columns: a window's block holds
-    block_size token rows, an entries' page ceil(block_size / ratio) entries) and each decode
-    row's block table [R, N] (any integer dtype). fp8: the rows' layout when the pages hold
-    block-scaled FP8 rows (as bytes: uint8 or float8; width their stored bytes, 4-byte
-    aligned), None when they hold the values."""
-
-    pages: torch.Tensor
-    tables: torch.Tensor
-    fp8: BlockScaledRows | None = None
-
-
-class KeyOperands(NamedTuple):
-    """What a kernel reads for keys at one column of a PagedKeys: the pages (FP8 pages as
-    float8), their float32 scale words (the pages again when not FP8: never read), the first
-    scale's word in a row and the values a scale covers."""
-
-    values: torch.Tensor
-    scales: torch.Tensor
-    first_scale: int
-    block: int
-    fp8: bool
-
-
-def key_operands(name: str, paged: PagedKeys, column: int, dim: int,
-                 q_dtype: torch.dtype) -> KeyOperands:
-    """The operands of keys [column, column + dim) of `paged`; ValueError where FP8 pages
-    cannot be read (their layout, this GPU, misaligned rows)."""
-    pages = paged.pages
-    if paged.fp8 is None:
-        if pages.dtype in (FP8_KV_DTYPE, torch.uint8):
-            raise ValueError(f"{name} pages hold FP8 bytes: pass their rows' layout (fp8)")
-        return KeyOperands(pages, pages, 0, 1, False)
-    if pages.dtype not in (FP8_KV_DTYPE, torch.uint8) or pages.shape[-1] != paged.fp8.row_bytes:
-        raise ValueError(f"{name} FP8 pages must be bytes of rows of {paged.fp8.row_bytes}, got "
-                         f"{pages.dtype} of {pages.shape[-1]}")
-    first, block = paged.fp8.scales_of(column, dim)
-    values = pages.view(FP8_KV_DTYPE)
-    check_fp8_cache(values, q_dtype)
-    try:
-        scales = pages.view(torch.float32)
-    except RuntimeError as e:
-        raise ValueError(f"{name} FP8 pages' rows must start 4-byte aligned (a block_size "
-                         f"that is a multiple of 4): {e}") from e
-    return KeyOperands(values, scales, first, block, True)
 
 
 @dataclass(frozen=True)
@@ -130,21 +85,6 @@ def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constex
     return m_new, l_i, acc
 
 
-@triton.jit
-def load_keys(ptr, sc_ptr, block, slot, stride_b, stride_s, stride_sb, stride_ss, sc0, d,
-              valid, QBLOCK: tl.constexpr, KV_FP8: tl.constexpr):
-    """The keys [BLOCK_N, D] in slot `slot` of page `block` each (int64), as stored (strides
-    in the pages' elements); FP8 rows in float32, times the scale of each value's block
-    (stride_sb, stride_ss: the pages' strides in float32 words, sc0 a row's first scale)."""
-    k = tl.load(ptr + (block * stride_b + slot * stride_s)[:, None] + d[None, :],
-                mask=valid[:, None], other=0.0)
-    if KV_FP8:
-        sc = block * stride_sb + slot * stride_ss + sc0
-        s = tl.load(sc_ptr + sc[:, None] + (d // QBLOCK)[None, :], mask=valid[:, None],
-                    other=0.0)
-        k = k.to(tl.float32) * s
-    return k
-
 
 @triton.jit
 def _split_range(n, split, num_splits, BLOCK_N: tl.constexpr):
@@ -152,6 +92,89 @@ def _split_range(n, split, num_splits, BLOCK_N: tl.constexpr):
     per = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
     lo = split * per
     return lo, tl.minimum(lo + per, n)
+
+
+@triton.jit
+def _window_pass(q, d, p, t, split, num_splits, window, win_ptr, win_tab_ptr, win_sc_ptr,
+                 stride_wb, stride_ws, stride_wtr, stride_wtc, win_cols, stride_wsb, stride_wss,
+                 win_sc0, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+                 WIN_QBLOCK: tl.constexpr):
+    """This split's tiles of the row's window rows (table row t) into the running state: key
+    j of the row's n_win is position p - n_win + 1 + j."""
+    n_win = tl.maximum(tl.minimum(p + 1, window), 0)
+    lo, hi = _split_range(n_win, split, num_splits, BLOCK_N)
+    for j0 in range(lo, hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        valid = j < hi
+        k_pos = p - n_win + 1 + j
+        col = tl.minimum(k_pos // BLOCK_SIZE, win_cols - 1)
+        block = tl.load(win_tab_ptr + t * stride_wtr + col * stride_wtc, mask=valid,
+                        other=0).to(tl.int64)
+        k = load_keys(win_ptr, win_sc_ptr, block, k_pos % BLOCK_SIZE, stride_wb, stride_ws,
+                      stride_wsb, stride_wss, win_sc0, d, valid, WIN_QBLOCK, KV_FP8).to(q.dtype)
+        m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _entries_pass(q, d, p, r, t, split, num_splits, n_entries, n_picked, ent_ptr, ent_tab_ptr,
+                  picked_ptr, ent_sc_ptr, stride_eb, stride_es, stride_etr, stride_etc, ent_cols,
+                  stride_pk, stride_esb, stride_ess, ent_sc0, m_i, l_i, acc, qk_scale,
+                  BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr,
+                  ENTRIES: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+                  ENT_QBLOCK: tl.constexpr):
+    """This split's tiles of the row's compressed entries (every one, or its picks: ENTRIES
+    EVERY_ENTRY / PICKED_ENTRIES) into the running state."""
+    seen = tl.maximum((p + 1) // RATIO, 0)  # the row's complete groups
+    if ENTRIES == 1:
+        n_ent = tl.minimum(seen, n_entries)
+    else:  # its picks that are its own come first (sorted by score, the others -inf)
+        n_ent = tl.minimum(seen, n_picked)
+    lo, hi = _split_range(n_ent, split, num_splits, BLOCK_N)
+    for j0 in range(lo, hi, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N)
+        valid = j < hi
+        if ENTRIES == 1:
+            w = j
+        else:
+            w = tl.load(picked_ptr + r * stride_pk + j, mask=valid, other=0).to(tl.int64)
+            valid = valid & (w < seen)
+        col = tl.minimum(((w + 1) * RATIO - 1) // BLOCK_SIZE, ent_cols - 1)
+        block = tl.load(ent_tab_ptr + t * stride_etr + col * stride_etc, mask=valid,
+                        other=0).to(tl.int64)
+        slot = w - (col * BLOCK_SIZE) // RATIO
+        k = load_keys(ent_ptr, ent_sc_ptr, block, slot, stride_eb, stride_es, stride_esb,
+                      stride_ess, ent_sc0, d, valid, ENT_QBLOCK, KV_FP8).to(q.dtype)
+        m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _store_with_sink(m_i, l_i, acc, r, heads, h_mask, d, sinks_ptr, out_ptr, stride_or,
+                     stride_oh):
+    """The row's output (one split: all its keys) with each head's sink in the softmax."""
+    sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * _LOG2E_K
+    m_f = tl.maximum(m_i, sink)
+    alpha = tl.exp2(m_i - m_f)
+    denom = l_i * alpha + tl.exp2(sink - m_f)
+    o = acc * (alpha / denom)[:, None]
+    tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+
+
+@triton.jit
+def _store_split(m_i, l_i, acc, r, heads, h_mask, d, split, num_splits, num_heads,
+                 part_out_ptr, part_lse_ptr, HEAD_DIM: tl.constexpr):
+    """This split's partial output and log-sum-exp into the scratch part_lse [R, H, S],
+    part_out [R, H, S, D]; an empty split writes only its -inf lse and the combine skips its
+    output row."""
+    lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
+    prow = (r * num_heads + heads) * num_splits + split
+    tl.store(part_lse_ptr + prow, lse, mask=h_mask)
+    o = acc / tl.maximum(l_i, 1e-30)[:, None]
+    tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + d[None, :], o,
+             mask=(h_mask & (l_i > 0))[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits", "window", "n_entries", "n_picked"])
@@ -184,61 +207,22 @@ def _v4_decode_kernel(
     m_i = tl.full([BLOCK_H], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-
-    # the window: key j of the row's n_win is position p - n_win + 1 + j
-    n_win = tl.maximum(tl.minimum(p + 1, window), 0)
-    lo, hi = _split_range(n_win, split, num_splits, BLOCK_N)
-    for j0 in range(lo, hi, BLOCK_N):
-        j = j0 + tl.arange(0, BLOCK_N)
-        valid = j < hi
-        k_pos = p - n_win + 1 + j
-        col = tl.minimum(k_pos // BLOCK_SIZE, win_cols - 1)
-        block = tl.load(win_tab_ptr + t * stride_wtr + col * stride_wtc, mask=valid,
-                        other=0).to(tl.int64)
-        k = load_keys(win_ptr, win_sc_ptr, block, k_pos % BLOCK_SIZE, stride_wb, stride_ws,
-                      stride_wsb, stride_wss, win_sc0, d, valid, WIN_QBLOCK, KV_FP8).to(q.dtype)
-        m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-
+    m_i, l_i, acc = _window_pass(
+        q, d, p, t, split, num_splits, window, win_ptr, win_tab_ptr, win_sc_ptr, stride_wb,
+        stride_ws, stride_wtr, stride_wtc, win_cols, stride_wsb, stride_wss, win_sc0,
+        m_i, l_i, acc, qk_scale, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, KV_FP8, WIN_QBLOCK)
     if ENTRIES != 0:
-        seen = tl.maximum((p + 1) // RATIO, 0)  # the row's complete groups
-        if ENTRIES == 1:
-            n_ent = tl.minimum(seen, n_entries)
-        else:  # its picks that are its own come first (sorted by score, the others -inf)
-            n_ent = tl.minimum(seen, n_picked)
-        lo, hi = _split_range(n_ent, split, num_splits, BLOCK_N)
-        for j0 in range(lo, hi, BLOCK_N):
-            j = j0 + tl.arange(0, BLOCK_N)
-            valid = j < hi
-            if ENTRIES == 1:
-                w = j
-            else:
-                w = tl.load(picked_ptr + r * stride_pk + j, mask=valid, other=0).to(tl.int64)
-                valid = valid & (w < seen)
-            col = tl.minimum(((w + 1) * RATIO - 1) // BLOCK_SIZE, ent_cols - 1)
-            block = tl.load(ent_tab_ptr + t * stride_etr + col * stride_etc, mask=valid,
-                            other=0).to(tl.int64)
-            slot = w - (col * BLOCK_SIZE) // RATIO
-            k = load_keys(ent_ptr, ent_sc_ptr, block, slot, stride_eb, stride_es, stride_esb,
-                          stride_ess, ent_sc0, d, valid, ENT_QBLOCK, KV_FP8).to(q.dtype)
-            m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
-
+        m_i, l_i, acc = _entries_pass(
+            q, d, p, r, t, split, num_splits, n_entries, n_picked, ent_ptr, ent_tab_ptr,
+            picked_ptr, ent_sc_ptr, stride_eb, stride_es, stride_etr, stride_etc, ent_cols,
+            stride_pk, stride_esb, stride_ess, ent_sc0, m_i, l_i, acc, qk_scale, BLOCK_N,
+            BLOCK_SIZE, RATIO, ENTRIES, DOT_PRECISION, KV_FP8, ENT_QBLOCK)
     if not SPLIT:
-        sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * _LOG2E_K
-        m_f = tl.maximum(m_i, sink)
-        alpha = tl.exp2(m_i - m_f)
-        denom = l_i * alpha + tl.exp2(sink - m_f)
-        o = acc * (alpha / denom)[:, None]
-        tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+        _store_with_sink(m_i, l_i, acc, r, heads, h_mask, d, sinks_ptr, out_ptr, stride_or,
+                         stride_oh)
     else:
-        # scratch part_lse [R, H, S], part_out [R, H, S, D]; an empty split writes only its
-        # -inf lse and the combine skips its output row
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        prow = (r * num_heads + heads) * num_splits + split
-        tl.store(part_lse_ptr + prow, lse, mask=h_mask)
-        o = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(part_out_ptr + prow[:, None] * HEAD_DIM + d[None, :], o,
-                 mask=(h_mask & (l_i > 0))[:, None])
+        _store_split(m_i, l_i, acc, r, heads, h_mask, d, split, num_splits, num_heads,
+                     part_out_ptr, part_lse_ptr, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -306,28 +290,6 @@ def _check(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, window
             raise ValueError(f"picked must be [>= {rows}, K] with contiguous rows, got "
                              f"{tuple(picked.shape)}")
 
-
-def check_table_rows(table_rows: torch.Tensor | None, rows: int) -> None:
-    """table_rows: None, or each row's row of the tables [rows] (int32/int64; its values, on
-    the device, are not checked: the caller's to keep below the tables' rows)."""
-    if table_rows is None:
-        return
-    if tuple(table_rows.shape) != (rows,) or table_rows.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"table_rows must be int32/int64 of shape ({rows},), got "
-                         f"{table_rows.dtype} {tuple(table_rows.shape)}")
-
-
-def check_pages(name: str, paged: PagedKeys, rows: int, dim: int, column: int = 0) -> None:
-    """A cache whose pages hold `dim` values at `column` of each slot, tables for `rows`."""
-    pages, tables = paged.pages, paged.tables
-    if pages.dim() != 3 or pages.stride(2) != 1 or not 0 <= column \
-            or column + dim > pages.shape[2]:
-        raise ValueError(f"{name} pages must be [blocks, slots, >= {column + dim}] with a "
-                         f"contiguous last dim, got {tuple(pages.shape)} strides "
-                         f"{pages.stride()}")
-    if tables.dim() != 2 or tables.shape[0] < rows or tables.shape[1] < 1:
-        raise ValueError(f"{name} tables must be [>= {rows}, >= 1], got "
-                         f"{tuple(tables.shape)}")
 
 
 def launch(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, scale: float,
