@@ -111,38 +111,61 @@ def _mla_decode_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi
         block = tl.load(bt_row + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        row = cache_ptr + ((block * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_cs)[:, None]
-        kv = tl.load(row + offs_v[None, :], mask=valid[:, None], other=0.0)
-        k_pe = tl.load(row + V_DIM + offs_r[None, :], mask=valid[:, None], other=0.0)
-        if KV_FP8:
-            kv = kv.to(q_nope.dtype)
-            k_pe = k_pe.to(q_nope.dtype)
-        s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
-        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = attend_latent_tile(
+            q_nope, q_pe, cache_ptr, block * BLOCK_SIZE + pos % BLOCK_SIZE, valid, stride_cs,
+            m_i, l_i, acc, qk_scale, V_DIM, ROPE_DIM, DOT_PRECISION, KV_FP8)
+    store_latent_out(acc, l_i, m_i, v_scale, b, heads, h_mask, split, num_heads, num_splits,
+                     out_ptr, stride_ob, stride_oh, part_out_ptr, part_lse_ptr, V_DIM, SPLIT,
+                     KV_FP8)
 
-    # Empty rows (padded batch rows with seq_len 0, empty splits) have l = 0 and output 0.
+
+@triton.jit
+def attend_latent_tile(q_nope, q_pe, cache_ptr, slots, valid, stride_cs, m_i, l_i, acc,
+                       qk_scale, V_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr):
+    """One tile of latent rows (cache slots [BLOCK_N] int64, where valid) into the running
+    max, sum and output of BLOCK_H heads: the key is the whole row, the value its v_dim part
+    as loaded (mla_decode and mla_sparse's shared step)."""
+    offs_v = tl.arange(0, V_DIM)
+    offs_r = tl.arange(0, ROPE_DIM)
+    row = cache_ptr + (slots * stride_cs)[:, None]
+    kv = tl.load(row + offs_v[None, :], mask=valid[:, None], other=0.0)
+    k_pe = tl.load(row + V_DIM + offs_r[None, :], mask=valid[:, None], other=0.0)
+    if KV_FP8:
+        kv = kv.to(q_nope.dtype)
+        k_pe = k_pe.to(q_nope.dtype)
+    s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
+    s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def store_latent_out(acc, l_i, m_i, v_scale, r, heads, h_mask, split, num_heads, num_splits,
+                     out_ptr, stride_or, stride_oh, part_out_ptr, part_lse_ptr,
+                     V_DIM: tl.constexpr, SPLIT: tl.constexpr, KV_FP8: tl.constexpr):
+    """Row r's output of BLOCK_H heads: whole (no split), or the split's partial output and
+    log-sum-exp into the reduce's contiguous scratch, part_lse [R, H, S] and part_out
+    [R, H, S, V]. A row or split with nothing read (padding, an empty split) has l = 0: output
+    0, or only its -inf lse (the reduce skips its output row)."""
+    offs_v = tl.arange(0, V_DIM)
     o = acc / tl.maximum(l_i, 1e-30)[:, None]
     if KV_FP8:
         o = o * v_scale
     if not SPLIT:
-        tl.store(out_ptr + b * stride_ob + heads[:, None] * stride_oh + offs_v[None, :],
+        tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + offs_v[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
     else:
         lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        # Contiguous scratch: part_lse [B, H, S], part_out [B, H, S, V]. An empty split
-        # writes only its -inf lse; the reduce then skips its output row.
-        prow = (b * num_heads + heads) * num_splits + split
+        prow = (r * num_heads + heads) * num_splits + split
         tl.store(part_lse_ptr + prow, lse, mask=h_mask)
-        has_keys = heads < tl.where(lo < hi, num_heads, 0)
         tl.store(part_out_ptr + prow.to(tl.int64)[:, None] * V_DIM + offs_v[None, :], o,
-                 mask=has_keys[:, None])
+                 mask=(h_mask & (l_i > 0))[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])

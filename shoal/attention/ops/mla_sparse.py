@@ -32,9 +32,11 @@ import triton.language as tl
 from shoal.attention.ops.fp8 import check_fp8_cache
 from shoal.attention.ops.mla_decode import (
     _mla_split_reduce_kernel,
+    attend_latent_tile,
     check_mla_inputs,
     choose_num_splits,
     decode_config,
+    store_latent_out,
 )
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: no inf - inf = nan
@@ -96,37 +98,12 @@ def _mla_sparse_kernel(
         # (clamped: a graph's padding row of q > 1 tokens may claim more than its table)
         col = tl.minimum(pos // BLOCK_SIZE, table_cols - 1)
         block = tl.load(table + col, mask=valid, other=0).to(tl.int64)
-        row = cache_ptr + ((block * BLOCK_SIZE + pos % BLOCK_SIZE) * stride_cs)[:, None]
-        kv = tl.load(row + offs_v[None, :], mask=valid[:, None], other=0.0)
-        k_pe = tl.load(row + V_DIM + offs_r[None, :], mask=valid[:, None], other=0.0)
-        if KV_FP8:
-            kv = kv.to(q_nope.dtype)
-            k_pe = k_pe.to(q_nope.dtype)
-        s = tl.dot(q_nope, tl.trans(kv), input_precision=DOT_PRECISION)
-        s += tl.dot(q_pe, tl.trans(k_pe), input_precision=DOT_PRECISION)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
-        m_i = m_new
-
-    # a row with nothing to read (padding, every pick masked) has l = 0 and output 0
-    o = acc / tl.maximum(l_i, 1e-30)[:, None]
-    if KV_FP8:
-        o = o * v_scale
-    if not SPLIT:
-        tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + offs_v[None, :],
-                 o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
-    else:
-        # mla_decode's scratch: part_lse [R, H, S], part_out [R, H, S, V]; a split that read
-        # nothing writes only its -inf lse and the reduce skips its output row
-        lse = tl.where(l_i > 0, m_i + tl.log2(tl.maximum(l_i, 1e-30)), float("-inf"))
-        prow = (r * num_heads + heads) * num_splits + split
-        tl.store(part_lse_ptr + prow, lse, mask=h_mask)
-        tl.store(part_out_ptr + prow[:, None] * V_DIM + offs_v[None, :], o,
-                 mask=(h_mask & (l_i > 0))[:, None])
+        m_i, l_i, acc = attend_latent_tile(
+            q_nope, q_pe, cache_ptr, block * BLOCK_SIZE + pos % BLOCK_SIZE, valid, stride_cs,
+            m_i, l_i, acc, qk_scale, V_DIM, ROPE_DIM, DOT_PRECISION, KV_FP8)
+    store_latent_out(acc, l_i, m_i, v_scale, r, heads, h_mask, split, num_heads, num_splits,
+                     out_ptr, stride_or, stride_oh, part_out_ptr, part_lse_ptr, V_DIM, SPLIT,
+                     KV_FP8)
 
 
 @functools.cache
