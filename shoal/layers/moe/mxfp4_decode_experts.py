@@ -43,7 +43,9 @@ import triton.language as tl
 from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.mxfp4_experts import Mxfp4Experts
 
-BYTES = 16  # bytes of one 32-value block
+# bytes of one 32-value block; a constexpr: the GPU compiler refuses plain globals in a kernel
+# (the interpreter reads them as Python values)
+_BYTES = tl.constexpr(16)
 MAX_TOKENS = 8  # decode rows up to which this path is a launch candidate
 
 
@@ -94,11 +96,11 @@ def _block_sums(x_ptr, b_rows, s_rows, row_ok, k0, k_end, GROUPS: tl.constexpr):
     block's weights times x[k0 + 32 g ..], times the block's scale. Blocks at or past
     k_end (a whole number of blocks) read nothing and give 0."""
     offs_g = tl.arange(0, GROUPS)
-    offs_j = tl.arange(0, BYTES)
+    offs_j = tl.arange(0, _BYTES)
     g_ok = k0 + offs_g * 32 < k_end
     ok = row_ok[:, None] & g_ok[None, :]
-    first = tl.multiple_of(k0 // 2, BYTES)  # k0: whole blocks (16-byte vector loads)
-    byte = first + offs_g[:, None] * BYTES + offs_j[None, :]  # [GROUPS, 16]
+    first = tl.multiple_of(k0 // 2, _BYTES)  # k0: whole blocks (16-byte vector loads)
+    byte = first + offs_g[:, None] * _BYTES + offs_j[None, :]  # [GROUPS, 16]
     packed = tl.load(b_rows[:, None, None] + byte[None, :, :], mask=ok[:, :, None],
                      other=0).to(tl.int32)
     exps = tl.load(s_rows[:, None] + (k0 // 32 + offs_g)[None, :], mask=ok, other=0)
@@ -106,7 +108,7 @@ def _block_sums(x_ptr, b_rows, s_rows, row_ok, k0, k_end, GROUPS: tl.constexpr):
     scale = (exps.to(tl.int32) << 23).to(tl.float32, bitcast=True)
     offs_x = k0 + tl.arange(0, GROUPS * 32)
     x = tl.load(x_ptr + offs_x, mask=offs_x < k_end, other=0.0).to(tl.float32)
-    x_even, x_odd = tl.split(tl.reshape(x, (GROUPS, BYTES, 2)))  # low nibble: even input
+    x_even, x_odd = tl.split(tl.reshape(x, (GROUPS, _BYTES, 2)))  # low nibble: even input
     prod = tl.fma(_e2m1_quarter(packed, 0), x_even[None, :, :],
                   _e2m1_quarter(packed, 4) * x_odd[None, :, :])
     return tl.sum(prod, axis=2) * scale
@@ -263,7 +265,7 @@ def experts_mxfp4_decode(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.T
         TOPK=k, HAS_BIAS=w2_bias is not None, BLOCK_N=tiles.down_block_n,
         GROUPS=tiles.down_groups, num_warps=tiles.num_warps)
     if split > 1:
-        block = 1024 if x.is_cuda else 256
+        block = 256 if x.device.type == "cpu" else 1024  # (the interpreter: few programs)
         _sum_splits_kernel[(triton.cdiv(t * h, block),)](part, out, t * h, SPLIT=split,
                                                           BLOCK=block, num_warps=4)
     return out

@@ -6,8 +6,10 @@ depends on the GPU and the shape more than a rule can say. The first call of a s
 outside a CUDA-graph capture (the engine's warm-up pass runs every captured shape eagerly
 before capturing it) times each candidate, as the GPU runs it inside a graph of its own, and
 keeps the fastest for the process; later calls, and the captured graph, use that one.
-Candidates that fail to launch (shared memory, say) or whose output is not the first
-candidate's (the heuristic's pick) are dropped. During a capture, on the CPU, or with
+Candidates that fail to compile or launch (shared memory, a kernel the GPU compiler refuses)
+or whose output is not the first candidate's (the heuristic's pick) are dropped; each distinct
+failure is logged once as a warning (a candidate that cannot compile is a bug to see, but
+not once per shape key). During a capture, on the CPU, or with
 SHOAL_QUANT_TUNING=0, a key not timed yet takes its first candidate: the heuristic's pick.
 
 The choice is per process: two runs may pick different candidates of near-equal time, whose
@@ -38,6 +40,7 @@ class Tuned:
 
 
 TUNED: dict[Hashable, Tuned] = {}
+_FAILURES_LOGGED: set[str] = set()  # failures warned of (type and message), once a process
 
 
 def run_fastest(key: Hashable, names: Sequence[str], run: Callable[[str], torch.Tensor],
@@ -83,9 +86,14 @@ def _agrees(fn: Callable[[], torch.Tensor], ref: torch.Tensor, label: str) -> bo
     FP8 tensor-core kernels round activations to FP8, the GEMVs do not: a few percent apart).
     A fast launch shape that computes garbage (a race, a wrong mask) must never be picked:
     the timing alone would not notice."""
-    out = fn().float()
-    err = float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-    if out.shape == ref.shape and bool(torch.isfinite(out).all()) and err <= AGREE:
+    try:
+        out = fn().float()
+        err = (float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+               if out.shape == ref.shape else float("inf"))
+    except Exception as e:  # noqa: BLE001 (a candidate that ran once may still fail: dropped)
+        _log_failure(label, e)
+        return False
+    if bool(torch.isfinite(out).all()) and err <= AGREE:
         return True
     logger.warning("launch candidate %s disagrees with the reference (relative error %.3g): "
                    "dropped", label, err)
@@ -96,7 +104,8 @@ def gpu_time_us(fn: Callable[[], object], label: str = "") -> float:
     """Microseconds a call of fn takes on the GPU: REPEATS calls captured in one CUDA graph,
     the median of three replays. Timing eager calls instead would time this host's kernel
     launches (tens of microseconds each on a slow CPU), which favour fewer, slower kernels;
-    the engine replays graphs. inf: fn cannot launch or be captured here."""
+    the engine replays graphs. inf: fn cannot compile, launch or be captured here."""
+    stream = torch.cuda.current_stream()
     try:
         for _ in range(WARMUP):  # compiles, and settles any lazy allocation
             fn()
@@ -116,7 +125,20 @@ def gpu_time_us(fn: Callable[[], object], label: str = "") -> float:
             samples.append(start.elapsed_time(end) * 1e3 / REPEATS)
         del graph
         return statistics.median(samples)
-    except Exception as e:  # a launch shape this GPU cannot run: not a candidate
-        logger.debug("launch candidate %s failed: %s", label, e)
+    except Exception as e:  # noqa: BLE001 (a launch shape this GPU cannot run: not a candidate)
+        _log_failure(label, e)
+        # a capture that failed at its end leaves torch.cuda.graph's side stream current
+        torch.cuda.set_stream(stream)
         torch.cuda.synchronize()
         return float("inf")
+
+
+def _log_failure(label: str, e: Exception) -> None:
+    """A warning for the first candidate failing with this error, debug for the rest (the
+    same kernel fails alike for every shape key) and for Triton's OutOfResources (a tile
+    larger than this GPU's shared memory or registers: expected of some candidates)."""
+    what = f"{type(e).__name__}: {e}"
+    first = what not in _FAILURES_LOGGED and type(e).__name__ != "OutOfResources"
+    _FAILURES_LOGGED.add(what)
+    logger.log(logging.WARNING if first else logging.DEBUG,
+               "launch candidate %s failed, dropped: %s", label, what)

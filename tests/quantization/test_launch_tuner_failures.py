@@ -1,0 +1,114 @@
+"""The launch tuner (shoal/layers/quantization/launch_tuner.py) when a candidate cannot run:
+a kernel the GPU compiler refuses (the MXFP4 decode kernels' non-constexpr global on an
+H100) is dropped, warned of once for all shape keys, and never reaches the caller. On the CPU
+the CUDA calls the timer makes (streams, graphs, events) are stand-ins that only record."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+
+from shoal.layers.quantization import launch_tuner
+
+REFUSED = "at 7:26: Cannot access global variable BYTES from within @jit'ed function"
+
+
+class _FakeCuda:
+    """torch.cuda as gpu_time_us uses it: every replay takes 2 us; which stream is current."""
+
+    def __init__(self, monkeypatch):
+        self.stream = "main"
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "synchronize", lambda *a: None)
+        monkeypatch.setattr(cuda, "current_stream", lambda *a: self.stream)
+        monkeypatch.setattr(cuda, "set_stream", lambda s: setattr(self, "stream", s))
+        monkeypatch.setattr(cuda, "CUDAGraph", lambda: type("G", (), {"replay": lambda s: None})())
+        monkeypatch.setattr(cuda, "graph", self._graph)
+        monkeypatch.setattr(cuda, "Event", lambda **kw: type("E", (), {
+            "record": lambda s: None, "synchronize": lambda s: None,
+            "elapsed_time": lambda s, other: 2e-3 * launch_tuner.REPEATS})())
+        monkeypatch.setattr(launch_tuner, "_may_time", lambda device: True)
+        monkeypatch.setattr(launch_tuner, "TUNED", {})
+        monkeypatch.setattr(launch_tuner, "_FAILURES_LOGGED", set())
+
+    @contextlib.contextmanager
+    def _graph(self, graph, **kw):
+        # torch.cuda.graph switches to a side stream; a failing capture_end leaves it current
+        self.stream = "capture side stream"
+        yield
+        self.stream = "main"
+
+
+def test_a_candidate_that_does_not_compile_is_dropped_and_warned_of_once(monkeypatch,
+                                                                         caplog) -> None:
+    _FakeCuda(monkeypatch)
+    calls: list[str] = []
+
+    def run(name: str) -> torch.Tensor:
+        calls.append(name)
+        if name == "refused":
+            raise NameError(REFUSED)
+        if name == "wrong shape":
+            return torch.ones(3, 8)
+        return torch.ones(4, 8)
+
+    names = ("grouped", "refused", "wrong shape", "decode")
+    with caplog.at_level(logging.DEBUG, logger=launch_tuner.__name__):
+        for t in (1, 2):  # two shape keys: the same refusal twice
+            out = launch_tuner.run_fastest(("mxfp4 experts", t), names, run,
+                                           torch.device("cuda"))
+            assert torch.equal(out, torch.ones(4, 8))
+    for t in (1, 2):
+        tuned = launch_tuner.TUNED[("mxfp4 experts", t)]
+        assert tuned.times_us["refused"] == tuned.times_us["wrong shape"] == float("inf")
+        assert tuned.choice in ("grouped", "decode")
+    warned = [r for r in caplog.records if r.levelno == logging.WARNING and REFUSED in
+              r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
+    assert "refused failed, dropped: NameError" in warned[0].getMessage()
+    assert sum(REFUSED in r.getMessage() for r in caplog.records) == 2  # the 2nd at debug
+    assert any("wrong shape disagrees" in r.getMessage() for r in caplog.records)
+    # tuned: one look-up and one call of the pick, the refused candidate never again
+    calls.clear()
+    launch_tuner.run_fastest(("mxfp4 experts", 1), names, run, torch.device("cuda"))
+    assert calls == [launch_tuner.TUNED[("mxfp4 experts", 1)].choice]
+
+
+def test_a_capture_that_fails_leaves_the_stream_as_it_was(monkeypatch) -> None:
+    fake = _FakeCuda(monkeypatch)
+    warm = {"n": 0}
+
+    def fn() -> None:  # runs eagerly, then fails inside the capture (a host sync, say)
+        warm["n"] += 1
+        if warm["n"] > launch_tuner.WARMUP:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    assert launch_tuner.gpu_time_us(fn, "k capture") == float("inf")
+    assert fake.stream == "main"
+
+
+def test_out_of_resources_stays_at_debug(monkeypatch, caplog) -> None:
+    """A tile too large for this GPU is an expected outcome of some candidates."""
+    _FakeCuda(monkeypatch)
+    OutOfResources = type("OutOfResources", (Exception,), {})
+
+    def fn() -> None:
+        raise OutOfResources("shared memory, Required: 262144, Hardware limit: 232448")
+
+    with caplog.at_level(logging.DEBUG, logger=launch_tuner.__name__):
+        assert launch_tuner.gpu_time_us(fn, "k big tile") == float("inf")
+    assert [r.levelno for r in caplog.records] == [logging.DEBUG]
+
+
+def test_a_failing_heuristic_pick_still_leaves_a_working_candidate(monkeypatch) -> None:
+    _FakeCuda(monkeypatch)
+
+    def run(name: str) -> torch.Tensor:
+        if name == "grouped":
+            raise NameError(REFUSED)
+        return torch.full((2, 2), 3.0)
+
+    out = launch_tuner.run_fastest(("k",), ("grouped", "decode"), run, torch.device("cuda"))
+    assert torch.equal(out, torch.full((2, 2), 3.0))
