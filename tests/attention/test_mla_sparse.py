@@ -103,6 +103,18 @@ def test_kernel_reads_only_each_rows_picks(num_splits: int, strided: bool, heads
     assert torch.count_nonzero(out[4]) == 0  # the padding row (seen 0)
 
 
+def test_rows_past_the_grid_limit_launch_in_pieces(monkeypatch):
+    """More rows than a launch's grid axis holds (65,535 on CUDA; 2 here) run in pieces,
+    each row still with its own picks, count and table row."""
+    monkeypatch.setattr(mla_sparse, "MAX_GRID_ROWS", 2)
+    gen = torch.Generator().manual_seed(5)
+    q, cache, tables, rows, bs = _kernel_case(gen, heads=3)
+    scale = 1 / math.sqrt(q.shape[2])
+    out = mla_sparse_attention(q, cache, tables, rows, bs, scale, V_DIM, num_splits=2)
+    want = _reference(q, cache, tables, rows, bs, scale, V_DIM)
+    torch.testing.assert_close(out.cpu().double(), want, **TOL)
+
+
 def test_fp8_cache_is_read_scaled():
     """The FP8 latent rows as the Triton MLA path writes them (write_mla_cache: the same bytes
     as the torch backend's kv_quant.quantize), read back times the layer's scale."""

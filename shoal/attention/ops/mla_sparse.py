@@ -42,6 +42,7 @@ from shoal.attention.ops.mla_decode import (
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: no inf - inf = nan
 _LOG2E = 1.4426950408889634
 BLOCK_H = 16  # heads per program: the smallest tl.dot tile height
+MAX_GRID_ROWS = 65535  # a launch's rows (the grid's second axis: CUDA's limit)
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -149,6 +150,14 @@ def launch(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, row
         out = torch.empty(r, h, v_dim, dtype=q.dtype, device=q.device)
     elif out.shape != (r, h, v_dim) or out.dtype != q.dtype or out.stride(2) != 1:
         raise ValueError(f"out must be {q.dtype} {(r, h, v_dim)} with contiguous last dim")
+    if r > MAX_GRID_ROWS:  # (a long prefill's tokens: the grid's rows axis is short)
+        for a in range(0, r, MAX_GRID_ROWS):
+            b = min(a + MAX_GRID_ROWS, r)
+            part = SparseRows(rows.picks[a:b], rows.seen[a:b], rows.table_rows[a:b])
+            launch(q[a:b], cache, block_tables, part, block_size, scale, v_dim, out=out[a:b],
+                   kv_scale=kv_scale, num_splits=num_splits, block_h=block_h,
+                   block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+        return out
     if r == 0 or h == 0:
         return out
     k = rows.picks.shape[1]
