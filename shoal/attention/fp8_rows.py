@@ -89,7 +89,8 @@ class BlockScaledRows:
         for w, b in self.segments:
             part = x[..., start:start + w].unflatten(-1, (w // b, b))
             amax = part.abs().amax(-1)
-            scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+            scale = amax / FP8_MAX  # (0 where a block is 0 or so tiny the division underflows)
+            scale = torch.where(scale > 0, scale, torch.ones_like(scale))
             q = (part / scale[..., None]).clamp_(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
             values.append(q.flatten(-2).view(torch.uint8))
             scales.append(scale)

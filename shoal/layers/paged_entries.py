@@ -62,6 +62,8 @@ class PagedEntries(PagedRows):
         """entries [n, width]: the request's entries [first, first + n), whose groups close
         in this step (nothing for a pooling step, which caches nothing). Returns them as a
         later load gives them (FP8: rounded)."""
+        if not step.slots:  # (a pooling step: no cache bound, nothing to round)
+            return entries
         stored = self.encode(entries)
         if step.slots and len(entries):
             bs, slots = step.block_size, step.slots[self.kv_group]

@@ -113,6 +113,8 @@ class PagedRows(nn.Module):
         """rows [T, width]: the step's rows, each at its token's slot (nothing for a pooling
         step; nothing for a padding row of a decode graph, slot -1). Returns them as a later
         read gives them (FP8: rounded)."""
+        if not step.slots:  # (a pooling step: no cache bound, nothing to round)
+            return rows
         stored = self.encode(rows)
         if step.slots:
             cache, slots = self._rows(), step.slots[self.kv_group]

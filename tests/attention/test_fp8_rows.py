@@ -55,6 +55,10 @@ def test_zero_rows_and_zeroed_pages_read_zero() -> None:
     assert torch.equal(fmt.round_trip(torch.zeros(3, 32)), torch.zeros(3, 32))
     zeroed = torch.zeros(2, fmt.row_bytes, dtype=kv_quant.FP8_KV_DTYPE)  # a freed block's bytes
     assert torch.equal(fmt.dequantize(zeroed, torch.float32), torch.zeros(2, 32))
+    # a block so tiny its scale underflows to 0 (float32 subnormals) reads 0, never NaN
+    tiny = torch.zeros(1, 32)
+    tiny[0, 1] = 1e-44
+    assert torch.equal(fmt.round_trip(tiny), torch.zeros(1, 32))
 
 
 def test_a_segment_is_read_alone() -> None:
