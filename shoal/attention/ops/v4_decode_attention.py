@@ -19,8 +19,12 @@ A row at position p reads, in one softmax with a sink logit per head (a logit wi
   entry slot w - floor(e / bs) bs / ratio (PagedEntries._slots) of that block's page.
 The keys are the values (one shared KV row per token: the whole head_dim, rope part
 included); scores are q . k * scale, the softmax online in float32 (exp2 of log2-scaled
-scores). The loops stop at each row's own counts, read on the device (no host sync, launch
-shapes fixed by the batch and table width: CUDA-graph safe).
+scores; the torch path's bf16 matmul rounds q . k to bf16 first, a step of 0.25 at logits of
+32-64: the two differ by more than bf16's rounding where keys are large, and tests hold the
+kernel to exact logits). The loops stop at each row's own counts, read on the device (no host
+sync, launch shapes fixed by the batch and table width: CUDA-graph safe). Under
+TRITON_INTERPRET=1 (q on the CPU) the half-dtype dots and roundings go through
+interpreted_half.py, so the interpreter gives the GPU's bf16 results.
 
 FP8 pages (kv_cache_dtype="fp8": PagedKeys.fp8, attention/fp8_rows.py) hold e4m3 bytes and a
 float32 scale per block of each row: a key tile is loaded as FP8, converted to float32, times
@@ -43,6 +47,7 @@ import triton
 import triton.language as tl
 
 # (v4_index_scores.py and the layers import these from here too)
+from shoal.attention.ops.interpreted_half import half_dot, to_dtype
 from shoal.attention.ops.v4_paged_keys import (
     PagedKeys,
     check_pages,
@@ -73,15 +78,18 @@ class DecodeEntries:
 
 
 @triton.jit
-def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
-    """One tile of keys (= values) k [BLOCK_N, D] into the running max, sum and output."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
+    """One tile of keys (= values) k [BLOCK_N, D] into the running max, sum and output (the
+    scores stay float32: no rounding to q's dtype)."""
+    s = half_dot(q, tl.trans(k), DOT_PRECISION, INTERPRETED) * qk_scale
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(k.dtype), k, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + half_dot(to_dtype(p, k.dtype, INTERPRETED), k, DOT_PRECISION,
+                                          INTERPRETED)
     return m_new, l_i, acc
 
 
@@ -99,7 +107,7 @@ def _window_pass(q, d, p, t, split, num_splits, window, win_ptr, win_tab_ptr, wi
                  stride_wb, stride_ws, stride_wtr, stride_wtc, win_cols, stride_wsb, stride_wss,
                  win_sc0, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-                 WIN_QBLOCK: tl.constexpr):
+                 WIN_QBLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """This split's tiles of the row's window rows (table row t) into the running state: key
     j of the row's n_win is position p - n_win + 1 + j."""
     n_win = tl.maximum(tl.minimum(p + 1, window), 0)
@@ -112,8 +120,10 @@ def _window_pass(q, d, p, t, split, num_splits, window, win_ptr, win_tab_ptr, wi
         block = tl.load(win_tab_ptr + t * stride_wtr + col * stride_wtc, mask=valid,
                         other=0).to(tl.int64)
         k = load_keys(win_ptr, win_sc_ptr, block, k_pos % BLOCK_SIZE, stride_wb, stride_ws,
-                      stride_wsb, stride_wss, win_sc0, d, valid, WIN_QBLOCK, KV_FP8).to(q.dtype)
-        m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+                      stride_wsb, stride_wss, win_sc0, d, valid, WIN_QBLOCK, KV_FP8)
+        k = to_dtype(k, q.dtype, INTERPRETED)
+        m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                     INTERPRETED)
     return m_i, l_i, acc
 
 
@@ -123,7 +133,7 @@ def _entries_pass(q, d, p, r, t, split, num_splits, n_entries, n_picked, ent_ptr
                   stride_pk, stride_esb, stride_ess, ent_sc0, m_i, l_i, acc, qk_scale,
                   BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr,
                   ENTRIES: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-                  ENT_QBLOCK: tl.constexpr):
+                  ENT_QBLOCK: tl.constexpr, INTERPRETED: tl.constexpr):
     """This split's tiles of the row's compressed entries (every one, or its picks: ENTRIES
     EVERY_ENTRY / PICKED_ENTRIES) into the running state."""
     seen = tl.maximum((p + 1) // RATIO, 0)  # the row's complete groups
@@ -145,14 +155,16 @@ def _entries_pass(q, d, p, r, t, split, num_splits, n_entries, n_picked, ent_ptr
                         other=0).to(tl.int64)
         slot = w - (col * BLOCK_SIZE) // RATIO
         k = load_keys(ent_ptr, ent_sc_ptr, block, slot, stride_eb, stride_es, stride_esb,
-                      stride_ess, ent_sc0, d, valid, ENT_QBLOCK, KV_FP8).to(q.dtype)
-        m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION)
+                      stride_ess, ent_sc0, d, valid, ENT_QBLOCK, KV_FP8)
+        k = to_dtype(k, q.dtype, INTERPRETED)
+        m_i, l_i, acc = _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION,
+                                     INTERPRETED)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _store_with_sink(m_i, l_i, acc, r, heads, h_mask, d, sinks_ptr, out_ptr, stride_or,
-                     stride_oh):
+                     stride_oh, INTERPRETED: tl.constexpr):
     """The row's output (one split: all its keys) with each head's sink in the softmax."""
     sink = tl.load(sinks_ptr + heads, mask=h_mask, other=0.0).to(tl.float32) * _LOG2E_K
     m_f = tl.maximum(m_i, sink)
@@ -160,7 +172,7 @@ def _store_with_sink(m_i, l_i, acc, r, heads, h_mask, d, sinks_ptr, out_ptr, str
     denom = l_i * alpha + tl.exp2(sink - m_f)
     o = acc * (alpha / denom)[:, None]
     tl.store(out_ptr + r * stride_or + heads[:, None] * stride_oh + d[None, :],
-             o.to(out_ptr.dtype.element_ty), mask=h_mask[:, None])
+             to_dtype(o, out_ptr.dtype.element_ty, INTERPRETED), mask=h_mask[:, None])
 
 
 @triton.jit
@@ -189,6 +201,7 @@ def _v4_decode_kernel(
     BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, ENTRIES: tl.constexpr,
     SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
     WIN_QBLOCK: tl.constexpr, ENT_QBLOCK: tl.constexpr, TABLE_ROWS: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     # head blocks vary fastest: the programs reading the same key tiles run side by side
     hb = tl.program_id(0)
@@ -210,16 +223,17 @@ def _v4_decode_kernel(
     m_i, l_i, acc = _window_pass(
         q, d, p, t, split, num_splits, window, win_ptr, win_tab_ptr, win_sc_ptr, stride_wb,
         stride_ws, stride_wtr, stride_wtc, win_cols, stride_wsb, stride_wss, win_sc0,
-        m_i, l_i, acc, qk_scale, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, KV_FP8, WIN_QBLOCK)
+        m_i, l_i, acc, qk_scale, BLOCK_N, BLOCK_SIZE, DOT_PRECISION, KV_FP8, WIN_QBLOCK,
+        INTERPRETED)
     if ENTRIES != 0:
         m_i, l_i, acc = _entries_pass(
             q, d, p, r, t, split, num_splits, n_entries, n_picked, ent_ptr, ent_tab_ptr,
             picked_ptr, ent_sc_ptr, stride_eb, stride_es, stride_etr, stride_etc, ent_cols,
             stride_pk, stride_esb, stride_ess, ent_sc0, m_i, l_i, acc, qk_scale, BLOCK_N,
-            BLOCK_SIZE, RATIO, ENTRIES, DOT_PRECISION, KV_FP8, ENT_QBLOCK)
+            BLOCK_SIZE, RATIO, ENTRIES, DOT_PRECISION, KV_FP8, ENT_QBLOCK, INTERPRETED)
     if not SPLIT:
         _store_with_sink(m_i, l_i, acc, r, heads, h_mask, d, sinks_ptr, out_ptr, stride_or,
-                         stride_oh)
+                         stride_oh, INTERPRETED)
     else:
         _store_split(m_i, l_i, acc, r, heads, h_mask, d, split, num_splits, num_heads,
                      part_out_ptr, part_lse_ptr, HEAD_DIM)
@@ -227,7 +241,8 @@ def _v4_decode_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_heads, num_splits,
-                    stride_or, stride_oh, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+                    stride_or, stride_oh, BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     s_idx = tl.arange(0, BLOCK_S)
@@ -244,7 +259,7 @@ def _combine_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_heads, n
                     mask=d < tl.where(lse_s > float("-inf"), HEAD_DIM, 0), other=0.0)
         acc += o * tl.exp2(lse_s - m)
     tl.store(out_ptr + r * stride_or + h * stride_oh + d,
-             (acc / denom).to(out_ptr.dtype.element_ty))
+             to_dtype(acc / denom, out_ptr.dtype.element_ty, INTERPRETED))
 
 
 @functools.cache
@@ -336,6 +351,7 @@ def launch(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, scale:
     if block_n is None:
         block_n = 16 if q.dtype == torch.float32 or dim > 512 else 32
     split = num_splits > 1
+    interpreted = q.device.type == "cpu"  # (TRITON_INTERPRET=1; meta tensors: compiled)
     part_out = part_lse = out  # (unused without splits)
     if split:
         part_out = torch.empty(rows, heads, num_splits, dim, dtype=torch.float32,
@@ -357,11 +373,12 @@ def launch(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, scale:
         ENTRIES=mode, SPLIT=split,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=win.fp8,
         WIN_QBLOCK=win.block, ENT_QBLOCK=ents.block, TABLE_ROWS=table_rows is not None,
-        num_warps=num_warps, num_stages=num_stages)
+        INTERPRETED=interpreted, num_warps=num_warps, num_stages=num_stages)
     if split:
         _combine_kernel[(rows, heads)](
             part_out, part_lse, sinks, out, heads, num_splits, out.stride(0), out.stride(1),
-            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim, num_warps=4)
+            BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=dim,
+            INTERPRETED=interpreted, num_warps=4)
     return out
 
 

@@ -130,7 +130,7 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
         BLOCK_HI=max(16, triton.next_power_of_2(heads)), INDEX_DIM=dim, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, RATIO=ratio, DOT_PRECISION="ieee",
         BLOCK_D=dim if half else 16, KV_FP8=keys.fp8, QBLOCK=keys.block, HALF=half,
-        INTERPRETED=not q.is_cuda, TABLE_ROWS=table_rows is not None,
+        INTERPRETED=q.device.type == "cpu", TABLE_ROWS=table_rows is not None,
         num_warps=num_warps)
     return out
 
