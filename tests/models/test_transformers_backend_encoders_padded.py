@@ -32,6 +32,12 @@ FAMILIES = {
                        pooler_hidden_size=32),
     "fnet": dict(_BERTLIKE, use_tpu_fourier_optimizations=False),
     "convbert": _BERTLIKE,
+    # local attention in chunks of 4 tokens: the padding shifts what a chunk holds
+    "reformer": dict(vocab_size=128, hidden_size=32, num_attention_heads=4,
+                     axial_pos_shape=[8, 8], axial_pos_embds_dim=[16, 16],
+                     attn_layers=["local", "local"], local_attn_chunk_length=4,
+                     feed_forward_size=64, attention_head_size=8,
+                     max_position_embeddings=64),
 }
 # lengths 12, 2, 2, 5 (a run of two equal lengths)
 PROMPTS = [[5 + i for i in range(12)], [3, 4], [20, 21], [30, 31, 32, 33, 34]]
@@ -117,14 +123,14 @@ def test_segment_ids_reach_deberta_embeddings() -> None:
     assert not torch.allclose(hidden, _packed(model, PROMPTS), atol=1e-3)
 
 
-@pytest.mark.parametrize("model_type", ["fnet", "convbert"])
+@pytest.mark.parametrize("model_type", ["fnet", "convbert", "reformer"])
 def test_families_whose_padding_leaks_run_one_length_per_batch(model_type) -> None:
     hf = _hf(model_type)
     # (why: transformers' own padded batch changes the short prompt's states)
     with torch.no_grad():
-        alone = hf(torch.tensor([PROMPTS[1]]))[0][0]
-        batch = hf(torch.tensor([PROMPTS[0], PROMPTS[1] + [0] * 10]),
-                   attention_mask=torch.tensor([[1] * 12, [1] * 2 + [0] * 10]))[0][1, :2]
+        alone = hf(torch.tensor([PROMPTS[3]]))[0][0]
+        batch = hf(torch.tensor([PROMPTS[0], PROMPTS[3] + [0] * 7]),
+                   attention_mask=torch.tensor([[1] * 12, [1] * 5 + [0] * 7]))[0][1, :5]
     assert not torch.allclose(alone, batch, atol=1e-3)
     model = _backend(hf)
     assert not model.padded.pads

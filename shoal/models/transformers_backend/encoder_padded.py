@@ -39,7 +39,8 @@ from shoal.attention.packed import PackedSeqs
 # (ConvBERT's span convolutions, Nystromformer's convolution over the values, YOSO's hashed
 # approximation of attention, BigBird's block-sparse pattern past its length threshold: its
 # last block is global, and padding moves it).
-PADDING_CHANGES_RESULTS = frozenset({"big_bird", "convbert", "nystromformer", "yoso"})
+PADDING_CHANGES_RESULTS = frozenset({"big_bird", "convbert", "nystromformer", "reformer",
+                                     "yoso"})
 # Score entries of one chunk's attention (2**27: 512 MiB in float32 per score tensor).
 MAX_SCORE_ELEMENTS = 1 << 27
 # A chunk's padded token slots stay within this many times the step's real tokens.
@@ -109,7 +110,7 @@ class PaddedEncoder:
         try:
             with torch.no_grad():
                 out = self._forward_chunk(ids, seqs, [0, 3], PaddedChunk([0, 1], 3))[0]
-        except (RuntimeError, ValueError, IndexError) as e:
+        except Exception as e:  # (whatever the modeling code raises: a refusal naming it)
             raise ValueError(f"the Transformers backend cannot run {self.architecture}: its "
                              f"forward fails on a batch of 2 prompts padded to 3 tokens "
                              f"({type(e).__name__}: {e})") from e
