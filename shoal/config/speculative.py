@@ -98,6 +98,12 @@ class SpeculativeConfig:
         from its last results wants none next step; the other methods always propose k."""
         return self.method == "ngram"
 
+    @property
+    def drafts_with_kv(self) -> bool:
+        """The drafter keeps a paged KV cache of its own (a head or a draft model; ngram and
+        the forced-acceptance test method have none)."""
+        return self.method in ("draft_model", "mtp", "eagle", "eagle3")
+
     @classmethod
     def from_user(cls, value: Mapping[str, Any] | str) -> SpeculativeConfig:
         """From `speculative_config` as given to LLM/EngineArgs (a dict) or on the command

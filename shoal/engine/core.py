@@ -88,6 +88,7 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
         self.async_scheduling = config.async_scheduling and not pooling
         self._speculating = spec is not None
         self._proposals_known = spec is not None and spec.proposes_only_on_repeats
+        self._drafter_kv = spec is not None and spec.drafts_with_kv
         self.micro_batches = config.parallel_config.pipeline_parallel_size
         self.queue = StepQueue()
         self._history_requests: set[int] = set()  # serials: sampling needs every earlier token
@@ -369,10 +370,16 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
         stages): not while a request's sampling reads every earlier token (penalties,
         min_tokens; a grammar needs only the last, see structured_steps.py), not behind a
         verify step (its accepted drafts decide where the next inputs start), and not when
-        the next step would verify drafts, which are proposed from the step before it."""
+        the next step would verify drafts, which are proposed from the step before it; nor
+        behind a step saving KV for another engine with a drafter of layers, whose rows are
+        read at that step's finish (kv_transfer/draft_rows.py): a step launched before it could
+        hand the saved blocks to another request first."""
         if self.micro_batches > 1:
             return self.micro_batches
         if not self.async_scheduling or self._history_requests:
+            return 1
+        if self._drafter_kv and any(s.sched.kv_connector is not None
+                                    and s.sched.kv_connector.saves for s in self.queue):
             return 1
         if self._speculating and (any(s.sched.has_drafts for s in self.queue)
                                   or self.scheduler.wants_drafts(self._proposals_known)):

@@ -103,6 +103,7 @@ def attach_kv_connector(core: Any, config: KVTransferConfig | None, model: str
                          "layers keep their states at block ends, which are sent, only then)")
     parallel = core.config.parallel_config
     on_cuda = core.config.device.type == "cuda"
+    spec = core.config.speculative_config
     info = EngineInfo(scheduler.block_size, parallel.tensor_parallel_size, model,
                       parallel.pipeline_parallel_size,
                       pin_memory=on_cuda and parallel.world_size == 1,
@@ -110,7 +111,8 @@ def attach_kv_connector(core: Any, config: KVTransferConfig | None, model: str
                       # mp ranks share this host: fetched KV goes to them through /dev/shm
                       ranks_share_memory=(parallel.world_size > 1 and
                                           parallel.distributed_executor_backend == "mp"),
-                      linear_states=linear_states)
+                      linear_states=linear_states,
+                      drafter_kv=spec is not None and spec.drafts_with_kv)
     connector = build_connector(config, info)
     core.kv_connector = scheduler.connector = scheduler.admission.connector = connector
     server = getattr(connector, "server", None)

@@ -92,6 +92,9 @@ class EngineInfo:
     # linear-attention layers (a hybrid): the KV moves with their recurrent states, up to a
     # block end of the producer (p2p.py)
     linear_states: bool = False
+    # a speculative drafter with a KV cache of its own: a consumer asks for its rows too
+    # (draft_rows.py); a producer sends them only to a consumer that asks
+    drafter_kv: bool = False
 
 
 class KVConnector(ABC):

@@ -15,12 +15,14 @@ tokens, go wrong. So the drafter's rows travel too:
   drafter's own, which mirrors the step's last chunk; the prompt's tokens are the producer's
   to mirror, as every engine with this drafter does. Every layer on the first table, the
   rows the target's first group keeps (its sliding window, if any), each tensor-parallel
-  rank's heads gathered on rank 0 as the target's are (rows.gather_rows).
+  rank's heads gathered on rank 0 as the target's are (rows.gather_rows). They go only to
+  a consumer whose fetch asks for them (p2p.py); while such a save is in flight no later
+  step launches (engine/core.py, _depth), so none can reuse its blocks before the readout.
 - consumer: its drafter's rows of the loaded tokens are written with the target's (`load`).
   A payload without them (the producer runs without a drafter) or with another drafter's
   (other layers, heads, widths, dtype: another speculative config) cannot warm it: its rows
-  of the loaded tokens are zeroed instead, with a warning once per reason, and the request
-  goes on with a cold drafter. Its tokens are exact either way (verification is lossless);
+  of the loaded tokens are zeroed instead, with a warning once per kind of reason, and the
+  request goes on with a cold drafter. Its tokens are exact either way (verification is lossless);
   only its acceptance is lower. Recomputing the prompt instead would warm the drafter but
   throw away the transfer, the point of disaggregation; the drafter cannot be warmed from the
   target's KV alone (a head reads the target's hidden states, which nobody kept).
@@ -54,7 +56,7 @@ from shoal.kv_transfer.rows import (
 from shoal.kv_transfer.tp_rows import kv_head_replicas, model_kv_heads
 
 logger = logging.getLogger(__name__)
-_warned: set[str] = set()
+_warned: set[str] = set()  # the kinds of reason warned of ("none", "unfit"): once each
 
 
 @dataclass
@@ -134,7 +136,7 @@ class DraftRows:
              start: int, num_tokens: int) -> bool:
         """Writes the payload's drafter rows of tokens [start, start + num_tokens) into the
         request's blocks, as scatter_rows does the target's; zeroes them where the payload
-        has none that fit (and warns once per reason). Returns whether it wrote them."""
+        has none that fit (and warns once per kind of reason). Returns whether it wrote them."""
         reason = self.unfit(layout)
         if reason is None:
             assert layout.draft is not None
@@ -143,8 +145,9 @@ class DraftRows:
                          num_tokens, self.tables)
             self.num_loaded += 1
             return True
-        if reason not in _warned:
-            _warned.add(reason)
+        kind = "none" if layout.draft is None else "unfit"  # (a reason holds sizes)
+        if kind not in _warned:
+            _warned.add(kind)
             logger.warning("disaggregated prefill: %s; the drafter starts cold on such "
                            "prompts (zeroed rows: exact tokens, fewer accepted drafts)", reason)
         self.zero(block_ids, block_size, start, start + num_tokens)

@@ -13,7 +13,8 @@ several tensor-parallel ranks each reads out its own heads and rank 0 gathers th
 payload of every head (tp_rows.py), which a consumer of any TP size slices on receipt (a
 hybrid's states too: they go in the model's order of channels and heads, states.py). With
 speculative decoding by a drafter of layers, the drafter's rows of the same tokens follow
-the target's in the payload (draft_rows.py).
+the target's in the payload (draft_rows.py), sent only to a consumer that asks for them
+(its fetch says "draft": true): one without a drafter, or older, gets the target's rows alone.
 
 Consumer (kv_consumer / kv_both): a waiting request sent with those params is fetched on one
 of `kv_fetch_workers` background threads (it waits unadmitted meanwhile, the others keep
@@ -35,7 +36,7 @@ import time
 import uuid
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -173,8 +174,13 @@ class P2PConnector(KVConnector):
             return Reply({"error": f"no KV kept under {key!r} (expired, served, or never "
                                    "made)"})
         payload = kept.payload
-        return Reply({"digest": kept.digest, "layout": payload.layout.to_wire()},
-                     payload.data, payload.wait)
+        layout, data = payload.layout, payload.data
+        if layout.draft is not None and request.get("draft") is not True:
+            # a consumer without a drafter, or built before drafter rows travelled (it sends
+            # no "draft"): the target's rows alone, which come first, as it expects them
+            layout = replace(layout, draft=None)
+            data = memoryview(data).cast("B")[:layout.nbytes]
+        return Reply({"digest": kept.digest, "layout": layout.to_wire()}, data, payload.wait)
 
     def transfer_params(self, req: Request) -> dict[str, Any] | None:
         return self._params.pop(req.serial, None)
@@ -218,9 +224,11 @@ class P2PConnector(KVConnector):
     def _fetch(self, params: dict[str, Any], prompt: list[int]) -> _Fetched:
         t0 = time.perf_counter()
         try:
+            ask: dict[str, Any] = {"key": params["remote_request_id"]}
+            if self.engine.drafter_kv:  # (only then: the drafter's bytes would go unused)
+                ask["draft"] = True
             header, data = fetch(str(params["remote_host"]), int(params["remote_port"]),
-                                 {"key": params["remote_request_id"]}, self.timeout_s,
-                                 alloc=self._alloc)
+                                 ask, self.timeout_s, alloc=self._alloc)
             if not isinstance(header, dict) or "error" in header or data is None:
                 raise ValueError(header.get("error") if isinstance(header, dict)
                                  else "a malformed reply")

@@ -9,9 +9,11 @@ drafts are one engine's. Tiny random models in float32 on the CPU:
   payload changes the acceptance.
 - A producer without a drafter: the consumer zeroes its drafter's rows of the loaded tokens
   (never reads the noise), exactly as a zeroed payload, and its tokens stay exact; a consumer
-  without one takes the target's rows of a payload that has the drafter's too.
+  without one gets and loads the target's rows alone.
 - In pieces: the layout's drafter part on the wire, and a drafter part that does not fit
-  (another drafter) zeroed with a warning instead of written."""
+  (another drafter) zeroed with a warning instead of written; the drafter's bytes go only to
+  a consumer whose fetch asks for them (an older one, or one without a drafter, gets the
+  target's bytes alone)."""
 
 from __future__ import annotations
 
@@ -30,9 +32,12 @@ from spec_decode.test_spec_engine import SpecCounter
 
 from shoal import SamplingParams
 from shoal.core.kv_connector_plan import KVLayout
-from shoal.kv_transfer.base import KVRows
+from shoal.kv_transfer.base import EngineInfo, KVRows
+from shoal.kv_transfer.config import KVTransferConfig
 from shoal.kv_transfer.draft_rows import DraftRows
+from shoal.kv_transfer.p2p import P2PConnector, prompt_digest
 from shoal.kv_transfer.rows import LayerTables, gather_rows
+from shoal.kv_transfer.transport import fetch
 
 STEPS = 12
 PROMPTS = random_prompts(4, seed=5, lo=10, hi=40)
@@ -154,8 +159,8 @@ def test_the_drafters_kv_travels_with_the_prompt(request, family, producer_kw) -
 def test_one_side_without_a_drafter(mtp_target, caplog) -> None:
     """A producer without a drafter: the consumer cannot warm its drafter, so it zeroes the
     drafter's rows of the loaded tokens and drafts exactly as from a zeroed payload, never
-    from what its blocks held. A consumer without one loads the target's rows of a payload
-    that has the drafter's too. Tokens exact both ways."""
+    from what its blocks held. A consumer without one gets the target's rows alone from a
+    producer with one. Tokens exact both ways."""
     target, spec = mtp_target
     one = Run(tiny_llm(target, speculative_config=spec))
     plain = tiny_llm(target, **_role("kv_both"))
@@ -230,3 +235,50 @@ def test_a_drafter_part_moves_or_is_zeroed(caplog) -> None:
     assert (other.caches[0] != 0).sum() == other.caches[0].numel() - dst_slots.numel() * 8
     assert other.num_zeroed == 1
     assert any("does not fit this drafter" in r.message for r in caplog.records)
+
+
+def test_the_drafters_rows_go_only_to_a_consumer_that_asks() -> None:
+    """Over TCP, no model: a producer keeps a payload with a drafter part; a consumer with a
+    drafter of layers gets all of it, one without gets the target's bytes alone (the old
+    layout, no "draft"), and so does a fetch without the field, as an older consumer sends."""
+    gen = torch.Generator().manual_seed(2)
+    n, ids = 10, [3, 0, 5]
+    target = [torch.randn(2, 7 * 4, 2, 4, generator=gen)]
+    src = _drafter([torch.randn(2, 7 * 4, 1, 4, generator=gen)])
+    payload = gather_rows(target, ids, 4, n, draft=src.layout(n))
+    src.save(payload, ids, 4, n)
+    own, full = payload.layout.own_nbytes, payload.layout.nbytes
+    assert 0 < own < full
+    prompt = list(range(100, 100 + n + 1))
+
+    def engine(drafter_kv: bool) -> EngineInfo:
+        return EngineInfo(4, 1, "m", drafter_kv=drafter_kv)
+
+    producer = P2PConnector(KVTransferConfig("P2PConnector", "kv_producer", kv_port=0),
+                            engine(True))
+    consumers = {kv: P2PConnector(KVTransferConfig("P2PConnector", "kv_consumer"), engine(kv))
+                 for kv in (True, False)}
+    try:
+        def keep(key: str) -> dict:
+            producer._pending_saves[key] = prompt_digest(prompt[:n])
+            producer.saved({key: payload})
+            return {"remote_host": "127.0.0.1", "remote_port": producer.server.port,
+                    "remote_request_id": key}
+
+        for drafter_kv, consumer in consumers.items():
+            got = consumer._fetch(keep(f"k{drafter_kv}"), prompt).payload
+            assert got is not None and bytes(got.data) == bytes(payload.data)[:got.nbytes]
+            if drafter_kv:
+                assert got.layout == payload.layout and got.nbytes == full
+            else:
+                assert got.layout.draft is None and got.nbytes == len(got.data) == own
+                assert got.layout.layers == payload.layout.layers
+
+        params = keep("old")
+        header, data = fetch("127.0.0.1", params["remote_port"], {"key": "old"}, 10.0)
+        assert "draft" not in header["layout"] and len(data) == own
+        assert KVLayout.from_wire(header["layout"]).nbytes == own
+    finally:
+        producer.shutdown()
+        for consumer in consumers.values():
+            consumer.shutdown()
