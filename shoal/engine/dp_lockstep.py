@@ -25,19 +25,27 @@ returns once every replica is idle.
 
 The process group: world = data_parallel_size, one rank per engine core, joined over TCP at
 127.0.0.1:data_parallel_master_port (chosen by the parent), on the device's backend (NCCL on
-GPUs, gloo on the CPU): the EP group. The coordination group is gloo with a timeout of
-SHOAL_DP_SYNC_TIMEOUT_S (shoal/envs.py). Joining, the replicas check that their LoRA settings
-agree (the MoE experts' adapter slots are one table over the replicas:
-shoal/lora/shared_expert_slots.py).
+GPUs, gloo on the CPU): the EP group. Two gloo groups of the same replicas carry the rounds:
+the heartbeat group (the round at the start of a step) with a timeout of
+SHOAL_DP_SYNC_TIMEOUT_S (shoal/envs.py), and the mid-step group (the LoRA bid, a drafter's
+pass count) with the EP group's COLLECTIVE_TIMEOUT; every replica creates them in that order.
+Joining, the replicas check that their LoRA settings agree (the MoE experts' adapter slots
+are one table over the replicas: shoal/lora/shared_expert_slots.py).
 
 Faults: a replica that dies breaks every collective. A gloo peer's death fails the others'
 next collective at once (connection closed); a replica that hangs fails them after the
-timeout. The engine core then raises DPPeerLostError out of its step and exits; the frontend
-sees an engine die, fails every request in flight and /health answers 503. Unlike plain data
-parallelism, whose replicas share nothing, DP+EP cannot keep serving with one replica dead:
-the others' experts are gone. (On GPUs a peer that dies inside an NCCL all-to-all is noticed
-by the NCCL timeout of the EP group, COLLECTIVE_TIMEOUT; the server's frontend does not wait
-for it: it fails the requests and stops the engines as soon as one engine process is gone.)"""
+timeout of the round it waits in. The heartbeat's is short (SHOAL_DP_SYNC_TIMEOUT_S): replicas
+reach the start of a step within a step's non-collective tail of each other. A mid-step round
+waits the long COLLECTIVE_TIMEOUT instead: before it a replica may do long local work that an
+idle replica's dummy pass skips (reading a large adapter from disk for the step, a vision
+encoder, KV connector loads), so the idle one bids at once and must wait as long as a forward
+pass's all-to-all would. Either way the engine core then raises DPPeerLostError out of its
+step and exits; the frontend sees an engine die, fails every request in flight and /health
+answers 503. Unlike plain data parallelism, whose replicas share nothing, DP+EP cannot keep
+serving with one replica dead: the others' experts are gone. (On GPUs a peer that dies
+inside an NCCL all-to-all is noticed by the NCCL timeout of the EP group, COLLECTIVE_TIMEOUT;
+the server's frontend does not wait for it: it fails the requests and stops the engines as
+soon as one engine process is gone.)"""
 
 from __future__ import annotations
 
@@ -65,10 +73,13 @@ class DPLockstep:
 
     idle_poll_ms = IDLE_SYNC_MS
 
-    def __init__(self, group: Any, rank: int, size: int):
+    def __init__(self, heartbeat_group: Any, mid_step_group: Any, rank: int, size: int):
         import torch
 
-        self.group, self.rank, self.size = group, rank, size
+        # (gloo groups of the replicas: the start-of-step round's with the short timeout,
+        # agree_max's with the long one; see the module docstring's Faults)
+        self.heartbeat_group, self.mid_step_group = heartbeat_group, mid_step_group
+        self.rank, self.size = rank, size
         self.group_busy = False  # some replica had work at the last round
         self.dummy_steps = 0  # forward passes run for the others' sake
         self._flag = torch.zeros(1, dtype=torch.int64)
@@ -84,7 +95,7 @@ class DPLockstep:
                 dist.barrier()  # the world group: the long start-up timeout
                 self._started = True
             self._flag.fill_(int(busy))
-            dist.all_reduce(self._flag, group=self.group)
+            dist.all_reduce(self._flag, group=self.heartbeat_group)
         except RuntimeError as e:
             raise DPPeerLostError(f"DP+EP replica {self.rank}: another replica is gone or "
                                   f"stuck ({e})") from e
@@ -111,12 +122,13 @@ class DPLockstep:
     def agree_max(self, value: int) -> int:
         """One round mid-step: the largest `value` of any replica (each calls it at the same
         points of the step: whether its expert LoRA adapters changed, before the forward pass,
-        lora/shared_expert_slots.py; a drafter's pass count, worker/draft_lockstep.py)."""
+        lora/shared_expert_slots.py; a drafter's pass count, worker/draft_lockstep.py). On the
+        mid-step group: a replica may read adapters from disk just before it."""
         import torch.distributed as dist
 
         try:
             self._flag.fill_(value)
-            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group)
+            dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.mid_step_group)
         except RuntimeError as e:
             raise DPPeerLostError(f"DP+EP replica {self.rank}: another replica is gone or "
                                   f"stuck ({e})") from e
@@ -159,12 +171,14 @@ def join_dp_lockstep(config: EngineConfig) -> DPLockstep | None:
     # Longest a replica waits for the others at the start of a step. Replicas arrive there
     # within the non-collective tail of a step of each other (sampling, output handling).
     sync_timeout = datetime.timedelta(seconds=envs.SHOAL_DP_SYNC_TIMEOUT_S.get())
-    coordination = dist.new_group(backend="gloo", timeout=sync_timeout)
+    heartbeat = dist.new_group(backend="gloo", timeout=sync_timeout)
+    # Mid-step rounds: as long as the EP group's all-to-all would wait (module docstring).
+    mid_step = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     init_dp_expert_parallel(dist.group.WORLD)
     _check_same_lora_settings(config, size)
     logger.info("DP+EP: replica %d of %d (pid %d) joined the expert-parallel group", rank,
                 size, os.getpid())
-    return DPLockstep(coordination, rank, size)
+    return DPLockstep(heartbeat, mid_step, rank, size)
 
 
 def _check_same_lora_settings(config: EngineConfig, size: int) -> None:

@@ -50,6 +50,9 @@ class StepResults:
             if item.sample:
                 req.num_pending_tokens -= 1
             if failed:
+                # error: under DP+EP, an adapter the step could not have (lora/
+                # shared_expert_slots.py). ENGINE_FAILED, as on one rank, where that failed
+                # load raises and fail_steps ends the request
                 self._end(req, RequestStatus.FINISHED_ERROR)
                 outputs.append(
                     error_output(req, "the model produced non-finite logits",

@@ -31,12 +31,19 @@ its experts (E / dp of them): the memory of max_loras slots of every expert, as 
 Pins (pin_lora) hold dense slots only; an expert slot is taken when a step needs it.
 
 An adapter some replica cannot load (its files changed or went away, so one version of an id
-is gone from disk while another replica still serves it from memory) is bad input, not a
-broken engine: the replicas learn of it together (a replica's own failed load travels in the
-exchange, a failed load of a new slot in confirm's), leave it out of the table, and its
-requests, on whichever replica, run this step without it and fail with the reason; the
-others' requests go on. A later step that names it again (another request of that version)
-bids a change, so it is tried again, never left half-agreed.
+is gone from disk while another replica still serves it from memory) fails the requests it
+must, as on one rank (there the failed load raises and the step's requests fail:
+engine/suspects.py; here with ENGINE_FAILED and the reason, engine/scheduler_results.py),
+and the others' requests go on. Which requests depends on what the table holds:
+- A replica's own failed (dense) load travels in the exchange. When the adapter already has a
+  shared slot, no write is needed and every replica's expert slices of it are valid: it stays
+  in the table and only that replica's requests of it fail (they run this step without it).
+- When it has none, it would need a new slot, whose expert slices that replica cannot read:
+  the replicas leave it out of the table and its requests fail on every replica, as they do
+  for a failed write of a new slot (confirm's exchange).
+A later step that names it again (another request of that version) bids a change, so it is
+tried again, never left half-agreed. Every replica runs the same collectives either way: what
+a replica's own refusal changes is only which of its tokens go without the adapter.
 
 The replicas must agree on the settings the table depends on: check_same_lora_settings runs
 when they join (dp_lockstep.py)."""
@@ -67,7 +74,8 @@ class Agreement:
 
     # (slot, adapter) assigned anew: each replica loads its experts' slices of them now
     writes: list[tuple[int, LoRARequest]] = field(default_factory=list)
-    # adapters some replica could not load, left out of the table: key -> why
+    # adapters whose requests fail here: key -> why. Those left out of the table (alike on
+    # every replica), and this replica's own refusals of adapters kept in it
     failed: dict[Key, str] = field(default_factory=dict)
 
 
@@ -88,15 +96,18 @@ class SharedExpertSlots:
         self._steps = 0
         self._sent: list[Key] = []  # this replica's step adapters at the last exchange
         self._union: list[Key] = []  # every replica's then, those that failed left out
+        self._refused_here: set[Key] = set()  # kept in the table; this replica's tokens skip it
 
     def agree(self, loras: list[LoRARequest | None], refused: dict[Key, str]) -> Agreement:
-        """A collective: the step's adapters of every replica into the table. `refused`: this
-        replica's adapters it could not load itself (key -> why). Every replica gets the same
-        Agreement: it loads the writes into its layers' slots before the forward pass, then
-        calls confirm."""
+        """A collective: the step's adapters of every replica into the table. `refused`: the
+        adapters this replica could not load itself (key -> why). Every replica gets the same
+        writes (and the same failed, but for its own refusals of adapters the table keeps):
+        it loads the writes into its layers' slots before the forward pass, then calls
+        confirm."""
         mine = sorted({slot_key(x): x for x in loras if x is not None}.items())
         keys = [key for key, _ in mine]
         self._steps += 1
+        self._refused_here = set()
         changed = (keys != self._sent or bool(refused)
                    or any(key not in self.slot_of for key in keys))
         if self.agree_max is not None and not self.agree_max(int(changed)):
@@ -106,16 +117,23 @@ class SharedExpertSlots:
         gathered: list[Any] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(gathered, (mine, refused), group=self.group)
         self._sent = keys
+        me = dist.get_rank(self.group)
         union: dict[Key, LoRARequest] = {}
         failed: dict[Key, str] = {}
+        own: dict[Key, str] = {}  # refused here, kept in the table (a valid slot, no write)
         for rank, (replica, errors) in enumerate(gathered):
             for key, why in errors.items():
-                failed.setdefault(key, f"DP+EP replica {rank} could not load {why}")
+                why = f"DP+EP replica {rank} could not load {why}"
+                if key not in self.slot_of:  # (the table is alike on every replica)
+                    failed.setdefault(key, why)
+                elif rank == me:
+                    own[key] = why
             for key, lora in replica:
                 union.setdefault(key, lora)
         for key in failed:
             union.pop(key, None)
             self._forget(key)
+        self._refused_here = set(own)
         self._union = sorted(union)
         self.active = bool(union)
         if len(union) > len(self.in_slot):
@@ -129,7 +147,7 @@ class SharedExpertSlots:
         for key in self._union:
             if key not in self.slot_of:
                 writes.append((self._take(key, set(union)), union[key]))
-        return Agreement(writes, failed)
+        return Agreement(writes, {**failed, **own})
 
     def _take(self, key: Key, needed: set[Key]) -> int:
         free = [s for s, held in enumerate(self.in_slot) if held is None]
@@ -167,11 +185,14 @@ class SharedExpertSlots:
         return failed
 
     def set_tokens(self, loras: list[LoRARequest | None], num_tokens: list[int]) -> None:
-        """The step's token -> shared slot rows (-1: no adapter, or one that failed), in the
-        step's order."""
+        """The step's token -> shared slot rows (-1: no adapter, or one that failed, or one
+        this replica refused), in the step's order."""
         rows: list[int] = []
         for lora, n in zip(loras, num_tokens):
-            rows.extend([-1 if lora is None else self.slot_of.get(slot_key(lora), -1)] * n)
+            key = None if lora is None else slot_key(lora)
+            slot = (-1 if key is None or key in self._refused_here
+                    else self.slot_of.get(key, -1))
+            rows.extend([slot] * n)
         n, prev = len(rows), self.num_tokens
         if n > self.token_slots.shape[0]:
             raise ValueError(f"a step of {n} tokens; the LoRA slot table holds "

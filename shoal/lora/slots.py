@@ -8,9 +8,10 @@ lora_target_modules setting (target_modules.py; by default the MoE experts too).
 the MoE experts' slots are a table the replicas share (shared_expert_slots.py), agreed at
 each step; the dense slots stay this replica's own. There a step's adapter that cannot be
 loaded (its files changed or went away) fails its requests alone, with the reason, on every
-replica (set_step's step_errors, per request): raising would leave the other replicas
-waiting in the step's collectives. On one rank, or one group of tensor-parallel ranks, a
-failed load raises and the engine core fails the step's requests (engine/suspects.py).
+replica or only on the one that could not load it (shared_expert_slots.py; set_step's
+step_errors, per request): raising would leave the other replicas waiting in the step's
+collectives. On one rank, or one group of tensor-parallel ranks, a failed load raises and the
+engine core fails the step's requests (engine/suspects.py).
 
 An adapter held (in host memory or a slot) is one version of its folder: (path, digest of
 its files). A request whose content_digest names another version reads the folder again, and
