@@ -59,6 +59,9 @@ class TritonAttentionMetadata:
     max_seq_len: int
     sliding_window: int | None
     decode_num_splits: int | None  # None: paged_decode chooses from max_decode_seq_len
+    # each table row's (query tokens, context) on the host: eager metadata only (None in a
+    # graph's, whose lengths change between replays); V3.2's indexer cuts its scores to them
+    host_lens: tuple[tuple[int, int], ...] | None = None
 
 
 def build_triton_attention_metadata(
@@ -127,6 +130,7 @@ def build_triton_attention_metadata(
         max_seq_len=max(seq, default=0),
         sliding_window=sliding_window,
         decode_num_splits=decode_num_splits,
+        host_lens=tuple(zip(rows(query_lens, 1), rows(context_lens, 0))),
     )
 
 

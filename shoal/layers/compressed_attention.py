@@ -183,21 +183,24 @@ class CompressedAttention(TritonRows, nn.Module):
         q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.eps).to(q.dtype)
         q = self.rope.rotate(q, cos, sin)
         kv = self.rope.rotate(self.kv_norm(self.kv_proj(hidden)), cos, sin)
-        kv = self.window_rows.write(kv, step)  # (as later reads give them: FP8 rounds)
-        ctx = _StepInputs(q, kv)
+        # the rows and entries as later reads give them (FP8 rounds) for the torch path of
+        # the spans only: the decodes and the kernels read them from the caches
+        torch_spans = self._spans_in_torch(q, step)
+        ctx = _StepInputs(q, self.window_rows.write(kv, step, want_rows=torch_spans))
         nd = step.num_decodes  # the leading rows, attended as one batch
         if self.compressor is not None:
             rows = self.compressor.project(hidden)
             if self.indexer is not None:
                 rows = torch.cat([rows, self.indexer.project(hidden)], dim=-1)
                 ctx.index_q, ctx.index_w = self.indexer.queries(hidden, q_resid, cos, sin)
-            self.pending_rows.write(rows, step)
+            self.pending_rows.write(rows, step, want_rows=False)
             ctx.rows = rows
             # every request's closed groups are stored before any request reads entries (the
             # decodes' as one batch: they read theirs back from the cache)
             if nd:
                 self._close_decode_groups(step)
-            ctx.new_entries = [self._close_groups(rows, step, span) for span in step.spans]
+            ctx.new_entries = [self._close_groups(rows, step, span, torch_spans)
+                               for span in step.spans]
         out = self.rope.rotate(self._attend_step(ctx, step), cos, sin, inverse=True)
         return self.o_b_proj(self._grouped_out(out.view(t, self.o_groups, -1)))
 
@@ -213,12 +216,19 @@ class CompressedAttention(TritonRows, nn.Module):
             out[:nd] = self._attend_decodes(ctx, step)
         if not step.spans:
             return out
-        if step.slots and use_triton(ctx.q, self.use_triton_ops):
-            spans = self._attend_spans_triton(ctx, step)
-        else:  # (a pooling step, which caches nothing, reads its own rows: torch)
+        if self._spans_in_torch(ctx.q, step):
             spans = self._attend_spans(ctx, step)
+        else:
+            spans = self._attend_spans_triton(ctx, step)
         out[nd:nd + spans.shape[0]] = spans
         return out
+
+    def _spans_in_torch(self, q: torch.Tensor, step: StepSpans) -> bool:
+        """Whether the step's prefill chunks and verify steps (if any) run the torch path
+        (_attend_spans), which reads the step's own rows and entries as write and store give
+        them back; else the kernels (or a step of decodes alone) read every row from the
+        caches. A pooling step, which caches nothing, reads its own rows: torch."""
+        return bool(step.spans) and not (step.slots and use_triton(q, self.use_triton_ops))
 
     def _attend_spans(self, ctx: _StepInputs, step: StepSpans) -> torch.Tensor:
         """The torch path of the step's prefill chunks and verify steps [n, H, D] (the flat
@@ -233,10 +243,10 @@ class CompressedAttention(TritonRows, nn.Module):
         y = torch.bmm(x.transpose(0, 1), w.transpose(1, 2))  # [g, T, o]
         return y.transpose(0, 1).reshape(x.shape[0], -1)
 
-    def _close_groups(self, rows: torch.Tensor, step: StepSpans,
-                      span: RequestSpan) -> torch.Tensor | None:
+    def _close_groups(self, rows: torch.Tensor, step: StepSpans, span: RequestSpan,
+                      want_rows: bool = True) -> torch.Tensor | None:
         """The entries [k, D (+ index_head_dim)] of the request's groups that close in this
-        step, stored in its pages (None: none closes)."""
+        step, stored in its pages (None: none closes, or want_rows is False: only stored)."""
         assert self.compressor is not None and self.entries is not None
         m = self.compressor.ratio
         first, end = span.context // m, span.end // m
@@ -249,7 +259,7 @@ class CompressedAttention(TritonRows, nn.Module):
         if self.indexer is not None:
             keys = self.indexer.compress(inputs[:, width:], lo)
             entries = torch.cat([entries, keys.to(entries.dtype)], dim=-1)
-        return self.entries.store(entries[first - lo:], first, step, span)
+        return self.entries.store(entries[first - lo:], first, step, span, want_rows=want_rows)
 
     @property
     def _score_heads(self) -> int:
@@ -356,6 +366,9 @@ class CompressedAttention(TritonRows, nn.Module):
         first, end = span.context + a, span.context + b
         pos = torch.arange(first, end, device=device)
         lo = max(0, first - self.window + 1)
+        if ctx.kv is None:
+            raise RuntimeError("the step's window rows were written without reading them back "
+                               "(_spans_in_torch said the kernels run its spans)")
         keys = self.window_rows.read(ctx.kv, step, span, lo, end)
         k_pos = torch.arange(lo, end, device=device)
         allowed = (k_pos <= pos[:, None]) & (k_pos > pos[:, None] - self.window)
@@ -408,7 +421,7 @@ class _StepInputs:
     queries and head weights."""
 
     q: torch.Tensor
-    kv: torch.Tensor
+    kv: torch.Tensor | None  # (None where only the caches are read: see _spans_in_torch)
     rows: torch.Tensor | None = None
     new_entries: list[torch.Tensor | None] | None = None
     index_q: torch.Tensor | None = None

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from shoal.layers.request_spans import StepSpans
+from shoal.layers.score_pieces import RowRun
 from shoal.layers.span_rows import span_rows
 
 
@@ -65,9 +66,11 @@ class TritonRows:
         if paged is not None:  # (else a sliding layer, or no span reaches a whole group)
             pages, picked = PagedKeys(*paged), None
             if self.indexer is not None:
+                # (eager: each piece of rows scored over the columns its spans reach)
+                runs = [RowRun(s.length, s.context + 1) for s in step.spans]
                 picked = self.indexer.pick_rows(ctx.index_q[part], ctx.index_w[part],
                                                 rows.positions, pages, self.head_dim, bs,
-                                                rows.table_rows)
+                                                rows.table_rows, runs)
             entries = DecodeEntries(pages, self.entries.ratio, picked)
         return v4_decode_attention(ctx.q[part], rows.positions, self.sinks, self.scale, window,
                                    self.window, bs, entries, table_rows=rows.table_rows)

@@ -15,6 +15,7 @@ SparseCompressor is the CSA layer's compressor holding its indexer (transformers
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,13 +23,14 @@ import torch.nn.functional as F
 
 from shoal.layers.interleaved_rope import InterleavedRope
 from shoal.layers.linear import ReplicatedLinear
+from shoal.layers.score_pieces import RowRun, capturing, cut_pieces, fixed_pieces
 from shoal.layers.token_compressor import TokenCompressor
 
 if TYPE_CHECKING:
     from shoal.attention.ops.v4_decode_attention import PagedKeys
 
-# float32 scores [rows, entries] one pick_rows launch holds: 256 MiB (a 16k-token chunk over
-# 128k tokens of context would otherwise score 2^29 at once)
+# float32 scores [rows, entries] and top-k outputs (3 a pick) one pick_rows piece holds:
+# 256 MiB (a 16k-token chunk over 128k tokens of context would otherwise score 2^29 at once)
 SCORE_ELEMENTS = 1 << 26
 
 
@@ -82,41 +84,45 @@ class CompressedIndexer(TokenCompressor):
 
     def pick_rows(self, q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                   entries: PagedKeys, key_column: int, block_size: int,
-                  table_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+                  table_rows: torch.Tensor | None = None,
+                  row_runs: Sequence[RowRun] | None = None) -> torch.Tensor | None:
         """The Triton path (shoal/attention/ops/v4_index_scores.py) of rows (decodes, or the
         tokens of prefill chunks and verify steps): q [R, H, D] and weights [R, H] at
         positions [R], the entries' cache (this indexer's keys at key_column) and tables
         ([R, N], or any rows with table_rows [R] saying each row's) -> the entries each reads
-        [R, index_topk] sorted best first (its own before any it may not see: those score
-        -inf), or None when the tables hold no more than index_topk entries (every one is
-        read: no scores, no top-k). The scores [rows, entries] are made SCORE_ELEMENTS at a
-        time (a long prefill chunk over a long context); the chunks follow the shapes only,
-        so a decode graph replays them."""
+        [R, index_topk] int32, sorted best first (its own before any it may not see: those
+        score -inf), or None when the tables hold no more than index_topk entries (every one
+        is read: no scores, no top-k). The rows are scored in pieces whose scores and top-k
+        outputs stay within SCORE_ELEMENTS (shoal/layers/score_pieces.py): without row_runs
+        the pieces follow the shapes only, so a decode graph replays them; with them (the
+        rows' lengths on the host: an eager step's spans) each piece reads only the table
+        columns its rows reach."""
         from shoal.attention.ops.v4_decode_attention import PagedKeys
         from shoal.attention.ops.v4_index_scores import v4_index_scores
 
-        n = entries.tables.shape[1] * block_size // self.ratio
-        if n <= self.topk:
+        columns = entries.tables.shape[1]
+        if columns * block_size // self.ratio <= self.topk:
             return None
         half = entries.pages.dtype == self.query_dtype  # lossless: tensor-core products
-
-        def picks(a: int, b: int) -> torch.Tensor:  # rows [a, b)
-            keys, rows = entries, None
+        total = q.shape[0]
+        shape = (columns, block_size, self.ratio, self.topk, SCORE_ELEMENTS)
+        if row_runs is None or capturing(q.device):
+            pieces = fixed_pieces(total, *shape)
+        else:
+            pieces = cut_pieces(row_runs, total, *shape)
+        out = torch.empty(total, self.topk, dtype=torch.int32, device=q.device)
+        for piece in pieces:
+            a, b = piece.start, piece.stop
+            tables, rows = entries.tables[:, :piece.columns], None
             if table_rows is None:
-                keys = PagedKeys(entries.pages, entries.tables[a:b], entries.fp8)
+                tables = tables[a:b]
             else:
                 rows = table_rows[a:b]
+            keys = PagedKeys(entries.pages, tables, entries.fp8)
             qa = q[a:b].to(self.query_dtype) if half else q[a:b]
             scores = v4_index_scores(qa, weights[a:b], positions[a:b], keys, key_column,
                                      self.ratio, block_size, self.scale, table_rows=rows)
-            return scores.topk(self.topk, dim=-1).indices
-
-        total, per = q.shape[0], max(1, SCORE_ELEMENTS // n)
-        if total <= per:
-            return picks(0, total)
-        out = torch.empty(total, self.topk, dtype=torch.int32, device=q.device)
-        for a in range(0, total, per):
-            out[a:a + per] = picks(a, min(a + per, total))
+            out[a:b] = scores.topk(self.topk, dim=-1).indices
         return out
 
 

@@ -57,21 +57,22 @@ class PagedEntries(PagedRows):
         last = (w + 1) * self.ratio - 1
         return last, w - torch.div(last, bs, rounding_mode="floor") * bs // self.ratio
 
-    def store(self, entries: torch.Tensor, first: int, step: StepSpans,
-              span: RequestSpan) -> torch.Tensor:
+    def store(self, entries: torch.Tensor, first: int, step: StepSpans, span: RequestSpan, *,
+              want_rows: bool = True) -> torch.Tensor | None:
         """entries [n, width]: the request's entries [first, first + n), whose groups close
         in this step (nothing for a pooling step, which caches nothing). Returns them as a
-        later load gives them (FP8: rounded)."""
+        later load gives them (FP8: rounded); None where want_rows is False (a caller reading
+        them from the cache)."""
         if not step.slots:  # (a pooling step: no cache bound, nothing to round)
-            return entries
+            return entries if want_rows else None
         stored = self.encode(entries)
-        if step.slots and len(entries):
+        if len(entries):
             bs, slots = step.block_size, step.slots[self.kv_group]
             last, slot = self._slots(first, len(entries), bs, slots.device)
             blocks = torch.div(slots[span.start + last - span.context], bs,
                                rounding_mode="floor")
             self._pages(bs)[blocks, slot] = stored
-        return self.decode(stored, entries.dtype)
+        return self.decode(stored, entries.dtype) if want_rows else None
 
     def store_decodes(self, entries: torch.Tensor, keep: torch.Tensor,
                       groups: torch.Tensor, step: StepSpans) -> None:

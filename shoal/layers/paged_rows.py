@@ -10,7 +10,8 @@ alone writes with masked_put, since a CUDA graph's padding rows (slot -1) write 
 In an FP8 pool (kv_cache_dtype="fp8") rows with an FP8 layout (`fp8`, attention/fp8_rows.py)
 are stored as e4m3 bytes with a float32 scale per block of values, and read back dequantized
 (write returns the step's rows as later reads give them, so a request reading its own new
-rows sees what a prefix hit on them would); rows without one keep their `dtype` (the
+rows sees what a prefix hit on them would; a caller that reads them from the cache asks for
+none); rows without one keep their `dtype` (the
 model's), stored as its bytes: the spec counts a row's width in the pool's one-byte elements
 either way."""
 
@@ -109,20 +110,21 @@ class PagedRows(nn.Module):
         stored = stored[..., columns]
         return stored if dtype is None else stored.to(dtype)
 
-    def write(self, rows: torch.Tensor, step: StepSpans) -> torch.Tensor:
+    def write(self, rows: torch.Tensor, step: StepSpans, *,
+              want_rows: bool = True) -> torch.Tensor | None:
         """rows [T, width]: the step's rows, each at its token's slot (nothing for a pooling
         step; nothing for a padding row of a decode graph, slot -1). Returns them as a later
-        read gives them (FP8: rounded)."""
+        read gives them (FP8: rounded); None where want_rows is False (a caller reading its
+        rows from the cache: no FP8 rows dequantized for nothing)."""
         if not step.slots:  # (a pooling step: no cache bound, nothing to round)
-            return rows
+            return rows if want_rows else None
         stored = self.encode(rows)
-        if step.slots:
-            cache, slots = self._rows(), step.slots[self.kv_group]
-            if step.decodes_only:
-                masked_put(cache, (slots,), stored, slots >= 0)
-            else:
-                cache.index_copy_(0, slots, stored)
-        return self.decode(stored, rows.dtype)
+        cache, slots = self._rows(), step.slots[self.kv_group]
+        if step.decodes_only:
+            masked_put(cache, (slots,), stored, slots >= 0)
+        else:
+            cache.index_copy_(0, slots, stored)
+        return self.decode(stored, rows.dtype) if want_rows else None
 
     def read(self, rows: torch.Tensor, step: StepSpans, span: RequestSpan, lo: int,
              hi: int) -> torch.Tensor:

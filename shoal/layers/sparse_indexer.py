@@ -98,15 +98,17 @@ class LightningIndexer(nn.Module):
         cache = self.kv_cache[0]  # [slots, 1, D] (FP8: [slots, 1, row_bytes] bytes)
         if not isinstance(md, AttentionMetadata):  # the Triton backend's: SparseRows
             return self._pick_rows(hidden, q, k, cache, md)
+        stored = None
         if kv_quant.is_fp8(cache):
             cache = cache.view(torch.uint8)
             stored = self.fp8_keys.quantize(k)
             cache.index_copy_(0, md.slot_mapping, stored)
-            k = self.fp8_keys.dequantize(stored, k.dtype)  # (what later reads give)
         else:
             cache.index_copy_(0, md.slot_mapping, k.to(cache.dtype))
         if not _needs_selection(md, self.topk):
-            return None
+            return None  # (the keys unread: none dequantized)
+        if stored is not None:
+            k = self.fp8_keys.dequantize(stored, k.dtype)  # (what later reads give)
         w = self.weights_proj(hidden).float() * self.n_heads ** -0.5  # [T, H]
         return self._select(q.float(), k[:, 0].float(), w, cache, md)
 

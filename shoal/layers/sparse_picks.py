@@ -9,13 +9,17 @@ holds come from the index-score kernel (attention/ops/v4_index_scores.py, whose 
 ratio 1 are the tokens themselves: it reads the keys straight from the paged key cache), -inf
 past the row's own, and torch.topk keeps the best index_topk in order, so a row's visible picks
 lead. Nothing is read back to the host and the shapes follow the token count and table width:
-a captured decode (or verify) graph replays it. Rows are scored SCORE_ELEMENTS at a time, so a
-long prefill chunk over a long context does not hold every row's scores at once. An FP8 key
+a captured decode (or verify) graph replays it. Rows are scored in pieces whose scores and top-k
+outputs stay within SCORE_ELEMENTS (shoal/layers/score_pieces.py), so a long prefill chunk over
+a long context does not hold every row's scores at once; an eager step (its metadata's host_lens)
+scores each piece only over the table columns its rows reach. An FP8 key
 cache (kv_cache_dtype="fp8": block-scaled rows, attention/fp8_rows.py) is read with its rows'
 layout, dequantized in the kernel as the torch path dequantizes it."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,8 +28,10 @@ from shoal.attention.fp8_rows import BlockScaledRows
 from shoal.attention.ops.mla_sparse import SparseRows
 from shoal.attention.ops.v4_decode_attention import PagedKeys
 from shoal.attention.ops.v4_index_scores import v4_index_scores
+from shoal.layers.score_pieces import RowRun, ScorePiece, capturing, cut_pieces, fixed_pieces
 
-SCORE_ELEMENTS = 1 << 26  # float32 scores [rows, positions] held at once: 256 MiB
+# float32 scores [rows, positions] and top-k outputs (3 a pick) held at once: 256 MiB
+SCORE_ELEMENTS = 1 << 26
 
 
 def query_rows(md: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,21 +57,41 @@ def pick_rows(q: torch.Tensor, weights: torch.Tensor, md: Any, pages: torch.Tens
     float32), md the step's Triton metadata, pages [blocks, block_size, Di] the key cache
     (every row of the step already written; fp8: its rows' layout when they are stored as
     block-scaled FP8, pages then [blocks, block_size, fp8.row_bytes] bytes) -> the top-k
-    positions of each row, best first, with the rows' requests and counts. Needs tables of
-    more than topk positions."""
+    positions of each row (int32), best first, with the rows' requests and counts. Needs
+    tables of more than topk positions."""
     table_rows, seen = query_rows(md)
     t = q.shape[0]
     width = md.block_tables.shape[1] * md.block_size
     if width <= topk:
         raise ValueError(f"tables of {width} positions need no selection (index_topk {topk})")
     picks = torch.empty(t, topk, dtype=torch.int32, device=q.device)
-    chunk = max(1, SCORE_ELEMENTS // width)
-    for a in range(0, t, chunk):
-        b = min(a + chunk, t)
-        tables = (md.block_tables[a:b] if not md.num_prefills
-                  else md.block_tables.index_select(0, table_rows[a:b]))
+    for piece in score_pieces(md, t, topk, q.device):
+        a, b = piece.start, piece.stop
+        tables = md.block_tables[:, :piece.columns]
+        tables = tables[a:b] if not md.num_prefills else tables.index_select(0, table_rows[a:b])
         keys = PagedKeys(pages, tables, fp8)
         scores = v4_index_scores(q[a:b], weights[a:b], seen[a:b] - 1, keys, 0, 1,
                                  md.block_size, scale)
         picks[a:b] = scores.topk(topk, dim=-1).indices
     return SparseRows(picks, seen, table_rows)
+
+
+def score_pieces(md: Any, rows: int, topk: int, device: torch.device
+                 ) -> Sequence[ScorePiece]:
+    """The pieces of the step's rows scored at once: in an eager step (host_lens: each table
+    row's query and context lengths) over the columns each piece's rows reach, else (graph
+    metadata, or a capture) in fixed shapes over the whole tables."""
+    columns, bs = md.block_tables.shape[1], md.block_size
+    lens = getattr(md, "host_lens", None)
+    if lens is None or capturing(device):
+        return fixed_pieces(rows, columns, bs, 1, topk, SCORE_ELEMENTS)
+    return _cut_pieces(lens, rows, columns, bs, topk, SCORE_ELEMENTS)
+
+
+@functools.lru_cache(maxsize=8)
+def _cut_pieces(lens: tuple[tuple[int, int], ...], rows: int, columns: int, block_size: int,
+                topk: int, budget: int) -> tuple[ScorePiece, ...]:
+    """cut_pieces of rows of (query tokens, context) `lens`, kept for the step's other layers
+    (a few hundred requests take a few tenths of a millisecond)."""
+    runs = [RowRun(n, c + 1) for n, c in lens]
+    return tuple(cut_pieces(runs, rows, columns, block_size, 1, topk, budget))

@@ -268,6 +268,58 @@ def test_short_steps_skip_the_indexer():
     assert _sparse_mla(backend, _indexer(1), md, caches, inputs, 0.2)[3] is None
 
 
+def test_eager_picks_score_each_piece_over_its_rows_reach(monkeypatch):
+    """Two short decodes and a fresh prompt of 6 beside a chunk of 9 after 30 cached tokens
+    (tables of 10 blocks of 4, top-8): eager metadata (its host_lens) scores the short rows
+    over the 2 blocks they reach (top-8's least) and the chunk over all 10; with a budget
+    of 4 rows x (40 + 3 x 8), graph-like metadata (no host_lens) in pieces of 4 rows over
+    every block. Every row's visible picks are the ones of one piece over the whole tables;
+    int32 on every path."""
+    import dataclasses
+
+    import shoal.layers.sparse_picks as sp
+
+    query_lens, context_lens = [1, 1, 6, 9], [3, 5, 0, 30]
+    gen = torch.Generator().manual_seed(5)
+    tables = [torch.randperm(24, generator=gen)[:-(-(q + c) // BS)].tolist()
+              for q, c in zip(query_lens, context_lens)]
+    md = TritonAttentionBackend().build_metadata(
+        query_lens=query_lens, context_lens=context_lens, block_tables=tables, block_size=BS,
+        num_decodes=2, sliding_window=None, device=DEV, null_block=0)
+    t = sum(query_lens)
+    pages = torch.randn(24, BS, 16, generator=gen).to(DEV)
+    q = torch.randn(t, 4, 16, generator=gen).to(DEV)
+    w = torch.randn(t, 4, generator=gen).to(DEV)
+    scores, launches = sp.v4_index_scores, []
+
+    def counted(q, *args, **kwargs):
+        out = scores(q, *args, **kwargs)
+        launches.append(tuple(out.shape))
+        return out
+    monkeypatch.setattr(sp, "v4_index_scores", counted)
+    graph_like = dataclasses.replace(md, host_lens=None)
+    runs = {}
+    for name, m, budget in (("whole", graph_like, 1 << 26), ("fixed", graph_like, 4 * 64),
+                            ("cut", md, 1 << 26), ("cut-budget", md, 4 * 64)):
+        monkeypatch.setattr(sp, "SCORE_ELEMENTS", budget)
+        launches.clear()
+        runs[name] = sp.pick_rows(q, w, m, pages, TOPK, 0.25), list(launches)
+    assert runs["whole"][1] == [(t, 40)]
+    assert runs["fixed"][1] == [(4, 40)] * 4 + [(1, 40)]
+    assert runs["cut"][1] == [(8, 8), (9, 40)]
+    # 4 x (40 + 24) holds 8 rows over 8 positions, 4 over 36 or 40 (the chunk's first rows
+    # reach 9 blocks, the others 10)
+    assert runs["cut-budget"][1] == [(8, 8), (4, 36), (4, 40), (1, 40)]
+    whole = runs["whole"][0]
+    assert whole.seen.tolist() == [4, 6, 1, 2, 3, 4, 5, 6] + list(range(31, 40))
+    for name, (rows, _) in runs.items():
+        assert rows.picks.dtype == torch.int32 and rows.picks.shape == (t, TOPK), name
+        assert torch.equal(rows.seen, whole.seen)
+        for i, seen in enumerate(whole.seen.tolist()):
+            n = min(TOPK, seen)
+            assert torch.equal(rows.picks[i, :n], whole.picks[i, :n]), (name, i)
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["auto", "fp8"])
 @pytest.mark.parametrize("q_len", [1, 3], ids=["decodes", "verify-chunks"])
 def test_graph_metadata_with_a_padding_row(q_len: int, fp8: bool):

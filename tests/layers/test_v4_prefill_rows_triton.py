@@ -161,31 +161,87 @@ def test_mixed_step_matches_the_torch_path(kind: str, topk: int, backend: str, f
 
 
 def test_long_chunks_score_in_bounded_pieces(monkeypatch):
-    """A chunk whose scores [rows, entries] pass the budget is scored in pieces of rows (its
-    picks gathered into one int32 tensor): the same picks as in one piece."""
+    """The spans' rows (a short fresh prompt beside a chunk after 20 cached tokens: tables
+    of 7 entries, top-2) scored in pieces whose scores and top-k outputs, rows x (entries +
+    3 top-k), stay within the budget: without the rows' lengths (what a graph's decodes
+    take) pieces of budget // (7 + 6) rows over every column; with them (an eager step's
+    spans) each piece over the columns its rows reach, the prompt's apart from the chunk's.
+    Every row's visible picks (the ones read) are the one whole piece's; int32 on every
+    path."""
+    import shoal.attention.ops.v4_index_scores as index_ops
     import shoal.layers.compressed_indexer as ci
 
     gen = torch.Generator(DEV).manual_seed(2)
     layer = _layer(_cfg(CSA, 2, compress_rates=RATES), torch.float32, torch.float32, gen)
-    requests = [(9, 1), (0, 14)]  # the chunk's tables: 4 entries, more than top-2
-    hidden = torch.randn(15, 32, generator=gen, device=DEV)
-    picks = []
-    pick_rows = ci.CompressedIndexer.pick_rows
+    requests = [(9, 1), (0, 5), (20, 8)]
+    hidden = torch.randn(14, 32, generator=gen, device=DEV)
+    pick_rows, scores = ci.CompressedIndexer.pick_rows, index_ops.v4_index_scores
+    launches: list[tuple[int, int]] = []  # each piece's (rows, entries)
+    runs: dict[str, tuple[torch.Tensor, list[tuple[int, int]]]] = {}
 
-    def both(self, *args, **kwargs):
-        for budget in (1 << 26, 4 * 4):  # one piece, then pieces of 4 rows
+    def counted(q, *args, **kwargs):
+        out = scores(q, *args, **kwargs)
+        launches.append(tuple(out.shape))
+        return out
+
+    def each_way(self, *args):
+        if len(args) < 8:  # (the decode's)
+            return pick_rows(self, *args)
+        for name, budget, lens in (("whole", 1 << 26, None), ("fixed", 4 * 13, None),
+                                   ("cut", 1 << 26, args[7]), ("cut-budget", 4 * 13, args[7])):
             monkeypatch.setattr(ci, "SCORE_ELEMENTS", budget)
-            picks.append(pick_rows(self, *args, **kwargs))
-        return picks[-1]
-    monkeypatch.setattr(ci.CompressedIndexer, "pick_rows", both)
+            launches.clear()
+            runs[name] = pick_rows(self, *args[:7], lens), list(launches)
+        runs["positions"] = args[2], []
+        return runs["cut"][0]
+    monkeypatch.setattr(ci.CompressedIndexer, "pick_rows", each_way)
+    monkeypatch.setattr(index_ops, "v4_index_scores", counted)
     monkeypatch.setattr(ca, "use_triton", lambda x, enabled: enabled)
-    step, positions = _step(layer, requests, 1, "torch", torch.Generator(DEV).manual_seed(3))
+    step, positions = _step(layer, requests, 1, "triton", torch.Generator(DEV).manual_seed(3))
     with torch.no_grad():
         layer(positions, hidden, step)
-    whole, pieces = picks[-2:]  # (the decode's, then the chunk's)
-    assert whole.shape == pieces.shape == (14, 2)
-    assert whole.dtype == torch.int64 and pieces.dtype == torch.int32
-    assert torch.equal(whole, pieces.long())
+    assert runs["whole"][1] == [(13, 7)]
+    assert runs["fixed"][1] == [(4, 7)] * 3 + [(1, 7)]
+    # the prompt's rows reach 2 entries (top-2's least), the chunk's first 6 then 7
+    assert runs["cut"][1] == [(5, 2), (8, 7)]
+    assert runs["cut-budget"][1] == [(5, 2), (4, 6), (4, 7)]
+    whole = runs["whole"][0]
+    visible = ((runs["positions"][0] + 1) // 4).clamp(max=2).tolist()
+    assert sum(visible) > 13  # (most rows see both picks)
+    for name in ("whole", "fixed", "cut", "cut-budget"):
+        picks = runs[name][0]
+        assert picks.shape == (13, 2) and picks.dtype == torch.int32, name
+        for row, n in enumerate(visible):
+            assert torch.equal(picks[row, :n], whole[row, :n]), (name, row)
+
+
+def test_fp8_rows_stored_without_reading_them_back(monkeypatch):
+    """write and store with want_rows=False (where only the caches are read: the kernels, a
+    decode graph): the bytes stored as with the rows read back, None returned and nothing
+    dequantized; with it, the rows as a later read gives them (rounded)."""
+    from shoal.attention.fp8_rows import BlockScaledRows
+
+    gen = torch.Generator(DEV).manual_seed(4)
+    layer = _layer(_cfg(CSA, 2, compress_rates=RATES), torch.float32, FP8_KV_DTYPE, gen)
+    step, _ = _step(layer, REQUESTS, 2, "triton", torch.Generator(DEV).manual_seed(5))
+    span = step.spans[-1]  # (the fresh prompt closing groups 0 and 1)
+    kv = torch.randn(sum(n for _, n in REQUESTS), layer.head_dim, generator=gen, device=DEV)
+    entries = torch.randn(2, layer.entries.width, generator=gen, device=DEV)
+    writes = ((layer.window_rows, kv,
+               lambda want: layer.window_rows.write(kv, step, want_rows=want)),
+              (layer.entries, entries,
+               lambda want: layer.entries.store(entries, 0, step, span, want_rows=want)))
+    for paged, values, write in writes:
+        before = paged.kv_cache.clone()
+        back = write(True)
+        stored = paged.kv_cache.clone()
+        assert not torch.equal(stored.view(torch.uint8), before.view(torch.uint8))
+        assert back.shape == values.shape and not torch.equal(back, values)  # (rounded)
+        paged.kv_cache.copy_(before)
+        with monkeypatch.context() as m:
+            m.setattr(BlockScaledRows, "dequantize", lambda *a, **k: pytest.fail("read back"))
+            assert write(False) is None
+        assert torch.equal(paged.kv_cache.view(torch.uint8), stored.view(torch.uint8))
 
 
 def test_tiny_engine_prefills_with_the_kernels_give_the_torch_paths_tokens(tiny, monkeypatch):  # noqa: F811
