@@ -178,6 +178,19 @@ class ResolvedArgs:
         return tp_plan_refusal(self.hf_config, self.tp)
 
     @property
+    def architecture(self) -> str:
+        archs = getattr(self.hf_config, "architectures", None)
+        return str(archs[0] if archs else getattr(self.hf_config, "model_type", None))
+
+    @property
+    def encoder_only(self) -> bool:  # bidirectional attention: no decoder layers to split
+        from shoal.models.registry import resolve_model_class
+        from shoal.models.transformers_backend.support import is_encoder_only
+
+        return (is_encoder_only(self.hf_config) if self.transformers_backend else
+                not getattr(resolve_model_class(self.hf_config, self.runner), "is_causal", True))
+
+    @property
     def pooling_only(self) -> bool:
         from shoal.models.registry import is_pooling_only
 
@@ -221,12 +234,13 @@ ROWS: tuple[Incompatibility, ...] = (
         "runner='generate'", "convert='embed'",
         lambda s: s.args.runner == "generate" and s.args.convert == "embed",
         "runner='generate' cannot run convert='embed'"),
-    # (tensor_parallel_size > 1 runs: every rank holds a pooling runner over its shard, rank
-    # 0 pools; the Transformers backend's rows below refuse a model its tp plan cannot split)
+    # (tensor_parallel_size > 1 runs, every rank a pooling runner over its shard, and so do a
+    # decoder's pipeline stages: stage 0's rank 0 pools; the backend's own rows apply below)
     Incompatibility(
-        "runner='pooling'", "pipeline_parallel_size > 1",
-        lambda s: s.pooling and s.pp > 1,
-        "the pooling runner does not support pipeline_parallel_size > 1 yet"),
+        "runner='pooling'", "pipeline_parallel_size > 1 with an encoder-only model",
+        lambda s: s.pooling and s.pp > 1 and s.encoder_only,
+        "pipeline_parallel_size > 1 splits a decoder's layers into stages; {s.architecture} "
+        "is an encoder-only model, which runs in one stage: use tensor_parallel_size instead"),
     Incompatibility(
         "runner='pooling'", _DP_EP,
         lambda s: s.pooling and s.dp_ep,

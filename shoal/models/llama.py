@@ -159,7 +159,9 @@ PIPELINE_PARALLEL_ARCHITECTURES = frozenset({
     "GraniteForCausalLM", "GraniteMoeForCausalLM", "MixtralForCausalLM", "Olmo2ForCausalLM",
     "Phi3ForCausalLM", "SmolLM3ForCausalLM", "Starcoder2ForCausalLM",
     # DeepSeek-V2 / V3 (and Kimi-K2): MLA and MoE layers on the same stages
-    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
+    "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+    # pooling heads over LlamaModel's stages (shoal/models/llama_pooling.py: runner="pooling")
+    "LlamaForSequenceClassification", "Qwen2ForSequenceClassification"})
 
 
 class LlamaModel(nn.Module):

@@ -35,8 +35,8 @@ CASES = [
     (dict(runner="generate"), BERT, "pooling", "cpu", 64, "it is a pooling model"),
     (dict(runner="generate", convert="embed"), {}, "pooling", "cpu", 64,
      "runner='generate' cannot run convert='embed'"),
-    (dict(pipeline_parallel_size=2), {}, "pooling", "cpu", 64,
-     "pooling runner does not support pipeline_parallel_size > 1 yet"),
+    (dict(pipeline_parallel_size=2), BERT, "pooling", "cpu", 64,
+     "BertModel is an encoder-only model, which runs in one stage: use tensor_parallel_size"),
     (_DP_EP, {}, "pooling", "cpu", 64, "pooling runner does not support enable_expert_parallel"),
     (dict(speculative_config=_SPEC), {}, "pooling", "cpu", 64,
      "speculative_config applies to generation, not the pooling runner"),
@@ -143,8 +143,14 @@ def test_plain_configurations_fall_on_no_row(runner, device):
                    dict(_DP_EP, speculative_config=_SPEC)):
         if runner == "generate":
             assert violations(_resolved(kwargs, {}, runner, device, 64)) == [], kwargs
-    if runner == "pooling":  # every rank a pooling runner (pooling/test_pooling_tensor_parallel)
-        assert violations(_resolved(dict(tensor_parallel_size=2), {}, runner, device, 64)) == []
+    if runner == "pooling":  # every rank a pooling runner (pooling/test_pooling_tensor_parallel,
+        # a decoder's stages: pooling/test_pooling_pipeline_parallel)
+        for kwargs in (dict(tensor_parallel_size=2), dict(pipeline_parallel_size=2),
+                       dict(tensor_parallel_size=2, pipeline_parallel_size=2)):
+            assert violations(_resolved(kwargs, {}, runner, device, 64)) == [], kwargs
+        classifier = dict(architectures=["LlamaForSequenceClassification"])
+        assert violations(_resolved(dict(pipeline_parallel_size=2), classifier, runner,
+                                    device, 64)) == []
     # a replica of `shoal serve --data-parallel-size 2`
     served = ResolvedArgs(EngineArgs(data_parallel_size=2), runner, device, 64, _hf(),
                           serving=True)

@@ -5,7 +5,8 @@ with segment ids, and raw classifier logits), a Llama embedder (last token) and 
 Llama through the Transformers backend (its base_model_tp_plan) give on two ranks what one
 rank gives (float32, 1e-5), rank 0 holding half of each split layer. What still cannot run is
 refused by name before any rank starts: an encoder through the backend whose config has no
-tensor-parallel plan (BERT), and pipeline parallelism."""
+tensor-parallel plan (BERT), and an encoder split into pipeline stages (decoders run there:
+test_pooling_pipeline_parallel.py)."""
 
 from __future__ import annotations
 
@@ -163,8 +164,8 @@ def test_what_cannot_split_is_refused_before_any_rank_starts(monkeypatch) -> Non
     with pytest.raises(ValueError, match=message):
         EngineArgs(device="cpu", tensor_parallel_size=2, max_model_len=64,
                    model_impl="transformers").create_engine_config(bert)
-    with pytest.raises(ValueError, match="pooling runner does not support "
-                                         "pipeline_parallel_size > 1"):
+    with pytest.raises(ValueError, match="BertModel is an encoder-only model, which runs in "
+                                         "one stage"):
         EngineArgs(device="cpu", pipeline_parallel_size=2, max_model_len=64
                    ).create_engine_config(bert)
     # the backend's encoder class refuses it too, built on two ranks (as the layers see it)
