@@ -16,7 +16,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import randomize_weights
+from backend_encoders import PROMPTS, backend_encoder, packed_states, random_encoder
 from transformers import (
     AutoConfig,
     AutoModel,
@@ -25,7 +25,6 @@ from transformers import (
 )
 
 from shoal import LLM
-from shoal.attention.packed import PackedSeqs
 from shoal.models.registry import is_pooling_only, resolve_model_class
 from shoal.pooling.pooler import pool
 
@@ -43,38 +42,13 @@ FAMILIES = {
     "xlm-roberta": _BERTLIKE,  # positions numbered from padding_idx + 1 (forced: native)
     "bert": _BERTLIKE,  # (forced: native)
 }
-# lengths 12, 2, 2, 5: a run of two equal lengths, prompts longer than the local window
-PROMPTS = [[5 + i for i in range(12)], [3, 4], [20, 21], [30, 31, 32, 33, 34]]
 
 
 def _hf(model_type: str, auto: type = AutoModel, **fields) -> torch.nn.Module:
-    cfg = AutoConfig.for_model(model_type, **{**FAMILIES[model_type], **fields})
-    torch.manual_seed(0)
-    model = auto.from_config(cfg, dtype=torch.float32).eval()
-    randomize_weights(model)
-    model.config.architectures = [type(model).__name__]
-    return model
+    return random_encoder(model_type, {**FAMILIES[model_type], **fields}, auto)
 
 
-def _backend(hf: torch.nn.Module, extra: dict | None = None) -> torch.nn.Module:
-    """The backend's model for hf's config (model_impl="transformers"), loaded from hf's
-    tensors and `extra` ones."""
-    cls = resolve_model_class(hf.config, "pooling", "transformers")
-    assert cls.__module__ == "shoal.models.transformers_backend.encoder"
-    model = cls(hf.config, torch.float32)
-    loaded = model.load_weights({**hf.state_dict(), **(extra or {})}.items())
-    assert {n for n, _ in model.named_parameters()} <= loaded
-    return model
-
-
-def _packed(model, prompts, types=None) -> torch.Tensor:
-    lens = [len(p) for p in prompts]
-    seqs = PackedSeqs.build(lens, model.is_causal, torch.device("cpu"),
-                            sum(types, []) if types else None)
-    ids = torch.tensor(sum(prompts, []))
-    positions = torch.cat([torch.arange(n) for n in lens])
-    with torch.no_grad():
-        return model(ids, positions, seqs)
+_backend, _packed = backend_encoder, packed_states
 
 
 def _bounds(prompts) -> tuple[torch.Tensor, torch.Tensor]:

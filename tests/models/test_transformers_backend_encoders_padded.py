@@ -12,12 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import randomize_weights
+from backend_encoders import PROMPTS, backend_encoder, packed_states, random_encoder
 from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
 import shoal.models.transformers_backend.encoder_padded as padded
 from shoal import LLM
-from shoal.attention.packed import PackedSeqs
 from shoal.models.registry import resolve_model_class
 from shoal.models.transformers_backend.encoder_padded import PaddedChunk, plan_chunks
 
@@ -39,34 +38,19 @@ FAMILIES = {
                      feed_forward_size=64, attention_head_size=8,
                      max_position_embeddings=64),
 }
-# lengths 12, 2, 2, 5 (a run of two equal lengths)
-PROMPTS = [[5 + i for i in range(12)], [3, 4], [20, 21], [30, 31, 32, 33, 34]]
 
 
 def _hf(model_type: str, auto: type = AutoModel, **fields) -> torch.nn.Module:
-    cfg = AutoConfig.for_model(model_type, **{**FAMILIES[model_type], **fields})
-    torch.manual_seed(0)
-    model = auto.from_config(cfg, dtype=torch.float32).eval()
-    randomize_weights(model)
-    model.config.architectures = [type(model).__name__]
-    return model
+    return random_encoder(model_type, {**FAMILIES[model_type], **fields}, auto)
 
 
 def _backend(hf: torch.nn.Module) -> torch.nn.Module:
-    cls = resolve_model_class(hf.config, "pooling", "transformers")
-    model = cls(hf.config, torch.float32)
+    model = backend_encoder(hf)
     assert model.padded is not None  # (the padded path, chosen by capability)
-    loaded = model.load_weights(hf.state_dict().items())
-    assert {n for n, _ in model.named_parameters()} <= loaded
     return model
 
 
-def _packed(model, prompts, types=None) -> torch.Tensor:
-    lens = [len(p) for p in prompts]
-    seqs = PackedSeqs.build(lens, False, torch.device("cpu"), sum(types, []) if types else None)
-    with torch.no_grad():
-        return model(torch.tensor(sum(prompts, [])), torch.cat([torch.arange(n) for n in lens]),
-                     seqs)
+_packed = packed_states
 
 
 def _check_states(model, hf, prompts=PROMPTS) -> None:
