@@ -286,7 +286,6 @@ class HfOneLayer(Hf):
     ({"distributed_executor_backend": "uni"}, Hf, "needs distributed_executor_backend 'mp'"),
     ({"async_scheduling": True}, Hf, "async_scheduling does not support pipeline"),
     ({"kv_offloading_size": 1.0}, Hf, "kv_offloading_size does not support pipeline"),
-    ({"runner": "pooling"}, Hf, "pooling runner does not support pipeline"),
     ({}, HfMoe, "not Qwen3MoeForCausalLM yet"),
     ({}, HfOneLayer, "needs at least as many decoder layers"),
 ])
