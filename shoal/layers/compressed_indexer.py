@@ -23,7 +23,13 @@ import torch.nn.functional as F
 
 from shoal.layers.interleaved_rope import InterleavedRope
 from shoal.layers.linear import ReplicatedLinear
-from shoal.layers.score_pieces import RowRun, capturing, cut_pieces, fixed_pieces
+from shoal.layers.score_pieces import (
+    RowRun,
+    capturing,
+    cut_pieces,
+    fixed_pieces,
+    top_k_in_pieces,
+)
 from shoal.layers.token_compressor import TokenCompressor
 
 if TYPE_CHECKING:
@@ -97,33 +103,18 @@ class CompressedIndexer(TokenCompressor):
         the pieces follow the shapes only, so a decode graph replays them; with them (the
         rows' lengths on the host: an eager step's spans) each piece reads only the table
         columns its rows reach."""
-        from shoal.attention.ops.v4_decode_attention import PagedKeys
-        from shoal.attention.ops.v4_index_scores import v4_index_scores
-
         columns = entries.tables.shape[1]
         if columns * block_size // self.ratio <= self.topk:
             return None
-        half = entries.pages.dtype == self.query_dtype  # lossless: tensor-core products
-        total = q.shape[0]
+        if entries.pages.dtype == self.query_dtype:  # lossless: tensor-core products
+            q = q.to(self.query_dtype)
         shape = (columns, block_size, self.ratio, self.topk, SCORE_ELEMENTS)
         if row_runs is None or capturing(q.device):
-            pieces = fixed_pieces(total, *shape)
+            pieces = fixed_pieces(q.shape[0], *shape)
         else:
-            pieces = cut_pieces(row_runs, total, *shape)
-        out = torch.empty(total, self.topk, dtype=torch.int32, device=q.device)
-        for piece in pieces:
-            a, b = piece.start, piece.stop
-            tables, rows = entries.tables[:, :piece.columns], None
-            if table_rows is None:
-                tables = tables[a:b]
-            else:
-                rows = table_rows[a:b]
-            keys = PagedKeys(entries.pages, tables, entries.fp8)
-            qa = q[a:b].to(self.query_dtype) if half else q[a:b]
-            scores = v4_index_scores(qa, weights[a:b], positions[a:b], keys, key_column,
-                                     self.ratio, block_size, self.scale, table_rows=rows)
-            out[a:b] = scores.topk(self.topk, dim=-1).indices
-        return out
+            pieces = cut_pieces(row_runs, q.shape[0], *shape)
+        return top_k_in_pieces(pieces, q, weights, positions, entries, table_rows, key_column,
+                               self.ratio, block_size, self.scale, self.topk)
 
 
 class SparseCompressor(TokenCompressor):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -111,3 +112,29 @@ def cut_pieces(runs: Sequence[RowRun], rows: int, columns: int, block_size: int,
     if row > start:
         pieces.append(ScorePiece(start, row, width))
     return pieces
+
+
+def top_k_in_pieces(pieces: Sequence[ScorePiece], q: torch.Tensor, weights: torch.Tensor,
+                    positions: torch.Tensor, entries: Any, table_rows: torch.Tensor | None,
+                    key_column: int, ratio: int, block_size: int, scale: float, topk: int
+                    ) -> torch.Tensor:
+    """Each row's top-k entries [R, topk] int32, best first, scored piece by piece by
+    shoal/attention/ops/v4_index_scores.py: q [R, H, D], weights [R, H] at positions [R],
+    entries (PagedKeys) with tables [R, N] row for row, or any rows with table_rows [R]
+    saying each row's (read in the kernel: no table copied)."""
+    from shoal.attention.ops.v4_index_scores import v4_index_scores
+    from shoal.attention.ops.v4_paged_keys import PagedKeys
+
+    out = torch.empty(q.shape[0], topk, dtype=torch.int32, device=q.device)
+    for piece in pieces:
+        a, b = piece.start, piece.stop
+        tables, rows = entries.tables[:, :piece.columns], None
+        if table_rows is None:
+            tables = tables[a:b]
+        else:
+            rows = table_rows[a:b]
+        scores = v4_index_scores(q[a:b], weights[a:b], positions[a:b],
+                                 PagedKeys(entries.pages, tables, entries.fp8), key_column,
+                                 ratio, block_size, scale, table_rows=rows)
+        out[a:b] = scores.topk(topk, dim=-1).indices
+    return out

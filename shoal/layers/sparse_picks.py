@@ -27,8 +27,14 @@ import torch
 from shoal.attention.fp8_rows import BlockScaledRows
 from shoal.attention.ops.mla_sparse import SparseRows
 from shoal.attention.ops.v4_decode_attention import PagedKeys
-from shoal.attention.ops.v4_index_scores import v4_index_scores
-from shoal.layers.score_pieces import RowRun, ScorePiece, capturing, cut_pieces, fixed_pieces
+from shoal.layers.score_pieces import (
+    RowRun,
+    ScorePiece,
+    capturing,
+    cut_pieces,
+    fixed_pieces,
+    top_k_in_pieces,
+)
 
 # float32 scores [rows, positions] and top-k outputs (3 a pick) held at once: 256 MiB
 SCORE_ELEMENTS = 1 << 26
@@ -64,15 +70,10 @@ def pick_rows(q: torch.Tensor, weights: torch.Tensor, md: Any, pages: torch.Tens
     width = md.block_tables.shape[1] * md.block_size
     if width <= topk:
         raise ValueError(f"tables of {width} positions need no selection (index_topk {topk})")
-    picks = torch.empty(t, topk, dtype=torch.int32, device=q.device)
-    for piece in score_pieces(md, t, topk, q.device):
-        a, b = piece.start, piece.stop
-        tables = md.block_tables[:, :piece.columns]
-        tables = tables[a:b] if not md.num_prefills else tables.index_select(0, table_rows[a:b])
-        keys = PagedKeys(pages, tables, fp8)
-        scores = v4_index_scores(q[a:b], weights[a:b], seen[a:b] - 1, keys, 0, 1,
-                                 md.block_size, scale)
-        picks[a:b] = scores.topk(topk, dim=-1).indices
+    picks = top_k_in_pieces(score_pieces(md, t, topk, q.device), q, weights, seen - 1,
+                            PagedKeys(pages, md.block_tables, fp8),
+                            table_rows if md.num_prefills else None, 0, 1, md.block_size,
+                            scale, topk)
     return SparseRows(picks, seen, table_rows)
 
 

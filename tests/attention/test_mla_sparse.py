@@ -277,6 +277,7 @@ def test_eager_picks_score_each_piece_over_its_rows_reach(monkeypatch):
     int32 on every path."""
     import dataclasses
 
+    import shoal.attention.ops.v4_index_scores as index_ops
     import shoal.layers.sparse_picks as sp
 
     query_lens, context_lens = [1, 1, 6, 9], [3, 5, 0, 30]
@@ -290,13 +291,13 @@ def test_eager_picks_score_each_piece_over_its_rows_reach(monkeypatch):
     pages = torch.randn(24, BS, 16, generator=gen).to(DEV)
     q = torch.randn(t, 4, 16, generator=gen).to(DEV)
     w = torch.randn(t, 4, generator=gen).to(DEV)
-    scores, launches = sp.v4_index_scores, []
+    scores, launches = index_ops.v4_index_scores, []
 
     def counted(q, *args, **kwargs):
         out = scores(q, *args, **kwargs)
         launches.append(tuple(out.shape))
         return out
-    monkeypatch.setattr(sp, "v4_index_scores", counted)
+    monkeypatch.setattr(index_ops, "v4_index_scores", counted)  # (score_pieces' call)
     graph_like = dataclasses.replace(md, host_lens=None)
     runs = {}
     for name, m, budget in (("whole", graph_like, 1 << 26), ("fixed", graph_like, 4 * 64),
