@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from shoal.lora.ops.lora_round import round_to
+from shoal.attention.ops.interpreted_half import to_dtype
 
 MAX_SLOTS = 64  # the histogram's bins; more slots (MoE experts x adapters) take split-K
 MAX_K_DIM = 256  # h's columns in the expand (sub-projections x padded rank), at most
@@ -172,7 +172,7 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, table_ptr, out_features, rank, off1, off
             n_s = tl.where(s0 + u < split_k, length, 0)  # (no rows past the splits)
             h += tl.load(h_tile + (s0 + u) * stride_hs,
                          mask=(j < n_s)[:, None] & k_mask[None, :], other=0.0)
-    h = round_to(h, y_ptr.dtype.element_ty, INTERPRETED)  # rounded to x's dtype
+    h = to_dtype(h, y_ptr.dtype.element_ty, INTERPRETED)  # rounded to x's dtype
     if INTERPRETED:
         h = h.to(tl.float32)
     b_slot = b_ptr + slot * stride_bs + k_r[:, None]
@@ -192,7 +192,7 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, table_ptr, out_features, rank, off1, off
         delta = tl.dot(h, bt, input_precision=PRECISION)
         y_mask = valid[:, None] & col_mask[None, :]
         y = tl.load(y_rows + cols[None, :], mask=y_mask, other=0.0).to(tl.float32)
-        tl.store(y_rows + cols[None, :], round_to(y + delta, y_ptr.dtype.element_ty, INTERPRETED),
+        tl.store(y_rows + cols[None, :], to_dtype(y + delta, y_ptr.dtype.element_ty, INTERPRETED),
                  mask=y_mask)
 
 

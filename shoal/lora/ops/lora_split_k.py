@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from shoal.lora.ops.lora_round import round_to
+from shoal.attention.ops.interpreted_half import to_dtype
 
 PROGRAM_TARGET = 128  # shrink programs to aim for: about one per multiprocessor of an H100
 MAX_SPLIT = 64  # partials each expand program sums
@@ -91,13 +91,13 @@ def _expand_kernel(h_ptr, b_ptr, y_ptr, slots_ptr, out_features, rank, off1, off
     for i in tl.static_range(N_SUB):
         if (sub_first <= i) & (i <= sub_last):  # the block's rows of sub-projection i
             h = tl.sum(tl.load(h_tile + i * rank, mask=h_mask, other=0.0), axis=0)
-            h = round_to(h, y_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)  # x's dtype
+            h = to_dtype(h, y_ptr.dtype.element_ty, INTERPRETED).to(tl.float32)  # x's dtype
             mask = (row_mask & (sub == i))[:, None] & r_mask[None, :]
             bt = tl.load(b_rows, mask=mask, other=0.0)
             delta += tl.sum(bt.to(tl.float32) * h[None, :], axis=1)
     y_rows = y_ptr + t * stride_yt + rows
     y = tl.load(y_rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(y_rows, round_to(y + delta, y_ptr.dtype.element_ty, INTERPRETED), mask=row_mask)
+    tl.store(y_rows, to_dtype(y + delta, y_ptr.dtype.element_ty, INTERPRETED), mask=row_mask)
 
 
 @functools.lru_cache(maxsize=256)
