@@ -5,14 +5,13 @@ blocks, a rank below the buffers' padded rank, split-K partials summed over seve
 planning passes over several chunks of token_slots, and slots past the buffers. The
 interpreter on the CPU (conftest.py), compiled on a GPU; a CUDA graph replay on a GPU only.
 
-Tolerances: float32 matches to 1e-5 (the paths differ only in summation order). In
-bfloat16 both round y to nearest even (attention/ops/interpreted_half.py makes the
-interpreter round as a GPU does), but the PyTorch path rounds the delta B h to bfloat16
-before adding it to y, where the kernels add in float32 and round once: up to half an ulp of y each (2^-8 |y|: rtol
+Tolerances: float32 matches to 1e-5 (the paths differ only in summation order). In bfloat16
+both round y to nearest even (attention/ops/interpreted_half.py makes the interpreter round
+as a GPU does), but the PyTorch path rounds the delta B h to bfloat16 before adding it to y,
+where the kernels add in float32 and round once: up to half an ulp of y each (2^-8 |y|: rtol
 2^-7 covers both) and half an ulp of the delta. Both round h = A x to bfloat16 from float32
-sums taken in different orders; where h's last bit flips, the delta moves by |B| ulp(h) <=
-2 * 2^-8 (the inputs keep |h| < 1 and |B| < 2): atol 2^-6 covers it and the delta's
-rounding."""
+sums taken in different orders; where h's last bit flips, the delta moves by |B| ulp(h) <= 2
+* 2^-8 (the inputs keep |h| < 1 and |B| < 2): atol 2^-6 covers it and the delta's rounding."""
 
 from __future__ import annotations
 
