@@ -182,7 +182,10 @@ def test_launch_shapes_do_not_depend_on_the_routing(monkeypatch) -> None:
 def test_experts_triton_mxfp4_picks_the_decode_path_for_a_few_tokens(monkeypatch) -> None:
     """Untimed on the CPU: the decode path up to MAX_TOKENS rows, the grouped GEMMs above
     them, with a LoRA hook, or when asked for (on a GPU untimed calls take the grouped
-    path); an unknown path or a decode path of too many rows is refused."""
+    path); an unknown path or a decode path of too many rows is refused. The decode path
+    launches gate_up and down, and the sum of down's K splits only when it has several:
+    decode_tiles splits I = 96 in two in the interpreter, but not on a GPU (its one K step
+    of 4 blocks cannot keep two steps a split)."""
     launches: list = []
     _recording(monkeypatch, launches)
     grouped: list = []
@@ -197,24 +200,30 @@ def test_experts_triton_mxfp4_picks_the_decode_path_for_a_few_tokens(monkeypatch
     q = packed_experts(seed=9)
     monkeypatch.setattr(mxfp4_moe, "MAX_TOKENS", 2)  # fewer rows to run above it
     x, weights, ids = routed(2, seed=10)
+    first = decode.decode_tiles(2, H, INTER, DEV)[0]  # the tiles path="decode" runs
+    splits = decode.split_span(INTER, first.down_groups, first.split)[1]
+    n = 2 + (splits > 1)
     experts_triton_mxfp4(x, q, weights, ids, path="decode")
-    assert len(launches) == 3 and not grouped
+    assert [name for name, *_ in launches] == ["_gate_up_kernel", "_down_kernel",
+                                               "_sum_splits_kernel"][:n] and not grouped
+    assert launches[1][1][2] == splits  # (down's grid: token, H tile, K split)
     if DEV.type != "cuda":  # (on a GPU the choice is the tuner's: launch_tuner.py)
+        assert n == 3  # the interpreter runs both down paths (decode_tiles)
         experts_triton_mxfp4(x, q, weights, ids)
-        assert len(launches) == 6 and not grouped
-        launches[3:] = []
+        assert len(launches) == 2 * n and not grouped
+        launches[n:] = []
     experts_triton_mxfp4(x, q, weights, ids, path="grouped")
-    assert len(launches) == 3 and len(grouped) == 2
+    assert len(launches) == n and len(grouped) == 2
     x3, weights3, ids3 = routed(3, seed=11)
     experts_triton_mxfp4(x3, q, weights3, ids3)
-    assert len(launches) == 3 and len(grouped) == 4
+    assert len(launches) == n and len(grouped) == 4
 
     class NoDelta:  # a LoRA hook whose adapters add nothing
         def add(self, *args) -> None:
             pass
 
     experts_triton_mxfp4(x, q, weights, ids, lora=NoDelta())
-    assert len(launches) == 3 and len(grouped) == 6
+    assert len(launches) == n and len(grouped) == 6
     with pytest.raises(ValueError, match="path must be None or one of"):
         experts_triton_mxfp4(x, q, weights, ids, path="gemv")
     with pytest.raises(ValueError, match="takes 1..2 tokens"):

@@ -34,8 +34,17 @@ def outputs(llm: LLM) -> list[tuple[list[int], list[list[float]]]]:
 
 
 def baseline() -> dict[str, int]:
-    """What the allocator holds before an engine starts (anything an earlier one left)."""
+    """What the allocator holds before an engine starts (anything an earlier one left), less
+    torch's cuBLAS workspaces. torch keeps one per (cuBLAS handle, stream) for the life of
+    the process, 32 MiB each on Hopper: the first engine allocates the default stream's (its
+    profile run) and the graph capture stream's (graph_table.capture_stream), and a later
+    engine would reuse both, so its figures would show 64 MiB less than the first's without
+    offloading having saved it. Freed here, each engine allocates and counts its own. (Not
+    at shutdown: engines alive in one process share those workspaces, and their captured
+    graphs hold the addresses.)"""
     torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()  # (their blocks leave "reserved" too, which the KV sizing reads)
     return {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved()}
 
 
