@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from shoal.attention.ops.fp8 import Q_DTYPES, check_fp8_cache
+from shoal.attention.ops.key_splits import sm_count, split_count, split_range
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: no inf - inf = nan
 _LOG2E = 1.4426950408889634
@@ -90,10 +91,7 @@ def _mla_decode_kernel(
     b = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    # Partitions are whole key tiles so only the sequence's last tile is ragged.
-    per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, seq_len)
+    lo, hi = split_range(0, seq_len, split, num_splits, BLOCK_N)
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
@@ -197,9 +195,7 @@ def _mla_split_reduce_kernel(
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # H200, for the interpreter
+    return sm_count(device, 132)  # (the interpreter: an H100's)
 
 
 def choose_num_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
@@ -207,11 +203,8 @@ def choose_num_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int
     to two waves of programs fill the GPU, but no split shorter than MIN_SPLIT_TOKENS of the
     longest context. For CUDA graphs pass the longest context the graph may replay with
     (e.g. max_model_len): the count then depends on the padded batch only."""
-    programs = max(batch * triton.cdiv(num_heads, BLOCK_H), 1)
-    want = triton.cdiv(2 * num_sms, programs)
-    useful = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
-    n = max(1, min(want, useful, MAX_SPLITS))
-    return 1 << (n.bit_length() - 1)  # powers of two: few reduce-kernel variants
+    return split_count(batch * triton.cdiv(num_heads, BLOCK_H), max_seq_len, MIN_SPLIT_TOKENS,
+                       MAX_SPLITS, num_sms)
 
 
 def decode_config(dtype: torch.dtype, v_dim: int) -> tuple[int, int, int]:

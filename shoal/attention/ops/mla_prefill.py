@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from shoal.attention.ops.fp8 import check_fp8_cache
+from shoal.attention.ops.key_splits import sm_count
 from shoal.attention.ops.mla_decode import check_mla_inputs
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: masked rows stay nan-free
@@ -134,10 +135,7 @@ def _mla_prefill_kernel(
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 0 elsewhere (no occupancy heuristic)."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device, 0)  # (0 elsewhere: no occupancy heuristic)
 
 
 def prefill_config(num_heads: int, max_query_len: int, num_seqs: int, dtype: torch.dtype,

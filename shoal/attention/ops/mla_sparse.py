@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from shoal.attention.ops.fp8 import check_fp8_cache
+from shoal.attention.ops.key_splits import sm_count, split_range
 from shoal.attention.ops.mla_decode import (
     _mla_split_reduce_kernel,
     attend_latent_tile,
@@ -75,10 +76,7 @@ def _mla_sparse_kernel(
     split = tl.program_id(2)
     seen = tl.load(seen_ptr + r).to(tl.int64)
     n = tl.maximum(tl.minimum(seen, n_picks), 0)  # its visible picks lead: read no further
-    # whole key tiles per split, so only a split's last tile is ragged
-    per_split = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, n)
+    lo, hi = split_range(0, n, split, num_splits, BLOCK_N)
 
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     h_mask = heads < num_heads
@@ -109,9 +107,7 @@ def _mla_sparse_kernel(
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # (the interpreter: an H100's)
+    return sm_count(device, 132)  # (the interpreter: an H100's)
 
 
 def _check(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,

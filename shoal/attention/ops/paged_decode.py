@@ -36,6 +36,7 @@ import triton.language as tl
 
 from shoal.attention.ops.checks import check_paged_inputs, check_sinks
 from shoal.attention.ops.fp8 import check_fp8_cache
+from shoal.attention.ops.key_splits import sm_count, split_count, split_range
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: avoids inf - inf = nan on empty rows
 _LOG2E = 1.4426950408889634
@@ -95,10 +96,7 @@ def _paged_decode_kernel(
     start = 0
     if USE_WINDOW:  # the query at seq_len - 1 sees keys (seq_len - 1 - window, seq_len - 1]
         start = tl.maximum(seq_len - window, 0)
-    # Partitions are whole key tiles so only the sequence's last tile is ragged.
-    per_split = tl.cdiv(tl.cdiv(seq_len - start, num_splits), BLOCK_N) * BLOCK_N
-    lo = start + split * per_split
-    hi = tl.minimum(lo + per_split, seq_len)
+    lo, hi = split_range(start, seq_len, split, num_splits, BLOCK_N)
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -182,9 +180,7 @@ def _split_reduce_kernel(
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # H200, for the interpreter
+    return sm_count(device, 132)  # (the interpreter: an H100's)
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
@@ -193,11 +189,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_seq_len: int,
     fill the GPU, but no split shorter than MIN_SPLIT_TOKENS of the longest context. For CUDA
     graphs pass the longest context the graph may replay with (e.g. max_model_len): the count
     then depends on the padded batch only, and shorter contexts just leave splits empty."""
-    programs = max(batch * num_kv_heads, 1)
-    want = triton.cdiv(2 * num_sms, programs)
-    useful = triton.cdiv(max(max_seq_len, 1), MIN_SPLIT_TOKENS)
-    n = max(1, min(want, useful, MAX_SPLITS))
-    return 1 << (n.bit_length() - 1)  # powers of two: few reduce-kernel variants
+    return split_count(batch * num_kv_heads, max_seq_len, MIN_SPLIT_TOKENS, MAX_SPLITS,
+                       num_sms)
 
 
 def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from shoal.attention.ops.checks import check_paged_inputs, check_sinks
 from shoal.attention.ops.fp8 import check_fp8_cache
+from shoal.attention.ops.key_splits import sm_count
 from shoal.attention.ops.paged_decode import logits, score_scales
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: rows masked out of a tile stay nan-free
@@ -142,10 +143,7 @@ def _paged_prefill_kernel(
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of a CUDA device; 0 elsewhere (no occupancy heuristic)."""
-    if device.type != "cuda":
-        return 0
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    return sm_count(device, 0)  # (0 elsewhere: no occupancy heuristic)
 
 
 def prefill_tile_heights(group: int, head_dim: int, dtype: torch.dtype) -> list[int]:

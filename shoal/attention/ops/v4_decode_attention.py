@@ -46,8 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-# (v4_index_scores.py and the layers import these from here too)
 from shoal.attention.ops.interpreted_half import half_dot, to_dtype
+
+# (v4_index_scores.py and the layers import these from here too)
+from shoal.attention.ops.key_splits import sm_count, split_count, split_range
 from shoal.attention.ops.v4_paged_keys import (
     PagedKeys,
     check_pages,
@@ -95,14 +97,6 @@ def _attend_tile(q, k, valid, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constex
 
 
 @triton.jit
-def _split_range(n, split, num_splits, BLOCK_N: tl.constexpr):
-    """[lo, hi): this split's whole tiles of a row's n keys."""
-    per = tl.cdiv(tl.cdiv(n, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * per
-    return lo, tl.minimum(lo + per, n)
-
-
-@triton.jit
 def _window_pass(q, d, p, t, split, num_splits, window, win_ptr, win_tab_ptr, win_sc_ptr,
                  stride_wb, stride_ws, stride_wtr, stride_wtc, win_cols, stride_wsb, stride_wss,
                  win_sc0, m_i, l_i, acc, qk_scale, BLOCK_N: tl.constexpr,
@@ -111,7 +105,7 @@ def _window_pass(q, d, p, t, split, num_splits, window, win_ptr, win_tab_ptr, wi
     """This split's tiles of the row's window rows (table row t) into the running state: key
     j of the row's n_win is position p - n_win + 1 + j."""
     n_win = tl.maximum(tl.minimum(p + 1, window), 0)
-    lo, hi = _split_range(n_win, split, num_splits, BLOCK_N)
+    lo, hi = split_range(0, n_win, split, num_splits, BLOCK_N)
     for j0 in range(lo, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         valid = j < hi
@@ -141,7 +135,7 @@ def _entries_pass(q, d, p, r, t, split, num_splits, n_entries, n_picked, ent_ptr
         n_ent = tl.minimum(seen, n_entries)
     else:  # its picks that are its own come first (sorted by score, the others -inf)
         n_ent = tl.minimum(seen, n_picked)
-    lo, hi = _split_range(n_ent, split, num_splits, BLOCK_N)
+    lo, hi = split_range(0, n_ent, split, num_splits, BLOCK_N)
     for j0 in range(lo, hi, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N)
         valid = j < hi
@@ -264,20 +258,15 @@ def _combine_kernel(part_out_ptr, part_lse_ptr, sinks_ptr, out_ptr, num_heads, n
 
 @functools.cache
 def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # (the interpreter: an H100's)
+    return sm_count(device, 132)  # (the interpreter: an H100's)
 
 
 def choose_num_splits(rows: int, num_heads: int, max_keys: int, num_sms: int = 132) -> int:
     """Key splits per (row, block of BLOCK_H heads), a power of two: enough programs for two
     waves, but none shorter than MIN_SPLIT_KEYS of the most keys a row may read (window + the
     entries its tables hold or top-k). From shapes only: a CUDA graph's stays fixed."""
-    programs = max(rows * triton.cdiv(num_heads, BLOCK_H), 1)
-    want = triton.cdiv(2 * num_sms, programs)
-    useful = triton.cdiv(max(max_keys, 1), MIN_SPLIT_KEYS)
-    n = max(1, min(want, useful, MAX_SPLITS))
-    return 1 << (n.bit_length() - 1)
+    return split_count(rows * triton.cdiv(num_heads, BLOCK_H), max_keys, MIN_SPLIT_KEYS,
+                       MAX_SPLITS, num_sms)
 
 
 def _check(q: torch.Tensor, positions: torch.Tensor, sinks: torch.Tensor, window: PagedKeys,
