@@ -10,11 +10,21 @@ written, so nothing saturates and each block uses e4m3's whole range. DeepSeek's
 inference of V3.2 stores its indexer keys this way (e4m3, a float32 scale per 128 values).
 
 A row of D values in the pool's FP8 tensor (one byte an element): the values as e4m3 bytes
-(padded to a multiple of 4), then the scales as float32 (native byte order). It costs
-D + 4 D / block bytes instead of bfloat16's 2 D, and its scales travel with it through every
-page copy (KV tiers, transfers, prefix hits); a zeroed row reads as zeros. A row may have
-segments of different blocks (V4's CSA entry: its key, then the indexer's key): a block never
-straddles two segments, so each part can be read alone."""
+(padded to a multiple of 4), then the scales as float32 (native byte order), then zeros up to
+a multiple of 16 bytes. It costs about D + 4 D / block bytes instead of bfloat16's 2 D, and
+its scales travel with it through every page copy (KV tiers, transfers, prefix hits); a
+zeroed row reads as zeros. A row may have segments of different blocks (V4's CSA entry: its
+key, then the indexer's key): a block never straddles two segments, so each part can be read
+alone.
+
+Why rows of a multiple of 16 bytes: so that every row of a page starts 16-byte aligned. The
+GPU kernels load a row's values in vectors of up to 16 bytes (ld.global.v4) where Triton's
+analysis judges the row start aligned, and Triton 3.6 judged so wrongly for V4's CSA entries
+(640 values + 9 scales = 676 bytes) in the decode kernel's every-entry mode: an H100 faulted
+with "misaligned address". Aligned rows (688 bytes) are right whatever the analysis says, and
+get 16-byte loads (Triton 3.9 read the 676-byte rows byte by byte). The padding costs at most
+12 bytes a row (V3.2's indexer key: 132 -> 144); the kernels' operands refuse FP8 pages whose
+rows or blocks are not 16-byte strided (ops/v4_paged_keys.py)."""
 
 from __future__ import annotations
 
@@ -30,6 +40,7 @@ from shoal.attention.kv_quant import FP8_KV_DTYPE, FP8_MAX
 # ones, of another magnitude) get scales of their own.
 INDEXER_KEY_BLOCK = 128
 KV_ROW_BLOCK = 64
+ROW_ALIGN = 16  # bytes: a row's size is a multiple of it (the GPU's widest vector load)
 
 
 @dataclass(frozen=True)
@@ -66,8 +77,13 @@ class BlockScaledRows:
         return -(-self.width // 4) * 4  # the scales start 4-byte aligned
 
     @property
-    def row_bytes(self) -> int:
+    def scales_end(self) -> int:
+        """The byte after the last scale: the rest of the row is zero padding."""
         return self.values_bytes + 4 * self.num_scales
+
+    @property
+    def row_bytes(self) -> int:
+        return -(-self.scales_end // ROW_ALIGN) * ROW_ALIGN
 
     def scales_of(self, column: int, width: int) -> tuple[int, int]:
         """The values [column, column + width) lying in one segment: (its first scale's
@@ -99,17 +115,21 @@ class BlockScaledRows:
         if pad:
             values.append(values[0].new_zeros(*x.shape[:-1], pad))
         words = torch.cat(scales, -1).contiguous().view(torch.uint8)
-        return torch.cat([*values, words], -1)
+        tail = values[0].new_zeros(*x.shape[:-1], self.row_bytes - self.scales_end)
+        return torch.cat([*values, words, tail], -1)
 
     def dequantize(self, stored: torch.Tensor, dtype: torch.dtype,
                    columns: slice = slice(None)) -> torch.Tensor:
         """Stored rows [..., row_bytes] (uint8 or FP8 bytes) -> the values of `columns`
         (whole blocks) [..., n] in dtype."""
+        if stored.shape[-1] != self.row_bytes:
+            raise ValueError(f"stored rows of {stored.shape[-1]} bytes, the layout's are "
+                             f"{self.row_bytes}")
         stored = stored.view(torch.uint8)
         c0, c1, step = columns.indices(self.width)
         if step != 1 or c1 <= c0:
             raise ValueError(f"columns {columns} must be a non-empty contiguous slice")
-        scales = stored[..., self.values_bytes:self.row_bytes].contiguous().view(torch.float32)
+        scales = stored[..., self.values_bytes:self.scales_end].contiguous().view(torch.float32)
         parts, start, first = [], 0, 0
         for w, b in self.segments:
             lo, hi = max(c0, start), min(c1, start + w)

@@ -14,6 +14,7 @@ import random
 
 import pytest
 import torch
+from e4m3_edge_values import e4m3_edge_values
 
 pytest.importorskip("triton")
 
@@ -21,6 +22,7 @@ from shoal.attention import kv_quant  # noqa: E402
 from shoal.attention.metadata import build_attention_metadata  # noqa: E402
 from shoal.attention.ops import cpu_paged_decode as cpu_kernel  # noqa: E402
 from shoal.attention.ops.kv_cache_write import write_kv_cache  # noqa: E402
+from shoal.attention.ops.mla_cache_write import write_mla_cache  # noqa: E402
 from shoal.attention.ops.paged_decode import paged_decode  # noqa: E402
 from shoal.attention.ops.rope_kv_write import (  # noqa: E402
     rope_kv_write,
@@ -53,7 +55,7 @@ def fp8_randn(*shape: int, gen: torch.Generator, scale: float = 1.0) -> torch.Te
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """FP8 caches written alike: bit for bit in the interpreter; on a GPU within one FP8 step
-    (its float32 rotation and division may round an input an ulp apart)."""
+    (its float32 norm and rotation may round an input an ulp apart)."""
     if INTERPRET or not a.is_cuda:
         return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
     return torch.allclose(a.float(), b.float(), rtol=2.0 ** -3, atol=2.0 ** -9)
@@ -182,6 +184,31 @@ def test_kv_cache_write_quantizes_with_the_scales(dtype: torch.dtype) -> None:
     ref[1, slots[ok]] = kv_quant.quantize(v[ok], 4.0)
     assert same_bytes(cache, ref)
     assert cache[0].float().abs().max() == kv_quant.FP8_MAX
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37])
+def test_fp8_writes_are_torchs_cast_byte_for_byte_at_e4m3s_edges(scale: float) -> None:
+    """The KV and MLA cache writes (ops/fp8.py's to_fp8, which builds each e4m3 byte in
+    integer arithmetic) give kv_quant.quantize's bytes, on every device (no same_bytes
+    leeway): negative values that round to -0 (0x80; an H100's float cast wrote +0),
+    subnormals and their ties, ties between normals (to even, carrying into the exponent),
+    saturation at 448 (0x7E), inf, NaN (tests/e4m3_edge_values.py). Scale 0.37 moves the
+    ties an ulp or so, as a checkpoint's scale does. In the interpreter this checks the
+    integer construction; the GPU's own division and add are checked only on a GPU."""
+    x = e4m3_edge_values() * scale
+    d = 32
+    x = torch.cat([x, x.new_zeros(-x.numel() % (2 * d))]).to(DEV)
+    want = kv_quant.quantize(x, scale).view(torch.uint8).view(-1, d)
+    latent = torch.empty(want.shape, dtype=FP8, device=DEV)
+    write_mla_cache(x.view(-1, d), latent, torch.arange(len(want), device=DEV), scale)
+    assert torch.equal(latent.view(torch.uint8), want)
+    kv = x.view(-1, 2, 1, d)  # k and v: each token's two rows, with its own scale each
+    cache = torch.zeros(2, len(kv), 1, d, dtype=FP8, device=DEV)
+    write_kv_cache(cache, kv[:, 0], kv[:, 1], torch.arange(len(kv), device=DEV), scale,
+                   scale * 2)
+    assert torch.equal(cache[0].view(torch.uint8).view(-1, d), want[0::2])
+    assert torch.equal(cache[1].view(torch.uint8).view(-1, d),
+                       kv_quant.quantize(kv[:, 1], scale * 2).view(torch.uint8).view(-1, d))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

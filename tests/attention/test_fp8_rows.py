@@ -14,18 +14,48 @@ from shoal.attention.fp8_rows import INDEXER_KEY_BLOCK, KV_ROW_BLOCK, BlockScale
 
 
 def test_layout_of_v4_and_v32_rows() -> None:
-    # V4-Flash's CSA entry: its 512-wide key in blocks of 64, then the indexer's 128 in one
+    # V4-Flash's CSA entry: its 512-wide key in blocks of 64, then the indexer's 128 in one;
+    # 676 bytes of values and scales, padded to 688 (rows 16-byte aligned for the GPU)
     csa = BlockScaledRows.of((512, KV_ROW_BLOCK), (128, INDEXER_KEY_BLOCK))
     assert csa.segments == ((512, 64), (128, 128))
-    assert (csa.width, csa.num_scales, csa.row_bytes) == (640, 9, 640 + 36)
+    assert (csa.width, csa.num_scales, csa.scales_end, csa.row_bytes) == (640, 9, 676, 688)
     assert csa.scales_of(0, 512) == (160, 64)  # float32 word 160: byte 640
     assert csa.scales_of(512, 128) == (168, 128)
-    # V3.2's indexer key: one scale for its 128 values; a tiny model's widths (no 64 / 128)
-    assert BlockScaledRows.of((128, INDEXER_KEY_BLOCK)).row_bytes == 132
+    # V4's window rows and HCA entries: 512 + 8 scales, already a multiple of 16
+    assert BlockScaledRows.of((512, KV_ROW_BLOCK)).row_bytes == 544
+    # V3.2's indexer key: one scale for its 128 values (132 bytes) padded to 144; a tiny
+    # model's widths (no 64 / 128)
+    v32 = BlockScaledRows.of((128, INDEXER_KEY_BLOCK))
+    assert (v32.scales_end, v32.row_bytes) == (132, 144)
     assert BlockScaledRows.of((32, KV_ROW_BLOCK), (0, 128)).segments == ((32, 32),)
     assert BlockScaledRows.of((96, KV_ROW_BLOCK)).segments == ((96, 32),)
     odd = BlockScaledRows.of((6, 64))  # blocks of 2; values padded to 4 bytes, 3 scales
-    assert (odd.segments, odd.values_bytes, odd.row_bytes) == (((6, 2),), 8, 20)
+    assert (odd.segments, odd.values_bytes, odd.scales_end, odd.row_bytes) == \
+        (((6, 2),), 8, 20, 32)
+
+
+@pytest.mark.parametrize("parts", [((512, 64), (128, 128)), ((128, 128),), ((6, 64),),
+                                   ((32, 8), (32, 16)), ((512, 64),)])
+def test_rows_are_padded_to_16_bytes_with_zeros_after_the_scales(parts) -> None:
+    """Every row a multiple of 16 bytes (so each row of a page starts 16-byte aligned: the
+    GPU kernels' vector loads), the scales right after the values, the tail zeros."""
+    fmt = BlockScaledRows.of(*parts)
+    assert fmt.row_bytes % 16 == 0 and 0 <= fmt.row_bytes - fmt.scales_end < 16
+    x = torch.randn(3, fmt.width, generator=torch.Generator().manual_seed(2)) + 0.5
+    stored = fmt.quantize(x)
+    assert stored.shape == (3, fmt.row_bytes)
+    assert torch.count_nonzero(stored[:, fmt.scales_end:]) == 0
+    scales = stored[:, fmt.values_bytes:fmt.scales_end].contiguous().view(torch.float32)
+    start = first = 0
+    for w, b in fmt.segments:  # each block's largest |value| / 448, in column order
+        amax = x[:, start:start + w].unflatten(-1, (w // b, b)).abs().amax(-1)
+        assert torch.equal(scales[:, first:first + w // b], amax / kv_quant.FP8_MAX)
+        start, first = start + w, first + w // b
+    # garbage in the padding is never read
+    dirty = stored.clone()
+    dirty[:, fmt.scales_end:] = 0x7F
+    assert torch.equal(fmt.dequantize(dirty, torch.float32), fmt.dequantize(stored,
+                                                                            torch.float32))
 
 
 def test_round_trip_is_within_half_an_fp8_step_of_each_block_whatever_the_size() -> None:
@@ -79,6 +109,8 @@ def test_bad_layouts_and_reads_are_refused() -> None:
     with pytest.raises(ValueError, match="rows of 48 values"):
         fmt.quantize(torch.zeros(2, 48))
     stored = fmt.quantize(torch.zeros(2, 64))
+    with pytest.raises(ValueError, match="stored rows of 76 bytes, the layout's are 80"):
+        fmt.dequantize(stored[:, :76], torch.float32)  # (its values and scales, unpadded)
     with pytest.raises(ValueError, match="cut a block of 32"):
         fmt.dequantize(stored, torch.float32, slice(0, 40))
     with pytest.raises(ValueError, match="not whole blocks"):

@@ -176,10 +176,23 @@ def test_fp8_pages_the_kernels_cannot_read_are_refused():
     with pytest.raises(ValueError, match="both be FP8 or neither"):
         attn_ops.v4_decode_attention(q, pos, sinks, 1.0, plain, 8, BS,
                                      attn_ops.DecodeEntries(entries, 16))
-    misaligned = PagedKeys(window.pages.flatten()[1:1 + 63 * BS * 36].view(63, BS, 36),
+    row = window.fp8.row_bytes  # (32 values + 4 scales, padded to 48)
+    assert row == 48 and window.pages.shape[-1] == row
+    misaligned = PagedKeys(window.pages.flatten()[1:1 + 63 * BS * row].view(63, BS, row),
                            window.tables, window.fp8)
     with pytest.raises(ValueError, match="4-byte aligned"):
         attn_ops.v4_decode_attention(q, pos, sinks, 1.0, misaligned, 8, BS)
+    # rows or blocks strided by bytes that are not a multiple of 16: the GPU's 16-byte vector
+    # loads would fault ("misaligned address"), so they are refused on every device
+    wide = torch.zeros(64, BS, row + 4, dtype=torch.uint8, device=DEV)
+    blocks = torch.zeros(64, BS * row + 4, dtype=torch.uint8, device=DEV)
+    for pages in (wide[..., :row], blocks[:, :BS * row].view(64, BS, row)):
+        with pytest.raises(ValueError, match="strided by multiples of 16 bytes"):
+            attn_ops.v4_decode_attention(q, pos, sinks, 1.0,
+                                         PagedKeys(pages, window.tables, window.fp8), 8, BS)
+        with pytest.raises(ValueError, match="strided by multiples of 16 bytes"):
+            v4_index_scores(torch.zeros(4, 16, 16), torch.zeros(4, 16), pos,
+                            PagedKeys(pages, entries.tables, window.fp8), 0, 16, BS, 1.0)
     with pytest.raises(ValueError, match="not whole blocks"):
         v4_index_scores(torch.zeros(4, 16, 16), torch.zeros(4, 16), pos, entries, 8, 16, BS,
                         1.0)

@@ -272,7 +272,7 @@ def test_kv_bytes_per_token_are_about_half_of_bfloat16s():
     row = {dt: [s.head_size * s.dtype_bytes for s in layer_specs(v32.attention_layers(), dt)]
            for dt in (bf16, fp8)}
     assert row[bf16] == [2 * 576, 2 * 128]  # latent, indexer key
-    assert row[fp8] == [576, 128 + 4]  # one scale per 128 values of the key
+    assert row[fp8] == [576, 128 + 4 + 12]  # one scale per 128 values of the key, padding
     v4 = DeepseekV4ForCausalLM(AutoConfig.for_model(
         "deepseek_v4", **dict(V4, head_dim=512, index_head_dim=128, partial_rotary_factor=0.125,
                               compress_rates={"compressed_sparse_attention": 4,
@@ -280,12 +280,12 @@ def test_kv_bytes_per_token_are_about_half_of_bfloat16s():
     specs = {dt: layer_specs(v4.attention_layers(), dt) for dt in (bf16, fp8)}
     # layer 1 (CSA): window, entries (key + index key), open groups' inputs
     csa = [(s.head_size * s.dtype_bytes) for s in specs[fp8][1:4]]
-    assert csa == [512 + 4 * 8, 512 + 128 + 4 * (8 + 1),
+    assert csa == [512 + 4 * 8, 512 + 128 + 4 * (8 + 1) + 12,  # (rows: multiples of 16)
                    specs[bf16][3].head_size * specs[bf16][3].dtype_bytes]
     assert specs[bf16][1].head_size * 2 == 1024 and specs[bf16][2].head_size * 2 == 1280
     assert all(isinstance(s, CompressedEntrySpec) for s in (specs[fp8][2], specs[fp8][5]))
     ratio = context_bytes_per_token(specs[fp8], 16) / context_bytes_per_token(specs[bf16], 16)
-    assert ratio == pytest.approx((2 * 676 / 4 + 544 / 128) / (2 * 1280 / 4 + 1024 / 128))
+    assert ratio == pytest.approx((2 * 688 / 4 + 544 / 128) / (2 * 1280 / 4 + 1024 / 128))
     assert 0.5 < ratio < 0.55
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shoal.attention.fp8_rows import BlockScaledRows
+from shoal.attention.fp8_rows import ROW_ALIGN, BlockScaledRows
 from shoal.attention.kv_quant import FP8_KV_DTYPE
 from shoal.attention.ops.fp8 import check_fp8_cache
 
@@ -22,8 +22,8 @@ class PagedKeys:
     (any strides but the last; the keys in the first head_dim columns: a window's block holds
     block_size token rows, an entries' page ceil(block_size / ratio) entries) and each decode
     row's block table [R, N] (any integer dtype). fp8: the rows' layout when the pages hold
-    block-scaled FP8 rows (as bytes: uint8 or float8; width their stored bytes, 4-byte
-    aligned), None when they hold the values."""
+    block-scaled FP8 rows (as bytes: uint8 or float8; width their stored bytes; slots and
+    blocks strided by multiples of 16 bytes), None when they hold the values."""
 
     pages: torch.Tensor
     tables: torch.Tensor
@@ -45,7 +45,12 @@ class KeyOperands(NamedTuple):
 def key_operands(name: str, paged: PagedKeys, column: int, dim: int,
                  q_dtype: torch.dtype) -> KeyOperands:
     """The operands of keys [column, column + dim) of `paged`; ValueError where FP8 pages
-    cannot be read (their layout, this GPU, misaligned rows)."""
+    cannot be read (their layout, this GPU, misaligned rows).
+
+    FP8 rows must start 16-byte aligned (strides of multiples of 16 bytes; the pages' own
+    start Triton checks at each launch): Triton may load a row's values in 16-byte vectors,
+    and rows only 4-byte aligned faulted on an H100 ("misaligned address"). Every layout of
+    attention/fp8_rows.py pads its rows to a multiple of 16 bytes; this refuses any other."""
     pages = paged.pages
     if paged.fp8 is None:
         if pages.dtype in (FP8_KV_DTYPE, torch.uint8):
@@ -54,14 +59,18 @@ def key_operands(name: str, paged: PagedKeys, column: int, dim: int,
     if pages.dtype not in (FP8_KV_DTYPE, torch.uint8) or pages.shape[-1] != paged.fp8.row_bytes:
         raise ValueError(f"{name} FP8 pages must be bytes of rows of {paged.fp8.row_bytes}, got "
                          f"{pages.dtype} of {pages.shape[-1]}")
+    if any(s % ROW_ALIGN for s in pages.stride()[:-1]):
+        raise ValueError(f"{name} FP8 pages' slots and blocks must be strided by multiples of "
+                         f"{ROW_ALIGN} bytes (the GPU loads rows in {ROW_ALIGN}-byte vectors), "
+                         f"got strides {pages.stride()}")
     first, block = paged.fp8.scales_of(column, dim)
     values = pages.view(FP8_KV_DTYPE)
     check_fp8_cache(values, q_dtype)
     try:
         scales = pages.view(torch.float32)
     except RuntimeError as e:
-        raise ValueError(f"{name} FP8 pages' rows must start 4-byte aligned (a block_size "
-                         f"that is a multiple of 4): {e}") from e
+        raise ValueError(f"{name} FP8 pages must start 4-byte aligned in their storage (for "
+                         f"their float32 scales): {e}") from e
     return KeyOperands(values, scales, first, block, True)
 
 
