@@ -106,7 +106,10 @@ class CompressedIndexer(TokenCompressor):
         columns = entries.tables.shape[1]
         if columns * block_size // self.ratio <= self.topk:
             return None
-        if entries.pages.dtype == self.query_dtype:  # lossless: tensor-core products
+        # lossless (q holds query_dtype's values): tensor-core products over pages of that
+        # dtype, or over FP8 pages (e4m3 is exact in bf16/fp16: v4_index_scores.py)
+        half = self.query_dtype in (torch.bfloat16, torch.float16)
+        if entries.pages.dtype == self.query_dtype or (half and entries.fp8 is not None):
             q = q.to(self.query_dtype)
         shape = (columns, block_size, self.ratio, self.topk, SCORE_ELEMENTS)
         if row_runs is None or capturing(q.device):

@@ -14,7 +14,9 @@ outputs stay within SCORE_ELEMENTS (shoal/layers/score_pieces.py), so a long pre
 a long context does not hold every row's scores at once; an eager step (its metadata's host_lens)
 scores each piece only over the table columns its rows reach. An FP8 key
 cache (kv_cache_dtype="fp8": block-scaled rows, attention/fp8_rows.py) is read with its rows'
-layout, dequantized in the kernel as the torch path dequantizes it."""
+layout: a bf16/fp16 model's queries score it on tensor cores (e4m3 converted exactly, each
+key's scale times its float32 dot), a float32 model's dequantize it in the kernel as the torch
+path does (v4_index_scores.py)."""
 
 from __future__ import annotations
 

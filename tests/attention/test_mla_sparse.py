@@ -11,8 +11,9 @@ on the CPU (compiled on a GPU):
 - a tiny V3.2 through the engine on the Triton backend: transformers' tokens; with
   kv_cache_dtype='fp8', the torch backend's FP8 run.
 The GPU tests run V3.2's shapes in bf16 (128 heads, Dk 576, top-2048), replay a CUDA graph
-and print the kernel's times at several tilings beside dense MLA decode's; the tiny V3.2
-runs in CUDA graphs, with an FP8 cache too."""
+and print the kernel's times at several tilings beside dense MLA decode's, and the indexer's
+picks and scores (FP8 keys on tensor cores against the float32 path); the tiny V3.2 runs in
+CUDA graphs, with an FP8 cache too."""
 
 from __future__ import annotations
 
@@ -117,18 +118,27 @@ def test_rows_past_the_grid_limit_launch_in_pieces(monkeypatch):
 
 def test_fp8_cache_is_read_scaled():
     """The FP8 latent rows as the Triton MLA path writes them (write_mla_cache: the same bytes
-    as the torch backend's kv_quant.quantize), read back times the layer's scale."""
+    as the torch backend's kv_quant.quantize, on every device), read back times the layer's
+    scale. Past the pages the tables use, rows of values at e4m3's edges (tests/
+    e4m3_edge_values.py: negative values that round to -0, which an H100's float cast wrote
+    as +0, subnormals, ties, saturation) are written too, byte for byte."""
+    from e4m3_edge_values import e4m3_edge_values
+
     from shoal.attention import kv_quant
     from shoal.attention.ops.mla_cache_write import write_mla_cache
 
     gen = torch.Generator().manual_seed(9)
     q, cache, tables, rows, bs = _kernel_case(gen, heads=3)
     kv_scale = 0.5
-    stored = torch.zeros(cache.shape, dtype=kv_quant.FP8_KV_DTYPE, device=DEV)
-    slots = torch.arange(cache.shape[0], device=DEV)
-    write_mla_cache(cache, stored, slots, kv_scale)
-    assert torch.equal(stored.view(torch.uint8), kv_quant.quantize(cache, kv_scale)
+    edges = e4m3_edge_values().to(DEV) * kv_scale
+    dk = cache.shape[1]
+    edges = torch.cat([edges, edges.new_zeros(-edges.numel() % (bs * dk))]).view(-1, dk)
+    latent = torch.cat([cache, edges])
+    stored = torch.zeros(latent.shape, dtype=kv_quant.FP8_KV_DTYPE, device=DEV)
+    write_mla_cache(latent, stored, torch.arange(len(latent), device=DEV), kv_scale)
+    assert torch.equal(stored.view(torch.uint8), kv_quant.quantize(latent, kv_scale)
                        .view(torch.uint8))
+    stored = stored[:len(cache)]
     out = mla_sparse_attention(q, stored, tables, rows, bs, 0.2, V_DIM, kv_scale=kv_scale,
                                num_splits=2)
     want = _reference(q, kv_quant.dequantize(stored, kv_scale, torch.float32), tables, rows, bs,
@@ -576,7 +586,7 @@ def test_v32_indexer_picks_on_gpu(rows: int, context: int, fp8: bool):
     layout = BlockScaledRows.of((128, 128)) if fp8 else None
     stored = pages
     if layout is not None:
-        stored = layout.quantize(pages)  # [nb, bs, 132] bytes
+        stored = layout.quantize(pages)  # [nb, bs, 144] bytes (132 padded to 16)
         pages = layout.dequantize(stored, torch.float32)
     tables = [torch.randperm(nb, generator=gen, device="cuda").tolist() for _ in range(rows)]
     lens = [context - 1 - 17 * i for i in range(rows)]
@@ -599,6 +609,71 @@ def test_v32_indexer_picks_on_gpu(rows: int, context: int, fp8: bool):
     assert picked.seen.tolist() == [n + 1 for n in lens]
     print(f"\n[indexer picks rows={rows} context={context} {'fp8' if fp8 else 'bf16'} keys] "
           f"{time_ms(lambda: pick_rows(q, w, md, stored, 2048, scale, layout)) * 1e3:.0f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows, context", [(1, 32768), (32, 32768), (8, 131072)])
+def test_v32_fp8_index_scores_on_tensor_cores_on_gpu(rows: int, context: int):
+    """The indexer's scores alone over FP8 keys at test_v32_indexer_picks_on_gpu's shapes:
+    bf16 queries on tensor cores (the e4m3 tile converted exactly, each key's scale times the
+    float32 dot) and float32 queries (the float32 path) each within float32's sum error of
+    the float64 scores of the keys read back (the bound of tests/attention/
+    test_fp8_index_scores.py); the same bits on a second run and from a CUDA graph replayed
+    at other positions. Prints both paths' times, bf16 keys', top-2048's alone, and the
+    tensor-core path's at other tilings."""
+    from shoal.attention.fp8_rows import BlockScaledRows
+    from shoal.attention.ops import v4_index_scores as index_ops
+    from shoal.attention.ops.v4_paged_keys import PagedKeys
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    bs, nb, heads, dim = 64, context // 64, 64, 128
+    values = torch.randn(nb, bs, dim, generator=gen, device="cuda").to(torch.bfloat16)
+    layout = BlockScaledRows.of((dim, 128))
+    stored = layout.quantize(values)
+    tables = torch.stack([torch.randperm(nb, generator=gen, device="cuda")
+                          for _ in range(rows)]).to(torch.int32)
+    positions = torch.tensor([context - 1 - 17 * i for i in range(rows)], device="cuda")
+    q = torch.randn(rows, heads, dim, generator=gen, device="cuda").to(torch.bfloat16)
+    w = torch.randn(rows, heads, generator=gen, device="cuda") * 0.125
+    scale = dim ** -0.5
+    fp8_keys, bf16_keys = PagedKeys(stored, tables, layout), PagedKeys(values, tables)
+
+    def scores(queries: torch.Tensor, keys: PagedKeys = fp8_keys, pos: torch.Tensor = positions,
+               **tiling) -> torch.Tensor:
+        return index_ops.launch(queries, w, pos, keys, 0, 1, bs, scale, **tiling)
+    cores, plain = scores(q), scores(q.float())
+    keys = layout.dequantize(stored, torch.float64).view(-1, dim)
+    for r in range(rows):
+        k = keys[(tables[r].long()[:, None] * bs + torch.arange(bs, device="cuda")).view(-1)]
+        qr, wr = q[r].double(), w[r].double()
+        exact = (wr[:, None] * (qr @ k.T).relu()).sum(0) * scale
+        size = (wr.abs()[:, None] * (qr.abs() @ k.abs().T)).sum(0) * scale
+        bound = (dim + heads + 6) * 2.0 ** -23 * size
+        seen = int(positions[r]) + 1
+        for name, out in (("tensor cores", cores), ("float32 path", plain)):
+            assert out[r, seen:].isneginf().all(), name
+            err = (out[r, :seen].double() - exact[:seen]).abs() / bound[:seen]
+            assert err.max() <= 1, f"{name}, row {r}: {err.max().item():.2f}x the bound"
+    assert torch.equal(scores(q), cores)
+    moved = positions.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = scores(q, pos=moved)
+    moved.sub_(1000)
+    graph.replay()
+    assert torch.equal(replayed, scores(q, pos=moved))
+    past = torch.arange(context, device="cuda")[None, :] > moved[:, None]
+    assert torch.equal(replayed, cores.masked_fill(past, float("-inf")))
+
+    def us(fn) -> str:
+        return f"{time_ms(fn) * 1e3:.0f} us"
+    print(f"\n[indexer scores rows={rows} context={context} fp8 keys] tensor cores "
+          f"{us(lambda: scores(q))}, float32 path {us(lambda: scores(q.float()))}, bf16 keys "
+          f"{us(lambda: scores(q, bf16_keys))}; top-2048 alone {us(lambda: cores.topk(2048))}")
+    for block_n, warps in [(16, 4), (64, 4), (64, 8), (128, 8)]:
+        print(f"  tensor cores block_n={block_n} num_warps={warps}: "
+              f"{us(lambda bn=block_n, nw=warps: scores(q, block_n=bn, num_warps=nw))}")
 
 
 @pytest.mark.gpu

@@ -18,9 +18,25 @@ top-k is a hard choice, a tf32 rounding would flip near ties. Where q comes in t
 half dtype (bf16/fp16: the model's queries are rounded to it before the indexer widens them,
 so the caller narrows them back losslessly), the dot runs on tensor cores in that dtype with
 float32 sums: a product of two half values is exact in float32, so only the order of the
-sums differs from the torch path's. FP8 pages (kv_cache_dtype="fp8")
-hold the keys as e4m3 with a float32 scale per block (PagedKeys.fp8): loaded as the decode
-attention loads them (load_keys), in float32."""
+sums differs from the torch path's. Under TRITON_INTERPRET=1 the half dots go through
+interpreted_half.half_dot (the interpreter's own bf16 dot is wrong), as the decode kernels'.
+
+FP8 pages (kv_cache_dtype="fp8") hold the keys as e4m3 with a float32 scale per block of
+values (PagedKeys.fp8). With half queries they run on tensor cores too: every e4m3 value is
+exact in bf16 and fp16, so the tile is converted unscaled, its products with q are exact in
+float32, and a block's scale multiplies the float32 sum of its products. Where one block
+covers the whole index key (V3.2's keys, 128 values a scale; V4's indexer segment, blocks of
+gcd(index_head_dim, 128): one a key up to 128 dims, V4's), that is one dot and one multiply per key
+column: q . k = fl(fl_sum(q_d k8_d) * scale), where the float32 path gives
+fl_sum(fl(q_d fl(k8_d * scale))). Both approximate the same exact sum (of the exact
+k8 * scale); the products are now exact (the float32 path rounds each twice) and the scale
+adds one rounding to the sum, whose order is the tensor core's: the two differ within
+float32's sum error (tests/attention/test_fp8_index_scores.py bounds it), not bit for bit.
+Keys of several blocks (blocks of 16 or more values, a power of two) take one dot per block,
+each times its block's scale, added in block order (deterministic, the same in a CUDA graph);
+blocks under 16 values (below a tensor-core dot's depth) or not a power of two, and float32
+queries, take the float32 path: loaded as the decode attention loads them (load_keys: each
+value times its scale, in float32)."""
 
 from __future__ import annotations
 
@@ -28,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.attention.ops.interpreted_half import half_dot
 from shoal.attention.ops.v4_decode_attention import (
     PagedKeys,
     check_pages,
@@ -35,8 +52,11 @@ from shoal.attention.ops.v4_decode_attention import (
     key_operands,
     load_keys,
 )
+from shoal.attention.ops.v4_paged_keys import KeyOperands
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+MIN_DOT_DEPTH = 16  # the fewest columns (K) of a tensor-core dot
+FLOAT32_COLUMNS = 16  # the float32 path's columns a step (see the kernel's note)
 
 
 @triton.jit(do_not_specialize=["n_entries", "key_column"])
@@ -72,17 +92,30 @@ def _index_scores_kernel(
         # the products BLOCK_D columns at a time: a float32 (ieee) dot runs on FMAs with its
         # operands' whole K in registers, and all 128 at once spill kilobytes a thread on
         # sm_90 (ptxas: 5 KiB of stack at block_n 32, 4 warps; 16 at a time: 80 registers);
-        # HALF: one tensor-core dot over the whole K (BLOCK_D = INDEX_DIM)
+        # HALF: a tensor-core dot over the whole K (BLOCK_D = INDEX_DIM), or over each scale
+        # block of FP8 keys (BLOCK_D = QBLOCK), the blocks added in order
         s = tl.zeros([BLOCK_HI, BLOCK_N], tl.float32)
         for d0 in tl.static_range(0, INDEX_DIM, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
-            keys = load_keys(ent_ptr + key_column, sc_ptr, block, slot, stride_eb, stride_es,
-                             stride_sb, stride_ss, sc0, d, valid, QBLOCK, KV_FP8)
             q = tl.load(q_ptr + r * stride_qr + heads[:, None] * stride_qh + d[None, :],
                         mask=h_mask[:, None], other=0.0)
-            if not HALF or INTERPRETED:  # (the CPU interpreter's bf16 dot is wrong: 3.9)
-                keys, q = keys.to(tl.float32), q.to(tl.float32)
-            s = tl.dot(q, tl.trans(keys), s, input_precision=DOT_PRECISION)  # [Hi, BLOCK_N]
+            if HALF:
+                # as stored (FP8 unscaled: e4m3 converts to q's half dtype exactly)
+                keys = load_keys(ent_ptr + key_column, sc_ptr, block, slot, stride_eb,
+                                 stride_es, stride_sb, stride_ss, sc0, d, valid, QBLOCK,
+                                 False).to(q.dtype)
+                part = half_dot(q, tl.trans(keys), DOT_PRECISION, INTERPRETED)  # [Hi, BLOCK_N]
+                if KV_FP8:  # the scale of this block of each key: one per column
+                    sc = tl.load(sc_ptr + block * stride_sb + slot * stride_ss + sc0
+                                 + d0 // QBLOCK, mask=valid, other=0.0)
+                    part = part * sc[None, :]
+                s += part
+            else:
+                keys = load_keys(ent_ptr + key_column, sc_ptr, block, slot, stride_eb,
+                                 stride_es, stride_sb, stride_ss, sc0, d, valid, QBLOCK,
+                                 KV_FP8)
+                s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), s,
+                           input_precision=DOT_PRECISION)
         weights = tl.load(w_ptr + r * stride_wr + heads, mask=h_mask, other=0.0)
         score = tl.sum(tl.maximum(s, 0.0) * weights.to(tl.float32)[:, None], 0) * scale
         tl.store(out, tl.where(valid, score, float("-inf")), mask=in_table)
@@ -107,6 +140,21 @@ def _check(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
     check_pages("entries", entries, rows if table_rows is None else 1, dim, key_column)
 
 
+def tensor_core_columns(q_dtype: torch.dtype, keys: KeyOperands, dim: int) -> int | None:
+    """The key columns of each tensor-core dot of q (q_dtype) with keys `dim` wide, or None
+    where the products take the float32 path: float32 queries, half pages of another dtype,
+    FP8 blocks under MIN_DOT_DEPTH values or not a power of two (a dot's depth must be)."""
+    if q_dtype not in HALF_DTYPES:
+        return None
+    if not keys.fp8:
+        return dim if keys.values.dtype == q_dtype else None
+    if keys.block >= dim:  # (one scale a key: the blocks start at the key's first column)
+        return dim
+    if keys.block >= MIN_DOT_DEPTH and keys.block & (keys.block - 1) == 0:
+        return keys.block  # (a power of two under dim, itself one: the blocks tile the key)
+    return None
+
+
 def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entries: PagedKeys,
            key_column: int, ratio: int, block_size: int, scale: float, *, block_n: int = 32,
            num_warps: int = 4, table_rows: torch.Tensor | None = None) -> torch.Tensor:
@@ -118,7 +166,8 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
     if rows == 0 or n_entries == 0:
         return out
     keys = key_operands("entries", entries, key_column, dim, q.dtype)
-    half = not keys.fp8 and q.dtype in HALF_DTYPES and q.dtype == keys.values.dtype
+    columns = tensor_core_columns(q.dtype, keys, dim)
+    half = columns is not None
     _index_scores_kernel[(rows, triton.cdiv(n_entries, block_n))](
         q, weights, positions, keys.values, entries.tables, keys.scales, out,
         positions if table_rows is None else table_rows,  # (unread without table rows)
@@ -129,7 +178,7 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
         keys.scales.stride(0), keys.scales.stride(1), keys.first_scale,
         BLOCK_HI=max(16, triton.next_power_of_2(heads)), INDEX_DIM=dim, BLOCK_N=block_n,
         BLOCK_SIZE=block_size, RATIO=ratio, DOT_PRECISION="ieee",
-        BLOCK_D=dim if half else 16, KV_FP8=keys.fp8, QBLOCK=keys.block, HALF=half,
+        BLOCK_D=columns or FLOAT32_COLUMNS, KV_FP8=keys.fp8, QBLOCK=keys.block, HALF=half,
         INTERPRETED=q.device.type == "cpu", TABLE_ROWS=table_rows is not None,
         num_warps=num_warps)
     return out
@@ -138,7 +187,8 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
 def v4_index_scores(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                     entries: PagedKeys, key_column: int, ratio: int, block_size: int,
                     scale: float, table_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """q [R, Hi, Di] (float32, or the pages' bf16/fp16: tensor cores) and weights [R, Hi]
+    """q [R, Hi, Di] (float32, or bf16/fp16: tensor cores over pages of its dtype or FP8
+    pages, whose blocks allow: tensor_core_columns) and weights [R, Hi]
     (the indexer's, float32), positions [R], the entries' pages (index keys at key_column of
     each entry slot) and tables [R, N] (or any rows, with table_rows [R] saying each row's)
     -> scores [R, N * block_size // ratio] float32, -inf past each row's own entries."""
