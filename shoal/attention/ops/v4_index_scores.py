@@ -59,10 +59,10 @@ MIN_DOT_DEPTH = 16  # the fewest columns (K) of a tensor-core dot
 FLOAT32_COLUMNS = 16  # the float32 path's columns a step (see the kernel's note)
 
 
-@triton.jit(do_not_specialize=["n_entries", "key_column"])
+@triton.jit(do_not_specialize=["n_entries"])
 def _index_scores_kernel(
     q_ptr, w_ptr, pos_ptr, ent_ptr, tab_ptr, sc_ptr, out_ptr, table_rows_ptr,
-    scale, n_heads, n_entries, key_column,
+    scale, n_heads, n_entries,
     stride_qr, stride_qh, stride_wr, stride_eb, stride_es, stride_tr, stride_tc, ent_cols,
     stride_or, stride_sb, stride_ss, sc0,
     BLOCK_HI: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -101,7 +101,7 @@ def _index_scores_kernel(
                         mask=h_mask[:, None], other=0.0)
             if HALF:
                 # as stored (FP8 unscaled: e4m3 converts to q's half dtype exactly)
-                keys = load_keys(ent_ptr + key_column, sc_ptr, block, slot, stride_eb,
+                keys = load_keys(ent_ptr, sc_ptr, block, slot, stride_eb,
                                  stride_es, stride_sb, stride_ss, sc0, d, valid, QBLOCK,
                                  False).to(q.dtype)
                 part = half_dot(q, tl.trans(keys), DOT_PRECISION, INTERPRETED)  # [Hi, BLOCK_N]
@@ -111,7 +111,7 @@ def _index_scores_kernel(
                     part = part * sc[None, :]
                 s += part
             else:
-                keys = load_keys(ent_ptr + key_column, sc_ptr, block, slot, stride_eb,
+                keys = load_keys(ent_ptr, sc_ptr, block, slot, stride_eb,
                                  stride_es, stride_sb, stride_ss, sc0, d, valid, QBLOCK,
                                  KV_FP8)
                 s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), s,
@@ -168,10 +168,13 @@ def launch(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor, entr
     keys = key_operands("entries", entries, key_column, dim, q.dtype)
     columns = tensor_core_columns(q.dtype, keys, dim)
     half = columns is not None
+    # the keys' column folded into the pointer: Triton then knows a row's keys start 16-byte
+    # aligned (FP8 rows are padded to 16 bytes) and loads them in vectors
+    key_values = keys.values[..., key_column:]
     _index_scores_kernel[(rows, triton.cdiv(n_entries, block_n))](
-        q, weights, positions, keys.values, entries.tables, keys.scales, out,
+        q, weights, positions, key_values, entries.tables, keys.scales, out,
         positions if table_rows is None else table_rows,  # (unread without table rows)
-        scale, heads, n_entries, key_column,
+        scale, heads, n_entries,
         q.stride(0), q.stride(1), weights.stride(0), keys.values.stride(0),
         keys.values.stride(1), entries.tables.stride(0), entries.tables.stride(1),
         entries.tables.shape[1], out.stride(0),
