@@ -21,8 +21,12 @@ def is_fp8(cache: torch.Tensor) -> bool:
 
 
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """x / scale in float32, saturated to +-448 (a cast past it would give NaN), as FP8."""
-    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+    """x / scale in float32 (correctly rounded), saturated to +-448 (a cast past it would give
+    NaN), as FP8. The divisor is a tensor on x's device: CUDA torch divides by a Python
+    scalar as a multiply by its reciprocal, an ulp off at some rounding ties, where the
+    Triton writes (ops/fp8.py) and the CPU divide exactly."""
+    divisor = torch.full((), scale, dtype=torch.float32, device=x.device)
+    return (x.float() / divisor).clamp_(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
 
 
 def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

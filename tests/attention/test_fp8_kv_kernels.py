@@ -329,8 +329,8 @@ def test_mla_torch_reference_attends_the_dequantized_rows() -> None:
     gen = torch.Generator().manual_seed(10)
     cache = fp8_randn(1, 9 * bs, 1, v_dim + 16, gen=gen)
     cache[:, 8 * bs:] = 0
-    q = torch.randn(4, 2, v_dim + 16, generator=gen)
-    latent = torch.randn(4, v_dim + 16, generator=gen)
+    q = torch.randn(4, 2, v_dim + 16, generator=gen).to(DEV)
+    latent = torch.randn(4, v_dim + 16, generator=gen).to(DEV)
     kw = dict(query_lens=[1, 3], context_lens=[6, 2], block_tables=[[3, 5], [0, 1]],
               block_size=bs, num_decodes=1, sliding_window=None, device=DEV, null_block=8)
     be = TorchAttentionBackend()
