@@ -43,6 +43,7 @@ from shoal.layers.moe.mxfp4_experts import (
     packed_experts_problem,
 )
 from shoal.layers.moe.random_experts import random_mxfp4_experts
+from shoal.layers.moe.router import topk_then_softmax
 from shoal.layers.norm import RMSNorm
 from shoal.layers.quantization.mxfp4 import BLOCK, BYTES_PER_BLOCK, dequantize_mxfp4
 from shoal.layers.rotary import get_rope, rope_parameters
@@ -134,9 +135,8 @@ class GptOssRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)
-        top, ids = torch.topk(logits, self.top_k, dim=-1)
-        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+        # CUDA logits: one Triton launch (moe/topk_routing.py); others: torch.topk, softmax
+        return topk_then_softmax(F.linear(x, self.weight, self.bias), self.top_k)
 
 
 class GptOssMoE(nn.Module):

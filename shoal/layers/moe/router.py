@@ -1,4 +1,6 @@
-"""Softmax top-k routing, as Hugging Face Qwen3-MoE / Mixtral-style routers compute it."""
+"""Softmax top-k routing, as Hugging Face Qwen3-MoE / Mixtral-style routers compute it (and
+GPT-OSS's top-k-then-softmax). CUDA logits go through one Triton launch
+(shoal/layers/moe/topk_routing.py); other tensors keep the torch code below."""
 
 from __future__ import annotations
 
@@ -7,6 +9,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.layers.linear import default_weight_loader
+from shoal.layers.ops.dispatch import use_triton
+
+
+def routes_on_kernel(logits: torch.Tensor, top_k: int) -> bool:
+    """CUDA logits of a shape the routing kernel takes (else the torch code runs: no error
+    here, the torch code raises on what it cannot do)."""
+    if not use_triton(logits, True):
+        return False
+    from shoal.layers.moe.topk_routing import fits_kernel
+
+    return fits_kernel(logits, top_k)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int,
@@ -15,12 +28,41 @@ def select_experts(router_logits: torch.Tensor, top_k: int,
 
     Softmax in float32 over all experts, then top-k, then (optionally) rescale the k weights to
     sum to one; the weights are rounded to the activation dtype only at the end, as in
-    transformers, so bf16 routing matches it bit for bit."""
+    transformers, so bf16 routing matches it bit for bit (on CUDA the kernel's float32
+    weights are within a couple of ulps of these before that rounding)."""
+    if routes_on_kernel(router_logits, top_k):
+        from shoal.layers.moe.topk_routing import topk_routing
+
+        return topk_routing(router_logits, top_k, "softmax_then_topk", renormalize)
+    return select_experts_torch(router_logits, top_k, renormalize)
+
+
+def select_experts_torch(router_logits: torch.Tensor, top_k: int,
+                         renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts in torch ops (the CPU path and the kernel's reference)."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(router_logits.dtype), ids
+
+
+def topk_then_softmax(router_logits: torch.Tensor,
+                      top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPT-OSS's routing: the top k logits, softmaxed among themselves in the logits' dtype
+    (float32 inside, one rounding) -> (weights [T, k], expert ids int64 [T, k])."""
+    if routes_on_kernel(router_logits, top_k):
+        from shoal.layers.moe.topk_routing import topk_routing
+
+        return topk_routing(router_logits, top_k, "topk_then_softmax")
+    return topk_then_softmax_torch(router_logits, top_k)
+
+
+def topk_then_softmax_torch(router_logits: torch.Tensor,
+                            top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """topk_then_softmax in torch ops (the CPU path and the kernel's reference)."""
+    top, ids = torch.topk(router_logits, top_k, dim=-1)
+    return torch.softmax(top, dim=-1, dtype=top.dtype), ids
 
 
 class TopKRouter(nn.Module):
