@@ -119,17 +119,19 @@ part() {
         ${QUANT_SERVE:+--serve} ${QUANT_VARIANTS:+--variants $QUANT_VARIANTS} --out "$DIR/quant.json" ;;
     quantw3) run quantw3 ${QUANTW3_LIMIT:-330} $py/quant_throughput_gpu.py ${QUANTW3_CASES:+--cases $QUANTW3_CASES} --timeout 150 $S --out "$DIR/quantw3.json" ;;
     gptoss) run gptoss ${GPTOSS_LIMIT:-240} $py/gpt_oss_gpu.py ${GPTOSS_PARTS:-all} $S --out "$DIR/gptoss.json" ;;
-    # the GPU tests of kernels not yet run on a GPU (2026-12-06: V3.2 sparse MLA, V4 FP8
-    # pages against the float64 reference, MXFP4 decode experts, the offload accounting fix,
-    # the delta-rule rows' small cases on CUDA); transformers 5.25 for V3.2/V4 as in `v4`
+    # the GPU tests of code not yet run on a GPU (2026-12-06 late: the one-launch MoE routing,
+    # the MXFP4 decode experts' new candidate); one pytest process per file, since a CUDA
+    # fault poisons the rest of its process (the first run of 2026-12-06 hid 37 results
+    # behind one); transformers 5.25 for V3.2/V4 as in `v4`; logs gputests-<file>.log
     gputests) TF=/tmp/tf525; rm -rf $TF; $PYTHON -m pip install -q --no-index --no-deps --no-compile \
           --no-cache-dir --upgrade --target $TF "$REPO"/bench-work/tf525/*.whl >/dev/null 2>&1 || TF=""
-        PYTHONPATH=${TF:+$TF:}$PYTHONPATH run gputests ${GPUTESTS_LIMIT:-420} $PYTHON -m pytest -q -s \
-          -p no:cacheprovider tests/attention/test_mla_sparse.py \
-          tests/layers/test_v4_fp8_decode_kernels.py tests/models/test_deepseek_sparse_fp8_kv.py \
-          tests/layers/test_mxfp4_decode_experts.py tests/layers/test_mxfp4_moe.py \
-          tests/quantization/test_launch_tuner_failures.py tests/rl/test_weight_offload_gpu.py \
-          tests/layers/test_delta_rule_rows_triton.py ;;
+        for f in ${GPUTESTS_FILES:-tests/layers/test_topk_routing.py \
+            tests/layers/test_mxfp4_decode_experts.py tests/layers/test_mxfp4_moe.py \
+            tests/attention/test_fp8_index_scores.py tests/attention/test_fp8_kv_kernels.py \
+            tests/layers/test_v4_fp8_decode_kernels.py tests/models/test_deepseek_sparse_fp8_kv.py}; do
+          PYTHONPATH=${TF:+$TF:}$PYTHONPATH run "gputests-$(basename "$f" .py)" \
+            ${GPUTESTS_LIMIT:-120} $PYTHON -m pytest -q -s -p no:cacheprovider "$f"
+        done ;;
     stepprof) run stepprof ${STEPPROF_LIMIT:-300} $py/step_profile_gpu.py ${STEPPROF_MODEL:+--model "$STEPPROF_MODEL"} $S --out "$DIR/stepprof.json" ;;
     w8pool) run w8pool 300 $py/w8_serving.py --model "$W8_MODEL" --api-server-count 2 \
         --concurrency 1024 --offline-runs 1 --stream-runs 1 $S --out "$DIR/w8pool.json" ;;
