@@ -127,23 +127,25 @@ class GptOssRouter(nn.Module):
     """Linear logits with a bias, the top k of them softmaxed (not a softmax over all experts
     then top-k). Replicated on every tensor-parallel rank, like TopKRouter."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, dtype: torch.dtype):
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, dtype: torch.dtype,
+                 use_triton_ops: bool = True):
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.use_triton_ops = top_k, use_triton_ops
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype),
                                    requires_grad=False)
         self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # CUDA logits: one Triton launch (moe/topk_routing.py); others: torch.topk, softmax
-        return topk_then_softmax(F.linear(x, self.weight, self.bias), self.top_k)
+        return topk_then_softmax(F.linear(x, self.weight, self.bias), self.top_k,
+                                 self.use_triton_ops)
 
 
 class GptOssMoE(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         super().__init__()
         self.router = GptOssRouter(cfg.hidden_size, cfg.num_local_experts,
-                                   cfg.num_experts_per_tok, dtype)
+                                   cfg.num_experts_per_tok, dtype, use_triton_ops)
         act = ExpertActivation("clamped_swiglu", alpha=getattr(cfg, "swiglu_alpha", 1.702),
                                limit=getattr(cfg, "swiglu_limit", 7.0))
         plan = MXFP4_PLAN if model_unpacked(cfg) else None  # (MXFP4: the one such format)

@@ -42,7 +42,8 @@ class MixtralSparseBlock(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         super().__init__()
         self.gate = TopKRouter(cfg.hidden_size, cfg.num_local_experts, cfg.num_experts_per_tok,
-                               renormalize=True, params_dtype=dtype)
+                               renormalize=True, params_dtype=dtype,
+                               use_triton_ops=use_triton_ops)
         self.experts = FusedMoE(cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size,
                                 params_dtype=dtype, use_triton_ops=use_triton_ops)
 

@@ -34,7 +34,8 @@ class Qwen3MoeSparseBlock(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         super().__init__()
         self.gate = TopKRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                               bool(getattr(cfg, "norm_topk_prob", False)), dtype)
+                               bool(getattr(cfg, "norm_topk_prob", False)), dtype,
+                               use_triton_ops)
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                 params_dtype=dtype, use_triton_ops=use_triton_ops)
 

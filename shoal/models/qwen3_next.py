@@ -89,7 +89,8 @@ class SharedExpertMoE(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool):
         super().__init__()
         self.gate = TopKRouter(cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok,
-                               bool(getattr(cfg, "norm_topk_prob", True)), dtype)
+                               bool(getattr(cfg, "norm_topk_prob", True)), dtype,
+                               use_triton_ops)
         self.experts = FusedMoE(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                 params_dtype=dtype, use_triton_ops=use_triton_ops)
         shared = _Sized(cfg, cfg.shared_expert_intermediate_size)

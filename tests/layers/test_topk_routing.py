@@ -257,6 +257,18 @@ def test_device_tensors_take_the_kernel(monkeypatch, launches: list[str]) -> Non
     router.select_experts(logits[None], 2, False)
     assert len(launches) == 2
 
+    # use_triton_ops=False (the model's switch): the torch code, bit for bit
+    off = router.TopKRouter(16, 8, 2, True, torch.bfloat16, use_triton_ops=False).to(DEV)
+    off.weight.copy_(torch.randn(8, 16, generator=g).to(DEV))
+    got = off(x)
+    want = router.select_experts_torch(torch.nn.functional.linear(x, off.weight), 2, True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    r.use_triton_ops = False
+    got = r(x)
+    want = router.topk_then_softmax_torch(torch.nn.functional.linear(x, r.weight, r.bias), 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert len(launches) == 2
+
 
 # ---- GPU timing -------------------------------------------------------------------------------
 

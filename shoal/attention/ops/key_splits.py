@@ -1,6 +1,7 @@
 """How the split-K attention kernels (paged_decode, mla_decode, mla_sparse,
-v4_decode_attention) size and cut a row's keys: the device's streaming multiprocessors, how
-many splits fill the GPU, and the whole key tiles one split reads."""
+v4_decode_attention) size and cut a row's keys: the device's streaming multiprocessors (the
+prefills' occupancy heuristics read it too), how many splits fill the GPU, and the whole key
+tiles one split reads."""
 
 from __future__ import annotations
 

@@ -47,9 +47,9 @@ import triton
 import triton.language as tl
 
 from shoal.attention.ops.interpreted_half import half_dot, to_dtype
+from shoal.attention.ops.key_splits import sm_count, split_count, split_range
 
 # (v4_index_scores.py and the layers import these from here too)
-from shoal.attention.ops.key_splits import sm_count, split_count, split_range
 from shoal.attention.ops.v4_paged_keys import (
     PagedKeys,
     check_pages,

@@ -12,25 +12,26 @@ from shoal.layers.linear import default_weight_loader
 from shoal.layers.ops.dispatch import use_triton
 
 
-def routes_on_kernel(logits: torch.Tensor, top_k: int) -> bool:
-    """CUDA logits of a shape the routing kernel takes (else the torch code runs: no error
-    here, the torch code raises on what it cannot do)."""
-    if not use_triton(logits, True):
+def routes_on_kernel(logits: torch.Tensor, top_k: int, enabled: bool = True) -> bool:
+    """CUDA logits of a shape the routing kernel takes, kernels enabled (the model's
+    use_triton_ops); else the torch code runs: no error here, it raises on what it cannot
+    do."""
+    if not use_triton(logits, enabled):
         return False
     from shoal.layers.moe.topk_routing import fits_kernel
 
     return fits_kernel(logits, top_k)
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int,
-                   renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   use_triton_ops: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits: [T, E] -> (weights [T, k] in the logits' dtype, expert ids int64 [T, k]).
 
     Softmax in float32 over all experts, then top-k, then (optionally) rescale the k weights to
     sum to one; the weights are rounded to the activation dtype only at the end, as in
     transformers, so bf16 routing matches it bit for bit (on CUDA the kernel's float32
     weights are within a couple of ulps of these before that rounding)."""
-    if routes_on_kernel(router_logits, top_k):
+    if routes_on_kernel(router_logits, top_k, use_triton_ops):
         from shoal.layers.moe.topk_routing import topk_routing
 
         return topk_routing(router_logits, top_k, "softmax_then_topk", renormalize)
@@ -47,11 +48,11 @@ def select_experts_torch(router_logits: torch.Tensor, top_k: int,
     return weights.to(router_logits.dtype), ids
 
 
-def topk_then_softmax(router_logits: torch.Tensor,
-                      top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def topk_then_softmax(router_logits: torch.Tensor, top_k: int,
+                      use_triton_ops: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """GPT-OSS's routing: the top k logits, softmaxed among themselves in the logits' dtype
     (float32 inside, one rounding) -> (weights [T, k], expert ids int64 [T, k])."""
-    if routes_on_kernel(router_logits, top_k):
+    if routes_on_kernel(router_logits, top_k, use_triton_ops):
         from shoal.layers.moe.topk_routing import topk_routing
 
         return topk_routing(router_logits, top_k, "topk_then_softmax")
@@ -70,14 +71,16 @@ class TopKRouter(nn.Module):
     routes its (identical) hidden states itself and no routing decision is communicated."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool,
-                 params_dtype: torch.dtype | None = None):
+                 params_dtype: torch.dtype | None = None, use_triton_ops: bool = True):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k {top_k} must be in [1, num_experts={num_experts}]")
         self.top_k, self.renormalize = top_k, renormalize
+        self.use_triton_ops = use_triton_ops
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=params_dtype),
                                    requires_grad=False)
         self.weight.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return select_experts(F.linear(x, self.weight), self.top_k, self.renormalize)
+        return select_experts(F.linear(x, self.weight), self.top_k, self.renormalize,
+                              self.use_triton_ops)
