@@ -185,7 +185,7 @@ class DeepseekMLP(nn.Module):
 class DeepseekMoE(nn.Module):
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         super().__init__()
-        self.gate = DeepseekRouter(cfg)
+        self.gate = DeepseekRouter(cfg, use_triton_ops=use_triton_ops)
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                 reduce_results=False, params_dtype=dtype,
                                 use_triton_ops=use_triton_ops)

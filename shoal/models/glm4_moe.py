@@ -45,7 +45,7 @@ class Glm4MoeSparseBlock(DeepseekMoE):
 
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool = True):
         nn.Module.__init__(self)  # DeepseekMoE's would infer the router version from the config
-        self.gate = DeepseekRouter(cfg, version=3)
+        self.gate = DeepseekRouter(cfg, version=3, use_triton_ops=use_triton_ops)
         self.experts = FusedMoE(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size,
                                 reduce_results=False, params_dtype=dtype,
                                 use_triton_ops=use_triton_ops)

@@ -12,7 +12,9 @@ their experts; the weights are the unbiased scores of the chosen experts, option
 renormalized (norm_topk_prob), then multiplied by routed_scaling_factor.
 
 Both compute the logits and every step after them in float32 (transformers keeps gate.weight
-in float32); the weights are rounded to the activation dtype only at the end."""
+in float32); the weights are rounded to the activation dtype only at the end. CUDA logits
+route in one Triton launch (shoal/layers/moe/deepseek_routing_kernel.py) where the model's
+use_triton_ops allows; other tensors keep route_v2 / route_v3."""
 
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.layers.linear import default_weight_loader
+from shoal.layers.moe.router import routes_on_kernel
 
 V2_METHODS = ("greedy", "group_limited_greedy")
+KERNEL_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernel's weights
 
 
 def _infer_version(cfg: Any) -> int:
@@ -91,11 +95,13 @@ class DeepseekRouter(nn.Module):
     params_dtype is the gate weight's dtype, float32 by default as transformers keeps it; a
     bf16 weight gives the same routing for a bf16 checkpoint (it is widened to float32 for the
     projection) at the cost of a cast per step. version: 2 or 3; None reads it from the
-    config (topk_method / scoring_func, else model_type)."""
+    config (topk_method / scoring_func, else model_type). use_triton_ops: CUDA logits route
+    in one Triton launch (the model's switch; off keeps the torch code)."""
 
     def __init__(self, cfg: Any, params_dtype: torch.dtype | None = None, *,
-                 version: int | None = None):
+                 version: int | None = None, use_triton_ops: bool = True):
         super().__init__()
+        self.use_triton_ops = use_triton_ops
         self.version = _infer_version(cfg) if version is None else version
         if self.version not in (2, 3):
             raise ValueError(f"version must be 2 or 3, got {self.version}")
@@ -150,6 +156,15 @@ class DeepseekRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids int64 [T, k])."""
         logits = F.linear(x.float(), self.weight.float())
+        if routes_on_kernel(logits, self.top_k, self.use_triton_ops) \
+                and x.dtype in KERNEL_OUT_DTYPES:
+            from shoal.layers.moe.deepseek_routing_kernel import deepseek_routing
+
+            v3 = self.version == 3
+            return deepseek_routing(
+                logits, self.top_k, self.topk_method, self.n_group, self.topk_group,
+                self.renormalize and v3, self.routed_scaling_factor,
+                self.e_score_correction_bias.float() if v3 else None, out_dtype=x.dtype)
         if self.version == 2:
             weights, ids = route_v2(logits, self.top_k, self.topk_method, self.n_group,
                                     self.topk_group, self.routed_scaling_factor)
