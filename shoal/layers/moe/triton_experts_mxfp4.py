@@ -16,11 +16,13 @@ the grid and every buffer are sized from T * k, E and the tile sizes only.
 
 Decode sizes (T <= mxfp4_decode_experts.MAX_TOKENS, no LoRA) have a second path of two or
 three launches instead of about 37 (mxfp4_decode_experts.py: no sort, the activation and the
-sum over the k slots fused). Which runs is launch_tuner.run_fastest's pick per (shape, T):
-the GPU times this grouped path and the decode tiles once, outside CUDA-graph capture, and
-keeps the fastest of those that agree with the grouped path's output; untimed
-(SHOAL_QUANT_TUNING=0, a first call inside a capture) the GPU runs the grouped path, the
-interpreter (tests) the decode path's first tiles."""
+sum over the k slots fused), in two forms: that module's tiles and the word kernels of
+mxfp4_decode_words.py (codes read as 4-byte words along K). Which runs is
+launch_tuner.run_fastest's pick per (shape, T): the GPU times this grouped path and every
+decode tile of both forms once, outside CUDA-graph capture, and keeps the fastest of those
+that agree with the grouped path's output; untimed (SHOAL_QUANT_TUNING=0, a first call
+inside a capture) the GPU runs the grouped path, the interpreter (tests) the decode path's
+first tiles."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.align import ExpertGroups, group_by_expert
 from shoal.layers.moe.grouped_gemm_tile import store_tile, tile_expert, tile_pairs
 from shoal.layers.moe.mxfp4_decode_experts import MAX_TOKENS, decode_tiles, experts_mxfp4_decode
+from shoal.layers.moe.mxfp4_decode_words import experts_mxfp4_words, word_tiles, words_fit
 from shoal.layers.moe.mxfp4_experts import Mxfp4Experts, Mxfp4Weights, dequantize_mxfp4_experts
 from shoal.layers.moe.triton_experts import (
     check_quantized_inputs,
@@ -132,7 +135,8 @@ def _check_biases(q: Mxfp4Experts, w13_bias: torch.Tensor | None,
             raise ValueError(f"expert bias {tuple(bias.shape)} must be {shape}, rows contiguous")
 
 
-PATHS = ("grouped", "decode")  # experts_triton_mxfp4's `path`: forced (tests, benchmarks)
+# experts_triton_mxfp4's `path`: forced (tests, benchmarks)
+PATHS = ("grouped", "decode", "words")
 
 
 def experts_triton_mxfp4(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.Tensor,
@@ -143,7 +147,7 @@ def experts_triton_mxfp4(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.T
     """triton_experts.experts_triton's contract with the weights of `q`: x [T, H],
     topk_weights / topk_ids [T, k], optional biases w13_bias [E, 2I] and w2_bias [E, H]
     -> [T, H] in x's dtype. path: None (the module docstring's choice), "grouped", or
-    "decode" (its first tiles; T <= MAX_TOKENS without LoRA)."""
+    "decode" / "words" (that form's first tiles; T <= MAX_TOKENS without LoRA)."""
     check_quantized_inputs(x, q.w13.in_features, topk_weights, topk_ids)
     _check_biases(q, w13_bias, w2_bias)
     if path is not None and path not in PATHS:
@@ -155,22 +159,30 @@ def experts_triton_mxfp4(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.T
     if path == "grouped" or lora is not None or (path is None and t > MAX_TOKENS):
         return _grouped(x, q, topk_weights, topk_ids, lora=lora, **extra)
     if t > MAX_TOKENS:
-        raise ValueError(f"path 'decode' takes 1..{MAX_TOKENS} tokens, got {t}")
-    tiles = {c.name: c for c in decode_tiles(t, q.w2.out_features, q.w2.in_features,
-                                              x.device)}
+        raise ValueError(f"path {path!r} takes 1..{MAX_TOKENS} tokens, got {t}")
+    h, inter = q.w2.out_features, q.w2.in_features
+    tiles = {c.name: c for c in decode_tiles(t, h, inter, x.device)}
+    words = {c.name: c for c in word_tiles(t, h, inter, x.device)} if words_fit(q) else {}
 
     def run(name: str) -> torch.Tensor:
         if name == "grouped":
             return _grouped(x, q, topk_weights, topk_ids, **extra)
+        if name in words:
+            return experts_mxfp4_words(x, q, topk_weights, topk_ids, words[name], **extra)
         return experts_mxfp4_decode(x, q, topk_weights, topk_ids, tiles[name], **extra)
 
     if path == "decode":
         return run(next(iter(tiles)))
+    if path == "words":
+        if not words:
+            raise ValueError("path 'words' needs MXFP4 blocks whose rows are contiguous "
+                             "at 4-byte addresses")
+        return run(next(iter(words)))
     key = ("mxfp4 experts", q.w13.blocks.shape[0], q.w13.out_features, q.w13.in_features,
            q.w2.out_features, k, t, x.dtype, w13_bias is not None, activation.kind)
     # On CUDA the grouped path comes first: the tuner checks the others against it, and
     # runs it untimed. The interpreter (tests) runs the decode path.
-    names = ("grouped", *tiles) if x.is_cuda else (*tiles, "grouped")
+    names = ("grouped", *tiles, *words) if x.is_cuda else (*tiles, *words, "grouped")
     return run_fastest(key, names, run, x.device)
 
 
