@@ -141,6 +141,12 @@ SHOAL_QUANT_TUNING: EnvVar[bool] = EnvVar(
     "timing the candidates once per shape on the GPU (shoal/layers/quantization/"
     "launch_tuner.py)")
 
+SHOAL_DENSE_GEMV: EnvVar[bool] = EnvVar(
+    "SHOAL_DENSE_GEMV", False, _on,
+    "1: dense bf16/fp16 layers at decode sizes (1-8 rows, CUDA) may take a Triton GEMV, timed "
+    "against F.linear once per shape by the launch tuner (shoal/layers/ops/dense_linear.py); "
+    "off until a GPU run shows it pays for its start-up compiles")
+
 SHOAL_LORA_SEGMENTED_MIN_TOKENS: EnvVar[int | None] = EnvVar(
     "SHOAL_LORA_SEGMENTED_MIN_TOKENS", None, _optional_count,
     "LoRA on CUDA: steps of at least this many tokens take the segmented Triton kernels, "

@@ -16,7 +16,7 @@ from shoal.distributed.parallel_state import (
     tp_all_reduce,
 )
 from shoal.layers.int4_cpu import Int4Weight, int4_linear
-from shoal.layers.ops import small_linear
+from shoal.layers.ops import dense_linear
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -35,6 +35,7 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by rows (output features) across ranks."""
 
     lora: Any = None  # a shoal.lora.layers.LoRALayer when the engine serves adapters
+    use_triton_ops = True  # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  gather_output: bool = False, params_dtype: torch.dtype | None = None):
@@ -70,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
             y = int4_linear(x, self.int4)
             y = y if self.bias is None else y + self.bias
         else:
-            y = small_linear.linear(x, self.weight, self.bias)
+            y = dense_linear.linear(x, self.weight, self.bias, self.use_triton_ops)
         if self.lora is not None:
             self.lora.apply(x, y)
         return tp_all_gather_last_dim(y) if self.gather_output else y
@@ -167,6 +168,7 @@ class RowParallelLinear(nn.Module):
     """y = x W^T with W split by columns (input features); partial sums are all-reduced."""
 
     lora: Any = None  # a shoal.lora.layers.LoRALayer (its delta joins the partial sums)
+    use_triton_ops = True  # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None):
@@ -193,16 +195,19 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
-            y = self.quant(x)
+            y, fused = self.quant(x), False
         elif self.int4 is not None and self.int4.takes(x):
-            y = int4_linear(x, self.int4)
+            y, fused = int4_linear(x, self.int4), False
         else:
-            y = small_linear.linear(x, self.weight)
+            # one rank on CUDA: the bias joins the matmul (no reduce between them; a launch less)
+            fused = self.bias is not None and self.tp_size == 1 and x.is_cuda
+            y = dense_linear.linear(x, self.weight, self.bias if fused else None,
+                                    self.use_triton_ops)
         if self.lora is not None:
             self.lora.apply(x, y)
         if self.reduce_results:
             y = tp_all_reduce(y)
-        if self.bias is not None:
+        if self.bias is not None and not fused:
             y = y + self.bias
         return y
 
@@ -210,6 +215,8 @@ class RowParallelLinear(nn.Module):
 class ReplicatedLinear(nn.Module):
     """y = x W^T with the whole W on every rank (small projections whose output every rank
     needs in full, such as MLA's latent down-projections)."""
+
+    use_triton_ops = True  # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  params_dtype: torch.dtype | None = None):
@@ -225,7 +232,7 @@ class ReplicatedLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return small_linear.linear(x, self.weight, self.bias)
+        return dense_linear.linear(x, self.weight, self.bias, self.use_triton_ops)
 
 
 def load_tensor(param: nn.Parameter, tensor: torch.Tensor, shard: str | int | None = None) -> None:
