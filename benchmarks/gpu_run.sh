@@ -119,13 +119,16 @@ part() {
         ${QUANT_SERVE:+--serve} ${QUANT_VARIANTS:+--variants $QUANT_VARIANTS} --out "$DIR/quant.json" ;;
     quantw3) run quantw3 ${QUANTW3_LIMIT:-330} $py/quant_throughput_gpu.py ${QUANTW3_CASES:+--cases $QUANTW3_CASES} --timeout 150 $S --out "$DIR/quantw3.json" ;;
     gptoss) run gptoss ${GPTOSS_LIMIT:-240} $py/gpt_oss_gpu.py ${GPTOSS_PARTS:-all} $S --out "$DIR/gptoss.json" ;;
-    # the GPU tests of code not yet run on a GPU (2026-12-06 late: the one-launch MoE routing,
-    # the MXFP4 decode experts' new candidate); one pytest process per file, since a CUDA
+    # the GPU tests of code not yet run on a GPU (2026-12-06 late: the one-launch MoE and
+    # DeepSeek routing, the MXFP4 decode experts' word tiles, the dense decode GEMV, opt-in
+    # with SHOAL_DENSE_GEMV=1; its file prints F.linear against each tile, ~5 min with
+    # GPUTESTS_LIMIT=500); one pytest process per file, since a CUDA
     # fault poisons the rest of its process (the first run of 2026-12-06 hid 37 results
     # behind one); transformers 5.25 for V3.2/V4 as in `v4`; logs gputests-<file>.log
     gputests) TF=/tmp/tf525; rm -rf $TF; $PYTHON -m pip install -q --no-index --no-deps --no-compile \
           --no-cache-dir --upgrade --target $TF "$REPO"/bench-work/tf525/*.whl >/dev/null 2>&1 || TF=""
         for f in ${GPUTESTS_FILES:-tests/layers/test_topk_routing.py \
+            tests/layers/test_deepseek_routing_kernel.py tests/layers/test_mxfp4_decode_words.py \
             tests/layers/test_mxfp4_decode_experts.py tests/layers/test_mxfp4_moe.py \
             tests/attention/test_fp8_index_scores.py tests/attention/test_fp8_kv_kernels.py \
             tests/layers/test_v4_fp8_decode_kernels.py tests/models/test_deepseek_sparse_fp8_kv.py}; do
