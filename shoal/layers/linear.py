@@ -235,6 +235,11 @@ class ReplicatedLinear(nn.Module):
         return dense_linear.linear(x, self.weight, self.bias, self.use_triton_ops)
 
 
+# the layers whose decode rows may take a Triton GEMV (their class-wide use_triton_ops is on;
+# the loader turns it off per module for an engine built without Triton ops)
+DENSE_LAYERS = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
+
+
 def load_tensor(param: nn.Parameter, tensor: torch.Tensor, shard: str | int | None = None) -> None:
     """One checkpoint tensor into a parameter through its weight_loader (this rank's slice,
     the shard of a fused projection), in the parameter's dtype."""

@@ -315,3 +315,21 @@ def test_time_f_linear_and_each_tile_at_gpt_oss_and_llama_shapes():
     for (model, rows), (cublas, best, floor) in totals.items():
         print(f"{model} T={rows}, these projections over {LAYERS[model]} layers: F.linear "
               f"{cublas:.0f} us, the best of each {best:.0f} us, the weight read {floor:.0f} us")
+
+
+def test_an_engine_without_triton_ops_turns_the_layers_off(tmp_path):
+    """LLM(use_triton_ops=False): every dense layer of the built model keeps F.linear's path
+    (the layers' switch is class-wide on; the loader turns it off per module)."""
+    from oracle import write_tiny_checkpoint
+
+    from shoal import LLM
+
+    path = write_tiny_checkpoint(tmp_path / "m", "llama")
+    for flag in (True, False):
+        llm = LLM(model=str(path), device="cpu", use_triton_ops=flag, max_model_len=64)
+        try:
+            model = llm.llm_engine.core.runner.model
+            layers = [m for m in model.modules() if isinstance(m, linear_mod.DENSE_LAYERS)]
+            assert layers and all(m.use_triton_ops == flag for m in layers)
+        finally:
+            llm.shutdown()
