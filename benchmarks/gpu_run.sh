@@ -120,9 +120,11 @@ part() {
     quantw3) run quantw3 ${QUANTW3_LIMIT:-330} $py/quant_throughput_gpu.py ${QUANTW3_CASES:+--cases $QUANTW3_CASES} --timeout 150 $S --out "$DIR/quantw3.json" ;;
     gptoss) run gptoss ${GPTOSS_LIMIT:-240} $py/gpt_oss_gpu.py ${GPTOSS_PARTS:-all} $S --out "$DIR/gptoss.json" ;;
     # the GPU tests of code not yet run on a GPU (2026-12-06 late: the one-launch MoE and
-    # DeepSeek routing, the MXFP4 decode experts' word tiles, the dense decode GEMV, opt-in
-    # with SHOAL_DENSE_GEMV=1; its file prints F.linear against each tile, ~5 min with
-    # GPUTESTS_LIMIT=500); one pytest process per file, since a CUDA
+    # DeepSeek routing, the MXFP4 decode experts' word tiles); the dense decode GEMV (opt-in,
+    # SHOAL_DENSE_GEMV=1) is not in the default list: its file times F.linear against each
+    # tile, ~5 min: GPUTESTS_FILES=tests/layers/test_half_gemv.py GPUTESTS_LIMIT=500. Nine
+    # files at 120 s each may pass one call's 600 s: split them with GPUTESTS_FILES. One
+    # pytest process per file, since a CUDA
     # fault poisons the rest of its process (the first run of 2026-12-06 hid 37 results
     # behind one); transformers 5.25 for V3.2/V4 as in `v4`; logs gputests-<file>.log
     gputests) TF=/tmp/tf525; rm -rf $TF; $PYTHON -m pip install -q --no-index --no-deps --no-compile \

@@ -3,7 +3,8 @@ checkpoint tensor and copies this rank's shard into place, so model code never s
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -17,6 +18,20 @@ from shoal.distributed.parallel_state import (
 )
 from shoal.layers.int4_cpu import Int4Weight, int4_linear
 from shoal.layers.ops import dense_linear
+
+_building_with_triton_ops = True  # what layers built now take (triton_ops_while_building)
+
+
+@contextlib.contextmanager
+def triton_ops_while_building(enabled: bool) -> Iterator[None]:
+    """Dense layers built inside take `enabled` as their use_triton_ops: an engine's switch,
+    for its model and its drafter's head alike (loader/build.py, spec_decode/factory.py)."""
+    global _building_with_triton_ops
+    saved, _building_with_triton_ops = _building_with_triton_ops, enabled
+    try:
+        yield
+    finally:
+        _building_with_triton_ops = saved
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -35,11 +50,11 @@ class ColumnParallelLinear(nn.Module):
     """y = x W^T with W split by rows (output features) across ranks."""
 
     lora: Any = None  # a shoal.lora.layers.LoRALayer when the engine serves adapters
-    use_triton_ops = True  # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
-
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  gather_output: bool = False, params_dtype: torch.dtype | None = None):
         super().__init__()
+        # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
+        self.use_triton_ops = _building_with_triton_ops
         self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
         self.input_size = input_size
         self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
@@ -168,11 +183,11 @@ class RowParallelLinear(nn.Module):
     """y = x W^T with W split by columns (input features); partial sums are all-reduced."""
 
     lora: Any = None  # a shoal.lora.layers.LoRALayer (its delta joins the partial sums)
-    use_triton_ops = True  # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
-
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None):
         super().__init__()
+        # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
+        self.use_triton_ops = _building_with_triton_ops
         self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
         self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
         self.reduce_results = reduce_results
@@ -216,11 +231,11 @@ class ReplicatedLinear(nn.Module):
     """y = x W^T with the whole W on every rank (small projections whose output every rank
     needs in full, such as MLA's latent down-projections)."""
 
-    use_triton_ops = True  # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
-
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  params_dtype: torch.dtype | None = None):
         super().__init__()
+        # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
+        self.use_triton_ops = _building_with_triton_ops
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype),
                                    requires_grad=False)
         self.weight.weight_loader = default_weight_loader
@@ -235,8 +250,7 @@ class ReplicatedLinear(nn.Module):
         return dense_linear.linear(x, self.weight, self.bias, self.use_triton_ops)
 
 
-# the layers whose decode rows may take a Triton GEMV (their class-wide use_triton_ops is on;
-# the loader turns it off per module for an engine built without Triton ops)
+# the layers whose decode rows may take a Triton GEMV (use_triton_ops: triton_ops_while_building)
 DENSE_LAYERS = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
 
 

@@ -15,7 +15,7 @@ from torch import nn
 from shoal.config import EngineConfig
 from shoal.distributed.parallel_state import expert_parallel
 from shoal.layers import rotary_share
-from shoal.layers.linear import DENSE_LAYERS
+from shoal.layers.linear import triton_ops_while_building
 from shoal.layers.moe.deferred_stacks import check_none_deferred, packed_experts_expected
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.loader.kv_scales import apply_kv_scales
@@ -49,14 +49,11 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
     # (rotary tables shared by this model's layers only: layers/rotary_share.py)
     with torch.device(config.device), expert_parallel(ep), rotary_share.one_model() as rope, (
             offloader.building() if offloader else contextlib.nullcontext()), \
-            packed_experts_expected(fast.experts_plan() if fast else None):
+            packed_experts_expected(fast.experts_plan() if fast else None), \
+            triton_ops_while_building(config.use_triton_ops):
         model = cls(loaded.hf_config, config.model_config.dtype,
                     use_triton_ops=config.use_triton_ops)
     rotary_share.remember(model, rope)  # (a drafter's head shares them)
-    if not config.use_triton_ops:  # the dense layers' decode GEMV too (layers/ops/dense_linear)
-        for module in model.modules():
-            if isinstance(module, DENSE_LAYERS):
-                module.use_triton_ops = False
     if dummy:  # (drawn on the device, offloaded or not)
         initialize_dummy_weights(model, seed=config.model_config.seed, device=config.device)
     else:

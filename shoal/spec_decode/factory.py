@@ -24,6 +24,7 @@ from shoal.config import EngineConfig
 from shoal.config.speculative import FORCED
 from shoal.distributed.parallel_state import expert_parallel, pp_is_first
 from shoal.layers import rotary_share
+from shoal.layers.linear import triton_ops_while_building
 from shoal.worker.drafter import Drafter
 
 
@@ -34,7 +35,8 @@ def build_drafter(engine_config: EngineConfig, target: Any, loaded: Any) -> Draf
     # whole on every replica. Its passes then run in step with the other replicas'
     # (worker/draft_lockstep.py); TP+EP heads keep their experts as before.
     dp_ep = engine_config.parallel_config.dp_expert_parallel
-    with rotary_share.one_model(target), expert_parallel(dp_ep):
+    with rotary_share.one_model(target), expert_parallel(dp_ep), \
+            triton_ops_while_building(engine_config.use_triton_ops):
         return _build_drafter(engine_config, target, loaded)
 
 

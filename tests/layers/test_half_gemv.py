@@ -100,9 +100,10 @@ def tuner(monkeypatch):
     calls = []
     real = launch_tuner.run_fastest
 
-    def spy(key, names, run, device):
+    def spy(key, names, run, device, agree=launch_tuner.AGREE):
+        assert agree == launch_tuner.EXACT_OPERANDS_AGREE  # (exact operands: a tight check)
         calls.append((key, tuple(names)))
-        return real(key, names, run, device)
+        return real(key, names, run, device, agree)
 
     monkeypatch.setattr(dense_linear, "run_fastest", spy)
     return calls
@@ -333,3 +334,13 @@ def test_an_engine_without_triton_ops_turns_the_layers_off(tmp_path):
             assert layers and all(m.use_triton_ops == flag for m in layers)
         finally:
             llm.shutdown()
+
+
+def test_layers_built_inside_take_the_switch_given():
+    """triton_ops_while_building (the loader's and the drafter factory's): layers built inside
+    take its flag, layers built after it the default again."""
+    with linear_mod.triton_ops_while_building(False):
+        off = [linear_mod.ReplicatedLinear(4, 4), linear_mod.RowParallelLinear(4, 4),
+               linear_mod.ColumnParallelLinear(4, 4)]
+    assert not any(m.use_triton_ops for m in off)
+    assert linear_mod.ReplicatedLinear(4, 4).use_triton_ops

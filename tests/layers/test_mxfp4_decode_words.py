@@ -30,6 +30,7 @@ from shoal.layers.moe.triton_experts_mxfp4 import (  # noqa: E402
     experts_mxfp4_reference,
     experts_triton_mxfp4,
 )
+from shoal.layers.quantization import launch_tuner  # noqa: E402
 from shoal.layers.quantization.mxfp4 import E2M1_VALUES  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -199,7 +200,8 @@ def test_the_tuner_times_the_word_tiles_where_the_blocks_fit(monkeypatch) -> Non
     alignment) list none, and path="words" is refused."""
     asked: list = []
 
-    def first(key, names, run, device):
+    def first(key, names, run, device, agree):
+        assert agree == launch_tuner.EXACT_OPERANDS_AGREE
         asked.append(tuple(names))
         return run(names[0])
 
@@ -224,7 +226,7 @@ def test_the_tuner_times_the_word_tiles_where_the_blocks_fit(monkeypatch) -> Non
 
     odd = Mxfp4Experts(shifted(q.w13), shifted(q.w2))
     assert not words.words_fit(odd)
-    monkeypatch.setattr(mxfp4_moe, "run_fastest", lambda key, names, run, device:
+    monkeypatch.setattr(mxfp4_moe, "run_fastest", lambda key, names, run, device, agree:
                         asked.append(tuple(names)) or got)
     experts_triton_mxfp4(x, odd, weights, ids)
     assert not set(asked[-1]) & set(word_names)

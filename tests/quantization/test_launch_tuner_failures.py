@@ -112,3 +112,19 @@ def test_a_failing_heuristic_pick_still_leaves_a_working_candidate(monkeypatch) 
 
     out = launch_tuner.run_fastest(("k",), ("grouped", "decode"), run, torch.device("cuda"))
     assert torch.equal(out, torch.full((2, 2), 3.0))
+
+
+def test_a_tighter_agreement_drops_what_the_default_keeps(monkeypatch) -> None:
+    """A candidate 10% off the reference: kept at AGREE (FP8 activations differ by percents),
+    dropped at EXACT_OPERANDS_AGREE (the MXFP4 experts, the dense GEMVs)."""
+    _FakeCuda(monkeypatch)
+
+    def run(name: str) -> torch.Tensor:
+        return torch.full((4,), 1.0 if name == "ref" else 1.1)
+
+    cuda = torch.device("cuda")
+    launch_tuner.run_fastest(("loose",), ("ref", "off"), run, cuda)
+    launch_tuner.run_fastest(("tight",), ("ref", "off"), run, cuda,
+                             launch_tuner.EXACT_OPERANDS_AGREE)
+    assert launch_tuner.TUNED[("loose",)].times_us["off"] < float("inf")
+    assert launch_tuner.TUNED[("tight",)].times_us["off"] == float("inf")

@@ -43,7 +43,7 @@ from shoal.layers.moe.triton_experts import (
     choose_tiles,
     run_routed_experts,
 )
-from shoal.layers.quantization.launch_tuner import run_fastest
+from shoal.layers.quantization.launch_tuner import EXACT_OPERANDS_AGREE, run_fastest
 
 BLOCK_K = 64  # the K step in every dtype: two 32-value blocks, 32 bytes and 2 scales a row
 
@@ -179,11 +179,12 @@ def experts_triton_mxfp4(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.T
                              "at 4-byte addresses")
         return run(next(iter(words)))
     key = ("mxfp4 experts", q.w13.blocks.shape[0], q.w13.out_features, q.w13.in_features,
-           q.w2.out_features, k, t, x.dtype, w13_bias is not None, activation.kind)
+           q.w2.out_features, k, t, x.dtype, w13_bias is not None, activation.kind,
+           bool(words))  # (a layer whose blocks refuse words must not inherit a word pick)
     # On CUDA the grouped path comes first: the tuner checks the others against it, and
     # runs it untimed. The interpreter (tests) runs the decode path.
     names = ("grouped", *tiles, *words) if x.is_cuda else (*tiles, *words, "grouped")
-    return run_fastest(key, names, run, x.device)
+    return run_fastest(key, names, run, x.device, EXACT_OPERANDS_AGREE)
 
 
 def _grouped(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.Tensor,

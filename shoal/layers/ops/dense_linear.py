@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from shoal import envs
 from shoal.layers.ops import small_linear
 from shoal.layers.ops.dispatch import use_triton
-from shoal.layers.quantization.launch_tuner import run_fastest
+from shoal.layers.quantization.launch_tuner import EXACT_OPERANDS_AGREE, run_fastest
 
 REFERENCE = "F.linear"  # the first candidate's name
 MAX_ROWS = 8  # = half_gemv.MAX_ROWS (not imported here: that module needs Triton)
@@ -84,4 +84,5 @@ def _tuned(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             return F.linear(flat, weight, bias)
         return half_gemv(flat, weight, bias, cands.tiles[name])
 
-    return run_fastest(key, cands.names, run, flat.device).view(*x.shape[:-1], n)
+    return run_fastest(key, cands.names, run, flat.device,
+                       EXACT_OPERANDS_AGREE).view(*x.shape[:-1], n)
