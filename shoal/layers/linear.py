@@ -24,8 +24,10 @@ _building_with_triton_ops = True  # what layers built now take (triton_ops_while
 
 @contextlib.contextmanager
 def triton_ops_while_building(enabled: bool) -> Iterator[None]:
-    """Dense layers built inside take `enabled` as their use_triton_ops: an engine's switch,
-    for its model and its drafter's head alike (loader/build.py, spec_decode/factory.py)."""
+    """Dense layers built inside take `enabled` as their triton_gemv (an engine's
+    use_triton_ops, for its model and its drafter's head alike: loader/build.py,
+    spec_decode/factory.py). Not named use_triton_ops: the models pass that flag to the
+    modules they build themselves; the dense layers take it from the engine's build."""
     global _building_with_triton_ops
     saved, _building_with_triton_ops = _building_with_triton_ops, enabled
     try:
@@ -54,7 +56,7 @@ class ColumnParallelLinear(nn.Module):
                  gather_output: bool = False, params_dtype: torch.dtype | None = None):
         super().__init__()
         # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
-        self.use_triton_ops = _building_with_triton_ops
+        self.triton_gemv = _building_with_triton_ops
         self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
         self.input_size = input_size
         self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
@@ -86,7 +88,7 @@ class ColumnParallelLinear(nn.Module):
             y = int4_linear(x, self.int4)
             y = y if self.bias is None else y + self.bias
         else:
-            y = dense_linear.linear(x, self.weight, self.bias, self.use_triton_ops)
+            y = dense_linear.linear(x, self.weight, self.bias, self.triton_gemv)
         if self.lora is not None:
             self.lora.apply(x, y)
         return tp_all_gather_last_dim(y) if self.gather_output else y
@@ -187,7 +189,7 @@ class RowParallelLinear(nn.Module):
                  reduce_results: bool = True, params_dtype: torch.dtype | None = None):
         super().__init__()
         # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
-        self.use_triton_ops = _building_with_triton_ops
+        self.triton_gemv = _building_with_triton_ops
         self.tp_size, self.tp_rank = get_tp_world_size(), get_tp_rank()
         self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
         self.reduce_results = reduce_results
@@ -217,7 +219,7 @@ class RowParallelLinear(nn.Module):
             # one rank on CUDA: the bias joins the matmul (no reduce between them; a launch less)
             fused = self.bias is not None and self.tp_size == 1 and x.is_cuda
             y = dense_linear.linear(x, self.weight, self.bias if fused else None,
-                                    self.use_triton_ops)
+                                    self.triton_gemv)
         if self.lora is not None:
             self.lora.apply(x, y)
         if self.reduce_results:
@@ -235,7 +237,7 @@ class ReplicatedLinear(nn.Module):
                  params_dtype: torch.dtype | None = None):
         super().__init__()
         # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
-        self.use_triton_ops = _building_with_triton_ops
+        self.triton_gemv = _building_with_triton_ops
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype),
                                    requires_grad=False)
         self.weight.weight_loader = default_weight_loader
@@ -247,10 +249,10 @@ class ReplicatedLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense_linear.linear(x, self.weight, self.bias, self.use_triton_ops)
+        return dense_linear.linear(x, self.weight, self.bias, self.triton_gemv)
 
 
-# the layers whose decode rows may take a Triton GEMV (use_triton_ops: triton_ops_while_building)
+# the layers whose decode rows may take a Triton GEMV (triton_gemv: triton_ops_while_building)
 DENSE_LAYERS = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)
 
 

@@ -211,7 +211,7 @@ def test_the_linear_layers_call_the_dispatch(tuner):
                                            atol=2 ** -7 * float(want.abs().max()))
             else:
                 _close(layer(x), want, torch.bfloat16)
-        layer.use_triton_ops = False
+        layer.triton_gemv = False
         tuner.clear()
         layer(x)
         assert tuner == [], name
@@ -331,7 +331,7 @@ def test_an_engine_without_triton_ops_turns_the_layers_off(tmp_path):
         try:
             model = llm.llm_engine.core.runner.model
             layers = [m for m in model.modules() if isinstance(m, linear_mod.DENSE_LAYERS)]
-            assert layers and all(m.use_triton_ops == flag for m in layers)
+            assert layers and all(m.triton_gemv == flag for m in layers)
         finally:
             llm.shutdown()
 
@@ -342,5 +342,5 @@ def test_layers_built_inside_take_the_switch_given():
     with linear_mod.triton_ops_while_building(False):
         off = [linear_mod.ReplicatedLinear(4, 4), linear_mod.RowParallelLinear(4, 4),
                linear_mod.ColumnParallelLinear(4, 4)]
-    assert not any(m.use_triton_ops for m in off)
-    assert linear_mod.ReplicatedLinear(4, 4).use_triton_ops
+    assert not any(m.triton_gemv for m in off)
+    assert linear_mod.ReplicatedLinear(4, 4).triton_gemv
