@@ -115,6 +115,23 @@ def _block_sums(x_ptr, b_rows, s_rows, row_ok, k0, k_end, GROUPS: tl.constexpr):
 
 
 @triton.jit
+def store_gate_up_activation(sums, out, ok, alpha, limit, BLOCK_N: tl.constexpr,
+                             CLAMPED: tl.constexpr):
+    """gate_up's interleaved sums [2 * BLOCK_N] (gate, up pairs) -> the activation stored at
+    out [BLOCK_N] (mask ok): rounded to out's dtype first, as the grouped path stores gate_up,
+    then SiLU(gate) * up or GPT-OSS's clamped SwiGLU (both decode paths' epilogue)."""
+    sums = sums.to(out.dtype.element_ty).to(tl.float32)
+    gate, up = tl.split(tl.reshape(sums, (BLOCK_N, 2)))
+    if CLAMPED:
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        act = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
+    else:
+        act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out, act.to(out.dtype.element_ty), mask=ok)
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, out_ptr, inter, k_in,
                     stride_xm, stride_be, stride_bn, stride_se, stride_sn, stride_bias,
                     stride_om, alpha, limit, TOPK: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -139,17 +156,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, out_ptr, inter, k_in
     if HAS_BIAS:
         sums += tl.load(bias_ptr + expert * stride_bias + rows, mask=row_ok,
                         other=0.0).to(tl.float32)
-    # as the grouped path stores gate_up: rounded to x's dtype before the activation
-    sums = sums.to(out_ptr.dtype.element_ty).to(tl.float32)
-    gate, up = tl.split(tl.reshape(sums, (BLOCK_N, 2)))
-    if CLAMPED:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
-    else:
-        act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n,
-             act.to(out_ptr.dtype.element_ty), mask=n_ok)
+    store_gate_up_activation(sums, out_ptr + pair.to(tl.int64) * stride_om + offs_n, n_ok,
+                             alpha, limit, BLOCK_N, CLAMPED)
 
 
 @triton.jit(do_not_specialize=["t_rows"])  # T changes with the batch: one compile

@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from shoal.layers.moe.activation import SILU, ExpertActivation
+from shoal.layers.moe.mxfp4_decode_experts import store_gate_up_activation
 from shoal.layers.moe.mxfp4_experts import Mxfp4Experts
 
 TWO_POW_14 = tl.constexpr(16384.0)  # the float16 patterns hold 2^-14 of each e2m1 value
@@ -191,17 +192,8 @@ def _gate_up_words_kernel(x_ptr, ids_ptr, b_ptr, s_ptr, bias_ptr, out_ptr, inter
     sums = tl.sum(acc, axis=0) * TWO_POW_14
     if HAS_BIAS:
         sums += tl.load(bias_ptr + expert * stride_bias + rows).to(tl.float32)
-    # as the grouped path stores gate_up: rounded to x's dtype before the activation
-    sums = sums.to(out_ptr.dtype.element_ty).to(tl.float32)
-    gate, up = tl.split(tl.reshape(sums, (BLOCK_N, 2)))
-    if CLAMPED:
-        gate = tl.minimum(gate, limit)
-        up = tl.minimum(tl.maximum(up, -limit), limit)
-        act = (up + 1.0) * gate / (1.0 + tl.exp(-alpha * gate))
-    else:
-        act = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n,
-             act.to(out_ptr.dtype.element_ty), mask=n_ok)
+    store_gate_up_activation(sums, out_ptr + pair.to(tl.int64) * stride_om + offs_n, n_ok,
+                             alpha, limit, BLOCK_N, CLAMPED)
 
 
 @triton.jit(do_not_specialize=["stride_be", "stride_bn", "stride_se", "stride_sn"])
