@@ -208,6 +208,13 @@ def test_subscriber_replays_batches_it_missed() -> None:
     replay_ep = pub._replay.getsockopt(zmq.LAST_ENDPOINT).decode()
     for i in range(3):  # before anyone listens: lost to PUB/SUB, kept for replay
         pub.publish([BlockRemoved([bytes([i]) * 16])])
+    # publish() hands batches to the publisher's thread: wait until it has sent them, or a
+    # subscriber connecting first would hear them live and need no replay (1 run in 5 here)
+    for _ in range(500):
+        if pub.seq == 3:
+            break
+        time.sleep(0.01)
+    assert pub.seq == 3
     got: list[bytes] = []
 
     async def follow() -> None:
