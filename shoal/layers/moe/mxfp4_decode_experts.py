@@ -235,6 +235,16 @@ def decode_tiles(tokens: int, h_out: int, inter: int, device: torch.device
     return tuple(out)
 
 
+def check_experts_fit(x: torch.Tensor, q: Mxfp4Experts) -> tuple[int, int]:
+    """(I, H) of q's experts; ValueError where w13 [2I, H] and w2 [H, I] do not fit x [T, H]
+    (shared by the decode kernels of this file and mxfp4_decode_words.py)."""
+    inter, h = q.w2.in_features, q.w2.out_features
+    if q.w13.out_features != 2 * inter or q.w13.in_features != x.shape[1]:
+        raise ValueError(f"MXFP4 experts w13 ({q.w13.out_features} x {q.w13.in_features}) "
+                         f"and w2 ({h} x {inter}) do not fit x [{x.shape[0]}, {x.shape[1]}]")
+    return inter, h
+
+
 def experts_mxfp4_decode(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.Tensor,
                          topk_ids: torch.Tensor, tiles: DecodeTiles,
                          w13_bias: torch.Tensor | None = None,
@@ -244,10 +254,7 @@ def experts_mxfp4_decode(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.T
     x [T, H] rows contiguous, topk_ids / topk_weights [T, k], biases [E, 2I] / [E, H]
     -> [T, H] in x's dtype."""
     t, k = topk_ids.shape
-    inter, h = q.w2.in_features, q.w2.out_features
-    if q.w13.out_features != 2 * inter or q.w13.in_features != x.shape[1]:
-        raise ValueError(f"MXFP4 experts w13 ({q.w13.out_features} x {q.w13.in_features}) "
-                         f"and w2 ({h} x {inter}) do not fit x [{t}, {x.shape[1]}]")
+    inter, h = check_experts_fit(x, q)
     ids = topk_ids.contiguous()
     weights = topk_weights.contiguous()
     act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)

@@ -49,7 +49,7 @@ import triton
 import triton.language as tl
 
 from shoal.layers.moe.activation import SILU, ExpertActivation
-from shoal.layers.moe.mxfp4_decode_experts import store_gate_up_activation
+from shoal.layers.moe.mxfp4_decode_experts import check_experts_fit, store_gate_up_activation
 from shoal.layers.moe.mxfp4_experts import Mxfp4Experts
 
 TWO_POW_14 = tl.constexpr(16384.0)  # the float16 patterns hold 2^-14 of each e2m1 value
@@ -262,10 +262,7 @@ def experts_mxfp4_words(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.Te
     x [T, H] rows contiguous, topk_ids / topk_weights [T, k], biases [E, 2I] / [E, H]
     -> [T, H] in x's dtype. ValueError where words_fit(q) does not hold."""
     t, k = topk_ids.shape
-    inter, h = q.w2.in_features, q.w2.out_features
-    if q.w13.out_features != 2 * inter or q.w13.in_features != x.shape[1]:
-        raise ValueError(f"MXFP4 experts w13 ({q.w13.out_features} x {q.w13.in_features}) "
-                         f"and w2 ({h} x {inter}) do not fit x [{t}, {x.shape[1]}]")
+    inter, h = check_experts_fit(x, q)
     if not words_fit(q):
         raise ValueError("MXFP4 expert blocks must have contiguous rows at 4-byte addresses "
                          "for the word kernels")
