@@ -1,37 +1,53 @@
 """Where a batch-1 decode step's GPU time goes, by kernel and by module kind, against the
 weight-read floor of each part; written for GPT-OSS-20B (shoal/model_configs/gpt-oss-20b,
-the default), and any shipped config folder works (e.g. llama-3.1-8b), on random weights
-(load_format="dummy").
+the default), and any shipped config folder works (e.g. llama-3.1-8b, deepseek-v2-lite,
+qwen3-30b-a3b), on random weights (load_format="dummy"). --model takes a folder, a folder
+name under shoal/model_configs, or a shipped name as deepseek_gpu.py does
+(deepseek-ai/DeepSeek-V2-Lite: offline_runs.shipped_folder).
 
     python benchmarks/step_profile_gpu.py --out bench-work/stepprof.json
     python benchmarks/step_profile_gpu.py --model shoal/model_configs/llama-3.1-8b --out F
+    python benchmarks/step_profile_gpu.py --model shoal/model_configs/deepseek-v2-lite --out F
+    python benchmarks/step_profile_gpu.py --model Qwen/Qwen3-30B-A3B --out F
     python benchmarks/step_profile_gpu.py --smoke --out /tmp/stepprof.json   # CPU, tiny
+    python benchmarks/step_profile_gpu.py --smoke --smoke-model deepseek --out /tmp/sp.json
 
 Three sections, one record (every figure per decode step at batch 1, after a warm-up):
 
 - eager: an enforce_eager engine; torch.profiler over one request (--context prompt ids,
   then --steps decode steps). Each kernel (its launch's CPU correlation in the trace) is
   charged to the innermost of the ranges this script opens: every runner step and its
-  sampling, the model's forward, and around each module by kind: attention_linears (q/k/v/o
-  projections), attention_kernel (paged attention, its rotary and cache write), rotary,
-  experts (FusedMoE), router, mlp_linears / activation (a dense MLP), dense_linears
-  (others), norms, embedding, lm_head (compute_logits), sampling; what runs in the model's
-  forward outside them is other_model (residual adds, ...), in the runner's step other_step
-  (inputs). Kernels by name: the top --top by time a step, with calls a step and us a call.
+  sampling, the model's forward, and around each module by kind (module_kind):
+  attention_linears (q/k/v/o, MLA's q / q_a / q_b, kv_a, o projections), attention_kernel
+  (paged or latent attention, its rotary and cache write), attention_other (the rest of an
+  MLA module: the W_UK / W_UV bmms that read kv_b_proj; norms inside attention), rotary,
+  experts (FusedMoE), router (gates), shared_experts (a MoE block's shared-expert MLP, all
+  of it), moe_other (the rest of a MoE block), mlp_linears / activation (a dense MLP),
+  dense_linears (others), norms, embedding, lm_head (compute_logits), sampling; what runs
+  in the model's forward outside them is other_model (residual adds, ...), in the runner's
+  step other_step (inputs). Kernels by name: the top --top by time a step, with calls a step and us a call.
 - graph: a CUDA-graph engine of the same model: the decode graph's replay time (ms, wall
   over --replays replays), and torch.profiler over those replays: the kernels a replay
   runs, their summed time, and the share of the replay the GPU spends in kernels (the rest
   is the gaps between them), with the top kernels by name.
 - floor: the bytes a token reads by part (gpt_oss_gpu.active_bytes for gpt-oss; for a dense
-  model attention, mlp, norms, an embedding row and the LM head) over the card's copy
-  bandwidth (offline_runs.copy_bandwidth), beside the eager kernel time of the kinds that
-  read them. KV reads are not in the floor.
+  model attention, mlp, norms, an embedding row and the LM head; for other MoE models
+  (DeepSeek V2/V3/Kimi-K2, Qwen3-MoE, Mixtral, ...) moe_active_bytes over the engine's own
+  model parameters by name: attention, router, active_experts (top_k experts a MoE layer),
+  shared_experts, mlp (dense first layers), norms, embedding_row, lm_head) over the card's
+  copy bandwidth (offline_runs.copy_bandwidth), beside the eager kernel time of the kinds
+  that read them (FLOOR_KINDS). KV reads are not in the floor. A MoE floor also gives
+  bytes_per_token_whole_embedding, deepseek_gpu.py's rule (the whole embedding table): for
+  V2-Lite in bf16 4.91 GB a token with one row (1.64 ms at an H100's 3.0 TB/s), 5.33 GB
+  with the table (1.78 ms; deepseek_gpu's 5.32 GB counts the float32 router gates at 2 B).
 
 Also the launch tuner's choices (shoal/layers/quantization/launch_tuner.py: which MXFP4
 expert path, FP8/INT4 GEMV tiles), where engine internals are reachable.
 
---smoke: gpt_oss_gpu's tiny gpt-oss config on the CPU in float32 (dense experts), the eager
-section only, CPU ops in place of kernels: it checks the script, not the speed."""
+--smoke: a tiny config on the CPU in float32, the eager section only, CPU ops in place of
+kernels: it checks the script, not the speed. --smoke-model picks gpt_oss_gpu's gpt-oss
+config (dense experts; the default) or deepseek_gpu's DeepSeek-V2 one (MLA, a dense first
+layer, routed + shared experts)."""
 
 from __future__ import annotations
 
@@ -39,17 +55,20 @@ import argparse
 import gc
 import itertools
 import json
+import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import engine_internals
 import offline_runs
 from bench_args import REQUIRED, add_common
-from gpt_oss_gpu import SMOKE_CONFIG, active_bytes
+from deepseek_gpu import SMOKE_CONFIG as DEEPSEEK_SMOKE_CONFIG
+from gpt_oss_gpu import SMOKE_CONFIG as GPT_OSS_SMOKE_CONFIG
+from gpt_oss_gpu import active_bytes
 from results_file import record, shoal_source, write
 from trace_charges import (
     MODEL,
@@ -64,28 +83,45 @@ from trace_charges import (
 )
 
 DEFAULT_MODEL = "gpt-oss-20b"  # a folder under shoal/model_configs
+# --smoke-model: the tiny configs of the GPU scripts (CPU, float32)
+SMOKE_CONFIGS = {"gpt-oss": GPT_OSS_SMOKE_CONFIG, "deepseek": DEEPSEEK_SMOKE_CONFIG}
 # the floor's parts, by the kinds whose kernels read their bytes
-FLOOR_KINDS = {"attention": ("attention_linears",), "mlp": ("mlp_linears", "activation"),
-               "active_experts": ("experts",), "router": ("router",), "norms": ("norms",),
-               "embedding_row": ("embedding",), "lm_head": ("lm_head",)}
+FLOOR_KINDS = {"attention": ("attention_linears", "attention_other"),
+               "mlp": ("mlp_linears", "activation"), "active_experts": ("experts",),
+               "shared_experts": ("shared_experts",), "router": ("router",),
+               "norms": ("norms",), "embedding_row": ("embedding",), "lm_head": ("lm_head",)}
+# a module path inside attention (its projections, q/kv norms, MLA's latent weights)
+_IN_ATTENTION = re.compile(r"(^|\.)(self_attn|attn|attention)(\.|$)")
 
 
 # ---- module kinds and the ranges around them --------------------------------------------------
 
 def module_kind(name: str, module: Any) -> str | None:
-    """The kind a module's kernels are charged to (None: not a range of its own)."""
+    """The kind a module's kernels are charged to (None: not a range of its own).
+    attention_other: what runs in an MLA module outside its projections, kernel and rotary
+    (the absorbed W_UK / W_UV bmms that read kv_b_proj, cats, splits) and the norms inside
+    attention (MLA's q_a / kv_a norms, Qwen3's q / k norms); shared_experts: the whole
+    shared-expert MLP of a MoE block (its linears and activation, and Qwen2-MoE's
+    shared_expert_gate), not mlp_linears; moe_other: what a MoE block runs outside its
+    router, experts and shared experts (the routed + shared add, casts)."""
     cls = type(module).__name__
     last = name.rsplit(".", 1)[-1]
     if cls == "FusedMoE":
         return "experts"
+    if "shared_expert" in name:
+        return "shared_experts"
     if cls.endswith("Router") or last in ("router", "gate"):
         return "router"
+    if cls.endswith(("MoE", "SparseBlock", "SparseMoeBlock")):
+        return "moe_other"
     if cls in ("Attention", "LatentAttention") or cls.endswith("AttentionBackendModule"):
         return "attention_kernel"
+    if cls.endswith("MLA"):
+        return "attention_other"
     if "Rotary" in cls or "RoPE" in cls:
         return "rotary"
     if "Norm" in cls:
-        return "norms"
+        return "attention_other" if _IN_ATTENTION.search(name) else "norms"
     if cls.endswith("Linear"):
         if "attn" in name:
             return "attention_linears"
@@ -191,7 +227,7 @@ class Ranges:
 
 def dense_active_bytes(cfg: dict[str, Any], dense_bytes: int) -> dict[str, Any] | None:
     """A dense decoder's bytes a batch-1 token reads by part (None: a MoE config)."""
-    if any(k in cfg for k in ("num_local_experts", "num_experts", "n_routed_experts")):
+    if is_moe(cfg):
         return None
     h, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
     heads, kv = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads") or
@@ -206,16 +242,109 @@ def dense_active_bytes(cfg: dict[str, Any], dense_bytes: int) -> dict[str, Any] 
     return dict(bytes_per_token=sum(parts.values()), bytes_by_part=parts)
 
 
+def weight_part(name: str, module: Any, experts: Collection[str]) -> str:
+    """The floor part of a module's own parameters, by its dotted name and class; `experts`
+    holds the names of the FusedMoE modules (their weights and everything under them)."""
+    cls, last = type(module).__name__, name.rsplit(".", 1)[-1]
+    if _owner(name, experts) is not None:
+        return "active_experts"
+    if "shared_expert" in name:  # DeepSeek's shared_experts, Qwen2-MoE's shared_expert(_gate)
+        return "shared_experts"
+    if cls.endswith("Router") or last in ("router", "gate"):
+        return "router"
+    if _IN_ATTENTION.search(name):  # projections, q/kv norms, MLA's kv_b_proj
+        return "attention"
+    if last == "lm_head":
+        return "lm_head"
+    if cls.endswith("Embedding") or last == "embed_tokens":
+        return "embedding_row"
+    if "Norm" in cls:
+        return "norms"
+    if ".mlp." in f".{name}.":  # a dense MLP layer (DeepSeek's first_k_dense_replace)
+        return "mlp"
+    return "other"
+
+
+def _owner(name: str, experts: Collection[str]) -> str | None:
+    """The FusedMoE module `name` is or lies under (None: none)."""
+    return next((e for e in experts if name == e or name.startswith(e + ".")), None)
+
+
+def moe_active_bytes(model: Any, top_k: int) -> dict[str, Any]:
+    """The bytes a batch-1 token reads by part, from a built MoE model's parameters (their
+    real shapes and dtypes: DeepSeek's float32 router gate counts 4 bytes a weight): a
+    FusedMoE module's parameters x top_k / its experts (a token runs top_k experts of each
+    MoE layer), one row of the embedding table, everything else whole. A tied LM head counts
+    in full beside its embedding row; a tensor counts once per part. Parameters, and the
+    buffers of the experts (FusedMoE.install_* keeps FP8 / INT4 / MXFP4 experts as buffers);
+    other buffers (rotary caches) are not weights."""
+    modules = dict(model.named_modules())
+    experts = {n: m for n, m in modules.items() if type(m).__name__ == "FusedMoE"}
+    parts: dict[str, int] = dict.fromkeys(FLOOR_KINDS, 0)
+    seen: set[tuple[int, str]] = set()
+    table = 0
+    for name, module in modules.items():
+        part = weight_part(name, module, experts)
+        tensors = list(module.parameters(recurse=False))
+        if part == "active_experts":
+            tensors += list(module.buffers(recurse=False))
+        for p in tensors:
+            if (id(p), part) in seen:
+                continue
+            seen.add((id(p), part))
+            nbytes = p.numel() * p.element_size()
+            if part == "active_experts":
+                moe = experts[_owner(name, experts) or name]
+                nbytes = nbytes * top_k // int(getattr(moe, "local_num_experts", 0)
+                                               or moe.num_experts)
+            elif part == "embedding_row":
+                table += nbytes
+                nbytes = p.shape[-1] * p.element_size()
+            parts[part] = parts.get(part, 0) + nbytes
+    parts = {k: v for k, v in parts.items() if v}  # (no shared experts, no dense layer)
+    total = sum(parts.values())
+    return dict(bytes_per_token=total, bytes_by_part=parts,
+                bytes_per_token_whole_embedding=total - parts.get("embedding_row", 0) + table)
+
+
+def model_weights(llm: Any, cfg: dict[str, Any]) -> dict[str, Any] | None:
+    """moe_active_bytes of the engine's model (None: a dense or gpt-oss config, whose floor
+    comes from the config, or no model reachable)."""
+    if not is_moe(cfg) or cfg.get("model_type") == "gpt_oss":
+        return None
+    model = getattr(engine_internals.runner(llm), "model", None)
+    return None if model is None else moe_active_bytes(model, int(cfg["num_experts_per_tok"]))
+
+
+def is_moe(cfg: dict[str, Any]) -> bool:
+    return any(cfg.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
+
+
 def floor_table(cfg: dict[str, Any], dense_bytes: int, bandwidth: float,
-                eager: StepFigures | None) -> dict[str, Any]:
+                eager: StepFigures | None, weights: dict[str, Any] | None = None
+                ) -> dict[str, Any]:
+    """The floor by part beside the eager kernel time of its kinds. weights: a MoE model's
+    moe_active_bytes (gpt-oss and dense configs use their config rules instead)."""
+    extra: dict[str, Any] = {}
     if cfg.get("model_type") == "gpt_oss":
         b = active_bytes(cfg, dense_bytes)
         rule = "gpt_oss_gpu.active_bytes (MXFP4 experts, the rest in the model dtype)"
+    elif is_moe(cfg):
+        b = weights
+        rule = ("MoE: the built model's parameters by name (moe_active_bytes): attention "
+                "(q/k/v/o or MLA's q, kv_a, kv_b, o and their norms), router gates, top_k "
+                "routed experts a MoE layer, shared experts, dense MLP layers, norms, one "
+                "embedding row, LM head")
+        if b is not None:
+            whole = b["bytes_per_token_whole_embedding"]
+            extra = dict(bytes_per_token_whole_embedding=whole,
+                         floor_us_whole_embedding=whole / bandwidth * 1e6)
     else:
         b = dense_active_bytes(cfg, dense_bytes)
         rule = "dense decoder: q/k/v/o, gate/up/down, norms, one embedding row, LM head"
     if b is None:
-        return dict(floor_rule="no floor rule for this MoE config", parts=[])
+        return dict(floor_rule="MoE config and no built model to count (no section ran)",
+                    parts=[])
     parts = []
     for part, nbytes in b["bytes_by_part"].items():
         kinds = FLOOR_KINDS.get(part, ())
@@ -227,7 +356,7 @@ def floor_table(cfg: dict[str, Any], dense_bytes: int, bandwidth: float,
                           floor_over_measured=floor_us / measured if measured else None))
     total = b["bytes_per_token"] / bandwidth * 1e6
     return dict(floor_rule=rule, copy_bandwidth=bandwidth, bytes_per_token=b["bytes_per_token"],
-                floor_us=total, floor_tok_s=1e6 / total, parts=parts)
+                floor_us=total, floor_tok_s=1e6 / total, **extra, parts=parts)
 
 
 # ---- the runs ---------------------------------------------------------------------------------
@@ -264,8 +393,9 @@ def _trace(fn: Callable[[], Any], cuda: bool) -> dict[str, Any]:
         return json.loads(path.read_text())
 
 
-def eager_section(args: argparse.Namespace, folder: Path, cfg: dict[str, Any]
-                  ) -> tuple[dict[str, Any], StepFigures | None]:
+def eager_section(args: argparse.Namespace, folder: Path, cfg: dict[str, Any],
+                  weights: dict[str, Any]) -> tuple[dict[str, Any], StepFigures | None]:
+    """weights: filled with model_weights of this engine's model (a MoE's floor)."""
     import torch
 
     from shoal import SamplingParams
@@ -275,6 +405,7 @@ def eager_section(args: argparse.Namespace, folder: Path, cfg: dict[str, Any]
     runner = engine_internals.runner(llm)
     if runner is None:
         raise RuntimeError("the eager profile needs the engine's runner (engine internals)")
+    weights |= model_weights(llm, cfg) or {}
     params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
     llm.generate(_prompt(vocab, args.context, 1), params, use_tqdm=False)  # warm-up, tuning
     ranges = Ranges()
@@ -310,13 +441,15 @@ def _decode_graph(llm: Any, batch: int) -> Any | None:
     return table[key] if table and key in table else None
 
 
-def graph_section(args: argparse.Namespace, folder: Path, cfg: dict[str, Any]
-                  ) -> dict[str, Any]:
-
+def graph_section(args: argparse.Namespace, folder: Path, cfg: dict[str, Any],
+                  weights: dict[str, Any]) -> dict[str, Any]:
+    """weights: as eager_section's, where it is still empty (--sections graph)."""
     from shoal import SamplingParams
 
     eng = _engine(folder, args.smoke, False, args.max_model_len)
     llm = eng.llm
+    if not weights:
+        weights |= model_weights(llm, cfg) or {}
     params = SamplingParams(temperature=0, max_tokens=args.steps + 1, ignore_eos=True)
     llm.generate(_prompt(int(cfg["vocab_size"]), args.context, 3), params, use_tqdm=False)
     replay_ms = engine_internals.graph_replay_ms(llm, 1, args.replays)
@@ -359,11 +492,27 @@ def _tuner_choices() -> list[dict[str, Any]] | None:
                  choice=t.choice, times_us=t.times_us) for key, t in TUNED.items()]
 
 
+def config_folder(model: str) -> Path | None:
+    """The folder of --model's config.json: a folder as given, a shipped name
+    (offline_runs.shipped_folder: deepseek-ai/DeepSeek-V2-Lite, Qwen/Qwen3-30B-A3B, ...) or a
+    folder name under shoal/model_configs (deepseek-v2-lite); None when none has one."""
+    for folder in (offline_runs.shipped_folder(model),
+                   Path(shoal_source() or ".", "shoal", "model_configs", model)):
+        if (folder / "config.json").is_file():
+            return folder
+    return None
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_common(ap, out=REQUIRED, smoke="CPU, float32, gpt_oss_gpu's tiny gpt-oss config")
+    add_common(ap, out=REQUIRED, smoke="CPU, float32, a tiny config (--smoke-model)")
     ap.add_argument("--model", default=None,
-                    help=f"a config folder (default shoal/model_configs/{DEFAULT_MODEL})")
+                    help="a config folder, a folder name under shoal/model_configs or a "
+                         "shipped name (offline_runs.SHIPPED_CONFIGS, e.g. "
+                         f"deepseek-ai/DeepSeek-V2-Lite); default {DEFAULT_MODEL}")
+    ap.add_argument("--smoke-model", choices=sorted(SMOKE_CONFIGS), default="gpt-oss",
+                    help="--smoke without --model: gpt_oss_gpu's or deepseek_gpu's tiny "
+                         "config (default gpt-oss)")
     ap.add_argument("--steps", type=int, default=8, help="decode steps profiled (default 8)")
     ap.add_argument("--context", type=int, default=128, help="prompt ids (default 128)")
     ap.add_argument("--replays", type=int, default=20, help="graph replays (default 20)")
@@ -381,11 +530,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ap.error("the profile needs engine internals: unset SHOAL_BENCH_PUBLIC_ONLY")
     tmp = None
     if args.model is not None:
-        folder = Path(args.model)
+        folder = config_folder(args.model)
+        if folder is None:
+            ap.error(f"--model {args.model!r}: no config.json there, under "
+                     "shoal/model_configs, or in offline_runs.SHIPPED_CONFIGS")
     elif args.smoke:
         tmp = tempfile.TemporaryDirectory(prefix="stepprof-smoke-")
         folder = Path(tmp.name)
-        (folder / "config.json").write_text(json.dumps(SMOKE_CONFIG))
+        (folder / "config.json").write_text(json.dumps(SMOKE_CONFIGS[args.smoke_model]))
         args.max_model_len = min(args.max_model_len, 256)
         args.context = min(args.context, 16)
     else:
@@ -394,20 +546,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rec: dict[str, Any] = dict(model=str(folder), model_type=cfg.get("model_type"),
                                smoke=args.smoke, batch=1, context=args.context,
                                decode_steps=args.steps)
-    eager = None
+    eager, weights = None, dict[str, Any]()  # weights: a MoE model's moe_active_bytes
     try:
         if "eager" in sections:
-            rec["eager"], eager = eager_section(args, folder, cfg)
+            rec["eager"], eager = eager_section(args, folder, cfg, weights)
             _free()  # the eager engine's weights and cache, before the next one
         if "graph" in sections and not args.smoke:
-            rec["graph"] = graph_section(args, folder, cfg)
+            rec["graph"] = graph_section(args, folder, cfg, weights)
     except Exception as e:  # what ran so far is kept
         import traceback
 
         traceback.print_exc()
         rec["error"] = f"{type(e).__name__}: {e}"
     rec["floor"] = floor_table(cfg, 4 if args.smoke else 2, offline_runs.copy_bandwidth(),
-                               eager)
+                               eager, weights or None)
     out = record("step_profile", "shoal", **rec)
     write(out, args.out)
     _summary(out)
@@ -426,8 +578,11 @@ def _summary(rec: dict[str, Any]) -> None:
     if g:
         print(f"graph: replay {g.get('graph_replay_ms')} ms, "
               f"{g.get('kernels_per_replay')} kernels, {g.get('kernel_us_per_replay')} us")
+    if f.get("bytes_per_token"):
+        print(f"floor: {f['bytes_per_token']:,.0f} B a token, {f['floor_us']:.1f} us")
     for p in f.get("parts", []):
-        print(f"  floor {p['part']:15s} {p['floor_us']:8.1f} us  eager {p['eager_kernel_us']}")
+        print(f"  floor {p['part']:15s} {p['bytes']:15,.0f} B {p['floor_us']:8.1f} us  "
+              f"eager {p['eager_kernel_us']}")
 
 
 if __name__ == "__main__":
