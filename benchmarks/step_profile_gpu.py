@@ -36,7 +36,7 @@ Three sections, one record (every figure per decode step at batch 1, after a war
   model parameters by name: attention, router, active_experts (top_k experts a MoE layer),
   shared_experts, mlp (dense first layers), norms, embedding_row, lm_head) over the card's
   copy bandwidth (offline_runs.copy_bandwidth), beside the eager kernel time of the kinds
-  that read them (FLOOR_KINDS). KV reads are not in the floor. A MoE floor also gives
+  that read them (step_floors.FLOOR_KINDS). KV reads are not in the floor. A MoE floor also gives
   bytes_per_token_whole_embedding, deepseek_gpu.py's rule (the whole embedding table): for
   V2-Lite in bf16 4.91 GB a token with one row (1.64 ms at an H100's 3.0 TB/s), 5.33 GB
   with the table (1.78 ms; deepseek_gpu's 5.32 GB counts the float32 router gates at 2 B).
@@ -55,11 +55,10 @@ import argparse
 import gc
 import itertools
 import json
-import re
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +67,8 @@ import offline_runs
 from bench_args import REQUIRED, add_common
 from deepseek_gpu import SMOKE_CONFIG as DEEPSEEK_SMOKE_CONFIG
 from gpt_oss_gpu import SMOKE_CONFIG as GPT_OSS_SMOKE_CONFIG
-from gpt_oss_gpu import active_bytes
 from results_file import record, shoal_source, write
+from step_floors import IN_ATTENTION, floor_table, model_weights
 from trace_charges import (
     MODEL,
     PREFIX,
@@ -85,13 +84,6 @@ from trace_charges import (
 DEFAULT_MODEL = "gpt-oss-20b"  # a folder under shoal/model_configs
 # --smoke-model: the tiny configs of the GPU scripts (CPU, float32)
 SMOKE_CONFIGS = {"gpt-oss": GPT_OSS_SMOKE_CONFIG, "deepseek": DEEPSEEK_SMOKE_CONFIG}
-# the floor's parts, by the kinds whose kernels read their bytes
-FLOOR_KINDS = {"attention": ("attention_linears", "attention_other"),
-               "mlp": ("mlp_linears", "activation"), "active_experts": ("experts",),
-               "shared_experts": ("shared_experts",), "router": ("router",),
-               "norms": ("norms",), "embedding_row": ("embedding",), "lm_head": ("lm_head",)}
-# a module path inside attention (its projections, q/kv norms, MLA's latent weights)
-_IN_ATTENTION = re.compile(r"(^|\.)(self_attn|attn|attention)(\.|$)")
 
 
 # ---- module kinds and the ranges around them --------------------------------------------------
@@ -121,7 +113,7 @@ def module_kind(name: str, module: Any) -> str | None:
     if "Rotary" in cls or "RoPE" in cls:
         return "rotary"
     if "Norm" in cls:
-        return "attention_other" if _IN_ATTENTION.search(name) else "norms"
+        return "attention_other" if IN_ATTENTION.search(name) else "norms"
     if cls.endswith("Linear"):
         if "attn" in name:
             return "attention_linears"
@@ -221,142 +213,6 @@ class Ranges:
         for fn in reversed(self._undo):
             fn()
         self._undo.clear()
-
-
-# ---- the floor --------------------------------------------------------------------------------
-
-def dense_active_bytes(cfg: dict[str, Any], dense_bytes: int) -> dict[str, Any] | None:
-    """A dense decoder's bytes a batch-1 token reads by part (None: a MoE config)."""
-    if is_moe(cfg):
-        return None
-    h, layers = int(cfg["hidden_size"]), int(cfg["num_hidden_layers"])
-    heads, kv = int(cfg["num_attention_heads"]), int(cfg.get("num_key_value_heads") or
-                                                      cfg["num_attention_heads"])
-    hd = int(cfg.get("head_dim") or h // heads)
-    inter = int(cfg["intermediate_size"])
-    q, kvd = heads * hd, kv * hd
-    parts = dict(attention=layers * (h * (q + 2 * kvd) + q * h) * dense_bytes,
-                 mlp=layers * 3 * h * inter * dense_bytes,
-                 norms=(2 * layers + 1) * h * dense_bytes, embedding_row=h * dense_bytes,
-                 lm_head=int(cfg["vocab_size"]) * h * dense_bytes)
-    return dict(bytes_per_token=sum(parts.values()), bytes_by_part=parts)
-
-
-def weight_part(name: str, module: Any, experts: Collection[str]) -> str:
-    """The floor part of a module's own parameters, by its dotted name and class; `experts`
-    holds the names of the FusedMoE modules (their weights and everything under them)."""
-    cls, last = type(module).__name__, name.rsplit(".", 1)[-1]
-    if _owner(name, experts) is not None:
-        return "active_experts"
-    if "shared_expert" in name:  # DeepSeek's shared_experts, Qwen2-MoE's shared_expert(_gate)
-        return "shared_experts"
-    if cls.endswith("Router") or last in ("router", "gate"):
-        return "router"
-    if _IN_ATTENTION.search(name):  # projections, q/kv norms, MLA's kv_b_proj
-        return "attention"
-    if last == "lm_head":
-        return "lm_head"
-    if cls.endswith("Embedding") or last == "embed_tokens":
-        return "embedding_row"
-    if "Norm" in cls:
-        return "norms"
-    if ".mlp." in f".{name}.":  # a dense MLP layer (DeepSeek's first_k_dense_replace)
-        return "mlp"
-    return "other"
-
-
-def _owner(name: str, experts: Collection[str]) -> str | None:
-    """The FusedMoE module `name` is or lies under (None: none)."""
-    return next((e for e in experts if name == e or name.startswith(e + ".")), None)
-
-
-def moe_active_bytes(model: Any, top_k: int) -> dict[str, Any]:
-    """The bytes a batch-1 token reads by part, from a built MoE model's parameters (their
-    real shapes and dtypes: DeepSeek's float32 router gate counts 4 bytes a weight): a
-    FusedMoE module's parameters x top_k / its experts (a token runs top_k experts of each
-    MoE layer), one row of the embedding table, everything else whole. A tied LM head counts
-    in full beside its embedding row; a tensor counts once per part. Parameters, and the
-    buffers of the experts (FusedMoE.install_* keeps FP8 / INT4 / MXFP4 experts as buffers);
-    other buffers (rotary caches) are not weights."""
-    modules = dict(model.named_modules())
-    experts = {n: m for n, m in modules.items() if type(m).__name__ == "FusedMoE"}
-    parts: dict[str, int] = dict.fromkeys(FLOOR_KINDS, 0)
-    seen: set[tuple[int, str]] = set()
-    table = 0
-    for name, module in modules.items():
-        part = weight_part(name, module, experts)
-        tensors = list(module.parameters(recurse=False))
-        if part == "active_experts":
-            tensors += list(module.buffers(recurse=False))
-        for p in tensors:
-            if (id(p), part) in seen:
-                continue
-            seen.add((id(p), part))
-            nbytes = p.numel() * p.element_size()
-            if part == "active_experts":
-                moe = experts[_owner(name, experts) or name]
-                nbytes = nbytes * top_k // int(getattr(moe, "local_num_experts", 0)
-                                               or moe.num_experts)
-            elif part == "embedding_row":
-                table += nbytes
-                nbytes = p.shape[-1] * p.element_size()
-            parts[part] = parts.get(part, 0) + nbytes
-    parts = {k: v for k, v in parts.items() if v}  # (no shared experts, no dense layer)
-    total = sum(parts.values())
-    return dict(bytes_per_token=total, bytes_by_part=parts,
-                bytes_per_token_whole_embedding=total - parts.get("embedding_row", 0) + table)
-
-
-def model_weights(llm: Any, cfg: dict[str, Any]) -> dict[str, Any] | None:
-    """moe_active_bytes of the engine's model (None: a dense or gpt-oss config, whose floor
-    comes from the config, or no model reachable)."""
-    if not is_moe(cfg) or cfg.get("model_type") == "gpt_oss":
-        return None
-    model = getattr(engine_internals.runner(llm), "model", None)
-    return None if model is None else moe_active_bytes(model, int(cfg["num_experts_per_tok"]))
-
-
-def is_moe(cfg: dict[str, Any]) -> bool:
-    return any(cfg.get(k) for k in ("num_local_experts", "num_experts", "n_routed_experts"))
-
-
-def floor_table(cfg: dict[str, Any], dense_bytes: int, bandwidth: float,
-                eager: StepFigures | None, weights: dict[str, Any] | None = None
-                ) -> dict[str, Any]:
-    """The floor by part beside the eager kernel time of its kinds. weights: a MoE model's
-    moe_active_bytes (gpt-oss and dense configs use their config rules instead)."""
-    extra: dict[str, Any] = {}
-    if cfg.get("model_type") == "gpt_oss":
-        b = active_bytes(cfg, dense_bytes)
-        rule = "gpt_oss_gpu.active_bytes (MXFP4 experts, the rest in the model dtype)"
-    elif is_moe(cfg):
-        b = weights
-        rule = ("MoE: the built model's parameters by name (moe_active_bytes): attention "
-                "(q/k/v/o or MLA's q, kv_a, kv_b, o and their norms), router gates, top_k "
-                "routed experts a MoE layer, shared experts, dense MLP layers, norms, one "
-                "embedding row, LM head")
-        if b is not None:
-            whole = b["bytes_per_token_whole_embedding"]
-            extra = dict(bytes_per_token_whole_embedding=whole,
-                         floor_us_whole_embedding=whole / bandwidth * 1e6)
-    else:
-        b = dense_active_bytes(cfg, dense_bytes)
-        rule = "dense decoder: q/k/v/o, gate/up/down, norms, one embedding row, LM head"
-    if b is None:
-        return dict(floor_rule="MoE config and no built model to count (no section ran)",
-                    parts=[])
-    parts = []
-    for part, nbytes in b["bytes_by_part"].items():
-        kinds = FLOOR_KINDS.get(part, ())
-        measured = sum(eager.by_kind.get(k, {}).get("us", 0.0) for k in kinds) if eager \
-            else None
-        floor_us = nbytes / bandwidth * 1e6
-        parts.append(dict(part=part, kinds=list(kinds), bytes=nbytes, floor_us=floor_us,
-                          eager_kernel_us=measured,
-                          floor_over_measured=floor_us / measured if measured else None))
-    total = b["bytes_per_token"] / bandwidth * 1e6
-    return dict(floor_rule=rule, copy_bandwidth=bandwidth, bytes_per_token=b["bytes_per_token"],
-                floor_us=total, floor_tok_s=1e6 / total, **extra, parts=parts)
 
 
 # ---- the runs ---------------------------------------------------------------------------------

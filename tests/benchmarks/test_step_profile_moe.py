@@ -26,6 +26,12 @@ def prof():
     return step_profile_gpu
 
 
+@pytest.fixture(scope="module")
+def floors(prof):
+    import step_floors  # (imported, from benchmarks/, by step_profile_gpu)
+    return step_floors
+
+
 def _deepseek(cfg: dict, device: str, dtype_name: str):
     import torch
 
@@ -59,31 +65,31 @@ def _deepseek_parts(cfg: dict, elem: int, router_elem: int) -> dict[str, int]:
                 lm_head=cfg["vocab_size"] * h * elem)
 
 
-def test_tiny_deepseek_floor_matches_the_config_and_deepseek_gpu(prof) -> None:
+def test_tiny_deepseek_floor_matches_the_config_and_deepseek_gpu(floors) -> None:
     from deepseek_gpu import SMOKE_CONFIG, count_active
 
     model = _deepseek(SMOKE_CONFIG, "cpu", "float32")
-    got = prof.moe_active_bytes(model, SMOKE_CONFIG["num_experts_per_tok"])
+    got = floors.moe_active_bytes(model, SMOKE_CONFIG["num_experts_per_tok"])
     assert got["bytes_by_part"] == _deepseek_parts(SMOKE_CONFIG, 4, 4)
     assert got["bytes_per_token"] == sum(got["bytes_by_part"].values())
     # all float32 here: deepseek_gpu's active count with one embedding row is the same total
     counts = count_active(model, SMOKE_CONFIG["num_experts_per_tok"])
     assert got["bytes_per_token"] == counts["active_params_without_embedding"] * 4
     assert got["bytes_per_token_whole_embedding"] == counts["active_params"] * 4
-    table = prof.floor_table(SMOKE_CONFIG, 4, 3.0e12, None, got)
+    table = floors.floor_table(SMOKE_CONFIG, 4, 3.0e12, None, got)
     assert [p["part"] for p in table["parts"]] == list(got["bytes_by_part"])
     assert sum(p["bytes"] for p in table["parts"]) == table["bytes_per_token"]
     assert all(p["kinds"] for p in table["parts"])  # every part maps to measured kinds
     # a MoE config without a built model has no floor (and is not taken for a dense one)
-    assert prof.floor_table(SMOKE_CONFIG, 4, 3.0e12, None)["parts"] == []
+    assert floors.floor_table(SMOKE_CONFIG, 4, 3.0e12, None)["parts"] == []
 
 
-def test_v2_lite_floor_on_the_meta_device(prof) -> None:
+def test_v2_lite_floor_on_the_meta_device(floors) -> None:
     """The shipped V2-Lite shape in bf16 (float32 router gates), built without memory:
     4.91 GB a token with one embedding row; with the whole table, deepseek_gpu.py's
     5,322,300,416 B (which counts every parameter at 2 B) plus the gates' other 2 B."""
     cfg = json.loads((ROOT / "shoal/model_configs/deepseek-v2-lite/config.json").read_text())
-    got = prof.moe_active_bytes(_deepseek(cfg, "meta", "bfloat16"), cfg["num_experts_per_tok"])
+    got = floors.moe_active_bytes(_deepseek(cfg, "meta", "bfloat16"), cfg["num_experts_per_tok"])
     assert got["bytes_by_part"] == _deepseek_parts(cfg, 2, 4)
     assert got["bytes_per_token"] == 4_909_689_856
     gates = (cfg["num_hidden_layers"] - 1) * cfg["n_routed_experts"] * cfg["hidden_size"]
