@@ -12,7 +12,10 @@ its deltas to the pair rows after each GEMM.
 
 Graph safety: the grid and every buffer are sized from T * k, E and the tile sizes only (the
 worst-case padding), and unused tail blocks are marked with expert -1 and exit at once, so
-a captured decode step replays correctly with any routing."""
+a captured decode step replays correctly with any routing.
+
+fp16 / bf16 at a few tokens have a launch candidate beside these GEMMs: the decode kernels of
+half_decode_experts.py (experts_triton's docstring says which runs)."""
 
 from __future__ import annotations
 
@@ -25,8 +28,12 @@ import triton.language as tl
 
 from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.align import ExpertGroups, group_by_expert
+from shoal.layers.moe.expert_inputs import check_expert_inputs
 from shoal.layers.moe.grouped_gemm_tile import store_tile, tile_expert, tile_pairs
+from shoal.layers.moe.half_decode_experts import MAX_TOKENS, decode_tiles, run_half_decode
+from shoal.layers.ops.half_gemv import HALF_DTYPES
 from shoal.layers.ops.silu_mul import silu_and_mul
+from shoal.layers.quantization.launch_tuner import EXACT_OPERANDS_AGREE, run_fastest
 
 
 # num_pairs changes every step: not specialized (== 1, % 16) so steps do not recompile.
@@ -86,32 +93,6 @@ def check_quantized_inputs(x: torch.Tensor, hidden: int, topk_weights: torch.Ten
                          f"{tuple(topk_weights.shape)} must both be [{x.shape[0]}, k]")
 
 
-def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor, w13_bias: torch.Tensor | None,
-           w2_bias: torch.Tensor | None) -> None:
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
-                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
-    e, two_i, h = w13.shape
-    if two_i % 2 or h != x.shape[1] or tuple(w2.shape) != (e, h, two_i // 2):
-        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not fit x "
-                         f"{tuple(x.shape)}")
-    if not (x.dtype == w13.dtype == w2.dtype) or x.dtype not in (
-            torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"x {x.dtype}, w13 {w13.dtype}, w2 {w2.dtype}: need one fp16/bf16/fp32")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0] \
-            or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} / weights "
-                         f"{tuple(topk_weights.shape)} must both be [{x.shape[0]}, k]")
-    if topk_ids.dtype not in (torch.int32, torch.int64) or not topk_weights.is_floating_point():
-        raise ValueError("topk_ids must be int32/int64 and topk_weights floating point")
-    if x.stride(1) != 1 or not w13.is_contiguous() or not w2.is_contiguous():
-        raise ValueError("x rows and the expert weights must be contiguous")
-    for bias, shape in ((w13_bias, (e, two_i)), (w2_bias, (e, h))):
-        if bias is not None and (tuple(bias.shape) != shape or bias.stride(1) != 1):
-            raise ValueError(f"expert bias {tuple(bias.shape)} must be {shape}, rows contiguous")
-
-
 def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: ExpertGroups,
           weights: torch.Tensor | None, num_pairs: int, a_row_div: int,
           tiles: tuple[int, int, int], bias: torch.Tensor | None = None) -> None:
@@ -132,18 +113,65 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, groups: ExpertGroup
     )
 
 
+# experts_triton's `path`: forced (tests, benchmarks)
+PATHS = ("grouped", "decode")
+
+
 def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
-                   activation: ExpertActivation = SILU, lora: Any = None) -> torch.Tensor:
+                   activation: ExpertActivation = SILU, lora: Any = None,
+                   path: str | None = None) -> torch.Tensor:
     """Same contract as torch_experts.experts_torch: x [T, H], w13 [E, 2I, H] (gate rows then
     up rows), w2 [E, H, I], topk_weights / topk_ids [T, k], optional biases w13_bias [E, 2I]
-    and w2_bias [E, H] -> [T, H] in x's dtype."""
-    _check(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
+    and w2_bias [E, H] -> [T, H] in x's dtype.
+
+    fp16 / bf16 at T <= MAX_TOKENS without LoRA have a second path of two or three launches
+    (half_decode_experts.py: no sort, the activation and the sum over the k slots fused);
+    which runs is launch_tuner.run_fastest's pick per shape and T: the GPU times these
+    grouped GEMMs and each decode tile once, outside CUDA-graph capture, and keeps the
+    fastest that agrees with the grouped output; untimed (SHOAL_QUANT_TUNING=0, a first
+    call inside a capture) the GPU runs the grouped path, the interpreter (tests) the
+    decode path. path: None (that choice), "grouped", or "decode" (the first decode
+    tiles, any of the three dtypes; T <= MAX_TOKENS, without LoRA: a LoRA hook always
+    runs grouped)."""
+    check_expert_inputs(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
+    if path is not None and path not in PATHS:
+        raise ValueError(f"path must be None or one of {PATHS}, got {path!r}")
     t, k = topk_ids.shape
-    e, two_i, h = w13.shape
     if t == 0:
         return torch.zeros_like(x)
+    extra = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
+    if path == "grouped" or lora is not None or (path is None and (
+            t > MAX_TOKENS or x.dtype not in HALF_DTYPES)):
+        return _grouped(x, w13, w2, topk_weights, topk_ids, lora=lora, **extra)
+    if t > MAX_TOKENS:
+        raise ValueError(f"path {path!r} takes 1..{MAX_TOKENS} tokens, got {t}")
+    e, two_i, h = w13.shape
+    tiles = {c.name: c for c in decode_tiles(t, k, h, two_i // 2, x.device)}
+
+    def run(name: str) -> torch.Tensor:
+        if name == "grouped":
+            return _grouped(x, w13, w2, topk_weights, topk_ids, **extra)
+        return run_half_decode(x, w13, w2, topk_weights, topk_ids, tiles[name], **extra)
+
+    if path == "decode":
+        return run(next(iter(tiles)))
+    key = ("half experts", e, two_i, h, k, t, x.dtype, w13_bias is not None,
+           w2_bias is not None, activation.kind)
+    # On CUDA the grouped path comes first: the tuner checks the others against it, and
+    # runs it untimed. The interpreter (tests) runs the decode path.
+    names = ("grouped", *tiles) if x.is_cuda else (*tiles, "grouped")
+    return run_fastest(key, names, run, x.device, EXACT_OPERANDS_AGREE)
+
+
+def _grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+             topk_ids: torch.Tensor, w13_bias: torch.Tensor | None,
+             w2_bias: torch.Tensor | None, activation: ExpertActivation,
+             lora: Any = None) -> torch.Tensor:
+    """The grouped GEMMs (the module docstring's path)."""
+    t, k = topk_ids.shape
+    e, two_i, h = w13.shape
     n = t * k
     tiles = choose_tiles(n, e, x.dtype)
     groups = group_by_expert(topk_ids, e, tiles[0])
