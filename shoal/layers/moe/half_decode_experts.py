@@ -41,8 +41,13 @@ import triton.language as tl
 from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.expert_inputs import check_expert_inputs
 from shoal.layers.moe.mxfp4_decode_experts import MAX_TOKENS, store_gate_up_activation
-from shoal.layers.ops.half_gemv import _SUM_BLOCK, VEC, k_per_split, split_for
-from shoal.layers.ops.half_gemv import _sum_splits_kernel as _sum_splits  # (split order)
+from shoal.layers.ops.half_gemv import (
+    SUM_BLOCK,
+    VEC,
+    k_per_split,
+    split_for,
+    sum_splits_kernel,  # (split order)
+)
 
 
 @dataclass(frozen=True)
@@ -239,8 +244,8 @@ def run_half_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         TOPK=k, HAS_BIAS=w2_bias is not None, BLOCK_N=tiles.down_block_n,
         BLOCK_K=tiles.block_k, VEC=VEC, num_warps=tiles.num_warps, num_stages=1)
     if split > 1:
-        _sum_splits[(t, triton.cdiv(h, _SUM_BLOCK))](part, x, out, t, h, split, h,
-                                                     HAS_BIAS=False, BLOCK=_SUM_BLOCK,
+        sum_splits_kernel[(t, triton.cdiv(h, SUM_BLOCK))](part, x, out, t, h, split, h,
+                                                     HAS_BIAS=False, BLOCK=SUM_BLOCK,
                                                      num_warps=4)
     return out
 

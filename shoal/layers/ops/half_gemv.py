@@ -37,7 +37,7 @@ import triton.language as tl
 MAX_ROWS = 8  # activation rows one program holds
 VEC = 8  # halves a 16-byte load reads
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-_SUM_BLOCK = 512  # outputs a program of the split-summing kernel writes
+SUM_BLOCK = 512  # outputs a program of the split-summing kernel writes
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def _half_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT, stride_om,
+def sum_splits_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT, stride_om,
                        HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """out[m, n] = sum over s in order of part[s, m, n] (+ b[n]), rounded once."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
@@ -163,9 +163,9 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
     _half_gemv_kernel[grid](x, weight, x, part, m, n, k, span, x.stride(0), weight.stride(0),
                             m * n, n, HAS_BIAS=False, **launch)
-    _sum_splits_kernel[(m, triton.cdiv(n, _SUM_BLOCK))](
+    sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](
         part, bias if bias is not None else x, out, m, n, split, n, HAS_BIAS=bias is not None,
-        BLOCK=_SUM_BLOCK, num_warps=4)
+        BLOCK=SUM_BLOCK, num_warps=4)
     return out
 
 
