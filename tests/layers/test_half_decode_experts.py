@@ -145,7 +145,7 @@ def _recording(monkeypatch, launches: list) -> None:
     """Every launch of the decode kernels and of the grouped GEMM appended as (kernel, grid,
     argument shapes)."""
     for module, name in ((decode, "_gate_up_kernel"), (decode, "_down_kernel"),
-                         (decode, "_sum_splits"), (grouped_moe, "_grouped_gemm_kernel")):
+                         (decode, "sum_splits_kernel"), (grouped_moe, "_grouped_gemm_kernel")):
         kernel = getattr(module, name)
 
         class Recorder:
@@ -172,7 +172,7 @@ def test_launch_shapes_do_not_depend_on_the_routing(monkeypatch) -> None:
         got = experts_half_decode(x, w["w13"], w["w2"], weights, ids, tiles)
         want = experts_torch(x, w["w13"], w["w2"], weights, ids)
         assert rel(got, want) < 1e-6
-    assert [n for n, *_ in launches] == ["_gate_up_kernel", "_down_kernel", "_sum_splits"] * 2
+    assert [n for n, *_ in launches] == ["_gate_up_kernel", "_down_kernel", "sum_splits_kernel"] * 2
     assert launches[:3] == launches[3:]
     assert launches[0][1] == (3 * 2, 2) and launches[1][1] == (3, 3, 2)
 
@@ -195,7 +195,7 @@ def test_experts_triton_picks_the_decode_path_for_a_few_half_tokens(monkeypatch)
 
     first = decode.decode_tiles(2, 2, H, INTER, DEV)[0]  # the tiles path="decode" runs
     splits = k_per_split(INTER, first.block_k, first.split)[1]
-    decode_kernels = ["_gate_up_kernel", "_down_kernel"] + ["_sum_splits"] * (splits > 1)
+    decode_kernels = ["_gate_up_kernel", "_down_kernel"] + ["sum_splits_kernel"] * (splits > 1)
     if DEV.type != "cuda":  # (on a GPU the choice is the tuner's: launch_tuner.py)
         assert splits == 2  # the interpreter runs both down paths (decode_tiles)
         experts_triton(x, *args)
