@@ -273,7 +273,9 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 4000 if not args.smoke else 500) for _ in range(n)]
                for n in (20, 75, 150, 300)]
-    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    # logprobs=2: at a first divergence, how far apart the two candidates were (a near tie of
+    # bf16 rounding, or a real difference)
+    sp = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     loras = [LoRARequest(f"a{i}", i + 1, str(a)) for i, a in enumerate(adapters)]
     batch = [{"prompt_token_ids": p} for p in prompts] * 3
     got = llm.generate(batch, sp, lora_request=[None] * 4 + [loras[0]] * 4 + [loras[1]] * 4,
@@ -288,17 +290,30 @@ def correctness(args: argparse.Namespace) -> dict[str, Any]:
         release(ref)
         del ref
         for j, w in enumerate(want):
-            g = got[4 * i + j].outputs[0].token_ids
-            w = w.outputs[0].token_ids
+            g_out, w_out = got[4 * i + j].outputs[0], w.outputs[0]
+            g, w = g_out.token_ids, w_out.token_ids
             first = next((k for k, (x, y) in enumerate(zip(g, w)) if x != y), None)
             results.append({"adapter": i, "prompt_len": len(prompts[j]),
                             "equal_share": sum(x == y for x, y in zip(g, w)) / len(w),
-                            "first_divergence": first})
+                            "first_divergence": first,
+                            "gap_at_divergence": None if first is None else {
+                                "lora": _top2_gap(g_out.logprobs, first, g[first], w[first]),
+                                "merged": _top2_gap(w_out.logprobs, first, w[first], g[first])}})
     print(json.dumps(results), flush=True)
     return record("lora_correctness", "shoal", dtype=args.dtype, rank=16,
                   reference="the same engine on merged weights W + scale B A, no LoRA",
                   results=results,
                   mean_equal_share=sum(r["equal_share"] for r in results) / len(results))
+
+
+def _top2_gap(logprobs: Any, pos: int, chosen: int, other: int) -> float | None:
+    """logprob(chosen) - logprob(other) at step pos (None: other not in the top 2 returned)."""
+    if not logprobs or pos >= len(logprobs):
+        return None
+    step = logprobs[pos]
+    if chosen not in step or other not in step:
+        return None
+    return float(step[chosen].logprob - step[other].logprob)
 
 
 def _engines(args: argparse.Namespace) -> tuple[Any, Any, list[Any]]:
