@@ -86,8 +86,10 @@ CONFIG_FOLDERS = {
     "Qwen/Qwen3.5-27B": "qwen3.5-27b",
     "Qwen/Qwen3.5-35B-A3B": "qwen3.5-35b-a3b",
     "moonshotai/Kimi-Linear-48B-A3B-Instruct": "kimi-linear-48b-a3b",
+    # (for an 80 GB card, where the whole model does not fit; not in the default list)
+    "moonshotai/Kimi-Linear-48B-A3B-Instruct-16layers": "kimi-linear-48b-a3b-16layers",
 }
-MODELS = list(CONFIG_FOLDERS)
+MODELS = [m for m in CONFIG_FOLDERS if not m.endswith("-16layers")]
 # transformers' class of each family (model_type -> class name).
 HF_CLASSES = {"qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_text": "Qwen3_5ForCausalLM",
               "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM", "kimi_linear": "KimiLinearForCausalLM"}

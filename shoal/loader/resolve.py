@@ -83,6 +83,9 @@ SHIPPED_CONFIGS: dict[str, str] = {
     "Qwen/Qwen3.5-27B": "qwen3.5-27b",
     "Qwen/Qwen3.5-35B-A3B": "qwen3.5-35b-a3b",
     "moonshotai/Kimi-Linear-48B-A3B-Instruct": "kimi-linear-48b-a3b",
+    # Kimi-Linear (98 GB in bf16) does not fit an 80 GB H100: its first 16 of 27 layers (the
+    # same 3 KDA : 1 MLA pattern, the dense first layer), 28.7B parameters (57 GB).
+    "moonshotai/Kimi-Linear-48B-A3B-Instruct-16layers": "kimi-linear-48b-a3b-16layers",
     # Attention sinks, sliding windows beside full attention, MXFP4 experts when real.
     "openai/gpt-oss-20b": "gpt-oss-20b",
     # Images (W13): the vision tower and M-RoPE decoder, with its preprocessor_config.json.

@@ -22,6 +22,7 @@ QWEN3_NEXT_24 = "Qwen/Qwen3-Next-80B-A3B-Instruct-24layers"
 QWEN35_27B = "Qwen/Qwen3.5-27B"
 QWEN35_35B = "Qwen/Qwen3.5-35B-A3B"
 KIMI_LINEAR = "moonshotai/Kimi-Linear-48B-A3B-Instruct"
+KIMI_LINEAR_16 = "moonshotai/Kimi-Linear-48B-A3B-Instruct-16layers"
 
 
 def _every_fourth(n: int) -> list[str]:
@@ -124,7 +125,27 @@ def test_kimi_linear_48b_a3b():
     assert active == pytest.approx(3.48, abs=0.05)
 
 
-@pytest.mark.parametrize("name", [QWEN3_NEXT_24, QWEN35_27B, QWEN35_35B, KIMI_LINEAR])
+def test_kimi_linear_16_layers_fits_an_80_gb_card():
+    """Kimi-Linear's first 16 layers: the same pattern (a dense first layer, every fourth
+    layer MLA), every layer the real shape, 57 GB of bf16 weights."""
+    cfg, cls = _load(KIMI_LINEAR_16)
+    full_cfg, _ = _load(KIMI_LINEAR)
+    assert cls is KimiLinearForCausalLM
+    assert cfg.num_hidden_layers == 16
+    assert cfg.layer_types == full_cfg.layer_types[:16]
+    assert cfg.mlp_layer_types == full_cfg.mlp_layer_types[:16]
+    total, active = _counts(cfg, cls)
+    full_total, full_active = _counts(full_cfg, cls)
+    # 11 fewer layers of the same shape (every cut layer is KDA or MLA with a MoE MLP)
+    per_layer = (full_total - total) / 11
+    assert total == pytest.approx(28.70, abs=0.05)
+    assert active == pytest.approx(2.37, abs=0.05)
+    assert 2 * total < 60  # GB of bf16 weights, with room for the KV pool on 80 GB
+    assert per_layer == pytest.approx((full_total - 0.75) / 27, rel=0.05)
+
+
+@pytest.mark.parametrize("name", [QWEN3_NEXT_24, QWEN35_27B, QWEN35_35B, KIMI_LINEAR,
+                                  KIMI_LINEAR_16])
 def test_names_resolve_case_insensitively(name):
     assert load_model(name.lower(), load_format="dummy").hf_config.architectures == \
         load_model(name, load_format="dummy").hf_config.architectures
