@@ -3,6 +3,8 @@ random bf16 weights, batch 1 and 32, 128 input / 256 output tokens, greedy, igno
 
     python benchmarks/spec_decode_gpu.py --out results.json
     python benchmarks/spec_decode_gpu.py --smoke --out /tmp/w9.json   # a 2-layer model, CPU
+    python benchmarks/spec_decode_gpu.py --methods forced,eagle3,eagle3_confidence \
+        --rates 0.0,1.0 --out results.json   # real drafters too (benchmarks/spec_methods.py)
 
 Random weights cannot show real acceptance, so the speculating engine uses the test-only
 method "test_forced_acceptance" (k = 4): every step proposes k drafts, runs the real verify
@@ -18,9 +20,15 @@ failing decodes without them for a while) turns most drafting off, as it should;
 verify step's cost over a plain decode step is taken at a = 0.5 (every step there verifies
 k+1 positions: the forced rule accepts floor(0.5*4 + u) = 2 drafts, never 0).
 
+--methods (default forced: the figures above) adds real drafters under the same forced rule
+(speculative_config forced_acceptance_rate): eagle3, a random EAGLE-3 head of the target's
+shape whose drafting is paid for, and eagle3_confidence, the same with confidence-scheduled
+verification (benchmarks/spec_methods.py). Their records carry "method"; their summary keys
+are named after it (forced keeps "spec_...").
+
 Each engine runs in its own subprocess (an 8B model twice does not fit one memory budget)
-and runs every batch size. One speculating engine serves all rates, its rate changed in
-place (an engine internal); under SHOAL_BENCH_PUBLIC_ONLY=1 (the before/after sweep) each
+and runs every batch size. One speculating engine per method serves all rates, its rate
+changed in place (an engine internal); under SHOAL_BENCH_PUBLIC_ONLY=1 (the before/after sweep) each
 rate gets its own engine, built with that acceptance_rate, and ms per step (counted on the
 runner) is None. Writes one JSON list of records to --out."""
 
@@ -38,6 +46,7 @@ from typing import Any
 
 import engine_internals
 import offline_runs
+import spec_methods
 from bench_args import REQUIRED, add_common, comma_floats, comma_ints
 from offline_runs import LLAMA_8B
 from results_file import record, write
@@ -55,8 +64,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=256)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--rates", type=comma_floats, default=list(RATES))
+    p.add_argument("--methods", type=spec_methods.parse_methods, default=["forced"],
+                   help=f"comma list of {', '.join(spec_methods.METHODS)} (default: forced)")
+    p.add_argument("--confidence-threshold", type=float, default=0.5,
+                   help="eagle3_confidence's speculative_config confidence_threshold")
     p.add_argument("--engine", choices=("plain", "spec"), default=None,
                    help=argparse.SUPPRESS)  # the subprocess's part
+    p.add_argument("--method", choices=spec_methods.METHODS, default="forced",
+                   help=argparse.SUPPRESS)  # the subprocess's method
     args = p.parse_args(argv)
     if args.smoke:
         args.batch_sizes, args.input_len, args.output_len, args.repeats = [1, 4], 16, 24, 1
@@ -104,9 +119,9 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
     if args.device == "cpu":
         kw["kv_cache_memory_bytes"] = 64 << 20
     if args.engine == "spec":
-        kw["speculative_config"] = {"method": "test_forced_acceptance",
-                                    "num_speculative_tokens": args.num_speculative_tokens,
-                                    "acceptance_rate": args.rates[0]}
+        kw["speculative_config"] = spec_methods.speculative_config(
+            args.method, args.num_speculative_tokens, args.rates[0], args.model,
+            Path(tempfile.mkdtemp(prefix="w9-head-")), args.confidence_threshold)
     eng = offline_runs.start_engine(args.model, **kw)
     vocab = (engine_internals.vocab_size(eng.llm) or offline_runs.config_vocab_size(args.model)
              or 32000)
@@ -122,12 +137,13 @@ def engine_part(args: argparse.Namespace) -> list[dict]:
                         **_timed(eng.llm, prompts, sp, args.repeats)})
             continue
         for i, rate in enumerate(args.rates):
-            if i and not engine_internals.set_forced_acceptance(eng.llm, rate):
+            if i and not spec_methods.set_rate(eng.llm, args.method, rate):
                 raise RuntimeError("cannot change the acceptance rate in place: pass one rate")
             fig = _timed(eng.llm, prompts, sp, args.repeats)
-            out.append({"engine": "spec", "batch": batch, "acceptance_rate": rate,
+            out.append({"engine": "spec", "method": args.method, "batch": batch,
+                        "acceptance_rate": rate,
                         "num_speculative_tokens": args.num_speculative_tokens, **common, **fig})
-        engine_internals.set_forced_acceptance(eng.llm, args.rates[0])
+        spec_methods.set_rate(eng.llm, args.method, args.rates[0])
     return out
 
 
@@ -139,13 +155,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     # One speculating engine for every rate, or one per rate when it cannot be changed.
     groups = [[r] for r in args.rates] if engine_internals.public_only() else [args.rates]
-    plan = [("plain", args.rates)] + [("spec", g) for g in groups]
+    plan = [("plain", "forced", args.rates)] + [("spec", m, g) for m in args.methods
+                                                for g in groups]
     parts: dict[str, list[dict]] = {"plain": [], "spec": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (engine, rates) in enumerate(plan):
+        for i, (engine, method, rates) in enumerate(plan):
             part_out = Path(tmp) / f"{engine}-{i}.json"
             cmd = [sys.executable, __file__, *argv, "--model", args.model, "--engine", engine,
-                   "--rates", ",".join(map(str, rates)), "--out", str(part_out)]
+                   "--method", method, "--rates", ",".join(map(str, rates)),
+                   "--out", str(part_out)]
             subprocess.run(cmd, check=True)
             parts[engine] += json.loads(part_out.read_text())
     records = _summarise(args, parts)
@@ -162,17 +180,21 @@ def _summarise(args: argparse.Namespace, parts: dict[str, list[dict]]) -> list[d
                                "plain_ms_per_step": plain["ms_per_step"]}
         for r in parts["spec"]:
             if r["batch"] == batch:
-                a = r["acceptance_rate"]
-                row[f"spec_a{a}_tok_s"] = r["output_tok_s"]
-                row[f"spec_a{a}_ms_per_step"] = r["ms_per_step"]
-                row[f"spec_a{a}_speedup"] = round(r["output_tok_s"] / plain["output_tok_s"], 3)
-        if row.get("spec_a0.5_ms_per_step") and plain["ms_per_step"]:
-            row["verify_step_over_plain_step"] = round(
-                row["spec_a0.5_ms_per_step"] / plain["ms_per_step"], 3)
+                a, m = r["acceptance_rate"], spec_methods.summary_prefix(r["method"])
+                row[f"{m}_a{a}_tok_s"] = r["output_tok_s"]
+                row[f"{m}_a{a}_ms_per_step"] = r["ms_per_step"]
+                row[f"{m}_a{a}_speedup"] = round(r["output_tok_s"] / plain["output_tok_s"], 3)
+        for method in args.methods:
+            m = spec_methods.summary_prefix(method)
+            if row.get(f"{m}_a0.5_ms_per_step") and plain["ms_per_step"]:
+                key = "verify_step" if method == "forced" else f"{m}_step_a0.5"
+                row[f"{key}_over_plain_step"] = round(
+                    row[f"{m}_a0.5_ms_per_step"] / plain["ms_per_step"], 3)
         summary[f"batch_{batch}"] = row
     return [record("W9", "shoal", model=args.model, load_format=args.load_format,
                    dtype=args.dtype, input_len=args.input_len, output_len=args.output_len,
                    num_speculative_tokens=args.num_speculative_tokens, runs=parts,
+                   methods=args.methods, confidence_threshold=args.confidence_threshold,
                    summary=summary, public_only=engine_internals.public_only(),
                    notes="speculating engine: verify steps one at a time, steps without drafts "
                          "pipelined (async scheduling), "

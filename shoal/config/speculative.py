@@ -18,7 +18,8 @@ NOT_YET = ("medusa", "mlp_speculator", "suffix")
 FORCED = "test_forced_acceptance"
 
 _KEYS = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-         "acceptance_rate", "disable_by_batch_size", "adaptive_budget", "confidence_threshold"}
+         "acceptance_rate", "disable_by_batch_size", "adaptive_budget", "confidence_threshold",
+         "forced_acceptance_rate"}
 # vLLM's other keys: a clear error rather than a silently ignored setting.
 _NOT_YET_KEYS = {"draft_tensor_parallel_size", "max_model_len", "quantization", "revision",
                  "code_revision", "disable_padded_drafter_batch",
@@ -47,6 +48,11 @@ class SpeculativeConfig:
     # verifies the drafts whose cumulative drafter probability, times its acceptance
     # estimate, clears this threshold scaled up with the batch; None (default): off.
     confidence_threshold: float | None = None
+    # Test-only, never lossless (timing real drafters on random weights): the method's own
+    # drafter proposes and the verify forward runs as usual, then a forced share of the
+    # drafts is accepted as test_forced_acceptance does, each row keeping the target's token
+    # (shoal/spec_decode/forced_overlay.py). None (default): the target decides.
+    forced_acceptance_rate: float | None = None
 
     def __post_init__(self) -> None:
         if self.method in NOT_YET:
@@ -88,6 +94,14 @@ class SpeculativeConfig:
         if self.method != FORCED and self.acceptance_rate:
             raise ValueError("speculative_config: acceptance_rate is for the test-only method "
                              f"{FORCED!r}")
+        f = self.forced_acceptance_rate
+        if f is not None and (not isinstance(f, (int, float)) or isinstance(f, bool)
+                              or not 0.0 <= f <= 1.0):
+            raise ValueError("speculative_config: forced_acceptance_rate (test-only) must be a "
+                             f"number in [0, 1] or null (got {f!r})")
+        if f is not None and self.method == FORCED:
+            raise ValueError("speculative_config: forced_acceptance_rate is for a real method; "
+                             f"{FORCED!r} takes acceptance_rate")
         if self.method == FORCED and not 0.0 <= self.acceptance_rate <= 1.0:
             raise ValueError("speculative_config: acceptance_rate must be in [0, 1] (got "
                              f"{self.acceptance_rate!r})")
@@ -133,7 +147,8 @@ class SpeculativeConfig:
                                   "num_speculative_tokens": d["num_speculative_tokens"],
                                   "model": model}
         for key in ("prompt_lookup_min", "prompt_lookup_max", "acceptance_rate",
-                    "disable_by_batch_size", "adaptive_budget", "confidence_threshold"):
+                    "disable_by_batch_size", "adaptive_budget", "confidence_threshold",
+                    "forced_acceptance_rate"):
             if d.get(key) is not None:
                 kwargs[key] = d[key]
         # Only one bound given: the other takes its value (as vLLM does).

@@ -37,7 +37,13 @@ def build_drafter(engine_config: EngineConfig, target: Any, loaded: Any) -> Draf
     dp_ep = engine_config.parallel_config.dp_expert_parallel
     with rotary_share.one_model(target), expert_parallel(dp_ep), \
             triton_ops_while_building(engine_config.use_triton_ops):
-        return _build_drafter(engine_config, target, loaded)
+        drafter = _build_drafter(engine_config, target, loaded)
+    config = engine_config.speculative_config
+    if config is not None and config.forced_acceptance_rate is not None:  # test-only
+        from shoal.spec_decode.forced_overlay import overlay_forced_acceptance
+
+        drafter = overlay_forced_acceptance(drafter, config)
+    return drafter
 
 
 def _build_drafter(engine_config: EngineConfig, target: Any, loaded: Any) -> Drafter | None:

@@ -23,10 +23,15 @@ class ForcedAcceptance(HostDrafter):
         return [last] * self.k
 
     def accept_mask(self, drafts_per_request: list[int]) -> list[bool]:
-        """Per sampling row of a verify step (k + 1 rows per request with k drafts): whether
-        that row's draft counts as accepted."""
-        mask: list[bool] = []
-        for k in drafts_per_request:
-            m = min(k, int(self.rate * k + self._rng.random()))
-            mask.extend([j < m for j in range(k)] + [False])
-        return mask
+        return forced_accept_mask(self.rate, self._rng, drafts_per_request)
+
+
+def forced_accept_mask(rate: float, rng: random.Random,
+                       drafts_per_request: list[int]) -> list[bool]:
+    """Per sampling row of a verify step (k + 1 rows per request with k drafts): whether
+    that row's draft counts as accepted (floor(rate * k + u) drafts per request)."""
+    mask: list[bool] = []
+    for k in drafts_per_request:
+        m = min(k, int(rate * k + rng.random()))
+        mask.extend([j < m for j in range(k)] + [False])
+    return mask
