@@ -72,19 +72,23 @@ def moe_active_bytes(model: Any, top_k: int) -> dict[str, Any]:
     real shapes and dtypes: DeepSeek's float32 router gate counts 4 bytes a weight): a
     FusedMoE module's parameters x top_k / its experts (a token runs top_k experts of each
     MoE layer), one row of the embedding table, everything else whole. A tied LM head counts
-    in full beside its embedding row; a tensor counts once per part. Parameters, and the
-    buffers of the experts (FusedMoE.install_* keeps FP8 / INT4 / MXFP4 experts as buffers);
-    other buffers (rotary caches) are not weights."""
+    in full beside its embedding row; a tensor counts once per part. Parameters, the buffers
+    of the experts (FusedMoE.install_* keeps FP8 / INT4 / MXFP4 experts as buffers) and a
+    linear layer's packed weights (`quant`: shoal/quantization/fast_path.py empties its
+    `weight`); other buffers (rotary caches) are not weights. Under expert parallelism a
+    rank counts all top_k experts as its own: the busiest rank's floor at batch 1."""
     modules = dict(model.named_modules())
     experts = {n: m for n, m in modules.items() if type(m).__name__ == "FusedMoE"}
     parts: dict[str, int] = dict.fromkeys(FLOOR_KINDS, 0)
     seen: set[tuple[int, str]] = set()
-    table = 0
+    table, table_ids = 0, set()
     for name, module in modules.items():
         part = weight_part(name, module, experts)
         tensors = list(module.parameters(recurse=False))
         if part == "active_experts":
             tensors += list(module.buffers(recurse=False))
+        elif getattr(module, "quant", None) is not None and hasattr(module.quant, "nbytes"):
+            parts[part] = parts.get(part, 0) + int(module.quant.nbytes)
         for p in tensors:
             if (id(p), part) in seen:
                 continue
@@ -96,8 +100,12 @@ def moe_active_bytes(model: Any, top_k: int) -> dict[str, Any]:
                                                or moe.num_experts)
             elif part == "embedding_row":
                 table += nbytes
+                table_ids.add(id(p))
                 nbytes = p.shape[-1] * p.element_size()
             parts[part] = parts.get(part, 0) + nbytes
+    head = modules.get("lm_head")
+    if head is not None and any(id(p) in table_ids for p in head.parameters(recurse=False)):
+        table = 0  # (tied: the LM head already counts the whole table)
     parts = {k: v for k, v in parts.items() if v}  # (no shared experts, no dense layer)
     total = sum(parts.values())
     return dict(bytes_per_token=total, bytes_by_part=parts,

@@ -146,3 +146,68 @@ def test_deepseek_smoke_run(tmp_path: Path) -> None:
         "embedding_row", "lm_head"}
     for p in floor["parts"]:  # every part's kinds ran kernels in the profiled steps
         assert p["eager_kernel_us"] > 0, p
+
+
+def _toy_moe(floors):
+    """A model of named modules as shoal builds them: one MoE layer of 8 experts, an attention
+    projection, an embedding table and an LM head (float32: 4 bytes a weight)."""
+    import torch
+    from torch import nn
+
+    class FusedMoE(nn.Module):  # (the step floors find experts by class name)
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_experts = self.local_num_experts = 8
+            self.w13_weight = nn.Parameter(torch.zeros(8, 64, 32))
+            self.w2_weight = nn.Parameter(torch.zeros(8, 32, 32))
+
+    class VocabParallelEmbedding(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(1000, 32))
+
+    model = nn.Module()
+    model.embed_tokens = VocabParallelEmbedding()
+    model.layers = nn.ModuleList([nn.Module()])
+    model.layers[0].self_attn = nn.Module()
+    model.layers[0].self_attn.qkv_proj = nn.Linear(32, 96, bias=False)
+    model.layers[0].mlp = nn.Module()
+    model.layers[0].mlp.experts = FusedMoE()
+    model.lm_head = nn.Module()
+    model.lm_head.weight = nn.Parameter(torch.zeros(1000, 32))
+    return model
+
+
+def test_floor_counts_packed_linear_weights(floors) -> None:
+    """fast_path._install keeps an FP8/INT4 linear's weights on layer.quant and empties its
+    weight: the floor counts the packed bytes."""
+    import torch
+    from torch import nn
+
+    model = _toy_moe(floors)
+    before = floors.moe_active_bytes(model, 2)["bytes_by_part"]
+    assert before["attention"] == 32 * 96 * 4
+    assert before["active_experts"] == (64 * 32 + 32 * 32) * 8 * 4 * 2 // 8
+
+    class Packed:
+        nbytes = 32 * 96 + 96 * 4  # FP8 codes and a float32 scale a row
+
+    qkv = model.layers[0].self_attn.qkv_proj
+    qkv.quant = Packed()
+    qkv.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+    after = floors.moe_active_bytes(model, 2)["bytes_by_part"]
+    assert after["attention"] == Packed.nbytes
+    assert after["active_experts"] == before["active_experts"]
+
+
+def test_tied_table_counts_once_in_the_whole_embedding_figure(floors) -> None:
+    model = _toy_moe(floors)
+    untied = floors.moe_active_bytes(model, 2)
+    table = 1000 * 32 * 4
+    assert untied["bytes_by_part"]["embedding_row"] == 32 * 4
+    assert untied["bytes_per_token_whole_embedding"] == \
+        untied["bytes_per_token"] - 32 * 4 + table
+    model.lm_head.weight = model.embed_tokens.weight  # tied
+    tied = floors.moe_active_bytes(model, 2)
+    assert tied["bytes_by_part"]["lm_head"] == table
+    assert tied["bytes_per_token_whole_embedding"] == tied["bytes_per_token"] - 32 * 4

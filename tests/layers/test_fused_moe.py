@@ -148,12 +148,15 @@ BF16_DOT = pytest.mark.skipif(INTERPRET, reason="the interpreter's tl.dot does n
                               "bf16 (triton-lang/triton#11584); runs on a GPU")
 
 
+@pytest.mark.parametrize("path", ["grouped", "decode"])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=BF16_DOT), torch.float16])
-def test_triton_half_precision(dtype: torch.dtype) -> None:
+def test_triton_half_precision(dtype: torch.dtype, path: str) -> None:
+    """Both paths of a few half-precision tokens (the tuner's candidates: grouped GEMMs and
+    half_decode_experts.py) against float32 torch."""
     x, w13, w2, weights, ids = make(6, 8, 2, 64, 32, seed=5)
     x, w13, w2, weights = (a.to(dtype) for a in (x, w13, w2, weights))
     ref = experts_torch(*(a.float() for a in (x, w13, w2, weights)), ids)
-    got = experts_triton(*(a.to(DEV) for a in (x, w13, w2, weights, ids)))
+    got = experts_triton(*(a.to(DEV) for a in (x, w13, w2, weights, ids)), path=path)
     assert got.dtype == dtype
     torch.testing.assert_close(got.cpu().float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 

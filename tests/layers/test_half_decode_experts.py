@@ -125,6 +125,24 @@ def test_decode_path_matches_torch_and_the_grouped_path(case: str) -> None:
         assert rel(got, grouped) < 6 * ulp
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_routers_dtypes_int32_ids_and_float32_weights(dtype: torch.dtype) -> None:
+    """What the routers hand over: int32 ids and float32 routing weights beside a half x (the
+    cases above use int64 ids and weights in x's dtype)."""
+    w = experts(seed=7, dtype=dtype, bias=True)
+    x, weights, ids = routed(2, 3, seed=23, dtype=dtype)
+    weights32, ids32 = weights.float() * 1.001, ids.to(torch.int32)
+    got = experts_triton(x, w["w13"], w["w2"], weights32, ids32, w["w13_bias"], w["w2_bias"],
+                         path="decode")
+    want = experts_triton(x, w["w13"], w["w2"], weights32, ids32.long(), w["w13_bias"],
+                          w["w2_bias"], path="decode")
+    assert torch.equal(got, want)  # (the ids' width changes nothing)
+    ulp = ULP[dtype] * (2 if INTERPRET and dtype == torch.bfloat16 else 1)
+    torch_out = experts_torch(x.float(), w["w13"].float(), w["w2"].float(), weights32,
+                              ids32.long(), w["w13_bias"].float(), w["w2_bias"].float())
+    assert rel(got, torch_out) < 16 * ulp
+
+
 def test_split_down_matches_unsplit_and_other_tiles() -> None:
     """The same experts through a split down projection (float32 partials, summed in split
     order), an unsplit one, and narrower tiles and K steps: float32 sums in other orders."""
@@ -314,7 +332,30 @@ def test_gpu_candidates_agree_and_their_times(shape: str) -> None:
             graph.replay()
         end.record()
         end.synchronize()
-        tuned_key = ("half experts", e, 2 * inter, h, k, t, dtype, False, False, "silu")
-        pick = getattr(launch_tuner.TUNED.get(tuned_key), "choice", "untimed: grouped")
+        prefix = ("half experts", e, 2 * inter, h, k, t, dtype, False, False, "silu")
+        pick = next((v.choice for key, v in launch_tuner.TUNED.items()
+                     if key[:len(prefix)] == prefix), "untimed: grouped")
         print(f"  tuner's pick ({pick}), a graph of one call replayed: "
               f"{start.elapsed_time(end) * 1e3 / 20:.1f} us")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_expert_offsets_past_two_to_the_31() -> None:
+    """70 experts of 4096 x 8192 bf16 (w13 2.35G elements, 9.4 GB with w2): the last
+    experts start past element 2^31, so an offset computed in int32 would read the wrong
+    rows. Tokens routed to experts 69 and 68 against torch on those experts alone."""
+    e, inter, h = 70, 2048, 8192
+    g = torch.Generator(device="cuda").manual_seed(3)
+    w13 = torch.empty(e, 2 * inter, h, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.empty(e, h, inter, device="cuda", dtype=torch.bfloat16)
+    for w, fan_in in ((w13, h), (w2, inter)):  # (expert by expert: no 9 GB float32 temp)
+        for i in range(e):
+            w[i].normal_(0, fan_in ** -0.5, generator=g)
+    x = torch.randn(2, h, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.tensor([[69, 68], [68, 69]], device="cuda", dtype=torch.int32)
+    weights = torch.tensor([[0.7, 0.3], [0.4, 0.6]], device="cuda")
+    got = experts_triton(x, w13, w2, weights, ids, path="decode")
+    local = torch.tensor([[1, 0], [0, 1]], device="cuda")  # (68 -> 0, 69 -> 1)
+    want = experts_torch(x.float(), w13[68:].float(), w2[68:].float(), weights, local)
+    assert rel(got, want) < 16 * ULP[torch.bfloat16]

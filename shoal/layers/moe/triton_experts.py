@@ -158,7 +158,8 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if path == "decode":
         return run(next(iter(tiles)))
     key = ("half experts", e, two_i, h, k, t, x.dtype, w13_bias is not None,
-           w2_bias is not None, activation.kind)
+           w2_bias is not None, activation.kind,
+           tuple(tiles))  # (the tiles follow the SM count: another card, another key)
     # On CUDA the grouped path comes first: the tuner checks the others against it, and
     # runs it untimed. The interpreter (tests) runs the decode path.
     names = ("grouped", *tiles) if x.is_cuda else (*tiles, "grouped")

@@ -180,7 +180,8 @@ def experts_triton_mxfp4(x: torch.Tensor, q: Mxfp4Experts, topk_weights: torch.T
         return run(next(iter(words)))
     key = ("mxfp4 experts", q.w13.blocks.shape[0], q.w13.out_features, q.w13.in_features,
            q.w2.out_features, k, t, x.dtype, w13_bias is not None, activation.kind,
-           bool(words))  # (a layer whose blocks refuse words must not inherit a word pick)
+           tuple(tiles), tuple(words))  # (the candidates themselves: a layer whose blocks
+    # refuse words, or a card of another SM count, must not inherit a pick it cannot run)
     # On CUDA the grouped path comes first: the tuner checks the others against it, and
     # runs it untimed. The interpreter (tests) runs the decode path.
     names = ("grouped", *tiles, *words) if x.is_cuda else (*tiles, *words, "grouped")

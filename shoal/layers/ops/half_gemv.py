@@ -108,7 +108,7 @@ def _half_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
 
 @triton.jit
 def sum_splits_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT, stride_om,
-                       HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     """out[m, n] = sum over s in order of part[s, m, n] (+ b[n]), rounded once."""
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs = pid_n * BLOCK + tl.arange(0, BLOCK)
