@@ -14,7 +14,7 @@ from oracle import write_tiny_checkpoint
 from safetensors.torch import load_file
 
 from shoal import LLM, SamplingParams
-from shoal.loader.weight_offload import layer_layout, offloader_of
+from shoal.loader.weight_offload import WeightOffloader, layer_layout, offloader_of
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -66,7 +66,13 @@ def close(llm: LLM) -> None:
     torch.cuda.empty_cache()
 
 
-def test_offload_frees_device_memory_for_the_kv_cache_and_keeps_tokens(tmp_path) -> None:
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_offload_frees_device_memory_for_the_kv_cache_and_keeps_tokens(
+        tmp_path, monkeypatch, prefetch: bool) -> None:
+    """prefetch: layer k+1 copied on a side stream into a second staging slot while layer k
+    runs (off by default until this passes on a GPU): the same tokens, the second slot
+    counted in what offloading saves."""
+    monkeypatch.setattr(WeightOffloader, "default_prefetch", prefetch)
     path = str(write_tiny_checkpoint(tmp_path / "m", "llama", **SHAPE))
     updated = {k: v * 1.5 if v.dim() == 2 else v
                for k, v in load_file(f"{path}/model.safetensors").items()}
@@ -89,7 +95,9 @@ def test_offload_frees_device_memory_for_the_kv_cache_and_keeps_tokens(tmp_path)
     base = baseline()
     llm = LLM(model=path, cpu_offload_gb=budget / 2**30, **ENGINE)
     try:
-        stats = offloader_of(llm.llm_engine.core.runner.model).stats
+        offloader = offloader_of(llm.llm_engine.core.runner.model)
+        assert offloader.prefetch is prefetch
+        stats = offloader.stats
         assert stats.layers == tuple(f"model.layers.{i}" for i in range(4))
         assert stats.offloaded_bytes == sum(sizes[:4]) <= budget
         saved = stats.offloaded_bytes - stats.staging_bytes
