@@ -29,7 +29,7 @@ class _FakeCuda:
         monkeypatch.setattr(cuda, "Event", lambda **kw: type("E", (), {
             "record": lambda s: None, "synchronize": lambda s: None,
             "elapsed_time": lambda s, other: 2e-3 * launch_tuner.REPEATS})())
-        monkeypatch.setattr(launch_tuner, "_may_time", lambda device: True)
+        monkeypatch.setattr(launch_tuner, "may_time", lambda device: True)
         monkeypatch.setattr(launch_tuner, "TUNED", {})
         monkeypatch.setattr(launch_tuner, "_FAILURES_LOGGED", set())
 

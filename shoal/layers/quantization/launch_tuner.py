@@ -54,13 +54,15 @@ def run_fastest(key: Hashable, names: Sequence[str], run: Callable[[str], torch.
     key is timed this is a dict look-up and one call: the eager decode path calls it per layer
     and step."""
     known = TUNED.get(key)
-    if known is None and _may_time(device):
+    if known is None and may_time(device):
         known = TUNED[key] = _time(key, {name: functools.partial(run, name) for name in names},
                                    agree)
     return run(known.choice if known is not None else names[0])
 
 
-def _may_time(device: torch.device) -> bool:
+def may_time(device: torch.device) -> bool:
+    """Whether a first call on `device` may time its candidates now: a GPU, no CUDA-graph
+    capture under way (a timing launch would be captured), SHOAL_QUANT_TUNING on."""
     return (device.type == "cuda" and not torch.cuda.is_current_stream_capturing()
             and envs.SHOAL_QUANT_TUNING.get())
 
