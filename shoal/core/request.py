@@ -73,6 +73,8 @@ class Request:
     # The accepted run of its last verify step, not yet in linear-attention states (see
     # ScheduledRequest.replay)
     state_replay: int = 0
+    # Backoff (draft_budget.py): steps in a row whose drafts were all rejected or skipped
+    # for low confidence, decode steps left without drafts, pauses so far
     spec_misses: int = 0
     spec_skip: int = 0
     spec_backoffs: int = 0

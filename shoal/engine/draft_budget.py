@@ -8,9 +8,12 @@ to the pool). Prefix-cache hashes are made from `all_token_ids`, which only ever
 accepted tokens, so no draft reaches the cache.
 
 A request whose drafts keep failing stops paying for them: after MISSES_BEFORE_BACKOFF verify
-steps in a row with nothing accepted, while its acceptance estimate is below BACKOFF_BELOW, it
-decodes without drafts for a while (4 decode steps,
-doubling with each further miss, at most 64), then tries again; one accepted draft resets it.
+steps in a row with nothing accepted, while its acceptance estimate is below BACKOFF_BELOW, or
+after MISSES_ALWAYS_BACKOFF whatever the estimate, it decodes without drafts for a while (4
+decode steps, doubling with each further miss, at most 64), then tries again; one accepted
+draft resets it. Confidence-scheduled verification (below) counts a step whose drafts it
+skipped for low confidence as such a miss, so a drafter that is never sure stops drafting
+for a while too (its proposals cost a drafting pass and the step's pipelining).
 With async scheduling the engine asks `wants_drafts` before each step: while no request would
 verify drafts next, steps are pipelined (see engine/core.py). The scheduler rolls back the KV
 slots of rejected drafts (settle() says how many were accepted).
@@ -18,7 +21,8 @@ slots of rejected drafts (settle() says how many were accepted).
 Adaptive budget (on unless speculative_config says adaptive_budget=false): each request keeps
 an estimate p of the chance that its next draft is accepted once the drafts before it were
 (counts of accepted drafts and of first rejections, decayed every step so the estimate follows
-recent text and drifts back to its prior when drafts are not verified). The j-th draft is
+recent text; a new request starts at the prior 0.8, and while its drafts are not verified the
+counts fade and the estimate drifts to 0.5, not back to the prior). The j-th draft is
 verified while p**j, the chance it is reached and accepted, is at least the step's worth
 threshold, which rises with the batch: at a few requests a decode reads every weight for one
 token and verifying a few more costs little, so a draft right one time in ten pays; towards
@@ -47,6 +51,14 @@ MISSES_BEFORE_BACKOFF = 2
 # doubles with each miss) left it almost no drafts (W9 batch 32, a = 0.5: 253 steps for 256
 # tokens, 0.80x plain on the H200).
 BACKOFF_BELOW = 0.3
+# At larger batches the adaptive budget stops verifying a failing request's drafts before its
+# estimate falls below BACKOFF_BELOW, and the decay lifts the estimate back over the worth
+# threshold every ~6 steps: a verify step each time, never a longer pause (W9 batch 32, a = 0:
+# 34 verify steps of 256, 67 not pipelined; 0.946x plain on the H100; with this rule 13 and
+# 25). Drafts right half the time miss eight in a row once in 256 runs: in 32 requests in
+# lockstep at a = 0.5, 2% more steps in a simulation (6 misses: 5%; every step there verifies
+# for some request, so a request's backoff saves no verify step).
+MISSES_ALWAYS_BACKOFF = 8
 MAX_BACKOFF_STEPS = 64
 # Adaptive budget: the worth threshold is MIN_WORTH up to DRAFT_COST_FREE_BATCH running
 # requests, then rises linearly to MAX_WORTH at DRAFT_COST_FULL_BATCH.
@@ -131,7 +143,11 @@ class DraftBudget:
             return 0
         for pos in range(min(len(req.spec_token_ids), self.k)):
             self._proposed_pos[pos] += 1
-        k = self._confident(req, self._budget(req, len(req.spec_token_ids), running), running)
+        worth = self._budget(req, len(req.spec_token_ids), running)
+        k = self._confident(req, worth, running)
+        if worth and not k:  # skipped for low confidence: a miss (see the module's doc)
+            req.spec_misses += 1
+            self._back_off(req)
         return max(0, min(k, room, req.max_tokens - req.num_output_tokens - 1,
                           self.max_model_len - req.num_tokens - 1))
 
@@ -182,10 +198,17 @@ class DraftBudget:
         req.spec_fails += accepted < num_drafts  # the first rejection; later drafts unseen
         if accepted:
             req.spec_misses = req.spec_backoffs = 0
-        else:
-            req.spec_misses += 1
-        if (req.spec_misses >= MISSES_BEFORE_BACKOFF
-                and acceptance_estimate(req.spec_hits, req.spec_fails) < BACKOFF_BELOW):
+            return
+        req.spec_misses += 1
+        if (acceptance_estimate(req.spec_hits, req.spec_fails) < BACKOFF_BELOW
+                or req.spec_misses >= MISSES_ALWAYS_BACKOFF):
+            self._back_off(req)
+
+    @staticmethod
+    def _back_off(req: Request) -> None:
+        """After MISSES_BEFORE_BACKOFF misses in a row (drafts rejected, or skipped for low
+        confidence), the request decodes without drafts for a while."""
+        if req.spec_misses >= MISSES_BEFORE_BACKOFF:
             req.spec_skip = min(4 << req.spec_backoffs, MAX_BACKOFF_STEPS)
             req.spec_backoffs += 1
 
