@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +58,14 @@ def slow_fake_server():
     server = FakeServer(ttft_ms=50, itl_ms=10)
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def prof():
+    """benchmarks/step_profile_gpu.py as a module (benchmarks/ is not a package)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        import step_profile_gpu
+    finally:
+        sys.path.pop(0)
+    return step_profile_gpu

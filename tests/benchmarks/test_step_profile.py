@@ -7,22 +7,11 @@ shipped Llama-3.1-8B shape."""
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def prof():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import step_profile_gpu
-    finally:
-        sys.path.pop(0)
-    return step_profile_gpu
 
 
 @pytest.fixture(scope="module")

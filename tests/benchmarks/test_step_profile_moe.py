@@ -17,16 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def prof():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import step_profile_gpu
-    finally:
-        sys.path.pop(0)
-    return step_profile_gpu
-
-
-@pytest.fixture(scope="module")
 def floors(prof):
     import step_floors  # (imported, from benchmarks/, by step_profile_gpu)
     return step_floors

@@ -20,6 +20,8 @@ import torch
 
 pytest.importorskip("triton")  # the interpreter on the CPU: see conftest.py
 
+from launch_recorder import record_launches  # noqa: E402
+
 import shoal.layers.moe.half_decode_experts as decode  # noqa: E402
 import shoal.layers.moe.triton_experts as grouped_moe  # noqa: E402
 from shoal.layers.moe.activation import SILU, ExpertActivation  # noqa: E402
@@ -162,19 +164,9 @@ def test_split_down_matches_unsplit_and_other_tiles() -> None:
 def _recording(monkeypatch, launches: list) -> None:
     """Every launch of the decode kernels and of the grouped GEMM appended as (kernel, grid,
     argument shapes)."""
-    for module, name in ((decode, "_gate_up_kernel"), (decode, "_down_kernel"),
-                         (decode, "sum_splits_kernel"), (grouped_moe, "_grouped_gemm_kernel")):
-        kernel = getattr(module, name)
-
-        class Recorder:
-            def __getitem__(self, grid, name=name, kernel=kernel):
-                def launch(*args, **kw):
-                    launches.append((name, grid, [
-                        tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]))
-                    return kernel[grid](*args, **kw)
-                return launch
-
-        monkeypatch.setattr(module, name, Recorder())
+    record_launches(monkeypatch, launches, [
+        (decode, "_gate_up_kernel"), (decode, "_down_kernel"), (decode, "sum_splits_kernel"),
+        (grouped_moe, "_grouped_gemm_kernel")])
 
 
 def test_launch_shapes_do_not_depend_on_the_routing(monkeypatch) -> None:

@@ -17,6 +17,7 @@ pytest.importorskip("triton")  # the interpreter on the CPU: see conftest.py
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from launch_recorder import record_launches  # noqa: E402
 
 import shoal.layers.moe.mxfp4_decode_experts as decode  # noqa: E402
 import shoal.layers.moe.triton_experts_mxfp4 as mxfp4_moe  # noqa: E402
@@ -145,21 +146,8 @@ def test_wide_scales_and_foreign_pairs_with_weight_zero() -> None:
 
 def _recording(monkeypatch, launches: list) -> None:
     """Every launch of the decode path's kernels appended as (kernel, grid, argument shapes)."""
-    for name in ("_gate_up_kernel", "_down_kernel", "_sum_splits_kernel"):
-        kernel = getattr(decode, name)
-
-        class Recorder:
-            def __init__(self, name=name, kernel=kernel):
-                self.name, self.kernel = name, kernel
-
-            def __getitem__(self, grid):
-                def launch(*args, **kw):
-                    launches.append((self.name, grid, [
-                        tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]))
-                    return self.kernel[grid](*args, **kw)
-                return launch
-
-        monkeypatch.setattr(decode, name, Recorder())
+    record_launches(monkeypatch, launches, [
+        (decode, name) for name in ("_gate_up_kernel", "_down_kernel", "_sum_splits_kernel")])
 
 
 def test_launch_shapes_do_not_depend_on_the_routing(monkeypatch) -> None:

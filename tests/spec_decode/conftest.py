@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from oracle import write_tiny_checkpoint
 from spec_decode.test_eagle import build_checkpoints as eagle_checkpoints
+from spec_decode.test_eagle3 import head_config
 from spec_decode.test_mtp import build_checkpoints as mtp_checkpoints
 
 
@@ -30,3 +34,15 @@ def drafter_checkpoint(mtp_ckpts, eagle_ckpts):
         target, folder, ref = eagle_ckpts[name]
         return target, ref, {"method": "eagle", "model": str(folder), "num_speculative_tokens": k}
     return pick
+
+
+@pytest.fixture(scope="module")
+def eagle3_target_and_head(tmp_path_factory):
+    """(target, head folder): an 8-layer tiny Llama and an EAGLE-3 head's config alone, for
+    load_format="dummy" (random head weights: the forced-acceptance tests)."""
+    root = tmp_path_factory.mktemp("eagle3")
+    target = write_tiny_checkpoint(root / "target", "llama", seed=3, num_hidden_layers=8)
+    head = root / "head"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps(head_config()))
+    return target, head

@@ -4,13 +4,8 @@ verification alike, so the steps pipeline as plain decoding does."""
 
 from __future__ import annotations
 
-import json
-
-import pytest
 from engine_helpers import blocks_all_free, random_prompts, tiny_llm
-from oracle import write_tiny_checkpoint
 from spec_decode.proposal_log import StepLog
-from spec_decode.test_eagle3 import head_config
 from spec_decode.test_spec_engine import SpecCounter
 
 from shoal import SamplingParams
@@ -105,16 +100,6 @@ def test_forced_zero_at_batch_32_pipelines(tiny_llama_dir) -> None:
     assert log.verifies <= 12, log.verifies
     assert len(log.steps) - log.pipelined <= 2 * log.verifies + 2, log.steps
     assert not log.verify_pipelined() and blocks_all_free(llm)
-
-
-@pytest.fixture(scope="module")
-def eagle3_target_and_head(tmp_path_factory):
-    root = tmp_path_factory.mktemp("backoff")
-    target = write_tiny_checkpoint(root / "target", "llama", seed=3, num_hidden_layers=8)
-    head = root / "head"  # load_format dummy: the head's config alone, random weights
-    head.mkdir()
-    (head / "config.json").write_text(json.dumps(head_config()))
-    return target, head
 
 
 def test_confidence_at_forced_zero_stops_drafting(eagle3_target_and_head) -> None:

@@ -8,13 +8,9 @@ the forced rule kept though the output holds the target's tokens)."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 from engine_helpers import blocks_all_free, random_prompts, tiny_llm
-from oracle import write_tiny_checkpoint
 from spec_decode.proposal_log import record_proposals
-from spec_decode.test_eagle3 import head_config
 from spec_decode.test_spec_engine import SpecCounter
 
 from shoal import SamplingParams
@@ -26,18 +22,8 @@ SP = SamplingParams(temperature=0, max_tokens=1 + 3 * (K + 1), ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def target_and_head(tmp_path_factory):
-    root = tmp_path_factory.mktemp("forced")
-    target = write_tiny_checkpoint(root / "target", "llama", seed=3, num_hidden_layers=8)
-    head = root / "head"  # load_format dummy: the head's config alone, random weights
-    head.mkdir()
-    (head / "config.json").write_text(json.dumps(head_config()))
-    return target, head
-
-
-@pytest.fixture(scope="module")
-def plain_ids(target_and_head):
-    llm = tiny_llm(target_and_head[0], load_format="dummy")
+def plain_ids(eagle3_target_and_head):
+    llm = tiny_llm(eagle3_target_and_head[0], load_format="dummy")
     return _ids(llm.generate(random_prompts(3, seed=8, lo=2, hi=30), SP, use_tqdm=False))
 
 
@@ -57,8 +43,8 @@ def _spec(**kw) -> dict:
     return {"num_speculative_tokens": K, "forced_acceptance_rate": 0.0, **kw}
 
 
-def test_eagle3_forced_none_then_all(target_and_head, plain_ids) -> None:
-    target, head = target_and_head
+def test_eagle3_forced_none_then_all(eagle3_target_and_head, plain_ids) -> None:
+    target, head = eagle3_target_and_head
     llm = tiny_llm(target, load_format="dummy",
                    speculative_config=_spec(method="eagle3", model=str(head)))
     ids, counter, log = _run(llm, 0.0)
@@ -71,10 +57,10 @@ def test_eagle3_forced_none_then_all(target_and_head, plain_ids) -> None:
     assert [i[:2] for i in ids] == [i[:2] for i in plain_ids]
 
 
-def test_confidence_scheduling_sees_the_forced_rate(target_and_head) -> None:
+def test_confidence_scheduling_sees_the_forced_rate(eagle3_target_and_head) -> None:
     """A random head's own probabilities (~1/128) would verify nothing at threshold 0.5;
     the overlay reports the forced rate as each draft's probability."""
-    target, head = target_and_head
+    target, head = eagle3_target_and_head
     llm = tiny_llm(target, load_format="dummy", speculative_config=_spec(
         method="eagle3", model=str(head), confidence_threshold=0.5))
     _, counter, log = _run(llm, 1.0)
@@ -83,9 +69,9 @@ def test_confidence_scheduling_sees_the_forced_rate(target_and_head) -> None:
     assert len(log) > 0 and counter.draft_tokens == 0  # proposed, never verified
 
 
-def test_draft_model_forced(target_and_head, plain_ids) -> None:
+def test_draft_model_forced(eagle3_target_and_head, plain_ids) -> None:
     """The target as its own draft: every draft right, yet at rate 0 none is accepted."""
-    target, _ = target_and_head
+    target, _ = eagle3_target_and_head
     llm = tiny_llm(target, load_format="dummy",
                    speculative_config=_spec(method="draft_model", model=str(target)))
     llm.llm_engine.core.runner.drafter.forced_acceptance.rate = 0.0
