@@ -7,7 +7,8 @@ with the encoder outputs placed over the images' positions (a chunk that reaches
 image reads the slice of its output that the chunk covers). M-RoPE models (Qwen-VL) give
 image tokens 3-D positions; text tokens have three equal streams shifted by the request's
 delta, which is plain rotary at the shifted position, so decode steps keep their CUDA
-graphs with 1-D positions.
+graphs with 1-D positions, and so does a step of prompt text past a request's images (the
+images in a cached prefix: a repeated request, a chat's next turn).
 
 EVS (video_pruning_rate): a video's prompt holds pads only for the tokens pruning keeps, so
 its positions are known only once the tower has run: the model's prune_video gives the kept
@@ -158,9 +159,9 @@ class MultiModalRunner:
                             if mask is None or mask[p - f.offset])
             rope = self.mrope.get(it.serial) if self.uses_mrope else None
             if rope is not None:
-                if ctx < rope.positions.shape[1]:
+                if ctx < rope.positions.shape[1] and not _text_only(inp, start, ctx, n, rope):
                     tables.append((start, ctx, n, rope))
-                elif rope.delta:
+                elif ctx >= rope.positions.shape[1] and rope.delta:
                     for j in range(start, start + n):
                         inp.positions[j] += rope.delta
         if not rows and not tables:
@@ -187,3 +188,19 @@ class MultiModalRunner:
             if ctx + n > length:  # outputs recomputed after a preemption
                 pos[:, start + end - ctx:start + n] += rope.delta
         return tensor_to_device(pos, self.device)
+
+
+def _text_only(inp: StepInputs, start: int, ctx: int, n: int, rope: _MRope) -> bool:
+    """Whether a request's prompt tokens in this step are text (three equal position
+    streams: plain rotary at one shifted position). If so their positions go into the
+    step's 1-D positions, shifted like a decode's past the prompt, and need no 3-D table:
+    a step of such text alone (a prompt whose images sit in a cached prefix: a repeated
+    request, the next turn of a chat) keeps its CUDA graph."""
+    end = min(ctx + n, rope.positions.shape[1])
+    span = rope.positions[:, ctx:end]
+    if not (torch.equal(span[0], span[1]) and torch.equal(span[0], span[2])):
+        return False
+    inp.positions[start:start + end - ctx] = span[0].tolist()
+    for j in range(start + end - ctx, start + n):  # (outputs recomputed after a preemption)
+        inp.positions[j] += rope.delta
+    return True
