@@ -90,9 +90,12 @@ class StepForwarder:
                 return ForwardOutput(None, None)
             return StageOutput(staged, lambda hidden: self._from_hidden(inp, out, hidden))
         shape = self.graphs.pick(inp) if self.graphs is not None and inp.mm is None else None
-        if shape is not None and shape.q > 1 and self.lora_step is not None \
+        if shape is not None and shape.q > 1 and shape.rows > 1 and self.lora_step is not None \
                 and self.lora_step.active:
-            shape = None  # a verify step with adapters runs eagerly (rows in flat order)
+            # A verify step of several requests with adapters runs eagerly: the LoRA slot
+            # table is in the step's flat order, which the graph's padded rows do not follow
+            # (one row, a lone prefill or verify, pads after its tokens: the same order).
+            shape = None
         if shape is None:
             return self._from_hidden(inp, out, self._eager(inp))
         spec = self._state_spec(inp)
