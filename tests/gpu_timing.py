@@ -19,3 +19,16 @@ def time_ms(fn: Callable[[], object], iters: int = 50) -> float:
     stop.record()
     torch.cuda.synchronize()
     return start.elapsed_time(stop) / iters
+
+
+def graph_of_calls(fn: Callable[[], object], calls: int = 20
+                   ) -> tuple[Callable[[], object], int]:
+    """(replay, calls): a CUDA graph of `calls` back-to-back calls of fn (after one eager
+    call that compiles it), for device time per call as inside a decode step's graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph.replay, calls

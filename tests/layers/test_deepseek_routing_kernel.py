@@ -394,16 +394,7 @@ def test_gpu_times_torch_chain_against_kernel() -> None:
     forward after its projection): torch's chain (route_v2 / route_v3, then the cast) against
     the one launch, eagerly (launch-bound) and replayed from a CUDA graph of 20 calls (device
     time, as in a decode step)."""
-    from gpu_timing import time_ms
-
-    def graphed(fn, calls: int = 20):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        return lambda: graph.replay(), calls
+    from gpu_timing import graph_of_calls, time_ms
 
     for c in REAL:
         for t in (1, 64):
@@ -419,7 +410,7 @@ def test_gpu_times_torch_chain_against_kernel() -> None:
                 return run_kernel(x, c, b, torch.bfloat16)
             line = f"[{c.name} E={c.experts} k={c.top_k} {c.method} T={t}]"
             for name, fn in (("torch", chain), ("kernel", kernel)):
-                replay, calls = graphed(fn)
+                replay, calls = graph_of_calls(fn)
                 line += (f" {name} eager {time_ms(fn) * 1e3:.1f} us,"
                          f" graph {time_ms(replay) * 1e3 / calls:.2f} us;")
             print("\n" + line, end="")

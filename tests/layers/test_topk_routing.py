@@ -279,16 +279,7 @@ def test_gpu_times_torch_chain_against_kernel() -> None:
     """bf16 logits as GPT-OSS-20B (32 experts, top 4) and Qwen3-30B-A3B (128, top 8) route
     them, plus Qwen3-Next (512, top 10): both paths eagerly (launch-bound: Python and the
     launches) and replayed from a CUDA graph of 20 calls (device time, as in a decode step)."""
-    from gpu_timing import time_ms
-
-    def graphed(fn, calls: int = 20):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(calls):
-                fn()
-        return lambda: graph.replay(), calls
+    from gpu_timing import graph_of_calls, time_ms
 
     cases = [(32, 4, "topk_then_softmax", False), (128, 8, "softmax_then_topk", True),
              (512, 10, "softmax_then_topk", True)]
@@ -305,7 +296,7 @@ def test_gpu_times_torch_chain_against_kernel() -> None:
                 return topk_routing.topk_routing(x, k, o, r)
             line = f"[{order} E={e} k={k} T={t} bf16]"
             for name, fn in (("torch", run_torch), ("kernel", run_kernel)):
-                replay, calls = graphed(fn)
+                replay, calls = graph_of_calls(fn)
                 line += (f" {name} eager {time_ms(fn) * 1e3:.1f} us,"
                          f" graph {time_ms(replay) * 1e3 / calls:.2f} us;")
             if t == 4096:  # the packed-rows plan against a row a program
@@ -313,7 +304,7 @@ def test_gpu_times_torch_chain_against_kernel() -> None:
 
                 def run_single(x=logits, k=k, o=order, r=renormalize, p=single):
                     return topk_routing.topk_routing(x, k, o, r, plan=p)
-                replay, calls = graphed(run_single)
+                replay, calls = graph_of_calls(run_single)
                 line += f" a row a program: graph {time_ms(replay) * 1e3 / calls:.2f} us"
             print("\n" + line, end="")
     print()
