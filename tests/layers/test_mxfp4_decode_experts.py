@@ -8,6 +8,7 @@ which doubles the error of every rounding."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -18,13 +19,15 @@ pytest.importorskip("triton")  # the interpreter on the CPU: see conftest.py
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from launch_recorder import record_launches  # noqa: E402
+from mxfp4_cases import (  # noqa: E402
+    ExpertsShape,
+    check_against_the_twin,
+    check_wide_scales_and_foreign_pairs,
+)
 
 import shoal.layers.moe.mxfp4_decode_experts as decode  # noqa: E402
 import shoal.layers.moe.triton_experts_mxfp4 as mxfp4_moe  # noqa: E402
-from shoal.layers.moe.activation import ExpertActivation  # noqa: E402
 from shoal.layers.moe.mxfp4_decode_experts import DecodeTiles, experts_mxfp4_decode  # noqa: E402
-from shoal.layers.moe.mxfp4_experts import Mxfp4Experts, mxfp4_weights  # noqa: E402
-from shoal.layers.moe.router import select_experts  # noqa: E402
 from shoal.layers.moe.triton_experts_mxfp4 import (  # noqa: E402
     experts_mxfp4_reference,
     experts_triton_mxfp4,
@@ -37,7 +40,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # part-filled (as gpt-oss's 2880 = 90 blocks does), and gate_up's 96 outputs and down's 160
 # end in a partial tile of 64.
 E, TOP_K, H, INTER = 4, 2, 160, 96
-CLAMPED = ExpertActivation("clamped_swiglu", alpha=1.702, limit=1.0)  # limits the data reaches
 TILES = {  # (the interpreter's tiles) down split in two / unsplit, other K steps and widths;
     # 4 warps: with 1 the split tile spills on sm_90 (compile_sm90_mxfp4.py)
     "split": DecodeTiles(64, 4, 64, 2, 2),
@@ -45,34 +47,9 @@ TILES = {  # (the interpreter's tiles) down split in two / unsplit, other K step
 }
 
 
-def packed_experts(seed: int, low: int = 121, high: int = 125) -> Mxfp4Experts:
-    """Every e2m1 code; scales 2^(low - 127) .. 2^(high - 128)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def one(n: int, k: int):
-        blocks = torch.randint(0, 256, (E, n, k // 32, 16), dtype=torch.uint8, generator=g)
-        scales = torch.randint(low, high, (E, n, k // 32), dtype=torch.uint8, generator=g)
-        w = mxfp4_weights(blocks, scales)
-        return type(w)(w.blocks.to(DEV), w.scales.to(DEV))
-
-    return Mxfp4Experts(one(2 * INTER, H), one(H, INTER))
-
-
-def routed(t: int, seed: int, dtype: torch.dtype = torch.float32,
-           ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, H, generator=g)
-    if ids is None:
-        weights, ids = select_experts(torch.randn(t, E, generator=g) * 2, TOP_K, True)
-    else:
-        weights = torch.rand(ids.shape, generator=g) + 0.1
-    return x.to(DEV, dtype), weights.to(DEV, dtype), ids.to(DEV)
-
-
-def biases(seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return dict(w13_bias=(torch.randn(E, 2 * INTER, generator=g) * 0.3).to(DEV, dtype),
-                w2_bias=(torch.randn(E, H, generator=g) * 0.3).to(DEV, dtype))
+# the shared cases' helpers at this file's shape
+SHAPE = ExpertsShape(E, TOP_K, H, INTER, DEV)
+packed_experts, routed, biases = SHAPE.packed_experts, SHAPE.routed, SHAPE.biases
 
 
 @triton.jit
@@ -105,43 +82,20 @@ CASES = {  # dtype, gpt-oss's biases and clamped SwiGLU, tiles, tokens
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_decode_path_matches_the_dequantized_weights(case: str) -> None:
-    """float32: the PyTorch twin to 1e-5 of the largest output (the summation order
-    differs). Half precision: the twin rounds each op of the activation and each pair's
-    down row to x's dtype, the kernel only gate / up and the activation's result and the
-    token's sum: four units in the last place bound the norm of the difference."""
+    """check_against_the_twin (tests/mxfp4_cases.py): float32 to 1e-5 of the largest output,
+    half precision to four units in the last place in norm."""
     dtype, gpt_oss_mlp, tiles, t = CASES[case]
     if dtype == torch.bfloat16 and INTERPRET:
         pytest.skip("the interpreter truncates casts to bfloat16 (the module docstring)")
-    q = packed_experts(seed=1)
-    x, weights, ids = routed(t, seed=2, dtype=dtype)
-    extra = dict(biases(3, dtype), activation=CLAMPED) if gpt_oss_mlp else {}
-    got = experts_mxfp4_decode(x, q, weights, ids, TILES[tiles], **extra)
-    assert got.dtype == dtype and got.shape == (t, H)
-    want = experts_mxfp4_reference(x, q, weights, ids, **extra).float()
-    if dtype == torch.float32:
-        err = (got - want).abs().max().item()
-        assert err <= 1e-5 * want.abs().max().item(), err
-        return
-    ulp = {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8}[dtype]
-    rel = ((got.float() - want).norm() / want.norm()).item()
-    assert rel < 4 * ulp, rel
+    check_against_the_twin(functools.partial(experts_mxfp4_decode, tiles=TILES[tiles]), SHAPE, dtype,
+                           gpt_oss_mlp, t)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(-gate): inf, as on a GPU
 def test_wide_scales_and_foreign_pairs_with_weight_zero() -> None:
-    """Scales 2^-27 .. 2^22 (the exponent field's use, not just its low bits), and a pair
-    run as expert 0 with routing weight 0 (another expert-parallel rank's) adding nothing:
-    not even its bias."""
-    q = packed_experts(seed=4, low=100, high=150)
-    x, weights, ids = routed(2, seed=5)
-    weights[1, 0] = 0.0
-    extra = dict(biases(6, torch.float32), activation=ExpertActivation())
-    got = experts_mxfp4_decode(x, q, weights, ids, TILES["split"], **extra)
-    want = experts_mxfp4_reference(x, q, weights, ids, **extra)
-    assert ((got - want).norm() / want.norm()).item() < 1e-6
-    alone = experts_mxfp4_decode(x[1:], q, weights[1:, 1:], ids[1:, 1:], TILES["split"],
-                                 **extra)
-    assert ((got[1:] - alone).norm() / alone.norm()).item() < 1e-6
+    """check_wide_scales_and_foreign_pairs (tests/mxfp4_cases.py): scales 2^-27 .. 2^22, and a
+    pair of routing weight 0 (another expert-parallel rank's) adding nothing."""
+    check_wide_scales_and_foreign_pairs(functools.partial(experts_mxfp4_decode, tiles=TILES["split"]), SHAPE)
 
 
 def _recording(monkeypatch, launches: list) -> None:

@@ -9,6 +9,7 @@ bfloat16: test_mxfp4_decode_experts.py)."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -18,14 +19,18 @@ pytest.importorskip("triton")  # the interpreter on the CPU: see conftest.py
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from launch_recorder import record_launches  # noqa: E402
+from mxfp4_cases import (  # noqa: E402
+    ExpertsShape,
+    check_against_the_twin,
+    check_wide_scales_and_foreign_pairs,
+)
 
 import shoal.layers.moe.mxfp4_decode_experts as decode  # noqa: E402
 import shoal.layers.moe.mxfp4_decode_words as words  # noqa: E402
 import shoal.layers.moe.triton_experts_mxfp4 as mxfp4_moe  # noqa: E402
-from shoal.layers.moe.activation import ExpertActivation  # noqa: E402
 from shoal.layers.moe.mxfp4_decode_words import WordTiles, experts_mxfp4_words  # noqa: E402
-from shoal.layers.moe.mxfp4_experts import Mxfp4Experts, Mxfp4Weights, mxfp4_weights  # noqa: E402
-from shoal.layers.moe.router import select_experts  # noqa: E402
+from shoal.layers.moe.mxfp4_experts import Mxfp4Experts, Mxfp4Weights  # noqa: E402
 from shoal.layers.moe.triton_experts_mxfp4 import (  # noqa: E402
     experts_mxfp4_reference,
     experts_triton_mxfp4,
@@ -38,7 +43,6 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 # H = I = 288 inputs (9 blocks, 36 words): with one warp (32 words, 256 inputs a K step) a
 # whole step and a part-filled one, with two (512 inputs a step) one part-filled step
 E, TOP_K, H, INTER = 4, 2, 288, 288
-CLAMPED = ExpertActivation("clamped_swiglu", alpha=1.702, limit=1.0)  # limits the data reaches
 TILES = {  # the interpreter: few programs, and I = H = 288 outputs end in a part-filled tile
     # (rows past it read the last row, not stored); a GPU: tiles of word_tiles' sizes (these
     # spill on sm_90, and real outputs, whole blocks of 32, fill tiles of up to 32 rows)
@@ -47,34 +51,9 @@ TILES = {  # the interpreter: few programs, and I = H = 288 outputs end in a par
 }
 
 
-def packed_experts(seed: int, low: int = 121, high: int = 125) -> Mxfp4Experts:
-    """Every e2m1 code; scales 2^(low - 127) .. 2^(high - 128)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def one(n: int, k: int) -> Mxfp4Weights:
-        blocks = torch.randint(0, 256, (E, n, k // 32, 16), dtype=torch.uint8, generator=g)
-        scales = torch.randint(low, high, (E, n, k // 32), dtype=torch.uint8, generator=g)
-        w = mxfp4_weights(blocks, scales)
-        return Mxfp4Weights(w.blocks.to(DEV), w.scales.to(DEV))
-
-    return Mxfp4Experts(one(2 * INTER, H), one(H, INTER))
-
-
-def routed(t: int, seed: int, dtype: torch.dtype = torch.float32,
-           ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, H, generator=g)
-    if ids is None:
-        weights, ids = select_experts(torch.randn(t, E, generator=g) * 2, TOP_K, True)
-    else:
-        weights = torch.rand(ids.shape, generator=g) + 0.1
-    return x.to(DEV, dtype), weights.to(DEV, dtype), ids.to(DEV)
-
-
-def biases(seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return dict(w13_bias=(torch.randn(E, 2 * INTER, generator=g) * 0.3).to(DEV, dtype),
-                w2_bias=(torch.randn(E, H, generator=g) * 0.3).to(DEV, dtype))
+# the shared cases' helpers at this file's shape
+SHAPE = ExpertsShape(E, TOP_K, H, INTER, DEV)
+packed_experts, routed, biases = SHAPE.packed_experts, SHAPE.routed, SHAPE.biases
 
 
 @triton.jit
@@ -123,63 +102,28 @@ CASES = {  # dtype, gpt-oss's biases and clamped SwiGLU, tiles, tokens
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_word_kernels_match_the_dequantized_weights(case: str) -> None:
-    """float32: the PyTorch twin to 1e-5 of the largest output (the summation order
-    differs). Half precision: four units in the last place bound the norm of the
-    difference (test_mxfp4_decode_experts.py says why)."""
+    """check_against_the_twin (tests/mxfp4_cases.py): float32 to 1e-5 of the largest output,
+    half precision to four units in the last place in norm."""
     dtype, gpt_oss_mlp, tiles, t = CASES[case]
     if dtype == torch.bfloat16 and INTERPRET:
         pytest.skip("the interpreter truncates casts to bfloat16 (the module docstring)")
-    q = packed_experts(seed=1)
-    x, weights, ids = routed(t, seed=2, dtype=dtype)
-    extra = dict(biases(3, dtype), activation=CLAMPED) if gpt_oss_mlp else {}
-    got = experts_mxfp4_words(x, q, weights, ids, TILES[tiles], **extra)
-    assert got.dtype == dtype and got.shape == (t, H)
-    want = experts_mxfp4_reference(x, q, weights, ids, **extra).float()
-    if dtype == torch.float32:
-        err = (got - want).abs().max().item()
-        assert err <= 1e-5 * want.abs().max().item(), err
-        return
-    ulp = {torch.float16: 2 ** -11, torch.bfloat16: 2 ** -8}[dtype]
-    rel = ((got.float() - want).norm() / want.norm()).item()
-    assert rel < 4 * ulp, rel
+    check_against_the_twin(functools.partial(experts_mxfp4_words, tiles=TILES[tiles]), SHAPE, dtype,
+                           gpt_oss_mlp, t)
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in exp")  # exp(-gate): inf, as on a GPU
 def test_wide_scales_and_foreign_pairs_with_weight_zero() -> None:
-    """Scales 2^-27 .. 2^22 (the exponent field's use, not just its low bits), and a pair
-    run as expert 0 with routing weight 0 (another expert-parallel rank's) adding nothing:
-    not even its bias."""
-    q = packed_experts(seed=4, low=100, high=150)
-    x, weights, ids = routed(2, seed=5)
-    weights[1, 0] = 0.0
-    extra = dict(biases(6, torch.float32), activation=ExpertActivation())
-    tiles = TILES["one-warp"]
-    got = experts_mxfp4_words(x, q, weights, ids, tiles, **extra)
-    want = experts_mxfp4_reference(x, q, weights, ids, **extra)
-    assert ((got - want).norm() / want.norm()).item() < 1e-6
-    alone = experts_mxfp4_words(x[1:], q, weights[1:, 1:], ids[1:, 1:], tiles, **extra)
-    assert ((got[1:] - alone).norm() / alone.norm()).item() < 1e-6
+    """check_wide_scales_and_foreign_pairs (tests/mxfp4_cases.py): scales 2^-27 .. 2^22, and a
+    pair of routing weight 0 (another expert-parallel rank's) adding nothing."""
+    check_wide_scales_and_foreign_pairs(functools.partial(experts_mxfp4_words, tiles=TILES["one-warp"]), SHAPE)
 
 
 def test_launch_shapes_do_not_depend_on_the_routing(monkeypatch) -> None:
     """What a CUDA graph needs: the same T and k launch the same two kernels on the same
     grids and buffer shapes whatever the routing (spread over the experts, or all on two)."""
     launches: list = []
-    for name in ("_gate_up_words_kernel", "_down_words_kernel"):
-        kernel = getattr(words, name)
-
-        class Recorder:
-            def __init__(self, name=name, kernel=kernel):
-                self.name, self.kernel = name, kernel
-
-            def __getitem__(self, grid):
-                def launch(*args, **kw):
-                    launches.append((self.name, grid, [
-                        tuple(a.shape) if isinstance(a, torch.Tensor) else a for a in args]))
-                    return self.kernel[grid](*args, **kw)
-                return launch
-
-        monkeypatch.setattr(words, name, Recorder())
+    record_launches(monkeypatch, launches,
+                    [(words, "_gate_up_words_kernel"), (words, "_down_words_kernel")])
     q = packed_experts(seed=7)
     for ids in (torch.tensor([[0, 1], [2, 3]]), torch.tensor([[3, 1]] * 2)):
         x, weights, ids = routed(2, seed=8, ids=ids)

@@ -22,10 +22,11 @@ import torch
 
 pytest.importorskip("triton")  # the interpreter on the CPU: see conftest.py
 
+from mxfp4_cases import CLAMPED, ExpertsShape  # noqa: E402
+
 import shoal.layers.moe.layer as moe_layer  # noqa: E402
 import shoal.layers.moe.triton_experts_mxfp4 as mxfp4_moe  # noqa: E402
 import shoal.models.gpt_oss as gpt_oss  # noqa: E402
-from shoal.layers.moe.activation import ExpertActivation  # noqa: E402
 from shoal.layers.moe.layer import FusedMoE  # noqa: E402
 from shoal.layers.moe.mxfp4_experts import (  # noqa: E402
     Mxfp4Experts,
@@ -33,7 +34,6 @@ from shoal.layers.moe.mxfp4_experts import (  # noqa: E402
     mxfp4_weights,
     packed_experts_problem,
 )
-from shoal.layers.moe.router import select_experts  # noqa: E402
 from shoal.layers.moe.triton_experts_mxfp4 import (  # noqa: E402
     experts_mxfp4_reference,
     experts_triton_mxfp4,
@@ -49,7 +49,6 @@ BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
 # H = 128 inputs: two K steps of 64; I = 96: gate_up's 192 outputs end in a partial tile and
 # down's 96 inputs in a half K step.
 E, TOP_K, H, INTER = 4, 2, 128, 96
-CLAMPED = ExpertActivation("clamped_swiglu", alpha=1.702, limit=1.0)  # limits the data reaches
 
 
 def random_mxfp4(e: int, n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -60,28 +59,19 @@ def random_mxfp4(e: int, n: int, k: int, g: torch.Generator) -> tuple[torch.Tens
     return blocks, scales
 
 
+SHAPE = ExpertsShape(E, TOP_K, H, INTER, DEV)  # (tests/mxfp4_cases.py)
+biases = SHAPE.biases
+
+
 def packed_experts(seed: int) -> Mxfp4Experts:
-    g = torch.Generator().manual_seed(seed)
-    w13, w2 = (mxfp4_weights(*random_mxfp4(E, n, k, g)) for n, k in ((2 * INTER, H), (H, INTER)))
-    assert w13.blocks.shape == (E, 2 * INTER, H // 2) and w2.scales.shape == (E, H, INTER // 32)
-    return Mxfp4Experts(*(type(w)(w.blocks.to(DEV), w.scales.to(DEV)) for w in (w13, w2)))
+    q = SHAPE.packed_experts(seed)  # (scales 2^-6 .. 2^-3: weights up to 0.75)
+    assert q.w13.blocks.shape == (E, 2 * INTER, H // 2) and q.w2.scales.shape == (E, H, INTER // 32)
+    return q
 
 
 def routed(t: int, seed: int, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
-    """x [t, H] and a softmax top-k routing (or `ids` with random weights)."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, H, generator=g)
-    if ids is None:
-        weights, ids = select_experts(torch.randn(t, E, generator=g) * 2, TOP_K, True)
-    else:
-        weights = torch.rand(ids.shape, generator=g) + 0.1
-    return x, weights, ids
-
-
-def biases(seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return dict(w13_bias=(torch.randn(E, 2 * INTER, generator=g) * 0.3).to(DEV, dtype),
-                w2_bias=(torch.randn(E, H, generator=g) * 0.3).to(DEV, dtype))
+    """x [t, H] and a softmax top-k routing (or `ids` with random weights), on the CPU."""
+    return SHAPE.routed(t, seed, ids=ids, device=torch.device("cpu"))
 
 
 def on_dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
