@@ -52,7 +52,13 @@ from shoal.layers.linear import (
 from shoal.layers.moe.deepseek_router import DeepseekRouter
 from shoal.layers.moe.layer import FusedMoE
 from shoal.layers.norm import RMSNorm
-from shoal.layers.rotary import get_rope, rope_parameters, yarn_softmax_scale
+from shoal.layers.ops.dispatch import use_triton
+from shoal.layers.rotary import (
+    RotaryEmbedding,
+    get_rope,
+    rope_parameters,
+    yarn_softmax_scale,
+)
 from shoal.models.expert_weights import load_expert_tensors
 from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, PPMissingLayer
 
@@ -147,17 +153,41 @@ class DeepseekMLA(nn.Module):
             q = self.q_proj(hidden)
         q_nope, q_pe = q.view(t, self.num_heads, self.nope + self.rope).split(
             [self.nope, self.rope], dim=-1)
-        c, k_pe = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.rope], dim=-1)
-        q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(),
-                                     k_pe.contiguous().view(t, 1, self.rope))
-        latent = torch.cat([self.kv_a_layernorm(c.contiguous()), k_pe.view(t, self.rope)], -1)
+        kv_a = self.kv_a_proj_with_mqa(hidden)
         # [H, T, nope] @ [H, nope, L]: each head's query in the latent space.
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)
-        q_abs = torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1)  # [T, H, L + rope]
+        q_abs, latent = self.attention_inputs(q_lat, q_pe, kv_a, positions)
         select = self.select(hidden, q_resid, positions, md)
         o = self.attn(q_abs, latent, md, select)  # [T, H, L]
         o = torch.bmm(o.transpose(0, 1), self.w_uv)  # [H, T, v]
         return self.o_proj(o.transpose(0, 1).reshape(t, self.num_heads * self.v_dim))
+
+    def attention_inputs(self, q_lat: torch.Tensor, q_pe: torch.Tensor, kv_a: torch.Tensor,
+                         positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(absorbed queries [T, H, L + rope], latent rows [T, L + rope]) from q_lat [H, T, L],
+        the queries' rotary parts q_pe [T, H, rope] and the kv_a projection [T, L + rope]: one
+        Triton launch on CUDA (layers/ops/mla_inputs.py), the modules' ops elsewhere."""
+        table = self.rope_table()
+        if use_triton(kv_a, self.kv_a_layernorm.use_triton_ops) and table is not False:
+            from shoal.layers.ops.mla_inputs import mla_inputs
+
+            return mla_inputs(q_lat, q_pe, kv_a, positions, table, self.kv_a_layernorm.weight,
+                              self.kv_a_layernorm.eps)
+        t = kv_a.shape[0]
+        c, k_pe = kv_a.split([self.kv_lora_rank, self.rope], dim=-1)
+        q_pe, k_pe = self.rotary_emb(positions, q_pe.contiguous(),
+                                     k_pe.contiguous().view(t, 1, self.rope))
+        latent = torch.cat([self.kv_a_layernorm(c.contiguous()), k_pe.view(t, self.rope)], -1)
+        return torch.cat([q_lat.transpose(0, 1), q_pe], dim=-1), latent
+
+    def rope_table(self) -> torch.Tensor | None | bool:
+        """The fused kernel's rotary table: the module's cos/sin rows where it rotates all
+        rope dims the standard way, None where it does not rotate (NoPE), False where the
+        kernel does not know the module (the unfused path runs)."""
+        rotary = self.rotary_emb
+        if type(rotary) is RotaryEmbedding:
+            return rotary.cos_sin_cache if rotary.rot_dim == self.rope else False
+        return None if getattr(rotary, "is_identity", False) else False
 
     def select(self, hidden: torch.Tensor, q_resid: torch.Tensor | None,
                positions: torch.Tensor, md: Any) -> Any:

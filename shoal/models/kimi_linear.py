@@ -56,6 +56,8 @@ def deepseek_view(cfg: Any) -> _Overlay:
 
 
 class _NoRope(nn.Module):
+    is_identity = True  # (DeepseekMLA's fused input kernel then copies the rotary parts)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return q, k
