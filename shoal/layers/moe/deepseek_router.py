@@ -26,6 +26,7 @@ from torch import nn
 
 from shoal.layers.linear import default_weight_loader
 from shoal.layers.moe.router import routes_on_kernel
+from shoal.layers.ops.dispatch import use_triton
 
 V2_METHODS = ("greedy", "group_limited_greedy")
 KERNEL_OUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # the kernel's weights
@@ -155,7 +156,7 @@ class DeepseekRouter(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (weights [T, k] in x's dtype, expert ids int64 [T, k])."""
-        logits = F.linear(x.float(), self.weight.float())
+        logits = self.logits(x)
         if routes_on_kernel(logits, self.top_k, self.use_triton_ops) \
                 and x.dtype in KERNEL_OUT_DTYPES:
             from shoal.layers.moe.deepseek_routing_kernel import deepseek_routing
@@ -173,6 +174,16 @@ class DeepseekRouter(nn.Module):
                                     self.n_group, self.topk_group, self.renormalize,
                                     self.routed_scaling_factor)
         return weights.to(x.dtype), ids
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """float32 [T, E]: at decode sizes on CUDA in one launch (gate_logits.py), else the
+        float32 GEMM."""
+        if use_triton(x, self.use_triton_ops):
+            from shoal.layers.moe.gate_logits import fits_gate_kernel, gate_logits
+
+            if fits_gate_kernel(x, self.weight):
+                return gate_logits(x, self.weight)
+        return F.linear(x.float(), self.weight.float())
 
     def extra_repr(self) -> str:
         return (f"version={self.version}, experts={self.num_experts}, top_k={self.top_k}, "
