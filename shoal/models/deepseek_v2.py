@@ -59,6 +59,7 @@ from shoal.layers.rotary import (
     rope_parameters,
     yarn_softmax_scale,
 )
+from shoal.layers.shared_input_linear import SharedInputLinear
 from shoal.models.expert_weights import load_expert_tensors
 from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaModel, PPMissingLayer
 
@@ -115,6 +116,9 @@ class DeepseekMLA(nn.Module):
         self.kv_a_proj_with_mqa = ReplicatedLinear(h, self.kv_lora_rank + self.rope, bias=bias,
                                                    params_dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps, dtype, use_triton_ops)
+        # both read `hidden`: one GEMM while their weights stay dense (shared_input_linear.py)
+        self.input_proj = (None if bias else SharedInputLinear(
+            self.q_a_proj if self.q_lora_rank else self.q_proj, self.kv_a_proj_with_mqa))
         # Never run as a linear layer: its per-head slices are W_UK and W_UV (see w_uk/w_uv),
         # so it keeps a dense weight (no CPU int4 conversion).
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank,
@@ -146,14 +150,16 @@ class DeepseekMLA(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, md: Any) -> torch.Tensor:
         t = hidden.shape[0]
         q_resid = None
-        if self.q_lora_rank:
-            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
-            q = self.q_b_proj(q_resid)
+        q_first = self.q_a_proj if self.q_lora_rank else self.q_proj
+        if self.input_proj is not None:
+            q, kv_a = self.input_proj(hidden)
         else:
-            q = self.q_proj(hidden)
+            q, kv_a = q_first(hidden), self.kv_a_proj_with_mqa(hidden)
+        if self.q_lora_rank:
+            q_resid = self.q_a_layernorm(q)
+            q = self.q_b_proj(q_resid)
         q_nope, q_pe = q.view(t, self.num_heads, self.nope + self.rope).split(
             [self.nope, self.rope], dim=-1)
-        kv_a = self.kv_a_proj_with_mqa(hidden)
         # [H, T, nope] @ [H, nope, L]: each head's query in the latent space.
         q_lat = torch.bmm(q_nope.transpose(0, 1), self.w_uk)
         q_abs, latent = self.attention_inputs(q_lat, q_pe, kv_a, positions)
