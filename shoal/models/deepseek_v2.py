@@ -20,7 +20,9 @@ shared rotary table; its softmax correction in the scale.
 MoE: layers from first_k_dense_replace on (every moe_layer_freq-th) are sparse: the routed
 experts (FusedMoE, DeepseekRouter: V2's softmax greedy / group-limited greedy, V3's sigmoid
 with the score-correction bias and group-limited top-k) plus n_shared_experts always-on
-experts, summed with one tensor-parallel all-reduce. The others are a dense SwiGLU MLP.
+experts, summed with one tensor-parallel all-reduce; at decode sizes the bf16 decode experts
+run the shared experts in their own launches (shoal/layers/moe/shared_experts.py). The
+others are a dense SwiGLU MLP.
 
 Tensor parallelism: heads split (q_b_proj / q_proj and kv_b_proj by output rows, o_proj by
 input columns); the latent down-projections and their norms are replicated (every rank needs
@@ -51,6 +53,7 @@ from shoal.layers.linear import (
 )
 from shoal.layers.moe.deepseek_router import DeepseekRouter
 from shoal.layers.moe.layer import FusedMoE
+from shoal.layers.moe.shared_experts import shared_experts_of
 from shoal.layers.norm import RMSNorm
 from shoal.layers.ops.dispatch import use_triton
 from shoal.layers.rotary import (
@@ -232,10 +235,11 @@ class DeepseekMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        out = self.experts(x, weights.to(x.dtype), ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return tp_all_reduce(out)
+        # the shared experts join the routed sum in FusedMoE (inside the bf16 decode
+        # kernels' launches at decode sizes); their weights are read here, at each step
+        shared = (None if self.shared_experts is None
+                  else shared_experts_of(self.shared_experts))
+        return tp_all_reduce(self.experts(x, weights.to(x.dtype), ids, shared=shared))
 
 
 def is_moe_layer(cfg: Any, layer_idx: int) -> bool:

@@ -26,8 +26,15 @@ vector of every row of its program (VEC = 8 halves), the lanes and warps along K
 the threads once at the end. Rows past the end re-read the last row (not stored), so only a
 range's last, part-filled step is masked.
 
-Graph safety: grids and buffers follow from T, k and the tiles only; the routing is read on
-the device."""
+Shared experts (shared_experts.py: DeepSeek's n_shared_experts MLP of S = n_shared * I) ride
+along as S / I more slots a token of weight 1: gate_up's grid gains T * S / I programs (pairs
+past the routed ones: chunk j reads gate rows j * I.. and up rows S + j * I.. of the shared
+gate_up, no bias) writing act rows after the routed pairs', and down adds each chunk's K step
+(columns j * I.. of the shared down) after the routed slots', in that fixed order. The MLP's
+own weights are read in place: nothing is stacked or copied.
+
+Graph safety: grids and buffers follow from T, k, the shared chunks and the tiles only; the
+routing is read on the device."""
 
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ import triton.language as tl
 from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.expert_inputs import check_expert_inputs
 from shoal.layers.moe.mxfp4_decode_experts import MAX_TOKENS, store_gate_up_activation
+from shoal.layers.moe.shared_experts import SharedExperts
 from shoal.layers.ops.half_gemv import (
     SUM_BLOCK,
     VEC,
@@ -93,26 +101,43 @@ def _step_dots(w_step, x_step, offs_k, k0, k_end, MASKED: tl.constexpr):
     return tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)  # (VEC: within a thread)
 
 
-@triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, out_ptr, inter, k_in,
-                    stride_xm, stride_we, stride_wn, stride_bias, stride_om, alpha, limit,
-                    TOPK: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+@triton.jit(do_not_specialize=["t_rows"])
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, inter, k_in, t_rows,
+                    stride_xm, stride_we, stride_wn, stride_bias, stride_sn, stride_om,
+                    alpha, limit, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """act[pair, n] = activation(gate, up) for outputs n of this program's block, gate / up
-    = the pair's token row of x . w13[expert, n (gate) / inter + n (up), :] (+ bias)."""
+    = the pair's token row of x . w13[expert, n (gate) / inter + n (up), :] (+ bias). Pairs
+    past the T * TOPK routed ones are the shared chunks, token by token: chunk j of a token
+    reads rows j * inter + n (gate) and SHARED * inter + j * inter + n (up) of ws [2 *
+    SHARED * inter, H], no bias."""
     VECS: tl.constexpr = BLOCK_K // VEC
     pair = tl.program_id(0)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    n_routed = t_rows * TOPK
+    # (a shared chunk's program reads a routed id it does not use: the last one)
+    expert = tl.load(ids_ptr + tl.minimum(pair, n_routed - 1)).to(tl.int64)
+    w_base = w_ptr + expert * stride_we
+    row_stride = stride_wn
+    up_rows = inter
+    x_row = pair // TOPK
+    if SHARED > 0:
+        if pair >= n_routed:
+            chunk = pair - n_routed
+            x_row = chunk // SHARED
+            w_base = ws_ptr + (chunk % SHARED).to(tl.int64) * inter * stride_sn
+            row_stride = stride_sn
+            up_rows = inter * SHARED
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     # rows [2 * BLOCK_N]: (gate n, up n) pairs, as store_gate_up_activation takes the sums;
     # rows past the end re-read the last one
     safe_n = tl.minimum(offs_n, inter - 1)
-    rows = tl.reshape(safe_n[:, None] + tl.arange(0, 2)[None, :] * inter, (2 * BLOCK_N,))
+    rows = tl.reshape(safe_n[:, None] + tl.arange(0, 2)[None, :] * up_rows, (2 * BLOCK_N,))
     rows = rows.to(tl.int64)
     offs_k = tl.arange(0, VECS)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [VECS, VEC]
-    w_step = w_ptr + expert * stride_we + rows[None, :, None] * stride_wn + offs_k[:, None, :]
-    x_step = x_ptr + (pair // TOPK).to(tl.int64) * stride_xm + offs_k[:, None, :]
+    w_step = w_base + rows[None, :, None] * row_stride + offs_k[:, None, :]
+    x_step = x_ptr + x_row.to(tl.int64) * stride_xm + offs_k[:, None, :]
     k_full = k_in // BLOCK_K * BLOCK_K
     acc = tl.zeros([VECS, 2 * BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_full, BLOCK_K):
@@ -120,8 +145,11 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, out_ptr, inter, k_in,
     if k_full < k_in:
         acc += _step_dots(w_step, x_step, offs_k, k_full, k_in, True)
     sums = tl.sum(acc, axis=0)
-    if HAS_BIAS:
-        sums += tl.load(bias_ptr + expert * stride_bias + rows).to(tl.float32)
+    if HAS_BIAS:  # (a shared chunk's program reads the last routed pair's, adds none)
+        routed_rows = tl.reshape(safe_n[:, None] + tl.arange(0, 2)[None, :] * inter,
+                                 (2 * BLOCK_N,))
+        bias = tl.load(bias_ptr + expert * stride_bias + routed_rows).to(tl.float32)
+        sums += tl.where(pair < n_routed, bias, 0.0)
     store_gate_up_activation(sums, out_ptr + pair.to(tl.int64) * stride_om + offs_n, n_ok,
                              alpha, limit, BLOCK_N, CLAMPED)
 
@@ -140,14 +168,27 @@ def _slots_step(acc, ids_ptr, r_ptr, w_rows, a_cols, offs_k, token, k0, k_end,
     return acc
 
 
+@triton.jit
+def _shared_step(acc, ws_rows, a_cols, offs_k, first_row, k0, k_end, inter, stride_am,
+                 SHARED: tl.constexpr, MASKED: tl.constexpr):
+    """acc + one K step of the token's SHARED shared chunks (act rows first_row + j, columns
+    j * inter on of the shared down weight), weight 1, after the routed slots."""
+    for j in tl.static_range(SHARED):
+        acc += _step_dots(ws_rows + j * inter, a_cols + (first_row + j).to(tl.int64) * stride_am,
+                          offs_k, k0, k_end, MASKED)
+    return acc
+
+
 @triton.jit(do_not_specialize=["t_rows"])  # T changes with the batch: one compile
-def _down_kernel(a_ptr, ids_ptr, r_ptr, w_ptr, bias_ptr, out_ptr, h_out, k_in, k_span,
-                 t_rows, stride_am, stride_we, stride_wn, stride_bias,
-                 TOPK: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+def _down_kernel(a_ptr, ids_ptr, r_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, h_out, k_in,
+                 k_span, t_rows, stride_am, stride_we, stride_wn, stride_bias, stride_sn,
+                 TOPK: tl.constexpr, SHARED: tl.constexpr, HAS_BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """out[split, token, n] = sum over the token's k slots of routing weight * (act[pair, K
-    range] . w2[expert, n, K range] (+ bias[expert, n] in split 0)); out is [T, H] in x's
-    dtype with one split, else float32 partials [split, T, H]."""
+    range] . w2[expert, n, K range] (+ bias[expert, n] in split 0)), then its SHARED shared
+    chunks' act[T * k + token * SHARED + j, K range] . ws[n, j * inter + K range] (ws [H,
+    SHARED * inter]); out is [T, H] in x's dtype with one split, else float32 partials
+    [split, T, H]."""
     VECS: tl.constexpr = BLOCK_K // VEC
     token, pid_k = tl.program_id(0), tl.program_id(2)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -155,7 +196,9 @@ def _down_kernel(a_ptr, ids_ptr, r_ptr, w_ptr, bias_ptr, out_ptr, h_out, k_in, k
     safe_n = tl.minimum(offs_n, h_out - 1).to(tl.int64)  # past the end: the last row again
     offs_k = tl.arange(0, VECS)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [VECS, VEC]
     w_rows = w_ptr + safe_n[None, :, None] * stride_wn + offs_k[:, None, :]  # (expert: + e)
+    ws_rows = ws_ptr + safe_n[None, :, None] * stride_sn + offs_k[:, None, :]  # (chunk: + j I)
     a_cols = a_ptr + offs_k[:, None, :]  # (pair: + its row)
+    first_shared = t_rows * TOPK + token * SHARED
     k_start = pid_k * k_span
     k_end = tl.minimum(k_start + k_span, k_in)
     k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
@@ -163,9 +206,15 @@ def _down_kernel(a_ptr, ids_ptr, r_ptr, w_ptr, bias_ptr, out_ptr, h_out, k_in, k
     for k0 in range(k_start, k_full, BLOCK_K):
         acc = _slots_step(acc, ids_ptr, r_ptr, w_rows, a_cols, offs_k, token, k0,
                           k_end, stride_am, stride_we, TOPK, False)
+        if SHARED > 0:
+            acc = _shared_step(acc, ws_rows, a_cols, offs_k, first_shared, k0, k_end, k_in,
+                               stride_am, SHARED, False)
     if k_full < k_end:
         acc = _slots_step(acc, ids_ptr, r_ptr, w_rows, a_cols, offs_k, token, k_full,
                           k_end, stride_am, stride_we, TOPK, True)
+        if SHARED > 0:
+            acc = _shared_step(acc, ws_rows, a_cols, offs_k, first_shared, k_full, k_end,
+                               k_in, stride_am, SHARED, True)
     total = tl.sum(acc, axis=0)
     if HAS_BIAS:
         first = (pid_k == 0).to(tl.float32)
@@ -215,33 +264,38 @@ def run_half_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     tiles: HalfDecodeTiles, w13_bias: torch.Tensor | None = None,
                     w2_bias: torch.Tensor | None = None,
-                    activation: ExpertActivation = SILU) -> torch.Tensor:
+                    activation: ExpertActivation = SILU,
+                    shared: SharedExperts | None = None) -> torch.Tensor:
     """experts_half_decode without its checks (triton_experts.experts_triton checked the
-    inputs): the two or three launches."""
+    inputs and that `shared`, if given, fits: shared.chunks(x, I) > 0): the two or three
+    launches."""
     t, k = topk_ids.shape
     e, two_i, h = w13.shape
     inter = two_i // 2
+    chunks = 0 if shared is None else shared.chunks(x, inter)
+    ws13 = shared.gate_up if chunks else w13  # (unread without chunks)
+    ws2 = shared.down if chunks else w2
     ids = topk_ids.contiguous()
     routing = topk_weights.contiguous()
-    act = torch.empty(t * k, inter, dtype=x.dtype, device=x.device)
+    act = torch.empty(t * (k + chunks), inter, dtype=x.dtype, device=x.device)
     clamped = activation.kind == "clamped_swiglu"
-    _gate_up_kernel[(t * k, triton.cdiv(inter, tiles.block_n))](
-        x, ids, w13, w13_bias if w13_bias is not None else x, act, inter, h,
+    _gate_up_kernel[(t * (k + chunks), triton.cdiv(inter, tiles.block_n))](
+        x, ids, w13, w13_bias if w13_bias is not None else x, ws13, act, inter, h, t,
         x.stride(0), w13.stride(0), w13.stride(1),
-        w13_bias.stride(0) if w13_bias is not None else 0, act.stride(0),
+        w13_bias.stride(0) if w13_bias is not None else 0, ws13.stride(-2), act.stride(0),
         float(activation.alpha), float(activation.limit),
-        TOPK=k, HAS_BIAS=w13_bias is not None, CLAMPED=clamped, BLOCK_N=tiles.block_n,
-        BLOCK_K=tiles.block_k, VEC=VEC, num_warps=tiles.num_warps,
+        TOPK=k, SHARED=chunks, HAS_BIAS=w13_bias is not None, CLAMPED=clamped,
+        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, VEC=VEC, num_warps=tiles.num_warps,
         num_stages=1)  # (Triton pipelines no load of a loop without tl.dot)
     span, split = k_per_split(inter, tiles.block_k, tiles.split)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     part = out if split == 1 else torch.empty(split, t, h, dtype=torch.float32,
                                               device=x.device)
     _down_kernel[(t, triton.cdiv(h, tiles.down_block_n), split)](
-        act, ids, routing, w2, w2_bias if w2_bias is not None else x, part, h, inter, span, t,
-        act.stride(0), w2.stride(0), w2.stride(1),
-        w2_bias.stride(0) if w2_bias is not None else 0,
-        TOPK=k, HAS_BIAS=w2_bias is not None, BLOCK_N=tiles.down_block_n,
+        act, ids, routing, w2, w2_bias if w2_bias is not None else x, ws2, part, h, inter,
+        span, t, act.stride(0), w2.stride(0), w2.stride(1),
+        w2_bias.stride(0) if w2_bias is not None else 0, ws2.stride(-2),
+        TOPK=k, SHARED=chunks, HAS_BIAS=w2_bias is not None, BLOCK_N=tiles.down_block_n,
         BLOCK_K=tiles.block_k, VEC=VEC, num_warps=tiles.num_warps, num_stages=1)
     if split > 1:
         sum_splits_kernel[(t, triton.cdiv(h, SUM_BLOCK))](part, x, out, t, h, split, h,
@@ -254,14 +308,31 @@ def experts_half_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         tiles: HalfDecodeTiles, w13_bias: torch.Tensor | None = None,
                         w2_bias: torch.Tensor | None = None,
-                        activation: ExpertActivation = SILU) -> torch.Tensor:
+                        activation: ExpertActivation = SILU,
+                        shared: SharedExperts | None = None) -> torch.Tensor:
     """torch_experts.experts_torch's contract for 1..MAX_TOKENS tokens: x [T, H] (rows may
     be strided), w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_weights /
     topk_ids [T, k], optional biases w13_bias [E, 2I] and w2_bias [E, H] -> [T, H] in x's
-    dtype. topk_ids must lie in [0, E) (not checked: reading them would sync the GPU)."""
+    dtype; plus, with `shared`, the shared experts' MLP (shared_experts.py: its dense
+    weights, S a multiple of I) run as S / I more slots of weight 1. topk_ids must lie in
+    [0, E) (not checked: reading them would sync the GPU)."""
     check_expert_inputs(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
     if not 1 <= x.shape[0] <= MAX_TOKENS:
         raise ValueError(f"experts_half_decode: x has {x.shape[0]} tokens; it takes "
                          f"1..{MAX_TOKENS}")
+    check_shared_fits(shared, x, w13.shape[1] // 2)
     return run_half_decode(x, w13, w2, topk_weights, topk_ids, tiles, w13_bias, w2_bias,
-                           activation)
+                           activation, shared)
+
+
+def check_shared_fits(shared: SharedExperts | None, x: torch.Tensor, inter: int) -> None:
+    """ValueError unless shared is None or its dense weights fit the decode kernels beside x
+    and experts of intermediate size `inter`."""
+    if shared is not None and not shared.chunks(x, inter):
+        gu, dn = shared.gate_up, shared.down
+        raise ValueError(
+            f"shared experts: need dense gate_up [2S, {x.shape[1]}] and down "
+            f"[{x.shape[1]}, S] in x's dtype {x.dtype}, contiguous, S a multiple of the "
+            f"experts' I = {inter}; got "
+            f"{None if gu is None else (tuple(gu.shape), gu.dtype)} / "
+            f"{None if dn is None else (tuple(dn.shape), dn.dtype)}")

@@ -68,6 +68,7 @@ from shoal.layers.moe.deferred_stacks import (
     deferred_stack,
     materialize,
 )
+from shoal.layers.moe.shared_experts import SharedExperts
 from shoal.layers.moe.torch_experts import experts_dense, experts_torch
 from shoal.layers.ops.dispatch import use_triton
 
@@ -196,22 +197,46 @@ class FusedMoE(nn.Module):
                               loaded.narrow(0, start, self.inter))
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
+                topk_ids: torch.Tensor, shared: SharedExperts | None = None) -> torch.Tensor:
+        """shared: the layer's shared experts (shared_experts.py), added to the routed sum
+        before the all-reduce: inside the bf16 decode kernels where they run (dense experts
+        and shared weights of one rank's slices, no LoRA, no expert parallelism), else
+        through shared.run."""
         if self.dispatch_group is not None:  # DP+EP: this rank's tokens, all experts
             tags = None if self.lora is None else self.lora.dispatched(x.shape[0])
-            return all_to_all_experts(x, topk_weights, topk_ids, self.local_num_experts,
-                                      self._run_local_experts, self.dispatch_group, tags)
+            out = all_to_all_experts(x, topk_weights, topk_ids, self.local_num_experts,
+                                     self._run_local_experts, self.dispatch_group, tags)
+            return out if shared is None else out + shared.run(x)
         foreign = self.ep_size > 1
         if foreign:  # global ids -> local ones; other ranks' experts -> local_num_experts
             local = topk_ids - self.expert_start
             mine = (local >= 0) & (local < self.local_num_experts)
             topk_ids = torch.where(mine, local, self.local_num_experts)
         lora = self.lora if self.lora is not None and self.lora.enabled() else None
-        out = self._experts(x, topk_weights, topk_ids, foreign, lora, self.adds_down_bias)
+        if shared is not None and self._takes_shared(x, shared, foreign, lora):
+            out = self._experts(x, topk_weights, topk_ids, foreign, lora,
+                                self.adds_down_bias, shared)
+        else:
+            out = self._experts(x, topk_weights, topk_ids, foreign, lora, self.adds_down_bias)
+            out = out if shared is None else out + shared.run(x)
         return tp_all_reduce(out) if self.reduce_results else out
 
+    def _takes_shared(self, x: torch.Tensor, shared: SharedExperts, foreign: bool,
+                      lora: Any) -> bool:
+        """Whether the routed experts' Triton kernels may run `shared` (experts_triton: in
+        the decode launches at decode sizes, else added after the grouped GEMMs)."""
+        return (self.quant is None and lora is None and not foreign
+                and use_triton(x, self.use_triton_ops)
+                and shared.chunks(x, self.w2_weight.shape[2]) > 0)
+
     def _experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                 foreign: bool, lora: Any, down_bias: bool) -> torch.Tensor:
+                 foreign: bool, lora: Any, down_bias: bool,
+                 shared: SharedExperts | None = None) -> torch.Tensor:
+        if shared is not None:  # (_takes_shared: dense, on the Triton kernels)
+            from shoal.layers.moe.triton_experts import experts_triton
+
+            return experts_triton(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                                  shared=shared, **self._extras(down_bias))
         if self.quant is None:
             return fused_experts(x, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                                  self.use_triton_ops, foreign_ids=foreign, lora=lora,

@@ -30,7 +30,13 @@ from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.align import ExpertGroups, group_by_expert
 from shoal.layers.moe.expert_inputs import check_expert_inputs
 from shoal.layers.moe.grouped_gemm_tile import store_tile, tile_expert, tile_pairs
-from shoal.layers.moe.half_decode_experts import MAX_TOKENS, decode_tiles, run_half_decode
+from shoal.layers.moe.half_decode_experts import (
+    MAX_TOKENS,
+    check_shared_fits,
+    decode_tiles,
+    run_half_decode,
+)
+from shoal.layers.moe.shared_experts import SharedExperts
 from shoal.layers.ops.half_gemv import HALF_DTYPES
 from shoal.layers.ops.silu_mul import silu_and_mul
 from shoal.layers.quantization.launch_tuner import EXACT_OPERANDS_AGREE, run_fastest
@@ -121,7 +127,8 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                    activation: ExpertActivation = SILU, lora: Any = None,
-                   path: str | None = None) -> torch.Tensor:
+                   path: str | None = None, shared: SharedExperts | None = None
+                   ) -> torch.Tensor:
     """Same contract as torch_experts.experts_torch: x [T, H], w13 [E, 2I, H] (gate rows then
     up rows), w2 [E, H, I], topk_weights / topk_ids [T, k], optional biases w13_bias [E, 2I]
     and w2_bias [E, H] -> [T, H] in x's dtype.
@@ -134,7 +141,11 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     call inside a capture) the GPU runs the grouped path, the interpreter (tests) the
     decode path. path: None (that choice), "grouped", or "decode" (the first decode
     tiles, any of the three dtypes; T <= MAX_TOKENS, without LoRA: a LoRA hook always
-    runs grouped)."""
+    runs grouped).
+
+    shared (shared_experts.py): the layer's shared experts, added to the routed sum: the
+    decode path runs them inside its two launches (their dense weights must fit:
+    SharedExperts.chunks), the grouped path adds shared.run(x) (their own launches)."""
     check_expert_inputs(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
     if path is not None and path not in PATHS:
         raise ValueError(f"path must be None or one of {PATHS}, got {path!r}")
@@ -142,23 +153,32 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if t == 0:
         return torch.zeros_like(x)
     extra = dict(w13_bias=w13_bias, w2_bias=w2_bias, activation=activation)
+
+    def grouped(lora: Any = None) -> torch.Tensor:
+        out = _grouped(x, w13, w2, topk_weights, topk_ids, lora=lora, **extra)
+        return out if shared is None else out + shared.run(x)
+
     if path == "grouped" or lora is not None or (path is None and (
             t > MAX_TOKENS or x.dtype not in HALF_DTYPES)):
-        return _grouped(x, w13, w2, topk_weights, topk_ids, lora=lora, **extra)
+        return grouped(lora)
     if t > MAX_TOKENS:
         raise ValueError(f"path {path!r} takes 1..{MAX_TOKENS} tokens, got {t}")
     e, two_i, h = w13.shape
-    tiles = {c.name: c for c in decode_tiles(t, k, h, two_i // 2, x.device)}
+    check_shared_fits(shared, x, two_i // 2)
+    chunks = 0 if shared is None else shared.chunks(x, two_i // 2)
+    # (the down kernel's slots: the routed ones and the shared chunks)
+    tiles = {c.name: c for c in decode_tiles(t, k + chunks, h, two_i // 2, x.device)}
 
     def run(name: str) -> torch.Tensor:
         if name == "grouped":
-            return _grouped(x, w13, w2, topk_weights, topk_ids, **extra)
-        return run_half_decode(x, w13, w2, topk_weights, topk_ids, tiles[name], **extra)
+            return grouped()
+        return run_half_decode(x, w13, w2, topk_weights, topk_ids, tiles[name], **extra,
+                               shared=shared)
 
     if path == "decode":
         return run(next(iter(tiles)))
     key = ("half experts", e, two_i, h, k, t, x.dtype, w13_bias is not None,
-           w2_bias is not None, activation.kind,
+           w2_bias is not None, activation.kind, chunks,
            tuple(tiles))  # (the tiles follow the SM count: another card, another key)
     # On CUDA the grouped path comes first: the tuner checks the others against it, and
     # runs it untimed. The interpreter (tests) runs the decode path.
