@@ -103,11 +103,26 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     # [1, H, T, D] -> [T, H, D]: the layout of shoal's paged layers; keys and values in the
     # query's dtype (some models compute them in float32 under a lower model dtype).
     # s_aux: attention sinks (gpt-oss), which the layer checks the backend has.
-    q = query[0].transpose(0, 1).contiguous()
-    k = key[0].transpose(0, 1).to(q.dtype).contiguous()
-    v = value[0].transpose(0, 1).to(q.dtype).contiguous()
+    q = _token_major(query, query.dtype)
+    k = _token_major(key, q.dtype)
+    v = _token_major(value, q.dtype)
     out = layer(q, k, v, current.metadata, sinks=kwargs.get("s_aux"))
     return out.unsqueeze(0), None
+
+
+def _token_major(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[1, H, T, D] -> [T, H, D] in dtype, copied only where its heads are not rows of D
+    packed values (a column slice of a packed q/k/v projection is read in place, as native
+    layers read their split qkv)."""
+    x = x[0].transpose(0, 1).to(dtype)
+    if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]:
+        return x
+    return x.contiguous()
+
+
+def in_shoal_forward() -> bool:
+    """Whether a shoal step (or the construction probe) is running the model now."""
+    return _CURRENT.get() is not None
 
 
 def _record(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -3,8 +3,12 @@ attention functions, run by shoal (shoal/models/interface.py's CausalLM) with sh
 attention in place of transformers' own (vLLM's Transformers modeling backend).
 
 The transformers model does everything but attention: embeddings, norms, MLPs and MoE,
-rotary, the LM head. Each of its attention modules gets one shoal paged layer (its KV cache
-and backend bound by the runner like any native model's); the attention function of
+rotary, the LM head; where its modules compute a formula shoal has fused kernels for, they
+run through those (checked on probe inputs at construction, names never trusted): sibling
+linears of one input packed into one GEMM (packed_linear.py), RMSNorms and gated SiLU MLPs
+(fused_modules.py), rotate-half rotary in fewer kernels (rotary.py). Each of its attention
+modules gets one shoal paged layer (its KV cache and backend bound by the runner like any
+native model's); the attention function of
 attention.py writes the step's keys and values into it and attends through the backend.
 A step's flattened tokens go in as one [1, T] sequence with position_ids = positions;
 transformers builds no causal mask for an attention implementation it does not know, and
@@ -50,13 +54,16 @@ from shoal.models.transformers_backend.attention import (
     step_context,
 )
 from shoal.models.transformers_backend.build import adopt, build_causal_lm
+from shoal.models.transformers_backend.fused_modules import FusedModules, fuse_modules
 from shoal.models.transformers_backend.logits import CausalLMHead
+from shoal.models.transformers_backend.packed_linear import linear_inputs
 from shoal.models.transformers_backend.pipeline import (
     StageSlice,
     drop_lm_head,
     pp_plan_refusal,
     split_stages,
 )
+from shoal.models.transformers_backend.rotary import shorten_rotary
 from shoal.models.transformers_backend.support import check_supported
 from shoal.models.transformers_backend.tensor_parallel import TPPlan, apply_tp_plan, tp_plan
 from shoal.models.transformers_backend.weights import load_checkpoint
@@ -114,10 +121,16 @@ class TransformersForCausalLM(nn.Module):
         if self.stage is not None:
             self.stage.attach(base)
         device = next(hf.parameters()).device
-        with torch.no_grad():  # (not inference mode: tensors it caches stay usable outside)
+        self.fused = FusedModules()
+        with torch.no_grad(), linear_inputs(hf) as inputs:
+            # (not inference mode: tensors it caches stay usable outside)
             calls = probe_attention(lambda: self._run(
                 torch.zeros(_PROBE_TOKENS, dtype=torch.long, device=device),
                 torch.arange(_PROBE_TOKENS, device=device)))
+            if plan is None:  # (a tensor-parallel plan's linears are its own)
+                self.fused = fuse_modules(hf, inputs)
+        self.short_rotary = shorten_rotary([c.module for c in calls],
+                                           next(hf.parameters()))
         if plan is not None:
             check_local_heads(calls, hf_config, plan, self.architecture)
         first, end = ((self.stage.start, self.stage.end) if self.stage is not None
