@@ -23,8 +23,9 @@ Who does what (vLLM's split of a connector into a scheduler side and a worker si
   drafter's layers, an MTP or EAGLE head or a draft model, their rows after the target's,
   read out once the drafter has mirrored the prompt: draft_rows.py)
   for a while and serves it over TCP (transport.py: a small msgpack header, then the raw
-  bytes, received straight into a recycled host buffer, pinned on CUDA); the consumer
-  fetches it on background threads while the request waits unadmitted (the others keep
+  bytes, received straight into a recycled host buffer, pinned on CUDA; on one host the
+  consumer copies them out of the producer's /dev/shm file instead: shm_buffers.py); the
+  consumer fetches it on background threads while the request waits unadmitted (the others keep
   stepping), then the admitting step writes it into the request's blocks with one indexed
   copy per layer, whatever their block size, each tensor-parallel rank taking its own
   heads (ranks of the mp executor map the fetched bytes from shared memory instead of

@@ -1,4 +1,5 @@
-"""P2PConnector: engine to engine over TCP (transport.py), no broker.
+"""P2PConnector: engine to engine over TCP (transport.py), no broker; on one host the bytes
+themselves go through /dev/shm files (kv_shared_memory, default true: shm_buffers.py).
 
 Producer (kv_producer / kv_both): a request sent with kv_transfer_params
 {"do_remote_decode": true} has its prompt's KV read out once its last prompt chunk has run
@@ -90,6 +91,12 @@ class P2PConnector(KVConnector):
         self.timeout_s = _positive(extra, "kv_fetch_timeout_s", 30.0)
         self.fetch_workers = _positive(extra, "kv_fetch_workers", 8, int)
         self.fetch_buffer_bytes = _positive(extra, "kv_fetch_buffer_bytes", 8 << 30, int)
+        # a producer and a consumer on one host hand the bytes over in /dev/shm files, not
+        # through loopback TCP (transport.py; either side may turn it off)
+        self.shared_memory = extra.get("kv_shared_memory", True)
+        if not isinstance(self.shared_memory, bool):
+            raise ValueError(f"kv_transfer_config.kv_connector_extra_config.kv_shared_memory "
+                             f"must be true or false (got {self.shared_memory!r})")
         self._plan = KVConnectorPlan()
         self._store: OrderedDict[str, _Kept] = OrderedDict()  # producer: key -> kept KV
         self._stored_bytes = 0
@@ -180,7 +187,9 @@ class P2PConnector(KVConnector):
             # no "draft"): the target's rows alone, which come first, as it expects them
             layout = replace(layout, draft=None)
             data = memoryview(data).cast("B")[:layout.nbytes]
-        return Reply({"digest": kept.digest, "layout": layout.to_wire()}, data, payload.wait)
+        share = self.shared_memory and request.get("shared") is True
+        return Reply({"digest": kept.digest, "layout": layout.to_wire()}, data, payload.wait,
+                     share)
 
     def transfer_params(self, req: Request) -> dict[str, Any] | None:
         return self._params.pop(req.serial, None)
@@ -228,7 +237,8 @@ class P2PConnector(KVConnector):
             if self.engine.drafter_kv:  # (only then: the drafter's bytes would go unused)
                 ask["draft"] = True
             header, data = fetch(str(params["remote_host"]), int(params["remote_port"]),
-                                 ask, self.timeout_s, alloc=self._alloc)
+                                 ask, self.timeout_s, alloc=self._alloc,
+                                 shared=self.shared_memory)
             if not isinstance(header, dict) or "error" in header or data is None:
                 raise ValueError(header.get("error") if isinstance(header, dict)
                                  else "a malformed reply")

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from shoal.core.kv_connector_plan import KVLayout
+from shoal.kv_transfer.shm_buffers import shared_array
 
 __all__ = ["KVLayout", "KVPayload", "host_buffer"]
 
@@ -49,10 +50,13 @@ class HostBufferPool:
     memory is slow to fill here: the kernel faults in every page under the socket's copy
     (seconds for 512 MiB on a busy VM, against 0.2 s into pages already mapped). Sizes round
     up to a quarter of their power of two (at most 25% spare); at most `max_free_bytes` wait
-    in the pool, the rest is freed."""
+    in the pool, the rest is freed. `shared`: the buffers are files of /dev/shm where it has
+    room (shm_buffers.py: a consumer on this host reads a kept payload there, not over TCP),
+    else plain memory."""
 
-    def __init__(self, max_free_bytes: int = 4 << 30):
+    def __init__(self, max_free_bytes: int = 4 << 30, shared: bool = False):
         self.max_free_bytes = max_free_bytes
+        self.shared = shared
         self._free: dict[int, list[np.ndarray]] = {}
         self._free_bytes = 0
         self._lock = threading.Lock()
@@ -69,6 +73,8 @@ class HostBufferPool:
             base = free.pop() if free else None
             if base is not None:
                 self._free_bytes -= size
+        if base is None and self.shared:
+            base = shared_array(size)
         if base is None:
             base = np.empty(size, dtype=np.uint8)
         view = base[:nbytes]
@@ -86,12 +92,13 @@ class HostBufferPool:
         return self._free_bytes
 
 
-_POOL = HostBufferPool()
+_POOL = HostBufferPool(shared=True)
 
 
 def host_buffer(nbytes: int, pinned: bool = False) -> memoryview:
     """A writable, uninitialized host buffer: page-locked (through torch's caching host
-    allocator, which reuses freed ones) when pinned, else from the recycling pool above."""
+    allocator, which reuses freed ones) when pinned, else from the recycling pool above (in
+    /dev/shm where it has room: a consumer on this host can read it by name)."""
     if pinned:
         import torch  # (only engines on CUDA ask: the connector module stays torch-free)
 

@@ -2,8 +2,15 @@
 message is a length-prefixed msgpack header; a reply whose header names `nbytes` is followed
 by that many raw bytes, sent from the producer's buffer as they are (no encoding, no copy)
 and received straight into a buffer the consumer allocates for them (recv_into). Kept behind
-two functions (KVServer, fetch) so that another transport (shared memory on one host,
-NIXL/RDMA) can take their place."""
+two functions (KVServer, fetch) so that another transport (NIXL/RDMA) can take their place.
+
+Same host: a client that can read this host's shared files says so (fetch(shared=True)), and
+a handler that lets it (Reply.share) names, in the header, the /dev/shm file and offset
+holding the bytes (shm_buffers.py: a CPU engine's KV payloads live in such files) instead of
+sending them; a body elsewhere (a pinned one) still goes on the socket. The client copies them out of the file with one
+call and answers one byte: 1, done (the server lets go of the body), or 0, it could not
+open the file (another host, another /dev/shm): the bytes then follow on the socket as
+usual. A client that does not ask gets the bytes on the socket."""
 
 from __future__ import annotations
 
@@ -18,6 +25,8 @@ from typing import Any
 
 import msgspec
 
+from shoal.kv_transfer.shm_buffers import SharedPlace, locate, read_shared
+
 logger = logging.getLogger(__name__)
 
 _LEN = struct.Struct(">Q")
@@ -25,6 +34,7 @@ MAX_HEADER = 16 << 20  # headers are small; the bytes come after them
 MAX_BODY = 64 << 30  # a prompt's KV: tens of MiB to a few GiB
 SOCKET_BUFFER = 32 << 20  # asked of the kernel (it caps at net.core.[rw]mem_max)
 _CHUNK = 64 << 20  # at most this many bytes per recv_into (the GIL is let go in each)
+_DONE, _SEND = b"\x01", b"\x00"  # a shared-file reader's answer: read it / send the bytes
 
 
 @dataclass
@@ -35,6 +45,16 @@ class Reply:
     header: dict[str, Any]
     body: Any = None  # a buffer (memoryview, bytes, numpy array) or None
     ready: Callable[[], None] | None = None
+    share: bool = False  # the client reads this host's shared files: name the body's file
+
+
+def _shared_place(body: memoryview) -> tuple[SharedPlace, Any] | None:
+    """The shared file holding the body, and what keeps it there until the client has read
+    it; None where the body is not in one. A body elsewhere (CUDA's pinned buffers) is sent
+    on the socket: staging it into a shared file costs a copy at each end, and measured on a
+    CPU host that was no faster than TCP at 4 fetches at once (benchmarks/kv_transfer_bench.py)."""
+    place = locate(body)
+    return None if place is None else (place, body)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -90,13 +110,21 @@ class KVServer:
                 try:
                     _tune(sock)
                     reply = outer.handler(_recv_header(sock))
-                    body = None
+                    body = shared = None
                     if reply.body is not None:
                         if reply.ready is not None:
                             reply.ready()
                         body = _byte_view(reply.body)
                         reply.header["nbytes"] = len(body)
+                        shared = _shared_place(body) if reply.share and len(body) else None
+                        if shared is not None:
+                            reply.header["shared"] = {"path": shared[0].path,
+                                                      "offset": shared[0].offset}
                     _send_header(sock, reply.header)
+                    if shared is not None:
+                        answer = sock.recv(1)
+                        if answer != _SEND:  # read (or the client is gone)
+                            return
                     if body is not None:
                         sock.sendall(body)
                 except Exception as e:  # a broken client must not take the server down
@@ -117,11 +145,15 @@ class KVServer:
 
 
 def fetch(host: str, port: int, request: Any, timeout: float,
-          alloc: Callable[[int], memoryview] | None = None) -> tuple[Any, memoryview | None]:
+          alloc: Callable[[int], memoryview] | None = None,
+          shared: bool = False) -> tuple[Any, memoryview | None]:
     """One request to a KVServer: its reply header and the bytes after it (None when the
     reply has none), received into alloc(nbytes) (default: a bytearray). Raises OSError /
     ConnectionError when the server cannot answer whole within `timeout` seconds a
-    receive."""
+    receive. shared: the request (a dict) says this client reads shared files of this host,
+    and the bytes are copied out of the one the reply names, if it can be opened."""
+    if shared and isinstance(request, dict):
+        request = {**request, "shared": True}
     with socket.create_connection((host, port), timeout=timeout) as sock:
         sock.settimeout(timeout)
         _tune(sock)
@@ -136,5 +168,24 @@ def fetch(host: str, port: int, request: Any, timeout: float,
         view = _byte_view(buf)
         if len(view) != nbytes:
             raise ValueError(f"alloc({nbytes}) gave {len(view)} bytes")
+        if shared and _read_shared(header.get("shared"), view):
+            sock.sendall(_DONE)
+            return header, buf
+        if shared and "shared" in header:
+            sock.sendall(_SEND)
         _recv_into(sock, view)
         return header, buf
+
+
+def _read_shared(where: Any, view: memoryview) -> bool:
+    """Copies the bytes out of the shared file a reply names; False where it names none or
+    it cannot be read here (the bytes then come over the socket)."""
+    if not isinstance(where, dict):
+        return False
+    try:
+        read_shared(SharedPlace(str(where["path"]), int(where["offset"]), len(view)), view)
+    except (KeyError, TypeError, ValueError, OSError) as e:
+        logger.info("KV fetch: the shared file %s cannot be read here (%s): over TCP",
+                    where.get("path"), e)
+        return False
+    return True

@@ -73,8 +73,10 @@ def test_other_requests_keep_decoding_while_a_kv_fetch_is_in_flight(long_llama_d
     one.shutdown()
     producer = tiny_llm(long_llama_dir, kv_transfer_config={
         "kv_connector": "P2PConnector", "kv_role": "kv_producer", "kv_port": 0})
+    # the bytes over TCP through the relay (not out of the producer's /dev/shm file)
     consumer = tiny_llm(long_llama_dir, block_size=8, max_model_len=4096, kv_transfer_config={
-        "kv_connector": "P2PConnector", "kv_role": "kv_consumer"})
+        "kv_connector": "P2PConnector", "kv_role": "kv_consumer",
+        "kv_connector_extra_config": {"kv_shared_memory": False}})
     relay = None
     try:
         (pre,) = producer.generate({"prompt_token_ids": PROMPT_B}, SamplingParams(
