@@ -91,6 +91,7 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
         self._drafter_kv = spec is not None and spec.drafts_with_kv
         self.micro_batches = config.parallel_config.pipeline_parallel_size
         self.queue = StepQueue()
+        self.last_step_idle = False  # (_run_step: nothing launched or in flight)
         self._history_requests: set[int] = set()  # serials: sampling needs every earlier token
         self._failed_in_a_row = 0
         self.pause = GenerationPause.attached(self.scheduler)  # engine/pause.py
@@ -363,6 +364,9 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
         if self.queue and (launched is None or len(self.queue) >= depth):
             outputs = self._finish_oldest()
             self._sample_ready()
+        # nothing launched, nothing in flight: the unfinished requests wait on something
+        # outside the step (a remote KV fetch, a slower tier's load); core_proc then polls
+        self.last_step_idle = launched is None and not self.queue and not outputs
         return outputs
 
     def _depth(self) -> int:

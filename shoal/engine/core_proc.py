@@ -47,6 +47,12 @@ logger = logging.getLogger(__name__)
 # While idle, wake up this often to check that the parent is still there (belt and braces next
 # to the death pipe, which covers the normal case at once).
 IDLE_POLL_MS = 2000
+# A step that scheduled nothing while requests are unfinished (all waiting on something outside
+# the step: a remote KV fetch, a KV load from a slower tier) makes the next poll wait this long
+# for input instead of stepping again at once: a loop of empty steps holds the interpreter
+# lock the fetch threads need (a disaggregated decode engine's fetches ran at about half
+# speed beside it) and sends a stats message each time.
+EMPTY_STEP_POLL_MS = 1
 
 
 class EngineCoreProc:
@@ -73,6 +79,7 @@ class EngineCoreProc:
         self._baseline = SchedulerStats()  # cumulative counters at the last reset_stats
         self.trace = step_trace.StepTrace.from_env()  # SHOAL_STEP_TRACE: per-step timings
         self._added = 0  # requests added since the last traced step
+        self._last_step_empty = False  # it scheduled no token and produced no output
 
     # ---- loop -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -87,7 +94,8 @@ class EngineCoreProc:
         idle_ms = IDLE_POLL_MS if lockstep is None else lockstep.idle_poll_ms
         while not self._stop:
             busy = self.core.has_unfinished_requests()
-            events = dict(poller.poll(0 if busy else idle_ms))
+            wait = (EMPTY_STEP_POLL_MS if self._last_step_empty and lockstep is None else 0)
+            events = dict(poller.poll(wait if busy else idle_ms))
             if self._parent_gone(events):
                 logger.warning("the frontend process is gone; the engine core exits")
                 return
@@ -176,6 +184,7 @@ class EngineCoreProc:
 
     def _step(self) -> None:
         result = self.core.step()
+        self._last_step_empty = _did_nothing(self.core, result)
         if not result.outputs and result.stats is None and not self._rejected:
             return  # an idle DP+EP round: nothing happened
         if result.stats is not None:
@@ -188,6 +197,7 @@ class EngineCoreProc:
         assert self.trace is not None
         t1 = step_trace.now()
         result = self.core.step()
+        self._last_step_empty = _did_nothing(self.core, result)
         if not result.outputs and result.stats is None and not self._rejected:
             return  # an idle DP+EP round
         t2 = step_trace.now()
@@ -316,6 +326,11 @@ def _drain_fd(fd: int) -> None:
             pass
     except (BlockingIOError, InterruptedError):
         pass
+
+
+def _did_nothing(core: Any, result: EngineCoreOutputs) -> bool:
+    """A step that launched nothing, had nothing in flight and produced no output."""
+    return not result.outputs and bool(getattr(core, "last_step_idle", False))
 
 
 def run_engine_core(engine_args: EngineArgs, input_addr: str, output_addr: str,

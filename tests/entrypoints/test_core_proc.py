@@ -218,3 +218,33 @@ def test_step_trace_records_every_step(tmp_path, monkeypatch):
     assert [r["running"] for r in lines] == [1, 1, 0]
     assert all(r["step_ms"] >= 0 and r["send_ms"] >= 0 for r in lines)
     assert lines[0]["t"] <= lines[1]["t"] <= lines[2]["t"]
+
+
+def test_steps_that_do_nothing_do_not_spin(loop):
+    """While the unfinished requests wait on something outside the step (a remote KV fetch),
+    an idle step makes the loop wait EMPTY_STEP_POLL_MS for input instead of stepping again
+    at once; a step that did work steps again at once."""
+    import time
+
+    from shoal.engine import core_proc
+
+    send, recv, core, _, _ = loop
+    waiting = threading.Event()
+    steps = []
+    real_step = core.step
+
+    def step():
+        steps.append(time.perf_counter())
+        core.last_step_idle = waiting.is_set()
+        return EngineCoreOutputs([], SchedulerStats()) if waiting.is_set() else real_step()
+
+    core.step = step
+    waiting.set()
+    send(_req("w", max_tokens=1))
+    time.sleep(0.3)
+    idle_steps = len(steps)
+    # at most one step per poll wait (plus scheduling slack), not a spin of thousands
+    assert 2 <= idle_steps <= 0.3 / (core_proc.EMPTY_STEP_POLL_MS / 1e3) + 5
+    waiting.clear()
+    msgs = _collect_until_finished(recv, "w")
+    assert msgs[-1].outputs.outputs[-1].finish_reason == "length"
