@@ -55,6 +55,9 @@ class ScheduledRequest:
     # Linear-attention layers after a verify step: its first this-many tokens (the accepted
     # run) are folded into the recurrent states before this step's tokens (ReplaySSM)
     replay: int = 0
+    # Speculative decoding: its next decode step backs off (draft_budget.py) and verifies no
+    # drafts, so a drafter may leave it out now and catch up when drafting resumes
+    drafts_paused: bool = False
 
     @property
     def num_new_tokens(self) -> int:

@@ -274,7 +274,8 @@ class Scheduler(StepResults, RequestTableFront):
         item = ScheduledRequest(
             req.request_id, req.serial, ids, start, self.kv.block_ids(req.request_id),
             start + n >= req.num_tokens_with_pending,
-            req.num_output_tokens + req.num_pending_tokens, max(num_drafts, 0))
+            req.num_output_tokens + req.num_pending_tokens, max(num_drafts, 0),
+            drafts_paused=req.spec_skip > 0)
         if self._groups:
             item.group_block_ids = self.kv.group_block_ids(req.request_id)
             if self._states:

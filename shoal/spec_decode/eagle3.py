@@ -51,6 +51,7 @@ from shoal.loader.dummy import initialize_dummy_weights
 from shoal.loader.safetensors_loader import load_folder_config
 from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from shoal.spec_decode.eagle_head import read_eagle_tensors
+from shoal.spec_decode.mirror_backlog import RawRows
 from shoal.spec_decode.mtp import HiddenStateDrafter
 from shoal.worker.drafter import TargetStep
 
@@ -306,7 +307,14 @@ class Eagle3Drafter(HiddenStateDrafter):
         aux = step.aux
         if aux is None:
             aux = self.target_model.aux_buffer[:step.hidden.shape[0]]
+        if any(it.drafts_paused for it in step.inputs.items):
+            # Their rows wait unmirrored (mirror_backlog.py), the fc with them: the mirror
+            # runs it over the rows it mirrors.
+            return RawRows(aux if step.aux is not None else aux.clone())
         return self.model.combine(aux)
+
+    def _input_states(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.model.combine(rows)
 
     def _greedy(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.to_target(self.model.compute_logits(h).argmax(dim=-1))

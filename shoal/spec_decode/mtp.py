@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -59,8 +60,10 @@ from shoal.models.deepseek_mtp import DeepseekMTP, DeepseekMTPDepths, mtp_prefix
 from shoal.models.qwen3_next import Qwen3NextForCausalLM
 from shoal.models.qwen3_next_mtp import PREFIX as QWEN_MTP_PREFIX
 from shoal.models.qwen3_next_mtp import Qwen3NextMTP
+from shoal.spec_decode import mirror_backlog as backlog
 from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.spec_decode.drafter_cache import DrafterCache
+from shoal.spec_decode.mirror_backlog import MirrorBacklog, RawRows
 from shoal.spec_decode.mtp_chain import MirrorPass, MirrorRequest, MtpChain
 from shoal.worker.drafter import TargetStep
 
@@ -78,6 +81,7 @@ class MtpRequest:
     block_ids: list[int]
     state: Any  # the runner's RequestState: prompt + outputs, read once the step is sampled
     sample: bool
+    paused: bool = False  # its drafts are not wanted next step: deferred (mirror_backlog.py)
 
 
 def mtp_layer_count(hf_config: Any) -> int:
@@ -256,7 +260,7 @@ class HiddenStateDrafter(DrafterCache):
         inp = step.inputs
         assert state is not None, "a hidden-state drafter without the target's hidden states"
         reqs = [MtpRequest(it.serial, start, it.context_len, it.num_new_tokens, it.block_ids,
-                           st, it.sample)
+                           st, it.sample, it.drafts_paused)
                 for it, st, start in zip(inp.items, inp.states, inp.starts())]
         drafts = self.mirror_and_propose(reqs, state, out.failed_serials, propose=latest)
         for serial, d in drafts.items():
@@ -266,41 +270,60 @@ class HiddenStateDrafter(DrafterCache):
                     out.draft_probs[serial] = self.last_draft_probs[serial]
 
     @torch.inference_mode()
-    def mirror_and_propose(self, reqs: list[MtpRequest], hidden: torch.Tensor,
+    def mirror_and_propose(self, reqs: list[MtpRequest], hidden: torch.Tensor | RawRows,
                            failed: set[int], propose: bool = True) -> dict[int, list[int]]:
         """Mirrors a sampled target step (hidden: its final hidden states, one row per
-        token) into the head's cache and drafts for its sampling requests (serial -> drafts;
-        none with propose=False: the mirror is then only queued, nothing waits for the
-        device). `failed`: requests whose step produced non-finite values (neither mirrored
-        nor drafted)."""
+        token; EAGLE-3: RawRows, its aux states) into the head's cache and drafts for its
+        sampling requests (serial -> drafts; none with propose=False: the mirror is then
+        only queued, nothing waits for the device). `failed`: requests whose step produced
+        non-finite values (neither mirrored nor drafted). A paused request's rows are kept
+        instead (mirror_backlog.py); the first later step that mirrors it runs them first."""
         rows: list[int] = []
         ids: list[int] = []
         pos: list[int] = []
         kept: list[tuple[MtpRequest, int]] = []  # (request, rows mirrored)
+        deferred: list[tuple[MtpRequest, int]] = []
+        backlogs: list[MirrorBacklog | None] = []
         for r in reqs:
             if r.serial in failed:
                 continue
             n = min(r.num_new_tokens, r.state.num_tokens - 1 - r.context_len)
             if n < 1:
                 continue
+            if (r.paused and self.chain is None  # (a chain's carry wants every mirror)
+                    and backlog.can_defer(r.state, r.context_len, n)):
+                deferred.append((r, n))
+                continue
+            back = backlog.take(r.state, r.context_len)
+            c0 = r.context_len if back is None else back.start
             rows.extend(range(r.start, r.start + n))
-            pos.extend(range(r.context_len, r.context_len + n))
-            ids.extend(r.state.token_ids(r.context_len + 1, r.context_len + n + 1))
+            pos.extend(range(c0, r.context_len + n))
+            ids.extend(r.state.token_ids(c0 + 1, r.context_len + n + 1))
             kept.append((r, n))
+            backlogs.append(back)
         if self.chain is not None:
             for serial in failed:
                 self.chain.forget(serial)
+        if deferred:
+            backlog.defer_rows([(r.state, r.context_len, r.start, n) for r, n in deferred],
+                               hidden, self.device)
         if not kept:
             return {}
+        caught = [0 if b is None else r.context_len - b.start for (r, _), b in zip(kept, backlogs)]
+        lens = [n + c for (_, n), c in zip(kept, caught)]
         num_decodes = 0
-        while num_decodes < len(kept) and kept[num_decodes][1] == 1:
+        while num_decodes < len(lens) and lens[num_decodes] == 1:
             num_decodes += 1
-        md = self._metadata([n for _, n in kept], [r.context_len for r, _ in kept],
+        md = self._metadata(lens, [r.context_len - c for (r, _), c in zip(kept, caught)],
                             [r.block_ids for r, _ in kept], num_decodes)
-        row_t = to_device(rows, torch.long, self.device)
-        h = hidden[row_t] if len(rows) != hidden.shape[0] else hidden
+        h = backlog.mirror_states(hidden, rows, [(r.start, n) for r, n in kept], backlogs,
+                                  self._input_states, self.device)
         ids_t = to_device(ids, torch.long, self.device)
         out = self._run_depth(0, ids_t, to_device(pos, torch.long, self.device), h, md)
+        if any(caught):  # the rows of the step itself, as a mirror without backlog's
+            sel = [s + i for s, c, n in zip(accumulate(lens, initial=0), caught, lens)
+                   for i in range(c, n)]
+            out = out[to_device(sel, torch.long, self.device)]
         mirrored = None
         if self.chain is not None:  # depths 1..n-1 over the rows whose tokens are now known
             mirrored = self.chain.mirror([MirrorRequest(r.serial, r.context_len, n, r.block_ids)
@@ -352,6 +375,10 @@ class HiddenStateDrafter(DrafterCache):
             probs_l = torch.cat([probs_t, self._probs[:len(reqs), :steps]], dim=1).tolist()
             self.last_draft_probs = {r.serial: q for r, q in zip(reqs, probs_l)}
         return {r.serial: d for r, d in zip(reqs, result)}
+
+    def _input_states(self, rows: torch.Tensor) -> torch.Tensor:
+        """The head's input state of raw rows (RawRows; EAGLE-3: fc over aux states)."""
+        return rows
 
     def _run_depth(self, depth: int, ids: torch.Tensor, positions: torch.Tensor,
                    hidden: torch.Tensor, md: Any) -> torch.Tensor:

@@ -5,6 +5,7 @@ caller's id: an id may be reused while a step holding its old request is in flig
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,8 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     lora: LoRARequest | None = None
     mm_features: list[MultiModalFeature] | None = None  # its images (the encoder reads them)
+    # A hidden-state drafter's rows it has not mirrored yet (spec_decode/mirror_backlog.py)
+    drafter_backlog: Any = None
 
     @classmethod
     def of(cls, new: NewRequestData, device: torch.device) -> RequestState:
