@@ -5,6 +5,7 @@ floor, W1-style throughput, and the latent KV cache's bytes per token, all on ra
     python benchmarks/deepseek_gpu.py all --out bench-work/deepseek-h200.json
     python benchmarks/deepseek_gpu.py batch1,w1 | kv | mla --out FILE [--num-requests N]
     python benchmarks/deepseek_gpu.py all --smoke --out /tmp/ds.json   # CPU, tiny config
+    python benchmarks/deepseek_gpu.py batch1,w1 --model google/gemma-3-27b-it-text --out F
 
 Parts (one JSON record each, written to --out after every part, so a part that dies or a
 run that is killed keeps the records before it):
@@ -165,13 +166,19 @@ def roofline(bench: Bench, decode: float) -> dict[str, Any]:
     model = getattr(engine_internals.runner(bench.llm), "model", None)
     if model is None:
         return dict.fromkeys(ROOFLINE_KEYS)
-    floor = weight_floor(model, int(bench.hf_config.num_experts_per_tok), decode)
     cfg, s = bench.hf_config, bench.sizes
-    latent = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * floor["params"]["param_bytes"]
+    # (a dense model: no routed experts; --model takes any decoder, e.g. Gemma-3-27B's text)
+    floor = weight_floor(model, int(getattr(cfg, "num_experts_per_tok", 0) or 0), decode)
+    elem = floor["params"]["param_bytes"]
+    if getattr(cfg, "kv_lora_rank", None):  # one latent row a token and layer
+        row = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * elem
+    else:  # K and V of every KV head (every layer reads its whole context at this length)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        row = 2 * cfg.num_key_value_heads * head_dim * elem
     mean_ctx = s["b1_in"] + s["b1_out"] / 2
     return dict(
         **floor,
-        kv_bytes_read_per_token_at_mean_context=int(cfg.num_hidden_layers * latent * mean_ctx),
+        kv_bytes_read_per_token_at_mean_context=int(cfg.num_hidden_layers * row * mean_ctx),
         params_counted_on="engine model (the runner's model)",
         active_params_rule=(
             "all parameters of the built model (shared tensors once) minus the routed experts' "

@@ -86,6 +86,9 @@ SHIPPED_CONFIGS: dict[str, str] = {
     # Kimi-Linear (98 GB in bf16) does not fit an 80 GB H100: its first 16 of 27 layers (the
     # same 3 KDA : 1 MLA pattern, the dense first layer), 28.7B parameters (57 GB).
     "moonshotai/Kimi-Linear-48B-A3B-Instruct-16layers": "kimi-linear-48b-a3b-16layers",
+    # Gemma-3-27B's text decoder (the released google/gemma-3-27b-it is multimodal; its
+    # text_config as a Gemma3ForCausalLM): 27.0B parameters, 54 GB in bf16.
+    "google/gemma-3-27b-it-text": "gemma-3-27b-text",
     # Attention sinks, sliding windows beside full attention, MXFP4 experts when real.
     "openai/gpt-oss-20b": "gpt-oss-20b",
     # Images (W13): the vision tower and M-RoPE decoder, with its preprocessor_config.json.
