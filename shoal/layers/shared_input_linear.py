@@ -46,6 +46,7 @@ class SharedInputLinear:
         # (no reference to `joined` is kept: a layer whose weight moves elsewhere, weight
         # offloading's host copy, must free it; the joined view is rebuilt from the halves)
         self._view: tuple[tuple[int, int], torch.Tensor] | None = None
+        self._joined_at = joined.untyped_storage().data_ptr()  # (an address, not a reference)
 
     def joined_weight(self) -> torch.Tensor | None:
         """The [N1 + N2, K] matrix while the two weights are still adjacent halves of one
@@ -70,6 +71,21 @@ class SharedInputLinear:
         self._view = (key, joined)
         return joined
 
+    def settle(self) -> None:
+        """After loading (build_model): where the layers cannot run joined (one weight packed
+        as FP8/INT4 or CPU int4, a bias), give each weight still a view of the joined storage
+        its own copy, or that half would keep the whole joined matrix allocated."""
+        if self.joined_weight() is not None:
+            return
+        self._view = None
+        for layer in (self.first, self.second):
+            w = _weight(layer)
+            # (only a view of the joined storage: a weight offloading moved into its layer's
+            # host buffer is a view of a larger storage too, and must stay one)
+            if (w.numel() and w.untyped_storage().data_ptr() == self._joined_at
+                    and w.untyped_storage().nbytes() > w.numel() * w.element_size()):
+                w.data = w.data.clone()
+
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(first(x), second(x)): one GEMM where the weights are still joined (the outputs
         are then column slices of one [T, N1 + N2] tensor), else each layer's own forward."""
@@ -78,3 +94,14 @@ class SharedInputLinear:
             return self.first(x), self.second(x)
         y = dense_linear.linear(x, joined, None, getattr(self.first, "triton_gemv", False))
         return y[..., :self.sizes[0]], y[..., self.sizes[0]:]
+
+
+def settle_all(model: nn.Module) -> int:
+    """SharedInputLinear.settle on every pair the model's modules hold; how many run apart."""
+    apart = 0
+    for module in model.modules():
+        for value in vars(module).values():
+            if isinstance(value, SharedInputLinear):
+                value.settle()
+                apart += value.joined_weight() is None
+    return apart

@@ -17,6 +17,7 @@ from shoal.distributed.parallel_state import expert_parallel
 from shoal.layers import rotary_share
 from shoal.layers.linear import triton_ops_while_building
 from shoal.layers.moe.deferred_stacks import check_none_deferred, packed_experts_expected
+from shoal.layers.shared_input_linear import settle_all
 from shoal.loader.dummy import initialize_dummy_weights
 from shoal.loader.kv_scales import apply_kv_scales
 from shoal.loader.loaded_model import LoadedModel
@@ -72,6 +73,7 @@ def build_model(config: EngineConfig, loaded: LoadedModel) -> nn.Module:
     if config.cpu_int4_matmul == "all" or (config.cpu_int4_matmul == "small_steps"
                                            and loaded.load_format == "gguf"):
         convert_to_int4(model, loaded.source, config.cpu_int4_matmul)
+    settle_all(model)  # (joined projections one of which was packed: each keeps its own half)
     model.eval()
     if offloader is not None:
         offloader.activate(model)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shoal.layers.linear import ColumnParallelLinear, ReplicatedLinear
-from shoal.layers.shared_input_linear import SharedInputLinear
+from shoal.layers.shared_input_linear import SharedInputLinear, settle_all
 from shoal.worker.sleep_mode import put_to_sleep, wake
 
 
@@ -22,7 +22,8 @@ def _pair(seed: int = 0) -> tuple[torch.nn.Module, SharedInputLinear]:
     holder.kv_a = ReplicatedLinear(16, 5)
     for p in holder.parameters():
         p.data.normal_()
-    return holder, SharedInputLinear(holder.q_proj, holder.kv_a)
+    holder.input_proj = SharedInputLinear(holder.q_proj, holder.kv_a)  # (as DeepseekMLA)
+    return holder, holder.input_proj
 
 
 def _apart(holder: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,3 +103,39 @@ def test_mismatched_projections_are_refused() -> None:
     with pytest.raises(ValueError, match="dtype and device"):
         SharedInputLinear(ReplicatedLinear(16, 4),
                           ReplicatedLinear(16, 4, params_dtype=torch.float64))
+
+
+@pytest.mark.parametrize("packed", ["first", "second"])
+def test_one_weight_packed_settles_into_two_storages(packed) -> None:
+    """The FP8/INT4 fast path or CPU int4 replaces one layer's weight only: after load,
+    settle gives the other half its own copy, so the joined matrix is freed."""
+    holder, shared = _pair()
+    x = torch.randn(2, 16)
+    want = _apart(holder, x)
+    layer = holder.q_proj if packed == "first" else holder.kv_a
+    other = holder.kv_a if packed == "first" else holder.q_proj
+    joined = weakref.ref(other.weight.untyped_storage())
+    layer.weight = torch.nn.Parameter(layer.weight.data.clone(), requires_grad=False)
+    assert shared.joined_weight() is None
+    assert joined() is not None  # the other half still holds the whole joined storage
+    assert settle_all(holder) == 1
+    gc.collect()
+    assert joined() is None, "the joined storage outlived settle"
+    assert other.weight.untyped_storage().nbytes() == other.weight.numel() * 4
+    for got, w in zip(shared(x), want):
+        torch.testing.assert_close(got, w)
+
+
+def test_settle_leaves_joined_and_moved_weights_alone() -> None:
+    holder, shared = _pair()
+    assert settle_all(holder) == 0 and shared.joined_weight() is not None
+    # weights moved into a larger buffer of their own (weight offloading's host buffer)
+    buffer = torch.empty(1000)
+    for i, layer in enumerate((holder.q_proj, holder.kv_a)):
+        w = layer.weight
+        view = buffer[i * 500:i * 500 + w.numel()].view_as(w)
+        view.copy_(w)
+        layer.weight.data = view
+    assert settle_all(holder) == 1
+    for layer in (holder.q_proj, holder.kv_a):
+        assert layer.weight.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
