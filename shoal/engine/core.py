@@ -351,6 +351,10 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
             self.structured.check(self.scheduler.fail_request)
         depth = self._depth()
         launched = None
+        # (a step that finishes one in flight, or waits for a grammar, did work even when it
+        # launches nothing and returns no output: a non-final prefill chunk under
+        # micro-batches)
+        worked = bool(self.queue)
         if len(self.queue) < depth:
             # (under micro-batches no request has a token in flight when it is scheduled)
             sched = self.scheduler.schedule(allow_drafts=not self.queue or self.micro_batches > 1)
@@ -360,13 +364,15 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
                 self._sample_ready()
             elif not self.queue and self.structured.compiling:
                 self.structured.wait_compiling()  # nothing to run but grammars
+                worked = True
         outputs: list[EngineCoreOutput] = []
         if self.queue and (launched is None or len(self.queue) >= depth):
             outputs = self._finish_oldest()
             self._sample_ready()
-        # nothing launched, nothing in flight: the unfinished requests wait on something
-        # outside the step (a remote KV fetch, a slower tier's load); core_proc then polls
-        self.last_step_idle = launched is None and not self.queue and not outputs
+        # nothing launched, finished or waited for: the unfinished requests wait on something
+        # outside the step (a remote KV fetch, a slower tier's load, a pause); core_proc
+        # then waits for input a moment before the next step
+        self.last_step_idle = launched is None and not worked and not outputs
         return outputs
 
     def _depth(self) -> int:

@@ -10,6 +10,7 @@ from oracle import write_tiny_checkpoint
 from safetensors.torch import load_file
 
 from shoal import LLM, SamplingParams
+from shoal.core.scheduler_output import SchedulerOutput
 
 ENGINE = dict(device="cpu", dtype="float32", max_model_len=128, kv_cache_memory_bytes=2**22)
 PROMPTS = [list(range(5, 45)), [9, 8, 7, 300]]
@@ -101,3 +102,25 @@ def test_offline_pause_refuses_generate_until_resume(setup) -> None:
     llm.resume_generation()
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == want["a"]
+
+
+def test_a_step_is_idle_only_when_it_did_nothing(setup, monkeypatch) -> None:
+    """EngineCore.last_step_idle (core_proc then waits for input a moment instead of spinning):
+    false for steps that launch, finish or return work, true for a step that schedules nothing
+    with nothing in flight while a request is unfinished (as one waiting on a remote KV
+    fetch: here the scheduler is made to schedule nothing)."""
+    llm, want, _, _ = setup
+    core = llm.llm_engine.core
+    add(llm, "i0", PROMPTS[0])
+    seen = []
+    while core.has_unfinished_requests():
+        llm.llm_engine.step()
+        seen.append(core.last_step_idle)
+    assert seen and not any(seen)
+    add(llm, "i1", PROMPTS[1])
+    monkeypatch.setattr(core.scheduler, "schedule", lambda **kw: SchedulerOutput())
+    llm.llm_engine.step()
+    assert core.has_unfinished_requests() and core.last_step_idle
+    monkeypatch.undo()
+    done = step_all(llm)
+    assert done["i1"].token_ids == want["a"][1] and core.last_step_idle is False
