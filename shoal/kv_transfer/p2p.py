@@ -48,6 +48,7 @@ from shoal.kv_transfer.base import EngineInfo, KVConnector
 from shoal.kv_transfer.config import KVTransferConfig
 from shoal.kv_transfer.payload import KVPayload, host_buffer
 from shoal.kv_transfer.shared import SegmentMaker, to_ranks
+from shoal.kv_transfer.shm_buffers import is_loopback
 from shoal.kv_transfer.transport import KVServer, Reply, fetch
 
 logger = logging.getLogger(__name__)
@@ -236,9 +237,11 @@ class P2PConnector(KVConnector):
             ask: dict[str, Any] = {"key": params["remote_request_id"]}
             if self.engine.drafter_kv:  # (only then: the drafter's bytes would go unused)
                 ask["draft"] = True
-            header, data = fetch(str(params["remote_host"]), int(params["remote_port"]),
-                                 ask, self.timeout_s, alloc=self._alloc,
-                                 shared=self.shared_memory)
+            host = str(params["remote_host"])
+            # (a file named by a producer of another host is never opened: loopback only)
+            header, data = fetch(host, int(params["remote_port"]), ask, self.timeout_s,
+                                 alloc=self._alloc,
+                                 shared=self.shared_memory and is_loopback(host))
             if not isinstance(header, dict) or "error" in header or data is None:
                 raise ValueError(header.get("error") if isinstance(header, dict)
                                  else "a malformed reply")

@@ -17,9 +17,11 @@ SegmentMaker sweeps kind "kv"). Torch-free."""
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import mmap
 import os
+import stat
 import threading
 import uuid
 import weakref
@@ -55,7 +57,7 @@ class _Files:
 
     def name(self) -> str:
         if not self.prefix or not self.prefix.startswith(f"shoal-kv-{owner_tag()}-"):
-            self.prefix = f"shoal-kv-{owner_tag()}-{uuid.uuid4().hex[:8]}-buf"  # (after fork)
+            self.prefix = f"shoal-kv-{owner_tag()}-{uuid.uuid4().hex}-buf"  # (after fork)
         return f"{self.prefix}{next(self.serial)}"
 
 
@@ -108,9 +110,10 @@ def locate(buf: Any) -> SharedPlace | None:
 
 def read_shared(place: SharedPlace, into: Any, directory: Path = SHM_DIR) -> None:
     """Copies a shared file's bytes (another process's buffer) into `into` (a writable buffer
-    of place.nbytes). OSError when the file cannot be opened or is shorter; ValueError when
-    `into` has another size or the file is not a shoal KV file of `directory` (a peer names
-    it: never any other file of this host)."""
+    of place.nbytes). OSError when the file cannot be opened (a link) or is shorter;
+    ValueError when `into` has another size or the file is not a shoal KV file of `directory`:
+    a peer names it, so nothing else of this host is opened, and the file must be a regular
+    file of this user that no one else may write (mode 0600)."""
     path = Path(place.path)
     if path.parent != directory or not path.name.startswith("shoal-kv-"):
         raise ValueError(f"{place.path} is not a shoal KV file of {directory}")
@@ -123,9 +126,14 @@ def read_shared(place: SharedPlace, into: Any, directory: Path = SHM_DIR) -> Non
         return
     start = place.offset // _GRANULE * _GRANULE  # mmap offsets are whole pages
     length = place.offset - start + place.nbytes
-    fd = os.open(place.path, os.O_RDONLY)
+    # never a link, a FIFO (open would block) or a file another user could write or cut
+    # short (a truncation under the mapping is a SIGBUS)
+    fd = os.open(place.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        if os.fstat(fd).st_size < start + length:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ValueError(f"{place.path} is not a regular file of this user, mode 0600")
+        if st.st_size < start + length:
             raise OSError(f"{place.path} holds fewer than {start + length} bytes")
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # one call, not a fault a page
         mapping = mmap.mmap(fd, length, flags=flags, prot=mmap.PROT_READ, offset=start)
@@ -137,6 +145,16 @@ def read_shared(place: SharedPlace, into: Any, directory: Path = SHM_DIR) -> Non
         del src
     finally:
         mapping.close()
+
+
+def is_loopback(host: str) -> bool:
+    """A peer address of this host's loopback (the only peers whose files are read)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def _forget(address: int, path: str) -> None:

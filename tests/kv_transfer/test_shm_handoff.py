@@ -12,7 +12,13 @@ from engine_helpers import tiny_llm
 from shoal import SamplingParams
 from shoal.kv_transfer import transport
 from shoal.kv_transfer.payload import HostBufferPool
-from shoal.kv_transfer.shm_buffers import SHM_DIR, SharedPlace, locate, read_shared
+from shoal.kv_transfer.shm_buffers import (
+    SHM_DIR,
+    SharedPlace,
+    is_loopback,
+    locate,
+    read_shared,
+)
 from shoal.kv_transfer.transport import KVServer, Reply, fetch
 
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir(), reason="needs /dev/shm")
@@ -150,9 +156,40 @@ def test_a_body_is_read_from_its_file_or_sent(reads, where) -> None:
 def test_only_shoal_kv_files_of_dev_shm_are_read(tmp_path) -> None:
     into = bytearray(4)
     (tmp_path / "shoal-kv-x").write_bytes(b"abcd")
+    (tmp_path / "shoal-kv-x").chmod(0o600)
     for path in ("/etc/hostname", str(tmp_path / "shoal-kv-x"), str(SHM_DIR / "other")):
         with pytest.raises(ValueError, match="is not a shoal KV file"):
             read_shared(SharedPlace(path, 0, 4), into)
     read_shared(SharedPlace(str(tmp_path / "shoal-kv-x"), 1, 3), memoryview(into)[:3],
                 directory=tmp_path)
     assert bytes(into[:3]) == b"bcd"
+
+
+def test_links_fifos_and_files_others_may_write_are_not_read(tmp_path) -> None:
+    """A peer names the file: a link (to any file of this host), a FIFO (open would block the
+    fetch thread for good) or a file group or others may write (cut short under the mapping:
+    SIGBUS) is refused, and the fetch then takes the bytes over TCP."""
+    import os
+
+    into = bytearray(4)
+    target = tmp_path / "shoal-kv-real"
+    target.write_bytes(b"abcd")
+    target.chmod(0o600)
+    (tmp_path / "shoal-kv-link").symlink_to(target)
+    with pytest.raises(OSError):
+        read_shared(SharedPlace(str(tmp_path / "shoal-kv-link"), 0, 4), into,
+                    directory=tmp_path)
+    os.mkfifo(tmp_path / "shoal-kv-fifo", 0o600)
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_shared(SharedPlace(str(tmp_path / "shoal-kv-fifo"), 0, 4), into,
+                    directory=tmp_path)
+    target.chmod(0o644)
+    with pytest.raises(ValueError, match="mode 0600"):
+        read_shared(SharedPlace(str(target), 0, 4), into, directory=tmp_path)
+
+
+def test_only_loopback_peers_are_asked_for_shared_files() -> None:
+    for host in ("127.0.0.1", "127.0.1.1", "::1", "[::1]", "localhost"):
+        assert is_loopback(host), host
+    for host in ("10.0.0.5", "192.168.1.2", "example.com", "", "::ffff:8.8.8.8"):
+        assert not is_loopback(host), host
