@@ -26,6 +26,7 @@ is not written back: the row goes on from it, and no later step reads the block 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,9 @@ class StateChunk:
     saves: tuple[int, ...]  # block ids receiving the states at the block ends inside it
     verify: bool = False  # a verify step: outputs only, inputs kept in the request's slot
     slot: int = 0  # (linear_replays.py; 0: the trash slot)
+    # read, then saves, then write as one device int64 vector (a view of the step's single
+    # copy, so that no layer waits on a host-to-device copy of its own); None: made by the layer
+    blocks: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,15 @@ def build_state_metadata(*, query_lens: list[int], context_lens: list[int],
             chunks.append(StateChunk(start, n, s, read(table, s),
                                      table[(e - 1) // block_size], saves))
         start += n
+    if chunks:  # every chunk's block ids in one asynchronous copy, shared by the group's layers
+        ids = [b for ch in chunks for b in (ch.read, *ch.saves, ch.write)]
+        flat = to_device(ids, torch.long, device)
+        at, placed = 0, []
+        for ch in chunks:
+            n = len(ch.saves) + 2
+            placed.append(dataclasses.replace(ch, blocks=flat[at:at + n]))
+            at += n
+        chunks = placed
     return StateMetadata(
         num_decodes,
         to_device(dr, torch.long, device) if num_decodes else None,

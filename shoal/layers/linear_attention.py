@@ -33,6 +33,7 @@ from shoal.attention.linear_state import (
 )
 from shoal.attention.metadata import GroupedMetadata
 from shoal.core.kv_cache_spec import LinearStateSpec
+from shoal.host_to_device import to_device
 from shoal.layers.linear_replays import KeptInputs
 from shoal.layers.ops import cpu_linear_state, fla_chunk
 from shoal.layers.ops import linear_state_decode as decode_kernels
@@ -210,8 +211,12 @@ class LinearAttention(nn.Module):
 
     def _chunk(self, x: torch.Tensor, rest: Rest, ch: StateChunk,
                block_size: int) -> torch.Tensor:
+        """A prefill chunk: nothing here waits on the device (the block ids are a device
+        vector, ch.blocks) and its op count does not grow with the block ends inside it (one
+        gather of their conv windows, one write of every state it leaves)."""
         assert self.pages is not None
-        conv, state = self.pages.read_one(ch.read)
+        blocks = self._chunk_blocks(ch)
+        conv, state = self.pages.read(blocks[:1])
         conv0 = conv[0].to(x.dtype)
         y, conv_end = causal_conv1d(x, self.conv_weight, self.conv_bias, conv0)
         if fla_chunk.usable(x):
@@ -222,13 +227,25 @@ class LinearAttention(nn.Module):
                 q, k, v, g, beta, state[0], scale=self.scale, offset=ch.offset,
                 save_every=block_size if ch.saves else 0)
         if ch.saves:  # the prefix cache's snapshots at the block ends inside the chunk
-            inputs = torch.cat([conv0.t(), x], dim=0)  # [K-1 + L, C]: each conv window
+            # each block end's conv window: the K-1 inputs ending there, out of the
+            # [K-1 + L, C] inputs (conv state, then x), as one strided view
+            inputs = torch.cat([conv0.t(), x], dim=0)
+            first = block_size - ch.offset % block_size  # tokens of x up to the first end
             width = self.conv_kernel - 1
-            for j, (block, snap) in enumerate(zip(ch.saves, saved)):
-                end = (j + 1) * block_size - ch.offset % block_size  # tokens of x consumed
-                self.pages.write_one(block, inputs[end:end + width].t(), snap)
-        self.pages.write_one(ch.write, conv_end, state)
+            windows = inputs[first:].unfold(0, width, block_size)[:len(ch.saves)]
+            convs = torch.cat([windows, conv_end[None].to(windows.dtype)])
+            states = torch.stack([*saved[:len(ch.saves)], state])
+            self.pages.write(blocks[1:], convs, states)
+        else:
+            self.pages.write(blocks[1:], conv_end[None], state[None])
         return o
+
+    def _chunk_blocks(self, ch: StateChunk) -> torch.Tensor:
+        """read, saves..., write on the device (the metadata's copy when it made one)."""
+        if ch.blocks is not None:
+            return ch.blocks
+        assert self.pages is not None
+        return to_device([ch.read, *ch.saves, ch.write], torch.long, self.pages.words.device)
 
     def _fla_chunk(self, y: torch.Tensor, rest: Rest, state: torch.Tensor, ch: StateChunk,
                    block_size: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -279,10 +296,13 @@ class LinearAttention(nn.Module):
         """Outputs of an eager verify step's tokens; the state read is copied into every
         block they reach and their inputs kept for the replay of the accepted run."""
         assert self.pages is not None
-        conv, state = self.pages.read_one(ch.read)
+        blocks = self._chunk_blocks(ch)  # read, the blocks reached, (no write: -1)
+        conv, state = self.pages.read(blocks[:1])
         o, _, _ = self._run(x[None], tuple(r[None] for r in rest), conv, state, None)
-        for block in ch.saves:
-            self.pages.write_one(block, conv[0], state[0])
+        if ch.saves:
+            reach = len(ch.saves)
+            self.pages.write(blocks[1:1 + reach], conv.expand(reach, *conv.shape[1:]),
+                             state.expand(reach, *state.shape[1:]))
         kept = self._kept()
         kept.keep_one(ch.slot, kept.pack(x, rest))
         return o[0]

@@ -56,9 +56,11 @@ def _upper(n: int, diagonal: int, device: torch.device) -> Tensor:
 
 
 def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, scale: float,
-          sub: int) -> Iterator[tuple[Tensor, Tensor]]:
-    """Yields (o [H, C, Dv], state after the chunk) for each chunk of q, k, v, g [N, H, C, D] and
-    beta [N, H, C, 1] (g's D is 1 for a per-head decay)."""
+          sub: int) -> Iterator[tuple[Tensor, list[Tensor]]]:
+    """Yields (o [n, H, C, Dv], the state after each of its n chunks) for each segment of up to
+    _CHUNKS_PER_SEGMENT chunks of q, k, v, g [N, H, C, D] and beta [N, H, C, 1] (g's D is 1 for
+    a per-head decay). Only the state's walk from chunk to chunk is a loop (three ops a chunk:
+    on a GPU each is a launch); everything else is batched over the segment's chunks."""
     Dk, Dv = k.shape[-1], v.shape[-1]
     for s0 in range(0, q.shape[0], _CHUNKS_PER_SEGMENT):
         seg = slice(s0, s0 + _CHUNKS_PER_SEGMENT)
@@ -73,13 +75,17 @@ def _scan(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tenso
                                           upper=False, unitriangular=True)
         w_v, w_k = w.split([Dv, Dk], -1)
         q_dec = qs * G.exp() * scale  # reads the chunk-start state
-        k_dec = ks * (G[..., -1:, :] - G).exp()  # writes decayed to the chunk end
+        k_dec_t = (ks * (G[..., -1:, :] - G).exp()).transpose(-1, -2)  # writes, to the end
         chunk_decay = G[..., -1, :].exp().unsqueeze(-1)  # [n, H, D, 1] over the state's rows
+        starts, us, after = [], [], []
         for i in range(qs.shape[0]):
-            u = w_v[i] - w_k[i] @ state
-            o = q_dec[i] @ state + attn[i] @ u
-            state = state * chunk_decay[i] + k_dec[i].transpose(-1, -2) @ u
-            yield o, state
+            starts.append(state)
+            u = torch.baddbmm(w_v[i], w_k[i], state, alpha=-1)  # w_v - w_k S
+            us.append(u)
+            state = torch.baddbmm(state * chunk_decay[i], k_dec_t[i], u)
+            after.append(state)
+        # every chunk's output at once: what it reads of its start state, plus within it
+        yield q_dec @ torch.stack(starts) + attn @ torch.stack(us), after
 
 
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
@@ -115,12 +121,14 @@ def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Ten
     outs, saved = [], []
     final = state.float()
     end = offset - front  # absolute position where the chunk grid starts; then each chunk end
-    for o, final in steps:
+    for o, after in steps:
         outs.append(o)
-        end += chunk_size
-        if save_every and end % save_every == 0 and end <= offset + T:
-            saved.append(final)
-    o = torch.stack(outs).transpose(1, 2).reshape(n * chunk_size, H, Dv)
+        for final in after:
+            end += chunk_size
+            if save_every and end % save_every == 0 and end <= offset + T:
+                saved.append(final)
+    o = (outs[0] if len(outs) == 1 else torch.cat(outs)).transpose(1, 2)
+    o = o.reshape(n * chunk_size, H, Dv)
     return o[front:front + T], final, saved
 
 
