@@ -251,3 +251,143 @@ def test_other_norms_and_partial_rotary_still_match(arch, tmp_path, monkeypatch)
         want = _tokens(llm)
         llm.shutdown()
     assert got == want
+
+
+# ---- exactness of the swaps ---------------------------------------------------------------
+
+class _Holder(nn.Module):
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.norm = norm
+
+
+def _zeroed(norm: nn.Module, dtype: torch.dtype) -> _Holder:
+    """A norm as the builder leaves it: in `dtype`, weight zeros."""
+    holder = _Holder(norm).to(dtype)
+    with torch.no_grad():
+        holder.norm.weight.zero_()
+    return holder
+
+
+def test_olmo2_norm_is_refused_in_bfloat16() -> None:
+    """OLMo 2 rounds w * x_normed once; shoal rounds x_normed first: within 3e-2, not equal."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    for dtype in (torch.bfloat16, torch.float32):  # (a float32 model is probed in bf16 too)
+        holder = _zeroed(Olmo2RMSNorm(64, eps=1e-6), dtype)
+        assert swap_rms_norms(holder, [dtype]) == []
+        assert isinstance(holder.norm, Olmo2RMSNorm)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_llama_family_norms_are_swapped_and_exact_in_half_dtypes(arch) -> None:
+    import importlib
+    module = importlib.import_module(f"transformers.models.{arch}.modeling_{arch}")
+    cls = getattr(module, {"llama": "LlamaRMSNorm", "qwen2": "Qwen2RMSNorm",
+                           "mistral": "MistralRMSNorm"}[arch])
+    for dtype in (torch.bfloat16, torch.float16):
+        holder = _zeroed(cls(64, eps=1e-6), dtype)
+        assert swap_rms_norms(holder, [dtype]) == ["norm"]
+        assert isinstance(holder.norm, RMSNorm)
+        ref = cls(64, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            holder.norm.weight.copy_(torch.rand(64) + 0.5)
+            ref.weight.copy_(holder.norm.weight)
+            for x in (torch.randn(7, 64), torch.randn(1, 7, 64), torch.randn(1, 2, 7, 64)):
+                x = (x * 3).to(dtype)
+                assert torch.equal(holder.norm(x), ref(x))
+                assert holder.norm(x).dtype == ref(x).dtype == dtype
+
+
+class _CastBackNorm(nn.Module):
+    """Llama's norm, then its output cast back to the input's dtype: with bf16 weights the
+    same as Llama's; with float32 weights bf16 where shoal's RMSNorm returns float32."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.weight, self.variance_epsilon = nn.Parameter(torch.ones(hidden)), 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h.to(x.dtype)).to(x.dtype)
+
+
+def test_float32_norm_weights_with_bf16_activations_need_the_same_output_dtype() -> None:
+    cast_back = _zeroed(_CastBackNorm(64), torch.bfloat16)
+    assert swap_rms_norms(cast_back, [torch.bfloat16]) == ["norm"]  # bf16 weights: Llama's
+    cast_back = _zeroed(_CastBackNorm(64), torch.float32)
+    assert swap_rms_norms(cast_back, [torch.bfloat16]) == []  # bf16 out, shoal's float32
+    # Llama's norm returns float32 for float32 weights, as shoal's does (its torch path:
+    # the CPU kernel takes one dtype)
+    llama = _zeroed(modeling_llama.LlamaRMSNorm(64, eps=1e-6), torch.float32)
+    assert swap_rms_norms(llama, [torch.bfloat16]) == ["norm"]
+    ref = modeling_llama.LlamaRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        llama.norm.weight.copy_(torch.rand(64) + 0.5)
+        ref.weight.copy_(llama.norm.weight)
+        x = torch.randn(1, 7, 64).bfloat16()
+        assert llama.norm(x).dtype == ref(x).dtype == torch.float32
+        assert torch.equal(llama.norm(x), ref(x))
+
+
+def test_short_rotary_takes_a_tensor_argument_for_no_unsqueeze_dim(monkeypatch) -> None:
+    """position_ids passed positionally (one element at decode): the original runs."""
+    import shoal.models.transformers_backend.rotary as rotary
+    monkeypatch.setattr(rotary, "in_shoal_forward", lambda: True)
+    calls = []
+    original = modeling_llama.apply_rotary_pos_emb
+    original = original.original if isinstance(original, ShortRope) else original
+
+    def spy(*args, **kwargs):
+        calls.append(args[4:])
+        return original(*args[:4])
+    short = ShortRope(spy)
+    q, k, cos, sin = (torch.randn(1, 4, 1, 16), torch.randn(1, 2, 1, 16),
+                      torch.randn(1, 1, 16), torch.randn(1, 1, 16))
+    short(q, k, cos, sin, 1)
+    short(q, k, cos, sin, unsqueeze_dim=1)
+    assert calls == []  # the short path
+    short(q, k, cos, sin, torch.tensor([1]))
+    short(q, k, cos, sin, True)
+    short(q, k, cos, sin, unsqueeze_dim=torch.tensor(1))
+    assert len(calls) == 3
+
+
+def test_gated_mlp_falls_back_when_only_up_proj_is_re_pointed() -> None:
+    block, _ = _built(nn.Identity(), nn.SiLU())
+    assert fuse_gated_mlps(block) == ["mlp"]
+    mlp = block.mlp
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.normal_()
+        mlp.up_proj.weight.data = mlp.up_proj.weight.data.clone()  # gate's still packed
+        mlp.up_proj.weight.mul_(2)
+    assert mlp.gate_proj.still_packed() and not mlp.up_proj.still_packed()
+    x = torch.randn(1, 3, 8)
+    gate, up = x @ mlp.gate_proj.weight.T, x @ mlp.up_proj.weight.T
+    want = (torch.nn.functional.silu(gate) * up) @ mlp.down_proj.weight.T
+    torch.testing.assert_close(mlp(x), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton RMSNorm runs on CUDA")
+def test_norm_swaps_on_cuda_go_through_triton() -> None:
+    """On CUDA the probe compares against the Triton kernel: Llama's bf16 norm must still be
+    swapped (at most 1% of elements one ulp apart), OLMo 2's refused, float32
+    weights under bf16 activations refused (Triton writes bf16, Llama returns float32)."""
+    from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
+    h = 4096
+    llama = _zeroed(modeling_llama.LlamaRMSNorm(h, eps=1e-5), torch.bfloat16).cuda()
+    assert swap_rms_norms(llama, [torch.bfloat16]) == ["norm"]
+    ref = modeling_llama.LlamaRMSNorm(h, eps=1e-5).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        llama.norm.weight.copy_(torch.rand(h, device="cuda") + 0.5)
+        ref.weight.copy_(llama.norm.weight)
+        x = (torch.randn(256, h, device="cuda") * 3).bfloat16()
+        got, want = llama.norm(x), ref(x)
+    differ = (got != want).float().mean().item()  # (the sum of squares' order may differ)
+    assert differ <= 0.01, f"{differ:.2e} differ"
+    torch.testing.assert_close(got, want, rtol=8e-3, atol=0)
+    olmo = _zeroed(Olmo2RMSNorm(h, eps=1e-5), torch.bfloat16).cuda()
+    assert swap_rms_norms(olmo, [torch.bfloat16]) == []
+    fp32 = _zeroed(modeling_llama.LlamaRMSNorm(h, eps=1e-5), torch.float32).cuda()
+    assert swap_rms_norms(fp32, [torch.bfloat16]) == []

@@ -8,11 +8,20 @@ A module is swapped only when its forward gives the fused formula's result on pr
 with probe weights, at construction (before the checkpoint is loaded: the weights are still
 the builder's zeros, and are zeros again after the check): names are never trusted, so
 Gemma's x * (1 + w) norm, a norm with another eps or that returns float32, or a GELU MLP
-keeps transformers' own forward."""
+keeps transformers' own forward.
+
+A norm must give shoal's result, through the path the engine will run (shoal's RMSNorm
+forward on the model's device: the C++ kernel on the CPU, Triton on CUDA), in bfloat16 and in
+each of the model's activation dtypes, with the same output dtype: in half precision at most
+1% of the elements one ulp apart, which a different order of the sum of squares gives (a few
+in ten thousand), and a formula that rounds elsewhere does not: OLMo 2's
+(w * x_normed).to(dtype) rounds once where shoal (as Llama) rounds x_normed before the
+multiply, one bf16 ulp apart in about a quarter of the elements. In float32 the two formulas
+are one, and 1e-5 relative is asked."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +36,7 @@ from shoal.models.transformers_backend.packed_linear import (
 )
 
 _PROBE_ROWS = 3
+_NORM_PROBE_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -40,14 +50,17 @@ class FusedModules:
 
 def fuse_modules(model: nn.Module, linear_inputs: dict[int, torch.Tensor]) -> FusedModules:
     """All of this module's swaps on a model just built (parameters still zeros);
-    linear_inputs: what packed_linear.linear_inputs saw on a probe pass."""
+    linear_inputs: what packed_linear.linear_inputs saw on a probe pass (their dtypes are
+    the model's activation dtypes)."""
     packed = pack_shared_input_linears(model, linear_inputs)
-    return FusedModules(packed, swap_rms_norms(model), fuse_gated_mlps(model))
+    activations = [x.dtype for x in linear_inputs.values() if x.is_floating_point()]
+    return FusedModules(packed, swap_rms_norms(model, activations), fuse_gated_mlps(model))
 
 
-def _probe(shape: tuple[int, ...], like: torch.Tensor, seed: int) -> torch.Tensor:
+def _probe(shape: tuple[int, ...], like: torch.Tensor, seed: int,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).to(dtype=like.dtype, device=like.device)
+    return torch.randn(shape, generator=g).to(dtype=dtype or like.dtype, device=like.device)
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -57,6 +70,22 @@ def _close(a: Any, b: Any) -> bool:
         return False
     tol = 1e-4 if a.dtype in (torch.float32, torch.float64) else 3e-2
     return torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+
+
+def _same_norm(a: Any, b: Any) -> bool:
+    """Same dtype and shape, and the values of one formula (the module docstring): in half
+    precision at most 1% of the elements apart, each by at most one ulp; in float32 within
+    1e-5 relative."""
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype and a.shape == b.shape):
+        return False
+    if a.dtype not in (torch.bfloat16, torch.float16):
+        return torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6)
+    af, bf = a.float(), b.float()
+    diff = (af - bf).abs()
+    info = torch.finfo(a.dtype)
+    ulp = info.eps * torch.maximum(af.abs(), bf.abs()).clamp_min(info.tiny)
+    return bool((diff <= ulp).all()) and (diff > 0).float().mean().item() <= 0.01
 
 
 @torch.no_grad()
@@ -86,20 +115,30 @@ def _rms_norm_eps(module: nn.Module) -> float | None:
     return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
 
 
-def _same_as_rms_norm(module: nn.Module, fused: RMSNorm) -> bool:
+def _same_as_rms_norm(module: nn.Module, fused: RMSNorm, dtypes: list[torch.dtype]) -> bool:
+    """module(x) and fused(x) identical for x in each dtype: [1, rows, H] (the CPU kernel's
+    shape), [1, 1, rows, H] (a per-head norm's: the torch path on the CPU) and x scaled
+    near eps (mean(x^2) ~ eps tells one eps from another)."""
     w = module.weight
-    x = _probe((1, _PROBE_ROWS, w.shape[0]), w, 7)
-    # (also near eps: mean(x^2) ~ eps tells one eps from another)
-    small = x * fused.eps ** 0.5
 
     def check() -> bool:
-        return all(_close(module(t), fused(t)) for t in (x, small))
+        for dtype in dtypes:
+            # (enough rows that 1% means something at a tiny model's width)
+            x = _probe((1, _NORM_PROBE_ROWS, w.shape[0]), w, 7, dtype)
+            for t in (x, x.unsqueeze(1), x * fused.eps ** 0.5):
+                if not _same_norm(module(t), fused(t)):
+                    return False
+        return True
     return _with_probe_weights([w], check)
 
 
-def swap_rms_norms(model: nn.Module) -> list[str]:
-    """Every module whose forward is RMSNorm(x) * w in x's dtype becomes shoal's RMSNorm on
-    the same weight parameter (its name unchanged). Returns the swapped modules' names."""
+def swap_rms_norms(model: nn.Module, activation_dtypes: Iterable[torch.dtype] = ()
+                   ) -> list[str]:
+    """Every module whose forward is RMSNorm(x) * w (_same_norm) becomes shoal's RMSNorm on
+    the same weight parameter (its name unchanged). Probed in bfloat16 and each of
+    activation_dtypes (the norm weight's dtype when none is given). Returns the swapped
+    modules' names."""
+    activations = list(activation_dtypes)
     swapped = []
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -110,7 +149,8 @@ def swap_rms_norms(model: nn.Module) -> list[str]:
             fused = RMSNorm(w.shape[0], eps, w.dtype)
             fused.weight = w
             fused.train(child.training)
-            if _same_as_rms_norm(child, fused):
+            dtypes = list(dict.fromkeys([torch.bfloat16, *(activations or [w.dtype])]))
+            if _same_as_rms_norm(child, fused, dtypes):
                 setattr(parent, name, fused)
                 swapped.append(f"{parent_name}.{name}".lstrip("."))
     return swapped
@@ -122,11 +162,13 @@ class _GatedSiluForward:
 
     def __init__(self, module: nn.Module, act: SiluAndMul, own: Callable[..., Any]):
         self.gate: PackedMemberLinear = module.gate_proj
+        self.up: PackedMemberLinear = module.up_proj
         self.down: nn.Module = module.down_proj
         self.act, self.own = act, own
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.gate.still_packed():
+        # (either member's parameter re-pointed: the packed tensor holds stale rows for it)
+        if not (self.gate.still_packed() and self.up.still_packed()):
             return self.own(x)
         gate_up = self.gate.group.packed_output(x)
         h = self.act(gate_up.reshape(-1, gate_up.shape[-1]))

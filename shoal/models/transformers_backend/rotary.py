@@ -71,9 +71,15 @@ class ShortRope:
 
 
 def _default_unsqueeze(args: tuple, kwargs: dict) -> bool:
+    """Whether the extra arguments are unsqueeze_dim=1 and nothing else. An int 1 only: a
+    tensor there (position_ids passed positionally) == 1 is a tensor, not a bool."""
     if args:
-        return len(args) == 1 and not kwargs and args[0] == 1
-    return list(kwargs) == ["unsqueeze_dim"] and kwargs["unsqueeze_dim"] == 1
+        return len(args) == 1 and not kwargs and _is_one(args[0])
+    return list(kwargs) == ["unsqueeze_dim"] and _is_one(kwargs["unsqueeze_dim"])
+
+
+def _is_one(value: Any) -> bool:
+    return type(value) is int and value == 1
 
 
 def _standard(q: Any, k: Any, cos: Any, sin: Any) -> bool:
