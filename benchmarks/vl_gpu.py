@@ -1,10 +1,13 @@
 """W13, images (../shared/BENCHMARKS.md), on one GPU (written for an H200): the
-Qwen2.5-VL-7B shape (shoal/model_configs/qwen2.5-vl-7b, load_format=dummy: random bf16), whose
-folder has no tokenizer: offline prompts are token ids, and the server gets a word-level
-tokenizer with Qwen's special-token ids (written here), so both sides run the same prompts.
+Qwen2.5-VL-7B shape (shoal/model_configs/qwen2.5-vl-7b, load_format=dummy: random bf16), or
+with --model Qwen/Qwen3-VL-8B-Instruct the Qwen3-VL-8B one (qwen3-vl-8b: videos with EVS);
+neither folder has a tokenizer: offline prompts are token ids, and the server gets a
+word-level tokenizer with Qwen's special-token ids (written here), so both sides run the same
+prompts.
 
     python benchmarks/vl_gpu.py                         # every section -> $OUT/vl_gpu.json
     python benchmarks/vl_gpu.py --sections throughput,serve --out F
+    python benchmarks/vl_gpu.py --sections evs --model Qwen/Qwen3-VL-8B-Instruct --out F
     python benchmarks/vl_gpu.py --smoke --out /tmp/vl.json   # CPU, a tiny random model (~35 s)
 
 Sections (one record each; the file is rewritten after each):
@@ -22,9 +25,11 @@ Sections (one record each; the file is rewritten after each):
   tensors (with its plan made beforehand too) and --encoder-batch images in one call, CUDA
   events, median of --encoder-iters; the tower's CUDA graph (shoal/worker/encoder_graphs.py)
   where the tree has one, else a note; the FLOP floor at 791 TFLOP/s.
-- evs: a --video-frames (16) noise video of --video-size (640x480) at each --evs-rates
-  (0, 0.5) video_pruning_rate: video tokens and TTFT; only where EngineArgs has
-  video_pruning_rate, else a note.
+- evs: --evs-requests (5) noise videos of --video-frames (16) frames of --video-size
+  (640x480), after one warm-up video, at each --evs-rates (0, 0.5) video_pruning_rate, one
+  engine per rate: video tokens and TTFT (a max_tokens=1 request, median), each over rate
+  0's; only where EngineArgs has video_pruning_rate, else a note. Qwen3-VL-8B: 16 frames at
+  2 fps make 8 frame groups of 15 x 20 merged patches, 2400 video tokens (1200 at 0.5).
 - serve: the throughput workload through `shoal serve` (same engine arguments), chat requests
   with data-URL images (--image-format png: lossless, the same pixels) from --concurrency (64)
   clients, the offline runs' images after 4 warm-up requests: images/s, output tok/s, each
@@ -33,7 +38,8 @@ Sections (one record each; the file is rewritten after each):
 Each engine runs in a child process (this script with --child, vl_offline.py), so one's GPU
 memory is free before the next starts. The server and the offline engines both get the
 tokenizer (so both detokenize) and the same engine arguments. --smoke: a 2-layer random
-Qwen2.5-VL (tests/vl_checkpoints.py) on the CPU, every size tiny."""
+Qwen2.5-VL (tests/vl_checkpoints.py; a 2-layer Qwen3-VL when --model is a Qwen3-VL) on the
+CPU, every size tiny."""
 
 from __future__ import annotations
 
@@ -56,7 +62,7 @@ from typing import Any
 import numpy as np
 from results_file import REPO, default_path, record, write
 from server_process import SHOAL_CLI, ServerProcess, free_port
-from vl_offline import engine_kw, noise_image, run_child, seeds, size_of, words
+from vl_offline import engine_kw, full_config, noise_image, run_child, seeds, size_of, words
 
 MODEL = "Qwen/Qwen2.5-VL-7B-Instruct"
 SECTIONS = ("throughput", "ttft", "encoder", "evs", "serve")
@@ -67,21 +73,30 @@ CHAT_TEMPLATE = (
 QWEN_SPECIALS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
                  "<|vision_start|>": 151652, "<|vision_end|>": 151653,
                  "<|image_pad|>": 151655, "<|video_pad|>": 151656}
+# Qwen3-VL writes "<2.5 seconds>" before each frame group: split at punctuation into
+# "<", "2", ".", "5", "seconds", ">" (Qwen's BPE makes six tokens of it too, for times under
+# 10 s), at ids no prompt word (w4..w199) uses
+TIMESTAMP_PIECES = ["<", ">", ".", "seconds", *(str(i) for i in range(1000))]
+TIMESTAMP_FIRST_ID = 1000
 SMOKE = dict(num_requests=4, output_len=8, image_size="224x168", ttft_pairs=2, encoder_iters=3,
-             encoder_batch=2, video_frames=4, video_size="112x84", concurrency=2)
+             encoder_batch=2, video_frames=4, video_size="112x84", evs_requests=1,
+             concurrency=2)
 
 
 def qwen_word_tokenizer(folder: Path) -> Path:
-    """A whitespace word-level tokenizer over Qwen2.5-VL's ids: <unk>, user, assistant,
-    system, w4..., and the special tokens at their real ids; the chat template above."""
+    """A word-level tokenizer (split at whitespace and punctuation) over Qwen-VL's ids:
+    <unk>, user, assistant, system, w4..., the timestamp pieces from id 1000, and the special
+    tokens at their real ids; the chat template above."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     names = {i: s for s, i in QWEN_SPECIALS.items()}
+    names |= {TIMESTAMP_FIRST_ID + k: piece for k, piece in enumerate(TIMESTAMP_PIECES)}
     vocab = {"<unk>": 0, "user": 1, "assistant": 2, "system": 3}
     vocab |= {names.get(i, f"w{i}"): i for i in range(4, max(names) + 1)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                     pre_tokenizers.Punctuation()])
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
                                   eos_token="<|im_end|>", pad_token="<|endoftext|>")
     tok.add_special_tokens({"additional_special_tokens": list(QWEN_SPECIALS)})
@@ -237,16 +252,25 @@ def parent(args: argparse.Namespace) -> int:
     args.work_dir = Path(tempfile.mkdtemp(prefix="vl-gpu-"))
     try:
         if args.smoke:
-            sys.path.insert(0, str(REPO / "tests"))
-            from vl_checkpoints import write_tiny_qwen2_5_vl
-
-            args.model = str(write_tiny_qwen2_5_vl(args.work_dir / "tiny"))
+            args.model = str(tiny_model(args.model, args.work_dir / "tiny"))
             args.tokenizer_dir = Path(args.model)
         else:
             args.tokenizer_dir = qwen_word_tokenizer(args.work_dir / "tokenizer")
         return sections(args)
     finally:
         shutil.rmtree(args.work_dir, ignore_errors=True)
+
+
+def tiny_model(model: str, folder: Path) -> Path:
+    """A tiny random checkpoint of `model`'s family (tests/vl_checkpoints.py): Qwen3-VL's
+    when `model` is one (its videos have timestamps; EVS lays them out after the tower),
+    else Qwen2.5-VL's."""
+    sys.path.insert(0, str(REPO / "tests"))
+    import vl_checkpoints
+
+    if full_config(model).model_type == "qwen3_vl":
+        return vl_checkpoints.write_tiny_qwen3_vl(folder)
+    return vl_checkpoints.write_tiny_qwen2_5_vl(folder)
 
 
 def sections(args: argparse.Namespace) -> int:
@@ -303,6 +327,8 @@ def main() -> int:
     p.add_argument("--video-frames", type=int, default=16)
     p.add_argument("--video-size", default="640x480")
     p.add_argument("--evs-rates", default="0,0.5")
+    p.add_argument("--evs-requests", type=int, default=5,
+                   help="timed videos per rate (new seeds; after one warm-up video)")
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=420, help="seconds per child or server")

@@ -296,7 +296,7 @@ def evs_rate(llm: Any, args: argparse.Namespace, tok: Any) -> dict[str, Any]:
     video_id = int(full_config(args.model).video_token_id)
     sp = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     rows = []
-    for i, s in enumerate(seeds(args, "video", 1 + (1 if args.smoke else 3))):
+    for i, s in enumerate(seeds(args, "video", 1 + args.evs_requests)):  # the first: warm-up
         frames = np.random.default_rng(s).integers(0, 256, (args.video_frames, h, w, 3),
                                                    dtype=np.uint8)
         req = {"prompt_token_ids": prompt_ids(tok, content(s, VIDEO)),
@@ -307,7 +307,7 @@ def evs_rate(llm: Any, args: argparse.Namespace, tok: Any) -> dict[str, Any]:
         if i:
             rows.append(row)
     return {"rate": args.evs_rate, "video_tokens": rows[0]["video_tokens"],
-            "prompt_tokens": rows[0]["prompt_tokens"],
+            "prompt_tokens": rows[0]["prompt_tokens"], "requests": len(rows),
             "engine_ttft_ms_median": stats([r["engine_ms"] for r in rows])["median"],
             "wall_ttft_ms_median": stats([r["wall_ms"] for r in rows])["median"], "rows": rows}
 

@@ -93,6 +93,9 @@ SHIPPED_CONFIGS: dict[str, str] = {
     "openai/gpt-oss-20b": "gpt-oss-20b",
     # Images (W13): the vision tower and M-RoPE decoder, with its preprocessor_config.json.
     "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2.5-vl-7b",
+    # Videos with EVS (video_pruning_rate): deepstack tower, timestamps between frames, with
+    # its image and video preprocessor configs.
+    "Qwen/Qwen3-VL-8B-Instruct": "qwen3-vl-8b",
 }
 _CONFIGS_BY_LOWER_NAME = {name.lower(): folder for name, folder in SHIPPED_CONFIGS.items()}
 _CONFIGS_DIR = Path(__file__).resolve().parent.parent / "model_configs"
