@@ -158,17 +158,7 @@ def main(argv: list[str] | None = None) -> int:
             args.model = offline_runs.tiny_llama(Path(tempfile.mkdtemp(prefix="e3-smoke-")))
     from shoal import SamplingParams
 
-    kw: dict[str, Any] = dict(load_format=args.load_format, dtype=args.dtype,
-                              max_model_len=args.input_len + args.output_len + 64,
-                              max_num_seqs=max(args.batch_sizes))
-    if args.device:
-        kw["device"] = args.device
-    if args.device == "cpu":
-        kw["kv_cache_memory_bytes"] = 64 << 20
-    kw["speculative_config"] = spec_methods.speculative_config(
-        args.method, args.num_speculative_tokens, args.rates[0], args.model,
-        Path(tempfile.mkdtemp(prefix="e3-head-")), 0.5)
-    eng = offline_runs.start_engine(args.model, **kw)
+    eng = offline_runs.start_engine(args.model, **spec_methods.engine_kwargs(args, args.method))
     cuda = args.device != "cpu"
     vocab = engine_internals.vocab_size(eng.llm) or 32000
     sp = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)

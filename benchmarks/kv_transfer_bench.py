@@ -25,12 +25,12 @@ import contextlib
 import multiprocessing as mp
 import sys
 import threading
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from kv_transport_cpu import at_once
 from results_file import REPO, default_path, record, write
 
 sys.path.insert(0, str(REPO))
@@ -104,24 +104,16 @@ def fetch_all(consumer: P2PConnector, port: int, prompt: list[int], keys: list[s
               ) -> tuple[float, list[float]]:
     """The keys fetched at once by the consumer connector, a thread each: wall seconds and
     each fetch's seconds."""
-    secs = [0.0] * len(keys)
 
-    def one(i: int) -> None:
-        t0 = time.perf_counter()
-        got = consumer._fetch({"remote_host": "127.0.0.1", "remote_port": port,
-                               "remote_request_id": keys[i]}, prompt)
-        if got.payload is not None:
-            secs[i] = time.perf_counter() - t0
+    def fetch_one(key: str) -> Callable[[], None]:
+        def call() -> None:
+            got = consumer._fetch({"remote_host": "127.0.0.1", "remote_port": port,
+                                   "remote_request_id": key}, prompt)
+            if got.payload is None:
+                raise RuntimeError(f"the fetch of {key} failed (see the warnings above)")
+        return call
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(keys))]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if any(s == 0.0 for s in secs):
-        raise RuntimeError("a fetch failed (see the warnings above)")
-    return time.perf_counter() - t0, secs
+    return at_once([fetch_one(k) for k in keys])
 
 
 def measure(args: argparse.Namespace, path: str, foreign: bool, busy: bool) -> dict[str, Any]:

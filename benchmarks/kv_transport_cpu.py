@@ -22,6 +22,7 @@ import argparse
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,23 +58,21 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def timed_fetches(port: int, keys: list[str], pinned: bool) -> tuple[float, list[float]]:
-    """All keys fetched at once, one thread each: wall seconds and each fetch's seconds."""
-    secs: list[float] = [0.0] * len(keys)
+def at_once(calls: list[Callable[[], None]]) -> tuple[float, list[float]]:
+    """The calls run at once, a thread each: wall seconds and each call's seconds; the first
+    error any raised is raised again here."""
+    secs: list[float] = [0.0] * len(calls)
     errors: list[BaseException] = []
 
     def one(i: int) -> None:
         t0 = time.perf_counter()
         try:
-            header, data = fetch("127.0.0.1", port, {"key": keys[i]}, 120.0,
-                                 alloc=lambda n: host_buffer(n, pinned))
-            if data is None:
-                raise RuntimeError(f"fetch of {keys[i]}: {header}")
+            calls[i]()
         except BaseException as e:  # reported below
             errors.append(e)
         secs[i] = time.perf_counter() - t0
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(keys))]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
     t0 = time.perf_counter()
     for t in threads:
         t.start()
@@ -82,6 +81,20 @@ def timed_fetches(port: int, keys: list[str], pinned: bool) -> tuple[float, list
     if errors:
         raise errors[0]
     return time.perf_counter() - t0, secs
+
+
+def timed_fetches(port: int, keys: list[str], pinned: bool) -> tuple[float, list[float]]:
+    """All keys fetched at once, one thread each: wall seconds and each fetch's seconds."""
+
+    def fetch_one(key: str) -> Callable[[], None]:
+        def call() -> None:
+            header, data = fetch("127.0.0.1", port, {"key": key}, 120.0,
+                                 alloc=lambda n: host_buffer(n, pinned))
+            if data is None:
+                raise RuntimeError(f"fetch of {key}: {header}")
+        return call
+
+    return at_once([fetch_one(k) for k in keys])
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -111,17 +111,8 @@ def _timed(llm: Any, prompts: list[dict], sp: Any, repeats: int) -> dict[str, An
 def engine_part(args: argparse.Namespace) -> list[dict]:
     from shoal import SamplingParams
 
-    kw: dict[str, Any] = dict(load_format=args.load_format, dtype=args.dtype,
-                              max_model_len=args.input_len + args.output_len + 64,
-                              max_num_seqs=max(args.batch_sizes))
-    if args.device:
-        kw["device"] = args.device
-    if args.device == "cpu":
-        kw["kv_cache_memory_bytes"] = 64 << 20
-    if args.engine == "spec":
-        kw["speculative_config"] = spec_methods.speculative_config(
-            args.method, args.num_speculative_tokens, args.rates[0], args.model,
-            Path(tempfile.mkdtemp(prefix="w9-head-")), args.confidence_threshold)
+    kw = spec_methods.engine_kwargs(args, args.method if args.engine == "spec" else None,
+                                    args.confidence_threshold)
     eng = offline_runs.start_engine(args.model, **kw)
     vocab = (engine_internals.vocab_size(eng.llm) or offline_runs.config_vocab_size(args.model)
              or 32000)

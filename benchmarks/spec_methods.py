@@ -17,6 +17,7 @@ drafter that reports probabilities."""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -79,3 +80,22 @@ def set_rate(llm: Any, method: str, rate: float) -> bool:
 def summary_prefix(method: str) -> str:
     """Summary keys of a method's figures: "spec" for forced (W9's keys of old), else its name."""
     return "spec" if method == "forced" else method
+
+
+def engine_kwargs(args: Any, method: str | None, confidence_threshold: float = 0.5
+                  ) -> dict[str, Any]:
+    """A W9 engine's arguments from a script's args (model, load_format, dtype, input_len,
+    output_len, batch_sizes, device, num_speculative_tokens, rates): a speculating engine's
+    with `method` (its head written to a fresh temp folder), the plain engine's with None."""
+    kw: dict[str, Any] = dict(load_format=args.load_format, dtype=args.dtype,
+                              max_model_len=args.input_len + args.output_len + 64,
+                              max_num_seqs=max(args.batch_sizes))
+    if args.device:
+        kw["device"] = args.device
+    if args.device == "cpu":
+        kw["kv_cache_memory_bytes"] = 64 << 20
+    if method is not None:
+        kw["speculative_config"] = speculative_config(
+            method, args.num_speculative_tokens, args.rates[0], args.model,
+            Path(tempfile.mkdtemp(prefix="w9-head-")), confidence_threshold)
+    return kw
