@@ -16,7 +16,6 @@ from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shoal.core.kv_cache_spec import state_block_size
@@ -26,6 +25,7 @@ from shoal.layers.gated_delta_net import GatedDeltaNet
 from shoal.layers.linear import QKVParallelLinear, ReplicatedLinear, RowParallelLinear
 from shoal.layers.moe.layer import FusedMoE
 from shoal.layers.moe.router import TopKRouter
+from shoal.layers.moe.shared_experts import gated_shared_expert_of
 from shoal.layers.norm import OffsetRMSNorm
 from shoal.layers.rotary import get_rope, rope_parameters
 from shoal.models.expert_weights import load_expert_tensors
@@ -84,7 +84,10 @@ class GatedAttention(nn.Module):
 
 
 class SharedExpertMoE(nn.Module):
-    """Routed experts plus a shared expert scaled by sigmoid(shared_expert_gate(x))."""
+    """Routed experts plus a shared expert scaled by sigmoid(shared_expert_gate(x)). The
+    shared expert joins the routed sum inside FusedMoE (shared_experts.py): at bf16 decode
+    sizes within the experts' two launches, its gate too; elsewhere its own MLP and gate.
+    Either way its partial sums are reduced with the routed experts' (one all-reduce)."""
 
     def __init__(self, cfg: Any, dtype: torch.dtype, use_triton_ops: bool):
         super().__init__()
@@ -95,12 +98,13 @@ class SharedExpertMoE(nn.Module):
                                 params_dtype=dtype, use_triton_ops=use_triton_ops)
         shared = _Sized(cfg, cfg.shared_expert_intermediate_size)
         self.shared_expert = LlamaMLP(shared, dtype, use_triton_ops)
+        self.shared_expert.down_proj.reduce_results = False  # (FusedMoE's all-reduce sums it)
         self.shared_expert_gate = ReplicatedLinear(cfg.hidden_size, 1, params_dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
-        shared = F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return self.experts(x, weights, ids) + shared
+        shared = gated_shared_expert_of(self.shared_expert, self.shared_expert_gate)
+        return self.experts(x, weights, ids, shared=shared)
 
 
 class _Sized:

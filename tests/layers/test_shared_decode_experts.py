@@ -153,7 +153,7 @@ def test_launches_the_decode_kernels_only_with_shared_programs(monkeypatch) -> N
     split = decode.k_per_split(INTER, tiles.block_k, tiles.split)[1]
     assert names == ["_gate_up_kernel", "_down_kernel"] + ["sum_splits_kernel"] * (split > 1)
     gate_up, down = per_routing[0][0], per_routing[0][1]
-    assert gate_up[1][0] == 3 * (2 + 2) and gate_up[2][5] == (3 * (2 + 2), INTER)  # act
+    assert gate_up[1][0] == 3 * (2 + 2) and gate_up[2][6] == (3 * (2 + 2), INTER)  # act
     assert down[1][0] == 3 and down[2][0] == (3 * (2 + 2), INTER)
     assert mlp.calls == 0
     out = experts_triton(x, w["w13"], w["w2"], topk_w, ids.to(DEV), path="grouped",

@@ -33,8 +33,16 @@ gate_up, no bias) writing act rows after the routed pairs', and down adds each c
 (columns j * I.. of the shared down) after the routed slots', in that fixed order. The MLP's
 own weights are read in place: nothing is stacked or copied.
 
-Graph safety: grids and buffers follow from T, k, the shared chunks and the tiles only; the
-routing is read on the device."""
+A gated shared expert (Qwen3-Next, Qwen3.5-MoE: the MLP's output times sigmoid(x . g) per
+token, g the [1, H] gate row) adds T gate programs to gate_up's grid after the shared ones
+(one a token, at the first block of outputs; the rest exit at once): each streams its token's
+x against g in a loop of its own (the routed programs' code is unchanged), rounds the logit
+to x's dtype as the unfused gate linear does, and writes sigmoid of it, float32, to a [T]
+buffer; down multiplies each shared chunk's K step by its token's value, as a routed slot's
+by its routing weight.
+
+Graph safety: grids and buffers follow from T, k, the shared chunks (and gate) and the tiles
+only; the routing and the gate are read on the device."""
 
 from __future__ import annotations
 
@@ -101,20 +109,46 @@ def _step_dots(w_step, x_step, offs_k, k0, k_end, MASKED: tl.constexpr):
     return tl.sum(w.to(tl.float32) * x.to(tl.float32), axis=2)  # (VEC: within a thread)
 
 
+@triton.jit
+def _store_shared_weight(x_ptr, g_ptr, sw_ptr, token, k_in, stride_xm, BLOCK_K: tl.constexpr,
+                         VEC: tl.constexpr):
+    """sw[token] = sigmoid(x[token] . g[0, :]) in float32, the logit rounded to x's dtype
+    first (as the unfused gate linear stores it)."""
+    VECS: tl.constexpr = BLOCK_K // VEC
+    offs_k = tl.arange(0, VECS)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [VECS, VEC]
+    x_row = x_ptr + token.to(tl.int64) * stride_xm
+    acc = tl.zeros([VECS, VEC], dtype=tl.float32)
+    for k0 in range(0, k_in, BLOCK_K):  # (one program a token: every step masked)
+        ok = k0 + offs_k < k_in
+        g = tl.load(g_ptr + k0 + offs_k, mask=ok, other=0.0)
+        acc += g.to(tl.float32) * tl.load(x_row + k0 + offs_k, mask=ok, other=0.0).to(tl.float32)
+    logit = tl.sum(tl.sum(acc, axis=1), axis=0).to(x_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(sw_ptr + token, 1.0 / (1.0 + tl.exp(-logit)))
+
+
 @triton.jit(do_not_specialize=["t_rows"])
-def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, inter, k_in, t_rows,
-                    stride_xm, stride_we, stride_wn, stride_bias, stride_sn, stride_om,
-                    alpha, limit, TOPK: tl.constexpr, SHARED: tl.constexpr,
-                    HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, ws_ptr, g_ptr, out_ptr, sw_ptr, inter,
+                    k_in, t_rows, stride_xm, stride_we, stride_wn, stride_bias, stride_sn,
+                    stride_om, alpha, limit, TOPK: tl.constexpr, SHARED: tl.constexpr,
+                    GATED: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
     """act[pair, n] = activation(gate, up) for outputs n of this program's block, gate / up
     = the pair's token row of x . w13[expert, n (gate) / inter + n (up), :] (+ bias). Pairs
     past the T * TOPK routed ones are the shared chunks, token by token: chunk j of a token
     reads rows j * inter + n (gate) and SHARED * inter + j * inter + n (up) of ws [2 *
-    SHARED * inter, H], no bias."""
+    SHARED * inter, H], no bias. GATED: T more pairs, token by token, write sw[token] =
+    sigmoid(x[token] . g[0, :]) (float32; the logit rounded to x's dtype) from their first
+    block of outputs."""
     VECS: tl.constexpr = BLOCK_K // VEC
     pair = tl.program_id(0)
     n_routed = t_rows * TOPK
+    if GATED:  # the gate programs: one a token computes its weight, the others exit
+        gate_first = n_routed + t_rows * SHARED
+        if pair >= gate_first:
+            if tl.program_id(1) == 0:
+                _store_shared_weight(x_ptr, g_ptr, sw_ptr, pair - gate_first, k_in,
+                                     stride_xm, BLOCK_K, VEC)
+            return
     # (a shared chunk's program reads a routed id it does not use: the last one)
     expert = tl.load(ids_ptr + tl.minimum(pair, n_routed - 1)).to(tl.int64)
     w_base = w_ptr + expert * stride_we
@@ -170,25 +204,30 @@ def _slots_step(acc, ids_ptr, r_ptr, w_rows, a_cols, offs_k, token, k0, k_end,
 
 @triton.jit
 def _shared_step(acc, ws_rows, a_cols, offs_k, first_row, k0, k_end, inter, stride_am,
-                 SHARED: tl.constexpr, MASKED: tl.constexpr):
+                 weight, SHARED: tl.constexpr, GATED: tl.constexpr, MASKED: tl.constexpr):
     """acc + one K step of the token's SHARED shared chunks (act rows first_row + j, columns
-    j * inter on of the shared down weight), weight 1, after the routed slots."""
+    j * inter on of the shared down weight), weight 1 or (GATED) `weight`, after the routed
+    slots."""
     for j in tl.static_range(SHARED):
-        acc += _step_dots(ws_rows + j * inter, a_cols + (first_row + j).to(tl.int64) * stride_am,
+        dots = _step_dots(ws_rows + j * inter, a_cols + (first_row + j).to(tl.int64) * stride_am,
                           offs_k, k0, k_end, MASKED)
+        if GATED:
+            dots = dots * weight
+        acc += dots
     return acc
 
 
 @triton.jit(do_not_specialize=["t_rows"])  # T changes with the batch: one compile
-def _down_kernel(a_ptr, ids_ptr, r_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, h_out, k_in,
-                 k_span, t_rows, stride_am, stride_we, stride_wn, stride_bias, stride_sn,
-                 TOPK: tl.constexpr, SHARED: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+def _down_kernel(a_ptr, ids_ptr, r_ptr, w_ptr, bias_ptr, ws_ptr, sw_ptr, out_ptr, h_out,
+                 k_in, k_span, t_rows, stride_am, stride_we, stride_wn, stride_bias,
+                 stride_sn, TOPK: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 VEC: tl.constexpr):
     """out[split, token, n] = sum over the token's k slots of routing weight * (act[pair, K
     range] . w2[expert, n, K range] (+ bias[expert, n] in split 0)), then its SHARED shared
     chunks' act[T * k + token * SHARED + j, K range] . ws[n, j * inter + K range] (ws [H,
-    SHARED * inter]); out is [T, H] in x's dtype with one split, else float32 partials
-    [split, T, H]."""
+    SHARED * inter]), times sw[token] (float32) if GATED; out is [T, H] in x's dtype with
+    one split, else float32 partials [split, T, H]."""
     VECS: tl.constexpr = BLOCK_K // VEC
     token, pid_k = tl.program_id(0), tl.program_id(2)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -199,6 +238,9 @@ def _down_kernel(a_ptr, ids_ptr, r_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, h_out,
     ws_rows = ws_ptr + safe_n[None, :, None] * stride_sn + offs_k[:, None, :]  # (chunk: + j I)
     a_cols = a_ptr + offs_k[:, None, :]  # (pair: + its row)
     first_shared = t_rows * TOPK + token * SHARED
+    shared_weight = 1.0
+    if GATED:
+        shared_weight = tl.load(sw_ptr + token)
     k_start = pid_k * k_span
     k_end = tl.minimum(k_start + k_span, k_in)
     k_full = k_start + (k_end - k_start) // BLOCK_K * BLOCK_K
@@ -208,13 +250,13 @@ def _down_kernel(a_ptr, ids_ptr, r_ptr, w_ptr, bias_ptr, ws_ptr, out_ptr, h_out,
                           k_end, stride_am, stride_we, TOPK, False)
         if SHARED > 0:
             acc = _shared_step(acc, ws_rows, a_cols, offs_k, first_shared, k0, k_end, k_in,
-                               stride_am, SHARED, False)
+                               stride_am, shared_weight, SHARED, GATED, False)
     if k_full < k_end:
         acc = _slots_step(acc, ids_ptr, r_ptr, w_rows, a_cols, offs_k, token, k_full,
                           k_end, stride_am, stride_we, TOPK, True)
         if SHARED > 0:
             acc = _shared_step(acc, ws_rows, a_cols, offs_k, first_shared, k_full, k_end,
-                               k_in, stride_am, SHARED, True)
+                               k_in, stride_am, shared_weight, SHARED, GATED, True)
     total = tl.sum(acc, axis=0)
     if HAS_BIAS:
         first = (pid_k == 0).to(tl.float32)
@@ -275,28 +317,34 @@ def run_half_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     chunks = 0 if shared is None else shared.chunks(x, inter)
     ws13 = shared.gate_up if chunks else w13  # (unread without chunks)
     ws2 = shared.down if chunks else w2
+    gated = chunks > 0 and shared.gate is not None
     ids = topk_ids.contiguous()
     routing = topk_weights.contiguous()
     act = torch.empty(t * (k + chunks), inter, dtype=x.dtype, device=x.device)
+    # the shared weight of each token (GATED), written by gate_up's gate programs
+    sw = torch.empty(t if gated else 1, dtype=torch.float32, device=x.device)
     clamped = activation.kind == "clamped_swiglu"
-    _gate_up_kernel[(t * (k + chunks), triton.cdiv(inter, tiles.block_n))](
-        x, ids, w13, w13_bias if w13_bias is not None else x, ws13, act, inter, h, t,
+    _gate_up_kernel[(t * (k + chunks + int(gated)), triton.cdiv(inter, tiles.block_n))](
+        x, ids, w13, w13_bias if w13_bias is not None else x, ws13,
+        shared.gate if gated else x, act, sw, inter, h, t,
         x.stride(0), w13.stride(0), w13.stride(1),
         w13_bias.stride(0) if w13_bias is not None else 0, ws13.stride(-2), act.stride(0),
         float(activation.alpha), float(activation.limit),
-        TOPK=k, SHARED=chunks, HAS_BIAS=w13_bias is not None, CLAMPED=clamped,
-        BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, VEC=VEC, num_warps=tiles.num_warps,
+        TOPK=k, SHARED=chunks, GATED=gated, HAS_BIAS=w13_bias is not None,
+        CLAMPED=clamped, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, VEC=VEC,
+        num_warps=tiles.num_warps,
         num_stages=1)  # (Triton pipelines no load of a loop without tl.dot)
     span, split = k_per_split(inter, tiles.block_k, tiles.split)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
     part = out if split == 1 else torch.empty(split, t, h, dtype=torch.float32,
                                               device=x.device)
     _down_kernel[(t, triton.cdiv(h, tiles.down_block_n), split)](
-        act, ids, routing, w2, w2_bias if w2_bias is not None else x, ws2, part, h, inter,
-        span, t, act.stride(0), w2.stride(0), w2.stride(1),
+        act, ids, routing, w2, w2_bias if w2_bias is not None else x, ws2, sw, part, h,
+        inter, span, t, act.stride(0), w2.stride(0), w2.stride(1),
         w2_bias.stride(0) if w2_bias is not None else 0, ws2.stride(-2),
-        TOPK=k, SHARED=chunks, HAS_BIAS=w2_bias is not None, BLOCK_N=tiles.down_block_n,
-        BLOCK_K=tiles.block_k, VEC=VEC, num_warps=tiles.num_warps, num_stages=1)
+        TOPK=k, SHARED=chunks, GATED=gated, HAS_BIAS=w2_bias is not None,
+        BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.block_k, VEC=VEC, num_warps=tiles.num_warps,
+        num_stages=1)
     if split > 1:
         sum_splits_kernel[(t, triton.cdiv(h, SUM_BLOCK))](part, x, out, t, h, split, h,
                                                      HAS_BIAS=False, BLOCK=SUM_BLOCK,
@@ -314,8 +362,9 @@ def experts_half_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     be strided), w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I], topk_weights /
     topk_ids [T, k], optional biases w13_bias [E, 2I] and w2_bias [E, H] -> [T, H] in x's
     dtype; plus, with `shared`, the shared experts' MLP (shared_experts.py: its dense
-    weights, S a multiple of I) run as S / I more slots of weight 1. topk_ids must lie in
-    [0, E) (not checked: reading them would sync the GPU)."""
+    weights, S a multiple of I) run as S / I more slots of weight 1, or of sigmoid(x .
+    shared.gate) with a gate. topk_ids must lie in [0, E) (not checked: reading them would
+    sync the GPU)."""
     check_expert_inputs(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
     if not 1 <= x.shape[0] <= MAX_TOKENS:
         raise ValueError(f"experts_half_decode: x has {x.shape[0]} tokens; it takes "
@@ -332,7 +381,8 @@ def check_shared_fits(shared: SharedExperts | None, x: torch.Tensor, inter: int)
         gu, dn = shared.gate_up, shared.down
         raise ValueError(
             f"shared experts: need dense gate_up [2S, {x.shape[1]}] and down "
-            f"[{x.shape[1]}, S] in x's dtype {x.dtype}, contiguous, S a multiple of the "
-            f"experts' I = {inter}; got "
+            f"[{x.shape[1]}, S] (and, gated, gate [1, {x.shape[1]}]) in x's dtype {x.dtype}, "
+            f"contiguous, S a multiple of the experts' I = {inter}; got "
             f"{None if gu is None else (tuple(gu.shape), gu.dtype)} / "
-            f"{None if dn is None else (tuple(dn.shape), dn.dtype)}")
+            f"{None if dn is None else (tuple(dn.shape), dn.dtype)} / "
+            f"{None if shared.gate is None else (tuple(shared.gate.shape), shared.gate.dtype)}")

@@ -143,8 +143,9 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     tiles, any of the three dtypes; T <= MAX_TOKENS, without LoRA: a LoRA hook always
     runs grouped).
 
-    shared (shared_experts.py): the layer's shared experts, added to the routed sum: the
-    decode path runs them inside its two launches (their dense weights must fit:
+    shared (shared_experts.py): the layer's shared experts, added to the routed sum (scaled
+    per token by sigmoid(x . shared.gate) where they have a gate): the decode path runs them,
+    gate included, inside its two launches (their dense weights must fit:
     SharedExperts.chunks), the grouped path adds shared.run(x) (their own launches)."""
     check_expert_inputs(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias)
     if path is not None and path not in PATHS:
@@ -166,6 +167,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     e, two_i, h = w13.shape
     check_shared_fits(shared, x, two_i // 2)
     chunks = 0 if shared is None else shared.chunks(x, two_i // 2)
+    gated = chunks > 0 and shared.gate is not None
     # (the down kernel's slots: the routed ones and the shared chunks)
     tiles = {c.name: c for c in decode_tiles(t, k + chunks, h, two_i // 2, x.device)}
 
@@ -178,7 +180,7 @@ def experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if path == "decode":
         return run(next(iter(tiles)))
     key = ("half experts", e, two_i, h, k, t, x.dtype, w13_bias is not None,
-           w2_bias is not None, activation.kind, chunks,
+           w2_bias is not None, activation.kind, gated, chunks,
            tuple(tiles))  # (the tiles follow the SM count: another card, another key)
     # On CUDA the grouped path comes first: the tuner checks the others against it, and
     # runs it untimed. The interpreter (tests) runs the decode path.
