@@ -140,6 +140,10 @@ def trace_prefill(model_dir: str, lengths: list[int]) -> list[dict[str, Any]]:
         n_linear = sum(isinstance(m, LinearAttention) for m in model.modules())
         n_attn = sum(type(m).__name__ in ATTENTION_MODULES for m in model.modules())
         execute, out = runner.execute, []
+        # one untraced prefill first: what a model builds lazily on its first step (a rotary
+        # table, without the C++ CPU kernels) must not count against the first length
+        llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], SamplingParams(max_tokens=1),
+                     use_tqdm=False)
         for i, tokens in enumerate(lengths):
             counter = StepCounter()
 

@@ -91,7 +91,7 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
         self._drafter_kv = spec is not None and spec.drafts_with_kv
         self.micro_batches = config.parallel_config.pipeline_parallel_size
         self.queue = StepQueue()
-        self.last_step_idle = False  # (_run_step: nothing launched or in flight)
+        self.last_step_idle = False  # (_run_step: nothing launched, finished or waited for)
         self._history_requests: set[int] = set()  # serials: sampling needs every earlier token
         self._failed_in_a_row = 0
         self.pause = GenerationPause.attached(self.scheduler)  # engine/pause.py
@@ -351,10 +351,7 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
             self.structured.check(self.scheduler.fail_request)
         depth = self._depth()
         launched = None
-        # (a step that finishes one in flight, or waits for a grammar, did work even when it
-        # launches nothing and returns no output: a non-final prefill chunk under
-        # micro-batches)
-        worked = bool(self.queue)
+        worked = bool(self.queue)  # (finishing one in flight is work, output or not)
         if len(self.queue) < depth:
             # (under micro-batches no request has a token in flight when it is scheduled)
             sched = self.scheduler.schedule(allow_drafts=not self.queue or self.micro_batches > 1)
@@ -369,9 +366,7 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
         if self.queue and (launched is None or len(self.queue) >= depth):
             outputs = self._finish_oldest()
             self._sample_ready()
-        # nothing launched, finished or waited for: the unfinished requests wait on something
-        # outside the step (a remote KV fetch, a slower tier's load, a pause); core_proc
-        # then waits for input a moment before the next step
+        # (idle: every unfinished request waits on something outside the step; core_proc.py)
         self.last_step_idle = launched is None and not worked and not outputs
         return outputs
 

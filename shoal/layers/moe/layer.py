@@ -206,6 +206,8 @@ class FusedMoE(nn.Module):
             tags = None if self.lora is None else self.lora.dispatched(x.shape[0])
             out = all_to_all_experts(x, topk_weights, topk_ids, self.local_num_experts,
                                      self._run_local_experts, self.dispatch_group, tags)
+            # (no all-reduce for the shared experts either: DP+EP runs TP = 1, PP = 1,
+            # engine/compatibility.py)
             return out if shared is None else out + shared.run(x)
         foreign = self.ep_size > 1
         if foreign:  # global ids -> local ones; other ranks' experts -> local_num_experts
