@@ -17,7 +17,9 @@ the tokens' inputs (its conv input and the rest of its projections) in the reque
 state after the accepted tokens, and goes on as usual. A rejection costs no copy of a state.
 
 CUDA graphs: decode steps read each row's read and write block from a persistent buffer
-(StateGraphBuffers); verify steps, and decode steps that fold a replay, replay the verify
+(StateGraphBuffers); a lone prefill chunk padded to its graph's q tokens reads its real token
+count and its block ids (read, a fixed number of block-end saves, write) from another, and
+the layers mask the padding out of the states; verify steps, and decode steps that fold a replay, replay the verify
 graphs, whose rows of up to q tokens (StateRows) carry every block, count and slot as
 device values: each row folds its replay (masked to its count) into the state it read,
 runs its tokens, and writes its final state (a row without drafts), or the state before
@@ -53,6 +55,11 @@ class StateChunk:
     # read, then saves, then write as one device int64 vector (a view of the step's single
     # copy, so that no layer waits on a host-to-device copy of its own); None: made by the layer
     blocks: torch.Tensor | None = None
+    # A prefill graph's chunk: its real token count, a device int64 [1]; the `length` - count
+    # tokens after them are padding, which must leave the states alone (None: all are real).
+    # Such a chunk starts at a block start (offset 0 stands for any) and `saves` holds
+    # placeholders: the real ids, and the trash block for the ends past count, are in blocks.
+    count: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -207,17 +214,34 @@ class StatePages:
 
 class StateGraphBuffers:
     """The graph-buffer hooks of AttentionBackend (alloc / fill / graph_metadata) for a
-    linear-state group, so decode and verify steps of hybrid models replay as CUDA graphs.
-    Decode shapes (q = 1): each row's read and write block in one persistent [2, rows]
-    buffer. Shapes of q > 1 tokens per row: the StateRows fields, one buffer row each.
+    linear-state group, so decode, verify and lone prefill steps of hybrid models replay as
+    CUDA graphs. Decode shapes (q = 1): each row's read and write block in one persistent
+    [2, rows] buffer. Verify shapes (q > 1 tokens per row): the StateRows fields, one buffer
+    row each. Lone prefill chunks (lone_chunk): [count, read, saves..., write] in a third.
     Padding rows read the null block (zeros) and write `trash_block`, a block no request
-    holds, and the trash slot of the kept inputs."""
+    holds, and the trash slot of the kept inputs.
+
+    A prefill graph of q tokens saves the states at the (q - 1) // block_size block ends a
+    chunk starting at a block start can hold (prefix caching; none without it), the ones past
+    its real tokens into the trash block. A chunk starting inside a block (a later chunk of a
+    prompt whose budget is not a multiple of block_size) would move the ends: with prefix
+    caching on, it runs eagerly (chunk_fits)."""
 
     name = "linear-state"
     takes_state_spec = True  # GraphTable.stage passes the step's StateSpecInputs
 
-    def __init__(self, null_block: int, trash_block: int, block_size: int):
+    def __init__(self, null_block: int, trash_block: int, block_size: int,
+                 save_block_ends: bool = False):
         self.null_block, self.trash_block, self.block_size = null_block, trash_block, block_size
+        self.save_block_ends = save_block_ends
+
+    def chunk_fits(self, context_len: int) -> bool:
+        """Whether a lone chunk after context_len tokens can replay a prefill graph."""
+        return not self.save_block_ends or context_len % self.block_size == 0
+
+    def chunk_saves(self, q: int) -> int:
+        """The block-end saves of a prefill graph of q tokens."""
+        return (q - 1) // self.block_size if self.save_block_ends else 0
 
     def reach_width(self, q: int) -> int:
         """The most blocks q consecutive tokens reach."""
@@ -228,17 +252,26 @@ class StateGraphBuffers:
         return {"rw": torch.zeros(2, max_rows, dtype=torch.long, device=device),
                 "rows": torch.zeros(_ROW_FIELDS + self.reach_width(max_tokens), max_rows,
                                     dtype=torch.long, device=device),
+                "chunk": torch.zeros(3 + self.chunk_saves(max_tokens), dtype=torch.long,
+                                     device=device),
                 "tables": []}
 
     def fill_graph_buffers(self, buf: dict, rows: int, q: int, context_lens: list[int],
                            block_tables: list[list[int]] | None,
                            slot_mapping: list[int],
-                           state_spec: StateSpecInputs | None = None) -> None:
+                           state_spec: StateSpecInputs | None = None,
+                           lone_chunk: bool = False) -> None:
         """slot_mapping: the rows' token slots (-1: padding), which give each row's real
-        token count; state_spec: the step's replays, verifies and replay slots."""
+        token count; state_spec: the step's replays, verifies and replay slots; lone_chunk:
+        a prefill graph's shape (one row, its last token's logits)."""
         if block_tables is not None:  # (live lists: kept, they follow their requests)
             buf["tables"] = block_tables
         bs, tables = self.block_size, buf["tables"]
+        if lone_chunk:
+            host = torch.tensor(self._chunk_values(q, context_lens, tables, slot_mapping),
+                                dtype=torch.long)
+            buf["chunk"][:host.shape[0]].copy_(host, non_blocking=True)
+            return
         n = len(context_lens)
         read = [t[(c - 1) // bs] if c else self.null_block for t, c in zip(tables, context_lens)]
         if q == 1:
@@ -252,6 +285,22 @@ class StateGraphBuffers:
         cols = self._row_columns(rows, q, context_lens, tables, slot_mapping, state_spec)
         buf["rows"][:len(cols), :rows].copy_(torch.tensor(cols, dtype=torch.long),
                                              non_blocking=True)
+
+    def _chunk_values(self, q: int, context_lens: list[int], tables: list[list[int]],
+                      slot_mapping: list[int]) -> list[int]:
+        """count, read, the chunk_saves(q) block ends' blocks (the trash block past the real
+        tokens), write; no real row (capture): nothing read, everything to the trash block."""
+        trash, saves = self.trash_block, self.chunk_saves(q)
+        if not context_lens:
+            return [0, self.null_block] + [trash] * (saves + 1)
+        (c,), (t,) = context_lens, tables
+        if not self.chunk_fits(c):
+            raise ValueError(f"a prefill graph's chunk must start at a block start, got "
+                             f"{c} tokens before it (block size {self.block_size})")
+        bs, count = self.block_size, sum(s >= 0 for s in slot_mapping[:q])
+        read = t[(c - 1) // bs] if c else self.null_block
+        ends = [t[c // bs + j - 1] if j * bs < count else trash for j in range(1, saves + 1)]
+        return [count, read, *ends, t[(c + count - 1) // bs]]
 
     def _row_columns(self, rows: int, q: int, context_lens: list[int], tables: list[list[int]],
                      slot_mapping: list[int], spec: StateSpecInputs | None) -> list[list[int]]:
@@ -275,7 +324,14 @@ class StateGraphBuffers:
         out += [pad] * (rows - len(out))
         return [list(col) for col in zip(*out)]  # one list per field
 
-    def graph_metadata(self, buf: dict, rows: int, q: int) -> StateMetadata:
+    def graph_metadata(self, buf: dict, rows: int, q: int,
+                       lone_chunk: bool = False) -> StateMetadata:
+        if lone_chunk:
+            saves = self.chunk_saves(q)
+            chunk = buf["chunk"]
+            return StateMetadata(0, None, None, [StateChunk(
+                0, q, 0, -1, -1, (self.trash_block,) * saves, blocks=chunk[1:saves + 3],
+                count=chunk[:1])], self.block_size)
         if q == 1:
             rw = buf["rw"]
             return StateMetadata(rows, rw[0, :rows], rw[1, :rows], [], self.block_size)

@@ -15,7 +15,10 @@ that update the states in place in their pages (shoal/layers/ops/linear_state_de
 the CPU one C++ call (shoal/layers/ops/cpu_linear_state.py); the torch ops are the reference.
 Speculative decoding: a verify keeps its tokens' inputs (shoal/layers/linear_replays.py) and
 the next step folds the accepted run in; a verify graph's rows do both at fixed shapes
-(StateRows, shoal/layers/ops/delta_rule_rows.py)."""
+(StateRows, shoal/layers/ops/delta_rule_rows.py). A prefill graph's chunk is padded to the
+graph's q tokens: its real count is a device value (StateChunk.count), the padding gets
+g = 0 and beta = 0 (identity steps of the delta rule) and the conv window is taken after the
+last real token."""
 
 from __future__ import annotations
 
@@ -52,6 +55,19 @@ def l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / ||x|| over the last dim (float32), as fla's kernels normalize q and k."""
     x = x.float()
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def padding_masked(heads: tuple[torch.Tensor, ...], real: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, ...]:
+    """q, k, v, g, beta with g = 0 and beta = 0 at the tokens where real [T] is False: each
+    is then an identity step of the delta rule (no decay, nothing written), so a padded
+    chunk leaves the states its real tokens leave. None: every token is real."""
+    if real is None:
+        return heads
+    q, k, v, g, beta = heads
+    keep = real.view(-1, *(1,) * (g.dim() - 1))
+    return (q, k, v, torch.where(keep, g, torch.zeros_like(g)),
+            torch.where(real[:, None], beta, torch.zeros_like(beta)))
 
 
 class LinearAttention(nn.Module):
@@ -219,18 +235,27 @@ class LinearAttention(nn.Module):
         conv, state = self.pages.read(blocks[:1])
         conv0 = conv[0].to(x.dtype)
         y, conv_end = causal_conv1d(x, self.conv_weight, self.conv_bias, conv0)
+        # the [K-1 + L, C] inputs (conv state, then x), for conv windows that do not end at x's
+        inputs = (torch.cat([conv0.t(), x], dim=0)
+                  if ch.saves or ch.count is not None else None)
+        real = None
+        if ch.count is not None:  # a prefill graph's padded chunk
+            real = torch.arange(x.shape[0], device=x.device) < ch.count
+            # the conv window after the real tokens: the K-1 inputs ending at the last one
+            ends = ch.count + torch.arange(self.conv_kernel - 1, device=x.device)
+            assert inputs is not None
+            conv_end = inputs.index_select(0, ends).t()
         if fla_chunk.usable(x):
-            o, state, saved = self._fla_chunk(y, rest, state[0], ch, block_size)
+            o, state, saved = self._fla_chunk(y, rest, state[0], ch, block_size, real)
         else:
-            q, k, v, g, beta = self.mix(y, rest)
+            q, k, v, g, beta = padding_masked(self.mix(y, rest), real)
             o, state, saved = chunk_gated_delta_rule(
                 q, k, v, g, beta, state[0], scale=self.scale, offset=ch.offset,
                 save_every=block_size if ch.saves else 0)
         if ch.saves:  # the prefix cache's snapshots at the block ends inside the chunk
-            # each block end's conv window: the K-1 inputs ending there, out of the
-            # [K-1 + L, C] inputs (conv state, then x), as one strided view
-            inputs = torch.cat([conv0.t(), x], dim=0)
+            # each block end's conv window: the K-1 inputs ending there, as one strided view
             first = block_size - ch.offset % block_size  # tokens of x up to the first end
+            assert inputs is not None
             width = self.conv_kernel - 1
             windows = inputs[first:].unfold(0, width, block_size)[:len(ch.saves)]
             convs = torch.cat([windows, conv_end[None].to(windows.dtype)])
@@ -248,10 +273,11 @@ class LinearAttention(nn.Module):
         return to_device([ch.read, *ch.saves, ch.write], torch.long, self.pages.words.device)
 
     def _fla_chunk(self, y: torch.Tensor, rest: Rest, state: torch.Tensor, ch: StateChunk,
-                   block_size: int) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+                   block_size: int, real: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
         """The chunk through fla-core's kernels, a call per piece between block ends when
-        their states are kept."""
-        q, k, v, g, beta = self.heads(y, rest)
+        their states are kept (real: padding_masked's)."""
+        q, k, v, g, beta = padding_masked(self.heads(y, rest), real)
         pieces = (fla_chunk.block_end_segments(y.shape[0], ch.offset, block_size)
                   if ch.saves else [(0, y.shape[0])])
         outs, saved = [], []

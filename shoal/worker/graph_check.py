@@ -73,7 +73,7 @@ def capture_checked(graphs: ModelGraphs, runner: CheckedRunner) -> float | None:
     reason = _agreed(host_sync_reason(runner), runner.device)
     if reason is None:
         try:
-            with _stream_kept(runner.device):
+            with stream_kept(runner.device):
                 took = graphs.capture()
         except torch.OutOfMemoryError:
             raise  # (memory, not the forward's code: as for any model)
@@ -81,7 +81,7 @@ def capture_checked(graphs: ModelGraphs, runner: CheckedRunner) -> float | None:
             reason = f"capturing its forward raised {describe_error(e)}"
             if runner.device.type == "cuda":
                 torch.cuda.synchronize(runner.device)
-                _end_capture_state(runner.device)
+                end_capture_state(runner.device)
         reason = _agreed(reason, runner.device)
     if reason is None:
         try:
@@ -131,7 +131,7 @@ def host_sync_reason(runner: CheckedRunner) -> str | None:
     return None
 
 
-def _end_capture_state(device: torch.device) -> None:
+def end_capture_state(device: torch.device) -> None:
     """After a capture that failed: one trivial capture, whose end runs the CUDA generator's
     epilogue the failed one skipped (see host_sync_reason)."""
     try:
@@ -256,7 +256,7 @@ def _agreed(reason: str | None, device: torch.device) -> str | None:
 
 
 @contextlib.contextmanager
-def _stream_kept(device: torch.device) -> Iterator[None]:
+def stream_kept(device: torch.device) -> Iterator[None]:
     """The current stream is the same after: a capture that fails leaves torch's capture
     stream current (torch.cuda.graph's exit raises before it restores the stream)."""
     if device.type != "cuda":

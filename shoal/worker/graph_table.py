@@ -133,8 +133,9 @@ class GraphTable:
         # (a narrower shape's metadata reads the tables' first shape.blocks columns)
         narrow = {"blocks": shape.blocks} if shape.blocks else {}
         for b, buf in zip(self.group_backends, self.buffers):
-            b.fill_graph_buffers(buf, shape.rows, shape.q, [], [], [])
-            mds.append(b.graph_metadata(buf, shape.rows, shape.q, **narrow))
+            chunk = _chunk_kind(b, shape)
+            b.fill_graph_buffers(buf, shape.rows, shape.q, [], [], [], **chunk)
+            mds.append(b.graph_metadata(buf, shape.rows, shape.q, **narrow, **chunk))
         return GroupedMetadata.of_groups(mds)
 
     def invalidate_tables(self) -> None:
@@ -153,7 +154,8 @@ class GraphTable:
         tables are copied only when the rows (serials) or their lengths changed since the last
         stage: a steady decode batch needs one copy every block_size steps (its tables only
         grow; other steps, which may follow a rollback of rejected drafts, copy them always).
-        state_spec goes to the group backends that take it (linear-state groups).
+        state_spec goes to the group backends that take it (linear-state groups), with
+        whether the shape is a lone prefill chunk.
         Returns the token rows on the device (fill pending tokens into row 0 first)."""
         if shape.blocks:  # (a narrow graph reads its rows' positions' blocks; tables may run on)
             longest = max(context_lens, default=0) + shape.q
@@ -166,7 +168,8 @@ class GraphTable:
         keep = key is not None and key == self._tables_key
         for b, buf, tables, group_slots in zip(self.group_backends, self.buffers,
                                                block_tables, slots):
-            extra = {"state_spec": state_spec} if getattr(b, "takes_state_spec", False) else {}
+            extra = ({"state_spec": state_spec, **_chunk_kind(b, shape)}
+                     if getattr(b, "takes_state_spec", False) else {})
             b.fill_graph_buffers(buf, shape.rows, shape.q, context_lens,
                                  None if keep else tables, group_slots, **extra)
         self._tables_key = key
@@ -175,6 +178,14 @@ class GraphTable:
     def replay(self, shape: StepShape) -> Any:
         self.graphs[shape].replay()
         return self.outputs[shape]
+
+
+def _chunk_kind(group_backend: Any, shape: StepShape) -> dict[str, bool]:
+    """A linear-state group's buffers tell a lone prefill chunk's shape from a verify's of
+    one row (attention backends need not: their buffers serve both alike)."""
+    if not getattr(group_backend, "takes_state_spec", False):
+        return {}
+    return {"lone_chunk": shape.rows == 1 and shape.q > 1 and shape.logits_per_row == 1}
 
 
 def round_up(n: int, sizes: Sequence[int]) -> int | None:

@@ -16,8 +16,11 @@ and logits for every step shape it replays, and how a step's inputs are laid out
   tail after a prefix-cache hit), padded to 16 .. 512 tokens; the LM head runs on its last
   real token only.
 
-Models with linear-attention layers capture decode and verify shapes (not prefill chunks);
-a decode step that folds a verify's accepted run into the states replays a verify graph.
+Models with linear-attention layers capture these shapes too: a decode step that folds a
+verify's accepted run into the states replays a verify graph; a lone chunk's padding is
+masked out of the states (attention/linear_state.py StateGraphBuffers), and with prefix
+caching only a chunk that starts at a block start replays one (its block-end saves are then
+fixed by its graph's q).
 
 Padding tokens write no KV (slot -1) and repeat their row's last position; padding rows are
 empty. The runner takes the real rows' logits (and, for a hidden-state drafter, every real
@@ -155,8 +158,16 @@ class ModelGraphs:
             return None if rows is None or q is None else self._known(StepShape(rows, q, q))
         if n == 1 and inp.num_decodes == 0 and inp.items[0].sample:
             q = round_up(inp.num_tokens, self.prefill_sizes)
-            return None if q is None else self._known(StepShape(1, q))
+            if q is None or not self._chunk_fits(inp.items[0].context_len):
+                return None
+            return self._known(StepShape(1, q))
         return None
+
+    def _chunk_fits(self, context_len: int) -> bool:
+        """Whether every KV cache group's buffers can hold a lone chunk after context_len
+        tokens (a linear-state group's may not: StateGraphBuffers.chunk_fits)."""
+        return all(b.chunk_fits(context_len) for b in self.table.group_backends
+                   if hasattr(b, "chunk_fits"))
 
     def decode_width(self, inp: StepInputs) -> int:
         """The narrowest captured table width (blocks) holding the blocks of the step's
