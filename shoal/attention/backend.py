@@ -9,10 +9,12 @@ leaves the method to the default here, which raises NotImplementedError."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import torch
+
+from shoal.host_to_device import lists_to_device
 
 
 class AttentionBackend(ABC):
@@ -45,6 +47,13 @@ class AttentionBackend(ABC):
                        null_block: int) -> Any:
         """The step's metadata for every layer's forward: requests in order, decodes (one
         query token each) first; null_block is the zeroed block padding may read."""
+
+    def build_metadata_and_inputs(self, *, carry: Sequence[Sequence[int]],
+                                  **metadata: Any) -> tuple[Any, list[torch.Tensor]]:
+        """build_metadata(**metadata) and the int64 lists `carry` (a pass's token ids,
+        positions...) on the device; a backend may copy them all at once (Triton)."""
+        md = self.build_metadata(**metadata)
+        return md, lists_to_device([(c, torch.long) for c in carry], metadata["device"])
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -21,7 +21,7 @@ applies it."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,7 +39,7 @@ from shoal.attention.ops.paged_decode import paged_decode
 from shoal.attention.ops.paged_prefill import paged_prefill
 from shoal.attention.ops.rope_kv_write import rope_kv_write
 from shoal.attention.ops.warm import warm_latent_attention, warm_paged_attention
-from shoal.host_to_device import to_device
+from shoal.host_to_device import lists_to_device
 
 
 @dataclass
@@ -80,6 +80,29 @@ def build_triton_attention_metadata(
     """Inputs as for build_attention_metadata. pad_decodes_to >= num_decodes pads the decode
     group with dummy rows (their query tokens must sit at flat positions [num_decodes,
     pad_decodes_to), before any prefill token); block_table_width fixes N."""
+    return triton_metadata_and_inputs(
+        query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
+        block_size=block_size, num_decodes=num_decodes, sliding_window=sliding_window,
+        device=device, pad_decodes_to=pad_decodes_to, block_table_width=block_table_width,
+        decode_num_splits=decode_num_splits)[0]
+
+
+def triton_metadata_and_inputs(
+    *,
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    num_decodes: int,
+    sliding_window: int | None,
+    device: torch.device,
+    pad_decodes_to: int | None = None,
+    block_table_width: int | None = None,
+    decode_num_splits: int | None = None,
+    carry: Sequence[Sequence[int]] = (),
+) -> tuple[TritonAttentionMetadata, list[torch.Tensor]]:
+    """build_triton_attention_metadata's metadata and `carry` (int64 lists: a step's token
+    ids, positions...) on the device, all in one host-to-device copy."""
     n_req = len(query_lens)
     if not (len(context_lens) == len(block_tables) == n_req and 0 <= num_decodes <= n_req):
         raise ValueError("query_lens, context_lens and block_tables must have one entry per "
@@ -111,27 +134,29 @@ def build_triton_attention_metadata(
     for q in rows(query_lens, 1):
         starts.append(starts[-1] + q)
 
-    def dev(vals: list, dtype: torch.dtype) -> torch.Tensor:
-        return to_device(vals, dtype, device)
-
+    flat_tables = [b for t in tables for b in t]
+    slot_t, tables_t, seq_t, ctx_t, starts_t, *carried = lists_to_device(
+        [(slots, torch.long), (flat_tables, torch.int32), (rows(seq, 0), torch.int32),
+         (rows(context_lens, 0), torch.int32), (starts, torch.int32),
+         *((c, torch.long) for c in carry)], device)
     return TritonAttentionMetadata(
         num_tokens=len(slots),
-        slot_mapping=dev(slots, torch.long),
+        slot_mapping=slot_t,
         block_size=block_size,
         num_decodes=num_decodes,
         num_decode_rows=pad,
         num_prefills=n_req - num_decodes,
-        block_tables=dev(tables, torch.int32).view(len(tables), width),
-        seq_lens=dev(rows(seq, 0), torch.int32),
-        context_lens=dev(rows(context_lens, 0), torch.int32),
-        query_start_loc=dev(starts, torch.int32),
+        block_tables=tables_t.view(len(tables), width),
+        seq_lens=seq_t,
+        context_lens=ctx_t,
+        query_start_loc=starts_t,
         max_query_len=max(query_lens[num_decodes:], default=0),
         max_decode_seq_len=max(seq[:num_decodes], default=0),
         max_seq_len=max(seq, default=0),
         sliding_window=sliding_window,
         decode_num_splits=decode_num_splits,
         host_lens=tuple(zip(rows(query_lens, 1), rows(context_lens, 0))),
-    )
+    ), carried
 
 
 def paged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -269,6 +294,12 @@ class TritonAttentionBackend(AttentionBackend):
             query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
             block_size=block_size, num_decodes=num_decodes, sliding_window=sliding_window,
             device=device)
+
+    def build_metadata_and_inputs(self, *, carry: Sequence[Sequence[int]], null_block: int,
+                                  **metadata: Any
+                                  ) -> tuple[TritonAttentionMetadata, list[torch.Tensor]]:
+        del null_block
+        return triton_metadata_and_inputs(carry=carry, **metadata)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: torch.Tensor, md: TritonAttentionMetadata,

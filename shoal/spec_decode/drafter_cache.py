@@ -66,6 +66,16 @@ class DrafterCache(Drafter):
             block_size=self.block_size, num_decodes=num_decodes,
             sliding_window=self.sliding_window, device=self.device, null_block=self.null_block)
 
+    def _metadata_and_inputs(self, query_lens: list[int], context_lens: list[int],
+                             tables: list[list[int]], num_decodes: int,
+                             carry: list[list[int]]) -> tuple[Any, list[torch.Tensor]]:
+        """_metadata and the int64 lists `carry` on the device (one copy with the Triton
+        backend)."""
+        return self.backend.build_metadata_and_inputs(
+            carry=carry, query_lens=query_lens, context_lens=context_lens,
+            block_tables=tables, block_size=self.block_size, num_decodes=num_decodes,
+            sliding_window=self.sliding_window, device=self.device, null_block=self.null_block)
+
     def _row_table(self, row: int, blocks: list[int], needed: int) -> list[int]:
         """Row `row`'s block table for `needed` blocks: its own first, then its scratch."""
         real = list(blocks[:needed])

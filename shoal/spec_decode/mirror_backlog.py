@@ -98,15 +98,18 @@ def defer_rows(deferred: list[tuple[object, int, int, int]], hidden: torch.Tenso
 def mirror_states(hidden: torch.Tensor | RawRows, rows: list[int],
                   spans: list[tuple[int, int]], backlogs: list[MirrorBacklog | None],
                   input_states: Callable[[torch.Tensor], torch.Tensor],
-                  device: torch.device) -> torch.Tensor:
+                  device: torch.device, row_index: torch.Tensor | None = None) -> torch.Tensor:
     """The head's input states of a mirror: per request (spans: its first row in the step
     and rows mirrored; `rows`: all of them, flat) its backlog's rows, then its own.
-    input_states turns raw rows into the head's (EAGLE-3's fc)."""
+    input_states turns raw rows into the head's (EAGLE-3's fc). row_index: `rows` on the
+    device already (copied with the mirror's other inputs)."""
     raw = isinstance(hidden, RawRows)
     states = hidden.rows if isinstance(hidden, RawRows) else hidden
     if all(b is None for b in backlogs):
-        h = states[to_device(rows, torch.long, device)] if len(rows) != states.shape[0] \
-            else states
+        if len(rows) == states.shape[0]:
+            h = states
+        else:
+            h = states[to_device(rows, torch.long, device) if row_index is None else row_index]
         return input_states(h) if raw else h
     # Kept rows are raw (EAGLE-3 keeps a step's aux states raw whenever a request in it is
     # paused): in a step that is not, they go through input_states on their own.

@@ -56,15 +56,17 @@ from shoal.config.speculative import SpeculativeConfig
 from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.host_to_device import to_device
 from shoal.loader.dummy import initialize_dummy_weights
-from shoal.models.deepseek_mtp import DeepseekMTP, DeepseekMTPDepths, mtp_prefix, num_mtp_layers
+from shoal.models.deepseek_mtp import DeepseekMTP, DeepseekMTPDepths, mtp_prefix
 from shoal.models.qwen3_next import Qwen3NextForCausalLM
 from shoal.models.qwen3_next_mtp import PREFIX as QWEN_MTP_PREFIX
 from shoal.models.qwen3_next_mtp import Qwen3NextMTP
 from shoal.spec_decode import mirror_backlog as backlog
 from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.spec_decode.drafter_cache import DrafterCache
+from shoal.spec_decode.drafting_rows import DraftingRows, drafting_rows
 from shoal.spec_decode.mirror_backlog import MirrorBacklog, RawRows
 from shoal.spec_decode.mtp_chain import MirrorPass, MirrorRequest, MtpChain
+from shoal.spec_decode.mtp_target import check_mtp_target, is_v4, mtp_layer_count
 from shoal.worker.drafter import TargetStep
 
 logger = logging.getLogger(__name__)
@@ -82,26 +84,6 @@ class MtpRequest:
     state: Any  # the runner's RequestState: prompt + outputs, read once the step is sampled
     sample: bool
     paused: bool = False  # its drafts are not wanted next step: deferred (mirror_backlog.py)
-
-
-def mtp_layer_count(hf_config: Any) -> int:
-    """MTP layers of a checkpoint: DeepSeek-V3's num_nextn_predict_layers, Qwen3-Next's and
-    Qwen3.5's mtp_num_hidden_layers."""
-    return num_mtp_layers(hf_config) or int(getattr(hf_config, "mtp_num_hidden_layers", 0) or 0)
-
-
-def check_mtp_target(hf_config: Any, qwen: bool = False) -> None:
-    family = qwen or hasattr(hf_config, "kv_lora_rank") or _is_v4(hf_config)
-    if mtp_layer_count(hf_config) < 1 or not family:
-        raise ValueError(
-            "speculative_config: method 'mtp' needs a model with multi-token-prediction "
-            "layers (a DeepSeek-V3-family or DeepSeek-V4 config with num_nextn_predict_layers "
-            ">= 1, or a Qwen3-Next / Qwen3.5 one with mtp_num_hidden_layers >= 1); "
-            f"{getattr(hf_config, 'model_type', '?')} has none")
-
-
-def _is_v4(hf_config: Any) -> bool:
-    return getattr(hf_config, "model_type", None) == "deepseek_v4"
 
 
 def read_mtp_tensors(source: str, hf_config: Any,
@@ -159,7 +141,7 @@ def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.M
         logger.info("mtp: the checkpoint has %d MTP layers; drafts 1..%d use the first %d "
                     "in a chain%s", mtp_layer_count(hf), depths, depths,
                     f", the later {k - depths} the last one alone" if k > depths else "")
-    if _is_v4(hf):
+    if is_v4(hf):
         return _v4_mtp_head(config, target, loaded, depths)
     if isinstance(target, Qwen3NextForCausalLM):  # (Qwen3.5's classes too)
         return _qwen_mtp_head(config, target, loaded, depths)
@@ -314,42 +296,46 @@ class HiddenStateDrafter(DrafterCache):
         num_decodes = 0
         while num_decodes < len(lens) and lens[num_decodes] == 1:
             num_decodes += 1
-        md = self._metadata(lens, [r.context_len - c for (r, _), c in zip(kept, caught)],
-                            [r.block_ids for r, _ in kept], num_decodes)
+        # Every index list of the pass goes to the device with the metadata, in one copy
+        # (each copy of its own costs the host a few Python-issued torch calls).
+        states = hidden.rows if isinstance(hidden, RawRows) else hidden
+        gather = all(b is None for b in backlogs) and len(rows) != states.shape[0]
+        sel = [s + i for s, c, n in zip(accumulate(lens, initial=0), caught, lens)
+               for i in range(c, n)] if any(caught) else []
+        plan = drafting_rows(kept, self.max_model_len) if propose else None
+        carry = [ids, pos, rows if gather else [], sel, plan.last if plan else []]
+        md, (ids_t, pos_t, rows_t, sel_t, last_t) = self._metadata_and_inputs(
+            lens, [r.context_len - c for (r, _), c in zip(kept, caught)],
+            [r.block_ids for r, _ in kept], num_decodes, carry)
         h = backlog.mirror_states(hidden, rows, [(r.start, n) for r, n in kept], backlogs,
-                                  self._input_states, self.device)
-        ids_t = to_device(ids, torch.long, self.device)
-        out = self._run_depth(0, ids_t, to_device(pos, torch.long, self.device), h, md)
-        if any(caught):  # the rows of the step itself, as a mirror without backlog's
-            sel = [s + i for s, c, n in zip(accumulate(lens, initial=0), caught, lens)
-                   for i in range(c, n)]
-            out = out[to_device(sel, torch.long, self.device)]
+                                  self._input_states, self.device,
+                                  row_index=rows_t if gather else None)
+        out = self._run_depth(0, ids_t, pos_t, h, md)
+        if sel:  # the rows of the step itself, as a mirror without backlog's
+            out = out[sel_t]
         mirrored = None
         if self.chain is not None:  # depths 1..n-1 over the rows whose tokens are now known
             mirrored = self.chain.mirror([MirrorRequest(r.serial, r.context_len, n, r.block_ids)
                                           for r, n in kept], ids_t, out)
-        return self._propose(kept, out, mirrored) if propose else {}
+        if plan is None:
+            return {}
+        plan.last_index = last_t
+        return self._propose(kept, out, mirrored, plan)
 
     def _propose(self, kept: list[tuple[MtpRequest, int]], out: torch.Tensor,
-                 mirrored: MirrorPass | None = None) -> dict[int, list[int]]:
+                 mirrored: MirrorPass | None = None,
+                 plan: DraftingRows | None = None) -> dict[int, list[int]]:
         """Greedy drafts, up to k, fewer near max_model_len (as the draft model's)."""
-        last, reqs, lens, picks = [], [], [], []
+        plan = plan or drafting_rows(kept, self.max_model_len)
+        last, reqs, lens, picks = plan.last, plan.reqs, plan.lens, plan.picks
         self.last_draft_probs = {}
-        row = 0
-        for b, (r, n) in enumerate(kept):
-            row += n
-            seq_len = r.state.num_tokens
-            if r.sample and seq_len < self.max_model_len - 1:
-                last.append(row - 1)
-                reqs.append(r)
-                lens.append(seq_len)
-                picks.append(b)
         if not reqs:
             return {}
         k = min(self.k, self.max_model_len - 1 - max(lens))
         if k < 1:
             return {}
-        h = out[to_device(last, torch.long, self.device)]
+        index = plan.last_index
+        h = out[to_device(last, torch.long, self.device) if index is None else index]
         ids, p = self._pick(h, 0)
         cols, probs = [ids], [p]
         depths = min(self.depths, k)

@@ -1,0 +1,66 @@
+"""The host work of an EAGLE-3 proposal on the GPU path (Triton backend under
+TRITON_INTERPRET=1, draft graphs emulated, each replay and kernel launch one op): a mirror
+copies its attention metadata, token ids, positions and row indices to the device in ONE
+copy (attention/triton_backend.triton_metadata_and_inputs), and a proposal reads the device
+once. Every torch call costs a GPU machine's slow host ~10-20 us, so the counts are bounds
+that fail when the calls come back. Lossless and the formula's drafts all the same."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from engine_helpers import random_prompts, tiny_llm  # noqa: E402
+from spec_decode.host_ops import ProposalOps, triton_launches_count_once  # noqa: E402
+from spec_decode.proposal_log import record_proposals  # noqa: E402
+from spec_decode.test_eagle3 import ckpt  # noqa: E402, F401 (the fixture)
+from worker.eager_graphs import EagerGraphTable  # noqa: E402
+
+from shoal import SamplingParams  # noqa: E402
+from shoal.host_to_device import lists_to_device  # noqa: E402
+from shoal.spec_decode.draft_graphs import DraftGraphs  # noqa: E402
+
+K = 3
+# Top-level torch calls (launches included) of a proposing mirror_and_propose at batch 1 and
+# 3 (padded to 4), the most of any step here: 105 while the mirror's metadata, ids,
+# positions and row indices each took a copy of their own (2 calls each on the CPU, 3 on a
+# GPU) and the Triton metadata's lists a copy each; 69 since.
+MAX_OPS = 69
+
+
+def test_lists_to_device_is_one_copy_of_every_list() -> None:
+    lists = [([1, 2, 3], torch.long), ([4, 5, 6], torch.int32), ([], torch.long),
+             ([2**40], torch.long), ([7], torch.int32), ([], torch.int32)]
+    out = lists_to_device(lists, "cpu")
+    assert [(t.dtype, t.tolist()) for t in out] == [(d, v) for v, d in lists]
+    with pytest.raises(ValueError, match="int64 and int32"):
+        lists_to_device([([1.5], torch.float32)], "cpu")
+
+
+def test_eagle3_proposal_host_ops(ckpt) -> None:  # noqa: F811
+    target, folder, ref = ckpt
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = random_prompts(4, seed=21, lo=2, hi=20)
+    want = [o.outputs[0].token_ids for o in tiny_llm(target).generate(prompts, sp,
+                                                                       use_tqdm=False)]
+    llm = tiny_llm(target, attention_backend="triton", max_num_seqs=4, max_model_len=64,
+                   speculative_config={"method": "eagle3", "model": str(folder),
+                                       "num_speculative_tokens": K})
+    drafter = llm.llm_engine.core.runner.drafter
+    drafter.capture_graphs(None, 16, functools.partial(DraftGraphs, table_type=EagerGraphTable))
+    counter, log = ProposalOps(drafter), record_proposals(llm)
+    with triton_launches_count_once():
+        got = llm.generate(prompts[:1], sp, use_tqdm=False)
+        got += llm.generate(prompts[1:], sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want
+    for batch in (1, 3):
+        calls = counter.at_batch(batch)
+        assert calls, batch
+        assert max(ops for ops, _ in calls) <= MAX_OPS, (batch, calls)
+        assert all(reads == 1 for _, reads in calls), calls  # the drafts' one .tolist()
+    for seq, drafts in log:
+        assert drafts == ref.drafts(seq, len(drafts)), seq
