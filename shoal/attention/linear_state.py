@@ -270,7 +270,7 @@ class StateGraphBuffers:
         if lone_chunk:
             host = torch.tensor(self._chunk_values(q, context_lens, tables, slot_mapping),
                                 dtype=torch.long)
-            buf["chunk"][:host.shape[0]].copy_(host, non_blocking=True)
+            buf["chunk"][:host.shape[0]].copy_(_staged(host, buf["chunk"]), non_blocking=True)
             return
         n = len(context_lens)
         read = [t[(c - 1) // bs] if c else self.null_block for t, c in zip(tables, context_lens)]
@@ -280,11 +280,11 @@ class StateGraphBuffers:
             write = [t[c // bs] for t, c in zip(tables, context_lens)]
             host = torch.tensor([read + [self.null_block] * (rows - n),
                                  write + [self.trash_block] * (rows - n)], dtype=torch.long)
-            buf["rw"][:, :rows].copy_(host, non_blocking=True)
+            buf["rw"][:, :rows].copy_(_staged(host, buf["rw"]), non_blocking=True)
             return
         cols = self._row_columns(rows, q, context_lens, tables, slot_mapping, state_spec)
-        buf["rows"][:len(cols), :rows].copy_(torch.tensor(cols, dtype=torch.long),
-                                             non_blocking=True)
+        buf["rows"][:len(cols), :rows].copy_(
+            _staged(torch.tensor(cols, dtype=torch.long), buf["rows"]), non_blocking=True)
 
     def _chunk_values(self, q: int, context_lens: list[int], tables: list[list[int]],
                       slot_mapping: list[int]) -> list[int]:
@@ -346,3 +346,9 @@ class StateGraphBuffers:
 
 
 _ROW_FIELDS = 6  # StateRows' vectors before reach, in the order of its fields
+
+
+def _staged(host: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """host in pinned memory where dst is on CUDA: an asynchronous copy from pageable memory
+    may make the host wait for the step in flight (host_to_device.py)."""
+    return host.pin_memory() if dst.is_cuda else host

@@ -59,15 +59,20 @@ def l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def padding_masked(heads: tuple[torch.Tensor, ...], real: torch.Tensor | None
                    ) -> tuple[torch.Tensor, ...]:
-    """q, k, v, g, beta with g = 0 and beta = 0 at the tokens where real [T] is False: each
-    is then an identity step of the delta rule (no decay, nothing written), so a padded
-    chunk leaves the states its real tokens leave. None: every token is real."""
+    """q, k, v, g, beta zeroed at the tokens where real [T] is False: each is then an
+    identity step of the delta rule (g = 0: no decay, beta = 0: nothing written), so a padded
+    chunk leaves the states its real tokens leave. q, k and v are zeroed too (torch.where,
+    which does not carry a NaN along): a padding token attends to cache slots past the real
+    ones, which may hold an earlier linear state's float32 words, non-finite as bf16, and
+    0 x NaN in the chunk's products would poison the state. None: every token is real."""
     if real is None:
         return heads
-    q, k, v, g, beta = heads
-    keep = real.view(-1, *(1,) * (g.dim() - 1))
-    return (q, k, v, torch.where(keep, g, torch.zeros_like(g)),
-            torch.where(real[:, None], beta, torch.zeros_like(beta)))
+
+    def zeroed(x: torch.Tensor) -> torch.Tensor:
+        keep = real.view(-1, *(1,) * (x.dim() - 1))
+        return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+    return tuple(zeroed(x) for x in heads)
 
 
 class LinearAttention(nn.Module):

@@ -15,6 +15,7 @@ ModelRunner takes this side from RunnerGraphCapture, beside its other mixins."""
 
 from __future__ import annotations
 
+import gc
 import logging
 from typing import Any
 
@@ -89,24 +90,31 @@ class RunnerGraphCapture:
         """A hybrid's graphs; if a lone prefill chunk's cannot be captured (its chunked-rule
         kernels, fla-core's on CUDA, doing what a capture refuses), the decodes and verifies
         alone, chunks then running eagerly (logged)."""
+        kept = [s for s in shapes if s.q == 1 or s.logits_per_row > 1]
         self.graphs = self._graphs(shapes, max_blocks)
+        failure = None
         try:
             with stream_kept(self.device):
                 return self.graphs.capture()
         except torch.OutOfMemoryError:
             raise
         except Exception as e:  # noqa: BLE001 - any capture failure: the chunks go eager
-            kept = [s for s in shapes if s.q == 1 or s.logits_per_row > 1]
             if len(kept) == len(shapes):
                 raise
-            logger.warning("capturing %s's prefill chunks raised %s: they run eagerly "
-                           "(decode and verify steps keep their CUDA graphs)",
-                           type(self.model).__name__, describe_error(e))
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-                end_capture_state(self.device)
-            self.graphs = self._graphs(kept, max_blocks)
-            return self.graphs.capture()
+            failure = describe_error(e)
+        # (outside the except: its traceback would keep the failed graphs' pool alive while
+        # the second capture builds its own)
+        logger.warning("capturing %s's prefill chunks raised %s: they run eagerly (decode "
+                       "and verify steps keep their CUDA graphs)", type(self.model).__name__,
+                       failure)
+        self.graphs = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            end_capture_state(self.device)
+            gc.collect()
+            torch.cuda.empty_cache()
+        self.graphs = self._graphs(kept, max_blocks)
+        return self.graphs.capture()
 
     @property
     def has_linear_states(self) -> bool:

@@ -64,3 +64,21 @@ def test_eagle3_proposal_host_ops(ckpt) -> None:  # noqa: F811
         assert all(reads == 1 for _, reads in calls), calls  # the drafts' one .tolist()
     for seq, drafts in log:
         assert drafts == ref.drafts(seq, len(drafts)), seq
+
+
+def test_lists_to_device_starts_every_list_on_16_bytes() -> None:
+    """Triton specializes on a pointer's 16-byte alignment: every list (int64 or int32, any
+    length, empty ones among them) starts on a 16-byte boundary of the one buffer, with its
+    values and dtype."""
+    import random
+
+    from shoal.host_to_device import lists_to_device
+
+    rng = random.Random(0)
+    for _ in range(200):
+        lists = [([rng.randrange(-5, 2 ** 30) for _ in range(rng.randrange(0, 7))],
+                  rng.choice([torch.int64, torch.int32])) for _ in range(rng.randrange(1, 7))]
+        for (values, dtype), t in zip(lists, lists_to_device(lists, "cpu")):
+            assert t.dtype == dtype and t.tolist() == values
+            if values:
+                assert (t.data_ptr() - t.untyped_storage().data_ptr()) % 16 == 0
