@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shoal.kv_transfer.shm_buffers import reserved_mapping
 from shoal.temp_folders import owner_tag, sweep_stale
 
 SHM_DIR = Path("/dev/shm")
@@ -69,20 +70,9 @@ class SegmentMaker:
         if self.directory is None or nbytes <= 0:
             return None
         path = self.directory / f"{self.prefix}{next(self._serial)}"
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        except OSError:
+        seg = reserved_mapping(str(path), nbytes, _Segment)
+        if seg is None:
             return None
-        try:
-            # Reserved now: a tmpfs that runs out under a write kills the process (SIGBUS).
-            os.posix_fallocate(fd, 0, nbytes)
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            seg = _Segment(fd, nbytes, flags=flags)
-        except OSError:
-            path.unlink(missing_ok=True)
-            return None
-        finally:
-            os.close(fd)
         seg.path = str(path)
         weakref.finalize(seg, _unlink, str(path))  # dropped before admission: gone with it
         return memoryview(seg)

@@ -25,6 +25,7 @@ import stat
 import threading
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -72,25 +73,35 @@ def shared_array(nbytes: int, directory: Path = SHM_DIR) -> np.ndarray | None:
     if nbytes <= 0 or not directory.is_dir():
         return None
     path = str(directory / _FILES.name())
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    except OSError:
+    mapping = reserved_mapping(path, nbytes)
+    if mapping is None:
         return None
-    try:
-        os.posix_fallocate(fd, 0, nbytes)
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        mapping = mmap.mmap(fd, nbytes, flags=flags)
-    except OSError:
-        _unlink(path)
-        return None
-    finally:
-        os.close(fd)
     array = np.frombuffer(mapping, dtype=np.uint8)
     address = array.ctypes.data
     with _FILES.lock:
         _FILES.by_address[address] = (nbytes, path)
     weakref.finalize(array, _forget, address, path)
     return array
+
+
+def reserved_mapping(path: str, nbytes: int, mapping: Callable[..., Any] = mmap.mmap
+                     ) -> Any | None:
+    """A new file `path` (mode 0600, never one already there) of nbytes with its pages
+    reserved now (a tmpfs that runs out under a write would kill the process: SIGBUS),
+    mapped shared and populated: mapping(fd, nbytes, flags=...), mmap.mmap or a subclass;
+    None, the file removed, where that cannot be had."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError:
+        return None
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+        return mapping(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    except OSError:
+        _unlink(path)
+        return None
+    finally:
+        os.close(fd)
 
 
 def locate(buf: Any) -> SharedPlace | None:
