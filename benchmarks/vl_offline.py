@@ -233,9 +233,14 @@ def encoder_graph(llm: Any, visual: Any, pix: Any, grid: Any, eager: Any, iters:
         from shoal.worker.encoder_graphs import EncoderGraphs
     except ImportError:
         return {"graph_note": "no encoder CUDA graph yet (shoal/worker/encoder_graphs.py)"}
-    mm = getattr(ei.runner(llm), "mm", None)
-    wired = (any(isinstance(v, EncoderGraphs) for v in vars(mm).values())
-             if mm is not None else None)
+    # the runner hands the model its graphs at capture (worker/graph_capture.py); the
+    # engine replays them when one image is encoded at a time
+    run = ei.runner(llm)
+    model_graphs = getattr(getattr(run, "model", None), "encoder_graphs", None)
+    wired = isinstance(model_graphs, EncoderGraphs) if run is not None else None
+    if wired:
+        wired = {"captured_grids": len(model_graphs.graphs),
+                 "engine_replays": model_graphs.num_replays}
     if not torch.cuda.is_available() or not hasattr(visual, "forward_planned"):
         return {"graph_note": "encoder CUDA graphs need CUDA and a planned tower",
                 "engine_uses_encoder_graphs": wired}
