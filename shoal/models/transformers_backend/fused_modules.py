@@ -60,7 +60,9 @@ def fuse_modules(model: nn.Module, linear_inputs: dict[int, torch.Tensor]) -> Fu
 def _probe(shape: tuple[int, ...], like: torch.Tensor, seed: int,
            dtype: torch.dtype | None = None) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g).to(dtype=dtype or like.dtype, device=like.device)
+    # (on the CPU: a default CUDA device would refuse the CPU generator)
+    return torch.randn(shape, generator=g, device="cpu").to(dtype=dtype or like.dtype,
+                                                            device=like.device)
 
 
 def _close(a: Any, b: Any) -> bool:
