@@ -118,7 +118,8 @@ def model_weights(llm: Any, cfg: dict[str, Any]) -> dict[str, Any] | None:
     if not is_moe(cfg) or cfg.get("model_type") == "gpt_oss":
         return None
     model = getattr(engine_internals.runner(llm), "model", None)
-    return None if model is None else moe_active_bytes(model, int(cfg["num_experts_per_tok"]))
+    top_k = cfg.get("num_experts_per_tok", cfg.get("num_experts_per_token"))  # (Kimi's name)
+    return None if model is None else moe_active_bytes(model, int(top_k))
 
 
 def is_moe(cfg: dict[str, Any]) -> bool:
