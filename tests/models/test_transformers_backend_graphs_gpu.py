@@ -89,41 +89,46 @@ def test_bfloat16_graphs_pass_the_check(checkpoints, caplog):
     assert [m for m in _said(caplog) if "CUDA graphs checked" in m] and replays
 
 
-def _patched_mlp(monkeypatch, forward) -> None:
-    """LlamaMLP.forward replaced for every Llama built through the backend (shoal's own
-    Llama class does not use transformers' modules)."""
+def _patched_layer(monkeypatch, forward) -> None:
+    """LlamaDecoderLayer.forward replaced for every Llama built through the backend (shoal's
+    own Llama class does not use transformers' modules). The layer, not its MLP: the backend
+    runs a SwiGLU MLP whose forward gives shoal's result as shoal's fused module
+    (fused_modules.py), so a fault put into LlamaMLP.forward would never run."""
     from transformers.models.llama import modeling_llama
 
-    real = modeling_llama.LlamaMLP.forward
-    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", lambda self, x: forward(real, self, x))
+    real = modeling_llama.LlamaDecoderLayer.forward
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward",
+                        lambda self, *args, **kwargs: forward(real, self, *args, **kwargs))
 
 
-def _mlp_that_syncs(real, self, x):
-    if bool(torch.isnan(x).any()):  # a tensor's truth value: the host waits on the device
-        raise ValueError("nan in the MLP input")
-    return real(self, x)
+def _layer_that_syncs(real, self, hidden_states, *args, **kwargs):
+    if bool(torch.isnan(hidden_states).any()):  # a tensor's truth value: the host waits
+        raise ValueError("nan in the layer input")
+    return real(self, hidden_states, *args, **kwargs)
 
 
-def _mlp_captured_otherwise(real, self, x):
+def _layer_captured_otherwise(real, self, *args, **kwargs):
     # What a graph that froze a Python value would do: compute, when replayed, other
     # values than the eager pass of the same step.
-    return real(self, x) * (0.5 if torch.cuda.is_current_stream_capturing() else 1.0)
+    out = real(self, *args, **kwargs)
+    scale = 0.5 if torch.cuda.is_current_stream_capturing() else 1.0
+    return (out[0] * scale, *out[1:]) if isinstance(out, tuple) else out * scale
 
 
 @pytest.mark.parametrize("forward,reason", [
-    (_mlp_that_syncs, "an eager decode step synchronizes with the host"),
-    (_mlp_captured_otherwise, "a replayed decode step's logits differ from the eager step's"),
+    (_layer_that_syncs, "an eager decode step synchronizes with the host"),
+    (_layer_captured_otherwise, "a replayed decode step's logits differ from the eager step's"),
 ], ids=["host-sync", "replay-differs"])
 def test_an_uncapturable_forward_runs_eagerly_with_the_reason(checkpoints, monkeypatch, caplog,
                                                              forward, reason):
     path = checkpoints["llama"]
     eager, _ = _run(path, "transformers", enforce_eager=True)
-    _patched_mlp(monkeypatch, forward)
+    _patched_layer(monkeypatch, forward)
     with caplog.at_level(logging.INFO, logger=LOGGER):
         tokens, replays = _run(path, "transformers", enforce_eager=False)
     (said,) = _said(caplog)
     assert said.startswith("LlamaForCausalLM (TransformersForCausalLM) runs without CUDA graphs "
                            "(eagerly, as with enforce_eager): " + reason), said
-    if forward is _mlp_that_syncs:  # the line names where in the model code it synced
-        assert "test_transformers_backend_graphs_gpu.py" in said and "_mlp_that_syncs" in said
+    if forward is _layer_that_syncs:  # the line names where in the model code it synced
+        assert "test_transformers_backend_graphs_gpu.py" in said and "_layer_that_syncs" in said
     assert replays == [] and tokens == eager
