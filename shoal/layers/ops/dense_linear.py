@@ -3,8 +3,8 @@ place their matmul is chosen.
 
 - With SHOAL_DENSE_GEMV=1 (opt-in; its tiles compile at start-up. On an H100, 2026-12-06,
   tests/layers/test_half_gemv.py: at 1 row the best tile took 0.79-0.97 of F.linear's time
-  on GPT-OSS-20B's and Llama-3.1-8B's qkv, o and gate_up, at 8 rows 1.1-1.6x it; the
-  end-to-end step and the start-up cost are not measured yet), a
+  on GPT-OSS-20B's and Llama-3.1-8B's qkv, o and gate_up, at 8 rows 1.1-1.6x it; end to
+  end, W2 on the 8B shape 1.05x, start-up 8.2 -> 31.1 s with a cold Triton cache), a
   few rows (1..half_gemv.MAX_ROWS: a decode step) of bf16/fp16 CUDA tensors, with Triton
   and the layer's use_triton_ops: launch_tuner.run_fastest between F.linear and the Triton
   GEMVs of half_gemv.py. F.linear is the first candidate: what a shape not timed yet takes
