@@ -378,3 +378,31 @@ def test_a_batch_preprocesses_its_images_on_the_media_threads(folder, monkeypatc
     monkeypatch.setattr(mm, "process", process)
     alone = [generate(llm, p)[0] for p in batch_prompts()]
     assert [o.outputs[0].token_ids for o in batch] == [o.outputs[0].token_ids for o in alone]
+
+
+class RecordingGraphs:
+    """Stands in for worker/encoder_graphs.EncoderGraphs (CUDA only): records the grids the
+    engine asks for and answers with the eager tower, or None (no graph: run eagerly)."""
+
+    def __init__(self, tower, answer: bool):
+        self.tower, self.answer, self.grids = tower, answer, []
+
+    def run(self, pixels: torch.Tensor, grid: tuple[int, ...]) -> torch.Tensor | None:
+        self.grids.append(grid)
+        return self.tower(pixels, torch.tensor([list(grid)])) if self.answer else None
+
+
+@pytest.mark.parametrize("answer", [True, False], ids=["replayed", "no-graph"])
+def test_a_lone_image_goes_through_the_encoder_graphs(folder, oracle, answer) -> None:
+    """The runner hands the model its EncoderGraphs at capture (graph_capture.py, CUDA); a
+    step encoding one image asks them for its grid and uses their output, and runs the tower
+    eagerly when they have no graph for it. Both give transformers' tokens."""
+    llm = make_llm(folder)
+    model = llm.llm_engine.core.runner.model
+    model.encoder_graphs = graphs = RecordingGraphs(model.visual, answer)
+    text, images = f"w5 {PH} w6 w7", [image(12, 90, 150)]
+    (out,) = generate(llm, mm_prompt(text, images))
+    (feature,) = oracle.expand(text, images)[1]
+    grid = tuple(int(x) for x in np.array(feature.arrays()["image_grid_thw"]).reshape(-1))
+    assert graphs.grids == [grid]
+    check_against_hf(oracle, out, text, images)
