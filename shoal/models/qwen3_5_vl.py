@@ -50,6 +50,7 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
     supports_multimodal: ClassVar[bool] = True
     uses_mrope: ClassVar[bool] = True
     num_deepstack = 0  # (the borrowed Qwen3-VL methods read it)
+    encoder_graphs: Any = None  # set by the runner on CUDA (worker/encoder_graphs.py)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         _interleaved_mrope(hf_config)

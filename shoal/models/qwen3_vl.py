@@ -64,6 +64,7 @@ class _DeepstackModel(LlamaModel):
 class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
     supports_multimodal: ClassVar[bool] = True
     uses_mrope: ClassVar[bool] = True
+    encoder_graphs: Any = None  # set by the runner on CUDA (worker/encoder_graphs.py)
 
     def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
         super().__init__(hf_config, dtype, use_triton_ops=use_triton_ops)
@@ -98,7 +99,14 @@ class Qwen3VLForConditionalGeneration(Qwen3ForCausalLM):
         # (the arrays view msgpack's read-only bytes: copied once into torch)
         pixels = torch.cat([torch.from_numpy(a[0].copy()) for a in arrays])
         grids = torch.cat([torch.from_numpy(a[1].copy()).reshape(-1, 3) for a in arrays])
-        main, deepstack = self.visual(pixels.to(device), grids.to(device))
+        replayed = None
+        graphs = self.encoder_graphs  # CUDA graphs per grid (worker/encoder_graphs.py)
+        if graphs is not None and grids.shape[0] == 1:  # one image, or one video's frames
+            replayed = graphs.run(pixels.to(device, non_blocking=True),
+                                  tuple(int(x) for x in grids[0]))
+        # (grids stay on the host: the tower's plan reads them in Python)
+        main, deepstack = (replayed if replayed is not None
+                           else self.visual(pixels.to(device), grids))
         out = torch.cat([main, *deepstack], dim=-1)
         sizes = [int(g.prod()) // self.merge ** 2 for g in grids]
         return list(out.split(sizes))

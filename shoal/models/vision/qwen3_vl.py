@@ -10,6 +10,7 @@ they are once that prefix is stripped."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,18 @@ from shoal.models.vision.qwen2_5_vl import (
 )
 
 _EPS = 1e-6
+
+
+@dataclass
+class _Plan:
+    """Everything that depends on grid_thw alone, built on the host before the forward (a
+    CUDA graph of the tower keeps one per grid: its tensors are the graph's inputs)."""
+
+    positions: torch.Tensor  # [N, 2] (h, w) of each patch, merge order: the rotary's
+    inv_freq: torch.Tensor  # [head_dim // 4] rotary frequencies, shared by h and w
+    table_rows: torch.Tensor  # [4, N] position-table rows of each patch's bilinear corners
+    table_weights: torch.Tensor  # [4, N] fp32 weights of those corners
+    frames: _Segments  # full attention within each frame
 
 
 class _PatchEmbed(nn.Module):
@@ -125,28 +138,34 @@ class Qwen3VisionTransformer(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor
                 ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        return self.forward_planned(pixel_values, self.plan(grid_thw))
+
+    def forward_planned(self, pixel_values: torch.Tensor, plan: _Plan
+                        ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """forward over a plan made before: no host sync and no shape read from a tensor's
+        values, so a CUDA graph can replay it (worker/encoder_graphs.py)."""
         device = self.patch_embed.proj.weight.device
-        grid = self._grid(grid_thw)
-        positions = _positions(grid, self.merge).to(device)  # [N, 2] (h, w), merge order
-        if pixel_values.shape[0] != positions.shape[0]:
+        if pixel_values.shape[0] != plan.positions.shape[0]:
             raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches, grid_thw "
-                             f"describes {positions.shape[0]}")
+                             f"describes {plan.positions.shape[0]}")
         x = self.patch_embed(pixel_values.to(device=device, dtype=self.dtype))
-        x = x + self._position_embeddings(grid, positions).to(x.dtype)
-        freqs = (positions.float()[:, :, None] * self._inv_freq.to(device)).flatten(1)
+        x = x + self._position_embeddings(plan).to(x.dtype)
+        freqs = (plan.positions.float()[:, :, None] * plan.inv_freq).flatten(1)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()
-        seg = _segments([h * w for t, h, w in grid for _ in range(t)], device)
         deepstack: list[torch.Tensor] = []
         for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, seg)
+            x = block(x, cos, sin, plan.frames)
             if i in self.deepstack_indexes:
                 merger = self.deepstack_merger_list[self.deepstack_indexes.index(i)]
                 deepstack.append(merger(x))
         return self.merger(x), deepstack
 
-    def _grid(self, grid_thw: torch.Tensor) -> list[tuple[int, int, int]]:
-        """grid_thw to Python (the forward's one host sync), checked."""
+    def plan(self, grid_thw: torch.Tensor) -> _Plan:
+        """Everything that depends on the grids alone: grid_thw (best on the host: read with
+        tolist, the forward's one host sync) to Python, then index tensors to the tower's
+        device."""
+        device = self.patch_embed.proj.weight.device
         grid = [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
         if not grid:
             raise ValueError("grid_thw holds no image")
@@ -154,26 +173,42 @@ class Qwen3VisionTransformer(nn.Module):
             if t < 1 or h < 1 or w < 1 or h % self.merge or w % self.merge:
                 raise ValueError(f"grid {(t, h, w)} is not a positive multiple of the "
                                  f"spatial merge size {self.merge}")
-        return grid
+        positions = _positions(grid, self.merge)  # [N, 2] (h, w), merge order
+        rows, weights = self._table_corners(grid, positions)
+        return _Plan(
+            positions=positions.to(device),
+            inv_freq=self._inv_freq.to(device),
+            table_rows=rows.to(device),
+            table_weights=weights.to(device),
+            frames=_segments([h * w for t, h, w in grid for _ in range(t)], device),
+        )
 
-    def _position_embeddings(self, grid: list[tuple[int, int, int]],
-                             positions: torch.Tensor) -> torch.Tensor:
+    def _table_corners(self, grid: list[tuple[int, int, int]], positions: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """The side x side learned table resampled to each patch's (row, column) of its
         image's h x w grid: bilinear with corners aligned (row r reads table row
-        r * (side - 1) / (h - 1)), as transformers' F.interpolate-equivalent gather."""
-        device = positions.device
-        sizes = torch.tensor([(h, w) for t, h, w in grid for _ in range(t * h * w)],
-                             device=device)
+        r * (side - 1) / (h - 1)), as transformers' F.interpolate-equivalent gather. Returns
+        the four corners' table rows [4, N] and fp32 weights [4, N]."""
+        sizes = torch.tensor([(h, w) for t, h, w in grid]).repeat_interleave(
+            torch.tensor([t * h * w for t, h, w in grid]), dim=0)  # [N, 2]
         src = positions.float() * (self.side - 1) / (sizes - 1).clamp(min=1)  # [N, 2]
         lo = src.floor()
         frac = src - lo
         lo = lo.long()
         hi = (lo + 1).clamp(max=self.side - 1)
+        rows, weights = [], []
+        for r, wr in ((lo[:, 0], 1 - frac[:, 0]), (hi[:, 0], frac[:, 0])):
+            for c, wc in ((lo[:, 1], 1 - frac[:, 1]), (hi[:, 1], frac[:, 1])):
+                rows.append(r * self.side + c)
+                weights.append(wr * wc)
+        return torch.stack(rows), torch.stack(weights)
+
+    def _position_embeddings(self, plan: _Plan) -> torch.Tensor:
+        """[N, hidden] fp32: the four table corners of each patch, weighted (the plan's)."""
         table = self.pos_embed.weight.float()
-        out = torch.zeros(positions.shape[0], table.shape[1], device=device)
-        for rows, wr in ((lo[:, 0], 1 - frac[:, 0]), (hi[:, 0], frac[:, 0])):
-            for cols, wc in ((lo[:, 1], 1 - frac[:, 1]), (hi[:, 1], frac[:, 1])):
-                out += table[rows * self.side + cols] * (wr * wc)[:, None]
+        out = table[plan.table_rows[0]] * plan.table_weights[0, :, None]
+        for k in range(1, 4):
+            out = out + table[plan.table_rows[k]] * plan.table_weights[k, :, None]
         return out
 
     @torch.no_grad()
