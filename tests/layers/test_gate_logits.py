@@ -41,17 +41,27 @@ def test_shapes_it_does_not_take_are_refused() -> None:
         gate_logits(torch.zeros(2, 8), w)
 
 
+def _by_expert(weights: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A row's k (weight, id) pairs in id order: top-k with sorted=False may order the same
+    choice differently on another device."""
+    ids, order = ids.sort(dim=-1)
+    return weights.gather(1, order), ids
+
+
 def test_the_router_takes_it_at_decode_sizes(monkeypatch) -> None:
-    """Forced on for CPU tensors (the kernel then runs in the interpreter): at most MAX_TOKENS
-    tokens go through the kernel, more through the GEMM; the routing is the same either way."""
+    """Forced on for the router's tensors (on the CPU the kernel then runs in the
+    interpreter): at most MAX_TOKENS tokens go through the kernel, more through the GEMM; the
+    routing is the same either way. The tensors live on DEV: a GPU host runs no interpreter,
+    and compiled Triton cannot read CPU tensors."""
     cfg = SimpleNamespace(n_routed_experts=16, num_experts_per_tok=4, hidden_size=64,
                           topk_method="group_limited_greedy", n_group=4, topk_group=2,
                           routed_scaling_factor=1.5, model_type="deepseek_v2")
-    router = DeepseekRouter(cfg, use_triton_ops=False)
+    with torch.device(DEV):
+        router = DeepseekRouter(cfg, use_triton_ops=False)
     torch.manual_seed(0)
-    router.weight.data.normal_(0, 0.3)
-    x = torch.randn(MAX_TOKENS + 1, 64)
-    want = [router(x[:n]) for n in (1, MAX_TOKENS)]
+    router.weight.data.copy_(torch.randn(router.weight.shape) * 0.3)
+    x = torch.randn(MAX_TOKENS + 1, 64).to(DEV)
+    want = [_by_expert(*router(x[:n])) for n in (1, MAX_TOKENS)]
     calls = []
     real = deepseek_router.F.linear
 
@@ -63,9 +73,13 @@ def test_the_router_takes_it_at_decode_sizes(monkeypatch) -> None:
     monkeypatch.setattr(deepseek_router.F, "linear", counted_linear)
     monkeypatch.setattr(deepseek_router, "routes_on_kernel", lambda *a: False)
     for n, (w, ids) in zip((1, MAX_TOKENS), want):
-        got_w, got_ids = router(x[:n])
-        assert torch.equal(got_ids, ids)
-        torch.testing.assert_close(got_w, w, rtol=1e-5, atol=1e-6)
-    assert calls == []
+        got_w, got_ids = _by_expert(*router(x[:n]))
+        assert torch.equal(got_ids, ids), (
+            f"{n} tokens on {DEV}: the kernel's logits chose other experts than the GEMM's:\n"
+            f"{got_ids.tolist()}\n{ids.tolist()}")
+        torch.testing.assert_close(got_w, w, rtol=1e-5, atol=1e-6, msg=lambda m, n=n: (
+            f"{n} tokens on {DEV}: routing weights from the kernel's logits differ: {m}"))
+    assert calls == [], f"at <= {MAX_TOKENS} tokens the router ran the GEMM {len(calls)} times"
     router(x)
-    assert calls == ["gemm"]
+    assert calls == ["gemm"], (f"at {MAX_TOKENS + 1} tokens the router should run the GEMM "
+                               f"once, ran it {len(calls)} times")

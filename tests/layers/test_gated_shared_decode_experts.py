@@ -23,6 +23,7 @@ from test_shared_decode_experts import (  # noqa: E402
     TILES,
     H,
     _decode_first,
+    _gate_up_rows,
     _on_triton,
     _recording,
     rel,
@@ -210,7 +211,8 @@ def test_block_runs_no_shared_mlp_or_gate_at_decode_rows(monkeypatch) -> None:
     _on_triton(monkeypatch)
     launches: list = []
     _recording(monkeypatch, launches)
-    block = SharedExpertMoE(AutoConfig.for_model("qwen3_next", **MOE), torch.float32, True)
+    with torch.device(DEV):  # (no interpreter on a GPU host: compiled Triton needs CUDA)
+        block = SharedExpertMoE(AutoConfig.for_model("qwen3_next", **MOE), torch.float32, True)
     g = torch.Generator().manual_seed(12)
     for p in block.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.2)
@@ -219,12 +221,12 @@ def test_block_runs_no_shared_mlp_or_gate_at_decode_rows(monkeypatch) -> None:
               block.shared_expert.down_proj, block.shared_expert_gate):
         m.register_forward_hook(lambda m, a, o: calls.append(type(m).__name__))
     for rows in (2, 9):
-        x = torch.randn(rows, 64, generator=g)
+        x = torch.randn(rows, 64, generator=g).to(DEV)
         got = block(x)
         if rows == 2:
             assert not calls
-            up = [grid for name, grid, _ in launches if name == "_gate_up_kernel"]
-            assert up == [(2 * (2 + 2 + 1), 1)]  # k = 2, 2 chunks, 1 gate program a token
+            # k = 2, 2 chunks, 1 gate program a token (grid[1]: the tile's output blocks)
+            assert _gate_up_rows(launches, 2 + 2 + 1) == [2]
         else:
             assert sorted(calls) == sorted(["LlamaMLP", "MergedColumnParallelLinear",
                                             "RowParallelLinear", "ReplicatedLinear"])
@@ -269,24 +271,26 @@ def test_tiny_hybrid_moe_tokens_fused_equal_unfused_and_transformers(monkeypatch
     def generate() -> tuple:
         llm = LLM(model=str(path), dtype="float32", num_gpu_blocks_override=16,
                   max_model_len=64, enforce_eager=True)
+        started = len(launches)  # (on a GPU the start-up passes' 1..8-row steps launch too)
         rows: list[int] = []
         for m in llm.llm_engine.core.runner.model.modules():
             if isinstance(m, qn.SharedExpertMoE):
                 for sub in (m.shared_expert, m.shared_expert_gate):
                     sub.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[0]))
         out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
-        return out.outputs[0], rows
+        return out.outputs[0], rows, launches[started:]
 
-    fused, rows = generate()
+    fused, rows, step_launches = generate()
     assert rows and all(r > decode.MAX_TOKENS for r in rows)  # the prompt's (grouped) only
-    up = [grid for name, grid, _ in launches if name == "_gate_up_kernel"]
-    assert up and all(grid[0] == 2 + chunks + 1 for grid in up)
+    _gate_up_rows(launches, 2 + chunks + 1)  # (start-up passes included)
+    assert set(_gate_up_rows(step_launches, 2 + chunks + 1)) == {1}  # the decode steps
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert fused.token_ids == hf_greedy(hf, prompt, steps)[0]
     monkeypatch.setattr(qn, "gated_shared_expert_of", unfused_of)
     launches.clear()
-    unfused, rows = generate()
-    assert all(grid[0] == 2 for name, grid, _ in launches if name == "_gate_up_kernel")
+    unfused, rows, step_launches = generate()
+    _gate_up_rows(launches, 2)
+    assert _gate_up_rows(step_launches, 2)
     assert unfused.token_ids == fused.token_ids
     for got, want in zip(fused.logprobs, unfused.logprobs):
         tok = next(iter(want))

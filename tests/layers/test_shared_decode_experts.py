@@ -184,13 +184,27 @@ def test_shared_that_does_not_fit_is_refused_or_run_apart() -> None:
 # ---- a DeepseekMoE block and a tiny DeepSeek-V2 model -----------------------------------------
 
 def _on_triton(monkeypatch) -> None:
-    """CPU tensors take FusedMoE's Triton branch (the interpreter) and float32 decode rows
-    the decode path, as bf16 rows on a GPU do."""
+    """FusedMoE's Triton branch for any tensor (on the CPU: the interpreter) and float32
+    decode rows the decode path, as bf16 rows on a GPU do. The tests' tensors must then be
+    on DEV: a GPU host runs no interpreter, and compiled Triton cannot read CPU tensors."""
     import shoal.layers.moe.layer as moe_layer
 
     monkeypatch.setattr(moe_layer, "use_triton", lambda x, enabled: enabled)
     monkeypatch.setattr(grouped_moe, "HALF_DTYPES", (*grouped_moe.HALF_DTYPES, torch.float32))
     _decode_first(monkeypatch)
+
+
+def _gate_up_rows(launches: list, slots: int) -> list[int]:
+    """The x rows (T) of each recorded _gate_up_kernel launch, after checking its grid: T *
+    slots programs (slots: k plus the shared chunks, one a chunk), whatever the step."""
+    out = []
+    for name, grid, args in launches:
+        if name == "_gate_up_kernel":
+            t = args[0][0]  # x [T, H]
+            assert grid[0] == t * slots, (f"gate_up at {t} rows ran {grid[0]} programs a block "
+                                          f"of outputs, not {t} x {slots} slots")
+            out.append(t)
+    return out
 
 
 def _tiny_v2_config(**kw):
@@ -208,51 +222,61 @@ def test_block_reads_in_place_weight_updates_and_falls_back(monkeypatch) -> None
     from shoal.models.deepseek_v2 import DeepseekMoE
 
     _on_triton(monkeypatch)
-    block = DeepseekMoE(_tiny_v2_config(), torch.float32)
+    with torch.device(DEV):
+        block = DeepseekMoE(_tiny_v2_config(), torch.float32)
     g = torch.Generator().manual_seed(11)
     for p in block.parameters():
         p.data.copy_(torch.randn(p.shape, generator=g) * 0.2)
     calls = []
     block.shared_experts.register_forward_hook(lambda *a: calls.append(1))
-    x = torch.randn(2, block.experts.hidden_size, generator=g)
+    x = torch.randn(2, block.experts.hidden_size, generator=g).to(DEV)
 
     def unfused() -> torch.Tensor:
         weights, ids = block.gate(x)
         return block.experts(x, weights, ids) + block.shared_experts(x)
 
-    for _ in range(2):  # before and after an update
+    for when in ("before", "after"):  # an update of the shared weights
         got = block(x)
-        assert not calls
+        assert not calls, f"{when} the update: the fused block called the shared MLP"
         want = unfused()
         calls.clear()
-        assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+        err = (got - want).abs().max().item()
+        assert err <= 1e-5 * want.abs().max().item(), (
+            f"{when} the update: fused block off the unfused by {err:.3g} (largest output "
+            f"{want.abs().max().item():.3g}){' : stale shared weights?' * (when == 'after')}")
         mlp = block.shared_experts
         for proj in (mlp.gate_up_proj, mlp.down_proj):
             before = proj.weight.data_ptr()
-            new = torch.randn(proj.weight.shape, generator=g) * 0.3
+            new = (torch.randn(proj.weight.shape, generator=g) * 0.3).to(DEV)
             if proj is mlp.gate_up_proj:  # the checkpoint's gate_proj / up_proj halves
                 for shard, half in enumerate(new.chunk(2)):
                     proj.weight.weight_loader(proj.weight, half, shard)
             else:
                 proj.weight.weight_loader(proj.weight, new)
-            assert proj.weight.data_ptr() == before and torch.equal(proj.weight, new)
+            assert proj.weight.data_ptr() == before and torch.equal(proj.weight, new), (
+                "the weight loader did not write the shared weight in place")
 
     class NoDelta:  # a LoRA hook whose adapters add nothing
         def apply(self, x, y) -> None:
             pass
 
     block.shared_experts.down_proj.lora = NoDelta()
-    assert shared_experts_of(block.shared_experts).gate_up is None
+    assert shared_experts_of(block.shared_experts).gate_up is None, (
+        "a LoRA-hooked shared MLP must give the kernels no dense weights")
     got = block(x)
-    assert len(calls) == 1
-    assert (got - unfused()).abs().max().item() <= 1e-5 * got.abs().max().item()
+    assert len(calls) == 1, f"with a LoRA hook the shared MLP ran {len(calls)} times, not once"
+    err = (got - unfused()).abs().max().item()
+    assert err <= 1e-5 * got.abs().max().item(), f"LoRA fallback off the unfused by {err:.3g}"
 
 
 def test_tiny_deepseek_v2_tokens_fused_equal_unfused_and_transformers(monkeypatch, tmp_path
                                                                       ) -> None:
     """Greedy float32 through the engine, every MoE layer on the Triton kernels: the fused
     decode steps (no shared MLP call at a decode row; gate_up programs for the two shared
-    chunks) give transformers' tokens and the unfused layer's tokens and logprobs."""
+    chunks) give transformers' tokens and the unfused layer's tokens and logprobs. Every
+    gate_up launch has T x (k + chunks) programs; on a GPU that includes the start-up passes
+    (the profile run and the warmup: dummy steps of 1..8 rows), so the requests' own
+    launches, decode steps of one row, are those after the engine is built."""
     from deepseek_tiny import V2, check_against_hf, write_deepseek
 
     import shoal.models.deepseek_v2 as ds
@@ -265,9 +289,10 @@ def test_tiny_deepseek_v2_tokens_fused_equal_unfused_and_transformers(monkeypatc
     launches: list = []
     _recording(monkeypatch, launches)
 
-    def generate() -> list:
+    def generate() -> tuple:
         llm = LLM(model=str(path), dtype="float32", block_size=4, num_gpu_blocks_override=32,
                   max_model_len=64, enforce_eager=True)
+        started = len(launches)  # (a GPU's start-up passes launched the kernels too)
         shared_rows: list[int] = []
         for m in llm.llm_engine.core.runner.model.modules():
             if isinstance(m, ds.DeepseekMoE):
@@ -275,22 +300,29 @@ def test_tiny_deepseek_v2_tokens_fused_equal_unfused_and_transformers(monkeypatc
                     lambda m, args, out: shared_rows.append(args[0].shape[0]))
         outs = [llm.generate({"prompt_token_ids": p}, params, use_tqdm=False)[0]
                 for p in prompts]
-        return outs, shared_rows
+        return outs, shared_rows, launches[started:]
 
-    fused, rows = generate()
-    assert rows and all(r > decode.MAX_TOKENS for r in rows)  # the prompts' (grouped) only
-    gate_ups = [grid for name, grid, _ in launches if name == "_gate_up_kernel"]
-    assert gate_ups and all(grid[0] == 1 * (2 + 2) for grid in gate_ups)  # k = 2, 2 chunks
+    fused, rows, steps = generate()
+    assert rows and all(r > decode.MAX_TOKENS for r in rows), (
+        f"the shared MLP ran apart at {rows} rows: only the prompts' (grouped, > "
+        f"{decode.MAX_TOKENS}) should")
+    _gate_up_rows(launches, 2 + 2)  # k = 2, 2 chunks (start-up passes included)
+    step_rows = _gate_up_rows(steps, 2 + 2)
+    assert step_rows and set(step_rows) == {1}, (
+        f"the requests' gate_up launches had {step_rows} rows: one a decode step expected")
     check_against_hf(fused, prompts, hf, 5)
     monkeypatch.setattr(ds, "shared_experts_of", lambda mlp: SharedExperts(mlp))
     launches.clear()
-    unfused, rows = generate()
-    assert all(grid[0] == 2 for name, grid, _ in launches if name == "_gate_up_kernel")
+    unfused, rows, steps = generate()
+    _gate_up_rows(launches, 2)  # the routed slots only
+    assert _gate_up_rows(steps, 2), "the unfused decode steps never ran the decode kernels"
     for a, b in zip(fused, unfused):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for got, want in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, (
+            f"fused tokens {a.outputs[0].token_ids} != unfused {b.outputs[0].token_ids}")
+        for i, (got, want) in enumerate(zip(a.outputs[0].logprobs, b.outputs[0].logprobs)):
             tok = next(iter(want))
-            assert got[tok].logprob == pytest.approx(want[tok].logprob, abs=1e-5)
+            assert got[tok].logprob == pytest.approx(want[tok].logprob, abs=1e-5), (
+                f"step {i}: fused logprob {got[tok].logprob} vs unfused {want[tok].logprob}")
 
 
 # ---- the GPU: a DeepSeek-V2-Lite MoE block, fused and unfused ---------------------------------
