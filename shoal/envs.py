@@ -141,6 +141,12 @@ SHOAL_QUANT_TUNING: EnvVar[bool] = EnvVar(
     "timing the candidates once per shape on the GPU (shoal/layers/quantization/"
     "launch_tuner.py)")
 
+SHOAL_LINEAR_DECODE_FUSED: EnvVar[bool] = EnvVar(
+    "SHOAL_LINEAR_DECODE_FUSED", True, _switch,
+    "0: a CUDA step of decodes only runs linear attention's older decode path (two in-place "
+    "kernels and the gates and output norm as torch ops) instead of the fused kernels "
+    "(shoal/layers/ops/linear_decode_fused.py)")
+
 SHOAL_DENSE_GEMV: EnvVar[bool] = EnvVar(
     "SHOAL_DENSE_GEMV", False, _on,
     "1: dense bf16/fp16 layers at decode sizes (1-8 rows, CUDA) may take a Triton GEMV, timed "

@@ -26,6 +26,7 @@ from shoal.layers.linear import (
     segmented_loader,
 )
 from shoal.layers.linear_attention import LinearAttention, Rest
+from shoal.layers.ops.linear_decode_fused import DecodeGates
 
 
 def rank_slice_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -111,4 +112,13 @@ class GatedDeltaNet(LinearAttention):
         x = o.to(z.dtype).float()  # the rule's output in the model dtype, as transformers
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         x = (self.norm.weight * x.to(z.dtype)) * F.silu(z.float())
-        return self.out_proj(x.to(z.dtype).reshape(o.shape[0], -1))
+        return self.project(x.to(z.dtype).reshape(o.shape[0], -1))
+
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        return self.out_proj(out)
+
+    def decode_gates(self, rest: Rest) -> DecodeGates:
+        z, b, a = rest
+        return DecodeGates(decay=a, dt_bias=self.dt_bias, a_log=self.A_log, beta=b,
+                           gate=z.flatten(1), norm_weight=self.norm.weight, eps=self.eps,
+                           kda=False)

@@ -31,6 +31,7 @@ from shoal.layers.linear import (
     segmented_loader,
 )
 from shoal.layers.linear_attention import LinearAttention, Rest
+from shoal.layers.ops.linear_decode_fused import DecodeGates
 
 
 def fla_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -145,4 +146,12 @@ class KimiDeltaAttention(LinearAttention):
         x = o.to(dtype).float()  # the rule's output in the model dtype, as transformers
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         x = self.o_norm.weight.float() * x * gate.view(t, self.heads_per_rank, self.d).float().sigmoid()
-        return self.o_proj(x.to(dtype).reshape(t, -1))
+        return self.project(x.to(dtype).reshape(t, -1))
+
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(out)
+
+    def decode_gates(self, rest: Rest) -> DecodeGates:
+        b, f, gate = rest
+        return DecodeGates(decay=f, dt_bias=self.dt_bias, a_log=self.A_log, beta=b, gate=gate,
+                           norm_weight=self.o_norm.weight, eps=self.eps, kda=True)

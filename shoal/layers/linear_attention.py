@@ -13,6 +13,9 @@ beta (`heads`; `mix` then L2-norms q and k and repeats them to the value heads),
 output becomes the hidden state (`output`). On CUDA a decode batch runs two Triton kernels
 that update the states in place in their pages (shoal/layers/ops/linear_state_decode.py), on
 the CPU one C++ call (shoal/layers/ops/cpu_linear_state.py); the torch ops are the reference.
+A CUDA step of decodes only goes further (shoal/layers/ops/linear_decode_fused.py): from the
+conv input to what the out-projection takes, gates and output norm included, in one or two
+kernels, where the subclass hands over its gates (`decode_gates`).
 Speculative decoding: a verify keeps its tokens' inputs (shoal/layers/linear_replays.py) and
 the next step folds the accepted run in; a verify graph's rows do both at fixed shapes
 (StateRows, shoal/layers/ops/delta_rule_rows.py). A prefill graph's chunk is padded to the
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shoal import envs
 from shoal.attention.linear_state import (
     StateChunk,
     StateFold,
@@ -38,7 +42,7 @@ from shoal.attention.metadata import GroupedMetadata
 from shoal.core.kv_cache_spec import LinearStateSpec
 from shoal.host_to_device import to_device
 from shoal.layers.linear_replays import KeptInputs
-from shoal.layers.ops import cpu_linear_state, fla_chunk
+from shoal.layers.ops import cpu_linear_state, fla_chunk, linear_decode_fused
 from shoal.layers.ops import linear_state_decode as decode_kernels
 from shoal.layers.ops.delta_rule_rows import causal_conv1d_rows, gated_delta_rule_rows
 from shoal.layers.ops.gated_delta_rule import (
@@ -49,6 +53,16 @@ from shoal.layers.ops.gated_delta_rule import (
 )
 
 Rest = tuple[torch.Tensor, ...]  # per-token tensors beside the conv input, [T, ...] each
+
+
+def triton_decode(x: torch.Tensor) -> bool:
+    """Whether decode rows run the Triton kernels: CUDA tensors. (A seam: the tests and
+    benchmarks/hybrid_decode_trace.py run CPU tensors through them in Triton's interpreter.)"""
+    return x.is_cuda
+
+
+def fused_decode_enabled() -> bool:
+    return envs.SHOAL_LINEAR_DECODE_FUSED.get()
 
 
 def l2_normed(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -170,6 +184,15 @@ class LinearAttention(nn.Module):
     def output(self, o: torch.Tensor, rest: Rest) -> torch.Tensor:
         raise NotImplementedError
 
+    def decode_gates(self, rest: Rest) -> linear_decode_fused.DecodeGates | None:
+        """What the fused decode kernel needs of `rest` and the layer's parameters (None:
+        the layer has no fused decode)."""
+        return None
+
+    def project(self, out: torch.Tensor) -> torch.Tensor:
+        """The out-projection of the gated, normed output [T, heads * value_dim]."""
+        raise NotImplementedError
+
     @property
     def conv_weight(self) -> torch.Tensor:
         """[conv_dim, conv_kernel]"""
@@ -190,6 +213,10 @@ class LinearAttention(nn.Module):
             return self.output(self._rows(x, rest, md.rows), rest)
         if md.fold is not None:
             self._fold_into_pages(md.fold, (x, rest))
+        if md.num_decodes == x.shape[0] and not md.chunks:
+            out = self._fused_decodes(x, rest, md)
+            if out is not None:
+                return self.project(out)
         o = torch.empty(x.shape[0], self.state_heads, self.value_dim, dtype=torch.float32,
                         device=x.device)
         nd = md.num_decodes
@@ -202,9 +229,31 @@ class LinearAttention(nn.Module):
                        else self._chunk(x_ch, rest_ch, ch, md.block_size))
         return self.output(o, rest)
 
+    def _fused_decodes(self, x: torch.Tensor, rest: Rest,
+                       md: StateMetadata) -> torch.Tensor | None:
+        """A step of decodes only, on CUDA: conv, gates, the delta rule and the gated output
+        norm in the fused kernels (None: not here, or a shape they do not take)."""
+        if not (x.shape[0] and triton_decode(x) and fused_decode_enabled()):
+            return None
+        gates = self.decode_gates(rest)
+        assert self.pages is not None and md.decode_read is not None
+        assert md.decode_write is not None
+        words = self.pages.words
+        pages = decode_kernels.PageWords(words, words.shape[2], words.stride(0),
+                                         words.stride(1))
+        key_heads = self.conv_parts[0] // self.key_dim
+        if gates is None or not linear_decode_fused.fits(
+                x, gates, self.conv_weight, pages, key_heads, self.state_heads, self.key_dim,
+                self.value_dim):
+            return None
+        return linear_decode_fused.decode_step(
+            x, self.conv_weight, self.conv_bias, gates, pages, self.pages.conv_words,
+            md.decode_read, md.decode_write, key_heads=key_heads, heads=self.state_heads,
+            key_dim=self.key_dim, value_dim=self.value_dim, scale=self.scale)
+
     def _decodes(self, x: torch.Tensor, rest: Rest, md: StateMetadata) -> torch.Tensor:
         assert self.pages is not None and md.decode_read is not None
-        if x.is_cuda and decode_kernels.kernel_fits(self.key_dim, self.value_dim):
+        if triton_decode(x) and decode_kernels.kernel_fits(self.key_dim, self.value_dim):
             return self._decodes_in_place(x, rest, md)
         if cpu_linear_state.usable(x) and self.conv_weight.dtype == x.dtype:  # one C++ call
             g, beta = self.gates(rest)

@@ -1,0 +1,327 @@
+"""A linear-attention layer's decode step (one token a request) between its in-projections and
+its out-projection, in one Triton kernel (Kimi Delta Attention) or two (Gated DeltaNet), the
+states read and written in place in their pages of the KV pool.
+
+What the torch path does there in ~20-30 launches a layer (issue 30: on the H100, a KDA
+layer's ~47 us of small kernels against a few us of work), a program per (request, value head)
+does from registers:
+
+- the short causal conv + SiLU of its channels, the conv state's window moved on in its page
+  (Gated DeltaNet: a key head's q and k channels serve several value heads, whose programs
+  would race on that window, so a first kernel convolves every channel; KDA: each head owns
+  its q, k and v channels, the conv runs inside the one kernel);
+- q and k L2-normed; the decay g = -exp(A_log) * softplus(logits + dt_bias) (per head, or
+  per key channel for KDA) and beta = sigmoid(b);
+- the gated delta rule S = S * exp(g); S += k (beta (v - k^T S))^T; o = scale q^T S on the
+  float32 state [Dk, Dv] in its page (one read, one write);
+- the output's RMSNorm over Dv, times silu(z) (Gated DeltaNet) or sigmoid(gate) (KDA), in the
+  model dtype, ready for the out-projection.
+
+Roundings follow the torch path (shoal/layers/gated_delta_net.py, kimi_delta_attention.py):
+the conv output, o and (Gated DeltaNet) weight * x are rounded to the model dtype where it
+rounds them, so the two agree within float32 summation order. Each row reads the states of
+block read[row] and writes block write[row], both read on the device (a decode graph's
+buffers; padding rows read the null block and write the trash block, as on the other paths).
+Under TRITON_INTERPRET=1 bf16 conversions go through interpreted_half.to_dtype (the
+interpreter truncates where the GPU rounds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from shoal.attention.ops.interpreted_half import to_dtype
+from shoal.layers.ops.linear_state_decode import PageWords
+
+# the largest state tile a program holds in registers: 128 x 128 float32, 64 a thread over
+# 8 warps, 32 over 16 (ptxas on sm_90: bench-work/helpers/compile_sm90_linear_decode.py)
+MAX_TILE = 128 * 128
+CONV_BLOCK = 128  # channels a program of the conv kernel (Gated DeltaNet)
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+              torch.float16: tl.float16}
+DTYPES = tuple(_TL_DTYPES)
+
+
+@dataclass(frozen=True)
+class DecodeGates:
+    """What a layer's decode rows need beside the conv input: the decay and beta logits, the
+    output gate and the output norm, with the torch path's conventions."""
+
+    decay: torch.Tensor  # [B, H] (per head) or [B, H * Dk] (per key channel): before dt_bias
+    dt_bias: torch.Tensor  # [H] or [H * Dk]
+    a_log: torch.Tensor  # [H]
+    beta: torch.Tensor  # [B, H] logits
+    gate: torch.Tensor  # [B, H * Dv] the output gate's logits
+    norm_weight: torch.Tensor  # [Dv]
+    eps: float  # the output RMSNorm's
+    kda: bool  # KDA's conventions (below) instead of Gated DeltaNet's
+
+    # KDA (transformers' KimiDeltaAttention): q and k normed as x / sqrt(sum x^2 + 1e-6);
+    # softplus as log(1 + exp(x)); beta's sigmoid rounded to the model dtype; output
+    # weight * x * sigmoid(gate). Gated DeltaNet: x * rsqrt(...); log1p(exp(x)); beta in
+    # float32; output (weight * x, rounded to the model dtype) * silu(z).
+
+
+@triton.jit
+def _conv_channels(c, mask, x_row, cw_ptr, cb_ptr, words_ptr, rb, wb, per_plane,
+                   plane_stride, block_stride, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   IN_PLANE0: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """silu(conv) of channels c of one row, rounded to DTYPE (as float32); the row's conv
+    window (its K - 1 previous inputs, oldest first, in words c * (K - 1) + t) moves from
+    block rb to block wb. Each channel's words are read before they are written by the same
+    thread, so rb == wb (in place) is safe. IN_PLANE0: every conv word lies in the page's
+    first plane (no division by the plane size)."""
+    c = c.to(tl.int64)  # (also spares the interpreter its int32 overflow checks)
+    x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
+    acc = x * tl.load(cw_ptr + c * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(cb_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    read, write = rb * block_stride, wb * block_stride
+    w = c * (K - 1)  # (inline, not a jit call: the interpreter re-patches at each call)
+    if IN_PLANE0:
+        at = w
+    else:
+        at = (w // per_plane) * plane_stride + w % per_plane
+    prev = at
+    for t in tl.static_range(K - 1):
+        s = tl.load(words_ptr + read + at, mask=mask, other=0.0)
+        acc += s * tl.load(cw_ptr + c * K + t, mask=mask, other=0.0).to(tl.float32)
+        if t > 0:  # the window moves on: word t goes to t - 1 (read before it is written)
+            tl.store(words_ptr + write + prev, s, mask=mask)
+        prev = at
+        if t < K - 2:
+            w += 1
+            if IN_PLANE0:
+                at = w
+            else:
+                at = (w // per_plane) * plane_stride + w % per_plane
+    tl.store(words_ptr + write + prev, x, mask=mask)
+    y = acc / (1.0 + tl.exp(-acc))
+    if DTYPE != tl.float32:
+        y = to_dtype(y, DTYPE, INTERPRETED).to(tl.float32)
+    return y
+
+
+@triton.jit
+def _conv_kernel(x_ptr, stride_x, y_ptr, stride_y, cw_ptr, cb_ptr, words_ptr, read_ptr,
+                 write_ptr, C, per_plane, plane_stride, block_stride, K: tl.constexpr,
+                 BC: tl.constexpr, HAS_BIAS: tl.constexpr, IN_PLANE0: tl.constexpr,
+                 DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = c < C
+    rb = tl.load(read_ptr + row)
+    wb = tl.load(write_ptr + row)
+    y = _conv_channels(c, mask, x_ptr + row * stride_x, cw_ptr, cb_ptr, words_ptr, rb, wb,
+                       per_plane, plane_stride, block_stride, K, HAS_BIAS, IN_PLANE0, DTYPE,
+                       INTERPRETED)
+    tl.store(y_ptr + row * stride_y + c, y.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _softplus(x, LOG1P: tl.constexpr):
+    """x above 20, else log(1 + exp(x)); LOG1P: accurate for small exp(x), as torch's
+    F.softplus (log1p(e) = log(u) * e / (u - 1) with u = 1 + e, Goldberg's identity)."""
+    e = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + e
+    if LOG1P:
+        small = tl.log(u) * (e / tl.where(u == 1.0, 1.0, u - 1.0))
+        sp = tl.where(u == 1.0, e, small)
+    else:
+        sp = tl.log(u)
+    return tl.where(x > 20.0, x, sp)
+
+
+@triton.jit
+def _state_words(h, dk, dv, state_offset, per_plane, plane_stride, DK: tl.constexpr,
+                 DV: tl.constexpr, ALIGNED: tl.constexpr):
+    """Where the state [DK, DV] of head h lies in a block's part of the pages (add block x
+    block_stride): words state_offset + h * DK * DV + i * DV + j, in one plane of the page
+    or crossing into the next at a row boundary (fits(): a plane holds a whole tile, planes
+    end on rows), each row's start picked per row."""
+    w0 = state_offset + h * (DK * DV)
+    p0 = (w0 // per_plane).to(tl.int64)
+    first = (p0 + 1) * per_plane - w0  # the tile's words in plane p0 (a multiple of DV)
+    rows = (dk * DV).to(tl.int64)
+    row_at = tl.where(rows < first, p0 * plane_stride + (w0 - p0 * per_plane) + rows,
+                      (p0 + 1) * plane_stride + (rows - first))
+    if ALIGNED:  # (every term a multiple of 4 words: 16-byte accesses)
+        row_at = tl.multiple_of(row_at, 4)
+    return row_at[:, None] + dv[None, :]
+
+
+@triton.jit
+def _gated_output(o, z_ptrs, w_ptrs, eps, DV: tl.constexpr, KDA: tl.constexpr,
+                  DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The gated RMSNorm of a head's o [DV] (rounded to the model dtype first, as the torch
+    path), in DTYPE: KDA's weight * x * sigmoid(gate), Gated DeltaNet's (weight * x in the
+    model dtype) * silu(z)."""
+    x = o
+    if DTYPE != tl.float32:
+        x = to_dtype(x, DTYPE, INTERPRETED).to(tl.float32)
+    x = x * tl.rsqrt(tl.sum(x * x, 0) / DV + eps)
+    w = tl.load(w_ptrs).to(tl.float32)
+    z = tl.load(z_ptrs).to(tl.float32)
+    if KDA:
+        x = w * x * (1.0 / (1.0 + tl.exp(-z)))
+    else:
+        if DTYPE != tl.float32:
+            x = to_dtype(x, DTYPE, INTERPRETED).to(tl.float32)
+            x = to_dtype(w * x, DTYPE, INTERPRETED).to(tl.float32)
+        else:
+            x = w * x
+        x = x * (z / (1.0 + tl.exp(-z)))
+    if DTYPE != tl.float32:
+        x = to_dtype(x, DTYPE, INTERPRETED)
+    return x
+
+
+@triton.jit
+def _decode_kernel(x_ptr, stride_x, y_ptr, stride_y, cw_ptr, cb_ptr, decay_ptr, stride_decay,
+                   dt_ptr, alog_ptr, beta_ptr, stride_beta, gate_ptr, stride_gate, nw_ptr,
+                   out_ptr, stride_out, words_ptr, read_ptr, write_ptr, state_offset,
+                   per_plane, plane_stride, block_stride, scale, eps,
+                   HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   K: tl.constexpr, FUSE_CONV: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   CONV_IN_PLANE0: tl.constexpr, KDA: tl.constexpr, ALIGNED: tl.constexpr,
+                   DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    kh = h // R
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    rb = tl.load(read_ptr + row)
+    wb = tl.load(write_ptr + row)
+
+    # q, k (key head kh) and v (value head h): convolved here, or read from the conv kernel
+    cq, ck, cv = kh * DK + dk, (HK + kh) * DK + dk, 2 * HK * DK + h * DV + dv
+    if FUSE_CONV:  # (R == 1: this program owns the three channel runs and their windows)
+        x_row = x_ptr + row * stride_x
+        q = _conv_channels(cq, cq >= 0, x_row, cw_ptr, cb_ptr, words_ptr, rb, wb, per_plane,
+                           plane_stride, block_stride, K, HAS_BIAS, CONV_IN_PLANE0, DTYPE,
+                           INTERPRETED)
+        k = _conv_channels(ck, ck >= 0, x_row, cw_ptr, cb_ptr, words_ptr, rb, wb, per_plane,
+                           plane_stride, block_stride, K, HAS_BIAS, CONV_IN_PLANE0, DTYPE,
+                           INTERPRETED)
+        v = _conv_channels(cv, cv >= 0, x_row, cw_ptr, cb_ptr, words_ptr, rb, wb, per_plane,
+                           plane_stride, block_stride, K, HAS_BIAS, CONV_IN_PLANE0, DTYPE,
+                           INTERPRETED)
+    else:
+        y_row = y_ptr + row * stride_y
+        q = tl.load(y_row + cq).to(tl.float32)
+        k = tl.load(y_row + ck).to(tl.float32)
+        v = tl.load(y_row + cv).to(tl.float32)
+    if KDA:  # (as transformers' KDA: sqrt and divide)
+        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    else:
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+
+    # the decay and the write strength
+    a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    beta = tl.load(beta_ptr + row * stride_beta + h).to(tl.float32)
+    beta = 1.0 / (1.0 + tl.exp(-beta))
+    if KDA:  # per key channel; beta's sigmoid in the model dtype
+        f = (tl.load(decay_ptr + row * stride_decay + h * DK + dk).to(tl.float32)
+             + tl.load(dt_ptr + h * DK + dk).to(tl.float32))
+        decay = tl.exp(a * _softplus(f, False))[:, None]
+        if DTYPE != tl.float32:
+            beta = to_dtype(beta, DTYPE, INTERPRETED).to(tl.float32)
+    else:
+        f = (tl.load(decay_ptr + row * stride_decay + h).to(tl.float32)
+             + tl.load(dt_ptr + h).to(tl.float32))
+        decay = tl.exp(a * _softplus(f, True))
+
+    at = _state_words(h, dk, dv, state_offset, per_plane, plane_stride, DK, DV, ALIGNED)
+    s = tl.load(words_ptr + rb * block_stride + at)
+    s = s * decay
+    delta = (v - tl.sum(s * k[:, None], 0)) * beta  # v minus what S predicts for k
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], 0) * scale
+    tl.store(words_ptr + wb * block_stride + at, s)
+
+    x = _gated_output(o, gate_ptr + row * stride_gate + h * DV + dv, nw_ptr + dv, eps, DV,
+                      KDA, DTYPE, INTERPRETED)
+    tl.store(out_ptr + row * stride_out + h * DV + dv, x)
+
+
+def _pow2(n: int) -> bool:
+    return n >= 16 and n & (n - 1) == 0
+
+
+def conv_words(x: torch.Tensor, conv_weight: torch.Tensor) -> int:
+    """Words of a state before its delta-rule part: the conv window, C x (K - 1)."""
+    return x.shape[1] * (conv_weight.shape[1] - 1)
+
+
+def fits(x: torch.Tensor, gates: DecodeGates, conv_weight: torch.Tensor, pages: PageWords,
+         key_heads: int, heads: int, key_dim: int, value_dim: int) -> bool:
+    """Shapes and layouts the kernels take (else the layer keeps its other decode path):
+    power-of-two head sizes of at most MAX_TILE state words; a plane of the page holding a
+    whole state tile, and the planes' ends falling on state rows (the shipped pages: a
+    plane of block_size x an even number of words, block_size a multiple of 64, after
+    C x (K - 1) conv words, C a multiple of the head size); whole value heads per key head;
+    a float model dtype; rows of unit inner stride."""
+    rows = (x, gates.decay, gates.beta, gates.gate)
+    return (_pow2(key_dim) and _pow2(value_dim) and key_dim * value_dim <= MAX_TILE
+            and pages.per_plane >= key_dim * value_dim
+            and pages.per_plane % value_dim == 0
+            and conv_words(x, conv_weight) % value_dim == 0
+            and heads % key_heads == 0 and x.dtype in DTYPES and conv_weight.shape[1] >= 2
+            and conv_weight.is_contiguous() and gates.norm_weight.is_contiguous()
+            and all(t.dim() == 2 and t.stride(1) == 1 for t in rows)
+            and gates.gate.shape[1] == heads * value_dim
+            and gates.decay.shape[1] == heads * (key_dim if gates.kda else 1)
+            and gates.dt_bias.is_contiguous() and gates.a_log.is_contiguous())
+
+
+def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                gates: DecodeGates, pages: PageWords, state_offset: int, read: torch.Tensor,
+                write: torch.Tensor, *, key_heads: int, heads: int, key_dim: int,
+                value_dim: int, scale: float, num_warps: int | None = None,
+                fuse_conv: bool | None = None) -> torch.Tensor:
+    """x [B, C] the conv input (q | k | v of key_heads, key_heads and heads heads); each row's
+    conv window (words [0, state_offset)) and [heads, Dk, Dv] states move from block read[b]
+    to write[b]. Returns the gated, normed output [B, heads * value_dim] in x's dtype, what
+    the out-projection takes. Callers check fits() first. num_warps, fuse_conv (False: the
+    conv kernel first even where a head owns its channels): for timing the choices."""
+    b, c = x.shape
+    k = conv_weight.shape[1]
+    r = heads // key_heads
+    dtype = _TL_DTYPES[x.dtype]
+    interpreted = x.device.type == "cpu"  # (TRITON_INTERPRET=1)
+    if fuse_conv is None:
+        fuse_conv = r == 1
+    elif fuse_conv and r != 1:
+        raise ValueError(f"fuse_conv needs one value head a key head, got {heads} value "
+                         f"heads over {key_heads} key heads")
+    has_bias = conv_bias is not None
+    bias = conv_bias if has_bias else conv_weight
+    conv_in_plane0 = state_offset <= pages.per_plane
+    y = x
+    if not fuse_conv:  # every channel's conv first: a key head's q, k serve r programs
+        y = torch.empty(b, c, dtype=x.dtype, device=x.device)
+        _conv_kernel[(b, triton.cdiv(c, CONV_BLOCK))](
+            x, x.stride(0), y, y.stride(0), conv_weight, bias, pages.words, read, write, c,
+            pages.per_plane, pages.plane_stride, pages.block_stride, K=k, BC=CONV_BLOCK,
+            HAS_BIAS=has_bias, IN_PLANE0=conv_in_plane0, DTYPE=dtype, INTERPRETED=interpreted)
+    out = torch.empty(b, heads * value_dim, dtype=x.dtype, device=x.device)
+    aligned = all(n % 4 == 0 for n in (state_offset, pages.per_plane, pages.plane_stride,
+                                       pages.block_stride))
+    if num_warps is None:  # the state tile at 64 words a thread (spill-free on sm_90);
+        # twice the warps with the conv inside: Triton computes its channels in the tile's
+        # row layout, replicated across a warp's lanes, and 8 warps spill at 128 x 128
+        num_warps = max(4, min(16, key_dim * value_dim // 2048 * (2 if fuse_conv else 1)))
+    _decode_kernel[(b, heads)](
+        x, x.stride(0), y, y.stride(0), conv_weight, bias, gates.decay, gates.decay.stride(0),
+        gates.dt_bias, gates.a_log, gates.beta, gates.beta.stride(0), gates.gate,
+        gates.gate.stride(0), gates.norm_weight, out, out.stride(0), pages.words, read, write,
+        state_offset, pages.per_plane, pages.plane_stride, pages.block_stride, scale,
+        gates.eps, HK=key_heads, R=r, DK=key_dim, DV=value_dim, K=k, FUSE_CONV=fuse_conv,
+        HAS_BIAS=has_bias, CONV_IN_PLANE0=conv_in_plane0, KDA=gates.kda, ALIGNED=aligned,
+        DTYPE=dtype, INTERPRETED=interpreted, num_warps=num_warps)
+    return out
