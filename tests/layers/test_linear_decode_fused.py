@@ -1,7 +1,6 @@
 """The fused decode kernels of linear attention (shoal/layers/ops/linear_decode_fused.py) under
-TRITON_INTERPRET=1 against the layers' torch decode path: Kimi Delta Attention (conv inside
-the one kernel), Gated DeltaNet with key heads shared by two value heads (a conv kernel first)
-and with one value head a key head, Qwen3-Next's interleaved projections; float32 and bf16;
+TRITON_INTERPRET=1 against the layers' torch decode path: Kimi Delta Attention, Gated
+DeltaNet with key heads shared by two value heads and with one value head a key head, Qwen3-Next's interleaved projections; float32 and bf16;
 several steps in a row from non-zero states, a row moving to a new block, one in place, one
 padding row (null block in, trash block out), states straddling a page's two planes. Then the
 engine's greedy tokens with the fused path forced on equal transformers' (tiny Kimi-Linear,

@@ -23,7 +23,6 @@ from layers.test_linear_decode_fused import SHIPPED, _hidden, shipped_layer  # n
 
 from shoal.attention.linear_state import StateMetadata, StatePages  # noqa: E402
 from shoal.layers import linear_attention  # noqa: E402
-from shoal.layers.kimi_delta_attention import KimiDeltaAttention  # noqa: E402
 from shoal.layers.ops import cpu_linear_state, linear_decode_fused  # noqa: E402
 
 BLOCKS = 12
@@ -112,12 +111,9 @@ def test_decode_step_times(name: str, monkeypatch):
     the older path."""
     layer, cache, bs, gen = _layer(name)
     layer.bind_pages(cache, bs)
-    kda = isinstance(layer, KimiDeltaAttention)
     variants = {"torch": ("torch", {}), "in_place": ("in_place", {}), "fused": ("fused", {}),
                 "fused w4": ("fused", {"num_warps": 4}), "fused w8": ("fused", {"num_warps": 8}),
                 "fused w16": ("fused", {"num_warps": 16})}
-    if kda:
-        variants["fused conv kernel"] = ("fused", {"fuse_conv": False})
     hidden_size = _hidden(layer)
     for batch in (1, 8):
         blocks = torch.arange(1, 1 + batch, device="cuda")

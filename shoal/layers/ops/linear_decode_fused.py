@@ -1,21 +1,22 @@
 """A linear-attention layer's decode step (one token a request) between its in-projections and
-its out-projection, in one Triton kernel (Kimi Delta Attention) or two (Gated DeltaNet), the
-states read and written in place in their pages of the KV pool.
+its out-projection, in two Triton kernels, the states read and written in place in their pages
+of the KV pool.
 
 What the torch path does there in ~20-30 launches a layer (issue 30: on the H100, a KDA
-layer's ~47 us of small kernels against a few us of work), a program per (request, value head)
-does from registers:
+layer's ~47 us of small kernels against a few us of work), two kernels do:
 
-- the short causal conv + SiLU of its channels, the conv state's window moved on in its page
-  (Gated DeltaNet: a key head's q and k channels serve several value heads, whose programs
-  would race on that window, so a first kernel convolves every channel; KDA: each head owns
-  its q, k and v channels, the conv runs inside the one kernel);
-- q and k L2-normed; the decay g = -exp(A_log) * softplus(logits + dt_bias) (per head, or
-  per key channel for KDA) and beta = sigmoid(b);
-- the gated delta rule S = S * exp(g); S += k (beta (v - k^T S))^T; o = scale q^T S on the
-  float32 state [Dk, Dv] in its page (one read, one write);
-- the output's RMSNorm over Dv, times silu(z) (Gated DeltaNet) or sigmoid(gate) (KDA), in the
-  model dtype, ready for the out-projection.
+- a first kernel: the short causal conv + SiLU of every channel, the conv state's window moved
+  on in its page. (Not inside the second kernel, even for KDA, where each value head owns its
+  q, k and v channels: Triton replicates the window's words across warps in two layouts, so
+  in place one warp's store of the moved window could land before another's load of it.
+  Gated DeltaNet needs the split anyway: a key head's q and k serve several value heads.)
+- a program per (request, value head), from registers:
+  - q and k L2-normed; the decay g = -exp(A_log) * softplus(logits + dt_bias) (per head, or
+    per key channel for KDA) and beta = sigmoid(b);
+  - the gated delta rule S = S * exp(g); S += k (beta (v - k^T S))^T; o = scale q^T S on the
+    float32 state [Dk, Dv] in its page (one read, one write);
+  - the output's RMSNorm over Dv, times silu(z) (Gated DeltaNet) or sigmoid(gate) (KDA), in
+    the model dtype, ready for the out-projection.
 
 Roundings follow the torch path (shoal/layers/gated_delta_net.py, kimi_delta_attention.py):
 the conv output, o and (Gated DeltaNet) weight * x are rounded to the model dtype where it
@@ -180,13 +181,11 @@ def _gated_output(o, z_ptrs, w_ptrs, eps, DV: tl.constexpr, KDA: tl.constexpr,
 
 
 @triton.jit
-def _decode_kernel(x_ptr, stride_x, y_ptr, stride_y, cw_ptr, cb_ptr, decay_ptr, stride_decay,
-                   dt_ptr, alog_ptr, beta_ptr, stride_beta, gate_ptr, stride_gate, nw_ptr,
+def _decode_kernel(y_ptr, stride_y, decay_ptr, stride_decay, dt_ptr, alog_ptr, beta_ptr, stride_beta, gate_ptr, stride_gate, nw_ptr,
                    out_ptr, stride_out, words_ptr, read_ptr, write_ptr, state_offset,
                    per_plane, plane_stride, block_stride, scale, eps,
                    HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   K: tl.constexpr, FUSE_CONV: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   CONV_IN_PLANE0: tl.constexpr, KDA: tl.constexpr, ALIGNED: tl.constexpr,
+                   KDA: tl.constexpr, ALIGNED: tl.constexpr,
                    DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -196,24 +195,15 @@ def _decode_kernel(x_ptr, stride_x, y_ptr, stride_y, cw_ptr, cb_ptr, decay_ptr, 
     rb = tl.load(read_ptr + row)
     wb = tl.load(write_ptr + row)
 
-    # q, k (key head kh) and v (value head h): convolved here, or read from the conv kernel
+    # q, k (key head kh) and v (value head h), convolved by the conv kernel. (Not here, even
+    # where a program owns its channels' windows: Triton replicates the window's words across
+    # warps in two layouts, so in place (rb == wb) one warp's store of the moved window can
+    # land before another warp's load of it; the sm_90 build showed no barrier between.)
     cq, ck, cv = kh * DK + dk, (HK + kh) * DK + dk, 2 * HK * DK + h * DV + dv
-    if FUSE_CONV:  # (R == 1: this program owns the three channel runs and their windows)
-        x_row = x_ptr + row * stride_x
-        q = _conv_channels(cq, cq >= 0, x_row, cw_ptr, cb_ptr, words_ptr, rb, wb, per_plane,
-                           plane_stride, block_stride, K, HAS_BIAS, CONV_IN_PLANE0, DTYPE,
-                           INTERPRETED)
-        k = _conv_channels(ck, ck >= 0, x_row, cw_ptr, cb_ptr, words_ptr, rb, wb, per_plane,
-                           plane_stride, block_stride, K, HAS_BIAS, CONV_IN_PLANE0, DTYPE,
-                           INTERPRETED)
-        v = _conv_channels(cv, cv >= 0, x_row, cw_ptr, cb_ptr, words_ptr, rb, wb, per_plane,
-                           plane_stride, block_stride, K, HAS_BIAS, CONV_IN_PLANE0, DTYPE,
-                           INTERPRETED)
-    else:
-        y_row = y_ptr + row * stride_y
-        q = tl.load(y_row + cq).to(tl.float32)
-        k = tl.load(y_row + ck).to(tl.float32)
-        v = tl.load(y_row + cv).to(tl.float32)
+    y_row = y_ptr + row * stride_y
+    q = tl.load(y_row + cq).to(tl.float32)
+    k = tl.load(y_row + ck).to(tl.float32)
+    v = tl.load(y_row + cv).to(tl.float32)
     if KDA:  # (as transformers' KDA: sqrt and divide)
         q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
         k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
@@ -282,46 +272,35 @@ def fits(x: torch.Tensor, gates: DecodeGates, conv_weight: torch.Tensor, pages: 
 def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                 gates: DecodeGates, pages: PageWords, state_offset: int, read: torch.Tensor,
                 write: torch.Tensor, *, key_heads: int, heads: int, key_dim: int,
-                value_dim: int, scale: float, num_warps: int | None = None,
-                fuse_conv: bool | None = None) -> torch.Tensor:
+                value_dim: int, scale: float, num_warps: int | None = None) -> torch.Tensor:
     """x [B, C] the conv input (q | k | v of key_heads, key_heads and heads heads); each row's
     conv window (words [0, state_offset)) and [heads, Dk, Dv] states move from block read[b]
     to write[b]. Returns the gated, normed output [B, heads * value_dim] in x's dtype, what
-    the out-projection takes. Callers check fits() first. num_warps, fuse_conv (False: the
-    conv kernel first even where a head owns its channels): for timing the choices."""
+    the out-projection takes. Callers check fits() first. num_warps: for timing the choices.
+    Two launches: every channel's conv (a key head's q and k serve R programs), then one
+    program per (row, value head)."""
     b, c = x.shape
     k = conv_weight.shape[1]
     r = heads // key_heads
     dtype = _TL_DTYPES[x.dtype]
     interpreted = x.device.type == "cpu"  # (TRITON_INTERPRET=1)
-    if fuse_conv is None:
-        fuse_conv = r == 1
-    elif fuse_conv and r != 1:
-        raise ValueError(f"fuse_conv needs one value head a key head, got {heads} value "
-                         f"heads over {key_heads} key heads")
     has_bias = conv_bias is not None
     bias = conv_bias if has_bias else conv_weight
     conv_in_plane0 = state_offset <= pages.per_plane
-    y = x
-    if not fuse_conv:  # every channel's conv first: a key head's q, k serve r programs
-        y = torch.empty(b, c, dtype=x.dtype, device=x.device)
-        _conv_kernel[(b, triton.cdiv(c, CONV_BLOCK))](
-            x, x.stride(0), y, y.stride(0), conv_weight, bias, pages.words, read, write, c,
-            pages.per_plane, pages.plane_stride, pages.block_stride, K=k, BC=CONV_BLOCK,
-            HAS_BIAS=has_bias, IN_PLANE0=conv_in_plane0, DTYPE=dtype, INTERPRETED=interpreted)
+    y = torch.empty(b, c, dtype=x.dtype, device=x.device)
+    _conv_kernel[(b, triton.cdiv(c, CONV_BLOCK))](
+        x, x.stride(0), y, y.stride(0), conv_weight, bias, pages.words, read, write, c,
+        pages.per_plane, pages.plane_stride, pages.block_stride, K=k, BC=CONV_BLOCK,
+        HAS_BIAS=has_bias, IN_PLANE0=conv_in_plane0, DTYPE=dtype, INTERPRETED=interpreted)
     out = torch.empty(b, heads * value_dim, dtype=x.dtype, device=x.device)
     aligned = all(n % 4 == 0 for n in (state_offset, pages.per_plane, pages.plane_stride,
                                        pages.block_stride))
-    if num_warps is None:  # the state tile at 64 words a thread (spill-free on sm_90);
-        # twice the warps with the conv inside: Triton computes its channels in the tile's
-        # row layout, replicated across a warp's lanes, and 8 warps spill at 128 x 128
-        num_warps = max(4, min(16, key_dim * value_dim // 2048 * (2 if fuse_conv else 1)))
+    if num_warps is None:  # the state tile at 64 words a thread (spill-free on sm_90)
+        num_warps = max(4, min(16, key_dim * value_dim // 2048))
     _decode_kernel[(b, heads)](
-        x, x.stride(0), y, y.stride(0), conv_weight, bias, gates.decay, gates.decay.stride(0),
-        gates.dt_bias, gates.a_log, gates.beta, gates.beta.stride(0), gates.gate,
-        gates.gate.stride(0), gates.norm_weight, out, out.stride(0), pages.words, read, write,
+        y, y.stride(0), gates.decay, gates.decay.stride(0), gates.dt_bias, gates.a_log,
+        gates.beta, gates.beta.stride(0), gates.gate, gates.gate.stride(0), gates.norm_weight, out, out.stride(0), pages.words, read, write,
         state_offset, pages.per_plane, pages.plane_stride, pages.block_stride, scale,
-        gates.eps, HK=key_heads, R=r, DK=key_dim, DV=value_dim, K=k, FUSE_CONV=fuse_conv,
-        HAS_BIAS=has_bias, CONV_IN_PLANE0=conv_in_plane0, KDA=gates.kda, ALIGNED=aligned,
+        gates.eps, HK=key_heads, R=r, DK=key_dim, DV=value_dim, KDA=gates.kda, ALIGNED=aligned,
         DTYPE=dtype, INTERPRETED=interpreted, num_warps=num_warps)
     return out
