@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from shoal.config.lora import ALL_LINEAR, EXPERTS, TARGET_MODULES_SETTING
-from shoal.lora.adapter_digest import Stamps, digest_and_header, file_stamp, settled
+from shoal.lora.adapter_digest import digest_and_header, file_stamp
 from shoal.lora.expert_adapter import check_experts, expert_target, stacked_name
 from shoal.lora_request import LoRARequest
 
@@ -67,9 +67,6 @@ class AdapterSpec:
     rank: int  # the config's r (modules may differ through rank_pattern)
     modules: dict[str, ModuleAdapter]
     digest: str  # of the files this spec was read from (adapter_digest.py)
-    # the files' stamps (config, weights) when the digest was taken, if they had settled
-    # then: a load of files still bearing them skips hashing again (read_verified)
-    stamps: Stamps | None = None
 
 
 def read_adapter(path: str) -> AdapterSpec:
@@ -99,22 +96,21 @@ def with_content_digest(lora: LoRARequest) -> LoRARequest:
         lora, content_digest=digest)
 
 
-_CACHE: dict[tuple[str, Stamps], AdapterSpec] = {}
+Stamp = tuple[tuple[int, ...], tuple[int, ...]]
+_CACHE: dict[tuple[str, Stamp], AdapterSpec] = {}
 
 
-def _read_cached(path: str, stamp: Stamps) -> AdapterSpec:
+def _read_cached(path: str, stamp: Stamp) -> AdapterSpec:
     key = (path, stamp)
     spec = _CACHE.get(key)
     if spec is None:
         if len(_CACHE) >= 256:
             _CACHE.clear()
-        spec = _CACHE[key] = _read(Path(path), stamp)
+        spec = _CACHE[key] = _read(Path(path))
     return spec
 
 
-def _read(folder: Path, stamp: Stamps | None = None) -> AdapterSpec:
-    """stamp: the files' stamps taken just before (kept in the spec if they had settled)."""
-    kept = stamp if stamp is not None and settled(stamp) else None
+def _read(folder: Path) -> AdapterSpec:
     try:
         raw = (folder / CONFIG_FILE).read_bytes()
         config = json.loads(raw)
@@ -130,8 +126,7 @@ def _read(folder: Path, stamp: Stamps | None = None) -> AdapterSpec:
     except OSError as e:
         raise ValueError(f"LoRA adapter weights {str(weights)!r} cannot be read ({e})") from None
     shapes = _header_shapes(header, weights)
-    return AdapterSpec(str(folder), int(config["r"]), _modules(config, shapes, folder), digest,
-                       kept)
+    return AdapterSpec(str(folder), int(config["r"]), _modules(config, shapes, folder), digest)
 
 
 def _check_config(config: dict[str, Any], folder: Path) -> None:

@@ -11,37 +11,19 @@ the scheduler keyed the request's blocks with (read_verified)."""
 from __future__ import annotations
 
 import hashlib
-import os
 import struct
-import time
 from pathlib import Path
 from typing import BinaryIO
 
 _CHUNK = 1 << 22
 _VERSION = b"shoal-lora-digest-1"
-# A file whose stamp is older than this when its digest is taken has settled: a later write
-# stamps it with a later time, even on a file system whose clock ticks coarsely (ms).
-SETTLED_NS = 1_000_000_000
-
-FileStamp = tuple[int, int, int, int]
-Stamps = tuple[FileStamp, FileStamp]  # (config, weights)
 
 
-def _stamp_of(st: os.stat_result) -> FileStamp:
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
-
-
-def file_stamp(file: Path) -> FileStamp:
+def file_stamp(file: Path) -> tuple[int, int, int, int]:
     """What changes whenever the file is written or replaced: its inode, size, mtime and
     ctime (a copy that keeps the old mtime, cp -p or rsync -t, still moves the ctime)."""
-    return _stamp_of(file.stat())
-
-
-def settled(stamps: Stamps, now_ns: int | None = None) -> bool:
-    """Whether both files were last written at least SETTLED_NS before now_ns (the start of
-    their digest): then a file bearing the same stamp later holds the same bytes."""
-    now = time.time_ns() if now_ns is None else now_ns
-    return all(max(s[2], s[3]) < now - SETTLED_NS for s in stamps)
+    st = file.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
 
 
 def _start(config: bytes) -> hashlib._Hash:
@@ -85,20 +67,12 @@ def digest_and_header(config: bytes, weights_file: Path) -> tuple[str, bytes]:
     return h.hexdigest(), header
 
 
-def read_verified(folder: Path, config_name: str, weights_name: str, digest: str,
-                  stamps: Stamps | None = None) -> bytes:
+def read_verified(folder: Path, config_name: str, weights_name: str, digest: str
+                  ) -> bytes:
     """The weights file's bytes, checked to be the version `digest` names (with the config):
-    ValueError when the folder was saved again since its digest was taken. stamps: the
-    files' stamps when `digest` was taken of settled files (AdapterSpec.stamps): when the
-    open files bear them before and after the read, the bytes are those digested and are
-    not hashed again (SHA-256 of an 8B model's rank-16 adapter, 84 MB: ~50 ms of a load
-    that stalls the engine's step)."""
-    with open(folder / config_name, "rb") as cf, open(folder / weights_name, "rb") as wf:
-        before = (_stamp_of(os.fstat(cf.fileno())), _stamp_of(os.fstat(wf.fileno())))
-        config, weights = cf.read(), wf.read()
-        after = (_stamp_of(os.fstat(cf.fileno())), _stamp_of(os.fstat(wf.fileno())))
-    if stamps is not None and before == after == stamps:
-        return weights
+    ValueError when the folder was saved again since its digest was taken."""
+    config = (folder / config_name).read_bytes()
+    weights = (folder / weights_name).read_bytes()
     if digest_of(config, weights) != digest:
         raise ValueError(changed_message(str(folder)))
     return weights

@@ -22,7 +22,7 @@ def load_adapter_weights(spec: AdapterSpec, dtype: torch.dtype, pin: bool = Fals
                          ) -> AdapterWeights:
     from safetensors.torch import load
 
-    data = read_verified(Path(spec.path), CONFIG_FILE, WEIGHTS_FILE, spec.digest, spec.stamps)
+    data = read_verified(Path(spec.path), CONFIG_FILE, WEIGHTS_FILE, spec.digest)
     tensors = load(data)
     del data
     weights: AdapterWeights = {}
