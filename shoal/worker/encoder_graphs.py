@@ -1,5 +1,6 @@
 """CUDA graphs of a vision tower, one per image grid (the common image sizes of a workload
-repeat: a camera's, a UI's, a benchmark's; a video's whole (t, h, w) grid is one key too).
+repeat: a camera's, a UI's, a benchmark's). Videos and images over max_patches run eagerly:
+their grids seldom repeat, and each graph keeps its activations' peak memory.
 The tower's host work for a grid (its plan: window order, rotary positions, attention
 segments, position-table corners) is made once, outside the graph; a replay copies the
 image's patches into the graph's input and runs every block as one launch, which an eager
@@ -13,6 +14,7 @@ run eagerly. They share one memory pool. CUDA only (the CPU has no graphs)."""
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,9 +34,13 @@ class _Graph:
 
 
 class EncoderGraphs:
-    def __init__(self, tower: Any, device: torch.device, max_graphs: int = 8):
-        """tower: has dtype, plan(grid_thw) and forward_planned(pixel_values, plan)."""
+    def __init__(self, tower: Any, device: torch.device, max_graphs: int = 8,
+                 max_patches: int = 16384):
+        """tower: has dtype, plan(grid_thw) and forward_planned(pixel_values, plan).
+        max_patches: the largest image graphed (16,384 patches: about 1,800 x 1,800 pixels
+        at Qwen's 14-pixel patches)."""
         self.tower, self.device, self.max_graphs = tower, device, max_graphs
+        self.max_patches = max_patches
         self.graphs: dict[tuple[int, ...], _Graph] = {}
         self.pool: Any = None
         self.num_replays = 0
@@ -43,11 +49,18 @@ class EncoderGraphs:
         """The tower's output for one image or video (a copy, the graph's own is overwritten
         by the next replay), shaped as forward_planned's; None when the grid has no graph
         and no more may be captured."""
+        if pixel_values.shape[0] != math.prod(grid):  # not the grid's patches: the eager
+            return None                                # path says what is wrong with them
         g = self.graphs.get(grid)
         if g is None:
-            if len(self.graphs) >= self.max_graphs:
+            if (len(self.graphs) >= self.max_graphs or grid[0] != 1
+                    or pixel_values.shape[0] > self.max_patches):
+                # (a video's grids seldom repeat, and a graph holds its activations' peak
+                # for good: images of up to max_patches patches only)
                 return None
             g = self.graphs[grid] = self._capture(grid, pixel_values.shape)
+        if pixel_values.shape != g.input.shape:
+            return None
         g.input.copy_(pixel_values, non_blocking=True)
         g.graph.replay()
         self.num_replays += 1

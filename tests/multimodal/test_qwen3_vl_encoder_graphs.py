@@ -5,10 +5,10 @@ which equals transformers' tower for images and a video, gives the same output o
 made once and reused, and reads no tensor's values (it runs on the meta device, where a
 host sync or a shape taken from data fails, as either would break a graph capture);
 EncoderGraphs, its CUDA graph swapped for an eager replay into the same output tensors,
-hands back copies of the whole output (main and deepstack features), one graph per whole
-grid; and the engine, given such graphs, sends a lone image and a lone EVS-pruned video
-through them (or runs the tower itself when they have no graph) and gives transformers'
-tokens. On CUDA: real graphs equal the eager tower, with and without deepstack."""
+hands back copies of the whole output (main and deepstack features), one graph per image
+grid, none for a video; and the engine, given such graphs, sends a lone image through them
+and asks them for a lone EVS-pruned video, running the tower itself when they have no
+graph, and gives transformers' tokens. On CUDA: real graphs equal the eager tower, with and without deepstack."""
 
 from __future__ import annotations
 
@@ -161,8 +161,13 @@ class EagerGraphs(EncoderGraphs):
 def test_graphs_hand_back_the_whole_output_per_grid(deepstack) -> None:
     tower = random_tower(vision_config(deepstack_visual_indexes=deepstack))
     graphs = EagerGraphs(tower, max_graphs=3)
-    # (1, 4, 6) and (1, 6, 4): as many patches, other grids; (3, 4, 6): a video
-    grids = [(1, 4, 6), (1, 6, 4), (3, 4, 6), (1, 8, 6)]
+    # (1, 4, 6) and (1, 6, 4): as many patches, other grids
+    grids = [(1, 4, 6), (1, 6, 4), (1, 4, 4), (1, 8, 6)]
+    video = (3, 4, 6)  # videos are not graphed (their grids seldom repeat): eager
+    assert graphs.run(patches([video], 0), video) is None and not graphs.graphs
+    # patches that are not the grid's: no replay (the eager tower says what is wrong)
+    assert graphs.run(patches([(1, 4, 4)], 1), (1, 4, 6)) is None
+    graphs.graphs.clear()
     kept = []
     for round_ in range(2):
         for i, grid in enumerate(grids):
@@ -233,10 +238,10 @@ def test_a_lone_image_goes_through_the_encoder_graphs(llm, oracle, answer) -> No
     assert graphs.num_replays == int(answer) and len(graphs.graphs) == int(answer)
 
 
-def test_a_pruned_video_goes_through_the_encoder_graphs(llm, oracle) -> None:
-    """A lone video is one graph, keyed by its whole (t, h, w) grid; EVS (prune_video) then
-    prunes the graph's output as it would the tower's: transformers' tokens over the
-    hand-made pruned prompt (test_qwen3_vl_evs.py)."""
+def test_a_pruned_video_asks_the_graphs_and_runs_eagerly(llm, oracle) -> None:
+    """A lone video asks the graphs for its whole (t, h, w) grid; they graph images only, so
+    the tower runs eagerly and EVS (prune_video) prunes its output: transformers' tokens over
+    the hand-made pruned prompt (test_qwen3_vl_evs.py)."""
     video = evs_video()
     want = hand_made(oracle, video, 0.5)
     model = llm.llm_engine.core.runner.model
@@ -252,7 +257,8 @@ def test_a_pruned_video_goes_through_the_encoder_graphs(llm, oracle) -> None:
     oracle.proc.video_pruning_rate = 0.0
     assert out.prompt_token_ids == planned and len(planned) == len(want["ids"])
     check(out, want["tokens"])
-    assert graphs.grids == [(4, 4, 4)] and graphs.num_replays == 1  # 8 frames of 4x4 patches
+    # 8 frames of 4x4 patches: asked, not graphed
+    assert graphs.grids == [(4, 4, 4)] and graphs.num_replays == 0 and not graphs.graphs
     # the span's rows (greedy tokens of a tiny model barely notice a small error): kept
     # main features and the texts' embeddings in their places, deepstack at the kept pads
     rows = llm.llm_engine.core.runner.mm.cache[f.identifier]
@@ -273,7 +279,8 @@ def test_a_pruned_video_goes_through_the_encoder_graphs(llm, oracle) -> None:
 def test_cuda_graphs_equal_the_eager_tower(deepstack) -> None:
     tower = random_tower(vision_config(deepstack_visual_indexes=deepstack), "cuda")
     graphs = EncoderGraphs(tower, torch.device("cuda"), max_graphs=2)
-    grids = [(1, 8, 6), (3, 4, 6), (1, 6, 6)]  # an image, a video, one past max_graphs
+    grids = [(1, 8, 6), (1, 4, 6), (1, 6, 6)]  # two images, one past max_graphs
+    assert graphs.run(patches([(3, 4, 6)], 0, "cuda"), (3, 4, 6)) is None  # a video: eager
     for round_ in range(2):  # the second round replays each graph after the other's
         for i, grid in enumerate(grids):
             pixels = patches([grid], 10 * round_ + i, "cuda")
