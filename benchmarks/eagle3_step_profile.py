@@ -2,10 +2,14 @@
 Llama-3.1-8B shape, random bf16 weights, a random EAGLE-3 head (draft vocabulary 32000), k
 drafts, the forced acceptance rate. Per engine step, averaged over one timed generate:
 
-    host ms  of the drafter's parts (perf_counter): on_launch (the fc, queued at launch),
-             the mirror (mirror_and_propose less _propose), _propose (draft 1's pick, the
-             draft graphs' staging and replays, the one .tolist() wait), inside it the
-             draft graphs' run (stage + replays) and the wait for the drafts
+    host ms  of the drafter's parts (perf_counter): on_launch (the fc, queued at launch; with
+             mirror graphs a copy of the aux rows), an eager mirror's pass (mirror_pass)
+             and _propose (draft 1's pick, the draft graphs' staging and replays, the one
+             .tolist() wait), inside it the draft graphs' run (stage + replays); a graphed
+             mirror (graph_path: mirror_graphs.py, the mirror and draft 1 as one replay
+             feeding the draft graphs, then their replays and the one wait), inside it
+             mirror_graphs_run (stage, gather, replay), draft_graphs_stage and
+             draft_graphs_replay (also counted inside an eager proposal's run)
     device ms of the same parts (CUDA events around them, read after the run)
     counts   mirror passes, draft-graph runs, eager greedy steps (graphs not captured for
              the batch), CUDA kernels per step (torch.profiler over a short second run)
@@ -85,9 +89,11 @@ def profile_rate(llm: Any, prompts: list[dict], sp: Any, cuda: bool) -> dict[str
     phases = Phases(cuda)
     proposing = [False]
     saved = {a: getattr(drafter, a) for a in ("on_launch", "mirror_and_propose", "_propose",
-                                               "_run_depth", "_greedy_steps")}
-    graphs = drafter.graphs
-    saved_run = graphs.run if graphs is not None else None
+                                               "_run_depth", "_greedy_steps",
+                                               "_mirror_through_graph")}
+    graphs, mirror = drafter.graphs, getattr(drafter, "mirror_graphs", None)
+    saved_graphs = {a: getattr(graphs, a) for a in ("run", "stage", "replay")} if graphs else {}
+    saved_mirror = mirror.run if mirror is not None else None
 
     def propose(*args: Any) -> Any:
         proposing[0] = True
@@ -101,8 +107,13 @@ def profile_rate(llm: Any, prompts: list[dict], sp: Any, cuda: bool) -> dict[str
     phases.wrap(drafter, "_propose", "propose")
     phases.wrap(drafter, "_run_depth", "mirror_pass", when=lambda: not proposing[0])
     phases.wrap(drafter, "_greedy_steps", "greedy_steps")
+    phases.wrap(drafter, "_mirror_through_graph", "graph_path")
     if graphs is not None:
         phases.wrap(graphs, "run", "draft_graphs_run")
+        phases.wrap(graphs, "stage", "draft_graphs_stage")
+        phases.wrap(graphs, "replay", "draft_graphs_replay")
+    if mirror is not None:
+        phases.wrap(mirror, "run", "mirror_graphs_run")
     with engine_internals.step_counter(llm) as steps:
         before = steps[0]
         offline_runs.sync()
@@ -115,8 +126,10 @@ def profile_rate(llm: Any, prompts: list[dict], sp: Any, cuda: bool) -> dict[str
     out["ms_per_step"] = round(wall / n * 1e3, 4)
     for attr, fn in saved.items():
         setattr(drafter, attr, fn)
-    if graphs is not None:
-        graphs.run = saved_run
+    for attr, fn in saved_graphs.items():
+        setattr(graphs, attr, fn)
+    if mirror is not None:
+        mirror.run = saved_mirror
     out["kernels_per_step"] = _kernels_per_step(llm, prompts, cuda)
     return out
 

@@ -79,6 +79,47 @@ class DraftGraphs:
         return self.table.capture(self._body, pool, "drafting",
                                   before_each=self.step_index.zero_)
 
+    def stage(self, positions: list[int], tables: list[list[int]],
+              rows: int = 0) -> tuple[StepShape, torch.Tensor]:
+        """Stages the first step's positions and attention buffers of len(positions) rows:
+        row i at positions[i] through block table tables[i], which covers every position the
+        steps write; padded to a captured size of at least `rows`. Returns the shape to
+        replay and its token rows on the device (ids, still to be fed with the hidden
+        states: run, or a mirror graph's feed_first; positions)."""
+        n = len(positions)
+        size = round_up(max(n, rows), self.sizes)
+        if size is None:
+            raise ValueError(f"{max(n, rows)} rows, the draft graphs hold {self.max_batch}")
+        shape = StepShape(size, 1)
+        # A decode row's context length is its new token's position.
+        staged = self.table.stage(shape, ([], positions), positions, [tables],
+                                  [token_slots([1] * n, positions, tables, self.block_size)])
+        return shape, staged
+
+    def feed_first(self, rows: int, ids: torch.Tensor, hidden: torch.Tensor | None) -> None:
+        """The first step's inputs of a shape of `rows` rows, as draft 1 (ids) and the state
+        it feeds back, also column 0 of the drafts: the steps then write columns 1 onwards.
+        Device work only: a graph that computes draft 1 (the mirror's, mirror_graphs.py)
+        records it."""
+        self.table.tokens.view(rows)[0].copy_(ids)  # (token row 0 of the shape's view)
+        if self.hidden is not None:
+            assert hidden is not None
+            self.hidden[:rows].copy_(hidden)
+        self.drafts[:rows, 0].copy_(ids)
+        self.step_index.fill_(1)
+
+    def replay(self, shape: StepShape, n: int, steps: int, first_column: int = 0
+               ) -> torch.Tensor:
+        """`steps` replays of a staged and fed shape; returns the drafts of its first n rows,
+        columns [0, first_column + steps) (a view of a static buffer: read it before the next
+        run). first_column: the column the first step writes (1 after feed_first)."""
+        if first_column + steps > self.max_steps:
+            raise ValueError(f"{first_column + steps} draft columns, the graphs hold "
+                             f"{self.max_steps}")
+        for _ in range(steps):
+            self.table.replay(shape)
+        return self.drafts[:n, :first_column + steps]
+
     def run(self, ids: torch.Tensor, hidden: torch.Tensor | None, positions: list[int],
             tables: list[list[int]], steps: int) -> torch.Tensor:
         """`steps` greedy draft steps for len(positions) rows: row i's first step feeds
@@ -88,15 +129,10 @@ class DraftGraphs:
         n = len(positions)
         if steps > self.max_steps:
             raise ValueError(f"{steps} draft steps, the graphs hold {self.max_steps}")
-        shape = StepShape(round_up(n, self.sizes) or self.max_batch, 1)
-        # A decode row's context length is its new token's position.
-        staged = self.table.stage(shape, ([], positions), positions, [tables],
-                                  [token_slots([1] * n, positions, tables, self.block_size)])
+        shape, staged = self.stage(positions, tables)
         staged[0, :n].copy_(ids)
         if self.hidden is not None:
             assert hidden is not None
             self.hidden[:n].copy_(hidden)
         self.step_index.zero_()
-        for _ in range(steps):
-            self.table.replay(shape)
-        return self.drafts[:n, :steps]
+        return self.replay(shape, n, steps)

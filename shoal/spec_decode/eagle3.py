@@ -51,6 +51,7 @@ from shoal.loader.dummy import initialize_dummy_weights
 from shoal.loader.safetensors_loader import load_folder_config
 from shoal.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from shoal.spec_decode.eagle_head import read_eagle_tensors
+from shoal.spec_decode.kept_rows import KeptStep
 from shoal.spec_decode.mirror_backlog import RawRows
 from shoal.spec_decode.mtp import HiddenStateDrafter
 from shoal.worker.drafter import TargetStep
@@ -288,7 +289,10 @@ def build_eagle3_head(config: EngineConfig, spec: SpeculativeConfig, target: nn.
 
 class Eagle3Drafter(HiddenStateDrafter):
     """HiddenStateDrafter over the target's aux hidden states (fused by the head's fc at
-    launch) instead of its final ones, with draft ids mapped to the target's."""
+    launch, or in the mirror's graph) instead of its final ones, with draft ids mapped to the
+    target's."""
+
+    graph_mirror = True
 
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig, target: nn.Module,
                  loaded: Any):
@@ -298,23 +302,36 @@ class Eagle3Drafter(HiddenStateDrafter):
         _record_aux(config, spec, target, ids)
 
     @torch.inference_mode()
-    def on_launch(self, step: TargetStep) -> torch.Tensor | None:
+    def on_launch(self, step: TargetStep) -> torch.Tensor | RawRows | KeptStep | None:
         """fc over the step's aux states, queued now: the buffer they sit in is the next
-        step's too (a new tensor comes out, so async scheduling needs no copy). Pipeline
+        step's too (a new tensor comes out, so async scheduling needs no copy); a copy of
+        them where the mirror runs the fc (paused requests, mirror graphs). Pipeline
         parallelism: every stage's, gathered once the step is back (step.aux)."""
         if step.hidden is None:
             return None
         aux = step.aux
         if aux is None:
             aux = self.target_model.aux_buffer[:step.hidden.shape[0]]
-        if any(it.drafts_paused for it in step.inputs.items):
-            # Their rows wait unmirrored (mirror_backlog.py), the fc with them: the mirror
-            # runs it over the rows it mirrors.
+        # Paused requests' rows wait unmirrored (mirror_backlog.py), the fc with them: the
+        # mirror runs it over the rows it mirrors. A step of paused requests only is kept
+        # whole in the ring of kept rows (one copy, as the clone below). The mirror's graphs
+        # run the fc themselves (mirror_graphs.py).
+        kept = self._keep_step(step, aux)
+        if kept is not None:
+            return kept
+        if self.mirror_graphs is not None or any(it.drafts_paused for it in step.inputs.items):
             return RawRows(aux if step.aux is not None else aux.clone())
         return self.model.combine(aux)
 
     def _input_states(self, rows: torch.Tensor) -> torch.Tensor:
         return self.model.combine(rows)
+
+    def _raw_width(self) -> int:
+        return int(self.model.fc.weight.shape[1])  # the aux states of three target layers
+
+    def _graph_source(self, hidden: torch.Tensor | RawRows | KeptStep) -> torch.Tensor | None:
+        # (a plain tensor went through the fc at launch: the graphs run it on raw rows)
+        return hidden.rows if isinstance(hidden, RawRows) else None
 
     def _greedy(self, h: torch.Tensor) -> torch.Tensor:
         return self.model.to_target(self.model.compute_logits(h).argmax(dim=-1))

@@ -73,7 +73,8 @@ def _build_drafter(engine_config: EngineConfig, target: Any, loaded: Any) -> Dra
 
         return Eagle3Drafter(engine_config, config, target, loaded)
     if config.method in ("mtp", "eagle"):
-        from shoal.spec_decode.mtp import HiddenStateDrafter, build_mtp_head
+        from shoal.spec_decode.mtp import HiddenStateDrafter
+        from shoal.spec_decode.mtp_heads import build_mtp_head
 
         if config.method == "mtp":
             head = build_mtp_head(engine_config, target, loaded)

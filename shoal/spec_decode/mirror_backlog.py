@@ -11,21 +11,26 @@ first step that mirrors the request again: one prefill-shaped pass. The head is 
 its KV comes out as the step-by-step mirror's (within a kernel's rounding).
 
 Only single decode rows are kept, at most MAX_ROWS a request (a paused request with that
-many is mirrored, backlog first): their memory is outside the KV budget (an 8B EAGLE-3
-head's raw aux row is 24 KiB: 384 KiB a request), and a catch-up every MAX_ROWS paused steps
-costs ~1/MAX_ROWS of the mirrors it saves. The backlog lives on the runner's RequestState:
-it goes when the request does. A request that ends while paused never writes those
-positions' head KV; a later prompt sharing those blocks through the prefix cache drafts from
-stale head KV there (worse drafts, never a wrong output: the target verifies every draft)."""
+many is mirrored, backlog first), in the drafter's ring of kept rows (kept_rows.py: MAX_ROWS
++ 3 batches of max_num_seqs rows, allocated with the drafter, so the KV pool is sized after
+it; an 8B EAGLE-3 head's raw aux row is 24 KiB: 14 MiB for 32 requests). A catch-up every
+MAX_ROWS paused steps costs ~1/MAX_ROWS of the mirrors it saves. Keeping costs the host no
+torch call in a step whose requests are all paused (the drafter kept the whole step in the
+ring at launch) and a few, whatever the batch, in one that mixes paused and drafting
+requests; a catch-up gathers its rows with the pass's other inputs (MirrorSources). The
+backlog (ring positions) lives on the runner's RequestState: it goes when the request does.
+A request that ends while paused never writes those positions' head KV; a later prompt
+sharing those blocks through the prefix cache drafts from stale head KV there (worse drafts,
+never a wrong output: the target verifies every draft)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from shoal.host_to_device import to_device
+from shoal.spec_decode.kept_rows import KeptRows, KeptStep
 
 MAX_ROWS = 16
 
@@ -40,15 +45,15 @@ class RawRows:
 
 @dataclass
 class MirrorBacklog:
-    """Positions [start, end) of one request, not mirrored yet, with their input states in
-    order (`rows`: tensors of [n, width], the views of the steps' kept rows)."""
+    """Positions [start, end) of one request, not mirrored yet: their input states are the
+    ring's rows at absolute positions `kept`, in order."""
 
     start: int
-    rows: list[torch.Tensor] = field(default_factory=list)
-    end: int = 0
+    kept: list[int] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.end = self.start + sum(r.shape[0] for r in self.rows)
+    @property
+    def end(self) -> int:
+        return self.start + len(self.kept)
 
 
 def can_defer(state: object, context_len: int, rows: int) -> bool:
@@ -59,16 +64,15 @@ def can_defer(state: object, context_len: int, rows: int) -> bool:
     return rows == 1 and held + rows <= MAX_ROWS
 
 
-def defer(state: object, context_len: int, rows: torch.Tensor) -> None:
-    """Keeps `rows`, a request's input states at positions context_len onwards, on its
-    RequestState. A backlog that does not end at context_len (a rolled-back or recomputed
+def defer(state: object, context_len: int, at: int) -> None:
+    """Keeps the ring's row at absolute position `at` as a request's input state at position
+    context_len. A backlog that does not end at context_len (a rolled-back or recomputed
     request) is dropped: what it held is mirrored again from the request's own tokens."""
     backlog: MirrorBacklog | None = getattr(state, "drafter_backlog", None)
     if backlog is None or backlog.end != context_len:
         backlog = MirrorBacklog(context_len)
-    backlog.rows.append(rows)
-    backlog.end += rows.shape[0]
-    state.drafter_backlog = backlog  # type: ignore[attr-defined]
+        state.drafter_backlog = backlog  # type: ignore[attr-defined]
+    backlog.kept.append(at)
 
 
 def take(state: object, context_len: int) -> MirrorBacklog | None:
@@ -78,52 +82,69 @@ def take(state: object, context_len: int) -> MirrorBacklog | None:
     if backlog is None:
         return None
     state.drafter_backlog = None  # type: ignore[attr-defined]
-    return backlog if backlog.end == context_len and backlog.rows else None
+    return backlog if backlog.end == context_len and backlog.kept else None
 
 
-def defer_rows(deferred: list[tuple[object, int, int, int]], hidden: torch.Tensor | RawRows,
-               device: torch.device) -> None:
-    """Keeps each (request state, context length, first row in the step, rows) of `hidden`
-    on its request, in one gather: the step's states are a buffer the next step may
-    overwrite."""
-    states = hidden.rows if isinstance(hidden, RawRows) else hidden
-    idx = [i for _, _, start, n in deferred for i in range(start, start + n)]
-    rows = states[to_device(idx, torch.long, device)]
-    at = 0
-    for state, context_len, _, n in deferred:
-        defer(state, context_len, rows[at:at + n])
-        at += n
+@dataclass
+class MirrorSources:
+    """Where a mirror pass's input rows come from, in the pass's order (per request: its
+    backlog's, then its own), as index lists that go to the device with the pass's other
+    inputs in one copy."""
+
+    step: list[int]  # rows of the step's states (empty: all of them, in order)
+    ring: list[int]  # slots of the ring of kept rows
+    order: list[int]  # pass row i is cat([step's rows, ring's rows])[order[i]] (empty: as is)
+    from_ring: bool = False  # every row from the ring (a kept step): `ring` alone, in order
 
 
-def mirror_states(hidden: torch.Tensor | RawRows, rows: list[int],
-                  spans: list[tuple[int, int]], backlogs: list[MirrorBacklog | None],
-                  input_states: Callable[[torch.Tensor], torch.Tensor],
-                  device: torch.device, row_index: torch.Tensor | None = None) -> torch.Tensor:
-    """The head's input states of a mirror: per request (spans: its first row in the step
-    and rows mirrored; `rows`: all of them, flat) its backlog's rows, then its own.
-    input_states turns raw rows into the head's (EAGLE-3's fc). row_index: `rows` on the
-    device already (copied with the mirror's other inputs)."""
-    raw = isinstance(hidden, RawRows)
-    states = hidden.rows if isinstance(hidden, RawRows) else hidden
+def mirror_sources(spans: Sequence[tuple[int, int]],
+                   backlogs: Sequence[MirrorBacklog | None], ring: KeptRows | None,
+                   kept_step: KeptStep | None, step_rows: int) -> MirrorSources:
+    """spans: each mirrored request's first row in the step and how many of its own rows it
+    mirrors; backlogs: each one's (or None); kept_step: the step, when it was kept in the
+    ring whole at launch; step_rows: the rows of the step's states otherwise."""
+    if kept_step is not None:
+        assert ring is not None
+        slots: list[int] = []
+        for (start, n), b in zip(spans, backlogs):
+            if b is not None:
+                slots.extend(ring.slot(a) for a in b.kept)
+            slots.extend(ring.slot(kept_step.at + i) for i in range(start, start + n))
+        return MirrorSources([], slots, [], from_ring=True)
+    own = [i for start, n in spans for i in range(start, start + n)]
+    step = [] if len(own) == step_rows else own
     if all(b is None for b in backlogs):
-        if len(rows) == states.shape[0]:
-            h = states
-        else:
-            h = states[to_device(rows, torch.long, device) if row_index is None else row_index]
-        return input_states(h) if raw else h
-    # Kept rows are raw (EAGLE-3 keeps a step's aux states raw whenever a request in it is
-    # paused): in a step that is not, they go through input_states on their own.
-    back = [t for b in backlogs if b is not None for t in b.rows]
-    done = None if raw else input_states(torch.cat(back))
-    pieces: list[torch.Tensor] = []
-    at = 0
-    for (start, n), b in zip(spans, backlogs):
+        return MirrorSources(step, [], [])
+    assert ring is not None
+    slots, order = [], []
+    at_own, at_ring = 0, len(own)
+    for (_, n), b in zip(spans, backlogs):
         if b is not None:
-            if done is None:
-                pieces.extend(b.rows)
-            else:
-                pieces.append(done[at:at + b.end - b.start])
-            at += b.end - b.start
-        pieces.append(states[start:start + n])
-    h = torch.cat(pieces)
-    return input_states(h) if raw else h
+            slots.extend(ring.slot(a) for a in b.kept)
+            order.extend(range(at_ring, at_ring + len(b.kept)))
+            at_ring += len(b.kept)
+        order.extend(range(at_own, at_own + n))
+        at_own += n
+    return MirrorSources(step, slots, order)
+
+
+def mirror_states(states: torch.Tensor | None, raw: bool, src: MirrorSources,
+                  ring: KeptRows | None, index: Sequence[torch.Tensor],
+                  input_states: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The head's input states of a mirror pass: src's rows of the step's states (raw: not
+    the head's yet) and of the ring (always raw), through input_states (EAGLE-3's fc) where
+    raw. index: src.step, src.ring and src.order on the device. A few torch calls, whatever
+    the batch."""
+    step_t, ring_t, order_t = index
+    if src.from_ring:
+        assert ring is not None
+        return input_states(ring.buf[ring_t])
+    assert states is not None
+    own = states[step_t] if src.step else states
+    if not src.ring:
+        return input_states(own) if raw else own
+    assert ring is not None
+    back = ring.buf[ring_t]
+    if raw:
+        return input_states(torch.cat([own, back])[order_t])
+    return torch.cat([own, input_states(back)])[order_t]

@@ -10,7 +10,7 @@ runs either; a head is a module with
     head.compute_logits(output state) -> logits over the target's vocabulary
     head.attention_layers() -> its attention layers (their KV cache is the drafter's)
 
-built and loaded by build_mtp_head / build_eagle_head. The output state is also what a
+built and loaded by build_mtp_head (mtp_heads.py) / build_eagle_head. The output state is also what a
 further draft step feeds back as prev_hidden. (Logits are a separate call: the mirror needs
 them for no row, drafting only for each request's last.)
 
@@ -41,12 +41,11 @@ replay that write), read with the drafts. They go out in ModelRunnerOutput.draft
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass
 from itertools import accumulate
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,19 +54,17 @@ from shoal.config import EngineConfig
 from shoal.config.speculative import SpeculativeConfig
 from shoal.core.scheduler_output import ModelRunnerOutput
 from shoal.host_to_device import to_device
-from shoal.loader.dummy import initialize_dummy_weights
-from shoal.models.deepseek_mtp import DeepseekMTP, DeepseekMTPDepths, mtp_prefix
-from shoal.models.qwen3_next import Qwen3NextForCausalLM
-from shoal.models.qwen3_next_mtp import PREFIX as QWEN_MTP_PREFIX
-from shoal.models.qwen3_next_mtp import Qwen3NextMTP
 from shoal.spec_decode import mirror_backlog as backlog
 from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.spec_decode.drafter_cache import DrafterCache
 from shoal.spec_decode.drafting_rows import DraftingRows, drafting_rows
+from shoal.spec_decode.kept_rows import KeptRows, KeptStep
 from shoal.spec_decode.mirror_backlog import MirrorBacklog, RawRows
+from shoal.spec_decode.mirror_graphs import MirrorGraphs
 from shoal.spec_decode.mtp_chain import MirrorPass, MirrorRequest, MtpChain
-from shoal.spec_decode.mtp_target import check_mtp_target, is_v4, mtp_layer_count
+from shoal.worker.draft_lockstep import dispatches_tokens
 from shoal.worker.drafter import TargetStep
+from shoal.worker.graph_table import StepShape
 
 logger = logging.getLogger(__name__)
 
@@ -86,131 +83,14 @@ class MtpRequest:
     paused: bool = False  # its drafts are not wanted next step: deferred (mirror_backlog.py)
 
 
-def read_mtp_tensors(source: str, hf_config: Any,
-                     prefix: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """One MTP layer's tensors of a safetensors folder (only those are read), one at a time
-    in the checkpoint's dtype (dequantized, when the checkpoint is quantized: see
-    shoal/quantization): DeepSeek-V3's layer holds 256 experts. prefix: the layer's
-    (DeepSeek's first, model.layers.{n}., by default)."""
-    from safetensors import safe_open
-
-    from shoal.loader.safetensors_loader import safetensors_files
-    from shoal.quantization.config import detect_quantization
-    from shoal.quantization.weights import dequantized_weights
-
-    prefix = prefix or mtp_prefix(hf_config)
-    found = 0
-
-    def stored() -> Iterator[tuple[str, torch.Tensor]]:
-        nonlocal found
-        for file in safetensors_files(Path(source)):
-            with safe_open(str(file), framework="pt") as handle:
-                for name in handle.keys():
-                    if name.startswith(prefix):
-                        found += 1
-                        yield name, handle.get_tensor(name)
-
-    qconfig = detect_quantization(hf_config, Path(source))  # a quantized checkpoint's layer
-    yield from (stored() if qconfig is None else dequantized_weights(stored, qconfig)())
-    if not found:
-        raise ValueError(
-            f"speculative_config: method 'mtp': {source} has no multi-token-prediction "
-            f"tensors ({prefix}*), although its config has {mtp_layer_count(hf_config)} "
-            "MTP layers")
-
-
-class DraftHead(Protocol):
-    """What HiddenStateDrafter drafts with (see the module's docstring)."""
-
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                 prev_hidden: torch.Tensor, md: Any) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def attention_layers(self) -> list[Any]: ...
-
-
-def build_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any) -> nn.Module:
-    """The target's MTP layers (method "mtp"), loaded from the target's checkpoint: the
-    first min(layers, num_speculative_tokens) of them (mtp_chain.py)."""
-    hf = loaded.hf_config
-    spec = config.speculative_config
-    k = spec.num_speculative_tokens if spec is not None else 1
-    depths = max(1, min(mtp_layer_count(hf), k))
-    if mtp_layer_count(hf) > 1:
-        logger.info("mtp: the checkpoint has %d MTP layers; drafts 1..%d use the first %d "
-                    "in a chain%s", mtp_layer_count(hf), depths, depths,
-                    f", the later {k - depths} the last one alone" if k > depths else "")
-    if is_v4(hf):
-        return _v4_mtp_head(config, target, loaded, depths)
-    if isinstance(target, Qwen3NextForCausalLM):  # (Qwen3.5's classes too)
-        return _qwen_mtp_head(config, target, loaded, depths)
-    check_mtp_target(hf)
-    dtype = config.model_config.dtype
-    with torch.device(config.device):
-        head: nn.Module = (DeepseekMTP(hf, dtype, use_triton_ops=config.use_triton_ops)
-                           if depths == 1 else
-                           DeepseekMTPDepths(hf, dtype, depths, config.use_triton_ops))
-    if config.model_config.load_format == "dummy":
-        initialize_dummy_weights(head, seed=config.model_config.seed + 1)
-        head.share_with(target, embed=True, head=True)
-    else:
-        if loaded.load_format != "safetensors":
-            raise ValueError("speculative_config: method 'mtp' loads its layer from a "
-                             f"safetensors folder, not {loaded.load_format}")
-        for j, layer in enumerate([head] if depths == 1 else head.layers):
-            layer.load_weights(read_mtp_tensors(loaded.source, hf, mtp_prefix(hf, j)), target)
-    return head.eval()
-
-
-def _qwen_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any,
-                   depths: int) -> nn.Module:
-    """Qwen3-Next's / Qwen3.5's MTP layers (mtp.*), on the target's embedding and head."""
-    hf = loaded.hf_config
-    check_mtp_target(hf, qwen=True)
-    with torch.device(config.device):
-        head = Qwen3NextMTP(hf, config.model_config.dtype, target,
-                            use_triton_ops=config.use_triton_ops, depths=depths)
-    if config.model_config.load_format == "dummy":
-        initialize_dummy_weights(head, seed=config.model_config.seed + 1)
-    elif loaded.load_format != "safetensors":
-        raise ValueError("speculative_config: method 'mtp' loads its layer from a "
-                         f"safetensors folder, not {loaded.load_format}")
-    else:
-        head.load_weights(read_mtp_tensors(loaded.source, hf, QWEN_MTP_PREFIX))
-    return head.eval()
-
-
-def _v4_mtp_head(config: EngineConfig, target: nn.Module, loaded: Any,
-                 depths: int) -> nn.Module:
-    """DeepSeek-V4's first `depths` MTP layers (mtp.{j}.*), chained as V3's are; the target
-    hands them its hyper-connection streams from now on."""
-    from shoal.models.deepseek_v4_mtp import DeepseekV4MTP, DeepseekV4MTPDepths, mtp_prefix
-
-    hf = loaded.hf_config
-    check_mtp_target(hf)
-    dtype, ops = config.model_config.dtype, config.use_triton_ops
-    with torch.device(config.device):
-        head: nn.Module = (DeepseekV4MTP(hf, dtype, ops) if depths == 1 else
-                           DeepseekV4MTPDepths(hf, dtype, depths, ops))
-    if config.model_config.load_format == "dummy":
-        initialize_dummy_weights(head, seed=config.model_config.seed + 1)
-        head.share_with(target, embed=True, head=True)
-    elif loaded.load_format != "safetensors":
-        raise ValueError("speculative_config: method 'mtp' loads its layer from a "
-                         f"safetensors folder, not {loaded.load_format}")
-    else:
-        for j, layer in enumerate([head] if depths == 1 else head.layers):
-            layer.load_weights(read_mtp_tensors(loaded.source, hf, mtp_prefix(j)), target)
-    target.output_streams()
-    return head.eval()
-
-
 class HiddenStateDrafter(DrafterCache):
     """Methods "mtp" and "eagle": `head` (a DraftHead) drafts k tokens greedily from the
     target's hidden states, with a KV cache of its own on the target's block tables."""
 
     keeps_hidden = True
+    # The mirror pass and draft 1 replay CUDA graphs once captured (mirror_graphs.py): EAGLE-3
+    # heads so far (their tests cover it); MTP layers and EAGLE-1 heads mirror eagerly.
+    graph_mirror = False
 
     def __init__(self, config: EngineConfig, spec: SpeculativeConfig, head: nn.Module):
         self.model = head
@@ -227,15 +107,39 @@ class HiddenStateDrafter(DrafterCache):
         if self.confidence:  # the greedy steps' probabilities, column j - 2 for draft j
             self._probs = torch.zeros(self.max_rows, self.k, device=self.device)
             self._prob_col = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.mirror_graphs: MirrorGraphs | None = None  # captured by capture_graphs
+        # The rows of paused requests (mirror_backlog.py; a chain's carry wants every mirror)
+        self.kept_rows: KeptRows | None = None
+        if self.chain is None:
+            self.kept_rows = KeptRows(self.max_rows * (backlog.MAX_ROWS + 3), self._raw_width(),
+                                      self.dtype, self.device, step_rows=self.max_rows)
+            ring = self.kept_rows.buf
+            logger.info("drafter: %.1f MiB for the rows of paused requests (%d rows)",
+                        ring.numel() * ring.element_size() / 2**20, ring.shape[0])
 
-    def on_launch(self, step: TargetStep) -> torch.Tensor | None:
+    def on_launch(self, step: TargetStep) -> torch.Tensor | KeptStep | None:
         """Mirrored once sampled (propose): it needs the next tokens. A graph's hidden states
         are its static output, which the next step (launched before this one is mirrored,
-        with async scheduling) may overwrite: a copy then (an eager step's are its own)."""
+        with async scheduling) may overwrite: a copy then (an eager step's are its own), into
+        the ring of kept rows when every request of the step is paused."""
         hidden = step.hidden
-        if hidden is not None and step.hidden_static and self.async_scheduling:
+        if hidden is None:
+            return None
+        kept = self._keep_step(step, hidden)
+        if kept is not None:
+            return kept
+        if step.hidden_static and self.async_scheduling:
             return hidden.clone()
         return hidden
+
+    def _keep_step(self, step: TargetStep, rows: torch.Tensor) -> KeptStep | None:
+        """A step whose requests are all paused (mirror_backlog.py) goes whole into the ring
+        of kept rows now, in one copy: its mirror then keeps them without a torch call."""
+        ring, items = self.kept_rows, step.inputs.items
+        if (ring is None or not items or not 0 < rows.shape[0] <= ring.step_rows
+                or not all(it.drafts_paused for it in items)):
+            return None
+        return KeptStep(ring.keep(rows), rows.shape[0])
 
     def propose(self, step: TargetStep, state: torch.Tensor | None, out: ModelRunnerOutput,
                 latest: bool) -> None:
@@ -252,45 +156,40 @@ class HiddenStateDrafter(DrafterCache):
                     out.draft_probs[serial] = self.last_draft_probs[serial]
 
     @torch.inference_mode()
-    def mirror_and_propose(self, reqs: list[MtpRequest], hidden: torch.Tensor | RawRows,
-                           failed: set[int], propose: bool = True) -> dict[int, list[int]]:
+    def mirror_and_propose(self, reqs: list[MtpRequest],
+                           hidden: torch.Tensor | RawRows | KeptStep, failed: set[int],
+                           propose: bool = True) -> dict[int, list[int]]:
         """Mirrors a sampled target step (hidden: its final hidden states, one row per
-        token; EAGLE-3: RawRows, its aux states) into the head's cache and drafts for its
-        sampling requests (serial -> drafts; none with propose=False: the mirror is then
-        only queued, nothing waits for the device). `failed`: requests whose step produced
-        non-finite values (neither mirrored nor drafted). A paused request's rows are kept
-        instead (mirror_backlog.py); the first later step that mirrors it runs them first."""
-        rows: list[int] = []
-        ids: list[int] = []
-        pos: list[int] = []
-        kept: list[tuple[MtpRequest, int]] = []  # (request, rows mirrored)
-        deferred: list[tuple[MtpRequest, int]] = []
-        backlogs: list[MirrorBacklog | None] = []
-        for r in reqs:
-            if r.serial in failed:
-                continue
-            n = min(r.num_new_tokens, r.state.num_tokens - 1 - r.context_len)
-            if n < 1:
-                continue
-            if (r.paused and self.chain is None  # (a chain's carry wants every mirror)
-                    and backlog.can_defer(r.state, r.context_len, n)):
-                deferred.append((r, n))
-                continue
-            back = backlog.take(r.state, r.context_len)
-            c0 = r.context_len if back is None else back.start
-            rows.extend(range(r.start, r.start + n))
-            pos.extend(range(c0, r.context_len + n))
-            ids.extend(r.state.token_ids(c0 + 1, r.context_len + n + 1))
-            kept.append((r, n))
-            backlogs.append(back)
+        token; EAGLE-3: RawRows, its aux states; KeptStep: either, kept in the ring at
+        launch) into the head's cache and drafts for its sampling requests (serial -> drafts;
+        none with propose=False: the mirror is then only queued, nothing waits for the
+        device). `failed`: requests whose step produced non-finite values (neither mirrored
+        nor drafted). A paused request's rows are kept instead (mirror_backlog.py); the first
+        later step that mirrors it runs them first."""
+        ring = self.kept_rows
+        kept_step = hidden if isinstance(hidden, KeptStep) else None
+        if kept_step is not None and not (ring is not None and ring.holds(kept_step.at)):
+            raise RuntimeError("the ring of kept rows overwrote a step before its mirror "
+                               f"(capacity {ring.capacity if ring else 0} rows)")
+        ids, pos, kept, deferred, backlogs = self._sort_requests(reqs, failed, kept_step)
         if self.chain is not None:
             for serial in failed:
                 self.chain.forget(serial)
-        if deferred:
-            backlog.defer_rows([(r.state, r.context_len, r.start, n) for r, n in deferred],
-                               hidden, self.device)
+        states = None if kept_step is not None else (
+            hidden.rows if isinstance(hidden, RawRows) else hidden)
         if not kept:
+            if deferred:
+                assert states is not None
+                self._keep_deferred(deferred, states, to_device([r.start for r in deferred],
+                                                                torch.long, self.device))
             return {}
+        graphs = self.mirror_graphs
+        source = None if graphs is None else self._graph_source(hidden)
+        if source is not None and all(b is None for b in backlogs):
+            assert graphs is not None
+            shape = graphs.shape_for([n for _, n in kept], [r.context_len for r, _ in kept])
+            if shape is not None:
+                return self._mirror_through_graph(shape, source, kept, ids, deferred, propose)
         caught = [0 if b is None else r.context_len - b.start for (r, _), b in zip(kept, backlogs)]
         lens = [n + c for (_, n), c in zip(kept, caught)]
         num_decodes = 0
@@ -298,18 +197,22 @@ class HiddenStateDrafter(DrafterCache):
             num_decodes += 1
         # Every index list of the pass goes to the device with the metadata, in one copy
         # (each copy of its own costs the host a few Python-issued torch calls).
-        states = hidden.rows if isinstance(hidden, RawRows) else hidden
-        gather = all(b is None for b in backlogs) and len(rows) != states.shape[0]
+        src = backlog.mirror_sources([(r.start, n) for r, n in kept], backlogs, ring, kept_step,
+                                     0 if states is None else states.shape[0])
         sel = [s + i for s, c, n in zip(accumulate(lens, initial=0), caught, lens)
                for i in range(c, n)] if any(caught) else []
         plan = drafting_rows(kept, self.max_model_len) if propose else None
-        carry = [ids, pos, rows if gather else [], sel, plan.last if plan else []]
-        md, (ids_t, pos_t, rows_t, sel_t, last_t) = self._metadata_and_inputs(
-            lens, [r.context_len - c for (r, _), c in zip(kept, caught)],
-            [r.block_ids for r, _ in kept], num_decodes, carry)
-        h = backlog.mirror_states(hidden, rows, [(r.start, n) for r, n in kept], backlogs,
-                                  self._input_states, self.device,
-                                  row_index=rows_t if gather else None)
+        carry = [ids, pos, src.step, src.ring, src.order, sel, plan.last if plan else [],
+                 [r.start for r in deferred]]
+        md, (ids_t, pos_t, step_t, ring_t, order_t, sel_t, last_t, defer_t) = \
+            self._metadata_and_inputs(
+                lens, [r.context_len - c for (r, _), c in zip(kept, caught)],
+                [r.block_ids for r, _ in kept], num_decodes, carry)
+        h = backlog.mirror_states(states, isinstance(hidden, RawRows | KeptStep), src, ring,
+                                  (step_t, ring_t, order_t), self._input_states)
+        if deferred:  # (after the gather above: its copy may reuse the slots it read)
+            assert states is not None
+            self._keep_deferred(deferred, states, defer_t)
         out = self._run_depth(0, ids_t, pos_t, h, md)
         if sel:  # the rows of the step itself, as a mirror without backlog's
             out = out[sel_t]
@@ -321,6 +224,96 @@ class HiddenStateDrafter(DrafterCache):
             return {}
         plan.last_index = last_t
         return self._propose(kept, out, mirrored, plan)
+
+    def _sort_requests(self, reqs: list[MtpRequest], failed: set[int],
+                       kept_step: KeptStep | None
+                       ) -> tuple[list[int], list[int], list[tuple[MtpRequest, int]],
+                                  list[MtpRequest], list[MirrorBacklog | None]]:
+        """mirror_and_propose's requests: (token ids and positions of the rows to mirror,
+        backlogs first; (request, rows mirrored) of each mirrored one; the paused ones to
+        keep (their rows not in the ring yet); each mirrored one's backlog or None). Failed
+        requests and those with nothing new are left out; paused ones whose rows are in the
+        ring already are deferred here, with no torch call."""
+        ring = self.kept_rows
+        ids: list[int] = []
+        pos: list[int] = []
+        kept: list[tuple[MtpRequest, int]] = []
+        deferred: list[MtpRequest] = []
+        backlogs: list[MirrorBacklog | None] = []
+        for r in reqs:
+            if r.serial in failed:
+                continue
+            n = min(r.num_new_tokens, r.state.num_tokens - 1 - r.context_len)
+            if n < 1:
+                continue
+            if r.paused and ring is not None and backlog.can_defer(r.state, r.context_len, n):
+                if kept_step is not None:  # in the ring already: no torch call
+                    backlog.defer(r.state, r.context_len, kept_step.at + r.start)
+                else:
+                    deferred.append(r)
+                continue
+            back = backlog.take(r.state, r.context_len)
+            if back is not None and not (ring is not None and ring.holds(back.kept[0])):
+                back = None  # overwritten (the request went unscheduled for long): dropped
+            c0 = r.context_len if back is None else back.start
+            pos.extend(range(c0, r.context_len + n))
+            ids.extend(r.state.token_ids(c0 + 1, r.context_len + n + 1))
+            kept.append((r, n))
+            backlogs.append(back)
+        return ids, pos, kept, deferred, backlogs
+
+    def _mirror_through_graph(self, shape: StepShape, source: torch.Tensor,
+                              kept: list[tuple[MtpRequest, int]], ids: list[int],
+                              deferred: list[MtpRequest], propose: bool) -> dict[int, list[int]]:
+        """mirror_and_propose's mirror and draft 1 as one graph replay (mirror_graphs.py;
+        source: the step's raw states), which feeds the draft graphs, staged first at its
+        row count; then drafts 2..k replay and the drafts are read at once."""
+        mirror, drafting = self.mirror_graphs, self.graphs
+        assert mirror is not None and drafting is not None
+        if deferred:
+            self._keep_deferred(deferred, source, to_device([r.start for r in deferred],
+                                                            torch.long, self.device))
+        self.last_draft_probs = {}
+        plan = drafting_rows(kept, self.max_model_len) if propose else None
+        k = min(self.k, self.max_model_len - 1 - max(plan.lens)) if plan and plan.reqs else 0
+        draft_shape = None
+        if k >= 1:
+            assert plan is not None
+            start = [n - 1 for n in plan.lens]  # the just-sampled token's position
+            tables = [self._row_table(j, r.block_ids, -(-(p + k - 1) // self.block_size))
+                      for j, (r, p) in enumerate(zip(plan.reqs, start))]
+            draft_shape, _ = drafting.stage(start, tables, rows=shape.rows)
+            if self.confidence:
+                self._prob_col.zero_()
+        p1 = mirror.run(shape, source, [i for r, n in kept for i in range(r.start, r.start + n)],
+                        ids, [r.context_len for r, _ in kept], [n for _, n in kept],
+                        [r.block_ids for r, _ in kept], plan.picks if k >= 1 and plan else [])
+        if draft_shape is None:
+            return {}
+        assert plan is not None
+        n = len(plan.reqs)
+        result = drafting.replay(draft_shape, n, k - 1, first_column=1).tolist()  # the wait
+        if p1 is not None:
+            probs = torch.cat([p1[:, None], self._probs[:n, :k - 1]], dim=1).tolist()
+            self.last_draft_probs = {r.serial: q for r, q in zip(plan.reqs, probs)}
+        return {r.serial: d for r, d in zip(plan.reqs, result)}
+
+    def _graph_source(self, hidden: torch.Tensor | RawRows | KeptStep) -> torch.Tensor | None:
+        """The step's raw states, which the mirror graphs gather from (None: kept in the
+        ring, mirrored eagerly with the backlogs that brought them)."""
+        if isinstance(hidden, KeptStep):
+            return None
+        return hidden.rows if isinstance(hidden, RawRows) else hidden
+
+    def _keep_deferred(self, deferred: list[MtpRequest], states: torch.Tensor,
+                       rows: torch.Tensor) -> None:
+        """Keeps the paused requests' rows (`rows`: their one row each in `states`, on the
+        device) in the ring, in one copy: the step's states are a buffer the next step may
+        overwrite."""
+        assert self.kept_rows is not None
+        at = self.kept_rows.keep(states[rows])
+        for j, r in enumerate(deferred):
+            backlog.defer(r.state, r.context_len, at + j)
 
     def _propose(self, kept: list[tuple[MtpRequest, int]], out: torch.Tensor,
                  mirrored: MirrorPass | None = None,
@@ -365,6 +358,10 @@ class HiddenStateDrafter(DrafterCache):
     def _input_states(self, rows: torch.Tensor) -> torch.Tensor:
         """The head's input state of raw rows (RawRows; EAGLE-3: fc over aux states)."""
         return rows
+
+    def _raw_width(self) -> int:
+        """The width of a raw row (what on_launch keeps of a token; EAGLE-3: its aux states)."""
+        return self._state_size()
 
     def _run_depth(self, depth: int, ids: torch.Tensor, positions: torch.Tensor,
                    hidden: torch.Tensor, md: Any) -> torch.Tensor:
@@ -432,5 +429,16 @@ class HiddenStateDrafter(DrafterCache):
                         "CUDA graphs yet)", self.depths, self.depths)
         if self.k <= self.depths:
             return 0.0
-        return super().capture_graphs(pool, max_blocks, graphs_type)
+        took = super().capture_graphs(pool, max_blocks, graphs_type)
+        if self.graph_mirror and self.depths == 1 and not dispatches_tokens(self.model):
+            assert self.graphs is not None
+            # (the draft graphs' table kind: a test's emulation is both's)
+            self.mirror_graphs = MirrorGraphs(
+                functools.partial(self._run_depth, 0), self._input_states,
+                functools.partial(self._pick, depth=0), self.graphs.feed_first, self.backend,
+                self.k, self.max_rows, max_blocks, self.device, block_size=self.block_size,
+                raw=(self._raw_width(), self.dtype), confidence=self.confidence,
+                table_type=type(self.graphs.table))
+            took += self.mirror_graphs.capture(self.graphs.table.pool)
+        return took
 

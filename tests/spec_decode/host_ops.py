@@ -82,13 +82,14 @@ def triton_launches_count_once() -> Iterator[None]:
 class ProposalOps:
     """Per proposing call of a hidden-state drafter's mirror_and_propose (propose=True, some
     drafts out): its ops and host reads, and how many requests it drafted for. The drafter's
-    draft graphs' replays (emulated) count one op each."""
+    draft graphs' and mirror graphs' replays (emulated) count one op each."""
 
     def __init__(self, drafter: Any) -> None:
         self.calls: list[tuple[int, int, int]] = []  # (requests, ops, reads)
         inner = drafter.mirror_and_propose
-        if drafter.graphs is not None:
-            drafter.graphs.table.replay = one_launch(drafter.graphs.table.replay)
+        for graphs in (drafter.graphs, getattr(drafter, "mirror_graphs", None)):
+            if graphs is not None:
+                graphs.table.replay = one_launch(graphs.table.replay)
 
         def counted(reqs, hidden, failed, propose=True):
             with HostOps() as mode:
