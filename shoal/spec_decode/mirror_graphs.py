@@ -50,10 +50,12 @@ class MirrorGraphs:
                  pick: PickFirst, feed: FeedFirst, backend: AttentionBackend, k: int,
                  max_num_seqs: int, max_blocks: int, device: torch.device, *,
                  block_size: int, raw: tuple[int, torch.dtype], confidence: bool,
+                 sliding_window: int | None = None,
                  table_type: type[GraphTable] = GraphTable):
         """raw: (width, dtype) of a raw row (what on_launch keeps of a token; EAGLE-3: its
         aux states), which input_states turns into the head's input; feed: where draft 1
-        goes; table_type: a test's stand-in for GraphTable."""
+        goes; sliding_window: the head's, as its eager mirror and draft graphs attend;
+        table_type: a test's stand-in for GraphTable."""
         self.step, self.input_states, self.pick, self.feed = step, input_states, pick, feed
         self.block_size = block_size
         self.sizes = [s for s in VERIFY_GRAPH_SIZES if s <= max_num_seqs]
@@ -61,7 +63,8 @@ class MirrorGraphs:
         self.max_len = max_blocks * block_size  # positions the tables reach
         # Token ids, positions, rows in the raw states, each drafting request's last token
         self.table = table_type(backend, [StepShape(b, q) for b in self.sizes for q in self.qs],
-                                max_blocks, device, block_size=block_size, token_rows=4)
+                                max_blocks, device, block_size=block_size, token_rows=4,
+                                windows=(sliding_window,))
         rows = self.sizes[-1]
         self.raw = torch.zeros(rows * self.qs[-1], raw[0], dtype=raw[1], device=device)
         self.probs = torch.zeros(rows, device=device) if confidence else None

@@ -253,7 +253,9 @@ class HiddenStateDrafter(DrafterCache):
                     deferred.append(r)
                 continue
             back = backlog.take(r.state, r.context_len)
-            if back is not None and not (ring is not None and ring.holds(back.kept[0])):
+            # (its oldest row: under async scheduling a step kept whole at launch may sit
+            # before a row kept by the previous step's mirror)
+            if back is not None and not (ring is not None and ring.holds(min(back.kept))):
                 back = None  # overwritten (the request went unscheduled for long): dropped
             c0 = r.context_len if back is None else back.start
             pos.extend(range(c0, r.context_len + n))
@@ -283,6 +285,8 @@ class HiddenStateDrafter(DrafterCache):
             tables = [self._row_table(j, r.block_ids, -(-(p + k - 1) // self.block_size))
                       for j, (r, p) in enumerate(zip(plan.reqs, start))]
             draft_shape, _ = drafting.stage(start, tables, rows=shape.rows)
+            # (feed_first writes draft 1 into rows laid out at the mirror's padded count)
+            assert draft_shape.rows == shape.rows, (draft_shape, shape)
             if self.confidence:
                 self._prob_col.zero_()
         p1 = mirror.run(shape, source, [i for r, n in kept for i in range(r.start, r.start + n)],
@@ -438,7 +442,7 @@ class HiddenStateDrafter(DrafterCache):
                 functools.partial(self._pick, depth=0), self.graphs.feed_first, self.backend,
                 self.k, self.max_rows, max_blocks, self.device, block_size=self.block_size,
                 raw=(self._raw_width(), self.dtype), confidence=self.confidence,
-                table_type=type(self.graphs.table))
+                sliding_window=self.sliding_window, table_type=type(self.graphs.table))
             took += self.mirror_graphs.capture(self.graphs.table.pool)
         return took
 
