@@ -319,7 +319,11 @@ class Eagle3Drafter(HiddenStateDrafter):
         kept = self._keep_step(step, aux)
         if kept is not None:
             return kept
-        if self.mirror_graphs is not None or any(it.drafts_paused for it in step.inputs.items):
+        # Raw rows (3x the fc's output) are kept only where a mirror graph can take the step:
+        # a long prefill chunk's would be held unprofiled through the next step's forward.
+        graphs = self.mirror_graphs
+        graphed = graphs is not None and aux.shape[0] <= graphs.max_tokens
+        if graphed or any(it.drafts_paused for it in step.inputs.items):
             return RawRows(aux if step.aux is not None else aux.clone())
         return self.model.combine(aux)
 

@@ -66,7 +66,8 @@ class MirrorGraphs:
                                 max_blocks, device, block_size=block_size, token_rows=4,
                                 windows=(sliding_window,))
         rows = self.sizes[-1]
-        self.raw = torch.zeros(rows * self.qs[-1], raw[0], dtype=raw[1], device=device)
+        self.max_tokens = rows * self.qs[-1]  # the most tokens a step the graphs take
+        self.raw = torch.zeros(self.max_tokens, raw[0], dtype=raw[1], device=device)
         self.probs = torch.zeros(rows, device=device) if confidence else None
 
     def _body(self, shape: StepShape, tokens: torch.Tensor, md: Any) -> None:
