@@ -5,11 +5,12 @@ of the KV pool.
 What the torch path does there in ~20-30 launches a layer (issue 30: on the H100, a KDA
 layer's ~47 us of small kernels against a few us of work), two kernels do:
 
-- a first kernel: the short causal conv + SiLU of every channel, the conv state's window moved
-  on in its page. (Not inside the second kernel, even for KDA, where each value head owns its
-  q, k and v channels: Triton replicates the window's words across warps in two layouts, so
-  in place one warp's store of the moved window could land before another's load of it.
-  Gated DeltaNet needs the split anyway: a key head's q and k serve several value heads.)
+- first, the older path's conv kernel (linear_state_decode.conv_step): the short causal
+  conv + SiLU of every channel, the conv state's window moved on in its page. (Not inside
+  the second kernel, even for KDA, where each value head owns its q, k and v channels:
+  Triton replicates the window's words across warps in two layouts, so in place one warp's
+  store of the moved window could land before another's load of it. Gated DeltaNet needs
+  the split anyway: a key head's q and k serve several value heads.)
 - a program per (request, value head), from registers:
   - q and k L2-normed; the decay g = -exp(A_log) * softplus(logits + dt_bias) (per head, or
     per key channel for KDA) and beta = sigmoid(b);
@@ -35,15 +36,12 @@ import triton
 import triton.language as tl
 
 from shoal.attention.ops.interpreted_half import to_dtype
-from shoal.layers.ops.linear_state_decode import PageWords
+from shoal.layers.ops.linear_state_decode import TL_DTYPES, PageWords, conv_step
 
 # the largest state tile a program holds in registers: 128 x 128 float32, 64 a thread over
-# 8 warps, 32 over 16 (ptxas on sm_90: bench-work/helpers/compile_sm90_linear_decode.py)
+# 8 warps (ptxas on sm_90: bench-work/helpers/compile_sm90_linear_decode.py)
 MAX_TILE = 128 * 128
-CONV_BLOCK = 128  # channels a program of the conv kernel (Gated DeltaNet)
-_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
-              torch.float16: tl.float16}
-DTYPES = tuple(_TL_DTYPES)
+DTYPES = tuple(TL_DTYPES)
 
 
 @dataclass(frozen=True)
@@ -64,62 +62,6 @@ class DecodeGates:
     # softplus as log(1 + exp(x)); beta's sigmoid rounded to the model dtype; output
     # weight * x * sigmoid(gate). Gated DeltaNet: x * rsqrt(...); log1p(exp(x)); beta in
     # float32; output (weight * x, rounded to the model dtype) * silu(z).
-
-
-@triton.jit
-def _conv_channels(c, mask, x_row, cw_ptr, cb_ptr, words_ptr, rb, wb, per_plane,
-                   plane_stride, block_stride, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   IN_PLANE0: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    """silu(conv) of channels c of one row, rounded to DTYPE (as float32); the row's conv
-    window (its K - 1 previous inputs, oldest first, in words c * (K - 1) + t) moves from
-    block rb to block wb. Each channel's words are read before they are written by the same
-    thread, so rb == wb (in place) is safe. IN_PLANE0: every conv word lies in the page's
-    first plane (no division by the plane size)."""
-    c = c.to(tl.int64)  # (also spares the interpreter its int32 overflow checks)
-    x = tl.load(x_row + c, mask=mask, other=0.0).to(tl.float32)
-    acc = x * tl.load(cw_ptr + c * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(cb_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    read, write = rb * block_stride, wb * block_stride
-    w = c * (K - 1)  # (inline, not a jit call: the interpreter re-patches at each call)
-    if IN_PLANE0:
-        at = w
-    else:
-        at = (w // per_plane) * plane_stride + w % per_plane
-    prev = at
-    for t in tl.static_range(K - 1):
-        s = tl.load(words_ptr + read + at, mask=mask, other=0.0)
-        acc += s * tl.load(cw_ptr + c * K + t, mask=mask, other=0.0).to(tl.float32)
-        if t > 0:  # the window moves on: word t goes to t - 1 (read before it is written)
-            tl.store(words_ptr + write + prev, s, mask=mask)
-        prev = at
-        if t < K - 2:
-            w += 1
-            if IN_PLANE0:
-                at = w
-            else:
-                at = (w // per_plane) * plane_stride + w % per_plane
-    tl.store(words_ptr + write + prev, x, mask=mask)
-    y = acc / (1.0 + tl.exp(-acc))
-    if DTYPE != tl.float32:
-        y = to_dtype(y, DTYPE, INTERPRETED).to(tl.float32)
-    return y
-
-
-@triton.jit
-def _conv_kernel(x_ptr, stride_x, y_ptr, stride_y, cw_ptr, cb_ptr, words_ptr, read_ptr,
-                 write_ptr, C, per_plane, plane_stride, block_stride, K: tl.constexpr,
-                 BC: tl.constexpr, HAS_BIAS: tl.constexpr, IN_PLANE0: tl.constexpr,
-                 DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BC + tl.arange(0, BC)
-    mask = c < C
-    rb = tl.load(read_ptr + row)
-    wb = tl.load(write_ptr + row)
-    y = _conv_channels(c, mask, x_ptr + row * stride_x, cw_ptr, cb_ptr, words_ptr, rb, wb,
-                       per_plane, plane_stride, block_stride, K, HAS_BIAS, IN_PLANE0, DTYPE,
-                       INTERPRETED)
-    tl.store(y_ptr + row * stride_y + c, y.to(DTYPE), mask=mask)
 
 
 @triton.jit
@@ -279,19 +221,11 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
     the out-projection takes. Callers check fits() first. num_warps: for timing the choices.
     Two launches: every channel's conv (a key head's q and k serve R programs), then one
     program per (row, value head)."""
-    b, c = x.shape
-    k = conv_weight.shape[1]
+    b = x.shape[0]
     r = heads // key_heads
-    dtype = _TL_DTYPES[x.dtype]
+    dtype = TL_DTYPES[x.dtype]
     interpreted = x.device.type == "cpu"  # (TRITON_INTERPRET=1)
-    has_bias = conv_bias is not None
-    bias = conv_bias if has_bias else conv_weight
-    conv_in_plane0 = state_offset <= pages.per_plane
-    y = torch.empty(b, c, dtype=x.dtype, device=x.device)
-    _conv_kernel[(b, triton.cdiv(c, CONV_BLOCK))](
-        x, x.stride(0), y, y.stride(0), conv_weight, bias, pages.words, read, write, c,
-        pages.per_plane, pages.plane_stride, pages.block_stride, K=k, BC=CONV_BLOCK,
-        HAS_BIAS=has_bias, IN_PLANE0=conv_in_plane0, DTYPE=dtype, INTERPRETED=interpreted)
+    y = conv_step(x, conv_weight, conv_bias, pages, read, write)
     out = torch.empty(b, heads * value_dim, dtype=x.dtype, device=x.device)
     aligned = all(n % 4 == 0 for n in (state_offset, pages.per_plane, pages.plane_stride,
                                        pages.block_stride))
@@ -299,7 +233,8 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
         num_warps = max(4, min(16, key_dim * value_dim // 2048))
     _decode_kernel[(b, heads)](
         y, y.stride(0), gates.decay, gates.decay.stride(0), gates.dt_bias, gates.a_log,
-        gates.beta, gates.beta.stride(0), gates.gate, gates.gate.stride(0), gates.norm_weight, out, out.stride(0), pages.words, read, write,
+        gates.beta, gates.beta.stride(0), gates.gate, gates.gate.stride(0), gates.norm_weight,
+        out, out.stride(0), pages.words, read, write,
         state_offset, pages.per_plane, pages.plane_stride, pages.block_stride, scale,
         gates.eps, HK=key_heads, R=r, DK=key_dim, DV=value_dim, KDA=gates.kda, ALIGNED=aligned,
         DTYPE=dtype, INTERPRETED=interpreted, num_warps=num_warps)

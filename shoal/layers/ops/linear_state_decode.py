@@ -19,6 +19,11 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.attention.ops.interpreted_half import to_dtype
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
+              torch.float16: tl.float16}
+
 
 @dataclass(frozen=True)
 class PageWords:
@@ -39,7 +44,8 @@ def _word_address(w, block, per_plane, plane_stride, block_stride):
 @triton.jit
 def _conv_step_kernel(x_ptr, w_ptr, b_ptr, y_ptr, words_ptr, read_ptr, write_ptr, C,
                       stride_x, stride_y, per_plane, plane_stride, block_stride,
-                      K: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr):
+                      K: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
+                      DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
     row = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = c < C
@@ -54,7 +60,7 @@ def _conv_step_kernel(x_ptr, w_ptr, b_ptr, y_ptr, words_ptr, read_ptr, write_ptr
         s = tl.load(words_ptr + a, mask=mask, other=0.0)
         acc += s * tl.load(w_ptr + c * K + t, mask=mask, other=0.0).to(tl.float32)
     y = acc / (1.0 + tl.exp(-acc))
-    tl.store(y_ptr + row * stride_y + c, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + row * stride_y + c, to_dtype(y, DTYPE, INTERPRETED), mask=mask)
     for t in tl.static_range(K - 2):  # (ascending: a word is read before it is overwritten)
         src = _word_address(c * (K - 1) + t + 1, rb, per_plane, plane_stride, block_stride)
         dst = _word_address(c * (K - 1) + t, wb, per_plane, plane_stride, block_stride)
@@ -74,7 +80,8 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     _conv_step_kernel[(b, triton.cdiv(c, block))](
         x, weight, bias if bias is not None else weight, y, pages.words, read, write, c,
         x.stride(0), y.stride(0), pages.per_plane, pages.plane_stride, pages.block_stride,
-        K=k, BC=block, HAS_BIAS=bias is not None)
+        K=k, BC=block, HAS_BIAS=bias is not None, DTYPE=TL_DTYPES[x.dtype],
+        INTERPRETED=x.device.type == "cpu")  # (TRITON_INTERPRET=1: round as the GPU does)
     return y
 
 
