@@ -64,27 +64,9 @@ class TritonAttentionMetadata:
     host_lens: tuple[tuple[int, int], ...] | None = None
 
 
-def build_triton_attention_metadata(
-    *,
-    query_lens: list[int],
-    context_lens: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-    num_decodes: int,
-    sliding_window: int | None,
-    device: torch.device,
-    pad_decodes_to: int | None = None,
-    block_table_width: int | None = None,
-    decode_num_splits: int | None = None,
-) -> TritonAttentionMetadata:
-    """Inputs as for build_attention_metadata. pad_decodes_to >= num_decodes pads the decode
-    group with dummy rows (their query tokens must sit at flat positions [num_decodes,
-    pad_decodes_to), before any prefill token); block_table_width fixes N."""
-    return triton_metadata_and_inputs(
-        query_lens=query_lens, context_lens=context_lens, block_tables=block_tables,
-        block_size=block_size, num_decodes=num_decodes, sliding_window=sliding_window,
-        device=device, pad_decodes_to=pad_decodes_to, block_table_width=block_table_width,
-        decode_num_splits=decode_num_splits)[0]
+def build_triton_attention_metadata(**kwargs: Any) -> TritonAttentionMetadata:
+    """triton_metadata_and_inputs's metadata alone (the same keyword arguments)."""
+    return triton_metadata_and_inputs(**kwargs)[0]
 
 
 def triton_metadata_and_inputs(
@@ -101,8 +83,11 @@ def triton_metadata_and_inputs(
     decode_num_splits: int | None = None,
     carry: Sequence[Sequence[int]] = (),
 ) -> tuple[TritonAttentionMetadata, list[torch.Tensor]]:
-    """build_triton_attention_metadata's metadata and `carry` (int64 lists: a step's token
-    ids, positions...) on the device, all in one host-to-device copy."""
+    """Inputs as for build_attention_metadata. pad_decodes_to >= num_decodes pads the decode
+    group with dummy rows (their query tokens must sit at flat positions [num_decodes,
+    pad_decodes_to), before any prefill token); block_table_width fixes N. Returns the
+    metadata and `carry` (int64 lists: a step's token ids, positions...) on the device, all
+    in one host-to-device copy."""
     n_req = len(query_lens)
     if not (len(context_lens) == len(block_tables) == n_req and 0 <= num_decodes <= n_req):
         raise ValueError("query_lens, context_lens and block_tables must have one entry per "
