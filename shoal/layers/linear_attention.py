@@ -238,9 +238,7 @@ class LinearAttention(nn.Module):
         gates = self.decode_gates(rest)
         assert self.pages is not None and md.decode_read is not None
         assert md.decode_write is not None
-        words = self.pages.words
-        pages = decode_kernels.PageWords(words, words.shape[2], words.stride(0),
-                                         words.stride(1))
+        pages = self._page_words()
         key_heads = self.conv_parts[0] // self.key_dim
         if gates is None or not linear_decode_fused.fits(
                 x, gates, self.conv_weight, pages, key_heads, self.state_heads, self.key_dim,
@@ -267,12 +265,16 @@ class LinearAttention(nn.Module):
         self.pages.write(md.decode_write, conv, state)
         return o
 
-    def _decodes_in_place(self, x: torch.Tensor, rest: Rest,
-                          md: StateMetadata) -> torch.Tensor:
+    def _page_words(self) -> decode_kernels.PageWords:
+        """Where the decode kernels find the states' float32 words."""
         assert self.pages is not None
         words = self.pages.words
-        pages = decode_kernels.PageWords(words, words.shape[2], words.stride(0),
-                                         words.stride(1))
+        return decode_kernels.PageWords(words, words.shape[2], words.stride(0),
+                                        words.stride(1))
+
+    def _decodes_in_place(self, x: torch.Tensor, rest: Rest,
+                          md: StateMetadata) -> torch.Tensor:
+        pages = self._page_words()
         y = decode_kernels.conv_step(x, self.conv_weight, self.conv_bias, pages,
                                      md.decode_read, md.decode_write)
         q, k, v, g, beta = self.heads(y, rest)
