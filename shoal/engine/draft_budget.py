@@ -19,16 +19,28 @@ verify drafts next, steps are pipelined (see engine/core.py). The scheduler roll
 slots of rejected drafts (settle() says how many were accepted).
 
 Adaptive budget (on unless speculative_config says adaptive_budget=false): each request keeps
-an estimate p of the chance that its next draft is accepted once the drafts before it were
-(counts of accepted drafts and of first rejections, decayed every step so the estimate follows
-recent text; a new request starts at the prior 0.8, and while its drafts are not verified the
-counts fade and the estimate drifts to 0.5, not back to the prior). The j-th draft is
-verified while p**j, the chance it is reached and accepted, is at least the step's worth
-threshold, which rises with the batch: at a few requests a decode reads every weight for one
-token and verifying a few more costs little, so a draft right one time in ten pays; towards
-DRAFT_COST_FULL_BATCH requests the device is compute-bound, a verified token costs about what a
-decoded one does, and only drafts that are almost sure are worth it. With disable_by_batch_size
-(vLLM's key) no request drafts while that many or more are running.
+an estimate p of the chance that its next draft is accepted once the drafts before it were,
+from counts of accepted drafts and of first rejections. Every decode step decays them so the
+estimate follows recent text; a step that verifies none of its drafts (backing off,
+pipelined, or skipped by the rules here) moves them as far toward the prior instead, so a
+new request, and one not verified for a while, is at p = 0.8 (age_counts). Decaying toward 0
+there, as before issue 38, let the estimate of an unverified request drift to 0.5, under the
+worth threshold above ~37 requests: it seldom verified again, whatever its drafts were worth.
+The j-th draft is verified while p**j, the chance it is reached and accepted, is at least
+the step's worth threshold, which rises with the batch: at a few requests a decode reads
+every weight for one token and verifying a few more costs little, so a draft right one time
+in ten pays; beyond, a verified draft adds about a token to the step and a decoded token is
+worth 1/running of it, so above 32 requests the threshold is running / (running +
+WORTH_HALF_BATCH), up to MAX_WORTH: towards a compute-bound device only drafts that are
+almost sure are worth it. (Its linear ramp to 0.9 at 64 had been out of the estimate's reach
+there: nothing verified at 64, whatever the acceptance, while the drafter still ran.)
+Simulated with H100 W9 step times (benchmarks/draft_budget_sim.py, 256 tokens in lockstep):
+48 requests at a = 0.8 take 134 steps, 1.42x plain (before: 255, 0.86x); 64 at a = 0.8 and
+1.0: 1.25x and 2.5x (0.83x); 32 with confidence, a = 0.8: 1.18x (0.97x). a = 0 costs at most
+0.1% more (at 48 and 64, 12-17% less: failing drafts are verified and back off, where they
+were skipped and drafted on; with a free drafter, as W9's forced method, 1% more there); a =
+0.5 with confidence at 32, 1.8% more. With disable_by_batch_size (vLLM's key) no request
+drafts while that many or more are running.
 
 Confidence-scheduled verification (speculative_config confidence_threshold c; None, the
 default, turns it off): drafters that know how sure they are (mtp, eagle: the softmax of the
@@ -61,10 +73,16 @@ BACKOFF_BELOW = 0.3
 MISSES_ALWAYS_BACKOFF = 8
 MAX_BACKOFF_STEPS = 64
 # Adaptive budget: the worth threshold is MIN_WORTH up to DRAFT_COST_FREE_BATCH running
-# requests, then rises linearly to MAX_WORTH at DRAFT_COST_FULL_BATCH.
+# requests, then rises linearly (towards MAX_WORTH at DRAFT_COST_FULL_BATCH)...
 MIN_WORTH, MAX_WORTH = 0.1, 0.9
 DRAFT_COST_FREE_BATCH, DRAFT_COST_FULL_BATCH = 8, 64
-ACCEPT_DECAY = 0.8  # per step, on the acceptance counts
+# ...up to 32 running requests; above, running / (running + WORTH_HALF_BATCH), capped at
+# MAX_WORTH (reached at 360). A draft pays when p**j >= s * running / t(running), a step
+# costing t = c + s * tokens: a curve of that form, with c / s for this constant (H100, 8B:
+# 6.05 ms + 0.021 ms a token, c / s = 283); 40 keeps the ramp's margin (drafting, verify
+# steps not pipelined) and meets it at 32, so up to there nothing changed.
+WORTH_HALF_BATCH = 40
+ACCEPT_DECAY = 0.8  # per decode step, on the acceptance counts (see age_counts)
 PRIOR_HITS, PRIOR_FAILS = 3.0, 0.0  # a new request starts at p = 0.8: it gets its k drafts
 CONFIDENCE_FULL_BATCH = 32  # the confidence threshold reaches its setting at this batch
 
@@ -88,10 +106,24 @@ def confident_num_drafts(probs: list[float], k: int, estimate: float, threshold:
 
 
 def worth_threshold(running: int) -> float:
-    """The least p**j for which verifying a j-th draft pays, with `running` requests."""
+    """The least p**j for which verifying a j-th draft pays, with `running` requests: the
+    ramp from MIN_WORTH at DRAFT_COST_FREE_BATCH (towards MAX_WORTH at DRAFT_COST_FULL_BATCH)
+    up to where it meets running / (running + WORTH_HALF_BATCH), at 32, then that curve up
+    to MAX_WORTH (at 360)."""
     span = DRAFT_COST_FULL_BATCH - DRAFT_COST_FREE_BATCH
     x = min(max(running - DRAFT_COST_FREE_BATCH, 0) / span, 1.0)
-    return MIN_WORTH + x * (MAX_WORTH - MIN_WORTH)
+    ramp = MIN_WORTH + x * (MAX_WORTH - MIN_WORTH)
+    return min(ramp, max(MIN_WORTH, running / (running + WORTH_HALF_BATCH)))
+
+
+def age_counts(hits: float, fails: float, verified: bool) -> tuple[float, float]:
+    """The acceptance counts one decode step later: decayed by ACCEPT_DECAY, and in a step
+    that verifies none of the request's drafts (settle() adds nothing) moved that share of
+    the way to the prior instead, so without evidence the estimate returns to 0.8."""
+    if verified:
+        return hits * ACCEPT_DECAY, fails * ACCEPT_DECAY
+    return (PRIOR_HITS + (hits - PRIOR_HITS) * ACCEPT_DECAY,
+            PRIOR_FAILS + (fails - PRIOR_FAILS) * ACCEPT_DECAY)
 
 
 def acceptance_estimate(hits: float, fails: float) -> float:
@@ -133,12 +165,23 @@ class DraftBudget:
         are allowed (no step in flight) and it decodes with nothing in flight, and never past
         its max_tokens or max_model_len (a verified step yields up to k+1 tokens), nor past
         the step's budget left after its own token. Every decode step counts down a backoff
-        and ages the acceptance counts, with drafts or without."""
-        if req.spec_skip > 0:  # backing off after drafts that kept failing
-            req.spec_skip -= 1  # (its estimate stays low meanwhile: one more miss pauses it)
-            return 0
-        req.spec_hits *= ACCEPT_DECAY
-        req.spec_fails *= ACCEPT_DECAY
+        and ages the acceptance counts, with drafts or without (see age_counts)."""
+        paused = req.spec_skip > 0  # backing off after drafts that kept failing
+        # The decision is made on the counts decayed for this step, as a verified step leaves
+        # them before settle() adds its outcome.
+        hits, fails = req.spec_hits, req.spec_fails
+        req.spec_hits, req.spec_fails = age_counts(hits, fails, verified=True)
+        if paused:
+            req.spec_skip -= 1
+            n = 0
+        else:
+            n = self._verified_drafts(req, room, allowed, running)
+        if not n:
+            req.spec_hits, req.spec_fails = age_counts(hits, fails, verified=False)
+        return n
+
+    def _verified_drafts(self, req: Request, room: int, allowed: bool, running: int) -> int:
+        """num_drafts for a request not backing off, its counts aged for the step."""
         if not allowed or not req.spec_token_ids or req.num_pending_tokens:
             return 0
         for pos in range(min(len(req.spec_token_ids), self.k)):

@@ -38,10 +38,12 @@ def _verify_steps(budget: DraftBudget, probs: list[float], running: int) -> tupl
 def test_failing_drafts_back_off_at_a_full_batch_as_alone() -> None:
     """At 32 running the adaptive budget stops verifying before the estimate falls below
     BACKOFF_BELOW, and the decay brought it back every ~6 steps (37 verify steps of 256);
-    eight misses in a row now back off too: about as few verify steps as a request alone."""
+    eight misses in a row now back off too: about as few verify steps as a request alone
+    (13: a pause moves the counts toward the prior, so the miss after the first pause
+    does not pause it again; the eighth does, issue 38)."""
     alone, _ = _verify_steps(DraftBudget(K, 100_000), [], 1)
     full, _ = _verify_steps(DraftBudget(K, 100_000), [], BATCH)
-    assert alone <= 12 and full <= alone + 2, (alone, full)
+    assert alone <= 13 and full <= alone + 2, (alone, full)
 
 
 def test_seven_misses_in_a_row_do_not_back_off() -> None:

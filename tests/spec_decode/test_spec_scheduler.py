@@ -17,6 +17,7 @@ from shoal.core.types import EngineCoreOutput
 from shoal.engine.draft_budget import (
     MAX_WORTH,
     MIN_WORTH,
+    WORTH_HALF_BATCH,
     adaptive_num_drafts,
     worth_threshold,
 )
@@ -297,8 +298,10 @@ def test_backoff_after_drafts_that_keep_failing() -> None:
         drafted.append(out.scheduled[0].num_draft_tokens > 0)
         sched.update(out, runner.execute(out))
     # Misses until the estimate falls below BACKOFF_BELOW (six from the optimistic prior),
-    # 4 plain, a miss, 8 plain, a miss, 16 plain (the estimate stays low while it pauses).
-    assert drafted == [True] * 6 + [False] * 4 + [True] + [False] * 8 + [True] + [False] * 10
+    # 4 plain, two misses (the pause moved the counts toward the prior: the seventh miss
+    # leaves the estimate above BACKOFF_BELOW; the eighth in a row backs off whatever it
+    # is), 8 plain, a miss, 16 plain.
+    assert drafted == [True] * 6 + [False] * 4 + [True] * 2 + [False] * 8 + [True] + [False] * 9
     assert req.spec_backoffs == 3 and req.spec_skip > 0
     req.spec_skip, req.spec_hits, req.spec_fails = 0, 3.0, 0.0  # the estimate recovered
     req.spec_token_ids = [runner._true(req.serial, req.num_output_tokens), 7, 7]  # one right
@@ -313,8 +316,11 @@ def test_adaptive_budget_follows_acceptance_and_batch_size() -> None:
     failing verifies none (p below the small-batch threshold), then fewer than k while right
     drafts raise p again, then k; at a large batch only near-certain drafts pay."""
     assert worth_threshold(1) == worth_threshold(8) == MIN_WORTH
-    assert worth_threshold(64) == worth_threshold(500) == MAX_WORTH
-    assert worth_threshold(36) == pytest.approx((MIN_WORTH + MAX_WORTH) / 2)
+    # the ramp up to 32 running, then n / (n + WORTH_HALF_BATCH) up to MAX_WORTH (issue 38)
+    assert worth_threshold(32) == pytest.approx(MIN_WORTH + (MAX_WORTH - MIN_WORTH) * 24 / 56)
+    assert worth_threshold(64) == pytest.approx(64 / (64 + WORTH_HALF_BATCH))
+    values = [worth_threshold(n) for n in range(1, 2000)]
+    assert values == sorted(values) and values[-1] == MAX_WORTH > worth_threshold(64)
     assert adaptive_num_drafts(3.0, 0.0, 4, MIN_WORTH) == 4
     assert adaptive_num_drafts(0.0, 3.0, 4, MIN_WORTH) == 1  # p = 0.2
     assert adaptive_num_drafts(0.0, 9.0, 4, MIN_WORTH) == 0  # p = 1/11
