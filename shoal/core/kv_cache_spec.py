@@ -302,6 +302,32 @@ class KVCacheGroup:
         return self.spec.first_needed_token(start) // block_size
 
 
+def _even_chunks(layers: list[int], size: int) -> list[list[int]]:
+    """The layers in order, cut into the fewest runs of at most `size`, as even as can be."""
+    n = -(-len(layers) // size)
+    cuts = [len(layers) * i // n for i in range(n + 1)]
+    return [layers[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def _windows_in_chunks(specs: list[KVCacheSpec], kinds: list[list[int]]) -> list[list[list[int]]]:
+    """Each table kind's layers as groups. Where every layer keeps plain K/V pages of one shape
+    (the groups share tensors: the j-th layer of each group shares one, so a block id costs
+    the largest group's pages), a sliding kind with more layers than the full-attention kind
+    is cut into groups of at most the full kind's size (vLLM's hybrid grouping). Gemma 3's 52
+    sliding layers beside 10 full ones made one group of 52: each block id cost 52 pages,
+    and a full-attention block used 10 of them; in six groups of 8-9 a block costs 10 pages,
+    so a token of long context costs 10 layers' rows instead of 52 (at a context about the
+    window's length, as W1's, 0.65x the pages a request holds)."""
+    plain = all(type(s) in (FullAttentionSpec, SlidingWindowSpec) for s in specs)
+    shapes = {(s.num_kv_heads, s.head_size, s.dtype_bytes) for s in specs}
+    full = [idx for idx in kinds if specs[idx[0]].sliding_window is None]
+    if not plain or len(shapes) != 1 or len(full) != 1:
+        return [[idx] for idx in kinds]
+    size = len(full[0])
+    return [_even_chunks(idx, size) if specs[idx[0]].sliding_window is not None else [idx]
+            for idx in kinds]
+
+
 def group_layers(specs: list[KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
     """Groups layers by table kind, full-attention tables first (the drafters and the KV
     tiers follow the first group's table), then sliding ones, then linear states, each in
@@ -312,7 +338,8 @@ def group_layers(specs: list[KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
     for i, spec in enumerate(specs):
         by_kind.setdefault(spec.table_kind, []).append(i)
     states = by_kind.pop(("state",), [])
-    groups = [KVCacheGroup(specs[idx[0]], tuple(idx)) for idx in by_kind.values()]
+    groups = [KVCacheGroup(specs[g[0]], tuple(g))
+              for chunks in _windows_in_chunks(specs, list(by_kind.values())) for g in chunks]
     size = max((len(g.layers) for g in groups), default=len(states)) or 1
     groups += [KVCacheGroup(specs[states[i]], tuple(states[i:i + size]))
                for i in range(0, len(states), size)]

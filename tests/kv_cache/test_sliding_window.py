@@ -49,6 +49,31 @@ def test_specs_group_layers_by_what_they_keep():
     assert sliding.first_needed_token(20) == 13 and full.first_needed_token(20) == 0
 
 
+def test_many_sliding_layers_form_groups_no_larger_than_the_full_group():
+    """Gemma 3's 5:1 pattern (the shipped 27B: 52 sliding, 10 full layers): the groups share
+    tensors, so a block costs the largest group's pages; the sliding layers in groups of at
+    most 10 make it 10 pages, not 52, and a request of the window's length holds fewer."""
+    from shoal.worker.kv_cache_tensors import bytes_per_block
+
+    full, sliding = FullAttentionSpec(16, 128, 2), SlidingWindowSpec(16, 128, 2, 1024)
+    specs = [full if i % 6 == 5 else sliding for i in range(62)]
+    groups = group_layers(specs)
+    assert groups[0].layers == tuple(range(5, 62, 6))
+    assert [len(g.layers) for g in groups[1:]] == [8, 9, 9, 8, 9, 9]
+    assert sorted(i for g in groups[1:] for i in g.layers) == [
+        i for i in range(62) if i % 6 != 5]
+    assert all(g.sliding_window == 1024 for g in groups[1:])
+    assert bytes_per_block(specs, groups, 16) == 10 * full.page_bytes(16)
+    # pages a request of 1,125 tokens holds: one block id per 16 tokens per table
+    ids = 71 + 6 * 65
+    assert ids * 10 < 0.7 * (71 + 65) * 52
+    # equal kinds (GPT-OSS's 1:1), other row shapes and lone kinds are left as they were
+    assert [len(g.layers) for g in group_layers([sliding, full] * 12)] == [12, 12]
+    odd = [FullAttentionSpec(8, 128, 2)] + [sliding] * 5
+    assert [len(g.layers) for g in group_layers(odd)] == [1, 5]
+    assert [len(g.layers) for g in group_layers([sliding] * 7)] == [7]
+
+
 def _decode(kv: KVCacheManager, req: Request, steps: int) -> None:
     for t in range(steps):
         assert kv.allocate_slots(req, 1) is not None
