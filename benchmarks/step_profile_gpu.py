@@ -64,6 +64,7 @@ from typing import Any
 
 import engine_internals
 import offline_runs
+import quant_gpu
 from bench_args import REQUIRED, add_common
 from deepseek_gpu import SMOKE_CONFIG as DEEPSEEK_SMOKE_CONFIG
 from gpt_oss_gpu import SMOKE_CONFIG as GPT_OSS_SMOKE_CONFIG
@@ -217,11 +218,19 @@ class Ranges:
 
 # ---- the runs ---------------------------------------------------------------------------------
 
-def _engine(folder: Path, smoke: bool, eager: bool, max_model_len: int) -> offline_runs.Engine:
+# --variant: quant_gpu's weight formats. fp8_channel quantizes the dummy bf16 weights at load
+# (quantization="fp8"); the others are a folder whose config carries the quantization_config.
+VARIANTS = ("bf16", "fp8_channel", "fp8_block", "int4_g128")
+
+
+def _engine(folder: Path, smoke: bool, eager: bool, max_model_len: int,
+            variant: str = "bf16") -> offline_runs.Engine:
     kw: dict[str, Any] = dict(load_format="dummy", dtype="float32" if smoke else "bfloat16",
                               max_model_len=max_model_len, max_num_seqs=8,
                               kv_cache_memory_bytes=(32 << 20) if smoke else 4 << 30,
                               enforce_eager=eager)
+    if variant == "fp8_channel":
+        kw["quantization"] = "fp8"
     if smoke:
         kw["device"] = "cpu"
     return offline_runs.start_engine(str(folder), **kw)
@@ -256,7 +265,7 @@ def eager_section(args: argparse.Namespace, folder: Path, cfg: dict[str, Any],
 
     from shoal import SamplingParams
 
-    eng = _engine(folder, args.smoke, True, args.max_model_len)
+    eng = _engine(folder, args.smoke, True, args.max_model_len, args.variant)
     llm, vocab = eng.llm, int(cfg["vocab_size"])
     runner = engine_internals.runner(llm)
     if runner is None:
@@ -302,7 +311,7 @@ def graph_section(args: argparse.Namespace, folder: Path, cfg: dict[str, Any],
     """weights: as eager_section's, where it is still empty (--sections graph)."""
     from shoal import SamplingParams
 
-    eng = _engine(folder, args.smoke, False, args.max_model_len)
+    eng = _engine(folder, args.smoke, False, args.max_model_len, args.variant)
     llm = eng.llm
     if not weights:
         weights |= model_weights(llm, cfg) or {}
@@ -375,6 +384,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--top", type=int, default=25, help="kernels listed (default 25)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--sections", default="eager,graph", help="eager, graph or both")
+    ap.add_argument("--variant", choices=VARIANTS, default="bf16",
+                    help="weight format of a dense model (quant_gpu.py's variants; the floor "
+                         "then counts its bytes a weight: quant_gpu.weight_floor)")
     args = ap.parse_args(argv)
     for name in ("steps", "context", "replays", "top"):
         if getattr(args, name) < 1:
@@ -399,9 +411,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         folder = Path(shoal_source() or ".", "shoal", "model_configs", DEFAULT_MODEL)
     cfg = json.loads((folder / "config.json").read_text())
+    if args.variant in quant_gpu.QUANT_CONFIGS:
+        tmp = tmp or tempfile.TemporaryDirectory(prefix="stepprof-variant-")
+        folder = quant_gpu.variant_folder(args.variant, folder, Path(tmp.name))
     rec: dict[str, Any] = dict(model=str(folder), model_type=cfg.get("model_type"),
                                smoke=args.smoke, batch=1, context=args.context,
-                               decode_steps=args.steps)
+                               decode_steps=args.steps, variant=args.variant)
     eager, weights = None, dict[str, Any]()  # weights: a MoE model's moe_active_bytes
     try:
         if "eager" in sections:
@@ -416,6 +431,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         rec["error"] = f"{type(e).__name__}: {e}"
     rec["floor"] = floor_table(cfg, 4 if args.smoke else 2, offline_runs.copy_bandwidth(),
                                eager, weights or None)
+    if args.variant != "bf16":  # the table above counts the linears in the engine dtype
+        rec["variant_floor"] = quant_gpu.weight_floor(cfg, args.variant)
     out = record("step_profile", "shoal", **rec)
     write(out, args.out)
     _summary(out)
