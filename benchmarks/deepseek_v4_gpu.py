@@ -289,25 +289,33 @@ def long_context(st: EngineStage) -> dict[str, Any]:
 
 def long_context_mla(args: argparse.Namespace, sizes: dict[str, Any]) -> dict[str, Any]:
     """The MLA engine at the cut's width: the same requests as long_context."""
-    v4 = read_config(v4_folder(args))
-    raw = mla_config(v4, args.smoke)
+    raw = mla_config(read_config(v4_folder(args)), args.smoke)
+    return mla_contexts(args, sizes, raw, "DeepseekV3ForCausalLM at the V4 cut's width")
+
+
+def mla_contexts(args: argparse.Namespace, sizes: dict[str, Any], raw: dict[str, Any],
+                 label: str, **engine_over: Any) -> dict[str, Any]:
+    """long_context's requests on an engine of the MLA config `raw` (written to a temp
+    folder; engine_over: engine arguments over engine_kw's). deepseek_v32_gpu.py uses it too."""
     elem = 2 if sizes["dtype"] == "bfloat16" else 4
     per_token = mla_bytes_per_token(raw, elem)
     limit = max_model_len(args, sizes, raw)
-    tmp = tempfile.mkdtemp(prefix="v4-mla-")
+    tmp = tempfile.mkdtemp(prefix="mla-")
     eng = None
     try:
         (Path(tmp) / "config.json").write_text(json.dumps(raw, indent=2))
-        eng = offline_runs.start_engine(tmp, **engine_kw(args, sizes, limit))
+        kw = engine_kw(args, sizes, limit) | engine_over
+        eng = offline_runs.start_engine(tmp, **kw)
         caches = getattr(engine_internals.runner(eng.llm), "kv_caches", None)
         engine_per_token = (sum(kv.numel() // kv.shape[1] * kv.element_size() for kv in caches)
                             if caches else None)
         rows = measure_contexts(eng.llm, contexts_for(args, sizes), limit, sizes,
                                 int(raw["vocab_size"]), args.seed,
                                 lambda c: dict(kv_bytes=(engine_per_token or per_token) * c))
-        return record(MLA_WORKLOAD, "shoal", model="DeepseekV3ForCausalLM at the V4 cut's width",
+        return record(MLA_WORKLOAD, "shoal", model=label,
                       config=raw, dtype=sizes["dtype"], smoke=args.smoke, ready_s=eng.ready_s,
-                      max_model_len=limit, enforce_eager=engine_eager(eng),
+                      max_model_len=limit, max_num_seqs=kw["max_num_seqs"],
+                      enforce_eager=engine_eager(eng),
                       kv_bytes_per_token=engine_per_token, kv_bytes_per_token_config=per_token,
                       contexts=rows)
     finally:
