@@ -7,7 +7,13 @@ The two checkpoints differ only in their in-projections. Qwen3-Next's `in_proj_q
 `in_proj_ba` interleave each key head's q, k, then its value heads' v and z (and b, a): a
 contiguous split across ranks keeps whole key heads, so they load as plain column-parallel
 rows and are un-interleaved here. Qwen3.5's `in_proj_qkv`, `in_proj_z`, `in_proj_b` and
-`in_proj_a` keep each kind whole: they load into the same two matmuls as segments."""
+`in_proj_a` keep each kind whole: they load into the same two matmuls as segments.
+
+The two in-projections read the same hidden state and run as one GEMM while their weights
+stay dense (shoal/layers/shared_input_linear.py): in_proj_ba is 2 * value heads rows, and
+at batch 1 its GEMV was a launch's time (~5 us on an H100) for almost no bytes. Each rank
+joins its own shards (both split by output rows), so tensor parallelism joins as one rank
+does."""
 
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ from shoal.layers.linear import (
 )
 from shoal.layers.linear_attention import LinearAttention, Rest
 from shoal.layers.ops.linear_decode_fused import DecodeGates
+from shoal.layers.shared_input_linear import SharedInputLinear
 
 
 def rank_slice_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
@@ -62,6 +69,7 @@ class GatedDeltaNet(LinearAttention):
                 params_dtype=dtype)
             self.in_proj_ba = SegmentedColumnLinear(hidden, [heads_v, heads_v],
                                                     {"b": (0,), "a": (1,)}, params_dtype=dtype)
+        self.in_proj = SharedInputLinear(self.in_proj_qkvz, self.in_proj_ba)
         k = cfg.linear_conv_kernel_dim
         self.conv1d = nn.Module()
         self.conv1d.weight = nn.Parameter(torch.empty(self.conv_dim, k, dtype=dtype),
@@ -84,7 +92,7 @@ class GatedDeltaNet(LinearAttention):
 
     def conv_input(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Rest]:
         t = hidden.shape[0]
-        qkvz, ba = self.in_proj_qkvz(hidden), self.in_proj_ba(hidden)
+        qkvz, ba = self.in_proj(hidden)  # (column slices of one output while joined)
         if self.interleaved:  # per key head: q, k, its value heads' v, then z (and b, a)
             r = self.nv // self.nk
             q, k, v, z = qkvz.view(t, self.nk, -1).split(

@@ -10,7 +10,12 @@ then an RMSNorm per head gated by sigmoid(g_b_proj(g_a_proj(x))) and o_proj.
 
 Tensor parallelism splits the heads: q | k | v | b and the two up-projections (f_b_proj,
 g_b_proj) by output rows, the conv segments, dt_bias and A_log alike, o_proj by input
-columns; the two rank-D down-projections (f_a_proj, g_a_proj) are replicated."""
+columns; the two rank-D down-projections (f_a_proj, g_a_proj) are replicated.
+
+q | k | v | b and the two down-projections read the same hidden state: one GEMM while their
+weights stay dense (shoal/layers/shared_input_linear.py; each rank joins its q | k | v | b
+rows with the replicated down-projections). The two up-projections read different inputs
+(f and g) and stay apart."""
 
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from shoal.layers.linear import (
 )
 from shoal.layers.linear_attention import LinearAttention, Rest
 from shoal.layers.ops.linear_decode_fused import DecodeGates
+from shoal.layers.shared_input_linear import SharedInputLinear
 
 
 def fla_l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -98,6 +104,7 @@ class KimiDeltaAttention(LinearAttention):
         # f_a_proj and g_a_proj read the same input: one matmul
         self.fg_a_proj = ReplicatedLinear(hidden, 2 * d, params_dtype=dtype)
         self.fg_a_proj.weight.weight_loader = stacked_rows_loader({"f": d, "g": d})
+        self.in_proj = SharedInputLinear(self.qkvb_proj, self.fg_a_proj)
         self.f_b_proj = ColumnParallelLinear(d, full, params_dtype=dtype)
         self.g_b_proj = ColumnParallelLinear(d, full, params_dtype=dtype)
         # transformers keeps dt_bias in float32 (_keep_in_fp32_modules_strict), not A_log
@@ -116,8 +123,9 @@ class KimiDeltaAttention(LinearAttention):
 
     def conv_input(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Rest]:
         """x = q | k | v; rest = (b [T, H], forget logits [T, H*D], output gate [T, H*D])."""
-        x, b = self.qkvb_proj(hidden).split([self.conv_dim, self.heads_per_rank], dim=-1)
-        f, g = self.fg_a_proj(hidden).split([self.d, self.d], dim=-1)
+        qkvb, fg = self.in_proj(hidden)  # (column slices of one output while joined)
+        x, b = qkvb.split([self.conv_dim, self.heads_per_rank], dim=-1)
+        f, g = fg.split([self.d, self.d], dim=-1)
         return x, (b, self.f_b_proj(f.contiguous()), self.g_b_proj(g.contiguous()))
 
     @property
