@@ -309,8 +309,12 @@ class Eagle3Drafter(HiddenStateDrafter):
         parallelism: every stage's, gathered once the step is back (step.aux)."""
         if step.hidden is None:
             return None
-        aux = step.aux
-        if aux is None:
+        aux, own = step.aux, step.aux is not None  # own: a tensor no later step writes
+        if aux is None and step.rows is not None:
+            # A verify graph pads each request's tokens to its q: the aux rows sit where it
+            # wrote them, not in the step's flat order (step.hidden's, inp.starts()).
+            aux, own = self.target_model.aux_buffer.index_select(0, step.rows), True
+        elif aux is None:
             aux = self.target_model.aux_buffer[:step.hidden.shape[0]]
         # Paused requests' rows wait unmirrored (mirror_backlog.py), the fc with them: the
         # mirror runs it over the rows it mirrors. A step of paused requests only is kept
@@ -324,7 +328,7 @@ class Eagle3Drafter(HiddenStateDrafter):
         graphs = self.mirror_graphs
         graphed = graphs is not None and aux.shape[0] <= graphs.max_tokens
         if graphed or any(it.drafts_paused for it in step.inputs.items):
-            return RawRows(aux if step.aux is not None else aux.clone())
+            return RawRows(aux if own else aux.clone())
         return self.model.combine(aux)
 
     def _input_states(self, rows: torch.Tensor) -> torch.Tensor:

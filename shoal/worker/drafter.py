@@ -49,6 +49,9 @@ class TargetStep:
     hidden_static: bool = False  # hidden is a CUDA graph's output: the next replay overwrites it
     # pipeline stage 0, once sampled: every stage's EAGLE-3 aux states (stage_link.py)
     aux: torch.Tensor | None = None
+    # a verify graph's padded row of each real token, where it wrote the target's other
+    # per-token buffers (EAGLE-3's aux_buffer); None: in order, first (ForwardOutput.rows)
+    rows: torch.Tensor | None = None
 
 
 class Drafter(ABC):

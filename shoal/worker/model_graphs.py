@@ -183,11 +183,13 @@ class ModelGraphs:
 
     def run(self, shape: StepShape, inp: StepInputs,
             fill_pending: Callable[[torch.Tensor], None] | None, state_spec: Any = None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """Replays the step's graph; returns the logits of its sampling rows (in the order of
-        inp.logits_index) and, when kept, every real token's hidden states. state_spec: the
-        step's linear-attention replays and verifies (attention/linear_state.py
-        StateSpecInputs), or None."""
+        inp.logits_index), when kept every real token's hidden states, and with them where
+        the graph wrote each real token (its padded row, on the device; None: in order,
+        first, or hidden not kept): what a drafter needs to read the model's other per-token
+        buffers of the step (EAGLE-3's aux states). state_spec: the step's linear-attention
+        replays and verifies (attention/linear_state.py StateSpecInputs), or None."""
         ids, pos, padded = self._layout(shape, inp)
         # Each row's last real token (read only by a chunk's shape: its logits row)
         last = ([r * shape.q + it.num_new_tokens - 1 for r, it in enumerate(inp.items)]
@@ -203,12 +205,14 @@ class ModelGraphs:
         logits, hidden = self.table.replay(shape)
         if padded is None:  # one token per row, or one row: real tokens come first
             n = len(inp.logits_index)
-            return logits[:n], (hidden[:inp.num_tokens] if hidden is not None else None)
+            return logits[:n], (hidden[:inp.num_tokens] if hidden is not None else None), None
         device = logits.device
         rows = to_device([padded[i] for i in inp.logits_index], torch.long, device)
+        real = None  # (only a drafter that keeps the hidden states reads per-token buffers)
         if hidden is not None:
-            hidden = hidden.index_select(0, to_device(padded, torch.long, device))
-        return logits.index_select(0, rows), hidden
+            real = to_device(padded, torch.long, device)
+            hidden = hidden.index_select(0, real)
+        return logits.index_select(0, rows), hidden, real
 
     def _layout(self, shape: StepShape, inp: StepInputs
                 ) -> tuple[list[int], list[int], list[int] | None]:

@@ -344,7 +344,8 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, RunnerGraphC
         staged = not isinstance(forward, ForwardOutput)
         step = TargetStep(inp, None if staged else forward.hidden,
                           lambda: self.forwarder.device_input_ids(inp),
-                          hidden_static=not staged and forward.hidden_static)
+                          hidden_static=not staged and forward.hidden_static,
+                          rows=None if staged else forward.rows)
         # Pipeline parallelism (stage 0): the final hidden states arrive when the step is
         # sampled, so a drafter that reads them sees the step then; and no later micro-batch
         # holds this one's requests, so its drafts are wanted as the latest step's are.

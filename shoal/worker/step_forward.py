@@ -37,6 +37,9 @@ class ForwardOutput:
     # pipeline stage 0: every stage's EAGLE-3 aux states of the step, in the head's order
     # (None: read the model's aux_buffer, or no EAGLE-3)
     aux: torch.Tensor | None = None
+    # a verify graph's padded row of each real token (None: in order, first): where the
+    # graph wrote them in the model's per-token buffers (EAGLE-3's aux_buffer)
+    rows: torch.Tensor | None = None
 
     def wait(self) -> ForwardOutput:
         return self
@@ -99,10 +102,10 @@ class StepForwarder:
         if shape is None:
             return self._from_hidden(inp, out, self._eager(inp))
         spec = self._state_spec(inp)
-        logits, hidden = self.graphs.run(
+        logits, hidden, rows = self.graphs.run(
             shape, inp, self.pending.filler(inp.pending_dst, inp.pending_src),
             **({"state_spec": spec} if spec is not None else {}))
-        return ForwardOutput(logits, hidden, hidden_static=True)
+        return ForwardOutput(logits, hidden, hidden_static=True, rows=rows)
 
     def enable_state_replays(self, max_requests: int, tokens: int, dtype: torch.dtype) -> None:
         """Speculative decoding on linear-attention layers: each keeps the inputs of up to

@@ -4,11 +4,16 @@ buffers, worker/eager_graphs.py), feeding the draft graphs of drafts 2..k. Every
 a proposal must stage or feed, the mirror's and the draft graphs', is poisoned before each
 proposal, so a missed input changes the drafts. Forced acceptance of every draft, then of
 none, makes the mirrors k + 1 rows a request (fewer near max_tokens: padded), then one: the
-output, every proposal and its
-probabilities are the eager engine's (the torch backend, no graphs). (Forced acceptance keeps
-the target's token where a draft is accepted, so the sequence is not what the target read:
-the EAGLE-3 formula recomputed from it does not apply. Greedy output and the formula's drafts
-through these graphs without forcing: test_proposal_host_ops.py.)"""
+output, every proposal and its probabilities are the eager engine's (the torch backend, no
+graphs). (Forced acceptance keeps the target's token where a draft is accepted, so the
+sequence is not what the target read: the EAGLE-3 formula recomputed from it does not apply.
+Greedy output and the formula's drafts through these graphs without forcing:
+test_proposal_host_ops.py.)
+
+The target's verify steps replay its graphs of k + 1 tokens a row (emulated too): a
+request verifying fewer drafts is padded there, so the aux states of the requests after it
+sit at other rows than in the step's flat order (issue 38: read in that order on the GPU,
+they were other tokens' states, and the drafts of those requests went wrong from then on)."""
 
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from worker.eager_graphs import EagerGraphTable  # noqa: E402
 
 from shoal import SamplingParams  # noqa: E402
 from shoal.spec_decode.draft_graphs import DraftGraphs  # noqa: E402
+from shoal.worker.graph_table import StepShape  # noqa: E402
+from shoal.worker.model_graphs import ModelGraphs  # noqa: E402
 
 K = 3
 MAX_LEN = 64  # blocks of 4 (tiny_llm): tables of 16, one decode split
@@ -67,6 +74,27 @@ def _graphed(drafter) -> list[tuple[int, int, list[int]]]:
     return runs
 
 
+def _target_verify_graphs(runner) -> list[list[int]]:
+    """The target's verify steps through its graphs of 1 and 4 rows of k + 1 tokens
+    (emulated; its only graphs: other steps run eagerly); returns each replay's tokens a
+    request. A request verifying fewer drafts is padded to k + 1 there, so the rows of those
+    after it are not the step's flat rows (EAGLE-3 reads its aux states where the graph
+    wrote them)."""
+    shapes = [StepShape(b, K + 1, K + 1) for b in (1, 4)]
+    graphs = ModelGraphs(runner.model, runner.backend, shapes, MAX_LEN // 4, runner.device,
+                         block_size=4, keep_hidden=True, table_type=EagerGraphTable)
+    graphs.capture()
+    runner.graphs = graphs
+    runs: list[list[int]] = []
+    inner = graphs.run
+
+    def run(shape, inp, fill, **kw):
+        runs.append([it.num_new_tokens for it in inp.items])
+        return inner(shape, inp, fill, **kw)
+    graphs.run = run
+    return runs
+
+
 def _probs(llm) -> list[list[float]]:
     """Every proposal's draft probabilities (the drafter's own, before any overlay)."""
     drafter = llm.llm_engine.core.runner.drafter
@@ -96,7 +124,9 @@ def test_mirror_and_draft_1_replay_their_graphs(tmp_path) -> None:
     for graphs in (False, True):
         llm = tiny_llm(target, attention_backend="triton" if graphs else "torch",
                        max_num_seqs=4, max_model_len=MAX_LEN, speculative_config=spec)
-        runs = _graphed(llm.llm_engine.core.runner.drafter) if graphs else []
+        runner = llm.llm_engine.core.runner
+        runs = _graphed(runner.drafter) if graphs else []
+        verifies = _target_verify_graphs(runner) if graphs else []
         log, seen = record_proposals(llm), _probs(llm)
         got = llm.generate(prompts[:3], sp, use_tqdm=False)
         llm.llm_engine.core.runner.drafter.forced_acceptance.rate = 0.0
@@ -111,6 +141,8 @@ def test_mirror_and_draft_1_replay_their_graphs(tmp_path) -> None:
     assert any(q == K + 1 and min(lens) < K + 1 for _, q, lens in runs)
     assert any(rows == 4 and len(lens) == 3 for rows, _, lens in runs)
     assert any(rows == 1 for rows, _, _ in runs)
+    # a verify replay where a request of fewer than k + 1 tokens came before another
+    assert any(min(v[:-1]) < K + 1 for v in verifies if len(v) > 1), verifies
     assert logs[0] == logs[1] and len(logs[1]) > 5
     assert len(probs[0]) == len(probs[1]) > 5
     for eager, graphed in zip(*probs):
