@@ -8,7 +8,9 @@ Each layer has two paged caches in the same block tables: the latent rows and th
 key rows (attention_layers() lists both). Contexts up to index_topk read every token, so the
 layer is exactly dense MLA there (on any backend); longer ones read the indexer's picks
 through sparse MLA: masks on the torch backend, a Triton kernel over each row's picked
-positions on the Triton one (shoal/attention/ops/mla_sparse.py)."""
+positions on the Triton one (shoal/attention/ops/mla_sparse.py). Decode steps replay CUDA
+graphs captured per block-table width (decode_table_buckets_from), so a short context skips
+the indexer in its graph too and a long one scores its width's positions only."""
 
 from __future__ import annotations
 
@@ -54,6 +56,18 @@ class DeepseekV32Model(DeepseekModel):
 
 
 class DeepseekV32ForCausalLM(DeepseekV3ForCausalLM):
+    def __init__(self, hf_config: Any, dtype: torch.dtype, *, use_triton_ops: bool = True):
+        super().__init__(hf_config, dtype, use_triton_ops=use_triton_ops)
+        # In a CUDA graph the indexer scores every position its block tables could hold, and
+        # is skipped only when they hold at most index_topk (sparse_indexer.py _pick_rows:
+        # max_seq_len there is the tables' capacity). Decode graphs are captured per table
+        # width, doubling from index_topk tokens (shoal/worker/model_graphs.py), and a step
+        # replays the narrowest holding its longest request: within top-k (block_size
+        # dividing it) no indexer runs and the attention is dense MLA, past it only the
+        # width's positions are scored, not max_model_len's. The checkpoint's index_topk,
+        # hence an instance attribute (graph_capture.py reads it off the model).
+        self.decode_table_buckets_from: int = hf_config.index_topk
+
     def _build_model(self, hf_config: Any, dtype: torch.dtype,
                      use_triton_ops: bool) -> nn.Module:
         return DeepseekV32Model(hf_config, dtype, use_triton_ops)
