@@ -40,12 +40,10 @@ Parts (one JSON record each, the file rewritten after every one):
 Engines. Long (v32 and mla stages): max_model_len the largest context + decode + 128 (131,264
 at 128k; --max-model-len sets it), max_num_seqs 8 (one request at a time runs there; fewer
 decode graphs to capture). W1 (v32_w1 stage: batch1, w1): max_model_len 4096 as deepseek_gpu's
-W1 engine (whatever --max-model-len says), max_num_seqs 256. Why two V3.2 engines: V3.2's decode graphs are captured at the tables' whole width and a
-graph's indexer scores every position that width holds (sparse_picks.py; V4 captures graphs
-per table width, V3.2 declares no decode_table_buckets_from), so in the long engine every
-decode step, at any context, scores ~131k positions a row; at W1's batch 256 that would
-dominate the step. Compare batch1's step_ms (4k tables) with long_context's 1k decode ms (131k
-tables) to see that cost. All: kv_cache_memory_bytes 4 GiB (762k tokens of V3.2 context: the
+W1 engine (whatever --max-model-len says), max_num_seqs 256. Why two V3.2 engines: W1
+is measured as every other model's W1 is, at 4k tables; the long engine captures decode graphs
+per table width from index_topk (deepseek_v32.py decode_table_buckets_from), so its 1k decode
+replays a graph whose indexer is skipped and its 128k decode scores 128k positions a row. All: kv_cache_memory_bytes 4 GiB (762k tokens of V3.2 context: the
 131k request, or W1's worst case of 256 x 2,048 = 524k), max_num_batched_tokens 8192.
 Memory on the H100 (79 GiB): 28.25 GiB of weights + 4 GiB of KV + an 8192-token chunk's
 activations (absorbed queries [8192, 128, 576] 1.1 GiB, the attention output 1.0 GiB, the
@@ -229,8 +227,9 @@ def batch1(st: EngineStage) -> dict[str, Any]:
     rec = deepseek_gpu.batch1(st)
     rec["kv_read_note"] = (
         "kv_bytes_read_per_token_at_mean_context counts the latent rows only; the indexer's "
-        "keys add index_head_dim x element bytes a position and layer, and its decode graphs "
-        "score every position of the tables' width (max_model_len), not the context's")
+        "keys add index_head_dim x element bytes a position and layer; its decode graphs "
+        "score the positions of their table width (from index_topk, doubling), none within "
+        "index_topk")
     return rec
 
 
