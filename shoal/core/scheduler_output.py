@@ -55,8 +55,10 @@ class ScheduledRequest:
     # Linear-attention layers after a verify step: its first this-many tokens (the accepted
     # run) are folded into the recurrent states before this step's tokens (ReplaySSM)
     replay: int = 0
-    # Speculative decoding: its next decode step backs off (draft_budget.py) and verifies no
-    # drafts, so a drafter may leave it out now and catch up when drafting resumes
+    # Speculative decoding: no drafts of this step's finish are wanted (engine/scheduler.py
+    # drafts_paused: the request backs off past its next step, or this verify step backs it
+    # off if it accepts nothing), so a drafter may keep its rows and catch up when drafting
+    # resumes; a marked verify step that does accept drafts is mirrored and drafted from
     drafts_paused: bool = False
 
     @property

@@ -126,6 +126,19 @@ def age_counts(hits: float, fails: float, verified: bool) -> tuple[float, float]
             PRIOR_FAILS + (fails - PRIOR_FAILS) * ACCEPT_DECAY)
 
 
+def backs_off_after(misses: int, hits: float, fails: float) -> bool:
+    """Whether `misses` misses in a row, with these acceptance counts, back a request off."""
+    return misses >= MISSES_BEFORE_BACKOFF and (
+        misses >= MISSES_ALWAYS_BACKOFF or acceptance_estimate(hits, fails) < BACKOFF_BELOW)
+
+
+def backs_off_on_a_miss(req: Request) -> bool:
+    """Whether DraftBudget.settle backs the request off if its verify step now accepts none of
+    its drafts (its counts as settle() finds them: aged for the step by num_drafts). The
+    scheduler marks such a step's drafts paused (engine/scheduler.py drafts_paused)."""
+    return backs_off_after(req.spec_misses + 1, req.spec_hits, req.spec_fails + 1)
+
+
 def acceptance_estimate(hits: float, fails: float) -> float:
     """p, the chance that a draft is accepted once the drafts before it were, from the
     decayed counts with one success and one failure added (Laplace)."""
@@ -243,8 +256,7 @@ class DraftBudget:
             req.spec_misses = req.spec_backoffs = 0
             return
         req.spec_misses += 1
-        if (acceptance_estimate(req.spec_hits, req.spec_fails) < BACKOFF_BELOW
-                or req.spec_misses >= MISSES_ALWAYS_BACKOFF):
+        if backs_off_after(req.spec_misses, req.spec_hits, req.spec_fails):
             self._back_off(req)
 
     @staticmethod
