@@ -147,6 +147,11 @@ SHOAL_LINEAR_DECODE_FUSED: EnvVar[bool] = EnvVar(
     "kernels and the gates and output norm as torch ops) instead of the fused kernels "
     "(shoal/layers/ops/linear_decode_fused.py)")
 
+SHOAL_FUSED_GATE_ROUTING: EnvVar[bool] = EnvVar(
+    "SHOAL_FUSED_GATE_ROUTING", True, _switch,
+    "0: a MoE router at decode sizes (1-8 tokens, CUDA) runs its gate GEMV and the routing "
+    "kernel apart instead of one launch (shoal/layers/moe/gate_routing.py)")
+
 SHOAL_DENSE_GEMV: EnvVar[bool] = EnvVar(
     "SHOAL_DENSE_GEMV", False, _on,
     "1: dense bf16/fp16 layers at decode sizes (1-8 rows, CUDA) may take a Triton GEMV, timed "

@@ -43,7 +43,7 @@ from shoal.layers.moe.mxfp4_experts import (
     packed_experts_problem,
 )
 from shoal.layers.moe.random_experts import random_mxfp4_experts
-from shoal.layers.moe.router import topk_then_softmax
+from shoal.layers.moe.router import routes_fused, topk_then_softmax
 from shoal.layers.norm import RMSNorm
 from shoal.layers.quantization.mxfp4 import BLOCK, BYTES_PER_BLOCK, dequantize_mxfp4
 from shoal.layers.rotary import get_rope, rope_parameters
@@ -136,7 +136,13 @@ class GptOssRouter(nn.Module):
         self.bias = nn.Parameter(torch.empty(num_experts, dtype=dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # CUDA logits: one Triton launch (moe/topk_routing.py); others: torch.topk, softmax
+        # CUDA decode steps: gate and routing in one launch (moe/gate_routing.py); other CUDA
+        # logits: the routing in one launch (moe/topk_routing.py); others: torch.topk, softmax
+        if routes_fused(x, self.weight, self.top_k, self.use_triton_ops, self.bias):
+            from shoal.layers.moe.gate_routing import gate_routing
+
+            return gate_routing(x, self.weight, self.top_k, "topk_then_softmax",
+                                bias=self.bias)
         return topk_then_softmax(F.linear(x, self.weight, self.bias), self.top_k,
                                  self.use_triton_ops)
 

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from shoal.layers.moe import router, topk_routing  # noqa: E402
+from shoal.layers.moe import gate_routing, router, topk_routing  # noqa: E402
 from shoal.layers.moe.topk_routing import RoutingPlan, plan_routing  # noqa: E402
 from shoal.models.gpt_oss import GptOssRouter  # noqa: E402
 
@@ -232,6 +232,8 @@ def test_device_tensors_take_the_kernel(monkeypatch, launches: list[str]) -> Non
     interpreted) routes through the kernel; shapes it does not take fall back to torch."""
     if DEV == "cpu":
         monkeypatch.setattr(router, "use_triton", lambda x, enabled: enabled)
+    # the routers' decode-sized gate + routing launch (test_gate_routing.py) off: F.linear here
+    monkeypatch.setattr(gate_routing, "fits_fused", lambda *args: False)
     g = torch.Generator().manual_seed(8)
     logits = torch.randn(3, 8, generator=g).to(torch.bfloat16).to(DEV)
     w, ids = router.select_experts(logits, 2, True)

@@ -1,6 +1,7 @@
 """Softmax top-k routing, as Hugging Face Qwen3-MoE / Mixtral-style routers compute it (and
 GPT-OSS's top-k-then-softmax). CUDA logits go through one Triton launch
-(shoal/layers/moe/topk_routing.py); other tensors keep the torch code below."""
+(shoal/layers/moe/topk_routing.py); at decode sizes the routers' gate GEMV and routing go
+through one launch together (gate_routing.py); other tensors keep the torch code below."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shoal import envs
 from shoal.layers.linear import default_weight_loader
 from shoal.layers.ops.dispatch import use_triton
 
@@ -21,6 +23,17 @@ def routes_on_kernel(logits: torch.Tensor, top_k: int, enabled: bool = True) -> 
     from shoal.layers.moe.topk_routing import fits_kernel
 
     return fits_kernel(logits, top_k)
+
+
+def routes_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, enabled: bool = True,
+                 bias: torch.Tensor | None = None) -> bool:
+    """CUDA activations of a decode-sized step the fused gate-and-routing launch takes
+    (gate_routing.fits_fused), kernels enabled; else F.linear and the routing run apart."""
+    if not use_triton(x, enabled) or not envs.SHOAL_FUSED_GATE_ROUTING.get():
+        return False
+    from shoal.layers.moe.gate_routing import fits_fused
+
+    return fits_fused(x, weight, top_k, bias)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -82,5 +95,10 @@ class TopKRouter(nn.Module):
         self.weight.weight_loader = default_weight_loader
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if routes_fused(x, self.weight, self.top_k, self.use_triton_ops):
+            from shoal.layers.moe.gate_routing import gate_routing
+
+            return gate_routing(x, self.weight, self.top_k, "softmax_then_topk",
+                                self.renormalize)
         return select_experts(F.linear(x, self.weight), self.top_k, self.renormalize,
                               self.use_triton_ops)

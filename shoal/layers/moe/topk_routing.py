@@ -73,21 +73,14 @@ def _from_ordered_bits(key):
     return (key ^ ((key >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
 
 
-@triton.jit(do_not_specialize=["n_rows"])  # one binary for T = 1, 7, 64, ... of a shape
-def _topk_routing_kernel(
-    logits_ptr, weights_ptr, ids_ptr, n_rows, stride_row,
-    N_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
-    RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
-):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+@triton.jit
+def route_rows(x, col_ok, TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+               RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+               BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """The routing of ROWS rows of float32 logits x [ROWS, BLOCK_E] (padding columns, where
+    col_ok is false, hold -inf) -> (float32 weights, int64 ids), both [ROWS, BLOCK_K], largest
+    first; slots past TOP_K are unspecified. Shared with gate_routing.py's fused launch."""
     cols = tl.arange(0, BLOCK_E)
-    row_ok = rows < n_rows
-    col_ok = cols < N_EXPERTS
-    # rows past the end (of the last program) read the last row again: no -inf - -inf there
-    src = tl.minimum(rows, n_rows - 1)
-    x = tl.load(logits_ptr + src[:, None] * stride_row + cols[None, :], mask=col_ok[None, :],
-                other=float("-inf")).to(tl.float32)
     if SOFTMAX_FIRST:  # the picks are among the probabilities, as torch picks them
         e = _exp(x - tl.max(x, axis=1)[:, None], INTERPRETED)
         x = tl.div_rn(e, tl.sum(e, axis=1)[:, None])
@@ -112,11 +105,40 @@ def _topk_routing_kernel(
     else:  # vals[:, 0] is the largest; the unused slots hold -inf: exp gives 0
         e = _exp(vals - tl.max(vals, axis=1)[:, None], INTERPRETED)
         w = tl.div_rn(e, tl.sum(e, axis=1)[:, None])
+    return w, ids
+
+
+@triton.jit
+def store_routes(w, ids, rows, row_ok, weights_ptr, ids_ptr, TOP_K: tl.constexpr,
+                 BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """route_rows' outputs of `rows` (where row_ok) into weights [T, TOP_K] (rounded once to
+    their dtype) and ids [T, TOP_K]."""
+    slots = tl.arange(0, BLOCK_K)[None, :]
     out = rows[:, None] * TOP_K + slots
     out_ok = row_ok[:, None] & (slots < TOP_K)
     w = to_dtype(w, weights_ptr.dtype.element_ty, INTERPRETED)
     tl.store(weights_ptr + out, w, mask=out_ok)
     tl.store(ids_ptr + out, ids, mask=out_ok)
+
+
+@triton.jit(do_not_specialize=["n_rows"])  # one binary for T = 1, 7, 64, ... of a shape
+def _topk_routing_kernel(
+    logits_ptr, weights_ptr, ids_ptr, n_rows, stride_row,
+    N_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
+    RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK_E)
+    row_ok = rows < n_rows
+    col_ok = cols < N_EXPERTS
+    # rows past the end (of the last program) read the last row again: no -inf - -inf there
+    src = tl.minimum(rows, n_rows - 1)
+    x = tl.load(logits_ptr + src[:, None] * stride_row + cols[None, :], mask=col_ok[None, :],
+                other=float("-inf")).to(tl.float32)
+    w, ids = route_rows(x, col_ok, TOP_K, SOFTMAX_FIRST, RENORMALIZE, ROWS, BLOCK_E, BLOCK_K,
+                        INTERPRETED)
+    store_routes(w, ids, rows, row_ok, weights_ptr, ids_ptr, TOP_K, BLOCK_K, INTERPRETED)
 
 
 @dataclass(frozen=True)
