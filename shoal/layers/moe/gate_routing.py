@@ -132,6 +132,13 @@ class _Scratch:
 _SCRATCH: dict[tuple[torch.device, int], _Scratch] = {}
 
 
+def scratch_ready(device: torch.device, num_experts: int) -> bool:
+    """Whether a call may run here now: its scratch exists, or it can be made (not inside a
+    CUDA-graph capture, whose allocations would live in the graph's pool)."""
+    return ((device, num_experts) in _SCRATCH or device.type != "cuda"
+            or not torch.cuda.is_current_stream_capturing())
+
+
 def _scratch(device: torch.device, num_experts: int) -> _Scratch:
     key = (device, num_experts)
     have = _SCRATCH.get(key)

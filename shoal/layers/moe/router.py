@@ -31,9 +31,10 @@ def routes_fused(x: torch.Tensor, weight: torch.Tensor, top_k: int, enabled: boo
     (gate_routing.fits_fused), kernels enabled; else F.linear and the routing run apart."""
     if not use_triton(x, enabled) or not envs.SHOAL_FUSED_GATE_ROUTING.get():
         return False
-    from shoal.layers.moe.gate_routing import fits_fused
+    from shoal.layers.moe.gate_routing import fits_fused, scratch_ready
 
-    return fits_fused(x, weight, top_k, bias)
+    # (a graph captured before any eager call, e.g. a drafter's, keeps the two launches)
+    return fits_fused(x, weight, top_k, bias) and scratch_ready(x.device, weight.shape[0])
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
