@@ -371,7 +371,7 @@ class TritonAttentionBackend(AttentionBackend):
         buf.meta[:3 * rows + 1].copy_(torch.from_numpy(meta), non_blocking=True)
         buf.slot_mapping[:rows * q].copy_(torch.from_numpy(slots), non_blocking=True)
         if block_tables is not None and n:
-            self._fill_tables(buf, turn, block_tables)
+            self._fill_tables(buf, turn, block_tables, _window_columns(buf, q))
 
     def graph_metadata(self, buf: TritonGraphBuffers, rows: int, q: int,
                        blocks: int | None = None) -> TritonAttentionMetadata:
@@ -420,16 +420,35 @@ class TritonAttentionBackend(AttentionBackend):
         buf.slot_mapping[:rows].copy_(torch.where(live, block * bs + ctx % bs, -1))
 
     @staticmethod
-    def _fill_tables(buf: TritonGraphBuffers, turn: int,
-                     block_tables: list[list[int]]) -> None:
+    def _fill_tables(buf: TritonGraphBuffers, turn: int, block_tables: list[list[int]],
+                     last: int | None = None) -> None:
+        """last: only each row's last this-many entries are read (a sliding window's
+        group), None: every entry."""
         n, width = len(block_tables), max(len(t) for t in block_tables)
         if width > buf.block_tables.shape[1]:
             raise ValueError(f"a sequence needs {width} blocks, graphs hold "
                              f"{buf.block_tables.shape[1]}")
         # Staged as a contiguous [n, width] host block (whole device rows would copy up to
         # max_blocks entries per row); the device scatters it into the wider rows. Entries
-        # past a row's length are never read, so stale cells are harmless.
+        # past a row's length are never read, nor, in a window's group, those before its
+        # last `last` (ids from earlier fills: real blocks, masked out), so stale cells are
+        # harmless; a window's table costs the host its window, not the whole context.
         tables = buf.host_tables[turn][:n * width].reshape(n, width)
         for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = t
+            a = 0 if last is None else max(len(t) - last, 0)
+            tables[i, a:len(t)] = t[a:] if a else t
         buf.block_tables[:n, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+
+
+# Block-table entries a sliding window's kernels may read before a row's end: the window and
+# the step's q tokens, plus a kernel tile's reach before the window's first key (the prefill
+# kernel starts at the tile holding it: up to 128 tokens).
+WINDOW_TILE_TOKENS = 128
+
+
+def _window_columns(buf: TritonGraphBuffers, q: int) -> int | None:
+    """The last entries of each row a fill must write for a sliding window's group (None: a
+    group that reads the whole context)."""
+    if not buf.sliding_window:
+        return None
+    return -(-(buf.sliding_window + q + WINDOW_TILE_TOKENS) // buf.block_size) + 1

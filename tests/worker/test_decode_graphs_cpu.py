@@ -267,11 +267,30 @@ def test_a_prompt_chunk_beside_verifies_samples_its_last_row_only(tiny_llama_dir
     assert llm.llm_engine.core.scheduler.suspects.num_failed_steps == 0
 
 
-def test_a_hybrid_sliding_model_through_the_graphs_matches_torch(tmp_path):
+@pytest.mark.parametrize("stale_before_window", [False, True])
+def test_a_hybrid_sliding_model_through_the_graphs_matches_torch(tmp_path, monkeypatch,
+                                                                 stale_before_window):
     """Qwen2 with a sliding layer beside a full one (two KV cache groups, each its own graph
     buffers: block tables and slots) through decode and prefill graphs, contexts well past
-    the window: the torch backend's tokens."""
+    the window: the torch backend's tokens. stale_before_window: a fill writes a window
+    group's last entries only (no tile margin here) over host staging filled with another
+    real block's id, so an entry before the window that a kernel read would show."""
     from oracle import write_tiny_checkpoint
+
+    from shoal.attention import triton_backend
+
+    tails = []  # fills that skipped a window group's entries before the window
+    if stale_before_window:
+        monkeypatch.setattr(triton_backend, "WINDOW_TILE_TOKENS", 0)
+        fill = triton_backend.TritonAttentionBackend._fill_tables
+
+        def poisoned(buf, turn, tables, last=None):
+            if last is not None:
+                tails.append(last < max(len(t) for t in tables))
+                buf.host_tables[turn].fill(3)
+            fill(buf, turn, tables, last)
+        monkeypatch.setattr(triton_backend.TritonAttentionBackend, "_fill_tables",
+                            staticmethod(poisoned))
 
     path = write_tiny_checkpoint(tmp_path / "qwen2", "qwen2", seed=6, use_sliding_window=True,
                                  sliding_window=8, max_window_layers=1)
@@ -289,6 +308,7 @@ def test_a_hybrid_sliding_model_through_the_graphs_matches_torch(tmp_path):
     alone = llm.generate(prompts[1], params, use_tqdm=False)[0]  # a lone prefill chunk
     assert alone.outputs[0].token_ids == ref[1]
     assert {s.q > 1 for s, _ in graphs.runs} == {True, False}  # prefill and decode graphs
+    assert any(tails) == stale_before_window
 
 
 def test_hybrid_decode_graphs_match_eager(tmp_path):
