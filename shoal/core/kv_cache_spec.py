@@ -328,18 +328,22 @@ def _windows_in_chunks(specs: list[KVCacheSpec], kinds: list[list[int]]) -> list
             for idx in kinds]
 
 
-def group_layers(specs: list[KVCacheSpec]) -> tuple[KVCacheGroup, ...]:
+def group_layers(specs: list[KVCacheSpec], split_windows: bool = True
+                 ) -> tuple[KVCacheGroup, ...]:
     """Groups layers by table kind, full-attention tables first (the drafters and the KV
     tiers follow the first group's table), then sliding ones, then linear states, each in
     order of its first layer. Linear-state layers form groups no larger than the attention
     groups (vLLM's hybrid grouping): the j-th layer of every group shares one tensor, so a
-    block id costs the largest group's pages."""
+    block id costs the largest group's pages. split_windows: cut a large sliding kind into
+    groups (_windows_in_chunks); off where pipeline stages group their own layers, as the
+    scheduler keeps one set of groups for every stage."""
     by_kind: dict[tuple, list[int]] = {}
     for i, spec in enumerate(specs):
         by_kind.setdefault(spec.table_kind, []).append(i)
     states = by_kind.pop(("state",), [])
-    groups = [KVCacheGroup(specs[g[0]], tuple(g))
-              for chunks in _windows_in_chunks(specs, list(by_kind.values())) for g in chunks]
+    kinds = list(by_kind.values())
+    chunked = _windows_in_chunks(specs, kinds) if split_windows else [[k] for k in kinds]
+    groups = [KVCacheGroup(specs[g[0]], tuple(g)) for chunks in chunked for g in chunks]
     size = max((len(g.layers) for g in groups), default=len(states)) or 1
     groups += [KVCacheGroup(specs[states[i]], tuple(states[i:i + size]))
                for i in range(0, len(states), size)]

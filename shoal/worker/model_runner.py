@@ -85,7 +85,10 @@ class ModelRunner(RunnerLifecycle, RunnerLoRA, RunnerDraftLockstep, RunnerGraphC
         self.kv_dtype = resolve_kv_cache_dtype(config.cache_config.kv_cache_dtype, self.dtype)
         # What each paged layer keeps, and the layers sharing block tables (KV cache groups).
         self.kv_specs = layer_specs(self.model.attention_layers(), self.kv_dtype)
-        self.kv_groups = group_layers(self.kv_specs)
+        # (pipeline stages each group their own layers: a large sliding kind stays one group
+        # there, so every stage has the groups stage 0's scheduler plans)
+        self.kv_groups = group_layers(
+            self.kv_specs, split_windows=config.parallel_config.pipeline_parallel_size == 1)
         self.block_size = config.cache_config.block_size
         # The fused rotary + cache write is one of the Triton ops: off with them.
         self.backend = get_attention_backend(
