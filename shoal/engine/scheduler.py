@@ -64,7 +64,7 @@ class Scheduler(StepResults, RequestTableFront):
                  spec_confidence: float | None = None,
                  micro_batches: int = 1, kv_groups: Sequence[KVCacheGroup] = FULL_ATTENTION,
                  encoder_cache_size: int = 0, whole_spans: bool = False,
-                 kv_connector: KVConnector | None = None):
+                 kv_connector: KVConnector | None = None, pipelined: bool = False):
         """num_blocks: the device KV pool, as the model runner sized it at start-up.
         request_timeout: seconds from arrival after which a request is ended with an error.
         num_speculative_tokens: drafts per step of a speculating request (0: none);
@@ -74,8 +74,11 @@ class Scheduler(StepResults, RequestTableFront):
         kv_groups: the layers sharing block tables (the runner's KVCacheLayout).
         encoder_cache_size: images' encoder outputs the runner keeps (0: a text model);
         whole_spans: each image runs within one step (encoder_schedule.py).
-        kv_connector: KV from and for other engines (shoal/kv_transfer)."""
+        kv_connector: KV from and for other engines (shoal/kv_transfer).
+        pipelined: a step may launch before the previous one's results are in (async
+        scheduling): see drafts_paused."""
         self.config = sched_config
+        self.pipelined = pipelined
         self.micro_batches = micro_batches
         self.block_size = cache_config.block_size
         self.kv = KVCacheManager(num_blocks, cache_config.block_size,
@@ -275,7 +278,7 @@ class Scheduler(StepResults, RequestTableFront):
             req.request_id, req.serial, ids, start, self.kv.block_ids(req.request_id),
             start + n >= req.num_tokens_with_pending,
             req.num_output_tokens + req.num_pending_tokens, max(num_drafts, 0),
-            drafts_paused=drafts_paused(req, num_drafts))
+            drafts_paused=drafts_paused(req, num_drafts, self.pipelined))
         if self._groups:
             item.group_block_ids = self.kv.group_block_ids(req.request_id)
             if self._states:
@@ -390,20 +393,22 @@ class Scheduler(StepResults, RequestTableFront):
         return s
 
 
-def drafts_paused(req: Request, num_drafts: int) -> bool:
+def drafts_paused(req: Request, num_drafts: int, pipelined: bool = True) -> bool:
     """ScheduledRequest.drafts_paused of a request scheduled with num_drafts drafts to verify
     (its backoff already counted down for this step): a hidden-state drafter keeps such a
     step's rows for later (spec_decode/mirror_backlog.py) rather than mirroring them and
     drafting from them at the step's finish, which the device waits for when nothing was
     launched behind the step (issue 38). Paused:
-    - while the request still backs off after its next step (spec_skip > 1). The step whose
-      next step is the last paused one is not: its finish mostly runs beside that next step's
-      forward pass, and there catches the kept rows up, so the finish that drafts for the
-      following verify step (run alone) mirrors one row per request, not a backlog;
+    - while the request still backs off after this step. With pipelined steps (async
+      scheduling) the step whose next step is the last paused one is not: its finish
+      usually runs beside that next step's forward pass, and there catches the kept rows up,
+      so the finish that drafts for the following verify step (run alone) mirrors one row
+      per request, not a backlog. Without pipelining that finish is the latest one, so it
+      would only draft for a step that verifies nothing: it is paused too;
     - a verify step whose full miss would back the request off: a full miss leaves one row
       to mirror, which the drafter then keeps (no drafts nobody verifies); a step that accepts
       drafts leaves more rows and is mirrored and drafted from as ever."""
     if req.spec_skip:
-        return req.spec_skip > 1
+        return req.spec_skip > int(pipelined)
     return num_drafts > 0 and backs_off_on_a_miss(req)
 
