@@ -240,6 +240,14 @@ class DraftBudget:
                 return True
         return False
 
+    @staticmethod
+    def not_verified(req: Request) -> None:
+        """num_drafts granted drafts that the step then could not take (no free blocks for
+        their slots): its counts aged as a verified step's move the rest of the way, as a
+        step verifying none (age_counts)."""
+        req.spec_hits += PRIOR_HITS * (1.0 - ACCEPT_DECAY)
+        req.spec_fails += PRIOR_FAILS * (1.0 - ACCEPT_DECAY)
+
     def settle(self, req: Request, num_drafts: int, accepted: int) -> None:
         """Counts a verified step of num_drafts drafts, `accepted` of them accepted, and
         updates the request's estimate and backoff."""

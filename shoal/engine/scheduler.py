@@ -221,6 +221,8 @@ class Scheduler(StepResults, RequestTableFront):
                                            len(self.running))
                 if d and self.kv.allocate_slots(req, 1 + d) is not None:
                     n += d
+                elif d:
+                    self.drafts.not_verified(req)
             allocated, unscheduled = self._allocate_running(req, n, step)
             i -= unscheduled
             if allocated:

@@ -129,3 +129,18 @@ def test_simulated_batch_48_pays_again(sim) -> None:
     old = sim.simulate(sim.Point("geometric", "off", "session12", 48, 0.8), cost, 48)
     assert current.ratio > 1.2 and current.steps < 150, current
     assert old.ratio < 1.0 and old.steps > 250, old
+
+
+def test_drafts_without_blocks_age_the_counts_as_unverified() -> None:
+    """Drafts granted by num_drafts that the step cannot take for want of blocks: the counts
+    end where a step verifying none leaves them (age_counts), not decayed toward 0."""
+    from shoal.engine.draft_budget import age_counts
+
+    budget = DraftBudget(4, 10_000)
+    req = _request()
+    req.spec_hits, req.spec_fails = 1.0, 2.0
+    req.spec_token_ids = [7, 7, 7, 7]
+    assert budget.num_drafts(req, 100, True, 1) > 0
+    budget.not_verified(req)
+    want = age_counts(1.0, 2.0, verified=False)
+    assert (req.spec_hits, req.spec_fails) == pytest.approx(want)
