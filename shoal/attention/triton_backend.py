@@ -440,15 +440,11 @@ class TritonAttentionBackend(AttentionBackend):
         buf.block_tables[:n, :width].copy_(torch.from_numpy(tables), non_blocking=True)
 
 
-# Block-table entries a sliding window's kernels may read before a row's end: the window and
-# the step's q tokens, plus a kernel tile's reach before the window's first key (the prefill
-# kernel starts at the tile holding it: up to 128 tokens).
-WINDOW_TILE_TOKENS = 128
+WINDOW_TILE_TOKENS = 128  # a margin past the window for kernel tiles (the kernels need none)
 
 
 def _window_columns(buf: TritonGraphBuffers, q: int) -> int | None:
-    """The last entries of each row a fill must write for a sliding window's group (None: a
-    group that reads the whole context)."""
+    """A window group's last entries a fill writes: its window and q tokens (None: all)."""
     if not buf.sliding_window:
         return None
     return -(-(buf.sliding_window + q + WINDOW_TILE_TOKENS) // buf.block_size) + 1

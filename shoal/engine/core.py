@@ -157,8 +157,7 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
                          micro_batches=config.parallel_config.pipeline_parallel_size,
                          kv_groups=layout.groups,
                          encoder_cache_size=encoder_cache_size(config, loaded.hf_config),
-                         whole_spans=whole_spans(loaded.hf_config),
-                         pipelined=config.async_scheduling)
+                         whole_spans=whole_spans(loaded.hf_config), pipelined=config.async_scheduling)
 
     def run_until_idle(self) -> None:
         while self.has_unfinished_requests():
