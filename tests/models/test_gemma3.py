@@ -92,3 +92,22 @@ def test_prompt_logprobs_match_transformers(tiny, registered) -> None:
     for pos in range(1, len(prompt)):
         got = out.prompt_logprobs[pos][prompt[pos]].logprob
         assert got == pytest.approx(ref[pos - 1, prompt[pos]].item(), abs=1e-4), pos
+
+
+def test_a_prefix_hit_over_the_sliding_groups_gives_the_tokens_of_a_miss(tiny, registered):
+    """Its 3 sliding layers beside 1 full one are 3 KV cache groups (kv_cache_spec.py: a
+    sliding kind no larger than the full one's): a repeat of a prompt past the window reuses
+    the full group's blocks and every sliding group's window, and gives transformers' tokens
+    (those of the miss)."""
+    path, hf = tiny
+    llm = LLM(model=str(path), dtype="float32", max_num_batched_tokens=16, block_size=4,
+              num_gpu_blocks_override=256, max_model_len=256, enable_prefix_caching=True)
+    runner = llm.llm_engine.core.runner
+    assert [g.sliding_window for g in runner.kv_groups] == [None] + [WINDOW] * 3
+    prompt = [(5 * i) % 250 + 3 for i in range(37)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    miss = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    hit = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    assert hit[0].num_cached_tokens >= 32
+    assert hit[0].outputs[0].token_ids == miss[0].outputs[0].token_ids
+    check_against_hf(hit, [prompt], hf, 10)
