@@ -7,10 +7,9 @@ the extension if the Makefile's set-up has not; skips only without a toolchain."
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
+from linear_layer_setup import randomize_linear_layer, tiny_linear_config
 from oracle import write_tiny_checkpoint
 
 from shoal import LLM, SamplingParams, cpu_kernels
@@ -33,21 +32,10 @@ def built() -> None:
 
 
 def _layer(kind: str, dtype: torch.dtype) -> GatedDeltaNet | KimiDeltaAttention:
-    cfg = SimpleNamespace(hidden_size=32, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
-                          linear_num_key_heads=2, linear_num_value_heads=4,
-                          linear_key_head_dim=16, linear_value_head_dim=16,
-                          linear_num_heads=4, linear_head_dim=16)
+    cfg = tiny_linear_config(2, 4, 4)
     layer = (GatedDeltaNet(cfg, dtype, interleaved=False) if kind == "gdn"
              else KimiDeltaAttention(cfg, dtype))
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 4)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    randomize_linear_layer(layer, torch.Generator().manual_seed(3), 0.3)
     return layer
 
 

@@ -11,6 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from linear_layer_setup import randomize_linear_layer, tiny_linear_config
 
 from shoal.attention.linear_state import build_state_metadata
 from shoal.layers import gated_delta_net, kimi_delta_attention, linear
@@ -28,10 +29,7 @@ MATMULS = {"gdn-interleaved": (1, 2), "gdn-segmented": (1, 2), "kda": (3, 4)}
 
 def _cfg() -> SimpleNamespace:
     # two key heads of two value heads each (Qwen), two heads (Kimi): halves per rank at tp 2
-    return SimpleNamespace(hidden_size=HIDDEN, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
-                           linear_num_key_heads=2, linear_num_value_heads=4,
-                           linear_key_head_dim=16, linear_value_head_dim=16,
-                           linear_num_heads=2, linear_head_dim=16)
+    return tiny_linear_config(2, 4, 2, hidden=HIDDEN)
 
 
 def _build(kind: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -45,15 +43,7 @@ def _joined_and_apart(kind: str, dtype: torch.dtype
     """Two layers of the same weights: the first runs its projections joined, the second
     apart (its second projection's weight given a storage of its own)."""
     joined, apart = _build(kind, dtype), _build(kind, dtype)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in joined.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 4)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.4)
+    randomize_linear_layer(joined, torch.Generator().manual_seed(0), 0.4)
     apart.load_state_dict(joined.state_dict())  # (copy_ in place: apart is joined still)
     second = apart.in_proj.second
     second.weight.data = second.weight.data.clone()

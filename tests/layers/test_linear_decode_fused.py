@@ -21,6 +21,8 @@ import json  # noqa: E402
 from pathlib import Path  # noqa: E402
 from types import SimpleNamespace  # noqa: E402
 
+from linear_layer_setup import randomize_linear_layer, tiny_linear_config  # noqa: E402
+
 from shoal.attention.linear_state import StateMetadata, StatePages  # noqa: E402
 from shoal.layers import linear_attention  # noqa: E402
 from shoal.layers.gated_delta_net import GatedDeltaNet  # noqa: E402
@@ -42,23 +44,11 @@ KINDS = {  # (layer class, key heads, value heads, interleaved): heads of 16
 
 def _layer(kind: str, dtype: torch.dtype) -> torch.nn.Module:
     cls, nk, nv, interleaved = KINDS[kind]
-    cfg = SimpleNamespace(hidden_size=32, rms_norm_eps=1e-6, linear_conv_kernel_dim=4,
-                          linear_num_key_heads=nk, linear_num_value_heads=nv,
-                          linear_key_head_dim=16, linear_value_head_dim=16,
-                          linear_num_heads=nv, linear_head_dim=16)
+    cfg = tiny_linear_config(nk, nv, nv)
     layer = (KimiDeltaAttention(cfg, dtype) if cls is KimiDeltaAttention
              else GatedDeltaNet(cfg, dtype, interleaved=interleaved))
     gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            if name.endswith("A_log"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-            elif name.endswith("dt_bias"):
-                p.copy_(torch.rand(p.shape, generator=gen) * 2 - 4)
-            elif name.endswith("norm.weight"):
-                p.copy_(torch.rand(p.shape, generator=gen) + 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    randomize_linear_layer(layer, gen, 0.5, norm_near_one=True)
     layer = layer.to(DEVICE)
     if kind.startswith("gdn-"):  # (no shipped layer has a conv bias: both kernels take one)
         layer.conv_bias = torch.randn(layer.conv_dim, generator=gen).to(dtype).to(DEVICE)
