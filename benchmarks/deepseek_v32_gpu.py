@@ -69,7 +69,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -307,13 +306,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.stage:  # a child: one stage
         run_stage(args, sizes, args.stage, parts)
         return read_records(args.out)
-    tmp = None
-    if args.smoke and args.model is None:
-        tmp = tempfile.TemporaryDirectory(prefix="v32-smoke-")
-        folder = Path(tmp.name, "tiny-deepseek-v32")
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps(SMOKE_V32, indent=2) + "\n")
-        args.model = str(folder)
+    tmp = staged_gpu.smoke_model(args, SMOKE_V32, "tiny-deepseek-v32")
     write([], args.out)
 
     def run(stages: staged_gpu.Stages) -> None:

@@ -448,13 +448,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     if args.stage:  # a child: one stage
         run_stage(args, sizes, args.stage, parts)
         return read_records(args.out)
-    tmp = None
-    if args.smoke and args.model is None:
-        tmp = tempfile.TemporaryDirectory(prefix="v4-smoke-")
-        folder = Path(tmp.name, "tiny-deepseek-v4")
-        folder.mkdir()
-        (folder / "config.json").write_text(json.dumps(SMOKE_V4, indent=2) + "\n")
-        args.model = str(folder)
+    tmp = staged_gpu.smoke_model(args, SMOKE_V4, "tiny-deepseek-v4")
     write([], args.out)
     staged_gpu.run_stages(args, STAGES, parts,
                           lambda stage, todo: run_stage(args, sizes, stage, todo),

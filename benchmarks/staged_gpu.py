@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -79,6 +80,20 @@ def parse_staged(ap: argparse.ArgumentParser, argv: list[str] | None, parts: Seq
     if args.smoke:
         args.max_num_seqs = min(args.max_num_seqs, 8)
     return args, wanted, sizes
+
+
+def smoke_model(args: argparse.Namespace, config: dict[str, Any], name: str
+                ) -> tempfile.TemporaryDirectory | None:
+    """--smoke without --model: `config` written to a temporary folder `name`, which becomes
+    args.model (the caller cleans the returned directory up); otherwise None."""
+    if not args.smoke or args.model is not None:
+        return None
+    tmp = tempfile.TemporaryDirectory(prefix=f"{name}-")
+    folder = Path(tmp.name, name)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    args.model = str(folder)
+    return tmp
 
 
 # ---- the records file ----------------------------------------------------------------------
