@@ -194,12 +194,12 @@ def test_what_it_takes_and_bad_arguments() -> None:
 def test_plans() -> None:
     """One warp (the routing's chain in shuffles) for a token of <= 256 experts, one expert
     a program up to 256 experts; 8 warps and four experts a program at the limit."""
-    assert plan_gate_routing(1, 256, 2048, 8) == GateRoutingPlan(1, 2048, 1)
-    assert plan_gate_routing(1, 256, 2048, 8).grid(256) == (256,)
-    assert plan_gate_routing(8, 256, 2048, 8) == GateRoutingPlan(1, 2048, 8)
-    assert plan_gate_routing(1, 512, 2048, 10) == GateRoutingPlan(2, 2048, 2)
-    assert plan_gate_routing(1, 32, 2880, 4) == GateRoutingPlan(1, 2048, 1)
-    assert plan_gate_routing(8, 1024, 7168, 8) == GateRoutingPlan(4, 4096, 8)
+    assert plan_gate_routing(1, 256, 2048) == GateRoutingPlan(1, 2048, 1)
+    assert plan_gate_routing(1, 256, 2048).grid(256) == (256,)
+    assert plan_gate_routing(8, 256, 2048) == GateRoutingPlan(1, 2048, 8)
+    assert plan_gate_routing(1, 512, 2048) == GateRoutingPlan(2, 2048, 2)
+    assert plan_gate_routing(1, 32, 2880) == GateRoutingPlan(1, 2048, 1)
+    assert plan_gate_routing(8, 1024, 7168) == GateRoutingPlan(4, 4096, 8)
 
 
 # ---- which path the routers take ----------------------------------------------------------

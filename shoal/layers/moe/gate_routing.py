@@ -95,16 +95,14 @@ class GateRoutingPlan:
         return (triton.cdiv(num_experts, self.experts_per_program),)
 
 
-def plan_gate_routing(num_tokens: int, num_experts: int, hidden: int,
-                      top_k: int) -> GateRoutingPlan:
+def plan_gate_routing(num_tokens: int, num_experts: int, hidden: int) -> GateRoutingPlan:
     """Warps as topk_routing.plan_routing gives a row-a-program launch (one for a token of
     <= 256 experts: the last program's k-step chain of maxima stays in one warp's shuffles,
     no shared-memory round trip a step), up to 8 for [pow2(T), pow2(E)] keys past 256 a
     warp. One expert a program (two or four past 256 experts: at most 256 programs), so
     the weight read is spread over the SMs; a program's weight tile at most 64 values a
     thread, every load of a chunk in flight at once (H = 2048 is one chunk at one warp and
-    one expert)."""
-    del top_k  # (the routing's k-step chain does not change the plan)
+    one expert). The routing's k-step chain does not change it."""
     keys = triton.next_power_of_2(num_tokens) * triton.next_power_of_2(num_experts)
     warps = max(1, min(8, keys // 256))
     block_e = max(1, triton.next_power_of_2(num_experts) // 256)
@@ -176,7 +174,7 @@ def gate_routing(x: torch.Tensor, weight: torch.Tensor, top_k: int, order: Routi
             f"{None if bias is None else (tuple(bias.shape), bias.dtype)}")
     t, hidden = x.shape
     e = weight.shape[0]
-    plan = plan or plan_gate_routing(t, e, hidden, top_k)
+    plan = plan or plan_gate_routing(t, e, hidden)
     scratch = _scratch(x.device, e)
     weights = torch.empty(t, top_k, dtype=x.dtype, device=x.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
