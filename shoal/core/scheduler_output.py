@@ -55,7 +55,7 @@ class ScheduledRequest:
     # Linear-attention layers after a verify step: its first this-many tokens (the accepted
     # run) are folded into the recurrent states before this step's tokens (ReplaySSM)
     replay: int = 0
-    # Speculative decoding: no drafts of this step's finish are wanted (engine/scheduler.py
+    # Speculative decoding: no drafts of this step's finish are wanted (engine/draft_budget.py
     # drafts_paused: the request backs off past its next step, or this verify step backs it
     # off if it accepts nothing), so a drafter may keep its rows and catch up when drafting
     # resumes; a marked verify step that does accept drafts is mirrored and drafted from

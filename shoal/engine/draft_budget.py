@@ -135,8 +135,28 @@ def backs_off_after(misses: int, hits: float, fails: float) -> bool:
 def backs_off_on_a_miss(req: Request) -> bool:
     """Whether DraftBudget.settle backs the request off if its verify step now accepts none of
     its drafts (its counts as settle() finds them: aged for the step by num_drafts). The
-    scheduler marks such a step's drafts paused (engine/scheduler.py drafts_paused)."""
+    scheduler marks such a step's drafts paused (drafts_paused, below)."""
     return backs_off_after(req.spec_misses + 1, req.spec_hits, req.spec_fails + 1)
+
+
+def drafts_paused(req: Request, num_drafts: int, pipelined: bool = True) -> bool:
+    """ScheduledRequest.drafts_paused of a request scheduled with num_drafts drafts to verify
+    (its backoff already counted down for this step): a hidden-state drafter keeps such a
+    step's rows for later (spec_decode/mirror_backlog.py) rather than mirroring them and
+    drafting from them at the step's finish, which the device waits for when nothing was
+    launched behind the step (issue 38). Paused:
+    - while the request still backs off after this step. With pipelined steps (async
+      scheduling) the step whose next step is the last paused one is not: its finish
+      usually runs beside that next step's forward pass, and there catches the kept rows up,
+      so the finish that drafts for the following verify step (run alone) mirrors one row
+      per request, not a backlog. Without pipelining that finish is the latest one, so it
+      would only draft for a step that verifies nothing: it is paused too;
+    - a verify step whose full miss would back the request off: a full miss leaves one row
+      to mirror, which the drafter then keeps (no drafts nobody verifies); a step that accepts
+      drafts leaves more rows and is mirrored and drafted from as ever."""
+    if req.spec_skip:
+        return req.spec_skip > int(pipelined)
+    return num_drafts > 0 and backs_off_on_a_miss(req)
 
 
 def acceptance_estimate(hits: float, fails: float) -> float:

@@ -34,7 +34,7 @@ from shoal.core.scheduler_output import (
 )
 from shoal.core.types import EngineCoreOutput, SchedulerStats
 from shoal.engine.admission import Admission, StepPlan
-from shoal.engine.draft_budget import DraftBudget, backs_off_on_a_miss
+from shoal.engine.draft_budget import DraftBudget, drafts_paused
 from shoal.engine.encoder_schedule import EncoderSchedule
 from shoal.engine.failed_blocks import FailedBlocks
 from shoal.engine.request_table import (
@@ -393,24 +393,4 @@ class Scheduler(StepResults, RequestTableFront):
                           self.encoders)
         self._step_prompt_tokens = self._step_generation_tokens = 0
         return s
-
-
-def drafts_paused(req: Request, num_drafts: int, pipelined: bool = True) -> bool:
-    """ScheduledRequest.drafts_paused of a request scheduled with num_drafts drafts to verify
-    (its backoff already counted down for this step): a hidden-state drafter keeps such a
-    step's rows for later (spec_decode/mirror_backlog.py) rather than mirroring them and
-    drafting from them at the step's finish, which the device waits for when nothing was
-    launched behind the step (issue 38). Paused:
-    - while the request still backs off after this step. With pipelined steps (async
-      scheduling) the step whose next step is the last paused one is not: its finish
-      usually runs beside that next step's forward pass, and there catches the kept rows up,
-      so the finish that drafts for the following verify step (run alone) mirrors one row
-      per request, not a backlog. Without pipelining that finish is the latest one, so it
-      would only draft for a step that verifies nothing: it is paused too;
-    - a verify step whose full miss would back the request off: a full miss leaves one row
-      to mirror, which the drafter then keeps (no drafts nobody verifies); a step that accepts
-      drafts leaves more rows and is mirrored and drafted from as ever."""
-    if req.spec_skip:
-        return req.spec_skip > int(pipelined)
-    return num_drafts > 0 and backs_off_on_a_miss(req)
 

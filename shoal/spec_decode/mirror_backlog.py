@@ -4,9 +4,10 @@ A request whose drafts keep failing backs off (engine/draft_budget.py): for up t
 steps the scheduler verifies none of its drafts, and says so per step
 (ScheduledRequest.drafts_paused; also on a verify step whose full miss backs the request
 off; with async scheduling not on the step before the last paused one, whose finish
-catches up beside the next forward pass: engine/scheduler.py drafts_paused). Mirroring those steps into the head's KV cache meanwhile
-costs a head forward pass a step (an 8B-shaped EAGLE-3 layer reads ~0.6 GB: ~0.2 ms on an
-H100, 3-4% of a batch-1 decode step) for drafts nobody verifies. So the drafter keeps each
+catches up beside the next forward pass: engine/draft_budget.py drafts_paused).
+Mirroring those steps into the head's KV cache meanwhile costs a head forward pass a step
+(an 8B-shaped EAGLE-3 layer reads ~0.6 GB: ~0.2 ms on an H100, 3-4% of a batch-1 decode
+step) for drafts nobody verifies. So the drafter keeps each
 paused row's input state instead (one row of the target's final hidden states; EAGLE-3: of
 its aux states, before the fc) and mirrors the rows kept, ahead of the step's own, in the
 first step that mirrors the request again: one prefill-shaped pass. The head is causal, so

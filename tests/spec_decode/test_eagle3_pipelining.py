@@ -29,8 +29,7 @@ from spec_decode.test_eagle3 import ckpt  # noqa: F401 (the fixture)
 
 from shoal import SamplingParams
 from shoal.core.request import Request
-from shoal.engine.draft_budget import DraftBudget, backs_off_on_a_miss
-from shoal.engine.scheduler import drafts_paused
+from shoal.engine.draft_budget import DraftBudget, backs_off_on_a_miss, drafts_paused
 from shoal.sampling_params import SamplingParams as SP
 from shoal.spec_decode import mirror_backlog
 
