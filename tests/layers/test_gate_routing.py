@@ -2,8 +2,8 @@
 against the unfused pair it replaces (F.linear, then router.py's select_experts_torch /
 topk_then_softmax_torch): T 1 / 3 / 8, E 8 / 64 / 256, k 2 / 8, both orders, renormalize on
 and off, a bias (GPT-OSS), bf16 / fp16 / fp32; the logits the routing read (F.linear's to a
-rounding), its routing of them (topk_routing.py's, bit for bit), repeated calls (the last
-program resets the counter), the routers' choice of path, and a tiny Qwen3-MoE through the
+rounding), its routing of them (topk_routing.py's experts; its weights bit for bit when
+interpreted), repeated calls (the last program resets the counter), the routers' choice of path, and a tiny Qwen3-MoE through the
 engine (transformers' tokens). Interpreted on the CPU (TRITON_INTERPRET=1, set by this
 directory's conftest.py: the interpreter runs the programs one after another, so the
 last-program step's memory ordering is only exercised on a GPU), compiled on a GPU, where a
@@ -96,12 +96,20 @@ def check(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, k: int, orde
     assert bool(((seen - ref).abs() <= tol).all()), (
         f"fused logits off F.linear's by {(seen - ref).abs().max().item():.3g}")
     assert torch.equal(seen.to(x.dtype).float(), seen), "logits not rounded to x's dtype"
-    # ... and its routing of them is topk_routing.py's, bit for bit
+    # ... and its routing of them is topk_routing.py's: the same experts, and the same
+    # weights bit for bit when interpreted; compiled, each kernel sums the softmax in its own
+    # tile order (H200, 2026-12-06: 5 cases differed in the weights, never in the experts),
+    # so there to a few float32 ulps and then one of x's dtype
     one_program = None if DEV.type == "cuda" else topk_routing.RoutingPlan(
         _pow2(t), _pow2(e), _pow2(k), 1)  # (interpreted: the cost is per program)
     kernel_w, kernel_ids = topk_routing.topk_routing(seen.to(x.dtype), k, order, renormalize,
                                                      plan=one_program)
-    assert torch.equal(got_ids, kernel_ids) and torch.equal(got_w, kernel_w)
+    assert torch.equal(got_ids, kernel_ids)
+    if DEV.type == "cuda":
+        torch.testing.assert_close(got_w.float(), kernel_w.float(), atol=0,
+                                   rtol=2 ** -20 + 2 ** -MANTISSA[x.dtype])
+    else:
+        assert torch.equal(got_w, kernel_w)
     # against the unfused torch path: each position's pick is the reference's, or one whose
     # logit is within rounding of it; a different set of experts only where the reference's
     # k-th and (k+1)-th logits are within rounding of each other (the margin)

@@ -1,8 +1,8 @@
 """The in-projections of the linear-attention layers run as one GEMM (SharedInputLinear):
 Gated DeltaNet's in_proj_qkvz and in_proj_ba in both layouts (Qwen3-Next's interleaved rows,
 Qwen3.5's segments), Kimi Delta Attention's qkvb_proj and fg_a_proj. One dense matmul where
-there were two; the layer's conv inputs, output and states bit for bit those of the layer run
-apart (float32 and bf16); each tensor-parallel rank's joined shards what its rows of the
+there were two; the layer's conv inputs, output and states those of the layer run apart to a
+rounding (float32 and bf16; a CPU GEMM may block another N otherwise); each tensor-parallel rank's joined shards what its rows of the
 whole layer give; a packed or LoRA-adapted projection runs apart."""
 
 from __future__ import annotations
@@ -81,21 +81,36 @@ def test_the_in_projections_take_one_matmul(kind: str, monkeypatch):
     assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
 
 
+# The joined matmul against each projection's own: the same sums, but a CPU GEMM may block
+# K differently for another N (an AVX-512 + AMX host, 2026-12-06: KDA's f/g down-projection
+# in float32 differed in the last bit, where an AVX2 host gave equal values), so equal to
+# float32 rounding, and bf16 to one rounding of its own (a near tie may round either way).
+ROUNDING = {torch.float32: dict(rtol=1e-5, atol=1e-6),
+            torch.bfloat16: dict(rtol=2 ** -7, atol=1e-3)}
+# a whole step after those inputs: the recurrences carry a rounding along
+STEP_ROUNDING = {torch.float32: dict(rtol=1e-5, atol=1e-5),
+                 torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", KINDS)
-def test_joined_layer_equals_the_layer_apart_bit_for_bit(kind: str, dtype: torch.dtype):
+def test_joined_layer_equals_the_layer_apart(kind: str, dtype: torch.dtype):
     """conv_input at a decode step and a prefill's rows, then a whole step (two decodes and
-    a prefill chunk, the CPU path) from the same pages: outputs and states equal."""
+    a prefill chunk, the CPU path) from the same pages: outputs and states equal to a
+    rounding (ROUNDING), and bit for bit in at least one of the conv_input calls, so the
+    joined path is the same arithmetic and not merely close."""
     joined, apart = _joined_and_apart(kind, dtype)
     gen = torch.Generator().manual_seed(1)
+    exact = 0
     with torch.no_grad():
         for rows in (1, 3, 20):
             hidden = torch.randn(rows, HIDDEN, generator=gen).to(dtype)
             (x1, rest1), (x2, rest2) = joined.conv_input(hidden), apart.conv_input(hidden)
-            assert torch.equal(x1, x2)
             assert len(rest1) == len(rest2)
-            for a, b in zip(rest1, rest2):
-                assert a.dtype == b.dtype and torch.equal(a, b)
+            for a, b in zip((x1, *rest1), (x2, *rest2)):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                torch.testing.assert_close(a, b, **ROUNDING[dtype])
+                exact += int(torch.equal(a, b))
         caches = [torch.zeros(2, 8 * BS, 2, 64) for _ in range(2)]
         md = build_state_metadata(query_lens=[1, 1, 6], context_lens=[3, 9, 0],
                                   block_tables=[[1], [2], [3, 4]], block_size=BS,
@@ -105,9 +120,10 @@ def test_joined_layer_equals_the_layer_apart_bit_for_bit(kind: str, dtype: torch
         for layer, cache in zip((joined, apart), caches):
             layer.bind_pages(cache, BS)
             outs.append(layer(hidden, md))
+    assert exact > 0, "no output of the joined projection equals the one apart"
     assert outs[0].isfinite().all()
-    assert torch.equal(outs[0], outs[1])
-    assert torch.equal(caches[0], caches[1])
+    torch.testing.assert_close(outs[0], outs[1], **STEP_ROUNDING[dtype])
+    torch.testing.assert_close(caches[0], caches[1], **STEP_ROUNDING[torch.float32])
 
 
 def _rank_layer(kind: str, rank: int, whole: torch.nn.Module, monkeypatch) -> torch.nn.Module:
