@@ -26,6 +26,8 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> None:
     (1, 40, 200, GemvTiles(16, 32, 1)),  # partial strip and K step
     (3, 64, 512, GemvTiles(8, 16, 4)),  # K split over programs, odd M
     (8, 24, 96, GemvTiles(32, 64, 2)),  # the most rows; a split with one short step
+    (1, 6, 2500, GemvTiles(4, 1024, 1)),  # ONE_ROW_LONG_STEPS: a short last step and strip
+    (1, 8, 4200, GemvTiles(4, 2048, 2)),
 ])
 def test_fp8_gemv_per_row_scales(m, n, k, tiles):
     torch.manual_seed(0)

@@ -65,9 +65,9 @@ class _Candidates:
 
 
 @functools.cache
-def _fp8_candidates(first: str, n: int, k: int, group: int, device: torch.device
-                    ) -> _Candidates:
-    tiles = {_gemv_name(t): t for t in decode_gemv.fp8_candidates(n, k, group, device)}
+def _fp8_candidates(first: str, n: int, k: int, group: int, device: torch.device,
+                    rows: int = 1) -> _Candidates:
+    tiles = {_gemv_name(t): t for t in decode_gemv.fp8_candidates(n, k, group, device, rows)}
     return _Candidates((first, *tiles), tiles)
 
 
@@ -96,7 +96,7 @@ class FP8ScaledMM:
         flat = x.reshape(-1, k)
         if _decode_rows(flat) and self.input_scale is None:
             flat = flat.contiguous()
-            cands = _fp8_candidates("scaled_mm", n, k, 0, flat.device)
+            cands = _fp8_candidates("scaled_mm", n, k, 0, flat.device, _row_bucket(flat))
 
             def run(name: str) -> torch.Tensor:
                 if name == "scaled_mm":
@@ -144,7 +144,8 @@ class FP8BlockLinear:
         n, k = self.weight.shape
         flat = x.reshape(-1, k).contiguous()
         if _decode_rows(flat):
-            cands = _fp8_candidates("block gemm", n, k, self.group, flat.device)
+            cands = _fp8_candidates("block gemm", n, k, self.group, flat.device,
+                                    _row_bucket(flat))
 
             def run(name: str) -> torch.Tensor:
                 if name == "block gemm":
