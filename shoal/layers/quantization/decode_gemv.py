@@ -303,12 +303,11 @@ def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     return _finish(out, split, x.dtype)
 
 
-# Per-channel FP8 at one row: longer K steps of few rows. A program's loads of a step are in
-# flight together and the next step's wait for them (Triton pipelines no loads without a
-# dot), so the bytes in flight an SM are the programs' step bytes: the H200's down
-# projection of the 8B (K 14336, N 4096) ran at 0.57 of the copy bandwidth with n8 k512's
-# 512 programs of 4 KB steps (2026-12-06), where gate_up's 1,792 programs reached 0.83.
-# 1024 / 2048 inputs a step hold 32 / 64 float32 sums a thread in the one-row tile.
+# Per-channel FP8 at one row: longer K steps of few rows, for more bytes in flight an SM
+# where the strips are few. On the H200 (2026-12-06) the 8B's down projection (K 14336, N
+# 4096) ran at 0.57 of the copy bandwidth with n8 k512's 512 programs of 4 KB steps, where
+# gate_up's 1,792 programs of the same steps reached 0.83. 1024 / 2048 inputs a step hold
+# 32 / 64 float32 sums a thread in the one-row tile. The tuner keeps them only if faster.
 ONE_ROW_LONG_STEPS = ((4, 1024), (8, 1024), (4, 2048))
 
 
