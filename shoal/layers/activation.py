@@ -1,4 +1,5 @@
-"""SiLU(gate) * up on a fused gate_up projection output."""
+"""SiLU(gate) * up on a fused gate_up projection output; o * sigmoid(gate) on gated
+attention's output."""
 
 from __future__ import annotations
 
@@ -27,3 +28,15 @@ class SiluAndMul(nn.Module):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+
+def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, use_triton_ops: bool = True
+                 ) -> torch.Tensor:
+    """o * sigmoid(gate) -> [T, H * D], from o and gate [T, H, D] (gate may be a strided view
+    of the q projection's output): one Triton launch for CUDA tensors (ops/sigmoid_gate.py)."""
+    t = o.shape[0]
+    if use_triton(o, use_triton_ops) and gate.stride(-1) == 1:
+        from shoal.layers.ops.sigmoid_gate import sigmoid_gate as fused
+
+        return fused(o.reshape(gate.shape), gate)
+    return o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from shoal.core.kv_cache_spec import state_block_size
+from shoal.layers.activation import sigmoid_gate
 from shoal.layers.attention import Attention
 from shoal.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from shoal.layers.gated_delta_net import GatedDeltaNet
@@ -69,18 +70,25 @@ class GatedAttention(nn.Module):
         self.rotary_emb = get_rope(d, cfg.max_position_embeddings, theta, scaling,
                                    use_triton_ops=use_triton_ops, rot_dim=rot)
         self.attn = Attention(self.num_heads, self.num_kv_heads, d)
+        self.use_triton_ops = use_triton_ops
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, md: Any) -> torch.Tensor:
         t, d = hidden.shape[0], self.head_dim
         q_size, kv_size = 2 * self.num_heads * d, self.num_kv_heads * d
         qg, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q, gate = qg.view(t, self.num_heads, 2 * d).split([d, d], dim=-1)
-        q = self.q_norm(q.contiguous())
-        k = self.k_norm(k.reshape(t, self.num_kv_heads, d).contiguous())
-        q, k = self.rotary_emb(positions, q, k)
-        o = self.attn(q, k, v.reshape(t, self.num_kv_heads, d), md)
-        o = o.reshape(t, -1) * torch.sigmoid(gate.reshape(t, -1))
-        return self.o_proj(o)
+        k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
+        if self.attn.fuses_rope and positions.dim() == 1:
+            # q/k norms, the partial rotary and the cache write in one kernel, on the strided
+            # views (q in place): five launches a layer fewer than below
+            o = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, self.q_norm,
+                                       self.k_norm, md)
+        else:
+            q = self.q_norm(q.contiguous())
+            k = self.k_norm(k.contiguous())
+            q, k = self.rotary_emb(positions, q, k)
+            o = self.attn(q, k, v, md)
+        return self.o_proj(sigmoid_gate(o, gate, self.use_triton_ops))
 
 
 class SharedExpertMoE(nn.Module):
