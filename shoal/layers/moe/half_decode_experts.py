@@ -271,8 +271,12 @@ def _down_kernel(a_ptr, ids_ptr, r_ptr, w_ptr, bias_ptr, ws_ptr, sw_ptr, out_ptr
 
 # GPU tiles (gate_up block_n, down rows a slot, warps): a thread holds one 16-byte vector of
 # each of its program's rows a step: gate_up 2 x block_n rows, down k x down_block_n (all
-# slots of a step in flight), so down's rows follow k: ~16 and ~8 vectors a thread.
-_GPU_TILES = ((4, 16, 4), (2, 8, 4), (8, 16, 2))
+# slots of a step in flight), so down's rows follow k: ~16 and ~8 vectors a thread. The last
+# two, ~32 vectors: at 9 slots (8 routed + a shared chunk: Qwen3.5-35B-A3B, I = 512) the
+# others give down one output row a program, and the H200 ran its down at 0.47 of the copy
+# bandwidth (9.5 us a layer, 2026-12-06); two rows a program, and one warp (its reduction
+# stays in the warp). The tuner keeps them only where faster.
+_GPU_TILES = ((4, 16, 4), (2, 8, 4), (8, 16, 2), (4, 32, 2), (2, 32, 1))
 
 
 @functools.cache
