@@ -147,6 +147,12 @@ SHOAL_LINEAR_DECODE_FUSED: EnvVar[bool] = EnvVar(
     "kernels and the gates and output norm as torch ops) instead of the fused kernels "
     "(shoal/layers/ops/linear_decode_fused.py)")
 
+SHOAL_LINEAR_DECODE_SPLIT: EnvVar[int] = EnvVar(
+    "SHOAL_LINEAR_DECODE_SPLIT", 1, int,
+    "column slices a value head's state is cut into in the fused linear-attention decode "
+    "(shoal/layers/ops/linear_decode_fused.py; a power of two): 1 (default) one program a "
+    "head, 0 chosen from the batch and the GPU's multiprocessors (up to 4)")
+
 SHOAL_FUSED_GATE_ROUTING: EnvVar[bool] = EnvVar(
     "SHOAL_FUSED_GATE_ROUTING", True, _switch,
     "0: a MoE router at decode sizes (1-8 tokens, CUDA) runs its gate GEMV and the routing "

@@ -74,9 +74,16 @@ def _step(layer, cache: torch.Tensor, hidden: torch.Tensor, md: StateMetadata, f
     return out
 
 
+@pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_fused_decode_matches_the_torch_path(kind: str, dtype: torch.dtype, monkeypatch):
+def test_fused_decode_matches_the_torch_path(kind: str, dtype: torch.dtype, split: int,
+                                             monkeypatch):
+    """split 2: each value head's state in two column slices, the head's last program
+    norming the whole output (SHOAL_LINEAR_DECODE_SPLIT; heads of 16: slices of 8)."""
+    monkeypatch.setenv("SHOAL_LINEAR_DECODE_SPLIT", str(split))
+    monkeypatch.setattr(linear_decode_fused, "split_for", lambda rows, heads, dv, device:
+                        split)
     layer = _layer(kind, dtype)
     cache = torch.zeros(PLANES, 8 * BS, HK_PAGE, D_PAGE, device=DEVICE)
     layer.bind_pages(cache, BS)
@@ -246,3 +253,21 @@ def test_engine_with_the_fused_decode_gives_transformers_tokens(model_type: str,
             want = torch.log_softmax(lg, -1)[tok].item()
             assert got.logprobs[step][tok].logprob == pytest.approx(want, abs=1e-4)
 
+
+
+def test_split_for(monkeypatch):
+    """SHOAL_LINEAR_DECODE_SPLIT: 1 keeps one program a head; a count is rounded down to a
+    power of two, never below 16 columns a slice; 0 doubles up to 4 while the programs are
+    fewer than the multiprocessors (the CPU counts 4); many rows x heads never split."""
+    cpu = torch.device("cpu")
+    split_for = linear_decode_fused.split_for
+    assert split_for(1, 32, 128, cpu) == 1  # the default
+    monkeypatch.setenv("SHOAL_LINEAR_DECODE_SPLIT", "3")
+    assert split_for(1, 32, 128, cpu) == 2
+    monkeypatch.setenv("SHOAL_LINEAR_DECODE_SPLIT", "8")
+    assert (split_for(1, 32, 128, cpu), split_for(1, 32, 32, cpu)) == (8, 2)
+    assert split_for(1, 32, 16, cpu) == 1
+    assert split_for(32, linear_decode_fused.SPLIT_ROWS_HEADS // 32, 128, cpu) == 1
+    monkeypatch.setenv("SHOAL_LINEAR_DECODE_SPLIT", "0")
+    assert (split_for(1, 1, 128, cpu), split_for(1, 2, 128, cpu), split_for(1, 4, 128, cpu)) \
+        == (4, 2, 1)

@@ -19,6 +19,15 @@ layer's ~47 us of small kernels against a few us of work), two kernels do:
   - the output's RMSNorm over Dv, times silu(z) (Gated DeltaNet) or sigmoid(gate) (KDA), in
     the model dtype, ready for the out-projection.
 
+A value head's state may be cut into `split` column slices, a program each (the delta rule
+is per column of S: k^T S, the update and q^T S): at batch 1 a (row, head) program a value
+head gave Qwen3.5-35B-A3B 32 programs on 132 multiprocessors, 6.9 us a layer for ~2 MiB of
+state read and written (H200, 2026-12-06). The output norm needs the head's whole o, so each
+slice's program stores its o to a scratch row and the head's last program to finish (a
+per-(row, head) counter, reset by it) norms and gates all of it, as the int4 wide GEMV's
+split sums (deterministic: the same o, summed in one order). SHOAL_LINEAR_DECODE_SPLIT
+picks it (default 1, one program a head, until the split has run on a GPU).
+
 Roundings follow the torch path (shoal/layers/gated_delta_net.py, kimi_delta_attention.py):
 the conv output, o and (Gated DeltaNet) weight * x are rounded to the model dtype where it
 rounds them, so the two agree within float32 summation order. Each row reads the states of
@@ -35,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal import envs
 from shoal.attention.ops.interpreted_half import to_dtype
 from shoal.layers.ops.linear_state_decode import TL_DTYPES, PageWords, conv_step
 
@@ -125,15 +135,16 @@ def _gated_output(o, z_ptrs, w_ptrs, eps, DV: tl.constexpr, KDA: tl.constexpr,
 @triton.jit
 def _decode_kernel(y_ptr, stride_y, decay_ptr, stride_decay, dt_ptr, alog_ptr, beta_ptr, stride_beta, gate_ptr, stride_gate, nw_ptr,
                    out_ptr, stride_out, words_ptr, read_ptr, write_ptr, state_offset,
-                   per_plane, plane_stride, block_stride, scale, eps,
+                   per_plane, plane_stride, block_stride, scale, eps, o_part_ptr, count_ptr,
                    HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    KDA: tl.constexpr, ALIGNED: tl.constexpr,
-                   DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+                   DTYPE: tl.constexpr, INTERPRETED: tl.constexpr, SPLIT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kh = h // R
     dk = tl.arange(0, DK)
-    dv = tl.arange(0, DV)
+    DVS: tl.constexpr = DV // SPLIT  # this program's columns of the head's state
+    dv = tl.program_id(2) * DVS + tl.arange(0, DVS)
     rb = tl.load(read_ptr + row)
     wb = tl.load(write_ptr + row)
 
@@ -176,9 +187,21 @@ def _decode_kernel(y_ptr, stride_y, decay_ptr, stride_decay, dt_ptr, alog_ptr, b
     o = tl.sum(s * q[:, None], 0) * scale
     tl.store(words_ptr + wb * block_stride + at, s)
 
-    x = _gated_output(o, gate_ptr + row * stride_gate + h * DV + dv, nw_ptr + dv, eps, DV,
-                      KDA, DTYPE, INTERPRETED)
-    tl.store(out_ptr + row * stride_out + h * DV + dv, x)
+    if SPLIT == 1:
+        x = _gated_output(o, gate_ptr + row * stride_gate + h * DV + dv, nw_ptr + dv, eps,
+                          DV, KDA, DTYPE, INTERPRETED)
+        tl.store(out_ptr + row * stride_out + h * DV + dv, x)
+    else:  # o's slice to the scratch row; the head's last program norms and gates it all
+        head = row * tl.num_programs(1) + h
+        tl.store(o_part_ptr + head * DV + dv, o)
+        tl.debug_barrier()  # every thread's slice is written before the count goes up
+        if tl.atomic_add(count_ptr + head, 1, sem="acq_rel") == SPLIT - 1:
+            cols = tl.arange(0, DV)
+            o_all = tl.load(o_part_ptr + head * DV + cols, cache_modifier=".cg")  # (at L2)
+            y = _gated_output(o_all, gate_ptr + row * stride_gate + h * DV + cols,
+                              nw_ptr + cols, eps, DV, KDA, DTYPE, INTERPRETED)
+            tl.store(out_ptr + row * stride_out + h * DV + cols, y)
+            tl.store(count_ptr + head, 0)  # ready for the next launch
 
 
 def _pow2(n: int) -> bool:
@@ -211,10 +234,47 @@ def fits(x: torch.Tensor, gates: DecodeGates, conv_weight: torch.Tensor, pages: 
             and gates.dt_bias.is_contiguous() and gates.a_log.is_contiguous())
 
 
+# Per-device (row, head) counters of the split, zero between launches (each head's last
+# program resets its own); one launch at a time per device uses them (a model's layers run
+# in one stream). Made outside CUDA-graph capture, large enough for every split launch
+# (split_for splits only while rows x heads < SPLIT_ROWS_HEADS): a capture before any eager
+# step does not split.
+SPLIT_ROWS_HEADS = 1024
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device) -> torch.Tensor | None:
+    have = _COUNTERS.get(device)
+    if have is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        have = _COUNTERS[device] = torch.zeros(SPLIT_ROWS_HEADS, dtype=torch.int32,
+                                               device=device)
+    return have
+
+
+def split_for(rows: int, heads: int, value_dim: int, device: torch.device) -> int:
+    """Column slices a value head's state is cut into: SHOAL_LINEAR_DECODE_SPLIT (0: up to 4
+    while rows x heads x split programs are fewer than the multiprocessors), never below 16
+    columns a slice, nor where rows x heads >= SPLIT_ROWS_HEADS."""
+    want = envs.SHOAL_LINEAR_DECODE_SPLIT.get()
+    if want == 1 or rows * heads >= SPLIT_ROWS_HEADS:
+        return 1
+    if want == 0:
+        sms = (torch.cuda.get_device_properties(device).multi_processor_count
+               if device.type == "cuda" else 4)
+        want = 1
+        while want < 4 and rows * heads * want < sms:
+            want *= 2
+    split = 1
+    while 2 * split <= want and value_dim // (2 * split) >= 16:  # (powers of two)
+        split *= 2
+    return split
+
+
 def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                 gates: DecodeGates, pages: PageWords, state_offset: int, read: torch.Tensor,
                 write: torch.Tensor, *, key_heads: int, heads: int, key_dim: int,
-                value_dim: int, scale: float, num_warps: int | None = None) -> torch.Tensor:
+                value_dim: int, scale: float, num_warps: int | None = None,
+                split: int | None = None) -> torch.Tensor:
     """x [B, C] the conv input (q | k | v of key_heads, key_heads and heads heads); each row's
     conv window (words [0, state_offset)) and [heads, Dk, Dv] states move from block read[b]
     to write[b]. Returns the gated, normed output [B, heads * value_dim] in x's dtype, what
@@ -229,13 +289,22 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
     out = torch.empty(b, heads * value_dim, dtype=x.dtype, device=x.device)
     aligned = all(n % 4 == 0 for n in (state_offset, pages.per_plane, pages.plane_stride,
                                        pages.block_stride))
+    if split is None:
+        split = split_for(b, heads, value_dim, x.device)
+    counts = _counters(x.device) if split > 1 else None
+    if counts is None or b * heads > counts.numel():
+        split, counts = 1, None
     if num_warps is None:  # the state tile at 64 words a thread (spill-free on sm_90)
-        num_warps = max(4, min(16, key_dim * value_dim // 2048))
-    _decode_kernel[(b, heads)](
+        num_warps = max(4, min(16, key_dim * value_dim // split // 2048))
+    # (split: o's slices, float32, in a buffer of the step, graph-pool memory in a capture)
+    o_part = (torch.empty(b * heads * value_dim, dtype=torch.float32, device=x.device)
+              if split > 1 else out)
+    _decode_kernel[(b, heads, split)](
         y, y.stride(0), gates.decay, gates.decay.stride(0), gates.dt_bias, gates.a_log,
         gates.beta, gates.beta.stride(0), gates.gate, gates.gate.stride(0), gates.norm_weight,
         out, out.stride(0), pages.words, read, write,
         state_offset, pages.per_plane, pages.plane_stride, pages.block_stride, scale,
-        gates.eps, HK=key_heads, R=r, DK=key_dim, DV=value_dim, KDA=gates.kda, ALIGNED=aligned,
-        DTYPE=dtype, INTERPRETED=interpreted, num_warps=num_warps)
+        gates.eps, o_part, counts if counts is not None else read, HK=key_heads, R=r,
+        DK=key_dim, DV=value_dim, KDA=gates.kda, ALIGNED=aligned, DTYPE=dtype,
+        INTERPRETED=interpreted, SPLIT=split, num_warps=num_warps)
     return out
