@@ -145,6 +145,13 @@ part() {
     hybrid-batch1) run hybrid_batch1 230 $py/hybrid_gpu.py batch1 --stage-timeout 115 $S \
         ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-27B,moonshotai/Kimi-Linear-48B-A3B-Instruct}"} \
         --out "$DIR/hybrid_batch1.json" ;;
+    # the fused linear decode's column split (SHOAL_LINEAR_DECODE_SPLIT) off, then chosen from
+    # the batch and the SMs, on the same machine: batch 1 of each model, ~45 s a run
+    hybrid-split) for sp in 1 0; do
+          SHOAL_LINEAR_DECODE_SPLIT=$sp run hybrid_split$sp 150 $py/hybrid_gpu.py batch1 \
+            --stage-timeout 140 $S ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-35B-A3B}"} \
+            --out "$DIR/hybrid_split$sp.json"
+        done ;;
     rl) run rl 200 $py/rl_gpu.py --cycles 6 $S --out "$DIR/rl.json" ;;
     lora) run lora 270 $py/lora_gpu.py all --num-requests 128 $S --out "$DIR/lora.json" ;;
     vl) run vl 320 $py/vl_gpu.py --sections throughput,ttft,encoder,serve --runs 1 \
