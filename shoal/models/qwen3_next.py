@@ -80,7 +80,8 @@ class GatedAttention(nn.Module):
         k, v = k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d)
         if self.attn.fuses_rope and positions.dim() == 1:
             # q/k norms, the partial rotary and the cache write in one kernel, on the strided
-            # views (q in place): five launches a layer fewer than below
+            # views (q in place), where the path below takes five at a decode step (q's
+            # copy, two norms, the rotary, the cache write)
             o = self.attn.forward_rope(positions, q, k, v, self.rotary_emb, self.q_norm,
                                        self.k_norm, md)
         else:
