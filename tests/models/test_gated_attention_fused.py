@@ -11,15 +11,11 @@ import pytest
 pytest.importorskip("triton")
 
 from oracle import write_tiny_checkpoint  # noqa: E402
+from worker.test_hybrid_prefill_graphs_cpu import LINEAR, MOE  # noqa: E402  (the tiny hybrids)
 
 from shoal import LLM, SamplingParams  # noqa: E402
 from shoal.attention import triton_backend  # noqa: E402
 
-LINEAR = dict(head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-              linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
-              num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"])
-MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-           shared_expert_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)
 PROMPTS = [[(7 * i + 3 * j) % 500 + 3 for j in range(n)] for i, n in enumerate((5, 23, 41))]
 
 
