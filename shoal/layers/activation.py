@@ -10,6 +10,8 @@ from torch import nn
 from shoal.layers.ops import cpu_layer_ops
 from shoal.layers.ops.dispatch import use_triton
 
+HALF_OR_FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+
 
 class SiluAndMul(nn.Module):
     def __init__(self, use_triton_ops: bool = True):
@@ -33,9 +35,11 @@ class SiluAndMul(nn.Module):
 def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor, use_triton_ops: bool = True
                  ) -> torch.Tensor:
     """o * sigmoid(gate) -> [T, H * D], from o and gate [T, H, D] (gate may be a strided view
-    of the q projection's output): one Triton launch for CUDA tensors (ops/sigmoid_gate.py)."""
-    t = o.shape[0]
-    if use_triton(o, use_triton_ops) and gate.stride(-1) == 1:
+    of the q projection's output): one Triton launch for CUDA tensors of the shapes and
+    dtypes it takes (ops/sigmoid_gate.py), else torch's three ops."""
+    t, d = o.shape[0], gate.shape[-1]
+    if (use_triton(o, use_triton_ops) and gate.stride(-1) == 1 and d & (d - 1) == 0
+            and gate.dim() == 3 and o.dtype == gate.dtype and o.dtype in HALF_OR_FLOAT):
         from shoal.layers.ops.sigmoid_gate import sigmoid_gate as fused
 
         return fused(o.reshape(gate.shape), gate)

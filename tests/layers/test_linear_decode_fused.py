@@ -271,3 +271,13 @@ def test_split_for(monkeypatch):
     monkeypatch.setenv("SHOAL_LINEAR_DECODE_SPLIT", "0")
     assert (split_for(1, 1, 128, cpu), split_for(1, 2, 128, cpu), split_for(1, 4, 128, cpu)) \
         == (4, 2, 1)
+
+
+def test_a_split_that_does_not_cut_the_head_into_power_of_two_slices_is_refused(monkeypatch):
+    layer = _layer("gdn", torch.float32)
+    cache = torch.zeros(PLANES, 8 * BS, HK_PAGE, D_PAGE, device=DEVICE)
+    md = StateMetadata(1, torch.tensor([1], device=DEVICE), torch.tensor([2], device=DEVICE),
+                       [], BS)
+    monkeypatch.setattr(linear_decode_fused, "split_for", lambda *a: 3)
+    with pytest.raises(ValueError, match="power-of-two"):
+        _step(layer, cache, torch.randn(1, 32).to(DEVICE), md, True, monkeypatch)

@@ -57,3 +57,19 @@ def test_cpu_tensors_keep_torchs_path_bit_for_bit() -> None:
     want = o.reshape(3, -1) * torch.sigmoid(gate.reshape(3, -1))
     assert torch.equal(sigmoid_gate(o, gate), want)
     assert torch.equal(sigmoid_gate(o.reshape(3, -1), gate), want)  # o flat, as some backends
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused launch takes CUDA tensors")
+def test_cuda_tensors_take_the_fused_launch(monkeypatch) -> None:
+    from shoal.layers.ops import sigmoid_gate as op
+
+    calls = []
+    real = op.sigmoid_gate
+    monkeypatch.setattr(op, "sigmoid_gate", lambda o, g: calls.append(1) or real(o, g))
+    o, gate = _views(2, 4, 16, torch.bfloat16)
+    want = o.reshape(2, -1) * torch.sigmoid(gate.reshape(2, -1))
+    torch.testing.assert_close(sigmoid_gate(o.reshape(2, -1), gate), want, **TOL[torch.bfloat16])
+    assert calls == [1]
+    odd_o, odd_gate = _views(2, 4, 12, torch.bfloat16)  # head dim 12: torch's path
+    sigmoid_gate(odd_o, odd_gate)
+    assert calls == [1]

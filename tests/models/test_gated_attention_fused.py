@@ -1,7 +1,7 @@
 """Gated attention (Qwen3-Next, Qwen3.5) on the Triton backend, whose fused kernel applies
 the per-head q/k norms and the partial rotary while writing the cache, on the q projection's
 strided views (q in place; shoal/models/qwen3_next.py GatedAttention), interpreted on the
-CPU: the same greedy tokens and logprobs within 1e-4 (float32) as the CPU backend's unfused
+CPU: the same greedy tokens and logprobs within 1e-4 (float32) as the torch backend's unfused
 path, in a batch of prompts of several lengths (chunked prefill beside decodes)."""
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _run(path, **engine) -> list:
 def test_fused_gated_attention_gives_the_unfused_tokens(model_type, tmp_path, monkeypatch):
     extra = MOE if model_type == "qwen3_next" else {}
     path = write_tiny_checkpoint(tmp_path, model_type, seed=5, **LINEAR, **extra)
-    want = _run(path)
+    want = _run(path, attention_backend="torch")  # (the unfused path on a GPU too)
     calls = []
     fused = triton_backend.rope_kv_write
 

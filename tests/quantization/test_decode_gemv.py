@@ -169,3 +169,22 @@ def test_a_fast_candidate_that_computes_garbage_is_never_picked(monkeypatch, cap
     assert tuned.choice == "right"
     assert tuned.times_us["fast but wrong"] == tuned.times_us["fast nan"] == float("inf")
     assert "fast but wrong disagrees with the reference" in caplog.text
+
+
+def test_one_row_per_channel_fp8_gets_the_long_steps(monkeypatch):
+    """The GPU candidate list (the device's SM count faked): one row of a per-channel weight
+    adds ONE_ROW_LONG_STEPS whose step fits K; more rows and block scales do not."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(multi_processor_count=132))
+    gpu = torch.device("cuda")
+
+    def long_steps(n, k, group, rows):
+        return {(t.block_n, t.block_k) for t in decode_gemv.fp8_candidates(n, k, group, gpu, rows)
+                if t.block_k >= 1024}
+
+    assert long_steps(4096, 14336, 0, 1) == set(decode_gemv.ONE_ROW_LONG_STEPS)
+    assert long_steps(4096, 1536, 0, 1) == {(4, 1024), (8, 1024)}
+    assert long_steps(4096, 14336, 0, 2) == set()
+    assert long_steps(4096, 14336, 128, 1) == set()

@@ -285,12 +285,16 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
     r = heads // key_heads
     dtype = TL_DTYPES[x.dtype]
     interpreted = x.device.type == "cpu"  # (TRITON_INTERPRET=1)
+    if split is None:
+        split = split_for(b, heads, value_dim, x.device)
+    slice_cols = value_dim // max(split, 1)
+    if split < 1 or value_dim % split or slice_cols & (slice_cols - 1):
+        raise ValueError(f"split {split} must cut value_dim {value_dim} into power-of-two "
+                         "slices")
     y = conv_step(x, conv_weight, conv_bias, pages, read, write)
     out = torch.empty(b, heads * value_dim, dtype=x.dtype, device=x.device)
     aligned = all(n % 4 == 0 for n in (state_offset, pages.per_plane, pages.plane_stride,
                                        pages.block_stride))
-    if split is None:
-        split = split_for(b, heads, value_dim, x.device)
     counts = _counters(x.device) if split > 1 else None
     if counts is None or b * heads > counts.numel():
         split, counts = 1, None

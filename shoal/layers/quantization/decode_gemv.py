@@ -306,8 +306,9 @@ def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 # Per-channel FP8 at one row: longer K steps of few rows, for more bytes in flight an SM
 # where the strips are few. On the H200 (2026-12-06) the 8B's down projection (K 14336, N
 # 4096) ran at 0.57 of the copy bandwidth with n8 k512's 512 programs of 4 KB steps, where
-# gate_up's 1,792 programs of the same steps reached 0.83. 1024 / 2048 inputs a step hold
-# 32 / 64 float32 sums a thread in the one-row tile. The tuner keeps them only if faster.
+# gate_up's 1,792 programs of the same steps reached 0.83. In the one-row tile a thread
+# holds rows x inputs / 128 float32 sums (32 to 64 here; 71-127 registers on sm_90, no
+# spills). The tuner keeps them only if faster.
 ONE_ROW_LONG_STEPS = ((4, 1024), (8, 1024), (4, 2048))
 
 
