@@ -152,6 +152,11 @@ part() {
             --stage-timeout 140 $S ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-35B-A3B}"} \
             --out "$DIR/hybrid_split$sp.json"
         done ;;
+    # issue 38's a = 0 cost: EAGLE-3's phases a step (forced acceptance 0 and 1, batch 1 and
+    # 32) and the step loop's host slack (a busy-wait added to each step's finish)
+    eagle3-phases) run eagle3_phases 240 $py/eagle3_step_profile.py $S \
+        --out "$DIR/eagle3_phases.json" ;;
+    host-slack) run host_slack 240 $py/host_slack.py $S --out "$DIR/host_slack.json" ;;
     rl) run rl 200 $py/rl_gpu.py --cycles 6 $S --out "$DIR/rl.json" ;;
     lora) run lora 270 $py/lora_gpu.py all --num-requests 128 $S --out "$DIR/lora.json" ;;
     vl) run vl 320 $py/vl_gpu.py --sections throughput,ttft,encoder,serve --runs 1 \
