@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shoal.layers.ops import program_counters
 from shoal.layers.quantization import int4_wide_gemv as wide
 from shoal.layers.quantization.decode_gemv import GemvTiles, int4_gemv, wide_tiles
 from shoal.layers.quantization.methods import _gemv_name
@@ -55,7 +56,7 @@ def test_wide_gemv_matches_the_dequantized_matmul(m, n, k, group, asym, tiles):
     err = (got - want).abs().max().item()
     assert err <= 1e-5 * want.abs().max().item(), err  # exact up to the order of the sums
     if tiles["split"] > 1:  # the last program of each strip put its counter back
-        assert not wide._COUNTERS[x.device][-1].any()
+        assert not program_counters._COUNTERS[x.device][-1].any()
 
 
 def test_bfloat16_rows_through_int4_gemv():

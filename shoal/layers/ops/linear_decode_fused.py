@@ -47,6 +47,7 @@ import triton.language as tl
 from shoal import envs
 from shoal.attention.ops.interpreted_half import to_dtype
 from shoal.layers.ops.linear_state_decode import TL_DTYPES, PageWords, conv_step
+from shoal.layers.ops.program_counters import counters, counters_ready
 
 # the largest state tile a program holds in registers: 128 x 128 float32, 64 a thread over
 # 8 warps (ptxas on sm_90: bench-work/helpers/compile_sm90_linear_decode.py)
@@ -234,21 +235,8 @@ def fits(x: torch.Tensor, gates: DecodeGates, conv_weight: torch.Tensor, pages: 
             and gates.dt_bias.is_contiguous() and gates.a_log.is_contiguous())
 
 
-# Per-device (row, head) counters of the split, zero between launches (each head's last
-# program resets its own); one launch at a time per device uses them (a model's layers run
-# in one stream). Made outside CUDA-graph capture, large enough for every split launch
-# (split_for splits only while rows x heads < SPLIT_ROWS_HEADS): a capture before any eager
-# step does not split.
+# Rows x heads from which a head's state is not split: enough programs without it.
 SPLIT_ROWS_HEADS = 1024
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device) -> torch.Tensor | None:
-    have = _COUNTERS.get(device)
-    if have is None and not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        have = _COUNTERS[device] = torch.zeros(SPLIT_ROWS_HEADS, dtype=torch.int32,
-                                               device=device)
-    return have
 
 
 def split_for(rows: int, heads: int, value_dim: int, device: torch.device) -> int:
@@ -295,9 +283,9 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
     out = torch.empty(b, heads * value_dim, dtype=x.dtype, device=x.device)
     aligned = all(n % 4 == 0 for n in (state_offset, pages.per_plane, pages.plane_stride,
                                        pages.block_stride))
-    counts = _counters(x.device) if split > 1 else None
-    if counts is None or b * heads > counts.numel():
-        split, counts = 1, None
+    if split > 1 and not counters_ready(x.device, b * heads):
+        split = 1  # (a capture before any eager step of this size: one program a head)
+    counts = counters(x.device, b * heads, "linear decode") if split > 1 else read
     if num_warps is None:  # the state tile at 64 words a thread (spill-free on sm_90)
         num_warps = max(4, min(16, key_dim * value_dim // split // 2048))
     # (split: o's slices, float32, in a buffer of the step, graph-pool memory in a capture)
@@ -308,7 +296,7 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
         gates.beta, gates.beta.stride(0), gates.gate, gates.gate.stride(0), gates.norm_weight,
         out, out.stride(0), pages.words, read, write,
         state_offset, pages.per_plane, pages.plane_stride, pages.block_stride, scale,
-        gates.eps, o_part, counts if counts is not None else read, HK=key_heads, R=r,
+        gates.eps, o_part, counts, HK=key_heads, R=r,
         DK=key_dim, DV=value_dim, KDA=gates.kda, ALIGNED=aligned, DTYPE=dtype,
         INTERPRETED=interpreted, SPLIT=split, num_warps=num_warps)
     return out

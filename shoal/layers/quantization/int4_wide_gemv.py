@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.layers.ops.program_counters import counters
+
 EXP_2_23 = 0x4B000000  # float32 bits of 2^23 (MAGIC)
 
 
@@ -211,23 +213,6 @@ def _int4_wide_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, 
         _store_rows(a0, a1, a2, a3, a4, a5, a6, a7, out_ptr, M, N, offs_n, n_ok, BLOCK_M)
 
 
-# Per-device strip counters, zero between launches (each strip's last program resets its
-# own). One launch at a time per device uses them: shoal runs a model's layers in one
-# stream. A grown buffer keeps the old one alive: CUDA graphs captured before hold it.
-_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
-
-
-def _counters(device: torch.device, strips: int) -> torch.Tensor:
-    have = _COUNTERS.setdefault(device, [])
-    if have and have[-1].numel() >= strips:
-        return have[-1]
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError("int4 wide GEMV: run a split launch once outside CUDA-graph "
-                           "capture first (its strip counters are made then)")
-    have.append(torch.zeros(max(strips, 4096), dtype=torch.int32, device=device))
-    return have[-1]
-
-
 def partial_chunk(rows: int, columns: int) -> int:
     """Partials the last program reads in one round trip: about 128 values a thread (not
     tied to the split, so that the splits of a tile share one compiled kernel)."""
@@ -266,7 +251,7 @@ def int4_wide_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 \
         else out
-    count = _counters(x.device, strips) if split > 1 else out
+    count = counters(x.device, strips, "int4 wide GEMV") if split > 1 else out
     _int4_wide_kernel[(strips, split)](
         x, codes, scales, zeros if zeros is not None else scales, out, part, count, m, n, k,
         span, split, x.stride(0), codes.stride(0), scales.stride(0), EXP_2_23,
