@@ -21,7 +21,6 @@ k-th place (as between two GEMM libraries)."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +33,7 @@ from shoal.layers.moe.topk_routing import (
     MAX_EXPERTS,
     ORDERS,
     RoutingOrder,
+    interpreted,
     route_rows,
     store_routes,
 )
@@ -150,10 +150,6 @@ def _scratch(device: torch.device, num_experts: int) -> _Scratch:
     return have
 
 
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def gate_routing(x: torch.Tensor, weight: torch.Tensor, top_k: int, order: RoutingOrder,
                  renormalize: bool = False, bias: torch.Tensor | None = None,
                  plan: GateRoutingPlan | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,6 +181,6 @@ def gate_routing(x: torch.Tensor, weight: torch.Tensor, top_k: int, order: Routi
         SOFTMAX_FIRST=order == "softmax_then_topk", RENORMALIZE=renormalize,
         ROWS=triton.next_power_of_2(t), BLOCK_E=plan.experts_per_program,
         BLOCK_H=plan.block_hidden, ROUTE_E=triton.next_power_of_2(e),
-        BLOCK_K=triton.next_power_of_2(top_k), INTERPRETED=_interpreted(),
+        BLOCK_K=triton.next_power_of_2(top_k), INTERPRETED=interpreted(),
         num_warps=plan.num_warps, enable_reflect_ftz=False)
     return weights, ids

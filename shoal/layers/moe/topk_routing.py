@@ -171,7 +171,8 @@ def fits_kernel(logits: torch.Tensor, top_k: int) -> bool:
             and 1 <= top_k <= logits.shape[1] <= MAX_EXPERTS)
 
 
-def _interpreted() -> bool:
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (tests on the CPU)."""
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -205,6 +206,6 @@ def topk_routing(logits: torch.Tensor, top_k: int, order: RoutingOrder,
         logits, weights, ids, t, logits.stride(0),
         N_EXPERTS=e, TOP_K=top_k, SOFTMAX_FIRST=order == "softmax_then_topk",
         RENORMALIZE=renormalize, ROWS=plan.rows_per_program, BLOCK_E=plan.block_experts,
-        BLOCK_K=plan.block_k, INTERPRETED=_interpreted(), num_warps=plan.num_warps,
+        BLOCK_K=plan.block_k, INTERPRETED=interpreted(), num_warps=plan.num_warps,
         enable_reflect_ftz=False)
     return weights, ids
