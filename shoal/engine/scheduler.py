@@ -393,4 +393,3 @@ class Scheduler(StepResults, RequestTableFront):
                           self.encoders)
         self._step_prompt_tokens = self._step_generation_tokens = 0
         return s
-
