@@ -2,7 +2,9 @@
 backend under TRITON_INTERPRET=1 and the graph table with replays emulated eagerly
 (worker/eager_graphs.py). A prompt shorter than its graph's q, one whose chunk crosses a
 block end (a fixed-shape save of the state there, for the prefix cache), a prefix hit's
-tail and the decodes after them give the eager engine's tokens and logprobs, and the linear
+tail and the decodes after them give the eager engine's tokens and logprobs (the eager engine
+on the torch backend: an independent reference, where one on Triton's interpreted kernels
+would add half again to this test), and the linear
 layers of a graph's chunk read no value back to the host; a chunk that starts inside a
 block (prefix caching on) and a prompt asking for prompt logprobs run eagerly."""
 
@@ -47,10 +49,10 @@ def hybrid(request, tmp_path_factory):
     return write_tiny_checkpoint(path, request.param, seed=3, **LINEAR, **extra)
 
 
-def _llm(path) -> LLM:
+def _llm(path, backend: str = "triton") -> LLM:
     return LLM(model=str(path), dtype="float32", max_num_batched_tokens=BUDGET,
                num_gpu_blocks_override=32, max_model_len=320, max_num_seqs=2,
-               attention_backend="triton")
+               attention_backend=backend)
 
 
 def _prompts(block_size: int) -> list[list[int]]:
@@ -79,7 +81,7 @@ def _same(got, want) -> None:
 
 
 def test_lone_prefills_of_a_hybrid_replay_padded_graphs(hybrid, monkeypatch):
-    eager_llm = _llm(hybrid)
+    eager_llm = _llm(hybrid, "torch")
     bs = eager_llm.llm_engine.core.runner.block_size
     assert bs == 64  # (the smallest hybrid block: the sizes below count on it)
     prompts = _prompts(bs)
