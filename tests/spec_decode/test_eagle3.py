@@ -88,16 +88,18 @@ def _rope(x: torch.Tensor) -> torch.Tensor:
 class Reference:
     """The target (transformers) and the EAGLE-3 formula in plain torch."""
 
-    def __init__(self, target_dir, w: dict[str, torch.Tensor]):
+    def __init__(self, target_dir, w: dict[str, torch.Tensor],
+                 aux_layers: tuple[int, ...] = AUX):
         self.hf = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
         self.w = w
+        self.aux_layers = aux_layers
 
     @torch.no_grad()
     def aux(self, seq: list[int]) -> torch.Tensor:
-        """cat of the residual stream entering layers AUX, every position: [T, 3H]."""
+        """cat of the residual stream entering the aux layers, every position: [T, 3H]."""
         hs = self.hf.model(torch.tensor([seq]), output_hidden_states=True,
                            use_cache=False).hidden_states
-        return torch.cat([hs[i][0] for i in AUX], -1)
+        return torch.cat([hs[i][0] for i in self.aux_layers], -1)
 
     @torch.no_grad()
     def head(self, next_ids: list[int], g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
