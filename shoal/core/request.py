@@ -82,6 +82,9 @@ class Request:
     # estimate, draft_budget.py); they start at its prior.
     spec_hits: float = 3.0
     spec_fails: float = 0.0
+    # Per outcome of the step being scheduled, the drafts its next step can verify at most
+    # (ScheduledRequest.draft_limits; empty: no limit known)
+    spec_draft_limits: tuple[int, ...] = ()
     # A pooling request (pooling engines): one forward, then its pooled result.
     pooling_params: PoolingParams | None = None
     token_type_ids: list[int] | None = None

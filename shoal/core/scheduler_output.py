@@ -60,6 +60,12 @@ class ScheduledRequest:
     # off if it accepts nothing), so a drafter may keep its rows and catch up when drafting
     # resumes; a marked verify step that does accept drafts is mirrored and drafted from
     drafts_paused: bool = False
+    # Speculative decoding: the drafts the request's next step can verify at most, per
+    # outcome of this one (index: drafts it accepts; one entry when it verifies none), as
+    # the adaptive budget will count (engine/draft_budget.py draft_limits); a drafter drafts
+    # no deeper, and keeps the rows of a request whose limit is 0 as a paused one's. Empty:
+    # no limit known (a prompt chunk, a request backing off, the budget not adaptive).
+    draft_limits: tuple[int, ...] = ()
 
     @property
     def num_new_tokens(self) -> int:

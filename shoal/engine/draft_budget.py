@@ -51,7 +51,20 @@ where a is its acceptance estimate (1 when adaptive_budget is off), at least 0 d
 plain decode step). The threshold rises with the batch (monotone, reaching c at
 CONFIDENCE_FULL_BATCH requests) for the reason the worth threshold does. Drafts without
 probabilities (ngram, draft_model) count as sure (1.0). The stats count, by draft position,
-the drafts that reached a decode step (proposed), those verified and those accepted."""
+the drafts that reached a decode step (proposed), those verified and those accepted.
+
+Draft limits (issue 38): a drafter drafted k tokens at every step's finish, wherever the
+budget then verified fewer or none (W9 at forced acceptance 0, batch 32 on the H100: a
+mirror pass at 80 steps of 256 and a k-deep draft chain at 25, for 13 verify steps). With
+the adaptive budget each scheduled decode step carries, per outcome of its own verification
+(drafts accepted), the drafts its next step can verify at most (draft_limits: the budget on
+the counts as settle() and the next step's aging will leave them, at this step's batch
+size); the drafter, which knows the outcome when it drafts, drafts no deeper, and keeps the
+rows of a request whose limit is 0 for later as a paused one's (no mirror, no drafts). A
+step whose every outcome gives 0 is paused at launch (drafts_paused), and wants_drafts skips
+it. A limit is an upper bound: confidence, room and max_tokens only lower the next count,
+and a batch that shrinks meanwhile lowers the worth threshold (a request then verifies at
+most what was drafted)."""
 
 from __future__ import annotations
 
@@ -85,6 +98,23 @@ WORTH_HALF_BATCH = 40
 ACCEPT_DECAY = 0.8  # per decode step, on the acceptance counts (see age_counts)
 PRIOR_HITS, PRIOR_FAILS = 3.0, 0.0  # a new request starts at p = 0.8: it gets its k drafts
 CONFIDENCE_FULL_BATCH = 32  # the confidence threshold reaches its setting at this batch
+
+
+def draft_limits(hits: float, fails: float, misses: int, num_drafts: int, k: int,
+                 threshold: float) -> tuple[int, ...]:
+    """Per outcome of a decode step verifying num_drafts drafts (index a: a of them
+    accepted; one entry for a step verifying none), the drafts its next step verifies at
+    most: adaptive_num_drafts on the counts (hits, fails: as num_drafts() left them for this
+    step) after settle() adds the outcome and the next step ages them; 0 for a full miss
+    that backs the request off."""
+    out = []
+    for a in range(num_drafts + 1):
+        h, f = hits + a, fails + (a < num_drafts)
+        if num_drafts and not a and backs_off_after(misses + 1, h, f):
+            out.append(0)
+        else:
+            out.append(adaptive_num_drafts(h * ACCEPT_DECAY, f * ACCEPT_DECAY, k, threshold))
+    return tuple(out)
 
 
 def confidence_threshold(threshold: float, running: int) -> float:
@@ -153,9 +183,12 @@ def drafts_paused(req: Request, num_drafts: int, pipelined: bool = True) -> bool
       would only draft for a step that verifies nothing: it is paused too;
     - a verify step whose full miss would back the request off: a full miss leaves one row
       to mirror, which the drafter then keeps (no drafts nobody verifies); a step that accepts
-      drafts leaves more rows and is mirrored and drafted from as ever."""
+      drafts leaves more rows and is mirrored and drafted from as ever;
+    - a step whose every outcome leaves the next step no draft to verify (draft_limits)."""
     if req.spec_skip:
         return req.spec_skip > int(pipelined)
+    if req.spec_draft_limits and not any(req.spec_draft_limits):
+        return True  # no outcome of this step leaves its next step a draft to verify
     return num_drafts > 0 and backs_off_on_a_miss(req)
 
 
@@ -211,7 +244,20 @@ class DraftBudget:
             n = self._verified_drafts(req, room, allowed, running)
         if not n:
             req.spec_hits, req.spec_fails = age_counts(hits, fails, verified=False)
+        req.spec_draft_limits = self._limits(req, n, running)
         return n
+
+    def _limits(self, req: Request, n: int, running: int) -> tuple[int, ...]:
+        """Request.spec_draft_limits of a decode step verifying n drafts (see draft_limits):
+        none while it backs off past this step (drafts_paused decides) or without the
+        adaptive budget; all 0 while disable_by_batch_size holds."""
+        if req.spec_skip or not self.adaptive:
+            return ()
+        cap = self.disable_by_batch_size
+        if cap is not None and running >= cap:
+            return (0,) * (n + 1)
+        return draft_limits(req.spec_hits, req.spec_fails, req.spec_misses, n, self.k,
+                            worth_threshold(running))
 
     def _verified_drafts(self, req: Request, room: int, allowed: bool, running: int) -> int:
         """num_drafts for a request not backing off, its counts aged for the step."""
@@ -256,6 +302,8 @@ class DraftBudget:
                 continue  # a prompt chunk next (or nothing: its last token is in flight)
             if req.spec_skip > 0 or (proposals_known and not req.spec_token_ids):
                 continue  # its next decode step still backs off, or it has nothing to verify
+            if req.spec_draft_limits and not any(req.spec_draft_limits):
+                continue  # the step in flight drafts nothing for it (draft_limits)
             if req.structured is None and self._budget(req, self.k, len(running)) > 0:
                 return True
         return False
@@ -264,7 +312,8 @@ class DraftBudget:
     def not_verified(req: Request) -> None:
         """num_drafts granted drafts that the step then could not take (no free blocks for
         their slots): its counts aged as a verified step's move the rest of the way, as a
-        step verifying none (age_counts)."""
+        step verifying none (age_counts); its draft limits, made for them, are dropped."""
+        req.spec_draft_limits = ()
         req.spec_hits += PRIOR_HITS * (1.0 - ACCEPT_DECAY)
         req.spec_fails += PRIOR_FAILS * (1.0 - ACCEPT_DECAY)
 

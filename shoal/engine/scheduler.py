@@ -276,11 +276,14 @@ class Scheduler(StepResults, RequestTableFront):
         elif len(ids) < n:  # the token a step in flight samples: the runner has it on device
             ids.extend([PENDING_TOKEN] * (n - len(ids)))
         req.spec_token_ids = []  # used now, or stale once this step has run
+        if n - max(num_drafts, 0) != 1:  # not a decode step: DraftBudget gave it no limits
+            req.spec_draft_limits = ()
         item = ScheduledRequest(
             req.request_id, req.serial, ids, start, self.kv.block_ids(req.request_id),
             start + n >= req.num_tokens_with_pending,
             req.num_output_tokens + req.num_pending_tokens, max(num_drafts, 0),
-            drafts_paused=drafts_paused(req, num_drafts, self.pipelined))
+            drafts_paused=drafts_paused(req, num_drafts, self.pipelined),
+            draft_limits=req.spec_draft_limits)
         if self._groups:
             item.group_block_ids = self.kv.group_block_ids(req.request_id)
             if self._states:

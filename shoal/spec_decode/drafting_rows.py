@@ -1,6 +1,8 @@
 """Which requests of a hidden-state drafter's mirror pass go on to draft (they sample and have
 room before max_model_len), known before the mirror runs, so that the rows draft 1 starts
-from travel to the device with the pass's other index lists (HiddenStateDrafter in mtp.py)."""
+from travel to the device with the pass's other index lists (HiddenStateDrafter in mtp.py),
+and how deep they draft: no deeper than the scheduler's draft limits let their next step
+verify (ScheduledRequest.draft_limits, engine/draft_budget.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,32 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from shoal.core.scheduler_output import ScheduledRequest
+
+
+@dataclass
+class MtpRequest:
+    """One request of a target step, as the mirror needs it."""
+
+    serial: int
+    start: int  # its first token's row in the step's hidden states
+    context_len: int
+    num_new_tokens: int
+    block_ids: list[int]
+    state: Any  # the runner's RequestState: prompt + outputs, read once the step is sampled
+    sample: bool
+    paused: bool = False  # its drafts are not wanted next step: deferred (mirror_backlog.py)
+    limit: int | None = None  # drafts its next step verifies at most (None: no limit)
+
+
+def request_of(it: ScheduledRequest, state: Any, start: int) -> MtpRequest:
+    """A step's item as the mirror takes it, once sampled: its draft limit for the rows the
+    step leaves (next_step_limit); a limit of 0 pauses it as drafts_paused."""
+    rows = min(it.num_new_tokens, state.num_tokens - 1 - it.context_len)
+    limit = next_step_limit(it.draft_limits, rows)
+    return MtpRequest(it.serial, start, it.context_len, it.num_new_tokens, it.block_ids, state,
+                      it.sample, it.drafts_paused or limit == 0, limit)
 
 
 @dataclass
@@ -21,6 +49,18 @@ class DraftingRows:
     lens: list[int] = field(default_factory=list)
     picks: list[int] = field(default_factory=list)
     last_index: torch.Tensor | None = None  # `last` on the device, copied with the mirror's
+    limits: list[int | None] = field(default_factory=list)  # each one's (None: no limit)
+
+    def depth(self, k: int) -> int:
+        """Drafts to make, at most k: the deepest limit of the drafting requests (a batch
+        drafts to one depth; a request drafted past its limit verifies no more)."""
+        return min(k, max((k if lim is None else lim for lim in self.limits), default=0))
+
+
+def next_step_limit(limits: tuple[int, ...], rows: int) -> int | None:
+    """A request's draft limit (ScheduledRequest.draft_limits) once its step mirrors `rows`
+    rows (the step's accepted drafts + 1); None: no limit."""
+    return limits[min(rows, len(limits)) - 1] if limits and rows > 0 else None
 
 
 def drafting_rows(kept: Sequence[tuple[Any, int]], max_model_len: int) -> DraftingRows:
@@ -35,4 +75,5 @@ def drafting_rows(kept: Sequence[tuple[Any, int]], max_model_len: int) -> Drafti
             plan.reqs.append(r)
             plan.lens.append(seq_len)
             plan.picks.append(b)
+            plan.limits.append(r.limit)
     return plan

@@ -327,7 +327,8 @@ class Eagle3Drafter(HiddenStateDrafter):
         # a long prefill chunk's would be held unprofiled through the next step's forward.
         graphs = self.mirror_graphs
         graphed = graphs is not None and aux.shape[0] <= graphs.max_tokens
-        if graphed or any(it.drafts_paused for it in step.inputs.items):
+        if graphed or any(it.drafts_paused or 0 in it.draft_limits
+                          for it in step.inputs.items):  # (rows the finish may keep)
             return RawRows(aux if own else aux.clone())
         return self.model.combine(aux)
 

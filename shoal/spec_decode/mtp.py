@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
 from itertools import accumulate
 from typing import Any
 
@@ -57,7 +56,7 @@ from shoal.host_to_device import to_device
 from shoal.spec_decode import mirror_backlog as backlog
 from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.spec_decode.drafter_cache import DrafterCache
-from shoal.spec_decode.drafting_rows import DraftingRows, drafting_rows
+from shoal.spec_decode.drafting_rows import DraftingRows, MtpRequest, drafting_rows, request_of
 from shoal.spec_decode.kept_rows import KeptRows, KeptStep
 from shoal.spec_decode.mirror_backlog import MirrorBacklog, RawRows
 from shoal.spec_decode.mirror_graphs import MirrorGraphs
@@ -67,20 +66,6 @@ from shoal.worker.drafter import TargetStep
 from shoal.worker.graph_table import StepShape
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class MtpRequest:
-    """One request of a target step, as the mirror needs it."""
-
-    serial: int
-    start: int  # its first token's row in the step's hidden states
-    context_len: int
-    num_new_tokens: int
-    block_ids: list[int]
-    state: Any  # the runner's RequestState: prompt + outputs, read once the step is sampled
-    sample: bool
-    paused: bool = False  # its drafts are not wanted next step: deferred (mirror_backlog.py)
 
 
 class HiddenStateDrafter(DrafterCache):
@@ -145,9 +130,8 @@ class HiddenStateDrafter(DrafterCache):
                 latest: bool) -> None:
         inp = step.inputs
         assert state is not None, "a hidden-state drafter without the target's hidden states"
-        reqs = [MtpRequest(it.serial, start, it.context_len, it.num_new_tokens, it.block_ids,
-                           st, it.sample, it.drafts_paused)
-                for it, st, start in zip(inp.items, inp.states, inp.starts())]
+        reqs = [request_of(it, st, start) for it, st, start in zip(inp.items, inp.states,
+                                                                      inp.starts())]
         drafts = self.mirror_and_propose(reqs, state, out.failed_serials, propose=latest)
         for serial, d in drafts.items():
             if d and serial in out.sampled_token_ids:
@@ -277,7 +261,7 @@ class HiddenStateDrafter(DrafterCache):
                                                             torch.long, self.device))
         self.last_draft_probs = {}
         plan = drafting_rows(kept, self.max_model_len) if propose else None
-        k = min(self.k, self.max_model_len - 1 - max(plan.lens)) if plan and plan.reqs else 0
+        k = min(plan.depth(self.k), self.max_model_len - 1 - max(plan.lens)) if plan and plan.reqs else 0
         draft_shape = None
         if k >= 1:
             assert plan is not None
@@ -328,7 +312,7 @@ class HiddenStateDrafter(DrafterCache):
         self.last_draft_probs = {}
         if not reqs:
             return {}
-        k = min(self.k, self.max_model_len - 1 - max(lens))
+        k = min(plan.depth(self.k), self.max_model_len - 1 - max(lens))
         if k < 1:
             return {}
         index = plan.last_index

@@ -105,9 +105,10 @@ def test_hidden_state_drafts_through_padded_graphs(drafter_checkpoint, method, n
     log = record_proposals(llm)
     assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == want
     assert _ids(llm.generate(prompts[1], sp, use_tqdm=False)) == [want[1]]
-    assert (3, 4, K - 1) in graphs.runs and (1, 1, K - 1) in graphs.runs
-    # Every proposal of k drafts went through the graphs.
-    assert sum(n for n, _, _ in graphs.runs) == sum(len(d) == K for _, d in log) > 5
+    assert {run[:2] for run in graphs.runs} >= {(3, 4), (1, 1)}
+    # Every proposal of 2 or more drafts went through the graphs (fewer than k where the
+    # draft limits ask: engine/draft_budget.py), a batch to one depth.
+    assert sum(n for n, _, _ in graphs.runs) == sum(len(d) >= 2 for _, d in log) > 5
     for seq, drafts in log:
         assert drafts == ref.drafts(seq, len(drafts)), seq
 
