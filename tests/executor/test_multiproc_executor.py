@@ -14,8 +14,10 @@ from shoal.engine.engine_args import EngineArgs
 PROMPTS = [[5, 17, 300, 42, 7, 99], [256, 3, 11, 400, 23, 8, 1, 2, 3, 4, 5, 6, 7], [9, 9, 9]]
 
 
-def _generate(path: str, tp: int, params: SamplingParams,
-              backend: str | None = None) -> list[list[int]]:
+def _generate(path: str, tp: int, *params: SamplingParams,
+              backend: str | None = None) -> list[list[list[int]]]:
+    """Each of `params` over PROMPTS on one engine (an engine start is most of a test's
+    time): the token ids of every prompt, for each of them."""
     llm = LLM(model=path, tensor_parallel_size=tp, device="cpu", dtype="float32",
               max_model_len=128, kv_cache_memory_bytes=2**22, enable_prefix_caching=False,
               distributed_executor_backend=backend)
@@ -26,8 +28,9 @@ def _generate(path: str, tp: int, params: SamplingParams,
             assert all(p.is_alive() for p in runner._procs) and len(runner._procs) == tp - 1
             full = runner.driver.hf_config.num_attention_heads
             assert runner.driver.model.attention_layers()[0].num_heads * tp == full
-        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
-        return [list(o.outputs[0].token_ids) for o in outs]
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        return [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp)]
+                for sp in params]
     finally:
         llm.shutdown()
 
@@ -36,13 +39,10 @@ def test_two_ranks_generate_what_one_rank_does(tiny_llama_dir):
     torch.set_num_threads(1)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=12, ignore_eos=True)
-    for params in (greedy, seeded):
-        one = _generate(str(tiny_llama_dir), 1, params)
-        two = _generate(str(tiny_llama_dir), 2, params)
-        assert two == one
+    one = _generate(str(tiny_llama_dir), 1, greedy, seeded)
+    assert _generate(str(tiny_llama_dir), 2, greedy, seeded) == one
     # The mp executor at world size 1 (a process group of one, no worker processes).
-    assert _generate(str(tiny_llama_dir), 1, greedy, backend="mp") == _generate(
-        str(tiny_llama_dir), 1, greedy)
+    assert _generate(str(tiny_llama_dir), 1, greedy, backend="mp") == one[:1]
 
 
 def test_worker_ranks_build_the_model_hf_overrides_made(tiny_llama_dir):
@@ -87,7 +87,7 @@ def test_serve_with_two_ranks_answers_like_one(tiny_llama_dir):
     """`shoal serve --tensor-parallel-size 2`: the engine core process starts the worker
     rank; the official client's greedy completion equals the single-rank engine's."""
     expected = _generate(str(tiny_llama_dir), 1,
-                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+                         SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0][0]
     assert served_tokens(str(tiny_llama_dir), ["--tensor-parallel-size", "2"],
                          PROMPTS[0]) == expected
 
