@@ -116,7 +116,9 @@ class RemoteServer:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(0.5)
+            # A refused connection costs next to nothing: polling often saves ~0.2 s of a
+            # start on average, over the suite's ~40 servers.
+            time.sleep(0.1)
         tail = self.log_tail()
         self.stop()
         raise RuntimeError(f"server did not become healthy:\n{tail}")

@@ -113,7 +113,7 @@ def test_shutdown_deadline_ends_requests_with_errors_over_a_unix_socket(tmp_path
             except httpx.HTTPError:
                 pass
             assert time.monotonic() < deadline, "no server on the socket"
-            time.sleep(0.5)
+            time.sleep(0.1)
         assert http.get("/version").json()["version"]
         body = {"prompt": PROMPT, "max_tokens": 1000, "ignore_eos": True}
         result: dict = {}
