@@ -94,7 +94,7 @@ def test_hidden_state_drafts_through_padded_graphs(drafter_checkpoint, method, n
     target, ref, spec = drafter_checkpoint(method, name, K)
     sp = SamplingParams(temperature=0, max_tokens=10 if async_scheduling else 8,
                         ignore_eos=True)
-    prompts = random_prompts(3, seed=9, lo=2, hi=20)
+    prompts = random_prompts(3, seed=9, lo=2, hi=10)
     want = _ids(tiny_llm(target).generate(prompts, sp, use_tqdm=False))
     llm = tiny_llm(target, attention_backend="triton", max_num_seqs=4, max_model_len=MAX_LEN,
                    async_scheduling=async_scheduling, speculative_config=spec)
@@ -117,8 +117,10 @@ def test_draft_model_drafts_through_padded_graphs(tiny_llama_dir, tmp_path):
     """The draft model's k greedy steps replay the emulated graphs: lossless, and every
     proposal is the draft model's own greedy continuation (transformers)."""
     draft = _draft(tiny_llama_dir, tmp_path, 0.03)
-    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    prompts = random_prompts(3, seed=2, lo=2, hi=20)
+    # Prompts of a few tokens and 4 tokens each (8 replays, 16 proposals checked): every
+    # prompt and verify token is an interpreted forward of the target and the draft model.
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = random_prompts(3, seed=2, lo=2, hi=10)
     want = _ids(tiny_llm(tiny_llama_dir).generate(prompts, sp, use_tqdm=False))
     llm = tiny_llm(tiny_llama_dir, attention_backend="triton", max_num_seqs=4,
                    max_model_len=MAX_LEN,
