@@ -119,6 +119,7 @@ def test_mirror_and_draft_1_replay_their_graphs(tmp_path) -> None:
             "forced_acceptance_rate": 1.0, "confidence_threshold": 0.0}
     # three requests (padded to 4 rows), then one alone, its drafts all rejected
     sp = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 7, 7)]
+    alone = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)  # 3 one-row mirrors
     prompts = random_prompts(4, seed=16, lo=2, hi=12)
     outs, logs, probs = [], [], []
     for graphs in (False, True):
@@ -130,7 +131,7 @@ def test_mirror_and_draft_1_replay_their_graphs(tmp_path) -> None:
         log, seen = record_proposals(llm), _probs(llm)
         got = llm.generate(prompts[:3], sp, use_tqdm=False)
         llm.llm_engine.core.runner.drafter.forced_acceptance.rate = 0.0
-        got += llm.generate(prompts[3:], sp[1], use_tqdm=False)
+        got += llm.generate(prompts[3:], alone, use_tqdm=False)
         outs.append([o.outputs[0].token_ids for o in got])
         logs.append(log)
         probs.append(seen)
