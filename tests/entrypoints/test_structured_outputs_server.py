@@ -71,16 +71,20 @@ def test_json_schema_answers_validate(client):
 
 
 def test_json_object_and_completions_json(client):
-    r = client.chat.completions.create(model=MODEL, messages=ask(0), max_tokens=40,
-                                       temperature=0, response_format={"type": "json_object"})
-    c = r.choices[0]
+    with ThreadPoolExecutor(2) as pool:  # both in one batch
+        chat = pool.submit(client.chat.completions.create, model=MODEL, messages=ask(0),
+                           max_tokens=40, temperature=0,
+                           response_format={"type": "json_object"})
+        completion = pool.submit(client.completions.create, model=MODEL,
+                                 prompt="A person as JSON:", max_tokens=150, temperature=0,
+                                 extra_body={"structured_outputs": {
+                                     "json": PERSON, "disable_any_whitespace": True}})
+        c = chat.result().choices[0]
+        text = completion.result().choices[0].text
     assert c.message.content.startswith("{")
     if c.finish_reason == "stop":  # an open-ended object may run to max_tokens
         assert isinstance(json.loads(c.message.content), dict)
-    r = client.completions.create(model=MODEL, prompt="A person as JSON:", max_tokens=150,
-                                  temperature=0, extra_body={"structured_outputs": {
-                                      "json": PERSON, "disable_any_whitespace": True}})
-    jsonschema.validate(json.loads(r.choices[0].text), PERSON)
+    jsonschema.validate(json.loads(text), PERSON)
 
 
 def test_regex_and_choice_hold_on_every_answer(client):
@@ -152,8 +156,10 @@ def _streamed(client, **kw) -> tuple[str, dict[int, dict], str | None]:
 ])
 def test_streaming_ends_as_the_full_answer(client, extra):
     kw = dict(model=MODEL, messages=ask(3), max_tokens=150, temperature=0, **extra)
-    full = client.chat.completions.create(**kw).choices[0]
-    content, calls, finish = _streamed(client, **kw)
+    with ThreadPoolExecutor(2) as pool:  # both in one batch: half the steps
+        full_answer = pool.submit(client.chat.completions.create, **kw)
+        content, calls, finish = pool.submit(_streamed, client, **kw).result()
+        full = full_answer.result().choices[0]
     assert finish == full.finish_reason
     if full.message.tool_calls:
         assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [
