@@ -11,6 +11,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -175,6 +177,24 @@ class RemoteServer:
                 self.proc.wait()
         self._log.close()
         self.log_path.unlink(missing_ok=True)
+
+
+def start_together(*starts: Callable[[], RemoteServer]) -> list[RemoteServer]:
+    """Servers started at once, their starts overlapping (most of a start waits on imports and
+    the other process of the server); if one fails, the started ones are stopped."""
+    with ThreadPoolExecutor(len(starts)) as pool:
+        futures = [pool.submit(start) for start in starts]
+    started, error = [], None
+    for future in futures:
+        try:
+            started.append(future.result())
+        except Exception as e:  # re-raised below, after the cleanup
+            error = error or e
+    if error is not None:
+        for srv in started:
+            srv.stop()
+        raise error
+    return started
 
 
 @pytest.fixture(scope="package")

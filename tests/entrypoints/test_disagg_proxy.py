@@ -8,6 +8,7 @@ load their KV."""
 
 from __future__ import annotations
 
+import functools
 import json
 from concurrent.futures import ThreadPoolExecutor
 
@@ -15,7 +16,7 @@ import httpx
 import pytest
 from oracle import write_tiny_checkpoint
 
-from .conftest import ProxyProcess, RemoteServer, free_port
+from .conftest import ProxyProcess, RemoteServer, free_port, start_together
 
 pytestmark = pytest.mark.slow
 
@@ -42,14 +43,17 @@ def cluster(tmp_path_factory, smollm_gguf):
                                   vocab_size=49152)
     folder, name = smollm_gguf
     tok = ["--tokenizer", f"{folder}/{name}"]
-    prefill = RemoteServer(str(model), *tok, "--block-size", "16", "--kv-transfer-config",
-                           json.dumps({"kv_connector": "P2PConnector",
-                                       "kv_role": "kv_producer", "kv_port": free_port()}),
-                           base_args=BASE)
-    decode = RemoteServer(str(model), *tok, "--block-size", "8", "--kv-transfer-config",
+    prefill, decode = start_together(
+        functools.partial(RemoteServer, str(model), *tok, "--block-size", "16",
+                          "--kv-transfer-config",
+                          json.dumps({"kv_connector": "P2PConnector",
+                                      "kv_role": "kv_producer", "kv_port": free_port()}),
+                          base_args=BASE),
+        functools.partial(RemoteServer, str(model), *tok, "--block-size", "8",
+                          "--kv-transfer-config",
                           json.dumps({"kv_connector": "P2PConnector",
                                       "kv_role": "kv_consumer"}),
-                          "--enable-prompt-tokens-details", base_args=BASE)
+                          "--enable-prompt-tokens-details", base_args=BASE))
     proxy = ProxyProc(prefill.base_url, decode.base_url)
     yield proxy, prefill, decode
     proxy.stop()

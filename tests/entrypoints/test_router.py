@@ -5,6 +5,7 @@ over both; streams pass through; a backend's reset clears its blocks from the in
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 from oracle import write_tiny_checkpoint
 
-from .conftest import ProxyProcess, RemoteServer, free_port
+from .conftest import ProxyProcess, RemoteServer, free_port, start_together
 
 pytestmark = pytest.mark.slow
 
@@ -45,18 +46,20 @@ def cluster(tmp_path_factory, smollm_gguf):
     model = write_tiny_checkpoint(tmp_path_factory.mktemp("router") / "m", "llama", seed=0,
                                   vocab_size=49152)
     folder, name = smollm_gguf
-    servers, events = [], []
+    servers, events, starts = [], [], []
     try:
         for _ in range(2):
             pub, replay = free_port(), free_port()
             cfg = {"enable_kv_cache_events": True, "publisher": "zmq",
                    "endpoint": f"tcp://127.0.0.1:{pub}",
                    "replay_endpoint": f"tcp://127.0.0.1:{replay}"}
-            servers.append(RemoteServer(str(model), "--tokenizer", f"{folder}/{name}",
-                                        "--kv-events-config", json.dumps(cfg),
-                                        base_args=BASE, env={"VLLM_SERVER_DEV_MODE": "1"}))
+            starts.append(functools.partial(
+                RemoteServer, str(model), "--tokenizer", f"{folder}/{name}",
+                "--kv-events-config", json.dumps(cfg), base_args=BASE,
+                env={"VLLM_SERVER_DEV_MODE": "1"}))
             events += ["--kv-events", f"tcp://127.0.0.1:{pub}",
                        "--kv-events-replay", f"tcp://127.0.0.1:{replay}"]
+        servers += start_together(*starts)
         args = [a for s in servers for a in ("--backend", s.base_url)]
         router = RouterProc(*args, *events)
         yield router, servers
