@@ -53,8 +53,15 @@ class DraftingRows:
 
     def depth(self, k: int) -> int:
         """Drafts to make, at most k: the deepest limit of the drafting requests (a batch
-        drafts to one depth; a request drafted past its limit verifies no more)."""
+        drafts to one depth; by_serial cuts each request's to its own)."""
         return min(k, max((k if lim is None else lim for lim in self.limits), default=0))
+
+    def by_serial(self, drafts: list[list[int]]) -> dict[int, list[int]]:
+        """Each drafting request's drafts (rows in plan order), cut to its own limit: what a
+        request proposes follows its own acceptance, never its batch-mates' (the batch ran to
+        the deepest limit)."""
+        return {r.serial: d if lim is None else d[:lim]
+                for r, d, lim in zip(self.reqs, drafts, self.limits)}
 
 
 def next_step_limit(limits: tuple[int, ...], rows: int) -> int | None:

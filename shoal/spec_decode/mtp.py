@@ -284,7 +284,7 @@ class HiddenStateDrafter(DrafterCache):
         if p1 is not None:
             probs = torch.cat([p1[:, None], self._probs[:n, :k - 1]], dim=1).tolist()
             self.last_draft_probs = {r.serial: q for r, q in zip(plan.reqs, probs)}
-        return {r.serial: d for r, d in zip(plan.reqs, result)}
+        return plan.by_serial(result)
 
     def _graph_source(self, hidden: torch.Tensor | RawRows | KeptStep) -> torch.Tensor | None:
         """The step's raw states, which the mirror graphs gather from (None: kept in the
@@ -341,7 +341,7 @@ class HiddenStateDrafter(DrafterCache):
             probs_t = torch.stack([q for q in probs if q is not None], dim=1)
             probs_l = torch.cat([probs_t, self._probs[:len(reqs), :steps]], dim=1).tolist()
             self.last_draft_probs = {r.serial: q for r, q in zip(reqs, probs_l)}
-        return {r.serial: d for r, d in zip(reqs, result)}
+        return plan.by_serial(result)
 
     def _input_states(self, rows: torch.Tensor) -> torch.Tensor:
         """The head's input state of raw rows (RawRows; EAGLE-3: fc over aux states)."""
