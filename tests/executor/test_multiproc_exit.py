@@ -45,18 +45,38 @@ if mode == "core_shutdown_fails":
 print("END_OF_SCRIPT", file=sys.stderr, flush=True)
 """
 _NCCL_WARNINGS = ("has NOT been destroyed", "destroy_process_group() was not called")
+MODES = ["alive_at_exit", "core_shutdown_fails", "failed_start", "os_exit"]
 
 
-@pytest.mark.parametrize("mode", ["alive_at_exit", "core_shutdown_fails", "failed_start",
-                                  "os_exit"])
-def test_rank_0_destroys_its_group_before_teardown(tiny_llama_dir, mode):
-    proc = subprocess.run([sys.executable, "-c", _SCRIPT, str(tiny_llama_dir), mode],
-                          capture_output=True, text=True, timeout=300)
-    err = proc.stderr
+@pytest.fixture(scope="module")
+def exits(tiny_llama_dir, tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """mode -> (exit code, stderr) of the script: the four processes (and their worker ranks)
+    run at once, each mostly importing and starting up, which the two cores overlap. (stderr
+    to files: a full pipe nobody reads yet would stop a process mid-way.)"""
+    logs = tmp_path_factory.mktemp("exits")
+    procs = {}
+    try:
+        for mode in MODES:
+            with (logs / mode).open("w") as err:
+                procs[mode] = subprocess.Popen(
+                    [sys.executable, "-c", _SCRIPT, str(tiny_llama_dir), mode],
+                    stdout=subprocess.DEVNULL, stderr=err, text=True)
+        return {mode: (p.wait(timeout=300), (logs / mode).read_text())
+                for mode, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_rank_0_destroys_its_group_before_teardown(exits, mode):
+    returncode, err = exits[mode]
     if mode == "os_exit":  # no atexit callback ran: release_all() did it
-        assert proc.returncode == 0 and "END_OF_SCRIPT" not in err
+        assert returncode == 0 and "END_OF_SCRIPT" not in err
     elif mode == "failed_start":
-        assert proc.returncode == 1 and "not enough memory for the KV cache" in err, err[-3000:]
+        assert returncode == 1 and "not enough memory for the KV cache" in err, err[-3000:]
     else:
         assert "END_OF_SCRIPT" in err, err[-3000:]
     assert "GROUP_ALIVE_AT_EXIT=False" in err, err[-3000:]
