@@ -29,6 +29,18 @@ os.environ.setdefault("SHOAL_FREEZE_STARTUP_HEAP", "0")
 # Two cores: one intra-op thread per process keeps test processes from fighting.
 torch.set_num_threads(int(os.environ.get("SHOAL_TEST_THREADS", "1")))
 
+@pytest.fixture(scope="module")
+def both_cores():
+    """Two intra-op threads for a module whose tests compute in this process alone (no
+    server, worker rank or other test process runs beside them, so nothing to fight): the
+    real SmolLM2's steps and transformers' reference passes take ~35% less time. The
+    suite's count again after the module."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, 2))
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")

@@ -14,7 +14,7 @@ from test_smollm2_vs_hf import CHAT, CODE, PROSE
 from shoal import SamplingParams
 from shoal.layers import int4_cpu
 
-pytestmark = [pytest.mark.slow,
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("both_cores"),
               pytest.mark.skipif(not int4_cpu.supported(), reason="no int4 CPU kernel")]
 
 

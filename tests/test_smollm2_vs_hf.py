@@ -8,7 +8,7 @@ from oracle import hf_greedy
 
 from shoal import SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("both_cores")]
 
 PROSE = "The history of the printing press begins in the fifteenth century, when"
 CODE = "def binary_search(items, target):\n    lo, hi = 0, len(items) - 1\n"

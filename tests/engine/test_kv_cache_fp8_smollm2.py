@@ -17,7 +17,7 @@ from kv_fp8_helpers import compare_with_auto, greedy_run
 
 from shoal import LLM
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("both_cores")]
 
 STEPS = 32
 FP8_TIE_MARGIN = 0.1

@@ -7,7 +7,7 @@ import pytest
 
 from shoal import LLM, SamplingParams
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("both_cores")]
 
 SNIPPETS = [
     "def add(a, b):\n    return a + b\n\nprint(add(2, 3))\n",

@@ -17,6 +17,7 @@ from shoal.structured_output.params import StructuredOutputsParams
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
+pytestmark = pytest.mark.usefixtures("both_cores")
 
 SCHEMA = {"type": "object", "properties": {
     "id": {"type": "integer"},
