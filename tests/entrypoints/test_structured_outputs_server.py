@@ -41,8 +41,11 @@ SCHEMAS = {"get_weather": WEATHER, "get_time": TOOLS[1]["function"]["parameters"
 
 @pytest.fixture(scope="module")
 def server():
+    # Two model threads (a 2-core host's default leaves one core to the frontend): this
+    # module is mostly the engine's decode steps, the frontend and the client mostly wait.
     srv = RemoteServer("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                       "--structured-outputs-config", '{"backend": "xgrammar"}')
+                       "--structured-outputs-config", '{"backend": "xgrammar"}',
+                       "--cpu-threads", "2")
     yield srv
     srv.stop()
 
