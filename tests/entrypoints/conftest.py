@@ -81,9 +81,11 @@ class ProxyProcess:
 
 class RemoteServer:
     def __init__(self, *args: str, api_key: str | None = None,
-                 base_args: list[str] | None = None, env: dict[str, str] | None = None):
+                 base_args: list[str] | None = None, env: dict[str, str] | None = None,
+                 wait: bool = True):
         """base_args: replaces BASE_ARGS (sized for SmolLM2) for other models; env: added to
-        the server's environment."""
+        the server's environment; wait=False: returns at once (wait_healthy() later), so
+        that other processes can start meanwhile."""
         self.port = free_port()
         self.api_key = api_key
         cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(self.port),
@@ -94,7 +96,8 @@ class RemoteServer:
         self._log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
-        self._wait_healthy()
+        if wait:
+            self.wait_healthy()
 
     @property
     def base_url(self) -> str:
@@ -107,7 +110,7 @@ class RemoteServer:
     def log_tail(self, n: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-n:]
 
-    def _wait_healthy(self) -> None:
+    def wait_healthy(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

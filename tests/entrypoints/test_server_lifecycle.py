@@ -18,21 +18,44 @@ from .conftest import BASE_ARGS, RemoteServer, free_port
 PROMPT = "The capital of France is"
 
 
-def test_engine_startup_error_exits_nonzero_with_message():
+@pytest.fixture(scope="module")
+def started(tmp_path_factory):
+    """The module's servers and the start that must fail, started at once: their starts
+    overlap (most of one is imports, and each server's frontend waits for its engine
+    process), where one after the other they took most of the module's time."""
+    logs = tmp_path_factory.mktemp("lifecycle")
     # The frontend accepts the flag; the engine process rejects it while building its config
     # and must report the error through the start-up handshake.
-    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(free_port()),
-           *BASE_ARGS, "--max-model-len", "999999"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert proc.returncode != 0
-    assert "failed to start" in proc.stderr and "max_model_len" in proc.stderr, proc.stderr[-2000:]
+    with (logs / "failing.log").open("w") as err:
+        failing = subprocess.Popen([sys.executable, "-m", "shoal.cli", "serve", "--port",
+                                    str(free_port()), *BASE_ARGS, "--max-model-len", "999999"],
+                                   stdout=subprocess.DEVNULL, stderr=err)
+    procs = {"failing": (failing, logs / "failing.log"),
+             "plain": RemoteServer(wait=False),
+             "no_tokenizer": RemoteServer("--skip-tokenizer-init", "--max-num-seqs", "2",
+                                          wait=False)}
+    yield procs
+    if failing.poll() is None:
+        failing.kill()
+        failing.wait()
+    for srv in (procs["plain"], procs["no_tokenizer"]):
+        srv.stop()
+
+
+def test_engine_startup_error_exits_nonzero_with_message(started):
+    proc, log = started["failing"]
+    assert proc.wait(timeout=240) != 0
+    stderr = log.read_text()
+    assert "failed to start" in stderr and "max_model_len" in stderr, stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
-def server():
-    srv = RemoteServer()
-    yield srv
-    srv.stop()
+def server(started):
+    # Both servers up before the death test, whose 503 has a second to show.
+    started["no_tokenizer"].wait_healthy()
+    srv = started["plain"]
+    srv.wait_healthy()
+    return srv
 
 
 def test_engine_death_fails_requests_and_exits_nonzero(server):
@@ -139,8 +162,9 @@ def test_shutdown_deadline_ends_requests_with_errors_over_a_unix_socket(tmp_path
             proc.wait()
 
 
-def test_skip_tokenizer_init_serves_token_ids_only():
-    srv = RemoteServer("--skip-tokenizer-init", "--max-num-seqs", "2")
+def test_skip_tokenizer_init_serves_token_ids_only(started):
+    srv = started["no_tokenizer"]
+    srv.wait_healthy()
     try:
         r = srv.post("/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 3,
                                               "temperature": 0, "return_token_ids": True,
