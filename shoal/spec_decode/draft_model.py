@@ -29,6 +29,7 @@ from shoal.host_to_device import to_device
 from shoal.loader import build_model, load_model
 from shoal.models.registry import has_linear_attention
 from shoal.spec_decode.drafter_cache import DrafterCache
+from shoal.spec_decode.drafting_rows import sampled_limit
 from shoal.worker.drafter import TargetStep
 
 logger = logging.getLogger(__name__)
@@ -68,25 +69,34 @@ class DraftModelDrafter(DrafterCache):
                 latest: bool) -> None:
         if not latest:  # its KV mirrors every step at launch, drafted or not
             return
-        inp = step.inputs
-        rows = [(it, st) for it, st in zip(inp.items, inp.states)
-                if it.sample and it.serial in out.sampled_token_ids]
+        # The draft limits (issue 38): a request drafts no more than its next step can verify
+        # for the outcome it had (none while paused); the batch drafts to the deepest limit.
+        inp, rows, limits = step.inputs, [], []
+        for it, st in zip(inp.items, inp.states):
+            if not it.sample or it.serial not in out.sampled_token_ids or it.drafts_paused:
+                continue
+            limit = sampled_limit(it, st)
+            if limit != 0:
+                rows.append((it, st))
+                limits.append(self.k if limit is None else limit)
         if not rows:
             return
         drafts = self.propose_batch([st.all_token_ids() for _, st in rows],
-                                    [it.block_ids for it, _ in rows])
-        for (it, _), d in zip(rows, drafts):
+                                    [it.block_ids for it, _ in rows], max(limits))
+        for (it, _), d, limit in zip(rows, drafts, limits):
             if d:
-                out.draft_token_ids[it.serial] = d
+                out.draft_token_ids[it.serial] = d[:limit]
 
     @torch.inference_mode()
-    def propose_batch(self, seqs: list[list[int]], tables: list[list[int]]) -> list[list[int]]:
+    def propose_batch(self, seqs: list[list[int]], tables: list[list[int]],
+                      depth: int | None = None) -> list[list[int]]:
         """Greedy drafts for each sequence (its tokens; all but the last are in the draft's
-        KV), up to k, fewer near max_model_len."""
+        KV), up to depth (default k), fewer near max_model_len."""
         rows = [i for i, s in enumerate(seqs) if len(s) < self.max_model_len - 1]
         if not rows:
             return [[] for _ in seqs]
-        k = min(self.k, self.max_model_len - 1 - max(len(seqs[i]) for i in rows))
+        k = min(self.k if depth is None else depth,
+                self.max_model_len - 1 - max(len(seqs[i]) for i in rows))
         if k < 1:
             return [[] for _ in seqs]
         start = [len(seqs[i]) - 1 for i in rows]

@@ -33,10 +33,17 @@ class MtpRequest:
 def request_of(it: ScheduledRequest, state: Any, start: int) -> MtpRequest:
     """A step's item as the mirror takes it, once sampled: its draft limit for the rows the
     step leaves (next_step_limit); a limit of 0 pauses it as drafts_paused."""
-    rows = min(it.num_new_tokens, state.num_tokens - 1 - it.context_len)
-    limit = next_step_limit(it.draft_limits, rows)
+    limit = sampled_limit(it, state)
     return MtpRequest(it.serial, start, it.context_len, it.num_new_tokens, it.block_ids, state,
                       it.sample, it.drafts_paused or limit == 0, limit)
+
+
+def sampled_limit(it: ScheduledRequest, state: Any) -> int | None:
+    """The drafts a step's item may propose once it is sampled (state: its RequestState with
+    the step's tokens in): the limit for the outcome it had (the rows it leaves: accepted
+    drafts + 1); None: no limit."""
+    return next_step_limit(it.draft_limits,
+                           min(it.num_new_tokens, state.num_tokens - 1 - it.context_len))
 
 
 @dataclass

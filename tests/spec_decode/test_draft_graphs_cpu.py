@@ -131,8 +131,8 @@ def test_draft_model_drafts_through_padded_graphs(tiny_llama_dir, tmp_path):
     log: list[tuple[list[int], list[int]]] = []
     inner = drafter.propose_batch
 
-    def recording(seqs, tables):
-        drafts = inner(seqs, tables)
+    def recording(seqs, tables, depth=None):
+        drafts = inner(seqs, tables, depth)
         log.extend((list(s), d) for s, d in zip(seqs, drafts))
         return drafts
     drafter.propose_batch = recording
@@ -143,4 +143,4 @@ def test_draft_model_drafts_through_padded_graphs(tiny_llama_dir, tmp_path):
     assert sum(n for n, _, _ in runs) == len(log) > 5
     hf = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32).eval()
     for seq, drafts in log:
-        assert drafts == hf_greedy(hf, seq, K)[0], seq
+        assert drafts == hf_greedy(hf, seq, len(drafts))[0], seq

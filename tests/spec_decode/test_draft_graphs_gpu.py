@@ -92,8 +92,8 @@ def test_draft_model_replays_cuda_graphs(tiny_llama_dir, tmp_path):
         log: list[tuple[list[int], list[int]]] = []
         inner = drafter.propose_batch
 
-        def recording(seqs, tables, inner=inner, log=log):
-            drafts = inner(seqs, tables)
+        def recording(seqs, tables, depth=None, inner=inner, log=log):
+            drafts = inner(seqs, tables, depth)
             log.extend((list(s), d) for s, d in zip(seqs, drafts))
             return drafts
         drafter.propose_batch = recording
@@ -102,6 +102,6 @@ def test_draft_model_replays_cuda_graphs(tiny_llama_dir, tmp_path):
         if runs is not None:
             assert 3 in runs and 1 in runs and sum(runs) == len(log) > 5
         for seq, drafts in log:
-            assert drafts == hf_greedy(hf, seq, K)[0], seq
+            assert drafts == hf_greedy(hf, seq, len(drafts))[0], seq
         logs.append(log)
     assert _same_where_both(*logs) > 5

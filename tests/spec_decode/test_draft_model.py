@@ -116,8 +116,8 @@ def test_async_scheduling_keeps_the_draft_cache_right(tiny_llama_dir, plain, tmp
     proposer = llm.llm_engine.core.runner.drafter
     inner = proposer.propose_batch
 
-    def recording(seqs, tables):
-        drafts = inner(seqs, tables)
+    def recording(seqs, tables, depth=None):
+        drafts = inner(seqs, tables, depth)
         log.extend((list(s), d) for s, d in zip(seqs, drafts) if d)
         return drafts
     proposer.propose_batch = recording
@@ -134,4 +134,36 @@ def test_async_scheduling_keeps_the_draft_cache_right(tiny_llama_dir, plain, tmp
         want = _ids(draft_alone.generate([{"prompt_token_ids": seq}], SamplingParams(
             temperature=0, max_tokens=len(drafts), ignore_eos=True), use_tqdm=False))[0]
         assert drafts == want, seq
+    assert blocks_all_free(llm)
+
+
+def test_drafts_no_deeper_than_the_limits(tiny_llama_dir, plain, tmp_path) -> None:
+    """The draft limits (issue 38): a far draft's requests draft no more than their next step
+    can verify for the outcome they had, none while paused, and output stays the target's."""
+    from shoal.spec_decode.drafting_rows import sampled_limit
+
+    llm = _spec(tiny_llama_dir, _draft(tiny_llama_dir, tmp_path, 0.3), max_num_seqs=6)
+    drafter = llm.llm_engine.core.runner.drafter
+    seen = {"none": 0, "limited": 0, "shallow": 0}
+    inner = drafter.propose
+
+    def propose(step, state, out, latest):
+        inner(step, state, out, latest)
+        for it, st in zip(step.inputs.items, step.inputs.states):
+            if not latest or not it.sample or it.serial not in out.sampled_token_ids:
+                continue
+            limit, drafts = sampled_limit(it, st), out.draft_token_ids.get(it.serial, [])
+            if it.drafts_paused or limit == 0:
+                assert not drafts, (limit, drafts)
+                seen["none"] += 1
+            elif limit is not None:
+                assert len(drafts) <= limit, (limit, drafts)
+                seen["limited"] += 1
+                seen["shallow"] += 0 < len(drafts) < 3
+    drafter.propose = propose
+    prompts = random_prompts(6, seed=8, lo=4, hi=20)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == _ids(
+        plain.generate(prompts, sp, use_tqdm=False))
+    assert seen["none"] > 0 and seen["shallow"] > 0, seen
     assert blocks_all_free(llm)
