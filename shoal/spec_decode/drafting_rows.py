@@ -84,7 +84,11 @@ def drafting_rows(kept: Sequence[tuple[Any, int]], max_model_len: int) -> Drafti
     for b, (r, n) in enumerate(kept):
         row += n
         seq_len = r.state.num_tokens
-        if r.sample and seq_len < max_model_len - 1:
+        # A paused request mirrored anyway (its backlog full, or a verify step's full miss
+        # where the ring could not keep the row) wants no drafts; a paused verify step that
+        # accepted drafts (n > 1) does (engine/draft_budget.py drafts_paused).
+        wanted = r.limit != 0 and not (r.paused and n == 1)
+        if r.sample and wanted and seq_len < max_model_len - 1:
             plan.last.append(row - 1)
             plan.reqs.append(r)
             plan.lens.append(seq_len)

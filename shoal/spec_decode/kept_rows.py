@@ -63,6 +63,14 @@ class KeptRows:
         self.buf[slot:slot + rows.shape[0]] = rows
         return at
 
+    def holds_after(self, n: int, at: int) -> bool:
+        """Whether the row at absolute position `at` is still held once n more rows are
+        kept (reserve's rule: a run never wraps)."""
+        w = self.written
+        if w % self.capacity + n > self.capacity:
+            w += self.capacity - w % self.capacity
+        return at >= w + n - self.capacity
+
     def holds(self, at: int) -> bool:
         """Whether the row at absolute position `at` has not been overwritten yet."""
         return at >= self.written - self.capacity

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -129,6 +130,33 @@ def mirror_sources(spans: Sequence[tuple[int, int]],
         order.extend(range(at_own, at_own + n))
         at_own += n
     return MirrorSources(step, slots, order)
+
+
+def ring_rows(spans: Sequence[tuple[int, int]], backlogs: Sequence[MirrorBacklog | None],
+              ring: KeptRows, kept_step: KeptStep | None, states: torch.Tensor | None,
+              to_device: Callable[[list[int]], torch.Tensor]) -> list[int] | None:
+    """Every row of a mirror pass with backlogs as a slot of the ring, in the pass's order
+    (per request: its backlog's, then its own), so that a mirror graph gathers them from
+    one tensor (mirror_graphs.py). The step's own rows (states: raw, as the ring's) are
+    kept in the ring first, in one copy, unless the step was kept whole at launch. None
+    where that copy would overwrite a backlog row the pass reads (it runs eagerly then)."""
+    if kept_step is None:
+        assert states is not None
+        own = [i for start, n in spans for i in range(start, start + n)]
+        oldest = min((min(b.kept) for b in backlogs if b is not None), default=None)
+        if oldest is not None and not ring.holds_after(len(own), oldest):
+            return None
+        whole = own == list(range(states.shape[0]))
+        at = ring.keep(states if whole else states[to_device(own)])
+        starts, base = list(accumulate((n for _, n in spans), initial=0)), at
+    else:
+        starts, base = [start for start, _ in spans], kept_step.at
+    slots: list[int] = []
+    for (_, n), b, s0 in zip(spans, backlogs, starts):
+        if b is not None:
+            slots.extend(ring.slot(a) for a in b.kept)
+        slots.extend(ring.slot(base + s0 + i) for i in range(n))
+    return slots
 
 
 def mirror_states(states: torch.Tensor | None, raw: bool, src: MirrorSources,

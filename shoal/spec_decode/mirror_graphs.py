@@ -8,10 +8,15 @@ of an H100 host's time for an 8B EAGLE-3 head's few rows at batch 1, four times 
 and draft 1's pick a few more. Its shape repeats: a request mirrors one row (a decode, a
 verify whose drafts all failed) or up to k + 1 (a verify), so graphs of q = 1 and q = k + 1
 tokens a request, requests padded to the draft graphs' sizes, serve every step whose requests
-have no kept rows to catch up (mirror_backlog.py; those, and prefill chunks, run eagerly). A
-request of fewer than q rows is padded after its last one: a padding token writes no KV (slot
--1), comes after every real token of its request (causal: none of them sees it), repeats the
-last real position (inside the rotary table), and its output is never read.
+have no kept rows to catch up. A catch-up (a request's kept rows ahead of its own,
+mirror_backlog.py: up to MAX_ROWS + k + 1 rows) at up to CATCH_UP_ROWS requests replays a
+graph of that many tokens a request, its rows gathered from the ring of kept rows (the step's
+own rows kept there first); prefill chunks and wider catch-ups run eagerly. (At acceptance 0
+a batch-1 request catches up every MAX_ROWS paused steps and before each probe: eagerly, each
+was a host's worth of launches.) A request of fewer than q rows is padded after its last one:
+a padding token writes no KV (slot -1), comes after every real token of its request (causal:
+none of them sees it), repeats the last real position (inside the rotary table), and its
+output is never read.
 
 A run stages four token rows in one copy (GraphTable.stage, with the attention buffers): the
 ids, the positions, each padded token's row in the step's raw states, and each drafting
@@ -32,7 +37,8 @@ import torch
 
 from shoal.attention.backend import AttentionBackend
 from shoal.attention.metadata import token_slots
-from shoal.worker.graph_table import GraphTable, StepShape, round_up
+from shoal.spec_decode.mirror_backlog import MAX_ROWS
+from shoal.worker.graph_table import GraphTable, StepShape
 from shoal.worker.model_graphs import VERIFY_GRAPH_SIZES
 
 # (token ids [T], positions [T], the head's input states [T, H], attention metadata) ->
@@ -43,6 +49,9 @@ PickFirst = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 # (padded rows B, draft 1 ids [B], the states draft 2 feeds back [B, H]) -> None: the draft
 # graphs' first inputs (DraftGraphs.feed_first)
 FeedFirst = Callable[[int, torch.Tensor, torch.Tensor], None]
+# Catch-ups replay graphs up to this many requests (beyond, a padded catch-up's compute may
+# cost the device more than its eager launches cost the host)
+CATCH_UP_ROWS = 8
 
 
 class MirrorGraphs:
@@ -60,15 +69,17 @@ class MirrorGraphs:
         self.block_size = block_size
         self.sizes = [s for s in VERIFY_GRAPH_SIZES if s <= max_num_seqs]
         self.qs = sorted({1, k + 1})
+        self.catch_up_q = MAX_ROWS + k + 1
+        shapes = [StepShape(b, q) for b in self.sizes for q in self.qs] + [
+            StepShape(b, self.catch_up_q) for b in self.sizes if b <= CATCH_UP_ROWS]
+        self.shapes = sorted(shapes, key=lambda s: (s.tokens, s.rows))  # (shape_for's order)
         self.max_len = max_blocks * block_size  # positions the tables reach
         # Token ids, positions, rows in the raw states, each drafting request's last token
-        self.table = table_type(backend, [StepShape(b, q) for b in self.sizes for q in self.qs],
-                                max_blocks, device, block_size=block_size, token_rows=4,
-                                windows=(sliding_window,))
-        rows = self.sizes[-1]
-        self.max_tokens = rows * self.qs[-1]  # the most tokens a step the graphs take
+        self.table = table_type(backend, shapes, max_blocks, device, block_size=block_size,
+                                token_rows=4, windows=(sliding_window,))
+        self.max_tokens = max(s.tokens for s in shapes)  # the most tokens a step the graphs take
         self.raw = torch.zeros(self.max_tokens, raw[0], dtype=raw[1], device=device)
-        self.probs = torch.zeros(rows, device=device) if confidence else None
+        self.probs = torch.zeros(self.sizes[-1], device=device) if confidence else None
 
     def _body(self, shape: StepShape, tokens: torch.Tensor, md: Any) -> None:
         """The mirror of shape.rows requests of shape.q tokens and their draft 1, over the
@@ -88,10 +99,9 @@ class MirrorGraphs:
     def shape_for(self, lens: list[int], starts: list[int]) -> StepShape | None:
         """The graph of requests mirroring lens[i] rows from position starts[i]; None where
         none holds them (run eagerly)."""
-        rows, q = round_up(len(lens), self.sizes), round_up(max(lens), self.qs)
-        if rows is None or q is None or max(starts) + q > self.max_len:
-            return None
-        return StepShape(rows, q)
+        n, longest, last = len(lens), max(lens), max(starts)
+        return next((s for s in self.shapes
+                     if s.rows >= n and s.q >= longest and last + s.q <= self.max_len), None)
 
     def run(self, shape: StepShape, source: torch.Tensor, src_rows: list[int], ids: list[int],
             starts: list[int], lens: list[int], tables: list[list[int]], picks: list[int]

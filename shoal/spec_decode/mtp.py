@@ -167,15 +167,21 @@ class HiddenStateDrafter(DrafterCache):
                 self._keep_deferred(deferred, states, to_device([r.start for r in deferred],
                                                                 torch.long, self.device))
             return {}
-        graphs = self.mirror_graphs
-        source = None if graphs is None else self._graph_source(hidden)
-        if source is not None and all(b is None for b in backlogs):
-            assert graphs is not None
-            shape = graphs.shape_for([n for _, n in kept], [r.context_len for r, _ in kept])
-            if shape is not None:
-                return self._mirror_through_graph(shape, source, kept, ids, deferred, propose)
         caught = [0 if b is None else r.context_len - b.start for (r, _), b in zip(kept, backlogs)]
         lens = [n + c for (_, n), c in zip(kept, caught)]
+        graphs = self.mirror_graphs
+        shape = None if graphs is None else graphs.shape_for(
+            lens, [r.context_len - c for (r, _), c in zip(kept, caught)])
+        if shape is not None:  # a replay; with backlogs every row from the ring of kept rows
+            source, src_rows = self._graph_source(hidden), None
+            if kept_step is not None or any(caught):
+                src_rows = None if ring is None or (source is None and kept_step is None) else \
+                    backlog.ring_rows([(r.start, n) for r, n in kept], backlogs, ring,
+                                      kept_step, source, self._index)
+                source = None if src_rows is None else ring.buf
+            if source is not None:
+                return self._mirror_through_graph(shape, source, src_rows, kept, caught, ids,
+                                                  deferred, states, propose)
         num_decodes = 0
         while num_decodes < len(lens) and lens[num_decodes] == 1:
             num_decodes += 1
@@ -248,17 +254,21 @@ class HiddenStateDrafter(DrafterCache):
             backlogs.append(back)
         return ids, pos, kept, deferred, backlogs
 
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return to_device(rows, torch.long, self.device)
+
     def _mirror_through_graph(self, shape: StepShape, source: torch.Tensor,
-                              kept: list[tuple[MtpRequest, int]], ids: list[int],
-                              deferred: list[MtpRequest], propose: bool) -> dict[int, list[int]]:
+                              src_rows: list[int] | None, kept: list[tuple[MtpRequest, int]],
+                              caught: list[int], ids: list[int], deferred: list[MtpRequest],
+                              states: torch.Tensor | None, propose: bool
+                              ) -> dict[int, list[int]]:
         """mirror_and_propose's mirror and draft 1 as one graph replay (mirror_graphs.py;
-        source: the step's raw states), which feeds the draft graphs, staged first at its
-        row count; then drafts 2..k replay and the drafts are read at once."""
+        source: the step's raw states, or the ring of kept rows with src_rows: each row's
+        slot, backlogs first; caught: each request's backlog rows), which feeds the draft
+        graphs, staged first at its row count; then drafts 2..k replay and the drafts are
+        read at once."""
         mirror, drafting = self.mirror_graphs, self.graphs
         assert mirror is not None and drafting is not None
-        if deferred:
-            self._keep_deferred(deferred, source, to_device([r.start for r in deferred],
-                                                            torch.long, self.device))
         self.last_draft_probs = {}
         plan = drafting_rows(kept, self.max_model_len) if propose else None
         k = min(plan.depth(self.k), self.max_model_len - 1 - max(plan.lens)) if plan and plan.reqs else 0
@@ -273,9 +283,15 @@ class HiddenStateDrafter(DrafterCache):
             assert draft_shape.rows == shape.rows, (draft_shape, shape)
             if self.confidence:
                 self._prob_col.zero_()
-        p1 = mirror.run(shape, source, [i for r, n in kept for i in range(r.start, r.start + n)],
-                        ids, [r.context_len for r, _ in kept], [n for _, n in kept],
+        if src_rows is None:
+            src_rows = [i for r, n in kept for i in range(r.start, r.start + n)]
+        p1 = mirror.run(shape, source, src_rows, ids,
+                        [r.context_len - c for (r, _), c in zip(kept, caught)],
+                        [n + c for (_, n), c in zip(kept, caught)],
                         [r.block_ids for r, _ in kept], plan.picks if k >= 1 and plan else [])
+        if deferred:  # (after the run's gather: its copy may reuse ring slots it read)
+            assert states is not None
+            self._keep_deferred(deferred, states, self._index([r.start for r in deferred]))
         if draft_shape is None:
             return {}
         assert plan is not None

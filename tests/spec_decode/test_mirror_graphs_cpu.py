@@ -32,6 +32,7 @@ from worker.eager_graphs import EagerGraphTable  # noqa: E402
 
 from shoal import SamplingParams  # noqa: E402
 from shoal.spec_decode.draft_graphs import DraftGraphs  # noqa: E402
+from shoal.spec_decode.mirror_backlog import MAX_ROWS  # noqa: E402
 from shoal.worker.graph_table import StepShape  # noqa: E402
 from shoal.worker.model_graphs import ModelGraphs  # noqa: E402
 
@@ -137,8 +138,8 @@ def test_mirror_and_draft_1_replay_their_graphs(tmp_path) -> None:
         probs.append(seen)
     assert outs[0] == outs[1]
     # One row a request (drafts all rejected) and k + 1 (all accepted) or fewer (padded);
-    # 3 requests padded to 4 rows, one alone.
-    assert {q for _, q, _ in runs} == {1, K + 1}
+    # 3 requests padded to 4 rows, one alone (backing off: catch-ups of its kept rows)
+    assert {1, K + 1} <= {q for _, q, _ in runs} <= {1, K + 1, MAX_ROWS + K + 1}
     assert any(q == K + 1 and min(lens) < K + 1 for _, q, lens in runs)
     assert any(rows == 4 and len(lens) == 3 for rows, _, lens in runs)
     assert any(rows == 1 for rows, _, _ in runs)
@@ -148,3 +149,63 @@ def test_mirror_and_draft_1_replay_their_graphs(tmp_path) -> None:
     assert len(probs[0]) == len(probs[1]) > 5
     for eager, graphed in zip(*probs):
         assert graphed == pytest.approx(eager, rel=1e-4, abs=1e-6)
+
+
+def test_catch_ups_replay_their_graphs_from_the_ring(tmp_path, monkeypatch) -> None:
+    """Acceptance 0: requests back off and their rows wait in the ring of kept rows; each
+    catch-up (kept rows ahead of the request's own, up to MAX_ROWS + 1) replays a graph of
+    MAX_ROWS + k + 1 tokens a request (MAX_ROWS 5 here), every row gathered from the ring: from a step kept
+    whole at launch, and from one whose own rows the mirror keeps first. Every proposal and
+    its probabilities are the eager engine's (a row gathered wrong changes the head's KV,
+    and the drafts after it)."""
+    from shoal.spec_decode import mirror_backlog, mirror_graphs
+
+    # Backlogs of at most 5 rows: a backoff of 8 or 16 steps fills them (a step kept whole
+    # at launch is then mirrored with its full backlog) within the tables' 64 positions.
+    rows_max = 5
+    monkeypatch.setattr(mirror_backlog, "MAX_ROWS", rows_max)
+    monkeypatch.setattr(mirror_graphs, "MAX_ROWS", rows_max)
+    target = write_tiny_checkpoint(tmp_path / "target", "llama", seed=4, num_hidden_layers=3)
+    folder = write_head(tmp_path / "head", head_weights(seed=6))
+    spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": K,
+            "forced_acceptance_rate": 0.0, "confidence_threshold": 0.0}
+    sp = SamplingParams(temperature=0, max_tokens=44, ignore_eos=True)
+    prompts = random_prompts(2, seed=19, lo=2, hi=8)
+    kinds: list[str] = []  # each catch-up's source: a step kept at launch, or its own rows
+    inner_rows = mirror_backlog.ring_rows
+
+    def ring_rows(spans, backlogs, ring, kept_step, states, to_device):
+        slots = inner_rows(spans, backlogs, ring, kept_step, states, to_device)
+        if slots is not None:
+            kinds.append("kept step" if kept_step is not None else "own rows kept")
+        return slots
+    monkeypatch.setattr(mirror_backlog, "ring_rows", ring_rows)
+    logs, probs, from_ring = [], [], []
+    for graphs in (False, True):
+        llm = tiny_llm(target, attention_backend="triton" if graphs else "torch",
+                       max_num_seqs=4, max_model_len=MAX_LEN, speculative_config=spec,
+                       async_scheduling=True)
+        drafter = llm.llm_engine.core.runner.drafter
+        if graphs:
+            _graphed(drafter)
+            inner = drafter.mirror_graphs.run
+
+            def run(shape, source, src_rows, ids, starts, lens, *args, inner=inner,
+                    drafter=drafter):
+                if source is drafter.kept_rows.buf:
+                    from_ring.append((shape.rows, shape.q, list(lens)))
+                return inner(shape, source, src_rows, ids, starts, lens, *args)
+            drafter.mirror_graphs.run = run
+        log, seen = record_proposals(llm), _probs(llm)
+        llm.generate(prompts[:1], sp, use_tqdm=False)  # alone, then two together
+        llm.generate(prompts, sp, use_tqdm=False)
+        logs.append(log)
+        probs.append(seen)
+    assert logs[0] == logs[1] and len(logs[1]) >= 4
+    for eager, graphed in zip(*probs):
+        assert graphed == pytest.approx(eager, rel=1e-4, abs=1e-6)
+    # (a backlog of 3 rows and the step's own fit the graphs of k + 1)
+    longer = [(rows, lens) for rows, q, lens in from_ring if q == rows_max + K + 1]
+    assert any(max(lens) > K + 1 for _, lens in longer), from_ring
+    assert any(rows == 2 for rows, _ in longer), from_ring
+    assert set(kinds) == {"kept step", "own rows kept"}, kinds

@@ -151,3 +151,43 @@ def test_mirror_states_put_each_backlog_before_its_own_rows() -> None:
             [fc(kept[[1, 3]]), states[0:2], states[2:3], fc(kept[[0]]), states[4:6]])
         assert torch.equal(got, want), raw
     assert src.step == [0, 1, 2, 4, 5]  # row 3 is no request's
+
+
+def test_holds_after_predicts_keep() -> None:
+    """KeptRows.holds_after(n, at) says whether position `at` survives keeping n more rows,
+    as keep() then leaves it (runs that would wrap start at slot 0)."""
+    ring = KeptRows(7, 1, torch.float32, torch.device("cpu"), step_rows=4)
+    for n in (3, 2, 4, 1, 4, 3, 2, 4, 4, 1):
+        before = list(range(max(0, ring.written - 7), ring.written))
+        predicted = {at: ring.holds_after(n, at) for at in before}
+        ring.keep(torch.zeros(n, 1))
+        assert predicted == {at: ring.holds(at) for at in before}, (n, predicted)
+
+
+def test_ring_rows_orders_backlogs_first_and_refuses_to_overwrite_them() -> None:
+    """A catch-up's rows as ring slots (mirror_graphs.py gathers them from the ring): per
+    request its kept rows, then its own (kept now, in one copy, or where a step kept whole
+    at launch put them); None where keeping the own rows would overwrite a backlog row."""
+    from shoal.spec_decode.kept_rows import KeptStep
+    from shoal.spec_decode.mirror_backlog import MirrorBacklog, ring_rows
+
+    def index(rows):
+        return torch.tensor(rows)
+
+    ring = KeptRows(10, 1, torch.float32, torch.device("cpu"), step_rows=4)
+    old = ring.keep(torch.tensor([[1.0], [2.0]]))  # positions 0, 1: request a's backlog
+    states = torch.tensor([[10.0], [11.0], [12.0], [13.0]])  # the step: a 1 row, b 2 (skip 1)
+    spans = [(0, 1), (2, 2)]
+    slots = ring_rows(spans, [MirrorBacklog(5, [old, old + 1]), None], ring, None, states,
+                      index)
+    assert ring.buf[slots, 0].tolist() == [1.0, 2.0, 10.0, 12.0, 13.0]
+    # a step kept whole at launch: its rows are read where they are
+    at = ring.keep(states)
+    kept = KeptStep(at, 4)
+    slots = ring_rows(spans, [None, MirrorBacklog(9, [old])], ring, kept, None, index)
+    assert ring.buf[slots, 0].tolist() == [10.0, 1.0, 12.0, 13.0]
+    # keeping 3 more rows would overwrite position 0 (10 rows written of 10): refused
+    ring2 = KeptRows(6, 1, torch.float32, torch.device("cpu"), step_rows=4)
+    first = ring2.keep(torch.tensor([[1.0], [2.0], [3.0], [4.0]]))
+    assert ring_rows([(0, 3)], [MirrorBacklog(0, [first])], ring2, None, states, index) is None
+    assert ring2.written == 4  # nothing kept
