@@ -76,6 +76,10 @@ class DrafterCache(Drafter):
             block_tables=tables, block_size=self.block_size, num_decodes=num_decodes,
             sliding_window=self.sliding_window, device=self.device, null_block=self.null_block)
 
+    def _to_index(self, rows: list[int]) -> torch.Tensor:
+        """Row indices on the drafter's device."""
+        return to_device(rows, torch.long, self.device)
+
     def _row_table(self, row: int, blocks: list[int], needed: int) -> list[int]:
         """Row `row`'s block table for `needed` blocks: its own first, then its scratch."""
         real = list(blocks[:needed])

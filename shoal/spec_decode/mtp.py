@@ -130,6 +130,9 @@ class HiddenStateDrafter(DrafterCache):
                 latest: bool) -> None:
         inp = step.inputs
         assert state is not None, "a hidden-state drafter without the target's hidden states"
+        if isinstance(state, KeptStep) and backlog.defer_kept_step(
+                inp.items, inp.states, state, out.failed_serials):
+            return  # (every request paused, its row kept: nothing to mirror or draft)
         reqs = [request_of(it, st, start) for it, st, start in zip(inp.items, inp.states,
                                                                       inp.starts())]
         drafts = self.mirror_and_propose(reqs, state, out.failed_serials, propose=latest)
@@ -177,7 +180,7 @@ class HiddenStateDrafter(DrafterCache):
             if kept_step is not None or any(caught):
                 src_rows = None if ring is None or (source is None and kept_step is None) else \
                     backlog.ring_rows([(r.start, n) for r, n in kept], backlogs, ring,
-                                      kept_step, source, self._index)
+                                      kept_step, source, self._to_index)
                 source = None if src_rows is None else ring.buf
             if source is not None:
                 return self._mirror_through_graph(shape, source, src_rows, kept, caught, ids,
@@ -254,9 +257,6 @@ class HiddenStateDrafter(DrafterCache):
             backlogs.append(back)
         return ids, pos, kept, deferred, backlogs
 
-    def _index(self, rows: list[int]) -> torch.Tensor:
-        return to_device(rows, torch.long, self.device)
-
     def _mirror_through_graph(self, shape: StepShape, source: torch.Tensor,
                               src_rows: list[int] | None, kept: list[tuple[MtpRequest, int]],
                               caught: list[int], ids: list[int], deferred: list[MtpRequest],
@@ -291,7 +291,7 @@ class HiddenStateDrafter(DrafterCache):
                         [r.block_ids for r, _ in kept], plan.picks if k >= 1 and plan else [])
         if deferred:  # (after the run's gather: its copy may reuse ring slots it read)
             assert states is not None
-            self._keep_deferred(deferred, states, self._index([r.start for r in deferred]))
+            self._keep_deferred(deferred, states, self._to_index([r.start for r in deferred]))
         if draft_shape is None:
             return {}
         assert plan is not None

@@ -41,7 +41,7 @@ def test_a_paused_step_makes_no_torch_call_in_its_mirror(ckpt) -> None:  # noqa:
     llm = tiny_llm(target, max_num_seqs=4, speculative_config=_spec(folder))
     drafter = llm.llm_engine.core.runner.drafter
     log = record_proposals(llm)
-    launch, mirror = drafter.on_launch, drafter.mirror_and_propose
+    launch, propose = drafter.on_launch, drafter.propose
     counts: dict[tuple[str, int], list[int]] = {}
 
     def counted_launch(step):
@@ -52,13 +52,13 @@ def test_a_paused_step_makes_no_torch_call_in_its_mirror(ckpt) -> None:  # noqa:
             counts.setdefault(("launch", len(items)), []).append(mode.ops)
         return state
 
-    def counted_mirror(reqs, hidden, failed, propose=True):
+    def counted_mirror(step, state, out, latest):  # the step's mirror (propose)
         with HostOps() as mode:
-            drafts = mirror(reqs, hidden, failed, propose=propose)
-        if reqs and all(r.paused for r in reqs) and not drafts:
-            counts.setdefault(("mirror", len(reqs)), []).append(mode.ops)
-        return drafts
-    drafter.on_launch, drafter.mirror_and_propose = counted_launch, counted_mirror
+            propose(step, state, out, latest)
+        items = step.inputs.items
+        if items and all(it.drafts_paused for it in items) and not out.draft_token_ids:
+            counts.setdefault(("mirror", len(items)), []).append(mode.ops)
+    drafter.on_launch, drafter.propose = counted_launch, counted_mirror
     got = llm.generate(prompts[:1], sp, use_tqdm=False)
     got += llm.generate(prompts[1:], sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
