@@ -11,7 +11,10 @@ tokens a request, requests padded to the draft graphs' sizes, serve every step w
 have no kept rows to catch up. A catch-up (a request's kept rows ahead of its own,
 mirror_backlog.py: up to MAX_ROWS + k + 1 rows) at up to CATCH_UP_ROWS requests replays a
 graph of that many tokens a request, its rows gathered from the ring of kept rows (the step's
-own rows kept there first); prefill chunks and wider catch-ups run eagerly. (At acceptance 0
+own rows kept there first), unless padding makes it more than DENSE_TOKENS tokens of which
+half are padding (requests in lockstep, as W9's, catch up together without padding; a
+straggler's catch-up beside many one-row requests runs eagerly); prefill chunks and wider
+catch-ups run eagerly. (At acceptance 0
 a batch-1 request catches up every MAX_ROWS paused steps and before each probe: eagerly, each
 was a host's worth of launches.) A request of fewer than q rows is padded after its last one:
 a padding token writes no KV (slot -1), comes after every real token of its request (causal:
@@ -51,7 +54,8 @@ PickFirst = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 FeedFirst = Callable[[int, torch.Tensor, torch.Tensor], None]
 # Catch-ups replay graphs up to this many requests (beyond, a padded catch-up's compute may
 # cost the device more than its eager launches cost the host)
-CATCH_UP_ROWS = 8
+CATCH_UP_ROWS = 32
+DENSE_TOKENS = 256  # below, a pass reads weights more than it computes: padding costs little
 
 
 class MirrorGraphs:
@@ -100,8 +104,12 @@ class MirrorGraphs:
         """The graph of requests mirroring lens[i] rows from position starts[i]; None where
         none holds them (run eagerly)."""
         n, longest, last = len(lens), max(lens), max(starts)
-        return next((s for s in self.shapes
-                     if s.rows >= n and s.q >= longest and last + s.q <= self.max_len), None)
+        shape = next((s for s in self.shapes
+                      if s.rows >= n and s.q >= longest and last + s.q <= self.max_len), None)
+        if (shape is not None and shape.q == self.catch_up_q and shape.tokens > DENSE_TOKENS
+                and 2 * sum(lens) < shape.tokens):
+            return None  # mostly padding (a catch-up beside one-row requests): eager
+        return shape
 
     def run(self, shape: StepShape, source: torch.Tensor, src_rows: list[int], ids: list[int],
             starts: list[int], lens: list[int], tables: list[list[int]], picks: list[int]

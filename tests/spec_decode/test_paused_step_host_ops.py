@@ -191,3 +191,28 @@ def test_ring_rows_orders_backlogs_first_and_refuses_to_overwrite_them() -> None
     first = ring2.keep(torch.tensor([[1.0], [2.0], [3.0], [4.0]]))
     assert ring_rows([(0, 3)], [MirrorBacklog(0, [first])], ring2, None, states, index) is None
     assert ring2.written == 4  # nothing kept
+
+
+def test_mirror_graph_shapes_for_catch_ups() -> None:
+    """shape_for: verify and decode mirrors keep their graphs at any batch; a catch-up
+    (kept rows ahead of a request's own) takes the graph of MAX_ROWS + k + 1 tokens a
+    request up to 32 requests, unless more than 256 tokens of it would be mostly padding."""
+    from shoal.spec_decode.mirror_backlog import MAX_ROWS
+    from shoal.spec_decode.mirror_graphs import MirrorGraphs
+
+    graphs = MirrorGraphs.__new__(MirrorGraphs)  # shape_for's state only
+    graphs.catch_up_q, graphs.max_len = MAX_ROWS + K + 1, 1024
+    from shoal.worker.graph_table import StepShape
+    sizes = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    shapes = [StepShape(b, q) for b in sizes for q in (1, K + 1)]
+    shapes += [StepShape(b, graphs.catch_up_q) for b in sizes if b <= 32]
+    graphs.shapes = sorted(shapes, key=lambda s: (s.tokens, s.rows))
+    q = graphs.catch_up_q
+    assert graphs.shape_for([1], [10]) == StepShape(1, 1)
+    assert graphs.shape_for([1] * 60 + [K + 1], [10] * 61) == StepShape(64, K + 1)
+    assert graphs.shape_for([MAX_ROWS + 1], [10]) == StepShape(1, q)
+    assert graphs.shape_for([MAX_ROWS + 1] * 32, [10] * 32) == StepShape(32, q)  # lockstep
+    assert graphs.shape_for([MAX_ROWS + 1] + [1] * 7, [10] * 8) == StepShape(8, q)  # 160
+    assert graphs.shape_for([MAX_ROWS + 1] + [1] * 20, [10] * 21) is None  # padding: eager
+    assert graphs.shape_for([MAX_ROWS + 1] * 33, [10] * 33) is None  # past 32 requests
+    assert graphs.shape_for([MAX_ROWS + 1], [1024 - q + 1]) is None  # past the tables
