@@ -29,7 +29,7 @@ from shoal.host_to_device import to_device
 from shoal.loader import build_model, load_model
 from shoal.models.registry import has_linear_attention
 from shoal.spec_decode.drafter_cache import DrafterCache
-from shoal.spec_decode.drafting_rows import sampled_limit
+from shoal.spec_decode.drafting_rows import proposal_depth
 from shoal.worker.drafter import TargetStep
 
 logger = logging.getLogger(__name__)
@@ -73,12 +73,10 @@ class DraftModelDrafter(DrafterCache):
         # for the outcome it had (none while paused); the batch drafts to the deepest limit.
         inp, rows, limits = step.inputs, [], []
         for it, st in zip(inp.items, inp.states):
-            if not it.sample or it.serial not in out.sampled_token_ids or it.drafts_paused:
-                continue
-            limit = sampled_limit(it, st)
-            if limit != 0:
+            depth = proposal_depth(it, st, self.k) if it.sample else 0
+            if depth and it.serial in out.sampled_token_ids:
                 rows.append((it, st))
-                limits.append(self.k if limit is None else limit)
+                limits.append(depth)
         if not rows:
             return
         drafts = self.propose_batch([st.all_token_ids() for _, st in rows],

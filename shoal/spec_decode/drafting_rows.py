@@ -46,6 +46,18 @@ def sampled_limit(it: ScheduledRequest, state: Any) -> int | None:
                            min(it.num_new_tokens, state.num_tokens - 1 - it.context_len))
 
 
+def proposal_depth(it: ScheduledRequest, state: Any, k: int) -> int:
+    """How many drafts a sampled step's item may propose (a drafter without rows to keep:
+    the draft model): 0 where none are wanted (its limit is 0, or its drafts are paused and
+    it accepted none: a paused verify step that accepted drafts is drafted from), else its
+    limit, at most k."""
+    rows = min(it.num_new_tokens, state.num_tokens - 1 - it.context_len)
+    limit = next_step_limit(it.draft_limits, rows)
+    if limit == 0 or (it.drafts_paused and rows <= 1):
+        return 0
+    return k if limit is None else min(limit, k)
+
+
 @dataclass
 class DraftingRows:
     """The drafting requests' last mirrored row (where draft 1 comes from), sequence length

@@ -14,12 +14,11 @@ graph of that many tokens a request, its rows gathered from the ring of kept row
 own rows kept there first), unless padding makes it more than DENSE_TOKENS tokens of which
 half are padding (requests in lockstep, as W9's, catch up together without padding; a
 straggler's catch-up beside many one-row requests runs eagerly); prefill chunks and wider
-catch-ups run eagerly. (At acceptance 0
-a batch-1 request catches up every MAX_ROWS paused steps and before each probe: eagerly, each
-was a host's worth of launches.) A request of fewer than q rows is padded after its last one:
-a padding token writes no KV (slot -1), comes after every real token of its request (causal:
-none of them sees it), repeats the last real position (inside the rotary table), and its
-output is never read.
+catch-ups run eagerly. (At acceptance 0 a batch-1 request catches up every MAX_ROWS paused
+steps and before each probe: eagerly, each was a host's worth of launches.) A request of
+fewer than q rows is padded after its last one: a padding token writes no KV (slot -1),
+comes after every real token of its request (causal: none of them sees it), repeats the last
+real position (inside the rotary table), and its output is never read.
 
 A run stages four token rows in one copy (GraphTable.stage, with the attention buffers): the
 ids, the positions, each padded token's row in the step's raw states, and each drafting
