@@ -69,7 +69,9 @@ def test_hidden_state_drafts_replay_cuda_graphs(drafter_checkpoint, method, name
         assert _ids(llm.generate(prompts[1], sp, use_tqdm=False)) == [want[1]]
         if runs is not None:
             assert 3 in runs and 1 in runs  # 3 rows padded to 4, one alone
-            assert sum(runs) == sum(len(d) == K for _, d in log) > 5
+            # every proposal of 2+ drafts came out of a graph run (a batch runs to its
+            # deepest draft limit; a request's drafts are then cut to its own)
+            assert sum(runs) >= sum(len(d) >= 2 for _, d in log) > 5
         for seq, drafts in log:
             assert drafts == ref.drafts(seq, len(drafts)), seq
         logs.append(log)

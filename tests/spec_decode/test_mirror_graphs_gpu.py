@@ -17,6 +17,7 @@ from spec_decode.proposal_log import record_proposals  # noqa: E402
 from spec_decode.test_eagle3 import ckpt  # noqa: E402, F401 (the fixture)
 
 from shoal import SamplingParams  # noqa: E402
+from shoal.spec_decode.mirror_backlog import MAX_ROWS  # noqa: E402
 
 K = 3
 ENGINE = dict(attention_backend="triton", max_num_seqs=4, max_num_batched_tokens=64)
@@ -69,4 +70,6 @@ def test_forced_mirrors_replay_as_the_eager_engine_runs_them(ckpt) -> None:  # n
         outs.append([o.outputs[0].token_ids for o in got])
         logs.append(log)
     assert outs[0] == outs[1] and logs[0] == logs[1] and len(logs[1]) > 10
-    assert {q for _, q in runs} == {1, K + 1} and (4, K + 1) in runs
+    # (the request alone backs off: catch-ups of its kept rows replay their own graphs)
+    assert {1, K + 1} <= {q for _, q in runs} <= {1, K + 1, MAX_ROWS + K + 1}
+    assert (4, K + 1) in runs
