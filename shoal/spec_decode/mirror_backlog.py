@@ -80,13 +80,16 @@ def defer(state: object, context_len: int, at: int) -> None:
     backlog.kept.append(at)
 
 
-def defer_kept_step(items: Sequence[Any], states: Sequence[object], kept_step: KeptStep,
-                    failed: set[int]) -> bool:
+def defer_kept_step(items: Sequence[Any], states: Sequence[object], ring: KeptRows,
+                    kept_step: KeptStep, failed: set[int]) -> bool:
     """A step kept whole at launch (its requests all paused) whose every request only adds
     its one row to a backlog with room: each row deferred where the step put it in the ring,
     no per-request object built and no torch call (the host's work of each paused step at
     batch 32 was ~0.4 ms: mirror_and_propose's). False, and nothing deferred, otherwise.
     items: the step's ScheduledRequests; states: their RequestStates, sampled."""
+    if not ring.holds(kept_step.at):
+        raise RuntimeError("the ring of kept rows overwrote a step before its mirror "
+                           f"(capacity {ring.capacity} rows)")
     rows: list[tuple[object, int, int]] = []
     start = 0
     for it, st in zip(items, states):
@@ -161,12 +164,16 @@ def ring_rows(spans: Sequence[tuple[int, int]], backlogs: Sequence[MirrorBacklog
     (per request: its backlog's, then its own), so that a mirror graph gathers them from
     one tensor (mirror_graphs.py). The step's own rows (states: raw, as the ring's) are
     kept in the ring first, in one copy, unless the step was kept whole at launch. None
-    where that copy would overwrite a backlog row the pass reads (it runs eagerly then)."""
+    where that copy would overwrite a backlog row the pass reads, or is more than a batch of
+    rows (the ring holds MAX_ROWS + 3 batches: more would push other requests' backlogs
+    out); the pass runs eagerly then."""
     if kept_step is None:
         assert states is not None
         own = [i for start, n in spans for i in range(start, start + n)]
         oldest = min((min(b.kept) for b in backlogs if b is not None), default=None)
-        if oldest is not None and not ring.holds_after(len(own), oldest):
+        # (a step keeps a batch at most: the ring's sizing rule, kept_rows.py)
+        if len(own) > ring.step_rows or (
+                oldest is not None and not ring.holds_after(len(own), oldest)):
             return None
         whole = own == list(range(states.shape[0]))
         at = ring.keep(states if whole else states[to_device(own)])

@@ -13,8 +13,8 @@ mirror_backlog.py: up to MAX_ROWS + k + 1 rows) at up to CATCH_UP_ROWS requests 
 graph of that many tokens a request, its rows gathered from the ring of kept rows (the step's
 own rows kept there first), unless padding makes it more than DENSE_TOKENS tokens of which
 half are padding (requests in lockstep, as W9's, catch up together without padding; a
-straggler's catch-up beside many one-row requests runs eagerly); prefill chunks and wider
-catch-ups run eagerly. (At acceptance 0 a batch-1 request catches up every MAX_ROWS paused
+straggler's catch-up beside many one-row requests runs eagerly); a prompt chunk of up to
+that many tokens takes those graphs too, longer chunks and wider catch-ups run eagerly. (At acceptance 0 a batch-1 request catches up every MAX_ROWS paused
 steps and before each probe: eagerly, each was a host's worth of launches.) A request of
 fewer than q rows is padded after its last one: a padding token writes no KV (slot -1),
 comes after every real token of its request (causal: none of them sees it), repeats the last

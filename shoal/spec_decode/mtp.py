@@ -130,8 +130,8 @@ class HiddenStateDrafter(DrafterCache):
                 latest: bool) -> None:
         inp = step.inputs
         assert state is not None, "a hidden-state drafter without the target's hidden states"
-        if isinstance(state, KeptStep) and backlog.defer_kept_step(
-                inp.items, inp.states, state, out.failed_serials):
+        if isinstance(state, KeptStep) and self.kept_rows and backlog.defer_kept_step(
+                inp.items, inp.states, self.kept_rows, state, out.failed_serials):
             return  # (every request paused, its row kept: nothing to mirror or draft)
         reqs = [request_of(it, st, start) for it, st, start in zip(inp.items, inp.states,
                                                                       inp.starts())]

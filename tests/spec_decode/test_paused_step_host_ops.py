@@ -191,6 +191,11 @@ def test_ring_rows_orders_backlogs_first_and_refuses_to_overwrite_them() -> None
     first = ring2.keep(torch.tensor([[1.0], [2.0], [3.0], [4.0]]))
     assert ring_rows([(0, 3)], [MirrorBacklog(0, [first])], ring2, None, states, index) is None
     assert ring2.written == 4  # nothing kept
+    # more own rows than a batch (the ring's sizing rule): refused, nothing kept
+    ring3 = KeptRows(20, 1, torch.float32, torch.device("cpu"), step_rows=2)
+    back = ring3.keep(torch.tensor([[1.0]]))
+    assert ring_rows([(0, 3)], [MirrorBacklog(0, [back])], ring3, None, states, index) is None
+    assert ring3.written == 1
 
 
 def test_mirror_graph_shapes_for_catch_ups() -> None:
