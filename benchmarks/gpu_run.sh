@@ -152,6 +152,11 @@ part() {
             --stage-timeout 140 $S ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-35B-A3B}"} \
             --out "$DIR/hybrid_split$sp.json"
         done ;;
+    # issue 38: W9 with EAGLE-3 and confidence beside the forced method at a = 0 and 1, batch
+    # 1 and 32 (~150 s on an H100 at a = 0 alone: W9E_RATES=0.0)
+    w9-eagle3) run w9_eagle3 ${W9E_LIMIT:-420} $py/spec_decode_gpu.py \
+        --methods forced,eagle3,eagle3_confidence --rates ${W9E_RATES:-0.0,1.0} \
+        --batch-sizes 1,32 --repeats 1 $S --out "$DIR/w9_eagle3.json" ;;
     # issue 38's a = 0 cost: EAGLE-3's phases a step (forced acceptance 0 and 1, batch 1 and
     # 32) and the step loop's host slack (a busy-wait added to each step's finish)
     eagle3-phases) run eagle3_phases 240 $py/eagle3_step_profile.py $S \
