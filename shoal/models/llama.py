@@ -246,20 +246,21 @@ class LlamaModel(nn.Module):
     def _layers_recording_aux(self, positions: torch.Tensor, hidden: torch.Tensor,
                               residual: torch.Tensor | None, md: Any
                               ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        aux: dict[int, torch.Tensor] = {}
         assert self.end_layer is not None and self.aux_route is not None
-        own = self.aux_route.own
+        # each recorded residual stream straight into its columns (one kernel each)
+        column = {layer: j for j, layer in enumerate(self.aux_route.own)}
+        t, width = hidden.shape[0], self.hidden_size
+        if column and t > self.aux_buffer.shape[0]:  # (eager only: graphs capture within it)
+            self.aux_buffer = self.aux_buffer.new_zeros(t, self.aux_buffer.shape[1])
         for i in range(self.start_layer, self.end_layer + 1):
-            if i in own:
-                aux[i] = hidden if residual is None else hidden + residual
+            if i in column:
+                out = self.aux_buffer[:t, column[i] * width:(column[i] + 1) * width]
+                if residual is None:
+                    out.copy_(hidden)
+                else:
+                    torch.add(hidden, residual, out=out)
             if i < self.end_layer:
                 hidden, residual = self.layers[i](positions, hidden, residual, md)
-        t = hidden.shape[0]
-        if not own:  # (a pipeline stage owning none of them)
-            return hidden, residual
-        if t > self.aux_buffer.shape[0]:  # (eager only: graphs capture within the size)
-            self.aux_buffer = self.aux_buffer.new_zeros(t, self.aux_buffer.shape[1])
-        self.aux_buffer[:t].copy_(torch.cat([aux[i] for i in own], dim=-1))
         return hidden, residual
 
     def owns(self, name: str) -> bool:
