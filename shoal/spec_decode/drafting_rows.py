@@ -38,22 +38,31 @@ def request_of(it: ScheduledRequest, state: Any, start: int) -> MtpRequest:
                       it.sample, it.drafts_paused or limit == 0, limit)
 
 
+def sampled_rows(it: Any, state: Any) -> int:
+    """The rows a sampled step left of an item (a ScheduledRequest or MtpRequest; state: its
+    RequestState with the step's tokens in): its accepted drafts + 1; < 1: nothing new."""
+    return min(it.num_new_tokens, state.num_tokens - 1 - it.context_len)
+
+
 def sampled_limit(it: ScheduledRequest, state: Any) -> int | None:
-    """The drafts a step's item may propose once it is sampled (state: its RequestState with
-    the step's tokens in): the limit for the outcome it had (the rows it leaves: accepted
-    drafts + 1); None: no limit."""
-    return next_step_limit(it.draft_limits,
-                           min(it.num_new_tokens, state.num_tokens - 1 - it.context_len))
+    """The drafts a step's item may propose once it is sampled: the limit for the outcome it
+    had (next_step_limit of sampled_rows); None: no limit."""
+    return next_step_limit(it.draft_limits, sampled_rows(it, state))
+
+
+def drafts_wanted(limit: int | None, paused: bool, rows: int) -> bool:
+    """Whether a sampled request is drafted for: not where its limit is 0, nor where its
+    drafts are paused and it accepted none (rows <= 1: a paused request mirrored anyway); a
+    paused verify step that accepted drafts is (engine/draft_budget.py drafts_paused)."""
+    return limit != 0 and not (paused and rows <= 1)
 
 
 def proposal_depth(it: ScheduledRequest, state: Any, k: int) -> int:
     """How many drafts a sampled step's item may propose (a drafter without rows to keep:
-    the draft model): 0 where none are wanted (its limit is 0, or its drafts are paused and
-    it accepted none: a paused verify step that accepted drafts is drafted from), else its
-    limit, at most k."""
-    rows = min(it.num_new_tokens, state.num_tokens - 1 - it.context_len)
+    the draft model): 0 where none are wanted (drafts_wanted), else its limit, at most k."""
+    rows = sampled_rows(it, state)
     limit = next_step_limit(it.draft_limits, rows)
-    if limit == 0 or (it.drafts_paused and rows <= 1):
+    if not drafts_wanted(limit, it.drafts_paused, rows):
         return 0
     return k if limit is None else min(limit, k)
 
@@ -96,11 +105,7 @@ def drafting_rows(kept: Sequence[tuple[Any, int]], max_model_len: int) -> Drafti
     for b, (r, n) in enumerate(kept):
         row += n
         seq_len = r.state.num_tokens
-        # A paused request mirrored anyway (its backlog full, or a verify step's full miss
-        # where the ring could not keep the row) wants no drafts; a paused verify step that
-        # accepted drafts (n > 1) does (engine/draft_budget.py drafts_paused).
-        wanted = r.limit != 0 and not (r.paused and n == 1)
-        if r.sample and wanted and seq_len < max_model_len - 1:
+        if r.sample and drafts_wanted(r.limit, r.paused, n) and seq_len < max_model_len - 1:
             plan.last.append(row - 1)
             plan.reqs.append(r)
             plan.lens.append(seq_len)

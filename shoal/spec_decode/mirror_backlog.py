@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from shoal.spec_decode.drafting_rows import sampled_rows
 from shoal.spec_decode.kept_rows import KeptRows, KeptStep
 
 MAX_ROWS = 16
@@ -80,20 +81,25 @@ def defer(state: object, context_len: int, at: int) -> None:
     backlog.kept.append(at)
 
 
-def defer_kept_step(items: Sequence[Any], states: Sequence[object], ring: KeptRows,
+def check_kept_step(ring: KeptRows | None, kept_step: KeptStep) -> None:
+    """Raises where the ring of kept rows no longer holds a step kept whole at launch."""
+    if ring is None or not ring.holds(kept_step.at):
+        raise RuntimeError("the ring of kept rows overwrote a step before its mirror "
+                           f"(capacity {ring.capacity if ring else 0} rows)")
+
+
+def defer_kept_step(items: Sequence[Any], states: Sequence[object], ring: KeptRows | None,
                     kept_step: KeptStep, failed: set[int]) -> bool:
     """A step kept whole at launch (its requests all paused) whose every request only adds
     its one row to a backlog with room: each row deferred where the step put it in the ring,
     no per-request object built and no torch call (the host's work of each paused step at
     batch 32 was ~0.4 ms: mirror_and_propose's). False, and nothing deferred, otherwise.
     items: the step's ScheduledRequests; states: their RequestStates, sampled."""
-    if not ring.holds(kept_step.at):
-        raise RuntimeError("the ring of kept rows overwrote a step before its mirror "
-                           f"(capacity {ring.capacity} rows)")
+    check_kept_step(ring, kept_step)
     rows: list[tuple[object, int, int]] = []
     start = 0
     for it, st in zip(items, states):
-        n = min(it.num_new_tokens, st.num_tokens - 1 - it.context_len)  # type: ignore[attr-defined]
+        n = sampled_rows(it, st)
         if it.serial not in failed and n > 0:
             if n != 1 or not can_defer(st, it.context_len, 1):
                 return False

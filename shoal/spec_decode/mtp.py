@@ -52,11 +52,16 @@ from torch import nn
 from shoal.config import EngineConfig
 from shoal.config.speculative import SpeculativeConfig
 from shoal.core.scheduler_output import ModelRunnerOutput
-from shoal.host_to_device import to_device
 from shoal.spec_decode import mirror_backlog as backlog
 from shoal.spec_decode.draft_graphs import DraftGraphs
 from shoal.spec_decode.drafter_cache import DrafterCache
-from shoal.spec_decode.drafting_rows import DraftingRows, MtpRequest, drafting_rows, request_of
+from shoal.spec_decode.drafting_rows import (
+    DraftingRows,
+    MtpRequest,
+    drafting_rows,
+    request_of,
+    sampled_rows,
+)
 from shoal.spec_decode.kept_rows import KeptRows, KeptStep
 from shoal.spec_decode.mirror_backlog import MirrorBacklog, RawRows
 from shoal.spec_decode.mirror_graphs import MirrorGraphs
@@ -130,7 +135,7 @@ class HiddenStateDrafter(DrafterCache):
                 latest: bool) -> None:
         inp = step.inputs
         assert state is not None, "a hidden-state drafter without the target's hidden states"
-        if isinstance(state, KeptStep) and self.kept_rows and backlog.defer_kept_step(
+        if isinstance(state, KeptStep) and backlog.defer_kept_step(
                 inp.items, inp.states, self.kept_rows, state, out.failed_serials):
             return  # (every request paused, its row kept: nothing to mirror or draft)
         reqs = [request_of(it, st, start) for it, st, start in zip(inp.items, inp.states,
@@ -155,9 +160,8 @@ class HiddenStateDrafter(DrafterCache):
         later step that mirrors it runs them first."""
         ring = self.kept_rows
         kept_step = hidden if isinstance(hidden, KeptStep) else None
-        if kept_step is not None and not (ring is not None and ring.holds(kept_step.at)):
-            raise RuntimeError("the ring of kept rows overwrote a step before its mirror "
-                               f"(capacity {ring.capacity if ring else 0} rows)")
+        if kept_step is not None:
+            backlog.check_kept_step(ring, kept_step)
         ids, pos, kept, deferred, backlogs = self._sort_requests(reqs, failed, kept_step)
         if self.chain is not None:
             for serial in failed:
@@ -167,30 +171,30 @@ class HiddenStateDrafter(DrafterCache):
         if not kept:
             if deferred:
                 assert states is not None
-                self._keep_deferred(deferred, states, to_device([r.start for r in deferred],
-                                                                torch.long, self.device))
+                self._keep_deferred(deferred, states, self._to_index([r.start for r in deferred]))
             return {}
         caught = [0 if b is None else r.context_len - b.start for (r, _), b in zip(kept, backlogs)]
         lens = [n + c for (_, n), c in zip(kept, caught)]
+        starts = [r.context_len - c for (r, _), c in zip(kept, caught)]  # first mirrored rows
+        spans = [(r.start, n) for r, n in kept]
         graphs = self.mirror_graphs
-        shape = None if graphs is None else graphs.shape_for(
-            lens, [r.context_len - c for (r, _), c in zip(kept, caught)])
+        shape = None if graphs is None else graphs.shape_for(lens, starts)
         if shape is not None:  # a replay; with backlogs every row from the ring of kept rows
             source, src_rows = self._graph_source(hidden), None
             if kept_step is not None or any(caught):
-                src_rows = None if ring is None or (source is None and kept_step is None) else \
-                    backlog.ring_rows([(r.start, n) for r, n in kept], backlogs, ring,
-                                      kept_step, source, self._to_index)
+                if ring is not None and (source is not None or kept_step is not None):
+                    src_rows = backlog.ring_rows(spans, backlogs, ring, kept_step, source,
+                                                 self._to_index)
                 source = None if src_rows is None else ring.buf
             if source is not None:
-                return self._mirror_through_graph(shape, source, src_rows, kept, caught, ids,
-                                                  deferred, states, propose)
+                return self._mirror_through_graph(shape, source, src_rows, kept, lens, starts,
+                                                  ids, deferred, states, propose)
         num_decodes = 0
         while num_decodes < len(lens) and lens[num_decodes] == 1:
             num_decodes += 1
         # Every index list of the pass goes to the device with the metadata, in one copy
         # (each copy of its own costs the host a few Python-issued torch calls).
-        src = backlog.mirror_sources([(r.start, n) for r, n in kept], backlogs, ring, kept_step,
+        src = backlog.mirror_sources(spans, backlogs, ring, kept_step,
                                      0 if states is None else states.shape[0])
         sel = [s + i for s, c, n in zip(accumulate(lens, initial=0), caught, lens)
                for i in range(c, n)] if any(caught) else []
@@ -198,9 +202,8 @@ class HiddenStateDrafter(DrafterCache):
         carry = [ids, pos, src.step, src.ring, src.order, sel, plan.last if plan else [],
                  [r.start for r in deferred]]
         md, (ids_t, pos_t, step_t, ring_t, order_t, sel_t, last_t, defer_t) = \
-            self._metadata_and_inputs(
-                lens, [r.context_len - c for (r, _), c in zip(kept, caught)],
-                [r.block_ids for r, _ in kept], num_decodes, carry)
+            self._metadata_and_inputs(lens, starts, [r.block_ids for r, _ in kept], num_decodes,
+                                      carry)
         h = backlog.mirror_states(states, isinstance(hidden, RawRows | KeptStep), src, ring,
                                   (step_t, ring_t, order_t), self._input_states)
         if deferred:  # (after the gather above: its copy may reuse the slots it read)
@@ -236,7 +239,7 @@ class HiddenStateDrafter(DrafterCache):
         for r in reqs:
             if r.serial in failed:
                 continue
-            n = min(r.num_new_tokens, r.state.num_tokens - 1 - r.context_len)
+            n = sampled_rows(r, r.state)
             if n < 1:
                 continue
             if r.paused and ring is not None and backlog.can_defer(r.state, r.context_len, n):
@@ -259,14 +262,14 @@ class HiddenStateDrafter(DrafterCache):
 
     def _mirror_through_graph(self, shape: StepShape, source: torch.Tensor,
                               src_rows: list[int] | None, kept: list[tuple[MtpRequest, int]],
-                              caught: list[int], ids: list[int], deferred: list[MtpRequest],
-                              states: torch.Tensor | None, propose: bool
-                              ) -> dict[int, list[int]]:
+                              lens: list[int], starts: list[int], ids: list[int],
+                              deferred: list[MtpRequest], states: torch.Tensor | None,
+                              propose: bool) -> dict[int, list[int]]:
         """mirror_and_propose's mirror and draft 1 as one graph replay (mirror_graphs.py;
         source: the step's raw states, or the ring of kept rows with src_rows: each row's
-        slot, backlogs first; caught: each request's backlog rows), which feeds the draft
-        graphs, staged first at its row count; then drafts 2..k replay and the drafts are
-        read at once."""
+        slot, backlogs first; lens, starts: each request's rows mirrored, backlog included,
+        and the first one's position), which feeds the draft graphs, staged first at its
+        row count; then drafts 2..k replay and the drafts are read at once."""
         mirror, drafting = self.mirror_graphs, self.graphs
         assert mirror is not None and drafting is not None
         self.last_draft_probs = {}
@@ -285,9 +288,7 @@ class HiddenStateDrafter(DrafterCache):
                 self._prob_col.zero_()
         if src_rows is None:
             src_rows = [i for r, n in kept for i in range(r.start, r.start + n)]
-        p1 = mirror.run(shape, source, src_rows, ids,
-                        [r.context_len - c for (r, _), c in zip(kept, caught)],
-                        [n + c for (_, n), c in zip(kept, caught)],
+        p1 = mirror.run(shape, source, src_rows, ids, starts, lens,
                         [r.block_ids for r, _ in kept], plan.picks if k >= 1 and plan else [])
         if deferred:  # (after the run's gather: its copy may reuse ring slots it read)
             assert states is not None
@@ -332,7 +333,7 @@ class HiddenStateDrafter(DrafterCache):
         if k < 1:
             return {}
         index = plan.last_index
-        h = out[to_device(last, torch.long, self.device) if index is None else index]
+        h = out[self._to_index(last) if index is None else index]
         ids, p = self._pick(h, 0)
         cols, probs = [ids], [p]
         depths = min(self.depths, k)
