@@ -16,6 +16,7 @@ from spec_decode.test_mtp import build_checkpoints as mtp_checkpoints
 
 from shoal import SamplingParams
 from shoal.spec_decode import mirror_backlog
+from shoal.spec_decode.drafting_rows import sampled_rows
 
 K = 3
 
@@ -107,8 +108,21 @@ def test_a_full_backlog_is_mirrored_while_paused(ckpt, monkeypatch) -> None:  # 
         "method": "eagle3", "model": str(folder), "num_speculative_tokens": K})
     counter, log = MirrorCounter(llm), record_proposals(llm)
     caught = count_catch_ups(monkeypatch)
+    drafter = llm.llm_engine.core.runner.drafter
+    inner, paused_drafted = drafter.mirror_and_propose, []
+
+    def mirror_and_propose(reqs, hidden, failed, propose=True):
+        drafts = inner(reqs, hidden, failed, propose=propose)
+        # a paused request caught up with one row of its own (nothing accepted) is not
+        # drafted for: its next step verifies none (drafting_rows.drafts_wanted)
+        paused_drafted.extend(r.serial for r in reqs
+                              if r.paused and sampled_rows(r, r.state) == 1
+                              and r.serial in drafts)
+        return drafts
+    drafter.mirror_and_propose = mirror_and_propose
     got = llm.generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == want
+    assert not paused_drafted
     assert max(caught) == 3 and counter.all_paused > 10
     assert counter.steps - counter.all_paused < counter.mirrors < counter.steps
     for seq, drafts in log:
