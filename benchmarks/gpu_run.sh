@@ -159,7 +159,8 @@ part() {
         --batch-sizes 1,32 --repeats 1 $S --out "$DIR/w9_eagle3.json" ;;
     # issue 38's a = 0 cost: EAGLE-3's phases a step (forced acceptance 0 and 1, batch 1 and
     # 32) and the step loop's host slack (a busy-wait added to each step's finish)
-    eagle3-phases) run eagle3_phases 240 $py/eagle3_step_profile.py $S \
+    eagle3-phases) run eagle3_phases ${E3P_LIMIT:-240} $py/eagle3_step_profile.py $S \
+        ${E3P_RATES:+--rates $E3P_RATES} \
         --out "$DIR/eagle3_phases.json" ;;
     host-slack) run host_slack 240 $py/host_slack.py $S --out "$DIR/host_slack.json" ;;
     rl) run rl 200 $py/rl_gpu.py --cycles 6 $S --out "$DIR/rl.json" ;;

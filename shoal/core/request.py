@@ -74,10 +74,12 @@ class Request:
     # ScheduledRequest.replay)
     state_replay: int = 0
     # Backoff (draft_budget.py): steps in a row whose drafts were all rejected or skipped
-    # for low confidence, decode steps left without drafts, pauses so far
+    # for low confidence, decode steps left without drafts, pauses so far, and whether any
+    # of its drafts was ever accepted
     spec_misses: int = 0
     spec_skip: int = 0
     spec_backoffs: int = 0
+    spec_ever_accepted: bool = False
     # Decayed counts of accepted drafts and of first rejections (the adaptive budget's
     # estimate, draft_budget.py); they start at its prior.
     spec_hits: float = 3.0

@@ -9,9 +9,10 @@ accepted tokens, so no draft reaches the cache.
 
 A request whose drafts keep failing stops paying for them: after MISSES_BEFORE_BACKOFF verify
 steps in a row with nothing accepted, while its acceptance estimate is below BACKOFF_BELOW, or
-after MISSES_ALWAYS_BACKOFF whatever the estimate, it decodes without drafts for a while (4
-decode steps, doubling with each further miss, at most 64), then tries again; one accepted
-draft resets it. Confidence-scheduled verification (below) counts a step whose drafts it
+after MISSES_ALWAYS_BACKOFF whatever the estimate (MISSES_BEFORE_FIRST_HIT while none of its
+drafts was ever accepted), it decodes without drafts for a while (4 decode steps, doubling
+with each further miss, at most MAX_BACKOFF_STEPS), then tries again; one accepted draft
+resets it. Confidence-scheduled verification (below) counts a step whose drafts it
 skipped for low confidence as such a miss, so a drafter that is never sure stops drafting
 for a while too (its proposals cost a drafting pass and the step's pipelining).
 With async scheduling the engine asks `wants_drafts` before each step: while no request would
@@ -84,6 +85,11 @@ BACKOFF_BELOW = 0.3
 # lockstep at a = 0.5, 2% more steps in a simulation (6 misses: 5%; every step there verifies
 # for some request, so a request's backoff saves no verify step).
 MISSES_ALWAYS_BACKOFF = 8
+# A request none of whose drafts was ever accepted has an estimate that is still mostly the
+# prior (0.8): it fell below BACKOFF_BELOW only after 6 misses in a row, 6 of W9's 13 verify
+# steps at a = 0, batch 1 (each one not pipelined, a draft chain and a mirror for EAGLE-3).
+# Drafts right half the time miss their first three one time in eight: a 4-step pause.
+MISSES_BEFORE_FIRST_HIT = 3
 MAX_BACKOFF_STEPS = 64
 # Adaptive budget: the worth threshold is MIN_WORTH up to DRAFT_COST_FREE_BATCH running
 # requests, then rises linearly (towards MAX_WORTH at DRAFT_COST_FULL_BATCH)...
@@ -101,16 +107,16 @@ CONFIDENCE_FULL_BATCH = 32  # the confidence threshold reaches its setting at th
 
 
 def draft_limits(hits: float, fails: float, misses: int, num_drafts: int, k: int,
-                 threshold: float) -> tuple[int, ...]:
+                 threshold: float, ever_accepted: bool = True) -> tuple[int, ...]:
     """Per outcome of a decode step verifying num_drafts drafts (index a: a of them
     accepted; one entry for a step verifying none), the drafts its next step verifies at
     most: adaptive_num_drafts on the counts (hits, fails: as num_drafts() left them for this
     step) after settle() adds the outcome and the next step ages them; 0 for a full miss
-    that backs the request off."""
+    that backs the request off (ever_accepted: as backs_off_after)."""
     out = []
     for a in range(num_drafts + 1):
         h, f = hits + a, fails + (a < num_drafts)
-        if num_drafts and not a and backs_off_after(misses + 1, h, f):
+        if num_drafts and not a and backs_off_after(misses + 1, h, f, ever_accepted):
             out.append(0)
         else:
             out.append(adaptive_num_drafts(h * ACCEPT_DECAY, f * ACCEPT_DECAY, k, threshold))
@@ -156,17 +162,21 @@ def age_counts(hits: float, fails: float, verified: bool) -> tuple[float, float]
             PRIOR_FAILS + (fails - PRIOR_FAILS) * ACCEPT_DECAY)
 
 
-def backs_off_after(misses: int, hits: float, fails: float) -> bool:
-    """Whether `misses` misses in a row, with these acceptance counts, back a request off."""
+def backs_off_after(misses: int, hits: float, fails: float, ever_accepted: bool = True
+                    ) -> bool:
+    """Whether `misses` misses in a row, with these acceptance counts, back a request off
+    (ever_accepted: whether any draft of the request was accepted)."""
+    always = MISSES_ALWAYS_BACKOFF if ever_accepted else MISSES_BEFORE_FIRST_HIT
     return misses >= MISSES_BEFORE_BACKOFF and (
-        misses >= MISSES_ALWAYS_BACKOFF or acceptance_estimate(hits, fails) < BACKOFF_BELOW)
+        misses >= always or acceptance_estimate(hits, fails) < BACKOFF_BELOW)
 
 
 def backs_off_on_a_miss(req: Request) -> bool:
     """Whether DraftBudget.settle backs the request off if its verify step now accepts none of
     its drafts (its counts as settle() finds them: aged for the step by num_drafts). The
     scheduler marks such a step's drafts paused (drafts_paused, below)."""
-    return backs_off_after(req.spec_misses + 1, req.spec_hits, req.spec_fails + 1)
+    return backs_off_after(req.spec_misses + 1, req.spec_hits, req.spec_fails + 1,
+                           req.spec_ever_accepted)
 
 
 def drafts_paused(req: Request, num_drafts: int, pipelined: bool = True) -> bool:
@@ -257,7 +267,7 @@ class DraftBudget:
         if cap is not None and running >= cap:
             return (0,) * (n + 1)
         return draft_limits(req.spec_hits, req.spec_fails, req.spec_misses, n, self.k,
-                            worth_threshold(running))
+                            worth_threshold(running), req.spec_ever_accepted)
 
     def _verified_drafts(self, req: Request, room: int, allowed: bool, running: int) -> int:
         """num_drafts for a request not backing off, its counts aged for the step."""
@@ -331,9 +341,11 @@ class DraftBudget:
         req.spec_fails += accepted < num_drafts  # the first rejection; later drafts unseen
         if accepted:
             req.spec_misses = req.spec_backoffs = 0
+            req.spec_ever_accepted = True
             return
         req.spec_misses += 1
-        if backs_off_after(req.spec_misses, req.spec_hits, req.spec_fails):
+        if backs_off_after(req.spec_misses, req.spec_hits, req.spec_fails,
+                           req.spec_ever_accepted):
             self._back_off(req)
 
     @staticmethod

@@ -38,18 +38,39 @@ def _verify_steps(budget: DraftBudget, probs: list[float], running: int) -> tupl
 def test_failing_drafts_back_off_at_a_full_batch_as_alone() -> None:
     """At 32 running the adaptive budget stops verifying before the estimate falls below
     BACKOFF_BELOW, and the decay brought it back every ~6 steps (37 verify steps of 256);
-    eight misses in a row now back off too: about as few verify steps as a request alone
-    (13: a pause moves the counts toward the prior, so the miss after the first pause
-    does not pause it again; the eighth does, issue 38)."""
+    eight misses in a row back off too, and three while no draft was ever accepted: as few
+    verify steps as a request alone (9: three misses, then one probe after each pause of 4,
+    8, 16, 32, 64 and 64 steps; 13 before the first-hit rule, whose estimate needed six
+    misses to leave the prior, issue 38)."""
     alone, _ = _verify_steps(DraftBudget(K, 100_000), [], 1)
     full, _ = _verify_steps(DraftBudget(K, 100_000), [], BATCH)
-    assert alone <= 13 and full <= alone + 2, (alone, full)
+    assert alone == full == 9, (alone, full)
+
+
+def test_three_misses_back_off_a_request_never_accepted() -> None:
+    """MISSES_BEFORE_FIRST_HIT: a new request's estimate is still the prior's 0.8 after three
+    misses; with no draft of it ever accepted they pause it all the same, and one accepted
+    draft later the estimate rule alone decides again (the next test)."""
+    budget, req = DraftBudget(K, 100_000), _request()
+    for _ in range(3):
+        req.spec_token_ids = [11] * K
+        assert req.spec_skip == 0
+        budget.settle(req, budget.num_drafts(req, 100, True, 1), 0)
+    assert req.spec_skip == 4 and not req.spec_ever_accepted
+    # a request with an accepted draft behind it is not paused by three misses
+    budget, req = DraftBudget(K, 100_000), _request()
+    req.spec_token_ids = [11] * K
+    budget.settle(req, budget.num_drafts(req, 100, True, 1), 1)
+    for _ in range(3):
+        req.spec_token_ids = [11] * K
+        budget.settle(req, budget.num_drafts(req, 100, True, 1), 0)
+    assert req.spec_ever_accepted and req.spec_skip == 0
 
 
 def test_seven_misses_in_a_row_do_not_back_off() -> None:
     """The rule's other side (W9 batch 32, a = 0.5, where backing off cost 0.80x plain):
     drafts right half the time miss seven in a row one run in 128; a request whose verify
-    steps go seven misses, one accepted, over and over (its estimate stays above
+    steps go one accepted, seven misses, over and over (its estimate stays above
     BACKOFF_BELOW) never backs off, and keeps verifying (45 of 256 steps)."""
     budget, req = DraftBudget(K, 100_000), _request()
     verified = 0
@@ -57,7 +78,7 @@ def test_seven_misses_in_a_row_do_not_back_off() -> None:
         req.spec_token_ids = [11] * K
         n = budget.num_drafts(req, 100, True, BATCH)
         if n:
-            budget.settle(req, n, int(verified % 8 == 7))
+            budget.settle(req, n, int(verified % 8 == 0))
             verified += 1
         assert req.spec_skip == 0
     assert verified >= 40

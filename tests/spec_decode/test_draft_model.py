@@ -138,12 +138,14 @@ def test_async_scheduling_keeps_the_draft_cache_right(tiny_llama_dir, plain, tmp
 
 
 def test_drafts_no_deeper_than_the_limits(tiny_llama_dir, plain, tmp_path) -> None:
-    """The draft limits (issue 38): a far draft's requests draft no more than their next step
-    can verify for the outcome they had, none while paused (a paused verify step that
-    accepted drafts is drafted from), and output stays the target's."""
+    """The draft limits (issue 38): a draft that is right now and then (a farther one is
+    never right, and its requests pause on the first-hit rule before any limit is shallow):
+    its requests draft no more than their next step can verify for the outcome they had,
+    none while paused (a paused verify step that accepted drafts is drafted from), and
+    output stays the target's."""
     from shoal.spec_decode.drafting_rows import sampled_limit
 
-    llm = _spec(tiny_llama_dir, _draft(tiny_llama_dir, tmp_path, 0.3), max_num_seqs=6)
+    llm = _spec(tiny_llama_dir, _draft(tiny_llama_dir, tmp_path, 0.1), max_num_seqs=6)
     drafter = llm.llm_engine.core.runner.drafter
     seen = {"none": 0, "limited": 0, "shallow": 0}
     inner = drafter.propose

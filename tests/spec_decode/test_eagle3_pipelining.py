@@ -83,9 +83,9 @@ def _plain(target, prompts, sp):
 
 def test_failing_drafts_leave_the_device_waiting_only_for_used_proposals(
         ckpt, monkeypatch) -> None:  # noqa: F811
-    """Forced acceptance 0, one request, 100 tokens: the backoff probes again after 4, 8, 16,
-    32 steps; no proposal goes unverified and no catch-up is on the critical path (before:
-    one of each per probe)."""
+    """Forced acceptance 0, one request, 100 tokens: three misses, then the backoff probes
+    again after 4, 8, 16, 32 steps; no proposal goes unverified and no catch-up is on the
+    critical path (before: one of each per probe)."""
     target, folder, ref = ckpt
     sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
     prompts = random_prompts(1, seed=21, lo=5, hi=20)
@@ -95,7 +95,7 @@ def test_failing_drafts_leave_the_device_waiting_only_for_used_proposals(
     gaps, log = DrafterGaps(llm, monkeypatch), record_proposals(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == \
         _plain(target, prompts, sp)
-    assert gaps.verified >= 8 and gaps.catch_ups >= 3, vars(gaps)
+    assert gaps.verified >= 7 and gaps.catch_ups >= 3, vars(gaps)
     assert gaps.unverified == 0 and gaps.critical_catch_ups == 0, vars(gaps)
     for seq, drafts in log:  # the head's KV after kept rows and catch-ups: the formula's
         assert drafts == ref.drafts(seq, len(drafts)), seq
@@ -104,7 +104,8 @@ def test_failing_drafts_leave_the_device_waiting_only_for_used_proposals(
 
 def _oracle_drafts(llm, prompts, plain) -> None:
     """The verified drafts become plain decoding's own next tokens, a varying number of them
-    right (none, mostly), so that some verify steps accept drafts, backoffs included; the
+    right (none, mostly; two on the first step, so that the backoff is the estimate's, not
+    the first-hit rule's), so that some verify steps accept drafts, backoffs included; the
     head's own drafts (record_proposals) are still its formula's."""
     drafter = llm.llm_engine.core.runner.drafter
     whole = {tuple(p["prompt_token_ids"]): out for p, out in zip(prompts, plain)}
@@ -118,7 +119,7 @@ def _oracle_drafts(llm, prompts, plain) -> None:
                 continue
             done = len(st.output_token_ids)
             right = list(whole[tuple(st.prompt_token_ids)][done:done + len(drafts)])
-            n = min(len(right), 2 if done % 10 == 6 else 0)
+            n = min(len(right), 2 if done == 1 or done % 10 == 6 else 0)
             out.draft_token_ids[serial] = right[:n] + [(t + 1) % 512 for t in drafts[n:]]
     drafter.propose = oracle
 

@@ -283,9 +283,10 @@ def test_spec_stats_count_drafts_and_accepted_tokens_by_position() -> None:
 
 
 def test_backoff_after_drafts_that_keep_failing() -> None:
-    """Verifies in a row with nothing accepted (two at least, and the acceptance estimate
-    low): the request decodes without drafts for 4 steps, then tries again; a further
-    backoff doubles the pause; an acceptance ends it."""
+    """Verifies in a row with nothing accepted (three while no draft was ever accepted; two
+    at least, with the acceptance estimate low, after one was): the request decodes without
+    drafts for 4 steps, then tries again; a further backoff doubles the pause; an
+    acceptance ends it."""
     sched = spec_scheduler()
     sched.add_request(make_req("a", prompt_of(6), max_tokens=200))
     runner = FakeSpecRunner(sched)
@@ -297,11 +298,9 @@ def test_backoff_after_drafts_that_keep_failing() -> None:
         out = sched.schedule()
         drafted.append(out.scheduled[0].num_draft_tokens > 0)
         sched.update(out, runner.execute(out))
-    # Misses until the estimate falls below BACKOFF_BELOW (six from the optimistic prior),
-    # 4 plain, two misses (the pause moved the counts toward the prior: the seventh miss
-    # leaves the estimate above BACKOFF_BELOW; the eighth in a row backs off whatever it
-    # is), 8 plain, a miss, 16 plain.
-    assert drafted == [True] * 6 + [False] * 4 + [True] * 2 + [False] * 8 + [True] + [False] * 9
+    # Three misses (none ever accepted: MISSES_BEFORE_FIRST_HIT, whatever the estimate,
+    # still near the prior's 0.8), 4 plain, a miss, 8 plain, a miss, 16 plain.
+    assert drafted == [True] * 3 + [False] * 4 + [True] + [False] * 8 + [True] + [False] * 13
     assert req.spec_backoffs == 3 and req.spec_skip > 0
     req.spec_skip, req.spec_hits, req.spec_fails = 0, 3.0, 0.0  # the estimate recovered
     req.spec_token_ids = [runner._true(req.serial, req.num_output_tokens), 7, 7]  # one right
