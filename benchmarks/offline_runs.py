@@ -158,7 +158,7 @@ def batch1(llm: Any, hi: int, input_len: int, output_len: int, runs: int = 3, se
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     full = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate(random_prompt(rng, input_len, hi), full, use_tqdm=False)  # warm
-    rows = []
+    rows, first_ids = [], None
     for _ in range(runs):
         t0 = time.perf_counter()
         llm.generate(random_prompt(rng, input_len, hi), first, use_tqdm=False)
@@ -168,6 +168,7 @@ def batch1(llm: Any, hi: int, input_len: int, output_len: int, runs: int = 3, se
         out = llm.generate(prompt, full, use_tqdm=False)[0]
         total = time.perf_counter() - t0
         n, m = len(out.outputs[0].token_ids), out.metrics
+        first_ids = first_ids or list(out.outputs[0].token_ids[:32])
         eng_ttft = eng_decode = None
         if m is not None and m.first_token_time is not None and m.finished_time is not None:
             eng_ttft = m.first_token_time - m.arrival_time
@@ -181,7 +182,8 @@ def batch1(llm: Any, hi: int, input_len: int, output_len: int, runs: int = 3, se
                 ttft_s=ttft, step_ms=1000 / decode if decode else None, total_s=total,
                 engine_ttft_s=eng_ttft,
                 engine_decode_tok_s=eng_decode, num_cached_tokens=cached,
-                all_runs_total_s=[r[0] for r in rows], all_runs_ttft_s=[r[1] for r in rows])
+                all_runs_total_s=[r[0] for r in rows], all_runs_ttft_s=[r[1] for r in rows],
+                first_run_token_ids=first_ids)  # (greedy: equal across switches that keep math)
 
 
 def tiny_llama(folder: Path, vocab: int = 512, eos: int = 2) -> str:

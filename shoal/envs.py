@@ -166,6 +166,13 @@ SHOAL_DENSE_GEMV: EnvVar[bool] = EnvVar(
     "165.2 to 173.4 tok/s (1.05x) but the engine's start-up from 8.2 to 31.1 s (its tiles' "
     "compiles and timings, cold Triton cache)")
 
+SHOAL_PDL: EnvVar[bool] = EnvVar(
+    "SHOAL_PDL", False, _on,
+    "1: the decode step's own Triton kernels (norms, the quantized GEMVs, rope and cache "
+    "write, paged decode attention, SiLU-mul) launch with programmatic dependent launch on "
+    "Hopper, each starting while the one before finishes (shoal/layers/ops/pdl.py); off "
+    "until measured on a GPU")
+
 SHOAL_LORA_SEGMENTED_MIN_TOKENS: EnvVar[int | None] = EnvVar(
     "SHOAL_LORA_SEGMENTED_MIN_TOKENS", None, _optional_count,
     "LoRA on CUDA: steps of at least this many tokens take the segmented Triton kernels, "

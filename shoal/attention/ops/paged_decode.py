@@ -37,6 +37,7 @@ import triton.language as tl
 from shoal.attention.ops.checks import check_paged_inputs, check_sinks
 from shoal.attention.ops.fp8 import check_fp8_cache
 from shoal.attention.ops.key_splits import sm_count, split_count, split_range
+from shoal.layers.ops import pdl
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: avoids inf - inf = nan on empty rows
 _LOG2E = 1.4426950408889634
@@ -87,8 +88,9 @@ def _paged_decode_kernel(
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, SPLIT: tl.constexpr,
     USE_WINDOW: tl.constexpr, HAS_SINKS: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr,
+    KV_FP8: tl.constexpr, SOFTCAP: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.grid_dependency(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     split = tl.program_id(2)
@@ -160,8 +162,9 @@ def _paged_decode_kernel(
 def _split_reduce_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ot, stride_oh, num_heads, num_splits,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.grid_dependency(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -248,11 +251,12 @@ def paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Te
         USE_WINDOW=sliding_window is not None, HAS_SINKS=sinks is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8,
         SOFTCAP=softcap is not None, num_warps=4, num_stages=3 if d <= 128 else 2,
+        **pdl.kwargs(q.device),
     )
     if num_splits > 1:
         _split_reduce_kernel[(bsz, hq)](
             part_out, part_lse, out, out.stride(0), out.stride(1), hq, num_splits,
             BLOCK_S=triton.next_power_of_2(num_splits), HEAD_DIM=d,
-            num_warps=4,
+            num_warps=4, **pdl.kwargs(q.device),
         )
     return out

@@ -25,6 +25,7 @@ import triton.language as tl
 
 from shoal.attention import kv_quant
 from shoal.attention.ops.fp8 import check_fp8_cache, to_fp8
+from shoal.layers.ops import pdl
 
 
 @triton.jit
@@ -81,8 +82,9 @@ def _rope_kv_write_kernel(
     stride_rope, num_q_heads, num_kv_heads, num_q_blocks, eps, k_scale, v_scale,
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, PASS: tl.constexpr,
     BLOCK_PASS: tl.constexpr, BLOCK_H: tl.constexpr,
-    Q_NORM: tl.constexpr, K_NORM: tl.constexpr, KV_FP8: tl.constexpr,
+    Q_NORM: tl.constexpr, K_NORM: tl.constexpr, KV_FP8: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.grid_dependency(PDL)
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -201,7 +203,7 @@ def rope_kv_write(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
         HEAD_DIM=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(max(half, 1)), PASS=tail,
         BLOCK_PASS=triton.next_power_of_2(max(tail, 1)), BLOCK_H=block_h,
         Q_NORM=q_norm_weight is not None, K_NORM=k_norm_weight is not None, KV_FP8=fp8,
-        num_warps=4,
+        num_warps=4, **pdl.kwargs(q.device),
     )
 
 

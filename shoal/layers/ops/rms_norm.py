@@ -9,13 +9,16 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.layers.ops import pdl
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     stride_x, stride_r, stride_o, stride_ro, hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
@@ -56,6 +59,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         x, res, weight, out, ro,
         x.stride(0), res.stride(0), out.stride(0), ro.stride(0), h, eps,
         HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+        **pdl.kwargs(x.device),
     )
 
 

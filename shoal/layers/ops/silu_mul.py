@@ -9,9 +9,13 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.layers.ops import pdl
+
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, inter, BLOCK: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl.grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -40,5 +44,6 @@ def silu_and_mul(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tens
         return out
     block = min(1024, triton.next_power_of_2(inter))
     _silu_mul_kernel[(n, triton.cdiv(inter, block))](
-        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4)
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4,
+        **pdl.kwargs(x.device))
     return out

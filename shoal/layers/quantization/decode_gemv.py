@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal.layers.ops import pdl
 from shoal.layers.quantization.int4_wide_gemv import int4_wide_gemv, partial_chunk
 
 MAX_ROWS = 8  # activation rows one program holds; more rows take the tensor-core kernels
@@ -50,7 +51,9 @@ class GemvTiles:
 def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, SCALE_ROWS,
                      stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                      PER_ROW: tl.constexpr, GROUP: tl.constexpr, STRIP_SCALES: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl.grid_dependency(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -182,8 +185,9 @@ def _fp8_group_steps(x_ptr, w_ptr, s_ptr, pid_n, offs_n, offs_m, n_ok, m_ok, k_s
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_SPLIT, GROUP,
                       stride_xm, stride_wk, stride_sg, stride_os, stride_om,
                       HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_W: tl.constexpr):
+                      BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
     """BLOCK_W words along K a step (8 inputs each), all in one group of scales."""
+    pdl.grid_dependency(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -267,7 +271,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tiles: Gem
         w_scale.stride(0) if group else 0, m * n, n, PER_ROW=group == 0, GROUP=max(group, 1),
         STRIP_SCALES=bool(group) and scale_rows % tiles.block_n == 0, BLOCK_M=_rows(m),
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages)
+        num_stages=tiles.num_stages, **pdl.kwargs(x.device))
     return _finish(out, split, x.dtype)
 
 
@@ -299,7 +303,7 @@ def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         max(group, 1) if group < k else 1 << 30,  # one group over K: group 0 for every step
         x.stride(0), codes.stride(0), scales.stride(0), m * n, n, HAS_ZERO=zeros is not None,
         BLOCK_M=_rows(m), BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_k // 8,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.kwargs(x.device))
     return _finish(out, split, x.dtype)
 
 
