@@ -1,0 +1,27 @@
+"""The PDL switch on the CPU (shoal/layers/ops/pdl.py; its GPU test: test_pdl_gpu.py): with
+SHOAL_PDL=1 a launch off CUDA takes no PDL arguments, so the interpreter's kernels run as
+without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from shoal.layers.ops import pdl  # noqa: E402
+from shoal.layers.ops.rms_norm import rms_norm  # noqa: E402
+
+
+def test_no_pdl_off_cuda(monkeypatch) -> None:
+    monkeypatch.setenv("SHOAL_PDL", "1")
+    assert not pdl.launch(torch.device("cpu")) and pdl.kwargs(torch.device("cpu")) == {}
+    monkeypatch.setenv("SHOAL_PDL", "0")
+    assert pdl.kwargs(torch.device("cpu")) == {}
+
+
+def test_kernels_run_with_the_switch_on(monkeypatch) -> None:
+    monkeypatch.setenv("SHOAL_PDL", "1")
+    x, w = torch.randn(3, 64), torch.rand(64)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    torch.testing.assert_close(rms_norm(x, w, 1e-6), want)
