@@ -167,11 +167,11 @@ SHOAL_DENSE_GEMV: EnvVar[bool] = EnvVar(
     "compiles and timings, cold Triton cache)")
 
 SHOAL_PDL: EnvVar[bool] = EnvVar(
-    "SHOAL_PDL", False, _on,
-    "1: the decode step's own Triton kernels (norms, the quantized GEMVs, rope and cache "
-    "write, paged decode attention, SiLU-mul) launch with programmatic dependent launch on "
-    "Hopper, each starting while the one before finishes (shoal/layers/ops/pdl.py); off "
-    "until measured on a GPU")
+    "SHOAL_PDL", True, _switch,
+    "0: the decode step's own Triton kernels (norms, the FP8 GEMVs, rope and cache write, "
+    "paged decode attention and its split reduce, SiLU-mul) launch plainly instead of with "
+    "programmatic dependent launch on sm_90+ (shoal/pdl.py; on an H200, 2026-12-07, "
+    "Llama-3.1-8B shape W2 batch 1: FP8 334.3 -> 353.0 tok/s, bf16 221.1 -> 223.4)")
 
 SHOAL_LORA_SEGMENTED_MIN_TOKENS: EnvVar[int | None] = EnvVar(
     "SHOAL_LORA_SEGMENTED_MIN_TOKENS", None, _optional_count,

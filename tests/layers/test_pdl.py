@@ -1,4 +1,4 @@
-"""The PDL switch on the CPU (shoal/layers/ops/pdl.py; its GPU test: test_pdl_gpu.py): with
+"""The PDL switch on the CPU (shoal/pdl.py; its GPU test: test_pdl_gpu.py): with
 SHOAL_PDL=1 a launch off CUDA takes no PDL arguments, so the interpreter's kernels run as
 without it."""
 
@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from shoal.layers.ops import pdl  # noqa: E402
+from shoal import pdl  # noqa: E402
 from shoal.layers.ops.rms_norm import rms_norm  # noqa: E402
 
 

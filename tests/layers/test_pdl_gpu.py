@@ -1,8 +1,9 @@
-"""Programmatic dependent launch (shoal/layers/ops/pdl.py; skipped without an sm_90 GPU): a
-decode layer's chain of Triton kernels (norm, FP8 and INT4 GEMVs with and without a K split,
-SiLU-mul, rope and cache write, paged decode with its split reduce) captured in a CUDA graph
-with SHOAL_PDL=1 gives bit for bit what the same kernels give launched plainly, replay after
-replay, with each replay's inputs changed in place; and the switch reaches the launches."""
+"""Programmatic dependent launch (shoal/pdl.py; skipped without an sm_90 GPU): a
+decode layer's chain of Triton kernels (norm, FP8 GEMVs with and without a K split, SiLU-mul,
+rope and cache write, paged decode with its split reduce, and the INT4 GEMVs that launch
+plainly between them) captured in a CUDA graph with PDL gives bit for bit what the same
+kernels give launched plainly (SHOAL_PDL=0), replay after replay, with each replay's inputs
+changed in place; and the switch reaches the launches."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
     reason="needs an sm_90+ CUDA GPU")
 
+from shoal import pdl  # noqa: E402
 from shoal.attention.ops.paged_decode import paged_decode  # noqa: E402
 from shoal.attention.ops.rope_kv_write import rope_kv_write  # noqa: E402
-from shoal.layers.ops import pdl  # noqa: E402
 from shoal.layers.ops.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from shoal.layers.ops.silu_mul import silu_and_mul  # noqa: E402
 from shoal.layers.quantization.decode_gemv import GemvTiles, fp8_gemv, int4_gemv  # noqa: E402
@@ -79,9 +80,9 @@ def _inputs(dev: torch.device, step: int) -> list[torch.Tensor]:
 
 def test_the_switch_reaches_the_launches(monkeypatch) -> None:
     dev = torch.device("cuda")
-    monkeypatch.delenv("SHOAL_PDL", raising=False)
+    monkeypatch.setenv("SHOAL_PDL", "0")
     assert pdl.kwargs(dev) == {} and pdl.kwargs(torch.device("cpu")) == {}
-    monkeypatch.setenv("SHOAL_PDL", "1")
+    monkeypatch.delenv("SHOAL_PDL", raising=False)  # on by default
     assert pdl.HAVE_GDC and pdl.kwargs(dev) == {"PDL": True, "launch_pdl": True}
     assert pdl.kwargs(torch.device("cpu")) == {}
 
@@ -89,7 +90,7 @@ def test_the_switch_reaches_the_launches(monkeypatch) -> None:
 def test_a_layer_graph_with_pdl_equals_plain_launches(monkeypatch) -> None:
     dev = torch.device("cuda")
     w = _weights(dev)
-    monkeypatch.delenv("SHOAL_PDL", raising=False)
+    monkeypatch.setenv("SHOAL_PDL", "0")
     want = []
     for step in range(3):
         inp = _inputs(dev, step)

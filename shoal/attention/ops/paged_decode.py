@@ -34,10 +34,10 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal import pdl
 from shoal.attention.ops.checks import check_paged_inputs, check_sinks
 from shoal.attention.ops.fp8 import check_fp8_cache
 from shoal.attention.ops.key_splits import sm_count, split_count, split_range
-from shoal.layers.ops import pdl
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "-inf" for the running max: avoids inf - inf = nan on empty rows
 _LOG2E = 1.4426950408889634

@@ -23,9 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal import pdl
 from shoal.attention import kv_quant
 from shoal.attention.ops.fp8 import check_fp8_cache, to_fp8
-from shoal.layers.ops import pdl
 
 
 @triton.jit

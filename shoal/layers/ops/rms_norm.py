@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shoal.layers.ops import pdl
+from shoal import pdl
 
 
 @triton.jit

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shoal.layers.ops import pdl
+from shoal import pdl
 from shoal.layers.quantization.int4_wide_gemv import int4_wide_gemv, partial_chunk
 
 MAX_ROWS = 8  # activation rows one program holds; more rows take the tensor-core kernels
@@ -185,9 +185,8 @@ def _fp8_group_steps(x_ptr, w_ptr, s_ptr, pid_n, offs_n, offs_m, n_ok, m_ok, k_s
 def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, M, N, K, K_SPLIT, GROUP,
                       stride_xm, stride_wk, stride_sg, stride_os, stride_om,
                       HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_W: tl.constexpr, PDL: tl.constexpr = False):
+                      BLOCK_W: tl.constexpr):
     """BLOCK_W words along K a step (8 inputs each), all in one group of scales."""
-    pdl.grid_dependency(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -303,7 +302,7 @@ def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         max(group, 1) if group < k else 1 << 30,  # one group over K: group 0 for every step
         x.stride(0), codes.stride(0), scales.stride(0), m * n, n, HAS_ZERO=zeros is not None,
         BLOCK_M=_rows(m), BLOCK_N=tiles.block_n, BLOCK_W=tiles.block_k // 8,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages, **pdl.kwargs(x.device))
+        num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return _finish(out, split, x.dtype)
 
 

@@ -37,7 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from shoal.layers.ops import pdl
 from shoal.layers.ops.program_counters import counters
 
 EXP_2_23 = 0x4B000000  # float32 bits of 2^23 (MAGIC)
@@ -146,9 +145,7 @@ def _int4_wide_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, 
                       K_SPLIT, SPLIT, stride_xm, stride_wk, stride_sg, MAGIC,
                       GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, EVEN_K: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STEP_W: tl.constexpr,
-                      SPLIT_K: tl.constexpr, CHUNK: tl.constexpr, PREFETCH: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    pdl.grid_dependency(PDL)
+                      SPLIT_K: tl.constexpr, CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, STEP_W)
@@ -261,5 +258,5 @@ def int4_wide_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         GROUP=group if group < k else 1 << 30, HAS_ZERO=zeros is not None,
         EVEN_K=k % step == 0, BLOCK_M=rows, BLOCK_N=block_n, STEP_W=step_w, SPLIT_K=split > 1,
         CHUNK=partial_chunk(rows, block_n // (32 * num_warps)),
-        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages, **pdl.kwargs(x.device))
+        PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
     return out

@@ -16,10 +16,17 @@ wait reads nothing. Waiting covers every kernel before it, not only the last: th
 finished only after its own wait returned. A kernel launched without it (torch ops, cuBLAS)
 waits for the one before to finish, as ever.
 
-`launch(device)`: whether a launch on `device` takes part (SHOAL_PDL=1, CUDA, sm_90+, a
-Triton with griddepcontrol); `kwargs(device)` the launch's extra arguments then (the kernel's
-PDL constexpr and `launch_pdl`), none otherwise: off, a launch is the one it was without PDL
-(same compiled kernel). The interpreter (no inline PTX) and the CPU never see it.
+Taking part: RMSNorm (rms_norm.py), SiLU-mul, the FP8 GEMV (decode_gemv.py), rope and cache
+write, paged decode and its split reduce. On an H200 (2026-12-07, Llama-3.1-8B shape, W2 batch
+1, twice each): FP8 weights 334.3 -> 353.0 tok/s, bf16 (cuBLAS GEMMs between them) 221.1 ->
+223.4. Not the INT4 GEMVs: their kernels are bound by instructions, not bytes (decode_gemv.py),
+and with PDL INT4 fell 326.2 -> 295.9 (with only the kernels around them taking part: 318.9,
+within the launch tuner's run-to-run choices).
+
+`launch(device)`: whether a launch on `device` takes part (SHOAL_PDL, on unless "0"; CUDA,
+sm_90+, a Triton with griddepcontrol); `kwargs(device)` the launch's extra arguments then (the
+kernel's PDL constexpr and `launch_pdl`), none otherwise: off, a launch is the one it was
+without PDL (same compiled kernel). The interpreter (no inline PTX) and the CPU never see it.
 """
 
 from __future__ import annotations
