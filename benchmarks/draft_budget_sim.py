@@ -112,7 +112,12 @@ def ramp_threshold(running: int) -> float:
 
 
 class RampBudget(DraftBudget):
-    """The fixed aging with the worth threshold before the fix (the ramp to 0.9 at 64)."""
+    """The fixed aging with the worth threshold before the fix (the ramp to 0.9 at 64), and
+    the backoff before the first-hit rule (every request as one with an accepted draft)."""
+
+    def settle(self, req: Request, num_drafts: int, accepted: int) -> None:
+        req.spec_ever_accepted = True
+        super().settle(req, num_drafts, accepted)
 
     def _budget(self, req: Request, k: int, running: int) -> int:
         cap = self.disable_by_batch_size

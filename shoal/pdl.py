@@ -32,6 +32,7 @@ without PDL (same compiled kernel). The interpreter (no inline PTX) and the CPU 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -64,12 +65,16 @@ def grid_dependency(PDL: tl.constexpr):
 
 @functools.cache
 def _capable(index: int) -> bool:
-    return HAVE_GDC and torch.cuda.get_device_capability(index)[0] >= 9
+    """An NVIDIA GPU of sm_90 or later (ROCm's devices are "cuda" to torch too)."""
+    return HAVE_GDC and torch.version.hip is None and \
+        torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def launch(device: torch.device) -> bool:
-    """Whether kernels launched on `device` use PDL (see the module's doc)."""
-    if device.type != "cuda" or not envs.SHOAL_PDL.get():
+    """Whether kernels launched on `device` use PDL (see the module's doc; never under
+    TRITON_INTERPRET, which runs CUDA tensors' kernels too and has no griddepcontrol)."""
+    if device.type != "cuda" or not envs.SHOAL_PDL.get() or \
+            os.environ.get("TRITON_INTERPRET") == "1":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

@@ -20,6 +20,14 @@ def test_no_pdl_off_cuda(monkeypatch) -> None:
     assert pdl.kwargs(torch.device("cpu")) == {}
 
 
+def test_no_pdl_under_the_interpreter(monkeypatch) -> None:
+    """TRITON_INTERPRET runs kernels of CUDA tensors too, and has no griddepcontrol: the
+    check comes before any question to a GPU (there is none here)."""
+    monkeypatch.setenv("SHOAL_PDL", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not pdl.launch(torch.device("cuda", 0)) and pdl.kwargs(torch.device("cuda")) == {}
+
+
 def test_kernels_run_with_the_switch_on(monkeypatch) -> None:
     monkeypatch.setenv("SHOAL_PDL", "1")
     x, w = torch.randn(3, 64), torch.rand(64)

@@ -163,18 +163,21 @@ def test_drafts_accepted_on_a_step_marked_for_a_miss_are_drafted_from(ckpt) -> N
 
 def test_a_miss_backs_off_exactly_where_the_scheduler_predicts() -> None:
     """backs_off_on_a_miss (the scheduler's mark) against DraftBudget.settle itself, over
-    acceptance counts and miss streaks around every threshold."""
+    acceptance counts and miss streaks around every threshold, for requests with an
+    accepted draft behind them and without (the first-hit rule)."""
     budget = DraftBudget(4, 10_000)
-    cases = 0
-    for hits, fails, misses in itertools.product(
-            (0.0, 0.3, 0.8, 1.5, 3.0), (0.0, 0.5, 1.0, 2.0, 3.5, 6.0), range(10)):
+    cases = {True: 0, False: 0}
+    for hits, fails, misses, ever in itertools.product(
+            (0.0, 0.3, 0.8, 1.5, 3.0), (0.0, 0.5, 1.0, 2.0, 3.5, 6.0), range(10),
+            (True, False)):
         req = Request("r", [5, 6, 7], SP(max_tokens=100), frozenset(), 100, arrival_time=0.0)
         req.spec_hits, req.spec_fails, req.spec_misses = hits, fails, misses
+        req.spec_ever_accepted = ever
         predicted = backs_off_on_a_miss(req)
         budget.settle(req, 4, 0)
-        assert predicted == (req.spec_skip > 0), (hits, fails, misses)
-        cases += predicted
-    assert 0 < cases < 300
+        assert predicted == (req.spec_skip > 0), (hits, fails, misses, ever)
+        cases[ever] += predicted
+    assert 0 < cases[True] < cases[False] < 300, cases
 
 
 @pytest.mark.parametrize("skip, paused", [(0, False), (1, False), (2, True), (5, True)])
