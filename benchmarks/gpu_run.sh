@@ -152,6 +152,14 @@ part() {
             --stage-timeout 140 $S ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-35B-A3B}"} \
             --out "$DIR/hybrid_split$sp.json"
         done ;;
+    # PDL on the hybrid and MoE decode kernels (SHOAL_PDL=all: shoal/pdl.py TRIAL) beside the
+    # default (1), on the same machine: batch 1 of each model, ~90 s a run (Qwen3.5-35B-A3B
+    # ready in 66 s on an H200); equal first_run_token_ids say the outputs agree
+    hybrid-pdl) for mode in 1 all; do
+          SHOAL_PDL=$mode run hybrid_pdl$mode 170 $py/hybrid_gpu.py batch1 \
+            --stage-timeout 160 $S ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-35B-A3B}"} \
+            --out "$DIR/hybrid_pdl$mode.json"
+        done ;;
     # issue 38: W9 with EAGLE-3 and confidence beside the forced method at a = 0 and 1, batch
     # 1 and 32 (~150 s on an H100 at a = 0 alone: W9E_RATES=0.0)
     w9-eagle3) run w9_eagle3 ${W9E_LIMIT:-420} $py/spec_decode_gpu.py \

@@ -166,12 +166,20 @@ SHOAL_DENSE_GEMV: EnvVar[bool] = EnvVar(
     "165.2 to 173.4 tok/s (1.05x) but the engine's start-up from 8.2 to 31.1 s (its tiles' "
     "compiles and timings, cold Triton cache)")
 
-SHOAL_PDL: EnvVar[bool] = EnvVar(
-    "SHOAL_PDL", True, _switch,
+def _pdl_mode(raw: str) -> str:
+    mode = raw.strip().lower()
+    if mode not in ("0", "1", "all"):
+        raise ValueError("it must be 0, 1 or all")
+    return mode
+
+
+SHOAL_PDL: EnvVar[str] = EnvVar(
+    "SHOAL_PDL", "1", _pdl_mode,
     "0: the decode step's own Triton kernels (norms, the FP8 GEMVs, rope and cache write, "
     "paged decode attention and its split reduce, SiLU-mul) launch plainly instead of with "
     "programmatic dependent launch on sm_90+ (shoal/pdl.py; on an H200, 2026-12-07, "
-    "Llama-3.1-8B shape W2 batch 1: FP8 334.3 -> 353.0 tok/s, bf16 221.1 -> 223.4)")
+    "Llama-3.1-8B shape W2 batch 1: FP8 334.3 -> 353.0 tok/s, bf16 221.1 -> 223.4); all: "
+    "also the hybrid and MoE decode kernels not yet measured with it (pdl.TRIAL)")
 
 SHOAL_LORA_SEGMENTED_MIN_TOKENS: EnvVar[int | None] = EnvVar(
     "SHOAL_LORA_SEGMENTED_MIN_TOKENS", None, _optional_count,

@@ -23,10 +23,16 @@ write, paged decode and its split reduce. On an H200 (2026-12-07, Llama-3.1-8B s
 and with PDL INT4 fell 326.2 -> 295.9 (with only the kernels around them taking part: 318.9,
 within the launch tuner's run-to-run choices).
 
-`launch(device)`: whether a launch on `device` takes part (SHOAL_PDL, on unless "0"; CUDA,
-sm_90+, a Triton with griddepcontrol); `kwargs(device)` the launch's extra arguments then (the
-kernel's PDL constexpr and `launch_pdl`), none otherwise: off, a launch is the one it was
-without PDL (same compiled kernel). The interpreter (no inline PTX) and the CPU never see it.
+On trial (SHOAL_PDL=all; `kwargs(device, trial=True)`): the decode kernels of the hybrid
+and MoE models (TRIAL), which take part the same way but have not been measured with it: a
+kernel bound by instructions can lose (the INT4 GEMVs), so they join the default once a GPU
+run says they gain.
+
+`launch(device)`: whether a launch on `device` takes part (SHOAL_PDL "1", the default, or
+"all"; CUDA, sm_90+, a Triton with griddepcontrol); `kwargs(device)` the launch's extra
+arguments then (the kernel's PDL constexpr and `launch_pdl`), none otherwise: off, a launch is
+the one it was without PDL (same compiled kernel). The interpreter (no inline PTX) and the CPU
+never see it.
 """
 
 from __future__ import annotations
@@ -70,15 +76,23 @@ def _capable(index: int) -> bool:
         torch.cuda.get_device_capability(index)[0] >= 9
 
 
-def launch(device: torch.device) -> bool:
+# The kernels that take part only with SHOAL_PDL=all (their launches pass trial=True)
+TRIAL = ("sigmoid_gate", "conv_step", "delta_rule", "linear_decode_fused", "gate_routing",
+         "half_decode_experts")
+
+
+def launch(device: torch.device, trial: bool = False) -> bool:
     """Whether kernels launched on `device` use PDL (see the module's doc; never under
-    TRITON_INTERPRET, which runs CUDA tensors' kernels too and has no griddepcontrol)."""
-    if device.type != "cuda" or not envs.SHOAL_PDL.get() or \
-            os.environ.get("TRITON_INTERPRET") == "1":
+    TRITON_INTERPRET, which runs CUDA tensors' kernels too and has no griddepcontrol).
+    trial: a kernel of TRIAL."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    mode = envs.SHOAL_PDL.get()
+    if mode == "0" or (trial and mode != "all"):
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def kwargs(device: torch.device) -> dict[str, bool]:
+def kwargs(device: torch.device, trial: bool = False) -> dict[str, bool]:
     """The extra launch arguments of a kernel taking part (see the module's doc)."""
-    return {"PDL": True, "launch_pdl": True} if launch(device) else {}
+    return {"PDL": True, "launch_pdl": True} if launch(device, trial) else {}

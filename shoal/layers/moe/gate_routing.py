@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal import pdl
 from shoal.attention.ops.interpreted_half import to_dtype
 from shoal.layers.moe.gate_logits import MAX_TOKENS, fits_gate_kernel
 from shoal.layers.moe.topk_routing import (
@@ -47,8 +48,9 @@ def _gate_routing_kernel(
     hidden, N_TOKENS: tl.constexpr, N_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr,
     TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ROUTE_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.grid_dependency(PDL)
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < N_EXPERTS
     rows = tl.arange(0, ROWS)
@@ -182,5 +184,5 @@ def gate_routing(x: torch.Tensor, weight: torch.Tensor, top_k: int, order: Routi
         ROWS=triton.next_power_of_2(t), BLOCK_E=plan.experts_per_program,
         BLOCK_H=plan.block_hidden, ROUTE_E=triton.next_power_of_2(e),
         BLOCK_K=triton.next_power_of_2(top_k), INTERPRETED=interpreted(),
-        num_warps=plan.num_warps, enable_reflect_ftz=False)
+        num_warps=plan.num_warps, enable_reflect_ftz=False, **pdl.kwargs(x.device, trial=True))
     return weights, ids

@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal import pdl
 from shoal.layers.moe.activation import SILU, ExpertActivation
 from shoal.layers.moe.expert_inputs import check_expert_inputs
 from shoal.layers.moe.mxfp4_decode_experts import MAX_TOKENS, store_gate_up_activation
@@ -131,7 +132,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, ws_ptr, g_ptr, out_ptr, sw_
                     k_in, t_rows, stride_xm, stride_we, stride_wn, stride_bias, stride_sn,
                     stride_om, alpha, limit, TOPK: tl.constexpr, SHARED: tl.constexpr,
                     GATED: tl.constexpr, HAS_BIAS: tl.constexpr, CLAMPED: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VEC: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """act[pair, n] = activation(gate, up) for outputs n of this program's block, gate / up
     = the pair's token row of x . w13[expert, n (gate) / inter + n (up), :] (+ bias). Pairs
     past the T * TOPK routed ones are the shared chunks, token by token: chunk j of a token
@@ -139,6 +141,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, bias_ptr, ws_ptr, g_ptr, out_ptr, sw_
     SHARED * inter, H], no bias. GATED: T more pairs, token by token, write sw[token] =
     sigmoid(x[token] . g[0, :]) (float32; the logit rounded to x's dtype) from their first
     block of outputs."""
+    pdl.grid_dependency(PDL)
     VECS: tl.constexpr = BLOCK_K // VEC
     pair = tl.program_id(0)
     n_routed = t_rows * TOPK
@@ -222,12 +225,13 @@ def _down_kernel(a_ptr, ids_ptr, r_ptr, w_ptr, bias_ptr, ws_ptr, sw_ptr, out_ptr
                  k_in, k_span, t_rows, stride_am, stride_we, stride_wn, stride_bias,
                  stride_sn, TOPK: tl.constexpr, SHARED: tl.constexpr, GATED: tl.constexpr,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 VEC: tl.constexpr):
+                 VEC: tl.constexpr, PDL: tl.constexpr = False):
     """out[split, token, n] = sum over the token's k slots of routing weight * (act[pair, K
     range] . w2[expert, n, K range] (+ bias[expert, n] in split 0)), then its SHARED shared
     chunks' act[T * k + token * SHARED + j, K range] . ws[n, j * inter + K range] (ws [H,
     SHARED * inter]), times sw[token] (float32) if GATED; out is [T, H] in x's dtype with
     one split, else float32 partials [split, T, H]."""
+    pdl.grid_dependency(PDL)
     VECS: tl.constexpr = BLOCK_K // VEC
     token, pid_k = tl.program_id(0), tl.program_id(2)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -336,7 +340,7 @@ def run_half_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         float(activation.alpha), float(activation.limit),
         TOPK=k, SHARED=chunks, GATED=gated, HAS_BIAS=w13_bias is not None,
         CLAMPED=clamped, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, VEC=VEC,
-        num_warps=tiles.num_warps,
+        num_warps=tiles.num_warps, **pdl.kwargs(x.device, trial=True),
         num_stages=1)  # (Triton pipelines no load of a loop without tl.dot)
     span, split = k_per_split(inter, tiles.block_k, tiles.split)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
@@ -348,7 +352,7 @@ def run_half_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w2_bias.stride(0) if w2_bias is not None else 0, ws2.stride(-2),
         TOPK=k, SHARED=chunks, GATED=gated, HAS_BIAS=w2_bias is not None,
         BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.block_k, VEC=VEC, num_warps=tiles.num_warps,
-        num_stages=1)
+        num_stages=1, **pdl.kwargs(x.device, trial=True))
     if split > 1:
         sum_splits_kernel[(t, triton.cdiv(h, SUM_BLOCK))](part, x, out, t, h, split, h,
                                                      HAS_BIAS=False, BLOCK=SUM_BLOCK,

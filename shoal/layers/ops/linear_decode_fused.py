@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shoal import envs
+from shoal import envs, pdl
 from shoal.attention.ops.interpreted_half import to_dtype
 from shoal.layers.ops.linear_state_decode import TL_DTYPES, PageWords, conv_step
 from shoal.layers.ops.program_counters import counters, counters_ready
@@ -139,7 +139,9 @@ def _decode_kernel(y_ptr, stride_y, decay_ptr, stride_decay, dt_ptr, alog_ptr, b
                    per_plane, plane_stride, block_stride, scale, eps, o_part_ptr, count_ptr,
                    HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
                    KDA: tl.constexpr, ALIGNED: tl.constexpr,
-                   DTYPE: tl.constexpr, INTERPRETED: tl.constexpr, SPLIT: tl.constexpr):
+                   DTYPE: tl.constexpr, INTERPRETED: tl.constexpr, SPLIT: tl.constexpr,
+                   PDL: tl.constexpr = False):
+    pdl.grid_dependency(PDL)
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kh = h // R
@@ -298,5 +300,6 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
         state_offset, pages.per_plane, pages.plane_stride, pages.block_stride, scale,
         gates.eps, o_part, counts, HK=key_heads, R=r,
         DK=key_dim, DV=value_dim, KDA=gates.kda, ALIGNED=aligned, DTYPE=dtype,
-        INTERPRETED=interpreted, SPLIT=split, num_warps=num_warps)
+        INTERPRETED=interpreted, SPLIT=split, num_warps=num_warps,
+        **pdl.kwargs(x.device, trial=True))
     return out

@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal import pdl
 from shoal.attention.ops.interpreted_half import to_dtype
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16,
@@ -45,7 +46,9 @@ def _word_address(w, block, per_plane, plane_stride, block_stride):
 def _conv_step_kernel(x_ptr, w_ptr, b_ptr, y_ptr, words_ptr, read_ptr, write_ptr, C,
                       stride_x, stride_y, per_plane, plane_stride, block_stride,
                       K: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+                      DTYPE: tl.constexpr, INTERPRETED: tl.constexpr,
+                      PDL: tl.constexpr = False):
+    pdl.grid_dependency(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = c < C
@@ -81,7 +84,8 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x, weight, bias if bias is not None else weight, y, pages.words, read, write, c,
         x.stride(0), y.stride(0), pages.per_plane, pages.plane_stride, pages.block_stride,
         K=k, BC=block, HAS_BIAS=bias is not None, DTYPE=TL_DTYPES[x.dtype],
-        INTERPRETED=x.device.type == "cpu")  # (TRITON_INTERPRET=1: round as the GPU does)
+        INTERPRETED=x.device.type == "cpu",  # (TRITON_INTERPRET=1: round as the GPU does)
+        **pdl.kwargs(x.device, trial=True))
     return y
 
 
@@ -91,7 +95,8 @@ def _delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, words_ptr, r
                        stride_vh, stride_gb, stride_gh, stride_beta, stride_ob, stride_oh,
                        state_offset, per_plane, plane_stride, block_stride, scale,
                        R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                       G_PER_CHANNEL: tl.constexpr):
+                       G_PER_CHANNEL: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.grid_dependency(PDL)
     row, h, vt = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     kh = h // R
     dk = tl.arange(0, DK)
@@ -137,7 +142,7 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0),
         o.stride(0), o.stride(1), state_offset, pages.per_plane, pages.plane_stride,
         pages.block_stride, scale, R=h // q.shape[1], DK=dk, DV=dv, BV=block_v,
-        G_PER_CHANNEL=g.dim() == 3)
+        G_PER_CHANNEL=g.dim() == 3, **pdl.kwargs(v.device, trial=True))
     return o
 
 

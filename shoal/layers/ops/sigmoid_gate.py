@@ -11,10 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal import pdl
+
 
 @triton.jit
 def _sigmoid_gate_kernel(o_ptr, g_ptr, out_ptr, stride_ot, stride_oh, stride_gt, stride_gh,
-                         heads, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+                         heads, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    pdl.grid_dependency(PDL)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, HEAD_DIM)[None, :]
@@ -43,5 +47,5 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     block_h = min(triton.next_power_of_2(h), max(1, 2048 // d))  # ~2K values a program
     _sigmoid_gate_kernel[(t, triton.cdiv(h, block_h))](
         o, gate, out, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), h,
-        HEAD_DIM=d, BLOCK_H=block_h, num_warps=4)
+        HEAD_DIM=d, BLOCK_H=block_h, num_warps=4, **pdl.kwargs(o.device, trial=True))
     return out
