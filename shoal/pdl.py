@@ -69,6 +69,20 @@ def grid_dependency(PDL: tl.constexpr):
         gdc_wait()
 
 
+@triton.jit
+def launch_next(PDL: tl.constexpr):
+    """grid_dependency's first half, for a kernel that reads weights before it waits."""
+    if PDL:
+        gdc_launch_dependents()
+
+
+@triton.jit
+def wait_previous(PDL: tl.constexpr):
+    """grid_dependency's second half: from here on the kernel before is finished."""
+    if PDL:
+        gdc_wait()
+
+
 @functools.cache
 def _capable(index: int) -> bool:
     """An NVIDIA GPU of sm_90 or later (ROCm's devices are "cuda" to torch too)."""
@@ -76,9 +90,12 @@ def _capable(index: int) -> bool:
         torch.cuda.get_device_capability(index)[0] >= 9
 
 
-# The kernels that take part only with SHOAL_PDL=all (their launches pass trial=True)
+# The kernels that take part only with SHOAL_PDL=all (their launches pass trial=True), and
+# the FP8 GEMV's early weights: at one row with per-channel scales its first K step's weights
+# (which no kernel writes) load before it waits, so the read starts in the tail of the kernel
+# before (decode_gemv.py EARLY)
 TRIAL = ("sigmoid_gate", "conv_step", "delta_rule", "linear_decode_fused", "gate_routing",
-         "half_decode_experts")
+         "half_decode_experts", "fp8_gemv early weights")
 
 
 def launch(device: torch.device, trial: bool = False) -> bool:

@@ -87,7 +87,8 @@ def test_the_switch_reaches_the_launches(monkeypatch) -> None:
     assert pdl.kwargs(torch.device("cpu")) == {}
 
 
-def test_a_layer_graph_with_pdl_equals_plain_launches(monkeypatch) -> None:
+@pytest.mark.parametrize("mode", ["1", "all"])  # all: the FP8 GEMV's early weights too
+def test_a_layer_graph_with_pdl_equals_plain_launches(monkeypatch, mode) -> None:
     dev = torch.device("cuda")
     w = _weights(dev)
     monkeypatch.setenv("SHOAL_PDL", "0")
@@ -96,7 +97,7 @@ def test_a_layer_graph_with_pdl_equals_plain_launches(monkeypatch) -> None:
         inp = _inputs(dev, step)
         want.append((_layer(w, *inp).clone(), inp[2].clone()))
         assert torch.isfinite(want[-1][0]).all()  # (torch.equal fails on a nan)
-    monkeypatch.setenv("SHOAL_PDL", "1")
+    monkeypatch.setenv("SHOAL_PDL", mode)
     eager = _inputs(dev, 0)
     assert torch.equal(_layer(w, *eager), want[0][0])  # PDL launches, eager
     static = _inputs(dev, 0)

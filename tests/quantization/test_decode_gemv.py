@@ -29,11 +29,15 @@ def _close(got: torch.Tensor, want: torch.Tensor, rel: float = 1e-5) -> None:
     (1, 6, 2500, GemvTiles(4, 1024, 1)),  # ONE_ROW_LONG_STEPS: a short last step and strip
     (1, 8, 4200, GemvTiles(4, 2048, 2)),
 ])
-def test_fp8_gemv_per_row_scales(m, n, k, tiles):
+@pytest.mark.parametrize("early", [False, True])
+def test_fp8_gemv_per_row_scales(m, n, k, tiles, early):
+    """early: the first K step peeled off (its weights read before PDL's wait; here without
+    PDL), for one row; more rows ignore it."""
     torch.manual_seed(0)
     p = quantize_fp8(torch.randn(n, k, device=DEVICE))
     x = torch.randn(m, k, device=DEVICE)
-    got = fp8_gemv(x, p.parts["weight"], p.parts["scale"].reshape(n).contiguous(), tiles)
+    got = fp8_gemv(x, p.parts["weight"], p.parts["scale"].reshape(n).contiguous(), tiles,
+                   early=early)
     _close(got, x @ dequantize_packed(p).t())
 
 

@@ -52,8 +52,12 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, SCALE_ROWS,
                      stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                      PER_ROW: tl.constexpr, GROUP: tl.constexpr, STRIP_SCALES: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    pdl.grid_dependency(PDL)
+                     PDL: tl.constexpr = False, EARLY: tl.constexpr = False):
+    # EARLY (one row, per-channel scales): the first K step's weights load before the wait
+    if EARLY:
+        pdl.launch_next(PDL)
+    else:
+        pdl.grid_dependency(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -71,7 +75,16 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, K_SPLIT, SCALE_ROWS,
         # is reduced across K once at the end (a reduction per step would cost a cross-warp
         # exchange every step).
         wide = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
+        first = k_start
+        if EARLY:  # (PER_ROW) the first step, its weights read before the wait
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            k_ok = offs_k < k_end
+            w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            pdl.wait_previous(PDL)
+            wide += w * tl.load(x_ptr + offs_k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+            first = k_start + BLOCK_K
+        for k0 in range(first, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_ok = offs_k < k_end
             w = tl.load(w_rows + offs_k[None, :], mask=n_ok[:, None] & k_ok[None, :],
@@ -249,11 +262,12 @@ def _finish(out: torch.Tensor, split: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tiles: GemvTiles, *,
-             group: int = 0, scale_rows: int = 1) -> torch.Tensor:
+             group: int = 0, scale_rows: int = 1, early: bool | None = None) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), w float8 [N, K]; w_scale float32 [N] (group 0: one scale per
     output row) or [ceil(N / scale_rows), ceil(K / group)] (block scales; tiles.block_k
     divides group, or is a multiple of it: a K step of several groups) -> [M, N] in x's
-    dtype."""
+    dtype. early: the kernel's EARLY (one row, per-channel; None: with PDL on trial, see
+    shoal/pdl.py; a test sets it to run the peeled first step without PDL)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
@@ -265,12 +279,16 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tiles: Gem
     span, split = _span(k, tiles.block_k, tiles.split)
     out = torch.empty((split, m, n) if split > 1 else (m, n),
                       dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
+    launch = pdl.kwargs(x.device)
+    if early is None:
+        early = bool(launch) and pdl.launch(x.device, trial=True)
+    early = early and m == 1 and not group
     _fp8_gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
         x, w, w_scale, out, m, n, k, span, scale_rows, x.stride(0), w.stride(0),
         w_scale.stride(0) if group else 0, m * n, n, PER_ROW=group == 0, GROUP=max(group, 1),
         STRIP_SCALES=bool(group) and scale_rows % tiles.block_n == 0, BLOCK_M=_rows(m),
         BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps,
-        num_stages=tiles.num_stages, **pdl.kwargs(x.device))
+        num_stages=tiles.num_stages, EARLY=early, **launch)
     return _finish(out, split, x.dtype)
 
 
