@@ -92,8 +92,9 @@ def _capable(index: int) -> bool:
 
 # The kernels that take part only with SHOAL_PDL=all (their launches pass trial=True), and
 # the FP8 GEMV's early weights: at one row with per-channel scales its first K step's weights
-# (which no kernel writes) load before it waits, so the read starts in the tail of the kernel
-# before (decode_gemv.py EARLY)
+# load before it waits, so the read starts in the tail of the kernel before (decode_gemv.py
+# EARLY). Safe because no kernel of a step writes weights: a weight update (RL, LoRA loads)
+# runs between steps, and kernels that wait lie between it and the GEMV
 TRIAL = ("sigmoid_gate", "conv_step", "delta_rule", "linear_decode_fused", "gate_routing",
          "half_decode_experts", "fp8_gemv early weights")
 
