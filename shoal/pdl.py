@@ -11,8 +11,8 @@ kernel finish, so its launch and its set-up overlap that tail.
 Each kernel that takes part calls `grid_dependency(PDL)` before its first load: it lets the
 next kernel launch (griddepcontrol.launch_dependents) and then waits for the one before
 (griddepcontrol.wait: that kernel finished and its writes are visible). A kernel launched
-with PDL must wait before it reads anything an earlier kernel wrote; everything before the
-wait reads nothing. Waiting covers every kernel before it, not only the last: that one
+with PDL must wait before it reads anything an earlier kernel wrote: before the wait it
+reads nothing (but the FP8 GEMV's early weights on trial, below). Waiting covers every kernel before it, not only the last: that one
 finished only after its own wait returned. A kernel launched without it (torch ops, cuBLAS)
 waits for the one before to finish, as ever.
 
