@@ -166,6 +166,7 @@ SHOAL_DENSE_GEMV: EnvVar[bool] = EnvVar(
     "165.2 to 173.4 tok/s (1.05x) but the engine's start-up from 8.2 to 31.1 s (its tiles' "
     "compiles and timings, cold Triton cache)")
 
+
 def _pdl_mode(raw: str) -> str:
     mode = raw.strip().lower()
     if mode not in ("0", "1", "all"):

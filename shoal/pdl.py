@@ -62,25 +62,25 @@ except ImportError:  # an older Triton: PDL stays off, the stubs below are never
 
 
 @triton.jit
-def grid_dependency(PDL: tl.constexpr):
-    """Lets the next kernel launch, then waits for the one before (PDL only)."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
-
-
-@triton.jit
 def launch_next(PDL: tl.constexpr):
-    """grid_dependency's first half, for a kernel that reads weights before it waits."""
+    """Lets the next kernel launch (PDL only)."""
     if PDL:
         gdc_launch_dependents()
 
 
 @triton.jit
 def wait_previous(PDL: tl.constexpr):
-    """grid_dependency's second half: from here on the kernel before is finished."""
+    """Waits for the kernel before (PDL only): from here on it is finished, its writes seen."""
     if PDL:
         gdc_wait()
+
+
+@triton.jit
+def grid_dependency(PDL: tl.constexpr):
+    """Lets the next kernel launch, then waits for the one before: a kernel's first line
+    (one that reads weights before it waits calls the two halves itself)."""
+    launch_next(PDL)
+    wait_previous(PDL)
 
 
 @functools.cache
