@@ -153,15 +153,17 @@ part() {
             --out "$DIR/hybrid_split$sp.json"
         done ;;
     # W2 batch 1 with SHOAL_PDL=1 (the default) and all (the FP8 GEMV's early weights and
-    # the trial kernels, shoal/pdl.py), on the same machine, ~60 s a run for FP8
-    quant-pdl) for mode in 1 all; do
+    # the trial kernels, shoal/pdl.py), on the same machine, ~60 s a run for FP8; PDL_MODES
+    # picks the modes (and SHOAL_DENSE_GEMV=1 in the environment the dense bf16 GEMVs)
+    quant-pdl) for mode in ${PDL_MODES:-1 all}; do
           SHOAL_PDL=$mode run quant_pdl$mode 150 $py/quant_gpu.py decode --timeout 140 $S \
             --variants ${QUANT_VARIANTS:-fp8_channel} --out "$DIR/quant_pdl$mode.json"
         done ;;
     # PDL on the hybrid and MoE decode kernels (SHOAL_PDL=all: shoal/pdl.py TRIAL) beside the
     # default (1), on the same machine: batch 1 of each model, ~90 s a run (Qwen3.5-35B-A3B
-    # ready in 66 s on an H200); equal first_run_token_ids say the outputs agree
-    hybrid-pdl) for mode in 1 all; do
+    # ready in 66 s on an H200); equal first_run_token_ids say the outputs agree; PDL_MODES
+    # as in quant-pdl
+    hybrid-pdl) for mode in ${PDL_MODES:-1 all}; do
           SHOAL_PDL=$mode run hybrid_pdl$mode 170 $py/hybrid_gpu.py batch1 \
             --stage-timeout 160 $S ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-35B-A3B}"} \
             --out "$DIR/hybrid_pdl$mode.json"

@@ -24,7 +24,7 @@ and with PDL INT4 fell 326.2 -> 295.9 (with only the kernels around them taking 
 within the launch tuner's run-to-run choices).
 
 On trial (SHOAL_PDL=all; `kwargs(device, trial=True)`): the decode kernels of the hybrid
-and MoE models (TRIAL), which take part the same way but have not been measured with it: a
+and MoE models and the opt-in dense GEMVs (TRIAL), which take part the same way but have not been measured with it: a
 kernel bound by instructions can lose (the INT4 GEMVs), so they join the default once a GPU
 run says they gain.
 
@@ -96,7 +96,7 @@ def _capable(index: int) -> bool:
 # EARLY). Safe because no kernel of a step writes weights: a weight update (RL, LoRA loads)
 # runs between steps, and kernels that wait lie between it and the GEMV
 TRIAL = ("sigmoid_gate", "conv_step", "delta_rule", "linear_decode_fused", "gate_routing",
-         "half_decode_experts", "fp8_gemv early weights")
+         "half_decode_experts", "fp8_gemv early weights", "half_gemv (SHOAL_DENSE_GEMV=1)")
 
 
 def launch(device: torch.device, trial: bool = False) -> bool:

@@ -1,9 +1,9 @@
 """Programmatic dependent launch (shoal/pdl.py; skipped without an sm_90 GPU): a
 decode layer's chain of Triton kernels (norm, FP8 GEMVs with and without a K split, SiLU-mul,
-rope and cache write, paged decode with its split reduce, and the INT4 GEMVs that launch
-plainly between them) captured in a CUDA graph with PDL gives bit for bit what the same
-kernels give launched plainly (SHOAL_PDL=0), replay after replay, with each replay's inputs
-changed in place; and the switch reaches the launches."""
+rope and cache write, paged decode with its split reduce, the INT4 GEMVs that launch plainly
+between them, and on trial the bf16 GEMVs of half_gemv.py) captured in a CUDA graph with PDL
+gives bit for bit what the same kernels give launched plainly (SHOAL_PDL=0), replay after
+replay, with each replay's inputs changed in place; and the switch reaches the launches."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(
 from shoal import pdl  # noqa: E402
 from shoal.attention.ops.paged_decode import paged_decode  # noqa: E402
 from shoal.attention.ops.rope_kv_write import rope_kv_write  # noqa: E402
+from shoal.layers.ops.half_gemv import HalfGemvTile, half_gemv  # noqa: E402
 from shoal.layers.ops.rms_norm import fused_add_rms_norm, rms_norm  # noqa: E402
 from shoal.layers.ops.silu_mul import silu_and_mul  # noqa: E402
 from shoal.layers.quantization.decode_gemv import GemvTiles, fp8_gemv, int4_gemv  # noqa: E402
@@ -40,8 +41,9 @@ def _weights(dev: torch.device) -> dict[str, torch.Tensor]:
     half = D // 2
     inv = 1.0 / 10000 ** (torch.arange(half, device=dev) / half)
     ang = torch.arange(4096, device=dev)[:, None] * inv[None, :]
-    return dict(qkv=qkv[0], qkv_s=qkv[1], o=o[0], o_s=o[1], up=up[0], up_s=up[1], codes=codes,
-                scales=scales, norm=torch.rand(H, device=dev, generator=g).to(torch.bfloat16),
+    dense = (torch.randn(INTER, H, device=dev, generator=g) * 0.05).to(torch.bfloat16)
+    return dict(half=dense, qkv=qkv[0], qkv_s=qkv[1], o=o[0], o_s=o[1], up=up[0], up_s=up[1],
+                codes=codes, scales=scales, norm=torch.rand(H, device=dev, generator=g).to(torch.bfloat16),
                 cos_sin=torch.cat([ang.cos(), ang.sin()], 1))
 
 
@@ -61,7 +63,10 @@ def _layer(w: dict[str, torch.Tensor], x: torch.Tensor, res: torch.Tensor, cache
     down = int4_gemv(a, w["codes"], w["scales"], None, 128,
                      GemvTiles(256, 64, 4, num_warps=1, num_stages=1, kernel="wide"))
     strip = int4_gemv(a, w["codes"], w["scales"], None, 128, GemvTiles(64, 64, 1))
-    return torch.cat([down, strip, att.reshape(1, -1)], 1)
+    # the bf16 GEMVs (trial): early weights (prefetch), and a K split with its summing kernel
+    early = half_gemv(h2, w["half"], None, HalfGemvTile(4, 1024, 1, prefetch=True))
+    split = half_gemv(early[:, :H], w["half"], None, HalfGemvTile(8, 512, 4))
+    return torch.cat([down, strip, att.reshape(1, -1), early, split], 1)
 
 
 def _inputs(dev: torch.device, step: int) -> list[torch.Tensor]:
@@ -87,7 +92,7 @@ def test_the_switch_reaches_the_launches(monkeypatch) -> None:
     assert pdl.kwargs(torch.device("cpu")) == {}
 
 
-@pytest.mark.parametrize("mode", ["1", "all"])  # all: the FP8 GEMV's early weights too
+@pytest.mark.parametrize("mode", ["1", "all"])  # all: early weights, the bf16 GEMVs too
 def test_a_layer_graph_with_pdl_equals_plain_launches(monkeypatch, mode) -> None:
     dev = torch.device("cuda")
     w = _weights(dev)

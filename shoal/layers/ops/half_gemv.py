@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal import pdl
+
 MAX_ROWS = 8  # activation rows one program holds
 VEC = 8  # halves a 16-byte load reads
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -61,8 +63,10 @@ class HalfGemvTile:
 def _half_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
                       stride_xm, stride_wn, stride_os, stride_om,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr):
+                      BLOCK_K: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr,
+                      PDL: tl.constexpr = False):
     VECS: tl.constexpr = BLOCK_K // VEC
+    pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = tl.arange(0, BLOCK_M)
@@ -81,6 +85,7 @@ def _half_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
         # (a whole step or none: the masks are uniform across a vector and a thread)
         step_k = offs_k[:, None, None, :]
         w_next = tl.load(w_step + k_start, mask=k_start + step_k < k_full, other=0.0)
+        pdl.wait_previous(PDL)  # (weights are no step's output: their first read goes early)
         for k0 in range(k_start, k_full, BLOCK_K):
             w = w_next.to(tl.float32)
             w_next = tl.load(w_step + (k0 + BLOCK_K), mask=k0 + BLOCK_K + step_k < k_full,
@@ -88,6 +93,7 @@ def _half_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
             x = tl.load(x_step + k0).to(tl.float32)
             acc += tl.sum(w * x, axis=3)
     else:
+        pdl.wait_previous(PDL)
         for k0 in range(k_start, k_full, BLOCK_K):
             w = tl.load(w_step + k0).to(tl.float32)  # [VECS, 1, BLOCK_N, VEC]
             x = tl.load(x_step + k0).to(tl.float32)  # [VECS, BLOCK_M, 1, VEC]
@@ -108,8 +114,9 @@ def _half_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
 
 @triton.jit
 def sum_splits_kernel(part_ptr, b_ptr, out_ptr, M, N, SPLIT, stride_om,
-                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """out[m, n] = sum over s in order of part[s, m, n] (+ b[n]), rounded once."""
+    pdl.grid_dependency(PDL)
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     offs = pid_n * BLOCK + tl.arange(0, BLOCK)
     ok = offs < N
@@ -153,7 +160,8 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     block_m = triton.next_power_of_2(m)
     launch = dict(BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, VEC=VEC,
                   PREFETCH=tile.prefetch, num_warps=tile.num_warps,
-                  num_stages=1)  # (Triton pipelines no load of a loop without tl.dot)
+                  num_stages=1,  # (Triton pipelines no load of a loop without tl.dot)
+                  **pdl.kwargs(x.device, trial=True))
     grid = (triton.cdiv(n, tile.block_n), split)
     if split == 1:
         _half_gemv_kernel[grid](x, weight, bias if bias is not None else x, out, m, n, k, span,
@@ -165,7 +173,7 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             m * n, n, HAS_BIAS=False, **launch)
     sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](
         part, bias if bias is not None else x, out, m, n, split, n, HAS_BIAS=bias is not None,
-        BLOCK=SUM_BLOCK, num_warps=4)
+        BLOCK=SUM_BLOCK, num_warps=4, **pdl.kwargs(x.device, trial=True))
     return out
 
 
