@@ -120,8 +120,8 @@ part() {
     quantw3) run quantw3 ${QUANTW3_LIMIT:-330} $py/quant_throughput_gpu.py ${QUANTW3_CASES:+--cases $QUANTW3_CASES} --timeout 150 $S --out "$DIR/quantw3.json" ;;
     gptoss) run gptoss ${GPTOSS_LIMIT:-240} $py/gpt_oss_gpu.py ${GPTOSS_PARTS:-all} $S --out "$DIR/gptoss.json" ;;
     # the GPU tests of code not yet run on a GPU (2026-12-06 late: the one-launch MoE and
-    # DeepSeek routing, the MXFP4 decode experts' word tiles); the dense decode GEMV (opt-in,
-    # SHOAL_DENSE_GEMV=1) is not in the default list: its file times F.linear against each
+    # DeepSeek routing, the MXFP4 decode experts' word tiles); the dense decode GEMV
+    # (half_gemv.py) is not in the default list: its file times F.linear against each
     # tile, ~5 min: GPUTESTS_FILES=tests/layers/test_half_gemv.py GPUTESTS_LIMIT=500. Nine
     # files at 120 s each may pass one call's 600 s: split them with GPUTESTS_FILES. One
     # pytest process per file, since a CUDA
@@ -152,18 +152,18 @@ part() {
             --stage-timeout 140 $S ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-35B-A3B}"} \
             --out "$DIR/hybrid_split$sp.json"
         done ;;
-    # W2 batch 1 with SHOAL_PDL=1 (the default) and all (the FP8 GEMV's early weights and
-    # the trial kernels, shoal/pdl.py), on the same machine, ~60 s a run for FP8; PDL_MODES
-    # picks the modes (and SHOAL_DENSE_GEMV=1 in the environment the dense bf16 GEMVs)
-    quant-pdl) for mode in ${PDL_MODES:-1 all}; do
+    # W2 batch 1 with SHOAL_PDL=0 and 1 (the default, shoal/pdl.py), on the same machine,
+    # ~60 s a run for FP8; PDL_MODES picks the modes (and SHOAL_DENSE_GEMV=0 in the
+    # environment keeps cuBLAS for the dense bf16 layers)
+    quant-pdl) for mode in ${PDL_MODES:-0 1}; do
           SHOAL_PDL=$mode run quant_pdl$mode 150 $py/quant_gpu.py decode --timeout 140 $S \
             --variants ${QUANT_VARIANTS:-fp8_channel} --out "$DIR/quant_pdl$mode.json"
         done ;;
-    # PDL on the hybrid and MoE decode kernels (SHOAL_PDL=all: shoal/pdl.py TRIAL) beside the
-    # default (1), on the same machine: batch 1 of each model, ~90 s a run (Qwen3.5-35B-A3B
+    # PDL on the hybrid and MoE decode kernels (SHOAL_PDL=1, the default) beside none (0),
+    # on the same machine: batch 1 of each model, ~90 s a run (Qwen3.5-35B-A3B
     # ready in 66 s on an H200); equal first_run_token_ids say the outputs agree; PDL_MODES
     # as in quant-pdl
-    hybrid-pdl) for mode in ${PDL_MODES:-1 all}; do
+    hybrid-pdl) for mode in ${PDL_MODES:-0 1}; do
           SHOAL_PDL=$mode run hybrid_pdl$mode 170 $py/hybrid_gpu.py batch1 \
             --stage-timeout 160 $S ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-35B-A3B}"} \
             --out "$DIR/hybrid_pdl$mode.json"

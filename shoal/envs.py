@@ -159,28 +159,21 @@ SHOAL_FUSED_GATE_ROUTING: EnvVar[bool] = EnvVar(
     "kernel apart instead of one launch (shoal/layers/moe/gate_routing.py)")
 
 SHOAL_DENSE_GEMV: EnvVar[bool] = EnvVar(
-    "SHOAL_DENSE_GEMV", False, _on,
-    "1: dense bf16/fp16 layers at decode sizes (1-8 rows, CUDA) may take a Triton GEMV, timed "
-    "against F.linear once per shape by the launch tuner (shoal/layers/ops/dense_linear.py); "
-    "off by default: on an H100 (2026-12-06, Llama-3.1-8B shape) it took W2 batch 1 from "
-    "165.2 to 173.4 tok/s (1.05x) but the engine's start-up from 8.2 to 31.1 s (its tiles' "
-    "compiles and timings, cold Triton cache)")
+    "SHOAL_DENSE_GEMV", True, _switch,
+    "0: dense bf16/fp16 layers at decode sizes (1-8 rows, CUDA) keep F.linear instead of "
+    "the Triton GEMVs the launch tuner times against it once per shape "
+    "(shoal/layers/ops/dense_linear.py; on an H100, 2026-12-07, with PDL: Llama-3.1-8B shape "
+    "W2 batch 1 171.7 -> 179.5 tok/s, Qwen3.5-35B-A3B batch 1 307.4 -> 316.3; start-up "
+    "+7 s with a cold Triton cache for the 8B, +6 s for the 35B)")
 
 
-def _pdl_mode(raw: str) -> str:
-    mode = raw.strip().lower()
-    if mode not in ("0", "1", "all"):
-        raise ValueError("it must be 0, 1 or all")
-    return mode
-
-
-SHOAL_PDL: EnvVar[str] = EnvVar(
-    "SHOAL_PDL", "1", _pdl_mode,
-    "0: the decode step's own Triton kernels (norms, the FP8 GEMVs, rope and cache write, "
-    "paged decode attention and its split reduce, SiLU-mul) launch plainly instead of with "
-    "programmatic dependent launch on sm_90+ (shoal/pdl.py; on an H200, 2026-12-07, "
-    "Llama-3.1-8B shape W2 batch 1: FP8 334.3 -> 353.0 tok/s, bf16 221.1 -> 223.4); all: "
-    "also the hybrid and MoE decode kernels not yet measured with it (pdl.TRIAL)")
+SHOAL_PDL: EnvVar[bool] = EnvVar(
+    "SHOAL_PDL", True, _switch,
+    "0: the decode step's own Triton kernels (norms, the FP8 and dense bf16 GEMVs, rope and "
+    "cache write, paged decode attention, SiLU-mul, the hybrid and MoE decode kernels) launch "
+    "plainly instead of with programmatic dependent launch on sm_90+ (shoal/pdl.py; "
+    "2026-12-07, W2 batch 1: FP8 334.3 -> 353.0 tok/s on an H200; Qwen3.5-35B-A3B batch 1 "
+    "295.8 -> 316.3 on an H100 with the dense GEMVs)")
 
 SHOAL_LORA_SEGMENTED_MIN_TOKENS: EnvVar[int | None] = EnvVar(
     "SHOAL_LORA_SEGMENTED_MIN_TOKENS", None, _optional_count,

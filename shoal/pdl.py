@@ -11,27 +11,35 @@ kernel finish, so its launch and its set-up overlap that tail.
 Each kernel that takes part calls `grid_dependency(PDL)` before its first load: it lets the
 next kernel launch (griddepcontrol.launch_dependents) and then waits for the one before
 (griddepcontrol.wait: that kernel finished and its writes are visible). A kernel launched
-with PDL must wait before it reads anything an earlier kernel wrote: before the wait it
-reads nothing (but the FP8 GEMV's early weights on trial, below). Waiting covers every kernel before it, not only the last: that one
-finished only after its own wait returned. A kernel launched without it (torch ops, cuBLAS)
-waits for the one before to finish, as ever.
+with PDL must wait before it reads anything an earlier kernel wrote: before the wait it reads
+nothing but weights (the early weights below). Waiting covers every kernel before it, not
+only the last: that one finished only after its own wait returned. A kernel launched without
+it (torch ops, cuBLAS) waits for the one before to finish, as ever.
 
-Taking part: RMSNorm (rms_norm.py), SiLU-mul, the FP8 GEMV (decode_gemv.py), rope and cache
-write, paged decode and its split reduce. On an H200 (2026-12-07, Llama-3.1-8B shape, W2 batch
-1, twice each): FP8 weights 334.3 -> 353.0 tok/s, bf16 (cuBLAS GEMMs between them) 221.1 ->
-223.4. Not the INT4 GEMVs: their kernels are bound by instructions, not bytes (decode_gemv.py),
-and with PDL INT4 fell 326.2 -> 295.9 (with only the kernels around them taking part: 318.9,
-within the launch tuner's run-to-run choices).
+Taking part: RMSNorm (rms_norm.py), SiLU-mul, the FP8 GEMV (decode_gemv.py), the dense bf16
+GEMVs (half_gemv.py) and their split sum, rope and cache write, paged decode and its split
+reduce, and the hybrid and MoE decode kernels (sigmoid gate, conv step, delta rule, fused
+linear decode, gate routing, half-decode experts). Early weights: the FP8 GEMV at one row
+with per-channel scales (decode_gemv.py EARLY) and the prefetching bf16 GEMV tile load their
+first K step's weights before they wait, so the read starts in the tail of the kernel before.
+Safe because no kernel of a step writes weights: a weight update (RL, LoRA loads) runs
+between steps, and kernels that wait lie between it and the GEMV.
 
-On trial (SHOAL_PDL=all; `kwargs(device, trial=True)`): the decode kernels of the hybrid
-and MoE models and the opt-in dense GEMVs (TRIAL), which take part the same way but have not been measured with it: a
-kernel bound by instructions can lose (the INT4 GEMVs), so they join the default once a GPU
-run says they gain.
+Measured (back to back on one GPU each time, W2 batch 1 unless named):
+- H200, 2026-12-07, Llama-3.1-8B shape, the first set (norms, FP8 GEMV, rope, attention,
+  SiLU-mul): FP8 weights 334.3 -> 353.0 tok/s, bf16 (cuBLAS GEMMs between them) 221.1 ->
+  223.4.
+- H100, 2026-12-07, the rest on top of that set: FP8 early weights 291.2 -> 299.2 tok/s; bf16
+  with the dense GEMVs 175.2 -> 179.5 (cuBLAS without PDL: 171.7); Qwen3.5-35B-A3B batch 1
+  295.8 -> 307.4 with the hybrid/MoE kernels, 316.3 with the dense GEMVs too.
+Not the INT4 GEMVs: their kernels are bound by instructions, not bytes (decode_gemv.py), and
+with PDL INT4 fell 326.2 -> 295.9 (H200; with only the kernels around them taking part:
+318.9, within the launch tuner's run-to-run choices).
 
-`launch(device)`: whether a launch on `device` takes part (SHOAL_PDL "1", the default, or
-"all"; CUDA, sm_90+, a Triton with griddepcontrol); `kwargs(device)` the launch's extra
-arguments then (the kernel's PDL constexpr and `launch_pdl`), none otherwise: off, a launch is
-the one it was without PDL (same compiled kernel). The interpreter (no inline PTX) and the CPU
+`launch(device)`: whether a launch on `device` takes part (SHOAL_PDL=1, the default; CUDA,
+sm_90+, a Triton with griddepcontrol); `kwargs(device)` the launch's extra arguments then (the
+kernel's PDL constexpr and `launch_pdl`), none otherwise: off (SHOAL_PDL=0), a launch is the
+one it was without PDL (same compiled kernel). The interpreter (no inline PTX) and the CPU
 never see it.
 """
 
@@ -90,27 +98,16 @@ def _capable(index: int) -> bool:
         torch.cuda.get_device_capability(index)[0] >= 9
 
 
-# The kernels that take part only with SHOAL_PDL=all (their launches pass trial=True), and
-# the FP8 GEMV's early weights: at one row with per-channel scales its first K step's weights
-# load before it waits, so the read starts in the tail of the kernel before (decode_gemv.py
-# EARLY). Safe because no kernel of a step writes weights: a weight update (RL, LoRA loads)
-# runs between steps, and kernels that wait lie between it and the GEMV
-TRIAL = ("sigmoid_gate", "conv_step", "delta_rule", "linear_decode_fused", "gate_routing",
-         "half_decode_experts", "fp8_gemv early weights", "half_gemv (SHOAL_DENSE_GEMV=1)")
-
-
-def launch(device: torch.device, trial: bool = False) -> bool:
+def launch(device: torch.device) -> bool:
     """Whether kernels launched on `device` use PDL (see the module's doc; never under
-    TRITON_INTERPRET, which runs CUDA tensors' kernels too and has no griddepcontrol).
-    trial: a kernel of TRIAL."""
+    TRITON_INTERPRET, which runs CUDA tensors' kernels too and has no griddepcontrol)."""
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         return False
-    mode = envs.SHOAL_PDL.get()
-    if mode == "0" or (trial and mode != "all"):
+    if not envs.SHOAL_PDL.get():
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def kwargs(device: torch.device, trial: bool = False) -> dict[str, bool]:
+def kwargs(device: torch.device) -> dict[str, bool]:
     """The extra launch arguments of a kernel taking part (see the module's doc)."""
-    return {"PDL": True, "launch_pdl": True} if launch(device, trial) else {}
+    return {"PDL": True, "launch_pdl": True} if launch(device) else {}

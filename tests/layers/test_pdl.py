@@ -28,31 +28,23 @@ def test_no_pdl_under_the_interpreter(monkeypatch) -> None:
     assert not pdl.launch(torch.device("cuda", 0)) and pdl.kwargs(torch.device("cuda")) == {}
 
 
-@pytest.mark.parametrize("mode, plain, trial", [("0", False, False), ("1", True, False),
-                                                 ("all", True, True), ("ALL ", True, True)])
-def test_the_modes(monkeypatch, mode, plain, trial) -> None:
-    """SHOAL_PDL=0 off, 1 (the default) the measured kernels, all the TRIAL ones too (on a
-    GPU that can: stood in for here)."""
+@pytest.mark.parametrize("mode, on", [("0", False), (" 0 ", False), ("1", True),
+                                      ("all", True)])  # (all: session 19's trial mode)
+def test_the_switch(monkeypatch, mode, on) -> None:
+    """SHOAL_PDL=0 off, anything else (unset: the default) on, on a GPU that can (stood in
+    for here)."""
     monkeypatch.setattr(pdl, "_capable", lambda index: True)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("SHOAL_PDL", mode)
     gpu = torch.device("cuda", 0)
-    assert pdl.launch(gpu) == plain and pdl.launch(gpu, trial=True) == trial
-    assert pdl.kwargs(gpu, trial=True) == ({"PDL": True, "launch_pdl": True} if trial else {})
+    assert pdl.launch(gpu) == on
+    assert pdl.kwargs(gpu) == ({"PDL": True, "launch_pdl": True} if on else {})
     monkeypatch.delenv("SHOAL_PDL")
-    assert pdl.launch(gpu) and not pdl.launch(gpu, trial=True)
-
-
-def test_a_bad_mode_is_refused_by_name(monkeypatch) -> None:
-    monkeypatch.setattr(pdl, "_capable", lambda index: True)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    monkeypatch.setenv("SHOAL_PDL", "yes")
-    with pytest.raises(ValueError, match="SHOAL_PDL='yes' is invalid: it must be 0, 1 or all"):
-        pdl.launch(torch.device("cuda", 0))
+    assert pdl.launch(gpu)
 
 
 def test_kernels_run_with_the_switch_on(monkeypatch) -> None:
-    monkeypatch.setenv("SHOAL_PDL", "all")
+    monkeypatch.setenv("SHOAL_PDL", "1")
     x, w = torch.randn(3, 64), torch.rand(64)
     want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
     torch.testing.assert_close(rms_norm(x, w, 1e-6), want)

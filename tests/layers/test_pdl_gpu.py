@@ -1,7 +1,7 @@
 """Programmatic dependent launch (shoal/pdl.py; skipped without an sm_90 GPU): a
 decode layer's chain of Triton kernels (norm, FP8 GEMVs with and without a K split, SiLU-mul,
 rope and cache write, paged decode with its split reduce, the INT4 GEMVs that launch plainly
-between them, and on trial the bf16 GEMVs of half_gemv.py) captured in a CUDA graph with PDL
+between them, and the bf16 GEMVs of half_gemv.py) captured in a CUDA graph with PDL
 gives bit for bit what the same kernels give launched plainly (SHOAL_PDL=0), replay after
 replay, with each replay's inputs changed in place; and the switch reaches the launches."""
 
@@ -92,8 +92,7 @@ def test_the_switch_reaches_the_launches(monkeypatch) -> None:
     assert pdl.kwargs(torch.device("cpu")) == {}
 
 
-@pytest.mark.parametrize("mode", ["1", "all"])  # all: early weights, the bf16 GEMVs too
-def test_a_layer_graph_with_pdl_equals_plain_launches(monkeypatch, mode) -> None:
+def test_a_layer_graph_with_pdl_equals_plain_launches(monkeypatch) -> None:
     dev = torch.device("cuda")
     w = _weights(dev)
     monkeypatch.setenv("SHOAL_PDL", "0")
@@ -102,7 +101,7 @@ def test_a_layer_graph_with_pdl_equals_plain_launches(monkeypatch, mode) -> None
         inp = _inputs(dev, step)
         want.append((_layer(w, *inp).clone(), inp[2].clone()))
         assert torch.isfinite(want[-1][0]).all()  # (torch.equal fails on a nan)
-    monkeypatch.setenv("SHOAL_PDL", mode)
+    monkeypatch.setenv("SHOAL_PDL", "1")
     eager = _inputs(dev, 0)
     assert torch.equal(_layer(w, *eager), want[0][0])  # PDL launches, eager
     static = _inputs(dev, 0)

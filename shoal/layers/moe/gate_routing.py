@@ -184,5 +184,5 @@ def gate_routing(x: torch.Tensor, weight: torch.Tensor, top_k: int, order: Routi
         ROWS=triton.next_power_of_2(t), BLOCK_E=plan.experts_per_program,
         BLOCK_H=plan.block_hidden, ROUTE_E=triton.next_power_of_2(e),
         BLOCK_K=triton.next_power_of_2(top_k), INTERPRETED=interpreted(),
-        num_warps=plan.num_warps, enable_reflect_ftz=False, **pdl.kwargs(x.device, trial=True))
+        num_warps=plan.num_warps, enable_reflect_ftz=False, **pdl.kwargs(x.device))
     return weights, ids

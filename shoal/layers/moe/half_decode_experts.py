@@ -340,7 +340,7 @@ def run_half_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         float(activation.alpha), float(activation.limit),
         TOPK=k, SHARED=chunks, GATED=gated, HAS_BIAS=w13_bias is not None,
         CLAMPED=clamped, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, VEC=VEC,
-        num_warps=tiles.num_warps, **pdl.kwargs(x.device, trial=True),
+        num_warps=tiles.num_warps, **pdl.kwargs(x.device),
         num_stages=1)  # (Triton pipelines no load of a loop without tl.dot)
     span, split = k_per_split(inter, tiles.block_k, tiles.split)
     out = torch.empty(t, h, dtype=x.dtype, device=x.device)
@@ -352,7 +352,7 @@ def run_half_decode(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         w2_bias.stride(0) if w2_bias is not None else 0, ws2.stride(-2),
         TOPK=k, SHARED=chunks, GATED=gated, HAS_BIAS=w2_bias is not None,
         BLOCK_N=tiles.down_block_n, BLOCK_K=tiles.block_k, VEC=VEC, num_warps=tiles.num_warps,
-        num_stages=1, **pdl.kwargs(x.device, trial=True))
+        num_stages=1, **pdl.kwargs(x.device))
     if split > 1:
         sum_splits_kernel[(t, triton.cdiv(h, SUM_BLOCK))](part, x, out, t, h, split, h,
                                                      HAS_BIAS=False, BLOCK=SUM_BLOCK,

@@ -1,16 +1,18 @@
 """y = x W^T (+ b) for the dense (unquantized) linear layers of shoal/layers/linear.py: the one
 place their matmul is chosen.
 
-- With SHOAL_DENSE_GEMV=1 (opt-in; its tiles compile at start-up. On an H100, 2026-12-06,
-  tests/layers/test_half_gemv.py: at 1 row the best tile took 0.79-0.97 of F.linear's time
-  on GPT-OSS-20B's and Llama-3.1-8B's qkv, o and gate_up, at 8 rows 1.1-1.6x it; end to
-  end, W2 on the 8B shape 1.05x, start-up 8.2 -> 31.1 s with a cold Triton cache), a
-  few rows (1..half_gemv.MAX_ROWS: a decode step) of bf16/fp16 CUDA tensors, with Triton
-  and the layer's use_triton_ops: launch_tuner.run_fastest between F.linear and the Triton
-  GEMVs of half_gemv.py. F.linear is the first candidate: what a shape not timed yet takes
-  (during a CUDA-graph capture, with SHOAL_QUANT_TUNING=0) and the reference every GEMV
-  must agree with before it may win on time. One tuning key per weight shape, bias or not,
-  row bucket (a power of two) and dtype.
+- On by default (SHOAL_DENSE_GEMV=0 turns it off; its tiles compile and are timed at
+  start-up), a few rows (1..half_gemv.MAX_ROWS: a decode step) of bf16/fp16 CUDA tensors,
+  with Triton and the layer's use_triton_ops: launch_tuner.run_fastest between F.linear and
+  the Triton GEMVs of half_gemv.py. F.linear is the first candidate: what a shape not timed
+  yet takes (during a CUDA-graph capture, with SHOAL_QUANT_TUNING=0) and the reference every
+  GEMV must agree with before it may win on time. One tuning key per weight shape, bias or
+  not, row bucket (a power of two) and dtype. Measured on an H100: at 1 row the best tile
+  took 0.79-0.97 of F.linear's time on GPT-OSS-20B's and Llama-3.1-8B's qkv, o and gate_up,
+  at 8 rows 1.1-1.6x it (2026-12-06, tests/layers/test_half_gemv.py); end to end with PDL,
+  whose chain the GEMVs keep where cuBLAS's kernels break it (2026-12-07): W2 batch 1 on
+  the 8B shape 171.7 -> 179.5 tok/s, Qwen3.5-35B-A3B batch 1 307.4 -> 316.3; the start-up
+  grew by ~7 s with a cold Triton cache.
 - Anything else: small_linear.linear (the C++ kernel for a few CPU rows, else F.linear), as
   before."""
 

@@ -161,7 +161,7 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     launch = dict(BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, VEC=VEC,
                   PREFETCH=tile.prefetch, num_warps=tile.num_warps,
                   num_stages=1,  # (Triton pipelines no load of a loop without tl.dot)
-                  **pdl.kwargs(x.device, trial=True))
+                  **pdl.kwargs(x.device))
     grid = (triton.cdiv(n, tile.block_n), split)
     if split == 1:
         _half_gemv_kernel[grid](x, weight, bias if bias is not None else x, out, m, n, k, span,
@@ -173,7 +173,7 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                             m * n, n, HAS_BIAS=False, **launch)
     sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](
         part, bias if bias is not None else x, out, m, n, split, n, HAS_BIAS=bias is not None,
-        BLOCK=SUM_BLOCK, num_warps=4, **pdl.kwargs(x.device, trial=True))
+        BLOCK=SUM_BLOCK, num_warps=4, **pdl.kwargs(x.device))
     return out
 
 

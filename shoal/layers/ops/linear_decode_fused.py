@@ -301,5 +301,5 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
         gates.eps, o_part, counts, HK=key_heads, R=r,
         DK=key_dim, DV=value_dim, KDA=gates.kda, ALIGNED=aligned, DTYPE=dtype,
         INTERPRETED=interpreted, SPLIT=split, num_warps=num_warps,
-        **pdl.kwargs(x.device, trial=True))
+        **pdl.kwargs(x.device))
     return out

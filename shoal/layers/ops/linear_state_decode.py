@@ -85,7 +85,7 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x.stride(0), y.stride(0), pages.per_plane, pages.plane_stride, pages.block_stride,
         K=k, BC=block, HAS_BIAS=bias is not None, DTYPE=TL_DTYPES[x.dtype],
         INTERPRETED=x.device.type == "cpu",  # (TRITON_INTERPRET=1: round as the GPU does)
-        **pdl.kwargs(x.device, trial=True))
+        **pdl.kwargs(x.device))
     return y
 
 
@@ -142,7 +142,7 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
         k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0),
         o.stride(0), o.stride(1), state_offset, pages.per_plane, pages.plane_stride,
         pages.block_stride, scale, R=h // q.shape[1], DK=dk, DV=dv, BV=block_v,
-        G_PER_CHANNEL=g.dim() == 3, **pdl.kwargs(v.device, trial=True))
+        G_PER_CHANNEL=g.dim() == 3, **pdl.kwargs(v.device))
     return o
 
 

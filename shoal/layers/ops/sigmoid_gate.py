@@ -47,5 +47,5 @@ def sigmoid_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     block_h = min(triton.next_power_of_2(h), max(1, 2048 // d))  # ~2K values a program
     _sigmoid_gate_kernel[(t, triton.cdiv(h, block_h))](
         o, gate, out, o.stride(0), o.stride(1), gate.stride(0), gate.stride(1), h,
-        HEAD_DIM=d, BLOCK_H=block_h, num_warps=4, **pdl.kwargs(o.device, trial=True))
+        HEAD_DIM=d, BLOCK_H=block_h, num_warps=4, **pdl.kwargs(o.device))
     return out

@@ -266,8 +266,8 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tiles: Gem
     """x [M, K] (M <= MAX_ROWS), w float8 [N, K]; w_scale float32 [N] (group 0: one scale per
     output row) or [ceil(N / scale_rows), ceil(K / group)] (block scales; tiles.block_k
     divides group, or is a multiple of it: a K step of several groups) -> [M, N] in x's
-    dtype. early: the kernel's EARLY (one row, per-channel; None: with PDL on trial, see
-    shoal/pdl.py; a test sets it to run the peeled first step without PDL)."""
+    dtype. early: the kernel's EARLY (one row, per-channel; None: with PDL, see shoal/pdl.py;
+    a test sets it to run the peeled first step without PDL)."""
     m, k = x.shape
     n = w.shape[0]
     if w.shape[1] != k or x.stride(1) != 1 or w.stride(1) != 1:
@@ -281,7 +281,7 @@ def fp8_gemv(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, tiles: Gem
                       dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
     launch = pdl.kwargs(x.device)
     if early is None:
-        early = bool(launch) and pdl.launch(x.device, trial=True)
+        early = bool(launch)
     early = early and m == 1 and not group
     _fp8_gemv_kernel[(triton.cdiv(n, tiles.block_n), split)](
         x, w, w_scale, out, m, n, k, span, scale_rows, x.stride(0), w.stride(0),
