@@ -236,8 +236,10 @@ class ReplicatedLinear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  params_dtype: torch.dtype | None = None):
         super().__init__()
-        # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py)
-        self.triton_gemv = _building_with_triton_ops
+        # decode rows on CUDA may take a Triton GEMV (ops/dense_linear.py), on one rank only:
+        # every rank must get the same bits here (a sparse indexer's top-k reads them), and
+        # each rank's launch tuner may pick another tile of near-equal time
+        self.triton_gemv = _building_with_triton_ops and get_tp_world_size() == 1
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=params_dtype),
                                    requires_grad=False)
         self.weight.weight_loader = default_weight_loader

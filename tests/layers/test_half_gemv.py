@@ -344,3 +344,14 @@ def test_layers_built_inside_take_the_switch_given():
                linear_mod.ColumnParallelLinear(4, 4)]
     assert not any(m.triton_gemv for m in off)
     assert linear_mod.ReplicatedLinear(4, 4).triton_gemv
+
+
+def test_replicated_layers_keep_f_linear_over_several_ranks(monkeypatch):
+    """A replicated layer's output must be the same bits on every tensor-parallel rank (a
+    sparse indexer takes a top-k of it) and each rank's tuner may pick another tile: over
+    two ranks it keeps F.linear; sharded layers, whose ranks compute different slices, may
+    still take the GEMVs."""
+    monkeypatch.setattr(linear_mod, "get_tp_world_size", lambda: 2)
+    assert not linear_mod.ReplicatedLinear(4, 4).triton_gemv
+    assert linear_mod.ColumnParallelLinear(4, 4).triton_gemv
+    assert linear_mod.RowParallelLinear(4, 4).triton_gemv
