@@ -92,7 +92,10 @@ class SharedInputLinear:
         joined = self.joined_weight()
         if joined is None:
             return self.first(x), self.second(x)
-        y = dense_linear.linear(x, joined, None, getattr(self.first, "triton_gemv", False))
+        # a Triton GEMV only where both layers may take one (a replicated one over several
+        # ranks may not: layers/linear.py ReplicatedLinear)
+        gemv = all(getattr(m, "triton_gemv", False) for m in (self.first, self.second))
+        y = dense_linear.linear(x, joined, None, gemv)
         return y[..., :self.sizes[0]], y[..., self.sizes[0]:]
 
 

@@ -63,7 +63,7 @@ def _layer(w: dict[str, torch.Tensor], x: torch.Tensor, res: torch.Tensor, cache
     down = int4_gemv(a, w["codes"], w["scales"], None, 128,
                      GemvTiles(256, 64, 4, num_warps=1, num_stages=1, kernel="wide"))
     strip = int4_gemv(a, w["codes"], w["scales"], None, 128, GemvTiles(64, 64, 1))
-    # the bf16 GEMVs (trial): early weights (prefetch), and a K split with its summing kernel
+    # the bf16 GEMVs: early weights (prefetch), and a K split with its summing kernel
     early = half_gemv(h2, w["half"], None, HalfGemvTile(4, 1024, 1, prefetch=True))
     split = half_gemv(early[:, :H], w["half"], None, HalfGemvTile(8, 512, 4))
     return torch.cat([down, strip, att.reshape(1, -1), early, split], 1)

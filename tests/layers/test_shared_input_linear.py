@@ -139,3 +139,25 @@ def test_settle_leaves_joined_and_moved_weights_alone() -> None:
     assert settle_all(holder) == 1
     for layer in (holder.q_proj, holder.kv_a):
         assert layer.weight.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+def test_a_replicated_layer_over_several_ranks_keeps_the_joined_gemm_off_the_gemvs(
+        monkeypatch) -> None:
+    """The joined GEMM takes a Triton GEMV only where both layers may: a replicated layer over
+    two tensor-parallel ranks may not (layers/linear.py), so the pair keeps F.linear."""
+    from shoal.layers import linear as linear_mod
+    from shoal.layers import shared_input_linear as sil
+
+    seen = []
+    real = sil.dense_linear.linear
+
+    def spy(x, w, b=None, use_triton_ops=True):
+        seen.append(use_triton_ops)
+        return real(x, w, b, use_triton_ops)
+    monkeypatch.setattr(sil.dense_linear, "linear", spy)
+    _, one_rank = _pair()
+    one_rank(torch.randn(2, 16))
+    monkeypatch.setattr(linear_mod, "get_tp_world_size", lambda: 2)
+    _, two_ranks = _pair()
+    two_ranks(torch.randn(2, 16))
+    assert seen == [True, False]
