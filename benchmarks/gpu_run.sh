@@ -142,18 +142,12 @@ part() {
         --concurrency 1024 --offline-runs 1 --stream-runs 1 $S --out "$DIR/w8pool.json" ;;
     w8one) run w8one 260 $py/w8_serving.py --model "$W8_MODEL" --api-server-count 1 \
         --concurrency 1024 --offline-runs 1 --stream-runs 1 $S --out "$DIR/w8one.json" ;;
-    hybrid-batch1) run hybrid_batch1 230 $py/hybrid_gpu.py batch1 --stage-timeout 115 $S \
+    # (each model in a child process of its own, --stage-timeout each; issue 30's three H200
+    # hybrids: HYBRID_MODELS=Qwen/Qwen3.5-35B-A3B,Qwen/Qwen3-Next-80B-A3B-Instruct-24layers,
+    # moonshotai/Kimi-Linear-48B-A3B-Instruct HB_LIMIT=360, ~300 s)
+    hybrid-batch1) run hybrid_batch1 ${HB_LIMIT:-230} $py/hybrid_gpu.py batch1 --stage-timeout 115 $S \
         ${S:---models "${HYBRID_MODELS:-Qwen/Qwen3.5-27B,moonshotai/Kimi-Linear-48B-A3B-Instruct}"} \
         --out "$DIR/hybrid_batch1.json" ;;
-    # issue 30 on an H200: batch 1 of the three hybrids, one process each (the MoE shapes
-    # that fit only its memory among them), ~300 s: logs hybrid_batch1-<model>.log
-    hybrid-h200) local models=${HYBRID_MODELS:-"Qwen/Qwen3.5-35B-A3B \
-          Qwen/Qwen3-Next-80B-A3B-Instruct-24layers moonshotai/Kimi-Linear-48B-A3B-Instruct"}
-        [ -z "$S" ] || models=smoke  # (--smoke: hybrid_gpu.py's own tiny configs, once)
-        for m in $models; do
-          run "hybrid_batch1-$(basename "$m")" 230 $py/hybrid_gpu.py batch1 --stage-timeout 115 \
-            $S ${S:---models "$m"} --out "$DIR/hybrid_batch1-$(basename "$m").json"
-        done ;;
     # the fused linear decode's column split (SHOAL_LINEAR_DECODE_SPLIT) off, then chosen from
     # the batch and the SMs, on the same machine: batch 1 of each model, ~45 s a run
     hybrid-split) for sp in 1 0; do
