@@ -101,9 +101,8 @@ def _capable(index: int) -> bool:
 def launch(device: torch.device) -> bool:
     """Whether kernels launched on `device` use PDL (see the module's doc; never under
     TRITON_INTERPRET, which runs CUDA tensors' kernels too and has no griddepcontrol)."""
-    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if not envs.SHOAL_PDL.get():
+    if (device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+            or not envs.SHOAL_PDL.get()):
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 
