@@ -21,7 +21,9 @@ GEMVs (half_gemv.py) and their split sum, rope and cache write, paged decode and
 reduce, and the hybrid and MoE decode kernels (sigmoid gate, conv step, delta rule, fused
 linear decode, gate routing, half-decode experts). Early weights: the FP8 GEMV at one row
 with per-channel scales (decode_gemv.py EARLY) and the prefetching bf16 GEMV tile load their
-first K step's weights before they wait, so the read starts in the tail of the kernel before.
+first K step's weights before they wait, and the MoE gate routing (gate_routing.py) its first
+hidden chunk of the gate (at H <= 2048 a warp, all of it), so the read starts in the tail of
+the kernel before.
 Safe because no kernel of a step writes weights: a weight update (RL, LoRA loads) runs
 between steps, and kernels that wait lie between it and the GEMV.
 

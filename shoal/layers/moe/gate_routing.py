@@ -43,6 +43,27 @@ __all__ = ["MAX_TOKENS", "GateRoutingPlan", "fits_fused", "gate_routing", "plan_
 
 
 @triton.jit
+def _weight_chunk(w_ptr, experts, e_ok, stride_we, h0, hidden, BLOCK_H: tl.constexpr):
+    """float32 [BLOCK_E, BLOCK_H]: the experts' weight columns h0 .. h0 + BLOCK_H."""
+    offs = h0 + tl.arange(0, BLOCK_H)
+    return tl.load(w_ptr + experts[:, None].to(tl.int64) * stride_we + offs[None, :],
+                   mask=e_ok[:, None] & (offs < hidden)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _add_chunk(acc, w, x_ptr, stride_xt, rows, h0, hidden, N_TOKENS: tl.constexpr,
+               BLOCK_H: tl.constexpr):
+    """acc [ROWS, BLOCK_E] + every token's partial sums over the chunk's columns (the weight
+    tile serves every token)."""
+    offs = h0 + tl.arange(0, BLOCK_H)
+    for t in tl.static_range(N_TOKENS):
+        x = tl.load(x_ptr + t * stride_xt + offs, mask=offs < hidden, other=0.0).to(tl.float32)
+        part = tl.sum(w * x[None, :], axis=1)
+        acc = tl.where(rows[:, None] == t, acc + part[None, :], acc)
+    return acc
+
+
+@triton.jit
 def _gate_routing_kernel(
     x_ptr, w_ptr, b_ptr, logits_ptr, weights_ptr, ids_ptr, count_ptr, stride_xt, stride_we,
     hidden, N_TOKENS: tl.constexpr, N_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -50,20 +71,19 @@ def _gate_routing_kernel(
     ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ROUTE_E: tl.constexpr,
     BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    pdl.grid_dependency(PDL)
+    pdl.launch_next(PDL)
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < N_EXPERTS
     rows = tl.arange(0, ROWS)
     acc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
-    for h0 in range(0, hidden, BLOCK_H):
-        offs = h0 + tl.arange(0, BLOCK_H)
-        h_ok = offs < hidden
-        w = tl.load(w_ptr + experts[:, None].to(tl.int64) * stride_we + offs[None, :],
-                    mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
-        for t in tl.static_range(N_TOKENS):  # the weight tile serves every token
-            x = tl.load(x_ptr + t * stride_xt + offs, mask=h_ok, other=0.0).to(tl.float32)
-            part = tl.sum(w * x[None, :], axis=1)
-            acc = tl.where(rows[:, None] == t, acc + part[None, :], acc)
+    # the first H chunk's weights load before the wait (weights are no step's output,
+    # shoal/pdl.py): at H <= BLOCK_H, the whole tile, read in the tail of the kernel before
+    w = _weight_chunk(w_ptr, experts, e_ok, stride_we, 0, hidden, BLOCK_H)
+    pdl.wait_previous(PDL)
+    acc = _add_chunk(acc, w, x_ptr, stride_xt, rows, 0, hidden, N_TOKENS, BLOCK_H)
+    for h0 in range(BLOCK_H, hidden, BLOCK_H):
+        w = _weight_chunk(w_ptr, experts, e_ok, stride_we, h0, hidden, BLOCK_H)
+        acc = _add_chunk(acc, w, x_ptr, stride_xt, rows, h0, hidden, N_TOKENS, BLOCK_H)
     if HAS_BIAS:
         acc += tl.load(b_ptr + experts, mask=e_ok, other=0.0).to(tl.float32)[None, :]
     # F.linear's output dtype, held as float32
