@@ -78,12 +78,13 @@ def _gate_routing_kernel(
     acc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
     # the first H chunk's weights load before the wait (weights are no step's output,
     # shoal/pdl.py): at H <= BLOCK_H, the whole tile, read in the tail of the kernel before
-    w = _weight_chunk(w_ptr, experts, e_ok, stride_we, 0, hidden, BLOCK_H)
+    # (not named w: the routing below binds w to other shapes, which Triton refuses)
+    tile = _weight_chunk(w_ptr, experts, e_ok, stride_we, 0, hidden, BLOCK_H)
     pdl.wait_previous(PDL)
-    acc = _add_chunk(acc, w, x_ptr, stride_xt, rows, 0, hidden, N_TOKENS, BLOCK_H)
+    acc = _add_chunk(acc, tile, x_ptr, stride_xt, rows, 0, hidden, N_TOKENS, BLOCK_H)
     for h0 in range(BLOCK_H, hidden, BLOCK_H):
-        w = _weight_chunk(w_ptr, experts, e_ok, stride_we, h0, hidden, BLOCK_H)
-        acc = _add_chunk(acc, w, x_ptr, stride_xt, rows, h0, hidden, N_TOKENS, BLOCK_H)
+        tile = _weight_chunk(w_ptr, experts, e_ok, stride_we, h0, hidden, BLOCK_H)
+        acc = _add_chunk(acc, tile, x_ptr, stride_xt, rows, h0, hidden, N_TOKENS, BLOCK_H)
     if HAS_BIAS:
         acc += tl.load(b_ptr + experts, mask=e_ok, other=0.0).to(tl.float32)[None, :]
     # F.linear's output dtype, held as float32
