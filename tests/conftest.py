@@ -18,6 +18,12 @@ from oracle import write_tiny_checkpoint
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# tests/sm90_compile.py: a run that records its kernels' launches, to compile them for sm_90
+if os.environ.get("SHOAL_RECORD_TRITON_LAUNCHES"):
+    from sm90_compile import start_recording
+
+    start_recording(os.environ["SHOAL_RECORD_TRITON_LAUNCHES"])
+
 # dtype="auto" on the CPU follows the host's flags (bfloat16 with native bf16 matmul); CI
 # runs on AVX2 and on AMX hosts, so the suite pins it (servers it starts inherit this).
 os.environ.setdefault("SHOAL_CPU_AUTO_DTYPE", "float32")

@@ -1,0 +1,103 @@
+"""The decode step's Triton kernels compile for sm_90 as a GPU launches them (PDL on, no
+interpreter rounding), checked on the CPU: tests/sm90_compile.py records the launches of the
+kernels' own interpreter tests and compiles them with Triton's compiler and ptxas.
+
+The interpreter runs a kernel that Triton's compiler refuses (session 21: the MoE gate
+routing rebound a name to another shape in a branch; every interpreter test passed and the
+first GPU launch failed), and never runs the PDL branches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from sm90_compile import compile_recorded
+
+pytest.importorskip("triton.backends.nvidia.compiler")
+
+TESTS = Path(__file__).resolve().parents[1]
+# the interpreter tests of the kernels a decode step launches with PDL (shoal/pdl.py), the
+# quantized GEMVs and the paged attention kernels
+KERNEL_TESTS = [
+    "layers/test_gate_routing.py", "layers/test_linear_decode_fused.py",
+    "layers/test_sigmoid_gate.py", "layers/test_half_gemv.py",
+    "layers/test_half_decode_experts.py", "layers/test_pdl.py",
+    "attention/test_rope_kv_write.py", "attention/test_triton_kernels.py",
+    "quantization/test_decode_gemv.py", "quantization/test_int4_wide_gemv.py",
+]
+# each must have been recorded and compiled (a kernel renamed or no longer launched by its
+# tests shows here, rather than silently leaving the check)
+KERNELS = {
+    "_gate_routing_kernel", "_topk_routing_kernel", "_decode_kernel", "_conv_step_kernel",
+    "_sigmoid_gate_kernel", "_half_gemv_kernel", "sum_splits_kernel", "_gate_up_kernel",
+    "_down_kernel", "_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_write_kernel",
+    "_paged_decode_kernel", "_split_reduce_kernel", "_fp8_gemv_kernel", "_int4_wide_kernel",
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs these kernels for real")
+def test_decode_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    record = tmp_path / "launches.jsonl"
+    env = {**os.environ, "SHOAL_RECORD_TRITON_LAUNCHES": str(record), "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+         *[str(TESTS / t) for t in KERNEL_TESTS]],
+        env=env, cwd=TESTS.parent, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:]
+    names = {json.loads(line)["name"] for line in record.read_text().splitlines()}
+    assert KERNELS <= names, f"not launched by their tests: {sorted(KERNELS - names)}"
+    compiled, failures = compile_recorded(record, per_kernel=3)
+    assert compiled >= len(KERNELS)
+    assert not failures, "\n".join(failures)
+
+
+BROKEN = '''
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def rebinds_kernel(x_ptr, out_ptr, N: tl.constexpr, REBIND: tl.constexpr):
+    w = tl.load(x_ptr + tl.arange(0, N))
+    acc = tl.sum(w, 0)
+    if tl.load(x_ptr) > 0:  # (a branch taken at run time, as the gate routing's last program)
+        if REBIND:
+            w = tl.load(x_ptr + tl.arange(0, 2))  # (another shape: the compiler refuses)
+        else:
+            w2 = tl.load(x_ptr + tl.arange(0, 2))
+            acc += 0.0 * tl.sum(w2, 0)
+        acc += tl.sum(tl.load(x_ptr + tl.arange(0, 2)), 0)
+    tl.store(out_ptr, acc + 0.0 * tl.sum(w, 0))
+'''
+
+
+def test_the_check_fails_where_the_interpreter_passes(tmp_path: Path, monkeypatch) -> None:
+    """A kernel the interpreter runs correctly and Triton's compiler refuses (the bug this
+    check is for) is reported; a correct one is not."""
+    (tmp_path / "broken_kernels.py").write_text(textwrap.dedent(BROKEN))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path),
+                                                      os.environ.get("PYTHONPATH", "")]))
+    import broken_kernels
+
+    x, out = torch.arange(1, 9, dtype=torch.float32), torch.zeros(1)
+    broken_kernels.rebinds_kernel[(1,)](x, out, N=8, REBIND=True)
+    assert out.item() == 36.0 + 3.0  # (the interpreter: fine)
+
+    def line(rebind: bool) -> str:
+        return json.dumps({"module": "broken_kernels", "name": "rebinds_kernel",
+                           "args": {"x_ptr": {"ptr": "fp32"}, "out_ptr": {"ptr": "fp32"},
+                                    "N": {"value": 8}, "REBIND": {"value": rebind}},
+                           "options": {"num_warps": 1}})
+
+    record = tmp_path / "launches.jsonl"
+    record.write_text(line(True) + "\n" + line(False) + "\n")
+    compiled, failures = compile_recorded(record)
+    assert compiled == 2
+    assert len(failures) == 1 and "broken_kernels.rebinds_kernel" in failures[0], failures
