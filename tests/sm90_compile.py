@@ -40,8 +40,9 @@ def _describe(value: Any, constexpr: bool) -> dict[str, Any]:
     import torch
     import triton.language as tl
 
-    if isinstance(value, torch.Tensor):
-        return {"ptr": _TL_TYPES[str(value.dtype).removeprefix("torch.")]}
+    if isinstance(value, torch.Tensor):  # (div16: as the GPU's launch specializes it)
+        return {"ptr": _TL_TYPES[str(value.dtype).removeprefix("torch.")],
+                "div16": value.data_ptr() % 16 == 0}
     if isinstance(value, tl.dtype):
         return {"tl_dtype": value.name}
     if isinstance(value, tl.constexpr):
@@ -52,7 +53,8 @@ def _describe(value: Any, constexpr: bool) -> dict[str, Any]:
         if isinstance(value, bool):
             return {"type": "i1"}
         if isinstance(value, int):
-            return {"type": "i32" if -2**31 <= value < 2**31 else "i64"}
+            return {"type": "i32" if -2**31 <= value < 2**31 else "i64",
+                    "div16": value % 16 == 0}
         return {"type": "fp32"}
     raise TypeError(f"no description for a {type(value).__name__} argument")
 
@@ -134,7 +136,10 @@ def compile_one(record: dict[str, Any]) -> None:
     sig, const = _signature(kernel, record["args"])
     fields = {f.name for f in dataclasses.fields(CUDAOptions)} - {"launch_pdl"}
     options = {k: v for k, v in record["options"].items() if k in fields}
-    src = ASTSource(fn=kernel, signature=sig, constexprs=const)
+    # pointers and integers a multiple of 16, as the launch tells the compiler (vector loads)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
+             if record["args"].get(name, {}).get("div16") and sig[name] != "constexpr"}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
