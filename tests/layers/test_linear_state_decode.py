@@ -26,12 +26,14 @@ from shoal.layers.ops.gated_delta_rule import (  # noqa: E402
 BS, PLANES, HK_PAGE, D_PAGE = 16, 2, 2, 16  # a page of 2 x 16 x 2 x 16 float32 = 4 KiB
 
 
-@pytest.mark.parametrize("per_channel, nk, nv", [(False, 1, 2), (True, 2, 2)])
-def test_kernels_match_the_torch_step(per_channel: bool, nk: int, nv: int):
+# kw 3: the conv kernel's taps padded to a power of two (shipped models have 4)
+@pytest.mark.parametrize("per_channel, nk, nv, kw", [(False, 1, 2, 4), (True, 2, 2, 4),
+                                                     (False, 1, 2, 3)])
+def test_kernels_match_the_torch_step(per_channel: bool, nk: int, nv: int, kw: int):
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dk = dv = 16
-    c, kw = 2 * nk * dk + nv * dv, 4
+    c = 2 * nk * dk + nv * dv
     cache = torch.zeros(PLANES, 6 * BS, HK_PAGE, D_PAGE, device=device)
     pages = StatePages(cache, BS, (c, kw - 1), (nv, dk, dv))
     assert len(pages.runs) == 2  # the state spills into the second plane

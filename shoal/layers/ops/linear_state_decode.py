@@ -43,25 +43,39 @@ def _word_address(w, block, per_plane, plane_stride, block_stride):
 
 
 @triton.jit
+def _tap(taps, t: tl.constexpr, KP: tl.constexpr):
+    """Column t of taps [BC, KP] (within each thread's registers: a select and a sum)."""
+    return tl.sum(tl.where(tl.arange(0, KP)[None, :] == t, taps, 0.0), 1)
+
+
+@triton.jit
 def _conv_step_kernel(x_ptr, w_ptr, b_ptr, y_ptr, words_ptr, read_ptr, write_ptr, C,
                       stride_x, stride_y, per_plane, plane_stride, block_stride,
-                      K: tl.constexpr, BC: tl.constexpr, HAS_BIAS: tl.constexpr,
-                      DTYPE: tl.constexpr, INTERPRETED: tl.constexpr,
+                      K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr,
                       PDL: tl.constexpr = False):
-    pdl.grid_dependency(PDL)
+    pdl.launch_next(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     mask = c < C
+    # the channels' K taps (and bias) load before the wait: weights are no step's output
+    # (shoal/pdl.py), so their read overlaps the kernel before
+    kk = tl.arange(0, KP)  # (K taps padded to a power of two)
+    taps = tl.load(w_ptr + c[:, None] * K + kk[None, :], mask=mask[:, None] & (kk < K)[None, :],
+                   other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
+    pdl.wait_previous(PDL)
     rb = tl.load(read_ptr + row).to(tl.int64)
     wb = tl.load(write_ptr + row).to(tl.int64)
     x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
-    acc = x * tl.load(w_ptr + c * K + (K - 1), mask=mask, other=0.0).to(tl.float32)
+    acc = x * _tap(taps, K - 1, KP)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
+        acc += bias
     for t in tl.static_range(K - 1):  # the state holds the K - 1 inputs before x, oldest first
         a = _word_address(c * (K - 1) + t, rb, per_plane, plane_stride, block_stride)
         s = tl.load(words_ptr + a, mask=mask, other=0.0)
-        acc += s * tl.load(w_ptr + c * K + t, mask=mask, other=0.0).to(tl.float32)
+        acc += s * _tap(taps, t, KP)
     y = acc / (1.0 + tl.exp(-acc))
     tl.store(y_ptr + row * stride_y + c, to_dtype(y, DTYPE, INTERPRETED), mask=mask)
     for t in tl.static_range(K - 2):  # (ascending: a word is read before it is overwritten)
@@ -83,7 +97,8 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     _conv_step_kernel[(b, triton.cdiv(c, block))](
         x, weight, bias if bias is not None else weight, y, pages.words, read, write, c,
         x.stride(0), y.stride(0), pages.per_plane, pages.plane_stride, pages.block_stride,
-        K=k, BC=block, HAS_BIAS=bias is not None, DTYPE=TL_DTYPES[x.dtype],
+        K=k, KP=triton.next_power_of_2(k), BC=block, HAS_BIAS=bias is not None,
+        DTYPE=TL_DTYPES[x.dtype],
         INTERPRETED=x.device.type == "cpu",  # (TRITON_INTERPRET=1: round as the GPU does)
         **pdl.kwargs(x.device))
     return y
