@@ -22,8 +22,8 @@ reduce, and the hybrid and MoE decode kernels (sigmoid gate, conv step, delta ru
 linear decode, gate routing, half-decode experts). Early weights: the FP8 GEMV at one row
 with per-channel scales (decode_gemv.py EARLY) and the prefetching bf16 GEMV tile load their
 first K step's weights before they wait, and the MoE gate routing (gate_routing.py) its first
-hidden chunk of the gate (at H <= 2048 a warp, all of it), so the read starts in the tail of
-the kernel before.
+hidden chunk of the gate (at H <= 2048 a warp, all of it) and the linear layers' conv step
+its taps, so the read starts in the tail of the kernel before.
 Safe because no kernel of a step writes weights: a weight update (RL, LoRA loads) runs
 between steps, and kernels that wait lie between it and the GEMV.
 
