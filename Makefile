@@ -5,7 +5,7 @@ STAMP := $(VENV)/.installed
 BUILT := $(VENV)/.built
 SOURCES := $(shell find shoal -name '*.py' -o -name '*.cpp' -o -name '*.h')
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test lint clean gpu-script-smoke sm90-compile
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -32,11 +32,16 @@ serve: $(BUILT)
 
 test: $(BUILT)
 	$(BIN)/ruff check shoal tests benchmarks
-	$(BIN)/python -m pytest -q -x --durations=15 -m "not gpu_script"
+	$(BIN)/python -m pytest -q -x --durations=15 -m "not gpu_script and not sm90_all"
 
 # The GPU benchmark scripts at --smoke size on the CPU (run before a device call).
 gpu-script-smoke: $(BUILT)
 	$(BIN)/python -m pytest -q -m gpu_script tests/benchmarks
+
+# Every Triton kernel the CPU tests launch, compiled for sm_90 (make test compiles the decode
+# step's; this the rest too, ~4 min: run it before a device call that changed a kernel).
+sm90-compile: $(BUILT)
+	$(BIN)/python -m pytest -q -m sm90_all tests/layers/test_sm90_compile.py
 
 lint: $(BUILT)
 	$(BIN)/ruff check shoal tests benchmarks

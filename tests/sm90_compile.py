@@ -75,6 +75,8 @@ def start_recording(path: str | Path) -> None:
 
     def run(self: Any, *args: Any, grid: Any, warmup: Any, **kwargs: Any) -> Any:
         fn = self.fn
+        if not fn.__module__.startswith("shoal."):  # (a test's own kernel: not importable)
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs)
         names = list(self.arg_names)
         params = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
         options = {k: v for k, v in kwargs.items() if k not in names}
