@@ -36,7 +36,8 @@ Measured (back to back on one GPU each time, W2 batch 1 unless named):
   295.8 -> 307.4 with the hybrid/MoE kernels, 316.3 with the dense GEMVs too.
 - H100, 2026-12-07 (session 21): the gate routing's early gate weights, Qwen3.5-35B-A3B batch 1
   316.5 -> 319.3 tok/s (graph step 3.160 -> 3.132 ms); then the conv step's early taps 319.6 ->
-  320.4 (3.129 -> 3.121 ms).
+  320.4 (3.129 -> 3.121 ms: one engine each way, whose three runs spread about as far as
+  the gain: within the noise).
 Not the INT4 GEMVs: their kernels are bound by instructions, not bytes (decode_gemv.py), and
 with PDL INT4 fell 326.2 -> 295.9 (H200; with only the kernels around them taking part:
 318.9, within the launch tuner's run-to-run choices).

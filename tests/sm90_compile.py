@@ -8,11 +8,21 @@ and kernels round through interpreted_half under INTERPRETED.
 
 Two halves:
 - recording: with SHOAL_RECORD_TRITON_LAUNCHES=<file> in a pytest process, conftest.py calls
-  `start_recording(file)`: every interpreted launch appends one JSON line (the kernel's module
-  and name, each argument's Triton type or constexpr value, the launch options);
-- `compile_recorded(file)`: each distinct launch compiled for sm_90 as a GPU would launch it
-  (PDL on and INTERPRETED off where the kernel takes them), in a process without
-  TRITON_INTERPRET (`python tests/sm90_compile.py FILE`); returns the failures.
+  `start_recording(file)`: every interpreted launch of one of shoal's kernels appends one
+  JSON line (the kernel's module and name, each argument's Triton type or constexpr value,
+  the launch options), or a `dropped` line where an argument has no description (a failure
+  of the compile half);
+- `compile_recorded(file)` -> (launches compiled, failures): in a process without
+  TRITON_INTERPRET (`python tests/sm90_compile.py FILE`), the launches that together show
+  every constexpr value and launch option each kernel was recorded with (the first launch
+  of a kernel, then each one that adds a value), compiled for sm_90 as a GPU launches them:
+  PDL on and INTERPRETED off where the kernel takes them, an integer argument of 1 a
+  constant and pointers and integers a multiple of 16 marked so (except where the kernel
+  does not specialize on them), as Triton's launcher does.
+
+Limits: the shapes are the tests', not a model's (register spills and shared-memory limits at
+real sizes show only on a GPU), and the compiler is this machine's Triton, which may be
+newer than the GPU machine's.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ def _describe(value: Any, constexpr: bool) -> dict[str, Any]:
     import triton.language as tl
 
     if isinstance(value, torch.Tensor):  # (div16: as the GPU's launch specializes it)
-        return {"ptr": _TL_TYPES[str(value.dtype).removeprefix("torch.")],
+        return {"ptr": _TL_TYPES[str(value.dtype).removeprefix("torch.")],  # (KeyError: none)
                 "div16": value.data_ptr() % 16 == 0}
     if isinstance(value, tl.dtype):
         return {"tl_dtype": value.name}
@@ -54,7 +64,7 @@ def _describe(value: Any, constexpr: bool) -> dict[str, Any]:
             return {"type": "i1"}
         if isinstance(value, int):
             return {"type": "i32" if -2**31 <= value < 2**31 else "i64",
-                    "div16": value % 16 == 0}
+                    "div16": value % 16 == 0, "one": value == 1}
         return {"type": "fp32"}
     raise TypeError(f"no description for a {type(value).__name__} argument")
 
@@ -80,17 +90,16 @@ def start_recording(path: str | Path) -> None:
         names = list(self.arg_names)
         params = {**dict(zip(names, args)), **{k: v for k, v in kwargs.items() if k in names}}
         options = {k: v for k, v in kwargs.items() if k not in names}
+        record: dict[str, Any] = {"module": fn.__module__, "name": fn.__name__}
         try:
             constexprs = _constexpr_names(fn)
-            record = {"module": fn.__module__, "name": fn.__name__,
-                      "args": {k: _describe(v, k in constexprs) for k, v in params.items()},
-                      "options": {k: v for k, v in options.items()
-                                  if isinstance(v, (bool, int, float))}}
-        except TypeError:
-            record = None  # (an argument this recorder cannot describe: not compiled)
-        if record is not None:
-            with open(path, "a") as f:
-                f.write(json.dumps(record, sort_keys=True) + "\n")
+            record["args"] = {k: _describe(v, k in constexprs) for k, v in params.items()}
+            record["options"] = {k: v for k, v in options.items()
+                                 if isinstance(v, (bool, int, float))}
+        except (TypeError, KeyError) as e:  # (reported as a failure by the compile half)
+            record = {**record, "dropped": f"{type(e).__name__}: {e}"}
+        with open(path, "a") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
         return original(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run
@@ -116,6 +125,8 @@ def _signature(kernel: Any, args: dict[str, Any]) -> tuple[dict[str, str], dict[
         d = args[name]
         if "ptr" in d:
             sig[name] = "*" + d["ptr"]
+        elif d.get("one") and not p.do_not_specialize:  # (the launcher's constant 1)
+            sig[name], const[name] = "constexpr", 1
         elif "type" in d:
             sig[name] = d["type"]
         elif "tl_dtype" in d:
@@ -139,22 +150,21 @@ def compile_one(record: dict[str, Any]) -> None:
     fields = {f.name for f in dataclasses.fields(CUDAOptions)} - {"launch_pdl"}
     options = {k: v for k, v in record["options"].items() if k in fields}
     # pointers and integers a multiple of 16, as the launch tells the compiler (vector loads)
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(kernel.arg_names)
-             if record["args"].get(name, {}).get("div16") and sig[name] != "constexpr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(kernel.params)
+             if record["args"].get(p.name, {}).get("div16") and sig[p.name] != "constexpr"
+             and not p.do_not_specialize and not p.do_not_specialize_on_alignment}
     src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_recorded(path: str | Path, per_kernel: int = 4, timeout: float = 600
-                     ) -> tuple[int, list[str]]:
-    """(launches compiled, failures as 'module.name: error') of a recording: up to per_kernel
-    distinct launches of each kernel, compiled in a process of its own without the
-    interpreter (~0.6 s each here with a cold Triton cache)."""
+def compile_recorded(path: str | Path, timeout: float = 540) -> tuple[int, list[str]]:
+    """(launches compiled, failures as 'module.name: error') of a recording (see the module
+    docstring), compiled in a process of its own without the interpreter, two at a time
+    (~0.6-2.5 s a launch here with a cold Triton cache)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(
         [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, __file__, str(path), str(per_kernel)], env=env,
-                          timeout=timeout,
+    done = subprocess.run([sys.executable, __file__, str(path)], env=env, timeout=timeout,
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the sm_90 compile process failed:\n{done.stderr[-4000:]}")
@@ -162,28 +172,45 @@ def compile_recorded(path: str | Path, per_kernel: int = 4, timeout: float = 600
     return out["launches"], out["failures"]
 
 
-def _main(path: str, per_kernel: int) -> None:
-    by_kernel: dict[tuple[str, str], list[str]] = {}
-    for line in sorted(set(Path(path).read_text().splitlines())):
-        record = json.loads(line)
-        by_kernel.setdefault((record["module"], record["name"]), []).append(line)
-    # at most per_kernel launches a kernel, spread over its recorded ones (sorted: varied
-    # constexprs, not only the first few shapes of one test)
-    lines = [ls[round(i * (len(ls) - 1) / max(per_kernel - 1, 1))] if len(ls) > per_kernel
-             else ls[i] for ls in by_kernel.values() for i in range(min(per_kernel, len(ls)))]
-    failures = []
-    for line in lines:
-        record = json.loads(line)
-        try:
-            compile_one(record)
-        except Exception as e:  # noqa: BLE001 (each failure is reported, the rest go on)
-            first = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-            failures.append(f"{record['module']}.{record['name']}: {type(e).__name__}: "
-                            f"{first[:300]}")
-    print(json.dumps({"launches": len(lines), "failures": failures}))
+def covering(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per kernel, its first record, then each one that adds a constexpr value, a launch
+    option or an integer argument of 1 not yet seen (in sorted order): every value a test ran
+    is compiled at least once, without compiling every combination."""
+    seen: dict[tuple[str, str], set[str]] = {}
+    keep = []
+    for r in records:
+        values = {json.dumps([k, v], sort_keys=True) for k, v in r["args"].items()
+                  if "value" in v or "tl_dtype" in v or v.get("one")}
+        values |= {json.dumps(["option", k, v]) for k, v in r["options"].items()}
+        have = seen.setdefault((r["module"], r["name"]), set())
+        if not have or values - have:
+            keep.append(r)
+            have |= values
+    return keep
+
+
+def _compile_or_error(record: dict[str, Any]) -> str | None:
+    try:
+        compile_one(record)
+    except Exception as e:  # noqa: BLE001 (each failure is reported, the rest go on)
+        last = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        return f"{record['module']}.{record['name']}: {type(e).__name__}: {last[:300]}"
+    return None
+
+
+def _main(path: str) -> None:
+    from concurrent.futures import ProcessPoolExecutor
+
+    records = [json.loads(line) for line in sorted(set(Path(path).read_text().splitlines()))]
+    failures = [f"{r['module']}.{r['name']}: not recorded: {r['dropped']}"
+                for r in records if "dropped" in r]
+    chosen = covering([r for r in records if "dropped" not in r])
+    with ProcessPoolExecutor(max_workers=2) as pool:
+        failures += [f for f in pool.map(_compile_or_error, chosen) if f is not None]
+    print(json.dumps({"launches": len(chosen), "failures": failures}))
 
 
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("run without TRITON_INTERPRET: this compiles for a GPU")
-    _main(sys.argv[1], int(sys.argv[2]))
+    _main(sys.argv[1])

@@ -44,7 +44,9 @@ def _word_address(w, block, per_plane, plane_stride, block_stride):
 
 @triton.jit
 def _tap(taps, t: tl.constexpr, KP: tl.constexpr):
-    """Column t of taps [BC, KP] (within each thread's registers: a select and a sum)."""
+    """Column t of taps [BC, KP]: a select and a sum, within each thread's registers where a
+    thread holds a channel's KP taps (KP = 4, the shipped models; at other widths Triton may
+    spread them over lanes, and the sum shuffles)."""
     return tl.sum(tl.where(tl.arange(0, KP)[None, :] == t, taps, 0.0), 1)
 
 
