@@ -8,6 +8,7 @@ first GPU launch failed), and never runs the PDL branches."""
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -30,7 +31,7 @@ KERNEL_TESTS = [
     "layers/test_half_decode_experts.py", "layers/test_pdl.py",
     "attention/test_rope_kv_write.py", "attention/test_triton_kernels.py",
     "quantization/test_decode_gemv.py", "quantization/test_int4_wide_gemv.py",
-    "layers/test_linear_state_decode.py",
+    "layers/test_linear_state_decode.py", "layers/test_layer_kernels.py",
 ]
 # each must have been recorded and compiled (a kernel renamed or no longer launched by its
 # tests shows here, rather than silently leaving the check)
@@ -39,7 +40,8 @@ KERNELS = {
     "_sigmoid_gate_kernel", "_half_gemv_kernel", "sum_splits_kernel", "_gate_up_kernel",
     "_down_kernel", "_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_write_kernel",
     "_paged_decode_kernel", "_split_reduce_kernel", "_fp8_gemv_kernel", "_int4_wide_kernel",
-    "_delta_rule_kernel",
+    "_delta_rule_kernel", "_rotary_kernel", "_paged_prefill_kernel", "_kv_cache_write_kernel",
+    "_int4_gemv_kernel", "_grouped_gemm_kernel",
 }
 
 
@@ -65,6 +67,20 @@ OTHER_KERNELS = {
     "_w4a16_kernel", "_mla_split_reduce_kernel", "_hc_mix_kernel", "_fp8_block_kernel",
     "_sum_splits_kernel", "_mxfp4_grouped_gemm_kernel",
 }
+
+
+def test_every_kernel_is_in_a_list() -> None:
+    """Each @triton.jit function of shoal named *kernel* (what shoal launches: its helpers
+    are named otherwise) is compiled by one of the two checks, so a new kernel is added to
+    one (with a test of it in that list's files) rather than left out unseen."""
+    kernels = set()
+    for path in (TESTS.parent / "shoal").rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and "kernel" in node.name and any(
+                    "jit" in ast.unparse(d) for d in node.decorator_list):
+                kernels.add(node.name)
+    assert len(kernels) >= 40
+    assert kernels <= KERNELS | OTHER_KERNELS, sorted(kernels - KERNELS - OTHER_KERNELS)
 
 
 def _record_and_compile(tmp_path: Path, tests: list[str], kernels: set[str]) -> None:
