@@ -8,8 +8,9 @@ of its last programs: at a few microseconds a kernel, a share of its time the SM
 waiting. With PDL the next kernel's programs are resident before the last ones of this
 kernel finish, so its launch and its set-up overlap that tail.
 
-Each kernel that takes part calls `grid_dependency(PDL)` before its first load: it lets the
-next kernel launch (griddepcontrol.launch_dependents) and then waits for the one before
+Each kernel that takes part calls `grid_dependency(PDL)` before its first load (one with
+early weights, below, calls its two halves around those loads): it lets the next kernel
+launch (griddepcontrol.launch_dependents) and then waits for the one before
 (griddepcontrol.wait: that kernel finished and its writes are visible). A kernel launched
 with PDL must wait before it reads anything an earlier kernel wrote: before the wait it reads
 nothing but weights (the early weights below). Waiting covers every kernel before it, not
@@ -25,7 +26,7 @@ first K step's weights before they wait, and the MoE gate routing (gate_routing.
 hidden chunk of the gate (at H <= 2048 a warp, all of it) and the linear layers' conv step
 its taps, so the read starts in the tail of the kernel before.
 Safe because no kernel of a step writes weights: a weight update (RL, LoRA loads) runs
-between steps, and kernels that wait lie between it and the GEMV.
+between steps, and kernels that wait lie between it and the kernel reading early.
 
 Measured (back to back on one GPU each time, W2 batch 1 unless named):
 - H200, 2026-12-07, Llama-3.1-8B shape, the first set (norms, FP8 GEMV, rope, attention,
