@@ -13,8 +13,9 @@ early weights, below, calls its two halves around those loads): it lets the next
 launch (griddepcontrol.launch_dependents) and then waits for the one before
 (griddepcontrol.wait: that kernel finished and its writes are visible). A kernel launched
 with PDL must wait before it reads anything an earlier kernel wrote: before the wait it reads
-nothing but weights (the early weights below). Waiting covers every kernel before it, not
-only the last: that one finished only after its own wait returned. A kernel launched without
+only what no launch of the chain before it wrote (the early reads below). Waiting covers
+every kernel before it, not only the last: that one finished only after its own wait
+returned. A kernel launched without
 it (torch ops, cuBLAS) waits for the one before to finish, as ever.
 
 Taking part: RMSNorm (rms_norm.py), SiLU-mul, the FP8 GEMV (decode_gemv.py), the dense bf16
@@ -24,9 +25,16 @@ linear decode, gate routing, half-decode experts). Early weights: the FP8 GEMV a
 with per-channel scales (decode_gemv.py EARLY) and the prefetching bf16 GEMV tile load their
 first K step's weights before they wait, and the MoE gate routing (gate_routing.py) its first
 hidden chunk of the gate (at H <= 2048 a warp, all of it) and the linear layers' conv step
-its taps, so the read starts in the tail of the kernel before.
+its taps, so the read starts in the tail of the kernel before. Early states: a decode step's
+linear layers (linear_decode_fused.py and the conv step) read their block ids and their
+recurrent states (the conv windows, the delta rule's state tile) before they wait.
 Safe because no kernel of a step writes weights: a weight update (RL, LoRA loads) runs
-between steps, and kernels that wait lie between it and the kernel reading early.
+between steps, and kernels that wait lie between it and the kernel reading early. A
+decode step's states are written only by the kernel that reads them (the previous step's
+writes are finished: a graph replay, or a torch op that is not launched with PDL, lies
+between), and the block ids by a host-to-device copy before the step's first kernel; the
+one exception, a speculative step's fold of the accepted run into the states before the
+decode kernels, makes them read the states after the wait (`early_states=False`).
 
 Measured (back to back on one GPU each time, W2 batch 1 unless named):
 - H200, 2026-12-07, Llama-3.1-8B shape, the first set (norms, FP8 GEMV, rope, attention,

@@ -247,7 +247,8 @@ class LinearAttention(nn.Module):
         return linear_decode_fused.decode_step(
             x, self.conv_weight, self.conv_bias, gates, pages, self.pages.conv_words,
             md.decode_read, md.decode_write, key_heads=key_heads, heads=self.state_heads,
-            key_dim=self.key_dim, value_dim=self.value_dim, scale=self.scale)
+            key_dim=self.key_dim, value_dim=self.value_dim, scale=self.scale,
+            early_states=md.fold is None)
 
     def _decodes(self, x: torch.Tensor, rest: Rest, md: StateMetadata) -> torch.Tensor:
         assert self.pages is not None and md.decode_read is not None
@@ -276,7 +277,8 @@ class LinearAttention(nn.Module):
                           md: StateMetadata) -> torch.Tensor:
         pages = self._page_words()
         y = decode_kernels.conv_step(x, self.conv_weight, self.conv_bias, pages,
-                                     md.decode_read, md.decode_write)
+                                     md.decode_read, md.decode_write,
+                                     early_states=md.fold is None)
         q, k, v, g, beta = self.heads(y, rest)
         return decode_kernels.delta_rule_step(q, k, v, g, beta, pages, self.pages.conv_words,
                                               md.decode_read, md.decode_write, self.scale)

@@ -55,17 +55,22 @@ def _layer(kind: str, dtype: torch.dtype) -> torch.nn.Module:
     return layer
 
 
+_REAL_DECODE_STEP = linear_decode_fused.decode_step
+
+
 def _step(layer, cache: torch.Tensor, hidden: torch.Tensor, md: StateMetadata, fused: bool,
-          monkeypatch) -> torch.Tensor:
-    """The layer's forward over `cache`, through the fused kernels or the torch path."""
+          monkeypatch, early: bool = True) -> torch.Tensor:
+    """The layer's forward over `cache`, through the fused kernels or the torch path (early:
+    the states read before the kernels' wait, as the layer asks without a fold)."""
     monkeypatch.setattr(linear_attention, "triton_decode", lambda x: fused)
     monkeypatch.setattr(cpu_linear_state, "usable", lambda x: False)
     calls = []
-    real = linear_decode_fused.decode_step
+    real = _REAL_DECODE_STEP
 
     def counted(*a, **kw):
         calls.append(1)
-        return real(*a, **kw)
+        assert kw["early_states"] is (md.fold is None)
+        return real(*a, **{**kw, "early_states": early})
     monkeypatch.setattr(linear_decode_fused, "decode_step", counted)
     layer.bind_pages(cache, BS)
     with torch.no_grad():
@@ -74,13 +79,16 @@ def _step(layer, cache: torch.Tensor, hidden: torch.Tensor, md: StateMetadata, f
     return out
 
 
-@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("split, early", [(1, True), (2, True), (1, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_fused_decode_matches_the_torch_path(kind: str, dtype: torch.dtype, split: int,
-                                             monkeypatch):
+                                             early: bool, monkeypatch):
     """split 2: each value head's state in two column slices, the head's last program
-    norming the whole output (SHOAL_LINEAR_DECODE_SPLIT; heads of 16: slices of 8)."""
+    norming the whole output (SHOAL_LINEAR_DECODE_SPLIT; heads of 16: slices of 8). early
+    False: the states read after the kernels' wait, as after a speculative step's fold (the
+    same result here, where PDL is off: both orders' code runs, for the sm_90 compile
+    check)."""
     monkeypatch.setenv("SHOAL_LINEAR_DECODE_SPLIT", str(split))
     monkeypatch.setattr(linear_decode_fused, "split_for", lambda rows, heads, dv, device:
                         split)
@@ -114,7 +122,7 @@ def test_fused_decode_matches_the_torch_path(kind: str, dtype: torch.dtype, spli
                            torch.tensor(write, device=DEVICE), [], BS)
         hidden = torch.randn(4, 32, generator=gen).to(dtype).to(DEVICE)
         want = _step(layer, ref_cache, hidden, md, False, monkeypatch)
-        got = _step(layer, got_cache, hidden, md, True, monkeypatch)
+        got = _step(layer, got_cache, hidden, md, True, monkeypatch, early)
         assert got.dtype == want.dtype == dtype
         torch.testing.assert_close(got.float(), want.float(), atol=out_tol, rtol=out_tol)
         for c in (ref_cache, got_cache):
@@ -281,3 +289,30 @@ def test_a_split_that_does_not_cut_the_head_into_power_of_two_slices_is_refused(
     monkeypatch.setattr(linear_decode_fused, "split_for", lambda *a: 3)
     with pytest.raises(ValueError, match="power-of-two"):
         _step(layer, cache, torch.randn(1, 32).to(DEVICE), md, True, monkeypatch)
+
+
+@pytest.mark.parametrize("fold", [False, True])
+def test_the_states_are_read_early_only_without_a_fold(fold: bool, monkeypatch):
+    """A speculative step's fold writes the states just before the decode kernels, so in that
+    step they read them after their wait (early_states False); every other decode step reads
+    them before it (shoal/pdl.py)."""
+    layer = _layer("gdn", torch.float32)
+    cache = torch.zeros(PLANES, 8 * BS, HK_PAGE, D_PAGE, device=DEVICE)
+    layer.bind_pages(cache, BS)
+    folded = []
+    monkeypatch.setattr(type(layer), "_fold_into_pages",
+                        lambda self, f, like: folded.append(f))
+    monkeypatch.setattr(linear_attention, "triton_decode", lambda x: True)
+    seen = []
+
+    def recorded(*a, **kw):
+        seen.append(kw["early_states"])
+        return _REAL_DECODE_STEP(*a, **kw)
+    monkeypatch.setattr(linear_decode_fused, "decode_step", recorded)
+    marker = object()  # (the fold itself is stubbed: only its presence matters here)
+    md = StateMetadata(2, torch.tensor([1, 2], device=DEVICE), torch.tensor([1, 3], device=DEVICE),
+                       [], BS, fold=marker if fold else None)  # type: ignore[arg-type]
+    with torch.no_grad():
+        layer(torch.randn(2, 32).to(DEVICE), md)
+    assert folded == ([marker] if fold else [])
+    assert seen == [not fold]

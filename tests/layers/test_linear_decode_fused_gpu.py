@@ -11,8 +11,6 @@ variant, printed (run with -s):
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -53,8 +51,10 @@ def _path(monkeypatch, path: str, **variant) -> None:
     monkeypatch.setattr(linear_attention, "fused_decode_enabled", lambda: path == "fused")
     monkeypatch.setattr(cpu_linear_state, "usable", lambda x: False)
     real = _real_decode_step
-    monkeypatch.setattr(linear_decode_fused, "decode_step",
-                        functools.partial(real, **variant) if variant else real)
+
+    def forced(*args, **kwargs):  # (the variant's arguments over the layer's)
+        return real(*args, **{**kwargs, **variant})
+    monkeypatch.setattr(linear_decode_fused, "decode_step", forced)
 
 
 _real_decode_step = linear_decode_fused.decode_step
@@ -113,7 +113,8 @@ def test_decode_step_times(name: str, monkeypatch):
     layer.bind_pages(cache, bs)
     variants = {"torch": ("torch", {}), "in_place": ("in_place", {}), "fused": ("fused", {}),
                 "fused w4": ("fused", {"num_warps": 4}), "fused w8": ("fused", {"num_warps": 8}),
-                "fused w16": ("fused", {"num_warps": 16})}
+                "fused w16": ("fused", {"num_warps": 16}),
+                "fused late states": ("fused", {"early_states": False})}
     hidden_size = _hidden(layer)
     for batch in (1, 8):
         blocks = torch.arange(1, 1 + batch, device="cuda")

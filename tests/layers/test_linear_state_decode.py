@@ -26,10 +26,14 @@ from shoal.layers.ops.gated_delta_rule import (  # noqa: E402
 BS, PLANES, HK_PAGE, D_PAGE = 16, 2, 2, 16  # a page of 2 x 16 x 2 x 16 float32 = 4 KiB
 
 
-# kw 3: the conv kernel's taps padded to a power of two (shipped models have 4)
+# kw 3: the conv kernel's taps padded to a power of two (shipped models have 4); early: the
+# conv windows read before the kernel's wait (the same result: PDL is off here, so this runs
+# the code of both orders for the sm_90 compile check, tests/sm90_compile.py)
+@pytest.mark.parametrize("early", [False, True])
 @pytest.mark.parametrize("per_channel, nk, nv, kw", [(False, 1, 2, 4), (True, 2, 2, 4),
                                                      (False, 1, 2, 3)])
-def test_kernels_match_the_torch_step(per_channel: bool, nk: int, nv: int, kw: int):
+def test_kernels_match_the_torch_step(per_channel: bool, nk: int, nv: int, kw: int,
+                                      early: bool):
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dk = dv = 16
@@ -55,7 +59,7 @@ def test_kernels_match_the_torch_step(per_channel: bool, nk: int, nv: int, kw: i
 
     words = pages.words
     pw = kernels.PageWords(words, words.shape[2], words.stride(0), words.stride(1))
-    y = kernels.conv_step(x, weight, bias, pw, read, write)
+    y = kernels.conv_step(x, weight, bias, pw, read, write, early_states=early)
     torch.testing.assert_close(y.cpu(), y_ref, atol=1e-5, rtol=1e-5)
     qy, ky, vy = y.split([nk * dk, nk * dk, nv * dv], dim=-1)
     o = kernels.delta_rule_step(qy.reshape(b, nk, dk), ky.reshape(b, nk, dk),

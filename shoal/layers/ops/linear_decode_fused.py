@@ -134,22 +134,39 @@ def _gated_output(o, z_ptrs, w_ptrs, eps, DV: tl.constexpr, KDA: tl.constexpr,
 
 
 @triton.jit
-def _decode_kernel(y_ptr, stride_y, decay_ptr, stride_decay, dt_ptr, alog_ptr, beta_ptr, stride_beta, gate_ptr, stride_gate, nw_ptr,
-                   out_ptr, stride_out, words_ptr, read_ptr, write_ptr, state_offset,
-                   per_plane, plane_stride, block_stride, scale, eps, o_part_ptr, count_ptr,
+def _decode_kernel(y_ptr, stride_y, decay_ptr, stride_decay, dt_ptr, alog_ptr, beta_ptr,
+                   stride_beta, gate_ptr, stride_gate, nw_ptr, out_ptr, stride_out, words_ptr,
+                   read_ptr, write_ptr, state_offset, per_plane, plane_stride, block_stride,
+                   scale, eps, o_part_ptr, count_ptr,
                    HK: tl.constexpr, R: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                   KDA: tl.constexpr, ALIGNED: tl.constexpr,
+                   KDA: tl.constexpr, ALIGNED: tl.constexpr, EARLY_STATES: tl.constexpr,
                    DTYPE: tl.constexpr, INTERPRETED: tl.constexpr, SPLIT: tl.constexpr,
                    PDL: tl.constexpr = False):
-    pdl.grid_dependency(PDL)
+    pdl.launch_next(PDL)
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     kh = h // R
     dk = tl.arange(0, DK)
     DVS: tl.constexpr = DV // SPLIT  # this program's columns of the head's state
     dv = tl.program_id(2) * DVS + tl.arange(0, DVS)
+    # before the wait (shoal/pdl.py): the block ids (the step's inputs, copied in before its
+    # first kernel), the decay's weights and, with EARLY_STATES, the state tile itself (no
+    # kernel of the step before this one writes it): its read, the largest of the kernel,
+    # overlaps the conv kernel and the in-projection's tail
     rb = tl.load(read_ptr + row)
     wb = tl.load(write_ptr + row)
+    at = _state_words(h, dk, dv, state_offset, per_plane, plane_stride, DK, DV, ALIGNED)
+    a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+    if KDA:
+        dt = tl.load(dt_ptr + h * DK + dk).to(tl.float32)
+    else:
+        dt = tl.load(dt_ptr + h).to(tl.float32)
+    if EARLY_STATES:
+        s = tl.load(words_ptr + rb * block_stride + at)
+        pdl.wait_previous(PDL)
+    else:
+        pdl.wait_previous(PDL)
+        s = tl.load(words_ptr + rb * block_stride + at)
 
     # q, k (key head kh) and v (value head h), convolved by the conv kernel. (Not here, even
     # where a program owns its channels' windows: Triton replicates the window's words across
@@ -168,26 +185,25 @@ def _decode_kernel(y_ptr, stride_y, decay_ptr, stride_decay, dt_ptr, alog_ptr, b
         k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
 
     # the decay and the write strength
-    a = -tl.exp(tl.load(alog_ptr + h).to(tl.float32))
     beta = tl.load(beta_ptr + row * stride_beta + h).to(tl.float32)
     beta = 1.0 / (1.0 + tl.exp(-beta))
     if KDA:  # per key channel; beta's sigmoid in the model dtype
-        f = (tl.load(decay_ptr + row * stride_decay + h * DK + dk).to(tl.float32)
-             + tl.load(dt_ptr + h * DK + dk).to(tl.float32))
-        decay = tl.exp(a * _softplus(f, False))[:, None]
+        f = tl.load(decay_ptr + row * stride_decay + h * DK + dk).to(tl.float32) + dt
+        decay = tl.exp(a * _softplus(f, False))  # [DK]
         if DTYPE != tl.float32:
             beta = to_dtype(beta, DTYPE, INTERPRETED).to(tl.float32)
     else:
-        f = (tl.load(decay_ptr + row * stride_decay + h).to(tl.float32)
-             + tl.load(dt_ptr + h).to(tl.float32))
-        decay = tl.exp(a * _softplus(f, True))
+        f = tl.load(decay_ptr + row * stride_decay + h).to(tl.float32) + dt
+        decay = tl.exp(a * _softplus(f, True)) + tl.zeros([DK], dtype=tl.float32)
 
-    at = _state_words(h, dk, dv, state_offset, per_plane, plane_stride, DK, DV, ALIGNED)
-    s = tl.load(words_ptr + rb * block_stride + at)
-    s = s * decay
-    delta = (v - tl.sum(s * k[:, None], 0)) * beta  # v minus what S predicts for k
-    s = s + k[:, None] * delta[None, :]
-    o = tl.sum(s * q[:, None], 0) * scale
+    # S' = diag(decay) S + k delta^T with delta = beta (v - k^T diag(decay) S), and
+    # o = scale q^T S' = scale ((q decay)^T S + (q . k) delta): both of S's reductions
+    # read the old state, side by side, instead of one after the update
+    ks = tl.sum(s * (k * decay)[:, None], 0)
+    qs = tl.sum(s * (q * decay)[:, None], 0)
+    delta = (v - ks) * beta  # v minus what S predicts for k
+    s = s * decay[:, None] + k[:, None] * delta[None, :]
+    o = (qs + tl.sum(q * k, 0) * delta) * scale
     tl.store(words_ptr + wb * block_stride + at, s)
 
     if SPLIT == 1:
@@ -263,12 +279,15 @@ def split_for(rows: int, heads: int, value_dim: int, device: torch.device) -> in
 def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
                 gates: DecodeGates, pages: PageWords, state_offset: int, read: torch.Tensor,
                 write: torch.Tensor, *, key_heads: int, heads: int, key_dim: int,
-                value_dim: int, scale: float, num_warps: int | None = None,
-                split: int | None = None) -> torch.Tensor:
+                value_dim: int, scale: float, early_states: bool = False,
+                num_warps: int | None = None, split: int | None = None) -> torch.Tensor:
     """x [B, C] the conv input (q | k | v of key_heads, key_heads and heads heads); each row's
     conv window (words [0, state_offset)) and [heads, Dk, Dv] states move from block read[b]
     to write[b]. Returns the gated, normed output [B, heads * value_dim] in x's dtype, what
-    the out-projection takes. Callers check fits() first. num_warps: for timing the choices.
+    the out-projection takes. Callers check fits() first. early_states: both kernels read the
+    states before they wait on the kernel before (PDL, shoal/pdl.py), where no kernel of the
+    step before them may have written them (not after a speculative step's fold).
+    num_warps: for timing the choices.
     Two launches: every channel's conv (a key head's q and k serve R programs), then one
     program per (row, value head)."""
     b = x.shape[0]
@@ -281,7 +300,7 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
     if split < 1 or value_dim % split or slice_cols & (slice_cols - 1):
         raise ValueError(f"split {split} must cut value_dim {value_dim} into power-of-two "
                          "slices")
-    y = conv_step(x, conv_weight, conv_bias, pages, read, write)
+    y = conv_step(x, conv_weight, conv_bias, pages, read, write, early_states=early_states)
     out = torch.empty(b, heads * value_dim, dtype=x.dtype, device=x.device)
     aligned = all(n % 4 == 0 for n in (state_offset, pages.per_plane, pages.plane_stride,
                                        pages.block_stride))
@@ -299,7 +318,7 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
         out, out.stride(0), pages.words, read, write,
         state_offset, pages.per_plane, pages.plane_stride, pages.block_stride, scale,
         gates.eps, o_part, counts, HK=key_heads, R=r,
-        DK=key_dim, DV=value_dim, KDA=gates.kda, ALIGNED=aligned, DTYPE=dtype,
-        INTERPRETED=interpreted, SPLIT=split, num_warps=num_warps,
+        DK=key_dim, DV=value_dim, KDA=gates.kda, ALIGNED=aligned, EARLY_STATES=early_states,
+        DTYPE=dtype, INTERPRETED=interpreted, SPLIT=split, num_warps=num_warps,
         **pdl.kwargs(x.device))
     return out

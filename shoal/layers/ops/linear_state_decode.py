@@ -54,7 +54,8 @@ def _tap(taps, t: tl.constexpr, KP: tl.constexpr):
 def _conv_step_kernel(x_ptr, w_ptr, b_ptr, y_ptr, words_ptr, read_ptr, write_ptr, C,
                       stride_x, stride_y, per_plane, plane_stride, block_stride,
                       K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, EARLY_STATES: tl.constexpr,
+                      DTYPE: tl.constexpr, INTERPRETED: tl.constexpr,
                       PDL: tl.constexpr = False):
     pdl.launch_next(PDL)
     row = tl.program_id(0)
@@ -67,31 +68,50 @@ def _conv_step_kernel(x_ptr, w_ptr, b_ptr, y_ptr, words_ptr, read_ptr, write_ptr
                    other=0.0).to(tl.float32)
     if HAS_BIAS:
         bias = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
-    pdl.wait_previous(PDL)
+    # the block ids (the step's inputs, copied in before its first kernel) and, with
+    # EARLY_STATES, the windows too: no kernel of the step before this one writes them
     rb = tl.load(read_ptr + row).to(tl.int64)
     wb = tl.load(write_ptr + row).to(tl.int64)
+    if EARLY_STATES:
+        window = _window(words_ptr, c, mask, rb, per_plane, plane_stride, block_stride, K)
+        pdl.wait_previous(PDL)
+    else:
+        pdl.wait_previous(PDL)
+        window = _window(words_ptr, c, mask, rb, per_plane, plane_stride, block_stride, K)
     x = tl.load(x_ptr + row * stride_x + c, mask=mask, other=0.0).to(tl.float32)
     acc = x * _tap(taps, K - 1, KP)
     if HAS_BIAS:
         acc += bias
-    for t in tl.static_range(K - 1):  # the state holds the K - 1 inputs before x, oldest first
-        a = _word_address(c * (K - 1) + t, rb, per_plane, plane_stride, block_stride)
-        s = tl.load(words_ptr + a, mask=mask, other=0.0)
-        acc += s * _tap(taps, t, KP)
+    for t in tl.static_range(K - 1):  # the window holds the K - 1 inputs before x, oldest first
+        acc += window[t] * _tap(taps, t, KP)
     y = acc / (1.0 + tl.exp(-acc))
     tl.store(y_ptr + row * stride_y + c, to_dtype(y, DTYPE, INTERPRETED), mask=mask)
-    for t in tl.static_range(K - 2):  # (ascending: a word is read before it is overwritten)
-        src = _word_address(c * (K - 1) + t + 1, rb, per_plane, plane_stride, block_stride)
+    # the window moves on from registers: every word was read above, before any store (a
+    # thread owns its channels' words, so in place one's store never precedes another's load)
+    for t in tl.static_range(K - 2):
         dst = _word_address(c * (K - 1) + t, wb, per_plane, plane_stride, block_stride)
-        tl.store(words_ptr + dst, tl.load(words_ptr + src, mask=mask, other=0.0), mask=mask)
+        tl.store(words_ptr + dst, window[t + 1], mask=mask)
     last = _word_address(c * (K - 1) + K - 2, wb, per_plane, plane_stride, block_stride)
     tl.store(words_ptr + last, x, mask=mask)
 
 
+@triton.jit
+def _window(words_ptr, c, mask, rb, per_plane, plane_stride, block_stride, K: tl.constexpr):
+    """The K - 1 window words of channels c in block rb, oldest first, as a tuple."""
+    window = ()
+    for t in tl.static_range(K - 1):
+        a = _word_address(c * (K - 1) + t, rb, per_plane, plane_stride, block_stride)
+        window = window + (tl.load(words_ptr + a, mask=mask, other=0.0),)
+    return window
+
+
 def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              pages: PageWords, read: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
+              pages: PageWords, read: torch.Tensor, write: torch.Tensor, *,
+              early_states: bool = False) -> torch.Tensor:
     """x [B, C] -> silu(conv) [B, C]; the conv states (words [0, C * (K - 1)) of a state)
-    move from block read[b] to block write[b]."""
+    move from block read[b] to block write[b]. early_states: read them before waiting on
+    the kernel before (PDL, shoal/pdl.py), where no kernel of the step before this one may
+    have written them."""
     b, c = x.shape
     k = weight.shape[1]
     y = torch.empty_like(x)
@@ -100,7 +120,7 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         x, weight, bias if bias is not None else weight, y, pages.words, read, write, c,
         x.stride(0), y.stride(0), pages.per_plane, pages.plane_stride, pages.block_stride,
         K=k, KP=triton.next_power_of_2(k), BC=block, HAS_BIAS=bias is not None,
-        DTYPE=TL_DTYPES[x.dtype],
+        EARLY_STATES=early_states, DTYPE=TL_DTYPES[x.dtype],
         INTERPRETED=x.device.type == "cpu",  # (TRITON_INTERPRET=1: round as the GPU does)
         **pdl.kwargs(x.device))
     return y
