@@ -88,6 +88,7 @@ CONFIG_FOLDERS = {
     "moonshotai/Kimi-Linear-48B-A3B-Instruct": "kimi-linear-48b-a3b",
     # (for an 80 GB card, where the whole model does not fit; not in the default list)
     "moonshotai/Kimi-Linear-48B-A3B-Instruct-16layers": "kimi-linear-48b-a3b-16layers",
+    "Qwen/Qwen3-Next-80B-A3B-Instruct-16layers": "qwen3-next-80b-a3b-16layers",
 }
 MODELS = [m for m in CONFIG_FOLDERS if not m.endswith("-16layers")]
 # transformers' class of each family (model_type -> class name).

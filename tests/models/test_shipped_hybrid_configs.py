@@ -19,6 +19,7 @@ from shoal.models.qwen3_next import Qwen3NextForCausalLM
 from shoal.models.registry import resolve_model_class
 
 QWEN3_NEXT_24 = "Qwen/Qwen3-Next-80B-A3B-Instruct-24layers"
+QWEN3_NEXT_16 = "Qwen/Qwen3-Next-80B-A3B-Instruct-16layers"
 QWEN35_27B = "Qwen/Qwen3.5-27B"
 QWEN35_35B = "Qwen/Qwen3.5-35B-A3B"
 KIMI_LINEAR = "moonshotai/Kimi-Linear-48B-A3B-Instruct"
@@ -78,6 +79,23 @@ def test_qwen3_next_full_depth_is_the_80b_model():
     assert active == pytest.approx(3.88, abs=0.05)
     half, _ = _counts(_load(QWEN3_NEXT_24)[0], Qwen3NextForCausalLM)
     assert half == pytest.approx(total / 2, rel=0.01)
+
+
+def test_qwen3_next_16_layers_fits_an_80_gb_card():
+    """Qwen3-Next's first 16 layers: the 24-layer config cut again, every layer the real
+    shape, 54 GB of bf16 weights."""
+    cfg, cls = _load(QWEN3_NEXT_16)
+    cfg24, _ = _load(QWEN3_NEXT_24)
+    assert cls is Qwen3NextForCausalLM
+    assert cfg.num_hidden_layers == 16 and cfg.layer_types == _every_fourth(16)
+    same = ("hidden_size", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "linear_num_value_heads", "head_dim")
+    assert all(getattr(cfg, f) == getattr(cfg24, f) for f in same)
+    total, active = _counts(cfg, cls)
+    total24, active24 = _counts(cfg24, cls)
+    assert total == pytest.approx(0.62 + (total24 - 0.62) * 16 / 24, abs=0.05)
+    assert active == pytest.approx(0.62 + (active24 - 0.62) * 16 / 24, abs=0.05)
+    assert 2 * total < 60  # GB of bf16 weights, with room for the KV pool on 80 GB
 
 
 def test_qwen35_27b():
@@ -144,8 +162,8 @@ def test_kimi_linear_16_layers_fits_an_80_gb_card():
     assert per_layer == pytest.approx((full_total - 0.75) / 27, rel=0.05)
 
 
-@pytest.mark.parametrize("name", [QWEN3_NEXT_24, QWEN35_27B, QWEN35_35B, KIMI_LINEAR,
-                                  KIMI_LINEAR_16])
+@pytest.mark.parametrize("name", [QWEN3_NEXT_24, QWEN3_NEXT_16, QWEN35_27B, QWEN35_35B,
+                                  KIMI_LINEAR, KIMI_LINEAR_16])
 def test_names_resolve_case_insensitively(name):
     assert load_model(name.lower(), load_format="dummy").hf_config.architectures == \
         load_model(name, load_format="dummy").hf_config.architectures
