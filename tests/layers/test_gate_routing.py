@@ -12,6 +12,7 @@ graph."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -167,6 +168,21 @@ def test_repeated_calls_reset_the_counter_and_repeat_bit_for_bit() -> None:
     for (x, w, _), (want_w, want_ids) in zip(cases, first):
         got_w, got_ids = check(x, w, None, 4, "softmax_then_topk", True, plan)
         assert torch.equal(got_ids, want_ids) and torch.equal(got_w, want_w)
+
+
+@pytest.mark.parametrize("t, e, k, order, renormalize", [
+    (1, 256, 8, "softmax_then_topk", True), (3, 512, 10, "softmax_then_topk", True),
+    (2, 32, 4, "topk_then_softmax", False), (1, 6, 3, "softmax_then_topk", False)])
+def test_the_bitonic_picks_are_the_k_maxima_bit_for_bit(t: int, e: int, k: int, order: str,
+                                                        renormalize: bool) -> None:
+    """GateRoutingPlan.bitonic: Triton's bitonic top-k of the keys instead of k maxima one
+    after another, the same ids and weights bit for bit (the keys are distinct), k not a
+    power of two (10, 3: the slots past k unused) and E not one (6) included."""
+    x, w, _ = inputs(t, e, 200, torch.bfloat16, seed=e + k)
+    base = few_programs(e) or plan_gate_routing(t, e, 200)
+    want = check(x, w, None, k, order, renormalize, base)
+    got = check(x, w, None, k, order, renormalize, dataclasses.replace(base, bitonic=True))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_strided_rows_and_the_default_plan() -> None:
@@ -328,38 +344,43 @@ def test_tiny_qwen3_moe_through_the_engine_gives_transformers_tokens(monkeypatch
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_fused_against_the_unfused_pair_in_a_cuda_graph() -> None:
-    """E = 256, H = 2048, k = 8, bf16 (Qwen3.5-35B-A3B; 40 MoE layers a step): F.linear +
-    topk_routing against the fused launch, T = 1, 2, 4, 8, replayed from a CUDA graph: one
-    gate read 20 times (L2-resident) and 128 gates read once each (128 MB: from HBM, as in a
-    step whose experts' reads evict the gates). Every call of a 200-call graph is checked
-    (the last-program step's memory ordering, which the interpreter cannot exercise), and
-    at T = 1 a 4-warp plan of 2 experts a program is timed beside the default."""
+    """E = 256, H = 2048, k = 8, bf16 (Qwen3.5-35B-A3B; 40 MoE layers a step), and E = 512,
+    k = 10 at T = 1 (Qwen3-Next): F.linear + topk_routing against the fused launch (its
+    default plan, the bitonic picks, other warps), T = 1, 2, 4, 8, replayed from a CUDA
+    graph: one gate read 20 times (L2-resident) and 128 gates read once each (128 MB: from
+    HBM, as in a step whose experts' reads evict the gates). Every call of a 200-call graph
+    is checked (the last-program step's memory ordering, which the interpreter cannot
+    exercise)."""
     from gpu_timing import graph_of_calls, time_ms
 
-    e, h, k = 256, 2048, 8
-    for t in (1, 2, 4, 8):
+    h = 2048
+    for e, k, t in [(256, 8, 1), (256, 8, 2), (256, 8, 4), (256, 8, 8), (512, 10, 1)]:
         x, w, _ = inputs(t, e, h, torch.bfloat16, seed=t)
         check(x, w, None, k, "softmax_then_topk", True)
         gates = [(torch.randn(e, h, device="cuda") / h ** 0.5).to(torch.bfloat16)
                  for _ in range(128)]
-        plans = {"fused": None}
-        if t == 1:
+        plans = {"fused": None,
+                 "fused bitonic": dataclasses.replace(plan_gate_routing(t, e, h), bitonic=True)}
+        if (e, t) == (256, 1):
             plans["fused 4 warps"] = GateRoutingPlan(2, 2048, 4)
+        if e == 512:  # (the default: 2 warps, the routing's maxima across them)
+            plans["fused 1 warp"] = GateRoutingPlan(2, 2048, 1)
+            plans["fused 1 warp bitonic"] = GateRoutingPlan(2, 2048, 1, bitonic=True)
 
-        def unfused(w=w, x=x):
+        def unfused(w=w, x=x, k=k):
             return topk_routing.topk_routing(F.linear(x, w), k, "softmax_then_topk", True)
 
-        def unfused_cold(x=x, gates=gates):
+        def unfused_cold(x=x, gates=gates, k=k):
             return [topk_routing.topk_routing(F.linear(x, g), k, "softmax_then_topk", True)
                     for g in gates]
 
         line = f"[E={e} H={h} k={k} bf16 T={t}]"
         runs = [("unfused", unfused, unfused_cold)]
         for name, plan in plans.items():
-            def hot(w=w, x=x, plan=plan):
+            def hot(w=w, x=x, plan=plan, k=k):
                 return gate_routing.gate_routing(x, w, k, "softmax_then_topk", True, plan=plan)
 
-            def cold(x=x, plan=plan, gates=gates):
+            def cold(x=x, plan=plan, gates=gates, k=k):
                 return [gate_routing.gate_routing(x, g, k, "softmax_then_topk", True,
                                                   plan=plan) for g in gates]
             runs.append((name, hot, cold))

@@ -69,7 +69,8 @@ def _gate_routing_kernel(
     hidden, N_TOKENS: tl.constexpr, N_EXPERTS: tl.constexpr, HAS_BIAS: tl.constexpr,
     TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr, RENORMALIZE: tl.constexpr,
     ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, ROUTE_E: tl.constexpr,
-    BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, BITONIC: tl.constexpr, INTERPRETED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     pdl.launch_next(PDL)
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -100,7 +101,7 @@ def _gate_routing_kernel(
         x = tl.load(logits_ptr + src[:, None] * N_EXPERTS + cols[None, :],
                     mask=col_ok[None, :], other=float("-inf"), cache_modifier=".cg")
         w, ids = route_rows(x, col_ok, TOP_K, SOFTMAX_FIRST, RENORMALIZE, ROWS, ROUTE_E,
-                            BLOCK_K, INTERPRETED)
+                            BLOCK_K, INTERPRETED, BITONIC)
         store_routes(w, ids, rows, rows < N_TOKENS, weights_ptr, ids_ptr, TOP_K, BLOCK_K,
                      INTERPRETED)
         tl.store(count_ptr, 0)  # ready for the next launch (and graph replay)
@@ -113,6 +114,7 @@ class GateRoutingPlan:
     experts_per_program: int  # BLOCK_E: the grid is ceil(E / BLOCK_E) programs
     block_hidden: int  # BLOCK_H: the H chunk a program loads at once
     num_warps: int
+    bitonic: bool = False  # the last program's picks: Triton's bitonic top-k (route_rows)
 
     def grid(self, num_experts: int) -> tuple[int]:
         return (triton.cdiv(num_experts, self.experts_per_program),)
@@ -204,6 +206,6 @@ def gate_routing(x: torch.Tensor, weight: torch.Tensor, top_k: int, order: Routi
         SOFTMAX_FIRST=order == "softmax_then_topk", RENORMALIZE=renormalize,
         ROWS=triton.next_power_of_2(t), BLOCK_E=plan.experts_per_program,
         BLOCK_H=plan.block_hidden, ROUTE_E=triton.next_power_of_2(e),
-        BLOCK_K=triton.next_power_of_2(top_k), INTERPRETED=interpreted(),
+        BLOCK_K=triton.next_power_of_2(top_k), BITONIC=plan.bitonic, INTERPRETED=interpreted(),
         num_warps=plan.num_warps, enable_reflect_ftz=False, **pdl.kwargs(x.device))
     return weights, ids

@@ -76,10 +76,14 @@ def _from_ordered_bits(key):
 @triton.jit
 def route_rows(x, col_ok, TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
                RENORMALIZE: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-               BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr):
+               BLOCK_K: tl.constexpr, INTERPRETED: tl.constexpr,
+               BITONIC: tl.constexpr = False):
     """The routing of ROWS rows of float32 logits x [ROWS, BLOCK_E] (padding columns, where
     col_ok is false, hold -inf) -> (float32 weights, int64 ids), both [ROWS, BLOCK_K], largest
-    first; slots past TOP_K are unspecified. Shared with gate_routing.py's fused launch."""
+    first; slots past TOP_K hold -inf and id 0. Shared with gate_routing.py's fused launch.
+    The picks: TOP_K maxima one after another, or (BITONIC) Triton's bitonic top-BLOCK_K of
+    the keys, the same picks in the same order (the keys are distinct) in fewer dependent
+    steps across a row's lanes."""
     cols = tl.arange(0, BLOCK_E)
     if SOFTMAX_FIRST:  # the picks are among the probabilities, as torch picks them
         e = _exp(x - tl.max(x, axis=1)[:, None], INTERPRETED)
@@ -88,15 +92,21 @@ def route_rows(x, col_ok, TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
     key = tl.where(col_ok[None, :], key, _REMOVED)
 
     slots = tl.arange(0, BLOCK_K)[None, :]
-    ids = tl.zeros([ROWS, BLOCK_K], dtype=tl.int64)
-    vals = tl.full([ROWS, BLOCK_K], float("-inf"), tl.float32)
-    for j in tl.static_range(TOP_K):
-        best = tl.max(key, axis=1)
-        idx = BLOCK_E - 1 - (best & (BLOCK_E - 1))
-        val = _from_ordered_bits((best >> 32).to(tl.int32))
-        ids = tl.where(slots == j, idx[:, None], ids)
-        vals = tl.where(slots == j, val[:, None], vals)
-        key = tl.where(cols[None, :] == idx[:, None], _REMOVED, key)
+    if BITONIC:
+        best = tl.topk(key, BLOCK_K)  # [ROWS, BLOCK_K], largest first
+        picked = slots < TOP_K
+        ids = tl.where(picked, BLOCK_E - 1 - (best & (BLOCK_E - 1)), 0)
+        vals = tl.where(picked, _from_ordered_bits((best >> 32).to(tl.int32)), float("-inf"))
+    else:
+        ids = tl.zeros([ROWS, BLOCK_K], dtype=tl.int64)
+        vals = tl.full([ROWS, BLOCK_K], float("-inf"), tl.float32)
+        for j in tl.static_range(TOP_K):
+            best = tl.max(key, axis=1)
+            idx = BLOCK_E - 1 - (best & (BLOCK_E - 1))
+            val = _from_ordered_bits((best >> 32).to(tl.int32))
+            ids = tl.where(slots == j, idx[:, None], ids)
+            vals = tl.where(slots == j, val[:, None], vals)
+            key = tl.where(cols[None, :] == idx[:, None], _REMOVED, key)
 
     if SOFTMAX_FIRST:
         w = vals
