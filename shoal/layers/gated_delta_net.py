@@ -42,6 +42,18 @@ def rank_slice_loader(param: nn.Parameter, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded.narrow(0, get_tp_rank() * n, n))
 
 
+def segment_order(nk: int, r: int, dk: int, dv: int) -> torch.Tensor:
+    """Where each column of Qwen3.5's segment order (q | k | v | z | b | a, each over all of a
+    rank's heads) lies in Qwen3-Next's in-projection outputs side by side: in_proj_qkvz's nk
+    key heads of (q dk, k dk, v r x dv, z r x dv), then in_proj_ba's nk of (b r, a r)."""
+    width = 2 * dk + 2 * r * dv
+    head = torch.arange(nk)[:, None] * width
+    q = (head + torch.arange(dk)).flatten()
+    v = (head + 2 * dk + torch.arange(r * dv)).flatten()
+    b = (nk * width + torch.arange(nk)[:, None] * 2 * r + torch.arange(r)).flatten()
+    return torch.cat([q, q + dk, v, v + r * dv, b, b + r])
+
+
 class GatedDeltaNet(LinearAttention):
     def __init__(self, cfg: Any, dtype: torch.dtype, *, interleaved: bool):
         """interleaved: Qwen3-Next's in_proj_qkvz / in_proj_ba; else Qwen3.5's four
@@ -63,6 +75,9 @@ class GatedDeltaNet(LinearAttention):
             self.in_proj_qkvz = ColumnParallelLinear(hidden, 2 * full_k + 2 * full_v,
                                                      params_dtype=dtype)
             self.in_proj_ba = ColumnParallelLinear(hidden, 2 * heads_v, params_dtype=dtype)
+            # (a buffer: it follows the layer's device; not in the state dict)
+            self.register_buffer("segments", segment_order(nk, nv // nk, dk, dv),
+                                 persistent=False)
         else:
             self.in_proj_qkvz = SegmentedColumnLinear(
                 hidden, [full_k, full_k, full_v, full_v], {"qkv": (0, 1, 2), "z": (3,)},
@@ -92,14 +107,16 @@ class GatedDeltaNet(LinearAttention):
 
     def conv_input(self, hidden: torch.Tensor) -> tuple[torch.Tensor, Rest]:
         t = hidden.shape[0]
-        qkvz, ba = self.in_proj(hidden)  # (column slices of one output while joined)
-        if self.interleaved:  # per key head: q, k, its value heads' v, then z (and b, a)
-            r = self.nv // self.nk
-            q, k, v, z = qkvz.view(t, self.nk, -1).split(
-                [self.dk, self.dk, r * self.dv, r * self.dv], dim=-1)
-            b, a = ba.view(t, self.nk, 2 * r).split([r, r], dim=-1)
-            x = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        if self.interleaved:  # per key head: q, k, its value heads' v, then z (and b, a):
+            # one gather into Qwen3.5's order, whose parts are then views (on a GPU at batch
+            # 1, one launch where a cat and three reshape copies took four)
+            both = self.in_proj.joined_output(hidden)
+            if both is None:  # (the projections run apart: packed or LoRA-adapted)
+                both = torch.cat(self.in_proj(hidden), dim=-1)
+            x, z, b, a = both.index_select(-1, self.segments).split(
+                [self.conv_dim, self.nv * self.dv, self.nv, self.nv], dim=-1)
         else:
+            qkvz, ba = self.in_proj(hidden)  # (column slices of one output while joined)
             x, z = qkvz.split([self.conv_dim, self.nv * self.dv], dim=-1)
             b, a = ba.split([self.nv, self.nv], dim=-1)
         return x, (z.reshape(t, self.nv, self.dv), b.reshape(t, self.nv), a.reshape(t, self.nv))

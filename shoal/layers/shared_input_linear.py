@@ -89,14 +89,21 @@ class SharedInputLinear:
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(first(x), second(x)): one GEMM where the weights are still joined (the outputs
         are then column slices of one [T, N1 + N2] tensor), else each layer's own forward."""
+        y = self.joined_output(x)
+        if y is None:
+            return self.first(x), self.second(x)
+        return y[..., :self.sizes[0]], y[..., self.sizes[0]:]
+
+    def joined_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """[T, N1 + N2], first(x) then second(x), from the one GEMM; None where the layers
+        run apart."""
         joined = self.joined_weight()
         if joined is None:
-            return self.first(x), self.second(x)
+            return None
         # a Triton GEMV only where both layers may take one (a replicated one over several
         # ranks may not: layers/linear.py ReplicatedLinear)
         gemv = all(getattr(m, "triton_gemv", False) for m in (self.first, self.second))
-        y = dense_linear.linear(x, joined, None, gemv)
-        return y[..., :self.sizes[0]], y[..., self.sizes[0]:]
+        return dense_linear.linear(x, joined, None, gemv)
 
 
 def settle_all(model: nn.Module) -> int:

@@ -240,3 +240,19 @@ def test_shipped_shapes_on_cuda_give_the_layers_apart_outputs(name: str):
             for a, b in zip((x1, *rest1), (x2, *rest2)):
                 print(f"{name} rows {rows}: {(a != b).sum().item()} of {a.numel()} differ")
                 torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("nk, r", [(1, 1), (2, 2), (3, 4)])
+def test_segment_order_puts_qwen3_next_outputs_in_qwen35_order(nk: int, r: int):
+    """gated_delta_net.segment_order: Qwen3-Next's interleaved in_proj_qkvz | in_proj_ba
+    outputs gathered into q | k | v | z | b | a, each part what splitting every key head's
+    group gives (the order the rest of the layer reads)."""
+    dk, dv, t = 3, 2, 2
+    qkvz = torch.randn(t, nk * (2 * dk + 2 * r * dv))
+    ba = torch.randn(t, nk * 2 * r)
+    q, k, v, z = qkvz.view(t, nk, -1).split([dk, dk, r * dv, r * dv], dim=-1)
+    b, a = ba.view(t, nk, 2 * r).split([r, r], dim=-1)
+    want = torch.cat([p.reshape(t, -1) for p in (q, k, v, z, b, a)], dim=-1)
+    order = gated_delta_net.segment_order(nk, r, dk, dv)
+    assert sorted(order.tolist()) == list(range(want.shape[1]))  # a permutation
+    assert torch.equal(torch.cat([qkvz, ba], dim=-1).index_select(-1, order), want)
