@@ -47,6 +47,10 @@ Measured (back to back on one GPU each time, W2 batch 1 unless named):
   316.5 -> 319.3 tok/s (graph step 3.160 -> 3.132 ms); then the conv step's early taps 319.6 ->
   320.4 (3.129 -> 3.121 ms: one engine each way, whose three runs spread about as far as
   the gain: within the noise).
+- H100, 2026-12-07 (session 22): the linear layers' early states (and their two reductions
+  side by side), Qwen3.5-35B-A3B batch 1 315.7 -> 319.3 tok/s (graph step 3.168 -> 3.132
+  ms, the same first 32 tokens); per layer in a CUDA graph, projections included, 34.0 us
+  against 35.2 with the states read after the wait.
 Not the INT4 GEMVs: their kernels are bound by instructions, not bytes (decode_gemv.py), and
 with PDL INT4 fell 326.2 -> 295.9 (H200; with only the kernels around them taking part:
 318.9, within the launch tuner's run-to-run choices).
