@@ -134,6 +134,26 @@ def _gated_output(o, z_ptrs, w_ptrs, eps, DV: tl.constexpr, KDA: tl.constexpr,
 
 
 @triton.jit
+def _normed_qkv(y_row, kh, h, dk, dv, HK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                KDA: tl.constexpr):
+    """q, k (key head kh), L2-normed, and v (value head h) in float32, from the conv kernel's
+    output row. (The conv is not done here, even where a program owns its channels' windows:
+    Triton replicates the window's words across warps in two layouts, so in place (rb == wb)
+    one warp's store of the moved window can land before another warp's load of it; the
+    sm_90 build showed no barrier between.)"""
+    q = tl.load(y_row + kh * DK + dk).to(tl.float32)
+    k = tl.load(y_row + (HK + kh) * DK + dk).to(tl.float32)
+    v = tl.load(y_row + 2 * HK * DK + h * DV + dv).to(tl.float32)
+    if KDA:  # (as transformers' KDA: sqrt and divide)
+        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
+        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
+    else:
+        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
+        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    return q, k, v
+
+
+@triton.jit
 def _decode_kernel(y_ptr, stride_y, decay_ptr, stride_decay, dt_ptr, alog_ptr, beta_ptr,
                    stride_beta, gate_ptr, stride_gate, nw_ptr, out_ptr, stride_out, words_ptr,
                    read_ptr, write_ptr, state_offset, per_plane, plane_stride, block_stride,
@@ -168,21 +188,7 @@ def _decode_kernel(y_ptr, stride_y, decay_ptr, stride_decay, dt_ptr, alog_ptr, b
         pdl.wait_previous(PDL)
         s = tl.load(words_ptr + rb * block_stride + at)
 
-    # q, k (key head kh) and v (value head h), convolved by the conv kernel. (Not here, even
-    # where a program owns its channels' windows: Triton replicates the window's words across
-    # warps in two layouts, so in place (rb == wb) one warp's store of the moved window can
-    # land before another warp's load of it; the sm_90 build showed no barrier between.)
-    cq, ck, cv = kh * DK + dk, (HK + kh) * DK + dk, 2 * HK * DK + h * DV + dv
-    y_row = y_ptr + row * stride_y
-    q = tl.load(y_row + cq).to(tl.float32)
-    k = tl.load(y_row + ck).to(tl.float32)
-    v = tl.load(y_row + cv).to(tl.float32)
-    if KDA:  # (as transformers' KDA: sqrt and divide)
-        q = q / tl.sqrt(tl.sum(q * q, 0) + 1e-6)
-        k = k / tl.sqrt(tl.sum(k * k, 0) + 1e-6)
-    else:
-        q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
-        k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+    q, k, v = _normed_qkv(y_ptr + row * stride_y, kh, h, dk, dv, HK, DK, DV, KDA)
 
     # the decay and the write strength
     beta = tl.load(beta_ptr + row * stride_beta + h).to(tl.float32)
