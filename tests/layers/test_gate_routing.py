@@ -22,7 +22,6 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
-import triton.language as tl  # noqa: E402
 
 from shoal.layers.moe import gate_routing, router, topk_routing  # noqa: E402
 from shoal.layers.moe.gate_routing import (  # noqa: E402
@@ -174,15 +173,16 @@ def test_repeated_calls_reset_the_counter_and_repeat_bit_for_bit() -> None:
 @pytest.mark.parametrize("t, e, k, order, renormalize", [
     (1, 256, 8, "softmax_then_topk", True), (3, 512, 10, "softmax_then_topk", True),
     (2, 32, 4, "topk_then_softmax", False), (1, 6, 3, "softmax_then_topk", False)])
-@pytest.mark.skipif(not hasattr(tl, "topk"), reason="this Triton has no tl.topk")
+@pytest.mark.skipif(not gate_routing.HAVE_TOPK, reason="this Triton has no tl.topk")
 def test_the_bitonic_picks_are_the_k_maxima_bit_for_bit(t: int, e: int, k: int, order: str,
                                                         renormalize: bool) -> None:
-    """GateRoutingPlan.bitonic: Triton's bitonic top-k of the keys instead of k maxima one
-    after another, the same ids and weights bit for bit (the keys are distinct), k not a
-    power of two (10, 3: the slots past k unused) and E not one (6) included."""
+    """GateRoutingPlan.bitonic (the default where Triton has tl.topk): Triton's bitonic
+    top-k of the keys instead of k maxima one after another, the same ids and weights bit
+    for bit (the keys are distinct), k not a power of two (10, 3: the slots past k unused)
+    and E not one (6) included."""
     x, w, _ = inputs(t, e, 200, torch.bfloat16, seed=e + k)
     base = few_programs(e) or plan_gate_routing(t, e, 200)
-    want = check(x, w, None, k, order, renormalize, base)
+    want = check(x, w, None, k, order, renormalize, dataclasses.replace(base, bitonic=False))
     got = check(x, w, None, k, order, renormalize, dataclasses.replace(base, bitonic=True))
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
@@ -219,13 +219,15 @@ def test_what_it_takes_and_bad_arguments() -> None:
 
 def test_plans() -> None:
     """One warp (the routing's chain in shuffles) for a token of <= 256 experts, one expert
-    a program up to 256 experts; 8 warps and four experts a program at the limit."""
-    assert plan_gate_routing(1, 256, 2048) == GateRoutingPlan(1, 2048, 1)
+    a program up to 256 experts; 8 warps and four experts a program at the limit; bitonic
+    picks where Triton has tl.topk."""
+    bitonic = gate_routing.HAVE_TOPK
+    assert plan_gate_routing(1, 256, 2048) == GateRoutingPlan(1, 2048, 1, bitonic)
     assert plan_gate_routing(1, 256, 2048).grid(256) == (256,)
-    assert plan_gate_routing(8, 256, 2048) == GateRoutingPlan(1, 2048, 8)
-    assert plan_gate_routing(1, 512, 2048) == GateRoutingPlan(2, 2048, 2)
-    assert plan_gate_routing(1, 32, 2880) == GateRoutingPlan(1, 2048, 1)
-    assert plan_gate_routing(8, 1024, 7168) == GateRoutingPlan(4, 4096, 8)
+    assert plan_gate_routing(8, 256, 2048) == GateRoutingPlan(1, 2048, 8, bitonic)
+    assert plan_gate_routing(1, 512, 2048) == GateRoutingPlan(2, 2048, 2, bitonic)
+    assert plan_gate_routing(1, 32, 2880) == GateRoutingPlan(1, 2048, 1, bitonic)
+    assert plan_gate_routing(8, 1024, 7168) == GateRoutingPlan(4, 4096, 8, bitonic)
 
 
 # ---- which path the routers take ----------------------------------------------------------
@@ -348,7 +350,7 @@ def test_tiny_qwen3_moe_through_the_engine_gives_transformers_tokens(monkeypatch
 def test_gpu_fused_against_the_unfused_pair_in_a_cuda_graph() -> None:
     """E = 256, H = 2048, k = 8, bf16 (Qwen3.5-35B-A3B; 40 MoE layers a step), and E = 512,
     k = 10 at T = 1 (Qwen3-Next): F.linear + topk_routing against the fused launch (its
-    default plan, the bitonic picks, other warps), T = 1, 2, 4, 8, replayed from a CUDA
+    default plan, the k maxima, other warps), T = 1, 2, 4, 8, replayed from a CUDA
     graph: one gate read 20 times (L2-resident) and 128 gates read once each (128 MB: from
     HBM, as in a step whose experts' reads evict the gates). Every call of a 200-call graph
     is checked (the last-program step's memory ordering, which the interpreter cannot
@@ -361,16 +363,13 @@ def test_gpu_fused_against_the_unfused_pair_in_a_cuda_graph() -> None:
         check(x, w, None, k, "softmax_then_topk", True)
         gates = [(torch.randn(e, h, device="cuda") / h ** 0.5).to(torch.bfloat16)
                  for _ in range(128)]
-        plans = {"fused": None}
-        if hasattr(tl, "topk"):  # (Triton's bitonic top-k, not in every version)
-            plans["fused bitonic"] = dataclasses.replace(plan_gate_routing(t, e, h),
-                                                         bitonic=True)
+        bitonic = gate_routing.HAVE_TOPK
+        plans = {"fused": None,  # (the default plan: bitonic picks where Triton has them)
+                 "fused maxima": dataclasses.replace(plan_gate_routing(t, e, h), bitonic=False)}
         if (e, t) == (256, 1):
-            plans["fused 4 warps"] = GateRoutingPlan(2, 2048, 4)
-        if e == 512:  # (the default: 2 warps, the routing's maxima across them)
-            plans["fused 1 warp"] = GateRoutingPlan(2, 2048, 1)
-            if hasattr(tl, "topk"):
-                plans["fused 1 warp bitonic"] = GateRoutingPlan(2, 2048, 1, bitonic=True)
+            plans["fused 4 warps"] = GateRoutingPlan(2, 2048, 4, bitonic)
+        if e == 512:  # (the default: 2 warps)
+            plans["fused 1 warp"] = GateRoutingPlan(2, 2048, 1, bitonic)
 
         def unfused(w=w, x=x, k=k):
             return topk_routing.topk_routing(F.linear(x, w), k, "softmax_then_topk", True)
