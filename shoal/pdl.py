@@ -30,11 +30,12 @@ linear layers (linear_decode_fused.py and the conv step) read their block ids an
 recurrent states (the conv windows, the delta rule's state tile) before they wait.
 Safe because no kernel of a step writes weights: a weight update (RL, LoRA loads) runs
 between steps, and kernels that wait lie between it and the kernel reading early. A
-decode step's states are written only by the kernel that reads them (the previous step's
-writes are finished: a graph replay, or a torch op that is not launched with PDL, lies
-between), and the block ids by a host-to-device copy before the step's first kernel; the
-one exception, a speculative step's fold of the accepted run into the states before the
-decode kernels, makes them read the states after the wait (`early_states=False`).
+decode step's states are written only by the kernel that reads them and by torch ops (a
+speculative step's fold just before, prefill chunks, tier restores; torch ops are not
+launched with PDL, so a kernel after one starts only once it has finished), the previous
+step's writes are finished (a graph replay, or such a torch op, lies between), and the block
+ids come from a host-to-device copy before the step's first kernel
+(layers/linear_attention.py EARLY_READS).
 
 Measured (back to back on one GPU each time, W2 batch 1 unless named):
 - H200, 2026-12-07, Llama-3.1-8B shape, the first set (norms, FP8 GEMV, rope, attention,

@@ -55,6 +55,14 @@ from shoal.layers.ops.gated_delta_rule import (
 Rest = tuple[torch.Tensor, ...]  # per-token tensors beside the conv input, [T, ...] each
 
 
+# EARLY_READS: the decode kernels read their block ids and states before they wait on the
+# kernel before (shoal/pdl.py). Safe because in a step nothing writes those states but the
+# decode kernels themselves and torch ops (a speculative step's fold, just before them;
+# prefill chunks; tier restores), and torch ops are not launched with PDL: a kernel that is
+# starts only once the torch op before it has finished. A fold written by a PDL kernel
+# would have to pass early_states=False.
+
+
 def triton_decode(x: torch.Tensor) -> bool:
     """Whether decode rows run the Triton kernels: CUDA tensors. (A seam: the tests and
     benchmarks/hybrid_decode_trace.py run CPU tensors through them in Triton's interpreter.)"""
@@ -248,7 +256,7 @@ class LinearAttention(nn.Module):
             x, self.conv_weight, self.conv_bias, gates, pages, self.pages.conv_words,
             md.decode_read, md.decode_write, key_heads=key_heads, heads=self.state_heads,
             key_dim=self.key_dim, value_dim=self.value_dim, scale=self.scale,
-            early_states=md.fold is None)
+            early_states=True)  # (EARLY_READS)
 
     def _decodes(self, x: torch.Tensor, rest: Rest, md: StateMetadata) -> torch.Tensor:
         assert self.pages is not None and md.decode_read is not None
@@ -278,7 +286,7 @@ class LinearAttention(nn.Module):
         pages = self._page_words()
         y = decode_kernels.conv_step(x, self.conv_weight, self.conv_bias, pages,
                                      md.decode_read, md.decode_write,
-                                     early_states=md.fold is None)
+                                     early_states=True)  # (EARLY_READS)
         q, k, v, g, beta = self.heads(y, rest)
         return decode_kernels.delta_rule_step(q, k, v, g, beta, pages, self.pages.conv_words,
                                               md.decode_read, md.decode_write, self.scale)
@@ -370,7 +378,8 @@ class LinearAttention(nn.Module):
         return conv, state
 
     def _fold_into_pages(self, fold: StateFold, like: tuple[torch.Tensor, Rest]) -> None:
-        """An eager step's replays: each accepted run folded into the state of its block."""
+        """An eager step's replays: each accepted run folded into the state of its block.
+        Written through torch ops (EARLY_READS below)."""
         assert self.pages is not None
         conv, state = self.pages.read(fold.block)
         conv, state = self._fold(conv, state, fold.slot, fold.count, like)

@@ -172,14 +172,15 @@ def test_repeated_calls_reset_the_counter_and_repeat_bit_for_bit() -> None:
 
 @pytest.mark.parametrize("t, e, k, order, renormalize", [
     (1, 256, 8, "softmax_then_topk", True), (3, 512, 10, "softmax_then_topk", True),
-    (2, 32, 4, "topk_then_softmax", False), (1, 6, 3, "softmax_then_topk", False)])
+    (2, 32, 4, "topk_then_softmax", False), (1, 6, 3, "softmax_then_topk", False),
+    (1, 8, 1, "softmax_then_topk", False)])
 @pytest.mark.skipif(not gate_routing.HAVE_TOPK, reason="this Triton has no tl.topk")
 def test_the_bitonic_picks_are_the_k_maxima_bit_for_bit(t: int, e: int, k: int, order: str,
                                                         renormalize: bool) -> None:
     """GateRoutingPlan.bitonic (the default where Triton has tl.topk): Triton's bitonic
     top-k of the keys instead of k maxima one after another, the same ids and weights bit
-    for bit (the keys are distinct), k not a power of two (10, 3: the slots past k unused)
-    and E not one (6) included."""
+    for bit (the keys are distinct), k not a power of two (10, 3: the slots past k unused),
+    k = 1 (one maximum either way) and E not a power of two (6) included."""
     x, w, _ = inputs(t, e, 200, torch.bfloat16, seed=e + k)
     base = few_programs(e) or plan_gate_routing(t, e, 200)
     want = check(x, w, None, k, order, renormalize, dataclasses.replace(base, bitonic=False))

@@ -80,10 +80,11 @@ def route_rows(x, col_ok, TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
                BITONIC: tl.constexpr = False):
     """The routing of ROWS rows of float32 logits x [ROWS, BLOCK_E] (padding columns, where
     col_ok is false, hold -inf) -> (float32 weights, int64 ids), both [ROWS, BLOCK_K], largest
-    first; slots past TOP_K hold -inf and id 0. Shared with gate_routing.py's fused launch.
-    The picks: TOP_K maxima one after another, or (BITONIC) Triton's bitonic top-BLOCK_K of
-    the keys, the same picks in the same order (the keys are distinct) in fewer dependent
-    steps across a row's lanes."""
+    first; slots past TOP_K are unspecified. Shared with gate_routing.py's fused launch.
+    The picks: TOP_K maxima one after another, or (BITONIC, k > 1) Triton's bitonic
+    top-BLOCK_K of the keys, the same picks in the same order (the keys are distinct) in
+    fewer dependent steps across a row's lanes. (k = 1 is one maximum either way, and some
+    Tritons' tl.topk fail at k = 1.)"""
     cols = tl.arange(0, BLOCK_E)
     if SOFTMAX_FIRST:  # the picks are among the probabilities, as torch picks them
         e = _exp(x - tl.max(x, axis=1)[:, None], INTERPRETED)
@@ -92,7 +93,7 @@ def route_rows(x, col_ok, TOP_K: tl.constexpr, SOFTMAX_FIRST: tl.constexpr,
     key = tl.where(col_ok[None, :], key, _REMOVED)
 
     slots = tl.arange(0, BLOCK_K)[None, :]
-    if BITONIC:
+    if BITONIC and BLOCK_K > 1:
         best = tl.topk(key, BLOCK_K)  # [ROWS, BLOCK_K], largest first
         picked = slots < TOP_K
         ids = tl.where(picked, BLOCK_E - 1 - (best & (BLOCK_E - 1)), 0)

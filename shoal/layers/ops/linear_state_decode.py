@@ -86,8 +86,9 @@ def _conv_step_kernel(x_ptr, w_ptr, b_ptr, y_ptr, words_ptr, read_ptr, write_ptr
         acc += window[t] * _tap(taps, t, KP)
     y = acc / (1.0 + tl.exp(-acc))
     tl.store(y_ptr + row * stride_y + c, to_dtype(y, DTYPE, INTERPRETED), mask=mask)
-    # the window moves on from registers: every word was read above, before any store (a
-    # thread owns its channels' words, so in place one's store never precedes another's load)
+    # the window moves on from registers: every word was read above, before any store. In
+    # place (rb == wb) that needs each channel in one warp (conv_step's warps: BC >= 32 x
+    # warps, or one warp), whose load of a word is one instruction before its store
     for t in tl.static_range(K - 2):
         dst = _word_address(c * (K - 1) + t, wb, per_plane, plane_stride, block_stride)
         tl.store(words_ptr + dst, window[t + 1], mask=mask)
@@ -122,6 +123,7 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
         K=k, KP=triton.next_power_of_2(k), BC=block, HAS_BIAS=bias is not None,
         EARLY_STATES=early_states, DTYPE=TL_DTYPES[x.dtype],
         INTERPRETED=x.device.type == "cpu",  # (TRITON_INTERPRET=1: round as the GPU does)
+        num_warps=max(1, min(4, block // 32)),  # (no channel in two warps: see the kernel)
         **pdl.kwargs(x.device))
     return y
 
