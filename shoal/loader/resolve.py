@@ -79,7 +79,7 @@ SHIPPED_CONFIGS: dict[str, str] = {
     # Hybrid linear attention. Qwen3-Next-80B-A3B (79.7B in bf16) does not fit one H200: its
     # first 24 of 48 layers (the same 3 linear : 1 full pattern), 40.0B parameters.
     "Qwen/Qwen3-Next-80B-A3B-Instruct-24layers": "qwen3-next-80b-a3b-24layers",
-    # Its first 16 layers (26.9B parameters, 54 GB in bf16), for an 80 GB card.
+    # Its first 16 layers (26.97B parameters, 54 GB in bf16), for an 80 GB card.
     "Qwen/Qwen3-Next-80B-A3B-Instruct-16layers": "qwen3-next-80b-a3b-16layers",
     # Qwen3.5's text decoders (the released repos are multimodal; text_config flattened).
     "Qwen/Qwen3.5-27B": "qwen3.5-27b",
