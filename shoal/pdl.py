@@ -15,8 +15,8 @@ launch (griddepcontrol.launch_dependents) and then waits for the one before
 with PDL must wait before it reads anything an earlier kernel wrote: before the wait it reads
 only what no launch of the chain before it wrote (the early reads below). Waiting covers
 every kernel before it, not only the last: that one finished only after its own wait
-returned. A kernel launched without
-it (torch ops, cuBLAS) waits for the one before to finish, as ever.
+returned. A kernel launched without it (torch ops, cuBLAS) waits for the one before to
+finish, as ever.
 
 Taking part: RMSNorm (rms_norm.py), SiLU-mul, the FP8 GEMV (decode_gemv.py), the dense bf16
 GEMVs (half_gemv.py) and their split sum, rope and cache write, paged decode and its split

@@ -170,9 +170,9 @@ def _decode_kernel(y_ptr, stride_y, decay_ptr, stride_decay, dt_ptr, alog_ptr, b
     DVS: tl.constexpr = DV // SPLIT  # this program's columns of the head's state
     dv = tl.program_id(2) * DVS + tl.arange(0, DVS)
     # before the wait (shoal/pdl.py): the block ids (the step's inputs, copied in before its
-    # first kernel), the decay's weights and, with EARLY_STATES, the state tile itself (no
-    # kernel of the step before this one writes it): its read, the largest of the kernel,
-    # overlaps the conv kernel and the in-projection's tail
+    # first kernel), the decay's weights and, with EARLY_STATES, the state tile itself
+    # (linear_attention.py EARLY_READS): its read, the largest of the kernel, overlaps the
+    # conv kernel and the in-projection's tail
     rb = tl.load(read_ptr + row)
     wb = tl.load(write_ptr + row)
     at = _state_words(h, dk, dv, state_offset, per_plane, plane_stride, DK, DV, ALIGNED)
@@ -291,9 +291,9 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
     conv window (words [0, state_offset)) and [heads, Dk, Dv] states move from block read[b]
     to write[b]. Returns the gated, normed output [B, heads * value_dim] in x's dtype, what
     the out-projection takes. Callers check fits() first. early_states: both kernels read the
-    states before they wait on the kernel before (PDL, shoal/pdl.py), where no kernel of the
-    step before them may have written them (not after a speculative step's fold).
-    num_warps: for timing the choices.
+    states before they wait on the kernel before (PDL, shoal/pdl.py), for a caller whose
+    step has no kernel launched with PDL write them first (layers/linear_attention.py
+    EARLY_READS). num_warps: for timing the choices.
     Two launches: every channel's conv (a key head's q and k serve R programs), then one
     program per (row, value head)."""
     b = x.shape[0]
@@ -315,8 +315,9 @@ def decode_step(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Ten
     counts = counters(x.device, b * heads, "linear decode") if split > 1 else read
     if num_warps is None:  # the state tile at up to 128 words a thread (see MAX_TILE): on an
         # H100 each shipped layer's decode step (projections included, in a CUDA graph) took
-        # 0.6-2.2 us less at batch 1 and 4.5-6.4 us less at batch 8 than at 64 a thread (8
-        # warps: 172-181 registers, one program an SM where 4 warps fit two)
+        # 4-6 us less at batch 8 than at 64 a thread (8 warps: 172-181 registers, one
+        # program an SM where 4 warps fit two), in two runs; at batch 1 the same within
+        # 0.3 us in one run, 0.6-2.2 us less in the other
         num_warps = max(4, min(16, key_dim * value_dim // split // 4096))
     # (split: o's slices, float32, in a buffer of the step, graph-pool memory in a capture)
     o_part = (torch.empty(b * heads * value_dim, dtype=torch.float32, device=x.device)

@@ -69,7 +69,7 @@ def _conv_step_kernel(x_ptr, w_ptr, b_ptr, y_ptr, words_ptr, read_ptr, write_ptr
     if HAS_BIAS:
         bias = tl.load(b_ptr + c, mask=mask, other=0.0).to(tl.float32)
     # the block ids (the step's inputs, copied in before its first kernel) and, with
-    # EARLY_STATES, the windows too: no kernel of the step before this one writes them
+    # EARLY_STATES, the windows too (layers/linear_attention.py EARLY_READS)
     rb = tl.load(read_ptr + row).to(tl.int64)
     wb = tl.load(write_ptr + row).to(tl.int64)
     if EARLY_STATES:
@@ -111,8 +111,8 @@ def conv_step(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
               early_states: bool = False) -> torch.Tensor:
     """x [B, C] -> silu(conv) [B, C]; the conv states (words [0, C * (K - 1)) of a state)
     move from block read[b] to block write[b]. early_states: read them before waiting on
-    the kernel before (PDL, shoal/pdl.py), where no kernel of the step before this one may
-    have written them."""
+    the kernel before (PDL, shoal/pdl.py), for a caller whose step has no kernel launched
+    with PDL write them first (layers/linear_attention.py EARLY_READS)."""
     b, c = x.shape
     k = weight.shape[1]
     y = torch.empty_like(x)
