@@ -62,22 +62,6 @@ def test_k_shorter_than_a_step_and_one_output_row():
         _close(half_gemv.half_gemv(x, w, b, tile), want, torch.bfloat16)
 
 
-@pytest.mark.parametrize("m,split,bias", [(1, 2, True), (3, 3, False), (8, 4, True)])
-def test_last_program_sums_the_split_as_the_second_kernel_did(monkeypatch, m, split, bias):
-    """The strip's last program adds the partials in split order: the same bits as the
-    split-summing kernel (the path where no counters can be made), twice in a row (the
-    counters are reset), and the counters are left at zero."""
-    x, w, b, want = _problem(m, 45, 300, torch.bfloat16, bias, True, seed=split)
-    tile = HalfGemvTile(4, 32, split)
-    last = [half_gemv.half_gemv(x, w, b, tile) for _ in range(2)]
-    count = half_gemv.counters(x.device, 12, "test")
-    assert int(count[:12].abs().sum()) == 0
-    monkeypatch.setattr(half_gemv, "counters_ready", lambda device, n: False)
-    two = half_gemv.half_gemv(x, w, b, tile)
-    assert torch.equal(last[0], two) and torch.equal(last[1], two)
-    _close(two, want, torch.bfloat16)
-
-
 def test_bad_launches_are_refused_by_name():
     x, w = torch.randn(9, 16).bfloat16(), torch.randn(4, 16).bfloat16()
     tile = HalfGemvTile(4, 64, 1)

@@ -21,14 +21,9 @@ The main loop's loads have no per-element masks: rows past N and M re-read the l
 loop, and prefetch's load past the last whole step is off by one uniform predicate.
 
 split > 1 (for N too narrow to give every multiprocessor several programs): K is cut into
-`split` ranges and each program writes float32 partials [split, M, N]. The program that
-finishes its strip last (a counter a strip, program_counters.py, atomic with acq_rel: every
-partial is written before it counts) adds them in split order, adds the bias, rounds and
-resets the counter, as int4_wide_gemv.py's split does: the same bits as the split-summing
-kernel below, in a CUDA graph or not, without its launch (o_proj-sized shapes split in two
-on a 132-SM GPU: 40 launches a Qwen3.5-35B-A3B step). Where no counters can be made (a
-first split launch inside a graph capture) that second kernel adds them. Unsplit, the bias
-is added in the GEMV itself."""
+`split` ranges, each program writes float32 partials [split, M, N], and a second small
+kernel adds them in split order, adds the bias and rounds (no atomics: the same inputs give
+the same bits, in a CUDA graph or not). Unsplit, the bias is added in the GEMV itself."""
 
 from __future__ import annotations
 
@@ -40,7 +35,6 @@ import triton
 import triton.language as tl
 
 from shoal import pdl
-from shoal.layers.ops.program_counters import counters, counters_ready
 
 MAX_ROWS = 8  # activation rows one program holds
 VEC = 8  # halves a 16-byte load reads
@@ -66,14 +60,11 @@ class HalfGemvTile:
 
 
 @triton.jit
-def _half_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
-                      SPLIT, stride_xm, stride_wn, stride_os, stride_om,
+def _half_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, K_SPLIT,
+                      stride_xm, stride_wn, stride_os, stride_om,
                       HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, VEC: tl.constexpr, PREFETCH: tl.constexpr,
-                      LAST_SUMS: tl.constexpr = False, PDL: tl.constexpr = False):
-    """out (or, split, part[pid_k]) = x . W^T over this program's K range. LAST_SUMS: the
-    strip's last program to finish adds the partials (see the module docstring); without
-    it a split's partials wait for sum_splits_kernel and HAS_BIAS is off."""
+                      PDL: tl.constexpr = False):
     VECS: tl.constexpr = BLOCK_K // VEC
     pdl.launch_next(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -113,27 +104,12 @@ def _half_gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K
         x = tl.load(x_step + k_full, mask=k_ok, other=0.0).to(tl.float32)
         acc += tl.sum(w * x, axis=3)
     y = tl.sum(acc, axis=0)  # [BLOCK_M, BLOCK_N]
-    ok = (rows_m < M)[:, None] & (rows_n < N)[None, :]
-    if LAST_SUMS:  # partials first; the count tells the strip's last program they are written
-        cells = rows_m.to(tl.int64)[:, None] * N + rows_n[None, :]  # part is [SPLIT, M, N]
-        tl.store(part_ptr + pid_k.to(tl.int64) * M * N + cells, y, mask=ok)
-        tl.debug_barrier()  # every thread's partial is written before the count goes up
-        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
-            y = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for s in range(SPLIT):  # (in split order, as sum_splits_kernel: the same bits)
-                y += tl.load(part_ptr + s * M * N + cells, mask=ok, other=0.0,
-                             cache_modifier=".cg")  # (at L2, where the others wrote them)
-            if HAS_BIAS:
-                y += tl.load(b_ptr + safe_n).to(tl.float32)[None, :]
-            tl.store(out_ptr + rows_m.to(tl.int64)[:, None] * stride_om + rows_n[None, :],
-                     y.to(out_ptr.dtype.element_ty), mask=ok)
-            tl.store(count_ptr + pid_n, 0)  # ready for the next launch
-    else:
-        if HAS_BIAS:
-            y += tl.load(b_ptr + safe_n).to(tl.float32)[None, :]
-        out = (out_ptr + pid_k.to(tl.int64) * stride_os
-               + rows_m.to(tl.int64)[:, None] * stride_om + rows_n[None, :])
-        tl.store(out, y.to(out_ptr.dtype.element_ty), mask=ok)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + safe_n).to(tl.float32)[None, :]
+    out = (out_ptr + pid_k.to(tl.int64) * stride_os + rows_m.to(tl.int64)[:, None] * stride_om
+           + rows_n[None, :])
+    tl.store(out, y.to(out_ptr.dtype.element_ty),
+             mask=(rows_m < M)[:, None] & (rows_n < N)[None, :])
 
 
 @triton.jit
@@ -186,22 +162,15 @@ def half_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                   PREFETCH=tile.prefetch, num_warps=tile.num_warps,
                   num_stages=1,  # (Triton pipelines no load of a loop without tl.dot)
                   **pdl.kwargs(x.device))
-    strips = triton.cdiv(n, tile.block_n)
-    grid = (strips, split)
-    b = bias if bias is not None else x
+    grid = (triton.cdiv(n, tile.block_n), split)
     if split == 1:
-        _half_gemv_kernel[grid](x, weight, b, out, out, out, m, n, k, span, 1, x.stride(0),
-                                weight.stride(0), 0, n, HAS_BIAS=bias is not None, **launch)
+        _half_gemv_kernel[grid](x, weight, bias if bias is not None else x, out, m, n, k, span,
+                                x.stride(0), weight.stride(0), 0, n,
+                                HAS_BIAS=bias is not None, **launch)
         return out
     part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-    if counters_ready(x.device, strips):
-        count = counters(x.device, strips, "half_gemv")
-        _half_gemv_kernel[grid](x, weight, b, out, part, count, m, n, k, span, split,
-                                x.stride(0), weight.stride(0), 0, n,
-                                HAS_BIAS=bias is not None, LAST_SUMS=True, **launch)
-        return out
-    _half_gemv_kernel[grid](x, weight, x, part, part, part, m, n, k, span, 1, x.stride(0),
-                            weight.stride(0), m * n, n, HAS_BIAS=False, **launch)
+    _half_gemv_kernel[grid](x, weight, x, part, m, n, k, span, x.stride(0), weight.stride(0),
+                            m * n, n, HAS_BIAS=False, **launch)
     sum_splits_kernel[(m, triton.cdiv(n, SUM_BLOCK))](
         part, bias if bias is not None else x, out, m, n, split, n, HAS_BIAS=bias is not None,
         BLOCK=SUM_BLOCK, num_warps=4, **pdl.kwargs(x.device))
