@@ -15,7 +15,8 @@ MODEL: the Qwen3-0.6B shape with SmolLM2's vocabulary and tokenizer, so text com
 --step-trace: the engine core's per-step trace (SHOAL_STEP_TRACE) beside the per-request
 timings (--save-detailed), to line the first served batch up with later ones.
 --batch1-model: batch-1 streaming over HTTP too (128 in / 256 out, 6 requests one at a time),
-whose inter-token latency compares with gpu_suite.py w2's offline decode step.
+whose inter-token latency compares with gpu_suite.py w2's offline decode step (or
+hybrid_gpu.py batch1's); --batch1-only runs that alone, without the W8 sweep.
 --smoke: a 2-layer model with MODEL's tokenizer on the CPU, 8 short requests.
 --api-server-count N: `shoal serve --api-server-count N` (N API processes over one engine).
 --concurrency C: C streaming clients instead of the preset's 256; above 256, C requests on both
@@ -191,6 +192,8 @@ def main() -> int:
                    help="the engine's batch limit, both sides (default: the engine's, or "
                         "--concurrency above 256)")
     p.add_argument("--batch1-model", default=None)
+    p.add_argument("--batch1-only", action="store_true",
+                   help="only --batch1-model's batch-1 streaming over HTTP (no W8 sweep)")
     p.add_argument("--timeout", type=float, default=240, help="seconds per command")
     args = p.parse_args()
     if not 1 <= args.concurrency <= 1024:
@@ -201,9 +204,17 @@ def main() -> int:
         args.max_num_seqs = args.concurrency
     args.work_dir = args.work_dir or args.out.with_name(args.out.stem + "-runs")
     args.model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
+    if args.batch1_only and not args.batch1_model:
+        p.error("--batch1-only needs --batch1-model")
     if args.smoke:
         args.model, args.client_processes = smoke_model(args.model), 1
     w8 = W8(args)
+    if args.batch1_only:
+        figures = {"model": args.model, "smoke": args.smoke, **w8.batch1_http(),
+                   "engine_args": " ".join(w8.engine), "commands": w8.commands}
+        write([record("W8 batch1 serve", "shoal", **figures)], args.out)
+        print(json.dumps(figures, indent=1))
+        return 0
     offline = w8.offline()
     offline_tok_s = [r["output_tokens_per_second"] for r in offline["runs"]]
     served, ready = w8.served()
