@@ -32,6 +32,7 @@ KERNEL_TESTS = [
     "attention/test_rope_kv_write.py", "attention/test_triton_kernels.py",
     "quantization/test_decode_gemv.py", "quantization/test_int4_wide_gemv.py",
     "layers/test_linear_state_decode.py", "layers/test_layer_kernels.py",
+    "quantization/test_int4_mma_gemv.py",
 ]
 # each must have been recorded and compiled (a kernel renamed or no longer launched by its
 # tests shows here, rather than silently leaving the check)
@@ -41,7 +42,7 @@ KERNELS = {
     "_down_kernel", "_rms_norm_kernel", "_silu_mul_kernel", "_rope_kv_write_kernel",
     "_paged_decode_kernel", "_split_reduce_kernel", "_fp8_gemv_kernel", "_int4_wide_kernel",
     "_delta_rule_kernel", "_rotary_kernel", "_paged_prefill_kernel", "_kv_cache_write_kernel",
-    "_int4_gemv_kernel", "_grouped_gemm_kernel",
+    "_int4_gemv_kernel", "_grouped_gemm_kernel", "_int4_mma_kernel",
 }
 
 

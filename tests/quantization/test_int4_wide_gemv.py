@@ -81,7 +81,7 @@ def test_bad_wide_launches_are_refused_by_name():
         wide.int4_wide_gemv(x, codes, scales, None, 32, step_w=3, **kw)
     with pytest.raises(ValueError, match="1..8 rows"):
         wide.int4_wide_gemv(x.expand(9, 64), codes, scales, None, 32, step_w=2, **kw)
-    with pytest.raises(ValueError, match="is not 'strip' or 'wide'"):
+    with pytest.raises(ValueError, match="is not 'strip', 'wide' or 'mma'"):
         int4_gemv(x, codes, scales, None, 32, GemvTiles(16, 32, 1, kernel="dense"))
 
 

@@ -16,9 +16,10 @@ step; a step of several groups (_fp8_group_steps) reads the step's scales togeth
 where the strip lies in one row block of scales, multiplies them into the activations, so
 that a weight costs one FMA as on the per-channel path. The tuner times both kinds.
 
-INT4 has a second kernel, int4_wide_gemv.py (tiles.kernel "wide": fewer instructions a code,
-the rows sharing each dequantized code, a K split summed by the strip's last program); the
-tuner times both kinds."""
+INT4 has two more kernels: int4_wide_gemv.py (tiles.kernel "wide": fewer instructions a code,
+the rows sharing each dequantized code, a K split summed by the strip's last program) and
+int4_mma_gemv.py (tiles.kernel "mma": the products on tensor cores, two codes made by one
+instruction); the tuner times all three kinds."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import triton
 import triton.language as tl
 
 from shoal import pdl
+from shoal.layers.quantization.int4_mma_gemv import int4_mma_gemv
 from shoal.layers.quantization.int4_wide_gemv import int4_wide_gemv, partial_chunk
 
 MAX_ROWS = 8  # activation rows one program holds; more rows take the tensor-core kernels
@@ -43,7 +45,7 @@ class GemvTiles:
     split: int
     num_warps: int = 4
     num_stages: int = 3
-    kernel: str = "strip"  # INT4: "strip" (here) or "wide" (int4_wide_gemv.py)
+    kernel: str = "strip"  # INT4: "strip" (here), "wide" or "mma" (int4_*_gemv.py)
     prefetch: bool = False  # "wide": the next step's words load during this step's math
 
 
@@ -310,8 +312,12 @@ def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                               step_w=tiles.block_k // 8, split=tiles.split,
                               prefetch=tiles.prefetch, num_warps=tiles.num_warps,
                               num_stages=tiles.num_stages)
+    if tiles.kernel == "mma":
+        return int4_mma_gemv(x, codes, scales, zeros, group, block_n=tiles.block_n,
+                             words=tiles.block_k // 8, split=tiles.split,
+                             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if tiles.kernel != "strip":
-        raise ValueError(f"int4_gemv: kernel {tiles.kernel!r} is not 'strip' or 'wide'")
+        raise ValueError(f"int4_gemv: kernel {tiles.kernel!r} is not 'strip', 'wide' or 'mma'")
     span, split = _span(k, tiles.block_k, tiles.split)
     out = torch.empty((split, m, n) if split > 1 else (m, n),
                       dtype=torch.float32 if split > 1 else x.dtype, device=x.device)
@@ -358,7 +364,8 @@ def int4_candidates(n: int, k: int, group: int, device: torch.device, rows: int 
     strips = ((16, 16), (32, 8)) if device.type != "cuda" else (
         (64, 64), (128, 32), (32, 128), (64, 128), (128, 64), (256, 32))
     fits = [s for s in strips if group >= k or group % s[1] == 0]
-    return _with_splits(fits, n, (1, 2, 4, 8), device) + _wide(n, k, group, rows, device)
+    return (_with_splits(fits, n, (1, 2, 4, 8), device) + _wide(n, k, group, rows, device)
+            + _mma(n, k, group, device))
 
 
 # "wide" tiles per row count: (block_n, step words, prefetch), one warp a program. Each
@@ -399,6 +406,40 @@ def wide_tiles(n: int, k: int, group: int, rows: int, sms: int) -> list[GemvTile
                          for per_sm in (4, 8, 16)})
         out += [GemvTiles(block_n, words * 8, split, num_warps=1, num_stages=1,
                           kernel="wide", prefetch=prefetch) for split in splits]
+    return out
+
+
+# "mma" tiles (int4_mma_gemv.py, any rows up to 8: they are the MMA's padded columns):
+# (block_n, warps, stages). Registers from Triton 3.9's sm_90 compiler at 16 words a step (no
+# spills): n128 w4 127, n256 w4 209, n256 w8 127; 2.0-2.4 instructions a code in the loop.
+# Stages > 1: Triton pipelines the word loads through shared memory (cp.async).
+_MMA = ((128, 4, 1), (256, 4, 1), (256, 8, 1), (256, 8, 3))
+
+
+def _mma(n: int, k: int, group: int, device: torch.device) -> list[GemvTiles]:
+    """The tensor-core kernel's candidates on a GPU with them (sm_80 on): 16 words a step
+    (one 128-wide group), else 8 (64); K splits that give about 2 and 4 programs a
+    multiprocessor, at least two steps a program (int4_mma_gemv.fits: K a multiple of the
+    step). None in the interpreter (its tests call the kernel directly)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+        return []
+    return mma_tiles(n, k, group, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def mma_tiles(n: int, k: int, group: int, sms: int) -> list[GemvTiles]:
+    words = next((w for w in (16, 8) if k % (8 * w) == 0
+                  and (group >= k or group % (8 * w) == 0)), None)
+    if words is None:
+        return []
+    steps = k // (8 * words)
+    out = []
+    for block_n, warps, stages in _MMA:
+        strips = triton.cdiv(n, block_n)
+        most = max(1, steps // 2)
+        splits = sorted({min(most, max(1, 1 << round(math.log2(max(1.0, per_sm * sms / strips)))))
+                         for per_sm in (2, 4)})
+        out += [GemvTiles(block_n, 8 * words, split, num_warps=warps, num_stages=stages,
+                          kernel="mma") for split in splits]
     return out
 
 

@@ -52,6 +52,8 @@ def _gemv_name(t: decode_gemv.GemvTiles) -> str:
     name = f"gemv n{t.block_n} k{t.block_k} split{t.split}"
     if t.kernel == "strip":
         return name
+    if t.kernel == "mma":
+        return f"{name} mma w{t.num_warps} s{t.num_stages}"
     return f"{name} {t.kernel} w{t.num_warps}" + (" prefetch" if t.prefetch else "")
 
 

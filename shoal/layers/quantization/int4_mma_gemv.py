@@ -1,0 +1,178 @@
+"""INT4 weight-only GEMV for 1..8 rows on tensor cores: the "mma" launch candidates of
+decode_gemv.int4_gemv, beside the wide kernel's CUDA-core FMAs (int4_wide_gemv.py).
+
+The wide kernel spends about 3.7 instructions a 4-bit code at one row (Triton's sm_90 output),
+and on the H200 its GEMVs ran at ~2 TB/s of 4.8 (2026-12-06: Llama-3.1-8B's gate_up 30.6 us
+for 60 MB). Here the products go to the tensor cores and a code costs about two instructions
+(Triton 3.9's sm_90 output for this file, 256 outputs a program over 4 warps: 1.9):
+
+- the weight tile is the dot's A operand, out^T [N, 8] = W [N, K] . x^T [K, 8]: the outputs
+  are the MMA's rows and the (padded) activation rows its 8 columns, so no tensor-core row
+  is spent on padding past the 8 rows a decode step has at most;
+- one LOP3 makes two bf16 (fp16) values from one 32-bit word, the nibbles at bits s and
+  s + 16 or-ed into the mantissas of 128 (1024): the packed pair reads as 128 + code twice
+  (`_pairs`, inline PTX; a plain Triton twin where the interpreter runs). The dot's K axis
+  takes them in that order: pair set j (nibbles j and j + 4 of a step's WORDS words) is a
+  [N, 2 * WORDS] operand whose column 2w + t is input 8w + j + 4t, and the activation tile
+  is loaded in the same order, so the dot sums the products the GEMV needs, only in
+  another order. Triton lays the pairs out as the MMA operand wants them (two consecutive K
+  values a register): the words cross shared memory once a step as int32 (half a byte a
+  code), the codes never;
+- 128 + zero is not subtracted per code: a K step (one scale group) takes dot(128 + code, x)
+  and subtracts (128 + zero) * sum(x) once per output, then multiplies by the scale. The
+  products are exact in float32 and the sums cancel by at most ~2^5, far above float32's
+  rounding.
+
+A K split over programs (SPLIT > 1) writes float32 partials [SPLIT, M, N]; the program that
+finishes a strip last (a per-strip counter, reset by that program) adds them in split order
+and writes the output, as int4_wide_gemv.py does.
+
+Limits, checked by `fits`: x in bf16 or fp16 (the magic constant is the activations' type), K a
+multiple of the step (8 * WORDS inputs, WORDS >= 8: the MMA's K of 16 bit operands is 16), and
+the step dividing the group unless one group spans K."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shoal.attention.ops.interpreted_half import half_dot, to_dtype
+from shoal.layers.moe.topk_routing import interpreted
+from shoal.layers.ops.program_counters import counters
+
+# the packed pair's upper bits per activation dtype: exponent of 128 (bf16) / 1024 (fp16)
+MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
+BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
+MAX_ROWS = 8  # the MMA's N: the activation rows a launch takes
+
+
+@triton.jit
+def _pairs(words2, SH: tl.constexpr, MAGIC16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """[..., 2] of x's dtype from words2 = join(words, words): the nibble at bit SH of each
+    word (t = 0) and at bit SH + 16 (t = 1), each read as BIAS + code."""
+    if INTERPRETED:  # the same values, in float32 (interpreted_half.half_dot widens them)
+        code = ((words2 >> (SH + 16 * tl.arange(0, 2))) & 0xF).to(tl.float32)
+        pairs = code + (128.0 if MAGIC16 == 0x4300 else 1024.0)
+    elif MAGIC16 == 0x4300:
+        pairs = tl.inline_asm_elementwise(
+            asm=f"{{ .reg .b32 t; shr.b32 t, $1, {SH}; "
+                "lop3.b32 $0, t, 0x000F000F, 0x43004300, 0xEA; }",
+            constraints="=r,r,r", args=[words2], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        pairs = tl.inline_asm_elementwise(
+            asm=f"{{ .reg .b32 t; shr.b32 t, $1, {SH}; "
+                "lop3.b32 $0, t, 0x000F000F, 0x64006400, 0xEA; }",
+            constraints="=r,r,r", args=[words2], dtype=tl.float16, is_pure=True, pack=2)
+    return pairs  # (one return: Triton checks every return's type, taken or not)
+
+
+@triton.jit
+def _store_tile(acc, out_ptr, offs_n, rows, M, N, INTERPRETED: tl.constexpr):
+    """acc [BLOCK_N, 8] -> out[row, n] for rows < M and n < N (out is [M, N])."""
+    ok = (offs_n < N)[:, None] & (rows < M)[None, :]
+    tl.store(out_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None],
+             to_dtype(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+
+
+@triton.jit
+def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+                     K_SPLIT, SPLIT, stride_xm, stride_wk, stride_sg,
+                     GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
+                     WORDS: tl.constexpr, MAGIC16: tl.constexpr, BIAS: tl.constexpr,
+                     SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    safe_n = tl.minimum(offs_n, N - 1)  # columns past N re-read the last one (not stored)
+    rows = tl.arange(0, 8)  # activation rows: the MMA's columns
+    safe_m = tl.minimum(rows, M - 1)  # rows past M re-read the last one (not stored)
+    kk = tl.arange(0, 2 * WORDS)
+    k_start = pid_k * K_SPLIT
+    k_end = tl.minimum(k_start + K_SPLIT, K)
+    w_ptrs = (w_ptr + (k_start // 8 + tl.arange(0, WORDS)).to(tl.int64)[None, :] * stride_wk
+              + safe_n[:, None])  # [BLOCK_N, WORDS]
+    x_row = x_ptr + safe_m.to(tl.int64)[None, :] * stride_xm + k_start
+    # the activations of pair set j: row 2w + t of the tile is input 8w + j + 4t of the step
+    x_ptrs = x_row + ((kk // 2) * 8 + (kk % 2) * 4)[:, None]  # [2 * WORDS, 8]
+    xs_ptrs = x_row + tl.arange(0, 8 * WORDS)[:, None]  # the step's inputs, for their sum
+    acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
+    for k0 in range(k_start, k_end, 8 * WORDS):
+        words = tl.load(w_ptrs)
+        words2 = tl.join(words, words)  # [BLOCK_N, WORDS, 2]: each word for both nibbles
+        dots = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
+        for j in tl.static_range(4):
+            a = tl.reshape(_pairs(words2, 4 * j, MAGIC16, INTERPRETED), (BLOCK_N, 2 * WORDS))
+            dots += half_dot(a, tl.load(x_ptrs + j), "tf32", INTERPRETED)
+        xsum = tl.sum(tl.load(xs_ptrs).to(tl.float32), axis=0)  # [8]
+        g = (k0 // GROUP) * stride_sg  # one group a step (the step divides it)
+        scale = tl.load(s_ptr + g + safe_n).to(tl.float32)
+        if HAS_ZERO:
+            bias = BIAS + tl.load(z_ptr + g + safe_n).to(tl.float32)
+        else:
+            bias = tl.full([BLOCK_N], BIAS + 8.0, tl.float32)
+        acc += (dots - bias[:, None] * xsum[None, :]) * scale[:, None]
+        w_ptrs += WORDS * stride_wk
+        x_ptrs += 8 * WORDS
+        xs_ptrs += 8 * WORDS
+    if SPLIT_K:  # partials first; the count tells the strip's last program they are written
+        _store_tile(acc, part_ptr + pid_k.to(tl.int64) * M * N, offs_n, rows, M, N,
+                    INTERPRETED)
+        tl.debug_barrier()  # every thread's partial is written before the count goes up
+        if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
+            ok = (offs_n < N)[:, None] & (rows < M)[None, :]
+            cells = rows[None, :].to(tl.int64) * N + offs_n[:, None]
+            total = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
+            for s in range(SPLIT):  # in split order: the same bits every launch
+                total += tl.load(part_ptr + s * M * N + cells, mask=ok, other=0.0,
+                                 cache_modifier=".cg")  # (at L2, where the others wrote them)
+            _store_tile(total, out_ptr, offs_n, rows, M, N, INTERPRETED)
+            tl.store(count_ptr + pid_n, 0)  # ready for the next launch
+    else:
+        _store_tile(acc, out_ptr, offs_n, rows, M, N, INTERPRETED)
+
+
+def fits(x_dtype: torch.dtype, k: int, group: int, words: int) -> bool:
+    """Whether the kernel takes activations of x_dtype, K inputs and this group at a step
+    of `words` words (8 * words inputs)."""
+    step = 8 * words
+    return (x_dtype in MAGIC and words >= 8 and words & (words - 1) == 0 and k % step == 0
+            and (group >= k or group % step == 0))
+
+
+def int4_mma_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                  zeros: torch.Tensor | None, group: int, *, block_n: int, words: int,
+                  split: int, num_warps: int, num_stages: int) -> torch.Tensor:
+    """x [M, K] (M <= 8, bf16 or fp16), codes int32 [K / 8, N], scales [G, N], zeros uint8
+    [G, N] or None (8) -> [M, N] in x's dtype; split: programs per strip along K."""
+    m, k = x.shape
+    n = codes.shape[1]
+    if codes.shape[0] != k // 8 or scales.shape[1] != n or x.stride(1) != 1 \
+            or codes.stride(1) != 1 or scales.stride(1) != 1:
+        raise ValueError(f"int4 mma GEMV: x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
+                         f"scales {tuple(scales.shape)} do not fit (rows contiguous)")
+    if not 0 < m <= MAX_ROWS:
+        raise ValueError(f"int4 mma GEMV takes 1..{MAX_ROWS} rows, got {m}")
+    if not fits(x.dtype, k, group, words):
+        raise ValueError(f"int4 mma GEMV: x {x.dtype} (bf16 or fp16), K {k} and group {group} "
+                         f"need a step of 8 x words ({words}: a power of two >= 8) dividing "
+                         "both")
+    if block_n < 16 or block_n & (block_n - 1) or split < 1:
+        raise ValueError(f"int4 mma GEMV: block_n {block_n} (a power of two >= 16), split "
+                         f"{split} (>= 1)")
+    if zeros is not None and (zeros.shape != scales.shape or zeros.stride() != scales.stride()):
+        raise ValueError("int4 mma GEMV: zeros must match scales in shape and strides")
+    step = 8 * words
+    span = triton.cdiv(k // step, split) * step
+    split = triton.cdiv(k, span)
+    strips = triton.cdiv(n, block_n)
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 \
+        else out
+    count = counters(x.device, strips, "int4 mma GEMV") if split > 1 else out
+    _int4_mma_kernel[(strips, split)](
+        x, codes, scales, zeros if zeros is not None else scales, out, part, count, m, n, k,
+        span, split, x.stride(0), codes.stride(0), scales.stride(0),
+        GROUP=group if group < k else 1 << 30, HAS_ZERO=zeros is not None, BLOCK_N=block_n,
+        WORDS=words, MAGIC16=MAGIC[x.dtype], BIAS=BIAS[x.dtype], SPLIT_K=split > 1,
+        INTERPRETED=interpreted(), num_warps=num_warps, num_stages=num_stages)
+    return out
