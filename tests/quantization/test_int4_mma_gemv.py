@@ -47,27 +47,26 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert bool((err <= ulp * want.abs() + 1e-3 * want.abs().max()).all()), err.max().item()
 
 
-@pytest.mark.parametrize("m,n,k,group,asym,dtype,block_n,words,split,prefetch", [
+@pytest.mark.parametrize("m,n,k,group,asym,dtype,block_n,words,split", [
     # one row, bf16, a partial strip (40 of 64 columns), two groups, no split
-    (1, 40, 256, 128, False, torch.bfloat16, 64, 16, 1, False),
+    (1, 40, 256, 128, False, torch.bfloat16, 64, 16, 1),
     # 3 rows of the 8 columns, fp16, zero points, a step of 8 words, 3 programs along K
-    (3, 48, 512, 64, True, torch.float16, 16, 8, 3, True),
+    (3, 48, 512, 64, True, torch.float16, 16, 8, 3),
     # 8 rows, one group over all of K, split in two
-    (8, 16, 128, 1 << 20, False, torch.bfloat16, 16, 8, 2, False),
-    # bf16 with zero points and a split that leaves the last program fewer steps, prefetch
-    (2, 32, 640, 128, True, torch.bfloat16, 32, 16, 3, True),
+    (8, 16, 128, 1 << 20, False, torch.bfloat16, 16, 8, 2),
+    # bf16 with zero points and a split that leaves the last program fewer steps
+    (2, 32, 640, 128, True, torch.bfloat16, 32, 16, 3),
 ])
 def test_mma_gemv_matches_the_dequantized_matmul(m, n, k, group, asym, dtype, block_n, words,
-                                                  split, prefetch):
+                                                  split):
     x, codes, scales, zeros, want = _problem(m, n, k, group, asym, dtype, seed=m + n)
     got = mma.int4_mma_gemv(x, codes, scales, zeros, group, block_n=block_n, words=words,
-                            split=split, num_warps=4, num_stages=1, prefetch=prefetch)
+                            split=split, num_warps=4, num_stages=1)
     _check(got, want, dtype)
     if split > 1:  # the last program of each strip put its counter back
         assert not program_counters._COUNTERS[x.device][-1].any()
     # the same through int4_gemv, as the tuner names it
-    tiles = GemvTiles(block_n, 8 * words, split, num_warps=4, num_stages=1, kernel="mma",
-                      prefetch=prefetch)
+    tiles = GemvTiles(block_n, 8 * words, split, num_warps=4, num_stages=1, kernel="mma")
     assert torch.equal(int4_gemv(x, codes, scales, zeros, group, tiles), got)
 
 

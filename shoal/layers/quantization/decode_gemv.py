@@ -315,8 +315,7 @@ def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     if tiles.kernel == "mma":
         return int4_mma_gemv(x, codes, scales, zeros, group, block_n=tiles.block_n,
                              words=tiles.block_k // 8, split=tiles.split,
-                             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-                             prefetch=tiles.prefetch)
+                             num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     if tiles.kernel != "strip":
         raise ValueError(f"int4_gemv: kernel {tiles.kernel!r} is not 'strip', 'wide' or 'mma'")
     span, split = _span(k, tiles.block_k, tiles.split)
@@ -411,13 +410,13 @@ def wide_tiles(n: int, k: int, group: int, rows: int, sms: int) -> list[GemvTile
 
 
 # "mma" tiles (int4_mma_gemv.py, any rows up to 8: they are the MMA's padded columns):
-# (block_n, warps, prefetch). Registers from Triton 3.9's sm_90 compiler at 16 words a step
-# (no spills): n128 w4 127, n256 w4 209, n256 w8 127; with prefetch 127, 254, 127; 2.0-2.4
-# instructions a code in the loop. On an H100 (2026-12-07, Llama-3.1-8B's projections) the
-# tuner picked n256 w4 and n128 w4 without prefetch at 1 row, and n256 w8 (o, down) at 2 and
-# 8; Triton's own pipelining (num_stages 3, the words through cp.async) ran 1.5-2x slower.
-_MMA = ((128, 4, False), (256, 4, False), (256, 8, False), (128, 4, True), (256, 4, True),
-        (256, 8, True))
+# (block_n, warps). Registers from Triton 3.9's sm_90 compiler at 16 words a step (no
+# spills): n128 w4 127, n256 w4 209, n256 w8 127; 2.0-2.4 instructions a code in the loop. On
+# an H100 (2026-12-07, Llama-3.1-8B's projections) the tuner picked each of the three
+# somewhere between 1 and 8 rows. Slower everywhere, so not offered: Triton's pipelining
+# (num_stages 3, the words through cp.async), 1.5-2x; the next step's words loaded before
+# this step's dots, 1.3-1.9x (session 23; no longer in the kernel).
+_MMA = ((128, 4), (256, 4), (256, 8))
 
 
 def _mma(n: int, k: int, group: int, device: torch.device) -> list[GemvTiles]:
@@ -437,13 +436,13 @@ def mma_tiles(n: int, k: int, group: int, sms: int) -> list[GemvTiles]:
         return []
     steps = k // (8 * words)
     out = []
-    for block_n, warps, prefetch in _MMA:
+    for block_n, warps in _MMA:
         strips = triton.cdiv(n, block_n)
         most = max(1, steps // 2)
         splits = sorted({min(most, max(1, 1 << round(math.log2(max(1.0, per_sm * sms / strips)))))
                          for per_sm in (2, 4)})
         out += [GemvTiles(block_n, 8 * words, split, num_warps=warps, num_stages=1,
-                          kernel="mma", prefetch=prefetch) for split in splits]
+                          kernel="mma") for split in splits]
     return out
 
 

@@ -53,7 +53,7 @@ def _gemv_name(t: decode_gemv.GemvTiles) -> str:
     if t.kernel == "strip":
         return name
     if t.kernel == "mma":
-        return f"{name} mma w{t.num_warps} s{t.num_stages}" + (" prefetch" if t.prefetch else "")
+        return f"{name} mma w{t.num_warps}"
     return f"{name} {t.kernel} w{t.num_warps}" + (" prefetch" if t.prefetch else "")
 
 
