@@ -142,10 +142,11 @@ part() {
         --concurrency 1024 --offline-runs 1 --stream-runs 1 $S --out "$DIR/w8pool.json" ;;
     w8one) run w8one 260 $py/w8_serving.py --model "$W8_MODEL" --api-server-count 1 \
         --concurrency 1024 --offline-runs 1 --stream-runs 1 $S --out "$DIR/w8one.json" ;;
-    # batch 1 through `shoal serve` (streaming, 6 requests one at a time): the inter-token
-    # latency beside hybrid-batch1's offline step (HS_MODEL, default Qwen3.5-35B-A3B), ~90 s
+    # batch 1 through `shoal serve` (streaming, 6 requests one at a time) of HS_MODEL (default
+    # Qwen3.5-35B-A3B): its inter-token latency, to set beside hybrid-batch1's offline step of
+    # the same model (HYBRID_MODELS=Qwen/Qwen3.5-35B-A3B), ~90 s; SMOKE: the tiny smoke model
     hybrid-serve) run hybrid_serve ${HS_LIMIT:-200} $py/w8_serving.py --model "$W8_MODEL" \
-        --batch1-model "${HS_MODEL:-Qwen/Qwen3.5-35B-A3B}" --batch1-only $S \
+        ${S:---batch1-model "${HS_MODEL:-Qwen/Qwen3.5-35B-A3B}"} --batch1-only $S \
         --out "$DIR/hybrid_serve.json" ;;
     # (each model in a child process of its own, --stage-timeout each; issue 30's three H200
     # hybrids: HYBRID_MODELS=Qwen/Qwen3.5-35B-A3B,Qwen/Qwen3-Next-80B-A3B-Instruct-24layers,

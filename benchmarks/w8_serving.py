@@ -16,7 +16,8 @@ MODEL: the Qwen3-0.6B shape with SmolLM2's vocabulary and tokenizer, so text com
 timings (--save-detailed), to line the first served batch up with later ones.
 --batch1-model: batch-1 streaming over HTTP too (128 in / 256 out, 6 requests one at a time),
 whose inter-token latency compares with gpu_suite.py w2's offline decode step (or
-hybrid_gpu.py batch1's); --batch1-only runs that alone, without the W8 sweep.
+hybrid_gpu.py batch1's); --batch1-only runs that alone, without the W8 sweep (with --smoke
+and no --batch1-model: the smoke model).
 --smoke: a 2-layer model with MODEL's tokenizer on the CPU, 8 short requests.
 --api-server-count N: `shoal serve --api-server-count N` (N API processes over one engine).
 --concurrency C: C streaming clients instead of the preset's 256; above 256, C requests on both
@@ -204,14 +205,16 @@ def main() -> int:
         args.max_num_seqs = args.concurrency
     args.work_dir = args.work_dir or args.out.with_name(args.out.stem + "-runs")
     args.model = str(Path(args.model).resolve()) if Path(args.model).exists() else args.model
-    if args.batch1_only and not args.batch1_model:
+    if args.batch1_only and not (args.batch1_model or args.smoke):
         p.error("--batch1-only needs --batch1-model")
     if args.smoke:
         args.model, args.client_processes = smoke_model(args.model), 1
+        if args.batch1_only and not args.batch1_model:
+            args.batch1_model = args.model
     w8 = W8(args)
     if args.batch1_only:
         figures = {"model": args.model, "smoke": args.smoke, **w8.batch1_http(),
-                   "engine_args": " ".join(w8.engine), "commands": w8.commands}
+                   "commands": w8.commands}  # (the served engine's arguments: its command)
         write([record("W8 batch1 serve", "shoal", **figures)], args.out)
         print(json.dumps(figures, indent=1))
         return 0

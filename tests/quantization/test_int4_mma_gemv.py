@@ -13,7 +13,7 @@ import torch
 
 from shoal.layers.ops import program_counters
 from shoal.layers.quantization import int4_mma_gemv as mma
-from shoal.layers.quantization.decode_gemv import GemvTiles, int4_gemv, mma_tiles
+from shoal.layers.quantization.decode_gemv import GemvTiles, int4_gemv
 from shoal.layers.quantization.methods import _gemv_name
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -56,6 +56,8 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     (8, 16, 128, 1 << 20, False, torch.bfloat16, 16, 8, 2),
     # bf16 with zero points and a split that leaves the last program fewer steps
     (2, 32, 640, 128, True, torch.bfloat16, 32, 16, 3),
+    # 5 rows; split 4 asked over 5 steps: recomputed to 3 programs (2 + 2 + 1 steps)
+    (5, 16, 640, 128, False, torch.float16, 16, 16, 4),
 ])
 def test_mma_gemv_matches_the_dequantized_matmul(m, n, k, group, asym, dtype, block_n, words,
                                                   split):
@@ -84,18 +86,47 @@ def test_bad_mma_launches_are_refused_by_name():
     assert not mma.fits(torch.bfloat16, 200, 1 << 20, 8)  # K not a multiple of the step
 
 
-def test_gpu_candidates_fit_the_kernel():
-    """The tiles an H100 would time for Llama-3.1-8B's projections: unique names, a step of
-    one group of 128, splits of powers of two that leave each program two steps or more."""
-    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
-        tiles = mma_tiles(n, k, 128, sms=132)
-        names = [_gemv_name(t) for t in tiles]
-        assert tiles and len(set(names)) == len(names)
-        for t in tiles:
-            assert t.kernel == "mma" and t.block_k == 128 and " mma w" in _gemv_name(t)
-            assert t.split & (t.split - 1) == 0 and k // 128 // t.split >= 2
-    assert mma_tiles(4096, 4096, 32, sms=132) == []  # a group narrower than 8 words
-    assert {t.block_k for t in mma_tiles(4096, 4096, 64, sms=132)} == {64}
+@pytest.mark.parametrize("n,k,group,sms", [
+    (6144, 4096, 128, 132), (4096, 4096, 128, 132), (28672, 4096, 128, 132),
+    (4096, 14336, 128, 132), (256, 640, 128, 20), (11008, 11008, 64, 20), (64, 64, 1 << 20, 8),
+])
+def test_gpu_candidates_fit_the_kernel(n, k, group, sms):
+    """The launches a GPU would time (Llama-3.1-8B's projections on 132 SMs, and odd shapes):
+    unique names, every one taken by the kernel, splits of powers of two within half the
+    steps (one step: no split)."""
+    launches = mma.launches(n, k, group, sms)
+    tiles = [GemvTiles(b, 8 * w, s, num_warps=nw, num_stages=1, kernel="mma")
+             for b, w, s, nw in launches]
+    names = [_gemv_name(t) for t in tiles]
+    assert tiles and len(set(names)) == len(names)
+    for block_n, words, split, _ in launches:
+        assert mma.fits(torch.bfloat16, k, group, words) and block_n >= 16
+        steps = k // (8 * words)
+        assert split & (split - 1) == 0 and split <= max(1, steps // 2)
+
+
+def test_no_launch_where_no_step_fits():
+    assert mma.launches(4096, 4096, 32, sms=132) == []  # a group narrower than 8 words
+    assert mma.launches(4096, 200, 1 << 20, sms=132) == []  # K not a multiple of 64
+    assert {w for _, w, _, _ in mma.launches(4096, 4096, 64, sms=132)} == {8}
+
+
+def test_the_tuner_offers_mma_only_for_half_activations(monkeypatch):
+    """decode_gemv._mma: bf16 / fp16 activations on an NVIDIA GPU; float32 (the kernel's magic
+    constant is the activations' type) and unknown dtypes get none."""
+    from shoal.layers.quantization import decode_gemv
+
+    dev = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda d=None: type("P", (), {"multi_processor_count": 132})())
+    monkeypatch.setattr(torch.version, "hip", None)
+    assert decode_gemv._mma(4096, 4096, 128, dev, torch.bfloat16)
+    assert decode_gemv._mma(4096, 4096, 128, dev, torch.float16)
+    assert decode_gemv._mma(4096, 4096, 128, dev, torch.float32) == []
+    assert decode_gemv._mma(4096, 4096, 128, dev, None) == []
+    monkeypatch.setattr(torch.version, "hip", "6.0")
+    assert decode_gemv._mma(4096, 4096, 128, dev, torch.bfloat16) == []
 
 
 # ---- the GPU: every candidate at real shapes, and its time -----------------------------------
@@ -120,7 +151,8 @@ def test_gpu_candidates_agree_and_their_times(rows):
         x, codes, scales, _, want = _problem(rows, n, k, 128, False, torch.bfloat16, seed=5)
         nbytes = codes.numel() * 4 + scales.numel() * 2
         times = {}
-        for t in int4_candidates(n, k, 128, dev, 1 << (rows - 1).bit_length()):
+        for t in int4_candidates(n, k, 128, dev, 1 << (rows - 1).bit_length(),
+                                 torch.bfloat16):
             if t.kernel not in ("mma", "wide"):
                 continue
             label = _gemv_name(t)

@@ -31,7 +31,9 @@ import triton
 import triton.language as tl
 
 from shoal import pdl
+from shoal.layers.quantization.int4_mma_gemv import MAGIC as MMA_MAGIC
 from shoal.layers.quantization.int4_mma_gemv import int4_mma_gemv
+from shoal.layers.quantization.int4_mma_gemv import launches as mma_launches
 from shoal.layers.quantization.int4_wide_gemv import int4_wide_gemv, partial_chunk
 
 MAX_ROWS = 8  # activation rows one program holds; more rows take the tensor-core kernels
@@ -356,16 +358,16 @@ def fp8_candidates(n: int, k: int, group: int, device: torch.device, rows: int =
     return _with_splits(within + spanning, n, (1, 2, 4), device)
 
 
-def int4_candidates(n: int, k: int, group: int, device: torch.device, rows: int = 1
-                    ) -> list[GemvTiles]:
+def int4_candidates(n: int, k: int, group: int, device: torch.device, rows: int = 1,
+                    dtype: torch.dtype | None = None) -> list[GemvTiles]:
     """Launch shapes worth timing for INT4 codes [K / 8, N] of group `group` at `rows`
-    activation rows (a power of two up to MAX_ROWS): the strip kernel's, then the wide
-    kernel's, whose registers grow with the rows."""
+    activation rows (a power of two up to MAX_ROWS) of `dtype`: the strip kernel's, the
+    wide kernel's (whose registers grow with the rows), then the tensor-core kernel's."""
     strips = ((16, 16), (32, 8)) if device.type != "cuda" else (
         (64, 64), (128, 32), (32, 128), (64, 128), (128, 64), (256, 32))
     fits = [s for s in strips if group >= k or group % s[1] == 0]
     return (_with_splits(fits, n, (1, 2, 4, 8), device) + _wide(n, k, group, rows, device)
-            + _mma(n, k, group, device))
+            + _mma(n, k, group, device, dtype))
 
 
 # "wide" tiles per row count: (block_n, step words, prefetch), one warp a program. Each
@@ -409,41 +411,17 @@ def wide_tiles(n: int, k: int, group: int, rows: int, sms: int) -> list[GemvTile
     return out
 
 
-# "mma" tiles (int4_mma_gemv.py, any rows up to 8: they are the MMA's padded columns):
-# (block_n, warps). Registers from Triton 3.9's sm_90 compiler at 16 words a step (no
-# spills): n128 w4 127, n256 w4 209, n256 w8 127; 2.0-2.4 instructions a code in the loop. On
-# an H100 (2026-12-07, Llama-3.1-8B's projections) the tuner picked each of the three
-# somewhere between 1 and 8 rows. Slower everywhere, so not offered: Triton's pipelining
-# (num_stages 3, the words through cp.async), 1.5-2x; the next step's words loaded before
-# this step's dots, 1.3-1.9x (session 23; no longer in the kernel).
-_MMA = ((128, 4), (256, 4), (256, 8))
-
-
-def _mma(n: int, k: int, group: int, device: torch.device) -> list[GemvTiles]:
-    """The tensor-core kernel's candidates on a GPU with them (sm_80 on): 16 words a step
-    (one 128-wide group), else 8 (64); K splits that give about 2 and 4 programs a
-    multiprocessor, at least two steps a program (int4_mma_gemv.fits: K a multiple of the
-    step). None in the interpreter (its tests call the kernel directly)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
+def _mma(n: int, k: int, group: int, device: torch.device, dtype: torch.dtype | None
+         ) -> list[GemvTiles]:
+    """int4_mma_gemv.launches as tiles, on a GPU with tensor cores for these (NVIDIA sm_80
+    on: the kernel's inline PTX) and bf16 / fp16 activations; none in the interpreter (its
+    tests call the kernel directly)."""
+    if (device.type != "cuda" or torch.version.hip or dtype not in MMA_MAGIC
+            or torch.cuda.get_device_capability(device)[0] < 8):
         return []
-    return mma_tiles(n, k, group, torch.cuda.get_device_properties(device).multi_processor_count)
-
-
-def mma_tiles(n: int, k: int, group: int, sms: int) -> list[GemvTiles]:
-    words = next((w for w in (16, 8) if k % (8 * w) == 0
-                  and (group >= k or group % (8 * w) == 0)), None)
-    if words is None:
-        return []
-    steps = k // (8 * words)
-    out = []
-    for block_n, warps in _MMA:
-        strips = triton.cdiv(n, block_n)
-        most = max(1, steps // 2)
-        splits = sorted({min(most, max(1, 1 << round(math.log2(max(1.0, per_sm * sms / strips)))))
-                         for per_sm in (2, 4)})
-        out += [GemvTiles(block_n, 8 * words, split, num_warps=warps, num_stages=1,
-                          kernel="mma") for split in splits]
-    return out
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return [GemvTiles(block_n, 8 * words, split, num_warps=warps, num_stages=1, kernel="mma")
+            for block_n, words, split, warps in mma_launches(n, k, group, sms)]
 
 
 def _with_splits(strips: list[tuple[int, int]], n: int, splits: tuple[int, ...],

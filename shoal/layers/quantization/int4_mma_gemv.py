@@ -18,10 +18,12 @@ for 60 MB). Here the products go to the tensor cores and a code costs about two 
   another order. Triton lays the pairs out as the MMA operand wants them (two consecutive K
   values a register): the words cross shared memory once a step as int32 (half a byte a
   code), the codes never;
-- 128 + zero is not subtracted per code: a K step (one scale group) takes dot(128 + code, x)
-  and subtracts (128 + zero) * sum(x) once per output, then multiplies by the scale. The
-  products are exact in float32 and the sums cancel by at most ~2^5, far above float32's
-  rounding.
+- 128 + zero is not subtracted per code: a K step (which lies within one scale group) takes
+  dot(128 + code, x) and subtracts (128 + zero) * sum(x) once per output, then multiplies by
+  the scale. The products are exact in float32; the subtraction cancels the bias's share of
+  the sums, ~136 / 4 of them with bf16 (BIAS + zero against a typical |code - zero|), ~1032
+  / 4 with fp16, which costs 5 (8) of float32's 24 bits: the result keeps more than the
+  output dtype's 8 (11).
 
 Measured on an H100 (2026-12-07, tests/quantization/test_int4_mma_gemv.py; the best tile of
 each kernel for Llama-3.1-8B's qkv, o, gate_up and down together): 61.1 us against the wide
@@ -41,12 +43,13 @@ the step dividing the group unless one group spans K."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
 
 from shoal.attention.ops.interpreted_half import half_dot, to_dtype
-from shoal.layers.moe.topk_routing import interpreted
 from shoal.layers.ops.program_counters import counters
 
 # the packed pair's upper bits per activation dtype: exponent of 128 (bf16) / 1024 (fp16)
@@ -139,6 +142,34 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
         _store_tile(acc, out_ptr, offs_n, rows, M, N, INTERPRETED)
 
 
+# Launch candidates: (block_n, warps). Registers from Triton 3.9's sm_90 compiler at 16 words
+# a step (no spills): n128 w4 127, n256 w4 209, n256 w8 127. On an H100 (2026-12-07, Llama-3.1-
+# 8B's projections) the tuner picked each of the three somewhere between 1 and 8 rows. Slower
+# everywhere, so not offered: Triton's pipelining (num_stages 3, the words through cp.async),
+# 1.5-2x; the next step's words loaded before this step's dots, 1.3-1.9x.
+TILES = ((128, 4), (256, 4), (256, 8))
+
+
+def launches(n: int, k: int, group: int, sms: int) -> list[tuple[int, int, int, int]]:
+    """(block_n, words, split, num_warps) worth timing for codes [K / 8, N] of group `group`
+    on a GPU of `sms` multiprocessors: 16 words a step (one 128-wide group), else 8 (64);
+    per tile, the K splits (powers of two) nearest 2 and 4 programs a multiprocessor, at most
+    half the steps (int4_mma_gemv recomputes a split that leaves programs without steps).
+    None where no step fits (`fits`)."""
+    words = next((w for w in (16, 8) if k % (8 * w) == 0
+                  and (group >= k or group % (8 * w) == 0)), None)
+    if words is None:
+        return []
+    most = 1 << (max(1, k // (8 * words) // 2).bit_length() - 1)
+    out = []
+    for block_n, warps in TILES:
+        strips = triton.cdiv(n, block_n)
+        splits = sorted({min(most, 1 << max(0, round(math.log2(per_sm * sms / strips))))
+                         for per_sm in (2, 4)})
+        out += [(block_n, words, split, warps) for split in splits]
+    return out
+
+
 def fits(x_dtype: torch.dtype, k: int, group: int, words: int) -> bool:
     """Whether the kernel takes activations of x_dtype, K inputs and this group at a step
     of `words` words (8 * words inputs)."""
@@ -182,5 +213,6 @@ def int4_mma_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         span, split, x.stride(0), codes.stride(0), scales.stride(0),
         GROUP=group if group < k else 1 << 30, HAS_ZERO=zeros is not None, BLOCK_N=block_n,
         WORDS=words, MAGIC16=MAGIC[x.dtype], BIAS=BIAS[x.dtype], SPLIT_K=split > 1,
-        INTERPRETED=interpreted(), num_warps=num_warps, num_stages=num_stages)
+        INTERPRETED=x.device.type == "cpu",  # (TRITON_INTERPRET=1)
+        num_warps=num_warps, num_stages=num_stages)
     return out

@@ -52,8 +52,6 @@ def _gemv_name(t: decode_gemv.GemvTiles) -> str:
     name = f"gemv n{t.block_n} k{t.block_k} split{t.split}"
     if t.kernel == "strip":
         return name
-    if t.kernel == "mma":
-        return f"{name} mma w{t.num_warps}"
     return f"{name} {t.kernel} w{t.num_warps}" + (" prefetch" if t.prefetch else "")
 
 
@@ -75,9 +73,9 @@ def _fp8_candidates(first: str, n: int, k: int, group: int, device: torch.device
 
 @functools.cache
 def _int4_candidates(first: str, n: int, k: int, group: int, device: torch.device,
-                     rows: int = 1) -> _Candidates:
+                     rows: int = 1, dtype: torch.dtype | None = None) -> _Candidates:
     tiles = {_gemv_name(t): t
-             for t in decode_gemv.int4_candidates(n, k, group, device, rows)}
+             for t in decode_gemv.int4_candidates(n, k, group, device, rows, dtype)}
     return _Candidates((first, *tiles), tiles)
 
 
@@ -199,7 +197,7 @@ class Int4Linear:
             flat = flat.contiguous()
             n = self.codes.shape[1]
             cands = _int4_candidates("w4a16 gemm", n, self.in_features, self.group,
-                                     flat.device, _row_bucket(flat))
+                                     flat.device, _row_bucket(flat), flat.dtype)
 
             def run(name: str) -> torch.Tensor:
                 if name == "w4a16 gemm":
