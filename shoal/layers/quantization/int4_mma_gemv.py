@@ -50,7 +50,7 @@ import triton
 import triton.language as tl
 
 from shoal.attention.ops.interpreted_half import half_dot, to_dtype
-from shoal.layers.ops.program_counters import counters
+from shoal.layers.quantization.k_split import k_split
 
 # the packed pair's upper bits per activation dtype: exponent of 128 (bf16) / 1024 (fp16)
 MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
@@ -200,19 +200,12 @@ def int4_mma_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                          f"{split} (>= 1)")
     if zeros is not None and (zeros.shape != scales.shape or zeros.stride() != scales.stride()):
         raise ValueError("int4 mma GEMV: zeros must match scales in shape and strides")
-    step = 8 * words
-    span = triton.cdiv(k // step, split) * step
-    split = triton.cdiv(k, span)
-    strips = triton.cdiv(n, block_n)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 \
-        else out
-    count = counters(x.device, strips, "int4 mma GEMV") if split > 1 else out
-    _int4_mma_kernel[(strips, split)](
-        x, codes, scales, zeros if zeros is not None else scales, out, part, count, m, n, k,
-        span, split, x.stride(0), codes.stride(0), scales.stride(0),
+    ks = k_split(x, n, k, 8 * words, split, block_n, "int4 mma GEMV")
+    _int4_mma_kernel[(ks.strips, ks.split)](
+        x, codes, scales, zeros if zeros is not None else scales, ks.out, ks.part, ks.count,
+        m, n, k, ks.span, ks.split, x.stride(0), codes.stride(0), scales.stride(0),
         GROUP=group if group < k else 1 << 30, HAS_ZERO=zeros is not None, BLOCK_N=block_n,
-        WORDS=words, MAGIC16=MAGIC[x.dtype], BIAS=BIAS[x.dtype], SPLIT_K=split > 1,
+        WORDS=words, MAGIC16=MAGIC[x.dtype], BIAS=BIAS[x.dtype], SPLIT_K=ks.split > 1,
         INTERPRETED=x.device.type == "cpu",  # (TRITON_INTERPRET=1)
         num_warps=num_warps, num_stages=num_stages)
-    return out
+    return ks.out

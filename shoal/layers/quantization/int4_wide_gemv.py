@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shoal.layers.ops.program_counters import counters
+from shoal.layers.quantization.k_split import k_split
 
 EXP_2_23 = 0x4B000000  # float32 bits of 2^23 (MAGIC)
 
@@ -245,18 +245,12 @@ def int4_wide_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     if zeros is not None and (zeros.shape != scales.shape or zeros.stride() != scales.stride()):
         raise ValueError("int4 wide GEMV: zeros must match scales in shape and strides")
     step = step_w * 8
-    span = triton.cdiv(triton.cdiv(k, step), split) * step
-    split = triton.cdiv(k, span)
-    strips = triton.cdiv(n, block_n)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    part = torch.empty((split, m, n), dtype=torch.float32, device=x.device) if split > 1 \
-        else out
-    count = counters(x.device, strips, "int4 wide GEMV") if split > 1 else out
-    _int4_wide_kernel[(strips, split)](
-        x, codes, scales, zeros if zeros is not None else scales, out, part, count, m, n, k,
-        span, split, x.stride(0), codes.stride(0), scales.stride(0), EXP_2_23,
+    ks = k_split(x, n, k, step, split, block_n, "int4 wide GEMV")
+    _int4_wide_kernel[(ks.strips, ks.split)](
+        x, codes, scales, zeros if zeros is not None else scales, ks.out, ks.part, ks.count,
+        m, n, k, ks.span, ks.split, x.stride(0), codes.stride(0), scales.stride(0), EXP_2_23,
         GROUP=group if group < k else 1 << 30, HAS_ZERO=zeros is not None,
-        EVEN_K=k % step == 0, BLOCK_M=rows, BLOCK_N=block_n, STEP_W=step_w, SPLIT_K=split > 1,
-        CHUNK=partial_chunk(rows, block_n // (32 * num_warps)),
+        EVEN_K=k % step == 0, BLOCK_M=rows, BLOCK_N=block_n, STEP_W=step_w,
+        SPLIT_K=ks.split > 1, CHUNK=partial_chunk(rows, block_n // (32 * num_warps)),
         PREFETCH=prefetch, num_warps=num_warps, num_stages=num_stages)
-    return out
+    return ks.out
