@@ -100,15 +100,20 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
     kk = tl.arange(0, 2 * WORDS)
     k_start = pid_k * K_SPLIT
     k_end = tl.minimum(k_start + K_SPLIT, K)
+    # the words by offs_n and a mask, not safe_n: through tl.minimum Triton no longer sees the
+    # columns as contiguous, and loaded them as 4-byte words across 16 rows a warp (32
+    # loads a thread a step at n256 w4, 209 registers) where 16-byte vectors along N do (8
+    # loads, 167 registers; Triton 3.9's sm_90 output)
     w_ptrs = (w_ptr + (k_start // 8 + tl.arange(0, WORDS)).to(tl.int64)[None, :] * stride_wk
-              + safe_n[:, None])  # [BLOCK_N, WORDS]
+              + offs_n[:, None])  # [BLOCK_N, WORDS]
+    n_ok = (offs_n < N)[:, None]
     x_row = x_ptr + safe_m.to(tl.int64)[None, :] * stride_xm + k_start
     # the activations of pair set j: row 2w + t of the tile is input 8w + j + 4t of the step
     x_ptrs = x_row + ((kk // 2) * 8 + (kk % 2) * 4)[:, None]  # [2 * WORDS, 8]
     xs_ptrs = x_row + tl.arange(0, 8 * WORDS)[:, None]  # the step's inputs, for their sum
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
     for k0 in range(k_start, k_end, 8 * WORDS):
-        words = tl.load(w_ptrs)
+        words = tl.load(w_ptrs, mask=n_ok, other=0)
         words2 = tl.join(words, words)  # [BLOCK_N, WORDS, 2]: each word for both nibbles
         dots = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
         for j in tl.static_range(4):
