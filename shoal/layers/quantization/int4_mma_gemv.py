@@ -148,8 +148,9 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
 
 
 # Launch candidates: (block_n, warps). Registers from Triton 3.9's sm_90 compiler at 16 words
-# a step (no spills): n128 w4 127, n256 w4 209, n256 w8 127. On an H100 (2026-12-07, Llama-3.1-
-# 8B's projections) the tuner picked each of the three somewhere between 1 and 8 rows. Slower
+# a step (no spills): n128 w4 96, n256 w4 167, n256 w8 99 (127, 209, 127 before the words
+# loaded as vectors). On an H100 (2026-12-07, Llama-3.1-8B's projections, before the vector
+# loads) the tuner picked each of the three somewhere between 1 and 8 rows. Slower
 # everywhere, so not offered: Triton's pipelining (num_stages 3, the words through cp.async),
 # 1.5-2x; the next step's words loaded before this step's dots, 1.3-1.9x.
 TILES = ((128, 4), (256, 4), (256, 8))
