@@ -79,11 +79,9 @@ def _pairs(words2, SH: tl.constexpr, MAGIC16: tl.constexpr, INTERPRETED: tl.cons
 
 
 @triton.jit
-def _store_tile(acc, out_ptr, offs_n, rows, M, N, INTERPRETED: tl.constexpr):
-    """acc [BLOCK_N, 8] -> out[row, n] for rows < M and n < N (out is [M, N])."""
-    ok = (offs_n < N)[:, None] & (rows < M)[None, :]
-    tl.store(out_ptr + rows[None, :].to(tl.int64) * N + offs_n[:, None],
-             to_dtype(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
+def _store_tile(acc, out_ptr, cells, ok, INTERPRETED: tl.constexpr):
+    """acc [BLOCK_N, 8] -> out_ptr + cells where ok (rows < M, n < N of an [M, N] out)."""
+    tl.store(out_ptr + cells, to_dtype(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
 
 
 @triton.jit
@@ -130,21 +128,20 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
         w_ptrs += WORDS * stride_wk
         x_ptrs += 8 * WORDS
         xs_ptrs += 8 * WORDS
+    ok = (offs_n < N)[:, None] & (rows < M)[None, :]
+    cells = rows[None, :].to(tl.int64) * N + offs_n[:, None]  # of an [M, N] tile
     if SPLIT_K:  # partials first; the count tells the strip's last program they are written
-        _store_tile(acc, part_ptr + pid_k.to(tl.int64) * M * N, offs_n, rows, M, N,
-                    INTERPRETED)
+        _store_tile(acc, part_ptr + pid_k.to(tl.int64) * M * N, cells, ok, INTERPRETED)
         tl.debug_barrier()  # every thread's partial is written before the count goes up
         if tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel") == SPLIT - 1:
-            ok = (offs_n < N)[:, None] & (rows < M)[None, :]
-            cells = rows[None, :].to(tl.int64) * N + offs_n[:, None]
             total = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
             for s in range(SPLIT):  # in split order: the same bits every launch
                 total += tl.load(part_ptr + s * M * N + cells, mask=ok, other=0.0,
                                  cache_modifier=".cg")  # (at L2, where the others wrote them)
-            _store_tile(total, out_ptr, offs_n, rows, M, N, INTERPRETED)
+            _store_tile(total, out_ptr, cells, ok, INTERPRETED)
             tl.store(count_ptr + pid_n, 0)  # ready for the next launch
     else:
-        _store_tile(acc, out_ptr, offs_n, rows, M, N, INTERPRETED)
+        _store_tile(acc, out_ptr, cells, ok, INTERPRETED)
 
 
 # Launch candidates: (block_n, warps). Registers from Triton 3.9's sm_90 compiler at 16 words
@@ -161,9 +158,8 @@ def launches(n: int, k: int, group: int, sms: int) -> list[tuple[int, int, int, 
     on a GPU of `sms` multiprocessors: 16 words a step (one 128-wide group), else 8 (64);
     per tile, the K splits (powers of two) nearest 2 and 4 programs a multiprocessor, at most
     half the steps (int4_mma_gemv recomputes a split that leaves programs without steps).
-    None where no step fits (`fits`)."""
-    words = next((w for w in (16, 8) if k % (8 * w) == 0
-                  and (group >= k or group % (8 * w) == 0)), None)
+    None where no step fits (`step_fits`)."""
+    words = next((w for w in (16, 8) if step_fits(k, group, w)), None)
     if words is None:
         return []
     most = 1 << (max(1, k // (8 * words) // 2).bit_length() - 1)
@@ -176,12 +172,18 @@ def launches(n: int, k: int, group: int, sms: int) -> list[tuple[int, int, int, 
     return out
 
 
-def fits(x_dtype: torch.dtype, k: int, group: int, words: int) -> bool:
-    """Whether the kernel takes activations of x_dtype, K inputs and this group at a step
-    of `words` words (8 * words inputs)."""
+def step_fits(k: int, group: int, words: int) -> bool:
+    """Whether a step of `words` words (8 * words inputs: a power of two >= 8, the MMA's K
+    of 16-bit operands) divides K and the group (unless one group spans K)."""
     step = 8 * words
-    return (x_dtype in MAGIC and words >= 8 and words & (words - 1) == 0 and k % step == 0
+    return (words >= 8 and words & (words - 1) == 0 and k % step == 0
             and (group >= k or group % step == 0))
+
+
+def fits(x_dtype: torch.dtype, k: int, group: int, words: int) -> bool:
+    """Whether the kernel takes activations of x_dtype (bf16, fp16), K inputs and this group
+    at a step of `words` words."""
+    return x_dtype in MAGIC and step_fits(k, group, words)
 
 
 def int4_mma_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
