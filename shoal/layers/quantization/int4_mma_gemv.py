@@ -28,10 +28,13 @@ for 60 MB). Here the products go to the tensor cores and a code costs about two 
 Measured on an H100 (2026-12-07, tests/quantization/test_int4_mma_gemv.py; the best tile of
 each kernel for Llama-3.1-8B's qkv, o, gate_up and down together): 61.1 us against the wide
 kernel's 65.3 at 1 row, 63.9 against 83.5 at 2 rows, 67.4 against 202.2 at 8 rows; W2 batch 1
-with INT4 g128 294.0 -> 310.6 tok/s. At one row the large projections stay near 2 TB/s with
-either kernel, so fewer instructions were not what one row lacked: a program's loads are not
-in flight while it unpacks and multiplies, and neither loading the next step's words first
-nor Triton's pipelining (num_stages) helped (both slower).
+with INT4 g128 294.0 -> 310.6 tok/s. At one row the large projections stayed near 2 TB/s with
+either kernel, and neither loading the next step's words first nor Triton's pipelining
+(num_stages) helped (both slower). The sm_90 output showed why afterwards: each dot takes its
+activation tile through shared memory behind a barrier, and ptxas moves no load across one,
+so the activations loaded inside the pair-set loop and the scales loaded after the dots made
+five global round trips a step in a row. The step now issues all its loads first (words,
+activations, scales: one round trip), and the words load as 16-byte vectors (see below).
 
 A K split over programs (SPLIT > 1) writes float32 partials [SPLIT, M, N]; the program that
 finishes a strip last (a per-strip counter, reset by that program) adds them in split order
@@ -108,26 +111,36 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
     x_row = x_ptr + safe_m.to(tl.int64)[None, :] * stride_xm + k_start
     # the activations of pair set j: row 2w + t of the tile is input 8w + j + 4t of the step
     x_ptrs = x_row + ((kk // 2) * 8 + (kk % 2) * 4)[:, None]  # [2 * WORDS, 8]
-    xs_ptrs = x_row + tl.arange(0, 8 * WORDS)[:, None]  # the step's inputs, for their sum
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
     for k0 in range(k_start, k_end, 8 * WORDS):
-        words = tl.load(w_ptrs, mask=n_ok, other=0)
-        words2 = tl.join(words, words)  # [BLOCK_N, WORDS, 2]: each word for both nibbles
-        dots = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
-        for j in tl.static_range(4):
-            a = tl.reshape(_pairs(words2, 4 * j, MAGIC16, INTERPRETED), (BLOCK_N, 2 * WORDS))
-            dots += half_dot(a, tl.load(x_ptrs + j), "tf32", INTERPRETED)
-        xsum = tl.sum(tl.load(xs_ptrs).to(tl.float32), axis=0)  # [8]
+        # every load of the step first, issued together: a load inside the j loop waits
+        # behind the previous dot's barrier (the dot takes its operand through shared
+        # memory), and one after the dots adds a round trip: five a step where one does
         g = (k0 // GROUP) * stride_sg  # one group a step (the step divides it)
         scale = tl.load(s_ptr + g + safe_n).to(tl.float32)
         if HAS_ZERO:
             bias = BIAS + tl.load(z_ptr + g + safe_n).to(tl.float32)
         else:
             bias = tl.full([BLOCK_N], BIAS + 8.0, tl.float32)
+        x0 = tl.load(x_ptrs)
+        x1 = tl.load(x_ptrs + 1)
+        x2 = tl.load(x_ptrs + 2)
+        x3 = tl.load(x_ptrs + 3)
+        words = tl.load(w_ptrs, mask=n_ok, other=0)
+        xsum = tl.sum(x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32)
+                      + x3.to(tl.float32), axis=0)  # [8]: the step's inputs summed
+        words2 = tl.join(words, words)  # [BLOCK_N, WORDS, 2]: each word for both nibbles
+        a = tl.reshape(_pairs(words2, 0, MAGIC16, INTERPRETED), (BLOCK_N, 2 * WORDS))
+        dots = half_dot(a, x0, "tf32", INTERPRETED)
+        a = tl.reshape(_pairs(words2, 4, MAGIC16, INTERPRETED), (BLOCK_N, 2 * WORDS))
+        dots += half_dot(a, x1, "tf32", INTERPRETED)
+        a = tl.reshape(_pairs(words2, 8, MAGIC16, INTERPRETED), (BLOCK_N, 2 * WORDS))
+        dots += half_dot(a, x2, "tf32", INTERPRETED)
+        a = tl.reshape(_pairs(words2, 12, MAGIC16, INTERPRETED), (BLOCK_N, 2 * WORDS))
+        dots += half_dot(a, x3, "tf32", INTERPRETED)
         acc += (dots - bias[:, None] * xsum[None, :]) * scale[:, None]
         w_ptrs += WORDS * stride_wk
         x_ptrs += 8 * WORDS
-        xs_ptrs += 8 * WORDS
     ok = (offs_n < N)[:, None] & (rows < M)[None, :]
     cells = rows[None, :].to(tl.int64) * N + offs_n[:, None]  # of an [M, N] tile
     if SPLIT_K:  # partials first; the count tells the strip's last program they are written
