@@ -175,6 +175,12 @@ SHOAL_PDL: EnvVar[bool] = EnvVar(
     "2026-12-07, W2 batch 1: FP8 334.3 -> 353.0 tok/s on an H200; Qwen3.5-35B-A3B batch 1 "
     "295.8 -> 316.3 on an H100 with the dense GEMVs)")
 
+SHOAL_INT4_PDL: EnvVar[bool] = EnvVar(
+    "SHOAL_INT4_PDL", False, _switch,
+    "1 (with SHOAL_PDL on): the INT4 tensor-core decode GEMV (int4_mma_gemv.py) launches with "
+    "programmatic dependent launch too, letting the next kernel in after its K loop; off by "
+    "default until a GPU run measures it (the INT4 strip kernel lost with PDL: shoal/pdl.py)")
+
 SHOAL_LORA_SEGMENTED_MIN_TOKENS: EnvVar[int | None] = EnvVar(
     "SHOAL_LORA_SEGMENTED_MIN_TOKENS", None, _optional_count,
     "LoRA on CUDA: steps of at least this many tokens take the segmented Triton kernels, "

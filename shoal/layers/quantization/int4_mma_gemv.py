@@ -52,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shoal import envs, pdl
 from shoal.attention.ops.interpreted_half import half_dot, to_dtype
 from shoal.layers.quantization.k_split import k_split
 
@@ -92,7 +93,12 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
                      K_SPLIT, SPLIT, stride_xm, stride_wk, stride_sg,
                      GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
                      WORDS: tl.constexpr, MAGIC16: tl.constexpr, BIAS: tl.constexpr,
-                     SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr):
+                     SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    # PDL: waits for the kernel before (it wrote x) before the first load, and lets the next
+    # kernel in only after the K loop, so its waiting programs do not take this one's
+    # registers while programs of it are still to start
+    pdl.wait_previous(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     safe_n = tl.minimum(offs_n, N - 1)  # columns past N re-read the last one (not stored)
@@ -141,6 +147,7 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
         acc += (dots - bias[:, None] * xsum[None, :]) * scale[:, None]
         w_ptrs += WORDS * stride_wk
         x_ptrs += 8 * WORDS
+    pdl.launch_next(PDL)
     ok = (offs_n < N)[:, None] & (rows < M)[None, :]
     cells = rows[None, :].to(tl.int64) * N + offs_n[:, None]  # of an [M, N] tile
     if SPLIT_K:  # partials first; the count tells the strip's last program they are written
@@ -228,5 +235,6 @@ def int4_mma_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         GROUP=group if group < k else 1 << 30, HAS_ZERO=zeros is not None, BLOCK_N=block_n,
         WORDS=words, MAGIC16=MAGIC[x.dtype], BIAS=BIAS[x.dtype], SPLIT_K=ks.split > 1,
         INTERPRETED=x.device.type == "cpu",  # (TRITON_INTERPRET=1)
-        num_warps=num_warps, num_stages=num_stages)
+        num_warps=num_warps, num_stages=num_stages,
+        **(pdl.kwargs(x.device) if envs.SHOAL_INT4_PDL.get() else {}))
     return ks.out
