@@ -107,7 +107,7 @@ def _exited(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/status") as f:
             return any(line.startswith("State:") and "Z" in line for line in f)
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # (gone between the open and the read)
         return True
 
 
