@@ -136,8 +136,9 @@ def _signature(kernel: Any, args: dict[str, Any]) -> tuple[dict[str, str], dict[
     return sig, const
 
 
-def compile_one(record: dict[str, Any]) -> None:
-    """Compiles one recorded launch for sm_90 (raises what Triton raises)."""
+def compile_one(record: dict[str, Any]) -> Any:
+    """Compiles one recorded launch for sm_90 (raises what Triton raises): the compiled
+    kernel."""
     import dataclasses
 
     import triton
@@ -154,7 +155,47 @@ def compile_one(record: dict[str, Any]) -> None:
              if record["args"].get(p.name, {}).get("div16") and sig[p.name] != "constexpr"
              and not p.do_not_specialize and not p.do_not_specialize_on_alignment}
     src = ASTSource(fn=kernel, signature=sig, constexprs=const, attrs=attrs)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def sass_of(record: dict[str, Any]) -> dict[str, Any]:
+    """One launch compiled for sm_90 as its machine code: {"sass": nvdisasm's listing,
+    "registers", "local" (bytes a thread spills), "shared"}, from the tools Triton ships."""
+    import re
+    import tempfile
+
+    import triton
+
+    cubin = compile_one(record).asm["cubin"]
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "kernel.cubin"
+        path.write_bytes(cubin)
+        listing = subprocess.run([str(tools / "nvdisasm"), "-c", str(path)], check=True,
+                                 capture_output=True, text=True).stdout
+        usage = subprocess.run([str(tools / "cuobjdump"), "-res-usage", str(path)],
+                               check=True, capture_output=True, text=True).stdout
+    found = dict(re.findall(r"(REG|LOCAL|SHARED):(\d+)", usage))
+    return {"sass": listing, "registers": int(found.get("REG", 0)),
+            "local": int(found.get("LOCAL", 0)), "shared": int(found.get("SHARED", 0))}
+
+
+def sass_of_records(records: list[dict[str, Any]], timeout: float = 300) -> list[dict[str, Any]]:
+    """sass_of for each record, in a process of its own without the interpreter (as
+    compile_recorded)."""
+    import tempfile
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(records, f)
+        f.flush()
+        done = subprocess.run([sys.executable, __file__, "--sass", f.name], env=env,
+                              timeout=timeout, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the sm_90 compile process failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout)
 
 
 def compile_recorded(path: str | Path, timeout: float = 540) -> tuple[int, list[str]]:
@@ -213,4 +254,7 @@ def _main(path: str) -> None:
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise SystemExit("run without TRITON_INTERPRET: this compiles for a GPU")
-    _main(sys.argv[1])
+    if sys.argv[1] == "--sass":
+        print(json.dumps([sass_of(r) for r in json.loads(Path(sys.argv[2]).read_text())]))
+    else:
+        _main(sys.argv[1])
