@@ -18,8 +18,8 @@ every kernel before it, not only the last: that one finished only after its own 
 returned. A kernel launched without it (torch ops, cuBLAS) waits for the one before to
 finish, as ever.
 
-Taking part: RMSNorm (rms_norm.py), SiLU-mul, the FP8 GEMV (decode_gemv.py), the dense bf16
-GEMVs (half_gemv.py) and their split sum, rope and cache write, paged decode and its split
+Taking part: RMSNorm (rms_norm.py), SiLU-mul, the FP8 GEMV (decode_gemv.py), the INT4
+tensor-core GEMV (int4_mma_gemv.py), the dense bf16 GEMVs (half_gemv.py) and their split sum, rope and cache write, paged decode and its split
 reduce, and the hybrid and MoE decode kernels (sigmoid gate, conv step, delta rule, fused
 linear decode, gate routing, half-decode experts). Early weights: the FP8 GEMV at one row
 with per-channel scales (decode_gemv.py EARLY) and the prefetching bf16 GEMV tile load their
@@ -52,9 +52,14 @@ Measured (back to back on one GPU each time, W2 batch 1 unless named):
   side by side), Qwen3.5-35B-A3B batch 1 315.7 -> 319.3 tok/s (graph step 3.168 -> 3.132
   ms, the same first 32 tokens); per layer in a CUDA graph, projections included, 34.0 us
   against 35.2 with the states read after the wait.
-Not the INT4 GEMVs: their kernels are bound by instructions, not bytes (decode_gemv.py), and
-with PDL INT4 fell 326.2 -> 295.9 (H200; with only the kernels around them taking part:
-318.9, within the launch tuner's run-to-run choices).
+- H100, 2026-12-07 (session 24): the INT4 tensor-core GEMV (int4_mma_gemv.py), W2 batch 1
+  INT4 g128 306.6 -> 317.7 tok/s (step 3.261 -> 3.148 ms, the same first 32 tokens;
+  SHOAL_INT4_PDL). It lets the next kernel in only after its K loop, not at its start: the
+  next kernel's programs then wait resident only while this one's last programs finish,
+  not while programs of it are still to start (they would hold its registers).
+Not the other INT4 GEMVs (the strip and wide kernels): with PDL at their start INT4 fell
+326.2 -> 295.9 (H200, session 19, the strip kernel; with only the kernels around them taking
+part: 318.9, within the launch tuner's run-to-run choices).
 
 `launch(device)`: whether a launch on `device` takes part (SHOAL_PDL=1, the default; CUDA,
 sm_90+, a Triton with griddepcontrol); `kwargs(device)` the launch's extra arguments then (the

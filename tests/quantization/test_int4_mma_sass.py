@@ -41,7 +41,7 @@ def _record(block_n: int, warps: int, rows: int, split: int, zeros: bool) -> dic
         "GROUP": {"value": GROUP}, "HAS_ZERO": {"value": zeros},
         "BLOCK_N": {"value": block_n}, "WORDS": {"value": 16},
         "MAGIC16": {"value": MAGIC[torch.bfloat16]}, "BIAS": {"value": 128.0},
-        "SPLIT_K": {"value": split > 1},
+        "SPLIT_K": {"value": split > 1}, "PDL": {"value": True},  # (as a GPU launches it)
     }
     return {"module": "shoal.layers.quantization.int4_mma_gemv", "name": "_int4_mma_kernel",
             "args": args, "options": {"num_warps": warps, "num_stages": 1}}
