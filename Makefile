@@ -30,9 +30,15 @@ install: $(BUILT)
 serve: $(BUILT)
 	$(BIN)/shoal serve
 
+# Two pytest workers (pytest-xdist), each test file on one of them: the suite runs one
+# intra-op thread a process (tests/conftest.py), so alone it left the second core of a 2-core
+# machine idle (2026-12-07, 2 cores: 19.5-22 min serially, 14.5 min so). TEST_WORKERS=0 runs
+# it in one process.
+TEST_WORKERS ?= 2
 test: $(BUILT)
 	$(BIN)/ruff check shoal tests benchmarks
-	$(BIN)/python -m pytest -q -x --durations=15 -m "not gpu_script and not sm90_all"
+	$(BIN)/python -m pytest -q -x --durations=15 -n $(TEST_WORKERS) --dist loadfile \
+		-m "not gpu_script and not sm90_all"
 
 # The GPU benchmark scripts at --smoke size on the CPU (run before a device call).
 gpu-script-smoke: $(BUILT)
