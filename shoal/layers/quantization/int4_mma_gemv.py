@@ -37,9 +37,10 @@ five global round trips a step in a row. The step now issues all its loads first
 activations, scales: one round trip), and the words load as 16-byte vectors (see below);
 tests/quantization/test_int4_mma_sass.py checks both in the sm_90 output. The hoisted loads
 did not move W2 (2026-12-07, one H100, back to back: 307.1 tok/s before, 306.6 after; the
-vector loads were not measured apart), so what holds one row near 2 TB/s is still open; the same tiles read the codes, GPTQ's [K / 8, N],
-as runs of BLOCK_N * 4 bytes one N-row apart, and a layout with each step's tile contiguous
-(Marlin's repacking) is the next thing to measure. PDL (shoal/pdl.py) gave 306.6 -> 317.7.
+vector loads were not measured apart), so what holds one row near 2 TB/s is still open. The
+tiles read GPTQ's codes [K / 8, N] as runs of BLOCK_N * 4 bytes one N-row apart; a layout
+with each step's tile contiguous (Marlin's repacking) is the next thing to measure. PDL
+(shoal/pdl.py, launched after the K loop) gave 306.6 -> 317.7.
 
 A K split over programs (SPLIT > 1) writes float32 partials [SPLIT, M, N]; the program that
 finishes a strip last (a per-strip counter, reset by that program) adds them in split order
