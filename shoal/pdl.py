@@ -19,9 +19,10 @@ returned. A kernel launched without it (torch ops, cuBLAS) waits for the one bef
 finish, as ever.
 
 Taking part: RMSNorm (rms_norm.py), SiLU-mul, the FP8 GEMV (decode_gemv.py), the INT4
-tensor-core GEMV (int4_mma_gemv.py), the dense bf16 GEMVs (half_gemv.py) and their split sum, rope and cache write, paged decode and its split
-reduce, and the hybrid and MoE decode kernels (sigmoid gate, conv step, delta rule, fused
-linear decode, gate routing, half-decode experts). Early weights: the FP8 GEMV at one row
+tensor-core GEMV (int4_mma_gemv.py; it lets the next kernel in after its K loop, not first),
+the dense bf16 GEMVs (half_gemv.py) and their split sum, rope and cache write, paged decode
+and its split reduce, and the hybrid and MoE decode kernels (sigmoid gate, conv step, delta
+rule, fused linear decode, gate routing, half-decode experts). Early weights: the FP8 GEMV at one row
 with per-channel scales (decode_gemv.py EARLY) and the prefetching bf16 GEMV tile load their
 first K step's weights before they wait, and the MoE gate routing (gate_routing.py) its first
 hidden chunk of the gate (at H <= 2048 a warp, all of it) and the linear layers' conv step
