@@ -20,6 +20,10 @@ Two halves:
   constant and pointers and integers a multiple of 16 marked so (except where the kernel
   does not specialize on them), as Triton's launcher does.
 
+`sass_of_records(records)` compiles launches described the same way and returns their
+machine code (nvdisasm), registers and spills, for tests that check what ptxas made of a
+loop (tests/quantization/test_int4_mma_sass.py).
+
 Limits: the shapes are the tests', not a model's (register spills and shared-memory limits at
 real sizes show only on a GPU), and the compiler is this machine's Triton, which may be
 newer than the GPU machine's.
@@ -195,7 +199,7 @@ def sass_of_records(records: list[dict[str, Any]], timeout: float = 300) -> list
                               timeout=timeout, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the sm_90 compile process failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout)
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def compile_recorded(path: str | Path, timeout: float = 540) -> tuple[int, list[str]]:
