@@ -20,23 +20,22 @@ finish, as ever.
 
 Taking part: RMSNorm (rms_norm.py), SiLU-mul, the FP8 GEMV (decode_gemv.py), the INT4
 tensor-core GEMV (int4_mma_gemv.py; it lets the next kernel in after its K loop, not first),
-the dense bf16 GEMVs (half_gemv.py) and their split sum, rope and cache write, paged decode
-and its split reduce, and the hybrid and MoE decode kernels (sigmoid gate, conv step, delta
-rule, fused linear decode, gate routing, half-decode experts). Early weights: the FP8 GEMV at one row
+the dense bf16 GEMVs (half_gemv.py) and their split sum, rope and cache write, paged decode and
+its split reduce, and the hybrid and MoE decode kernels (sigmoid gate, conv step, delta rule,
+fused linear decode, gate routing, half-decode experts). Early weights: the FP8 GEMV at one row
 with per-channel scales (decode_gemv.py EARLY) and the prefetching bf16 GEMV tile load their
 first K step's weights before they wait, and the MoE gate routing (gate_routing.py) its first
-hidden chunk of the gate (at H <= 2048 a warp, all of it) and the linear layers' conv step
-its taps, so the read starts in the tail of the kernel before. Early states: a decode step's
-linear layers (linear_decode_fused.py and the conv step) read their block ids and their
-recurrent states (the conv windows, the delta rule's state tile) before they wait.
-Safe because no kernel of a step writes weights: a weight update (RL, LoRA loads) runs
-between steps, and kernels that wait lie between it and the kernel reading early. A
-decode step's states are written only by the kernel that reads them and by torch ops (a
-speculative step's fold just before, prefill chunks, tier restores; torch ops are not
-launched with PDL, so a kernel after one starts only once it has finished), the previous
-step's writes are finished (a graph replay, or such a torch op, lies between), and the block
-ids come from a host-to-device copy before the step's first kernel
-(layers/linear_attention.py EARLY_READS).
+hidden chunk of the gate (at H <= 2048 a warp, all of it) and the linear layers' conv step its
+taps, so the read starts in the tail of the kernel before. Early states: a decode step's linear
+layers (linear_decode_fused.py and the conv step) read their block ids and their recurrent
+states (the conv windows, the delta rule's state tile) before they wait. Safe because no kernel
+of a step writes weights: a weight update (RL, LoRA loads) runs between steps, and kernels that
+wait lie between it and the kernel reading early. A decode step's states are written only by
+the kernel that reads them and by torch ops (a speculative step's fold just before, prefill
+chunks, tier restores; torch ops are not launched with PDL, so a kernel after one starts only
+once it has finished), the previous step's writes are finished (a graph replay, or such a torch
+op, lies between), and the block ids come from a host-to-device copy before the step's first
+kernel (layers/linear_attention.py EARLY_READS).
 
 Measured (back to back on one GPU each time, W2 batch 1 unless named):
 - H200, 2026-12-07, Llama-3.1-8B shape, the first set (norms, FP8 GEMV, rope, attention,
@@ -55,9 +54,10 @@ Measured (back to back on one GPU each time, W2 batch 1 unless named):
   against 35.2 with the states read after the wait.
 - H100, 2026-12-07 (session 24): the INT4 tensor-core GEMV (int4_mma_gemv.py), W2 batch 1
   INT4 g128 306.6 -> 317.7 tok/s (step 3.261 -> 3.148 ms, the same first 32 tokens;
-  SHOAL_INT4_PDL). It lets the next kernel in only after its K loop, not at its start: the
-  next kernel's programs then wait resident only while this one's last programs finish,
-  not while programs of it are still to start (they would hold its registers).
+  SHOAL_INT4_PDL). It lets the next kernel in only after its K loop, not at its start
+  (launch_dependents takes effect once every program has issued it or exited): the next
+  kernel launches once every program has finished its loads and dots, so its start
+  overlaps this kernel's stores and split sums. Why that beats the start is not measured.
 Not the other INT4 GEMVs (the strip and wide kernels): with PDL at their start INT4 fell
 326.2 -> 295.9 (H200, session 19, the strip kernel; with only the kernels around them taking
 part: 318.9, within the launch tuner's run-to-run choices).

@@ -43,6 +43,15 @@ def _exited(pid: int) -> bool:
         return True
 
 
+def _cmdline(pid: int) -> str:
+    """A process's command line, "" where it is gone (also between the open and the read)."""
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 def _descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
@@ -83,8 +92,7 @@ def test_serve_starts_its_own_ray_and_leaves_nothing_behind(tiny_llama_dir, monk
             extra_body={"ignore_eos": True, "return_token_ids": True})
         assert list(out.choices[0].token_ids) == expected
         procs = _descendants(server.proc.pid)
-        assert any("raylet" in open(f"/proc/{p}/cmdline").read() for p in procs
-                   if os.path.exists(f"/proc/{p}/cmdline"))
+        assert any("raylet" in _cmdline(p) for p in procs)
     finally:
         server.stop()
     deadline = time.monotonic() + 15

@@ -14,11 +14,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from sm90_compile import sass_of_records
 
-from shoal.layers.quantization.int4_mma_gemv import MAGIC, TILES
+pytest.importorskip("triton.backends.nvidia.compiler")  # (before shoal's kernels import triton)
 
-pytest.importorskip("triton.backends.nvidia.compiler")
+from sm90_compile import sass_of_records  # noqa: E402
+
+from shoal.layers.quantization.int4_mma_gemv import MAGIC, TILES  # noqa: E402
 
 N, K, GROUP = 28672, 4096, 128  # Llama-3.1-8B's gate_up: codes [K / 8, N], g128
 

@@ -102,8 +102,9 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
                      SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr,
                      PDL: tl.constexpr = False):
     # PDL: waits for the kernel before (it wrote x) before the first load, and lets the next
-    # kernel in only after the K loop, so its waiting programs do not take this one's
-    # registers while programs of it are still to start
+    # kernel in only after the K loop (it launches once every program has got there: its
+    # start overlaps the stores and split sums; PDL from the start cost the INT4 strip
+    # kernel 10%, pdl.py)
     pdl.wait_previous(PDL)
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -125,9 +126,9 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
     x_ptrs = x_row + ((kk // 2) * 8 + (kk % 2) * 4)[:, None]  # [2 * WORDS, 8]
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
     for k0 in range(k_start, k_end, 8 * WORDS):
-        # every load of the step first, issued together: a load inside the j loop waits
-        # behind the previous dot's barrier (the dot takes its operand through shared
-        # memory), and one after the dots adds a round trip: five a step where one does
+        # every load of the step first, issued together: a load between two dots waits
+        # behind the first one's barrier (a dot takes its operand through shared memory),
+        # and one after the dots adds a round trip: five a step where one does
         g = (k0 // GROUP) * stride_sg  # one group a step (the step divides it)
         scale = tl.load(s_ptr + g + safe_n).to(tl.float32)
         if HAS_ZERO:
@@ -170,12 +171,12 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
         _store_tile(acc, out_ptr, cells, ok, INTERPRETED)
 
 
-# Launch candidates: (block_n, warps). Registers from Triton 3.9's sm_90 compiler at 16 words
-# a step (no spills): n128 w4 96, n256 w4 167, n256 w8 99 (127, 209, 127 before the words
-# loaded as vectors). On an H100 (2026-12-07, Llama-3.1-8B's projections, before the vector
-# loads) the tuner picked each of the three somewhere between 1 and 8 rows. Slower
-# everywhere, so not offered: Triton's pipelining (num_stages 3, the words through cp.async),
-# 1.5-2x; the next step's words loaded before this step's dots, 1.3-1.9x.
+# Launch candidates: (block_n, warps). Registers from Triton 3.9's sm_90 compiler at 16 words a
+# step (no spills): n128 w4 102, n256 w4 168, n256 w8 96 (127, 209, 127 before the words loaded
+# as vectors and the loads moved before the dots). On an H100 (2026-12-07, Llama-3.1-8B's
+# projections, before the vector loads) the tuner picked each of the three somewhere between 1
+# and 8 rows. Slower everywhere, so not offered: Triton's pipelining (num_stages 3, the words
+# through cp.async), 1.5-2x; the next step's words loaded before this step's dots, 1.3-1.9x.
 TILES = ((128, 4), (256, 4), (256, 8))
 
 
