@@ -3,9 +3,9 @@ int4_wide_gemv.py's and int4_mma_gemv.py's K splits (a counter a strip: the last
 the partials) and linear_decode_fused.py's column split (a counter a row and head: the last
 program norms the whole output). Zero between launches: each last program resets its own.
 One launch at a time per device uses them, as shoal runs a model's layers in one stream, so
-the kernels share one buffer. A grown buffer keeps the old one alive: CUDA graphs captured before hold
-it. It is made or grown outside CUDA-graph capture only (an allocation there would live in
-the graph's pool, zeroed by nothing)."""
+the kernels share one buffer. A grown buffer keeps the old one alive: CUDA graphs captured
+before hold it. It is made or grown outside CUDA-graph capture only (an allocation there
+would live in the graph's pool, zeroed by nothing)."""
 
 from __future__ import annotations
 

@@ -89,6 +89,15 @@ def _pairs(words2, SH: tl.constexpr, MAGIC16: tl.constexpr, INTERPRETED: tl.cons
 
 
 @triton.jit
+def _pair_set_dot(words2, x, SH: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+                  MAGIC16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """[BLOCK_N, 8] float32: the pair set at bit SH of words2 (_pairs, as a [BLOCK_N, 2 *
+    WORDS] operand) times its activations x [2 * WORDS, 8]."""
+    a = tl.reshape(_pairs(words2, SH, MAGIC16, INTERPRETED), (BLOCK_N, 2 * WORDS))
+    return half_dot(a, x, "tf32", INTERPRETED)
+
+
+@triton.jit
 def _store_tile(acc, out_ptr, cells, ok, INTERPRETED: tl.constexpr):
     """acc [BLOCK_N, 8] -> out_ptr + cells where ok (rows < M, n < N of an [M, N] out)."""
     tl.store(out_ptr + cells, to_dtype(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
@@ -143,14 +152,10 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
         xsum = tl.sum(x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32)
                       + x3.to(tl.float32), axis=0)  # [8]: the step's inputs summed
         words2 = tl.join(words, words)  # [BLOCK_N, WORDS, 2]: each word for both nibbles
-        a = tl.reshape(_pairs(words2, 0, MAGIC16, INTERPRETED), (BLOCK_N, 2 * WORDS))
-        dots = half_dot(a, x0, "tf32", INTERPRETED)
-        a = tl.reshape(_pairs(words2, 4, MAGIC16, INTERPRETED), (BLOCK_N, 2 * WORDS))
-        dots += half_dot(a, x1, "tf32", INTERPRETED)
-        a = tl.reshape(_pairs(words2, 8, MAGIC16, INTERPRETED), (BLOCK_N, 2 * WORDS))
-        dots += half_dot(a, x2, "tf32", INTERPRETED)
-        a = tl.reshape(_pairs(words2, 12, MAGIC16, INTERPRETED), (BLOCK_N, 2 * WORDS))
-        dots += half_dot(a, x3, "tf32", INTERPRETED)
+        dots = _pair_set_dot(words2, x0, 0, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
+        dots += _pair_set_dot(words2, x1, 4, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
+        dots += _pair_set_dot(words2, x2, 8, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
+        dots += _pair_set_dot(words2, x3, 12, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
         acc += (dots - bias[:, None] * xsum[None, :]) * scale[:, None]
         w_ptrs += WORDS * stride_wk
         x_ptrs += 8 * WORDS
