@@ -86,6 +86,26 @@ def test_bad_mma_launches_are_refused_by_name():
     assert not mma.fits(torch.bfloat16, 200, 1 << 20, 8)  # K not a multiple of the step
 
 
+@pytest.mark.parametrize("switch,takes_part", [("1", True), ("0", False)])
+def test_the_launch_takes_pdl_as_shoal_int4_pdl_says(monkeypatch, switch, takes_part):
+    """SHOAL_INT4_PDL on (the default): the kernel gets pdl.kwargs (the PDL constexpr and
+    launch_pdl) where PDL is on for the device; off: a plain launch, whatever pdl says."""
+    x, codes, scales, _, _ = _problem(1, 16, 128, 64, False, torch.bfloat16, seed=0)
+    launched = {}
+
+    class Kernel:  # records the launch instead of running it
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.update(kwargs)
+
+    monkeypatch.setattr(mma, "_int4_mma_kernel", Kernel())
+    monkeypatch.setattr(mma.pdl, "kwargs", lambda device: {"PDL": True, "launch_pdl": True})
+    monkeypatch.setenv("SHOAL_INT4_PDL", switch)
+    mma.int4_mma_gemv(x, codes, scales, None, 64, words=8, block_n=16, split=1, num_warps=4,
+                      num_stages=1)
+    assert ("PDL" in launched and "launch_pdl" in launched) == takes_part
+    assert launched["num_warps"] == 4
+
+
 @pytest.mark.parametrize("n,k,group,sms", [
     (6144, 4096, 128, 132), (4096, 4096, 128, 132), (28672, 4096, 128, 132),
     (4096, 14336, 128, 132), (256, 640, 128, 20), (11008, 11008, 64, 20), (64, 64, 1 << 20, 8),
