@@ -118,6 +118,10 @@ part() {
     quant) run quant ${QUANT_LIMIT:-330} $py/quant_gpu.py ${QUANT_PARTS:-all} --timeout 110 $S \
         ${QUANT_SERVE:+--serve} ${QUANT_VARIANTS:+--variants $QUANT_VARIANTS} --out "$DIR/quant.json" ;;
     quantw3) run quantw3 ${QUANTW3_LIMIT:-330} $py/quant_throughput_gpu.py ${QUANTW3_CASES:+--cases $QUANTW3_CASES} --timeout 150 $S --out "$DIR/quantw3.json" ;;
+    # the INT4 GEMV at one row: read patterns, GPTQ vs tile_codes' layout, programs a
+    # multiprocessor, L2-warm vs cold timing (benchmarks/int4_read_probe.py; ~3 min estimated)
+    int4-probe) run int4_probe ${I4P_LIMIT:-300} $py/int4_read_probe.py \
+        ${I4P_SHAPES:+--shapes $I4P_SHAPES} --out "$DIR/int4_probe.json" ;;
     gptoss) run gptoss ${GPTOSS_LIMIT:-240} $py/gpt_oss_gpu.py ${GPTOSS_PARTS:-all} $S --out "$DIR/gptoss.json" ;;
     # the GPU tests of code not yet run on a GPU (2026-12-06 late: the one-launch MoE and
     # DeepSeek routing, the MXFP4 decode experts' word tiles); the dense decode GEMV

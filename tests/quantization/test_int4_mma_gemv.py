@@ -72,6 +72,28 @@ def test_mma_gemv_matches_the_dequantized_matmul(m, n, k, group, asym, dtype, bl
     assert torch.equal(int4_gemv(x, codes, scales, zeros, group, tiles), got)
 
 
+@pytest.mark.parametrize("m,n,k,group,asym,block_n,words,split", [
+    (1, 64, 512, 128, False, 32, 16, 2),  # two strips, a K split
+    (3, 32, 256, 64, True, 16, 8, 1),  # zero points, a step of 8 words
+])
+def test_tiled_codes_give_the_same_bits(m, n, k, group, asym, block_n, words, split):
+    """tile_codes' layout (each step's tile contiguous) read by the kernel's TILED branch: the
+    same sums in the same order as GPTQ's layout, so the same bits."""
+    x, codes, scales, zeros, want = _problem(m, n, k, group, asym, torch.bfloat16, seed=7)
+    kw = dict(block_n=block_n, words=words, split=split, num_warps=4, num_stages=1)
+    plain = mma.int4_mma_gemv(x, codes, scales, zeros, group, **kw)
+    tiled = mma.tile_codes(codes, block_n, words)
+    assert tiled.shape == (n // block_n, k // (8 * words), words, block_n)
+    assert torch.equal(tiled[1, 0, 2], codes[2, block_n:2 * block_n])  # strip 1, step 0, word 2
+    assert torch.equal(mma.int4_mma_gemv(x, tiled, scales, zeros, group, tiled=True, **kw),
+                       plain)
+    _check(plain, want, torch.bfloat16)
+    with pytest.raises(ValueError, match="tiled codes"):
+        mma.int4_mma_gemv(x, codes, scales, zeros, group, tiled=True, **kw)
+    with pytest.raises(ValueError, match="tiles"):
+        mma.tile_codes(codes[:, :block_n - 1], block_n, words)
+
+
 def test_bad_mma_launches_are_refused_by_name():
     x, codes, scales, _, _ = _problem(1, 16, 128, 64, False, torch.bfloat16, seed=0)
     kw = dict(block_n=16, split=1, num_warps=4, num_stages=1)

@@ -28,7 +28,8 @@ def _int(value: int) -> dict:
     return {"type": "i32", "div16": value % 16 == 0, "one": value == 1}
 
 
-def _record(block_n: int, warps: int, rows: int, split: int, zeros: bool) -> dict:
+def _record(block_n: int, warps: int, rows: int, split: int, zeros: bool,
+            tiled: bool = False) -> dict:
     import torch
 
     span = K // split
@@ -43,6 +44,7 @@ def _record(block_n: int, warps: int, rows: int, split: int, zeros: bool) -> dic
         "BLOCK_N": {"value": block_n}, "WORDS": {"value": 16},
         "MAGIC16": {"value": MAGIC[torch.bfloat16]}, "BIAS": {"value": 128.0},
         "SPLIT_K": {"value": split > 1}, "PDL": {"value": True},  # (as a GPU launches it)
+        "TILED": {"value": tiled},
     }
     return {"module": "shoal.layers.quantization.int4_mma_gemv", "name": "_int4_mma_kernel",
             "args": args, "options": {"num_warps": warps, "num_stages": 1}}
@@ -86,8 +88,10 @@ def _longest_loop(listing: str) -> list[str]:
     return [text for address, text in code if best[0] <= address <= best[1]]
 
 
-CASES = [(block_n, warps, rows, split, zeros) for block_n, warps in TILES
-         for rows, split, zeros in ((1, 2, False), (8, 1, True))]
+# (tile_codes' layout at one row too: one run of words a step)
+CASES = [(block_n, warps, rows, split, zeros, tiled) for block_n, warps in TILES
+         for rows, split, zeros, tiled in ((1, 2, False, False), (8, 1, True, False),
+                                           (1, 2, False, True))]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +99,8 @@ def compiled() -> dict:
     return dict(zip(CASES, sass_of_records([_record(*case) for case in CASES])))
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: "n{}w{}-rows{}-split{}-zeros{}".format(*c))
+@pytest.mark.parametrize("case", CASES,
+                         ids=lambda c: "n{}w{}-rows{}-split{}-zeros{}-tiled{}".format(*c))
 def test_a_step_loads_everything_before_its_first_barrier(compiled, case):
     out = compiled[case]
     assert out["local"] == 0, f"{out['local']} bytes a thread spilled"
@@ -113,3 +118,12 @@ def test_a_step_loads_everything_before_its_first_barrier(compiled, case):
     block_n, warps = case[:2]
     # the [BLOCK_N, 16] words tile in 16-byte vectors (4 words each) over the program's threads
     assert len(words) == block_n * 16 // 4 // (32 * warps), opcode
+
+
+@pytest.mark.parametrize("block_n,warps", TILES)
+def test_tiled_codes_take_fewer_registers(compiled, block_n, warps):
+    """One base pointer a thread for a step's contiguous tile, where GPTQ's layout keeps one a
+    row (2026-12-07: 168 -> 128 at n256 w4, which lets four programs share a multiprocessor
+    where three did)."""
+    plain = compiled[(block_n, warps, 1, 2, False, False)]["registers"]
+    assert compiled[(block_n, warps, 1, 2, False, True)]["registers"] < plain

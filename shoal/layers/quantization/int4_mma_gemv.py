@@ -38,9 +38,13 @@ activations, scales: one round trip), and the words load as 16-byte vectors (see
 tests/quantization/test_int4_mma_sass.py checks both in the sm_90 output. The hoisted loads
 did not move W2 (2026-12-07, one H100, back to back: 307.1 tok/s before, 306.6 after; the
 vector loads were not measured apart), so what holds one row near 2 TB/s is still open. The
-tiles read GPTQ's codes [K / 8, N] as runs of BLOCK_N * 4 bytes one N-row apart; a layout
-with each step's tile contiguous (Marlin's repacking) is the next thing to measure. PDL
-(shoal/pdl.py, launched after the K loop) gave 306.6 -> 317.7.
+tiles read GPTQ's codes [K / 8, N] as runs of BLOCK_N * 4 bytes one N-row apart. `tiled`
+reads tile_codes' layout instead, each step's tile one run (an experiment: the engine keeps
+GPTQ's layout); it also takes fewer registers (168 -> 128 at n256 w4: four programs a
+multiprocessor where three fit). benchmarks/int4_read_probe.py times both layouts, read-only
+kernels over the same tiles, programs a multiprocessor and L2-warm against cold weights in
+one GPU call (not yet run). PDL (shoal/pdl.py, launched after the K loop) gave 306.6 ->
+317.7.
 
 A K split over programs (SPLIT > 1) writes float32 partials [SPLIT, M, N]; the program that
 finishes a strip last (a per-strip counter, reset by that program) adds them in split order
@@ -98,6 +102,39 @@ def _pair_set_dot(words2, x, SH: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.
 
 
 @triton.jit
+def _group_loads(s_ptr, z_ptr, g, safe_n, HAS_ZERO: tl.constexpr, BIAS: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Scales [BLOCK_N] and BIAS + zero points (float32) of the group at offset g."""
+    scale = tl.load(s_ptr + g + safe_n).to(tl.float32)
+    if HAS_ZERO:
+        bias = BIAS + tl.load(z_ptr + g + safe_n).to(tl.float32)
+    else:
+        bias = tl.full([BLOCK_N], BIAS + 8.0, tl.float32)
+    return scale, bias
+
+
+@triton.jit
+def _x_loads(x_ptrs):
+    """The activations of a step's four pair sets, [2 * WORDS, 8] each."""
+    return tl.load(x_ptrs), tl.load(x_ptrs + 1), tl.load(x_ptrs + 2), tl.load(x_ptrs + 3)
+
+
+@triton.jit
+def _step_sum(scale, bias, x0, x1, x2, x3, words, BLOCK_N: tl.constexpr,
+              WORDS: tl.constexpr, MAGIC16: tl.constexpr, INTERPRETED: tl.constexpr):
+    """[BLOCK_N, 8] float32: a step's share of the outputs: its group's scales and biases
+    (_group_loads), activations (_x_loads) and words [BLOCK_N, WORDS]."""
+    xsum = tl.sum(x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32)
+                  + x3.to(tl.float32), axis=0)  # [8]: the step's inputs summed
+    words2 = tl.join(words, words)  # [BLOCK_N, WORDS, 2]: each word for both nibbles
+    dots = _pair_set_dot(words2, x0, 0, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
+    dots += _pair_set_dot(words2, x1, 4, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
+    dots += _pair_set_dot(words2, x2, 8, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
+    dots += _pair_set_dot(words2, x3, 12, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
+    return (dots - bias[:, None] * xsum[None, :]) * scale[:, None]
+
+
+@triton.jit
 def _store_tile(acc, out_ptr, cells, ok, INTERPRETED: tl.constexpr):
     """acc [BLOCK_N, 8] -> out_ptr + cells where ok (rows < M, n < N of an [M, N] out)."""
     tl.store(out_ptr + cells, to_dtype(acc, out_ptr.dtype.element_ty, INTERPRETED), mask=ok)
@@ -109,7 +146,7 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
                      GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
                      WORDS: tl.constexpr, MAGIC16: tl.constexpr, BIAS: tl.constexpr,
                      SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr,
-                     PDL: tl.constexpr = False):
+                     PDL: tl.constexpr = False, TILED: tl.constexpr = False):
     # PDL: waits for the kernel before (it wrote x) before the first load, and lets the next
     # kernel in only after the K loop (it launches once every program has got there: its
     # start overlaps the stores and split sums; PDL from the start cost the INT4 strip
@@ -127,37 +164,34 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
     # columns as contiguous, and loaded them as 4-byte words across 16 rows a warp (32
     # loads a thread a step at n256 w4, 209 registers) where 16-byte vectors along N do (8
     # loads, 167 registers; Triton 3.9's sm_90 output)
-    w_ptrs = (w_ptr + (k_start // 8 + tl.arange(0, WORDS)).to(tl.int64)[None, :] * stride_wk
-              + offs_n[:, None])  # [BLOCK_N, WORDS]
+    if TILED:  # codes [strips, K / (8 * WORDS), WORDS, BLOCK_N]: a step's tile contiguous
+        tile = (pid_n * (K // (8 * WORDS)) + k_start // (8 * WORDS)).to(tl.int64)
+        w_ptrs = (w_ptr + tile * (WORDS * BLOCK_N) + tl.arange(0, WORDS)[None, :] * BLOCK_N
+                  + tl.arange(0, BLOCK_N)[:, None])  # [BLOCK_N, WORDS]
+        w_step = WORDS * BLOCK_N
+    else:
+        w_ptrs = (w_ptr + (k_start // 8 + tl.arange(0, WORDS)).to(tl.int64)[None, :]
+                  * stride_wk + offs_n[:, None])  # [BLOCK_N, WORDS]
+        w_step = WORDS * stride_wk
     n_ok = (offs_n < N)[:, None]
     x_row = x_ptr + safe_m.to(tl.int64)[None, :] * stride_xm + k_start
     # the activations of pair set j: row 2w + t of the tile is input 8w + j + 4t of the step
     x_ptrs = x_row + ((kk // 2) * 8 + (kk % 2) * 4)[:, None]  # [2 * WORDS, 8]
     acc = tl.zeros([BLOCK_N, 8], dtype=tl.float32)
+    # every load of a step first, issued together: a load between two dots waits behind the
+    # first one's barrier (a dot takes its operand through shared memory), and one after the
+    # dots adds a round trip: five a step where one does. (Two steps' loads together, tried
+    # 2026-12-07 in the sm_90 output: Triton converts a load's layout right after it, through
+    # shared memory behind a barrier, and the second step's scales or words then load behind
+    # the first's conversion, whatever the source order.)
     for k0 in range(k_start, k_end, 8 * WORDS):
-        # every load of the step first, issued together: a load between two dots waits
-        # behind the first one's barrier (a dot takes its operand through shared memory),
-        # and one after the dots adds a round trip: five a step where one does
-        g = (k0 // GROUP) * stride_sg  # one group a step (the step divides it)
-        scale = tl.load(s_ptr + g + safe_n).to(tl.float32)
-        if HAS_ZERO:
-            bias = BIAS + tl.load(z_ptr + g + safe_n).to(tl.float32)
-        else:
-            bias = tl.full([BLOCK_N], BIAS + 8.0, tl.float32)
-        x0 = tl.load(x_ptrs)
-        x1 = tl.load(x_ptrs + 1)
-        x2 = tl.load(x_ptrs + 2)
-        x3 = tl.load(x_ptrs + 3)
+        scale, bias = _group_loads(s_ptr, z_ptr, (k0 // GROUP) * stride_sg, safe_n, HAS_ZERO,
+                                   BIAS, BLOCK_N)
+        x0, x1, x2, x3 = _x_loads(x_ptrs)
         words = tl.load(w_ptrs, mask=n_ok, other=0)
-        xsum = tl.sum(x0.to(tl.float32) + x1.to(tl.float32) + x2.to(tl.float32)
-                      + x3.to(tl.float32), axis=0)  # [8]: the step's inputs summed
-        words2 = tl.join(words, words)  # [BLOCK_N, WORDS, 2]: each word for both nibbles
-        dots = _pair_set_dot(words2, x0, 0, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
-        dots += _pair_set_dot(words2, x1, 4, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
-        dots += _pair_set_dot(words2, x2, 8, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
-        dots += _pair_set_dot(words2, x3, 12, BLOCK_N, WORDS, MAGIC16, INTERPRETED)
-        acc += (dots - bias[:, None] * xsum[None, :]) * scale[:, None]
-        w_ptrs += WORDS * stride_wk
+        acc += _step_sum(scale, bias, x0, x1, x2, x3, words, BLOCK_N, WORDS, MAGIC16,
+                         INTERPRETED)
+        w_ptrs += w_step
         x_ptrs += 8 * WORDS
     pdl.launch_next(PDL)
     ok = (offs_n < N)[:, None] & (rows < M)[None, :]
@@ -218,15 +252,37 @@ def fits(x_dtype: torch.dtype, k: int, group: int, words: int) -> bool:
     return x_dtype in MAGIC and step_fits(k, group, words)
 
 
+def tile_codes(codes: torch.Tensor, block_n: int, words: int) -> torch.Tensor:
+    """GPTQ's codes int32 [K / 8, N] -> [N / block_n, K / (8 * words), words, block_n]: each
+    step's [words, block_n] tile of a strip contiguous (int4_mma_gemv's `tiled`), an
+    experiment's layout, not the engine's yet: whether a tile read as one run beats runs of
+    block_n words one N-row apart is measured by benchmarks/int4_read_probe.py."""
+    kw, n = codes.shape
+    if n % block_n or kw % words:
+        raise ValueError(f"tile_codes: codes {tuple(codes.shape)} do not split into "
+                         f"[{words}, {block_n}] tiles")
+    return (codes.view(kw // words, words, n // block_n, block_n).permute(2, 0, 1, 3)
+            .contiguous())
+
+
 def int4_mma_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                   zeros: torch.Tensor | None, group: int, *, block_n: int, words: int,
-                  split: int, num_warps: int, num_stages: int) -> torch.Tensor:
-    """x [M, K] (M <= 8, bf16 or fp16), codes int32 [K / 8, N], scales [G, N], zeros uint8
+                  split: int, num_warps: int, num_stages: int,
+                  tiled: bool = False) -> torch.Tensor:
+    """x [M, K] (M <= 8, bf16 or fp16), codes int32 [K / 8, N] (or, tiled, tile_codes's
+    [N / block_n, K / (8 * words), words, block_n] of them), scales [G, N], zeros uint8
     [G, N] or None (8) -> [M, N] in x's dtype; split: programs per strip along K."""
     m, k = x.shape
-    n = codes.shape[1]
-    if codes.shape[0] != k // 8 or scales.shape[1] != n or x.stride(1) != 1 \
-            or codes.stride(1) != 1 or scales.stride(1) != 1:
+    if tiled:
+        if codes.dim() != 4 or codes.shape[1:] != (k // (8 * words), words, block_n) \
+                or not codes.is_contiguous():
+            raise ValueError(f"int4 mma GEMV: tiled codes {tuple(codes.shape)} are not "
+                             f"tile_codes(codes, {block_n}, {words}) of K {k}")
+        n = codes.shape[0] * block_n
+    else:
+        n = codes.shape[1]
+    if (not tiled and (codes.shape[0] != k // 8 or codes.stride(1) != 1)) \
+            or scales.shape[1] != n or x.stride(1) != 1 or scales.stride(1) != 1:
         raise ValueError(f"int4 mma GEMV: x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
                          f"scales {tuple(scales.shape)} do not fit (rows contiguous)")
     if not 0 < m <= MAX_ROWS:
@@ -243,10 +299,11 @@ def int4_mma_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     ks = k_split(x, n, k, 8 * words, split, block_n, "int4 mma GEMV")
     _int4_mma_kernel[(ks.strips, ks.split)](
         x, codes, scales, zeros if zeros is not None else scales, ks.out, ks.part, ks.count,
-        m, n, k, ks.span, ks.split, x.stride(0), codes.stride(0), scales.stride(0),
+        m, n, k, ks.span, ks.split, x.stride(0), 0 if tiled else codes.stride(0),
+        scales.stride(0),
         GROUP=group if group < k else 1 << 30, HAS_ZERO=zeros is not None, BLOCK_N=block_n,
         WORDS=words, MAGIC16=MAGIC[x.dtype], BIAS=BIAS[x.dtype], SPLIT_K=ks.split > 1,
         INTERPRETED=x.device.type == "cpu",  # (TRITON_INTERPRET=1)
-        num_warps=num_warps, num_stages=num_stages,
+        TILED=tiled, num_warps=num_warps, num_stages=num_stages,
         **(pdl.kwargs(x.device) if envs.SHOAL_INT4_PDL.get() else {}))
     return ks.out
