@@ -141,6 +141,13 @@ SHOAL_QUANT_TUNING: EnvVar[bool] = EnvVar(
     "timing the candidates once per shape on the GPU (shoal/layers/quantization/"
     "launch_tuner.py)")
 
+SHOAL_QUANT_TUNING_COLD: EnvVar[bool] = EnvVar(
+    "SHOAL_QUANT_TUNING_COLD", False, _switch,
+    "1: the launch tuner times each candidate with the weights out of L2 (a read of twice the "
+    "L2 before each call, its own time subtracted), as a decode step meets each layer's "
+    "weights, instead of the same weights warm in L2 call after call (launch_tuner.py; not "
+    "yet measured on a GPU)")
+
 SHOAL_LINEAR_DECODE_FUSED: EnvVar[bool] = EnvVar(
     "SHOAL_LINEAR_DECODE_FUSED", True, _switch,
     "0: a CUDA step of decodes only runs linear attention's older decode path (two in-place "

@@ -128,3 +128,28 @@ def test_a_tighter_agreement_drops_what_the_default_keeps(monkeypatch) -> None:
                              launch_tuner.EXACT_OPERANDS_AGREE)
     assert launch_tuner.TUNED[("loose",)].times_us["off"] < float("inf")
     assert launch_tuner.TUNED[("tight",)].times_us["off"] == float("inf")
+
+
+def test_cold_timing_reads_past_the_l2_first_and_subtracts_that_read(monkeypatch) -> None:
+    """SHOAL_QUANT_TUNING_COLD=1: each timed call comes after the L2 flush, and the flush's own
+    time is taken off (here a flush costs 3 us and the candidate 2 us); unset: no flush."""
+    _FakeCuda(monkeypatch)
+    order: list[str] = []
+    graphs: list[list[str]] = []
+    monkeypatch.setattr(launch_tuner, "_l2_flush", lambda device: lambda: order.append("flush"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def graph_us(fn) -> float:  # one call shows what a graph of fn would hold
+        order.clear()
+        fn()
+        graphs.append(list(order))
+        return 3.0 * order.count("flush") + 2.0 * order.count("fn")
+
+    monkeypatch.setattr(launch_tuner, "_graph_us", graph_us)
+    monkeypatch.setenv("SHOAL_QUANT_TUNING_COLD", "1")
+    assert launch_tuner.gpu_time_us(lambda: order.append("fn"), "k cold") == 2.0
+    assert graphs == [["flush", "fn"], ["flush"]]
+    graphs.clear()
+    monkeypatch.delenv("SHOAL_QUANT_TUNING_COLD")
+    assert launch_tuner.gpu_time_us(lambda: order.append("fn"), "k warm") == 2.0
+    assert graphs == [["fn"]]

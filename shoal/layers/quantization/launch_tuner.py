@@ -12,6 +12,12 @@ failure is logged once as a warning (a candidate that cannot compile is a bug to
 not once per shape key). During a capture, on the CPU, or with
 SHOAL_QUANT_TUNING=0, a key not timed yet takes its first candidate: the heuristic's pick.
 
+The candidates are timed on the layer's own weights, call after call: a projection smaller
+than the L2 stays there, where a decode step reads each layer's weights from memory once.
+SHOAL_QUANT_TUNING_COLD=1 reads past the L2 before each timed call (gpu_time_us); whether
+that changes a pick, and the step, is not yet measured (benchmarks/int4_read_probe.py times
+the INT4 tiles both ways).
+
 The choice is per process: two runs may pick different candidates of near-equal time, whose
 float32 sums differ in order (outputs within rounding, not bit-equal across runs)."""
 
@@ -111,37 +117,66 @@ def _agrees(fn: Callable[[], torch.Tensor], ref: torch.Tensor, label: str,
     return False
 
 
-def gpu_time_us(fn: Callable[[], object], label: str = "") -> float:
+def gpu_time_us(fn: Callable[[], object], label: str = "", cold: bool | None = None) -> float:
     """Microseconds a call of fn takes on the GPU: REPEATS calls captured in one CUDA graph,
     the median of three replays. Timing eager calls instead would time this host's kernel
     launches (tens of microseconds each on a slow CPU), which favour fewer, slower kernels;
-    the engine replays graphs. inf: fn cannot compile, launch or be captured here."""
+    the engine replays graphs. cold (default SHOAL_QUANT_TUNING_COLD): each call after a read
+    of twice the L2 (that read's own time subtracted), so the weights come from memory as in
+    a decode step, where a layer's weights are read once; warm, a projection smaller than the
+    L2 (an 8B model's qkv and o) is timed at L2 bandwidth. inf: fn cannot compile, launch or
+    be captured here."""
     stream = torch.cuda.current_stream()
+    if cold is None:
+        cold = envs.SHOAL_QUANT_TUNING_COLD.get()
     try:
         for _ in range(WARMUP):  # compiles, and settles any lazy allocation
             fn()
         torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for _ in range(REPEATS):
-                fn()
-        samples = []
-        for _ in range(3):
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / REPEATS)
-        del graph
-        return statistics.median(samples)
+        if not cold:
+            return _graph_us(fn)
+        flush = _l2_flush(torch.cuda.current_device())
+
+        def flushed() -> None:
+            flush()
+            fn()
+
+        return max(_graph_us(flushed) - _graph_us(flush), 0.0)
     except Exception as e:  # noqa: BLE001 (a launch shape this GPU cannot run: not a candidate)
         _log_failure(label, e)
         # a capture that failed at its end leaves torch.cuda.graph's side stream current
         torch.cuda.set_stream(stream)
         torch.cuda.synchronize()
         return float("inf")
+
+
+def _graph_us(fn: Callable[[], object]) -> float:
+    """REPEATS calls of fn in one CUDA graph: the median of three replays, a call."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        for _ in range(REPEATS):
+            fn()
+    samples = []
+    for _ in range(3):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end) * 1e3 / REPEATS)
+    del graph
+    return statistics.median(samples)
+
+
+def _l2_flush(device: int) -> Callable[[], object]:
+    """A call that reads twice the L2 of GPU `device` (a sum into a kept scalar: no allocation
+    inside a capture), leaving none of what was read before in L2. Made per timing, not kept:
+    its buffer goes back to torch's allocator for the next one."""
+    size = 2 * max(torch.cuda.get_device_properties(device).L2_cache_size, 1 << 20)
+    data = torch.ones(size // 4, dtype=torch.int32, device=f"cuda:{device}")
+    out = torch.empty((), dtype=torch.int32, device=data.device)
+    return functools.partial(torch.sum, data, 0, dtype=torch.int32, out=out)
 
 
 def _log_failure(label: str, e: Exception) -> None:
