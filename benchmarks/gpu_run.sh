@@ -172,6 +172,14 @@ part() {
           SHOAL_PDL=$mode run quant_pdl$mode 150 $py/quant_gpu.py decode --timeout 140 $S \
             --variants ${QUANT_VARIANTS:-fp8_channel} --out "$DIR/quant_pdl$mode.json"
         done ;;
+    # W2 batch 1 with the launch tuner timing warm (SHOAL_QUANT_TUNING_COLD=0, the default)
+    # and cold (1: each candidate after a read past the L2), back to back; ~60-90 s a run;
+    # COLD_MODES picks the modes, QUANT_VARIANTS the formats (e.g. int4_g128,fp8_channel,bf16)
+    quant-cold) for mode in ${COLD_MODES:-0 1}; do
+          SHOAL_QUANT_TUNING_COLD=$mode run quant_cold$mode 200 $py/quant_gpu.py decode \
+            --timeout 190 $S --variants ${QUANT_VARIANTS:-int4_g128} \
+            --out "$DIR/quant_cold$mode.json"
+        done ;;
     # PDL on the hybrid and MoE decode kernels (SHOAL_PDL=1, the default) beside none (0),
     # on the same machine: batch 1 of each model, ~90 s a run (Qwen3.5-35B-A3B
     # ready in 66 s on an H200); equal first_run_token_ids say the outputs agree; PDL_MODES
