@@ -180,6 +180,12 @@ part() {
             --timeout 190 $S --variants ${QUANT_VARIANTS:-int4_g128} \
             --out "$DIR/quant_cold$mode.json"
         done ;;
+    # W2 batch 1, INT4 g128, without and with the tiled copy of the codes (SHOAL_INT4_TILED:
+    # the tuner also times the tensor-core GEMV reading tile_codes' layout), back to back
+    quant-tiled) for mode in ${TILED_MODES:-0 1}; do
+          SHOAL_INT4_TILED=$mode run quant_tiled$mode 200 $py/quant_gpu.py decode \
+            --timeout 190 $S --variants int4_g128 --out "$DIR/quant_tiled$mode.json"
+        done ;;
     # PDL on the hybrid and MoE decode kernels (SHOAL_PDL=1, the default) beside none (0),
     # on the same machine: batch 1 of each model, ~90 s a run (Qwen3.5-35B-A3B
     # ready in 66 s on an H200); equal first_run_token_ids say the outputs agree; PDL_MODES

@@ -189,6 +189,13 @@ SHOAL_INT4_PDL: EnvVar[bool] = EnvVar(
     "the next kernel in after its K loop; 2026-12-07, H100, W2 batch 1 INT4 g128: 306.6 -> "
     "317.7 tok/s, the same tokens)")
 
+SHOAL_INT4_TILED: EnvVar[bool] = EnvVar(
+    "SHOAL_INT4_TILED", False, _switch,
+    "1 (CUDA): each INT4 linear layer keeps a second copy of its codes with each K step's "
+    "tile contiguous (int4_mma_gemv.tile_codes: half a byte a weight more), and the decode "
+    "launch tuner times the tensor-core GEMV reading it beside the other candidates; an "
+    "experiment on the GEMV's read pattern, not yet measured on a GPU")
+
 SHOAL_LORA_SEGMENTED_MIN_TOKENS: EnvVar[int | None] = EnvVar(
     "SHOAL_LORA_SEGMENTED_MIN_TOKENS", None, _optional_count,
     "LoRA on CUDA: steps of at least this many tokens take the segmented Triton kernels, "

@@ -24,7 +24,7 @@ instruction); the tuner times all three kinds."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -32,7 +32,7 @@ import triton.language as tl
 
 from shoal import pdl
 from shoal.layers.quantization.int4_mma_gemv import MAGIC as MMA_MAGIC
-from shoal.layers.quantization.int4_mma_gemv import int4_mma_gemv
+from shoal.layers.quantization.int4_mma_gemv import TILED_WORDS, int4_mma_gemv
 from shoal.layers.quantization.int4_mma_gemv import launches as mma_launches
 from shoal.layers.quantization.int4_wide_gemv import int4_wide_gemv, partial_chunk
 
@@ -49,6 +49,7 @@ class GemvTiles:
     num_stages: int = 3
     kernel: str = "strip"  # INT4: "strip" (here), "wide" or "mma" (int4_*_gemv.py)
     prefetch: bool = False  # "wide": the next step's words load during this step's math
+    tiled: bool = False  # "mma": codes in int4_mma_gemv.tile_codes' layout (SHOAL_INT4_TILED)
 
 
 @triton.jit
@@ -302,6 +303,14 @@ def int4_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     [G, N] or None (8), as w4a16_gemm.py; tiles.block_k (a multiple of 8) divides the group
     unless one group spans K."""
     m, k = x.shape
+    if tiles.tiled:  # codes in tile_codes' layout: the tensor-core kernel checks them
+        if tiles.kernel != "mma":
+            raise ValueError(f"int4_gemv: tiled codes take the 'mma' kernel, not "
+                             f"{tiles.kernel!r}")
+        return int4_mma_gemv(x, codes, scales, zeros, group, block_n=tiles.block_n,
+                             words=tiles.block_k // 8, split=tiles.split,
+                             num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+                             tiled=True)
     n = codes.shape[1]
     if codes.shape[0] != triton.cdiv(k, 8) or scales.shape[1] != n or x.stride(1) != 1:
         raise ValueError(f"int4_gemv: x {tuple(x.shape)}, codes {tuple(codes.shape)}, "
@@ -359,15 +368,18 @@ def fp8_candidates(n: int, k: int, group: int, device: torch.device, rows: int =
 
 
 def int4_candidates(n: int, k: int, group: int, device: torch.device, rows: int = 1,
-                    dtype: torch.dtype | None = None) -> list[GemvTiles]:
+                    dtype: torch.dtype | None = None,
+                    tiled_block_n: int | None = None) -> list[GemvTiles]:
     """Launch shapes worth timing for INT4 codes [K / 8, N] of group `group` at `rows`
     activation rows (a power of two up to MAX_ROWS) of `dtype`: the strip kernel's, the
-    wide kernel's (whose registers grow with the rows), then the tensor-core kernel's."""
+    wide kernel's (whose registers grow with the rows), then the tensor-core kernel's; with
+    tiled_block_n (a copy of the codes in tile_codes' layout of that width, 16 words a step),
+    the tensor-core tiles of that width once more, reading the copy."""
     strips = ((16, 16), (32, 8)) if device.type != "cuda" else (
         (64, 64), (128, 32), (32, 128), (64, 128), (128, 64), (256, 32))
     fits = [s for s in strips if group >= k or group % s[1] == 0]
     return (_with_splits(fits, n, (1, 2, 4, 8), device) + _wide(n, k, group, rows, device)
-            + _mma(n, k, group, device, dtype))
+            + _mma(n, k, group, device, dtype, tiled_block_n))
 
 
 # "wide" tiles per row count: (block_n, step words, prefetch), one warp a program. Each
@@ -411,8 +423,8 @@ def wide_tiles(n: int, k: int, group: int, rows: int, sms: int) -> list[GemvTile
     return out
 
 
-def _mma(n: int, k: int, group: int, device: torch.device, dtype: torch.dtype | None
-         ) -> list[GemvTiles]:
+def _mma(n: int, k: int, group: int, device: torch.device, dtype: torch.dtype | None,
+         tiled_block_n: int | None = None) -> list[GemvTiles]:
     """int4_mma_gemv.launches as tiles, on a GPU with tensor cores for these (NVIDIA sm_80
     on: the kernel's inline PTX) and bf16 / fp16 activations; none in the interpreter (its
     tests call the kernel directly)."""
@@ -420,8 +432,10 @@ def _mma(n: int, k: int, group: int, device: torch.device, dtype: torch.dtype | 
             or torch.cuda.get_device_capability(device)[0] < 8):
         return []
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return [GemvTiles(block_n, 8 * words, split, num_warps=warps, num_stages=1, kernel="mma")
-            for block_n, words, split, warps in mma_launches(n, k, group, sms)]
+    plain = [GemvTiles(block_n, 8 * words, split, num_warps=warps, num_stages=1, kernel="mma")
+             for block_n, words, split, warps in mma_launches(n, k, group, sms)]
+    return plain + [replace(t, tiled=True) for t in plain
+                    if t.block_n == tiled_block_n and t.block_k == 8 * TILED_WORDS]
 
 
 def _with_splits(strips: list[tuple[int, int]], n: int, splits: tuple[int, ...],

@@ -70,6 +70,9 @@ from shoal.layers.quantization.k_split import k_split
 MAGIC = {torch.bfloat16: 0x4300, torch.float16: 0x6400}
 BIAS = {torch.bfloat16: 128.0, torch.float16: 1024.0}
 MAX_ROWS = 8  # the MMA's N: the activation rows a launch takes
+# the tiled copy an Int4Linear keeps under SHOAL_INT4_TILED=1 (tile_codes): the widest tile
+# of TILES, 16 words (one 128-wide group) a step
+TILED_BLOCK_N, TILED_WORDS = 256, 16
 
 
 @triton.jit

@@ -20,6 +20,7 @@ import torch
 
 from shoal import envs
 from shoal.layers.quantization import decode_gemv
+from shoal.layers.quantization import int4_mma_gemv as mma
 from shoal.layers.quantization.fp8_block_gemm import fp8_block_matmul
 from shoal.layers.quantization.fp8_quant import quantize_fp8_groups, quantize_fp8_static
 from shoal.layers.quantization.launch_tuner import run_fastest
@@ -52,7 +53,8 @@ def _gemv_name(t: decode_gemv.GemvTiles) -> str:
     name = f"gemv n{t.block_n} k{t.block_k} split{t.split}"
     if t.kernel == "strip":
         return name
-    return f"{name} {t.kernel} w{t.num_warps}" + (" prefetch" if t.prefetch else "")
+    return (f"{name} {t.kernel} w{t.num_warps}" + (" prefetch" if t.prefetch else "")
+            + (" tiled" if t.tiled else ""))
 
 
 @dataclass(frozen=True)
@@ -73,9 +75,10 @@ def _fp8_candidates(first: str, n: int, k: int, group: int, device: torch.device
 
 @functools.cache
 def _int4_candidates(first: str, n: int, k: int, group: int, device: torch.device,
-                     rows: int = 1, dtype: torch.dtype | None = None) -> _Candidates:
-    tiles = {_gemv_name(t): t
-             for t in decode_gemv.int4_candidates(n, k, group, device, rows, dtype)}
+                     rows: int = 1, dtype: torch.dtype | None = None,
+                     tiled_block_n: int | None = None) -> _Candidates:
+    tiles = {_gemv_name(t): t for t in decode_gemv.int4_candidates(n, k, group, device, rows,
+                                                                   dtype, tiled_block_n)}
     return _Candidates((first, *tiles), tiles)
 
 
@@ -175,17 +178,21 @@ class Int4Linear:
     in_features: int
     perm: torch.Tensor | None = None  # act-order: x columns in the codes' order
     dense_above_m: int | None = None  # rows above which dequantize + one dense matmul
+    # SHOAL_INT4_TILED=1 (CUDA): the codes once more in tile_codes' layout (TILED_BLOCK_N
+    # wide), which the decode tuner's extra tensor-core candidates read; an experiment
+    tiled: torch.Tensor | None = None
 
     @property
     def name(self) -> str:
         group = "channel" if self.group >= self.in_features else f"g{self.group}"
         kind = "asym" if self.zeros is not None else "sym"
         order = ", act-order" if self.perm is not None else ""
-        return f"int4 {group} {kind}{order} (Triton W4A16)"
+        tiled = ", tiled copy" if self.tiled is not None else ""
+        return f"int4 {group} {kind}{order}{tiled} (Triton W4A16)"
 
     @property
     def nbytes(self) -> int:
-        return _nbytes(self.codes, self.scales, self.zeros, self.perm)
+        return _nbytes(self.codes, self.scales, self.zeros, self.perm, self.tiled)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features)
@@ -197,13 +204,15 @@ class Int4Linear:
             flat = flat.contiguous()
             n = self.codes.shape[1]
             cands = _int4_candidates("w4a16 gemm", n, self.in_features, self.group,
-                                     flat.device, _row_bucket(flat), flat.dtype)
+                                     flat.device, _row_bucket(flat), flat.dtype,
+                                     None if self.tiled is None else mma.TILED_BLOCK_N)
 
             def run(name: str) -> torch.Tensor:
                 if name == "w4a16 gemm":
                     return w4a16_matmul(flat, self.codes, self.scales, self.zeros, self.group)
-                return decode_gemv.int4_gemv(flat, self.codes, self.scales, self.zeros,
-                                             self.group, cands.tiles[name])
+                tiles = cands.tiles[name]
+                return decode_gemv.int4_gemv(flat, self.tiled if tiles.tiled else self.codes,
+                                             self.scales, self.zeros, self.group, tiles)
 
             kind = "int4 asym" if self.zeros is not None else "int4"
             y = run_fastest(_tune_key(kind, (self.in_features, n), self.group, flat),
@@ -282,6 +291,11 @@ def _int4(p, device: torch.device) -> Int4Linear | None:
     zero = p.parts["zero"]
     zeros = None if bool((zero == 8).all()) else zero.t().contiguous().to(device)
     above = envs.SHOAL_W4A16_DENSE_ABOVE_M.get()
-    return Int4Linear(p.parts["codes"].t().contiguous().to(device), scales, zeros, group, k,
-                      None if p.perm is None else p.perm.to(device),
-                      above)
+    codes = p.parts["codes"].t().contiguous().to(device)
+    tiled = None
+    if envs.SHOAL_INT4_TILED.get() and device.type == "cuda" \
+            and codes.shape[1] % mma.TILED_BLOCK_N == 0 \
+            and mma.step_fits(k, group, mma.TILED_WORDS):
+        tiled = mma.tile_codes(codes, mma.TILED_BLOCK_N, mma.TILED_WORDS)
+    return Int4Linear(codes, scales, zeros, group, k,
+                      None if p.perm is None else p.perm.to(device), above, tiled)
