@@ -133,6 +133,9 @@ class SamplingParams:
         self._validate_lists()
         self._validate_token_id_lists()
         self._validate_flags()
+        if self.stop and not self.detokenize:  # (they match text, which is then never made)
+            raise ValueError("stop strings are only supported when detokenize is True: set "
+                             "detokenize=True to use stop, or stop_token_ids")
         self.kv_transfer_params = _kv_transfer_params(self.kv_transfer_params)
         self.structured_outputs = structured_outputs_from(self.structured_outputs)
 

@@ -3,8 +3,13 @@
 Each step decodes only a small window of ids (prefix/read offsets) instead of the whole
 output, so cost per token stays constant. Text that ends in U+FFFD is an incomplete UTF-8
 character (byte-level BPE splits characters across tokens), so it is held back until a later
-token completes it; only when the request finishes is it flushed as is, which is then exactly
-what `tokenizer.decode` of all output ids gives.
+token completes it; a request that ends before it does ends without it (as vLLM's text: a
+client never sees half a character as U+FFFD).
+
+As vLLM's, the text leaves out the token that ended the request (EOS or one of its
+stop_token_ids) unless include_stop_str_in_output, and stop strings count only in text
+that comes after the first min_tokens tokens. Apart from those, the text is
+`tokenizer.decode` of the output ids.
 
 The first output tokens are decoded with the last few prompt tokens as left context, i.e. as
 a continuation of the prompt. For byte-level BPE this equals `tokenizer.decode(output_ids)`;
@@ -43,6 +48,7 @@ class IncrementalDetokenizer:
         spaces_between_special_tokens: bool = True,
         stop: str | Sequence[str] = (),
         include_stop_str_in_output: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
@@ -51,6 +57,7 @@ class IncrementalDetokenizer:
             stop = [stop]
         self.stop: tuple[str, ...] = tuple(s for s in stop if s)
         self.include_stop_str_in_output = include_stop_str_in_output
+        self.min_tokens = min_tokens
         self.token_ids: list[int] = []
         self.stop_reason: str | None = None  # the stop string that ended the output, if any
         self._fast_decode = _backend_decode(tokenizer)
@@ -71,16 +78,22 @@ class IncrementalDetokenizer:
         self._checked = 0  # chars of stable text already searched for stop strings
         self._sent = 0  # chars already returned by get_delta
 
-    def update(self, new_token_ids: Sequence[int]) -> str | None:
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool = False) -> str | None:
         """Appends tokens; returns the stop string matched (text is then truncated at it), else None.
 
         Tokens arriving after a stop are ignored (they can come from an in-flight step). Tokens
         in the same update after the stop string are kept in `token_ids`; only text is truncated.
+        stop_terminated: the last token ended the request (EOS, a stop token id); its text is
+        left out unless include_stop_str_in_output.
         """
         if self.stop_reason is not None or len(new_token_ids) == 0:
             return None
         ids = [int(t) for t in new_token_ids]  # accept numpy/torch ints too
         self.token_ids.extend(ids)
+        if stop_terminated and not self.include_stop_str_in_output:
+            ids = ids[:-1]
+            if not ids:
+                return None
         self._window.extend(ids)
 
         text = self._decode(self._window)
@@ -102,8 +115,9 @@ class IncrementalDetokenizer:
 
     @property
     def output_text(self) -> str:
-        """Full text so far (truncated at a matched stop string), including any incomplete tail."""
-        return self._confirmed + self._pending
+        """Full text so far (truncated at a matched stop string), without an incomplete
+        character at its end."""
+        return self._stable_text()
 
     @property
     def stopped(self) -> bool:
@@ -133,6 +147,9 @@ class IncrementalDetokenizer:
         if not self.stop:
             return None
         text = self._stable_text()
+        if len(self.token_ids) <= self.min_tokens:  # (vLLM: stop strings after min_tokens)
+            self._checked = len(text)
+            return None
         match = find_stop(text, self.stop, self._checked)
         self._checked = len(text)
         if match is None:

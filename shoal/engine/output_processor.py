@@ -130,6 +130,7 @@ class OutputProcessor:
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
                 stop=params.stop or [],
                 include_stop_str_in_output=params.include_stop_str_in_output,
+                min_tokens=params.min_tokens,
             )
         with_lp = params.num_logprobs is not None
         return _Sample(index, child_id, params, detok,
@@ -244,8 +245,10 @@ class OutputProcessor:
                 s.logprobs.append(self._position_logprobs(lp))
                 s.cumulative_logprob += lp.logprobs[0]
         stop_str = None
+        # the core stopped on a token (EOS, stop_token_ids): its text is left out (vLLM)
+        token_stop = o.finish_reason == "stop"
         if s.detok is not None and not s.detok_at_end:
-            stop_str = s.detok.update(o.new_token_ids)
+            stop_str = s.detok.update(o.new_token_ids, token_stop)
         if stop_str is not None:
             s.finish_reason, s.stop_reason = "stop", stop_str
             return True
@@ -254,7 +257,7 @@ class OutputProcessor:
             if o.error:
                 r.error, r.error_code = o.error, o.error_code
             if s.detok_at_end:
-                s.detok.update(s.token_ids)
+                s.detok.update(s.token_ids, token_stop)
         return False
 
     @staticmethod

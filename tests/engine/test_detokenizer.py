@@ -158,15 +158,46 @@ def test_characters_split_across_tokens_are_held_back(tok: PreTrainedTokenizerBa
     assert seen + det.get_delta(finished=True) == "a 🙂 日"
 
 
-def test_incomplete_character_flushed_at_finish(tok: PreTrainedTokenizerBase) -> None:
+def test_an_incomplete_character_is_dropped_at_finish(tok: PreTrainedTokenizerBase) -> None:
+    """A request that ends mid-character ends without it (vLLM's text), never with U+FFFD."""
     ids = _encode(tok, "ok 世")
     ids = ids[: next(n for n in range(1, len(ids) + 1) if tok.decode(ids[:n]).endswith("\ufffd"))]
     expected = tok.decode(ids)
+    assert expected.endswith("\ufffd")
     det = IncrementalDetokenizer(tok, [])
     det.update(ids)
     assert det.get_delta(finished=False) == expected.rstrip("\ufffd")
-    assert det.output_text == expected
-    assert det.get_delta(finished=True) == "\ufffd"
+    assert det.output_text == expected.rstrip("\ufffd")
+    assert det.get_delta(finished=True) == ""
+
+
+def test_the_stop_token_s_text_is_left_out_unless_asked_for(
+        tok: PreTrainedTokenizerBase) -> None:
+    """stop_terminated (EOS or a stop token id ended the request): the last token stays in
+    token_ids, its text goes only with include_stop_str_in_output (vLLM's detokenizer)."""
+    ids = _encode(tok, "Hi there.")
+    for include, want in ((False, tok.decode(ids[:-1])), (True, tok.decode(ids))):
+        det = IncrementalDetokenizer(tok, [], include_stop_str_in_output=include)
+        det.update(ids[:2])
+        det.update(ids[2:], stop_terminated=True)
+        assert det.token_ids == ids
+        assert det.output_text == want
+        det = IncrementalDetokenizer(tok, [], include_stop_str_in_output=include)
+        det.update(ids[-1:], stop_terminated=True)  # the stop token alone
+        assert det.output_text == ("" if not include else tok.decode(ids[-1:]))
+
+
+def test_stop_strings_count_only_after_min_tokens(tok: PreTrainedTokenizerBase) -> None:
+    """vLLM: text of the first min_tokens tokens is not searched for stop strings."""
+    ids = _encode(tok, "a. b. c. d. e. f.")
+    det = IncrementalDetokenizer(tok, [], stop=["."], min_tokens=4)
+    n = next(n for n, t in enumerate(ids, 1) if det.update([t]) is not None)
+    assert n > 4 and det.stop_reason == "."
+    assert det.output_text == tok.decode(ids[:n]).rsplit(".", 1)[0]
+    assert det.output_text.count(".") >= 1  # dots within the first 4 tokens stayed
+    plain = IncrementalDetokenizer(tok, [], stop=["."])
+    plain.update(ids)
+    assert plain.output_text == "a"
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -179,7 +210,8 @@ def test_random_ids_match_decode(tok: PreTrainedTokenizerBase, seed: int, skip: 
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(8))]
     det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
     _, deltas = _stream(det, _chunks(ids, "random", seed))
-    expected = tok.decode(ids, skip_special_tokens=skip)
+    # (a trailing incomplete character is dropped at the end: vLLM's text)
+    expected = tok.decode(ids, skip_special_tokens=skip).rstrip("\ufffd")
     assert det.output_text == expected
     assert "".join(deltas) == expected
 

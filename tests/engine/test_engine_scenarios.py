@@ -160,7 +160,7 @@ BAD_PARAMS = [
     dict(repetition_penalty=0.0), dict(max_tokens=0), dict(min_tokens=-1),
     dict(min_tokens=5, max_tokens=2), dict(logprobs=-2),
     dict(prompt_logprobs=-2), dict(logit_bias={1: 500.0}), dict(stop_token_ids=[-1]),
-    dict(seed="x"), dict(temperature="hot"), dict(n=1.5),
+    dict(seed="x"), dict(temperature="hot"), dict(n=1.5), dict(stop=["."], detokenize=False),
 ]
 
 

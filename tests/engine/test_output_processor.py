@@ -48,9 +48,9 @@ def update_calls(monkeypatch) -> list[int]:
     calls: list[int] = []
     real = IncrementalDetokenizer.update
 
-    def counting(self, ids):
+    def counting(self, ids, stop_terminated=False):
         calls.append(len(ids))
-        return real(self, ids)
+        return real(self, ids, stop_terminated)
 
     monkeypatch.setattr(IncrementalDetokenizer, "update", counting)
     return calls
