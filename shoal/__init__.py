@@ -10,19 +10,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "PoolingParams", "RequestOutput",
+           "CompletionOutput", "TextPrompt", "TokensPrompt"]
 
 _LAZY = {
     "LLM": "shoal.llm",
     "SamplingParams": "shoal.sampling_params",
     "BeamSearchParams": "shoal.sampling_params",
+    "PoolingParams": "shoal.pooling_params",
+    "TextPrompt": "shoal.inputs",
+    "TokensPrompt": "shoal.inputs",
     "RequestOutput": "shoal.outputs",
     "CompletionOutput": "shoal.outputs",
 }
 
 if TYPE_CHECKING:
+    from shoal.inputs import TextPrompt, TokensPrompt
     from shoal.llm import LLM
     from shoal.outputs import CompletionOutput, RequestOutput
+    from shoal.pooling_params import PoolingParams
     from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 

@@ -29,6 +29,19 @@ Prompt = str | Mapping[str, Any]
 Message = Mapping[str, Any]
 
 
+def _prompt_list(prompts: Any) -> list[Any]:
+    """generate's prompts as a list: one string, dict or flat list of token ids is one
+    prompt (vLLM's parsing); anything else must be a list of prompts."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a prompt (a string, a dict or token ids) or a "
+                         f"list of prompts (got {type(prompts).__name__})")
+    if prompts and all(type(t) is int for t in prompts):
+        return [list(prompts)]
+    return list(prompts)
+
+
 class LLM(PoolingMixin, LifecycleMixin):
     """`LLM(model=None)` runs the embedded SmolLM2-135M-Instruct; an encoder model (e.g.
     `LLM("all-MiniLM-L6-v2")`) runs as a pooling model: embed, classify, score.
@@ -59,10 +72,8 @@ class LLM(PoolingMixin, LifecycleMixin):
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """lora_request: one adapter for every prompt, or one (or None) per prompt
-        (enable_lora)."""
-        if isinstance(prompts, (str, Mapping)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        (enable_lora). A flat list of token ids is one prompt (as vLLM parses it)."""
+        prompts = _prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         loras = self._lora_list(lora_request, len(prompts))
         if priority is not None and len(priority) != len(prompts):
@@ -85,12 +96,33 @@ class LLM(PoolingMixin, LifecycleMixin):
         *,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        mm_processor_kwargs: Mapping[str, Any] | None = None,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation or a list of them. continue_final_message:
+        the prompt ends inside the last (assistant) message, which the model continues
+        (add_generation_prompt=False). tools: function definitions the chat template
+        renders (as chat_template_kwargs["tools"]). Content parts are flattened to text
+        (and images), so chat_template_content_format takes "auto" or "string"."""
         if not messages:
             raise ValueError("messages must not be empty")
+        if chat_template_content_format not in ("auto", "string"):
+            raise ValueError(f"chat_template_content_format must be 'auto' or 'string' "
+                             f"(got {chat_template_content_format!r}): content parts are "
+                             "given to the template as text")
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs is not supported: images are processed "
+                             "with the model's defaults")
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            if isinstance(tools, (str, Mapping)) or not isinstance(tools, Sequence):
+                raise ValueError("tools must be a list of tool definitions")
+            kwargs.setdefault("tools", [dict(t) for t in tools])
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
         eng = self.llm_engine
         mm = eng.inputs.mm
@@ -98,8 +130,9 @@ class LLM(PoolingMixin, LifecycleMixin):
         for c in conversations:  # image parts: placeholders in the text, images beside
             flat, sources = flatten_messages(list(c), mm.image_placeholder if mm else None)
             p = eng.inputs.process_chat(flat, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message,
                                         chat_template=chat_template,
-                                        chat_template_kwargs=chat_template_kwargs)
+                                        chat_template_kwargs=kwargs or None)
             if sources:
                 p = eng.inputs.with_images(p, {"image": mm.load(sources)})
             prompts.append(p)

@@ -27,24 +27,33 @@ class PoolingMixin:
 
     def encode(self, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams]
                | None = None, *, use_tqdm: bool = True, pooling_task: str | None = None,
-               ) -> list[PoolingRequestOutput]:
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
         """Raw pooled results (`.outputs.data`, a torch tensor). pooling_task: embed,
-        token_embed, classify or score (default: that of pooling_params, else embed)."""
+        token_embed, classify or score (default: that of pooling_params, else embed).
+        truncate_prompt_tokens: keep that many tokens of each input (-1: max_model_len), for
+        every pooling_params that does not say otherwise."""
+        if prompts is None or isinstance(prompts, (bytes, bytearray)):
+            raise ValueError(f"prompts must be a prompt or a list of prompts (got "
+                             f"{type(prompts).__name__})")
         prompts = [prompts] if _is_one_prompt(prompts) else list(prompts)
-        params = _params_list(pooling_params, len(prompts), pooling_task)
+        params = _params_list(pooling_params, len(prompts), pooling_task,
+                              truncate_prompt_tokens)
         return self._run_pooling([(p, sp, None) for p, sp in zip(prompts, params)], use_tqdm)
 
     def embed(self, prompts: Any, *, use_tqdm: bool = True,
               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-              ) -> list[EmbeddingRequestOutput]:
-        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="embed")
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="embed",
+                           truncate_prompt_tokens=truncate_prompt_tokens)
         return [EmbeddingRequestOutput(o.request_id, EmbeddingOutput(o.outputs.data.tolist()),
                                        o.prompt_token_ids, o.finished) for o in outs]
 
     def classify(self, prompts: Any, *, use_tqdm: bool = True,
                  pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 truncate_prompt_tokens: int | None = None,
                  ) -> list[ClassificationRequestOutput]:
-        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="classify")
+        outs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="classify",
+                           truncate_prompt_tokens=truncate_prompt_tokens)
         return [ClassificationRequestOutput(o.request_id,
                                             ClassificationOutput(o.outputs.data.tolist()),
                                             o.prompt_token_ids, o.finished) for o in outs]
@@ -105,9 +114,9 @@ def _is_one_prompt(p: Any) -> bool:
 
 
 def _params_list(params: PoolingParams | Sequence[PoolingParams] | None, n: int,
-                 task: str | None) -> list[PoolingParams]:
+                 task: str | None, truncate: int | None = None) -> list[PoolingParams]:
     if params is None:
-        return [PoolingParams(task=task or "embed")] * n
+        return [PoolingParams(task=task or "embed", truncate_prompt_tokens=truncate)] * n
     plist = [params] * n if isinstance(params, PoolingParams) else list(params)
     if len(plist) != n:
         raise ValueError(f"pooling_params needs one entry per prompt ({n}), got {len(plist)}")
@@ -115,4 +124,7 @@ def _params_list(params: PoolingParams | Sequence[PoolingParams] | None, n: int,
         if not isinstance(p, PoolingParams):
             raise ValueError("pooling_params must be PoolingParams")
     # The call names the task (as vLLM's embed/classify do); the params keep the rest.
-    return [dataclasses.replace(p, task=task) if task and p.task != task else p for p in plist]
+    plist = [dataclasses.replace(p, task=task) if task and p.task != task else p
+             for p in plist]
+    return [dataclasses.replace(p, truncate_prompt_tokens=truncate)
+            if truncate is not None and p.truncate_prompt_tokens is None else p for p in plist]

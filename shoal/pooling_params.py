@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from shoal.prompt_truncation import check_truncate_prompt_tokens
+
 # embed: one vector per prompt; token_embed: one per token (ALL pooling); classify: class
 # probabilities; score: one relevance number for a (query, document) pair; token_classify:
 # one number per token (BGE-M3's sparse lexical weights).
@@ -36,8 +38,11 @@ class PoolingParams:
     dimensions: int | None = None  # Matryoshka truncation of an embedding
     normalize: bool | None = None  # None: the model's default (sentence-transformers files)
     use_activation: bool | None = None  # softmax/sigmoid on classify/score; None: on
+    # Keep only this many input tokens (-1: max_model_len), as SamplingParams'
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         if self.task not in POOLING_TASKS:
             raise ValueError(f"task must be one of {', '.join(POOLING_TASKS)} (got {self.task!r})")
         if self.dimensions is not None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
+from shoal.prompt_truncation import check_truncate_prompt_tokens
 from shoal.structured_output.params import StructuredOutputsParams, structured_outputs_from
 
 # vLLM's default --max-logprobs; the limit itself is an engine argument.
@@ -126,8 +127,12 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     thinking_start_token_id: int | None = None
     thinking_end_token_id: int | None = None
+    # Keep only this many prompt tokens (-1: as many as leave room for one output token),
+    # dropped from the side the tokenizer truncates (its truncation_side, else the left)
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         self._validate_counts()
         self._validate_floats()
         self._validate_lists()

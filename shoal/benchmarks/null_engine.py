@@ -25,7 +25,7 @@ from shoal.core.types import (
     EngineCoreRequest,
     SchedulerStats,
 )
-from shoal.engine.input_processor import EngineLimits, validate_core_request
+from shoal.engine.request_checks import EngineLimits, validate_core_request
 from shoal.engine.request_table import timeout_message
 
 # Ids of ordinary word pieces in SmolLM2's vocabulary, so detokenizing costs what text does.

@@ -32,9 +32,9 @@ from shoal.core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequ
 from shoal.engine.core_lora import CoreLoRA
 from shoal.engine.dp_lockstep import join_dp_lockstep
 from shoal.engine.encoder_schedule import encoder_cache_size, whole_spans
-from shoal.engine.input_processor import EngineLimits, RequestLimits, validate_core_request
 from shoal.engine.pause import GenerationPause
 from shoal.engine.pooling_scheduler import PoolingScheduler
+from shoal.engine.request_checks import EngineLimits, RequestLimits, validate_core_request
 from shoal.engine.request_errors import EngineDeadError
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.startup_heap import (

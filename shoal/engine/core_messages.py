@@ -15,7 +15,7 @@ import msgspec
 
 from shoal.core.errors import ErrorCode
 from shoal.core.types import EngineCoreOutputs, EngineCoreRequest
-from shoal.engine.input_processor import EngineLimits
+from shoal.engine.request_checks import EngineLimits
 
 
 # ---- frontend -> engine --------------------------------------------------------------------

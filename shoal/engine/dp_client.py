@@ -36,7 +36,7 @@ from shoal.engine.core_client import EngineCoreClient
 from shoal.engine.core_messages import CoreOutputs, Ready
 from shoal.engine.cpu_quota import usable_cores
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import EngineLimits
+from shoal.engine.request_checks import EngineLimits
 from shoal.engine.request_errors import EngineDeadError
 from shoal.metrics.stats import CUMULATIVE_FIELDS, merge_engine_stats
 

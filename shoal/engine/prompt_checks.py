@@ -26,3 +26,4 @@ def check_prompt_token_ids(ids: Any, vocab_size: int, max_model_len: int) -> lis
                          f"However, your prompt is {len(ids)} tokens; it must be shorter than "
                          f"max_model_len ({max_model_len}) to leave room for the output")
     return ids
+

@@ -23,9 +23,9 @@ from shoal.engine.core import EngineCore
 from shoal.engine.cpu_governor import thread_governor
 from shoal.engine.cpu_threads import configure_cpu_threads
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import RequestLimits
 from shoal.engine.kv_connector_setup import attach_kv_connector
 from shoal.engine.kv_events import attach_kv_events
+from shoal.engine.request_checks import RequestLimits
 from shoal.engine.startup_heap import collect_stopped_engines
 from shoal.loader import load_model
 

@@ -7,8 +7,9 @@ import pytest
 
 from shoal.core.types import EngineCoreOutput
 from shoal.engine.detokenizer import IncrementalDetokenizer
-from shoal.engine.input_processor import EngineLimits, InputProcessor
+from shoal.engine.input_processor import InputProcessor
 from shoal.engine.output_processor import OutputKind, OutputProcessor
+from shoal.engine.request_checks import EngineLimits
 from shoal.sampling_params import SamplingParams
 
 TOKENS = [[1000 + 37 * i % 5000] for i in range(40)]

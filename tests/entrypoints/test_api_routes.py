@@ -12,7 +12,7 @@ from starlette.routing import Route
 
 from shoal.core.types import SchedulerStats
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import EngineLimits
+from shoal.engine.request_checks import EngineLimits
 from shoal.entrypoints.openai.api_server import build_app
 from shoal.entrypoints.openai.auth import OPEN_PATHS
 from shoal.entrypoints.openai.server_settings import ServerSettings

@@ -12,8 +12,8 @@ from shoal.engine.async_llm import AsyncLLM, QueueFullError
 from shoal.engine.core_client import EngineDeadError
 from shoal.engine.core_messages import CoreOutputs, Ready, Rejection
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import EngineLimits
 from shoal.engine.output_processor import OutputKind
+from shoal.engine.request_checks import EngineLimits
 from shoal.engine.request_errors import (
     BadRequestError,
     EngineRequestError,

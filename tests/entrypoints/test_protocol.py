@@ -177,7 +177,7 @@ def test_not_implemented_fields_are_named_and_defaults_pass():
 
 
 def test_truncate_prompt_and_stream_usage():
-    from shoal.entrypoints.openai.protocol import truncate_prompt
+    from shoal.prompt_truncation import truncate_prompt
 
     ids = list(range(10))
     assert truncate_prompt(ids, 3, None, 100) == [7, 8, 9]

@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import pytest
 from vl_checkpoints import QWEN_SPECIALS, image, word_tokenizer
 
-from shoal.engine.input_processor import EngineLimits, InputProcessor
+from shoal.engine.input_processor import InputProcessor
 from shoal.engine.mm_frontend import MultiModalFrontend
+from shoal.engine.request_checks import EngineLimits
 from shoal.entrypoints.openai.protocol import ChatCompletionRequest, TokenizeRequest
 from shoal.entrypoints.openai.serving_chat import OpenAIServingChat
 from shoal.entrypoints.openai.serving_tokenize import OpenAIServingTokenization

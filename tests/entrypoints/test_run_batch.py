@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import shoal.llm
 from shoal.cli import main as cli_main
-from shoal.engine.input_processor import wrong_runner_message
+from shoal.engine.request_checks import wrong_runner_message
 from shoal.entrypoints.cli_args import add_run_batch_args, engine_args_from
 from shoal.entrypoints.openai import run_batch
 

@@ -16,7 +16,7 @@ import pytest
 from shoal import LLM, SamplingParams
 from shoal.core.types import SchedulerStats
 from shoal.engine.dp_client import merge_limits
-from shoal.engine.input_processor import EngineLimits
+from shoal.engine.request_checks import EngineLimits
 from shoal.metrics.stats import merge_engine_stats
 
 PROMPTS = [[5, 17, 300, 42, 7, 99], [256, 3, 11, 400, 23, 8], [9, 9, 9], [1, 2, 3, 4]]

@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 from shoal.core.types import EngineCoreOutputs, EngineCoreRequest
-from shoal.engine.input_processor import EngineLimits
+from shoal.engine.request_checks import EngineLimits
 
 
 class SignalledCore:

@@ -16,7 +16,8 @@ from shoal.core.errors import ErrorCode
 from shoal.core.types import EngineCoreRequest
 from shoal.engine.chat_template import ChatTemplateError, render_chat_template
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import EngineLimits, InputProcessor, RequestLimits
+from shoal.engine.input_processor import InputProcessor
+from shoal.engine.request_checks import EngineLimits, RequestLimits
 from shoal.engine.request_errors import RequestTimeoutError
 
 LIMITS = EngineLimits(vocab_size=49152, max_model_len=2048, num_kv_blocks=1000, block_size=16,

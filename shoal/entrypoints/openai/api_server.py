@@ -25,7 +25,7 @@ import shoal
 from shoal.engine.async_llm import AsyncLLM
 from shoal.engine.core_client import EngineStartupError
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.input_processor import EngineLimits
+from shoal.engine.request_checks import EngineLimits
 from shoal.entrypoints.openai.auth import ApiKeyMiddleware
 from shoal.entrypoints.openai.dev_routes import add_dev_routes
 from shoal.entrypoints.openai.errors import (

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import StrictInt, StrictStr
 
-from shoal.engine.input_processor import check_text
+from shoal.engine.request_checks import check_text
 from shoal.entrypoints.openai.errors import OpenAIError
 from shoal.entrypoints.openai.protocol import OpenAIBaseModel
 from shoal.entrypoints.openai.protocol_pooling import EmbeddingRequest

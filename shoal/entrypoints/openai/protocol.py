@@ -105,19 +105,6 @@ def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len:
             f"{max_tokens} in the completion): {field} is too large", field)
 
 
-def truncate_prompt(ids: list[int], keep: int | None, side: str | None, max_input: int
-                    ) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep `keep` tokens (-1: as many as fit), dropping from
-    the left (the default: the end of a prompt matters most) or the right."""
-    if keep is None:
-        return ids
-    if keep < 0:
-        keep = max_input
-    if keep >= len(ids):
-        return ids
-    return ids[len(ids) - keep:] if (side or "left") == "left" else ids[:keep]
-
-
 class OpenAIBaseModel(BaseModel):
     model_config = ConfigDict(extra="allow")
 

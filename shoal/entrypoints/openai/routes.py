@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 import shoal
 from shoal.engine.async_llm import AsyncLLM
-from shoal.engine.input_processor import wrong_runner_message
+from shoal.engine.request_checks import wrong_runner_message
 from shoal.entrypoints.openai.cohere_embed import CohereEmbedHandler, CohereEmbedRequest
 from shoal.entrypoints.openai.errors import OpenAIError, ServerShuttingDown, error_response
 from shoal.entrypoints.openai.middleware import ServerLoad

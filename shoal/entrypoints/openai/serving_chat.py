@@ -23,7 +23,6 @@ from shoal.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     check_context_length,
-    truncate_prompt,
 )
 from shoal.entrypoints.openai.responses import (
     ChatChoice,
@@ -48,6 +47,7 @@ from shoal.entrypoints.openai.streaming import (
 from shoal.entrypoints.openai.tool_choice import ToolPlan
 from shoal.multimodal.chat_parts import content_text
 from shoal.outputs import CompletionOutput, RequestOutput
+from shoal.prompt_truncation import truncate_prompt
 from shoal.structured_output.parsers import get_reasoning_parser
 from shoal.structured_output.reasoning_parsers import ReasoningParser
 

@@ -23,7 +23,6 @@ from shoal.entrypoints.openai.logprobs import completion_logprobs, prompt_logpro
 from shoal.entrypoints.openai.protocol import (
     CompletionRequest,
     check_context_length,
-    truncate_prompt,
 )
 from shoal.entrypoints.openai.responses import (
     CompletionChoice,
@@ -44,6 +43,7 @@ from shoal.entrypoints.openai.streaming import (
     wait_grammar_checked,
 )
 from shoal.outputs import RequestOutput
+from shoal.prompt_truncation import truncate_prompt
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 

@@ -14,9 +14,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from shoal.engine.async_llm import RequestStream
-from shoal.engine.input_processor import wrong_runner_message
+from shoal.engine.request_checks import wrong_runner_message
 from shoal.entrypoints.openai.errors import OpenAIError
-from shoal.entrypoints.openai.protocol import truncate_prompt
 from shoal.entrypoints.openai.protocol_pooling import (
     ClassificationRequest,
     EmbeddingRequest,
@@ -32,6 +31,7 @@ from shoal.entrypoints.openai.streaming import ClientDisconnected, cancel_on_dis
 from shoal.outputs import PoolingRequestOutput
 from shoal.pooling.scoring import cosine, score_pairs
 from shoal.pooling_params import PoolingInfo, PoolingParams
+from shoal.prompt_truncation import truncate_prompt
 
 # One engine request: (prompt, params, token type ids of a pair)
 _Job = tuple[Any, PoolingParams, list[int] | None]
