@@ -127,6 +127,12 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     thinking_start_token_id: int | None = None
     thinking_end_token_id: int | None = None
+    # Words the output must not contain (vLLM's bad_words): each is tokenized as it would
+    # start the text and after a space, and the last token of such a sequence is banned
+    # wherever the output ends with the rest of it. The frontend fills bad_words_token_ids
+    # from them (with its tokenizer); token id sequences may be given there directly.
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     # Keep only this many prompt tokens (-1: as many as leave room for one output token),
     # dropped from the side the tokenizer truncates (its truncation_side, else the left)
     truncate_prompt_tokens: int | None = None
@@ -137,6 +143,7 @@ class SamplingParams:
         self._validate_floats()
         self._validate_lists()
         self._validate_token_id_lists()
+        self._validate_bad_words()
         self._validate_flags()
         if self.stop and not self.detokenize:  # (they match text, which is then never made)
             raise ValueError("stop strings are only supported when detokenize is True: set "
@@ -241,6 +248,25 @@ class SamplingParams:
             normalized[token] = value
         self.logit_bias = normalized
 
+    def _validate_bad_words(self) -> None:
+        words = self.bad_words
+        if words is not None:
+            if isinstance(words, str):
+                words = [words]
+            if not isinstance(words, list | tuple) or not all(
+                    isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-empty strings (got "
+                                 f"{self.bad_words!r})")
+            self.bad_words = list(words)
+        seqs = self.bad_words_token_ids
+        if seqs is not None:
+            if not isinstance(seqs, list | tuple) or not all(
+                    isinstance(s, list | tuple) and s for s in seqs):
+                raise ValueError("bad_words_token_ids must be a list of non-empty token id "
+                                 f"lists (got {seqs!r})")
+            self.bad_words_token_ids = [[_token_id("bad_words_token_ids", t) for t in s]
+                                        for s in seqs]
+
     def _validate_token_id_lists(self) -> None:
         for name in ("allowed_token_ids", "logprob_token_ids"):
             ids = getattr(self, name)
@@ -301,7 +327,8 @@ class SamplingParams:
         last token: the engine core advances it while the next step's forward runs.)"""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0 or self.min_tokens > 0
-                or self.thinking_token_budget is not None)
+                or self.thinking_token_budget is not None
+                or any(len(w) > 1 for w in self.bad_words_token_ids or ()))
 
     def thinking_forced(self, output_token_ids: Sequence[int],
                         prompt_token_ids: Sequence[int] = ()) -> int | None:
@@ -350,6 +377,10 @@ class SamplingParams:
                 if token >= vocab_size:
                     raise ValueError(
                         f"{name} token id {token} is out of range [0, {vocab_size})")
+        for token in (t for word in self.bad_words_token_ids or () for t in word):
+            if token >= vocab_size:
+                raise ValueError(f"bad_words_token_ids token id {token} is out of range "
+                                 f"[0, {vocab_size})")
 
 
 @dataclass

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from shoal.core.types import EngineCoreRequest
+from shoal.engine.bad_words import with_bad_words
 from shoal.engine.chat_template import render_chat_template
 from shoal.engine.prompt_checks import check_prompt_token_ids
 from shoal.engine.request_checks import (
@@ -93,6 +94,7 @@ class InputProcessor:
         check_request_limits(self.limits.request, params)
         params = resolve_logprobs(params, self.max_logprobs, self.limits.vocab_size)
         params = with_thinking_markers(params, self.tokenizer)
+        params = with_bad_words(params, self.tokenizer)
         p = prompt if isinstance(prompt, ProcessedPrompt) else self.process(
             prompt, truncate=params.truncate_prompt_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time

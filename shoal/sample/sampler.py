@@ -110,10 +110,10 @@ def apply_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float] | N
         logits.index_put_((index[0], index[1]), values, accumulate=True)
 
 
-def apply_min_tokens(logits: torch.Tensor, min_tokens_mask: dict[int, list[int]]) -> None:
+def apply_banned_tokens(logits: torch.Tensor, banned_token_ids: dict[int, list[int]]) -> None:
     vocab = logits.shape[-1]
-    rows = [i for i, tokens in min_tokens_mask.items() for t in tokens if t < vocab]
-    cols = [t for tokens in min_tokens_mask.values() for t in tokens if t < vocab]
+    rows = [i for i, tokens in banned_token_ids.items() for t in tokens if t < vocab]
+    cols = [t for tokens in banned_token_ids.values() for t in tokens if t < vocab]
     if rows:
         index = to_device([rows, cols], torch.int64, logits.device)
         logits[index[0], index[1]] = _NEG_INF
@@ -188,7 +188,7 @@ def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -
 
 
 def _modifies_logits(md: SamplingMetadata) -> bool:
-    return (bool(md.min_tokens_mask) or not md.no_penalties or any(md.logit_bias)
+    return (bool(md.banned_token_ids) or not md.no_penalties or any(md.logit_bias)
             or md.allowed_token_ids is not None)
 
 
@@ -217,8 +217,8 @@ def process_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
     if md.allowed_token_ids is not None:  # first, as vLLM: the rest cannot revive a token
         apply_allowed_token_ids(logits, md.allowed_token_ids)
     apply_logit_bias(logits, md.logit_bias)
-    if md.min_tokens_mask:
-        apply_min_tokens(logits, md.min_tokens_mask)
+    if md.banned_token_ids:
+        apply_banned_tokens(logits, md.banned_token_ids)
     if not md.no_penalties:
         logits = apply_penalties(logits, md)
     return logits

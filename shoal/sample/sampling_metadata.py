@@ -41,7 +41,9 @@ class SamplingMetadata:
     prompt_token_ids: torch.Tensor | None
     output_token_ids: list[list[int]]
     logit_bias: list[dict[int, float] | None]
-    min_tokens_mask: dict[int, list[int]]  # row -> token ids forbidden until min_tokens
+    # row -> token ids it may not sample this step: stop tokens and EOS before min_tokens,
+    # and bad_words' tokens (the last of a word whose other tokens the output ends with)
+    banned_token_ids: dict[int, list[int]]
     max_num_logprobs: int | None
     # row -> the only token ids it may sample; None when no row restricts them.
     allowed_token_ids: dict[int, list[int]] | None = None
@@ -85,7 +87,7 @@ class SamplingMetadata:
             params_list, greedy, vocab_size, device)
         presence_t, frequency_t, repetition_t, prompt_t = _penalties(
             params_list, prompt_token_ids, vocab_size, device)
-        min_tokens_mask = _min_tokens_mask(params_list, output_token_ids, eos_token_ids)
+        banned_token_ids = _banned_token_ids(params_list, output_token_ids, eos_token_ids)
         wanted = [p.logprobs for p in params_list if p.logprobs is not None]
         return cls(
             temperature=temperature,
@@ -101,7 +103,7 @@ class SamplingMetadata:
             prompt_token_ids=prompt_t,
             output_token_ids=output_token_ids,
             logit_bias=[p.logit_bias or None for p in params_list],
-            min_tokens_mask=min_tokens_mask,
+            banned_token_ids=banned_token_ids,
             max_num_logprobs=max(wanted) if wanted else None,
             allowed_token_ids=_allowed(params_list, output_token_ids, prompt_token_ids),
             logprob_token_ids=_rows_with(params_list, "logprob_token_ids"),
@@ -160,20 +162,37 @@ def _penalties(params_list: Sequence[SamplingParams], prompt_token_ids: Sequence
             repetition_t, prompt_t)
 
 
-def _min_tokens_mask(params_list: Sequence[SamplingParams], output_token_ids: list[list[int]],
+def _banned_token_ids(params_list: Sequence[SamplingParams], output_token_ids: list[list[int]],
                      eos_token_ids: Collection[int] | Sequence[Collection[int]]
                      ) -> dict[int, list[int]]:
-    """Row -> the token ids it may not sample yet (stop tokens and, unless ignored, EOS)."""
+    """Row -> the token ids it may not sample this step: before min_tokens its stop tokens
+    and, unless ignored, EOS; and its bad words' (bad_word_bans)."""
     n = len(params_list)
     mask: dict[int, list[int]] = {}
     for i, p in enumerate(params_list):
+        banned: set[int] = set()
         if p.min_tokens and len(output_token_ids[i]) < p.min_tokens:
-            banned = set(p.stop_token_ids or ())
+            banned.update(p.stop_token_ids or ())
             if not p.ignore_eos:
                 banned.update(_row_eos(eos_token_ids, i, n))
-            if banned:
-                mask[i] = sorted(banned)
+        if p.bad_words_token_ids:
+            banned.update(bad_word_bans(p.bad_words_token_ids, output_token_ids[i]))
+        if banned:
+            mask[i] = sorted(banned)
     return mask
+
+
+def bad_word_bans(words: Sequence[Sequence[int]], output: Sequence[int]) -> set[int]:
+    """vLLM's bad_words: a word's last token is banned where the output ends with the rest
+    of the word (a one-token word: always). Only the output counts, not the prompt."""
+    bans = set()
+    for word in words:
+        head = len(word) - 1
+        if head > len(output):
+            continue
+        if head == 0 or list(output[len(output) - head:]) == list(word[:head]):
+            bans.add(word[-1])
+    return bans
 
 
 def pad_token_ids(

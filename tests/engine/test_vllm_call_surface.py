@@ -75,3 +75,25 @@ def test_prompt_shapes(smollm_llm):
     for bad in (None, 3, b"bytes"):
         with pytest.raises(ValueError, match="prompt"):
             smollm_llm.generate(bad, GREEDY, use_tqdm=False)
+
+
+def test_bad_words_keep_words_out(smollm_llm):
+    """The greedy output's words, banned: none of them comes back as a word (a word after a
+    space is its own token sequence: both forms are banned); token id sequences too."""
+    tok = smollm_llm.get_tokenizer()
+    free = smollm_llm.generate("The capital of France is", SamplingParams(
+        temperature=0, max_tokens=8), use_tqdm=False)[0].outputs[0]
+    words = free.text.split()[:2]
+    out = smollm_llm.generate("The capital of France is", SamplingParams(
+        temperature=0, max_tokens=8, bad_words=words), use_tqdm=False)[0].outputs[0]
+    assert not set(words) & set(out.text.split()), (words, out.text)
+    first = free.token_ids[0]
+    by_ids = smollm_llm.generate("The capital of France is", SamplingParams(
+        temperature=0, max_tokens=3, bad_words_token_ids=[[first]]), use_tqdm=False)[0]
+    assert first not in by_ids.outputs[0].token_ids
+    for bad in ([""], [3], "   "):
+        with pytest.raises(ValueError, match="bad_words"):
+            SamplingParams(bad_words=bad)
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        smollm_llm.generate("x", SamplingParams(bad_words_token_ids=[[len(tok) + 5]]),
+                            use_tqdm=False)

@@ -47,8 +47,7 @@ def events(resp: httpx.Response) -> list[dict]:
 
 
 # ---- refused extensions -----------------------------------------------------------------------
-REFUSED = {"guided_decoding_backend": "outlines", "bad_words": ["x"],
-           "prompt_embeds": "AAAA", "include_reasoning": False,
+REFUSED = {"guided_decoding_backend": "outlines", "prompt_embeds": "AAAA", "include_reasoning": False,
            "vllm_xargs": {"a": 1}, "stream_interval": 4}
 
 
@@ -82,6 +81,19 @@ def test_tool_and_constraint_misuse_is_400(server, body, needle):
     r = server.post("/v1/chat/completions",
                     json={"messages": [{"role": "user", "content": "hi"}], **body})
     assert r.status_code == 400 and needle in r.json()["error"]["message"]
+
+
+def test_bad_words_keep_a_word_out_of_the_output(client):
+    """vLLM's bad_words: the greedy output's second word never comes with it banned."""
+    free = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    word = free.choices[0].text.split()[1]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                  extra_body={"bad_words": [word]})
+    assert word not in r.choices[0].text.split(), (word, r.choices[0].text)
+    bad = client.with_options(max_retries=0).completions
+    with pytest.raises(openai.BadRequestError) as e:
+        bad.create(model=MODEL, prompt=PROMPT, max_tokens=1, extra_body={"bad_words": [""]})
+    assert "bad_words" in e.value.message
 
 
 def test_defaults_of_refused_fields_pass(client):

@@ -63,7 +63,7 @@ def test_build_all_greedy_builds_almost_nothing() -> None:
     assert torch.equal(md.temperature, torch.zeros(3))
     assert md.top_k is None and md.top_p is None and md.min_p is None
     assert md.no_penalties and md.prompt_token_ids is None
-    assert md.min_tokens_mask == {} and md.max_num_logprobs is None
+    assert md.banned_token_ids == {} and md.max_num_logprobs is None
     assert md.logit_bias == [None, None, None]
 
 
@@ -99,7 +99,7 @@ def test_build_penalties_and_prompt_padding() -> None:
     )
 
 
-def test_build_min_tokens_mask() -> None:
+def test_build_min_tokens_bans() -> None:
     params = [
         SamplingParams(min_tokens=3, stop_token_ids=[7]),
         SamplingParams(min_tokens=3, stop_token_ids=[7], ignore_eos=True),
@@ -108,12 +108,12 @@ def test_build_min_tokens_mask() -> None:
     ]
     outputs = [[1], [1], [1, 1], []]
     md = build(params, vocab=10, outputs=outputs, eos={2})
-    assert md.min_tokens_mask == {0: [2, 7], 1: [7]}
+    assert md.banned_token_ids == {0: [2, 7], 1: [7]}
     # One eos list per row.
     md = build(params[:2], vocab=10, outputs=outputs[:2], eos=[[2], [3, 4]])
-    assert md.min_tokens_mask == {0: [2, 7], 1: [7]}
+    assert md.banned_token_ids == {0: [2, 7], 1: [7]}
     md = build([SamplingParams(min_tokens=1)] * 2, vocab=10, eos=[[2], [3, 4]])
-    assert md.min_tokens_mask == {0: [2], 1: [3, 4]}
+    assert md.banned_token_ids == {0: [2], 1: [3, 4]}
 
 
 def test_empty_batch() -> None:
@@ -406,7 +406,7 @@ def test_logit_bias_forces_and_bans_tokens(device: str) -> None:
     assert sample(logits[:2], build(params, 50, device)).tolist() == [3, int(top[1])]
 
 
-def test_min_tokens_masks_eos_and_stop_tokens(device: str) -> None:
+def test_min_tokens_bans_eos_and_stop_tokens(device: str) -> None:
     # eos (2) is the favourite, stop token 4 the runner-up, then 1.
     logits = torch.tensor([[0.0, 3.0, 9.0, 0.5, 6.0]] * 3, device=device)
     params = [
@@ -494,3 +494,22 @@ def test_counter_sanity_of_seeded_sampling_distribution() -> None:
     counts = Counter(out.tolist())
     got = torch.tensor([counts[i] for i in range(4)], dtype=torch.float32)
     assert chi_square(got, torch.tensor(probs)) < 25.0
+
+
+def test_bad_words_ban_a_word_s_last_token_after_the_rest() -> None:
+    """vLLM's bad_words: a one-token word always; a longer word's last token only where the
+    output ends with the others (the prompt does not count)."""
+    from shoal.sample.sampling_metadata import bad_word_bans
+
+    words = [[5], [7, 8], [1, 2, 3]]
+    assert bad_word_bans(words, []) == {5}
+    assert bad_word_bans(words, [9, 7]) == {5, 8}
+    assert bad_word_bans(words, [7, 9]) == {5}
+    assert bad_word_bans(words, [1, 2]) == {5, 3}
+    assert bad_word_bans(words, [2]) == {5}  # too short for [1, 2, 3]'s head
+    sp = SamplingParams(bad_words_token_ids=[[4], [6, 2]])
+    md = SamplingMetadata.build([sp, SamplingParams()], [[6], [6]], [[1], [1]], {}, {0}, 10,
+                                "cpu")
+    assert md.banned_token_ids == {0: [2, 4]}
+    assert sp.needs_output_history and not SamplingParams(
+        bad_words_token_ids=[[4]]).needs_output_history

@@ -48,7 +48,6 @@ TextBool = Annotated[StrictBool, BeforeValidator(_bool_text)]
 NOT_IMPLEMENTED: dict[str, tuple[Any, str]] = {
     "guided_decoding_backend": (None, "a per-request backend is not supported (as in vLLM): "
                                       "the server's --structured-outputs-config picks it"),
-    "bad_words": (None, "bad_words is not supported yet"),
     "logits_processors": (None, "logits_processors are not supported"),
     "prompt_embeds": (None, "prompt_embeds is not supported (token ids or text only)"),
     "include_reasoning": (True, "include_reasoning needs a reasoning parser, which is not "
@@ -75,7 +74,7 @@ BEAM_SEARCH_IGNORES: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("presence_penalty", (None, 0, 0.0)), ("frequency_penalty", (None, 0, 0.0)),
     ("repetition_penalty", (None, 1, 1.0)), ("seed", (None,)), ("stop", (None, [], "")),
     ("stop_token_ids", (None, [])), ("min_tokens", (0,)), ("logit_bias", (None, {})),
-    ("allowed_token_ids", (None,)), ("prompt_logprobs", (None,)),
+    ("allowed_token_ids", (None,)), ("prompt_logprobs", (None,)), ("bad_words", (None, [])),
 )
 
 
@@ -145,6 +144,7 @@ class SamplingRequest(OpenAIBaseModel):
     min_tokens: StrictInt = 0
     logit_bias: dict[str, Number] | None = None
     allowed_token_ids: TokenIds | None = None
+    bad_words: list[StrictStr] | None = None  # vLLM's: words the output must not contain
     # reasoning models: thinking tokens before </think> is forced
     thinking_token_budget: StrictInt | None = None
     # The logprobs of exactly these ids at each generated position (needs logprobs set).
@@ -226,6 +226,7 @@ class SamplingRequest(OpenAIBaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=dict(self.logit_bias) if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words or None,
             logprob_token_ids=self.logprob_token_ids or None,
             kv_transfer_params=self.kv_transfer_params,
             thinking_token_budget=self.thinking_token_budget,
