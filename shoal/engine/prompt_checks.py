@@ -6,6 +6,13 @@ from collections.abc import Sequence
 from typing import Any
 
 
+class PromptTooLong(ValueError):
+    """A prompt that leaves no room in max_model_len; `param` names the request field (a
+    server's error body: "prompt", which a chat server reports as "messages")."""
+
+    param = "prompt"
+
+
 def check_prompt_token_ids(ids: Any, vocab_size: int, max_model_len: int) -> list[int]:
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
         raise ValueError("prompt_token_ids must be a list of integers")
@@ -22,7 +29,7 @@ def check_prompt_token_ids(ids: Any, vocab_size: int, max_model_len: int) -> lis
         raise ValueError(f"prompt_token_ids must be in [0, {vocab_size}): token id {bad} is "
                          "out of vocabulary")
     if len(ids) >= max_model_len:  # (vLLM's phrase, which clients match)
-        raise ValueError(f"This model's maximum context length is {max_model_len} tokens. "
+        raise PromptTooLong(f"This model's maximum context length is {max_model_len} tokens. "
                          f"However, your prompt is {len(ids)} tokens; it must be shorter than "
                          f"max_model_len ({max_model_len}) to leave room for the output")
     return ids

@@ -407,3 +407,26 @@ def test_vllm_metric_names_and_counts(server, client):
             assert delta(f"request_{phase}_time_seconds_count") == 3
         assert delta("inter_token_latency_seconds_count") == 9
     assert 'kv_cache_size_tokens="' in text and 'kv_cache_max_concurrency="' in text
+
+
+_SCHEMA_X = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}
+
+
+@pytest.mark.parametrize("path,body,param", [
+    # the engine's names, as the request names them (routes.field_names)
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 10**6}, "top_logprobs"),
+    ("/v1/chat/completions", {"response_format": _SCHEMA_X}, "response_format"),
+    ("/v1/completions", {"response_format": _SCHEMA_X}, "response_format"),
+    ("/v1/chat/completions", {"response_format": {"type": "xml"}}, "response_format"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 9000}]},
+     "messages"),
+    ("/v1/completions", {"prompt": "word " * 9000}, "prompt"),
+    ("/v1/completions", {"prompt": ""}, "prompt"),
+    ("/v1/completions", {"stop": [f"s{i}" for i in range(100)]}, "stop"),
+])
+def test_error_bodies_name_the_request_s_field(server, path, body, param):
+    base = ({"prompt": PROMPT} if "chat" not in path
+            else {"messages": [{"role": "user", "content": "hi"}]})
+    r = server.post(path, json={**base, "max_tokens": 1, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text

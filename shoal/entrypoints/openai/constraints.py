@@ -35,7 +35,7 @@ def response_format_params(rf: dict[str, Any] | None) -> StructuredOutputsParams
     if kind == "structural_tag":
         body = {k: v for k, v in rf.items()}
         return StructuredOutputsParams(structural_tag=json.dumps(body))
-    raise ValueError(f"response_format type must be text, json_object, json_schema or "
+    raise ValueError(f"response_format.type must be text, json_object, json_schema or "
                      f"structural_tag (got {kind!r})")
 
 

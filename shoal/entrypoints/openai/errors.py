@@ -5,10 +5,11 @@ its status comes from HTTP_STATUS, by code (the message text is never read)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -44,7 +45,7 @@ HTTP_STATUS: dict[ErrorCode, int] = {
 }
 # "temperature must be ...", "prompt is 3000 tokens ...": the field a ValueError names.
 _PARAM_RE = re.compile(r"^([a-z_]+)(?:\[\d+\])?(?:\.[a-z_]+)?(?: strings| token ids)? "
-                       r"(?:must|is|token|values|needs)\b")
+                       r"(?:must|is|token|values|needs|has \d+)\b")
 
 
 class ServerShuttingDown(RuntimeError):
@@ -89,6 +90,32 @@ def error_from_exception(exc: BaseException) -> OpenAIError:
         return OpenAIError(400, message, getattr(exc, "param", None) or _param_of(message))
     logger.error("internal error", exc_info=exc)
     return OpenAIError(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+def renamed_param(exc: BaseException, rename: Callable[[str | None], str | None]
+                  ) -> BaseException:
+    """exc as an OpenAIError whose `param` is rename(its param), where that changes it: an
+    endpoint's own name for a field the engine names otherwise (chat's top_logprobs for
+    the engine's logprobs, messages for prompt)."""
+    if not isinstance(exc, (ValueError, RequestError, OpenAIError)):
+        return exc
+    err = error_from_exception(exc)
+    param = rename(err.param)
+    if err.status != 400 or param == err.param:
+        return exc
+    return OpenAIError(err.status, err.message, param, err.headers)
+
+
+@contextlib.contextmanager
+def field_names(rename: Callable[[str | None], str | None]) -> Iterator[None]:
+    """Errors raised inside name the request's fields as the request does (renamed_param)."""
+    try:
+        yield
+    except Exception as e:
+        new = renamed_param(e, rename)
+        if new is e:
+            raise
+        raise new from e
 
 
 def _from_request_error(exc: RequestError) -> OpenAIError:

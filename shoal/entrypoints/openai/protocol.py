@@ -84,13 +84,17 @@ def _unset(value: Any, default: Any) -> bool:
     return isinstance(value, (list, dict, str)) and not value
 
 
-class ContextLengthError(ValueError):
-    """Prompt plus completion past max_model_len; `param` names the completion's field (the
-    message starts with vLLM's phrase, not with it)."""
+class RequestFieldError(ValueError):
+    """A 400 about one request field, `param`, whose message does not start with its name."""
 
     def __init__(self, message: str, param: str):
         super().__init__(message)
         self.param = param
+
+
+class ContextLengthError(RequestFieldError):
+    """Prompt plus completion past max_model_len; `param` names the completion's field (the
+    message starts with vLLM's phrase, not with it)."""
 
 
 def check_context_length(prompt_len: int, max_tokens: int | None, max_model_len: int,
@@ -232,6 +236,14 @@ class SamplingRequest(OpenAIBaseModel):
             thinking_token_budget=self.thinking_token_budget,
         )
 
+    def field_name(self, param: str | None) -> str | None:
+        """The request's own name for a field an engine error names (error bodies):
+        response_format where the constraint came from it."""
+        if param == "structured_outputs" and self.response_format is not None \
+                and self.structured_outputs is None:
+            return "response_format"
+        return param
+
     def unsupported(self) -> tuple[str, str] | None:
         """(param, message) for a field shoal cannot honour (yet), else None."""
         bad = self.not_implemented()
@@ -328,6 +340,12 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
     function_call: Any = None
+
+    def field_name(self, param: str | None) -> str | None:
+        """As SamplingRequest's; and the engine's logprobs is chat's top_logprobs (chat's
+        logprobs is a switch), its prompt chat's messages."""
+        param = super().field_name(param)
+        return {"logprobs": "top_logprobs", "prompt": "messages"}.get(param, param)
 
     def unsupported(self) -> tuple[str, str] | None:
         if self.functions or self.function_call not in (None, "none"):

@@ -17,7 +17,12 @@ import shoal
 from shoal.engine.async_llm import AsyncLLM
 from shoal.engine.request_checks import wrong_runner_message
 from shoal.entrypoints.openai.cohere_embed import CohereEmbedHandler, CohereEmbedRequest
-from shoal.entrypoints.openai.errors import OpenAIError, ServerShuttingDown, error_response
+from shoal.entrypoints.openai.errors import (
+    OpenAIError,
+    ServerShuttingDown,
+    error_response,
+    field_names,
+)
 from shoal.entrypoints.openai.middleware import ServerLoad
 from shoal.entrypoints.openai.protocol import (
     BatchChatCompletionRequest,
@@ -124,13 +129,15 @@ def add_generation_routes(app: FastAPI, completion: OpenAIServingCompletion,
     async def create_completion(req: CompletionRequest, raw: Request) -> Response:
         check_intake()
         _warn_unknown(req)
-        return await completion.create(req, raw)
+        with field_names(req.field_name):  # (the request's own names in error bodies)
+            return await completion.create(req, raw)
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(req: ChatCompletionRequest, raw: Request) -> Response:
         check_intake()
         _warn_unknown(req)
-        return await chat.create(req, raw)
+        with field_names(req.field_name):  # (the request's own names in error bodies)
+            return await chat.create(req, raw)
 
     @app.post("/v1/chat/completions/batch")
     async def create_batch_chat_completion(req: BatchChatCompletionRequest,

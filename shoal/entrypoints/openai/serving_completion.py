@@ -22,6 +22,7 @@ from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_
 from shoal.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_entries
 from shoal.entrypoints.openai.protocol import (
     CompletionRequest,
+    RequestFieldError,
     check_context_length,
 )
 from shoal.entrypoints.openai.responses import (
@@ -52,7 +53,8 @@ def normalize_prompts(prompt: Any) -> list[str | list[int]]:
     """str | list[str] | list[int] | list[list[int]] -> a non-empty list of prompts."""
     if prompt is None or (isinstance(prompt, (str, list)) and not prompt):
         # vLLM's wording (its prompt_embeds alternative is refused by shoal with its own 400)
-        raise ValueError("Either prompt or prompt_embeds must be provided and non-empty.")
+        raise RequestFieldError("Either prompt or prompt_embeds must be provided and "
+                                "non-empty.", "prompt")
     if isinstance(prompt, str):
         return [prompt]
     if not isinstance(prompt, list):
