@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -58,17 +59,21 @@ def _top(position: PositionLogprobs, k: int | None) -> list[tuple[int, Logprob]]
 def completion_logprobs(token_ids: Sequence[int],
                         positions: Sequence[PositionLogprobs | None],
                         k: int | None, decode: Callable[[int], str] | None,
-                        initial_offset: int = 0) -> CompletionLogprobs:
+                        initial_offset: int = 0,
+                        token_bytes: Callable[[int], bytes] | None = None) -> CompletionLogprobs:
     """`tokens/token_logprobs/top_logprobs/text_offset`; a None position (the first prompt
-    token) has no logprob. Offsets index into the choice's text."""
+    token) has no logprob. Offsets index into the choice's text: with token_bytes (a token's
+    own bytes), by the characters the tokens' bytes complete, so a token that is part of a
+    character does not count its U+FFFD."""
     out = CompletionLogprobs()
     offset = initial_offset
+    chars = codecs.getincrementaldecoder("utf-8")("replace") if token_bytes else None
     for tid, pos in zip(token_ids, positions):
         chosen = pos.get(tid) if pos is not None else None
         text = _text(chosen, tid, decode)
         out.tokens.append(text)
         out.text_offset.append(offset)
-        offset += len(text)
+        offset += len(text) if chars is None else len(chars.decode(token_bytes(tid)))
         if pos is None or chosen is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)
@@ -83,15 +88,22 @@ def completion_logprobs(token_ids: Sequence[int],
 
 
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs],
-                  k: int | None, decode: Callable[[int], str] | None) -> list[TokenLogprob]:
+                  k: int | None, decode: Callable[[int], str] | None,
+                  token_bytes: Callable[[int], bytes] | None = None) -> list[TokenLogprob]:
+    """Chat's logprobs content. token_bytes: a token's own bytes (token_bytes.py), so that a
+    position's bytes rebuild the text where a token is half a character; None: the bytes of
+    the shown text."""
+    def raw(token_id: int, text: str) -> list[int]:
+        return list(token_bytes(token_id) if token_bytes is not None else text.encode("utf-8"))
+
     content = []
     for tid, pos in zip(token_ids, positions):
         chosen = pos.get(tid)
         text = _text(chosen, tid, decode)
         top = [TopLogprob(token=(s := _text(lp, t, decode)), logprob=clamp(lp.logprob),
-                          bytes=list(s.encode("utf-8")))
+                          bytes=raw(t, s))
                for t, lp in _top(pos, k)]
         content.append(TokenLogprob(
             token=text, logprob=clamp(chosen.logprob) if chosen else MIN_LOGPROB,
-            bytes=list(text.encode("utf-8")), top_logprobs=top))
+            bytes=raw(tid, text), top_logprobs=top))
     return content

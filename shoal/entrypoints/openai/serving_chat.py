@@ -294,7 +294,8 @@ class OpenAIServingChat(ServingBase):
         if req.logprob_token_ids:
             k = None  # each position holds the sampled token and the asked ids: all of them
         decode = self.token_decoder(req.return_tokens_as_token_ids)
-        return ChatLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, k, decode))
+        return ChatLogprobs(content=chat_logprobs(c.token_ids, c.logprobs, k, decode,
+                                                  self.token_bytes()))
 
     @staticmethod
     def _role_and_echo(req: ChatCompletionRequest,

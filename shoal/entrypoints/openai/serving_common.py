@@ -17,6 +17,7 @@ from shoal.entrypoints.openai.errors import OpenAIError
 from shoal.entrypoints.openai.logprobs import decode_token
 from shoal.entrypoints.openai.server_settings import ServerSettings
 from shoal.entrypoints.openai.serving_models import ServedModels
+from shoal.entrypoints.openai.token_bytes import token_bytes_fn
 from shoal.entrypoints.openai.tool_choice import ToolPlan, ToolsError, plan_tools
 
 ORCA_FORMAT_HEADER = "endpoint-load-metrics-format"
@@ -52,9 +53,19 @@ class ServingBase:
         self.engine = engine
         self.models = models
         self.settings = settings
+        self._token_bytes: Callable[[int], bytes] | None = None
 
     def _decode(self, token_id: int) -> str:
         return decode_token(self.engine.tokenizer, token_id)
+
+    def token_bytes(self) -> Callable[[int], bytes] | None:
+        """A token id's own bytes for the logprobs `bytes` field (token_bytes.py); None
+        without a tokenizer (the bytes of the shown text then)."""
+        if self.engine.tokenizer is None:
+            return None
+        if self._token_bytes is None:
+            self._token_bytes = token_bytes_fn(self.engine.tokenizer, self._decode)
+        return self._token_bytes
 
     def token_decoder(self, as_token_ids: bool | None) -> Callable[[int], str] | None:
         """The decoder of the logprobs fields; None shows tokens as "token_id:N"."""

@@ -200,7 +200,8 @@ class OpenAIServingCompletion(ServingBase):
         if req.logprob_token_ids:
             k = None  # generated positions hold the sampled token and the asked ids: all
         return completion_logprobs(ids, positions, k,
-                                   self.token_decoder(req.return_tokens_as_token_ids))
+                                   self.token_decoder(req.return_tokens_as_token_ids),
+                                   token_bytes=self.token_bytes())
 
     def _response(self, req: CompletionRequest, model: str, rid: str,
                   finals: list[RequestOutput]) -> CompletionResponse:
