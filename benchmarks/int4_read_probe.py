@@ -23,9 +23,9 @@ picks tiles for L2-resident weights. --smoke runs the kernels on tiny shapes on 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
-import statistics
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results_file import default_path, record, write  # noqa: E402
 
 from shoal.layers.quantization import int4_mma_gemv as mma  # noqa: E402
+from shoal.layers.quantization import launch_tuner  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096),
           "down": (4096, 14336)}
@@ -116,25 +117,13 @@ def split_for(n: int, block_n: int, per_sm: int, sms: int, k: int) -> int:
 
 
 def time_us(calls: list[Callable[[], object]]) -> float:
-    """Microseconds a call: REPEATS calls cycling over `calls` in one CUDA graph, the median
-    of three replays."""
+    """Microseconds a call: REPEATS calls cycling over `calls` in one CUDA graph
+    (launch_tuner.graph_us), the median of three replays."""
     for fn in calls:
         fn()
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(REPEATS):
-            calls[i % len(calls)]()
-    samples = []
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / REPEATS)
-    del graph
-    return statistics.median(samples)
+    turn = itertools.cycle(calls)
+    return launch_tuner.graph_us(lambda: next(turn)(), REPEATS)
 
 
 def _problem(n: int, k: int, dev: torch.device, seed: int):

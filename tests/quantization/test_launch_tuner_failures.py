@@ -145,7 +145,7 @@ def test_cold_timing_reads_past_the_l2_first_and_subtracts_that_read(monkeypatch
         graphs.append(list(order))
         return 3.0 * order.count("flush") + 2.0 * order.count("fn")
 
-    monkeypatch.setattr(launch_tuner, "_graph_us", graph_us)
+    monkeypatch.setattr(launch_tuner, "graph_us", graph_us)
     monkeypatch.setenv("SHOAL_QUANT_TUNING_COLD", "1")
     assert launch_tuner.gpu_time_us(lambda: order.append("fn"), "k cold") == 2.0
     assert graphs == [["flush", "fn"], ["flush"]]

@@ -134,16 +134,16 @@ def gpu_time_us(fn: Callable[[], object], label: str = "", cold: bool | None = N
             fn()
         torch.cuda.synchronize()
         if not cold:
-            return _graph_us(fn)
+            return graph_us(fn)
         flush = _l2_flush(torch.cuda.current_device())
 
         def flushed() -> None:
             flush()
             fn()
 
-        cold_us = _graph_us(flushed) - _graph_us(flush)
+        cold_us = graph_us(flushed) - graph_us(flush)
         # (a difference lost in the flush's own noise must not make a candidate look free)
-        return cold_us if cold_us > 0 else _graph_us(fn)
+        return cold_us if cold_us > 0 else graph_us(fn)
     except Exception as e:  # noqa: BLE001 (a launch shape this GPU cannot run: not a candidate)
         _log_failure(label, e)
         # a capture that failed at its end leaves torch.cuda.graph's side stream current
@@ -152,11 +152,11 @@ def gpu_time_us(fn: Callable[[], object], label: str = "", cold: bool | None = N
         return float("inf")
 
 
-def _graph_us(fn: Callable[[], object]) -> float:
-    """REPEATS calls of fn in one CUDA graph: the median of three replays, a call."""
+def graph_us(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    """`repeats` calls of fn in one CUDA graph: the median of three replays, a call."""
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             fn()
     samples = []
     for _ in range(3):
@@ -166,7 +166,7 @@ def _graph_us(fn: Callable[[], object]) -> float:
         graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / REPEATS)
+        samples.append(start.elapsed_time(end) * 1e3 / repeats)
     del graph
     return statistics.median(samples)
 
