@@ -59,7 +59,7 @@ def test_response_format_and_legacy_fields():
     p = response_format_params({"type": "json_schema",
                                 "json_schema": {"name": "x", "schema": {"type": "object"}}})
     assert p.json == {"type": "object"}
-    with pytest.raises(ValueError, match="response_format type"):
+    with pytest.raises(ValueError, match="response_format.type"):
         response_format_params({"type": "yaml"})
     legacy = {"guided_json": None, "guided_regex": "[0-9]+", "guided_choice": None,
               "guided_grammar": None}
