@@ -124,20 +124,21 @@ class LLM(PoolingMixin, LifecycleMixin):
                 raise ValueError("tools must be a list of tool definitions")
             kwargs.setdefault("tools", [dict(t) for t in tools])
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        params = self._params_list(sampling_params, len(conversations))
         eng = self.llm_engine
         mm = eng.inputs.mm
         prompts = []
-        for c in conversations:  # image parts: placeholders in the text, images beside
+        for c, sp in zip(conversations, params):  # image parts: placeholders, images beside
             flat, sources = flatten_messages(list(c), mm.image_placeholder if mm else None)
             p = eng.inputs.process_chat(flat, add_generation_prompt=add_generation_prompt,
                                         continue_final_message=continue_final_message,
+                                        truncate=None if sources else sp.truncate_prompt_tokens,
                                         chat_template=chat_template,
                                         chat_template_kwargs=kwargs or None)
             if sources:
                 p = eng.inputs.with_images(p, {"image": mm.load(sources)})
             prompts.append(p)
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
-                             lora_request=lora_request)
+        return self.generate(prompts, params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, *,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

@@ -38,7 +38,8 @@ class PoolingParams:
     dimensions: int | None = None  # Matryoshka truncation of an embedding
     normalize: bool | None = None  # None: the model's default (sentence-transformers files)
     use_activation: bool | None = None  # softmax/sigmoid on classify/score; None: on
-    # Keep only this many input tokens (-1: max_model_len), as SamplingParams'
+    # Keep only this many input tokens (-1: max_model_len), dropped from the tokenizer's
+    # truncation side (BERT's: the right); a text's special tokens stay
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:

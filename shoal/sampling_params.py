@@ -127,14 +127,13 @@ class SamplingParams:
     thinking_token_budget: int | None = None
     thinking_start_token_id: int | None = None
     thinking_end_token_id: int | None = None
-    # Words the output must not contain (vLLM's bad_words): each is tokenized as it would
-    # start the text and after a space, and the last token of such a sequence is banned
-    # wherever the output ends with the rest of it. The frontend fills bad_words_token_ids
-    # from them (with its tokenizer); token id sequences may be given there directly.
+    # Words the output must not contain (vLLM's): the frontend tokenizes them into
+    # bad_words_token_ids (engine/bad_words.py; sequences may be given there directly), and
+    # a sequence's last token is banned wherever the output ends with the rest of it.
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     # Keep only this many prompt tokens (-1: as many as leave room for one output token),
-    # dropped from the side the tokenizer truncates (its truncation_side, else the left)
+    # dropped from the left (vLLM's generation side); a text's special tokens stay
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:

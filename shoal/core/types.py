@@ -59,10 +59,13 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     pooled_shape: list[int] | None = None
     # Disaggregated prefill: where the request's KV waits for a decode engine (its last output)
     kv_transfer_params: dict[str, Any] | None = None
+    # finish_reason "stop" on the last token being EOS or a stop_token_id (not a grammar
+    # that completed on another token): the text leaves that token out (vLLM's)
+    stop_token: bool = False
     # Why the request failed, beside `error` (the frontends answer from the code, never from
     # the text); an error without a code counts as ErrorCode.ENGINE_FAILED. Kept last. Unset,
-    # it and kv_transfer_params cost a nil byte each: msgspec writes every field of an
-    # array-like struct (omit_defaults drops defaults from map-encoded structs only).
+    # it, stop_token and kv_transfer_params cost a byte each: msgspec writes every field of
+    # an array-like struct (omit_defaults drops defaults from map-encoded structs only).
     error_code: ErrorCode | None = None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from shoal.engine.request_checks import check_text
 from shoal.sampling_params import SamplingParams
 
 
@@ -15,6 +16,7 @@ def word_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
     """The token id sequences of `words` (see the module docstring), in order."""
     out: list[list[int]] = []
     for word in words:
+        check_text(word, "bad_words")
         plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
         if plain:
             out.append(list(plain))

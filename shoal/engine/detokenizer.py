@@ -89,6 +89,12 @@ class IncrementalDetokenizer:
         if self.stop_reason is not None or len(new_token_ids) == 0:
             return None
         ids = [int(t) for t in new_token_ids]  # accept numpy/torch ints too
+        first = self.min_tokens - len(self.token_ids)  # tokens still before min_tokens
+        if self.stop and 0 < first < len(ids):
+            # several tokens at once (a verify step): the text of the first min_tokens is
+            # not searched, so it goes in first, as vLLM checks token by token
+            self.update(ids[:first])
+            return self.update(ids[first:], stop_terminated)
         self.token_ids.extend(ids)
         if stop_terminated and not self.include_stop_str_in_output:
             ids = ids[:-1]

@@ -141,7 +141,7 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
     skip_tokenizer_init: bool = arg(False, "load no tokenizer in the frontend: requests give "
                                            "token ids and get token ids back (no text, no "
                                            "chat)")
-    # Request limits (shoal.engine.input_processor.RequestLimits): each broken one is a 400.
+    # Request limits (shoal.engine.request_checks.RequestLimits): each broken one is a 400.
     max_n: int = arg(128, "most samples (n, best_of) one request may ask for")
     max_prompts_per_request: int = arg(1024, "most prompts in one completion request")
     max_stop_strings: int = arg(64, "most stop strings per request")

@@ -33,7 +33,12 @@ from shoal.engine.thinking_markers import with_thinking_markers
 from shoal.lora_request import LoRARequest
 from shoal.multimodal.inputs import MultiModalFeature
 from shoal.pooling_params import PoolingParams
-from shoal.prompt_truncation import truncate_prompt
+from shoal.prompt_truncation import (
+    GENERATION_SIDE,
+    encode_kept,
+    kept_tokens,
+    truncate_prompt,
+)
 from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -95,8 +100,9 @@ class InputProcessor:
         params = resolve_logprobs(params, self.max_logprobs, self.limits.vocab_size)
         params = with_thinking_markers(params, self.tokenizer)
         params = with_bad_words(params, self.tokenizer)
-        p = prompt if isinstance(prompt, ProcessedPrompt) else self.process(
-            prompt, truncate=params.truncate_prompt_tokens)
+        p = self._cut(prompt, params.truncate_prompt_tokens) \
+            if isinstance(prompt, ProcessedPrompt) \
+            else self.process(prompt, truncate=params.truncate_prompt_tokens)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         n = params.n
         reqs = [EngineCoreRequest(child_request_id(request_id, i, n), p.prompt_token_ids,
@@ -134,8 +140,9 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("input must not be empty")
-            ids = self.encode(prompt, what="input",
-                              max_length=self._keep(truncate, self.limits.max_model_len))
+            ids = encode_kept(lambda special: self.encode(prompt, special, "input"),
+                              self._kept(truncate, self.limits.max_model_len),
+                              self._pooling_side)
             if not ids:
                 raise ValueError("input must not be empty")
             self.check_pooling_length(len(ids))
@@ -147,8 +154,8 @@ class InputProcessor:
         if isinstance(prompt, Sequence) and not isinstance(prompt, (str, bytes)):
             if not prompt:
                 raise ValueError("input must not be empty")
-            keep = self._keep(truncate, self.limits.max_model_len)
-            prompt = truncate_prompt(list(prompt), keep, self._truncation_side, keep or 0)
+            keep = self._kept(truncate, self.limits.max_model_len)
+            prompt = truncate_prompt(list(prompt), keep, self._pooling_side, keep or 0)
             self.check_pooling_length(len(prompt))
             ids = check_prompt_token_ids(prompt, self.limits.vocab_size,
                                          self.limits.max_model_len + 1)
@@ -191,7 +198,8 @@ class InputProcessor:
         """Accepts a string, {"prompt": str}, {"prompt_token_ids": [...]}, or a list of ids;
         a dict may carry images ({"multi_modal_data": {"image": ...}}). truncate: keep that
         many tokens (SamplingParams.truncate_prompt_tokens; -1: all but one of
-        max_model_len), from the side the tokenizer truncates (else the left)."""
+        max_model_len), dropped from the left (vLLM's generation side), a text's special
+        tokens kept."""
         if isinstance(prompt, Mapping) and prompt.get("multi_modal_data") is not None:
             if truncate is not None:  # (a cut could split an image's placeholder run)
                 raise ValueError("truncate_prompt_tokens does not apply to prompts with "
@@ -219,37 +227,31 @@ class InputProcessor:
             raise ValueError(f"prompt must be a string (got {type(text).__name__})")
         if not text:
             raise ValueError("prompt must not be empty")
-        # (cut by the tokenizer, as vLLM's: its special tokens stay; the text stays the
-        # request's prompt, as vLLM's RequestOutput.prompt)
-        keep = self._keep(truncate, self.limits.max_model_len - 1)
-        return self._from_ids(self.encode(text, add_special_tokens, max_length=keep), text)
+        # (its special tokens stay, as a tokenizer's truncation keeps them; the text stays
+        # the request's prompt, as vLLM's RequestOutput.prompt)
+        keep = self._kept(truncate, self.limits.max_model_len - 1)
+        if add_special_tokens:
+            ids = encode_kept(lambda special: self.encode(text, special), keep, GENERATION_SIDE)
+        else:
+            ids = truncate_prompt(self.encode(text, False), keep, GENERATION_SIDE, keep or 0)
+        return self._from_ids(ids, text)
 
-    def _keep(self, truncate: int | None, max_input: int) -> int | None:
-        """Tokens truncate_prompt_tokens keeps (-1: max_input), checked; None: no cut."""
-        if truncate is None:
-            return None
-        if truncate > self.limits.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens ({truncate}) must not be greater than "
-                             f"max_model_len ({self.limits.max_model_len})")
-        return max_input if truncate < 0 else truncate
+    def _kept(self, truncate: int | None, max_input: int) -> int | None:
+        return kept_tokens(truncate, self.limits.max_model_len, max_input)
 
     @property
-    def _truncation_side(self) -> str | None:
-        return getattr(self.tokenizer, "truncation_side", None)
+    def _pooling_side(self) -> str:
+        return getattr(self.tokenizer, "truncation_side", None) or "right"
 
-    def encode(self, text: str, add_special_tokens: bool = True, what: str = "prompt",
-               max_length: int | None = None) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True, what: str = "prompt"
+               ) -> list[int]:
         """Text -> token ids, for every caller (/tokenize included): the text must be valid
-        Unicode, which the tokenizer would otherwise reject with a TypeError. max_length: at
-        most that many, cut on the tokenizer's truncation side, special tokens kept."""
+        Unicode, which the tokenizer would otherwise reject with a TypeError."""
         if self.tokenizer is None:
             raise ValueError("this server runs without a tokenizer (--skip-tokenizer-init): "
                              "pass token ids")
         check_text(text, what)
-        if max_length is None:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens,
-                                     truncation=True, max_length=max_length)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def with_images(self, p: ProcessedPrompt, mm_data: Any) -> ProcessedPrompt:
         """The prompt with its images' placeholders expanded (and its length checked again)."""
@@ -263,8 +265,8 @@ class InputProcessor:
                   ) -> ProcessedPrompt:
         lim = self.limits
         if truncate is not None and isinstance(ids, Sequence) and not isinstance(ids, str):
-            keep = self._keep(truncate, lim.max_model_len - 1)
-            kept = truncate_prompt(list(ids), keep, self._truncation_side, keep or 0)
+            keep = self._kept(truncate, lim.max_model_len - 1)
+            kept = truncate_prompt(list(ids), keep, GENERATION_SIDE, keep or 0)
             text = text if len(kept) == len(ids) else None  # (the text is no longer the prompt)
             ids = kept
         return ProcessedPrompt(text, check_prompt_token_ids(ids, lim.vocab_size,
@@ -307,9 +309,20 @@ class InputProcessor:
             continue_final_message=continue_final_message, max_model_len=self.max_model_len)
 
     def process_chat(self, messages: list[Mapping[str, Any]], *,
-                     add_special_tokens: bool = False, **kwargs: Any) -> ProcessedPrompt:
+                     add_special_tokens: bool = False, truncate: int | None = None,
+                     **kwargs: Any) -> ProcessedPrompt:
+        """truncate: SamplingParams.truncate_prompt_tokens, cut from the rendered ids."""
         text = self.apply_chat_template(messages, **kwargs)
         # The template already placed any special tokens (vLLM's add_special_tokens=False).
         ids = self.encode(text, add_special_tokens,
                           "the chat (messages rendered by the chat template)")
-        return self._from_ids(ids, text)
+        return self._from_ids(ids, text, truncate)
+
+    def _cut(self, p: ProcessedPrompt, truncate: int | None) -> ProcessedPrompt:
+        """An already processed prompt cut to `truncate` tokens (none: itself)."""
+        if truncate is None:
+            return p
+        if p.mm_features:  # (a cut could split an image's placeholder run)
+            raise ValueError("truncate_prompt_tokens does not apply to prompts with images "
+                             "(multi_modal_data)")
+        return self._from_ids(p.prompt_token_ids, p.prompt, truncate)

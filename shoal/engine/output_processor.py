@@ -246,7 +246,7 @@ class OutputProcessor:
                 s.cumulative_logprob += lp.logprobs[0]
         stop_str = None
         # the core stopped on a token (EOS, stop_token_ids): its text is left out (vLLM)
-        token_stop = o.finish_reason == "stop"
+        token_stop = o.stop_token
         if s.detok is not None and not s.detok_at_end:
             stop_str = s.detok.update(o.new_token_ids, token_stop)
         if stop_str is not None:

@@ -81,6 +81,9 @@ def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:
         check_features(req.mm_features, len(ids), limits.mm_max_embeds,
                        limits.max_num_batched_tokens if limits.mm_whole_spans else 0)
     sp = req.sampling_params
+    if sp.bad_words:  # (the frontend turns them into bad_words_token_ids with its tokenizer)
+        raise ValueError("bad_words reached the engine untokenized: give bad_words_token_ids, "
+                         "or submit through a frontend with a tokenizer")
     sp.validate_against_vocab(limits.vocab_size)
     check_tier_names(sp.kv_transfer_params)
     for name in ("logprobs", "prompt_logprobs"):  # -1 is resolved by the frontend

@@ -88,4 +88,9 @@ def token_output(req: Request, tokens: list[int], lps: list[Logprobs] | None,
     elif status is not None:
         out.finish_reason = "stop" if status == RequestStatus.FINISHED_STOPPED else "length"
         out.stop_reason = req.stop_reason
+        if status == RequestStatus.FINISHED_STOPPED and tokens:
+            last = tokens[-1]
+            out.stop_token = (last in req.sampling_params.stop_token_ids
+                              or (last in req.eos_token_ids
+                                  and not req.sampling_params.ignore_eos))
     return out

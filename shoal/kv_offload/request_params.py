@@ -1,6 +1,6 @@
 """Per-request offloading options, carried in SamplingParams.kv_transfer_params (vLLM's name),
 whose shape SamplingParams checks; the tier names are checked here, by the request validator
-(shoal/engine/input_processor.py), since the tiers live at this level.
+(shoal/engine/request_checks.py), since the tiers live at this level.
 
     SamplingParams(..., kv_transfer_params={"skip_tiers": ["disk"]})
 

@@ -198,6 +198,11 @@ def test_stop_strings_count_only_after_min_tokens(tok: PreTrainedTokenizerBase) 
     plain = IncrementalDetokenizer(tok, [], stop=["."])
     plain.update(ids)
     assert plain.output_text == "a"
+    # several tokens in one update (a verify step) across min_tokens: the same stop
+    burst = IncrementalDetokenizer(tok, [], stop=["."], min_tokens=4)
+    burst.update(ids[:2])
+    burst.update(ids[2:n + 3])
+    assert burst.stop_reason == "." and burst.output_text == det.output_text
 
 
 @pytest.mark.parametrize("seed", range(5))

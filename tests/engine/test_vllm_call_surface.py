@@ -46,8 +46,8 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(smollm_llm):
     tok = smollm_llm.get_tokenizer()
     text = "one two three four five six seven eight nine ten"
     ids = tok.encode(text)
-    side = getattr(tok, "truncation_side", "right")
-    want = ids[-4:] if side == "left" else ids[:4]
+    want = ids[-4:]  # vLLM's generation side, whatever the tokenizer's own (right here)
+    assert tok.truncation_side == "right"
     for prompt in (text, TokensPrompt(prompt_token_ids=ids)):
         out = smollm_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2,
                                                          truncate_prompt_tokens=4),
@@ -60,6 +60,7 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(smollm_llm):
     out = smollm_llm.generate(long, SamplingParams(max_tokens=1, truncate_prompt_tokens=-1),
                               use_tqdm=False)[0]
     assert len(out.prompt_token_ids) == 2047
+    assert out.prompt_token_ids == tok.encode(long)[-2047:]
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         smollm_llm.generate(text, SamplingParams(truncate_prompt_tokens=5000), use_tqdm=False)
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
@@ -97,3 +98,35 @@ def test_bad_words_keep_words_out(smollm_llm):
     with pytest.raises(ValueError, match="bad_words_token_ids"):
         smollm_llm.generate("x", SamplingParams(bad_words_token_ids=[[len(tok) + 5]]),
                             use_tqdm=False)
+
+
+def test_a_cut_keeps_the_special_tokens_a_tokenizer_adds():
+    from shoal.prompt_truncation import encode_kept
+
+    plain = [5, 6, 7, 8, 9]
+    bos = {True: [1, *plain], False: plain}
+    assert encode_kept(bos.__getitem__, 4, "left") == [1, 7, 8, 9]
+    bert = {True: [101, *plain, 102], False: plain}
+    assert encode_kept(bert.__getitem__, 4, "right") == [101, 5, 6, 102]
+    assert encode_kept(bert.__getitem__, 2, "right") == [101, 5]  # only the specials fit
+    assert encode_kept(bert.__getitem__, 10, "right") == [101, *plain, 102]
+
+
+def test_chat_prompts_are_cut_too(smollm_llm):
+    msgs = [{"role": "user", "content": "one two three four five six seven eight"}]
+    full = smollm_llm.chat(msgs, GREEDY, use_tqdm=False)[0].prompt_token_ids
+    cut = smollm_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=2,
+                                               truncate_prompt_tokens=5), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == full[-5:]
+
+
+def test_bad_words_that_are_not_unicode_and_untokenized_ones_are_refused(smollm_llm):
+    from shoal.core.types import EngineCoreRequest
+    from shoal.engine.request_checks import validate_core_request
+
+    with pytest.raises(ValueError, match="bad_words"):
+        smollm_llm.generate("x", SamplingParams(bad_words=["a\ud800"]), use_tqdm=False)
+    limits = smollm_llm.llm_engine.inputs.limits
+    req = EngineCoreRequest("r", [1, 2], SamplingParams(bad_words=["Paris"]), 0.0)
+    with pytest.raises(ValueError, match="bad_words"):
+        validate_core_request(limits, req)

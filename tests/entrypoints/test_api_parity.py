@@ -180,11 +180,13 @@ def test_return_token_ids_and_tokens_as_ids(client, server, tokenizer):
         chat.choices[0].token_ids
 
 
-@pytest.mark.parametrize("side,expect", [("left", slice(-4, None)), ("right", slice(0, 4))])
+@pytest.mark.parametrize("side,expect", [("left", slice(-4, None)), ("right", slice(0, 4)),
+                                         (None, slice(-4, None))])  # (vLLM's default: left)
 def test_truncate_prompt_tokens(client, side, expect):
     ids = list(range(100, 110))
     r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={
-        "truncate_prompt_tokens": 4, "truncation_side": side, "return_token_ids": True})
+        "truncate_prompt_tokens": 4, "return_token_ids": True,
+        **({"truncation_side": side} if side else {})})
     assert r.choices[0].prompt_token_ids == ids[expect] and r.usage.prompt_tokens == 4
 
 

@@ -200,3 +200,19 @@ def test_chat_template_kwargs_carry_tools_documents_and_effort():
     both = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}],
                                  continue_final_message=True)
     assert both.unsupported()[0] == "continue_final_message"
+
+
+def test_each_request_names_the_engine_s_fields_its_own_way():
+    from shoal.entrypoints.openai.protocol import ChatCompletionRequest
+    from shoal.entrypoints.openai.responses_api import ResponsesRequest
+
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                 response_format={"type": "json_object"})
+    assert [chat.field_name(p) for p in ("logprobs", "prompt", "structured_outputs", "n")] \
+        == ["top_logprobs", "messages", "response_format", "n"]
+    plain = CompletionRequest(prompt="a", structured_outputs={"regex": "a"})
+    assert plain.field_name("structured_outputs") == "structured_outputs"
+    assert plain.field_name("prompt") == "prompt"
+    resp = ResponsesRequest(input="x")
+    assert (resp.field_name("prompt"), resp.field_name("max_tokens")) == \
+        ("input", "max_output_tokens")

@@ -54,3 +54,36 @@ def test_logprob_fields_rebuild_the_text():
     assert legacy.text_offset[-1] < len(text) and text[legacy.text_offset[-1]:] == "!"
     starts = [text[o] for o in legacy.text_offset]
     assert starts[0] == "日"
+
+
+def test_added_tokens_give_their_text_s_bytes():
+    tok = load_frontend_tokenizer(None, None)
+    added = dict(tok.get_added_vocab())
+    tid = next(iter(added.values()))
+    raw = token_bytes_fn(tok, lambda i: tok.decode([i], skip_special_tokens=False))
+    assert raw(tid) == tok.decode([tid], skip_special_tokens=False).encode("utf-8")
+
+
+def test_stream_offsets_carry_a_character_across_chunks():
+    """A character whose bytes start in one chunk and end in the next counts once: the
+    stream's decoder is carried (the offsets equal the whole response's)."""
+    from shoal.entrypoints.openai.logprobs import utf8_counter
+
+    tok = load_frontend_tokenizer(None, None)
+    ids = tok.encode(TEXT, add_special_tokens=False)
+
+    def decode(i):
+        return tok.decode([i])
+
+    raw = token_bytes_fn(tok, decode)
+    positions = [{i: Logprob(-0.5, 1, decode(i))} for i in ids]
+    whole = completion_logprobs(ids, positions, 1, decode, token_bytes=raw).text_offset
+    cut = next(n for n in range(1, len(ids)) if decode(ids[n]) == "\ufffd"
+               and decode(ids[n - 1]) == "\ufffd")  # between two parts of one character
+    chars = utf8_counter()
+    first = completion_logprobs(ids[:cut], positions[:cut], 1, decode, token_bytes=raw,
+                                chars=chars).text_offset
+    sent = len(b"".join(raw(i) for i in ids[:cut]).decode("utf-8", "ignore"))
+    second = completion_logprobs(ids[cut:], positions[cut:], 1, decode, token_bytes=raw,
+                                 chars=chars).text_offset
+    assert first + [o + sent for o in second] == whole

@@ -153,3 +153,14 @@ def test_cold_timing_reads_past_the_l2_first_and_subtracts_that_read(monkeypatch
     monkeypatch.delenv("SHOAL_QUANT_TUNING_COLD")
     assert launch_tuner.gpu_time_us(lambda: order.append("fn"), "k warm") == 2.0
     assert graphs == [["fn"]]
+
+
+def test_a_cold_time_lost_in_the_flush_s_noise_drops_the_candidate(monkeypatch) -> None:
+    """A candidate whose flush+call graph is no slower than the flush alone has no cold time
+    to compare: inf (not a warm time beside the others' cold ones)."""
+    _FakeCuda(monkeypatch)
+    monkeypatch.setattr(launch_tuner, "_l2_flush", lambda device: lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_tuner, "graph_us", lambda fn: 3.0)  # flush + fn == flush
+    monkeypatch.setenv("SHOAL_QUANT_TUNING_COLD", "1")
+    assert launch_tuner.gpu_time_us(lambda: None, "k noise") == float("inf")

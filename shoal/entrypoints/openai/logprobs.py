@@ -60,14 +60,19 @@ def completion_logprobs(token_ids: Sequence[int],
                         positions: Sequence[PositionLogprobs | None],
                         k: int | None, decode: Callable[[int], str] | None,
                         initial_offset: int = 0,
-                        token_bytes: Callable[[int], bytes] | None = None) -> CompletionLogprobs:
+                        token_bytes: Callable[[int], bytes] | None = None,
+                        chars: codecs.IncrementalDecoder | None = None) -> CompletionLogprobs:
     """`tokens/token_logprobs/top_logprobs/text_offset`; a None position (the first prompt
     token) has no logprob. Offsets index into the choice's text: with token_bytes (a token's
     own bytes), by the characters the tokens' bytes complete, so a token that is part of a
-    character does not count its U+FFFD."""
+    character does not count its U+FFFD. chars: a stream's UTF-8 decoder, carried from one
+    chunk to the next (a character may start in one and end in the next)."""
     out = CompletionLogprobs()
     offset = initial_offset
-    chars = codecs.getincrementaldecoder("utf-8")("replace") if token_bytes else None
+    if token_bytes is None:
+        chars = None
+    elif chars is None:
+        chars = utf8_counter()
     for tid, pos in zip(token_ids, positions):
         chosen = pos.get(tid) if pos is not None else None
         text = _text(chosen, tid, decode)
@@ -85,6 +90,11 @@ def completion_logprobs(token_ids: Sequence[int],
             top.setdefault(_text(lp, t, decode), clamp(lp.logprob))
         out.top_logprobs.append(top)
     return out
+
+
+def utf8_counter() -> codecs.IncrementalDecoder:
+    """An incremental UTF-8 decoder (invalid bytes as U+FFFD, as the text decodes them)."""
+    return codecs.getincrementaldecoder("utf-8")("replace")
 
 
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs],

@@ -71,6 +71,11 @@ class ResponsesRequest(OpenAIBaseModel):
     background: StrictBool = False
     top_logprobs: StrictInt | None = None
 
+    def field_name(self, param: str | None) -> str | None:
+        """The request's own name for a field an engine error names: its prompt is `input`,
+        its token limit max_output_tokens."""
+        return {"prompt": "input", "max_tokens": "max_output_tokens"}.get(param, param)
+
     def constraint(self) -> StructuredOutputsParams | None:
         """text.format as a constraint (the Responses API's spelling of response_format)."""
         fmt = (self.text or {}).get("format") or {}

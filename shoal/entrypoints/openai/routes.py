@@ -144,13 +144,15 @@ def add_generation_routes(app: FastAPI, completion: OpenAIServingCompletion,
                                            raw: Request) -> Response:
         check_intake()
         _warn_unknown(req)
-        return await chat.create_batch(req, raw)
+        with field_names(req.field_name):
+            return await chat.create_batch(req, raw)
 
     @app.post("/v1/responses")
     async def create_response(req: ResponsesRequest, raw: Request) -> Response:
         check_intake()
         _warn_unknown(req)
-        return await responses.create(req, raw)
+        with field_names(req.field_name):
+            return await responses.create(req, raw)
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(response_id: str) -> JSONResponse:
@@ -182,7 +184,8 @@ async def invoke(raw: Request, completion: OpenAIServingCompletion, chat: OpenAI
             except ValidationError as e:
                 raise RequestValidationError(e.errors()) from e
             _warn_unknown(req)
-            return await handler(req, raw)
+            with field_names(req.field_name):
+                return await handler(req, raw)
     raise OpenAIError(400, "cannot route this request: expected one of ChatCompletionRequest "
                            "(messages), CompletionRequest (prompt) or ResponsesRequest (input)")
 

@@ -47,7 +47,7 @@ from shoal.entrypoints.openai.streaming import (
 from shoal.entrypoints.openai.tool_choice import ToolPlan
 from shoal.multimodal.chat_parts import content_text
 from shoal.outputs import CompletionOutput, RequestOutput
-from shoal.prompt_truncation import truncate_prompt
+from shoal.prompt_truncation import GENERATION_SIDE, truncate_prompt
 from shoal.structured_output.parsers import get_reasoning_parser
 from shoal.structured_output.reasoning_parsers import ReasoningParser
 
@@ -147,8 +147,7 @@ class OpenAIServingChat(ServingBase):
         except (jinja2.TemplateError, TypeError) as e:  # a bad template or kwargs is user input
             raise ValueError(f"the chat template failed: {e}") from e
         if req.truncate_prompt_tokens is not None:
-            tok = self.engine.tokenizer
-            side = req.truncation_side or getattr(tok, "truncation_side", None)
+            side = req.truncation_side or GENERATION_SIDE  # (vLLM's generation tokenizers')
             ids = truncate_prompt(prompt.prompt_token_ids, req.truncate_prompt_tokens, side,
                                   self.engine.max_model_len - 1)
             prompt = ProcessedPrompt(prompt.prompt if ids == prompt.prompt_token_ids else None,

@@ -6,6 +6,7 @@ carries the prompt alone, its text, ids and logprobs; the sampled token is dropp
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
@@ -19,7 +20,11 @@ from shoal.engine.input_processor import ProcessedPrompt
 from shoal.engine.output_processor import OutputKind
 from shoal.entrypoints.openai.beam_search_runner import BeamSearchRunner
 from shoal.entrypoints.openai.errors import OpenAIError, error_body, error_from_exception
-from shoal.entrypoints.openai.logprobs import completion_logprobs, prompt_logprobs_entries
+from shoal.entrypoints.openai.logprobs import (
+    completion_logprobs,
+    prompt_logprobs_entries,
+    utf8_counter,
+)
 from shoal.entrypoints.openai.protocol import (
     CompletionRequest,
     RequestFieldError,
@@ -44,7 +49,7 @@ from shoal.entrypoints.openai.streaming import (
     wait_grammar_checked,
 )
 from shoal.outputs import RequestOutput
-from shoal.prompt_truncation import truncate_prompt
+from shoal.prompt_truncation import GENERATION_SIDE, truncate_prompt
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for completions
 
@@ -95,8 +100,7 @@ class OpenAIServingCompletion(ServingBase):
         text = prompt if isinstance(prompt, str) else None
         ids = prompt if text is None else inputs.process(
             text, add_special_tokens=req.add_special_tokens).prompt_token_ids
-        tok = self.engine.tokenizer
-        side = req.truncation_side or getattr(tok, "truncation_side", None)
+        side = req.truncation_side or GENERATION_SIDE  # (vLLM's generation tokenizers')
         kept = truncate_prompt(list(ids), k, side, max_input)
         return inputs.process({"prompt_token_ids": kept,
                                "prompt": text if len(kept) == len(ids) else None})
@@ -188,7 +192,8 @@ class OpenAIServingCompletion(ServingBase):
         return [f for f in finals if f is not None]
 
     def _choice_logprobs(self, req: CompletionRequest, out: RequestOutput, ids: list[int],
-                         positions: list[Any], echo: bool):
+                         positions: list[Any], echo: bool,
+                         chars: codecs.IncrementalDecoder | None = None):
         k = req.logprobs
         if k is None:
             return None
@@ -201,7 +206,7 @@ class OpenAIServingCompletion(ServingBase):
             k = None  # generated positions hold the sampled token and the asked ids: all
         return completion_logprobs(ids, positions, k,
                                    self.token_decoder(req.return_tokens_as_token_ids),
-                                   token_bytes=self.token_bytes())
+                                   token_bytes=self.token_bytes(), chars=chars)
 
     def _response(self, req: CompletionRequest, model: str, rid: str,
                   finals: list[RequestOutput]) -> CompletionResponse:
@@ -245,6 +250,8 @@ class OpenAIServingCompletion(ServingBase):
         n = 1 if req.n is None else req.n
         final_usage, continuous = req.stream_usage(self.settings.enable_force_include_usage)
         offsets: dict[int, int] = {}  # choice index -> characters sent (for text_offset)
+        # choice index -> its tokens' UTF-8 decoder (text_offset across chunks)
+        decoders: dict[int, codecs.IncrementalDecoder] = {}
         sent: dict[int, int] = {}  # choice index -> tokens sent (continuous usage)
         finished: set[int] = set()
         prompt_tokens = [0] * len(streams)
@@ -262,7 +269,7 @@ class OpenAIServingCompletion(ServingBase):
                     for c in out.outputs:
                         index = pi * n + c.index
                         completion_tokens += len(c.token_ids)
-                        choice = self._stream_choice(req, out, c, index, offsets)
+                        choice = self._stream_choice(req, out, c, index, offsets, decoders)
                         if c.finish_reason is not None:
                             finished.add(index)
                         chunk = {**head, "choices": [choice], "system_fingerprint": None}
@@ -291,13 +298,15 @@ class OpenAIServingCompletion(ServingBase):
         yield DONE
 
     def _stream_choice(self, req: CompletionRequest, out: RequestOutput, c: Any, index: int,
-                       offsets: dict[int, int]) -> dict[str, Any]:
+                       offsets: dict[int, int],
+                       decoders: dict[int, codecs.IncrementalDecoder]) -> dict[str, Any]:
         first = index not in offsets
         echo = req.echo and first
         scoring = req.echo and req.max_tokens == 0
         ids, lps = ([], []) if scoring else (list(c.token_ids), list(c.logprobs or []))
         text = (self._prompt_text(out) if echo else "") + ("" if scoring else c.text)
-        lp = self._choice_logprobs(req, out, ids, lps, echo)
+        lp = self._choice_logprobs(req, out, ids, lps, echo,
+                                   decoders.setdefault(index, utf8_counter()))
         if lp is not None and lp.text_offset:
             base = offsets.get(index, 0)
             lp.text_offset = [o + base for o in lp.text_offset]

@@ -4,8 +4,8 @@ UTF-8 character (it decodes to U+FFFD, whose three bytes are not the token's).
 
 Byte-level BPE (GPT-2's scheme: SmolLM2, Llama 3, Qwen) writes each byte as one printable
 character of a fixed table; a SentencePiece vocabulary writes a raw byte as <0xHH> and a
-space as U+2581. Anything else (special tokens, other decoders) falls back to the decoded
-text's UTF-8."""
+space as U+2581. Anything else (special and other added tokens, other decoders) falls back to
+the decoded text's UTF-8."""
 
 from __future__ import annotations
 
@@ -46,11 +46,15 @@ def _decoder_kind(tokenizer: Any) -> str:
 def token_bytes_fn(tokenizer: Any, decode: Callable[[int], str]) -> Callable[[int], bytes]:
     """token id -> its bytes, for this tokenizer (decode: the id's text, the fallback)."""
     kind = _decoder_kind(tokenizer)
-    special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    # special and other added tokens are stored as their text, not in the byte table
+    as_text = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = getattr(tokenizer, "get_added_vocab", None)
+    if callable(added):
+        as_text.update(added().values())
     table = _byte_level_table()
 
     def token_bytes(token_id: int) -> bytes:
-        piece = tokenizer.convert_ids_to_tokens(token_id) if token_id not in special else None
+        piece = tokenizer.convert_ids_to_tokens(token_id) if token_id not in as_text else None
         if isinstance(piece, str):
             if kind == "byte_level" and all(c in table for c in piece):
                 return bytes(table[c] for c in piece)

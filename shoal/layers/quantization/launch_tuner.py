@@ -125,7 +125,7 @@ def gpu_time_us(fn: Callable[[], object], label: str = "", cold: bool | None = N
     of twice the L2 (that read's own time subtracted), so the weights come from memory as in
     a decode step, where a layer's weights are read once; warm, a projection smaller than the
     L2 (an 8B model's qkv and o) is timed at L2 bandwidth. inf: fn cannot compile, launch or
-    be captured here."""
+    be captured here, or its cold time is lost in the flush's noise."""
     stream = torch.cuda.current_stream()
     if cold is None:
         cold = envs.SHOAL_QUANT_TUNING_COLD.get()
@@ -142,8 +142,12 @@ def gpu_time_us(fn: Callable[[], object], label: str = "", cold: bool | None = N
             fn()
 
         cold_us = graph_us(flushed) - graph_us(flush)
-        # (a difference lost in the flush's own noise must not make a candidate look free)
-        return cold_us if cold_us > 0 else graph_us(fn)
+        if cold_us > 0:
+            return cold_us
+        # lost in the flush's own noise: not comparable with the others' cold times, and not
+        # free either (a warm time would mix the two measures)
+        logger.debug("launch candidate %s: its cold time is lost in the L2 flush's noise", label)
+        return float("inf")
     except Exception as e:  # noqa: BLE001 (a launch shape this GPU cannot run: not a candidate)
         _log_failure(label, e)
         # a capture that failed at its end leaves torch.cuda.graph's side stream current
@@ -171,10 +175,12 @@ def graph_us(fn: Callable[[], object], repeats: int = REPEATS) -> float:
     return statistics.median(samples)
 
 
+@functools.cache
 def _l2_flush(device: int) -> Callable[[], object]:
     """A call that reads twice the L2 of GPU `device` (a sum into a kept scalar: no allocation
-    inside a capture), leaving none of what was read before in L2. Made per timing, not kept:
-    its buffer goes back to torch's allocator for the next one."""
+    inside a capture), leaving none of what was read before in L2. Made at the first cold
+    timing and kept (twice the L2: ~100 MB on an H100), so that a later timing never
+    allocates it after the KV cache has taken the memory."""
     size = 2 * max(torch.cuda.get_device_properties(device).L2_cache_size, 1 << 20)
     data = torch.ones(size // 4, dtype=torch.int32, device=f"cuda:{device}")
     out = torch.empty((), dtype=torch.int32, device=data.device)
