@@ -38,15 +38,20 @@ def test_sentencepiece_byte_pieces():
     assert raw(0) == b"<s>"
 
 
-def test_logprob_fields_rebuild_the_text():
+def _response():
+    """TEXT's tokens as a response: (tokenizer, ids, decode, token bytes, logprob positions)."""
     tok = load_frontend_tokenizer(None, None)
     ids = tok.encode(TEXT, add_special_tokens=False)
 
     def decode(i):
         return tok.decode([i])
 
-    raw = token_bytes_fn(tok, decode)
     positions = [{i: Logprob(-0.5, 1, decode(i))} for i in ids]
+    return tok, ids, decode, token_bytes_fn(tok, decode), positions
+
+
+def test_logprob_fields_rebuild_the_text():
+    tok, ids, decode, raw, positions = _response()
     content = chat_logprobs(ids, positions, 1, decode, raw)
     assert bytes(b for c in content for b in c.bytes).decode("utf-8") == TEXT
     legacy = completion_logprobs(ids, positions, 1, decode, token_bytes=raw)
@@ -69,14 +74,7 @@ def test_stream_offsets_carry_a_character_across_chunks():
     stream's decoder is carried (the offsets equal the whole response's)."""
     from shoal.entrypoints.openai.logprobs import utf8_counter
 
-    tok = load_frontend_tokenizer(None, None)
-    ids = tok.encode(TEXT, add_special_tokens=False)
-
-    def decode(i):
-        return tok.decode([i])
-
-    raw = token_bytes_fn(tok, decode)
-    positions = [{i: Logprob(-0.5, 1, decode(i))} for i in ids]
+    _, ids, decode, raw, positions = _response()
     whole = completion_logprobs(ids, positions, 1, decode, token_bytes=raw).text_offset
     cut = next(n for n in range(1, len(ids)) if decode(ids[n]) == "\ufffd"
                and decode(ids[n - 1]) == "\ufffd")  # between two parts of one character
