@@ -180,3 +180,19 @@ def test_bge_m3_outputs_over_pooling(tmp_path, minilm_dir):
             np.testing.assert_allclose(r.json()["data"][0]["data"], ref.numpy(), atol=1e-5)
     finally:
         server.stop()
+
+
+def test_truncation_keeps_the_special_tokens_as_offline(minilm_server, minilm_dir):
+    """truncate_prompt_tokens on /v1/embeddings: the text's end goes, [CLS] and [SEP] stay
+    (the tokenizer's truncation), the same tokens as PoolingParams.truncate_prompt_tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(minilm_dir))
+    text = TEXTS[1]
+    want = tok.encode(text, truncation=True, max_length=6)
+    assert want[0] == tok.cls_token_id and want[-1] == tok.sep_token_id
+    cut = minilm_server.post("/v1/embeddings", json={"input": text,
+                                                    "truncate_prompt_tokens": 6}).json()
+    ids = minilm_server.post("/v1/embeddings", json={"input": want}).json()
+    assert cut["usage"]["prompt_tokens"] == 6
+    assert cut["data"][0]["embedding"] == ids["data"][0]["embedding"]

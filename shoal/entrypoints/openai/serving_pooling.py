@@ -31,7 +31,7 @@ from shoal.entrypoints.openai.streaming import ClientDisconnected, cancel_on_dis
 from shoal.outputs import PoolingRequestOutput
 from shoal.pooling.scoring import cosine, score_pairs
 from shoal.pooling_params import PoolingInfo, PoolingParams
-from shoal.prompt_truncation import truncate_prompt
+from shoal.prompt_truncation import encode_kept, kept_tokens, truncate_prompt
 
 # One engine request: (prompt, params, token type ids of a pair)
 _Job = tuple[Any, PoolingParams, list[int] | None]
@@ -78,20 +78,26 @@ class OpenAIServingPooling(ServingBase):
         return model
 
     def _prompt(self, item: Any, req: PoolingBaseRequest, side: str | None = None) -> Any:
-        """Text or ids -> what the input processor takes, truncated when asked (side: which
-        end truncation drops, as truncate_prompt's)."""
+        """Text or ids -> what the input processor takes, truncated when asked. side: which
+        end the ids lose (Cohere's START / END), as truncate_prompt's; by default the
+        tokenizer's, else the right, and a text keeps the special tokens the tokenizer adds
+        ([CLS] and [SEP]), as the offline PoolingParams.truncate_prompt_tokens."""
         inputs = self.engine.inputs
         k = req.truncate_prompt_tokens
+        max_len = self.engine.max_model_len
+        keep = kept_tokens(k, max_len, max_len)
+        default = side is None
+        side = side or getattr(self.engine.tokenizer, "truncation_side", None) or "right"
         if isinstance(item, str) and (k is not None or not req.add_special_tokens):
             if not item:
                 raise ValueError("input must not be empty")
-            item = inputs.encode(item, req.add_special_tokens, "input")
-        if k is not None and isinstance(item, list):
-            max_len = self.engine.max_model_len
-            if k > max_len:
-                raise ValueError(f"truncate_prompt_tokens ({k}) must not be greater than "
-                                 f"max_model_len ({max_len})")
-            item = truncate_prompt(item, k, side, max_len)
+            if req.add_special_tokens and default:
+                item = encode_kept(lambda special: inputs.encode(item, special, "input"),
+                                   keep, side)
+            else:
+                item = inputs.encode(item, req.add_special_tokens, "input")
+        if keep is not None and isinstance(item, list):
+            item = truncate_prompt(item, keep, side, keep)
         return item if isinstance(item, str) else {"prompt_token_ids": item}
 
     async def _run(self, jobs: list[_Job], priority: int, raw: Request
