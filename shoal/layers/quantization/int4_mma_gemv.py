@@ -149,7 +149,8 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
                      GROUP: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
                      WORDS: tl.constexpr, MAGIC16: tl.constexpr, BIAS: tl.constexpr,
                      SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr,
-                     PDL: tl.constexpr = False, TILED: tl.constexpr = False):
+                     PDL: tl.constexpr = False, TILED: tl.constexpr = False,
+                     ROW_WORDS: tl.constexpr = 0):
     # PDL: waits for the kernel before (it wrote x) before the first load, and lets the next
     # kernel in only after the K loop (it launches once every program has got there: its
     # start overlaps the stores and split sums; PDL from the start cost the INT4 strip
@@ -172,6 +173,10 @@ def _int4_mma_kernel(x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, M
         w_ptrs = (w_ptr + tile * (WORDS * BLOCK_N) + tl.arange(0, WORDS)[None, :] * BLOCK_N
                   + tl.arange(0, BLOCK_N)[:, None])  # [BLOCK_N, WORDS]
         w_step = WORDS * BLOCK_N
+    elif ROW_WORDS > 0:  # the codes' row stride known to the compiler: one base pointer
+        w_ptrs = (w_ptr + (k_start // 8).to(tl.int64) * ROW_WORDS
+                  + tl.arange(0, WORDS)[None, :] * ROW_WORDS + offs_n[:, None])
+        w_step = WORDS * ROW_WORDS
     else:
         w_ptrs = (w_ptr + (k_start // 8 + tl.arange(0, WORDS)).to(tl.int64)[None, :]
                   * stride_wk + offs_n[:, None])  # [BLOCK_N, WORDS]
@@ -307,6 +312,7 @@ def int4_mma_gemv(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
         GROUP=group if group < k else 1 << 30, HAS_ZERO=zeros is not None, BLOCK_N=block_n,
         WORDS=words, MAGIC16=MAGIC[x.dtype], BIAS=BIAS[x.dtype], SPLIT_K=ks.split > 1,
         INTERPRETED=x.device.type == "cpu",  # (TRITON_INTERPRET=1)
-        TILED=tiled, num_warps=num_warps, num_stages=num_stages,
+        TILED=tiled, ROW_WORDS=0 if tiled else codes.stride(0),
+        num_warps=num_warps, num_stages=num_stages,
         **(pdl.kwargs(x.device) if envs.SHOAL_INT4_PDL.get() else {}))
     return ks.out
