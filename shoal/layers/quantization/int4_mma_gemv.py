@@ -38,13 +38,17 @@ activations, scales: one round trip), and the words load as 16-byte vectors (see
 tests/quantization/test_int4_mma_sass.py checks both in the sm_90 output. The hoisted loads
 did not move W2 (2026-12-07, one H100, back to back: 307.1 tok/s before, 306.6 after; the
 vector loads were not measured apart), so what holds one row near 2 TB/s is still open. The
-tiles read GPTQ's codes [K / 8, N] as runs of BLOCK_N * 4 bytes one N-row apart. `tiled`
-reads tile_codes' layout instead, each step's tile one run (an experiment: the engine keeps
-GPTQ's layout); it also takes fewer registers (168 -> 128 at n256 w4: four programs a
-multiprocessor where three fit). benchmarks/int4_read_probe.py times both layouts, read-only
-kernels over the same tiles, programs a multiprocessor and L2-warm against cold weights in
-one GPU call (not yet run). PDL (shoal/pdl.py, launched after the K loop) gave 306.6 ->
-317.7.
+tiles read GPTQ's codes [K / 8, N] as runs of BLOCK_N * 4 bytes one N-row apart; `tiled`
+reads tile_codes' layout, each step's tile one run. benchmarks/int4_read_probe.py
+(2026-12-07, H100) found the layout itself costs nothing: read-only kernels over either
+layout's tiles read alike (gate_up cold 2.7 TB/s on the best tiles), and L2-warm and cold
+timings pick the same tiles. What the tiled kernel did gain was registers: one base pointer
+where a runtime row stride kept a 64-bit pointer a row, 168 -> 128 at n256 w4, so four
+programs share a multiprocessor where three fit. gate_up's best tile went 33.8 -> 28.1 us and
+W2 INT4 317-327 -> 350.5 tok/s (pairs back to back; 1.00 of that through `shoal serve`). The
+GPTQ layout now gets the same count from its row stride as a compile-time constant
+(ROW_WORDS), with no second copy of the codes. PDL (shoal/pdl.py, launched after the K loop)
+gave 306.6 -> 317.7.
 
 A K split over programs (SPLIT > 1) writes float32 partials [SPLIT, M, N]; the program that
 finishes a strip last (a per-strip counter, reset by that program) adds them in split order
