@@ -14,9 +14,9 @@ SHOAL_QUANT_TUNING=0, a key not timed yet takes its first candidate: the heurist
 
 The candidates are timed on the layer's own weights, call after call: a projection smaller
 than the L2 stays there, where a decode step reads each layer's weights from memory once.
-SHOAL_QUANT_TUNING_COLD=1 reads past the L2 before each timed call (gpu_time_us); whether
-that changes a pick, and the step, is not yet measured (benchmarks/int4_read_probe.py times
-the INT4 tiles both ways).
+SHOAL_QUANT_TUNING_COLD=1 reads past the L2 before each timed call (gpu_time_us). On an
+H100 (2026-12-07) it changed no step: benchmarks/int4_read_probe.py found warm timing picks
+the INT4 tiles that are best cold, and W2 moved by under 1% (INT4 and FP8).
 
 The choice is per process: two runs may pick different candidates of near-equal time, whose
 float32 sums differ in order (outputs within rounding, not bit-equal across runs)."""
