@@ -50,6 +50,9 @@ class WorkerDiedError(RuntimeError):
     """A tensor-parallel worker process is gone: no step can run any more."""
 
 
+SEND_TIMEOUT_MS = 1000  # a command a worker does not take this long: are the workers alive?
+
+
 class _Ranks:
     """What rank 0 holds of the ranks: the worker processes, their command sockets, the IPC
     folder and its own membership of the process group. Kept apart from the executor so
@@ -173,4 +176,14 @@ class MultiprocExecutor(DriverExecutor):
         self._raise_if_dead()
         data = self._encoder.encode(cmd)
         for sock in self._ranks.sockets:
-            sock.send(data, copy=False)
+            # a PUSH to a worker that died (SIGKILL, OOM) before its exit shows would block
+            # for ever: each wait past SEND_TIMEOUT_MS checks the workers again
+            while True:
+                try:
+                    sock.send(data, copy=False, flags=zmq.NOBLOCK)
+                    break
+                except zmq.Again:
+                    if sock.poll(SEND_TIMEOUT_MS, zmq.POLLOUT):
+                        continue
+                    self._raise_if_dead(TimeoutError("a worker took no command for "
+                                                     f"{SEND_TIMEOUT_MS} ms"))

@@ -104,3 +104,37 @@ def test_engine_process_exit_releases_the_ranks(monkeypatch):
     fake.release_all = broken
     core_proc._exit_at_once(4)
     assert exits == [3, 4]
+
+
+def test_a_command_to_a_worker_that_died_unseen_fails_instead_of_blocking(tmp_path):
+    """A PUSH whose worker was killed before its exit shows (is_alive still true) would block
+    for ever: the broadcast checks the workers after SEND_TIMEOUT_MS and raises."""
+    import time
+    from types import SimpleNamespace
+
+    import msgspec
+    import pytest
+    import zmq
+
+    from shoal.executor import multiproc
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.bind(f"ipc://{tmp_path}/nobody")  # no worker ever connects: every send would block
+    checks = []
+
+    def raise_if_dead(cause=None):
+        checks.append(cause)
+        if cause is not None:  # (the wait for the exit to show: it has by now)
+            raise multiproc.WorkerDiedError("tensor-parallel worker(s) shoal-tp-rank1 exited")
+
+    fake = SimpleNamespace(_raise_if_dead=raise_if_dead, _encoder=msgspec.msgpack.Encoder(),
+                           _ranks=SimpleNamespace(sockets=[sock]))
+    start = time.monotonic()
+    try:
+        with pytest.raises(multiproc.WorkerDiedError):
+            multiproc.MultiprocExecutor._broadcast(fake, {"cmd": 1})
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+    assert time.monotonic() - start < 5 and checks[0] is None and checks[-1] is not None
