@@ -47,7 +47,8 @@ where a runtime row stride kept a 64-bit pointer a row, 168 -> 128 at n256 w4, s
 programs share a multiprocessor where three fit. gate_up's best tile went 33.8 -> 28.1 us and
 W2 INT4 317-327 -> 350.5 tok/s (pairs back to back; 1.00 of that through `shoal serve`). The
 GPTQ layout now gets the same count from its row stride as a compile-time constant
-(ROW_WORDS), with no second copy of the codes. PDL (shoal/pdl.py, launched after the K loop)
+(ROW_WORDS), with no second copy of the codes: W2 337.9 tok/s, the tiled copy 347.7 in the
+same pair (H100; why the copy stays ahead is open). PDL (shoal/pdl.py, launched after the K loop)
 gave 306.6 -> 317.7.
 
 A K split over programs (SPLIT > 1) writes float32 partials [SPLIT, M, N]; the program that
