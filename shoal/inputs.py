@@ -4,6 +4,7 @@ with the same keys is the same thing."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any, NotRequired, TypedDict
 
 
@@ -19,3 +20,16 @@ class TokensPrompt(TypedDict):
 
 
 PromptType = str | TextPrompt | TokensPrompt
+
+
+def prompt_list(prompts: Any) -> list[Any]:
+    """The prompts argument of generate / encode as a list: one string, dict or flat list of
+    token ids is one prompt (vLLM's parsing); anything else must be a list of prompts."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"prompts must be a prompt (a string, a dict or token ids) or a "
+                         f"list of prompts (got {type(prompts).__name__})")
+    if prompts and all(type(t) is int for t in prompts):
+        return [list(prompts)]
+    return list(prompts)

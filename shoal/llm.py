@@ -18,6 +18,7 @@ from shoal.beam_search import (
 from shoal.engine.engine_args import EngineArgs
 from shoal.engine.llm_engine import LLMEngine
 from shoal.engine.request_errors import first_request_error
+from shoal.inputs import prompt_list
 from shoal.llm_lifecycle import LifecycleMixin
 from shoal.llm_pooling import PoolingMixin
 from shoal.lora_request import LoRARequest
@@ -27,19 +28,6 @@ from shoal.sampling_params import BeamSearchParams, SamplingParams
 
 Prompt = str | Mapping[str, Any]
 Message = Mapping[str, Any]
-
-
-def _prompt_list(prompts: Any) -> list[Any]:
-    """generate's prompts as a list: one string, dict or flat list of token ids is one
-    prompt (vLLM's parsing); anything else must be a list of prompts."""
-    if isinstance(prompts, (str, Mapping)):
-        return [prompts]
-    if isinstance(prompts, (bytes, bytearray)) or not isinstance(prompts, Sequence):
-        raise ValueError(f"prompts must be a prompt (a string, a dict or token ids) or a "
-                         f"list of prompts (got {type(prompts).__name__})")
-    if prompts and all(type(t) is int for t in prompts):
-        return [list(prompts)]
-    return list(prompts)
 
 
 class LLM(PoolingMixin, LifecycleMixin):
@@ -73,7 +61,7 @@ class LLM(PoolingMixin, LifecycleMixin):
     ) -> list[RequestOutput]:
         """lora_request: one adapter for every prompt, or one (or None) per prompt
         (enable_lora). A flat list of token ids is one prompt (as vLLM parses it)."""
-        prompts = _prompt_list(prompts)
+        prompts = prompt_list(prompts)
         params = self._params_list(sampling_params, len(prompts))
         loras = self._lora_list(lora_request, len(prompts))
         if priority is not None and len(priority) != len(prompts):

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from shoal.inputs import prompt_list
 from shoal.outputs import (
     ClassificationOutput,
     ClassificationRequestOutput,
@@ -32,10 +33,7 @@ class PoolingMixin:
         token_embed, classify or score (default: that of pooling_params, else embed).
         truncate_prompt_tokens: keep that many tokens of each input (-1: max_model_len), for
         every pooling_params that does not say otherwise."""
-        if prompts is None or isinstance(prompts, (bytes, bytearray)):
-            raise ValueError(f"prompts must be a prompt or a list of prompts (got "
-                             f"{type(prompts).__name__})")
-        prompts = [prompts] if _is_one_prompt(prompts) else list(prompts)
+        prompts = prompt_list(prompts)
         params = _params_list(pooling_params, len(prompts), pooling_task,
                               truncate_prompt_tokens)
         return self._run_pooling([(p, sp, None) for p, sp in zip(prompts, params)], use_tqdm)
@@ -106,11 +104,6 @@ class PoolingMixin:
                 raise RuntimeError(f"pooling request {o.request_id} ended without a result")
             o.outputs.data = torch.from_numpy(o.outputs.data.copy())
         return outs
-
-
-def _is_one_prompt(p: Any) -> bool:
-    return isinstance(p, (str, dict)) or (isinstance(p, Sequence) and bool(p)
-                                          and all(type(t) is int for t in p))
 
 
 def _params_list(params: PoolingParams | Sequence[PoolingParams] | None, n: int,

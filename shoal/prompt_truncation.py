@@ -4,15 +4,17 @@ Dependency-free: SamplingParams, PoolingParams, the input processor and the serv
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 
-def truncate_prompt(ids: list[int], keep: int | None, side: str | None, max_input: int
-                    ) -> list[int]:
-    """vLLM's truncate_prompt_tokens: keep `keep` tokens (-1: max_input), dropping from the
-    left (the default: the end of a prompt matters most) or the right."""
+def truncate_prompt(ids: list[int], keep: int | None, side: str | None,
+                    max_input: int | None = None) -> list[int]:
+    """vLLM's truncate_prompt_tokens: keep `keep` tokens (-1: max_input, which a -1 needs),
+    dropping from the left (the default: the end of a prompt matters most) or the right."""
     if keep is None:
         return ids
     if keep < 0:
+        assert max_input is not None, "truncate_prompt_tokens=-1 needs max_input"
         keep = max_input
     if keep >= len(ids):
         return ids
@@ -33,6 +35,11 @@ def check_truncate_prompt_tokens(value: int | None) -> None:
 # truncation_side="left": the end of a prompt matters most); pooling inputs lose their end
 # (the tokenizer's side, "right" for BERT).
 GENERATION_SIDE = "left"
+
+
+def pooling_side(tokenizer: Any) -> str:
+    """The side a pooling input loses: its tokenizer's truncation side, else the right."""
+    return getattr(tokenizer, "truncation_side", None) or "right"
 
 
 def kept_tokens(truncate: int | None, max_model_len: int, max_input: int) -> int | None:
@@ -59,5 +66,5 @@ def encode_kept(encode: Callable[[bool], list[int]], keep: int | None, side: str
                  if ids[p:p + len(plain)] == plain), None)
     room = keep - (len(ids) - len(plain))
     if head is None or room < 1:  # (no special tokens apart, or only they fit: cut them all)
-        return truncate_prompt(ids, keep, side, keep)
-    return ids[:head] + truncate_prompt(plain, room, side, room) + ids[head + len(plain):]
+        return truncate_prompt(ids, keep, side)
+    return ids[:head] + truncate_prompt(plain, room, side) + ids[head + len(plain):]

@@ -37,6 +37,7 @@ from shoal.prompt_truncation import (
     GENERATION_SIDE,
     encode_kept,
     kept_tokens,
+    pooling_side,
     truncate_prompt,
 )
 from shoal.sampling_params import SamplingParams
@@ -142,9 +143,7 @@ class InputProcessor:
                 raise ValueError("input must not be empty")
             ids = encode_kept(lambda special: self.encode(prompt, special, "input"),
                               self._kept(truncate, self.limits.max_model_len),
-                              self._pooling_side)
-            if not ids:
-                raise ValueError("input must not be empty")
+                              pooling_side(self.tokenizer))
             self.check_pooling_length(len(ids))
             return ProcessedPrompt(prompt, ids)
         if isinstance(prompt, Mapping) and "prompt" in prompt and "prompt_token_ids" not in prompt:
@@ -155,7 +154,7 @@ class InputProcessor:
             if not prompt:
                 raise ValueError("input must not be empty")
             keep = self._kept(truncate, self.limits.max_model_len)
-            prompt = truncate_prompt(list(prompt), keep, self._pooling_side, keep or 0)
+            prompt = truncate_prompt(list(prompt), keep, pooling_side(self.tokenizer))
             self.check_pooling_length(len(prompt))
             ids = check_prompt_token_ids(prompt, self.limits.vocab_size,
                                          self.limits.max_model_len + 1)
@@ -233,15 +232,11 @@ class InputProcessor:
         if add_special_tokens:
             ids = encode_kept(lambda special: self.encode(text, special), keep, GENERATION_SIDE)
         else:
-            ids = truncate_prompt(self.encode(text, False), keep, GENERATION_SIDE, keep or 0)
+            ids = truncate_prompt(self.encode(text, False), keep, GENERATION_SIDE)
         return self._from_ids(ids, text)
 
     def _kept(self, truncate: int | None, max_input: int) -> int | None:
         return kept_tokens(truncate, self.limits.max_model_len, max_input)
-
-    @property
-    def _pooling_side(self) -> str:
-        return getattr(self.tokenizer, "truncation_side", None) or "right"
 
     def encode(self, text: str, add_special_tokens: bool = True, what: str = "prompt"
                ) -> list[int]:
@@ -266,7 +261,7 @@ class InputProcessor:
         lim = self.limits
         if truncate is not None and isinstance(ids, Sequence) and not isinstance(ids, str):
             keep = self._kept(truncate, lim.max_model_len - 1)
-            kept = truncate_prompt(list(ids), keep, GENERATION_SIDE, keep or 0)
+            kept = truncate_prompt(list(ids), keep, GENERATION_SIDE)
             text = text if len(kept) == len(ids) else None  # (the text is no longer the prompt)
             ids = kept
         return ProcessedPrompt(text, check_prompt_token_ids(ids, lim.vocab_size,

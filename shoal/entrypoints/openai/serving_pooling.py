@@ -31,7 +31,7 @@ from shoal.entrypoints.openai.streaming import ClientDisconnected, cancel_on_dis
 from shoal.outputs import PoolingRequestOutput
 from shoal.pooling.scoring import cosine, score_pairs
 from shoal.pooling_params import PoolingInfo, PoolingParams
-from shoal.prompt_truncation import encode_kept, kept_tokens, truncate_prompt
+from shoal.prompt_truncation import encode_kept, kept_tokens, pooling_side, truncate_prompt
 
 # One engine request: (prompt, params, token type ids of a pair)
 _Job = tuple[Any, PoolingParams, list[int] | None]
@@ -87,7 +87,7 @@ class OpenAIServingPooling(ServingBase):
         max_len = self.engine.max_model_len
         keep = kept_tokens(k, max_len, max_len)
         default = side is None
-        side = side or getattr(self.engine.tokenizer, "truncation_side", None) or "right"
+        side = side or pooling_side(self.engine.tokenizer)
         if isinstance(item, str) and (k is not None or not req.add_special_tokens):
             if not item:
                 raise ValueError("input must not be empty")
@@ -97,7 +97,7 @@ class OpenAIServingPooling(ServingBase):
             else:
                 item = inputs.encode(item, req.add_special_tokens, "input")
         if keep is not None and isinstance(item, list):
-            item = truncate_prompt(item, keep, side, keep)
+            item = truncate_prompt(item, keep, side)
         return item if isinstance(item, str) else {"prompt_token_ids": item}
 
     async def _run(self, jobs: list[_Job], priority: int, raw: Request
