@@ -55,6 +55,9 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit at first scheduling; -1 = not yet scheduled
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # Ended on a stop token (EOS or a stop_token_id, by check_stop or by a grammar that
+    # accepted EOS): its text is left out of the output (vLLM's)
+    stopped_on_token: bool = False
     first_scheduled_time: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     # The scheduler's number for this request, unique for the engine's lifetime (results of

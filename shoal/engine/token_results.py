@@ -51,6 +51,9 @@ def _advance_grammar(req: Request, token: int) -> RequestStatus | None:
         # row had nothing allowed (e.g. min_tokens banned the only stop token).
         return RequestStatus.FINISHED_ERROR
     if req.structured.ended:  # accept() asked the matcher once
+        # xgrammar completes on EOS; guidance may complete on an ordinary token, whose
+        # text stays
+        req.stopped_on_token = token in req.eos_token_ids
         return RequestStatus.FINISHED_STOPPED
     return None
 
@@ -60,9 +63,10 @@ def check_stop(req: Request, token: int, max_model_len: int) -> RequestStatus | 
     n_out = req.num_output_tokens
     if n_out >= sp.min_tokens:
         if not sp.ignore_eos and token in req.eos_token_ids:
+            req.stopped_on_token = True
             return RequestStatus.FINISHED_STOPPED
         if token in sp.stop_token_ids:
-            req.stop_reason = token
+            req.stop_reason, req.stopped_on_token = token, True
             return RequestStatus.FINISHED_STOPPED
     if n_out >= req.max_tokens or req.num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH
@@ -88,9 +92,5 @@ def token_output(req: Request, tokens: list[int], lps: list[Logprobs] | None,
     elif status is not None:
         out.finish_reason = "stop" if status == RequestStatus.FINISHED_STOPPED else "length"
         out.stop_reason = req.stop_reason
-        if status == RequestStatus.FINISHED_STOPPED and tokens:
-            last = tokens[-1]
-            out.stop_token = (last in req.sampling_params.stop_token_ids
-                              or (last in req.eos_token_ids
-                                  and not req.sampling_params.ignore_eos))
+        out.stop_token = req.stopped_on_token
     return out

@@ -17,6 +17,7 @@ from shoal.core.request import Request, RequestStatus
 from shoal.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from shoal.core.types import EngineCoreOutput
 from shoal.engine.scheduler import Scheduler
+from shoal.engine.token_results import keep_tokens, token_output
 from shoal.sampling_params import SamplingParams
 
 EOS = 2
@@ -364,6 +365,7 @@ def test_stop_on_eos() -> None:
     assert req.status == RequestStatus.FINISHED_STOPPED
     assert [o.new_token_ids for o in outs] == [[7], [8], [EOS]]
     assert outs[-1].finish_reason == "stop" and outs[-1].stop_reason is None
+    assert outs[-1].stop_token  # the frontend leaves EOS's text out
     assert all(o.finish_reason is None for o in outs[:-1])
 
 
@@ -386,6 +388,7 @@ def test_ignore_eos_runs_to_max_tokens() -> None:
     assert req.output_token_ids == [EOS] * 4
     assert outs[-1].finish_reason == "length"
     assert req.status == RequestStatus.FINISHED_LENGTH
+    assert not outs[-1].stop_token  # the last EOS is an ordinary token here
 
 
 def test_stop_token_ids_set_stop_reason() -> None:
@@ -395,6 +398,7 @@ def test_stop_token_ids_set_stop_reason() -> None:
     assert outs[-1].finish_reason == "stop"
     assert outs[-1].stop_reason == 43
     assert req.stop_reason == 43
+    assert outs[-1].stop_token
 
 
 def test_stop_token_ids_respect_min_tokens() -> None:
@@ -404,12 +408,36 @@ def test_stop_token_ids_respect_min_tokens() -> None:
     assert req.stop_reason == 42
 
 
+class _EndsOn:
+    """A grammar that accepts every token and completes on one of them."""
+
+    def __init__(self, last: int) -> None:
+        self.last, self.ended = last, False
+
+    def accept(self, token: int) -> bool:
+        self.ended = token == self.last
+        return True
+
+
+@pytest.mark.parametrize("last, stop_token", [(EOS, True), (6, False)])
+def test_a_grammar_s_end_is_a_stop_token_only_on_eos(last: int, stop_token: bool) -> None:
+    # xgrammar completes on EOS (its text is left out, even with ignore_eos, which a
+    # grammar's end does not skip); guidance may complete on an ordinary token (kept)
+    req = make_req("a", prompt_of(3), max_tokens=10, ignore_eos=True)
+    req.structured = _EndsOn(last)
+    kept, status = keep_tokens(req, [5, last, 7], max_model_len=64)
+    assert kept == [5, last] and status == RequestStatus.FINISHED_STOPPED
+    out = token_output(req, kept, None, None, status)
+    assert out.finish_reason == "stop" and out.stop_token is stop_token
+
+
 def test_stop_on_max_tokens_is_length() -> None:
     req = make_req("a", prompt_of(3), max_tokens=3)
     _, outs = run_single(req, [5, 6, 7, 8])
     assert req.output_token_ids == [5, 6, 7]
     assert outs[-1].finish_reason == "length"
     assert outs[-1].stop_reason is None
+    assert not outs[-1].stop_token
 
 
 def test_stop_on_max_model_len() -> None:
