@@ -23,7 +23,7 @@ from shoal.core.errors import ErrorCode
 from shoal.core.types import EngineCoreOutput, Logprobs
 from shoal.engine.detokenizer import IncrementalDetokenizer
 from shoal.engine.input_processor import ProcessedRequest
-from shoal.metrics.stats import FinishedRequestStats, IterationStats
+from shoal.metrics.stats import FinishedParentStats, FinishedRequestStats, IterationStats
 from shoal.outputs import (
     CompletionOutput,
     Logprob,
@@ -164,7 +164,11 @@ class OutputProcessor:
         for s in r.samples:
             self._by_child.pop(s.child_id, None)
         if it is not None:
-            it.finished.append(self._finished_stats(r, reason, time.monotonic()))
+            now = time.monotonic()
+            for s in r.samples:
+                if s.finish_reason is None:  # the others were counted when they ended
+                    it.finished.append(self._sample_stats(r, s, reason, now))
+            it.finished_parents.append(self._parent_stats(r))
         return live
 
     def fail(self, request_id: str, error: BaseException, it: IterationStats | None = None
@@ -205,6 +209,9 @@ class OutputProcessor:
             if s.finish_reason is not None:
                 self._by_child.pop(o.request_id, None)
                 self.num_live_samples -= 1
+                if it is not None:
+                    reason = "error" if r.error else s.finish_reason
+                    it.finished.append(self._sample_stats(r, s, reason, now))
         returned = []
         for r in touched.values():
             out = self._due_output(r, now, it)
@@ -285,39 +292,34 @@ class OutputProcessor:
             r.metrics.finished_time = time.time()
             self._requests.pop(r.request_id, None)
             if it is not None:
-                reason = "error" if r.error else next(
-                    (s.finish_reason for s in reversed(r.samples)), "stop")
-                it.finished.append(self._finished_stats(r, reason, now))
+                it.finished_parents.append(self._parent_stats(r))
         if r.kind == OutputKind.FINAL_ONLY and not done:
             return None
         return self._make_output(r, done)
 
     @staticmethod
-    def _finished_stats(r: _Request, reason: str, now: float) -> FinishedRequestStats:
-        """The request's latencies by phase (vLLM's queued / prefill / decode / inference),
-        over its samples; phases it never reached count 0."""
-        firsts = [s.first_token for s in r.samples if s.first_token is not None]
-        lasts = [s.last_token for s in r.samples if s.last_token is not None]
-        queued = min((s.queue_time for s in r.samples if s.queue_time is not None),
-                     default=None)
-        params = r.samples[0].params
-        f = FinishedRequestStats(reason, now - r.arrival, len(r.prompt_token_ids),
-                                 r.num_generated, n=len(r.samples), max_tokens=params.max_tokens,
-                                 num_cached_tokens=r.num_cached_tokens,
-                                 max_num_generation_tokens=max(len(s.token_ids)
-                                                               for s in r.samples))
-        if queued is not None:
-            f.queued_time = queued
-            scheduled = r.arrival + queued
-            if firsts:
-                first, last = min(firsts), max(lasts)
-                f.prefill_time = max(first - scheduled, 0.0)
-                f.decode_time = last - first
-                f.inference_time = max(last - scheduled, 0.0)
-                if r.num_generated > len(r.samples):
-                    f.mean_time_per_output_token = f.decode_time / (
-                        r.num_generated / len(r.samples) - 1)
+    def _sample_stats(r: _Request, s: _Sample, reason: str, now: float
+                      ) -> FinishedRequestStats:
+        """One ended sample's latencies by phase (vLLM's queued / prefill / decode /
+        inference); phases it never reached count 0."""
+        n_tokens = len(s.token_ids)
+        f = FinishedRequestStats(reason, now - r.arrival, len(r.prompt_token_ids), n_tokens,
+                                 max_tokens=s.params.max_tokens,
+                                 num_cached_tokens=r.num_cached_tokens)
+        if s.queue_time is not None:
+            f.queued_time = s.queue_time
+            scheduled = r.arrival + s.queue_time
+            if s.first_token is not None:
+                f.prefill_time = max(s.first_token - scheduled, 0.0)
+                f.decode_time = s.last_token - s.first_token
+                f.inference_time = max(s.last_token - scheduled, 0.0)
+                if n_tokens > 1:
+                    f.mean_time_per_output_token = f.decode_time / (n_tokens - 1)
         return f
+
+    @staticmethod
+    def _parent_stats(r: _Request) -> FinishedParentStats:
+        return FinishedParentStats(len(r.samples), max(len(s.token_ids) for s in r.samples))
 
     def _position_logprobs(self, lp: Logprobs) -> PositionLogprobs:
         out: PositionLogprobs = {}

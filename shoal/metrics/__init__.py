@@ -2,9 +2,15 @@
 
 from shoal.metrics.logging_stats import LoggingStatLogger
 from shoal.metrics.prometheus import PrometheusStatLogger
-from shoal.metrics.stats import FinishedRequestStats, IterationStats, StatLogger
+from shoal.metrics.stats import (
+    FinishedParentStats,
+    FinishedRequestStats,
+    IterationStats,
+    StatLogger,
+)
 
 __all__ = [
+    "FinishedParentStats",
     "FinishedRequestStats",
     "IterationStats",
     "LoggingStatLogger",

@@ -306,11 +306,12 @@ class PrometheusStatLogger:
             e.tpot.observe(f.mean_time_per_output_token)
             e.req_prompt_tokens.observe(f.num_prompt_tokens)
             e.req_generation_tokens.observe(f.num_generation_tokens)
-            e.req_max_generation.observe(f.max_num_generation_tokens)
             e.prefill_kv_computed.observe(max(f.num_prompt_tokens - f.num_cached_tokens, 0))
-            e.req_n.observe(f.n)
             if f.max_tokens:
                 e.req_max_tokens.observe(f.max_tokens)
+        for parent in it.finished_parents:
+            e.req_max_generation.observe(parent.max_num_generation_tokens)
+            e.req_n.observe(parent.n)
 
     def _record_spec(self, e: _EngineSeries, s: SchedulerStats) -> None:
         e.spec_drafts.inc(s.spec_num_drafts)

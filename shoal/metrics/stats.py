@@ -12,23 +12,30 @@ from shoal.core.types import SchedulerStats
 
 @dataclass
 class FinishedRequestStats:
-    """One finished request (all its n samples). Times in seconds, measured in the frontend
-    (arrival = when the frontend took the request; scheduled = arrival + the engine's queue
-    time)."""
+    """One finished sample: a request of n samples counts n times, as vLLM counts each of
+    its n child requests. Times in seconds, measured in the frontend (arrival = when the
+    frontend took the request; scheduled = arrival + the engine's queue time)."""
 
     finish_reason: str  # "stop" | "length" | "abort" | "error"
-    e2e_latency: float  # seconds from arrival in the frontend to the last output
+    e2e_latency: float  # seconds from arrival in the frontend to the sample's end
     num_prompt_tokens: int
     num_generation_tokens: int
-    n: int = 1
     max_tokens: int | None = None  # the request's max_tokens (None: up to max_model_len)
     num_cached_tokens: int = 0
-    max_num_generation_tokens: int = 0  # of its longest sample
     queued_time: float = 0.0  # arrival -> first scheduled
     prefill_time: float = 0.0  # first scheduled -> first token
     decode_time: float = 0.0  # first token -> last token
     inference_time: float = 0.0  # first scheduled -> last token
     mean_time_per_output_token: float = 0.0  # decode time / (tokens after the first)
+
+
+@dataclass
+class FinishedParentStats:
+    """One finished request as a whole, once all of its samples ended (vLLM's parent
+    request)."""
+
+    n: int
+    max_num_generation_tokens: int  # of its longest sample
 
 
 @dataclass
@@ -39,7 +46,8 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     queue_times: list[float] = field(default_factory=list)
-    finished: list[FinishedRequestStats] = field(default_factory=list)
+    finished: list[FinishedRequestStats] = field(default_factory=list)  # samples
+    finished_parents: list[FinishedParentStats] = field(default_factory=list)
     # Prompt tokens of the samples that got their first token (cached ones included), the
     # cached part of those, and tokens generated.
     num_prompt_tokens: int = 0

@@ -74,3 +74,39 @@ def test_stop_strings_still_need_token_by_token_decoding(tokenizer, update_calls
     assert c.finish_reason == "stop" and c.stop_reason == stop
     assert c.text == full[:full.index(stop)]
     assert len(update_calls) > 1 and set(update_calls) == {1}
+
+
+def test_metrics_count_each_of_n_samples_and_the_request_once(tokenizer):
+    # vLLM's counting: every sample is a finished request (success, prompt and generation
+    # tokens, latencies); n and the longest sample's length once per request
+    from shoal.metrics import IterationStats
+
+    limits = EngineLimits(vocab_size=49152, max_model_len=512, num_kv_blocks=64, block_size=16,
+                          max_num_seqs=4)
+    req = InputProcessor(tokenizer, limits).process_request(
+        "r", [1, 2, 3], SamplingParams(n=3, max_tokens=4, temperature=1.0))
+    outs = OutputProcessor(tokenizer)
+    outs.add_request(req, OutputKind.FINAL_ONLY)
+    ids = [c.request_id for c in req.core_requests]
+    it = IterationStats()
+    outs.process_outputs([EngineCoreOutput(ids[0], [7], queue_time=0.0),
+                          EngineCoreOutput(ids[1], [8, 9], finish_reason="stop",
+                                           queue_time=0.0)], it)
+    assert [f.finish_reason for f in it.finished] == ["stop"] and not it.finished_parents
+    assert it.finished[0].num_generation_tokens == 2
+    it = IterationStats()
+    outs.process_outputs([EngineCoreOutput(ids[0], [7, 7, 7], finish_reason="length")], it)
+    assert [f.num_generation_tokens for f in it.finished] == [4]
+    assert not it.finished_parents  # the third sample is still running
+    it = IterationStats()
+    outs.abort("r", it)
+    assert [(f.finish_reason, f.num_prompt_tokens) for f in it.finished] == [("abort", 3)]
+    assert [(p.n, p.max_num_generation_tokens) for p in it.finished_parents] == [(3, 4)]
+    req = InputProcessor(tokenizer, limits).process_request(
+        "s", [1, 2], SamplingParams(n=2, max_tokens=4, temperature=1.0))
+    outs.add_request(req, OutputKind.FINAL_ONLY)
+    it = IterationStats()
+    outs.process_outputs([EngineCoreOutput(c.request_id, [5], finish_reason="stop")
+                          for c in req.core_requests], it)
+    assert len(it.finished) == 2 and [(p.n, p.max_num_generation_tokens)
+                                      for p in it.finished_parents] == [(2, 1)]

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from shoal.core.types import SchedulerStats
 from shoal.metrics import (
+    FinishedParentStats,
     FinishedRequestStats,
     IterationStats,
     LoggingStatLogger,
@@ -137,10 +138,10 @@ def test_vllm_families_under_both_prefixes_or_one():
     p = PrometheusStatLogger(M, max_model_len=1024, cache_info={"block_size": "16",
                                                                 "kv_cache_size_tokens": "4096"})
     p.record(SchedulerStats(num_waiting=3, num_waiting_deferred=1), IterationStats(finished=[
-        FinishedRequestStats("length", 2.0, 10, 5, n=2, max_tokens=5, num_cached_tokens=4,
-                             max_num_generation_tokens=3, queued_time=0.5, prefill_time=0.25,
-                             decode_time=1.0, inference_time=1.25,
-                             mean_time_per_output_token=0.25)]))
+        FinishedRequestStats("length", 2.0, 10, 5, max_tokens=5, num_cached_tokens=4,
+                             queued_time=0.5, prefill_time=0.25, decode_time=1.0,
+                             inference_time=1.25, mean_time_per_output_token=0.25)],
+        finished_parents=[FinishedParentStats(n=2, max_num_generation_tokens=3)]))
     r = p.registry
     for prefix in ("vllm", "shoal"):
         assert _value(r, f"{prefix}:request_queue_time_seconds_sum") == 0.5
