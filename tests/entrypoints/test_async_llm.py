@@ -263,8 +263,9 @@ async def test_phase_times_and_token_counts_reach_the_stat_loggers():
     assert its[0].num_prompt_tokens == 3 and its[0].num_cached_prompt_tokens == 2
     assert sum(it.num_generation_tokens for it in its) == 3
     (fin,) = [f for it in its for f in it.finished]
-    assert (fin.n, fin.max_tokens, fin.num_cached_tokens, fin.max_num_generation_tokens) == \
-        (1, 3, 2, 3)
+    assert (fin.max_tokens, fin.num_cached_tokens, fin.num_generation_tokens) == (3, 2, 3)
+    (parent,) = [p for it in its for p in it.finished_parents]
+    assert (parent.n, parent.max_num_generation_tokens) == (1, 3)
     assert fin.queued_time == 0.0 and fin.decode_time >= 0.01
     assert fin.inference_time == pytest.approx(fin.prefill_time + fin.decode_time)
     await engine.shutdown()
