@@ -16,6 +16,7 @@ from shoal.beam_search import (
     step_position,
 )
 from shoal.engine.engine_args import EngineArgs
+from shoal.engine.generation_defaults import default_sampling_params
 from shoal.engine.llm_engine import LLMEngine
 from shoal.engine.request_errors import first_request_error
 from shoal.inputs import prompt_list
@@ -49,6 +50,12 @@ class LLM(PoolingMixin, LifecycleMixin):
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: the sampling params generate and chat use when given none, from the
+        model's generation_config.json (--generation-config; engine/generation_defaults.py),
+        else SamplingParams()."""
+        return default_sampling_params(self.llm_engine.inputs.limits.generation)
 
     def generate(
         self,
@@ -166,10 +173,10 @@ class LLM(PoolingMixin, LifecycleMixin):
         decode = decoder(eng.tokenizer)
         return [BeamSearchOutput(sequences=s.best(decode)) for s in searches]
 
-    @staticmethod
-    def _params_list(sp: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    def _params_list(self, sp: SamplingParams | Sequence[SamplingParams] | None, n: int
+                     ) -> list[SamplingParams]:
         if sp is None:
-            return [SamplingParams()] * n
+            return [self.get_default_sampling_params()] * n
         if isinstance(sp, SamplingParams):
             return [sp] * n
         sp = list(sp)

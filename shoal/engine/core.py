@@ -32,6 +32,7 @@ from shoal.core.types import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequ
 from shoal.engine.core_lora import CoreLoRA
 from shoal.engine.dp_lockstep import join_dp_lockstep
 from shoal.engine.encoder_schedule import encoder_cache_size, whole_spans
+from shoal.engine.generation_defaults import GenerationDefaults
 from shoal.engine.pause import GenerationPause
 from shoal.engine.pooling_scheduler import PoolingScheduler
 from shoal.engine.request_checks import EngineLimits, RequestLimits, validate_core_request
@@ -60,9 +61,11 @@ CHECK_AFTER_FAILED_STEPS = 4
 
 class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
     def __init__(self, config: EngineConfig, loaded: LoadedModel,
-                 request_limits: RequestLimits | None = None):
+                 request_limits: RequestLimits | None = None,
+                 generation: GenerationDefaults | None = None):
         """request_limits: what one request may ask for (RequestLimits.from_engine_args);
-        the frontends read them from `limits`."""
+        generation: what they inherit from the model's generation_config.json. The
+        frontends read both from `limits`."""
         t0 = time.perf_counter()
         request_limits = request_limits or RequestLimits()
         self.config = config
@@ -96,7 +99,7 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
         self._failed_in_a_row = 0
         self.pause = GenerationPause.attached(self.scheduler)  # engine/pause.py
         self.thread_governor: Any = None  # CPU: engine/cpu_governor.py (set at start-up)
-        self.eos_token_ids = frozenset(_eos_ids(loaded))
+        self.eos_token_ids = loaded.eos_token_ids()
         self.structured = StructuredSteps(StructuredOutputManager(
             config.structured_outputs_backend, loaded.tokenizer, self.runner.vocab_size,
             sorted(self.eos_token_ids), pin_memory=config.device.type == "cuda"))
@@ -111,7 +114,8 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
             request=request_limits, pooling=self.runner.pooling_info,
             lora=self.runner.lora_limits,
             mm_max_embeds=encoder_cache_size(config, loaded.hf_config),
-            mm_whole_spans=whole_spans(loaded.hf_config))
+            mm_whole_spans=whole_spans(loaded.hf_config),
+            generation=(generation or GenerationDefaults()).within(self.runner.vocab_size))
         self.startup_times = self.runner.startup_times  # each start-up phase's seconds
         if config.device.type == "cuda" and not pooling:
             t1 = time.perf_counter()
@@ -442,9 +446,3 @@ class EngineCore(CoreLoRA):  # (add/remove/pin/list_loras: engine/core_lora.py)
                        "fault, and the engine serves on", self._failed_in_a_row)
         self._failed_in_a_row = 0
 
-
-def _eos_ids(loaded: LoadedModel) -> list[int]:
-    eos = getattr(loaded.hf_config, "eos_token_id", None)
-    if loaded.tokenizer is not None and loaded.tokenizer.eos_token_id is not None:
-        eos = loaded.tokenizer.eos_token_id if eos is None else eos
-    return sorted([eos] if isinstance(eos, int) else (eos or []))

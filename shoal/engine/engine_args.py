@@ -26,6 +26,7 @@ from shoal.engine.cpu_defaults import (
     GPU_MAX_NUM_BATCHED_TOKENS,
     default_scheduler_limits,
 )
+from shoal.engine.generation_defaults import check_generation_config_arg, parse_overrides
 from shoal.engine.graph_support import runs_without_graphs
 from shoal.engine.kv_events_args import KVEventsArgs
 from shoal.engine.kv_transfer_args import KVTransferArgs
@@ -169,9 +170,19 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
                                          '{"architectures": ["BgeM3EmbeddingModel"]}')
     pooler_config: str | None = arg(None, "JSON overrides of the pooling model's defaults: "
                                           '{"pooling_type": "MEAN", "normalize": false}')
+    generation_config: str = arg(
+        "auto", "where requests' sampling defaults come from: auto (the model's "
+                "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
+                "max_new_tokens), vllm (none: vLLM's defaults) or a folder holding a "
+                "generation_config.json")
+    override_generation_config: dict[str, Any] | None = arg(
+        None, 'generation config fields set on top of --generation-config, e.g. '
+              '\'{"temperature": 0.5}\'')
 
     def __post_init__(self) -> None:
         self.images_per_prompt()  # a bad limit_mm_per_prompt fails here, named
+        check_generation_config_arg(self.generation_config)
+        parse_overrides(self.override_generation_config)
         if self.speculative_config is not None:  # its shape, before any model loads
             SpeculativeConfig.from_user(self.speculative_config)
 

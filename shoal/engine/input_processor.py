@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.core.types import EngineCoreRequest
 from shoal.engine.bad_words import with_bad_words
 from shoal.engine.chat_template import render_chat_template
+from shoal.engine.generation_defaults import with_generation_eos
 from shoal.engine.prompt_checks import check_prompt_token_ids
 from shoal.engine.request_checks import (
     NO_SAMPLING,
@@ -101,6 +102,7 @@ class InputProcessor:
         params = resolve_logprobs(params, self.max_logprobs, self.limits.vocab_size)
         params = with_thinking_markers(params, self.tokenizer)
         params = with_bad_words(params, self.tokenizer)
+        params = with_generation_eos(params, self.limits.generation.eos_token_ids)
         p = self._cut(prompt, params.truncate_prompt_tokens) \
             if isinstance(prompt, ProcessedPrompt) \
             else self.process(prompt, truncate=params.truncate_prompt_tokens)

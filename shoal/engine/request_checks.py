@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from shoal.engine.generation_defaults import GenerationDefaults
 from shoal.engine.prompt_checks import check_prompt_token_ids
 from shoal.kv_offload.request_params import check_tier_names
 from shoal.lora.adapter import LoRALimits, check_adapter
@@ -65,6 +66,7 @@ class EngineLimits(msgspec.Struct, frozen=True):
     # images: the most encoder outputs one image may have (0: the model reads no images)
     mm_max_embeds: int = 0
     mm_whole_spans: bool = False  # an image runs within one step (at most the token budget)
+    generation: GenerationDefaults = msgspec.field(default_factory=GenerationDefaults)
 
 
 def validate_core_request(limits: EngineLimits, req: EngineCoreRequest) -> int:

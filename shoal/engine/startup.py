@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from shoal.engine.core import EngineCore
 from shoal.engine.cpu_governor import thread_governor
 from shoal.engine.cpu_threads import configure_cpu_threads
 from shoal.engine.engine_args import EngineArgs
+from shoal.engine.generation_defaults import GenerationDefaults, read_generation_defaults
 from shoal.engine.kv_connector_setup import attach_kv_connector
 from shoal.engine.kv_events import attach_kv_events
 from shoal.engine.request_checks import RequestLimits
@@ -70,7 +72,8 @@ def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
     # (engines stopped before this one give their device memory back before it is measured)
     collect_stopped_engines(device)
     t1 = time.perf_counter()
-    core = EngineCore(config, loaded, request_limits=limits)
+    core = EngineCore(config, loaded, request_limits=limits,
+                      generation=generation_defaults(args, config, loaded))
     core.thread_governor = thread_governor(device.type, threads, args.cpu_threads)
     attach_kv_events(core, kv_events)
     try:
@@ -81,6 +84,16 @@ def start_engine_core(args: EngineArgs, *, serving: bool) -> StartedEngine:
     core.startup_times["load_config"] = t1 - t0
     core.startup_times["engine_core"] = time.perf_counter() - t1
     return StartedEngine(core, loaded.tokenizer)
+
+
+def generation_defaults(args: EngineArgs, config: Any, loaded: Any) -> GenerationDefaults:
+    """What a generating model's requests inherit from its generation_config.json
+    (--generation-config; none for a pooling model)."""
+    if config.model_config.runner != "generate":
+        return GenerationDefaults()
+    folder = Path(loaded.source)
+    return read_generation_defaults(args.generation_config, folder if folder.is_dir() else None,
+                                    args.override_generation_config, loaded.eos_token_ids())
 
 
 def _start_cuda(device: torch.device) -> None:

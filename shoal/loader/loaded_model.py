@@ -33,3 +33,10 @@ class LoadedModel:
     # The checkpoint's quantization (or quantization="fp8" of a dense one); a dummy load's
     # too, which quantizes its random weights by it on the GPU (shoal/quantization/fast_path.py)
     quantization: Any = None
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """The config's EOS id(s), else the tokenizer's."""
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.eos_token_id if eos is None else eos
+        return frozenset([eos] if isinstance(eos, int) else (eos or []))

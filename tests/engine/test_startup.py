@@ -26,9 +26,12 @@ def steps(monkeypatch):
     monkeypatch.setattr(EngineArgs, "create_engine_config",
                         lambda self, hf, source, serving: done.append(("config", serving))
                         or "config")
-    monkeypatch.setattr(startup, "EngineCore", lambda config, model, request_limits: (
+    monkeypatch.setattr(startup, "generation_defaults",
+                        lambda args, config, model: done.append("generation") or "defaults")
+    monkeypatch.setattr(startup, "EngineCore", lambda config, model, request_limits, generation: (
         done.append("core") or SimpleNamespace(config=config, limits=request_limits,
-                                               model=model, startup_times={})))
+                                               model=model, startup_times={},
+                                               generation=generation)))
     seed = torch.initial_seed()
     yield done
     torch.manual_seed(seed)
@@ -37,7 +40,7 @@ def steps(monkeypatch):
 def test_the_server_always_chooses_its_threads_and_short_steps(steps):
     started = startup.start_engine_core(EngineArgs(device="cpu", seed=7), serving=True)
     assert steps == [("threads", "cpu", None, True), "load", "overrides", ("config", True),
-                     "core"]
+                     "generation", "core"]
     assert (started.core.config, started.tokenizer) == ("config", "tok")
     assert torch.initial_seed() == 7
 
@@ -45,7 +48,7 @@ def test_the_server_always_chooses_its_threads_and_short_steps(steps):
 def test_offline_chooses_its_threads_too(steps):
     startup.start_engine_core(EngineArgs(device="cpu"), serving=False)
     assert steps == [("threads", "cpu", None, False), "load", "overrides", ("config", False),
-                     "core"]
+                     "generation", "core"]
     steps.clear()
     startup.start_engine_core(EngineArgs(device="cpu", cpu_threads=2), serving=False)
     assert steps[0] == ("threads", "cpu", 2, False)

@@ -8,6 +8,7 @@ refused by `unsupported()` with a 400 that names it: never a success that ignore
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -123,6 +124,11 @@ class OpenAIBaseModel(BaseModel):
         return None
 
 
+def _given(value: Any, defaults: Mapping[str, Any], name: str, fallback: Any) -> Any:
+    """A request's field, else the generation config's default, else vLLM's."""
+    return value if value is not None else defaults.get(name, fallback)
+
+
 class StreamOptions(OpenAIBaseModel):
     include_usage: StrictBool | None = False
     continuous_usage_stats: StrictBool | None = False
@@ -202,20 +208,26 @@ class SamplingRequest(OpenAIBaseModel):
 
     def to_sampling_params(self, max_tokens: int | None, logprobs: int | None,
                            prompt_logprobs: int | None,
-                           structured_outputs: StructuredOutputsParams | None = None
-                           ) -> SamplingParams:
+                           structured_outputs: StructuredOutputsParams | None = None,
+                           defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """Raises ValueError (naming the field) for out-of-range values. structured_outputs:
-        the constraint (the request's own, or one its tool_choice implies)."""
+        the constraint (the request's own, or one its tool_choice implies). defaults: the
+        model's generation config (generation_defaults.py) for the fields the request leaves
+        unset; its max_tokens caps the request's, as vLLM's does."""
+        d = defaults or {}
+        if "max_tokens" in d:
+            max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens,
+                                                                        d["max_tokens"])
         return SamplingParams(
             structured_outputs=structured_outputs,
             n=1 if self.n is None else self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=_given(self.temperature, d, "temperature", 1.0),
+            top_p=_given(self.top_p, d, "top_p", 1.0),
+            top_k=_given(self.top_k, d, "top_k", 0),
+            min_p=_given(self.min_p, d, "min_p", 0.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=_given(self.repetition_penalty, d, "repetition_penalty", 1.0),
             seed=self.seed,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

@@ -169,10 +169,16 @@ class OpenAIServingResponses(ServingBase):
             raise ValueError(f"the chat template failed: {e}") from e
         check_context_length(len(prompt.prompt_token_ids), req.max_output_tokens,
                              self.engine.max_model_len, "max_output_tokens")
+        d = self.sampling_defaults  # the model's generation config
+        max_tokens = req.max_output_tokens
+        if "max_tokens" in d:  # (it caps the request's, as vLLM's does)
+            max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens,
+                                                                        d["max_tokens"])
         params = SamplingParams(
-            max_tokens=req.max_output_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
+            max_tokens=max_tokens,
+            temperature=self._sampling(req, "temperature"), top_p=self._sampling(req, "top_p"),
+            top_k=d.get("top_k", 0), min_p=d.get("min_p", 0.0),
+            repetition_penalty=d.get("repetition_penalty", 1.0),
             structured_outputs=plan.constraint or req.constraint())
         stream = self.engine.add_request(
             random_id("resp"), prompt, params,
@@ -212,6 +218,11 @@ class OpenAIServingResponses(ServingBase):
         if req.store:
             await self.store.put(body, conversation + [assistant_turn(text, list(items))])
 
+    def _sampling(self, req: ResponsesRequest, name: str) -> float:
+        """temperature or top_p: the request's, else the generation config's, else 1.0."""
+        value = getattr(req, name)
+        return self.sampling_defaults.get(name, 1.0) if value is None else value
+
     def _response(self, req: ResponsesRequest, model: str, rid: str, msg_id: str, text: str,
                   out: RequestOutput | None, status: str,
                   calls: list[dict[str, Any]] = ()) -> dict[str, Any]:
@@ -240,8 +251,9 @@ class OpenAIServingResponses(ServingBase):
             "incomplete_details": incomplete, "instructions": req.instructions,
             "max_output_tokens": req.max_output_tokens,
             "previous_response_id": req.previous_response_id,
-            "temperature": 1.0 if req.temperature is None else req.temperature,
-            "top_p": 1.0 if req.top_p is None else req.top_p,
+            # what ran: the request's, else the model's generation config, else 1.0
+            "temperature": self._sampling(req, "temperature"),
+            "top_p": self._sampling(req, "top_p"),
             "parallel_tool_calls": req.parallel_tool_calls, "tool_choice": req.tool_choice,
             "tools": req.tools or [], "text": {"format": {"type": "text"}},
             "truncation": "disabled",

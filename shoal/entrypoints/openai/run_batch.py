@@ -68,6 +68,8 @@ class _Handlers:
         self.completion = OpenAIServingCompletion(engine, models, settings)
         self.chat = OpenAIServingChat(engine, models, settings)
         self.pooling = OpenAIServingPooling(engine, models, settings)
+        # the model's generation config: defaults of the fields a line leaves unset
+        self.defaults = self.completion.sampling_defaults
 
 
 @dataclass
@@ -96,6 +98,7 @@ def _parse(raw: str, h: _Handlers) -> _Line:
     except json.JSONDecodeError as e:
         return _Line(None, error=error_body(400, f"malformed JSON line: {e}"), status=400)
     line = _Line(item.get("custom_id") if isinstance(item, dict) else None)
+    defaults = h.defaults
     try:
         if not isinstance(item, dict) or not isinstance(item.get("body"), dict):
             raise ValueError("each line must be an object with custom_id, method, url, body")
@@ -113,7 +116,7 @@ def _parse(raw: str, h: _Handlers) -> _Line:
             k, pk = req.logprobs, req.prompt_logprobs
             if req.echo and k is not None:
                 pk = -1 if -1 in (k, pk) else max(k, pk or 0)
-            line.params = req.to_sampling_params(max_tokens, k, pk, req.constraint())
+            line.params = req.to_sampling_params(max_tokens, k, pk, req.constraint(), defaults)
         elif item["url"] == "/v1/chat/completions":
             req = ChatCompletionRequest.model_validate(item["body"])
             _check(req, h.chat)
@@ -121,7 +124,8 @@ def _parse(raw: str, h: _Handlers) -> _Line:
             line.plan = h.chat._plan(req)
             line.prompts = [h.chat.render(req)]
             line.params = req.to_sampling_params(max_tokens, line.k, req.prompt_logprobs,
-                                                 line.plan.constraint or req.constraint())
+                                                 line.plan.constraint or req.constraint(),
+                                                 defaults)
         else:
             req = EmbeddingRequest.model_validate(item["body"])
             line.model, line.jobs = h.pooling.embedding_jobs(req)

@@ -156,8 +156,7 @@ class OpenAIServingChat(ServingBase):
 
     def _prepare(self, req: ChatCompletionRequest) -> tuple[int | None, int | None]:
         """Checks the request; returns (top logprobs k, max_tokens)."""
-        bad = req.unsupported()
-        if bad is not None:
+        if (bad := req.unsupported()) is not None:
             raise OpenAIError(400, bad[1], bad[0])
         if req.stream and req.prompt_logprobs is not None:
             raise OpenAIError(400, "prompt_logprobs are not available when stream is true",
@@ -179,7 +178,8 @@ class OpenAIServingChat(ServingBase):
                              "max_completion_tokens" if req.max_completion_tokens is not None
                              else "max_tokens")
         constraint = plan.constraint if plan is not None and plan.constraint else req.constraint()
-        params = req.to_sampling_params(max_tokens, k, req.prompt_logprobs, constraint)
+        params = req.to_sampling_params(max_tokens, k, req.prompt_logprobs, constraint,
+                                        self.sampling_defaults)
         if self._format_in_special_tokens(plan):
             params.skip_special_tokens = False  # the parsers read the markers (harmony)
         return self.engine.add_request(

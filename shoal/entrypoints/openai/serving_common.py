@@ -58,6 +58,12 @@ class ServingBase:
     def _decode(self, token_id: int) -> str:
         return decode_token(self.engine.tokenizer, token_id)
 
+    @property
+    def sampling_defaults(self) -> dict[str, Any]:
+        """The model's generation config: defaults of the sampling fields a request leaves
+        unset (engine/generation_defaults.py)."""
+        return self.engine.inputs.limits.generation.sampling
+
     def token_bytes(self) -> Callable[[int], bytes] | None:
         """A token id's own bytes for the logprobs `bytes` field (token_bytes.py); None
         without a tokenizer (the bytes of the shown text then)."""

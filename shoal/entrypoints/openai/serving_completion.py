@@ -134,7 +134,8 @@ class OpenAIServingCompletion(ServingBase):
                                        "outputs (response_format, structured_outputs, "
                                        "guided_*)", "use_beam_search")
             return await self._beam_search(req, raw, model, prompts, max_tokens)
-        params = req.to_sampling_params(max_tokens, k, prompt_k, req.constraint())
+        params = req.to_sampling_params(max_tokens, k, prompt_k, req.constraint(),
+                                        self.sampling_defaults)
         kind = OutputKind.DELTA if req.stream else OutputKind.FINAL_ONLY
         engine_id = random_id("cmpl")
         replica = self.replica(raw)
