@@ -293,3 +293,15 @@ def test_engine_death_is_not_serving_and_unavailable(server, api):
     assert h.reason.startswith("engine dead"), h.reason
     err = _error(lambda: stub.Generate(req, metadata=AUTH, timeout=5))
     assert err.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_unset_sampling_fields_take_the_generation_config_s():
+    from shoal.entrypoints.grpc import shoal_engine_pb2 as pb
+    from shoal.entrypoints.grpc.server import sampling_params
+
+    defaults = {"temperature": 0.6, "top_k": 20, "max_tokens": 8}
+    sp = sampling_params(pb.SamplingParams(top_k=5, max_tokens=32), defaults)
+    assert (sp.temperature, sp.top_k, sp.max_tokens) == (0.6, 5, 8)  # max_tokens capped
+    sp = sampling_params(pb.SamplingParams(temperature=0.0), defaults)
+    assert (sp.temperature, sp.max_tokens) == (0.0, 8)
+    assert sampling_params(pb.SamplingParams()).temperature == 1.0

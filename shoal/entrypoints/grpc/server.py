@@ -54,11 +54,16 @@ def status_of(e: BaseException) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def sampling_params(msg: pb.SamplingParams) -> SamplingParams:
-    """The proto's subset; unset fields keep SamplingParams' defaults. Nothing is detokenized:
-    the client gets token ids only (and stop strings are not part of this API)."""
+def sampling_params(msg: pb.SamplingParams, defaults: dict[str, Any] | None = None
+                    ) -> SamplingParams:
+    """The proto's subset; unset fields take `defaults` (the model's generation config, whose
+    max_tokens caps the request's, as over HTTP), else SamplingParams' defaults. Nothing is
+    detokenized: the client gets token ids only (and stop strings are not part of this API)."""
     kw: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_PARAMS
                           if msg.HasField(name)}
+    for name, value in (defaults or {}).items():
+        kw[name] = min(kw.get(name, value), value) if name == "max_tokens" \
+            else kw.get(name, value)
     if msg.stop_token_ids:
         kw["stop_token_ids"] = list(msg.stop_token_ids)
     return SamplingParams(**kw, ignore_eos=msg.ignore_eos, detokenize=False)
@@ -116,7 +121,8 @@ class EngineServicer(pb_grpc.EngineServicer):
             raise ValueError("text prompts need the tokenizer, and this server runs without "
                              "one (--skip-tokenizer-init): send prompt_token_ids")
         self.models.check(request.model or None)
-        params = sampling_params(request.sampling_params)
+        params = sampling_params(request.sampling_params,
+                                 self.engine.inputs.limits.generation.sampling)
         return self.engine.add_request(
             f"grpc-{rid}", prompt, params, output_kind=OutputKind.DELTA,
             lora_request=self.models.lora(request.model or None))
