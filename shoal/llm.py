@@ -23,6 +23,7 @@ from shoal.inputs import prompt_list
 from shoal.llm_lifecycle import LifecycleMixin
 from shoal.llm_pooling import PoolingMixin
 from shoal.lora_request import LoRARequest
+from shoal.metrics.reader import Metric, get_metrics_snapshot
 from shoal.multimodal.chat_parts import flatten_messages
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import BeamSearchParams, SamplingParams
@@ -40,6 +41,7 @@ class LLM(PoolingMixin, LifecycleMixin):
     RuntimeError (EngineRequestError) when the engine failed it."""
 
     def __init__(self, model: str | None = None, **engine_args: Any):
+        engine_args.setdefault("disable_log_stats", True)  # (vLLM's LLM default)
         self.engine_args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.llm_engine = LLMEngine(self.engine_args)
 
@@ -50,6 +52,15 @@ class LLM(PoolingMixin, LifecycleMixin):
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's: a snapshot of the engine's statistics under vLLM's names (Counter, Vector,
+        Gauge and Histogram of shoal.metrics.reader). Needs LLM(..., disable_log_stats=False)."""
+        registry = self.llm_engine.metrics_registry
+        if registry is None:
+            raise ValueError("get_metrics needs statistics: create the LLM with "
+                             "disable_log_stats=False")
+        return get_metrics_snapshot(registry)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: the sampling params generate and chat use when given none, from the

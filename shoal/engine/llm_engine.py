@@ -7,6 +7,7 @@ import itertools
 import logging
 import time
 import weakref
+from typing import Any
 
 from shoal.core.types import SchedulerStats
 from shoal.engine.engine_args import EngineArgs
@@ -15,6 +16,8 @@ from shoal.engine.mm_frontend import MultiModalFrontend
 from shoal.engine.output_processor import OutputKind, OutputProcessor
 from shoal.engine.startup import start_engine_core
 from shoal.lora_request import LoRARequest
+from shoal.metrics.offline import OfflineStats
+from shoal.metrics.stats import IterationStats
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 
@@ -39,6 +42,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.last_stats: SchedulerStats | None = None
+        self.stats = None if args.disable_log_stats else OfflineStats(args, self.core.limits)
         # KV tiers persist at interpreter exit if the engine is still alive then.
         atexit.register(_shutdown_if_alive, weakref.ref(self))
         logger.info("engine ready in %.2f s", time.perf_counter() - t0)
@@ -116,10 +120,18 @@ class LLMEngine:
         result = self.core.step()
         if result.stats is not None:  # None: an idle DP+EP round
             self.last_stats = result.stats
-        outs, to_abort = self.outputs.process_outputs(result.outputs)
+        it = None if self.stats is None else IterationStats()
+        outs, to_abort = self.outputs.process_outputs(result.outputs, it)
         if to_abort:
             self.core.abort_requests(to_abort)
+        if self.stats is not None:
+            self.stats.record(result.stats, it)
         return outs
+
+    @property
+    def metrics_registry(self) -> Any:
+        """The registry get_metrics reads (None: disable_log_stats)."""
+        return None if self.stats is None else self.stats.registry
 
 
 def _shutdown_if_alive(ref: weakref.ref) -> None:

@@ -40,6 +40,15 @@ def test_serve_flags_use_vllm_names():
         (9, "k", ["a", "b"], 2.5)
 
 
+def test_serve_takes_vllm_s_stats_and_generation_config_flags():
+    ns = build_parser().parse_args([
+        "serve", "--disable-log-stats", "--generation-config", "vllm",
+        "--override-generation-config", '{"temperature": 0.5}'])
+    a = engine_args_from(ns)
+    assert (a.disable_log_stats, a.generation_config, a.override_generation_config) == \
+        (True, "vllm", {"temperature": 0.5})
+
+
 def test_serve_kv_offloading_flags():
     ns = build_parser().parse_args([
         "serve", "--kv-offloading-size", "1.5", "--kv-offloading-disk-path", "/tmp/kv",

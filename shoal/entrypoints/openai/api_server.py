@@ -25,7 +25,6 @@ import shoal
 from shoal.engine.async_llm import AsyncLLM
 from shoal.engine.core_client import EngineStartupError
 from shoal.engine.engine_args import EngineArgs
-from shoal.engine.request_checks import EngineLimits
 from shoal.entrypoints.openai.auth import ApiKeyMiddleware
 from shoal.entrypoints.openai.dev_routes import add_dev_routes
 from shoal.entrypoints.openai.errors import (
@@ -61,6 +60,7 @@ from shoal.entrypoints.openai.serving_pooling import OpenAIServingPooling
 from shoal.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from shoal.loader.resolve import DEFAULT_MODEL_NAME
 from shoal.metrics import LoggingStatLogger, PrometheusStatLogger
+from shoal.metrics.cache_info import cache_config_info
 
 logger = logging.getLogger(__name__)
 
@@ -76,18 +76,6 @@ def freeze_startup_objects() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 10, 10)
-
-
-def cache_config_info(lim: EngineLimits, args: EngineArgs) -> dict[str, str]:
-    """vLLM's cache_config_info labels, from what the engine reported at start-up."""
-    size = lim.num_kv_blocks * lim.block_size
-    return {"block_size": str(lim.block_size), "num_gpu_blocks": str(lim.num_kv_blocks),
-            "enable_prefix_caching": str(args.enable_prefix_caching),
-            "gpu_memory_utilization": str(args.gpu_memory_utilization),
-            "kv_cache_memory_bytes": str(args.kv_cache_memory_bytes),
-            "num_cpu_offload_gib": str(args.kv_offloading_size or 0),
-            "kv_cache_size_tokens": str(size),
-            "kv_cache_max_concurrency": f"{size / lim.max_model_len:.2f}"}
 
 
 def served_names(engine_args: EngineArgs, settings: ServerSettings) -> list[str]:
@@ -194,7 +182,7 @@ async def serve(engine_args: EngineArgs, settings: ServerSettings,
         if pool is None:  # (else the supervisor says it, once)
             print(f"shoal: the engine failed to start: {e}", file=sys.stderr)
         return 1
-    if pool is None:
+    if pool is None and not engine_args.disable_log_stats:
         engine.stat_loggers.append(LoggingStatLogger())
     try:
         app = build_app(engine, settings, pool=pool)

@@ -291,14 +291,15 @@ def engine_loggers(engine_args: EngineArgs, settings: ServerSettings, ready: Any
     """The supervisor's stat loggers: the engine's series for /metrics, and the log line."""
     from prometheus_client import CollectorRegistry
 
-    from shoal.entrypoints.openai.api_server import cache_config_info, served_names
+    from shoal.entrypoints.openai.api_server import served_names
     from shoal.metrics import LoggingStatLogger, PrometheusStatLogger
+    from shoal.metrics.cache_info import cache_config_info
 
     return [PrometheusStatLogger(served_names(engine_args, settings)[0], CollectorRegistry(),
                                  prefixes=settings.metrics_prefixes,
                                  max_model_len=ready.limits.max_model_len,
                                  cache_info=cache_config_info(ready.limits, engine_args)),
-            LoggingStatLogger()]
+            *([] if engine_args.disable_log_stats else [LoggingStatLogger()])]
 
 
 async def serve_pool(engine_args: EngineArgs, settings: ServerSettings,

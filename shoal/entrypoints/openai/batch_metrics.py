@@ -30,7 +30,7 @@ class BatchMetrics:
     def recording(self, llm: Any, model_name: str) -> Iterator[PrometheusStatLogger]:
         """Records every step of `llm`'s engine until the block ends (the families are
         registered at the first call)."""
-        from shoal.entrypoints.openai.api_server import cache_config_info
+        from shoal.metrics.cache_info import cache_config_info
 
         engine = llm.llm_engine
         limits = engine.core.limits
