@@ -170,9 +170,8 @@ class EngineArgs(MultiModalArgs, KVEventsArgs, KVTransferArgs, WeightOffloadArgs
                                          '{"architectures": ["BgeM3EmbeddingModel"]}')
     pooler_config: str | None = arg(None, "JSON overrides of the pooling model's defaults: "
                                           '{"pooling_type": "MEAN", "normalize": false}')
-    disable_log_stats: bool = arg(
-        False, "no periodic stats log line (the server's /metrics still counts); offline, "
-               "LLM's default is True: no statistics and no get_metrics()")
+    disable_log_stats: bool = arg(False, "no periodic stats log line (/metrics still counts); "
+                                         "LLM's default: True, so no get_metrics()")
     generation_config: str = arg(
         "auto", "where requests' sampling defaults come from: auto (the model's "
                 "generation_config.json: temperature, top_p, top_k, min_p, repetition_penalty, "
