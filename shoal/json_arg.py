@@ -5,7 +5,7 @@ command line (--speculative-config, --pooler-config, --hf-overrides,
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 
@@ -20,3 +20,16 @@ def json_object(value: Any, name: str) -> dict[str, Any]:
         raise ValueError(f"{name} must be a dict (a JSON object on the command line), got "
                          f"{type(value).__name__}")
     return dict(value)
+
+
+def json_object_of(value: Any, name: str, keys: Iterable[str]) -> dict[str, Any]:
+    """json_object with only `keys` allowed ({} for None); a ValueError names the others."""
+    if value is None:
+        return {}
+    obj = json_object(value, name)
+    allowed = list(keys)
+    unknown = sorted(set(obj) - set(allowed))
+    if unknown:
+        raise ValueError(f"{name}: unknown key(s) {', '.join(unknown)}; it takes "
+                         f"{', '.join(allowed)}")
+    return obj

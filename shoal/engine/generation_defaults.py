@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from shoal.json_arg import json_object
+from shoal.json_arg import json_object_of
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +61,7 @@ def check_generation_config_arg(value: Any) -> None:
 
 def parse_overrides(value: Any) -> dict[str, Any]:
     """override_generation_config as a dict of generation_config.json sampling fields."""
-    if value is None:
-        return {}
-    overrides = json_object(value, "override_generation_config")
-    unknown = sorted(set(overrides) - set(SAMPLING_FIELDS))
-    if unknown:
-        raise ValueError(f"override_generation_config: unknown field(s) {', '.join(unknown)}; "
-                         f"it takes {', '.join(SAMPLING_FIELDS)}")
-    return overrides
+    return json_object_of(value, "override_generation_config", SAMPLING_FIELDS)
 
 
 def read_generation_defaults(setting: str, model_folder: Path | None, overrides: Any,

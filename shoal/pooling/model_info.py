@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shoal.json_arg import json_object
+from shoal.json_arg import json_object_of
 from shoal.pooling_params import PoolingInfo
 
 if TYPE_CHECKING:
@@ -25,13 +25,7 @@ _OVERRIDES = ("pooling_type", "normalize")
 
 def parse_pooler_config(value: str | dict | None) -> dict[str, Any]:
     """--pooler-config: a JSON object (or a dict from Python) with pooling_type, normalize."""
-    if value is None:
-        return {}
-    value = json_object(value, "pooler_config")
-    unknown = sorted(set(value) - set(_OVERRIDES))
-    if unknown:
-        raise ValueError(f"pooler_config: unsupported key(s) {', '.join(unknown)}; supported: "
-                         f"{', '.join(_OVERRIDES)}")
+    value = json_object_of(value, "pooler_config", _OVERRIDES)
     pt = value.get("pooling_type")
     if pt is not None and (not isinstance(pt, str) or pt.upper() not in POOLING_TYPES):
         raise ValueError(f"pooler_config.pooling_type must be one of {', '.join(POOLING_TYPES)} "

@@ -55,7 +55,7 @@ def test_a_folder_setting_and_overrides_on_top(tmp_path):
 @pytest.mark.parametrize("args, match", [
     (dict(generation_config="nowhere"), "generation_config must be 'auto', 'vllm' or a folder"),
     (dict(override_generation_config={"max_tokens": 5}),
-     "unknown field.*max_tokens.*max_new_tokens"),
+     "unknown key.*max_tokens.*max_new_tokens"),
     (dict(override_generation_config="[1]"), "override_generation_config must be a dict"),
 ])
 def test_bad_settings_are_refused_by_name(args, match):
