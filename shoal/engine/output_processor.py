@@ -210,8 +210,8 @@ class OutputProcessor:
                 self._by_child.pop(o.request_id, None)
                 self.num_live_samples -= 1
                 if it is not None:
-                    reason = "error" if r.error else s.finish_reason
-                    it.finished.append(self._sample_stats(r, s, reason, now))
+                    # (its own reason: a sibling's error is not this sample's)
+                    it.finished.append(self._sample_stats(r, s, s.finish_reason, now))
         returned = []
         for r in touched.values():
             out = self._due_output(r, now, it)

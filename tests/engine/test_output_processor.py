@@ -110,3 +110,11 @@ def test_metrics_count_each_of_n_samples_and_the_request_once(tokenizer):
                           for c in req.core_requests], it)
     assert len(it.finished) == 2 and [(p.n, p.max_num_generation_tokens)
                                       for p in it.finished_parents] == [(2, 1)]
+    req = InputProcessor(tokenizer, limits).process_request(
+        "e", [1, 2], SamplingParams(n=2, max_tokens=4, temperature=1.0))
+    outs.add_request(req, OutputKind.FINAL_ONLY)
+    a, b = (c.request_id for c in req.core_requests)
+    it = IterationStats()
+    outs.process_outputs([EngineCoreOutput(a, [], finish_reason="error", error="boom"),
+                          EngineCoreOutput(b, [5], finish_reason="length")], it)
+    assert [f.finish_reason for f in it.finished] == ["error", "length"]  # each its own
