@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,15 @@ def _check(sampling: dict[str, Any], path: Path | None) -> None:
     except (ValueError, TypeError) as e:
         where = path if path is not None else "override_generation_config"
         raise ValueError(f"generation config {where}: {e}") from None
+
+
+def capped_max_tokens(max_tokens: int | None, defaults: Mapping[str, Any]) -> int | None:
+    """A request's max_tokens under the generation config's max_new_tokens (its
+    "max_tokens"), which caps an explicit one too, as vLLM's get_max_tokens does."""
+    cap = defaults.get("max_tokens")
+    if cap is None:
+        return max_tokens
+    return cap if max_tokens is None else min(max_tokens, cap)
 
 
 def with_generation_eos(params: Any, eos_ids: frozenset[int]) -> Any:

@@ -81,7 +81,6 @@ class _Request:
     deliver: Deliver | None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
-    num_generated: int = 0
     error: str | None = None
     error_code: ErrorCode | None = None
     is_pooling: bool = False
@@ -246,7 +245,6 @@ class OutputProcessor:
                     it.num_cached_prompt_tokens += o.num_cached_tokens
             self._time_tokens(r, s, now, it, o.queue_time)
             s.token_ids.extend(o.new_token_ids)
-            r.num_generated += len(o.new_token_ids)
         if o.new_logprobs and s.logprobs is not None:
             for lp in o.new_logprobs:
                 s.logprobs.append(self._position_logprobs(lp))

@@ -120,3 +120,12 @@ def test_the_file_s_extra_eos_id_stops_generation_as_a_stop_token(folder_with_de
     kept = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0].outputs[0]
     assert kept.token_ids == free  # ignore_eos ignores the file's EOS ids too
+
+
+def test_max_new_tokens_caps_max_tokens_set_or_not():
+    from shoal.engine.generation_defaults import capped_max_tokens
+
+    assert capped_max_tokens(None, {}) is None and capped_max_tokens(40, {}) == 40
+    assert capped_max_tokens(None, {"max_tokens": 8}) == 8
+    assert capped_max_tokens(40, {"max_tokens": 8}) == 8
+    assert capped_max_tokens(3, {"max_tokens": 8}) == 3

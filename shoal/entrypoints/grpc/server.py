@@ -13,6 +13,7 @@ import grpc
 
 import shoal
 from shoal.engine.async_llm import AsyncLLM, QueueFullError, RequestStream
+from shoal.engine.generation_defaults import capped_max_tokens
 from shoal.engine.output_processor import OutputKind
 from shoal.engine.request_errors import EngineDeadError, RequestTimeoutError
 from shoal.entrypoints.grpc import health
@@ -61,9 +62,10 @@ def sampling_params(msg: pb.SamplingParams, defaults: dict[str, Any] | None = No
     detokenized: the client gets token ids only (and stop strings are not part of this API)."""
     kw: dict[str, Any] = {name: getattr(msg, name) for name in _OPTIONAL_PARAMS
                           if msg.HasField(name)}
-    for name, value in (defaults or {}).items():
-        kw[name] = min(kw.get(name, value), value) if name == "max_tokens" \
-            else kw.get(name, value)
+    d = defaults or {}
+    kw = {**d, **kw}
+    if "max_tokens" in kw:  # (else SamplingParams' own default)
+        kw["max_tokens"] = capped_max_tokens(kw["max_tokens"], d)
     if msg.stop_token_ids:
         kw["stop_token_ids"] = list(msg.stop_token_ids)
     return SamplingParams(**kw, ignore_eos=msg.ignore_eos, detokenize=False)

@@ -22,6 +22,7 @@ from pydantic import (
     StrictStr,
 )
 
+from shoal.engine.generation_defaults import capped_max_tokens
 from shoal.entrypoints.openai.constraints import GUIDED_FIELDS, request_constraint
 from shoal.sampling_params import BeamSearchParams, SamplingParams
 from shoal.structured_output.params import StructuredOutputsParams
@@ -215,9 +216,7 @@ class SamplingRequest(OpenAIBaseModel):
         model's generation config (generation_defaults.py) for the fields the request leaves
         unset; its max_tokens caps the request's, as vLLM's does."""
         d = defaults or {}
-        if "max_tokens" in d:
-            max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens,
-                                                                        d["max_tokens"])
+        max_tokens = capped_max_tokens(max_tokens, d)
         return SamplingParams(
             structured_outputs=structured_outputs,
             n=1 if self.n is None else self.n,

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, StrictBool, StrictInt, StrictStr
 
 from shoal.engine.async_llm import RequestStream
+from shoal.engine.generation_defaults import capped_max_tokens
 from shoal.engine.output_processor import OutputKind
 from shoal.entrypoints.openai.constraints import response_format_params
 from shoal.entrypoints.openai.errors import OpenAIError, error_from_exception
@@ -170,10 +171,7 @@ class OpenAIServingResponses(ServingBase):
         check_context_length(len(prompt.prompt_token_ids), req.max_output_tokens,
                              self.engine.max_model_len, "max_output_tokens")
         d = self.sampling_defaults  # the model's generation config
-        max_tokens = req.max_output_tokens
-        if "max_tokens" in d:  # (it caps the request's, as vLLM's does)
-            max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens,
-                                                                        d["max_tokens"])
+        max_tokens = capped_max_tokens(req.max_output_tokens, d)
         params = SamplingParams(
             max_tokens=max_tokens,
             temperature=self._sampling(req, "temperature"), top_p=self._sampling(req, "top_p"),
